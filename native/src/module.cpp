@@ -1,0 +1,104 @@
+// Python bindings for dynamo_flexkv._native. Every call that walks bulk data releases the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "hashing.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using U64Array = py::array_t<uint64_t, py::array::c_style>;
+
+// Reads the first `limit` items of a list/tuple of Python ints into uint32, rejecting anything
+// outside [0, 2**32) with the index of the offending item.
+std::vector<uint32_t> tokens_from_sequence(PyObject* seq, size_t limit) {
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  const size_t take = std::min(static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)), limit);
+  std::vector<uint32_t> out(take);
+  for (size_t i = 0; i < take; ++i) {
+    PyObject* item = items[i];
+    if (!PyLong_Check(item)) {
+      throw py::type_error("token_ids[" + std::to_string(i) + "] is " +
+                           std::string(Py_TYPE(item)->tp_name) +
+                           ", not int: pass integer token ids");
+    }
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow != 0 || v < 0 || v > 0xFFFFFFFFLL) {
+      const std::string shown = py::str(item);
+      throw py::value_error("token_ids[" + std::to_string(i) + "] = " + shown +
+                            " is out of range: token ids must be in [0, 2**32)");
+    }
+    out[i] = static_cast<uint32_t>(v);
+  }
+  return out;
+}
+
+py::tuple hash_into_arrays(const uint32_t* tokens, size_t n_blocks, size_t block_size,
+                           uint64_t seed) {
+  U64Array toks(static_cast<py::ssize_t>(n_blocks));
+  U64Array seqs(static_cast<py::ssize_t>(n_blocks));
+  uint64_t* t = toks.mutable_data();
+  uint64_t* s = seqs.mutable_data();
+  {
+    py::gil_scoped_release release;
+    dfkv::tokens_hashes(tokens, n_blocks, block_size, seed, t);
+    dfkv::chain_hashes(t, n_blocks, false, 0, s);
+  }
+  return py::make_tuple(toks, seqs);
+}
+
+// block_hashes(tokens, block_size, seed) -> (tokens_hashes, sequence_hashes), both uint64 arrays.
+// `tokens` is a list/tuple of ints or a C-contiguous uint32 buffer (the Python layer converts
+// other integer dtypes after its range checks).
+py::tuple block_hashes(py::handle tokens, size_t block_size, uint64_t seed) {
+  if (block_size == 0) throw py::value_error("block_size must be positive");
+  if (PyList_Check(tokens.ptr()) || PyTuple_Check(tokens.ptr())) {
+    const size_t n = static_cast<size_t>(PySequence_Fast_GET_SIZE(tokens.ptr()));
+    const size_t n_blocks = n / block_size;
+    std::vector<uint32_t> buf = tokens_from_sequence(tokens.ptr(), n_blocks * block_size);
+    return hash_into_arrays(buf.data(), n_blocks, block_size, seed);
+  }
+  py::buffer_info info = py::reinterpret_borrow<py::buffer>(tokens).request();
+  const bool u32 = info.itemsize == 4 && (info.format == "I" || info.format == "=I" ||
+                                          info.format == "<I");
+  if (info.ndim != 1 || !u32) {
+    throw py::type_error("native block_hashes takes a 1-D uint32 buffer, got format '" +
+                         info.format + "' with ndim " + std::to_string(info.ndim));
+  }
+  if (info.shape[0] > 1 && info.strides[0] != 4) {
+    throw py::value_error("token buffer must be contiguous");
+  }
+  const size_t n_blocks = static_cast<size_t>(info.shape[0]) / block_size;
+  return hash_into_arrays(static_cast<const uint32_t*>(info.ptr), n_blocks, block_size, seed);
+}
+
+U64Array chain(const U64Array& tokens_hashes, const py::object& parent) {
+  const size_t n = static_cast<size_t>(tokens_hashes.size());
+  U64Array out(static_cast<py::ssize_t>(n));
+  const bool has_parent = !parent.is_none();
+  const uint64_t p = has_parent ? parent.cast<uint64_t>() : 0;
+  const uint64_t* src = tokens_hashes.data();
+  uint64_t* dst = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    dfkv::chain_hashes(src, n, has_parent, p, dst);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "dynamo_flexkv native core: hashing, batched I/O and block copies";
+  m.attr("TOKENS_HASH_SEED") = py::int_(dfkv::kTokensHashSeed);
+  m.def("block_hashes", &block_hashes, py::arg("tokens"), py::arg("block_size"), py::arg("seed"),
+        "Tokens hashes and chained sequence hashes of every full block.");
+  m.def("chain_hashes", &chain, py::arg("tokens_hashes"), py::arg("parent") = py::none(),
+        "Chain tokens hashes into sequence hashes, optionally continuing from `parent`.");
+}
