@@ -2,7 +2,6 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
-#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -14,11 +13,11 @@ namespace {
 
 using U64Array = py::array_t<uint64_t, py::array::c_style>;
 
-// Reads the first `limit` items of a list/tuple of Python ints into uint32, rejecting anything
-// outside [0, 2**32) with the index of the offending item.
-std::vector<uint32_t> tokens_from_sequence(PyObject* seq, size_t limit) {
+// Reads a list/tuple of Python ints into uint32, rejecting anything outside [0, 2**32) with the
+// index of the offending item (the partial tail block too, though it is never hashed).
+std::vector<uint32_t> tokens_from_sequence(PyObject* seq) {
   PyObject** items = PySequence_Fast_ITEMS(seq);
-  const size_t take = std::min(static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)), limit);
+  const size_t take = static_cast<size_t>(PySequence_Fast_GET_SIZE(seq));
   std::vector<uint32_t> out(take);
   for (size_t i = 0; i < take; ++i) {
     PyObject* item = items[i];
@@ -61,7 +60,7 @@ py::tuple block_hashes(py::handle tokens, size_t block_size, uint64_t seed) {
   if (PyList_Check(tokens.ptr()) || PyTuple_Check(tokens.ptr())) {
     const size_t n = static_cast<size_t>(PySequence_Fast_GET_SIZE(tokens.ptr()));
     const size_t n_blocks = n / block_size;
-    std::vector<uint32_t> buf = tokens_from_sequence(tokens.ptr(), n_blocks * block_size);
+    std::vector<uint32_t> buf = tokens_from_sequence(tokens.ptr());
     return hash_into_arrays(buf.data(), n_blocks, block_size, seed);
   }
   py::buffer_info info = py::reinterpret_borrow<py::buffer>(tokens).request();
