@@ -1,0 +1,338 @@
+"""The control plane: which prefix is cached where, and what a get or put must move.
+
+CacheEngine owns one TierIndex per offload tier and turns requests into *runs*: contiguous blocks
+of one request in one tier, either locked ready blocks to read or new unready blocks to fill.
+The data plane executes the runs' copies and then calls ``complete`` (commit/unlock) or
+``abort`` (roll back/unlock). A task's runs are tracked, so ``abort_task`` frees everything
+the task still holds: no lock or pool block can leak through a failed or cancelled transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
+
+from dynamo_flexkv.config import CacheConfig
+from dynamo_flexkv.index.tier_index import IndexError_, TierIndex
+
+
+class Tier(str, Enum):
+    HOST = "host"
+    DISK = "disk"
+    REMOTE = "remote"
+
+
+@dataclass
+class TierRun:
+    """Blocks ``[start, start + len(hashes))`` of one request in one tier."""
+
+    tier: Tier
+    start: int
+    hashes: List[int]
+    block_ids: List[int]
+    parent: Optional[int]  # sequence hash before hashes[0]; None at the root
+    new: bool  # True: unready blocks this task fills; False: locked blocks this task reads
+    hit: bool = True  # a completed read counts as reuse (get), not as a copy source (put)
+    done: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.hashes)
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Ready prefix length (in blocks) per tier; no locks were taken."""
+
+    per_tier: Dict[Tier, int]
+
+    @property
+    def num_blocks(self) -> int:
+        return max(self.per_tier.values(), default=0)
+
+    def sources(self) -> List[Tuple[Tier, int, int]]:
+        """Which tier serves which blocks, fastest first: [(tier, start, end), ...]."""
+        out, covered = [], 0
+        for tier in Tier:
+            end = self.per_tier.get(tier, 0)
+            if end > covered:
+                out.append((tier, covered, end))
+                covered = end
+        return out
+
+
+@dataclass
+class GetPlan:
+    task_id: Hashable
+    start: int  # first block the caller wants (it holds [0, start) already)
+    host_reads: Optional[TierRun]  # ready host blocks copied to the device
+    disk_reads: Optional[TierRun]  # ready disk blocks read into `staged`
+    staged: Optional[TierRun]  # new host blocks that receive disk_reads, then go to the device
+
+    @property
+    def end(self) -> int:
+        ends = [r.end for r in (self.host_reads, self.staged) if r is not None]
+        return max(ends, default=self.start)
+
+    @property
+    def num_blocks(self) -> int:
+        return max(0, self.end - self.start)
+
+    @property
+    def runs(self) -> List[TierRun]:
+        return [r for r in (self.host_reads, self.disk_reads, self.staged) if r is not None]
+
+
+@dataclass
+class PutPlan:
+    task_id: Hashable
+    host: Optional[TierRun]  # new host blocks filled from the device
+    host_sources: Optional[TierRun]  # host blocks (held, or filled by `host`) feeding `disk`,
+    #                                  locked until the disk write finished; aligned with `disk`
+    disk: Optional[TierRun]  # new disk blocks written from host
+    held: int  # blocks of the request already on host before this put
+
+    @property
+    def runs(self) -> List[TierRun]:
+        return [r for r in (self.host, self.host_sources, self.disk) if r is not None]
+
+
+class IndexListener(Protocol):
+    def on_stored(self, tier: Tier, run: TierRun) -> None: ...
+    def on_removed(self, tier: Tier, hashes: List[int]) -> None: ...
+
+
+@dataclass
+class TierCounters:
+    hit_blocks: int = 0
+    stored_blocks: int = 0
+    rolled_back_blocks: int = 0
+
+
+class CacheEngine:
+    def __init__(
+        self,
+        config: CacheConfig,
+        capacities: Dict[Tier, int],
+        *,
+        listener: Optional[IndexListener] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.listener = listener
+        self._lock = threading.RLock()
+        self.tiers: Dict[Tier, TierIndex] = {}
+        for tier, capacity in capacities.items():
+            if capacity <= 0:
+                continue
+            self.tiers[tier] = TierIndex(
+                tier.value,
+                capacity,
+                config.eviction_policy,
+                hit_reward_seconds=config.hit_reward_seconds,
+                slru_protected_hits=config.slru_protected_hits,
+                evict_start_threshold=config.evict_start_threshold,
+                evict_ratio=config.evict_ratio,
+                clock=clock,
+                on_removed=self._removed,
+            )
+        if Tier.HOST not in self.tiers:
+            raise ValueError("the host tier needs capacity: every transfer is staged through it")
+        self.counters: Dict[Tier, TierCounters] = {t: TierCounters() for t in self.tiers}
+        self.miss_blocks = 0
+        self._tasks: Dict[Hashable, List[TierRun]] = {}
+
+    # ---- queries -------------------------------------------------------------------------------
+    def match(self, hashes: Sequence[int]) -> MatchResult:
+        with self._lock:
+            return MatchResult({t: idx.match_length(hashes) for t, idx in self.tiers.items()})
+
+    def task_ids(self) -> List[Hashable]:
+        with self._lock:
+            return list(self._tasks)
+
+    # ---- planning --------------------------------------------------------------------------------
+    def plan_get(self, task_id: Hashable, hashes: Sequence[int], start: int = 0) -> GetPlan:
+        """Locks what the get reads and stages disk blocks into new host blocks. The plan covers
+        blocks [start, plan.end); it may be empty."""
+        with self._lock:
+            self._new_task(task_id)
+            host, disk = self.tiers[Tier.HOST], self.tiers.get(Tier.DISK)
+            h = host.match_length(hashes)
+            host_reads = disk_reads = staged = None
+            if h > start:
+                host_reads = self._lock_run(task_id, Tier.HOST, hashes, start, h)
+            d = disk.match_length(hashes) if disk is not None else 0
+            # Stage from the host frontier h so host stays prefix-closed, unless another task is
+            # writing those host blocks right now (then serve what host has).
+            if d > max(h, start) and host.match_length(hashes, ready_only=False) == h:
+                parent = int(hashes[h - 1]) if h else None
+                k = host.insert(hashes[h:d], parent, task_id)
+                if k:
+                    staged = self._track(task_id, TierRun(
+                        Tier.HOST, h, [int(x) for x in hashes[h:h + k]],
+                        host.block_ids(hashes[h:h + k]), parent, new=True))
+                    disk_reads = self._lock_run(task_id, Tier.DISK, hashes, h, h + k)
+            plan = GetPlan(task_id, start, host_reads, disk_reads, staged)
+            self.miss_blocks += max(0, len(hashes) - max(plan.end, start))
+            return plan
+
+    def plan_put(self, task_id: Hashable, hashes: Sequence[int]) -> PutPlan:
+        """Inserts the blocks host and disk do not hold yet (disk subject to the admission filter)
+        as unready blocks of ``task_id``, and locks the host blocks that feed disk writes."""
+        with self._lock:
+            self._new_task(task_id)
+            n = len(hashes)
+            host = self.tiers[Tier.HOST]
+            held = host.match_length(hashes, ready_only=False)
+            host.touch(hashes[:held], hit=False)
+            host_run = None
+            parent = int(hashes[held - 1]) if held else None
+            if held < n and host.can_extend(parent, task_id):
+                k = host.insert(hashes[held:], parent, task_id)
+                if k:
+                    host_run = self._track(task_id, TierRun(
+                        Tier.HOST, held, [int(x) for x in hashes[held:held + k]],
+                        host.block_ids(hashes[held:held + k]), parent, new=True))
+            sources = disk_run = None
+            disk = self.tiers.get(Tier.DISK)
+            if disk is not None:
+                d0 = disk.match_length(hashes, ready_only=False)
+                d_end = self._admitted_end(hashes, d0, held, host_run)
+                d_parent = int(hashes[d0 - 1]) if d0 else None
+                if d_end > d0 and disk.can_extend(d_parent, task_id):
+                    k = disk.insert(hashes[d0:d_end], d_parent, task_id)
+                    if k:
+                        disk_run = self._track(task_id, TierRun(
+                            Tier.DISK, d0, [int(x) for x in hashes[d0:d0 + k]],
+                            disk.block_ids(hashes[d0:d0 + k]), d_parent, new=True))
+                        sources = self._lock_run(task_id, Tier.HOST, hashes, d0, d0 + k, hit=False)
+            return PutPlan(task_id, host_run, sources, disk_run, held)
+
+    def _admitted_end(self, hashes: Sequence[int], d0: int, held: int,
+                      host_run: Optional[TierRun]) -> int:
+        """End of the run [d0, end) that may go to disk: each block needs a ready host copy (or
+        one this put is filling) and, with disk_admission_hits = N > 0, at least N hits on host.
+        Hits only fall along a chain, so admitted blocks form a prefix."""
+        need = self.config.disk_admission_hits
+        host = self.tiers[Tier.HOST]
+        j = d0
+        while j < held:
+            info = host.info(int(hashes[j]))
+            if info is None or not info.ready or info.hits < need:
+                return j
+            j += 1
+        if host_run is not None and need == 0 and j == host_run.start:
+            return host_run.end
+        return j
+
+    # ---- completion ------------------------------------------------------------------------------
+    def complete(self, run: TierRun, task_id: Hashable) -> None:
+        """The run's copy finished: commit new blocks (now readable) or release read locks."""
+        with self._lock:
+            self._check_open(run, task_id)
+            idx = self.tiers[run.tier]
+            if run.new:
+                idx.commit(run.hashes, task_id)
+                self.counters[run.tier].stored_blocks += len(run)
+                if self.listener is not None:
+                    self.listener.on_stored(run.tier, run)
+            else:
+                if run.hit:
+                    idx.touch(run.hashes, hit=True)
+                    self.counters[run.tier].hit_blocks += len(run)
+                idx.unlock(run.hashes)
+            run.done = True
+
+    def abort(self, run: TierRun, task_id: Hashable) -> None:
+        """The run's copy failed or was cancelled: roll back new blocks, release read locks."""
+        with self._lock:
+            self._check_open(run, task_id)
+            self._abort_run(run, task_id)
+
+    def finish_task(self, task_id: Hashable) -> None:
+        """Forgets a task whose runs are all complete or aborted."""
+        with self._lock:
+            runs = self._tasks.pop(task_id, None)
+            if runs is None:
+                raise KeyError(f"unknown task {task_id!r}")
+            open_runs = [r for r in runs if not r.done]
+            if open_runs:
+                self._tasks[task_id] = runs
+                raise IndexError_(f"task {task_id!r} still has {len(open_runs)} open runs")
+
+    def abort_task(self, task_id: Hashable) -> None:
+        """Aborts every open run of the task (newest first) and forgets it."""
+        with self._lock:
+            for run in reversed(self._tasks.pop(task_id, [])):
+                if not run.done:
+                    self._abort_run(run, task_id)
+
+    def reset(self) -> None:
+        """Drops every cached block; refuses while tasks are in flight."""
+        with self._lock:
+            if self._tasks:
+                raise IndexError_(f"reset with {len(self._tasks)} tasks in flight: wait or cancel them")
+            for idx in self.tiers.values():
+                idx.clear()
+
+    def stats(self) -> Dict[str, Dict[str, int]]:
+        with self._lock:
+            out: Dict[str, Dict[str, int]] = {}
+            for tier, idx in self.tiers.items():
+                c = self.counters[tier]
+                out[tier.value] = {
+                    "capacity_blocks": idx.capacity,
+                    "used_blocks": idx.pool.num_used,
+                    "ready_blocks": idx.num_ready,
+                    "evicted_blocks": idx.evictions,
+                    "hit_blocks": c.hit_blocks,
+                    "stored_blocks": c.stored_blocks,
+                    "rolled_back_blocks": c.rolled_back_blocks,
+                }
+            out["requests"] = {"miss_blocks": self.miss_blocks, "tasks_in_flight": len(self._tasks)}
+            return out
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _new_task(self, task_id: Hashable) -> None:
+        if task_id in self._tasks:
+            raise IndexError_(f"task id {task_id!r} is already in flight: task ids must be unique")
+        self._tasks[task_id] = []
+
+    def _track(self, task_id: Hashable, run: TierRun) -> TierRun:
+        self._tasks[task_id].append(run)
+        return run
+
+    def _lock_run(self, task_id: Hashable, tier: Tier, hashes: Sequence[int], start: int, end: int,
+                  hit: bool = True) -> TierRun:
+        idx = self.tiers[tier]
+        part = [int(x) for x in hashes[start:end]]
+        idx.lock(part)
+        parent = int(hashes[start - 1]) if start else None
+        return self._track(task_id, TierRun(tier, start, part, idx.block_ids(part), parent,
+                                            new=False, hit=hit))
+
+    def _check_open(self, run: TierRun, task_id: Hashable) -> None:
+        if run.done:
+            raise IndexError_(f"run {run.tier.value}[{run.start}:{run.end}] of task {task_id!r} already finished")
+        if run not in self._tasks.get(task_id, ()):
+            raise IndexError_(f"run {run.tier.value}[{run.start}:{run.end}] does not belong to task {task_id!r}")
+
+    def _abort_run(self, run: TierRun, task_id: Hashable) -> None:
+        idx = self.tiers[run.tier]
+        if run.new:
+            idx.rollback(run.hashes, task_id)
+            self.counters[run.tier].rolled_back_blocks += len(run)
+        else:
+            idx.unlock(run.hashes)
+        run.done = True
+
+    def _removed(self, tier_name: str, hashes: List[int]) -> None:
+        if self.listener is not None:
+            self.listener.on_removed(Tier(tier_name), hashes)
