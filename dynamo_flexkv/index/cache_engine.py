@@ -13,10 +13,12 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
 
-from dynamo_flexkv.config import CacheConfig
 from dynamo_flexkv.index.tier_index import IndexError_, TierIndex
+
+if TYPE_CHECKING:  # config imports index.policies; keep the import one-way at run time
+    from dynamo_flexkv.config import CacheConfig
 
 
 class Tier(str, Enum):
