@@ -1,0 +1,124 @@
+import os
+
+import pytest
+
+from dynamo_flexkv.config import CacheConfig, ConfigError
+from dynamo_flexkv.index.policies import EvictionPolicy
+from dynamo_flexkv.layout import KVLayoutType, ModelSpec
+
+LLAMA8B = ModelSpec(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16")
+
+
+def test_defaults_and_capacity_in_blocks():
+    cfg = CacheConfig.load(env={})
+    assert cfg.tokens_per_block == 16 and cfg.eviction_policy is EvictionPolicy.LRU
+    # Llama-3.1-8B, 16 tokens: 32 layers * 2 * 16 * 8 * 128 * 2 bytes = 2 MiB per block.
+    assert cfg.layout(LLAMA8B, 1).block_bytes == 2 * 1024 * 1024
+    assert cfg.replace(cpu_cache_gb=1).tier_blocks(LLAMA8B) == {"host": 512, "disk": 0}
+
+
+def test_yaml_then_env_override(tmp_path):
+    path = tmp_path / "c.yaml"
+    ssd = tmp_path / "ssd"
+    path.write_text(f"cpu_cache_gb: 2\nssd_cache_gb: 8\nssd_cache_dir: {ssd}\neviction_policy: SLRU\n")
+    cfg = CacheConfig.load(env={"FLEXKV_CONFIG_PATH": str(path), "FLEXKV_CPU_CACHE_GB": "3"})
+    assert cfg.cpu_cache_gb == 3.0 and cfg.ssd_cache_gb == 8.0
+    assert cfg.ssd_cache_dir == (str(ssd),) and cfg.eviction_policy is EvictionPolicy.SLRU
+    assert ssd.is_dir()
+
+
+def test_kvbm_aliases_and_dir_list(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    cfg = CacheConfig.load(env={
+        "DYN_KVBM_CPU_CACHE_GB": "1.5", "DYN_KVBM_DISK_CACHE_GB": "4",
+        "DYN_KVBM_DISK_CACHE_DIR": f"{a};{b}", "FLEXKV_HOST_LAYOUT": "layerfirst",
+        "FLEXKV_ENABLE_NIXL": "yes",
+    })
+    assert cfg.cpu_cache_gb == 1.5 and cfg.ssd_cache_gb == 4 and cfg.ssd_cache_dir == (str(a), str(b))
+    assert cfg.host_layout is KVLayoutType.LAYERFIRST and cfg.enable_nixl is True
+
+
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"cpu_cache_gbb": 1}, "unknown config key 'cpu_cache_gbb' in test; did you mean 'cpu_cache_gb'?"),
+        ({"tokens_per_block": 24}, "tokens_per_block=24 must be a power of two"),
+        ({"tokens_per_block": 0}, "tokens_per_block=0 must be a power of two"),
+        ({"cpu_cache_gb": -1}, "cpu_cache_gb=-1.0 must be >= 0"),
+        ({"ssd_cache_gb": 10}, "ssd_cache_gb=10.0 needs ssd_cache_dir"),
+        ({"eviction_policy": "random"}, "unknown eviction_policy 'random'"),
+        ({"evict_ratio": 0}, "evict_ratio=0.0 must be in (0, 1]"),
+        ({"evict_start_threshold": 1.5}, "evict_start_threshold=1.5 must be in (0, 1]"),
+        ({"enable_gds": "maybe"}, "enable_gds='maybe' in test is invalid"),
+        ({"io_queue_depth": 0}, "io_queue_depth=0 must be in [1, 32768]"),
+        ({"disk_admission_hits": 1.5}, "disk_admission_hits=1.5 in test is invalid"),
+        ({"host_layout": "diagonal"}, "unknown KV layout 'diagonal'"),
+        ({"enable_gds": True}, "enable_gds=true needs a disk tier"),
+    ],
+)
+def test_bad_values_name_key_and_fix(values, words):
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict(values, source="test")
+    assert words in str(info.value)
+
+
+def test_ssd_smaller_than_cpu(tmp_path):
+    with pytest.raises(ConfigError, match="ssd_cache_gb=1.0 is smaller than cpu_cache_gb=4.0"):
+        CacheConfig.from_dict({"cpu_cache_gb": 4, "ssd_cache_gb": 1, "ssd_cache_dir": str(tmp_path)})
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits; test_unwritable_dir covers the root case")
+def test_unwritable_dir_as_user(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(ConfigError, match="is not writable"):
+        CacheConfig.from_dict({"cpu_cache_gb": 1, "ssd_cache_gb": 2, "ssd_cache_dir": str(ro / "x")})
+
+
+def test_unwritable_dir(tmp_path):
+    # A regular file where a directory should be fails for root too.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"ssd_cache_dir .* is not writable .*set ssd_cache_gb=0"):
+        CacheConfig.from_dict({"cpu_cache_gb": 1, "ssd_cache_gb": 2, "ssd_cache_dir": str(blocker / "sub")})
+
+
+def test_capacity_too_small_for_one_block():
+    cfg = CacheConfig.from_dict({"cpu_cache_gb": 0.001})
+    with pytest.raises(ConfigError, match=r"cpu_cache_gb=0.001 holds no block of 2097152 bytes"):
+        cfg.tier_blocks(LLAMA8B)
+    with pytest.raises(ConfigError, match="cpu_cache_gb=0"):
+        CacheConfig.from_dict({"cpu_cache_gb": 0}).tier_blocks(LLAMA8B)
+
+
+def test_contradicting_env_names():
+    with pytest.raises(ConfigError, match="FLEXKV_SSD_CACHE_GB='2' and DYN_KVBM_DISK_CACHE_GB='3' both set"):
+        CacheConfig.load(env={"FLEXKV_SSD_CACHE_GB": "2", "DYN_KVBM_DISK_CACHE_GB": "3"})
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        CacheConfig.load(env={"FLEXKV_CONFIG_PATH": str(tmp_path / "missing.yaml")})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        CacheConfig.load(str(bad), env={})
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("evict_ration: 0.1\n")
+    with pytest.raises(ConfigError, match=rf"unknown config key 'evict_ration' in {typo}; did you mean 'evict_ratio'"):
+        CacheConfig.load(str(typo), env={})
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"num_layers": 0}, "num_layers must be a positive int"),
+        ({"kv_dim": 3}, "kv_dim must be 2"),
+        ({"dtype": "float64"}, "dtype 'float64' is not supported"),
+    ],
+)
+def test_bad_model(kw, words):
+    base = dict(num_layers=2, num_kv_heads=2, head_size=8)
+    base.update(kw)
+    with pytest.raises(ValueError, match=words):
+        ModelSpec(**base)
