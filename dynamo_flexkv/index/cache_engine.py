@@ -73,14 +73,13 @@ class MatchResult:
 class GetPlan:
     task_id: Hashable
     start: int  # first block the caller wants (it holds [0, start) already)
-    host_reads: Optional[TierRun]  # ready host blocks copied to the device
+    host_reads: Optional[TierRun]  # host blocks [start, end) copied to the device (incl. staged)
     disk_reads: Optional[TierRun]  # ready disk blocks read into `staged`
-    staged: Optional[TierRun]  # new host blocks that receive disk_reads, then go to the device
+    staged: Optional[TierRun]  # new host blocks that receive disk_reads before the device copy
 
     @property
     def end(self) -> int:
-        ends = [r.end for r in (self.host_reads, self.staged) if r is not None]
-        return max(ends, default=self.start)
+        return self.host_reads.end if self.host_reads is not None else self.start
 
     @property
     def num_blocks(self) -> int:
@@ -88,7 +87,7 @@ class GetPlan:
 
     @property
     def runs(self) -> List[TierRun]:
-        return [r for r in (self.host_reads, self.disk_reads, self.staged) if r is not None]
+        return [r for r in (self.staged, self.disk_reads, self.host_reads) if r is not None]
 
 
 @dataclass
@@ -163,27 +162,35 @@ class CacheEngine:
     def plan_get(self, task_id: Hashable, hashes: Sequence[int], start: int = 0) -> GetPlan:
         """Locks what the get reads and stages disk blocks into new host blocks. The plan covers
         blocks [start, plan.end); it may be empty."""
+        if not 0 <= start <= len(hashes):
+            raise ValueError(f"get start={start} must be within the request's {len(hashes)} full blocks")
         with self._lock:
             self._new_task(task_id)
             host, disk = self.tiers[Tier.HOST], self.tiers.get(Tier.DISK)
             h = host.match_length(hashes)
-            host_reads = disk_reads = staged = None
-            if h > start:
-                host_reads = self._lock_run(task_id, Tier.HOST, hashes, start, h)
             d = disk.match_length(hashes) if disk is not None else 0
+            disk_reads = staged = None
             # Stage from the host frontier h so host stays prefix-closed, unless another task is
             # writing those host blocks right now (then serve what host has).
             if d > max(h, start) and host.match_length(hashes, ready_only=False) == h:
                 parent = int(hashes[h - 1]) if h else None
                 k = host.insert(hashes[h:d], parent, task_id)
-                if k:
+                if h + k > start:
                     staged = self._track(task_id, TierRun(
                         Tier.HOST, h, [int(x) for x in hashes[h:h + k]],
                         host.block_ids(hashes[h:h + k]), parent, new=True))
                     disk_reads = self._lock_run(task_id, Tier.DISK, hashes, h, h + k)
-            plan = GetPlan(task_id, start, host_reads, disk_reads, staged)
-            self.miss_blocks += max(0, len(hashes) - max(plan.end, start))
-            return plan
+                elif k:
+                    host.rollback(hashes[h:h + k], task_id)
+            end = max(h, staged.end if staged is not None else 0)
+            # Everything the device will read stays locked until the H2D copy finished,
+            # staged blocks included (once committed they would otherwise be evictable).
+            host_reads = self._lock_run(task_id, Tier.HOST, hashes, start, end) if end > start else None
+            self.counters[Tier.HOST].hit_blocks += max(0, h - start)
+            if disk_reads is not None:
+                self.counters[Tier.DISK].hit_blocks += max(0, disk_reads.end - max(h, start))
+            self.miss_blocks += len(hashes) - max(end, start)
+            return GetPlan(task_id, start, host_reads, disk_reads, staged)
 
     def plan_put(self, task_id: Hashable, hashes: Sequence[int]) -> PutPlan:
         """Inserts the blocks host and disk do not hold yet (disk subject to the admission filter)
@@ -248,7 +255,6 @@ class CacheEngine:
             else:
                 if run.hit:
                     idx.touch(run.hashes, hit=True)
-                    self.counters[run.tier].hit_blocks += len(run)
                 idx.unlock(run.hashes)
             run.done = True
 
