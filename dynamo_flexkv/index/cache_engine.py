@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
 
+import numpy as np
+
 from dynamo_flexkv.index.tier_index import IndexError_, TierIndex
 
 if TYPE_CHECKING:  # config imports index.policies; keep the import one-way at run time
@@ -162,6 +164,7 @@ class CacheEngine:
     def plan_get(self, task_id: Hashable, hashes: Sequence[int], start: int = 0) -> GetPlan:
         """Locks what the get reads and stages disk blocks into new host blocks. The plan covers
         blocks [start, plan.end); it may be empty."""
+        hashes = _as_ints(hashes)
         if not 0 <= start <= len(hashes):
             raise ValueError(f"get start={start} must be within the request's {len(hashes)} full blocks")
         with self._lock:
@@ -173,11 +176,11 @@ class CacheEngine:
             # Stage from the host frontier h so host stays prefix-closed, unless another task is
             # writing those host blocks right now (then serve what host has).
             if d > max(h, start) and host.match_length(hashes, ready_only=False) == h:
-                parent = int(hashes[h - 1]) if h else None
+                parent = hashes[h - 1] if h else None
                 k = host.insert(hashes[h:d], parent, task_id)
                 if h + k > start:
                     staged = self._track(task_id, TierRun(
-                        Tier.HOST, h, [int(x) for x in hashes[h:h + k]],
+                        Tier.HOST, h, hashes[h:h + k],
                         host.block_ids(hashes[h:h + k]), parent, new=True))
                     disk_reads = self._lock_run(task_id, Tier.DISK, hashes, h, h + k)
                 elif k:
@@ -195,6 +198,7 @@ class CacheEngine:
     def plan_put(self, task_id: Hashable, hashes: Sequence[int]) -> PutPlan:
         """Inserts the blocks host and disk do not hold yet (disk subject to the admission filter)
         as unready blocks of ``task_id``, and locks the host blocks that feed disk writes."""
+        hashes = _as_ints(hashes)
         with self._lock:
             self._new_task(task_id)
             n = len(hashes)
@@ -202,29 +206,29 @@ class CacheEngine:
             held = host.match_length(hashes, ready_only=False)
             host.touch(hashes[:held], hit=False)
             host_run = None
-            parent = int(hashes[held - 1]) if held else None
+            parent = hashes[held - 1] if held else None
             if held < n and host.can_extend(parent, task_id):
                 k = host.insert(hashes[held:], parent, task_id)
                 if k:
                     host_run = self._track(task_id, TierRun(
-                        Tier.HOST, held, [int(x) for x in hashes[held:held + k]],
+                        Tier.HOST, held, hashes[held:held + k],
                         host.block_ids(hashes[held:held + k]), parent, new=True))
             sources = disk_run = None
             disk = self.tiers.get(Tier.DISK)
             if disk is not None:
                 d0 = disk.match_length(hashes, ready_only=False)
                 d_end = self._admitted_end(hashes, d0, held, host_run)
-                d_parent = int(hashes[d0 - 1]) if d0 else None
+                d_parent = hashes[d0 - 1] if d0 else None
                 if d_end > d0 and disk.can_extend(d_parent, task_id):
                     k = disk.insert(hashes[d0:d_end], d_parent, task_id)
                     if k:
                         disk_run = self._track(task_id, TierRun(
-                            Tier.DISK, d0, [int(x) for x in hashes[d0:d0 + k]],
+                            Tier.DISK, d0, hashes[d0:d0 + k],
                             disk.block_ids(hashes[d0:d0 + k]), d_parent, new=True))
                         sources = self._lock_run(task_id, Tier.HOST, hashes, d0, d0 + k, hit=False)
             return PutPlan(task_id, host_run, sources, disk_run, held)
 
-    def _admitted_end(self, hashes: Sequence[int], d0: int, held: int,
+    def _admitted_end(self, hashes: List[int], d0: int, held: int,
                       host_run: Optional[TierRun]) -> int:
         """End of the run [d0, end) that may go to disk: each block needs a ready host copy (or
         one this put is filling) and, with disk_admission_hits = N > 0, at least N hits on host.
@@ -233,7 +237,7 @@ class CacheEngine:
         host = self.tiers[Tier.HOST]
         j = d0
         while j < held:
-            info = host.info(int(hashes[j]))
+            info = host.info(hashes[j])
             if info is None or not info.ready or info.hits < need:
                 return j
             j += 1
@@ -317,12 +321,12 @@ class CacheEngine:
         self._tasks[task_id].append(run)
         return run
 
-    def _lock_run(self, task_id: Hashable, tier: Tier, hashes: Sequence[int], start: int, end: int,
+    def _lock_run(self, task_id: Hashable, tier: Tier, hashes: List[int], start: int, end: int,
                   hit: bool = True) -> TierRun:
         idx = self.tiers[tier]
-        part = [int(x) for x in hashes[start:end]]
+        part = hashes[start:end]
         idx.lock(part)
-        parent = int(hashes[start - 1]) if start else None
+        parent = hashes[start - 1] if start else None
         return self._track(task_id, TierRun(tier, start, part, idx.block_ids(part), parent,
                                             new=False, hit=hit))
 
@@ -344,3 +348,8 @@ class CacheEngine:
     def _removed(self, tier_name: str, hashes: List[int]) -> None:
         if self.listener is not None:
             self.listener.on_removed(Tier(tier_name), hashes)
+
+
+def _as_ints(hashes: Sequence[int]) -> List[int]:
+    """Python ints: dict lookups with numpy scalars cost several times more."""
+    return hashes.tolist() if isinstance(hashes, np.ndarray) else [int(h) for h in hashes]

@@ -223,14 +223,16 @@ class TierIndex:
     def evict(self, count: int) -> List[int]:
         """Evicts up to ``count`` ready, unlocked leaves by policy; returns their hashes."""
         out: List[int] = []
+        freed: List[int] = []
         blocks = self._blocks
         while len(out) < count and self._heap:  # re-read: a push may compact (replace) the heap
             _, h, version = heapq.heappop(self._heap)
             b = blocks.get(h)
             if b is None or b.version != version or not self._candidate(b):
                 continue
-            self._remove(h, b)
+            self._remove(h, b, freed)
             out.append(h)
+        self.pool.free(freed)
         if out:
             self.evictions += len(out)
             if self.on_removed is not None:
@@ -272,9 +274,13 @@ class TierIndex:
         if b.locks == 0:
             self._maybe_push(h, b)
 
-    def _remove(self, h: int, b: _Block) -> None:
+    def _remove(self, h: int, b: _Block, freed: Optional[List[int]] = None) -> None:
+        """Unlinks a leaf; its slot goes back to the pool now, or into ``freed`` for a batch."""
         del self._blocks[h]
-        self.pool.free((b.block_id,))
+        if freed is None:
+            self.pool.free((b.block_id,))
+        else:
+            freed.append(b.block_id)
         if b.ready:
             self._num_ready -= 1
         if b.parent is not None:

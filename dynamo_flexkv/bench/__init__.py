@@ -1,0 +1,45 @@
+"""Benchmarks: ``python -m dynamo_flexkv.bench <name> [--json FILE]``.
+
+Each measures its baseline in the same run and prints ours, baseline and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Dict, List, Optional
+
+from dynamo_flexkv.bench.report import Case, print_table, write_json
+
+# name -> (module, one-line description). Later issues add links and ttft.
+BENCHES: Dict[str, tuple] = {
+    "index": ("dynamo_flexkv.bench.index", "hash + longest-prefix match, insert, evict vs Dynamo's RadixTree"),
+}
+
+
+def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="python -m dynamo_flexkv.bench", description=__doc__)
+    parser.add_argument("name", choices=[*BENCHES, "all"], help="which benchmark ('all' runs every one)")
+    parser.add_argument("--json", metavar="FILE", help="also write one JSON object per case to FILE")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke runs)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> List[Case]:
+    names = list(BENCHES) if args.name == "all" else [args.name]
+    cases: List[Case] = []
+    for name in names:
+        module = importlib.import_module(BENCHES[name][0])
+        got = module.run(args)
+        print_table(got)
+        cases.extend(got)
+    if args.json:
+        write_json(cases, args.json)
+        print(f"\nwrote {len(cases)} cases to {args.json}")
+    return cases
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    run(build_parser().parse_args(argv))
+    return 0

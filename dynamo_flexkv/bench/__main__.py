@@ -1,0 +1,5 @@
+import sys
+
+from dynamo_flexkv.bench import main
+
+sys.exit(main())

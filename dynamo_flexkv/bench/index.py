@@ -1,0 +1,159 @@
+"""bench index: hash + longest-prefix match, ours against Dynamo's router index, same run.
+
+Ours:   dynamo_flexkv.hashing.block_hashes(prompt) + CacheEngine.match(sequence hashes)
+Dynamo: dynamo._core.compute_block_hash_for_seq(prompt) + RadixTree.find_matches(tokens hashes)
+
+Both indexes hold the same prompts (groups sharing a long prefix, like system prompts or
+conversation history) and answer the same queries, passed as Python lists of ints as engines
+pass them. Insert and evict are timed per block: ours through CacheEngine puts and TierIndex
+eviction, Dynamo's through apply_event of the matching stored / removed events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from dynamo_flexkv.bench.report import Case, median_seconds
+from dynamo_flexkv.config import CacheConfig
+from dynamo_flexkv.hashing import block_hashes
+from dynamo_flexkv.index import CacheEngine, Tier
+
+BLOCK = 16
+WORKER = 1
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    label: str
+    tokens: int
+    prompts: int  # prompts indexed at this size
+    groups: int  # prompts of a group share the first half of their tokens
+
+
+FULL = [SizeSpec("1K", 1024, 3000, 100), SizeSpec("16K", 16384, 400, 40), SizeSpec("128K", 131072, 40, 8)]
+QUICK = [SizeSpec("1K", 1024, 300, 20), SizeSpec("16K", 16384, 40, 8), SizeSpec("128K", 131072, 6, 2)]
+
+
+def make_prompts(spec: SizeSpec, rng: np.random.Generator, vocab: int = 128256) -> List[np.ndarray]:
+    half = spec.tokens // 2
+    shared = [rng.integers(0, vocab, half, dtype=np.int64) for _ in range(spec.groups)]
+    return [np.concatenate([shared[i % spec.groups], rng.integers(0, vocab, spec.tokens - half, dtype=np.int64)])
+            for i in range(spec.prompts)]
+
+
+def make_queries(spec: SizeSpec, prompts: Sequence[np.ndarray], rng: np.random.Generator, n: int) -> List[list]:
+    """A cached prompt's first 90% followed by new tokens: a multi-turn follow-up."""
+    out = []
+    for _ in range(n):
+        base = prompts[int(rng.integers(len(prompts)))]
+        keep = int(spec.tokens * 0.9)
+        out.append(np.concatenate([base[:keep], rng.integers(0, 128256, spec.tokens - keep)]).tolist())
+    return out
+
+
+def stored_event(event_id: int, parent, seq: np.ndarray, tok: np.ndarray) -> bytes:
+    blocks = [{"block_hash": int(s), "tokens_hash": int(t)} for s, t in zip(seq, tok)]
+    return json.dumps({"event_id": event_id, "data": {"stored": {"parent_hash": parent, "blocks": blocks}}}).encode()
+
+
+def removed_event(event_id: int, seq: Sequence[int]) -> bytes:
+    return json.dumps({"event_id": event_id, "data": {"removed": {"block_hashes": [int(s) for s in seq]}}}).encode()
+
+
+def run(args: argparse.Namespace) -> List[Case]:
+    from dynamo._core import RadixTree, compute_block_hash_for_seq
+
+    rng = np.random.default_rng(0)
+    specs = QUICK if args.quick else FULL
+    repeat = 5 if args.quick else 25
+    all_prompts: Dict[str, List[np.ndarray]] = {s.label: make_prompts(s, rng) for s in specs}
+    hashed = {label: [block_hashes(p, BLOCK) for p in ps] for label, ps in all_prompts.items()}
+    total_blocks = sum(len(h) for hs in hashed.values() for h in hs)
+
+    # ---- build both indexes; time insertion per block --------------------------------------
+    config = CacheConfig(tokens_per_block=BLOCK)
+    engine = CacheEngine(config, {Tier.HOST: total_blocks})
+    tree = RadixTree()
+    events, new_blocks = [], 0
+    event_id = 0
+    seen = set()
+    for hs in hashed.values():
+        for h in hs:
+            # Like a real publisher, announce only blocks the index does not hold yet.
+            first_new = next((i for i, s in enumerate(h.sequence.tolist()) if s not in seen), len(h))
+            seen.update(h.sequence.tolist())
+            if first_new < len(h):
+                parent = int(h.sequence[first_new - 1]) if first_new else None
+                event_id += 1
+                events.append(stored_event(event_id, parent, h.sequence[first_new:], h.tokens[first_new:]))
+                new_blocks += len(h) - first_new
+
+    def insert_ours() -> None:
+        for i, h in enumerate(h for hs in hashed.values() for h in hs):
+            plan = engine.plan_put(("put", i), h.sequence)
+            if plan.host is not None:
+                engine.complete(plan.host, ("put", i))
+            engine.finish_task(("put", i))
+
+    def insert_dynamo() -> None:
+        for ev in events:
+            tree.apply_event(WORKER, ev)
+        tree.find_matches([0])  # the tree applies events on its own thread: wait for them
+
+    t_ours = median_seconds(insert_ours, 1, warmup=0)
+    t_dyn = median_seconds(insert_dynamo, 1, warmup=0)
+    cases = [Case("index", "insert", t_ours / new_blocks * 1e6, t_dyn / new_blocks * 1e6, "us/block",
+                  "RadixTree.apply_event", f"{new_blocks} blocks, {sum(len(p) for p in all_prompts.values())} prompts")]
+
+    # ---- hash + match per size ---------------------------------------------------------------
+    for spec in specs:
+        queries = make_queries(spec, all_prompts[spec.label], rng, 8)
+        for q in queries:  # both indexes must agree before we time them
+            ours_len = engine.match(block_hashes(q, BLOCK).sequence).num_blocks
+            scores = tree.find_matches(compute_block_hash_for_seq(q, BLOCK)).scores
+            if ours_len != scores.get((WORKER, 0), 0):
+                raise RuntimeError(f"match disagrees at {spec.label}: ours {ours_len}, Dynamo {scores}")
+        per_ours, per_dyn = [], []
+        for q in queries:
+            per_ours.append(median_seconds(lambda: engine.match(block_hashes(q, BLOCK).sequence), repeat))
+            per_dyn.append(median_seconds(
+                lambda: tree.find_matches(compute_block_hash_for_seq(q, BLOCK)), repeat))
+        ours, dyn = float(np.median(per_ours)) * 1e3, float(np.median(per_dyn)) * 1e3
+        cases.append(Case("index", f"match-{spec.label}", ours, dyn, "ms",
+                          "compute_block_hash_for_seq+find_matches", "list input, 90% cached"))
+        # Extra form: a numpy array prompt (our fast path; Dynamo needs a list, so convert it).
+        arrays = [np.asarray(q, dtype=np.int64) for q in queries]
+        ours_np = float(np.median([median_seconds(lambda: engine.match(block_hashes(a, BLOCK).sequence), repeat)
+                                   for a in arrays])) * 1e3
+        dyn_np = float(np.median([median_seconds(
+            lambda: tree.find_matches(compute_block_hash_for_seq(a.tolist(), BLOCK)), repeat)
+            for a in arrays])) * 1e3
+        cases.append(Case("index", f"match-{spec.label}-numpy", ours_np, dyn_np, "ms",
+                          "same, after .tolist()", "numpy int64 input"))
+
+    # ---- eviction per block ---------------------------------------------------------------------
+    host = engine.tiers[Tier.HOST]
+    removals: List[int] = []
+
+    def evict_ours() -> None:
+        removals.extend(host.evict(len(host)))
+
+    t_ours = median_seconds(evict_ours, 1, warmup=0)
+    evicted = len(removals)
+    chunk = 64
+    rm_events = [removed_event(i, removals[j:j + chunk]) for i, j in enumerate(range(0, evicted, chunk))]
+
+    def evict_dynamo() -> None:
+        for ev in rm_events:
+            tree.apply_event(WORKER, ev)
+        tree.find_matches([0])
+
+    t_dyn = median_seconds(evict_dynamo, 1, warmup=0)
+    cases.append(Case("index", "evict", t_ours / evicted * 1e6, t_dyn / evicted * 1e6, "us/block",
+                      "RadixTree.apply_event(removed)", f"{evicted} blocks, LRU leaves in batches of {chunk}"))
+    return cases

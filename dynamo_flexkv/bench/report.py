@@ -1,0 +1,65 @@
+"""One result format for every benchmark: a human table and JSON lines.
+
+Each case carries our number and the baseline measured in the same run, so ratios stay
+meaningful on shared machines whose absolute speed drifts.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, List, Optional, TextIO
+
+
+@dataclass(frozen=True)
+class Case:
+    bench: str
+    case: str
+    ours: float
+    baseline: float
+    unit: str
+    baseline_name: str = ""
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.baseline if self.baseline else float("inf")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+
+def median_seconds(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``repeat`` calls after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def print_table(cases: Iterable[Case], out: Optional[TextIO] = None, lower_is_better: bool = True) -> None:
+    rows: List[Case] = list(cases)
+    if not rows:
+        return
+    better = "lower is better" if lower_is_better else "higher is better"
+    header = f"{'case':<24} {'ours':>12} {'baseline':>12} {'unit':<9} {'ratio':>7}  baseline"
+    print(f"\n== bench {rows[0].bench}  (ratio = ours / baseline, {better})", file=out)
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for c in rows:
+        print(f"{c.case:<24} {c.ours:>12.4g} {c.baseline:>12.4g} {c.unit:<9} {c.ratio:>7.3f}  "
+              f"{c.baseline_name}{'  (' + c.note + ')' if c.note else ''}", file=out)
+
+
+def write_json(cases: Iterable[Case], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for c in cases:
+            f.write(json.dumps(c.to_json()) + "\n")
