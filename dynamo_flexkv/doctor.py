@@ -1,0 +1,168 @@
+"""``dynamo-flexkv doctor``: what this machine offers the data plane, and what falls back."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import List, Optional, Sequence
+
+
+class Status(str, Enum):
+    OK = "ok"
+    FALLBACK = "fallback"  # works, through a slower path
+    MISSING = "missing"  # required and absent: the package cannot run
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+
+
+def check_native() -> Check:
+    try:
+        from dynamo_flexkv import _native
+    except ImportError as e:
+        return Check("native extension", Status.MISSING, f"{e}; build it with `make install`")
+    return Check("native extension", Status.OK, _native.__file__)
+
+
+_SYS_IO_URING_SETUP = 425  # same number on x86_64 and aarch64
+
+
+def check_io_uring() -> Check:
+    """Creates (and closes) a one-entry ring: seccomp or an old kernel make this fail."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params
+    fd = libc.syscall(_SYS_IO_URING_SETUP, 1, params)
+    if fd < 0:
+        err = ctypes.get_errno()
+        return Check("io_uring", Status.FALLBACK,
+                     f"io_uring_setup failed ({os.strerror(err)}): disk I/O uses a pread/pwrite thread pool")
+    os.close(fd)
+    return Check("io_uring", Status.OK, "io_uring_setup works: disk I/O uses batched io_uring")
+
+
+def check_o_direct(directory: str) -> Check:
+    name = f"O_DIRECT on {directory}"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, path = tempfile.mkstemp(dir=directory, prefix=".flexkv-odirect-")
+        os.close(fd)
+    except OSError as e:
+        return Check(name, Status.FALLBACK, f"cannot create a file there ({e.strerror})")
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
+        try:
+            buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT requires
+            buf.write(b"\x5a" * 4096)
+            os.pwrite(fd, buf, 0)
+            buf.close()
+        finally:
+            os.close(fd)
+        return Check(name, Status.OK, "aligned direct writes work (no page-cache double buffering)")
+    except OSError as e:
+        return Check(name, Status.FALLBACK, f"O_DIRECT refused ({e.strerror}): buffered I/O is used")
+    finally:
+        os.unlink(path)
+
+
+def check_cuda() -> Check:
+    try:
+        import torch
+    except ImportError:
+        return Check("CUDA", Status.FALLBACK, "torch is not installed: install it before using device tiers")
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        return Check("CUDA", Status.OK, f"torch {torch.__version__}: {names}")
+    return Check("CUDA", Status.FALLBACK, f"torch {torch.__version__} without CUDA: CPU tensors stand in for device memory")
+
+
+def check_nixl() -> List[Check]:
+    """Probes NIXL in a child process: the UCX plugin's bundled libnl crashes in its exit-time
+    destructor (SIGSEGV in rtnl_tc_unregister, NIXL 1.5.1), which must not take doctor down."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "from dynamo_flexkv.doctor import _nixl_probe; _nixl_probe()"],
+        capture_output=True, text=True, timeout=120,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        return [Check("NIXL", Status.FALLBACK, f"probe failed (exit {proc.returncode}): {proc.stderr.strip()[-200:]}")]
+    return [Check(d["name"], Status(d["status"]), d["detail"]) for d in map(json.loads, lines)]
+
+
+def _nixl_probe() -> None:
+    """Child side of check_nixl: one JSON line per check, then a hard exit (see check_nixl)."""
+    for c in _nixl_checks():
+        print(json.dumps({**asdict(c), "status": c.status.value}), flush=True)
+    os._exit(0)
+
+
+def _nixl_checks() -> List[Check]:
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:
+        return [Check("NIXL", Status.FALLBACK, f"not importable ({e}): our own movers are used")]
+    try:
+        agent = nixl_agent(f"flexkv-doctor-{os.getpid()}", nixl_agent_config(backends=[]))
+        plugins = set(agent.get_plugin_list())
+    except Exception as e:  # NIXL raises its own error types; report them as they are
+        return [Check("NIXL", Status.FALLBACK, f"agent creation failed: {e}")]
+    out = []
+    for backend, use in (("POSIX", "host<->disk"), ("UCX", "host<->remote host"),
+                         ("GDS", "disk<->device"), ("GDS_MT", "disk<->device, multi-threaded")):
+        if backend not in plugins:
+            out.append(Check(f"NIXL {backend}", Status.FALLBACK, f"plugin absent: {use} without NIXL"))
+            continue
+        try:
+            agent.create_backend(backend)
+            out.append(Check(f"NIXL {backend}", Status.OK, f"backend created: {use}"))
+        except Exception as e:  # e.g. GDS without cuFile / a GPU
+            out.append(Check(f"NIXL {backend}", Status.FALLBACK,
+                             f"plugin present, backend failed ({type(e).__name__}): {use} without it"))
+    return out
+
+
+def check_dynamo() -> Check:
+    try:
+        import dynamo._core  # noqa: F401
+        from importlib.metadata import version
+    except ImportError as e:
+        return Check("Dynamo runtime", Status.FALLBACK, f"not importable ({e}): the library works, the Dynamo component does not")
+    try:
+        import dynamo.common.backend  # noqa: F401
+        backend = "dynamo.common.backend importable"
+    except ImportError as e:
+        backend = f"dynamo.common.backend missing ({e})"
+    return Check("Dynamo runtime", Status.OK, f"ai-dynamo-runtime {version('ai-dynamo-runtime')}; {backend}")
+
+
+def run_checks(cache_dirs: Sequence[str]) -> List[Check]:
+    checks = [check_native(), check_io_uring()]
+    checks += [check_o_direct(d) for d in cache_dirs]
+    checks += [check_cuda(), *check_nixl(), check_dynamo()]
+    return checks
+
+
+def main(cache_dirs: Optional[Sequence[str]] = None, as_json: bool = False) -> int:
+    from dynamo_flexkv.config import CacheConfig
+
+    if not cache_dirs:
+        cfg = CacheConfig.load()
+        cache_dirs = list(cfg.ssd_cache_dir) or [tempfile.gettempdir()]
+    checks = run_checks(cache_dirs)
+    if as_json:
+        print(json.dumps([{**asdict(c), "status": c.status.value} for c in checks], indent=2))
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            print(f"{c.name:<{width}}  {c.status.value:<8}  {c.detail}")
+    return 1 if any(c.status is Status.MISSING for c in checks) else 0

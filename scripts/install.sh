@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Installs what dynamo_flexkv needs on a Debian machine (as root for the apt step), builds the
+# native extension, and is safe to run again: each step checks before it acts.
+#   VENV=path   virtual environment to use or create (default .venv)
+#   PYTHON=exe  interpreter that creates it (default python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+# 1. Debian packages: the native build (io_uring, xxhash) and the servers tests start.
+apt_pkgs=(cmake g++ make liburing-dev libxxhash-dev redis-server)
+missing=()
+for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if ((${#missing[@]})); then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "install.sh: missing Debian packages ${missing[*]}; run as root or install them first" >&2
+    exit 1
+  fi
+  echo "install.sh: apt-get install ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# 2. The virtual environment.
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+
+# 3. torch first, so nothing below pulls a CUDA build; an installed torch (CUDA or CPU) stays.
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "install.sh: torch==2.13.0 (CPU build)"
+  pip install torch==2.13.0
+fi
+
+# 4. Python dependencies, once per version of this script.
+stamp="$VENV/.flexkv-deps-$(sha256sum scripts/install.sh | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "install.sh: Python dependencies (Dynamo runtime, NIXL, build and test tools)"
+  pip install "ai-dynamo-runtime==1.6.1" "nixl==1.5.1" \
+    numpy pyyaml xxhash prometheus-client redis pytest \
+    "scikit-build-core>=0.10" "pybind11>=2.12" ninja
+  # ai-dynamo requires `aisimulate`, a placeholder that downloads from outside and fails here:
+  # install ai-dynamo without dependencies, then its real requirements.
+  pip install --no-deps "ai-dynamo==1.6.1"
+  pip install "aiohttp>=3.14.3,<4" "certifi>=2026.10.19" "kubernetes>=32.0.1,<33" "msgspec>=0.19.0" \
+    "pyzmq>=26.0.0" "redis>=6.2.0,<9" "tqdm>=4.0.0" "transformers>=4.56.0" "typing-extensions>=4.10.0" \
+    "zstandard>=0.23,<1"
+  rm -f "$VENV"/.flexkv-deps-*
+  touch "$stamp"
+fi
+
+# 5. This package and its native extension (CMake reuses build/, so a rerun is incremental).
+pip install --no-build-isolation --no-deps -e .
+"$VENV/bin/python" -c "import dynamo_flexkv._native" || { echo "install.sh: native extension did not build" >&2; exit 1; }

@@ -1,0 +1,31 @@
+"""The dynamo-flexkv command as a user runs it: doctor and the index benchmark."""
+
+import json
+import subprocess
+import sys
+
+from dynamo_flexkv.bench import build_parser, run
+
+
+def test_doctor_reports_each_component(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "doctor", "--json", "--cache-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    checks = {c["name"]: c for c in json.loads(proc.stdout)}
+    assert checks["native extension"]["status"] == "ok"
+    assert f"O_DIRECT on {tmp_path}" in checks
+    for name in ("io_uring", "CUDA", "Dynamo runtime"):
+        assert checks[name]["status"] in ("ok", "fallback")
+    assert any(n.startswith("NIXL") for n in checks)
+
+
+def test_bench_index_quick_writes_json(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    cases = run(build_parser().parse_args(["index", "--quick", "--json", str(out)]))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["case"] for r in rows] == [c.case for c in cases]
+    assert {"match-1K", "match-16K", "match-128K", "insert", "evict"} <= {r["case"] for r in rows}
+    for r in rows:
+        assert set(r) >= {"bench", "case", "ours", "baseline", "ratio", "unit"}
+        assert r["bench"] == "index" and r["ours"] > 0 and r["baseline"] > 0
+        assert abs(r["ratio"] - r["ours"] / r["baseline"]) < 1e-9
