@@ -2,10 +2,12 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "hashing.h"
+#include "io.h"
 
 namespace py = pybind11;
 
@@ -91,6 +93,61 @@ U64Array chain(const U64Array& tokens_hashes, const py::object& parent) {
   return out;
 }
 
+template <class T>
+using CArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+// Bulk I/O on raw addresses. The Python layer owns the buffers and checks every range against
+// them before calling: these functions trust their inputs.
+void file_io(const CArray<int32_t>& fds, const CArray<uint64_t>& file_offsets,
+             const CArray<uint64_t>& addrs, const CArray<uint64_t>& lengths, bool write,
+             unsigned depth, bool use_uring, unsigned threads) {
+  const size_t n = static_cast<size_t>(fds.size());
+  if (static_cast<size_t>(file_offsets.size()) != n || static_cast<size_t>(addrs.size()) != n ||
+      static_cast<size_t>(lengths.size()) != n) {
+    throw py::value_error("file_io: fds, file_offsets, addrs and lengths must have one entry per op");
+  }
+  std::vector<dfkv::IoOp> ops(n);
+  for (size_t i = 0; i < n; ++i) {
+    ops[i] = {fds.data()[i], file_offsets.data()[i], reinterpret_cast<char*>(addrs.data()[i]),
+              lengths.data()[i]};
+  }
+  dfkv::IoResult res;
+  {
+    py::gil_scoped_release release;
+    res = use_uring ? dfkv::uring_rw(ops.data(), n, write, depth)
+                    : dfkv::pool_rw(ops.data(), n, write, threads);
+  }
+  if (res.error != 0) {
+    const dfkv::IoOp& op = ops[res.failed_op];
+    const std::string msg = res.what + " failed on op " + std::to_string(res.failed_op) + " (fd " +
+                            std::to_string(op.fd) + ", offset " + std::to_string(op.file_offset) +
+                            ", " + std::to_string(op.len) + " bytes): " + std::strerror(res.error);
+    PyErr_SetObject(PyExc_OSError, py::make_tuple(res.error, msg).ptr());
+    throw py::error_already_set();
+  }
+}
+
+void copy_chunks(const CArray<uint64_t>& dst, const CArray<uint64_t>& src,
+                 const CArray<uint64_t>& lengths, unsigned threads) {
+  const size_t n = static_cast<size_t>(dst.size());
+  if (static_cast<size_t>(src.size()) != n || static_cast<size_t>(lengths.size()) != n) {
+    throw py::value_error("copy_chunks: dst, src and lengths must have one entry per chunk");
+  }
+  py::gil_scoped_release release;
+  dfkv::copy_chunks(dst.data(), src.data(), lengths.data(), n, threads);
+}
+
+U64Array checksums(uint64_t base, const CArray<uint64_t>& offsets, uint64_t length) {
+  const size_t n = static_cast<size_t>(offsets.size());
+  U64Array out(static_cast<py::ssize_t>(n));
+  uint64_t* dst = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    dfkv::checksums(reinterpret_cast<const char*>(base), offsets.data(), n, length, dst);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -100,4 +157,13 @@ PYBIND11_MODULE(_native, m) {
         "Tokens hashes and chained sequence hashes of every full block.");
   m.def("chain_hashes", &chain, py::arg("tokens_hashes"), py::arg("parent") = py::none(),
         "Chain tokens hashes into sequence hashes, optionally continuing from `parent`.");
+  m.def("uring_available", &dfkv::uring_available, "Whether io_uring works here and was built in.");
+  m.def("file_io", &file_io, py::arg("fds"), py::arg("file_offsets"), py::arg("addrs"),
+        py::arg("lengths"), py::arg("write"), py::arg("depth") = 512, py::arg("use_uring") = true,
+        py::arg("threads") = 8,
+        "Reads or writes every (fd, offset, addr, length) op; raises OSError on the first failure.");
+  m.def("copy_chunks", &copy_chunks, py::arg("dst"), py::arg("src"), py::arg("lengths"),
+        py::arg("threads") = 4, "memcpy each (dst, src, length) chunk, merged and multi-threaded.");
+  m.def("checksums", &checksums, py::arg("base"), py::arg("offsets"), py::arg("length"),
+        "xxh3_64 of `length` bytes at base + each offset.");
 }

@@ -1,0 +1,208 @@
+#include "io.h"
+
+#include <errno.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#ifdef DFKV_HAVE_URING
+#include <liburing.h>
+#endif
+
+namespace dfkv {
+
+namespace {
+
+// Runs fn(worker_index) on `threads` threads (the caller's thread is one of them).
+template <class Fn>
+void parallel(unsigned threads, Fn fn) {
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(fn, t);
+  fn(0u);
+  for (auto& th : pool) th.join();
+}
+
+#ifdef DFKV_HAVE_URING
+// One ring per thread, reused across calls; rebuilt when a different depth is asked for.
+struct Ring {
+  io_uring ring{};
+  unsigned depth = 0;
+  bool ok = false;
+  ~Ring() {
+    if (ok) io_uring_queue_exit(&ring);
+  }
+  bool ensure(unsigned want) {
+    if (ok && depth == want) return true;
+    if (ok) io_uring_queue_exit(&ring);
+    ok = io_uring_queue_init(want, &ring, 0) == 0;
+    depth = ok ? want : 0;
+    return ok;
+  }
+};
+thread_local Ring tl_ring;
+#endif
+
+}  // namespace
+
+bool uring_available() {
+#ifdef DFKV_HAVE_URING
+  return tl_ring.ensure(4);
+#else
+  return false;
+#endif
+}
+
+IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth) {
+  IoResult res;
+#ifdef DFKV_HAVE_URING
+  if (n == 0) return res;
+  depth = std::max(1u, std::min<unsigned>(depth, 32768));
+  if (!tl_ring.ensure(depth)) {
+    res.error = ENOSYS;
+    res.what = "io_uring_queue_init";
+    return res;
+  }
+  io_uring* ring = &tl_ring.ring;
+  std::vector<uint64_t> done(n, 0);
+  size_t next = 0, inflight = 0, finished = 0;
+  auto prep = [&](size_t i) {
+    io_uring_sqe* sqe = io_uring_get_sqe(ring);
+    const IoOp& op = ops[i];
+    const uint64_t off = done[i];
+    if (write) {
+      io_uring_prep_write(sqe, op.fd, op.buf + off, static_cast<unsigned>(op.len - off),
+                          op.file_offset + off);
+    } else {
+      io_uring_prep_read(sqe, op.fd, op.buf + off, static_cast<unsigned>(op.len - off),
+                         op.file_offset + off);
+    }
+    io_uring_sqe_set_data64(sqe, i);
+    ++inflight;
+  };
+  while (finished < n) {
+    while (res.error == 0 && next < n && inflight < depth && io_uring_sq_space_left(ring) > 0) {
+      prep(next++);
+    }
+    if (inflight == 0) break;  // only after an error: nothing left to drain
+    int rc = io_uring_submit_and_wait(ring, 1);
+    if (rc < 0 && rc != -EINTR) {
+      // Submission itself failed; what was queued is still owned by the kernel only if it was
+      // submitted, which rc < 0 says it was not.
+      res.error = -rc;
+      res.what = "io_uring_submit";
+      return res;
+    }
+    io_uring_cqe* cqe;
+    unsigned head, seen = 0;
+    io_uring_for_each_cqe(ring, head, cqe) {
+      ++seen;
+      --inflight;
+      const size_t i = static_cast<size_t>(io_uring_cqe_get_data64(cqe));
+      const int r = cqe->res;
+      if (r < 0 || (r == 0 && ops[i].len > done[i])) {
+        if (res.error == 0) {
+          res.error = r < 0 ? -r : EIO;  // a read at end of file: the file is shorter than its index says
+          res.failed_op = i;
+          res.what = write ? "write" : "read";
+        }
+        ++finished;
+        continue;
+      }
+      done[i] += static_cast<uint64_t>(r);
+      if (done[i] < ops[i].len && res.error == 0) {
+        prep(i);  // short transfer: ask for the rest
+      } else {
+        ++finished;
+      }
+    }
+    io_uring_cq_advance(ring, seen);
+    if (res.error != 0 && inflight == 0) break;
+  }
+#else
+  (void)ops; (void)n; (void)write; (void)depth;
+  res.error = ENOSYS;
+  res.what = "io_uring (not built)";
+#endif
+  return res;
+}
+
+IoResult pool_rw(const IoOp* ops, size_t n, bool write, unsigned threads) {
+  IoResult res;
+  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(std::max<size_t>(n, 1))));
+  std::atomic<size_t> next{0};
+  std::atomic<int> first_error{0};
+  std::atomic<size_t> failed_op{0};
+  parallel(threads, [&](unsigned) {
+    for (size_t i = next++; i < n && first_error.load() == 0; i = next++) {
+      const IoOp& op = ops[i];
+      uint64_t done = 0;
+      while (done < op.len) {
+        ssize_t r = write ? pwrite(op.fd, op.buf + done, op.len - done, op.file_offset + done)
+                          : pread(op.fd, op.buf + done, op.len - done, op.file_offset + done);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+          int expected = 0;
+          if (first_error.compare_exchange_strong(expected, r < 0 ? errno : EIO)) failed_op = i;
+          break;
+        }
+        done += static_cast<uint64_t>(r);
+      }
+    }
+  });
+  res.error = first_error.load();
+  res.failed_op = failed_op.load();
+  if (res.error) res.what = write ? "pwrite" : "pread";
+  return res;
+}
+
+void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, size_t n,
+                 unsigned threads) {
+  struct Run { uint64_t dst, src, len; };
+  std::vector<Run> runs;
+  runs.reserve(n);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!runs.empty() && runs.back().dst + runs.back().len == dst[i] &&
+        runs.back().src + runs.back().len == src[i]) {
+      runs.back().len += len[i];
+    } else {
+      runs.push_back({dst[i], src[i], len[i]});
+    }
+    total += len[i];
+  }
+  // Threads only pay off for large moves; below ~4 MiB one thread is faster than spawning more.
+  const uint64_t min_per_thread = 4ull << 20;
+  threads = static_cast<unsigned>(std::max<uint64_t>(1, std::min<uint64_t>(threads, total / min_per_thread)));
+  if (threads == 1) {
+    for (const Run& r : runs) std::memcpy(reinterpret_cast<void*>(r.dst), reinterpret_cast<const void*>(r.src), r.len);
+    return;
+  }
+  // Split the byte range [0, total) evenly; a thread copies the parts of runs inside its slice.
+  parallel(threads, [&](unsigned t) {
+    const uint64_t lo = total * t / threads, hi = total * (t + 1) / threads;
+    uint64_t pos = 0;
+    for (const Run& r : runs) {
+      const uint64_t a = std::max(lo, pos), b = std::min(hi, pos + r.len);
+      if (a < b) {
+        std::memcpy(reinterpret_cast<void*>(r.dst + (a - pos)),
+                    reinterpret_cast<const void*>(r.src + (a - pos)), b - a);
+      }
+      pos += r.len;
+      if (pos >= hi) break;
+    }
+  });
+}
+
+void checksums(const char* base, const uint64_t* offsets, size_t n, uint64_t len, uint64_t* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = XXH3_64bits(base + offsets[i], len);
+}
+
+}  // namespace dfkv

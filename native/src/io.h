@@ -1,0 +1,39 @@
+// Bulk data movement: batched file I/O (io_uring, or a pread/pwrite thread pool) and chunk copies.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace dfkv {
+
+struct IoOp {
+  int fd;
+  uint64_t file_offset;
+  char* buf;
+  uint64_t len;
+};
+
+struct IoResult {
+  int error = 0;          // 0, or a positive errno of the first failed op
+  size_t failed_op = 0;   // index of that op
+  std::string what;       // which call failed
+};
+
+// True when io_uring_setup works here (kernel support, no seccomp block) and we were built with it.
+bool uring_available();
+
+// Runs every op (all reads or all writes), keeping up to `depth` in flight; short transfers are
+// resubmitted for the rest. On an error the ops already in flight are drained before returning.
+IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth);
+
+// The same contract with blocking pread/pwrite on `threads` threads (no io_uring).
+IoResult pool_rw(const IoOp* ops, size_t n, bool write, unsigned threads);
+
+// memcpy(dst[i], src[i], len[i]) for all i, adjacent runs merged, split by bytes over `threads`.
+void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, size_t n,
+                 unsigned threads);
+
+// out[i] = xxh3_64 of [base + offsets[i], + len).
+void checksums(const char* base, const uint64_t* offsets, size_t n, uint64_t len, uint64_t* out);
+
+}  // namespace dfkv
