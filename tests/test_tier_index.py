@@ -61,7 +61,7 @@ def run_random_ops(seed, policy, steps=600):
     removed = []
     idx = TierIndex("t", cap, EvictionPolicy(policy), hit_reward_seconds=reward, slru_protected_hits=2,
                     evict_start_threshold=threshold, evict_ratio=ratio, clock=clock,
-                    on_removed=lambda name, hs: removed.extend(hs))
+                    on_removed=lambda name, hs, slots: removed.extend(hs))
     model = ModelTier(cap, policy, reward, 2, threshold, ratio)
     chains = random_chains(rng)
     owners = ["a", "b", "c"]

@@ -125,10 +125,12 @@ class CacheEngine:
         capacities: Dict[Tier, int],
         *,
         listener: Optional[IndexListener] = None,
+        on_slots_freed: Optional[Callable[[Tier, List[int]], None]] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.listener = listener
+        self.on_slots_freed = on_slots_freed  # storage hook: a ready block's slot left the index
         self._lock = threading.RLock()
         self.tiers: Dict[Tier, TierIndex] = {}
         for tier, capacity in capacities.items():
@@ -286,6 +288,11 @@ class CacheEngine:
                 if not run.done:
                     self._abort_run(run, task_id)
 
+    def discard(self, tier: Tier, block_ids: Sequence[int]) -> List[int]:
+        """Drops blocks whose bytes proved bad (and their descendants) from ``tier``."""
+        with self._lock:
+            return self.tiers[tier].discard_slots(block_ids)
+
     def reset(self) -> None:
         """Drops every cached block; refuses while tasks are in flight."""
         with self._lock:
@@ -345,7 +352,9 @@ class CacheEngine:
             idx.unlock(run.hashes)
         run.done = True
 
-    def _removed(self, tier_name: str, hashes: List[int]) -> None:
+    def _removed(self, tier_name: str, hashes: List[int], slots: List[int]) -> None:
+        if self.on_slots_freed is not None:
+            self.on_slots_freed(Tier(tier_name), slots)
         if self.listener is not None:
             self.listener.on_removed(Tier(tier_name), hashes)
 

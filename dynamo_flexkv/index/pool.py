@@ -41,12 +41,16 @@ class BlockPool:
         self._in_use[ids] = True
         return ids
 
-    def take(self, block_id: int) -> None:
-        """Claims one specific id (re-adopting a block that already sits in that slot)."""
-        if not 0 <= block_id < self.capacity or self._in_use[block_id]:
-            raise PoolError(f"block id {block_id} cannot be claimed: out of range or in use")
-        self._free.remove(block_id)
-        self._in_use[block_id] = True
+    def take(self, ids: Iterable[int]) -> None:
+        """Claims specific ids (re-adopting blocks that already sit in those slots)."""
+        ids = list(ids)
+        for b in ids:
+            if not 0 <= b < self.capacity or self._in_use[b]:
+                raise PoolError(f"block id {b} cannot be claimed: out of range or in use")
+        if len(set(ids)) != len(ids):
+            raise PoolError(f"block ids {ids} repeat: each may be claimed once")
+        self._in_use[ids] = True
+        self._free = [b for b in self._free if not self._in_use[b]]
 
     def free(self, ids: Iterable[int]) -> None:
         """Returns ids to the pool; checks them all before changing anything."""

@@ -22,7 +22,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 from dynamo_flexkv.index.policies import EvictionPolicy, Key, make_key_fn
 from dynamo_flexkv.index.pool import BlockPool
 
-RemovedCallback = Callable[[str, List[int]], None]
+RemovedCallback = Callable[[str, List[int], List[int]], None]  # (tier, hashes, slots)
 
 
 class IndexError_(RuntimeError):
@@ -236,7 +236,7 @@ class TierIndex:
         if out:
             self.evictions += len(out)
             if self.on_removed is not None:
-                self.on_removed(self.name, out)
+                self.on_removed(self.name, out, freed)
         return out
 
     def clear(self) -> List[int]:
@@ -245,13 +245,67 @@ class TierIndex:
         if busy:
             raise IndexError_(f"{self.name}: clear with {len(busy)} blocks in use by tasks")
         removed = list(self._blocks)
-        self.pool.free(b.block_id for b in self._blocks.values())
+        slots = [b.block_id for b in self._blocks.values()]
+        self.pool.free(slots)
         self._blocks.clear()
         self._heap.clear()
         self._num_ready = 0
         if removed and self.on_removed is not None:
-            self.on_removed(self.name, removed)
+            self.on_removed(self.name, removed, slots)
         return removed
+
+    def discard_slots(self, block_ids: Sequence[int]) -> List[int]:
+        """Removes the blocks in these slots and everything below them (their bytes are bad),
+        leaves first; blocks a task still locks stay until a later call. Returns removed hashes."""
+        wanted = set(int(b) for b in block_ids)
+        doomed = {h for h, b in self._blocks.items() if b.block_id in wanted}
+        children: Dict[int, List[int]] = {}
+        for h, b in self._blocks.items():
+            if b.parent is not None:
+                children.setdefault(b.parent, []).append(h)
+        stack = list(doomed)
+        while stack:
+            for c in children.get(stack.pop(), ()):
+                if c not in doomed:
+                    doomed.add(c)
+                    stack.append(c)
+        removed: List[int] = []
+        freed: List[int] = []
+        progress = True
+        while progress:
+            progress = False
+            for h in list(doomed):
+                b = self._blocks[h]
+                if b.children == 0 and b.locks == 0 and b.ready:
+                    self._remove(h, b, freed)
+                    doomed.discard(h)
+                    removed.append(h)
+                    progress = True
+        self.pool.free(freed)
+        if removed and self.on_removed is not None:
+            self.on_removed(self.name, removed, freed)
+        return removed
+
+    def adopt(self, entries: Sequence[Tuple[int, Optional[int], int]]) -> None:
+        """Re-inserts ready blocks that already sit in their slots (restart), given as
+        (seq_hash, parent, block_id) with parents first."""
+        for h, parent, _ in entries:
+            if h in self._blocks:
+                raise IndexError_(f"{self.name}: block {h:#x} is already present")
+        self.pool.take(b for _, _, b in entries)
+        now = self._clock()
+        for h, parent, block_id in entries:
+            if parent is not None and not self.is_ready(parent):
+                raise IndexError_(f"{self.name}: adopt of {h:#x} before its parent")
+            self._tick += 1
+            b = _Block(block_id, parent, None, now, self._tick)
+            b.ready = True
+            self._blocks[h] = b
+            self._num_ready += 1
+            if parent is not None:
+                self._blocks[parent].children += 1
+        for h, _, _ in entries:
+            self._maybe_push(h, self._blocks[h])
 
     # ---- internals ---------------------------------------------------------------------------
     def _candidate(self, b: _Block) -> bool:

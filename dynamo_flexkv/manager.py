@@ -1,0 +1,358 @@
+"""KVManager: the API an engine calls. It hashes requests, asks the control plane what to move,
+builds a transfer graph for the data plane, and commits index changes only after bytes landed.
+
+    with KVManager(model, config) as kv:
+        kv.register_device_cache(layer_tensors, KVLayoutType.LAYERBLOCK)
+        tid = kv.get_async(prompt, device_block_ids, skip_blocks=blocks_already_on_device)
+        kv.wait_for_layer(tid, 0)            # before layer 0's attention (layerwise=True)
+        result = kv.wait([tid])[tid]         # status, num_tokens loaded
+        kv.put_async(prompt, device_block_ids)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from dynamo_flexkv.config import CacheConfig
+from dynamo_flexkv.hashing import block_hashes
+from dynamo_flexkv.index import CacheEngine, GetPlan, PutPlan, Tier
+from dynamo_flexkv.index.cache_engine import IndexListener
+from dynamo_flexkv.layout import KVLayoutType, ModelSpec
+from dynamo_flexkv.storage.device import DeviceCache
+from dynamo_flexkv.storage.host import HostPool
+from dynamo_flexkv.storage.ssd import DiskEntry, SsdStore
+from dynamo_flexkv.tasks import Task, TaskFailed, TaskKind, TaskResult, TaskStatus
+from dynamo_flexkv.transfer.engine import TransferEngine
+from dynamo_flexkv.transfer.graph import GraphState, OpKind, OpState, TransferGraph, TransferOp
+from dynamo_flexkv.transfer.movers import ChecksumError, DiskMover, HostDeviceMover
+
+log = logging.getLogger(__name__)
+
+
+class KVManager:
+    def __init__(
+        self,
+        model: ModelSpec,
+        config: Optional[CacheConfig] = None,
+        *,
+        namespace: Optional[str] = None,
+        listener: Optional[IndexListener] = None,
+        workers: int = 4,
+    ) -> None:
+        self.model = model
+        self.config = config or CacheConfig.load()
+        self.namespace = namespace or None
+        self.tokens_per_block = self.config.tokens_per_block
+        caps = self.config.tier_blocks(model)
+        self.host = HostPool(self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST),
+                             use_huge_pages=self.config.use_huge_pages)
+        self.ssd: Optional[SsdStore] = None
+        movers: Dict[OpKind, Any] = {}
+        try:
+            if caps["disk"]:
+                self.ssd = SsdStore(self.config.ssd_cache_dir, caps["disk"], self.host.layout.block_bytes,
+                                    dict(self.host.layout.fingerprint(), namespace=self.namespace or ""))
+                disk_mover = self._make_disk_mover()
+                movers[OpKind.DISK2H] = movers[OpKind.H2DISK] = disk_mover
+            self.cache = CacheEngine(self.config, {Tier.HOST: caps["host"], Tier.DISK: caps["disk"]},
+                                     listener=listener, on_slots_freed=self._slots_freed)
+            if self.ssd is not None:
+                self._adopt_disk(movers[OpKind.DISK2H])
+        except BaseException:
+            self._close_storage()
+            raise
+        self.transfer = TransferEngine(movers, workers)
+        self.device: Optional[DeviceCache] = None
+        self._tasks: Dict[int, Task] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.disk_write_failures = 0
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def register_device_cache(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]],
+                              layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
+        """Registers the engine's KV tensors (one per layer, or one for all layers)."""
+        self.device = DeviceCache.register(tensors, self.model, layout, self.tokens_per_block)
+        mover = HostDeviceMover(self.host, self.device)
+        self.transfer.movers[OpKind.D2H] = self.transfer.movers[OpKind.H2D] = mover
+
+    def _make_disk_mover(self):
+        if self.config.enable_nixl:
+            from dynamo_flexkv.transfer.nixl_mover import NixlDiskMover
+            return NixlDiskMover(self.host, self.ssd, gds=self.config.enable_gds)
+        return DiskMover(self.host, self.ssd, self.config.io_queue_depth)
+
+    def _adopt_disk(self, mover) -> None:
+        """Restart: verify what the journal says is on disk, using host slots as scratch."""
+        scratch = self.host.num_blocks
+
+        def read(entries: List[DiskEntry]) -> np.ndarray:
+            out = []
+            for i in range(0, len(entries), scratch):
+                part = entries[i:i + scratch]
+                disk_ids = np.array([e.block_id for e in part], dtype=np.int64)
+                reader = mover if isinstance(mover, DiskMover) else DiskMover(self.host, self.ssd)
+                out.append(reader.read_for_adoption(disk_ids, np.arange(len(part), dtype=np.int64)))
+            return np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
+
+        report = self.ssd.adopt(read)
+        self.cache.tiers[Tier.DISK].adopt([(e.seq_hash, e.parent, e.block_id) for e in report.adopted])
+        self.adopt_report = report
+
+    # ---- queries -------------------------------------------------------------------------------
+    def hashes(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None):
+        salt = "/".join(s for s in (self.namespace, cache_salt) if s) or None
+        return block_hashes(token_ids, self.tokens_per_block, lora_name=lora_name, cache_salt=salt)
+
+    def match(self, token_ids, **kw) -> Dict[str, int]:
+        """Cached prefix in tokens per tier (no side effects)."""
+        m = self.cache.match(self.hashes(token_ids, **kw).sequence)
+        return {t.value: n * self.tokens_per_block for t, n in m.per_tier.items()}
+
+    # ---- tasks ---------------------------------------------------------------------------------
+    def get_async(self, token_ids, device_block_ids, *, skip_blocks: int = 0, layerwise: bool = False,
+                  **kw) -> int:
+        """Loads the cached prefix beyond the first ``skip_blocks`` blocks (which the engine already
+        holds) into ``device_block_ids[i]`` for block i."""
+        h = self.hashes(token_ids, **kw)
+        dev_ids = self._device_ids(token_ids, device_block_ids)
+        task = self._new_task(TaskKind.GET)
+        plan = self.cache.plan_get(task.id, h.sequence, min(skip_blocks, len(h)))
+        if plan.num_blocks == 0:
+            self.cache.abort_task(task.id)
+            task.finish(TaskResult(task.id, TaskKind.GET, TaskStatus.NOT_FOUND))
+            return task.id
+        self._submit(task, self._get_graph(task, plan, dev_ids, layerwise, load_device=True))
+        return task.id
+
+    def prefetch_async(self, token_ids, **kw) -> int:
+        """Brings the disk part of a cached prefix into host memory (no device copy)."""
+        h = self.hashes(token_ids, **kw)
+        task = self._new_task(TaskKind.PREFETCH)
+        plan = self.cache.plan_get(task.id, h.sequence, 0)
+        if plan.staged is None:
+            self.cache.abort_task(task.id)
+            status = TaskStatus.SUCCESS if plan.num_blocks else TaskStatus.NOT_FOUND
+            task.finish(TaskResult(task.id, TaskKind.PREFETCH, status))
+            return task.id
+        self._submit(task, self._get_graph(task, plan, None, False, load_device=False))
+        return task.id
+
+    def put_async(self, token_ids, device_block_ids, **kw) -> int:
+        """Stores the full blocks not held yet. The task finishes once the device copy is done (the
+        engine may reuse its blocks); the disk write continues in the background."""
+        h = self.hashes(token_ids, **kw)
+        dev_ids = self._device_ids(token_ids, device_block_ids)
+        task = self._new_task(TaskKind.PUT)
+        plan = self.cache.plan_put(task.id, h.sequence)
+        self._submit(task, self._put_graph(task, plan, dev_ids))
+        return task.id
+
+    def wait(self, task_ids: Iterable[int], timeout: Optional[float] = None) -> Dict[int, TaskResult]:
+        """Results of the tasks; unfinished ones after ``timeout`` seconds report TIMEOUT and can be
+        waited on again. A finished result is handed out once."""
+        ids = list(task_ids)
+        tasks = [self._task(t) for t in ids]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: Dict[int, TaskResult] = {}
+        for task in tasks:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if task.done.wait(left):
+                out[task.id] = task.result
+                with self._lock:
+                    self._tasks.pop(task.id, None)
+            else:
+                out[task.id] = TaskResult(task.id, task.kind, TaskStatus.TIMEOUT)
+        return out
+
+    def try_wait(self, task_ids: Iterable[int]) -> Dict[int, TaskResult]:
+        """Results of the tasks that already finished; the others are left running."""
+        finished = [t for t in task_ids if self._task(t).done.is_set()]
+        return self.wait(finished, 0)
+
+    def cancel(self, task_ids: Iterable[int]) -> None:
+        for t in task_ids:
+            task = self._task(t)
+            if task.graph is not None:
+                self.transfer.cancel(task.graph)
+
+    def wait_for_layer(self, task_id: int, layer: int, timeout: Optional[float] = None) -> bool:
+        """Blocks until layer ``layer`` of a get is on the device. False on timeout; raises
+        TaskFailed when the task failed or was cancelled (recompute instead)."""
+        task = self._task(task_id)
+        if not 0 <= layer < task.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {task.num_layers})")
+        if not task.layer_ready[layer].wait(timeout):
+            return False
+        if task.result is not None and not task.result.ok:
+            raise TaskFailed(f"task {task_id}: {task.result.status.value}: {task.result.error or ''}")
+        return True
+
+    # ---- admin ---------------------------------------------------------------------------------
+    def stats(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = dict(self.cache.stats())
+        out["links"] = {k.value: {"bytes": self.transfer.link_bytes[k], "seconds": self.transfer.link_seconds[k]}
+                        for k in OpKind if self.transfer.link_bytes[k]}
+        out["tasks"] = {"in_flight": len(self._tasks), "failed_ops": self.transfer.failed_ops,
+                        "disk_write_failures": self.disk_write_failures}
+        return out
+
+    def reset(self) -> None:
+        """Drops every cached block (host and disk); refuses while tasks are in flight."""
+        self.cache.reset()
+
+    def shutdown(self) -> None:
+        """Cancels what is in flight, waits for running copies to drain, frees memory and files."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.transfer.shutdown()
+        self._close_storage()
+
+    def __enter__(self) -> "KVManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- graphs ----------------------------------------------------------------------------------
+    def _get_graph(self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool,
+                   load_device: bool) -> TransferGraph:
+        tid, ops = task.id, []
+        disk2h = None
+        if plan.staged is not None:
+            def staged_landed(op: TransferOp) -> None:
+                self.cache.complete(plan.disk_reads, tid)
+                self.cache.complete(plan.staged, tid)
+            disk2h = TransferOp(OpKind.DISK2H, plan.disk_reads.block_ids, plan.staged.block_ids, on_done=staged_landed)
+            ops.append(disk2h)
+        if load_device:
+            if self.device is None:
+                raise RuntimeError("get_async before register_device_cache")
+            reads = plan.host_reads
+            dst = dev_ids[reads.start:reads.end]
+            layers = [(i, i + 1) for i in range(self.model.num_layers)] if layerwise else [(0, self.model.num_layers)]
+            for lo, hi in layers:
+                def layer_landed(op: TransferOp, lo=lo, hi=hi) -> None:
+                    for i in range(lo, hi):
+                        task.layer_ready[i].set()
+                ops.append(TransferOp(OpKind.H2D, reads.block_ids, dst, deps=(disk2h,) if disk2h else (),
+                                      layers=(lo, hi), on_done=layer_landed))
+        loaded = plan.num_blocks if load_device else (len(plan.staged) if plan.staged else 0)
+
+        def finished(graph: TransferGraph) -> None:
+            if graph.state is GraphState.DONE:
+                if plan.host_reads is not None:
+                    self.cache.complete(plan.host_reads, tid)
+                self.cache.finish_task(tid)
+                task.finish(TaskResult(tid, task.kind, TaskStatus.SUCCESS, loaded * self.tokens_per_block))
+                return
+            self.cache.abort_task(tid)
+            if isinstance(graph.error, ChecksumError):
+                self._drop_corrupt(graph.error.disk_ids)
+            task.finish(self._failure(task, graph))
+        return TransferGraph(ops, on_finish=finished)
+
+    def _put_graph(self, task: Task, plan: PutPlan, dev_ids: np.ndarray) -> TransferGraph:
+        tid, ops = task.id, []
+        stored = len(plan.host) if plan.host is not None else 0
+        d2h = None
+        if plan.host is not None:
+            if self.device is None:
+                raise RuntimeError("put_async before register_device_cache")
+            after = None
+            if self.device.device.type == "cuda":
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream(self.device.device))
+
+            def host_landed(op: TransferOp) -> None:
+                self.cache.complete(plan.host, tid)
+                task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, stored * self.tokens_per_block))
+            d2h = TransferOp(OpKind.D2H, dev_ids[plan.host.start:plan.host.end], plan.host.block_ids,
+                             after=after, on_done=host_landed)
+            ops.append(d2h)
+        else:
+            task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, 0))
+        if plan.disk is not None:
+            def disk_landed(op: TransferOp) -> None:
+                self.ssd.record_stored(DiskEntry(b, h, p, int(c)) for b, h, p, c in zip(
+                    plan.disk.block_ids, plan.disk.hashes, [plan.disk.parent, *plan.disk.hashes[:-1]], op.result))
+                self.cache.complete(plan.disk, tid)
+                self.cache.complete(plan.host_sources, tid)
+            ops.append(TransferOp(OpKind.H2DISK, plan.host_sources.block_ids, plan.disk.block_ids,
+                                  deps=(d2h,) if d2h else (), on_done=disk_landed))
+
+        def finished(graph: TransferGraph) -> None:
+            if graph.state is GraphState.DONE:
+                self.cache.finish_task(tid)
+                return
+            if d2h is not None and d2h.state is OpState.DONE and graph.state is GraphState.FAILED:
+                self.disk_write_failures += 1
+                log.warning("put %d: disk write failed (%s); the blocks stay on host only", tid, graph.error)
+            self.cache.abort_task(tid)
+            task.finish(self._failure(task, graph))
+        return TransferGraph(ops, on_finish=finished)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _failure(self, task: Task, graph: TransferGraph) -> TaskResult:
+        if graph.state is GraphState.CANCELLED:
+            return TaskResult(task.id, task.kind, TaskStatus.CANCELLED)
+        return TaskResult(task.id, task.kind, TaskStatus.FAILED, error=f"{type(graph.error).__name__}: {graph.error}")
+
+    def _drop_corrupt(self, disk_ids: List[int]) -> None:
+        log.error("disk blocks %s failed their checksum; dropping them", disk_ids[:8])
+        self.cache.discard(Tier.DISK, disk_ids)
+
+    def _new_task(self, kind: TaskKind) -> Task:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("KVManager is shut down")
+            task = Task(next(self._ids), kind, self.model.num_layers)
+            self._tasks[task.id] = task
+        return task
+
+    def _submit(self, task: Task, graph: TransferGraph) -> None:
+        task.graph = graph
+        try:
+            self.transfer.submit(graph)
+        except BaseException:
+            self.cache.abort_task(task.id)
+            task.finish(TaskResult(task.id, task.kind, TaskStatus.FAILED, error="transfer engine refused the task"))
+            raise
+
+    def _task(self, task_id: int) -> Task:
+        with self._lock:
+            task = self._tasks.get(task_id)
+        if task is None:
+            raise KeyError(f"unknown task id {task_id!r}: never issued, or its result was already taken by wait()")
+        return task
+
+    def _device_ids(self, token_ids, device_block_ids) -> np.ndarray:
+        n_tokens = len(token_ids)
+        full, covering = n_tokens // self.tokens_per_block, -(-n_tokens // self.tokens_per_block)
+        ids = np.asarray(device_block_ids, dtype=np.int64).reshape(-1)
+        if ids.size not in (full, covering):
+            raise ValueError(f"{ids.size} device block ids for {n_tokens} tokens: pass one id per block "
+                             f"({full} full blocks, or {covering} with the partial one)")
+        if self.device is not None:
+            self.device.check_ids(ids[:full])
+        return ids[:full]
+
+    def _slots_freed(self, tier: Tier, slots: List[int]) -> None:
+        if tier is Tier.DISK and self.ssd is not None:
+            self.ssd.record_removed(slots)
+
+    def _close_storage(self) -> None:
+        if getattr(self, "ssd", None) is not None:
+            self.ssd.close()
+        if getattr(self, "host", None) is not None:
+            self.host.close()

@@ -1,0 +1,215 @@
+"""Disk tier storage: block files striped over directories, O_DIRECT, and a journal that lets a
+restarted worker re-adopt what is on disk.
+
+Block ``b`` lives in directory ``b % D`` at offset ``(b // D) * block_bytes`` of that
+directory's data file. The journal (in the first directory) starts with the layout fingerprint and
+records ``S block seq parent checksum`` after a block's bytes landed and ``R block`` when it left,
+before its slot is reused. On restart the journal is replayed: entries of another layout are
+*mismatched*, entries that do not fit (out of range, orphaned, duplicated) are *foreign*, blocks
+whose bytes fail their checksum are *torn*; the rest are adopted and the journal is compacted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dynamo_flexkv import _native
+
+log = logging.getLogger(__name__)
+
+JOURNAL = "flexkv-journal.log"
+DATA = "flexkv-blocks.kv"
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    block_id: int
+    seq_hash: int
+    parent: Optional[int]
+    checksum: int
+
+
+@dataclass
+class AdoptReport:
+    adopted: List[DiskEntry] = field(default_factory=list)  # parents before children
+    torn: int = 0
+    foreign: int = 0
+    mismatched: int = 0
+
+
+class SsdStore:
+    def __init__(self, dirs: Sequence[str], num_blocks: int, block_bytes: int, fingerprint: dict,
+                 *, direct: bool = True) -> None:
+        if not dirs:
+            raise ValueError("the disk tier needs at least one ssd_cache_dir")
+        if block_bytes % 4096:
+            raise ValueError(f"disk blocks must be multiples of 4096 bytes for O_DIRECT, got {block_bytes}")
+        self.dirs = list(dirs)
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.fingerprint = dict(fingerprint, block_bytes=block_bytes)
+        self.direct = direct
+        per_file = -(-num_blocks // len(self.dirs))
+        self.fds: List[int] = []
+        try:
+            for d in self.dirs:
+                os.makedirs(d, mode=0o700, exist_ok=True)
+                flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+                fd = os.open(os.path.join(d, DATA), flags, 0o600)
+                self.fds.append(fd)
+                if os.fstat(fd).st_size < per_file * block_bytes:
+                    os.ftruncate(fd, per_file * block_bytes)
+        except OSError:
+            self.close()
+            raise
+        self.checksums: Dict[int, int] = {}
+        self._journal_path = os.path.join(self.dirs[0], JOURNAL)
+        self._journal = None
+
+    # ---- addressing ------------------------------------------------------------------------------
+    def locate(self, block_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(fd, byte offset) of each block."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise IndexError(f"disk block id out of range [0, {self.num_blocks})")
+        d = len(self.fds)
+        fds = np.asarray(self.fds, dtype=np.int32)[ids % d]
+        offsets = (ids // d).astype(np.uint64) * np.uint64(self.block_bytes)
+        return fds, offsets
+
+    # ---- journal ----------------------------------------------------------------------------------
+    def record_stored(self, entries: Iterable[DiskEntry]) -> None:
+        lines = []
+        for e in entries:
+            self.checksums[e.block_id] = e.checksum
+            parent = "-" if e.parent is None else f"{e.parent:x}"
+            lines.append(f"S {e.block_id} {e.seq_hash:x} {parent} {e.checksum:x}\n")
+        self._append(lines)
+
+    def record_removed(self, block_ids: Iterable[int]) -> None:
+        lines = []
+        for b in block_ids:
+            self.checksums.pop(b, None)
+            lines.append(f"R {b}\n")
+        self._append(lines)
+
+    def _append(self, lines: List[str]) -> None:
+        if not lines:
+            return
+        if self._journal is None:
+            self._start_journal([])
+        self._journal.write("".join(lines))
+        self._journal.flush()
+
+    def _start_journal(self, entries: List[DiskEntry]) -> None:
+        """Writes a fresh journal (header + ``entries``) beside the old one, then renames it in."""
+        tmp = self._journal_path + ".tmp"
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(json.dumps({"fingerprint": self.fingerprint}, sort_keys=True) + "\n")
+            for e in entries:
+                parent = "-" if e.parent is None else f"{e.parent:x}"
+                f.write(f"S {e.block_id} {e.seq_hash:x} {parent} {e.checksum:x}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self._journal_path)
+        if self._journal is not None:
+            self._journal.close()
+        self._journal = open(self._journal_path, "a", encoding="ascii")
+
+    # ---- restart ----------------------------------------------------------------------------------
+    def adopt(self, read_block) -> AdoptReport:
+        """Replays the journal and verifies each surviving block with ``read_block(entries) ->
+        checksums`` (the caller reads through its mover). Compacts the journal to what is adopted."""
+        report = AdoptReport()
+        entries = self._replay(report)
+        # Keep only chains whose every ancestor survived: parents first, prefix-closed.
+        by_hash = {e.seq_hash: e for e in entries}
+        if len(by_hash) != len(entries):
+            report.foreign += len(entries) - len(by_hash)
+        ordered, seen = [], set()
+        pending = list(by_hash.values())
+        while pending:
+            rest = []
+            for e in pending:
+                if e.parent is None or e.parent in seen:
+                    ordered.append(e)
+                    seen.add(e.seq_hash)
+                else:
+                    rest.append(e)
+            if len(rest) == len(pending):
+                report.foreign += len(rest)  # orphans: their parent is gone or never was
+                break
+            pending = rest
+        if ordered:
+            sums = read_block(ordered)
+            good = set()
+            for e, s in zip(ordered, sums):
+                ok = int(s) == e.checksum and (e.parent is None or e.parent in good)
+                if ok:
+                    good.add(e.seq_hash)
+                    report.adopted.append(e)
+                else:
+                    report.torn += 1
+        self.checksums = {e.block_id: e.checksum for e in report.adopted}
+        self._start_journal(report.adopted)
+        log.info("disk tier: adopted %d blocks, dropped %d torn, %d foreign, %d of another layout",
+                 len(report.adopted), report.torn, report.foreign, report.mismatched)
+        return report
+
+    def _replay(self, report: AdoptReport) -> List[DiskEntry]:
+        try:
+            with open(self._journal_path, encoding="ascii", errors="replace") as f:
+                header = f.readline()
+                lines = f.readlines()
+        except FileNotFoundError:
+            return []
+        try:
+            fp = json.loads(header).get("fingerprint")
+        except (json.JSONDecodeError, AttributeError):
+            fp = None
+        live: Dict[int, DiskEntry] = {}
+        for line in lines:
+            parts = line.split()
+            try:
+                if parts[0] == "S" and len(parts) == 5:
+                    b = int(parts[1])
+                    parent = None if parts[3] == "-" else int(parts[3], 16)
+                    live[b] = DiskEntry(b, int(parts[2], 16), parent, int(parts[4], 16))
+                elif parts[0] == "R" and len(parts) == 2:
+                    live.pop(int(parts[1]), None)
+                else:
+                    raise ValueError(line)
+            except (ValueError, IndexError):
+                report.foreign += 1  # a torn last line or garbage
+        if fp != self.fingerprint:
+            report.mismatched = len(live)
+            return []
+        out = []
+        for e in live.values():
+            if 0 <= e.block_id < self.num_blocks:
+                out.append(e)
+            else:
+                report.foreign += 1
+        return out
+
+    def checksum_of(self, block_id: int) -> int:
+        return self.checksums[block_id]
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+
+
+def checksums(base_addr: int, offsets: np.ndarray, length: int) -> np.ndarray:
+    return _native.checksums(base_addr, np.asarray(offsets, dtype=np.uint64), length)

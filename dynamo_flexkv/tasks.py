@@ -1,0 +1,63 @@
+"""Task records of the KVManager: what a caller waits on, and what it gets back."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional
+
+from dynamo_flexkv.transfer.graph import TransferGraph
+
+
+class TaskKind(str, Enum):
+    GET = "get"
+    PUT = "put"
+    PREFETCH = "prefetch"
+
+
+class TaskStatus(str, Enum):
+    SUCCESS = "success"
+    NOT_FOUND = "not_found"  # nothing of the prefix is cached: recompute it
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"  # not finished within wait()'s timeout; still running, wait again or cancel
+    FAILED = "failed"  # see TaskResult.error; nothing became visible, recompute
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    task_id: int
+    kind: TaskKind
+    status: TaskStatus
+    num_tokens: int = 0  # get/prefetch: tokens loaded; put: tokens newly stored on host
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TaskStatus.SUCCESS
+
+
+class TaskFailed(RuntimeError):
+    """wait_for_layer on a task that failed or was cancelled: the engine must recompute."""
+
+
+@dataclass(eq=False)
+class Task:
+    id: int
+    kind: TaskKind
+    num_layers: int
+    graph: Optional[TransferGraph] = None
+    result: Optional[TaskResult] = None
+    done: threading.Event = field(default_factory=threading.Event)  # the caller may proceed
+    layer_ready: List[threading.Event] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.layer_ready = [threading.Event() for _ in range(self.num_layers)]
+
+    def finish(self, result: TaskResult) -> None:
+        """First result wins (a put finishes for its caller when the device copy is done)."""
+        if self.result is None:
+            self.result = result
+        for ev in self.layer_ready:  # wake layer waiters; they check the result
+            ev.set()
+        self.done.set()

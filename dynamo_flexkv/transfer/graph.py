@@ -1,0 +1,74 @@
+"""Transfer graphs: a task's copies as a DAG of ops, each on one link."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, List, Optional, Tuple
+
+import numpy as np
+
+
+class OpKind(str, Enum):
+    D2H = "d2h"
+    H2D = "h2d"
+    DISK2H = "disk2h"
+    H2DISK = "h2disk"
+    DISK2D = "disk2d"
+    REMOTE2H = "remote2h"
+    H2REMOTE = "h2remote"
+
+
+class OpState(str, Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    SKIPPED = "skipped"  # never started: its graph failed or was cancelled first
+
+
+@dataclass(eq=False)
+class TransferOp:
+    """Copy blocks ``src[i]`` of the source tier into ``dst[i]`` of the destination tier."""
+
+    kind: OpKind
+    src: np.ndarray
+    dst: np.ndarray
+    deps: Tuple["TransferOp", ...] = ()
+    layers: Optional[Tuple[int, int]] = None  # [lo, hi) for device copies; None = all layers
+    on_done: Optional[Callable[["TransferOp"], None]] = None  # runs on the worker after success
+    after: Any = None  # CUDA event the copy waits for: the engine's writes to these blocks
+    # Filled in by the engine and the mover.
+    state: OpState = OpState.PENDING
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: Optional[BaseException] = None
+    result: Any = None
+
+    def __post_init__(self) -> None:
+        self.src = np.asarray(self.src, dtype=np.int64)
+        self.dst = np.asarray(self.dst, dtype=np.int64)
+        if self.src.shape != self.dst.shape:
+            raise ValueError(f"{self.kind.value}: {self.src.size} source blocks for {self.dst.size} destination blocks")
+
+
+class GraphState(str, Enum):
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class TransferGraph:
+    ops: List[TransferOp]
+    on_finish: Optional[Callable[["TransferGraph"], None]] = None  # runs once, after every op settled
+    state: GraphState = GraphState.RUNNING
+    error: Optional[BaseException] = None
+    cancel_requested: bool = False
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(op.nbytes for op in self.ops)

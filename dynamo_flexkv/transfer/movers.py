@@ -1,0 +1,130 @@
+"""Movers: how bytes move on each link. Each reports bytes moved; errors raise.
+
+* HostDeviceMover  D2H / H2D between the engine's tensors and the host pool. On CPU tensors one
+  native multi-threaded gather/scatter of (block, layer, kv) chunks; on CUDA, torch copies on a
+  dedicated stream that waits for the engine's writes and never blocks the engine's stream.
+* DiskMover        H2DISK / DISK2H between the host pool and the block files: one native batch
+  (io_uring, or a pread/pwrite pool) per op, GIL released, with per-block checksums.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from dynamo_flexkv import _native
+from dynamo_flexkv.layout import KVLayoutType
+from dynamo_flexkv.storage.device import TORCH_DTYPES, DeviceCache
+from dynamo_flexkv.storage.host import HostPool
+from dynamo_flexkv.storage.ssd import SsdStore
+from dynamo_flexkv.transfer.graph import OpKind, TransferOp
+
+
+class ChecksumError(IOError):
+    """Bytes read back differ from the bytes written: the disk block is torn or was overwritten."""
+
+    def __init__(self, disk_ids: np.ndarray) -> None:
+        self.disk_ids = [int(b) for b in disk_ids]
+        super().__init__(f"checksum mismatch on disk blocks {self.disk_ids[:8]}"
+                         f"{'...' if len(self.disk_ids) > 8 else ''}: refusing to load them")
+
+
+class HostDeviceMover:
+    def __init__(self, host: HostPool, device: DeviceCache, threads: int = 4) -> None:
+        if host.layout.type is not KVLayoutType.BLOCKFIRST:
+            raise ValueError("the host pool must be BLOCKFIRST for device copies")
+        self.host, self.device, self.threads = host, device, threads
+        self.cuda = device.device.type == "cuda"
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device.device)
+            m = host.layout.model
+            flat = torch.frombuffer(host.array, dtype=TORCH_DTYPES[m.dtype])
+            self.host_blocks = flat.view(host.num_blocks, m.num_layers, m.kv_dim,
+                                         host.layout.tokens_per_block, m.num_kv_heads, m.head_size)
+
+    def run(self, op: TransferOp) -> int:
+        to_host = op.kind is OpKind.D2H
+        dev_ids, host_ids = (op.src, op.dst) if to_host else (op.dst, op.src)
+        self.device.check_ids(dev_ids)
+        self.host.check_ids(host_ids)
+        m = self.host.layout.model
+        lo, hi = op.layers or (0, m.num_layers)
+        if self.cuda:
+            self._cuda_copy(dev_ids, host_ids, lo, hi, to_host, op.after)
+        else:
+            dev, hst, lens = self._chunk_addrs(dev_ids, host_ids, lo, hi)
+            _native.copy_chunks(*((hst, dev) if to_host else (dev, hst)), lens, self.threads)
+        return int(dev_ids.size) * (hi - lo) * self.host.layout.layer_block_bytes
+
+    def _chunk_addrs(self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int):
+        """Chunk addresses in block-major order, so chunks adjacent on both sides merge."""
+        m, hl = self.host.layout.model, self.host.layout
+        dev, hst = [], []
+        for layer in range(lo, hi):
+            for kv in range(m.kv_dim):
+                dev.append(self.device.chunk_addrs(dev_ids, layer, kv))
+                hst.append(np.uint64(self.host.base) + hl.chunk_offsets(host_ids, layer, kv).astype(np.uint64))
+        dev_a = np.stack(dev, axis=1).ravel()
+        hst_a = np.stack(hst, axis=1).ravel()
+        return dev_a, hst_a, np.full(dev_a.size, hl.chunk_bytes, dtype=np.uint64)
+
+    def _cuda_copy(self, dev_ids, host_ids, lo, hi, to_host, after) -> None:
+        dev = self.device.device
+        dev_idx = torch.as_tensor(dev_ids, device=dev)
+        host_idx = torch.as_tensor(host_ids)
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            for layer in range(lo, hi):
+                dview = self.device.block_tensor(layer)
+                hview = self.host_blocks[:, layer]
+                staging = torch.empty((len(host_ids), *hview.shape[1:]), dtype=hview.dtype, pin_memory=True)
+                if to_host:
+                    staging.copy_(dview.index_select(0, dev_idx), non_blocking=True)
+                    self.stream.synchronize()
+                    hview.index_copy_(0, host_idx, staging)
+                else:
+                    torch.index_select(hview, 0, host_idx, out=staging)
+                    dview.index_copy_(0, dev_idx, staging.to(dev, non_blocking=True))
+            self.stream.synchronize()
+
+
+class DiskMover:
+    def __init__(self, host: HostPool, ssd: SsdStore, depth: int = 512, use_uring: Optional[bool] = None,
+                 threads: int = 8) -> None:
+        if host.layout.block_bytes != ssd.block_bytes:
+            raise ValueError("host and disk blocks differ in size")
+        self.host, self.ssd, self.depth, self.threads = host, ssd, depth, threads
+        self.use_uring = _native.uring_available() if use_uring is None else use_uring
+
+    def run(self, op: TransferOp) -> int:
+        write = op.kind is OpKind.H2DISK
+        host_ids, disk_ids = (op.src, op.dst) if write else (op.dst, op.src)
+        bb = self.host.layout.block_bytes
+        addrs = self.host.block_addrs(host_ids)
+        fds, offsets = self.ssd.locate(disk_ids)
+        lens = np.full(host_ids.size, bb, dtype=np.uint64)
+        if write:
+            op.result = self._checksums(host_ids)
+        _native.file_io(fds, offsets, addrs, lens, write, self.depth, self.use_uring, self.threads)
+        if not write:
+            got = self._checksums(host_ids)
+            want = np.fromiter((self.ssd.checksum_of(int(d)) for d in disk_ids), dtype=np.uint64, count=disk_ids.size)
+            bad = got != want
+            if bad.any():
+                raise ChecksumError(disk_ids[bad])
+        return int(host_ids.size) * bb
+
+    def _checksums(self, host_ids: np.ndarray) -> np.ndarray:
+        bb = self.host.layout.block_bytes
+        return _native.checksums(self.host.base, host_ids.astype(np.uint64) * np.uint64(bb), bb)
+
+    def read_for_adoption(self, disk_ids: np.ndarray, host_ids: np.ndarray) -> np.ndarray:
+        """Reads disk blocks into host slots and returns their checksums (restart verification)."""
+        bb = self.host.layout.block_bytes
+        fds, offsets = self.ssd.locate(disk_ids)
+        _native.file_io(fds, offsets, self.host.block_addrs(host_ids), np.full(disk_ids.size, bb, dtype=np.uint64),
+                        False, self.depth, self.use_uring, self.threads)
+        return self._checksums(host_ids)
