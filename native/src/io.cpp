@@ -54,7 +54,10 @@ thread_local Ring tl_ring;
 
 bool uring_available() {
 #ifdef DFKV_HAVE_URING
-  return tl_ring.ensure(4);
+  io_uring probe;  // a throwaway ring: probing must not leave a descriptor behind
+  if (io_uring_queue_init(4, &probe, 0) != 0) return false;
+  io_uring_queue_exit(&probe);
+  return true;
 #else
   return false;
 #endif

@@ -1,0 +1,99 @@
+"""Shared pieces for data-plane tests: a small model, device tensors, content keyed by block."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from dynamo_flexkv import CacheConfig, KVLayoutType, KVManager, ModelSpec
+
+# 16 tokens x 2 heads x 64 dims x fp16 = 4 KiB per chunk: blocks stay O_DIRECT-aligned.
+MODEL = ModelSpec(num_layers=3, num_kv_heads=2, head_size=64, dtype="float16")
+TPB = 16
+BLOCK_BYTES = MODEL.token_bytes() * TPB  # 24 KiB
+
+
+def config(tmp_path, host_blocks=24, disk_blocks=64, **kw) -> CacheConfig:
+    gb = BLOCK_BYTES / (1 << 30)
+    values = dict(tokens_per_block=TPB, cpu_cache_gb=host_blocks * gb)
+    if disk_blocks:
+        values.update(ssd_cache_gb=disk_blocks * gb, ssd_cache_dir=f"{tmp_path}/ssd0;{tmp_path}/ssd1")
+    values.update(kw)
+    return CacheConfig.from_dict(values)
+
+
+def device_tensors(layout: KVLayoutType, num_blocks: int):
+    """Engine KV in one of the three layouts (one tensor per layer where the layout allows)."""
+    m = MODEL
+    if layout is KVLayoutType.LAYERBLOCK:
+        return [torch.zeros(num_blocks, 2, TPB, m.num_kv_heads, m.head_size, dtype=torch.float16)
+                for _ in range(m.num_layers)]
+    if layout is KVLayoutType.LAYERFIRST:
+        return torch.zeros(m.num_layers, 2, num_blocks, TPB, m.num_kv_heads, m.head_size, dtype=torch.float16)
+    return torch.zeros(num_blocks, m.num_layers, 2, TPB, m.num_kv_heads, m.head_size, dtype=torch.float16)
+
+
+def block_view(tensors, layout: KVLayoutType, block: int, layer: int) -> torch.Tensor:
+    if layout is KVLayoutType.LAYERBLOCK:
+        return tensors[layer][block]
+    if layout is KVLayoutType.LAYERFIRST:
+        return tensors[layer, :, block]
+    return tensors[block, layer]
+
+
+def content(seq_hash: int, layer: int) -> torch.Tensor:
+    """The bytes a block 'computed' for a prefix: a pure function of its sequence hash."""
+    g = torch.Generator().manual_seed((int(seq_hash) ^ (layer * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1))
+    return torch.randint(-30000, 30000, (2, TPB, MODEL.num_kv_heads, MODEL.head_size), generator=g,
+                         dtype=torch.int16).view(torch.float16)
+
+
+def fill(tensors, layout, block: int, seq_hash: int) -> None:
+    for layer in range(MODEL.num_layers):
+        block_view(tensors, layout, block, layer).copy_(content(seq_hash, layer))
+
+
+def holds(tensors, layout, block: int, seq_hash: int) -> bool:
+    return all(torch.equal(block_view(tensors, layout, block, layer).view(torch.int16),
+                           content(seq_hash, layer).view(torch.int16)) for layer in range(MODEL.num_layers))
+
+
+def assert_no_leaks(kv: KVManager) -> None:
+    assert kv.cache.task_ids() == []
+    for tier, idx in kv.cache.tiers.items():
+        assert idx.pool.num_used == len(idx), f"{tier}: pool slots leaked"
+        for h in idx.hashes():
+            info = idx.info(h)
+            assert info.ready and info.locks == 0, f"{tier}: block {h:#x} left locked or unready"
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def fd_targets() -> list:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def prompts(rng: np.random.Generator, count: int, max_blocks: int, vocab: int = 50000):
+    """Prompts sharing prefixes, each 1..max_blocks blocks plus a partial tail."""
+    out = []
+    for _ in range(count):
+        if out and rng.random() < 0.6:
+            base = out[int(rng.integers(len(out)))]
+            keep = int(rng.integers(0, len(base) // TPB + 1)) * TPB
+            p = base[:keep]
+        else:
+            p = []
+        extra = int(rng.integers(1, max_blocks + 1)) * TPB + int(rng.integers(0, TPB))
+        p = p + rng.integers(0, vocab, extra).tolist()
+        out.append(p[: max_blocks * TPB + TPB - 1])
+    return out
