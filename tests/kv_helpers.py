@@ -69,8 +69,17 @@ def assert_no_leaks(kv: KVManager) -> None:
             assert info.ready and info.locks == 0, f"{tier}: block {h:#x} left locked or unready"
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_fds(settle_to: int = -1, timeout: float = 5.0) -> int:
+    """Open descriptors of this process. With ``settle_to``, waits (bounded) for the count to fall
+    to it: a joined worker thread closes its cached io_uring ring in its native thread-exit
+    handlers, which can run just after Python's join() returned."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        n = len(os.listdir("/proc/self/fd"))
+        if n <= settle_to or settle_to < 0 or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
 
 
 def fd_targets() -> list:

@@ -23,7 +23,8 @@ def put(kv, dev, layout, prompt, rng):
 def get_and_check(kv, dev, layout, prompt, rng, skip=0, layerwise=False):
     h = kv.hashes(prompt).sequence
     ids = rng.choice(DEVICE_BLOCKS, size=len(h), replace=False)
-    cached = max(kv.match(prompt).values()) // TPB
+    m = kv.match(prompt)
+    cached, on_host = max(m.values()) // TPB, m["host"] // TPB
     t = kv.get_async(prompt, ids, skip_blocks=skip, layerwise=layerwise)
     if layerwise:
         for layer in range(MODEL.num_layers):
@@ -37,7 +38,9 @@ def get_and_check(kv, dev, layout, prompt, rng, skip=0, layerwise=False):
         return 0
     assert r.status is TaskStatus.SUCCESS, r
     n = r.num_tokens // TPB
-    assert n == cached - skip
+    # The host prefix is always served; the disk part needs free host slots to stage into, which
+    # background disk writes (holding host blocks) can take for a moment.
+    assert max(0, on_host - skip) <= n <= cached - skip
     for i in range(skip, skip + n):
         assert holds(dev, layout, int(ids[i]), int(h[i])), f"block {i} restored with the wrong bytes"
     return n
@@ -45,9 +48,11 @@ def get_and_check(kv, dev, layout, prompt, rng, skip=0, layerwise=False):
 
 @pytest.mark.parametrize("layout", list(KVLayoutType))
 @pytest.mark.parametrize("seed", range(3))
-def test_round_trip_with_eviction_and_restart(tmp_path, layout, seed):
+@pytest.mark.parametrize("nixl", [False, True], ids=["native-io", "nixl-posix"])
+def test_round_trip_with_eviction_and_restart(tmp_path, layout, seed, nixl):
     rng = np.random.default_rng(seed)
-    cfg = config(tmp_path, host_blocks=12, disk_blocks=40, eviction_policy=["lru", "lfu", "fifo"][seed])
+    cfg = config(tmp_path, host_blocks=12, disk_blocks=40, eviction_policy=["lru", "lfu", "fifo"][seed],
+                 enable_nixl=nixl)
     ps = prompts(rng, 30, max_blocks=6)
     fds = None
     loaded = 0
@@ -72,7 +77,7 @@ def test_round_trip_with_eviction_and_restart(tmp_path, layout, seed):
             kv.transfer.shutdown()  # let background disk writes finish before checking
             assert_no_leaks(kv)
     assert loaded > 0
-    assert open_fds() == fds, "a manager lifetime leaked file descriptors"
+    assert open_fds(settle_to=fds) == fds, "a manager lifetime leaked file descriptors"
 
 
 def test_get_from_disk_after_host_eviction(tmp_path):

@@ -103,12 +103,9 @@ class DiskMover:
         write = op.kind is OpKind.H2DISK
         host_ids, disk_ids = (op.src, op.dst) if write else (op.dst, op.src)
         bb = self.host.layout.block_bytes
-        addrs = self.host.block_addrs(host_ids)
-        fds, offsets = self.ssd.locate(disk_ids)
-        lens = np.full(host_ids.size, bb, dtype=np.uint64)
         if write:
             op.result = self._checksums(host_ids)
-        _native.file_io(fds, offsets, addrs, lens, write, self.depth, self.use_uring, self.threads)
+        self._transfer(host_ids, disk_ids, write)
         if not write:
             got = self._checksums(host_ids)
             want = np.fromiter((self.ssd.checksum_of(int(d)) for d in disk_ids), dtype=np.uint64, count=disk_ids.size)
@@ -117,14 +114,18 @@ class DiskMover:
                 raise ChecksumError(disk_ids[bad])
         return int(host_ids.size) * bb
 
+    def _transfer(self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool) -> None:
+        """Moves whole blocks between host slots and disk slots: one native batch."""
+        fds, offsets = self.ssd.locate(disk_ids)
+        lens = np.full(host_ids.size, self.host.layout.block_bytes, dtype=np.uint64)
+        _native.file_io(fds, offsets, self.host.block_addrs(host_ids), lens, write, self.depth,
+                        self.use_uring, self.threads)
+
     def _checksums(self, host_ids: np.ndarray) -> np.ndarray:
         bb = self.host.layout.block_bytes
         return _native.checksums(self.host.base, host_ids.astype(np.uint64) * np.uint64(bb), bb)
 
     def read_for_adoption(self, disk_ids: np.ndarray, host_ids: np.ndarray) -> np.ndarray:
         """Reads disk blocks into host slots and returns their checksums (restart verification)."""
-        bb = self.host.layout.block_bytes
-        fds, offsets = self.ssd.locate(disk_ids)
-        _native.file_io(fds, offsets, self.host.block_addrs(host_ids), np.full(disk_ids.size, bb, dtype=np.uint64),
-                        False, self.depth, self.use_uring, self.threads)
+        self._transfer(host_ids, disk_ids, write=False)
         return self._checksums(host_ids)
