@@ -15,7 +15,10 @@ from dynamo_flexkv.bench.report import Case, print_table, write_json
 # name -> (module, one-line description). Later issues add links and ttft.
 BENCHES: Dict[str, tuple] = {
     "index": ("dynamo_flexkv.bench.index", "hash + longest-prefix match, insert, evict vs Dynamo's RadixTree"),
+    "links": ("dynamo_flexkv.bench.links", "device<->host and host<->disk bandwidth vs same-run copy / fio"),
 }
+# Benchmarks whose ratio is better when higher (bandwidths); the rest report times.
+HIGHER_IS_BETTER = {"links"}
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
@@ -23,6 +26,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("name", choices=[*BENCHES, "all"], help="which benchmark ('all' runs every one)")
     parser.add_argument("--json", metavar="FILE", help="also write one JSON object per case to FILE")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke runs)")
+    parser.add_argument("--dir", help="directory for disk benchmarks (default: a temporary one under /tmp)")
     return parser
 
 
@@ -32,7 +36,7 @@ def run(args: argparse.Namespace) -> List[Case]:
     for name in names:
         module = importlib.import_module(BENCHES[name][0])
         got = module.run(args)
-        print_table(got)
+        print_table(got, lower_is_better=name not in HIGHER_IS_BETTER)
         cases.extend(got)
     if args.json:
         write_json(cases, args.json)

@@ -1,0 +1,173 @@
+"""bench links: bandwidth of each data-plane link against a same-run baseline on the same bytes.
+
+* host-d2h-*, host-h2d-*: HostDeviceMover gathering/scattering random blocks between per-layer
+  LAYERBLOCK "device" tensors (CPU tensors here) and the BLOCKFIRST host pool, against one
+  contiguous copy of the same byte count by the same native copier with the same threads.
+* disk-write-2MiB, disk-read-2MiB: DiskMover (io_uring, O_DIRECT, checksums included) writing
+  and reading random blocks striped into the cache file, against a sequential O_DIRECT io_uring
+  pass of the same size in the same directory: fio when installed, else our own native batch
+  at sequential offsets. nixl-disk-*: the NIXL POSIX mover on the same ops and baseline.
+Ratios are ours / baseline; higher is better (1.0 = the link runs at the copy or disk ceiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from dynamo_flexkv import _native
+from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
+from dynamo_flexkv.storage.device import DeviceCache
+from dynamo_flexkv.storage.host import HostPool
+from dynamo_flexkv.storage.ssd import SsdStore
+from dynamo_flexkv.transfer.graph import OpKind, TransferOp
+from dynamo_flexkv.transfer.movers import DiskMover, HostDeviceMover
+
+SHAPES = {
+    "small": ModelSpec(num_layers=8, num_kv_heads=4, head_size=64, dtype="bfloat16"),  # 128 KiB blocks
+    "8b": ModelSpec(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16"),  # 2 MiB blocks
+}
+TPB = 16
+THREADS = 4
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def best_of(fn: Callable[[], None], repeat: int) -> float:
+    """Median seconds of ``fn`` after one warm-up (first-touch page faults are not the link)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def host_cases(name: str, model: ModelSpec, n: int, repeat: int) -> List[Case]:
+    rng = np.random.default_rng(0)
+    host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, TPB, n), pin=False)
+    layers = [torch.randn(2 * n, 2, TPB, model.num_kv_heads, model.head_size).to(torch.bfloat16)
+              for _ in range(model.num_layers)]
+    device = DeviceCache.register(layers, model, KVLayoutType.LAYERBLOCK, TPB)
+    mover = HostDeviceMover(host, device, threads=THREADS)
+    dev_ids = rng.choice(2 * n, size=n, replace=False)
+    host_ids = rng.permutation(n)
+    nbytes = n * host.layout.block_bytes
+    # Real pages on both sides: untouched memory reads as the shared zero page and flatters a copy.
+    scratch = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    host.array[:] = 1
+    one = lambda a: np.array([a], dtype=np.uint64)  # noqa: E731
+    cases = []
+    for kind in (OpKind.D2H, OpKind.H2D):
+        src, dst = (dev_ids, host_ids) if kind is OpKind.D2H else (host_ids, dev_ids)
+        ours = best_of(lambda: mover.run(TransferOp(kind, src, dst)), repeat)
+        base_dst, base_src = (host.base, scratch.data_ptr()) if kind is OpKind.D2H else (scratch.data_ptr(), host.base)
+        base = best_of(lambda: _native.copy_chunks(one(base_dst), one(base_src), one(nbytes), THREADS), repeat)
+        cases.append(Case("links", f"host-{kind.value}-{name}", gbps(nbytes, ours), gbps(nbytes, base), "GB/s",
+                          "contiguous copy, same bytes and threads",
+                          f"{n} random blocks of {host.layout.block_bytes >> 10} KiB, {THREADS} threads"))
+    # The data must have made it: a D2H then H2D round trip restores every byte.
+    mover.run(TransferOp(OpKind.D2H, dev_ids, host_ids))
+    for layer in layers:
+        layer[dev_ids] = 0
+    mover.run(TransferOp(OpKind.H2D, host_ids, dev_ids))
+    host.close()
+    return cases
+
+
+def fio_seq(directory: str, nbytes: int, write: bool, depth: int) -> Optional[float]:
+    """Sequential O_DIRECT io_uring bandwidth (bytes/s) measured by fio, or None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    path = os.path.join(directory, "fio-baseline.dat")
+    cmd = ["fio", "--name=seq", f"--filename={path}", f"--rw={'write' if write else 'read'}", "--bs=2M",
+           f"--size={nbytes}", "--direct=1", "--ioengine=io_uring", f"--iodepth={depth}", "--numjobs=1",
+           "--output-format=json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return float(job["write" if write else "read"]["bw_bytes"])
+
+
+def native_seq(directory: str, host: HostPool, n: int, write: bool, depth: int) -> float:
+    """Fallback baseline: our native io_uring batch at sequential offsets of a separate file."""
+    bb = host.layout.block_bytes
+    fd = os.open(os.path.join(directory, "seq-baseline.dat"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        os.ftruncate(fd, n * bb)
+        args = (np.full(n, fd, np.int32), np.arange(n, dtype=np.uint64) * np.uint64(bb),
+                host.block_addrs(np.arange(n)), np.full(n, bb, np.uint64))
+        seconds = best_of(lambda: _native.file_io(*args, write, depth, True, 1), 3)
+    finally:
+        os.close(fd)
+    return n * bb / seconds
+
+
+def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
+    model = SHAPES["8b"]
+    host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, TPB, n), pin=False)
+    host.array[:] = np.random.default_rng(1).integers(0, 256, host.nbytes, dtype=np.uint8)
+    bb = host.layout.block_bytes
+    ssd = SsdStore([directory], n, bb, {"bench": "links"})
+    rng = np.random.default_rng(2)
+    host_ids, disk_ids = rng.permutation(n), rng.permutation(n)
+    nbytes = n * bb
+    movers: List[Tuple[str, DiskMover]] = [("disk", DiskMover(host, ssd, depth))]
+    try:
+        from dynamo_flexkv.transfer.nixl_mover import NixlDiskMover
+        movers.append(("nixl-disk", NixlDiskMover(host, ssd)))
+    except Exception as e:  # no NIXL here: report ours alone
+        print(f"(NIXL POSIX mover unavailable: {e})")
+    cases = []
+    for write in (True, False):
+        label = "write" if write else "read"
+        qd = min(n, depth)  # the same queue depth our batch reaches
+        base = fio_seq(directory, nbytes, write, qd)
+        base_name = f"fio seq O_DIRECT io_uring, iodepth {qd}"
+        if base is None:
+            base = native_seq(directory, host, n, write, depth)
+            base_name = "native seq O_DIRECT io_uring (no fio)"
+        for prefix, mover in movers:
+            kind = OpKind.H2DISK if write else OpKind.DISK2H
+            src, dst = (host_ids, disk_ids) if write else (disk_ids, host_ids)
+
+            def once() -> None:
+                op = TransferOp(kind, src, dst)
+                mover.run(op)
+                if write:  # reads verify checksums against what the writes recorded
+                    ssd.checksums.update(zip(disk_ids.tolist(), op.result.tolist()))
+            seconds = best_of(once, repeat)
+            cases.append(Case("links", f"{prefix}-{label}-2MiB", gbps(nbytes, seconds), base / 1e9, "GB/s",
+                              base_name, f"{n} random 2 MiB blocks, checksums included"))
+    ssd.close()
+    host.close()
+    return cases
+
+
+def run(args: argparse.Namespace) -> List[Case]:
+    quick = args.quick
+    repeat = 3 if quick else 5
+    cases: List[Case] = []
+    for name, model in SHAPES.items():
+        block = model.token_bytes() * TPB
+        n = max(8, (32 << 20 if quick else 512 << 20) // block)
+        cases += host_cases(name, model, n, repeat)
+    directory = tempfile.mkdtemp(prefix="flexkv-bench-", dir=getattr(args, "dir", None))
+    try:
+        cases += disk_cases(directory, 16 if quick else 256, repeat, 512)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return cases
