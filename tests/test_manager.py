@@ -36,6 +36,11 @@ def get_and_check(kv, dev, layout, prompt, rng, skip=0, layerwise=False):
     if cached <= skip:
         assert r.status is TaskStatus.NOT_FOUND
         return 0
+    if r.status is TaskStatus.NOT_FOUND:
+        # Only possible when host had nothing past `skip` and no free slot to stage disk blocks
+        # into (background disk writes hold host blocks until they finish).
+        assert on_host <= skip
+        return 0
     assert r.status is TaskStatus.SUCCESS, r
     n = r.num_tokens // TPB
     # The host prefix is always served; the disk part needs free host slots to stage into, which
@@ -77,7 +82,7 @@ def test_round_trip_with_eviction_and_restart(tmp_path, layout, seed, nixl):
             kv.transfer.shutdown()  # let background disk writes finish before checking
             assert_no_leaks(kv)
     assert loaded > 0
-    assert open_fds(settle_to=fds) == fds, "a manager lifetime leaked file descriptors"
+    assert open_fds(settle_to=fds) <= fds, "a manager lifetime leaked file descriptors"
 
 
 def test_get_from_disk_after_host_eviction(tmp_path):
@@ -88,10 +93,11 @@ def test_get_from_disk_after_host_eviction(tmp_path):
         first = list(range(6 * TPB))
         t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, first, rng)
         kv.wait([t])
+        _wait_idle(kv)
         for i in range(3):  # push `first` out of host memory
             t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, [100000 + i] * (6 * TPB), rng)
             kv.wait([t])
-        _wait_idle(kv)
+            _wait_idle(kv)  # its disk write releases the host blocks it reads
         m = kv.match(first)
         assert m["disk"] == 6 * TPB and m["host"] < 6 * TPB
         assert get_and_check(kv, dev, KVLayoutType.LAYERBLOCK, first, rng) == 6
