@@ -48,13 +48,23 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 def best_of(fn: Callable[[], None], repeat: int) -> float:
     """Median seconds of ``fn`` after one warm-up (first-touch page faults are not the link)."""
-    fn()
-    times = []
+    return paired(fn, None, repeat)[0]
+
+
+def paired(ours: Callable[[], None], base: Optional[Callable[[], None]], repeat: int) -> Tuple[float, float]:
+    """Median seconds of ``ours`` and ``base``, run alternately so drift on a shared machine hits
+    both sides alike; one warm-up each (first-touch page faults are not the link)."""
+    fns = [f for f in (ours, base) if f is not None]
+    for f in fns:
+        f()
+    times: List[List[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for f, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+    meds = [statistics.median(ts) for ts in times]
+    return meds[0], (meds[1] if base is not None else float("nan"))
 
 
 def host_cases(name: str, model: ModelSpec, n: int, repeat: int) -> List[Case]:
@@ -74,9 +84,9 @@ def host_cases(name: str, model: ModelSpec, n: int, repeat: int) -> List[Case]:
     cases = []
     for kind in (OpKind.D2H, OpKind.H2D):
         src, dst = (dev_ids, host_ids) if kind is OpKind.D2H else (host_ids, dev_ids)
-        ours = best_of(lambda: mover.run(TransferOp(kind, src, dst)), repeat)
         base_dst, base_src = (host.base, scratch.data_ptr()) if kind is OpKind.D2H else (scratch.data_ptr(), host.base)
-        base = best_of(lambda: _native.copy_chunks(one(base_dst), one(base_src), one(nbytes), THREADS), repeat)
+        ours, base = paired(lambda: mover.run(TransferOp(kind, src, dst)),
+                            lambda: _native.copy_chunks(one(base_dst), one(base_src), one(nbytes), THREADS), repeat)
         cases.append(Case("links", f"host-{kind.value}-{name}", gbps(nbytes, ours), gbps(nbytes, base), "GB/s",
                           "contiguous copy, same bytes and threads",
                           f"{n} random blocks of {host.layout.block_bytes >> 10} KiB, {THREADS} threads"))
@@ -110,7 +120,7 @@ def native_seq(directory: str, host: HostPool, n: int, write: bool, depth: int) 
         os.ftruncate(fd, n * bb)
         args = (np.full(n, fd, np.int32), np.arange(n, dtype=np.uint64) * np.uint64(bb),
                 host.block_addrs(np.arange(n)), np.full(n, bb, np.uint64))
-        seconds = best_of(lambda: _native.file_io(*args, write, depth, True, 1), 3)
+        seconds = best_of(lambda: _native.file_io(*args, write, depth, True, 1), 1)
     finally:
         os.close(fd)
     return n * bb / seconds
@@ -132,26 +142,31 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
     except Exception as e:  # no NIXL here: report ours alone
         print(f"(NIXL POSIX mover unavailable: {e})")
     cases = []
+    qd = min(n, depth)  # the same queue depth our batch reaches
+    use_fio = shutil.which("fio") is not None
+    base_name = (f"fio seq O_DIRECT io_uring, iodepth {qd}" if use_fio
+                 else "native seq O_DIRECT io_uring (no fio)")
     for write in (True, False):
         label = "write" if write else "read"
-        qd = min(n, depth)  # the same queue depth our batch reaches
-        base = fio_seq(directory, nbytes, write, qd)
-        base_name = f"fio seq O_DIRECT io_uring, iodepth {qd}"
-        if base is None:
-            base = native_seq(directory, host, n, write, depth)
-            base_name = "native seq O_DIRECT io_uring (no fio)"
+        kind = OpKind.H2DISK if write else OpKind.DISK2H
+        src, dst = (host_ids, disk_ids) if write else (disk_ids, host_ids)
         for prefix, mover in movers:
-            kind = OpKind.H2DISK if write else OpKind.DISK2H
-            src, dst = (host_ids, disk_ids) if write else (disk_ids, host_ids)
-
             def once() -> None:
                 op = TransferOp(kind, src, dst)
                 mover.run(op)
                 if write:  # reads verify checksums against what the writes recorded
                     ssd.checksums.update(zip(disk_ids.tolist(), op.result.tolist()))
-            seconds = best_of(once, repeat)
-            cases.append(Case("links", f"{prefix}-{label}-2MiB", gbps(nbytes, seconds), base / 1e9, "GB/s",
-                              base_name, f"{n} random 2 MiB blocks, checksums included"))
+            once()  # warm-up: allocates the file's extents
+            ours, base = [], []
+            for _ in range(repeat):  # alternate with the baseline: disks drift
+                t0 = time.perf_counter()
+                once()
+                ours.append(time.perf_counter() - t0)
+                base.append(fio_seq(directory, nbytes, write, qd) if use_fio
+                            else native_seq(directory, host, n, write, depth))
+            cases.append(Case("links", f"{prefix}-{label}-2MiB", gbps(nbytes, statistics.median(ours)),
+                              statistics.median(base) / 1e9, "GB/s", base_name,
+                              f"{n} random 2 MiB blocks, checksums included"))
     ssd.close()
     host.close()
     return cases
@@ -159,7 +174,7 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
 
 def run(args: argparse.Namespace) -> List[Case]:
     quick = args.quick
-    repeat = 3 if quick else 5
+    repeat = 3 if quick else 9
     cases: List[Case] = []
     for name, model in SHAPES.items():
         block = model.token_bytes() * TPB
