@@ -54,20 +54,24 @@ class HostDeviceMover:
         if self.cuda:
             self._cuda_copy(dev_ids, host_ids, lo, hi, to_host, op.after)
         else:
-            dev, hst, lens = self._chunk_addrs(dev_ids, host_ids, lo, hi)
+            dev, hst, lens = self._chunk_addrs(dev_ids, host_ids, lo, hi, to_host)
             _native.copy_chunks(*((hst, dev) if to_host else (dev, hst)), lens, self.threads)
         return int(dev_ids.size) * (hi - lo) * self.host.layout.layer_block_bytes
 
-    def _chunk_addrs(self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int):
-        """Chunk addresses in block-major order, so chunks adjacent on both sides merge."""
+    def _chunk_addrs(self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int, to_host: bool):
+        """(device, host, length) of every chunk, listed in *source* address order: sequential
+        reads keep the prefetcher busy; K and V of a block stay neighbours so they merge."""
         m, hl = self.host.layout.model, self.host.layout
-        dev, hst = [], []
-        for layer in range(lo, hi):
-            for kv in range(m.kv_dim):
-                dev.append(self.device.chunk_addrs(dev_ids, layer, kv))
-                hst.append(np.uint64(self.host.base) + hl.chunk_offsets(host_ids, layer, kv).astype(np.uint64))
-        dev_a = np.stack(dev, axis=1).ravel()
-        hst_a = np.stack(hst, axis=1).ravel()
+        order = np.argsort(dev_ids if to_host else host_ids, kind="stable")
+        dev_ids, host_ids = dev_ids[order], host_ids[order]
+        layers = range(lo, hi)
+        dev = np.stack([np.stack([self.device.chunk_addrs(dev_ids, layer, kv) for kv in range(m.kv_dim)], axis=-1)
+                        for layer in layers])  # [layer][block][kv]
+        hst = np.stack([np.stack([np.uint64(self.host.base) + hl.chunk_offsets(host_ids, layer, kv).astype(np.uint64)
+                                  for kv in range(m.kv_dim)], axis=-1) for layer in layers])
+        if not to_host:  # the host is BLOCKFIRST: block-major order walks it front to back
+            dev, hst = dev.transpose(1, 0, 2), hst.transpose(1, 0, 2)
+        dev_a, hst_a = np.ascontiguousarray(dev).ravel(), np.ascontiguousarray(hst).ravel()
         return dev_a, hst_a, np.full(dev_a.size, hl.chunk_bytes, dtype=np.uint64)
 
     def _cuda_copy(self, dev_ids, host_ids, lo, hi, to_host, after) -> None:
