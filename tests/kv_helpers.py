@@ -24,15 +24,15 @@ def config(tmp_path, host_blocks=24, disk_blocks=64, **kw) -> CacheConfig:
     return CacheConfig.from_dict(values)
 
 
-def device_tensors(layout: KVLayoutType, num_blocks: int):
+def device_tensors(layout: KVLayoutType, num_blocks: int, device: str = "cpu"):
     """Engine KV in one of the three layouts (one tensor per layer where the layout allows)."""
     m = MODEL
+    kw = dict(dtype=torch.float16, device=device)
     if layout is KVLayoutType.LAYERBLOCK:
-        return [torch.zeros(num_blocks, 2, TPB, m.num_kv_heads, m.head_size, dtype=torch.float16)
-                for _ in range(m.num_layers)]
+        return [torch.zeros(num_blocks, 2, TPB, m.num_kv_heads, m.head_size, **kw) for _ in range(m.num_layers)]
     if layout is KVLayoutType.LAYERFIRST:
-        return torch.zeros(m.num_layers, 2, num_blocks, TPB, m.num_kv_heads, m.head_size, dtype=torch.float16)
-    return torch.zeros(num_blocks, m.num_layers, 2, TPB, m.num_kv_heads, m.head_size, dtype=torch.float16)
+        return torch.zeros(m.num_layers, 2, num_blocks, TPB, m.num_kv_heads, m.head_size, **kw)
+    return torch.zeros(num_blocks, m.num_layers, 2, TPB, m.num_kv_heads, m.head_size, **kw)
 
 
 def block_view(tensors, layout: KVLayoutType, block: int, layer: int) -> torch.Tensor:
@@ -56,7 +56,7 @@ def fill(tensors, layout, block: int, seq_hash: int) -> None:
 
 
 def holds(tensors, layout, block: int, seq_hash: int) -> bool:
-    return all(torch.equal(block_view(tensors, layout, block, layer).view(torch.int16),
+    return all(torch.equal(block_view(tensors, layout, block, layer).cpu().view(torch.int16),
                            content(seq_hash, layer).view(torch.int16)) for layer in range(MODEL.num_layers))
 
 

@@ -29,3 +29,13 @@ def test_bench_index_quick_writes_json(tmp_path):
         assert set(r) >= {"bench", "case", "ours", "baseline", "ratio", "unit"}
         assert r["bench"] == "index" and r["ours"] > 0 and r["baseline"] > 0
         assert abs(r["ratio"] - r["ours"] / r["baseline"]) < 1e-9
+
+
+def test_bench_links_quick(tmp_path):
+    cases = run(build_parser().parse_args(["links", "--quick", "--dir", str(tmp_path)]))
+    names = {c.case for c in cases}
+    assert {"host-d2h-small", "host-h2d-small", "host-d2h-8b", "host-h2d-8b",
+            "disk-write-2MiB", "disk-read-2MiB"} <= names
+    for c in cases:
+        assert c.unit == "GB/s" and c.ours > 0 and c.baseline > 0
+    assert list(tmp_path.iterdir()) == []  # the benchmark cleans up its files

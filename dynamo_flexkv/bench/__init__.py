@@ -27,6 +27,8 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--json", metavar="FILE", help="also write one JSON object per case to FILE")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke runs)")
     parser.add_argument("--dir", help="directory for disk benchmarks (default: a temporary one under /tmp)")
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        help="where the engine's KV tensors live (default: cuda when available)")
     return parser
 
 

@@ -67,10 +67,10 @@ def paired(ours: Callable[[], None], base: Optional[Callable[[], None]], repeat:
     return meds[0], (meds[1] if base is not None else float("nan"))
 
 
-def host_cases(name: str, model: ModelSpec, n: int, repeat: int) -> List[Case]:
+def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> List[Case]:
     rng = np.random.default_rng(0)
-    host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, TPB, n), pin=False)
-    layers = [torch.randn(2 * n, 2, TPB, model.num_kv_heads, model.head_size).to(torch.bfloat16)
+    host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, TPB, n))  # pinned when CUDA exists
+    layers = [torch.randn(2 * n, 2, TPB, model.num_kv_heads, model.head_size, device=where).to(torch.bfloat16)
               for _ in range(model.num_layers)]
     device = DeviceCache.register(layers, model, KVLayoutType.LAYERBLOCK, TPB)
     mover = HostDeviceMover(host, device, threads=THREADS)
@@ -78,23 +78,40 @@ def host_cases(name: str, model: ModelSpec, n: int, repeat: int) -> List[Case]:
     host_ids = rng.permutation(n)
     nbytes = n * host.layout.block_bytes
     # Real pages on both sides: untouched memory reads as the shared zero page and flatters a copy.
-    scratch = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    scratch = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=where)
     host.array[:] = 1
+    host_bytes = torch.frombuffer(host.array, dtype=torch.uint8)
     one = lambda a: np.array([a], dtype=np.uint64)  # noqa: E731
     cases = []
     for kind in (OpKind.D2H, OpKind.H2D):
         src, dst = (dev_ids, host_ids) if kind is OpKind.D2H else (host_ids, dev_ids)
-        base_dst, base_src = (host.base, scratch.data_ptr()) if kind is OpKind.D2H else (scratch.data_ptr(), host.base)
-        ours, base = paired(lambda: mover.run(TransferOp(kind, src, dst)),
-                            lambda: _native.copy_chunks(one(base_dst), one(base_src), one(nbytes), THREADS), repeat)
+        if where == "cuda":  # baseline: one pinned<->device DMA of the same bytes
+            a, b = (host_bytes, scratch) if kind is OpKind.D2H else (scratch, host_bytes)
+
+            def base_fn(a=a, b=b) -> None:
+                a.copy_(b, non_blocking=True)
+                torch.cuda.synchronize()
+            base_name, note = "contiguous pinned<->device copy", f"{n} random blocks, CUDA"
+        else:
+            base_dst, base_src = (host.base, scratch.data_ptr()) if kind is OpKind.D2H else (scratch.data_ptr(), host.base)
+
+            def base_fn(base_dst=base_dst, base_src=base_src) -> None:
+                _native.copy_chunks(one(base_dst), one(base_src), one(nbytes), THREADS)
+            base_name, note = "contiguous copy, same bytes and threads", f"{THREADS} threads"
+        ours, base = paired(lambda: mover.run(TransferOp(kind, src, dst)), base_fn, repeat)
         cases.append(Case("links", f"host-{kind.value}-{name}", gbps(nbytes, ours), gbps(nbytes, base), "GB/s",
-                          "contiguous copy, same bytes and threads",
-                          f"{n} random blocks of {host.layout.block_bytes >> 10} KiB, {THREADS} threads"))
+                          base_name, f"{n} random blocks of {host.layout.block_bytes >> 10} KiB, {note}"))
     # The data must have made it: a D2H then H2D round trip restores every byte.
     mover.run(TransferOp(OpKind.D2H, dev_ids, host_ids))
+    # Compare raw bits: the baselines copied random bytes around, some of which read as NaN.
+    before = [layer[torch.as_tensor(dev_ids, device=where)].view(torch.int16).clone() for layer in layers]
     for layer in layers:
-        layer[dev_ids] = 0
+        layer[torch.as_tensor(dev_ids, device=where)] = 0
     mover.run(TransferOp(OpKind.H2D, host_ids, dev_ids))
+    for layer, want in zip(layers, before):
+        if not torch.equal(layer[torch.as_tensor(dev_ids, device=where)].view(torch.int16), want):
+            raise RuntimeError(f"links bench: {name} D2H+H2D round trip changed the bytes")
+    del host_bytes
     host.close()
     return cases
 
@@ -176,10 +193,11 @@ def run(args: argparse.Namespace) -> List[Case]:
     quick = args.quick
     repeat = 3 if quick else 9
     cases: List[Case] = []
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     for name, model in SHAPES.items():
         block = model.token_bytes() * TPB
         n = max(8, (32 << 20 if quick else 512 << 20) // block)
-        cases += host_cases(name, model, n, repeat)
+        cases += host_cases(name, model, n, repeat, device)
     directory = tempfile.mkdtemp(prefix="flexkv-bench-", dir=getattr(args, "dir", None))
     try:
         cases += disk_cases(directory, 16 if quick else 256, repeat, 512)
