@@ -49,7 +49,6 @@ class CacheConfig:
     slru_protected_hits: int = 2  # SLRU: hits that move a block from probation to protected
     disk_admission_hits: int = 0  # hits a block needs before it is written to disk; 0 = always
     io_queue_depth: int = 512  # io_uring submission depth for the disk tier
-    host_layout: KVLayoutType = KVLayoutType.BLOCKFIRST
     use_huge_pages: bool = False
 
     def __post_init__(self) -> None:
@@ -77,8 +76,11 @@ class CacheConfig:
         return dataclasses.replace(self, **_coerce_all(changes, "replace()"))
 
     # ---- derived ---------------------------------------------------------------------------
-    def layout(self, model: ModelSpec, num_blocks: int, type: Optional[KVLayoutType] = None) -> KVLayout:
-        return KVLayout(type or self.host_layout, model, self.tokens_per_block, num_blocks)
+    def layout(self, model: ModelSpec, num_blocks: int,
+               type: KVLayoutType = KVLayoutType.BLOCKFIRST) -> KVLayout:
+        """Layout of ``num_blocks`` blocks; host and disk tiers are always BLOCKFIRST (a block is
+        one span: one disk I/O, one checksum)."""
+        return KVLayout(type, model, self.tokens_per_block, num_blocks)
 
     def tier_blocks(self, model: ModelSpec) -> Dict[str, int]:
         """Capacities in blocks of ``model``; a tier configured > 0 GB that holds no block errs."""
@@ -186,8 +188,6 @@ def _coerce(key: str, default: Any, value: Any, source: str) -> Any:
             return _parse_bool(value)
         if isinstance(default, EvictionPolicy):
             return EvictionPolicy.parse(value)
-        if isinstance(default, KVLayoutType):
-            return KVLayoutType.parse(value)
         if isinstance(default, tuple):
             items = value.split(";") if isinstance(value, str) else list(value)
             return tuple(str(Path(p.strip()).expanduser()) for p in items if str(p).strip())

@@ -4,7 +4,7 @@ import pytest
 
 from dynamo_flexkv.config import CacheConfig, ConfigError
 from dynamo_flexkv.index.policies import EvictionPolicy
-from dynamo_flexkv.layout import KVLayoutType, ModelSpec
+from dynamo_flexkv.layout import ModelSpec
 
 LLAMA8B = ModelSpec(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16")
 
@@ -31,11 +31,11 @@ def test_kvbm_aliases_and_dir_list(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     cfg = CacheConfig.load(env={
         "DYN_KVBM_CPU_CACHE_GB": "1.5", "DYN_KVBM_DISK_CACHE_GB": "4",
-        "DYN_KVBM_DISK_CACHE_DIR": f"{a};{b}", "FLEXKV_HOST_LAYOUT": "layerfirst",
+        "DYN_KVBM_DISK_CACHE_DIR": f"{a};{b}", "FLEXKV_EVICTION_POLICY": "FILO",
         "FLEXKV_ENABLE_NIXL": "yes",
     })
     assert cfg.cpu_cache_gb == 1.5 and cfg.ssd_cache_gb == 4 and cfg.ssd_cache_dir == (str(a), str(b))
-    assert cfg.host_layout is KVLayoutType.LAYERFIRST and cfg.enable_nixl is True
+    assert cfg.eviction_policy is EvictionPolicy.FILO and cfg.enable_nixl is True
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_kvbm_aliases_and_dir_list(tmp_path):
         ({"enable_gds": "maybe"}, "enable_gds='maybe' in test is invalid"),
         ({"io_queue_depth": 0}, "io_queue_depth=0 must be in [1, 32768]"),
         ({"disk_admission_hits": 1.5}, "disk_admission_hits=1.5 in test is invalid"),
-        ({"host_layout": "diagonal"}, "unknown KV layout 'diagonal'"),
+        ({"host_layout": "LAYERFIRST"}, "unknown config key 'host_layout'"),
         ({"enable_gds": True}, "enable_gds=true needs a disk tier"),
     ],
 )
