@@ -130,6 +130,7 @@ class KVManager:
             self.cache.abort_task(task.id)
             task.finish(TaskResult(task.id, TaskKind.GET, TaskStatus.NOT_FOUND))
             return task.id
+        task.planned_tokens = plan.num_blocks * self.tokens_per_block
         self._submit(task, self._get_graph(task, plan, dev_ids, layerwise, load_device=True))
         return task.id
 
@@ -183,6 +184,11 @@ class KVManager:
             task = self._task(t)
             if task.graph is not None:
                 self.transfer.cancel(task.graph)
+
+    def planned_tokens(self, task_id: int) -> int:
+        """Tokens a get will have loaded if it succeeds (known at submission: the engine can plan
+        its compute while the load runs)."""
+        return self._task(task_id).planned_tokens
 
     def wait_for_layer(self, task_id: int, layer: int, timeout: Optional[float] = None) -> bool:
         """Blocks until layer ``layer`` of a get is on the device. False on timeout; raises

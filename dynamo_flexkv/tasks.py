@@ -47,6 +47,7 @@ class Task:
     kind: TaskKind
     num_layers: int
     graph: Optional[TransferGraph] = None
+    planned_tokens: int = 0  # what a get or prefetch will load if it succeeds
     result: Optional[TaskResult] = None
     done: threading.Event = field(default_factory=threading.Event)  # the caller may proceed
     layer_ready: List[threading.Event] = field(default_factory=list)
