@@ -22,6 +22,7 @@ class OffloadConnector:
         self.layerwise = layerwise
         self.bs = kv.tokens_per_block
         self._puts: Dict[int, List[int]] = {}  # put task -> device blocks it still reads
+        self._prefetches: List[int] = []
         self.failed_loads = 0
 
     def register(self, layers) -> None:
@@ -52,7 +53,9 @@ class OffloadConnector:
         return r
 
     def prefetch(self, tokens: Sequence[int]) -> int:
-        return self.kv.prefetch_async(list(tokens))
+        tid = self.kv.prefetch_async(list(tokens))
+        self._prefetches.append(tid)
+        return tid
 
     def store(self, tokens: Sequence[int], block_table: Sequence[int]) -> int:
         n = len(tokens) // self.bs
@@ -61,12 +64,18 @@ class OffloadConnector:
         return tid
 
     def finished_puts(self) -> List[List[int]]:
-        """Device blocks of puts whose device copy is done (the engine may release them)."""
+        """Device blocks of puts whose device copy is done (the engine may release them).
+        Also collects finished prefetches, whose results nobody else waits for."""
+        if self._prefetches:
+            done = self.kv.try_wait(self._prefetches)
+            self._prefetches = [t for t in self._prefetches if t not in done]
         if not self._puts:
             return []
         done = self.kv.try_wait(list(self._puts))
         return [self._puts.pop(t) for t in done]
 
     def drain_puts(self) -> List[List[int]]:
+        self.kv.wait(self._prefetches)
+        self._prefetches = []
         done = self.kv.wait(list(self._puts))
         return [self._puts.pop(t) for t in done]

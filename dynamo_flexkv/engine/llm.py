@@ -123,12 +123,16 @@ class LLMEngine:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
             if not self._allocate(req):
-                if self.connector is not None and req.prefetch_task is None:
-                    req.prefetch_task = self.connector.prefetch(req.prompt)  # queue-time prefetch
-                return
+                break
             self.waiting.popleft()
             req.state = RequestState.RUNNING
             self.running.append(req)
+        if self.connector is not None:
+            # Queue-time prefetch: requests next in line bring their disk prefix into host memory
+            # while they wait for a slot or for device blocks.
+            for req in itertools.islice(self.waiting, self.max_running):
+                if req.prefetch_task is None:
+                    req.prefetch_task = self.connector.prefetch(req.prompt)
 
     def _allocate(self, req: Request) -> bool:
         bs = self.cfg.block_size
