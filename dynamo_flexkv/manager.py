@@ -60,7 +60,7 @@ class KVManager:
                 self.ssd = SsdStore(self.config.ssd_cache_dir, caps["disk"], self.host.layout.block_bytes,
                                     dict(self.host.layout.fingerprint(), namespace=self.namespace or ""))
                 disk_mover = self._make_disk_mover()
-                movers[OpKind.DISK2H] = movers[OpKind.H2DISK] = disk_mover
+                movers[OpKind.DISK2H] = movers[OpKind.H2DISK] = movers[OpKind.VERIFY] = disk_mover
             self.cache = CacheEngine(self.config, {Tier.HOST: caps["host"], Tier.DISK: caps["disk"]},
                                      listener=listener, on_slots_freed=self._slots_freed)
             if self.ssd is not None:
@@ -234,24 +234,37 @@ class KVManager:
     def _get_graph(self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool,
                    load_device: bool) -> TransferGraph:
         tid, ops = task.id, []
-        disk2h = None
+        layers = [(i, i + 1) for i in range(self.model.num_layers)] if layerwise else [(0, self.model.num_layers)]
+        # Disk reads feed each layer's device copy. Layerwise with disk: read layer by layer too
+        # (when a layer's span keeps O_DIRECT alignment), so layer 0 computes while later layers
+        # are still on their way; one VERIFY then checks whole blocks before anything commits.
+        disk_for: Dict[tuple, TransferOp] = {}
         if plan.staged is not None:
             def staged_landed(op: TransferOp) -> None:
                 self.cache.complete(plan.disk_reads, tid)
                 self.cache.complete(plan.staged, tid)
-            disk2h = TransferOp(OpKind.DISK2H, plan.disk_reads.block_ids, plan.staged.block_ids, on_done=staged_landed)
-            ops.append(disk2h)
+            src, dst_host = plan.disk_reads.block_ids, plan.staged.block_ids
+            split = layerwise and load_device and self.host.layout.layer_block_bytes % 4096 == 0
+            if split:
+                reads = [TransferOp(OpKind.DISK2H, src, dst_host, layers=span) for span in layers]
+                ops += reads
+                ops.append(TransferOp(OpKind.VERIFY, src, dst_host, deps=tuple(reads), on_done=staged_landed))
+                disk_for = dict(zip(layers, reads))
+            else:
+                whole = TransferOp(OpKind.DISK2H, src, dst_host, on_done=staged_landed)
+                ops.append(whole)
+                disk_for = {span: whole for span in layers}
         if load_device:
             if self.device is None:
                 raise RuntimeError("get_async before register_device_cache")
-            reads = plan.host_reads
-            dst = dev_ids[reads.start:reads.end]
-            layers = [(i, i + 1) for i in range(self.model.num_layers)] if layerwise else [(0, self.model.num_layers)]
+            reads_h = plan.host_reads
+            dst = dev_ids[reads_h.start:reads_h.end]
             for lo, hi in layers:
                 def layer_landed(op: TransferOp, lo=lo, hi=hi) -> None:
                     for i in range(lo, hi):
                         task.layer_ready[i].set()
-                ops.append(TransferOp(OpKind.H2D, reads.block_ids, dst, deps=(disk2h,) if disk2h else (),
+                dep = disk_for.get((lo, hi))
+                ops.append(TransferOp(OpKind.H2D, reads_h.block_ids, dst, deps=(dep,) if dep else (),
                                       layers=(lo, hi), on_done=layer_landed))
         loaded = plan.num_blocks if load_device else (len(plan.staged) if plan.staged else 0)
 

@@ -94,7 +94,8 @@ def test_disk_write_failure_keeps_host_and_leaks_nothing(kv, tmp_path):
         os.close(bad)
 
 
-def test_checksum_mismatch_fails_get_and_drops_block(kv, tmp_path):
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-blocks", "per-layer-reads"])
+def test_checksum_mismatch_fails_get_and_drops_block(kv, tmp_path, layerwise):
     prompt = list(range(6 * TPB))
     store(kv, prompt, [0, 1, 2, 3, 4, 5])
     kv.cache.tiers[Tier.HOST].evict(100)  # only the disk copy is left
@@ -106,9 +107,11 @@ def test_checksum_mismatch_fails_get_and_drops_block(kv, tmp_path):
     with open(path, "r+b") as f:
         f.seek(int(off[0]) + 100)
         f.write(b"\xff" * 64)
-    t = kv.get_async(prompt, list(range(10, 16)))
+    t = kv.get_async(prompt, list(range(10, 16)), layerwise=layerwise)
     r = kv.wait([t])[t]
     assert r.status is TaskStatus.FAILED and "ChecksumError" in r.error
+    if layerwise:  # the per-layer path really ran: reads were split and a VERIFY op failed
+        assert kv.stats()["links"]["disk2h"]["bytes"] > 0
     idle(kv)
     # The torn block and everything after it left the disk tier; its prefix stays usable.
     assert kv.match(prompt) == {"host": 0, "disk": 2 * TPB}

@@ -18,6 +18,7 @@ class OpKind(str, Enum):
     DISK2D = "disk2d"
     REMOTE2H = "remote2h"
     H2REMOTE = "h2remote"
+    VERIFY = "verify"  # checksums of disk blocks that landed in host slots (after per-layer reads)
 
 
 class OpState(str, Enum):

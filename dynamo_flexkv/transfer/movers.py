@@ -104,26 +104,44 @@ class DiskMover:
         self.use_uring = _native.uring_available() if use_uring is None else use_uring
 
     def run(self, op: TransferOp) -> int:
+        """H2DISK: whole blocks, checksummed first. DISK2H: whole blocks, verified after; with
+        ``op.layers`` only those layers' span of each block, verified later by a VERIFY op."""
+        if op.kind is OpKind.VERIFY:
+            self._verify(op.src, op.dst)
+            return 0
         write = op.kind is OpKind.H2DISK
         host_ids, disk_ids = (op.src, op.dst) if write else (op.dst, op.src)
-        bb = self.host.layout.block_bytes
         if write:
             op.result = self._checksums(host_ids)
-        self._transfer(host_ids, disk_ids, write)
-        if not write:
-            got = self._checksums(host_ids)
-            want = np.fromiter((self.ssd.checksum_of(int(d)) for d in disk_ids), dtype=np.uint64, count=disk_ids.size)
-            bad = got != want
-            if bad.any():
-                raise ChecksumError(disk_ids[bad])
-        return int(host_ids.size) * bb
+        offset, length = self.span(op.layers)
+        self._transfer(host_ids, disk_ids, write, offset, length)
+        if not write and op.layers is None:
+            self._verify(disk_ids, host_ids)
+        return int(host_ids.size) * length
 
-    def _transfer(self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool) -> None:
-        """Moves whole blocks between host slots and disk slots: one native batch."""
+    def span(self, layers) -> tuple:
+        """(offset, length) inside a BLOCKFIRST block of a layer range; whole block for None."""
+        layout = self.host.layout
+        if layers is None:
+            return 0, layout.block_bytes
+        lo, hi = layers
+        return lo * layout.layer_block_bytes, (hi - lo) * layout.layer_block_bytes
+
+    def _verify(self, disk_ids: np.ndarray, host_ids: np.ndarray) -> None:
+        got = self._checksums(host_ids)
+        want = np.fromiter((self.ssd.checksum_of(int(d)) for d in disk_ids), dtype=np.uint64, count=disk_ids.size)
+        bad = got != want
+        if bad.any():
+            raise ChecksumError(disk_ids[bad])
+
+    def _transfer(self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool, offset: int = 0,
+                  length: Optional[int] = None) -> None:
+        """Moves [offset, offset + length) of each block between host and disk slots: one batch."""
+        length = self.host.layout.block_bytes if length is None else length
         fds, offsets = self.ssd.locate(disk_ids)
-        lens = np.full(host_ids.size, self.host.layout.block_bytes, dtype=np.uint64)
-        _native.file_io(fds, offsets, self.host.block_addrs(host_ids), lens, write, self.depth,
-                        self.use_uring, self.threads)
+        lens = np.full(host_ids.size, length, dtype=np.uint64)
+        _native.file_io(fds, offsets + np.uint64(offset), self.host.block_addrs(host_ids) + np.uint64(offset),
+                        lens, write, self.depth, self.use_uring, self.threads)
 
     def _checksums(self, host_ids: np.ndarray) -> np.ndarray:
         bb = self.host.layout.block_bytes

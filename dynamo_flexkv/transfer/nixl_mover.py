@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -42,14 +43,16 @@ class NixlDiskMover(DiskMover):
         file_bytes = -(-ssd.num_blocks // len(ssd.fds)) * ssd.block_bytes
         self.agent.register_memory([(0, file_bytes, fd, "") for fd in ssd.fds], "FILE")
 
-    def _transfer(self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool) -> None:
+    def _transfer(self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool, offset: int = 0,
+                  length: Optional[int] = None) -> None:
         if host_ids.size == 0:
             return
-        bb = self.host.layout.block_bytes
+        bb = self.host.layout.block_bytes if length is None else length
         fds, offsets = self.ssd.locate(disk_ids)
         n = host_ids.size
-        dram = np.stack([self.host.block_addrs(host_ids), np.full(n, bb, np.uint64), np.zeros(n, np.uint64)], axis=1)
-        files = np.stack([offsets, np.full(n, bb, np.uint64), fds.astype(np.uint64)], axis=1)
+        addrs = self.host.block_addrs(host_ids) + np.uint64(offset)
+        dram = np.stack([addrs, np.full(n, bb, np.uint64), np.zeros(n, np.uint64)], axis=1)
+        files = np.stack([offsets + np.uint64(offset), np.full(n, bb, np.uint64), fds.astype(np.uint64)], axis=1)
         handle = self.agent.initialize_xfer("WRITE" if write else "READ",
                                             self.agent.get_xfer_descs(dram, "DRAM"),
                                             self.agent.get_xfer_descs(files, "FILE"), self.name)
