@@ -123,14 +123,19 @@ class LlamaModel:
         c = self.cfg
         end = ch.start + len(ch.tokens)
         k, v = kv.gather(layer, ch.block_table, end)  # [end, kvh, d]
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+        group = c.num_heads // c.num_kv_heads
+        # [1, heads, tokens, dim] with K/V repeated per group: the fused (flash) CPU and CUDA
+        # kernels take this form; enable_gqa falls back to a much slower path on CPU.
+        qh = q.transpose(0, 1)[None]
+        kh = k.transpose(0, 1).repeat_interleave(group, 0)[None]
+        vh = v.transpose(0, 1).repeat_interleave(group, 0)[None]
         if ch.start == 0:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
         else:
             rows = torch.arange(ch.start, end, device=q.device)[:, None]
             mask = torch.arange(end, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-        return o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        return o[0].transpose(0, 1)
 
     def _rope(self, positions: torch.Tensor):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
