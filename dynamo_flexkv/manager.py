@@ -246,7 +246,12 @@ class KVManager:
             src, dst_host = plan.disk_reads.block_ids, plan.staged.block_ids
             split = layerwise and load_device and self.host.layout.layer_block_bytes % 4096 == 0
             if split:
-                reads = [TransferOp(OpKind.DISK2H, src, dst_host, layers=span) for span in layers]
+                # Chained, so each layer's read gets the whole disk in turn: layer 0 lands after
+                # 1/L of the read time instead of all layers landing together at the end.
+                reads: List[TransferOp] = []
+                for span in layers:
+                    reads.append(TransferOp(OpKind.DISK2H, src, dst_host, layers=span,
+                                            deps=(reads[-1],) if reads else ()))
                 ops += reads
                 ops.append(TransferOp(OpKind.VERIFY, src, dst_host, deps=tuple(reads), on_done=staged_landed))
                 disk_for = dict(zip(layers, reads))

@@ -16,6 +16,7 @@ from dynamo_flexkv.bench.report import Case, print_table, write_json
 BENCHES: Dict[str, tuple] = {
     "index": ("dynamo_flexkv.bench.index", "hash + longest-prefix match, insert, evict vs Dynamo's RadixTree"),
     "links": ("dynamo_flexkv.bench.links", "device<->host and host<->disk bandwidth vs same-run copy / fio"),
+    "ttft": ("dynamo_flexkv.bench.ttft", "reference-engine TTFT with cached prefixes vs same-run recompute"),
 }
 # Benchmarks whose ratio is better when higher (bandwidths); the rest report times.
 HIGHER_IS_BETTER = {"links"}

@@ -29,6 +29,7 @@ class LLMEngine:
         device: str = "cpu",
         kv_manager: Optional[KVManager] = None,
         layerwise: bool = True,
+        offload_puts: bool = True,
         max_batch_tokens: int = 16384,
         max_running: int = 16,
         seed: int = 0,
@@ -44,6 +45,7 @@ class LLMEngine:
             self.connector = OffloadConnector(kv_manager, layerwise)
             self.connector.register(self.kv_cache.layers)
         self.layerwise = layerwise
+        self.offload_puts = offload_puts  # False: load from offload tiers but never store (benchmarks)
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
@@ -204,7 +206,7 @@ class LLMEngine:
             parent = int(seq[i - 1]) if i else None
             self.pool.cache(r.block_table[i], int(seq[i]), parent, r.prompt[i * bs:(i + 1) * bs])
         r.cached_blocks = max(r.cached_blocks, full)
-        if self.connector is not None and r.num_computed == len(r.prompt) and not r.output:
+        if self.connector is not None and self.offload_puts and r.num_computed == len(r.prompt) and not r.output:
             # Prefill finished: offload the prompt's full blocks; the put holds them meanwhile.
             n = len(r.prompt) // bs
             if n:

@@ -1,0 +1,125 @@
+"""bench ttft: time to first token of the reference engine (`small` preset) with a prompt's
+prefix cached in host or disk memory, bulk versus layerwise load, against recompute (offload
+disabled) of the same prompt in the same run; and the miss path (offload on, nothing cached).
+
+Each measurement uses a fresh engine (empty device cache) and one request, so the time is what
+the offload tiers and the compute cost, not what the device prefix cache remembers.
+`*-added` cases isolate the load: TTFT minus the TTFT of the same request whose prefix is
+already on the device — layerwise ought to add at most half of what bulk adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.config import CacheConfig
+from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, LlamaModel, SamplingParams
+from dynamo_flexkv.index import Tier
+from dynamo_flexkv.manager import KVManager
+
+ONE = SamplingParams(max_tokens=1)
+
+
+class Rig:
+    """One model, one KVManager (host + disk), fresh engines per measurement."""
+
+    def __init__(self, cfg: EngineModelConfig, max_tokens: int, directory: str) -> None:
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.blocks = max_tokens // cfg.block_size + 8
+        block_bytes = cfg.kv_spec().token_bytes() * cfg.block_size
+        gb = 2 * self.blocks * block_bytes / (1 << 30)
+        self.kv = KVManager(cfg.kv_spec(), CacheConfig.from_dict(dict(
+            tokens_per_block=cfg.block_size, cpu_cache_gb=gb, ssd_cache_gb=2 * gb, ssd_cache_dir=directory)))
+
+    def engine(self, offload: bool, layerwise: bool = True, puts: bool = True) -> LLMEngine:
+        """``puts=False``: the measured request loads but stores nothing, so one measurement does
+        not change what the next one finds cached."""
+        return LLMEngine(self.cfg, num_device_blocks=self.blocks, model=self.model,
+                         kv_manager=self.kv if offload else None, layerwise=layerwise, offload_puts=puts)
+
+    def ttft(self, engine: LLMEngine, prompt: List[int]) -> float:
+        r = engine.generate([prompt], ONE)[0]
+        engine.flush()
+        return r.ttft
+
+    def store(self, tokens: List[int]) -> None:
+        """Puts ``tokens``' full blocks into host and disk (computing them once)."""
+        self.ttft(self.engine(True), tokens)
+        self.idle()
+
+    def idle(self) -> None:
+        import time
+        while self.kv.cache.task_ids():
+            time.sleep(0.001)
+
+    def drop_host(self) -> None:
+        self.idle()
+        host = self.kv.cache.tiers[Tier.HOST]
+        host.evict(len(host))
+
+    def close(self) -> None:
+        self.kv.shutdown()
+
+
+def run(args: argparse.Namespace) -> List[Case]:
+    cfg = EngineModelConfig.preset("small")
+    sizes = [2048] if args.quick else [2048, 4096, 8192]
+    fractions = [0.5, 0.9, 1.0]
+    repeat = 1 if args.quick else 3
+    rng = np.random.default_rng(0)
+    directory = tempfile.mkdtemp(prefix="flexkv-ttft-", dir=getattr(args, "dir", None))
+    rig = Rig(cfg, max(sizes), directory)
+    cases: List[Case] = []
+    try:
+        rig.ttft(rig.engine(False), rng.integers(0, cfg.vocab_size, 512).tolist())  # warm-up
+        for size in sizes:
+            label = f"{size // 1024}K"
+            times: Dict[str, List[float]] = {}
+            base: List[float] = []
+
+            def add(name: str, t: float) -> None:
+                times.setdefault(name, []).append(t)
+            for _ in range(repeat):
+                prompt = rng.integers(0, cfg.vocab_size, size).tolist()
+                base.append(rig.ttft(rig.engine(False), prompt))
+                add("miss", rig.ttft(rig.engine(True), prompt))  # offload on, nothing cached
+                rig.idle()
+                rig.kv.reset()
+                for f in fractions:
+                    prompt = rng.integers(0, cfg.vocab_size, size).tolist()
+                    rig.store(prompt[: int(size * f)])
+                    for mode, layerwise in (("bulk", False), ("layerwise", True)):
+                        add(f"host-{int(f * 100)}-{mode}", rig.ttft(rig.engine(True, layerwise, False), prompt))
+                    for mode, layerwise in (("bulk", False), ("layerwise", True)):
+                        rig.drop_host()  # only the disk copy is left
+                        add(f"disk-{int(f * 100)}-{mode}", rig.ttft(rig.engine(True, layerwise, False), prompt))
+                    if f == 0.9:  # the same request with its prefix already on the device
+                        dev = rig.engine(False)
+                        rig.ttft(dev, prompt[: int(size * f)])
+                        add("device-90", rig.ttft(dev, prompt))
+                    rig.idle()
+                    rig.kv.reset()
+            b = statistics.median(base) * 1e3
+            for name, ts in times.items():
+                if name == "device-90":
+                    continue
+                cases.append(Case("ttft", f"{name}-{label}", statistics.median(ts) * 1e3, b, "ms",
+                                  "recompute (offload off)", f"small preset, {size} tokens, median of {repeat}"))
+            dev = statistics.median(times["device-90"]) * 1e3
+            for tier in ("host", "disk"):
+                bulk = statistics.median(times[f"{tier}-90-bulk"]) * 1e3 - dev
+                lw = statistics.median(times[f"{tier}-90-layerwise"]) * 1e3 - dev
+                cases.append(Case("ttft", f"{tier}-90-load-added-{label}", max(lw, 0.0), max(bulk, 1e-6), "ms",
+                                  "bulk load's added time", f"TTFT minus device-hit TTFT ({dev:.1f} ms)"))
+    finally:
+        rig.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    return cases
