@@ -39,3 +39,12 @@ def test_bench_links_quick(tmp_path):
     for c in cases:
         assert c.unit == "GB/s" and c.ours > 0 and c.baseline > 0
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up its files
+
+
+def test_bench_ttft_quick(tmp_path):
+    cases = run(build_parser().parse_args(["ttft", "--quick", "--dir", str(tmp_path)]))
+    by = {c.case: c for c in cases}
+    assert {"miss-2K", "host-90-bulk-2K", "host-90-layerwise-2K", "disk-90-bulk-2K", "disk-90-layerwise-2K",
+            "host-100-bulk-2K", "disk-90-load-added-2K"} <= set(by)
+    # Loading 90% of the prompt must beat computing it (a sanity bound, not a performance goal).
+    assert by["host-90-bulk-2K"].ours < by["host-90-bulk-2K"].baseline

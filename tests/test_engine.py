@@ -167,3 +167,35 @@ def test_seeded_sampling_and_stop_tokens():
     assert a == b and a != c
     stop = engine.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=[a[0]], temperature=1.0, seed=3))[0]
     assert stop.output == [a[0]] and stop.finish_reason == "stop"
+
+
+def test_loads_hugging_face_directory(tmp_path):
+    """A local HF-style Llama directory (config.json + safetensors) loads and computes exactly
+    what the same weights compute in memory."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dynamo_flexkv.engine import LlamaModel
+
+    src = LLMEngine(CFG, num_device_blocks=64, seed=11).model
+    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+             "ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+    tensors = {"model.embed_tokens.weight": src.w["embed"], "model.norm.weight": src.w["norm"],
+               "lm_head.weight": src.w["lm_head"]}
+    for i in range(CFG.num_layers):
+        for short, hf in names.items():
+            tensors[f"model.layers.{i}.{hf}.weight"] = src.w[f"{i}.{short}"]
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size,
+        "num_hidden_layers": CFG.num_layers, "num_attention_heads": CFG.num_heads,
+        "num_key_value_heads": CFG.num_kv_heads, "head_dim": CFG.head_dim,
+        "intermediate_size": CFG.intermediate_size, "rope_theta": CFG.rope_theta,
+        "rms_norm_eps": CFG.rms_norm_eps, "torch_dtype": "float32"}))
+    loaded = LlamaModel.from_pretrained(tmp_path)
+    params = SamplingParams(max_tokens=4, record_logits=True)
+    a = LLMEngine(CFG, num_device_blocks=64, model=src).generate([list(range(50))], params)[0]
+    b = LLMEngine(loaded.cfg, num_device_blocks=64, model=loaded).generate([list(range(50))], params)[0]
+    assert a.output == b.output and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
