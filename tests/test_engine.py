@@ -198,4 +198,7 @@ def test_loads_hugging_face_directory(tmp_path):
     params = SamplingParams(max_tokens=4, record_logits=True)
     a = LLMEngine(CFG, num_device_blocks=64, model=src).generate([list(range(50))], params)[0]
     b = LLMEngine(loaded.cfg, num_device_blocks=64, model=loaded).generate([list(range(50))], params)[0]
-    assert a.output == b.output and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    assert a.output == b.output
+    # Same weights, same math; BLAS may pick other kernels for tensors at other alignments
+    # (safetensors' buffers), so allow float32 rounding.
+    assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < 1e-4
