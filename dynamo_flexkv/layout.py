@@ -136,6 +136,16 @@ class KVLayout:
             raise ValueError("BLOCKFIRST has no per-layer tensors: register one tensor instead")
         return self.shape()[1:]
 
+    def strides(self) -> Tuple[int, int, int]:
+        """Byte strides (block, layer, kv) of chunks: every layout is affine in the three, so
+        offset = block * sb + layer * sl + kv * sk."""
+        m, c, n = self.model, self.chunk_bytes, self.num_blocks
+        if self.type is KVLayoutType.LAYERFIRST:
+            return c, m.kv_dim * n * c, n * c
+        if self.type is KVLayoutType.BLOCKFIRST:
+            return m.num_layers * m.kv_dim * c, m.kv_dim * c, c
+        return m.kv_dim * c, n * m.kv_dim * c, c
+
     def chunk_offsets(self, block_ids: np.ndarray, layer: int, kv: int) -> np.ndarray:
         """Byte offsets of chunk (block, layer, kv) for each block id, from the start of the whole
         (single-tensor) cache. Vectorized: the data plane gathers with these."""

@@ -40,3 +40,14 @@ def test_layer_shape():
     assert KVLayout(KVLayoutType.LAYERBLOCK, m, 16, 7).layer_shape() == (7, 2, 16, 2, 8)
     with pytest.raises(ValueError, match="BLOCKFIRST has no per-layer tensors"):
         KVLayout(KVLayoutType.BLOCKFIRST, m, 16, 7).layer_shape()
+
+
+@pytest.mark.parametrize("kind", list(KVLayoutType))
+def test_strides_agree_with_offsets(kind):
+    model = ModelSpec(num_layers=3, num_kv_heads=2, head_size=4, dtype="float16")
+    layout = KVLayout(kind, model, tokens_per_block=4, num_blocks=5)
+    sb, sl, sk = layout.strides()
+    ids = np.arange(5)
+    for layer in range(3):
+        for kv in range(2):
+            assert np.array_equal(layout.chunk_offsets(ids, layer, kv), ids * sb + layer * sl + kv * sk)

@@ -93,6 +93,18 @@ class DeviceCache:
             base, off = self.tensors[0].data_ptr(), self.layout.chunk_offsets(block_ids, layer, kv)
         return (np.uint64(base) + off.astype(np.uint64)).astype(np.uint64)
 
+    def chunk_addr_grid(self, block_ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Addresses of chunks (layer, block, kv) for layers [lo, hi): shape [layers, blocks, kv]."""
+        sb, sl, sk = self.layout.strides()
+        layers = np.arange(lo, hi, dtype=np.uint64)
+        if self.per_layer:
+            base = np.array([self.tensors[i].data_ptr() for i in range(lo, hi)], dtype=np.uint64)
+        else:
+            base = np.uint64(self.tensors[0].data_ptr()) + layers * np.uint64(sl)
+        kv = np.arange(self.layout.model.kv_dim, dtype=np.uint64) * np.uint64(sk)
+        blocks = np.asarray(block_ids, dtype=np.uint64) * np.uint64(sb)
+        return base[:, None, None] + blocks[None, :, None] + kv[None, None, :]
+
     def block_tensor(self, layer: int) -> torch.Tensor:
         """Layer ``layer`` as [block][kv][token][head][dim] (a view) — for torch gathers on CUDA."""
         if self.per_layer:

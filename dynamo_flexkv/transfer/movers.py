@@ -61,14 +61,14 @@ class HostDeviceMover:
     def _chunk_addrs(self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int, to_host: bool):
         """(device, host, length) of every chunk, listed in *source* address order: sequential
         reads keep the prefetcher busy; K and V of a block stay neighbours so they merge."""
-        m, hl = self.host.layout.model, self.host.layout
+        hl = self.host.layout
         order = np.argsort(dev_ids if to_host else host_ids, kind="stable")
         dev_ids, host_ids = dev_ids[order], host_ids[order]
-        layers = range(lo, hi)
-        dev = np.stack([np.stack([self.device.chunk_addrs(dev_ids, layer, kv) for kv in range(m.kv_dim)], axis=-1)
-                        for layer in layers])  # [layer][block][kv]
-        hst = np.stack([np.stack([np.uint64(self.host.base) + hl.chunk_offsets(host_ids, layer, kv).astype(np.uint64)
-                                  for kv in range(m.kv_dim)], axis=-1) for layer in layers])
+        dev = self.device.chunk_addr_grid(dev_ids, lo, hi)  # [layer][block][kv]
+        sb, sl, sk = hl.strides()
+        hst = (np.uint64(self.host.base) + np.arange(lo, hi, dtype=np.uint64)[:, None, None] * np.uint64(sl)
+               + host_ids.astype(np.uint64)[None, :, None] * np.uint64(sb)
+               + np.arange(hl.model.kv_dim, dtype=np.uint64)[None, None, :] * np.uint64(sk))
         if not to_host:  # the host is BLOCKFIRST: block-major order walks it front to back
             dev, hst = dev.transpose(1, 0, 2), hst.transpose(1, 0, 2)
         dev_a, hst_a = np.ascontiguousarray(dev).ravel(), np.ascontiguousarray(hst).ravel()
