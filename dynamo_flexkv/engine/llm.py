@@ -52,6 +52,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._finished: List[Request] = []  # since the last generate() collected them
         self.recomputed_loads = 0
+        self.load_stall_seconds = 0.0  # time steps spent blocked on offload loads
 
     # ---- API -------------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None,
@@ -181,15 +182,20 @@ class LLMEngine:
             for r in loading:
                 if r.id in failed:
                     continue
+                t0 = time.perf_counter()
                 try:
                     self.connector.wait_layer(r.load_task, layer)
                 except TaskFailed:
                     failed.add(r.id)  # computed on garbage; _settle_load sends it back
+                finally:
+                    self.load_stall_seconds += time.perf_counter() - t0
         return wait
 
     def _settle_load(self, r: Request) -> bool:
         """Finishes a request's load; on failure its loaded range is recomputed instead."""
+        t0 = time.perf_counter()
         result = self.connector.finish(r.load_task)
+        self.load_stall_seconds += time.perf_counter() - t0
         r.load_task = None
         if result.status is TaskStatus.SUCCESS:
             return True
