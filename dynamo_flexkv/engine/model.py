@@ -131,6 +131,8 @@ class LlamaModel:
         vh = v.transpose(0, 1).repeat_interleave(group, 0)[None]
         if ch.start == 0:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        elif q.device.type == "cpu" and _CPU_FLASH is not None:
+            o = _suffix_attention_cpu(qh, kh, vh, ch.start)
         else:
             rows = torch.arange(ch.start, end, device=q.device)[:, None]
             mask = torch.arange(end, device=q.device)[None, :] <= rows
@@ -140,6 +142,20 @@ class LlamaModel:
     def _rope(self, positions: torch.Tensor):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _suffix_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Attention of queries at positions [start, end) over keys [0, end): the cached prefix
+    [0, start) is fully visible and the new part is plain causal, so run the fused kernel on each
+    and merge by log-sum-exp. An explicit mask would make the CPU kernel visit every tile."""
+    o1, l1 = _CPU_FLASH(q, k[:, :, :start], v[:, :, :start])
+    o2, l2 = _CPU_FLASH(q, k[:, :, start:], v[:, :, start:], is_causal=True)
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
+    return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
