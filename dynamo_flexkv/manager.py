@@ -90,7 +90,7 @@ class KVManager:
             return NixlDiskMover(self.host, self.ssd, gds=self.config.enable_gds)
         return DiskMover(self.host, self.ssd, self.config.io_queue_depth)
 
-    def _adopt_disk(self, mover) -> None:
+    def _adopt_disk(self, mover: DiskMover) -> None:
         """Restart: verify what the journal says is on disk, using host slots as scratch."""
         scratch = self.host.num_blocks
 
@@ -99,8 +99,7 @@ class KVManager:
             for i in range(0, len(entries), scratch):
                 part = entries[i:i + scratch]
                 disk_ids = np.array([e.block_id for e in part], dtype=np.int64)
-                reader = mover if isinstance(mover, DiskMover) else DiskMover(self.host, self.ssd)
-                out.append(reader.read_for_adoption(disk_ids, np.arange(len(part), dtype=np.int64)))
+                out.append(mover.read_for_adoption(disk_ids, np.arange(len(part), dtype=np.int64)))
             return np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
 
         report = self.ssd.adopt(read)

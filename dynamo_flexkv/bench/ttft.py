@@ -16,7 +16,8 @@ import argparse
 import shutil
 import statistics
 import tempfile
-from typing import Dict, List, Tuple
+import time
+from typing import Dict, List
 
 import numpy as np
 
@@ -59,7 +60,6 @@ class Rig:
         self.idle()
 
     def idle(self) -> None:
-        import time
         while self.kv.cache.task_ids():
             time.sleep(0.001)
 

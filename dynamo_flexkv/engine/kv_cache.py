@@ -73,8 +73,7 @@ class DeviceBlockPool:
             if b is None:
                 break
             out.append(b)
-        for b in out:
-            self._ref(b)
+        self.ref(out)
         return out
 
     def peek(self, hashes: Sequence[int]) -> int:
@@ -121,10 +120,12 @@ class DeviceBlockPool:
                 else:
                     self._free.append(b)
 
-    def _ref(self, b: int) -> None:
-        if self.refs[b] == 0:
-            self._evictable.pop(b, None)
-        self.refs[b] += 1
+    def ref(self, blocks: Sequence[int]) -> None:
+        """One more user of each block (a reader such as an offload copy in flight)."""
+        for b in blocks:
+            if self.refs[b] == 0:
+                self._evictable.pop(b, None)
+            self.refs[b] += 1
 
     def _uncache(self, b: int) -> None:
         h = self.hash_of.pop(b)

@@ -216,8 +216,7 @@ class LLMEngine:
             # Prefill finished: offload the prompt's full blocks; the put holds them meanwhile.
             n = len(r.prompt) // bs
             if n:
-                for b in r.block_table[:n]:
-                    self.pool._ref(b)
+                self.pool.ref(r.block_table[:n])
                 self.connector.store(r.prompt, r.block_table)
 
     def _emit(self, r: Request, logits: torch.Tensor) -> RequestOutput:
