@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from kv_helpers import (MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, open_fds,

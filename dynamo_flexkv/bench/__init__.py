@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
-from typing import Callable, Dict, List, Optional
+
+from typing import Dict, List, Optional
 
 from dynamo_flexkv.bench.report import Case, print_table, write_json
 

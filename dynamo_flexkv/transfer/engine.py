@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Dict, List, Optional, Protocol
+from typing import Dict, Optional, Protocol
 
 from dynamo_flexkv.transfer.graph import GraphState, OpKind, OpState, TransferGraph, TransferOp
 
