@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-
 from typing import Dict, List, Optional
 
 from dynamo_flexkv.bench.report import Case, print_table, write_json
 
-# name -> (module, one-line description). Later issues add links and ttft.
+# name -> (module, one-line description).
 BENCHES: Dict[str, tuple] = {
     "index": ("dynamo_flexkv.bench.index", "hash + longest-prefix match, insert, evict vs Dynamo's RadixTree"),
     "links": ("dynamo_flexkv.bench.links", "device<->host and host<->disk bandwidth vs same-run copy / fio"),
