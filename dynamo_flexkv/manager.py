@@ -12,7 +12,6 @@ builds a transfer graph for the data plane, and commits index changes only after
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
@@ -22,18 +21,18 @@ import torch
 
 from dynamo_flexkv.config import CacheConfig
 from dynamo_flexkv.hashing import block_hashes
-from dynamo_flexkv.index import CacheEngine, GetPlan, PutPlan, Tier
+from dynamo_flexkv.index import CacheEngine, Tier
 from dynamo_flexkv.index.cache_engine import IndexListener
 from dynamo_flexkv.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.storage.device import DeviceCache
 from dynamo_flexkv.storage.host import HostPool
 from dynamo_flexkv.storage.ssd import DiskEntry, SsdStore
+from dynamo_flexkv.task_graphs import GraphBuilder
 from dynamo_flexkv.tasks import Task, TaskFailed, TaskKind, TaskResult, TaskStatus
 from dynamo_flexkv.transfer.engine import TransferEngine
-from dynamo_flexkv.transfer.graph import GraphState, OpKind, OpState, TransferGraph, TransferOp
-from dynamo_flexkv.transfer.movers import ChecksumError, DiskMover, HostDeviceMover
+from dynamo_flexkv.transfer.graph import OpKind, TransferGraph
+from dynamo_flexkv.transfer.movers import DiskMover, HostDeviceMover
 
-log = logging.getLogger(__name__)
 
 
 class KVManager:
@@ -69,12 +68,13 @@ class KVManager:
             self._close_storage()
             raise
         self.transfer = TransferEngine(movers, workers)
+        self.graphs = GraphBuilder(self.cache, self.ssd, self.host.layout.layer_block_bytes,
+                                   self.tokens_per_block, model.num_layers)
         self.device: Optional[DeviceCache] = None
         self._tasks: Dict[int, Task] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
-        self.disk_write_failures = 0
 
     # ---- setup ---------------------------------------------------------------------------------
     def register_device_cache(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]],
@@ -130,7 +130,10 @@ class KVManager:
             task.finish(TaskResult(task.id, TaskKind.GET, TaskStatus.NOT_FOUND))
             return task.id
         task.planned_tokens = plan.num_blocks * self.tokens_per_block
-        self._submit(task, self._get_graph(task, plan, dev_ids, layerwise, load_device=True))
+        if self.device is None:
+            self.cache.abort_task(task.id)
+            raise RuntimeError("get_async before register_device_cache")
+        self._submit(task, self.graphs.get(task, plan, dev_ids, layerwise))
         return task.id
 
     def prefetch_async(self, token_ids, **kw) -> int:
@@ -143,7 +146,7 @@ class KVManager:
             status = TaskStatus.SUCCESS if plan.num_blocks else TaskStatus.NOT_FOUND
             task.finish(TaskResult(task.id, TaskKind.PREFETCH, status))
             return task.id
-        self._submit(task, self._get_graph(task, plan, None, False, load_device=False))
+        self._submit(task, self.graphs.get(task, plan, None, False))
         return task.id
 
     def put_async(self, token_ids, device_block_ids, **kw) -> int:
@@ -153,7 +156,15 @@ class KVManager:
         dev_ids = self._device_ids(token_ids, device_block_ids)
         task = self._new_task(TaskKind.PUT)
         plan = self.cache.plan_put(task.id, h.sequence)
-        self._submit(task, self._put_graph(task, plan, dev_ids))
+        after = None
+        if plan.host is not None:
+            if self.device is None:
+                self.cache.abort_task(task.id)
+                raise RuntimeError("put_async before register_device_cache")
+            if self.device.device.type == "cuda":  # the copy waits for the engine's writes
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream(self.device.device))
+        self._submit(task, self.graphs.put(task, plan, dev_ids, after))
         return task.id
 
     def wait(self, task_ids: Iterable[int], timeout: Optional[float] = None) -> Dict[int, TaskResult]:
@@ -207,7 +218,7 @@ class KVManager:
         out["links"] = {k.value: {"bytes": self.transfer.link_bytes[k], "seconds": self.transfer.link_seconds[k]}
                         for k in OpKind if self.transfer.link_bytes[k]}
         out["tasks"] = {"in_flight": len(self._tasks), "failed_ops": self.transfer.failed_ops,
-                        "disk_write_failures": self.disk_write_failures}
+                        "disk_write_failures": self.graphs.disk_write_failures}
         return out
 
     def reset(self) -> None:
@@ -230,111 +241,7 @@ class KVManager:
         self.shutdown()
 
     # ---- graphs ----------------------------------------------------------------------------------
-    def _get_graph(self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool,
-                   load_device: bool) -> TransferGraph:
-        tid, ops = task.id, []
-        layers = [(i, i + 1) for i in range(self.model.num_layers)] if layerwise else [(0, self.model.num_layers)]
-        # Disk reads feed each layer's device copy. Layerwise with disk: read layer by layer too
-        # (when a layer's span keeps O_DIRECT alignment), so layer 0 computes while later layers
-        # are still on their way; one VERIFY then checks whole blocks before anything commits.
-        disk_for: Dict[tuple, TransferOp] = {}
-        if plan.staged is not None:
-            def staged_landed(op: TransferOp) -> None:
-                self.cache.complete(plan.disk_reads, tid)
-                self.cache.complete(plan.staged, tid)
-            src, dst_host = plan.disk_reads.block_ids, plan.staged.block_ids
-            split = layerwise and load_device and self.host.layout.layer_block_bytes % 4096 == 0
-            if split:
-                # Chained, so each layer's read gets the whole disk in turn: layer 0 lands after
-                # 1/L of the read time instead of all layers landing together at the end.
-                reads: List[TransferOp] = []
-                for span in layers:
-                    reads.append(TransferOp(OpKind.DISK2H, src, dst_host, layers=span,
-                                            deps=(reads[-1],) if reads else ()))
-                ops += reads
-                ops.append(TransferOp(OpKind.VERIFY, src, dst_host, deps=tuple(reads), on_done=staged_landed))
-                disk_for = dict(zip(layers, reads))
-            else:
-                whole = TransferOp(OpKind.DISK2H, src, dst_host, on_done=staged_landed)
-                ops.append(whole)
-                disk_for = {span: whole for span in layers}
-        if load_device:
-            if self.device is None:
-                raise RuntimeError("get_async before register_device_cache")
-            reads_h = plan.host_reads
-            dst = dev_ids[reads_h.start:reads_h.end]
-            for lo, hi in layers:
-                def layer_landed(op: TransferOp, lo=lo, hi=hi) -> None:
-                    for i in range(lo, hi):
-                        task.layer_ready[i].set()
-                dep = disk_for.get((lo, hi))
-                ops.append(TransferOp(OpKind.H2D, reads_h.block_ids, dst, deps=(dep,) if dep else (),
-                                      layers=(lo, hi), on_done=layer_landed))
-        loaded = plan.num_blocks if load_device else (len(plan.staged) if plan.staged else 0)
-
-        def finished(graph: TransferGraph) -> None:
-            if graph.state is GraphState.DONE:
-                if plan.host_reads is not None:
-                    self.cache.complete(plan.host_reads, tid)
-                self.cache.finish_task(tid)
-                task.finish(TaskResult(tid, task.kind, TaskStatus.SUCCESS, loaded * self.tokens_per_block))
-                return
-            self.cache.abort_task(tid)
-            if isinstance(graph.error, ChecksumError):
-                self._drop_corrupt(graph.error.disk_ids)
-            task.finish(self._failure(task, graph))
-        return TransferGraph(ops, on_finish=finished)
-
-    def _put_graph(self, task: Task, plan: PutPlan, dev_ids: np.ndarray) -> TransferGraph:
-        tid, ops = task.id, []
-        stored = len(plan.host) if plan.host is not None else 0
-        d2h = None
-        if plan.host is not None:
-            if self.device is None:
-                raise RuntimeError("put_async before register_device_cache")
-            after = None
-            if self.device.device.type == "cuda":
-                after = torch.cuda.Event()
-                after.record(torch.cuda.current_stream(self.device.device))
-
-            def host_landed(op: TransferOp) -> None:
-                self.cache.complete(plan.host, tid)
-                task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, stored * self.tokens_per_block))
-            d2h = TransferOp(OpKind.D2H, dev_ids[plan.host.start:plan.host.end], plan.host.block_ids,
-                             after=after, on_done=host_landed)
-            ops.append(d2h)
-        else:
-            task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, 0))
-        if plan.disk is not None:
-            def disk_landed(op: TransferOp) -> None:
-                self.ssd.record_stored(DiskEntry(b, h, p, int(c)) for b, h, p, c in zip(
-                    plan.disk.block_ids, plan.disk.hashes, [plan.disk.parent, *plan.disk.hashes[:-1]], op.result))
-                self.cache.complete(plan.disk, tid)
-                self.cache.complete(plan.host_sources, tid)
-            ops.append(TransferOp(OpKind.H2DISK, plan.host_sources.block_ids, plan.disk.block_ids,
-                                  deps=(d2h,) if d2h else (), on_done=disk_landed))
-
-        def finished(graph: TransferGraph) -> None:
-            if graph.state is GraphState.DONE:
-                self.cache.finish_task(tid)
-                return
-            if d2h is not None and d2h.state is OpState.DONE and graph.state is GraphState.FAILED:
-                self.disk_write_failures += 1
-                log.warning("put %d: disk write failed (%s); the blocks stay on host only", tid, graph.error)
-            self.cache.abort_task(tid)
-            task.finish(self._failure(task, graph))
-        return TransferGraph(ops, on_finish=finished)
-
     # ---- helpers ---------------------------------------------------------------------------------
-    def _failure(self, task: Task, graph: TransferGraph) -> TaskResult:
-        if graph.state is GraphState.CANCELLED:
-            return TaskResult(task.id, task.kind, TaskStatus.CANCELLED)
-        return TaskResult(task.id, task.kind, TaskStatus.FAILED, error=f"{type(graph.error).__name__}: {graph.error}")
-
-    def _drop_corrupt(self, disk_ids: List[int]) -> None:
-        log.error("disk blocks %s failed their checksum; dropping them", disk_ids[:8])
-        self.cache.discard(Tier.DISK, disk_ids)
-
     def _new_task(self, kind: TaskKind) -> Task:
         with self._lock:
             if self._closed:
