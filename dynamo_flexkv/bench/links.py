@@ -30,7 +30,7 @@ from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.storage.device import DeviceCache
 from dynamo_flexkv.storage.host import HostPool
-from dynamo_flexkv.storage.ssd import SsdStore
+from dynamo_flexkv.storage.ssd import DiskEntry, SsdStore
 from dynamo_flexkv.transfer.graph import OpKind, TransferOp
 from dynamo_flexkv.transfer.movers import DiskMover, HostDeviceMover
 
@@ -174,7 +174,7 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
                 op = TransferOp(kind, src, dst)
                 mover.run(op)
                 if write:  # reads verify checksums against what the writes recorded
-                    ssd.checksums.update(zip(disk_ids.tolist(), op.result.tolist()))
+                    ssd.record_stored(DiskEntry(b, b, None, c) for b, c in zip(disk_ids.tolist(), op.result.tolist()))
             once()  # warm-up: allocates the file's extents
             ours, base = [], []
             for _ in range(repeat):  # alternate with the baseline: disks drift

@@ -19,7 +19,6 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dynamo_flexkv import _native
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +67,10 @@ class SsdStore:
         except OSError:
             self.close()
             raise
-        self.checksums: Dict[int, int] = {}
+        self.entries: Dict[int, DiskEntry] = {}  # what the journal says each live slot holds
         self._journal_path = os.path.join(self.dirs[0], JOURNAL)
         self._journal = None
+        self._journal_lines = 0
 
     # ---- addressing ------------------------------------------------------------------------------
     def locate(self, block_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -87,16 +87,15 @@ class SsdStore:
     def record_stored(self, entries: Iterable[DiskEntry]) -> None:
         lines = []
         for e in entries:
-            self.checksums[e.block_id] = e.checksum
-            parent = "-" if e.parent is None else f"{e.parent:x}"
-            lines.append(f"S {e.block_id} {e.seq_hash:x} {parent} {e.checksum:x}\n")
+            self.entries[e.block_id] = e
+            lines.append(_stored_line(e))
         self._append(lines)
 
     def record_removed(self, block_ids: Iterable[int]) -> None:
         lines = []
         for b in block_ids:
-            self.checksums.pop(b, None)
-            lines.append(f"R {b}\n")
+            if self.entries.pop(b, None) is not None:
+                lines.append(f"R {b}\n")
         self._append(lines)
 
     def _append(self, lines: List[str]) -> None:
@@ -106,15 +105,17 @@ class SsdStore:
             self._start_journal([])
         self._journal.write("".join(lines))
         self._journal.flush()
+        self._journal_lines += len(lines)
+        # Stores and removals only append; rewrite once the dead lines dominate.
+        if self._journal_lines > 4 * len(self.entries) + 4096:
+            self._start_journal(list(self.entries.values()))
 
     def _start_journal(self, entries: List[DiskEntry]) -> None:
         """Writes a fresh journal (header + ``entries``) beside the old one, then renames it in."""
         tmp = self._journal_path + ".tmp"
         with open(tmp, "w", encoding="ascii") as f:
             f.write(json.dumps({"fingerprint": self.fingerprint}, sort_keys=True) + "\n")
-            for e in entries:
-                parent = "-" if e.parent is None else f"{e.parent:x}"
-                f.write(f"S {e.block_id} {e.seq_hash:x} {parent} {e.checksum:x}\n")
+            f.writelines(_stored_line(e) for e in entries)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o600)
@@ -122,6 +123,7 @@ class SsdStore:
         if self._journal is not None:
             self._journal.close()
         self._journal = open(self._journal_path, "a", encoding="ascii")
+        self._journal_lines = len(entries)
 
     # ---- restart ----------------------------------------------------------------------------------
     def adopt(self, read_block) -> AdoptReport:
@@ -157,7 +159,7 @@ class SsdStore:
                     report.adopted.append(e)
                 else:
                     report.torn += 1
-        self.checksums = {e.block_id: e.checksum for e in report.adopted}
+        self.entries = {e.block_id: e for e in report.adopted}
         self._start_journal(report.adopted)
         log.info("disk tier: adopted %d blocks, dropped %d torn, %d foreign, %d of another layout",
                  len(report.adopted), report.torn, report.foreign, report.mismatched)
@@ -200,7 +202,7 @@ class SsdStore:
         return out
 
     def checksum_of(self, block_id: int) -> int:
-        return self.checksums[block_id]
+        return self.entries[block_id].checksum
 
     def close(self) -> None:
         for fd in self.fds:
@@ -211,5 +213,7 @@ class SsdStore:
             self._journal = None
 
 
-def checksums(base_addr: int, offsets: np.ndarray, length: int) -> np.ndarray:
-    return _native.checksums(base_addr, np.asarray(offsets, dtype=np.uint64), length)
+
+def _stored_line(e: DiskEntry) -> str:
+    parent = "-" if e.parent is None else f"{e.parent:x}"
+    return f"S {e.block_id} {e.seq_hash:x} {parent} {e.checksum:x}\n"

@@ -1,0 +1,62 @@
+"""The disk tier's journal: what a restarted worker re-adopts, and what it drops."""
+
+import os
+
+from dynamo_flexkv.storage.ssd import JOURNAL, DiskEntry, SsdStore
+
+BB = 4096
+FP = {"model": "m", "namespace": ""}
+
+
+def store(tmp_path, fp=FP, n=64):
+    return SsdStore([str(tmp_path / "a"), str(tmp_path / "b")], n, BB, fp)
+
+
+def chain(start_block, hashes, parent=None):
+    out, prev = [], parent
+    for i, h in enumerate(hashes):
+        out.append(DiskEntry(start_block + i, h, prev, 1000 + h))
+        prev = h
+    return out
+
+
+def test_restart_adopts_valid_and_counts_the_rest(tmp_path):
+    s = store(tmp_path)
+    s.record_stored(chain(0, [1, 2, 3, 4]))  # slots 0..3
+    s.record_stored(chain(10, [7, 8], parent=99))  # parent never stored: orphans
+    s.record_removed([3])  # slot 3 (hash 4) left the tier
+    s.close()
+    with open(tmp_path / "a" / JOURNAL, "a") as f:
+        f.write("S 5 garbage\n")  # a torn last line
+    s = store(tmp_path)
+    # Hash 2 reads back with the wrong checksum: torn, and its child 3 cannot be used either.
+    report = s.adopt(lambda entries: [e.checksum + (e.seq_hash == 2) for e in entries])
+    assert [e.seq_hash for e in report.adopted] == [1]
+    assert report.torn == 2 and report.foreign == 1 + 2 and report.mismatched == 0
+    s.close()
+    s = store(tmp_path, fp={"model": "other", "namespace": ""})
+    report = s.adopt(lambda entries: [e.checksum for e in entries])
+    assert report.adopted == [] and report.mismatched == 1
+    s.close()
+
+
+def test_journal_is_compacted(tmp_path):
+    s = store(tmp_path, n=20000)
+    s.record_stored(chain(0, list(range(1, 12001))))
+    s.record_removed(range(10, 12000))
+    lines = sum(1 for _ in open(tmp_path / "a" / JOURNAL))
+    assert lines < 4 * 10 + 4096 + 2 + 1000  # rewritten once dead lines dominated
+    s.close()
+    s = store(tmp_path, n=20000)
+    report = s.adopt(lambda entries: [e.checksum for e in entries])
+    assert [e.block_id for e in report.adopted] == list(range(10)) and report.foreign == 0
+    s.close()
+
+
+def test_files_are_private(tmp_path):
+    s = store(tmp_path)
+    s.record_stored(chain(0, [1]))
+    for d in ("a", "b"):
+        assert oct(os.stat(tmp_path / d / "flexkv-blocks.kv").st_mode & 0o777) == "0o600"
+    assert oct(os.stat(tmp_path / "a" / JOURNAL).st_mode & 0o777) == "0o600"
+    s.close()
