@@ -130,6 +130,7 @@ class KVManager:
             task.finish(TaskResult(task.id, TaskKind.GET, TaskStatus.NOT_FOUND))
             return task.id
         task.planned_tokens = plan.num_blocks * self.tokens_per_block
+        self._attach_tokens(token_ids, plan.staged)
         if self.device is None:
             self.cache.abort_task(task.id)
             raise RuntimeError("get_async before register_device_cache")
@@ -141,6 +142,7 @@ class KVManager:
         h = self.hashes(token_ids, **kw)
         task = self._new_task(TaskKind.PREFETCH)
         plan = self.cache.plan_get(task.id, h.sequence, 0)
+        self._attach_tokens(token_ids, plan.staged)
         if plan.staged is None:
             self.cache.abort_task(task.id)
             status = TaskStatus.SUCCESS if plan.num_blocks else TaskStatus.NOT_FOUND
@@ -156,6 +158,7 @@ class KVManager:
         dev_ids = self._device_ids(token_ids, device_block_ids)
         task = self._new_task(TaskKind.PUT)
         plan = self.cache.plan_put(task.id, h.sequence)
+        self._attach_tokens(token_ids, plan.host, plan.disk)
         after = None
         if plan.host is not None:
             if self.device is None:
@@ -276,6 +279,15 @@ class KVManager:
         if self.device is not None:
             self.device.check_ids(ids[:full])
         return ids[:full]
+
+    def _attach_tokens(self, token_ids, *runs) -> None:
+        """New runs carry their tokens so the events they cause can name them."""
+        if self.cache.listener is None:
+            return
+        b = self.tokens_per_block
+        for run in runs:
+            if run is not None:
+                run.token_ids = [int(t) for t in token_ids[run.start * b:run.end * b]]
 
     def _slots_freed(self, tier: Tier, slots: List[int]) -> None:
         if tier is Tier.DISK and self.ssd is not None:

@@ -41,6 +41,7 @@ class TierRun:
     new: bool  # True: unready blocks this task fills; False: locked blocks this task reads
     hit: bool = True  # a completed read counts as reuse (get), not as a copy source (put)
     done: bool = False
+    token_ids: Optional[List[int]] = None  # the blocks' tokens, for router events (set by KVManager)
 
     @property
     def end(self) -> int:
