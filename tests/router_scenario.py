@@ -54,6 +54,8 @@ async def main(workdir: str) -> int:
     await register_model(ModelInput.Tokens, ModelType.Chat, ep, "flexkv-tiny", worker_type=WorkerType.Aggregated,
                          kv_cache_block_size=BS, skip_model_assets=True)
     relay = KvEventRelay(BS)
+    # Relay mode: the publisher subscribes to our PUB socket and forwards to the router. Keep the
+    # reference: dropping it stops the relay.
     publisher = KvEventPublisher(ep, kv_block_size=BS, zmq_endpoint=relay.endpoint, enable_local_indexer=True)
     router = KvRouter(ep, BS, KvRouterConfig())
     await asyncio.sleep(1.0)  # let the relay's subscriber connect before the first event
@@ -99,6 +101,7 @@ async def main(workdir: str) -> int:
         await check("shared-prefix-request", b)
         await check("first-prompt-again", a)
     relay.close()
+    del publisher
     serving.cancel()
     rt.shutdown()
     return 1 if failures else 0

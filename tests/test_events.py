@@ -1,5 +1,7 @@
 """The relay's wire format (what Dynamo's relay-mode KvEventPublisher parses)."""
 
+import time
+
 import msgspec
 import pytest
 import zmq
@@ -15,7 +17,6 @@ def test_frames_carry_tier_and_signed_hashes():
     sub.setsockopt(zmq.RCVTIMEO, 5000)
     sub.connect(relay.endpoint)
     try:
-        import time
         time.sleep(0.2)  # PUB/SUB: let the subscription reach the publisher
         big = (1 << 64) - 5
         relay.stored(Tier.HOST, [big, 7], None, list(range(8)))
