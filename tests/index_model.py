@@ -82,6 +82,29 @@ class ModelTier:
         self.evicted.extend(out)
         return out
 
+    def discard(self, root):
+        """Removes ``root`` and its descendants, leaves first, sparing locked or unready ones
+        (and so their ancestors)."""
+        doomed, grew = {root}, True
+        while grew:
+            grew = False
+            for h, b in self.blocks.items():
+                if b.parent in doomed and h not in doomed:
+                    doomed.add(h)
+                    grew = True
+        removed, progress = set(), True
+        while progress:
+            progress = False
+            children = self.children_counts()
+            for h in list(doomed):
+                b = self.blocks[h]
+                if h not in children and b.locks == 0 and b.ready:
+                    del self.blocks[h]
+                    doomed.discard(h)
+                    removed.add(h)
+                    progress = True
+        return removed
+
     def insert(self, hashes, parent, owner, now):
         n = len(hashes)
         limit = math.floor(self.threshold * self.capacity)

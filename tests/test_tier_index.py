@@ -121,9 +121,16 @@ def run_random_ops(seed, policy, steps=600):
             hit = rng.random() < 0.5
             idx.touch(chain[:m], hit=hit)
             model.touch(chain[:m], hit, clock.now)
-        else:  # explicit eviction
+        elif op < 0.95:  # explicit eviction
             count = rng.randrange(1, 4)
             assert idx.evict(count) == model.evict(count)
+        else:  # a block's bytes proved bad: drop it and what hangs below it
+            ready = [h for h, b in model.blocks.items() if b.ready]
+            if ready:
+                h = rng.choice(ready)
+                got = idx.discard_slots([idx.info(h).block_id])
+                assert set(got) == model.discard(h)
+                model.evicted.extend(got)  # the callback reports them in the index's order
         assert idx.match_length(chain) == model.match(chain)
         assert idx.match_length(chain, ready_only=False) == model.match(chain, ready_only=False)
         assert_same(idx, model)
@@ -242,3 +249,21 @@ def test_clear_refuses_while_busy():
         idx.clear()
     idx.commit([1], "a")
     assert idx.clear() == [1] and idx.pool.num_free == 10
+
+
+def test_discarded_block_reinserted_keeps_policy_order():
+    """A block removed by discard_slots leaves heap entries behind; once its hash is inserted
+    again those entries must not count for the new block."""
+    clock = FakeClock()
+    idx = TierIndex("t", 8, EvictionPolicy.LRU, clock=clock)
+    clock.now = 1
+    idx.insert([1], None, "o")
+    idx.commit([1], "o")  # heap: (t=1, block 1)
+    clock.now = 2
+    idx.insert([2], None, "o")
+    idx.commit([2], "o")
+    idx.discard_slots([idx.info(1).block_id])  # block 1 goes, its entry stays in the heap
+    clock.now = 3
+    idx.insert([1], None, "o")
+    idx.commit([1], "o")  # block 1 again, now the most recent
+    assert idx.evict(1) == [2]  # LRU: 2 (t=2) before the new 1 (t=3)

@@ -85,6 +85,7 @@ class TierIndex:
         self._blocks: Dict[int, _Block] = {}
         self._heap: List[Tuple[Key, int, int]] = []  # (key, seq hash, version); stale ones skipped
         self._tick = 0
+        self._versions = 0
         self._num_ready = 0
         self.evictions = 0
 
@@ -312,7 +313,10 @@ class TierIndex:
         return b.ready and b.locks == 0 and b.children == 0
 
     def _maybe_push(self, h: int, b: _Block) -> None:
-        b.version += 1
+        # Versions come from one counter for the whole index, so a heap entry left behind by an
+        # earlier incarnation of the same hash (e.g. one discard_slots removed) can never match.
+        self._versions += 1
+        b.version = self._versions
         if self._candidate(b):
             heapq.heappush(self._heap, (self._key(b.hits, b.last_access, b.insert_tick, b.touch_tick), h, b.version))
             if len(self._heap) > 2 * len(self._blocks) + 1024:
