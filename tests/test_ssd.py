@@ -60,3 +60,17 @@ def test_files_are_private(tmp_path):
         assert oct(os.stat(tmp_path / d / "flexkv-blocks.kv").st_mode & 0o777) == "0o600"
     assert oct(os.stat(tmp_path / "a" / JOURNAL).st_mode & 0o777) == "0o600"
     s.close()
+
+
+def test_a_directory_serves_one_manager_at_a_time(tmp_path):
+    import pytest
+
+    from dynamo_flexkv.storage.ssd import SsdInUseError
+
+    first = store(tmp_path)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(SsdInUseError, match=f"is in use by pid {os.getpid()}: give each worker its own directory"):
+        store(tmp_path)
+    assert len(os.listdir("/proc/self/fd")) == fds  # the refused store left nothing open
+    first.close()
+    store(tmp_path).close()  # free again once the first closed

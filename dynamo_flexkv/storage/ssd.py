@@ -11,6 +11,7 @@ whose bytes fail their checksum are *torn*; the rest are adopted and the journal
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -24,6 +25,11 @@ log = logging.getLogger(__name__)
 
 JOURNAL = "flexkv-journal.log"
 DATA = "flexkv-blocks.kv"
+LOCK = "flexkv.lock"
+
+
+class SsdInUseError(RuntimeError):
+    """Another process holds this cache directory: two writers would corrupt each other."""
 
 
 @dataclass(frozen=True)
@@ -56,21 +62,36 @@ class SsdStore:
         self.direct = direct
         per_file = -(-num_blocks // len(self.dirs))
         self.fds: List[int] = []
+        self._locks: List[int] = []
+        self._journal = None
         try:
             for d in self.dirs:
                 os.makedirs(d, mode=0o700, exist_ok=True)
+                self._lock_dir(d)
                 flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
                 fd = os.open(os.path.join(d, DATA), flags, 0o600)
                 self.fds.append(fd)
                 if os.fstat(fd).st_size < per_file * block_bytes:
                     os.ftruncate(fd, per_file * block_bytes)
-        except OSError:
-            self.close()
+        except BaseException:
+            self.close()  # nothing opened so far may leak, whatever failed
             raise
         self.entries: Dict[int, DiskEntry] = {}  # what the journal says each live slot holds
         self._journal_path = os.path.join(self.dirs[0], JOURNAL)
-        self._journal = None
         self._journal_lines = 0
+
+    def _lock_dir(self, directory: str) -> None:
+        fd = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise SsdInUseError(f"ssd_cache_dir {directory!r} is in use by pid {holder}: give each worker "
+                                "its own directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._locks.append(fd)
 
     # ---- addressing ------------------------------------------------------------------------------
     def locate(self, block_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -205,9 +226,9 @@ class SsdStore:
         return self.entries[block_id].checksum
 
     def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
+        for fd in self.fds + self._locks:
+            os.close(fd)  # closing the lock file releases the directory
+        self.fds, self._locks = [], []
         if self._journal is not None:
             self._journal.close()
             self._journal = None
