@@ -180,11 +180,10 @@ class CacheEngine:
             # writing those host blocks right now (then serve what host has).
             if d > max(h, start) and host.match_length(hashes, ready_only=False) == h:
                 parent = hashes[h - 1] if h else None
-                k = host.insert(hashes[h:d], parent, task_id)
+                ids = host.insert(hashes[h:d], parent, task_id)
+                k = len(ids)
                 if h + k > start:
-                    staged = self._track(task_id, TierRun(
-                        Tier.HOST, h, hashes[h:h + k],
-                        host.block_ids(hashes[h:h + k]), parent, new=True))
+                    staged = self._track(task_id, TierRun(Tier.HOST, h, hashes[h:h + k], ids, parent, new=True))
                     disk_reads = self._lock_run(task_id, Tier.DISK, hashes, h, h + k)
                 elif k:
                     host.rollback(hashes[h:h + k], task_id)
@@ -211,11 +210,10 @@ class CacheEngine:
             host_run = None
             parent = hashes[held - 1] if held else None
             if held < n and host.can_extend(parent, task_id):
-                k = host.insert(hashes[held:], parent, task_id)
-                if k:
+                ids = host.insert(hashes[held:], parent, task_id)
+                if ids:
                     host_run = self._track(task_id, TierRun(
-                        Tier.HOST, held, hashes[held:held + k],
-                        host.block_ids(hashes[held:held + k]), parent, new=True))
+                        Tier.HOST, held, hashes[held:held + len(ids)], ids, parent, new=True))
             sources = disk_run = None
             disk = self.tiers.get(Tier.DISK)
             if disk is not None:
@@ -223,11 +221,11 @@ class CacheEngine:
                 d_end = self._admitted_end(hashes, d0, held, host_run)
                 d_parent = hashes[d0 - 1] if d0 else None
                 if d_end > d0 and disk.can_extend(d_parent, task_id):
-                    k = disk.insert(hashes[d0:d_end], d_parent, task_id)
+                    ids = disk.insert(hashes[d0:d_end], d_parent, task_id)
+                    k = len(ids)
                     if k:
                         disk_run = self._track(task_id, TierRun(
-                            Tier.DISK, d0, hashes[d0:d0 + k],
-                            disk.block_ids(hashes[d0:d0 + k]), d_parent, new=True))
+                            Tier.DISK, d0, hashes[d0:d0 + k], ids, d_parent, new=True))
                         sources = self._lock_run(task_id, Tier.HOST, hashes, d0, d0 + k, hit=False)
             return PutPlan(task_id, host_run, sources, disk_run, held)
 

@@ -143,9 +143,9 @@ class TierIndex:
         return list(self._blocks)
 
     # ---- mutations ---------------------------------------------------------------------------
-    def insert(self, hashes: Sequence[int], parent: Optional[int], owner: Hashable) -> int:
+    def insert(self, hashes: Sequence[int], parent: Optional[int], owner: Hashable) -> List[int]:
         """Inserts the chain ``hashes`` (continuing after ``parent``) as unready blocks owned by
-        ``owner``, evicting to make room. Returns how many fit: a prefix of ``hashes``."""
+        ``owner``, evicting to make room. Returns the slots of those that fit: a prefix."""
         if not self.can_extend(parent, owner):
             state = "absent" if parent not in self._blocks else "unready and owned by another task"
             raise IndexError_(f"{self.name}: cannot insert after parent {parent:#x}: it is {state}")
@@ -161,28 +161,34 @@ class TierIndex:
             if p is not None:
                 self._unlock_block(parent, p)
         ids = self.pool.allocate(len(hashes))
-        now, prev = self._clock(), parent
+        if not ids:
+            return ids
+        now, prev, tick, blocks = self._clock(), parent, self._tick, self._blocks
         for h, bid in zip(hashes, ids):
-            h = int(h)
-            self._tick += 1
-            self._blocks[h] = _Block(bid, prev, owner, now, self._tick)
-            if prev is not None:
-                self._blocks[prev].children += 1
+            tick += 1
+            b = blocks[h] = _Block(bid, prev, owner, now, tick)
+            b.children = 1  # the next block of the chain; the last one is fixed below
             prev = h
-        return len(ids)
+        b.children = 0
+        self._tick = tick
+        if p is not None:
+            p.children += 1
+        return ids
 
     def commit(self, hashes: Sequence[int], owner: Hashable) -> None:
         """Unready -> ready, parents first. Call only after the blocks' bytes landed."""
         blocks = [self._owned_unready(h, owner) for h in hashes]
         if blocks and blocks[0].parent is not None and not self._blocks[blocks[0].parent].ready:
             raise IndexError_(f"{self.name}: commit of {int(hashes[0]):#x} before its parent")
-        now = self._clock()
+        now, tick = self._clock(), self._tick
+        for b in blocks:
+            tick += 1
+            b.ready, b.owner, b.last_access, b.touch_tick = True, None, now, tick
+        self._tick = tick
+        self._num_ready += len(blocks)
         for h, b in zip(hashes, blocks):
-            b.ready, b.owner, b.last_access = True, None, now
-            self._tick += 1
-            b.touch_tick = self._tick
-            self._num_ready += 1
-            self._maybe_push(int(h), b)
+            if b.children == 0 and b.locks == 0:  # only leaves can become candidates
+                self._maybe_push(int(h), b)
 
     def rollback(self, hashes: Sequence[int], owner: Hashable) -> None:
         """Removes unready blocks of ``owner`` (a failed or cancelled transfer), leaves first."""
