@@ -17,6 +17,7 @@ from dynamo._core import (DistributedRuntime, KvEventPublisher, KvRouter, KvRout
                           WorkerType, register_model)
 
 from dynamo_flexkv import CacheConfig, KVManager
+from dynamo_flexkv.dynamo.model_dir import write_model_dir
 from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, SamplingParams
 from dynamo_flexkv.events import KvEventRelay, OffloadEvents
 from dynamo_flexkv.index import Tier
@@ -51,8 +52,9 @@ async def main(workdir: str) -> int:
         yield {"ok": True}
 
     serving = asyncio.ensure_future(ep.serve_endpoint(handler))
-    await register_model(ModelInput.Tokens, ModelType.Chat, ep, "flexkv-tiny", worker_type=WorkerType.Aggregated,
-                         kv_cache_block_size=BS, skip_model_assets=True)
+    model_dir = write_model_dir(CFG, os.path.join(workdir, "model"))  # real assets: config + tokenizer
+    await register_model(ModelInput.Tokens, ModelType.Chat, ep, str(model_dir), "flexkv-tiny",
+                         worker_type=WorkerType.Aggregated, kv_cache_block_size=BS)
     relay = KvEventRelay(BS)
     # Relay mode: the publisher subscribes to our PUB socket and forwards to the router. Keep the
     # reference: dropping it stops the relay.

@@ -1,0 +1,1 @@
+"""Dynamo integration: model directory, (next) the worker component and serve graphs."""
