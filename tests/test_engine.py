@@ -202,3 +202,15 @@ def test_loads_hugging_face_directory(tmp_path):
     # Same weights, same math; BLAS may pick other kernels for tensors at other alignments
     # (safetensors' buffers), so allow float32 rounding.
     assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < 1e-4
+
+
+def test_without_device_prefix_cache_reuse_comes_from_offload(tmp_path):
+    prompt = list(range(6 * BS + 2))
+    with KVManager(CFG.kv_spec(), offload_config(tmp_path, 128, 0)) as kv:
+        engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv, device_prefix_cache=False)
+        first = engine.generate([prompt], SamplingParams(max_tokens=2))[0]
+        engine.flush()
+        again = engine.generate([prompt], SamplingParams(max_tokens=2))[0]
+        assert first.device_hit_tokens == 0 and again.device_hit_tokens == 0
+        assert again.offload_hit_tokens == 6 * BS and again.output == first.output
+        assert engine.pool.by_hash == {}  # nothing stayed cached on the device

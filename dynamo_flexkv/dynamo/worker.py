@@ -59,6 +59,8 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         p.add_argument("--num-device-blocks", type=int, default=256, help="the engine's own KV blocks")
         p.add_argument("--no-offload", action="store_true", help="serve without host/disk tiers")
         p.add_argument("--bulk-load", action="store_true", help="load cached prefixes before compute")
+        p.add_argument("--no-device-prefix-cache", action="store_true",
+                       help="free device blocks when a request ends: reuse then comes only from offload tiers")
         args = p.parse_args(argv)
         engine = cls(args)
         wc = WorkerConfig(namespace=args.namespace, component=args.component, endpoint=args.endpoint,
@@ -73,7 +75,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             self.kv = KVManager(self.cfg.kv_spec(), CacheConfig.load(), listener=OffloadEvents(self.relay))
         self.engine = LLMEngine(
             self.cfg, num_device_blocks=self.args.num_device_blocks, kv_manager=self.kv,
-            layerwise=not self.args.bulk_load,
+            layerwise=not self.args.bulk_load, device_prefix_cache=not self.args.no_device_prefix_cache,
             on_device_stored=lambda h, p, t: self.relay.stored(None, h, p, t),
             on_device_removed=lambda h: self.relay.removed(None, h))
         self._thread = threading.Thread(target=self._loop, name="flexkv-engine", daemon=True)
@@ -100,13 +102,14 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             item = await out.get()
             if isinstance(item, BaseException):
                 raise item
-            token, finished, reason = item
+            token, finished, reason, cached = item
             n += 1
             chunk: Dict[str, Any] = {"token_ids": [token], "index": 0}
             if finished:
                 chunk["finish_reason"] = reason
                 chunk["completion_usage"] = {"prompt_tokens": len(tokens), "completion_tokens": n,
-                                             "total_tokens": len(tokens) + n}
+                                             "total_tokens": len(tokens) + n,
+                                             "prompt_tokens_details": {"cached_tokens": cached}}
                 yield chunk
                 return
             yield chunk
@@ -140,7 +143,8 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             for o in engine.step():
                 loop, out = self._streams[o.request_id]
                 reason = {"length": "length", "stop": "stop"}.get(o.finish_reason or "", None)
-                loop.call_soon_threadsafe(out.put_nowait, (o.new_token, o.finished, reason))
+                cached = sum(o.cached_tokens.values())  # device prefix cache + offload tiers
+                loop.call_soon_threadsafe(out.put_nowait, (o.new_token, o.finished, reason, cached))
                 if o.finished:
                     del self._streams[o.request_id]
             engine._finished.clear()

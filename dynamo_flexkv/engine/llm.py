@@ -30,6 +30,7 @@ class LLMEngine:
         kv_manager: Optional[KVManager] = None,
         layerwise: bool = True,
         offload_puts: bool = True,
+        device_prefix_cache: bool = True,
         max_batch_tokens: int = 16384,
         max_running: int = 16,
         seed: int = 0,
@@ -46,6 +47,7 @@ class LLMEngine:
             self.connector.register(self.kv_cache.layers)
         self.layerwise = layerwise
         self.offload_puts = offload_puts  # False: load from offload tiers but never store (benchmarks)
+        self.device_prefix_cache = device_prefix_cache  # False: blocks are freed when a request ends
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
@@ -208,10 +210,11 @@ class LLMEngine:
         bs = self.cfg.block_size
         seq = r.hashes.sequence
         full = min(r.num_computed, len(r.prompt)) // bs
-        for i in range(max(r.cached_blocks, r.device_hit_tokens // bs), full):
-            parent = int(seq[i - 1]) if i else None
-            self.pool.cache(r.block_table[i], int(seq[i]), parent, r.prompt[i * bs:(i + 1) * bs])
-        r.cached_blocks = max(r.cached_blocks, full)
+        if self.device_prefix_cache:
+            for i in range(max(r.cached_blocks, r.device_hit_tokens // bs), full):
+                parent = int(seq[i - 1]) if i else None
+                self.pool.cache(r.block_table[i], int(seq[i]), parent, r.prompt[i * bs:(i + 1) * bs])
+            r.cached_blocks = max(r.cached_blocks, full)
         if self.connector is not None and self.offload_puts and r.num_computed == len(r.prompt) and not r.output:
             # Prefill finished: offload the prompt's full blocks; the put holds them meanwhile.
             n = len(r.prompt) // bs
