@@ -85,14 +85,6 @@ class DeviceCache:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise IndexError(f"device block id out of range [0, {self.num_blocks}): got {ids.min()}..{ids.max()}")
 
-    def chunk_addrs(self, block_ids: np.ndarray, layer: int, kv: int) -> np.ndarray:
-        """Address of chunk (block, layer, kv) for each block id (CPU tensors; CUDA uses torch ops)."""
-        if self.per_layer:
-            base, off = self.tensors[layer].data_ptr(), self.layout.chunk_offsets(block_ids, 0, kv)
-        else:
-            base, off = self.tensors[0].data_ptr(), self.layout.chunk_offsets(block_ids, layer, kv)
-        return (np.uint64(base) + off.astype(np.uint64)).astype(np.uint64)
-
     def chunk_addr_grid(self, block_ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
         """Addresses of chunks (layer, block, kv) for layers [lo, hi): shape [layers, blocks, kv]."""
         sb, sl, sk = self.layout.strides()

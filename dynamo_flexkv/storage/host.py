@@ -64,11 +64,6 @@ class HostPool:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise IndexError(f"host block id out of range [0, {self.num_blocks}): {ids.min()}..{ids.max()}")
 
-    def block(self, block_id: int) -> np.ndarray:
-        """The bytes of one block (a view)."""
-        b = self.layout.block_bytes
-        return self.array[block_id * b:(block_id + 1) * b]
-
     def close(self) -> None:
         if self._mm is None:
             return
