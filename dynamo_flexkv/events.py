@@ -43,13 +43,33 @@ class KvEventRelay:
             raise ValueError(f"KV event endpoint {endpoint!r} must be loopback (tcp://127.0.0.1:PORT) or ipc://")
         self.block_size, self.dp_rank, self.topic = block_size, dp_rank, topic.encode()
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock = self._ctx.socket(zmq.XPUB)  # a PUB that also tells us when someone subscribed
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._seq = 0
         self._lock = threading.Lock()  # events come from engine and transfer threads
         self.sent = 0
+        self.subscribed = False
+
+    def wait_for_subscriber(self, timeout: float) -> bool:
+        """True once a subscriber's subscription arrived (events sent before that are lost: ZMQ
+        drops them); False after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.subscribed:
+            with self._lock:
+                try:
+                    if self._sock.recv(zmq.NOBLOCK)[:1] == b"\x01":
+                        self.subscribed = True
+                        continue
+                except zmq.Again:
+                    pass
+                except zmq.ZMQError:  # closed while we waited
+                    return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def stored(self, tier: Optional[Tier], hashes: Sequence[int], parent: Optional[int],
                token_ids: Sequence[int]) -> None:

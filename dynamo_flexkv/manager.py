@@ -11,6 +11,7 @@ builds a transfer graph for the data plane, and commits index changes only after
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -22,7 +23,7 @@ import torch
 from dynamo_flexkv.config import CacheConfig
 from dynamo_flexkv.hashing import block_hashes
 from dynamo_flexkv.index import CacheEngine, Tier
-from dynamo_flexkv.index.cache_engine import IndexListener
+from dynamo_flexkv.index.cache_engine import IndexListener, TierRun
 from dynamo_flexkv.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.storage.device import DeviceCache
 from dynamo_flexkv.storage.host import HostPool
@@ -106,6 +107,17 @@ class KVManager:
         self.cache.tiers[Tier.DISK].adopt([(e.seq_hash, e.parent, e.block_id) for e in report.adopted])
         self.adopt_report = report
 
+    def announce_adopted(self) -> int:
+        """Sends the index listener (the router's events) a Stored event for every disk block
+        re-adopted at start that is still held: the old process's announcements died with it. Call
+        once, when the event subscriber is connected. Returns the blocks announced; blocks
+        journaled without token ids (and their descendants) cannot be named and are skipped."""
+        report = getattr(self, "adopt_report", None)
+        if report is None or not report.adopted:
+            return 0
+        self.adopt_report = dataclasses.replace(report, adopted=[])  # once only
+        return self.cache.announce(_adopted_chains(report.adopted, self.tokens_per_block))
+
     # ---- queries -------------------------------------------------------------------------------
     def hashes(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None):
         salt = "/".join(s for s in (self.namespace, cache_salt) if s) or None
@@ -130,6 +142,8 @@ class KVManager:
             task.finish(TaskResult(task.id, TaskKind.GET, TaskStatus.NOT_FOUND))
             return task.id
         task.planned_tokens = plan.num_blocks * self.tokens_per_block
+        if plan.disk_reads is not None:
+            task.planned_disk_tokens = len(plan.disk_reads.hashes) * self.tokens_per_block
         self._attach_tokens(token_ids, plan.staged)
         if self.device is None:
             self.cache.abort_task(task.id)
@@ -158,7 +172,8 @@ class KVManager:
         dev_ids = self._device_ids(token_ids, device_block_ids)
         task = self._new_task(TaskKind.PUT)
         plan = self.cache.plan_put(task.id, h.sequence)
-        self._attach_tokens(token_ids, plan.host, plan.disk)
+        self._attach_tokens(token_ids, plan.host)
+        self._attach_tokens(token_ids, plan.disk, always=True)  # the journal keeps them for restarts
         after = None
         if plan.host is not None:
             if self.device is None:
@@ -203,6 +218,11 @@ class KVManager:
         its compute while the load runs)."""
         return self._task(task_id).planned_tokens
 
+    def planned_tokens_by_tier(self, task_id: int) -> Dict[str, int]:
+        """planned_tokens split by the tier each block is read from: ``{"host": n, "disk": m}``."""
+        task = self._task(task_id)
+        return {"host": task.planned_tokens - task.planned_disk_tokens, "disk": task.planned_disk_tokens}
+
     def wait_for_layer(self, task_id: int, layer: int, timeout: Optional[float] = None) -> bool:
         """Blocks until layer ``layer`` of a get is on the device. False on timeout; raises
         TaskFailed when the task failed or was cancelled (recompute instead)."""
@@ -218,9 +238,10 @@ class KVManager:
     # ---- admin ---------------------------------------------------------------------------------
     def stats(self) -> Dict[str, Any]:
         out: Dict[str, Any] = dict(self.cache.stats())
-        out["links"] = {k.value: {"bytes": self.transfer.link_bytes[k], "seconds": self.transfer.link_seconds[k]}
-                        for k in OpKind if self.transfer.link_bytes[k]}
-        out["tasks"] = {"in_flight": len(self._tasks), "failed_ops": self.transfer.failed_ops,
+        t = self.transfer
+        out["links"] = {k.value: {"bytes": t.link_bytes[k], "seconds": t.link_seconds[k], "ops": t.link_ops[k]}
+                        for k in OpKind if t.link_ops[k]}
+        out["tasks"] = {"in_flight": len(self._tasks), "queued_ops": t.queue_depth, "failed_ops": t.failed_ops,
                         "disk_write_failures": self.graphs.disk_write_failures}
         return out
 
@@ -280,9 +301,9 @@ class KVManager:
             self.device.check_ids(ids[:full])
         return ids[:full]
 
-    def _attach_tokens(self, token_ids, *runs) -> None:
+    def _attach_tokens(self, token_ids, *runs, always: bool = False) -> None:
         """New runs carry their tokens so the events they cause can name them."""
-        if self.cache.listener is None:
+        if self.cache.listener is None and not always:
             return
         b = self.tokens_per_block
         for run in runs:
@@ -298,3 +319,25 @@ class KVManager:
             self.ssd.close()
         if getattr(self, "host", None) is not None:
             self.host.close()
+
+
+def _adopted_chains(entries: List[DiskEntry], tokens_per_block: int) -> List[TierRun]:
+    """Adopted entries (parents first) as chains, depth first: one event per chain, not per block."""
+    children: Dict[Optional[int], List[DiskEntry]] = {}
+    for e in entries:
+        children.setdefault(e.parent, []).append(e)
+    runs: List[TierRun] = []
+    stack = list(reversed(children.get(None, [])))
+    while stack:
+        e, chain = stack.pop(), []
+        parent = e.parent
+        while e is not None and e.tokens is not None and len(e.tokens) == 4 * tokens_per_block:
+            chain.append(e)
+            kids = children.get(e.seq_hash, [])
+            stack.extend(reversed(kids[1:]))
+            e = kids[0] if kids else None
+        if chain:
+            runs.append(TierRun(Tier.DISK, 0, [c.seq_hash for c in chain], [c.block_id for c in chain], parent,
+                                new=False, token_ids=np.frombuffer(b"".join(c.tokens for c in chain),
+                                                                   dtype="<u4").tolist()))
+    return runs

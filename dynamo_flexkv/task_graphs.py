@@ -97,8 +97,13 @@ class GraphBuilder:
             task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, 0))
         if plan.disk is not None:
             def disk_landed(op: TransferOp) -> None:
-                self.ssd.record_stored(DiskEntry(b, h, p, int(c)) for b, h, p, c in zip(
-                    plan.disk.block_ids, plan.disk.hashes, [plan.disk.parent, *plan.disk.hashes[:-1]], op.result))
+                run, tpb = plan.disk, self.tokens_per_block
+                tokens = (np.asarray(run.token_ids, dtype="<u4").tobytes() if run.token_ids is not None
+                          else None)
+                self.ssd.record_stored(
+                    DiskEntry(b, h, p, int(c), tokens and tokens[4 * tpb * i:4 * tpb * (i + 1)])
+                    for i, (b, h, p, c) in enumerate(zip(run.block_ids, run.hashes, [run.parent, *run.hashes[:-1]],
+                                                         op.result)))
                 self.cache.complete(plan.disk, tid)
                 self.cache.complete(plan.host_sources, tid)
             ops.append(TransferOp(OpKind.H2DISK, plan.host_sources.block_ids, plan.disk.block_ids,

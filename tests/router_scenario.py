@@ -102,6 +102,15 @@ async def main(workdir: str) -> int:
         engine.flush()
         await check("shared-prefix-request", b)
         await check("first-prompt-again", a)
+    # Restart: the router forgets this worker (a new process would be a new worker); the new
+    # KVManager re-adopts the disk tier from its journal and announces it again.
+    relay.cleared()
+    with KVManager(CFG.kv_spec(), cfg, listener=OffloadEvents(relay)) as kv:
+        engine = LLMEngine(CFG, num_device_blocks=24, kv_manager=kv)
+        announced = kv.announce_adopted()
+        print(json.dumps({"announced": announced}), flush=True)
+        await check("restart-first-prompt", a)
+        await check("restart-shared-prefix", b)
     relay.close()
     del publisher
     serving.cancel()

@@ -21,12 +21,17 @@ def test_router_counts_each_tier_exactly(tmp_path):
     script = Path(__file__).with_name("router_scenario.py")
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
                           timeout=240, env=env, cwd=str(script.parent))
-    checks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    checks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{\"check")]
     names = [c["check"] for c in checks]
     assert names == ["after-first-request", "after-device-eviction", "after-host-eviction",
-                     "shared-prefix-request", "first-prompt-again"], proc.stderr[-3000:]
+                     "shared-prefix-request", "first-prompt-again", "restart-first-prompt",
+                     "restart-shared-prefix"], proc.stderr[-3000:]
     for c in checks:
         assert c["got"] == c["want"], c
     # The scenario moves blocks through every tier: the checks are not all alike.
-    assert {tuple(c["want"].values()) for c in checks} == {(6, 6, 6), (0, 6, 6), (0, 0, 6), (7, 7, 7), (3, 3, 6)}
+    assert {tuple(c["want"].values()) for c in checks} == {(6, 6, 6), (0, 6, 6), (0, 0, 6), (7, 7, 7), (3, 3, 6),
+                                                           (0, 0, 7)}
+    # After the restart only the re-announced disk blocks can be what the router counts.
+    announced = [json.loads(line)["announced"] for line in proc.stdout.splitlines() if '"announced"' in line]
+    assert announced == [31], announced  # 6 (a) + 3 x 7 (fillers) + 4 (b past the 3 it shares with a)
     assert proc.returncode == 0

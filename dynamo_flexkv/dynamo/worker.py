@@ -1,9 +1,11 @@
-"""``python -m dynamo_flexkv.dynamo.worker``: the reference engine with KVManager offload as a Dynamo
+"""``python -m dynamo_flexkv.worker``: the reference engine with KVManager offload as a Dynamo
 backend (``dynamo.common.backend.LLMEngine``), run by Dynamo's Worker.
 
 The engine runs on one thread of its own (it is not thread-safe); ``generate`` hands requests to
 it and streams tokens back through the event loop. Device, host and disk KV events leave through
-one KvEventRelay socket that the Worker subscribes to (``kv_event_sources``)."""
+one KvEventRelay socket that the Worker subscribes to (``kv_event_sources``). Offload metrics are
+bridged into Dynamo's ``/metrics`` (``register_prometheus``); the device-cache load goes to the
+router through the framework's SnapshotPublisher."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ import threading
 from typing import Any, AsyncGenerator, Dict, List, Optional
 
 from dynamo.common.backend import EngineConfig, LLMEngine as DynamoLLMEngine, LlmRegistration, WorkerConfig
-from dynamo.common.backend.publisher import ZmqSource
+from dynamo.common.backend.metrics import register_engine_registry
+from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
 from dynamo.common.backend.run import run
 
 from dynamo_flexkv.config import CacheConfig
+from dynamo_flexkv.dynamo.metrics import PREFIX, OffloadCollector, RequestTally, offload_registry
 from dynamo_flexkv.dynamo.model_dir import write_model_dir
 from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, SamplingParams
 from dynamo_flexkv.events import KvEventRelay, OffloadEvents
@@ -40,13 +44,18 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self.engine: Optional[LLMEngine] = None
         self._inbox: "queue.Queue[tuple]" = queue.Queue()
         self._streams: Dict[str, tuple] = {}
+        self._prompt_len: Dict[str, int] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._ids = itertools.count()
+        self.tally = RequestTally()
+        self._snapshots: Any = None  # the framework's SnapshotPublisher (router load signal)
+        self._last_load: Optional[int] = None
 
     @classmethod
     async def from_args(cls, argv: Optional[List[str]] = None):
-        p = argparse.ArgumentParser(prog="python -m dynamo_flexkv.dynamo.worker", description=__doc__)
+        p = argparse.ArgumentParser(prog="python -m dynamo_flexkv.worker", description=__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--model", default="small", help="model preset (configs/models) or a local HF directory")
         p.add_argument("--served-model-name", default="flexkv-small")
         p.add_argument("--model-dir", help="where to write the model directory (default: a temp dir)")
@@ -80,10 +89,37 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             on_device_removed=lambda h: self.relay.removed(None, h))
         self._thread = threading.Thread(target=self._loop, name="flexkv-engine", daemon=True)
         self._thread.start()
+        if self.kv is not None:
+            threading.Thread(target=self._announce_disk, name="flexkv-announce", daemon=True).start()
         return EngineConfig(model=str(self.model_dir), served_model_name=self.args.served_model_name,
                             llm=LlmRegistration(kv_cache_block_size=self.cfg.block_size,
                                                 total_kv_blocks=self.args.num_device_blocks,
                                                 context_length=self.args.num_device_blocks * self.cfg.block_size))
+
+    async def register_prometheus(self, metrics) -> None:
+        collector = OffloadCollector(self.tally, self._device_blocks,
+                                     lambda: self.kv.stats() if self.kv is not None else None)
+        register_engine_registry(metrics, offload_registry(collector), prefix_filters=[PREFIX])
+
+    def component_metrics_dp_ranks(self) -> List[int]:
+        return [0]
+
+    def attach_snapshot_publisher(self, publisher: Any) -> None:
+        self._snapshots = publisher
+
+    def _device_blocks(self) -> tuple:
+        pool = self.engine.pool
+        return pool.num_blocks - pool.num_available, pool.num_blocks
+
+    def _publish_load(self) -> None:
+        """Device blocks in use (what the router weighs a worker's load by), on change only."""
+        used, total = self._device_blocks()
+        if self._snapshots is None or used == self._last_load:
+            return
+        self._last_load = used
+        self._snapshots.publish(0, ComponentSnapshot(kv_used_blocks=used, kv_total_blocks=total,
+                                                     gpu_cache_usage=used / total, dp_rank=0,
+                                                     kv_cache_hit_rate=self.tally.hit_rate))
 
     async def kv_event_sources(self):
         return [ZmqSource(endpoint=self.relay.endpoint)]
@@ -122,6 +158,16 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             self.kv.shutdown()
         self.relay.close()
 
+    def _announce_disk(self) -> None:
+        """A restarted worker's re-adopted disk blocks are news to the router: announce them once
+        the Worker's relay subscribed to our events."""
+        if self.relay.wait_for_subscriber(timeout=120):
+            n = self.kv.announce_adopted()
+            if n:
+                log.info("announced %d re-adopted disk blocks to the router", n)
+        else:
+            log.warning("no KV event subscriber after 120 s: re-adopted disk blocks stay unannounced")
+
     # ---- the engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         engine = self.engine
@@ -134,6 +180,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                     try:
                         engine.add_request(tokens, params, request_id=rid)
                         self._streams[rid] = (loop, out)
+                        self._prompt_len[rid] = len(tokens)
                     except ValueError as e:  # bad request: tell its caller, keep serving others
                         loop.call_soon_threadsafe(out.put_nowait, e)
             except queue.Empty:
@@ -147,7 +194,9 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                 loop.call_soon_threadsafe(out.put_nowait, (o.new_token, o.finished, reason, cached))
                 if o.finished:
                     del self._streams[o.request_id]
+                    self.tally.add(self._prompt_len.pop(o.request_id), o.cached_tokens)
             engine._finished.clear()
+            self._publish_load()
 
 
 def main() -> None:

@@ -40,8 +40,8 @@ class OffloadConnector:
             return None
         return tid
 
-    def planned_tokens(self, tid: int) -> int:
-        return self.kv.planned_tokens(tid)
+    def planned_tokens_by_tier(self, tid: int) -> Dict[str, int]:
+        return self.kv.planned_tokens_by_tier(tid)
 
     def wait_layer(self, tid: int, layer: int) -> None:
         self.kv.wait_for_layer(tid, layer)  # raises TaskFailed: the step recomputes

@@ -156,7 +156,9 @@ class LLMEngine:
             tid = self.connector.load(req.prompt[: cap * bs], req.block_table[:cap], len(dev))
             if tid is not None:
                 req.load_task = tid
-                req.offload_hit_tokens = self.connector.planned_tokens(tid)
+                by_tier = self.connector.planned_tokens_by_tier(tid)
+                req.offload_hit_tokens = by_tier["host"] + by_tier["disk"]
+                req.disk_hit_tokens = by_tier["disk"]
                 req.num_computed += req.offload_hit_tokens
         return True
 
@@ -203,7 +205,7 @@ class LLMEngine:
             return True
         self.recomputed_loads += 1
         r.num_computed = r.device_hit_tokens
-        r.offload_hit_tokens = 0
+        r.offload_hit_tokens = r.disk_hit_tokens = 0
         return False
 
     def _cache_full_blocks(self, r: Request) -> None:
@@ -238,5 +240,6 @@ class LLMEngine:
             self.running.remove(r)
             self.pool.release(r.block_table)
             self._finished.append(r)
-        cached = {"device": r.device_hit_tokens, "offload": r.offload_hit_tokens}
+        cached = {"device": r.device_hit_tokens, "host": r.offload_hit_tokens - r.disk_hit_tokens,
+                  "disk": r.disk_hit_tokens}
         return RequestOutput(r.id, tok, list(r.output), r.finish_reason is not None, r.finish_reason, r.ttft, cached)

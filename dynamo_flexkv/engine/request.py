@@ -48,6 +48,7 @@ class Request:
     cached_blocks: int = 0  # prompt blocks already entered in the device prefix cache
     device_hit_tokens: int = 0
     offload_hit_tokens: int = 0
+    disk_hit_tokens: int = 0  # the part of offload_hit_tokens read from the disk tier
     load_task: Optional[int] = None
     prefetch_task: Optional[int] = None
     first_token_at: Optional[float] = None

@@ -9,11 +9,12 @@ the task still holds: no lock or pool block can leak through a failed or cancell
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Hashable, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -245,6 +246,26 @@ class CacheEngine:
         if host_run is not None and need == 0 and j == host_run.start:
             return host_run.end
         return j
+
+    def announce(self, runs: Iterable[TierRun]) -> int:
+        """Tells the listener again about ready blocks it has not heard of from this process (disk
+        blocks re-adopted at a restart). Under the index lock, so no Removed of a block can overtake
+        its Stored; a run stops at its first block that is no longer ready. Returns blocks announced."""
+        sent = 0
+        with self._lock:
+            if self.listener is None:
+                return 0
+            for run in runs:
+                idx = self.tiers[run.tier]
+                n = 0
+                while n < len(run.hashes) and idx.is_ready(run.hashes[n]):
+                    n += 1
+                if n:
+                    b = len(run.token_ids) // len(run.hashes)
+                    self.listener.on_stored(run.tier, dataclasses.replace(
+                        run, hashes=run.hashes[:n], block_ids=run.block_ids[:n], token_ids=run.token_ids[:n * b]))
+                    sent += n
+        return sent
 
     # ---- completion ------------------------------------------------------------------------------
     def complete(self, run: TierRun, task_id: Hashable) -> None:

@@ -3,7 +3,8 @@ restarted worker re-adopt what is on disk.
 
 Block ``b`` lives in directory ``b % D`` at offset ``(b // D) * block_bytes`` of that
 directory's data file. The journal (in the first directory) starts with the layout fingerprint and
-records ``S block seq parent checksum`` after a block's bytes landed and ``R block`` when it left,
+records ``S block seq parent checksum tokens`` (tokens: base64 u32 ids, so a restarted worker can
+announce the block to the router again) after a block's bytes landed and ``R block`` when it left,
 before its slot is reused. On restart the journal is replayed: entries of another layout are
 *mismatched*, entries that do not fit (out of range, orphaned, duplicated) are *foreign*, blocks
 whose bytes fail their checksum are *torn*; the rest are adopted and the journal is compacted.
@@ -11,6 +12,8 @@ whose bytes fail their checksum are *torn*; the rest are adopted and the journal
 
 from __future__ import annotations
 
+import base64
+import binascii
 import fcntl
 import json
 import logging
@@ -38,6 +41,7 @@ class DiskEntry:
     seq_hash: int
     parent: Optional[int]
     checksum: int
+    tokens: Optional[bytes] = None  # the block's token ids (u32 LE): a restart can announce it again
 
 
 @dataclass
@@ -201,15 +205,16 @@ class SsdStore:
         for line in lines:
             parts = line.split()
             try:
-                if parts[0] == "S" and len(parts) == 5:
+                if parts[0] == "S" and len(parts) in (5, 6):
                     b = int(parts[1])
                     parent = None if parts[3] == "-" else int(parts[3], 16)
-                    live[b] = DiskEntry(b, int(parts[2], 16), parent, int(parts[4], 16))
+                    tokens = base64.b64decode(parts[5], validate=True) if len(parts) == 6 else None
+                    live[b] = DiskEntry(b, int(parts[2], 16), parent, int(parts[4], 16), tokens)
                 elif parts[0] == "R" and len(parts) == 2:
                     live.pop(int(parts[1]), None)
                 else:
                     raise ValueError(line)
-            except (ValueError, IndexError):
+            except (ValueError, IndexError, binascii.Error):
                 report.foreign += 1  # a torn last line or garbage
         if fp != self.fingerprint:
             report.mismatched = len(live)
@@ -237,4 +242,5 @@ class SsdStore:
 
 def _stored_line(e: DiskEntry) -> str:
     parent = "-" if e.parent is None else f"{e.parent:x}"
-    return f"S {e.block_id} {e.seq_hash:x} {parent} {e.checksum:x}\n"
+    tokens = "" if e.tokens is None else " " + base64.b64encode(e.tokens).decode("ascii")
+    return f"S {e.block_id} {e.seq_hash:x} {parent} {e.checksum:x}{tokens}\n"

@@ -38,6 +38,7 @@ class TransferEngine:
             t.start()
         self.link_bytes: Dict[OpKind, int] = {k: 0 for k in OpKind}
         self.link_seconds: Dict[OpKind, float] = {k: 0.0 for k in OpKind}
+        self.link_ops: Dict[OpKind, int] = {k: 0 for k in OpKind}
         self.failed_ops = 0
 
     def submit(self, graph: TransferGraph) -> TransferGraph:
@@ -79,6 +80,11 @@ class TransferEngine:
             t.join(timeout)
 
     # ---- internals (self._lock held where noted) --------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        """Ready copies waiting for a worker thread."""
+        return self._queue.qsize()
+
     def _dispatch(self, graph: TransferGraph) -> None:  # lock held
         if graph.error is not None or graph.cancel_requested:
             return
@@ -110,6 +116,7 @@ class TransferEngine:
                     op.state = OpState.DONE
                     self.link_bytes[op.kind] += op.nbytes
                     self.link_seconds[op.kind] += op.seconds
+                    self.link_ops[op.kind] += 1
                     self._dispatch(graph)
                 else:
                     op.state = OpState.FAILED

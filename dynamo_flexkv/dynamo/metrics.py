@@ -1,0 +1,123 @@
+"""The worker's offload metrics on Dynamo's ``/metrics`` (Prometheus, prefix ``flexkv_``) and the
+load snapshot the router reads.
+
+Counters are read at scrape time from what already counts them (KVManager.stats(), the device
+pool, the per-request tallies below): nothing is double-booked and an idle worker costs nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, Optional
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+PREFIX = "flexkv_"
+REQUEST_TIERS = ("device", "host", "disk")
+
+
+@dataclass
+class RequestTally:
+    """Per finished request: its prompt tokens and where each one came from (engine thread writes,
+    the scrape reads)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: Dict[str, int] = field(default_factory=lambda: {t: 0 for t in REQUEST_TIERS})
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, prompt_tokens: int, cached: Dict[str, int]) -> None:
+        with self._lock:
+            self.requests += 1
+            self.prompt_tokens += prompt_tokens
+            for tier, n in cached.items():
+                self.cached_tokens[tier] = self.cached_tokens.get(tier, 0) + n
+
+    def snapshot(self) -> "RequestTally":
+        with self._lock:
+            return RequestTally(self.requests, self.prompt_tokens, dict(self.cached_tokens))
+
+    @property
+    def hit_rate(self) -> Optional[float]:
+        """Share of prompt tokens served from any cache; None before the first request."""
+        return sum(self.cached_tokens.values()) / self.prompt_tokens if self.prompt_tokens else None
+
+
+class OffloadCollector(Collector):
+    """Turns the worker's counters into Prometheus families at each scrape."""
+
+    def __init__(self, tally: RequestTally, device_blocks: Callable[[], tuple],
+                 offload_stats: Callable[[], Optional[dict]]) -> None:
+        self.tally, self.device_blocks, self.offload_stats = tally, device_blocks, offload_stats
+
+    def collect(self) -> Iterator[Metric]:
+        t = self.tally.snapshot()
+        yield _counter("requests", "Requests finished by this worker", t.requests)
+        yield _counter("prompt_tokens", "Prompt tokens of finished requests", t.prompt_tokens)
+        cached = CounterMetricFamily(PREFIX + "prompt_tokens_cached", "Prompt tokens not recomputed, by the "
+                                     "tier they came from (device: the engine's prefix cache)", labels=["tier"])
+        for tier in REQUEST_TIERS:
+            cached.add_metric([tier], t.cached_tokens.get(tier, 0))
+        yield cached
+        yield _counter("prompt_tokens_computed", "Prompt tokens prefilled (cache misses)",
+                       t.prompt_tokens - sum(t.cached_tokens.values()))
+        used, total = self.device_blocks()
+        dev = GaugeMetricFamily(PREFIX + "device_blocks", "Engine KV blocks", labels=["state"])
+        dev.add_metric(["total"], total)
+        dev.add_metric(["used"], used)
+        yield dev
+        stats = self.offload_stats()
+        if stats is not None:
+            yield from _offload_families(stats)
+
+
+def _offload_families(stats: dict) -> Iterator[Metric]:
+    tiers = {k: v for k, v in stats.items() if k in ("host", "disk", "remote")}
+    per_tier = {
+        "hit_blocks": ("Blocks found in the tier by a get", "hit_blocks"),
+        "stored_blocks": ("Blocks that landed in the tier", "stored_blocks"),
+        "evicted_blocks": ("Blocks evicted from the tier", "evicted_blocks"),
+        "rolled_back_blocks": ("Blocks whose copy into the tier failed or was cancelled", "rolled_back_blocks"),
+    }
+    for name, (doc, key) in per_tier.items():
+        fam = CounterMetricFamily(PREFIX + name, doc, labels=["tier"])
+        for tier, s in tiers.items():
+            fam.add_metric([tier], s[key])
+        yield fam
+    pool = GaugeMetricFamily(PREFIX + "pool_blocks", "Offload tier slots", labels=["tier", "state"])
+    for tier, s in tiers.items():
+        for state in ("capacity", "used", "ready"):
+            pool.add_metric([tier, state], s[f"{state}_blocks"])
+    yield pool
+    yield _counter("miss_blocks", "Blocks of gets found in no offload tier", stats["requests"]["miss_blocks"])
+    link_bytes = CounterMetricFamily(PREFIX + "link_bytes", "Bytes moved per link", labels=["link"])
+    link_secs = CounterMetricFamily(PREFIX + "link_seconds", "Seconds spent in copies per link "
+                                    "(divide by link_ops for mean latency)", labels=["link"])
+    link_ops = CounterMetricFamily(PREFIX + "link_ops", "Copies finished per link", labels=["link"])
+    for link, s in stats["links"].items():
+        link_bytes.add_metric([link], s["bytes"])
+        link_secs.add_metric([link], s["seconds"])
+        link_ops.add_metric([link], s["ops"])
+    yield from (link_bytes, link_secs, link_ops)
+    tasks = stats["tasks"]
+    yield _gauge("tasks_in_flight", "Offload tasks not yet finished", tasks["in_flight"])
+    yield _gauge("transfer_queue_depth", "Ready copies waiting for a transfer thread", tasks["queued_ops"])
+    yield _counter("failed_ops", "Copies that failed (their task rolled back)", tasks["failed_ops"])
+    yield _counter("disk_write_failures", "Puts whose disk write failed (kept on host only)",
+                   tasks["disk_write_failures"])
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def offload_registry(collector: OffloadCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
