@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from dynamo_flexkv import __version__
@@ -19,13 +20,71 @@ def build_parser() -> argparse.ArgumentParser:
                         help="directory to probe for O_DIRECT (default: ssd_cache_dir from the config, else /tmp)")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
 
+    serve = sub.add_parser("serve", help="run a serve graph (frontend + workers) on this machine, on 127.0.0.1",
+                           description="Starts the graph's components, streams their logs, waits until the "
+                           "OpenAI endpoint answers, and stops everything on Ctrl-C or when a component dies.")
+    _graph_args(serve)
+    serve.add_argument("--discovery-backend", default="file", choices=["file", "etcd"],
+                       help="file (default, no server needed) or etcd (started on 127.0.0.1 unless ETCD_ENDPOINTS is set)")
+    serve.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"],
+                       help="zmq (default) or nats (nats-server started on 127.0.0.1 unless NATS_SERVER is set)")
+    serve.add_argument("--run-dir", help="discovery store, model directory, logs (default: a new temp dir)")
+
+    render = sub.add_parser("render", help="write a graph as a deployment manifest")
+    _graph_args(render)
+    render.add_argument("--k8s", action="store_true", required=True, help="a Dynamo DynamoGraphDeployment (nvidia.com/v1alpha1)")
+    render.add_argument("--image", default="dynamo-flexkv:latest", help="container image with dynamo_flexkv installed")
+    render.add_argument("-o", "--output", help="file to write (default: stdout)")
+
+    demo = sub.add_parser("demo", help="the main job: agg_router graph with two workers, a multi-turn trace "
+                          "workload over HTTP, with and without offload, and the table")
+    from dynamo_flexkv.demo import add_arguments
+    add_arguments(demo)
+
     from dynamo_flexkv.bench import build_parser as bench_parser
     bench_parser(sub.add_parser("bench", help="run a benchmark against its same-run baseline"))
     return parser
 
 
+def _graph_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("graph", help="graph file, e.g. graphs/agg_router.py")
+    p.add_argument("-f", "--config", help="config file, e.g. configs/agg_router.yaml (Common + a section per component)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, e.g. --set FlexKVWorker.replicas=3 (repeatable)")
+
+
+def _plan(args: argparse.Namespace, run_dir: str, **kw):
+    from dynamo_flexkv.serve import load_graph
+    from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+
+    config = apply_overrides(load_config(args.config), args.set)
+    return build_plan(load_graph(args.graph), config, run_dir=Path(run_dir), source=args.config or "defaults", **kw)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "render"):
+        from dynamo_flexkv.serve import GraphError
+        try:
+            if args.command == "render":
+                from dynamo_flexkv.serve.render import render_k8s
+                text = render_k8s(_plan(args, "/run/dynamo-flexkv", local=False), args.image)
+                if args.output:
+                    Path(args.output).write_text(text)
+                else:
+                    sys.stdout.write(text)
+                return 0
+            import tempfile
+            from dynamo_flexkv.serve.launcher import serve
+            plan = _plan(args, args.run_dir or tempfile.mkdtemp(prefix="dynamo-flexkv-"),
+                         discovery_backend=args.discovery_backend, event_plane=args.event_plane)
+        except GraphError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return serve(plan, sys.stdout)
+    if args.command == "demo":
+        from dynamo_flexkv.demo import run as demo_run
+        return demo_run(args)
     if args.command == "doctor":
         from dynamo_flexkv.doctor import main as doctor_main
         return doctor_main(args.cache_dirs, args.json)

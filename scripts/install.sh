@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 
-# 1. Debian packages: the native build (io_uring, xxhash) and the servers tests start.
-apt_pkgs=(cmake g++ make liburing-dev libxxhash-dev redis-server)
+# 1. Debian packages: the native build (io_uring, xxhash) and the servers tests and
+#    `serve --discovery-backend etcd --event-plane nats` start (on 127.0.0.1, never as services).
+apt_pkgs=(cmake g++ make liburing-dev libxxhash-dev redis-server etcd-server nats-server)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then

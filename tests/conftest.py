@@ -7,5 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # Dynamo processes bind and advertise loopback only.
-for var in ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST"):
-    os.environ.setdefault(var, "127.0.0.1")
+from dynamo_flexkv.dynamo import LOOPBACK_ENV  # noqa: E402
+
+for var, value in LOOPBACK_ENV.items():
+    os.environ.setdefault(var, value)

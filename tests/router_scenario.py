@@ -119,8 +119,8 @@ async def main(workdir: str) -> int:
 
 
 if __name__ == "__main__":
-    for var in ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST"):
-        os.environ[var] = "127.0.0.1"
+    from dynamo_flexkv.dynamo import LOOPBACK_ENV
+    os.environ.update(LOOPBACK_ENV)
     work = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
     os.environ["DYN_FILE_KV"] = os.path.join(work, "discovery")
     code = asyncio.run(main(work))

@@ -6,6 +6,7 @@ template. Dynamo's register_model and frontend read exactly these files."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Union
 
@@ -33,13 +34,13 @@ def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    tok.save(str(path / "tokenizer.json"))
+    _replace(path / "tokenizer.json", tok.to_str())
     bos, eos = tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
-    (path / "tokenizer_config.json").write_text(json.dumps({
+    _replace(path / "tokenizer_config.json", json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
         "model_max_length": 131072, "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
     }, indent=2))
-    (path / "config.json").write_text(json.dumps({
+    _replace(path / "config.json", json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": name,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -47,5 +48,12 @@ def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = 
         "max_position_embeddings": 131072, "bos_token_id": bos, "eos_token_id": eos,
         "torch_dtype": cfg.dtype, "tie_word_embeddings": False,
     }, indent=2))
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
+    _replace(path / "generation_config.json", json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
     return path
+
+
+def _replace(target: Path, text: str) -> None:
+    """Atomic rewrite: several workers may write one directory while the frontend reads it."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)

@@ -25,6 +25,7 @@ from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
 from dynamo.common.backend.run import run
 
 from dynamo_flexkv.config import CacheConfig
+from dynamo_flexkv.dynamo import LOOPBACK_ENV
 from dynamo_flexkv.dynamo.metrics import PREFIX, OffloadCollector, RequestTally, offload_registry
 from dynamo_flexkv.dynamo.model_dir import write_model_dir
 from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, SamplingParams
@@ -32,6 +33,26 @@ from dynamo_flexkv.events import KvEventRelay, OffloadEvents
 from dynamo_flexkv.manager import KVManager
 
 log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dynamo_flexkv.worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small", help="model preset (configs/models) or a local HF directory")
+    p.add_argument("--served-model-name", default="flexkv-small")
+    p.add_argument("--model-dir", help="where to write the model directory (default: a temp dir)")
+    p.add_argument("--namespace", default="dynamo")
+    p.add_argument("--component", default="flexkv")
+    p.add_argument("--endpoint", default="generate")
+    p.add_argument("--discovery-backend", default="file", choices=["file", "etcd", "mem", "kubernetes"])
+    p.add_argument("--request-plane", default="tcp", choices=["tcp", "nats"])
+    p.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"])
+    p.add_argument("--num-device-blocks", type=int, default=256, help="the engine's own KV blocks")
+    p.add_argument("--no-offload", action="store_true", help="serve without host/disk tiers")
+    p.add_argument("--bulk-load", action="store_true", help="load cached prefixes before compute")
+    p.add_argument("--no-device-prefix-cache", action="store_true",
+                   help="free device blocks when a request ends: reuse then comes only from offload tiers")
+    return p
 
 
 class FlexKVWorkerEngine(DynamoLLMEngine):
@@ -54,23 +75,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
 
     @classmethod
     async def from_args(cls, argv: Optional[List[str]] = None):
-        p = argparse.ArgumentParser(prog="python -m dynamo_flexkv.worker", description=__doc__,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--model", default="small", help="model preset (configs/models) or a local HF directory")
-        p.add_argument("--served-model-name", default="flexkv-small")
-        p.add_argument("--model-dir", help="where to write the model directory (default: a temp dir)")
-        p.add_argument("--namespace", default="dynamo")
-        p.add_argument("--component", default="flexkv")
-        p.add_argument("--endpoint", default="generate")
-        p.add_argument("--discovery-backend", default="file", choices=["file", "etcd", "mem", "kubernetes"])
-        p.add_argument("--request-plane", default="tcp", choices=["tcp", "nats"])
-        p.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"])
-        p.add_argument("--num-device-blocks", type=int, default=256, help="the engine's own KV blocks")
-        p.add_argument("--no-offload", action="store_true", help="serve without host/disk tiers")
-        p.add_argument("--bulk-load", action="store_true", help="load cached prefixes before compute")
-        p.add_argument("--no-device-prefix-cache", action="store_true",
-                       help="free device blocks when a request ends: reuse then comes only from offload tiers")
-        args = p.parse_args(argv)
+        args = build_parser().parse_args(argv)
         engine = cls(args)
         wc = WorkerConfig(namespace=args.namespace, component=args.component, endpoint=args.endpoint,
                           model_name=str(engine.model_dir), served_model_name=args.served_model_name,
@@ -81,7 +86,9 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     async def start(self, worker_id: int) -> EngineConfig:
         if not self.args.no_offload:
             # Tier sizes, directories and policies come from FLEXKV_* / YAML (FLEXKV_CONFIG_PATH).
-            self.kv = KVManager(self.cfg.kv_spec(), CacheConfig.load(), listener=OffloadEvents(self.relay))
+            # The engine's block is the unit of offload: tokens_per_block follows the model.
+            cache = CacheConfig.load().replace(tokens_per_block=self.cfg.block_size)
+            self.kv = KVManager(self.cfg.kv_spec(), cache, listener=OffloadEvents(self.relay))
         self.engine = LLMEngine(
             self.cfg, num_device_blocks=self.args.num_device_blocks, kv_manager=self.kv,
             layerwise=not self.args.bulk_load, device_prefix_cache=not self.args.no_device_prefix_cache,
@@ -191,17 +198,17 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                 loop, out = self._streams[o.request_id]
                 reason = {"length": "length", "stop": "stop"}.get(o.finish_reason or "", None)
                 cached = sum(o.cached_tokens.values())  # device prefix cache + offload tiers
-                loop.call_soon_threadsafe(out.put_nowait, (o.new_token, o.finished, reason, cached))
-                if o.finished:
+                if o.finished:  # counted before the caller hears of it: a scrape after the reply sees it
                     del self._streams[o.request_id]
                     self.tally.add(self._prompt_len.pop(o.request_id), o.cached_tokens)
+                loop.call_soon_threadsafe(out.put_nowait, (o.new_token, o.finished, reason, cached))
             engine._finished.clear()
             self._publish_load()
 
 
 def main() -> None:
-    for var in ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST"):
-        os.environ.setdefault(var, "127.0.0.1")
+    for var, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(var, value)
     run(FlexKVWorkerEngine)
 
 

@@ -43,6 +43,9 @@ class LLMEngine:
         self.pool = DeviceBlockPool(num_device_blocks, on_device_stored, on_device_removed)
         self.connector: Optional[OffloadConnector] = None
         if kv_manager is not None:
+            if kv_manager.tokens_per_block != cfg.block_size:
+                raise ValueError(f"the KVManager's tokens_per_block={kv_manager.tokens_per_block} differs from the "
+                                 f"engine's block_size={cfg.block_size}: set tokens_per_block={cfg.block_size}")
             self.connector = OffloadConnector(kv_manager, layerwise)
             self.connector.register(self.kv_cache.layers)
         self.layerwise = layerwise

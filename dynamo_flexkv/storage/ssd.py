@@ -35,6 +35,27 @@ class SsdInUseError(RuntimeError):
     """Another process holds this cache directory: two writers would corrupt each other."""
 
 
+def lock_dir(directory: str) -> int:
+    """Takes the directory's lock for this process (the fd holds it; closing releases it)."""
+    fd = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise SsdInUseError(f"ssd_cache_dir {directory!r} is in use by pid {holder}: give each worker "
+                            "its own directory, or stop the process using it") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def check_dir_free(directory: str) -> None:
+    """Raises SsdInUseError when a live process holds ``directory`` (lock taken and released)."""
+    if os.path.exists(os.path.join(directory, LOCK)):
+        os.close(lock_dir(directory))
+
+
 @dataclass(frozen=True)
 class DiskEntry:
     block_id: int
@@ -85,17 +106,7 @@ class SsdStore:
         self._journal_lines = 0
 
     def _lock_dir(self, directory: str) -> None:
-        fd = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise SsdInUseError(f"ssd_cache_dir {directory!r} is in use by pid {holder}: give each worker "
-                                "its own directory") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._locks.append(fd)
+        self._locks.append(lock_dir(directory))
 
     # ---- addressing ------------------------------------------------------------------------------
     def locate(self, block_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,380 @@
+"""A graph plus its config file, checked and turned into the processes to start.
+
+Everything that can be wrong is found here, before any process starts: an unknown component or
+option, a model that is neither a preset nor a directory, a port already in use, an SSD directory
+this user cannot write, a missing etcd/NATS binary. Each error names the section, the key and the
+fix.
+
+Config file: a ``Common`` section whose options apply to every component that has them, then one
+section per component of the graph (its options override Common's). Worker option ``cache`` holds
+CacheConfig keys (dynamo_flexkv.config); ``{replica}`` in a value becomes the replica's number.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import yaml
+
+from dynamo_flexkv.config import CacheConfig, ConfigError
+from dynamo_flexkv.dynamo import LOOPBACK_ENV
+from dynamo_flexkv.storage.ssd import SsdInUseError, check_dir_free
+from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
+
+LOOPBACK = "127.0.0.1"
+SYSTEM_PORT_RANGE = (21000, 32000)  # Dynamo reads DYN_SYSTEM_PORT as an i16: it must stay below 32768
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+        raise ValueError("expected a string")
+    return str(v)
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("expected an integer")
+    return v
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError("expected a number")
+    return float(v)
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("expected true or false")
+    return v
+
+
+def _args(v: Any) -> List[str]:
+    if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
+        raise ValueError("expected a list of strings")
+    return list(v)
+
+
+def _mapping(v: Any) -> Dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ValueError("expected a mapping of CacheConfig keys")
+    return dict(v)
+
+
+ROUTER_MODES = ("round-robin", "random", "power-of-two", "kv", "least-loaded")
+OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
+    Kind.FRONTEND: {
+        "namespace": _str, "http-port": _int, "router-mode": _str,
+        "router-host-cache-hit-weight": _float, "router-disk-cache-hit-weight": _float, "extra-args": _args,
+    },
+    Kind.WORKER: {
+        "model": _str, "served-model-name": _str, "namespace": _str, "replicas": _int,
+        "num-device-blocks": _int, "offload": _bool, "bulk-load": _bool, "device-prefix-cache": _bool,
+        "system-port": _int, "cache": _mapping, "extra-args": _args,
+    },
+}
+DEFAULTS: Dict[Kind, Dict[str, Any]] = {
+    Kind.FRONTEND: {"namespace": "dynamo", "http-port": 8000, "router-mode": "kv", "extra-args": []},
+    Kind.WORKER: {"model": "small", "namespace": "dynamo", "replicas": 1, "num-device-blocks": 256,
+                  "offload": True, "bulk-load": False, "device-prefix-cache": True, "cache": {},
+                  "extra-args": []},
+}
+
+
+@dataclass
+class Process:
+    name: str  # what its log lines are prefixed with
+    argv: List[str]
+    env: Dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
+    kind: Optional[Kind] = None  # None: infrastructure (etcd, NATS)
+    port: Optional[int] = None  # frontend: HTTP; worker: system port (/health, /metrics); infra: client
+    cache: Optional[CacheConfig] = None  # workers with offload
+    files: Dict[str, str] = field(default_factory=dict)  # path -> text, written before it starts
+
+
+@dataclass
+class LaunchPlan:
+    graph: Graph
+    run_dir: Path
+    model: str
+    served_model_name: str
+    http_port: int
+    discovery_backend: str
+    event_plane: str
+    infra: List[Process]
+    processes: List[Process]  # frontend first, then the workers
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}"
+
+    @property
+    def workers(self) -> List[Process]:
+        return [p for p in self.processes if p.kind is Kind.WORKER]
+
+
+def load_config(path: Optional[str]) -> Dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise GraphError(f"cannot read config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise GraphError(f"config {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise GraphError(f"config {path} must be a mapping of sections (Common, then one per component)")
+    return data
+
+
+def apply_overrides(config: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    """``Section.key=value`` (value parsed as YAML; ``Section.cache.key=value`` reaches into cache)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    for item in overrides:
+        path, sep, value = item.partition("=")
+        parts = path.split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            raise GraphError(f"--set {item!r}: expected Section.key=value (e.g. FlexKVWorker.replicas=3)")
+        node = out.setdefault(parts[0], {})
+        for p in parts[1:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(value)
+    return out
+
+
+def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discovery_backend: str = "file",
+               event_plane: str = "zmq", source: str = "config", local: bool = True) -> LaunchPlan:
+    """``local=False`` (rendering for elsewhere): ports and SSD directories are not probed on this
+    machine and no etcd/NATS is planned."""
+    sections = dict(config)
+    common = sections.pop("Common", None) or {}
+    if not isinstance(common, dict):
+        raise GraphError(f"{source}: Common must be a mapping of options")
+    known = [c.name for c in graph.components]
+    for name in sections:
+        if name not in known:
+            raise GraphError(f"{source}: unknown component {name!r}: graph {graph.name} has {known} "
+                             "(plus Common); rename or remove that section")
+    all_keys = set().union(*(OPTIONS[k] for k in Kind))
+    for key in common:
+        if key not in all_keys:
+            raise GraphError(f"{source}: Common.{key} is not an option of any component; known: {sorted(all_keys)}")
+    if discovery_backend not in ("file", "etcd"):
+        raise GraphError(f"--discovery-backend {discovery_backend!r}: use file (default) or etcd")
+    if event_plane not in ("zmq", "nats"):
+        raise GraphError(f"--event-plane {event_plane!r}: use zmq (default) or nats")
+
+    ports = _PortBook(probe=local)
+    run_dir = Path(run_dir)
+    infra, env = _infra(run_dir, discovery_backend, event_plane, ports) if local else ([], {})
+    processes: List[Process] = []
+    model = served = None
+    http_port = 0
+    for comp in graph.components:
+        own = sections.get(comp.name) or {}
+        if not isinstance(own, dict):
+            raise GraphError(f"{source}: section {comp.name} must be a mapping of options")
+        opts = _options(comp.kind, comp.name, {**comp.defaults, **{k: v for k, v in common.items()
+                                                                  if k in OPTIONS[comp.kind]}, **own}, source)
+        if comp.kind is Kind.FRONTEND:
+            http_port = ports.take(opts["http-port"], f"{comp.name}.http-port", source, any_port=True)
+            processes.insert(0, _frontend(comp.name, opts, http_port, discovery_backend, event_plane, env))
+        else:
+            model, served = opts["model"], opts.get("served-model-name") or f"flexkv-{opts['model']}"
+            processes += _workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
+                                  ports, source, local)
+    return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes)
+
+
+def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict[str, Any]:
+    allowed = OPTIONS[kind]
+    out = dict(DEFAULTS[kind])
+    for key, value in raw.items():
+        if key not in allowed:
+            raise GraphError(f"{source}: {name}.{key} is not an option of a {kind.value}; known: {sorted(allowed)}")
+        try:
+            out[key] = allowed[key](value)
+        except ValueError as e:
+            raise GraphError(f"{source}: {name}.{key}={value!r}: {e}") from None
+    if kind is Kind.FRONTEND and out["router-mode"] not in ROUTER_MODES:
+        raise GraphError(f"{source}: {name}.router-mode={out['router-mode']!r}: use one of {list(ROUTER_MODES)}")
+    if kind is Kind.WORKER:
+        if out["replicas"] < 1:
+            raise GraphError(f"{source}: {name}.replicas={out['replicas']} must be >= 1")
+        if out["num-device-blocks"] < 1:
+            raise GraphError(f"{source}: {name}.num-device-blocks must be >= 1")
+    return out
+
+
+def _frontend(name: str, o: Dict[str, Any], port: int, discovery: str, event_plane: str,
+              env: Dict[str, str]) -> Process:
+    argv = [sys.executable, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(port),
+            "--router-mode", o["router-mode"], "--namespace", o["namespace"],
+            "--discovery-backend", discovery, "--event-plane", event_plane]
+    for key in ("router-host-cache-hit-weight", "router-disk-cache-hit-weight"):
+        if key in o:
+            argv += [f"--{key}", str(o[key])]
+    return Process(name, argv + o["extra-args"], dict(env), Kind.FRONTEND, port)
+
+
+def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery: str, event_plane: str,
+             env: Dict[str, str], ports: "_PortBook", source: str, local: bool) -> List[Process]:
+    from dynamo_flexkv.dynamo.worker import build_parser
+    from dynamo_flexkv.engine import EngineModelConfig
+
+    try:
+        model_cfg = EngineModelConfig.load(o["model"])
+    except (ValueError, OSError, KeyError) as e:
+        raise GraphError(f"{source}: {name}.model={o['model']!r}: {e}") from None
+    argv = [sys.executable, "-m", "dynamo_flexkv.worker", "--model", o["model"], "--served-model-name", served,
+            "--model-dir", str(run_dir / "model"), "--namespace", o["namespace"],
+            "--discovery-backend", discovery, "--event-plane", event_plane,
+            "--num-device-blocks", str(o["num-device-blocks"])]
+    argv += ["--no-offload"] * (not o["offload"]) + ["--bulk-load"] * o["bulk-load"]
+    argv += ["--no-device-prefix-cache"] * (not o["device-prefix-cache"]) + o["extra-args"]
+    try:
+        build_parser().parse_args(argv[3:])
+    except SystemExit:
+        raise GraphError(f"{source}: {name}.extra-args {o['extra-args']} are not worker options "
+                         "(see python -m dynamo_flexkv.worker --help)") from None
+    out, dirs = [], {}
+    for i in range(o["replicas"]):
+        pname = f"{name}-{i}" if o["replicas"] > 1 else name
+        cache, files = None, {}
+        penv = dict(env)
+        if o["offload"]:
+            values = {k: _per_replica(v, i) for k, v in o["cache"].items()}
+            values["tokens_per_block"] = model_cfg.block_size
+            try:
+                checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())  # not our disks
+                cache = CacheConfig.from_dict(checked, f"{source}: {name}.cache")
+                cache.tier_blocks(model_cfg.kv_spec())
+            except ConfigError as e:
+                raise GraphError(f"{source}: {name}.cache: {e}") from None
+            for d in _dirs(values.get("ssd_cache_dir")) if cache.ssd_cache_gb > 0 else ():
+                if local:
+                    try:
+                        check_dir_free(d)
+                    except SsdInUseError as e:
+                        raise GraphError(f"{source}: {name}.cache: {e}") from None
+                if os.path.realpath(d) in dirs:
+                    raise GraphError(f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {dirs[os.path.realpath(d)]} "
+                                     f"and {pname}: each worker needs its own; put {{replica}} in the path")
+                dirs[os.path.realpath(d)] = pname
+            cfg_path = str(run_dir / f"{pname}.cache.yaml")
+            penv["FLEXKV_CONFIG_PATH"] = cfg_path
+            files = {cfg_path: yaml.safe_dump(values, sort_keys=True)}
+        first = o.get("system-port")
+        port = ports.take(first + i if first is not None else 0, f"{name}.system-port", source, any_port=False)
+        penv["DYN_SYSTEM_PORT"] = str(port)
+        out.append(Process(pname, list(argv), penv, Kind.WORKER, port, cache, files))
+    return out
+
+
+def _infra(run_dir: Path, discovery: str, event_plane: str, ports: "_PortBook"):
+    """etcd and NATS for the non-default planes, on loopback, unless the environment names servers."""
+    env = dict(LOOPBACK_ENV, HF_HUB_OFFLINE="1")  # the model directory is local; never download
+    if discovery == "file":
+        env["DYN_FILE_KV"] = str(run_dir / "discovery")
+    procs = []
+    if discovery == "etcd" and not os.environ.get("ETCD_ENDPOINTS"):
+        exe = _need("etcd", "etcd-server")
+        client, peer = ports.take(0, "etcd", "", any_port=True), ports.take(0, "etcd peer", "", any_port=True)
+        url, purl = f"http://{LOOPBACK}:{client}", f"http://{LOOPBACK}:{peer}"
+        procs.append(Process("etcd", [exe, "--name", "flexkv", "--data-dir", str(run_dir / "etcd"),
+                                      "--listen-client-urls", url, "--advertise-client-urls", url,
+                                      "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
+                                      "--initial-cluster", f"flexkv={purl}"], {}, None, client))
+        env["ETCD_ENDPOINTS"] = url
+    if event_plane == "zmq" and not os.environ.get("DYN_ZMQ_BROKER_URL"):
+        xsub, xpub = (f"tcp://{LOOPBACK}:{ports.take(0, 'zmq broker', '', any_port=True)}" for _ in range(2))
+        procs.append(Process("zmq-broker", [sys.executable, "-m", "dynamo_flexkv.serve.zmq_broker", xsub, xpub],
+                             {}, None, int(xpub.rsplit(":", 1)[1])))
+        env["DYN_ZMQ_BROKER_URL"] = f"xsub={xsub} , xpub={xpub}"
+    if event_plane == "nats" and not os.environ.get("NATS_SERVER"):
+        exe = _need("nats-server", "nats-server")
+        port = ports.take(0, "nats", "", any_port=True)
+        procs.append(Process("nats", [exe, "-a", LOOPBACK, "-p", str(port), "-js", "-sd", str(run_dir / "nats")],
+                             {}, None, port))
+        env["NATS_SERVER"] = f"nats://{LOOPBACK}:{port}"
+    return procs, env
+
+
+def _need(exe: str, package: str) -> str:
+    path = shutil.which(exe) or shutil.which(exe, path="/usr/sbin:/usr/local/sbin")  # Debian: nats in sbin
+    if path is None:
+        raise GraphError(f"{exe} is not installed: `apt-get install {package}` (scripts/install.sh does), "
+                         f"or point {'ETCD_ENDPOINTS' if exe == 'etcd' else 'NATS_SERVER'} at a running server")
+    return path
+
+
+class _PortBook:
+    """Ports for this launch: asked-for ones must be free; 0 picks a free one (system ports from a
+    range Dynamo accepts). Binding is the only honest check that a port is free."""
+
+    def __init__(self, probe: bool = True) -> None:
+        self.probe = probe
+        self.taken: Dict[int, str] = {}
+        self._next_system = SYSTEM_PORT_RANGE[0] + os.getpid() % 2000
+
+    def take(self, port: int, what: str, source: str, any_port: bool) -> int:
+        if port:
+            if not 0 < port < (65536 if any_port else 32768):
+                raise GraphError(f"{source}: {what}={port} is out of range"
+                                 + ("" if any_port else " (Dynamo's system port must be below 32768)"))
+            if port in self.taken or (self.probe and not _free(port)):
+                holder = self.taken.get(port, "another process")
+                raise GraphError(f"{source}: {what}={port} is in use by {holder} on {LOOPBACK}: stop it or "
+                                 f"pick another port (e.g. --set {what}={port + 1})")
+            self.taken[port] = what
+            return port
+        if any_port:
+            while True:
+                with socket.socket() as s:
+                    s.bind((LOOPBACK, 0))
+                    port = s.getsockname()[1]
+                if port not in self.taken:
+                    self.taken[port] = what
+                    return port
+        for _ in range(SYSTEM_PORT_RANGE[1] - SYSTEM_PORT_RANGE[0]):
+            port = self._next_system
+            self._next_system = SYSTEM_PORT_RANGE[0] + (port + 1 - SYSTEM_PORT_RANGE[0]) % (
+                SYSTEM_PORT_RANGE[1] - SYSTEM_PORT_RANGE[0])
+            if port not in self.taken and _free(port):
+                self.taken[port] = what
+                return port
+        raise GraphError(f"no free port for {what} in {SYSTEM_PORT_RANGE}")
+
+
+def _per_replica(value: Any, replica: int) -> Any:
+    if isinstance(value, str):
+        return value.replace("{replica}", str(replica))
+    if isinstance(value, list):
+        return [_per_replica(v, replica) for v in value]
+    return value
+
+
+def _dirs(value: Any) -> List[str]:
+    """ssd_cache_dir as CacheConfig reads it: a list, or one string with ';' between directories."""
+    if value is None:
+        return []
+    return [d for d in value.split(";") if d] if isinstance(value, str) else [str(d) for d in value]
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is free; a listener is not
+        try:
+            s.bind((LOOPBACK, port))
+            s.listen()
+            return True
+        except OSError:
+            return False

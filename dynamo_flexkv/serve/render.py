@@ -1,0 +1,86 @@
+"""``dynamo-flexkv render --k8s``: the same graph and config as a DynamoGraphDeployment for the
+Dynamo operator (nvidia.com/v1alpha1, one service per component).
+
+In Kubernetes the operator supplies discovery (the Kubernetes API) and the event plane; the
+workers' cache options become FLEXKV_* environment variables, and each worker pod gets its own
+emptyDir at its SSD cache directory (swap in a hostPath or local PersistentVolume on nodes with
+NVMe: the disk tier is only as fast as what backs that directory)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List
+
+import yaml
+
+from dynamo_flexkv.serve.graph import Kind
+from dynamo_flexkv.serve.plan import LaunchPlan, Process
+
+SYSTEM_PORT = 9090  # the pods' system server (/health, /metrics), as the operator's probes expect
+SKIP_ARGS = {"--http-host", "--discovery-backend", "--event-plane", "--model-dir", "--namespace"}  # the operator sets these
+
+
+def render_k8s(plan: LaunchPlan, image: str) -> str:
+    name = re.sub(r"[^a-z0-9-]", "-", f"flexkv-{plan.graph.name}".lower())
+    services: Dict[str, Any] = {}
+    for comp in plan.graph.components:
+        procs = [p for p in plan.processes if p.name == comp.name or p.name.startswith(comp.name + "-")]
+        first = procs[0]
+        container: Dict[str, Any] = {"image": image, "command": ["python3"] + first.argv[1:3],
+                                     "args": _portable_args(first.argv[3:])}
+        service: Dict[str, Any] = {"dynamoNamespace": name, "componentType": comp.kind.value,
+                                   "replicas": len(procs), "extraPodSpec": {"mainContainer": container}}
+        if comp.kind is Kind.FRONTEND:
+            container["args"] = _replace_arg(container["args"], "--http-port", "8000")
+        else:
+            service["envs"] = [{"name": "DYN_SYSTEM_PORT", "value": str(SYSTEM_PORT)}] + _cache_env(first)
+            dirs = _ssd_dirs(first)
+            if dirs:
+                vols = [{"name": f"ssd-cache-{i}", "emptyDir": {}} for i in range(len(dirs))]
+                service["extraPodSpec"]["volumes"] = vols
+                container["volumeMounts"] = [{"name": v["name"], "mountPath": d} for v, d in zip(vols, dirs)]
+        services[comp.name] = service
+    manifest = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoGraphDeployment",
+                "metadata": {"name": name}, "spec": {"services": services}}
+    header = (f"# Rendered by dynamo-flexkv from graph {plan.graph.name}; apply with kubectl apply -f.\n"
+              "# Worker SSD cache directories are emptyDir volumes: back them by local NVMe in production.\n")
+    return header + yaml.safe_dump(manifest, sort_keys=False)
+
+
+def _portable_args(args: List[str]) -> List[str]:
+    """Drops what only makes sense on this machine (loopback binding, file discovery, run dir)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in SKIP_ARGS:
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+def _replace_arg(args: List[str], flag: str, value: str) -> List[str]:
+    out = list(args)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    return out
+
+
+def _cache_env(proc: Process) -> List[Dict[str, str]]:
+    path = proc.env.get("FLEXKV_CONFIG_PATH")
+    if path is None or path not in proc.files:
+        return []
+    values = yaml.safe_load(proc.files[path]) or {}
+    return [{"name": f"FLEXKV_{k.upper()}", "value": ";".join(map(str, v)) if isinstance(v, list) else str(v)}
+            for k, v in sorted(values.items())]
+
+
+def _ssd_dirs(proc: Process) -> List[str]:
+    if proc.cache is None or proc.cache.ssd_cache_gb <= 0:
+        return []
+    for e in _cache_env(proc):
+        if e["name"] == "FLEXKV_SSD_CACHE_DIR":
+            return [d for d in e["value"].split(";") if d]
+    return []
