@@ -7,10 +7,13 @@ PY := $(VENV)/bin/python
 install:
 	VENV=$(VENV) bash scripts/install.sh
 
-# The main job. Until the Dynamo serve graph exists it runs every benchmark (with its same-run
-# baseline) and prints the table.
+# The main job: the agg_router graph (frontend in KV-router mode + 2 workers with host+SSD
+# offload) serving multi-turn conversations from the Mooncake trace, against offload disabled.
 demo: install
-	$(PY) -m dynamo_flexkv.cli doctor
+	$(PY) -m dynamo_flexkv.cli demo --json demo-results.jsonl
+
+# Every benchmark with its same-run baseline.
+bench: install
 	$(PY) -m dynamo_flexkv.bench all --json bench-results.jsonl
 
 test: install

@@ -44,8 +44,8 @@ class Scale:
     conversations: int = 24
     min_turns: int = 2
     max_turns: int = 4
-    tokens_per_hash_block: int = 128  # 512 in the trace: prompts are 1/4 as long
-    max_prompt_tokens: int = 4096  # turns beyond this are dropped (their conversation keeps earlier ones)
+    tokens_per_hash_block: int = 256  # 512 in the trace: prompts are half as long
+    max_prompt_tokens: int = 8192  # turns beyond this are dropped (their conversation keeps earlier ones)
     max_output_tokens: int = 4  # decode is not what offload speeds up; keep runs short
     token_vocab: int = 256  # ids below this (byte tokens of the generated tokenizer)
 

@@ -1,125 +1,157 @@
-"""The worker component behind Dynamo's real frontend (KV router mode), all on 127.0.0.1: an
-OpenAI completion is served end to end, and everything shuts down leaving no process behind."""
+"""The serve graphs end to end, on 127.0.0.1: Dynamo's real frontend (KV router mode) and our worker
+processes started by the launcher from graphs/*.py and configs/*.yaml, driven over the OpenAI HTTP
+API. Each test checks that the graph leaves no process and no port behind."""
 
-import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
+from dynamo_flexkv.serve import load_graph  # noqa: E402
+from dynamo_flexkv.serve.launcher import Launcher, http_json  # noqa: E402
+from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config  # noqa: E402
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http(method, url, body=None, timeout=30):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
+        "FlexKVWorker.num-device-blocks=64", "FlexKVWorker.cache.cpu_cache_gb=0.02",
+        "FlexKVWorker.cache.ssd_cache_gb=0.05"]
 
 
-class Graph:
-    """A frontend (KV router mode) and N workers, each with its own SSD directory, on loopback."""
+def make_plan(tmp_path, graph: str, *overrides: str, **kw):
+    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+                             [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}", *overrides])
+    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", **kw)
 
-    def __init__(self, tmp_path, workers: int, *worker_args: str) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.tmp = tmp_path
-        env = dict(os.environ, DYN_FILE_KV=str(tmp_path / "discovery"), DYN_TCP_RPC_HOST="127.0.0.1",
-                   DYN_EVENT_PLANE_HOST="127.0.0.1", DYN_SYSTEM_HOST="127.0.0.1", HF_HUB_OFFLINE="1",
-                   DYN_LOG="warn", FLEXKV_CPU_CACHE_GB="0.02", FLEXKV_SSD_CACHE_GB="0.05")
-        self.procs = [subprocess.Popen(
-            [sys.executable, "-m", "dynamo.frontend", "--router-mode", "kv", "--discovery-backend", "file",
-             "--event-plane", "zmq", "--http-host", "127.0.0.1", "--http-port", str(self.port)],
-            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "frontend.log", "w"), start_new_session=True)]
-        for i in range(workers):
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dynamo_flexkv.dynamo.worker", "--model", "tiny", "--served-model-name",
-                 "flexkv-tiny", "--model-dir", str(tmp_path / "model"), *worker_args],
-                env=dict(env, FLEXKV_SSD_CACHE_DIR=str(tmp_path / f"ssd{i}")), stdout=subprocess.DEVNULL,
-                stderr=open(tmp_path / f"worker{i}.log", "w"), start_new_session=True))
 
-    def wait_ready(self, workers: int, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, p in enumerate(self.procs):
-                assert p.poll() is None, f"process {i} died: " + self.logs()
-            try:
-                if any(m["id"] == "flexkv-tiny" for m in http("GET", f"{self.base}/v1/models", timeout=2)["data"]):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the model never appeared at /v1/models: " + self.logs()
-            time.sleep(0.5)
-        time.sleep(1.0 * workers)  # let the router discover every worker, not just the first
+def complete(plan, prompt, max_tokens=4) -> dict:
+    return http_json("POST", f"{plan.base_url}/v1/completions",
+                     {"model": plan.served_model_name, "prompt": prompt, "max_tokens": max_tokens})
 
-    def complete(self, prompt: str, max_tokens: int = 4) -> dict:
-        return http("POST", f"{self.base}/v1/completions",
-                    {"model": "flexkv-tiny", "prompt": prompt, "max_tokens": max_tokens})
 
-    def logs(self) -> str:
-        return "".join(p.read_text()[-1500:] for p in sorted(self.tmp.glob("*.log")))
+def metric(port: int, name: str, **labels) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    want = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
+    m = re.search(rf"^{name}\{{{want}[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    assert m is not None, f"{name}{labels} not on /metrics"
+    return float(m.group(1))
 
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGINT)
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
 
-    def assert_gone(self) -> None:
-        for p in self.procs:  # nothing of any process group is left
-            with pytest.raises(ProcessLookupError):
-                os.killpg(p.pid, 0)
-        with socket.socket() as s:  # nobody listens on the HTTP port any more (TIME_WAIT is fine)
+def assert_gone(launcher: Launcher) -> None:
+    for p in launcher.running.values():  # nothing of any process group is left
+        with pytest.raises(ProcessLookupError):
+            os.killpg(p.pid, 0)
+    for proc in launcher.plan.processes + launcher.plan.infra:
+        with socket.socket() as s:  # nobody listens on its port any more (TIME_WAIT is fine)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", self.port))
+            s.bind(("127.0.0.1", proc.port))
             s.listen()
 
 
-def test_frontend_serves_completions_through_the_worker(tmp_path):
-    g = Graph(tmp_path, 1, "--num-device-blocks", "64")
-    try:
-        g.wait_ready(1)
+def test_agg_graph_serves_completions_and_reports_offload_metrics(tmp_path):
+    plan = make_plan(tmp_path, "agg")
+    worker = plan.workers[0]
+    with Launcher(plan) as launcher:
+        launcher.wait_ready(120)
         prompt = "Offload keeps this long shared prefix around. " * 8
         for _ in range(2):
-            r = g.complete(prompt, 6)
+            r = complete(plan, prompt, 6)
             assert r["object"] == "text_completion" and r["choices"][0]["finish_reason"] in ("stop", "length")
             assert 1 <= r["usage"]["completion_tokens"] <= 6 and r["usage"]["prompt_tokens"] > 64
-    finally:
-        g.stop()
-    g.assert_gone()
+        # The offload metrics ride on Dynamo's /metrics of the worker.
+        assert metric(worker.port, "flexkv_requests_total") == 2
+        assert metric(worker.port, "flexkv_prompt_tokens_total") == 2 * r["usage"]["prompt_tokens"]
+        assert metric(worker.port, "flexkv_stored_blocks_total", tier="host") > 0
+        assert metric(worker.port, "flexkv_pool_blocks", tier="host", state="capacity") > 0
+        assert metric(worker.port, "flexkv_link_bytes_total", link="d2h") > 0
+        assert metric(worker.port, "flexkv_device_blocks", state="total") == 64
+    assert_gone(launcher)
 
 
 def test_repeated_prefix_goes_to_the_worker_holding_it_offloaded(tmp_path):
     """Two workers without a device prefix cache: a prompt's KV survives only in the host/disk
     tier of the worker that served it. The router must send each repeat there (a cache hit);
     a request sent to the other worker would find nothing."""
-    g = Graph(tmp_path, 2, "--num-device-blocks", "64", "--no-device-prefix-cache")
-    try:
-        g.wait_ready(2)
+    plan = make_plan(tmp_path, "agg_router", "FlexKVWorker.device-prefix-cache=false")
+    with Launcher(plan) as launcher:
+        launcher.wait_ready(120)
         prompts = [f"conversation {i}: " + "a long shared system prompt with history. " * 9 for i in range(4)]
         for p in prompts:
-            first = g.complete(p)
+            first = complete(plan, p)
             assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         for p in prompts:  # every repeat finds its prefix: the router chose the holder each time
-            again = g.complete(p)
+            again = complete(plan, p)
             cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= again["usage"]["prompt_tokens"] - 16, (cached, again["usage"])
-    finally:
-        g.stop()
-    g.assert_gone()
+        served = sum(metric(w.port, "flexkv_prompt_tokens_cached_total", tier=t)
+                     for w in plan.workers for t in ("host", "disk"))
+        assert served >= sum(len(p) for p in prompts) - 4 * 16  # the hits came from offload tiers
+        assert all(metric(w.port, "flexkv_prompt_tokens_cached_total", tier="device") == 0 for w in plan.workers)
+    assert_gone(launcher)
+
+
+@pytest.mark.skipif(not (os.path.exists("/usr/bin/etcd") and os.path.exists("/usr/sbin/nats-server")),
+                    reason="etcd-server and nats-server are installed by make test")
+def test_agg_graph_on_etcd_and_nats(tmp_path):
+    plan = make_plan(tmp_path, "agg", discovery_backend="etcd", event_plane="nats")
+    assert [p.name for p in plan.infra] == ["etcd", "nats"]
+    with Launcher(plan) as launcher:
+        launcher.wait_ready(120)
+        prompt = "etcd for discovery, NATS for events. " * 6
+        complete(plan, prompt)
+        again = complete(plan, prompt)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert_gone(launcher)
+
+
+def test_serve_stops_the_graph_on_ctrl_c_and_when_a_component_dies(tmp_path):
+    base = [sys.executable, "-m", "dynamo_flexkv.cli", "serve", str(ROOT / "graphs" / "agg_router.py"),
+            "-f", str(ROOT / "configs" / "agg_router.yaml"), *[a for s in TINY for a in ("--set", s)]]
+
+    def start(name):
+        run = tmp_path / name
+        p = subprocess.Popen(base + ["--set", f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}",
+                                     "--run-dir", str(run)], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        deadline = time.monotonic() + 120
+        for line in p.stdout:
+            if "graph agg_router ready" in line:
+                threading.Thread(target=p.stdout.read, daemon=True).start()  # keep its log pipe flowing
+                return p, run
+            assert time.monotonic() < deadline and p.poll() is None, "serve never became ready"
+        raise AssertionError(f"serve exited with {p.wait()} before it was ready")
+
+    def children(serve):
+        out = subprocess.run(["pgrep", "-P", str(serve.pid)], capture_output=True, text=True).stdout.split()
+        return {int(x): Path(f"/proc/{x}/cmdline").read_bytes().replace(b"\0", b" ").decode() for x in out}
+
+    def gone(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    serve, run = start("ctrl-c")
+    kids = children(serve)
+    assert sum("dynamo.frontend" in c for c in kids.values()) == 1
+    assert sum("dynamo_flexkv.worker" in c for c in kids.values()) == 2
+    serve.send_signal(signal.SIGINT)
+    assert serve.wait(timeout=60) == 0
+    assert all(gone(pid) for pid in kids)
+
+    serve, run = start("death")
+    kids = children(serve)
+    os.kill(next(pid for pid, c in kids.items() if "dynamo_flexkv.worker" in c), signal.SIGKILL)
+    assert serve.wait(timeout=60) == 1
+    assert all(gone(pid) for pid in kids)
