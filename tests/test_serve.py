@@ -117,3 +117,12 @@ def test_render_k8s_writes_a_graph_deployment(tmp_path):
     env = {e["name"]: e["value"] for e in worker["envs"]}
     assert env["FLEXKV_CPU_CACHE_GB"] == "0.125" and env["FLEXKV_TOKENS_PER_BLOCK"] == "64"
     assert [m["mountPath"] for m in main["volumeMounts"]] == [env["FLEXKV_SSD_CACHE_DIR"]]
+
+
+def test_render_cli_writes_the_manifest_file(tmp_path):
+    out = tmp_path / "agg_router.k8s.yaml"
+    r = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "render", AGG_ROUTER, "-f", CONFIG, "--k8s",
+                        "-o", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    doc = yaml.safe_load(out.read_text())
+    assert set(doc["spec"]["services"]) == {"Frontend", "FlexKVWorker"}
