@@ -16,7 +16,9 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE_NAME = Path("shared") / "traces" / "mooncake_conversation_trace.jsonl"
+# ../shared/traces beside the checkout (or beside the working directory)
+TRACE_CANDIDATES = (Path(__file__).resolve().parents[2] / TRACE_NAME, Path.cwd().parent / TRACE_NAME)
 TRACE_BLOCK = 512  # tokens per hash_id in the trace
 
 
@@ -57,7 +59,9 @@ class Scale:
 
 
 def load_trace(path: Optional[Path] = None) -> List[TraceRequest]:
-    path = Path(path or DEFAULT_TRACE)
+    if path is None:
+        path = next((p for p in TRACE_CANDIDATES if p.is_file()), TRACE_CANDIDATES[0])
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace {path} not found: pass --trace PATH (a Mooncake-format .jsonl)")
     out = []
