@@ -2,12 +2,15 @@
 
 Same contract and checksums as DiskMover (it only replaces how the bytes move), so every disk
 test runs against it too. Memory and files are registered once; each op is one NIXL request.
+Requests are serialized per agent: NIXL 1.5.1's POSIX backend crashed (SIGSEGV in
+check_xfer_state) with two transfer threads driving one agent at once.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from typing import Optional
 
@@ -42,6 +45,7 @@ class NixlDiskMover(DiskMover):
         self.agent.register_memory([(host.base, host.nbytes, 0, "")], "DRAM")
         file_bytes = -(-ssd.num_blocks // len(ssd.fds)) * ssd.block_bytes
         self.agent.register_memory([(0, file_bytes, fd, "") for fd in ssd.fds], "FILE")
+        self._agent_lock = threading.Lock()
 
     def _transfer(self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool, offset: int = 0,
                   length: Optional[int] = None) -> None:
@@ -53,15 +57,17 @@ class NixlDiskMover(DiskMover):
         addrs = self.host.block_addrs(host_ids) + np.uint64(offset)
         dram = np.stack([addrs, np.full(n, bb, np.uint64), np.zeros(n, np.uint64)], axis=1)
         files = np.stack([offsets + np.uint64(offset), np.full(n, bb, np.uint64), fds.astype(np.uint64)], axis=1)
-        handle = self.agent.initialize_xfer("WRITE" if write else "READ",
-                                            self.agent.get_xfer_descs(dram, "DRAM"),
-                                            self.agent.get_xfer_descs(files, "FILE"), self.name)
-        try:
-            state = self.agent.transfer(handle)
-            while state == "PROC":
-                time.sleep(0)  # let other Python threads run while NIXL's workers move bytes
-                state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise NixlError(f"NIXL {self.backend} {'write' if write else 'read'} of {n} blocks failed ({state})")
-        finally:
-            self.agent.release_xfer_handle(handle)
+        with self._agent_lock:
+            handle = self.agent.initialize_xfer("WRITE" if write else "READ",
+                                                self.agent.get_xfer_descs(dram, "DRAM"),
+                                                self.agent.get_xfer_descs(files, "FILE"), self.name)
+            try:
+                state = self.agent.transfer(handle)
+                while state == "PROC":
+                    time.sleep(0)  # let other Python threads run while NIXL's workers move bytes
+                    state = self.agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise NixlError(f"NIXL {self.backend} {'write' if write else 'read'} of {n} blocks failed "
+                                    f"({state})")
+            finally:
+                self.agent.release_xfer_handle(handle)
