@@ -140,15 +140,20 @@ class CacheConfig:
 
 
 def _read_yaml(path: str) -> Mapping[str, Any]:
+    return read_yaml_mapping(path, f"; fix {CONFIG_PATH_ENV}", "keys to values")
+
+
+def read_yaml_mapping(path: str, fix: str = "", holds: str = "keys to values") -> Dict[str, Any]:
+    """A YAML file whose top level is a mapping; any other case is a ConfigError naming the file."""
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}; fix {CONFIG_PATH_ENV}") from None
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}{fix}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+        raise ConfigError(f"config file {path} must hold a mapping of {holds}")
     return data
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import yaml
 
-from dynamo_flexkv.config import CacheConfig, ConfigError
+from dynamo_flexkv.config import CacheConfig, ConfigError, read_yaml_mapping
 from dynamo_flexkv.dynamo import LOOPBACK_ENV
 from dynamo_flexkv.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
@@ -124,15 +124,9 @@ def load_config(path: Optional[str]) -> Dict[str, Any]:
     if path is None:
         return {}
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise GraphError(f"cannot read config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise GraphError(f"config {path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise GraphError(f"config {path} must be a mapping of sections (Common, then one per component)")
-    return data
+        return read_yaml_mapping(path, holds="sections (Common, then one per component)")
+    except ConfigError as e:
+        raise GraphError(str(e)) from None
 
 
 def apply_overrides(config: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
