@@ -6,6 +6,7 @@ import torch
 
 from dynamo_flexkv import CacheConfig, KVManager
 from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, SamplingParams
+from dynamo_flexkv.hashing import block_hashes
 from dynamo_flexkv.transfer.graph import OpKind
 
 CFG = EngineModelConfig.preset("tiny")
@@ -214,3 +215,128 @@ def test_without_device_prefix_cache_reuse_comes_from_offload(tmp_path):
         assert first.device_hit_tokens == 0 and again.device_hit_tokens == 0
         assert again.offload_hit_tokens == 6 * BS and again.output == first.output
         assert engine.pool.by_hash == {}  # nothing stayed cached on the device
+
+
+# ---- abort ---------------------------------------------------------------------------------------
+def idle(engine, kv=None) -> None:
+    """Steps until nothing is pending, then checks nothing leaked: every device block is free or
+    an evictable prefix-cache block, and every offload task was collected."""
+    for _ in range(10_000):
+        if not engine.busy:
+            break
+        engine.step()
+    assert not engine.busy
+    assert engine.pool.num_available == engine.pool.num_blocks, "device blocks leaked"
+    assert all(r == 0 for r in engine.pool.refs)
+    if kv is not None:
+        assert kv.stats()["tasks"]["in_flight"] == 0, "offload tasks left behind"
+
+
+def test_abort_running_and_waiting_requests_frees_blocks_and_keeps_computed_prefix():
+    engine = LLMEngine(CFG, num_device_blocks=64, max_running=2)
+    prompts = [list(range(i, i + 3 * BS + 5)) for i in range(4)]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=50)) for p in prompts]
+    engine.step()  # two prefills run, two wait
+    engine.step()
+    assert [r.id for r in engine.running] == ids[:2] and [r.id for r in engine.waiting] == ids[2:]
+    engine.abort(ids[0])  # decoding
+    engine.abort(ids[3])  # waiting
+    engine.abort("never-issued")
+    seen = set()
+    while engine.has_unfinished():
+        seen |= {o.request_id for o in engine.step()}
+    assert ids[0] not in seen and ids[3] not in seen and {ids[1], ids[2]} <= seen
+    assert engine.aborted == 2
+    # The aborted request's computed full prompt blocks stay cached (evictable); nothing is used.
+    assert engine.pool.peek(block_hashes(prompts[0], BS).sequence) == 3
+    idle(engine)
+
+
+def test_abort_does_not_change_other_requests():
+    prompts = workload(6, 12)
+    params = SamplingParams(max_tokens=6)
+    ref = LLMEngine(CFG, num_device_blocks=4096)
+    expected = {i: r.output for i, r in enumerate(ref.generate(prompts, params))}
+    engine = LLMEngine(CFG, num_device_blocks=256, model=ref.model, max_running=6)
+    ids = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
+    victims = set(list(ids)[::3])
+    outputs = {}
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs[o.request_id] = o.output
+        steps += 1
+        if steps == 2:
+            for v in victims:
+                engine.abort(v)
+    for rid, i in ids.items():
+        if rid not in victims:
+            assert outputs[rid] == expected[i]
+    idle(engine)
+
+
+def test_abort_cancels_an_inflight_load_and_returns_its_blocks(tmp_path):
+    """A request whose offload load is still running when it is aborted: the load is cancelled,
+    its blocks come back only after the copies drained, and no task stays in flight."""
+    cached = list(range(1, 8 * BS + 1))
+    with KVManager(CFG.kv_spec(), offload_config(tmp_path, 16, 64)) as kv:
+        engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv, device_prefix_cache=False)
+        engine.generate([cached], SamplingParams(max_tokens=1))
+        engine.flush()
+        # A long uncached prefill takes the whole batch budget: the cached request is admitted
+        # (its load starts) but not computed this step.
+        engine.max_batch_tokens = 2 * BS
+        hog = engine.add_request(list(range(200, 200 + 6 * BS)), SamplingParams(max_tokens=2))
+        victim = engine.add_request(cached + [7, 8, 9], SamplingParams(max_tokens=2))
+        engine.step()
+        r = next(r for r in engine.running if r.id == victim)
+        assert r.load_task is not None, "the victim's load should be in flight"
+        engine.abort(victim)
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        assert {o.request_id for o in outs} == {hog}
+        idle(engine, kv)
+        # The host/disk copies are intact: a new request still loads the prefix.
+        engine.max_batch_tokens = 16384
+        again = engine.generate([cached + [7, 8, 9]], SamplingParams(max_tokens=1))[0]
+        assert again.offload_hit_tokens == 8 * BS
+        engine.flush()
+        idle(engine, kv)
+
+
+def test_abort_from_another_thread_while_stepping(tmp_path):
+    """Randomized: requests aborted from a second thread at arbitrary times; afterwards nothing
+    leaks, and every request either finished normally or was aborted (never both)."""
+    import random
+    import threading
+
+    prompts = workload(7, 40)
+    with KVManager(CFG.kv_spec(), offload_config(tmp_path, 32, 256)) as kv:
+        engine = LLMEngine(CFG, num_device_blocks=96, kv_manager=kv, max_running=6, max_batch_tokens=3 * BS)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=1 + i % 9)) for i, p in enumerate(prompts)]
+        rng = random.Random(7)
+        victims = rng.sample(ids, 15)
+        done = threading.Event()
+
+        def aborter():
+            for v in victims:
+                if done.wait(rng.random() * 0.01):
+                    return
+                engine.abort(v)
+
+        t = threading.Thread(target=aborter)
+        t.start()
+        finished = {}
+        while engine.has_unfinished() or t.is_alive():
+            for o in engine.step():
+                assert o.request_id not in finished, "output after the request finished"
+                if o.finished:
+                    finished[o.request_id] = o.finish_reason
+        done.set()
+        t.join()
+        aborted = {r.id for r in engine._finished if r.finish_reason == "abort"}
+        assert not aborted & set(finished)
+        assert aborted | set(finished) == set(ids)
+        assert engine.aborted == len(aborted) and aborted <= set(victims)
+        idle(engine, kv)

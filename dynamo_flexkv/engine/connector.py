@@ -21,7 +21,9 @@ class OffloadConnector:
         self.kv = kv
         self.layerwise = layerwise
         self.bs = kv.tokens_per_block
-        self._puts: Dict[int, List[int]] = {}  # put task -> device blocks it still reads
+        # Task -> device blocks it still touches: a put reads them until its device copy is done,
+        # a cancelled load may still write them until its copies in flight drained.
+        self._holds: Dict[int, List[int]] = {}
         self._prefetches: List[int] = []
         self.failed_loads = 0
 
@@ -46,6 +48,11 @@ class OffloadConnector:
     def wait_layer(self, tid: int, layer: int) -> None:
         self.kv.wait_for_layer(tid, layer)  # raises TaskFailed: the step recomputes
 
+    def cancel_load(self, tid: int, blocks: Sequence[int]) -> None:
+        """Cancels a load; ``blocks`` come back from finished_holds() once no copy writes them."""
+        self.kv.cancel([tid])
+        self._holds[tid] = list(blocks)
+
     def finish(self, tid: int) -> TaskResult:
         r = self.kv.wait([tid])[tid]
         if r.status is not TaskStatus.SUCCESS:
@@ -57,25 +64,34 @@ class OffloadConnector:
         self._prefetches.append(tid)
         return tid
 
+    def cancel_prefetch(self, tid: int) -> None:
+        if tid in self._prefetches:  # not collected yet (a finished one needs no cancel)
+            self.kv.cancel([tid])
+
     def store(self, tokens: Sequence[int], block_table: Sequence[int]) -> int:
         n = len(tokens) // self.bs
         tid = self.kv.put_async(list(tokens[: n * self.bs]), list(block_table[:n]))
-        self._puts[tid] = list(block_table[:n])
+        self._holds[tid] = list(block_table[:n])
         return tid
 
-    def finished_puts(self) -> List[List[int]]:
-        """Device blocks of puts whose device copy is done (the engine may release them).
-        Also collects finished prefetches, whose results nobody else waits for."""
+    @property
+    def tasks_pending(self) -> int:
+        """Tasks whose results the connector still has to collect."""
+        return len(self._holds) + len(self._prefetches)
+
+    def finished_holds(self) -> List[List[int]]:
+        """Device blocks of puts whose device copy is done and of cancelled loads that drained (the
+        engine may release them). Also collects finished prefetches, whose results nobody waits for."""
         if self._prefetches:
             done = self.kv.try_wait(self._prefetches)
             self._prefetches = [t for t in self._prefetches if t not in done]
-        if not self._puts:
+        if not self._holds:
             return []
-        done = self.kv.try_wait(list(self._puts))
-        return [self._puts.pop(t) for t in done]
+        done = self.kv.try_wait(list(self._holds))
+        return [self._holds.pop(t) for t in done]
 
-    def drain_puts(self) -> List[List[int]]:
+    def drain_holds(self) -> List[List[int]]:
         self.kv.wait(self._prefetches)
         self._prefetches = []
-        done = self.kv.wait(list(self._puts))
-        return [self._puts.pop(t) for t in done]
+        done = self.kv.wait(list(self._holds))
+        return [self._holds.pop(t) for t in done]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -56,6 +57,9 @@ class LLMEngine:
         self.running: List[Request] = []
         self._ids = itertools.count()
         self._finished: List[Request] = []  # since the last generate() collected them
+        self._abort_lock = threading.Lock()
+        self._abort_pending: Set[str] = set()  # abort() from any thread; applied at a step boundary
+        self.aborted = 0
         self.recomputed_loads = 0
         self.load_stall_seconds = 0.0  # time steps spent blocked on offload loads
 
@@ -76,8 +80,23 @@ class LLMEngine:
         self.waiting.append(req)
         return req.id
 
+    def abort(self, request_id: str) -> None:
+        """Stops a request at the next step boundary (safe from any thread): no more outputs, its
+        offload load is cancelled, its device blocks are released — full computed prompt blocks
+        stay in the device prefix cache (evictable), the rest are freed. A put of its prompt
+        continues (it holds its own references). Unknown or finished ids are ignored."""
+        with self._abort_lock:
+            self._abort_pending.add(request_id)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def busy(self) -> bool:
+        """Requests to run, aborts to apply, or offload tasks whose device blocks are still held:
+        step() has work to do (it releases the blocks of finished offload copies)."""
+        pending = self.connector is not None and self.connector.tasks_pending > 0
+        return self.has_unfinished() or pending or bool(self._abort_pending)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None) -> List[Request]:
         reqs = {self.add_request(p, params): i for i, p in enumerate(prompts)}
@@ -92,13 +111,14 @@ class LLMEngine:
     def flush(self) -> None:
         """Waits for outstanding offload copies and releases the device blocks they read."""
         if self.connector is not None:
-            for blocks in self.connector.drain_puts():
+            for blocks in self.connector.drain_holds():
                 self.pool.release(blocks)
 
     # ---- one scheduler step ---------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
+        self._apply_aborts()
         if self.connector is not None:
-            for blocks in self.connector.finished_puts():
+            for blocks in self.connector.finished_holds():
                 self.pool.release(blocks)
         self._admit()
         chunks, reqs = self._build_batch()
@@ -127,6 +147,28 @@ class LLMEngine:
         return outputs
 
     # ---- internals ------------------------------------------------------------------------------
+    def _apply_aborts(self) -> None:
+        if not self._abort_pending:
+            return
+        with self._abort_lock:
+            ids, self._abort_pending = self._abort_pending, set()
+        for req in [r for r in itertools.chain(self.waiting, self.running) if r.id in ids]:
+            if req.state is RequestState.WAITING:
+                self.waiting.remove(req)
+                if req.prefetch_task is not None and self.connector is not None:
+                    self.connector.cancel_prefetch(req.prefetch_task)  # collected with the other prefetches
+            else:
+                self.running.remove(req)
+                if req.load_task is not None:
+                    # Its copies may still be writing the blocks: they come back once drained.
+                    self.connector.cancel_load(req.load_task, req.block_table)
+                    req.load_task = None
+                else:
+                    self.pool.release(req.block_table)
+            req.state, req.finish_reason = RequestState.FINISHED, "abort"
+            self.aborted += 1
+            self._finished.append(req)
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
