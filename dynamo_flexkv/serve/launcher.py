@@ -1,7 +1,9 @@
 """Runs a LaunchPlan on this machine: infrastructure first (etcd, NATS when asked for), then the
 frontend and the workers, each in its own process group with its log streamed under its name;
-waits until every worker reports ready and the OpenAI endpoint lists the model; stops everything
-on Ctrl-C, SIGTERM, or when any component dies, leaving no process behind."""
+waits until every worker reports ready and the OpenAI endpoint lists the model; then supervises:
+a worker that dies is restarted under its RestartPolicy (same replica, ports and SSD directory),
+the death of anything else, a worker over its restart budget, Ctrl-C or SIGTERM stop everything,
+leaving no process behind."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import IO, Dict, List, Optional
 
 from dynamo_flexkv.serve.graph import GraphError, Kind
-from dynamo_flexkv.serve.plan import LOOPBACK, LaunchPlan, Process
+from dynamo_flexkv.serve.plan import LOOPBACK, LaunchPlan, OnDeath, Process
 
 
 class Interrupted(RuntimeError):
@@ -27,8 +29,22 @@ class Interrupted(RuntimeError):
 
 class ComponentDied(RuntimeError):
     def __init__(self, proc: Process, code: int, tail: str) -> None:
-        super().__init__(f"{proc.name} exited with code {code} before the graph was ready; its last log lines:\n{tail}")
+        super().__init__(f"{proc.name} exited with {exit_status(code)} before the graph was ready; "
+                         f"its last log lines:\n{tail}")
         self.proc, self.code = proc, code
+
+
+class GraphStopped(RuntimeError):
+    """A component died and its policy (or spent restart budget) says the graph stops."""
+
+
+def exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
 
 
 def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float = 30) -> dict:
@@ -49,6 +65,12 @@ class Launcher:
         self._echo_lock = threading.Lock()
         self._width = max(len(p.name) for p in plan.infra + plan.processes)
         self.interrupted = threading.Event()  # set by a signal handler: stop waiting for readiness
+        self.spawned: List[subprocess.Popen] = []  # every process ever started, restarts included
+        self.deaths: Dict[str, List[float]] = {}  # name -> monotonic times of its deaths in its window
+        self.restarts: Dict[str, int] = {}  # name -> how often it was restarted
+        self.pending: Dict[str, float] = {}  # name -> when its restart is due (monotonic)
+        self.starting: Dict[str, float] = {}  # restarted, /health not ready yet -> when it was spawned
+        self.events: List[str] = []  # what supervise() said, also written to echo
 
     # ---- start -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -70,12 +92,18 @@ class Launcher:
             raise
 
     def _spawn(self, proc: Process) -> None:
-        log_file = open(self.log_dir / f"{proc.name}.log", "w")
+        restart = proc.name in self.running
+        log_file = open(self.log_dir / f"{proc.name}.log", "a" if restart else "w")  # a restart keeps the old log
+        if restart:
+            log_file.write(f"---- restart {self.restarts[proc.name]} of {proc.name} ----\n")
+            log_file.flush()
         p = subprocess.Popen(proc.argv, env={**os.environ, **proc.env}, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                              cwd=str(self.plan.run_dir))
         self.running[proc.name] = p
-        self._order.append(proc)
+        self.spawned.append(p)
+        if not restart:
+            self._order.append(proc)
         t = threading.Thread(target=self._pump, args=(proc.name, p.stdout, log_file), daemon=True)
         t.start()
         self._readers.append(t)
@@ -157,6 +185,99 @@ class Launcher:
         except OSError:
             return ""
 
+    # ---- supervision: restart policy ----------------------------------------------------------
+    def supervise(self, stop: threading.Event, poll_s: float = 0.25) -> int:
+        """After wait_ready: until ``stop`` is set (0), or a death the policy does not forgive (1)."""
+        while not stop.wait(poll_s):
+            try:
+                self.step()
+            except GraphStopped as e:
+                self._say(f"error: {e}")
+                return 1
+        return 0
+
+    def step(self) -> None:
+        """One supervision pass: restarts that are due, restarted workers that became ready, deaths."""
+        now = time.monotonic()
+        for proc in self._order:
+            name = proc.name
+            if name in self.pending:
+                if now >= self.pending[name]:
+                    del self.pending[name]
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    self._spawn(proc)
+                    self.starting[name] = now
+                    self._say(f"{name} restarted (restart {self.restarts[name]}, pid {self.running[name].pid})")
+                continue
+            code = self.running[name].poll()
+            if code is not None:
+                self._died(proc, code, now)
+            elif name in self.starting and self._worker_ready(proc):
+                took = now - self.starting.pop(name)
+                self._say(f"{name} is ready again after {took:.1f} s; metrics at {proc.metrics_url}")
+
+    def _died(self, proc: Process, code: int, now: float) -> None:
+        name, policy = proc.name, proc.restart
+        p = self.running[name]
+        _signal_group(p, signal.SIGKILL)  # what its process group left behind (a port, the SSD lock)
+        p.wait()
+        self.starting.pop(name, None)
+        deaths = [t for t in self.deaths.get(name, []) if now - t < policy.window_s] + [now]
+        self.deaths[name] = deaths
+        gone = self._deregister(proc) if proc.kind is Kind.WORKER else 0
+        what = f"{name} exited with {exit_status(code)}"
+        if policy.on_death is OnDeath.STOP:
+            raise GraphStopped(f"{what}; its on-death policy is stop: stopping the graph. "
+                               f"Its last log lines ({self.log_dir / (name + '.log')}):\n{self.tail(name)}")
+        if len(deaths) > policy.max_restarts:
+            raise GraphStopped(f"{what}: it died {len(deaths)} times within {policy.window_s:g} s, more than "
+                               f"its restart budget (max-restarts={policy.max_restarts}); stopping the graph. "
+                               f"Its last log lines ({self.log_dir / (name + '.log')}):\n{self.tail(name)}")
+        delay = policy.delay(len(deaths))
+        self.pending[name] = now + delay
+        self._say(f"{what} (death {len(deaths)} within {policy.window_s:g} s, budget {policy.max_restarts})"
+                  + (f"; removed its {gone} discovery entries" if gone else "")
+                  + f"; restarting it in {delay:.1f} s with the same ports and SSD directory")
+
+    def _deregister(self, proc: Process) -> int:
+        """File discovery: deletes a dead worker's registrations (its instances, model card and event
+        sources), so the router drops it now rather than when they expire (Dynamo's 10 s TTL, which
+        also applies to etcd leases). Its model card names its system port, which identifies it."""
+        root = proc.env.get("DYN_FILE_KV")
+        if not root:
+            return 0
+        docs = {}
+        for path in (Path(root) / "v1").glob("*/*"):
+            if path.name.startswith("."):  # Dynamo's temp files
+                continue
+            try:
+                text = path.read_text()
+                docs[path] = (text, json.loads(text))
+            except (OSError, ValueError):
+                continue
+        marker = f"http://{LOOPBACK}:{proc.port}/"
+        ids = {doc.get("instance_id") for text, doc in docs.values()
+               if isinstance(doc, dict) and doc.get("type") == "Model" and marker in text} - {None}
+        removed = 0
+        for path, (_, doc) in docs.items():
+            if not isinstance(doc, dict):
+                continue
+            worker = (doc.get("metadata") or {}).get("worker") or {}
+            if doc.get("instance_id") in ids or worker.get("worker_id") in ids:
+                try:
+                    path.unlink()
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    def _say(self, line: str) -> None:
+        self.events.append(line)
+        if self.echo is not None:
+            with self._echo_lock:
+                self.echo.write(line + "\n")
+                self.echo.flush()
+
     def shutdown(self, timeout: float = 30) -> None:
         """SIGINT to the frontend first (no new requests), then workers, then infrastructure; what
         has not exited after ``timeout`` gets SIGKILL. Every process group is reaped."""
@@ -174,6 +295,7 @@ class Launcher:
                     pass
                 _signal_group(p, signal.SIGKILL)  # stragglers of the group, or the process itself
                 p.wait()
+        self.pending.clear()  # a restart that was due never happens
         for t in self._readers:
             t.join(timeout=5)
 
@@ -193,7 +315,8 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 
 
 def serve(plan: LaunchPlan, echo: IO[str], ready_timeout: float = 300) -> int:
-    """``dynamo-flexkv serve``: runs until Ctrl-C / SIGTERM (exit 0) or a component dies (exit 1)."""
+    """``dynamo-flexkv serve``: runs until Ctrl-C / SIGTERM (exit 0), or until a component dies and
+    its policy says stop, or a worker spends its restart budget (exit 1)."""
     launcher = Launcher(plan, echo)
     stop = launcher.interrupted
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -203,13 +326,10 @@ def serve(plan: LaunchPlan, echo: IO[str], ready_timeout: float = 300) -> int:
         launcher.wait_ready(ready_timeout)
         echo.write(f"graph {plan.graph.name} ready: {plan.base_url}/v1 serves {plan.served_model_name} "
                    f"({len(plan.workers)} worker(s)); Ctrl-C stops it\n")
+        for proc in plan.processes:
+            echo.write(f"  {proc.name} metrics: {proc.metrics_url}\n")
         echo.flush()
-        while not stop.wait(0.5):
-            d = launcher.dead()
-            if d is not None:
-                echo.write(f"{d[0].name} exited with code {d[1]}: stopping the graph\n")
-                code = 1
-                break
+        code = launcher.supervise(stop)
     except (ComponentDied, TimeoutError, GraphError) as e:
         echo.write(f"error: {e}\n")
         code = 1

@@ -18,6 +18,7 @@ import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
@@ -71,21 +72,45 @@ def _mapping(v: Any) -> Dict[str, Any]:
 ROUTER_MODES = ("round-robin", "random", "power-of-two", "kv", "least-loaded")
 OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
     Kind.FRONTEND: {
-        "namespace": _str, "http-port": _int, "router-mode": _str,
+        "namespace": _str, "http-port": _int, "router-mode": _str, "migration-limit": _int,
         "router-host-cache-hit-weight": _float, "router-disk-cache-hit-weight": _float, "extra-args": _args,
     },
     Kind.WORKER: {
         "model": _str, "served-model-name": _str, "namespace": _str, "replicas": _int,
         "num-device-blocks": _int, "offload": _bool, "bulk-load": _bool, "device-prefix-cache": _bool,
         "system-port": _int, "cache": _mapping, "extra-args": _args,
+        "on-death": _str, "max-restarts": _int, "restart-window-s": _float, "restart-backoff-s": _float,
     },
 }
 DEFAULTS: Dict[Kind, Dict[str, Any]] = {
-    Kind.FRONTEND: {"namespace": "dynamo", "http-port": 8000, "router-mode": "kv", "extra-args": []},
+    # migration-limit: how often the frontend may move an in-flight request to another worker when
+    # its worker dies (Dynamo's default, 0, fails those requests with a 503).
+    Kind.FRONTEND: {"namespace": "dynamo", "http-port": 8000, "router-mode": "kv", "migration-limit": 3,
+                    "extra-args": []},
     Kind.WORKER: {"model": "small", "namespace": "dynamo", "replicas": 1, "num-device-blocks": 256,
                   "offload": True, "bulk-load": False, "device-prefix-cache": True, "cache": {},
-                  "extra-args": []},
+                  "extra-args": [], "on-death": "restart", "max-restarts": 3, "restart-window-s": 300.0,
+                  "restart-backoff-s": 1.0},
 }
+
+
+class OnDeath(Enum):
+    RESTART = "restart"  # start it again, same replica, ports and SSD directory, within its budget
+    STOP = "stop"  # stop the whole graph, exit 1
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What the launcher does when a worker exits on its own. A worker that dies more than
+    ``max_restarts`` times within ``window_s`` seconds stops the graph (exit 1). The n-th restart
+    within the window waits ``backoff_s * 2**(n-1)`` seconds (at most 30)."""
+    on_death: OnDeath = OnDeath.RESTART
+    max_restarts: int = 3
+    window_s: float = 300.0
+    backoff_s: float = 1.0
+
+    def delay(self, deaths_in_window: int) -> float:
+        return min(30.0, self.backoff_s * 2 ** max(0, deaths_in_window - 1))
 
 
 @dataclass
@@ -97,6 +122,12 @@ class Process:
     port: Optional[int] = None  # frontend: HTTP; worker: system port (/health, /metrics); infra: client
     cache: Optional[CacheConfig] = None  # workers with offload
     files: Dict[str, str] = field(default_factory=dict)  # path -> text, written before it starts
+    restart: RestartPolicy = RestartPolicy(OnDeath.STOP)  # frontend and infrastructure: always stop
+
+    @property
+    def metrics_url(self) -> Optional[str]:
+        """Frontend: on its HTTP port; worker: on its Dynamo system port; infrastructure: none."""
+        return None if self.kind is None else f"http://{LOOPBACK}:{self.port}/metrics"
 
 
 @dataclass
@@ -198,13 +229,29 @@ def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict
             out[key] = allowed[key](value)
         except ValueError as e:
             raise GraphError(f"{source}: {name}.{key}={value!r}: {e}") from None
-    if kind is Kind.FRONTEND and out["router-mode"] not in ROUTER_MODES:
-        raise GraphError(f"{source}: {name}.router-mode={out['router-mode']!r}: use one of {list(ROUTER_MODES)}")
+    if kind is Kind.FRONTEND:
+        if out["router-mode"] not in ROUTER_MODES:
+            raise GraphError(f"{source}: {name}.router-mode={out['router-mode']!r}: use one of {list(ROUTER_MODES)}")
+        if out["migration-limit"] < 0:
+            raise GraphError(f"{source}: {name}.migration-limit={out['migration-limit']} must be >= 0 "
+                             "(0 turns migration off: a dead worker's requests fail with a 503)")
+        if "--migration-limit" in out["extra-args"]:
+            raise GraphError(f"{source}: {name}.extra-args sets --migration-limit: use {name}.migration-limit")
     if kind is Kind.WORKER:
         if out["replicas"] < 1:
             raise GraphError(f"{source}: {name}.replicas={out['replicas']} must be >= 1")
         if out["num-device-blocks"] < 1:
             raise GraphError(f"{source}: {name}.num-device-blocks must be >= 1")
+        if out["on-death"] not in {d.value for d in OnDeath}:
+            raise GraphError(f"{source}: {name}.on-death={out['on-death']!r}: use restart (start the worker "
+                             "again) or stop (stop the whole graph)")
+        if out["max-restarts"] < 0:
+            raise GraphError(f"{source}: {name}.max-restarts={out['max-restarts']} must be >= 0")
+        if out["restart-window-s"] <= 0:
+            raise GraphError(f"{source}: {name}.restart-window-s={out['restart-window-s']} must be > 0 seconds")
+        if not 0 <= out["restart-backoff-s"] <= 30:
+            raise GraphError(f"{source}: {name}.restart-backoff-s={out['restart-backoff-s']} must be "
+                             "between 0 and 30 seconds")
     return out
 
 
@@ -212,7 +259,8 @@ def _frontend(name: str, o: Dict[str, Any], port: int, discovery: str, event_pla
               env: Dict[str, str]) -> Process:
     argv = [sys.executable, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(port),
             "--router-mode", o["router-mode"], "--namespace", o["namespace"],
-            "--discovery-backend", discovery, "--event-plane", event_plane]
+            "--discovery-backend", discovery, "--event-plane", event_plane,
+            "--migration-limit", str(o["migration-limit"])]
     for key in ("router-host-cache-hit-weight", "router-disk-cache-hit-weight"):
         if key in o:
             argv += [f"--{key}", str(o[key])]
@@ -239,6 +287,8 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
     except SystemExit:
         raise GraphError(f"{source}: {name}.extra-args {o['extra-args']} are not worker options "
                          "(see python -m dynamo_flexkv.worker --help)") from None
+    restart = RestartPolicy(OnDeath(o["on-death"]), o["max-restarts"], o["restart-window-s"],
+                            o["restart-backoff-s"])
     out, dirs = [], {}
     for i in range(o["replicas"]):
         pname = f"{name}-{i}" if o["replicas"] > 1 else name
@@ -269,7 +319,7 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
         first = o.get("system-port")
         port = ports.take(first + i if first is not None else 0, f"{name}.system-port", source, any_port=False)
         penv["DYN_SYSTEM_PORT"] = str(port)
-        out.append(Process(pname, list(argv), penv, Kind.WORKER, port, cache, files))
+        out.append(Process(pname, list(argv), penv, Kind.WORKER, port, cache, files, restart))
     return out
 
 
