@@ -1,0 +1,179 @@
+"""RemoteConfig: where the remote (Redis / Redis Cluster) tier lives and how to talk to it.
+
+URL forms (``remote_cache_url``)::
+
+    redis://[[user]:password@]host[:port][/db]          one server
+    rediss://...                                        the same over TLS
+    redis+cluster://[[user]:password@]host:port[,host:port...]   Redis Cluster (seed nodes)
+    rediss+cluster://...                                Redis Cluster over TLS
+
+The password comes from the URL or, when the URL has none, from the environment variable named by
+``password_env`` (default ``FLEXKV_REMOTE_PASSWORD``). It is never logged, never in a repr and
+never in an exception message: use ``redacted_url`` when naming the server.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+from urllib.parse import unquote
+
+DEFAULT_PORT = 6379
+DEFAULT_PASSWORD_ENV = "FLEXKV_REMOTE_PASSWORD"
+SCHEMES = {  # scheme -> (tls, cluster)
+    "redis": (False, False),
+    "rediss": (True, False),
+    "redis+cluster": (False, True),
+    "rediss+cluster": (True, True),
+}
+URL_HELP = ("use redis://[:password@]host[:port][/db], rediss://... for TLS, or "
+            "redis+cluster://[:password@]host:port[,host:port...] for Redis Cluster")
+
+
+class RemoteConfigError(ValueError):
+    """A remote-tier setting is wrong; the message names the key and the fix (never the password)."""
+
+
+@dataclass(frozen=True)
+class ParsedUrl:
+    tls: bool
+    cluster: bool
+    nodes: Tuple[Tuple[str, int], ...]
+    db: int
+    username: Optional[str]
+    password: Optional[str] = field(repr=False, compare=False)
+
+
+def _redact(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc_end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:netloc_end], rest[netloc_end:]
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not at:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{hosts}{tail}" if ":" in userinfo else f"{scheme}://{user}@{hosts}{tail}"
+
+
+def _host_port(text: str, url_shown: str) -> Tuple[str, int]:
+    if text.startswith("["):  # [ipv6]:port
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise RemoteConfigError(f"remote_cache_url {url_shown!r} has an empty host: {URL_HELP}")
+    if not port_text:
+        return host, DEFAULT_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise RemoteConfigError(f"remote_cache_url {url_shown!r}: port {port_text!r} is not a number in 1..65535")
+    return host, int(port_text)
+
+
+def parse_url(url: str) -> ParsedUrl:
+    """Parses a remote URL; errors name ``remote_cache_url``, show the URL without its password
+    and say how to write it."""
+    if not isinstance(url, str) or not url.strip():
+        raise RemoteConfigError(f"remote_cache_url is empty: {URL_HELP}")
+    shown = _redact(url)
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep or scheme.lower() not in SCHEMES:
+        raise RemoteConfigError(f"remote_cache_url {shown!r} has an unknown scheme {scheme!r}: {URL_HELP}")
+    tls, cluster = SCHEMES[scheme.lower()]
+    netloc_end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    netloc, path = rest[:netloc_end], rest[netloc_end:]
+    if path.startswith("?") or "?" in path:
+        raise RemoteConfigError(f"remote_cache_url {shown!r}: query options are not supported; "
+                                f"set TLS and timeouts with the remote_* keys")
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon and pw else None
+    host_list = [h for h in hosts.split(",")]
+    if not hosts or any(not h for h in host_list):
+        raise RemoteConfigError(f"remote_cache_url {shown!r} names no host (or an empty one): {URL_HELP}")
+    if len(host_list) > 1 and not cluster:
+        raise RemoteConfigError(f"remote_cache_url {shown!r} lists several hosts: use redis+cluster:// "
+                                f"(or rediss+cluster://) for a Redis Cluster, or name one host")
+    nodes = tuple(_host_port(h, shown) for h in host_list)
+    db_text = path.strip("/")
+    if db_text and not db_text.isdigit():
+        raise RemoteConfigError(f"remote_cache_url {shown!r}: database {db_text!r} must be a number (e.g. /0)")
+    db = int(db_text or 0)
+    if cluster and db:
+        raise RemoteConfigError(f"remote_cache_url {shown!r}: Redis Cluster has only database 0; drop /{db}")
+    return ParsedUrl(tls, cluster, nodes, db, username, password)
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Settings of the remote tier. The wiring embeds it in CacheConfig as the ``remote_*`` keys
+    (``remote_cache_url`` = ``url``, ``remote_timeout_s`` = ``timeout_s``, ...)."""
+
+    url: str = field(repr=False)
+    password_env: str = DEFAULT_PASSWORD_ENV
+    timeout_s: float = 2.0  # bound on each socket wait; a dead server fails an op within this
+    connect_timeout_s: float = 1.0
+    ttl_s: Optional[float] = None  # expire values after this long (None: leave it to maxmemory eviction)
+    key_prefix: str = "flexkv:"
+    pipeline_depth: int = 16  # commands in flight per connection
+    exists_chunk: int = 128  # keys per existence round trip in exists_prefix
+    breaker_failures: int = 3  # consecutive failed ops that open the circuit breaker
+    breaker_cooldown_s: float = 5.0  # how long an open breaker refuses ops before one trial
+    tls_ca_file: Optional[str] = None  # CA bundle for rediss:// (default: the system's)
+    tls_verify: bool = True
+    parsed: ParsedUrl = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parsed", parse_url(self.url))
+        for name in ("timeout_s", "connect_timeout_s", "breaker_cooldown_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise RemoteConfigError(f"remote_{name} must be a positive number of seconds, got {value!r}")
+        for name in ("pipeline_depth", "exists_chunk", "breaker_failures"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise RemoteConfigError(f"remote_{name} must be a positive int, got {value!r}")
+        if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float))
+                                       or self.ttl_s < 0.001):
+            raise RemoteConfigError(f"remote_ttl_s must be at least 0.001 seconds or null (no expiry), "
+                                    f"got {self.ttl_s!r}")
+        if not isinstance(self.key_prefix, str) or any(c.isspace() for c in self.key_prefix) \
+                or "{" in self.key_prefix or "}" in self.key_prefix:
+            raise RemoteConfigError(f"remote_key_prefix {self.key_prefix!r} must be a string without "
+                                    f"spaces or braces (braces would pin every key to one cluster slot)")
+        if self.tls_ca_file is not None and not os.path.isfile(self.tls_ca_file):
+            raise RemoteConfigError(f"remote_tls_ca_file {self.tls_ca_file!r} is not a file: "
+                                    f"point it at the CA bundle that signed the server certificate")
+        if not self.parsed.tls and (self.tls_ca_file is not None):
+            raise RemoteConfigError("remote_tls_ca_file is set but remote_cache_url is not rediss://: "
+                                    "use rediss:// (or rediss+cluster://) for TLS")
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL with its password replaced by ***, for logs and errors."""
+        return _redact(self.url)
+
+    @property
+    def password(self) -> Optional[str]:
+        return self.parsed.password if self.parsed.password is not None \
+            else (os.environ.get(self.password_env) or None)
+
+    @property
+    def nodes(self) -> List[Tuple[str, int]]:
+        return list(self.parsed.nodes)
+
+    def ssl_context(self) -> Optional[ssl.SSLContext]:
+        if not self.parsed.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls_ca_file)
+        if not self.tls_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx

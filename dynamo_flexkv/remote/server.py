@@ -1,0 +1,150 @@
+"""Local redis-server processes for tests and benchmarks (loopback only, no persistence)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def require_binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise FileNotFoundError(f"{name} not found: install Debian's redis-server package (scripts/install.sh does)")
+    return path
+
+
+@dataclass
+class RedisServer:
+    """One ``redis-server`` on 127.0.0.1; ``start()`` waits until it answers PING."""
+
+    maxmemory: str = "512mb"
+    policy: str = "allkeys-lru"
+    password: Optional[str] = None
+    cluster: bool = False
+    extra: Sequence[str] = ()
+    port: int = field(default_factory=free_port)
+    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flexkv-redis-"))
+    proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def args(self) -> List[str]:
+        args = [require_binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", self.workdir,
+                "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.cluster:
+            # An explicit bus port: the default (port + 10000) fails for ports above 55535.
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.workdir, "nodes.conf"),
+                     "--cluster-node-timeout", "2000", "--cluster-port", str(free_port())]
+        return args + list(self.extra)
+
+    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+        log = open(os.path.join(self.workdir, "redis.log"), "ab")
+        self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: see {self.workdir}/redis.log")
+            if self.ping():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"redis-server on port {self.port} did not answer within {timeout_s} s")
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                reply = s.recv(64)
+                return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
+        except OSError:
+            return False
+
+    def cli(self, *args: str) -> str:
+        cmd = [require_binary("redis-cli"), "-p", str(self.port)]
+        if self.password:
+            cmd += ["--no-auth-warning", "-a", self.password]
+        return subprocess.run(cmd + list(args), check=True, capture_output=True, text=True, timeout=30).stdout
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (the port is free again once this returns)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+class RedisCluster:
+    """Three (by default) master-only cluster nodes on loopback, slots spread by redis-cli."""
+
+    def __init__(self, nodes: int = 3, maxmemory: str = "256mb") -> None:
+        self.servers = [RedisServer(maxmemory=maxmemory, cluster=True) for _ in range(nodes)]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    def start(self, timeout_s: float = 20.0) -> "RedisCluster":
+        try:
+            for s in self.servers:
+                s.start()
+            subprocess.run([require_binary("redis-cli"), "--cluster", "create",
+                            *[f"127.0.0.1:{s.port}" for s in self.servers],
+                            "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, capture_output=True, text=True, timeout=timeout_s)
+            deadline = time.monotonic() + timeout_s
+            while "cluster_state:ok" not in self.servers[0].cli("cluster", "info"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("redis cluster did not reach cluster_state:ok")
+                time.sleep(0.05)
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def cleanup(self) -> None:
+        for s in self.servers:
+            s.cleanup()
+
+    def __enter__(self) -> "RedisCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

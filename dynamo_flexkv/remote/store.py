@@ -1,0 +1,588 @@
+"""RemoteStore: content-addressed KV blocks in Redis or Redis Cluster.
+
+Every hit is advisory: a value that is missing, truncated, corrupt or of another fingerprint ends
+the loaded prefix there, and the caller recomputes the rest. Every remote failure is bounded by
+the socket timeout, counted, and reported as a shorter prefix or fewer stored blocks -- never as
+an exception -- while a circuit breaker keeps a dead server from being hammered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from dynamo_flexkv.remote.breaker import BreakerState, CircuitBreaker
+from dynamo_flexkv.remote.cluster import Node, SlotMap
+from dynamo_flexkv.remote.codec import HEADER_BYTES, Verdict, check_header, encode_header, key_prefix_bytes, payload_ok
+from dynamo_flexkv.remote.config import RemoteConfig
+from dynamo_flexkv.remote.resp import ProtocolError, RespConnection, ServerError, encode_command
+
+log = logging.getLogger(__name__)
+
+Hashes = Union[Sequence[int], Any]  # a list of ints or a numpy uint64 array
+_U64 = (1 << 64) - 1
+
+
+class RemoteError(Exception):
+    """The remote tier cannot be used as configured; the message says why and how to fix it."""
+
+
+class RemoteUnavailableError(RemoteError):
+    pass
+
+
+class RemoteAuthError(RemoteError):
+    pass
+
+
+class RemoteClosedError(RemoteError):
+    pass
+
+
+@dataclass
+class RemoteStats:
+    """Counters since open (``RemoteStore.stats()`` returns a copy)."""
+
+    exists_keys: int = 0
+    hits: int = 0  # blocks read and verified
+    misses: int = 0  # the block that ended a read's prefix was missing
+    truncated: int = 0
+    foreign: int = 0
+    corrupt: int = 0
+    server_errors: int = 0  # error replies (MOVED during resharding, ...)
+    bytes_read: int = 0
+    puts: int = 0  # blocks stored
+    put_skipped: int = 0  # already there (skip_existing)
+    put_refused: int = 0  # refused by the server (OOM: maxmemory reached with noeviction)
+    bytes_written: int = 0
+    op_errors: int = 0  # ops cut short by a connection failure or timeout
+    breaker_refused: int = 0  # ops refused while the breaker was open
+    breaker_opened: int = 0
+    connects: int = 0  # connections opened (reconnects included)
+    get_seconds: float = 0.0
+    put_seconds: float = 0.0
+    exists_seconds: float = 0.0
+    breaker_state: str = BreakerState.CLOSED.value
+
+
+def _byte_view(buf: Any, writable: bool) -> memoryview:
+    mv = memoryview(buf)
+    if not mv.c_contiguous:
+        raise ValueError("remote store buffers must be C-contiguous")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    if writable and mv.readonly:
+        raise ValueError("get_into needs writable destination buffers")
+    return mv
+
+
+def _hash_list(hashes: Hashes) -> List[int]:
+    return [int(h) & _U64 for h in (hashes.tolist() if hasattr(hashes, "tolist") else hashes)]
+
+
+def _parent_list(seq: List[int], parents: Optional[Sequence[Optional[int]]]) -> List[Optional[int]]:
+    """Parents as given, or the chain: block 0 has none, block i has seq[i-1]."""
+    if parents is None:
+        return [None] + seq[:-1]
+    out = [None if p is None else int(p) & _U64 for p in (parents.tolist() if hasattr(parents, "tolist") else parents)]
+    if len(out) != len(seq):
+        raise ValueError(f"got {len(out)} parents for {len(seq)} sequence hashes")
+    return out
+
+
+class _Pool:
+    """Idle connections to one node."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.idle: List[RespConnection] = []
+        self.lock = threading.Lock()
+
+
+class RemoteStore:
+    """Blocks of one fingerprint in Redis (thread-safe; connections are pooled per node)."""
+
+    def __init__(self, config: RemoteConfig, fingerprint: int, *, strict: bool = True) -> None:
+        self.config = config
+        self.fingerprint = int(fingerprint) & _U64
+        self._prefix = key_prefix_bytes(config.key_prefix, self.fingerprint)
+        self._ssl = config.ssl_context()
+        self._ttl_args = b"" if config.ttl_s is None else \
+            encode_command(b"PX", int(round(config.ttl_s * 1000)))[len(b"*2\r\n"):]
+        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+        self._stats = RemoteStats()
+        self._stats_lock = threading.Lock()
+        self._pools: Dict[Node, _Pool] = {}
+        self._pools_lock = threading.Lock()
+        self._slots: Optional[SlotMap] = None
+        self._slots_stale = False
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._closed = False
+        self.policy_warning: Optional[str] = None  # "noeviction" when the server would refuse writes when full
+        try:
+            self._check_server()
+        except RemoteUnavailableError as e:
+            if strict:
+                raise
+            log.warning("%s; the remote tier starts disabled and retries every %.0f s", e,
+                        config.breaker_cooldown_s)
+            self._breaker.trip()
+
+    @classmethod
+    def open(cls, url: str, fingerprint: int, *, strict: bool = True, **settings: Any) -> "RemoteStore":
+        """``RemoteStore.open("redis://127.0.0.1:6379", fp, timeout_s=1.0, ttl_s=3600)``; settings are
+        RemoteConfig fields. ``strict=False`` starts with the breaker open when the server is down."""
+        return cls(RemoteConfig(url=url, **settings), fingerprint, strict=strict)
+
+    # ---- connections ----
+
+    def _connect(self, node: Node) -> RespConnection:
+        cfg = self.config
+        where = f"{node[0]}:{node[1]} ({cfg.redacted_url})"
+        try:
+            conn = RespConnection(node[0], node[1], timeout_s=cfg.timeout_s,
+                                  connect_timeout_s=cfg.connect_timeout_s, ssl_context=self._ssl)
+        except OSError as e:
+            raise RemoteUnavailableError(
+                f"cannot connect to redis at {where}: {e.strerror or e}; start Redis there, fix "
+                f"remote_cache_url, or set enable_remote: false") from None
+        with self._stats_lock:
+            self._stats.connects += 1
+        try:
+            password = cfg.password
+            if password is not None:
+                user = cfg.parsed.username
+                conn.call(b"AUTH", *([user] if user else []), password)
+            if cfg.parsed.db:
+                conn.call(b"SELECT", cfg.parsed.db)
+        except ServerError as e:
+            conn.close()
+            msg = str(e).split(" ", 1)[0]
+            raise RemoteAuthError(
+                f"redis at {where} refused the credentials ({msg}): set the right password in "
+                f"remote_cache_url or in ${cfg.password_env}") from None
+        except OSError as e:
+            conn.close()
+            raise RemoteUnavailableError(f"redis at {where} dropped the connection during login: {e}") from None
+        return conn
+
+    def _pool(self, node: Node) -> _Pool:
+        with self._pools_lock:
+            pool = self._pools.get(node)
+            if pool is None:
+                pool = self._pools[node] = _Pool(node)
+            return pool
+
+    def _acquire(self, pool: _Pool) -> RespConnection:
+        with pool.lock:
+            if pool.idle:
+                return pool.idle.pop()
+        return self._connect(pool.node)
+
+    def _release(self, pool: _Pool, conn: RespConnection) -> None:
+        if self._closed:
+            conn.close()
+            return
+        with pool.lock:
+            pool.idle.append(conn)
+
+    def _check_server(self) -> None:
+        """Connects once: login errors and an unreachable server surface here, with their fix."""
+        cfg = self.config
+        last: Optional[RemoteUnavailableError] = None
+        for node in cfg.nodes:
+            try:
+                conn = self._connect(node)
+            except RemoteUnavailableError as e:
+                last = e
+                continue
+            try:
+                self._check_policy(conn)
+                if cfg.parsed.cluster:
+                    self._slots = SlotMap(conn.call(b"CLUSTER", b"SLOTS"), node[0])
+                elif self._cluster_enabled(conn):
+                    raise RemoteError(f"redis at {node[0]}:{node[1]} is a Redis Cluster node: write "
+                                      f"remote_cache_url as redis+cluster://{node[0]}:{node[1]}")
+            except ServerError as e:
+                conn.close()
+                if "NOAUTH" in str(e):
+                    raise RemoteAuthError(f"redis at {cfg.redacted_url} needs a password: put it in "
+                                          f"remote_cache_url or in ${cfg.password_env}") from None
+                raise RemoteError(f"redis at {cfg.redacted_url} answered an error at startup: {e}") from None
+            except OSError as e:
+                conn.close()
+                last = RemoteUnavailableError(f"redis at {cfg.redacted_url} dropped the connection: {e}")
+                continue
+            self._release(self._pool(node), conn)
+            return
+        assert last is not None
+        raise last
+
+    def _check_policy(self, conn: RespConnection) -> None:
+        try:
+            reply = conn.call(b"CONFIG", b"GET", b"maxmemory-policy")
+        except ServerError as e:
+            if "NOAUTH" in str(e):
+                raise
+            return  # CONFIG is disabled on many managed servers: nothing to check
+        policy = reply[1].decode() if isinstance(reply, list) and len(reply) == 2 else ""
+        if policy == "noeviction":
+            log.warning("redis at %s has maxmemory-policy noeviction: when it fills up, every new block "
+                        "is refused; set maxmemory-policy allkeys-lru (and a maxmemory) so old blocks "
+                        "make room", self.config.redacted_url)
+            self.policy_warning = policy
+
+    @staticmethod
+    def _cluster_enabled(conn: RespConnection) -> bool:
+        try:
+            conn.call(b"CLUSTER", b"MYID")
+        except ServerError:
+            return False  # "cluster support disabled"
+        return True
+
+    def _refresh_slots(self) -> None:
+        nodes = list(self._slots.nodes if self._slots else []) + self.config.nodes
+        for node in nodes:
+            pool = self._pool(node)
+            try:
+                conn = self._acquire(pool)
+            except RemoteError:
+                continue
+            try:
+                self._slots = SlotMap(conn.call(b"CLUSTER", b"SLOTS"), node[0])
+            except (OSError, ServerError, ValueError):
+                conn.close()
+                continue
+            self._release(pool, conn)
+            self._slots_stale = False
+            return
+        raise RemoteUnavailableError(f"no node of {self.config.redacted_url} answered CLUSTER SLOTS")
+
+    def _route(self, keys: List[bytes]) -> Dict[Node, List[int]]:
+        """Positions of ``keys`` per node (in key order)."""
+        if self._slots is None:
+            return {self.config.nodes[0]: list(range(len(keys)))}
+        if self._slots_stale:
+            self._refresh_slots()
+        slots = self._slots
+        return {slots.nodes[n]: idx for n, idx in slots.group(keys).items()}
+
+    def _keys(self, seq: List[int]) -> List[bytes]:
+        p = self._prefix
+        return [b"%s%016x" % (p, h) for h in seq]
+
+    # ---- running ops ----
+
+    def _guard(self, run: Callable[[], None], seconds_field: str) -> bool:
+        """Runs ``run`` unless the breaker is open; a connection failure or timeout is counted and
+        feeds the breaker instead of raising. Returns whether it ran to the end."""
+        if self._closed:
+            raise RemoteClosedError("the remote store is closed")
+        if not self._breaker.allow():
+            with self._stats_lock:
+                self._stats.breaker_refused += 1
+            return False
+        was = self._breaker.state
+        t0 = time.perf_counter()
+        try:
+            run()
+        except (OSError, ProtocolError, RemoteError) as e:
+            if isinstance(e, RemoteAuthError):
+                log.error("%s", e)
+            self._breaker.failure()
+            if self._slots is not None:
+                self._slots_stale = True
+            with self._stats_lock:
+                self._stats.op_errors += 1
+            if self._breaker.state is BreakerState.OPEN and was is not BreakerState.OPEN:
+                log.warning("remote tier %s failing (%s: %s); pausing it for %.1f s",
+                            self.config.redacted_url, type(e).__name__, e, self.config.breaker_cooldown_s)
+            return False
+        finally:
+            with self._stats_lock:
+                setattr(self._stats, seconds_field, getattr(self._stats, seconds_field) + time.perf_counter() - t0)
+        if was is not BreakerState.CLOSED:
+            log.info("remote tier %s is back", self.config.redacted_url)
+        self._breaker.success()
+        return True
+
+    def _per_node(self, groups: Dict[Node, List[int]], work: Callable[[RespConnection, List[int]], None]) -> None:
+        """Runs ``work(conn, positions)`` for each node, nodes in parallel; re-raises the first error
+        after every node finished (so no connection is left mid-reply)."""
+
+        def one(node: Node, idx: List[int]) -> None:
+            pool = self._pool(node)
+            conn = self._acquire(pool)
+            try:
+                work(conn, idx)
+            except BaseException:
+                conn.close()  # mid-pipeline: its stream position is unknown
+                raise
+            self._release(pool, conn)
+
+        items = list(groups.items())
+        if len(items) == 1:
+            one(*items[0])
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="flexkv-remote")
+        futures = [self._executor.submit(one, node, idx) for node, idx in items]
+        errors = [f.exception() for f in futures]
+        for e in errors:
+            if e is not None:
+                raise e
+
+    def _windowed(self, conn: RespConnection, n: int, parts_of: Callable[[int], List[Any]],
+                  on_reply: Callable[[int], bool]) -> None:
+        """Pipelines ``n`` commands with at most ``pipeline_depth`` in flight, topping the window
+        up by halves. ``on_reply(j)`` reads reply j; False stops sending (in-flight replies are
+        still read so the connection stays usable)."""
+        depth = self.config.pipeline_depth
+        refill_at = depth - max(1, depth // 2)
+        sent = done = 0
+        stop = False
+        while done < n:
+            if not stop and sent < n and sent - done <= refill_at:
+                hi = min(n, done + depth)
+                parts: List[Any] = []
+                for j in range(sent, hi):
+                    parts.extend(parts_of(j))
+                conn.send(parts)
+                sent = hi
+            if done == sent:
+                break
+            if not on_reply(done):
+                stop = True
+            done += 1
+
+    # ---- public API ----
+
+    def exists(self, seq_hashes: Hashes) -> List[bool]:
+        """Which blocks the store has now (one pipelined EXISTS per key, per node)."""
+        seq = _hash_list(seq_hashes)
+        found = [False] * len(seq)
+
+        def run() -> None:
+            keys = self._keys(seq)
+
+            def work(conn: RespConnection, idx: List[int]) -> None:
+                replies = conn.pipeline([encode_command(b"EXISTS", keys[i]) for i in idx])
+                for i, r in zip(idx, replies):
+                    found[i] = r == 1
+
+            self._per_node(self._route(keys), work)
+
+        if seq and self._guard(run, "exists_seconds"):
+            with self._stats_lock:
+                self._stats.exists_keys += len(seq)
+        return found
+
+    def exists_prefix(self, seq_hashes: Hashes) -> int:
+        """Length of the longest prefix of ``seq_hashes`` present now, asked ``exists_chunk`` keys
+        per round trip and stopping at the first chunk with a gap. 0 when the remote is down."""
+        seq = _hash_list(seq_hashes)
+        chunk = self.config.exists_chunk
+        for base in range(0, len(seq), chunk):
+            found = self.exists(seq[base:base + chunk])
+            if not all(found):
+                return base + found.index(False)
+        return len(seq)
+
+    def get_into(self, seq_hashes: Hashes, dests: Sequence[Any],
+                 parents: Optional[Sequence[Optional[int]]] = None) -> int:
+        """Reads blocks straight into ``dests`` (writable buffers of each block's size) and returns
+        how many leading blocks are present and verified. ``parents`` defaults to the chain
+        (block 0 has none). Bytes of ``dests`` past the returned count are unspecified."""
+        seq = _hash_list(seq_hashes)
+        if len(dests) != len(seq):
+            raise ValueError(f"got {len(dests)} destination buffers for {len(seq)} sequence hashes")
+        par = _parent_list(seq, parents)
+        views = [_byte_view(d, writable=True) for d in dests]
+        verdicts: List[Verdict] = [Verdict.ERROR] * len(seq)
+        fp = self.fingerprint
+
+        def work(conn: RespConnection, idx: List[int]) -> None:
+            keys = [self._prefix + b"%016x" % seq[i] for i in idx]
+            cmds = [encode_command(b"GET", k) for k in keys]
+            header = memoryview(bytearray(HEADER_BYTES))
+
+            def read(j: int) -> bool:
+                i = idx[j]
+                verdicts[i] = v = self._read_value(conn, header, fp, seq[i], par[i], views[i])
+                return v is Verdict.OK
+
+            self._windowed(conn, len(idx), lambda j: [cmds[j]], read)
+
+        def run() -> None:
+            self._per_node(self._route(self._keys(seq)), work)
+
+        if seq:
+            self._guard(run, "get_seconds")
+        n = next((i for i, v in enumerate(verdicts) if v is not Verdict.OK), len(seq))
+        with self._stats_lock:
+            s = self._stats
+            s.hits += n
+            s.bytes_read += sum(v.nbytes for v in views[:n])
+            if n < len(seq):
+                end = verdicts[n]
+                if end is Verdict.MISSING:
+                    s.misses += 1
+                elif end is Verdict.TRUNCATED:
+                    s.truncated += 1
+                elif end is Verdict.FOREIGN:
+                    s.foreign += 1
+                elif end is Verdict.CORRUPT:
+                    s.corrupt += 1
+        return n
+
+    def _read_value(self, conn: RespConnection, header: memoryview, fp: int, seq: int,
+                    parent: Optional[int], dest: memoryview) -> Verdict:
+        line = conn.readline()
+        if line[:1] == b"-":
+            if line.startswith(b"-MOVED") or line.startswith(b"-ASK"):
+                self._slots_stale = True
+            with self._stats_lock:
+                self._stats.server_errors += 1
+            return Verdict.ERROR
+        if line[:1] != b"$":
+            raise ProtocolError(f"redis {conn.host}:{conn.port}: GET answered {line[:16]!r}")
+        size = int(line[1:])
+        if size < 0:
+            return Verdict.MISSING
+        if size < HEADER_BYTES:
+            conn.skip(size)
+            conn.expect_crlf()
+            return Verdict.TRUNCATED
+        conn.read_into(header)
+        verdict, checksum = check_header(header, fp, seq, parent, dest.nbytes)
+        body = size - HEADER_BYTES
+        if verdict is Verdict.OK and body != dest.nbytes:
+            verdict = Verdict.TRUNCATED
+        if verdict is Verdict.OK:
+            conn.read_into(dest)
+            if not payload_ok(dest, checksum):
+                verdict = Verdict.CORRUPT
+        else:
+            conn.skip(body)
+        conn.expect_crlf()
+        return verdict
+
+    def put(self, seq_hashes: Hashes, srcs: Sequence[Any], parents: Optional[Sequence[Optional[int]]] = None,
+            *, skip_existing: bool = False) -> int:
+        """Stores blocks (pipelined SET, with PX when ttl_s is set); idempotent, since a key names
+        its content. Returns how many are in the store afterwards as far as this call knows
+        (stored or, with ``skip_existing``, already there). Refused writes are counted, not raised."""
+        seq = _hash_list(seq_hashes)
+        if len(srcs) != len(seq):
+            raise ValueError(f"got {len(srcs)} source buffers for {len(seq)} sequence hashes")
+        par = _parent_list(seq, parents)
+        views = [_byte_view(s, writable=False) for s in srcs]
+        todo = list(range(len(seq)))
+        skipped = 0
+        if skip_existing and seq:
+            present = self.exists(seq)
+            todo = [i for i in todo if not present[i]]
+            skipped = len(seq) - len(todo)
+        stored = [False] * len(seq)
+        refused = [0]
+        fp, ttl = self.fingerprint, self._ttl_args
+        ttl_argc = 2 if ttl else 0
+
+        def work(conn: RespConnection, idx: List[int]) -> None:
+            def parts(j: int) -> List[Any]:
+                i = idx[j]
+                key = self._prefix + b"%016x" % seq[i]
+                view = views[i]
+                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + ttl_argc, len(key), key,
+                                                                       HEADER_BYTES + view.nbytes)
+                return [head + encode_header(fp, seq[i], par[i], view), view, b"\r\n" + ttl]
+
+            def read(j: int) -> bool:
+                reply = conn.readline()
+                if reply == b"+OK":
+                    stored[idx[j]] = True
+                elif reply.startswith(b"-OOM"):
+                    refused[0] += 1
+                elif reply.startswith(b"-"):
+                    if reply.startswith(b"-MOVED") or reply.startswith(b"-ASK"):
+                        self._slots_stale = True
+                    with self._stats_lock:
+                        self._stats.server_errors += 1
+                else:
+                    raise ProtocolError(f"redis {conn.host}:{conn.port}: SET answered {reply[:16]!r}")
+                return True
+
+            self._windowed(conn, len(idx), parts, read)
+
+        def run() -> None:
+            keys = self._keys([seq[i] for i in todo])
+            groups = {node: [todo[k] for k in ks] for node, ks in self._route(keys).items()}
+            self._per_node(groups, work)
+
+        if todo:
+            self._guard(run, "put_seconds")
+        n_stored = sum(stored)
+        with self._stats_lock:
+            s = self._stats
+            s.puts += n_stored
+            s.put_skipped += skipped
+            s.put_refused += refused[0]
+            s.bytes_written += sum(views[i].nbytes for i in range(len(seq)) if stored[i])
+        return n_stored + skipped
+
+    def delete(self, seq_hashes: Hashes) -> int:
+        """Removes blocks (tests, tools); returns how many existed."""
+        seq = _hash_list(seq_hashes)
+        removed = [0]
+
+        def run() -> None:
+            keys = self._keys(seq)
+
+            def work(conn: RespConnection, idx: List[int]) -> None:
+                replies = conn.pipeline([encode_command(b"DEL", keys[i]) for i in idx])
+                removed[0] += sum(r for r in replies if isinstance(r, int))
+
+            self._per_node(self._route(keys), work)
+
+        if seq:
+            self._guard(run, "exists_seconds")
+        return removed[0]
+
+    @property
+    def breaker_state(self) -> BreakerState:
+        return self._breaker.state
+
+    def stats(self) -> RemoteStats:
+        with self._stats_lock:
+            snap = replace(self._stats)
+        snap.breaker_state = self._breaker.state.value
+        snap.breaker_opened = self._breaker.times_opened
+        return snap
+
+    def stats_dict(self) -> Dict[str, Any]:
+        snap = self.stats()
+        return {f.name: getattr(snap, f.name) for f in fields(snap)}
+
+    def close(self) -> None:
+        """Closes every connection; later ops raise RemoteClosedError. Safe to call twice."""
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        with self._pools_lock:
+            pools = list(self._pools.values())
+        for pool in pools:
+            with pool.lock:
+                idle, pool.idle = pool.idle, []
+            for conn in idle:
+                conn.close()
+
+    def __enter__(self) -> "RemoteStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

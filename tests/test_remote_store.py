@@ -1,0 +1,422 @@
+"""Remote tier data plane against real redis-server processes: exact bytes or a clean miss."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import List, Tuple
+
+import numpy as np
+import pytest
+
+from dynamo_flexkv.remote import (
+    HEADER_BYTES,
+    BreakerState,
+    CircuitBreaker,
+    RemoteAuthError,
+    RemoteClosedError,
+    RemoteConfig,
+    RemoteConfigError,
+    RemoteError,
+    RemoteStore,
+    RemoteUnavailableError,
+    Verdict,
+    fingerprint_of,
+    parse_url,
+)
+from dynamo_flexkv.remote.cluster import key_slot
+from dynamo_flexkv.remote.codec import block_key, check_header, encode_header
+from dynamo_flexkv.remote.resp import RespConnection
+from dynamo_flexkv.remote.server import RedisServer, free_port
+from tests.redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
+
+FP = fingerprint_of({"model": "test", "dtype": "bfloat16", "tokens_per_block": 16})
+SECRET = "s3cr3t-pw"
+
+
+def blocks(n: int, size: int, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, 2**63, size=n, dtype=np.uint64), rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+
+
+def raw(server: RedisServer) -> RespConnection:
+    conn = RespConnection("127.0.0.1", server.port, timeout_s=5, connect_timeout_s=5)
+    if server.password:
+        conn.call(b"AUTH", server.password)
+    return conn
+
+
+# ---- config, codec, routing, breaker (no server) ----
+
+def test_url_forms() -> None:
+    p = parse_url("redis://127.0.0.1:7000/2")
+    assert (p.tls, p.cluster, p.nodes, p.db, p.password) == (False, False, (("127.0.0.1", 7000),), 2, None)
+    p = parse_url("rediss://user:p%40ss@cache.example:6380")
+    assert p.tls and p.username == "user" and p.password == "p@ss" and p.nodes == (("cache.example", 6380),)
+    p = parse_url("redis+cluster://:pw@a:7000,b:7001,[::1]:7002")
+    assert p.cluster and p.nodes == (("a", 7000), ("b", 7001), ("::1", 7002)) and p.password == "pw"
+    assert parse_url("redis://h").nodes == (("h", 6379),)
+
+
+@pytest.mark.parametrize("url, words", [
+    ("http://h:1", "unknown scheme"),
+    ("redis://a:1,b:2", "redis+cluster://"),
+    ("redis://h:99999", "port"),
+    ("redis+cluster://a:1,b:2/3", "only database 0"),
+    ("redis://", "names no host"),
+    ("redis://h/abc", "must be a number"),
+    ("redis://:pw@h:1?ssl=1", "query options"),
+    ("", "empty"),
+])
+def test_bad_urls_name_the_key_and_the_fix(url: str, words: str) -> None:
+    with pytest.raises(RemoteConfigError, match="remote_cache_url") as e:
+        RemoteConfig(url=url)
+    assert words in str(e.value)
+
+
+def test_password_never_shown() -> None:
+    cfg = RemoteConfig(url=f"redis://user:{SECRET}@127.0.0.1:1/0")
+    assert SECRET not in repr(cfg) and SECRET not in cfg.redacted_url and "***" in cfg.redacted_url
+    with pytest.raises(RemoteConfigError) as e:
+        RemoteConfig(url=f"redis://:{SECRET}@h:notaport")
+    assert SECRET not in str(e.value)
+
+
+def test_password_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MY_REDIS_PW", SECRET)
+    assert RemoteConfig(url="redis://h:1", password_env="MY_REDIS_PW").password == SECRET
+    assert RemoteConfig(url="redis://:fromurl@h:1", password_env="MY_REDIS_PW").password == "fromurl"
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"timeout_s": 0}, "remote_timeout_s"), ({"pipeline_depth": 0}, "remote_pipeline_depth"),
+    ({"ttl_s": -1}, "remote_ttl_s"), ({"key_prefix": "a{b}"}, "remote_key_prefix"),
+    ({"tls_ca_file": "/nonexistent.pem"}, "remote_tls_ca_file"),
+])
+def test_bad_settings(kwargs: dict, key: str) -> None:
+    with pytest.raises(RemoteConfigError, match=key):
+        RemoteConfig(url="redis://h:1", **kwargs)
+
+
+def test_header_verdicts() -> None:
+    payload = memoryview(bytearray(b"kv" * 100))
+    head = memoryview(encode_header(FP, 7, 3, payload))
+    assert len(head) == HEADER_BYTES
+    assert check_header(head, FP, 7, 3, payload.nbytes)[0] is Verdict.OK
+    assert check_header(head, FP ^ 1, 7, 3, payload.nbytes)[0] is Verdict.FOREIGN
+    assert check_header(head, FP, 8, 3, payload.nbytes)[0] is Verdict.CORRUPT  # copied under another key
+    assert check_header(head, FP, 7, None, payload.nbytes)[0] is Verdict.CORRUPT  # parent differs
+    assert check_header(head, FP, 7, 3, payload.nbytes + 1)[0] is Verdict.TRUNCATED
+    bad = bytearray(head)
+    bad[0:4] = b"XXXX"
+    assert check_header(memoryview(bad), FP, 7, 3, payload.nbytes)[0] is Verdict.CORRUPT
+    assert fingerprint_of({"a": 1, "b": 2}) == fingerprint_of({"b": 2, "a": 1}) != fingerprint_of({"a": 1})
+
+
+def test_key_slot_matches_redis_cluster_spec() -> None:
+    assert key_slot(b"123456789") == 0x31C3 % 16384  # CRC16-XMODEM check value
+    assert key_slot(b"{user1000}.following") == key_slot(b"{user1000}.followers") == key_slot(b"user1000")
+    assert key_slot(b"foo{}{bar}") == key_slot(b"foo{}{bar}")  # empty tag: the whole key is hashed
+
+
+def test_breaker_opens_cools_down_and_closes() -> None:
+    now = [0.0]
+    b = CircuitBreaker(failures=2, cooldown_s=5.0, clock=lambda: now[0])
+    b.failure()
+    assert b.state is BreakerState.CLOSED and b.allow()
+    b.failure()
+    assert b.state is BreakerState.OPEN and not b.allow()
+    now[0] = 4.9
+    assert not b.allow()
+    now[0] = 5.0
+    assert b.allow() and b.state is BreakerState.HALF_OPEN
+    assert not b.allow()  # one trial at a time
+    b.failure()  # the trial failed: open again for a full cool-down
+    assert b.state is BreakerState.OPEN and not b.allow()
+    now[0] = 10.1
+    assert b.allow()
+    b.success()
+    assert b.state is BreakerState.CLOSED and b.times_opened == 2
+
+
+# ---- against a real server ----
+
+@needs_redis
+def test_randomized_round_trip(redis_server: RedisServer) -> None:
+    rng = np.random.default_rng(1)
+    with RemoteStore.open(redis_server.url, FP, pipeline_depth=4) as store:
+        for trial in range(6):
+            n, size = int(rng.integers(1, 80)), int(rng.integers(1, 300_000))
+            seq, data = blocks(n, size, seed=trial)
+            assert store.exists_prefix(seq) == 0
+            assert store.put(seq, list(data)) == n
+            assert store.exists_prefix(seq) == n
+            dst = np.zeros_like(data)
+            assert store.get_into(seq, list(dst)) == n
+            assert np.array_equal(dst, data)
+            # The chain is part of what a block is: a different parent is not this block.
+            assert store.get_into(seq[1:2], [dst[1]], parents=[12345]) == 0
+        s = store.stats()
+        assert s.hits > 0 and s.corrupt == 6 and s.op_errors == 0 and s.connects == 1
+
+
+@needs_redis
+def test_exists_prefix_chunks_and_gaps(redis_server: RedisServer) -> None:
+    seq, data = blocks(300, 64)
+    with RemoteStore.open(redis_server.url, FP, exists_chunk=128) as store:
+        store.put(seq, list(data))
+        assert store.exists_prefix(seq) == 300
+        store.delete([seq[200]])
+        assert store.exists_prefix(seq) == 200
+        assert store.exists_prefix([]) == 0
+        with RemoteStore.open(redis_server.url, FP ^ 0xFF) as other:  # another model or namespace
+            assert other.exists_prefix(seq) == 0
+
+
+@needs_redis
+def test_put_is_idempotent_and_skip_existing_sends_nothing(redis_server: RedisServer) -> None:
+    seq, data = blocks(20, 4096)
+    with RemoteStore.open(redis_server.url, FP) as store:
+        assert store.put(seq[:10], list(data[:10])) == 10
+        assert store.put(seq, list(data), skip_existing=True) == 20
+        s = store.stats()
+        assert (s.puts, s.put_skipped) == (20, 10)
+        assert store.put(seq, list(data)) == 20  # rewriting the same content changes nothing
+        dst = np.zeros_like(data)
+        assert store.get_into(seq, list(dst)) == 20 and np.array_equal(dst, data)
+
+
+@needs_redis
+def test_value_evicted_between_lookup_and_read(redis_server: RedisServer) -> None:
+    seq, data = blocks(10, 1000)
+    with RemoteStore.open(redis_server.url, FP) as store:
+        store.put(seq, list(data))
+        assert store.exists_prefix(seq) == 10
+        redis_server.cli("DEL", block_key(b"flexkv:", FP, int(seq[6])).decode())
+        dst = np.zeros_like(data)
+        assert store.get_into(seq, list(dst)) == 6
+        assert np.array_equal(dst[:6], data[:6])
+        assert store.stats().misses == 1
+
+
+@needs_redis
+@pytest.mark.parametrize("damage, verdict", [("flip", "corrupt"), ("truncate", "truncated"),
+                                             ("foreign", "foreign"), ("other_key", "corrupt"),
+                                             ("garbage", "truncated")])
+def test_damaged_value_ends_the_prefix(redis_server: RedisServer, damage: str, verdict: str) -> None:
+    seq, data = blocks(8, 5000)
+    with RemoteStore.open(redis_server.url, FP) as store:
+        store.put(seq, list(data))
+        conn = raw(redis_server)
+        key = block_key(b"flexkv:", FP, int(seq[3]))
+        value = bytearray(conn.call(b"GET", key))
+        if damage == "flip":
+            value[HEADER_BYTES + 1234] ^= 0x40
+        elif damage == "truncate":
+            value = value[:-100]
+        elif damage == "foreign":
+            with RemoteStore.open(redis_server.url, FP ^ 1) as other:
+                other.put(seq[3:4], [data[3]], parents=[int(seq[2])])
+            value = bytearray(conn.call(b"GET", block_key(b"flexkv:", FP ^ 1, int(seq[3]))))
+        elif damage == "other_key":
+            value = bytearray(conn.call(b"GET", block_key(b"flexkv:", FP, int(seq[4]))))
+        else:
+            value = bytearray(b"not a flexkv value")
+        conn.call(b"SET", key, bytes(value))
+        conn.close()
+        dst = np.zeros_like(data)
+        assert store.get_into(seq, list(dst)) == 3
+        assert np.array_equal(dst[:3], data[:3])
+        assert getattr(store.stats(), verdict) == 1
+        # The connection stayed in sync: the next read is whole again once the block is rewritten.
+        store.put(seq[3:4], [data[3]], parents=[int(seq[2])])
+        assert store.get_into(seq, list(dst)) == 8 and np.array_equal(dst, data)
+
+
+@needs_redis
+def test_ttl_expires_values(redis_server: RedisServer) -> None:
+    seq, data = blocks(4, 100)
+    with RemoteStore.open(redis_server.url, FP, ttl_s=0.3) as store:
+        store.put(seq, list(data))
+        assert 0 < int(redis_server.cli("PTTL", block_key(b"flexkv:", FP, int(seq[0])).decode())) <= 300
+        time.sleep(0.5)
+        assert store.get_into(seq, list(np.zeros_like(data))) == 0
+
+
+def test_server_down_at_open_names_url_and_fix() -> None:
+    url = f"redis://:{SECRET}@127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(RemoteUnavailableError) as e:
+        RemoteStore.open(url, FP)
+    msg = str(e.value)
+    assert SECRET not in msg and "127.0.0.1" in msg and "start Redis" in msg and "enable_remote" in msg
+    assert time.monotonic() - t0 < 5
+
+
+@needs_redis
+def test_server_down_at_open_non_strict_starts_later(caplog: pytest.LogCaptureFixture) -> None:
+    server = RedisServer(maxmemory="16mb")
+    seq, data = blocks(3, 100)
+    try:
+        with caplog.at_level(logging.WARNING):
+            store = RemoteStore.open(server.url, FP, strict=False, breaker_cooldown_s=0.3)
+        assert "starts disabled" in caplog.text and store.breaker_state is BreakerState.OPEN
+        assert store.put(seq, list(data)) == 0 and store.exists_prefix(seq) == 0
+        assert store.stats().connects == 0 and store.stats().breaker_refused == 2
+        server.start()
+        time.sleep(0.35)
+        assert store.put(seq, list(data)) == 3 and store.breaker_state is BreakerState.CLOSED
+        store.close()
+    finally:
+        server.cleanup()
+
+
+@needs_redis
+def test_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    with RedisServer(maxmemory="16mb", password=SECRET) as server:
+        with pytest.raises(RemoteAuthError, match="FLEXKV_REMOTE_PASSWORD") as e:
+            RemoteStore.open(server.url, FP)  # no password
+        with pytest.raises(RemoteAuthError, match="refused the credentials") as e:
+            RemoteStore.open(f"redis://:wrong-{SECRET}@127.0.0.1:{server.port}", FP)
+        assert SECRET not in str(e.value)
+        monkeypatch.setenv("FLEXKV_REMOTE_PASSWORD", SECRET)
+        seq, data = blocks(2, 10)
+        with RemoteStore.open(server.url, FP) as store:
+            assert store.put(seq, list(data)) == 2
+
+
+@needs_redis
+def test_noeviction_warns_and_full_server_refuses_writes(caplog: pytest.LogCaptureFixture) -> None:
+    with RedisServer(maxmemory="3mb", policy="noeviction") as server:
+        with caplog.at_level(logging.WARNING):
+            store = RemoteStore.open(server.url, FP)
+        assert "maxmemory-policy noeviction" in caplog.text and "allkeys-lru" in caplog.text
+        seq, data = blocks(64, 128 << 10)
+        stored = store.put(seq, list(data))
+        s = store.stats()
+        assert 0 < stored < 64 and s.put_refused == 64 - stored and s.op_errors == 0
+        assert store.breaker_state is BreakerState.CLOSED
+        dst = np.zeros_like(data)
+        got = store.get_into(seq, list(dst))
+        assert got >= 1 and np.array_equal(dst[:got], data[:got])
+        store.close()
+
+
+@needs_redis
+def test_server_killed_and_restarted(redis_server: RedisServer) -> None:
+    seq, data = blocks(16, 64 << 10)
+    store = RemoteStore.open(redis_server.url, FP, timeout_s=1.0, breaker_failures=2, breaker_cooldown_s=1.0)
+    store.put(seq, list(data))
+    redis_server.kill()
+    dst = np.zeros_like(data)
+    t0 = time.monotonic()
+    assert store.get_into(seq, list(dst)) == 0
+    assert store.exists_prefix(seq) == 0
+    assert time.monotonic() - t0 < 2.5  # within the timeout, no exception
+    assert store.breaker_state is BreakerState.OPEN
+    connects = store.stats().connects
+    for _ in range(20):  # refused at once: the dead server is not hammered
+        assert store.put(seq, list(data)) == 0
+    assert store.stats().connects == connects and store.stats().breaker_refused == 20
+    redis_server.start()  # same port, empty (no persistence)
+    time.sleep(1.05)
+    assert store.put(seq, list(data)) == 16
+    assert store.get_into(seq, list(dst)) == 16 and np.array_equal(dst, data)
+    assert store.breaker_state is BreakerState.CLOSED and store.stats().breaker_opened == 1
+    store.close()
+
+
+@needs_redis
+def test_server_killed_during_a_read(redis_server: RedisServer) -> None:
+    seq, data = blocks(200, 256 << 10)
+    with RemoteStore.open(redis_server.url, FP, timeout_s=1.0, pipeline_depth=2) as store:
+        store.put(seq, list(data))
+        dst = np.zeros_like(data)
+        got: List[int] = []
+        reader = threading.Thread(target=lambda: got.append(store.get_into(seq, list(dst))))
+        reader.start()
+        time.sleep(0.05)
+        redis_server.kill()
+        reader.join(timeout=10)
+        assert not reader.is_alive() and got[0] < 200
+        assert np.array_equal(dst[:got[0]], data[:got[0]])  # what it reports as read is exact
+
+
+@needs_redis
+def test_stalled_server_fails_within_the_timeout(redis_server: RedisServer) -> None:
+    seq, data = blocks(4, 1000)
+    with RemoteStore.open(redis_server.url, FP, timeout_s=0.3) as store:
+        store.put(seq, list(data))
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)  # accepts bytes, answers nothing
+        try:
+            t0 = time.monotonic()
+            assert store.get_into(seq, list(np.zeros_like(data))) == 0
+            assert time.monotonic() - t0 < 1.0
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        assert store.stats().op_errors == 1
+        dst = np.zeros_like(data)
+        assert store.get_into(seq, list(dst)) == 4 and np.array_equal(dst, data)  # a fresh connection
+
+
+@needs_redis
+def test_threads_share_one_store(redis_server: RedisServer) -> None:
+    with RemoteStore.open(redis_server.url, FP) as store:
+        errors: List[str] = []
+
+        def worker(k: int) -> None:
+            seq, data = blocks(30, 20_000, seed=100 + k)
+            for _ in range(3):
+                dst = np.zeros_like(data)
+                if store.put(seq, list(data)) != 30 or store.get_into(seq, list(dst)) != 30 \
+                        or not np.array_equal(dst, data):
+                    errors.append(f"worker {k}")
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+
+
+@needs_redis
+def test_closed_store_and_bad_arguments(redis_server: RedisServer) -> None:
+    store = RemoteStore.open(redis_server.url, FP)
+    seq, data = blocks(2, 10)
+    with pytest.raises(ValueError, match="destination buffers"):
+        store.get_into(seq, [data[0]])
+    with pytest.raises(ValueError, match="writable"):
+        store.get_into(seq[:1], [bytes(10)])
+    store.close()
+    store.close()
+    with pytest.raises(RemoteClosedError):
+        store.exists_prefix(seq)
+
+
+@needs_redis
+def test_standalone_url_on_a_cluster_node_says_use_cluster(redis_cluster) -> None:  # noqa: F811
+    port = redis_cluster.servers[0].port
+    with pytest.raises(RemoteError, match=rf"redis\+cluster://127.0.0.1:{port}"):
+        RemoteStore.open(f"redis://127.0.0.1:{port}", FP)
+
+
+@needs_redis
+def test_cluster_round_trip_spreads_keys(redis_cluster) -> None:  # noqa: F811
+    seq, data = blocks(120, 30_000, seed=7)
+    with RemoteStore.open(redis_cluster.url, FP) as store:
+        assert store.put(seq, list(data)) == 120
+        assert store.exists_prefix(seq) == 120
+        dst = np.zeros_like(data)
+        assert store.get_into(seq, list(dst)) == 120 and np.array_equal(dst, data)
+        per_node = [int(s.cli("DBSIZE")) for s in redis_cluster.servers]
+        assert all(k > 0 for k in per_node) and sum(per_node) >= 120
+        for h in seq[:5]:
+            key = block_key(b"flexkv:", FP, int(h))
+            assert int(redis_cluster.servers[0].cli("CLUSTER", "KEYSLOT", key.decode())) == key_slot(key)
+        store.delete([seq[77]])
+        assert store.exists_prefix(seq) == 77 and store.get_into(seq, list(dst)) == 77
+        store.delete(seq)
