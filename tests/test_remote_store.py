@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -30,7 +31,7 @@ from dynamo_flexkv.remote import (
 from dynamo_flexkv.remote.cluster import key_slot
 from dynamo_flexkv.remote.codec import block_key, check_header, encode_header
 from dynamo_flexkv.remote.resp import RespConnection
-from dynamo_flexkv.remote.server import RedisServer, free_port
+from dynamo_flexkv.remote.server import RedisServer, free_port, make_test_certs
 from tests.redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
 
 FP = fingerprint_of({"model": "test", "dtype": "bfloat16", "tokens_per_block": 16})
@@ -420,3 +421,18 @@ def test_cluster_round_trip_spreads_keys(redis_cluster) -> None:  # noqa: F811
         store.delete([seq[77]])
         assert store.exists_prefix(seq) == 77 and store.get_into(seq, list(dst)) == 77
         store.delete(seq)
+
+
+@needs_redis
+def test_tls_round_trip_and_untrusted_certificate(tmp_path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    certs = make_test_certs(str(tmp_path))
+    with RedisServer(maxmemory="16mb", tls_dir=certs) as server:
+        seq, data = blocks(40, 70_000)
+        with RemoteStore.open(server.url, FP, tls_ca_file=os.path.join(certs, "ca.crt")) as store:
+            assert store.put(seq, list(data)) == 40
+            dst = np.zeros_like(data)
+            assert store.get_into(seq, list(dst)) == 40 and np.array_equal(dst, data)
+        with pytest.raises(RemoteUnavailableError, match="CERTIFICATE_VERIFY_FAILED|certificate"):
+            RemoteStore.open(server.url, FP)  # the system CAs do not trust the test CA

@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -26,6 +27,24 @@ def require_binary(name: str) -> str:
     return path
 
 
+def make_test_certs(directory: str) -> str:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI), for TLS tests."""
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise FileNotFoundError("openssl not found: install Debian's openssl package")
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60, cwd=directory)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=flexkv-test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
+    with open(os.path.join(directory, "san.ext"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
+    return directory
+
+
 @dataclass
 class RedisServer:
     """One ``redis-server`` on 127.0.0.1; ``start()`` waits until it answers PING."""
@@ -34,6 +53,7 @@ class RedisServer:
     policy: str = "allkeys-lru"
     password: Optional[str] = None
     cluster: bool = False
+    tls_dir: Optional[str] = None  # serve TLS only, with ca.crt / server.crt / server.key from make_test_certs
     extra: Sequence[str] = ()
     port: int = field(default_factory=free_port)
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flexkv-redis-"))
@@ -41,10 +61,17 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls_dir else 'redis'}://127.0.0.1:{self.port}"
 
     def args(self) -> List[str]:
-        args = [require_binary("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
+        if self.tls_dir:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
+                     "--tls-cert-file", os.path.join(self.tls_dir, "server.crt"),
+                     "--tls-key-file", os.path.join(self.tls_dir, "server.key"),
+                     "--tls-ca-cert-file", os.path.join(self.tls_dir, "ca.crt")]
+        else:
+            ports = ["--port", str(self.port)]
+        args = [require_binary("redis-server"), *ports, "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", self.workdir,
                 "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
         if self.password:
@@ -71,7 +98,11 @@ class RedisServer:
 
     def ping(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                s = raw
+                if self.tls_dir:
+                    s = ssl.create_default_context(cafile=os.path.join(self.tls_dir, "ca.crt")).wrap_socket(
+                        raw, server_hostname="127.0.0.1")
                 s.sendall(b"PING\r\n")
                 reply = s.recv(64)
                 return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
@@ -80,6 +111,8 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         cmd = [require_binary("redis-cli"), "-p", str(self.port)]
+        if self.tls_dir:
+            cmd += ["--tls", "--cacert", os.path.join(self.tls_dir, "ca.crt")]
         if self.password:
             cmd += ["--no-auth-warning", "-a", self.password]
         return subprocess.run(cmd + list(args), check=True, capture_output=True, text=True, timeout=30).stdout
