@@ -1,17 +1,21 @@
 """Serve graphs and their configs: every bad config fails before any process starts, with a
 message that names the section, the key and the fix; render writes a DynamoGraphDeployment."""
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from dynamo_flexkv.serve import GraphError, Kind, load_graph
-from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+from dynamo_flexkv.serve.launcher import GraphStopped, Launcher
+from dynamo_flexkv.serve.plan import LaunchPlan, OnDeath, RestartPolicy, apply_overrides, build_plan, load_config
 from dynamo_flexkv.serve.render import render_k8s
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,3 +130,123 @@ def test_render_cli_writes_the_manifest_file(tmp_path):
     assert r.returncode == 0, r.stderr
     doc = yaml.safe_load(out.read_text())
     assert set(doc["spec"]["services"]) == {"Frontend", "FlexKVWorker"}
+
+
+def test_migration_and_restart_options_are_checked_and_reach_the_processes(tmp_path):
+    p = plan(tmp_path)
+    front, w0, w1 = p.processes
+    assert front.argv[front.argv.index("--migration-limit") + 1] == "3"  # on by default
+    assert front.restart.on_death is OnDeath.STOP  # the frontend's death always stops the graph
+    assert w0.restart == w1.restart == RestartPolicy(OnDeath.RESTART, max_restarts=3, window_s=300, backoff_s=1.0)
+    assert [x.metrics_url for x in p.processes] == [f"http://127.0.0.1:{x.port}/metrics" for x in p.processes]
+    off = plan(tmp_path, "Frontend.migration-limit=0", "FlexKVWorker.on-death=stop", "FlexKVWorker.max-restarts=5")
+    assert off.processes[0].argv[off.processes[0].argv.index("--migration-limit") + 1] == "0"
+    assert {w.restart.on_death for w in off.workers} == {OnDeath.STOP}
+    assert off.workers[0].restart.max_restarts == 5
+    backoff = RestartPolicy(backoff_s=1.5)
+    assert [backoff.delay(n) for n in (1, 2, 3, 6)] == [1.5, 3.0, 6.0, 30.0]  # doubles, capped at 30 s
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["Frontend.migration-limit=-1"], "Frontend.migration-limit=-1 must be >= 0"),
+    (["Frontend.migration-limit=lots"], "Frontend.migration-limit='lots': expected an integer"),
+    (["Frontend.extra-args=[--migration-limit, '2']"], "sets --migration-limit: use Frontend.migration-limit"),
+    (["Frontend.on-death=restart"], "Frontend.on-death is not an option of a frontend"),
+    (["FlexKVWorker.on-death=ignore"], "FlexKVWorker.on-death='ignore': use restart"),
+    (["FlexKVWorker.max-restarts=-1"], "FlexKVWorker.max-restarts=-1 must be >= 0"),
+    (["FlexKVWorker.restart-window-s=0"], "FlexKVWorker.restart-window-s=0.0 must be > 0 seconds"),
+    (["FlexKVWorker.restart-backoff-s=60"], "FlexKVWorker.restart-backoff-s=60.0 must be between 0 and 30"),
+])
+def test_bad_migration_and_restart_options_name_the_fix(tmp_path, overrides, message):
+    with pytest.raises(GraphError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        plan(tmp_path, *overrides)
+
+
+def _sleepers(tmp_path, policy: RestartPolicy) -> LaunchPlan:
+    """A frontend and a worker that are real processes (sleep) under the launcher's supervision."""
+    p = plan(tmp_path, "FlexKVWorker.replicas=1", "Common.model=tiny")
+    front, worker = p.processes
+    for proc in (front, worker):
+        proc.argv = ["sleep", "60"]
+    worker.restart = policy
+    return p
+
+
+def test_the_launcher_restarts_a_dead_worker_with_backoff_until_its_budget_is_spent(tmp_path):
+    launcher = Launcher(_sleepers(tmp_path, RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1)))
+    worker = launcher.plan.workers[0]
+    try:
+        launcher.start()
+        pids = [launcher.running[worker.name].pid]
+        for death, delay in ((1, 0.1), (2, 0.2)):
+            os.kill(pids[-1], signal.SIGKILL)
+            launcher.running[worker.name].wait()
+            launcher.step()
+            assert f"(death {death} within 60 s, budget 2); restarting it in {delay:.1f} s" in launcher.events[-1]
+            assert worker.name in launcher.pending
+            launcher.step()  # not due yet
+            assert launcher.restarts.get(worker.name, 0) == death - 1
+            time.sleep(delay + 0.05)
+            launcher.step()
+            assert launcher.restarts[worker.name] == death
+            pids.append(launcher.running[worker.name].pid)
+            assert launcher.running[worker.name].poll() is None and pids[-1] != pids[-2]
+        os.kill(pids[-1], signal.SIGKILL)
+        launcher.running[worker.name].wait()
+        with pytest.raises(GraphStopped, match=rf"{worker.name} exited with signal SIGKILL: it died 3 times "
+                                               r"within 60 s, more than its restart budget \(max-restarts=2\)"):
+            launcher.step()
+        assert "---- restart 2 of" in (launcher.log_dir / f"{worker.name}.log").read_text()  # one log, all lives
+    finally:
+        launcher.shutdown()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+
+
+def test_deaths_outside_the_window_are_forgiven_and_the_frontends_death_stops_the_graph(tmp_path):
+    launcher = Launcher(_sleepers(tmp_path, RestartPolicy(max_restarts=1, window_s=0.3, backoff_s=0)))
+    front, worker = launcher.plan.processes
+    try:
+        launcher.start()
+        for _ in range(3):  # one death per window: always within budget
+            launcher.running[worker.name].kill()
+            launcher.running[worker.name].wait()
+            launcher.step()
+            launcher.step()
+            assert launcher.running[worker.name].poll() is None
+            time.sleep(0.35)
+        assert launcher.restarts[worker.name] == 3
+        launcher.running[front.name].kill()
+        launcher.running[front.name].wait()
+        with pytest.raises(GraphStopped, match="Frontend exited with signal SIGKILL; its on-death policy is stop"):
+            launcher.step()
+    finally:
+        launcher.shutdown()
+
+
+def test_a_dead_worker_is_removed_from_file_discovery_and_nothing_else(tmp_path):
+    """The files as Dynamo 1.6.1's FileStore writes them: a model card naming the worker's system
+    port, its endpoint instances, its KV event source."""
+    p = _sleepers(tmp_path, RestartPolicy())
+    worker = p.workers[0]
+    root = tmp_path / "discovery"
+    worker.env["DYN_FILE_KV"] = str(root)
+
+    def write(kind, name, doc):
+        (root / "v1" / kind).mkdir(parents=True, exist_ok=True)
+        (root / "v1" / kind / name).write_text(json.dumps(doc))
+
+    for iid, port in ((111, worker.port), (222, worker.port + 1)):
+        write("mdc", f"dynamo%2Fflexkv%2Fgenerate%2F{iid:x}", {"type": "Model", "instance_id": iid, "card_json": {
+            "model_info": {"hf_config_json": {"path": f"http://127.0.0.1:{port}/v1/metadata/config.json"}}}})
+        write("instances", f"dynamo%2Fflexkv%2Fgenerate%2F{iid:x}", {"type": "Endpoint", "instance_id": iid})
+        write("instances", f"dynamo%2Fflexkv%2Fquery%2F{iid:x}", {"type": "Endpoint", "instance_id": iid})
+        write("event_sources", f"kv-events%2F{iid + 5}", {"type": "EventSource",
+                                                          "metadata": {"worker": {"worker_id": iid}}})
+    (root / "v1" / "instances" / ".tmp_0123").write_text("{partial")
+    launcher = Launcher(p)
+    assert launcher._deregister(worker) == 4
+    left = sorted(f.name for f in (root / "v1").glob("*/*"))
+    assert left == sorted([".tmp_0123", "dynamo%2Fflexkv%2Fgenerate%2Fde", "dynamo%2Fflexkv%2Fgenerate%2Fde",
+                           "dynamo%2Fflexkv%2Fquery%2Fde", "kv-events%2F227"])
