@@ -1,6 +1,14 @@
 """``python -m dynamo_flexkv.worker``: the Dynamo worker component (see dynamo_flexkv.dynamo.worker)."""
 
-from dynamo_flexkv.dynamo.worker import main
+from dynamo_flexkv.dynamo.worker_args import build_parser, check_event_plane_binds_loopback
+
+
+def main() -> None:
+    # Refuse a setup that would listen beyond loopback before the runtime is even imported.
+    check_event_plane_binds_loopback(build_parser().parse_args().event_plane)
+    from dynamo_flexkv.dynamo.worker import main as run_worker
+    run_worker()
+
 
 if __name__ == "__main__":
     main()

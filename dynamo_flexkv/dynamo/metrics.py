@@ -25,6 +25,7 @@ class RequestTally:
 
     requests: int = 0
     prompt_tokens: int = 0
+    aborted: int = 0  # requests stopped by a disconnect, a cancel or shutdown (not in the counts above)
     cached_tokens: Dict[str, int] = field(default_factory=lambda: {t: 0 for t in REQUEST_TIERS})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -35,9 +36,13 @@ class RequestTally:
             for tier, n in cached.items():
                 self.cached_tokens[tier] = self.cached_tokens.get(tier, 0) + n
 
+    def add_aborted(self) -> None:
+        with self._lock:
+            self.aborted += 1
+
     def snapshot(self) -> "RequestTally":
         with self._lock:
-            return RequestTally(self.requests, self.prompt_tokens, dict(self.cached_tokens))
+            return RequestTally(self.requests, self.prompt_tokens, self.aborted, dict(self.cached_tokens))
 
     @property
     def hit_rate(self) -> Optional[float]:
@@ -49,13 +54,16 @@ class OffloadCollector(Collector):
     """Turns the worker's counters into Prometheus families at each scrape."""
 
     def __init__(self, tally: RequestTally, device_blocks: Callable[[], tuple],
-                 offload_stats: Callable[[], Optional[dict]]) -> None:
+                 offload_stats: Callable[[], Optional[dict]],
+                 engine_stats: Callable[[], Dict[str, float]] = dict) -> None:
         self.tally, self.device_blocks, self.offload_stats = tally, device_blocks, offload_stats
+        self.engine_stats = engine_stats
 
     def collect(self) -> Iterator[Metric]:
         t = self.tally.snapshot()
         yield _counter("requests", "Requests finished by this worker", t.requests)
         yield _counter("prompt_tokens", "Prompt tokens of finished requests", t.prompt_tokens)
+        yield _counter("requests_aborted", "Requests aborted (client disconnect, cancel, shutdown)", t.aborted)
         cached = CounterMetricFamily(PREFIX + "prompt_tokens_cached", "Prompt tokens not recomputed, by the "
                                      "tier they came from (device: the engine's prefix cache)", labels=["tier"])
         for tier in REQUEST_TIERS:
@@ -68,6 +76,14 @@ class OffloadCollector(Collector):
         dev.add_metric(["total"], total)
         dev.add_metric(["used"], used)
         yield dev
+        e = self.engine_stats()
+        if e:
+            yield _counter("engine_steps", "Engine steps that computed a batch", e["steps"])
+            yield _counter("engine_step_requests", "Requests batched, summed over steps "
+                           "(divide by engine_steps for the mean batch)", e["step_requests"])
+            yield _counter("engine_step_seconds", "Seconds the engine spent in steps", e["step_seconds"])
+            yield _counter("engine_load_stall_seconds", "Seconds steps waited for offload loads",
+                           e["load_stall_seconds"])
         stats = self.offload_stats()
         if stats is not None:
             yield from _offload_families(stats)

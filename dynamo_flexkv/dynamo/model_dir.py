@@ -19,8 +19,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = "flexkv-reference") -> Path:
-    """Writes (or rewrites) the directory; the token ids stay below ``cfg.vocab_size``."""
+def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = "flexkv-reference",
+                    context_length: int = 131072) -> Path:
+    """Writes (or rewrites) the directory; the token ids stay below ``cfg.vocab_size``, and the
+    context window the worker serves is what config.json and the tokenizer declare."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -38,14 +40,14 @@ def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = 
     bos, eos = tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
     _replace(path / "tokenizer_config.json", json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
-        "model_max_length": 131072, "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "model_max_length": context_length, "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
     }, indent=2))
     _replace(path / "config.json", json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": name,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.intermediate_size, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": 131072, "bos_token_id": bos, "eos_token_id": eos,
+        "max_position_embeddings": context_length, "bos_token_id": bos, "eos_token_id": eos,
         "torch_dtype": cfg.dtype, "tie_word_embeddings": False,
     }, indent=2))
     _replace(path / "generation_config.json", json.dumps({"bos_token_id": bos, "eos_token_id": eos}))

@@ -1,11 +1,15 @@
 """``python -m dynamo_flexkv.worker``: the reference engine with KVManager offload as a Dynamo
 backend (``dynamo.common.backend.LLMEngine``), run by Dynamo's Worker.
 
-The engine runs on one thread of its own (it is not thread-safe); ``generate`` hands requests to
-it and streams tokens back through the event loop. Device, host and disk KV events leave through
-one KvEventRelay socket that the Worker subscribes to (``kv_event_sources``). Offload metrics are
-bridged into Dynamo's ``/metrics`` (``register_prometheus``); the device-cache load goes to the
-router through the framework's SnapshotPublisher."""
+The engine runs on one thread of its own (it is not thread-safe); ``generate`` checks a request
+against the limits (request_limits.py), hands it to that thread and streams tokens back through
+the event loop. A client that disconnects or cancels (Dynamo calls ``abort``, or the stream is
+closed) has its request aborted at the next engine step. Shutdown follows Dynamo's Worker:
+SIGINT/SIGTERM -> unregister -> grace period -> ``cleanup``, which lets in-flight requests finish
+(``--drain-timeout``), aborts the rest, then drains pending offload writes (SSD and journal)
+before it releases anything. Device, host and disk KV events leave through one KvEventRelay
+socket that the Worker subscribes to (``kv_event_sources``). Offload metrics are bridged into
+Dynamo's ``/metrics``; the device-cache load goes to the router through the SnapshotPublisher."""
 
 from __future__ import annotations
 
@@ -15,63 +19,75 @@ import itertools
 import logging
 import os
 import queue
+import signal
 import tempfile
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Dict, List, Optional
 
 from dynamo.common.backend import EngineConfig, LLMEngine as DynamoLLMEngine, LlmRegistration, WorkerConfig
 from dynamo.common.backend.metrics import register_engine_registry
 from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
 from dynamo.common.backend.run import run
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
 
 from dynamo_flexkv.config import CacheConfig
 from dynamo_flexkv.dynamo import LOOPBACK_ENV
 from dynamo_flexkv.dynamo.metrics import PREFIX, OffloadCollector, RequestTally, offload_registry
 from dynamo_flexkv.dynamo.model_dir import write_model_dir
-from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, SamplingParams
+from dynamo_flexkv.dynamo.request_limits import RequestLimits, RequestRefused
+from dynamo_flexkv.dynamo.worker_args import build_parser, check_event_plane_binds_loopback
+from dynamo_flexkv.engine import EngineModelConfig, LLMEngine
 from dynamo_flexkv.events import KvEventRelay, OffloadEvents
 from dynamo_flexkv.manager import KVManager
 
 log = logging.getLogger(__name__)
 
+# Where a response's per-tier cached prompt tokens travel: the final chunk's engine_data, which
+# Dynamo's frontend returns as nvext.engine_data when the request asks for it
+# (nvext.extra_fields: ["engine_data"]).
+ENGINE_DATA_KEY = "flexkv"
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dynamo_flexkv.worker", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small", help="model preset (configs/models) or a local HF directory")
-    p.add_argument("--served-model-name", default="flexkv-small")
-    p.add_argument("--model-dir", help="where to write the model directory (default: a temp dir)")
-    p.add_argument("--namespace", default="dynamo")
-    p.add_argument("--component", default="flexkv")
-    p.add_argument("--endpoint", default="generate")
-    p.add_argument("--discovery-backend", default="file", choices=["file", "etcd", "mem", "kubernetes"])
-    p.add_argument("--request-plane", default="tcp", choices=["tcp", "nats"])
-    p.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"])
-    p.add_argument("--num-device-blocks", type=int, default=256, help="the engine's own KV blocks")
-    p.add_argument("--no-offload", action="store_true", help="serve without host/disk tiers")
-    p.add_argument("--bulk-load", action="store_true", help="load cached prefixes before compute")
-    p.add_argument("--no-device-prefix-cache", action="store_true",
-                   help="free device blocks when a request ends: reuse then comes only from offload tiers")
-    return p
+
+@dataclass
+class _Stream:
+    """One request's way back to its generate() coroutine."""
+    loop: asyncio.AbstractEventLoop
+    out: "asyncio.Queue[Any]"
+    prompt_len: int
+
+    def send(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody listens any more
+            pass
 
 
 class FlexKVWorkerEngine(DynamoLLMEngine):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.cfg = EngineModelConfig.load(args.model)
-        self.model_dir = write_model_dir(self.cfg, args.model_dir or tempfile.mkdtemp(prefix="flexkv-model-"))
+        self.limits = RequestLimits(context_window=args.num_device_blocks * self.cfg.block_size,
+                                    vocab_size=self.cfg.vocab_size)
+        self.model_dir = write_model_dir(self.cfg, args.model_dir or tempfile.mkdtemp(prefix="flexkv-model-"),
+                                         context_length=self.limits.context_window)
         self.relay = KvEventRelay(self.cfg.block_size)
         self.kv: Optional[KVManager] = None
         self.engine: Optional[LLMEngine] = None
+        # ("add", rid, tokens, params, stream) or ("abort", rid), in arrival order: an abort never
+        # overtakes its request.
         self._inbox: "queue.Queue[tuple]" = queue.Queue()
-        self._streams: Dict[str, tuple] = {}
-        self._prompt_len: Dict[str, int] = {}
+        self._streams: Dict[str, _Stream] = {}  # engine thread only
+        self._live: Dict[str, str] = {}  # Dynamo context id -> our request id, requests not yet ended
+        self._closing = False  # cleanup() started: refuse new requests
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._ids = itertools.count()
         self.tally = RequestTally()
         self._snapshots: Any = None  # the framework's SnapshotPublisher (router load signal)
         self._last_load: Optional[int] = None
+        self._cleaned = False
 
     @classmethod
     async def from_args(cls, argv: Optional[List[str]] = None):
@@ -98,14 +114,18 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self._thread.start()
         if self.kv is not None:
             threading.Thread(target=self._announce_disk, name="flexkv-announce", daemon=True).start()
+        log.info("flexkv worker serving %s: context window %d tokens, vocabulary %d, offload %s",
+                 self.args.served_model_name, self.limits.context_window, self.cfg.vocab_size,
+                 "off" if self.kv is None else "on")
         return EngineConfig(model=str(self.model_dir), served_model_name=self.args.served_model_name,
                             llm=LlmRegistration(kv_cache_block_size=self.cfg.block_size,
                                                 total_kv_blocks=self.args.num_device_blocks,
-                                                context_length=self.args.num_device_blocks * self.cfg.block_size))
+                                                context_length=self.limits.context_window))
 
     async def register_prometheus(self, metrics) -> None:
         collector = OffloadCollector(self.tally, self._device_blocks,
-                                     lambda: self.kv.stats() if self.kv is not None else None)
+                                     lambda: self.kv.stats() if self.kv is not None else None,
+                                     self._engine_stats)
         register_engine_registry(metrics, offload_registry(collector), prefix_filters=[PREFIX])
 
     def component_metrics_dp_ranks(self) -> List[int]:
@@ -117,6 +137,11 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     def _device_blocks(self) -> tuple:
         pool = self.engine.pool
         return pool.num_blocks - pool.num_available, pool.num_blocks
+
+    def _engine_stats(self) -> Dict[str, float]:
+        e = self.engine  # plain counters written by the engine thread: a scrape reads them as they are
+        return {"steps": e.steps, "step_requests": e.step_requests, "step_seconds": e.step_seconds,
+                "load_stall_seconds": e.load_stall_seconds}
 
     def _publish_load(self) -> None:
         """Device blocks in use (what the router weighs a worker's load by), on change only."""
@@ -131,39 +156,86 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     async def kv_event_sources(self):
         return [ZmqSource(endpoint=self.relay.endpoint)]
 
+    # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, request, context) -> AsyncGenerator[Dict[str, Any], None]:
-        tokens = list(request["token_ids"])
-        so, sc = request.get("sampling_options") or {}, request.get("stop_conditions") or {}
-        params = SamplingParams(max_tokens=int(sc.get("max_tokens") or 16),
-                                temperature=float(so.get("temperature") or 0.0), seed=so.get("seed"),
-                                stop_token_ids=tuple(sc.get("stop_token_ids_hidden") or ()))
+        if self._closing:
+            raise EngineShutdown("this worker is shutting down; retry on another worker")
+        try:
+            tokens, params = self.limits.check(request)
+        except RequestRefused as e:
+            log.info("refused request %s: %s", _context_id(context), e)
+            raise InvalidArgument(str(e)) from None
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
-        rid = f"dyn-{next(self._ids)}"
-        self._inbox.put((rid, tokens, params, loop, out))
-        n = 0
-        while True:
-            item = await out.get()
-            if isinstance(item, BaseException):
-                raise item
-            token, finished, reason, cached = item
-            n += 1
-            chunk: Dict[str, Any] = {"token_ids": [token], "index": 0}
-            if finished:
-                chunk["finish_reason"] = reason
-                chunk["completion_usage"] = {"prompt_tokens": len(tokens), "completion_tokens": n,
-                                             "total_tokens": len(tokens) + n,
-                                             "prompt_tokens_details": {"cached_tokens": cached}}
+        rid, cid = f"dyn-{next(self._ids)}", _context_id(context)
+        self._live[cid] = rid
+        self._inbox.put(("add", rid, tokens, params, _Stream(loop, out, len(tokens))))
+        ended, n = False, 0
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                token, reason, cached = item
+                if reason == "cancelled":  # aborted: the engine dropped it
+                    ended = True
+                    yield {"token_ids": [], "index": 0, "finish_reason": "cancelled",
+                           "completion_usage": _usage(len(tokens), n, cached)}
+                    return
+                n += 1
+                chunk: Dict[str, Any] = {"token_ids": [token], "index": 0}
+                if reason is not None:
+                    ended = True
+                    chunk["finish_reason"] = reason
+                    chunk["completion_usage"] = _usage(len(tokens), n, cached)
+                    chunk["engine_data"] = {ENGINE_DATA_KEY: {"cached_tokens": cached}}
+                    yield chunk
+                    return
                 yield chunk
-                return
-            yield chunk
+        finally:
+            self._live.pop(cid, None)
+            if not ended:  # the stream was closed or cancelled before the request finished
+                self._inbox.put(("abort", rid))
 
+    async def abort(self, context) -> None:
+        """Dynamo calls this when the client disconnects or the request is cancelled."""
+        rid = self._live.get(_context_id(context))
+        if rid is not None:
+            log.debug("abort request %s (%s)", _context_id(context), rid)
+            self._inbox.put(("abort", rid))
+
+    # ---- shutdown ------------------------------------------------------------------------------------
     async def cleanup(self) -> None:
-        self._stop.set()
+        """After Dynamo unregistered this worker and waited its grace period: refuse new requests,
+        give in-flight ones ``--drain-timeout`` seconds, abort the rest, then flush offload writes
+        (SSD blocks and their journal records) before anything is released."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        self._closing = True
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            deadline = time.monotonic() + self.args.drain_timeout
+            while self._live and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self._live:
+                log.warning("shutdown: aborting %d requests still running after %.0f s",
+                            len(self._live), self.args.drain_timeout)
+                for rid in list(self._live.values()):
+                    self._inbox.put(("abort", rid))
+            self._stop.set()
+            await asyncio.to_thread(self._thread.join, 30)
         if self.kv is not None:
-            self.kv.shutdown()
+            await asyncio.to_thread(self._flush_offload)
         self.relay.close()
+        log.info("flexkv worker stopped")
+
+    def _flush_offload(self) -> None:
+        if self.engine is not None:
+            self.engine.flush()  # collects the engine's own offload tasks
+        drain = getattr(self.kv, "drain", None)
+        if drain is not None and not drain(timeout=60):
+            log.error("shutdown: offload writes still running after 60 s; they are cancelled")
+        self.kv.shutdown()
 
     def _announce_disk(self) -> None:
         """A restarted worker's re-adopted disk blocks are news to the router: announce them once
@@ -178,37 +250,69 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     # ---- the engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         engine = self.engine
-        while not self._stop.is_set():
-            try:
-                block = not engine.has_unfinished()
-                while True:
-                    rid, tokens, params, loop, out = self._inbox.get(block=block, timeout=0.1 if block else None)
-                    block = False
-                    try:
-                        engine.add_request(tokens, params, request_id=rid)
-                        self._streams[rid] = (loop, out)
-                        self._prompt_len[rid] = len(tokens)
-                    except ValueError as e:  # bad request: tell its caller, keep serving others
-                        loop.call_soon_threadsafe(out.put_nowait, e)
-            except queue.Empty:
-                pass
-            if not engine.has_unfinished():
+        while True:
+            self._take_inbox()
+            if not engine.busy:
+                if self._stop.is_set():
+                    return  # cleanup() gave in-flight requests their time and aborted the rest
                 continue
             for o in engine.step():
-                loop, out = self._streams[o.request_id]
-                reason = {"length": "length", "stop": "stop"}.get(o.finish_reason or "", None)
-                cached = sum(o.cached_tokens.values())  # device prefix cache + offload tiers
+                stream = self._streams[o.request_id]
                 if o.finished:  # counted before the caller hears of it: a scrape after the reply sees it
                     del self._streams[o.request_id]
-                    self.tally.add(self._prompt_len.pop(o.request_id), o.cached_tokens)
-                loop.call_soon_threadsafe(out.put_nowait, (o.new_token, o.finished, reason, cached))
-            engine._finished.clear()
+                    self.tally.add(stream.prompt_len, o.cached_tokens)
+                stream.send((o.new_token, o.finish_reason if o.finished else None, o.cached_tokens))
+            for r in engine.take_finished():
+                if r.finish_reason == "abort":
+                    self.tally.add_aborted()
+                    stream = self._streams.pop(r.id, None)
+                    if stream is not None:
+                        stream.send((None, "cancelled", r.cached_tokens))
             self._publish_load()
+
+    def _take_inbox(self) -> None:
+        """New requests and aborts. Blocks briefly when the engine has nothing to compute; while
+        offload copies still hold device blocks it polls so they are released promptly."""
+        engine = self.engine
+        timeout: Optional[float] = None if engine.has_unfinished() else (0.005 if engine.busy else 0.1)
+        while True:
+            try:
+                item = self._inbox.get(block=timeout is not None, timeout=timeout)
+            except queue.Empty:
+                return
+            timeout = None
+            if item[0] == "abort":
+                if item[1] in self._streams:
+                    engine.abort(item[1])
+                continue
+            _, rid, tokens, params, stream = item
+            try:
+                engine.add_request(tokens, params, request_id=rid)
+                self._streams[rid] = stream
+            except ValueError as e:  # the limits should have caught it: still tell its caller
+                stream.send(InvalidArgument(str(e)))
+
+
+def _context_id(context) -> str:
+    try:
+        return str(context.id())
+    except Exception:  # a context without an id (direct calls in tests)
+        return f"ctx-{id(context)}"
+
+
+def _usage(prompt_len: int, completion: int, cached: Dict[str, int]) -> Dict[str, Any]:
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def main() -> None:
     for var, value in LOOPBACK_ENV.items():
         os.environ.setdefault(var, value)
+    check_event_plane_binds_loopback(build_parser().parse_args().event_plane)
+    # Dynamo's Worker owns SIGINT/SIGTERM (unregister, grace period, drain, cleanup) and chains to
+    # the handler installed before it: Python's default one would raise KeyboardInterrupt in the
+    # middle of that drain. Set before the Worker starts, so its handler is installed on top.
+    signal.signal(signal.SIGINT, lambda *_: log.info("SIGINT: graceful shutdown (Dynamo drains, then cleanup)"))
     run(FlexKVWorkerEngine)
 
 

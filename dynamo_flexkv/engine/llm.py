@@ -62,6 +62,9 @@ class LLMEngine:
         self.aborted = 0
         self.recomputed_loads = 0
         self.load_stall_seconds = 0.0  # time steps spent blocked on offload loads
+        self.steps = 0  # steps that computed something
+        self.step_requests = 0  # sum over those steps of the requests each batched
+        self.step_seconds = 0.0
 
     # ---- API -------------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None,
@@ -108,6 +111,11 @@ class LLMEngine:
             self._finished.clear()
         return [done[rid] for rid in sorted(reqs, key=reqs.get)]
 
+    def take_finished(self) -> List[Request]:
+        """Requests that finished or were aborted since the last call."""
+        out, self._finished = self._finished, []
+        return out
+
     def flush(self) -> None:
         """Waits for outstanding offload copies and releases the device blocks they read."""
         if self.connector is not None:
@@ -124,6 +132,15 @@ class LLMEngine:
         chunks, reqs = self._build_batch()
         if not chunks:
             return []
+        t0 = time.perf_counter()
+        self.steps += 1
+        self.step_requests += len(reqs)
+        try:
+            return self._run_batch(chunks, reqs)
+        finally:
+            self.step_seconds += time.perf_counter() - t0
+
+    def _run_batch(self, chunks: List[SeqChunk], reqs: List[Request]) -> List[RequestOutput]:
         loading = [r for r in reqs if r.load_task is not None]
         if loading and not self.layerwise:
             for r in loading:  # bulk: the whole prefix lands before any compute
@@ -285,6 +302,5 @@ class LLMEngine:
             self.running.remove(r)
             self.pool.release(r.block_table)
             self._finished.append(r)
-        cached = {"device": r.device_hit_tokens, "host": r.offload_hit_tokens - r.disk_hit_tokens,
-                  "disk": r.disk_hit_tokens}
-        return RequestOutput(r.id, tok, list(r.output), r.finish_reason is not None, r.finish_reason, r.ttft, cached)
+        return RequestOutput(r.id, tok, list(r.output), r.finish_reason is not None, r.finish_reason, r.ttft,
+                             r.cached_tokens)

@@ -60,6 +60,12 @@ class Request:
         return None if self.first_token_at is None else self.first_token_at - self.arrival
 
     @property
+    def cached_tokens(self) -> Dict[str, int]:
+        """Prompt tokens not computed, by the tier they came from (device: the prefix cache)."""
+        return {"device": self.device_hit_tokens, "host": self.offload_hit_tokens - self.disk_hit_tokens,
+                "disk": self.disk_hit_tokens}
+
+    @property
     def in_prefill(self) -> bool:
         return self.num_computed < len(self.prompt)
 

@@ -1,0 +1,42 @@
+"""The worker's command line, and the checks that run before anything heavy is imported."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dynamo_flexkv.worker",
+                                description="The reference engine with KVManager offload as a Dynamo backend.")
+    p.add_argument("--model", default="small", help="model preset (configs/models) or a local HF directory")
+    p.add_argument("--served-model-name", default="flexkv-small")
+    p.add_argument("--model-dir", help="where to write the model directory (default: a temp dir)")
+    p.add_argument("--namespace", default="dynamo")
+    p.add_argument("--component", default="flexkv")
+    p.add_argument("--endpoint", default="generate")
+    p.add_argument("--discovery-backend", default="file", choices=["file", "etcd", "mem", "kubernetes"])
+    p.add_argument("--request-plane", default="tcp", choices=["tcp", "nats"])
+    p.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"])
+    p.add_argument("--num-device-blocks", type=int, default=256,
+                   help="the engine's own KV blocks; x block size = the context window")
+    p.add_argument("--no-offload", action="store_true", help="serve without host/disk tiers")
+    p.add_argument("--bulk-load", action="store_true", help="load cached prefixes before compute")
+    p.add_argument("--no-device-prefix-cache", action="store_true",
+                   help="free device blocks when a request ends: reuse then comes only from offload tiers")
+    p.add_argument("--drain-timeout", type=float, default=20.0,
+                   help="on shutdown, seconds in-flight requests get to finish before they are aborted")
+    return p
+
+
+def check_event_plane_binds_loopback(event_plane: str) -> None:
+    """Dynamo 1.6.1's direct-mode ZMQ event publishers bind 0.0.0.0 whatever DYN_EVENT_PLANE_HOST
+    says; only a broker (DYN_ZMQ_BROKER_URL) keeps them off other interfaces."""
+    if event_plane == "zmq" and not os.environ.get("DYN_ZMQ_BROKER_URL"):
+        sys.exit("python -m dynamo_flexkv.worker: --event-plane zmq without DYN_ZMQ_BROKER_URL would make "
+                 "Dynamo's event publishers listen on every interface (0.0.0.0). Start the graph with "
+                 "`dynamo-flexkv serve` (it runs a loopback broker), or run `python -m "
+                 "dynamo_flexkv.serve.zmq_broker tcp://127.0.0.1:P1 tcp://127.0.0.1:P2` and set "
+                 "DYN_ZMQ_BROKER_URL='xsub=tcp://127.0.0.1:P1 , xpub=tcp://127.0.0.1:P2' for the frontend "
+                 "and every worker, or use --event-plane nats.")
