@@ -9,8 +9,9 @@ import pytest
 
 from dynamo_flexkv.remote.server import RedisCluster, RedisServer
 
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
-                                 reason="redis-server/redis-cli not installed (Debian redis-server; scripts/install.sh)")
+needs_redis = pytest.mark.skipif(
+    shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+    reason="redis-server/redis-cli not installed (Debian redis-server; scripts/install.sh)")
 
 
 @pytest.fixture

@@ -331,6 +331,18 @@ def test_server_killed_and_restarted(redis_server: RedisServer) -> None:
 
 
 @needs_redis
+def test_restart_between_ops_reconnects_without_a_failed_op(redis_server: RedisServer) -> None:
+    seq, data = blocks(5, 1000)
+    with RemoteStore.open(redis_server.url, FP) as store:
+        assert store.put(seq, list(data)) == 5
+        redis_server.kill()
+        redis_server.start()  # the pooled connection is dead; the op retries once on a new one
+        assert store.put(seq, list(data)) == 5
+        s = store.stats()
+        assert (s.op_errors, s.connects) == (0, 2)
+
+
+@needs_redis
 def test_server_killed_during_a_read(redis_server: RedisServer) -> None:
     seq, data = blocks(200, 256 << 10)
     with RemoteStore.open(redis_server.url, FP, timeout_s=1.0, pipeline_depth=2) as store:

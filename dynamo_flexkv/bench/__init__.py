@@ -16,9 +16,10 @@ BENCHES: Dict[str, tuple] = {
     "index": ("dynamo_flexkv.bench.index", "hash + longest-prefix match, insert, evict vs Dynamo's RadixTree"),
     "links": ("dynamo_flexkv.bench.links", "device<->host and host<->disk bandwidth vs same-run copy / fio"),
     "ttft": ("dynamo_flexkv.bench.ttft", "reference-engine TTFT with cached prefixes vs same-run recompute"),
+    "remote": ("dynamo_flexkv.bench.remote", "Redis put/get GB/s (standalone and cluster) vs same-run redis-benchmark"),
 }
 # Benchmarks whose ratio is better when higher (bandwidths); the rest report times.
-HIGHER_IS_BETTER = {"links"}
+HIGHER_IS_BETTER = {"links", "remote"}
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:

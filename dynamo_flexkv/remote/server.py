@@ -35,9 +35,9 @@ def make_test_certs(directory: str) -> str:
         raise FileNotFoundError("openssl not found: install Debian's openssl package")
     def run(*args: str) -> None:
         subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60, cwd=directory)
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=flexkv-test-ca",
-        "-keyout", "ca.key", "-out", "ca.crt")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    run("req", "-x509", *ec, "-days", "2", "-subj", "/CN=flexkv-test-ca", "-keyout", "ca.key", "-out", "ca.crt")
+    run("req", *ec, "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
     with open(os.path.join(directory, "san.ext"), "w") as f:
         f.write("subjectAltName=IP:127.0.0.1\n")
     run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",

@@ -177,11 +177,20 @@ class RemoteStore:
                 pool = self._pools[node] = _Pool(node)
             return pool
 
-    def _acquire(self, pool: _Pool) -> RespConnection:
+    def _acquire(self, pool: _Pool) -> "tuple[RespConnection, bool]":
+        """A connection and whether it was pooled (it may have died while idle)."""
         with pool.lock:
             if pool.idle:
-                return pool.idle.pop()
-        return self._connect(pool.node)
+                return pool.idle.pop(), True
+        return self._connect(pool.node), False
+
+    @staticmethod
+    def _drop_idle(pool: _Pool) -> None:
+        """After a failure the node's other idle connections are most likely dead too."""
+        with pool.lock:
+            idle, pool.idle = pool.idle, []
+        for conn in idle:
+            conn.close()
 
     def _release(self, pool: _Pool, conn: RespConnection) -> None:
         if self._closed:
@@ -249,7 +258,7 @@ class RemoteStore:
         for node in nodes:
             pool = self._pool(node)
             try:
-                conn = self._acquire(pool)
+                conn, _ = self._acquire(pool)
             except RemoteError:
                 continue
             try:
@@ -316,11 +325,25 @@ class RemoteStore:
 
         def one(node: Node, idx: List[int]) -> None:
             pool = self._pool(node)
-            conn = self._acquire(pool)
+            conn, pooled = self._acquire(pool)
             try:
                 work(conn, idx)
-            except BaseException:
+            except ConnectionError:
                 conn.close()  # mid-pipeline: its stream position is unknown
+                self._drop_idle(pool)
+                if not pooled:
+                    raise
+                # A pooled connection the server dropped while idle (restart, idle timeout): the
+                # ops are idempotent, so run once more on a fresh one. Timeouts are not retried.
+                conn = self._connect(node)
+                try:
+                    work(conn, idx)
+                except BaseException:
+                    conn.close()
+                    raise
+            except BaseException:
+                conn.close()
+                self._drop_idle(pool)
                 raise
             self._release(pool, conn)
 
