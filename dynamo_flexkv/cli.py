@@ -36,10 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--image", default="dynamo-flexkv:latest", help="container image with dynamo_flexkv installed")
     render.add_argument("-o", "--output", help="file to write (default: stdout)")
 
-    demo = sub.add_parser("demo", help="the main job: agg_router graph with two workers, a multi-turn trace "
-                          "workload over HTTP, with and without offload, and the table")
-    from dynamo_flexkv.demo import add_arguments
-    add_arguments(demo)
+    from dynamo_flexkv.replay.main import add_arguments as replay_arguments
+    replay_arguments(sub.add_parser(
+        "replay", help="replay the Mooncake conversation trace with its arrival times and concurrency over HTTP "
+        "against each configuration (offload, tiers, routing, device sizes); table, plots, JSON lines",
+        description="Serves each configuration on a fresh graph (or uses --url), replays the trace against it, "
+        "and writes report.md, results.jsonl and PNG plots to the results folder."))
+    replay_arguments(sub.add_parser(
+        "demo", help="the main job: the replay comparison with its defaults (same options as replay)"))
 
     from dynamo_flexkv.bench import build_parser as bench_parser
     bench_parser(sub.add_parser("bench", help="run a benchmark against its same-run baseline"))
@@ -82,9 +86,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return serve(plan, sys.stdout)
-    if args.command == "demo":
-        from dynamo_flexkv.demo import run as demo_run
-        return demo_run(args)
+    if args.command in ("replay", "demo"):
+        from dynamo_flexkv.replay.main import run as replay_run
+        return replay_run(args)
     if args.command == "doctor":
         from dynamo_flexkv.doctor import main as doctor_main
         return doctor_main(args.cache_dirs, args.json)

@@ -1,24 +1,25 @@
-"""Multi-turn conversations from the Mooncake conversation trace (../shared/traces).
+"""Multi-turn conversations from the Mooncake conversation trace, as token ids with arrival times.
 
-The trace gives each request's prompt as ``hash_ids``, one per 512-token block; two requests
-sharing a prefix of hash_ids share that prefix of tokens. A request continues a conversation when
-it extends an earlier request's hash_ids (all but possibly the earlier last, partial block). Each
-hash_id becomes ``tokens_per_hash_block`` deterministic token ids, so prefix sharing, and with it
-the reachable hit rate, is exactly the trace's at a smaller scale.
+The trace (shipped in ``dynamo_flexkv/data/traces``, see its README for provenance and license)
+gives each request's prompt as ``hash_ids``, one per 512-token block; two requests sharing a
+prefix of hash_ids share that prefix of tokens. A request continues a conversation when it extends
+an earlier request's hash_ids (all but possibly the earlier last, partial block). Each hash_id
+becomes ``tokens_per_hash_block`` deterministic token ids, so prefix sharing, and with it the
+reachable hit rate, is exactly the trace's at a smaller scale.
 """
 
 from __future__ import annotations
 
 import json
+import lzma
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, IO, List, Optional, Sequence
 
 import numpy as np
 
-TRACE_NAME = Path("shared") / "traces" / "mooncake_conversation_trace.jsonl"
-# ../shared/traces beside the checkout (or beside the working directory)
-TRACE_CANDIDATES = (Path(__file__).resolve().parents[2] / TRACE_NAME, Path.cwd().parent / TRACE_NAME)
+# The Mooncake conversation trace, xz-compressed package data (an installed wheel carries it too).
+SHIPPED_TRACE = Path(__file__).resolve().parent / "data" / "traces" / "mooncake_conversation_trace.jsonl.xz"
 TRACE_BLOCK = 512  # tokens per hash_id in the trace
 
 
@@ -34,7 +35,7 @@ class TraceRequest:
 class Turn:
     conversation: int  # rank of the conversation in the selection
     turn: int  # 0 for its first request
-    timestamp_ms: int
+    timestamp_ms: int  # arrival in the trace, from its start
     tokens: List[int]
     output_tokens: int
 
@@ -43,29 +44,40 @@ class Turn:
 class Scale:
     """How the trace is scaled down for this machine (reported with every result)."""
 
-    conversations: int = 24
-    min_turns: int = 2
-    max_turns: int = 4
-    tokens_per_hash_block: int = 256  # 512 in the trace: prompts are half as long
-    max_prompt_tokens: int = 8192  # turns beyond this are dropped (their conversation keeps earlier ones)
-    max_output_tokens: int = 4  # decode is not what offload speeds up; keep runs short
+    conversations: int = 32
+    min_turns: int = 2  # multi-turn conversations: where a prompt reuses an earlier one's KV
+    max_turns: int = 6
+    tokens_per_hash_block: int = 64  # 512 in the trace: prompts x1/8, one trace block = one `small` KV block
+    max_prompt_tokens: int = 2048  # turns beyond this are dropped (their conversation keeps earlier ones)
+    max_output_tokens: int = 8  # decode is not what offload speeds up; a few tokens give inter-token latency
     token_vocab: int = 256  # ids below this (byte tokens of the generated tokenizer)
 
+    def __post_init__(self) -> None:
+        for name in ("conversations", "min_turns", "max_turns", "tokens_per_hash_block", "max_prompt_tokens",
+                     "max_output_tokens", "token_vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        if self.min_turns > self.max_turns:
+            raise ValueError(f"min-turns={self.min_turns} > max-turns={self.max_turns}: lower min-turns")
+
     def describe(self) -> str:
-        return (f"{self.conversations} conversations of {self.min_turns}-{self.max_turns} turns from the Mooncake "
-                f"conversation trace; each 512-token trace block -> {self.tokens_per_hash_block} tokens "
-                f"(prompts x{self.tokens_per_hash_block / TRACE_BLOCK:g}), prompts <= {self.max_prompt_tokens} "
-                f"tokens, outputs <= {self.max_output_tokens} tokens, requests one at a time in trace order")
+        return (f"the first {self.conversations} conversations of {self.min_turns}-{self.max_turns} turns of the "
+                f"Mooncake conversation trace (later turns dropped); each 512-token trace block -> "
+                f"{self.tokens_per_hash_block} tokens (prompts x{self.tokens_per_hash_block / TRACE_BLOCK:g}), "
+                f"prompts <= {self.max_prompt_tokens} tokens, outputs <= {self.max_output_tokens} tokens")
+
+
+def _open(path: Path) -> IO[str]:
+    return lzma.open(path, "rt") if path.suffix == ".xz" else open(path)
 
 
 def load_trace(path: Optional[Path] = None) -> List[TraceRequest]:
-    if path is None:
-        path = next((p for p in TRACE_CANDIDATES if p.is_file()), TRACE_CANDIDATES[0])
-    path = Path(path)
+    """The trace at ``path`` (``.jsonl`` or ``.jsonl.xz``), by default the shipped one."""
+    path = Path(path) if path is not None else SHIPPED_TRACE
     if not path.is_file():
-        raise FileNotFoundError(f"trace {path} not found: pass --trace PATH (a Mooncake-format .jsonl)")
+        raise FileNotFoundError(f"trace {path} not found: pass --trace PATH (a Mooncake-format .jsonl or .jsonl.xz)")
     out = []
-    with open(path) as f:
+    with _open(path) as f:
         for n, line in enumerate(f, 1):
             try:
                 r = json.loads(line)
@@ -100,7 +112,7 @@ def conversation_ids(trace: Sequence[TraceRequest]) -> List[int]:
 
 def trace_turns(scale: Scale = Scale(), path: Optional[Path] = None) -> List[Turn]:
     """The first ``scale.conversations`` conversations that have at least ``min_turns`` turns
-    within the prompt cap, as turns in trace order (conversations interleave as they did)."""
+    within the prompt cap, as turns in arrival order (conversations interleave as they did)."""
     trace = load_trace(path)
     conv = conversation_ids(trace)
     ratio = scale.tokens_per_hash_block / TRACE_BLOCK

@@ -48,3 +48,37 @@ def test_bad_traces_are_named(tmp_path, trace):
     bad.write_text('{"timestamp": 0}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: not a trace record"):
         load_trace(bad)
+
+
+def test_the_trace_ships_inside_the_package():
+    """A clone (or an installed wheel) alone has the trace, unchanged: the SHA-256 its README states."""
+    import hashlib
+    import lzma
+    import re
+
+    from dynamo_flexkv.workload import SHIPPED_TRACE
+
+    readme = (SHIPPED_TRACE.parent / "README.md").read_text()
+    assert "Apache License 2.0" in readme and "kvcache-ai/Mooncake" in readme
+    stated = re.search(r"`([0-9a-f]{64})`", readme).group(1)
+    assert hashlib.sha256(lzma.open(SHIPPED_TRACE).read()).hexdigest() == stated
+    trace = load_trace()  # the default is the shipped file
+    assert len(trace) == 12031 and trace[0].hash_ids[:2] == (0, 1)
+    assert conversation_ids(trace)[:3] == [0, 1, 2]
+
+
+def test_xz_and_plain_traces_read_the_same(tmp_path, trace):
+    import lzma
+
+    packed = tmp_path / "trace.jsonl.xz"
+    packed.write_bytes(lzma.compress(trace.read_bytes()))
+    assert load_trace(packed) == load_trace(trace)
+    with pytest.raises(FileNotFoundError, match="pass --trace PATH"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+def test_scale_rejects_nonsense():
+    with pytest.raises(ValueError, match="min-turns=3 > max-turns=2"):
+        Scale(min_turns=3, max_turns=2)
+    with pytest.raises(ValueError, match="tokens-per-hash-block=0"):
+        Scale(tokens_per_hash_block=0)

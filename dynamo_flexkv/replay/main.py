@@ -1,0 +1,220 @@
+"""``dynamo-flexkv replay`` (and the main job, ``dynamo-flexkv demo``): the Mooncake conversation
+trace replayed with its arrival times and real concurrency against each configuration in turn,
+each on a freshly served graph, then the comparison as a markdown table, PNG plots and JSON lines
+in a results folder."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+from dynamo_flexkv.workload import TRACE_BLOCK, Scale, trace_turns
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What a default run and a --full run replay."""
+
+    conversations: int
+    device_blocks: str
+    sweep_configs: str
+
+
+DEFAULT = Preset(conversations=32, device_blocks="64,256", sweep_configs="no-offload,host+ssd")
+FULL = Preset(conversations=192, device_blocks="32,64,128,256", sweep_configs=DEFAULT_CONFIGS)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what to serve")
+    g.add_argument("--graph", default=str(ROOT / "graphs" / "agg_router.py"))
+    g.add_argument("-f", "--config", default=str(ROOT / "configs" / "agg_router.yaml"))
+    g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override for every configuration (e.g. FlexKVWorker.cache.cpu_cache_gb=0.25)")
+    g.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help=f"configurations compared at the first device size (default {DEFAULT_CONFIGS})")
+    g.add_argument("--device-blocks", help="device KV blocks per worker, comma-separated: the first size runs "
+                   f"--configs, the others --sweep-configs (default {DEFAULT.device_blocks}; --full "
+                   f"{FULL.device_blocks})")
+    g.add_argument("--sweep-configs", help=f"configurations at the other device sizes (default "
+                   f"{DEFAULT.sweep_configs}; --full: all of --configs)")
+    g.add_argument("--url", help="replay against this already served graph (e.g. http://127.0.0.1:8000) instead: "
+                   "one run, no comparison")
+    g.add_argument("--model", default="flexkv-small", help="served model name (with --url)")
+    g.add_argument("--worker-metrics", default="", metavar="PORT,PORT",
+                   help="with --url: the workers' system ports, to attribute requests and check the accounting")
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", help="Mooncake-format trace, .jsonl or .jsonl.xz (default: the shipped one)")
+    w.add_argument("--conversations", type=int, help=f"conversations replayed (default {DEFAULT.conversations}; "
+                   f"--full {FULL.conversations})")
+    w.add_argument("--min-turns", type=int, default=Scale.min_turns)
+    w.add_argument("--max-turns", type=int, default=Scale.max_turns)
+    w.add_argument("--tokens-per-hash-block", type=int, default=Scale.tokens_per_hash_block,
+                   help=f"tokens per {TRACE_BLOCK}-token trace block (scales prompt length)")
+    w.add_argument("--max-prompt-tokens", type=int, default=Scale.max_prompt_tokens)
+    w.add_argument("--max-output-tokens", type=int, default=Scale.max_output_tokens)
+    w.add_argument("--time-scale", type=float, default=40.0,
+                   help="trace seconds per replay second (default 40: the trace's arrivals 40x faster)")
+    w.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
+    w.add_argument("--full", action="store_true", help="a longer replay: more conversations, every configuration "
+                   "at every device size of a wider sweep")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", help="results folder (default replay-results/<UTC time>)")
+    o.add_argument("--json", help="also append each configuration's summary to this JSONL file")
+    o.add_argument("--logs", action="store_true", help="stream the components' logs (default: files only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dynamo_flexkv.serve import GraphError
+    from dynamo_flexkv.serve.launcher import ComponentDied
+
+    try:
+        return _run(args)
+    except (GraphError, ComponentDied, TimeoutError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dynamo_flexkv.serve.launcher import ComponentDied
+    from dynamo_flexkv.replay.configs import (ConfigRun, Configuration, device_block_list,
+                                              parse_configs, replay_url, serve_and_replay)
+    from dynamo_flexkv.replay.report import first_error, markdown, summarize, write_jsonl
+
+    preset = FULL if args.full else DEFAULT
+    scale = Scale(conversations=args.conversations or preset.conversations, min_turns=args.min_turns,
+                  max_turns=args.max_turns, tokens_per_hash_block=args.tokens_per_hash_block,
+                  max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens)
+    turns = trace_turns(scale, args.trace)
+    workload = (f"{len(turns)} requests: {scale.describe()}; arrivals at trace time / {args.time_scale:g}, a turn "
+                f"never before the previous turn of its conversation answered, at most {args.concurrency} in flight")
+    if args.url:
+        plan = [(Configuration("served", f"the graph at {args.url}", ()), 0)]
+    else:
+        sizes = device_block_list(args.device_blocks or preset.device_blocks)
+        main = parse_configs(args.configs)
+        sweep = parse_configs(args.sweep_configs) if args.sweep_configs else (
+            main if args.full else parse_configs(preset.sweep_configs))
+        plan = [(c, sizes[0]) for c in main] + [(c, b) for b in sizes[1:] for c in sweep]
+        _check_context(args, scale, min(sizes))
+    out = Path(args.out or f"replay-results/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    out.mkdir(parents=True, exist_ok=True)
+    setup = _setup(args, plan)
+    sys.stderr.write(f"replay: {workload}\nreplay: {len(plan)} runs: "
+                     f"{', '.join(f'{c.name} @{b}' for c, b in plan)}; results in {out}\n")
+    t_start = time.perf_counter()
+    runs: List[ConfigRun] = []
+    failed: List[str] = []
+    for config, blocks in plan:
+        progress = Progress(len(turns), f"{config.name} @{blocks}")
+        try:
+            if args.url:
+                progress.start()
+                run = replay_url(args.url, args.model, turns, ports=_ports(args.worker_metrics),
+                                 time_scale=args.time_scale, concurrency=args.concurrency, on_done=progress.done)
+            else:
+                run = serve_and_replay(config, blocks, turns, graph=args.graph, config_file=args.config,
+                                       extra_overrides=args.set, time_scale=args.time_scale,
+                                       concurrency=args.concurrency, on_done=progress.done,
+                                       on_ready=progress.start, logs=args.logs)
+        except (ComponentDied, TimeoutError, RuntimeError, OSError) as e:  # this run only: the others still count
+            failed.append(f"{config.name} @{blocks}: {e}")
+            sys.stderr.write(f"error: {failed[-1]}\n")
+            continue
+        finally:
+            progress.close()
+        runs.append(run)
+        s = summarize(run)
+        write_jsonl(out / "results.jsonl", [s], [run], workload, setup, per_request=True)  # kept if a later run fails
+        sys.stderr.write(f"{config.name} @{blocks}: {s.requests} requests, {s.errors} errors, TTFT p50 "
+                         f"{s.ttft_p50_ms:.0f} ms, {s.hit_rate['all']:.0%} of prompt tokens cached, "
+                         f"{run.wall_s:.0f} s\n")
+    if not runs:
+        print("error: no configuration ran: " + "; ".join(failed), file=sys.stderr)
+        return 1
+    summaries = [summarize(r) for r in runs]
+    report = markdown(summaries, workload, setup)
+    if failed:
+        report += "\nRuns that failed (not in the table): " + "; ".join(failed) + "\n"
+    (out / "report.md").write_text(report)
+    if args.json:
+        write_jsonl(Path(args.json), summaries, runs, workload, setup, per_request=False)
+    from dynamo_flexkv.replay.plots import write_plots
+    pngs = write_plots(out, runs, summaries, runs[0].device_blocks)
+    print(report)
+    print(f"Wall time {time.perf_counter() - t_start:.0f} s for {len(runs)} runs. Results in {out}/: report.md, "
+          f"results.jsonl (summaries and every request), {', '.join(p.name for p in pngs)}"
+          + (f"; summaries appended to {args.json}" if args.json else ""))
+    err = first_error(runs)
+    if err:
+        print(f"error: {sum(s.errors for s in summaries)} requests failed; the first: {err}", file=sys.stderr)
+    return 1 if err or failed else 0
+
+
+class Progress:
+    """A progress bar per run that starts when its graph is ready (startup is not replay time)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.bar = total, label, None
+
+    def start(self) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.total, desc=self.label, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+    def done(self, rec) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if rec.error:
+                self.bar.set_postfix_str(f"error: {rec.error[:60]}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _check_context(args: argparse.Namespace, scale: Scale, device_blocks: int) -> None:
+    """A worker holds a request's prompt and output in its device cache and refuses what cannot fit."""
+    from dynamo_flexkv.engine import EngineModelConfig
+    from dynamo_flexkv.serve.plan import apply_overrides, load_config
+
+    cfg = apply_overrides(load_config(args.config), args.set)
+    model = (cfg.get("FlexKVWorker") or {}).get("model") or (cfg.get("Common") or {}).get("model") or "small"
+    block = EngineModelConfig.load(model).block_size
+    need = scale.max_prompt_tokens + scale.max_output_tokens
+    if need > device_blocks * block:
+        raise ValueError(f"--max-prompt-tokens {scale.max_prompt_tokens} + --max-output-tokens "
+                         f"{scale.max_output_tokens} do not fit a device cache of {device_blocks} blocks of {block} "
+                         f"tokens ({device_blocks * block} tokens), so the worker would refuse such requests: "
+                         f"lower --max-prompt-tokens or raise the smallest --device-blocks")
+
+
+def _ports(text: str) -> List[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--worker-metrics {text!r}: expected comma-separated ports") from None
+
+
+def _setup(args: argparse.Namespace, plan) -> str:
+    if args.url:
+        return f"the graph served at {args.url}"
+    from dynamo_flexkv.serve.plan import apply_overrides, load_config
+
+    cfg = apply_overrides(load_config(args.config), args.set)
+    w, fe = cfg.get("FlexKVWorker", {}), cfg.get("Frontend", {})
+    cache = w.get("cache", {})
+    common = cfg.get("Common", {})
+    return (f"{Path(args.graph).name} with {Path(args.config).name}: {w.get('replicas', 1)} workers of model "
+            f"{w.get('model', common.get('model'))}, each with the device KV cache of the run (blocks per worker "
+            f"in the table), host tier {cache.get('cpu_cache_gb')} GB and SSD tier {cache.get('ssd_cache_gb')} GB "
+            f"(a fresh directory per run) unless the configuration removes them; router "
+            f"{fe.get('router-mode', 'kv')} with host/disk hit weights {fe.get('router-host-cache-hit-weight')}/"
+            f"{fe.get('router-disk-cache-hit-weight')} unless the configuration changes them; every configuration "
+            f"on a freshly started graph")
