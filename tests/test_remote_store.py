@@ -448,3 +448,20 @@ def test_tls_round_trip_and_untrusted_certificate(tmp_path) -> None:
             assert store.get_into(seq, list(dst)) == 40 and np.array_equal(dst, data)
         with pytest.raises(RemoteUnavailableError, match="CERTIFICATE_VERIFY_FAILED|certificate"):
             RemoteStore.open(server.url, FP)  # the system CAs do not trust the test CA
+
+
+@needs_redis
+def test_cluster_stale_slot_map_ends_prefix_then_refreshes(redis_cluster) -> None:  # noqa: F811
+    """As after a resharding: nodes answer MOVED for keys the map sends to the wrong node."""
+    seq, data = blocks(60, 2000, seed=9)
+    with RemoteStore.open(redis_cluster.url, FP) as store:
+        assert store.put(seq, list(data)) == 60
+        slots = store._slots
+        first_elsewhere = next(i for i, h in enumerate(seq)
+                               if slots.owner[key_slot(block_key(b"flexkv:", FP, int(h)))] != 0)
+        slots.owner = [0] * len(slots.owner)  # every slot "moved" to node 0 in our stale view
+        dst = np.zeros_like(data)
+        assert store.get_into(seq, list(dst)) == first_elsewhere
+        assert store.stats().server_errors >= 1 and store.stats().op_errors == 0
+        assert store.get_into(seq, list(dst)) == 60 and np.array_equal(dst, data)  # map refreshed
+        store.delete(seq)

@@ -4,12 +4,13 @@ For 128 KiB and 2 MiB blocks, RemoteStore.put / get_into move a batch of blocks 
 checksums included, values read straight into block buffers) through one connection with
 ``pipeline_depth`` commands in flight. The baseline is ``redis-benchmark`` (the C client) against
 the same server in the same run with the same value size (block + 48-byte header), the same
-pipeline depth (-P), one connection (-c 1) and as many requests as blocks; its GETs hit keys
-written beforehand. redis-benchmark is also run unpipelined (-P 1), and the better of its two
-figures is the baseline (it is much slower with deep pipelines of large SETs here, and a weak
-baseline proves nothing). The sides alternate and medians are reported. A local three-node Redis
-Cluster runs the same cases (``cluster-*``) against redis-benchmark --cluster with one connection
-per node. Ratios are ours / baseline; higher is better.
+pipeline depth (-P), one connection (-c 1) and a keyspace of as many keys as blocks (four
+requests per key); its GETs hit keys written beforehand (checked: the servers count no miss).
+redis-benchmark also runs unpipelined (-P 1) and the better of its two figures is the baseline
+(deep pipelines of large SETs are slow in it, and a weak baseline proves nothing). The sides
+alternate and medians are reported. A local three-node Redis Cluster runs the same cases
+(``cluster-*``) against redis-benchmark --cluster with one connection and one thread per node,
+as ours uses. Ratios are ours / baseline; higher is better.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import re
 import statistics
 import subprocess
 import time
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from dynamo_flexkv.remote.resp import RespConnection, encode_command
 from dynamo_flexkv.remote.server import RedisCluster, RedisServer, require_binary
 
 SIZES = {"128KiB": (128 << 10, 16), "2MiB": (2 << 20, 4)}  # label -> (block bytes, pipeline depth)
+BASELINE_ROUNDS = 4
 
 
 def _rps(output: str, test: str) -> float:
@@ -39,32 +41,67 @@ def _rps(output: str, test: str) -> float:
 
 
 def redis_benchmark(port: int, test: str, value_bytes: int, n: int, depth: int, conns: int, cluster: bool) -> float:
-    """Seconds redis-benchmark needs for ``n`` requests (its own requests/s, so process start is not counted)."""
+    """Seconds per ``n`` requests of redis-benchmark on a keyspace of ``n`` keys (from its own
+    requests/s, so process start is not counted). It issues BASELINE_ROUNDS * n requests: its
+    cluster mode has a fixed ~0.2 s cost per run that would otherwise count against it."""
     cmd = [require_binary("redis-benchmark"), "-h", "127.0.0.1", "-p", str(port), "-t", test,
-           "-d", str(value_bytes), "-P", str(depth), "-c", str(conns), "-n", str(n), "-r", str(n), "-q"]
+           "-d", str(value_bytes), "-P", str(depth), "-c", str(conns), "-n", str(BASELINE_ROUNDS * n),
+           "-r", str(n), "-q"]
     if cluster:
         cmd.append("--cluster")
+    if conns > 1:  # ours runs one thread per cluster node; so does the baseline
+        cmd += ["--threads", str(conns)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
     return n / _rps(out.stdout + out.stderr, test.upper())
 
 
-def _populate(nodes: List[Tuple[str, int]], value_bytes: int, n: int, depth: int) -> None:
-    """Writes the keys redis-benchmark's GETs ask for (key:000000000000 ...), so every GET hits."""
-    from dynamo_flexkv.remote.cluster import SlotMap
+def _benchmark_keys(ports: List[int], n: int) -> Dict[int, List[bytes]]:
+    """The keys redis-benchmark's GETs ask each node for: ``key:%012d`` on one server; in cluster
+    mode each connection is bound to one node and tags its keys (``key:{tag}:%012d``) so they
+    hash there, so one probe SET per node shows each node's tag."""
+    if len(ports) == 1:
+        return {ports[0]: [b"key:%012d" % i for i in range(n)]}
+    subprocess.run([require_binary("redis-benchmark"), "-h", "127.0.0.1", "-p", str(ports[0]), "--cluster",
+                    "-t", "set", "-d", "1", "-P", "1", "-c", str(len(ports)), "-n", str(100 * len(ports)),
+                    "-r", "1", "-q"], capture_output=True, timeout=120, check=True)
+    out: Dict[int, List[bytes]] = {}
+    for port in ports:
+        conn = RespConnection("127.0.0.1", port, timeout_s=30, connect_timeout_s=5)
+        try:
+            probes = conn.call(b"KEYS", b"key:*:000000000000")
+        finally:
+            conn.close()
+        if len(probes) != 1:
+            raise RuntimeError(f"expected one redis-benchmark probe key on node {port}, found {probes}")
+        tag = probes[0][:-len(b"000000000000")]
+        out[port] = [tag + b"%012d" % i for i in range(n)]
+    return out
 
+
+def _populate(ports: List[int], value_bytes: int, n: int, depth: int) -> None:
+    """Writes every key redis-benchmark's GETs will ask for, so each of its GETs is a hit."""
     value = b"x" * value_bytes
-    conns = [RespConnection(h, p, timeout_s=30, connect_timeout_s=5) for h, p in nodes]
-    try:
-        slots = SlotMap(conns[0].call(b"CLUSTER", b"SLOTS"), nodes[0][0]) if len(nodes) > 1 else None
-        keys = [b"key:%012d" % i for i in range(n)]
-        groups = slots.group(keys) if slots else {0: list(range(n))}
-        by_node = {nodes.index(slots.nodes[g]) if slots else 0: idx for g, idx in groups.items()}
-        for node, idx in by_node.items():
-            for lo in range(0, len(idx), depth):
-                conns[node].pipeline([encode_command(b"SET", keys[i], value) for i in idx[lo:lo + depth]])
-    finally:
-        for c in conns:
-            c.close()
+    for port, keys in _benchmark_keys(ports, n).items():
+        conn = RespConnection("127.0.0.1", port, timeout_s=30, connect_timeout_s=5)
+        try:
+            for lo in range(0, n, depth):
+                replies = conn.pipeline([encode_command(b"SET", k, value) for k in keys[lo:lo + depth]])
+                if any(r != "OK" for r in replies):
+                    raise RuntimeError(f"populating node {port} failed: {replies[:3]}")
+        finally:
+            conn.close()
+
+
+def _keyspace_misses(ports: List[int]) -> int:
+    total = 0
+    for port in ports:
+        conn = RespConnection("127.0.0.1", port, timeout_s=30, connect_timeout_s=5)
+        try:
+            info = conn.call(b"INFO", b"stats").decode()
+        finally:
+            conn.close()
+        total += int(re.search(r"keyspace_misses:(\d+)", info).group(1))
+    return total
 
 
 def _alternate(fns: List[Callable[[], float]], repeat: int) -> List[float]:
@@ -91,7 +128,7 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
             src_rows, dst_rows = list(src), list(dst)
             seq = rng.integers(1, 2**63, size=n, dtype=np.uint64)
             value_bytes = block + HEADER_BYTES
-            _populate([("127.0.0.1", p) for p in ports], value_bytes, n, depth)
+            _populate(ports, value_bytes, n, depth)
 
             def baseline(test: str, p: int) -> Callable[[], float]:
                 return lambda: redis_benchmark(ports[0], test, value_bytes, n, p, len(ports), cluster)
@@ -117,10 +154,13 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
                  ours_get, baseline("get", depth), baseline("get", 1)], repeat)
             if not np.array_equal(src, dst):
                 raise RuntimeError("remote get returned other bytes than were put")
+            misses = _keyspace_misses(ports)
+            if misses:
+                raise RuntimeError(f"{misses} GETs missed: the baseline would have timed empty replies")
             nbytes = n * value_bytes
             for op, ours_s, deep_s, flat_s in (("put", put_s, set_s, set1_s), ("get", get_s, get_s_base, get1_s)):
                 best_p = depth if deep_s <= flat_s else 1
-                note = (f"{n} blocks, ours -P {depth}; redis-benchmark -c {len(ports)} -P {depth}: "
+                note = (f"{n} blocks, ours -P {depth}; redis-benchmark -c/--threads {len(ports)} -P {depth}: "
                         f"{nbytes / deep_s / 1e9:.3g}, -P 1: {nbytes / flat_s / 1e9:.3g} GB/s")
                 cases.append(Case("remote", f"{prefix}{op}-{label}", nbytes / ours_s / 1e9,
                                   nbytes / min(deep_s, flat_s) / 1e9, "GB/s",
@@ -135,7 +175,7 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
 
 
 def run(args: argparse.Namespace) -> List[Case]:
-    total = (32 << 20) if args.quick else (128 << 20)
+    total = (32 << 20) if args.quick else (64 << 20)
     repeat = 3 if args.quick else 5
     cases: List[Case] = []
     with RedisServer(maxmemory="2gb") as server:
