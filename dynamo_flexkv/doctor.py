@@ -31,8 +31,24 @@ def check_native() -> Check:
     try:
         from dynamo_flexkv import _native
     except ImportError as e:
-        return Check("native extension", Status.MISSING, f"{e}; build it with `make install`")
+        return Check("native extension", Status.MISSING,
+                     f"{e}; build it with `make install` in a checkout, or reinstall the wheel")
     return Check("native extension", Status.OK, _native.__file__)
+
+
+def check_package_data() -> Check:
+    """The model presets, serve graphs and configs: inside the package when installed from a
+    wheel, the repository's own folders in a checkout."""
+    from dynamo_flexkv.resources import CONFIGS, GRAPHS, presets_dir, shipped_dir, shipped_names
+
+    presets = sorted(p.stem for p in presets_dir().glob("*.yaml"))
+    graphs, configs = shipped_names(GRAPHS), shipped_names(CONFIGS)
+    if not (presets and graphs and configs):
+        return Check("package data", Status.MISSING,
+                     f"presets {presets}, graphs {graphs}, configs {configs} under {shipped_dir(CONFIGS).parent}: "
+                     "the install is incomplete; reinstall with `pip install .` from the repository")
+    return Check("package data", Status.OK,
+                 f"{shipped_dir(GRAPHS).parent}: graphs {graphs}, configs {configs}, model presets {presets}")
 
 
 _SYS_IO_URING_SETUP = 425  # same number on x86_64 and aarch64
@@ -146,7 +162,7 @@ def check_dynamo() -> Check:
 
 
 def run_checks(cache_dirs: Sequence[str]) -> List[Check]:
-    checks = [check_native(), check_io_uring()]
+    checks = [check_native(), check_package_data(), check_io_uring()]
     checks += [check_o_direct(d) for d in cache_dirs]
     checks += [check_cuda(), *check_nixl(), check_dynamo()]
     return checks

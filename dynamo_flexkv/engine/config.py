@@ -1,4 +1,5 @@
-"""Model description of the reference engine: presets in configs/models/, or a local HF directory."""
+"""Model description of the reference engine: a preset (configs/models/*.yaml, shipped in the wheel
+too; see dynamo_flexkv.resources), or a local HF directory."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from typing import Any, Dict, Union
 import yaml
 
 from dynamo_flexkv.layout import ModelSpec
-
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+from dynamo_flexkv.resources import presets_dir
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,12 @@ class EngineModelConfig:
 
     @classmethod
     def preset(cls, name: str) -> "EngineModelConfig":
-        path = PRESETS_DIR / f"{name}.yaml"
+        presets = presets_dir()
+        path = presets / f"{name}.yaml"
         if not path.is_file():
-            have = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
-            raise ValueError(f"unknown model preset {name!r}: use one of {have} or a model directory")
+            have = sorted(p.stem for p in presets.glob("*.yaml"))
+            raise ValueError(f"unknown model preset {name!r} (presets in {presets}): use one of {have} "
+                             "or a model directory holding a config.json")
         return cls.from_dict(yaml.safe_load(path.read_text()))
 
     @classmethod
