@@ -7,6 +7,7 @@ leaving no process behind."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Dict, List, Optional
+from typing import IO, Dict, List, Optional, Set
 
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.plan import LOOPBACK, LaunchPlan, OnDeath, Process
@@ -71,6 +72,7 @@ class Launcher:
         self.pending: Dict[str, float] = {}  # name -> when its restart is due (monotonic)
         self.starting: Dict[str, float] = {}  # restarted, /health not ready yet -> when it was spawned
         self.events: List[str] = []  # what supervise() said, also written to echo
+        self._buried: Set[subprocess.Popen] = set()  # dead, group killed, reaped: never signal again
 
     # ---- start -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,7 +138,7 @@ class Launcher:
                 if any(m.get("id") == self.plan.served_model_name
                        for m in http_json("GET", models_url, timeout=2).get("data", [])):
                     break
-            except (OSError, ValueError):
+            except (OSError, ValueError, http.client.HTTPException):
                 pass
             self._tick(deadline, f"{models_url} does not list {self.plan.served_model_name}")
         # The router learns of workers through discovery, a moment after the model card appears.
@@ -145,7 +147,7 @@ class Launcher:
     def _worker_ready(self, proc: Process) -> bool:
         try:
             return http_json("GET", f"http://{LOOPBACK}:{proc.port}/health", timeout=2).get("status") == "ready"
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):  # not up yet, or cut off mid-answer
             return False
 
     def _tick(self, deadline: float, waiting_for: str) -> None:
@@ -221,6 +223,7 @@ class Launcher:
         p = self.running[name]
         _signal_group(p, signal.SIGKILL)  # what its process group left behind (a port, the SSD lock)
         p.wait()
+        self._buried.add(p)
         self.starting.pop(name, None)
         deaths = [t for t in self.deaths.get(name, []) if now - t < policy.window_s] + [now]
         self.deaths[name] = deaths
@@ -284,6 +287,9 @@ class Launcher:
         order = [p for p in self._order if p.kind is Kind.FRONTEND] + \
                 [p for p in self._order if p.kind is Kind.WORKER] + [p for p in self._order if p.kind is None]
         for group in ([p for p in order if p.kind is not None], [p for p in order if p.kind is None]):
+            # A worker whose death _died handled (restart pending) was group-killed and reaped then:
+            # its pid may belong to someone else by now.
+            group = [proc for proc in group if self.running[proc.name] not in self._buried]
             for proc in group:
                 _signal_group(self.running[proc.name], signal.SIGINT)
             deadline = time.monotonic() + timeout
