@@ -50,8 +50,13 @@ class CacheConfig:
     disk_admission_hits: int = 0  # hits a block needs before it is written to disk; 0 = always
     io_queue_depth: int = 512  # io_uring submission depth for the disk tier
     use_huge_pages: bool = False
+    task_result_ttl_seconds: float = 600.0  # a finished result nobody collected is dropped after this
 
     def __post_init__(self) -> None:
+        # The constructor converts like the loader: "a;b" is two directories, "lfu" a policy.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            object.__setattr__(self, f.name, _coerce(f.name, f.default, value, "CacheConfig()"))
         self._validate()
 
     # ---- loading ---------------------------------------------------------------------------
@@ -112,6 +117,9 @@ class CacheConfig:
         for key in ("cpu_cache_gb", "ssd_cache_gb", "hit_reward_seconds"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
+        if not self.task_result_ttl_seconds > 0:
+            raise ConfigError(f"task_result_ttl_seconds={self.task_result_ttl_seconds} must be > 0: the time a "
+                              "finished task's result waits for wait() before it is dropped")
         for key in ("evict_start_threshold", "evict_ratio"):
             value = getattr(self, key)
             if not 0 < value <= 1:
@@ -137,6 +145,9 @@ class CacheConfig:
                 _check_writable_dir(d)
         if self.enable_gds and self.ssd_cache_gb <= 0:
             raise ConfigError("enable_gds=true needs a disk tier: set ssd_cache_gb and ssd_cache_dir")
+        if self.enable_gds and not self.enable_nixl:
+            raise ConfigError("enable_gds=true moves disk blocks through NIXL's GDS_MT backend: set "
+                              "enable_nixl=true as well, or enable_gds=false")
 
 
 def _read_yaml(path: str) -> Mapping[str, Any]:
@@ -150,7 +161,9 @@ def read_yaml_mapping(path: str, fix: str = "", holds: str = "keys to values") -
             data = yaml.safe_load(f) or {}
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}{fix}") from None
-    except yaml.YAMLError as e:
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8{fix}") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: e.g. a date like 2024-13-45
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of {holds}")
@@ -194,15 +207,23 @@ def _coerce(key: str, default: Any, value: Any, source: str) -> Any:
         if isinstance(default, EvictionPolicy):
             return EvictionPolicy.parse(value)
         if isinstance(default, tuple):
-            items = value.split(";") if isinstance(value, str) else list(value)
-            return tuple(str(Path(p.strip()).expanduser()) for p in items if str(p).strip())
+            if isinstance(value, (str, os.PathLike)):
+                value = os.fspath(value).split(";")
+            elif not isinstance(value, (list, tuple)):
+                raise TypeError(f"expected a ';'-separated string or a list of directories, got {type(value).__name__}")
+            return tuple(str(Path(os.fspath(p).strip()).expanduser()) for p in value if str(os.fspath(p)).strip())
         if isinstance(default, int):
-            if isinstance(value, float) and not value.is_integer():
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError("expected an integer")
             return int(value)
         if isinstance(default, float):
-            return float(value)
-    except (TypeError, ValueError) as e:
+            if isinstance(value, bool):
+                raise ValueError("expected a number")
+            value = float(value)
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError("expected a finite number")
+            return value
+    except (TypeError, ValueError, OverflowError) as e:
         raise ConfigError(f"{key}={value!r} in {source} is invalid: {e}") from None
     return value
 

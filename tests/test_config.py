@@ -122,3 +122,53 @@ def test_bad_model(kw, words):
     base.update(kw)
     with pytest.raises(ValueError, match=words):
         ModelSpec(**base)
+
+
+# ---- the constructor checks and converts like the loader (defects found as a new user) -----------
+
+def test_constructor_takes_a_directory_string_like_the_loader(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir="some-dir")
+    assert cfg.ssd_cache_dir == ("some-dir",)
+    assert sorted(os.listdir(tmp_path)) == ["some-dir"]  # not one directory per letter
+    absolute = tmp_path / "a" / "b"
+    cfg = CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=f"{absolute};{tmp_path / 'c'}")
+    assert cfg.ssd_cache_dir == (str(absolute), str(tmp_path / "c"))
+    assert CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=absolute).ssd_cache_dir == (str(absolute),)
+    assert cfg.replace(ssd_cache_dir=str(absolute)).ssd_cache_dir == (str(absolute),)
+
+
+def test_constructor_parses_the_policy_and_rejects_unknown_ones():
+    assert CacheConfig(eviction_policy="lfu").eviction_policy is EvictionPolicy.LFU
+    assert CacheConfig(eviction_policy="SLRU").eviction_policy is EvictionPolicy.SLRU
+    with pytest.raises(ConfigError, match=r"eviction_policy='bogus' in CacheConfig\(\) is invalid: unknown "
+                                          r"eviction_policy 'bogus': use one of lru, lfu"):
+        CacheConfig(eviction_policy="bogus")
+    with pytest.raises(ConfigError, match=r"cpu_cache_gb='lots' in CacheConfig\(\) is invalid"):
+        CacheConfig(cpu_cache_gb="lots")
+    assert CacheConfig(enable_nixl="yes").enable_nixl is True
+
+
+def test_a_constructed_config_drives_a_manager(tmp_path):
+    from kv_helpers import BLOCK_BYTES, MODEL
+    from dynamo_flexkv import KVManager
+    gb = BLOCK_BYTES / (1 << 30)
+    cfg = CacheConfig(cpu_cache_gb=8 * gb, ssd_cache_gb=16 * gb, ssd_cache_dir=str(tmp_path / "ssd"),
+                      eviction_policy="lfu")
+    with KVManager(MODEL, cfg) as kv:
+        assert kv.stats()["disk"]["capacity_blocks"] == 16
+
+
+def test_gds_needs_nixl(tmp_path):
+    with pytest.raises(ConfigError, match="enable_gds=true moves disk blocks through NIXL's GDS_MT backend: "
+                                          "set enable_nixl=true as well, or enable_gds=false"):
+        CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=str(tmp_path), enable_gds=True)
+    cfg = CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=str(tmp_path), enable_gds=True, enable_nixl=True)
+    assert cfg.enable_gds and cfg.enable_nixl
+
+
+def test_task_result_ttl():
+    assert CacheConfig().task_result_ttl_seconds == 600.0
+    assert CacheConfig.load(env={"FLEXKV_TASK_RESULT_TTL_SECONDS": "2.5"}).task_result_ttl_seconds == 2.5
+    with pytest.raises(ConfigError, match=r"task_result_ttl_seconds=0.0 must be > 0"):
+        CacheConfig(task_result_ttl_seconds=0)
