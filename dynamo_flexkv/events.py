@@ -25,7 +25,6 @@ MEDIUM: Dict[Optional[Tier], Optional[str]] = {
     None: None,  # the engine's own (device) cache
     Tier.HOST: "CPU_PINNED",
     Tier.DISK: "DISK",
-    Tier.REMOTE: "EXTERNAL",
 }
 
 

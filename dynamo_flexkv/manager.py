@@ -11,11 +11,13 @@ builds a transfer graph for the data plane, and commits index changes only after
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -29,7 +31,7 @@ from dynamo_flexkv.storage.device import DeviceCache
 from dynamo_flexkv.storage.host import HostPool
 from dynamo_flexkv.storage.ssd import DiskEntry, SsdStore
 from dynamo_flexkv.task_graphs import GraphBuilder
-from dynamo_flexkv.tasks import Task, TaskFailed, TaskKind, TaskResult, TaskStatus
+from dynamo_flexkv.tasks import ManagerClosed, Task, TaskFailed, TaskKind, TaskResult, TaskStatus
 from dynamo_flexkv.transfer.engine import TransferEngine
 from dynamo_flexkv.transfer.graph import OpKind, TransferGraph
 from dynamo_flexkv.transfer.movers import DiskMover, HostDeviceMover
@@ -76,11 +78,16 @@ class KVManager:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
+        self._live_graphs = 0  # submitted graphs whose finish callback has not run yet
+        self._idle = threading.Condition()
+        self._finished: Deque[Task] = collections.deque()  # finished tasks, oldest first (for expiry)
+        self.expired_results = 0
 
     # ---- setup ---------------------------------------------------------------------------------
     def register_device_cache(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]],
                               layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
         """Registers the engine's KV tensors (one per layer, or one for all layers)."""
+        self._check_open("register_device_cache")
         self.device = DeviceCache.register(tensors, self.model, layout, self.tokens_per_block)
         mover = HostDeviceMover(self.host, self.device)
         self.transfer.movers[OpKind.D2H] = self.transfer.movers[OpKind.H2D] = mover
@@ -112,6 +119,7 @@ class KVManager:
         re-adopted at start that is still held: the old process's announcements died with it. Call
         once, when the event subscriber is connected. Returns the blocks announced; blocks
         journaled without token ids (and their descendants) cannot be named and are skipped."""
+        self._check_open("announce_adopted")
         report = getattr(self, "adopt_report", None)
         if report is None or not report.adopted:
             return 0
@@ -120,6 +128,7 @@ class KVManager:
 
     # ---- queries -------------------------------------------------------------------------------
     def hashes(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None):
+        self._check_open("hashes")
         salt = "/".join(s for s in (self.namespace, cache_salt) if s) or None
         return block_hashes(token_ids, self.tokens_per_block, lora_name=lora_name, cache_salt=salt)
 
@@ -133,63 +142,60 @@ class KVManager:
                   **kw) -> int:
         """Loads the cached prefix beyond the first ``skip_blocks`` blocks (which the engine already
         holds) into ``device_block_ids[i]`` for block i."""
+        self._need_device("get_async")
+        if skip_blocks < 0:
+            raise ValueError(f"skip_blocks={skip_blocks} must be >= 0: the number of leading blocks the engine "
+                             "already holds")
         h = self.hashes(token_ids, **kw)
         dev_ids = self._device_ids(token_ids, device_block_ids)
-        task = self._new_task(TaskKind.GET)
-        plan = self.cache.plan_get(task.id, h.sequence, min(skip_blocks, len(h)))
-        if plan.num_blocks == 0:
-            self.cache.abort_task(task.id)
-            task.finish(TaskResult(task.id, TaskKind.GET, TaskStatus.NOT_FOUND))
-            return task.id
-        task.planned_tokens = plan.num_blocks * self.tokens_per_block
-        if plan.disk_reads is not None:
-            task.planned_disk_tokens = len(plan.disk_reads.hashes) * self.tokens_per_block
-        self._attach_tokens(token_ids, plan.staged)
-        if self.device is None:
-            self.cache.abort_task(task.id)
-            raise RuntimeError("get_async before register_device_cache")
-        self._submit(task, self.graphs.get(task, plan, dev_ids, layerwise))
+        with self._issue(TaskKind.GET) as task:
+            plan = self.cache.plan_get(task.id, h.sequence, min(skip_blocks, len(h)))
+            if plan.num_blocks == 0:
+                self.cache.abort_task(task.id)
+                task.finish(TaskResult(task.id, TaskKind.GET, TaskStatus.NOT_FOUND))
+                return task.id
+            self._plan_tokens(task, plan)
+            self._attach_tokens(token_ids, plan.staged)
+            self._submit(task, self.graphs.get(task, plan, dev_ids, layerwise))
         return task.id
 
     def prefetch_async(self, token_ids, **kw) -> int:
         """Brings the disk part of a cached prefix into host memory (no device copy)."""
         h = self.hashes(token_ids, **kw)
-        task = self._new_task(TaskKind.PREFETCH)
-        plan = self.cache.plan_get(task.id, h.sequence, 0)
-        self._attach_tokens(token_ids, plan.staged)
-        if plan.staged is None:
-            self.cache.abort_task(task.id)
-            status = TaskStatus.SUCCESS if plan.num_blocks else TaskStatus.NOT_FOUND
-            task.finish(TaskResult(task.id, TaskKind.PREFETCH, status))
-            return task.id
-        self._submit(task, self.graphs.get(task, plan, None, False))
+        with self._issue(TaskKind.PREFETCH) as task:
+            plan = self.cache.plan_get(task.id, h.sequence, 0)
+            if plan.staged is None:
+                self.cache.abort_task(task.id)
+                status = TaskStatus.SUCCESS if plan.num_blocks else TaskStatus.NOT_FOUND
+                task.finish(TaskResult(task.id, TaskKind.PREFETCH, status))
+                return task.id
+            self._plan_tokens(task, plan)
+            self._attach_tokens(token_ids, plan.staged)
+            self._submit(task, self.graphs.get(task, plan, None, False))
         return task.id
 
     def put_async(self, token_ids, device_block_ids, **kw) -> int:
         """Stores the full blocks not held yet. The task finishes once the device copy is done (the
         engine may reuse its blocks); the disk write continues in the background."""
+        self._need_device("put_async")
         h = self.hashes(token_ids, **kw)
         dev_ids = self._device_ids(token_ids, device_block_ids)
-        task = self._new_task(TaskKind.PUT)
-        plan = self.cache.plan_put(task.id, h.sequence)
-        self._attach_tokens(token_ids, plan.host)
-        self._attach_tokens(token_ids, plan.disk, always=True)  # the journal keeps them for restarts
-        after = None
-        if plan.host is not None:
-            if self.device is None:
-                self.cache.abort_task(task.id)
-                raise RuntimeError("put_async before register_device_cache")
-            if self.device.device.type == "cuda":  # the copy waits for the engine's writes
+        with self._issue(TaskKind.PUT) as task:
+            plan = self.cache.plan_put(task.id, h.sequence)
+            self._attach_tokens(token_ids, plan.host)
+            self._attach_tokens(token_ids, plan.disk, always=True)  # the journal keeps them for restarts
+            after = None
+            if plan.host is not None and self.device.device.type == "cuda":  # the copy waits for the engine's writes
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(self.device.device))
-        self._submit(task, self.graphs.put(task, plan, dev_ids, after))
+            self._submit(task, self.graphs.put(task, plan, dev_ids, after))
         return task.id
 
     def wait(self, task_ids: Iterable[int], timeout: Optional[float] = None) -> Dict[int, TaskResult]:
         """Results of the tasks; unfinished ones after ``timeout`` seconds report TIMEOUT and can be
         waited on again. A finished result is handed out once."""
         ids = list(task_ids)
-        tasks = [self._task(t) for t in ids]
+        tasks = [self._task(t, "wait") for t in ids]
         deadline = None if timeout is None else time.monotonic() + timeout
         out: Dict[int, TaskResult] = {}
         for task in tasks:
@@ -204,29 +210,42 @@ class KVManager:
 
     def try_wait(self, task_ids: Iterable[int]) -> Dict[int, TaskResult]:
         """Results of the tasks that already finished; the others are left running."""
-        finished = [t for t in task_ids if self._task(t).done.is_set()]
+        finished = [t for t in task_ids if self._task(t, "try_wait").done.is_set()]
         return self.wait(finished, 0)
 
     def cancel(self, task_ids: Iterable[int]) -> None:
         for t in task_ids:
-            task = self._task(t)
+            task = self._task(t, "cancel")
             if task.graph is not None:
                 self.transfer.cancel(task.graph)
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Waits until every task has finished, the background disk writes of puts included.
+        False if some still run after ``timeout`` seconds."""
+        self._check_open("drain")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._live_graphs:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
 
     def planned_tokens(self, task_id: int) -> int:
         """Tokens a get will have loaded if it succeeds (known at submission: the engine can plan
         its compute while the load runs)."""
-        return self._task(task_id).planned_tokens
+        return self._task(task_id, "planned_tokens").planned_tokens
 
     def planned_tokens_by_tier(self, task_id: int) -> Dict[str, int]:
         """planned_tokens split by the tier each block is read from: ``{"host": n, "disk": m}``."""
-        task = self._task(task_id)
+        task = self._task(task_id, "planned_tokens_by_tier")
         return {"host": task.planned_tokens - task.planned_disk_tokens, "disk": task.planned_disk_tokens}
 
     def wait_for_layer(self, task_id: int, layer: int, timeout: Optional[float] = None) -> bool:
         """Blocks until layer ``layer`` of a get is on the device. False on timeout; raises
         TaskFailed when the task failed or was cancelled (recompute instead)."""
-        task = self._task(task_id)
+        task = self._task(task_id, "wait_for_layer")
         if not 0 <= layer < task.num_layers:
             raise ValueError(f"layer {layer} outside [0, {task.num_layers})")
         if not task.layer_ready[layer].wait(timeout):
@@ -237,20 +256,29 @@ class KVManager:
 
     # ---- admin ---------------------------------------------------------------------------------
     def stats(self) -> Dict[str, Any]:
+        self._check_open("stats")
+        self._expire_results()
         out: Dict[str, Any] = dict(self.cache.stats())
         t = self.transfer
         out["links"] = {k.value: {"bytes": t.link_bytes[k], "seconds": t.link_seconds[k], "ops": t.link_ops[k]}
                         for k in OpKind if t.link_ops[k]}
         out["tasks"] = {"in_flight": len(self._tasks), "queued_ops": t.queue_depth, "failed_ops": t.failed_ops,
-                        "disk_write_failures": self.graphs.disk_write_failures}
+                        "disk_write_failures": self.graphs.disk_write_failures,
+                        "expired_results": self.expired_results}
         return out
 
     def reset(self) -> None:
         """Drops every cached block (host and disk); refuses while tasks are in flight."""
-        self.cache.reset()
+        with self._lock:  # shutdown() waits: a closing manager never touches its files again
+            self._check_open("reset")
+            busy = self.cache.task_ids()
+            if busy:
+                raise RuntimeError(f"reset() with {len(busy)} tasks in flight: call drain() (or cancel them) first")
+            self.cache.reset()
 
     def shutdown(self) -> None:
-        """Cancels what is in flight, waits for running copies to drain, frees memory and files."""
+        """Cancels what is in flight, waits for running copies to drain, frees memory and files.
+        Every later call but shutdown() raises ManagerClosed."""
         with self._lock:
             if self._closed:
                 return
@@ -264,30 +292,82 @@ class KVManager:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    # ---- graphs ----------------------------------------------------------------------------------
     # ---- helpers ---------------------------------------------------------------------------------
-    def _new_task(self, kind: TaskKind) -> Task:
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise ManagerClosed(f"{call}(): this KVManager was shut down, its memory and cache directories are "
+                                "released: create a new KVManager (it re-adopts the disk tier)")
+
+    def _need_device(self, call: str) -> None:
+        self._check_open(call)
+        if self.device is None:
+            raise RuntimeError(f"{call} before register_device_cache(): register the engine's KV tensors first")
+
+    @contextlib.contextmanager
+    def _issue(self, kind: TaskKind) -> Iterator[Task]:
+        """A new task; if issuing it fails, it leaves nothing behind (no record, no index state)."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("KVManager is shut down")
-            task = Task(next(self._ids), kind, self.model.num_layers)
+            self._check_open(f"{kind.value}_async")
+            task = Task(next(self._ids), kind, self.model.num_layers, on_finish=self._finished.append)
             self._tasks[task.id] = task
-        return task
+        self._expire_results()
+        try:
+            yield task
+        except BaseException as e:
+            self.cache.abort_task(task.id)
+            with self._lock:
+                self._tasks.pop(task.id, None)
+            task.finish(TaskResult(task.id, kind, TaskStatus.FAILED, error=f"refused: {e}"))
+            raise
+
+    def _plan_tokens(self, task: Task, plan) -> None:
+        tpb = self.tokens_per_block
+        task.planned_tokens = plan.num_blocks * tpb
+        if plan.disk_reads is not None:  # blocks the caller skips are not read
+            task.planned_disk_tokens = max(0, plan.disk_reads.end - max(plan.disk_reads.start, plan.start)) * tpb
+
+    def _expire_results(self) -> None:
+        """Drops results nobody collected within task_result_ttl_seconds (oldest first)."""
+        cutoff = time.monotonic() - self.config.task_result_ttl_seconds
+        with self._lock:
+            while self._finished and self._finished[0].finished_at <= cutoff:
+                task = self._finished.popleft()
+                if self._tasks.get(task.id) is task:
+                    del self._tasks[task.id]
+                    self.expired_results += 1
 
     def _submit(self, task: Task, graph: TransferGraph) -> None:
         task.graph = graph
+        inner = graph.on_finish
+
+        def finished(g: TransferGraph) -> None:
+            try:
+                if inner is not None:
+                    inner(g)
+            finally:
+                self._graph_done()
+        graph.on_finish = finished
+        with self._idle:
+            self._live_graphs += 1
         try:
             self.transfer.submit(graph)
         except BaseException:
-            self.cache.abort_task(task.id)
-            task.finish(TaskResult(task.id, task.kind, TaskStatus.FAILED, error="transfer engine refused the task"))
+            self._graph_done()
             raise
 
-    def _task(self, task_id: int) -> Task:
+    def _graph_done(self) -> None:
+        with self._idle:
+            self._live_graphs -= 1
+            self._idle.notify_all()
+
+    def _task(self, task_id: int, call: str) -> Task:
+        self._check_open(call)
+        self._expire_results()
         with self._lock:
             task = self._tasks.get(task_id)
         if task is None:
-            raise KeyError(f"unknown task id {task_id!r}: never issued, or its result was already taken by wait()")
+            raise KeyError(f"unknown task id {task_id!r}: never issued, its result was already taken by wait(), "
+                           "or nobody collected it within task_result_ttl_seconds")
         return task
 
     def _device_ids(self, token_ids, device_block_ids) -> np.ndarray:

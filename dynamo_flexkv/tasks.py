@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from dynamo_flexkv.transfer.graph import TransferGraph
 
@@ -41,6 +42,11 @@ class TaskFailed(RuntimeError):
     """wait_for_layer on a task that failed or was cancelled: the engine must recompute."""
 
 
+class ManagerClosed(RuntimeError):
+    """A call on a KVManager after its shutdown(): its memory and cache directories are released
+    (another manager may hold them now); create a new KVManager instead."""
+
+
 @dataclass(eq=False)
 class Task:
     id: int
@@ -52,14 +58,21 @@ class Task:
     result: Optional[TaskResult] = None
     done: threading.Event = field(default_factory=threading.Event)  # the caller may proceed
     layer_ready: List[threading.Event] = field(default_factory=list)
+    on_finish: Optional[Callable[["Task"], None]] = None  # called once, when the result is set
+    finished_at: float = 0.0  # time.monotonic() of the result
+    _finish_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self.layer_ready = [threading.Event() for _ in range(self.num_layers)]
 
     def finish(self, result: TaskResult) -> None:
         """First result wins (a put finishes for its caller when the device copy is done)."""
-        if self.result is None:
-            self.result = result
+        with self._finish_lock:
+            first = self.result is None
+            if first:
+                self.result, self.finished_at = result, time.monotonic()
+        if first and self.on_finish is not None:
+            self.on_finish(self)
         for ev in self.layer_ready:  # wake layer waiters; they check the result
             ev.set()
         self.done.set()

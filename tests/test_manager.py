@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
+from dynamo_flexkv.index import Tier
+from dynamo_flexkv.transfer.graph import OpKind
 from kv_helpers import (MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, open_fds,
                         prompts)
 
@@ -80,7 +82,7 @@ def test_round_trip_with_eviction_and_restart(tmp_path, layout, seed, nixl):
                 else:
                     loaded += get_and_check(kv, dev, layout, p, rng, skip=int(rng.integers(0, 2)),
                                             layerwise=bool(rng.random() < 0.5))
-            kv.transfer.shutdown()  # let background disk writes finish before checking
+            assert kv.drain(timeout=30)  # background disk writes finish before checking
             assert_no_leaks(kv)
     assert loaded > 0
     assert open_fds(settle_to=fds) <= fds, "a manager lifetime leaked file descriptors"
@@ -140,8 +142,143 @@ def test_put_stores_only_new_blocks(tmp_path):
 
 
 def _wait_idle(kv, timeout=30.0):
-    import time
-    deadline = time.monotonic() + timeout
-    while kv.cache.task_ids() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    assert kv.drain(timeout)
     assert kv.cache.task_ids() == []
+
+
+# ---- defects found by trying the API as a new user (each test failed before its fix) -------------
+
+def _wait_quiet(kv):
+    """Every task, background disk writes included, has finished."""
+    assert kv.drain(timeout=30)
+
+
+def test_every_call_on_a_shut_down_manager_raises_and_keeps_the_next_managers_cache(tmp_path):
+    from dynamo_flexkv.tasks import ManagerClosed
+    rng = np.random.default_rng(0)
+    cfg = config(tmp_path, host_blocks=8, disk_blocks=32)
+    kv = KVManager(MODEL, cfg)
+    dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
+    kv.register_device_cache(dev)
+    prompt = list(range(4 * TPB))
+    t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt, rng)
+    kv.wait([t])
+    _wait_quiet(kv)
+    kv.shutdown()
+    fds = open_fds()
+    kv2 = KVManager(MODEL, cfg)  # the directories are free again: a new manager re-adopts them
+    assert kv2.match(prompt)["disk"] == 4 * TPB
+    calls = {
+        "reset": lambda: kv.reset(), "match": lambda: kv.match(prompt), "stats": lambda: kv.stats(),
+        "get_async": lambda: kv.get_async(prompt, [0, 1, 2, 3]), "put_async": lambda: kv.put_async(prompt, [0, 1, 2, 3]),
+        "prefetch_async": lambda: kv.prefetch_async(prompt), "wait": lambda: kv.wait([t]),
+        "try_wait": lambda: kv.try_wait([t]), "cancel": lambda: kv.cancel([t]), "drain": lambda: kv.drain(),
+        "register_device_cache": lambda: kv.register_device_cache(dev), "announce_adopted": lambda: kv.announce_adopted(),
+        "planned_tokens": lambda: kv.planned_tokens(t), "wait_for_layer": lambda: kv.wait_for_layer(t, 0),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ManagerClosed, match=r"KVManager was shut down.*create a new KVManager"):
+            call()
+    kv.shutdown()  # shutting down twice is fine
+    assert open_fds() <= fds + 1 + len(cfg.ssd_cache_dir) * 2 + 8  # kv's reset opened nothing
+    # The closed manager's reset touched neither the journal nor the new manager's cache.
+    assert kv2.match(prompt)["disk"] == 4 * TPB
+    kv2.shutdown()
+    with KVManager(MODEL, cfg) as kv3:
+        assert kv3.match(prompt)["disk"] == 4 * TPB
+
+
+def test_reset_refuses_while_tasks_run_and_then_clears_both_tiers(tmp_path):
+    import threading
+    rng = np.random.default_rng(0)
+    with KVManager(MODEL, config(tmp_path, host_blocks=8, disk_blocks=32)) as kv:
+        dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
+        kv.register_device_cache(dev)
+        gate = threading.Event()
+        disk_mover = kv.transfer.movers[OpKind.H2DISK]
+        orig = disk_mover.run
+        disk_mover.run = lambda op: (gate.wait(10), orig(op))[1]
+        try:
+            prompt = list(range(4 * TPB))
+            t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt, rng)
+            assert kv.wait([t])[t].ok  # the caller's part is done; the disk write is held
+            with pytest.raises(RuntimeError, match=r"reset\(\) with 1 tasks in flight: call drain\(\)"):
+                kv.reset()
+        finally:
+            gate.set()
+            disk_mover.run = orig
+        _wait_quiet(kv)
+        kv.reset()
+        assert kv.match(prompt) == {"host": 0, "disk": 0}
+        assert_no_leaks(kv)
+    with KVManager(MODEL, config(tmp_path, host_blocks=8, disk_blocks=32)) as kv:
+        assert kv.adopt_report.adopted == []  # the journal recorded the reset
+
+
+def test_write_through_when_disk_holds_more_than_host(tmp_path):
+    """disk_admission_hits=0: a put writes every block disk lacks, even when disk's prefix is
+    longer than host's (after a restart, or host eviction)."""
+    rng = np.random.default_rng(0)
+    with KVManager(MODEL, config(tmp_path, host_blocks=8, disk_blocks=64)) as kv:
+        dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
+        kv.register_device_cache(dev)
+        prompt = list(range(8 * TPB))
+        t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt[:5 * TPB], rng)
+        kv.wait([t])
+        _wait_quiet(kv)
+        host = kv.cache.tiers[Tier.HOST]
+        host.evict(len(host))
+        assert kv.match(prompt) == {"host": 0, "disk": 5 * TPB}
+        t, h = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt, rng)
+        kv.wait([t])
+        _wait_quiet(kv)
+        assert kv.match(prompt) == {"host": 8 * TPB, "disk": 8 * TPB}
+        host.evict(len(host))
+        assert get_and_check(kv, dev, KVLayoutType.LAYERBLOCK, prompt, rng) == 8
+        _wait_quiet(kv)
+        assert_no_leaks(kv)
+
+
+@pytest.mark.parametrize("call", ["get-bad-skip", "get-before-register", "put-before-register"])
+def test_a_refused_call_leaves_no_task_behind(tmp_path, call):
+    rng = np.random.default_rng(0)
+    with KVManager(MODEL, config(tmp_path, host_blocks=8, disk_blocks=32)) as kv:
+        prompt = list(range(4 * TPB))
+        if call == "get-bad-skip":
+            dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
+            kv.register_device_cache(dev)
+            t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt, rng)
+            kv.wait([t])
+            _wait_quiet(kv)
+            with pytest.raises(ValueError, match="skip_blocks=-1 must be >= 0"):
+                kv.get_async(prompt, [0, 1, 2, 3], skip_blocks=-1)
+        else:
+            with pytest.raises(RuntimeError, match=r"before register_device_cache\(\): register the engine's KV"):
+                if call == "get-before-register":
+                    kv.get_async(prompt, [0, 1, 2, 3])
+                else:
+                    kv.put_async(prompt, [0, 1, 2, 3])
+        assert kv.stats()["tasks"]["in_flight"] == 0
+        assert kv.drain(timeout=5)
+        assert_no_leaks(kv)
+
+
+def test_planned_tokens_by_tier_when_skip_covers_part_of_the_disk_run(tmp_path):
+    rng = np.random.default_rng(0)
+    with KVManager(MODEL, config(tmp_path, host_blocks=8, disk_blocks=64)) as kv:
+        dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
+        kv.register_device_cache(dev)
+        prompt = list(range(6 * TPB))
+        t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt, rng)
+        kv.wait([t])
+        _wait_quiet(kv)
+        host = kv.cache.tiers[Tier.HOST]
+        host.evict(4)  # leaves blocks 0-1 on host
+        assert kv.match(prompt) == {"host": 2 * TPB, "disk": 6 * TPB}
+        t = kv.get_async(prompt, list(range(6)), skip_blocks=4)
+        assert kv.planned_tokens_by_tier(t) == {"host": 0, "disk": 2 * TPB}
+        assert kv.planned_tokens(t) == 2 * TPB
+        assert kv.wait([t])[t].num_tokens == 2 * TPB
+        t = kv.get_async(prompt, list(range(6)), skip_blocks=1)  # now all six on host
+        assert kv.planned_tokens_by_tier(t) == {"host": 5 * TPB, "disk": 0}
+        kv.wait([t])

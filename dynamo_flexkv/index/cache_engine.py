@@ -25,9 +25,10 @@ if TYPE_CHECKING:  # config imports index.policies; keep the import one-way at r
 
 
 class Tier(str, Enum):
+    """Offload tiers, fastest first (a remote tier adds itself here when it is built)."""
+
     HOST = "host"
     DISK = "disk"
-    REMOTE = "remote"
 
 
 @dataclass
@@ -243,7 +244,9 @@ class CacheEngine:
             if info is None or not info.ready or info.hits < need:
                 return j
             j += 1
-        if host_run is not None and need == 0 and j == host_run.start:
+        # Write-through: the blocks this put fills on host go to disk too, also when disk already
+        # held more of the prefix than host did (after a restart, or once host evicted it).
+        if host_run is not None and need == 0 and host_run.start <= j < host_run.end:
             return host_run.end
         return j
 

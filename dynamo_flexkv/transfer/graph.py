@@ -15,9 +15,6 @@ class OpKind(str, Enum):
     H2D = "h2d"
     DISK2H = "disk2h"
     H2DISK = "h2disk"
-    DISK2D = "disk2d"
-    REMOTE2H = "remote2h"
-    H2REMOTE = "h2remote"
     VERIFY = "verify"  # checksums of disk blocks that landed in host slots (after per-layer reads)
 
 
