@@ -5,7 +5,8 @@ Block ``b`` lives in directory ``b % D`` at offset ``(b // D) * block_bytes`` of
 directory's data file. The journal (in the first directory) starts with the layout fingerprint and
 records ``S block seq parent checksum tokens`` (tokens: base64 u32 ids, so a restarted worker can
 announce the block to the router again) after a block's bytes landed and ``R block`` when it left,
-before its slot is reused. On restart the journal is replayed: entries of another layout are
+before its slot is reused; each line ends with the CRC32 of the rest, so a damaged line is
+dropped, never read as another block. Appends and compactions are serialized by a lock. On restart the journal is replayed: entries of another layout are
 *mismatched*, entries that do not fit (out of range, orphaned, duplicated) are *foreign*, blocks
 whose bytes fail their checksum are *torn*; the rest are adopted and the journal is compacted.
 """
@@ -14,10 +15,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -29,6 +33,7 @@ log = logging.getLogger(__name__)
 JOURNAL = "flexkv-journal.log"
 DATA = "flexkv-blocks.kv"
 LOCK = "flexkv.lock"
+JOURNAL_FORMAT = 2  # 2: every line sealed with a CRC32
 
 
 class SsdInUseError(RuntimeError):
@@ -83,12 +88,14 @@ class SsdStore:
         self.dirs = list(dirs)
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
-        self.fingerprint = dict(fingerprint, block_bytes=block_bytes)
+        self.fingerprint = dict(fingerprint, block_bytes=block_bytes, journal=JOURNAL_FORMAT)
         self.direct = direct
         per_file = -(-num_blocks // len(self.dirs))
         self.fds: List[int] = []
         self._locks: List[int] = []
-        self._journal = None
+        self._journal: Optional[int] = None  # O_APPEND descriptor
+        self._lock = threading.Lock()  # journal appends come from transfer threads and evictions
+        self._closed = False
         try:
             for d in self.dirs:
                 os.makedirs(d, mode=0o700, exist_ok=True)
@@ -103,7 +110,10 @@ class SsdStore:
             raise
         self.entries: Dict[int, DiskEntry] = {}  # what the journal says each live slot holds
         self._journal_path = os.path.join(self.dirs[0], JOURNAL)
-        self._journal_lines = 0
+        self._journal_lines = self._journal_bytes = 0
+        self._rewrite_pending = self._header_matched = False
+        self.journal_failures = 0  # journal writes that failed (ENOSPC, EIO); counted, never silent
+        self.compact_slack = 4096  # dead journal lines tolerated beyond 4 per live block
 
     def _lock_dir(self, directory: str) -> None:
         self._locks.append(lock_dir(directory))
@@ -121,45 +131,95 @@ class SsdStore:
 
     # ---- journal ----------------------------------------------------------------------------------
     def record_stored(self, entries: Iterable[DiskEntry]) -> None:
-        lines = []
-        for e in entries:
-            self.entries[e.block_id] = e
-            lines.append(_stored_line(e))
-        self._append(lines)
+        """Journals blocks whose bytes landed. Raises OSError when the journal cannot be written
+        (ENOSPC, EIO): the caller must then not commit the blocks."""
+        entries = list(entries)
+        with self._lock:
+            before = {e.block_id: self.entries.get(e.block_id) for e in entries}
+            self.entries.update((e.block_id, e) for e in entries)
+            try:
+                self._append([_stored_line(e) for e in entries])
+            except BaseException:
+                for b, prev in before.items():
+                    if prev is None:
+                        self.entries.pop(b, None)
+                    else:
+                        self.entries[b] = prev
+                raise
 
     def record_removed(self, block_ids: Iterable[int]) -> None:
-        lines = []
-        for b in block_ids:
-            if self.entries.pop(b, None) is not None:
-                lines.append(f"R {b}\n")
-        self._append(lines)
+        """Journals slots that left the tier, before they are reused. Never raises for I/O: a lost
+        removal is safe (the slot's next block fails the old checksum at restart); it is counted."""
+        with self._lock:
+            lines = [_sealed(f"R {b}") for b in block_ids if self.entries.pop(b, None) is not None]
+            try:
+                self._append(lines)
+            except OSError as e:
+                log.warning("disk journal: cannot record %d removals (%s)", len(lines), e.strerror)
 
-    def _append(self, lines: List[str]) -> None:
+    def _append(self, lines: List[str]) -> None:  # self._lock held; self.entries already updated
         if not lines:
             return
-        if self._journal is None:
-            self._start_journal([])
-        self._journal.write("".join(lines))
-        self._journal.flush()
+        if self._closed:
+            raise RuntimeError("the disk tier is closed: its directory may belong to another manager now")
+        if self._journal is None:  # the first record: the fresh journal holds it already
+            self._start_journal(list(self.entries.values()))
+            return
+        data = "".join(lines).encode("ascii")
+        try:
+            _write_all(self._journal, data)
+        except OSError:
+            # No partial line may stay behind: the next line would merge with it.
+            self.journal_failures += 1
+            self._rewrite_pending = True  # lost removals: the next compaction makes the journal exact
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._journal, self._journal_bytes)
+            raise
+        self._journal_bytes += len(data)
         self._journal_lines += len(lines)
         # Stores and removals only append; rewrite once the dead lines dominate.
-        if self._journal_lines > 4 * len(self.entries) + 4096:
-            self._start_journal(list(self.entries.values()))
+        if self._rewrite_pending or self._journal_lines > 4 * len(self.entries) + self.compact_slack:
+            try:
+                self._start_journal(list(self.entries.values()))
+            except OSError as e:  # keep appending to the old journal; try again later
+                log.warning("disk journal: compaction failed (%s)", e.strerror)
+                self._rewrite_pending = False
+                self._journal_lines = 0
 
-    def _start_journal(self, entries: List[DiskEntry]) -> None:
+    def _start_journal(self, entries: List[DiskEntry]) -> None:  # self._lock held (or constructing)
         """Writes a fresh journal (header + ``entries``) beside the old one, then renames it in."""
         tmp = self._journal_path + ".tmp"
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(json.dumps({"fingerprint": self.fingerprint}, sort_keys=True) + "\n")
-            f.writelines(_stored_line(e) for e in entries)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, self._journal_path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                header = json.dumps({"fingerprint": self.fingerprint}, sort_keys=True) + "\n"
+                data = (header + "".join(_stored_line(e) for e in entries)).encode("ascii")
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self._journal_path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if self._journal is not None:
-            self._journal.close()
-        self._journal = open(self._journal_path, "a", encoding="ascii")
+            os.close(self._journal)
+            self._journal = None
+        self._journal = os.open(self._journal_path, os.O_WRONLY | os.O_APPEND)
+        self._journal_bytes = len(data)
         self._journal_lines = len(entries)
+        self._rewrite_pending = False
+
+    def _continue_journal(self) -> None:  # self._lock held
+        """Appends to the existing journal after cutting a torn last line (it would merge with the next)."""
+        fd = os.open(self._journal_path, os.O_RDWR | os.O_APPEND)
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, min(size, 1 << 16), max(0, size - (1 << 16)))
+        cut = size - (len(tail) - (tail.rfind(b"\n") + 1))
+        if cut != size:
+            os.ftruncate(fd, cut)
+        self._journal, self._journal_bytes, self._journal_lines = fd, cut, 0
 
     # ---- restart ----------------------------------------------------------------------------------
     def adopt(self, read_block) -> AdoptReport:
@@ -195,8 +255,15 @@ class SsdStore:
                     report.adopted.append(e)
                 else:
                     report.torn += 1
-        self.entries = {e.block_id: e for e in report.adopted}
-        self._start_journal(report.adopted)
+        with self._lock:
+            self.entries = {e.block_id: e for e in report.adopted}
+            try:
+                self._start_journal(report.adopted)
+            except OSError as e:  # e.g. a full disk: the old journal still says the same
+                if not self._header_matched:
+                    raise
+                log.warning("disk journal: cannot compact at start (%s); appending to the old one", e.strerror)
+                self._continue_journal()
         log.info("disk tier: adopted %d blocks, dropped %d torn, %d foreign, %d of another layout",
                  len(report.adopted), report.torn, report.foreign, report.mismatched)
         return report
@@ -214,7 +281,8 @@ class SsdStore:
             fp = None
         live: Dict[int, DiskEntry] = {}
         for line in lines:
-            parts = line.split()
+            body = _unsealed(line)
+            parts = body.split() if body is not None else []
             try:
                 if parts[0] == "S" and len(parts) in (5, 6):
                     b = int(parts[1])
@@ -226,7 +294,8 @@ class SsdStore:
                 else:
                     raise ValueError(line)
             except (ValueError, IndexError, binascii.Error):
-                report.foreign += 1  # a torn last line or garbage
+                report.foreign += 1  # a torn last line, a damaged line, or garbage
+        self._header_matched = fp == self.fingerprint
         if fp != self.fingerprint:
             report.mismatched = len(live)
             return []
@@ -242,16 +311,40 @@ class SsdStore:
         return self.entries[block_id].checksum
 
     def close(self) -> None:
-        for fd in self.fds + self._locks:
-            os.close(fd)  # closing the lock file releases the directory
-        self.fds, self._locks = [], []
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
+        with self._lock:
+            self._closed = True
+            if self._journal is not None:
+                os.close(self._journal)
+                self._journal = None
+            for fd in self.fds + self._locks:
+                os.close(fd)  # closing the lock file releases the directory
+            self.fds, self._locks = [], []
 
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _stored_line(e: DiskEntry) -> str:
     parent = "-" if e.parent is None else f"{e.parent:x}"
     tokens = "" if e.tokens is None else " " + base64.b64encode(e.tokens).decode("ascii")
-    return f"S {e.block_id} {e.seq_hash:x} {parent} {e.checksum:x}{tokens}\n"
+    return _sealed(f"S {e.block_id} {e.seq_hash:x} {parent} {e.checksum:x}{tokens}")
+
+
+def _sealed(body: str) -> str:
+    """A journal line ends with the CRC32 of its body: a damaged line (a flipped bit in a hash)
+    must read as garbage, never as another block."""
+    return f"{body} {zlib.crc32(body.encode('ascii')):08x}\n"
+
+
+def _unsealed(line: str) -> Optional[str]:
+    """The body of an intact line; None for a torn or damaged one."""
+    body, _, crc = line.rstrip("\n").rpartition(" ")
+    try:
+        ok = len(crc) == 8 and int(crc, 16) == zlib.crc32(body.encode("ascii", errors="strict"))
+    except (ValueError, UnicodeEncodeError):
+        return None
+    return body if ok and line.endswith("\n") else None

@@ -1,0 +1,237 @@
+"""Property-based fuzzing (hypothesis) of everything that parses outside input: the config loader,
+the SSD journal replay, the router event frames and the trace reader. Example counts are small so
+the file runs in seconds; a failure prints the smallest input that breaks the property."""
+
+import json
+import os
+import tempfile
+import zlib
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynamo_flexkv.config import CacheConfig, ConfigError
+from dynamo_flexkv.storage.ssd import JOURNAL, DiskEntry, SsdStore
+
+FAST = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+SCRATCH = tempfile.mkdtemp(prefix="flexkv-fuzz-")  # the only place fuzzed directories may point
+
+# ---- config loader ------------------------------------------------------------------------------
+
+ANY_VALUE = st.one_of(
+    st.none(), st.booleans(), st.integers(-(10 ** 30), 10 ** 30), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12), st.lists(st.integers(), max_size=3),
+    st.sampled_from(["lru", "LFU", "slru", "bogus", "1", "0", "yes", "off", "16", "0.5", "1e400", "-3", "nan"]),
+)
+DIRS = st.sampled_from([f"{SCRATCH}/a", f"{SCRATCH}/a;{SCRATCH}/b", [f"{SCRATCH}/c"], "", 7, None])
+KEYS = [f.name for f in __import__("dataclasses").fields(CacheConfig)]
+
+
+def _config_or_error(make):
+    """Either a valid config or a ConfigError naming a key: nothing else may escape."""
+    try:
+        cfg = make()
+    except ConfigError as e:
+        assert any(k in str(e) for k in KEYS + ["config"]), e
+        return None
+    assert isinstance(cfg, CacheConfig)
+    assert cfg == CacheConfig.from_dict({k: getattr(cfg, k) for k in KEYS})  # values round-trip
+    return cfg
+
+
+@FAST
+@given(st.dictionaries(st.sampled_from(KEYS + ["cpu_cache_gbb", "bogus"]), ANY_VALUE, max_size=6), DIRS)
+def test_config_from_dict_and_constructor(values, dirs):
+    values = dict(values, ssd_cache_dir=dirs) if "ssd_cache_dir" in values else values
+    _config_or_error(lambda: CacheConfig.from_dict(values))
+    if set(values) <= set(KEYS):
+        _config_or_error(lambda: CacheConfig(**values))
+
+
+@FAST
+@given(st.dictionaries(st.sampled_from([f"FLEXKV_{k.upper()}" for k in KEYS if k != "ssd_cache_dir"]
+                                       + ["DYN_KVBM_CPU_CACHE_GB", "DYN_KVBM_DISK_CACHE_GB"]),
+                       st.text(max_size=10), max_size=5))
+def test_config_from_environment(env):
+    _config_or_error(lambda: CacheConfig.load(env=env))
+
+
+@FAST
+@given(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+def test_config_from_yaml_bytes(data):
+    path = os.path.join(SCRATCH, "fuzz.yaml")
+    with open(path, "wb") as f:
+        f.write(data)
+    _config_or_error(lambda: CacheConfig.load(path, env={}))
+
+
+# ---- SSD journal replay ---------------------------------------------------------------------------
+
+N_SLOTS = 32
+
+
+def _checksum(slot, seq_hash):
+    return zlib.crc32(f"{slot}:{seq_hash}".encode()) | (slot << 40)
+
+
+def _write_journal(directory, history):
+    """Replays ``history`` (("S", slot, hash, parent) / ("R", slot)) into a real journal; returns
+    what each slot holds at the end (the 'disk')."""
+    s = SsdStore([directory], N_SLOTS, 4096, {"model": "fuzz"}, direct=False)
+    truth = {}
+    for op in history:
+        if op[0] == "S":
+            _, slot, h, parent = op
+            s.record_stored([DiskEntry(slot, h, parent, _checksum(slot, h), b"\x01\x00\x00\x00" * 2)])
+            truth[slot] = (h, parent)
+        else:
+            s.record_removed([op[1]])
+            truth.pop(op[1], None)
+    s.close()
+    return truth
+
+
+HISTORY = st.lists(st.one_of(
+    st.tuples(st.just("S"), st.integers(0, N_SLOTS - 1), st.integers(1, 2 ** 64 - 1),
+              st.none() | st.integers(1, 2 ** 64 - 1)),
+    st.tuples(st.just("R"), st.integers(0, N_SLOTS - 1))), max_size=40)
+
+
+def _replay(directory, truth):
+    """Restart: every adopted block is exactly what its slot holds; nothing raises."""
+    s = SsdStore([directory], N_SLOTS, 4096, {"model": "fuzz"}, direct=False)
+    try:
+        report = s.adopt(lambda entries: [_checksum(e.block_id, truth[e.block_id][0]) if e.block_id in truth else 0
+                                          for e in entries])
+    finally:
+        s.close()
+    for e in report.adopted:
+        assert (e.seq_hash, e.parent) == truth[e.block_id], f"slot {e.block_id} adopted as another block"
+    return report
+
+
+@FAST
+@given(HISTORY, st.data())
+def test_journal_replay_after_truncation_and_bit_flips(history, data):
+    with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+        truth = _write_journal(d, history)
+        path = os.path.join(d, JOURNAL)
+        raw = open(path, "rb").read() if os.path.exists(path) else b""
+        cut = data.draw(st.integers(0, len(raw)), label="truncate at")
+        flips = data.draw(st.lists(st.integers(0, max(0, cut * 8 - 1)), max_size=3), label="bit flips")
+        damaged = bytearray(raw[:cut])
+        for bit in flips:
+            if damaged:
+                damaged[bit // 8] ^= 1 << (bit % 8)
+        with open(path, "wb") as f:
+            f.write(bytes(damaged))
+        report = _replay(d, truth)
+        if cut == len(raw) and not flips:  # intact: exactly the blocks whose chain is complete
+            parents = {h for h, _ in truth.values()}
+            assert len(report.adopted) <= len(truth)
+            assert all(p is None or p in parents for p in (e.parent for e in report.adopted))
+
+
+@FAST
+@given(st.binary(max_size=400))
+def test_journal_replay_of_random_bytes(raw):
+    with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+        SsdStore([d], N_SLOTS, 4096, {"model": "fuzz"}, direct=False).close()
+        header = json.dumps({"fingerprint": {"model": "fuzz", "block_bytes": 4096, "journal": 2}}, sort_keys=True)
+        with open(os.path.join(d, JOURNAL), "wb") as f:
+            f.write(header.encode() + b"\n" + raw)
+        assert _replay(d, {}).adopted == []
+
+
+# ---- router event frames --------------------------------------------------------------------------
+
+def _signed(h):
+    return h - (1 << 64) if h >= (1 << 63) else h
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_event_frames_decode_to_what_was_published(data):
+    from dynamo_flexkv.events import KvEventRelay
+    from dynamo_flexkv.index import Tier
+    bs = data.draw(st.sampled_from([1, 4, 16]), label="block size")
+    relay = KvEventRelay(bs, flush_interval=0.001)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(relay.endpoint)
+    try:
+        assert relay.wait_for_subscriber(10)
+        known = {t: [] for t in (None, Tier.HOST, Tier.DISK)}
+        want = []  # per block: (type, medium, hash, parent, tokens)
+        for _ in range(data.draw(st.integers(1, 12), label="calls")):
+            tier = data.draw(st.sampled_from(list(known)), label="tier")
+            medium = {None: None, Tier.HOST: "CPU_PINNED", Tier.DISK: "DISK"}[tier]
+            if known[tier] and data.draw(st.booleans(), label="remove"):
+                gone = data.draw(st.lists(st.sampled_from(known[tier]), min_size=1, max_size=3, unique=True))
+                relay.removed(tier, gone)
+                for h in gone:
+                    known[tier].remove(h)
+                    want.append(("R", medium, _signed(h), None, None))
+                continue
+            parent = data.draw(st.none() | st.sampled_from(known[tier]) if known[tier] else st.none(), label="parent")
+            hashes = data.draw(st.lists(st.integers(0, 2 ** 64 - 1), min_size=1, max_size=4, unique=True), label="hashes")
+            if any(h in known[tier] or h == parent for h in hashes):
+                continue
+            tokens = data.draw(st.lists(st.integers(0, 2 ** 32 - 1), min_size=bs * len(hashes), max_size=bs * len(hashes)))
+            relay.stored(tier, hashes, parent, tokens)
+            prev = parent
+            for i, h in enumerate(hashes):
+                want.append(("S", medium, _signed(h), None if prev is None else _signed(prev), tokens[i * bs:(i + 1) * bs]))
+                prev = h
+            known[tier].extend(hashes)
+        relay.close()
+        got, seq = [], 0
+        while len(got) < len(want):
+            topic, seq_bytes, payload = sub.recv_multipart()
+            assert int.from_bytes(seq_bytes, "big") == seq
+            seq += 1
+            ts, events, dp_rank = msgspec.msgpack.decode(payload)
+            assert dp_rank == 0 and isinstance(ts, float)
+            for ev in events:
+                if ev["type"] == "BlockRemoved":
+                    got += [("R", ev.get("medium"), h, None, None) for h in ev["block_hashes"]]
+                else:
+                    assert ev["type"] == "BlockStored" and ev["block_size"] == bs
+                    prev = ev["parent_block_hash"]
+                    for i, h in enumerate(ev["block_hashes"]):
+                        got.append(("S", ev.get("medium"), h, prev, ev["token_ids"][i * bs:(i + 1) * bs]))
+                        prev = h
+        assert got == want
+    finally:
+        sub.close(linger=0)
+
+
+# ---- trace parsing -------------------------------------------------------------------------------
+
+RECORD = st.fixed_dictionaries({}, optional={
+    "timestamp": ANY_VALUE, "input_length": ANY_VALUE, "output_length": ANY_VALUE,
+    "hash_ids": st.lists(ANY_VALUE, max_size=4) | ANY_VALUE})
+
+
+@FAST
+@given(st.lists(RECORD | ANY_VALUE, min_size=1, max_size=4), st.booleans())
+def test_trace_reader_accepts_records_or_names_the_bad_line(records, tail_garbage):
+    from dynamo_flexkv.workload import load_trace
+    path = os.path.join(SCRATCH, "fuzz-trace.jsonl")
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+        if tail_garbage:
+            f.write("{not json\n")
+    try:
+        out = load_trace(path)
+    except ValueError as e:
+        assert f"{path}:" in str(e) and "expected timestamp" in str(e), e
+        return
+    assert len(out) == len(records)
+    for rec in out:
+        assert all(isinstance(h, int) for h in rec.hash_ids)
