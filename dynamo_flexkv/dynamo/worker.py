@@ -81,6 +81,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self._streams: Dict[str, _Stream] = {}  # engine thread only
         self._live: Dict[str, str] = {}  # Dynamo context id -> our request id, requests not yet ended
         self._closing = False  # cleanup() started: refuse new requests
+        self._failed: Optional[str] = None  # the engine thread died: why
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._ids = itertools.count()
@@ -158,8 +159,8 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, request, context) -> AsyncGenerator[Dict[str, Any], None]:
-        if self._closing:
-            raise EngineShutdown("this worker is shutting down; retry on another worker")
+        if self._closing or self._failed:
+            raise EngineShutdown(self._failed or "this worker is shutting down; retry on another worker")
         try:
             tokens, params = self.limits.check(request)
         except RequestRefused as e:
@@ -249,6 +250,23 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
 
     # ---- the engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # a bug or a device fault: fail every request rather than hang it
+            log.exception("the engine thread failed; this worker cannot serve any more")
+            self._failed = f"the engine failed ({type(e).__name__}: {e}); retry on another worker"
+            for stream in self._streams.values():
+                stream.send(EngineShutdown(self._failed))
+            self._streams.clear()
+            while True:  # requests that raced with the failure
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if item[0] == "add":
+                    item[4].send(EngineShutdown(self._failed))
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             self._take_inbox()
