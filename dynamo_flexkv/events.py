@@ -1,4 +1,4 @@
-"""Tier-tagged KV events for Dynamo's KV router (DESIGN section 7).
+"""Tier-tagged KV events for Dynamo's KV router (frame format: docs/WIRE_FORMATS.md).
 
 The router keeps one index per storage tier, but Dynamo's direct-publish API carries no tier; its
 relay mode does. So a worker binds a ZMQ PUB socket on loopback, hands its address to

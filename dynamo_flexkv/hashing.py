@@ -1,4 +1,4 @@
-"""Block hashing that matches Dynamo's KV router (DESIGN section 4).
+"""Block hashing that matches Dynamo's KV router (formats: docs/WIRE_FORMATS.md).
 
 * tokens hash of a full block: xxh3_64 of its token ids as little-endian uint32, seed 1337
   (+ xxh3_64(lora_name, seed 0), + xxh3_64(cache_salt, seed 1); empty strings count as absent).

@@ -1,4 +1,4 @@
-"""Hashing must equal Dynamo's router hashes bit for bit (DESIGN section 4)."""
+"""Hashing must equal Dynamo's router hashes bit for bit (docs/WIRE_FORMATS.md)."""
 
 import random
 

@@ -1,4 +1,4 @@
-// Dynamo-compatible block hashing (DESIGN section 4).
+// Dynamo-compatible block hashing (docs/WIRE_FORMATS.md).
 #pragma once
 #include <cstddef>
 #include <cstdint>
