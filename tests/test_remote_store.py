@@ -287,6 +287,9 @@ def test_password(monkeypatch: pytest.MonkeyPatch) -> None:
         seq, data = blocks(2, 10)
         with RemoteStore.open(server.url, FP) as store:
             assert store.put(seq, list(data)) == 2
+    with RedisServer(maxmemory="16mb") as server:  # a password given to a server that has none
+        with pytest.raises(RemoteAuthError, match="has no password"):
+            RemoteStore.open(server.url, FP)
 
 
 @needs_redis

@@ -161,6 +161,10 @@ class RemoteStore:
                 conn.call(b"SELECT", cfg.parsed.db)
         except ServerError as e:
             conn.close()
+            if "without any password configured" in str(e):
+                raise RemoteAuthError(
+                    f"redis at {where} has no password but one was given: remove it from "
+                    f"remote_cache_url and unset ${cfg.password_env}") from None
             msg = str(e).split(" ", 1)[0]
             raise RemoteAuthError(
                 f"redis at {where} refused the credentials ({msg}): set the right password in "
@@ -273,9 +277,9 @@ class RemoteStore:
 
     def _route(self, keys: List[bytes]) -> Dict[Node, List[int]]:
         """Positions of ``keys`` per node (in key order)."""
-        if self._slots is None:
+        if not self.config.parsed.cluster:
             return {self.config.nodes[0]: list(range(len(keys)))}
-        if self._slots_stale:
+        if self._slots is None or self._slots_stale:  # never fetched (started while down) or outdated
             self._refresh_slots()
         slots = self._slots
         return {slots.nodes[n]: idx for n, idx in slots.group(keys).items()}
@@ -303,7 +307,7 @@ class RemoteStore:
             if isinstance(e, RemoteAuthError):
                 log.error("%s", e)
             self._breaker.failure()
-            if self._slots is not None:
+            if self.config.parsed.cluster:
                 self._slots_stale = True
             with self._stats_lock:
                 self._stats.op_errors += 1
