@@ -468,3 +468,50 @@ def test_cluster_stale_slot_map_ends_prefix_then_refreshes(redis_cluster) -> Non
         assert store.stats().server_errors >= 1 and store.stats().op_errors == 0
         assert store.get_into(seq, list(dst)) == 60 and np.array_equal(dst, data)  # map refreshed
         store.delete(seq)
+
+
+@needs_redis
+@pytest.mark.slow
+def test_soak_kill_restart_cycles_never_return_wrong_bytes(redis_server: RedisServer) -> None:
+    """Readers and writers on four threads while the server dies and comes back five times: every
+    read is exact bytes or a shorter prefix, nothing raises, and the tier recovers each time."""
+    store = RemoteStore.open(redis_server.url, FP, timeout_s=0.5, breaker_failures=2, breaker_cooldown_s=0.2)
+    stop = threading.Event()
+    errors: List[str] = []
+    counts = {"full": 0, "short": 0}
+
+    def worker(k: int) -> None:
+        seq, data = blocks(40, 50_000, seed=500 + k)
+        while not stop.is_set():
+            try:
+                store.put(seq, list(data), skip_existing=k % 2 == 0)
+                dst = np.zeros_like(data)
+                got = store.get_into(seq, list(dst))
+                if not np.array_equal(dst[:got], data[:got]):
+                    errors.append(f"worker {k}: wrong bytes in the first {got} blocks")
+                counts["full" if got == 40 else "short"] += 1
+            except Exception as e:  # noqa: BLE001 -- any escape is a failure of the contract
+                errors.append(f"worker {k}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(5):
+            time.sleep(0.6)
+            redis_server.kill()
+            time.sleep(0.4)
+            redis_server.start()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    assert not errors, errors[:5]
+    assert counts["full"] > 0 and counts["short"] > 0
+    s = store.stats()
+    assert s.op_errors > 0 and s.breaker_opened >= 1
+    seq, data = blocks(10, 1000, seed=1)
+    time.sleep(0.25)
+    assert store.put(seq, list(data)) == 10 and store.breaker_state is BreakerState.CLOSED
+    store.close()
