@@ -250,3 +250,27 @@ def test_a_dead_worker_is_removed_from_file_discovery_and_nothing_else(tmp_path)
     left = sorted(f.name for f in (root / "v1").glob("*/*"))
     assert left == sorted([".tmp_0123", "dynamo%2Fflexkv%2Fgenerate%2Fde", "dynamo%2Fflexkv%2Fgenerate%2Fde",
                            "dynamo%2Fflexkv%2Fquery%2Fde", "kv-events%2F227"])
+
+
+def test_a_closed_terminal_ends_the_echo_not_the_logs_or_the_shutdown(tmp_path):
+    """serve's stdout reader went away (a closed terminal, a dead pipe): writes fail with EPIPE. The
+    component logs still reach their files and shutdown still stops every process."""
+    p = _sleepers(tmp_path, RestartPolicy())
+    p.workers[0].argv = ["sh", "-c", "for i in $(seq 2000); do echo worker line $i; done; sleep 60"]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    launcher = Launcher(p, echo=os.fdopen(write_end, "w"))
+    try:
+        launcher.start()
+        log = launcher.log_dir / f"{p.workers[0].name}.log"
+        deadline = time.monotonic() + 30
+        while "worker line 2000" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, "the worker's log stopped flowing"
+            time.sleep(0.05)
+        launcher.emit("stopping...\n")  # does not raise
+        assert launcher.echo is None
+    finally:
+        launcher.shutdown()
+    for proc in launcher.spawned:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)

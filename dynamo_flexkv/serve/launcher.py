@@ -116,10 +116,7 @@ class Launcher:
                 line = raw.decode(errors="replace").rstrip("\n")
                 log_file.write(line + "\n")
                 log_file.flush()
-                if self.echo is not None:
-                    with self._echo_lock:
-                        self.echo.write(f"{name:>{self._width}} | {line}\n")
-                        self.echo.flush()
+                self.emit(f"{name:>{self._width}} | {line}\n")
         stream.close()
 
     # ---- readiness ---------------------------------------------------------------------------
@@ -276,10 +273,19 @@ class Launcher:
 
     def _say(self, line: str) -> None:
         self.events.append(line)
-        if self.echo is not None:
-            with self._echo_lock:
-                self.echo.write(line + "\n")
+        self.emit(line + "\n")
+
+    def emit(self, text: str) -> None:
+        """Writes to echo. A closed terminal or pipe only ends the echo: the logs keep flowing to
+        their files (a pump that stopped reading would block its component) and shutdown still runs."""
+        with self._echo_lock:
+            if self.echo is None:
+                return
+            try:
+                self.echo.write(text)
                 self.echo.flush()
+            except (OSError, ValueError):
+                self.echo = None
 
     def shutdown(self, timeout: float = 30) -> None:
         """SIGINT to the frontend first (no new requests), then workers, then infrastructure; what
@@ -330,20 +336,17 @@ def serve(plan: LaunchPlan, echo: IO[str], ready_timeout: float = 300) -> int:
     try:
         launcher.start()
         launcher.wait_ready(ready_timeout)
-        echo.write(f"graph {plan.graph.name} ready: {plan.base_url}/v1 serves {plan.served_model_name} "
-                   f"({len(plan.workers)} worker(s)); Ctrl-C stops it\n")
-        for proc in plan.processes:
-            echo.write(f"  {proc.name} metrics: {proc.metrics_url}\n")
-        echo.flush()
+        launcher.emit(f"graph {plan.graph.name} ready: {plan.base_url}/v1 serves {plan.served_model_name} "
+                      f"({len(plan.workers)} worker(s)); Ctrl-C stops it\n"
+                      + "".join(f"  {proc.name} metrics: {proc.metrics_url}\n" for proc in plan.processes))
         code = launcher.supervise(stop)
     except (ComponentDied, TimeoutError, GraphError) as e:
-        echo.write(f"error: {e}\n")
+        launcher.emit(f"error: {e}\n")
         code = 1
     except Interrupted:
         pass
     finally:
-        echo.write("stopping...\n")
-        echo.flush()
+        launcher.emit("stopping...\n")
         launcher.shutdown()
         for s, h in previous.items():
             signal.signal(s, h)
