@@ -219,9 +219,14 @@ class Serve:
         raise AssertionError(f"no child of serve runs {name}")
 
     def close(self) -> None:
+        """After a failure too: serve's own shutdown stops its components (SIGKILL would orphan them)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def test_without_migration_the_dead_workers_requests_fail_clearly_and_ctrl_c_stops_a_pending_restart(tmp_path):
