@@ -60,6 +60,14 @@ def test_the_shipped_configs_plan_every_component(tmp_path):
     (["FlexKVWorker.system-port=40000"], "below 32768"),
     (["FlexKVWorker.extra-args=[--frobnicate]"], "are not worker options"),
     (["Frontend"], "expected Section.key=value"),
+    (["Frontend.migration-limit=-1"], "Frontend.migration-limit=-1 must be >= 0"),
+    (["Frontend.migration-limit=lots"], "Frontend.migration-limit='lots': expected an integer"),
+    (["Frontend.extra-args=[--migration-limit, '2']"], "sets --migration-limit: use Frontend.migration-limit"),
+    (["Frontend.on-death=restart"], "Frontend.on-death is not an option of a frontend"),
+    (["FlexKVWorker.on-death=ignore"], "FlexKVWorker.on-death='ignore': use restart"),
+    (["FlexKVWorker.max-restarts=-1"], "FlexKVWorker.max-restarts=-1 must be >= 0"),
+    (["FlexKVWorker.restart-window-s=0"], "FlexKVWorker.restart-window-s=0.0 must be > 0 seconds"),
+    (["FlexKVWorker.restart-backoff-s=60"], "FlexKVWorker.restart-backoff-s=60.0 must be between 0 and 30"),
 ])
 def test_bad_configs_fail_with_a_message_that_names_the_fix(tmp_path, overrides, message):
     with pytest.raises(GraphError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -145,21 +153,6 @@ def test_migration_and_restart_options_are_checked_and_reach_the_processes(tmp_p
     assert off.workers[0].restart.max_restarts == 5
     backoff = RestartPolicy(backoff_s=1.5)
     assert [backoff.delay(n) for n in (1, 2, 3, 6)] == [1.5, 3.0, 6.0, 30.0]  # doubles, capped at 30 s
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (["Frontend.migration-limit=-1"], "Frontend.migration-limit=-1 must be >= 0"),
-    (["Frontend.migration-limit=lots"], "Frontend.migration-limit='lots': expected an integer"),
-    (["Frontend.extra-args=[--migration-limit, '2']"], "sets --migration-limit: use Frontend.migration-limit"),
-    (["Frontend.on-death=restart"], "Frontend.on-death is not an option of a frontend"),
-    (["FlexKVWorker.on-death=ignore"], "FlexKVWorker.on-death='ignore': use restart"),
-    (["FlexKVWorker.max-restarts=-1"], "FlexKVWorker.max-restarts=-1 must be >= 0"),
-    (["FlexKVWorker.restart-window-s=0"], "FlexKVWorker.restart-window-s=0.0 must be > 0 seconds"),
-    (["FlexKVWorker.restart-backoff-s=60"], "FlexKVWorker.restart-backoff-s=60.0 must be between 0 and 30"),
-])
-def test_bad_migration_and_restart_options_name_the_fix(tmp_path, overrides, message):
-    with pytest.raises(GraphError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        plan(tmp_path, *overrides)
 
 
 def _sleepers(tmp_path, policy: RestartPolicy) -> LaunchPlan:
