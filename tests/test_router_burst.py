@@ -1,0 +1,45 @@
+"""Bursts of long prompts on the served agg_router graph (Dynamo's frontend with its KV router, two
+workers, events through the launcher's ZMQ broker): no process may log that an event batch was
+dropped or that an event named a block (or parent) the router never learned about."""
+
+import concurrent.futures
+import random
+
+import pytest
+
+pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
+
+from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
+from test_dynamo_worker import assert_gone, complete, make_plan  # noqa: E402
+from test_router_events import CONTRADICTIONS  # noqa: E402
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(("cache", "block", "prefix", "router", "tier", "disk", "host", "event"))
+                    + str(rng.randrange(100)) for _ in range(n))
+
+
+def test_bursts_of_long_prompts_leave_no_contradiction_in_any_log(tmp_path):
+    plan = make_plan(tmp_path, "agg_router", "FlexKVWorker.num-device-blocks=192")
+    rng = random.Random(0)
+    system = words(rng, 80)  # ~600 tokens (about 7.7 tokens a word)
+    with Launcher(plan) as launcher:
+        launcher.wait_ready(120)
+        sent, tokens = [], 0
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            for burst in range(3):  # each burst overfills both workers' 192-block device caches
+                prompts = [system + " " + words(rng, 180) for _ in range(4)] + [words(rng, 260) for _ in range(2)]
+                replies = list(pool.map(lambda p: complete(plan, p, 2), prompts))
+                assert min(r["usage"]["prompt_tokens"] for r in replies) > 1500  # thousands of tokens each
+                tokens += sum(r["usage"]["prompt_tokens"] for r in replies)
+                sent += prompts
+        assert tokens > 3 * 2 * 192 * 16  # three times what both device caches hold: they evicted
+        # The router's view stayed true: a repeat of the newest prompt goes where its KV is.
+        again = complete(plan, sent[-1], 2)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 64
+    logs = {p.name: p.read_text(errors="replace") for p in launcher.log_dir.iterdir() if p.is_file()}
+    assert "Frontend.log" in logs and "FlexKVWorker-0.log" in logs, sorted(logs)
+    for name, text in logs.items():
+        for phrase in CONTRADICTIONS:
+            assert phrase not in text, (name, [line for line in text.splitlines() if phrase in line][:3])
+    assert_gone(launcher)
