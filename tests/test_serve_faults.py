@@ -88,6 +88,13 @@ def inflight(port: int) -> float:
                                              text, re.M))
 
 
+def routed_workers(base_url: str) -> int:
+    """How many workers the frontend's router has registered (its own gauge on /metrics)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return len(re.findall(r"^dynamo_component_router_worker_registered\{[^}]*\} 1$", text, re.M))
+
+
 def holder_of(plan, prompt: str):
     """Sends ``prompt`` once and returns the worker that served it (its request counter moved)."""
     before = {w.name: metric(w.port, "flexkv_requests_total") for w in plan.workers}
@@ -145,6 +152,7 @@ def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_sp
 
         wait_until("the restarted worker ready", lambda: victim.name not in launcher.starting
                    and launcher.restarts.get(victim.name) == 1, timeout=90)
+        wait_until("the router routing to it", lambda: routed_workers(plan.base_url) == 2)
         assert launcher.running[victim.name].pid != first_pid
         assert any(f"{victim.name} exited with signal SIGKILL" in e and "discovery entries" in e
                    for e in launcher.events), launcher.events
@@ -250,7 +258,10 @@ def test_without_migration_the_dead_workers_requests_fail_clearly_and_ctrl_c_sto
         assert all(r.seconds < 30 and (r.status == 503 or (r.status == 200 and r.done and r.error["code"] == 503))
                    for r in failed), failed
         assert all(r.usage and r.usage["completion_tokens"] >= 1 for r in results if r.error is None)
-        serve.wait_for(rf"{victim} exited with signal SIGKILL .*restarting it in 30.0 s", 10)
+        serve.wait_for(rf"{victim} exited with signal SIGKILL .*removed its \d+ discovery entries; restarting "
+                       r"it in 30.0 s", 10)
+        # Deregistered at once: the router drops it within moments (not after Dynamo's 10 s TTL).
+        wait_until("the router dropping the dead worker", lambda: routed_workers(serve.base_url) == 1, timeout=5)
         for i in range(4):  # the healthy worker serves every new request; none is routed to the dead one
             r = stream(serve.base_url, model, f"after the death {i}: " + "a b " * 20, 8)
             assert r.status == 200 and r.error is None and r.done, r
