@@ -133,21 +133,18 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
             def baseline(test: str, p: int) -> Callable[[], float]:
                 return lambda: redis_benchmark(ports[0], test, value_bytes, n, p, len(ports), cluster)
 
-            def ours_put() -> float:
-                t0 = time.perf_counter()
-                stored = store.put(seq, src_rows)
-                dt = time.perf_counter() - t0
-                if stored != n:
-                    raise RuntimeError(f"remote put stored {stored} of {n} blocks: {store.stats()}")
-                return dt
+            def ours(op: str, call: Callable[[], int]) -> Callable[[], float]:
+                def timed() -> float:
+                    t0 = time.perf_counter()
+                    done = call()
+                    dt = time.perf_counter() - t0
+                    if done != n:
+                        raise RuntimeError(f"remote {op} moved {done} of {n} blocks: {store.stats()}")
+                    return dt
+                return timed
 
-            def ours_get() -> float:
-                t0 = time.perf_counter()
-                got = store.get_into(seq, dst_rows)
-                dt = time.perf_counter() - t0
-                if got != n:
-                    raise RuntimeError(f"remote get read {got} of {n} blocks: {store.stats()}")
-                return dt
+            ours_put = ours("put", lambda: store.put(seq, src_rows))
+            ours_get = ours("get", lambda: store.get_into(seq, dst_rows))
 
             put_s, set_s, set1_s, get_s, get_s_base, get1_s = _alternate(
                 [ours_put, baseline("set", depth), baseline("set", 1),
