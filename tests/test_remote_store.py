@@ -32,7 +32,7 @@ from dynamo_flexkv.remote.cluster import key_slot
 from dynamo_flexkv.remote.codec import block_key, check_header, encode_header
 from dynamo_flexkv.remote.resp import RespConnection
 from dynamo_flexkv.remote.server import RedisServer, free_port, make_test_certs
-from tests.redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
+from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
 
 FP = fingerprint_of({"model": "test", "dtype": "bfloat16", "tokens_per_block": 16})
 SECRET = "s3cr3t-pw"
