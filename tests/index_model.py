@@ -1,19 +1,24 @@
-"""A brute-force reference for TierIndex: linear scans, no heap, no binary search.
+"""A brute-force reference for TierIndex: linear scans, no heap, no hash table, no binary search.
 
-It is the specification the randomized tests hold the real index to.
+It is the specification the randomized tests hold the native index to: which blocks a match
+finds, which block each eviction takes, and which slot each block gets. Slots come from the
+Python BlockPool (a stack: freed slots are reused last-freed first, fresh ones low first).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+from dynamo_flexkv.index.pool import BlockPool
 
 
 @dataclass
 class MBlock:
     parent: Optional[int]
     owner: object
+    slot: int
     ready: bool = False
     locks: int = 0
     hits: int = 0
@@ -27,8 +32,11 @@ class ModelTier:
         self.capacity, self.policy = capacity, policy
         self.reward, self.protected, self.threshold, self.ratio = reward, protected, threshold, ratio
         self.blocks: Dict[int, MBlock] = {}
+        self.pool = BlockPool(capacity)
         self.tick = 0
-        self.evicted: List[int] = []
+        self.evicted: List[int] = []  # every removal the index reports, in its order
+        self.evicted_slots: List[int] = []  # and the slots they held
+        self.evictions = 0  # by evict() and inserts making room (not discard or clear)
 
     def key(self, b: MBlock):
         p = self.policy
@@ -46,6 +54,7 @@ class ModelTier:
             return (1 if b.hits >= self.protected else 0, b.last, b.tick)
         raise AssertionError(p)
 
+    # ---- queries ------------------------------------------------------------------------------
     def children(self, h):
         return sum(1 for b in self.blocks.values() if b.parent == h)
 
@@ -70,6 +79,15 @@ class ModelTier:
         return [h for h, b in self.blocks.items()
                 if b.ready and b.locks == 0 and h != extra_locked and h not in children]
 
+    def busy(self) -> bool:
+        return any(b.locks or not b.ready for b in self.blocks.values())
+
+    # ---- mutations -----------------------------------------------------------------------------
+    def _remove(self, h: int) -> int:
+        slot = self.blocks.pop(h).slot
+        self.pool.free([slot])
+        return slot
+
     def evict(self, count, protect=None):
         out = []
         while len(out) < count:
@@ -77,15 +95,16 @@ class ModelTier:
             if not cands:
                 break
             h = min(cands, key=lambda x: self.key(self.blocks[x]))
-            del self.blocks[h]
+            self.evicted_slots.append(self._remove(h))
             out.append(h)
         self.evicted.extend(out)
+        self.evictions += len(out)
         return out
 
-    def discard(self, root):
-        """Removes ``root`` and its descendants, leaves first, sparing locked or unready ones
-        (and so their ancestors)."""
-        doomed, grew = {root}, True
+    def discard(self, roots: Set[int]) -> Set[int]:
+        """What discarding ``roots`` removes: them and their descendants, sparing locked or
+        unready ones (and so their ancestors)."""
+        doomed, grew = set(roots), True
         while grew:
             grew = False
             for h, b in self.blocks.items():
@@ -93,19 +112,27 @@ class ModelTier:
                     doomed.add(h)
                     grew = True
         removed, progress = set(), True
+        children = self.children_counts()
         while progress:
             progress = False
-            children = self.children_counts()
             for h in list(doomed):
                 b = self.blocks[h]
-                if h not in children and b.locks == 0 and b.ready:
-                    del self.blocks[h]
+                if children.get(h, 0) == 0 and b.locks == 0 and b.ready:
                     doomed.discard(h)
                     removed.add(h)
+                    if b.parent is not None:
+                        children[b.parent] -= 1
                     progress = True
         return removed
 
-    def insert(self, hashes, parent, owner, now):
+    def remove_in_order(self, order: Sequence[int], leaves_first: bool = True) -> None:
+        """Applies the index's removal order (discard: checked to be leaves first; clear)."""
+        for h in order:
+            assert not leaves_first or self.children(h) == 0, f"{h:#x} removed before its children"
+            self.evicted_slots.append(self._remove(h))
+        self.evicted.extend(order)
+
+    def insert(self, hashes, parent, owner, now) -> List[int]:
         n = len(hashes)
         limit = math.floor(self.threshold * self.capacity)
         if len(self.blocks) + n > limit:
@@ -113,19 +140,23 @@ class ModelTier:
             while len(self.blocks) + n > limit:
                 if not self.evict(step, protect=parent):
                     break
-        k = min(n, self.capacity - len(self.blocks))
+        slots = self.pool.allocate(n)
         prev = parent
-        for h in hashes[:k]:
+        for h, slot in zip(hashes, slots):
             self.tick += 1
-            self.blocks[h] = MBlock(prev, owner, last=now, ins=self.tick, tick=self.tick)
+            self.blocks[h] = MBlock(prev, owner, slot, last=now, ins=self.tick, tick=self.tick)
             prev = h
-        return k
+        return slots
 
     def commit(self, hashes, now):
         for h in hashes:
             b = self.blocks[h]
             self.tick += 1
             b.ready, b.owner, b.last, b.tick = True, None, now, self.tick
+
+    def rollback(self, hashes):
+        for h in reversed(hashes):
+            self._remove(h)
 
     def touch(self, hashes, hit, now):
         for h in hashes:
@@ -135,3 +166,9 @@ class ModelTier:
             self.tick += 1
             b.last, b.tick = now, self.tick
             b.hits += hit
+
+    def adopt(self, entries: Sequence[Tuple[int, Optional[int], int]], now) -> None:
+        self.pool.take(slot for _, _, slot in entries)
+        for h, parent, slot in entries:
+            self.tick += 1
+            self.blocks[h] = MBlock(parent, None, slot, ready=True, last=now, ins=self.tick, tick=self.tick)

@@ -11,6 +11,10 @@
 
 namespace py = pybind11;
 
+namespace dfkv {
+void bind_tier_index(py::module_& m);  // tier_index_py.cpp
+}  // namespace dfkv
+
 namespace {
 
 using U64Array = py::array_t<uint64_t, py::array::c_style>;
@@ -151,7 +155,7 @@ U64Array checksums(uint64_t base, const CArray<uint64_t>& offsets, uint64_t leng
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "dynamo_flexkv native core: hashing, batched I/O and block copies";
+  m.doc() = "dynamo_flexkv native core: hashing, the tier index, batched I/O and block copies";
   m.attr("TOKENS_HASH_SEED") = py::int_(dfkv::kTokensHashSeed);
   m.def("block_hashes", &block_hashes, py::arg("tokens"), py::arg("block_size"), py::arg("seed"),
         "Tokens hashes and chained sequence hashes of every full block.");
@@ -166,4 +170,5 @@ PYBIND11_MODULE(_native, m) {
         py::arg("threads") = 4, "memcpy each (dst, src, length) chunk, merged and multi-threaded.");
   m.def("checksums", &checksums, py::arg("base"), py::arg("offsets"), py::arg("length"),
         "xxh3_64 of `length` bytes at base + each offset.");
+  dfkv::bind_tier_index(m);
 }

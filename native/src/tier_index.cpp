@@ -1,0 +1,559 @@
+#include "tier_index.h"
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_map>
+#include <utility>
+
+namespace dfkv {
+
+std::string hex(uint64_t value) {
+  static const char kDigits[] = "0123456789abcdef";
+  char buf[19];
+  size_t pos = sizeof(buf);
+  do {
+    buf[--pos] = kDigits[value & 0xF];
+    value >>= 4;
+  } while (value != 0);
+  buf[--pos] = 'x';
+  buf[--pos] = '0';
+  return std::string(buf + pos, sizeof(buf) - pos);
+}
+
+// ---- HashSlotTable ----------------------------------------------------------------------------
+
+HashSlotTable::HashSlotTable() { rehash(16); }
+
+void HashSlotTable::rehash(size_t buckets) {
+  std::vector<Entry> old;
+  old.swap(entries_);
+  entries_.assign(buckets, Entry{0, kNoSlot});
+  mask_ = buckets - 1;
+  shift_ = 64;
+  for (size_t b = buckets; b > 1; b >>= 1) --shift_;
+  for (const Entry& e : old) {
+    if (e.slot == kNoSlot) continue;
+    size_t i = home(e.key);
+    while (entries_[i].slot != kNoSlot) i = (i + 1) & mask_;
+    entries_[i] = e;
+  }
+}
+
+uint32_t HashSlotTable::find(uint64_t key) const {
+  for (size_t i = home(key);; i = (i + 1) & mask_) {
+    const Entry& e = entries_[i];
+    if (e.slot == kNoSlot) return kNoSlot;
+    if (e.key == key) return e.slot;
+  }
+}
+
+void HashSlotTable::find_all(const uint64_t* keys, size_t n, uint32_t* out) const {
+  for (size_t i = 0; i < std::min(n, kPrefetchAhead); ++i) prefetch(keys[i]);
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) prefetch(keys[i + kPrefetchAhead]);
+    out[i] = find(keys[i]);
+  }
+}
+
+bool HashSlotTable::insert_new(uint64_t key, uint32_t slot) {
+  if ((size_ + 1) * 2 > entries_.size()) rehash(entries_.size() * 2);  // load <= 1/2
+  size_t i = home(key);
+  for (; entries_[i].slot != kNoSlot; i = (i + 1) & mask_) {
+    if (entries_[i].key == key) return false;
+  }
+  entries_[i] = Entry{key, slot};
+  ++size_;
+  return true;
+}
+
+size_t HashSlotTable::position(uint64_t key) const {
+  size_t i = home(key);
+  while (entries_[i].key != key || entries_[i].slot == kNoSlot) i = (i + 1) & mask_;
+  return i;
+}
+
+void HashSlotTable::assign(uint64_t key, uint32_t slot) { entries_[position(key)].slot = slot; }
+
+void HashSlotTable::erase(uint64_t key) {
+  size_t hole = position(key);
+  // Backward shift: pull later entries of the probe run into the hole unless that would move
+  // one before its home bucket.
+  for (size_t j = (hole + 1) & mask_; entries_[j].slot != kNoSlot; j = (j + 1) & mask_) {
+    const size_t h = home(entries_[j].key);
+    if (((j - h) & mask_) >= ((j - hole) & mask_)) {
+      entries_[hole] = entries_[j];
+      hole = j;
+    }
+  }
+  entries_[hole].slot = kNoSlot;
+  --size_;
+}
+
+void HashSlotTable::clear() {
+  entries_.clear();
+  size_ = 0;
+  rehash(16);
+}
+
+// ---- TierIndexCore: queries --------------------------------------------------------------------
+
+TierIndexCore::TierIndexCore(TierIndexOptions options)
+    : opt_(std::move(options)),
+      by_insert_(opt_.policy == EvictionPolicy::kFifo || opt_.policy == EvictionPolicy::kFilo) {
+  // Reserved, not built: the memory is touched only as slots are first used, and references to
+  // blocks stay valid while the table grows.
+  blocks_.reserve(opt_.capacity);
+  free_.resize(opt_.capacity);
+  // A stack handing out low slots first, so a fresh tier fills its files front to back.
+  for (uint32_t i = 0; i < opt_.capacity; ++i) free_[i] = opt_.capacity - 1 - i;
+}
+
+bool TierIndexCore::slot_used(int64_t slot) const {
+  return slot >= 0 && static_cast<size_t>(slot) < blocks_.size() && blocks_[slot].live;
+}
+
+const Block* TierIndexCore::find(uint64_t hash) const {
+  const uint32_t slot = table_.find(hash);
+  return slot < blocks_.size() ? &blocks_[slot] : nullptr;  // kNoSlot / kPendingSlot: absent
+}
+
+bool TierIndexCore::can_extend(bool has_parent, uint64_t parent, int64_t owner) const {
+  if (!has_parent) return true;
+  const Block* p = find(parent);
+  return p != nullptr && (p->ready || p->owner == owner);
+}
+
+std::vector<uint64_t> TierIndexCore::hashes() const {
+  std::vector<uint64_t> out;
+  out.reserve(size());
+  for (const Block& b : blocks_) {
+    if (b.live) out.push_back(b.hash);
+  }
+  return out;
+}
+
+int64_t TierIndexCore::owned_by(int64_t owner) const {
+  const auto it = owned_.find(owner);
+  return it == owned_.end() ? 0 : it->second;
+}
+
+std::vector<uint32_t> TierIndexCore::slots_of(const uint64_t* hashes, size_t n) const {
+  std::vector<uint32_t> out = lookup(hashes, n);
+  for (size_t i = 0; i < n; ++i) {
+    if (out[i] >= blocks_.size()) fail("block " + hex(hashes[i]) + " is not present");
+  }
+  return out;
+}
+
+// ---- TierIndexCore: checks -----------------------------------------------------------------------
+
+void TierIndexCore::fail(const std::string& what, bool names_owner) const {
+  throw IndexViolation(opt_.name + ": " + what, names_owner);
+}
+
+std::vector<uint32_t> TierIndexCore::lookup(const uint64_t* hashes, size_t n) const {
+  std::vector<uint32_t> slots(n);
+  table_.find_all(hashes, n, slots.data());
+  return slots;
+}
+
+Block& TierIndexCore::present(uint32_t slot, uint64_t hash) {
+  if (slot >= blocks_.size()) fail("block " + hex(hash) + " is not present");  // kNoSlot
+  return blocks_[slot];
+}
+
+Block& TierIndexCore::owned_unready(uint32_t slot, uint64_t hash, int64_t owner) {
+  Block& b = present(slot, hash);
+  if (b.ready || b.owner != owner) fail("block " + hex(hash) + " is not an unready block of ", true);
+  return b;
+}
+
+namespace {
+
+// Clears the scratch marks of the blocks a check visited, however the check ends.
+struct MarkGuard {
+  std::vector<Block*>& blocks;
+  ~MarkGuard() {
+    for (Block* b : blocks) b->mark = 0;
+  }
+};
+
+}  // namespace
+
+// ---- TierIndexCore: eviction order ------------------------------------------------------------
+
+TierIndexCore::EvictKey TierIndexCore::key_of(const Block& b) const {
+  // The same keys as dynamo_flexkv/index/policies.py; each ends in a tick no other block shares.
+  const int64_t tick = static_cast<int64_t>(b.tick);
+  switch (opt_.policy) {
+    case EvictionPolicy::kLru:
+      return {b.last_access + opt_.hit_reward_seconds * static_cast<double>(b.hits), 0.0, tick};
+    case EvictionPolicy::kMru:
+      return {-b.last_access, 0.0, -tick};
+    case EvictionPolicy::kLfu:
+      return {static_cast<double>(b.hits), b.last_access, tick};
+    case EvictionPolicy::kFifo:
+      return {0.0, 0.0, tick};
+    case EvictionPolicy::kFilo:
+      return {0.0, 0.0, -tick};
+    case EvictionPolicy::kSlru:
+      return {static_cast<int64_t>(b.hits) >= opt_.slru_protected_hits ? 1.0 : 0.0, b.last_access, tick};
+  }
+  return {0.0, 0.0, tick};
+}
+
+bool TierIndexCore::later(const HeapEntry& x, const HeapEntry& y) {
+  if (x.key.a != y.key.a) return x.key.a > y.key.a;
+  if (x.key.b != y.key.b) return x.key.b > y.key.b;
+  if (x.key.tick != y.key.tick) return x.key.tick > y.key.tick;
+  if (x.slot != y.slot) return x.slot > y.slot;
+  return x.version > y.version;
+}
+
+void TierIndexCore::maybe_push(Block& b) {
+  // Every change that can alter a candidate's key or make a block a candidate comes through
+  // here, so the live entry of a candidate always carries its current key.
+  b.version = ++versions_;
+  if (!candidate(b)) return;
+  heap_.push_back(HeapEntry{key_of(b), slot_of(b), b.version});
+  std::push_heap(heap_.begin(), heap_.end(), later);
+  if (heap_.size() > 2 * size() + 1024) compact_heap();
+}
+
+void TierIndexCore::compact_heap() {
+  auto stale = [this](const HeapEntry& e) {
+    const Block& b = blocks_[e.slot];
+    return !b.live || b.version != e.version || !candidate(b);
+  };
+  heap_.erase(std::remove_if(heap_.begin(), heap_.end(), stale), heap_.end());
+  std::make_heap(heap_.begin(), heap_.end(), later);
+}
+
+void TierIndexCore::unlock_block(Block& b) {
+  if (--b.locks == 0) maybe_push(b);
+}
+
+void TierIndexCore::remove(Block& b) {
+  table_.erase(b.hash);
+  free_.push_back(slot_of(b));
+  b.live = false;
+  if (b.ready) --num_ready_;
+  if (b.parent_slot != kNoSlot) {
+    Block& p = blocks_[b.parent_slot];
+    if (--p.children == 0) maybe_push(p);
+  }
+}
+
+void TierIndexCore::evict_into(size_t count, Removed& out) {
+  size_t taken = 0;
+  while (taken < count && !heap_.empty()) {
+    std::pop_heap(heap_.begin(), heap_.end(), later);
+    const HeapEntry e = heap_.back();
+    heap_.pop_back();
+    Block& b = blocks_[e.slot];
+    if (!b.live || b.version != e.version || !candidate(b)) continue;  // stale entry
+    out.hashes.push_back(b.hash);
+    out.slots.push_back(e.slot);
+    remove(b);
+    ++taken;
+  }
+  evictions_ += taken;
+}
+
+Removed TierIndexCore::evict(size_t count) {
+  Removed out;
+  evict_into(count, out);
+  return out;
+}
+
+void TierIndexCore::make_room(size_t n, Removed& evicted) {
+  // Keeps usage within evict_start_threshold, freeing evict_ratio of the tier per step
+  // (batching keeps eviction off the per-block path).
+  const double cap = static_cast<double>(opt_.capacity);
+  const double limit = std::floor(opt_.evict_start_threshold * cap);
+  if (static_cast<double>(num_used() + n) <= limit) return;
+  const size_t step = std::max<size_t>(1, static_cast<size_t>(std::ceil(opt_.evict_ratio * cap)));
+  while (static_cast<double>(num_used() + n) > limit) {
+    const size_t before = evicted.hashes.size();
+    evict_into(step, evicted);
+    if (evicted.hashes.size() == before) break;
+  }
+}
+
+// ---- TierIndexCore: mutations -----------------------------------------------------------------
+
+Block& TierIndexCore::block_at(uint32_t slot) {
+  if (slot >= blocks_.size()) blocks_.resize(slot + 1);  // within the reserve: no move
+  return blocks_[slot];
+}
+
+std::vector<uint32_t> TierIndexCore::insert(const uint64_t* hashes, size_t n, bool has_parent,
+                                            uint64_t parent, int64_t owner, double now,
+                                            Removed& evicted) {
+  Block* p = nullptr;
+  if (has_parent) {
+    const uint32_t ps = table_.find(parent);
+    p = ps < blocks_.size() ? &blocks_[ps] : nullptr;
+    if (p == nullptr || !(p->ready || p->owner == owner)) {
+      const char* state = p == nullptr ? "absent" : "unready and owned by another task";
+      fail("cannot insert after parent " + hex(parent) + ": it is " + state);
+    }
+  }
+  // Claim the keys first (one probe each finds both present blocks and repeats in the chain).
+  for (size_t i = 0; i < std::min(n, kPrefetchAhead); ++i) table_.prefetch(hashes[i]);
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) table_.prefetch(hashes[i + kPrefetchAhead]);
+    if (!table_.insert_new(hashes[i], kPendingSlot)) {
+      const bool repeat = table_.find(hashes[i]) == kPendingSlot;
+      for (size_t j = 0; j < i; ++j) table_.erase(hashes[j]);
+      fail("block " + hex(hashes[i]) + (repeat ? " appears twice in the chain" : " is already present"));
+    }
+  }
+  if (p != nullptr) ++p->locks;  // the parent is a leaf; keep eviction away from it meanwhile
+  make_room(n, evicted);
+  if (p != nullptr) unlock_block(*p);
+
+  const size_t take = std::min(n, free_.size());
+  std::vector<uint32_t> slots(take);
+  uint32_t prev_slot = p != nullptr ? slot_of(*p) : kNoSlot;
+  for (size_t i = 0; i < take; ++i) {
+    const uint32_t s = allocate_slot();
+    Block& b = block_at(s);
+    b = Block{};
+    b.hash = hashes[i];
+    b.parent_slot = prev_slot;
+    b.owner = owner;
+    b.last_access = now;
+    b.tick = ++tick_;
+    b.children = i + 1 < take ? 1 : 0;  // the next block of the chain
+    b.live = true;
+    table_.assign(hashes[i], s);
+    slots[i] = s;
+    prev_slot = s;
+  }
+  for (size_t i = take; i < n; ++i) table_.erase(hashes[i]);  // did not fit
+  if (take > 0) {
+    if (p != nullptr) ++p->children;
+    owned_[owner] += static_cast<int64_t>(take);
+  }
+  return slots;
+}
+
+void TierIndexCore::commit(const uint64_t* hashes, size_t n, int64_t owner, double now) {
+  const std::vector<uint32_t> slots = lookup(hashes, n);
+  std::vector<Block*> bs;
+  bs.reserve(n);
+  {
+    MarkGuard guard{bs};
+    for (size_t i = 0; i < n; ++i) {
+      Block& b = owned_unready(slots[i], hashes[i], owner);
+      if (b.mark) fail("block " + hex(hashes[i]) + " appears twice in one commit");
+      // Parents first: the parent is ready already or committed earlier in this call.
+      if (b.parent_slot != kNoSlot) {
+        const Block& p = blocks_[b.parent_slot];
+        if (!p.ready && !p.mark) fail("commit of " + hex(hashes[i]) + " before its parent");
+      }
+      b.mark = 1;
+      bs.push_back(&b);
+    }
+  }
+  for (Block* b : bs) {
+    b->ready = true;
+    b->owner = kNoOwner;
+    b->last_access = now;
+    stamp(*b);
+  }
+  num_ready_ += n;
+  if (n > 0 && (owned_[owner] -= static_cast<int64_t>(n)) == 0) owned_.erase(owner);
+  for (Block* b : bs) {
+    if (b->children == 0 && b->locks == 0) maybe_push(*b);  // only leaves become candidates
+  }
+}
+
+void TierIndexCore::rollback(const uint64_t* hashes, size_t n, int64_t owner) {
+  // Removal runs last to first; a block may go once its children in this call went before it.
+  std::vector<Block*> bs;
+  bs.reserve(n);
+  std::vector<uint32_t> children_here(n, 0);
+  const std::vector<uint32_t> slots = lookup(hashes, n);
+  {
+    MarkGuard guard{bs};
+    for (size_t i = 0; i < n; ++i) {
+      Block& b = owned_unready(slots[i], hashes[i], owner);
+      if (b.mark) fail("block " + hex(hashes[i]) + " appears twice in one rollback");
+      b.mark = static_cast<uint32_t>(i + 1);
+      bs.push_back(&b);
+      if (b.parent_slot != kNoSlot && blocks_[b.parent_slot].mark) {
+        ++children_here[blocks_[b.parent_slot].mark - 1];
+      }
+    }
+    for (size_t i = n; i-- > 0;) {
+      if (bs[i]->children != children_here[i] || bs[i]->locks != 0) {
+        fail("rollback of " + hex(hashes[i]) + " while it has children or locks");
+      }
+    }
+  }
+  for (size_t i = n; i-- > 0;) remove(*bs[i]);
+  if (n > 0 && (owned_[owner] -= static_cast<int64_t>(n)) == 0) owned_.erase(owner);
+}
+
+void TierIndexCore::lock(const uint64_t* hashes, size_t n) {
+  const std::vector<uint32_t> slots = lookup(hashes, n);
+  for (size_t i = 0; i < n; ++i) present(slots[i], hashes[i]);
+  for (uint32_t s : slots) ++blocks_[s].locks;
+}
+
+void TierIndexCore::unlock(const uint64_t* hashes, size_t n) {
+  const std::vector<uint32_t> slots = lookup(hashes, n);
+  std::vector<Block*> bs;
+  bs.reserve(n);
+  {
+    MarkGuard guard{bs};
+    for (size_t i = 0; i < n; ++i) {
+      Block& b = present(slots[i], hashes[i]);
+      bs.push_back(&b);
+      // mark counts this call's unlocks of the block: a repeat needs as many locks.
+      if (static_cast<int64_t>(++b.mark) > b.locks) fail("unlock of " + hex(hashes[i]) + " which is not locked");
+    }
+  }
+  for (Block* b : bs) unlock_block(*b);
+}
+
+void TierIndexCore::touch(const uint64_t* hashes, size_t n, bool hit, double now) {
+  const std::vector<uint32_t> slots = lookup(hashes, n);
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n && slots[i + kPrefetchAhead] < blocks_.size()) {
+      __builtin_prefetch(&blocks_[slots[i + kPrefetchAhead]]);
+    }
+    const uint32_t s = slots[i];
+    if (s >= blocks_.size()) continue;
+    Block& b = blocks_[s];
+    if (!b.ready) continue;
+    b.last_access = now;
+    stamp(b);
+    if (hit) ++b.hits;
+    if (b.children == 0 && b.locks == 0) maybe_push(b);
+  }
+}
+
+Removed TierIndexCore::clear() {
+  size_t busy = 0;
+  for (const Block& b : blocks_) busy += b.live && (b.locks != 0 || !b.ready);
+  if (busy) fail("clear with " + std::to_string(busy) + " blocks in use by tasks");
+  Removed out;
+  for (uint32_t s = 0; s < blocks_.size(); ++s) {
+    Block& b = blocks_[s];
+    if (!b.live) continue;
+    out.hashes.push_back(b.hash);
+    out.slots.push_back(s);
+    b.live = false;
+    free_.push_back(s);
+  }
+  table_.clear();
+  heap_.clear();
+  num_ready_ = 0;
+  return out;
+}
+
+Removed TierIndexCore::discard_slots(const int64_t* slots, size_t n) {
+  // Doomed: the blocks in these slots and everything below them (children found by one scan).
+  const size_t used = blocks_.size();
+  std::vector<uint32_t> first_child(used + 1, 0), child_list;
+  for (const Block& b : blocks_) {
+    if (b.live && b.parent_slot != kNoSlot) ++first_child[b.parent_slot + 1];
+  }
+  for (size_t s = 0; s < used; ++s) first_child[s + 1] += first_child[s];
+  child_list.resize(first_child[used]);
+  {
+    std::vector<uint32_t> fill(first_child.begin(), first_child.end() - 1);
+    for (uint32_t s = 0; s < used; ++s) {
+      const Block& b = blocks_[s];
+      if (b.live && b.parent_slot != kNoSlot) child_list[fill[b.parent_slot]++] = s;
+    }
+  }
+  std::vector<uint32_t> doomed;
+  for (size_t i = 0; i < n; ++i) {
+    if (slot_used(slots[i]) && !blocks_[slots[i]].mark) {
+      blocks_[slots[i]].mark = 1;
+      doomed.push_back(static_cast<uint32_t>(slots[i]));
+    }
+  }
+  for (size_t i = 0; i < doomed.size(); ++i) {
+    const uint32_t s = doomed[i];
+    for (uint32_t c = first_child[s]; c < first_child[s + 1]; ++c) {
+      Block& child = blocks_[child_list[c]];
+      if (!child.mark) {
+        child.mark = 1;
+        doomed.push_back(child_list[c]);
+      }
+    }
+  }
+  // Leaves first; a removal may free its parent. Locked or unready blocks stay (and so do
+  // their ancestors) until a later call.
+  auto removable = [](const Block& b) { return b.children == 0 && b.locks == 0 && b.ready; };
+  std::vector<uint32_t> ready_now;
+  for (uint32_t s : doomed) {
+    if (removable(blocks_[s])) ready_now.push_back(s);
+  }
+  Removed out;
+  for (size_t i = 0; i < ready_now.size(); ++i) {
+    Block& b = blocks_[ready_now[i]];
+    const uint32_t parent = b.parent_slot;
+    out.hashes.push_back(b.hash);
+    out.slots.push_back(ready_now[i]);
+    remove(b);
+    if (parent != kNoSlot && blocks_[parent].mark && removable(blocks_[parent])) ready_now.push_back(parent);
+  }
+  for (uint32_t s : doomed) blocks_[s].mark = 0;
+  return out;
+}
+
+void TierIndexCore::adopt(const std::vector<AdoptEntry>& entries, double now) {
+  std::unordered_map<uint64_t, size_t> position;
+  position.reserve(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const uint64_t h = entries[i].hash;
+    if (table_.find(h) != kNoSlot) fail("block " + hex(h) + " is already present");
+    if (!position.emplace(h, i).second) fail("block " + hex(h) + " appears twice in one adopt");
+  }
+  std::vector<bool> claimed(opt_.capacity, false);
+  for (const AdoptEntry& e : entries) {
+    if (e.slot >= opt_.capacity || slot_used(e.slot)) {
+      throw PoolViolation("block id " + std::to_string(e.slot) +
+                          " cannot be claimed: out of range or in use");
+    }
+    if (claimed[e.slot]) {
+      throw PoolViolation("block id " + std::to_string(e.slot) + " is claimed twice: each may be claimed once");
+    }
+    claimed[e.slot] = true;
+  }
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const AdoptEntry& e = entries[i];
+    if (!e.has_parent) continue;
+    const Block* p = find(e.parent);
+    const auto earlier = position.find(e.parent);
+    if (!(p != nullptr && p->ready) && !(earlier != position.end() && earlier->second < i)) {
+      fail("adopt of " + hex(e.hash) + " before its parent");
+    }
+  }
+  free_.erase(std::remove_if(free_.begin(), free_.end(), [&](uint32_t s) { return claimed[s]; }),
+              free_.end());
+  for (const AdoptEntry& e : entries) {
+    Block& b = block_at(e.slot);
+    b = Block{};
+    b.hash = e.hash;
+    b.ready = true;
+    b.live = true;
+    b.last_access = now;
+    b.tick = ++tick_;
+    if (e.has_parent) {
+      b.parent_slot = table_.find(e.parent);
+      ++blocks_[b.parent_slot].children;
+    }
+    table_.insert_new(e.hash, e.slot);
+    ++num_ready_;
+  }
+  for (const AdoptEntry& e : entries) maybe_push(blocks_[e.slot]);
+}
+
+}  // namespace dfkv

@@ -1,0 +1,216 @@
+// Prefix index of one tier (DESIGN section 5): the block table, the slot pool, per-block state and
+// the eviction order, in plain C++ so the bindings can run every operation without the GIL.
+//
+// Semantics are those of the Python model in tests/index_model.py (the oracle the randomized tests
+// compare against): a block is inserted unready by one owner, becomes ready on commit, is rolled
+// back, locked, touched, evicted (ready, unlocked leaves only, smallest policy key first) or
+// discarded. Every mutation checks all of its input before it changes anything.
+//
+// Not thread-safe: the bindings serialize calls with a mutex.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace dfkv {
+
+constexpr uint32_t kNoSlot = UINT32_MAX;
+constexpr uint32_t kPendingSlot = UINT32_MAX - 1;  // a key claimed by an insert in progress
+constexpr uint32_t kMaxCapacity = UINT32_MAX - 1;  // slots are below both markers
+constexpr int64_t kNoOwner = -1;       // ready blocks have no owner
+constexpr int64_t kUnknownOwner = -2;  // an owner that holds no block: matches nothing
+constexpr size_t kPrefetchAhead = 8;   // batch loops prefetch the bucket / block this far ahead
+
+enum class EvictionPolicy : uint8_t { kLru, kLfu, kSlru, kFifo, kFilo, kMru };
+
+// A request that would break an index invariant (a caller bug). When `names_owner` is set the
+// message ends where the owner belongs; the bindings append it (owners are Python objects).
+struct IndexViolation : std::runtime_error {
+  IndexViolation(const std::string& what, bool names_owner_)
+      : std::runtime_error(what), names_owner(names_owner_) {}
+  bool names_owner;
+};
+
+// A slot the pool cannot hand over (adopt of an id out of range, in use, or repeated).
+struct PoolViolation : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct TierIndexOptions {
+  std::string name;
+  uint32_t capacity = 0;
+  EvictionPolicy policy = EvictionPolicy::kLru;
+  double hit_reward_seconds = 0.0;
+  int64_t slru_protected_hits = 2;
+  double evict_start_threshold = 1.0;
+  double evict_ratio = 0.05;
+};
+
+struct Block {  // 64 bytes: one cache line
+  uint64_t hash = 0;
+  uint64_t version = 0;  // matches the block's live eviction-heap entry
+  uint64_t tick = 0;     // the policy's tick: last insert/commit/touch (fifo, filo: insert)
+  double last_access = 0.0;
+  int64_t owner = kNoOwner;
+  uint32_t hits = 0;
+  uint32_t parent_slot = kNoSlot;  // the parent outlives its children, so its slot stays valid
+  uint32_t children = 0;
+  int32_t locks = 0;
+  uint32_t mark = 0;  // scratch for checking a batch; 0 between calls
+  bool live = false;
+  bool ready = false;
+};
+static_assert(sizeof(Block) == 64, "a block should fill one cache line");
+
+// Blocks removed by one operation, in removal order; slots[i] held hashes[i].
+struct Removed {
+  std::vector<uint64_t> hashes;
+  std::vector<uint32_t> slots;
+  bool empty() const { return hashes.empty(); }
+};
+
+// A restart's ready block that already sits in its slot.
+struct AdoptEntry {
+  uint64_t hash;
+  bool has_parent;
+  uint64_t parent;
+  uint32_t slot;
+};
+
+// Open addressing (linear probing, backward-shift deletion) from sequence hash to slot.
+class HashSlotTable {
+ public:
+  HashSlotTable();
+  uint32_t find(uint64_t key) const;              // kNoSlot if absent
+  // out[i] = find(keys[i]); the cache misses overlap (each key's bucket is prefetched ahead).
+  void find_all(const uint64_t* keys, size_t n, uint32_t* out) const;
+  void prefetch(uint64_t key) const { __builtin_prefetch(&entries_[home(key)]); }
+  bool insert_new(uint64_t key, uint32_t slot);   // false (and no change) if present
+  void assign(uint64_t key, uint32_t slot);       // key must be present
+  void erase(uint64_t key);                       // key must be present
+  void clear();
+  size_t size() const { return size_; }
+
+ private:
+  struct Entry {
+    uint64_t key;
+    uint32_t slot;  // kNoSlot: empty
+  };
+  size_t home(uint64_t key) const { return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_); }
+  size_t position(uint64_t key) const;  // key must be present
+  void rehash(size_t buckets);
+
+  std::vector<Entry> entries_;
+  size_t mask_ = 0;
+  unsigned shift_ = 64;
+  size_t size_ = 0;
+};
+
+class TierIndexCore {
+ public:
+  explicit TierIndexCore(TierIndexOptions options);
+
+  // ---- queries --------------------------------------------------------------------------------
+  const TierIndexOptions& options() const { return opt_; }
+  size_t size() const { return table_.size(); }
+  size_t num_ready() const { return num_ready_; }
+  size_t num_free() const { return free_.size(); }
+  size_t num_used() const { return opt_.capacity - free_.size(); }
+  uint64_t evictions() const { return evictions_; }
+  bool slot_used(int64_t slot) const;
+  const Block* find(uint64_t hash) const;
+  uint32_t slot_of(const Block& b) const { return static_cast<uint32_t>(&b - blocks_.data()); }
+  uint64_t parent_of(const Block& b) const { return blocks_[b.parent_slot].hash; }  // has a parent
+  bool can_extend(bool has_parent, uint64_t parent, int64_t owner) const;
+  std::vector<uint64_t> hashes() const;  // by slot
+  int64_t owned_by(int64_t owner) const;  // unready blocks `owner` holds
+
+  // Longest prefix of get(0..n) held (ready, or present when !ready_only): a binary search,
+  // valid because the index is prefix-closed.
+  template <class Get>
+  size_t match_length(size_t n, Get&& get, bool ready_only) const {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+      const size_t mid = lo + (hi - lo) / 2;
+      const Block* b = find(get(mid));
+      if (b != nullptr && (b->ready || !ready_only)) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    return lo;
+  }
+
+  // ---- mutations (each checks all of its input first) -------------------------------------------
+  // Inserts the chain after `parent` as unready blocks of `owner`, evicting to make room (into
+  // `evicted`). Returns the slots of the prefix that fit.
+  std::vector<uint32_t> insert(const uint64_t* hashes, size_t n, bool has_parent, uint64_t parent,
+                               int64_t owner, double now, Removed& evicted);
+  void commit(const uint64_t* hashes, size_t n, int64_t owner, double now);
+  void rollback(const uint64_t* hashes, size_t n, int64_t owner);
+  void lock(const uint64_t* hashes, size_t n);
+  void unlock(const uint64_t* hashes, size_t n);
+  void touch(const uint64_t* hashes, size_t n, bool hit, double now);
+  std::vector<uint32_t> slots_of(const uint64_t* hashes, size_t n) const;
+  Removed evict(size_t count);
+  Removed clear();
+  Removed discard_slots(const int64_t* slots, size_t n);
+  void adopt(const std::vector<AdoptEntry>& entries, double now);
+
+ private:
+  struct EvictKey {
+    double a, b;
+    int64_t tick;
+  };
+  struct HeapEntry {
+    EvictKey key;
+    uint32_t slot;
+    uint64_t version;
+  };
+  static bool later(const HeapEntry& x, const HeapEntry& y);  // heap order: smallest key on top
+
+  [[noreturn]] void fail(const std::string& what, bool names_owner = false) const;
+  std::vector<uint32_t> lookup(const uint64_t* hashes, size_t n) const;  // table_.find_all
+  Block& present(uint32_t slot, uint64_t hash);  // the block `hash` found in `slot`, or IndexViolation
+  Block& owned_unready(uint32_t slot, uint64_t hash, int64_t owner);
+  Block& block_at(uint32_t slot);  // grows the block table to hold `slot`
+  EvictKey key_of(const Block& b) const;
+  static bool candidate(const Block& b) { return b.ready && b.locks == 0 && b.children == 0; }
+  // An access: advances the clock; the block's tick follows unless the policy orders by insert.
+  void stamp(Block& b) {
+    ++tick_;
+    if (!by_insert_) b.tick = tick_;
+  }
+  void maybe_push(Block& b);
+  void compact_heap();
+  void unlock_block(Block& b);
+  void remove(Block& b);  // a leaf; its slot goes back to the pool
+  void evict_into(size_t count, Removed& out);
+  void make_room(size_t n, Removed& evicted);
+  uint32_t allocate_slot() {
+    const uint32_t s = free_.back();
+    free_.pop_back();
+    return s;
+  }
+
+  TierIndexOptions opt_;
+  HashSlotTable table_;
+  std::vector<Block> blocks_;    // by slot; grows as slots are first used
+  std::vector<uint32_t> free_;   // a stack: the next slot handed out is free_.back()
+  std::vector<HeapEntry> heap_;  // eviction candidates; entries with an old version are skipped
+  std::unordered_map<int64_t, int64_t> owned_;  // owner -> unready blocks it holds
+  uint64_t tick_ = 0;
+  bool by_insert_ = false;  // fifo / filo
+  uint64_t versions_ = 0;  // one counter for the index, so an entry never matches a later block
+  size_t num_ready_ = 0;
+  uint64_t evictions_ = 0;
+};
+
+// "0x1f" for 31, like Python's f"{h:#x}".
+std::string hex(uint64_t value);
+
+}  // namespace dfkv
