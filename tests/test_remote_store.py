@@ -348,6 +348,7 @@ def test_restart_between_ops_reconnects_without_a_failed_op(redis_server: RedisS
 @needs_redis
 def test_server_killed_during_a_read(redis_server: RedisServer) -> None:
     seq, data = blocks(200, 256 << 10)
+    fds = open_fds()
     with RemoteStore.open(redis_server.url, FP, timeout_s=1.0, pipeline_depth=2) as store:
         store.put(seq, list(data))
         dst = np.zeros_like(data)
@@ -359,6 +360,7 @@ def test_server_killed_during_a_read(redis_server: RedisServer) -> None:
         reader.join(timeout=10)
         assert not reader.is_alive() and got[0] < 200
         assert np.array_equal(dst[:got[0]], data[:got[0]])  # what it reports as read is exact
+    assert open_fds() == fds  # the broken connection was closed, not leaked
 
 
 @needs_redis
@@ -378,8 +380,13 @@ def test_stalled_server_fails_within_the_timeout(redis_server: RedisServer) -> N
         assert store.get_into(seq, list(dst)) == 4 and np.array_equal(dst, data)  # a fresh connection
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 @needs_redis
 def test_threads_share_one_store(redis_server: RedisServer) -> None:
+    fds = open_fds()
     with RemoteStore.open(redis_server.url, FP) as store:
         errors: List[str] = []
 
@@ -397,6 +404,7 @@ def test_threads_share_one_store(redis_server: RedisServer) -> None:
         for t in threads:
             t.join()
         assert not errors
+    assert open_fds() == fds  # every pooled connection closed
 
 
 @needs_redis
