@@ -163,10 +163,11 @@ class RedisCluster:
                             "--cluster-replicas", "0", "--cluster-yes"],
                            check=True, capture_output=True, text=True, timeout=timeout_s)
             deadline = time.monotonic() + timeout_s
-            while "cluster_state:ok" not in self.servers[0].cli("cluster", "info"):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("redis cluster did not reach cluster_state:ok")
-                time.sleep(0.05)
+            for s in self.servers:  # each node converges on its own; one that has not answers CLUSTERDOWN
+                while "cluster_state:ok" not in s.cli("cluster", "info"):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"redis cluster node {s.port} did not reach cluster_state:ok")
+                    time.sleep(0.05)
         except BaseException:
             self.cleanup()
             raise
