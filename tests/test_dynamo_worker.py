@@ -118,10 +118,10 @@ def test_serve_stops_the_graph_on_ctrl_c_and_when_a_component_dies(tmp_path):
     base = [sys.executable, "-m", "dynamo_flexkv.cli", "serve", str(ROOT / "graphs" / "agg_router.py"),
             "-f", str(ROOT / "configs" / "agg_router.yaml"), *[a for s in TINY for a in ("--set", s)]]
 
-    def start(name):
+    def start(name, *extra):
         run = tmp_path / name
         p = subprocess.Popen(base + ["--set", f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}",
-                                     "--run-dir", str(run)], stdout=subprocess.PIPE, text=True,
+                                     "--run-dir", str(run), *extra], stdout=subprocess.PIPE, text=True,
                              start_new_session=True)
         deadline = time.monotonic() + 120
         for line in p.stdout:
@@ -149,8 +149,11 @@ def test_serve_stops_the_graph_on_ctrl_c_and_when_a_component_dies(tmp_path):
     serve.send_signal(signal.SIGINT)
     assert serve.wait(timeout=60) == 0
     assert all(gone(pid) for pid in kids)
+    for log in (run / "logs").glob("FlexKVWorker*.log"):  # Dynamo's drain ran: no KeyboardInterrupt
+        text = log.read_text()
+        assert "Traceback" not in text and "flexkv worker stopped" in text, log
 
-    serve, run = start("death")
+    serve, run = start("death", "--set", "FlexKVWorker.on-death=stop")  # (restart is the default)
     kids = children(serve)
     os.kill(next(pid for pid, c in kids.items() if "dynamo_flexkv.worker" in c), signal.SIGKILL)
     assert serve.wait(timeout=60) == 1

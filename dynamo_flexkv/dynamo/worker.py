@@ -286,6 +286,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                     stream = self._streams.pop(r.id, None)
                     if stream is not None:
                         stream.send((None, "cancelled", r.cached_tokens))
+            self.relay.flush()  # this step's KV events leave as one frame
             self._publish_load()
 
     def _take_inbox(self) -> None:
