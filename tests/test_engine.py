@@ -335,7 +335,7 @@ def test_abort_from_another_thread_while_stepping(tmp_path):
                     finished[o.request_id] = o.finish_reason
         done.set()
         t.join()
-        aborted = {r.id for r in engine._finished if r.finish_reason == "abort"}
+        aborted = {r.id for r in engine.take_finished() if r.finish_reason == "abort"}
         assert not aborted & set(finished)
         assert aborted | set(finished) == set(ids)
         assert engine.aborted == len(aborted) and aborted <= set(victims)
