@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_event_plane_binds_loopback(event_plane: str) -> None:
     """Dynamo 1.6.1's direct-mode ZMQ event publishers bind 0.0.0.0 whatever DYN_EVENT_PLANE_HOST
     says; only a broker (DYN_ZMQ_BROKER_URL) keeps them off other interfaces."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return  # in a pod, listening on the pod network is the point (render --k8s)
     if event_plane == "zmq" and not os.environ.get("DYN_ZMQ_BROKER_URL"):
         sys.exit("python -m dynamo_flexkv.worker: --event-plane zmq without DYN_ZMQ_BROKER_URL would make "
                  "Dynamo's event publishers listen on every interface (0.0.0.0). Start the graph with "
