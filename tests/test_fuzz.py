@@ -2,8 +2,10 @@
 the SSD journal replay, the router event frames and the trace reader. Example counts are small so
 the file runs in seconds; a failure prints the smallest input that breaks the property."""
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import zlib
 
@@ -16,8 +18,10 @@ from hypothesis import strategies as st
 from dynamo_flexkv.config import CacheConfig, ConfigError
 from dynamo_flexkv.storage.ssd import JOURNAL, DiskEntry, SsdStore
 
-FAST = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-SCRATCH = tempfile.mkdtemp(prefix="flexkv-fuzz-")  # the only place fuzzed directories may point
+FAST = settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+# The only place fuzzed directories may point; in memory where possible (journals fsync).
+SCRATCH = tempfile.mkdtemp(prefix="flexkv-fuzz-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+atexit.register(shutil.rmtree, SCRATCH, True)
 
 # ---- config loader ------------------------------------------------------------------------------
 
@@ -96,7 +100,7 @@ def _write_journal(directory, history):
 
 HISTORY = st.lists(st.one_of(
     st.tuples(st.just("S"), st.integers(0, N_SLOTS - 1), st.integers(1, 2 ** 64 - 1),
-              st.none() | st.integers(1, 2 ** 64 - 1)),
+              st.none() | st.none() | st.integers(1, 2 ** 64 - 1)),
     st.tuples(st.just("R"), st.integers(0, N_SLOTS - 1))), max_size=40)
 
 
@@ -115,24 +119,43 @@ def _replay(directory, truth):
 
 @FAST
 @given(HISTORY, st.data())
-def test_journal_replay_after_truncation_and_bit_flips(history, data):
+def test_journal_replay_after_truncation(history, data):
     with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
         truth = _write_journal(d, history)
         path = os.path.join(d, JOURNAL)
-        raw = open(path, "rb").read() if os.path.exists(path) else b""
+        if not os.path.exists(path):  # nothing was ever recorded
+            return
+        raw = open(path, "rb").read()
         cut = data.draw(st.integers(0, len(raw)), label="truncate at")
-        flips = data.draw(st.lists(st.integers(0, max(0, cut * 8 - 1)), max_size=3), label="bit flips")
-        damaged = bytearray(raw[:cut])
-        for bit in flips:
-            if damaged:
-                damaged[bit // 8] ^= 1 << (bit % 8)
+        with open(path, "wb") as f:
+            f.write(raw[:cut])
+        report = _replay(d, truth)
+        if cut == len(raw):  # intact: every root block (a hash held once) comes back
+            hashes = [h for h, _ in truth.values()]
+            roots = {b for b, (h, p) in truth.items() if p is None and hashes.count(h) == 1}
+            assert roots <= {e.block_id for e in report.adopted}
+
+
+@FAST
+@given(HISTORY.filter(lambda h: any(op[0] == "S" for op in h)), st.data())
+def test_journal_replay_after_bit_flips(history, data):
+    """A flipped bit in a record must never turn it into another block (a hash digit stays a valid
+    hex digit after most flips; only the line's CRC tells)."""
+    with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+        truth = _write_journal(d, history)
+        path = os.path.join(d, JOURNAL)
+        damaged = bytearray(open(path, "rb").read())
+        starts = [i + 1 for i, c in enumerate(damaged) if c == ord("\n")][:-1]  # record lines, not the header
+        if not starts:
+            return
+        for _ in range(data.draw(st.integers(1, 3), label="flips")):
+            line = data.draw(st.sampled_from(starts), label="line")
+            end = damaged.index(b"\n", line)
+            pos = data.draw(st.integers(line, end - 1), label="byte")
+            damaged[pos] ^= 1 << data.draw(st.integers(0, 7), label="bit")
         with open(path, "wb") as f:
             f.write(bytes(damaged))
-        report = _replay(d, truth)
-        if cut == len(raw) and not flips:  # intact: exactly the blocks whose chain is complete
-            parents = {h for h, _ in truth.values()}
-            assert len(report.adopted) <= len(truth)
-            assert all(p is None or p in parents for p in (e.parent for e in report.adopted))
+        _replay(d, truth)
 
 
 @FAST
@@ -212,9 +235,10 @@ def test_event_frames_decode_to_what_was_published(data):
 
 # ---- trace parsing -------------------------------------------------------------------------------
 
+FINITE = ANY_VALUE.filter(lambda v: not (isinstance(v, float) and abs(v) == float("inf")))
 RECORD = st.fixed_dictionaries({}, optional={
-    "timestamp": ANY_VALUE, "input_length": ANY_VALUE, "output_length": ANY_VALUE,
-    "hash_ids": st.lists(ANY_VALUE, max_size=4) | ANY_VALUE})
+    "timestamp": FINITE, "input_length": FINITE, "output_length": FINITE,
+    "hash_ids": st.lists(FINITE, max_size=4) | FINITE})
 
 
 @FAST
@@ -235,3 +259,12 @@ def test_trace_reader_accepts_records_or_names_the_bad_line(records, tail_garbag
     assert len(out) == len(records)
     for rec in out:
         assert all(isinstance(h, int) for h in rec.hash_ids)
+
+
+@pytest.mark.xfail(strict=True, raises=OverflowError,
+                   reason="defect found by fuzzing: workload.load_trace lets OverflowError escape for a JSON "
+                          "Infinity (int(inf)); fix: catch OverflowError with ValueError there (workload.py is "
+                          "not this test's owner's file), then drop this mark")
+def test_trace_reader_names_the_line_of_an_infinite_number():
+    test_trace_reader_accepts_records_or_names_the_bad_line.hypothesis.inner_test(
+        [{"timestamp": float("inf"), "input_length": 1, "output_length": 1, "hash_ids": [1]}], False)
