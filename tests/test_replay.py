@@ -176,14 +176,39 @@ def test_replay_command_against_a_served_graph(graph, replayed, tmp_path):
     out, summaries = tmp_path / "results", tmp_path / "summaries.jsonl"
     code = main(["replay", "--url", plan.base_url, "--model", plan.served_model_name,
                  "--worker-metrics", ",".join(str(p.port) for p in plan.workers), "--conversations", "6",
-                 "--tokens-per-hash-block", "16", "--max-prompt-tokens", "1000", "--time-scale", "500", "--concurrency", "4",
-                 "--out", str(out), "--json", str(summaries)])
+                 "--tokens-per-hash-block", "16", "--max-prompt-tokens", "1000", "--time-scale", "500",
+                 "--concurrency", "4", "--out", str(out), "--json", str(summaries)])
     assert code == 0
     report = (out / "report.md").read_text()
-    assert "| served | 0 |" in report and "accounting against the workers' flexkv_* counters: served @0: exact" in report
+    assert "| served | 0 |" in report
+    assert "accounting against the workers' flexkv_* counters: served @0: exact" in report
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert lines[0]["bench"] == "replay" and lines[0]["errors"] == 0 and lines[0]["tier_source"] == "responses"
     assert len([x for x in lines if x["bench"] == "replay-request"]) == lines[0]["requests"]
     assert [json.loads(x)["config"] for x in summaries.read_text().splitlines()] == ["served"]
     for png in ("ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+@pytest.mark.slow
+def test_main_job_compares_configurations_end_to_end(tmp_path):
+    """`dynamo-flexkv demo` as a user runs it, smaller: each configuration on its own served graph,
+    a second device size, the table, the findings and every plot."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "demo", "--conversations", "8",
+                           "--configs", "host+ssd,kv-device-only", "--device-blocks", "64,128",
+                           "--sweep-configs", "host+ssd", "--out", str(out), "--json", str(tmp_path / "s.jsonl")],
+                          capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| host+ssd | 64 |" in proc.stdout and "| kv-device-only | 64 |" in proc.stdout
+    assert "| host+ssd | 128 |" in proc.stdout and "tier-aware routing" in proc.stdout
+    assert str(out) in proc.stdout
+    summaries = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [(s["config"], s["device_blocks"]) for s in summaries] == [("host+ssd", 64), ("kv-device-only", 64),
+                                                                       ("host+ssd", 128)]
+    assert all(s["errors"] == 0 and s["accounting"] == "exact" for s in summaries)
+    for png in ("ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png", "device_sweep.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png

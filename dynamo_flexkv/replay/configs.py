@@ -111,7 +111,9 @@ class ConfigRun:
 def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[Turn], *, graph: str,
                      config_file: str, extra_overrides: Sequence[str], time_scale: float, concurrency: int,
                      on_done: Callable[[RequestRecord], None], on_ready: Callable[[], None] = lambda: None,
-                     logs: bool = False) -> ConfigRun:
+                     logs: bool = False) -> Tuple[ConfigRun, "Launcher"]:
+    """Serves ``config`` on a fresh graph and replays ``turns`` against it. The graph is returned
+    still running: the caller stops it (``Launcher.shutdown``), e.g. while the next one starts."""
     from dynamo_flexkv.serve import load_graph
     from dynamo_flexkv.serve.launcher import Launcher
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
@@ -124,12 +126,18 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
                       run_dir=run_dir, source=config_file)
     sys.stderr.write(f"{config.name} @{device_blocks} device blocks: starting {plan.graph.name} "
                      f"({len(plan.workers)} workers), logs in {run_dir}/logs\n")
-    with Launcher(plan, sys.stderr if logs else None) as launcher:
+    launcher = Launcher(plan, sys.stderr if logs else None)
+    launcher.start()  # stops what it started if it fails
+    try:
         launcher.wait_ready(300)
         on_ready()
-        return _measure(config, device_blocks, plan.base_url, plan.served_model_name,
-                        {p.name: p.port for p in plan.workers}, turns, time_scale, concurrency, on_done,
-                        launcher.check_alive)
+        run = _measure(config, device_blocks, plan.base_url, plan.served_model_name,
+                       {p.name: p.port for p in plan.workers}, turns, time_scale, concurrency, on_done,
+                       launcher.check_alive)
+    except BaseException:
+        launcher.shutdown()
+        raise
+    return run, launcher
 
 
 def replay_url(url: str, model: str, turns: Sequence[Turn], *, ports: Sequence[int], time_scale: float,

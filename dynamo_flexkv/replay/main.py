@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from dynamo_flexkv.workload import TRACE_BLOCK, Scale, trace_turns
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only"
+HOST_GB = 0.03125
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-f", "--config", default=str(ROOT / "configs" / "agg_router.yaml"))
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every configuration (e.g. FlexKVWorker.cache.cpu_cache_gb=0.25)")
+    g.add_argument("--host-gb", type=float, default=HOST_GB,
+                   help=f"host tier per worker in GB (default {HOST_GB}: 128 blocks of the small preset, a third "
+                   "of what the default workload leaves on a worker, so the SSD tier matters)")
     g.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help=f"configurations compared at the first device size (default {DEFAULT_CONFIGS})")
     g.add_argument("--device-blocks", help="device KV blocks per worker, comma-separated: the first size runs "
@@ -88,6 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     from dynamo_flexkv.replay.report import first_error, markdown, summarize, write_jsonl
 
     preset = FULL if args.full else DEFAULT
+    args.set = [f"FlexKVWorker.cache.cpu_cache_gb={args.host_gb}", *args.set]  # an explicit --set still wins
     scale = Scale(conversations=args.conversations or preset.conversations, min_turns=args.min_turns,
                   max_turns=args.max_turns, tokens_per_hash_block=args.tokens_per_hash_block,
                   max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens)
@@ -111,30 +117,40 @@ def _run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     runs: List[ConfigRun] = []
     failed: List[str] = []
-    for config, blocks in plan:
-        progress = Progress(len(turns), f"{config.name} @{blocks}")
-        try:
-            if args.url:
-                progress.start()
-                run = replay_url(args.url, args.model, turns, ports=_ports(args.worker_metrics),
-                                 time_scale=args.time_scale, concurrency=args.concurrency, on_done=progress.done)
-            else:
-                run = serve_and_replay(config, blocks, turns, graph=args.graph, config_file=args.config,
-                                       extra_overrides=args.set, time_scale=args.time_scale,
-                                       concurrency=args.concurrency, on_done=progress.done,
-                                       on_ready=progress.start, logs=args.logs)
-        except (ComponentDied, TimeoutError, RuntimeError, OSError) as e:  # this run only: the others still count
-            failed.append(f"{config.name} @{blocks}: {e}")
-            sys.stderr.write(f"error: {failed[-1]}\n")
-            continue
-        finally:
-            progress.close()
-        runs.append(run)
-        s = summarize(run)
-        write_jsonl(out / "results.jsonl", [s], [run], workload, setup, per_request=True)  # kept if a later run fails
-        sys.stderr.write(f"{config.name} @{blocks}: {s.requests} requests, {s.errors} errors, TTFT p50 "
-                         f"{s.ttft_p50_ms:.0f} ms, {s.hit_rate['all']:.0%} of prompt tokens cached, "
-                         f"{run.wall_s:.0f} s\n")
+    stopping = Stopping()
+    try:
+        for config, blocks in plan:
+            progress = Progress(len(turns), f"{config.name} @{blocks}")
+            try:
+                if args.url:
+                    progress.start()
+                    run = replay_url(args.url, args.model, turns, ports=_ports(args.worker_metrics),
+                                     time_scale=args.time_scale, concurrency=args.concurrency, on_done=progress.done)
+                else:
+                    def ready(progress=progress) -> None:
+                        stopping.wait()  # the previous graph is gone before this one is measured
+                        progress.start()
+
+                    run, launcher = serve_and_replay(config, blocks, turns, graph=args.graph, config_file=args.config,
+                                                     extra_overrides=args.set, time_scale=args.time_scale,
+                                                     concurrency=args.concurrency, on_done=progress.done,
+                                                     on_ready=ready, logs=args.logs)
+                    stopping.start(launcher)  # stops while the next graph starts
+            except (ComponentDied, TimeoutError, RuntimeError, OSError) as e:  # this run only: the others count
+                failed.append(f"{config.name} @{blocks}: {e}")
+                sys.stderr.write(f"error: {failed[-1]}\n")
+                continue
+            finally:
+                progress.close()
+            runs.append(run)
+            s = summarize(run)
+            # written now: kept if a later run fails
+            write_jsonl(out / "results.jsonl", [s], [run], workload, setup, per_request=True)
+            sys.stderr.write(f"{config.name} @{blocks}: {s.requests} requests, {s.errors} errors, TTFT p50 "
+                             f"{s.ttft_p50_ms:.0f} ms, {s.hit_rate['all']:.0%} of prompt tokens cached, "
+                             f"{run.wall_s:.0f} s\n")
+    finally:
+        stopping.wait()
     if not runs:
         print("error: no configuration ran: " + "; ".join(failed), file=sys.stderr)
         return 1
@@ -155,6 +171,24 @@ def _run(args: argparse.Namespace) -> int:
     if err:
         print(f"error: {sum(s.errors for s in summaries)} requests failed; the first: {err}", file=sys.stderr)
     return 1 if err or failed else 0
+
+
+class Stopping:
+    """Stops one served graph in the background (its drain and exit take a while), so the next
+    graph starts meanwhile; ``wait`` before measuring anything."""
+
+    def __init__(self) -> None:
+        self.thread: Optional[threading.Thread] = None
+
+    def start(self, launcher) -> None:
+        self.wait()
+        self.thread = threading.Thread(target=launcher.shutdown, name="stop-graph")
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
 
 
 class Progress:

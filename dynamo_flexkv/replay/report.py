@@ -133,9 +133,10 @@ def findings(summaries: Sequence[Summary]) -> List[str]:
     for blocks in sorted({s.device_blocks for s in summaries}):
         tiered, device_only, none = (by.get((c, blocks)) for c in ("host+ssd", "kv-device-only", "no-offload"))
         if tiered and device_only:
-            holds = tiered.hit_rate["all"] > device_only.hit_rate["all"] and tiered.ttft_p50_ms < device_only.ttft_p50_ms
+            t, d = tiered.hit_rate["all"], device_only.hit_rate["all"]
+            holds = t > d and tiered.ttft_p50_ms < device_only.ttft_p50_ms
             out.append(f"- {blocks} device blocks: tier-aware routing {'beats' if holds else 'does NOT beat'} "
-                       f"device-only routing: hit rate {tiered.hit_rate['all']:.0%} vs {device_only.hit_rate['all']:.0%}, "
+                       f"device-only routing: hit rate {t:.0%} vs {d:.0%}, "
                        f"TTFT p50 {_fmt(tiered.ttft_p50_ms)} vs {_fmt(device_only.ttft_p50_ms)} ms.")
         if tiered and none:
             holds = tiered.ttft_p50_ms < none.ttft_p50_ms and tiered.computed_tokens < none.computed_tokens
