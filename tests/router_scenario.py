@@ -56,14 +56,15 @@ class Checker:
         while kv.cache.task_ids():  # background disk writes land before we look
             await asyncio.sleep(0.01)
         want = expected(engine, kv, prompt)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
         while True:
             got = observed(await self.router.get_overlap_scores(prompt))
-            if got == want or time.monotonic() > deadline:
+            if got == want or time.monotonic() > start + timeout:
                 break
             await asyncio.sleep(0.1)
         self.failures += got != want
-        print(json.dumps({"check": name, "want": want, "got": got}), flush=True)
+        waited = round(time.monotonic() - start, 2)  # until the router agreed (events in flight)
+        print(json.dumps({"check": name, "want": want, "got": got, "waited_s": waited}), flush=True)
 
 
 def cache_config(workdir, host_blocks, disk_blocks):
