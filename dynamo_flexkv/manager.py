@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -80,7 +80,8 @@ class KVManager:
         self._closed = False
         self._live_graphs = 0  # submitted graphs whose finish callback has not run yet
         self._idle = threading.Condition()
-        self._finished: Deque[Task] = collections.deque()  # finished tasks, oldest first (for expiry)
+        # Finished results nobody has collected yet, oldest first: id -> finish time (for expiry).
+        self._uncollected: "collections.OrderedDict[int, float]" = collections.OrderedDict()
         self.expired_results = 0
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -204,6 +205,7 @@ class KVManager:
                 out[task.id] = task.result
                 with self._lock:
                     self._tasks.pop(task.id, None)
+                    self._uncollected.pop(task.id, None)
             else:
                 out[task.id] = TaskResult(task.id, task.kind, TaskStatus.TIMEOUT)
         return out
@@ -308,7 +310,7 @@ class KVManager:
         """A new task; if issuing it fails, it leaves nothing behind (no record, no index state)."""
         with self._lock:
             self._check_open(f"{kind.value}_async")
-            task = Task(next(self._ids), kind, self.model.num_layers, on_finish=self._finished.append)
+            task = Task(next(self._ids), kind, self.model.num_layers, on_finish=self._result_ready)
             self._tasks[task.id] = task
         self._expire_results()
         try:
@@ -317,7 +319,7 @@ class KVManager:
             self.cache.abort_task(task.id)
             with self._lock:
                 self._tasks.pop(task.id, None)
-            task.finish(TaskResult(task.id, kind, TaskStatus.FAILED, error=f"refused: {e}"))
+            task.finish(TaskResult(task.id, kind, TaskStatus.FAILED, error=f"refused: {e}"))  # wakes no one
             raise
 
     def _plan_tokens(self, task: Task, plan) -> None:
@@ -326,14 +328,21 @@ class KVManager:
         if plan.disk_reads is not None:  # blocks the caller skips are not read
             task.planned_disk_tokens = max(0, plan.disk_reads.end - max(plan.disk_reads.start, plan.start)) * tpb
 
+    def _result_ready(self, task: Task) -> None:
+        with self._lock:
+            if task.id in self._tasks:
+                self._uncollected[task.id] = task.finished_at
+
     def _expire_results(self) -> None:
         """Drops results nobody collected within task_result_ttl_seconds (oldest first)."""
         cutoff = time.monotonic() - self.config.task_result_ttl_seconds
         with self._lock:
-            while self._finished and self._finished[0].finished_at <= cutoff:
-                task = self._finished.popleft()
-                if self._tasks.get(task.id) is task:
-                    del self._tasks[task.id]
+            while self._uncollected:
+                task_id, finished_at = next(iter(self._uncollected.items()))
+                if finished_at > cutoff:
+                    break
+                del self._uncollected[task_id]
+                if self._tasks.pop(task_id, None) is not None:
                     self.expired_results += 1
 
     def _submit(self, task: Task, graph: TransferGraph) -> None:

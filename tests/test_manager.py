@@ -282,3 +282,23 @@ def test_planned_tokens_by_tier_when_skip_covers_part_of_the_disk_run(tmp_path):
         t = kv.get_async(prompt, list(range(6)), skip_blocks=1)  # now all six on host
         assert kv.planned_tokens_by_tier(t) == {"host": 5 * TPB, "disk": 0}
         kv.wait([t])
+
+
+def test_results_nobody_collects_expire(tmp_path):
+    import time
+    rng = np.random.default_rng(0)
+    with KVManager(MODEL, config(tmp_path, disk_blocks=0, task_result_ttl_seconds=0.3)) as kv:
+        dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
+        kv.register_device_cache(dev)
+        prompt = list(range(4 * TPB))
+        forgotten, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt, rng)
+        assert kv.drain(30)
+        collected = kv.get_async(prompt, [0, 1, 2, 3])
+        assert kv.wait([collected])[collected].ok
+        assert kv.stats()["tasks"]["in_flight"] == 1  # the forgotten put's result waits for its TTL
+        time.sleep(0.4)
+        st = kv.stats()["tasks"]
+        assert st["in_flight"] == 0 and st["expired_results"] == 1
+        with pytest.raises(KeyError, match="nobody collected it within task_result_ttl_seconds"):
+            kv.wait([forgotten])
+        assert len(kv._uncollected) == 0  # nothing else is kept for expired or collected tasks
