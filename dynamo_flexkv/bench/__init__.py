@@ -14,7 +14,7 @@ from dynamo_flexkv.bench.report import Case, print_table, write_json
 # name -> (module, one-line description).
 BENCHES: Dict[str, tuple] = {
     "index": ("dynamo_flexkv.bench.index", "hash + longest-prefix match, insert, evict vs Dynamo's RadixTree"),
-    "links": ("dynamo_flexkv.bench.links", "device<->host and host<->disk bandwidth vs same-run copy / fio"),
+    "links": ("dynamo_flexkv.bench.links", "device<->host and host<->disk bandwidth vs same-run contiguous copy / sequential disk batch"),
     "ttft": ("dynamo_flexkv.bench.ttft", "reference-engine TTFT with cached prefixes vs same-run recompute"),
     "remote": ("dynamo_flexkv.bench.remote", "Redis put/get GB/s (standalone and cluster) vs same-run redis-benchmark"),
 }
