@@ -12,7 +12,7 @@ import numpy as np
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from kv_helpers import TPB, config, device_tensors, holds
 
-ROUNDS = int(os.environ.get("FLEXKV_CRASH_ROUNDS", "10"))
+ROUNDS = int(os.environ.get("FLEXKV_CRASH_ROUNDS", "8"))
 
 
 def _chains(adopted):
