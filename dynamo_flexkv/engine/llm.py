@@ -37,6 +37,7 @@ class LLMEngine:
         seed: int = 0,
         on_device_stored: Optional[Callable[[List[int], Optional[int], List[int]], None]] = None,
         on_device_removed: Optional[Callable[[List[int]], None]] = None,
+        remote_fill: Optional[Callable[[Request, int, int], int]] = None,
     ) -> None:
         self.cfg = cfg
         self.model = model or LlamaModel(cfg, device, seed)
@@ -52,6 +53,9 @@ class LLMEngine:
         self.layerwise = layerwise
         self.offload_puts = offload_puts  # False: load from offload tiers but never store (benchmarks)
         self.device_prefix_cache = device_prefix_cache  # False: blocks are freed when a request ends
+        # Disaggregated decode (dynamo_flexkv.disagg): fills prompt blocks [first, cap) that the local
+        # tiers lack from the prefill worker, before any compute; returns how many it filled.
+        self.remote_fill = remote_fill
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
@@ -222,6 +226,8 @@ class LLMEngine:
                 req.offload_hit_tokens = by_tier["host"] + by_tier["disk"]
                 req.disk_hit_tokens = by_tier["disk"]
                 req.num_computed += req.offload_hit_tokens
+        if self.remote_fill is not None:
+            req.num_computed += self.remote_fill(req, req.num_computed // bs, cap) * bs
         return True
 
     def _build_batch(self):

@@ -1,0 +1,65 @@
+"""What travels in ``disaggregated_params`` from the prefill worker to the decode worker: the
+prefill agent's NIXL metadata and name, where its KV lives, the leased block ids and the lease."""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Mapping, Optional
+
+KEY = "flexkv_handover"
+VERSION = 1
+
+
+class HandoverRefused(ValueError):
+    """The decode worker cannot use this handover (a different model layout, a malformed payload);
+    it recomputes the prompt instead."""
+
+
+@dataclass(frozen=True)
+class HandoverParams:
+    agent: str  # the prefill worker's NIXL agent name
+    metadata: Optional[str]  # its agent metadata, zlib + base64 (None: the decode worker knows it already)
+    lease: str
+    blocks: List[int]  # device block ids of the prompt's first len(blocks) full blocks, in order
+    last_hash: Optional[int]  # sequence hash of the last leased block: same prompt, same model
+    layer_addrs: List[int]  # base address of each layer's KV tensor on the prefill worker
+    block_bytes: int  # bytes of one block of one layer
+    mem: str  # "DRAM" or "VRAM"
+    dev: int  # device id of those tensors
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {KEY: dict(asdict(self), version=VERSION)}
+
+    @classmethod
+    def from_dict(cls, payload: Optional[Mapping[str, Any]]) -> Optional["HandoverParams"]:
+        """None when the payload carries no handover (a prefill worker that held nothing)."""
+        if not isinstance(payload, Mapping) or payload.get(KEY) is None:
+            return None
+        d = payload[KEY]
+        if not isinstance(d, Mapping) or d.get("version") != VERSION:
+            raise HandoverRefused(f"disaggregated_params.{KEY}: expected version {VERSION}, got "
+                                  f"{d.get('version') if isinstance(d, Mapping) else type(d).__name__}")
+        try:
+            p = cls(agent=str(d["agent"]), metadata=d.get("metadata"), lease=str(d["lease"]),
+                    blocks=[int(b) for b in d["blocks"]],
+                    last_hash=None if d.get("last_hash") is None else int(d["last_hash"]),
+                    layer_addrs=[int(a) for a in d["layer_addrs"]], block_bytes=int(d["block_bytes"]),
+                    mem=str(d["mem"]), dev=int(d["dev"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise HandoverRefused(f"disaggregated_params.{KEY} is malformed ({type(e).__name__}: {e})") from None
+        if p.mem not in ("DRAM", "VRAM") or p.block_bytes <= 0 or any(b < 0 for b in p.blocks):
+            raise HandoverRefused(f"disaggregated_params.{KEY}: bad memory description {p.mem}/{p.block_bytes}")
+        return p
+
+
+def pack_metadata(raw: bytes) -> str:
+    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
+
+
+def unpack_metadata(text: str) -> bytes:
+    try:
+        return zlib.decompress(base64.b64decode(text))
+    except (ValueError, zlib.error) as e:
+        raise HandoverRefused(f"NIXL agent metadata does not decode: {e}") from None

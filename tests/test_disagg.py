@@ -1,0 +1,161 @@
+"""Disaggregated prefill/decode inside one process: two engines with their own NIXL (UCX) agents,
+the real lease table and the real pull. Decode tokens must equal the aggregated engine's, the
+pulled KV bytes must equal the prefill engine's, and no lease or block may be left behind."""
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
+
+from dynamo_flexkv.disagg import HandoverParams, HandoverRefused, LeaseTable  # noqa: E402
+from dynamo_flexkv.disagg.nixl_kv import KVAgent, _runs  # noqa: E402
+from dynamo_flexkv.disagg.params import KEY  # noqa: E402
+from dynamo_flexkv.disagg.roles import DecodeSide, PrefillSide  # noqa: E402
+from dynamo_flexkv.engine import EngineModelConfig, LLMEngine  # noqa: E402
+from dynamo_flexkv.engine.request import SamplingParams  # noqa: E402
+
+CFG = EngineModelConfig.load("tiny")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_lease_ends_on_release_or_expiry_never_twice():
+    clock = Clock()
+    table = LeaseTable(5.0, clock)
+    a, b = table.grant([1, 2]), table.grant([3])
+    assert a.id != b.id and len(table) == 2
+    assert table.release(a.id).blocks == [1, 2]
+    assert table.release(a.id) is None  # a repeated notice releases nothing twice
+    clock.now = 4.9
+    assert table.expire() == []
+    clock.now = 5.0
+    assert [x.id for x in table.expire()] == [b.id]
+    assert table.release(b.id) is None and len(table) == 0  # a late notice after expiry
+    assert (table.granted, table.released, table.expired_count) == (2, 1, 1)
+    with pytest.raises(ValueError, match="ttl"):
+        LeaseTable(0)
+
+
+def test_params_round_trip_and_refuse_malformed_payloads():
+    p = HandoverParams("agent", "bWV0YQ==", "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0)
+    assert HandoverParams.from_dict(p.to_dict()) == p
+    assert HandoverParams.from_dict({}) is None and HandoverParams.from_dict(None) is None
+    for bad in ({KEY: {"version": 99}}, {KEY: "x"}, {KEY: dict(p.to_dict()[KEY], blocks="no")},
+                {KEY: dict(p.to_dict()[KEY], mem="HBM")}, {KEY: {k: v for k, v in p.to_dict()[KEY].items()
+                                                               if k != "lease"}}):
+        with pytest.raises(HandoverRefused):
+            HandoverParams.from_dict(bad)
+
+
+def test_runs_merge_blocks_that_advance_together():
+    assert _runs([0, 1, 2, 7, 8], [5, 6, 7, 9, 11]) == [(0, 5, 3), (7, 9, 1), (8, 11, 1)]
+    assert _runs([], []) == []
+
+
+def _prompts(n, rng):
+    """Mixed lengths; about half share a prefix with an earlier prompt."""
+    out = []
+    for _ in range(n):
+        if out and rng.random() < 0.5:
+            base = rng.choice(out)
+            keep = rng.randint(1, len(base))
+            out.append(base[:keep] + [rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 60))])
+        else:
+            out.append([rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 120))])
+    return out
+
+
+def _decode_one(engine, side, rid, prompt, params, handover):
+    engine.add_request(prompt, params, request_id=rid)
+    side.expect(rid, HandoverParams.from_dict(handover))
+    while engine.has_unfinished():
+        engine.step()
+    (req,) = [r for r in engine.take_finished() if r.id == rid]
+    return req.output
+
+
+@pytest.fixture
+def pair():
+    prefill = LLMEngine(CFG, num_device_blocks=48)
+    decode = LLMEngine(CFG, num_device_blocks=48)
+    p_agent, d_agent = KVAgent(prefill.kv_cache.layers), KVAgent(decode.kv_cache.layers)
+    p_side = PrefillSide(prefill, p_agent, lease_ttl=30)
+    d_side = DecodeSide(decode, d_agent, pull_timeout=10)
+    decode.remote_fill = d_side.fill
+    yield prefill, decode, p_side, d_side
+    p_side.close()
+    d_agent.close()
+    p_agent.close()
+
+
+def test_decode_tokens_and_pulled_bytes_equal_aggregated_and_prefill(pair):
+    prefill, decode, p_side, d_side = pair
+    agg = LLMEngine(CFG, num_device_blocks=48)
+    rng = random.Random(7)
+    params = SamplingParams(max_tokens=5)
+    pulled = []
+    fill = d_side.fill
+
+    def recording_fill(req, first, cap):
+        p = d_side._pending.get(req.id)
+        got = fill(req, first, cap)
+        if got:
+            pulled.append((list(p.blocks[first:first + got]), list(req.block_table[first:first + got])))
+        return got
+    decode.remote_fill = recording_fill
+
+    for i, prompt in enumerate(_prompts(12, rng)):
+        (want,) = agg.generate([prompt], params)
+        prefill.generate([prompt], SamplingParams(max_tokens=1))
+        handover = p_side.hand_over(prompt)
+        assert bool(handover) == (len(prompt) > CFG.block_size)
+        got = _decode_one(decode, d_side, f"d{i}", prompt, params, handover)
+        assert got == want.output, f"prompt {i} ({len(prompt)} tokens)"
+        for remote, local in pulled:  # the bytes decode computes on are the prefill worker's
+            for layer in range(CFG.num_layers):
+                assert torch.equal(decode.kv_cache.layers[layer][local], prefill.kv_cache.layers[layer][remote])
+        pulled.clear()
+        p_side.service()
+    assert d_side.stats.pulled_blocks > 0 and d_side.stats.local_blocks > 0  # shared prefixes hit locally
+    assert d_side.stats.failed == 0
+    # Every lease ended on its release notice; every block is free or evictable on both sides.
+    assert len(p_side.leases) == 0 and p_side.leases.released == p_side.leases.granted > 0
+    assert prefill.pool.num_available == prefill.pool.num_blocks
+    assert decode.pool.num_available == decode.pool.num_blocks
+
+
+def test_a_refused_or_failed_handover_is_recomputed_exactly_and_the_lease_still_ends(pair):
+    prefill, decode, p_side, d_side = pair
+    agg = LLMEngine(CFG, num_device_blocks=48)
+    prompt = list(range(1, 100))
+    params = SamplingParams(max_tokens=4)
+    (want,) = agg.generate([prompt], params)
+    prefill.generate([prompt], SamplingParams(max_tokens=1))
+    good = p_side.hand_over(prompt)
+    # Another prompt's handover (its hash differs): refused, recomputed, lease released.
+    other = dict(good[KEY], last_hash=good[KEY]["last_hash"] ^ 1)
+    assert _decode_one(decode, d_side, "r1", prompt, params, {KEY: other}) == want.output
+    assert d_side.stats.failed == 1
+    # An agent that does not exist: the pull fails, the prompt is recomputed.
+    decode.pool = type(decode.pool)(decode.pool.num_blocks)  # forget what r1 computed
+    ghost = dict(good[KEY], agent="flexkv-kv-gone", metadata="bm90IG1ldGFkYXRh")
+    assert _decode_one(decode, d_side, "r2", prompt, params, {KEY: ghost}) == want.output
+    assert d_side.stats.failed == 2
+    p_side.service()
+    assert len(p_side.leases) == 0  # r1's release notice ended the one real lease
+    # A lease whose decode worker never answers ends by timeout.
+    clock = Clock()
+    p_side.leases = LeaseTable(3.0, clock)
+    p_side.hand_over(prompt)
+    assert prefill.pool.num_available < prefill.pool.num_blocks
+    clock.now = 3.0
+    p_side.service()
+    assert len(p_side.leases) == 0 and prefill.pool.num_available == prefill.pool.num_blocks
