@@ -51,6 +51,7 @@ class CacheConfig:
     io_queue_depth: int = 512  # io_uring submission depth for the disk tier
     use_huge_pages: bool = False
     task_result_ttl_seconds: float = 600.0  # a finished result nobody collected is dropped after this
+    max_tasks_in_flight: int = 4096  # running tasks (background disk writes included) before new ones are refused
 
     def __post_init__(self) -> None:
         # The constructor converts like the loader: "a;b" is two directories, "lfu" a policy.
@@ -127,6 +128,8 @@ class CacheConfig:
         for key in ("slru_protected_hits", "disk_admission_hits"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
+        if self.max_tasks_in_flight < 1:
+            raise ConfigError(f"max_tasks_in_flight={self.max_tasks_in_flight} must be >= 1")
         if not 1 <= self.io_queue_depth <= 32768:
             raise ConfigError(f"io_queue_depth={self.io_queue_depth} must be in [1, 32768]")
         if self.ssd_cache_gb > 0:

@@ -31,7 +31,7 @@ from dynamo_flexkv.storage.device import DeviceCache
 from dynamo_flexkv.storage.host import HostPool
 from dynamo_flexkv.storage.ssd import DiskEntry, SsdStore
 from dynamo_flexkv.task_graphs import GraphBuilder
-from dynamo_flexkv.tasks import ManagerClosed, Task, TaskFailed, TaskKind, TaskResult, TaskStatus
+from dynamo_flexkv.tasks import ManagerClosed, Task, TaskFailed, TaskKind, TaskResult, TaskStatus, TooManyTasks
 from dynamo_flexkv.transfer.engine import TransferEngine
 from dynamo_flexkv.transfer.graph import OpKind, TransferGraph
 from dynamo_flexkv.transfer.movers import DiskMover, HostDeviceMover
@@ -310,6 +310,10 @@ class KVManager:
         """A new task; if issuing it fails, it leaves nothing behind (no record, no index state)."""
         with self._lock:
             self._check_open(f"{kind.value}_async")
+            limit = self.config.max_tasks_in_flight
+            if self._live_graphs >= limit:  # bounded work under a flood: refuse rather than queue forever
+                raise TooManyTasks(f"{kind.value}_async refused: {self._live_graphs} tasks in flight "
+                                   f"(max_tasks_in_flight={limit}); wait for some, or raise max_tasks_in_flight")
             task = Task(next(self._ids), kind, self.model.num_layers, on_finish=self._result_ready)
             self._tasks[task.id] = task
         self._expire_results()

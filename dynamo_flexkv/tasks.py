@@ -42,6 +42,11 @@ class TaskFailed(RuntimeError):
     """wait_for_layer on a task that failed or was cancelled: the engine must recompute."""
 
 
+class TooManyTasks(RuntimeError):
+    """max_tasks_in_flight tasks are running: this one was refused (nothing was planned or queued).
+    The engine recomputes instead, or waits for some tasks first."""
+
+
 class ManagerClosed(RuntimeError):
     """A call on a KVManager after its shutdown(): its memory and cache directories are released
     (another manager may hold them now); create a new KVManager instead."""

@@ -168,7 +168,9 @@ def test_gds_needs_nixl(tmp_path):
 
 
 def test_task_result_ttl():
-    assert CacheConfig().task_result_ttl_seconds == 600.0
+    assert CacheConfig().task_result_ttl_seconds == 600.0 and CacheConfig().max_tasks_in_flight == 4096
+    with pytest.raises(ConfigError, match="max_tasks_in_flight=0 must be >= 1"):
+        CacheConfig(max_tasks_in_flight=0)
     assert CacheConfig.load(env={"FLEXKV_TASK_RESULT_TTL_SECONDS": "2.5"}).task_result_ttl_seconds == 2.5
     with pytest.raises(ConfigError, match=r"task_result_ttl_seconds=0.0 must be > 0"):
         CacheConfig(task_result_ttl_seconds=0)

@@ -298,3 +298,34 @@ def test_eio_injected_in_the_disk_mover(kv):
     assert all(holds(kv.dev, KVLayoutType.LAYERBLOCK, 4 + j, int(s)) for j, s in enumerate(kv.hashes(prompt).sequence))
     idle(kv)
     assert_no_leaks(kv)
+
+
+def test_a_flood_is_refused_past_max_tasks_in_flight(tmp_path):
+    """Work in flight is bounded: with disk writes stuck, new tasks are refused with a clear error
+    (nothing planned, no record) instead of queueing without bound; they run again once it drains."""
+    from dynamo_flexkv.tasks import TooManyTasks
+    with KVManager(MODEL, config(tmp_path, host_blocks=16, disk_blocks=48, max_tasks_in_flight=3)) as kv:
+        dev = device_tensors(KVLayoutType.LAYERBLOCK, DEV)
+        kv.register_device_cache(dev)
+        gate = threading.Event()
+        mover = kv.transfer.movers[OpKind.H2DISK]
+        orig = mover.run
+        mover.run = lambda op: (gate.wait(30), orig(op))[1]
+        try:
+            ids = [kv.put_async([i] * TPB, [i]) for i in range(3)]
+            assert all(r.ok for r in kv.wait(ids, timeout=30).values())  # device copies done, disk writes held
+            before = kv.stats()
+            with pytest.raises(TooManyTasks, match=r"put_async refused: 3 tasks in flight \(max_tasks_in_flight=3\)"):
+                kv.put_async([9] * TPB, [9])
+            with pytest.raises(TooManyTasks, match="get_async refused"):
+                kv.get_async([0] * TPB, [10])
+            after = kv.stats()
+            assert after["tasks"]["in_flight"] == before["tasks"]["in_flight"]
+            assert after["host"]["used_blocks"] == before["host"]["used_blocks"]
+        finally:
+            gate.set()
+            mover.run = orig
+        idle(kv)
+        assert_no_leaks(kv)
+        t = kv.get_async([0] * TPB, [10])
+        assert kv.wait([t])[t].num_tokens == TPB
