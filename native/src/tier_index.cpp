@@ -25,7 +25,7 @@ std::string hex(uint64_t value) {
 HashSlotTable::HashSlotTable() { rehash(16); }
 
 void HashSlotTable::rehash(size_t buckets) {
-  std::vector<Entry> old;
+  decltype(entries_) old;
   old.swap(entries_);
   entries_.assign(buckets, Entry{0, kNoSlot});
   mask_ = buckets - 1;
@@ -87,6 +87,14 @@ void HashSlotTable::erase(uint64_t key) {
   }
   entries_[hole].slot = kNoSlot;
   --size_;
+}
+
+void HashSlotTable::erase_all(const uint64_t* keys, size_t n) {
+  for (size_t i = 0; i < std::min(n, kPrefetchAhead); ++i) prefetch(keys[i]);
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) prefetch(keys[i + kPrefetchAhead]);
+    erase(keys[i]);
+  }
 }
 
 void HashSlotTable::clear() {
@@ -233,8 +241,8 @@ void TierIndexCore::unlock_block(Block& b) {
   if (--b.locks == 0) maybe_push(b);
 }
 
-void TierIndexCore::remove(Block& b) {
-  table_.erase(b.hash);
+void TierIndexCore::remove(Block& b, bool erase_key) {
+  if (erase_key) table_.erase(b.hash);
   free_.push_back(slot_of(b));
   b.live = false;
   if (b.ready) --num_ready_;
@@ -245,18 +253,22 @@ void TierIndexCore::remove(Block& b) {
 }
 
 void TierIndexCore::evict_into(size_t count, Removed& out) {
+  // Nothing looks keys up while this runs, so their table entries go in one prefetched batch.
+  const size_t start = out.hashes.size();
   size_t taken = 0;
   while (taken < count && !heap_.empty()) {
     std::pop_heap(heap_.begin(), heap_.end(), later);
     const HeapEntry e = heap_.back();
     heap_.pop_back();
+    if (!heap_.empty()) __builtin_prefetch(&blocks_[heap_.front().slot]);  // likely the next one
     Block& b = blocks_[e.slot];
     if (!b.live || b.version != e.version || !candidate(b)) continue;  // stale entry
     out.hashes.push_back(b.hash);
     out.slots.push_back(e.slot);
-    remove(b);
+    remove(b, false);
     ++taken;
   }
+  table_.erase_all(out.hashes.data() + start, taken);
   evictions_ += taken;
 }
 

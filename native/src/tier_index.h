@@ -8,8 +8,12 @@
 //
 // Not thread-safe: the bindings serialize calls with a mutex.
 #pragma once
+#include <sys/mman.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -25,6 +29,36 @@ constexpr int64_t kUnknownOwner = -2;  // an owner that holds no block: matches 
 constexpr size_t kPrefetchAhead = 8;   // batch loops prefetch the bucket / block this far ahead
 
 enum class EvictionPolicy : uint8_t { kLru, kLfu, kSlru, kFifo, kFilo, kMru };
+
+// Big tables on transparent huge pages (where the kernel allows it, madvise mode included):
+// lookups are random, and with 4 KiB pages nearly every one also missed the TLB.
+template <class T>
+struct HugePageAllocator {
+  using value_type = T;
+  static constexpr size_t kHugePage = size_t{2} << 20;
+  HugePageAllocator() = default;
+  template <class U>
+  HugePageAllocator(const HugePageAllocator<U>&) {}
+  static size_t rounded(size_t n) { return (n * sizeof(T) + kHugePage - 1) / kHugePage * kHugePage; }
+  T* allocate(size_t n) {
+    if (n * sizeof(T) < kHugePage) return static_cast<T*>(::operator new(n * sizeof(T)));
+    void* p = std::aligned_alloc(kHugePage, rounded(n));
+    if (p == nullptr) throw std::bad_alloc();
+    madvise(p, rounded(n), MADV_HUGEPAGE);  // advice only: fine if refused
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) {
+    if (n * sizeof(T) < kHugePage) {
+      ::operator delete(p);
+    } else {
+      std::free(p);
+    }
+  }
+  template <class U>
+  bool operator==(const HugePageAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const HugePageAllocator<U>&) const { return false; }
+};
 
 // A request that would break an index invariant (a caller bug). When `names_owner` is set the
 // message ends where the owner belongs; the bindings append it (owners are Python objects).
@@ -91,6 +125,7 @@ class HashSlotTable {
   bool insert_new(uint64_t key, uint32_t slot);   // false (and no change) if present
   void assign(uint64_t key, uint32_t slot);       // key must be present
   void erase(uint64_t key);                       // key must be present
+  void erase_all(const uint64_t* keys, size_t n);  // each present; prefetched like find_all
   void clear();
   size_t size() const { return size_; }
 
@@ -103,7 +138,7 @@ class HashSlotTable {
   size_t position(uint64_t key) const;  // key must be present
   void rehash(size_t buckets);
 
-  std::vector<Entry> entries_;
+  std::vector<Entry, HugePageAllocator<Entry>> entries_;
   size_t mask_ = 0;
   unsigned shift_ = 64;
   size_t size_ = 0;
@@ -188,7 +223,9 @@ class TierIndexCore {
   void maybe_push(Block& b);
   void compact_heap();
   void unlock_block(Block& b);
-  void remove(Block& b);  // a leaf; its slot goes back to the pool
+  // A leaf; its slot goes back to the pool. Its key leaves the table unless the caller erases
+  // a batch of keys itself (erase_key = false).
+  void remove(Block& b, bool erase_key = true);
   void evict_into(size_t count, Removed& out);
   void make_room(size_t n, Removed& evicted);
   uint32_t allocate_slot() {
@@ -199,7 +236,7 @@ class TierIndexCore {
 
   TierIndexOptions opt_;
   HashSlotTable table_;
-  std::vector<Block> blocks_;    // by slot; grows as slots are first used
+  std::vector<Block, HugePageAllocator<Block>> blocks_;  // by slot; grows as slots are first used
   std::vector<uint32_t> free_;   // a stack: the next slot handed out is free_.back()
   std::vector<HeapEntry> heap_;  // eviction candidates; entries with an old version are skipped
   std::unordered_map<int64_t, int64_t> owned_;  // owner -> unready blocks it holds
