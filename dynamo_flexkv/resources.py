@@ -44,13 +44,14 @@ def resolve(kind: str, name_or_path: str) -> str:
     shipped one by name (``agg_router``, ``agg_router.py``) or by its repository path
     (``graphs/agg_router.py``), so the README's commands work from any directory with an installed
     wheel. Anything else is returned unchanged for the caller's "does not exist" error."""
+    shipped = shipped_dir(kind)  # also rejects an unknown kind
     given = Path(name_or_path)
     if given.is_file():
         return name_or_path
     parts = given.parts
     if len(parts) == 1 or (len(parts) == 2 and parts[0] == kind):
         name = given.name if given.suffix else given.name + _SUFFIX[kind]
-        candidate = shipped_dir(kind) / name
+        candidate = shipped / name
         if candidate.is_file():
             return str(candidate)
     return name_or_path

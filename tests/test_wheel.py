@@ -135,3 +135,22 @@ def test_kv_manager_round_trip_from_the_wheel(installed, tmp_path):
     script.write_text(ROUND_TRIP)
     r = run_in(installed, tmp_path, str(installed / "bin" / "python"), str(script), str(installed), str(tmp_path))
     assert r.returncode == 0 and "round trip ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_resolve_in_the_checkout(tmp_path, monkeypatch):
+    """In a checkout (no _data/), names and repository paths resolve to the top-level folders; a
+    file that exists wins; anything else comes back unchanged for the caller's error."""
+    from dynamo_flexkv.resources import CONFIGS, GRAPHS, presets_dir, resolve, shipped_names
+
+    monkeypatch.chdir(tmp_path)  # graphs/agg.py does not exist here: the shipped one is meant
+    for name in ("agg", "agg.py", "graphs/agg.py"):
+        assert resolve(GRAPHS, name) == str(ROOT / "graphs" / "agg.py")
+    assert resolve(CONFIGS, "configs/agg_router") == str(ROOT / "configs" / "agg_router.yaml")
+    own = tmp_path / "agg.py"
+    own.write_text("")
+    assert resolve(GRAPHS, "agg.py") == "agg.py"  # the user's own file, not the shipped one
+    for missing in ("nope", "graphs/nope.py", "elsewhere/agg.py", "configs/models/tiny.yaml"):
+        assert resolve(GRAPHS, missing) == missing
+    assert presets_dir() == ROOT / "configs" / "models" and {"agg", "agg_router"} <= set(shipped_names(GRAPHS))
+    with pytest.raises(ValueError, match="unknown resource kind"):
+        resolve("models", "tiny")
