@@ -6,16 +6,49 @@ threads driving one agent, see transfer/nixl_mover.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 import threading
 import time
+import traceback
 import uuid
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from dynamo_flexkv.disagg.params import HandoverParams, HandoverRefused, pack_metadata, unpack_metadata
+
+
+_ucx_agents = 0  # agents with a UCX backend this process created
+
+
+@contextlib.contextmanager
+def exit_past_libnl() -> Iterator[None]:
+    """Wraps a process's main work. NIXL 1.5.1's UCX plugin bundles a libnl whose exit-time
+    destructor crashes (SIGSEGV in rtnl_tc_unregister) in any process that created a UCX backend,
+    which would turn a clean shutdown into a failure. Once such a backend exists, the process ends
+    with os._exit and the exit code the work earned, after flushing logs and streams."""
+    code = 0
+    try:
+        yield
+    except SystemExit as e:
+        if not _ucx_agents:
+            raise
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        if not _ucx_agents:
+            raise
+        traceback.print_exc()
+        code = 1
+    if _ucx_agents:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 class HandoverFailed(IOError):
@@ -48,6 +81,8 @@ class KVAgent:
             self.agent = nixl_agent(self.name, nixl_agent_config(backends=[backend]))
         except Exception as e:  # NIXL's own exception types
             raise HandoverFailed(f"NIXL {backend} backend unavailable: {e}") from e
+        global _ucx_agents
+        _ucx_agents += 1
         if backend not in self.agent.backends:
             raise HandoverFailed(f"NIXL could not create its {backend} backend on this machine")
         self.agent.register_memory([(x.data_ptr(), x.nbytes, self.dev, "") for x in self.layers], self.mem)

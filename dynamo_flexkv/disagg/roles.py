@@ -72,6 +72,7 @@ class DecodeSide:
     def __init__(self, engine: LLMEngine, agent: KVAgent, pull_timeout: float) -> None:
         self.engine, self.agent, self.pull_timeout = engine, agent, pull_timeout
         self._pending: Dict[str, HandoverParams] = {}
+        self.pulled: Dict[str, int] = {}  # request id -> prompt tokens pulled, until the request ends
         self.stats = DecodeStats()
 
     def expect(self, request_id: str, params: Optional[HandoverParams]) -> None:
@@ -80,6 +81,7 @@ class DecodeSide:
 
     def forget(self, request_id: str) -> None:
         """The request ended before it was allocated (aborted): release its lease now."""
+        self.pulled.pop(request_id, None)
         p = self._pending.pop(request_id, None)
         if p is not None:
             self._release(p)
@@ -89,6 +91,7 @@ class DecodeSide:
         if p is None:
             return 0
         self.stats.handovers += 1
+        self.pulled[req.id] = 0
         self.stats.local_blocks += min(first, cap)
         try:
             n = min(len(p.blocks), cap)
@@ -99,6 +102,7 @@ class DecodeSide:
                 raise HandoverRefused("the handed-over blocks are not this prompt's (sequence hash differs)")
             self.agent.pull(p, p.blocks[first:n], req.block_table[first:n], self.pull_timeout)
             self.stats.pulled_blocks += n - first
+            self.pulled[req.id] = (n - first) * req.hashes.block_size
             return n - first
         except (HandoverFailed, HandoverRefused) as e:
             self.stats.failed += 1

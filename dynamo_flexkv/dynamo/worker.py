@@ -23,7 +23,7 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, Dict, List, Optional
 
 from dynamo.common.backend import EngineConfig, LLMEngine as DynamoLLMEngine, LlmRegistration, WorkerConfig
@@ -37,6 +37,7 @@ from dynamo_flexkv.dynamo import LOOPBACK_ENV
 from dynamo_flexkv.dynamo.metrics import PREFIX, OffloadCollector, RequestTally, offload_registry
 from dynamo_flexkv.dynamo.model_dir import write_model_dir
 from dynamo_flexkv.dynamo.request_limits import RequestLimits, RequestRefused
+from dynamo_flexkv.dynamo.disagg import Role
 from dynamo_flexkv.dynamo.worker_args import build_parser, check_event_plane_binds_loopback
 from dynamo_flexkv.engine import EngineModelConfig, LLMEngine
 from dynamo_flexkv.events import KvEventRelay, OffloadEvents
@@ -56,6 +57,8 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     out: "asyncio.Queue[Any]"
     prompt_len: int
+    prompt: List[int] = field(default_factory=list)
+    handover: Any = None  # decode: the prefill worker's HandoverParams
 
     def send(self, item: Any) -> None:
         try:
@@ -89,6 +92,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self._snapshots: Any = None  # the framework's SnapshotPublisher (router load signal)
         self._last_load: Optional[int] = None
         self._cleaned = False
+        self.role = Role(args)  # disaggregation: agg, prefill or decode (dynamo_flexkv.dynamo.disagg)
 
     @classmethod
     async def from_args(cls, argv: Optional[List[str]] = None):
@@ -97,7 +101,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         wc = WorkerConfig(namespace=args.namespace, component=args.component, endpoint=args.endpoint,
                           model_name=str(engine.model_dir), served_model_name=args.served_model_name,
                           discovery_backend=args.discovery_backend, request_plane=args.request_plane,
-                          event_plane=args.event_plane)
+                          event_plane=args.event_plane, disaggregation_mode=engine.role.dynamo_mode)
         return engine, wc
 
     async def start(self, worker_id: int) -> EngineConfig:
@@ -111,6 +115,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             layerwise=not self.args.bulk_load, device_prefix_cache=not self.args.no_device_prefix_cache,
             on_device_stored=lambda h, p, t: self.relay.stored(None, h, p, t),
             on_device_removed=lambda h: self.relay.removed(None, h))
+        self.role.start(self.engine)
         self._thread = threading.Thread(target=self._loop, name="flexkv-engine", daemon=True)
         self._thread.start()
         if self.kv is not None:
@@ -161,6 +166,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     async def generate(self, request, context) -> AsyncGenerator[Dict[str, Any], None]:
         if self._closing or self._failed:
             raise EngineShutdown(self._failed or "this worker is shutting down; retry on another worker")
+        handover = self.role.prepare(request)
         try:
             tokens, params = self.limits.check(request)
         except RequestRefused as e:
@@ -169,14 +175,18 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
         rid, cid = f"dyn-{next(self._ids)}", _context_id(context)
         self._live[cid] = rid
-        self._inbox.put(("add", rid, tokens, params, _Stream(loop, out, len(tokens))))
+        self._inbox.put(("add", rid, tokens, params, _Stream(loop, out, len(tokens), list(tokens), handover)))
         ended, n = False, 0
+        extra: Dict[str, Any] = {}  # disaggregation: what the final chunk carries (see Role.finished)
         try:
             while True:
                 item = await out.get()
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
+                if isinstance(item, dict):  # disaggregation: sent just before the final token
+                    extra.update(item)
+                    continue
                 token, reason, cached = item
                 if reason == "cancelled":  # aborted: the engine dropped it
                     ended = True
@@ -190,6 +200,10 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                     chunk["finish_reason"] = reason
                     chunk["completion_usage"] = _usage(len(tokens), n, cached)
                     chunk["engine_data"] = {ENGINE_DATA_KEY: {"cached_tokens": cached}}
+                    if "disaggregated_params" in extra:
+                        chunk["disaggregated_params"] = extra["disaggregated_params"]
+                    if "handover_tokens" in extra:
+                        chunk["engine_data"][ENGINE_DATA_KEY]["handover_tokens"] = extra["handover_tokens"]
                     yield chunk
                     return
                 yield chunk
@@ -225,10 +239,15 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                     self._inbox.put(("abort", rid))
             self._stop.set()
             await asyncio.to_thread(self._thread.join, 30)
+        self.role.close()
         if self.kv is not None:
             await asyncio.to_thread(self._flush_offload)
         self.relay.close()
         log.info("flexkv worker stopped")
+
+    async def is_quiescent(self) -> Optional[bool]:
+        """Prefill: no handed-over blocks are still leased to a decode worker."""
+        return self.role.is_quiescent()
 
     def _flush_offload(self) -> None:
         if self.engine is not None:
@@ -270,6 +289,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         engine = self.engine
         while True:
             self._take_inbox()
+            self.role.service()  # prefill: leases end on release notices or timeout
             if not engine.busy:
                 if self._stop.is_set():
                     return  # cleanup() gave in-flight requests their time and aborted the rest
@@ -279,9 +299,13 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                 if o.finished:  # counted before the caller hears of it: a scrape after the reply sees it
                     del self._streams[o.request_id]
                     self.tally.add(stream.prompt_len, o.cached_tokens)
+                    extra = self.role.finished(o.request_id, stream.prompt)
+                    if extra is not None:
+                        stream.send(extra)
                 stream.send((o.new_token, o.finish_reason if o.finished else None, o.cached_tokens))
             for r in engine.take_finished():
                 if r.finish_reason == "abort":
+                    self.role.aborted(r.id)
                     self.tally.add_aborted()
                     stream = self._streams.pop(r.id, None)
                     if stream is not None:
@@ -308,6 +332,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             try:
                 engine.add_request(tokens, params, request_id=rid)
                 self._streams[rid] = stream
+                self.role.added(rid, stream.handover)
             except ValueError as e:  # the limits should have caught it: still tell its caller
                 stream.send(InvalidArgument(str(e)))
 
@@ -332,7 +357,9 @@ def main() -> None:
     # the handler installed before it: Python's default one would raise KeyboardInterrupt in the
     # middle of that drain. Set before the Worker starts, so its handler is installed on top.
     signal.signal(signal.SIGINT, lambda *_: log.info("SIGINT: graceful shutdown (Dynamo drains, then cleanup)"))
-    run(FlexKVWorkerEngine)
+    from dynamo_flexkv.disagg.nixl_kv import exit_past_libnl  # prefill/decode roles create a UCX agent
+    with exit_past_libnl():
+        run(FlexKVWorkerEngine)
 
 
 if __name__ == "__main__":

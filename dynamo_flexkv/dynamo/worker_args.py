@@ -27,6 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="free device blocks when a request ends: reuse then comes only from offload tiers")
     p.add_argument("--drain-timeout", type=float, default=20.0,
                    help="on shutdown, seconds in-flight requests get to finish before they are aborted")
+    # Disaggregated prefill/decode (dynamo_flexkv.dynamo.disagg).
+    p.add_argument("--disaggregation-mode", default="agg", choices=["agg", "prefill", "decode"],
+                   help="agg: prefill and decode here; prefill: compute prompts and hand their KV over; "
+                        "decode: pull prefilled KV over NIXL and generate")
+    p.add_argument("--handover-lease-s", type=float, default=30.0,
+                   help="prefill: seconds handed-over blocks stay held without the decode worker's release")
+    p.add_argument("--handover-timeout-s", type=float, default=10.0,
+                   help="decode: seconds a KV pull may take before the prompt is recomputed instead")
     return p
 
 

@@ -80,8 +80,10 @@ OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
         "num-device-blocks": _int, "offload": _bool, "bulk-load": _bool, "device-prefix-cache": _bool,
         "system-port": _int, "cache": _mapping, "extra-args": _args,
         "on-death": _str, "max-restarts": _int, "restart-window-s": _float, "restart-backoff-s": _float,
+        "disaggregation-mode": _str, "handover-lease-s": _float, "handover-timeout-s": _float,
     },
 }
+DISAGG_MODES = ("agg", "prefill", "decode")
 DEFAULTS: Dict[Kind, Dict[str, Any]] = {
     # migration-limit: how often the frontend may move an in-flight request to another worker when
     # its worker dies (Dynamo's default, 0, fails those requests with a 503).
@@ -90,7 +92,8 @@ DEFAULTS: Dict[Kind, Dict[str, Any]] = {
     Kind.WORKER: {"model": "small", "namespace": "dynamo", "replicas": 1, "num-device-blocks": 256,
                   "offload": True, "bulk-load": False, "device-prefix-cache": True, "cache": {},
                   "extra-args": [], "on-death": "restart", "max-restarts": 3, "restart-window-s": 300.0,
-                  "restart-backoff-s": 1.0},
+                  "restart-backoff-s": 1.0, "disaggregation-mode": "agg", "handover-lease-s": 30.0,
+                  "handover-timeout-s": 10.0},
 }
 
 
@@ -216,7 +219,21 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
             model, served = opts["model"], opts.get("served-model-name") or f"flexkv-{opts['model']}"
             processes += _workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
                                   ports, source, local)
+    _check_roles(processes, source)
     return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes)
+
+
+def _check_roles(processes: List[Process], source: str) -> None:
+    """Dynamo's frontend routes to prefill workers only in front of decode workers of the same
+    model; either role alone would serve nothing (prefill) or fail every request (decode)."""
+    modes = {p.argv[p.argv.index("--disaggregation-mode") + 1] for p in processes if p.kind is Kind.WORKER}
+    if ("prefill" in modes) != ("decode" in modes):
+        have, need = ("prefill", "decode") if "prefill" in modes else ("decode", "prefill")
+        raise GraphError(f"{source}: the graph has {have} workers but no {need} worker: set "
+                         f"disaggregation-mode: {need} on another worker component (see graphs/disagg.py)")
+    if "agg" in modes and "prefill" in modes:
+        raise GraphError(f"{source}: aggregated and disaggregated workers of one model in one graph: the "
+                         "frontend would send some requests past the prefill router; use one kind")
 
 
 def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict[str, Any]:
@@ -249,6 +266,15 @@ def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict
             raise GraphError(f"{source}: {name}.max-restarts={out['max-restarts']} must be >= 0")
         if out["restart-window-s"] <= 0:
             raise GraphError(f"{source}: {name}.restart-window-s={out['restart-window-s']} must be > 0 seconds")
+        if out["disaggregation-mode"] not in DISAGG_MODES:
+            raise GraphError(f"{source}: {name}.disaggregation-mode={out['disaggregation-mode']!r}: use one of "
+                             f"{list(DISAGG_MODES)}")
+        for key in ("handover-lease-s", "handover-timeout-s"):
+            if out[key] <= 0:
+                raise GraphError(f"{source}: {name}.{key}={out[key]} must be > 0 seconds")
+        if out["disaggregation-mode"] == "prefill" and not out["device-prefix-cache"]:
+            raise GraphError(f"{source}: {name}: a prefill worker hands its device prefix cache over; set "
+                             "device-prefix-cache: true")
         if not 0 <= out["restart-backoff-s"] <= 30:
             raise GraphError(f"{source}: {name}.restart-backoff-s={out['restart-backoff-s']} must be "
                              "between 0 and 30 seconds")
@@ -279,7 +305,11 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
     argv = [sys.executable, "-m", "dynamo_flexkv.worker", "--model", o["model"], "--served-model-name", served,
             "--model-dir", str(run_dir / "model"), "--namespace", o["namespace"],
             "--discovery-backend", discovery, "--event-plane", event_plane,
-            "--num-device-blocks", str(o["num-device-blocks"])]
+            "--num-device-blocks", str(o["num-device-blocks"]),
+            "--disaggregation-mode", o["disaggregation-mode"], "--handover-lease-s", str(o["handover-lease-s"]),
+            "--handover-timeout-s", str(o["handover-timeout-s"])]
+    if o["disaggregation-mode"] == "prefill":
+        argv += ["--component", "prefill"]  # Dynamo's convention; decode and agg keep the default
     argv += ["--no-offload"] * (not o["offload"]) + ["--bulk-load"] * o["bulk-load"]
     argv += ["--no-device-prefix-cache"] * (not o["device-prefix-cache"]) + o["extra-args"]
     try:
