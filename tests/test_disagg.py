@@ -45,7 +45,7 @@ def test_lease_ends_on_release_or_expiry_never_twice():
 
 
 def test_params_round_trip_and_refuse_malformed_payloads():
-    p = HandoverParams("agent", "bWV0YQ==", "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0)
+    p = HandoverParams("agent", "bWV0YQ==", "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0, 1e9)
     assert HandoverParams.from_dict(p.to_dict()) == p
     assert HandoverParams.from_dict({}) is None and HandoverParams.from_dict(None) is None
     for bad in ({KEY: {"version": 99}}, {KEY: "x"}, {KEY: dict(p.to_dict()[KEY], blocks="no")},
@@ -112,7 +112,7 @@ def test_decode_tokens_and_pulled_bytes_equal_aggregated_and_prefill(pair):
         return got
     decode.remote_fill = recording_fill
 
-    for i, prompt in enumerate(_prompts(12, rng)):
+    for i, prompt in enumerate(_prompts(10, rng)):
         (want,) = agg.generate([prompt], params)
         prefill.generate([prompt], SamplingParams(max_tokens=1))
         handover = p_side.hand_over(prompt)
@@ -144,11 +144,16 @@ def test_a_refused_or_failed_handover_is_recomputed_exactly_and_the_lease_still_
     other = dict(good[KEY], last_hash=good[KEY]["last_hash"] ^ 1)
     assert _decode_one(decode, d_side, "r1", prompt, params, {KEY: other}) == want.output
     assert d_side.stats.failed == 1
+    # A lease that ended (or ends before a read could): refused, recomputed.
+    decode.pool = type(decode.pool)(decode.pool.num_blocks)  # forget what r1 computed
+    late = dict(good[KEY], lease_expires_unix=0.5)
+    assert _decode_one(decode, d_side, "r0", prompt, params, {KEY: late}) == want.output
+    assert d_side.stats.failed == 2 and d_side.stats.pulled_blocks == 0
     # An agent that does not exist: the pull fails, the prompt is recomputed.
     decode.pool = type(decode.pool)(decode.pool.num_blocks)  # forget what r1 computed
     ghost = dict(good[KEY], agent="flexkv-kv-gone", metadata="bm90IG1ldGFkYXRh")
     assert _decode_one(decode, d_side, "r2", prompt, params, {KEY: ghost}) == want.output
-    assert d_side.stats.failed == 2
+    assert d_side.stats.failed == 3
     p_side.service()
     assert len(p_side.leases) == 0  # r1's release notice ended the one real lease
     # A lease whose decode worker never answers ends by timeout.
@@ -159,3 +164,46 @@ def test_a_refused_or_failed_handover_is_recomputed_exactly_and_the_lease_still_
     clock.now = 3.0
     p_side.service()
     assert len(p_side.leases) == 0 and prefill.pool.num_available == prefill.pool.num_blocks
+
+
+def test_prefill_process_killed_after_handing_over_decode_recomputes_exactly(tmp_path):
+    """A real prefill process: its first handover is pulled across processes; then it is killed
+    (SIGKILL) after handing over a second prompt, before the decode worker reads it."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("disagg_prefill_proc.py")), "30"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        decode = LLMEngine(CFG, num_device_blocks=48)
+        agent = KVAgent(decode.kv_cache.layers)
+        side = DecodeSide(decode, agent, pull_timeout=10)
+        decode.remote_fill = side.fill
+        agg = LLMEngine(CFG, num_device_blocks=48, device_prefix_cache=False)
+        params = SamplingParams(max_tokens=4)
+        first, second = list(range(3, 90)), list(range(200, 300))
+        for i, prompt in enumerate((first, second)):
+            proc.stdin.write(json.dumps(prompt) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            while not line.startswith("HANDOVER "):
+                assert line, "the prefill process died"
+                line = proc.stdout.readline()
+            handover = json.loads(line[len("HANDOVER "):])
+            if i == 1:
+                proc.kill()
+                proc.wait(10)
+            t0 = time.monotonic()
+            got = _decode_one(decode, side, f"k{i}", prompt, params, handover)
+            assert got == agg.generate([prompt], params)[0].output
+            assert time.monotonic() - t0 < 10 + 5  # bounded by the pull timeout, never a hang
+        assert side.stats.pulled_blocks == (len(first) - 1) // CFG.block_size  # the first, across processes
+        assert side.stats.failed == 1  # the dead prefill's handover: recomputed
+        assert decode.pool.num_available == decode.pool.num_blocks and not side._pending
+        agent.close()
+    finally:
+        proc.kill()
+        proc.wait(10)

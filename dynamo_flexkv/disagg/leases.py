@@ -16,7 +16,8 @@ from typing import Callable, Dict, List, Optional
 class Lease:
     id: str
     blocks: List[int]
-    expires_at: float
+    expires_at: float  # monotonic clock
+    expires_unix: float  # the same moment on the wall clock, for the decode worker
 
 
 class LeaseTable:
@@ -33,7 +34,8 @@ class LeaseTable:
         return len(self._leases)
 
     def grant(self, blocks: List[int]) -> Lease:
-        lease = Lease(f"{self._prefix}-{next(self._ids)}", list(blocks), self._clock() + self.ttl)
+        lease = Lease(f"{self._prefix}-{next(self._ids)}", list(blocks), self._clock() + self.ttl,
+                      time.time() + self.ttl)
         self._leases[lease.id] = lease
         self.granted += 1
         return lease

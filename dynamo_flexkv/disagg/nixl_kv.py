@@ -96,11 +96,12 @@ class KVAgent:
     def metadata(self) -> str:
         return self._metadata
 
-    def describe(self, lease: str, blocks: List[int], last_hash, with_metadata: bool = True) -> HandoverParams:
+    def describe(self, lease: str, blocks: List[int], last_hash, lease_expires_unix: float,
+                 with_metadata: bool = True) -> HandoverParams:
         return HandoverParams(agent=self.name, metadata=self._metadata if with_metadata else None, lease=lease,
                               blocks=list(blocks), last_hash=last_hash,
                               layer_addrs=[x.data_ptr() for x in self.layers], block_bytes=self.block_bytes,
-                              mem=self.mem, dev=self.dev)
+                              mem=self.mem, dev=self.dev, lease_expires_unix=lease_expires_unix)
 
     def check_compatible(self, p: HandoverParams) -> None:
         if len(p.layer_addrs) != len(self.layers) or p.block_bytes != self.block_bytes:

@@ -28,6 +28,7 @@ class HandoverParams:
     block_bytes: int  # bytes of one block of one layer
     mem: str  # "DRAM" or "VRAM"
     dev: int  # device id of those tensors
+    lease_expires_unix: float  # wall-clock end of the lease: a read must be over by then
 
     def to_dict(self) -> Dict[str, Any]:
         return {KEY: dict(asdict(self), version=VERSION)}
@@ -46,7 +47,7 @@ class HandoverParams:
                     blocks=[int(b) for b in d["blocks"]],
                     last_hash=None if d.get("last_hash") is None else int(d["last_hash"]),
                     layer_addrs=[int(a) for a in d["layer_addrs"]], block_bytes=int(d["block_bytes"]),
-                    mem=str(d["mem"]), dev=int(d["dev"]))
+                    mem=str(d["mem"]), dev=int(d["dev"]), lease_expires_unix=float(d["lease_expires_unix"]))
         except (KeyError, TypeError, ValueError) as e:
             raise HandoverRefused(f"disaggregated_params.{KEY} is malformed ({type(e).__name__}: {e})") from None
         if p.mem not in ("DRAM", "VRAM") or p.block_bytes <= 0 or any(b < 0 for b in p.blocks):

@@ -13,6 +13,7 @@ failed pull returns 0 and the engine recomputes those blocks (exact tokens)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -25,6 +26,9 @@ from dynamo_flexkv.hashing import block_hashes
 
 log = logging.getLogger(__name__)
 RELEASE = b"flexkv-release:"
+# A pull must end this long before the prefill worker's lease does (its blocks may be reused right
+# after): covers clock skew between the two hosts and the release of an aborted read.
+LEASE_MARGIN_S = 1.0
 
 
 class PrefillSide:
@@ -42,7 +46,7 @@ class PrefillSide:
         if not blocks:
             return {}
         lease = self.leases.grant(blocks)
-        return self.agent.describe(lease.id, blocks, int(hashes[len(blocks) - 1])).to_dict()
+        return self.agent.describe(lease.id, blocks, int(hashes[len(blocks) - 1]), lease.expires_unix).to_dict()
 
     def service(self) -> None:
         for msg in self.agent.notifications():
@@ -98,9 +102,12 @@ class DecodeSide:
             if n <= first:
                 return 0
             self.agent.check_compatible(p)
+            budget = min(self.pull_timeout, p.lease_expires_unix - time.time() - LEASE_MARGIN_S)
+            if budget <= 0:
+                raise HandoverRefused(f"lease {p.lease} ends before a read could finish (expired or about to)")
             if p.last_hash != int(req.hashes.sequence[n - 1]):
                 raise HandoverRefused("the handed-over blocks are not this prompt's (sequence hash differs)")
-            self.agent.pull(p, p.blocks[first:n], req.block_table[first:n], self.pull_timeout)
+            self.agent.pull(p, p.blocks[first:n], req.block_table[first:n], budget)
             self.stats.pulled_blocks += n - first
             self.pulled[req.id] = (n - first) * req.hashes.block_size
             return n - first
