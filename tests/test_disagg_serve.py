@@ -93,3 +93,65 @@ def test_disagg_graph_generates_the_aggregated_graphs_tokens_with_kv_pulled_over
     clean_exit(launcher)
     assert_gone(launcher)
     assert "expired" not in (plan.run_dir / "logs" / f"{prefill.name}.log").read_text()
+
+
+def test_decode_stopped_then_killed_while_holding_a_lease_the_lease_expires_and_the_graph_keeps_serving(tmp_path):
+    """SIGSTOP the decode worker, send a request: the prefill worker computes it and leases its
+    blocks; SIGKILL the decode worker while the lease is held. The lease expires (3 s) and its
+    blocks come back; the request ends in exact tokens (migrated to the restarted decode worker,
+    which recomputes: the lease is gone) or a clean HTTP error; the graph serves exact tokens
+    after the restart, and every process exits 0 at the end."""
+    import os
+    import signal
+    import threading
+    import time
+    import urllib.error
+
+    from test_serve_faults import assert_all_gone, wait_until
+
+    plan = disagg_plan(tmp_path, "disagg", "PrefillWorker.handover-lease-s=3", "DecodeWorker.restart-backoff-s=0.5")
+    prefill, decode = plan.workers
+    launcher = Launcher(plan)
+    stop = threading.Event()
+    supervisor = threading.Thread(target=lambda: launcher.supervise(stop))
+    base, extra = prompts(4, seed=11)
+    try:
+        launcher.start()
+        launcher.wait_ready(120)
+        supervisor.start()
+        want = {p: complete(plan, p, 3)["choices"][0]["text"] for p in base + extra}
+        wait_until("no prefill block leased", lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0)
+        first_pid = launcher.running[decode.name].pid
+        os.kill(first_pid, signal.SIGSTOP)
+        outcome = {}
+
+        def ask():
+            try:
+                outcome["reply"] = complete(plan, extra[0], 3)
+            except (urllib.error.HTTPError, OSError) as e:
+                outcome["error"] = e
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_until("a lease held on the prefill worker",
+                   lambda: metric(prefill.port, "flexkv_device_blocks", state="used") > 0, every=0.05)
+        os.kill(first_pid, signal.SIGKILL)
+        wait_until("the lease expired", lambda: "expired" in (plan.run_dir / "logs" / f"{prefill.name}.log").read_text(),
+                   timeout=20)
+        wait_until("its blocks back", lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0)
+        asker.join(150)
+        assert not asker.is_alive()
+        if "reply" in outcome:
+            assert outcome["reply"]["choices"][0]["text"] == want[extra[0]]
+        wait_until("the decode worker restarted", lambda: decode.name not in launcher.starting
+                   and launcher.restarts.get(decode.name) == 1, timeout=90)
+        time.sleep(2)
+        for p in base:
+            assert complete(plan, p, 3)["choices"][0]["text"] == want[p]
+    finally:
+        stop.set()
+        if supervisor.is_alive():
+            supervisor.join()
+        launcher.shutdown()
+    clean_exit(launcher)
+    assert_gone(launcher)
+    assert_all_gone([p.pid for p in launcher.spawned], [])
