@@ -235,7 +235,7 @@ def idle(engine, kv=None) -> None:
 def test_abort_running_and_waiting_requests_frees_blocks_and_keeps_computed_prefix():
     engine = LLMEngine(CFG, num_device_blocks=64, max_running=2)
     prompts = [list(range(i, i + 3 * BS + 5)) for i in range(4)]
-    ids = [engine.add_request(p, SamplingParams(max_tokens=50)) for p in prompts]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in prompts]
     engine.step()  # two prefills run, two wait
     engine.step()
     assert [r.id for r in engine.running] == ids[:2] and [r.id for r in engine.waiting] == ids[2:]
