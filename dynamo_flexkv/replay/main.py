@@ -30,7 +30,7 @@ class Preset:
 
 
 DEFAULT = Preset(conversations=32, device_blocks="64,256", sweep_configs="no-offload,host+ssd")
-FULL = Preset(conversations=192, device_blocks="32,64,128,256", sweep_configs=DEFAULT_CONFIGS)
+FULL = Preset(conversations=192, device_blocks="48,64,128,256", sweep_configs=DEFAULT_CONFIGS)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -79,9 +79,10 @@ def _workers(plt, path: Path, summaries: Sequence[Summary], blocks: int) -> Path
         ax.bar([i + k * width - 0.4 + width / 2 for i in range(len(summaries))],
                [s.requests_per_worker.get(w, 0) for s in summaries], width, label=w)
     ax.set_xticks(list(range(len(summaries))), [s.config for s in summaries], rotation=15)
+    ax.set_ylim(0, max((n for s in summaries for n in s.requests_per_worker.values()), default=1) * 1.2)
     ax.set_ylabel("requests served")
     ax.set_title(f"Load per worker ({blocks} device blocks per worker)")
-    ax.legend()
+    ax.legend(loc="upper center", ncol=len(workers))
     return _save(plt, fig, path)
 
 
