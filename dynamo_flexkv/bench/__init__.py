@@ -17,9 +17,10 @@ BENCHES: Dict[str, tuple] = {
     "links": ("dynamo_flexkv.bench.links", "device<->host and host<->disk bandwidth vs same-run contiguous copy / sequential disk batch"),
     "ttft": ("dynamo_flexkv.bench.ttft", "reference-engine TTFT with cached prefixes vs same-run recompute"),
     "remote": ("dynamo_flexkv.bench.remote", "Redis put/get GB/s (standalone and cluster) vs same-run redis-benchmark"),
+    "disagg": ("dynamo_flexkv.bench.disagg", "prefill->decode KV handover GB/s over NIXL vs same-run raw NIXL READ"),
 }
 # Benchmarks whose ratio is better when higher (bandwidths); the rest report times.
-HIGHER_IS_BETTER = {"links", "remote"}
+HIGHER_IS_BETTER = {"links", "remote", "disagg"}
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:

@@ -1,0 +1,154 @@
+"""``bench disagg``: the prefill -> decode KV handover against a raw NIXL transfer of the same bytes
+between the same two processes, in the same run.
+
+A prefill process (``--child``: the reference engine, small preset, its own NIXL UCX agent)
+computes a prompt and leases its blocks; this process plays the decode worker. Per prompt size:
+
+* handover: DecodeSide.fill as the engine calls it (params checked, read of every leased block of
+  every layer into freshly allocated engine blocks, release notice), then the prefill process
+  hands the same prompt over again (a device prefix hit: no compute) for the next repeat;
+* raw NIXL: one READ of the same bytes between the same two agents, one descriptor per layer,
+  prepared by hand; the best a NIXL transfer of these bytes does here.
+
+Ratio = handover GB/s / raw GB/s (higher is better; 1.0 = the handover adds nothing). Latency per
+handover is reported too. UCX picks its transports (UCX_TLS) for both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import List
+
+import numpy as np
+
+from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.disagg.params import HandoverParams
+from dynamo_flexkv.engine import EngineModelConfig, LLMEngine
+from dynamo_flexkv.engine.request import Request, SamplingParams
+from dynamo_flexkv.hashing import block_hashes
+
+PRESET = "small"
+MARK = "HANDOVER "
+
+
+def _child(lease_s: float, blocks: int) -> None:
+    """The prefill process: one prompt per stdin line -> one handover per stdout line."""
+    from dynamo_flexkv.disagg.nixl_kv import KVAgent, exit_past_libnl
+    from dynamo_flexkv.disagg.roles import PrefillSide
+
+    with exit_past_libnl():
+        engine = LLMEngine(EngineModelConfig.load(PRESET), num_device_blocks=blocks)
+        side = PrefillSide(engine, KVAgent(engine.kv_cache.layers), lease_s)
+        for line in sys.stdin:
+            side.service()  # the previous repeat's release notice
+            prompt = json.loads(line)
+            engine.generate([prompt], SamplingParams(max_tokens=1))
+            print(MARK + json.dumps(side.hand_over(prompt)), flush=True)
+        time.sleep(0.2)
+        side.service()
+        side.close()
+
+
+class _Prefill:
+    def __init__(self, blocks: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.bench.disagg", "--child", str(blocks)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def hand_over(self, prompt: List[int]) -> HandoverParams:
+        self.proc.stdin.write(json.dumps(prompt) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the prefill process exited ({self.proc.wait()})")
+            if line.startswith(MARK):  # NIXL logs to stdout too
+                return HandoverParams.from_dict(json.loads(line[len(MARK):]))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _raw_read(agent, p: HandoverParams, n: int) -> None:
+    """One READ of blocks [0, n) of every layer, one descriptor per layer (the leased blocks of a
+    fresh prompt are contiguous on both sides, as here)."""
+    a = agent.agent
+    agent._connect(p)  # a no-op once the handover added the prefill agent
+    bb = agent.block_bytes
+    first_remote = p.blocks[0]
+    local = np.array([(x.data_ptr(), n * bb, agent.dev) for x in agent.layers], dtype=np.uint64)
+    remote = np.array([(addr + first_remote * bb, n * bb, p.dev) for addr in p.layer_addrs], dtype=np.uint64)
+    handle = a.initialize_xfer("READ", a.get_xfer_descs(local, agent.mem), a.get_xfer_descs(remote, p.mem), p.agent)
+    try:
+        state = a.transfer(handle)
+        while state == "PROC":
+            state = a.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL read failed ({state})")
+    finally:
+        a.release_xfer_handle(handle)
+
+
+def run(args: argparse.Namespace) -> List[Case]:
+    from dynamo_flexkv.disagg.nixl_kv import KVAgent
+    from dynamo_flexkv.disagg.roles import DecodeSide
+
+    cfg = EngineModelConfig.load(PRESET)
+    sizes = [4096] if args.quick else [1024, 4096, 8192]
+    repeat = 3 if args.quick else 9
+    blocks = max(sizes) // cfg.block_size + 8
+    rng = np.random.default_rng(0)
+    decode = LLMEngine(cfg, num_device_blocks=blocks)
+    agent = KVAgent(decode.kv_cache.layers)
+    side = DecodeSide(decode, agent, pull_timeout=60)
+    prefill = _Prefill(blocks)
+    cases: List[Case] = []
+    try:
+        for size in sizes:
+            prompt = rng.integers(0, cfg.vocab_size, size).tolist()
+            hashes = block_hashes(prompt, cfg.block_size)
+            cap = (size - 1) // cfg.block_size
+            nbytes = cap * agent.block_bytes * cfg.num_layers
+            ours, raw = [], []
+            for i in range(repeat + 1):  # the first round connects the agents and warms up
+                p = prefill.hand_over(prompt)
+                assert len(p.blocks) == cap, (len(p.blocks), cap)
+                _raw_read(agent, p, cap)  # raw first: both see the same warm connection
+                t0 = time.perf_counter()
+                _raw_read(agent, p, cap)
+                t_raw = time.perf_counter() - t0
+                req = Request(f"b{size}-{i}", prompt, SamplingParams(max_tokens=1), hashes)
+                req.block_table = decode.pool.allocate(cap + 1)
+                side.expect(req.id, p)
+                t0 = time.perf_counter()
+                got = side.fill(req, 0, cap)
+                t_ours = time.perf_counter() - t0
+                decode.pool.release(req.block_table)
+                if got != cap:
+                    raise RuntimeError(f"handover of {size} tokens pulled {got} of {cap} blocks")
+                if i:
+                    ours.append(t_ours)
+                    raw.append(t_raw)
+            t_ours, t_raw = statistics.median(ours), statistics.median(raw)
+            label = f"{size // 1024}K" if size >= 1024 else str(size)
+            cases.append(Case("disagg", f"handover-{label}", nbytes / t_ours / 1e9, nbytes / t_raw / 1e9, "GB/s",
+                              "raw NIXL READ, same bytes, same processes",
+                              f"{nbytes / 2**20:.0f} MiB, {t_ours * 1e3:.1f} ms per handover, median of {repeat}"))
+    finally:
+        prefill.close()
+        agent.close()
+    return cases
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "--child":
+        _child(lease_s=60.0, blocks=int(sys.argv[2]))
