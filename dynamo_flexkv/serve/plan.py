@@ -227,13 +227,13 @@ def _check_roles(processes: List[Process], source: str) -> None:
     """Dynamo's frontend routes to prefill workers only in front of decode workers of the same
     model; either role alone would serve nothing (prefill) or fail every request (decode)."""
     modes = {p.argv[p.argv.index("--disaggregation-mode") + 1] for p in processes if p.kind is Kind.WORKER}
+    if "agg" in modes and len(modes) > 1:
+        raise GraphError(f"{source}: aggregated and disaggregated workers of one model in one graph: the "
+                         "frontend would send some requests past the prefill router; use one kind")
     if ("prefill" in modes) != ("decode" in modes):
         have, need = ("prefill", "decode") if "prefill" in modes else ("decode", "prefill")
         raise GraphError(f"{source}: the graph has {have} workers but no {need} worker: set "
                          f"disaggregation-mode: {need} on another worker component (see graphs/disagg.py)")
-    if "agg" in modes and "prefill" in modes:
-        raise GraphError(f"{source}: aggregated and disaggregated workers of one model in one graph: the "
-                         "frontend would send some requests past the prefill router; use one kind")
 
 
 def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict[str, Any]:

@@ -34,6 +34,10 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
             container["args"] = _replace_arg(container["args"], "--http-port", "8000")
         else:
             service["envs"] = [{"name": "DYN_SYSTEM_PORT", "value": str(SYSTEM_PORT)}] + _cache_env(first)
+            mode = first.argv[first.argv.index("--disaggregation-mode") + 1] \
+                if "--disaggregation-mode" in first.argv else "agg"
+            if mode != "agg":  # the operator's (and planner's) name for the role
+                service["subComponentType"] = mode
             dirs = _ssd_dirs(first)
             if dirs:
                 vols = [{"name": f"ssd-cache-{i}", "emptyDir": {}} for i in range(len(dirs))]

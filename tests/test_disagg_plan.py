@@ -1,0 +1,56 @@
+"""The disaggregated graphs' configs are checked before anything starts, and render --k8s names
+both roles."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dynamo_flexkv.serve import load_graph
+from dynamo_flexkv.serve.graph import GraphError
+from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+from dynamo_flexkv.serve.render import render_k8s
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plan(tmp_path, graph, *overrides):
+    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")), list(overrides))
+    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path, local=False)
+
+
+@pytest.mark.parametrize("graph,prefills", [("disagg", 1), ("disagg_router", 2)])
+def test_disagg_graphs_plan_prefill_and_decode_workers(tmp_path, graph, prefills):
+    p = plan(tmp_path, graph)
+    modes = [w.argv[w.argv.index("--disaggregation-mode") + 1] for w in p.workers]
+    assert modes == ["prefill"] * prefills + ["decode"]
+    for w in p.workers:  # prefill workers are their own component: the frontend tells the roles apart
+        assert (w.argv[w.argv.index("--component") + 1] if "--component" in w.argv else None) == \
+            ("prefill" if "prefill" in w.argv else None)
+    dirs = {w.env["FLEXKV_CONFIG_PATH"] for w in p.workers}
+    assert len(dirs) == len(p.workers)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("DecodeWorker.disaggregation-mode=prefill", "no decode worker"),
+    ("PrefillWorker.disaggregation-mode=decode", "no prefill worker"),
+    ("DecodeWorker.disaggregation-mode=agg", "aggregated and disaggregated"),
+    ("PrefillWorker.disaggregation-mode=both", "use one of"),
+    ("PrefillWorker.device-prefix-cache=false", "device-prefix-cache: true"),
+    ("PrefillWorker.handover-lease-s=0", "must be > 0"),
+    ("DecodeWorker.handover-timeout-s=-1", "must be > 0"),
+])
+def test_bad_disagg_configs_are_refused_before_anything_starts(tmp_path, override, message):
+    with pytest.raises(GraphError, match=message):
+        plan(tmp_path, "disagg", override)
+
+
+def test_render_k8s_names_both_roles(tmp_path):
+    manifest = yaml.safe_load(render_k8s(plan(tmp_path, "disagg_router"), "img"))
+    services = manifest["spec"]["services"]
+    assert services["PrefillWorker"]["subComponentType"] == "prefill"
+    assert services["PrefillWorker"]["replicas"] == 2
+    assert services["DecodeWorker"]["subComponentType"] == "decode"
+    assert "subComponentType" not in services["Frontend"]
+    args = services["PrefillWorker"]["extraPodSpec"]["mainContainer"]["args"]
+    assert args[args.index("--disaggregation-mode") + 1] == "prefill"
