@@ -61,9 +61,11 @@ def arrival_times(turns: Sequence[Turn], time_scale: float) -> List[float]:
 
 
 class Replayer:
-    def __init__(self, base_url: str, model: str, *, concurrency: int, request_timeout_s: float = 600) -> None:
+    def __init__(self, base_url: str, model: str, *, concurrency: int, request_timeout_s: float = 120) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency={concurrency} must be >= 1")
+        if request_timeout_s <= 0:
+            raise ValueError(f"request-timeout={request_timeout_s} must be > 0 seconds")
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model, self.concurrency, self.timeout = model, concurrency, request_timeout_s
 

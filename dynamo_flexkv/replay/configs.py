@@ -111,7 +111,7 @@ class ConfigRun:
 def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[Turn], *, graph: str,
                      config_file: str, extra_overrides: Sequence[str], time_scale: float, concurrency: int,
                      on_done: Callable[[RequestRecord], None], on_ready: Callable[[], None] = lambda: None,
-                     logs: bool = False) -> Tuple[ConfigRun, "Launcher"]:
+                     logs: bool = False, request_timeout_s: float = 120) -> Tuple[ConfigRun, "Launcher"]:
     """Serves ``config`` on a fresh graph and replays ``turns`` against it. The graph is returned
     still running: the caller stops it (``Launcher.shutdown``), e.g. while the next one starts."""
     from dynamo_flexkv.serve import load_graph
@@ -133,7 +133,7 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
         on_ready()
         run = _measure(config, device_blocks, plan.base_url, plan.served_model_name,
                        {p.name: p.port for p in plan.workers}, turns, time_scale, concurrency, on_done,
-                       launcher.check_alive)
+                       launcher.check_alive, request_timeout_s)
     except BaseException:
         launcher.shutdown()
         raise
@@ -141,21 +141,23 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
 
 
 def replay_url(url: str, model: str, turns: Sequence[Turn], *, ports: Sequence[int], time_scale: float,
-               concurrency: int, on_done: Callable[[RequestRecord], None]) -> ConfigRun:
+               concurrency: int, on_done: Callable[[RequestRecord], None], request_timeout_s: float = 120) -> ConfigRun:
     """The replay against a graph served elsewhere; ``ports``: its workers' system ports (may be empty)."""
     config = Configuration("served", f"the graph at {url}", ())
     return _measure(config, 0, url, model, {f"worker@{p}": p for p in ports}, turns, time_scale, concurrency,
-                    on_done)
+                    on_done, request_timeout_s=request_timeout_s)
 
 
 def _measure(config: Configuration, device_blocks: int, url: str, model: str, ports: Dict[str, int],
              turns: Sequence[Turn], time_scale: float, concurrency: int,
-             on_done: Callable[[RequestRecord], None], check_alive: Callable[[], None] = lambda: None) -> ConfigRun:
+             on_done: Callable[[RequestRecord], None], check_alive: Callable[[], None] = lambda: None,
+             request_timeout_s: float = 120) -> ConfigRun:
     texts = {name: scrape(port) for name, port in ports.items()}
     names = {worker_id(text): name for name, text in texts.items()}
     before = {name: worker_totals(text) for name, text in texts.items()}
     t0 = time.perf_counter()
-    records = Replayer(url, model, concurrency=concurrency).run(turns, time_scale, on_done)
+    records = Replayer(url, model, concurrency=concurrency, request_timeout_s=request_timeout_s).run(
+        turns, time_scale, on_done)
     wall = time.perf_counter() - t0
     check_alive()  # a component that died mid-replay is named, with its log tail
     after = {name: worker_totals(scrape(port)) for name, port in ports.items()}

@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--time-scale", type=float, default=40.0,
                    help="trace seconds per replay second (default 40: the trace's arrivals 40x faster)")
     w.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
+    w.add_argument("--request-timeout", type=float, default=120,
+                   help="seconds one request may take before it counts as an error (default 120)")
     w.add_argument("--full", action="store_true", help="a longer replay: more conversations, every configuration "
                    "at every device size of a wider sweep")
     o = p.add_argument_group("output")
@@ -125,7 +127,8 @@ def _run(args: argparse.Namespace) -> int:
                 if args.url:
                     progress.start()
                     run = replay_url(args.url, args.model, turns, ports=_ports(args.worker_metrics),
-                                     time_scale=args.time_scale, concurrency=args.concurrency, on_done=progress.done)
+                                     time_scale=args.time_scale, concurrency=args.concurrency, on_done=progress.done,
+                                     request_timeout_s=args.request_timeout)
                 else:
                     def ready(progress=progress) -> None:
                         stopping.wait()  # the previous graph is gone before this one is measured
@@ -134,7 +137,8 @@ def _run(args: argparse.Namespace) -> int:
                     run, launcher = serve_and_replay(config, blocks, turns, graph=args.graph, config_file=args.config,
                                                      extra_overrides=args.set, time_scale=args.time_scale,
                                                      concurrency=args.concurrency, on_done=progress.done,
-                                                     on_ready=ready, logs=args.logs)
+                                                     on_ready=ready, logs=args.logs,
+                                                     request_timeout_s=args.request_timeout)
                     stopping.start(launcher)  # stops while the next graph starts
             except (ComponentDied, TimeoutError, RuntimeError, OSError) as e:  # this run only: the others count
                 failed.append(f"{config.name} @{blocks}: {e}")
