@@ -38,5 +38,5 @@ def test_cuda_round_trip(tmp_path, layout, layerwise):
         assert r.status is TaskStatus.SUCCESS and r.num_tokens == len(h) * TPB
         for b, s in zip(dst, h):
             assert holds(dev, layout, int(b), int(s))
-        kv.transfer.shutdown()
+        assert kv.drain(30)
         assert_no_leaks(kv)

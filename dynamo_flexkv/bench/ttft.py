@@ -16,7 +16,6 @@ import argparse
 import shutil
 import statistics
 import tempfile
-import time
 from typing import Dict, List
 
 import numpy as np
@@ -60,8 +59,8 @@ class Rig:
         self.idle()
 
     def idle(self) -> None:
-        while self.kv.cache.task_ids():
-            time.sleep(0.001)
+        if not self.kv.drain(60):
+            raise RuntimeError("offload tasks still running after 60 s")
 
     def drop_host(self) -> None:
         self.idle()
