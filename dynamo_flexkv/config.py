@@ -12,12 +12,15 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 import yaml
 
 from dynamo_flexkv.index.policies import EvictionPolicy
 from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.remote.config import RemoteConfig
 
 GiB = 1 << 30
 
@@ -52,6 +55,16 @@ class CacheConfig:
     use_huge_pages: bool = False
     task_result_ttl_seconds: float = 600.0  # a finished result nobody collected is dropped after this
     max_tasks_in_flight: int = 4096  # running tasks (background disk writes included) before new ones are refused
+    # Remote tier (Redis / Valkey / Redis Cluster, shared by every worker of a model; docs/REMOTE.md).
+    enable_remote: bool = False
+    remote_cache_url: str = dataclasses.field(default="", repr=False)  # may carry a password: never in a repr; redis://, rediss://, redis+cluster://h:p,h:p; `serve` starts one when empty
+    remote_password_env: str = "FLEXKV_REMOTE_PASSWORD"  # read when the URL carries no password
+    remote_timeout_s: float = 2.0  # bound on every remote socket wait
+    remote_connect_timeout_s: float = 1.0
+    remote_ttl_s: float = 0.0  # expire remote blocks after this long; 0 = leave it to maxmemory eviction
+    remote_key_prefix: str = "flexkv:"
+    remote_admission_hits: int = 0  # host hits a block needs before it is written to remote; 0 = every put
+    remote_required: bool = True  # an unreachable server at start is an error (false: start without it)
 
     def __post_init__(self) -> None:
         # The constructor converts like the loader: "a;b" is two directories, "lfu" a policy.
@@ -110,6 +123,22 @@ class CacheConfig:
             )
         return out
 
+    def remote_config(self) -> "RemoteConfig":
+        """The remote tier's settings; ConfigError naming the key and the fix when they cannot work."""
+        from dynamo_flexkv.remote.config import RemoteConfig, RemoteConfigError
+        if not self.remote_cache_url:
+            raise ConfigError("enable_remote=true needs remote_cache_url (redis://host:port, "
+                              "redis+cluster://h:p,h:p,...): set it, or let `serve` start a local redis-server "
+                              "(it sets the URL for its workers), or set enable_remote=false")
+        if self.remote_ttl_s < 0:
+            raise ConfigError(f"remote_ttl_s={self.remote_ttl_s} must be >= 0 (0 = no expiry)")
+        try:
+            return RemoteConfig(url=self.remote_cache_url, password_env=self.remote_password_env,
+                                timeout_s=self.remote_timeout_s, connect_timeout_s=self.remote_connect_timeout_s,
+                                ttl_s=self.remote_ttl_s or None, key_prefix=self.remote_key_prefix)
+        except RemoteConfigError as e:
+            raise ConfigError(str(e)) from None
+
     # ---- checks ----------------------------------------------------------------------------
     def _validate(self) -> None:
         tpb = self.tokens_per_block
@@ -146,6 +175,10 @@ class CacheConfig:
                 )
             for d in self.ssd_cache_dir:
                 _check_writable_dir(d)
+        if self.enable_remote:
+            self.remote_config()  # a bad URL or setting fails here, naming remote_<key>
+        if self.remote_admission_hits < 0:
+            raise ConfigError(f"remote_admission_hits={self.remote_admission_hits} must be >= 0")
         if self.enable_gds and self.ssd_cache_gb <= 0:
             raise ConfigError("enable_gds=true needs a disk tier: set ssd_cache_gb and ssd_cache_dir")
         if self.enable_gds and not self.enable_nixl:

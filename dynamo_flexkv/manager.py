@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -33,8 +33,12 @@ from dynamo_flexkv.storage.ssd import DiskEntry, SsdStore
 from dynamo_flexkv.task_graphs import GraphBuilder
 from dynamo_flexkv.tasks import ManagerClosed, Task, TaskFailed, TaskKind, TaskResult, TaskStatus, TooManyTasks
 from dynamo_flexkv.transfer.engine import TransferEngine
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.remote import RemoteStore
 from dynamo_flexkv.transfer.graph import OpKind, TransferGraph
 from dynamo_flexkv.transfer.movers import DiskMover, HostDeviceMover
+from dynamo_flexkv.transfer.remote_mover import RemoteMover
 
 
 
@@ -56,8 +60,12 @@ class KVManager:
         self.host = HostPool(self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST),
                              use_huge_pages=self.config.use_huge_pages)
         self.ssd: Optional[SsdStore] = None
+        self.remote: Optional["RemoteStore"] = None
         movers: Dict[OpKind, Any] = {}
         try:
+            if self.config.enable_remote:
+                self.remote = self._open_remote()
+                movers[OpKind.REMOTE2H] = movers[OpKind.H2REMOTE] = RemoteMover(self.host, self.remote)
             if caps["disk"]:
                 self.ssd = SsdStore(self.config.ssd_cache_dir, caps["disk"], self.host.layout.block_bytes,
                                     dict(self.host.layout.fingerprint(), namespace=self.namespace or ""))
@@ -92,6 +100,24 @@ class KVManager:
         self.device = DeviceCache.register(tensors, self.model, layout, self.tokens_per_block)
         mover = HostDeviceMover(self.host, self.device)
         self.transfer.movers[OpKind.D2H] = self.transfer.movers[OpKind.H2D] = mover
+
+    def _open_remote(self) -> "RemoteStore":
+        """Opens the remote tier: an unreachable server or a wrong password raises (naming the fix)
+        unless remote_required=false, which starts with the tier off and retries it periodically."""
+        from dynamo_flexkv.remote import RemoteStore, fingerprint_of
+        parts = dict(self.host.layout.fingerprint(), namespace=self.namespace or "")
+        return RemoteStore(self.config.remote_config(), fingerprint_of(parts), strict=self.config.remote_required)
+
+    def _remote_probe(self, hashes: List[int], start: int) -> Optional[tuple]:
+        """(lo, hi): blocks [lo, hi) beyond the local prefix that the remote tier holds now (one
+        batched existence check per exists_chunk keys); None without a remote tier or a remote hit."""
+        if self.remote is None:
+            return None
+        lo = max(self.cache.match(hashes).num_blocks, start)
+        if lo >= len(hashes):
+            return None
+        n = self.remote.exists_prefix(hashes[lo:])
+        return (lo, lo + n) if n else None
 
     def _make_disk_mover(self):
         if self.config.enable_nixl:
@@ -135,8 +161,13 @@ class KVManager:
 
     def match(self, token_ids, **kw) -> Dict[str, int]:
         """Cached prefix in tokens per tier (no side effects)."""
-        m = self.cache.match(self.hashes(token_ids, **kw).sequence)
-        return {t.value: n * self.tokens_per_block for t, n in m.per_tier.items()}
+        seq = self.hashes(token_ids, **kw).sequence
+        m = self.cache.match(seq)
+        out = {t.value: n * self.tokens_per_block for t, n in m.per_tier.items()}
+        if self.remote is not None:  # beyond the local prefix: what a get would read from remote
+            probe = self._remote_probe(_int_list(seq), 0)
+            out["remote"] = (probe[1] if probe else 0) * self.tokens_per_block
+        return out
 
     # ---- tasks ---------------------------------------------------------------------------------
     def get_async(self, token_ids, device_block_ids, *, skip_blocks: int = 0, layerwise: bool = False,
@@ -150,13 +181,15 @@ class KVManager:
         h = self.hashes(token_ids, **kw)
         dev_ids = self._device_ids(token_ids, device_block_ids)
         with self._issue(TaskKind.GET) as task:
-            plan = self.cache.plan_get(task.id, h.sequence, min(skip_blocks, len(h)))
+            seq = _int_list(h.sequence)
+            start = min(skip_blocks, len(h))
+            plan = self.cache.plan_get(task.id, seq, start, self._remote_probe(seq, start))
             if plan.num_blocks == 0:
                 self.cache.abort_task(task.id)
                 task.finish(TaskResult(task.id, TaskKind.GET, TaskStatus.NOT_FOUND))
                 return task.id
             self._plan_tokens(task, plan)
-            self._attach_tokens(token_ids, plan.staged)
+            self._attach_tokens(token_ids, plan.staged, plan.remote_staged)
             self._submit(task, self.graphs.get(task, plan, dev_ids, layerwise))
         return task.id
 
@@ -164,14 +197,15 @@ class KVManager:
         """Brings the disk part of a cached prefix into host memory (no device copy)."""
         h = self.hashes(token_ids, **kw)
         with self._issue(TaskKind.PREFETCH) as task:
-            plan = self.cache.plan_get(task.id, h.sequence, 0)
-            if plan.staged is None:
+            seq = _int_list(h.sequence)
+            plan = self.cache.plan_get(task.id, seq, 0, self._remote_probe(seq, 0))
+            if plan.host_fill is None:
                 self.cache.abort_task(task.id)
                 status = TaskStatus.SUCCESS if plan.num_blocks else TaskStatus.NOT_FOUND
                 task.finish(TaskResult(task.id, TaskKind.PREFETCH, status))
                 return task.id
             self._plan_tokens(task, plan)
-            self._attach_tokens(token_ids, plan.staged)
+            self._attach_tokens(token_ids, plan.staged, plan.remote_staged)
             self._submit(task, self.graphs.get(task, plan, None, False))
         return task.id
 
@@ -182,7 +216,7 @@ class KVManager:
         h = self.hashes(token_ids, **kw)
         dev_ids = self._device_ids(token_ids, device_block_ids)
         with self._issue(TaskKind.PUT) as task:
-            plan = self.cache.plan_put(task.id, h.sequence)
+            plan = self.cache.plan_put(task.id, h.sequence, remote=self.remote is not None)
             self._attach_tokens(token_ids, plan.host)
             self._attach_tokens(token_ids, plan.disk, always=True)  # the journal keeps them for restarts
             after = None
@@ -240,9 +274,14 @@ class KVManager:
         return self._task(task_id, "planned_tokens").planned_tokens
 
     def planned_tokens_by_tier(self, task_id: int) -> Dict[str, int]:
-        """planned_tokens split by the tier each block is read from: ``{"host": n, "disk": m}``."""
+        """planned_tokens split by the tier each block is read from: ``{"host": n, "disk": m}``, plus
+        ``"remote"`` with a remote tier (they sum to planned_tokens)."""
         task = self._task(task_id, "planned_tokens_by_tier")
-        return {"host": task.planned_tokens - task.planned_disk_tokens, "disk": task.planned_disk_tokens}
+        local = task.planned_tokens - task.planned_disk_tokens - task.planned_remote_tokens
+        out = {"host": local, "disk": task.planned_disk_tokens}
+        if self.remote is not None:
+            out["remote"] = task.planned_remote_tokens
+        return out
 
     def wait_for_layer(self, task_id: int, layer: int, timeout: Optional[float] = None) -> bool:
         """Blocks until layer ``layer`` of a get is on the device. False on timeout; raises
@@ -264,6 +303,11 @@ class KVManager:
         t = self.transfer
         out["links"] = {k.value: {"bytes": t.link_bytes[k], "seconds": t.link_seconds[k], "ops": t.link_ops[k]}
                         for k in OpKind if t.link_ops[k]}
+        if self.remote is not None:
+            out["remote"] = dict(self.remote.stats_dict(), url=self.remote.config.redacted_url,
+                                 planned_blocks=out["requests"]["remote_hit_blocks"],
+                                 short_reads=self.graphs.remote_short_reads,
+                                 write_failures=self.graphs.remote_write_failures)
         out["tasks"] = {"in_flight": len(self._tasks), "queued_ops": t.queue_depth, "failed_ops": t.failed_ops,
                         "disk_write_failures": self.graphs.disk_write_failures,
                         "expired_results": self.expired_results}
@@ -331,6 +375,9 @@ class KVManager:
         task.planned_tokens = plan.num_blocks * tpb
         if plan.disk_reads is not None:  # blocks the caller skips are not read
             task.planned_disk_tokens = max(0, plan.disk_reads.end - max(plan.disk_reads.start, plan.start)) * tpb
+        if plan.remote_staged is not None:
+            r = plan.remote_staged
+            task.planned_remote_tokens = max(0, r.end - max(r.start, plan.start)) * tpb
 
     def _result_ready(self, task: Task) -> None:
         with self._lock:
@@ -408,10 +455,16 @@ class KVManager:
             self.ssd.record_removed(slots)
 
     def _close_storage(self) -> None:
+        if getattr(self, "remote", None) is not None:
+            self.remote.close()
         if getattr(self, "ssd", None) is not None:
             self.ssd.close()
         if getattr(self, "host", None) is not None:
             self.host.close()
+
+
+def _int_list(hashes) -> List[int]:
+    return hashes.tolist() if isinstance(hashes, np.ndarray) else [int(x) for x in hashes]
 
 
 def _adopted_chains(entries: List[DiskEntry], tokens_per_block: int) -> List[TierRun]:

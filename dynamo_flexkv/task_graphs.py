@@ -13,6 +13,7 @@ from dynamo_flexkv.storage.ssd import DiskEntry, SsdStore
 from dynamo_flexkv.tasks import Task, TaskKind, TaskResult, TaskStatus
 from dynamo_flexkv.transfer.graph import GraphState, OpKind, OpState, TransferGraph, TransferOp
 from dynamo_flexkv.transfer.movers import ChecksumError
+from dynamo_flexkv.transfer.remote_mover import RemoteShortRead
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,8 @@ class GraphBuilder:
         self.layer_block_bytes = layer_block_bytes
         self.tokens_per_block, self.num_layers = tokens_per_block, num_layers
         self.disk_write_failures = 0
+        self.remote_write_failures = 0  # write-behind ops that raised (stats() of the store counts refusals)
+        self.remote_short_reads = 0  # gets whose remote part verified fewer blocks than planned
 
     def get(self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool) -> TransferGraph:
         """A get (``dev_ids`` given) or a prefetch (None): DISK2H into staged host blocks, then
@@ -35,6 +38,7 @@ class GraphBuilder:
         # (when a layer's span keeps O_DIRECT alignment), so layer 0 computes while later layers
         # are still on their way; one VERIFY then checks whole blocks before anything commits.
         disk_for: Dict[tuple, TransferOp] = {}
+        staged_op: Optional[TransferOp] = None  # the op that commits the disk-staged blocks
         if plan.staged is not None:
             def staged_landed(op: TransferOp) -> None:
                 self.cache.complete(plan.disk_reads, tid)
@@ -49,12 +53,23 @@ class GraphBuilder:
                     reads.append(TransferOp(OpKind.DISK2H, src, dst_host, layers=span,
                                             deps=(reads[-1],) if reads else ()))
                 ops += reads
-                ops.append(TransferOp(OpKind.VERIFY, src, dst_host, deps=tuple(reads), on_done=staged_landed))
+                staged_op = TransferOp(OpKind.VERIFY, src, dst_host, deps=tuple(reads), on_done=staged_landed)
+                ops.append(staged_op)
                 disk_for = dict(zip(layers, reads))
             else:
-                whole = TransferOp(OpKind.DISK2H, src, dst_host, on_done=staged_landed)
+                whole = staged_op = TransferOp(OpKind.DISK2H, src, dst_host, on_done=staged_landed)
                 ops.append(whole)
                 disk_for = {span: whole for span in layers}
+        if plan.remote_staged is not None:
+            # Remote blocks land after the disk part (their parent), verified by the store. A
+            # shorter verified prefix commits what landed and fails the rest (recomputed).
+            run = plan.remote_staged
+            remote_op = TransferOp(OpKind.REMOTE2H, run.block_ids, run.block_ids,
+                                   deps=(staged_op,) if staged_op else (),
+                                   seq_hashes=list(run.hashes), parent=run.parent,
+                                   on_done=lambda op: self.cache.complete(run, tid))
+            ops.append(remote_op)
+            disk_for = {span: remote_op for span in layers}
         if load_device:
             reads_h = plan.host_reads
             dst = dev_ids[reads_h.start:reads_h.end]
@@ -65,7 +80,7 @@ class GraphBuilder:
                 dep = disk_for.get((lo, hi))
                 ops.append(TransferOp(OpKind.H2D, reads_h.block_ids, dst, deps=(dep,) if dep else (),
                                       layers=(lo, hi), on_done=layer_landed))
-        loaded = plan.num_blocks if load_device else (len(plan.staged) if plan.staged else 0)
+        loaded = plan.num_blocks if load_device else sum(len(r) for r in (plan.staged, plan.remote_staged) if r)
 
         def finished(graph: TransferGraph) -> None:
             if graph.state is GraphState.DONE:
@@ -74,6 +89,11 @@ class GraphBuilder:
                 self.cache.finish_task(tid)
                 task.finish(TaskResult(tid, task.kind, TaskStatus.SUCCESS, loaded * self.tokens_per_block))
                 return
+            if isinstance(graph.error, RemoteShortRead):
+                self.remote_short_reads += 1
+                staged_ok = plan.staged is None or plan.staged.done
+                if staged_ok and not plan.remote_staged.done:  # keep the verified blocks on host
+                    self.cache.complete_prefix(plan.remote_staged, tid, graph.error.verified)
             self.cache.abort_task(tid)
             if isinstance(graph.error, ChecksumError):
                 self._drop_corrupt(graph.error.disk_ids)
@@ -109,13 +129,24 @@ class GraphBuilder:
             ops.append(TransferOp(OpKind.H2DISK, plan.host_sources.block_ids, plan.disk.block_ids,
                                   deps=(d2h,) if d2h else (), on_done=disk_landed))
 
+        if plan.remote_sources is not None:
+            src = plan.remote_sources
+            ops.append(TransferOp(OpKind.H2REMOTE, src.block_ids, src.block_ids, deps=(d2h,) if d2h else (),
+                                  seq_hashes=list(src.hashes), parent=src.parent,
+                                  on_done=lambda op: self.cache.complete(src, tid)))
+
         def finished(graph: TransferGraph) -> None:
             if graph.state is GraphState.DONE:
                 self.cache.finish_task(tid)
                 return
             if d2h is not None and d2h.state is OpState.DONE and graph.state is GraphState.FAILED:
-                self.disk_write_failures += 1
-                log.warning("put %d: disk write failed (%s); the blocks stay on host only", tid, graph.error)
+                failed = [op.kind.value for op in graph.ops if op.state is OpState.FAILED]
+                if OpKind.H2DISK.value in failed:
+                    self.disk_write_failures += 1
+                if OpKind.H2REMOTE.value in failed:
+                    self.remote_write_failures += 1
+                log.warning("put %d: %s write failed (%s); the blocks stay on host", tid, "/".join(failed),
+                            graph.error)
             self.cache.abort_task(tid)
             task.finish(self._failure(task, graph))
         return TransferGraph(ops, on_finish=finished)

@@ -60,6 +60,7 @@ class Task:
     graph: Optional[TransferGraph] = None
     planned_tokens: int = 0  # what a get or prefetch will load if it succeeds
     planned_disk_tokens: int = 0  # the part of planned_tokens read from the disk tier
+    planned_remote_tokens: int = 0  # the part of planned_tokens read from the remote tier
     result: Optional[TaskResult] = None
     done: threading.Event = field(default_factory=threading.Event)  # the caller may proceed
     layer_ready: List[threading.Event] = field(default_factory=list)

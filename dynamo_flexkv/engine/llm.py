@@ -223,7 +223,7 @@ class LLMEngine:
             if tid is not None:
                 req.load_task = tid
                 by_tier = self.connector.planned_tokens_by_tier(tid)
-                req.offload_hit_tokens = by_tier["host"] + by_tier["disk"]
+                req.offload_hit_tokens = sum(by_tier.values())  # host + disk + remote
                 req.disk_hit_tokens = by_tier["disk"]
                 req.num_computed += req.offload_hit_tokens
         if self.remote_fill is not None:

@@ -81,10 +81,16 @@ class GetPlan:
     host_reads: Optional[TierRun]  # host blocks [start, end) copied to the device (incl. staged)
     disk_reads: Optional[TierRun]  # ready disk blocks read into `staged`
     staged: Optional[TierRun]  # new host blocks that receive disk_reads before the device copy
+    remote_staged: Optional[TierRun] = None  # new host blocks that receive remote blocks (after staged)
 
     @property
     def end(self) -> int:
         return self.host_reads.end if self.host_reads is not None else self.start
+
+    @property
+    def host_fill(self) -> Optional[TierRun]:
+        """Host blocks this get fills (disk and remote parts); None when it only reads host."""
+        return self.remote_staged if self.remote_staged is not None else self.staged
 
     @property
     def num_blocks(self) -> int:
@@ -92,7 +98,7 @@ class GetPlan:
 
     @property
     def runs(self) -> List[TierRun]:
-        return [r for r in (self.staged, self.disk_reads, self.host_reads) if r is not None]
+        return [r for r in (self.staged, self.disk_reads, self.remote_staged, self.host_reads) if r is not None]
 
 
 @dataclass
@@ -103,10 +109,11 @@ class PutPlan:
     #                                  locked until the disk write finished; aligned with `disk`
     disk: Optional[TierRun]  # new disk blocks written from host
     held: int  # blocks of the request already on host before this put
+    remote_sources: Optional[TierRun] = None  # host blocks [0, end) written behind to remote, locked meanwhile
 
     @property
     def runs(self) -> List[TierRun]:
-        return [r for r in (self.host, self.host_sources, self.disk) if r is not None]
+        return [r for r in (self.host, self.host_sources, self.disk, self.remote_sources) if r is not None]
 
 
 class IndexListener(Protocol):
@@ -154,6 +161,7 @@ class CacheEngine:
             raise ValueError("the host tier needs capacity: every transfer is staged through it")
         self.counters: Dict[Tier, TierCounters] = {t: TierCounters() for t in self.tiers}
         self.miss_blocks = 0
+        self.remote_hit_blocks = 0  # blocks planned from the remote tier (a read may verify fewer)
         self._tasks: Dict[Hashable, List[TierRun]] = {}
 
     # ---- queries -------------------------------------------------------------------------------
@@ -166,9 +174,12 @@ class CacheEngine:
             return list(self._tasks)
 
     # ---- planning --------------------------------------------------------------------------------
-    def plan_get(self, task_id: Hashable, hashes: Sequence[int], start: int = 0) -> GetPlan:
+    def plan_get(self, task_id: Hashable, hashes: Sequence[int], start: int = 0,
+                 remote: Optional[Tuple[int, int]] = None) -> GetPlan:
         """Locks what the get reads and stages disk blocks into new host blocks. The plan covers
-        blocks [start, plan.end); it may be empty."""
+        blocks [start, plan.end); it may be empty. ``remote=(lo, hi)``: the remote tier held
+        blocks [lo, hi) when probed; those past the local prefix are staged into new host blocks
+        too (the remote tier is not indexed here: its hits are advisory, the read verifies them)."""
         hashes = _as_ints(hashes)
         if not 0 <= start <= len(hashes):
             raise ValueError(f"get start={start} must be within the request's {len(hashes)} full blocks")
@@ -190,6 +201,18 @@ class CacheEngine:
                 elif k:
                     host.rollback(hashes[h:h + k], task_id)
             end = max(h, staged.end if staged is not None else 0)
+            remote_staged = None
+            if remote is not None and remote[0] <= end < remote[1] and remote[1] > start:
+                parent = hashes[end - 1] if end else None
+                if host.match_length(hashes, ready_only=False) == end and host.can_extend(parent, task_id):
+                    ids = host.insert(hashes[end:remote[1]], parent, task_id)
+                    if ids and end + len(ids) > start:
+                        remote_staged = self._track(task_id, TierRun(
+                            Tier.HOST, end, hashes[end:end + len(ids)], ids, parent, new=True))
+                        self.remote_hit_blocks += len(ids) - max(0, start - end)
+                        end = remote_staged.end
+                    elif ids:
+                        host.rollback(hashes[end:end + len(ids)], task_id)
             # Everything the device will read stays locked until the H2D copy finished,
             # staged blocks included (once committed they would otherwise be evictable).
             host_reads = self._lock_run(task_id, Tier.HOST, hashes, start, end) if end > start else None
@@ -197,9 +220,9 @@ class CacheEngine:
             if disk_reads is not None:
                 self.counters[Tier.DISK].hit_blocks += max(0, disk_reads.end - max(h, start))
             self.miss_blocks += len(hashes) - max(end, start)
-            return GetPlan(task_id, start, host_reads, disk_reads, staged)
+            return GetPlan(task_id, start, host_reads, disk_reads, staged, remote_staged)
 
-    def plan_put(self, task_id: Hashable, hashes: Sequence[int]) -> PutPlan:
+    def plan_put(self, task_id: Hashable, hashes: Sequence[int], remote: bool = False) -> PutPlan:
         """Inserts the blocks host and disk do not hold yet (disk subject to the admission filter)
         as unready blocks of ``task_id``, and locks the host blocks that feed disk writes."""
         hashes = _as_ints(hashes)
@@ -229,7 +252,31 @@ class CacheEngine:
                         disk_run = self._track(task_id, TierRun(
                             Tier.DISK, d0, hashes[d0:d0 + k], ids, d_parent, new=True))
                         sources = self._lock_run(task_id, Tier.HOST, hashes, d0, d0 + k, hit=False)
-            return PutPlan(task_id, host_run, sources, disk_run, held)
+            remote_sources = None
+            if remote:
+                r_end = self._remote_admitted_end(hashes, held, host_run)
+                if r_end:
+                    remote_sources = self._lock_run(task_id, Tier.HOST, hashes, 0, r_end, hit=False)
+            return PutPlan(task_id, host_run, sources, disk_run, held, remote_sources)
+
+    def _remote_admitted_end(self, hashes: List[int], held: int, host_run: Optional[TierRun]) -> int:
+        """End of the prefix [0, end) written behind to remote. With remote_admission_hits = 0:
+        the whole host prefix, when this put brought new blocks (an earlier put wrote the held
+        ones; the write skips what remote already has). With N > 0: the held blocks with N hits."""
+        need = self.config.remote_admission_hits
+        host = self.tiers[Tier.HOST]
+        if need == 0:
+            if host_run is None:
+                return 0
+            ready = host.match_length(hashes)  # held blocks another put still fills are not readable yet
+            return host_run.end if ready >= held else ready
+        j = 0
+        while j < held:
+            info = host.info(hashes[j])
+            if info is None or not info.ready or info.hits < need:
+                break
+            j += 1
+        return j
 
     def _admitted_end(self, hashes: List[int], d0: int, held: int,
                       host_run: Optional[TierRun]) -> int:
@@ -287,6 +334,30 @@ class CacheEngine:
                 idx.unlock(run.hashes)
             run.done = True
 
+    def complete_prefix(self, run: TierRun, task_id: Hashable, count: int) -> None:
+        """Commits the first ``count`` blocks of a new run (their bytes landed and were verified);
+        the rest stays open in the task, so abort_task rolls it back."""
+        with self._lock:
+            self._check_open(run, task_id)
+            if not run.new:
+                raise IndexError_("complete_prefix applies to new blocks only")
+            if count >= len(run):
+                self.complete(run, task_id)
+                return
+            if count <= 0:
+                return
+            head = dataclasses.replace(run, hashes=run.hashes[:count], block_ids=run.block_ids[:count],
+                                       token_ids=None)
+            if run.token_ids is not None:
+                b = len(run.token_ids) // len(run.hashes)
+                head.token_ids, run.token_ids = run.token_ids[:count * b], run.token_ids[count * b:]
+            self.tiers[run.tier].commit(head.hashes, task_id)
+            self.counters[run.tier].stored_blocks += count
+            run.parent, run.start = run.hashes[count - 1], run.start + count
+            run.hashes, run.block_ids = run.hashes[count:], run.block_ids[count:]
+            if self.listener is not None:
+                self.listener.on_stored(run.tier, head)
+
     def abort(self, run: TierRun, task_id: Hashable) -> None:
         """The run's copy failed or was cancelled: roll back new blocks, release read locks."""
         with self._lock:
@@ -338,7 +409,8 @@ class CacheEngine:
                     "stored_blocks": c.stored_blocks,
                     "rolled_back_blocks": c.rolled_back_blocks,
                 }
-            out["requests"] = {"miss_blocks": self.miss_blocks, "tasks_in_flight": len(self._tasks)}
+            out["requests"] = {"miss_blocks": self.miss_blocks, "remote_hit_blocks": self.remote_hit_blocks,
+                               "tasks_in_flight": len(self._tasks)}
             return out
 
     # ---- internals ---------------------------------------------------------------------------------

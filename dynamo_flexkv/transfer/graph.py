@@ -16,6 +16,8 @@ class OpKind(str, Enum):
     DISK2H = "disk2h"
     H2DISK = "h2disk"
     VERIFY = "verify"  # checksums of disk blocks that landed in host slots (after per-layer reads)
+    REMOTE2H = "remote2h"  # remote (Redis) blocks read and verified into host slots
+    H2REMOTE = "h2remote"  # host blocks written behind to remote
 
 
 class OpState(str, Enum):
@@ -37,6 +39,8 @@ class TransferOp:
     layers: Optional[Tuple[int, int]] = None  # [lo, hi) for device copies; None = all layers
     on_done: Optional[Callable[["TransferOp"], None]] = None  # runs on the worker after success
     after: Any = None  # CUDA event the copy waits for: the engine's writes to these blocks
+    seq_hashes: Optional[List[int]] = None  # remote ops: the blocks' sequence hashes (their keys)
+    parent: Optional[int] = None  # remote ops: sequence hash before seq_hashes[0] (None at the root)
     # Filled in by the engine and the mover.
     state: OpState = OpState.PENDING
     nbytes: int = 0

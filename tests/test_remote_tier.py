@@ -1,0 +1,277 @@
+"""The remote tier behind KVManager, against real redis-server processes: a manager that never saw
+a prompt loads its exact bytes from Redis; every fault ends in exact bytes or a clean recompute,
+with no slot, lock or task left behind."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
+from dynamo_flexkv.config import ConfigError
+from dynamo_flexkv.remote import RemoteAuthError, RemoteUnavailableError
+from dynamo_flexkv.remote.resp import RespConnection, encode_command
+from dynamo_flexkv.remote.server import RedisServer, free_port
+from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
+from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
+
+pytestmark = needs_redis
+LAYOUT = KVLayoutType.LAYERBLOCK
+DEVICE_BLOCKS = 64
+
+
+def manager(tmp_path, url, host_blocks=32, namespace=None, **kw) -> KVManager:
+    cfg = config(tmp_path, host_blocks=host_blocks, disk_blocks=0, enable_remote=True, remote_cache_url=url,
+                 remote_timeout_s=kw.pop("remote_timeout_s", 1.0), **kw)
+    return KVManager(MODEL, cfg, namespace=namespace)
+
+
+class Engine:
+    """The engine side of one manager: its device tensors, put and checked get."""
+
+    def __init__(self, kv: KVManager, seed: int = 0) -> None:
+        self.kv = kv
+        self.dev = device_tensors(LAYOUT, DEVICE_BLOCKS)
+        kv.register_device_cache(self.dev, LAYOUT)
+        self.rng = np.random.default_rng(seed)
+
+    def put(self, prompt) -> None:
+        h = self.kv.hashes(prompt).sequence
+        ids = self.rng.choice(DEVICE_BLOCKS, size=len(h), replace=False)
+        for b, s in zip(ids, h):
+            fill(self.dev, LAYOUT, int(b), int(s))
+        t = self.kv.put_async(prompt, ids)
+        assert self.kv.wait([t], timeout=30)[t].ok
+        assert self.kv.drain(30)  # the write-behind to remote finished
+
+    def get(self, prompt, expect_status=TaskStatus.SUCCESS):
+        """Loads the cached prefix; every block it reports loaded holds the exact bytes."""
+        h = self.kv.hashes(prompt).sequence
+        ids = self.rng.choice(DEVICE_BLOCKS, size=len(h), replace=False)
+        for b in ids:  # poison: a block that was not loaded cannot pass the check by accident
+            for layer in range(MODEL.num_layers):
+                self.dev[layer][int(b)].fill_(0)
+        t = self.kv.get_async(prompt, ids)
+        planned = self.kv.planned_tokens_by_tier(t)
+        r = self.kv.wait([t], timeout=30)[t]
+        assert r.status is expect_status, r
+        if r.ok:
+            assert r.num_tokens == sum(planned.values())
+            for i in range(r.num_tokens // TPB):
+                assert holds(self.dev, LAYOUT, int(ids[i]), int(h[i])), f"block {i}: wrong bytes"
+        assert self.kv.drain(30)
+        return r, planned
+
+
+def prompt_of(rng, blocks: int):
+    return rng.integers(0, 50000, blocks * TPB + 5).tolist()
+
+
+def check_clean(kv: KVManager) -> None:
+    assert kv.drain(30)
+    assert_no_leaks(kv)
+    s = kv.stats()
+    assert s["tasks"]["queued_ops"] == 0 and s["requests"]["tasks_in_flight"] == 0
+
+
+def test_second_manager_loads_exact_bytes_from_remote(tmp_path, redis_server):
+    rng = np.random.default_rng(1)
+    p = prompt_of(rng, 10)
+    with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
+        e0, e1 = Engine(kv0, 0), Engine(kv1, 1)
+        e0.put(p)
+        assert kv0.stats()["remote"]["puts"] == 10
+        assert kv1.match(p) == {"host": 0, "remote": 10 * TPB}
+        r, planned = e1.get(p)  # kv1 never saw the prompt
+        assert r.num_tokens == 10 * TPB and planned == {"host": 0, "disk": 0, "remote": 10 * TPB}
+        s = kv1.stats()
+        assert s["remote"]["hits"] == 10 and s["remote"]["bytes_read"] == 10 * kv1.host.layout.block_bytes
+        # Now on kv1's host tier: the next get reads host only.
+        r, planned = e1.get(p)
+        assert planned == {"host": 10 * TPB, "disk": 0, "remote": 0}
+        # A longer prompt sharing the prefix: host part + remote part + recomputed tail.
+        longer = p[:10 * TPB] + prompt_of(rng, 4)
+        e0.put(longer)
+        r, planned = e1.get(longer)
+        assert planned == {"host": 10 * TPB, "disk": 0, "remote": 4 * TPB}
+        # A different namespace is a different fingerprint: nothing to load.
+        for kv in (kv0, kv1):
+            check_clean(kv)
+    with manager(tmp_path / "c", redis_server.url, namespace="other") as kv2:
+        assert kv2.match(p) == {"host": 0, "remote": 0}
+
+
+def test_prefetch_brings_remote_blocks_to_host(tmp_path, redis_server):
+    rng = np.random.default_rng(2)
+    p = prompt_of(rng, 6)
+    with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
+        Engine(kv0).put(p)
+        e1 = Engine(kv1, 3)
+        t = kv1.prefetch_async(p)
+        r = kv1.wait([t], timeout=30)[t]
+        assert r.ok and r.num_tokens == 6 * TPB
+        assert kv1.match(p)["host"] == 6 * TPB
+        r, planned = e1.get(p)
+        assert planned["host"] == 6 * TPB
+        check_clean(kv1)
+
+
+def test_cluster_round_trip(tmp_path, redis_cluster):
+    rng = np.random.default_rng(3)
+    p = prompt_of(rng, 12)
+    with manager(tmp_path / "a", redis_cluster.url) as kv0, manager(tmp_path / "b", redis_cluster.url) as kv1:
+        Engine(kv0).put(p)
+        r, planned = Engine(kv1, 1).get(p)
+        assert planned["remote"] == 12 * TPB and r.num_tokens == 12 * TPB
+        check_clean(kv0)
+        check_clean(kv1)
+
+
+def test_startup_errors_name_the_fix(tmp_path):
+    port = free_port()
+    with pytest.raises(RemoteUnavailableError, match="127.0.0.1"):
+        manager(tmp_path, f"redis://127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match="remote_cache_url"):
+        config(tmp_path, disk_blocks=0, enable_remote=True)
+    with RedisServer(maxmemory="16mb", password="right-pass") as server:
+        with pytest.raises(RemoteAuthError) as e:
+            manager(tmp_path, server.url)
+        assert "right-pass" not in str(e.value)
+        with pytest.raises(RemoteAuthError) as e:
+            manager(tmp_path, f"redis://:wrong-pass@127.0.0.1:{server.port}")
+        assert "wrong-pass" not in str(e.value)
+        with manager(tmp_path, f"redis://:right-pass@127.0.0.1:{server.port}") as kv:
+            assert "right-pass" not in repr(kv.config) and "right-pass" not in str(kv.stats())
+
+
+def test_worker_without_redis_keeps_serving_locally(tmp_path):
+    """remote_required=false: Redis down at start, the worker serves from host; when Redis comes
+    up on that port, the tier reconnects after the breaker's cool-down."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}"
+    rng = np.random.default_rng(4)
+    p = prompt_of(rng, 4)
+    with manager(tmp_path, url, remote_required=False) as kv:
+        e = Engine(kv)
+        e.put(p)
+        r, planned = e.get(p)
+        assert planned == {"host": 4 * TPB, "disk": 0, "remote": 0}
+        assert kv.stats()["remote"]["breaker_state"] == "open"
+        check_clean(kv)
+
+
+def test_redis_killed_and_restarted_mid_run(tmp_path):
+    rng = np.random.default_rng(5)
+    server = RedisServer(maxmemory="32mb").start()
+    try:
+        with manager(tmp_path / "a", server.url) as kv0, manager(tmp_path / "b", server.url) as kv1:
+            e0, e1 = Engine(kv0), Engine(kv1, 1)
+            p = prompt_of(rng, 6)
+            e0.put(p)
+            server.kill()
+            t0 = time.monotonic()
+            r, planned = e1.get(p, expect_status=TaskStatus.NOT_FOUND)  # probe fails fast: recompute
+            q = prompt_of(rng, 5)
+            e0.put(q)  # the write-behind fails, counted; host keeps the blocks
+            r, planned = e0.get(q)
+            assert planned["host"] == 5 * TPB
+            for _ in range(6):  # the breaker opens and stops touching the dead server
+                kv1.match(p)
+            assert time.monotonic() - t0 < 20
+            s = kv1.stats()["remote"]
+            assert s["breaker_opened"] >= 1 and s["breaker_refused"] >= 1
+            check_clean(kv0)
+            check_clean(kv1)
+            # Back on the same port (empty: no persistence): after the cool-down the tier works again.
+            server = RedisServer(maxmemory="32mb", port=server.port).start()
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                fresh = prompt_of(rng, 3)
+                e0.put(fresh)
+                if kv1.match(fresh)["remote"] == 3 * TPB:
+                    break
+                time.sleep(0.5)
+            r, planned = e1.get(fresh)
+            assert planned["remote"] == 3 * TPB
+            check_clean(kv0)
+            check_clean(kv1)
+    finally:
+        server.cleanup()
+
+
+def _keys(server, pattern=b"*"):
+    conn = RespConnection("127.0.0.1", server.port, timeout_s=2, connect_timeout_s=1)
+    try:
+        return conn, sorted(conn.call(b"KEYS", pattern))
+    except BaseException:
+        conn.close()
+        raise
+
+
+@pytest.mark.parametrize("fault", ["evicted", "corrupt", "truncated", "wrong_block", "foreign"])
+def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server, fault):
+    """A value evicted between lookup and read, corrupt, truncated, or of another model: the get
+    fails cleanly (the engine recomputes), blocks verified before it stay on host, nothing leaks."""
+    rng = np.random.default_rng(6)
+    p = prompt_of(rng, 8)
+    with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
+        e0, e1 = Engine(kv0), Engine(kv1, 1)
+        e0.put(p)
+        seq = kv1.hashes(p).sequence
+        key = kv1.remote._prefix + b"%016x" % int(seq[5])
+        conn = RespConnection("127.0.0.1", redis_server.port, timeout_s=2, connect_timeout_s=1)
+        try:
+            if fault == "corrupt":
+                value = bytearray(conn.call(b"GET", key))
+                value[100] ^= 0xFF
+                conn.call(b"SET", key, bytes(value))
+            elif fault == "truncated":
+                conn.call(b"SET", key, conn.call(b"GET", key)[:-7])
+            elif fault == "wrong_block":  # this model's value of another block
+                other = kv1.remote._prefix + b"%016x" % int(seq[2])
+                conn.call(b"SET", key, conn.call(b"GET", other))
+            elif fault == "foreign":  # a value written by another namespace (another fingerprint)
+                with manager(tmp_path / "c", redis_server.url, namespace="other") as kv2:
+                    Engine(kv2, 2).put(p)
+                    seq2 = kv2.hashes(p).sequence
+                    conn.call(b"SET", key, conn.call(b"GET", kv2.remote._prefix + b"%016x" % int(seq2[5])))
+            store = kv1.remote
+            real_get = store.get_into
+
+            def evicting_get(hashes, dests, parents=None):
+                if fault == "evicted":  # Redis evicts the key between the probe and the read
+                    conn.call(b"DEL", key)
+                return real_get(hashes, dests, parents)
+            store.get_into = evicting_get
+            assert kv1.match(p)["remote"] == 8 * TPB or fault == "evicted"
+            r, _ = e1.get(p, expect_status=TaskStatus.FAILED)
+            assert "remote tier verified 5 of 8" in r.error
+            store.get_into = real_get
+        finally:
+            conn.close()
+        check_clean(kv1)
+        assert kv1.match(p)["host"] == 5 * TPB  # the verified blocks stayed
+        s = kv1.stats()["remote"]
+        assert s["short_reads"] == 1 and s["hits"] == 5
+        assert s[{"evicted": "misses", "corrupt": "corrupt", "truncated": "truncated", "wrong_block": "corrupt",
+                  "foreign": "foreign"}[fault]] == 1
+        r, planned = e1.get(p)  # the next get loads the 5 verified blocks from host, exactly
+        assert planned == {"host": 5 * TPB, "disk": 0, "remote": 0}
+
+
+def test_full_redis_refuses_writes_and_nothing_else_breaks(tmp_path):
+    rng = np.random.default_rng(7)
+    with RedisServer(maxmemory="2mb", policy="noeviction") as server:
+        with manager(tmp_path / "a", server.url, host_blocks=256) as kv0:
+            e0 = Engine(kv0)
+            prompts = [prompt_of(rng, 8) for _ in range(20)]  # 20 x 8 x 24 KiB = 3.8 MB > 2 MB
+            for p in prompts:
+                e0.put(p)
+            s = kv0.stats()["remote"]
+            assert s["put_refused"] > 0 and s["puts"] > 0 and s["breaker_state"] == "closed"
+            for p in prompts[:3]:
+                r, planned = e0.get(p)
+                assert planned["host"] == 8 * TPB
+            check_clean(kv0)
