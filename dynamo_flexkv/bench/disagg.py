@@ -12,6 +12,10 @@ computes a prompt and leases its blocks; this process plays the decode worker. P
 
 Ratio = handover GB/s / raw GB/s (higher is better; 1.0 = the handover adds nothing). Latency per
 handover is reported too. UCX picks its transports (UCX_TLS) for both alike.
+
+Then the served graphs on one mixed workload (``serving`` cases, milliseconds, lower is better):
+graphs/disagg.py against graphs/agg.py, small preset. Short requests stream tokens while long
+prompts arrive; TTFT of every request and the inter-token latency of the streaming ones, p50/p99.
 """
 
 from __future__ import annotations
@@ -98,7 +102,92 @@ def _raw_read(agent, p: HandoverParams, n: int) -> None:
         a.release_xfer_handle(handle)
 
 
+def _stream(base_url: str, model: str, prompt: List[int], max_tokens: int) -> List[float]:
+    """Arrival times (perf_counter) of each streamed token of one greedy completion."""
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(base_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "stream": True, "ignore_eos": True})
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"completion failed: HTTP {resp.status} {resp.read()[:200]!r}")
+    times = [t0]
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data:") and line != "data: [DONE]":
+            if json.loads(line[5:]).get("choices"):
+                times.append(time.perf_counter())
+    conn.close()
+    return times
+
+
+def _serve_workload(graph: str, quick: bool, tmp: str) -> dict:
+    """TTFT of every request, inter-token gaps of the streaming ones, on one served graph."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from dynamo_flexkv.serve import load_graph
+    from dynamo_flexkv.serve.launcher import Launcher
+    from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+
+    root = Path(__file__).resolve().parents[2]
+    sections = ["FlexKVWorker"] if graph == "agg" else ["PrefillWorker", "DecodeWorker"]
+    overrides = ["Frontend.http-port=0"] + [f"{s}.cache.ssd_cache_dir={tmp}/{graph}-{s}{{replica}}" for s in sections]
+    config = apply_overrides(load_config(str(root / "configs" / f"{graph}.yaml")), overrides)
+    plan = build_plan(load_graph(str(root / "graphs" / f"{graph}.py")), config, run_dir=Path(tmp) / f"run-{graph}")
+    rng = np.random.default_rng(1)
+    vocab = EngineModelConfig.load(plan.model).vocab_size
+    n_stream, n_long = (2, 2) if quick else (3, 4)
+    streaming = [rng.integers(0, vocab, 64).tolist() for _ in range(n_stream)]
+    longs = [rng.integers(0, vocab, 2048 if quick else 3072).tolist() for _ in range(n_long)]
+    with Launcher(plan) as launcher:
+        launcher.wait_ready(180)
+        _stream(plan.base_url, plan.served_model_name, rng.integers(0, vocab, 128).tolist(), 2)  # warm-up
+        with ThreadPoolExecutor(n_stream + n_long) as pool:
+            chatty = [pool.submit(_stream, plan.base_url, plan.served_model_name, p, 48) for p in streaming]
+            time.sleep(1.0)  # they are decoding when the long prompts arrive
+            long_futs = []
+            for p in longs:
+                long_futs.append(pool.submit(_stream, plan.base_url, plan.served_model_name, p, 4))
+                threading.Event().wait(0.5)
+            runs = [f.result() for f in chatty], [f.result() for f in long_futs]
+    ttft = [t[1] - t[0] for r in runs for t in r]
+    itl = [b - a for t in runs[0] for a, b in zip(t[1:], t[2:])]
+    return {"ttft": ttft, "itl": itl}
+
+
+def _pct(xs: List[float], q: float) -> float:
+    return float(np.percentile(np.array(xs) * 1e3, q))
+
+
+def _serving_cases(args: argparse.Namespace) -> List[Case]:
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="flexkv-bench-disagg-", dir=getattr(args, "dir", None))
+    agg = _serve_workload("agg", args.quick, tmp)
+    dis = _serve_workload("disagg", args.quick, tmp)
+    cases = []
+    for metric in ("ttft", "itl"):
+        for q in (50, 99):
+            cases.append(Case("disagg", f"serving-{metric}-p{q}", _pct(dis[metric], q), _pct(agg[metric], q), "ms",
+                              "agg graph, same workload", f"lower is better; {len(dis[metric])} samples"
+                              + ("; gaps between streamed chunks (the detokenizer may merge tokens)" if metric == "itl" else "")))
+    return cases
+
+
 def run(args: argparse.Namespace) -> List[Case]:
+    cases = _handover_cases(args)
+    cases += _serving_cases(args)
+    return cases
+
+
+def _handover_cases(args: argparse.Namespace) -> List[Case]:
     from dynamo_flexkv.disagg.nixl_kv import KVAgent
     from dynamo_flexkv.disagg.roles import DecodeSide
 
