@@ -51,10 +51,12 @@ class KVManager:
         namespace: Optional[str] = None,
         listener: Optional[IndexListener] = None,
         workers: int = 4,
+        model_id: str = "",
     ) -> None:
         self.model = model
         self.config = config or CacheConfig.load()
         self.namespace = namespace or None
+        self.model_id = model_id  # names the weights in the remote fingerprint: same shape != same bytes
         self.tokens_per_block = self.config.tokens_per_block
         caps = self.config.tier_blocks(model)
         self.host = HostPool(self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST),
@@ -105,7 +107,7 @@ class KVManager:
         """Opens the remote tier: an unreachable server or a wrong password raises (naming the fix)
         unless remote_required=false, which starts with the tier off and retries it periodically."""
         from dynamo_flexkv.remote import RemoteStore, fingerprint_of
-        parts = dict(self.host.layout.fingerprint(), namespace=self.namespace or "")
+        parts = dict(self.host.layout.fingerprint(), namespace=self.namespace or "", model=self.model_id)
         return RemoteStore(self.config.remote_config(), fingerprint_of(parts), strict=self.config.remote_required)
 
     def _remote_probe(self, hashes: List[int], start: int) -> Optional[tuple]:

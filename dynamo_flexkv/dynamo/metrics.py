@@ -90,7 +90,7 @@ class OffloadCollector(Collector):
 
 
 def _offload_families(stats: dict) -> Iterator[Metric]:
-    tiers = {k: v for k, v in stats.items() if k in ("host", "disk", "remote")}
+    tiers = {k: v for k, v in stats.items() if k in ("host", "disk")}
     per_tier = {
         "hit_blocks": ("Blocks found in the tier by a get", "hit_blocks"),
         "stored_blocks": ("Blocks that landed in the tier", "stored_blocks"),
@@ -123,6 +123,41 @@ def _offload_families(stats: dict) -> Iterator[Metric]:
     yield _counter("failed_ops", "Copies that failed (their task rolled back)", tasks["failed_ops"])
     yield _counter("disk_write_failures", "Puts whose disk write failed (kept on host only)",
                    tasks["disk_write_failures"])
+    if "remote" in stats:
+        yield from _remote_families(stats["remote"])
+
+
+def _remote_families(r: dict) -> Iterator[Metric]:
+    """The remote tier (Redis): what gets read and verified, what puts wrote, failures, breaker."""
+    yield _counter("remote_hit_blocks", "Remote blocks read and verified by gets", r["hits"])
+    yield _counter("remote_miss_blocks", "Remote reads that ended at a missing value (evicted after the lookup)",
+                   r["misses"])
+    bad = CounterMetricFamily(PREFIX + "remote_bad_values", "Remote values refused by verification (the get "
+                              "recomputes from there)", labels=["reason"])
+    for reason in ("truncated", "foreign", "corrupt"):
+        bad.add_metric([reason], r[reason])
+    yield bad
+    yield _counter("remote_short_reads", "Gets whose remote part verified fewer blocks than planned",
+                   r["short_reads"])
+    yield _counter("remote_stored_blocks", "Blocks written to remote by puts", r["puts"])
+    yield _counter("remote_put_refused", "Remote writes refused by the server (full with noeviction)",
+                   r["put_refused"])
+    data = CounterMetricFamily(PREFIX + "remote_bytes", "Block bytes moved to and from remote",
+                               labels=["direction"])
+    data.add_metric(["read"], r["bytes_read"])
+    data.add_metric(["written"], r["bytes_written"])
+    yield data
+    secs = CounterMetricFamily(PREFIX + "remote_seconds", "Seconds spent in remote operations",
+                               labels=["op"])
+    for op in ("get", "put", "exists"):
+        secs.add_metric([op], r[f"{op}_seconds"])
+    yield secs
+    yield _counter("remote_op_errors", "Remote operations cut short by a failure or timeout", r["op_errors"])
+    yield _counter("remote_breaker_refused", "Remote operations skipped while the circuit breaker was open",
+                   r["breaker_refused"])
+    yield _counter("remote_breaker_opened", "Times the remote circuit breaker opened", r["breaker_opened"])
+    yield _gauge("remote_breaker_open", "1 while the remote circuit breaker is open or half-open",
+                 0 if r["breaker_state"] == "closed" else 1)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -109,7 +109,8 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             # Tier sizes, directories and policies come from FLEXKV_* / YAML (FLEXKV_CONFIG_PATH).
             # The engine's block is the unit of offload: tokens_per_block follows the model.
             cache = CacheConfig.load().replace(tokens_per_block=self.cfg.block_size)
-            self.kv = KVManager(self.cfg.kv_spec(), cache, listener=OffloadEvents(self.relay))
+            self.kv = KVManager(self.cfg.kv_spec(), cache, listener=OffloadEvents(self.relay),
+                                model_id=f"{self.args.model}|{self.args.served_model_name}")  # remote fingerprint
         self.engine = LLMEngine(
             self.cfg, num_device_blocks=self.args.num_device_blocks, kv_manager=self.kv,
             layerwise=not self.args.bulk_load, device_prefix_cache=not self.args.no_device_prefix_cache,

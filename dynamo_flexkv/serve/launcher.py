@@ -83,6 +83,11 @@ class Launcher:
         write_model_dir(EngineModelConfig.load(self.plan.model), self.plan.run_dir / "model")
         try:
             for proc in self.plan.infra:
+                for path, text in proc.files.items():  # e.g. redis.conf, which holds a password: 0600
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(text)
                 self._spawn(proc)
                 self._wait_port(proc, timeout=30)
             for proc in self.plan.processes:

@@ -13,6 +13,7 @@ CacheConfig keys (dynamo_flexkv.config); ``{replica}`` in a value becomes the re
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -203,6 +204,7 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     ports = _PortBook(probe=local)
     run_dir = Path(run_dir)
     infra, env = _infra(run_dir, discovery_backend, event_plane, ports) if local else ([], {})
+    redis: Dict[str, Any] = {}  # the graph's own redis-server, when a worker enables remote without a URL
     processes: List[Process] = []
     model = served = None
     http_port = 0
@@ -218,8 +220,10 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
         else:
             model, served = opts["model"], opts.get("served-model-name") or f"flexkv-{opts['model']}"
             processes += _workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
-                                  ports, source, local)
+                                  ports, source, local, redis)
     _check_roles(processes, source)
+    if redis:
+        infra.append(_redis_process(run_dir, redis))
     return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes)
 
 
@@ -294,7 +298,8 @@ def _frontend(name: str, o: Dict[str, Any], port: int, discovery: str, event_pla
 
 
 def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery: str, event_plane: str,
-             env: Dict[str, str], ports: "_PortBook", source: str, local: bool) -> List[Process]:
+             env: Dict[str, str], ports: "_PortBook", source: str, local: bool,
+             redis: Optional[Dict[str, Any]] = None) -> List[Process]:
     from dynamo_flexkv.dynamo.worker import build_parser
     from dynamo_flexkv.engine import EngineModelConfig
 
@@ -327,12 +332,19 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
         if o["offload"]:
             values = {k: _per_replica(v, i) for k, v in o["cache"].items()}
             values["tokens_per_block"] = model_cfg.block_size
+            given_url = bool(values.get("remote_cache_url"))
+            if _parse_flag(values.get("enable_remote")) and not given_url and local and redis is not None:
+                _local_redis(redis, ports, values, penv)
             try:
                 checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())  # not our disks
+                if not local and not given_url:  # Kubernetes: the URL comes from a Secret (render --k8s)
+                    checked["remote_cache_url"] = "redis://redis-from-secret:6379"
                 cache = CacheConfig.from_dict(checked, f"{source}: {name}.cache")
                 cache.tier_blocks(model_cfg.kv_spec())
             except ConfigError as e:
                 raise GraphError(f"{source}: {name}.cache: {e}") from None
+            if local and cache.enable_remote and given_url:
+                _check_remote_reachable(cache, f"{source}: {name}.cache")
             for d in _dirs(values.get("ssd_cache_dir")) if cache.ssd_cache_gb > 0 else ():
                 if local:
                     try:
@@ -351,6 +363,41 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
         penv["DYN_SYSTEM_PORT"] = str(port)
         out.append(Process(pname, list(argv), penv, Kind.WORKER, port, cache, files, restart))
     return out
+
+
+def _parse_flag(value: Any) -> bool:
+    return value is True or str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _local_redis(redis: Dict[str, Any], ports: "_PortBook", values: Dict[str, Any], penv: Dict[str, str]) -> None:
+    """Points a worker at the graph's own redis-server (one for every worker: they share remote
+    blocks). Its password is generated and reaches workers by environment only, never a file
+    they log or a command line."""
+    if not redis:
+        redis.update(port=ports.take(0, "redis", "", any_port=True), password=secrets.token_hex(16))
+    values["remote_cache_url"] = f"redis://{LOOPBACK}:{redis['port']}"
+    env_var = values.get("remote_password_env") or "FLEXKV_REMOTE_PASSWORD"
+    penv[env_var] = redis["password"]
+
+
+def _redis_process(run_dir: Path, redis: Dict[str, Any], maxmemory: str = "1gb") -> Process:
+    """redis-server for the graph: loopback, no persistence, allkeys-lru within maxmemory; the
+    password sits in a 0600 config file (not on the command line, where ps would show it)."""
+    exe = _need("redis-server", "redis-server")
+    conf = run_dir / "redis" / "redis.conf"
+    text = (f"bind {LOOPBACK}\nport {redis['port']}\nprotected-mode yes\nsave \"\"\nappendonly no\n"
+            f"dir {run_dir / 'redis'}\nmaxmemory {maxmemory}\nmaxmemory-policy allkeys-lru\n"
+            f"requirepass {redis['password']}\n")
+    return Process("redis", [exe, str(conf)], {}, None, redis["port"], files={str(conf): text})
+
+
+def _check_remote_reachable(cache: CacheConfig, where: str) -> None:
+    """serve refuses to start workers against a Redis it cannot reach or log in to."""
+    from dynamo_flexkv.remote import RemoteError, RemoteStore
+    try:
+        RemoteStore(cache.remote_config(), 0, strict=True).close()
+    except RemoteError as e:
+        raise GraphError(f"{where}: {e}") from None
 
 
 def _infra(run_dir: Path, discovery: str, event_plane: str, ports: "_PortBook"):

@@ -1,0 +1,81 @@
+"""The remote tier in a served graph: the agg_router graph's two workers share one Redis (the one
+`serve` starts, or a three-node Redis Cluster given by URL). A prompt served by one worker is
+served again, after that worker lost its local tiers (killed and restarted without a disk tier),
+with its prefix loaded from Redis -- by a process that never computed it -- and identical tokens."""
+
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
+
+from test_dynamo_worker import complete, make_plan, metric  # noqa: E402
+from test_serve_faults import wait_until  # noqa: E402
+
+from dynamo_flexkv.remote.server import RedisCluster, free_port  # noqa: E402
+from dynamo_flexkv.serve import GraphError  # noqa: E402
+from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
+from redis_fixtures import needs_redis  # noqa: E402
+
+pytestmark = needs_redis
+REMOTE = ["FlexKVWorker.cache.enable_remote=true", "FlexKVWorker.cache.ssd_cache_gb=0",
+          "FlexKVWorker.device-prefix-cache=false", "FlexKVWorker.restart-backoff-s=0.2"]
+
+
+def _served_from_remote(tmp_path, *overrides):
+    plan = make_plan(tmp_path, "agg_router", *REMOTE, *overrides)
+    launcher = Launcher(plan)
+    try:
+        launcher.start()
+        launcher.wait_ready(120)
+        prompt = "a long prompt whose prefix lives in the shared remote tier. " * 12
+        before = {w.name: metric(w.port, "flexkv_requests_total") for w in plan.workers}
+        first = complete(plan, prompt, 8)
+        holder, = [w for w in plan.workers if metric(w.port, "flexkv_requests_total") > before[w.name]]
+        wait_until("the prefix written behind to Redis",
+                   lambda: metric(holder.port, "flexkv_remote_stored_blocks_total") > 0)
+        # The holder loses its local tiers: killed, restarted by the launcher, empty host, no disk.
+        pid = launcher.running[holder.name].pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while launcher.restarts.get(holder.name) != 1 or holder.name in launcher.starting:
+            launcher.step()
+            assert time.monotonic() < deadline, "the killed worker was not restarted"
+            time.sleep(0.2)
+        launcher.wait_ready(120)
+        again = complete(plan, prompt, 8)
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
+        hits = sum(metric(w.port, "flexkv_remote_hit_blocks_total") for w in plan.workers)
+        assert hits > 0  # loaded from Redis by a process that never computed the prompt
+        for w in plan.workers:
+            assert metric(w.port, "flexkv_remote_bad_values_total", reason="corrupt") == 0
+    finally:
+        launcher.shutdown()
+    return plan
+
+
+@pytest.mark.slow  # about a minute: two workers, a kill and a restart
+def test_serve_starts_a_redis_and_a_restarted_worker_loads_from_it(tmp_path):
+    plan = _served_from_remote(tmp_path)
+    redis = next(p for p in plan.infra if p.name == "redis")
+    conf = next(iter(redis.files))
+    assert oct(os.stat(conf).st_mode & 0o777) == "0o600"
+    password = next(w.env["FLEXKV_REMOTE_PASSWORD"] for w in plan.workers)
+    assert all(password not in " ".join(p.argv) for p in plan.infra + plan.processes)
+    for w in plan.workers:
+        assert password not in next(iter(w.files.values()))
+
+
+@pytest.mark.slow
+def test_a_redis_cluster_given_by_url_serves_the_same(tmp_path):
+    with RedisCluster(nodes=3, maxmemory="64mb") as cluster:
+        _served_from_remote(tmp_path, f"FlexKVWorker.cache.remote_cache_url={cluster.url}")
+
+
+def test_serve_refuses_an_unreachable_redis(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}"
+    with pytest.raises(GraphError, match="cannot connect to redis at 127.0.0.1"):
+        make_plan(tmp_path, "agg_router", *REMOTE, f"FlexKVWorker.cache.remote_cache_url={url}")
