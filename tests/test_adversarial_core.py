@@ -1,0 +1,463 @@
+"""Adversarial review of the core through its public API (README: CacheConfig, KVManager, SSD tier).
+
+Written as a demanding user would call it: wrong types, wrong order, after shutdown, restarts on
+the same directories, corrupted files between runs, bursts from several threads. Every restored
+block is compared byte for byte with what was stored. Confirmed defects are strict xfails whose
+reason says what is wrong; flip them when fixed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dynamo_flexkv import CacheConfig, KVLayoutType, KVManager, ModelSpec, TaskStatus
+from dynamo_flexkv.config import ConfigError
+from dynamo_flexkv.storage.ssd import SsdInUseError
+from dynamo_flexkv.tasks import ManagerClosed, TooManyTasks
+
+from kv_helpers import MODEL, TPB, config, device_tensors, fill, holds
+
+L = KVLayoutType.LAYERBLOCK
+
+
+def prompt(k: int, blocks: int) -> list:
+    """Distinct prompts: ranges far apart so no two k share a prefix."""
+    return list(range(k * 100_000, k * 100_000 + TPB * blocks))
+
+
+def open_manager(path, num_device_blocks: int = 64, **kw):
+    kv = KVManager(MODEL, config(path, **kw))
+    dev = device_tensors(L, num_device_blocks)
+    kv.register_device_cache(dev, L)
+    return kv, dev
+
+
+def store(kv, dev, tokens, ids) -> None:
+    """Device blocks hold content derived from the prefix hashes; put and wait for the disk too."""
+    hashes = kv.hashes(tokens).sequence
+    for i, b in enumerate(ids):
+        fill(dev, L, b, hashes[i])
+    r = kv.wait([kv.put_async(tokens, ids)], timeout=20)
+    assert next(iter(r.values())).status is TaskStatus.SUCCESS
+    assert kv.drain(timeout=20)
+
+
+def load_checked(kv, dev, tokens, ids) -> int:
+    """Get into (zeroed) blocks ``ids``; every block the get claims must be byte-exact. Returns blocks restored."""
+    for b in ids:
+        for layer in dev:
+            layer[b].zero_()
+    r = next(iter(kv.wait([kv.get_async(tokens, ids)], timeout=20).values()))
+    assert r.status in (TaskStatus.SUCCESS, TaskStatus.NOT_FOUND), r
+    n = r.num_tokens // TPB
+    hashes = kv.hashes(tokens).sequence
+    wrong = [i for i in range(n) if not holds(dev, L, ids[i], hashes[i])]
+    assert not wrong, f"blocks {wrong} restored with bytes that were never stored for them"
+    return n
+
+
+# --------------------------------------------------------------------------- confirmed defects
+
+
+@pytest.mark.xfail(strict=True, reason="put_async accepts duplicate device_block_ids: one device block's bytes "
+                   "are stored under several prefixes' hashes, later gets serve them with SUCCESS (cache poisoning)")
+def test_put_with_duplicate_device_block_ids_is_refused(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="device_block_ids|duplicate"):
+            kv.put_async(prompt(1, 4), [0, 0, 2, 3])
+    finally:
+        kv.shutdown()
+
+
+def test_duplicate_put_ids_poison_what_get_returns(tmp_path):
+    """Documents the damage of the defect above (passes today, as the defect's evidence): the
+    get reports SUCCESS and hands back block 0's bytes for block 1."""
+    kv, dev = open_manager(tmp_path)
+    try:
+        tokens = prompt(1, 4)
+        h = kv.hashes(tokens).sequence
+        for i in range(4):
+            fill(dev, L, i, h[i])
+        try:
+            kv.wait([kv.put_async(tokens, [0, 0, 2, 3])], timeout=10)
+        except ValueError:
+            return  # fixed: the put is refused, nothing poisoned
+        kv.drain(10)
+        r = next(iter(kv.wait([kv.get_async(tokens, [10, 11, 12, 13])], timeout=10).values()))
+        assert r.status is TaskStatus.SUCCESS and r.num_tokens == 4 * TPB
+        assert not holds(dev, L, 11, h[1])
+    finally:
+        kv.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="get_async accepts duplicate device_block_ids: several blocks are "
+                   "scattered into one device block and the engine cannot tell")
+def test_get_with_duplicate_device_block_ids_is_refused(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        store(kv, dev, prompt(1, 4), [0, 1, 2, 3])
+        with pytest.raises(ValueError, match="device_block_ids|duplicate"):
+            kv.get_async(prompt(1, 4), [20, 20, 20, 20])
+    finally:
+        kv.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="a float device block id (2.7) is silently truncated to block 2 "
+                   "instead of being refused")
+def test_float_device_block_id_is_refused(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        with pytest.raises(TypeError):
+            kv.put_async(prompt(1, 1), [2.7])
+    finally:
+        kv.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="device_block_ids=None fails with int()'s TypeError, which does not "
+                   "name device_block_ids")
+def test_none_device_block_ids_error_names_the_argument(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        with pytest.raises(TypeError, match="device_block_ids"):
+            kv.put_async(prompt(1, 2), None)
+    finally:
+        kv.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="skip_blocks larger than the prompt's block count is accepted "
+                   "(README: a bad skip_blocks is refused)")
+def test_skip_blocks_past_the_prompt_is_refused(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="skip_blocks"):
+            kv.get_async(prompt(1, 8), list(range(8)), skip_blocks=9)
+    finally:
+        kv.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="skip_blocks=2.0 fails with 'slice indices must be integers', "
+                   "which does not name skip_blocks")
+def test_float_skip_blocks_error_names_the_argument(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        with pytest.raises(TypeError, match="skip_blocks"):
+            kv.get_async(prompt(1, 8), list(range(8)), skip_blocks=2.0)
+        assert kv.stats()["tasks"]["in_flight"] == 0  # refused: no task left behind
+    finally:
+        kv.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="ssd_cache_dir naming one directory twice ('a;a' or 'a;a/') passes "
+                   "CacheConfig; KVManager then fails with SsdInUseError blaming its own pid")
+def test_same_ssd_dir_listed_twice_is_a_config_error(tmp_path):
+    d = str(tmp_path / "ssd")
+    with pytest.raises(ConfigError, match="ssd_cache_dir"):
+        CacheConfig(cpu_cache_gb=0.001, ssd_cache_gb=0.002, ssd_cache_dir=f"{d};{d}/")
+
+
+@pytest.mark.xfail(strict=True, reason="FLEXKV_CPU_CACHE_GB=2 and DYN_KVBM_CPU_CACHE_GB=2.0 agree but are "
+                   "refused as disagreeing (only identical strings pass)")
+def test_env_aliases_with_equal_values_are_accepted(monkeypatch):
+    monkeypatch.delenv("FLEXKV_CONFIG_PATH", raising=False)
+    monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "2")
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "2.0")
+    assert CacheConfig.load().cpu_cache_gb == 2.0
+
+
+@pytest.mark.xfail(strict=True, reason="after shutdown, match() and prefetch_async() raise ManagerClosed "
+                   "naming hashes() instead of the method the user called")
+def test_closed_manager_error_names_the_called_method(tmp_path):
+    kv, _ = open_manager(tmp_path)
+    kv.shutdown()
+    with pytest.raises(ManagerClosed, match=r"match\(\)"):
+        kv.match(prompt(1, 2))
+    with pytest.raises(ManagerClosed, match=r"prefetch_async\(\)"):
+        kv.prefetch_async(prompt(1, 2))
+
+
+@pytest.mark.xfail(strict=True, reason="`with kv:` on a shut-down manager is accepted (__enter__ returns it)")
+def test_with_block_on_a_closed_manager_raises(tmp_path):
+    kv, _ = open_manager(tmp_path)
+    kv.shutdown()
+    with pytest.raises(ManagerClosed):
+        with kv:
+            pass
+
+
+@pytest.mark.xfail(strict=True, reason="stats()['tasks']['in_flight'] counts finished, uncollected results: "
+                   "it stays 3 after drain() returned True")
+def test_stats_in_flight_is_zero_after_drain(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        for k in range(3):
+            kv.put_async(prompt(k + 1, 1), [k])
+        assert kv.drain(timeout=20)
+        assert kv.stats()["tasks"]["in_flight"] == 0
+    finally:
+        kv.shutdown()
+
+
+# --------------------------------------------------------------------------- what held up
+
+
+def test_every_call_after_shutdown_raises_and_shutdown_twice_is_fine(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    t = kv.put_async(prompt(1, 2), [0, 1])
+    kv.shutdown()
+    kv.shutdown()
+    toks = prompt(1, 2)
+    calls = [lambda: kv.match(toks), lambda: kv.get_async(toks, [0, 1]), lambda: kv.put_async(toks, [0, 1]),
+             lambda: kv.prefetch_async(toks), lambda: kv.wait([t]), lambda: kv.try_wait([t]), lambda: kv.cancel([t]),
+             lambda: kv.stats(), lambda: kv.drain(), lambda: kv.reset(), lambda: kv.hashes(toks),
+             lambda: kv.register_device_cache(dev, L), lambda: kv.planned_tokens(t), lambda: kv.wait_for_layer(t, 0),
+             lambda: kv.planned_tokens_by_tier(t), lambda: kv.announce_adopted()]
+    for call in calls:
+        with pytest.raises(ManagerClosed):
+            call()
+
+
+def test_wrong_token_types_raise_clear_errors_and_equivalent_types_agree(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        toks = prompt(1, 4)
+        store(kv, dev, toks, [0, 1, 2, 3])
+        for bad, exc, words in [("hello", TypeError, "token_ids"), ((x for x in toks), TypeError, "token_ids"),
+                                ([float(x) for x in toks], TypeError, "token_ids"),
+                                ([-1] + toks[1:], ValueError, "out of range"),
+                                ([1 << 40] + toks[1:], ValueError, "out of range"),
+                                (np.array(toks).reshape(4, TPB), ValueError, "1-D"),
+                                (torch.tensor(toks, dtype=torch.float32), TypeError, "integer dtype")]:
+            with pytest.raises(exc, match=words):
+                kv.put_async(bad, [0, 1, 2, 3])
+        want = kv.match(toks)
+        assert want["host"] == 4 * TPB
+        for same in (tuple(toks), np.array(toks, dtype=np.int32), np.array(toks, dtype=np.uint32),
+                     np.array(toks, dtype=np.int64), torch.tensor(toks), torch.tensor(toks, dtype=torch.int32)):
+            assert kv.match(same) == want
+        assert kv.match(toks[: 3 * TPB + 5])["host"] == 3 * TPB  # trailing partial block never matches
+        assert kv.stats()["tasks"]["in_flight"] == 0  # refused calls left no task
+    finally:
+        kv.shutdown()
+
+
+def test_wrong_order_and_unknown_ids(tmp_path):
+    kv = KVManager(MODEL, config(tmp_path))
+    try:
+        toks = prompt(1, 2)
+        with pytest.raises(RuntimeError, match="register_device_cache"):
+            kv.get_async(toks, [0, 1])
+        with pytest.raises(RuntimeError, match="register_device_cache"):
+            kv.put_async(toks, [0, 1])
+        dev = device_tensors(L, 8)
+        kv.register_device_cache(dev, L)
+        with pytest.raises(IndexError, match="out of range"):
+            kv.put_async(toks, [-1, 0])
+        with pytest.raises(IndexError, match="out of range"):
+            kv.put_async(toks, [7, 8])
+        with pytest.raises(ValueError, match="device block ids"):
+            kv.put_async(toks, [0])
+        store(kv, dev, toks, [0, 1])
+        g = kv.get_async(toks, [2, 3], layerwise=True)
+        for layer in (-1, MODEL.num_layers):
+            with pytest.raises(ValueError, match="layer"):
+                kv.wait_for_layer(g, layer)
+        assert kv.wait_for_layer(g, MODEL.num_layers - 1, timeout=10)
+        assert kv.wait([g], timeout=10)[g].status is TaskStatus.SUCCESS
+        for again in (lambda: kv.wait([g]), lambda: kv.cancel([g]), lambda: kv.wait([10 ** 9]),
+                      lambda: kv.try_wait([-1]), lambda: kv.wait_for_layer(g, 0)):
+            with pytest.raises(KeyError):
+                again()
+        with pytest.raises(ValueError, match="skip_blocks"):
+            kv.get_async(toks, [0, 1], skip_blocks=-1)
+    finally:
+        kv.shutdown()
+
+
+def test_reset_refuses_while_tasks_run_and_works_after_drain(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        toks = prompt(1, 8)
+        p = kv.put_async(toks, list(range(8)))
+        with pytest.raises(RuntimeError, match="drain"):
+            kv.reset()
+        kv.wait([p], timeout=10)
+        assert kv.drain(timeout=20)
+        kv.reset()
+        assert kv.match(toks) == {"host": 0, "disk": 0}
+    finally:
+        kv.shutdown()
+
+
+def test_second_manager_on_the_same_dir_is_refused_then_restart_is_byte_exact(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    prompts = [prompt(k, 6) for k in range(1, 6)]  # 30 blocks: more than host (24), so disk serves some
+    try:
+        with pytest.raises(SsdInUseError, match="in use by pid"):
+            KVManager(MODEL, config(tmp_path))
+        for pr in prompts:
+            store(kv, dev, pr, list(range(6)))
+    finally:
+        kv.shutdown()
+    kv, dev = open_manager(tmp_path)
+    try:
+        for pr in prompts:
+            assert kv.match(pr)["disk"] == 6 * TPB
+            assert load_checked(kv, dev, pr, list(range(10, 16))) == 6
+    finally:
+        kv.shutdown()
+
+
+def test_other_namespace_on_the_same_dir_sees_nothing(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        store(kv, dev, prompt(1, 4), [0, 1, 2, 3])
+    finally:
+        kv.shutdown()
+    other = KVManager(MODEL, config(tmp_path), namespace="tenant-b")
+    try:
+        assert other.match(prompt(1, 4)) == {"host": 0, "disk": 0}
+    finally:
+        other.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["flip_block_bytes", "truncate_blocks", "truncate_journal_mid_line"])
+def test_damaged_files_between_runs_never_yield_wrong_bytes(tmp_path, damage):
+    kv, dev = open_manager(tmp_path, host_blocks=8, disk_blocks=32)
+    prompts = [prompt(k, 4) for k in range(1, 6)]
+    try:
+        for pr in prompts:
+            store(kv, dev, pr, [0, 1, 2, 3])
+    finally:
+        kv.shutdown()
+    blocks = sorted(glob.glob(f"{tmp_path}/ssd*/flexkv-blocks.kv"))
+    journal = sorted(glob.glob(f"{tmp_path}/ssd*/flexkv-journal.log"))
+    assert blocks and journal
+    if damage == "flip_block_bytes":
+        for f in blocks:
+            size = os.path.getsize(f)
+            with open(f, "r+b") as fh:
+                for off in range(4096, size, 24 * 1024 + 4096):
+                    fh.seek(off)
+                    b = fh.read(1)
+                    fh.seek(off)
+                    fh.write(bytes([b[0] ^ 0xFF]) if b else b"\xff")
+    elif damage == "truncate_blocks":
+        with open(blocks[0], "r+b") as fh:
+            fh.truncate(os.path.getsize(blocks[0]) // 3)
+    else:
+        size = os.path.getsize(journal[0])
+        with open(journal[0], "r+b") as fh:
+            fh.truncate(size - 7)
+    kv, dev = open_manager(tmp_path, host_blocks=8, disk_blocks=32)
+    try:
+        restored = sum(load_checked(kv, dev, pr, [10, 11, 12, 13]) for pr in prompts)
+        print(damage, "restored", restored, "of", 4 * len(prompts))
+        if damage == "truncate_journal_mid_line":
+            assert 4 * len(prompts) - 4 <= restored < 4 * len(prompts)  # only the torn last record is lost
+        else:
+            assert restored < 4 * len(prompts)  # the damage was seen, not served
+        # the tier still works after the damage
+        store(kv, dev, prompt(9, 4), [0, 1, 2, 3])
+        assert load_checked(kv, dev, prompt(9, 4), [20, 21, 22, 23]) == 4
+    finally:
+        kv.shutdown()
+
+
+def test_threaded_burst_with_eviction_restores_exact_bytes(tmp_path):
+    # host 24 blocks, disk 64, 12 prompts x 4 blocks cycled by 4 threads: constant eviction on host.
+    kv, dev = open_manager(tmp_path, num_device_blocks=256, host_blocks=24, disk_blocks=64)
+    errors: list = []
+
+    def worker(w: int) -> None:
+        base = w * 64
+        try:
+            for it in range(15):
+                pr = prompt(1 + (it * 7 + w) % 12, 4)
+                h = kv.hashes(pr).sequence
+                ids = [base + j for j in range(4)]
+                for j, b in enumerate(ids):
+                    fill(dev, L, b, h[j])
+                kv.wait([kv.put_async(pr, ids)], timeout=30)
+                load_checked(kv, dev, pr, [base + 8 + j for j in range(4)])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert kv.drain(timeout=30)
+        assert kv.stats()["host"]["evicted_blocks"] > 0
+    finally:
+        kv.shutdown()
+
+
+def test_result_expiry_and_flood_limit(tmp_path):
+    kv, dev = open_manager(tmp_path, task_result_ttl_seconds=0.2, max_tasks_in_flight=3)
+    try:
+        t = kv.put_async(prompt(1, 1), [0])
+        assert kv.drain(timeout=10)
+        time.sleep(0.4)
+        assert kv.stats()["tasks"]["expired_results"] >= 1
+        with pytest.raises(KeyError):
+            kv.wait([t])
+        accepted = []
+        with pytest.raises(TooManyTasks, match="max_tasks_in_flight"):
+            for k in range(100):
+                accepted.append(kv.put_async(prompt(10 + k, 4), [4 * (k % 15) + j for j in range(4)]))
+        assert kv.drain(timeout=30)
+        assert len(accepted) < 100
+    finally:
+        kv.shutdown()
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(cpu_cache_gb=float("nan")), "finite"), (dict(cpu_cache_gb=float("inf")), "finite"),
+    (dict(cpu_cache_gb=-1), ">= 0"), (dict(tokens_per_block=24), "power of two"),
+    (dict(tokens_per_block=16.5), "integer"), (dict(tokens_per_block=True), "integer"),
+    (dict(evict_ratio=0), "evict_ratio"), (dict(evict_start_threshold=float("nan")), "finite"),
+    (dict(task_result_ttl_seconds=0), "task_result_ttl_seconds"), (dict(max_tasks_in_flight=0), "max_tasks_in_flight"),
+    (dict(io_queue_depth=0), "io_queue_depth"), (dict(eviction_policy="random"), "lru"),
+    (dict(enable_nixl=2), "true/false"), (dict(enable_gds=True), "disk tier"),
+    (dict(ssd_cache_gb=8), "ssd_cache_dir"), (dict(cpu_cache_gb=2, ssd_cache_gb=1, ssd_cache_dir="/tmp"), "smaller"),
+])
+def test_config_odd_values_raise_config_error(kw, words):
+    with pytest.raises(ConfigError, match=words):
+        CacheConfig(**kw)
+
+
+def test_config_sources_unknown_keys_files_and_aliases(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLEXKV_CONFIG_PATH", raising=False)
+    with pytest.raises(ConfigError, match="bogus"):
+        CacheConfig.from_dict({"bogus": 1})
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="ssd_cache_dir"):
+        CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=str(f))
+    y = tmp_path / "c.yaml"
+    y.write_text("cpu_cache_gb: 1\nbogus: 3\n")
+    with pytest.raises(ConfigError, match="bogus"):
+        CacheConfig.load(str(y))
+    monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "2")
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "3")
+    with pytest.raises(ConfigError, match="unset one"):
+        CacheConfig.load()
+    monkeypatch.delenv("DYN_KVBM_CPU_CACHE_GB")
+    y.write_text("cpu_cache_gb: 1\nssd_cache_dir: [" + str(tmp_path / "d1") + ", " + str(tmp_path / "d2") + "]\n"
+                 "ssd_cache_gb: 4\n")
+    c = CacheConfig.load(str(y))
+    assert c.cpu_cache_gb == 2.0  # environment overrides the file
+    assert len(c.ssd_cache_dir) == 2
+    assert CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=f"{tmp_path}/a;{tmp_path}/b;").ssd_cache_dir \
+        == (f"{tmp_path}/a", f"{tmp_path}/b")
