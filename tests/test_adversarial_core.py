@@ -205,6 +205,26 @@ def test_stats_in_flight_is_zero_after_drain(tmp_path):
         kv.shutdown()
 
 
+@pytest.mark.xfail(strict=True, reason="opening a cache dir once with another namespace silently and permanently "
+                   "drops the other tenant's verified blocks (logged at INFO as '4 of another layout'); expected: "
+                   "refuse with an error naming the namespace found, or keep them")
+def test_other_namespace_does_not_destroy_the_first_tenants_cache(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        store(kv, dev, prompt(1, 4), [0, 1, 2, 3])
+    finally:
+        kv.shutdown()
+    try:
+        KVManager(MODEL, config(tmp_path), namespace="tenant-b").shutdown()
+    except (ValueError, RuntimeError) as e:  # refusing is the other acceptable answer
+        assert "namespace" in str(e)
+    kv = KVManager(MODEL, config(tmp_path))
+    try:
+        assert kv.match(prompt(1, 4))["disk"] == 4 * TPB
+    finally:
+        kv.shutdown()
+
+
 # --------------------------------------------------------------------------- what held up
 
 
