@@ -11,6 +11,12 @@ redis-benchmark also runs unpipelined (-P 1) and the better of its two figures i
 alternate and medians are reported. A local three-node Redis Cluster runs the same cases
 (``cluster-*``) against redis-benchmark --cluster with one connection and one thread per node,
 as ours uses. Ratios are ours / baseline; higher is better.
+
+``ttft-remote-90-*``: time to first token of the reference engine (``small`` preset) on a worker
+whose own tiers are empty while 90% of the prompt's prefix sits in Redis (written behind by
+another KVManager), against recompute of the same prompt (offload off) in the same run. For
+this case lower is better (the ratio is a fraction of the recompute time); the first token
+must equal the recomputed one or the run fails.
 """
 
 from __future__ import annotations
@@ -171,10 +177,59 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
     return cases
 
 
+def ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
+    from dynamo_flexkv.bench.ttft import ONE
+    from dynamo_flexkv.config import CacheConfig
+    from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, LlamaModel
+    from dynamo_flexkv.manager import KVManager
+
+    cfg = EngineModelConfig.preset("small")
+    model = LlamaModel(cfg)
+    blocks = max(sizes) // cfg.block_size + 8
+    gb = 2 * blocks * cfg.kv_spec().token_bytes() * cfg.block_size / (1 << 30)
+    rng = np.random.default_rng(0)
+    cases: List[Case] = []
+    with RedisServer(maxmemory="2gb") as server:
+        cache = CacheConfig.from_dict(dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, enable_remote=True,
+                                           remote_cache_url=server.url))
+        with KVManager(cfg.kv_spec(), cache) as writer, KVManager(cfg.kv_spec(), cache) as reader:
+            def first_token(kv, prompt, puts=False):
+                engine = LLMEngine(cfg, num_device_blocks=blocks, model=model, kv_manager=kv, offload_puts=puts)
+                r = engine.generate([prompt], ONE)[0]
+                engine.flush()
+                return r.ttft, r.output[0]
+            first_token(None, rng.integers(0, cfg.vocab_size, 512).tolist())  # warm-up
+            for size in sizes:
+                base, remote = [], []
+                for _ in range(repeat):
+                    prompt = rng.integers(0, cfg.vocab_size, size).tolist()
+                    t, want = first_token(None, prompt)
+                    base.append(t)
+                    first_token(writer, prompt[: int(size * 0.9)], puts=True)  # computed once, written to Redis
+                    if not writer.drain(120):
+                        raise RuntimeError("remote writes still running after 120 s")
+                    reader.reset()  # the reader's own tiers hold nothing: only Redis has the prefix
+                    hits = reader.stats()["remote"]["hits"]
+                    t, got = first_token(reader, prompt)
+                    if reader.stats()["remote"]["hits"] < hits + int(size * 0.9) // cfg.block_size:
+                        raise RuntimeError("the measured request did not load its prefix from Redis")
+                    if got != want:
+                        raise RuntimeError(f"remote-loaded first token {got} != recomputed {want}")
+                    if not reader.drain(120):
+                        raise RuntimeError("reader tasks still running after 120 s")
+                    remote.append(t)
+                hits = reader.stats()["remote"]["hits"]
+                cases.append(Case("remote", f"ttft-remote-90-{size // 1024}K", statistics.median(remote) * 1e3,
+                                  statistics.median(base) * 1e3, "ms", "recompute (offload off)",
+                                  f"small preset, {size} tokens, 90% in Redis only, median of {repeat}; "
+                                  f"lower is better; {hits} remote blocks read so far"))
+    return cases
+
+
 def run(args: argparse.Namespace) -> List[Case]:
     total = (32 << 20) if args.quick else (64 << 20)
     repeat = 3 if args.quick else 5
-    cases: List[Case] = []
+    cases: List[Case] = ttft_cases([2048] if args.quick else [2048, 8192], repeat)
     with RedisServer(maxmemory="2gb") as server:
         cases += link_cases("remote-", server.url, [server.port], False, total, repeat)
     with RedisCluster(maxmemory="1gb") as cluster:
