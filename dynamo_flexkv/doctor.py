@@ -161,10 +161,44 @@ def check_dynamo() -> Check:
     return Check("Dynamo runtime", Status.OK, f"ai-dynamo-runtime {version('ai-dynamo-runtime')}; {backend}")
 
 
-def run_checks(cache_dirs: Sequence[str]) -> List[Check]:
+def check_remote(config=None) -> Check:
+    """The remote tier as configured: reachable, logged in, cluster or not, eviction policy."""
+    import shutil
+
+    from dynamo_flexkv.config import CacheConfig, ConfigError
+    name = "remote tier (Redis)"
+    server = shutil.which("redis-server")
+    local = f"redis-server {server}" if server else "redis-server not installed (`apt-get install redis-server`)"
+    try:
+        cfg = config or CacheConfig.load()
+    except ConfigError as e:
+        return Check(name, Status.MISSING, f"config: {e}")
+    if not cfg.enable_remote:
+        return Check(name, Status.OK, f"disabled (enable_remote=false); {local} for `serve`'s own Redis")
+    if not cfg.remote_cache_url:  # only reachable through serve, which fills the URL in
+        return Check(name, Status.OK if server else Status.MISSING, f"no remote_cache_url: `serve` starts {local}")
+    from dynamo_flexkv.remote import RemoteError, RemoteStore
+    rc = cfg.remote_config()
+    try:
+        store = RemoteStore(rc, 0, strict=True)
+    except RemoteError as e:
+        status = Status.MISSING if cfg.remote_required else Status.FALLBACK
+        return Check(name, status, f"{e}" + ("" if cfg.remote_required else
+                                             " (remote_required=false: workers start on their local tiers)"))
+    kind = "Redis Cluster" if rc.parsed.cluster else "Redis"
+    warn = getattr(store, "policy_warning", None)
+    store.close()
+    if warn:
+        return Check(name, Status.FALLBACK, f"{kind} at {rc.redacted_url}: maxmemory-policy {warn} refuses every "
+                     "write once full; set maxmemory-policy allkeys-lru and a maxmemory")
+    return Check(name, Status.OK, f"{kind} at {rc.redacted_url} reachable; timeout {rc.timeout_s} s, "
+                 f"ttl {rc.ttl_s or 'none'}, key prefix {rc.key_prefix!r}")
+
+
+def run_checks(cache_dirs: Sequence[str], config=None) -> List[Check]:
     checks = [check_native(), check_package_data(), check_io_uring()]
     checks += [check_o_direct(d) for d in cache_dirs]
-    checks += [check_cuda(), *check_nixl(), check_dynamo()]
+    checks += [check_cuda(), *check_nixl(), check_dynamo(), check_remote(config)]
     return checks
 
 

@@ -275,3 +275,16 @@ def test_full_redis_refuses_writes_and_nothing_else_breaks(tmp_path):
                 r, planned = e0.get(p)
                 assert planned["host"] == 8 * TPB
             check_clean(kv0)
+
+
+def test_doctor_reports_the_remote_tier(tmp_path, redis_server):
+    from dynamo_flexkv.doctor import Status, check_remote
+    ok = check_remote(config(tmp_path, disk_blocks=0, enable_remote=True, remote_cache_url=redis_server.url))
+    assert ok.status is Status.OK and redis_server.url in ok.detail
+    down = f"redis://:pw@127.0.0.1:{free_port()}"
+    bad = check_remote(config(tmp_path, disk_blocks=0, enable_remote=True, remote_cache_url=down))
+    assert bad.status is Status.MISSING and "pw@" not in bad.detail and "cannot connect" in bad.detail
+    assert check_remote(config(tmp_path, disk_blocks=0)).detail.startswith("disabled")
+    with RedisServer(maxmemory="16mb", policy="noeviction") as full:
+        warn = check_remote(config(tmp_path, disk_blocks=0, enable_remote=True, remote_cache_url=full.url))
+        assert warn.status is Status.FALLBACK and "allkeys-lru" in warn.detail
