@@ -79,3 +79,18 @@ def test_serve_refuses_an_unreachable_redis(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}"
     with pytest.raises(GraphError, match="cannot connect to redis at 127.0.0.1"):
         make_plan(tmp_path, "agg_router", *REMOTE, f"FlexKVWorker.cache.remote_cache_url={url}")
+
+
+def test_render_k8s_takes_the_redis_url_from_a_secret(tmp_path):
+    import yaml
+
+    from dynamo_flexkv.serve.render import render_k8s
+    plan = make_plan(tmp_path, "agg_router", *REMOTE, local=False)
+    text = render_k8s(plan, "example/flexkv:latest")
+    assert "kubectl create secret generic flexkv-agg-router-redis" in text
+    worker = yaml.safe_load(text)["spec"]["services"]["FlexKVWorker"]
+    env = {e["name"]: e for e in worker["envs"]}
+    assert env["FLEXKV_ENABLE_REMOTE"]["value"] == "True"
+    assert env["FLEXKV_REMOTE_CACHE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "flexkv-agg-router-redis",
+                                                                            "key": "url"}
+    assert "redis-from-secret" not in text

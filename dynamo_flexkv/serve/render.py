@@ -23,6 +23,7 @@ SKIP_ARGS = {"--http-host", "--discovery-backend", "--event-plane", "--model-dir
 def render_k8s(plan: LaunchPlan, image: str) -> str:
     name = re.sub(r"[^a-z0-9-]", "-", f"flexkv-{plan.graph.name}".lower())
     services: Dict[str, Any] = {}
+    remote_secret = None
     for comp in plan.graph.components:
         procs = [p for p in plan.processes if p.name == comp.name or p.name.startswith(comp.name + "-")]
         first = procs[0]
@@ -34,6 +35,11 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
             container["args"] = _replace_arg(container["args"], "--http-port", "8000")
         else:
             service["envs"] = [{"name": "DYN_SYSTEM_PORT", "value": str(SYSTEM_PORT)}] + _cache_env(first)
+            if first.cache is not None and first.cache.enable_remote:  # the Redis URL (and password) from a Secret
+                service["envs"] = [e for e in service["envs"] if e["name"] != "FLEXKV_REMOTE_CACHE_URL"] + [
+                    {"name": "FLEXKV_REMOTE_CACHE_URL",
+                     "valueFrom": {"secretKeyRef": {"name": f"{name}-redis", "key": "url"}}}]
+                remote_secret = f"{name}-redis"
             mode = first.argv[first.argv.index("--disaggregation-mode") + 1] \
                 if "--disaggregation-mode" in first.argv else "agg"
             if mode != "agg":  # the operator's (and planner's) name for the role
@@ -48,6 +54,9 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
                 "metadata": {"name": name}, "spec": {"services": services}}
     header = (f"# Rendered by dynamo-flexkv from graph {plan.graph.name}; apply with kubectl apply -f.\n"
               "# Worker SSD cache directories are emptyDir volumes: back them by local NVMe in production.\n")
+    if remote_secret:
+        header += (f"# Remote tier: create the Secret first, e.g. kubectl create secret generic {remote_secret} "
+                   "--from-literal=url='redis://:PASSWORD@redis-host:6379' (or redis+cluster://h:p,h:p).\n")
     return header + yaml.safe_dump(manifest, sort_keys=False)
 
 
