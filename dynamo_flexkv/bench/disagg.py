@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import List
 
@@ -45,6 +47,13 @@ def _child(lease_s: float, blocks: int) -> None:
     from dynamo_flexkv.disagg.nixl_kv import KVAgent, exit_past_libnl
     from dynamo_flexkv.disagg.roles import PrefillSide
 
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the benchmark died: do not outlive it
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=orphaned, daemon=True).start()
     with exit_past_libnl():
         engine = LLMEngine(EngineModelConfig.load(PRESET), num_device_blocks=blocks)
         side = PrefillSide(engine, KVAgent(engine.kv_cache.layers), lease_s)
@@ -83,14 +92,18 @@ class _Prefill:
 
 
 def _raw_read(agent, p: HandoverParams, n: int) -> None:
-    """One READ of blocks [0, n) of every layer, one descriptor per layer (the leased blocks of a
-    fresh prompt are contiguous on both sides, as here)."""
+    """One READ of the leased blocks of every layer into local blocks [0, n), one descriptor per
+    layer and run of consecutive blocks (one per layer for a fresh prompt, as here)."""
+    from dynamo_flexkv.disagg.nixl_kv import _runs
+
     a = agent.agent
     agent._connect(p)  # a no-op once the handover added the prefill agent
     bb = agent.block_bytes
-    first_remote = p.blocks[0]
-    local = np.array([(x.data_ptr(), n * bb, agent.dev) for x in agent.layers], dtype=np.uint64)
-    remote = np.array([(addr + first_remote * bb, n * bb, p.dev) for addr in p.layer_addrs], dtype=np.uint64)
+    runs = _runs(range(n), p.blocks[:n])
+    local = np.array([(x.data_ptr() + lb * bb, k * bb, agent.dev) for lb, _, k in runs for x in agent.layers],
+                     dtype=np.uint64)
+    remote = np.array([(addr + rb * bb, k * bb, p.dev) for _, rb, k in runs for addr in p.layer_addrs],
+                      dtype=np.uint64)
     handle = a.initialize_xfer("READ", a.get_xfer_descs(local, agent.mem), a.get_xfer_descs(remote, p.mem), p.agent)
     try:
         state = a.transfer(handle)
@@ -194,7 +207,7 @@ def _handover_cases(args: argparse.Namespace) -> List[Case]:
     cfg = EngineModelConfig.load(PRESET)
     sizes = [4096] if args.quick else [1024, 4096, 8192]
     repeat = 3 if args.quick else 9
-    blocks = max(sizes) // cfg.block_size + 8
+    blocks = sum(s // cfg.block_size + 2 for s in sizes) + 8  # every prompt in fresh, consecutive blocks
     rng = np.random.default_rng(0)
     decode = LLMEngine(cfg, num_device_blocks=blocks)
     agent = KVAgent(decode.kv_cache.layers)
