@@ -174,3 +174,26 @@ def test_task_result_ttl():
     assert CacheConfig.load(env={"FLEXKV_TASK_RESULT_TTL_SECONDS": "2.5"}).task_result_ttl_seconds == 2.5
     with pytest.raises(ConfigError, match=r"task_result_ttl_seconds=0.0 must be > 0"):
         CacheConfig(task_result_ttl_seconds=0)
+
+
+def test_remote_keys_from_env_and_their_errors_name_the_key_and_fix():
+    env = {"FLEXKV_ENABLE_REMOTE": "true", "FLEXKV_REMOTE_CACHE_URL": "redis://:s3cret@127.0.0.1:6390/2",
+           "FLEXKV_REMOTE_TTL_S": "60", "FLEXKV_REMOTE_TIMEOUT_S": "0.5"}
+    cfg = CacheConfig.load(env=env)
+    rc = cfg.remote_config()
+    assert (rc.ttl_s, rc.timeout_s, rc.parsed.db, rc.password) == (60.0, 0.5, 2, "s3cret")
+    assert "s3cret" not in repr(cfg) and "s3cret" not in rc.redacted_url
+    assert CacheConfig(enable_remote=True, remote_cache_url="redis://h:1").remote_config().ttl_s is None
+    with pytest.raises(ConfigError, match="enable_remote=true needs remote_cache_url"):
+        CacheConfig(enable_remote=True)
+    with pytest.raises(ConfigError, match="remote_cache_url 'http://h' has an unknown scheme"):
+        CacheConfig(enable_remote=True, remote_cache_url="http://h")
+    with pytest.raises(ConfigError, match="remote_key_prefix"):
+        CacheConfig(enable_remote=True, remote_cache_url="redis://h:1", remote_key_prefix="a{b}")
+    with pytest.raises(ConfigError, match="remote_timeout_s must be a positive number"):
+        CacheConfig(enable_remote=True, remote_cache_url="redis://h:1", remote_timeout_s=0)
+    with pytest.raises(ConfigError, match="remote_ttl_s=-1.0 must be >= 0"):
+        CacheConfig(enable_remote=True, remote_cache_url="redis://h:1", remote_ttl_s=-1)
+    with pytest.raises(ConfigError, match="remote_admission_hits=-1 must be >= 0"):
+        CacheConfig(remote_admission_hits=-1)
+    CacheConfig(remote_cache_url="not a url")  # unused while the tier is off
