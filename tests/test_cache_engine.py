@@ -253,3 +253,51 @@ def test_threads_share_one_engine(tmp_path):
         t.join()
     assert errors == []
     assert ce.task_ids() == []
+
+
+def test_remote_blocks_stage_after_the_disk_part_and_a_short_read_commits_only_its_prefix(tmp_path):
+    eng, events = make_engine(tmp_path, host=16, disk=48)
+    hashes = list(range(100, 110))
+    put = eng.plan_put("p", hashes[:3])  # blocks 0-2 on host and disk
+    for run in put.runs:
+        eng.complete(run, "p")
+    eng.finish_task("p")
+    eng.tiers[Tier.HOST].evict(2)  # host keeps block 0; disk has 0-2; "remote" has 0-7
+    plan = eng.plan_get("g", hashes, 0, remote=(3, 8))
+    assert (plan.staged.start, plan.staged.end) == (1, 3)
+    assert (plan.remote_staged.start, plan.remote_staged.end, plan.remote_staged.parent) == (3, 8, hashes[2])
+    assert (plan.host_reads.start, plan.host_reads.end) == (0, 8)
+    eng.complete(plan.disk_reads, "g")
+    eng.complete(plan.staged, "g")
+    eng.complete_prefix(plan.remote_staged, "g", 2)  # blocks 3-4 verified, 5 was bad
+    assert (plan.remote_staged.start, plan.remote_staged.parent) == (5, hashes[4])
+    eng.abort_task("g")  # the tail rolls back, every read lock is released
+    host = eng.tiers[Tier.HOST]
+    assert host.match_length(hashes) == 5 and len(host) == 5
+    assert all(host.info(h).locks == 0 for h in hashes[:5])
+    assert ("stored", Tier.HOST, hashes[3:5]) in events
+    assert eng.stats()["requests"]["remote_hit_blocks"] == 5
+
+
+def test_a_remote_probe_that_no_longer_reaches_the_local_prefix_stages_nothing(tmp_path):
+    eng, _ = make_engine(tmp_path, host=16, disk=48)
+    hashes = list(range(200, 206))
+    plan = eng.plan_get("g", hashes, 0, remote=(2, 6))  # probed past a local prefix since evicted: a gap
+    assert plan.remote_staged is None and plan.num_blocks == 0
+    eng.abort_task("g")
+    plan = eng.plan_get("g2", hashes, 0, remote=(0, 6))
+    assert plan.remote_staged.end == 6
+    eng.abort_task("g2")
+    assert len(eng.tiers[Tier.HOST]) == 0
+
+
+def test_remote_write_behind_never_reads_host_blocks_another_put_still_fills(tmp_path):
+    eng, _ = make_engine(tmp_path, host=16, disk=48)
+    hashes = list(range(300, 306))
+    first = eng.plan_put("a", hashes[:3], remote=True)  # blocks 0-2 unready (owned by "a")
+    assert (first.remote_sources.start, first.remote_sources.end) == (0, 3)
+    second = eng.plan_put("b", hashes, remote=True)  # extends past a's unready blocks
+    assert second.remote_sources is None or second.remote_sources.end == 0
+    for t, p in (("a", first), ("b", second)):
+        eng.abort_task(t)
+    assert len(eng.tiers[Tier.HOST]) == 0
