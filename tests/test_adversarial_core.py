@@ -502,3 +502,42 @@ def test_config_sources_unknown_keys_files_and_aliases(tmp_path, monkeypatch):
     assert len(c.ssd_cache_dir) == 2
     assert CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=f"{tmp_path}/a;{tmp_path}/b;").ssd_cache_dir \
         == (f"{tmp_path}/a", f"{tmp_path}/b")
+
+
+def test_dir_held_by_another_process_is_refused_naming_it_and_freed_by_its_death(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, 'tests')\n"
+         "from dynamo_flexkv import KVManager\nfrom kv_helpers import MODEL, config\n"
+         f"kv = KVManager(MODEL, config({str(tmp_path)!r})); print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(SsdInUseError, match=f"pid {holder.pid}"):
+            KVManager(MODEL, config(tmp_path))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+    KVManager(MODEL, config(tmp_path)).shutdown()  # the lock died with its holder
+
+
+def test_array_and_tensor_ids_round_trip_and_timed_out_wait_keeps_the_result(tmp_path):
+    kv, dev = open_manager(tmp_path)
+    try:
+        toks = np.array(prompt(1, 5), dtype=np.uint32)
+        h = kv.hashes(toks).sequence
+        for i in range(5):
+            fill(dev, L, i, h[i])
+        p = kv.put_async(toks, torch.arange(5))
+        assert kv.wait([p], timeout=10)[p].status is TaskStatus.SUCCESS
+        assert kv.drain(timeout=10)
+        g = kv.get_async(torch.tensor(prompt(1, 5)), np.arange(30, 35, dtype=np.int32))
+        first = kv.wait([g], timeout=0)[g]
+        assert first.status in (TaskStatus.TIMEOUT, TaskStatus.SUCCESS)
+        if first.status is TaskStatus.TIMEOUT:  # a timed-out wait does not consume the result
+            assert kv.wait([g], timeout=10)[g].status is TaskStatus.SUCCESS
+        assert all(holds(dev, L, 30 + i, h[i]) for i in range(5))
+    finally:
+        kv.shutdown()
