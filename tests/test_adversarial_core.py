@@ -541,3 +541,23 @@ def test_array_and_tensor_ids_round_trip_and_timed_out_wait_keeps_the_result(tmp
         assert all(holds(dev, L, 30 + i, h[i]) for i in range(5))
     finally:
         kv.shutdown()
+
+
+def test_skip_blocks_from_disk_after_restart_plans_and_restores_exactly(tmp_path):
+    kv, dev = open_manager(tmp_path, host_blocks=8, disk_blocks=32)
+    toks = prompt(1, 6)
+    try:
+        store(kv, dev, toks, list(range(6)))
+    finally:
+        kv.shutdown()
+    kv, dev = open_manager(tmp_path, host_blocks=8, disk_blocks=32)
+    try:
+        h = kv.hashes(toks).sequence
+        g = kv.get_async(toks, list(range(10, 16)), skip_blocks=2, layerwise=True)
+        assert kv.planned_tokens_by_tier(g) == {"host": 0, "disk": 4 * TPB}
+        r = kv.wait([g], timeout=10)[g]
+        assert r.status is TaskStatus.SUCCESS and r.num_tokens == 4 * TPB
+        assert all(holds(dev, L, 10 + i, h[i]) for i in range(2, 6))
+        assert not holds(dev, L, 10, h[0])  # skipped blocks are left alone
+    finally:
+        kv.shutdown()
