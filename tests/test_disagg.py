@@ -112,7 +112,7 @@ def test_decode_tokens_and_pulled_bytes_equal_aggregated_and_prefill(pair):
         return got
     decode.remote_fill = recording_fill
 
-    for i, prompt in enumerate(_prompts(10, rng)):
+    for i, prompt in enumerate(_prompts(6, rng)):
         (want,) = agg.generate([prompt], params)
         prefill.generate([prompt], SamplingParams(max_tokens=1))
         handover = p_side.hand_over(prompt)
