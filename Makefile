@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 install:
 	VENV=$(VENV) bash scripts/install.sh
 
-# The main job: the agg_router graph (frontend in KV-router mode + 2 workers with host+SSD
-# offload) serving multi-turn conversations from the Mooncake trace, against offload disabled.
+# The main job: the Mooncake conversation trace replayed concurrently against the agg_router
+# graph in several configurations (no offload, host, host+SSD, round-robin, device-only routing).
 demo: install
 	$(PY) -m dynamo_flexkv.cli demo --json demo-results.jsonl
 

@@ -58,11 +58,12 @@ def _graph_args(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(args: argparse.Namespace, run_dir: str, **kw):
+    from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
     from dynamo_flexkv.serve import load_graph
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
-    config = apply_overrides(load_config(args.config), args.set)
-    return build_plan(load_graph(args.graph), config, run_dir=Path(run_dir), source=args.config or "defaults", **kw)
+    config = apply_overrides(load_config(resolve(CONFIGS, args.config) if args.config else None), args.set)
+    return build_plan(load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=args.config or "defaults", **kw)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -83,7 +83,7 @@ def load_trace(path: Optional[Path] = None) -> List[TraceRequest]:
                 r = json.loads(line)
                 out.append(TraceRequest(int(r["timestamp"]), int(r["input_length"]), int(r["output_length"]),
                                         tuple(int(h) for h in r["hash_ids"])))
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, OverflowError) as e:
                 raise ValueError(f"{path}:{n}: not a trace record ({e}): expected timestamp, input_length, "
                                  "output_length, hash_ids") from None
     return out

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
 from dynamo_flexkv.workload import TRACE_BLOCK, Scale, trace_turns
 
-ROOT = Path(__file__).resolve().parents[2]
+
 DEFAULT_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only"
 HOST_GB = 0.03125
 
@@ -35,8 +36,8 @@ FULL = Preset(conversations=192, device_blocks="48,64,128,256", sweep_configs=DE
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to serve")
-    g.add_argument("--graph", default=str(ROOT / "graphs" / "agg_router.py"))
-    g.add_argument("-f", "--config", default=str(ROOT / "configs" / "agg_router.yaml"))
+    g.add_argument("--graph", default=resolve(GRAPHS, "agg_router"))
+    g.add_argument("-f", "--config", default=resolve(CONFIGS, "agg_router"))
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every configuration (e.g. FlexKVWorker.cache.cpu_cache_gb=0.25)")
     g.add_argument("--host-gb", type=float, default=HOST_GB,
