@@ -180,7 +180,7 @@ def test_prefill_process_killed_after_handing_over_decode_recomputes_exactly(tmp
     try:
         decode = LLMEngine(CFG, num_device_blocks=48)
         agent = KVAgent(decode.kv_cache.layers)
-        side = DecodeSide(decode, agent, pull_timeout=10)
+        side = DecodeSide(decode, agent, pull_timeout=3)
         fills = []
 
         def timed_fill(req, first, cap):
@@ -206,7 +206,7 @@ def test_prefill_process_killed_after_handing_over_decode_recomputes_exactly(tmp
                 proc.wait(10)
             got = _decode_one(decode, side, f"k{i}", prompt, params, handover)
             assert got == agg.generate([prompt], params)[0].output
-        assert len(fills) == 2 and max(fills) < 10 + 2  # bounded by the pull timeout, never a hang
+        assert len(fills) == 2 and max(fills) < 3 + 2  # bounded by the pull timeout, never a hang
         assert side.stats.pulled_blocks == (len(first) - 1) // CFG.block_size  # the first, across processes
         assert side.stats.failed == 1  # the dead prefill's handover: recomputed
         assert decode.pool.num_available == decode.pool.num_blocks and not side._pending

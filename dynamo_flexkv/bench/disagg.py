@@ -205,7 +205,7 @@ def _handover_cases(args: argparse.Namespace) -> List[Case]:
     from dynamo_flexkv.disagg.roles import DecodeSide
 
     cfg = EngineModelConfig.load(PRESET)
-    sizes = [4096] if args.quick else [1024, 4096, 8192]
+    sizes = [1024, 4096] if args.quick else [1024, 4096, 8192]
     repeat = 3 if args.quick else 9
     blocks = sum(s // cfg.block_size + 2 for s in sizes) + 8  # every prompt in fresh, consecutive blocks
     rng = np.random.default_rng(0)
