@@ -173,7 +173,13 @@ class CacheConfig:
                     f"{self.cpu_cache_gb}: the disk tier would hold less than host memory; "
                     "raise ssd_cache_gb or set it to 0 to disable the disk tier"
                 )
+            seen: Dict[str, str] = {}
             for d in self.ssd_cache_dir:
+                real = os.path.realpath(d)
+                if real in seen:  # two stripes in one directory would share (and fight over) its files
+                    raise ConfigError(f"ssd_cache_dir lists {real!r} twice ({seen[real]!r} and {d!r}): "
+                                      "name each directory once")
+                seen[real] = d
                 _check_writable_dir(d)
         if self.enable_remote:
             self.remote_config()  # a bad URL or setting fails here, naming remote_<key>
@@ -208,14 +214,16 @@ def read_yaml_mapping(path: str, fix: str = "", holds: str = "keys to values") -
 
 def _env_values(env: Mapping[str, str]) -> Dict[str, str]:
     """Collects FLEXKV_<KEY> and the KVBM aliases; two names for one key must agree."""
-    fields = {f.name for f in dataclasses.fields(CacheConfig)}
+    fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
     found: Dict[str, Tuple[str, str]] = {}
     names = {f"FLEXKV_{k.upper()}": k for k in fields}
     names.update(ENV_ALIASES)
     for var, key in names.items():
         if var not in env:
             continue
-        if key in found and found[key][1] != env[var]:
+        # Compare parsed values: "2" and "2.0" agree.
+        if key in found and _coerce(key, fields[key].default, found[key][1], found[key][0]) \
+                != _coerce(key, fields[key].default, env[var], var):
             other = found[key][0]
             raise ConfigError(
                 f"{other}={found[key][1]!r} and {var}={env[var]!r} both set {key}: unset one"

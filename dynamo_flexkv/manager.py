@@ -163,6 +163,7 @@ class KVManager:
 
     def match(self, token_ids, **kw) -> Dict[str, int]:
         """Cached prefix in tokens per tier (no side effects)."""
+        self._check_open("match")
         seq = self.hashes(token_ids, **kw).sequence
         m = self.cache.match(seq)
         out = {t.value: n * self.tokens_per_block for t, n in m.per_tier.items()}
@@ -177,14 +178,21 @@ class KVManager:
         """Loads the cached prefix beyond the first ``skip_blocks`` blocks (which the engine already
         holds) into ``device_block_ids[i]`` for block i."""
         self._need_device("get_async")
+        if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, (int, np.integer)):
+            raise TypeError(f"skip_blocks must be an int (the number of leading blocks the engine already "
+                            f"holds), got {type(skip_blocks).__name__} {skip_blocks!r}")
+        h = self.hashes(token_ids, **kw)
+        blocks = -(-len(token_ids) // self.tokens_per_block)
         if skip_blocks < 0:
             raise ValueError(f"skip_blocks={skip_blocks} must be >= 0: the number of leading blocks the engine "
                              "already holds")
-        h = self.hashes(token_ids, **kw)
+        if skip_blocks > blocks:
+            raise ValueError(f"skip_blocks={skip_blocks} is past this {len(token_ids)}-token prompt's {blocks} "
+                             "blocks: pass the number of its leading blocks the engine already holds")
         dev_ids = self._device_ids(token_ids, device_block_ids)
         with self._issue(TaskKind.GET) as task:
             seq = _int_list(h.sequence)
-            start = min(skip_blocks, len(h))
+            start = min(int(skip_blocks), len(h))
             plan = self.cache.plan_get(task.id, seq, start, self._remote_probe(seq, start))
             if plan.num_blocks == 0:
                 self.cache.abort_task(task.id)
@@ -197,6 +205,7 @@ class KVManager:
 
     def prefetch_async(self, token_ids, **kw) -> int:
         """Brings the disk part of a cached prefix into host memory (no device copy)."""
+        self._check_open("prefetch_async")
         h = self.hashes(token_ids, **kw)
         with self._issue(TaskKind.PREFETCH) as task:
             seq = _int_list(h.sequence)
@@ -310,7 +319,11 @@ class KVManager:
                                  planned_blocks=out["requests"]["remote_hit_blocks"],
                                  short_reads=self.graphs.remote_short_reads,
                                  write_failures=self.graphs.remote_write_failures)
-        out["tasks"] = {"in_flight": len(self._tasks), "queued_ops": t.queue_depth, "failed_ops": t.failed_ops,
+        with self._lock:  # finished results waiting for wait() are not in flight
+            uncollected = len(self._uncollected)
+            in_flight = len(self._tasks) - uncollected
+        out["tasks"] = {"in_flight": in_flight, "uncollected_results": uncollected,
+                        "queued_ops": t.queue_depth, "failed_ops": t.failed_ops,
                         "disk_write_failures": self.graphs.disk_write_failures,
                         "expired_results": self.expired_results}
         return out
@@ -335,6 +348,7 @@ class KVManager:
         self._close_storage()
 
     def __enter__(self) -> "KVManager":
+        self._check_open("__enter__")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -433,15 +447,24 @@ class KVManager:
         return task
 
     def _device_ids(self, token_ids, device_block_ids) -> np.ndarray:
+        """The ids of the full blocks, as int64; refuses non-integers and repeated ids (one device
+        block cannot hold two blocks: a put would store its bytes under both hashes, a get would
+        scatter both blocks into it)."""
         n_tokens = len(token_ids)
         full, covering = n_tokens // self.tokens_per_block, -(-n_tokens // self.tokens_per_block)
-        ids = np.asarray(device_block_ids, dtype=np.int64).reshape(-1)
+        ids = _integer_array(device_block_ids)
         if ids.size not in (full, covering):
             raise ValueError(f"{ids.size} device block ids for {n_tokens} tokens: pass one id per block "
                              f"({full} full blocks, or {covering} with the partial one)")
+        ids = ids[:full]
         if self.device is not None:
-            self.device.check_ids(ids[:full])
-        return ids[:full]
+            self.device.check_ids(ids)
+        values, counts = np.unique(ids, return_counts=True)
+        if values.size < ids.size:
+            dup = int(values[counts > 1][0])
+            raise ValueError(f"device_block_ids repeats block {dup} (at positions "
+                             f"{np.flatnonzero(ids == dup).tolist()}): pass a distinct device block per block")
+        return ids
 
     def _attach_tokens(self, token_ids, *runs, always: bool = False) -> None:
         """New runs carry their tokens so the events they cause can name them."""
@@ -463,6 +486,21 @@ class KVManager:
             self.ssd.close()
         if getattr(self, "host", None) is not None:
             self.host.close()
+
+
+def _integer_array(device_block_ids) -> np.ndarray:
+    """device_block_ids (list, tuple, numpy array or tensor of integers) as a flat int64 array."""
+    if isinstance(device_block_ids, torch.Tensor):
+        device_block_ids = device_block_ids.detach().cpu().numpy()
+    ids = None if device_block_ids is None or isinstance(device_block_ids, (str, bytes)) \
+        else np.asarray(device_block_ids)
+    if ids is None or ids.dtype == object or ids.ndim == 0:
+        raise TypeError(f"device_block_ids must be a sequence of integers, got {type(device_block_ids).__name__}")
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if ids.dtype.kind not in "iu":  # floats would be truncated, bools read as blocks 0 and 1
+        raise TypeError(f"device_block_ids must be integers, got dtype {ids.dtype}")
+    return ids.astype(np.int64, copy=False).reshape(-1)
 
 
 def _int_list(hashes) -> List[int]:

@@ -66,8 +66,6 @@ def load_checked(kv, dev, tokens, ids) -> int:
 # --------------------------------------------------------------------------- confirmed defects
 
 
-@pytest.mark.xfail(strict=True, reason="put_async accepts duplicate device_block_ids: one device block's bytes "
-                   "are stored under several prefixes' hashes, later gets serve them with SUCCESS (cache poisoning)")
 def test_put_with_duplicate_device_block_ids_is_refused(tmp_path):
     kv, dev = open_manager(tmp_path)
     try:
@@ -98,8 +96,6 @@ def test_duplicate_put_ids_poison_what_get_returns(tmp_path):
         kv.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="get_async accepts duplicate device_block_ids: several blocks are "
-                   "scattered into one device block and the engine cannot tell")
 def test_get_with_duplicate_device_block_ids_is_refused(tmp_path):
     kv, dev = open_manager(tmp_path)
     try:
@@ -110,8 +106,6 @@ def test_get_with_duplicate_device_block_ids_is_refused(tmp_path):
         kv.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="a float device block id (2.7) is silently truncated to block 2 "
-                   "instead of being refused")
 def test_float_device_block_id_is_refused(tmp_path):
     kv, dev = open_manager(tmp_path)
     try:
@@ -121,8 +115,6 @@ def test_float_device_block_id_is_refused(tmp_path):
         kv.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="device_block_ids=None fails with int()'s TypeError, which does not "
-                   "name device_block_ids")
 def test_none_device_block_ids_error_names_the_argument(tmp_path):
     kv, dev = open_manager(tmp_path)
     try:
@@ -132,8 +124,6 @@ def test_none_device_block_ids_error_names_the_argument(tmp_path):
         kv.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="skip_blocks larger than the prompt's block count is accepted "
-                   "(README: a bad skip_blocks is refused)")
 def test_skip_blocks_past_the_prompt_is_refused(tmp_path):
     kv, dev = open_manager(tmp_path)
     try:
@@ -143,8 +133,6 @@ def test_skip_blocks_past_the_prompt_is_refused(tmp_path):
         kv.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="skip_blocks=2.0 fails with 'slice indices must be integers', "
-                   "which does not name skip_blocks")
 def test_float_skip_blocks_error_names_the_argument(tmp_path):
     kv, dev = open_manager(tmp_path)
     try:
@@ -155,16 +143,12 @@ def test_float_skip_blocks_error_names_the_argument(tmp_path):
         kv.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="ssd_cache_dir naming one directory twice ('a;a' or 'a;a/') passes "
-                   "CacheConfig; KVManager then fails with SsdInUseError blaming its own pid")
 def test_same_ssd_dir_listed_twice_is_a_config_error(tmp_path):
     d = str(tmp_path / "ssd")
     with pytest.raises(ConfigError, match="ssd_cache_dir"):
         CacheConfig(cpu_cache_gb=0.001, ssd_cache_gb=0.002, ssd_cache_dir=f"{d};{d}/")
 
 
-@pytest.mark.xfail(strict=True, reason="FLEXKV_CPU_CACHE_GB=2 and DYN_KVBM_CPU_CACHE_GB=2.0 agree but are "
-                   "refused as disagreeing (only identical strings pass)")
 def test_env_aliases_with_equal_values_are_accepted(monkeypatch):
     monkeypatch.delenv("FLEXKV_CONFIG_PATH", raising=False)
     monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "2")
@@ -172,8 +156,6 @@ def test_env_aliases_with_equal_values_are_accepted(monkeypatch):
     assert CacheConfig.load().cpu_cache_gb == 2.0
 
 
-@pytest.mark.xfail(strict=True, reason="after shutdown, match() and prefetch_async() raise ManagerClosed "
-                   "naming hashes() instead of the method the user called")
 def test_closed_manager_error_names_the_called_method(tmp_path):
     kv, _ = open_manager(tmp_path)
     kv.shutdown()
@@ -183,7 +165,6 @@ def test_closed_manager_error_names_the_called_method(tmp_path):
         kv.prefetch_async(prompt(1, 2))
 
 
-@pytest.mark.xfail(strict=True, reason="`with kv:` on a shut-down manager is accepted (__enter__ returns it)")
 def test_with_block_on_a_closed_manager_raises(tmp_path):
     kv, _ = open_manager(tmp_path)
     kv.shutdown()
@@ -192,8 +173,6 @@ def test_with_block_on_a_closed_manager_raises(tmp_path):
             pass
 
 
-@pytest.mark.xfail(strict=True, reason="stats()['tasks']['in_flight'] counts finished, uncollected results: "
-                   "it stays 3 after drain() returned True")
 def test_stats_in_flight_is_zero_after_drain(tmp_path):
     kv, dev = open_manager(tmp_path)
     try:
