@@ -115,8 +115,10 @@ class KVManager:
         batched existence check per exists_chunk keys); None without a remote tier or a remote hit."""
         if self.remote is None:
             return None
-        lo = max(self.cache.match(hashes).num_blocks, start)
-        if lo >= len(hashes):
+        # From the local prefix, also below ``start``: host stays prefix-closed, so blocks the
+        # caller already holds on its device are read into host too when remote has them.
+        lo = self.cache.match(hashes).num_blocks
+        if lo >= len(hashes) or len(hashes) <= start:
             return None
         n = self.remote.exists_prefix(hashes[lo:])
         return (lo, lo + n) if n else None

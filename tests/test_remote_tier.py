@@ -103,6 +103,23 @@ def test_second_manager_loads_exact_bytes_from_remote(tmp_path, redis_server):
         assert kv2.match(p) == {"host": 0, "remote": 0}
 
 
+def test_a_get_that_skips_device_held_blocks_still_loads_the_rest_from_remote(tmp_path, redis_server):
+    rng = np.random.default_rng(8)
+    p = prompt_of(rng, 8)
+    with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
+        Engine(kv0).put(p)
+        e1 = Engine(kv1, 1)
+        h = kv1.hashes(p).sequence
+        ids = e1.rng.choice(DEVICE_BLOCKS, size=len(h), replace=False)
+        t = kv1.get_async(p, ids, skip_blocks=3)  # the engine's device holds blocks 0-2
+        assert kv1.planned_tokens_by_tier(t) == {"host": 0, "disk": 0, "remote": 5 * TPB}
+        r = kv1.wait([t], timeout=30)[t]
+        assert r.ok and r.num_tokens == 5 * TPB
+        assert all(holds(e1.dev, LAYOUT, int(ids[i]), int(h[i])) for i in range(3, 8))
+        assert kv1.match(p)["host"] == 8 * TPB  # host stays prefix-closed: blocks 0-2 came along
+        check_clean(kv1)
+
+
 def test_prefetch_brings_remote_blocks_to_host(tmp_path, redis_server):
     rng = np.random.default_rng(2)
     p = prompt_of(rng, 6)
