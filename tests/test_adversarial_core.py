@@ -19,7 +19,7 @@ import torch
 
 from dynamo_flexkv import CacheConfig, KVLayoutType, KVManager, ModelSpec, TaskStatus
 from dynamo_flexkv.config import ConfigError
-from dynamo_flexkv.storage.ssd import SsdInUseError
+from dynamo_flexkv.storage.ssd import SsdInUseError, SsdLayoutError
 from dynamo_flexkv.tasks import ManagerClosed, TooManyTasks
 
 from kv_helpers import MODEL, TPB, config, device_tensors, fill, holds
@@ -184,9 +184,6 @@ def test_stats_in_flight_is_zero_after_drain(tmp_path):
         kv.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="opening a cache dir once with another namespace silently and permanently "
-                   "drops the other tenant's verified blocks (logged at INFO as '4 of another layout'); expected: "
-                   "refuse with an error naming the namespace found, or keep them")
 def test_other_namespace_does_not_destroy_the_first_tenants_cache(tmp_path):
     kv, dev = open_manager(tmp_path)
     try:
@@ -341,6 +338,10 @@ def test_other_namespace_on_the_same_dir_sees_nothing(tmp_path):
         store(kv, dev, prompt(1, 4), [0, 1, 2, 3])
     finally:
         kv.shutdown()
+    with pytest.raises(SsdLayoutError, match="namespace '' on disk vs 'tenant-b' here"):
+        KVManager(MODEL, config(tmp_path), namespace="tenant-b")
+    for f in glob.glob(f"{tmp_path}/ssd*/flexkv-journal.log"):  # the explicit wipe the error names
+        os.unlink(f)
     other = KVManager(MODEL, config(tmp_path), namespace="tenant-b")
     try:
         assert other.match(prompt(1, 4)) == {"host": 0, "disk": 0}

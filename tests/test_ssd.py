@@ -2,7 +2,9 @@
 
 import os
 
-from dynamo_flexkv.storage.ssd import JOURNAL, DiskEntry, SsdStore
+import pytest
+
+from dynamo_flexkv.storage.ssd import JOURNAL, DiskEntry, SsdLayoutError, SsdStore
 
 BB = 4096
 FP = {"model": "m", "namespace": ""}
@@ -34,9 +36,29 @@ def test_restart_adopts_valid_and_counts_the_rest(tmp_path):
     assert [e.seq_hash for e in report.adopted] == [1]
     assert report.torn == 2 and report.foreign == 1 + 2 and report.mismatched == 0
     s.close()
+    # Another model (or namespace) on the same directory is refused: those blocks are another
+    # tenant's cache. Nothing is dropped, and an explicit wipe (deleting the journal) frees the directory.
     s = store(tmp_path, fp={"model": "other", "namespace": ""})
+    with pytest.raises(SsdLayoutError, match=r"model 'm' on disk vs 'other' here.*deleting .*flexkv-journal.log"):
+        s.adopt(lambda entries: [e.checksum for e in entries])
+    s.close()
+    s = store(tmp_path)
+    assert [e.seq_hash for e in s.adopt(lambda entries: [e.checksum for e in entries]).adopted] == [1]
+    s.close()
+    os.unlink(tmp_path / "a" / JOURNAL)
+    s = store(tmp_path, fp={"model": "other", "namespace": ""})
+    assert s.adopt(lambda entries: [e.checksum for e in entries]).adopted == []
+    s.close()
+
+
+def test_older_journal_format_is_dropped_not_refused(tmp_path):
+    s = store(tmp_path)
+    s.record_stored(chain(0, [1, 2]))
+    s.close()
+    s = SsdStore([str(tmp_path / "a"), str(tmp_path / "b")], 64, BB, FP)
+    s.fingerprint["journal"] = -1  # as if written by another journal format
     report = s.adopt(lambda entries: [e.checksum for e in entries])
-    assert report.adopted == [] and report.mismatched == 1
+    assert report.adopted == [] and report.mismatched == 2
     s.close()
 
 

@@ -6,9 +6,12 @@ directory's data file. The journal (in the first directory) starts with the layo
 records ``S block seq parent checksum tokens`` (tokens: base64 u32 ids, so a restarted worker can
 announce the block to the router again) after a block's bytes landed and ``R block`` when it left,
 before its slot is reused; each line ends with the CRC32 of the rest, so a damaged line is
-dropped, never read as another block. Appends and compactions are serialized by a lock. On restart the journal is replayed: entries of another layout are
-*mismatched*, entries that do not fit (out of range, orphaned, duplicated) are *foreign*, blocks
-whose bytes fail their checksum are *torn*; the rest are adopted and the journal is compacted.
+dropped, never read as another block. Appends and compactions are serialized by a lock. On
+restart the journal is replayed: live entries of another namespace or model layout make adopt()
+raise SsdLayoutError (another tenant's cache: only an explicit wipe drops it), those of an older
+journal format are *mismatched*, entries that do not fit (out of range, orphaned, duplicated) are
+*foreign*, blocks whose bytes fail their checksum are *torn*; the rest are adopted and the journal
+is compacted.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ JOURNAL_FORMAT = 2  # 2: every line sealed with a CRC32
 
 class SsdInUseError(RuntimeError):
     """Another process holds this cache directory: two writers would corrupt each other."""
+
+
+class SsdLayoutError(RuntimeError):
+    """The cache directory holds blocks of another namespace or model layout: opening it would drop
+    them, so it is refused until the caller picks another directory or wipes this one."""
 
 
 def lock_dir(directory: str) -> int:
@@ -297,7 +305,9 @@ class SsdStore:
                 report.foreign += 1  # a torn last line, a damaged line, or garbage
         self._header_matched = fp == self.fingerprint
         if fp != self.fingerprint:
-            report.mismatched = len(live)
+            if live and isinstance(fp, dict):
+                self._refuse_other_tenant(fp, len(live))
+            report.mismatched = len(live)  # unreadable header or older journal format: nothing to keep
             return []
         out = []
         for e in live.values():
@@ -306,6 +316,19 @@ class SsdStore:
             else:
                 report.foreign += 1
         return out
+
+    def _refuse_other_tenant(self, found: dict, blocks: int) -> None:
+        """Blocks of another namespace or model shape are another tenant's cache, not garbage."""
+        keys = sorted(k for k in set(found) | set(self.fingerprint) if k != "journal"
+                      and found.get(k) != self.fingerprint.get(k))
+        if not keys:
+            return  # only the journal format changed: this tenant's own blocks, not readable any more
+        diff = ", ".join(f"{k} {found.get(k)!r} on disk vs {self.fingerprint.get(k)!r} here" for k in keys)
+        files = [self._journal_path] + [os.path.join(d, DATA) for d in self.dirs]
+        raise SsdLayoutError(
+            f"ssd_cache_dir {self.dirs[0]!r} holds {blocks} blocks of another namespace or model layout ({diff}); "
+            f"opening it here would drop them: give this namespace/model its own ssd_cache_dir, or wipe "
+            f"the old cache explicitly by deleting {', '.join(files)}")
 
     def checksum_of(self, block_id: int) -> int:
         return self.entries[block_id].checksum
