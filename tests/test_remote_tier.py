@@ -305,3 +305,34 @@ def test_doctor_reports_the_remote_tier(tmp_path, redis_server):
     with RedisServer(maxmemory="16mb", policy="noeviction") as full:
         warn = check_remote(config(tmp_path, disk_blocks=0, enable_remote=True, remote_cache_url=full.url))
         assert warn.status is Status.FALLBACK and "allkeys-lru" in warn.detail
+
+
+def test_redis_stalled_mid_read_fails_the_get_within_the_timeout(tmp_path, redis_server):
+    """The server freezes (SIGSTOP) between the lookup and the read: the read gives up after
+    remote_timeout_s, the get fails cleanly (recompute), nothing leaks; once the server runs again
+    the next get loads from it."""
+    import os
+    import signal
+    rng = np.random.default_rng(9)
+    p = prompt_of(rng, 6)
+    with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
+        Engine(kv0).put(p)
+        e1 = Engine(kv1, 1)
+        store, real_get = kv1.remote, kv1.remote.get_into
+
+        def stalled_get(hashes, dests, parents=None):
+            os.kill(redis_server.proc.pid, signal.SIGSTOP)
+            return real_get(hashes, dests, parents)
+        store.get_into = stalled_get
+        t0 = time.monotonic()
+        try:
+            r, _ = e1.get(p, expect_status=TaskStatus.FAILED)
+        finally:
+            store.get_into = real_get
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        assert time.monotonic() - t0 < 10  # remote_timeout_s = 1 bounds each socket wait
+        assert kv1.stats()["remote"]["op_errors"] >= 1
+        check_clean(kv1)
+        r, planned = e1.get(p)
+        assert planned["remote"] == 6 * TPB
+        check_clean(kv1)

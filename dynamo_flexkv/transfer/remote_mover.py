@@ -36,6 +36,10 @@ class RemoteMover:
         bb, arr = self.block_bytes, self.host.array
         return [arr[int(b) * bb:(int(b) + 1) * bb] for b in host_ids]
 
+    def _bad_values(self) -> int:
+        s = self.store.stats()
+        return s.truncated + s.foreign + s.corrupt
+
     def _parents(self, op: TransferOp) -> list:
         seq = op.seq_hashes or []
         return [op.parent, *seq[:-1]]
@@ -45,12 +49,15 @@ class RemoteMover:
         if seq is None or len(seq) != op.dst.size:
             raise ValueError(f"{op.kind.value}: needs one sequence hash per block")
         if op.kind is OpKind.REMOTE2H:
+            bad_before = self._bad_values()
             n = self.store.get_into(seq, self._views(op.dst), self._parents(op))
             op.result = n
             if n < len(seq):
-                # The value that ended the prefix is gone, torn, corrupt or foreign: drop it, so the
-                # next put of that block rewrites it instead of every later get failing on it.
-                self.store.delete(seq[n:n + 1])
+                if self._bad_values() > bad_before:
+                    # The value that ended the prefix is torn, corrupt or foreign: drop it, so the next
+                    # put of that block rewrites it instead of every later get failing on it. (Not
+                    # after a timeout: that value may be fine, and the server may be stalled.)
+                    self.store.delete(seq[n:n + 1])
                 raise RemoteShortRead(n, len(seq))
             return n * self.block_bytes
         if op.kind is OpKind.H2REMOTE:
