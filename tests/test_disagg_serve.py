@@ -88,6 +88,8 @@ def test_disagg_graph_generates_the_aggregated_graphs_tokens_with_kv_pulled_over
         assert metric(decode.port, "flexkv_requests_total") == 50
         assert sum(metric(prefill.port, "flexkv_prompt_tokens_cached_total", tier=t)
                    for t in ("device", "host", "disk")) > 0
+        # The decode worker offloads what it received to its own tiers too.
+        assert metric(decode.port, "flexkv_stored_blocks_total", tier="host") > 0
         # Each lease ended on decode's release notice: no device block of the prefill worker is held.
         assert metric(prefill.port, "flexkv_device_blocks", state="used") == 0
     clean_exit(launcher)
