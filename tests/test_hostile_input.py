@@ -278,9 +278,6 @@ def test_body_shorter_than_its_content_length_is_refused(graph):
     assert reply.startswith(b"HTTP/1.1 400") and b"Failed to read request body" in reply, reply
 
 
-@pytest.mark.xfail(strict=True, reason="echo=true reaches the worker as prompt_logprobs=1 and is refused as "
-                   "'prompt_logprobs=1 is not supported ... leave prompt_logprobs out', naming a field the client "
-                   "never sent")
 def test_echo_is_refused_naming_echo(graph):
     plan, _ = graph
     code, reply = post(plan, {"prompt": "hi", "max_tokens": 2, "echo": True})

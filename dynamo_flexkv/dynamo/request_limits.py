@@ -50,8 +50,10 @@ class RequestLimits:
             opts = {"sampling": so, "stop": sc, "output": oo}[group]
             for name, off in table.items():
                 if opts.get(name) not in off:
+                    # The frontend turns /v1/completions' echo=true into prompt_logprobs: name what was sent.
+                    hint = " (echo=true asks for it: leave echo out)" if name == "prompt_logprobs" else ""
                     raise RequestRefused(f"{name}={opts[name]!r} is not supported by this worker (greedy or "
-                                         f"temperature/seed sampling only); leave {name} out")
+                                         f"temperature/seed sampling only){hint}; leave {name} out")
         temperature = so.get("temperature")
         temperature = 0.0 if temperature is None else float(temperature)
         if temperature < 0:
