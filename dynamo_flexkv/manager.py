@@ -42,6 +42,10 @@ from dynamo_flexkv.transfer.remote_mover import RemoteMover
 
 
 
+# Longest a put waits for host room held by running tasks before it stores what fits.
+MAX_PUT_DEFER_S = 10.0
+
+
 class KVManager:
     def __init__(
         self,
@@ -90,6 +94,11 @@ class KVManager:
         self._closed = False
         self._live_graphs = 0  # submitted graphs whose finish callback has not run yet
         self._idle = threading.Condition()
+        # Puts waiting for host room: the host tier was full of blocks that running tasks lock
+        # (disk writes in flight). Retried, oldest first, each time a graph finishes.
+        self._deferred: "collections.deque[_DeferredPut]" = collections.deque()
+        self._retrying = self._retry_again = False
+        self.put_refused_blocks = 0  # blocks puts could not store: longer than the host tier
         # Finished results nobody has collected yet, oldest first: id -> finish time (for expiry).
         self._uncollected: "collections.OrderedDict[int, float]" = collections.OrderedDict()
         self.expired_results = 0
@@ -229,15 +238,79 @@ class KVManager:
         h = self.hashes(token_ids, **kw)
         dev_ids = self._device_ids(token_ids, device_block_ids)
         with self._issue(TaskKind.PUT) as task:
-            plan = self.cache.plan_put(task.id, h.sequence, remote=self.remote is not None)
-            self._attach_tokens(token_ids, plan.host)
-            self._attach_tokens(token_ids, plan.disk, always=True)  # the journal keeps them for restarts
             after = None
-            if plan.host is not None and self.device.device.type == "cuda":  # the copy waits for the engine's writes
+            if self.device.device.type == "cuda":  # the copy waits for the engine's writes
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(self.device.device))
-            self._submit(task, self.graphs.put(task, plan, dev_ids, after))
+            self._put_now(_DeferredPut(task, _int_list(h.sequence), token_ids, dev_ids, after))
         return task.id
+
+    def _put_now(self, put: "_DeferredPut") -> bool:
+        """Plans and submits the put; False when it was deferred instead: some blocks found no host
+        room while running tasks lock it, so it waits for them (a task finishing retries it). What
+        still does not fit (nothing runs any more, the prompt is longer than the host tier, or it
+        waited MAX_PUT_DEFER_S) is counted in stats()["tasks"]["put_refused_blocks"]; the put
+        stores the rest."""
+        task, seq = put.task, put.seq
+        plan = self.cache.plan_put(task.id, seq, remote=self.remote is not None)
+        short = len(seq) - plan.held - (len(plan.host) if plan.host is not None else 0)
+        # Wait only for room that can come: the put fits the host tier, and not past the bound
+        # (the engine cannot reuse its device blocks before the put finishes).
+        if short > 0 and len(seq) - plan.held <= self.cache.tiers[Tier.HOST].capacity \
+                and time.monotonic() - put.since < MAX_PUT_DEFER_S:
+            self.cache.abort_task(task.id, replan=True)  # nothing planned stays behind while it waits
+            with self._idle:
+                if self._live_graphs:
+                    self._deferred.append(put)
+                    return False
+            plan = self.cache.plan_put(task.id, seq, remote=self.remote is not None)
+            short = len(seq) - plan.held - (len(plan.host) if plan.host is not None else 0)
+        if short > 0:
+            with self._idle:
+                self.put_refused_blocks += short
+        self._attach_tokens(put.token_ids, plan.host)
+        self._attach_tokens(put.token_ids, plan.disk, always=True)  # the journal keeps them for restarts
+        self._submit(task, self.graphs.put(task, plan, put.dev_ids, put.after if plan.host is not None else None))
+        return True
+
+    def _retry_deferred(self) -> None:
+        """Retries deferred puts, oldest first, until one has to wait again. One thread at a time;
+        a call meanwhile makes that thread look again, so no wake-up is lost."""
+        with self._idle:
+            if self._retrying:
+                self._retry_again = True
+                return
+            self._retrying = True
+        while True:
+            with self._idle:
+                put = self._deferred.popleft() if self._deferred else None
+                if put is None:
+                    if self._retry_again:
+                        self._retry_again = False
+                        continue
+                    self._retrying = False
+                    self._idle.notify_all()
+                    return
+                self._retry_again = False
+            try:
+                if self._closed:
+                    raise ManagerClosed("shut down")
+                waiting = not self._put_now(put)
+            except BaseException as e:  # noqa: BLE001 - the put fails, the retry loop goes on
+                self.cache.abort_task(put.task.id)
+                status = TaskStatus.CANCELLED if isinstance(e, ManagerClosed) else TaskStatus.FAILED
+                put.task.finish(TaskResult(put.task.id, TaskKind.PUT, status,
+                                           error=None if status is TaskStatus.CANCELLED else f"{type(e).__name__}: {e}"))
+                waiting = False
+            if waiting:  # _put_now queued it last: back to the front, the rest wait behind it
+                with self._idle:
+                    if put in self._deferred:  # cancel() may have taken it meanwhile
+                        self._deferred.remove(put)
+                        self._deferred.appendleft(put)
+                    if not self._retry_again:
+                        self._retrying = False
+                        return
+                    self._retry_again = False
 
     def wait(self, task_ids: Iterable[int], timeout: Optional[float] = None) -> Dict[int, TaskResult]:
         """Results of the tasks; unfinished ones after ``timeout`` seconds report TIMEOUT and can be
@@ -267,6 +340,17 @@ class KVManager:
             task = self._task(t, "cancel")
             if task.graph is not None:
                 self.transfer.cancel(task.graph)
+            elif self._drop_deferred(lambda put: put.task is task):
+                task.finish(TaskResult(task.id, task.kind, TaskStatus.CANCELLED))
+
+    def _drop_deferred(self, which) -> List["_DeferredPut"]:
+        """Takes the deferred puts ``which(put)`` selects out of the queue (they were never planned)."""
+        with self._idle:
+            out = [p for p in self._deferred if which(p)]
+            for p in out:
+                self._deferred.remove(p)
+            self._idle.notify_all()
+        return out
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Waits until every task has finished, the background disk writes of puts included.
@@ -274,7 +358,7 @@ class KVManager:
         self._check_open("drain")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while self._live_graphs:
+            while self._live_graphs or self._deferred or self._retrying:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -326,6 +410,7 @@ class KVManager:
             in_flight = len(self._tasks) - uncollected
         out["tasks"] = {"in_flight": in_flight, "uncollected_results": uncollected,
                         "queued_ops": t.queue_depth, "failed_ops": t.failed_ops,
+                        "deferred_puts": len(self._deferred), "put_refused_blocks": self.put_refused_blocks,
                         "disk_write_failures": self.graphs.disk_write_failures,
                         "expired_results": self.expired_results}
         return out
@@ -347,6 +432,8 @@ class KVManager:
                 return
             self._closed = True
         self.transfer.shutdown()
+        for put in self._drop_deferred(lambda put: True):
+            put.task.finish(TaskResult(put.task.id, TaskKind.PUT, TaskStatus.CANCELLED))
         self._close_storage()
 
     def __enter__(self) -> "KVManager":
@@ -373,8 +460,9 @@ class KVManager:
         with self._lock:
             self._check_open(f"{kind.value}_async")
             limit = self.config.max_tasks_in_flight
-            if self._live_graphs >= limit:  # bounded work under a flood: refuse rather than queue forever
-                raise TooManyTasks(f"{kind.value}_async refused: {self._live_graphs} tasks in flight "
+            busy = self._live_graphs + len(self._deferred)
+            if busy >= limit:  # bounded work under a flood: refuse rather than queue forever
+                raise TooManyTasks(f"{kind.value}_async refused: {busy} tasks in flight "
                                    f"(max_tasks_in_flight={limit}); wait for some, or raise max_tasks_in_flight")
             task = Task(next(self._ids), kind, self.model.num_layers, on_finish=self._result_ready)
             self._tasks[task.id] = task
@@ -437,6 +525,8 @@ class KVManager:
         with self._idle:
             self._live_graphs -= 1
             self._idle.notify_all()
+        if self._deferred:  # what it held may be the room a deferred put waits for
+            self._retry_deferred()
 
     def _task(self, task_id: int, call: str) -> Task:
         self._check_open(call)
@@ -488,6 +578,18 @@ class KVManager:
             self.ssd.close()
         if getattr(self, "host", None) is not None:
             self.host.close()
+
+
+@dataclasses.dataclass(eq=False)
+class _DeferredPut:
+    """What a put needs to be planned later (its task is issued, its device blocks are the caller's)."""
+
+    task: Task
+    seq: List[int]
+    token_ids: Any
+    dev_ids: np.ndarray
+    after: Any  # the CUDA event recorded at put_async: the copy waits for the engine's writes
+    since: float = dataclasses.field(default_factory=time.monotonic)
 
 
 def _integer_array(device_block_ids) -> np.ndarray:

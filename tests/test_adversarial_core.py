@@ -201,9 +201,6 @@ def test_other_namespace_does_not_destroy_the_first_tenants_cache(tmp_path):
         kv.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="a burst of puts larger than the free host tier silently stores nothing for "
-                   "the later puts (SUCCESS, num_tokens=0, the same answer as 'already cached', no stats counter) "
-                   "although the disk tier has room: 20 puts x 6 blocks, host 24, disk 120 -> typically 24-36 blocks cached")
 def test_put_burst_that_fits_the_disk_is_cached(tmp_path):
     kv, dev = open_manager(tmp_path, num_device_blocks=120, host_blocks=24, disk_blocks=120)
     try:
@@ -218,8 +215,46 @@ def test_put_burst_that_fits_the_disk_is_cached(tmp_path):
         assert kv.drain(timeout=30)
         stored = [r.num_tokens // TPB for r in results.values()]
         assert stored == [6] * 20, f"blocks stored per put: {stored}"
+        st = kv.stats()
+        assert st["tasks"]["put_refused_blocks"] == 0 and st["tasks"]["deferred_puts"] == 0
+        assert st["host"]["rolled_back_blocks"] == 0  # waiting for room is not a rollback
+        for k in (0, 19):  # the first and the last put of the burst restore exactly
+            assert load_checked(kv, dev, prompts[k], list(range(120 - 6, 120))) == 6
     finally:
         kv.shutdown()
+
+
+def test_put_longer_than_the_host_tier_stores_what_fits_and_counts_the_rest(tmp_path):
+    kv, dev = open_manager(tmp_path, num_device_blocks=64, host_blocks=24, disk_blocks=64)
+    try:
+        toks = prompt(1, 30)
+        h = kv.hashes(toks).sequence
+        for i in range(30):
+            fill(dev, L, i, h[i])
+        p = kv.put_async(toks, list(range(30)))
+        r = kv.wait([p], timeout=20)[p]
+        assert r.status is TaskStatus.SUCCESS and r.num_tokens == 24 * TPB
+        assert kv.drain(timeout=20)
+        assert kv.stats()["tasks"]["put_refused_blocks"] == 6
+        assert load_checked(kv, dev, toks, list(range(32, 62))) == 24
+    finally:
+        kv.shutdown()
+
+
+def test_cancelling_a_burst_of_deferred_puts_leaks_nothing(tmp_path):
+    kv, dev = open_manager(tmp_path, num_device_blocks=120, host_blocks=24, disk_blocks=120)
+    try:
+        ids = [kv.put_async(prompt(k, 6), [6 * k + i for i in range(6)]) for k in range(20)]
+        kv.cancel(ids)
+        results = kv.wait(ids, timeout=30)
+        assert {r.status for r in results.values()} <= {TaskStatus.SUCCESS, TaskStatus.CANCELLED}
+        assert kv.drain(timeout=30)
+        st = kv.stats()["tasks"]
+        assert (st["in_flight"], st["deferred_puts"], kv.cache.task_ids()) == (0, 0, [])
+        late = [kv.put_async(prompt(100 + k, 6), [6 * k + i for i in range(6)]) for k in range(8)]
+    finally:
+        kv.shutdown()  # deferred puts of a closing manager are cancelled, never left hanging
+    assert all(kv._tasks[t].done.is_set() for t in late)
 
 
 # --------------------------------------------------------------------------- what held up

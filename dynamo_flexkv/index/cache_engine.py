@@ -375,12 +375,13 @@ class CacheEngine:
                 self._tasks[task_id] = runs
                 raise IndexError_(f"task {task_id!r} still has {len(open_runs)} open runs")
 
-    def abort_task(self, task_id: Hashable) -> None:
-        """Aborts every open run of the task (newest first) and forgets it."""
+    def abort_task(self, task_id: Hashable, *, replan: bool = False) -> None:
+        """Aborts every open run of the task (newest first) and forgets it. ``replan``: the task
+        will be planned again (a deferred put), so its new blocks do not count as rolled back."""
         with self._lock:
             for run in reversed(self._tasks.pop(task_id, [])):
                 if not run.done:
-                    self._abort_run(run, task_id)
+                    self._abort_run(run, task_id, counted=not replan)
 
     def discard(self, tier: Tier, block_ids: Sequence[int]) -> List[int]:
         """Drops blocks whose bytes proved bad (and their descendants) from ``tier``."""
@@ -438,11 +439,11 @@ class CacheEngine:
         if run not in self._tasks.get(task_id, ()):
             raise IndexError_(f"run {run.tier.value}[{run.start}:{run.end}] does not belong to task {task_id!r}")
 
-    def _abort_run(self, run: TierRun, task_id: Hashable) -> None:
+    def _abort_run(self, run: TierRun, task_id: Hashable, counted: bool = True) -> None:
         idx = self.tiers[run.tier]
         if run.new:
             idx.rollback(run.hashes, task_id)
-            self.counters[run.tier].rolled_back_blocks += len(run)
+            self.counters[run.tier].rolled_back_blocks += len(run) if counted else 0
         else:
             idx.unlock(run.hashes)
         run.done = True
