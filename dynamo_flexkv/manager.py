@@ -319,15 +319,22 @@ class KVManager:
         tasks = [self._task(t, "wait") for t in ids]
         deadline = None if timeout is None else time.monotonic() + timeout
         out: Dict[int, TaskResult] = {}
+        finished = []
         for task in tasks:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if task.done.wait(left):
                 out[task.id] = task.result
-                with self._lock:
-                    self._tasks.pop(task.id, None)
-                    self._uncollected.pop(task.id, None)
+                finished.append(task)
             else:
                 out[task.id] = TaskResult(task.id, task.kind, TaskStatus.TIMEOUT)
+        with self._lock:  # claimed all at once: two threads waiting on one task get it once, lose nothing else
+            taken = [t.id for t in finished if self._tasks.get(t.id) is not t]
+            if taken:
+                raise KeyError(f"task(s) {taken}: the result was already collected by another wait() "
+                               "(or expired after task_result_ttl_seconds); wait on a task from one thread only")
+            for t in finished:
+                self._tasks.pop(t.id, None)  # an id listed twice in one call is handed out once
+                self._uncollected.pop(t.id, None)
         return out
 
     def try_wait(self, task_ids: Iterable[int]) -> Dict[int, TaskResult]:

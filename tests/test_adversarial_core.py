@@ -576,3 +576,35 @@ def test_skip_blocks_from_disk_after_restart_plans_and_restores_exactly(tmp_path
         assert not holds(dev, L, 10, h[0])  # skipped blocks are left alone
     finally:
         kv.shutdown()
+
+
+def test_two_threads_waiting_on_one_task_get_its_result_once(tmp_path):
+    """One get waited on from 8 threads at once: exactly one gets the result, the others a KeyError
+    saying it was collected elsewhere; a wait listing the same id twice returns it once."""
+    kv, dev = open_manager(tmp_path)
+    try:
+        toks = prompt(2, 8)
+        store(kv, dev, toks, list(range(8)))
+        for _ in range(20):
+            g = kv.get_async(toks, list(range(20, 28)))
+            barrier, got, refused = threading.Barrier(8), [], []
+
+            def waiter():
+                barrier.wait()
+                try:
+                    got.append(kv.wait([g], timeout=10)[g])
+                except KeyError as e:
+                    refused.append(str(e))
+
+            threads = [threading.Thread(target=waiter) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            assert len(got) == 1 and got[0].status is TaskStatus.SUCCESS, got
+            assert len(refused) == 7 and all("already" in m for m in refused), refused
+        g = kv.get_async(toks, list(range(20, 28)))
+        assert list(kv.wait([g, g], timeout=10)) == [g]
+        assert kv.stats()["tasks"]["in_flight"] == 0
+    finally:
+        kv.shutdown()
