@@ -63,13 +63,18 @@ class GraphBuilder:
         if plan.remote_staged is not None:
             # Remote blocks land after the disk part (their parent), verified by the store. A
             # shorter verified prefix commits what landed and fails the rest (recomputed).
+            # Layerwise: one chained read per layer span (RemoteMover), the last verifying and
+            # committing whole blocks, so layer 0 computes while later layers are on their way.
             run = plan.remote_staged
-            remote_op = TransferOp(OpKind.REMOTE2H, run.block_ids, run.block_ids,
-                                   deps=(staged_op,) if staged_op else (),
-                                   seq_hashes=list(run.hashes), parent=run.parent,
-                                   on_done=lambda op: self.cache.complete(run, tid))
-            ops.append(remote_op)
-            disk_for = {span: remote_op for span in layers}
+            spans = layers if layerwise and load_device else [None]
+            reads = []
+            for span in spans:
+                dep = reads[-1] if reads else staged_op
+                reads.append(TransferOp(OpKind.REMOTE2H, run.block_ids, run.block_ids, deps=(dep,) if dep else (),
+                                        layers=span, seq_hashes=list(run.hashes), parent=run.parent))
+            reads[-1].on_done = lambda op: self.cache.complete(run, tid)
+            ops += reads
+            disk_for = dict(zip(layers, reads)) if len(reads) == len(layers) else {span: reads[0] for span in layers}
         if load_device:
             reads_h = plan.host_reads
             dst = dev_ids[reads_h.start:reads_h.end]

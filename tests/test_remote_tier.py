@@ -46,14 +46,14 @@ class Engine:
         assert self.kv.wait([t], timeout=30)[t].ok
         assert self.kv.drain(30)  # the write-behind to remote finished
 
-    def get(self, prompt, expect_status=TaskStatus.SUCCESS):
+    def get(self, prompt, expect_status=TaskStatus.SUCCESS, layerwise=False):
         """Loads the cached prefix; every block it reports loaded holds the exact bytes."""
         h = self.kv.hashes(prompt).sequence
         ids = self.rng.choice(DEVICE_BLOCKS, size=len(h), replace=False)
         for b in ids:  # poison: a block that was not loaded cannot pass the check by accident
             for layer in range(MODEL.num_layers):
                 self.dev[layer][int(b)].fill_(0)
-        t = self.kv.get_async(prompt, ids)
+        t = self.kv.get_async(prompt, ids, layerwise=layerwise)
         planned = self.kv.planned_tokens_by_tier(t)
         r = self.kv.wait([t], timeout=30)[t]
         assert r.status is expect_status, r
@@ -76,7 +76,10 @@ def check_clean(kv: KVManager) -> None:
     assert s["tasks"]["queued_ops"] == 0 and s["requests"]["tasks_in_flight"] == 0
 
 
-def test_second_manager_loads_exact_bytes_from_remote(tmp_path, redis_server):
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_second_manager_loads_exact_bytes_from_remote(tmp_path, redis_server, layerwise):
+    """Bulk: one GET per block. Layerwise: one GETRANGE per block and layer span, chained, the
+    last span verifying whole blocks."""
     rng = np.random.default_rng(1)
     p = prompt_of(rng, 10)
     with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
@@ -84,17 +87,23 @@ def test_second_manager_loads_exact_bytes_from_remote(tmp_path, redis_server):
         e0.put(p)
         assert kv0.stats()["remote"]["puts"] == 10
         assert kv1.match(p) == {"host": 0, "remote": 10 * TPB}
-        r, planned = e1.get(p)  # kv1 never saw the prompt
+        r, planned = e1.get(p, layerwise=layerwise)  # kv1 never saw the prompt
         assert r.num_tokens == 10 * TPB and planned == {"host": 0, "disk": 0, "remote": 10 * TPB}
         s = kv1.stats()
         assert s["remote"]["hits"] == 10 and s["remote"]["bytes_read"] == 10 * kv1.host.layout.block_bytes
+        conn, _ = _keys(redis_server)
+        try:
+            ranges = conn.call(b"INFO", b"commandstats").decode().count("cmdstat_getrange:")
+        finally:
+            conn.close()
+        assert ranges == (1 if layerwise else 0)
         # Now on kv1's host tier: the next get reads host only.
         r, planned = e1.get(p)
         assert planned == {"host": 10 * TPB, "disk": 0, "remote": 0}
         # A longer prompt sharing the prefix: host part + remote part + recomputed tail.
         longer = p[:10 * TPB] + prompt_of(rng, 4)
         e0.put(longer)
-        r, planned = e1.get(longer)
+        r, planned = e1.get(longer, layerwise=layerwise)
         assert planned == {"host": 10 * TPB, "disk": 0, "remote": 4 * TPB}
         # A different namespace is a different fingerprint: nothing to load.
         for kv in (kv0, kv1):
@@ -227,10 +236,13 @@ def _keys(server, pattern=b"*"):
         raise
 
 
-@pytest.mark.parametrize("fault", ["evicted", "corrupt", "truncated", "wrong_block", "foreign"])
-def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server, fault):
-    """A value evicted between lookup and read, corrupt, truncated, or of another model: the get
-    fails cleanly (the engine recomputes), blocks verified before it stay on host, nothing leaks."""
+@pytest.mark.parametrize("fault,layerwise", [(f, False) for f in ("evicted", "corrupt", "truncated", "wrong_block",
+                                                                  "foreign")]
+                         + [(f, True) for f in ("evicted", "evicted_mid", "corrupt", "truncated", "wrong_block")])
+def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server, fault, layerwise):
+    """A value evicted between lookup and read (layerwise: also between two layer spans), corrupt,
+    truncated, or of another model: the get fails cleanly (the engine recomputes), blocks verified
+    before it stay on host (whole: every layer), nothing leaks."""
     rng = np.random.default_rng(6)
     p = prompt_of(rng, 8)
     with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
@@ -255,24 +267,29 @@ def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server
                     seq2 = kv2.hashes(p).sequence
                     conn.call(b"SET", key, conn.call(b"GET", kv2.remote._prefix + b"%016x" % int(seq2[5])))
             store = kv1.remote
-            real_get = store.get_into
+            real_get, real_range = store.get_into, store.get_range_into
 
             def evicting_get(hashes, dests, parents=None):
                 if fault == "evicted":  # Redis evicts the key between the probe and the read
                     conn.call(b"DEL", key)
                 return real_get(hashes, dests, parents)
-            store.get_into = evicting_get
-            assert kv1.match(p)["remote"] == 8 * TPB or fault == "evicted"
-            r, _ = e1.get(p, expect_status=TaskStatus.FAILED)
+
+            def evicting_range(hashes, dests, offset, block_bytes, parents=None):
+                if (fault == "evicted" and offset == 0) or (fault == "evicted_mid" and offset > 0):
+                    conn.call(b"DEL", key)  # before the first span, or after it landed
+                return real_range(hashes, dests, offset, block_bytes, parents)
+            store.get_into, store.get_range_into = evicting_get, evicting_range
+            assert kv1.match(p)["remote"] == 8 * TPB or fault.startswith("evicted")
+            r, _ = e1.get(p, expect_status=TaskStatus.FAILED, layerwise=layerwise)
             assert "remote tier verified 5 of 8" in r.error
-            store.get_into = real_get
+            store.get_into, store.get_range_into = real_get, real_range
         finally:
             conn.close()
         check_clean(kv1)
         assert kv1.match(p)["host"] == 5 * TPB  # the verified blocks stayed
         s = kv1.stats()["remote"]
         assert s["short_reads"] == 1 and s["hits"] == 5
-        assert s[{"evicted": "misses", "corrupt": "corrupt", "truncated": "truncated", "wrong_block": "corrupt",
+        assert s[{"evicted": "misses", "evicted_mid": "misses", "corrupt": "corrupt", "truncated": "truncated", "wrong_block": "corrupt",
                   "foreign": "foreign"}[fault]] == 1
         r, planned = e1.get(p)  # the next get loads the 5 verified blocks from host, exactly
         assert planned == {"host": 5 * TPB, "disk": 0, "remote": 0}

@@ -84,6 +84,10 @@ def _hash_list(hashes: Hashes) -> List[int]:
     return [int(h) & _U64 for h in (hashes.tolist() if hasattr(hashes, "tolist") else hashes)]
 
 
+def _ok_prefix(verdicts: List[Verdict]) -> int:
+    return next((i for i, v in enumerate(verdicts) if v is not Verdict.OK), len(verdicts))
+
+
 def _parent_list(seq: List[int], parents: Optional[Sequence[Optional[int]]]) -> List[Optional[int]]:
     """Parents as given, or the chain: block 0 has none, block i has seq[i-1]."""
     if parents is None:
@@ -424,60 +428,138 @@ class RemoteStore:
         """Reads blocks straight into ``dests`` (writable buffers of each block's size) and returns
         how many leading blocks are present and verified. ``parents`` defaults to the chain
         (block 0 has none). Bytes of ``dests`` past the returned count are unspecified."""
+        seq, par, views = self._read_args(seq_hashes, dests, parents)
+        fp = self.fingerprint
+
+        def read(conn: RespConnection, header: memoryview, i: int) -> Verdict:
+            return self._read_value(conn, header, fp, seq[i], par[i], views[i])
+
+        verdicts = self._read_pipelined(seq, lambda k: encode_command(b"GET", k), read)
+        n = _ok_prefix(verdicts)
+        self._count_read(n, sum(v.nbytes for v in views[:n]), verdicts[n] if n < len(seq) else None)
+        return n
+
+    def get_range_into(self, seq_hashes: Hashes, dests: Sequence[Any], offset: int, block_bytes: int,
+                       parents: Optional[Sequence[Optional[int]]] = None) -> "tuple[int, List[int]]":
+        """Reads bytes ``[offset, offset + len(dest))`` of each block's payload into ``dests``
+        (pipelined GETRANGE), for layerwise loads: the first layers land while later ones are on
+        their way. Returns how many leading blocks landed and, when ``offset`` is 0 (the header is
+        read and checked then, ``block_bytes`` being the whole payload's length), each landed
+        block's payload checksum. Nothing is verified or counted as a hit yet: call
+        ``verify_landed`` once every range of the blocks landed."""
+        seq, par, views = self._read_args(seq_hashes, dests, parents)
+        if offset < 0 or any(offset + v.nbytes > block_bytes for v in views):
+            raise ValueError(f"range [{offset}, +{views[0].nbytes if views else 0}) is outside "
+                             f"{block_bytes}-byte blocks")
+        fp, first = self.fingerprint, offset == 0
+        sums = [0] * len(seq)
+
+        def cmd(key: bytes) -> bytes:
+            start = 0 if first else HEADER_BYTES + offset
+            return encode_command(b"GETRANGE", key, start, HEADER_BYTES + offset + views[0].nbytes - 1)
+
+        def read(conn: RespConnection, header: memoryview, i: int) -> Verdict:
+            size = self._bulk_size(conn, "GETRANGE")
+            if size is None:
+                return Verdict.ERROR
+            want = views[i].nbytes + (HEADER_BYTES if first else 0)
+            if size != want:  # a missing key reads as empty; a shorter value as fewer bytes
+                if size > 0:
+                    conn.skip(size)
+                if size >= 0:
+                    conn.expect_crlf()
+                return Verdict.MISSING if size <= 0 else Verdict.TRUNCATED
+            verdict = Verdict.OK
+            if first:
+                conn.read_into(header)
+                verdict, sums[i] = check_header(header, fp, seq[i], par[i], block_bytes)
+            if verdict is Verdict.OK:
+                conn.read_into(views[i])
+            else:
+                conn.skip(views[i].nbytes)
+            conn.expect_crlf()
+            return verdict
+
+        if views and len({v.nbytes for v in views}) != 1:
+            raise ValueError("get_range_into reads one range length for every block")
+        verdicts = self._read_pipelined(seq, cmd, read)
+        n = _ok_prefix(verdicts)
+        if n < len(seq):
+            self._count_read(0, 0, verdicts[n])
+        return n, sums[:n]
+
+    def verify_landed(self, blocks: Sequence[Any], checksums: Sequence[int]) -> int:
+        """Checks whole blocks that ``get_range_into`` filled range by range against the
+        checksums its first range returned; counts and returns the verified leading blocks."""
+        views = [_byte_view(b, writable=False) for b in blocks[:len(checksums)]]
+        n = next((i for i, (v, c) in enumerate(zip(views, checksums)) if not payload_ok(v, c)), len(views))
+        self._count_read(n, sum(v.nbytes for v in views[:n]), Verdict.CORRUPT if n < len(views) else None)
+        return n
+
+    def _read_args(self, seq_hashes: Hashes, dests: Sequence[Any],
+                   parents: Optional[Sequence[Optional[int]]]) -> "tuple[List[int], list, List[memoryview]]":
         seq = _hash_list(seq_hashes)
         if len(dests) != len(seq):
             raise ValueError(f"got {len(dests)} destination buffers for {len(seq)} sequence hashes")
-        par = _parent_list(seq, parents)
-        views = [_byte_view(d, writable=True) for d in dests]
+        return seq, _parent_list(seq, parents), [_byte_view(d, writable=True) for d in dests]
+
+    def _read_pipelined(self, seq: List[int], command: Callable[[bytes], bytes],
+                        read: Callable[[RespConnection, memoryview, int], Verdict]) -> List[Verdict]:
+        """Sends ``command(key)`` per block, pipelined per node, and ``read``s each reply until the
+        first one that is not OK on each node. Verdicts of blocks never read stay ERROR."""
         verdicts: List[Verdict] = [Verdict.ERROR] * len(seq)
-        fp = self.fingerprint
 
         def work(conn: RespConnection, idx: List[int]) -> None:
-            keys = [self._prefix + b"%016x" % seq[i] for i in idx]
-            cmds = [encode_command(b"GET", k) for k in keys]
+            cmds = [command(self._prefix + b"%016x" % seq[i]) for i in idx]
             header = memoryview(bytearray(HEADER_BYTES))
 
-            def read(j: int) -> bool:
+            def one(j: int) -> bool:
                 i = idx[j]
-                verdicts[i] = v = self._read_value(conn, header, fp, seq[i], par[i], views[i])
+                verdicts[i] = v = read(conn, header, i)
                 return v is Verdict.OK
 
-            self._windowed(conn, len(idx), lambda j: [cmds[j]], read)
+            self._windowed(conn, len(idx), lambda j: [cmds[j]], one)
 
         def run() -> None:
             self._per_node(self._route(self._keys(seq)), work)
 
         if seq:
             self._guard(run, "get_seconds")
-        n = next((i for i, v in enumerate(verdicts) if v is not Verdict.OK), len(seq))
+        return verdicts
+
+    def _count_read(self, hits: int, nbytes: int, end: Optional[Verdict]) -> None:
+        """Counts a read's verified blocks and what ended its prefix (when something did)."""
         with self._stats_lock:
             s = self._stats
-            s.hits += n
-            s.bytes_read += sum(v.nbytes for v in views[:n])
-            if n < len(seq):
-                end = verdicts[n]
-                if end is Verdict.MISSING:
-                    s.misses += 1
-                elif end is Verdict.TRUNCATED:
-                    s.truncated += 1
-                elif end is Verdict.FOREIGN:
-                    s.foreign += 1
-                elif end is Verdict.CORRUPT:
-                    s.corrupt += 1
-        return n
+            s.hits += hits
+            s.bytes_read += nbytes
+            if end is Verdict.MISSING:
+                s.misses += 1
+            elif end is Verdict.TRUNCATED:
+                s.truncated += 1
+            elif end is Verdict.FOREIGN:
+                s.foreign += 1
+            elif end is Verdict.CORRUPT:
+                s.corrupt += 1
 
-    def _read_value(self, conn: RespConnection, header: memoryview, fp: int, seq: int,
-                    parent: Optional[int], dest: memoryview) -> Verdict:
+    def _bulk_size(self, conn: RespConnection, command: str) -> Optional[int]:
+        """Length of the next bulk reply (-1: nil), or None for an error reply (counted)."""
         line = conn.readline()
         if line[:1] == b"-":
             if line.startswith(b"-MOVED") or line.startswith(b"-ASK"):
                 self._slots_stale = True
             with self._stats_lock:
                 self._stats.server_errors += 1
-            return Verdict.ERROR
+            return None
         if line[:1] != b"$":
-            raise ProtocolError(f"redis {conn.host}:{conn.port}: GET answered {line[:16]!r}")
-        size = int(line[1:])
+            raise ProtocolError(f"redis {conn.host}:{conn.port}: {command} answered {line[:16]!r}")
+        return int(line[1:])
+
+    def _read_value(self, conn: RespConnection, header: memoryview, fp: int, seq: int,
+                    parent: Optional[int], dest: memoryview) -> Verdict:
+        size = self._bulk_size(conn, "GET")
+        if size is None:
+            return Verdict.ERROR
         if size < 0:
             return Verdict.MISSING
         if size < HEADER_BYTES:

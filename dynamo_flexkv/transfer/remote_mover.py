@@ -3,11 +3,18 @@
 Bytes go between the socket and the host pool's BLOCKFIRST slots with no Python copy (each slot
 is one contiguous view). A read that verifies fewer blocks than asked raises RemoteShortRead
 carrying the verified count: the caller commits that prefix and recomputes the rest.
+
+Layerwise gets chain one REMOTE2H op per layer span (``op.layers``): each reads that span of every
+block (GETRANGE), so layer 0 computes while later layers are on their way. The first span checks
+the headers and keeps their checksums on its op's result; each later op takes them from the
+REMOTE2H op it depends on, and the last one verifies whole blocks before anything commits (as the
+disk tier's per-layer reads end in a VERIFY).
 """
 
 from __future__ import annotations
 
-from typing import List
+from dataclasses import dataclass
+from typing import List, Optional
 
 import numpy as np
 
@@ -26,10 +33,19 @@ class RemoteShortRead(IOError):
                          "(evicted, corrupt, foreign or unreachable): the rest is recomputed")
 
 
+@dataclass
+class _LayeredRead:
+    """What the ops of one layerwise remote read pass along the chain."""
+
+    checksums: List[int]  # of the blocks whose every span so far landed (a prefix)
+
+
 class RemoteMover:
     def __init__(self, host: HostPool, store: RemoteStore) -> None:
         self.host, self.store = host, store
         self.block_bytes = host.layout.block_bytes
+        self.layer_bytes = host.layout.layer_block_bytes
+        self.num_layers = host.layout.model.num_layers
 
     def _views(self, host_ids: np.ndarray) -> List[np.ndarray]:
         self.host.check_ids(host_ids)
@@ -50,8 +66,12 @@ class RemoteMover:
             raise ValueError(f"{op.kind.value}: needs one sequence hash per block")
         if op.kind is OpKind.REMOTE2H:
             bad_before = self._bad_values()
-            n = self.store.get_into(seq, self._views(op.dst), self._parents(op))
-            op.result = n
+            views = self._views(op.dst)
+            if op.layers is None or tuple(op.layers) == (0, self.num_layers):
+                n = self.store.get_into(seq, views, self._parents(op))
+                op.result = n
+            else:
+                n = self._read_span(op, views)
             if n < len(seq):
                 if self._bad_values() > bad_before:
                     # The value that ended the prefix is torn, corrupt or foreign: drop it, so the next
@@ -59,9 +79,38 @@ class RemoteMover:
                     # after a timeout: that value may be fine, and the server may be stalled.)
                     self.store.delete(seq[n:n + 1])
                 raise RemoteShortRead(n, len(seq))
-            return n * self.block_bytes
+            return n * (self.block_bytes if op.layers is None else (op.layers[1] - op.layers[0]) * self.layer_bytes)
         if op.kind is OpKind.H2REMOTE:
             n = self.store.put(seq, self._views(op.src), self._parents(op), skip_existing=True)
             op.result = n
             return n * self.block_bytes
         raise ValueError(f"RemoteMover cannot run {op.kind.value}")
+
+    def _read_span(self, op: TransferOp, views: List[np.ndarray]) -> int:
+        """One layer span of a layerwise read; returns the blocks landed so far (verified, for
+        the last span). A short span reads the rest of the landed blocks' layers at once and
+        verifies them, so a RemoteShortRead always names whole verified blocks."""
+        lo, hi = op.layers
+        seq, lb = op.seq_hashes, self.layer_bytes
+        if lo == 0:
+            state = _LayeredRead([])
+            n, state.checksums = self.store.get_range_into(seq, [v[:hi * lb] for v in views], 0,
+                                                           self.block_bytes, self._parents(op))
+        else:
+            prev: Optional[TransferOp] = next((d for d in op.deps if d.kind is OpKind.REMOTE2H), None)
+            if prev is None or not isinstance(prev.result, _LayeredRead):
+                raise ValueError(f"remote2h layers {lo}..{hi} must follow the read of layers 0..{lo}")
+            state = prev.result
+            k = len(state.checksums)
+            n, _ = self.store.get_range_into(seq[:k], [v[lo * lb:hi * lb] for v in views[:k]], lo * lb,
+                                             self.block_bytes, self._parents(op)[:k])
+            state.checksums = state.checksums[:n]
+        op.result = state
+        if n < len(seq) and hi < self.num_layers and n:
+            # Short: finish the landed prefix's other layers now, so it commits whole.
+            n, _ = self.store.get_range_into(seq[:n], [v[hi * lb:] for v in views[:n]], hi * lb,
+                                             self.block_bytes, self._parents(op)[:n])
+            hi = self.num_layers
+        if hi == self.num_layers:
+            n = self.store.verify_landed(views[:n], state.checksums[:n])
+        return n
