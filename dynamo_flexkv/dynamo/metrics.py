@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 PREFIX = "flexkv_"
-REQUEST_TIERS = ("device", "host", "disk")
+REQUEST_TIERS = ("device", "host", "disk", "remote")
 
 
 @dataclass

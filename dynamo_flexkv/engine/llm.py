@@ -225,6 +225,7 @@ class LLMEngine:
                 by_tier = self.connector.planned_tokens_by_tier(tid)
                 req.offload_hit_tokens = sum(by_tier.values())  # host + disk + remote
                 req.disk_hit_tokens = by_tier["disk"]
+                req.remote_hit_tokens = by_tier.get("remote", 0)
                 req.num_computed += req.offload_hit_tokens
         if self.remote_fill is not None:
             req.num_computed += self.remote_fill(req, req.num_computed // bs, cap) * bs
@@ -273,7 +274,7 @@ class LLMEngine:
             return True
         self.recomputed_loads += 1
         r.num_computed = r.device_hit_tokens
-        r.offload_hit_tokens = r.disk_hit_tokens = 0
+        r.offload_hit_tokens = r.disk_hit_tokens = r.remote_hit_tokens = 0
         return False
 
     def _cache_full_blocks(self, r: Request) -> None:

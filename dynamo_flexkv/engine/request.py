@@ -49,6 +49,7 @@ class Request:
     device_hit_tokens: int = 0
     offload_hit_tokens: int = 0
     disk_hit_tokens: int = 0  # the part of offload_hit_tokens read from the disk tier
+    remote_hit_tokens: int = 0  # the part of offload_hit_tokens read from the remote tier (Redis)
     load_task: Optional[int] = None
     prefetch_task: Optional[int] = None
     first_token_at: Optional[float] = None
@@ -61,9 +62,14 @@ class Request:
 
     @property
     def cached_tokens(self) -> Dict[str, int]:
-        """Prompt tokens not computed, by the tier they came from (device: the prefix cache)."""
-        return {"device": self.device_hit_tokens, "host": self.offload_hit_tokens - self.disk_hit_tokens,
-                "disk": self.disk_hit_tokens}
+        """Prompt tokens not computed, by the tier they came from (device: the prefix cache);
+        ``remote`` only for a request that loaded from the remote tier."""
+        out = {"device": self.device_hit_tokens,
+               "host": self.offload_hit_tokens - self.disk_hit_tokens - self.remote_hit_tokens,
+               "disk": self.disk_hit_tokens}
+        if self.remote_hit_tokens:
+            out["remote"] = self.remote_hit_tokens
+        return out
 
     @property
     def in_prefill(self) -> bool:
