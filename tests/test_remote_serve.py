@@ -50,6 +50,7 @@ def _served_from_remote(tmp_path, *overrides):
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
         hits = sum(metric(w.port, "flexkv_remote_hit_blocks_total") for w in plan.workers)
         assert hits > 0  # loaded from Redis by a process that never computed the prompt
+        assert sum(metric(w.port, "flexkv_prompt_tokens_cached_total", tier="remote") for w in plan.workers) > 0
         for w in plan.workers:
             assert metric(w.port, "flexkv_remote_bad_values_total", reason="corrupt") == 0
     finally:

@@ -353,3 +353,32 @@ def test_redis_stalled_mid_read_fails_the_get_within_the_timeout(tmp_path, redis
         r, planned = e1.get(p)
         assert planned["remote"] == 6 * TPB
         check_clean(kv1)
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "bulk"])
+def test_engine_reports_remote_cached_tokens_and_same_tokens(tmp_path, redis_server, layerwise):
+    """The reference engine on a manager whose own tiers are empty: the prefix comes from Redis,
+    the tokens equal a recompute's, and the response names the tier it came from."""
+    from dynamo_flexkv.config import CacheConfig
+    from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, SamplingParams
+
+    cfg = EngineModelConfig.preset("tiny")
+    cache = CacheConfig.from_dict(dict(tokens_per_block=cfg.block_size, cpu_cache_gb=0.01, enable_remote=True,
+                                       remote_cache_url=redis_server.url))
+    prompt = np.random.default_rng(9).integers(0, cfg.vocab_size, 6 * cfg.block_size + 3).tolist()
+    params = SamplingParams(max_tokens=3)
+    model = LLMEngine(cfg, num_device_blocks=64).model
+    want = LLMEngine(cfg, num_device_blocks=64, model=model).generate([prompt], params)[0].output
+    with KVManager(cfg.kv_spec(), cache) as writer, KVManager(cfg.kv_spec(), cache) as reader:
+        e = LLMEngine(cfg, num_device_blocks=64, model=model, kv_manager=writer)
+        e.generate([prompt], params)
+        e.flush()
+        assert writer.drain(30) and writer.stats()["remote"]["puts"] == 6
+        e = LLMEngine(cfg, num_device_blocks=64, model=model, kv_manager=reader, layerwise=layerwise,
+                      offload_puts=False)
+        r = e.generate([prompt], params)[0]
+        e.flush()
+        assert r.output == want
+        assert r.cached_tokens == {"device": 0, "host": 0, "disk": 0, "remote": 6 * cfg.block_size}
+        assert reader.stats()["remote"]["hits"] == 6
+        check_clean(reader)
