@@ -65,6 +65,8 @@ class CacheConfig:
     remote_key_prefix: str = "flexkv:"
     remote_admission_hits: int = 0  # host hits a block needs before it is written to remote; 0 = every put
     remote_required: bool = True  # an unreachable server at start is an error (false: start without it)
+    tp_rank: int = 0  # this worker's tensor-parallel rank: its KV shard's bytes are its own (keys the remote tier)
+    tp_size: int = 1  # tensor-parallel ranks of one model instance
 
     def __post_init__(self) -> None:
         # The constructor converts like the loader: "a;b" is two directories, "lfu" a policy.
@@ -183,6 +185,9 @@ class CacheConfig:
                 _check_writable_dir(d)
         if self.enable_remote:
             self.remote_config()  # a bad URL or setting fails here, naming remote_<key>
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank={self.tp_rank} with tp_size={self.tp_size}: tp_size must be >= 1 and "
+                              "tp_rank in [0, tp_size) (set both to the engine's tensor-parallel rank and size)")
         if self.remote_admission_hits < 0:
             raise ConfigError(f"remote_admission_hits={self.remote_admission_hits} must be >= 0")
         if self.enable_gds and self.ssd_cache_gb <= 0:

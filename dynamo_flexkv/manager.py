@@ -116,7 +116,8 @@ class KVManager:
         """Opens the remote tier: an unreachable server or a wrong password raises (naming the fix)
         unless remote_required=false, which starts with the tier off and retries it periodically."""
         from dynamo_flexkv.remote import RemoteStore, fingerprint_of
-        parts = dict(self.host.layout.fingerprint(), namespace=self.namespace or "", model=self.model_id)
+        parts = dict(self.host.layout.fingerprint(), namespace=self.namespace or "", model=self.model_id,
+                     tp_rank=self.config.tp_rank, tp_size=self.config.tp_size)  # each rank holds another shard
         return RemoteStore(self.config.remote_config(), fingerprint_of(parts), strict=self.config.remote_required)
 
     def _remote_probe(self, hashes: List[int], start: int) -> Optional[tuple]:

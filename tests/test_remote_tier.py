@@ -382,3 +382,21 @@ def test_engine_reports_remote_cached_tokens_and_same_tokens(tmp_path, redis_ser
         assert r.cached_tokens == {"device": 0, "host": 0, "disk": 0, "remote": 6 * cfg.block_size}
         assert reader.stats()["remote"]["hits"] == 6
         check_clean(reader)
+
+
+def test_tensor_parallel_ranks_key_their_own_shards(tmp_path, redis_server):
+    """Each TP rank holds another shard of the same prompt's KV: ranks share nothing in Redis, the
+    same rank of another worker finds its blocks."""
+    p = prompt_of(np.random.default_rng(10), 4)
+    with manager(tmp_path / "a", redis_server.url, tp_rank=0, tp_size=2) as r0, \
+            manager(tmp_path / "b", redis_server.url, tp_rank=1, tp_size=2) as r1, \
+            manager(tmp_path / "c", redis_server.url, tp_rank=1, tp_size=2) as r1b:
+        Engine(r0).put(p)
+        assert r1.match(p)["remote"] == 0  # rank 1 must not load rank 0's shard
+        Engine(r1, 1).put(p)
+        assert r1b.match(p)["remote"] == 4 * TPB
+        assert len({kv.remote.fingerprint for kv in (r0, r1)}) == 2 and r1.remote.fingerprint == r1b.remote.fingerprint
+        for kv in (r0, r1, r1b):
+            check_clean(kv)
+    with pytest.raises(ConfigError, match="tp_rank=2 with tp_size=2"):
+        config(tmp_path / "d", host_blocks=8, disk_blocks=0, tp_rank=2, tp_size=2)
