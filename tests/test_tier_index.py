@@ -123,7 +123,17 @@ def run_random_ops(seed, policy, steps=600, capacity=None):
         clock.now += rng.choice([0.0, 0.1, 1.0])
         op = rng.random()
         chain = rng.choice(chains)
-        if op < 0.25:  # insert
+        if op < 0.08:  # a put's plan in one call: touch the held prefix, extend it when allowed
+            owner = rng.choice(owners)
+            held = model.match(chain, ready_only=False)
+            model.touch(chain[:held], False, clock.now)
+            parent = chain[held - 1] if held else None
+            pb = model.blocks.get(parent) if parent is not None else None
+            allowed = held < len(chain) and (parent is None or pb.ready or pb.owner == owner)
+            expect = model.insert(chain[held:], parent, owner, clock.now) if allowed else []
+            arg = np.array(chain, dtype=np.uint64) if rng.random() < 0.5 else chain
+            assert idx.put(arg, owner) == (held, expect)
+        elif op < 0.25:  # insert
             owner = rng.choice(owners)
             p = model.match(chain, ready_only=False)
             if p == len(chain):
@@ -149,7 +159,13 @@ def run_random_ops(seed, policy, steps=600, capacity=None):
             if len(run) > 1:
                 unchanged(idx, model, idx.commit, run[::-1], owner)  # children before parents
             unchanged(idx, model, idx.commit, run + run[-1:], owner)  # a block twice
-            idx.commit(run, owner)
+            slots = [model.blocks[h].slot for h in run]
+            if len(run) > 1:  # by slots: each must hold its block
+                unchanged(idx, model, idx.commit_slots, slots[1:] + slots[:1], run, owner)
+            if rng.random() < 0.5:
+                idx.commit_slots(slots, run, owner)
+            else:
+                idx.commit(run, owner)
             model.commit(run, clock.now)
         elif op < 0.46:  # roll back unready blocks ending in a leaf
             run = leaf_run(model, rng)

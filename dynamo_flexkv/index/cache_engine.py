@@ -225,22 +225,24 @@ class CacheEngine:
     def plan_put(self, task_id: Hashable, hashes: Sequence[int], remote: bool = False) -> PutPlan:
         """Inserts the blocks host and disk do not hold yet (disk subject to the admission filter)
         as unready blocks of ``task_id``, and locks the host blocks that feed disk writes."""
-        hashes = _as_ints(hashes)
+        # A uint64 array goes to the native index as it is (its buffer is read, no int objects);
+        # only the blocks this put inserts become Python ints, for the run.
+        seq = hashes if isinstance(hashes, np.ndarray) else _as_ints(hashes)
         with self._lock:
             self._new_task(task_id)
-            n = len(hashes)
             host = self.tiers[Tier.HOST]
-            held = host.match_length(hashes, ready_only=False)
-            host.touch(hashes[:held], hit=False)
+            held, ids = host.put(seq, task_id)  # match (present), touch held, extend
             host_run = None
-            parent = hashes[held - 1] if held else None
-            if held < n and host.can_extend(parent, task_id):
-                ids = host.insert(hashes[held:], parent, task_id)
-                if ids:
-                    host_run = self._track(task_id, TierRun(
-                        Tier.HOST, held, hashes[held:held + len(ids)], ids, parent, new=True))
-            sources = disk_run = None
+            if ids:
+                parent = int(seq[held - 1]) if held else None
+                part = seq[held:held + len(ids)]
+                host_run = self._track(task_id, TierRun(
+                    Tier.HOST, held, part.tolist() if isinstance(part, np.ndarray) else part, ids, parent, new=True))
             disk = self.tiers.get(Tier.DISK)
+            if disk is None and not remote:
+                return PutPlan(task_id, host_run, None, None, held)
+            hashes = _as_ints(seq)
+            sources = disk_run = None
             if disk is not None:
                 d0 = disk.match_length(hashes, ready_only=False)
                 d_end = self._admitted_end(hashes, d0, held, host_run)
@@ -324,8 +326,8 @@ class CacheEngine:
             self._check_open(run, task_id)
             idx = self.tiers[run.tier]
             if run.new:
-                idx.commit(run.hashes, task_id)
-                self.counters[run.tier].stored_blocks += len(run)
+                idx.commit_slots(run.block_ids, run.hashes, task_id)
+                self.counters[run.tier].stored_blocks += len(run.hashes)
                 if self.listener is not None:
                     self.listener.on_stored(run.tier, run)
             else:

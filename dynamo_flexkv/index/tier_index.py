@@ -138,9 +138,23 @@ class TierIndex:
             self._report(*evicted)
         return slots
 
+    def put(self, hashes: Hashes, owner: Hashable) -> Tuple[int, List[int]]:
+        """A put's plan in one native call: ``held``, the longest present prefix, is touched (no
+        hit); the rest is inserted after it as unready blocks of ``owner`` when the owner may extend
+        it (``can_extend``). Returns (held, slots of the inserted prefix that fit)."""
+        held, slots, evicted = self._native.put(hashes, owner, self._clock())
+        if evicted is not None:
+            self._report(*evicted)
+        return held, slots
+
     def commit(self, hashes: Hashes, owner: Hashable) -> None:
         """Unready -> ready, parents first. Call only after the blocks' bytes landed."""
         self._native.commit(hashes, owner, self._clock())
+
+    def commit_slots(self, block_ids: Sequence[int], hashes: Hashes, owner: Hashable) -> None:
+        """commit() of blocks whose slots are known (a run's block ids; no lookups): block_ids[i]
+        must hold hashes[i]."""
+        self._native.commit_slots(block_ids, hashes, owner, self._clock())
 
     def rollback(self, hashes: Hashes, owner: Hashable) -> None:
         """Removes unready blocks of ``owner`` (a failed or cancelled transfer), leaves first."""

@@ -55,15 +55,21 @@ void HashSlotTable::find_all(const uint64_t* keys, size_t n, uint32_t* out) cons
   }
 }
 
-bool HashSlotTable::insert_new(uint64_t key, uint32_t slot) {
+size_t HashSlotTable::claim(uint64_t key, uint32_t slot) {
   if ((size_ + 1) * 2 > entries_.size()) rehash(entries_.size() * 2);  // load <= 1/2
   size_t i = home(key);
   for (; entries_[i].slot != kNoSlot; i = (i + 1) & mask_) {
-    if (entries_[i].key == key) return false;
+    if (entries_[i].key == key) return kAbsent;
   }
   entries_[i] = Entry{key, slot};
   ++size_;
-  return true;
+  return i;
+}
+
+void HashSlotTable::reserve(size_t more) {
+  size_t buckets = entries_.size();
+  while ((size_ + more) * 2 > buckets) buckets *= 2;
+  if (buckets != entries_.size()) rehash(buckets);
 }
 
 size_t HashSlotTable::position(uint64_t key) const {
@@ -166,7 +172,10 @@ std::vector<uint32_t> TierIndexCore::lookup(const uint64_t* hashes, size_t n) co
 }
 
 Block& TierIndexCore::present(uint32_t slot, uint64_t hash) {
-  if (slot >= blocks_.size()) fail("block " + hex(hash) + " is not present");  // kNoSlot
+  // kNoSlot from a lookup, or a caller's slot that holds another block (or none)
+  if (slot >= blocks_.size() || !blocks_[slot].live || blocks_[slot].hash != hash) {
+    fail("block " + hex(hash) + " is not present");
+  }
   return blocks_[slot];
 }
 
@@ -224,7 +233,7 @@ void TierIndexCore::maybe_push(Block& b) {
   b.version = ++versions_;
   if (!candidate(b)) return;
   heap_.push_back(HeapEntry{key_of(b), slot_of(b), b.version});
-  std::push_heap(heap_.begin(), heap_.end(), later);
+  std::push_heap(heap_.begin(), heap_.end(), Later{});
   if (heap_.size() > 2 * size() + 1024) compact_heap();
 }
 
@@ -234,7 +243,7 @@ void TierIndexCore::compact_heap() {
     return !b.live || b.version != e.version || !candidate(b);
   };
   heap_.erase(std::remove_if(heap_.begin(), heap_.end(), stale), heap_.end());
-  std::make_heap(heap_.begin(), heap_.end(), later);
+  std::make_heap(heap_.begin(), heap_.end(), Later{});
 }
 
 void TierIndexCore::unlock_block(Block& b) {
@@ -257,7 +266,7 @@ void TierIndexCore::evict_into(size_t count, Removed& out) {
   const size_t start = out.hashes.size();
   size_t taken = 0;
   while (taken < count && !heap_.empty()) {
-    std::pop_heap(heap_.begin(), heap_.end(), later);
+    std::pop_heap(heap_.begin(), heap_.end(), Later{});
     const HeapEntry e = heap_.back();
     heap_.pop_back();
     if (!heap_.empty()) __builtin_prefetch(&blocks_[heap_.front().slot]);  // likely the next one
@@ -311,18 +320,24 @@ std::vector<uint32_t> TierIndexCore::insert(const uint64_t* hashes, size_t n, bo
       fail("cannot insert after parent " + hex(parent) + ": it is " + state);
     }
   }
-  // Claim the keys first (one probe each finds both present blocks and repeats in the chain).
+  // Claim the keys first (one probe each finds both present blocks and repeats in the chain),
+  // keeping their table positions for the slots below.
+  table_.reserve(n);
+  std::vector<size_t> positions(n);
   for (size_t i = 0; i < std::min(n, kPrefetchAhead); ++i) table_.prefetch(hashes[i]);
   for (size_t i = 0; i < n; ++i) {
     if (i + kPrefetchAhead < n) table_.prefetch(hashes[i + kPrefetchAhead]);
-    if (!table_.insert_new(hashes[i], kPendingSlot)) {
+    positions[i] = table_.claim(hashes[i], kPendingSlot);
+    if (positions[i] == HashSlotTable::kAbsent) {
       const bool repeat = table_.find(hashes[i]) == kPendingSlot;
       for (size_t j = 0; j < i; ++j) table_.erase(hashes[j]);
       fail("block " + hex(hashes[i]) + (repeat ? " appears twice in the chain" : " is already present"));
     }
   }
   if (p != nullptr) ++p->locks;  // the parent is a leaf; keep eviction away from it meanwhile
+  const size_t evicted_before = evicted.hashes.size();
   make_room(n, evicted);
+  const bool moved = evicted.hashes.size() != evicted_before;  // erases shift table entries
   if (p != nullptr) unlock_block(*p);
 
   const size_t take = std::min(n, free_.size());
@@ -339,7 +354,11 @@ std::vector<uint32_t> TierIndexCore::insert(const uint64_t* hashes, size_t n, bo
     b.tick = ++tick_;
     b.children = i + 1 < take ? 1 : 0;  // the next block of the chain
     b.live = true;
-    table_.assign(hashes[i], s);
+    if (moved) {
+      table_.assign(hashes[i], s);
+    } else {
+      table_.assign_at(positions[i], s);
+    }
     slots[i] = s;
     prev_slot = s;
   }
@@ -351,8 +370,23 @@ std::vector<uint32_t> TierIndexCore::insert(const uint64_t* hashes, size_t n, bo
   return slots;
 }
 
+std::vector<uint32_t> TierIndexCore::put(const uint64_t* hashes, size_t n, int64_t owner, double now,
+                                         size_t& held, Removed& evicted) {
+  held = match_length(n, [&](size_t i) { return hashes[i]; }, false);
+  touch(hashes, held, false, now);
+  const bool has_parent = held > 0;
+  const uint64_t parent = has_parent ? hashes[held - 1] : 0;
+  if (held == n || !can_extend(has_parent, parent, owner)) return {};
+  return insert(hashes + held, n - held, has_parent, parent, owner, now, evicted);
+}
+
 void TierIndexCore::commit(const uint64_t* hashes, size_t n, int64_t owner, double now) {
   const std::vector<uint32_t> slots = lookup(hashes, n);
+  commit_slots(slots.data(), hashes, n, owner, now);
+}
+
+void TierIndexCore::commit_slots(const uint32_t* slots, const uint64_t* hashes, size_t n, int64_t owner,
+                                 double now) {
   std::vector<Block*> bs;
   bs.reserve(n);
   {

@@ -122,8 +122,14 @@ class HashSlotTable {
   // out[i] = find(keys[i]); the cache misses overlap (each key's bucket is prefetched ahead).
   void find_all(const uint64_t* keys, size_t n, uint32_t* out) const;
   void prefetch(uint64_t key) const { __builtin_prefetch(&entries_[home(key)]); }
-  bool insert_new(uint64_t key, uint32_t slot);   // false (and no change) if present
+  bool insert_new(uint64_t key, uint32_t slot) { return claim(key, slot) != kAbsent; }  // false if present
+  // insert_new returning the key's position (kAbsent, and no change, if present). A position stays
+  // valid until the next rehash or erase; reserve(n) first keeps n claims from rehashing.
+  size_t claim(uint64_t key, uint32_t slot);
+  void reserve(size_t more);                      // room for `more` keys without a rehash
   void assign(uint64_t key, uint32_t slot);       // key must be present
+  void assign_at(size_t position, uint32_t slot) { entries_[position].slot = slot; }
+  static constexpr size_t kAbsent = SIZE_MAX;
   void erase(uint64_t key);                       // key must be present
   void erase_all(const uint64_t* keys, size_t n);  // each present; prefetched like find_all
   void clear();
@@ -185,7 +191,15 @@ class TierIndexCore {
   // `evicted`). Returns the slots of the prefix that fit.
   std::vector<uint32_t> insert(const uint64_t* hashes, size_t n, bool has_parent, uint64_t parent,
                                int64_t owner, double now, Removed& evicted);
+  // A put's plan on this tier in one call: `held`, the longest present prefix, is touched (an
+  // access, no hit); the rest of the chain is inserted after it as unready blocks of `owner` when
+  // the owner may extend it. The same as match_length(present) + touch + can_extend + insert.
+  std::vector<uint32_t> put(const uint64_t* hashes, size_t n, int64_t owner, double now, size_t& held,
+                            Removed& evicted);
   void commit(const uint64_t* hashes, size_t n, int64_t owner, double now);
+  // commit() of blocks whose slots the caller knows (a run's block ids): no table lookups; each
+  // slot must hold the block of the same position's hash.
+  void commit_slots(const uint32_t* slots, const uint64_t* hashes, size_t n, int64_t owner, double now);
   void rollback(const uint64_t* hashes, size_t n, int64_t owner);
   void lock(const uint64_t* hashes, size_t n);
   void unlock(const uint64_t* hashes, size_t n);
@@ -207,6 +221,9 @@ class TierIndexCore {
     uint64_t version;
   };
   static bool later(const HeapEntry& x, const HeapEntry& y);  // heap order: smallest key on top
+  struct Later {  // a functor, so the heap algorithms inline the comparison (a function pointer is not)
+    bool operator()(const HeapEntry& x, const HeapEntry& y) const { return later(x, y); }
+  };
 
   [[noreturn]] void fail(const std::string& what, bool names_owner = false) const;
   std::vector<uint32_t> lookup(const uint64_t* hashes, size_t n) const;  // table_.find_all
