@@ -22,28 +22,72 @@ std::string hex(uint64_t value) {
 
 // ---- HashSlotTable ----------------------------------------------------------------------------
 
-HashSlotTable::HashSlotTable() { rehash(16); }
+HashSlotTable::HashSlotTable(size_t expected) {
+  initial_buckets_ = buckets_for(std::min(expected, kEagerEntries));
+  rehash(initial_buckets_);
+}
+
+HashSlotTable::~HashSlotTable() { release(entries_, buckets_); }
+
+size_t HashSlotTable::buckets_for(size_t keys) {
+  size_t buckets = 16;
+  while (keys * 2 > buckets) buckets *= 2;
+  return buckets;
+}
+
+HashSlotTable::Entry* HashSlotTable::allocate_zeroed(size_t buckets) {
+  const size_t bytes = buckets * sizeof(Entry);
+  constexpr size_t kHugePage = size_t{2} << 20;
+  if (bytes < kHugePage) {
+    void* p = std::calloc(buckets, sizeof(Entry));
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<Entry*>(p);
+  }
+  // Anonymous pages read as zero until written. Mapped with a huge page of slack and trimmed to a
+  // huge-page boundary, so transparent huge pages can back it (lookups are random: TLB misses).
+  void* raw = mmap(nullptr, bytes + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) throw std::bad_alloc();
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHugePage - 1) & ~(kHugePage - 1);
+  if (aligned > start) munmap(raw, aligned - start);
+  const uintptr_t end = start + bytes + kHugePage;
+  if (end > aligned + bytes) munmap(reinterpret_cast<void*>(aligned + bytes), end - (aligned + bytes));
+  madvise(reinterpret_cast<void*>(aligned), bytes, MADV_HUGEPAGE);  // advice only: fine if refused
+  return reinterpret_cast<Entry*>(aligned);
+}
+
+void HashSlotTable::release(Entry* entries, size_t buckets) {
+  if (entries == nullptr) return;
+  if (buckets * sizeof(Entry) < (size_t{2} << 20)) {
+    std::free(entries);
+  } else {
+    munmap(entries, buckets * sizeof(Entry));
+  }
+}
 
 void HashSlotTable::rehash(size_t buckets) {
-  decltype(entries_) old;
-  old.swap(entries_);
-  entries_.assign(buckets, Entry{0, kNoSlot});
+  Entry* old = entries_;
+  const size_t old_buckets = buckets_;
+  entries_ = allocate_zeroed(buckets);
+  buckets_ = buckets;
   mask_ = buckets - 1;
   shift_ = 64;
   for (size_t b = buckets; b > 1; b >>= 1) --shift_;
-  for (const Entry& e : old) {
-    if (e.slot == kNoSlot) continue;
+  for (size_t j = 0; j < old_buckets; ++j) {
+    const Entry& e = old[j];
+    if (e.tag == 0) continue;
     size_t i = home(e.key);
-    while (entries_[i].slot != kNoSlot) i = (i + 1) & mask_;
+    while (entries_[i].tag != 0) i = (i + 1) & mask_;
     entries_[i] = e;
   }
+  release(old, old_buckets);
 }
 
 uint32_t HashSlotTable::find(uint64_t key) const {
   for (size_t i = home(key);; i = (i + 1) & mask_) {
     const Entry& e = entries_[i];
-    if (e.slot == kNoSlot) return kNoSlot;
-    if (e.key == key) return e.slot;
+    if (e.tag == 0) return kNoSlot;
+    if (e.key == key) return e.tag - 1;
   }
 }
 
@@ -56,42 +100,42 @@ void HashSlotTable::find_all(const uint64_t* keys, size_t n, uint32_t* out) cons
 }
 
 size_t HashSlotTable::claim(uint64_t key, uint32_t slot) {
-  if ((size_ + 1) * 2 > entries_.size()) rehash(entries_.size() * 2);  // load <= 1/2
+  if ((size_ + 1) * 2 > buckets_) rehash(buckets_ * 2);  // load <= 1/2
   size_t i = home(key);
-  for (; entries_[i].slot != kNoSlot; i = (i + 1) & mask_) {
+  for (; entries_[i].tag != 0; i = (i + 1) & mask_) {
     if (entries_[i].key == key) return kAbsent;
   }
-  entries_[i] = Entry{key, slot};
+  entries_[i] = Entry{key, slot + 1};
   ++size_;
   return i;
 }
 
 void HashSlotTable::reserve(size_t more) {
-  size_t buckets = entries_.size();
+  size_t buckets = buckets_;
   while ((size_ + more) * 2 > buckets) buckets *= 2;
-  if (buckets != entries_.size()) rehash(buckets);
+  if (buckets != buckets_) rehash(buckets);
 }
 
 size_t HashSlotTable::position(uint64_t key) const {
   size_t i = home(key);
-  while (entries_[i].key != key || entries_[i].slot == kNoSlot) i = (i + 1) & mask_;
+  while (entries_[i].key != key || entries_[i].tag == 0) i = (i + 1) & mask_;
   return i;
 }
 
-void HashSlotTable::assign(uint64_t key, uint32_t slot) { entries_[position(key)].slot = slot; }
+void HashSlotTable::assign(uint64_t key, uint32_t slot) { entries_[position(key)].tag = slot + 1; }
 
 void HashSlotTable::erase(uint64_t key) {
   size_t hole = position(key);
   // Backward shift: pull later entries of the probe run into the hole unless that would move
   // one before its home bucket.
-  for (size_t j = (hole + 1) & mask_; entries_[j].slot != kNoSlot; j = (j + 1) & mask_) {
+  for (size_t j = (hole + 1) & mask_; entries_[j].tag != 0; j = (j + 1) & mask_) {
     const size_t h = home(entries_[j].key);
     if (((j - h) & mask_) >= ((j - hole) & mask_)) {
       entries_[hole] = entries_[j];
       hole = j;
     }
   }
-  entries_[hole].slot = kNoSlot;
+  entries_[hole] = Entry{0, 0};
   --size_;
 }
 
@@ -104,15 +148,18 @@ void HashSlotTable::erase_all(const uint64_t* keys, size_t n) {
 }
 
 void HashSlotTable::clear() {
-  entries_.clear();
+  release(entries_, buckets_);
+  entries_ = nullptr;
+  buckets_ = 0;
   size_ = 0;
-  rehash(16);
+  rehash(initial_buckets_);
 }
 
 // ---- TierIndexCore: queries --------------------------------------------------------------------
 
 TierIndexCore::TierIndexCore(TierIndexOptions options)
     : opt_(std::move(options)),
+      table_(opt_.capacity),
       by_insert_(opt_.policy == EvictionPolicy::kFifo || opt_.policy == EvictionPolicy::kFilo) {
   // Reserved, not built: the memory is touched only as slots are first used, and references to
   // blocks stay valid while the table grows.
@@ -232,9 +279,31 @@ void TierIndexCore::maybe_push(Block& b) {
   // here, so the live entry of a candidate always carries its current key.
   b.version = ++versions_;
   if (!candidate(b)) return;
-  heap_.push_back(HeapEntry{key_of(b), slot_of(b), b.version});
+  const HeapEntry entry{key_of(b), slot_of(b), b.version};
+  if (top_taken_) {  // evict_into took the top: the entry replaces it (one sift, not two)
+    top_taken_ = false;
+    heap_.front() = entry;
+    sift_down_top();
+    return;
+  }
+  heap_.push_back(entry);
   std::push_heap(heap_.begin(), heap_.end(), Later{});
   if (heap_.size() > 2 * size() + 1024) compact_heap();
+}
+
+void TierIndexCore::sift_down_top() {
+  // The heap below the top is in order; the top's entry moves down to its place. An evicted
+  // leaf's parent usually has the smallest key left (older than its child), so it stays on top.
+  const size_t n = heap_.size();
+  const HeapEntry x = heap_.front();
+  size_t i = 0;
+  for (size_t c = 1; c < n; c = 2 * i + 1) {
+    if (c + 1 < n && later(heap_[c], heap_[c + 1])) ++c;  // the child with the smaller key
+    if (!later(x, heap_[c])) break;
+    heap_[i] = heap_[c];
+    i = c;
+  }
+  heap_[i] = x;
 }
 
 void TierIndexCore::compact_heap() {
@@ -265,16 +334,27 @@ void TierIndexCore::evict_into(size_t count, Removed& out) {
   // Nothing looks keys up while this runs, so their table entries go in one prefetched batch.
   const size_t start = out.hashes.size();
   size_t taken = 0;
-  while (taken < count && !heap_.empty()) {
+  auto pop_top = [this] {
     std::pop_heap(heap_.begin(), heap_.end(), Later{});
-    const HeapEntry e = heap_.back();
     heap_.pop_back();
-    if (!heap_.empty()) __builtin_prefetch(&blocks_[heap_.front().slot]);  // likely the next one
+  };
+  while (taken < count && !heap_.empty()) {
+    const HeapEntry e = heap_.front();
     Block& b = blocks_[e.slot];
-    if (!b.live || b.version != e.version || !candidate(b)) continue;  // stale entry
+    if (!b.live || b.version != e.version || !candidate(b)) {  // stale entry
+      pop_top();
+      continue;
+    }
     out.hashes.push_back(b.hash);
     out.slots.push_back(e.slot);
+    // A parent that becomes a candidate takes the top's place in the heap (maybe_push).
+    top_taken_ = true;
     remove(b, false);
+    if (top_taken_) {
+      top_taken_ = false;
+      pop_top();
+    }
+    if (!heap_.empty()) __builtin_prefetch(&blocks_[heap_.front().slot]);  // likely the next one
     ++taken;
   }
   table_.erase_all(out.hashes.data() + start, taken);

@@ -115,9 +115,16 @@ struct AdoptEntry {
 };
 
 // Open addressing (linear probing, backward-shift deletion) from sequence hash to slot.
+// Buckets come zeroed from the kernel (an empty bucket is all zero bytes), so a table sized for
+// the tier up front costs memory only as buckets are first written, and filling the tier does
+// not rehash (tables for more than kEagerEntries blocks start at that size and grow).
 class HashSlotTable {
  public:
-  HashSlotTable();
+  static constexpr size_t kEagerEntries = size_t{1} << 20;  // 2M buckets, 32 MiB
+  explicit HashSlotTable(size_t expected = 0);
+  ~HashSlotTable();
+  HashSlotTable(const HashSlotTable&) = delete;
+  HashSlotTable& operator=(const HashSlotTable&) = delete;
   uint32_t find(uint64_t key) const;              // kNoSlot if absent
   // out[i] = find(keys[i]); the cache misses overlap (each key's bucket is prefetched ahead).
   void find_all(const uint64_t* keys, size_t n, uint32_t* out) const;
@@ -128,23 +135,28 @@ class HashSlotTable {
   size_t claim(uint64_t key, uint32_t slot);
   void reserve(size_t more);                      // room for `more` keys without a rehash
   void assign(uint64_t key, uint32_t slot);       // key must be present
-  void assign_at(size_t position, uint32_t slot) { entries_[position].slot = slot; }
-  static constexpr size_t kAbsent = SIZE_MAX;
+  void assign_at(size_t position, uint32_t slot) { entries_[position].tag = slot + 1; }
   void erase(uint64_t key);                       // key must be present
   void erase_all(const uint64_t* keys, size_t n);  // each present; prefetched like find_all
   void clear();
   size_t size() const { return size_; }
+  static constexpr size_t kAbsent = SIZE_MAX;
 
  private:
   struct Entry {
     uint64_t key;
-    uint32_t slot;  // kNoSlot: empty
+    uint32_t tag;  // slot + 1; 0: empty
   };
   size_t home(uint64_t key) const { return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_); }
   size_t position(uint64_t key) const;  // key must be present
   void rehash(size_t buckets);
+  static size_t buckets_for(size_t keys);  // a power of two keeping the load <= 1/2
+  static Entry* allocate_zeroed(size_t buckets);
+  static void release(Entry* entries, size_t buckets);
 
-  std::vector<Entry, HugePageAllocator<Entry>> entries_;
+  Entry* entries_ = nullptr;
+  size_t buckets_ = 0;
+  size_t initial_buckets_ = 0;  // clear() returns to this size
   size_t mask_ = 0;
   unsigned shift_ = 64;
   size_t size_ = 0;
@@ -239,6 +251,7 @@ class TierIndexCore {
   }
   void maybe_push(Block& b);
   void compact_heap();
+  void sift_down_top();  // restores heap order after the top entry was replaced
   void unlock_block(Block& b);
   // A leaf; its slot goes back to the pool. Its key leaves the table unless the caller erases
   // a batch of keys itself (erase_key = false).
@@ -256,6 +269,7 @@ class TierIndexCore {
   std::vector<Block, HugePageAllocator<Block>> blocks_;  // by slot; grows as slots are first used
   std::vector<uint32_t> free_;   // a stack: the next slot handed out is free_.back()
   std::vector<HeapEntry> heap_;  // eviction candidates; entries with an old version are skipped
+  bool top_taken_ = false;       // evict_into removes the top's block: the next push replaces it
   std::unordered_map<int64_t, int64_t> owned_;  // owner -> unready blocks it holds
   uint64_t tick_ = 0;
   bool by_insert_ = false;  // fifo / filo
