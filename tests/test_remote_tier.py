@@ -144,12 +144,13 @@ def test_prefetch_brings_remote_blocks_to_host(tmp_path, redis_server):
         check_clean(kv1)
 
 
-def test_cluster_round_trip(tmp_path, redis_cluster):
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_cluster_round_trip(tmp_path, redis_cluster, layerwise):
     rng = np.random.default_rng(3)
     p = prompt_of(rng, 12)
     with manager(tmp_path / "a", redis_cluster.url) as kv0, manager(tmp_path / "b", redis_cluster.url) as kv1:
         Engine(kv0).put(p)
-        r, planned = Engine(kv1, 1).get(p)
+        r, planned = Engine(kv1, 1).get(p, layerwise=layerwise)
         assert planned["remote"] == 12 * TPB and r.num_tokens == 12 * TPB
         check_clean(kv0)
         check_clean(kv1)
