@@ -132,7 +132,8 @@ def run_random_ops(seed, policy, steps=600, capacity=None):
             allowed = held < len(chain) and (parent is None or pb.ready or pb.owner == owner)
             expect = model.insert(chain[held:], parent, owner, clock.now) if allowed else []
             arg = np.array(chain, dtype=np.uint64) if rng.random() < 0.5 else chain
-            assert idx.put(arg, owner) == (held, expect)
+            run = chain[held:held + len(expect)]
+            assert idx.put(arg, owner) == (held, expect, run, parent)
         elif op < 0.25:  # insert
             owner = rng.choice(owners)
             p = model.match(chain, ready_only=False)

@@ -5,9 +5,10 @@ Dynamo: dynamo._core.compute_block_hash_for_seq(prompt) + RadixTree.find_matches
 
 Both indexes hold the same prompts (groups sharing a long prefix, like system prompts or
 conversation history) and answer the same queries, passed as Python lists of ints as engines
-pass them. Insert and evict are timed per block: ours through CacheEngine puts and TierIndex
-eviction, Dynamo's through apply_event of the matching stored / removed events, in rounds that
-alternate ours and Dynamo's on fresh indexes (median reported).
+pass them. Insert and evict are timed per block: ours through CacheEngine puts (one per prompt)
+and TierIndex.evict calls of 64 blocks, Dynamo's through apply_event of the matching stored (one
+per prompt) / removed (64 blocks each) events, in rounds that alternate ours and Dynamo's on fresh
+indexes (median reported).
 """
 
 from __future__ import annotations
@@ -106,8 +107,13 @@ def run(args: argparse.Namespace) -> List[Case]:
         tree.find_matches([0])  # the tree applies events on its own thread: wait for them
 
     def evict_ours(engine: CacheEngine, removals: List[int]) -> None:
+        # The same batches as Dynamo's removed events: one call per `chunk` blocks, not one for all.
         host = engine.tiers[Tier.HOST]
-        removals.extend(host.evict(len(host)))
+        while True:
+            got = host.evict(chunk)
+            if not got:
+                break
+            removals.extend(got)
 
     def evict_dynamo(tree: RadixTree, rm_events: List[bytes]) -> None:
         for ev in rm_events:

@@ -31,6 +31,11 @@ class Tier(str, Enum):
     DISK = "disk"
 
 
+# Per-call paths use these: reading an Enum member off its class costs about as much as a
+# native index call does.
+_HOST, _DISK = Tier.HOST, Tier.DISK
+
+
 @dataclass
 class TierRun:
     """Blocks ``[start, start + len(hashes))`` of one request in one tier."""
@@ -226,22 +231,20 @@ class CacheEngine:
         """Inserts the blocks host and disk do not hold yet (disk subject to the admission filter)
         as unready blocks of ``task_id``, and locks the host blocks that feed disk writes."""
         # A uint64 array goes to the native index as it is (its buffer is read, no int objects);
-        # only the blocks this put inserts become Python ints, for the run.
+        # only the blocks this put inserts come back as Python ints, for the run.
         seq = hashes if isinstance(hashes, np.ndarray) else _as_ints(hashes)
         with self._lock:
             self._new_task(task_id)
-            host = self.tiers[Tier.HOST]
-            held, ids = host.put(seq, task_id)  # match (present), touch held, extend
+            # match (present), touch held, extend: one native call
+            held, ids, inserted, parent = self.tiers[_HOST].put(seq, task_id)
             host_run = None
             if ids:
-                parent = int(seq[held - 1]) if held else None
-                part = seq[held:held + len(ids)]
-                host_run = self._track(task_id, TierRun(
-                    Tier.HOST, held, part.tolist() if isinstance(part, np.ndarray) else part, ids, parent, new=True))
-            disk = self.tiers.get(Tier.DISK)
+                host_run = TierRun(_HOST, held, inserted, ids, parent, True)
+                self._tasks[task_id].append(host_run)
+            disk = self.tiers.get(_DISK)
             if disk is None and not remote:
                 return PutPlan(task_id, host_run, None, None, held)
-            hashes = _as_ints(seq)
+            hashes = seq.tolist() if isinstance(seq, np.ndarray) else seq
             sources = disk_run = None
             if disk is not None:
                 d0 = disk.match_length(hashes, ready_only=False)

@@ -138,14 +138,15 @@ class TierIndex:
             self._report(*evicted)
         return slots
 
-    def put(self, hashes: Hashes, owner: Hashable) -> Tuple[int, List[int]]:
+    def put(self, hashes: Hashes, owner: Hashable) -> Tuple[int, List[int], List[int], Optional[int]]:
         """A put's plan in one native call: ``held``, the longest present prefix, is touched (no
         hit); the rest is inserted after it as unready blocks of ``owner`` when the owner may extend
-        it (``can_extend``). Returns (held, slots of the inserted prefix that fit)."""
-        held, slots, evicted = self._native.put(hashes, owner, self._clock())
+        it (``can_extend``). Returns (held, slots of the inserted prefix that fit, their hashes,
+        the hash before them or None at the root)."""
+        held, slots, inserted, parent, evicted = self._native.put(hashes, owner, self._clock())
         if evicted is not None:
             self._report(*evicted)
-        return held, slots
+        return held, slots, inserted, parent
 
     def commit(self, hashes: Hashes, owner: Hashable) -> None:
         """Unready -> ready, parents first. Call only after the blocks' bytes landed."""

@@ -286,7 +286,8 @@ class NativeTierIndex {
   }
 
   // match_length(present) + touch(held) + can_extend + insert in one call (CacheEngine.plan_put):
-  // (held, slots, (evicted hashes, evicted slots) or None).
+  // (held, slots, their hashes, the parent of the first (None at the root), (evicted hashes,
+  // evicted slots) or None). The run's hashes come back as ints, so the caller converts nothing.
   py::tuple put(py::handle hashes, py::handle owner, double now) {
     const std::vector<uint64_t> hs = read_hashes(hashes);
     OwnerUse use(*this, owner);
@@ -294,7 +295,11 @@ class NativeTierIndex {
     std::vector<uint32_t> slots;
     Removed evicted;
     locked(kReleaseGilFrom, [&] { slots = core_.put(hs.data(), hs.size(), use.id, now, held, evicted); });
-    return py::make_tuple(held, to_list(slots), evicted.empty() ? py::object(py::none()) : removed_tuple(evicted));
+    const std::vector<uint64_t> run(hs.begin() + static_cast<std::ptrdiff_t>(held),
+                                    hs.begin() + static_cast<std::ptrdiff_t>(held + slots.size()));
+    py::object parent = held > 0 ? py::object(py::int_(hs[held - 1])) : py::object(py::none());
+    return py::make_tuple(held, to_list(slots), to_list(run), parent,
+                          evicted.empty() ? py::object(py::none()) : removed_tuple(evicted));
   }
 
   // commit() of a run whose block ids are known: slots[i] must hold hashes[i].
