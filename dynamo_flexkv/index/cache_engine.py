@@ -230,9 +230,9 @@ class CacheEngine:
     def plan_put(self, task_id: Hashable, hashes: Sequence[int], remote: bool = False) -> PutPlan:
         """Inserts the blocks host and disk do not hold yet (disk subject to the admission filter)
         as unready blocks of ``task_id``, and locks the host blocks that feed disk writes."""
-        # A uint64 array goes to the native index as it is (its buffer is read, no int objects);
-        # only the blocks this put inserts come back as Python ints, for the run.
-        seq = hashes if isinstance(hashes, np.ndarray) else _as_ints(hashes)
+        # An array (its buffer is read) or a list goes to the native index as it is: it checks
+        # every hash, and the blocks this put inserts come back as Python ints for the run.
+        seq = hashes if isinstance(hashes, (np.ndarray, list)) else _as_ints(hashes)
         with self._lock:
             self._new_task(task_id)
             # match (present), touch held, extend: one native call
@@ -244,7 +244,7 @@ class CacheEngine:
             disk = self.tiers.get(_DISK)
             if disk is None and not remote:
                 return PutPlan(task_id, host_run, None, None, held)
-            hashes = seq.tolist() if isinstance(seq, np.ndarray) else seq
+            hashes = _as_ints(seq)
             sources = disk_run = None
             if disk is not None:
                 d0 = disk.match_length(hashes, ready_only=False)
