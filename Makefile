@@ -7,8 +7,9 @@ PY := $(VENV)/bin/python
 install:
 	VENV=$(VENV) bash scripts/install.sh
 
-# The main job: the Mooncake conversation trace replayed concurrently against the agg_router
-# graph in several configurations (no offload, host, host+SSD, round-robin, device-only routing).
+# The main job (a few minutes): the Mooncake conversation trace replayed concurrently against the
+# agg_router graph with no offload, with host+SSD offload and tier-aware routing, and with host+SSD
+# offload but device-only routing (`dynamo-flexkv replay --full` runs every configuration and size).
 demo: install
 	$(PY) -m dynamo_flexkv.cli demo --json demo-results.jsonl
 

@@ -16,7 +16,8 @@ import pytest
 from dynamo_flexkv.replay.client import RequestRecord, arrival_times, tier_split
 from dynamo_flexkv.replay.configs import (CONFIGURATIONS, ConfigRun, WorkerTotals, device_block_list, parse_configs,
                                           replay_url)
-from dynamo_flexkv.replay.report import check_accounting, findings, percentile, summarize
+from dynamo_flexkv.replay.main import sampled, within_window
+from dynamo_flexkv.replay.report import check_accounting, findings, kept_on_worker, percentile, summarize
 from dynamo_flexkv.workload import Scale, Turn, trace_turns
 from test_dashboard import load_dashboard, queried_metrics
 
@@ -80,9 +81,29 @@ def test_findings_say_when_the_measurement_disagrees():
 
     good = findings([summary("host+ssd", 50, 100.0), summary("kv-device-only", 10, 300.0)])
     assert good == ["- 64 device blocks: tier-aware routing beats device-only routing: hit rate 60% vs 20%, "
-                    "TTFT p50 100 vs 300 ms."]
+                    "TTFT p50 100 vs 300 ms (later turns - vs - ms; on their previous turn's worker - vs -)."]
     bad = findings([summary("host+ssd", 50, 400.0), summary("kv-device-only", 10, 300.0)])
     assert "does NOT beat" in bad[0]
+
+
+def test_later_turns_kept_on_their_previous_worker():
+    recs = [RequestRecord(0, 0, 0, 0.0, worker_id=1), RequestRecord(1, 0, 1, 1.0, worker_id=1),
+            RequestRecord(2, 0, 2, 2.0, worker_id=2), RequestRecord(3, 1, 0, 0.5, worker_id=2)]
+    assert kept_on_worker(recs) == 0.5  # turn 1 stayed on worker 1, turn 2 moved to worker 2
+    assert math.isnan(kept_on_worker(recs[:1]))
+
+
+def test_main_job_samples_conversations_and_cuts_the_window():
+    turns = trace_turns(Scale(conversations=12))
+    every_third = sampled(turns, 3)
+    assert sorted({t.conversation for t in every_third}) == [0, 1, 2, 3]
+    assert [t.tokens for t in every_third if t.conversation == 1] == [t.tokens for t in turns if t.conversation == 3]
+    t0 = min(t.timestamp_ms for t in turns)
+    early = within_window(turns, 300)
+    assert early and all(t.timestamp_ms - t0 <= 300_000 for t in early) and len(early) < len(turns)
+    assert within_window(turns, None) == turns
+    with pytest.raises(ValueError, match="--trace-window-s -1"):
+        within_window(turns, -1)
 
 
 # ---- against a served graph -------------------------------------------------------------------------

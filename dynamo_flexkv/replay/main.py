@@ -9,16 +9,16 @@ import argparse
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import List, Optional
 
 from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
-from dynamo_flexkv.workload import TRACE_BLOCK, Scale, trace_turns
+from dynamo_flexkv.workload import TRACE_BLOCK, Scale, Turn, trace_turns
 
 
-DEFAULT_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only"
-HOST_GB = 0.03125
+ALL_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only"
+HOST_GB = 0.125
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,23 @@ class Preset:
     """What a default run and a --full run replay."""
 
     conversations: int
+    sample_every: int  # every K-th conversation: new conversations spread over the trace, not one burst
+    trace_window_s: Optional[float]  # turns later than this into the trace are dropped
+    time_scale: float
+    configs: str
     device_blocks: str
     sweep_configs: str
 
 
-DEFAULT = Preset(conversations=32, device_blocks="64,256", sweep_configs="no-offload,host+ssd")
-FULL = Preset(conversations=192, device_blocks="48,64,128,256", sweep_configs=DEFAULT_CONFIGS)
+# The main job (a few minutes on 2 cores): 32 conversations, every 4th of the first 128 (their first
+# turns spread over the trace's first 219 s, not one 51 s burst), turns in the trace's first 15 min
+# (83 requests; the other 11 trickle in over the next 34 min of trace), at 20x. At 40 device
+# blocks a prompt leaves the device before its conversation's next turn; the 512-block host tier
+# holds what a worker serves, so a later turn's prefix is on the worker that served the turn before.
+DEFAULT = Preset(conversations=32, sample_every=4, trace_window_s=900, time_scale=20.0,
+                 configs="no-offload,host+ssd,kv-device-only", device_blocks="40", sweep_configs="no-offload,host+ssd")
+FULL = Preset(conversations=192, sample_every=1, trace_window_s=None, time_scale=40.0, configs=ALL_CONFIGS,
+              device_blocks="48,64,128,256", sweep_configs=ALL_CONFIGS)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,10 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every configuration (e.g. FlexKVWorker.cache.cpu_cache_gb=0.25)")
     g.add_argument("--host-gb", type=float, default=HOST_GB,
-                   help=f"host tier per worker in GB (default {HOST_GB}: 128 blocks of the small preset, a third "
-                   "of what the default workload leaves on a worker, so the SSD tier matters)")
-    g.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help=f"configurations compared at the first device size (default {DEFAULT_CONFIGS})")
+                   help=f"host tier per worker in GB (default {HOST_GB}: 512 blocks of the small preset, what a worker "
+                   "serves in the default workload; 0.03125 makes the SSD tier serve most lower-tier hits)")
+    g.add_argument("--configs", help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
+                   f"--full {FULL.configs}; all: {ALL_CONFIGS})")
     g.add_argument("--device-blocks", help="device KV blocks per worker, comma-separated: the first size runs "
                    f"--configs, the others --sweep-configs (default {DEFAULT.device_blocks}; --full "
                    f"{FULL.device_blocks})")
@@ -65,8 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per {TRACE_BLOCK}-token trace block (scales prompt length)")
     w.add_argument("--max-prompt-tokens", type=int, default=Scale.max_prompt_tokens)
     w.add_argument("--max-output-tokens", type=int, default=Scale.max_output_tokens)
-    w.add_argument("--time-scale", type=float, default=40.0,
-                   help="trace seconds per replay second (default 40: the trace's arrivals 40x faster)")
+    w.add_argument("--sample-every", type=int, metavar="K",
+                   help="replay every K-th conversation of the first K x --conversations, so new conversations arrive "
+                   f"spread out as in the trace, not in one burst (default {DEFAULT.sample_every}; --full {FULL.sample_every})")
+    w.add_argument("--trace-window-s", type=float, help=f"drop turns that arrive later than this many seconds into "
+                   f"the trace (default {DEFAULT.trace_window_s:g}; --full: none; 0: none)")
+    w.add_argument("--time-scale", type=float, help=f"trace seconds per replay second (default {DEFAULT.time_scale:g}: "
+                   f"the trace's arrivals {DEFAULT.time_scale:g}x faster; --full {FULL.time_scale:g})")
     w.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
     w.add_argument("--request-timeout", type=float, default=120,
                    help="seconds one request may take before it counts as an error (default 120)")
@@ -97,17 +113,26 @@ def _run(args: argparse.Namespace) -> int:
 
     preset = FULL if args.full else DEFAULT
     args.set = [f"FlexKVWorker.cache.cpu_cache_gb={args.host_gb}", *args.set]  # an explicit --set still wins
-    scale = Scale(conversations=args.conversations or preset.conversations, min_turns=args.min_turns,
+    every = args.sample_every if args.sample_every is not None else preset.sample_every
+    if every < 1:
+        raise ValueError(f"--sample-every {every} must be >= 1")
+    args.time_scale = args.time_scale if args.time_scale is not None else preset.time_scale
+    scale = Scale(conversations=(args.conversations or preset.conversations) * every, min_turns=args.min_turns,
                   max_turns=args.max_turns, tokens_per_hash_block=args.tokens_per_hash_block,
                   max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens)
-    turns = trace_turns(scale, args.trace)
-    workload = (f"{len(turns)} requests: {scale.describe()}; arrivals at trace time / {args.time_scale:g}, a turn "
+    window = args.trace_window_s if args.trace_window_s is not None else preset.trace_window_s
+    window = window or None  # 0: no window
+    turns = within_window(sampled(trace_turns(scale, args.trace), every), window)
+    picked = (f"every {every}th of " if every > 1 else "") + scale.describe()
+    if window:
+        picked += f"; turns within the trace's first {window:g} s"
+    workload = (f"{len(turns)} requests: {picked}; arrivals at trace time / {args.time_scale:g}, a turn "
                 f"never before the previous turn of its conversation answered, at most {args.concurrency} in flight")
     if args.url:
         plan = [(Configuration("served", f"the graph at {args.url}", ()), 0)]
     else:
         sizes = device_block_list(args.device_blocks or preset.device_blocks)
-        main = parse_configs(args.configs)
+        main = parse_configs(args.configs or preset.configs)
         sweep = parse_configs(args.sweep_configs) if args.sweep_configs else (
             main if args.full else parse_configs(preset.sweep_configs))
         plan = [(c, sizes[0]) for c in main] + [(c, b) for b in sizes[1:] for c in sweep]
@@ -232,6 +257,21 @@ def _check_context(args: argparse.Namespace, scale: Scale, device_blocks: int) -
                          f"{scale.max_output_tokens} do not fit a device cache of {device_blocks} blocks of {block} "
                          f"tokens ({device_blocks * block} tokens), so the worker would refuse such requests: "
                          f"lower --max-prompt-tokens or raise the smallest --device-blocks")
+
+
+def sampled(turns: List[Turn], every: int) -> List[Turn]:
+    """Every ``every``-th conversation, renumbered 0, 1, ..."""
+    return [replace(t, conversation=t.conversation // every) for t in turns if t.conversation % every == 0]
+
+
+def within_window(turns: List[Turn], window_s: Optional[float]) -> List[Turn]:
+    """The turns that arrive within the trace's first ``window_s`` seconds (all when None)."""
+    if window_s is None:
+        return turns
+    if window_s < 0:
+        raise ValueError(f"--trace-window-s {window_s:g} must be >= 0 seconds (0: no window)")
+    t0 = min(t.timestamp_ms for t in turns)
+    return [t for t in turns if t.timestamp_ms - t0 <= window_s * 1000]
 
 
 def _ports(text: str) -> List[int]:

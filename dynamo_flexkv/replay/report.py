@@ -42,7 +42,9 @@ class Summary:
     tier_source: str  # "responses" (per request) or "worker metrics" (per worker totals)
     hit_rate: Dict[str, float]  # cached / prompt tokens, per tier and "all"
     requests_per_worker: Dict[str, int]
-    accounting: str  # per-request cached tokens vs the workers' flexkv_* totals
+    accounting: str
+    ttft_p50_later_ms: float = math.nan  # turns after a conversation's first: where routing decides the hits
+    kept_on_worker: float = math.nan  # later turns served by the worker that served the turn before  # per-request cached tokens vs the workers' flexkv_* totals
 
     def to_json(self) -> dict:
         return {"bench": "replay", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in vars(self).items()}}
@@ -73,7 +75,19 @@ def summarize(run: ConfigRun) -> Summary:
         hit_rate={**{t: cached[t] / prompt if prompt else 0.0 for t in TIERS},
                   "all": total_cached / prompt if prompt else 0.0},
         requests_per_worker={name: len(rs) for name, rs in sorted(by_worker.items())},
-        accounting=check_accounting(run))
+        accounting=check_accounting(run),
+        ttft_p50_later_ms=percentile([r.ttft_ms for r in ok if r.turn > 0 and r.ttft_ms is not None], 50),
+        kept_on_worker=kept_on_worker(ok))
+
+
+def kept_on_worker(records: Sequence[RequestRecord]) -> float:
+    """Share of later turns that went to the worker that served their conversation's previous turn
+    (NaN when there are none): how often the router followed a conversation's cached prefix."""
+    served = {(r.conversation, r.turn): r.worker_id for r in records}
+    later = [r for r in records if (r.conversation, r.turn - 1) in served]
+    if not later:
+        return math.nan
+    return sum(served[(r.conversation, r.turn - 1)] == r.worker_id for r in later) / len(later)
 
 
 def check_accounting(run: ConfigRun) -> str:
@@ -102,23 +116,28 @@ def check_accounting(run: ConfigRun) -> str:
     return "exact" if not problems else "; ".join(problems)
 
 
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.0%}"
+
+
 def _fmt(x: float, digits: int = 0) -> str:
     return "-" if isinstance(x, float) and math.isnan(x) else f"{x:,.{digits}f}"
 
 
 def markdown(summaries: Sequence[Summary], workload: str, setup: str) -> str:
     lines = [f"Workload: {workload}.", "", f"Setup: {setup}.", "",
-             "| config | device blocks | TTFT p50 / p90 / p99 ms | ITL p50 ms | req/s | prompt tok/s | out tok/s "
-             "| computed tokens | hit device / host / disk (all) | requests per worker | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| config | device blocks | TTFT p50 / p90 / p99 ms | TTFT p50 later turns ms | ITL p50 ms | req/s "
+             "| prompt tok/s | out tok/s | computed tokens | hit device / host / disk (all) "
+             "| later turns on the previous turn's worker | requests per worker | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         h = s.hit_rate
         lines.append(
             f"| {s.config} | {s.device_blocks} | {_fmt(s.ttft_p50_ms)} / {_fmt(s.ttft_p90_ms)} / {_fmt(s.ttft_p99_ms)} "
-            f"| {_fmt(s.itl_p50_ms, 1)} | {s.requests_per_s:.2f} | {_fmt(s.prompt_tokens_per_s)} "
+            f"| {_fmt(s.ttft_p50_later_ms)} | {_fmt(s.itl_p50_ms, 1)} | {s.requests_per_s:.2f} | {_fmt(s.prompt_tokens_per_s)} "
             f"| {s.output_tokens_per_s:.1f} | {s.computed_tokens:,} of {s.prompt_tokens:,} "
             f"| {h['device']:.0%} / {h['host']:.0%} / {h['disk']:.0%} ({h['all']:.0%}) "
-            f"| {' / '.join(str(n) for n in s.requests_per_worker.values())} | {s.errors} |")
+            f"| {_pct(s.kept_on_worker)} | {' / '.join(str(n) for n in s.requests_per_worker.values())} | {s.errors} |")
     sources = sorted({s.tier_source for s in summaries})
     lines += ["", f"Per-tier hits from: {', '.join(sources)}. Per-request accounting against the workers' "
               "flexkv_* counters: " + "; ".join(f"{s.config} @{s.device_blocks}: {s.accounting}" for s in summaries)]
@@ -137,7 +156,10 @@ def findings(summaries: Sequence[Summary]) -> List[str]:
             holds = t > d and tiered.ttft_p50_ms < device_only.ttft_p50_ms
             out.append(f"- {blocks} device blocks: tier-aware routing {'beats' if holds else 'does NOT beat'} "
                        f"device-only routing: hit rate {t:.0%} vs {d:.0%}, "
-                       f"TTFT p50 {_fmt(tiered.ttft_p50_ms)} vs {_fmt(device_only.ttft_p50_ms)} ms.")
+                       f"TTFT p50 {_fmt(tiered.ttft_p50_ms)} vs {_fmt(device_only.ttft_p50_ms)} ms "
+                       f"(later turns {_fmt(tiered.ttft_p50_later_ms)} vs {_fmt(device_only.ttft_p50_later_ms)} ms; "
+                       f"on their previous turn's worker {_pct(tiered.kept_on_worker)} vs "
+                       f"{_pct(device_only.kept_on_worker)}).")
         if tiered and none:
             holds = tiered.ttft_p50_ms < none.ttft_p50_ms and tiered.computed_tokens < none.computed_tokens
             out.append(f"- {blocks} device blocks: offload (host+ssd) {'beats' if holds else 'does NOT beat'} no "
