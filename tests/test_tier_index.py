@@ -163,6 +163,8 @@ def run_random_ops(seed, policy, steps=600, capacity=None):
             slots = [model.blocks[h].slot for h in run]
             if len(run) > 1:  # by slots: each must hold its block
                 unchanged(idx, model, idx.commit_slots, slots[1:] + slots[:1], run, owner)
+            unchanged(idx, model, idx.commit_slots, slots[:-1] + [-1], run, owner, error=ValueError)
+            unchanged(idx, model, idx.commit_slots, slots[:-1], run, owner, error=ValueError)  # one short
             if rng.random() < 0.5:
                 idx.commit_slots(slots, run, owner)
             else:
@@ -405,6 +407,13 @@ def test_errors_name_block_owner_and_tier():
         idx.commit([0xABD], ("put", 1))
     with pytest.raises(IndexError_, match=r"host: block 0x0 is not present"):
         idx.lock([0])
+    slots = idx.block_ids([0xABC, 0xABD])
+    with pytest.raises(IndexError_, match=rf"host: block id {slots[1]} holds block 0xabd, not 0xabc"):
+        idx.commit_slots(slots[::-1], [0xABC, 0xABD], ("put", 1))
+    with pytest.raises(ValueError, match="got 1 block ids for 2 hashes"):
+        idx.commit_slots(slots[:1], [0xABC, 0xABD], ("put", 1))
+    with pytest.raises(ValueError, match="block id -3 is not a slot of this tier"):
+        idx.commit_slots([-3], [0xABC], ("put", 1))
     with pytest.raises(IndexError_, match="appears twice in the chain"):
         idx.insert([5, 6, 5], None, "a")
     with pytest.raises(ValueError, match="sequence hash -1 is not an unsigned 64-bit integer"):

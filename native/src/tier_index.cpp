@@ -472,7 +472,12 @@ void TierIndexCore::commit_slots(const uint32_t* slots, const uint64_t* hashes, 
   {
     MarkGuard guard{bs};
     for (size_t i = 0; i < n; ++i) {
-      Block& b = owned_unready(slots[i], hashes[i], owner);
+      const uint32_t s = slots[i];
+      if (s < blocks_.size() && blocks_[s].live && blocks_[s].hash != hashes[i]) {
+        fail("block id " + std::to_string(s) + " holds block " + hex(blocks_[s].hash) + ", not " +
+             hex(hashes[i]) + ": pass each block's own id");
+      }
+      Block& b = owned_unready(s, hashes[i], owner);
       if (b.mark) fail("block " + hex(hashes[i]) + " appears twice in one commit");
       // Parents first: the parent is ready already or committed earlier in this call.
       if (b.parent_slot != kNoSlot) {

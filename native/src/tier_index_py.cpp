@@ -120,13 +120,21 @@ std::vector<uint64_t> read_hashes(py::handle obj) {
   return out;
 }
 
-// Block ids (slots) of the pool: ints in [0, 2**32).
+// Block ids (slots) of the pool, a list/tuple of ints (a run's block_ids).
 std::vector<uint32_t> read_slots(py::handle obj) {
-  const std::vector<uint64_t> ids = read_hashes(obj);
-  std::vector<uint32_t> out(ids.size());
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] > UINT32_MAX) throw py::value_error("block id " + std::to_string(ids[i]) + " is out of range");
-    out[i] = static_cast<uint32_t>(ids[i]);
+  const auto seq = py::reinterpret_steal<py::object>(
+      PySequence_Fast(obj.ptr(), "block_ids must be a sequence of integers"));
+  if (!seq) throw py::error_already_set();
+  const size_t n = static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr()));
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  std::vector<uint32_t> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t id = 0;
+    if (!try_hash(items[i], id) || id >= kNoSlot) {
+      const std::string shown = py::repr(items[i]);
+      throw py::value_error("block id " + shown + " is not a slot of this tier: pass the run's block_ids");
+    }
+    out[i] = static_cast<uint32_t>(id);
   }
   return out;
 }
