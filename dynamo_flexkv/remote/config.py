@@ -123,6 +123,7 @@ class RemoteConfig:
     ttl_s: Optional[float] = None  # expire values after this long (None: leave it to maxmemory eviction)
     key_prefix: str = "flexkv:"
     pipeline_depth: int = 16  # commands in flight per connection
+    pipeline_bytes: int = 4 << 20  # and at most this many value bytes in flight (2 MiB blocks: 2)
     exists_chunk: int = 128  # keys per existence round trip in exists_prefix
     breaker_failures: int = 3  # consecutive failed ops that open the circuit breaker
     breaker_cooldown_s: float = 5.0  # how long an open breaker refuses ops before one trial
@@ -136,7 +137,7 @@ class RemoteConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise RemoteConfigError(f"remote_{name} must be a positive number of seconds, got {value!r}")
-        for name in ("pipeline_depth", "exists_chunk", "breaker_failures"):
+        for name in ("pipeline_depth", "pipeline_bytes", "exists_chunk", "breaker_failures"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise RemoteConfigError(f"remote_{name} must be a positive int, got {value!r}")

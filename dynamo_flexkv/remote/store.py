@@ -368,11 +368,15 @@ class RemoteStore:
                 raise e
 
     def _windowed(self, conn: RespConnection, n: int, parts_of: Callable[[int], List[Any]],
-                  on_reply: Callable[[int], bool]) -> None:
-        """Pipelines ``n`` commands with at most ``pipeline_depth`` in flight, topping the window
-        up by halves. ``on_reply(j)`` reads reply j; False stops sending (in-flight replies are
-        still read so the connection stays usable)."""
+                  on_reply: Callable[[int], bool], value_bytes: int = 0) -> None:
+        """Pipelines ``n`` commands with at most ``pipeline_depth`` in flight -- fewer for large
+        values, so that at most ``pipeline_bytes`` of them are (Redis ingests and serves 2 MiB values
+        slower when many are queued) -- topping the window up by halves. ``on_reply(j)`` reads
+        reply j; False stops sending (in-flight replies are still read so the connection stays
+        usable)."""
         depth = self.config.pipeline_depth
+        if value_bytes:
+            depth = max(1, min(depth, self.config.pipeline_bytes // value_bytes))
         refill_at = depth - max(1, depth // 2)
         sent = done = 0
         stop = False
@@ -434,7 +438,8 @@ class RemoteStore:
         def read(conn: RespConnection, header: memoryview, i: int) -> Verdict:
             return self._read_value(conn, header, fp, seq[i], par[i], views[i])
 
-        verdicts = self._read_pipelined(seq, lambda k: encode_command(b"GET", k), read)
+        verdicts = self._read_pipelined(seq, lambda k: encode_command(b"GET", k), read,
+                                        max((v.nbytes for v in views), default=0))
         n = _ok_prefix(verdicts)
         self._count_read(n, sum(v.nbytes for v in views[:n]), verdicts[n] if n < len(seq) else None)
         return n
@@ -482,7 +487,7 @@ class RemoteStore:
 
         if views and len({v.nbytes for v in views}) != 1:
             raise ValueError("get_range_into reads one range length for every block")
-        verdicts = self._read_pipelined(seq, cmd, read)
+        verdicts = self._read_pipelined(seq, cmd, read, views[0].nbytes if views else 0)
         n = _ok_prefix(verdicts)
         if n < len(seq):
             self._count_read(0, 0, verdicts[n])
@@ -504,7 +509,8 @@ class RemoteStore:
         return seq, _parent_list(seq, parents), [_byte_view(d, writable=True) for d in dests]
 
     def _read_pipelined(self, seq: List[int], command: Callable[[bytes], bytes],
-                        read: Callable[[RespConnection, memoryview, int], Verdict]) -> List[Verdict]:
+                        read: Callable[[RespConnection, memoryview, int], Verdict],
+                        value_bytes: int) -> List[Verdict]:
         """Sends ``command(key)`` per block, pipelined per node, and ``read``s each reply until the
         first one that is not OK on each node. Verdicts of blocks never read stay ERROR."""
         verdicts: List[Verdict] = [Verdict.ERROR] * len(seq)
@@ -518,7 +524,7 @@ class RemoteStore:
                 verdicts[i] = v = read(conn, header, i)
                 return v is Verdict.OK
 
-            self._windowed(conn, len(idx), lambda j: [cmds[j]], one)
+            self._windowed(conn, len(idx), lambda j: [cmds[j]], one, value_bytes)
 
         def run() -> None:
             self._per_node(self._route(self._keys(seq)), work)
@@ -625,7 +631,7 @@ class RemoteStore:
                     raise ProtocolError(f"redis {conn.host}:{conn.port}: SET answered {reply[:16]!r}")
                 return True
 
-            self._windowed(conn, len(idx), parts, read)
+            self._windowed(conn, len(idx), parts, read, max((views[i].nbytes for i in idx), default=0))
 
         def run() -> None:
             keys = self._keys([seq[i] for i in todo])
