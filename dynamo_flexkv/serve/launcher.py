@@ -55,6 +55,14 @@ def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float
         return json.loads(r.read())
 
 
+def _unignore_sigint() -> None:
+    """A shell runs a background job (`make demo &`) with SIGINT ignored, and children inherit an
+    ignored signal across exec; shutdown() stops every component with SIGINT, so each would sit out
+    the 30 s grace and be SIGKILLed. A handled signal is reset to default on exec: handle it here."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class Launcher:
     def __init__(self, plan: LaunchPlan, echo: Optional[IO[str]] = None) -> None:
         self.plan = plan
@@ -80,6 +88,7 @@ class Launcher:
         from dynamo_flexkv.engine import EngineModelConfig
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        _unignore_sigint()
         write_model_dir(EngineModelConfig.load(self.plan.model), self.plan.run_dir / "model")
         try:
             for proc in self.plan.infra:
