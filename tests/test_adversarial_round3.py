@@ -1,0 +1,153 @@
+"""Adversarial review, round 3: the native put path of TierIndex and KVManager.wait, through the
+public API only (README: TierIndex, KVManager, CacheConfig).
+
+Confirmed defects are strict xfails whose reason says what is wrong; flip them when fixed. What
+held up under attack (random put/get/evict interleavings with evictions, mixed hash containers,
+128K-token prompts, cancel/try_wait/shutdown racing wait) is listed in the round-3 report, not here.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
+from dynamo_flexkv.index.tier_index import TierIndex
+
+from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
+
+L = KVLayoutType.LAYERBLOCK
+
+
+def open_manager(path, num_device_blocks: int = 64, **kw):
+    kv = KVManager(MODEL, config(path, **kw))
+    dev = device_tensors(L, num_device_blocks)
+    kv.register_device_cache(dev, L)
+    return kv, dev
+
+
+# --------------------------------------------------------------------------- TierIndex
+
+
+@pytest.mark.xfail(strict=True, reason="TierIndex.put/match_length read a numpy array's raw buffer "
+                   "without honouring its byte order: a big-endian ('>u8') array [16, 17] is stored as "
+                   "0x1000000000000000, 0x1100000000000000, and a '>i8' array holding -1 is accepted as "
+                   "2**64-1 although -1 from a native int64 array is refused")
+def test_big_endian_hash_arrays_are_read_by_value():
+    idx = TierIndex("host", 16)
+    held, slots, hashes, parent = idx.put(np.array([16, 17], dtype=">u8"), "a")
+    assert hashes == [16, 17]
+    assert sorted(idx.hashes()) == [16, 17]
+    assert idx.match_length([16, 17], ready_only=False) == 2
+    with pytest.raises(ValueError, match="-1"):
+        idx.put(np.array([-1], dtype=">i8"), "b")
+
+
+@pytest.mark.xfail(strict=True, reason="commit_slots with a block id past the tier's capacity (99 in a "
+                   "16-block tier) or naming a free slot says 'block 0xa is not present' (0xa is present, "
+                   "in slot 0) instead of naming the bad block id")
+def test_commit_slots_error_names_an_out_of_range_or_free_block_id():
+    idx = TierIndex("host", 16)
+    idx.put([10, 11, 12], "a")
+    with pytest.raises(Exception) as oob:
+        idx.commit_slots([99], [10], "a")
+    assert "99" in str(oob.value)
+    with pytest.raises(Exception) as free:
+        idx.commit_slots([5], [10], "a")
+    assert "5" in str(free.value) and "not present" not in str(free.value)
+    assert idx.info(10).ready is False and idx.pool.num_used == 3  # nothing changed
+
+
+# --------------------------------------------------------------------------- KVManager.wait
+
+
+def _stored(tmp_path, blocks: int = 4):
+    kv, dev = open_manager(tmp_path, disk_blocks=0)
+    toks = list(range(TPB * blocks))
+    h = kv.hashes(toks).sequence
+    for i in range(blocks):
+        fill(dev, L, i, h[i])
+    p = kv.put_async(toks, list(range(blocks)))
+    assert kv.wait([p], timeout=10)[p].status is TaskStatus.SUCCESS
+    return kv, dev, toks, h
+
+
+@pytest.mark.xfail(strict=True, reason="wait(timeout=float('inf')) raises OverflowError 'timestamp out of "
+                   "range for platform time_t' instead of waiting without limit (like timeout=None)")
+def test_wait_with_infinite_timeout_waits(tmp_path):
+    kv, dev, toks, h = _stored(tmp_path)
+    try:
+        g = kv.get_async(toks, [10, 11, 12, 13])
+        assert kv.wait([g], timeout=float("inf"))[g].status is TaskStatus.SUCCESS
+        assert all(holds(dev, L, 10 + i, h[i]) for i in range(4))
+    finally:
+        kv.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="a result that a blocked wait() is waiting for expires under it: "
+                   "wait([a, b]) where a finishes first and b later, with any stats() call in between past "
+                   "task_result_ttl_seconds, raises KeyError 'already collected by another wait()' although "
+                   "no other wait exists (README/config: only results nobody waits for are dropped)")
+def test_result_awaited_by_a_blocked_wait_does_not_expire(tmp_path):
+    n = 1024  # b copies 24 MiB: it ends well after a's one block
+    kv, dev = open_manager(tmp_path, num_device_blocks=n + 8, host_blocks=6 * n, disk_blocks=0,
+                           task_result_ttl_seconds=0.001)
+    stop = threading.Event()
+
+    def poll_stats():  # what any metrics thread does
+        while not stop.is_set():
+            kv.stats()
+
+    poller = threading.Thread(target=poll_stats)
+    poller.start()
+    errors = []
+    try:
+        for it in range(5):
+            big = list(range(it * 10**6, it * 10**6 + n * TPB))
+            small = list(range(10**8 + it * TPB, 10**8 + (it + 1) * TPB))
+            b = kv.put_async(big, list(range(n)))
+            a = kv.put_async(small, [n + it])
+            try:
+                r = kv.wait([a, b], timeout=30)
+                assert r[a].status is r[b].status is TaskStatus.SUCCESS
+            except KeyError as e:
+                errors.append(str(e))
+            assert kv.drain(timeout=30)
+    finally:
+        stop.set()
+        poller.join()
+        kv.shutdown()
+    assert not errors, errors
+
+
+# --------------------------------------------------------------------------- device block ids
+
+
+@pytest.mark.xfail(strict=True, reason="a uint64 device block id 2**64-1 is reported as "
+                   "'device block id out of range [0, 64): got -1..-1' (the value wrapped to int64)")
+def test_huge_uint64_device_block_id_error_names_its_value(tmp_path):
+    kv, dev = open_manager(tmp_path, disk_blocks=0)
+    try:
+        with pytest.raises(IndexError, match="18446744073709551615"):
+            kv.put_async(list(range(TPB)), np.array([2**64 - 1], dtype=np.uint64))
+        assert_no_leaks(kv)
+    finally:
+        kv.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="integer device block ids past int64 in a list are refused with a "
+                   "misleading reason: [2**63, 1] -> 'device_block_ids must be integers, got dtype float64'; "
+                   "[2**64, 1] -> 'must be a sequence of integers, got list'; neither names the id or the range")
+def test_huge_python_int_device_block_ids_error_names_the_id(tmp_path):
+    kv, dev = open_manager(tmp_path, disk_blocks=0)
+    try:
+        toks = list(range(2 * TPB))
+        for bad in (2**63, 2**64):
+            with pytest.raises((IndexError, ValueError, TypeError)) as e:
+                kv.put_async(toks, [bad, 1])
+            assert str(bad) in str(e.value) and "float64" not in str(e.value)
+        assert_no_leaks(kv)
+    finally:
+        kv.shutdown()
