@@ -28,4 +28,12 @@ void chain_hashes(const uint64_t* tok, size_t n, bool has_parent, uint64_t paren
   }
 }
 
+uint64_t block_checksum(const void* p, size_t len) {
+#if defined(DFKV_HAVE_AVX2_XXH3)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return xxh3_64_avx2(p, len);
+#endif
+  return XXH3_64bits(p, len);
+}
+
 }  // namespace dfkv

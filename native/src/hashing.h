@@ -16,4 +16,11 @@ void tokens_hashes(const uint32_t* tokens, size_t n_blocks, size_t block_size, u
 // `parent` continues a chain from an earlier block (has_parent=false starts a new one).
 void chain_hashes(const uint64_t* tok, size_t n, bool has_parent, uint64_t parent, uint64_t* out);
 
+// Disk block checksum: xxh3_64 of [p, p + len), seed 0. Picks the AVX2 build of xxh3 at run time
+// where the CPU has it (about twice the SSE2 baseline's speed on cached data; same values).
+uint64_t block_checksum(const void* p, size_t len);
+
+// The AVX2 build (xxh3_avx2.cpp); call only through block_checksum.
+uint64_t xxh3_64_avx2(const void* p, size_t len);
+
 }  // namespace dfkv

@@ -5,13 +5,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "hashing.h"
 
 #ifdef DFKV_HAVE_URING
 #include <liburing.h>
@@ -33,6 +35,76 @@ void parallel(unsigned threads, Fn fn) {
   fn(0u);
   for (auto& th : pool) th.join();
 }
+
+// Checksums ops the I/O loop hands over as they complete, on a thread of its own, so hashing
+// never delays reaping or refilling the queue. finish() makes the caller hash beside that
+// thread: a disk may complete a batch in a few clumps (a VM's virtio disk here: 3 per 512 MiB),
+// and what arrives last is hashed after the I/O, as the only work left. Without a thread
+// (creation failed) push() hashes inline. finish() (or the destructor) returns only after every
+// pushed op is hashed, so nothing touches the buffers after the batch returns.
+class CompletionHasher {
+ public:
+  CompletionHasher(const IoOp* ops, uint64_t* sums) : ops_(ops), sums_(sums) {
+    if (sums_ == nullptr) return;
+    try {
+      thread_ = std::thread([this] { loop(); });
+    } catch (const std::system_error&) {  // no thread to be had: hash on the caller's
+    }
+  }
+  ~CompletionHasher() { finish(); }
+  CompletionHasher(const CompletionHasher&) = delete;
+  CompletionHasher& operator=(const CompletionHasher&) = delete;
+
+  void push(const std::vector<size_t>& completed) {
+    if (sums_ == nullptr || completed.empty()) return;
+    if (!thread_.joinable()) {
+      for (size_t i : completed) hash(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.insert(queue_.end(), completed.begin(), completed.end());
+    }
+    cv_.notify_one();
+  }
+
+  void finish() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+    }
+    cv_.notify_one();
+    for (size_t i; take(&i, false);) hash(i);
+    thread_.join();
+  }
+
+ private:
+  void hash(size_t i) { sums_[i] = block_checksum(ops_[i].buf, ops_[i].len); }
+
+  // The next op to hash, one at a time so the two hashers share the last clump; false once
+  // there is none (after close, when `wait`).
+  bool take(size_t* i, bool wait) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (wait) cv_.wait(lock, [this] { return closed_ || head_ < queue_.size(); });
+    if (head_ == queue_.size()) return false;
+    *i = queue_[head_++];
+    return true;
+  }
+
+  void loop() {
+    for (size_t i; take(&i, true);) hash(i);
+  }
+
+  const IoOp* ops_;
+  uint64_t* sums_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<size_t> queue_;  // every op pushed, in order; [head_, end) still to hash
+  size_t head_ = 0;
+  bool closed_ = false;
+  std::thread thread_;
+};
 
 #ifdef DFKV_HAVE_URING
 // One ring per thread, reused across calls; rebuilt when a different depth is asked for.
@@ -104,7 +176,7 @@ bool uring_available() {
 #endif
 }
 
-IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth) {
+IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth, uint64_t* sums) {
   IoResult res;
 #ifdef DFKV_HAVE_URING
   if (n == 0) return res;
@@ -131,6 +203,8 @@ IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth) {
     io_uring_sqe_set_data64(sqe, i);
     ++inflight;
   };
+  CompletionHasher hasher(ops, sums);
+  std::vector<size_t> completed;  // ops that ended in this round
   while (finished < n) {
     while (res.error == 0 && next < n && inflight < depth && io_uring_sq_space_left(ring) > 0) {
       prep(next++);
@@ -146,6 +220,7 @@ IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth) {
     }
     io_uring_cqe* cqe;
     unsigned head, seen = 0;
+    completed.clear();
     io_uring_for_each_cqe(ring, head, cqe) {
       ++seen;
       --inflight;
@@ -165,20 +240,23 @@ IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth) {
         prep(i);  // short transfer: ask for the rest
       } else {
         ++finished;
+        completed.push_back(i);
       }
     }
     io_uring_cq_advance(ring, seen);
+    if (res.error == 0) hasher.push(completed);  // after an error the sums are not wanted
     if (res.error != 0 && inflight == 0) break;
   }
+  hasher.finish();
 #else
-  (void)ops; (void)n; (void)write; (void)depth;
+  (void)ops; (void)n; (void)write; (void)depth; (void)sums;
   res.error = ENOSYS;
   res.what = "io_uring (not built)";
 #endif
   return res;
 }
 
-IoResult pool_rw(const IoOp* ops, size_t n, bool write, unsigned threads) {
+IoResult pool_rw(const IoOp* ops, size_t n, bool write, unsigned threads, uint64_t* sums) {
   IoResult res;
   threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(std::max<size_t>(n, 1))));
   std::atomic<size_t> next{0};
@@ -199,6 +277,7 @@ IoResult pool_rw(const IoOp* ops, size_t n, bool write, unsigned threads) {
         }
         done += static_cast<uint64_t>(r);
       }
+      if (sums != nullptr && done == op.len) sums[i] = block_checksum(op.buf, op.len);
     }
   });
   res.error = first_error.load();
@@ -257,7 +336,7 @@ void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, 
 }
 
 void checksums(const char* base, const uint64_t* offsets, size_t n, uint64_t len, uint64_t* out) {
-  for (size_t i = 0; i < n; ++i) out[i] = XXH3_64bits(base + offsets[i], len);
+  for (size_t i = 0; i < n; ++i) out[i] = block_checksum(base + offsets[i], len);
 }
 
 }  // namespace dfkv

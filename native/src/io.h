@@ -24,16 +24,21 @@ bool uring_available();
 
 // Runs every op (all reads or all writes), keeping up to `depth` in flight; short transfers are
 // resubmitted for the rest. On an error the ops already in flight are drained before returning.
-IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth);
+// With `sums`, sums[i] = block_checksum of op i's buffer, taken on a hashing thread as soon as
+// op i has completed, while the others are still in flight (the hashing hides behind the I/O
+// instead of following it); all hashing has ended when this returns. On an error `sums` is
+// unspecified.
+IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth, uint64_t* sums = nullptr);
 
-// The same contract with blocking pread/pwrite on `threads` threads (no io_uring).
-IoResult pool_rw(const IoOp* ops, size_t n, bool write, unsigned threads);
+// The same contract with blocking pread/pwrite on `threads` threads (no io_uring); each thread
+// hashes the ops it moved.
+IoResult pool_rw(const IoOp* ops, size_t n, bool write, unsigned threads, uint64_t* sums = nullptr);
 
 // memcpy(dst[i], src[i], len[i]) for all i, adjacent runs merged, split by bytes over `threads`.
 void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, size_t n,
                  unsigned threads);
 
-// out[i] = xxh3_64 of [base + offsets[i], + len).
+// out[i] = block_checksum of [base + offsets[i], + len).
 void checksums(const char* base, const uint64_t* offsets, size_t n, uint64_t len, uint64_t* out);
 
 }  // namespace dfkv

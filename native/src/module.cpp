@@ -102,9 +102,11 @@ using CArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
 
 // Bulk I/O on raw addresses. The Python layer owns the buffers and checks every range against
 // them before calling: these functions trust their inputs.
-void file_io(const CArray<int32_t>& fds, const CArray<uint64_t>& file_offsets,
-             const CArray<uint64_t>& addrs, const CArray<uint64_t>& lengths, bool write,
-             unsigned depth, bool use_uring, unsigned threads) {
+// With checksums=true it returns each op's block_checksum (taken as the op completes, while the
+// others are in flight), else None.
+py::object file_io(const CArray<int32_t>& fds, const CArray<uint64_t>& file_offsets,
+                   const CArray<uint64_t>& addrs, const CArray<uint64_t>& lengths, bool write,
+                   unsigned depth, bool use_uring, unsigned threads, bool checksums) {
   const size_t n = static_cast<size_t>(fds.size());
   if (static_cast<size_t>(file_offsets.size()) != n || static_cast<size_t>(addrs.size()) != n ||
       static_cast<size_t>(lengths.size()) != n) {
@@ -115,11 +117,13 @@ void file_io(const CArray<int32_t>& fds, const CArray<uint64_t>& file_offsets,
     ops[i] = {fds.data()[i], file_offsets.data()[i], reinterpret_cast<char*>(addrs.data()[i]),
               lengths.data()[i]};
   }
+  U64Array sums(static_cast<py::ssize_t>(checksums ? n : 0));
+  uint64_t* sums_out = checksums ? sums.mutable_data() : nullptr;
   dfkv::IoResult res;
   {
     py::gil_scoped_release release;
-    res = use_uring ? dfkv::uring_rw(ops.data(), n, write, depth)
-                    : dfkv::pool_rw(ops.data(), n, write, threads);
+    res = use_uring ? dfkv::uring_rw(ops.data(), n, write, depth, sums_out)
+                    : dfkv::pool_rw(ops.data(), n, write, threads, sums_out);
   }
   if (res.error != 0) {
     const dfkv::IoOp& op = ops[res.failed_op];
@@ -129,6 +133,8 @@ void file_io(const CArray<int32_t>& fds, const CArray<uint64_t>& file_offsets,
     PyErr_SetObject(PyExc_OSError, py::make_tuple(res.error, msg).ptr());
     throw py::error_already_set();
   }
+  if (!checksums) return py::none();
+  return std::move(sums);
 }
 
 void copy_chunks(const CArray<uint64_t>& dst, const CArray<uint64_t>& src,
@@ -164,8 +170,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("uring_available", &dfkv::uring_available, "Whether io_uring works here and was built in.");
   m.def("file_io", &file_io, py::arg("fds"), py::arg("file_offsets"), py::arg("addrs"),
         py::arg("lengths"), py::arg("write"), py::arg("depth") = 512, py::arg("use_uring") = true,
-        py::arg("threads") = 8,
-        "Reads or writes every (fd, offset, addr, length) op; raises OSError on the first failure.");
+        py::arg("threads") = 8, py::arg("checksums") = false,
+        "Reads or writes every (fd, offset, addr, length) op; raises OSError on the first failure. "
+        "checksums=True returns the xxh3_64 of each op's buffer, hashed as the op completes.");
   m.def("copy_chunks", &copy_chunks, py::arg("dst"), py::arg("src"), py::arg("lengths"),
         py::arg("threads") = 4, "memcpy each (dst, src, length) chunk, merged and multi-threaded.");
   m.def("checksums", &checksums, py::arg("base"), py::arg("offsets"), py::arg("length"),
