@@ -8,6 +8,7 @@ held up under attack (random put/get/evict interleavings with evictions, mixed h
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -31,10 +32,6 @@ def open_manager(path, num_device_blocks: int = 64, **kw):
 # --------------------------------------------------------------------------- TierIndex
 
 
-@pytest.mark.xfail(strict=True, reason="TierIndex.put/match_length read a numpy array's raw buffer "
-                   "without honouring its byte order: a big-endian ('>u8') array [16, 17] is stored as "
-                   "0x1000000000000000, 0x1100000000000000, and a '>i8' array holding -1 is accepted as "
-                   "2**64-1 although -1 from a native int64 array is refused")
 def test_big_endian_hash_arrays_are_read_by_value():
     idx = TierIndex("host", 16)
     held, slots, hashes, parent = idx.put(np.array([16, 17], dtype=">u8"), "a")
@@ -45,9 +42,6 @@ def test_big_endian_hash_arrays_are_read_by_value():
         idx.put(np.array([-1], dtype=">i8"), "b")
 
 
-@pytest.mark.xfail(strict=True, reason="commit_slots with a block id past the tier's capacity (99 in a "
-                   "16-block tier) or naming a free slot says 'block 0xa is not present' (0xa is present, "
-                   "in slot 0) instead of naming the bad block id")
 def test_commit_slots_error_names_an_out_of_range_or_free_block_id():
     idx = TierIndex("host", 16)
     idx.put([10, 11, 12], "a")
@@ -58,6 +52,40 @@ def test_commit_slots_error_names_an_out_of_range_or_free_block_id():
         idx.commit_slots([5], [10], "a")
     assert "5" in str(free.value) and "not present" not in str(free.value)
     assert idx.info(10).ready is False and idx.pool.num_used == 3  # nothing changed
+
+
+def test_foreign_byte_order_arrays_are_read_by_value_on_every_path():
+    idx = TierIndex("host", 16)
+    idx.put([16, 17, 18], "a")
+    idx.commit(np.array([16, 17], dtype=">u8"), "a")
+    assert idx.match_length(np.array([16, 17, 18], dtype=">i8")) == 2
+    assert idx.block_ids(np.array([18], dtype=">u8")) == [2]
+    with pytest.raises(ValueError, match="-5"):
+        idx.match_length(np.array([-5], dtype=">i8"))
+
+
+def test_commit_slots_ids_past_int_range_are_named():
+    idx = TierIndex("host", 16)
+    idx.put([10], "a")
+    for bad in (-1, 2**32 - 2, 2**40):
+        with pytest.raises(ValueError, match=f"block id {bad} is not a slot of this tier"):
+            idx.commit_slots([bad], [10], "a")
+    with pytest.raises(Exception, match="block 0x4d is not present"):  # commit by hash keeps its message
+        idx.commit([77], "a")
+    assert idx.info(10).ready is False
+
+
+def test_evict_refuses_a_negative_count():
+    idx = TierIndex("host", 16)
+    with pytest.raises(ValueError, match="count=-1"):
+        idx.evict(-1)
+
+
+def test_capacity_past_memory_names_capacity_and_bytes():
+    if os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") > 1 << 38:
+        pytest.skip("this machine may hold a 4-billion-block index")
+    with pytest.raises(MemoryError, match=r"capacity=4294967294 blocks needs about \d+ bytes"):
+        TierIndex("host", 2**32 - 2)
 
 
 # --------------------------------------------------------------------------- KVManager.wait

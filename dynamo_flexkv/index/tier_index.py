@@ -174,6 +174,8 @@ class TierIndex:
 
     def evict(self, count: int) -> List[int]:
         """Evicts up to ``count`` ready, unlocked leaves by policy; returns their hashes."""
+        if count < 0:
+            raise ValueError(f"evict(count={count}): count is how many blocks to evict, pass a number >= 0")
         hashes, slots = self._native.evict(count)
         self._report(hashes, slots)
         return hashes

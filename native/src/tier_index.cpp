@@ -226,6 +226,19 @@ Block& TierIndexCore::present(uint32_t slot, uint64_t hash) {
   return blocks_[slot];
 }
 
+void TierIndexCore::check_slot_holds(uint32_t slot, uint64_t hash) const {
+  const std::string id = "block id " + std::to_string(slot);
+  if (slot >= opt_.capacity) {
+    fail(id + " is out of range [0, " + std::to_string(opt_.capacity) + ") of this tier: pass the run's block_ids");
+  }
+  if (slot >= blocks_.size() || !blocks_[slot].live) {
+    fail(id + " is a free slot (it holds no block, so not " + hex(hash) + "): pass each block's own id");
+  }
+  if (blocks_[slot].hash != hash) {
+    fail(id + " holds block " + hex(blocks_[slot].hash) + ", not " + hex(hash) + ": pass each block's own id");
+  }
+}
+
 Block& TierIndexCore::owned_unready(uint32_t slot, uint64_t hash, int64_t owner) {
   Block& b = present(slot, hash);
   if (b.ready || b.owner != owner) fail("block " + hex(hash) + " is not an unready block of ", true);
@@ -473,10 +486,8 @@ void TierIndexCore::commit_slots(const uint32_t* slots, const uint64_t* hashes, 
     MarkGuard guard{bs};
     for (size_t i = 0; i < n; ++i) {
       const uint32_t s = slots[i];
-      if (s < blocks_.size() && blocks_[s].live && blocks_[s].hash != hashes[i]) {
-        fail("block id " + std::to_string(s) + " holds block " + hex(blocks_[s].hash) + ", not " +
-             hex(hashes[i]) + ": pass each block's own id");
-      }
+      // A caller's id (commit() passes lookups: kNoSlot / kPendingSlot mean "hash not present").
+      if (s < kPendingSlot) check_slot_holds(s, hashes[i]);
       Block& b = owned_unready(s, hashes[i], owner);
       if (b.mark) fail("block " + hex(hashes[i]) + " appears twice in one commit");
       // Parents first: the parent is ready already or committed earlier in this call.

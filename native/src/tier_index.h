@@ -240,6 +240,8 @@ class TierIndexCore {
   [[noreturn]] void fail(const std::string& what, bool names_owner = false) const;
   std::vector<uint32_t> lookup(const uint64_t* hashes, size_t n) const;  // table_.find_all
   Block& present(uint32_t slot, uint64_t hash);  // the block `hash` found in `slot`, or IndexViolation
+  // A caller-given slot (< kPendingSlot) holds `hash`, or an IndexViolation naming the slot.
+  void check_slot_holds(uint32_t slot, uint64_t hash) const;
   Block& owned_unready(uint32_t slot, uint64_t hash, int64_t owner);
   Block& block_at(uint32_t slot);  // grows the block table to hold `slot`
   EvictKey key_of(const Block& b) const;

@@ -7,6 +7,8 @@
 #include <pybind11/pybind11.h>
 
 #include <cstring>
+#include <memory>
+#include <new>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -21,6 +23,13 @@ namespace {
 
 // Shorter batches finish in less time than handing the GIL over would take.
 constexpr size_t kReleaseGilFrom = 64;
+
+// numpy's byteorder character of arrays whose bytes this machine reads swapped ('=' is native).
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+constexpr char kForeignByteOrder = '>';
+#else
+constexpr char kForeignByteOrder = '<';
+#endif
 
 // The Python exception classes (IndexError_, PoolError) set by set_error_types; never freed.
 PyObject* g_index_error = nullptr;
@@ -98,9 +107,12 @@ std::vector<uint64_t> read_hashes(py::handle obj) {
       const size_t n = static_cast<size_t>(a.shape(0));
       const py::ssize_t stride = a.strides(0);
       const char* base = static_cast<const char*>(a.data());
+      // Read by value: an array in the other byte order ('>u8' here) holds its bytes swapped.
+      const bool swap = a.dtype().byteorder() == kForeignByteOrder;
       std::vector<uint64_t> out(n);
       for (size_t i = 0; i < n; ++i) {
         std::memcpy(&out[i], base + static_cast<py::ssize_t>(i) * stride, 8);
+        if (swap) out[i] = __builtin_bswap64(out[i]);
         if (kind == 'i' && static_cast<int64_t>(out[i]) < 0) {
           throw py::value_error("sequence hash " + std::to_string(static_cast<int64_t>(out[i])) +
                                 " is not an unsigned 64-bit integer");
@@ -120,8 +132,8 @@ std::vector<uint64_t> read_hashes(py::handle obj) {
   return out;
 }
 
-// Block ids (slots) of the pool, a list/tuple of ints (a run's block_ids).
-std::vector<uint32_t> read_slots(py::handle obj) {
+// Block ids (slots) of the pool, a list/tuple of ints in [0, capacity) (a run's block_ids).
+std::vector<uint32_t> read_slots(py::handle obj, uint32_t capacity) {
   const auto seq = py::reinterpret_steal<py::object>(
       PySequence_Fast(obj.ptr(), "block_ids must be a sequence of integers"));
   if (!seq) throw py::error_already_set();
@@ -130,9 +142,10 @@ std::vector<uint32_t> read_slots(py::handle obj) {
   std::vector<uint32_t> out(n);
   for (size_t i = 0; i < n; ++i) {
     uint64_t id = 0;
-    if (!try_hash(items[i], id) || id >= kNoSlot) {
+    if (!try_hash(items[i], id) || id >= capacity) {
       const std::string shown = py::repr(items[i]);
-      throw py::value_error("block id " + shown + " is not a slot of this tier: pass the run's block_ids");
+      throw py::value_error("block id " + shown + " is not a slot of this tier (an int in [0, " +
+                            std::to_string(capacity) + ")): pass the run's block_ids");
     }
     out[i] = static_cast<uint32_t>(id);
   }
@@ -313,7 +326,7 @@ class NativeTierIndex {
   // commit() of a run whose block ids are known: slots[i] must hold hashes[i].
   void commit_slots(py::handle slots, py::handle hashes, py::handle owner, double now) {
     const std::vector<uint64_t> hs = read_hashes(hashes);
-    const std::vector<uint32_t> ss = read_slots(slots);
+    const std::vector<uint32_t> ss = read_slots(slots, capacity());
     if (ss.size() != hs.size()) {
       throw py::value_error("commit_slots got " + std::to_string(ss.size()) + " block ids for " +
                             std::to_string(hs.size()) + " hashes: pass one per hash");
@@ -480,6 +493,24 @@ class NativeTierIndex {
   int64_t next_owner_ = 0;
 };
 
+// A capacity the index memory cannot be had for raises MemoryError naming both (not bare bad_alloc).
+std::unique_ptr<NativeTierIndex> make_index(const std::string& name, int64_t capacity, const std::string& policy,
+                                            double hit_reward_seconds, int64_t slru_protected_hits,
+                                            double evict_start_threshold, double evict_ratio) {
+  try {
+    return std::make_unique<NativeTierIndex>(name, capacity, policy, hit_reward_seconds, slru_protected_hits,
+                                             evict_start_threshold, evict_ratio);
+  } catch (const std::bad_alloc&) {
+    constexpr size_t kPerBlock = sizeof(Block) + sizeof(uint32_t);  // block table + free-slot stack
+    const std::string message =
+        "tier '" + name + "': capacity=" + std::to_string(capacity) + " blocks needs about " +
+        std::to_string(static_cast<uint64_t>(capacity) * kPerBlock) + " bytes of index memory (" +
+        std::to_string(kPerBlock) + " per block), which could not be allocated: lower the tier's capacity";
+    PyErr_SetString(PyExc_MemoryError, message.c_str());
+    throw py::error_already_set();
+  }
+}
+
 }  // namespace
 
 void bind_tier_index(py::module_& m) {
@@ -502,8 +533,7 @@ void bind_tier_index(py::module_& m) {
       "The exception classes TierIndex raises for index and pool violations.");
 
   py::class_<NativeTierIndex>(m, "TierIndex", "Prefix index of one tier (see dynamo_flexkv.index.tier_index).")
-      .def(py::init<const std::string&, int64_t, const std::string&, double, int64_t, double, double>(),
-           py::arg("name"), py::arg("capacity"), py::arg("policy"), py::arg("hit_reward_seconds"),
+      .def(py::init(&make_index), py::arg("name"), py::arg("capacity"), py::arg("policy"), py::arg("hit_reward_seconds"),
            py::arg("slru_protected_hits"), py::arg("evict_start_threshold"), py::arg("evict_ratio"))
       .def("__len__", &NativeTierIndex::len)
       .def("__contains__", &NativeTierIndex::contains)
