@@ -34,7 +34,9 @@ def test_arrivals_are_trace_time_divided_by_the_scale():
 
 def test_tier_split_reads_the_workers_engine_data():
     nvext = {"engine_data": {"flexkv": {"cached_tokens": {"device": 64, "host": 128}}}}
-    assert tier_split(nvext) == {"device": 64, "host": 128, "disk": 0}
+    assert tier_split(nvext) == {"device": 64, "host": 128, "disk": 0, "remote": 0}
+    remote = {"engine_data": {"flexkv": {"cached_tokens": {"device": 16, "remote": 256}}}}
+    assert tier_split(remote) == {"device": 16, "host": 0, "disk": 0, "remote": 256}
     assert tier_split({"worker_id": {"decode_worker_id": 1}}) is None
 
 

@@ -16,7 +16,7 @@ import aiohttp
 
 from dynamo_flexkv.workload import Turn
 
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "remote")  # the order the manager looks them up
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dynamo_flexkv.replay.client import TIERS
 from dynamo_flexkv.replay.configs import ConfigRun
 from dynamo_flexkv.replay.report import Summary
 
-TIER_COLORS = {"device": "#2b8cbe", "host": "#7bccc4", "disk": "#fdae6b", "computed": "#d9d9d9"}
+TIER_COLORS = {"device": "#2b8cbe", "host": "#7bccc4", "disk": "#fdae6b", "remote": "#e6550d", "computed": "#d9d9d9"}
 
 
 def _pyplot():
