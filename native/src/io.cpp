@@ -205,6 +205,12 @@ IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth, uint64_
   };
   CompletionHasher hasher(ops, sums);
   std::vector<size_t> completed;  // ops that ended in this round
+  if (write) {
+    // A write's source must not change while it is in flight (the callers lock it), so it can
+    // be hashed from the start instead of clump by clump as the writes complete.
+    for (size_t i = 0; i < n; ++i) completed.push_back(i);
+    hasher.push(completed);
+  }
   while (finished < n) {
     while (res.error == 0 && next < n && inflight < depth && io_uring_sq_space_left(ring) > 0) {
       prep(next++);
@@ -240,7 +246,7 @@ IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth, uint64_
         prep(i);  // short transfer: ask for the rest
       } else {
         ++finished;
-        completed.push_back(i);
+        if (!write) completed.push_back(i);
       }
     }
     io_uring_cq_advance(ring, seen);

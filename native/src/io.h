@@ -24,10 +24,10 @@ bool uring_available();
 
 // Runs every op (all reads or all writes), keeping up to `depth` in flight; short transfers are
 // resubmitted for the rest. On an error the ops already in flight are drained before returning.
-// With `sums`, sums[i] = block_checksum of op i's buffer, taken on a hashing thread as soon as
-// op i has completed, while the others are still in flight (the hashing hides behind the I/O
-// instead of following it); all hashing has ended when this returns. On an error `sums` is
-// unspecified.
+// With `sums`, sums[i] = block_checksum of op i's buffer, taken on a hashing thread while the
+// I/O is in flight (the hashing hides behind the I/O instead of following it): a read's as soon
+// as it has completed, a write's from the start (its source must not change until the batch
+// returns). All hashing has ended when this returns. On an error `sums` is unspecified.
 IoResult uring_rw(const IoOp* ops, size_t n, bool write, unsigned depth, uint64_t* sums = nullptr);
 
 // The same contract with blocking pread/pwrite on `threads` threads (no io_uring); each thread
