@@ -14,10 +14,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import itertools
+import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -89,7 +89,8 @@ class KVManager:
                                    self.tokens_per_block, model.num_layers)
         self.device: Optional[DeviceCache] = None
         self._tasks: Dict[int, Task] = {}
-        self._ids = itertools.count(1)
+        self._next_id = 1  # ids are issued in order: an id below it that is not in _tasks has finished
+        self._waiters: Dict[int, int] = {}  # task id -> wait()/wait_for_layer() calls blocked on it
         self._lock = threading.Lock()
         self._closed = False
         self._live_graphs = 0  # submitted graphs whose finish callback has not run yet
@@ -315,27 +316,26 @@ class KVManager:
 
     def wait(self, task_ids: Iterable[int], timeout: Optional[float] = None) -> Dict[int, TaskResult]:
         """Results of the tasks; unfinished ones after ``timeout`` seconds report TIMEOUT and can be
-        waited on again. A finished result is handed out once."""
-        ids = list(task_ids)
-        tasks = [self._task(t, "wait") for t in ids]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out: Dict[int, TaskResult] = {}
-        finished = []
-        for task in tasks:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if task.done.wait(left):
-                out[task.id] = task.result
-                finished.append(task)
-            else:
-                out[task.id] = TaskResult(task.id, task.kind, TaskStatus.TIMEOUT)
-        with self._lock:  # claimed all at once: two threads waiting on one task get it once, lose nothing else
-            taken = [t.id for t in finished if self._tasks.get(t.id) is not t]
-            if taken:
-                raise KeyError(f"task(s) {taken}: the result was already collected by another wait() "
-                               "(or expired after task_result_ttl_seconds); wait on a task from one thread only")
-            for t in finished:
-                self._tasks.pop(t.id, None)  # an id listed twice in one call is handed out once
-                self._uncollected.pop(t.id, None)
+        waited on again. A finished result is handed out once; results a wait() is blocked on never
+        expire. ``timeout``: seconds (None or inf: no limit)."""
+        deadline = _deadline(timeout, "wait")
+        with self._awaited(list(task_ids), "wait") as tasks:
+            out: Dict[int, TaskResult] = {}
+            finished = []
+            for task in tasks:
+                if task.done.wait(_left(deadline)):
+                    out[task.id] = task.result
+                    finished.append(task)
+                else:
+                    out[task.id] = TaskResult(task.id, task.kind, TaskStatus.TIMEOUT)
+            with self._lock:  # claimed all at once: two threads waiting on one task get it once, lose nothing else
+                taken = [t.id for t in finished if self._tasks.get(t.id) is not t]
+                if taken:
+                    raise KeyError(f"task(s) {taken}: the result was already collected by another wait(); "
+                                   "wait on a task from one thread only")
+                for t in finished:
+                    self._tasks.pop(t.id, None)  # an id listed twice in one call is handed out once
+                    self._uncollected.pop(t.id, None)
         return out
 
     def try_wait(self, task_ids: Iterable[int]) -> Dict[int, TaskResult]:
@@ -344,8 +344,15 @@ class KVManager:
         return self.wait(finished, 0)
 
     def cancel(self, task_ids: Iterable[int]) -> None:
-        for t in task_ids:
-            task = self._task(t, "cancel")
+        """Cancels the tasks (their results report CANCELLED unless they finished first). An id whose
+        task already finished, its result collected or expired, is skipped: cancel may race wait().
+        An id never issued raises KeyError, and then nothing is cancelled."""
+        self._check_open("cancel")
+        with self._lock:  # all ids checked before any task is touched
+            tasks = [self._lookup(t, finished_ok=True) for t in list(task_ids)]
+        for task in tasks:
+            if task is None:
+                continue
             if task.graph is not None:
                 self.transfer.cancel(task.graph)
             elif self._drop_deferred(lambda put: put.task is task):
@@ -362,12 +369,12 @@ class KVManager:
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Waits until every task has finished, the background disk writes of puts included.
-        False if some still run after ``timeout`` seconds."""
+        False if some still run after ``timeout`` seconds (None or inf: no limit)."""
         self._check_open("drain")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _deadline(timeout, "drain")
         with self._idle:
             while self._live_graphs or self._deferred or self._retrying:
-                left = None if deadline is None else deadline - time.monotonic()
+                left = _left(deadline)
                 if left is not None and left <= 0:
                     return False
                 self._idle.wait(left)
@@ -390,14 +397,16 @@ class KVManager:
 
     def wait_for_layer(self, task_id: int, layer: int, timeout: Optional[float] = None) -> bool:
         """Blocks until layer ``layer`` of a get is on the device. False on timeout; raises
-        TaskFailed when the task failed or was cancelled (recompute instead)."""
-        task = self._task(task_id, "wait_for_layer")
-        if not 0 <= layer < task.num_layers:
-            raise ValueError(f"layer {layer} outside [0, {task.num_layers})")
-        if not task.layer_ready[layer].wait(timeout):
-            return False
+        TaskFailed when the task failed, was cancelled or found nothing (recompute instead).
+        ``timeout``: seconds (None or inf: no limit)."""
+        deadline = _deadline(timeout, "wait_for_layer")
+        with self._awaited([task_id], "wait_for_layer") as (task,):
+            if not 0 <= layer < task.num_layers:
+                raise ValueError(f"layer {layer} outside [0, {task.num_layers})")
+            if not task.layer_ready[layer].wait(_left(deadline)):
+                return False
         if task.result is not None and not task.result.ok:
-            raise TaskFailed(f"task {task_id}: {task.result.status.value}: {task.result.error or ''}")
+            raise TaskFailed(f"task {task_id}: {task.result.status.value}: {task.result.reason}")
         return True
 
     # ---- admin ---------------------------------------------------------------------------------
@@ -472,7 +481,8 @@ class KVManager:
             if busy >= limit:  # bounded work under a flood: refuse rather than queue forever
                 raise TooManyTasks(f"{kind.value}_async refused: {busy} tasks in flight "
                                    f"(max_tasks_in_flight={limit}); wait for some, or raise max_tasks_in_flight")
-            task = Task(next(self._ids), kind, self.model.num_layers, on_finish=self._result_ready)
+            task = Task(self._next_id, kind, self.model.num_layers, on_finish=self._result_ready)
+            self._next_id += 1
             self._tasks[task.id] = task
         self._expire_results()
         try:
@@ -499,13 +509,17 @@ class KVManager:
                 self._uncollected[task.id] = task.finished_at
 
     def _expire_results(self) -> None:
-        """Drops results nobody collected within task_result_ttl_seconds (oldest first)."""
+        """Drops results nobody collected within task_result_ttl_seconds (oldest first); results a
+        blocked wait() is waiting for stay."""
         cutoff = time.monotonic() - self.config.task_result_ttl_seconds
         with self._lock:
-            while self._uncollected:
-                task_id, finished_at = next(iter(self._uncollected.items()))
+            expired = []
+            for task_id, finished_at in self._uncollected.items():
                 if finished_at > cutoff:
                     break
+                if task_id not in self._waiters:
+                    expired.append(task_id)
+            for task_id in expired:
                 del self._uncollected[task_id]
                 if self._tasks.pop(task_id, None) is not None:
                     self.expired_results += 1
@@ -525,8 +539,10 @@ class KVManager:
             self._live_graphs += 1
         try:
             self.transfer.submit(graph)
-        except BaseException:
+        except BaseException as e:
             self._graph_done()
+            if self._closed:  # shutdown() stopped the engine meanwhile: the task is cancelled, not failed
+                raise ManagerClosed("shut down while the task was being submitted") from e
             raise
 
     def _graph_done(self) -> None:
@@ -540,11 +556,39 @@ class KVManager:
         self._check_open(call)
         self._expire_results()
         with self._lock:
-            task = self._tasks.get(task_id)
-        if task is None:
-            raise KeyError(f"unknown task id {task_id!r}: never issued, its result was already taken by wait(), "
+            return self._lookup(task_id)
+
+    def _lookup(self, task_id: Any, finished_ok: bool = False) -> Optional[Task]:
+        """The task of ``task_id`` (under self._lock). One issued but gone (its result collected or
+        expired) is None with ``finished_ok``, else KeyError; one never issued is a KeyError."""
+        issued = isinstance(task_id, (int, np.integer)) and not isinstance(task_id, bool) \
+            and 0 < task_id < self._next_id
+        task = self._tasks.get(task_id) if issued else None
+        if task is not None or (issued and finished_ok):
+            return task
+        if issued:
+            raise KeyError(f"task id {task_id!r} has finished and its result is gone: already taken by wait(), "
                            "or nobody collected it within task_result_ttl_seconds")
-        return task
+        raise KeyError(f"unknown task id {task_id!r}: never issued (task ids are the ints the *_async calls "
+                       "return)")
+
+    @contextlib.contextmanager
+    def _awaited(self, task_ids: List[Any], call: str) -> Iterator[List[Task]]:
+        """The tasks, marked as waited for while the block runs: their results do not expire."""
+        self._check_open(call)
+        self._expire_results()
+        with self._lock:
+            tasks = [self._lookup(t) for t in task_ids]
+            for t in tasks:
+                self._waiters[t.id] = self._waiters.get(t.id, 0) + 1
+        try:
+            yield tasks
+        finally:
+            with self._lock:
+                for t in tasks:
+                    left = self._waiters.pop(t.id) - 1
+                    if left:
+                        self._waiters[t.id] = left
 
     def _device_ids(self, token_ids, device_block_ids) -> np.ndarray:
         """The ids of the full blocks, as int64; refuses non-integers and repeated ids (one device
@@ -552,13 +596,11 @@ class KVManager:
         scatter both blocks into it)."""
         n_tokens = len(token_ids)
         full, covering = n_tokens // self.tokens_per_block, -(-n_tokens // self.tokens_per_block)
-        ids = _integer_array(device_block_ids)
+        ids = _integer_array(device_block_ids, self.device.num_blocks)
         if ids.size not in (full, covering):
             raise ValueError(f"{ids.size} device block ids for {n_tokens} tokens: pass one id per block "
                              f"({full} full blocks, or {covering} with the partial one)")
         ids = ids[:full]
-        if self.device is not None:
-            self.device.check_ids(ids)
         values, counts = np.unique(ids, return_counts=True)
         if values.size < ids.size:
             dup = int(values[counts > 1][0])
@@ -600,19 +642,53 @@ class _DeferredPut:
     since: float = dataclasses.field(default_factory=time.monotonic)
 
 
-def _integer_array(device_block_ids) -> np.ndarray:
-    """device_block_ids (list, tuple, numpy array or tensor of integers) as a flat int64 array."""
+def _integer_array(device_block_ids, num_blocks: int) -> np.ndarray:
+    """device_block_ids (list, tuple, numpy array or tensor of integers, each in [0, num_blocks))
+    as a flat int64 array."""
     if isinstance(device_block_ids, torch.Tensor):
         device_block_ids = device_block_ids.detach().cpu().numpy()
     ids = None if device_block_ids is None or isinstance(device_block_ids, (str, bytes)) \
         else np.asarray(device_block_ids)
+    if ids is not None and ids.dtype.kind in "fO" and ids.ndim == 1:
+        # Python ints past int64 turn a list into float64 or object: name the id, not the dtype.
+        for pos, v in enumerate(device_block_ids):
+            if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and not 0 <= v < num_blocks:
+                _out_of_range(int(v), pos, num_blocks)
     if ids is None or ids.dtype == object or ids.ndim == 0:
         raise TypeError(f"device_block_ids must be a sequence of integers, got {type(device_block_ids).__name__}")
     if ids.size == 0:
         return np.zeros(0, dtype=np.int64)
     if ids.dtype.kind not in "iu":  # floats would be truncated, bools read as blocks 0 and 1
         raise TypeError(f"device_block_ids must be integers, got dtype {ids.dtype}")
-    return ids.astype(np.int64, copy=False).reshape(-1)
+    ids = ids.reshape(-1)
+    bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))  # in the ids' own dtype: uint64 does not wrap
+    if bad.size:
+        _out_of_range(int(ids[bad[0]]), int(bad[0]), num_blocks)
+    return ids.astype(np.int64, copy=False)
+
+
+def _out_of_range(block_id: int, pos: int, num_blocks: int) -> NoReturn:
+    raise IndexError(f"device block id out of range [0, {num_blocks}): got {block_id} (position {pos}); pass "
+                     "ids of blocks of the registered device cache")
+
+
+def _deadline(timeout: Any, call: str) -> Optional[float]:
+    """time.monotonic() deadline of a public call's ``timeout`` seconds; None (no limit) for None,
+    inf, or past what threads can wait. A negative timeout polls once."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{call}(timeout={timeout!r}): timeout must be a number of seconds or None (no limit), "
+                        f"got {type(timeout).__name__}")
+    if math.isnan(timeout):
+        raise ValueError(f"{call}(timeout=nan): pass a number of seconds, or None (or inf) to wait without limit")
+    if timeout >= threading.TIMEOUT_MAX:
+        return None
+    return time.monotonic() + float(timeout)
+
+
+def _left(deadline: Optional[float]) -> Optional[float]:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _int_list(hashes) -> List[int]:

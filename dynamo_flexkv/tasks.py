@@ -37,6 +37,16 @@ class TaskResult:
     def ok(self) -> bool:
         return self.status is TaskStatus.SUCCESS
 
+    @property
+    def reason(self) -> str:
+        """Why the task did not succeed, in words (its error, or what its status means)."""
+        return self.error or _REASONS.get(self.status, "")
+
+
+_REASONS = {TaskStatus.NOT_FOUND: "nothing of the prompt was cached to load: recompute it",
+            TaskStatus.CANCELLED: "cancelled before it finished: recompute what it would have loaded",
+            TaskStatus.FAILED: "failed: recompute what it would have loaded"}
+
 
 class TaskFailed(RuntimeError):
     """wait_for_layer on a task that failed or was cancelled: the engine must recompute."""

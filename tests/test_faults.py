@@ -70,8 +70,7 @@ def test_unknown_task_and_waiting_twice(kv):
     assert kv.wait([t])[t].status is TaskStatus.NOT_FOUND
     with pytest.raises(KeyError, match="already taken"):
         kv.wait([t])
-    with pytest.raises(KeyError):
-        kv.cancel([t])
+    kv.cancel([t])  # issued and collected: a no-op (cancel may race wait)
 
 
 def test_disk_write_failure_keeps_host_and_leaks_nothing(kv, tmp_path):
