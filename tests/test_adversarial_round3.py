@@ -254,3 +254,25 @@ def test_shutdown_during_deferred_puts_cancels_them_never_fails_them(tmp_path):
         statuses = {r.status for got in results for r in got.values()}
         assert len(results) == 3 and statuses <= {TaskStatus.SUCCESS, TaskStatus.CANCELLED}, \
             [r for got in results for r in got.values() if r.status not in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)]
+
+
+def test_a_put_submitted_after_shutdown_stopped_the_engine_raises_manager_closed(tmp_path):
+    """The race above, in order: a deferred put's retry passed the closed check, then shutdown()
+    closed the manager and stopped its transfer engine, then the retry submitted. The submit raises
+    ManagerClosed (the retry loop finishes such a put CANCELLED), not the engine's RuntimeError."""
+    from dynamo_flexkv.manager import _DeferredPut
+    from dynamo_flexkv.tasks import ManagerClosed, TaskKind
+    kv, dev = open_manager(tmp_path, disk_blocks=0)
+    toks = list(range(2 * TPB))
+    with kv._issue(TaskKind.PUT) as task:
+        put = _DeferredPut(task, list(kv.hashes(toks).sequence), toks, np.array([0, 1]), None)
+    with kv._lock:  # shutdown()'s first steps
+        kv._closed = True
+    kv.transfer.shutdown()
+    try:
+        with pytest.raises(ManagerClosed):
+            kv._put_now(put)
+        kv.cache.abort_task(task.id)  # what the retry loop does next
+        assert_no_leaks(kv)
+    finally:
+        kv._close_storage()
