@@ -380,16 +380,25 @@ class RemoteStore:
         refill_at = depth - max(1, depth // 2)
         sent = done = 0
         stop = False
+        # Parts of the commands that go out next, built while a reply is awaited: a put's header
+        # checksums a whole block (~0.2 ms for 2 MiB read from memory), which then overlaps the
+        # server's work on the blocks in flight instead of delaying the next send.
+        ready: List[List[Any]] = []
         while done < n:
             if not stop and sent < n and sent - done <= refill_at:
                 hi = min(n, done + depth)
+                while sent + len(ready) < hi:
+                    ready.append(parts_of(sent + len(ready)))
                 parts: List[Any] = []
-                for j in range(sent, hi):
-                    parts.extend(parts_of(j))
+                for p in ready[:hi - sent]:
+                    parts.extend(p)
+                del ready[:hi - sent]
                 conn.send(parts)
                 sent = hi
             if done == sent:
                 break
+            if not stop and sent + len(ready) < min(n, done + 1 + depth):
+                ready.append(parts_of(sent + len(ready)))  # one per awaited reply
             if not on_reply(done):
                 stop = True
             done += 1
