@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
 from dynamo_flexkv.disagg import HandoverParams, HandoverRefused, LeaseTable  # noqa: E402
-from dynamo_flexkv.disagg.nixl_kv import KVAgent, _runs  # noqa: E402
+from dynamo_flexkv.disagg.nixl_kv import KVAgent, _indices, _layer_offsets  # noqa: E402
 from dynamo_flexkv.disagg.params import KEY  # noqa: E402
 from dynamo_flexkv.disagg.roles import DecodeSide, PrefillSide  # noqa: E402
 from dynamo_flexkv.engine import EngineModelConfig, LLMEngine  # noqa: E402
@@ -45,19 +45,23 @@ def test_lease_ends_on_release_or_expiry_never_twice():
 
 
 def test_params_round_trip_and_refuse_malformed_payloads():
-    p = HandoverParams("agent", "bWV0YQ==", "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0, 1e9)
+    p = HandoverParams("agent", "bWV0YQ==", "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0, 1e9, 8)
     assert HandoverParams.from_dict(p.to_dict()) == p
     assert HandoverParams.from_dict({}) is None and HandoverParams.from_dict(None) is None
     for bad in ({KEY: {"version": 99}}, {KEY: "x"}, {KEY: dict(p.to_dict()[KEY], blocks="no")},
                 {KEY: dict(p.to_dict()[KEY], mem="HBM")}, {KEY: {k: v for k, v in p.to_dict()[KEY].items()
-                                                               if k != "lease"}}):
+                                                               if k != "lease"}},
+                {KEY: dict(p.to_dict()[KEY], blocks=[4, 8])}, {KEY: dict(p.to_dict()[KEY], num_blocks=0)},
+                {KEY: dict(p.to_dict()[KEY], version=1)}):
         with pytest.raises(HandoverRefused):
             HandoverParams.from_dict(bad)
 
 
-def test_runs_merge_blocks_that_advance_together():
-    assert _runs([0, 1, 2, 7, 8], [5, 6, 7, 9, 11]) == [(0, 5, 3), (7, 9, 1), (8, 11, 1)]
-    assert _runs([], []) == []
+def test_descriptor_indices_are_layer_major_like_the_prepared_lists():
+    assert _indices(_layer_offsets(2, 10), [3, 4, 9]) == [3, 4, 9, 13, 14, 19]
+    assert _indices(_layer_offsets(2, 10), []) == []
+    with pytest.raises(ValueError, match="32-bit"):
+        _layer_offsets(80, 2**25)
 
 
 def _prompts(n, rng):

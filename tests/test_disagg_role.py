@@ -11,7 +11,7 @@ from dynamo_flexkv.disagg.params import KEY, HandoverParams  # noqa: E402
 from dynamo_flexkv.dynamo.disagg import BYPASS_REMOTE_PREFILL, Role  # noqa: E402
 from dynamo_flexkv.dynamo.worker_args import build_parser  # noqa: E402
 
-HANDOVER = HandoverParams("a", None, "L", [1, 2], 9, [100], 64, "DRAM", 0, 1e12).to_dict()
+HANDOVER = HandoverParams("a", None, "L", [1, 2], 9, [100], 64, "DRAM", 0, 1e12, 4).to_dict()
 
 
 def role(mode):

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
 KEY = "flexkv_handover"
-VERSION = 1
+VERSION = 2  # 2: num_blocks (the decode worker prepares the prefill worker's KV descriptors once)
 
 
 class HandoverRefused(ValueError):
@@ -29,6 +29,7 @@ class HandoverParams:
     mem: str  # "DRAM" or "VRAM"
     dev: int  # device id of those tensors
     lease_expires_unix: float  # wall-clock end of the lease: a read must be over by then
+    num_blocks: int  # blocks per layer tensor on the prefill worker (what its descriptors cover)
 
     def to_dict(self) -> Dict[str, Any]:
         return {KEY: dict(asdict(self), version=VERSION)}
@@ -47,11 +48,15 @@ class HandoverParams:
                     blocks=[int(b) for b in d["blocks"]],
                     last_hash=None if d.get("last_hash") is None else int(d["last_hash"]),
                     layer_addrs=[int(a) for a in d["layer_addrs"]], block_bytes=int(d["block_bytes"]),
-                    mem=str(d["mem"]), dev=int(d["dev"]), lease_expires_unix=float(d["lease_expires_unix"]))
+                    mem=str(d["mem"]), dev=int(d["dev"]), lease_expires_unix=float(d["lease_expires_unix"]),
+                    num_blocks=int(d["num_blocks"]))
         except (KeyError, TypeError, ValueError) as e:
             raise HandoverRefused(f"disaggregated_params.{KEY} is malformed ({type(e).__name__}: {e})") from None
-        if p.mem not in ("DRAM", "VRAM") or p.block_bytes <= 0 or any(b < 0 for b in p.blocks):
-            raise HandoverRefused(f"disaggregated_params.{KEY}: bad memory description {p.mem}/{p.block_bytes}")
+        if p.mem not in ("DRAM", "VRAM") or p.block_bytes <= 0 or p.num_blocks <= 0:
+            raise HandoverRefused(f"disaggregated_params.{KEY}: bad memory description "
+                                  f"{p.mem}/{p.block_bytes} bytes/{p.num_blocks} blocks")
+        if any(not 0 <= b < p.num_blocks for b in p.blocks):
+            raise HandoverRefused(f"disaggregated_params.{KEY}: a block id outside [0, {p.num_blocks})")
         return p
 
 

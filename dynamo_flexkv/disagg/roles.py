@@ -97,6 +97,7 @@ class DecodeSide:
         self.stats.handovers += 1
         self.pulled[req.id] = 0
         self.stats.local_blocks += min(first, cap)
+        released = False  # a read that completes delivers the release notice itself
         try:
             n = min(len(p.blocks), cap)
             if n <= first:
@@ -107,7 +108,8 @@ class DecodeSide:
                 raise HandoverRefused(f"lease {p.lease} ends before a read could finish (expired or about to)")
             if p.last_hash != int(req.hashes.sequence[n - 1]):
                 raise HandoverRefused("the handed-over blocks are not this prompt's (sequence hash differs)")
-            self.agent.pull(p, p.blocks[first:n], req.block_table[first:n], budget)
+            self.agent.pull(p, p.blocks[first:n], req.block_table[first:n], budget, notif=RELEASE + p.lease.encode())
+            released = True
             self.stats.pulled_blocks += n - first
             self.pulled[req.id] = (n - first) * req.hashes.block_size
             return n - first
@@ -116,7 +118,8 @@ class DecodeSide:
             log.warning("request %s: KV handover from %s failed, recomputing its prompt: %s", req.id, p.agent, e)
             return 0
         finally:
-            self._release(p)
+            if not released:
+                self._release(p)
 
     def _release(self, p: HandoverParams) -> None:
         if not self.agent.notify(p, RELEASE + p.lease.encode()):
