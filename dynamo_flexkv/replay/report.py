@@ -57,7 +57,7 @@ def summarize(run: ConfigRun) -> Summary:
     prompt = sum(r.prompt_tokens for r in ok)
     per_request = all(r.cached_by_tier is not None for r in ok) and bool(ok)
     if per_request:
-        cached = {t: sum(r.cached_by_tier[t] for r in ok) for t in TIERS}
+        cached = {t: sum(r.cached_by_tier.get(t, 0) for r in ok) for t in TIERS}  # a tier a record lacks: 0
     else:  # the responses carry only a total: per tier from the workers' counters
         cached = {t: sum(w.cached[t] for w in run.workers.values()) for t in TIERS}
     total_cached = sum(r.cached_tokens for r in ok)
@@ -107,9 +107,9 @@ def check_accounting(run: ConfigRun) -> str:
             problems.append(f"{name}: prompt tokens {sum(r.prompt_tokens for r in recs)} vs metrics {w.prompt_tokens}")
         if all(r.cached_by_tier is not None for r in recs):
             for t in TIERS:
-                got = sum(r.cached_by_tier[t] for r in recs)
-                if got != w.cached[t]:
-                    problems.append(f"{name}: {t} cached {got} in responses vs {w.cached[t]} in metrics")
+                got, want = sum(r.cached_by_tier.get(t, 0) for r in recs), w.cached.get(t, 0)
+                if got != want:
+                    problems.append(f"{name}: {t} cached {got} in responses vs {want} in metrics")
         elif sum(r.cached_tokens for r in recs) != sum(w.cached.values()):
             problems.append(f"{name}: cached {sum(r.cached_tokens for r in recs)} in responses vs "
                             f"{sum(w.cached.values())} in metrics")
