@@ -160,3 +160,99 @@ def test_decode_stopped_then_killed_while_holding_a_lease_the_lease_expires_and_
     clean_exit(launcher)
     assert_gone(launcher)
     assert_all_gone([p.pid for p in launcher.spawned], [])
+
+
+def test_prefill_killed_mid_handover_decode_recomputes_and_the_restarted_prefill_serves_again(tmp_path):
+    """SIGSTOP the decode worker and send a request: the prefill worker computes it and leases its
+    blocks, the frontend hands the request to decode, which cannot pull yet. SIGKILL the prefill
+    worker, SIGCONT decode: its pull finds the peer gone and it recomputes the prompt (exact greedy
+    tokens) or the request ends in a clean HTTP error. The launcher restarts the prefill worker and
+    the graph serves exact tokens again; decode holds no device block, no task is in flight and
+    every process exits 0."""
+    import os
+    import signal
+    import threading
+    import time
+    import urllib.error
+
+    from test_serve_faults import assert_all_gone, inflight
+
+    plan = disagg_plan(tmp_path, "disagg", "PrefillWorker.restart-backoff-s=0.5")
+    prefill, decode = plan.workers
+    launcher = Launcher(plan)
+    stop = threading.Event()
+    supervisor = threading.Thread(target=lambda: launcher.supervise(stop))
+    base, extra = prompts(4, seed=17)
+    decode_pid = None
+    try:
+        launcher.start()
+        launcher.wait_ready(120)
+        supervisor.start()
+        want = {p: complete(plan, p, 3)["choices"][0]["text"] for p in base + extra}
+        wait_until("no prefill block leased", lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0)
+        # A prompt neither worker has seen: decode must pull all of it or recompute all of it.
+        fresh = extra[0] + " " + " ".join(reversed(base[0].split()))
+        first_prefill = launcher.running[prefill.name].pid
+        decode_pid = launcher.running[decode.name].pid
+        os.kill(decode_pid, signal.SIGSTOP)
+        outcome = {}
+
+        def ask():
+            try:
+                outcome["reply"] = complete(plan, fresh, 3)
+            except (urllib.error.HTTPError, OSError) as e:
+                outcome["error"] = e
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_until("a lease held on the prefill worker",
+                   lambda: metric(prefill.port, "flexkv_device_blocks", state="used") > 0, every=0.05)
+        time.sleep(0.5)  # the prefill stream ends; the frontend sends the request on to the stopped decode worker
+        os.kill(first_prefill, signal.SIGKILL)
+        wait_until("the prefill worker reaped", lambda: launcher.running[prefill.name].pid != first_prefill
+                   or launcher.running[prefill.name].poll() is not None, timeout=10)
+        os.kill(decode_pid, signal.SIGCONT)
+        decode_pid = None
+        asker.join(120)
+        assert not asker.is_alive(), "the request neither finished nor failed"
+        if "reply" in outcome:  # decode recomputed the prompt it could not pull
+            reply = outcome["reply"]
+            assert reply["nvext"]["engine_data"]["flexkv"].get("handover_tokens") == 0
+            log = (plan.run_dir / "logs" / f"{decode.name}.log").read_text()
+            assert "KV handover from" in log and "failed, recomputing" in log
+        else:
+            assert isinstance(outcome["error"], urllib.error.HTTPError), outcome["error"]
+        wait_until("the prefill worker restarted", lambda: prefill.name not in launcher.starting
+                   and launcher.restarts.get(prefill.name) == 1, timeout=90)
+        # The frontend registers the new prefill instance a moment after its /health is ready.
+        wait_until("the graph serving exact tokens again",
+                   lambda: _text_or_none(plan, base[1]) == want[base[1]], timeout=30, every=0.5)
+        for p in base + extra:
+            assert complete(plan, p, 3)["choices"][0]["text"] == want[p]
+        if "reply" in outcome:
+            assert outcome["reply"]["choices"][0]["text"] == complete(plan, fresh, 3)["choices"][0]["text"]
+        assert launcher.restarts.get(decode.name) is None, "the decode worker died too"
+        wait_until("decode holds no device block", lambda: metric(decode.port, "flexkv_device_blocks", state="used") == 0,
+                   timeout=20)
+        wait_until("no task in flight", lambda: inflight(decode.port) == 0 and inflight(prefill.port) == 0, timeout=20)
+        wait_until("the new prefill worker's leases released",
+                   lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0, timeout=20)
+    finally:
+        if decode_pid is not None:
+            os.kill(decode_pid, signal.SIGCONT)
+        stop.set()
+        if supervisor.is_alive():
+            supervisor.join()
+        launcher.shutdown()
+    clean_exit(launcher)
+    assert_gone(launcher)
+    assert_all_gone([p.pid for p in launcher.spawned], [])
+
+
+def _text_or_none(plan, prompt: str):
+    """The greedy text, or None while a request still fails (e.g. no prefill worker registered yet)."""
+    import urllib.error
+
+    try:
+        return complete(plan, prompt, 3)["choices"][0]["text"]
+    except (urllib.error.HTTPError, OSError):
+        return None
