@@ -23,6 +23,12 @@ handover is reported too. UCX picks its transports (UCX_TLS) for both alike.
 Then the served graphs on one mixed workload (``serving`` cases, milliseconds, lower is better):
 graphs/disagg.py against graphs/agg.py, small preset. Short requests stream tokens while long
 prompts arrive; TTFT of every request and the inter-token latency of the streaming ones, p50/p99.
+
+Last the ``etcd`` cases: what carrying the prefill agent's NIXL metadata in every request costs
+(handover params bytes and parse time, with vs without it) against publishing it once per worker
+under an etcd lease (put under a lease and get latency, p50/p99, on a private etcd on 127.0.0.1
+through its v3 JSON gateway over one keep-alive HTTP connection: no etcd client is installed).
+Skipped with a note when no ``etcd`` binary is on PATH.
 """
 
 from __future__ import annotations
@@ -213,6 +219,123 @@ def _serving_cases(args: argparse.Namespace) -> List[Case]:
 def run(args: argparse.Namespace) -> List[Case]:
     cases = _handover_cases(args)
     cases += _serving_cases(args)
+    cases += _etcd_cases(args)
+    return cases
+
+
+class _Etcd:
+    """A private single-node etcd on 127.0.0.1 (temp data dir), spoken to through its v3 JSON gateway."""
+
+    def __init__(self, binary: str, tmp: str) -> None:
+        import http.client
+
+        from dynamo_flexkv.remote.server import free_port
+
+        client, peer = free_port(), free_port()
+        self.log = open(os.path.join(tmp, "etcd.log"), "wb")
+        self.proc = subprocess.Popen(
+            [binary, "--name", "bench", "--data-dir", os.path.join(tmp, "data"),
+             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"bench=http://127.0.0.1:{peer}"], stdout=self.log, stderr=subprocess.STDOUT)
+        self.conn = http.client.HTTPConnection("127.0.0.1", client, timeout=10)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.call("/v3/maintenance/status", {})
+                return
+            except OSError:
+                self.conn.close()  # reconnects on the next request
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"etcd did not start (see {self.log.name})") from None
+                time.sleep(0.1)
+
+    def call(self, path: str, body: dict) -> dict:
+        self.conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = self.conn.getresponse()
+        doc = json.loads(r.read())
+        if r.status != 200:
+            raise RuntimeError(f"etcd {path}: HTTP {r.status} {doc}")
+        return doc
+
+    def close(self) -> None:
+        self.conn.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def _etcd_cases(args: argparse.Namespace) -> List[Case]:
+    import base64
+    import shutil
+    import tempfile
+
+    from dynamo_flexkv.disagg.nixl_kv import KVAgent
+
+    binary = shutil.which("etcd")
+    if binary is None:
+        print("bench disagg: etcd cases skipped: no etcd on PATH (Debian: apt-get install etcd-server)")
+        return []
+    n = 200 if args.quick else 1000
+    cfg = EngineModelConfig.load(PRESET)
+    engine = LLMEngine(cfg, num_device_blocks=64)
+    agent = KVAgent(engine.kv_cache.layers)
+    tmp = tempfile.mkdtemp(prefix="flexkv-bench-etcd-", dir=getattr(args, "dir", None))
+    etcd = None
+    try:
+        # A 4K-token prompt's handover, with the metadata inline and without it.
+        leased, expires = list(range((4096 - 1) // cfg.block_size)), time.time() + 30
+        inline = json.dumps(agent.describe("L", leased, 1, expires).to_dict())
+        bare = json.dumps(agent.describe("L", leased, 1, expires, with_metadata=False).to_dict())
+
+        def parse_us(text: str) -> float:  # what decode does per request: JSON -> checked params
+            reps = 20 if args.quick else 100
+            batches = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    HandoverParams.from_dict(json.loads(text))
+                batches.append((time.perf_counter() - t0) / 20)
+            return statistics.median(batches) * 1e6
+        parse_inline, parse_bare = parse_us(inline), parse_us(bare)
+
+        etcd = _Etcd(binary, tmp)
+        b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731 (the gateway takes bytes as base64)
+        key, value = b64(f"flexkv/nixl/{agent.name}".encode()), b64(agent.metadata.encode())
+        lease = etcd.call("/v3/lease/grant", {"TTL": 30})["ID"]
+        puts, gets = [], []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            etcd.call("/v3/kv/put", {"key": key, "value": value, "lease": lease})
+            puts.append(time.perf_counter() - t0)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            got = etcd.call("/v3/kv/range", {"key": key})
+            gets.append(time.perf_counter() - t0)
+        if base64.b64decode(got["kvs"][0]["value"]).decode() != agent.metadata:
+            raise RuntimeError("etcd returned other metadata than was put")
+    finally:
+        if etcd is not None:
+            etcd.close()
+        agent.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    extra_us = parse_inline - parse_bare
+    meta = f"metadata {len(agent.metadata)} B packed; a 4K-token handover ({len(leased)} blocks)"
+    cases = [Case("disagg", "etcd-params-bytes", len(bare), len(inline), "B", "params with the metadata inline",
+                  f"lower is better; {meta}"),
+             Case("disagg", "etcd-params-parse", parse_bare, parse_inline, "us", "parse with the metadata inline",
+                  "lower is better; json.loads + HandoverParams.from_dict, median of 20-parse batches")]
+    for name, xs in (("put-under-lease", puts), ("get", gets)):
+        for q in (50, 99):
+            cases.append(Case("disagg", f"etcd-{name}-p{q}", _pct(xs, q) * 1e3, extra_us, "us",
+                              "inline metadata's extra parse per request",
+                              f"lower is better; paid once per worker (put) / per new peer (get), not per request; "
+                              f"{n} ops, one keep-alive HTTP connection to etcd's v3 JSON gateway"))
     return cases
 
 
