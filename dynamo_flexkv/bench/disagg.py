@@ -137,28 +137,32 @@ def _timed(fn, *args) -> Tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def _stream(base_url: str, model: str, prompt: List[int], max_tokens: int) -> List[float]:
-    """Arrival times (perf_counter) of each streamed token of one greedy completion."""
+def _stream(base_url: str, model: str, prompt: List[int], max_tokens: int) -> Tuple[List[float], int]:
+    """Arrival times (perf_counter: the request, then each streamed chunk) of one greedy
+    completion, and how many tokens it generated (the usage chunk)."""
     import http.client
     from urllib.parse import urlparse
 
     u = urlparse(base_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "stream": True, "ignore_eos": True})
+                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"completion failed: HTTP {resp.status} {resp.read()[:200]!r}")
-    times = [t0]
+    times, tokens = [t0], 0
     for raw in resp:
         line = raw.decode().strip()
         if line.startswith("data:") and line != "data: [DONE]":
-            if json.loads(line[5:]).get("choices"):
+            doc = json.loads(line[5:])
+            if doc.get("choices"):
                 times.append(time.perf_counter())
+            if doc.get("usage"):
+                tokens = int(doc["usage"]["completion_tokens"])
     conn.close()
-    return times
+    return times, tokens
 
 
 def _serve_workload(graph: str, quick: bool, tmp: str) -> dict:
@@ -192,8 +196,11 @@ def _serve_workload(graph: str, quick: bool, tmp: str) -> dict:
                 long_futs.append(pool.submit(_stream, plan.base_url, plan.served_model_name, p, 4))
                 threading.Event().wait(0.5)
             runs = [f.result() for f in chatty], [f.result() for f in long_futs]
-    ttft = [t[1] - t[0] for r in runs for t in r]
-    itl = [b - a for t in runs[0] for a, b in zip(t[1:], t[2:])]
+    ttft = [t[1] - t[0] for r in runs for t, _ in r]
+    # Per streaming request, (last chunk - first token) / (tokens - 1): the frontend drops the
+    # chunks of tokens that decode to no text (most of this random-weight model's), so gaps between
+    # chunks are not gaps between tokens.
+    itl = [(t[-1] - t[1]) / (n - 1) for t, n in runs[0] if n > 1]
     return {"ttft": ttft, "itl": itl}
 
 
@@ -212,7 +219,7 @@ def _serving_cases(args: argparse.Namespace) -> List[Case]:
         for q in (50, 99):
             cases.append(Case("disagg", f"serving-{metric}-p{q}", _pct(dis[metric], q), _pct(agg[metric], q), "ms",
                               "agg graph, same workload", f"lower is better; {len(dis[metric])} samples"
-                              + ("; gaps between streamed chunks (the detokenizer may merge tokens)" if metric == "itl" else "")))
+                              + ("; per streaming request: (last chunk - first token) / (tokens - 1)" if metric == "itl" else "")))
     return cases
 
 
