@@ -49,5 +49,8 @@ def run(args: argparse.Namespace) -> List[Case]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    run(build_parser().parse_args(argv))
+    from dynamo_flexkv.disagg.nixl_kv import exit_past_libnl
+
+    with exit_past_libnl():  # bench disagg creates UCX agents here: exit 0, not libnl's exit-time SIGSEGV
+        run(build_parser().parse_args(argv))
     return 0
