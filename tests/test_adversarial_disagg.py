@@ -236,3 +236,38 @@ def test_disagg_prefill_worker_exits_cleanly_after_a_request_decode_refused(tmp_
         with pytest.raises(urllib.error.HTTPError):
             complete(plan, " ".join(["alpha beta gamma delta"] * 6), 100000)
     assert launcher.running[prefill.name].returncode == 0
+
+
+@pytest.mark.xfail(strict=True, reason="decode trusts the block ids of disaggregated_params: a handover naming a live "
+                   "lease and this prompt's last_hash but another prompt's blocks (or another prompt's lease with this "
+                   "prompt's last_hash) is pulled and decoded: wrong KV bytes, wrong tokens, no refusal. The decode "
+                   "endpoint (TCP on 127.0.0.1) takes prefill_result from whoever sends the request")
+def test_decode_refuses_a_forged_handover_naming_another_prompts_blocks():
+    pytest.importorskip("nixl._api")
+    from test_disagg import CFG, _decode_one
+
+    from dynamo_flexkv.disagg.nixl_kv import KVAgent
+    from dynamo_flexkv.disagg.params import KEY
+    from dynamo_flexkv.disagg.roles import DecodeSide, PrefillSide
+    from dynamo_flexkv.engine import LLMEngine
+    from dynamo_flexkv.engine.request import SamplingParams
+
+    prefill, decode, agg = (LLMEngine(CFG, num_device_blocks=48) for _ in range(3))
+    p_agent, d_agent = KVAgent(prefill.kv_cache.layers), KVAgent(decode.kv_cache.layers)
+    p_side = PrefillSide(prefill, p_agent, lease_ttl=30)
+    d_side = DecodeSide(decode, d_agent, pull_timeout=10)
+    decode.remote_fill = d_side.fill
+    try:
+        params = SamplingParams(max_tokens=6)
+        a, b = list(range(1, 100)), list(range(200, 299))
+        (want,) = agg.generate([a], params)
+        handovers = []
+        for prompt in (a, b):
+            prefill.generate([prompt], SamplingParams(max_tokens=1))
+            handovers.append(p_side.hand_over(prompt)[KEY])
+        forged = dict(handovers[0], blocks=handovers[1]["blocks"])  # a's lease and hash, b's blocks
+        assert _decode_one(decode, d_side, "forged", a, params, {KEY: forged}) == want.output
+    finally:
+        p_side.close()
+        d_agent.close()
+        p_agent.close()
