@@ -6,12 +6,14 @@ in a results folder."""
 from __future__ import annotations
 
 import argparse
+import math
+import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
 from dynamo_flexkv.workload import TRACE_BLOCK, Scale, Turn, trace_turns
@@ -45,13 +47,34 @@ FULL = Preset(conversations=192, sample_every=1, trace_window_s=None, time_scale
               device_blocks="48,64,128,256", sweep_configs=ALL_CONFIGS)
 
 
+def _number(kind: type, low: float, inclusive: bool, what: str) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` at or above (``inclusive``) / above ``low``. argparse names
+    the option and exits 2 on a bad value, before anything is served."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text} must be {what}")
+        return value
+    return parse
+
+
+COUNT = _number(int, 1, True, "a whole number >= 1")
+POSITIVE_S = _number(float, 0, False, "a finite number of seconds > 0")
+FACTOR = _number(float, 0, False, "a finite number > 0")
+GB = _number(float, 0, True, "a finite number of GB >= 0")
+WINDOW_S = _number(float, 0, True, "a finite number of seconds >= 0 (0: no window)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to serve")
     g.add_argument("--graph", default=resolve(GRAPHS, "agg_router"))
     g.add_argument("-f", "--config", default=resolve(CONFIGS, "agg_router"))
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every configuration (e.g. FlexKVWorker.cache.cpu_cache_gb=0.25)")
-    g.add_argument("--host-gb", type=float, default=HOST_GB,
+    g.add_argument("--host-gb", type=GB, default=HOST_GB,
                    help=f"host tier per worker in GB (default {HOST_GB}: 512 blocks of the small preset, what a worker "
                    "serves in the default workload; 0.03125 makes the SSD tier serve most lower-tier hits)")
     g.add_argument("--configs", help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
@@ -68,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --url: the workers' system ports, to attribute requests and check the accounting")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="Mooncake-format trace, .jsonl or .jsonl.xz (default: the shipped one)")
-    w.add_argument("--conversations", type=int, help=f"conversations replayed (default {DEFAULT.conversations}; "
+    w.add_argument("--conversations", type=COUNT, help=f"conversations replayed (default {DEFAULT.conversations}; "
                    f"--full {FULL.conversations})")
     w.add_argument("--min-turns", type=int, default=Scale.min_turns)
     w.add_argument("--max-turns", type=int, default=Scale.max_turns)
@@ -76,15 +99,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per {TRACE_BLOCK}-token trace block (scales prompt length)")
     w.add_argument("--max-prompt-tokens", type=int, default=Scale.max_prompt_tokens)
     w.add_argument("--max-output-tokens", type=int, default=Scale.max_output_tokens)
-    w.add_argument("--sample-every", type=int, metavar="K",
+    w.add_argument("--sample-every", type=COUNT, metavar="K",
                    help="replay every K-th conversation of the first K x --conversations, so new conversations arrive "
                    f"spread out as in the trace, not in one burst (default {DEFAULT.sample_every}; --full {FULL.sample_every})")
-    w.add_argument("--trace-window-s", type=float, help=f"drop turns that arrive later than this many seconds into "
+    w.add_argument("--trace-window-s", type=WINDOW_S, help=f"drop turns that arrive later than this many seconds into "
                    f"the trace (default {DEFAULT.trace_window_s:g}; --full: none; 0: none)")
-    w.add_argument("--time-scale", type=float, help=f"trace seconds per replay second (default {DEFAULT.time_scale:g}: "
+    w.add_argument("--time-scale", type=FACTOR, help=f"trace seconds per replay second (default {DEFAULT.time_scale:g}: "
                    f"the trace's arrivals {DEFAULT.time_scale:g}x faster; --full {FULL.time_scale:g})")
-    w.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
-    w.add_argument("--request-timeout", type=float, default=120,
+    w.add_argument("--concurrency", type=COUNT, default=8, help="requests in flight at most (default 8)")
+    w.add_argument("--request-timeout", type=POSITIVE_S, default=120,
                    help="seconds one request may take before it counts as an error (default 120)")
     w.add_argument("--full", action="store_true", help="a longer replay: more conversations, every configuration "
                    "at every device size of a wider sweep")
@@ -98,11 +121,33 @@ def run(args: argparse.Namespace) -> int:
     from dynamo_flexkv.serve import GraphError
     from dynamo_flexkv.serve.launcher import ComponentDied
 
+    # SIGTERM as Ctrl-C: the KeyboardInterrupt unwinds through serve_and_replay and Stopping, which
+    # stop the graphs this replay started (their processes run in their own sessions: a signal to the
+    # replay alone would orphan them).
+    previous = _on_sigterm_interrupt()
     try:
         return _run(args)
     except (GraphError, ComponentDied, TimeoutError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("replay: interrupted; the graphs it started are stopped", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def _on_sigterm_interrupt():
+    """Makes SIGTERM raise KeyboardInterrupt in the main thread; the previous handler, or None
+    where signals cannot be handled (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -117,7 +162,10 @@ def _run(args: argparse.Namespace) -> int:
     if every < 1:
         raise ValueError(f"--sample-every {every} must be >= 1")
     args.time_scale = args.time_scale if args.time_scale is not None else preset.time_scale
-    scale = Scale(conversations=(args.conversations or preset.conversations) * every, min_turns=args.min_turns,
+    conversations = args.conversations if args.conversations is not None else preset.conversations
+    if conversations < 1:
+        raise ValueError(f"--conversations {conversations} must be >= 1")
+    scale = Scale(conversations=conversations * every, min_turns=args.min_turns,
                   max_turns=args.max_turns, tokens_per_hash_block=args.tokens_per_hash_block,
                   max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens)
     window = args.trace_window_s if args.trace_window_s is not None else preset.trace_window_s
@@ -195,7 +243,8 @@ def _run(args: argparse.Namespace) -> int:
     pngs = write_plots(out, runs, summaries, runs[0].device_blocks)
     print(report)
     print(f"Wall time {time.perf_counter() - t_start:.0f} s for {len(runs)} runs. Results in {out}/: report.md, "
-          f"results.jsonl (summaries and every request), {', '.join(p.name for p in pngs)}"
+          f"results.jsonl (summaries and every request)"
+          + (f", {', '.join(p.name for p in pngs)}" if pngs else " (no plots: no request succeeded)")
           + (f"; summaries appended to {args.json}" if args.json else ""))
     err = first_error(runs)
     if err:

@@ -24,13 +24,16 @@ def _pyplot():
 
 def write_plots(out: Path, runs: Sequence[ConfigRun], summaries: Sequence[Summary], main_blocks: int) -> List[Path]:
     """Writes the PNGs into ``out``; the per-configuration plots show the runs at ``main_blocks``."""
-    plt = _pyplot()
     main = [(r, s) for r, s in zip(runs, summaries) if s.device_blocks == main_blocks]
+    if not any(r.error is None for run, _ in main for r in run.records):
+        return []  # no request succeeded: nothing to plot (the caller reports the requests' errors)
+    plt = _pyplot()
     labels = [s.config for _, s in main]
     paths = [_ttft_cdf(plt, out / "ttft_cdf.png", main, main_blocks),
              _cached(plt, out / "cached_tokens.png", [s for _, s in main], main_blocks),
-             _workers(plt, out / "requests_per_worker.png", [s for _, s in main], main_blocks),
              _throughput(plt, out / "throughput.png", [s for _, s in main], labels, main_blocks)]
+    if any(s.requests_per_worker for _, s in main):  # none when no request names its worker
+        paths.insert(2, _workers(plt, out / "requests_per_worker.png", [s for _, s in main], main_blocks))
     if len({s.device_blocks for s in summaries}) > 1:
         paths.append(_sweep(plt, out / "device_sweep.png", summaries))
     return paths
