@@ -90,6 +90,10 @@ class DecodeSide:
         if p is not None:
             self._release(p)
 
+    def refuse(self, params: HandoverParams) -> None:
+        """A request this worker refused before its engine saw it: release the lease unused."""
+        self._release(params)
+
     def fill(self, req: Request, first: int, cap: int) -> int:
         p = self._pending.pop(req.id, None)
         if p is None:

@@ -93,6 +93,12 @@ class Role:
             return {"handover_tokens": self.decode.pulled.pop(request_id)}
         return None
 
+    def refused(self, handover: Optional[HandoverParams]) -> None:
+        """A request refused before the engine took it: it will not pull, so its lease goes back
+        to the prefill worker now rather than at expiry (engine thread)."""
+        if self.decode is not None and handover is not None:
+            self.decode.refuse(handover)
+
     def aborted(self, request_id: str) -> None:
         if self.decode is not None:
             self.decode.forget(request_id)

@@ -172,7 +172,11 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             tokens, params = self.limits.check(request)
         except RequestRefused as e:
             log.info("refused request %s: %s", _context_id(context), e)
+            self._release(handover)
             raise InvalidArgument(str(e)) from None
+        except BaseException:
+            self._release(handover)
+            raise
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
         rid, cid = f"dyn-{next(self._ids)}", _context_id(context)
         self._live[cid] = rid
@@ -212,6 +216,12 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             self._live.pop(cid, None)
             if not ended:  # the stream was closed or cancelled before the request finished
                 self._inbox.put(("abort", rid))
+
+    def _release(self, handover: Any) -> None:
+        """Decode: a request refused before the engine saw it will not pull; the engine thread
+        sends the prefill worker its lease release (the NIXL agent is driven from that thread)."""
+        if handover is not None:
+            self._inbox.put(("release", handover))
 
     async def abort(self, context) -> None:
         """Dynamo calls this when the client disconnects or the request is cancelled."""
@@ -329,12 +339,16 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                 if item[1] in self._streams:
                     engine.abort(item[1])
                 continue
+            if item[0] == "release":
+                self.role.refused(item[1])
+                continue
             _, rid, tokens, params, stream = item
             try:
                 engine.add_request(tokens, params, request_id=rid)
                 self._streams[rid] = stream
                 self.role.added(rid, stream.handover)
             except ValueError as e:  # the limits should have caught it: still tell its caller
+                self.role.refused(stream.handover)
                 stream.send(InvalidArgument(str(e)))
 
 
