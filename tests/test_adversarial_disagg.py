@@ -95,9 +95,6 @@ CLOSED = ["--url", "http://127.0.0.1:9", "--model", "x", "--request-timeout", "5
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="replay --conversations 0 silently replays the default 32 conversations "
-                   "(`args.conversations or preset.conversations`); -2 is refused as 'conversations=-8' (times "
-                   "--sample-every), not naming the option")
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_replay_refuses_conversations_below_one(tmp_path, value):
     rc, err, _ = replay_until_start(tmp_path, *CLOSED, "--conversations", value)
@@ -105,24 +102,18 @@ def test_replay_refuses_conversations_below_one(tmp_path, value):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="replay --trace-window-s nan passes the '>= 0' check, keeps no turn, and ends "
-                   "in 'error: min() arg is an empty sequence' (with a graph: after starting it; a zmq broker was "
-                   "left running)")
 def test_replay_refuses_trace_window_nan(tmp_path):
     rc, err, _ = replay_until_start(tmp_path, *CLOSED, "--trace-window-s", "nan")
     assert rc != 0 and "--trace-window-s" in err, err[-800:]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="replay --time-scale nan is accepted (time-scale 0/-1 are refused)")
 def test_replay_refuses_time_scale_nan(tmp_path):
     rc, err, _ = replay_until_start(tmp_path, *CLOSED, "--time-scale", "nan")
     assert rc != 0 and "time-scale" in err, err[-800:]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="replay --time-scale 0 / --concurrency 0 / --request-timeout 0 are refused "
-                   "only after a graph was started and became ready (clear message, but too late)")
 @pytest.mark.parametrize("option", [["--time-scale", "0"], ["--concurrency", "0"], ["--request-timeout", "0"]])
 def test_replay_refuses_bad_run_options_before_starting_a_graph(tmp_path, option):
     rc, err, started = replay_until_start(tmp_path, *option, "--configs", "no-offload", "--set", "Common.model=tiny",
@@ -131,7 +122,6 @@ def test_replay_refuses_bad_run_options_before_starting_a_graph(tmp_path, option
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="replay --host-gb -1 / nan are accepted: the graph starts and replays")
 @pytest.mark.parametrize("value", ["-1", "nan"])
 def test_replay_refuses_a_bad_host_gb(tmp_path, value):
     rc, err, started = replay_until_start(tmp_path, "--host-gb", value, "--configs", "host",
@@ -140,8 +130,6 @@ def test_replay_refuses_a_bad_host_gb(tmp_path, value):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="replay where no request succeeds (here: --url of a closed port) ends in "
-                   "matplotlib's 'error: number sections must be larger than 0.' instead of the requests' error")
 def test_replay_with_every_request_failed_reports_the_request_error(tmp_path):
     rc, err, _ = replay_until_start(tmp_path, *CLOSED, "--conversations", "1", "--sample-every", "1")
     assert rc != 0 and "number sections" not in err and "127.0.0.1:9" in err.splitlines()[-1], err[-800:]
@@ -161,8 +149,6 @@ def marked_pids(mark: str) -> List[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="SIGTERM to `dynamo-flexkv replay` while a graph is served kills only the "
-                   "replay process: the zmq broker, frontend and workers it started are orphaned and keep running")
 def test_replay_sigterm_stops_the_graph_it_started(tmp_path):
     mark = f"{os.getpid()}-{time.monotonic_ns()}"
     p = subprocess.Popen([*CLI, "replay", "--configs", "no-offload", "--set", "Common.model=tiny", "--max-prompt-tokens",
@@ -189,9 +175,6 @@ def test_replay_sigterm_stops_the_graph_it_started(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="disagg graph: a request the decode worker refuses (prompt + max_tokens over "
-                   "the context window: HTTP 400) was already prefilled, and the prefill worker's handover lease on its "
-                   "blocks is never released: held until handover-lease-s expires ('expired' warning)")
 def test_disagg_request_refused_by_decode_releases_the_prefill_lease(tmp_path):
     pytest.importorskip("dynamo.frontend")
     pytest.importorskip("nixl._api")
@@ -217,9 +200,6 @@ def test_disagg_request_refused_by_decode_releases_the_prefill_lease(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="disagg graph: a prefill worker holding the lease of a request decode refused "
-                   "drains on SIGINT until that lease expires; with handover-lease-s over the launcher's 30 s grace it "
-                   "is SIGKILLed (exit -9) instead of exiting 0")
 def test_disagg_prefill_worker_exits_cleanly_after_a_request_decode_refused(tmp_path):
     pytest.importorskip("dynamo.frontend")
     pytest.importorskip("nixl._api")
