@@ -56,6 +56,23 @@ def test_bad_options_are_named():
     assert [c.name for c in parse_configs("host+ssd, kv-device-only")] == ["host+ssd", "kv-device-only"]
 
 
+@pytest.mark.parametrize("option,value", [("--conversations", "0"), ("--sample-every", "-1"), ("--concurrency", "0"),
+                                          ("--time-scale", "nan"), ("--time-scale", "0"), ("--request-timeout", "inf"),
+                                          ("--trace-window-s", "-1"), ("--host-gb", "nan"), ("--host-gb", "x")])
+def test_out_of_range_numbers_are_refused_by_the_parser(option, value, capsys):
+    """argparse refuses them (exit 2, naming the option) before anything is served."""
+    import argparse
+
+    from dynamo_flexkv.replay.main import add_arguments
+
+    parser = argparse.ArgumentParser(prog="replay")
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args([option, value])
+    assert e.value.code == 2 and f"argument {option}:" in capsys.readouterr().err
+    assert parser.parse_args([option, "1"]) is not None
+
+
 def _record(i: int, worker: int, cached: dict) -> RequestRecord:
     return RequestRecord(i, i, 0, 0.0, prompt_tokens=100, output_tokens=2, ttft_ms=10.0 + i, e2e_ms=20.0,
                          worker_id=worker, cached_tokens=sum(cached.values()), cached_by_tier=dict(cached))
@@ -71,6 +88,18 @@ def test_accounting_names_each_mismatch():
     assert check_accounting(run) == "w2: disk cached 30 in responses vs 29 in metrics"
     workers["w2"].cached["disk"], workers["w1"].requests = 30, 2
     assert check_accounting(run) == "w1: 1 responses, flexkv_requests_total +2"
+
+
+def test_plots_skip_what_has_no_data(tmp_path):
+    """No request succeeded: no plot (matplotlib failed on the empty legend of requests per worker)."""
+    from dynamo_flexkv.replay.plots import write_plots
+
+    failed = [RequestRecord(i, i, 0, 0.0, error="ClientConnectorError: 127.0.0.1:9") for i in range(2)]
+    run = ConfigRun(CONFIGURATIONS["host+ssd"], 0, failed, 1.0, {}, {})
+    assert write_plots(tmp_path, [run], [summarize(run)], 0) == []
+    run = ConfigRun(CONFIGURATIONS["host+ssd"], 0, failed + [_record(2, 1, {"device": 10})], 1.0, {}, {})
+    assert [p.name for p in write_plots(tmp_path, [run], [summarize(run)], 0)] == \
+        ["ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png"]
 
 
 def test_findings_say_when_the_measurement_disagrees():
