@@ -6,10 +6,25 @@ costs its blocks for ``ttl`` seconds, never for ever. Engine-thread only (no loc
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
+
+
+# A handover lease or pull timeout past a day is a typo (or inf): blocks held that long are lost.
+MAX_HANDOVER_S = 86400.0
+
+
+def handover_seconds_problem(value: float) -> Optional[str]:
+    """Why ``value`` cannot be a handover lease or pull timeout in seconds; None if it can. Shared
+    by the worker's argparse and serve's plan check, so both refuse the same values."""
+    if not math.isfinite(value) or value <= 0:
+        return f"{value} must be > 0 seconds (a finite number)"
+    if value > MAX_HANDOVER_S:
+        return f"{value} must be at most {MAX_HANDOVER_S:.0f} seconds (one day)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -22,8 +37,9 @@ class Lease:
 
 class LeaseTable:
     def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if ttl <= 0:
-            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl}")
+        problem = handover_seconds_problem(ttl)
+        if problem is not None:
+            raise ValueError(f"lease ttl: {problem}")
         self.ttl, self._clock = ttl, clock
         self._leases: Dict[str, Lease] = {}
         self._ids = itertools.count()

@@ -7,6 +7,20 @@ import os
 import sys
 
 
+def handover_seconds(text: str) -> float:
+    """argparse type of --handover-lease-s / --handover-timeout-s: refused before anything starts."""
+    from dynamo_flexkv.disagg.leases import handover_seconds_problem
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    problem = handover_seconds_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dynamo_flexkv.worker",
                                 description="The reference engine with KVManager offload as a Dynamo backend.")
@@ -31,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disaggregation-mode", default="agg", choices=["agg", "prefill", "decode"],
                    help="agg: prefill and decode here; prefill: compute prompts and hand their KV over; "
                         "decode: pull prefilled KV over NIXL and generate")
-    p.add_argument("--handover-lease-s", type=float, default=30.0,
+    p.add_argument("--handover-lease-s", type=handover_seconds, default=30.0,
                    help="prefill: seconds handed-over blocks stay held without the decode worker's release")
-    p.add_argument("--handover-timeout-s", type=float, default=10.0,
+    p.add_argument("--handover-timeout-s", type=handover_seconds, default=10.0,
                    help="decode: seconds a KV pull may take before the prompt is recomputed instead")
     return p
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import yaml
 
 from dynamo_flexkv.config import CacheConfig, ConfigError, read_yaml_mapping
+from dynamo_flexkv.disagg.leases import handover_seconds_problem
 from dynamo_flexkv.dynamo import LOOPBACK_ENV
 from dynamo_flexkv.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
@@ -47,6 +48,12 @@ def _int(v: Any) -> int:
 
 
 def _float(v: Any) -> float:
+    # YAML 1.1 reads 1e3 (no dot, no sign in the exponent) as a string: a number to the user.
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            raise ValueError("expected a number") from None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError("expected a number")
     return float(v)
@@ -274,8 +281,9 @@ def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict
             raise GraphError(f"{source}: {name}.disaggregation-mode={out['disaggregation-mode']!r}: use one of "
                              f"{list(DISAGG_MODES)}")
         for key in ("handover-lease-s", "handover-timeout-s"):
-            if out[key] <= 0:
-                raise GraphError(f"{source}: {name}.{key}={out[key]} must be > 0 seconds")
+            problem = handover_seconds_problem(out[key])
+            if problem is not None:
+                raise GraphError(f"{source}: {name}.{key}={problem}")
         if out["disaggregation-mode"] == "prefill" and not out["device-prefix-cache"]:
             raise GraphError(f"{source}: {name}: a prefill worker hands its device prefix cache over; set "
                              "device-prefix-cache: true")
