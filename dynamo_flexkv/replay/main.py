@@ -139,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _interrupt(signum: int, frame) -> None:
+    # once: a second SIGTERM must not cut short the stopping of the graph (a handler, not SIG_IGN,
+    # which the graph's processes would inherit across exec)
+    signal.signal(signum, lambda *_: None)
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
