@@ -32,8 +32,8 @@ LEASE_MARGIN_S = 1.0
 
 
 class PrefillSide:
-    def __init__(self, engine: LLMEngine, agent: KVAgent, lease_ttl: float) -> None:
-        self.engine, self.agent = engine, agent
+    def __init__(self, engine: LLMEngine, agent: KVAgent, lease_ttl: float, secret: Optional[bytes] = None) -> None:
+        self.engine, self.agent, self.secret = engine, agent, secret
         self.leases = LeaseTable(lease_ttl)
 
     def hand_over(self, prompt: List[int]) -> Dict[str, object]:
@@ -46,7 +46,8 @@ class PrefillSide:
         if not blocks:
             return {}
         lease = self.leases.grant(blocks)
-        return self.agent.describe(lease.id, blocks, int(hashes[len(blocks) - 1]), lease.expires_unix).to_dict()
+        p = self.agent.describe(lease.id, blocks, int(hashes[len(blocks) - 1]), lease.expires_unix)
+        return p.signed(self.secret).to_dict()
 
     def service(self) -> None:
         for msg in self.agent.notifications():
@@ -73,15 +74,28 @@ class DecodeStats:
 
 
 class DecodeSide:
-    def __init__(self, engine: LLMEngine, agent: KVAgent, pull_timeout: float) -> None:
+    def __init__(self, engine: LLMEngine, agent: KVAgent, pull_timeout: float,
+                 secret: Optional[bytes] = None) -> None:
         self.engine, self.agent, self.pull_timeout = engine, agent, pull_timeout
+        self.secret = secret  # the graph's: handovers not signed with it are recomputed
         self._pending: Dict[str, HandoverParams] = {}
         self.pulled: Dict[str, int] = {}  # request id -> prompt tokens pulled, until the request ends
         self.stats = DecodeStats()
 
     def expect(self, request_id: str, params: Optional[HandoverParams]) -> None:
-        if params is not None:
+        if params is not None and self._trusted(request_id, params):
             self._pending[request_id] = params
+
+    def _trusted(self, request_id: str, params: HandoverParams) -> bool:
+        """A handover not signed with this graph's secret is recomputed, and no release is sent
+        for it: its agent and lease may name another request's live lease."""
+        try:
+            params.verify(self.secret)
+            return True
+        except HandoverRefused as e:
+            self.stats.failed += 1
+            log.warning("request %s: recomputing its prompt: %s", request_id, e)
+            return False
 
     def forget(self, request_id: str) -> None:
         """The request ended before it was allocated (aborted): release its lease now."""
@@ -92,7 +106,8 @@ class DecodeSide:
 
     def refuse(self, params: HandoverParams) -> None:
         """A request this worker refused before its engine saw it: release the lease unused."""
-        self._release(params)
+        if self._trusted("(refused)", params):
+            self._release(params)
 
     def fill(self, req: Request, first: int, cap: int) -> int:
         p = self._pending.pop(req.id, None)

@@ -18,7 +18,7 @@ from dynamo.common.backend.health_check import is_probe
 from dynamo.common.constants import DisaggregationMode
 from dynamo.llm.exceptions import InvalidArgument
 
-from dynamo_flexkv.disagg.params import HandoverParams, HandoverRefused
+from dynamo_flexkv.disagg.params import HandoverParams, HandoverRefused, handover_secret
 from dynamo_flexkv.engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,9 @@ class Role:
             if not engine.device_prefix_cache:
                 raise InvalidArgument("a prefill worker hands over its device prefix cache: drop "
                                       "--no-device-prefix-cache")
-            self.prefill = PrefillSide(engine, self.agent, self.args.handover_lease_s)
+            self.prefill = PrefillSide(engine, self.agent, self.args.handover_lease_s, handover_secret())
         else:
-            self.decode = DecodeSide(engine, self.agent, self.args.handover_timeout_s)
+            self.decode = DecodeSide(engine, self.agent, self.args.handover_timeout_s, handover_secret())
             engine.remote_fill = self.decode.fill
         log.info("%s worker: NIXL agent %s over %d KV layers", self.args.disaggregation_mode, self.agent.name,
                  len(engine.kv_cache.layers))

@@ -27,6 +27,7 @@ import yaml
 
 from dynamo_flexkv.config import CacheConfig, ConfigError, read_yaml_mapping
 from dynamo_flexkv.disagg.leases import handover_seconds_problem
+from dynamo_flexkv.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.dynamo import LOOPBACK_ENV
 from dynamo_flexkv.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
@@ -228,6 +229,11 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
             model, served = opts["model"], opts.get("served-model-name") or f"flexkv-{opts['model']}"
             processes += _workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
                                   ports, source, local, redis)
+    if local:  # one secret per graph: prefill workers sign handovers, decode workers check them
+        secret = secrets.token_hex(32)
+        for proc in processes:
+            if proc.kind is Kind.WORKER:
+                proc.env[HANDOVER_SECRET_ENV] = secret
     _check_roles(processes, source)
     if redis:
         infra.append(_redis_process(run_dir, redis))
