@@ -210,10 +210,6 @@ def test_disagg_prefill_worker_exits_cleanly_after_a_request_decode_refused(tmp_
     assert launcher.running[prefill.name].returncode == 0
 
 
-@pytest.mark.xfail(strict=True, reason="decode trusts the block ids of disaggregated_params: a handover naming a live "
-                   "lease and this prompt's last_hash but another prompt's blocks (or another prompt's lease with this "
-                   "prompt's last_hash) is pulled and decoded: wrong KV bytes, wrong tokens, no refusal. The decode "
-                   "endpoint (TCP on 127.0.0.1) takes prefill_result from whoever sends the request")
 def test_decode_refuses_a_forged_handover_naming_another_prompts_blocks():
     pytest.importorskip("nixl._api")
     from test_disagg import CFG, _decode_one
@@ -226,8 +222,9 @@ def test_decode_refuses_a_forged_handover_naming_another_prompts_blocks():
 
     prefill, decode, agg = (LLMEngine(CFG, num_device_blocks=48) for _ in range(3))
     p_agent, d_agent = KVAgent(prefill.kv_cache.layers), KVAgent(decode.kv_cache.layers)
-    p_side = PrefillSide(prefill, p_agent, lease_ttl=30)
-    d_side = DecodeSide(decode, d_agent, pull_timeout=10)
+    secret = b"the graph's handover secret"  # what `dynamo-flexkv serve` gives both workers
+    p_side = PrefillSide(prefill, p_agent, lease_ttl=30, secret=secret)
+    d_side = DecodeSide(decode, d_agent, pull_timeout=10, secret=secret)
     decode.remote_fill = d_side.fill
     try:
         params = SamplingParams(max_tokens=6)
