@@ -218,3 +218,30 @@ def test_prefill_process_killed_after_handing_over_decode_recomputes_exactly(tmp
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_signed_handover_is_pulled_and_an_unsigned_or_differently_signed_one_recomputed():
+    """With the graph's secret, decode pulls what the prefill side signed; a handover signed with
+    another secret or not at all is recomputed (same tokens) and gets no release from decode."""
+    prefill, decode, agg = (LLMEngine(CFG, num_device_blocks=48) for _ in range(3))
+    p_agent, d_agent = KVAgent(prefill.kv_cache.layers), KVAgent(decode.kv_cache.layers)
+    signer, other = PrefillSide(prefill, p_agent, 30, secret=b"graph"), PrefillSide(prefill, p_agent, 30, b"other")
+    unsigned = PrefillSide(prefill, p_agent, 30)
+    d_side = DecodeSide(decode, d_agent, pull_timeout=10, secret=b"graph")
+    decode.remote_fill = d_side.fill
+    try:
+        params = SamplingParams(max_tokens=4)
+        for i, side in enumerate((signer, other, unsigned)):
+            prompt = list(range(10 + 130 * i, 110 + 130 * i))
+            (want,) = agg.generate([prompt], params)
+            prefill.generate([prompt], SamplingParams(max_tokens=1))
+            handover = side.hand_over(prompt)
+            assert _decode_one(decode, d_side, f"s{i}", prompt, params, handover) == want.output
+            assert d_side.stats.failed == i and d_side.stats.pulled_blocks > 0
+        signer.service()
+        assert len(signer.leases) == 0 and len(other.leases) == len(unsigned.leases) == 1  # no release sent
+    finally:
+        for side in (signer, other, unsigned):
+            side.close()
+        d_agent.close()
+        p_agent.close()

@@ -54,3 +54,17 @@ def test_render_k8s_names_both_roles(tmp_path):
     assert "subComponentType" not in services["Frontend"]
     args = services["PrefillWorker"]["extraPodSpec"]["mainContainer"]["args"]
     assert args[args.index("--disaggregation-mode") + 1] == "prefill"
+
+
+def test_disagg_graph_gives_its_workers_one_handover_secret_by_environment_only(tmp_path):
+    from dynamo_flexkv.disagg.params import SECRET_ENV
+
+    def secrets_of(run):
+        config = apply_overrides(load_config(str(ROOT / "configs" / "disagg.yaml")),
+                                 ["Common.model=tiny", "Frontend.http-port=0"])
+        p = build_plan(load_graph(str(ROOT / "graphs" / "disagg.py")), config, run_dir=tmp_path / run)
+        assert not any(w.env[SECRET_ENV] in " ".join(w.argv) for w in p.workers)
+        return {w.env[SECRET_ENV] for w in p.workers}
+
+    first, second = secrets_of("a"), secrets_of("b")
+    assert len(first) == len(second) == 1 and first != second and len(next(iter(first))) == 64
