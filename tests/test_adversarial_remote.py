@@ -396,9 +396,6 @@ def test_percent_encoded_password_with_special_characters_logs_in():
                 st.close()
 
 
-@pytest.mark.xfail(strict=True, reason="a password with an unencoded '/' is echoed in the ConfigError: "
-                   "'redis://:abc/topsecret@127.0.0.1:6379' is refused as 'has an empty host' with the raw URL "
-                   "(password included) in the message; ':p@ss:w/rd%@h' shows ':***@ss:w/rd%@'")
 def test_unencoded_password_never_appears_in_the_error(tmp_path):
     url = "redis://:abc/topsecret@127.0.0.1:6379"
     with pytest.raises((ConfigError, RemoteConfigError)) as e1:

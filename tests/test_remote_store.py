@@ -86,6 +86,35 @@ def test_password_never_shown() -> None:
     assert SECRET not in str(e.value)
 
 
+@pytest.mark.parametrize("url", [
+    "redis://:abc/topsecret@127.0.0.1:6379",  # unencoded '/' (read as a path before)
+    "redis://:p@ss:w/rd%@h",  # '@', ':', '/' and a bare '%'
+    "redis://user:top?secret#x@h:1/0",  # '?' and '#'
+    "redis://:topsecret%zz@h",  # a '%' that is no %XX escape
+    "redis://top secret@h",  # a space (no ':' at all: still redacted whole)
+    ":abc/topsecret@h:1",  # no scheme
+    "redis//:abc/topsecret@h:1",  # a mistyped scheme
+])
+def test_a_malformed_password_is_never_shown_and_the_fix_is_named(url: str) -> None:
+    """Everything between '//' and the last '@' is redacted; an unparsable user:password part is
+    refused, saying what to percent-encode, and none of it is echoed."""
+    with pytest.raises(RemoteConfigError, match="remote_cache_url") as e:
+        RemoteConfig(url=url)
+    msg = str(e.value)
+    for part in ("abc", "secret", "p@ss", "ss:w", "rd%", "%zz"):
+        assert part not in msg, (part, msg)
+    assert "***" in msg
+    if "://" in url:
+        assert "percent-encoded" in msg and "%2F" in msg
+
+
+def test_redacted_url_hides_the_whole_user_part() -> None:
+    assert RemoteConfig(url="redis://user:p%40ss@h:1/2").redacted_url == "redis://***@h:1/2"
+    assert RemoteConfig(url="redis://h:1").redacted_url == "redis://h:1"
+    p = parse_url("redis://user:p%2Fs%3As%40@h:1")  # every special character, encoded, logs in
+    assert (p.username, p.password) == ("user", "p/s:s@")
+
+
 def test_password_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MY_REDIS_PW", SECRET)
     assert RemoteConfig(url="redis://h:1", password_env="MY_REDIS_PW").password == SECRET

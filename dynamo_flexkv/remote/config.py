@@ -15,6 +15,7 @@ never in an exception message: use ``redacted_url`` when naming the server.
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -46,17 +47,25 @@ class ParsedUrl:
     password: Optional[str] = field(repr=False, compare=False)
 
 
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*\Z")
+# What may stand unencoded in the user name and password (RFC 3986 userinfo: unreserved, sub-delims, ':'),
+# and a %XX escape.
+_USERINFO = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=:-]|%[0-9A-Fa-f]{2})*\Z")
+ENCODE_HELP = ("a password (or user name) with / @ : % ? # or spaces must be percent-encoded "
+               "(urllib.parse.quote(password, safe=''): / is %2F, @ is %40, : is %3A, % is %25), or left out "
+               f"of the URL and set in ${DEFAULT_PASSWORD_ENV} (the variable remote_password_env names)")
+
+
 def _redact(url: str) -> str:
+    """``url`` with everything between ``//`` and the last ``@`` (user name and password, however
+    malformed) replaced by ``***``."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return url
-    netloc_end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    netloc, tail = rest[:netloc_end], rest[netloc_end:]
-    userinfo, at, hosts = netloc.rpartition("@")
+        scheme, rest = "", url
+    userinfo, at, after = rest.rpartition("@")
     if not at:
         return url
-    user = userinfo.partition(":")[0]
-    return f"{scheme}://{user}:***@{hosts}{tail}" if ":" in userinfo else f"{scheme}://{user}@{hosts}{tail}"
+    return f"{scheme}{sep}***@{after}"
 
 
 def _host_port(text: str, url_shown: str) -> Tuple[str, int]:
@@ -79,22 +88,30 @@ def parse_url(url: str) -> ParsedUrl:
     and say how to write it."""
     if not isinstance(url, str) or not url.strip():
         raise RemoteConfigError(f"remote_cache_url is empty: {URL_HELP}")
-    shown = _redact(url)
+    shown = _redact(url.strip())
     scheme, sep, rest = url.strip().partition("://")
-    if not sep or scheme.lower() not in SCHEMES:
-        raise RemoteConfigError(f"remote_cache_url {shown!r} has an unknown scheme {scheme!r}: {URL_HELP}")
+    if not sep:
+        raise RemoteConfigError(f"remote_cache_url {shown!r} has no scheme: {URL_HELP}")
+    if scheme.lower() not in SCHEMES:
+        named = f" {scheme!r}" if _SCHEME.match(scheme) else ""
+        raise RemoteConfigError(f"remote_cache_url {shown!r} has an unknown scheme{named}: {URL_HELP}")
     tls, cluster = SCHEMES[scheme.lower()]
-    netloc_end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    netloc, path = rest[:netloc_end], rest[netloc_end:]
-    if path.startswith("?") or "?" in path:
-        raise RemoteConfigError(f"remote_cache_url {shown!r}: query options are not supported; "
-                                f"set TLS and timeouts with the remote_* keys")
-    userinfo, at, hosts = netloc.rpartition("@")
+    # The user name and password end at the last '@' (a host never has one), so a '/', '?' or '#'
+    # in an unencoded password cannot make it read as a path, a query or a host.
+    userinfo, at, rest = rest.rpartition("@")
     username = password = None
     if at:
+        if not _USERINFO.match(userinfo):  # never echo any of it: it holds the password
+            raise RemoteConfigError(f"remote_cache_url {shown!r}: the user name / password part (before the "
+                                    f"last '@') is not a valid percent-encoded user:password; {ENCODE_HELP}")
         user, colon, pw = userinfo.partition(":")
         username = unquote(user) or None
         password = unquote(pw) if colon and pw else None
+    netloc_end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    hosts, path = rest[:netloc_end], rest[netloc_end:]
+    if path.startswith("?") or "?" in path:
+        raise RemoteConfigError(f"remote_cache_url {shown!r}: query options are not supported; "
+                                f"set TLS and timeouts with the remote_* keys")
     host_list = [h for h in hosts.split(",")]
     if not hosts or any(not h for h in host_list):
         raise RemoteConfigError(f"remote_cache_url {shown!r} names no host (or an empty one): {URL_HELP}")
