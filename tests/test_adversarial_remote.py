@@ -414,8 +414,6 @@ def test_database_out_of_range_is_not_reported_as_a_password_problem(tmp_path, r
     assert "password" not in str(e.value) and "99" in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="RemoteConfig accepts timeout_s=inf (CacheConfig refuses it); "
-                   "RemoteStore then dies at open with OverflowError instead of a RemoteConfigError")
 def test_remote_config_refuses_an_infinite_timeout(redis_server):
     with pytest.raises(RemoteConfigError, match="timeout_s"):
         RemoteStore(RemoteConfig(url=redis_server.url, timeout_s=float("inf")), 1).close()

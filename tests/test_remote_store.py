@@ -126,6 +126,9 @@ def test_password_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"pipeline_bytes": 0}, "remote_pipeline_bytes"),
     ({"ttl_s": -1}, "remote_ttl_s"), ({"key_prefix": "a{b}"}, "remote_key_prefix"),
     ({"tls_ca_file": "/nonexistent.pem"}, "remote_tls_ca_file"),
+    ({"timeout_s": float("inf")}, "remote_timeout_s"), ({"connect_timeout_s": float("nan")}, "remote_connect_timeout_s"),
+    ({"breaker_cooldown_s": float("inf")}, "remote_breaker_cooldown_s"), ({"ttl_s": float("inf")}, "remote_ttl_s"),
+    ({"ttl_s": float("nan")}, "remote_ttl_s"), ({"timeout_s": "2"}, "remote_timeout_s"),
 ])
 def test_bad_settings(kwargs: dict, key: str) -> None:
     with pytest.raises(RemoteConfigError, match=key):

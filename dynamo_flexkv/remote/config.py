@@ -14,6 +14,7 @@ never in an exception message: use ``redacted_url`` when naming the server.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import ssl
@@ -128,6 +129,14 @@ def parse_url(url: str) -> ParsedUrl:
     return ParsedUrl(tls, cluster, nodes, db, username, password)
 
 
+def _check_seconds(name: str, value: object, low: float, what: str, inclusive: bool = False) -> None:
+    """The one check of every duration key: a finite real number above ``low`` (at least, when
+    ``inclusive``). inf would overflow socket timeouts and PX at open; NaN compares false to all."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (value >= low if inclusive else value > low):
+        raise RemoteConfigError(f"remote_{name} must be {what}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class RemoteConfig:
     """Settings of the remote tier. The wiring embeds it in CacheConfig as the ``remote_*`` keys
@@ -151,17 +160,13 @@ class RemoteConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "parsed", parse_url(self.url))
         for name in ("timeout_s", "connect_timeout_s", "breaker_cooldown_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise RemoteConfigError(f"remote_{name} must be a positive number of seconds, got {value!r}")
+            _check_seconds(name, getattr(self, name), 0.0, "a finite positive number of seconds")
         for name in ("pipeline_depth", "pipeline_bytes", "exists_chunk", "breaker_failures"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise RemoteConfigError(f"remote_{name} must be a positive int, got {value!r}")
-        if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float))
-                                       or self.ttl_s < 0.001):
-            raise RemoteConfigError(f"remote_ttl_s must be at least 0.001 seconds or null (no expiry), "
-                                    f"got {self.ttl_s!r}")
+        if self.ttl_s is not None:
+            _check_seconds("ttl_s", self.ttl_s, 0.001, "a finite number of at least 0.001 seconds, or null (no expiry)", inclusive=True)
         if not isinstance(self.key_prefix, str) or any(c.isspace() for c in self.key_prefix) \
                 or "{" in self.key_prefix or "}" in self.key_prefix:
             raise RemoteConfigError(f"remote_key_prefix {self.key_prefix!r} must be a string without "
