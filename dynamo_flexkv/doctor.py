@@ -6,6 +6,7 @@ import ctypes
 import json
 import mmap
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -161,30 +162,51 @@ def check_dynamo() -> Check:
     return Check("Dynamo runtime", Status.OK, f"ai-dynamo-runtime {version('ai-dynamo-runtime')}; {backend}")
 
 
+def check_config(config=None) -> "tuple[Check, Optional[object]]":
+    """The configuration (file and FLEXKV_* environment) and the CacheConfig it makes (None when it
+    cannot be loaded: the check says why, naming the key and the fix)."""
+    from dynamo_flexkv.config import CONFIG_PATH_ENV, CacheConfig, ConfigError
+    if config is not None:
+        return Check("config", Status.OK, "given"), config
+    try:
+        cfg = CacheConfig.load()
+    except ConfigError as e:
+        return Check("config", Status.MISSING, str(e)), None
+    source = os.environ.get(CONFIG_PATH_ENV)
+    return Check("config", Status.OK, f"loaded ({source or 'defaults'} and FLEXKV_* environment)"), cfg
+
+
 def check_remote(config=None) -> Check:
     """The remote tier as configured: reachable, logged in, cluster or not, eviction policy."""
     import shutil
 
-    from dynamo_flexkv.config import CacheConfig, ConfigError
     name = "remote tier (Redis)"
     server = shutil.which("redis-server")
     local = f"redis-server {server}" if server else "redis-server not installed (`apt-get install redis-server`)"
-    try:
-        cfg = config or CacheConfig.load()
-    except ConfigError as e:
-        return Check(name, Status.MISSING, f"config: {e}")
+    if config is None:
+        found, config = check_config()
+        if config is None:
+            return Check(name, Status.MISSING, f"not checked: the config is invalid ({found.detail})")
+    cfg = config
     if not cfg.enable_remote:
         return Check(name, Status.OK, f"disabled (enable_remote=false); {local} for `serve`'s own Redis")
     if not cfg.remote_cache_url:  # only reachable through serve, which fills the URL in
         return Check(name, Status.OK if server else Status.MISSING, f"no remote_cache_url: `serve` starts {local}")
+    from dynamo_flexkv.config import ConfigError
     from dynamo_flexkv.remote import RemoteError, RemoteStore
-    rc = cfg.remote_config()
+    try:
+        rc = cfg.remote_config()
+    except ConfigError as e:
+        return Check(name, Status.MISSING, f"config: {e}")
     try:
         store = RemoteStore(rc, 0, strict=True)
     except RemoteError as e:
         status = Status.MISSING if cfg.remote_required else Status.FALLBACK
         return Check(name, status, f"{e}" + ("" if cfg.remote_required else
                                              " (remote_required=false: workers start on their local tiers)"))
+    except Exception as e:  # noqa: BLE001 -- doctor reports, never dies with a traceback
+        return Check(name, Status.MISSING, f"cannot open the remote tier at {rc.redacted_url}: "
+                     f"{type(e).__name__}: {e}")
     kind = "Redis Cluster" if rc.parsed.cluster else "Redis"
     warn = getattr(store, "policy_warning", None)
     store.close()
@@ -196,19 +218,34 @@ def check_remote(config=None) -> Check:
 
 
 def run_checks(cache_dirs: Sequence[str], config=None) -> List[Check]:
-    checks = [check_native(), check_package_data(), check_io_uring()]
+    return _run_checks(cache_dirs, *check_config(config))
+
+
+def _run_checks(cache_dirs: Sequence[str], loaded: Check, cfg) -> List[Check]:
+    checks = [loaded, check_native(), check_package_data(), check_io_uring()]
     checks += [check_o_direct(d) for d in cache_dirs]
-    checks += [check_cuda(), *check_nixl(), check_dynamo(), check_remote(config)]
-    return checks
+    checks += [check_cuda(), *check_nixl(), check_dynamo()]
+    checks.append(check_remote(cfg) if cfg is not None else
+                  Check("remote tier (Redis)", Status.MISSING, "not checked: the config is invalid (see config)"))
+    return [Check(c.name, c.status, _scrub(c.detail)) for c in checks]
+
+
+# user:password@ after a scheme:// (to the last '@' before a space or quote) not already shown as
+# ***@: a last guard so that no check's text (a library's exception, a value echoed) shows a password.
+_USERINFO_IN_TEXT = re.compile(r"(://)(?!\*\*\*@)[^\s'\"]*@")
+
+
+def _scrub(text: str) -> str:
+    return _USERINFO_IN_TEXT.sub(r"\1***@", text)
 
 
 def main(cache_dirs: Optional[Sequence[str]] = None, as_json: bool = False) -> int:
-    from dynamo_flexkv.config import CacheConfig
-
+    """Prints every check; 1 when one is missing (an invalid config included: reported as the
+    "config" check, not raised)."""
+    loaded, cfg = check_config()
     if not cache_dirs:
-        cfg = CacheConfig.load()
-        cache_dirs = list(cfg.ssd_cache_dir) or [tempfile.gettempdir()]
-    checks = run_checks(cache_dirs)
+        cache_dirs = (list(cfg.ssd_cache_dir) if cfg is not None else []) or [tempfile.gettempdir()]
+    checks = _run_checks(cache_dirs, loaded, cfg)
     if as_json:
         print(json.dumps([{**asdict(c), "status": c.status.value} for c in checks], indent=2))
     else:

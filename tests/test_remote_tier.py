@@ -4,6 +4,7 @@ with no slot, lock or task left behind."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -323,6 +324,32 @@ def test_doctor_reports_the_remote_tier(tmp_path, redis_server):
     with RedisServer(maxmemory="16mb", policy="noeviction") as full:
         warn = check_remote(config(tmp_path, disk_blocks=0, enable_remote=True, remote_cache_url=full.url))
         assert warn.status is Status.FALLBACK and "allkeys-lru" in warn.detail
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"FLEXKV_ENABLE_REMOTE": "true", "FLEXKV_REMOTE_CACHE_URL": "redis://:p@ss/w0rd@127.0.0.1:1"},
+     "percent-encoded"),
+    ({"FLEXKV_TOKENS_PER_BLOCK": "3"}, "tokens_per_block=3"),
+])
+def test_doctor_reports_an_invalid_config_as_a_failed_check(tmp_path, monkeypatch, capsys, env, words):
+    """A bad config key is the "config" check (missing, with the ConfigError's message) and the
+    remote check says it was not run: no exception, exit status 1, no password."""
+    import dynamo_flexkv.doctor as doctor
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(doctor, "check_nixl", lambda: [])  # its child process is not what is tested
+    assert doctor.main([str(tmp_path)], as_json=True) == 1
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert checks["config"]["status"] == "missing" and words in checks["config"]["detail"]
+    assert checks["remote tier (Redis)"]["status"] == "missing"
+    assert "w0rd" not in json.dumps(checks) and "p@ss" not in json.dumps(checks)
+
+
+def test_doctor_never_shows_a_password_a_library_echoed():
+    from dynamo_flexkv.doctor import _scrub
+    assert _scrub("error at redis://u:s3cret@h:1/0, see rediss://:a@b@h2") == \
+        "error at redis://***@h:1/0, see rediss://***@h2"
+    assert _scrub("remote_cache_url 'redis://***@h:1': @ is %40") == "remote_cache_url 'redis://***@h:1': @ is %40"
 
 
 def test_redis_stalled_mid_read_fails_the_get_within_the_timeout(tmp_path, redis_server):
