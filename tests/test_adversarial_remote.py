@@ -405,8 +405,6 @@ def test_unencoded_password_never_appears_in_the_error(tmp_path):
     assert "topsecret" not in str(e1.value) and "topsecret" not in str(e2.value)
 
 
-@pytest.mark.xfail(strict=True, reason="a database index the server does not have (/99) is reported as "
-                   "RemoteAuthError 'refused the credentials ... set the right password', not as a bad db")
 def test_database_out_of_range_is_not_reported_as_a_password_problem(tmp_path, redis_server):
     with pytest.raises(RemoteError) as e:
         manager(tmp_path, redis_server.url + "/99")

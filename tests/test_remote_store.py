@@ -328,6 +328,11 @@ def test_password(monkeypatch: pytest.MonkeyPatch) -> None:
         seq, data = blocks(2, 10)
         with RemoteStore.open(server.url, FP) as store:
             assert store.put(seq, list(data)) == 2
+        with pytest.raises(RemoteError, match=r"refused database 16 .*databases 0\.\.15") as e:
+            RemoteStore.open(server.url + "/16", FP)  # right password, a database it lacks
+        assert not isinstance(e.value, RemoteAuthError) and "password" not in str(e.value)
+        with RemoteStore.open(server.url + "/15", FP) as store:  # the last one it has
+            assert store.exists_prefix(seq) == 0
     with RedisServer(maxmemory="16mb") as server:  # a password given to a server that has none
         with pytest.raises(RemoteAuthError, match="has no password"):
             RemoteStore.open(server.url, FP)

@@ -162,7 +162,7 @@ class RemoteStore:
                 user = cfg.parsed.username
                 conn.call(b"AUTH", *([user] if user else []), password)
             if cfg.parsed.db:
-                conn.call(b"SELECT", cfg.parsed.db)
+                self._select(conn, where)
         except ServerError as e:
             conn.close()
             if "without any password configured" in str(e):
@@ -177,6 +177,27 @@ class RemoteStore:
             conn.close()
             raise RemoteUnavailableError(f"redis at {where} dropped the connection during login: {e}") from None
         return conn
+
+    def _select(self, conn: RespConnection, where: str) -> None:
+        """SELECTs the URL's database; a refusal names the database and what the server has (a
+        ServerError from it would read as a login failure)."""
+        db = self.config.parsed.db
+        try:
+            conn.call(b"SELECT", db)
+        except ServerError as e:
+            if "NOAUTH" in str(e):
+                raise
+            try:
+                reply = conn.call(b"CONFIG", b"GET", b"databases")
+                count = int(reply[1]) if isinstance(reply, list) and len(reply) == 2 else None
+            except (ServerError, ValueError):
+                count = None  # CONFIG is disabled on many managed servers
+            conn.close()
+            has = f"has databases 0..{count - 1}" if count else "does not have it"
+            raise RemoteError(
+                f"redis at {where} refused database {db} ({str(e).strip()}): the server {has}; "
+                f"name one of them after the port in remote_cache_url (e.g. /0), or raise 'databases' "
+                f"in its redis.conf") from None
 
     def _pool(self, node: Node) -> _Pool:
         with self._pools_lock:
