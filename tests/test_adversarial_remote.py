@@ -423,8 +423,6 @@ def test_cache_config_refuses_an_infinite_timeout(tmp_path):
                remote_timeout_s=float("inf"))
 
 
-@pytest.mark.xfail(strict=True, reason="sequence hashes outside u64 wrap silently: a put under 2**64 lands on "
-                   "hash 0's key (with a header that verifies for hash 0), -1 on 0xffff...ffff")
 def test_out_of_range_sequence_hash_is_refused_not_aliased(redis_server):
     st = RemoteStore(RemoteConfig(url=redis_server.url), 9)
     try:

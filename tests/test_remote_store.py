@@ -468,6 +468,30 @@ def test_closed_store_and_bad_arguments(redis_server: RedisServer) -> None:
 
 
 @needs_redis
+def test_hashes_outside_u64_are_refused_not_aliased(redis_server: RedisServer) -> None:
+    """2**64 would land on hash 0's key and -1 on 0xffff...ffff: each call refuses them, naming the
+    value and the range; a numpy uint64 array (the fast path) and ints up to 2**64-1 work."""
+    u64max = 2**64 - 1
+    with RemoteStore.open(redis_server.url, FP) as store:
+        for bad, shown in ([2**64], "18446744073709551616"), ([5, -1], "-1"), \
+                (np.array([3, -2], dtype=np.int64), "-2"), ([np.int64(-7)], "-7"):
+            for call in (lambda: store.put(bad, [bytearray(8)] * len(bad)), lambda: store.exists(bad),
+                         lambda: store.exists_prefix(bad), lambda: store.get_into(bad, [bytearray(8)] * len(bad)),
+                         lambda: store.get_range_into(bad, [bytearray(8)] * len(bad), 0, 8),
+                         lambda: store.delete(bad)):
+                with pytest.raises(ValueError, match=rf"seq_hashes holds {shown}, outside the u64 range \[0, 2\*\*64\)"):
+                    call()
+        with pytest.raises(ValueError, match="parents holds -1"):
+            store.put([1], [bytearray(8)], parents=[-1])
+        assert store.exists([0, u64max]) == [False, False]  # nothing was written under them
+        seq = np.array([0, u64max, 2**63], dtype=np.uint64)
+        assert store.put(seq, [bytearray(b"x" * 8)] * 3) == 3
+        assert store.put([0, u64max, 2**63], [bytearray(b"x" * 8)] * 3, skip_existing=True) == 3
+        assert store.exists_prefix(seq) == 3 and store.exists_prefix(seq.astype(np.uint32)[:1]) == 1
+        assert store.exists_prefix(np.array([0, 5], dtype=np.int64)) == 1  # non-negative int64: fine
+
+
+@needs_redis
 def test_standalone_url_on_a_cluster_node_says_use_cluster(redis_cluster) -> None:  # noqa: F811
     port = redis_cluster.servers[0].port
     with pytest.raises(RemoteError, match=rf"redis\+cluster://127.0.0.1:{port}"):

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+import numpy as np
+
 from dynamo_flexkv.remote.breaker import BreakerState, CircuitBreaker
 from dynamo_flexkv.remote.cluster import Node, SlotMap
 from dynamo_flexkv.remote.codec import HEADER_BYTES, Verdict, check_header, encode_header, key_prefix_bytes, payload_ok
@@ -80,8 +82,30 @@ def _byte_view(buf: Any, writable: bool) -> memoryview:
     return mv
 
 
-def _hash_list(hashes: Hashes) -> List[int]:
-    return [int(h) & _U64 for h in (hashes.tolist() if hasattr(hashes, "tolist") else hashes)]
+def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> List[int]:
+    """``hashes`` as Python ints, each checked to be a u64: one outside [0, 2**64) would otherwise
+    wrap onto another block's key. numpy unsigned arrays need no check, signed ones one vectorized
+    min; lists are checked with min/max (no per-element Python test)."""
+    if isinstance(hashes, np.ndarray):
+        if hashes.dtype.kind == "u":
+            return hashes.tolist()
+        if hashes.dtype.kind == "i" and hashes.size and hashes.min() < 0:
+            _out_of_range(int(hashes.min()), what)
+        if hashes.dtype.kind in "iu":
+            return hashes.tolist()
+    out = [int(h) for h in (hashes.tolist() if hasattr(hashes, "tolist") else hashes)]
+    if out:
+        low, high = min(out), max(out)
+        if low < 0:
+            _out_of_range(low, what)
+        if high > _U64:
+            _out_of_range(high, what)
+    return out
+
+
+def _out_of_range(value: int, what: str) -> None:
+    raise ValueError(f"{what} holds {value}, outside the u64 range [0, 2**64): sequence hashes are unsigned "
+                     f"64-bit (it would be stored under the key of {value & _U64:#x})")
 
 
 def _ok_prefix(verdicts: List[Verdict]) -> int:
@@ -92,7 +116,10 @@ def _parent_list(seq: List[int], parents: Optional[Sequence[Optional[int]]]) -> 
     """Parents as given, or the chain: block 0 has none, block i has seq[i-1]."""
     if parents is None:
         return [None] + seq[:-1]
-    out = [None if p is None else int(p) & _U64 for p in (parents.tolist() if hasattr(parents, "tolist") else parents)]
+    out = [None if p is None else int(p) for p in (parents.tolist() if hasattr(parents, "tolist") else parents)]
+    given = [p for p in out if p is not None]
+    if given:
+        _hash_list(given, "parents")
     if len(out) != len(seq):
         raise ValueError(f"got {len(out)} parents for {len(seq)} sequence hashes")
     return out
