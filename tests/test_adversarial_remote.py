@@ -436,8 +436,6 @@ def test_out_of_range_sequence_hash_is_refused_not_aliased(redis_server):
         st.close()
 
 
-@pytest.mark.xfail(strict=True, reason="exists_prefix('123') treats a str as the hashes 1, 2, 3 instead of "
-                   "raising TypeError")
 def test_a_string_is_not_a_list_of_hashes(redis_server):
     st = RemoteStore(RemoteConfig(url=redis_server.url), 9)
     try:

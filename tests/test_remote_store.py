@@ -492,6 +492,18 @@ def test_hashes_outside_u64_are_refused_not_aliased(redis_server: RedisServer) -
 
 
 @needs_redis
+@pytest.mark.parametrize("arg", ["123", b"123", bytearray(b"12")])
+def test_a_string_is_not_a_list_of_hashes_anywhere(redis_server: RedisServer, arg) -> None:
+    with RemoteStore.open(redis_server.url, FP) as store:
+        for call in (lambda: store.exists_prefix(arg), lambda: store.exists(arg), lambda: store.delete(arg),
+                     lambda: store.put(arg, [bytearray(8)] * len(arg)),
+                     lambda: store.get_into(arg, [bytearray(8)] * len(arg)),
+                     lambda: store.put([1, 2], [bytearray(8)] * 2, parents=arg[:2])):
+            with pytest.raises(TypeError, match=r"(seq_hashes|parents) must be a sequence of u64 .*numpy uint64"):
+                call()
+
+
+@needs_redis
 def test_standalone_url_on_a_cluster_node_says_use_cluster(redis_cluster) -> None:  # noqa: F811
     port = redis_cluster.servers[0].port
     with pytest.raises(RemoteError, match=rf"redis\+cluster://127.0.0.1:{port}"):

@@ -86,6 +86,9 @@ def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> List[int]:
     """``hashes`` as Python ints, each checked to be a u64: one outside [0, 2**64) would otherwise
     wrap onto another block's key. numpy unsigned arrays need no check, signed ones one vectorized
     min; lists are checked with min/max (no per-element Python test)."""
+    if isinstance(hashes, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"{what} must be a sequence of u64 sequence hashes (a list of ints or a numpy uint64 "
+                        f"array), not {type(hashes).__name__}: pass e.g. kv.hashes(tokens).sequence")
     if isinstance(hashes, np.ndarray):
         if hashes.dtype.kind == "u":
             return hashes.tolist()
@@ -116,6 +119,8 @@ def _parent_list(seq: List[int], parents: Optional[Sequence[Optional[int]]]) -> 
     """Parents as given, or the chain: block 0 has none, block i has seq[i-1]."""
     if parents is None:
         return [None] + seq[:-1]
+    if isinstance(parents, (str, bytes, bytearray, memoryview)):
+        _hash_list(parents, "parents")  # raises the TypeError
     out = [None if p is None else int(p) for p in (parents.tolist() if hasattr(parents, "tolist") else parents)]
     given = [p for p in out if p is not None]
     if given:
