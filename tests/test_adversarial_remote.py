@@ -94,15 +94,8 @@ def big_redis():
         yield server
 
 
-EMPTY_LAYERWISE = ("a zero-length value is never deleted by a layerwise get (GETRANGE of an empty value "
-                   "reads like a missing key), so EXISTS keeps planning it and every later layerwise get of the "
-                   "prompt fails again; bulk deletes it")
-
-
 @pytest.mark.parametrize("case,layerwise", [
-    pytest.param(c, lw, id=f"{c}-{'layerwise' if lw else 'bulk'}",
-                 marks=[pytest.mark.xfail(strict=True, reason=EMPTY_LAYERWISE)] if (c, lw) == ("empty", True) else [])
-    for c in CRAFTED for lw in (False, True)])
+    pytest.param(c, lw, id=f"{c}-{'layerwise' if lw else 'bulk'}") for c in CRAFTED for lw in (False, True)])
 def test_hand_crafted_bad_value_is_a_clean_miss(tmp_path, big_redis, case, layerwise):
     """Block 3 of 6 replaced by a hand-written bad value: the get fails cleanly (recompute), never
     reports a block holding the wrong bytes, keeps blocks 0-2 on host, deletes the bad value."""
@@ -125,7 +118,6 @@ def test_hand_crafted_bad_value_is_a_clean_miss(tmp_path, big_redis, case, layer
         check_clean(kv1)
 
 
-@pytest.mark.xfail(strict=True, reason=EMPTY_LAYERWISE)
 def test_an_empty_value_fails_one_layerwise_get_not_every_one(tmp_path, redis_server):
     p = prompt_of(np.random.default_rng(79), 6)
     with manager(tmp_path / "w", redis_server.url) as kv0, manager(tmp_path / "r", redis_server.url) as kv1:

@@ -279,6 +279,43 @@ def test_damaged_value_ends_the_prefix(redis_server: RedisServer, damage: str, v
 
 
 @needs_redis
+@pytest.mark.parametrize("damage, verdict, first_range", [
+    ("delete", "misses", 3), ("empty", "truncated", 3), ("truncate", "truncated", 8),
+    ("header_only", "truncated", 3)])
+def test_ranged_reads_tell_a_bad_value_from_a_missing_one(redis_server: RedisServer, damage: str, verdict: str,
+                                                          first_range: int) -> None:
+    """Layerwise reads (GETRANGE): an empty value is bad (truncated), not an eviction (missing),
+    though both read as zero bytes."""
+    size, cut = 5000, 1200
+    seq, data = blocks(8, size, seed=5)
+    with RemoteStore.open(redis_server.url, FP) as store:
+        store.put(seq, list(data))
+        conn = raw(redis_server)
+        key = block_key(b"flexkv:", FP, int(seq[3]))
+        value = conn.call(b"GET", key)
+        new = {"delete": None, "empty": b"", "append": value + b"\xde\xad", "truncate": value[:-1],
+               "header_only": value[:HEADER_BYTES]}[damage]
+        if new is None:
+            conn.call(b"DEL", key)
+        else:
+            conn.call(b"SET", key, new)
+        conn.close()
+        dst = np.zeros_like(data)
+        n1, sums = store.get_range_into(seq, [d[:cut] for d in dst], 0, size)
+        assert n1 == first_range
+        n2, _ = store.get_range_into(seq[:n1], [d[cut:] for d in dst[:n1]], cut, size)
+        assert n2 == 3 and store.verify_landed(list(dst[:n2]), sums) == 3
+        assert np.array_equal(dst[:3], data[:3])
+        s = store.stats()
+        assert getattr(s, verdict) == 1 and s.misses + s.truncated + s.corrupt + s.foreign == 1 and s.hits == 3
+        # The connection stayed in sync, and the repaired block reads whole.
+        store.put(seq[3:4], [data[3]], parents=[int(seq[2])])
+        n1, sums = store.get_range_into(seq, [d[:cut] for d in dst], 0, size)
+        n2, _ = store.get_range_into(seq, [d[cut:] for d in dst], cut, size)
+        assert n1 == n2 == 8 and store.verify_landed(list(dst), sums) == 8 and np.array_equal(dst, data)
+
+
+@needs_redis
 def test_ttl_expires_values(redis_server: RedisServer) -> None:
     seq, data = blocks(4, 100)
     with RemoteStore.open(redis_server.url, FP, ttl_s=0.3) as store:

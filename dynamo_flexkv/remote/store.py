@@ -518,23 +518,29 @@ class RemoteStore:
         if offset < 0 or any(offset + v.nbytes > block_bytes for v in views):
             raise ValueError(f"range [{offset}, +{views[0].nbytes if views else 0}) is outside "
                              f"{block_bytes}-byte blocks")
+        if views and len({v.nbytes for v in views}) != 1:
+            raise ValueError("get_range_into reads one range length for every block")
+        span = views[0].nbytes if views else 0
         fp, first = self.fingerprint, offset == 0
         sums = [0] * len(seq)
+        start = 0 if first else HEADER_BYTES + offset
+        end = HEADER_BYTES + offset + span - 1
+        want = span + (HEADER_BYTES if first else 0)
+        empty = [False] * len(seq)
 
         def cmd(key: bytes) -> bytes:
-            start = 0 if first else HEADER_BYTES + offset
-            return encode_command(b"GETRANGE", key, start, HEADER_BYTES + offset + views[0].nbytes - 1)
+            return encode_command(b"GETRANGE", key, start, end)
 
         def read(conn: RespConnection, header: memoryview, i: int) -> Verdict:
             size = self._bulk_size(conn, "GETRANGE")
             if size is None:
                 return Verdict.ERROR
-            want = views[i].nbytes + (HEADER_BYTES if first else 0)
-            if size != want:  # a missing key reads as empty; a shorter value as fewer bytes
+            if size != want:  # shorter, or empty: a missing key reads as empty too
                 if size > 0:
                     conn.skip(size)
                 if size >= 0:
                     conn.expect_crlf()
+                empty[i] = size <= 0
                 return Verdict.MISSING if size <= 0 else Verdict.TRUNCATED
             verdict = Verdict.OK
             if first:
@@ -547,10 +553,12 @@ class RemoteStore:
             conn.expect_crlf()
             return verdict
 
-        if views and len({v.nbytes for v in views}) != 1:
-            raise ValueError("get_range_into reads one range length for every block")
-        verdicts = self._read_pipelined(seq, cmd, read, views[0].nbytes if views else 0)
+        verdicts = self._read_pipelined(seq, cmd, read, span)
         n = _ok_prefix(verdicts)
+        if n < len(seq) and empty[n] and self.exists(seq[n:n + 1])[0]:
+            # An empty range of a key that exists: an empty (or header-short) value, not an eviction.
+            # Asked only for the block that ended the prefix: no round trip on the way of a hit.
+            verdicts[n] = Verdict.TRUNCATED
         if n < len(seq):
             self._count_read(0, 0, verdicts[n])
         return n, sums[:n]
