@@ -280,12 +280,13 @@ def test_damaged_value_ends_the_prefix(redis_server: RedisServer, damage: str, v
 
 @needs_redis
 @pytest.mark.parametrize("damage, verdict, first_range", [
-    ("delete", "misses", 3), ("empty", "truncated", 3), ("truncate", "truncated", 8),
+    ("delete", "misses", 3), ("empty", "truncated", 3), ("append", "truncated", 8), ("truncate", "truncated", 8),
     ("header_only", "truncated", 3)])
 def test_ranged_reads_tell_a_bad_value_from_a_missing_one(redis_server: RedisServer, damage: str, verdict: str,
                                                           first_range: int) -> None:
     """Layerwise reads (GETRANGE): an empty value is bad (truncated), not an eviction (missing),
-    though both read as zero bytes."""
+    though both read as zero bytes; a value longer or shorter than header + payload ends the prefix
+    at the range that reaches the payload's end (it asks for one byte more), as a bulk get would."""
     size, cut = 5000, 1200
     seq, data = blocks(8, size, seed=5)
     with RemoteStore.open(redis_server.url, FP) as store:

@@ -521,10 +521,12 @@ class RemoteStore:
         if views and len({v.nbytes for v in views}) != 1:
             raise ValueError("get_range_into reads one range length for every block")
         span = views[0].nbytes if views else 0
-        fp, first = self.fingerprint, offset == 0
+        fp, first, last = self.fingerprint, offset == 0, offset + span == block_bytes
         sums = [0] * len(seq)
+        # A range that ends the payload asks for one byte more: a value longer than header + payload
+        # then answers it, and is refused like a bulk get refuses it (a shorter one answers fewer bytes).
         start = 0 if first else HEADER_BYTES + offset
-        end = HEADER_BYTES + offset + span - 1
+        end = HEADER_BYTES + offset + span - 1 + (1 if last else 0)
         want = span + (HEADER_BYTES if first else 0)
         empty = [False] * len(seq)
 
@@ -535,7 +537,7 @@ class RemoteStore:
             size = self._bulk_size(conn, "GETRANGE")
             if size is None:
                 return Verdict.ERROR
-            if size != want:  # shorter, or empty: a missing key reads as empty too
+            if size != want:  # longer (last range), shorter, or empty: a missing key reads as empty too
                 if size > 0:
                     conn.skip(size)
                 if size >= 0:
