@@ -295,7 +295,8 @@ def test_redis_frozen_during_write_behind_drain_returns_and_nothing_leaks(tmp_pa
         os.kill(redis_server.proc.pid, signal.SIGSTOP)
         try:
             e.put(prompt_of(rng, 6))  # asserts the put succeeded and drain(30) returned True
-            assert kv.stats()["remote"]["op_errors"] >= 1
+            st = kv.stats()["remote"]
+            assert st["op_errors"] >= 1 and st["put_failed"] >= 1 and st["write_failures"] == 0
             check_clean(kv)
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)

@@ -464,6 +464,23 @@ def test_stalled_server_fails_within_the_timeout(redis_server: RedisServer) -> N
         assert store.get_into(seq, list(dst)) == 4 and np.array_equal(dst, data)  # a fresh connection
 
 
+@needs_redis
+def test_a_put_cut_short_counts_its_blocks_in_put_failed_and_one_op_error(redis_server: RedisServer) -> None:
+    """A frozen server: the put returns (nothing raised), op_errors counts the op, put_failed its
+    blocks; with the breaker open the next put is not tried (breaker_refused) and its blocks are
+    put_failed too; refusals by the server stay in put_refused."""
+    seq, data = blocks(6, 1000, seed=9)
+    with RemoteStore.open(redis_server.url, FP, timeout_s=0.3, breaker_failures=1, breaker_cooldown_s=60) as store:
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            assert store.put(seq[:4], list(data[:4])) == 0
+            assert store.put(seq[4:], list(data[4:]), skip_existing=True) == 0  # breaker open
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        s = store.stats()
+        assert (s.op_errors, s.put_failed, s.puts, s.put_refused, s.breaker_refused) == (1, 6, 0, 0, 2)
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -47,7 +47,16 @@ class RemoteClosedError(RemoteError):
 
 @dataclass
 class RemoteStats:
-    """Counters since open (``RemoteStore.stats()`` returns a copy)."""
+    """Counters since open (``RemoteStore.stats()`` returns a copy).
+
+    Remote failures are counted here, never raised: ``op_errors`` counts ops of every kind (exists,
+    get, put, delete) cut short by a connection failure or timeout, one per op; ``breaker_refused``
+    the ops not tried while the breaker was open. What a put did not store is counted per block by
+    cause: ``put_refused`` (the server said no: OOM), ``server_errors`` (other error replies) and
+    ``put_failed`` (no answer: the op was cut short or refused by the breaker). A write-behind whose
+    put failed so still succeeds (its blocks stay on host): the manager's ``write_failures`` counts
+    only H2REMOTE ops that raised (a bug or a bad argument), not Redis failures, which land here.
+    """
 
     exists_keys: int = 0
     hits: int = 0  # blocks read and verified
@@ -60,6 +69,7 @@ class RemoteStats:
     puts: int = 0  # blocks stored
     put_skipped: int = 0  # already there (skip_existing)
     put_refused: int = 0  # refused by the server (OOM: maxmemory reached with noeviction)
+    put_failed: int = 0  # not stored for want of an answer: connection failure, timeout, open breaker
     bytes_written: int = 0
     op_errors: int = 0  # ops cut short by a connection failure or timeout
     breaker_refused: int = 0  # ops refused while the breaker was open
@@ -675,6 +685,7 @@ class RemoteStore:
             todo = [i for i in todo if not present[i]]
             skipped = len(seq) - len(todo)
         stored = [False] * len(seq)
+        answered = [False] * len(seq)
         refused = [0]
         fp, ttl = self.fingerprint, self._ttl_args
         ttl_argc = 2 if ttl else 0
@@ -690,6 +701,7 @@ class RemoteStore:
 
             def read(j: int) -> bool:
                 reply = conn.readline()
+                answered[idx[j]] = reply[:1] in (b"+", b"-")  # a reply (a garbled one raises below)
                 if reply == b"+OK":
                     stored[idx[j]] = True
                 elif reply.startswith(b"-OOM"):
@@ -716,6 +728,7 @@ class RemoteStore:
         with self._stats_lock:
             s = self._stats
             s.puts += n_stored
+            s.put_failed += len(todo) - sum(answered)
             s.put_skipped += skipped
             s.put_refused += refused[0]
             s.bytes_written += sum(views[i].nbytes for i in range(len(seq)) if stored[i])
