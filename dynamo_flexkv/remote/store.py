@@ -133,8 +133,8 @@ def _parent_list(seq: List[int], parents: Optional[Sequence[Optional[int]]]) -> 
         _hash_list(parents, "parents")  # raises the TypeError
     out = [None if p is None else int(p) for p in (parents.tolist() if hasattr(parents, "tolist") else parents)]
     given = [p for p in out if p is not None]
-    if given:
-        _hash_list(given, "parents")
+    if given and (min(given) < 0 or max(given) > _U64):
+        _out_of_range(min(given) if min(given) < 0 else max(given), "parents")
     if len(out) != len(seq):
         raise ValueError(f"got {len(out)} parents for {len(seq)} sequence hashes")
     return out
