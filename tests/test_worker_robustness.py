@@ -102,9 +102,10 @@ def test_worker_without_broker_refuses_to_bind_every_interface(tmp_path):
     ({"prompt": "hi", "max_tokens": 2, "best_of": 2}, 400, "best_of=2 is not supported"),
     ({"prompt": "hi", "max_tokens": 2, "top_p": 0.5}, 400, "top_p=0.5 is not supported"),
     ({"prompt": "hi", "max_tokens": 2, "logprobs": 1}, 400, "logprobs=1 is not supported"),
+    ({"prompt": "hi", "max_tokens": 2, "logprobs": 0}, 400, "logprobs=0 is not supported"),  # 0 asks too
     ({"prompt": "hi", "max_tokens": 2, "frequency_penalty": 1.0}, 400, "frequency_penalty=1.0 is not supported"),
 ], ids=["prompt-over-window", "max-tokens-over-window", "max-tokens-0", "n", "best_of", "top_p", "logprobs",
-        "penalty"])
+        "logprobs-0", "penalty"])
 def test_refusals_name_the_limit(graph, body, status, message):
     plan, _ = graph
     code, reply = post(plan, body)

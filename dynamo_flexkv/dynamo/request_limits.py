@@ -8,7 +8,7 @@ refused, not dropped."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from dynamo_flexkv.engine import SamplingParams
 
@@ -17,15 +17,39 @@ class RequestRefused(ValueError):
     """A request this worker cannot serve as asked; the message is meant for the client."""
 
 
-# Options the engine does not implement, with the value(s) that mean "off" (sent by default).
-_UNSUPPORTED_SAMPLING: Dict[str, Tuple[Any, ...]] = {
-    "top_p": (None, 1, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "use_beam_search": (None, False),
-    "length_penalty": (None, 1, 1.0), "guided_decoding": (None,),
-}
-_UNSUPPORTED_STOP: Dict[str, Tuple[Any, ...]] = {"min_tokens": (None, 0)}
-_UNSUPPORTED_OUTPUT: Dict[str, Tuple[Any, ...]] = {"logprobs": (None, 0, False), "prompt_logprobs": (None, 0, False)}
+class _Unsupported(NamedTuple):
+    """An option the engine does not implement, as Dynamo's frontend hands it to the worker."""
+    section: str  # where in the request: sampling_options, stop_conditions, output_options
+    name: str
+    off: Tuple[Any, ...]  # the values that mean "not asked for" (the frontend sends None by default)
+    asked_by: str = ""  # what the client sent to ask for it, when that is not the option itself
+    leave: str = ""  # the client's field to leave out (default: name)
+
+
+_UNSUPPORTED: Tuple[_Unsupported, ...] = (
+    _Unsupported("sampling_options", "top_p", (None, 1, 1.0)),
+    _Unsupported("sampling_options", "top_k", (None, 0, -1)),
+    _Unsupported("sampling_options", "min_p", (None, 0, 0.0)),
+    _Unsupported("sampling_options", "frequency_penalty", (None, 0, 0.0)),
+    _Unsupported("sampling_options", "presence_penalty", (None, 0, 0.0)),
+    _Unsupported("sampling_options", "repetition_penalty", (None, 1, 1.0)),
+    _Unsupported("sampling_options", "use_beam_search", (None, False)),
+    _Unsupported("sampling_options", "length_penalty", (None, 1, 1.0)),
+    _Unsupported("sampling_options", "guided_decoding", (None,)),
+    _Unsupported("stop_conditions", "min_tokens", (None, 0)),
+    # Any number asks for log probabilities, 0 too (OpenAI: the sampled token's own). The frontend
+    # passes completions' logprobs=N as it is, and chat's logprobs=true as top_logprobs (0 included,
+    # 1 when absent); chat's top_logprobs without logprobs=true never reaches the worker.
+    _Unsupported("output_options", "logprobs", (None,),
+                 "logprobs (completions: any number, 0 too; chat: logprobs=true)", "logprobs"),
+    _Unsupported("output_options", "prompt_logprobs", (None,), "echo=true", "echo"),
+)
+
+
+def _is_off(value: Any, off: Tuple[Any, ...]) -> bool:
+    """Compared by type too: in Python 0 == False and True == 1, but logprobs=0 asks for something
+    and use_beam_search=True is not top_p=1."""
+    return any(value is o or (type(value) in (int, float) and type(o) in (int, float) and value == o) for o in off)
 
 
 @dataclass(frozen=True)
@@ -39,21 +63,17 @@ class RequestLimits:
         tokens = self._prompt(request.get("token_ids"))
         so = request.get("sampling_options") or {}
         sc = request.get("stop_conditions") or {}
-        oo = request.get("output_options") or {}
         for name in ("n", "best_of"):
             value = so.get(name)
             if value is not None and int(value) != 1:
                 raise RequestRefused(f"{name}={value} is not supported: this worker returns exactly one choice "
                                      f"per request; send {name}=1 or leave it out")
-        for group, table in (("sampling", _UNSUPPORTED_SAMPLING), ("stop", _UNSUPPORTED_STOP),
-                             ("output", _UNSUPPORTED_OUTPUT)):
-            opts = {"sampling": so, "stop": sc, "output": oo}[group]
-            for name, off in table.items():
-                if opts.get(name) not in off:
-                    # The frontend turns /v1/completions' echo=true into prompt_logprobs: name what was sent.
-                    hint = " (echo=true asks for it: leave echo out)" if name == "prompt_logprobs" else ""
-                    raise RequestRefused(f"{name}={opts[name]!r} is not supported by this worker (greedy or "
-                                         f"temperature/seed sampling only){hint}; leave {name} out")
+        for opt in _UNSUPPORTED:
+            value = (request.get(opt.section) or {}).get(opt.name)
+            if not _is_off(value, opt.off):
+                asked = f"; the request's {opt.asked_by} asks for it" if opt.asked_by else ""
+                raise RequestRefused(f"{opt.name}={value!r} is not supported by this worker (greedy or "
+                                     f"temperature/seed sampling only){asked}; leave {opt.leave or opt.name} out")
         temperature = so.get("temperature")
         temperature = 0.0 if temperature is None else float(temperature)
         if temperature < 0:
