@@ -31,6 +31,7 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
+from test_hostile_input import STREAMED_REFUSAL  # noqa: E402
 from test_serve_faults import Serve, wait_until  # noqa: E402
 
 MODEL = "flexkv-tiny"
@@ -134,6 +135,12 @@ def hang_up(serve, body: dict, after_events: int, delay: float = 0.0, path: str 
     return buf
 
 
+def routed_workers(serve) -> int:
+    """How many workers the frontend's router has registered."""
+    return len(re.findall(r"^dynamo_component_router_worker_registered\{[^}]*\} 1$",
+                          urllib.request.urlopen(serve.base_url + "/metrics", timeout=10).read().decode(), re.M))
+
+
 def wait_idle(serve, before: List[dict], n: int, timeout: float = 15.0):
     """Until both workers hold no device block and no offload task and all ``n`` requests ended
     (aborted, or finished by themselves). Returns (seconds, aborted, finished)."""
@@ -198,6 +205,9 @@ REFUSED = {  # id: (path, body without model, what the 4xx message must contain)
                                               "best_of": 3}, "best_of"),
     "chat-logprobs": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                "logprobs": True}, "logprobs=1 is not supported"),
+    "chat-logprobs-top-0": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 2, "logprobs": True, "top_logprobs": 0},
+                            "logprobs=0 is not supported"),
     "top_k": ("/v1/completions", {"prompt": [5], "max_tokens": 2, "top_k": 5}, "top_k=5 is not supported"),
     "repetition_penalty": ("/v1/completions", {"prompt": [5], "max_tokens": 2, "repetition_penalty": 1.5},
                            "repetition_penalty=1.5 is not supported"),
@@ -221,9 +231,13 @@ def _greedy(graph, **extra):
     return code, reply
 
 
-@pytest.mark.xfail(strict=True, reason="logit_bias is accepted (200) and silently ignored: a -100 bias on "
-                   "every token of the vocabulary leaves the greedy answer unchanged; it should be refused (4xx naming "
-                   "logit_bias) like top_p/top_k/penalties")
+@pytest.mark.xfail(strict=True, reason="logit_bias is accepted (200) and ignored, and the worker cannot refuse it: "
+                   "Dynamo 1.6.1's frontend drops it before the worker. Probed (the request dict generate() gets): "
+                   "model, token_ids, stop_conditions, sampling_options (n, best_of, penalties, temperature, top_p, "
+                   "top_k, min_p, use_beam_search, length_penalty, seed, include_stop_str_in_output, "
+                   "guided_decoding), output_options (logprobs, prompt_logprobs, skip_special_tokens, "
+                   "formatted_prompt, return_tokens_as_token_ids), eos_token_ids, mdc_sum, annotations, routing, "
+                   "router_config_override - identical with and without logit_bias")
 def test_logit_bias_is_refused_not_ignored(graph):
     code, plain = _greedy(graph)
     assert code == 200
@@ -234,8 +248,6 @@ def test_logit_bias_is_refused_not_ignored(graph):
         assert 400 <= code < 500 and "logit_bias" in biased["message"], biased
 
 
-@pytest.mark.xfail(strict=True, reason="completions logprobs=0 (OpenAI: return the sampled token's logprob) is "
-                   "accepted and ignored: 200 with no logprobs, while logprobs=1 is refused")
 def test_completions_logprobs_zero_is_refused_or_honoured(graph):
     code, reply = _greedy(graph, logprobs=0)
     if code == 200:
@@ -244,23 +256,25 @@ def test_completions_logprobs_zero_is_refused_or_honoured(graph):
         assert 400 <= code < 500 and "logprobs" in reply["message"], reply
 
 
-@pytest.mark.xfail(strict=True, reason="completions 'suffix' (insertion) is accepted and silently ignored (200)")
+@pytest.mark.xfail(strict=True, reason="completions 'suffix' is accepted (200) and ignored, and the worker cannot "
+                   "refuse it: Dynamo 1.6.1's frontend drops it before the worker (the request generate() gets is "
+                   "identical with and without it; see the logit_bias test)")
 def test_suffix_is_refused_not_ignored(graph):
     code, reply = _greedy(graph, suffix=" the end")
     assert 400 <= code < 500 and "suffix" in reply["message"], (code, reply)
 
 
-@pytest.mark.xfail(strict=True, reason="chat top_logprobs=3 without logprobs is accepted and ignored (200, "
-                   "logprobs null); OpenAI refuses it and logprobs=true is refused here")
+@pytest.mark.xfail(strict=True, reason="chat top_logprobs=3 without logprobs=true is accepted (200, logprobs "
+                   "null) and the worker cannot refuse it: Dynamo 1.6.1's frontend sets output_options.logprobs "
+                   "only with logprobs=true (to top_logprobs, 1 when absent) and otherwise sends None, the same as "
+                   "a request without top_logprobs; logprobs=true is refused, with any top_logprobs, 0 too")
 def test_chat_top_logprobs_is_refused_not_ignored(graph):
     code, reply = post(graph, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 3},
                        "/v1/chat/completions")
     assert 400 <= code < 500 and "logprobs" in reply["message"], (code, reply)
 
 
-@pytest.mark.xfail(strict=True, reason="a streamed request the worker refuses (n=2) gets HTTP 200 and an SSE "
-                   "error event with code 400 instead of a 4xx status (same cause as the streamed over-window "
-                   "prompt in test_hostile_input.py)")
+@pytest.mark.xfail(strict=True, reason=STREAMED_REFUSAL)
 def test_streamed_n_2_gets_a_4xx(graph):
     code, reply = post(graph, {"prompt": [5], "max_tokens": 2, "n": 2, "stream": True})
     assert 400 <= code < 500, (code, reply)
@@ -327,8 +341,6 @@ def test_burst_with_hangups_drops_no_router_event(graph):
 
 # --- a worker killed during long prefills ------------------------------------------------------------
 
-MIGRATED = {}
-
 
 class Tracked:
     def __init__(self):
@@ -384,12 +396,9 @@ def test_worker_killed_mid_decode_of_long_prompts_loses_nothing_and_is_routed_to
         results = [f.result(timeout=TIMEOUT) for f in futures]
     assert all(r.status == 200 and r.done and r.error is None for r in results), [vars(r) for r in results]
     assert all(r.usage["completion_tokens"] == 100 for r in results), [r.usage for r in results]
-    MIGRATED["usage"] = [(len(p), r.usage) for p, r in zip(prompts, results)]
     wait_until("the restarted worker ready",
                lambda: sum(f"{victim} is ready again" in x for x in graph.lines) > ready_before, timeout=90)
-    wait_until("both workers routed", lambda: len(re.findall(
-        r"^dynamo_component_router_worker_registered\{[^}]*\} 1$",
-        urllib.request.urlopen(graph.base_url + "/metrics", timeout=10).read().decode(), re.M)) == 2, timeout=30)
+    wait_until("both workers routed", lambda: routed_workers(graph) == 2, timeout=30)
     port = graph.worker_port(victim)
     served = scrape(port)["done"]
     with ThreadPoolExecutor(8) as pool:
@@ -401,12 +410,37 @@ def test_worker_killed_mid_decode_of_long_prompts_loses_nothing_and_is_routed_to
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="a request migrated mid-decode reports usage.prompt_tokens = its prompt plus "
-                   "the tokens generated before the death (e.g. 965 for a 950-token prompt); the client's prompt "
-                   "did not change")
+                   "the tokens generated before the death. Probed: Dynamo 1.6.1 resends it to the new worker as a "
+                   "fresh request - token_ids = prompt + the k generated tokens, stop_conditions.max_tokens reduced "
+                   "by k, annotations [] and no other field changed - so no worker can tell the original prompt "
+                   "length. The frontend takes prompt_tokens from the worker's completion_usage (its own count "
+                   "only when completion_usage is absent, which would lose usage.prompt_tokens_details."
+                   "cached_tokens for every request; completion_usage without prompt_tokens is refused by the "
+                   "frontend as 'Invalid request'). completion_tokens is right (the frontend's count)")
 def test_migrated_requests_report_their_own_prompt_tokens(graph):
-    if "usage" not in MIGRATED:
-        pytest.skip("runs after the kill test")
-    assert all(u["prompt_tokens"] == n for n, u in MIGRATED["usage"]), MIGRATED["usage"]
+    """8 streams of 300-token prompts decoding 700 tokens each; once every stream has at least 10
+    chunks, SIGKILL the worker holding the most device blocks: its streams are migrated with at
+    least 10 generated tokens each, and every client must still see its own prompt length."""
+    prompts = [ids(300, 6000 + i) for i in range(8)]
+    tracks = [Tracked() for _ in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(tracked_stream, graph, p, 700, t) for p, t in zip(prompts, tracks)]
+        wait_until("every stream decoding", lambda: all(t.chunks >= 10 for t in tracks) or
+                   any(f.done() for f in futures), timeout=TIMEOUT, every=0.01)
+        used = {w: scrape(graph.worker_port(w))["used"] for w in WORKERS}
+        victim = max(used, key=used.get)
+        ready_before = sum(f"{victim} is ready again" in x for x in graph.lines)
+        if used[victim]:
+            os.kill(worker_pid(graph, victim), signal.SIGKILL)
+        results = [f.result(timeout=TIMEOUT) for f in futures]
+    if not used[victim]:
+        pytest.skip(f"no stream was decoding when the kill was due ({used})")
+    wait_until("the restarted worker ready",
+               lambda: sum(f"{victim} is ready again" in x for x in graph.lines) > ready_before, timeout=90)
+    wait_until("both workers routed", lambda: routed_workers(graph) == 2, timeout=30)
+    wait_idle(graph, all_workers(graph), 0)
+    assert all(r.usage and r.usage["prompt_tokens"] == len(p) for p, r in zip(prompts, results)), \
+        [(len(p), r.usage and r.usage["prompt_tokens"], r.error) for p, r in zip(prompts, results)]
 
 
 # --- shutdown ------------------------------------------------------------------------------------------
