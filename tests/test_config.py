@@ -190,7 +190,7 @@ def test_remote_keys_from_env_and_their_errors_name_the_key_and_fix():
         CacheConfig(enable_remote=True, remote_cache_url="http://h")
     with pytest.raises(ConfigError, match="remote_key_prefix"):
         CacheConfig(enable_remote=True, remote_cache_url="redis://h:1", remote_key_prefix="a{b}")
-    with pytest.raises(ConfigError, match="remote_timeout_s must be a positive number"):
+    with pytest.raises(ConfigError, match="remote_timeout_s must be a finite positive number of seconds, got 0.0"):
         CacheConfig(enable_remote=True, remote_cache_url="redis://h:1", remote_timeout_s=0)
     with pytest.raises(ConfigError, match="remote_ttl_s=-1.0 must be >= 0"):
         CacheConfig(enable_remote=True, remote_cache_url="redis://h:1", remote_ttl_s=-1)
