@@ -34,14 +34,6 @@ BLOCK = 16  # tokens per block of the tiny preset
 DEVICE_BLOCKS = 64  # context window 64 x 16 = 1,024 tokens
 WINDOW = DEVICE_BLOCKS * BLOCK
 VOCAB = 512
-# Why a refused stream gets 200 (also used by test_adversarial_serving.py).
-STREAMED_REFUSAL = (
-    "Dynamo 1.6.1's frontend commits HTTP 200 to a stream before it reads the worker's first event unless "
-    "DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS is set in the frontend's environment (unset by default). The worker "
-    "already refuses before its first chunk (raises InvalidArgument), so the refusal arrives as an SSE error "
-    "event with code 400; no exception type or answer from the worker changes the status. Probed: the same "
-    "graph with DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS=500 set for the frontend answers 400 with the worker's "
-    "message (n=2, top_k, logprobs=0, a prompt over the window) - serve would have to set it")
 # 8 KiB per tiny block: the host tier holds 32 blocks, the disk tier 52; a 62-block prompt fits
 # in the context window but in neither offload tier.
 HOST_GB, DISK_GB = 0.00025, 0.0004
@@ -167,18 +159,13 @@ def test_prompt_beyond_the_window_is_refused_naming_the_limit(graph, path, body)
     assert re.search(rf"prompt has [0-9,]+ tokens; this model's context window is {WINDOW:,}", reply["message"]), reply
 
 
-def test_streamed_prompt_beyond_the_window_gets_an_error_event_naming_the_limit(graph):
-    plan, _ = graph
-    _, events = stream(plan, {"prompt": [i % (VOCAB - 1) + 1 for i in range(WINDOW + 6)], "max_tokens": 2})
-    assert len(events) == 1 and events[0]["error"]["code"] == 400, events
-    assert f"context window is {WINDOW:,}" in events[0]["error"]["message"]
-
-
-@pytest.mark.xfail(strict=True, reason=STREAMED_REFUSAL)
-def test_streamed_prompt_beyond_the_window_gets_a_400(graph):
+def test_streamed_prompt_beyond_the_window_gets_a_400_naming_the_limit(graph):
+    """serve has the frontend wait for a stream's first event before it commits a status
+    (DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS), so the worker's refusal is a 400, not 200 + an SSE error."""
     plan, _ = graph
     code, events = stream(plan, {"prompt": [i % (VOCAB - 1) + 1 for i in range(WINDOW + 6)], "max_tokens": 2})
     assert code == 400, events
+    assert f"context window is {WINDOW:,}" in events[0]["message"], events
 
 
 # --- bad fields ----------------------------------------------------------------------------------------

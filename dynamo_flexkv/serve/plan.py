@@ -33,6 +33,12 @@ from dynamo_flexkv.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
 
 LOOPBACK = "127.0.0.1"
+# Dynamo's frontend answers a stream 200 before the worker's first event unless told to wait for
+# it: a stream the worker refuses (request limits, unsupported options) then gets 200 and an SSE
+# error event. Holding the headers up to this long turns that refusal into a 400 with the
+# worker's message; an accepted stream's first token is not delayed (its headers go with it).
+PRE_COMMIT_PEEK_ENV = "DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS"
+PRE_COMMIT_PEEK_MS = "500"
 SYSTEM_PORT_RANGE = (21000, 32000)  # Dynamo reads DYN_SYSTEM_PORT as an i16: it must stay below 32768
 
 
@@ -308,7 +314,10 @@ def _frontend(name: str, o: Dict[str, Any], port: int, discovery: str, event_pla
     for key in ("router-host-cache-hit-weight", "router-disk-cache-hit-weight"):
         if key in o:
             argv += [f"--{key}", str(o[key])]
-    return Process(name, argv + o["extra-args"], dict(env), Kind.FRONTEND, port)
+    fenv = dict(env)
+    if PRE_COMMIT_PEEK_ENV not in os.environ:  # an operator's own setting wins
+        fenv[PRE_COMMIT_PEEK_ENV] = PRE_COMMIT_PEEK_MS
+    return Process(name, argv + o["extra-args"], fenv, Kind.FRONTEND, port)
 
 
 def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery: str, event_plane: str,

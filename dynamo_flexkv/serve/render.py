@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 import yaml
 
 from dynamo_flexkv.serve.graph import Kind
-from dynamo_flexkv.serve.plan import LaunchPlan, Process
+from dynamo_flexkv.serve.plan import PRE_COMMIT_PEEK_ENV, LaunchPlan, Process
 
 SYSTEM_PORT = 9090  # the pods' system server (/health, /metrics), as the operator's probes expect
 SKIP_ARGS = {"--http-host", "--discovery-backend", "--event-plane", "--model-dir", "--namespace"}  # the operator sets these
@@ -33,6 +33,8 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
                                    "replicas": len(procs), "extraPodSpec": {"mainContainer": container}}
         if comp.kind is Kind.FRONTEND:
             container["args"] = _replace_arg(container["args"], "--http-port", "8000")
+            if PRE_COMMIT_PEEK_ENV in first.env:  # a refused stream is a 400, as under serve
+                service["envs"] = [{"name": PRE_COMMIT_PEEK_ENV, "value": first.env[PRE_COMMIT_PEEK_ENV]}]
         else:
             service["envs"] = [{"name": "DYN_SYSTEM_PORT", "value": str(SYSTEM_PORT)}] + _cache_env(first)
             if first.cache is not None and first.cache.enable_remote:  # the Redis URL (and password) from a Secret
