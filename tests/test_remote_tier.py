@@ -428,3 +428,18 @@ def test_tensor_parallel_ranks_key_their_own_shards(tmp_path, redis_server):
             check_clean(kv)
     with pytest.raises(ConfigError, match="tp_rank=2 with tp_size=2"):
         config(tmp_path / "d", host_blocks=8, disk_blocks=0, tp_rank=2, tp_size=2)
+
+
+def test_every_remote_failure_counter_reaches_metrics():
+    """Each of RemoteStats' failure counters is a /metrics family, with its value."""
+    from dataclasses import asdict
+
+    from dynamo_flexkv.dynamo.metrics import _remote_families
+    from dynamo_flexkv.remote.store import RemoteStats
+
+    stats = dict(asdict(RemoteStats()), short_reads=0, write_failures=0)  # as KVManager.stats()["remote"]
+    stats.update(put_failed=7, op_errors=3, put_refused=2)
+    values = {m.name: m.samples[0].value for m in _remote_families(stats) if len(m.samples) == 1}
+    assert values["flexkv_remote_put_failed"] == 7
+    assert values["flexkv_remote_op_errors"] == 3
+    assert values["flexkv_remote_put_refused"] == 2

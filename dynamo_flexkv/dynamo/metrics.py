@@ -153,6 +153,8 @@ def _remote_families(r: dict) -> Iterator[Metric]:
         secs.add_metric([op], r[f"{op}_seconds"])
     yield secs
     yield _counter("remote_op_errors", "Remote operations cut short by a failure or timeout", r["op_errors"])
+    yield _counter("remote_put_failed", "Blocks a remote write could not store (no answer, or the breaker was open); "
+                   "they stay on the local tiers", r["put_failed"])
     yield _counter("remote_breaker_refused", "Remote operations skipped while the circuit breaker was open",
                    r["breaker_refused"])
     yield _counter("remote_breaker_opened", "Times the remote circuit breaker opened", r["breaker_opened"])
