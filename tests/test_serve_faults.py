@@ -38,12 +38,15 @@ class Streamed:
     seconds: float = 0.0
 
 
-def stream(base_url: str, model: str, prompt: str, max_tokens: int = STREAM_TOKENS) -> Streamed:
+def stream(base_url: str, model: str, prompt, max_tokens: int = STREAM_TOKENS,
+           out: Optional[Streamed] = None, **extra) -> Streamed:
+    """One streamed completion, read to its end. ``out`` is filled as chunks arrive (another
+    thread may watch it); ``extra`` goes into the request body."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **extra}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
-    out, t0 = Streamed(), time.monotonic()
+    out, t0 = out if out is not None else Streamed(), time.monotonic()
     try:
         r = urllib.request.urlopen(req, timeout=60)  # a hang fails the test here
     except urllib.error.HTTPError as e:  # refused before the stream began (e.g. its worker was dead)
