@@ -56,6 +56,19 @@ def test_render_k8s_names_both_roles(tmp_path):
     assert args[args.index("--disaggregation-mode") + 1] == "prefill"
 
 
+def test_render_k8s_gives_both_roles_the_handover_secret_from_a_secret(tmp_path):
+    from dynamo_flexkv.disagg.params import SECRET_ENV
+
+    text = render_k8s(plan(tmp_path, "disagg_router"), "img")
+    services = yaml.safe_load(text)["spec"]["services"]
+    name = yaml.safe_load(text)["metadata"]["name"]
+    for role in ("PrefillWorker", "DecodeWorker"):
+        env = [e for e in services[role]["envs"] if e["name"] == SECRET_ENV]
+        assert env == [{"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-handover", "key": "secret"}}}]
+    assert "envs" not in services["Frontend"] or all(e["name"] != SECRET_ENV for e in services["Frontend"]["envs"])
+    assert f"kubectl create secret generic {name}-handover" in text
+
+
 def test_disagg_graph_gives_its_workers_one_handover_secret_by_environment_only(tmp_path):
     from dynamo_flexkv.disagg.params import SECRET_ENV
 

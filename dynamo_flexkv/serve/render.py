@@ -13,6 +13,7 @@ from typing import Any, Dict, List
 
 import yaml
 
+from dynamo_flexkv.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.serve.plan import PRE_COMMIT_PEEK_ENV, LaunchPlan, Process
 
@@ -23,7 +24,7 @@ SKIP_ARGS = {"--http-host", "--discovery-backend", "--event-plane", "--model-dir
 def render_k8s(plan: LaunchPlan, image: str) -> str:
     name = re.sub(r"[^a-z0-9-]", "-", f"flexkv-{plan.graph.name}".lower())
     services: Dict[str, Any] = {}
-    remote_secret = None
+    remote_secret = handover_secret = None
     for comp in plan.graph.components:
         procs = [p for p in plan.processes if p.name == comp.name or p.name.startswith(comp.name + "-")]
         first = procs[0]
@@ -46,6 +47,11 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
                 if "--disaggregation-mode" in first.argv else "agg"
             if mode != "agg":  # the operator's (and planner's) name for the role
                 service["subComponentType"] = mode
+                # Every prefill and decode pod signs and checks handovers with one graph secret,
+                # from a Secret (serve makes one per graph; a manifest must not carry it).
+                service["envs"].append({"name": HANDOVER_SECRET_ENV,
+                                        "valueFrom": {"secretKeyRef": {"name": f"{name}-handover", "key": "secret"}}})
+                handover_secret = f"{name}-handover"
             dirs = _ssd_dirs(first)
             if dirs:
                 vols = [{"name": f"ssd-cache-{i}", "emptyDir": {}} for i in range(len(dirs))]
@@ -59,6 +65,10 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
     if remote_secret:
         header += (f"# Remote tier: create the Secret first, e.g. kubectl create secret generic {remote_secret} "
                    "--from-literal=url='redis://:PASSWORD@redis-host:6379' (or redis+cluster://h:p,h:p).\n")
+    if handover_secret:
+        header += (f"# Disaggregation: prefill and decode workers sign and check handovers with one secret; create it "
+                   f"first, e.g. kubectl create secret generic {handover_secret} "
+                   "--from-literal=secret=$(openssl rand -hex 32).\n")
     return header + yaml.safe_dump(manifest, sort_keys=False)
 
 
