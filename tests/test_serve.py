@@ -251,7 +251,7 @@ def test_a_closed_terminal_ends_the_echo_not_the_logs_or_the_shutdown(tmp_path):
     """serve's stdout reader went away (a closed terminal, a dead pipe): writes fail with EPIPE. The
     component logs still reach their files and shutdown still stops every process."""
     p = _sleepers(tmp_path, RestartPolicy())
-    p.workers[0].argv = ["sh", "-c", "for i in $(seq 2000); do echo worker line $i; done; sleep 60"]
+    p.workers[0].argv = ["sh", "-c", "for i in $(seq 2000); do echo worker line $i; done; exec sleep 60"]
     read_end, write_end = os.pipe()
     os.close(read_end)
     launcher = Launcher(p, echo=os.fdopen(write_end, "w"))

@@ -38,7 +38,7 @@ from dynamo_flexkv.dynamo.metrics import PREFIX, OffloadCollector, RequestTally,
 from dynamo_flexkv.dynamo.model_dir import write_model_dir
 from dynamo_flexkv.dynamo.request_limits import RequestLimits, RequestRefused
 from dynamo_flexkv.dynamo.disagg import Role
-from dynamo_flexkv.dynamo.worker_args import build_parser, check_event_plane_binds_loopback
+from dynamo_flexkv.dynamo.worker_args import build_parser, check_event_plane_binds_loopback, mark_serving, on_sigint
 from dynamo_flexkv.engine import EngineModelConfig, LLMEngine
 from dynamo_flexkv.events import KvEventRelay, OffloadEvents
 from dynamo_flexkv.manager import KVManager
@@ -105,6 +105,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         return engine, wc
 
     async def start(self, worker_id: int) -> EngineConfig:
+        mark_serving()  # Dynamo's Worker owns SIGINT from here: a stop drains (worker_args.on_sigint)
         if not self.args.no_offload:
             # Tier sizes, directories and policies come from FLEXKV_* / YAML (FLEXKV_CONFIG_PATH).
             # The engine's block is the unit of offload: tokens_per_block follows the model.
@@ -371,7 +372,7 @@ def main() -> None:
     # Dynamo's Worker owns SIGINT/SIGTERM (unregister, grace period, drain, cleanup) and chains to
     # the handler installed before it: Python's default one would raise KeyboardInterrupt in the
     # middle of that drain. Set before the Worker starts, so its handler is installed on top.
-    signal.signal(signal.SIGINT, lambda *_: log.info("SIGINT: graceful shutdown (Dynamo drains, then cleanup)"))
+    signal.signal(signal.SIGINT, on_sigint)
     from dynamo_flexkv.disagg.nixl_kv import exit_past_libnl  # prefill/decode roles create a UCX agent
     with exit_past_libnl():
         run(FlexKVWorkerEngine)

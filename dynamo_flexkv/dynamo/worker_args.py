@@ -3,8 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+
+
+_serving = False  # the engine started: Dynamo's Worker owns SIGINT from here on
+
+
+def on_sigint(signum: int, frame: object) -> None:
+    """The worker's SIGINT handler, installed first thing. Until the engine starts nothing was
+    accepted and nothing needs draining, so SIGINT (serve stopping a graph while a worker still
+    imports or registers) ends the process quietly, where Python's default would print a
+    KeyboardInterrupt traceback from whatever it interrupted. Once the engine started, Dynamo's
+    Worker owns SIGINT (unregister, grace period, drain, cleanup) and chains to this handler
+    afterwards: it only logs, so the drain is never cut short."""
+    if not _serving:
+        raise SystemExit(0)
+    logging.getLogger("dynamo_flexkv.dynamo.worker").info("SIGINT: graceful shutdown (Dynamo drains, then cleanup)")
+
+
+def mark_serving() -> None:
+    global _serving
+    _serving = True
 
 
 def handover_seconds(text: str) -> float:

@@ -79,6 +79,7 @@ class Launcher:
         self.restarts: Dict[str, int] = {}  # name -> how often it was restarted
         self.pending: Dict[str, float] = {}  # name -> when its restart is due (monotonic)
         self.starting: Dict[str, float] = {}  # restarted, /health not ready yet -> when it was spawned
+        self.ready: Set[str] = set()  # workers whose current life reported ready
         self.events: List[str] = []  # what supervise() said, also written to echo
         self._buried: Set[subprocess.Popen] = set()  # dead, group killed, reaped: never signal again
 
@@ -140,7 +141,7 @@ class Launcher:
         pending = [p for p in self.plan.processes if p.kind is Kind.WORKER]
         while pending:
             self.check_alive()
-            pending = [p for p in pending if not self._worker_ready(p)]
+            pending = [p for p in pending if not self._mark_ready(p)]
             self._tick(deadline, f"workers {[p.name for p in pending]} not ready")
         models_url = f"{self.plan.base_url}/v1/models"
         while True:
@@ -154,6 +155,12 @@ class Launcher:
             self._tick(deadline, f"{models_url} does not list {self.plan.served_model_name}")
         # The router learns of workers through discovery, a moment after the model card appears.
         time.sleep(0.5 + 0.5 * len(self.plan.workers))
+
+    def _mark_ready(self, proc: Process) -> bool:
+        if self._worker_ready(proc):
+            self.ready.add(proc.name)
+            return True
+        return False
 
     def _worker_ready(self, proc: Process) -> bool:
         try:
@@ -225,7 +232,7 @@ class Launcher:
             code = self.running[name].poll()
             if code is not None:
                 self._died(proc, code, now)
-            elif name in self.starting and self._worker_ready(proc):
+            elif name in self.starting and self._mark_ready(proc):
                 took = now - self.starting.pop(name)
                 self._say(f"{name} is ready again after {took:.1f} s; metrics at {proc.metrics_url}")
 
@@ -236,6 +243,7 @@ class Launcher:
         p.wait()
         self._buried.add(p)
         self.starting.pop(name, None)
+        self.ready.discard(name)
         deaths = [t for t in self.deaths.get(name, []) if now - t < policy.window_s] + [now]
         self.deaths[name] = deaths
         gone = self._deregister(proc) if proc.kind is Kind.WORKER else 0
@@ -303,7 +311,11 @@ class Launcher:
 
     def shutdown(self, timeout: float = 30) -> None:
         """SIGINT to the frontend first (no new requests), then workers, then infrastructure; what
-        has not exited after ``timeout`` gets SIGKILL. Every process group is reaped."""
+        has not exited after ``timeout`` gets SIGKILL. Every process group is reaped. A worker that
+        has not reported ready gets SIGTERM instead: until Dynamo's Worker owns the signals (then
+        both drain alike) Python's default for SIGTERM ends it at once and quietly, where a SIGINT
+        would raise KeyboardInterrupt in whatever it is importing and log a traceback; such a
+        worker has accepted nothing, and its SSD journal survives any stop."""
         order = [p for p in self._order if p.kind is Kind.FRONTEND] + \
                 [p for p in self._order if p.kind is Kind.WORKER] + [p for p in self._order if p.kind is None]
         for group in ([p for p in order if p.kind is not None], [p for p in order if p.kind is None]):
@@ -311,7 +323,8 @@ class Launcher:
             # its pid may belong to someone else by now.
             group = [proc for proc in group if self.running[proc.name] not in self._buried]
             for proc in group:
-                _signal_group(self.running[proc.name], signal.SIGINT)
+                starting = proc.kind is Kind.WORKER and proc.name not in self.ready
+                _signal_group(self.running[proc.name], signal.SIGTERM if starting else signal.SIGINT)
             deadline = time.monotonic() + timeout
             for proc in group:
                 p = self.running[proc.name]
