@@ -2,7 +2,8 @@
 frontend and the workers, each in its own process group with its log streamed under its name;
 waits until every worker reports ready and the OpenAI endpoint lists the model; then supervises:
 a worker that dies is restarted under its RestartPolicy (same replica, ports and SSD directory),
-the death of anything else, a worker over its restart budget, Ctrl-C or SIGTERM stop everything,
+a ready worker whose /health fails for its liveness-timeout-s is SIGKILLed as hung and handled as
+dead, the death of anything else, a worker over its restart budget, Ctrl-C or SIGTERM stop everything,
 leaving no process behind."""
 
 from __future__ import annotations
@@ -22,6 +23,24 @@ from typing import IO, Dict, List, Optional, Set
 
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.plan import LOOPBACK, LaunchPlan, OnDeath, Process
+
+
+PROBE_EVERY_S = 5.0  # a ready worker's /health is asked at most this often
+PROBE_TIMEOUT_S = 2.0
+
+
+class _Liveness:
+    """One life of a ready worker: its /health probed on a short thread (a stopped process answers
+    nothing and its probe runs into the timeout; supervision never waits for it). step() reads the
+    results: a ready answer resets the clock, anything else (no answer, a refused connection, a
+    non-ready status) keeps it running from the first failed probe's start."""
+
+    def __init__(self, now: float) -> None:
+        self.due = now + PROBE_EVERY_S
+        self.failing_since: Optional[float] = None
+        self.thread: Optional[threading.Thread] = None
+        self.sent = 0.0
+        self.ok: Optional[bool] = None  # the running probe's answer, once it has one
 
 
 class Interrupted(RuntimeError):
@@ -80,6 +99,7 @@ class Launcher:
         self.pending: Dict[str, float] = {}  # name -> when its restart is due (monotonic)
         self.starting: Dict[str, float] = {}  # restarted, /health not ready yet -> when it was spawned
         self.ready: Set[str] = set()  # workers whose current life reported ready
+        self.liveness: Dict[str, _Liveness] = {}  # ready workers' /health probes (liveness-timeout-s)
         self.events: List[str] = []  # what supervise() said, also written to echo
         self._buried: Set[subprocess.Popen] = set()  # dead, group killed, reaped: never signal again
 
@@ -162,9 +182,9 @@ class Launcher:
             return True
         return False
 
-    def _worker_ready(self, proc: Process) -> bool:
+    def _worker_ready(self, proc: Process, timeout: float = 2) -> bool:
         try:
-            return http_json("GET", f"http://{LOOPBACK}:{proc.port}/health", timeout=2).get("status") == "ready"
+            return http_json("GET", f"http://{LOOPBACK}:{proc.port}/health", timeout=timeout).get("status") == "ready"
         except (OSError, ValueError, http.client.HTTPException):  # not up yet, or cut off mid-answer
             return False
 
@@ -232,9 +252,42 @@ class Launcher:
             code = self.running[name].poll()
             if code is not None:
                 self._died(proc, code, now)
-            elif name in self.starting and self._mark_ready(proc):
-                took = now - self.starting.pop(name)
-                self._say(f"{name} is ready again after {took:.1f} s; metrics at {proc.metrics_url}")
+            elif name in self.starting:
+                if self._mark_ready(proc):
+                    took = now - self.starting.pop(name)
+                    self._say(f"{name} is ready again after {took:.1f} s; metrics at {proc.metrics_url}")
+            elif name in self.ready and proc.restart.liveness_s > 0:
+                self._check_liveness(proc, now)
+
+    def _check_liveness(self, proc: Process, now: float) -> None:
+        """A ready worker whose /health probes failed for liveness-timeout-s is hung (SIGSTOPped,
+        deadlocked): SIGKILL its group and let _died apply its on-death policy, as for any death."""
+        name = proc.name
+        live = self.liveness.get(name)
+        if live is None:
+            live = self.liveness[name] = _Liveness(now)
+        if live.thread is not None and not live.thread.is_alive():
+            live.thread = None
+            if live.ok:
+                live.failing_since = None
+            else:
+                if live.failing_since is None:
+                    live.failing_since = live.sent
+                silent = now - live.failing_since
+                if silent >= proc.restart.liveness_s:
+                    p = self.running[name]
+                    self._say(f"{name} did not answer /health for {silent:.0f} s: killing it (SIGKILL) as hung")
+                    _signal_group(p, signal.SIGKILL)
+                    self._died(proc, p.wait(), now)
+                    return
+        if live.thread is None and now >= live.due:
+            live.sent, live.due, live.ok = now, now + PROBE_EVERY_S, None
+
+            def probe(live: _Liveness = live) -> None:
+                live.ok = self._worker_ready(proc, PROBE_TIMEOUT_S)
+
+            live.thread = threading.Thread(target=probe, name=f"health {name}", daemon=True)
+            live.thread.start()
 
     def _died(self, proc: Process, code: int, now: float) -> None:
         name, policy = proc.name, proc.restart
@@ -244,6 +297,7 @@ class Launcher:
         self._buried.add(p)
         self.starting.pop(name, None)
         self.ready.discard(name)
+        self.liveness.pop(name, None)  # a probe of this life still running answers into nothing
         deaths = [t for t in self.deaths.get(name, []) if now - t < policy.window_s] + [now]
         self.deaths[name] = deaths
         gone = self._deregister(proc) if proc.kind is Kind.WORKER else 0

@@ -12,6 +12,7 @@ CacheConfig keys (dynamo_flexkv.config); ``{replica}`` in a value becomes the re
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import shutil
@@ -95,7 +96,7 @@ OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
         "num-device-blocks": _int, "offload": _bool, "bulk-load": _bool, "device-prefix-cache": _bool,
         "system-port": _int, "cache": _mapping, "extra-args": _args,
         "on-death": _str, "max-restarts": _int, "restart-window-s": _float, "restart-backoff-s": _float,
-        "disaggregation-mode": _str, "handover-lease-s": _float, "handover-timeout-s": _float,
+        "liveness-timeout-s": _float, "disaggregation-mode": _str, "handover-lease-s": _float, "handover-timeout-s": _float,
     },
 }
 DISAGG_MODES = ("agg", "prefill", "decode")
@@ -107,9 +108,32 @@ DEFAULTS: Dict[Kind, Dict[str, Any]] = {
     Kind.WORKER: {"model": "small", "namespace": "dynamo", "replicas": 1, "num-device-blocks": 256,
                   "offload": True, "bulk-load": False, "device-prefix-cache": True, "cache": {},
                   "extra-args": [], "on-death": "restart", "max-restarts": 3, "restart-window-s": 300.0,
-                  "restart-backoff-s": 1.0, "disaggregation-mode": "agg", "handover-lease-s": 30.0,
+                  "restart-backoff-s": 1.0, "liveness-timeout-s": 30.0, "disaggregation-mode": "agg", "handover-lease-s": 30.0,
                   "handover-timeout-s": 10.0},
 }
+
+
+# Worker options in seconds: (lowest, highest or None, whether the lowest itself is allowed, whether
+# 0 turns the option off). One check for all of them, so each refuses NaN, inf and out-of-range
+# values with a message naming the option.
+SECONDS_OPTIONS: Dict[str, tuple] = {
+    "restart-window-s": (0.0, None, False, False),
+    "restart-backoff-s": (0.0, 30.0, True, False),
+    "liveness-timeout-s": (5.0, 3600.0, True, True),
+}
+
+
+def seconds_problem(value: float, low: float, high: Optional[float], low_ok: bool, zero_off: bool) -> Optional[str]:
+    """Why ``value`` cannot be this option's number of seconds; None if it can."""
+    if zero_off and value == 0:
+        return None
+    if math.isfinite(value) and (value >= low if low_ok else value > low) and (high is None or value <= high):
+        return None
+    if high is None:
+        want = f"> {low:g} seconds"
+    else:
+        want = f"between {low:g} and {high:g} seconds"
+    return f"{value} must be {'0 (off) or ' if zero_off else ''}{want} (a finite number)"
 
 
 class OnDeath(Enum):
@@ -126,6 +150,7 @@ class RestartPolicy:
     max_restarts: int = 3
     window_s: float = 300.0
     backoff_s: float = 1.0
+    liveness_s: float = 30.0  # a ready worker whose /health fails this long is SIGKILLed as hung; 0: off
 
     def delay(self, deaths_in_window: int) -> float:
         return min(30.0, self.backoff_s * 2 ** max(0, deaths_in_window - 1))
@@ -287,8 +312,10 @@ def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict
                              "again) or stop (stop the whole graph)")
         if out["max-restarts"] < 0:
             raise GraphError(f"{source}: {name}.max-restarts={out['max-restarts']} must be >= 0")
-        if out["restart-window-s"] <= 0:
-            raise GraphError(f"{source}: {name}.restart-window-s={out['restart-window-s']} must be > 0 seconds")
+        for key, bounds in SECONDS_OPTIONS.items():
+            problem = seconds_problem(out[key], *bounds)
+            if problem is not None:
+                raise GraphError(f"{source}: {name}.{key}={problem}")
         if out["disaggregation-mode"] not in DISAGG_MODES:
             raise GraphError(f"{source}: {name}.disaggregation-mode={out['disaggregation-mode']!r}: use one of "
                              f"{list(DISAGG_MODES)}")
@@ -299,9 +326,6 @@ def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict
         if out["disaggregation-mode"] == "prefill" and not out["device-prefix-cache"]:
             raise GraphError(f"{source}: {name}: a prefill worker hands its device prefix cache over; set "
                              "device-prefix-cache: true")
-        if not 0 <= out["restart-backoff-s"] <= 30:
-            raise GraphError(f"{source}: {name}.restart-backoff-s={out['restart-backoff-s']} must be "
-                             "between 0 and 30 seconds")
     return out
 
 
@@ -346,7 +370,7 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
         raise GraphError(f"{source}: {name}.extra-args {o['extra-args']} are not worker options "
                          "(see python -m dynamo_flexkv.worker --help)") from None
     restart = RestartPolicy(OnDeath(o["on-death"]), o["max-restarts"], o["restart-window-s"],
-                            o["restart-backoff-s"])
+                            o["restart-backoff-s"], o["liveness-timeout-s"])
     out, dirs = [], {}
     for i in range(o["replicas"]):
         pname = f"{name}-{i}" if o["replicas"] > 1 else name
