@@ -378,9 +378,10 @@ def test_a_worker_that_drains_by_itself_is_restarted_or_reported(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_with_a_sigstopped_worker_stops_everything_within_the_kill_deadline(tmp_path):
-    """A worker SIGSTOPped while it streams: its clients stall (it is hung, not dead). Ctrl-C must
-    still stop the graph: serve SIGKILLs the hung worker 30 s after its SIGINT, exits 0, leaves no
-    process, no port, no traceback."""
+    """A worker SIGSTOPped while it streams: its clients stall (it is hung, not dead) until its
+    liveness-timeout-s (30 s by default; tests/test_liveness.py covers the kill and restart). Ctrl-C
+    before that must still stop the graph: serve SIGKILLs the hung worker 30 s after its SIGINT,
+    exits 0, leaves no process, no port, no traceback."""
     g = Graph(tmp_path, "stopped", "FlexKVWorker.restart-backoff-s=0.3")
     hung = None
     try:
@@ -390,7 +391,7 @@ def test_ctrl_c_with_a_sigstopped_worker_stops_everything_within_the_kill_deadli
         hung = g.pid_of(WORKERS[1])
         os.kill(hung, signal.SIGSTOP)
         time.sleep(5)
-        # serve does not treat a stopped process as dead
+        # serve does not treat a stopped process as dead, nor as hung before liveness-timeout-s (30 s)
         assert not any(f"{WORKERS[1]} exited" in x for x in g.lines), g.lines[-5:]
         # Observation (no claim covers hangs): new requests while it is stopped; the router still
         # lists it, so some may be routed there and stall until the client gives up.
