@@ -31,7 +31,7 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from test_serve_faults import Serve, Streamed, stream, wait_until  # noqa: E402
+from test_serve_faults import Serve, Streamed, assert_all_gone, stream, wait_until  # noqa: E402
 
 MODEL = "flexkv-tiny"
 WINDOW = 64 * 16  # the Serve helper's graph: 64 device blocks of 16 tokens per worker
@@ -440,13 +440,7 @@ def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(graph):
     assert graph.proc.wait(timeout=90) == 0, "\n".join(graph.lines[-40:])
     out = "\n".join(graph.lines)
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)
-    for port in ports:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", port))
+    assert_all_gone(pids, ports)
 
 
 @pytest.mark.slow
