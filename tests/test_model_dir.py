@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dynamo_flexkv.dynamo.model_dir import write_model_dir
+from dynamo_flexkv.dynamo.model_dir import SPECIALS, write_hf_cache_entry, write_model_dir
 from dynamo_flexkv.engine import EngineModelConfig
 
 transformers = pytest.importorskip("transformers", reason="installed with ai-dynamo's requirements by make test")
@@ -30,3 +30,38 @@ def test_vocab_too_small(tmp_path):
     cfg = EngineModelConfig.from_dict({**EngineModelConfig.preset("tiny").__dict__, "vocab_size": 100})
     with pytest.raises(ValueError, match="vocab_size 100 is too small"):
         write_model_dir(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_every_id_decodes_to_text_and_encoding_stays_byte_level(tmp_path, preset):
+    """A model emits any id below vocab_size: each decodes to non-empty text (so a streaming
+    frontend has a delta to send for it), the fillers past the specials are distinct, and encoding
+    still gives one byte token per byte (ids below 256) plus the specials, never a filler."""
+    cfg = EngineModelConfig.preset(preset)
+    tok = transformers.AutoTokenizer.from_pretrained(str(write_model_dir(cfg, tmp_path / preset)))
+    assert len(tok) == cfg.vocab_size
+    texts = tok.batch_decode([[i] for i in range(cfg.vocab_size)])
+    assert [i for i, t in enumerate(texts) if not t] == []
+    assert [tok.convert_ids_to_tokens(i) for i in range(256, 261)] == SPECIALS
+    fillers = texts[256 + len(SPECIALS):]
+    assert len(set(fillers)) == len(fillers) and all(t.startswith(" ") and t[1:].isalpha() for t in fillers)
+    text = "".join(fillers[:50]) + " Héllo 你好 \x00\n" + SPECIALS[2] + "ba be"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert all(i < 256 for i in ids if i != tok.convert_tokens_to_ids(SPECIALS[2]))
+    assert len(ids) == len(text.replace(SPECIALS[2], "").encode()) + 1
+
+
+def test_a_hub_cache_entry_loads_by_repo_id_offline(tmp_path):
+    """What aiperf does with --tokenizer flexkv/tiny and HF_HUB_CACHE: a repo id, offline."""
+    cfg = EngineModelConfig.preset("tiny")
+    d = write_model_dir(cfg, tmp_path / "model")
+    snapshot = write_hf_cache_entry(d, tmp_path / "hub", "flexkv/tiny")
+    assert snapshot == write_hf_cache_entry(d, tmp_path / "hub", "flexkv/tiny")  # same files: same revision
+    repo = tmp_path / "hub" / "models--flexkv--tiny"
+    assert (repo / "refs" / "main").read_text() == snapshot.name and snapshot.parent == repo / "snapshots"
+    tok = transformers.AutoTokenizer.from_pretrained("flexkv/tiny", cache_dir=str(tmp_path / "hub"),
+                                                     local_files_only=True)
+    assert tok.decode([300, 301]) == " mu na" and tok.eos_token_id == 257
+    with pytest.raises(ValueError, match="expected ORG/NAME"):
+        write_hf_cache_entry(d, tmp_path / "hub", "tiny")
