@@ -2,7 +2,13 @@
 at its (time-scaled) trace arrival, never before the previous turn of its conversation answered
 (a user reads the reply before asking again), with at most ``concurrency`` requests in flight.
 Every request streams, so TTFT and inter-token latency are measured at the client; the worker
-that served it and its cached prompt tokens come from the response itself."""
+that served it and its cached prompt tokens come from the response itself.
+
+Timing is by token, not by text: each request asks the frontend for ``nvext.completion_token_ids``,
+so every chunk says which tokens it carries. TTFT is the arrival of the first chunk that carries a
+token (its text may still be empty: a byte of a multi-byte UTF-8 character), and an inter-token gap
+is measured between token-carrying chunks (tokens that arrive in one chunk: gaps of 0). A server
+that sends no token ids: every chunk with a choice counts as one token."""
 
 from __future__ import annotations
 
@@ -50,6 +56,16 @@ def tier_split(nvext: Dict[str, Any]) -> Optional[Dict[str, int]]:
     if not isinstance(by, dict):
         return None
     return {t: int(by.get(t) or 0) for t in TIERS}
+
+
+def chunk_tokens(chunk: Dict[str, Any], nvext: Dict[str, Any]) -> int:
+    """How many generated tokens a stream chunk carries: ``nvext.completion_token_ids`` when the
+    frontend sends it (Dynamo does when the request lists it in ``nvext.extra_fields``), else one
+    per chunk with a choice (the usage-only last chunk has none)."""
+    ids = nvext.get("completion_token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    return 1 if chunk.get("choices") else 0
 
 
 def arrival_times(turns: Sequence[Turn], time_scale: float) -> List[float]:
@@ -102,7 +118,7 @@ class Replayer:
     async def _send(self, session: aiohttp.ClientSession, turn: Turn, rec: RequestRecord) -> None:
         body = {"model": self.model, "prompt": turn.tokens, "max_tokens": turn.output_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True},
-                "nvext": {"extra_fields": ["worker_id", "engine_data"]}}
+                "nvext": {"extra_fields": ["worker_id", "engine_data", "completion_token_ids"]}}
         rec.prompt_tokens = len(turn.tokens)
         t0 = time.perf_counter()
         last: Optional[float] = None
@@ -120,13 +136,15 @@ class Replayer:
                         rec.error = f"stream error: {str(chunk['error'])[:300]}"
                         return
                     now = time.perf_counter()
-                    if chunk.get("choices"):  # one token per chunk (its text may be a partial UTF-8 byte)
+                    nvext = chunk.get("nvext") or {}
+                    tokens = chunk_tokens(chunk, nvext)
+                    if tokens:
                         if last is None:
                             rec.ttft_ms = (now - t0) * 1000
                         else:
                             rec.itl_ms.append((now - last) * 1000)
+                        rec.itl_ms.extend([0.0] * (tokens - 1))  # arrived together
                         last = now
-                    nvext = chunk.get("nvext") or {}
                     wid = (nvext.get("worker_id") or {}).get("decode_worker_id")
                     if wid is not None:
                         rec.worker_id = int(wid)
