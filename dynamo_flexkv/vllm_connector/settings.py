@@ -1,0 +1,68 @@
+"""The connector's settings: vLLM's config plus ``kv_connector_extra_config`` (tier sizes and
+policies come from FLEXKV_* / FLEXKV_CONFIG_PATH, as for the reference worker)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+# kv_connector_extra_config keys -> (field, type, default, what it does)
+EXTRA_KEYS: Dict[str, tuple] = {
+    "layerwise": (bool, True, "load layer by layer, each attention layer waits only for its own layer"),
+    "load": (bool, True, "load cached prefixes from the tiers"),
+    "store": (bool, True, "store finished requests' computed blocks in the tiers"),
+    "lookup_wait_ms": (float, 5.0, "longest the scheduler waits for a lookup answer before it asks again next step"),
+    "lookup_give_up_s": (float, 2.0, "a lookup unanswered this long is a miss (the prompt is computed)"),
+    "load_timeout_s": (float, 30.0, "a layer not loaded after this long is cancelled and recomputed"),
+    "drain_timeout_s": (float, 20.0, "longest shutdown waits for stores still writing"),
+    "run_dir": (str, None, "directory of the lookup socket (default $FLEXKV_RUN_DIR or the temp dir)"),
+    "model_id": (str, None, "names the weights in the remote tier's fingerprint (default: the model path)"),
+}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    block_size: int
+    num_blocks: int
+    engine_id: str
+    layerwise: bool = True
+    load: bool = True
+    store: bool = True
+    lookup_wait_ms: float = 5.0
+    lookup_give_up_s: float = 2.0
+    load_timeout_s: float = 30.0
+    drain_timeout_s: float = 20.0
+    run_dir: Optional[str] = None
+    model_id: str = ""
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> "ConnectorSettings":
+        kt = vllm_config.kv_transfer_config
+        extra = dict(kt.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"FlexKVConnector: unknown kv_connector_extra_config key(s) {unknown}; known: "
+                             + ", ".join(f"{k} ({v[2]})" for k, v in EXTRA_KEYS.items()))
+        values: Dict[str, Any] = {}
+        for key, (typ, default, _) in EXTRA_KEYS.items():
+            value = extra.get(key, default)
+            if value is None:
+                continue
+            if typ is bool and not isinstance(value, bool):
+                raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be true or false")
+            if typ is float:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                        or value <= 0:
+                    raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a finite "
+                                     "positive number")
+                value = float(value)
+            if typ is str and not isinstance(value, str):
+                raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a string")
+            values[key] = value
+        values.setdefault("model_id", str(vllm_config.model_config.model))
+        num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
+        return cls(block_size=int(vllm_config.cache_config.block_size), num_blocks=num_blocks,
+                   engine_id=str(kt.engine_id), **values)
+
+
