@@ -1,57 +1,86 @@
-"""How the reference engine talks to KVManager, the way an engine's KV connector does.
+"""EngineOffload: the engine-facing contract of dynamo_flexkv (docs/ENGINE_CONTRACT.md).
 
-Admission: after the engine's own prefix cache, ask the offload tiers for the rest of the prompt
-and load it into the request's new device blocks (layerwise: each layer's attention waits only
-for that layer). A waiting request prefetches its disk part into host memory. Computed prompt
-blocks are put back once the prefill finished; the blocks stay referenced until the device copy
-is done.
+An engine's KV connector talks to the offload tiers only through this class, never through
+KVManager internals. Its two clients are the reference engine (engine/llm.py) and the vLLM
+connector (vllm_connector/). The calls follow one request's life:
+
+* ``register(tensors, layout)`` once, with the engine's paged KV tensors;
+* ``cached_tokens(tokens)``: the longest prefix the tiers hold (no side effects);
+* ``load(tokens, block_table, skip_blocks)`` starts copying blocks ``[skip_blocks, ...)`` into the
+  request's device blocks; ``wait_layer(task, i)`` before layer i's attention (layerwise), then
+  ``finish(task)``; a failed load raises ``TaskFailed`` from ``wait_layer`` (recompute instead);
+* ``store(tokens, block_table, key)`` copies the computed full blocks out; the engine keeps the
+  device blocks until ``finished_holds()`` hands them back (with ``key``), so it may reuse them
+  while the slower tier writes continue in the background;
+* ``prefetch(tokens)`` warms host memory from disk for a request that still waits.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
 
 from dynamo_flexkv.layout import KVLayoutType
 from dynamo_flexkv.manager import KVManager
 from dynamo_flexkv.tasks import TaskResult, TaskStatus
 
 
-class OffloadConnector:
+@dataclass(frozen=True)
+class Hold:
+    """Device blocks an offload copy no longer touches: the engine may release or reuse them."""
+    key: Any  # what the engine passed to store() / cancel_load(), e.g. its request id
+    blocks: List[int]
+
+
+class EngineOffload:
     def __init__(self, kv: KVManager, layerwise: bool = True) -> None:
         self.kv = kv
         self.layerwise = layerwise
         self.bs = kv.tokens_per_block
-        # Task -> device blocks it still touches: a put reads them until its device copy is done,
-        # a cancelled load may still write them until its copies in flight drained.
-        self._holds: Dict[int, List[int]] = {}
+        # Task -> (key, device blocks it still touches): a put reads them until its device copy is
+        # done, a cancelled load may still write them until its copies in flight drained.
+        self._holds: Dict[int, Hold] = {}
         self._prefetches: List[int] = []
         self.failed_loads = 0
 
-    def register(self, layers) -> None:
-        self.kv.register_device_cache(layers, KVLayoutType.LAYERBLOCK)
+    def register(self, layers, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
+        self.kv.register_device_cache(layers, layout)
+
+    def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
+                      cache_salt: Optional[str] = None) -> int:
+        """Tokens of the longest prefix of ``tokens`` a load would bring back (whole blocks)."""
+        return max(self.kv.match(tokens, lora_name=lora_name, cache_salt=cache_salt).values(), default=0)
 
     def cached_blocks(self, tokens: Sequence[int]) -> int:
-        return max(self.kv.match(tokens).values(), default=0) // self.bs
+        return self.cached_tokens(tokens) // self.bs
 
-    def load(self, tokens: Sequence[int], block_table: Sequence[int], skip_blocks: int) -> Optional[int]:
+    def load(self, tokens: Sequence[int], block_table: Sequence[int], skip_blocks: int, *,
+             lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> Optional[int]:
         """Starts loading blocks [skip_blocks, ...) of ``tokens`` (full blocks only). Returns the
-        task and the tokens it will load, or None when nothing beyond skip_blocks is cached."""
-        tid = self.kv.get_async(list(tokens), list(block_table), skip_blocks=skip_blocks, layerwise=self.layerwise)
+        task, or None when nothing beyond skip_blocks is cached."""
+        tid = self.kv.get_async(list(tokens), list(block_table), skip_blocks=skip_blocks, layerwise=self.layerwise,
+                                lora_name=lora_name, cache_salt=cache_salt)
         if self.kv.planned_tokens(tid) == 0:
             self.kv.wait([tid])
             return None
         return tid
 
+    def planned_tokens(self, tid: int) -> int:
+        """Tokens the load brings if it succeeds (beyond skip_blocks), known when it starts."""
+        return self.kv.planned_tokens(tid)
+
     def planned_tokens_by_tier(self, tid: int) -> Dict[str, int]:
         return self.kv.planned_tokens_by_tier(tid)
 
-    def wait_layer(self, tid: int, layer: int) -> None:
-        self.kv.wait_for_layer(tid, layer)  # raises TaskFailed: the step recomputes
+    def wait_layer(self, tid: int, layer: int, timeout: Optional[float] = None) -> bool:
+        """Waits for layer ``layer`` of a load; False after ``timeout`` seconds. Raises TaskFailed
+        when the load failed (the step recomputes what it would have loaded)."""
+        return self.kv.wait_for_layer(tid, layer, timeout)
 
-    def cancel_load(self, tid: int, blocks: Sequence[int]) -> None:
+    def cancel_load(self, tid: int, blocks: Sequence[int], key: Any = None) -> None:
         """Cancels a load; ``blocks`` come back from finished_holds() once no copy writes them."""
         self.kv.cancel([tid])
-        self._holds[tid] = list(blocks)
+        self._holds[tid] = Hold(key, list(blocks))
 
     def finish(self, tid: int) -> TaskResult:
         r = self.kv.wait([tid])[tid]
@@ -68,10 +97,14 @@ class OffloadConnector:
         if tid in self._prefetches:  # not collected yet (a finished one needs no cancel)
             self.kv.cancel([tid])
 
-    def store(self, tokens: Sequence[int], block_table: Sequence[int]) -> int:
+    def store(self, tokens: Sequence[int], block_table: Sequence[int], key: Any = None, *,
+              lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
+        """Stores the full blocks of ``tokens`` from ``block_table``; the blocks are held until
+        finished_holds() returns them with ``key``."""
         n = len(tokens) // self.bs
-        tid = self.kv.put_async(list(tokens[: n * self.bs]), list(block_table[:n]))
-        self._holds[tid] = list(block_table[:n])
+        tid = self.kv.put_async(list(tokens[: n * self.bs]), list(block_table[:n]),
+                                lora_name=lora_name, cache_salt=cache_salt)
+        self._holds[tid] = Hold(key, list(block_table[:n]))
         return tid
 
     @property
@@ -79,9 +112,9 @@ class OffloadConnector:
         """Tasks whose results the connector still has to collect."""
         return len(self._holds) + len(self._prefetches)
 
-    def finished_holds(self) -> List[List[int]]:
-        """Device blocks of puts whose device copy is done and of cancelled loads that drained (the
-        engine may release them). Also collects finished prefetches, whose results nobody waits for."""
+    def finished_holds(self) -> List[Hold]:
+        """Holds of puts whose device copy is done and of cancelled loads that drained. Also
+        collects finished prefetches, whose results nobody waits for."""
         if self._prefetches:
             done = self.kv.try_wait(self._prefetches)
             self._prefetches = [t for t in self._prefetches if t not in done]
@@ -90,7 +123,7 @@ class OffloadConnector:
         done = self.kv.try_wait(list(self._holds))
         return [self._holds.pop(t) for t in done]
 
-    def drain_holds(self) -> List[List[int]]:
+    def drain_holds(self) -> List[Hold]:
         self.kv.wait(self._prefetches)
         self._prefetches = []
         done = self.kv.wait(list(self._holds))

@@ -11,12 +11,12 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Set
 import torch
 
 from dynamo_flexkv.engine.config import EngineModelConfig
-from dynamo_flexkv.engine.connector import OffloadConnector
 from dynamo_flexkv.engine.kv_cache import DeviceBlockPool, NoFreeBlocks, PagedKVCache
 from dynamo_flexkv.engine.model import LlamaModel, SeqChunk
 from dynamo_flexkv.engine.request import Request, RequestOutput, RequestState, SamplingParams, sample
 from dynamo_flexkv.hashing import block_hashes
 from dynamo_flexkv.manager import KVManager
+from dynamo_flexkv.offload import EngineOffload
 from dynamo_flexkv.tasks import TaskFailed, TaskStatus
 
 
@@ -43,12 +43,12 @@ class LLMEngine:
         self.model = model or LlamaModel(cfg, device, seed)
         self.kv_cache = PagedKVCache(cfg, num_device_blocks, device)
         self.pool = DeviceBlockPool(num_device_blocks, on_device_stored, on_device_removed)
-        self.connector: Optional[OffloadConnector] = None
+        self.connector: Optional[EngineOffload] = None
         if kv_manager is not None:
             if kv_manager.tokens_per_block != cfg.block_size:
                 raise ValueError(f"the KVManager's tokens_per_block={kv_manager.tokens_per_block} differs from the "
                                  f"engine's block_size={cfg.block_size}: set tokens_per_block={cfg.block_size}")
-            self.connector = OffloadConnector(kv_manager, layerwise)
+            self.connector = EngineOffload(kv_manager, layerwise)
             self.connector.register(self.kv_cache.layers)
         self.layerwise = layerwise
         self.offload_puts = offload_puts  # False: load from offload tiers but never store (benchmarks)
@@ -123,15 +123,15 @@ class LLMEngine:
     def flush(self) -> None:
         """Waits for outstanding offload copies and releases the device blocks they read."""
         if self.connector is not None:
-            for blocks in self.connector.drain_holds():
-                self.pool.release(blocks)
+            for hold in self.connector.drain_holds():
+                self.pool.release(hold.blocks)
 
     # ---- one scheduler step ---------------------------------------------------------------------
     def step(self) -> List[RequestOutput]:
         self._apply_aborts()
         if self.connector is not None:
-            for blocks in self.connector.finished_holds():
-                self.pool.release(blocks)
+            for hold in self.connector.finished_holds():
+                self.pool.release(hold.blocks)
         self._admit()
         chunks, reqs = self._build_batch()
         if not chunks:
