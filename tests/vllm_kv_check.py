@@ -1,0 +1,117 @@
+"""Runs real vLLM (CPU) with FlexKVConnector and checks, from inside vLLM's worker, that the KV
+bytes the connector loads equal the bytes vLLM computed (torch.equal, every layer, every loaded
+block). Run by tests/test_vllm_connector.py in a subprocess (vLLM's CPU platform spawns):
+
+    python tests/vllm_kv_check.py MODEL_DIR OUT.json --layerwise {0,1} [--scenario NAME]
+
+Scenarios: ``host`` (computed, device cache reset and zeroed, loaded from host), ``disk`` (host
+too small for the prompt: loaded through disk), ``corrupt-disk`` (a byte of the disk file flipped
+after it was written: the load must fail verification and vLLM recompute, same tokens)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+
+def _blocks(worker, block_ids):
+    """Copies of vLLM's KV of ``block_ids``, one tensor per layer."""
+    return [t[block_ids].clone() for t in worker.model_runner.kv_caches]
+
+
+def _zero(worker):
+    for t in worker.model_runner.kv_caches:
+        t.zero_()
+
+
+def _log(worker):
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    return [(r.kind, r.req_id, list(r.block_ids), r.ok) for r in get_kv_transfer_group().transfer_log]
+
+
+def _disk_files(worker):
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    conn = get_kv_transfer_group()
+    conn.drain(60)  # the disk writes run behind the store
+    s = conn.tier_stats()
+    return conn.tier_files(), {t: s[t] for t in ("host", "disk")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("out")
+    ap.add_argument("--layerwise", type=int, default=1)
+    ap.add_argument("--scenario", default="host", choices=["host", "disk", "corrupt-disk"])
+    ap.add_argument("--prompt-tokens", type=int, default=1500)
+    ap.add_argument("--flush-prompts", type=int, default=3)
+    ap.add_argument("--block-bytes", type=int, default=128 << 10)
+    ap.add_argument("--corrupt-slots", type=int, default=256)
+    a = ap.parse_args()
+    # collective_rpc ships these functions to vLLM's worker process by pickle (a local test only).
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    import torch
+    from vllm import LLM, SamplingParams
+
+    kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
+          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {"layerwise": bool(a.layerwise)}}
+    llm = LLM(model=a.model_dir, load_format="dummy", dtype="bfloat16", max_model_len=8192, block_size=64,
+              enforce_eager=True, kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0)
+    rnd = random.Random(7)
+    prompt = [rnd.randrange(300, 30000) for _ in range(a.prompt_tokens)]
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    first = llm.generate([{"prompt_token_ids": prompt}], sp)[0]
+    # Later steps run until the store's device copy is reported (vLLM keeps the blocks until then).
+    for _ in range(50):
+        stores = [r for r in llm.collective_rpc(_log)[0] if r[0] == "store"]
+        if stores:
+            break
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1))
+    stored = stores[0][2]
+    computed = llm.collective_rpc(_blocks, args=(stored,))[0]
+    if a.scenario in ("disk", "corrupt-disk"):
+        # Other prompts push this one out of the (small) host tier; it stays on disk.
+        for i in range(a.flush_prompts):
+            other = [rnd.randrange(300, 30000) for _ in range(a.prompt_tokens)]
+            llm.generate([{"prompt_token_ids": other}], SamplingParams(max_tokens=1))
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1))
+        files, tiers = llm.collective_rpc(_disk_files)[0]
+        result_tiers = tiers
+    if a.scenario == "corrupt-disk":
+        block_bytes = a.block_bytes
+        with open(files[0], "r+b") as f:  # flip 64 bytes inside every block slot written so far
+            for slot in range(a.corrupt_slots):
+                f.seek(slot * block_bytes + 4096)
+                b = f.read(64)
+                f.seek(slot * block_bytes + 4096)
+                f.write(bytes(x ^ 0xFF for x in b))
+    llm.reset_prefix_cache()
+    llm.collective_rpc(_zero)
+    second = llm.generate([{"prompt_token_ids": prompt}], sp)[0]
+    loads = [r for r in llm.collective_rpc(_log)[0] if r[0] == "load"]
+    result = {"first_tokens": list(first.outputs[0].token_ids), "second_tokens": list(second.outputs[0].token_ids),
+              "first_cached": first.num_cached_tokens, "second_cached": second.num_cached_tokens,
+              "stored_blocks": len(stored), "loads": [[r[3], len(r[2])] for r in loads]}
+    if a.scenario != "host":
+        result["tiers_before_load"] = result_tiers
+        result["tiers_after_load"] = llm.collective_rpc(_disk_files)[0][1]
+    if loads and loads[-1][3]:
+        loaded_ids = loads[-1][2]
+        restored = llm.collective_rpc(_blocks, args=(loaded_ids,))[0]
+        n = len(loaded_ids)
+        # Bit for bit (a NaN equals itself here): the raw bytes of every layer of every loaded block.
+        result["bytes_equal"] = all(torch.equal(c[:n].contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
+                                    for c, r in zip(computed, restored))
+        result["layers"] = len(restored)
+        result["nonzero"] = all(bool(r.abs().sum() > 0) for r in restored)
+    with open(a.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
