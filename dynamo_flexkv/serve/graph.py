@@ -17,7 +17,7 @@ class GraphError(ValueError):
 
 class Kind(Enum):
     FRONTEND = "frontend"  # python -m dynamo.frontend: OpenAI HTTP, preprocessing, router
-    WORKER = "worker"  # python -m dynamo_flexkv.worker: the engine with offload
+    WORKER = "worker"  # a backend: our reference engine (dynamo_flexkv.worker) or dynamo.vllm
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Component:
     name: str  # its section in the config file
     kind: Kind
     defaults: Mapping[str, Any] = field(default_factory=dict)  # options the config may override
+    engine: str = "flexkv"  # workers: "flexkv" (python -m dynamo_flexkv.worker) or "vllm" (python -m dynamo.vllm)
 
 
 def Frontend(name: str = "Frontend", **defaults: Any) -> Component:
@@ -33,6 +34,12 @@ def Frontend(name: str = "Frontend", **defaults: Any) -> Component:
 
 def FlexKVWorker(name: str = "FlexKVWorker", **defaults: Any) -> Component:
     return Component(name, Kind.WORKER, _keys(defaults))
+
+
+def VllmWorker(name: str = "VllmWorker", **defaults: Any) -> Component:
+    """vLLM under Dynamo (``python -m dynamo.vllm``), offloading through dynamo_flexkv's
+    FlexKVConnector (``offload: false``: vLLM alone, the baseline)."""
+    return Component(name, Kind.WORKER, _keys(defaults), engine="vllm")
 
 
 def _keys(options: Mapping[str, Any]) -> Dict[str, Any]:

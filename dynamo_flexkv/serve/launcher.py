@@ -110,7 +110,8 @@ class Launcher:
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         _unignore_sigint()
-        write_model_dir(EngineModelConfig.load(self.plan.model), self.plan.run_dir / "model")
+        if self.plan.write_model:
+            write_model_dir(EngineModelConfig.load(self.plan.model), self.plan.run_dir / "model")
         try:
             for proc in self.plan.infra:
                 for path, text in proc.files.items():  # e.g. redis.conf, which holds a password: 0600
@@ -121,7 +122,10 @@ class Launcher:
                 self._spawn(proc)
                 self._wait_port(proc, timeout=30)
             for proc in self.plan.processes:
+                for d in proc.dirs:
+                    Path(d).mkdir(parents=True, exist_ok=True)
                 for path, text in proc.files.items():
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
                     Path(path).write_text(text)
                 self._spawn(proc)
         except BaseException:
@@ -386,6 +390,9 @@ class Launcher:
                     p.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
+                # Its children drain on their own signal (vLLM's EngineCore and Worker, which write
+                # their last tier stores) and may outlive it by moments: within the same deadline.
+                _wait_group(p, deadline)
                 _signal_group(p, signal.SIGKILL)  # stragglers of the group, or the process itself
                 p.wait()
         self.pending.clear()  # a restart that was due never happens
@@ -398,6 +405,22 @@ class Launcher:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _group_alive(p: subprocess.Popen) -> bool:
+    try:
+        os.killpg(p.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _wait_group(p: subprocess.Popen, deadline: float) -> None:
+    """Until nothing of ``p``'s process group is left, or ``deadline`` (monotonic)."""
+    while _group_alive(p) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

@@ -31,6 +31,7 @@ from dynamo_flexkv.disagg.leases import handover_seconds_problem
 from dynamo_flexkv.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.dynamo import LOOPBACK_ENV
 from dynamo_flexkv.storage.ssd import SsdInUseError, check_dir_free
+from dynamo_flexkv.serve import vllm_worker as _vllm
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
 
 LOOPBACK = "127.0.0.1"
@@ -90,6 +91,7 @@ OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
     Kind.FRONTEND: {
         "namespace": _str, "http-port": _int, "router-mode": _str, "migration-limit": _int,
         "router-host-cache-hit-weight": _float, "router-disk-cache-hit-weight": _float, "extra-args": _args,
+        "kv-cache-block-size": _int,  # the router's block size; serve sets it from vLLM workers' block-size
     },
     Kind.WORKER: {
         "model": _str, "served-model-name": _str, "namespace": _str, "replicas": _int,
@@ -166,6 +168,9 @@ class Process:
     cache: Optional[CacheConfig] = None  # workers with offload
     files: Dict[str, str] = field(default_factory=dict)  # path -> text, written before it starts
     restart: RestartPolicy = RestartPolicy(OnDeath.STOP)  # frontend and infrastructure: always stop
+    engine: str = "flexkv"  # workers: "flexkv" (dynamo_flexkv.worker) or "vllm" (dynamo.vllm)
+    block_size: int = 0  # workers: tokens per KV block (what the router hashes)
+    dirs: List[str] = field(default_factory=list)  # made before it starts (e.g. its HOME)
 
     @property
     def metrics_url(self) -> Optional[str]:
@@ -184,6 +189,8 @@ class LaunchPlan:
     event_plane: str
     infra: List[Process]
     processes: List[Process]  # frontend first, then the workers
+    write_model: bool = True  # the launcher writes run_dir/model from the preset ``model`` (a vLLM worker
+                              # on its own Hugging Face directory needs none)
 
     @property
     def base_url(self) -> str:
@@ -231,7 +238,7 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
         if name not in known:
             raise GraphError(f"{source}: unknown component {name!r}: graph {graph.name} has {known} "
                              "(plus Common); rename or remove that section")
-    all_keys = set().union(*(OPTIONS[k] for k in Kind))
+    all_keys = set().union(*(OPTIONS[k] for k in Kind), _vllm.options(OPTIONS[Kind.WORKER]))
     for key in common:
         if key not in all_keys:
             raise GraphError(f"{source}: Common.{key} is not an option of any component; known: {sorted(all_keys)}")
@@ -247,34 +254,83 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     processes: List[Process] = []
     model = served = None
     http_port = 0
+    front_opts: Dict[str, Any] = {}
+    write_model = False
+    ssd_dirs: Dict[str, str] = {}  # every worker's SSD directories: no two may share one
+    if local and any(c.engine == _vllm.ENGINE for c in graph.components):
+        _vllm.check_installed(source)
     for comp in graph.components:
         own = sections.get(comp.name) or {}
         if not isinstance(own, dict):
             raise GraphError(f"{source}: section {comp.name} must be a mapping of options")
+        allowed = _allowed(comp.kind, comp.engine)
         opts = _options(comp.kind, comp.name, {**comp.defaults, **{k: v for k, v in common.items()
-                                                                  if k in OPTIONS[comp.kind]}, **own}, source)
+                                                                  if k in allowed}, **own}, source, comp.engine)
         if comp.kind is Kind.FRONTEND:
+            front_opts = opts
             http_port = ports.take(opts["http-port"], f"{comp.name}.http-port", source, any_port=True)
             processes.insert(0, _frontend(comp.name, opts, http_port, discovery_backend, event_plane, env))
+        elif comp.engine == _vllm.ENGINE:
+            model, served = opts["model"], opts.get("served-model-name") or f"vllm-{Path(opts['model']).name}"
+            procs = _vllm.workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
+                                  ports, source, local, redis, ssd_dirs)
+            write_model = write_model or procs[0].argv[procs[0].argv.index("--model") + 1] == str(run_dir / "model")
+            processes += procs
         else:
             model, served = opts["model"], opts.get("served-model-name") or f"flexkv-{opts['model']}"
             processes += _workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
-                                  ports, source, local, redis)
+                                  ports, source, local, redis, ssd_dirs)
+            write_model = True
     if local:  # one secret per graph: prefill workers sign handovers, decode workers check them
         secret = secrets.token_hex(32)
         for proc in processes:
-            if proc.kind is Kind.WORKER:
+            if proc.kind is Kind.WORKER and proc.engine == "flexkv":
                 proc.env[HANDOVER_SECRET_ENV] = secret
+        _vllm.pin_cpus(processes)
     _check_roles(processes, source)
+    _check_block_size(processes, front_opts, graph, source)
     if redis:
         infra.append(_redis_process(run_dir, redis))
-    return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes)
+    return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes,
+                      write_model)
+
+
+def _allowed(kind: Kind, engine: str) -> Dict[str, Callable[[Any], Any]]:
+    if kind is Kind.WORKER and engine == _vllm.ENGINE:
+        return _vllm.options(OPTIONS[Kind.WORKER])
+    return OPTIONS[kind]
+
+
+def _check_block_size(processes: List[Process], front: Dict[str, Any], graph: Graph, source: str) -> None:
+    """Dynamo's KV router hashes prompts in blocks of one size; every worker's KV events count in
+    blocks of its own: they must agree. A vLLM worker's model card does not carry its block size,
+    so the frontend is told (--kv-cache-block-size) whenever the graph has one."""
+    workers = [p for p in processes if p.kind is Kind.WORKER]
+    sizes = {p.block_size for p in workers}
+    if len(sizes) > 1:
+        each = ", ".join(f"{p.name}: {p.block_size}" for p in workers)
+        raise GraphError(f"{source}: the workers' KV block sizes differ ({each}): "
+                         "the router hashes one block size; set the same block-size (vLLM) / model preset "
+                         "block_size (FlexKVWorker) on every worker")
+    size = sizes.pop()
+    frontend = processes[0]
+    name = next(c.name for c in graph.components if c.kind is Kind.FRONTEND)
+    given = front.get("kv-cache-block-size")
+    vllm = [p for p in workers if p.engine == _vllm.ENGINE]
+    if given is not None and given != size:
+        raise GraphError(f"{source}: {name}.kv-cache-block-size={given} but the workers' KV blocks hold {size} tokens "
+                         f"({workers[0].name}): the router would hash other blocks than the workers report; set it "
+                         f"to {size}, or leave it out (serve sets it from the workers)")
+    if given is not None or vllm:
+        at = frontend.argv.index("--migration-limit") + 2
+        frontend.argv[at:at] = ["--kv-cache-block-size", str(size)]
 
 
 def _check_roles(processes: List[Process], source: str) -> None:
     """Dynamo's frontend routes to prefill workers only in front of decode workers of the same
     model; either role alone would serve nothing (prefill) or fail every request (decode)."""
-    modes = {p.argv[p.argv.index("--disaggregation-mode") + 1] for p in processes if p.kind is Kind.WORKER}
+    modes = {p.argv[p.argv.index("--disaggregation-mode") + 1] if "--disaggregation-mode" in p.argv else "agg"
+             for p in processes if p.kind is Kind.WORKER}
     if "agg" in modes and len(modes) > 1:
         raise GraphError(f"{source}: aggregated and disaggregated workers of one model in one graph: the "
                          "frontend would send some requests past the prefill router; use one kind")
@@ -284,9 +340,10 @@ def _check_roles(processes: List[Process], source: str) -> None:
                          f"disaggregation-mode: {need} on another worker component (see graphs/disagg.py)")
 
 
-def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict[str, Any]:
-    allowed = OPTIONS[kind]
-    out = dict(DEFAULTS[kind])
+def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, engine: str = "flexkv") -> Dict[str, Any]:
+    vllm = kind is Kind.WORKER and engine == _vllm.ENGINE
+    allowed = _allowed(kind, engine)
+    out = _vllm.defaults(DEFAULTS[kind]) if vllm else dict(DEFAULTS[kind])
     for key, value in raw.items():
         if key not in allowed:
             raise GraphError(f"{source}: {name}.{key} is not an option of a {kind.value}; known: {sorted(allowed)}")
@@ -300,12 +357,13 @@ def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict
         if out["migration-limit"] < 0:
             raise GraphError(f"{source}: {name}.migration-limit={out['migration-limit']} must be >= 0 "
                              "(0 turns migration off: a dead worker's requests fail with a 503)")
-        if "--migration-limit" in out["extra-args"]:
-            raise GraphError(f"{source}: {name}.extra-args sets --migration-limit: use {name}.migration-limit")
+        for flag in ("--migration-limit", "--kv-cache-block-size"):
+            if any(a.split("=", 1)[0] == flag for a in out["extra-args"]):
+                raise GraphError(f"{source}: {name}.extra-args sets {flag}: use {name}.{flag[2:]}")
     if kind is Kind.WORKER:
         if out["replicas"] < 1:
             raise GraphError(f"{source}: {name}.replicas={out['replicas']} must be >= 1")
-        if out["num-device-blocks"] < 1:
+        if not vllm and out["num-device-blocks"] < 1:
             raise GraphError(f"{source}: {name}.num-device-blocks must be >= 1")
         if out["on-death"] not in {d.value for d in OnDeath}:
             raise GraphError(f"{source}: {name}.on-death={out['on-death']!r}: use restart (start the worker "
@@ -316,6 +374,9 @@ def _options(kind: Kind, name: str, raw: Mapping[str, Any], source: str) -> Dict
             problem = seconds_problem(out[key], *bounds)
             if problem is not None:
                 raise GraphError(f"{source}: {name}.{key}={problem}")
+        if vllm:
+            _vllm.check(name, out, source)
+            return out
         if out["disaggregation-mode"] not in DISAGG_MODES:
             raise GraphError(f"{source}: {name}.disaggregation-mode={out['disaggregation-mode']!r}: use one of "
                              f"{list(DISAGG_MODES)}")
@@ -346,7 +407,7 @@ def _frontend(name: str, o: Dict[str, Any], port: int, discovery: str, event_pla
 
 def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery: str, event_plane: str,
              env: Dict[str, str], ports: "_PortBook", source: str, local: bool,
-             redis: Optional[Dict[str, Any]] = None) -> List[Process]:
+             redis: Optional[Dict[str, Any]] = None, dirs: Optional[Dict[str, str]] = None) -> List[Process]:
     from dynamo_flexkv.dynamo.worker import build_parser
     from dynamo_flexkv.engine import EngineModelConfig
 
@@ -369,47 +430,67 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
     except SystemExit:
         raise GraphError(f"{source}: {name}.extra-args {o['extra-args']} are not worker options "
                          "(see python -m dynamo_flexkv.worker --help)") from None
-    restart = RestartPolicy(OnDeath(o["on-death"]), o["max-restarts"], o["restart-window-s"],
-                            o["restart-backoff-s"], o["liveness-timeout-s"])
-    out, dirs = [], {}
+    restart = restart_policy(o)
+    out, dirs = [], ({} if dirs is None else dirs)
     for i in range(o["replicas"]):
         pname = f"{name}-{i}" if o["replicas"] > 1 else name
-        cache, files = None, {}
         penv = dict(env)
-        if o["offload"]:
-            values = {k: _per_replica(v, i) for k, v in o["cache"].items()}
-            values["tokens_per_block"] = model_cfg.block_size
-            given_url = bool(values.get("remote_cache_url"))
-            if _parse_flag(values.get("enable_remote")) and not given_url and local and redis is not None:
-                _local_redis(redis, ports, values, penv)
-            try:
-                checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())  # not our disks
-                if not local and not given_url:  # Kubernetes: the URL comes from a Secret (render --k8s)
-                    checked["remote_cache_url"] = "redis://redis-from-secret:6379"
-                cache = CacheConfig.from_dict(checked, f"{source}: {name}.cache")
-                cache.tier_blocks(model_cfg.kv_spec())
-            except ConfigError as e:
-                raise GraphError(f"{source}: {name}.cache: {e}") from None
-            if local and cache.enable_remote and given_url:
-                _check_remote_reachable(cache, f"{source}: {name}.cache")
-            for d in _dirs(values.get("ssd_cache_dir")) if cache.ssd_cache_gb > 0 else ():
-                if local:
-                    try:
-                        check_dir_free(d)
-                    except SsdInUseError as e:
-                        raise GraphError(f"{source}: {name}.cache: {e}") from None
-                if os.path.realpath(d) in dirs:
-                    raise GraphError(f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {dirs[os.path.realpath(d)]} "
-                                     f"and {pname}: each worker needs its own; put {{replica}} in the path")
-                dirs[os.path.realpath(d)] = pname
-            cfg_path = str(run_dir / f"{pname}.cache.yaml")
-            penv["FLEXKV_CONFIG_PATH"] = cfg_path
-            files = {cfg_path: yaml.safe_dump(values, sort_keys=True)}
-        first = o.get("system-port")
-        port = ports.take(first + i if first is not None else 0, f"{name}.system-port", source, any_port=False)
+        cache, files = _replica_cache(name, pname, i, o, model_cfg.kv_spec(), model_cfg.block_size, run_dir, penv,
+                                      ports, source, local, redis, dirs) if o["offload"] else (None, {})
+        port = system_port(name, o, i, ports, source)
         penv["DYN_SYSTEM_PORT"] = str(port)
-        out.append(Process(pname, list(argv), penv, Kind.WORKER, port, cache, files, restart))
+        out.append(Process(pname, list(argv), penv, Kind.WORKER, port, cache, files, restart,
+                           block_size=model_cfg.block_size))
     return out
+
+
+def restart_policy(o: Mapping[str, Any]) -> RestartPolicy:
+    return RestartPolicy(OnDeath(o["on-death"]), o["max-restarts"], o["restart-window-s"],
+                         o["restart-backoff-s"], o["liveness-timeout-s"])
+
+
+def system_port(name: str, o: Mapping[str, Any], replica: int, ports: "_PortBook", source: str) -> int:
+    """Replica ``replica``'s Dynamo system port (/health, /metrics): system-port + replica, or a free one."""
+    first = o.get("system-port")
+    return ports.take(first + replica if first is not None else 0, f"{name}.system-port", source, any_port=False)
+
+
+def _replica_cache(name: str, pname: str, i: int, o: Mapping[str, Any], spec: Optional[Any], block_size: int,
+                   run_dir: Path, penv: Dict[str, str], ports: "_PortBook", source: str, local: bool,
+                   redis: Optional[Dict[str, Any]], dirs: Dict[str, str]):
+    """One replica's tiers from the worker's ``cache`` section: checked (sizes against ``spec``, the
+    KV shape, unless None; SSD directories free and not shared; a given Redis reachable), written to
+    ``run_dir/<pname>.cache.yaml``, which FLEXKV_CONFIG_PATH names (CacheConfig.load reads it).
+    Returns (CacheConfig, {path: text})."""
+    values = {k: _per_replica(v, i) for k, v in o["cache"].items()}
+    values["tokens_per_block"] = block_size
+    given_url = bool(values.get("remote_cache_url"))
+    if _parse_flag(values.get("enable_remote")) and not given_url and local and redis is not None:
+        _local_redis(redis, ports, values, penv)
+    try:
+        checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())  # not our disks
+        if not local and not given_url:  # Kubernetes: the URL comes from a Secret (render --k8s)
+            checked["remote_cache_url"] = "redis://redis-from-secret:6379"
+        cache = CacheConfig.from_dict(checked, f"{source}: {name}.cache")
+        if spec is not None:
+            cache.tier_blocks(spec)
+    except ConfigError as e:
+        raise GraphError(f"{source}: {name}.cache: {e}") from None
+    if local and cache.enable_remote and given_url:
+        _check_remote_reachable(cache, f"{source}: {name}.cache")
+    for d in _dirs(values.get("ssd_cache_dir")) if cache.ssd_cache_gb > 0 else ():
+        if local:
+            try:
+                check_dir_free(d)
+            except SsdInUseError as e:
+                raise GraphError(f"{source}: {name}.cache: {e}") from None
+        if os.path.realpath(d) in dirs:
+            raise GraphError(f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {dirs[os.path.realpath(d)]} "
+                             f"and {pname}: each worker needs its own; put {{replica}} in the path")
+        dirs[os.path.realpath(d)] = pname
+    cfg_path = str(run_dir / f"{pname}.cache.yaml")
+    penv["FLEXKV_CONFIG_PATH"] = cfg_path
+    return cache, {cfg_path: yaml.safe_dump(values, sort_keys=True)}
 
 
 def _parse_flag(value: Any) -> bool:
@@ -520,6 +601,21 @@ class _PortBook:
                 self.taken[port] = what
                 return port
         raise GraphError(f"no free port for {what} in {SYSTEM_PORT_RANGE}")
+
+    def take_range(self, count: int, what: str, band: tuple) -> int:
+        """The first of ``count`` consecutive free ports in ``band`` (for a process that scans upward
+        from a base port, like vLLM from VLLM_PORT), all booked for ``what``."""
+        span = band[1] - band[0] - count
+        start = band[0] + (os.getpid() * count) % span
+        for k in range(span // count):
+            base = band[0] + (start - band[0] + k * count) % span
+            block = range(base, base + count)
+            if any(p in self.taken for p in block) or (self.probe and not all(_free(p) for p in block)):
+                continue
+            for p in block:
+                self.taken[p] = what
+            return base
+        raise GraphError(f"no {count} consecutive free ports for {what} in {band}")
 
 
 def _per_replica(value: Any, replica: int) -> Any:

