@@ -15,16 +15,19 @@ import yaml
 
 from dynamo_flexkv.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.serve.graph import Kind
+from dynamo_flexkv.serve import vllm_worker
 from dynamo_flexkv.serve.plan import PRE_COMMIT_PEEK_ENV, LaunchPlan, Process
 
 SYSTEM_PORT = 9090  # the pods' system server (/health, /metrics), as the operator's probes expect
-SKIP_ARGS = {"--http-host", "--discovery-backend", "--event-plane", "--model-dir", "--namespace"}  # the operator sets these
+SKIP_ARGS = {"--http-host", "--discovery-backend", "--event-plane", "--model-dir", "--namespace",
+             "--request-plane"}  # the operator sets these
 
 
 def render_k8s(plan: LaunchPlan, image: str) -> str:
     name = re.sub(r"[^a-z0-9-]", "-", f"flexkv-{plan.graph.name}".lower())
     services: Dict[str, Any] = {}
     remote_secret = handover_secret = None
+    own_model_dirs = []  # vLLM workers on a model directory the pods must provide
     for comp in plan.graph.components:
         procs = [p for p in plan.processes if p.name == comp.name or p.name.startswith(comp.name + "-")]
         first = procs[0]
@@ -53,10 +56,23 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
                                         "valueFrom": {"secretKeyRef": {"name": f"{name}-handover", "key": "secret"}}})
                 handover_secret = f"{name}-handover"
             dirs = _ssd_dirs(first)
-            if dirs:
-                vols = [{"name": f"ssd-cache-{i}", "emptyDir": {}} for i in range(len(dirs))]
+            vols = [{"name": f"ssd-cache-{i}", "emptyDir": {}} for i in range(len(dirs))]
+            mounts = [{"name": v["name"], "mountPath": d} for v, d in zip(vols, dirs)]
+            if first.engine == vllm_worker.ENGINE:
+                service["envs"] += [{"name": k, "value": v} for k, v in vllm_worker.PORTABLE_ENV.items()]
+                model = first.argv[first.argv.index("--model") + 1]
+                if model == vllm_worker.RENDER_MODEL_DIR:  # a preset: an init container writes its directory
+                    vols.append({"name": "model", "emptyDir": {}})
+                    mounts.append({"name": "model", "mountPath": model})
+                    service["extraPodSpec"]["initContainers"] = [{
+                        "name": "model-dir", "image": image,
+                        "command": ["python3", "-c", _write_model_dir(plan, model)],
+                        "volumeMounts": [{"name": "model", "mountPath": model}]}]
+                else:
+                    own_model_dirs.append(f"{comp.name}: {model}")
+            if vols:
                 service["extraPodSpec"]["volumes"] = vols
-                container["volumeMounts"] = [{"name": v["name"], "mountPath": d} for v, d in zip(vols, dirs)]
+                container["volumeMounts"] = mounts
         services[comp.name] = service
     manifest = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoGraphDeployment",
                 "metadata": {"name": name}, "spec": {"services": services}}
@@ -65,11 +81,22 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
     if remote_secret:
         header += (f"# Remote tier: create the Secret first, e.g. kubectl create secret generic {remote_secret} "
                    "--from-literal=url='redis://:PASSWORD@redis-host:6379' (or redis+cluster://h:p,h:p).\n")
+    if own_model_dirs:
+        header += ("# vLLM workers load their model from a directory in the pod; mount it there (e.g. a "
+                   "PersistentVolume): " + ", ".join(own_model_dirs) + ".\n")
     if handover_secret:
         header += (f"# Disaggregation: prefill and decode workers sign and check handovers with one secret; create it "
                    f"first, e.g. kubectl create secret generic {handover_secret} "
                    "--from-literal=secret=$(openssl rand -hex 32).\n")
     return header + yaml.safe_dump(manifest, sort_keys=False)
+
+
+def _write_model_dir(plan: LaunchPlan, path: str) -> str:
+    """The init container's script: the preset's model directory (config.json + tokenizer; vLLM
+    loads random weights with --load-format dummy), as serve's launcher writes it."""
+    return ("from dynamo_flexkv.dynamo.model_dir import write_model_dir; "
+            "from dynamo_flexkv.engine import EngineModelConfig; "
+            f"write_model_dir(EngineModelConfig.load({plan.model!r}), {path!r})")
 
 
 def _portable_args(args: List[str]) -> List[str]:
