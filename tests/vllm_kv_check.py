@@ -4,9 +4,11 @@ block). Run by tests/test_vllm_connector.py in a subprocess (vLLM's CPU platform
 
     python tests/vllm_kv_check.py MODEL_DIR OUT.json --layerwise {0,1} [--scenario NAME]
 
-Scenarios: ``host`` (computed, device cache reset and zeroed, loaded from host), ``disk`` (host
-too small for the prompt: loaded through disk), ``corrupt-disk`` (a byte of the disk file flipped
-after it was written: the load must fail verification and vLLM recompute, same tokens)."""
+Scenarios: ``host`` (computed, device cache reset and zeroed, loaded from host), ``disk`` (pushed
+out of a small host tier by other prompts: loaded through disk), ``corrupt-disk`` (bytes of every
+disk block flipped after they were written: the load fails verification, vLLM recomputes, same
+tokens), ``remote`` (no disk: loaded from a Redis remote tier), ``remote-down`` (that Redis is
+SIGKILLed before the load: recomputed, same tokens, nothing hangs)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def _disk_files(worker):
     conn = get_kv_transfer_group()
     conn.drain(60)  # the disk writes run behind the store
     s = conn.tier_stats()
-    return conn.tier_files(), {t: s[t] for t in ("host", "disk")}
+    return conn.tier_files(), {t: s[t] for t in ("host", "disk", "remote") if t in s}
 
 
 def main() -> int:
@@ -45,7 +47,8 @@ def main() -> int:
     ap.add_argument("model_dir")
     ap.add_argument("out")
     ap.add_argument("--layerwise", type=int, default=1)
-    ap.add_argument("--scenario", default="host", choices=["host", "disk", "corrupt-disk"])
+    ap.add_argument("--scenario", default="host", choices=["host", "disk", "corrupt-disk", "remote", "remote-down"])
+    ap.add_argument("--kill-pid", type=int, default=0, help="remote-down: the redis-server to SIGKILL before the load")
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--flush-prompts", type=int, default=3)
     ap.add_argument("--block-bytes", type=int, default=128 << 10)
@@ -73,7 +76,7 @@ def main() -> int:
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1))
     stored = stores[0][2]
     computed = llm.collective_rpc(_blocks, args=(stored,))[0]
-    if a.scenario in ("disk", "corrupt-disk"):
+    if a.scenario != "host":
         # Other prompts push this one out of the (small) host tier; it stays on disk.
         for i in range(a.flush_prompts):
             other = [rnd.randrange(300, 30000) for _ in range(a.prompt_tokens)]
@@ -89,6 +92,9 @@ def main() -> int:
                 b = f.read(64)
                 f.seek(slot * block_bytes + 4096)
                 f.write(bytes(x ^ 0xFF for x in b))
+    if a.scenario == "remote-down":
+        import signal
+        os.kill(a.kill_pid, signal.SIGKILL)
     llm.reset_prefix_cache()
     llm.collective_rpc(_zero)
     second = llm.generate([{"prompt_token_ids": prompt}], sp)[0]

@@ -90,6 +90,24 @@ class FlexKVConnector(KVConnectorBase_V1):
     def get_kv_connector_kv_cache_events(self) -> Any:
         return self._worker.take_events()
 
+    def get_kv_connector_stats(self) -> Any:
+        from dynamo_flexkv.vllm_connector.metrics import FlexKVStats
+        if self._worker is None:  # the scheduler asks too: its numbers are vLLM's own
+            return None
+        data = self._worker.step_stats()
+        return FlexKVStats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Any:
+        from dynamo_flexkv.vllm_connector.metrics import FlexKVStats
+        return FlexKVStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Dict[type, type], labelnames: list,
+                           per_engine_labelvalues: Dict[int, list]) -> Any:
+        from dynamo_flexkv.vllm_connector.metrics import FlexKVPromMetrics
+        return FlexKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         return self._sched.matched_tokens(request, num_computed_tokens)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Set
 
@@ -72,6 +73,9 @@ class WorkerSide:
         self._finished_seen: Set[str] = set()
         self.counters = LoadCounters(loaded={})
         self.transfer_log: Deque[TransferRecord] = collections.deque(maxlen=1024)  # newest last
+        self.stored_tokens = 0
+        self._reported: Dict[str, int] = {}  # counter totals already sent as deltas
+        self._gauges_at = 0.0
 
     # ---- setup -----------------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
@@ -191,6 +195,7 @@ class WorkerSide:
         if self.offload is not None:
             for hold in self.offload.finished_holds():
                 self.transfer_log.append(TransferRecord("store", hold.key, hold.blocks, True))
+                self.stored_tokens += len(hold.blocks) * self.s.block_size
                 left = self._saving.get(hold.key, 0) - 1
                 if left > 0:
                     self._saving[hold.key] = left
@@ -216,6 +221,32 @@ class WorkerSide:
 
     def stats(self) -> Dict[str, Any]:
         return self.kv.stats() if self.kv is not None else {}
+
+    def step_stats(self) -> Dict[str, Any]:
+        """Counter deltas since the last call, and the tiers' gauges at most once a second
+        (vllm_connector/metrics.py names them)."""
+        if self.kv is None:
+            return {}
+        totals = {"recomputed_tokens": self.counters.recomputed, "failed_loads": self.counters.failed_loads,
+                  "stored_tokens": self.stored_tokens}
+        totals.update({f"loaded_tokens/{t}": n for t, n in self.counters.loaded.items()})
+        out: Dict[str, Any] = {}
+        now = time.monotonic()
+        if now - self._gauges_at >= 1.0:
+            self._gauges_at = now
+            st = self.kv.stats()
+            for tier in ("host", "disk"):
+                if tier in st:
+                    out[f"gauge:used_blocks/{tier}"] = st[tier]["used_blocks"]
+                    out[f"gauge:capacity_blocks/{tier}"] = st[tier]["capacity_blocks"]
+                    totals[f"evicted_blocks/{tier}"] = st[tier]["evicted_blocks"]
+            totals["disk_write_failures"] = st["tasks"]["disk_write_failures"]
+        for k, total in totals.items():
+            delta = total - self._reported.get(k, 0)
+            if delta:
+                out[k] = delta
+                self._reported[k] = total
+        return out
 
     def shutdown(self) -> None:
         if self.server is not None:

@@ -1,0 +1,81 @@
+"""The connector's metrics, through vLLM's connector-stats path.
+
+Each worker step returns a FlexKVStats (counter deltas since the last step, tier gauges at most
+once a second); vLLM sums them across workers and steps and hands them to the Prometheus logger
+of the API process, where FlexKVPromMetrics records them. Dynamo 1.6.1's vLLM worker forwards
+only engine metrics whose names start with ``vllm:`` (or ``lmcache:``) to its /metrics, so the
+families are ``vllm:flexkv_*`` (docs/VLLM.md lists them). vLLM's own
+``vllm:external_prefix_cache_{queries,hits}`` count the tokens asked of / found by the connector."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+TIERS = ("host", "disk", "remote")
+# data keys: counters are "<name>" or "<name>/<tier>" deltas; gauges start with "gauge:".
+COUNTERS = {
+    "loaded_tokens": ("Tokens loaded from an offload tier into vLLM's KV cache", True),
+    "recomputed_tokens": ("Tokens a lookup promised that were recomputed instead (evicted, failed or corrupt)", False),
+    "failed_loads": ("Loads that failed or timed out (their blocks were recomputed)", False),
+    "stored_tokens": ("Tokens of finished requests copied into the host tier", False),
+    "evicted_blocks": ("Blocks evicted from an offload tier", True),
+    "disk_write_failures": ("Background disk writes that failed (the blocks stayed on host)", False),
+}
+GAUGES = {
+    "used_blocks": "Blocks held in an offload tier",
+    "capacity_blocks": "Capacity of an offload tier in blocks",
+}
+
+
+@dataclass
+class FlexKVStats(KVConnectorStats):
+    data: Dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "FlexKVStats":
+        for k, v in other.data.items():
+            if k.startswith("gauge:"):
+                self.data[k] = v  # the newest reading
+            else:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> Dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class FlexKVPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Dict[type, type], labelnames: List[str],
+                 per_engine_labelvalues: Dict[int, List[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._children: Dict[str, Dict[int, Any]] = {}
+        for name, (doc, by_tier) in COUNTERS.items():
+            self._family(name, self._counter_cls, f"vllm:flexkv_{name}", doc, by_tier)
+        for name, doc in GAUGES.items():
+            self._family("gauge:" + name, self._gauge_cls, f"vllm:flexkv_{name}", doc, True)
+
+    def _family(self, key: str, cls: type, metric: str, doc: str, by_tier: bool) -> None:
+        names = list(self._labelnames) + (["tier"] if by_tier else [])
+        m = cls(name=metric, documentation=doc, labelnames=names)
+        for tier in TIERS if by_tier else (None,):
+            k = f"{key}/{tier}" if tier else key
+            self._children[k] = {idx: m.labels(*values, *([tier] if tier else []))
+                                 for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+        for k, v in transfer_stats_data.items():
+            child = self._children.get(k, {}).get(engine_idx)
+            if child is None:
+                continue
+            if k.startswith("gauge:"):
+                child.set(v)
+            elif v:
+                child.inc(v)
