@@ -44,9 +44,13 @@ class LookupServer:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            ident, seq, tokens, extra = self._sock.recv_multipart()
-            lora, salt = msgspec.msgpack.decode(extra)
+            frames = self._sock.recv_multipart()
+            if len(frames) != 4:
+                log.warning("flexkv lookup: dropped a message of %d frames (expected 4)", len(frames))
+                continue
+            ident, seq, tokens, extra = frames
             try:
+                lora, salt = msgspec.msgpack.decode(extra)
                 n = int(self._lookup(np.frombuffer(tokens, dtype="<u4").tolist(), lora, salt))
             except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
                 log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")

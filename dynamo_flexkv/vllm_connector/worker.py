@@ -191,7 +191,6 @@ class WorkerSide:
     def finished_saves(self, finished_req_ids: Set[str]) -> Set[str]:
         """Requests whose stored blocks vLLM may free now. vLLM accepts only ids it already listed
         as finished, so a store that ends earlier waits for that."""
-        self._finished_seen |= finished_req_ids
         if self.offload is not None:
             for hold in self.offload.finished_holds():
                 self.transfer_log.append(TransferRecord("store", hold.key, hold.blocks, True))
@@ -202,6 +201,8 @@ class WorkerSide:
                 else:
                     self._saving.pop(hold.key, None)
                     self._saved.add(hold.key)
+        # Only ids with a store of ours: vLLM lists every finished request here.
+        self._finished_seen |= finished_req_ids & (self._saved | set(self._saving))
         done = self._saved & self._finished_seen
         self._saved -= done
         self._finished_seen -= done
