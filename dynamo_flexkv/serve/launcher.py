@@ -161,11 +161,20 @@ class Launcher:
     # ---- readiness ---------------------------------------------------------------------------
     def wait_ready(self, timeout: float = 180) -> None:
         """Every worker's /health says ready, then the frontend lists the model."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         pending = [p for p in self.plan.processes if p.kind is Kind.WORKER]
+        due: Dict[str, float] = {}
         while pending:
             self.check_alive()
-            pending = [p for p in pending if not self._mark_ready(p)]
+            now = time.monotonic()
+            # Each refused probe is an ERROR line in the worker's log (Dynamo's system server logs its
+            # 503s): after the first seconds (our worker is ready by then), ask once a second, so a
+            # slow start (vLLM: a minute or more on CPUs) does not bury its own log lines.
+            ask = [p for p in pending if now >= due.get(p.name, 0.0)]
+            pending = [p for p in pending if p not in ask or not self._mark_ready(p)]
+            for p in ask:
+                due[p.name] = now + (0.25 if now - started < 10 else 1.0)
             self._tick(deadline, f"workers {[p.name for p in pending]} not ready")
         models_url = f"{self.plan.base_url}/v1/models"
         while True:
@@ -382,7 +391,14 @@ class Launcher:
             group = [proc for proc in group if self.running[proc.name] not in self._buried]
             for proc in group:
                 starting = proc.kind is Kind.WORKER and proc.name not in self.ready
-                _signal_group(self.running[proc.name], signal.SIGTERM if starting else signal.SIGINT)
+                p = self.running[proc.name]
+                if starting or proc.stop_group:
+                    _signal_group(p, signal.SIGTERM if starting else signal.SIGINT)
+                else:  # it stops its children itself, in order, once it has drained
+                    try:
+                        p.send_signal(signal.SIGINT)
+                    except ProcessLookupError:
+                        pass
             deadline = time.monotonic() + timeout
             for proc in group:
                 p = self.running[proc.name]

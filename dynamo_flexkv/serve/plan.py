@@ -171,6 +171,9 @@ class Process:
     engine: str = "flexkv"  # workers: "flexkv" (dynamo_flexkv.worker) or "vllm" (dynamo.vllm)
     block_size: int = 0  # workers: tokens per KV block (what the router hashes)
     dirs: List[str] = field(default_factory=list)  # made before it starts (e.g. its HOME)
+    # Stopping a ready one: SIGINT to its whole process group, or (False) to the process alone, which
+    # stops its own children in order (dynamo.vllm: its EngineCore, which stops its Worker).
+    stop_group: bool = True
 
     @property
     def metrics_url(self) -> Optional[str]:

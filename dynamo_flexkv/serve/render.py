@@ -59,7 +59,7 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
             vols = [{"name": f"ssd-cache-{i}", "emptyDir": {}} for i in range(len(dirs))]
             mounts = [{"name": v["name"], "mountPath": d} for v, d in zip(vols, dirs)]
             if first.engine == vllm_worker.ENGINE:
-                service["envs"] += [{"name": k, "value": v} for k, v in vllm_worker.PORTABLE_ENV.items()]
+                service["envs"] += [{"name": k, "value": first.env[k]} for k in vllm_worker.PORTABLE_KEYS]
                 model = first.argv[first.argv.index("--model") + 1]
                 if model == vllm_worker.RENDER_MODEL_DIR:  # a preset: an init container writes its directory
                     vols.append({"name": "model", "emptyDir": {}})

@@ -15,6 +15,7 @@ import ast
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import sys
 import tempfile
@@ -27,8 +28,9 @@ from dynamo_flexkv.resources import presets_dir
 ENGINE = "vllm"
 CONNECTOR = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-# What every vLLM worker runs with, here and in a rendered pod.
+# What every vLLM worker runs with, here and in a rendered pod (with VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS).
 PORTABLE_ENV = {"VLLM_NO_USAGE_STATS": "1"}
+PORTABLE_KEYS = ("VLLM_NO_USAGE_STATS", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS")
 # Only on this machine: loopback, no hub (model directories are local).
 LOCAL_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
              "TRANSFORMERS_OFFLINE": "1", **PORTABLE_ENV}
@@ -46,7 +48,7 @@ MANAGED_FLAGS = {
     "--dtype": "dtype", "--kv-cache-memory-bytes": "kv-cache-memory-bytes",
     "--num-gpu-blocks-override": "num-device-blocks", "--load-format": "load-format",
     "--enforce-eager": "enforce-eager", "--kv-events-config": "(serve publishes KV events on ipc://)",
-    "--kv-transfer-config": "offload and connector",
+    "--kv-transfer-config": "offload and connector", "--shutdown-timeout": "shutdown-timeout-s",
 }
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 
@@ -79,7 +81,7 @@ def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Cal
             "num-device-blocks": _nonneg_int_or_none,  # vLLM's --num-gpu-blocks-override; unset: from memory
             "block-size": _int, "max-model-len": _int, "dtype": _str, "kv-cache-memory-bytes": _int,
             "enforce-eager": _bool, "load-format": _str_or_none, "connector": _mapping,
-            "cpu-threads-bind": _str_or_none}
+            "cpu-threads-bind": _str_or_none, "shutdown-timeout-s": _int}
 
 
 def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
@@ -88,13 +90,16 @@ def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
         "restart-window-s", "restart-backoff-s", "liveness-timeout-s")},
         "num-device-blocks": None, "block-size": 64, "max-model-len": 4096, "dtype": "bfloat16",
         "kv-cache-memory-bytes": 256 << 20, "enforce-eager": True, "load-format": None, "connector": {},
-        "cpu-threads-bind": None}
+        "cpu-threads-bind": None, "shutdown-timeout-s": 20}
 
 
 def check(name: str, o: Dict[str, Any], source: str) -> None:
     """The vLLM-specific option checks (the shared ones ran already)."""
     from dynamo_flexkv.serve.graph import GraphError
 
+    if not 1 <= o["shutdown-timeout-s"] <= 300:
+        raise GraphError(f"{source}: {name}.shutdown-timeout-s={o['shutdown-timeout-s']} must be between 1 and 300 "
+                         "(seconds vLLM's engine takes to stop, its connector's last writes included)")
     for key in ("block-size", "max-model-len", "kv-cache-memory-bytes"):
         if o[key] < 1:
             raise GraphError(f"{source}: {name}.{key}={o[key]} must be >= 1")
@@ -263,6 +268,13 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
     base += ["--enforce-eager"] * o["enforce-eager"]
     if o["num-device-blocks"] is not None:
         base += ["--num-gpu-blocks-override", str(o["num-device-blocks"])]
+    # Stopping: serve sends SIGINT to dynamo.vllm alone (stop_group=False), which drains Dynamo's
+    # requests, then stops its engine with vLLM's shutdown timeout (0, vLLM's default, SIGKILLs the
+    # EngineCore at once); the EngineCore then gives its Worker process VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
+    # (5 by default) to exit, where FlexKVConnector finishes its last tier writes (drain_timeout_s).
+    base += ["--shutdown-timeout", str(o["shutdown-timeout-s"])]
+    drain_s = o["connector"].get("drain_timeout_s", 20.0) if o["offload"] else 0.0
+    worker_s = str(max(5, math.ceil(float(drain_s)) + 5)) if isinstance(drain_s, (int, float)) else "25"
     restart = restart_policy(o)
     out = []
     for i in range(o["replicas"]):
@@ -279,7 +291,7 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
             extra = {**o["connector"], "run_dir": str(run_dir / pname) if local else "/tmp"}
             argv += ["--kv-transfer-config", json.dumps({**CONNECTOR, "kv_connector_extra_config": extra})]
         proc_dirs: List[str] = []
-        penv.update(PORTABLE_ENV)
+        penv.update(PORTABLE_ENV, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=worker_s)
         if local:
             home = run_dir / pname / "home"
             penv.update(LOCAL_ENV, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"),
@@ -289,7 +301,7 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
             if o["cpu-threads-bind"] is not None:
                 penv[BIND_ENV] = _per_replica(o["cpu-threads-bind"], i)
         out.append(Process(pname, argv + o["extra-args"], penv, Kind.WORKER, port, cache, files, restart,
-                           engine=ENGINE, block_size=o["block-size"], dirs=proc_dirs))
+                           engine=ENGINE, block_size=o["block-size"], dirs=proc_dirs, stop_group=False))
     return out
 
 
