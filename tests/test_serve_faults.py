@@ -185,18 +185,28 @@ def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_sp
 class Serve:
     """``dynamo-flexkv serve`` as a user runs it, its output collected line by line."""
 
-    def __init__(self, tmp_path, name: str, *overrides: str) -> None:
-        run = tmp_path / name
-        sets = [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}", *overrides]
+    def __init__(self, tmp_path, name: str, *overrides: str, graph: str = "agg_router",
+                 base: Optional[List[str]] = None, ready_timeout: float = 120) -> None:
+        """``graph``: graphs/<graph>.py with configs/<graph>.yaml; ``base``: the --set values before
+        ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run dir)."""
+        self.run = run = tmp_path / name
+        sets = [*(base if base is not None else [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}"]),
+                *overrides]
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynamo_flexkv.cli", "serve", str(ROOT / "graphs" / "agg_router.py"),
-             "-f", str(ROOT / "configs" / "agg_router.yaml"), "--run-dir", str(run),
+            [sys.executable, "-m", "dynamo_flexkv.cli", "serve", str(ROOT / "graphs" / f"{graph}.py"),
+             "-f", str(ROOT / "configs" / f"{graph}.yaml"), "--run-dir", str(run),
              *[a for s in sets for a in ("--set", s)]],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: List[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        ready = self.wait_for(r"graph agg_router ready: (http://\S+)/v1", 120)
+        try:
+            ready = self.wait_for(rf"graph {graph} ready: (http://\S+)/v1", ready_timeout)
+        except BaseException:
+            self.close()  # never ready: its components must not outlive the failed test
+            raise
+        self.ready_s = time.monotonic() - self.started
         self.base_url = ready.group(1)
         self.metrics = {m.group(1): m.group(2) for m in (re.match(r"\s+(\S+) metrics: (http://\S+)", x)
                                                           for x in self.lines) if m}
