@@ -18,24 +18,38 @@ BENCHES: Dict[str, tuple] = {
     "ttft": ("dynamo_flexkv.bench.ttft", "reference-engine TTFT with cached prefixes vs same-run recompute"),
     "remote": ("dynamo_flexkv.bench.remote", "Redis put/get GB/s (standalone and cluster) vs same-run redis-benchmark"),
     "disagg": ("dynamo_flexkv.bench.disagg", "prefill->decode KV handover GB/s over NIXL vs same-run raw NIXL READ"),
+    "vllm": ("dynamo_flexkv.bench.vllm_ttft", "real vLLM TTFT, FlexKVConnector host/disk/remote hits vs same-run "
+             "recompute and vLLM's own prefix-cache hit"),
 }
+# Not in `all`: bench vllm needs vLLM installed and starts three vLLM engines one after the other
+# (~4 min at full sizes on 2 CPU cores); run it by name.
+NOT_IN_ALL = {"vllm"}
 # Benchmarks whose ratio is better when higher (bandwidths); the rest report times.
 HIGHER_IS_BETTER = {"links", "remote", "disagg"}
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="python -m dynamo_flexkv.bench", description=__doc__)
-    parser.add_argument("name", choices=[*BENCHES, "all"], help="which benchmark ('all' runs every one)")
+    parser.add_argument("name", choices=[*BENCHES, "all"],
+                        help=f"which benchmark ('all' runs every one but {', '.join(sorted(NOT_IN_ALL))})")
     parser.add_argument("--json", metavar="FILE", help="also write one JSON object per case to FILE")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke runs)")
     parser.add_argument("--dir", help="directory for disk benchmarks (default: a temporary one under /tmp)")
     parser.add_argument("--device", choices=["cpu", "cuda"],
-                        help="where the engine's KV tensors live (default: cuda when available)")
+                        help="where the engine's KV tensors live (default: cuda when available; bench vllm: "
+                             "the platform of the installed vLLM)")
+    parser.add_argument("--repeat", type=int, metavar="N",
+                        help="bench vllm: timed requests per case (default 3, --quick 2)")
+    parser.add_argument("--sizes", metavar="LIST",
+                        help="bench vllm: prompt sizes in tokens, e.g. 2k,8k (default 2k,8k,32k; --quick 2k,8k)")
+    parser.add_argument("--compare-offloading-connector", action="store_true",
+                        help="bench vllm: also vLLM's OffloadingConnector (CPU spec) on the same prompts "
+                             "(CUDA/XPU only; skipped with a message on CPU)")
     return parser
 
 
 def run(args: argparse.Namespace) -> List[Case]:
-    names = list(BENCHES) if args.name == "all" else [args.name]
+    names = [n for n in BENCHES if n not in NOT_IN_ALL] if args.name == "all" else [args.name]
     cases: List[Case] = []
     for name in names:
         module = importlib.import_module(BENCHES[name][0])

@@ -1,0 +1,220 @@
+"""One vLLM engine configuration of ``bench vllm``, in a process of its own (vLLM engines are not
+created twice in one process): ``python -m dynamo_flexkv.bench.vllm_engine SPEC.json OUT.json``.
+
+SPEC (written by bench/vllm_ttft.py): ``role`` (which engine and which cases, see ROLES), model
+directory, sizes, repeats, seed, engine sizes. OUT: per case, one record per timed request
+(``wall_s``: wall time of ``llm.generate`` of one request with max_tokens=1; ``engine_s``: vLLM's
+own first-token latency from RequestOutput.metrics; ``cached``: num_cached_tokens; ``token``: the
+first token), plus the tier counters the checks read. A check that fails (the load did not come
+from the tier it was meant to) exits non-zero with the reason on stderr.
+
+Every timed request of a tier case starts from a settled engine: the previous requests' stores
+done (vLLM's prefix cache resets only once every block is free, and our connector frees a stored
+request's blocks only after their device copy) and our background writes drained. The miss and
+recompute series run back to back, as requests arrive in serving: each request's store (after its
+first token) overlaps the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+from dynamo_flexkv.bench.vllm_ttft import ROLES, cached_tokens, fresh_prompt, prefix_prompt, suffix
+
+TINY = [5, 6, 7]  # a step that computes nothing worth storing (less than one block)
+
+
+# ---- run inside vLLM's worker process by LLM.collective_rpc (pickled by reference) -------------------
+def _conn():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    return get_kv_transfer_group()
+
+
+def rpc_drain(worker, timeout: float) -> bool:
+    return bool(_conn().drain(timeout))
+
+
+def rpc_tier_stats(worker) -> Dict[str, Any]:
+    s = _conn().tier_stats()
+    out = {t: dict(s[t]) for t in ("host", "disk") if t in s}
+    out["requests"] = dict(s.get("requests", {}))
+    if "remote" in s:
+        out["remote"] = {k: v for k, v in s["remote"].items() if isinstance(v, (int, float))}
+    return out
+
+
+def _manager(timeout: float):
+    """The worker's KVManager, idle. The connector has no public call that drops a tier, so this
+    reaches its worker half (FlexKVConnector._worker.kv), as bench ttft does with its own manager."""
+    conn = _conn()
+    if not conn.drain(timeout):
+        raise RuntimeError(f"FlexKVConnector writes still running after {timeout} s")
+    kv = getattr(getattr(conn, "_worker", None), "kv", None)
+    if kv is None:
+        raise RuntimeError("FlexKVConnector has no worker-side KVManager (FlexKVConnector._worker.kv)")
+    return kv
+
+
+def rpc_drop_host(worker, timeout: float) -> int:
+    """Evicts every host block (the disk copies stay): the next load reads the disk."""
+    from dynamo_flexkv.index import Tier
+    host = _manager(timeout).cache.tiers[Tier.HOST]
+    return len(host.evict(len(host)))
+
+
+def rpc_drop_local(worker, timeout: float) -> None:
+    """Drops host and disk (KVManager.reset): only the remote tier still holds the prefix."""
+    _manager(timeout).reset()
+
+
+# ---- the engine process --------------------------------------------------------------------------------
+class Engine:
+    def __init__(self, spec: Dict[str, Any]) -> None:
+        from vllm import LLM, SamplingParams
+        self.spec = spec
+        self.block = int(spec["block_size"])
+        self.connector = spec["kv_transfer_config"] is not None
+        self.ours = self.connector and spec["kv_transfer_config"]["kv_connector"] == "FlexKVConnector"
+        self.sp = SamplingParams(max_tokens=1, temperature=0)
+        self.tiny_sp = SamplingParams(max_tokens=1, temperature=0)
+        self.llm = LLM(model=spec["model_dir"], load_format="dummy", dtype="bfloat16",
+                       max_model_len=int(spec["max_model_len"]), block_size=self.block, enforce_eager=True,
+                       kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
+                       kv_transfer_config=spec["kv_transfer_config"], seed=0,
+                       disable_log_stats=False)  # RequestOutput.metrics carries vLLM's first-token latency
+        self.results: Dict[str, List[Dict[str, Any]]] = {}
+        self.info: Dict[str, Any] = {"platform": _platform()}
+
+    def generate(self, prompt: List[int]):
+        return self.llm.generate([{"prompt_token_ids": prompt}], self.sp, use_tqdm=False)[0]
+
+    def timed(self, case: str, prompt: List[int]) -> Dict[str, Any]:
+        t0 = time.perf_counter()
+        out = self.generate(prompt)
+        wall = time.perf_counter() - t0
+        m = out.metrics
+        engine_s = float(m.first_token_latency) if m is not None and m.first_token_latency > 0 else None
+        rec = {"wall_s": wall, "engine_s": engine_s, "cached": int(out.num_cached_tokens or 0),
+               "token": int(out.outputs[0].token_ids[0]), "prompt_tokens": len(prompt)}
+        self.results.setdefault(case, []).append(rec)
+        return rec
+
+    def settle(self, timeout: float = 120.0) -> None:
+        """Until every stored request's blocks are free (so vLLM's prefix cache resets) and our
+        background writes drained. Tiny steps drive the connector (its stores start and finish
+        in steps)."""
+        deadline = time.monotonic() + timeout
+        while not self.llm.reset_prefix_cache():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM's blocks still held after {timeout} s (stores not finished)")
+            self.llm.generate([{"prompt_token_ids": TINY}], self.tiny_sp, use_tqdm=False)
+            time.sleep(0.01)
+        if self.ours and not self.rpc(rpc_drain, timeout):
+            raise RuntimeError(f"FlexKVConnector writes still running after {timeout} s")
+
+    def rpc(self, fn: Callable, *args):
+        return self.llm.collective_rpc(fn, args=args)[0]
+
+    def stats(self) -> Dict[str, Any]:
+        return self.rpc(rpc_tier_stats) if self.ours else {}
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+    return str(getattr(current_platform, "device_name", "") or current_platform.device_type)
+
+
+def _delta(after: Dict[str, Any], before: Dict[str, Any], *path: str) -> int:
+    a, b = after, before
+    for p in path:
+        a, b = a.get(p, {}), b.get(p, {})
+    return int(a or 0) - int(b or 0)
+
+
+def run_role(e: Engine) -> None:
+    spec = e.spec
+    role, seed, repeat, bs = spec["role"], int(spec["seed"]), int(spec["repeat"]), e.block
+    if role not in ROLES:
+        raise SystemExit(f"unknown role {role!r}; known: {sorted(ROLES)}")
+    # Warm-up: vLLM's first request in a fresh engine pays one-time costs.
+    for size in sorted(set(spec["warmup_sizes"])):
+        e.generate(fresh_prompt(seed, size, -1 - size))
+    if e.connector:
+        e.settle()
+    checks: Dict[str, Any] = {}
+    for size in spec["sizes"]:
+        hit = cached_tokens(size, bs)
+        prefix = prefix_prompt(seed, size, bs)
+        blocks = hit // bs
+
+        def tier_case(case: str, kind: str, drop: Callable[[], None],
+                      loaded: Callable[[Dict, Dict, Dict], int], tier: str) -> None:
+            """``repeat`` requests of the prefix + a suffix of ``kind``, each from a settled engine
+            after ``drop``; ``loaded`` counts the prefix blocks that came from ``tier``."""
+            for i in range(repeat):
+                e.settle()
+                drop()
+                before = e.stats()
+                rec = e.timed(f"{case}-{size}", prefix + suffix(seed, size, bs, kind, i))
+                got = loaded(e.stats(), before, rec)
+                checks.setdefault(f"{case}-{size}", []).append(got)
+                if got < blocks or rec["cached"] < hit:
+                    raise RuntimeError(f"{case} {size}: the request found {rec['cached']} cached tokens and "
+                                       f"{got} blocks from the {tier} tier, expected {hit} tokens / {blocks} "
+                                       f"blocks; tier counters now {e.stats()}")
+            e.settle()
+
+        if role == "plain":
+            for i in range(repeat):  # back to back, fresh prompts: nothing cached anywhere
+                e.timed(f"recompute-{size}", fresh_prompt(seed, size, i))
+            e.generate(prefix)  # vLLM's prefix cache holds the 90% prefix from here on (no reset)
+            for i in range(repeat):
+                rec = e.timed(f"device-hit-{size}", prefix + suffix(seed, size, bs, "device", i))
+                if rec["cached"] != hit:
+                    raise RuntimeError(f"device hit {size}: vLLM found {rec['cached']} cached tokens, expected {hit}")
+        elif role in ("flexkv", "offloading"):
+            name = "miss" if role == "flexkv" else "offloading-miss"
+            for i in range(repeat):  # the recompute prompts, connector on: lookups and stores, no loads
+                rec = e.timed(f"{name}-{size}", fresh_prompt(seed, size, i))
+                if rec["cached"]:
+                    raise RuntimeError(f"{name} {size}: a fresh prompt found {rec['cached']} cached tokens")
+            e.settle()
+            e.generate(prefix)  # computed once; the connector stores it after the first token
+            e.settle()
+            if role == "flexkv":
+                tier_case("host", "device", lambda: None, lambda a, b, r: _delta(a, b, "host", "hit_blocks"), "host")
+                tier_case("disk", "disk", lambda: e.rpc(rpc_drop_host, 120.0),
+                          lambda a, b, r: _delta(a, b, "disk", "hit_blocks"), "disk")
+            else:  # no tier counters of theirs here: vLLM's count of cached tokens says it loaded
+                tier_case("offloading-host", "device", lambda: None, lambda a, b, r: r["cached"] // bs, "CPU")
+        elif role == "flexkv-remote":
+            e.generate(prefix)
+            e.settle()  # the remote write-behind drained: Redis holds the prefix
+            tier_case("remote", "device", lambda: e.rpc(rpc_drop_local, 120.0),
+                      lambda a, b, r: _delta(a, b, "requests", "remote_hit_blocks"), "remote")
+    e.info["checks"] = checks
+    e.info["tiers"] = e.stats()
+
+
+def main(argv: List[str]) -> int:
+    spec_path, out_path = argv
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    # collective_rpc ships this module's rpc_* functions to vLLM's worker by pickle (a local bench).
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    t0 = time.perf_counter()
+    e = Engine(spec)
+    e.info["start_s"] = time.perf_counter() - t0
+    run_role(e)
+    e.info["total_s"] = time.perf_counter() - t0
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump({"role": spec["role"], "results": e.results, "info": e.info}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

