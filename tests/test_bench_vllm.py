@@ -1,0 +1,157 @@
+"""bench vllm: the parts that need no engine (arguments, prompts, case names, ratios, the engines'
+environment), and a slow smoke run of the whole bench against real vLLM (CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dynamo_flexkv.bench import BENCHES, NOT_IN_ALL, build_parser
+from dynamo_flexkv.bench import vllm_ttft as v
+
+
+def test_registered_and_left_out_of_all():
+    assert BENCHES["vllm"][0] == "dynamo_flexkv.bench.vllm_ttft"
+    assert "vllm" in NOT_IN_ALL
+    a = build_parser().parse_args(["vllm", "--quick", "--repeat", "1", "--sizes", "2k", "--compare-offloading-connector"])
+    assert (a.name, a.quick, a.repeat, a.sizes, a.compare_offloading_connector) == ("vllm", True, 1, "2k", True)
+    a = build_parser().parse_args(["vllm"])
+    assert a.repeat is None and a.sizes is None and a.compare_offloading_connector is False
+
+
+def test_sizes_and_repeats():
+    assert v.parse_sizes("2k,8k") == [2048, 8192]
+    assert v.parse_sizes(" 32K, 2048 ,2k") == [2048, 32768]
+    for bad in ("", ",", "64", "1x"):
+        with pytest.raises(ValueError):
+            v.parse_sizes(bad)
+    p = build_parser()
+    assert v.plan(p.parse_args(["vllm"])) == ([2048, 8192, 32768], 3)
+    assert v.plan(p.parse_args(["vllm", "--quick"])) == ([2048, 8192], 2)
+    assert v.plan(p.parse_args(["vllm", "--quick", "--sizes", "4k", "--repeat", "5"])) == ([4096], 5)
+    with pytest.raises(ValueError):
+        v.plan(p.parse_args(["vllm", "--repeat", "0"]))
+    assert [v.label(n) for n in (2048, 8192, 32768, 3000)] == ["2k", "8k", "32k", "3000"]
+
+
+def test_cached_prefix_is_90_percent_in_whole_blocks():
+    assert {n: v.cached_tokens(n) for n in (2048, 8192, 32768)} == {2048: 1856, 8192: 7360, 32768: 29504}
+    for n in range(128, 5000, 37):
+        c = v.cached_tokens(n)
+        assert c % 64 == 0 and 64 <= c < n
+        assert abs(c - 0.9 * n) <= 32 or c == (n - 1) // 64 * 64
+
+
+def test_prompts_are_deterministic_and_never_share_a_first_block():
+    assert v.fresh_prompt(0, 2048, 1) == v.fresh_prompt(0, 2048, 1)
+    pre = v.prefix_prompt(0, 2048)
+    assert len(pre) == 1856 and pre == v.prefix_prompt(0, 2048)
+    firsts = {tuple(v.fresh_prompt(0, 2048, i)[:64]) for i in range(3)} | {tuple(pre[:64])}
+    assert len(firsts) == 4
+    sufs = [v.suffix(0, 2048, 64, kind, i) for kind in ("device", "disk") for i in range(3)]
+    assert all(len(s) == 2048 - 1856 for s in sufs)
+    assert len({tuple(s[:64]) for s in sufs}) == 6  # no request finds another one's stored suffix
+    lo, hi = v.TOKEN_RANGE
+    assert all(lo <= t < hi for t in pre)
+
+
+def _recs(ms, cached=0, token=7):
+    return [{"wall_s": m / 1e3, "engine_s": m / 1e3 - 0.002, "cached": cached, "token": token} for m in ms]
+
+
+def test_cases_names_baselines_and_ratios():
+    r = {"recompute-8192": _recs([1000, 900, 1100]), "device-hit-8192": _recs([30, 20, 40], 7360),
+         "host-8192": _recs([60, 50, 70], 7360), "disk-8192": _recs([80, 90, 70], 7360),
+         "remote-8192": _recs([100, 120, 110], 7360), "miss-8192": _recs([1010, 1020, 1000]),
+         "recompute-2048": _recs([100]), "host-2048": _recs([20], 1856)}
+    cases = {c.case: c for c in v.build_cases(r, [2048, 8192], checks={"disk-8192": [115, 115, 115]})}
+    assert set(cases) == {
+        "recompute-8k", "device-hit-90-8k", "host-90-8k", "host-90-8k-vs-device-hit", "disk-90-8k",
+        "disk-90-8k-vs-device-hit", "remote-90-8k", "remote-90-8k-vs-device-hit", "miss-8k",
+        "recompute-2k", "host-90-2k"}  # no device hit at 2k: no -vs-device-hit row there
+    c = cases["host-90-8k"]
+    assert (c.bench, c.unit, c.ours, c.baseline) == ("vllm", "ms", 60, 1000) and c.ratio == pytest.approx(0.06)
+    assert cases["host-90-8k-vs-device-hit"].baseline == 30 and cases["host-90-8k-vs-device-hit"].ratio == 2.0
+    assert cases["miss-8k"].ours == 1010 and cases["miss-8k"].baseline == 1000
+    assert cases["recompute-8k"].ratio == 1.0
+    assert "7360 cached, median of 3 (50-70 ms)" in c.note and "vLLM metrics 58 ms" in c.note
+    assert "115 blocks per request from it (tier_stats)" in cases["disk-90-8k"].note
+    j = c.to_json()
+    assert j["case"] == "host-90-8k" and j["ratio"] == pytest.approx(0.06) and j["baseline_name"]
+    # With vLLM's OffloadingConnector measured too: its rows and ours against theirs.
+    r.update({"offloading-host-8192": _recs([45], 7360), "offloading-miss-8192": _recs([1005])})
+    cases = {c.case: c for c in v.build_cases(r, [8192])}
+    assert cases["host-90-8k-vs-offloading"].ratio == pytest.approx(60 / 45)
+    assert {"offloading-host-90-8k", "offloading-host-90-8k-vs-device-hit", "offloading-miss-8k"} <= set(cases)
+
+
+def test_first_tokens_are_checked_against_the_reference_engine():
+    r = {"device-hit-2048": _recs([1, 1], token=5), "host-2048": _recs([1, 1], token=5),
+         "recompute-2048": _recs([1, 1], token=9), "miss-2048": [_recs([1], token=9)[0], _recs([1], token=8)[0]]}
+    assert v.check_tokens(r, [2048]) == ["miss-2048 request 1: first token 8 != recompute's 9"]
+    r["remote-2048"] = _recs([1], token=4)
+    assert len(v.check_tokens(r, [2048])) == 2
+
+
+def test_engine_environment_and_connector_configs(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "99")
+    monkeypatch.setenv("FLEXKV_CONFIG_PATH", "/nope.yaml")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    plain = v.engine_env(str(tmp_path), "plain", 1 << 30, 2 << 30)
+    assert not any(k.startswith("FLEXKV_") for k in plain)  # no tier settings of the caller leak in
+    assert plain["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    ours = v.engine_env(str(tmp_path), "flexkv", 1 << 30, 2 << 30)
+    assert float(ours["FLEXKV_CPU_CACHE_GB"]) == 1.0 and float(ours["FLEXKV_SSD_CACHE_GB"]) == 2.0
+    assert os.path.isdir(ours["FLEXKV_SSD_CACHE_DIR"]) and "FLEXKV_ENABLE_REMOTE" not in ours
+    remote = v.engine_env(str(tmp_path), "flexkv-remote", 1 << 30, 2 << 30, "redis://127.0.0.1:1")
+    assert remote["FLEXKV_ENABLE_REMOTE"] == "true" and remote["FLEXKV_REMOTE_CACHE_URL"] == "redis://127.0.0.1:1"
+    assert remote["FLEXKV_SSD_CACHE_DIR"] != ours["FLEXKV_SSD_CACHE_DIR"]  # fresh local tiers per engine
+    assert v.kv_transfer_config("plain", 1) is None
+    kt = v.kv_transfer_config("flexkv", 1)
+    assert (kt["kv_connector"], kt["kv_connector_module_path"], kt["kv_load_failure_policy"]) == (
+        "FlexKVConnector", "dynamo_flexkv.vllm_connector", "recompute")
+    off = v.kv_transfer_config("offloading", 123)
+    assert off["kv_connector"] == "OffloadingConnector"
+    assert off["kv_connector_extra_config"] == {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 123}
+    assert v.block_bytes() == 128 << 10  # small preset in bf16, 64-token blocks
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+@needs_vllm
+def test_offloading_connector_is_refused_on_the_cpu_platform():
+    ok, platform = v.offloading_platform_ok()
+    if ok:
+        pytest.skip(f"vLLM here runs on {platform}: the OffloadingConnector cases run")
+    assert platform == "cpu" and "refuses" in v.OFFLOADING_SKIP
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_bench_vllm_smoke(tmp_path):
+    """The whole bench at one size, one request per case (three vLLM engines, one after the other):
+    ~2-4 min on 2 shared cores, most of it engine start-up."""
+    out = tmp_path / "vllm.jsonl"
+    p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.bench", "vllm", "--quick", "--sizes", "2k",
+                        "--repeat", "1", "--compare-offloading-connector", "--json", str(out), "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
+    want = {"recompute-2k", "device-hit-90-2k", "host-90-2k", "host-90-2k-vs-device-hit", "disk-90-2k",
+            "disk-90-2k-vs-device-hit", "miss-2k"}
+    assert want <= set(rows), sorted(rows)
+    if "remote-90-2k" not in rows:
+        assert "redis-server not installed" in p.stdout
+    for r in rows.values():
+        assert r["bench"] == "vllm" and r["unit"] == "ms" and r["ours"] > 0 and r["baseline"] > 0
+        assert r["ratio"] == pytest.approx(r["ours"] / r["baseline"])
+    # Loading 90% of the prompt beats computing it.
+    assert rows["host-90-2k"]["ratio"] < 1 and rows["device-hit-90-2k"]["ratio"] < 1
+    if "offloading-host-90-2k" not in rows:
+        assert "OffloadingConnector (CPUOffloadingSpec) refuses it" in p.stdout
