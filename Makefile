@@ -8,8 +8,10 @@ install:
 	VENV=$(VENV) bash scripts/install.sh
 
 # The main job (a few minutes): the Mooncake conversation trace replayed concurrently against the
-# agg_router graph with no offload, with host+SSD offload and tier-aware routing, and with host+SSD
-# offload but device-only routing (`dynamo-flexkv replay --full` runs every configuration and size).
+# agg_router_vllm graph (2 vLLM workers) with no offload, with FlexKVConnector's host+SSD offload and
+# tier-aware routing, and with host+SSD offload but device-only routing (`--engine reference`: the
+# agg_router graph of reference-engine workers; `dynamo-flexkv replay --full` runs every
+# configuration and size).
 demo: install
 	$(PY) -m dynamo_flexkv.cli demo --json demo-results.jsonl
 

@@ -40,10 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     replay_arguments(sub.add_parser(
         "replay", help="replay the Mooncake conversation trace with its arrival times and concurrency over HTTP "
         "against each configuration (offload, tiers, routing, device sizes); table, plots, JSON lines",
-        description="Serves each configuration on a fresh graph (or uses --url), replays the trace against it, "
-        "and writes report.md, results.jsonl and PNG plots to the results folder."))
+        description="Serves each configuration on a fresh graph of --engine's workers (vLLM by default; or uses "
+        "--url), replays the trace against it, and writes report.md, results.jsonl and PNG plots to the results "
+        "folder."))
     replay_arguments(sub.add_parser(
-        "demo", help="the main job: the replay comparison with its defaults (same options as replay)"))
+        "demo", help="the main job: the replay comparison with its defaults on vLLM workers (same options as "
+        "replay; --engine reference: the reference engine's workers)"))
 
     from dynamo_flexkv.bench import build_parser as bench_parser
     bench_parser(sub.add_parser("bench", help="run a benchmark against its same-run baseline"))

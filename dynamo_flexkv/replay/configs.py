@@ -1,6 +1,8 @@
-"""The configurations the replay compares, and serving one of them: a fresh graph through the
-launcher (fresh caches, fresh SSD directories), the replay against it, and each worker's flexkv_*
-totals before and after, read from its /metrics."""
+"""The configurations the replay compares, the engines it serves them on, and serving one of them:
+a fresh graph through the launcher (fresh caches, fresh SSD directories), the replay against it,
+and each worker's request, prompt-token and cached-token totals before and after, read from its
+/metrics through the engine's metric mapping (``Engine.metrics``: flexkv_* counters for the
+reference engine, vllm:* counters for vLLM workers)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,14 +25,78 @@ from dynamo_flexkv.workload import Turn
 class Configuration:
     name: str
     description: str
-    overrides: Tuple[str, ...]  # --set style, on top of the graph's config
+    overrides: Tuple[str, ...]  # --set style, on top of the graph's config; {worker}: the worker section
     offload: bool = True
+
+    def overrides_for(self, worker: str) -> List[str]:
+        """The overrides with ``{worker}`` replaced by the engine's worker section (FlexKVWorker, VllmWorker)."""
+        return [o.replace("{worker}", worker) for o in self.overrides]
+
+
+@dataclass(frozen=True)
+class Counter:
+    """A counter on a worker's /metrics: the sum of the samples named ``name`` whose labels include
+    ``labels`` (a vLLM worker labels each sample with its model and engine index)."""
+
+    name: str  # the sample name, e.g. flexkv_requests_total
+    labels: Tuple[Tuple[str, str], ...] = ()
+
+    def matches(self, sample) -> bool:
+        return sample.name == self.name and all(sample.labels.get(k) == v for k, v in self.labels)
+
+    def __str__(self) -> str:
+        return self.name + ("{" + ",".join(f'{k}="{v}"' for k, v in self.labels) + "}" if self.labels else "")
+
+
+@dataclass(frozen=True)
+class MetricMapping:
+    """Where a worker's /metrics says how many requests it finished, how many prompt tokens they had,
+    and how many of those came from each tier (TIERS); a tier the engine has no counter for: 0."""
+
+    requests: Counter
+    prompt_tokens: Counter
+    cached: Dict[str, Counter]
+
+
+def _flexkv_tier(tier: str) -> Counter:
+    return Counter("flexkv_prompt_tokens_cached_total", (("tier", tier),))
+
+
+def _vllm_tier(tier: str) -> Counter:
+    return Counter("vllm:flexkv_loaded_tokens_total", (("tier", tier),))
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What serves the configurations: the graph and config it starts, the config section of its
+    workers, and how its workers' /metrics map onto the replay's accounting."""
+
+    name: str
+    graph: str  # under graphs/ (or a path)
+    config: str  # under configs/ (or a path)
+    worker: str  # the workers' config section
+    metrics: MetricMapping
+    description: str
+
+
+ENGINES: Dict[str, Engine] = {e.name: e for e in (
+    Engine("vllm", "agg_router_vllm", "agg_router_vllm", "VllmWorker", MetricMapping(
+        # vLLM counts finished requests by finish reason (summed), prompt tokens per request, its own
+        # prefix-cache hits (the device tier) at admission; FlexKVConnector the tokens it loaded per tier
+        requests=Counter("vllm:request_success_total"), prompt_tokens=Counter("vllm:prompt_tokens_total"),
+        cached={"device": Counter("vllm:prefix_cache_hits_total"), **{t: _vllm_tier(t) for t in TIERS[1:]}}),
+        "python -m dynamo.vllm workers (vLLM, FlexKVConnector for the host/SSD tiers)"),
+    Engine("reference", "agg_router", "agg_router", "FlexKVWorker", MetricMapping(
+        requests=Counter("flexkv_requests_total"), prompt_tokens=Counter("flexkv_prompt_tokens_total"),
+        cached={t: _flexkv_tier(t) for t in TIERS}),
+        "dynamo_flexkv's reference-engine workers (FlexKVWorker)"),
+)}
 
 
 DEVICE_ONLY = ("Frontend.router-host-cache-hit-weight=0", "Frontend.router-disk-cache-hit-weight=0")
 CONFIGURATIONS: Dict[str, Configuration] = {c.name: c for c in (
-    Configuration("no-offload", "device prefix cache only, KV routing", ("FlexKVWorker.offload=false",), offload=False),
-    Configuration("host", "host tier, KV routing over device+host", ("FlexKVWorker.cache.ssd_cache_gb=0",)),
+    Configuration("no-offload", "device prefix cache only, KV routing", ("{worker}.offload=false",), offload=False),
+    Configuration("host", "host tier, KV routing over device+host", ("{worker}.cache.ssd_cache_gb=0",)),
     Configuration("host+ssd", "host + SSD tiers, KV routing over every tier (the default)", ()),
     Configuration("round-robin", "host + SSD tiers, round-robin routing", ("Frontend.router-mode=round-robin",)),
     Configuration("kv-device-only", "host + SSD tiers, KV routing counting the device only "
@@ -52,7 +118,7 @@ def parse_configs(text: str) -> List[Configuration]:
 
 @dataclass
 class WorkerTotals:
-    """A worker's flexkv_* request counters (cumulative since it started)."""
+    """A worker's request counters (cumulative since it started), read through its engine's mapping."""
 
     requests: int = 0
     prompt_tokens: int = 0
@@ -71,16 +137,22 @@ def scrape(port: int) -> str:
         raise RuntimeError(f"cannot read the worker metrics at http://127.0.0.1:{port}/metrics: {e}") from None
 
 
-def worker_totals(metrics_text: str) -> WorkerTotals:
+def worker_totals(metrics_text: str, mapping: Optional[MetricMapping] = None) -> WorkerTotals:
+    """The totals ``mapping`` (default: the reference engine's flexkv_* counters) reads from a
+    worker's /metrics text; each counter is the sum of its matching samples (0 when absent)."""
+    mapping = mapping or ENGINES["reference"].metrics
     out = WorkerTotals()
+    wanted = [("requests", mapping.requests), ("prompt_tokens", mapping.prompt_tokens),
+              *((t, c) for t, c in mapping.cached.items())]
+    sums = {key: 0.0 for key, _ in wanted}
     for fam in text_string_to_metric_families(metrics_text):
         for s in fam.samples:
-            if s.name == "flexkv_requests_total":
-                out.requests = int(s.value)
-            elif s.name == "flexkv_prompt_tokens_total":
-                out.prompt_tokens = int(s.value)
-            elif s.name == "flexkv_prompt_tokens_cached_total" and s.labels.get("tier") in out.cached:
-                out.cached[s.labels["tier"]] = int(s.value)
+            for key, counter in wanted:
+                if counter.matches(s):
+                    sums[key] += s.value
+    out.requests, out.prompt_tokens = int(sums.pop("requests")), int(sums.pop("prompt_tokens"))
+    for tier, value in sums.items():
+        out.cached[tier] = int(value)
     return out
 
 
@@ -102,6 +174,7 @@ class ConfigRun:
     wall_s: float
     workers: Dict[str, WorkerTotals]  # worker name -> its counters' change across the replay
     worker_names: Dict[int, str]  # instance id -> worker name
+    engine: str = "reference"  # ENGINES key: whose metric mapping ``workers`` was read with
 
     @property
     def label(self) -> str:
@@ -111,17 +184,20 @@ class ConfigRun:
 def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[Turn], *, graph: str,
                      config_file: str, extra_overrides: Sequence[str], time_scale: float, concurrency: int,
                      on_done: Callable[[RequestRecord], None], on_ready: Callable[[], None] = lambda: None,
-                     logs: bool = False, request_timeout_s: float = 120) -> Tuple[ConfigRun, "Launcher"]:
-    """Serves ``config`` on a fresh graph and replays ``turns`` against it. The graph is returned
-    still running: the caller stops it (``Launcher.shutdown``), e.g. while the next one starts."""
+                     logs: bool = False, request_timeout_s: float = 120,
+                     engine: str = "reference") -> Tuple[ConfigRun, "Launcher"]:
+    """Serves ``config`` on a fresh graph of ``engine``'s workers and replays ``turns`` against it.
+    The graph is returned still running: the caller stops it (``Launcher.shutdown``), e.g. while
+    the next one starts."""
     from dynamo_flexkv.serve import load_graph
     from dynamo_flexkv.serve.launcher import Launcher
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
+    worker = ENGINES[engine].worker
     run_dir = Path(tempfile.mkdtemp(prefix=f"dynamo-flexkv-replay-{config.name.replace('+', '-')}-"))
     overrides = ["Frontend.http-port=0",  # any free port: never collides with a running graph
-                 f"FlexKVWorker.cache.ssd_cache_dir={run_dir}/ssd{{replica}}",  # a fresh disk tier per run
-                 f"FlexKVWorker.num-device-blocks={device_blocks}", *extra_overrides, *config.overrides]
+                 f"{worker}.cache.ssd_cache_dir={run_dir}/ssd{{replica}}",  # a fresh disk tier per run
+                 f"{worker}.num-device-blocks={device_blocks}", *extra_overrides, *config.overrides_for(worker)]
     plan = build_plan(load_graph(graph), apply_overrides(load_config(config_file), overrides),
                       run_dir=run_dir, source=config_file)
     sys.stderr.write(f"{config.name} @{device_blocks} device blocks: starting {plan.graph.name} "
@@ -133,7 +209,7 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
         on_ready()
         run = _measure(config, device_blocks, plan.base_url, plan.served_model_name,
                        {p.name: p.port for p in plan.workers}, turns, time_scale, concurrency, on_done,
-                       launcher.check_alive, request_timeout_s)
+                       launcher.check_alive, request_timeout_s, engine)
     except BaseException:
         launcher.shutdown()
         raise
@@ -141,30 +217,34 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
 
 
 def replay_url(url: str, model: str, turns: Sequence[Turn], *, ports: Sequence[int], time_scale: float,
-               concurrency: int, on_done: Callable[[RequestRecord], None], request_timeout_s: float = 120) -> ConfigRun:
-    """The replay against a graph served elsewhere; ``ports``: its workers' system ports (may be empty)."""
+               concurrency: int, on_done: Callable[[RequestRecord], None], request_timeout_s: float = 120,
+               engine: str = "reference") -> ConfigRun:
+    """The replay against a graph served elsewhere; ``ports``: its workers' system ports (may be
+    empty), read with ``engine``'s metric mapping."""
     config = Configuration("served", f"the graph at {url}", ())
     return _measure(config, 0, url, model, {f"worker@{p}": p for p in ports}, turns, time_scale, concurrency,
-                    on_done, request_timeout_s=request_timeout_s)
+                    on_done, request_timeout_s=request_timeout_s, engine=engine)
 
 
 def _measure(config: Configuration, device_blocks: int, url: str, model: str, ports: Dict[str, int],
              turns: Sequence[Turn], time_scale: float, concurrency: int,
              on_done: Callable[[RequestRecord], None], check_alive: Callable[[], None] = lambda: None,
-             request_timeout_s: float = 120) -> ConfigRun:
+             request_timeout_s: float = 120, engine: str = "reference") -> ConfigRun:
+    mapping = ENGINES[engine].metrics
     texts = {name: scrape(port) for name, port in ports.items()}
     names = {worker_id(text): name for name, text in texts.items()}
-    before = {name: worker_totals(text) for name, text in texts.items()}
+    before = {name: worker_totals(text, mapping) for name, text in texts.items()}
     t0 = time.perf_counter()
     records = Replayer(url, model, concurrency=concurrency, request_timeout_s=request_timeout_s).run(
         turns, time_scale, on_done)
     wall = time.perf_counter() - t0
     check_alive()  # a component that died mid-replay is named, with its log tail
-    after = {name: worker_totals(scrape(port)) for name, port in ports.items()}
+    after = {name: worker_totals(scrape(port), mapping) for name, port in ports.items()}
     for r in records:  # workers not scraped are still told apart
         if r.worker_id is not None and r.worker_id not in names:
             names[r.worker_id] = f"worker-{r.worker_id:x}"
-    return ConfigRun(config, device_blocks, records, wall, {n: after[n].minus(before[n]) for n in ports}, names)
+    return ConfigRun(config, device_blocks, records, wall, {n: after[n].minus(before[n]) for n in ports}, names,
+                     engine)
 
 
 def attribute_workers(run: ConfigRun) -> Dict[str, List[RequestRecord]]:

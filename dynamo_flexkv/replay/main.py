@@ -1,7 +1,8 @@
 """``dynamo-flexkv replay`` (and the main job, ``dynamo-flexkv demo``): the Mooncake conversation
 trace replayed with its arrival times and real concurrency against each configuration in turn,
-each on a freshly served graph, then the comparison as a markdown table, PNG plots and JSON lines
-in a results folder."""
+each on a freshly served graph of vLLM workers (``--engine vllm``, the default) or of the
+reference engine's workers (``--engine reference``), then the comparison as a markdown table, PNG
+plots and JSON lines in a results folder."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from dynamo_flexkv.workload import TRACE_BLOCK, Scale, Turn, trace_turns
 
 
 ALL_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only"
-HOST_GB = 0.125
+# Host tier per worker: 512 blocks of the small preset, what a worker serves in the default workload
+# (float32 on the reference engine, 256 KiB a block; vLLM serves it in bfloat16, 128 KiB a block).
+HOST_GB = {"reference": 0.125, "vllm": 0.0625}
 
 
 @dataclass(frozen=True)
@@ -69,14 +72,21 @@ WINDOW_S = _number(float, 0, True, "a finite number of seconds >= 0 (0: no windo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dynamo_flexkv.replay.configs import ENGINES
+
     g = p.add_argument_group("what to serve")
-    g.add_argument("--graph", default=resolve(GRAPHS, "agg_router"))
-    g.add_argument("-f", "--config", default=resolve(CONFIGS, "agg_router"))
+    g.add_argument("--engine", choices=list(ENGINES), default="vllm",
+                   help="the workers: " + "; ".join(f"{e.name}: {e.description}, graphs/{e.graph}.py with "
+                                                    f"configs/{e.config}.yaml" for e in ENGINES.values())
+                   + " (default vllm)")
+    g.add_argument("--graph", help="graph file (default: the engine's, see --engine)")
+    g.add_argument("-f", "--config", help="config file (default: the engine's, see --engine)")
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config override for every configuration (e.g. FlexKVWorker.cache.cpu_cache_gb=0.25)")
-    g.add_argument("--host-gb", type=GB, default=HOST_GB,
-                   help=f"host tier per worker in GB (default {HOST_GB}: 512 blocks of the small preset, what a worker "
-                   "serves in the default workload; 0.03125 makes the SSD tier serve most lower-tier hits)")
+                   help="config override for every configuration (e.g. VllmWorker.cache.ssd_cache_gb=0.5)")
+    g.add_argument("--host-gb", type=GB,
+                   help=f"host tier per worker in GB (default {HOST_GB['vllm']} for vllm, {HOST_GB['reference']} for "
+                   "reference: 512 blocks of the small preset in the engine's dtype, what a worker "
+                   "serves in the default workload; a quarter of that makes the SSD tier serve most lower-tier hits)")
     g.add_argument("--configs", help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
                    f"--full {FULL.configs}; all: {ALL_CONFIGS})")
     g.add_argument("--device-blocks", help="device KV blocks per worker, comma-separated: the first size runs "
@@ -86,9 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{DEFAULT.sweep_configs}; --full: all of --configs)")
     g.add_argument("--url", help="replay against this already served graph (e.g. http://127.0.0.1:8000) instead: "
                    "one run, no comparison")
-    g.add_argument("--model", default="flexkv-small", help="served model name (with --url)")
+    g.add_argument("--model", help="served model name (with --url; default: the config's served-model-name)")
     g.add_argument("--worker-metrics", default="", metavar="PORT,PORT",
-                   help="with --url: the workers' system ports, to attribute requests and check the accounting")
+                   help="with --url: the workers' system ports, to attribute requests and check the accounting "
+                   "(their counters read as --engine's)")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="Mooncake-format trace, .jsonl or .jsonl.xz (default: the shipped one)")
     w.add_argument("--conversations", type=COUNT, help=f"conversations replayed (default {DEFAULT.conversations}; "
@@ -155,12 +166,14 @@ def _on_sigterm_interrupt():
 
 def _run(args: argparse.Namespace) -> int:
     from dynamo_flexkv.serve.launcher import ComponentDied
-    from dynamo_flexkv.replay.configs import (ConfigRun, Configuration, device_block_list,
+    from dynamo_flexkv.replay.configs import (ENGINES, ConfigRun, Configuration, device_block_list,
                                               parse_configs, replay_url, serve_and_replay)
     from dynamo_flexkv.replay.report import first_error, markdown, summarize, write_jsonl
 
     preset = FULL if args.full else DEFAULT
-    args.set = [f"FlexKVWorker.cache.cpu_cache_gb={args.host_gb}", *args.set]  # an explicit --set still wins
+    engine = ENGINES[args.engine]
+    args.graph = args.graph or resolve(GRAPHS, engine.graph)
+    args.config = args.config or resolve(CONFIGS, engine.config)
     every = args.sample_every if args.sample_every is not None else preset.sample_every
     if every < 1:
         raise ValueError(f"--sample-every {every} must be >= 1")
@@ -171,6 +184,7 @@ def _run(args: argparse.Namespace) -> int:
     scale = Scale(conversations=conversations * every, min_turns=args.min_turns,
                   max_turns=args.max_turns, tokens_per_hash_block=args.tokens_per_hash_block,
                   max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens)
+    args.set = [*engine_overrides(engine, args, scale), *args.set]  # an explicit --set still wins
     window = args.trace_window_s if args.trace_window_s is not None else preset.trace_window_s
     window = window or None  # 0: no window
     turns = within_window(sampled(trace_turns(scale, args.trace), every), window)
@@ -203,9 +217,10 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 if args.url:
                     progress.start()
-                    run = replay_url(args.url, args.model, turns, ports=_ports(args.worker_metrics),
-                                     time_scale=args.time_scale, concurrency=args.concurrency, on_done=progress.done,
-                                     request_timeout_s=args.request_timeout)
+                    run = replay_url(args.url, args.model or _served_name(args), turns,
+                                     ports=_ports(args.worker_metrics), time_scale=args.time_scale,
+                                     concurrency=args.concurrency, on_done=progress.done,
+                                     request_timeout_s=args.request_timeout, engine=args.engine)
                 else:
                     def ready(progress=progress) -> None:
                         stopping.wait()  # the previous graph is gone before this one is measured
@@ -215,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
                                                      extra_overrides=args.set, time_scale=args.time_scale,
                                                      concurrency=args.concurrency, on_done=progress.done,
                                                      on_ready=ready, logs=args.logs,
-                                                     request_timeout_s=args.request_timeout)
+                                                     request_timeout_s=args.request_timeout, engine=args.engine)
                     stopping.start(launcher)  # stops while the next graph starts
             except (ComponentDied, TimeoutError, RuntimeError, OSError) as e:  # this run only: the others count
                 failed.append(f"{config.name} @{blocks}: {e}")
@@ -295,15 +310,56 @@ class Progress:
             self.bar.close()
 
 
-def _check_context(args: argparse.Namespace, scale: Scale, device_blocks: int) -> None:
-    """A worker holds a request's prompt and output in its device cache and refuses what cannot fit."""
-    from dynamo_flexkv.engine import EngineModelConfig
+def engine_overrides(engine, args: argparse.Namespace, scale: Scale) -> List[str]:
+    """What the replay sets on the engine's workers before the user's --set: the host tier size,
+    and for vLLM a --max-model-len of the longest prompt plus output, in whole blocks (vLLM's
+    device cache must hold one such request besides the block it keeps back, so a small device
+    cache needs a short max-model-len; 4096 would need 65 blocks of 64 tokens)."""
+    host_gb = args.host_gb if args.host_gb is not None else HOST_GB[engine.name]
+    out = [f"{engine.worker}.cache.cpu_cache_gb={host_gb}"]
+    if engine.name == "vllm":
+        block = _vllm_block_size(args)
+        need = scale.max_prompt_tokens + scale.max_output_tokens
+        out.append(f"{engine.worker}.max-model-len={-(-need // block) * block}")
+    return out
+
+
+def _worker_section(args: argparse.Namespace, overrides: Optional[List[str]] = None) -> dict:
+    from dynamo_flexkv.replay.configs import ENGINES
     from dynamo_flexkv.serve.plan import apply_overrides, load_config
 
-    cfg = apply_overrides(load_config(args.config), args.set)
-    model = (cfg.get("FlexKVWorker") or {}).get("model") or (cfg.get("Common") or {}).get("model") or "small"
-    block = EngineModelConfig.load(model).block_size
+    cfg = apply_overrides(load_config(args.config), args.set if overrides is None else overrides)
+    return {**(cfg.get("Common") or {}), **(cfg.get(ENGINES[args.engine].worker) or {})}
+
+
+def _vllm_block_size(args: argparse.Namespace) -> int:
+    return int(_worker_section(args).get("block-size") or 64)
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    return str(_worker_section(args).get("served-model-name") or "flexkv-small")
+
+
+def _check_context(args: argparse.Namespace, scale: Scale, device_blocks: int) -> None:
+    """A worker holds a request's prompt and output in its device cache and refuses what cannot fit
+    (vLLM: its --max-model-len must hold them, and the device cache one max-model-len request
+    besides the block vLLM keeps back)."""
+    from dynamo_flexkv.engine import EngineModelConfig
+
+    w = _worker_section(args)
     need = scale.max_prompt_tokens + scale.max_output_tokens
+    if args.engine == "vllm":
+        block, max_len = int(w.get("block-size") or 64), int(w.get("max-model-len") or 4096)
+        if need > max_len:
+            raise ValueError(f"--max-prompt-tokens {scale.max_prompt_tokens} + --max-output-tokens "
+                             f"{scale.max_output_tokens} exceed VllmWorker.max-model-len={max_len}, which vLLM "
+                             f"would refuse: lower them or raise max-model-len (--set)")
+        if -(-max_len // block) > device_blocks - 1:
+            raise ValueError(f"a device cache of {device_blocks} blocks of {block} tokens cannot hold one request of "
+                             f"max-model-len {max_len} (vLLM keeps one block back): raise the smallest "
+                             f"--device-blocks to {-(-max_len // block) + 1} or lower --max-prompt-tokens")
+        return
+    block = EngineModelConfig.load(w.get("model") or "small").block_size
     if need > device_blocks * block:
         raise ValueError(f"--max-prompt-tokens {scale.max_prompt_tokens} + --max-output-tokens "
                          f"{scale.max_output_tokens} do not fit a device cache of {device_blocks} blocks of {block} "
@@ -334,16 +390,20 @@ def _ports(text: str) -> List[int]:
 
 
 def _setup(args: argparse.Namespace, plan) -> str:
+    from dynamo_flexkv.replay.configs import ENGINES
+
+    engine = ENGINES[args.engine]
     if args.url:
-        return f"the graph served at {args.url}"
+        return f"the graph served at {args.url} ({engine.description})"
     from dynamo_flexkv.serve.plan import apply_overrides, load_config
 
     cfg = apply_overrides(load_config(args.config), args.set)
-    w, fe = cfg.get("FlexKVWorker", {}), cfg.get("Frontend", {})
+    w, fe = cfg.get(engine.worker, {}), cfg.get("Frontend", {})
     cache = w.get("cache", {})
     common = cfg.get("Common", {})
-    return (f"{Path(args.graph).name} with {Path(args.config).name}: {w.get('replicas', 1)} workers of model "
-            f"{w.get('model', common.get('model'))}, each with the device KV cache of the run (blocks per worker "
+    vllm = f", max-model-len {w.get('max-model-len')}" if args.engine == "vllm" else ""
+    return (f"{Path(args.graph).name} with {Path(args.config).name}: {w.get('replicas', 1)} {engine.description} "
+            f"of model {w.get('model', common.get('model'))}{vllm}, each with the device KV cache of the run (blocks per worker "
             f"in the table), host tier {cache.get('cpu_cache_gb')} GB and SSD tier {cache.get('ssd_cache_gb')} GB "
             f"(a fresh directory per run) unless the configuration removes them; router "
             f"{fe.get('router-mode', 'kv')} with host/disk hit weights {fe.get('router-host-cache-hit-weight')}/"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from dynamo_flexkv.replay.client import TIERS, RequestRecord
-from dynamo_flexkv.replay.configs import ConfigRun, attribute_workers
+from dynamo_flexkv.replay.configs import ENGINES, ConfigRun, attribute_workers
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -42,9 +42,10 @@ class Summary:
     tier_source: str  # "responses" (per request) or "worker metrics" (per worker totals)
     hit_rate: Dict[str, float]  # cached / prompt tokens, per tier and "all"
     requests_per_worker: Dict[str, int]
-    accounting: str
+    accounting: str  # per-request cached tokens vs the workers' counters
     ttft_p50_later_ms: float = math.nan  # turns after a conversation's first: where routing decides the hits
-    kept_on_worker: float = math.nan  # later turns served by the worker that served the turn before  # per-request cached tokens vs the workers' flexkv_* totals
+    kept_on_worker: float = math.nan  # later turns served by the worker that served the turn before
+    engine: str = "reference"  # whose workers served it (ENGINES)
 
     def to_json(self) -> dict:
         return {"bench": "replay", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in vars(self).items()}}
@@ -77,7 +78,7 @@ def summarize(run: ConfigRun) -> Summary:
         requests_per_worker={name: len(rs) for name, rs in sorted(by_worker.items())},
         accounting=check_accounting(run),
         ttft_p50_later_ms=percentile([r.ttft_ms for r in ok if r.turn > 0 and r.ttft_ms is not None], 50),
-        kept_on_worker=kept_on_worker(ok))
+        kept_on_worker=kept_on_worker(ok), engine=run.engine)
 
 
 def kept_on_worker(records: Sequence[RequestRecord]) -> float:
@@ -92,9 +93,11 @@ def kept_on_worker(records: Sequence[RequestRecord]) -> float:
 
 def check_accounting(run: ConfigRun) -> str:
     """"exact" when, per worker, the responses' cached tokens (per tier where reported, else the
-    total) and request counts add up to the change of that worker's flexkv_* counters."""
+    total) and request counts add up to the change of that worker's counters (the engine's metric
+    mapping: flexkv_* for the reference engine, vllm:* for vLLM)."""
     if not run.workers:
         return "not checked (no worker /metrics to compare with)"
+    m = ENGINES[run.engine].metrics
     problems = []
     for name, recs in attribute_workers(run).items():
         w = run.workers.get(name)
@@ -102,7 +105,7 @@ def check_accounting(run: ConfigRun) -> str:
             problems.append(f"{len(recs)} responses name unknown worker {name}")
             continue
         if w.requests != len(recs):
-            problems.append(f"{name}: {len(recs)} responses, flexkv_requests_total +{w.requests}")
+            problems.append(f"{name}: {len(recs)} responses, {m.requests} +{w.requests}")
         if w.prompt_tokens != sum(r.prompt_tokens for r in recs):
             problems.append(f"{name}: prompt tokens {sum(r.prompt_tokens for r in recs)} vs metrics {w.prompt_tokens}")
         if all(r.cached_by_tier is not None for r in recs):
@@ -124,6 +127,16 @@ def _fmt(x: float, digits: int = 0) -> str:
     return "-" if isinstance(x, float) and math.isnan(x) else f"{x:,.{digits}f}"
 
 
+def metric_note(engines: Sequence[str]) -> str:
+    """Which counters the per-worker accounting reads, per engine."""
+    out = []
+    for name in engines:
+        m = ENGINES[name].metrics
+        tiers = ", ".join(f"{t} {c}" for t, c in m.cached.items())
+        out.append(f"{name}: requests {m.requests}, prompt tokens {m.prompt_tokens}, cached {tiers}")
+    return "; ".join(out)
+
+
 def markdown(summaries: Sequence[Summary], workload: str, setup: str) -> str:
     lines = [f"Workload: {workload}.", "", f"Setup: {setup}.", "",
              "| config | device blocks | TTFT p50 / p90 / p99 ms | TTFT p50 later turns ms | ITL p50 ms | req/s "
@@ -140,7 +153,8 @@ def markdown(summaries: Sequence[Summary], workload: str, setup: str) -> str:
             f"| {_pct(s.kept_on_worker)} | {' / '.join(str(n) for n in s.requests_per_worker.values())} | {s.errors} |")
     sources = sorted({s.tier_source for s in summaries})
     lines += ["", f"Per-tier hits from: {', '.join(sources)}. Per-request accounting against the workers' "
-              "flexkv_* counters: " + "; ".join(f"{s.config} @{s.device_blocks}: {s.accounting}" for s in summaries)]
+              "counters: " + "; ".join(f"{s.config} @{s.device_blocks}: {s.accounting}" for s in summaries),
+              "", f"Worker counters read: {metric_note(sorted({s.engine for s in summaries}))}."]
     lines += ["", *findings(summaries)]
     return "\n".join(lines) + "\n"
 
