@@ -1,9 +1,12 @@
-"""The concurrent trace replay: arrivals, the concurrency cap and conversation order hold; against a
-real two-worker graph (frontend in KV-router mode, host + SSD offload) 200+ requests at
-concurrency 8 finish without an error, and every response's cached tokens per tier add up, per
-worker, to that worker's flexkv_* counters. The same graph serves the dashboard check (every
-metric the Grafana dashboard queries exists on a running worker's or the frontend's /metrics) and
-the `replay --url` command end to end (report, JSON lines, plots)."""
+"""The concurrent trace replay: arrivals, the concurrency cap and conversation order hold; the
+engines' metric mappings (flexkv_* for the reference engine, vllm:* for vLLM workers) read a
+worker's /metrics into the same accounting; the options and defaults (--engine vllm) are what the
+command runs. Against a real two-worker reference graph (frontend in KV-router mode, host + SSD
+offload) 200+ requests at concurrency 8 finish without an error, and every response's cached
+tokens per tier add up, per worker, to that worker's flexkv_* counters. The same graph serves the
+dashboard check (every metric the Grafana dashboard queries exists on a running worker's or the
+frontend's /metrics) and the `replay --url` command end to end (report, JSON lines, plots);
+``-m slow`` runs the demo itself on both engines, smaller."""
 
 import json
 import math
@@ -14,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dynamo_flexkv.replay.client import RequestRecord, arrival_times, tier_split
-from dynamo_flexkv.replay.configs import (CONFIGURATIONS, ConfigRun, WorkerTotals, device_block_list, parse_configs,
-                                          replay_url)
+from dynamo_flexkv.replay.configs import (CONFIGURATIONS, ENGINES, ConfigRun, WorkerTotals, device_block_list,
+                                          parse_configs, replay_url, worker_totals)
 from dynamo_flexkv.replay.main import sampled, within_window
 from dynamo_flexkv.replay.report import check_accounting, findings, kept_on_worker, percentile, summarize
 from dynamo_flexkv.workload import Scale, Turn, trace_turns
@@ -73,6 +76,113 @@ def test_out_of_range_numbers_are_refused_by_the_parser(option, value, capsys):
     assert parser.parse_args([option, "1"]) is not None
 
 
+# What a vLLM worker's /metrics shows (dynamo.vllm 1.6.1 forwarding vLLM 0.31's vllm:* families,
+# FlexKVConnector's through vLLM's connector-stats path), trimmed to the families the mapping reads
+# and a few it must not (the _created samples, queries, the preempted requests' hits).
+VLLM_METRICS = """\
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="vllm-small"} 2.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="vllm-small"} 5.0
+vllm:request_success_total{engine="0",finished_reason="abort",model_name="vllm-small"} 0.0
+# HELP vllm:request_success_created Count of successfully processed requests.
+# TYPE vllm:request_success_created gauge
+vllm:request_success_created{engine="0",finished_reason="length",model_name="vllm-small"} 1.7e9
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="vllm-small"} 9000.0
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="vllm-small"} 9000.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="vllm-small"} 1408.0
+# HELP vllm:external_prefix_cache_hits_total External prefix cache hits from KV connector.
+# TYPE vllm:external_prefix_cache_hits_total counter
+vllm:external_prefix_cache_hits_total{engine="0",model_name="vllm-small"} 3200.0
+# HELP vllm:flexkv_loaded_tokens_total Tokens loaded from an offload tier into vLLM's KV cache
+# TYPE vllm:flexkv_loaded_tokens_total counter
+vllm:flexkv_loaded_tokens_total{engine="0",model_name="vllm-small",tier="host"} 2560.0
+vllm:flexkv_loaded_tokens_total{engine="0",model_name="vllm-small",tier="disk"} 640.0
+# HELP vllm:flexkv_recomputed_tokens_total Tokens recomputed
+# TYPE vllm:flexkv_recomputed_tokens_total counter
+vllm:flexkv_recomputed_tokens_total{engine="0",model_name="vllm-small"} 0.0
+"""
+
+
+def test_the_vllm_mapping_reads_a_vllm_workers_metrics():
+    """device = vLLM's own prefix-cache hits, host/disk/remote = FlexKVConnector's loaded tokens by
+    tier; finished requests summed over finish reasons; a tier with no sample is 0."""
+    w = worker_totals(VLLM_METRICS, ENGINES["vllm"].metrics)
+    assert (w.requests, w.prompt_tokens) == (7, 9000)
+    assert w.cached == {"device": 1408, "host": 2560, "disk": 640, "remote": 0}
+    # the reference mapping finds none of its flexkv_* counters there, and reads its own
+    assert worker_totals(VLLM_METRICS) == WorkerTotals()
+    ref = ('flexkv_requests_total 3.0\nflexkv_prompt_tokens_total 300.0\n'
+           'flexkv_prompt_tokens_cached_total{tier="device"} 64.0\nflexkv_prompt_tokens_cached_total{tier="disk"} 128.0\n')
+    assert worker_totals(ref, ENGINES["reference"].metrics) == WorkerTotals(3, 300, {"device": 64, "host": 0,
+                                                                                      "disk": 128, "remote": 0})
+    assert set(ENGINES["vllm"].metrics.cached) == set(ENGINES["reference"].metrics.cached) == {
+        "device", "host", "disk", "remote"}
+
+
+def test_configurations_set_the_engines_worker_section():
+    assert CONFIGURATIONS["no-offload"].overrides_for("VllmWorker") == ["VllmWorker.offload=false"]
+    assert CONFIGURATIONS["no-offload"].overrides_for("FlexKVWorker") == ["FlexKVWorker.offload=false"]
+    assert CONFIGURATIONS["host"].overrides_for("VllmWorker") == ["VllmWorker.cache.ssd_cache_gb=0"]
+    assert CONFIGURATIONS["kv-device-only"].overrides_for("VllmWorker") == [
+        "Frontend.router-host-cache-hit-weight=0", "Frontend.router-disk-cache-hit-weight=0"]
+    # every override names a section the engine's config has (or Frontend)
+    from dynamo_flexkv.serve.plan import load_config
+    for e in ENGINES.values():
+        sections = set(load_config(str(ROOT / "configs" / f"{e.config}.yaml")))
+        assert (ROOT / "graphs" / f"{e.graph}.py").is_file() and e.worker in sections
+        for c in CONFIGURATIONS.values():
+            assert {o.split(".", 1)[0] for o in c.overrides_for(e.worker)} <= sections, (e.name, c.name)
+
+
+def _parse(*argv):
+    import argparse
+
+    from dynamo_flexkv.replay.main import add_arguments
+
+    parser = argparse.ArgumentParser(prog="replay")
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_demo_serves_vllm_by_default_and_the_reference_engine_on_request():
+    from dynamo_flexkv.replay.main import DEFAULT, _check_context, _served_name, engine_overrides
+
+    args = _parse()
+    assert args.engine == "vllm" and args.graph is None and args.config is None
+    args.graph, args.config = str(ROOT / "graphs/agg_router_vllm.py"), str(ROOT / "configs/agg_router_vllm.yaml")
+    scale = Scale(max_prompt_tokens=2048, max_output_tokens=8)
+    # vLLM's max-model-len: the longest prompt plus output in whole 64-token blocks (33 blocks), so
+    # the demo's 40-block device cache holds one request besides the block vLLM keeps back
+    assert engine_overrides(ENGINES["vllm"], args, scale) == ["VllmWorker.cache.cpu_cache_gb=0.0625",
+                                                              "VllmWorker.max-model-len=2112"]
+    args.set = engine_overrides(ENGINES["vllm"], args, scale)
+    _check_context(args, scale, int(DEFAULT.device_blocks.split(",")[0]))
+    _check_context(args, scale, 34)
+    with pytest.raises(ValueError, match="cannot hold one request of max-model-len 2112 .* to 34"):
+        _check_context(args, scale, 33)
+    with pytest.raises(ValueError, match="exceed VllmWorker.max-model-len=2112"):
+        _check_context(args, Scale(max_prompt_tokens=2100, max_output_tokens=16), 64)
+    assert _served_name(args) == "vllm-small"
+
+    ref = _parse("--engine", "reference", "--host-gb", "0.25")
+    ref.graph, ref.config = str(ROOT / "graphs/agg_router.py"), str(ROOT / "configs/agg_router.yaml")
+    assert engine_overrides(ENGINES["reference"], ref, scale) == ["FlexKVWorker.cache.cpu_cache_gb=0.25"]
+    ref.set = engine_overrides(ENGINES["reference"], ref, scale)
+    _check_context(ref, scale, 33)  # 2,112 tokens: the reference engine keeps no block back
+    with pytest.raises(ValueError, match="do not fit a device cache of 32 blocks"):
+        _check_context(ref, scale, 32)
+    assert _served_name(ref) == "flexkv-small"
+    with pytest.raises(SystemExit):
+        _parse("--engine", "sglang")
+
+
 def _record(i: int, worker: int, cached: dict) -> RequestRecord:
     return RequestRecord(i, i, 0, 0.0, prompt_tokens=100, output_tokens=2, ttft_ms=10.0 + i, e2e_ms=20.0,
                          worker_id=worker, cached_tokens=sum(cached.values()), cached_by_tier=dict(cached))
@@ -88,6 +198,24 @@ def test_accounting_names_each_mismatch():
     assert check_accounting(run) == "w2: disk cached 30 in responses vs 29 in metrics"
     workers["w2"].cached["disk"], workers["w1"].requests = 30, 2
     assert check_accounting(run) == "w1: 1 responses, flexkv_requests_total +2"
+
+
+def test_vllm_accounting_checks_the_cached_total_against_its_counters():
+    """vLLM's responses carry only usage.prompt_tokens_details.cached_tokens: per worker, their sum
+    must equal the change of prefix-cache hits (device) plus the connector's loaded tokens (tiers);
+    the table's per-tier split then comes from those counters."""
+    recs = [_record(0, 1, {"device": 64, "host": 128}), _record(1, 1, {"disk": 64})]
+    for r in recs:
+        r.cached_by_tier = None
+    workers = {"w1": WorkerTotals(2, 200, {"device": 64, "host": 128, "disk": 64, "remote": 0})}
+    run = ConfigRun(CONFIGURATIONS["host+ssd"], 40, recs, 1.0, workers, {1: "w1"}, "vllm")
+    assert check_accounting(run) == "exact"
+    s = summarize(run)
+    assert s.tier_source == "worker metrics" and s.engine == "vllm"
+    assert s.cached == {"device": 64, "host": 128, "disk": 64, "remote": 0} and s.hit_rate["all"] == 256 / 200
+    workers["w1"].requests, workers["w1"].cached["host"] = 3, 64
+    assert check_accounting(run) == ("w1: 2 responses, vllm:request_success_total +3; "
+                                     "w1: cached 256 in responses vs 192 in metrics")
 
 
 def test_plots_skip_what_has_no_data(tmp_path):
@@ -226,14 +354,15 @@ def test_replay_command_against_a_served_graph(graph, replayed, tmp_path):
 
     plan, _ = graph
     out, summaries = tmp_path / "results", tmp_path / "summaries.jsonl"
-    code = main(["replay", "--url", plan.base_url, "--model", plan.served_model_name,
+    code = main(["replay", "--engine", "reference", "--url", plan.base_url, "--model", plan.served_model_name,
                  "--worker-metrics", ",".join(str(p.port) for p in plan.workers), "--conversations", "6",
                  "--tokens-per-hash-block", "16", "--max-prompt-tokens", "1000", "--time-scale", "500",
                  "--concurrency", "4", "--out", str(out), "--json", str(summaries)])
     assert code == 0
     report = (out / "report.md").read_text()
     assert "| served | 0 |" in report
-    assert "accounting against the workers' flexkv_* counters: served @0: exact" in report
+    assert "accounting against the workers' counters: served @0: exact" in report
+    assert "requests flexkv_requests_total" in report
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert lines[0]["bench"] == "replay" and lines[0]["errors"] == 0 and lines[0]["tier_source"] == "responses"
     assert len([x for x in lines if x["bench"] == "replay-request"]) == lines[0]["requests"]
@@ -250,7 +379,8 @@ def test_main_job_compares_configurations_end_to_end(tmp_path):
     import sys
 
     out = tmp_path / "results"
-    proc = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "demo", "--conversations", "8",
+    proc = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "demo", "--engine", "reference",
+                           "--conversations", "8",
                            "--configs", "host+ssd,kv-device-only", "--device-blocks", "64,128",
                            "--sweep-configs", "host+ssd", "--out", str(out), "--json", str(tmp_path / "s.jsonl")],
                           capture_output=True, text=True, timeout=1200, cwd=tmp_path)
@@ -263,4 +393,36 @@ def test_main_job_compares_configurations_end_to_end(tmp_path):
                                                                        ("host+ssd", 128)]
     assert all(s["errors"] == 0 and s["accounting"] == "exact" for s in summaries)
     for png in ("ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png", "device_sweep.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+@pytest.mark.slow
+def test_the_vllm_demo_end_to_end(tmp_path):
+    """`dynamo-flexkv demo` on its default engine, tiny: two vLLM workers (small preset, random
+    weights) with no offload, then with FlexKVConnector's host + SSD tiers, 24 device blocks each;
+    every request answered, the responses' cached tokens add up per worker to vLLM's prefix-cache
+    hits plus the connector's loaded tokens, and the tiers served what the device had dropped."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
+    import subprocess
+    import sys
+
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "demo", "--conversations", "6",
+                           "--configs", "no-offload,host+ssd", "--device-blocks", "24", "--max-prompt-tokens", "1024",
+                           "--time-scale", "100", "--out", str(out), "--json", str(tmp_path / "s.jsonl")],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)
+    assert "| no-offload | 24 |" in proc.stdout and "| host+ssd | 24 |" in proc.stdout
+    assert "vllm:prefix_cache_hits_total" in proc.stdout and "agg_router_vllm.py" in proc.stdout
+    summaries = {s["config"]: s for s in map(json.loads, (tmp_path / "s.jsonl").read_text().splitlines())}
+    assert set(summaries) == {"no-offload", "host+ssd"}
+    for s in summaries.values():
+        assert s["engine"] == "vllm" and s["errors"] == 0 and s["requests"] > 0, s
+        assert s["accounting"] == "exact" and s["tier_source"] == "worker metrics", s
+        assert sum(s["requests_per_worker"].values()) == s["requests"]
+    assert summaries["no-offload"]["cached"]["host"] == summaries["no-offload"]["cached"]["disk"] == 0
+    tiers = summaries["host+ssd"]["cached"]
+    assert tiers["host"] + tiers["disk"] > 0, tiers
+    for png in ("ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
