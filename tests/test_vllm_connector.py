@@ -57,18 +57,26 @@ def assert_restored(r: dict, stored_blocks: int) -> None:
     assert r["bytes_equal"] is True and r["layers"] == 4 and r["nonzero"] is True
 
 
-def test_layerwise_load_from_disk_restores_vllms_bytes(model_dir, tmp_path):
-    # Host holds ~49 blocks: three later prompts push the 23-block prompt out, disk keeps it.
-    r = run_check(model_dir, tmp_path, layerwise=True, scenario="disk", host_gb=0.006, ssd_gb=0.1)
+@pytest.fixture(scope="module")
+def disk_run(model_dir, tmp_path_factory):
+    """One engine, two prompts: one loaded layerwise through disk, one whose disk copy is corrupted.
+    Host holds ~49 blocks: three later prompts push each 23-block prompt out, disk keeps it."""
+    return run_check(model_dir, tmp_path_factory.mktemp("disk"), layerwise=True, scenario="disk,corrupt-disk",
+                     host_gb=0.006, ssd_gb=0.1)
+
+
+def test_layerwise_load_from_disk_restores_vllms_bytes(disk_run):
+    r = disk_run["disk"]
     assert r["tiers_after_load"]["disk"]["hit_blocks"] - r["tiers_before_load"]["disk"]["hit_blocks"] == 23
     assert_restored(r, 23)
 
 
-def test_corrupt_disk_block_is_recomputed_with_the_same_tokens(model_dir, tmp_path):
-    r = run_check(model_dir, tmp_path, layerwise=False, scenario="corrupt-disk", host_gb=0.006, ssd_gb=0.1)
+def test_corrupt_disk_block_is_recomputed_with_the_same_tokens(disk_run):
+    r = disk_run["corrupt-disk"]
     assert r["loads"][-1][0] is False  # the load failed its checksum: vLLM recomputed those blocks
     assert r["second_tokens"] == r["first_tokens"]
-    assert r["tiers_after_load"]["host"]["rolled_back_blocks"] == 23  # the staged host copies never became visible
+    rolled_back = r["tiers_after_load"]["host"]["rolled_back_blocks"] - r["tiers_before_load"]["host"]["rolled_back_blocks"]
+    assert rolled_back == 23  # the staged host copies never became visible
 
 
 @needs_redis

@@ -42,67 +42,54 @@ def _disk_files(worker):
     return conn.tier_files(), {t: s[t] for t in ("host", "disk", "remote") if t in s}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model_dir")
-    ap.add_argument("out")
-    ap.add_argument("--layerwise", type=int, default=1)
-    ap.add_argument("--scenario", default="host", choices=["host", "disk", "corrupt-disk", "remote", "remote-down"])
-    ap.add_argument("--kill-pid", type=int, default=0, help="remote-down: the redis-server to SIGKILL before the load")
-    ap.add_argument("--prompt-tokens", type=int, default=1500)
-    ap.add_argument("--flush-prompts", type=int, default=3)
-    ap.add_argument("--block-bytes", type=int, default=128 << 10)
-    ap.add_argument("--corrupt-slots", type=int, default=256)
-    a = ap.parse_args()
-    # collective_rpc ships these functions to vLLM's worker process by pickle (a local test only).
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+def run_scenario(llm, scenario: str, rnd: random.Random, a) -> dict:
+    """Computes a fresh prompt, stores it, takes it out of vLLM's cache (and, but for ``host``, out
+    of the host tier), applies the scenario's fault, and generates it again."""
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
-          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"layerwise": bool(a.layerwise)}}
-    llm = LLM(model=a.model_dir, load_format="dummy", dtype="bfloat16", max_model_len=8192, block_size=64,
-              enforce_eager=True, kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0)
-    rnd = random.Random(7)
+    def log():
+        return llm.collective_rpc(_log)[0]
+
+    seen = len(log())
     prompt = [rnd.randrange(300, 30000) for _ in range(a.prompt_tokens)]
     sp = SamplingParams(max_tokens=6, temperature=0)
     first = llm.generate([{"prompt_token_ids": prompt}], sp)[0]
     # Later steps run until the store's device copy is reported (vLLM keeps the blocks until then).
     for _ in range(50):
-        stores = [r for r in llm.collective_rpc(_log)[0] if r[0] == "store"]
+        stores = [r for r in log()[seen:] if r[0] == "store"]
         if stores:
             break
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1))
     stored = stores[0][2]
     computed = llm.collective_rpc(_blocks, args=(stored,))[0]
-    if a.scenario != "host":
-        # Other prompts push this one out of the (small) host tier; it stays on disk.
-        for i in range(a.flush_prompts):
+    result_tiers = None
+    if scenario != "host":
+        # Other prompts push this one out of the (small) host tier; it stays on disk / remote.
+        for _ in range(a.flush_prompts):
             other = [rnd.randrange(300, 30000) for _ in range(a.prompt_tokens)]
             llm.generate([{"prompt_token_ids": other}], SamplingParams(max_tokens=1))
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1))
-        files, tiers = llm.collective_rpc(_disk_files)[0]
-        result_tiers = tiers
-    if a.scenario == "corrupt-disk":
-        block_bytes = a.block_bytes
-        with open(files[0], "r+b") as f:  # flip 64 bytes inside every block slot written so far
+        files, result_tiers = llm.collective_rpc(_disk_files)[0]
+    if scenario == "corrupt-disk":
+        with open(files[0], "r+b") as f:  # flip 64 bytes inside every block slot
             for slot in range(a.corrupt_slots):
-                f.seek(slot * block_bytes + 4096)
+                f.seek(slot * a.block_bytes + 4096)
                 b = f.read(64)
-                f.seek(slot * block_bytes + 4096)
+                f.seek(slot * a.block_bytes + 4096)
                 f.write(bytes(x ^ 0xFF for x in b))
-    if a.scenario == "remote-down":
+    if scenario == "remote-down":
         import signal
         os.kill(a.kill_pid, signal.SIGKILL)
     llm.reset_prefix_cache()
     llm.collective_rpc(_zero)
+    before_load = len(log())
     second = llm.generate([{"prompt_token_ids": prompt}], sp)[0]
-    loads = [r for r in llm.collective_rpc(_log)[0] if r[0] == "load"]
+    loads = [r for r in log()[before_load:] if r[0] == "load"]
     result = {"first_tokens": list(first.outputs[0].token_ids), "second_tokens": list(second.outputs[0].token_ids),
               "first_cached": first.num_cached_tokens, "second_cached": second.num_cached_tokens,
               "stored_blocks": len(stored), "loads": [[r[3], len(r[2])] for r in loads]}
-    if a.scenario != "host":
+    if scenario != "host":
         result["tiers_before_load"] = result_tiers
         result["tiers_after_load"] = llm.collective_rpc(_disk_files)[0][1]
     if loads and loads[-1][3]:
@@ -114,6 +101,36 @@ def main() -> int:
                                     for c, r in zip(computed, restored))
         result["layers"] = len(restored)
         result["nonzero"] = all(bool(r.abs().sum() > 0) for r in restored)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("out")
+    ap.add_argument("--layerwise", type=int, default=1)
+    ap.add_argument("--scenario", default="host",
+                    help="host, disk, corrupt-disk, remote or remote-down; several, comma-separated, run in order "
+                         "on one engine, each with its own prompt")
+    ap.add_argument("--kill-pid", type=int, default=0, help="remote-down: the redis-server to SIGKILL before the load")
+    ap.add_argument("--prompt-tokens", type=int, default=1500)
+    ap.add_argument("--flush-prompts", type=int, default=3)
+    ap.add_argument("--block-bytes", type=int, default=128 << 10)
+    ap.add_argument("--corrupt-slots", type=int, default=256)
+    a = ap.parse_args()
+    # collective_rpc ships these functions to vLLM's worker process by pickle (a local test only).
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM
+
+    kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
+          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {"layerwise": bool(a.layerwise)}}
+    llm = LLM(model=a.model_dir, load_format="dummy", dtype="bfloat16", max_model_len=8192, block_size=64,
+              enforce_eager=True, kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0)
+    results = {}
+    for i, scenario in enumerate(a.scenario.split(",")):
+        results[scenario] = run_scenario(llm, scenario, random.Random(7 + i), a)
+    result = results if "," in a.scenario else results[a.scenario]
     with open(a.out, "w") as f:
         json.dump(result, f)
     return 0
