@@ -77,6 +77,7 @@ class Engine:
     worker: str  # the workers' config section
     metrics: MetricMapping
     description: str
+    ready_timeout_s: float  # how long a freshly served graph may take to answer (--ready-timeout)
 
 
 ENGINES: Dict[str, Engine] = {e.name: e for e in (
@@ -85,11 +86,12 @@ ENGINES: Dict[str, Engine] = {e.name: e for e in (
         # prefix-cache hits (the device tier) at admission; FlexKVConnector the tokens it loaded per tier
         requests=Counter("vllm:request_success_total"), prompt_tokens=Counter("vllm:prompt_tokens_total"),
         cached={"device": Counter("vllm:prefix_cache_hits_total"), **{t: _vllm_tier(t) for t in TIERS[1:]}}),
-        "python -m dynamo.vllm workers (vLLM, FlexKVConnector for the host/SSD tiers)"),
+        # vLLM's start (imports, engine core, model, KV cache) took 3-6 min per graph on 2 busy cores
+        "python -m dynamo.vllm workers (vLLM, FlexKVConnector for the host/SSD tiers)", 900),
     Engine("reference", "agg_router", "agg_router", "FlexKVWorker", MetricMapping(
         requests=Counter("flexkv_requests_total"), prompt_tokens=Counter("flexkv_prompt_tokens_total"),
         cached={t: _flexkv_tier(t) for t in TIERS}),
-        "dynamo_flexkv's reference-engine workers (FlexKVWorker)"),
+        "dynamo_flexkv's reference-engine workers (FlexKVWorker)", 300),
 )}
 
 
@@ -184,8 +186,8 @@ class ConfigRun:
 def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[Turn], *, graph: str,
                      config_file: str, extra_overrides: Sequence[str], time_scale: float, concurrency: int,
                      on_done: Callable[[RequestRecord], None], on_ready: Callable[[], None] = lambda: None,
-                     logs: bool = False, request_timeout_s: float = 120,
-                     engine: str = "reference") -> Tuple[ConfigRun, "Launcher"]:
+                     logs: bool = False, request_timeout_s: float = 120, engine: str = "reference",
+                     ready_timeout_s: Optional[float] = None) -> Tuple[ConfigRun, "Launcher"]:
     """Serves ``config`` on a fresh graph of ``engine``'s workers and replays ``turns`` against it.
     The graph is returned still running: the caller stops it (``Launcher.shutdown``), e.g. while
     the next one starts."""
@@ -205,7 +207,7 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
     launcher = Launcher(plan, sys.stderr if logs else None)
     launcher.start()  # stops what it started if it fails
     try:
-        launcher.wait_ready(300)
+        launcher.wait_ready(ready_timeout_s or ENGINES[engine].ready_timeout_s)
         on_ready()
         run = _measure(config, device_blocks, plan.base_url, plan.served_model_name,
                        {p.name: p.port for p in plan.workers}, turns, time_scale, concurrency, on_done,

@@ -118,6 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--time-scale", type=FACTOR, help=f"trace seconds per replay second (default {DEFAULT.time_scale:g}: "
                    f"the trace's arrivals {DEFAULT.time_scale:g}x faster; --full {FULL.time_scale:g})")
     w.add_argument("--concurrency", type=COUNT, default=8, help="requests in flight at most (default 8)")
+    w.add_argument("--ready-timeout", type=POSITIVE_S, help="seconds a freshly served graph may take to answer "
+                   "before its configuration counts as failed (default: the engine's, vllm 900, reference 300)")
     w.add_argument("--request-timeout", type=POSITIVE_S, default=120,
                    help="seconds one request may take before it counts as an error (default 120)")
     w.add_argument("--full", action="store_true", help="a longer replay: more conversations, every configuration "
@@ -230,7 +232,8 @@ def _run(args: argparse.Namespace) -> int:
                                                      extra_overrides=args.set, time_scale=args.time_scale,
                                                      concurrency=args.concurrency, on_done=progress.done,
                                                      on_ready=ready, logs=args.logs,
-                                                     request_timeout_s=args.request_timeout, engine=args.engine)
+                                                     request_timeout_s=args.request_timeout, engine=args.engine,
+                                                     ready_timeout_s=args.ready_timeout)
                     stopping.start(launcher)  # stops while the next graph starts
             except (ComponentDied, TimeoutError, RuntimeError, OSError) as e:  # this run only: the others count
                 failed.append(f"{config.name} @{blocks}: {e}")
