@@ -143,7 +143,8 @@ def marked_pids(mark: str) -> List[int]:
 @pytest.mark.slow
 def test_replay_sigterm_stops_the_graph_it_started(tmp_path):
     mark = f"{os.getpid()}-{time.monotonic_ns()}"
-    p = subprocess.Popen([*CLI, "replay", "--configs", "no-offload", "--set", "Common.model=tiny", "--max-prompt-tokens",
+    p = subprocess.Popen([*CLI, "replay", "--engine", "reference", "--configs", "no-offload", "--set", "Common.model=tiny",
+                          "--max-prompt-tokens",
                           "512", "--conversations", "4", "--sample-every", "1", "--out", str(tmp_path / "out")], stderr=subprocess.PIPE,
                          stdout=subprocess.DEVNULL, text=True, cwd=ROOT, env=dict(os.environ, ADV_MARK=mark))
     try:

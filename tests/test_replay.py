@@ -61,7 +61,8 @@ def test_bad_options_are_named():
 
 @pytest.mark.parametrize("option,value", [("--conversations", "0"), ("--sample-every", "-1"), ("--concurrency", "0"),
                                           ("--time-scale", "nan"), ("--time-scale", "0"), ("--request-timeout", "inf"),
-                                          ("--trace-window-s", "-1"), ("--host-gb", "nan"), ("--host-gb", "x")])
+                                          ("--trace-window-s", "-1"), ("--host-gb", "nan"), ("--host-gb", "x"),
+                                          ("--ready-timeout", "0")])
 def test_out_of_range_numbers_are_refused_by_the_parser(option, value, capsys):
     """argparse refuses them (exit 2, naming the option) before anything is served."""
     import argparse
