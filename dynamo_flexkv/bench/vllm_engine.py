@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, List
 
 from dynamo_flexkv.bench.vllm_ttft import ROLES, cached_tokens, fresh_prompt, prefix_prompt, suffix
 
-TINY = [5, 6, 7]  # a step that computes nothing worth storing (less than one block)
+TINY = [5, 6, 7]
+PROGRESS = "bench vllm |"  # lines the parent echoes  # a step that computes nothing worth storing (less than one block)
 
 
 # ---- run inside vLLM's worker process by LLM.collective_rpc (pickled by reference) -------------------
@@ -101,6 +102,8 @@ class Engine:
         rec = {"wall_s": wall, "engine_s": engine_s, "cached": int(out.num_cached_tokens or 0),
                "token": int(out.outputs[0].token_ids[0]), "prompt_tokens": len(prompt)}
         self.results.setdefault(case, []).append(rec)
+        print(f"{PROGRESS} {self.spec['role']}: {case} #{len(self.results[case])}: {wall * 1e3:.0f} ms, "
+              f"{rec['cached']} cached", flush=True)
         return rec
 
     def settle(self, timeout: float = 120.0) -> None:

@@ -35,10 +35,12 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -239,6 +241,20 @@ def kv_transfer_config(role: str, host_bytes: int) -> Optional[Dict[str, Any]]:
             "kv_connector_extra_config": {"layerwise": True}}
 
 
+def _stop_group(p: subprocess.Popen) -> None:
+    """SIGTERM to the engine's process group (vLLM shuts its processes down), SIGKILL after 20 s."""
+    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: str, timeout_s: float) -> Dict[str, Any]:
     spec_path = os.path.join(workdir, f"spec-{role}.json")
     out_path = os.path.join(workdir, f"out-{role}.json")
@@ -248,12 +264,28 @@ def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: st
     print(f"bench vllm: engine {role} ({ROLES[role]}) ...", flush=True)
     t0 = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
+        # Its own process group: a timeout or Ctrl-C here ends vLLM's EngineCore and Worker too.
+        p = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.bench.vllm_engine", spec_path, out_path], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                             start_new_session=True)
+        killer = threading.Timer(timeout_s, _stop_group, (p,))  # past the timeout the run fails
+        killer.start()
         try:
-            p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.bench.vllm_engine", spec_path, out_path],
-                               env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-            rc = p.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+            for line in p.stdout:
+                log.write(line)
+                if line.startswith("bench vllm |"):  # the engine's one line per timed request
+                    print("  " + line[len("bench vllm |"):].strip(), flush=True)
+            rc = p.wait()
+            try:  # vLLM processes the engine left behind, if any
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        finally:
+            killer.cancel()
+            if p.poll() is None:
+                _stop_group(p)
+    if rc != 0 and time.perf_counter() - t0 >= timeout_s:
+        rc = f"killed after the {timeout_s:.0f} s timeout"
     if rc != 0:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             tail = f.read()[-6000:]
@@ -314,7 +346,7 @@ def run(args: argparse.Namespace) -> List[Case]:
         spec = {"model_dir": str(model_dir), "sizes": sizes, "repeat": repeat, "seed": 0, "block_size": BLOCK,
                 "max_model_len": max_model_len, "kv_cache_bytes": max(128 << 20, 4 * prompt_bytes),
                 "warmup_sizes": [min(sizes)]}
-        timeout = 600 + 240 * repeat * len(sizes) * (4 if max(sizes) > 8192 else 1)
+        timeout = 900 + 600 * repeat * len(sizes) * (4 if max(sizes) > 8192 else 1)  # a safety net, not a budget
         for role in roles:
             spec["kv_transfer_config"] = kv_transfer_config(role, host_bytes)
             if role == "flexkv-remote":
