@@ -212,6 +212,7 @@ def sc_restart_b(d, rnd):
     """Second engine, same SSD dir and the same prompts: loaded from disk."""
     from vllm import SamplingParams
     sp = SamplingParams(max_tokens=8, temperature=0)
+    rnd = random.Random(1000 + sum(map(ord, "restart_a")))  # restart_a's prompts
     prompts = [{"prompt_token_ids": rand_prompt(rnd, 1500)} for _ in range(3)]
     st0 = d.stats()
     log0 = len(d.log())
