@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, NoReturn,
 import numpy as np
 import torch
 
-from dynamo_flexkv.config import CacheConfig
+from dynamo_flexkv.config import CacheConfig, ConfigError, GiB
 from dynamo_flexkv.hashing import block_hashes
 from dynamo_flexkv.index import CacheEngine, Tier
 from dynamo_flexkv.index.cache_engine import IndexListener, TierRun
@@ -63,8 +63,13 @@ class KVManager:
         self.model_id = model_id  # names the weights in the remote fingerprint: same shape != same bytes
         self.tokens_per_block = self.config.tokens_per_block
         caps = self.config.tier_blocks(model)
-        self.host = HostPool(self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST),
-                             use_huge_pages=self.config.use_huge_pages)
+        host_layout = self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST)
+        try:
+            self.host = HostPool(host_layout, use_huge_pages=self.config.use_huge_pages)
+        except OSError as e:  # ENOMEM: more than the machine (or its limits) allows
+            raise ConfigError(f"cpu_cache_gb={self.config.cpu_cache_gb}: cannot allocate the host tier's "
+                              f"{host_layout.total_bytes / GiB:.2f} GiB ({e.strerror or e}): set cpu_cache_gb "
+                              "(FLEXKV_CPU_CACHE_GB) to what this machine can hold") from None
         self.ssd: Optional[SsdStore] = None
         self.remote: Optional["RemoteStore"] = None
         movers: Dict[OpKind, Any] = {}
@@ -73,8 +78,16 @@ class KVManager:
                 self.remote = self._open_remote()
                 movers[OpKind.REMOTE2H] = movers[OpKind.H2REMOTE] = RemoteMover(self.host, self.remote)
             if caps["disk"]:
-                self.ssd = SsdStore(self.config.ssd_cache_dir, caps["disk"], self.host.layout.block_bytes,
-                                    dict(self.host.layout.fingerprint(), namespace=self.namespace or ""))
+                try:
+                    self.ssd = SsdStore(self.config.ssd_cache_dir, caps["disk"], self.host.layout.block_bytes,
+                                        dict(self.host.layout.fingerprint(), namespace=self.namespace or ""))
+                except OSError as e:  # EFBIG / ENOSPC / EACCES: the files cannot be that large, or there
+                    size = caps["disk"] * self.host.layout.block_bytes / GiB
+                    raise ConfigError(f"ssd_cache_gb={self.config.ssd_cache_gb} in ssd_cache_dir "
+                                      f"{';'.join(self.config.ssd_cache_dir)}: cannot create the disk tier's "
+                                      f"{size:.2f} GiB of files ({e.strerror or e}{': ' + e.filename if e.filename else ''}): "
+                                      "set ssd_cache_gb (FLEXKV_SSD_CACHE_GB) to what the file system holds, or "
+                                      "point ssd_cache_dir at a writable directory") from None
                 disk_mover = self._make_disk_mover()
                 movers[OpKind.DISK2H] = movers[OpKind.H2DISK] = movers[OpKind.VERIFY] = disk_mover
             self.cache = CacheEngine(self.config, {Tier.HOST: caps["host"], Tier.DISK: caps["disk"]},

@@ -4,6 +4,7 @@ policies come from FLEXKV_* / FLEXKV_CONFIG_PATH, as for the reference worker)."
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -61,6 +62,11 @@ class ConnectorSettings:
                 raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a string")
             values[key] = value
         values.setdefault("model_id", str(vllm_config.model_config.model))
+        run_dir = values.get("run_dir") or os.environ.get("FLEXKV_RUN_DIR")
+        if run_dir and not (os.path.isdir(run_dir) and os.access(run_dir, os.W_OK)):
+            where = "kv_connector_extra_config run_dir" if values.get("run_dir") else "FLEXKV_RUN_DIR"
+            raise ValueError(f"FlexKVConnector: {where}={run_dir!r} is not a writable directory (the lookup socket "
+                             "lives there): create it, or point it at one")
         num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
         return cls(block_size=int(vllm_config.cache_config.block_size), num_blocks=num_blocks,
                    engine_id=str(kt.engine_id), **values)
