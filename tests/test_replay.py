@@ -403,7 +403,7 @@ def test_the_vllm_demo_end_to_end(tmp_path):
     weights) with no offload, then with FlexKVConnector's host + SSD tiers, 24 device blocks each;
     every request answered, the responses' cached tokens add up per worker to vLLM's prefix-cache
     hits plus the connector's loaded tokens, table and plots written. 10m27s at load ~12 (two
-    vLLM graphs starting, 4-5 min each at that load); on a quiet machine about 3 minutes."""
+    vLLM graphs starting, 4-5 min each at that load)."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
     import subprocess
     import sys
