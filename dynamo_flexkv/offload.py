@@ -51,6 +51,12 @@ class EngineOffload:
         """Tokens of the longest prefix of ``tokens`` a load would bring back (whole blocks)."""
         return max(self.kv.match(tokens, lora_name=lora_name, cache_salt=cache_salt).values(), default=0)
 
+    def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
+                     cache_salt: Optional[str] = None) -> List[int]:
+        """The sequence hash of each full block of ``tokens``: how the tiers (and their events) name
+        the blocks."""
+        return [int(h) for h in self.kv.hashes(tokens, lora_name=lora_name, cache_salt=cache_salt).sequence]
+
     def cached_blocks(self, tokens: Sequence[int]) -> int:
         return self.cached_tokens(tokens) // self.bs
 

@@ -194,3 +194,26 @@ def test_step_stats_become_vllm_flexkv_metrics():
     assert 'vllm:flexkv_recomputed_tokens_total{engine="0",model_name="m"} 64.0' in text
     assert 'vllm:flexkv_used_blocks{engine="0",model_name="m",tier="host"} 5.0' in text
     assert FlexKVStats({}).is_empty() and not total.is_empty()
+
+
+def test_tier_events_name_blocks_as_vllms_device_events_do():
+    """Dynamo's router cuts a worker's host/disk count to its device prefix when the tiers name one
+    block differently (tests/vllm_tier_hash_repro.py): our events reuse vLLM's hashes."""
+    from dynamo_flexkv.index import Tier
+    from dynamo_flexkv.index.cache_engine import TierRun
+    from dynamo_flexkv.vllm_connector.events import TierEventQueue
+
+    q = TierEventQueue(block_size=4)
+    ours, theirs = [11, 12, 13], [b"\x01" * 32, b"\x02" * 32, b"\x03" * 32]
+    q.alias(ours, theirs)
+    q.on_stored(Tier.HOST, TierRun(Tier.HOST, 0, ours[:2], [0, 1], None, True, token_ids=list(range(8))))
+    q.on_stored(Tier.DISK, TierRun(Tier.DISK, 0, ours, [0, 1, 2], None, True, token_ids=list(range(12))))
+    q.on_stored(Tier.HOST, TierRun(Tier.HOST, 2, [99], [2], 13, True, token_ids=list(range(4))))  # no alias: ours
+    q.on_removed(Tier.HOST, [12])
+    events = q.take().get_all_events()
+    assert [(e.medium, e.block_hashes, getattr(e, "parent_block_hash", None)) for e in events] == [
+        ("CPU_PINNED", theirs[:2], None), ("DISK", theirs, None), ("CPU_PINNED", theirs[1:2], None)]
+    assert q.skipped == 1  # block 99's parent 13 was never announced on host
+    q.on_removed(Tier.DISK, [13, 12, 11])
+    q.on_removed(Tier.HOST, [11])
+    assert q.take() is not None and q.known_blocks(Tier.HOST) == 0 and q.named_blocks == 0  # names dropped with the blocks

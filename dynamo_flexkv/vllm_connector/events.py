@@ -11,7 +11,7 @@ Removed of a block it does not know are not sent (``skipped``)."""
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
 
@@ -54,16 +54,34 @@ class TierEventQueue:
         self.block_size = block_size
         self._lock = threading.Lock()
         self._events: List[KVCacheEvent] = []
-        self._known: Dict[str, Set[int]] = {}  # medium -> blocks announced and not removed
+        self._known: Dict[str, Set[Any]] = {}  # medium -> blocks announced and not removed
+        # Our sequence hash -> vLLM's external hash of the same block (alias()): the router must see
+        # one name per block across tiers. Blocks without one (re-adopted after a restart) keep ours.
+        self._alias: Dict[int, Any] = {}
         self.skipped = 0
+
+    def alias(self, ours: List[int], vllm_hashes: List[Any]) -> None:
+        """Names blocks ``ours`` (our sequence hashes) by vLLM's hashes in later events."""
+        if len(ours) != len(vllm_hashes):
+            return
+        with self._lock:
+            for o, v in zip(ours, vllm_hashes):
+                self._alias[int(o)] = v
+
+    def _name(self, h: int) -> Any:
+        return self._alias.get(h, signed_hash(h))
+
+    def _forget(self, h: int, name: Any) -> None:
+        if not any(name in known for known in self._known.values()):
+            self._alias.pop(h, None)
 
     def on_stored(self, tier: Tier, run: TierRun) -> None:
         if run.token_ids is None:
             return  # e.g. re-adopted disk blocks journaled without tokens: they cannot be named
         medium = MEDIUM[tier]
-        hashes = [signed_hash(int(h)) for h in run.hashes]
-        parent = None if run.parent is None else signed_hash(int(run.parent))
         with self._lock:
+            hashes = [self._name(int(h)) for h in run.hashes]
+            parent = None if run.parent is None else self._name(int(run.parent))
             known = self._known.setdefault(medium, set())
             if parent is not None and parent not in known:
                 self.skipped += 1
@@ -77,11 +95,20 @@ class TierEventQueue:
         medium = MEDIUM[tier]
         with self._lock:
             known = self._known.setdefault(medium, set())
-            gone = [s for s in (signed_hash(int(h)) for h in hashes) if s in known]
+            named = [(int(h), self._name(int(h))) for h in hashes]
+            gone = [name for _, name in named if name in known]
             self.skipped += len(hashes) - len(gone)
             known.difference_update(gone)
+            for h, name in named:
+                self._forget(h, name)
             if gone:
                 self._events.append(BlockRemoved(block_hashes=gone, medium=medium))
+
+    @property
+    def named_blocks(self) -> int:
+        """Blocks whose events carry vLLM's hash (alias()) and that some tier still holds."""
+        with self._lock:
+            return len(self._alias)
 
     def known_blocks(self, tier: Tier) -> int:
         with self._lock:

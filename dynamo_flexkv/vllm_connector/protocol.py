@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -20,6 +20,7 @@ class LoadSpec:
     skip_blocks: int  # leading blocks vLLM already holds (its own prefix cache)
     lora_name: Optional[str] = None
     cache_salt: Optional[str] = None
+    event_hashes: List[Any] = field(default_factory=list)  # as in SaveSpec
 
     @property
     def num_blocks(self) -> int:
@@ -35,6 +36,9 @@ class SaveSpec:
     block_ids: List[int]
     lora_name: Optional[str] = None
     cache_salt: Optional[str] = None
+    # vLLM's external hash of each block, as its own device events name it: our tier events name
+    # the same blocks the same way (Dynamo's router cuts lower tiers to the device prefix otherwise).
+    event_hashes: List[Any] = field(default_factory=list)
 
 
 @dataclass

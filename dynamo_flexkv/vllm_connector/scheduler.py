@@ -28,6 +28,13 @@ def _lora(request: Any) -> Optional[str]:
     return getattr(lr, "lora_name", None) or None
 
 
+def _event_hashes(request: Any, n: int) -> List[Any]:
+    """vLLM's external hashes of the request's first ``n`` blocks (what its device events carry)."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    hashes = list(getattr(request, "block_hashes", ())[:n])
+    return [maybe_convert_block_hash(h) for h in hashes] if len(hashes) == n else []
+
+
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings) -> None:
         self.s = settings
@@ -73,7 +80,7 @@ class SchedulerSide:
                         request.request_id, len(block_ids), end)
             return
         self._loads.append(LoadSpec(request.request_id, list(request.all_token_ids[: end * self.bs]), block_ids,
-                                    local // self.bs, _lora(request), request.cache_salt))
+                                    local // self.bs, _lora(request), request.cache_salt, _event_hashes(request, end)))
         self.hit_tokens += external
 
     def build_meta(self) -> FlexKVMetadata:
@@ -91,7 +98,7 @@ class SchedulerSide:
         if n <= 0:
             return False, None
         self._saves.append(SaveSpec(request.request_id, list(tokens[: n * self.bs]), list(block_ids[:n]),
-                                    _lora(request), request.cache_salt))
+                                    _lora(request), request.cache_salt, _event_hashes(request, n)))
         self.saved_requests += 1
         return True, None  # vLLM frees the blocks once a worker lists the request as finished sending
 

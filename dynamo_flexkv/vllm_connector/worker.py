@@ -112,6 +112,7 @@ class WorkerSide:
             return
         for save in meta.saves:
             try:
+                self._alias(save.token_ids, save.event_hashes, save.lora_name, save.cache_salt)
                 self.offload.store(save.token_ids, save.block_ids, key=save.req_id, lora_name=save.lora_name,
                                    cache_salt=save.cache_salt)
                 self._saving[save.req_id] = self._saving.get(save.req_id, 0) + 1
@@ -124,8 +125,14 @@ class WorkerSide:
             for ld in self._loads.values():  # bulk: the whole load lands before the forward
                 self._wait(ld, None)
 
+    def _alias(self, tokens, event_hashes, lora: Optional[str], salt: Optional[str]) -> None:
+        """Our tier events name these blocks as vLLM's device events do."""
+        if self.events is not None and event_hashes:
+            self.events.alias(self.offload.block_hashes(tokens, lora_name=lora, cache_salt=salt), event_hashes)
+
     def _start(self, spec: LoadSpec) -> None:
         try:
+            self._alias(spec.token_ids, spec.event_hashes, spec.lora_name, spec.cache_salt)
             tid = self.offload.load(spec.token_ids, spec.block_ids, spec.skip_blocks, lora_name=spec.lora_name,
                                     cache_salt=spec.cache_salt)
         except Exception as e:  # noqa: BLE001 - e.g. TooManyTasks: recompute instead
