@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import zmq
 
-from dynamo_flexkv.events import KvEventRelay, _signed
+from dynamo_flexkv.events import KvEventRelay, signed_hash as _signed
 from dynamo_flexkv.index import Tier
 
 
