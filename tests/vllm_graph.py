@@ -1,0 +1,386 @@
+"""Helpers for tests that drive a served vLLM graph (graphs/agg_router_vllm.py) over HTTP: greedy
+completions with their token ids and serving worker, the workers' /metrics, the frontend's own
+routing log, a second KV router attached to the graph (vllm_router_probe.py), and what a run left
+behind. ``ours_left`` and ``group`` are the same checks as in test_serve_vllm.py."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from test_serve_faults import ROOT, Serve
+
+MODEL = "vllm-small"
+VOCAB = (100, 31000)  # token ids drawn from here: the small preset's vocabulary is 32000
+# Dynamo's and our words for KV events that were lost or could not be applied.
+EVENT_TROUBLE = re.compile(r"Failed to find block|dropping the newest batch|lane is full")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def tokens(seed: int, n: int) -> List[int]:
+    r = random.Random(seed)
+    return [r.randrange(*VOCAB) for _ in range(n)]
+
+
+class VllmServe(Serve):
+    """test_serve_faults.Serve (``dynamo-flexkv serve`` as a user runs it, output collected) through
+    vllm_serve.py, whose readiness deadline is ``ready_timeout`` instead of the CLI's 300 s."""
+
+    def __init__(self, tmp_path: Path, name: str, *overrides: str, graph: str, base: List[str],
+                 ready_timeout: float = 900) -> None:
+        self.run = run = tmp_path / name
+        sets = [*base, *overrides]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("vllm_serve.py")), str(ready_timeout), "serve",
+             str(ROOT / "graphs" / f"{graph}.py"), "-f", str(ROOT / "configs" / f"{graph}.yaml"), "--run-dir", str(run),
+             *[a for s in sets for a in ("--set", s)]],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: List[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        try:
+            ready = self.wait_for(rf"graph {graph} ready: (http://\S+)/v1", ready_timeout + 30)
+        except BaseException:
+            self.close()  # never ready: its components must not outlive the failed test
+            raise
+        self.ready_s = time.monotonic() - self.started
+        self.base_url = ready.group(1)
+        self.metrics = {m.group(1): m.group(2) for m in (re.match(r"\s+(\S+) metrics: (http://\S+)", x)
+                                                          for x in self.lines) if m}
+        self.children = [int(x) for x in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                                                        text=True).stdout.split()]
+
+
+# ---- requests ----------------------------------------------------------------------------------
+
+def complete(base_url: str, prompt: List[int], max_tokens: int = 8, timeout: float = 120) -> dict:
+    """One greedy completion of a token-id prompt. Returns ids (the generated token ids), worker
+    (the frontend's decode worker id), cached (usage cached_tokens), rid (the router's request id)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    t0 = time.monotonic()
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.status == 200
+        doc = json.loads(r.read())
+    nvext = doc.get("nvext") or {}
+    usage = doc.get("usage") or {}
+    return {"ids": list(nvext.get("completion_token_ids") or []),
+            "worker": int((nvext.get("worker_id") or {}).get("decode_worker_id") or 0),
+            "cached": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+            "rid": str(doc.get("id", "")).removeprefix("cmpl-"), "seconds": time.monotonic() - t0}
+
+
+@dataclass
+class Stream:
+    """A streamed completion read on a thread; its fields fill in as chunks arrive."""
+    status: int = 0
+    ids: List[int] = field(default_factory=list)
+    workers: List[int] = field(default_factory=list)  # decode worker of each chunk, in order
+    rid: str = ""  # the router's request id (the chunks' id without "cmpl-")
+    error: Optional[dict] = None  # an SSE error event or an HTTP error body
+    cached: int = 0
+    done: bool = False  # saw data: [DONE]
+    finished: bool = False  # the thread is over
+    exception: Optional[str] = None
+    seconds: float = 0.0
+
+
+def stream(base_url: str, prompt: List[int], max_tokens: int, out: Stream, timeout: float = 120) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        try:
+            r = urllib.request.urlopen(req, timeout=timeout)
+        except urllib.error.HTTPError as e:
+            out.status = e.code
+            raw = e.read() or b"{}"
+            try:
+                out.error = json.loads(raw)
+            except ValueError:
+                out.error = {"body": raw[:300].decode(errors="replace")}
+            return
+        with r:
+            out.status = r.status
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    out.done = True
+                    continue
+                chunk = json.loads(data)
+                out.rid = out.rid or str(chunk.get("id", "")).removeprefix("cmpl-")
+                if "error" in chunk:
+                    out.error = chunk["error"]
+                    continue
+                nvext = chunk.get("nvext") or {}
+                wid = (nvext.get("worker_id") or {}).get("decode_worker_id")
+                if wid is not None:
+                    out.workers.append(int(wid))
+                out.ids += list(nvext.get("completion_token_ids") or [])
+                usage = chunk.get("usage") or {}
+                if usage:
+                    out.cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        out.exception = f"{type(e).__name__}: {e}"
+    finally:
+        out.seconds = time.monotonic() - t0
+        out.finished = True
+
+
+def stream_in_thread(base_url: str, prompt: List[int], max_tokens: int) -> Tuple[Stream, threading.Thread]:
+    out = Stream()
+    t = threading.Thread(target=stream, args=(base_url, prompt, max_tokens, out), daemon=True)
+    t.start()
+    return out, t
+
+
+def send_and_hang_up(base_url: str, prompt: List[int], max_tokens: int, until, timeout: float = 60) -> float:
+    """Sends a streamed completion on a raw connection and closes it as soon as ``until()`` is true
+    (e.g. the worker has the request in flight). Returns the seconds from sending to the hang-up."""
+    host, port = base_url.split("//", 1)[1].rsplit(":", 1)
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True}).encode()
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+        t0 = time.monotonic()
+        while not until():
+            assert time.monotonic() < t0 + timeout, "the request never reached a worker"
+            time.sleep(0.002)
+        return time.monotonic() - t0
+    finally:
+        conn.close()  # the client hangs up: the frontend sees the connection drop
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def loaded(text: str) -> Dict[str, float]:
+    """FlexKVConnector's loaded tokens by tier (vllm:flexkv_loaded_tokens_total{tier})."""
+    return {t: metric(text, "vllm:flexkv_loaded_tokens_total", tier=t) for t in ("host", "disk")}
+
+
+def worker_id(text: str) -> int:
+    """The Dynamo instance id of the worker whose /metrics this is (its worker_id label, hex)."""
+    m = re.search(r'dynamo_endpoint="generate"[^}]*worker_id="([0-9a-f]+)"', text)
+    assert m, "no worker_id label on the worker's generate metrics"
+    return int(m.group(1), 16)
+
+
+def healthy(metrics_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(metrics_url.rsplit("/", 1)[0] + "/health", timeout=5) as r:
+            return r.status == 200
+    except (OSError, urllib.error.HTTPError):
+        return False
+
+
+# ---- the frontend's routing log ----------------------------------------------------------------
+
+def routing_log(log: Path) -> Dict[str, dict]:
+    """The frontend's KV router decisions by request id: the worker it selected and the host/disk
+    blocks it counted for that worker ("Selected worker" lines), and the overlap (device) blocks of
+    the routed request ("route request completed")."""
+    out: Dict[str, dict] = {}
+    for line in ANSI.sub("", log.read_text(errors="replace")).splitlines():
+        m = re.search(r'Selected worker .*request_id="([^"]+)" worker_id=(\d+) .*host_pinned_blocks=(\d+) '
+                      r'disk_blocks=(\d+)', line)
+        if m:
+            out.setdefault(m.group(1), {}).update(worker=int(m.group(2)), host=int(m.group(3)), disk=int(m.group(4)))
+            continue
+        m = re.search(r"route request completed .*request_id=([0-9a-f-]{36}) .*overlap_blocks=(\d+)", line)
+        if m:
+            out.setdefault(m.group(1), {})["device"] = int(m.group(2))
+    return out
+
+
+def attempts(log: Path, rid: str) -> List[dict]:
+    """The frontend's routing attempts of request ``rid`` (a migrated request has several): the
+    worker, the attempt number and how it ended. (nvext.worker_id keeps naming the first worker.)"""
+    out = []
+    for line in ANSI.sub("", log.read_text(errors="replace")).splitlines():
+        m = re.search(rf"route request (completed|failed) .*request_id={re.escape(rid)} .*worker_id=(\d+) "
+                      r"request\.attempt=(\d+)", line)
+        if m:
+            out.append({"outcome": m.group(1), "worker": int(m.group(2)), "attempt": int(m.group(3))})
+    return out
+
+
+def event_trouble(*dirs: Path) -> List[str]:
+    """Lines of any log under ``dirs`` that say KV events were dropped or could not be applied."""
+    bad = []
+    for d in dirs:
+        for path in sorted(Path(d).rglob("*.log")):
+            for line in ANSI.sub("", path.read_text(errors="replace")).splitlines():
+                if EVENT_TROUBLE.search(line):
+                    bad.append(f"{path.name}: {line[:300]}")
+    return bad
+
+
+# ---- a second router on the served graph -------------------------------------------------------
+
+def environ(pid: int) -> Dict[str, str]:
+    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
+
+
+class RouterProbe:
+    """Dynamo's KvRouter in its own process (vllm_router_probe.py), attached to the graph whose
+    frontend runs as ``frontend_pid``: same discovery directory and event plane. It learns only
+    from the KV events published after it started (start it before the requests it is asked about)."""
+
+    def __init__(self, frontend_pid: int, log_path: Path, endpoint: str = "dynamo.backend.generate",
+                 block_size: int = 64, timeout: float = 60) -> None:
+        fe = environ(frontend_pid)
+        env = dict(os.environ, DYN_LOG="warn")
+        for k in ("DYN_FILE_KV", "DYN_ZMQ_BROKER_URL", "DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST",
+                  "DYN_SYSTEM_HOST", "DYN_TCP_RESPONSE_STREAM_HOST"):
+            if k in fe:
+                env[k] = fe[k]
+        assert "DYN_FILE_KV" in env and "DYN_ZMQ_BROKER_URL" in env, "the frontend has no file discovery / broker"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        script = Path(__file__).with_name("vllm_router_probe.py")
+        self.proc = subprocess.Popen([sys.executable, str(script), endpoint, str(block_size)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+                                     cwd=str(script.parent))
+        self._lines: List[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self._next(timeout).get("ready"), "the router probe did not start"
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._cond:
+                self._lines.append(line)
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _next(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._lines:
+                left = deadline - time.monotonic()
+                assert left > 0 and self.proc.poll() is None, \
+                    f"the router probe did not answer (exit {self.proc.poll()}); see {self.log_path}"
+                self._cond.wait(min(left, 0.5))
+            return json.loads(self._lines.pop(0))
+
+    def scores(self, prompt: List[int], timeout: float = 30) -> Dict[int, Tuple[int, int, int]]:
+        """worker id -> (device, host_pinned, disk) blocks of ``prompt``'s prefix the router counts
+        (each tier's count covers the faster tiers: disk >= host >= device)."""
+        self.proc.stdin.write(json.dumps({"tokens": prompt}) + "\n")
+        self.proc.stdin.flush()
+        out = self._next(timeout)
+        assert "error" not in out, out
+        return {r["worker_id"]: (r["device"], r["host"], r["disk"]) for r in out["workers"]}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"quit": true}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def cpu_ticks(pid: int) -> int:
+    """User + system CPU time of process ``pid`` so far, in clock ticks (1/100 s)."""
+    stat = open(f"/proc/{pid}/stat").read()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])
+
+
+class Busy:
+    """True once process ``pid`` (vLLM's Worker: it runs the forward, and the connector's layerwise
+    load inside it) burned ``ticks`` more CPU than its idle rate since this object was made."""
+
+    def __init__(self, pid: int, ticks: int = 5, idle_s: float = 1.0) -> None:
+        self.pid, self.ticks = pid, ticks
+        t0 = cpu_ticks(pid)
+        time.sleep(idle_s)
+        self.idle_rate = (cpu_ticks(pid) - t0) / idle_s
+        self.start, self.t0 = cpu_ticks(pid), time.monotonic()
+        self.burned = 0
+
+    def __call__(self) -> bool:
+        self.burned = cpu_ticks(self.pid) - self.start
+        return self.burned - self.idle_rate * (time.monotonic() - self.t0) >= self.ticks
+
+
+# ---- what is left ------------------------------------------------------------------------------
+
+def ours_left(run: Path) -> list:
+    """Processes whose environment points into ``run`` (vLLM's children too)."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read()
+        except OSError:
+            continue
+        if str(run).encode() in env:
+            left.append(int(pid))
+    return left
+
+
+def group(pgid: int) -> list:
+    """The live (not zombie) processes of process group ``pgid``: (pid, name)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if rest[0] != "Z" and int(rest[2]) == pgid:
+            out.append((int(pid), name))
+    return out
+
+
+def listening(port: int) -> bool:
+    """Whether anything listens on 127.0.0.1:``port`` (/proc/net/tcp, state 0A)."""
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and int(local.split(":")[1], 16) == port:
+            return True
+    return False

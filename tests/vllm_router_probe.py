@@ -1,0 +1,49 @@
+"""A second KV router attached to a served graph (tests/test_vllm_graph_e2e.py): Dynamo's real
+KvRouter in its own process, on the graph's discovery directory (DYN_FILE_KV) and event plane
+(DYN_ZMQ_BROKER_URL, the launcher's ZMQ broker), watching the workers' endpoint. It only listens to
+the workers' KV events (device blocks from vLLM, host/disk blocks from FlexKVConnector) and routes
+nothing. One JSON request per stdin line, one JSON answer per stdout line:
+
+    {"tokens": [...]}  ->  {"workers": [{"worker_id", "device", "host", "disk"}, ...]}
+    {"quit": true}     ->  exits
+
+Run as ``vllm_router_probe.py NAMESPACE.COMPONENT.ENDPOINT BLOCK_SIZE`` with the graph's environment
+(DYN_FILE_KV, DYN_ZMQ_BROKER_URL and the loopback DYN_* hosts). It prints {"ready": true} once its
+router exists."""
+
+import asyncio
+import json
+import os
+import sys
+
+
+async def main(endpoint: str, block_size: int) -> None:
+    from dynamo._core import DistributedRuntime, KvRouter, KvRouterConfig
+
+    loop = asyncio.get_running_loop()
+    rt = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
+    router = KvRouter(rt.endpoint(endpoint), block_size, KvRouterConfig())
+    print(json.dumps({"ready": True}), flush=True)
+    while True:
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line:
+            break
+        req = json.loads(line)
+        if req.get("quit"):
+            break
+        try:
+            scores = await router.get_overlap_scores(req["tokens"])
+            rows = [{"worker_id": int(r["worker_id"]), "device": int(r["device_blocks"]),
+                     "host": int(r["host_pinned_blocks"]), "disk": int(r["disk_blocks"])}
+                    for r in scores["workers"]]
+            out = {"workers": rows, "num_blocks": scores.get("num_blocks")}
+        except Exception as e:  # noqa: BLE001 - the test reads the error
+            out = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(out), flush=True)
+    rt.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+    sys.stdout.flush()
+    os._exit(0)  # the runtime keeps background tasks; nothing left to flush
