@@ -136,7 +136,7 @@ def test_offloading_connector_is_refused_on_the_cpu_platform():
 @pytest.mark.slow
 def test_bench_vllm_smoke(tmp_path):
     """The whole bench at one size, one request per case (three vLLM engines, one after the other):
-    ~2-4 min on 2 shared cores, most of it engine start-up."""
+    3 min 17 s here at load ~1, most of it the three engines' start-up (~50 s each)."""
     out = tmp_path / "vllm.jsonl"
     p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.bench", "vllm", "--quick", "--sizes", "2k",
                         "--repeat", "1", "--compare-offloading-connector", "--json", str(out), "--dir", str(tmp_path)],
