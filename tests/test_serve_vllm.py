@@ -217,31 +217,7 @@ def cached(doc: dict) -> int:
     return ((doc.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-def ours_left(run: Path) -> list:
-    """Processes whose environment points into this graph's run directory (vLLM's children too)."""
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = open(f"/proc/{pid}/environ", "rb").read()
-        except OSError:
-            continue
-        if str(run).encode() in environ:
-            left.append(int(pid))
-    return left
-
-
-def group(pgid: int) -> list:
-    """The live (not zombie) processes of process group ``pgid``: (pid, name)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-        except OSError:
-            continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if rest[0] != "Z" and int(rest[2]) == pgid:
-            out.append((int(pid), name))
-    return out
+from vllm_graph import group, ours_left  # noqa: E402  (the served-graph helpers live there)
 
 
 def tier_loads(metrics_url: str):
