@@ -431,18 +431,32 @@ def test_restart_between_ops_reconnects_without_a_failed_op(redis_server: RedisS
 
 @needs_redis
 def test_server_killed_during_a_read(redis_server: RedisServer) -> None:
-    seq, data = blocks(200, 256 << 10)
+    """A server SIGKILLed while a read is in flight: the read ends within its timeout, reports a
+    prefix, and that prefix is exact. The kill is aimed, not timed: the test waits for the first
+    block to land, freezes the server (SIGSTOP), and kills it only if the read is still going;
+    a read that already finished is tried again (new blocks; 25 MB each, inside maxmemory)."""
     fds = open_fds()
+    n = 200
     with RemoteStore.open(redis_server.url, FP, timeout_s=1.0, pipeline_depth=2) as store:
-        store.put(seq, list(data))
-        dst = np.zeros_like(data)
-        got: List[int] = []
-        reader = threading.Thread(target=lambda: got.append(store.get_into(seq, list(dst))))
-        reader.start()
-        time.sleep(0.05)
+        for attempt in range(8):
+            seq, data = blocks(n, 128 << 10, seed=attempt)
+            assert store.put(seq, list(data)) == n
+            dst = np.zeros_like(data)
+            got: List[int] = []
+            reader = threading.Thread(target=lambda: got.append(store.get_into(seq, list(dst))))
+            reader.start()
+            while reader.is_alive() and not np.array_equal(dst[0, :64], data[0, :64]):
+                time.sleep(0.0005)
+            os.kill(redis_server.proc.pid, signal.SIGSTOP)
+            if not got:
+                break  # caught mid-read: the server answers nothing more
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+            reader.join()
+        else:
+            pytest.fail("every read finished before the server could be frozen")
         redis_server.kill()
         reader.join(timeout=10)
-        assert not reader.is_alive() and got[0] < 200
+        assert not reader.is_alive() and 0 <= got[0] < n
         assert np.array_equal(dst[:got[0]], data[:got[0]])  # what it reports as read is exact
     assert open_fds() == fds  # the broken connection was closed, not leaked
 

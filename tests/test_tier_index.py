@@ -481,8 +481,10 @@ def test_threads_share_one_index():
             for i in range(40):
                 chain = [(w << 40) | (i << 20) | j for j in range(1, 101)]
                 ids = idx.insert(chain, None, (w, i))
-                idx.commit(chain[:len(ids)], (w, i))
+                # Pinned while still unready (never evicted): once ready and unpinned, another
+                # thread's insert may evict them, so locking after commit would race.
                 idx.lock(chain[:len(ids)])
+                idx.commit(chain[:len(ids)], (w, i))
                 idx.touch(chain, hit=True)
                 idx.unlock(chain[:len(ids)])
                 assert idx.match_length(chain) <= len(ids)
