@@ -445,6 +445,22 @@ class KVManager:
                         "expired_results": self.expired_results}
         return out
 
+    def evict(self, tier: str, count: Optional[int] = None) -> int:
+        """Evicts up to ``count`` (default: all) ready, unpinned blocks of the ``"host"`` or
+        ``"disk"`` tier, the policy's victims first; the tiers below keep their copies. Returns
+        how many went (removal events are published as for any eviction)."""
+        names = {"host": Tier.HOST, "disk": Tier.DISK}
+        if tier not in names:
+            raise ValueError(f"evict(tier={tier!r}): the tiers this manager evicts are 'host' and 'disk'")
+        if count is not None and count < 0:
+            raise ValueError(f"evict(count={count}): pass a number of blocks >= 0, or None for all")
+        with self._lock:
+            self._check_open("evict")
+            idx = self.cache.tiers.get(names[tier])
+            if idx is None:
+                return 0
+            return len(self.cache.evict(names[tier], len(idx) if count is None else count))
+
     def reset(self) -> None:
         """Drops every cached block (host and disk); refuses while tasks are in flight."""
         with self._lock:  # shutdown() waits: a closing manager never touches its files again

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-from dynamo_flexkv.index import Tier
+from dynamo_flexkv.tasks import ManagerClosed
 from dynamo_flexkv.transfer.graph import OpKind
 from kv_helpers import (MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, open_fds,
                         prompts)
@@ -226,17 +226,28 @@ def test_write_through_when_disk_holds_more_than_host(tmp_path):
         t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt[:5 * TPB], rng)
         kv.wait([t])
         _wait_quiet(kv)
-        host = kv.cache.tiers[Tier.HOST]
-        host.evict(len(host))
+        assert kv.evict("host") == 5
         assert kv.match(prompt) == {"host": 0, "disk": 5 * TPB}
         t, h = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt, rng)
         kv.wait([t])
         _wait_quiet(kv)
         assert kv.match(prompt) == {"host": 8 * TPB, "disk": 8 * TPB}
-        host.evict(len(host))
+        assert kv.evict("host") == 8
         assert get_and_check(kv, dev, KVLayoutType.LAYERBLOCK, prompt, rng) == 8
         _wait_quiet(kv)
         assert_no_leaks(kv)
+
+
+def test_evict_names_its_bad_arguments_and_refuses_after_shutdown(tmp_path):
+    kv = KVManager(MODEL, config(tmp_path, host_blocks=8, disk_blocks=32))
+    with pytest.raises(ValueError, match="'host' and 'disk'"):
+        kv.evict("device")
+    with pytest.raises(ValueError, match="count=-1"):
+        kv.evict("host", -1)
+    assert kv.evict("disk") == 0
+    kv.shutdown()
+    with pytest.raises(ManagerClosed):
+        kv.evict("host")
 
 
 @pytest.mark.parametrize("call", ["get-bad-skip", "get-before-register", "put-before-register"])
@@ -272,8 +283,7 @@ def test_planned_tokens_by_tier_when_skip_covers_part_of_the_disk_run(tmp_path):
         t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt, rng)
         kv.wait([t])
         _wait_quiet(kv)
-        host = kv.cache.tiers[Tier.HOST]
-        host.evict(4)  # leaves blocks 0-1 on host
+        assert kv.evict("host", 4) == 4  # leaves blocks 0-1 on host
         assert kv.match(prompt) == {"host": 2 * TPB, "disk": 6 * TPB}
         t = kv.get_async(prompt, list(range(6)), skip_blocks=4)
         assert kv.planned_tokens_by_tier(t) == {"host": 0, "disk": 2 * TPB}

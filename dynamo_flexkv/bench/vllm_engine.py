@@ -48,28 +48,14 @@ def rpc_tier_stats(worker) -> Dict[str, Any]:
     return out
 
 
-def _manager(timeout: float):
-    """The worker's KVManager, idle. The connector has no public call that drops a tier, so this
-    reaches its worker half (FlexKVConnector._worker.kv), as bench ttft does with its own manager."""
-    conn = _conn()
-    if not conn.drain(timeout):
-        raise RuntimeError(f"FlexKVConnector writes still running after {timeout} s")
-    kv = getattr(getattr(conn, "_worker", None), "kv", None)
-    if kv is None:
-        raise RuntimeError("FlexKVConnector has no worker-side KVManager (FlexKVConnector._worker.kv)")
-    return kv
-
-
 def rpc_drop_host(worker, timeout: float) -> int:
     """Evicts every host block (the disk copies stay): the next load reads the disk."""
-    from dynamo_flexkv.index import Tier
-    host = _manager(timeout).cache.tiers[Tier.HOST]
-    return len(host.evict(len(host)))
+    return _conn().evict_host(timeout)
 
 
 def rpc_drop_local(worker, timeout: float) -> None:
-    """Drops host and disk (KVManager.reset): only the remote tier still holds the prefix."""
-    _manager(timeout).reset()
+    """Drops host and disk: only the remote tier still holds the prefix."""
+    _conn().reset_tiers(timeout)
 
 
 # ---- the engine process --------------------------------------------------------------------------------

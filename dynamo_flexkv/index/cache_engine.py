@@ -393,6 +393,12 @@ class CacheEngine:
         with self._lock:
             return self.tiers[tier].discard_slots(block_ids)
 
+    def evict(self, tier: Tier, count: int) -> List[int]:
+        """Evicts up to ``count`` ready, unlocked blocks of ``tier`` by its policy (leaves first,
+        so the tier stays prefix-closed); returns their hashes."""
+        with self._lock:
+            return self.tiers[tier].evict(count)
+
     def reset(self) -> None:
         """Drops every cached block; refuses while tasks are in flight."""
         with self._lock:

@@ -64,6 +64,16 @@ class FlexKVConnector(KVConnectorBase_V1):
         """This worker's KVManager stats (tiers, requests, links, tasks)."""
         return self._worker.stats()
 
+    def evict_host(self, timeout: Optional[float] = None) -> int:
+        """Evicts this worker's host blocks once its tier writes finished (disk and remote copies
+        stay): the next loads read the tiers below. Returns how many blocks went."""
+        return self._worker.evict_host(timeout)
+
+    def reset_tiers(self, timeout: Optional[float] = None) -> None:
+        """Drops this worker's host and disk blocks once its tier writes finished; the shared
+        remote tier keeps its copies."""
+        self._worker.reset_tiers(timeout)
+
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 

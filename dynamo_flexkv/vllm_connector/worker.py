@@ -230,6 +230,23 @@ class WorkerSide:
     def stats(self) -> Dict[str, Any]:
         return self.kv.stats() if self.kv is not None else {}
 
+    def _idle_manager(self, what: str, timeout: Optional[float]) -> KVManager:
+        if self.kv is None:
+            raise RuntimeError(f"{what}: this worker registered no KV caches yet (vLLM calls register_kv_caches first)")
+        if not self.kv.drain(timeout):
+            raise RuntimeError(f"{what}: tier writes still running after {timeout} s; call it again when the engine is idle")
+        return self.kv
+
+    def evict_host(self, timeout: Optional[float] = None) -> int:
+        """Evicts every host block once the writes below finished (the disk and remote copies
+        stay); returns how many went."""
+        return self._idle_manager("evict_host", timeout).evict("host")
+
+    def reset_tiers(self, timeout: Optional[float] = None) -> None:
+        """Drops every host and disk block once the writes finished (the remote tier, shared
+        with other workers, keeps its copies)."""
+        self._idle_manager("reset_tiers", timeout).reset()
+
     def step_stats(self) -> Dict[str, Any]:
         """Counter deltas since the last call, and the tiers' gauges at most once a second
         (vllm_connector/metrics.py names them)."""
