@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 import yaml
 
-from dynamo_flexkv.index.policies import EvictionPolicy
+from dynamo_flexkv.enums import EvictionPolicy
 from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class CacheConfig:
     cpu_cache_gb: float = 4.0
     ssd_cache_gb: float = 0.0
     ssd_cache_dir: Tuple[str, ...] = ()  # blocks are striped across these directories
-    enable_gds: bool = False  # disk<->device through NIXL GDS (needs CUDA + cuFile)
+    enable_gds: bool = False  # host<->disk through NIXL's GDS_MT backend, not POSIX (needs enable_nixl, CUDA, cuFile); still staged in host, never disk<->device
     enable_nixl: bool = False  # host<->disk through NIXL instead of our io_uring mover
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     evict_start_threshold: float = 1.0  # fraction of a tier in use that starts proactive eviction

@@ -6,9 +6,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
-from dynamo_flexkv.transfer.graph import TransferGraph
+if TYPE_CHECKING:  # a task only holds its graph; the transfer layer builds and runs it
+    from dynamo_flexkv.transfer.graph import TransferGraph
 
 
 class TaskKind(str, Enum):

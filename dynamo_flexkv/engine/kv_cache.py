@@ -11,7 +11,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from dynamo_flexkv.engine.config import EngineModelConfig
-from dynamo_flexkv.storage.device import TORCH_DTYPES
+from dynamo_flexkv.layout import DTYPE_BYTES
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a model config's dtype name: one of the names the offload tiers store
+    (layout.DTYPE_BYTES, each a torch dtype's own name)."""
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"model dtype {name!r} is not supported: use one of {', '.join(DTYPE_BYTES)}")
+    return getattr(torch, name)
 
 
 class PagedKVCache:
@@ -20,7 +28,7 @@ class PagedKVCache:
     def __init__(self, cfg: EngineModelConfig, num_blocks: int, device: Union[str, torch.device] = "cpu") -> None:
         self.cfg, self.num_blocks = cfg, num_blocks
         shape = (num_blocks, 2, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.layers = [torch.zeros(shape, dtype=TORCH_DTYPES[cfg.dtype], device=device) for _ in range(cfg.num_layers)]
+        self.layers = [torch.zeros(shape, dtype=torch_dtype(cfg.dtype), device=device) for _ in range(cfg.num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         t, bs = self.layers[layer], self.cfg.block_size

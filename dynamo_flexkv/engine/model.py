@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dynamo_flexkv.engine.config import EngineModelConfig
-from dynamo_flexkv.engine.kv_cache import PagedKVCache
-from dynamo_flexkv.storage.device import TORCH_DTYPES
+from dynamo_flexkv.engine.kv_cache import PagedKVCache, torch_dtype
 
 
 @dataclass
@@ -31,7 +30,7 @@ class LlamaModel:
                  weights: Optional[Dict[str, torch.Tensor]] = None) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
-        self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.dtype = torch_dtype(cfg.dtype)
         self.w = weights if weights is not None else self._random_weights(seed)
         self.w = {k: v.to(self.device, self.dtype) for k, v in self.w.items()}
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))

@@ -14,18 +14,18 @@ import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, Dict, Hashable, Iterable, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
+from dynamo_flexkv.config import CacheConfig
 from dynamo_flexkv.index.tier_index import IndexError_, TierIndex
-
-if TYPE_CHECKING:  # config imports index.policies; keep the import one-way at run time
-    from dynamo_flexkv.config import CacheConfig
 
 
 class Tier(str, Enum):
-    """Offload tiers, fastest first (a remote tier adds itself here when it is built)."""
+    """The offload tiers the cache engine indexes, fastest first. The remote tier is not one of
+    them: ``plan_get(remote=(lo, hi))`` takes the prefix the remote store reported and plans it
+    into new host blocks."""
 
     HOST = "host"
     DISK = "disk"

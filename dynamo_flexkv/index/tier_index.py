@@ -1,4 +1,6 @@
-"""Prefix index of one tier (host, disk, remote), keyed by sequence hash.
+"""Prefix index of one local tier (host or disk), keyed by sequence hash. The remote tier has
+no index here: the manager asks the store which prefix it holds (RemoteStore.exists_prefix) and
+the cache engine plans those blocks into new host blocks, whose read verifies them.
 
 Invariants (checked by tests against the brute-force model in tests/index_model.py):
 
@@ -8,7 +10,8 @@ Invariants (checked by tests against the brute-force model in tests/index_model.
 * A block is inserted *unready* by one owner (a task), becomes *ready* on commit after its bytes
   landed, or is rolled back. Only ready blocks match. A task may extend only a ready block or an
   unready block it owns itself, so a rollback never orphans another task's blocks.
-* Eviction takes only ready, unlocked leaves, smallest policy key first (policies.py).
+* Eviction takes only ready, unlocked leaves, smallest policy key first (EvictionPolicy in
+  dynamo_flexkv/enums.py; the keys are TierIndexCore::key_of in native/src/tier_index.cpp).
 * Every mutation checks all of its input before it changes anything.
 
 The block table, slot pool and eviction order live in native code (native/src/tier_index.cpp):
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 from dynamo_flexkv import _native
-from dynamo_flexkv.index.policies import EvictionPolicy
+from dynamo_flexkv.enums import EvictionPolicy
 from dynamo_flexkv.index.pool import PoolError
 
 RemovedCallback = Callable[[str, List[int], List[int]], None]  # (tier, hashes, slots)

@@ -411,8 +411,9 @@ def _frontend(name: str, o: Dict[str, Any], port: int, discovery: str, event_pla
 def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery: str, event_plane: str,
              env: Dict[str, str], ports: "_PortBook", source: str, local: bool,
              redis: Optional[Dict[str, Any]] = None, dirs: Optional[Dict[str, str]] = None) -> List[Process]:
-    from dynamo_flexkv.dynamo.worker import build_parser
-    from dynamo_flexkv.engine import EngineModelConfig
+    # The worker's option schema and model presets only: rendering and planning load no runtime.
+    from dynamo_flexkv.dynamo.worker_args import build_parser
+    from dynamo_flexkv.engine.config import EngineModelConfig
 
     try:
         model_cfg = EngineModelConfig.load(o["model"])

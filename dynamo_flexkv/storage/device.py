@@ -8,17 +8,9 @@ from typing import List, Sequence, Union
 import numpy as np
 import torch
 
-from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
+from dynamo_flexkv.layout import DTYPE_BYTES, KVLayout, KVLayoutType, ModelSpec
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}  # each a torch dtype's own name
 
 
 @dataclass
