@@ -135,7 +135,7 @@ def _nixl_checks() -> List[Check]:
         return [Check("NIXL", Status.FALLBACK, f"agent creation failed: {e}")]
     out = []
     for backend, use in (("POSIX", "host<->disk"), ("UCX", "host<->remote host"),
-                         ("GDS", "disk<->device"), ("GDS_MT", "disk<->device, multi-threaded")):
+                         ("GDS", "GPUDirect Storage"), ("GDS_MT", "host<->disk when enable_gds")):
         if backend not in plugins:
             out.append(Check(f"NIXL {backend}", Status.FALLBACK, f"plugin absent: {use} without NIXL"))
             continue
@@ -215,10 +215,6 @@ def check_remote(config=None) -> Check:
                      "write once full; set maxmemory-policy allkeys-lru and a maxmemory")
     return Check(name, Status.OK, f"{kind} at {rc.redacted_url} reachable; timeout {rc.timeout_s} s, "
                  f"ttl {rc.ttl_s or 'none'}, key prefix {rc.key_prefix!r}")
-
-
-def run_checks(cache_dirs: Sequence[str], config=None) -> List[Check]:
-    return _run_checks(cache_dirs, *check_config(config))
 
 
 def _run_checks(cache_dirs: Sequence[str], loaded: Check, cfg) -> List[Check]:

@@ -195,10 +195,6 @@ def write_jsonl(path: Path, summaries: Sequence[Summary], runs: Sequence[ConfigR
                                         "worker": run.worker_names.get(r.worker_id), **r.to_json()}) + "\n")
 
 
-def records_of(runs: Sequence[ConfigRun]) -> Dict[str, List[RequestRecord]]:
-    return {run.label: run.records for run in runs}
-
-
 def first_error(runs: Sequence[ConfigRun]) -> Optional[str]:
     for run in runs:
         for r in run.records:

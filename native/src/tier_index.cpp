@@ -260,7 +260,9 @@ struct MarkGuard {
 // ---- TierIndexCore: eviction order ------------------------------------------------------------
 
 TierIndexCore::EvictKey TierIndexCore::key_of(const Block& b) const {
-  // The same keys as dynamo_flexkv/index/policies.py; each ends in a tick no other block shares.
+  // The order of EvictionPolicy (dynamo_flexkv/enums.py): smallest key first; each key ends in a
+  // tick no other block shares (Block::tick: fifo, filo the insert's; the others the last insert,
+  // commit or touch).
   const int64_t tick = static_cast<int64_t>(b.tick);
   switch (opt_.policy) {
     case EvictionPolicy::kLru:

@@ -1,5 +1,6 @@
-// Prefix index of one tier (DESIGN section 5): the block table, the slot pool, per-block state and
-// the eviction order, in plain C++ so the bindings can run every operation without the GIL.
+// Prefix index of one local tier (host or disk; dynamo_flexkv/index/tier_index.py wraps it): the
+// block table, the slot pool, per-block state and the eviction order, in plain C++ so the bindings
+// can run every operation without the GIL.
 //
 // Semantics are those of the Python model in tests/index_model.py (the oracle the randomized tests
 // compare against): a block is inserted unready by one owner, becomes ready on commit, is rolled
