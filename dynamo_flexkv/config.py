@@ -18,6 +18,7 @@ import yaml
 
 from dynamo_flexkv.enums import EvictionPolicy
 from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
+from dynamo_flexkv.remote.config import DEFAULT_PASSWORD_ENV
 
 if TYPE_CHECKING:
     from dynamo_flexkv.remote.config import RemoteConfig
@@ -58,7 +59,7 @@ class CacheConfig:
     # Remote tier (Redis / Valkey / Redis Cluster, shared by every worker of a model; docs/REMOTE.md).
     enable_remote: bool = False
     remote_cache_url: str = dataclasses.field(default="", repr=False)  # may carry a password: never in a repr; redis://, rediss://, redis+cluster://h:p,h:p; `serve` starts one when empty
-    remote_password_env: str = "FLEXKV_REMOTE_PASSWORD"  # read when the URL carries no password
+    remote_password_env: str = DEFAULT_PASSWORD_ENV  # read when the URL carries no password
     remote_timeout_s: float = 2.0  # bound on every remote socket wait
     remote_connect_timeout_s: float = 1.0
     remote_ttl_s: float = 0.0  # expire remote blocks after this long; 0 = leave it to maxmemory eviction

@@ -312,10 +312,10 @@ def test_redis_killed_between_layer_spans_fails_cleanly(tmp_path):
             Engine(kv0).put(p)
             store, real = kv1.remote, kv1.remote.get_range_into
 
-            def dying(hashes, dests, offset, block_bytes, parents=None):
+            def dying(hashes, dests, offset, block_bytes, parents=None, **kw):
                 if offset > 0 and server.proc is not None and server.proc.poll() is None:
                     server.kill()
-                return real(hashes, dests, offset, block_bytes, parents)
+                return real(hashes, dests, offset, block_bytes, parents, **kw)
             store.get_range_into = dying
             try:
                 r, ok = load(kv1, Engine(kv1, 1), p, layerwise=True)

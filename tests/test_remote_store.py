@@ -115,6 +115,23 @@ def test_redacted_url_hides_the_whole_user_part() -> None:
     assert (p.username, p.password) == ("user", "p/s:s@")
 
 
+@pytest.mark.parametrize("url, without, password", [
+    ("redis://:pw@h:1", "redis://h:1", "pw"),
+    ("rediss://us%40er:p%2Fs%3As%40@h:1/2", "rediss://us%40er@h:1/2", "p/s:s@"),  # decoded, user kept
+    ("redis+cluster://:x@a:1,b:2", "redis+cluster://a:1,b:2", "x"),
+    ("redis://:abc/topsecret@h:1", "redis://h:1", "abc/topsecret"),  # refused by parse_url: still split off
+    ("redis://h:1", "redis://h:1", None),
+    ("redis://user@h:1", "redis://user@h:1", None),
+])
+def test_split_password_keeps_no_password_in_the_url(url: str, without: str, password) -> None:
+    """serve writes the URL without its password and hands the password over by environment."""
+    from dynamo_flexkv.remote.config import split_password
+
+    assert split_password(url) == (without, password)
+    if password is not None and "/topsecret" not in url:
+        assert RemoteConfig(url=without).parsed.nodes == RemoteConfig(url=url).parsed.nodes
+
+
 def test_password_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MY_REDIS_PW", SECRET)
     assert RemoteConfig(url="redis://h:1", password_env="MY_REDIS_PW").password == SECRET
@@ -244,6 +261,31 @@ def test_value_evicted_between_lookup_and_read(redis_server: RedisServer) -> Non
         assert store.stats().misses == 1
 
 
+def _damage(server: RedisServer, seq, data, i: int, damage: str) -> bytes:
+    """Replaces block i's value (raw connection, as a torn write or another writer would) and
+    returns its key."""
+    conn = raw(server)
+    key = block_key(b"flexkv:", FP, int(seq[i]))
+    value = bytearray(conn.call(b"GET", key))
+    if damage == "flip":
+        value[HEADER_BYTES + 1234] ^= 0x40
+    elif damage == "truncate":
+        value = value[:-100]
+    elif damage == "foreign":
+        with RemoteStore.open(server.url, FP ^ 1) as other:
+            other.put(seq[i:i + 1], [data[i]], parents=[int(seq[i - 1])])
+        value = bytearray(conn.call(b"GET", block_key(b"flexkv:", FP ^ 1, int(seq[i]))))
+    elif damage == "other_key":
+        value = bytearray(conn.call(b"GET", block_key(b"flexkv:", FP, int(seq[i + 1]))))
+    elif damage == "magic":
+        value[:4] = b"XXXX"
+    else:
+        value = bytearray(b"not a flexkv value")
+    conn.call(b"SET", key, bytes(value))
+    conn.close()
+    return key
+
+
 @needs_redis
 @pytest.mark.parametrize("damage, verdict", [("flip", "corrupt"), ("truncate", "truncated"),
                                              ("foreign", "foreign"), ("other_key", "corrupt"),
@@ -252,23 +294,7 @@ def test_damaged_value_ends_the_prefix(redis_server: RedisServer, damage: str, v
     seq, data = blocks(8, 5000)
     with RemoteStore.open(redis_server.url, FP) as store:
         store.put(seq, list(data))
-        conn = raw(redis_server)
-        key = block_key(b"flexkv:", FP, int(seq[3]))
-        value = bytearray(conn.call(b"GET", key))
-        if damage == "flip":
-            value[HEADER_BYTES + 1234] ^= 0x40
-        elif damage == "truncate":
-            value = value[:-100]
-        elif damage == "foreign":
-            with RemoteStore.open(redis_server.url, FP ^ 1) as other:
-                other.put(seq[3:4], [data[3]], parents=[int(seq[2])])
-            value = bytearray(conn.call(b"GET", block_key(b"flexkv:", FP ^ 1, int(seq[3]))))
-        elif damage == "other_key":
-            value = bytearray(conn.call(b"GET", block_key(b"flexkv:", FP, int(seq[4]))))
-        else:
-            value = bytearray(b"not a flexkv value")
-        conn.call(b"SET", key, bytes(value))
-        conn.close()
+        _damage(redis_server, seq, data, 3, damage)
         dst = np.zeros_like(data)
         assert store.get_into(seq, list(dst)) == 3
         assert np.array_equal(dst[:3], data[:3])
@@ -314,6 +340,116 @@ def test_ranged_reads_tell_a_bad_value_from_a_missing_one(redis_server: RedisSer
         n1, sums = store.get_range_into(seq, [d[:cut] for d in dst], 0, size)
         n2, _ = store.get_range_into(seq, [d[cut:] for d in dst], cut, size)
         assert n1 == n2 == 8 and store.verify_landed(list(dst), sums) == 8 and np.array_equal(dst, data)
+
+
+def _dropped_lines(caplog: pytest.LogCaptureFixture) -> List[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "dynamo_flexkv.remote.store" and "bad value" in r.getMessage()]
+
+
+@needs_redis
+@pytest.mark.parametrize("damage, verdict, why, ranged_why", [
+    ("flip", "corrupt", "payload checksum mismatch", "payload checksum mismatch (read layer by layer)"),
+    ("truncate", "truncated", "wrong size: 4948 bytes, not the 48-byte header + 5000 bytes",
+     "wrong size: bytes 1248..5048 of the value are 3700 bytes, not 3800"),  # at the range ending the payload
+    ("garbage", "truncated", "wrong size: 18 bytes, shorter than the 48-byte header",
+     "wrong size: bytes 0..1247 of the value are 18 bytes, not 1248"),
+    ("other_key", "corrupt", "bad header: it is block ", "bad header: it is block "),
+    ("magic", "corrupt", "bad header: magic is not FKVR", "bad header: magic is not FKVR"),
+    ("foreign", "foreign", f"written under fingerprint {FP ^ 1:016x}, not this model's {FP:016x}",
+     f"written under fingerprint {FP ^ 1:016x}, not this model's {FP:016x}"),
+], ids=["flip", "truncate", "garbage", "other_key", "magic", "foreign"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["get", "layerwise"])
+def test_a_refused_value_is_deleted_with_one_warning_naming_its_key_and_why(
+        redis_server: RedisServer, caplog: pytest.LogCaptureFixture, damage: str, verdict: str, why: str,
+        ranged_why: str, layerwise: bool) -> None:
+    """What the remote mover does with the value that ended a read's prefix: the store reports it
+    (refused=) only when verification refused it, drop_refused deletes it and logs one WARNING with
+    the key (hex hashes, not the value), the reason and that it was deleted."""
+    size, cut = 5000, 1200
+    seq, data = blocks(8, size, seed=11)
+    caplog.set_level(logging.WARNING, logger="dynamo_flexkv.remote.store")
+    with RemoteStore.open(redis_server.url, FP) as store:
+        store.put(seq, list(data))
+        key = _damage(redis_server, seq, data, 3, damage)
+        dst = np.zeros_like(data)
+        refused: list = []
+        if layerwise:
+            n, sums = store.get_range_into(seq, [d[:cut] for d in dst], 0, size, refused=refused)
+            n, _ = store.get_range_into(seq[:n], [d[cut:] for d in dst[:n]], cut, size, refused=refused)
+            n = store.verify_landed(list(dst[:n]), sums[:n], seq_hashes=seq[:n], refused=refused)
+            why = ranged_why
+        else:
+            n = store.get_into(seq, list(dst), refused=refused)
+        assert n == 3 and len(refused) == 1, refused
+        bad, = refused
+        assert (bad.seq_hash, bad.verdict.value) == (int(seq[3]), verdict) and why in bad.why, bad
+        assert not _dropped_lines(caplog)  # reporting is not dropping
+        assert store.drop_refused(bad)
+        assert store.exists(seq[3:4]) == [False]  # the next put rewrites it
+        line, = _dropped_lines(caplog)
+        msg = line.getMessage()
+        assert line.levelno == logging.WARNING
+        assert f"deleted bad value {key.decode()} ({verdict}: " in msg and why in msg, msg
+        assert "recomputed" in msg
+        store.put(seq[3:4], [data[3]], parents=[int(seq[2])])
+        assert store.get_into(seq, list(dst), refused=refused) == 8 and np.array_equal(dst, data)
+        assert len(refused) == 1
+
+
+@needs_redis
+def test_a_miss_and_a_server_error_are_not_reported_as_refused(redis_server: RedisServer) -> None:
+    seq, data = blocks(4, 1000, seed=12)
+    with RemoteStore.open(redis_server.url, FP) as store:
+        store.put(seq, list(data))
+        store.delete(seq[2:3])  # evicted: missing, not bad
+        refused: list = []
+        dst = np.zeros_like(data)
+        assert store.get_into(seq, list(dst), refused=refused) == 2
+        n, _ = store.get_range_into(seq, [d[:100] for d in dst], 0, 1000, refused=refused)
+        assert n == 2 and refused == []
+
+
+@needs_redis
+def test_bad_value_lines_are_at_most_one_a_second_with_a_count_of_the_others(
+        redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Many bad values at once (a corrupting writer, a flushed DB of another format) make one
+    line a second: the next line that goes out, or the store's close, counts those left out."""
+    seq, data = blocks(8, 2000, seed=13)
+    caplog.set_level(logging.WARNING, logger="dynamo_flexkv.remote.store")
+    now = [100.0]
+    with RemoteStore.open(redis_server.url, FP) as store:
+        store._bad_log.clock = lambda: now[0]
+        store.put(seq, list(data))
+        for i in range(6):
+            _damage(redis_server, seq, data, i, "flip")
+        dst = np.zeros_like(data)
+        for i in range(6):  # 6 reads, each ending at a bad value: 5 within one second, then one more
+            now[0] += 0.1 if i < 5 else 1.0
+            refused: list = []
+            assert store.get_into(seq[i:i + 1], [dst[i]], [int(seq[i - 1]) if i else None], refused=refused) == 0
+            assert store.drop_refused(refused[0])
+            assert len(_dropped_lines(caplog)) == (1 if i < 5 else 2)
+        assert "and 4 more like it since the last such line" in _dropped_lines(caplog)[1].getMessage()
+        assert not any(store.exists(seq[:6]))
+        store._bad_log.warning("bad value %s", "x")  # left out: within the second
+    closing = [r.getMessage() for r in caplog.records if "not logged one by one" in r.getMessage()]
+    assert closing[-1] == "1 more bad values refused and dropped since the last such line, not logged one by one"
+
+
+def test_rate_limited_log_counts_what_it_leaves_out(caplog: pytest.LogCaptureFixture) -> None:
+    from dynamo_flexkv.logutil import RateLimitedLog
+
+    now = [0.0]
+    limited = RateLimitedLog(logging.getLogger("flexkv.test.ratelog"), 1.0, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="flexkv.test.ratelog")
+    assert limited.warning("a %d", 1) and not limited.warning("a %d", 2) and not limited.warning("a %d", 3)
+    now[0] = 0.999
+    assert not limited.warning("a %d", 4)
+    now[0] = 1.0
+    assert limited.warning("a %d", 5)
+    limited.flush("a lines")  # nothing left out since
+    assert [r.getMessage() for r in caplog.records] == [
+        "a 1", "a 5 (and 3 more like it since the last such line, not logged one by one)"]
 
 
 @needs_redis

@@ -241,10 +241,13 @@ def _keys(server, pattern=b"*"):
 @pytest.mark.parametrize("fault,layerwise", [(f, False) for f in ("evicted", "corrupt", "truncated", "wrong_block",
                                                                   "foreign")]
                          + [(f, True) for f in ("evicted", "evicted_mid", "corrupt", "truncated", "wrong_block")])
-def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server, fault, layerwise):
+def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server, fault, layerwise, caplog):
     """A value evicted between lookup and read (layerwise: also between two layer spans), corrupt,
     truncated, or of another model: the get fails cleanly (the engine recomputes), blocks verified
-    before it stay on host (whole: every layer), nothing leaks."""
+    before it stay on host (whole: every layer), nothing leaks. A bad value (not an evicted one) is
+    deleted, in one WARNING line that names its key and why."""
+    import logging
+    caplog.set_level(logging.WARNING, logger="dynamo_flexkv.remote.store")
     rng = np.random.default_rng(6)
     p = prompt_of(rng, 8)
     with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
@@ -271,20 +274,29 @@ def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server
             store = kv1.remote
             real_get, real_range = store.get_into, store.get_range_into
 
-            def evicting_get(hashes, dests, parents=None):
+            def evicting_get(hashes, dests, parents=None, **kw):
                 if fault == "evicted":  # Redis evicts the key between the probe and the read
                     conn.call(b"DEL", key)
-                return real_get(hashes, dests, parents)
+                return real_get(hashes, dests, parents, **kw)
 
-            def evicting_range(hashes, dests, offset, block_bytes, parents=None):
+            def evicting_range(hashes, dests, offset, block_bytes, parents=None, **kw):
                 if (fault == "evicted" and offset == 0) or (fault == "evicted_mid" and offset > 0):
                     conn.call(b"DEL", key)  # before the first span, or after it landed
-                return real_range(hashes, dests, offset, block_bytes, parents)
+                return real_range(hashes, dests, offset, block_bytes, parents, **kw)
             store.get_into, store.get_range_into = evicting_get, evicting_range
             assert kv1.match(p)["remote"] == 8 * TPB or fault.startswith("evicted")
             r, _ = e1.get(p, expect_status=TaskStatus.FAILED, layerwise=layerwise)
             assert "remote tier verified 5 of 8" in r.error
             store.get_into, store.get_range_into = real_get, real_range
+            dropped = [rec.getMessage() for rec in caplog.records if "bad value" in rec.getMessage()]
+            if fault.startswith("evicted"):
+                assert dropped == []
+            else:
+                reason = {"corrupt": "corrupt: payload checksum mismatch", "truncated": "truncated: wrong size",
+                          "wrong_block": "corrupt: bad header: it is block", "foreign": "foreign: written under "
+                          "fingerprint"}[fault]
+                assert len(dropped) == 1 and f"deleted bad value {key.decode()} ({reason}" in dropped[0], dropped
+                assert conn.call(b"EXISTS", key) == 0
         finally:
             conn.close()
         check_clean(kv1)
@@ -365,9 +377,9 @@ def test_redis_stalled_mid_read_fails_the_get_within_the_timeout(tmp_path, redis
         e1 = Engine(kv1, 1)
         store, real_get = kv1.remote, kv1.remote.get_into
 
-        def stalled_get(hashes, dests, parents=None):
+        def stalled_get(hashes, dests, parents=None, **kw):
             os.kill(redis_server.proc.pid, signal.SIGSTOP)
-            return real_get(hashes, dests, parents)
+            return real_get(hashes, dests, parents, **kw)
         store.get_into = stalled_get
         t0 = time.monotonic()
         try:

@@ -74,6 +74,25 @@ def test_bad_configs_fail_with_a_message_that_names_the_fix(tmp_path, overrides,
         plan(tmp_path, *overrides)
 
 
+@pytest.mark.parametrize("overrides, named", [
+    (["FlexKVWorker.system-port=32768", "FlexKVWorker.replicas=1"], "FlexKVWorker.system-port=32768 is out of range"),
+    (["FlexKVWorker.system-port=40000"], "FlexKVWorker.system-port=40000 is out of range"),
+    (["FlexKVWorker.system-port=32767"], "FlexKVWorker.system-port=32767 with replicas=2 gives replica 1 port 32768"),
+    (["FlexKVWorker.system-port=-1"], "FlexKVWorker.system-port=-1 is out of range"),
+])
+def test_a_system_port_dynamo_cannot_read_is_refused_naming_the_limit_and_the_fix(tmp_path, overrides, named):
+    """Dynamo reads DYN_SYSTEM_PORT as an i16: serve refuses any worker's port >= 32768 before starting."""
+    with pytest.raises(GraphError) as e:
+        plan(tmp_path, *overrides, local=False)
+    msg = str(e.value)
+    assert named in msg and "DYN_SYSTEM_PORT" in msg and "below 32768" in msg, msg
+    replicas = 1 if "FlexKVWorker.replicas=1" in overrides else 2
+    assert f"set FlexKVWorker.system-port to a port from 1 to {32768 - replicas}" in msg, msg
+    assert "or leave it out" in msg
+    last = plan(tmp_path, "FlexKVWorker.system-port=32766", local=False)  # the highest that fits 2 replicas
+    assert [w.env["DYN_SYSTEM_PORT"] for w in last.workers] == ["32766", "32767"]
+
+
 def test_ports_in_use_and_locked_ssd_dirs_are_refused(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

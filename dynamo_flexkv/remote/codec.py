@@ -80,3 +80,21 @@ def check_header(header: memoryview, fingerprint: int, seq_hash: int, parent: Op
 
 def payload_ok(payload: memoryview, checksum: int) -> bool:
     return xxhash.xxh3_64_intdigest(payload) == checksum
+
+
+def header_problem(header: memoryview, fingerprint: int, seq_hash: int, parent: Optional[int],
+                   payload_bytes: int) -> str:
+    """Why ``check_header`` refused ``header`` (for the log line of a dropped value; hashes in hex,
+    never the value's bytes). Only called for a header it refused."""
+    magic, version, flags, fp, seq, par, length, _ = HEADER.unpack(header)
+    if magic != MAGIC:
+        return f"bad header: magic is not {MAGIC.decode()}"
+    if version != VERSION:
+        return f"bad header: format version {version}, this reader's is {VERSION}"
+    if fp != fingerprint & _U64:
+        return f"written under fingerprint {fp:016x}, not this model's {fingerprint & _U64:016x}"
+    if length != payload_bytes:
+        return f"wrong size: header says {length} payload bytes, a block is {payload_bytes}"
+    if seq != seq_hash & _U64:
+        return f"bad header: it is block {seq:016x}'s value"
+    return "bad header: its parent hash is not this block's parent"

@@ -69,6 +69,26 @@ def _redact(url: str) -> str:
     return f"{scheme}{sep}***@{after}"
 
 
+def split_password(url: str) -> Tuple[str, Optional[str]]:
+    """``(url without its password, the password or None)``, for handing the password over by
+    environment (``password_env``) while the URL goes into a file: ``redis://user:pw@h:p/1`` gives
+    ``redis://user@h:p/1`` and ``pw`` (percent-decoded), ``redis://:pw@h`` gives ``redis://h``.
+    The password is what stands between the first ':' and the last '@' after ``//`` (as for
+    ``_redact``), so even a URL parse_url refuses keeps none in the text returned."""
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep:
+        scheme, rest = "", url.strip()
+    userinfo, at, after = rest.rpartition("@")
+    user, colon, raw = userinfo.partition(":")
+    if not at or not colon or not raw:
+        return url, None
+    try:
+        password = parse_url(url).password or raw
+    except RemoteConfigError:
+        password = raw  # unusable as it is; still kept out of the text
+    return f"{scheme}{sep}{user + '@' if user else ''}{after}", password
+
+
 def _host_port(text: str, url_shown: str) -> Tuple[str, int]:
     if text.startswith("["):  # [ipv6]:port
         host, _, rest = text[1:].partition("]")

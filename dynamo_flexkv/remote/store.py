@@ -19,7 +19,9 @@ import numpy as np
 
 from dynamo_flexkv.remote.breaker import BreakerState, CircuitBreaker
 from dynamo_flexkv.remote.cluster import Node, SlotMap
-from dynamo_flexkv.remote.codec import HEADER_BYTES, Verdict, check_header, encode_header, key_prefix_bytes, payload_ok
+from dynamo_flexkv.logutil import RateLimitedLog
+from dynamo_flexkv.remote.codec import (HEADER_BYTES, Verdict, check_header, encode_header, header_problem,
+                                        key_prefix_bytes, payload_ok)
 from dynamo_flexkv.remote.config import RemoteConfig
 from dynamo_flexkv.remote.resp import ProtocolError, RespConnection, ServerError, encode_command
 
@@ -121,8 +123,28 @@ def _out_of_range(value: int, what: str) -> None:
                      f"64-bit (it would be stored under the key of {value & _U64:#x})")
 
 
+REFUSED = (Verdict.TRUNCATED, Verdict.FOREIGN, Verdict.CORRUPT)  # a value that is there but bad
+BAD_VALUE_LOG_EVERY_S = 1.0  # at most one "deleted bad value" line per second per store
+
+
+@dataclass(frozen=True)
+class RefusedValue:
+    """A value that ended a read's prefix because verification refused it (not a missing one, nor a
+    server error or timeout): the block's sequence hash, the verdict and why, in words."""
+
+    seq_hash: int
+    verdict: Verdict
+    why: str
+
+
 def _ok_prefix(verdicts: List[Verdict]) -> int:
     return next((i for i, v in enumerate(verdicts) if v is not Verdict.OK), len(verdicts))
+
+
+def _note_refused(refused: Optional[List[RefusedValue]], seq: List[int], verdicts: List[Verdict], n: int,
+                  why: Dict[int, str]) -> None:
+    if refused is not None and n < len(seq) and verdicts[n] in REFUSED:
+        refused.append(RefusedValue(seq[n], verdicts[n], why.get(n, verdicts[n].value)))
 
 
 def _parent_list(seq: List[int], parents: Optional[Sequence[Optional[int]]]) -> List[Optional[int]]:
@@ -168,6 +190,7 @@ class RemoteStore:
         self._slots_stale = False
         self._executor: Optional[ThreadPoolExecutor] = None
         self._closed = False
+        self._bad_log = RateLimitedLog(log, BAD_VALUE_LOG_EVERY_S)
         self.policy_warning: Optional[str] = None  # "noeviction" when the server would refuse writes when full
         try:
             self._check_server()
@@ -500,30 +523,35 @@ class RemoteStore:
         return len(seq)
 
     def get_into(self, seq_hashes: Hashes, dests: Sequence[Any],
-                 parents: Optional[Sequence[Optional[int]]] = None) -> int:
+                 parents: Optional[Sequence[Optional[int]]] = None, *,
+                 refused: Optional[List[RefusedValue]] = None) -> int:
         """Reads blocks straight into ``dests`` (writable buffers of each block's size) and returns
         how many leading blocks are present and verified. ``parents`` defaults to the chain
-        (block 0 has none). Bytes of ``dests`` past the returned count are unspecified."""
+        (block 0 has none). Bytes of ``dests`` past the returned count are unspecified. When the
+        value that ended the prefix was refused by verification, ``refused`` (if given) gets it."""
         seq, par, views = self._read_args(seq_hashes, dests, parents)
         fp = self.fingerprint
+        why: Dict[int, str] = {}
 
         def read(conn: RespConnection, header: memoryview, i: int) -> Verdict:
-            return self._read_value(conn, header, fp, seq[i], par[i], views[i])
+            return self._read_value(conn, header, fp, seq[i], par[i], views[i], why, i)
 
         verdicts = self._read_pipelined(seq, lambda k: encode_command(b"GET", k), read,
                                         max((v.nbytes for v in views), default=0))
         n = _ok_prefix(verdicts)
         self._count_read(n, sum(v.nbytes for v in views[:n]), verdicts[n] if n < len(seq) else None)
+        _note_refused(refused, seq, verdicts, n, why)
         return n
 
     def get_range_into(self, seq_hashes: Hashes, dests: Sequence[Any], offset: int, block_bytes: int,
-                       parents: Optional[Sequence[Optional[int]]] = None) -> "tuple[int, List[int]]":
+                       parents: Optional[Sequence[Optional[int]]] = None, *,
+                       refused: Optional[List[RefusedValue]] = None) -> "tuple[int, List[int]]":
         """Reads bytes ``[offset, offset + len(dest))`` of each block's payload into ``dests``
         (pipelined GETRANGE), for layerwise loads: the first layers land while later ones are on
         their way. Returns how many leading blocks landed and, when ``offset`` is 0 (the header is
         read and checked then, ``block_bytes`` being the whole payload's length), each landed
         block's payload checksum. Nothing is verified or counted as a hit yet: call
-        ``verify_landed`` once every range of the blocks landed."""
+        ``verify_landed`` once every range of the blocks landed. ``refused`` as for ``get_into``."""
         seq, par, views = self._read_args(seq_hashes, dests, parents)
         if offset < 0 or any(offset + v.nbytes > block_bytes for v in views):
             raise ValueError(f"range [{offset}, +{views[0].nbytes if views else 0}) is outside "
@@ -539,6 +567,7 @@ class RemoteStore:
         end = HEADER_BYTES + offset + span - 1 + (1 if last else 0)
         want = span + (HEADER_BYTES if first else 0)
         empty = [False] * len(seq)
+        why: Dict[int, str] = {}
 
         def cmd(key: bytes) -> bytes:
             return encode_command(b"GETRANGE", key, start, end)
@@ -553,11 +582,16 @@ class RemoteStore:
                 if size >= 0:
                     conn.expect_crlf()
                 empty[i] = size <= 0
+                if size > 0:
+                    why[i] = (f"wrong size: bytes {start}..{end} of the value are {size} bytes, not {want} "
+                              f"(a value is a {HEADER_BYTES}-byte header + {block_bytes} bytes)")
                 return Verdict.MISSING if size <= 0 else Verdict.TRUNCATED
             verdict = Verdict.OK
             if first:
                 conn.read_into(header)
                 verdict, sums[i] = check_header(header, fp, seq[i], par[i], block_bytes)
+                if verdict is not Verdict.OK:
+                    why[i] = header_problem(header, fp, seq[i], par[i], block_bytes)
             if verdict is Verdict.OK:
                 conn.read_into(views[i])
             else:
@@ -571,17 +605,40 @@ class RemoteStore:
             # An empty range of a key that exists: an empty (or header-short) value, not an eviction.
             # Asked only for the block that ended the prefix: no round trip on the way of a hit.
             verdicts[n] = Verdict.TRUNCATED
+            why[n] = f"wrong size: the value ends before byte {start} (a value is a {HEADER_BYTES}-byte header + " \
+                     f"{block_bytes} bytes)" if start else "wrong size: the value is empty"
         if n < len(seq):
             self._count_read(0, 0, verdicts[n])
+        _note_refused(refused, seq, verdicts, n, why)
         return n, sums[:n]
 
-    def verify_landed(self, blocks: Sequence[Any], checksums: Sequence[int]) -> int:
+    def verify_landed(self, blocks: Sequence[Any], checksums: Sequence[int], *,
+                      seq_hashes: Optional[Hashes] = None, refused: Optional[List[RefusedValue]] = None) -> int:
         """Checks whole blocks that ``get_range_into`` filled range by range against the
-        checksums its first range returned; counts and returns the verified leading blocks."""
+        checksums its first range returned; counts and returns the verified leading blocks. With
+        the blocks' ``seq_hashes``, ``refused`` (if given) gets the one that failed its checksum."""
         views = [_byte_view(b, writable=False) for b in blocks[:len(checksums)]]
         n = next((i for i, (v, c) in enumerate(zip(views, checksums)) if not payload_ok(v, c)), len(views))
         self._count_read(n, sum(v.nbytes for v in views[:n]), Verdict.CORRUPT if n < len(views) else None)
+        if n < len(views) and refused is not None and seq_hashes is not None:
+            refused.append(RefusedValue(_hash_list(seq_hashes)[n], Verdict.CORRUPT,
+                                        "payload checksum mismatch (read layer by layer)"))
         return n
+
+    def drop_refused(self, value: RefusedValue) -> bool:
+        """Deletes a value verification refused, so the next put of its block rewrites it instead of
+        every later get ending there, and says so in one WARNING line naming its key and why (at
+        most one line a second: a burst of them is counted in the next line). True if deleted."""
+        deleted = self.delete([value.seq_hash]) == 1
+        key = (self._prefix + b"%016x" % value.seq_hash).decode("ascii", "replace")
+        if deleted:
+            self._bad_log.warning("remote tier: deleted bad value %s (%s: %s); the block is recomputed and "
+                                  "its next put rewrites it", key, value.verdict.value, value.why)
+        else:
+            self._bad_log.warning("remote tier: bad value %s (%s: %s) was not deleted (already gone, or the "
+                                  "server did not answer); the block is recomputed", key, value.verdict.value,
+                                  value.why)
+        return deleted
 
     def _read_args(self, seq_hashes: Hashes, dests: Sequence[Any],
                    parents: Optional[Sequence[Optional[int]]]) -> "tuple[List[int], list, List[memoryview]]":
@@ -644,7 +701,8 @@ class RemoteStore:
         return int(line[1:])
 
     def _read_value(self, conn: RespConnection, header: memoryview, fp: int, seq: int,
-                    parent: Optional[int], dest: memoryview) -> Verdict:
+                    parent: Optional[int], dest: memoryview, why: Dict[int, str], i: int) -> Verdict:
+        """One GET reply into ``dest``; a refused value's reason goes to ``why[i]``."""
         size = self._bulk_size(conn, "GET")
         if size is None:
             return Verdict.ERROR
@@ -653,16 +711,21 @@ class RemoteStore:
         if size < HEADER_BYTES:
             conn.skip(size)
             conn.expect_crlf()
+            why[i] = f"wrong size: {size} bytes, shorter than the {HEADER_BYTES}-byte header"
             return Verdict.TRUNCATED
         conn.read_into(header)
         verdict, checksum = check_header(header, fp, seq, parent, dest.nbytes)
         body = size - HEADER_BYTES
-        if verdict is Verdict.OK and body != dest.nbytes:
+        if verdict is not Verdict.OK:
+            why[i] = header_problem(header, fp, seq, parent, dest.nbytes)
+        elif body != dest.nbytes:
             verdict = Verdict.TRUNCATED
+            why[i] = f"wrong size: {size} bytes, not the {HEADER_BYTES}-byte header + {dest.nbytes} bytes"
         if verdict is Verdict.OK:
             conn.read_into(dest)
             if not payload_ok(dest, checksum):
                 verdict = Verdict.CORRUPT
+                why[i] = "payload checksum mismatch"
         else:
             conn.skip(body)
         conn.expect_crlf()
@@ -769,6 +832,7 @@ class RemoteStore:
 
     def close(self) -> None:
         """Closes every connection; later ops raise RemoteClosedError. Safe to call twice."""
+        self._bad_log.flush("bad values refused and dropped")
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)

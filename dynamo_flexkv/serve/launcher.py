@@ -8,12 +8,14 @@ leaving no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -82,6 +84,30 @@ def _unignore_sigint() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def write_private(path: str, text: str) -> None:
+    """Writes ``path`` readable by this user only (0600) from its first byte: a new file made with
+    O_EXCL (mkstemp) in its directory, renamed over ``path``. Opening ``path`` itself would keep the
+    mode of a file already there (a run directory used before) and follow a link planted in its place."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_files(proc: Process) -> None:
+    """The files a process reads at start (redis.conf, a worker's cache YAML), each 0600: none
+    may show another user a secret, even one a later change puts there."""
+    for path, text in proc.files.items():
+        write_private(path, text)
+
+
 class Launcher:
     def __init__(self, plan: LaunchPlan, echo: Optional[IO[str]] = None) -> None:
         self.plan = plan
@@ -114,19 +140,13 @@ class Launcher:
             write_model_dir(EngineModelConfig.load(self.plan.model), self.plan.run_dir / "model")
         try:
             for proc in self.plan.infra:
-                for path, text in proc.files.items():  # e.g. redis.conf, which holds a password: 0600
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                    with os.fdopen(fd, "w") as f:
-                        f.write(text)
+                write_files(proc)  # e.g. redis.conf, which holds a password
                 self._spawn(proc)
                 self._wait_port(proc, timeout=30)
             for proc in self.plan.processes:
                 for d in proc.dirs:
                     Path(d).mkdir(parents=True, exist_ok=True)
-                for path, text in proc.files.items():
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
-                    Path(path).write_text(text)
+                write_files(proc)
                 self._spawn(proc)
         except BaseException:
             self.shutdown()

@@ -30,6 +30,7 @@ from dynamo_flexkv.config import CacheConfig, ConfigError, read_yaml_mapping
 from dynamo_flexkv.disagg.leases import handover_seconds_problem
 from dynamo_flexkv.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.dynamo import LOOPBACK_ENV
+from dynamo_flexkv.remote.config import DEFAULT_PASSWORD_ENV, split_password
 from dynamo_flexkv.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.serve import vllm_worker as _vllm
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
@@ -41,7 +42,8 @@ LOOPBACK = "127.0.0.1"
 # worker's message; an accepted stream's first token is not delayed (its headers go with it).
 PRE_COMMIT_PEEK_ENV = "DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS"
 PRE_COMMIT_PEEK_MS = "500"
-SYSTEM_PORT_RANGE = (21000, 32000)  # Dynamo reads DYN_SYSTEM_PORT as an i16: it must stay below 32768
+SYSTEM_PORT_MAX = 32767  # Dynamo reads DYN_SYSTEM_PORT as an i16: a worker's system port must stay below 32768
+SYSTEM_PORT_RANGE = (21000, 32000)  # where serve picks system ports for workers without system-port
 
 
 def _str(v: Any) -> str:
@@ -454,9 +456,23 @@ def restart_policy(o: Mapping[str, Any]) -> RestartPolicy:
 
 
 def system_port(name: str, o: Mapping[str, Any], replica: int, ports: "_PortBook", source: str) -> int:
-    """Replica ``replica``'s Dynamo system port (/health, /metrics): system-port + replica, or a free one."""
-    first = o.get("system-port")
-    return ports.take(first + replica if first is not None else 0, f"{name}.system-port", source, any_port=False)
+    """Replica ``replica``'s Dynamo system port (/health, /metrics): system-port + replica, or a free
+    one (system-port unset or 0). Every replica's must be below 32768: Dynamo reads DYN_SYSTEM_PORT
+    as an i16 and refuses the worker otherwise."""
+    first = o.get("system-port") or 0
+    if first:
+        count = o.get("replicas", 1)
+        last = first + count - 1
+        if not 0 < first or last > SYSTEM_PORT_MAX:
+            gives = f" with replicas={count} gives replica {count - 1} port {last}, which" \
+                if count > 1 and 0 < first <= SYSTEM_PORT_MAX else ""
+            raise GraphError(
+                f"{source}: {name}.system-port={first}{gives} is out of range: Dynamo reads DYN_SYSTEM_PORT "
+                f"as a 16-bit signed number, so each worker's system port must be below 32768 (1..{SYSTEM_PORT_MAX}); "
+                f"set {name}.system-port to a port from 1 to {SYSTEM_PORT_MAX - count + 1}"
+                + (f" ({count} replicas take {count} consecutive ports)" if count > 1 else "")
+                + f", or leave it out and serve picks free ones in {SYSTEM_PORT_RANGE[0]}..{SYSTEM_PORT_RANGE[1]}")
+    return ports.take(first + replica if first else 0, f"{name}.system-port", source, any_port=False)
 
 
 def _replica_cache(name: str, pname: str, i: int, o: Mapping[str, Any], spec: Optional[Any], block_size: int,
@@ -465,6 +481,8 @@ def _replica_cache(name: str, pname: str, i: int, o: Mapping[str, Any], spec: Op
     """One replica's tiers from the worker's ``cache`` section: checked (sizes against ``spec``, the
     KV shape, unless None; SSD directories free and not shared; a given Redis reachable), written to
     ``run_dir/<pname>.cache.yaml``, which FLEXKV_CONFIG_PATH names (CacheConfig.load reads it).
+    A password in remote_cache_url stays out of that file: the worker gets it in the variable
+    remote_password_env names (as the handover secret and the local redis's password reach it).
     Returns (CacheConfig, {path: text})."""
     values = {k: _per_replica(v, i) for k, v in o["cache"].items()}
     values["tokens_per_block"] = block_size
@@ -492,6 +510,11 @@ def _replica_cache(name: str, pname: str, i: int, o: Mapping[str, Any], spec: Op
             raise GraphError(f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {dirs[os.path.realpath(d)]} "
                              f"and {pname}: each worker needs its own; put {{replica}} in the path")
         dirs[os.path.realpath(d)] = pname
+    url = values.get("remote_cache_url")
+    url, password = split_password(url) if isinstance(url, str) else (url, None)
+    if password is not None:  # the file names the server; its password goes by environment, like the local redis's
+        values["remote_cache_url"] = url
+        penv[cache.remote_password_env] = password
     cfg_path = str(run_dir / f"{pname}.cache.yaml")
     penv["FLEXKV_CONFIG_PATH"] = cfg_path
     return cache, {cfg_path: yaml.safe_dump(values, sort_keys=True)}
@@ -508,7 +531,7 @@ def _local_redis(redis: Dict[str, Any], ports: "_PortBook", values: Dict[str, An
     if not redis:
         redis.update(port=ports.take(0, "redis", "", any_port=True), password=secrets.token_hex(16))
     values["remote_cache_url"] = f"redis://{LOOPBACK}:{redis['port']}"
-    env_var = values.get("remote_password_env") or "FLEXKV_REMOTE_PASSWORD"
+    env_var = values.get("remote_password_env") or DEFAULT_PASSWORD_ENV
     penv[env_var] = redis["password"]
 
 
@@ -580,9 +603,9 @@ class _PortBook:
 
     def take(self, port: int, what: str, source: str, any_port: bool) -> int:
         if port:
-            if not 0 < port < (65536 if any_port else 32768):
+            if not 0 < port < (65536 if any_port else SYSTEM_PORT_MAX + 1):
                 raise GraphError(f"{source}: {what}={port} is out of range"
-                                 + ("" if any_port else " (Dynamo's system port must be below 32768)"))
+                                 + ("" if any_port else f" (Dynamo's system port must be below {SYSTEM_PORT_MAX + 1})"))
             if port in self.taken or (self.probe and not _free(port)):
                 holder = self.taken.get(port, "another process")
                 raise GraphError(f"{source}: {what}={port} is in use by {holder} on {LOOPBACK}: stop it or "

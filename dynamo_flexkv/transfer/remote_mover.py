@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from dynamo_flexkv.remote.store import RemoteStore
+from dynamo_flexkv.remote.store import RefusedValue, RemoteStore
 from dynamo_flexkv.storage.host import HostPool
 from dynamo_flexkv.transfer.graph import OpKind, TransferOp
 
@@ -52,10 +52,6 @@ class RemoteMover:
         bb, arr = self.block_bytes, self.host.array
         return [arr[int(b) * bb:(int(b) + 1) * bb] for b in host_ids]
 
-    def _bad_values(self) -> int:
-        s = self.store.stats()
-        return s.truncated + s.foreign + s.corrupt
-
     def _parents(self, op: TransferOp) -> list:
         seq = op.seq_hashes or []
         return [op.parent, *seq[:-1]]
@@ -65,19 +61,19 @@ class RemoteMover:
         if seq is None or len(seq) != op.dst.size:
             raise ValueError(f"{op.kind.value}: needs one sequence hash per block")
         if op.kind is OpKind.REMOTE2H:
-            bad_before = self._bad_values()
             views = self._views(op.dst)
+            refused: List[RefusedValue] = []
             if op.layers is None or tuple(op.layers) == (0, self.num_layers):
-                n = self.store.get_into(seq, views, self._parents(op))
+                n = self.store.get_into(seq, views, self._parents(op), refused=refused)
                 op.result = n
             else:
-                n = self._read_span(op, views)
+                n = self._read_span(op, views, refused)
             if n < len(seq):
-                if self._bad_values() > bad_before:
-                    # The value that ended the prefix is torn, corrupt or foreign: drop it, so the next
-                    # put of that block rewrites it instead of every later get failing on it. (Not
-                    # after a timeout: that value may be fine, and the server may be stalled.)
-                    self.store.delete(seq[n:n + 1])
+                for value in refused:
+                    # The value that ended the prefix is torn, corrupt or foreign: drop it (logged), so
+                    # the next put of that block rewrites it instead of every later get failing on it.
+                    # (Not after a timeout or a miss: the store reports only values it refused.)
+                    self.store.drop_refused(value)
                 raise RemoteShortRead(n, len(seq))
             return n * (self.block_bytes if op.layers is None else (op.layers[1] - op.layers[0]) * self.layer_bytes)
         if op.kind is OpKind.H2REMOTE:
@@ -86,7 +82,7 @@ class RemoteMover:
             return n * self.block_bytes
         raise ValueError(f"RemoteMover cannot run {op.kind.value}")
 
-    def _read_span(self, op: TransferOp, views: List[np.ndarray]) -> int:
+    def _read_span(self, op: TransferOp, views: List[np.ndarray], refused: List[RefusedValue]) -> int:
         """One layer span of a layerwise read; returns the blocks landed so far (verified, for
         the last span). A short span reads the rest of the landed blocks' layers at once and
         verifies them, so a RemoteShortRead always names whole verified blocks."""
@@ -95,7 +91,7 @@ class RemoteMover:
         if lo == 0:
             state = _LayeredRead([])
             n, state.checksums = self.store.get_range_into(seq, [v[:hi * lb] for v in views], 0,
-                                                           self.block_bytes, self._parents(op))
+                                                           self.block_bytes, self._parents(op), refused=refused)
         else:
             prev: Optional[TransferOp] = next((d for d in op.deps if d.kind is OpKind.REMOTE2H), None)
             if prev is None or not isinstance(prev.result, _LayeredRead):
@@ -103,14 +99,14 @@ class RemoteMover:
             state = prev.result
             k = len(state.checksums)
             n, _ = self.store.get_range_into(seq[:k], [v[lo * lb:hi * lb] for v in views[:k]], lo * lb,
-                                             self.block_bytes, self._parents(op)[:k])
+                                             self.block_bytes, self._parents(op)[:k], refused=refused)
             state.checksums = state.checksums[:n]
         op.result = state
         if n < len(seq) and hi < self.num_layers and n:
             # Short: finish the landed prefix's other layers now, so it commits whole.
             n, _ = self.store.get_range_into(seq[:n], [v[hi * lb:] for v in views[:n]], hi * lb,
-                                             self.block_bytes, self._parents(op)[:n])
+                                             self.block_bytes, self._parents(op)[:n], refused=refused)
             hi = self.num_layers
         if hi == self.num_layers:
-            n = self.store.verify_landed(views[:n], state.checksums[:n])
+            n = self.store.verify_landed(views[:n], state.checksums[:n], seq_hashes=seq[:n], refused=refused)
         return n
