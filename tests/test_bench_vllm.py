@@ -155,3 +155,22 @@ def test_bench_vllm_smoke(tmp_path):
     assert rows["host-90-2k"]["ratio"] < 1 and rows["device-hit-90-2k"]["ratio"] < 1
     if "offloading-host-90-2k" not in rows:
         assert "OffloadingConnector (CPUOffloadingSpec) refuses it" in p.stdout
+
+
+def test_the_pair_waits_for_idle_engines_by_their_cpu_time():
+    """bench vllm's recompute/miss pair starts a request only once both engines' process groups
+    are idle (measured from /proc): a spinning group keeps it waiting, a sleeping one does not."""
+    from dynamo_flexkv.bench.vllm_pair import group_cpu_s, wait_quiet
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        with pytest.raises(RuntimeError, match="still busy"):
+            wait_quiet([busy.pid, idle.pid], timeout_s=1.0)
+        assert group_cpu_s(busy.pid) > 0.1
+        busy.kill()
+        busy.wait()
+        assert wait_quiet([busy.pid, idle.pid], timeout_s=30.0) < 30.0
+    finally:
+        for p in (busy, idle):
+            p.kill()
+            p.wait()

@@ -10,9 +10,10 @@ from the tier it was meant to) exits non-zero with the reason on stderr.
 
 Every timed request of a tier case starts from a settled engine: the previous requests' stores
 done (vLLM's prefix cache resets only once every block is free, and our connector frees a stored
-request's blocks only after their device copy) and our background writes drained. The miss and
-recompute series run back to back, as requests arrive in serving: each request's store (after its
-first token) overlaps the next one.
+request's blocks only after their device copy) and our background writes drained.
+
+``--serve SPEC`` runs the recompute / miss pair instead: two engines (no connector, ours) alive
+at once, each timing the fresh prompts the parent sends it one at a time (see ``serve``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from typing import Any, Callable, Dict, List
 
 from dynamo_flexkv.bench.vllm_ttft import ROLES, cached_tokens, fresh_prompt, prefix_prompt, suffix
 
-TINY = [5, 6, 7]
-PROGRESS = "bench vllm |"  # lines the parent echoes  # a step that computes nothing worth storing (less than one block)
+TINY = [5, 6, 7]  # a step that computes nothing worth storing (less than one block)
+PROGRESS = "bench vllm |"  # lines the parent echoes
+READY, RESULT = "bench vllm ready", "bench vllm result "  # serve mode's protocol lines
 
 
 # ---- run inside vLLM's worker process by LLM.collective_rpc (pickled by reference) -------------------
@@ -158,20 +160,18 @@ def run_role(e: Engine) -> None:
             e.settle()
 
         if role == "plain":
-            for i in range(repeat):  # back to back, fresh prompts: nothing cached anywhere
-                e.timed(f"recompute-{size}", fresh_prompt(seed, size, i))
             e.generate(prefix)  # vLLM's prefix cache holds the 90% prefix from here on (no reset)
             for i in range(repeat):
                 rec = e.timed(f"device-hit-{size}", prefix + suffix(seed, size, bs, "device", i))
                 if rec["cached"] != hit:
                     raise RuntimeError(f"device hit {size}: vLLM found {rec['cached']} cached tokens, expected {hit}")
         elif role in ("flexkv", "offloading"):
-            name = "miss" if role == "flexkv" else "offloading-miss"
-            for i in range(repeat):  # the recompute prompts, connector on: lookups and stores, no loads
-                rec = e.timed(f"{name}-{size}", fresh_prompt(seed, size, i))
-                if rec["cached"]:
-                    raise RuntimeError(f"{name} {size}: a fresh prompt found {rec['cached']} cached tokens")
-            e.settle()
+            if role == "offloading":  # ours is timed against no connector in serve mode (bench/vllm_ttft.py)
+                for i in range(repeat):  # the recompute prompts, connector on: lookups and stores, no loads
+                    rec = e.timed(f"offloading-miss-{size}", fresh_prompt(seed, size, i))
+                    if rec["cached"]:
+                        raise RuntimeError(f"offloading-miss {size}: a fresh prompt found {rec['cached']} cached tokens")
+                e.settle()
             e.generate(prefix)  # computed once; the connector stores it after the first token
             e.settle()
             if role == "flexkv":
@@ -189,7 +189,33 @@ def run_role(e: Engine) -> None:
     e.info["tiers"] = e.stats()
 
 
+def serve(e: Engine) -> None:
+    """Serve mode (``--serve SPEC``): warm up, print READY, then one timed fresh prompt per stdin
+    line ``{"case", "size", "index"}``, each answered by a RESULT line once the engine settled
+    (its stores done; ``settle_s`` says how long that took after the first token)."""
+    seed = int(e.spec["seed"])
+    for size in sorted(set(e.spec["warmup_sizes"])):
+        e.generate(fresh_prompt(seed, size, -1 - size))
+    e.settle()
+    print(READY, flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        rec = e.timed(cmd["case"], fresh_prompt(seed, int(cmd["size"]), int(cmd["index"])))
+        t0 = time.perf_counter()
+        e.settle()
+        rec["settle_s"] = time.perf_counter() - t0
+        print(RESULT + json.dumps(rec), flush=True)
+
+
 def main(argv: List[str]) -> int:
+    if argv[:1] == ["--serve"]:
+        with open(argv[1], encoding="utf-8") as f:
+            spec = json.load(f)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        serve(Engine(spec))
+        return 0
     spec_path, out_path = argv
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)

