@@ -161,6 +161,7 @@ def test_a_password_in_the_url_reaches_the_workers_by_environment_never_in_a_fil
     assert len(files) == 2 and all(mode == 0o600 for mode, _ in files.values()), files
     secrets = [PASSWORD, encoded] + [w.env[SECRET_ENV] for w in plan.workers]  # and the handover secret
     assert not [(p, x) for p, (_, data) in files.items() for x in secrets if x.encode() in data]
+    assert not [x for x in secrets if x in repr(plan)]  # a plan printed in a traceback or a log
 
     # render --k8s: the URL from a Secret when the tier is on; no password inlined even when it is off.
     for on in ("true", "false"):
