@@ -1,5 +1,5 @@
 """vLLM workers in serve graphs (graphs/agg_vllm.py, graphs/agg_router_vllm.py): the plan builds
-the command line and environment that served vLLM under Dynamo on this machine (DESIGN 14), every
+the command line and environment that served vLLM under Dynamo on this machine (docs/SERVING.md), every
 bad config fails before a process starts with a message naming the fix, render --k8s needs neither
 torch nor vLLM; and the real graph (frontend with the KV router + two vLLM workers with
 FlexKVConnector) serves completions, reports cached prefixes and stops cleanly on Ctrl-C."""

@@ -1,7 +1,7 @@
 """vLLM workers in a serve graph (``VllmWorker``): ``python -m dynamo.vllm`` with vLLM's KV cache
 offloaded through dynamo_flexkv's FlexKVConnector (``offload: false``: vLLM alone, the baseline).
 
-Each replica gets the command line and environment that served on this machine (docs: DESIGN 14):
+Each replica gets the command line and environment that served on this machine (docs/SERVING.md, "vLLM workers"):
 loopback everywhere (VLLM_HOST_IP, VLLM_LOOPBACK_IP, a VLLM_PORT range of its own, KV events on
 an ``ipc://`` endpoint in its run directory), no hub access, HOME and vLLM's caches under its run
 directory, its tiers in the cache YAML FLEXKV_CONFIG_PATH names (exactly as for FlexKVWorker),
@@ -243,7 +243,7 @@ def _spec(cfg: Mapping[str, Any], model_dtype: Optional[str], dtype: str) -> Opt
 
 def events_endpoint(run_dir: Path, pname: str, port: int, local: bool) -> str:
     """Where vLLM publishes its KV events and dynamo.vllm subscribes: an ipc:// socket (vLLM and
-    Dynamo both connect to a tcp:// one; DESIGN 14), in the replica's run directory."""
+    Dynamo both connect to a tcp:// one, which fails here), in the replica's run directory."""
     if not local:
         return "ipc:///tmp/flexkv-kv-events.ipc"
     path = str(run_dir / pname / "kv-events.ipc")
