@@ -243,7 +243,7 @@ def _spec(cfg: Mapping[str, Any], model_dtype: Optional[str], dtype: str) -> Opt
 
 def events_endpoint(run_dir: Path, pname: str, port: int, local: bool) -> str:
     """Where vLLM publishes its KV events and dynamo.vllm subscribes: an ipc:// socket (vLLM and
-    Dynamo both connect to a tcp:// one, which fails here), in the replica's run directory."""
+    Dynamo both connect to a tcp:// one, so nothing binds it), in the replica's run directory."""
     if not local:
         return "ipc:///tmp/flexkv-kv-events.ipc"
     path = str(run_dir / pname / "kv-events.ipc")
