@@ -1,8 +1,10 @@
 """dynamo_flexkv: multi-tier KV-cache offload for NVIDIA Dynamo."""
 
+from dynamo_flexkv.errors import FlexKVError
+
 __version__ = "0.1.0"
 
-__all__ = ["KVManager", "CacheConfig", "ModelSpec", "KVLayoutType", "TaskStatus", "TaskResult"]
+__all__ = ["FlexKVError", "KVManager", "CacheConfig", "ModelSpec", "KVLayoutType", "TaskStatus", "TaskResult"]
 
 
 def __getattr__(name: str):

@@ -19,6 +19,7 @@ import yaml
 from dynamo_flexkv.enums import EvictionPolicy
 from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.remote.config import DEFAULT_PASSWORD_ENV
+from dynamo_flexkv.errors import FlexKVError
 
 if TYPE_CHECKING:
     from dynamo_flexkv.remote.config import RemoteConfig
@@ -34,7 +35,7 @@ ENV_ALIASES: Dict[str, str] = {
 CONFIG_PATH_ENV = "FLEXKV_CONFIG_PATH"
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, FlexKVError):
     """A configuration value that cannot work; the message names the key and the fix."""
 
 

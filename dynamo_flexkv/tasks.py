@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Callable, List, Optional
+from dynamo_flexkv.errors import FlexKVError
 
 if TYPE_CHECKING:  # a task only holds its graph; the transfer layer builds and runs it
     from dynamo_flexkv.transfer.graph import TransferGraph
@@ -49,16 +50,16 @@ _REASONS = {TaskStatus.NOT_FOUND: "nothing of the prompt was cached to load: rec
             TaskStatus.FAILED: "failed: recompute what it would have loaded"}
 
 
-class TaskFailed(RuntimeError):
+class TaskFailed(RuntimeError, FlexKVError):
     """wait_for_layer on a task that failed or was cancelled: the engine must recompute."""
 
 
-class TooManyTasks(RuntimeError):
+class TooManyTasks(RuntimeError, FlexKVError):
     """max_tasks_in_flight tasks are running: this one was refused (nothing was planned or queued).
     The engine recomputes instead, or waits for some tasks first."""
 
 
-class ManagerClosed(RuntimeError):
+class ManagerClosed(RuntimeError, FlexKVError):
     """A call on a KVManager after its shutdown(): its memory and cache directories are released
     (another manager may hold them now); create a new KVManager instead."""
 

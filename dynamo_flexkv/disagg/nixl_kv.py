@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dynamo_flexkv.disagg.params import HandoverParams, HandoverRefused, pack_metadata, unpack_metadata
+from dynamo_flexkv.errors import FlexKVError
 
 
 _ucx_agents = 0  # agents with a UCX backend this process created
@@ -55,7 +56,7 @@ def exit_past_libnl() -> Iterator[None]:
         os._exit(code)
 
 
-class HandoverFailed(IOError):
+class HandoverFailed(IOError, FlexKVError):
     """A pull did not complete (peer gone, transfer error, timeout): the decode worker recomputes."""
 
 

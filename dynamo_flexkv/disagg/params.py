@@ -11,6 +11,7 @@ import os
 import zlib
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional
+from dynamo_flexkv.errors import FlexKVError
 
 KEY = "flexkv_handover"
 # The graph's handover secret (hex), set by `dynamo-flexkv serve` for every worker of the graph and
@@ -20,7 +21,7 @@ SECRET_ENV = "FLEXKV_HANDOVER_SECRET"
 VERSION = 2  # 2: num_blocks (the decode worker prepares the prefill worker's KV descriptors once)
 
 
-class HandoverRefused(ValueError):
+class HandoverRefused(ValueError, FlexKVError):
     """The decode worker cannot use this handover (a different model layout, a malformed payload);
     it recomputes the prompt instead."""
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from dynamo_flexkv.engine import SamplingParams
+from dynamo_flexkv.errors import FlexKVError
 
 
-class RequestRefused(ValueError):
+class RequestRefused(ValueError, FlexKVError):
     """A request this worker cannot serve as asked; the message is meant for the client."""
 
 

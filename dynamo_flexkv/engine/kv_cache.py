@@ -12,6 +12,7 @@ import torch
 
 from dynamo_flexkv.engine.config import EngineModelConfig
 from dynamo_flexkv.layout import DTYPE_BYTES
+from dynamo_flexkv.errors import FlexKVError
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -46,7 +47,7 @@ class PagedKVCache:
         return k, v
 
 
-class NoFreeBlocks(RuntimeError):
+class NoFreeBlocks(RuntimeError, FlexKVError):
     pass
 
 

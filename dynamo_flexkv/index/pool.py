@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Iterable, List
 
 import numpy as np
+from dynamo_flexkv.errors import FlexKVError
 
 
-class PoolError(RuntimeError):
+class PoolError(RuntimeError, FlexKVError):
     """A block id freed twice or one the pool never handed out: a bookkeeping bug upstream."""
 
 

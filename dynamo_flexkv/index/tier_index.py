@@ -27,12 +27,13 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 from dynamo_flexkv import _native
 from dynamo_flexkv.enums import EvictionPolicy
 from dynamo_flexkv.index.pool import PoolError
+from dynamo_flexkv.errors import FlexKVError
 
 RemovedCallback = Callable[[str, List[int], List[int]], None]  # (tier, hashes, slots)
 Hashes = Sequence[int]  # a list/tuple of ints or an integer numpy array
 
 
-class IndexError_(RuntimeError):
+class IndexError_(RuntimeError, FlexKVError):
     """A request that would break an index invariant (caller bug), with what and why."""
 
 

@@ -21,6 +21,7 @@ import ssl
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 from urllib.parse import unquote
+from dynamo_flexkv.errors import FlexKVError
 
 DEFAULT_PORT = 6379
 DEFAULT_PASSWORD_ENV = "FLEXKV_REMOTE_PASSWORD"
@@ -34,7 +35,7 @@ URL_HELP = ("use redis://[:password@]host[:port][/db], rediss://... for TLS, or 
             "redis+cluster://[:password@]host:port[,host:port...] for Redis Cluster")
 
 
-class RemoteConfigError(ValueError):
+class RemoteConfigError(ValueError, FlexKVError):
     """A remote-tier setting is wrong; the message names the key and the fix (never the password)."""
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import ssl
 from typing import List, Optional, Sequence, Union
+from dynamo_flexkv.errors import FlexKVError
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -20,7 +21,7 @@ _FILL = 8 << 10  # read at most this much when waiting for a reply line: little 
 _MAX_LINE = 64 << 10
 
 
-class ProtocolError(ConnectionError):
+class ProtocolError(ConnectionError, FlexKVError):
     """The byte stream is not what RESP allows: the connection is unusable."""
 
 
@@ -28,7 +29,7 @@ class ReplyError(str):
     """A server error reply (``-ERR ...``) as a value inside a pipeline's results."""
 
 
-class ServerError(Exception):
+class ServerError(FlexKVError):
     """A server error reply to a single command (see ``call``)."""
 
 

@@ -24,6 +24,7 @@ from dynamo_flexkv.remote.codec import (HEADER_BYTES, Verdict, check_header, enc
                                         key_prefix_bytes, payload_ok)
 from dynamo_flexkv.remote.config import RemoteConfig
 from dynamo_flexkv.remote.resp import ProtocolError, RespConnection, ServerError, encode_command
+from dynamo_flexkv.errors import FlexKVError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ Hashes = Union[Sequence[int], Any]  # a list of ints or a numpy uint64 array
 _U64 = (1 << 64) - 1
 
 
-class RemoteError(Exception):
+class RemoteError(FlexKVError):
     """The remote tier cannot be used as configured; the message says why and how to fix it."""
 
 

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Mapping, Tuple
+from dynamo_flexkv.errors import FlexKVError
 
 
-class GraphError(ValueError):
+class GraphError(ValueError, FlexKVError):
     """A graph or its config is wrong; the message names what and how to fix it."""
 
 

@@ -25,6 +25,7 @@ from typing import IO, Dict, List, Optional, Set
 
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.plan import LOOPBACK, LaunchPlan, OnDeath, Process
+from dynamo_flexkv.errors import FlexKVError
 
 
 PROBE_EVERY_S = 5.0  # a ready worker's /health is asked at most this often
@@ -45,18 +46,18 @@ class _Liveness:
         self.ok: Optional[bool] = None  # the running probe's answer, once it has one
 
 
-class Interrupted(RuntimeError):
+class Interrupted(RuntimeError, FlexKVError):
     pass
 
 
-class ComponentDied(RuntimeError):
+class ComponentDied(RuntimeError, FlexKVError):
     def __init__(self, proc: Process, code: int, tail: str) -> None:
         super().__init__(f"{proc.name} exited with {exit_status(code)} before the graph was ready; "
                          f"its last log lines:\n{tail}")
         self.proc, self.code = proc, code
 
 
-class GraphStopped(RuntimeError):
+class GraphStopped(RuntimeError, FlexKVError):
     """A component died and its policy (or spent restart budget) says the graph stops."""
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
+from dynamo_flexkv.errors import FlexKVError
 
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,11 @@ LOCK = "flexkv.lock"
 JOURNAL_FORMAT = 2  # 2: every line sealed with a CRC32
 
 
-class SsdInUseError(RuntimeError):
+class SsdInUseError(RuntimeError, FlexKVError):
     """Another process holds this cache directory: two writers would corrupt each other."""
 
 
-class SsdLayoutError(RuntimeError):
+class SsdLayoutError(RuntimeError, FlexKVError):
     """The cache directory holds blocks of another namespace or model layout: opening it would drop
     them, so it is refused until the caller picks another directory or wipes this one."""
 

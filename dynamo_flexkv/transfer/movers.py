@@ -24,9 +24,10 @@ from dynamo_flexkv.storage.device import TORCH_DTYPES, DeviceCache
 from dynamo_flexkv.storage.host import HostPool
 from dynamo_flexkv.storage.ssd import SsdStore
 from dynamo_flexkv.transfer.graph import OpKind, TransferOp
+from dynamo_flexkv.errors import FlexKVError
 
 
-class ChecksumError(IOError):
+class ChecksumError(IOError, FlexKVError):
     """Bytes read back differ from the bytes written: the disk block is torn or was overwritten."""
 
     def __init__(self, disk_ids: np.ndarray) -> None:

@@ -19,11 +19,12 @@ import numpy as np
 from dynamo_flexkv.storage.host import HostPool
 from dynamo_flexkv.storage.ssd import SsdStore
 from dynamo_flexkv.transfer.movers import DiskMover
+from dynamo_flexkv.errors import FlexKVError
 
 _names = itertools.count()
 
 
-class NixlError(IOError):
+class NixlError(IOError, FlexKVError):
     pass
 
 

@@ -21,9 +21,10 @@ import numpy as np
 from dynamo_flexkv.remote.store import RefusedValue, RemoteStore
 from dynamo_flexkv.storage.host import HostPool
 from dynamo_flexkv.transfer.graph import OpKind, TransferOp
+from dynamo_flexkv.errors import FlexKVError
 
 
-class RemoteShortRead(IOError):
+class RemoteShortRead(IOError, FlexKVError):
     """Fewer remote blocks were present and verified than planned (evicted, corrupt, foreign, or
     the server failed mid-read). ``verified`` leading blocks landed intact."""
 
