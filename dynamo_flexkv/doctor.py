@@ -178,10 +178,10 @@ def check_config(config=None) -> "tuple[Check, Optional[object]]":
 
 def check_remote(config=None) -> Check:
     """The remote tier as configured: reachable, logged in, cluster or not, eviction policy."""
-    import shutil
+    from dynamo_flexkv.sysutil import find_binary
 
     name = "remote tier (Redis)"
-    server = shutil.which("redis-server")
+    server = find_binary("redis-server")
     local = f"redis-server {server}" if server else "redis-server not installed (`apt-get install redis-server`)"
     if config is None:
         found, config = check_config()

@@ -8,7 +8,6 @@ out of pytest): ``router_scenario.py WORKDIR [tiers|bursts]``."""
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from dynamo_flexkv.dynamo.model_dir import write_model_dir
 from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, SamplingParams
 from dynamo_flexkv.events import KvEventRelay, OffloadEvents
 from dynamo_flexkv.index import Tier
+from dynamo_flexkv.sysutil import free_port
 
 CFG = EngineModelConfig.preset("tiny")
 BS = CFG.block_size
@@ -170,12 +170,6 @@ async def main(workdir: str, scenario: str) -> int:
     serving.cancel()
     rt.shutdown()
     return 1 if checker.failures else 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

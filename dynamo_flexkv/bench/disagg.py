@@ -236,7 +236,7 @@ class _Etcd:
     def __init__(self, binary: str, tmp: str) -> None:
         import http.client
 
-        from dynamo_flexkv.remote.server import free_port
+        from dynamo_flexkv.sysutil import free_port
 
         client, peer = free_port(), free_port()
         self.log = open(os.path.join(tmp, "etcd.log"), "wb")
@@ -283,8 +283,9 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
     import tempfile
 
     from dynamo_flexkv.disagg.nixl_kv import KVAgent
+    from dynamo_flexkv.sysutil import find_binary
 
-    binary = shutil.which("etcd")
+    binary = find_binary("etcd")
     if binary is None:
         print("bench disagg: etcd cases skipped: no etcd on PATH (Debian: apt-get install etcd-server)")
         return []

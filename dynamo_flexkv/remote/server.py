@@ -11,28 +11,41 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
+
+from dynamo_flexkv.sysutil import free_port, require_binary
+
+__all__ = ["RedisCluster", "RedisServer", "free_port", "local_redis_settings", "make_test_certs",
+           "redis_args", "redis_conf", "require_binary"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def local_redis_settings(port: int, workdir: str, maxmemory: str, policy: str = "allkeys-lru",
+                         password: Optional[str] = None) -> List[Tuple[str, str]]:
+    """The one definition of a local redis-server, for RedisServer's command line (tests, benches)
+    and serve's redis.conf: loopback only, protected mode, no persistence (no RDB snapshot, no
+    AOF), evicting by ``policy`` within ``maxmemory``."""
+    out = [("bind", "127.0.0.1"), ("port", str(port)), ("protected-mode", "yes"), ("save", ""),
+           ("appendonly", "no"), ("dir", workdir), ("maxmemory", maxmemory), ("maxmemory-policy", policy)]
+    if password:
+        out.append(("requirepass", password))
+    return out
 
 
-def require_binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        raise FileNotFoundError(f"{name} not found: install Debian's redis-server package (scripts/install.sh does)")
-    return path
+def redis_args(settings: Sequence[Tuple[str, str]]) -> List[str]:
+    """``settings`` as redis-server command-line options (``--save ""`` turns snapshots off)."""
+    return [word for key, value in settings for word in (f"--{key}", value)]
+
+
+def redis_conf(settings: Sequence[Tuple[str, str]]) -> str:
+    """``settings`` as a redis.conf (a password there stays off the command line, out of ps)."""
+    empty = '""'  # redis.conf's spelling of an empty value (save "": no snapshots)
+    return "".join(f"{key} {value or empty}\n" for key, value in settings)
 
 
 def make_test_certs(directory: str) -> str:
     """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI), for TLS tests."""
 
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        raise FileNotFoundError("openssl not found: install Debian's openssl package")
+    openssl = require_binary("openssl", "install Debian's openssl package")
     def run(*args: str) -> None:
         subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60, cwd=directory)
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
@@ -64,18 +77,15 @@ class RedisServer:
         return f"{'rediss' if self.tls_dir else 'redis'}://127.0.0.1:{self.port}"
 
     def args(self) -> List[str]:
-        if self.tls_dir:
-            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
-                     "--tls-cert-file", os.path.join(self.tls_dir, "server.crt"),
-                     "--tls-key-file", os.path.join(self.tls_dir, "server.key"),
-                     "--tls-ca-cert-file", os.path.join(self.tls_dir, "ca.crt")]
-        else:
-            ports = ["--port", str(self.port)]
-        args = [require_binary("redis-server"), *ports, "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", self.workdir,
-                "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
-        if self.password:
-            args += ["--requirepass", self.password]
+        tls: List[str] = []
+        if self.tls_dir:  # TLS only: the plain port off, the TLS one on self.port
+            tls = ["--tls-port", str(self.port), "--tls-auth-clients", "no",
+                   "--tls-cert-file", os.path.join(self.tls_dir, "server.crt"),
+                   "--tls-key-file", os.path.join(self.tls_dir, "server.key"),
+                   "--tls-ca-cert-file", os.path.join(self.tls_dir, "ca.crt")]
+        settings = local_redis_settings(0 if self.tls_dir else self.port, self.workdir, self.maxmemory,
+                                        self.policy, self.password)
+        args = [require_binary("redis-server"), *redis_args(settings), *tls]
         if self.cluster:
             # An explicit bus port: the default (port + 10000) fails for ports above 55535.
             args += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.workdir, "nodes.conf"),

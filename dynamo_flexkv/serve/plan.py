@@ -15,8 +15,6 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import shutil
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -31,9 +29,11 @@ from dynamo_flexkv.disagg.leases import handover_seconds_problem
 from dynamo_flexkv.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.dynamo import LOOPBACK_ENV
 from dynamo_flexkv.remote.config import DEFAULT_PASSWORD_ENV, split_password
+from dynamo_flexkv.remote.server import local_redis_settings, redis_conf
 from dynamo_flexkv.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.serve import vllm_worker as _vllm
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
+from dynamo_flexkv.sysutil import find_binary, free_port, port_is_free
 
 LOOPBACK = "127.0.0.1"
 # Dynamo's frontend answers a stream 200 before the worker's first event unless told to wait for
@@ -540,9 +540,8 @@ def _redis_process(run_dir: Path, redis: Dict[str, Any], maxmemory: str = "1gb")
     password sits in a 0600 config file (not on the command line, where ps would show it)."""
     exe = _need("redis-server", "redis-server")
     conf = run_dir / "redis" / "redis.conf"
-    text = (f"bind {LOOPBACK}\nport {redis['port']}\nprotected-mode yes\nsave \"\"\nappendonly no\n"
-            f"dir {run_dir / 'redis'}\nmaxmemory {maxmemory}\nmaxmemory-policy allkeys-lru\n"
-            f"requirepass {redis['password']}\n")
+    text = redis_conf(local_redis_settings(redis["port"], str(run_dir / "redis"), maxmemory,
+                                           password=redis["password"]))
     return Process("redis", [exe, str(conf)], {}, None, redis["port"], files={str(conf): text})
 
 
@@ -585,7 +584,7 @@ def _infra(run_dir: Path, discovery: str, event_plane: str, ports: "_PortBook"):
 
 
 def _need(exe: str, package: str) -> str:
-    path = shutil.which(exe) or shutil.which(exe, path="/usr/sbin:/usr/local/sbin")  # Debian: nats in sbin
+    path = find_binary(exe)
     if path is None:
         raise GraphError(f"{exe} is not installed: `apt-get install {package}` (scripts/install.sh does), "
                          f"or point {'ETCD_ENDPOINTS' if exe == 'etcd' else 'NATS_SERVER'} at a running server")
@@ -614,9 +613,7 @@ class _PortBook:
             return port
         if any_port:
             while True:
-                with socket.socket() as s:
-                    s.bind((LOOPBACK, 0))
-                    port = s.getsockname()[1]
+                port = free_port(LOOPBACK)
                 if port not in self.taken:
                     self.taken[port] = what
                     return port
@@ -661,11 +658,4 @@ def _dirs(value: Any) -> List[str]:
 
 
 def _free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is free; a listener is not
-        try:
-            s.bind((LOOPBACK, port))
-            s.listen()
-            return True
-        except OSError:
-            return False
+    return port_is_free(port, LOOPBACK)
