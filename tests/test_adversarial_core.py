@@ -20,7 +20,7 @@ import torch
 from dynamo_flexkv import CacheConfig, KVLayoutType, KVManager, ModelSpec, TaskStatus
 from dynamo_flexkv.config import ConfigError
 from dynamo_flexkv.storage.ssd import SsdInUseError, SsdLayoutError
-from dynamo_flexkv.tasks import ManagerClosed, TooManyTasks
+from dynamo_flexkv.tasks import TooManyTasks
 
 from kv_helpers import MODEL, TPB, config, device_tensors, fill, holds
 
@@ -156,23 +156,6 @@ def test_env_aliases_with_equal_values_are_accepted(monkeypatch):
     assert CacheConfig.load().cpu_cache_gb == 2.0
 
 
-def test_closed_manager_error_names_the_called_method(tmp_path):
-    kv, _ = open_manager(tmp_path)
-    kv.shutdown()
-    with pytest.raises(ManagerClosed, match=r"match\(\)"):
-        kv.match(prompt(1, 2))
-    with pytest.raises(ManagerClosed, match=r"prefetch_async\(\)"):
-        kv.prefetch_async(prompt(1, 2))
-
-
-def test_with_block_on_a_closed_manager_raises(tmp_path):
-    kv, _ = open_manager(tmp_path)
-    kv.shutdown()
-    with pytest.raises(ManagerClosed):
-        with kv:
-            pass
-
-
 def test_stats_in_flight_is_zero_after_drain(tmp_path):
     kv, dev = open_manager(tmp_path)
     try:
@@ -190,13 +173,16 @@ def test_other_namespace_does_not_destroy_the_first_tenants_cache(tmp_path):
         store(kv, dev, prompt(1, 4), [0, 1, 2, 3])
     finally:
         kv.shutdown()
+    # The promised answer (docs/PYTHON_API.md, LIMITATIONS.md): the directory is refused with
+    # SsdLayoutError naming the namespaces, before the other tenant can adopt or evict anything.
+    with pytest.raises(SsdLayoutError, match=r"holds 4 blocks of another namespace.*namespace '' on disk vs "
+                                             r"'tenant-b' here"):
+        KVManager(MODEL, config(tmp_path), namespace="tenant-b")
+    kv, dev = open_manager(tmp_path)  # the refused open released the directory's lock
     try:
-        KVManager(MODEL, config(tmp_path), namespace="tenant-b").shutdown()
-    except (ValueError, RuntimeError) as e:  # refusing is the other acceptable answer
-        assert "namespace" in str(e)
-    kv = KVManager(MODEL, config(tmp_path))
-    try:
+        assert kv.adopt_report.adopted and not kv.adopt_report.mismatched
         assert kv.match(prompt(1, 4))["disk"] == 4 * TPB
+        assert load_checked(kv, dev, prompt(1, 4), [10, 11, 12, 13]) == 4
     finally:
         kv.shutdown()
 
@@ -258,22 +244,6 @@ def test_cancelling_a_burst_of_deferred_puts_leaks_nothing(tmp_path):
 
 
 # --------------------------------------------------------------------------- what held up
-
-
-def test_every_call_after_shutdown_raises_and_shutdown_twice_is_fine(tmp_path):
-    kv, dev = open_manager(tmp_path)
-    t = kv.put_async(prompt(1, 2), [0, 1])
-    kv.shutdown()
-    kv.shutdown()
-    toks = prompt(1, 2)
-    calls = [lambda: kv.match(toks), lambda: kv.get_async(toks, [0, 1]), lambda: kv.put_async(toks, [0, 1]),
-             lambda: kv.prefetch_async(toks), lambda: kv.wait([t]), lambda: kv.try_wait([t]), lambda: kv.cancel([t]),
-             lambda: kv.stats(), lambda: kv.drain(), lambda: kv.reset(), lambda: kv.hashes(toks),
-             lambda: kv.register_device_cache(dev, L), lambda: kv.planned_tokens(t), lambda: kv.wait_for_layer(t, 0),
-             lambda: kv.planned_tokens_by_tier(t), lambda: kv.announce_adopted()]
-    for call in calls:
-        with pytest.raises(ManagerClosed):
-            call()
 
 
 def test_wrong_token_types_raise_clear_errors_and_equivalent_types_agree(tmp_path):
