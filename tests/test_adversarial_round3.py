@@ -9,13 +9,16 @@ held up under attack (random put/get/evict interleavings with evictions, mixed h
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.index.tier_index import TierIndex
+from dynamo_flexkv.transfer.graph import TransferGraph
 
 from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
@@ -235,44 +238,65 @@ def test_wait_for_layer_of_a_get_that_found_nothing_says_why(tmp_path):
         kv.shutdown()
 
 
+def _blocked_in_wait(thread: threading.Thread) -> bool:
+    """``thread`` sleeps on a task's event inside KVManager.wait (so it is registered as a waiter)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None and frame.f_back is not None:
+        if frame.f_code is threading.Event.wait.__code__ and frame.f_back.f_code is KVManager.wait.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_shutdown_during_deferred_puts_cancels_them_never_fails_them(tmp_path):
-    """The retry of a deferred put could pass the closed check just before shutdown() stopped the
-    transfer engine; its submit then failed ('transfer engine is shut down') and the put reported
-    FAILED (about 1 run in 10). A race: each run checks it again."""
-    for trial in range(6):
-        kv, dev = open_manager(tmp_path / str(trial), num_device_blocks=512, host_blocks=8, disk_blocks=256)
-        ids = [kv.put_async(list(range(k * 10**6, k * 10**6 + 8 * TPB)), list(range(8 * k, 8 * k + 8)))
-               for k in range(30)]
-        results: list = []
-        waiters = [threading.Thread(target=lambda part: results.append(kv.wait(part)), args=(ids[i::3],))
-                   for i in range(3)]
-        for w in waiters:
-            w.start()
-        kv.shutdown()
-        for w in waiters:
-            w.join()
-        statuses = {r.status for got in results for r in got.values()}
-        assert len(results) == 3 and statuses <= {TaskStatus.SUCCESS, TaskStatus.CANCELLED}, \
-            [r for got in results for r in got.values() if r.status not in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)]
+    """The retry of a deferred put (on a transfer thread, when a graph finishes) could pass the
+    closed check just before shutdown() stopped the transfer engine; its submit then failed
+    ('transfer engine is shut down') and the put reported FAILED (about 1 run in 10). The test
+    holds that retry's submit until shutdown() closed the engine, so every run takes the race."""
+    kv, dev = open_manager(tmp_path, num_device_blocks=512, host_blocks=8, disk_blocks=256)
+    engine, main = kv.transfer, threading.current_thread()
+    real_submit = engine.submit
+    in_window = threading.Event()
 
+    def engine_closed() -> bool:
+        try:
+            real_submit(TransferGraph([]))  # no ops: finishes at once while the engine runs
+        except RuntimeError as e:
+            assert "transfer engine is shut down" in str(e)
+            return True
+        return False
 
-def test_a_put_submitted_after_shutdown_stopped_the_engine_raises_manager_closed(tmp_path):
-    """The race above, in order: a deferred put's retry passed the closed check, then shutdown()
-    closed the manager and stopped its transfer engine, then the retry submitted. The submit raises
-    ManagerClosed (the retry loop finishes such a put CANCELLED), not the engine's RuntimeError."""
-    from dynamo_flexkv.manager import _DeferredPut
-    from dynamo_flexkv.tasks import ManagerClosed, TaskKind
-    kv, dev = open_manager(tmp_path, disk_blocks=0)
-    toks = list(range(2 * TPB))
-    with kv._issue(TaskKind.PUT) as task:
-        put = _DeferredPut(task, list(kv.hashes(toks).sequence), toks, np.array([0, 1]), None)
-    with kv._lock:  # shutdown()'s first steps
-        kv._closed = True
-    kv.transfer.shutdown()
-    try:
-        with pytest.raises(ManagerClosed):
-            kv._put_now(put)
-        kv.cache.abort_task(task.id)  # what the retry loop does next
-        assert_no_leaks(kv)
-    finally:
-        kv._close_storage()
+    def held_submit(graph):
+        # Only a deferred put's retry submits from a transfer thread: hold the first one.
+        if threading.current_thread() is not main and not in_window.is_set():
+            in_window.set()
+            deadline = time.monotonic() + 30
+            while not engine_closed():
+                assert time.monotonic() < deadline, "shutdown() never closed the transfer engine"
+                time.sleep(0.001)
+        return real_submit(graph)
+
+    engine.submit = held_submit
+    # Host holds 8 blocks: the first put takes them all, the other 29 wait for its disk write.
+    ids = [kv.put_async(list(range(k * 10**6, k * 10**6 + 8 * TPB)), list(range(8 * k, 8 * k + 8)))
+           for k in range(30)]
+    assert kv.stats()["tasks"]["deferred_puts"] > 0
+    results: list = []
+    waiters = [threading.Thread(target=lambda part: results.append(kv.wait(part)), args=(ids[i::3],))
+               for i in range(3)]
+    for w in waiters:
+        w.start()
+    assert in_window.wait(30), "no deferred put was retried"
+    deadline = time.monotonic() + 30
+    while not all(_blocked_in_wait(w) for w in waiters):  # all three wait before the manager closes
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    kv.shutdown()
+    for w in waiters:
+        w.join(30)
+    got = {t: r for part in results for t, r in part.items()}
+    assert len(results) == 3 and sorted(got) == sorted(ids)
+    assert got[ids[0]].status is TaskStatus.SUCCESS
+    bad = [r for r in got.values() if r.status not in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)]
+    assert not bad, bad
+    assert sum(r.status is TaskStatus.CANCELLED for r in got.values()) >= 1  # the held retry, at least
