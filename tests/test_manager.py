@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-from dynamo_flexkv.tasks import ManagerClosed
+from dynamo_flexkv.tasks import ManagerClosed, TaskFailed
 from dynamo_flexkv.transfer.graph import OpKind
 from kv_helpers import (MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, open_fds,
                         prompts)
@@ -27,13 +27,20 @@ def get_and_check(kv, dev, layout, prompt, rng, skip=0, layerwise=False):
     m = kv.match(prompt)
     cached, on_host = max(m.values()) // TPB, m["host"] // TPB
     t = kv.get_async(prompt, ids, skip_blocks=skip, layerwise=layerwise)
+    layers = []  # what each wait_for_layer answered: True, or the TaskFailed of a get that found nothing
     if layerwise:
         for layer in range(MODEL.num_layers):
             try:
-                kv.wait_for_layer(t, layer, timeout=30)
-            except Exception:
+                layers.append(kv.wait_for_layer(t, layer, timeout=30))
+            except TaskFailed as e:
+                layers.append(e)
                 break
     r = kv.wait([t], timeout=30)[t]
+    if layerwise and r.status is TaskStatus.SUCCESS:
+        assert layers == [True] * MODEL.num_layers, layers  # every layer landed, none timed out
+    elif layerwise and r.status is TaskStatus.NOT_FOUND:  # its first layer wait fails, naming why
+        assert len(layers) == 1 and isinstance(layers[0], TaskFailed), layers
+        assert f"task {t}: not_found" in str(layers[0])
     if cached <= skip:
         assert r.status is TaskStatus.NOT_FOUND
         return 0
@@ -153,10 +160,45 @@ def _wait_quiet(kv):
     assert kv.drain(timeout=30)
 
 
-def test_every_call_on_a_shut_down_manager_raises_and_keeps_the_next_managers_cache(tmp_path):
-    from dynamo_flexkv.tasks import ManagerClosed
+# Every public KVManager call but shutdown(), as a call on a shut-down manager ``kv`` (``t``: a task
+# it issued before, ``dev``: its device tensors). Kept complete by the test below.
+def _enter(kv):
+    with kv:
+        pass
+
+
+AFTER_SHUTDOWN = {
+    "__enter__": lambda kv, p, t, dev: _enter(kv),
+    "register_device_cache": lambda kv, p, t, dev: kv.register_device_cache(dev),
+    "announce_adopted": lambda kv, p, t, dev: kv.announce_adopted(),
+    "hashes": lambda kv, p, t, dev: kv.hashes(p),
+    "match": lambda kv, p, t, dev: kv.match(p),
+    "get_async": lambda kv, p, t, dev: kv.get_async(p, [0, 1, 2, 3]),
+    "prefetch_async": lambda kv, p, t, dev: kv.prefetch_async(p),
+    "put_async": lambda kv, p, t, dev: kv.put_async(p, [0, 1, 2, 3]),
+    "wait": lambda kv, p, t, dev: kv.wait([t]),
+    "try_wait": lambda kv, p, t, dev: kv.try_wait([t]),
+    "cancel": lambda kv, p, t, dev: kv.cancel([t]),
+    "drain": lambda kv, p, t, dev: kv.drain(),
+    "planned_tokens": lambda kv, p, t, dev: kv.planned_tokens(t),
+    "planned_tokens_by_tier": lambda kv, p, t, dev: kv.planned_tokens_by_tier(t),
+    "wait_for_layer": lambda kv, p, t, dev: kv.wait_for_layer(t, 0),
+    "stats": lambda kv, p, t, dev: kv.stats(),
+    "evict": lambda kv, p, t, dev: kv.evict("host"),
+    "reset": lambda kv, p, t, dev: kv.reset(),
+}
+
+
+def test_the_after_shutdown_list_names_every_public_call():
+    public = {n for n in dir(KVManager) if not n.startswith("_") and callable(getattr(KVManager, n))}
+    assert public | {"__enter__"} == set(AFTER_SHUTDOWN) | {"shutdown"}
+
+
+def _shut_down_and_successor(path):
+    """A manager shut down after storing a prompt (its disk write finished), and a second manager
+    on the same directories, which re-adopted that prompt."""
     rng = np.random.default_rng(0)
-    cfg = config(tmp_path, host_blocks=8, disk_blocks=32)
+    cfg = config(path, host_blocks=8, disk_blocks=32)
     kv = KVManager(MODEL, cfg)
     dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
     kv.register_device_cache(dev)
@@ -165,23 +207,37 @@ def test_every_call_on_a_shut_down_manager_raises_and_keeps_the_next_managers_ca
     kv.wait([t])
     _wait_quiet(kv)
     kv.shutdown()
-    fds = open_fds()
     kv2 = KVManager(MODEL, cfg)  # the directories are free again: a new manager re-adopts them
     assert kv2.match(prompt)["disk"] == 4 * TPB
-    calls = {
-        "reset": lambda: kv.reset(), "match": lambda: kv.match(prompt), "stats": lambda: kv.stats(),
-        "get_async": lambda: kv.get_async(prompt, [0, 1, 2, 3]), "put_async": lambda: kv.put_async(prompt, [0, 1, 2, 3]),
-        "prefetch_async": lambda: kv.prefetch_async(prompt), "wait": lambda: kv.wait([t]),
-        "try_wait": lambda: kv.try_wait([t]), "cancel": lambda: kv.cancel([t]), "drain": lambda: kv.drain(),
-        "register_device_cache": lambda: kv.register_device_cache(dev), "announce_adopted": lambda: kv.announce_adopted(),
-        "planned_tokens": lambda: kv.planned_tokens(t), "wait_for_layer": lambda: kv.wait_for_layer(t, 0),
-    }
-    for name, call in calls.items():
-        with pytest.raises(ManagerClosed, match=r"KVManager was shut down.*create a new KVManager"):
-            call()
-    kv.shutdown()  # shutting down twice is fine
-    assert open_fds() <= fds + 1 + len(cfg.ssd_cache_dir) * 2 + 8  # kv's reset opened nothing
-    # The closed manager's reset touched neither the journal nor the new manager's cache.
+    return kv, kv2, cfg, prompt, t, dev
+
+
+@pytest.fixture(scope="module")
+def shut_down(tmp_path_factory):
+    made = _shut_down_and_successor(tmp_path_factory.mktemp("closed"))
+    yield made
+    made[1].shutdown()
+
+
+@pytest.mark.parametrize("call", sorted(AFTER_SHUTDOWN))
+def test_every_public_call_after_shutdown_raises_manager_closed(shut_down, call):
+    kv, kv2, cfg, prompt, t, dev = shut_down
+    fds = open_fds()
+    with pytest.raises(ManagerClosed, match=rf"^{call}\(\): this KVManager was shut down, its memory and cache "
+                                            r"directories are released: create a new KVManager"):
+        AFTER_SHUTDOWN[call](kv, prompt, t, dev)
+    assert open_fds(settle_to=fds) <= fds  # the refused call opened nothing
+    # It touched neither the journal nor the next manager's cache (a closed reset() wiped them once).
+    assert kv2.match(prompt)["disk"] == 4 * TPB
+    kv.shutdown()  # shutting down again is fine
+
+
+def test_a_shut_down_managers_directories_are_adopted_by_the_next(tmp_path):
+    kv, kv2, cfg, prompt, t, dev = _shut_down_and_successor(tmp_path)
+    for call in AFTER_SHUTDOWN.values():  # whatever the closed manager was asked, in one go
+        with pytest.raises(ManagerClosed):
+            call(kv, prompt, t, dev)
+    kv.shutdown()
     assert kv2.match(prompt)["disk"] == 4 * TPB
     kv2.shutdown()
     with KVManager(MODEL, cfg) as kv3:
@@ -238,7 +294,7 @@ def test_write_through_when_disk_holds_more_than_host(tmp_path):
         assert_no_leaks(kv)
 
 
-def test_evict_names_its_bad_arguments_and_refuses_after_shutdown(tmp_path):
+def test_evict_names_its_bad_arguments(tmp_path):
     kv = KVManager(MODEL, config(tmp_path, host_blocks=8, disk_blocks=32))
     with pytest.raises(ValueError, match="'host' and 'disk'"):
         kv.evict("device")
@@ -246,8 +302,6 @@ def test_evict_names_its_bad_arguments_and_refuses_after_shutdown(tmp_path):
         kv.evict("host", -1)
     assert kv.evict("disk") == 0
     kv.shutdown()
-    with pytest.raises(ManagerClosed):
-        kv.evict("host")
 
 
 @pytest.mark.parametrize("call", ["get-bad-skip", "get-before-register", "put-before-register"])
@@ -312,4 +366,5 @@ def test_results_nobody_collects_expire(tmp_path):
         assert (st["in_flight"], st["uncollected_results"], st["expired_results"]) == (0, 0, 1)
         with pytest.raises(KeyError, match="nobody collected it within task_result_ttl_seconds"):
             kv.wait([forgotten])
-        assert len(kv._uncollected) == 0  # nothing else is kept for expired or collected tasks
+        st = kv.stats()["tasks"]  # nothing else is kept for expired or collected tasks
+        assert (st["in_flight"], st["uncollected_results"], st["expired_results"]) == (0, 0, 1)
