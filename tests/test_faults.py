@@ -11,7 +11,7 @@ import torch
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.index import Tier
-from dynamo_flexkv.tasks import ManagerClosed, TaskFailed
+from dynamo_flexkv.tasks import TaskFailed
 from dynamo_flexkv.transfer.graph import OpKind, OpState
 from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
@@ -172,11 +172,7 @@ def test_shutdown_with_tasks_in_flight(tmp_path):
     kv.shutdown()  # cancels and drains: every task has its final result
     assert all(t.done.is_set() and t.result.status in (TaskStatus.SUCCESS, TaskStatus.CANCELLED) for t in tasks)
     assert kv.cache.task_ids() == []
-    with pytest.raises(ManagerClosed, match="shut down"):
-        kv.put_async([1] * TPB, [0])
-    with pytest.raises(ManagerClosed, match="shut down"):
-        kv.wait(ids)
-    kv.shutdown()  # twice is fine
+    kv.shutdown()  # twice is fine (ManagerClosed after it: tests/test_manager.py)
 
 
 # ---- a full or failing SSD: writes fail cleanly and are counted, host keeps serving ----------------
