@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 import yaml
 
+from dynamo_flexkv.durations import is_duration
 from dynamo_flexkv.enums import EvictionPolicy
 from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.remote.config import DEFAULT_PASSWORD_ENV
@@ -151,7 +152,7 @@ class CacheConfig:
         for key in ("cpu_cache_gb", "ssd_cache_gb", "hit_reward_seconds"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
-        if not self.task_result_ttl_seconds > 0:
+        if not is_duration(self.task_result_ttl_seconds):
             raise ConfigError(f"task_result_ttl_seconds={self.task_result_ttl_seconds} must be > 0: the time a "
                               "finished task's result waits for wait() before it is dropped")
         for key in ("evict_start_threshold", "evict_ratio"):

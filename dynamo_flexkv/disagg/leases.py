@@ -6,11 +6,12 @@ costs its blocks for ``ttl`` seconds, never for ever. Engine-thread only (no loc
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
+
+from dynamo_flexkv.durations import is_duration
 
 
 # A handover lease or pull timeout past a day is a typo (or inf): blocks held that long are lost.
@@ -20,7 +21,7 @@ MAX_HANDOVER_S = 86400.0
 def handover_seconds_problem(value: float) -> Optional[str]:
     """Why ``value`` cannot be a handover lease or pull timeout in seconds; None if it can. Shared
     by the worker's argparse and serve's plan check, so both refuse the same values."""
-    if not math.isfinite(value) or value <= 0:
+    if not is_duration(value):
         return f"{value} must be > 0 seconds (a finite number)"
     if value > MAX_HANDOVER_S:
         return f"{value} must be at most {MAX_HANDOVER_S:.0f} seconds (one day)"

@@ -14,13 +14,13 @@ never in an exception message: use ``redacted_url`` when naming the server.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import ssl
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 from urllib.parse import unquote
+from dynamo_flexkv.durations import is_duration
 from dynamo_flexkv.errors import FlexKVError
 
 DEFAULT_PORT = 6379
@@ -153,8 +153,7 @@ def parse_url(url: str) -> ParsedUrl:
 def _check_seconds(name: str, value: object, low: float, what: str, inclusive: bool = False) -> None:
     """The one check of every duration key: a finite real number above ``low`` (at least, when
     ``inclusive``). inf would overflow socket timeouts and PX at open; NaN compares false to all."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not (value >= low if inclusive else value > low):
+    if not is_duration(value, low, low_ok=inclusive):
         raise RemoteConfigError(f"remote_{name} must be {what}, got {value!r}")
 
 

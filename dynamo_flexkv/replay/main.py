@@ -7,7 +7,6 @@ plots and JSON lines in a results folder."""
 from __future__ import annotations
 
 import argparse
-import math
 import signal
 import sys
 import threading
@@ -16,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from dynamo_flexkv.durations import is_duration
 from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
 from dynamo_flexkv.workload import TRACE_BLOCK, Scale, Turn, trace_turns
 
@@ -58,7 +58,7 @@ def _number(kind: type, low: float, inclusive: bool, what: str) -> Callable[[str
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+        if not is_duration(value, low, low_ok=inclusive):
             raise argparse.ArgumentTypeError(f"{text} must be {what}")
         return value
     return parse

@@ -12,7 +12,6 @@ CacheConfig keys (dynamo_flexkv.config); ``{replica}`` in a value becomes the re
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import sys
@@ -28,6 +27,7 @@ from dynamo_flexkv.config import CacheConfig, ConfigError, read_yaml_mapping
 from dynamo_flexkv.disagg.leases import handover_seconds_problem
 from dynamo_flexkv.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.dynamo import LOOPBACK_ENV
+from dynamo_flexkv.durations import is_duration
 from dynamo_flexkv.remote.config import DEFAULT_PASSWORD_ENV, split_password
 from dynamo_flexkv.remote.server import local_redis_settings, redis_conf
 from dynamo_flexkv.storage.ssd import SsdInUseError, check_dir_free
@@ -131,7 +131,7 @@ def seconds_problem(value: float, low: float, high: Optional[float], low_ok: boo
     """Why ``value`` cannot be this option's number of seconds; None if it can."""
     if zero_off and value == 0:
         return None
-    if math.isfinite(value) and (value >= low if low_ok else value > low) and (high is None or value <= high):
+    if is_duration(value, low, high, low_ok):
         return None
     if high is None:
         want = f"> {low:g} seconds"
