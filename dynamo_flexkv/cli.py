@@ -96,12 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from dynamo_flexkv.doctor import main as doctor_main
         return doctor_main(args.cache_dirs, args.json)
     if args.command == "bench":
-        from dynamo_flexkv.bench import run
-        from dynamo_flexkv.disagg.nixl_kv import exit_past_libnl
-
-        with exit_past_libnl():  # bench disagg creates UCX agents in this process: exit 0, not libnl's SIGSEGV
-            run(args)
-        return 0
+        from dynamo_flexkv.bench import run_command
+        return run_command(args)
     raise AssertionError(args.command)
 
 

@@ -62,9 +62,15 @@ def run(args: argparse.Namespace) -> List[Case]:
     return cases
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """The one entry point of ``python -m dynamo_flexkv.bench`` and ``dynamo-flexkv bench``: runs
+    ``args`` (from build_parser) and returns the exit status."""
     from dynamo_flexkv.disagg.nixl_kv import exit_past_libnl
 
-    with exit_past_libnl():  # bench disagg creates UCX agents here: exit 0, not libnl's exit-time SIGSEGV
-        run(build_parser().parse_args(argv))
+    with exit_past_libnl():  # bench disagg creates UCX agents in this process: exit 0, not libnl's exit-time SIGSEGV
+        run(args)
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run_command(build_parser().parse_args(argv))
