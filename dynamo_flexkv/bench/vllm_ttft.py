@@ -246,7 +246,10 @@ def kv_transfer_config(role: str, host_bytes: int) -> Optional[Dict[str, Any]]:
                 "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host_bytes}}
     return {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"layerwise": True}}
+            # A lookup slower than the 2 s default give-up (the remote tier's existence check on a
+            # loaded machine) would turn a hit case into a miss and fail the run; here its wait is
+            # part of the timed TTFT instead.
+            "kv_connector_extra_config": {"layerwise": True, "lookup_give_up_s": 60.0}}
 
 
 def _stop_group(p: subprocess.Popen) -> None:
