@@ -418,25 +418,31 @@ def test_migrated_requests_report_their_own_prompt_tokens(graph):
 # --- shutdown ------------------------------------------------------------------------------------------
 
 DRAIN_PROMPTS = [ids(8 * 16 + 3, 60 + p) for p in range(4)]
+DRAIN_TOKENS = 200  # each stream decodes well past both signals: the drain has work to do
 
 
 def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(graph):
     """Last test on the shared graph: SIGTERM with requests in flight, then an impatient second
-    signal (SIGINT) a moment later. In-flight requests complete, serve exits 0, no traceback in
-    its output or any log, no process of the graph and no port is left."""
+    signal (SIGINT) once serve is stopping. In-flight requests complete, serve exits 0, no
+    traceback in its output or any log, no process of the graph and no port is left."""
     pids = [graph.proc.pid] + [worker_pid(graph, w) for w in WORKERS]
     ports = [graph.worker_port(w) for w in WORKERS] + [int(graph.base_url.rsplit(":", 1)[1])]
+    tracks = [Streamed() for _ in DRAIN_PROMPTS]
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(post, graph, {"prompt": p, "max_tokens": 40, "ignore_eos": True})
-                   for p in DRAIN_PROMPTS]
-        wait_until("requests in flight", lambda: sum(
-            m["used"] for m in all_workers(graph)) > 0, timeout=30, every=0.01)
+        futures = [pool.submit(tracked_stream, graph, p, DRAIN_TOKENS, t) for p, t in zip(DRAIN_PROMPTS, tracks)]
+        # In flight: each stream delivered a token (the client's own count, which only grows; a
+        # gauge polled on /metrics can miss requests that start and end between two scrapes).
+        wait_until("requests in flight", lambda: all(t.chunks >= 1 for t in tracks) or any(f.done() for f in futures),
+                   timeout=TIMEOUT, every=0.01)
         graph.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        graph.wait_for(r"^stopping\.\.\.$", TIMEOUT)  # serve took the SIGTERM and is stopping the graph
+        streaming = sum(not t.done for t in tracks)
         graph.proc.send_signal(signal.SIGINT)
-        replies = [f.result(timeout=TIMEOUT) for f in futures]
-    assert [c for c, _ in replies] == [200] * 4, replies
-    assert all(r["usage"]["completion_tokens"] == 40 for _, r in replies), replies
+        results = [f.result(timeout=TIMEOUT) for f in futures]
+    summary = [(r.status, r.chunks, r.done, r.error, r.usage) for r in results]
+    assert streaming, f"every stream had ended before the second signal: nothing was drained ({summary})"
+    assert all(r.status == 200 and r.done and r.error is None and r.usage
+               and r.usage["completion_tokens"] == DRAIN_TOKENS for r in results), summary
     assert graph.proc.wait(timeout=90) == 0, "\n".join(graph.lines[-40:])
     out = "\n".join(graph.lines)
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]

@@ -3,6 +3,7 @@ the real lease table and the real pull. Decode tokens must equal the aggregated 
 pulled KV bytes must equal the prefill engine's, and no lease or block may be left behind."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -77,6 +78,23 @@ def _prompts(n, rng):
     return out
 
 
+def _serve_releases(side, timeout: float = 10.0) -> None:
+    """Services the prefill side until every lease it granted ended. A release notice is NIXL's
+    notification from the decode agent (riding on the read, or sent alone when nothing was
+    read): the decode side sends it and goes on, and it reaches the prefill agent
+    asynchronously (UCX progress), so one service() right after a decode may not see it yet —
+    in a worker the engine loop services leases every turn. Bounded well below the pair's 30 s
+    lease: a notice that never arrives fails here rather than ending by expiry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        side.service()
+        if len(side.leases) == 0:
+            return
+        assert time.monotonic() < deadline, \
+            f"{len(side.leases)} leases still held {timeout:.0f} s after their decode side released them"
+        time.sleep(0.005)
+
+
 def _decode_one(engine, side, rid, prompt, params, handover):
     engine.add_request(prompt, params, request_id=rid)
     side.expect(rid, HandoverParams.from_dict(handover))
@@ -127,7 +145,7 @@ def test_decode_tokens_and_pulled_bytes_equal_aggregated_and_prefill(pair):
             for layer in range(CFG.num_layers):
                 assert torch.equal(decode.kv_cache.layers[layer][local], prefill.kv_cache.layers[layer][remote])
         pulled.clear()
-        p_side.service()
+        _serve_releases(p_side)  # before the next prompt (its blocks stay referenced while leased)
     assert d_side.stats.pulled_blocks > 0 and d_side.stats.local_blocks > 0  # shared prefixes hit locally
     assert d_side.stats.failed == 0
     # Every lease ended on its release notice; every block is free or evictable on both sides.
@@ -158,8 +176,8 @@ def test_a_refused_or_failed_handover_is_recomputed_exactly_and_the_lease_still_
     ghost = dict(good[KEY], agent="flexkv-kv-gone", metadata="bm90IG1ldGFkYXRh")
     assert _decode_one(decode, d_side, "r2", prompt, params, {KEY: ghost}) == want.output
     assert d_side.stats.failed == 3
-    p_side.service()
-    assert len(p_side.leases) == 0  # r1's release notice ended the one real lease
+    _serve_releases(p_side)  # r1's release notice ended the one real lease
+    assert p_side.leases.released == 1 and p_side.leases.expired_count == 0
     # A lease whose decode worker never answers ends by timeout.
     clock = Clock()
     p_side.leases = LeaseTable(3.0, clock)
@@ -238,8 +256,8 @@ def test_signed_handover_is_pulled_and_an_unsigned_or_differently_signed_one_rec
             handover = side.hand_over(prompt)
             assert _decode_one(decode, d_side, f"s{i}", prompt, params, handover) == want.output
             assert d_side.stats.failed == i and d_side.stats.pulled_blocks > 0
-        signer.service()
-        assert len(signer.leases) == 0 and len(other.leases) == len(unsigned.leases) == 1  # no release sent
+        _serve_releases(signer)
+        assert len(other.leases) == len(unsigned.leases) == 1  # no release sent
     finally:
         for side in (signer, other, unsigned):
             side.close()

@@ -3,7 +3,10 @@ workers, events through the launcher's ZMQ broker): no process may log that an e
 dropped or that an event named a block (or parent) the router never learned about."""
 
 import concurrent.futures
+import itertools
 import random
+import time
+from typing import Optional
 
 import pytest
 
@@ -12,6 +15,9 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 from test_dynamo_worker import assert_gone, complete, make_plan  # noqa: E402
 from test_router_events import CONTRADICTIONS  # noqa: E402
+from vllm_graph import RouterProbe  # noqa: E402
+
+BS = 16  # the tiny preset's block
 
 
 def assert_no_contradiction(launcher: Launcher) -> None:
@@ -27,24 +33,61 @@ def words(rng: random.Random, n: int) -> str:
                     + str(rng.randrange(100)) for _ in range(n))
 
 
+def seen(probe: RouterProbe, ids, timeout: float) -> Optional[float]:
+    """Seconds until the probe router counted every full block of ``ids`` on one worker, in any
+    tier (their KV events reached it); None if it did not within ``timeout`` seconds."""
+    t0 = time.monotonic()
+    while True:
+        if max((disk for _, _, disk in probe.scores(ids).values()), default=0) >= len(ids) // BS:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            return None
+        time.sleep(0.02)
+
+
 def test_bursts_of_long_prompts_leave_no_contradiction_in_any_log(tmp_path):
     plan = make_plan(tmp_path, "agg_router", "FlexKVWorker.num-device-blocks=192")
     rng = random.Random(0)
     system = words(rng, 80)  # ~600 tokens (about 7.7 tokens a word)
     with Launcher(plan) as launcher:
         launcher.wait_ready(120)
-        sent, tokens = [], 0
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            for burst in range(2):  # each burst overfills both workers' 192-block device caches
-                prompts = [system + " " + words(rng, 180) for _ in range(4)] + [words(rng, 260) for _ in range(2)]
-                replies = list(pool.map(lambda p: complete(plan, p, 2), prompts))
-                assert min(r["usage"]["prompt_tokens"] for r in replies) > 1500  # thousands of tokens each
-                tokens += sum(r["usage"]["prompt_tokens"] for r in replies)
-                sent += prompts
-        assert tokens > 2 * 2 * 192 * 16  # twice what both device caches hold: they evicted
-        # The router's view stayed true: a repeat of the newest prompt goes where its KV is.
-        again = complete(plan, sent[-1], 2)
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 64
+        # The frontend's router learns where a reply's blocks are from KV events, which travel apart
+        # from the reply (the worker's relay, its Dynamo publisher, the ZMQ broker): a repeat sent the
+        # moment the replies are back can be routed before they arrived. A second KV router on the
+        # graph's event plane (it routes nothing) says when they did.
+        from tokenizers import Tokenizer
+        encode = Tokenizer.from_file(str(plan.run_dir / "model" / "tokenizer.json")).encode
+        probe = RouterProbe(launcher.running["Frontend"].pid, tmp_path / "router-probe.log",
+                            endpoint="dynamo.flexkv.generate", block_size=BS)
+        try:
+            # It learns only from events published once its subscription reached the broker: a
+            # short prompt it sees says it did (another one if its events went before that).
+            for i in itertools.count():
+                warm = f"warm-up {i} " + words(random.Random(i), 8)
+                complete(plan, warm, 1)
+                if seen(probe, encode(warm).ids, 2) is not None:
+                    break
+                assert i < 30, "the probe router sees no KV event of the graph"
+            sent, tokens = [], 0
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                for burst in range(2):  # each burst overfills both workers' 192-block device caches
+                    prompts = [system + " " + words(rng, 180) for _ in range(4)] + [words(rng, 260) for _ in range(2)]
+                    replies = list(pool.map(lambda p: complete(plan, p, 2), prompts))
+                    assert min(r["usage"]["prompt_tokens"] for r in replies) > 1500  # thousands of tokens each
+                    tokens += sum(r["usage"]["prompt_tokens"] for r in replies)
+                    sent += prompts
+            assert tokens > 2 * 2 * 192 * 16  # twice what both device caches hold: they evicted
+            # The router's view stayed true: a repeat of the newest prompt, once its KV events
+            # arrived, goes where its KV is.
+            ids = encode(sent[-1]).ids
+            waited = seen(probe, ids, 30)
+            assert waited is not None, f"no router learned of the newest prompt's blocks: {probe.scores(ids)}"
+            again = complete(plan, sent[-1], 2)
+            assert again["usage"]["prompt_tokens"] == len(ids)  # the frontend tokenized it as we did
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 64, \
+                (again["usage"], f"the probe router saw its blocks {waited:.2f} s after the replies", probe.scores(ids))
+        finally:
+            probe.close()
     assert_no_contradiction(launcher)
     assert_gone(launcher)
 
