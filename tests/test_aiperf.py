@@ -8,7 +8,6 @@ counted them as errors. aiperf is installed into its own venv, ``.venv-aiperf/``
 this runs (about 2 minutes, 1.2 GB); slow, so not in the default suite. Our own replay client
 counts tokens per chunk (``chunk_tokens``), checked here too."""
 
-import fcntl
 import json
 import math
 import os
@@ -20,11 +19,10 @@ from pathlib import Path
 import pytest
 
 from dynamo_flexkv.dynamo.model_dir import write_hf_cache_entry
+from dynamo_flexkv.replay.aiperf import aiperf_exe
 from dynamo_flexkv.replay.client import chunk_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
-AIPERF_VENV = ROOT / ".venv-aiperf"
-AIPERF_VERSION = "0.13.0"
 BLOCK = 64  # tokens per KV block of the small preset: one trace hash id per block
 TOKENIZER = "flexkv/small"  # aiperf's --tokenizer: a repo id in an HF cache laid out by write_hf_cache_entry
 SMALL = ["Common.model=small", "Common.served-model-name=flexkv-small", "Frontend.http-port=0",
@@ -54,24 +52,6 @@ def graph(tmp_path_factory):
     with Launcher(plan) as launcher:
         launcher.wait_ready(300)
         yield plan, launcher
-
-
-def aiperf_exe() -> Path:
-    """aiperf from its own venv, installed there with pip if missing (idempotent; a lock keeps two
-    test runs from installing at once)."""
-    AIPERF_VENV.mkdir(exist_ok=True)
-    py, exe = AIPERF_VENV / "bin" / "python", AIPERF_VENV / "bin" / "aiperf"
-    with open(AIPERF_VENV / ".install.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        check = [str(py), "-c", "import importlib.metadata as m; print(m.version('aiperf'))"]
-        if exe.exists() and subprocess.run(check, capture_output=True, text=True).stdout.strip() == AIPERF_VERSION:
-            return exe
-        if not py.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(AIPERF_VENV)], check=True, timeout=300)
-        pip = subprocess.run([str(py), "-m", "pip", "install", "-q", f"aiperf=={AIPERF_VERSION}"],
-                             capture_output=True, text=True, timeout=1200)
-        assert pip.returncode == 0, f"pip install aiperf=={AIPERF_VERSION} failed:\n{pip.stderr[-3000:]}"
-    return exe
 
 
 def write_trace(path: Path) -> int:

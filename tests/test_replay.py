@@ -161,7 +161,7 @@ def test_the_demo_serves_vllm_by_default_and_the_reference_engine_on_request():
     scale = Scale(max_prompt_tokens=2048, max_output_tokens=8)
     # vLLM's max-model-len: the longest prompt plus output in whole 64-token blocks (33 blocks), so
     # the demo's 40-block device cache holds one request besides the block vLLM keeps back
-    assert engine_overrides(ENGINES["vllm"], args, scale) == ["VllmWorker.cache.cpu_cache_gb=0.0625",
+    assert engine_overrides(ENGINES["vllm"], args, scale) == ["VllmWorker.cache.cpu_cache_gb=0.015625",
                                                               "VllmWorker.max-model-len=2112"]
     args.set = engine_overrides(ENGINES["vllm"], args, scale)
     _check_context(args, scale, int(DEFAULT.device_blocks.split(",")[0]))
@@ -217,6 +217,54 @@ def test_vllm_accounting_checks_the_cached_total_against_its_counters():
     workers["w1"].requests, workers["w1"].cached["host"] = 3, 64
     assert check_accounting(run) == ("w1: 2 responses, vllm:request_success_total +3; "
                                      "w1: cached 256 in responses vs 192 in metrics")
+
+
+def test_aiperf_gets_our_request_bodies_as_sessions(tmp_path):
+    """--client aiperf: each conversation an aiperf session, each turn the body our client sends
+    (token ids, greedy, streamed) at its scaled arrival; aiperf's records come back matched to
+    the turns by session and turn index."""
+    from dynamo_flexkv.replay.aiperf import records_from_export, replay_seconds, write_trace
+
+    turns = [Turn(0, 0, 1_000, [5, 6, 7], 4), Turn(1, 0, 3_000, [8, 9], 2), Turn(0, 1, 5_000, [5, 6, 7, 1], 3)]
+    write_trace(turns, "m", 2.0, tmp_path / "t.jsonl")
+    lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert [(x["session_id"], x["timestamp"]) for x in lines] == [("conv-0", 0.0), ("conv-1", 1000.0), ("conv-0", 2000.0)]
+    assert lines[2]["payload"] == {"model": "m", "prompt": [5, 6, 7, 1], "max_tokens": 3, "temperature": 0,
+                                   "stream": True, "stream_options": {"include_usage": True}}
+
+    def row(conv: str, k: int, ttft: float, error=None) -> str:
+        return json.dumps({"metadata": {"conversation_id": conv, "turn_index": k}, "error": error,
+                           "metrics": {"time_to_first_token": {"value": ttft}, "inter_chunk_latency": {"value": [2.0, 3.0]},
+                                       "request_latency": {"value": ttft + 5}, "output_sequence_length": {"value": 3}}})
+
+    recs = records_from_export([row("conv-0", 1, 30.0), row("conv-1", 0, 20.0, {"message": "HTTP 503"}),
+                                row("conv-0", 0, 10.0)], turns, 2.0)
+    assert [(r.conversation, r.turn, r.ttft_ms, r.error) for r in recs] == \
+        [(0, 0, 10.0, None), (1, 0, 20.0, "HTTP 503"), (0, 1, 30.0, None)]
+    assert recs[2].itl_ms == [2.0, 3.0] and recs[2].prompt_tokens == 4 and recs[2].arrival_s == 2.0
+    missing = records_from_export([row("conv-0", 0, 10.0)], turns)
+    assert [r.error for r in missing] == [None, "aiperf sent no request for it", "aiperf sent no request for it"]
+    with pytest.raises(RuntimeError, match="session 'conv-7' turn 0"):
+        records_from_export([row("conv-7", 0, 1.0)], turns)
+    spans = [json.dumps({"metadata": {"request_start_ns": a, "request_end_ns": b}}) for a, b in
+             ((5_000_000_000, 6_000_000_000), (4_500_000_000, 9_000_000_000))]
+    assert replay_seconds(spans) == 4.5  # first start to last end, not aiperf's own start-up
+
+
+def test_aiperf_runs_are_accounted_from_the_workers_counters():
+    """aiperf's records name no worker and no cached tokens: hits, requests per worker and the
+    accounting (the graph's totals) come from the workers' counters; no later turn counts as kept."""
+    recs = [RequestRecord(i, i % 2, i // 2, 0.0, prompt_tokens=100, output_tokens=2, ttft_ms=5.0, itl_ms=[1.0])
+            for i in range(4)]
+    workers = {"w1": WorkerTotals(3, 300, {"device": 64, "host": 64, "disk": 0, "remote": 0}),
+               "w2": WorkerTotals(1, 100, {"device": 0, "host": 0, "disk": 64, "remote": 0})}
+    run = ConfigRun(CONFIGURATIONS["host+ssd"], 40, recs, 1.0, workers, {}, "vllm", "aiperf")
+    s = summarize(run)
+    assert s.client == "aiperf" and s.accounting.startswith("totals exact")
+    assert s.requests_per_worker == {"w1": 3, "w2": 1} and math.isnan(s.kept_on_worker)
+    assert s.hit_rate["all"] == 192 / 400 and s.computed_tokens == 400 - 192
+    workers["w2"].requests = 2
+    assert check_accounting(run) == "4 requests of 400 prompt tokens succeeded, the workers' counters say 5 of 400"
 
 
 def test_plots_skip_what_has_no_data(tmp_path):
@@ -370,6 +418,30 @@ def test_replay_command_against_a_served_graph(graph, replayed, tmp_path):
     assert [json.loads(x)["config"] for x in summaries.read_text().splitlines()] == ["served"]
     for png in ("ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+@pytest.mark.slow
+def test_replay_timed_by_aiperf_against_a_served_graph(graph, replayed, tmp_path):
+    """The same replay with aiperf as the client (installed into .venv-aiperf on first use): every
+    turn answered with a TTFT and inter-chunk gaps aiperf measured, the graph's request and prompt
+    token totals equal to what aiperf sent."""
+    from dynamo_flexkv.cli import main
+
+    plan, _ = graph
+    out, summaries = tmp_path / "results", tmp_path / "summaries.jsonl"
+    code = main(["replay", "--engine", "reference", "--client", "aiperf", "--url", plan.base_url,
+                 "--model", plan.served_model_name, "--worker-metrics", ",".join(str(p.port) for p in plan.workers),
+                 "--conversations", "6", "--tokens-per-hash-block", "16", "--max-prompt-tokens", "1000",
+                 "--time-scale", "500", "--concurrency", "4", "--out", str(out), "--json", str(summaries)])
+    assert code == 0
+    report = (out / "report.md").read_text()
+    assert "Timed by: aiperf" in report and "served @0: totals exact" in report
+    requests = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()
+                if json.loads(x)["bench"] == "replay-request"]
+    assert requests and all(r["error"] is None and r["ttft_ms"] > 0 for r in requests)
+    assert all(len(r["itl_ms"]) >= 1 and r["ttft_ms"] < r["e2e_ms"] for r in requests)
+    summary = json.loads(summaries.read_text().splitlines()[0])
+    assert summary["client"] == "aiperf" and summary["errors"] == 0 and summary["requests"] == len(requests)
 
 
 @pytest.mark.slow

@@ -177,6 +177,7 @@ class ConfigRun:
     workers: Dict[str, WorkerTotals]  # worker name -> its counters' change across the replay
     worker_names: Dict[int, str]  # instance id -> worker name
     engine: str = "reference"  # ENGINES key: whose metric mapping ``workers`` was read with
+    client: str = "ours"  # who sent and timed the requests: ours (Replayer) or aiperf
 
     @property
     def label(self) -> str:
@@ -187,7 +188,7 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
                      config_file: str, extra_overrides: Sequence[str], time_scale: float, concurrency: int,
                      on_done: Callable[[RequestRecord], None], on_ready: Callable[[], None] = lambda: None,
                      logs: bool = False, request_timeout_s: float = 120, engine: str = "reference",
-                     ready_timeout_s: Optional[float] = None) -> Tuple[ConfigRun, "Launcher"]:
+                     ready_timeout_s: Optional[float] = None, client: str = "ours") -> Tuple[ConfigRun, "Launcher"]:
     """Serves ``config`` on a fresh graph of ``engine``'s workers and replays ``turns`` against it.
     The graph is returned still running: the caller stops it (``Launcher.shutdown``), e.g. while
     the next one starts."""
@@ -209,9 +210,10 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
     try:
         launcher.wait_ready(ready_timeout_s or ENGINES[engine].ready_timeout_s)
         on_ready()
+        model_dir = plan.run_dir / "model" if plan.write_model else Path(plan.model)
         run = _measure(config, device_blocks, plan.base_url, plan.served_model_name,
                        {p.name: p.port for p in plan.workers}, turns, time_scale, concurrency, on_done,
-                       launcher.check_alive, request_timeout_s, engine)
+                       launcher.check_alive, request_timeout_s, engine, client, model_dir, run_dir / "aiperf")
     except BaseException:
         launcher.shutdown()
         raise
@@ -220,33 +222,49 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
 
 def replay_url(url: str, model: str, turns: Sequence[Turn], *, ports: Sequence[int], time_scale: float,
                concurrency: int, on_done: Callable[[RequestRecord], None], request_timeout_s: float = 120,
-               engine: str = "reference") -> ConfigRun:
+               engine: str = "reference", client: str = "ours", model_dir: Optional[Path] = None) -> ConfigRun:
     """The replay against a graph served elsewhere; ``ports``: its workers' system ports (may be
-    empty), read with ``engine``'s metric mapping."""
+    empty), read with ``engine``'s metric mapping; ``model_dir``: the tokenizer aiperf loads
+    (``client="aiperf"``)."""
     config = Configuration("served", f"the graph at {url}", ())
     return _measure(config, 0, url, model, {f"worker@{p}": p for p in ports}, turns, time_scale, concurrency,
-                    on_done, request_timeout_s=request_timeout_s, engine=engine)
+                    on_done, request_timeout_s=request_timeout_s, engine=engine, client=client,
+                    model_dir=model_dir, workdir=Path(tempfile.mkdtemp(prefix="dynamo-flexkv-aiperf-")))
 
 
 def _measure(config: Configuration, device_blocks: int, url: str, model: str, ports: Dict[str, int],
              turns: Sequence[Turn], time_scale: float, concurrency: int,
              on_done: Callable[[RequestRecord], None], check_alive: Callable[[], None] = lambda: None,
-             request_timeout_s: float = 120, engine: str = "reference") -> ConfigRun:
+             request_timeout_s: float = 120, engine: str = "reference", client: str = "ours",
+             model_dir: Optional[Path] = None, workdir: Optional[Path] = None) -> ConfigRun:
     mapping = ENGINES[engine].metrics
     texts = {name: scrape(port) for name, port in ports.items()}
     names = {worker_id(text): name for name, text in texts.items()}
     before = {name: worker_totals(text, mapping) for name, text in texts.items()}
     t0 = time.perf_counter()
-    records = Replayer(url, model, concurrency=concurrency, request_timeout_s=request_timeout_s).run(
-        turns, time_scale, on_done)
-    wall = time.perf_counter() - t0
+    wall: Optional[float] = None
+    if client == "aiperf":
+        from dynamo_flexkv.replay.aiperf import run_aiperf
+
+        if model_dir is None or workdir is None:
+            raise ValueError("--client aiperf needs the served model's directory (its tokenizer) and a work folder")
+        records, wall = run_aiperf(url, model, model_dir, turns, time_scale=time_scale, concurrency=concurrency,
+                                   workdir=workdir, request_timeout_s=request_timeout_s)
+        for r in records:
+            on_done(r)
+    elif client == "ours":
+        records = Replayer(url, model, concurrency=concurrency, request_timeout_s=request_timeout_s).run(
+            turns, time_scale, on_done)
+    else:
+        raise ValueError(f"unknown client {client!r}: ours or aiperf")
+    wall = wall or time.perf_counter() - t0
     check_alive()  # a component that died mid-replay is named, with its log tail
     after = {name: worker_totals(scrape(port), mapping) for name, port in ports.items()}
     for r in records:  # workers not scraped are still told apart
         if r.worker_id is not None and r.worker_id not in names:
             names[r.worker_id] = f"worker-{r.worker_id:x}"
     return ConfigRun(config, device_blocks, records, wall, {n: after[n].minus(before[n]) for n in ports}, names,
-                     engine)
+                     engine, client)
 
 
 def attribute_workers(run: ConfigRun) -> Dict[str, List[RequestRecord]]:

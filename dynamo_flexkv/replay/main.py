@@ -21,9 +21,10 @@ from dynamo_flexkv.workload import TRACE_BLOCK, Scale, Turn, trace_turns
 
 
 ALL_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only"
-# Host tier per worker: 512 blocks of the small preset, what a worker serves in the default workload
-# (float32 on the reference engine, 256 KiB a block; vLLM serves it in bfloat16, 128 KiB a block).
-HOST_GB = {"reference": 0.125, "vllm": 0.0625}
+# Host tier per worker, in blocks of the small preset: the reference engine 512 (float32, 256 KiB a
+# block), what a worker serves in the default workload; vLLM 128 (bfloat16, 128 KiB a block), a
+# quarter of that, so the SSD tier serves part of the lower-tier hits (with 512 it served none).
+HOST_GB = {"reference": 0.125, "vllm": 0.015625}
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Preset:
 # The main job (a few minutes on 2 cores): 32 conversations, every 4th of the first 128 (their first
 # turns spread over the trace's first 219 s, not one 51 s burst), turns in the trace's first 15 min
 # (83 requests; the other 11 trickle in over the next 34 min of trace), at 20x. At 40 device
-# blocks a prompt leaves the device before its conversation's next turn; the 512-block host tier
+# blocks a prompt leaves the device before its conversation's next turn; a 512-block host tier
 # holds what a worker serves, so a later turn's prefix is on the worker that served the turn before.
 DEFAULT = Preset(conversations=32, sample_every=4, trace_window_s=900, time_scale=20.0,
                  configs="no-offload,host+ssd,kv-device-only", device_blocks="40", sweep_configs="no-offload,host+ssd")
@@ -84,9 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every configuration (e.g. VllmWorker.cache.ssd_cache_gb=0.5)")
     g.add_argument("--host-gb", type=GB,
-                   help=f"host tier per worker in GB (default {HOST_GB['vllm']} for vllm, {HOST_GB['reference']} for "
-                   "reference: 512 blocks of the small preset in the engine's dtype, what a worker "
-                   "serves in the default workload; a quarter of that makes the SSD tier serve most lower-tier hits)")
+                   help=f"host tier per worker in GB (default {HOST_GB['vllm']} for vllm: 128 blocks of the small preset in "
+                   f"bfloat16, a quarter of what a worker serves in the default workload, so the SSD tier serves "
+                   f"part of the lower-tier hits; {HOST_GB['reference']} for reference: 512 float32 blocks, all of it)")
     g.add_argument("--configs", help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
                    f"--full {FULL.configs}; all: {ALL_CONFIGS})")
     g.add_argument("--device-blocks", help="device KV blocks per worker, comma-separated: the first size runs "
@@ -97,6 +98,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--url", help="replay against this already served graph (e.g. http://127.0.0.1:8000) instead: "
                    "one run, no comparison")
     g.add_argument("--model", help="served model name (with --url; default: the config's served-model-name)")
+    g.add_argument("--client", choices=["ours", "aiperf"], default="ours",
+                   help="who sends and times the requests: ours (default; counts tokens per chunk, names the worker "
+                   "and the tiers of each response) or aiperf, NVIDIA's benchmark client, from its own venv "
+                   ".venv-aiperf (installed on first use, ~2 min): the same request bodies and schedule, timed by "
+                   "the chunks that carry text; hits and accounting then come from the workers' counters")
     g.add_argument("--worker-metrics", default="", metavar="PORT,PORT",
                    help="with --url: the workers' system ports, to attribute requests and check the accounting "
                    "(their counters read as --engine's)")
@@ -222,7 +228,8 @@ def _run(args: argparse.Namespace) -> int:
                     run = replay_url(args.url, args.model or _served_name(args), turns,
                                      ports=_ports(args.worker_metrics), time_scale=args.time_scale,
                                      concurrency=args.concurrency, on_done=progress.done,
-                                     request_timeout_s=args.request_timeout, engine=args.engine)
+                                     request_timeout_s=args.request_timeout, engine=args.engine,
+                                     client=args.client, model_dir=_tokenizer_dir(args) if args.client == "aiperf" else None)
                 else:
                     def ready(progress=progress) -> None:
                         stopping.wait()  # the previous graph is gone before this one is measured
@@ -233,7 +240,7 @@ def _run(args: argparse.Namespace) -> int:
                                                      concurrency=args.concurrency, on_done=progress.done,
                                                      on_ready=ready, logs=args.logs,
                                                      request_timeout_s=args.request_timeout, engine=args.engine,
-                                                     ready_timeout_s=args.ready_timeout)
+                                                     ready_timeout_s=args.ready_timeout, client=args.client)
                     stopping.start(launcher)  # stops while the next graph starts
             except (ComponentDied, TimeoutError, RuntimeError, OSError) as e:  # this run only: the others count
                 failed.append(f"{config.name} @{blocks}: {e}")
@@ -337,6 +344,20 @@ def _worker_section(args: argparse.Namespace, overrides: Optional[List[str]] = N
 
 def _vllm_block_size(args: argparse.Namespace) -> int:
     return int(_worker_section(args).get("block-size") or 64)
+
+
+def _tokenizer_dir(args: argparse.Namespace) -> Path:
+    """For aiperf against --url: a model directory of the config's preset (its tokenizer; aiperf
+    counts tokens by the server's usage), or the config's model when it is a local directory."""
+    import tempfile
+
+    from dynamo_flexkv.dynamo.model_dir import write_model_dir
+    from dynamo_flexkv.engine import EngineModelConfig
+
+    model = str(_worker_section(args).get("model") or "small")
+    if Path(model).is_dir():
+        return Path(model)
+    return write_model_dir(EngineModelConfig.load(model), Path(tempfile.mkdtemp(prefix="dynamo-flexkv-tokenizer-")))
 
 
 def _served_name(args: argparse.Namespace) -> str:

@@ -12,6 +12,10 @@ from dynamo_flexkv.replay.client import TIERS, RequestRecord
 from dynamo_flexkv.replay.configs import ENGINES, ConfigRun, attribute_workers
 
 
+CLIENTS = {"ours": "our replay client (TTFT: the first chunk carrying a token, by nvext.completion_token_ids)",
+           "aiperf": "aiperf (TTFT and inter-chunk gaps: chunks carrying text, as a plain streaming client sees them)"}
+
+
 def percentile(xs: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100); NaN for no data."""
     if not xs:
@@ -46,6 +50,7 @@ class Summary:
     ttft_p50_later_ms: float = math.nan  # turns after a conversation's first: where routing decides the hits
     kept_on_worker: float = math.nan  # later turns served by the worker that served the turn before
     engine: str = "reference"  # whose workers served it (ENGINES)
+    client: str = "ours"  # who sent and timed the requests: ours or aiperf
 
     def to_json(self) -> dict:
         return {"bench": "replay", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in vars(self).items()}}
@@ -61,9 +66,13 @@ def summarize(run: ConfigRun) -> Summary:
         cached = {t: sum(r.cached_by_tier.get(t, 0) for r in ok) for t in TIERS}  # a tier a record lacks: 0
     else:  # the responses carry only a total: per tier from the workers' counters
         cached = {t: sum(w.cached[t] for w in run.workers.values()) for t in TIERS}
-    total_cached = sum(r.cached_tokens for r in ok)
+    # aiperf's records carry no usage details or worker: the totals come from the workers' counters
+    total_cached = sum(cached.values()) if run.client == "aiperf" else sum(r.cached_tokens for r in ok)
     wall = max(run.wall_s, 1e-9)
-    by_worker = attribute_workers(run)
+    if run.client == "aiperf":
+        per_worker = {name: w.requests for name, w in sorted(run.workers.items())}
+    else:
+        per_worker = {name: len(rs) for name, rs in sorted(attribute_workers(run).items())}
     return Summary(
         config=run.config.name, description=run.config.description, device_blocks=run.device_blocks,
         requests=len(ok), errors=len(run.records) - len(ok), wall_s=run.wall_s,
@@ -75,17 +84,17 @@ def summarize(run: ConfigRun) -> Summary:
         tier_source="responses" if per_request else "worker metrics",
         hit_rate={**{t: cached[t] / prompt if prompt else 0.0 for t in TIERS},
                   "all": total_cached / prompt if prompt else 0.0},
-        requests_per_worker={name: len(rs) for name, rs in sorted(by_worker.items())},
+        requests_per_worker=per_worker,
         accounting=check_accounting(run),
         ttft_p50_later_ms=percentile([r.ttft_ms for r in ok if r.turn > 0 and r.ttft_ms is not None], 50),
-        kept_on_worker=kept_on_worker(ok), engine=run.engine)
+        kept_on_worker=kept_on_worker(ok), engine=run.engine, client=run.client)
 
 
 def kept_on_worker(records: Sequence[RequestRecord]) -> float:
     """Share of later turns that went to the worker that served their conversation's previous turn
     (NaN when there are none): how often the router followed a conversation's cached prefix."""
-    served = {(r.conversation, r.turn): r.worker_id for r in records}
-    later = [r for r in records if (r.conversation, r.turn - 1) in served]
+    served = {(r.conversation, r.turn): r.worker_id for r in records if r.worker_id is not None}
+    later = [r for r in records if r.worker_id is not None and (r.conversation, r.turn - 1) in served]
     if not later:
         return math.nan
     return sum(served[(r.conversation, r.turn - 1)] == r.worker_id for r in later) / len(later)
@@ -99,6 +108,14 @@ def check_accounting(run: ConfigRun) -> str:
         return "not checked (no worker /metrics to compare with)"
     m = ENGINES[run.engine].metrics
     problems = []
+    if run.client == "aiperf":  # no worker in aiperf's records: the graph's totals
+        ok = [r for r in run.records if r.error is None]
+        got = (sum(w.requests for w in run.workers.values()), sum(w.prompt_tokens for w in run.workers.values()))
+        want = (len(ok), sum(r.prompt_tokens for r in ok))
+        if got != want:
+            problems.append(f"{want[0]} requests of {want[1]} prompt tokens succeeded, the workers' counters "
+                            f"say {got[0]} of {got[1]}")
+        return "totals exact (aiperf: per worker not attributable)" if not problems else "; ".join(problems)
     for name, recs in attribute_workers(run).items():
         w = run.workers.get(name)
         if w is None:
@@ -152,6 +169,8 @@ def markdown(summaries: Sequence[Summary], workload: str, setup: str) -> str:
             f"| {h['device']:.0%} / {h['host']:.0%} / {h['disk']:.0%} ({h['all']:.0%}) "
             f"| {_pct(s.kept_on_worker)} | {' / '.join(str(n) for n in s.requests_per_worker.values())} | {s.errors} |")
     sources = sorted({s.tier_source for s in summaries})
+    clients = sorted({s.client for s in summaries})
+    lines += ["", "Timed by: " + ", ".join(CLIENTS[c] for c in clients) + "."]
     lines += ["", f"Per-tier hits from: {', '.join(sources)}. Per-request accounting against the workers' "
               "counters: " + "; ".join(f"{s.config} @{s.device_blocks}: {s.accounting}" for s in summaries),
               "", f"Worker counters read: {metric_note(sorted({s.engine for s in summaries}))}."]
