@@ -165,7 +165,7 @@ def check_dynamo() -> Check:
 def check_config(config=None) -> "tuple[Check, Optional[object]]":
     """The configuration (file and FLEXKV_* environment) and the CacheConfig it makes (None when it
     cannot be loaded: the check says why, naming the key and the fix)."""
-    from dynamo_flexkv.config import CONFIG_PATH_ENV, CacheConfig, ConfigError
+    from dynamo_flexkv.core.config import CONFIG_PATH_ENV, CacheConfig, ConfigError
     if config is not None:
         return Check("config", Status.OK, "given"), config
     try:
@@ -178,7 +178,7 @@ def check_config(config=None) -> "tuple[Check, Optional[object]]":
 
 def check_remote(config=None) -> Check:
     """The remote tier as configured: reachable, logged in, cluster or not, eviction policy."""
-    from dynamo_flexkv.sysutil import find_binary
+    from dynamo_flexkv.core.sysutil import find_binary
 
     name = "remote tier (Redis)"
     server = find_binary("redis-server")
@@ -192,8 +192,8 @@ def check_remote(config=None) -> Check:
         return Check(name, Status.OK, f"disabled (enable_remote=false); {local} for `serve`'s own Redis")
     if not cfg.remote_cache_url:  # only reachable through serve, which fills the URL in
         return Check(name, Status.OK if server else Status.MISSING, f"no remote_cache_url: `serve` starts {local}")
-    from dynamo_flexkv.config import ConfigError
-    from dynamo_flexkv.remote import RemoteError, RemoteStore
+    from dynamo_flexkv.core.config import ConfigError
+    from dynamo_flexkv.core.remote import RemoteError, RemoteStore
     try:
         rc = cfg.remote_config()
     except ConfigError as e:

@@ -41,7 +41,7 @@ def main() -> int:
         os.environ.clear()
         os.environ.update(base_env)
         os.environ.update(c.get("env", {}))
-        kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
+        kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": c.get("extra", {"layerwise": True})}
         kt.update(c.get("kt", {}))

@@ -1,5 +1,5 @@
 """Adversarial driver: runs real vLLM (CPU) with or without FlexKVConnector through a list of
-scenarios and writes what it saw as JSON. Used by tests/test_adversarial_vllm.py in a subprocess:
+scenarios and writes what it saw as JSON. Used by tests/test_vllm_connector_faults.py in a subprocess:
 
     python tests/adv_vllm_driver.py MODEL_DIR OUT.json --connector {0,1} --scenarios a,b,c [--extra JSON]
                                     [--engine JSON]
@@ -242,7 +242,7 @@ def main() -> int:
               enforce_eager=True, kv_cache_memory_bytes=128 << 20, seed=0)
     kw.update(json.loads(a.engine))
     if a.connector:
-        kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
+        kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": json.loads(a.extra)}
         kt.update(json.loads(a.kt))

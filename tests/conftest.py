@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # Dynamo processes bind and advertise loopback only.
-from dynamo_flexkv.dynamo import LOOPBACK_ENV  # noqa: E402
+from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV  # noqa: E402
 
 for var, value in LOOPBACK_ENV.items():
     os.environ.setdefault(var, value)
@@ -28,8 +28,8 @@ def pytest_unconfigure(config):
     """NIXL 1.5.1's UCX plugin bundles a libnl whose exit-time destructor crashes (SIGSEGV) in any
     process that created a UCX backend; the disaggregation tests create some in this process. Once
     the report is written, end with the run's own exit status instead of that crash (the same
-    rule the workers follow: dynamo_flexkv.disagg.nixl_kv.exit_past_libnl)."""
-    nixl_kv = sys.modules.get("dynamo_flexkv.disagg.nixl_kv")
+    rule the workers follow: dynamo_flexkv.integrations.disagg.nixl_kv.exit_past_libnl)."""
+    nixl_kv = sys.modules.get("dynamo_flexkv.integrations.disagg.nixl_kv")
     if nixl_kv is not None and nixl_kv._ucx_agents:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()

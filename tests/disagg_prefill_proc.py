@@ -6,10 +6,10 @@ import json
 import sys
 import threading
 
-from dynamo_flexkv.disagg.nixl_kv import KVAgent
-from dynamo_flexkv.disagg.roles import PrefillSide
-from dynamo_flexkv.engine import EngineModelConfig, LLMEngine
-from dynamo_flexkv.engine.request import SamplingParams
+from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+from dynamo_flexkv.integrations.disagg.roles import PrefillSide
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
+from dynamo_flexkv.integrations.reference_engine.request import SamplingParams
 
 engine = LLMEngine(EngineModelConfig.load("tiny"), num_device_blocks=48)
 side = PrefillSide(engine, KVAgent(engine.kv_cache.layers), lease_ttl=float(sys.argv[1]))

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from dynamo_flexkv.remote.server import RedisCluster, RedisServer
+from dynamo_flexkv.serve.redis_server import RedisCluster, RedisServer
 
 needs_redis = pytest.mark.skipif(
     shutil.which("redis-server") is None or shutil.which("redis-cli") is None,

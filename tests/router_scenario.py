@@ -6,6 +6,7 @@ the worker holds. Run as a script (own process: the runtime's threads and NIXL's
 out of pytest): ``router_scenario.py WORKDIR [tiers|bursts]``."""
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -19,11 +20,11 @@ from dynamo._core import (DistributedRuntime, KvEventPublisher, KvRouter, KvRout
                           WorkerType, register_model)
 
 from dynamo_flexkv import CacheConfig, KVManager
-from dynamo_flexkv.dynamo.model_dir import write_model_dir
-from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, SamplingParams
-from dynamo_flexkv.events import KvEventRelay, OffloadEvents
-from dynamo_flexkv.index import Tier
-from dynamo_flexkv.sysutil import free_port
+from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
+from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
+from dynamo_flexkv.core.index import Tier
+from dynamo_flexkv.core.sysutil import free_port
 
 CFG = EngineModelConfig.preset("tiny")
 BS = CFG.block_size
@@ -141,7 +142,10 @@ async def bursts(workdir, relay, checker) -> None:
                           "disk_evictions": kv.cache.tiers[Tier.DISK].evictions}), flush=True)
 
 
-async def main(workdir: str, scenario: str) -> int:
+@contextlib.asynccontextmanager
+async def relay_and_router(workdir: str):
+    """A registered tiny-model worker endpoint with a relay-mode KvEventPublisher fed by our
+    KvEventRelay, and a separate KvRouter that learns only from the events: (relay, router)."""
     loop = asyncio.get_running_loop()
     rt = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
     ep = rt.endpoint("flexkv.worker.generate")
@@ -157,36 +161,49 @@ async def main(workdir: str, scenario: str) -> int:
     # Relay mode: the publisher subscribes to our PUB socket and forwards to the router. Keep the
     # reference: dropping it stops the relay.
     publisher = KvEventPublisher(ep, kv_block_size=BS, zmq_endpoint=relay.endpoint, enable_local_indexer=True)
-    router = KvRouter(ep, BS, KvRouterConfig())  # a separate router: it learns only from events
-    if not relay.wait_for_subscriber(30):
-        raise RuntimeError("the KvEventPublisher never subscribed to the relay")
-    await asyncio.sleep(0.5)  # and the router's subscription reached the event plane
-    checker = Checker(router)
-    await {"tiers": tiers, "bursts": bursts}[scenario](workdir, relay, checker)
-    print(json.dumps({"relay": {"frames": relay.sent, "events": relay.events_sent, "skipped": relay.skipped}}),
-          flush=True)
-    relay.close()
-    del publisher
-    serving.cancel()
-    rt.shutdown()
-    return 1 if checker.failures else 0
+    router = KvRouter(ep, BS, KvRouterConfig())
+    try:
+        if not relay.wait_for_subscriber(30):
+            raise RuntimeError("the KvEventPublisher never subscribed to the relay")
+        yield relay, router
+    finally:
+        relay.close()
+        del publisher
+        serving.cancel()
+        rt.shutdown()
 
 
-if __name__ == "__main__":
-    from dynamo_flexkv.dynamo import LOOPBACK_ENV
+def run_with_broker(work: str, coro_fn) -> None:
+    """Runs ``coro_fn()`` (returns an exit code) with Dynamo on loopback, file discovery under
+    ``work`` and the event plane through a ZMQ broker as the launcher serves graphs (that path has
+    the router's 64-frame lane per worker); exits the process with the code."""
+    from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
+
     os.environ.update(LOOPBACK_ENV)
-    work = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
-    scenario = sys.argv[2] if len(sys.argv) > 2 else "tiers"
     os.environ["DYN_FILE_KV"] = os.path.join(work, "discovery")
-    # The event plane through a broker, as the launcher serves graphs: that path has the
-    # router's 64-frame lane per worker.
     xsub, xpub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     broker = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.serve.zmq_broker", xsub, xpub])
     os.environ["DYN_ZMQ_BROKER_URL"] = f"xsub={xsub} , xpub={xpub}"
     try:
-        code = asyncio.run(main(work, scenario))
+        code = asyncio.run(coro_fn())
     finally:
         broker.terminate()
         broker.wait(10)
     sys.stdout.flush()
     os._exit(code)  # the runtime keeps background tasks; nothing left to flush
+
+
+async def main(workdir: str, scenario: str) -> int:
+    async with relay_and_router(workdir) as (relay, router):
+        await asyncio.sleep(0.5)  # and the router's subscription reached the event plane
+        checker = Checker(router)
+        await {"tiers": tiers, "bursts": bursts}[scenario](workdir, relay, checker)
+        print(json.dumps({"relay": {"frames": relay.sent, "events": relay.events_sent, "skipped": relay.skipped}}),
+              flush=True)
+    return 1 if checker.failures else 0
+
+
+if __name__ == "__main__":
+    work = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
+    scenario = sys.argv[2] if len(sys.argv) > 2 else "tiers"
+    run_with_broker(work, lambda: main(work, scenario))

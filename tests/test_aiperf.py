@@ -13,12 +13,11 @@ import math
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from dynamo_flexkv.dynamo.model_dir import write_hf_cache_entry
+from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_hf_cache_entry
 from dynamo_flexkv.replay.aiperf import aiperf_exe
 from dynamo_flexkv.replay.client import chunk_tokens
 

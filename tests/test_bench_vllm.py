@@ -114,7 +114,7 @@ def test_engine_environment_and_connector_configs(tmp_path, monkeypatch):
     assert v.kv_transfer_config("plain", 1) is None
     kt = v.kv_transfer_config("flexkv", 1)
     assert (kt["kv_connector"], kt["kv_connector_module_path"], kt["kv_load_failure_policy"]) == (
-        "FlexKVConnector", "dynamo_flexkv.vllm_connector", "recompute")
+        "FlexKVConnector", "dynamo_flexkv.integrations.vllm_connector", "recompute")
     off = v.kv_transfer_config("offloading", 123)
     assert off["kv_connector"] == "OffloadingConnector"
     assert off["kv_connector_extra_config"] == {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 123}

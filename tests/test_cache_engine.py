@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from dynamo_flexkv.config import CacheConfig
-from dynamo_flexkv.index import CacheEngine, IndexError_, Tier
+from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.index import CacheEngine, IndexError_, Tier
 from test_tier_index import random_chains
 
 

@@ -2,9 +2,9 @@ import os
 
 import pytest
 
-from dynamo_flexkv.config import CacheConfig, ConfigError
-from dynamo_flexkv.index.policies import EvictionPolicy
-from dynamo_flexkv.layout import ModelSpec
+from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.index.policies import EvictionPolicy
+from dynamo_flexkv.core.layout import ModelSpec
 
 LLAMA8B = ModelSpec(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16")
 

@@ -29,7 +29,7 @@ def _chains(adopted):
 def test_sigkill_during_disk_writes_never_serves_torn_blocks(tmp_path):
     ctx = multiprocessing.get_context("forkserver")  # a clean single-threaded parent per writer
     # Python 3.11's forkserver ignores the parent's sys.path, so preload installed modules only.
-    ctx.set_forkserver_preload(["torch", "numpy", "dynamo_flexkv.manager"])
+    ctx.set_forkserver_preload(["torch", "numpy", "dynamo_flexkv.core.manager"])
     from crash_writer import DEVICE_BLOCKS, MAX_BLOCKS
     cfg = config(tmp_path, host_blocks=12, disk_blocks=96, evict_ratio=0.1)
     rng = np.random.default_rng(7)

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from dynamo_flexkv.engine.kv_cache import DeviceBlockPool, NoFreeBlocks
+from dynamo_flexkv.integrations.reference_engine.kv_cache import DeviceBlockPool, NoFreeBlocks
 
 
 class RouterView:

@@ -10,12 +10,12 @@ import torch
 
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
-from dynamo_flexkv.disagg import HandoverParams, HandoverRefused, LeaseTable  # noqa: E402
-from dynamo_flexkv.disagg.nixl_kv import KVAgent, _indices, _layer_offsets  # noqa: E402
-from dynamo_flexkv.disagg.params import KEY  # noqa: E402
-from dynamo_flexkv.disagg.roles import DecodeSide, PrefillSide  # noqa: E402
-from dynamo_flexkv.engine import EngineModelConfig, LLMEngine  # noqa: E402
-from dynamo_flexkv.engine.request import SamplingParams  # noqa: E402
+from dynamo_flexkv.integrations.disagg import HandoverParams, HandoverRefused, LeaseTable  # noqa: E402
+from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent, _indices, _layer_offsets  # noqa: E402
+from dynamo_flexkv.integrations.disagg.params import KEY  # noqa: E402
+from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide  # noqa: E402
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine  # noqa: E402
+from dynamo_flexkv.integrations.reference_engine.request import SamplingParams  # noqa: E402
 
 CFG = EngineModelConfig.load("tiny")
 

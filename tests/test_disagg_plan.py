@@ -57,7 +57,7 @@ def test_render_k8s_names_both_roles(tmp_path):
 
 
 def test_render_k8s_gives_both_roles_the_handover_secret_from_a_secret(tmp_path):
-    from dynamo_flexkv.disagg.params import SECRET_ENV
+    from dynamo_flexkv.integrations.disagg.params import SECRET_ENV
 
     text = render_k8s(plan(tmp_path, "disagg_router"), "img")
     services = yaml.safe_load(text)["spec"]["services"]
@@ -70,7 +70,7 @@ def test_render_k8s_gives_both_roles_the_handover_secret_from_a_secret(tmp_path)
 
 
 def test_disagg_graph_gives_its_workers_one_handover_secret_by_environment_only(tmp_path):
-    from dynamo_flexkv.disagg.params import SECRET_ENV
+    from dynamo_flexkv.integrations.disagg.params import SECRET_ENV
 
     def secrets_of(run):
         config = apply_overrides(load_config(str(ROOT / "configs" / "disagg.yaml")),

@@ -4,7 +4,6 @@ tokens must equal the aggregated graph's; faults must end in exact tokens or a c
 no lease, block or process left behind."""
 
 import random
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,8 +11,8 @@ import pytest
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
-from test_dynamo_worker import ROOT, assert_gone, metric  # noqa: E402
-from test_serve_faults import wait_until  # noqa: E402
+from served import ROOT, assert_gone, metric  # noqa: E402
+from served import wait_until  # noqa: E402
 
 from dynamo_flexkv.serve import load_graph  # noqa: E402
 from dynamo_flexkv.serve.launcher import Launcher, http_json  # noqa: E402

@@ -9,11 +9,11 @@ import pytest
 import xxhash
 
 from dynamo_flexkv import _native
-from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
-from dynamo_flexkv.storage.host import HostPool
-from dynamo_flexkv.storage.ssd import DiskEntry, SsdStore
-from dynamo_flexkv.transfer.graph import OpKind, TransferOp
-from dynamo_flexkv.transfer.movers import ChecksumError, DiskMover
+from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
+from dynamo_flexkv.core.storage.host import HostPool
+from dynamo_flexkv.core.storage.ssd import DiskEntry, SsdStore
+from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
+from dynamo_flexkv.core.transfer.movers import ChecksumError, DiskMover
 
 ENGINES = [pytest.param(True, id="io_uring"), pytest.param(False, id="pread-pool")]
 

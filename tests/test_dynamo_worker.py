@@ -3,60 +3,19 @@ processes started by the launcher from graphs/*.py and configs/*.yaml, driven ov
 API. Each test checks that the graph leaves no process and no port behind."""
 
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from dynamo_flexkv.serve import load_graph  # noqa: E402
-from dynamo_flexkv.serve.launcher import Launcher, http_json  # noqa: E402
-from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
-        "FlexKVWorker.num-device-blocks=64", "FlexKVWorker.cache.cpu_cache_gb=0.02",
-        "FlexKVWorker.cache.ssd_cache_gb=0.05"]
-
-
-def make_plan(tmp_path, graph: str, *overrides: str, **kw):
-    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
-                             [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}", *overrides])
-    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", **kw)
-
-
-def complete(plan, prompt, max_tokens=4) -> dict:
-    return http_json("POST", f"{plan.base_url}/v1/completions",
-                     {"model": plan.served_model_name, "prompt": prompt, "max_tokens": max_tokens})
-
-
-def metric(port: int, name: str, **labels) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    want = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
-    m = re.search(rf"^{name}\{{{want}[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
-    assert m is not None, f"{name}{labels} not on /metrics"
-    return float(m.group(1))
-
-
-def assert_gone(launcher: Launcher) -> None:
-    for p in launcher.running.values():  # nothing of any process group is left
-        with pytest.raises(ProcessLookupError):
-            os.killpg(p.pid, 0)
-    for proc in launcher.plan.processes + launcher.plan.infra:
-        with socket.socket() as s:  # nobody listens on its port any more (TIME_WAIT is fine)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", proc.port))
-            s.listen()
-
+from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
+from served import ROOT, TINY, assert_gone, complete, make_plan, metric  # noqa: E402,F401
 
 def test_agg_graph_serves_completions_and_reports_offload_metrics(tmp_path):
     plan = make_plan(tmp_path, "agg")
@@ -145,7 +104,7 @@ def test_serve_stops_the_graph_on_ctrl_c_and_when_a_component_dies(tmp_path):
     serve, run = start("ctrl-c")
     kids = children(serve)
     assert sum("dynamo.frontend" in c for c in kids.values()) == 1
-    assert sum("dynamo_flexkv.worker" in c for c in kids.values()) == 2
+    assert sum("dynamo_flexkv.integrations.dynamo_worker" in c for c in kids.values()) == 2
     serve.send_signal(signal.SIGINT)
     assert serve.wait(timeout=60) == 0
     assert all(gone(pid) for pid in kids)
@@ -155,6 +114,6 @@ def test_serve_stops_the_graph_on_ctrl_c_and_when_a_component_dies(tmp_path):
 
     serve, run = start("death", "--set", "FlexKVWorker.on-death=stop")  # (restart is the default)
     kids = children(serve)
-    os.kill(next(pid for pid, c in kids.items() if "dynamo_flexkv.worker" in c), signal.SIGKILL)
+    os.kill(next(pid for pid, c in kids.items() if "dynamo_flexkv.integrations.dynamo_worker" in c), signal.SIGKILL)
     assert serve.wait(timeout=60) == 1
     assert all(gone(pid) for pid in kids)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dynamo_flexkv import CacheConfig, KVManager
-from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, SamplingParams
-from dynamo_flexkv.hashing import block_hashes
-from dynamo_flexkv.transfer.graph import OpKind
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
+from dynamo_flexkv.core.hashing import block_hashes
+from dynamo_flexkv.core.transfer.graph import OpKind
 
 CFG = EngineModelConfig.preset("tiny")
 BS = CFG.block_size
@@ -177,7 +177,7 @@ def test_loads_hugging_face_directory(tmp_path):
 
     from safetensors.torch import save_file
 
-    from dynamo_flexkv.engine import LlamaModel
+    from dynamo_flexkv.integrations.reference_engine import LlamaModel
 
     src = LLMEngine(CFG, num_device_blocks=64, seed=11).model
     names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",

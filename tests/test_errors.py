@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import dynamo_flexkv
-from dynamo_flexkv.errors import FlexKVError
+from dynamo_flexkv.core.errors import FlexKVError
 
 PACKAGE = Path(dynamo_flexkv.__file__).resolve().parent
 BUILTIN_EXCEPTIONS = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
@@ -24,7 +24,7 @@ def _exception_classes():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 bases = [ast.unparse(b) for b in node.bases]
-                if module != "dynamo_flexkv.errors" and any(b in BUILTIN_EXCEPTIONS or b == "FlexKVError" for b in bases):
+                if module != "dynamo_flexkv.core.errors" and any(b in BUILTIN_EXCEPTIONS or b == "FlexKVError" for b in bases):
                     out.append((module, node.name, bases))
     return out
 

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import zmq
 
-from dynamo_flexkv.events import KvEventRelay, signed_hash as _signed
-from dynamo_flexkv.index import Tier
+from dynamo_flexkv.integrations.events import KvEventRelay, signed_hash as _signed
+from dynamo_flexkv.core.index import Tier
 
 
 class Subscriber:

@@ -3,16 +3,15 @@ lock, pool slot or file descriptor leaks."""
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-from dynamo_flexkv.index import Tier
-from dynamo_flexkv.tasks import TaskFailed
-from dynamo_flexkv.transfer.graph import OpKind, OpState
+from dynamo_flexkv.core.index import Tier
+from dynamo_flexkv.core.tasks import TaskFailed
+from dynamo_flexkv.core.transfer.graph import OpKind, OpState
 from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
 DEV = 32
@@ -301,7 +300,7 @@ def test_eio_injected_in_the_disk_mover(kv):
 def test_a_flood_is_refused_past_max_tasks_in_flight(tmp_path):
     """Work in flight is bounded: with disk writes stuck, new tasks are refused with a clear error
     (nothing planned, no record) instead of queueing without bound; they run again once it drains."""
-    from dynamo_flexkv.tasks import TooManyTasks
+    from dynamo_flexkv.core.tasks import TooManyTasks
     with KVManager(MODEL, config(tmp_path, host_blocks=16, disk_blocks=48, max_tasks_in_flight=3)) as kv:
         dev = device_tensors(KVLayoutType.LAYERBLOCK, DEV)
         kv.register_device_cache(dev)

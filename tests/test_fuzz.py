@@ -14,8 +14,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynamo_flexkv.config import CacheConfig, ConfigError
-from dynamo_flexkv.storage.ssd import JOURNAL, DiskEntry, SsdStore
+from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.storage.ssd import JOURNAL, DiskEntry, SsdStore
 
 FAST = settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
 # The only place fuzzed directories may point; in memory where possible (journals fsync).
@@ -179,8 +179,8 @@ def _signed(h):
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_event_frames_decode_to_what_was_published(data):
-    from dynamo_flexkv.events import KvEventRelay
-    from dynamo_flexkv.index import Tier
+    from dynamo_flexkv.integrations.events import KvEventRelay
+    from dynamo_flexkv.core.index import Tier
     bs = data.draw(st.sampled_from([1, 4, 16]), label="block size")
     relay = KvEventRelay(bs, flush_interval=0.001)
     sub = zmq.Context.instance().socket(zmq.SUB)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import xxhash
 
-from dynamo_flexkv.hashing import block_hashes, chain_hashes
+from dynamo_flexkv.core.hashing import block_hashes, chain_hashes
 
 dynamo_core = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is installed by make test")
 

@@ -25,7 +25,8 @@ import pytest
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 aiohttp = pytest.importorskip("aiohttp")
 
-from test_dynamo_worker import make_plan  # noqa: E402
+from sse import DONE, sse_data  # noqa: E402
+from served import make_plan  # noqa: E402
 
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 
@@ -76,9 +77,9 @@ def stream(plan, body: dict, path: str = "/v1/completions") -> Tuple[int, list]:
     code, text = send(plan, path, json.dumps({"model": MODEL, **body, "stream": True}).encode())
     if code != 200:
         return code, [json.loads(text)]
-    events = [ln[5:].strip() for ln in text.splitlines() if ln.startswith("data:")]
-    assert events and events[-1] == "[DONE]", text
-    return code, [json.loads(e) for e in events[:-1]]
+    events = list(sse_data(text.splitlines()))
+    assert events and events[-1] is DONE, text
+    return code, events[:-1]
 
 
 def answer(plan, prompt, max_tokens: int, chat: bool = False, streaming: bool = False) -> Tuple[str, str]:

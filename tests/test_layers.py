@@ -3,7 +3,7 @@ so they load neither torch, Dynamo's runtime (``dynamo``), vLLM nor our native e
 
 Each case runs in a fresh interpreter with an import hook that records which module (and line)
 first imported each module; a failure names the whole chain, e.g.
-``vllm <- dynamo_flexkv.engine.llm:11 <- dynamo_flexkv.engine:5 <- dynamo_flexkv.serve.plan:415``."""
+``vllm <- dynamo_flexkv.integrations.reference_engine.llm:11 <- dynamo_flexkv.integrations.reference_engine:5 <- dynamo_flexkv.serve.plan:415``."""
 
 import json
 import os
@@ -65,8 +65,8 @@ def run_light(code: str, timeout: float = 120) -> dict:
 
 def test_the_recorder_names_the_chain():
     """The hook itself: a module known to load the native extension is reported with its importer."""
-    loaded = run_light("import dynamo_flexkv.hashing")
-    assert loaded["dynamo_flexkv._native"].startswith("dynamo_flexkv._native <- dynamo_flexkv.hashing:")
+    loaded = run_light("import dynamo_flexkv.core.hashing")
+    assert loaded["dynamo_flexkv._native"].startswith("dynamo_flexkv._native <- dynamo_flexkv.core.hashing:")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
@@ -81,7 +81,7 @@ def test_reading_a_cache_config_stays_light(config, tmp_path):
             path.write_text(yaml.safe_dump(values["cache"]))
             paths.append(str(path))
     assert paths, f"{config.name} has no worker cache section"
-    code = ("from dynamo_flexkv.config import CacheConfig\n"
+    code = ("from dynamo_flexkv.core.config import CacheConfig\n"
             f"for p in {paths!r}:\n"
             "    CacheConfig.load(p)\n")
     loaded = run_light(code)
@@ -119,3 +119,52 @@ def test_render_k8s_image_defaults_to_the_dockerfiles_tag(tmp_path):
     images = {s["extraPodSpec"]["mainContainer"]["image"] for s in yaml.safe_load(out.read_text())["spec"]["services"].values()}
     assert images == {"dynamo-flexkv:latest"}
     assert "dynamo-flexkv:latest" in (ROOT / "Dockerfile").read_text()
+
+
+# ---- the folders are the layers ------------------------------------------------------------------
+PACKAGE = ROOT / "dynamo_flexkv"
+APPS = ("dynamo_flexkv.serve", "dynamo_flexkv.replay", "dynamo_flexkv.bench", "dynamo_flexkv.cli",
+        "dynamo_flexkv.doctor", "dynamo_flexkv.workload")
+# beside them on top, for every layer: resources.py (where the shipped presets, graphs and configs
+# are; imports nothing of ours), data/ (the shipped trace), _native (the C++ extension)
+# what each layer may not import (a module or any of its submodules)
+BELOW = {
+    "core": ("dynamo_flexkv.integrations", *APPS, "dynamo", "vllm"),
+    "integrations": APPS,
+}
+
+
+def _imports(path: Path) -> list:
+    """(line, module) of every import in a file, function-level (lazy) imports included."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def _within(module: str, roots) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in roots)
+
+
+@pytest.mark.parametrize("layer", sorted(BELOW))
+def test_imports_only_go_down(layer):
+    """core/ imports neither integrations/, an app, Dynamo nor vLLM; integrations/ no app. Lazy
+    imports inside functions count too: a layer that reaches up at run time is still tangled."""
+    files = sorted((PACKAGE / layer).rglob("*.py"))
+    assert files, f"no {layer}/ folder"
+    up = [f"{f.relative_to(ROOT)}:{line} imports {mod}" for f in files for line, mod in _imports(f)
+          if _within(mod, BELOW[layer])]
+    assert up == [], "\n".join(up)
+
+
+def test_the_top_level_holds_only_the_apps_and_the_layers():
+    """A newcomer sees three things at the top: the apps, core/ and integrations/."""
+    top = {p.name for p in PACKAGE.iterdir() if not p.name.startswith(("_", ".")) and p.name != "__pycache__"}
+    top -= {"data", "resources.py"}
+    apps = {m.split(".")[1] + ("" if (PACKAGE / m.split(".")[1]).is_dir() else ".py") for m in APPS}
+    assert top == apps | {"core", "integrations"}, top ^ (apps | {"core", "integrations"})

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
+from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
 
 
 @pytest.mark.parametrize("kind", list(KVLayoutType))

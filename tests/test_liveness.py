@@ -13,7 +13,7 @@ import pytest
 from dynamo_flexkv.serve import GraphError
 from dynamo_flexkv.serve import launcher as launcher_mod
 from dynamo_flexkv.serve.launcher import GraphStopped, Launcher
-from dynamo_flexkv.serve.plan import OnDeath, RestartPolicy
+from dynamo_flexkv.serve.options import OnDeath, RestartPolicy
 
 from test_serve import _sleepers, plan
 
@@ -155,7 +155,7 @@ def test_a_hung_worker_with_on_death_stop_stops_the_graph_and_zero_turns_probing
 @pytest.mark.slow
 def test_a_sigstopped_worker_is_killed_as_hung_its_streams_migrate_and_it_serves_again(tmp_path):
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
-    from test_adversarial_serving import routed_workers
+    from test_serve_requests_and_shutdown import routed_workers
     from test_dynamo_worker import metric
     from test_serve_faults import Serve, Streamed, inflight, stream, wait_until
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from dynamo_flexkv.dynamo.model_dir import SPECIALS, write_hf_cache_entry, write_model_dir
-from dynamo_flexkv.engine import EngineModelConfig
+from dynamo_flexkv.integrations.dynamo_worker.model_dir import SPECIALS, write_hf_cache_entry, write_model_dir
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
 transformers = pytest.importorskip("transformers", reason="installed with ai-dynamo's requirements by make test")
 

@@ -13,7 +13,7 @@ from typing import List, Tuple
 import numpy as np
 import pytest
 
-from dynamo_flexkv.remote import (
+from dynamo_flexkv.core.remote import (
     HEADER_BYTES,
     BreakerState,
     CircuitBreaker,
@@ -28,10 +28,10 @@ from dynamo_flexkv.remote import (
     fingerprint_of,
     parse_url,
 )
-from dynamo_flexkv.remote.cluster import key_slot
-from dynamo_flexkv.remote.codec import block_key, check_header, encode_header
-from dynamo_flexkv.remote.resp import RespConnection
-from dynamo_flexkv.remote.server import RedisServer, free_port, make_test_certs
+from dynamo_flexkv.core.remote.cluster import key_slot
+from dynamo_flexkv.core.remote.codec import block_key, check_header, encode_header
+from dynamo_flexkv.core.remote.resp import RespConnection
+from dynamo_flexkv.serve.redis_server import RedisServer, free_port, make_test_certs
 from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
 
 FP = fingerprint_of({"model": "test", "dtype": "bfloat16", "tokens_per_block": 16})
@@ -125,7 +125,7 @@ def test_redacted_url_hides_the_whole_user_part() -> None:
 ])
 def test_split_password_keeps_no_password_in_the_url(url: str, without: str, password) -> None:
     """serve writes the URL without its password and hands the password over by environment."""
-    from dynamo_flexkv.remote.config import split_password
+    from dynamo_flexkv.core.remote.config import split_password
 
     assert split_password(url) == (without, password)
     if password is not None and "/topsecret" not in url:
@@ -343,7 +343,7 @@ def test_ranged_reads_tell_a_bad_value_from_a_missing_one(redis_server: RedisSer
 
 
 def _dropped_lines(caplog: pytest.LogCaptureFixture) -> List[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "dynamo_flexkv.remote.store" and "bad value" in r.getMessage()]
+    return [r for r in caplog.records if r.name == "dynamo_flexkv.core.remote.store" and "bad value" in r.getMessage()]
 
 
 @needs_redis
@@ -367,7 +367,7 @@ def test_a_refused_value_is_deleted_with_one_warning_naming_its_key_and_why(
     the key (hex hashes, not the value), the reason and that it was deleted."""
     size, cut = 5000, 1200
     seq, data = blocks(8, size, seed=11)
-    caplog.set_level(logging.WARNING, logger="dynamo_flexkv.remote.store")
+    caplog.set_level(logging.WARNING, logger="dynamo_flexkv.core.remote.store")
     with RemoteStore.open(redis_server.url, FP) as store:
         store.put(seq, list(data))
         key = _damage(redis_server, seq, data, 3, damage)
@@ -415,7 +415,7 @@ def test_bad_value_lines_are_at_most_one_a_second_with_a_count_of_the_others(
     """Many bad values at once (a corrupting writer, a flushed DB of another format) make one
     line a second: the next line that goes out, or the store's close, counts those left out."""
     seq, data = blocks(8, 2000, seed=13)
-    caplog.set_level(logging.WARNING, logger="dynamo_flexkv.remote.store")
+    caplog.set_level(logging.WARNING, logger="dynamo_flexkv.core.remote.store")
     now = [100.0]
     with RemoteStore.open(redis_server.url, FP) as store:
         store._bad_log.clock = lambda: now[0]
@@ -437,7 +437,7 @@ def test_bad_value_lines_are_at_most_one_a_second_with_a_count_of_the_others(
 
 
 def test_rate_limited_log_counts_what_it_leaves_out(caplog: pytest.LogCaptureFixture) -> None:
-    from dynamo_flexkv.logutil import RateLimitedLog
+    from dynamo_flexkv.core.logutil import RateLimitedLog
 
     now = [0.0]
     limited = RateLimitedLog(logging.getLogger("flexkv.test.ratelog"), 1.0, clock=lambda: now[0])
@@ -754,7 +754,7 @@ def test_cluster_stale_slot_map_ends_prefix_then_refreshes(redis_cluster) -> Non
     seq, data = blocks(60, 2000, seed=9)
     with RemoteStore.open(redis_cluster.url, FP) as store:
         assert store.put(seq, list(data)) == 60
-        slots = store._slots
+        slots = store._nodes.slots  # a stale map, as after a resharding
         first_elsewhere = next(i for i, h in enumerate(seq)
                                if slots.owner[key_slot(block_key(b"flexkv:", FP, int(h)))] != 0)
         slots.owner = [0] * len(slots.owner)  # every slot "moved" to node 0 in our stale view

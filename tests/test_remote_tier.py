@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-from dynamo_flexkv.config import ConfigError
-from dynamo_flexkv.remote import RemoteAuthError, RemoteUnavailableError
-from dynamo_flexkv.remote.resp import RespConnection, encode_command
-from dynamo_flexkv.remote.server import RedisServer, free_port
+from dynamo_flexkv.core.config import ConfigError
+from dynamo_flexkv.core.remote import RemoteAuthError, RemoteUnavailableError
+from dynamo_flexkv.core.remote.resp import RespConnection
+from dynamo_flexkv.serve.redis_server import RedisServer, free_port
 from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
 
@@ -247,7 +247,7 @@ def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server
     before it stay on host (whole: every layer), nothing leaks. A bad value (not an evicted one) is
     deleted, in one WARNING line that names its key and why."""
     import logging
-    caplog.set_level(logging.WARNING, logger="dynamo_flexkv.remote.store")
+    caplog.set_level(logging.WARNING, logger="dynamo_flexkv.core.remote.store")
     rng = np.random.default_rng(6)
     p = prompt_of(rng, 8)
     with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
@@ -399,8 +399,8 @@ def test_redis_stalled_mid_read_fails_the_get_within_the_timeout(tmp_path, redis
 def test_engine_reports_remote_cached_tokens_and_same_tokens(tmp_path, redis_server, layerwise):
     """The reference engine on a manager whose own tiers are empty: the prefix comes from Redis,
     the tokens equal a recompute's, and the response names the tier it came from."""
-    from dynamo_flexkv.config import CacheConfig
-    from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, SamplingParams
+    from dynamo_flexkv.core.config import CacheConfig
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
 
     cfg = EngineModelConfig.preset("tiny")
     cache = CacheConfig.from_dict(dict(tokens_per_block=cfg.block_size, cpu_cache_gb=0.01, enable_remote=True,
@@ -446,8 +446,8 @@ def test_every_remote_failure_counter_reaches_metrics():
     """Each of RemoteStats' failure counters is a /metrics family, with its value."""
     from dataclasses import asdict
 
-    from dynamo_flexkv.dynamo.metrics import _remote_families
-    from dynamo_flexkv.remote.store import RemoteStats
+    from dynamo_flexkv.integrations.dynamo_worker.metrics import _remote_families
+    from dynamo_flexkv.core.remote.store import RemoteStats
 
     stats = dict(asdict(RemoteStats()), short_reads=0, write_failures=0)  # as KVManager.stats()["remote"]
     stats.update(put_failed=7, op_errors=3, put_refused=2)

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
-from test_dynamo_worker import assert_gone, complete, make_plan  # noqa: E402
+from served import assert_gone, complete, make_plan  # noqa: E402
 from test_router_events import CONTRADICTIONS  # noqa: E402
 from vllm_graph import RouterProbe  # noqa: E402
 

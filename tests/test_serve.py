@@ -100,9 +100,9 @@ def test_ports_in_use_and_locked_ssd_dirs_are_refused(tmp_path):
         port = s.getsockname()[1]
         with pytest.raises(GraphError, match=f"Frontend.http-port={port} is in use"):
             plan(tmp_path, f"Frontend.http-port={port}")
-    from dynamo_flexkv.storage.ssd import lock_dir
+    from dynamo_flexkv.core.storage.ssd import lock_dir
     (tmp_path / "ssd1").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dynamo_flexkv.storage.ssd import lock_dir; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dynamo_flexkv.core.storage.ssd import lock_dir; "
                                f"lock_dir({str(tmp_path / 'ssd1')!r}); print('locked', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -143,7 +143,7 @@ def test_render_k8s_writes_a_graph_deployment(tmp_path):
     assert worker["replicas"] == 2
     main = worker["extraPodSpec"]["mainContainer"]
     assert main["image"] == "registry.example/dynamo-flexkv:1"
-    assert main["command"] == ["python3", "-m", "dynamo_flexkv.worker"]
+    assert main["command"] == ["python3", "-m", "dynamo_flexkv.integrations.dynamo_worker"]
     assert "--discovery-backend" not in main["args"] and "--model-dir" not in main["args"]
     env = {e["name"]: e["value"] for e in worker["envs"]}
     assert env["FLEXKV_CPU_CACHE_GB"] == "0.125" and env["FLEXKV_TOKENS_PER_BLOCK"] == "64"

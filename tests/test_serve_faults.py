@@ -2,120 +2,21 @@
 our workers started by the launcher on 127.0.0.1, a worker SIGKILLed while requests stream.
 Each test checks that nothing of any process group (restarted lives included) and no port is left."""
 
-import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import List, Optional
 
 import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from test_dynamo_worker import ROOT, TINY, assert_gone, complete, make_plan, metric  # noqa: E402
+from served import (ROOT, TINY, Serve, Streamed, assert_all_gone, assert_gone, complete, holder_of,  # noqa: E402,F401
+                    inflight, make_plan, metric, routed_workers, stream, wait_until)
 
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
-
-STREAM_TOKENS = 300  # long enough that a kill lands mid-stream on this slow machine
-
-
-@dataclass
-class Streamed:
-    status: int = 0
-    chunks: int = 0
-    error: Optional[dict] = None  # the SSE error event, if the stream ended with one
-    usage: Optional[dict] = None
-    done: bool = False  # saw data: [DONE]
-    seconds: float = 0.0
-
-
-def stream(base_url: str, model: str, prompt, max_tokens: int = STREAM_TOKENS,
-           out: Optional[Streamed] = None, **extra) -> Streamed:
-    """One streamed completion, read to its end. ``out`` is filled as chunks arrive (another
-    thread may watch it); ``extra`` goes into the request body."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    out, t0 = out if out is not None else Streamed(), time.monotonic()
-    try:
-        r = urllib.request.urlopen(req, timeout=60)  # a hang fails the test here
-    except urllib.error.HTTPError as e:  # refused before the stream began (e.g. its worker was dead)
-        body = json.loads(e.read() or b"{}")
-        out.status, out.error, out.seconds = e.code, body.get("error", body), time.monotonic() - t0
-        return out
-    with r:
-        out.status = r.status
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                out.done = True
-                continue
-            doc = json.loads(data)
-            if "error" in doc:
-                out.error = doc["error"]
-            elif doc.get("usage"):
-                out.usage = doc["usage"]
-            else:
-                out.chunks += 1
-    out.seconds = time.monotonic() - t0
-    return out
-
-
-def wait_until(what: str, cond, timeout: float = 60, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(every)
-
-
-def inflight(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(v) for v in re.findall(r"^dynamo_component_inflight_requests(?:\{[^}]*\})? ([0-9.e+-]+)$",
-                                             text, re.M))
-
-
-def routed_workers(base_url: str) -> int:
-    """How many workers the frontend's router has registered (its own gauge on /metrics)."""
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return len(re.findall(r"^dynamo_component_router_worker_registered\{[^}]*\} 1$", text, re.M))
-
-
-def holder_of(plan, prompt: str):
-    """Sends ``prompt`` once and returns the worker that served it (its request counter moved)."""
-    before = {w.name: metric(w.port, "flexkv_requests_total") for w in plan.workers}
-    complete(plan, prompt, 2)
-    served = [w for w in plan.workers if metric(w.port, "flexkv_requests_total") > before[w.name]]
-    assert len(served) == 1
-    return served[0]
-
-
-def assert_all_gone(pids: List[int], ports: List[int]) -> None:
-    for pid in pids:  # every process group ever started, restarted workers' earlier lives included
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)
-    for port in ports:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", port))
-            s.listen()
 
 
 def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_spends_its_budget(tmp_path):
@@ -180,74 +81,6 @@ def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_sp
         launcher.shutdown()
     assert_gone(launcher)
     assert_all_gone([p.pid for p in launcher.spawned], [])
-
-
-class Serve:
-    """``dynamo-flexkv serve`` as a user runs it, its output collected line by line."""
-
-    def __init__(self, tmp_path, name: str, *overrides: str, graph: str = "agg_router",
-                 base: Optional[List[str]] = None, ready_timeout: float = 120) -> None:
-        """``graph``: graphs/<graph>.py with configs/<graph>.yaml; ``base``: the --set values before
-        ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run dir)."""
-        self.run = run = tmp_path / name
-        sets = [*(base if base is not None else [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}"]),
-                *overrides]
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynamo_flexkv.cli", "serve", str(ROOT / "graphs" / f"{graph}.py"),
-             "-f", str(ROOT / "configs" / f"{graph}.yaml"), "--run-dir", str(run),
-             *[a for s in sets for a in ("--set", s)]],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.lines: List[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        try:
-            ready = self.wait_for(rf"graph {graph} ready: (http://\S+)/v1", ready_timeout)
-        except BaseException:
-            self.close()  # never ready: its components must not outlive the failed test
-            raise
-        self.ready_s = time.monotonic() - self.started
-        self.base_url = ready.group(1)
-        self.metrics = {m.group(1): m.group(2) for m in (re.match(r"\s+(\S+) metrics: (http://\S+)", x)
-                                                          for x in self.lines) if m}
-        self.children = [int(x) for x in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
-                                                        text=True).stdout.split()]
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in list(self.lines):
-                m = re.search(pattern, line)
-                if m:
-                    return m
-            assert self.proc.poll() is None or self._reader.is_alive(), \
-                f"serve exited with {self.proc.returncode}:\n" + "\n".join(self.lines[-40:])
-            assert time.monotonic() < deadline, f"no line matching {pattern!r}:\n" + "\n".join(self.lines[-40:])
-            time.sleep(0.1)
-
-    def worker_port(self, name: str) -> int:
-        return int(self.metrics[name].rsplit(":", 1)[1].split("/")[0])
-
-    def worker_pid(self, name: str) -> int:
-        port = self.worker_port(name)
-        for pid in self.children:
-            if f"DYN_SYSTEM_PORT={port}".encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
-                return pid
-        raise AssertionError(f"no child of serve runs {name}")
-
-    def close(self) -> None:
-        """After a failure too: serve's own shutdown stops its components (SIGKILL would orphan them)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def test_without_migration_the_dead_workers_requests_fail_clearly_and_ctrl_c_stops_a_pending_restart(tmp_path):

@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dynamo_flexkv.dynamo.model_dir import write_model_dir
-from dynamo_flexkv.engine import EngineModelConfig
+from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 from dynamo_flexkv.serve import GraphError, load_graph
 from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
-from dynamo_flexkv.serve.render import render_k8s
 from dynamo_flexkv.serve.vllm_worker import cpu_binds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +63,7 @@ def test_the_vllm_graphs_plan_the_worker_command_line_and_environment(tmp_path, 
         assert events == {"enable_kv_cache_events": True, "publisher": "zmq",
                           "endpoint": f"ipc://{run}/VllmWorker-{i}/kv-events.ipc"}
         kt = json.loads(arg(a, "--kv-transfer-config"))
-        assert kt["kv_connector"] == "FlexKVConnector" and kt["kv_connector_module_path"] == "dynamo_flexkv.vllm_connector"
+        assert kt["kv_connector"] == "FlexKVConnector" and kt["kv_connector_module_path"] == "dynamo_flexkv.integrations.vllm_connector"
         assert kt["kv_role"] == "kv_both" and kt["kv_load_failure_policy"] == "recompute"
         assert kt["kv_connector_extra_config"] == {"run_dir": str(run / f"VllmWorker-{i}")}
         env = w.env

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dynamo_flexkv import KVLayoutType, KVManager
-from dynamo_flexkv.events import KvEventRelay, OffloadEvents
+from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
 from kv_helpers import MODEL, TPB, config, device_tensors, fill, prompts
 
 SECONDS, THREADS, SLICE, TTL = 60.0, 4, 16, 0.5

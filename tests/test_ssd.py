@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from dynamo_flexkv.storage.ssd import JOURNAL, DiskEntry, SsdLayoutError, SsdStore
+from dynamo_flexkv.core.storage.ssd import JOURNAL, DiskEntry, SsdLayoutError, SsdStore
 
 BB = 4096
 FP = {"model": "m", "namespace": ""}
@@ -87,7 +87,7 @@ def test_files_are_private(tmp_path):
 def test_a_directory_serves_one_manager_at_a_time(tmp_path):
     import pytest
 
-    from dynamo_flexkv.storage.ssd import SsdInUseError
+    from dynamo_flexkv.core.storage.ssd import SsdInUseError
 
     first = store(tmp_path)
     fds = len(os.listdir("/proc/self/fd"))

@@ -5,9 +5,9 @@ import random
 import numpy as np
 import pytest
 
-from dynamo_flexkv.index.policies import EvictionPolicy
-from dynamo_flexkv.index.pool import PoolError
-from dynamo_flexkv.index.tier_index import IndexError_, TierIndex
+from dynamo_flexkv.core.index.policies import EvictionPolicy
+from dynamo_flexkv.core.index.tier_index import PoolError
+from dynamo_flexkv.core.index.tier_index import IndexError_, TierIndex
 from index_model import ModelTier
 
 POLICIES = [p.value for p in EvictionPolicy]

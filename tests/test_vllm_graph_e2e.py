@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.slow,
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
 import vllm_graph as vg  # noqa: E402
-from test_serve_faults import Serve, assert_all_gone, wait_until  # noqa: E402
+from served import Serve, assert_all_gone, wait_until  # noqa: E402
 from vllm_graph import VllmServe  # noqa: E402
 
 GRAPH = "agg_router_vllm"

@@ -31,7 +31,7 @@ import os, sys, time
 import torch
 import dynamo_flexkv
 from dynamo_flexkv import CacheConfig, KVLayoutType, KVManager, TaskStatus
-from dynamo_flexkv.engine import EngineModelConfig
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
 from dynamo_flexkv.serve import load_graph
 from dynamo_flexkv.serve.plan import load_config

@@ -12,8 +12,8 @@ pytest.importorskip("dynamo.common.backend", reason="ai-dynamo is installed by m
 
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument  # noqa: E402
 
-from dynamo_flexkv.dynamo.worker import FlexKVWorkerEngine  # noqa: E402
-from dynamo_flexkv.dynamo.worker_args import build_parser  # noqa: E402
+from dynamo_flexkv.integrations.dynamo_worker.component import FlexKVWorkerEngine  # noqa: E402
+from dynamo_flexkv.integrations.dynamo_worker.args import build_parser  # noqa: E402
 
 
 class Context:

@@ -22,10 +22,10 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from test_dynamo_worker import make_plan  # noqa: E402
+from served import make_plan  # noqa: E402
 
 from dynamo_flexkv import CacheConfig, KVManager  # noqa: E402
-from dynamo_flexkv.engine import EngineModelConfig  # noqa: E402
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig  # noqa: E402
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 
 BLOCKS = 512  # device blocks of the worker: context window 512 x 16 = 8,192 tokens
@@ -83,7 +83,7 @@ def test_nothing_listens_beyond_loopback(graph):
 
 def test_worker_without_broker_refuses_to_bind_every_interface(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "DYN_ZMQ_BROKER_URL"}
-    p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.worker", "--model", "tiny",
+    p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.integrations.dynamo_worker", "--model", "tiny",
                         "--model-dir", str(tmp_path / "m"), "--no-offload"],
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0

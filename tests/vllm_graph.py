@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from test_serve_faults import ROOT, Serve
+from sse import DONE, sse_data
+from served import ROOT, Serve
 
 MODEL = "vllm-small"
 VOCAB = (100, 31000)  # token ids drawn from here: the small preset's vocabulary is 32000
@@ -121,15 +122,10 @@ def stream(base_url: str, prompt: List[int], max_tokens: int, out: Stream, timeo
             return
         with r:
             out.status = r.status
-            for line in r:
-                line = line.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            for chunk in sse_data(r):
+                if chunk is DONE:
                     out.done = True
                     continue
-                chunk = json.loads(data)
                 out.rid = out.rid or str(chunk.get("id", "")).removeprefix("cmpl-")
                 if "error" in chunk:
                     out.error = chunk["error"]

@@ -122,7 +122,7 @@ def main() -> int:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
 
-    kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
+    kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
           "kv_connector_extra_config": {"layerwise": bool(a.layerwise)}}
     llm = LLM(model=a.model_dir, load_format="dummy", dtype="bfloat16", max_model_len=8192, block_size=64,

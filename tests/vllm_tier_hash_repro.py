@@ -26,38 +26,21 @@ prompt's first blocks (a shared system prompt) got no credit for the rest it hol
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
-from dynamo._core import (DistributedRuntime, KvEventPublisher, KvRouter, KvRouterConfig, ModelInput, ModelType,
-                          WorkerType, register_model)
 
-from dynamo_flexkv.dynamo.model_dir import write_model_dir
-from dynamo_flexkv.engine import EngineModelConfig
-from dynamo_flexkv.events import KvEventRelay
-from dynamo_flexkv.index import Tier
-
-CFG = EngineModelConfig.preset("tiny")
-BS = CFG.block_size
+from dynamo_flexkv.core.index import Tier
+from router_scenario import BS, CFG, relay_and_router, run_with_broker
 
 
 async def main(work: str, same: bool) -> int:
-    loop = asyncio.get_running_loop()
-    rt = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
-    ep = rt.endpoint("flexkv.worker.generate")
+    async with relay_and_router(work) as (relay, router):
+        return await scenario(relay, router, same)
 
-    async def handler(request, context=None):
-        yield {"ok": True}
 
-    serving = asyncio.ensure_future(ep.serve_endpoint(handler))
-    await register_model(ModelInput.Tokens, ModelType.Chat, ep, str(write_model_dir(CFG, os.path.join(work, "model"))),
-                         "flexkv-tiny", worker_type=WorkerType.Aggregated, kv_cache_block_size=BS)
-    relay = KvEventRelay(BS)
-    publisher = KvEventPublisher(ep, kv_block_size=BS, zmq_endpoint=relay.endpoint, enable_local_indexer=True)
-    router = KvRouter(ep, BS, KvRouterConfig())
-    assert relay.wait_for_subscriber(30)
+async def scenario(relay, router, same: bool) -> int:
     await asyncio.sleep(3)  # the router's subscription reaches the broker
     n = 12
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, n * BS).tolist()
@@ -67,7 +50,7 @@ async def main(work: str, same: bool) -> int:
 
     async def check(step: str, want: tuple) -> None:
         relay.flush()
-        await asyncio.sleep(2)
+        await asyncio.sleep(2)  # a reproduction, not a test: the events reach the router
         rows = (await router.get_overlap_scores(tokens))["workers"]
         got = tuple((r["device_blocks"], r["host_pinned_blocks"], r["disk_blocks"]) for r in rows)[0]
         seen.append(got == want)
@@ -84,28 +67,10 @@ async def main(work: str, same: bool) -> int:
     await check("the host keeps the first 8", (4, 8, 12))
     relay.removed(None, device[:4][::-1])
     await check("the device keeps none", (0, 8, 12))
-    relay.close()
-    del publisher
-    serving.cancel()
-    rt.shutdown()
     return 0 if all(seen) else 1
 
 
 if __name__ == "__main__":
-    from router_scenario import free_port
-    from dynamo_flexkv.dynamo import LOOPBACK_ENV
-
-    os.environ.update(LOOPBACK_ENV)
     os.environ.setdefault("DYN_LOG", "error")
     work = tempfile.mkdtemp()
-    os.environ["DYN_FILE_KV"] = os.path.join(work, "discovery")
-    xsub, xpub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    broker = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.serve.zmq_broker", xsub, xpub])
-    os.environ["DYN_ZMQ_BROKER_URL"] = f"xsub={xsub} , xpub={xpub}"
-    try:
-        code = asyncio.run(main(work, (sys.argv[1] if len(sys.argv) > 1 else "distinct") == "same"))
-    finally:
-        broker.terminate()
-        broker.wait(10)
-    sys.stdout.flush()
-    os._exit(code)
+    run_with_broker(work, lambda: main(work, (sys.argv[1] if len(sys.argv) > 1 else "distinct") == "same"))

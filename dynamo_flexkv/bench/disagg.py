@@ -46,10 +46,10 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from dynamo_flexkv.bench.report import Case
-from dynamo_flexkv.disagg.params import HandoverParams
-from dynamo_flexkv.engine import EngineModelConfig, LLMEngine
-from dynamo_flexkv.engine.request import Request, SamplingParams
-from dynamo_flexkv.hashing import block_hashes
+from dynamo_flexkv.integrations.disagg.params import HandoverParams
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
+from dynamo_flexkv.integrations.reference_engine.request import Request, SamplingParams
+from dynamo_flexkv.core.hashing import block_hashes
 
 PRESET = "small"
 MARK = "HANDOVER "
@@ -57,8 +57,8 @@ MARK = "HANDOVER "
 
 def _child(lease_s: float, blocks: int) -> None:
     """The prefill process: one prompt per stdin line -> one handover per stdout line."""
-    from dynamo_flexkv.disagg.nixl_kv import KVAgent, exit_past_libnl
-    from dynamo_flexkv.disagg.roles import PrefillSide
+    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent, exit_past_libnl
+    from dynamo_flexkv.integrations.disagg.roles import PrefillSide
 
     parent = os.getppid()
 
@@ -110,7 +110,7 @@ class _RawRead:
     handover), index lists computed here (untimed); ``__call__`` is the timed part."""
 
     def __init__(self, agent, p: HandoverParams, local: Sequence[int]) -> None:
-        from dynamo_flexkv.disagg.nixl_kv import _indices
+        from dynamo_flexkv.integrations.disagg.nixl_kv import _indices
 
         self.a = agent.agent
         peer = agent._connect(p)  # a no-op once the first handover added the prefill agent
@@ -236,7 +236,7 @@ class _Etcd:
     def __init__(self, binary: str, tmp: str) -> None:
         import http.client
 
-        from dynamo_flexkv.sysutil import free_port
+        from dynamo_flexkv.core.sysutil import free_port
 
         client, peer = free_port(), free_port()
         self.log = open(os.path.join(tmp, "etcd.log"), "wb")
@@ -282,8 +282,8 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
     import shutil
     import tempfile
 
-    from dynamo_flexkv.disagg.nixl_kv import KVAgent
-    from dynamo_flexkv.sysutil import find_binary
+    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+    from dynamo_flexkv.core.sysutil import find_binary
 
     binary = find_binary("etcd")
     if binary is None:
@@ -348,8 +348,8 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
 
 
 def _handover_cases(args: argparse.Namespace) -> List[Case]:
-    from dynamo_flexkv.disagg.nixl_kv import KVAgent
-    from dynamo_flexkv.disagg.roles import DecodeSide
+    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+    from dynamo_flexkv.integrations.disagg.roles import DecodeSide
 
     cfg = EngineModelConfig.load(PRESET)
     sizes = [1024, 4096] if args.quick else [1024, 4096, 8192]

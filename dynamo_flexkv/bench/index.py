@@ -1,6 +1,6 @@
 """bench index: hash + longest-prefix match, ours against Dynamo's router index, same run.
 
-Ours:   dynamo_flexkv.hashing.block_hashes(prompt) + CacheEngine.match(sequence hashes)
+Ours:   dynamo_flexkv.core.hashing.block_hashes(prompt) + CacheEngine.match(sequence hashes)
 Dynamo: dynamo._core.compute_block_hash_for_seq(prompt) + RadixTree.find_matches(tokens hashes)
 
 Both indexes hold the same prompts (groups sharing a long prefix, like system prompts or
@@ -22,9 +22,9 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 
 from dynamo_flexkv.bench.report import Case, median_seconds
-from dynamo_flexkv.config import CacheConfig
-from dynamo_flexkv.hashing import block_hashes
-from dynamo_flexkv.index import CacheEngine, Tier
+from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.hashing import block_hashes
+from dynamo_flexkv.core.index import CacheEngine, Tier
 
 BLOCK = 16
 WORKER = 1

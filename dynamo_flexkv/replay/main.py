@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from dynamo_flexkv.durations import is_duration
+from dynamo_flexkv.core.durations import is_duration
 from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
 from dynamo_flexkv.workload import TRACE_BLOCK, Scale, Turn, trace_turns
 
@@ -351,8 +351,8 @@ def _tokenizer_dir(args: argparse.Namespace) -> Path:
     counts tokens by the server's usage), or the config's model when it is a local directory."""
     import tempfile
 
-    from dynamo_flexkv.dynamo.model_dir import write_model_dir
-    from dynamo_flexkv.engine import EngineModelConfig
+    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
     model = str(_worker_section(args).get("model") or "small")
     if Path(model).is_dir():
@@ -368,7 +368,7 @@ def _check_context(args: argparse.Namespace, scale: Scale, device_blocks: int) -
     """A worker holds a request's prompt and output in its device cache and refuses what cannot fit
     (vLLM: its --max-model-len must hold them, and the device cache one max-model-len request
     besides the block vLLM keeps back)."""
-    from dynamo_flexkv.engine import EngineModelConfig
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
     w = _worker_section(args)
     need = scale.max_prompt_tokens + scale.max_output_tokens

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Mapping, Tuple
-from dynamo_flexkv.errors import FlexKVError
+from dynamo_flexkv.core.errors import FlexKVError
 
 
 class GraphError(ValueError, FlexKVError):
@@ -18,7 +18,7 @@ class GraphError(ValueError, FlexKVError):
 
 class Kind(Enum):
     FRONTEND = "frontend"  # python -m dynamo.frontend: OpenAI HTTP, preprocessing, router
-    WORKER = "worker"  # a backend: our reference engine (dynamo_flexkv.worker) or dynamo.vllm
+    WORKER = "worker"  # a backend: our reference engine (dynamo_flexkv.integrations.dynamo_worker) or dynamo.vllm
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Component:
     name: str  # its section in the config file
     kind: Kind
     defaults: Mapping[str, Any] = field(default_factory=dict)  # options the config may override
-    engine: str = "flexkv"  # workers: "flexkv" (python -m dynamo_flexkv.worker) or "vllm" (python -m dynamo.vllm)
+    engine: str = "flexkv"  # workers: "flexkv" (python -m dynamo_flexkv.integrations.dynamo_worker) or "vllm" (python -m dynamo.vllm)
 
 
 def Frontend(name: str = "Frontend", **defaults: Any) -> Component:

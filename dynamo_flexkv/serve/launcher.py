@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import IO, Dict, List, Optional, Set
 
 from dynamo_flexkv.serve.graph import GraphError, Kind
-from dynamo_flexkv.serve.plan import LOOPBACK, LaunchPlan, OnDeath, Process
-from dynamo_flexkv.errors import FlexKVError
+from dynamo_flexkv.serve.options import OnDeath
+from dynamo_flexkv.serve.plan import LaunchPlan
+from dynamo_flexkv.serve.ports import LOOPBACK
+from dynamo_flexkv.serve.process import Process
+from dynamo_flexkv.core.errors import FlexKVError
 
 
 PROBE_EVERY_S = 5.0  # a ready worker's /health is asked at most this often
@@ -132,8 +135,8 @@ class Launcher:
 
     # ---- start -------------------------------------------------------------------------------
     def start(self) -> None:
-        from dynamo_flexkv.dynamo.model_dir import write_model_dir
-        from dynamo_flexkv.engine import EngineModelConfig
+        from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+        from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         _unignore_sigint()

@@ -13,10 +13,11 @@ from typing import Any, Dict, List
 
 import yaml
 
-from dynamo_flexkv.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
+from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.serve import vllm_worker
-from dynamo_flexkv.serve.plan import PRE_COMMIT_PEEK_ENV, LaunchPlan, Process
+from dynamo_flexkv.serve.plan import PRE_COMMIT_PEEK_ENV, LaunchPlan
+from dynamo_flexkv.serve.process import Process
 
 SYSTEM_PORT = 9090  # the pods' system server (/health, /metrics), as the operator's probes expect
 SKIP_ARGS = {"--http-host", "--discovery-backend", "--event-plane", "--model-dir", "--namespace",
@@ -94,8 +95,8 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
 def _write_model_dir(plan: LaunchPlan, path: str) -> str:
     """The init container's script: the preset's model directory (config.json + tokenizer; vLLM
     loads random weights with --load-format dummy), as serve's launcher writes it."""
-    return ("from dynamo_flexkv.dynamo.model_dir import write_model_dir; "
-            "from dynamo_flexkv.engine import EngineModelConfig; "
+    return ("from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir; "
+            "from dynamo_flexkv.integrations.reference_engine import EngineModelConfig; "
             f"write_model_dir(EngineModelConfig.load({plan.model!r}), {path!r})")
 
 

@@ -22,11 +22,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from dynamo_flexkv.layout import ModelSpec
+from dynamo_flexkv.core.layout import ModelSpec
 from dynamo_flexkv.resources import presets_dir
 
 ENGINE = "vllm"
-CONNECTOR = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.vllm_connector",
+CONNECTOR = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 # What every vLLM worker runs with, here and in a rendered pod (with VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS).
 PORTABLE_ENV = {"VLLM_NO_USAGE_STATS": "1"}
@@ -72,16 +72,16 @@ def _str_or_none(v: Any) -> Optional[str]:
 def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Callable[[Any], Any]]:
     """A VllmWorker's options: the worker options that mean the same for both engines (reusing
     their checks: replicas, cache, restart and liveness), then vLLM's own."""
-    from dynamo_flexkv.serve.plan import _bool, _int, _mapping, _str
+    from dynamo_flexkv.serve.options import bool_option, int_option, mapping_option, str_option
 
     shared = ("model", "served-model-name", "namespace", "replicas", "offload", "system-port", "cache",
               "extra-args", "on-death", "max-restarts", "restart-window-s", "restart-backoff-s",
               "liveness-timeout-s")
     return {**{k: worker_options[k] for k in shared},
             "num-device-blocks": _nonneg_int_or_none,  # vLLM's --num-gpu-blocks-override; unset: from memory
-            "block-size": _int, "max-model-len": _int, "dtype": _str, "kv-cache-memory-bytes": _int,
-            "enforce-eager": _bool, "load-format": _str_or_none, "connector": _mapping,
-            "cpu-threads-bind": _str_or_none, "shutdown-timeout-s": _int}
+            "block-size": int_option, "max-model-len": int_option, "dtype": str_option, "kv-cache-memory-bytes": int_option,
+            "enforce-eager": bool_option, "load-format": _str_or_none, "connector": mapping_option,
+            "cpu-threads-bind": _str_or_none, "shutdown-timeout-s": int_option}
 
 
 def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
@@ -141,7 +141,7 @@ def connector_keys() -> Sequence[str]:
     read from the source: importing the connector package imports vLLM, which planning and
     rendering must not."""
     spec = importlib.util.find_spec("dynamo_flexkv")
-    path = Path(spec.origin).parent / "vllm_connector" / "settings.py"
+    path = Path(spec.origin).parent / "integrations" / "vllm_connector" / "settings.py"
     for node in ast.parse(path.read_text()).body:
         target = node.target if isinstance(node, ast.AnnAssign) else (
             node.targets[0] if isinstance(node, ast.Assign) else None)
@@ -255,7 +255,9 @@ def events_endpoint(run_dir: Path, pname: str, port: int, local: bool) -> str:
 def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery: str, event_plane: str,
             env: Dict[str, str], ports: Any, source: str, local: bool, redis: Optional[Dict[str, Any]],
             dirs: Dict[str, str]) -> list:
-    from dynamo_flexkv.serve.plan import Process, _per_replica, _replica_cache, restart_policy, system_port
+    from dynamo_flexkv.serve.options import restart_policy
+    from dynamo_flexkv.serve.plan import Process, per_replica, replica_cache
+    from dynamo_flexkv.serve.ports import system_port
     from dynamo_flexkv.serve.graph import Kind
 
     model_path, preset, spec = resolve_model(name, o, run_dir, source, local)
@@ -286,7 +288,7 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
                                                          "endpoint": events_endpoint(run_dir, pname, port, local)})]
         cache, files = None, {}
         if o["offload"]:
-            cache, files = _replica_cache(name, pname, i, o, spec, o["block-size"], run_dir, penv, ports, source,
+            cache, files = replica_cache(name, pname, i, o, spec, o["block-size"], run_dir, penv, ports, source,
                                           local, redis, dirs)
             extra = {**o["connector"], "run_dir": str(run_dir / pname) if local else "/tmp"}
             argv += ["--kv-transfer-config", json.dumps({**CONNECTOR, "kv_connector_extra_config": extra})]
@@ -299,7 +301,7 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
             penv["VLLM_PORT"] = str(ports.take_range(VLLM_PORTS_PER_WORKER, f"{pname} VLLM_PORT", VLLM_PORT_BAND))
             proc_dirs = [str(run_dir / pname), str(home / ".cache" / "vllm")]
             if o["cpu-threads-bind"] is not None:
-                penv[BIND_ENV] = _per_replica(o["cpu-threads-bind"], i)
+                penv[BIND_ENV] = per_replica(o["cpu-threads-bind"], i)
         out.append(Process(pname, argv + o["extra-args"], penv, Kind.WORKER, port, cache, files, restart,
                            engine=ENGINE, block_size=o["block-size"], dirs=proc_dirs, stop_group=False))
     return out

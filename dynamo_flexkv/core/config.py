@@ -1,0 +1,303 @@
+"""Cache configuration: defaults < YAML file (FLEXKV_CONFIG_PATH) < environment.
+
+Keys keep FlexKV's names so its users can move over; Dynamo KVBM's DYN_KVBM_* variables are
+accepted as aliases. Every bad value or contradiction raises ConfigError naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
+
+import yaml
+
+from dynamo_flexkv.core.durations import is_duration
+from dynamo_flexkv.core.enums import EvictionPolicy
+from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
+from dynamo_flexkv.core.remote.config import DEFAULT_PASSWORD_ENV
+from dynamo_flexkv.core.errors import FlexKVError
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.core.remote.config import RemoteConfig
+
+GiB = 1 << 30
+
+# Environment variable -> config key. FLEXKV_<KEY> works for every key; these are the extras.
+ENV_ALIASES: Dict[str, str] = {
+    "DYN_KVBM_CPU_CACHE_GB": "cpu_cache_gb",
+    "DYN_KVBM_DISK_CACHE_GB": "ssd_cache_gb",
+    "DYN_KVBM_DISK_CACHE_DIR": "ssd_cache_dir",
+}
+CONFIG_PATH_ENV = "FLEXKV_CONFIG_PATH"
+
+
+class ConfigError(ValueError, FlexKVError):
+    """A configuration value that cannot work; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    tokens_per_block: int = 16
+    cpu_cache_gb: float = 4.0
+    ssd_cache_gb: float = 0.0
+    ssd_cache_dir: Tuple[str, ...] = ()  # blocks are striped across these directories
+    enable_gds: bool = False  # host<->disk through NIXL's GDS_MT backend, not POSIX (needs enable_nixl, CUDA, cuFile); still staged in host, never disk<->device
+    enable_nixl: bool = False  # host<->disk through NIXL instead of our io_uring mover
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    evict_start_threshold: float = 1.0  # fraction of a tier in use that starts proactive eviction
+    evict_ratio: float = 0.05  # fraction of a tier freed per proactive eviction step
+    hit_reward_seconds: float = 0.0  # LRU: each hit counts as this much extra recency
+    slru_protected_hits: int = 2  # SLRU: hits that move a block from probation to protected
+    disk_admission_hits: int = 0  # hits a block needs before it is written to disk; 0 = always
+    io_queue_depth: int = 512  # io_uring submission depth for the disk tier
+    use_huge_pages: bool = False
+    task_result_ttl_seconds: float = 600.0  # a finished result nobody collected is dropped after this
+    max_tasks_in_flight: int = 4096  # running tasks (background disk writes included) before new ones are refused
+    # Remote tier (Redis / Valkey / Redis Cluster, shared by every worker of a model; docs/REMOTE.md).
+    enable_remote: bool = False
+    remote_cache_url: str = dataclasses.field(default="", repr=False)  # may carry a password: never in a repr; redis://, rediss://, redis+cluster://h:p,h:p; `serve` starts one when empty
+    remote_password_env: str = DEFAULT_PASSWORD_ENV  # read when the URL carries no password
+    remote_timeout_s: float = 2.0  # bound on every remote socket wait
+    remote_connect_timeout_s: float = 1.0
+    remote_ttl_s: float = 0.0  # expire remote blocks after this long; 0 = leave it to maxmemory eviction
+    remote_key_prefix: str = "flexkv:"
+    remote_admission_hits: int = 0  # host hits a block needs before it is written to remote; 0 = every put
+    remote_required: bool = True  # an unreachable server at start is an error (false: start without it)
+    tp_rank: int = 0  # this worker's tensor-parallel rank: its KV shard's bytes are its own (keys the remote tier)
+    tp_size: int = 1  # tensor-parallel ranks of one model instance
+
+    def __post_init__(self) -> None:
+        # The constructor converts like the loader: "a;b" is two directories, "lfu" a policy.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            object.__setattr__(self, f.name, _coerce(f.name, f.default, value, "CacheConfig()"))
+        self._validate()
+
+    # ---- loading ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> "CacheConfig":
+        return cls(**_coerce_all(data, source))
+
+    @classmethod
+    def load(
+        cls, path: Optional[str] = None, env: Optional[Mapping[str, str]] = None
+    ) -> "CacheConfig":
+        """Defaults, then the YAML file (``path`` or $FLEXKV_CONFIG_PATH), then the environment."""
+        env = os.environ if env is None else env
+        values: Dict[str, Any] = {}
+        path = path or env.get(CONFIG_PATH_ENV)
+        if path:
+            values.update(_coerce_all(_read_yaml(path), path))
+        values.update(_coerce_all(_env_values(env), "environment"))
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "CacheConfig":
+        return dataclasses.replace(self, **_coerce_all(changes, "replace()"))
+
+    # ---- derived ---------------------------------------------------------------------------
+    def layout(self, model: ModelSpec, num_blocks: int,
+               type: KVLayoutType = KVLayoutType.BLOCKFIRST) -> KVLayout:
+        """Layout of ``num_blocks`` blocks; host and disk tiers are always BLOCKFIRST (a block is
+        one span: one disk I/O, one checksum)."""
+        return KVLayout(type, model, self.tokens_per_block, num_blocks)
+
+    def tier_blocks(self, model: ModelSpec) -> Dict[str, int]:
+        """Capacities in blocks of ``model``; a tier configured > 0 GB that holds no block errs."""
+        block_bytes = self.layout(model, 1).block_bytes
+        out: Dict[str, int] = {}
+        for tier, key in (("host", "cpu_cache_gb"), ("disk", "ssd_cache_gb")):
+            gb = getattr(self, key)
+            blocks = int(gb * GiB) // block_bytes
+            if gb > 0 and blocks == 0:
+                need = block_bytes / GiB
+                raise ConfigError(
+                    f"{key}={gb} holds no block of {block_bytes} bytes "
+                    f"({self.tokens_per_block} tokens of this model): set {key} >= {need:.6f} "
+                    "or lower tokens_per_block"
+                )
+            out[tier] = blocks
+        if out["host"] == 0:
+            raise ConfigError(
+                "cpu_cache_gb=0: the host tier stages every transfer, so it needs room: "
+                "set cpu_cache_gb > 0"
+            )
+        return out
+
+    def remote_config(self) -> "RemoteConfig":
+        """The remote tier's settings; ConfigError naming the key and the fix when they cannot work."""
+        from dynamo_flexkv.core.remote.config import RemoteConfig, RemoteConfigError
+        if not self.remote_cache_url:
+            raise ConfigError("enable_remote=true needs remote_cache_url (redis://host:port, "
+                              "redis+cluster://h:p,h:p,...): set it, or let `serve` start a local redis-server "
+                              "(it sets the URL for its workers), or set enable_remote=false")
+        if self.remote_ttl_s < 0:
+            raise ConfigError(f"remote_ttl_s={self.remote_ttl_s} must be >= 0 (0 = no expiry)")
+        try:
+            return RemoteConfig(url=self.remote_cache_url, password_env=self.remote_password_env,
+                                timeout_s=self.remote_timeout_s, connect_timeout_s=self.remote_connect_timeout_s,
+                                ttl_s=self.remote_ttl_s or None, key_prefix=self.remote_key_prefix)
+        except RemoteConfigError as e:
+            raise ConfigError(str(e)) from None
+
+    # ---- checks ----------------------------------------------------------------------------
+    def _validate(self) -> None:
+        tpb = self.tokens_per_block
+        if tpb <= 0 or tpb & (tpb - 1):
+            raise ConfigError(f"tokens_per_block={tpb} must be a power of two (e.g. 16, 32, 64)")
+        for key in ("cpu_cache_gb", "ssd_cache_gb", "hit_reward_seconds"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
+        if not is_duration(self.task_result_ttl_seconds):
+            raise ConfigError(f"task_result_ttl_seconds={self.task_result_ttl_seconds} must be > 0: the time a "
+                              "finished task's result waits for wait() before it is dropped")
+        for key in ("evict_start_threshold", "evict_ratio"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise ConfigError(f"{key}={value} must be in (0, 1], a fraction of the tier")
+        for key in ("slru_protected_hits", "disk_admission_hits"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
+        if self.max_tasks_in_flight < 1:
+            raise ConfigError(f"max_tasks_in_flight={self.max_tasks_in_flight} must be >= 1")
+        if not 1 <= self.io_queue_depth <= 32768:
+            raise ConfigError(f"io_queue_depth={self.io_queue_depth} must be in [1, 32768]")
+        if self.ssd_cache_gb > 0:
+            if not self.ssd_cache_dir:
+                raise ConfigError(
+                    f"ssd_cache_gb={self.ssd_cache_gb} needs ssd_cache_dir: set it "
+                    "(';'-separated for several disks) or set ssd_cache_gb=0"
+                )
+            if self.ssd_cache_gb < self.cpu_cache_gb:
+                raise ConfigError(
+                    f"ssd_cache_gb={self.ssd_cache_gb} is smaller than cpu_cache_gb="
+                    f"{self.cpu_cache_gb}: the disk tier would hold less than host memory; "
+                    "raise ssd_cache_gb or set it to 0 to disable the disk tier"
+                )
+            seen: Dict[str, str] = {}
+            for d in self.ssd_cache_dir:
+                real = os.path.realpath(d)
+                if real in seen:  # two stripes in one directory would share (and fight over) its files
+                    raise ConfigError(f"ssd_cache_dir lists {real!r} twice ({seen[real]!r} and {d!r}): "
+                                      "name each directory once")
+                seen[real] = d
+                _check_writable_dir(d)
+        if self.enable_remote:
+            self.remote_config()  # a bad URL or setting fails here, naming remote_<key>
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank={self.tp_rank} with tp_size={self.tp_size}: tp_size must be >= 1 and "
+                              "tp_rank in [0, tp_size) (set both to the engine's tensor-parallel rank and size)")
+        if self.remote_admission_hits < 0:
+            raise ConfigError(f"remote_admission_hits={self.remote_admission_hits} must be >= 0")
+        if self.enable_gds and self.ssd_cache_gb <= 0:
+            raise ConfigError("enable_gds=true needs a disk tier: set ssd_cache_gb and ssd_cache_dir")
+        if self.enable_gds and not self.enable_nixl:
+            raise ConfigError("enable_gds=true moves disk blocks through NIXL's GDS_MT backend: set "
+                              "enable_nixl=true as well, or enable_gds=false")
+
+
+def _read_yaml(path: str) -> Mapping[str, Any]:
+    return read_yaml_mapping(path, f"; fix {CONFIG_PATH_ENV}", "keys to values")
+
+
+def read_yaml_mapping(path: str, fix: str = "", holds: str = "keys to values") -> Dict[str, Any]:
+    """A YAML file whose top level is a mapping; any other case is a ConfigError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}{fix}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8{fix}") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: e.g. a date like 2024-13-45
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of {holds}")
+    return data
+
+
+def _env_values(env: Mapping[str, str]) -> Dict[str, str]:
+    """Collects FLEXKV_<KEY> and the KVBM aliases; two names for one key must agree."""
+    fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
+    found: Dict[str, Tuple[str, str]] = {}
+    names = {f"FLEXKV_{k.upper()}": k for k in fields}
+    names.update(ENV_ALIASES)
+    for var, key in names.items():
+        if var not in env:
+            continue
+        # Compare parsed values: "2" and "2.0" agree.
+        if key in found and _coerce(key, fields[key].default, found[key][1], found[key][0]) \
+                != _coerce(key, fields[key].default, env[var], var):
+            other = found[key][0]
+            raise ConfigError(
+                f"{other}={found[key][1]!r} and {var}={env[var]!r} both set {key}: unset one"
+            )
+        found[key] = (var, env[var])
+    return {k: v for k, (_, v) in found.items()}
+
+
+def _coerce_all(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
+    fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
+    out: Dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(sorted(fields))}"
+            raise ConfigError(f"unknown config key {key!r} in {source}{hint}")
+        out[key] = _coerce(key, fields[key].default, value, source)
+    return out
+
+
+def _coerce(key: str, default: Any, value: Any, source: str) -> Any:
+    try:
+        if isinstance(default, bool):
+            return _parse_bool(value)
+        if isinstance(default, EvictionPolicy):
+            return EvictionPolicy.parse(value)
+        if isinstance(default, tuple):
+            if isinstance(value, (str, os.PathLike)):
+                value = os.fspath(value).split(";")
+            elif not isinstance(value, (list, tuple)):
+                raise TypeError(f"expected a ';'-separated string or a list of directories, got {type(value).__name__}")
+            return tuple(str(Path(os.fspath(p).strip()).expanduser()) for p in value if str(os.fspath(p)).strip())
+        if isinstance(default, int):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError("expected an integer")
+            return int(value)
+        if isinstance(default, float):
+            if isinstance(value, bool):
+                raise ValueError("expected a number")
+            value = float(value)
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError("expected a finite number")
+            return value
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ConfigError(f"{key}={value!r} in {source} is invalid: {e}") from None
+    return value
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true/false")
+
+
+def _check_writable_dir(directory: str) -> None:
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".flexkv-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"ssd_cache_dir {directory!r} is not writable ({e.strerror}): point ssd_cache_dir at a "
+            "directory this user can write, or set ssd_cache_gb=0"
+        ) from None

@@ -1,0 +1,10 @@
+"""Control plane: prefix index per tier, eviction policies, the cache engine."""
+
+from dynamo_flexkv.core.index.cache_engine import CacheEngine, GetPlan, MatchResult, PutPlan, Tier, TierRun
+from dynamo_flexkv.core.index.policies import EvictionPolicy
+from dynamo_flexkv.core.index.tier_index import IndexError_, PoolError, TierIndex
+
+__all__ = [
+    "CacheEngine", "EvictionPolicy", "GetPlan", "IndexError_", "MatchResult",
+    "PoolError", "PutPlan", "Tier", "TierIndex", "TierRun",
+]

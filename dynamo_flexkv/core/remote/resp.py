@@ -1,0 +1,189 @@
+"""A small RESP2 connection over a raw socket, built for large values.
+
+Writes go out with ``sendmsg`` scatter lists, so a block's bytes are sent straight from the
+caller's buffer; bulk replies are read with ``recv_into`` straight into the caller's buffer. The
+receive buffer only ever holds reply lines and the few bytes read past them, so no block is
+copied through Python objects. Every socket wait is bounded by the timeout.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from typing import List, Optional, Sequence, Union
+from dynamo_flexkv.core.errors import FlexKVError
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+_IOV_MAX = 1024  # Linux UIO_MAXIOV
+_RX_BYTES = 64 << 10
+_FILL = 8 << 10  # read at most this much when waiting for a reply line: little payload lands here
+_MAX_LINE = 64 << 10
+
+
+class ProtocolError(ConnectionError, FlexKVError):
+    """The byte stream is not what RESP allows: the connection is unusable."""
+
+
+class ReplyError(str):
+    """A server error reply (``-ERR ...``) as a value inside a pipeline's results."""
+
+
+class ServerError(FlexKVError):
+    """A server error reply to a single command (see ``call``)."""
+
+
+def encode_command(*args: Union[bytes, str, int]) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        b = a if isinstance(a, bytes) else str(a).encode("utf-8")
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+class RespConnection:
+    """One connection to one Redis node; not thread-safe (the store pools them)."""
+
+    def __init__(self, host: str, port: int, *, timeout_s: float, connect_timeout_s: float,
+                 ssl_context: Optional[ssl.SSLContext] = None) -> None:
+        self.host, self.port = host, port
+        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if ssl_context is not None:
+                sock = ssl_context.wrap_socket(sock, server_hostname=host)
+            sock.settimeout(timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._scatter = ssl_context is None  # SSLSocket has no sendmsg
+        self._buf = bytearray(_RX_BYTES)
+        self._mv = memoryview(self._buf)
+        self._r = self._w = 0
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+
+    # ---- sending ----
+
+    def send(self, parts: List[Buffer]) -> None:
+        """Sends every part in order (the list is consumed). Scatter-gather without copies."""
+        if not self._scatter:
+            for p in parts:
+                self._sock.sendall(p)
+            return
+        i, n = 0, len(parts)
+        while i < n:
+            sent = self._sock.sendmsg(parts[i:i + _IOV_MAX])
+            while sent:
+                size = len(parts[i]) if not isinstance(parts[i], memoryview) else parts[i].nbytes
+                if sent >= size:
+                    sent -= size
+                    i += 1
+                else:
+                    parts[i] = memoryview(parts[i])[sent:]
+                    sent = 0
+
+    # ---- receiving ----
+
+    def _fill(self) -> None:
+        if self._r == self._w:
+            self._r = self._w = 0
+        elif len(self._buf) - self._w < _FILL:
+            n = self._w - self._r
+            self._mv[:n] = self._mv[self._r:self._w]
+            self._r, self._w = 0, n
+        got = self._sock.recv_into(self._mv[self._w:self._w + _FILL])
+        if not got:
+            raise ConnectionError(f"redis {self.host}:{self.port} closed the connection")
+        self._w += got
+
+    def readline(self) -> bytes:
+        """One reply line without its CRLF."""
+        while True:
+            i = self._buf.find(b"\r\n", self._r, self._w)
+            if i >= 0:
+                line = bytes(self._mv[self._r:i])
+                self._r = i + 2
+                return line
+            if self._w - self._r > _MAX_LINE:
+                raise ProtocolError(f"redis {self.host}:{self.port}: reply line longer than {_MAX_LINE} bytes")
+            self._fill()
+
+    def read_into(self, dest: memoryview) -> None:
+        """Fills ``dest`` (a byte memoryview) with the next ``dest.nbytes`` bytes of the stream."""
+        n = dest.nbytes
+        k = min(self._w - self._r, n)
+        if k:
+            dest[:k] = self._mv[self._r:self._r + k]
+            self._r += k
+        pos = k
+        recv_into = self._sock.recv_into
+        while pos < n:
+            got = recv_into(dest[pos:], n - pos)
+            if not got:
+                raise ConnectionError(f"redis {self.host}:{self.port} closed the connection mid-reply")
+            pos += got
+
+    def skip(self, n: int) -> None:
+        """Discards the next ``n`` bytes of the stream."""
+        k = min(self._w - self._r, n)
+        self._r += k
+        n -= k
+        if n:
+            scratch = memoryview(bytearray(min(n, 1 << 20)))
+            while n:
+                got = self._sock.recv_into(scratch, min(n, scratch.nbytes))
+                if not got:
+                    raise ConnectionError(f"redis {self.host}:{self.port} closed the connection mid-reply")
+                n -= got
+
+    def expect_crlf(self) -> None:
+        while self._w - self._r < 2:
+            self._fill()
+        if self._buf[self._r:self._r + 2] != b"\r\n":
+            raise ProtocolError(f"redis {self.host}:{self.port}: bulk reply not followed by CRLF")
+        self._r += 2
+
+    def read_reply(self) -> object:
+        """One reply: str (status), ReplyError, int, bytes or None (bulk), list (array)."""
+        line = self.readline()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest.decode("utf-8", "replace")
+        if kind == b"-":
+            return ReplyError(rest.decode("utf-8", "replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            out = bytearray(n)
+            self.read_into(memoryview(out))
+            self.expect_crlf()
+            return bytes(out)
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self.read_reply() for _ in range(n)]
+        raise ProtocolError(f"redis {self.host}:{self.port}: unexpected reply type {line[:16]!r}")
+
+    def call(self, *args: Union[bytes, str, int]) -> object:
+        """Sends one command and returns its reply; an error reply raises ServerError."""
+        self.send([encode_command(*args)])
+        reply = self.read_reply()
+        if isinstance(reply, ReplyError):
+            raise ServerError(str(reply))
+        return reply
+
+    def pipeline(self, commands: Sequence[bytes]) -> list:
+        """Sends encoded commands at once and returns their replies (errors as ReplyError)."""
+        self.send(list(commands))
+        return [self.read_reply() for _ in commands]

@@ -1,0 +1,77 @@
+"""Host tier memory: one page-aligned pool allocated once, pinned when CUDA exists."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+from typing import Optional
+
+import numpy as np
+import torch
+
+from dynamo_flexkv.core.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+_MAP_HUGETLB = 0x40000
+_HUGE_PAGE = 2 << 20
+
+
+class HostPool:
+    """``layout.num_blocks`` blocks in ``layout`` (BLOCKFIRST by default) in one anonymous mapping.
+
+    Page alignment makes every block usable for O_DIRECT disk I/O; pinning (cudaHostRegister)
+    makes host<->device copies asynchronous DMA.
+    """
+
+    def __init__(self, layout: KVLayout, *, use_huge_pages: bool = False, pin: Optional[bool] = None) -> None:
+        self.layout = layout
+        self.nbytes = layout.total_bytes
+        self.huge_pages = False
+        self._mm = None
+        if use_huge_pages:
+            size = -(-self.nbytes // _HUGE_PAGE) * _HUGE_PAGE
+            try:
+                self._mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB)
+                self.huge_pages = True
+            except OSError as e:
+                log.warning("host pool: huge pages unavailable (%s); using normal pages", e.strerror)
+        if self._mm is None:
+            self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                self._mm.madvise(mmap.MADV_HUGEPAGE)  # transparent huge pages: fewer TLB misses in gathers
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)
+        self.pinned = False
+        if pin if pin is not None else torch.cuda.is_available():
+            err = torch.cuda.cudart().cudaHostRegister(self.base, len(self._mm), 0)
+            self.pinned = int(err) == 0
+            if not self.pinned:
+                log.warning("host pool: cudaHostRegister failed (%s); copies will be synchronous", err)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    def block_addrs(self, block_ids: np.ndarray) -> np.ndarray:
+        """Start address of each whole block (BLOCKFIRST) for disk I/O."""
+        self.check_ids(block_ids)
+        return (self.base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(self.layout.block_bytes)).astype(np.uint64)
+
+    def check_ids(self, block_ids: np.ndarray) -> None:
+        ids = np.asarray(block_ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise IndexError(f"host block id out of range [0, {self.num_blocks}): {ids.min()}..{ids.max()}")
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.base)
+        del self.array
+        mm, self._mm = self._mm, None
+        try:
+            mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with it
+            pass

@@ -1,0 +1,167 @@
+"""From control-plane plans to data-plane graphs: which ops a get, prefetch or put runs, in what
+order, and what the index commits when each op has landed (never before)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from dynamo_flexkv.core.index import CacheEngine, GetPlan, PutPlan, Tier
+from dynamo_flexkv.core.storage.ssd import DiskEntry, SsdStore
+from dynamo_flexkv.core.tasks import Task, TaskKind, TaskResult, TaskStatus
+from dynamo_flexkv.core.transfer.graph import GraphState, OpKind, OpState, TransferGraph, TransferOp
+from dynamo_flexkv.core.transfer.movers import ChecksumError
+from dynamo_flexkv.core.transfer.remote_mover import RemoteShortRead
+
+log = logging.getLogger(__name__)
+
+
+class GraphBuilder:
+    def __init__(self, cache: CacheEngine, ssd: Optional[SsdStore], layer_block_bytes: int,
+                 tokens_per_block: int, num_layers: int) -> None:
+        self.cache, self.ssd = cache, ssd
+        self.layer_block_bytes = layer_block_bytes
+        self.tokens_per_block, self.num_layers = tokens_per_block, num_layers
+        self.disk_write_failures = 0
+        self.remote_write_failures = 0  # write-behind ops that raised (stats() of the store counts refusals)
+        self.remote_short_reads = 0  # gets whose remote part verified fewer blocks than planned
+
+    def get(self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool) -> TransferGraph:
+        """A get (``dev_ids`` given) or a prefetch (None): DISK2H into staged host blocks, then
+        H2D per layer or at once. Staged blocks commit after their bytes are verified."""
+        load_device = dev_ids is not None
+        tid, ops = task.id, []
+        layers = [(i, i + 1) for i in range(self.num_layers)] if layerwise else [(0, self.num_layers)]
+        # Disk reads feed each layer's device copy. Layerwise with disk: read layer by layer too
+        # (when a layer's span keeps O_DIRECT alignment), so layer 0 computes while later layers
+        # are still on their way; one VERIFY then checks whole blocks before anything commits.
+        disk_for: Dict[tuple, TransferOp] = {}
+        staged_op: Optional[TransferOp] = None  # the op that commits the disk-staged blocks
+        if plan.staged is not None:
+            def staged_landed(op: TransferOp) -> None:
+                self.cache.complete(plan.disk_reads, tid)
+                self.cache.complete(plan.staged, tid)
+            src, dst_host = plan.disk_reads.block_ids, plan.staged.block_ids
+            split = layerwise and load_device and self.layer_block_bytes % 4096 == 0
+            if split:
+                # Chained, so each layer's read gets the whole disk in turn: layer 0 lands after
+                # 1/L of the read time instead of all layers landing together at the end.
+                reads: List[TransferOp] = []
+                for span in layers:
+                    reads.append(TransferOp(OpKind.DISK2H, src, dst_host, layers=span,
+                                            deps=(reads[-1],) if reads else ()))
+                ops += reads
+                staged_op = TransferOp(OpKind.VERIFY, src, dst_host, deps=tuple(reads), on_done=staged_landed)
+                ops.append(staged_op)
+                disk_for = dict(zip(layers, reads))
+            else:
+                whole = staged_op = TransferOp(OpKind.DISK2H, src, dst_host, on_done=staged_landed)
+                ops.append(whole)
+                disk_for = {span: whole for span in layers}
+        if plan.remote_staged is not None:
+            # Remote blocks land after the disk part (their parent), verified by the store. A
+            # shorter verified prefix commits what landed and fails the rest (recomputed).
+            # Layerwise: one chained read per layer span (RemoteMover), the last verifying and
+            # committing whole blocks, so layer 0 computes while later layers are on their way.
+            run = plan.remote_staged
+            spans = layers if layerwise and load_device else [None]
+            reads = []
+            for span in spans:
+                dep = reads[-1] if reads else staged_op
+                reads.append(TransferOp(OpKind.REMOTE2H, run.block_ids, run.block_ids, deps=(dep,) if dep else (),
+                                        layers=span, seq_hashes=list(run.hashes), parent=run.parent))
+            reads[-1].on_done = lambda op: self.cache.complete(run, tid)
+            ops += reads
+            disk_for = dict(zip(layers, reads)) if len(reads) == len(layers) else {span: reads[0] for span in layers}
+        if load_device:
+            reads_h = plan.host_reads
+            dst = dev_ids[reads_h.start:reads_h.end]
+            for lo, hi in layers:
+                def layer_landed(op: TransferOp, lo=lo, hi=hi) -> None:
+                    for i in range(lo, hi):
+                        task.layer_ready[i].set()
+                dep = disk_for.get((lo, hi))
+                ops.append(TransferOp(OpKind.H2D, reads_h.block_ids, dst, deps=(dep,) if dep else (),
+                                      layers=(lo, hi), on_done=layer_landed))
+        loaded = plan.num_blocks if load_device else sum(len(r) for r in (plan.staged, plan.remote_staged) if r)
+
+        def finished(graph: TransferGraph) -> None:
+            if graph.state is GraphState.DONE:
+                if plan.host_reads is not None:
+                    self.cache.complete(plan.host_reads, tid)
+                self.cache.finish_task(tid)
+                task.finish(TaskResult(tid, task.kind, TaskStatus.SUCCESS, loaded * self.tokens_per_block))
+                return
+            if isinstance(graph.error, RemoteShortRead):
+                self.remote_short_reads += 1
+                staged_ok = plan.staged is None or plan.staged.done
+                if staged_ok and not plan.remote_staged.done:  # keep the verified blocks on host
+                    self.cache.complete_prefix(plan.remote_staged, tid, graph.error.verified)
+            self.cache.abort_task(tid)
+            if isinstance(graph.error, ChecksumError):
+                self._drop_corrupt(graph.error.disk_ids)
+            task.finish(self._failure(task, graph))
+        return TransferGraph(ops, on_finish=finished)
+
+    def put(self, task: Task, plan: PutPlan, dev_ids: np.ndarray, after: Any = None) -> TransferGraph:
+        """D2H into new host blocks (the task succeeds for its caller right then: the engine may
+        reuse its blocks), then H2DISK in the background, journaled before it commits."""
+        tid, ops = task.id, []
+        stored = len(plan.host) if plan.host is not None else 0
+        d2h = None
+        if plan.host is not None:
+            def host_landed(op: TransferOp) -> None:
+                self.cache.complete(plan.host, tid)
+                task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, stored * self.tokens_per_block))
+            d2h = TransferOp(OpKind.D2H, dev_ids[plan.host.start:plan.host.end], plan.host.block_ids,
+                             after=after, on_done=host_landed)
+            ops.append(d2h)
+        else:
+            task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, 0))
+        if plan.disk is not None:
+            def disk_landed(op: TransferOp) -> None:
+                run, tpb = plan.disk, self.tokens_per_block
+                tokens = (np.asarray(run.token_ids, dtype="<u4").tobytes() if run.token_ids is not None
+                          else None)
+                self.ssd.record_stored(
+                    DiskEntry(b, h, p, int(c), tokens and tokens[4 * tpb * i:4 * tpb * (i + 1)])
+                    for i, (b, h, p, c) in enumerate(zip(run.block_ids, run.hashes, [run.parent, *run.hashes[:-1]],
+                                                         op.result)))
+                self.cache.complete(plan.disk, tid)
+                self.cache.complete(plan.host_sources, tid)
+            ops.append(TransferOp(OpKind.H2DISK, plan.host_sources.block_ids, plan.disk.block_ids,
+                                  deps=(d2h,) if d2h else (), on_done=disk_landed))
+
+        if plan.remote_sources is not None:
+            src = plan.remote_sources
+            ops.append(TransferOp(OpKind.H2REMOTE, src.block_ids, src.block_ids, deps=(d2h,) if d2h else (),
+                                  seq_hashes=list(src.hashes), parent=src.parent,
+                                  on_done=lambda op: self.cache.complete(src, tid)))
+
+        def finished(graph: TransferGraph) -> None:
+            if graph.state is GraphState.DONE:
+                self.cache.finish_task(tid)
+                return
+            if d2h is not None and d2h.state is OpState.DONE and graph.state is GraphState.FAILED:
+                failed = [op.kind.value for op in graph.ops if op.state is OpState.FAILED]
+                if OpKind.H2DISK.value in failed:
+                    self.disk_write_failures += 1
+                if OpKind.H2REMOTE.value in failed:
+                    self.remote_write_failures += 1
+                log.warning("put %d: %s write failed (%s); the blocks stay on host", tid, "/".join(failed),
+                            graph.error)
+            self.cache.abort_task(tid)
+            task.finish(self._failure(task, graph))
+        return TransferGraph(ops, on_finish=finished)
+
+    def _failure(self, task: Task, graph: TransferGraph) -> TaskResult:
+        if graph.state is GraphState.CANCELLED:
+            return TaskResult(task.id, task.kind, TaskStatus.CANCELLED)
+        return TaskResult(task.id, task.kind, TaskStatus.FAILED, error=f"{type(graph.error).__name__}: {graph.error}")
+
+    def _drop_corrupt(self, disk_ids: List[int]) -> None:
+        log.error("disk blocks %s failed their checksum; dropping them", disk_ids[:8])
+        self.cache.discard(Tier.DISK, disk_ids)
+

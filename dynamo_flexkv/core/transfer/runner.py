@@ -1,0 +1,154 @@
+"""TransferRunner: runs the ready ops of every submitted graph on worker threads.
+
+An op runs once all its deps are done. A failing op fails its graph: no further op of that graph
+starts, the ones already running drain, and only then does the graph finish (so buffers are never
+freed under a copy in flight). Cancel works the same way, without an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Dict, Optional, Protocol
+
+from dynamo_flexkv.core.transfer.graph import GraphState, OpKind, OpState, TransferGraph, TransferOp
+
+log = logging.getLogger(__name__)
+
+
+class Mover(Protocol):
+    """Moves the bytes of one op; returns the bytes moved; raises on failure."""
+
+    def run(self, op: TransferOp) -> int: ...
+
+
+class TransferRunner:
+    def __init__(self, movers: Dict[OpKind, Mover], workers: int = 4) -> None:
+        self.movers = dict(movers)
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._running: Dict[int, int] = {}  # id(graph) -> ops in flight
+        self._graphs: Dict[int, TransferGraph] = {}
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"flexkv-transfer-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+        self.link_bytes: Dict[OpKind, int] = {k: 0 for k in OpKind}
+        self.link_seconds: Dict[OpKind, float] = {k: 0.0 for k in OpKind}
+        self.link_ops: Dict[OpKind, int] = {k: 0 for k in OpKind}
+        self.failed_ops = 0
+
+    def submit(self, graph: TransferGraph) -> TransferGraph:
+        for op in graph.ops:
+            if op.kind not in self.movers:
+                raise ValueError(f"no mover for {op.kind.value}: this manager was built without that tier")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("transfer runner is shut down")
+            self._graphs[id(graph)] = graph
+            self._running[id(graph)] = 0
+            self._dispatch(graph)
+            finished = self._maybe_finish(graph)  # a graph without ops is done at once
+        if finished:
+            self._finish(graph)
+        return graph
+
+    def cancel(self, graph: TransferGraph) -> None:
+        with self._lock:
+            finished = False
+            if graph.state is GraphState.RUNNING:
+                graph.cancel_requested = True
+                finished = self._maybe_finish(graph)
+        if finished:
+            self._finish(graph)
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Cancels every graph, lets running ops drain, stops the workers."""
+        with self._lock:
+            self._closed = True
+            graphs = list(self._graphs.values())
+        for g in graphs:
+            self.cancel(g)
+        for g in graphs:
+            g.finished.wait(timeout)
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    # ---- internals (self._lock held where noted) --------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        """Ready copies waiting for a worker thread."""
+        return self._queue.qsize()
+
+    def _dispatch(self, graph: TransferGraph) -> None:  # lock held
+        if graph.error is not None or graph.cancel_requested:
+            return
+        for op in graph.ops:
+            if op.state is OpState.PENDING and all(d.state is OpState.DONE for d in op.deps):
+                op.state = OpState.RUNNING
+                self._running[id(graph)] += 1
+                self._queue.put((graph, op))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            graph, op = item
+            t0 = time.perf_counter()
+            try:
+                op.nbytes = int(self.movers[op.kind].run(op))
+                op.seconds = time.perf_counter() - t0
+                if op.on_done is not None:
+                    op.on_done(op)
+                ok = True
+            except BaseException as e:  # any failure of a copy fails its graph, never the worker
+                op.error, op.seconds, ok = e, time.perf_counter() - t0, False
+            with self._lock:
+                self._running[id(graph)] -= 1
+                finished = False
+                if ok:
+                    op.state = OpState.DONE
+                    self.link_bytes[op.kind] += op.nbytes
+                    self.link_seconds[op.kind] += op.seconds
+                    self.link_ops[op.kind] += 1
+                    self._dispatch(graph)
+                else:
+                    op.state = OpState.FAILED
+                    self.failed_ops += 1
+                    if graph.error is None:
+                        graph.error = op.error
+                finished = self._maybe_finish(graph)
+            if finished:
+                self._finish(graph)
+
+    def _maybe_finish(self, graph: TransferGraph) -> bool:  # lock held
+        """Settles the graph once nothing of it runs; the caller then runs _finish unlocked
+        (the finish callback takes the control plane's lock)."""
+        if graph.state is not GraphState.RUNNING or self._running.get(id(graph), 0):
+            return False
+        stopped = graph.error is not None or graph.cancel_requested
+        if not stopped and any(op.state is not OpState.DONE for op in graph.ops):
+            return False
+        for op in graph.ops:
+            if op.state is OpState.PENDING:
+                op.state = OpState.SKIPPED
+        graph.state = (GraphState.FAILED if graph.error is not None else
+                       GraphState.CANCELLED if graph.cancel_requested else GraphState.DONE)
+        self._graphs.pop(id(graph), None)
+        self._running.pop(id(graph), None)
+        return True
+
+    def _finish(self, graph: TransferGraph) -> None:
+        try:
+            if graph.on_finish is not None:
+                graph.on_finish(graph)
+        except BaseException:  # a callback bug must not hang waiters
+            log.exception("transfer graph finish callback failed")
+        finally:
+            graph.finished.set()

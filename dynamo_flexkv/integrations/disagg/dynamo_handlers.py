@@ -1,0 +1,118 @@
+"""The worker's disaggregation role (``--disaggregation-mode agg|prefill|decode``) between Dynamo's
+request and the engine thread.
+
+prefill: registers as a prefill target (Dynamo's WorkerConfig), answers with one token and
+``disaggregated_params`` naming its leased blocks (dynamo_flexkv.integrations.disagg). decode: takes
+``prefill_result.disaggregated_params`` and pulls what its own tiers lack; a health probe or the
+router's ``x-bypass-remote-prefill`` annotation (conditional disaggregation) prefills locally, and
+a handover it cannot use is recomputed. agg: unchanged."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Dict, List, Optional
+
+from dynamo.common.backend.disagg import enforce_prefill_max_tokens, require_prefill_result
+from dynamo.common.backend.health_check import is_probe
+from dynamo.common.constants import DisaggregationMode
+from dynamo.llm.exceptions import InvalidArgument
+
+from dynamo_flexkv.integrations.disagg.params import HandoverParams, HandoverRefused, handover_secret
+from dynamo_flexkv.integrations.reference_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+BYPASS_REMOTE_PREFILL = "x-bypass-remote-prefill"
+MODES = {"agg": DisaggregationMode.AGGREGATED, "prefill": DisaggregationMode.PREFILL,
+         "decode": DisaggregationMode.DECODE}
+
+
+class Role:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.mode = MODES[args.disaggregation_mode]
+        self.args = args
+        self.prefill = self.decode = None
+        self.agent = None
+
+    @property
+    def dynamo_mode(self) -> DisaggregationMode:
+        return self.mode
+
+    def start(self, engine: LLMEngine) -> None:
+        """After the engine exists: one NIXL agent over its KV tensors (prefill and decode only)."""
+        if self.mode is DisaggregationMode.AGGREGATED:
+            return
+        from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+        from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide
+
+        self.agent = KVAgent(engine.kv_cache.layers)
+        if self.mode is DisaggregationMode.PREFILL:
+            if not engine.device_prefix_cache:
+                raise InvalidArgument("a prefill worker hands over its device prefix cache: drop "
+                                      "--no-device-prefix-cache")
+            self.prefill = PrefillSide(engine, self.agent, self.args.handover_lease_s, handover_secret())
+        else:
+            self.decode = DecodeSide(engine, self.agent, self.args.handover_timeout_s, handover_secret())
+            engine.remote_fill = self.decode.fill
+        log.info("%s worker: NIXL agent %s over %d KV layers", self.args.disaggregation_mode, self.agent.name,
+                 len(engine.kv_cache.layers))
+
+    # ---- event loop side ---------------------------------------------------------------------------
+    def prepare(self, request: Dict[str, Any]) -> Optional[HandoverParams]:
+        """Before the request's limits are checked: prefill clamps max_tokens to 1; decode returns
+        the handover to pull (None: prefill locally)."""
+        if self.mode is DisaggregationMode.PREFILL:
+            enforce_prefill_max_tokens(request)
+            return None
+        if self.mode is not DisaggregationMode.DECODE or is_probe(request):
+            return None
+        if BYPASS_REMOTE_PREFILL in (request.get("annotations") or []):
+            return None
+        try:
+            result = require_prefill_result(request, self.mode)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        try:
+            return HandoverParams.from_dict(result.get("disaggregated_params"))
+        except HandoverRefused as e:
+            log.warning("unusable handover, prefilling locally: %s", e)
+            return None
+
+    # ---- engine thread side ------------------------------------------------------------------------
+    def added(self, request_id: str, handover: Optional[HandoverParams]) -> None:
+        if self.decode is not None:
+            self.decode.expect(request_id, handover)
+
+    def finished(self, request_id: str, prompt: List[int]) -> Optional[Dict[str, Any]]:
+        """What the final chunk carries besides the token. Prefill: the ``disaggregated_params`` of
+        the prompt just computed ({} is valid: nothing held). Decode: the prompt tokens it pulled
+        (``handover_tokens`` in engine_data), for requests that came with a handover."""
+        if self.prefill is not None:
+            return {"disaggregated_params": self.prefill.hand_over(prompt)}
+        if self.decode is not None and request_id in self.decode.pulled:
+            return {"handover_tokens": self.decode.pulled.pop(request_id)}
+        return None
+
+    def refused(self, handover: Optional[HandoverParams]) -> None:
+        """A request refused before the engine took it: it will not pull, so its lease goes back
+        to the prefill worker now rather than at expiry (engine thread)."""
+        if self.decode is not None and handover is not None:
+            self.decode.refuse(handover)
+
+    def aborted(self, request_id: str) -> None:
+        if self.decode is not None:
+            self.decode.forget(request_id)
+
+    def service(self) -> None:
+        if self.prefill is not None:
+            self.prefill.service()
+
+    def is_quiescent(self) -> Optional[bool]:
+        return None if self.prefill is None else len(self.prefill.leases) == 0
+
+    def close(self) -> None:
+        """Engine thread stopped: release every lease, then the agent."""
+        if self.prefill is not None:
+            self.prefill.close()
+        if self.agent is not None:
+            self.agent.close()

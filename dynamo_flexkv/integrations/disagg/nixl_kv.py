@@ -1,0 +1,259 @@
+"""One NIXL agent per worker over the engine's paged KV tensors (one per layer, registered once).
+The decode worker READs blocks from the prefill worker's registered memory: UCX picks the fastest
+transport the two processes share (shared memory or TCP here; RDMA, NVLink or CUDA IPC on GPU
+nodes), with the same descriptors. Both sides' KV is prepared once as a NIXL descriptor list with
+one descriptor per (layer, block) -- the local one at start, a peer's on its first handover -- so a
+pull is one ``make_prepped_xfer`` with two index arrays, and the lease release rides on the read
+as its completion notification. Requests are serialized per agent (NIXL 1.5.1 crashed with two
+threads driving one agent, see transfer/nixl_mover.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from dynamo_flexkv.integrations.disagg.params import HandoverParams, HandoverRefused, pack_metadata, unpack_metadata
+from dynamo_flexkv.core.errors import FlexKVError
+
+
+_ucx_agents = 0  # agents with a UCX backend this process created
+
+
+@contextlib.contextmanager
+def exit_past_libnl() -> Iterator[None]:
+    """Wraps a process's main work. NIXL 1.5.1's UCX plugin bundles a libnl whose exit-time
+    destructor crashes (SIGSEGV in rtnl_tc_unregister) in any process that created a UCX backend,
+    which would turn a clean shutdown into a failure. Once such a backend exists, the process ends
+    with os._exit and the exit code the work earned, after flushing logs and streams."""
+    code = 0
+    try:
+        yield
+    except SystemExit as e:
+        if not _ucx_agents:
+            raise
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        if not _ucx_agents:
+            raise
+        traceback.print_exc()
+        code = 1
+    if _ucx_agents:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+class HandoverFailed(IOError, FlexKVError):
+    """A pull did not complete (peer gone, transfer error, timeout): the decode worker recomputes."""
+
+
+@dataclass
+class _Peer:
+    metadata: str  # the agent metadata it was added with
+    layout: Optional[Tuple[Any, ...]] = None  # what ``dlist`` describes: layer addresses, block bytes, blocks, mem, dev
+    dlist: Any = None  # its KV prepared as one descriptor per (layer, block)
+    offsets: List[int] = field(default_factory=list)  # _layer_offsets of ``dlist``
+
+
+def _block_rows(addrs: Sequence[int], block_bytes: int, num_blocks: int, dev: int) -> np.ndarray:
+    """NIXL's strided form (address, length, device, stride, count): each layer's row expands to
+    one descriptor per block, so preparing a whole KV cache takes one row per layer."""
+    return np.array([(a, block_bytes, dev, block_bytes, num_blocks) for a in addrs], dtype=np.uint64)
+
+
+def _layer_offsets(layers: int, num_blocks: int) -> List[int]:
+    """Index of each layer's first descriptor in a prepared list (layer-major: block b of layer l
+    is descriptor l * num_blocks + b); adding block ids gives a pull's indices, and local index i
+    pairs with remote index i, so NIXL merges descriptors adjacent on both sides into one."""
+    if layers * num_blocks >= 2**31:
+        raise ValueError(f"{layers} layers x {num_blocks} blocks exceed NIXL's 32-bit descriptor indices")
+    return [layer * num_blocks for layer in range(layers)]
+
+
+def _indices(offsets: List[int], blocks: Sequence[int]) -> List[int]:
+    # A list, not numpy: measured here, building two small arrays right after a multi-MB read cost
+    # ~0.1 ms per pull, the list ~0.02 ms (a short prompt's whole read is ~1 ms).
+    return [o + b for o in offsets for b in blocks]
+
+
+class KVAgent:
+    def __init__(self, layers: Sequence[torch.Tensor], name: str = "", backend: str = "UCX") -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.layers = list(layers)
+        t = self.layers[0]
+        if any(x.shape != t.shape or x.dtype != t.dtype or not x.is_contiguous() for x in self.layers):
+            raise ValueError("KVAgent: every layer's KV tensor must be contiguous with the same shape and dtype "
+                             "(block i of a layer at offset i * block bytes)")
+        self.block_bytes = t[0].nbytes
+        self.num_blocks = t.shape[0]
+        self.mem = "VRAM" if t.is_cuda else "DRAM"
+        self.dev = (t.device.index or 0) if t.is_cuda else 0
+        self.name = name or f"flexkv-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.agent = nixl_agent(self.name, nixl_agent_config(backends=[backend]))
+        except Exception as e:  # NIXL's own exception types
+            raise HandoverFailed(f"NIXL {backend} backend unavailable: {e}") from e
+        global _ucx_agents
+        _ucx_agents += 1
+        if backend not in self.agent.backends:
+            raise HandoverFailed(f"NIXL could not create its {backend} backend on this machine")
+        self.agent.register_memory([(x.data_ptr(), x.nbytes, self.dev, "") for x in self.layers], self.mem)
+        self._offsets = _layer_offsets(len(self.layers), self.num_blocks)
+        self._local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _block_rows([x.data_ptr() for x in self.layers], self.block_bytes, self.num_blocks,
+                                           self.dev), self.mem)
+        self._lock = threading.Lock()
+        self._metadata = pack_metadata(self.agent.get_agent_metadata())
+        self._peers: Dict[str, _Peer] = {}  # remote agent name -> what this agent holds of it
+        self.bytes_pulled = 0
+        self.pulls = 0
+
+    @property
+    def metadata(self) -> str:
+        return self._metadata
+
+    def describe(self, lease: str, blocks: List[int], last_hash, lease_expires_unix: float,
+                 with_metadata: bool = True) -> HandoverParams:
+        return HandoverParams(agent=self.name, metadata=self._metadata if with_metadata else None, lease=lease,
+                              blocks=list(blocks), last_hash=last_hash,
+                              layer_addrs=[x.data_ptr() for x in self.layers], block_bytes=self.block_bytes,
+                              mem=self.mem, dev=self.dev, lease_expires_unix=lease_expires_unix,
+                              num_blocks=self.num_blocks)
+
+    def check_compatible(self, p: HandoverParams) -> None:
+        if len(p.layer_addrs) != len(self.layers) or p.block_bytes != self.block_bytes:
+            raise HandoverRefused(f"the prefill worker's KV layout ({len(p.layer_addrs)} layers x {p.block_bytes} "
+                                  f"bytes per block) differs from this worker's ({len(self.layers)} x "
+                                  f"{self.block_bytes}): serve the same model on both roles")
+
+    def _connect(self, p: HandoverParams, prep: bool = True) -> _Peer:
+        """The peer, added once (and again only if it comes with other metadata); its KV
+        descriptors prepared once per layout (``prep``: the reads need them, a notice does not)."""
+        peer = self._peers.get(p.agent)
+        if peer is not None and p.metadata is not None and p.metadata != peer.metadata:
+            self._forget(p.agent)
+            peer = None
+        if peer is None:
+            if p.metadata is None:
+                raise HandoverFailed(f"no NIXL metadata for prefill agent {p.agent}")
+            self.agent.add_remote_agent(unpack_metadata(p.metadata))
+            peer = self._peers[p.agent] = _Peer(p.metadata)
+        layout = (tuple(p.layer_addrs), p.block_bytes, p.num_blocks, p.mem, p.dev)
+        if prep and peer.layout != layout:
+            if peer.dlist is not None:
+                self.agent.release_dlist_handle(peer.dlist)
+                peer.dlist = peer.layout = None
+            peer.offsets = _layer_offsets(len(p.layer_addrs), p.num_blocks)
+            peer.dlist = self.agent.prep_xfer_dlist(
+                p.agent, _block_rows(p.layer_addrs, p.block_bytes, p.num_blocks, p.dev), p.mem)
+            peer.layout = layout
+        return peer
+
+    def pull(self, p: HandoverParams, remote_blocks: Sequence[int], local_blocks: Sequence[int],
+             timeout: float, notif: bytes = b"") -> int:
+        """READs the remote blocks into the local ones, every layer; returns bytes moved. ``notif``
+        reaches the prefill agent once the read is done (only then). Raises HandoverFailed on any
+        failure or after ``timeout`` seconds (the local blocks then hold garbage and must be
+        recomputed; ``notif`` was not sent)."""
+        n = len(local_blocks)
+        if len(remote_blocks) != n:
+            raise ValueError("pull: remote and local block lists differ in length")
+        if not n:
+            return 0
+        # Plain min/max and one small array per side: a pull's fixed cost is what a short prompt pays.
+        if min(local_blocks) < 0 or max(local_blocks) >= self.num_blocks:
+            raise ValueError(f"pull: local block ids must be in [0, {self.num_blocks})")
+        if min(remote_blocks) < 0 or max(remote_blocks) >= p.num_blocks:
+            raise HandoverRefused(f"handover names a block outside the prefill worker's {p.num_blocks}")
+        nbytes = n * self.block_bytes * len(self.layers)
+        with self._lock:
+            try:
+                peer = self._connect(p)
+                handle = self.agent.make_prepped_xfer("READ", self._local, _indices(self._offsets, local_blocks),
+                                                      peer.dlist, _indices(peer.offsets, remote_blocks), notif)
+            except HandoverRefused:
+                raise
+            except Exception as e:  # NIXL raises its own types for an unknown or unreachable agent
+                self._forget(p.agent)
+                raise HandoverFailed(f"NIXL could not start a read from {p.agent}: {e}") from e
+            try:
+                state = self.agent.transfer(handle)
+                deadline = time.monotonic() + timeout
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise HandoverFailed(f"NIXL read of {nbytes} bytes from {p.agent} still running after "
+                                             f"{timeout:.1f} s")
+                    time.sleep(0)  # other Python threads run while UCX moves the bytes
+                    state = self.agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise HandoverFailed(f"NIXL read of {nbytes} bytes from {p.agent} failed ({state})")
+            except HandoverFailed:
+                self._forget(p.agent)
+                raise
+            except Exception as e:
+                self._forget(p.agent)
+                raise HandoverFailed(f"NIXL read from {p.agent} failed: {e}") from e
+            finally:
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception:  # a transfer that could not be aborted: its handle is gone with the peer
+                    pass
+        self.bytes_pulled += nbytes
+        self.pulls += 1
+        return nbytes
+
+    def notify(self, p: HandoverParams, message: bytes) -> bool:
+        """A standalone notification to the prefill agent (the lease release); False when it is
+        unreachable (dead: its leases died with it; alive: the lease ends by timeout)."""
+        with self._lock:
+            try:
+                self._connect(p, prep=False)
+                self.agent.send_notif(p.agent, message)
+                return True
+            except HandoverRefused:
+                return False
+            except Exception:  # NIXL's own types: unknown or unreachable agent
+                self._forget(p.agent)
+                return False
+
+    def notifications(self) -> List[bytes]:
+        with self._lock:
+            got = self.agent.get_new_notifs()
+        return [m for msgs in got.values() for m in msgs]
+
+    def _forget(self, agent_name: str) -> None:
+        """Drops a peer after a failure so the next handover from it reconnects from scratch."""
+        peer = self._peers.pop(agent_name, None)
+        if peer is None:
+            return
+        with contextlib.suppress(Exception):  # its descriptors or the agent itself may be gone already
+            if peer.dlist is not None:
+                self.agent.release_dlist_handle(peer.dlist)
+        with contextlib.suppress(Exception):
+            self.agent.remove_remote_agent(agent_name)
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self._peers):
+                self._forget(name)
+            with contextlib.suppress(Exception):
+                self.agent.release_dlist_handle(self._local)
+            try:
+                self.agent.deregister_memory(
+                    self.agent.get_reg_descs([(x.data_ptr(), x.nbytes, self.dev, "") for x in self.layers], self.mem))
+            except Exception:
+                pass

@@ -1,0 +1,104 @@
+"""What travels in ``disaggregated_params`` from the prefill worker to the decode worker: the
+prefill agent's NIXL metadata and name, where its KV lives, the leased block ids and the lease."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Dict, List, Mapping, Optional
+from dynamo_flexkv.core.errors import FlexKVError
+
+KEY = "flexkv_handover"
+# The graph's handover secret (hex), set by `dynamo-flexkv serve` for every worker of the graph and
+# never on a command line: the prefill worker signs each handover with it and the decode worker
+# refuses (recomputes) one whose signature is missing or wrong. Unset: no signing on either side.
+SECRET_ENV = "FLEXKV_HANDOVER_SECRET"
+VERSION = 2  # 2: num_blocks (the decode worker prepares the prefill worker's KV descriptors once)
+
+
+class HandoverRefused(ValueError, FlexKVError):
+    """The decode worker cannot use this handover (a different model layout, a malformed payload);
+    it recomputes the prompt instead."""
+
+
+@dataclass(frozen=True)
+class HandoverParams:
+    agent: str  # the prefill worker's NIXL agent name
+    metadata: Optional[str]  # its agent metadata, zlib + base64 (None: the decode worker knows it already)
+    lease: str
+    blocks: List[int]  # device block ids of the prompt's first len(blocks) full blocks, in order
+    last_hash: Optional[int]  # sequence hash of the last leased block: same prompt, same model
+    layer_addrs: List[int]  # base address of each layer's KV tensor on the prefill worker
+    block_bytes: int  # bytes of one block of one layer
+    mem: str  # "DRAM" or "VRAM"
+    dev: int  # device id of those tensors
+    lease_expires_unix: float  # wall-clock end of the lease: a read must be over by then
+    num_blocks: int  # blocks per layer tensor on the prefill worker (what its descriptors cover)
+    sig: Optional[str] = None  # HMAC-SHA256 of the fields that say what to read (see ``signed``)
+
+    def _mac(self, secret: bytes) -> str:
+        # Every field that names what is read, from where, and for how long.
+        fields = [self.agent, self.lease, self.blocks, self.num_blocks, self.last_hash, self.layer_addrs,
+                  self.block_bytes, self.mem, self.dev, repr(float(self.lease_expires_unix))]
+        return hmac.new(secret, json.dumps(fields).encode(), hashlib.sha256).hexdigest()
+
+    def signed(self, secret: Optional[bytes]) -> "HandoverParams":
+        return self if secret is None else replace(self, sig=self._mac(secret))
+
+    def verify(self, secret: Optional[bytes]) -> None:
+        """Raises HandoverRefused unless signed with ``secret`` (None: nothing to check)."""
+        if secret is None:
+            return
+        if self.sig is None or not hmac.compare_digest(self.sig, self._mac(secret)):
+            raise HandoverRefused(f"handover from {self.agent} is {'unsigned' if self.sig is None else 'forged'}: "
+                                  f"its signature does not match this graph's {SECRET_ENV}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {KEY: dict(asdict(self), version=VERSION)}
+
+    @classmethod
+    def from_dict(cls, payload: Optional[Mapping[str, Any]]) -> Optional["HandoverParams"]:
+        """None when the payload carries no handover (a prefill worker that held nothing)."""
+        if not isinstance(payload, Mapping) or payload.get(KEY) is None:
+            return None
+        d = payload[KEY]
+        if not isinstance(d, Mapping) or d.get("version") != VERSION:
+            raise HandoverRefused(f"disaggregated_params.{KEY}: expected version {VERSION}, got "
+                                  f"{d.get('version') if isinstance(d, Mapping) else type(d).__name__}")
+        try:
+            p = cls(agent=str(d["agent"]), metadata=d.get("metadata"), lease=str(d["lease"]),
+                    blocks=[int(b) for b in d["blocks"]],
+                    last_hash=None if d.get("last_hash") is None else int(d["last_hash"]),
+                    layer_addrs=[int(a) for a in d["layer_addrs"]], block_bytes=int(d["block_bytes"]),
+                    mem=str(d["mem"]), dev=int(d["dev"]), lease_expires_unix=float(d["lease_expires_unix"]),
+                    num_blocks=int(d["num_blocks"]), sig=None if d.get("sig") is None else str(d["sig"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise HandoverRefused(f"disaggregated_params.{KEY} is malformed ({type(e).__name__}: {e})") from None
+        if p.mem not in ("DRAM", "VRAM") or p.block_bytes <= 0 or p.num_blocks <= 0:
+            raise HandoverRefused(f"disaggregated_params.{KEY}: bad memory description "
+                                  f"{p.mem}/{p.block_bytes} bytes/{p.num_blocks} blocks")
+        if any(not 0 <= b < p.num_blocks for b in p.blocks):
+            raise HandoverRefused(f"disaggregated_params.{KEY}: a block id outside [0, {p.num_blocks})")
+        return p
+
+
+def handover_secret() -> Optional[bytes]:
+    """This worker's graph secret from the environment; None when started by hand without one."""
+    value = os.environ.get(SECRET_ENV)
+    return value.encode() if value else None
+
+
+def pack_metadata(raw: bytes) -> str:
+    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
+
+
+def unpack_metadata(text: str) -> bytes:
+    try:
+        return zlib.decompress(base64.b64decode(text))
+    except (ValueError, zlib.error) as e:
+        raise HandoverRefused(f"NIXL agent metadata does not decode: {e}") from None

@@ -1,0 +1,382 @@
+"""``python -m dynamo_flexkv.integrations.dynamo_worker``: the reference engine with KVManager offload as a Dynamo
+backend (``dynamo.common.backend.LLMEngine``), run by Dynamo's Worker.
+
+The engine runs on one thread of its own (it is not thread-safe); ``generate`` checks a request
+against the limits (request_limits.py), hands it to that thread and streams tokens back through
+the event loop. A client that disconnects or cancels (Dynamo calls ``abort``, or the stream is
+closed) has its request aborted at the next engine step. Shutdown follows Dynamo's Worker:
+SIGINT/SIGTERM -> unregister -> grace period -> ``cleanup``, which lets in-flight requests finish
+(``--drain-timeout``), aborts the rest, then drains pending offload writes (SSD and journal)
+before it releases anything. Device, host and disk KV events leave through one KvEventRelay
+socket that the Worker subscribes to (``kv_event_sources``). Offload metrics are bridged into
+Dynamo's ``/metrics``; the device-cache load goes to the router through the SnapshotPublisher."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncGenerator, Dict, List, Optional
+
+from dynamo.common.backend import EngineConfig, LLMEngine as DynamoLLMEngine, LlmRegistration, WorkerConfig
+from dynamo.common.backend.metrics import register_engine_registry
+from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
+from dynamo.common.backend.run import run
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
+
+from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
+from dynamo_flexkv.integrations.dynamo_worker.metrics import PREFIX, OffloadCollector, RequestTally, offload_registry
+from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+from dynamo_flexkv.integrations.dynamo_worker.request_limits import RequestLimits, RequestRefused
+from dynamo_flexkv.integrations.disagg.dynamo_handlers import Role
+from dynamo_flexkv.integrations.dynamo_worker.args import build_parser, check_event_plane_binds_loopback, mark_serving, on_sigint
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
+from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
+from dynamo_flexkv.core.manager import KVManager
+
+log = logging.getLogger(__name__)
+
+# Where a response's per-tier cached prompt tokens travel: the final chunk's engine_data, which
+# Dynamo's frontend returns as nvext.engine_data when the request asks for it
+# (nvext.extra_fields: ["engine_data"]).
+ENGINE_DATA_KEY = "flexkv"
+
+
+@dataclass
+class _Stream:
+    """One request's way back to its generate() coroutine."""
+    loop: asyncio.AbstractEventLoop
+    out: "asyncio.Queue[Any]"
+    prompt_len: int
+    prompt: List[int] = field(default_factory=list)
+    handover: Any = None  # decode: the prefill worker's HandoverParams
+
+    def send(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody listens any more
+            pass
+
+
+class FlexKVWorkerEngine(DynamoLLMEngine):
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cfg = EngineModelConfig.load(args.model)
+        self.limits = RequestLimits(context_window=args.num_device_blocks * self.cfg.block_size,
+                                    vocab_size=self.cfg.vocab_size)
+        self.model_dir = write_model_dir(self.cfg, args.model_dir or tempfile.mkdtemp(prefix="flexkv-model-"),
+                                         context_length=self.limits.context_window)
+        self.relay = KvEventRelay(self.cfg.block_size)
+        self.kv: Optional[KVManager] = None
+        self.engine: Optional[LLMEngine] = None
+        # ("add", rid, tokens, params, stream) or ("abort", rid), in arrival order: an abort never
+        # overtakes its request.
+        self._inbox: "queue.Queue[tuple]" = queue.Queue()
+        self._streams: Dict[str, _Stream] = {}  # engine thread only
+        self._live: Dict[str, str] = {}  # Dynamo context id -> our request id, requests not yet ended
+        self._closing = False  # cleanup() started: refuse new requests
+        self._failed: Optional[str] = None  # the engine thread died: why
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._ids = itertools.count()
+        self.tally = RequestTally()
+        self._snapshots: Any = None  # the framework's SnapshotPublisher (router load signal)
+        self._last_load: Optional[int] = None
+        self._cleaned = False
+        self.role = Role(args)  # disaggregation: agg, prefill or decode (dynamo_flexkv.integrations.disagg.dynamo_handlers)
+
+    @classmethod
+    async def from_args(cls, argv: Optional[List[str]] = None):
+        args = build_parser().parse_args(argv)
+        engine = cls(args)
+        wc = WorkerConfig(namespace=args.namespace, component=args.component, endpoint=args.endpoint,
+                          model_name=str(engine.model_dir), served_model_name=args.served_model_name,
+                          discovery_backend=args.discovery_backend, request_plane=args.request_plane,
+                          event_plane=args.event_plane, disaggregation_mode=engine.role.dynamo_mode)
+        return engine, wc
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        mark_serving()  # Dynamo's Worker owns SIGINT from here: a stop drains (worker_args.on_sigint)
+        if not self.args.no_offload:
+            # Tier sizes, directories and policies come from FLEXKV_* / YAML (FLEXKV_CONFIG_PATH).
+            # The engine's block is the unit of offload: tokens_per_block follows the model.
+            cache = CacheConfig.load().replace(tokens_per_block=self.cfg.block_size)
+            self.kv = KVManager(self.cfg.kv_spec(), cache, listener=OffloadEvents(self.relay),
+                                model_id=f"{self.args.model}|{self.args.served_model_name}")  # remote fingerprint
+        self.engine = LLMEngine(
+            self.cfg, num_device_blocks=self.args.num_device_blocks, kv_manager=self.kv,
+            layerwise=not self.args.bulk_load, device_prefix_cache=not self.args.no_device_prefix_cache,
+            on_device_stored=lambda h, p, t: self.relay.stored(None, h, p, t),
+            on_device_removed=lambda h: self.relay.removed(None, h))
+        self.role.start(self.engine)
+        self._thread = threading.Thread(target=self._loop, name="flexkv-engine", daemon=True)
+        self._thread.start()
+        if self.kv is not None:
+            threading.Thread(target=self._announce_disk, name="flexkv-announce", daemon=True).start()
+        log.info("flexkv worker serving %s: context window %d tokens, vocabulary %d, offload %s",
+                 self.args.served_model_name, self.limits.context_window, self.cfg.vocab_size,
+                 "off" if self.kv is None else "on")
+        return EngineConfig(model=str(self.model_dir), served_model_name=self.args.served_model_name,
+                            llm=LlmRegistration(kv_cache_block_size=self.cfg.block_size,
+                                                total_kv_blocks=self.args.num_device_blocks,
+                                                context_length=self.limits.context_window))
+
+    async def register_prometheus(self, metrics) -> None:
+        collector = OffloadCollector(self.tally, self._device_blocks,
+                                     lambda: self.kv.stats() if self.kv is not None else None,
+                                     self._engine_stats)
+        register_engine_registry(metrics, offload_registry(collector), prefix_filters=[PREFIX])
+
+    def component_metrics_dp_ranks(self) -> List[int]:
+        return [0]
+
+    def attach_snapshot_publisher(self, publisher: Any) -> None:
+        self._snapshots = publisher
+
+    def _device_blocks(self) -> tuple:
+        pool = self.engine.pool
+        return pool.num_blocks - pool.num_available, pool.num_blocks
+
+    def _engine_stats(self) -> Dict[str, float]:
+        e = self.engine  # plain counters written by the engine thread: a scrape reads them as they are
+        return {"steps": e.steps, "step_requests": e.step_requests, "step_seconds": e.step_seconds,
+                "load_stall_seconds": e.load_stall_seconds}
+
+    def _publish_load(self) -> None:
+        """Device blocks in use (what the router weighs a worker's load by), on change only."""
+        used, total = self._device_blocks()
+        if self._snapshots is None or used == self._last_load:
+            return
+        self._last_load = used
+        self._snapshots.publish(0, ComponentSnapshot(kv_used_blocks=used, kv_total_blocks=total,
+                                                     gpu_cache_usage=used / total, dp_rank=0,
+                                                     kv_cache_hit_rate=self.tally.hit_rate))
+
+    async def kv_event_sources(self):
+        return [ZmqSource(endpoint=self.relay.endpoint)]
+
+    # ---- requests ----------------------------------------------------------------------------------
+    async def generate(self, request, context) -> AsyncGenerator[Dict[str, Any], None]:
+        if self._closing or self._failed:
+            raise EngineShutdown(self._failed or "this worker is shutting down; retry on another worker")
+        handover = self.role.prepare(request)
+        try:
+            tokens, params = self.limits.check(request)
+        except RequestRefused as e:
+            log.info("refused request %s: %s", _context_id(context), e)
+            self._release(handover)
+            raise InvalidArgument(str(e)) from None
+        except BaseException:
+            self._release(handover)
+            raise
+        loop, out = asyncio.get_running_loop(), asyncio.Queue()
+        rid, cid = f"dyn-{next(self._ids)}", _context_id(context)
+        self._live[cid] = rid
+        self._inbox.put(("add", rid, tokens, params, _Stream(loop, out, len(tokens), list(tokens), handover)))
+        ended, n = False, 0
+        extra: Dict[str, Any] = {}  # disaggregation: what the final chunk carries (see Role.finished)
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                if isinstance(item, dict):  # disaggregation: sent just before the final token
+                    extra.update(item)
+                    continue
+                token, reason, cached = item
+                if reason == "cancelled":  # aborted: the engine dropped it
+                    ended = True
+                    yield {"token_ids": [], "index": 0, "finish_reason": "cancelled",
+                           "completion_usage": _usage(len(tokens), n, cached)}
+                    return
+                n += 1
+                chunk: Dict[str, Any] = {"token_ids": [token], "index": 0}
+                if reason is not None:
+                    ended = True
+                    chunk["finish_reason"] = reason
+                    chunk["completion_usage"] = _usage(len(tokens), n, cached)
+                    chunk["engine_data"] = {ENGINE_DATA_KEY: {"cached_tokens": cached}}
+                    if "disaggregated_params" in extra:
+                        chunk["disaggregated_params"] = extra["disaggregated_params"]
+                    if "handover_tokens" in extra:
+                        chunk["engine_data"][ENGINE_DATA_KEY]["handover_tokens"] = extra["handover_tokens"]
+                    yield chunk
+                    return
+                yield chunk
+        finally:
+            self._live.pop(cid, None)
+            if not ended:  # the stream was closed or cancelled before the request finished
+                self._inbox.put(("abort", rid))
+
+    def _release(self, handover: Any) -> None:
+        """Decode: a request refused before the engine saw it will not pull; the engine thread
+        sends the prefill worker its lease release (the NIXL agent is driven from that thread)."""
+        if handover is not None:
+            self._inbox.put(("release", handover))
+
+    async def abort(self, context) -> None:
+        """Dynamo calls this when the client disconnects or the request is cancelled."""
+        rid = self._live.get(_context_id(context))
+        if rid is not None:
+            log.debug("abort request %s (%s)", _context_id(context), rid)
+            self._inbox.put(("abort", rid))
+
+    # ---- shutdown ------------------------------------------------------------------------------------
+    async def cleanup(self) -> None:
+        """After Dynamo unregistered this worker and waited its grace period: refuse new requests,
+        give in-flight ones ``--drain-timeout`` seconds, abort the rest, then flush offload writes
+        (SSD blocks and their journal records) before anything is released."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        self._closing = True
+        if self._thread is not None:
+            deadline = time.monotonic() + self.args.drain_timeout
+            while self._live and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self._live:
+                log.warning("shutdown: aborting %d requests still running after %.0f s",
+                            len(self._live), self.args.drain_timeout)
+                for rid in list(self._live.values()):
+                    self._inbox.put(("abort", rid))
+            self._stop.set()
+            await asyncio.to_thread(self._thread.join, 30)
+        self.role.close()
+        if self.kv is not None:
+            await asyncio.to_thread(self._flush_offload)
+        self.relay.close()
+        log.info("flexkv worker stopped")
+
+    async def is_quiescent(self) -> Optional[bool]:
+        """Prefill: no handed-over blocks are still leased to a decode worker."""
+        return self.role.is_quiescent()
+
+    def _flush_offload(self) -> None:
+        if self.engine is not None:
+            self.engine.flush()  # collects the engine's own offload tasks
+        drain = getattr(self.kv, "drain", None)
+        if drain is not None and not drain(timeout=60):
+            log.error("shutdown: offload writes still running after 60 s; they are cancelled")
+        self.kv.shutdown()
+
+    def _announce_disk(self) -> None:
+        """A restarted worker's re-adopted disk blocks are news to the router: announce them once
+        the Worker's relay subscribed to our events."""
+        if self.relay.wait_for_subscriber(timeout=120):
+            n = self.kv.announce_adopted()
+            if n:
+                log.info("announced %d re-adopted disk blocks to the router", n)
+        else:
+            log.warning("no KV event subscriber after 120 s: re-adopted disk blocks stay unannounced")
+
+    # ---- the engine thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # a bug or a device fault: fail every request rather than hang it
+            log.exception("the engine thread failed; this worker cannot serve any more")
+            self._failed = f"the engine failed ({type(e).__name__}: {e}); retry on another worker"
+            for stream in self._streams.values():
+                stream.send(EngineShutdown(self._failed))
+            self._streams.clear()
+            while True:  # requests that raced with the failure
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if item[0] == "add":
+                    item[4].send(EngineShutdown(self._failed))
+
+    def _serve(self) -> None:
+        engine = self.engine
+        while True:
+            self._take_inbox()
+            self.role.service()  # prefill: leases end on release notices or timeout
+            if not engine.busy:
+                if self._stop.is_set():
+                    return  # cleanup() gave in-flight requests their time and aborted the rest
+                continue
+            for o in engine.step():
+                stream = self._streams[o.request_id]
+                if o.finished:  # counted before the caller hears of it: a scrape after the reply sees it
+                    del self._streams[o.request_id]
+                    self.tally.add(stream.prompt_len, o.cached_tokens)
+                    extra = self.role.finished(o.request_id, stream.prompt)
+                    if extra is not None:
+                        stream.send(extra)
+                stream.send((o.new_token, o.finish_reason if o.finished else None, o.cached_tokens))
+            for r in engine.take_finished():
+                if r.finish_reason == "abort":
+                    self.role.aborted(r.id)
+                    self.tally.add_aborted()
+                    stream = self._streams.pop(r.id, None)
+                    if stream is not None:
+                        stream.send((None, "cancelled", r.cached_tokens))
+            self.relay.flush()  # this step's KV events leave as one frame
+            self._publish_load()
+
+    def _take_inbox(self) -> None:
+        """New requests and aborts. Blocks briefly when the engine has nothing to compute; while
+        offload copies still hold device blocks it polls so they are released promptly."""
+        engine = self.engine
+        timeout: Optional[float] = None if engine.has_unfinished() else (0.005 if engine.busy else 0.1)
+        while True:
+            try:
+                item = self._inbox.get(block=timeout is not None, timeout=timeout)
+            except queue.Empty:
+                return
+            timeout = None
+            if item[0] == "abort":
+                if item[1] in self._streams:
+                    engine.abort(item[1])
+                continue
+            if item[0] == "release":
+                self.role.refused(item[1])
+                continue
+            _, rid, tokens, params, stream = item
+            try:
+                engine.add_request(tokens, params, request_id=rid)
+                self._streams[rid] = stream
+                self.role.added(rid, stream.handover)
+            except ValueError as e:  # the limits should have caught it: still tell its caller
+                self.role.refused(stream.handover)
+                stream.send(InvalidArgument(str(e)))
+
+
+def _context_id(context) -> str:
+    try:
+        return str(context.id())
+    except Exception:  # a context without an id (direct calls in tests)
+        return f"ctx-{id(context)}"
+
+
+def _usage(prompt_len: int, completion: int, cached: Dict[str, int]) -> Dict[str, Any]:
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+
+def main() -> None:
+    for var, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(var, value)
+    check_event_plane_binds_loopback(build_parser().parse_args().event_plane)
+    # Dynamo's Worker owns SIGINT/SIGTERM (unregister, grace period, drain, cleanup) and chains to
+    # the handler installed before it: Python's default one would raise KeyboardInterrupt in the
+    # middle of that drain. Set before the Worker starts, so its handler is installed on top.
+    signal.signal(signal.SIGINT, on_sigint)
+    from dynamo_flexkv.integrations.disagg.nixl_kv import exit_past_libnl  # prefill/decode roles create a UCX agent
+    with exit_past_libnl():
+        run(FlexKVWorkerEngine)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""A local Hugging Face-style model directory for the reference engine, made here because nothing
+can be downloaded: config.json (Llama architecture and shape of a preset), a byte-level
+tokenizer.json (every byte one token, so any text round-trips), tokenizer_config.json with a chat
+template. Dynamo's register_model and frontend read exactly these files.
+
+Token ids: 0-255 the byte tokens, 256-260 the special tokens (``SPECIALS``), and every id from 261
+up to the model's ``vocab_size`` a filler word (" ba", " be", ... " bebaka"): an entry of the BPE
+vocabulary with no merge that builds it, so encoding never produces one, while decoding one gives
+a short distinct piece of text. A model with random weights emits ids all over its vocabulary;
+without the fillers most of them decoded to nothing and the frontend streamed no chunk for them.
+
+``write_hf_cache_entry`` lays a written directory out as a Hugging Face hub cache entry, for tools
+that take a repo id and read the hub cache offline (aiperf's ``--tokenizer ORG/NAME``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Union
+
+from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
+
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|user|>", "<|assistant|>", "<|system|>"]
+FILLER_SYLLABLES = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]  # 75 two-letter syllables
+CHAT_TEMPLATE = (
+    "{{ '<|begin_of_text|>' }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = "flexkv-reference",
+                    context_length: int = 131072) -> Path:
+    """Writes (or rewrites) the directory; the token ids stay below ``cfg.vocab_size``, and the
+    context window the worker serves is what config.json and the tokenizer declare."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if len(alphabet) + len(SPECIALS) > cfg.vocab_size:
+        raise ValueError(f"vocab_size {cfg.vocab_size} is too small for a byte-level tokenizer "
+                         f"({len(alphabet) + len(SPECIALS)} tokens)")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {ch: i for i, ch in enumerate(alphabet)}  # the byte tokens (ByteLevel's printable stand-ins)
+    vocab.update((t, len(alphabet) + i) for i, t in enumerate(SPECIALS))  # specials: ids 256-260, as before
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    space = byte_level.pre_tokenize_str(" ")[0][0]  # "Ġ": how ByteLevel writes the space byte
+    for i in range(cfg.vocab_size - len(vocab)):
+        vocab[space + filler_word(i)] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=False))  # no merges: only bytes encode
+    tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)  # already in the vocabulary: they keep their ids
+    _replace(path / "tokenizer.json", tok.to_str())
+    bos, eos = tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
+    _replace(path / "tokenizer_config.json", json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
+        "model_max_length": context_length, "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    _replace(path / "config.json", json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": name,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": context_length, "bos_token_id": bos, "eos_token_id": eos,
+        "torch_dtype": cfg.dtype, "tie_word_embeddings": False,
+    }, indent=2))
+    _replace(path / "generation_config.json", json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
+    return path
+
+
+def write_hf_cache_entry(model_dir: Union[str, Path], hub_cache: Union[str, Path], repo_id: str) -> Path:
+    """Copies ``model_dir``'s files into a Hugging Face hub cache as the repo ``repo_id`` ("ORG/NAME"):
+    ``hub_cache/models--ORG--NAME/snapshots/<revision>/`` and ``refs/main`` naming that revision (a
+    hash of the files, so rewriting the same directory is a no-op). With ``HF_HUB_CACHE=hub_cache``
+    and ``HF_HUB_OFFLINE=1``, ``AutoTokenizer.from_pretrained(repo_id)`` loads it, which is how aiperf
+    (whose workers force offline mode and take a path as a repo id) reads our tokenizer:
+    ``aiperf profile --tokenizer ORG/NAME`` with ``HF_HUB_CACHE`` set. Returns the snapshot folder."""
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(parts) or any(c in repo_id for c in " \\") or ".." in repo_id:
+        raise ValueError(f"repo id {repo_id!r}: expected ORG/NAME, e.g. flexkv/small")
+    files = sorted(f for f in Path(model_dir).iterdir() if f.is_file() and not f.name.startswith("."))
+    if not any(f.name == "tokenizer.json" for f in files):
+        raise FileNotFoundError(f"{model_dir} has no tokenizer.json: write it with write_model_dir first")
+    digest = hashlib.sha1()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    revision = digest.hexdigest()
+    repo = Path(hub_cache) / f"models--{parts[0]}--{parts[1]}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        _replace(snapshot / f.name, f.read_text())
+    (repo / "refs").mkdir(exist_ok=True)
+    _replace(repo / "refs" / "main", revision)
+    return snapshot
+
+
+def filler_word(n: int) -> str:
+    """The n-th filler word: n written in base 75 with a syllable per digit (distinct for each n)."""
+    word = ""
+    while True:
+        n, d = divmod(n, len(FILLER_SYLLABLES))
+        word = FILLER_SYLLABLES[d] + word
+        if not n:
+            return word
+
+
+def _replace(target: Path, text: str) -> None:
+    """Atomic rewrite: several workers may write one directory while the frontend reads it."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)

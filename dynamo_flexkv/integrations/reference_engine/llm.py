@@ -1,0 +1,313 @@
+"""LLMEngine: continuous batching over a paged KV cache, with an optional offload connector."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Set
+
+import torch
+
+from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
+from dynamo_flexkv.integrations.reference_engine.kv_cache import DeviceBlockPool, NoFreeBlocks, PagedKVCache
+from dynamo_flexkv.integrations.reference_engine.model import LlamaModel, SeqChunk
+from dynamo_flexkv.integrations.reference_engine.request import Request, RequestOutput, RequestState, SamplingParams, sample
+from dynamo_flexkv.core.hashing import block_hashes
+from dynamo_flexkv.core.manager import KVManager
+from dynamo_flexkv.core.offload import EngineOffload
+from dynamo_flexkv.core.tasks import TaskFailed, TaskStatus
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        cfg: EngineModelConfig,
+        *,
+        num_device_blocks: int,
+        model: Optional[LlamaModel] = None,
+        device: str = "cpu",
+        kv_manager: Optional[KVManager] = None,
+        layerwise: bool = True,
+        offload_puts: bool = True,
+        device_prefix_cache: bool = True,
+        max_batch_tokens: int = 16384,
+        max_running: int = 16,
+        seed: int = 0,
+        on_device_stored: Optional[Callable[[List[int], Optional[int], List[int]], None]] = None,
+        on_device_removed: Optional[Callable[[List[int]], None]] = None,
+        remote_fill: Optional[Callable[[Request, int, int], int]] = None,
+    ) -> None:
+        self.cfg = cfg
+        self.model = model or LlamaModel(cfg, device, seed)
+        self.kv_cache = PagedKVCache(cfg, num_device_blocks, device)
+        self.pool = DeviceBlockPool(num_device_blocks, on_device_stored, on_device_removed)
+        self.connector: Optional[EngineOffload] = None
+        if kv_manager is not None:
+            if kv_manager.tokens_per_block != cfg.block_size:
+                raise ValueError(f"the KVManager's tokens_per_block={kv_manager.tokens_per_block} differs from the "
+                                 f"engine's block_size={cfg.block_size}: set tokens_per_block={cfg.block_size}")
+            self.connector = EngineOffload(kv_manager, layerwise)
+            self.connector.register(self.kv_cache.layers)
+        self.layerwise = layerwise
+        self.offload_puts = offload_puts  # False: load from offload tiers but never store (benchmarks)
+        self.device_prefix_cache = device_prefix_cache  # False: blocks are freed when a request ends
+        # Disaggregated decode (dynamo_flexkv.integrations.disagg): fills prompt blocks [first, cap) that the local
+        # tiers lack from the prefill worker, before any compute; returns how many it filled.
+        self.remote_fill = remote_fill
+        self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
+        self.waiting: Deque[Request] = deque()
+        self.running: List[Request] = []
+        self._ids = itertools.count()
+        self._finished: List[Request] = []  # since the last generate() collected them
+        self._abort_lock = threading.Lock()
+        self._abort_pending: Set[str] = set()  # abort() from any thread; applied at a step boundary
+        self.aborted = 0
+        self.recomputed_loads = 0
+        self.load_stall_seconds = 0.0  # time steps spent blocked on offload loads
+        self.steps = 0  # steps that computed something
+        self.step_requests = 0  # sum over those steps of the requests each batched
+        self.step_seconds = 0.0
+
+    # ---- API -------------------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> str:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt: send at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        params = params or SamplingParams()
+        need = -(-(len(prompt) + params.max_tokens) // self.cfg.block_size)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {need} blocks; the device cache has {self.pool.num_blocks}")
+        req = Request(request_id or f"req-{next(self._ids)}", prompt, params, block_hashes(prompt, self.cfg.block_size))
+        self.waiting.append(req)
+        return req.id
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request at the next step boundary (safe from any thread): no more outputs, its
+        offload load is cancelled, its device blocks are released — full computed prompt blocks
+        stay in the device prefix cache (evictable), the rest are freed. A put of its prompt
+        continues (it holds its own references). Unknown or finished ids are ignored."""
+        with self._abort_lock:
+            self._abort_pending.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def busy(self) -> bool:
+        """Requests to run, aborts to apply, or offload tasks whose device blocks are still held:
+        step() has work to do (it releases the blocks of finished offload copies)."""
+        pending = self.connector is not None and self.connector.tasks_pending > 0
+        return self.has_unfinished() or pending or bool(self._abort_pending)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None) -> List[Request]:
+        reqs = {self.add_request(p, params): i for i, p in enumerate(prompts)}
+        done: Dict[str, Request] = {}
+        while self.has_unfinished():
+            self.step()
+            for r in list(self._finished):
+                done[r.id] = r
+            self._finished.clear()
+        return [done[rid] for rid in sorted(reqs, key=reqs.get)]
+
+    def take_finished(self) -> List[Request]:
+        """Requests that finished or were aborted since the last call."""
+        out, self._finished = self._finished, []
+        return out
+
+    def flush(self) -> None:
+        """Waits for outstanding offload copies and releases the device blocks they read."""
+        if self.connector is not None:
+            for hold in self.connector.drain_holds():
+                self.pool.release(hold.blocks)
+
+    # ---- one scheduler step ---------------------------------------------------------------------
+    def step(self) -> List[RequestOutput]:
+        self._apply_aborts()
+        if self.connector is not None:
+            for hold in self.connector.finished_holds():
+                self.pool.release(hold.blocks)
+        self._admit()
+        chunks, reqs = self._build_batch()
+        if not chunks:
+            return []
+        t0 = time.perf_counter()
+        self.steps += 1
+        self.step_requests += len(reqs)
+        try:
+            return self._run_batch(chunks, reqs)
+        finally:
+            self.step_seconds += time.perf_counter() - t0
+
+    def _run_batch(self, chunks: List[SeqChunk], reqs: List[Request]) -> List[RequestOutput]:
+        loading = [r for r in reqs if r.load_task is not None]
+        if loading and not self.layerwise:
+            for r in loading:  # bulk: the whole prefix lands before any compute
+                self._settle_load(r)
+            chunks, reqs = self._build_batch()
+            loading = []
+        hook = self._layer_waiter(loading) if loading else None
+        logits = self.model.forward(chunks, self.kv_cache, hook)
+        redo = {r.id for r in loading if not self._settle_load(r)}
+        outputs, li = [], 0
+        for ch, r in zip(chunks, reqs):
+            row = None
+            if ch.want_logits:
+                row, li = logits[li], li + 1
+            if r.id in redo:
+                continue  # its prefix did not load: the next step recomputes it
+            r.num_computed = ch.start + len(ch.tokens)
+            self._cache_full_blocks(r)
+            if row is not None:
+                outputs.append(self._emit(r, row))
+        return outputs
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _apply_aborts(self) -> None:
+        if not self._abort_pending:
+            return
+        with self._abort_lock:
+            ids, self._abort_pending = self._abort_pending, set()
+        for req in [r for r in itertools.chain(self.waiting, self.running) if r.id in ids]:
+            if req.state is RequestState.WAITING:
+                self.waiting.remove(req)
+                if req.prefetch_task is not None and self.connector is not None:
+                    self.connector.cancel_prefetch(req.prefetch_task)  # collected with the other prefetches
+            else:
+                self.running.remove(req)
+                if req.load_task is not None:
+                    # Its copies may still be writing the blocks: they come back once drained.
+                    self.connector.cancel_load(req.load_task, req.block_table)
+                    req.load_task = None
+                else:
+                    self.pool.release(req.block_table)
+            req.state, req.finish_reason = RequestState.FINISHED, "abort"
+            self.aborted += 1
+            self._finished.append(req)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if not self._allocate(req):
+                break
+            self.waiting.popleft()
+            req.state = RequestState.RUNNING
+            self.running.append(req)
+        if self.connector is not None:
+            # Queue-time prefetch: requests next in line bring their disk prefix into host memory
+            # while they wait for a slot or for device blocks.
+            for req in itertools.islice(self.waiting, self.max_running):
+                if req.prefetch_task is None:
+                    req.prefetch_task = self.connector.prefetch(req.prompt)
+
+    def _allocate(self, req: Request) -> bool:
+        bs = self.cfg.block_size
+        cap = (len(req.prompt) - 1) // bs  # keep one token to compute: it yields the first logits
+        hashes = req.hashes.sequence[:cap]
+        total = -(-(len(req.prompt) + req.params.max_tokens) // bs)
+        dev = self.pool.match(hashes)
+        try:
+            new = self.pool.allocate(total - len(dev))
+        except NoFreeBlocks:
+            self.pool.release(dev)
+            return False
+        req.block_table = dev + new
+        req.num_computed = req.device_hit_tokens = len(dev) * bs
+        if self.connector is not None and cap > len(dev):
+            tid = self.connector.load(req.prompt[: cap * bs], req.block_table[:cap], len(dev))
+            if tid is not None:
+                req.load_task = tid
+                by_tier = self.connector.planned_tokens_by_tier(tid)
+                req.offload_hit_tokens = sum(by_tier.values())  # host + disk + remote
+                req.disk_hit_tokens = by_tier["disk"]
+                req.remote_hit_tokens = by_tier.get("remote", 0)
+                req.num_computed += req.offload_hit_tokens
+        if self.remote_fill is not None:
+            req.num_computed += self.remote_fill(req, req.num_computed // bs, cap) * bs
+        return True
+
+    def _build_batch(self):
+        chunks, reqs, budget = [], [], self.max_batch_tokens
+        for r in self.running:
+            if r.in_prefill:
+                n = min(len(r.prompt) - r.num_computed, budget)
+                if n <= 0:
+                    continue
+                toks = r.prompt[r.num_computed:r.num_computed + n]
+                chunks.append(SeqChunk(toks, r.num_computed, r.block_table, r.num_computed + n == len(r.prompt)))
+                budget -= n
+            else:
+                pos = len(r.prompt) + len(r.output) - 1
+                chunks.append(SeqChunk([r.output[-1]], pos, r.block_table, True))
+                budget -= 1
+            reqs.append(r)
+        return chunks, reqs
+
+    def _layer_waiter(self, loading: List[Request]):
+        failed = set()
+
+        def wait(layer: int) -> None:
+            for r in loading:
+                if r.id in failed:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    self.connector.wait_layer(r.load_task, layer)
+                except TaskFailed:
+                    failed.add(r.id)  # computed on garbage; _settle_load sends it back
+                finally:
+                    self.load_stall_seconds += time.perf_counter() - t0
+        return wait
+
+    def _settle_load(self, r: Request) -> bool:
+        """Finishes a request's load; on failure its loaded range is recomputed instead."""
+        t0 = time.perf_counter()
+        result = self.connector.finish(r.load_task)
+        self.load_stall_seconds += time.perf_counter() - t0
+        r.load_task = None
+        if result.status is TaskStatus.SUCCESS:
+            return True
+        self.recomputed_loads += 1
+        r.num_computed = r.device_hit_tokens
+        r.offload_hit_tokens = r.disk_hit_tokens = r.remote_hit_tokens = 0
+        return False
+
+    def _cache_full_blocks(self, r: Request) -> None:
+        bs = self.cfg.block_size
+        seq = r.hashes.sequence
+        full = min(r.num_computed, len(r.prompt)) // bs
+        if self.device_prefix_cache:
+            for i in range(max(r.cached_blocks, r.device_hit_tokens // bs), full):
+                parent = int(seq[i - 1]) if i else None
+                self.pool.cache(r.block_table[i], int(seq[i]), parent, r.prompt[i * bs:(i + 1) * bs])
+            r.cached_blocks = max(r.cached_blocks, full)
+        if self.connector is not None and self.offload_puts and r.num_computed == len(r.prompt) and not r.output:
+            # Prefill finished: offload the prompt's full blocks; the put holds them meanwhile.
+            n = len(r.prompt) // bs
+            if n:
+                self.pool.ref(r.block_table[:n])
+                self.connector.store(r.prompt, r.block_table)
+
+    def _emit(self, r: Request, logits: torch.Tensor) -> RequestOutput:
+        tok = sample(logits, r)
+        if r.params.record_logits:
+            r.logits.append(logits.detach().cpu().clone())
+        if r.first_token_at is None:
+            r.first_token_at = time.perf_counter()
+        r.output.append(tok)
+        if tok in r.params.stop_token_ids:
+            r.finish_reason = "stop"
+        elif len(r.output) >= r.params.max_tokens:
+            r.finish_reason = "length"
+        if r.finish_reason is not None:
+            r.state = RequestState.FINISHED
+            self.running.remove(r)
+            self.pool.release(r.block_table)
+            self._finished.append(r)
+        return RequestOutput(r.id, tok, list(r.output), r.finish_reason is not None, r.finish_reason, r.ttft,
+                             r.cached_tokens)

@@ -1,0 +1,145 @@
+"""FlexKVConnector: vLLM's KVConnectorBase_V1 over dynamo_flexkv's tiers.
+
+One class for both roles (vLLM builds it once in the scheduler process and once per worker);
+each hook hands over to the half of its role: scheduler.py decides what to move, worker.py
+moves it through the engine contract (dynamo_flexkv.core.offload.EngineOffload)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Set, Tuple
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata
+from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
+    from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
+
+log = logging.getLogger(__name__)
+
+
+class FlexKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            raise ValueError(f"FlexKVConnector needs kv_load_failure_policy=\"recompute\" in --kv-transfer-config "
+                             f"(it is {policy!r}): a block that fails to load or verify is then recomputed "
+                             "instead of failing the request")
+        settings = ConnectorSettings.from_vllm(vllm_config, kv_cache_config)
+        self._sched: Optional["SchedulerSide"] = None
+        self._worker: Optional["WorkerSide"] = None
+        if role == KVConnectorRole.SCHEDULER:
+            from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
+            self._sched = SchedulerSide(settings)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
+            tp = int(vllm_config.parallel_config.tensor_parallel_size)
+            self._worker = WorkerSide(settings, get_tensor_model_parallel_rank() if tp > 1 else 0, tp)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped store is a later miss, never a wrong token
+
+    # ---- worker side -------------------------------------------------------------------------------
+    @property
+    def transfer_log(self):
+        """This worker's recent finished loads and stores (``worker.TransferRecord``), newest last."""
+        return self._worker.transfer_log if self._worker is not None else ()
+
+    def tier_files(self) -> list:
+        """This worker's disk tier data files."""
+        return self._worker.tier_files()
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Waits for this worker's background tier writes; False if some still run after ``timeout``."""
+        return self._worker.drain(timeout)
+
+    def tier_stats(self) -> Dict[str, Any]:
+        """This worker's KVManager stats (tiers, requests, links, tasks)."""
+        return self._worker.stats()
+
+    def evict_host(self, timeout: Optional[float] = None) -> int:
+        """Evicts this worker's host blocks once its tier writes finished (disk and remote copies
+        stay): the next loads read the tiers below. Returns how many blocks went."""
+        return self._worker.evict_host(timeout)
+
+    def reset_tiers(self, timeout: Optional[float] = None) -> None:
+        """Drops this worker's host and disk blocks once its tier writes finished; the shared
+        remote tier keeps its copies."""
+        self._worker.reset_tiers(timeout)
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, FlexKVMetadata):
+            self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # stores happen once a request finished (request_finished), from whole blocks
+
+    def wait_for_save(self) -> None:
+        self._worker.end_step()
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        return self._worker.finished_saves(set(finished_req_ids)) or None, None
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        return self._worker.take_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        return self._worker.take_events()
+
+    def get_kv_connector_stats(self) -> Any:
+        from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVStats
+        if self._worker is None:  # the scheduler asks too: its numbers are vLLM's own
+            return None
+        data = self._worker.step_stats()
+        return FlexKVStats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Any:
+        from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVStats
+        return FlexKVStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Dict[type, type], labelnames: list,
+                           per_engine_labelvalues: Dict[int, list]) -> Any:
+        from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVPromMetrics
+        return FlexKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ---- scheduler side ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        return self._sched.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched.build_meta()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched.add_events(getattr(connector_output, "kv_cache_events", None))
+
+    def request_finished(self, request: Any, block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self._sched.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        return self._sched.take_events()
+
+    # ---- both --------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.close()

@@ -1,0 +1,114 @@
+"""The connector's scheduler half: decides what to move, never touches bytes.
+
+* ``matched_tokens``: after vLLM's own prefix cache, how much more of the prompt the tiers hold
+  (asked of rank 0's worker, see lookup.py; "not yet" while the answer is on its way). Loads are
+  synchronous in vLLM's sense: they happen inside the step that computes the rest of the
+  prompt, layer by layer.
+* ``after_alloc`` turns a hit into a LoadSpec for the blocks vLLM allocated;
+* ``request_finished`` turns a finished request's computed full blocks into a SaveSpec and keeps
+  its blocks alive (True) until the worker reports the store's device copy done;
+* ``build_meta`` hands the step's loads and saves to the workers;
+* the tiers' KV events arrive with the workers' output and leave through vLLM's publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient
+from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, SaveSpec, lookup_endpoint
+from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+def _lora(request: Any) -> Optional[str]:
+    lr = getattr(request, "lora_request", None)
+    return getattr(lr, "lora_name", None) or None
+
+
+def _event_hashes(request: Any, n: int) -> List[Any]:
+    """vLLM's external hashes of the request's first ``n`` blocks (what its device events carry)."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    hashes = list(getattr(request, "block_hashes", ())[:n])
+    return [maybe_convert_block_hash(h) for h in hashes] if len(hashes) == n else []
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.s = settings
+        self.bs = settings.block_size
+        self.client = LookupClient(lookup_endpoint(settings.engine_id, settings.run_dir),
+                                   wait_s=settings.lookup_wait_ms / 1000.0, give_up_s=settings.lookup_give_up_s)
+        self._hits: Dict[str, Tuple[int, int]] = {}  # request -> (vLLM's computed tokens, tokens we load)
+        self._loads: List[LoadSpec] = []
+        self._saves: List[SaveSpec] = []
+        self._events: List[Any] = []
+        self.lookups = self.hit_tokens = self.saved_requests = 0
+
+    def matched_tokens(self, request: Any, num_computed: int) -> Tuple[Optional[int], bool]:
+        if not self.s.load or num_computed % self.bs:
+            return 0, False
+        # Whole blocks, and at least one token left for vLLM to compute (it needs the logits).
+        usable = (request.num_tokens - 1) // self.bs * self.bs
+        if usable <= num_computed:
+            return 0, False
+        hit = self.client.query(request.request_id, request.all_token_ids[:usable], _lora(request),
+                                request.cache_salt)
+        if hit is None:
+            return None, False  # asked; vLLM asks again next step
+        self.lookups += 1
+        external = (min(hit, usable) - num_computed) // self.bs * self.bs
+        if external <= 0:
+            self._hits.pop(request.request_id, None)
+            return 0, False
+        self._hits[request.request_id] = (num_computed, external)
+        return external, False
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens == 0 or hit is None:
+            return
+        local, external = hit
+        if external != num_external_tokens:  # vLLM took less than offered: load what it allocated for
+            external = num_external_tokens // self.bs * self.bs
+        end = (local + external) // self.bs
+        block_ids = list(blocks.get_block_ids()[0][:end])
+        if len(block_ids) < end:
+            log.warning("FlexKVConnector: request %s has %d blocks for a %d-block load; not loading",
+                        request.request_id, len(block_ids), end)
+            return
+        self._loads.append(LoadSpec(request.request_id, list(request.all_token_ids[: end * self.bs]), block_ids,
+                                    local // self.bs, _lora(request), request.cache_salt, _event_hashes(request, end)))
+        self.hit_tokens += external
+
+    def build_meta(self) -> FlexKVMetadata:
+        meta = FlexKVMetadata(self._loads, self._saves)
+        self._loads, self._saves = [], []
+        return meta
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        self.client.forget(request.request_id)
+        self._hits.pop(request.request_id, None)
+        if not self.s.store:
+            return False, None
+        tokens = request.all_token_ids
+        n = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.bs) // self.bs
+        if n <= 0:
+            return False, None
+        self._saves.append(SaveSpec(request.request_id, list(tokens[: n * self.bs]), list(block_ids[:n]),
+                                    _lora(request), request.cache_salt, _event_hashes(request, n)))
+        self.saved_requests += 1
+        return True, None  # vLLM frees the blocks once a worker lists the request as finished sending
+
+    def add_events(self, events: Any) -> None:
+        if events is not None:
+            self._events.extend(events.get_all_events())
+
+    def take_events(self) -> Iterable[Any]:
+        out, self._events = self._events, []
+        return out
+
+    def close(self) -> None:
+        self.client.close()

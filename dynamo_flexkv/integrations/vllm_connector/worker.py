@@ -1,0 +1,285 @@
+"""The connector's worker half: owns the KVManager of this rank and moves the bytes.
+
+Per step (vLLM calls these in this order): ``start_load`` before the forward issues this step's
+stores (finished requests, whose blocks vLLM keeps until we report them) and loads (layerwise:
+each layer's copy is its own op); ``wait_layer`` before each attention layer waits for that
+layer only; ``end_step`` after the forward collects the loads, so no copy into vLLM's blocks
+outlives the step. A load that failed, or found less than the scheduler was told, reports its
+blocks through ``take_load_errors`` and vLLM recomputes them (kv_load_failure_policy=recompute).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Set
+
+import torch
+
+from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.manager import KVManager
+from dynamo_flexkv.core.offload import EngineOffload
+from dynamo_flexkv.core.tasks import TaskFailed
+from dynamo_flexkv.integrations.vllm_connector.events import FlexKVEvents, TierEventQueue
+from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
+from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
+from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, lookup_endpoint
+from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    tid: int
+    spec: LoadSpec
+    planned_blocks: int
+    by_tier: Dict[str, int]
+    failed: bool = False
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished load or store of this worker (``transfer_log``): which of vLLM's blocks."""
+    kind: str  # "load" or "store"
+    req_id: str
+    block_ids: List[int]  # load: the blocks it filled; store: the blocks it copied out
+    ok: bool
+
+
+@dataclass
+class LoadCounters:
+    """Tokens this worker loaded, by tier, and tokens it had to hand back for recompute."""
+    loaded: Dict[str, int]
+    recomputed: int = 0
+    failed_loads: int = 0
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, tp_rank: int, tp_size: int) -> None:
+        self.s, self.tp_rank, self.tp_size = settings, tp_rank, tp_size
+        self.kv: Optional[KVManager] = None
+        self.offload: Optional[EngineOffload] = None
+        self.events: Optional[TierEventQueue] = None
+        self.server: Optional[LookupServer] = None
+        self._layer: Dict[str, int] = {}
+        self._loads: Dict[str, _Load] = {}
+        self._errors: Set[int] = set()
+        self._saving: Dict[str, int] = {}  # request -> store tasks still holding its blocks
+        self._saved: Set[str] = set()  # stores done, waiting for vLLM to list the request as finished
+        self._finished_seen: Set[str] = set()
+        self.counters = LoadCounters(loaded={})
+        self.transfer_log: Deque[TransferRecord] = collections.deque(maxlen=1024)  # newest last
+        self.stored_tokens = 0
+        self._reported: Dict[str, int] = {}  # counter totals already sent as deltas
+        self._gauges_at = 0.0
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        desc = describe(kv_caches, self.s.num_blocks, self.s.block_size)
+        cache = CacheConfig.load().replace(tokens_per_block=self.s.block_size, tp_rank=self.tp_rank,
+                                           tp_size=self.tp_size)
+        if self.tp_size > 1 and cache.ssd_cache_dir:  # each rank holds its own shard's bytes
+            dirs = tuple(os.path.join(d, f"rank{self.tp_rank}") for d in cache.ssd_cache_dir)
+            for d in dirs:
+                os.makedirs(d, exist_ok=True)
+            cache = cache.replace(ssd_cache_dir=dirs)
+        self.events = TierEventQueue(self.s.block_size) if self.tp_rank == 0 else None
+        self.kv = KVManager(desc.model, cache, listener=self.events, model_id=f"{self.s.model_id}|{desc.layout_tag}")
+        try:
+            self.offload = EngineOffload(self.kv, layerwise=self.s.layerwise)
+            self.offload.register(desc.tensors, desc.layout)
+            self._layer = desc.layer_index()
+            if self.tp_rank == 0:
+                self.server = LookupServer(lookup_endpoint(self.s.engine_id, self.s.run_dir), self._lookup)
+                self.kv.announce_adopted()  # a restarted worker's disk blocks, for the router
+        except BaseException:
+            self.kv.shutdown()
+            raise
+        log.info("FlexKVConnector worker rank %d: %d layers, %s, %d-byte blocks; tiers %s", self.tp_rank,
+                 len(desc.tensors), desc.layout_tag, self.kv.host.layout.block_bytes,
+                 {k: v for k, v in cache.tier_blocks(desc.model).items()})
+
+    def _lookup(self, tokens, lora: Optional[str], salt: Optional[str]) -> int:
+        return self.offload.cached_tokens(tokens, lora_name=lora, cache_salt=salt)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def start_load(self, meta: FlexKVMetadata) -> None:
+        if self.offload is None:
+            return
+        for save in meta.saves:
+            try:
+                self._alias(save.token_ids, save.event_hashes, save.lora_name, save.cache_salt)
+                self.offload.store(save.token_ids, save.block_ids, key=save.req_id, lora_name=save.lora_name,
+                                   cache_salt=save.cache_salt)
+                self._saving[save.req_id] = self._saving.get(save.req_id, 0) + 1
+            except Exception:  # noqa: BLE001 - a store that cannot start frees its blocks at once
+                log.exception("FlexKVConnector: storing request %s failed; its blocks are released", save.req_id)
+                self._saved.add(save.req_id)
+        for spec in meta.loads:
+            self._start(spec)
+        if not self.s.layerwise:
+            for ld in self._loads.values():  # bulk: the whole load lands before the forward
+                self._wait(ld, None)
+
+    def _alias(self, tokens, event_hashes, lora: Optional[str], salt: Optional[str]) -> None:
+        """Our tier events name these blocks as vLLM's device events do."""
+        if self.events is not None and event_hashes:
+            self.events.alias(self.offload.block_hashes(tokens, lora_name=lora, cache_salt=salt), event_hashes)
+
+    def _start(self, spec: LoadSpec) -> None:
+        try:
+            self._alias(spec.token_ids, spec.event_hashes, spec.lora_name, spec.cache_salt)
+            tid = self.offload.load(spec.token_ids, spec.block_ids, spec.skip_blocks, lora_name=spec.lora_name,
+                                    cache_salt=spec.cache_salt)
+        except Exception as e:  # noqa: BLE001 - e.g. TooManyTasks: recompute instead
+            log.warning("FlexKVConnector: load for request %s could not start (%s); recomputing", spec.req_id, e)
+            tid = None
+        if tid is None:
+            self._fail(spec, 0)
+            return
+        planned = self.offload.planned_tokens(tid) // self.s.block_size
+        if planned < spec.num_blocks:  # evicted since the lookup: the rest is recomputed
+            self._fail(spec, planned)
+        self._loads[spec.req_id] = _Load(tid, spec, planned, self.offload.planned_tokens_by_tier(tid))
+
+    def _fail(self, spec: LoadSpec, from_block: int) -> None:
+        """Blocks [skip + from_block, ...) of ``spec`` are not loaded: vLLM recomputes them."""
+        bad = set(spec.block_ids[spec.skip_blocks + from_block:]) - self._errors
+        self._errors |= bad
+        self.counters.recomputed += len(bad) * self.s.block_size
+
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self._layer.get(layer_name)
+        if layer is None:
+            return
+        for ld in self._loads.values():
+            self._wait(ld, layer)
+
+    def _wait(self, ld: _Load, layer: Optional[int]) -> None:
+        """Waits for one layer of a load (None: every layer)."""
+        if ld.failed:
+            return
+        try:
+            for i in range(self.kv.model.num_layers) if layer is None else (layer,):
+                if not self.offload.wait_layer(ld.tid, i, self.s.load_timeout_s):
+                    log.warning("FlexKVConnector: load for request %s still not on the device after %.0f s; "
+                                "cancelling it and recomputing", ld.spec.req_id, self.s.load_timeout_s)
+                    self.kv.cancel([ld.tid])
+                    raise TaskFailed("timed out")
+        except TaskFailed:
+            ld.failed = True
+            self._fail(ld.spec, 0)
+
+    def end_step(self) -> None:
+        """Collects this step's loads: after this no copy writes vLLM's blocks."""
+        for ld in self._loads.values():
+            result = self.offload.finish(ld.tid)
+            if not result.ok and not ld.failed:
+                ld.failed = True
+                self._fail(ld.spec, 0)
+            spec = ld.spec
+            self.transfer_log.append(TransferRecord("load", spec.req_id, spec.block_ids[spec.skip_blocks:][
+                :ld.planned_blocks], not ld.failed))
+            if ld.failed:
+                self.counters.failed_loads += 1
+            else:
+                for tier, n in ld.by_tier.items():
+                    self.counters.loaded[tier] = self.counters.loaded.get(tier, 0) + n
+        self._loads.clear()
+
+    def take_load_errors(self) -> Set[int]:
+        out, self._errors = self._errors, set()
+        return out
+
+    def finished_saves(self, finished_req_ids: Set[str]) -> Set[str]:
+        """Requests whose stored blocks vLLM may free now. vLLM accepts only ids it already listed
+        as finished, so a store that ends earlier waits for that."""
+        if self.offload is not None:
+            for hold in self.offload.finished_holds():
+                self.transfer_log.append(TransferRecord("store", hold.key, hold.blocks, True))
+                self.stored_tokens += len(hold.blocks) * self.s.block_size
+                left = self._saving.get(hold.key, 0) - 1
+                if left > 0:
+                    self._saving[hold.key] = left
+                else:
+                    self._saving.pop(hold.key, None)
+                    self._saved.add(hold.key)
+        # Only ids with a store of ours: vLLM lists every finished request here.
+        self._finished_seen |= finished_req_ids & (self._saved | set(self._saving))
+        done = self._saved & self._finished_seen
+        self._saved -= done
+        self._finished_seen -= done
+        return done
+
+    def take_events(self) -> Optional[FlexKVEvents]:
+        return self.events.take() if self.events is not None else None
+
+    def tier_files(self) -> List[str]:
+        """The disk tier's data files (for operators and fault tests)."""
+        from dynamo_flexkv.core.storage.ssd import DATA
+        return [os.path.join(d, DATA) for d in self.kv.ssd.dirs] if self.kv is not None and self.kv.ssd else []
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Waits for the stores' background writes (disk, remote); False if some still run."""
+        return self.kv.drain(timeout) if self.kv is not None else True
+
+    def stats(self) -> Dict[str, Any]:
+        return self.kv.stats() if self.kv is not None else {}
+
+    def _idle_manager(self, what: str, timeout: Optional[float]) -> KVManager:
+        if self.kv is None:
+            raise RuntimeError(f"{what}: this worker registered no KV caches yet (vLLM calls register_kv_caches first)")
+        if not self.kv.drain(timeout):
+            raise RuntimeError(f"{what}: tier writes still running after {timeout} s; call it again when the engine is idle")
+        return self.kv
+
+    def evict_host(self, timeout: Optional[float] = None) -> int:
+        """Evicts every host block once the writes below finished (the disk and remote copies
+        stay); returns how many went."""
+        return self._idle_manager("evict_host", timeout).evict("host")
+
+    def reset_tiers(self, timeout: Optional[float] = None) -> None:
+        """Drops every host and disk block once the writes finished (the remote tier, shared
+        with other workers, keeps its copies)."""
+        self._idle_manager("reset_tiers", timeout).reset()
+
+    def step_stats(self) -> Dict[str, Any]:
+        """Counter deltas since the last call, and the tiers' gauges at most once a second
+        (vllm_connector/metrics.py names them)."""
+        if self.kv is None:
+            return {}
+        totals = {"recomputed_tokens": self.counters.recomputed, "failed_loads": self.counters.failed_loads,
+                  "stored_tokens": self.stored_tokens}
+        totals.update({f"loaded_tokens/{t}": n for t, n in self.counters.loaded.items()})
+        out: Dict[str, Any] = {}
+        now = time.monotonic()
+        if now - self._gauges_at >= 1.0:
+            self._gauges_at = now
+            st = self.kv.stats()
+            for tier in ("host", "disk"):
+                if tier in st:
+                    out[f"gauge:used_blocks/{tier}"] = st[tier]["used_blocks"]
+                    out[f"gauge:capacity_blocks/{tier}"] = st[tier]["capacity_blocks"]
+                    totals[f"evicted_blocks/{tier}"] = st[tier]["evicted_blocks"]
+            totals["disk_write_failures"] = st["tasks"]["disk_write_failures"]
+        for k, total in totals.items():
+            delta = total - self._reported.get(k, 0)
+            if delta:
+                out[k] = delta
+                self._reported[k] = total
+        return out
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.kv is not None:
+            if not self.kv.drain(timeout=self.s.drain_timeout_s):
+                log.warning("FlexKVConnector: offload writes still running after %.0f s at shutdown; cancelled",
+                            self.s.drain_timeout_s)
+            self.kv.shutdown()
+            self.kv = None

@@ -1,0 +1,189 @@
+"""The options of a serve graph's components: each option's type, the defaults, the checks that
+name the section, the key and the fix, and the restart policy a worker's options describe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+from dynamo_flexkv.core.durations import is_duration
+from dynamo_flexkv.integrations.disagg.leases import handover_seconds_problem
+from dynamo_flexkv.serve import vllm_worker as _vllm
+from dynamo_flexkv.serve.graph import GraphError, Kind
+
+
+def str_option(v: Any) -> str:
+    if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+        raise ValueError("expected a string")
+    return str(v)
+
+
+def int_option(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("expected an integer")
+    return v
+
+
+def float_option(v: Any) -> float:
+    # YAML 1.1 reads 1e3 (no dot, no sign in the exponent) as a string: a number to the user.
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            raise ValueError("expected a number") from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError("expected a number")
+    return float(v)
+
+
+def bool_option(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("expected true or false")
+    return v
+
+
+def args_option(v: Any) -> List[str]:
+    if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
+        raise ValueError("expected a list of strings")
+    return list(v)
+
+
+def mapping_option(v: Any) -> Dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ValueError("expected a mapping of CacheConfig keys")
+    return dict(v)
+
+
+ROUTER_MODES = ("round-robin", "random", "power-of-two", "kv", "least-loaded")
+OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
+    Kind.FRONTEND: {
+        "namespace": str_option, "http-port": int_option, "router-mode": str_option, "migration-limit": int_option,
+        "router-host-cache-hit-weight": float_option, "router-disk-cache-hit-weight": float_option, "extra-args": args_option,
+        "kv-cache-block-size": int_option,  # the router's block size; serve sets it from vLLM workers' block-size
+    },
+    Kind.WORKER: {
+        "model": str_option, "served-model-name": str_option, "namespace": str_option, "replicas": int_option,
+        "num-device-blocks": int_option, "offload": bool_option, "bulk-load": bool_option, "device-prefix-cache": bool_option,
+        "system-port": int_option, "cache": mapping_option, "extra-args": args_option,
+        "on-death": str_option, "max-restarts": int_option, "restart-window-s": float_option, "restart-backoff-s": float_option,
+        "liveness-timeout-s": float_option, "disaggregation-mode": str_option, "handover-lease-s": float_option, "handover-timeout-s": float_option,
+    },
+}
+DISAGG_MODES = ("agg", "prefill", "decode")
+DEFAULTS: Dict[Kind, Dict[str, Any]] = {
+    # migration-limit: how often the frontend may move an in-flight request to another worker when
+    # its worker dies (Dynamo's default, 0, fails those requests with a 503).
+    Kind.FRONTEND: {"namespace": "dynamo", "http-port": 8000, "router-mode": "kv", "migration-limit": 3,
+                    "extra-args": []},
+    Kind.WORKER: {"model": "small", "namespace": "dynamo", "replicas": 1, "num-device-blocks": 256,
+                  "offload": True, "bulk-load": False, "device-prefix-cache": True, "cache": {},
+                  "extra-args": [], "on-death": "restart", "max-restarts": 3, "restart-window-s": 300.0,
+                  "restart-backoff-s": 1.0, "liveness-timeout-s": 30.0, "disaggregation-mode": "agg", "handover-lease-s": 30.0,
+                  "handover-timeout-s": 10.0},
+}
+
+
+# Worker options in seconds: (lowest, highest or None, whether the lowest itself is allowed, whether
+# 0 turns the option off). One check for all of them, so each refuses NaN, inf and out-of-range
+# values with a message naming the option.
+SECONDS_OPTIONS: Dict[str, tuple] = {
+    "restart-window-s": (0.0, None, False, False),
+    "restart-backoff-s": (0.0, 30.0, True, False),
+    "liveness-timeout-s": (5.0, 3600.0, True, True),
+}
+
+
+def seconds_problem(value: float, low: float, high: Optional[float], low_ok: bool, zero_off: bool) -> Optional[str]:
+    """Why ``value`` cannot be this option's number of seconds; None if it can."""
+    if zero_off and value == 0:
+        return None
+    if is_duration(value, low, high, low_ok):
+        return None
+    if high is None:
+        want = f"> {low:g} seconds"
+    else:
+        want = f"between {low:g} and {high:g} seconds"
+    return f"{value} must be {'0 (off) or ' if zero_off else ''}{want} (a finite number)"
+
+
+class OnDeath(Enum):
+    RESTART = "restart"  # start it again, same replica, ports and SSD directory, within its budget
+    STOP = "stop"  # stop the whole graph, exit 1
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What the launcher does when a worker exits on its own. A worker that dies more than
+    ``max_restarts`` times within ``window_s`` seconds stops the graph (exit 1). The n-th restart
+    within the window waits ``backoff_s * 2**(n-1)`` seconds (at most 30)."""
+    on_death: OnDeath = OnDeath.RESTART
+    max_restarts: int = 3
+    window_s: float = 300.0
+    backoff_s: float = 1.0
+    liveness_s: float = 30.0  # a ready worker whose /health fails this long is SIGKILLed as hung; 0: off
+
+    def delay(self, deaths_in_window: int) -> float:
+        return min(30.0, self.backoff_s * 2 ** max(0, deaths_in_window - 1))
+
+
+def restart_policy(o: Mapping[str, Any]) -> RestartPolicy:
+    return RestartPolicy(OnDeath(o["on-death"]), o["max-restarts"], o["restart-window-s"],
+                         o["restart-backoff-s"], o["liveness-timeout-s"])
+
+
+
+def allowed_options(kind: Kind, engine: str) -> Dict[str, Callable[[Any], Any]]:
+    if kind is Kind.WORKER and engine == _vllm.ENGINE:
+        return _vllm.options(OPTIONS[Kind.WORKER])
+    return OPTIONS[kind]
+
+
+def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, engine: str = "flexkv") -> Dict[str, Any]:
+    vllm = kind is Kind.WORKER and engine == _vllm.ENGINE
+    allowed = allowed_options(kind, engine)
+    out = _vllm.defaults(DEFAULTS[kind]) if vllm else dict(DEFAULTS[kind])
+    for key, value in raw.items():
+        if key not in allowed:
+            raise GraphError(f"{source}: {name}.{key} is not an option of a {kind.value}; known: {sorted(allowed)}")
+        try:
+            out[key] = allowed[key](value)
+        except ValueError as e:
+            raise GraphError(f"{source}: {name}.{key}={value!r}: {e}") from None
+    if kind is Kind.FRONTEND:
+        if out["router-mode"] not in ROUTER_MODES:
+            raise GraphError(f"{source}: {name}.router-mode={out['router-mode']!r}: use one of {list(ROUTER_MODES)}")
+        if out["migration-limit"] < 0:
+            raise GraphError(f"{source}: {name}.migration-limit={out['migration-limit']} must be >= 0 "
+                             "(0 turns migration off: a dead worker's requests fail with a 503)")
+        for flag in ("--migration-limit", "--kv-cache-block-size"):
+            if any(a.split("=", 1)[0] == flag for a in out["extra-args"]):
+                raise GraphError(f"{source}: {name}.extra-args sets {flag}: use {name}.{flag[2:]}")
+    if kind is Kind.WORKER:
+        if out["replicas"] < 1:
+            raise GraphError(f"{source}: {name}.replicas={out['replicas']} must be >= 1")
+        if not vllm and out["num-device-blocks"] < 1:
+            raise GraphError(f"{source}: {name}.num-device-blocks must be >= 1")
+        if out["on-death"] not in {d.value for d in OnDeath}:
+            raise GraphError(f"{source}: {name}.on-death={out['on-death']!r}: use restart (start the worker "
+                             "again) or stop (stop the whole graph)")
+        if out["max-restarts"] < 0:
+            raise GraphError(f"{source}: {name}.max-restarts={out['max-restarts']} must be >= 0")
+        for key, bounds in SECONDS_OPTIONS.items():
+            problem = seconds_problem(out[key], *bounds)
+            if problem is not None:
+                raise GraphError(f"{source}: {name}.{key}={problem}")
+        if vllm:
+            _vllm.check(name, out, source)
+            return out
+        if out["disaggregation-mode"] not in DISAGG_MODES:
+            raise GraphError(f"{source}: {name}.disaggregation-mode={out['disaggregation-mode']!r}: use one of "
+                             f"{list(DISAGG_MODES)}")
+        for key in ("handover-lease-s", "handover-timeout-s"):
+            problem = handover_seconds_problem(out[key])
+            if problem is not None:
+                raise GraphError(f"{source}: {name}.{key}={problem}")
+        if out["disaggregation-mode"] == "prefill" and not out["device-prefix-cache"]:
+            raise GraphError(f"{source}: {name}: a prefill worker hands its device prefix cache over; set "
+                             "device-prefix-cache: true")
+    return out

@@ -1,0 +1,217 @@
+"""Helpers for tests of served graphs (not a test module): plans of the shipped graphs with the
+tiny model, ``dynamo-flexkv serve`` run as a user runs it, streamed completions read chunk by
+chunk, the workers' /metrics, and the checks that a graph left no process and no port behind."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+from dynamo_flexkv.serve import load_graph
+from dynamo_flexkv.serve.launcher import Launcher, http_json
+from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+from sse import DONE, sse_data
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
+        "FlexKVWorker.num-device-blocks=64", "FlexKVWorker.cache.cpu_cache_gb=0.02",
+        "FlexKVWorker.cache.ssd_cache_gb=0.05"]
+
+
+def make_plan(tmp_path, graph: str, *overrides: str, **kw):
+    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+                             [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}", *overrides])
+    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", **kw)
+
+
+def complete(plan, prompt, max_tokens=4) -> dict:
+    return http_json("POST", f"{plan.base_url}/v1/completions",
+                     {"model": plan.served_model_name, "prompt": prompt, "max_tokens": max_tokens})
+
+
+def metric(port: int, name: str, **labels) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    want = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
+    m = re.search(rf"^{name}\{{{want}[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    assert m is not None, f"{name}{labels} not on /metrics"
+    return float(m.group(1))
+
+
+def assert_gone(launcher: Launcher) -> None:
+    for p in launcher.running.values():  # nothing of any process group is left
+        with pytest.raises(ProcessLookupError):
+            os.killpg(p.pid, 0)
+    for proc in launcher.plan.processes + launcher.plan.infra:
+        with socket.socket() as s:  # nobody listens on its port any more (TIME_WAIT is fine)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", proc.port))
+            s.listen()
+
+
+STREAM_TOKENS = 300  # long enough that a kill lands mid-stream on this slow machine
+
+
+@dataclass
+class Streamed:
+    status: int = 0
+    chunks: int = 0
+    error: Optional[dict] = None  # the SSE error event, if the stream ended with one
+    usage: Optional[dict] = None
+    done: bool = False  # saw data: [DONE]
+    seconds: float = 0.0
+
+
+def stream(base_url: str, model: str, prompt, max_tokens: int = STREAM_TOKENS,
+           out: Optional[Streamed] = None, **extra) -> Streamed:
+    """One streamed completion, read to its end. ``out`` is filled as chunks arrive (another
+    thread may watch it); ``extra`` goes into the request body."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    out, t0 = out if out is not None else Streamed(), time.monotonic()
+    try:
+        r = urllib.request.urlopen(req, timeout=60)  # a hang fails the test here
+    except urllib.error.HTTPError as e:  # refused before the stream began (e.g. its worker was dead)
+        body = json.loads(e.read() or b"{}")
+        out.status, out.error, out.seconds = e.code, body.get("error", body), time.monotonic() - t0
+        return out
+    with r:
+        out.status = r.status
+        for doc in sse_data(r):
+            if doc is DONE:
+                out.done = True
+                continue
+            if "error" in doc:
+                out.error = doc["error"]
+            elif doc.get("usage"):
+                out.usage = doc["usage"]
+            else:
+                out.chunks += 1
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def wait_until(what: str, cond, timeout: float = 60, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+def inflight(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in re.findall(r"^dynamo_component_inflight_requests(?:\{[^}]*\})? ([0-9.e+-]+)$",
+                                             text, re.M))
+
+
+def routed_workers(base_url: str) -> int:
+    """How many workers the frontend's router has registered (its own gauge on /metrics)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return len(re.findall(r"^dynamo_component_router_worker_registered\{[^}]*\} 1$", text, re.M))
+
+
+def holder_of(plan, prompt: str):
+    """Sends ``prompt`` once and returns the worker that served it (its request counter moved)."""
+    before = {w.name: metric(w.port, "flexkv_requests_total") for w in plan.workers}
+    complete(plan, prompt, 2)
+    served = [w for w in plan.workers if metric(w.port, "flexkv_requests_total") > before[w.name]]
+    assert len(served) == 1
+    return served[0]
+
+
+def assert_all_gone(pids: List[int], ports: List[int]) -> None:
+    for pid in pids:  # every process group ever started, restarted workers' earlier lives included
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+
+
+class Serve:
+    """``dynamo-flexkv serve`` as a user runs it, its output collected line by line."""
+
+    def __init__(self, tmp_path, name: str, *overrides: str, graph: str = "agg_router",
+                 base: Optional[List[str]] = None, ready_timeout: float = 120) -> None:
+        """``graph``: graphs/<graph>.py with configs/<graph>.yaml; ``base``: the --set values before
+        ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run dir)."""
+        self.run = run = tmp_path / name
+        sets = [*(base if base is not None else [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}"]),
+                *overrides]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_flexkv.cli", "serve", str(ROOT / "graphs" / f"{graph}.py"),
+             "-f", str(ROOT / "configs" / f"{graph}.yaml"), "--run-dir", str(run),
+             *[a for s in sets for a in ("--set", s)]],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: List[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        try:
+            ready = self.wait_for(rf"graph {graph} ready: (http://\S+)/v1", ready_timeout)
+        except BaseException:
+            self.close()  # never ready: its components must not outlive the failed test
+            raise
+        self.ready_s = time.monotonic() - self.started
+        self.base_url = ready.group(1)
+        self.metrics = {m.group(1): m.group(2) for m in (re.match(r"\s+(\S+) metrics: (http://\S+)", x)
+                                                          for x in self.lines) if m}
+        self.children = [int(x) for x in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                                                        text=True).stdout.split()]
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            assert self.proc.poll() is None or self._reader.is_alive(), \
+                f"serve exited with {self.proc.returncode}:\n" + "\n".join(self.lines[-40:])
+            assert time.monotonic() < deadline, f"no line matching {pattern!r}:\n" + "\n".join(self.lines[-40:])
+            time.sleep(0.1)
+
+    def worker_port(self, name: str) -> int:
+        return int(self.metrics[name].rsplit(":", 1)[1].split("/")[0])
+
+    def worker_pid(self, name: str) -> int:
+        port = self.worker_port(name)
+        for pid in self.children:
+            if f"DYN_SYSTEM_PORT={port}".encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                return pid
+        raise AssertionError(f"no child of serve runs {name}")
+
+    def close(self) -> None:
+        """After a failure too: serve's own shutdown stops its components (SIGKILL would orphan them)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
