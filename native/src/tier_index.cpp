@@ -35,16 +35,18 @@ size_t HashSlotTable::buckets_for(size_t keys) {
   return buckets;
 }
 
-HashSlotTable::Entry* HashSlotTable::allocate_zeroed(size_t buckets) {
-  const size_t bytes = buckets * sizeof(Entry);
-  constexpr size_t kHugePage = size_t{2} << 20;
+namespace {
+constexpr size_t kHugePage = size_t{2} << 20;
+}  // namespace
+
+void* huge_page_alloc(size_t bytes) {
   if (bytes < kHugePage) {
-    void* p = std::calloc(buckets, sizeof(Entry));
+    void* p = std::calloc(bytes == 0 ? 1 : bytes, 1);
     if (p == nullptr) throw std::bad_alloc();
-    return static_cast<Entry*>(p);
+    return p;
   }
-  // Anonymous pages read as zero until written. Mapped with a huge page of slack and trimmed to a
-  // huge-page boundary, so transparent huge pages can back it (lookups are random: TLB misses).
+  // Mapped with a huge page of slack and trimmed to a huge-page boundary, so transparent huge
+  // pages can back it.
   void* raw = mmap(nullptr, bytes + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) throw std::bad_alloc();
   const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
@@ -53,17 +55,23 @@ HashSlotTable::Entry* HashSlotTable::allocate_zeroed(size_t buckets) {
   const uintptr_t end = start + bytes + kHugePage;
   if (end > aligned + bytes) munmap(reinterpret_cast<void*>(aligned + bytes), end - (aligned + bytes));
   madvise(reinterpret_cast<void*>(aligned), bytes, MADV_HUGEPAGE);  // advice only: fine if refused
-  return reinterpret_cast<Entry*>(aligned);
+  return reinterpret_cast<void*>(aligned);
 }
 
-void HashSlotTable::release(Entry* entries, size_t buckets) {
-  if (entries == nullptr) return;
-  if (buckets * sizeof(Entry) < (size_t{2} << 20)) {
-    std::free(entries);
+void huge_page_free(void* p, size_t bytes) {
+  if (p == nullptr) return;
+  if (bytes < kHugePage) {
+    std::free(p);
   } else {
-    munmap(entries, buckets * sizeof(Entry));
+    munmap(p, bytes);
   }
 }
+
+HashSlotTable::Entry* HashSlotTable::allocate_zeroed(size_t buckets) {
+  return static_cast<Entry*>(huge_page_alloc(buckets * sizeof(Entry)));
+}
+
+void HashSlotTable::release(Entry* entries, size_t buckets) { huge_page_free(entries, buckets * sizeof(Entry)); }
 
 void HashSlotTable::rehash(size_t buckets) {
   Entry* old = entries_;
@@ -260,7 +268,7 @@ struct MarkGuard {
 // ---- TierIndexCore: eviction order ------------------------------------------------------------
 
 TierIndexCore::EvictKey TierIndexCore::key_of(const Block& b) const {
-  // The order of EvictionPolicy (dynamo_flexkv/enums.py): smallest key first; each key ends in a
+  // The order of EvictionPolicy (dynamo_flexkv/core/enums.py): smallest key first; each key ends in a
   // tick no other block shares (Block::tick: fifo, filo the insert's; the others the last insert,
   // commit or touch).
   const int64_t tick = static_cast<int64_t>(b.tick);

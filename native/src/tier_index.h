@@ -1,4 +1,4 @@
-// Prefix index of one local tier (host or disk; dynamo_flexkv/index/tier_index.py wraps it): the
+// Prefix index of one local tier (host or disk; dynamo_flexkv/core/index/tier_index.py wraps it): the
 // block table, the slot pool, per-block state and the eviction order, in plain C++ so the bindings
 // can run every operation without the GIL.
 //
@@ -32,29 +32,22 @@ constexpr size_t kPrefetchAhead = 8;   // batch loops prefetch the bucket / bloc
 enum class EvictionPolicy : uint8_t { kLru, kLfu, kSlru, kFifo, kFilo, kMru };
 
 // Big tables on transparent huge pages (where the kernel allows it, madvise mode included):
-// lookups are random, and with 4 KiB pages nearly every one also missed the TLB.
+// lookups are random, and with 4 KiB pages nearly every one also missed the TLB. The one
+// allocator of big tables: zeroed memory (anonymous pages read as zero until written), from
+// calloc below one huge page, from a huge-page-aligned mapping above; huge_page_free takes the
+// same byte count back.
+void* huge_page_alloc(size_t bytes);
+void huge_page_free(void* p, size_t bytes);
+
+// std::vector's allocator over huge_page_alloc.
 template <class T>
 struct HugePageAllocator {
   using value_type = T;
-  static constexpr size_t kHugePage = size_t{2} << 20;
   HugePageAllocator() = default;
   template <class U>
   HugePageAllocator(const HugePageAllocator<U>&) {}
-  static size_t rounded(size_t n) { return (n * sizeof(T) + kHugePage - 1) / kHugePage * kHugePage; }
-  T* allocate(size_t n) {
-    if (n * sizeof(T) < kHugePage) return static_cast<T*>(::operator new(n * sizeof(T)));
-    void* p = std::aligned_alloc(kHugePage, rounded(n));
-    if (p == nullptr) throw std::bad_alloc();
-    madvise(p, rounded(n), MADV_HUGEPAGE);  // advice only: fine if refused
-    return static_cast<T*>(p);
-  }
-  void deallocate(T* p, size_t n) {
-    if (n * sizeof(T) < kHugePage) {
-      ::operator delete(p);
-    } else {
-      std::free(p);
-    }
-  }
+  T* allocate(size_t n) { return static_cast<T*>(huge_page_alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) { huge_page_free(p, n * sizeof(T)); }
   template <class U>
   bool operator==(const HugePageAllocator<U>&) const { return true; }
   template <class U>
