@@ -4,7 +4,8 @@ greedy, streamed), each conversation an aiperf session, so aiperf's fixed schedu
 its scaled trace time but never before the previous turn of its conversation was answered, as our
 client does. aiperf then times TTFT and inter-token gaps by the chunks that carry text, as any
 streaming client would. It runs from its own venv (``.venv-aiperf/``, installed on first use, about
-2 minutes), in a session of its own that is killed whole when it ends or overruns."""
+2 minutes), in a session of its own that is killed whole when it ends or overruns. Unlike our
+client, aiperf gets no cap on requests in flight (its cap is per conversation, see run_aiperf)."""
 
 from __future__ import annotations
 
@@ -67,10 +68,13 @@ def run_aiperf(url: str, model: str, model_dir: Path, turns: Sequence[Turn], *, 
                concurrency: int, workdir: Path, request_timeout_s: float = 120,
                timeout_s: Optional[float] = None) -> Tuple[List[RequestRecord], float]:
     """``aiperf profile`` of the turns against ``url``: one record per turn (in ``turns``' order)
+    with no cap on requests in flight: aiperf's --concurrency caps *sessions* (a conversation holds
+    its slot until its last turn), which measured delayed later conversations' first turns by up
+    to 17.6 s and halved the load; ``concurrency`` only sizes the overall time limit.
     with aiperf's TTFT, inter-chunk gaps, latency and error, and the seconds from the first
     request's start to the last one's end (aiperf's own start-up is not replay time). Raises when
     aiperf fails or overruns."""
-    from dynamo_flexkv.dynamo.model_dir import write_hf_cache_entry
+    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_hf_cache_entry
 
     exe = aiperf_exe()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +86,7 @@ def run_aiperf(url: str, model: str, model_dir: Path, turns: Sequence[Turn], *, 
            "MPLCONFIGDIR": str(workdir / "mpl")}
     argv = [str(exe), "profile", "-m", model, "--url", url, "--endpoint-type", "completions", "--streaming",
             "--tokenizer", TOKENIZER, "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
-            "--fixed-schedule", "--concurrency", str(concurrency), "--use-server-token-count",
+            "--fixed-schedule", "--use-server-token-count",
             "--request-timeout-seconds", f"{request_timeout_s:g}", "--ui", "none", "--no-gpu-telemetry",
             "--no-server-metrics", "--workers-max", "2", "--random-seed", "1", "--output-artifact-dir", str(out)]
     last = max(arrival_times(turns, time_scale)) if turns else 0.0
@@ -138,16 +142,18 @@ def records_from_export(lines: Sequence[str], turns: Sequence[Turn], time_scale:
         sid = session_id(t)
         slot[(sid, seen.get(sid, 0))] = i
         seen[sid] = seen.get(sid, 0) + 1
-    for line in lines:
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    rows = [json.loads(line) for line in lines if line.strip()]
+    starts = [(r.get("metadata") or {}).get("request_start_ns") for r in rows]
+    t0 = min((t for t in starts if t), default=0)
+    for row in rows:
         meta, metrics = row.get("metadata") or {}, row.get("metrics") or {}
         key = (meta.get("conversation_id"), meta.get("turn_index"))
         if key not in slot:
             raise RuntimeError(f"aiperf reported a request of session {key[0]!r} turn {key[1]!r}, which the "
                                "replay did not send")
         rec = records[slot[key]]
+        if meta.get("request_start_ns"):
+            rec.sent_s = (meta["request_start_ns"] - t0) / 1e9  # from the first request's start
         err = row.get("error")
         rec.error = (err.get("message") or str(err)) if isinstance(err, dict) else (str(err) if err else None)
         ttft = _value(metrics, "time_to_first_token")
