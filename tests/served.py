@@ -153,15 +153,17 @@ class Serve:
     """``dynamo-flexkv serve`` as a user runs it, its output collected line by line."""
 
     def __init__(self, tmp_path, name: str, *overrides: str, graph: str = "agg_router",
-                 base: Optional[List[str]] = None, ready_timeout: float = 120) -> None:
+                 base: Optional[List[str]] = None, ready_timeout: float = 120,
+                 command: Optional[List[str]] = None) -> None:
         """``graph``: graphs/<graph>.py with configs/<graph>.yaml; ``base``: the --set values before
-        ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run dir)."""
+        ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run dir);
+        ``command``: what runs ``serve ...`` (default the CLI)."""
         self.run = run = tmp_path / name
         sets = [*(base if base is not None else [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}"]),
                 *overrides]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynamo_flexkv.cli", "serve", str(ROOT / "graphs" / f"{graph}.py"),
+            [*(command or [sys.executable, "-m", "dynamo_flexkv.cli"]), "serve", str(ROOT / "graphs" / f"{graph}.py"),
              "-f", str(ROOT / "configs" / f"{graph}.yaml"), "--run-dir", str(run),
              *[a for s in sets for a in ("--set", s)]],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

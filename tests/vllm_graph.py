@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from sse import DONE, sse_data
-from served import ROOT, Serve
+from served import Serve
 
 MODEL = "vllm-small"
 VOCAB = (100, 31000)  # token ids drawn from here: the small preset's vocabulary is 32000
@@ -36,33 +36,13 @@ def tokens(seed: int, n: int) -> List[int]:
 
 
 class VllmServe(Serve):
-    """test_serve_faults.Serve (``dynamo-flexkv serve`` as a user runs it, output collected) through
+    """served.Serve (``dynamo-flexkv serve`` as a user runs it, output collected) through
     vllm_serve.py, whose readiness deadline is ``ready_timeout`` instead of the CLI's 300 s."""
 
     def __init__(self, tmp_path: Path, name: str, *overrides: str, graph: str, base: List[str],
                  ready_timeout: float = 900) -> None:
-        self.run = run = tmp_path / name
-        sets = [*base, *overrides]
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("vllm_serve.py")), str(ready_timeout), "serve",
-             str(ROOT / "graphs" / f"{graph}.py"), "-f", str(ROOT / "configs" / f"{graph}.yaml"), "--run-dir", str(run),
-             *[a for s in sets for a in ("--set", s)]],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.lines: List[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        try:
-            ready = self.wait_for(rf"graph {graph} ready: (http://\S+)/v1", ready_timeout + 30)
-        except BaseException:
-            self.close()  # never ready: its components must not outlive the failed test
-            raise
-        self.ready_s = time.monotonic() - self.started
-        self.base_url = ready.group(1)
-        self.metrics = {m.group(1): m.group(2) for m in (re.match(r"\s+(\S+) metrics: (http://\S+)", x)
-                                                          for x in self.lines) if m}
-        self.children = [int(x) for x in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
-                                                        text=True).stdout.split()]
+        super().__init__(tmp_path, name, *overrides, graph=graph, base=base, ready_timeout=ready_timeout + 30,
+                         command=[sys.executable, str(Path(__file__).with_name("vllm_serve.py")), str(ready_timeout)])
 
 
 # ---- requests ----------------------------------------------------------------------------------
