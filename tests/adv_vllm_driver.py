@@ -222,6 +222,45 @@ def sc_restart_b(d, rnd):
     return out
 
 
+def sc_embeds(d, rnd):
+    """Two different prompt_embeds of one length (vLLM's token ids of both are zeros), then a
+    prompt of zero token ids of that length: none may load another's blocks (the engine needs
+    enable_prompt_embeds)."""
+    import torch
+    from vllm import SamplingParams
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    g = torch.Generator().manual_seed(rnd.randrange(1 << 30))
+    hidden = d.llm.llm_engine.model_config.get_hidden_size()
+    e1, e2 = (torch.randn(1000, hidden, generator=g).to(torch.bfloat16) for _ in range(2))
+    out = {}
+    for name, prompt in (("e1", {"prompt_embeds": e1}), ("e2", {"prompt_embeds": e2}),
+                         ("zeros", {"prompt_token_ids": [0] * 1000}), ("e1_again", {"prompt_embeds": e1})):
+        d.settle()
+        d.drop_device()
+        log0 = len(d.log())
+        out[name] = {"gen": d.gen([prompt], sp), "loads": [[r[3], len(r[2])] for r in d.log()[log0:] if r[0] == "load"],
+                     "stores": [[r[3], len(r[2])] for r in d.log()[log0:] if r[0] == "store"]}
+    out["stats"] = d.settle()
+    return out
+
+
+def sc_reset(d, rnd):
+    """vLLM's cache clear after a weight update: reset_prefix_cache(reset_connector=True) must
+    drop the tiers too (or say it failed), so the same prompt is computed, not loaded."""
+    from vllm import SamplingParams
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    p = {"prompt_token_ids": rand_prompt(rnd, 1500)}
+    out = {"cold": d.gen([p], sp), "stats_before": d.settle()}
+    d.llm.collective_rpc(_zero)
+    out["reset"] = d.llm.reset_prefix_cache(reset_connector=True)
+    out["stats_reset"] = d.stats()
+    log0 = len(d.log())
+    out["after"] = d.gen([p], sp)
+    out["loads"] = [[r[3], len(r[2])] for r in d.log()[log0:] if r[0] == "load"]
+    out["stats_after"] = d.settle()
+    return out
+
+
 SCENARIOS = {k[3:]: v for k, v in globals().items() if k.startswith("sc_")}
 
 

@@ -156,6 +156,56 @@ def test_lookup_answers_and_never_blocks_the_scheduler(tmp_path):
         client.close()
 
 
+def test_a_reset_reaches_the_worker_and_says_whether_it_happened(tmp_path):
+    """reset_cache's path: the scheduler asks rank 0's worker over the lookup socket and hears
+    whether its tiers were dropped; a reset that fails, raises or gets no answer is False. Lookups
+    in flight meanwhile keep their answers; the socket file is gone once the server closed."""
+    endpoint = f"ipc://{tmp_path}/lookup.ipc"
+    outcomes = iter([True, False, RuntimeError("writes still running")])
+
+    def reset():
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    server = LookupServer(endpoint, lambda tokens, lora, salt: 64, reset)
+    client = LookupClient(endpoint, wait_s=0.0, give_up_s=10.0)
+    try:
+        assert client.query("r1", list(range(128))) is None  # asked; the answer comes during the reset
+        assert client.reset(10) is True
+        assert client.query("r1", list(range(128))) == 64
+        assert client.reset(10) is False
+        assert client.reset(10) is False  # the worker's reset raised: logged there, False here
+    finally:
+        server.close()
+        client.close()
+    assert not (tmp_path / "lookup.ipc").exists()
+    nobody = LookupClient(f"ipc://{tmp_path}/nobody.ipc")
+    try:
+        assert nobody.reset(0.2) is False
+    finally:
+        nobody.close()
+
+
+def test_prompt_embeds_and_multimodal_requests_are_not_offloaded():
+    """Our block hashes cover token ids only: a request whose KV depends on more (prompt
+    embeddings, whose token ids vLLM sets to zeros; images behind placeholder tokens) is neither
+    looked up nor stored."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+    from dynamo_flexkv.integrations.vllm_connector.scheduler import offloadable
+
+    sp = SamplingParams(max_tokens=1)
+    tokens = Request("t", prompt_token_ids=[1, 2, 3], sampling_params=sp, pooling_params=None)
+    embeds = Request("e", prompt_token_ids=None, prompt_embeds=torch.zeros(3, 8), sampling_params=sp,
+                     pooling_params=None)
+    assert offloadable(tokens) and not offloadable(embeds)
+    assert list(embeds.all_token_ids) == [0, 0, 0]  # what our hashes would have seen
+    tokens.mm_features = [object()]  # vLLM's MultiModalFeatureSpec list of a request with images
+    assert not offloadable(tokens)
+
+
 def test_an_unanswered_lookup_is_not_yet_then_a_miss(tmp_path):
     client = LookupClient(f"ipc://{tmp_path}/nobody.ipc", wait_s=0.001, give_up_s=0.2)
     try:

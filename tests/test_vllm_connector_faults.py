@@ -268,3 +268,53 @@ def test_second_engine_readopts_disk_blocks(restart_runs):
     r = b["dup"]
     assert tokens(r["warm"]) == tokens(r["cold"])
     settled(b["final_stats"])
+
+
+# ------------------------------------------- what the connector's block hashes cannot tell apart
+
+def test_prompt_embeds_requests_are_neither_loaded_nor_stored(model_dir, tmp_path):
+    """vLLM gives a prompt_embeds request zeros for token ids, so two such prompts of one length
+    would share our blocks (measured before the fix: 960 tokens of another prompt's KV loaded, wrong
+    tokens): they are not offloaded at all, and a prompt of zero token ids loads nothing of theirs."""
+    r = drive(model_dir, tmp_path, "embeds", engine={"enable_prompt_embeds": True},
+              FLEXKV_CPU_CACHE_GB=0.5, FLEXKV_SSD_CACHE_GB=0)["embeds"]
+    for name in ("e1", "e2", "e1_again"):
+        assert r[name]["loads"] == [] and r[name]["stores"] == [], (name, r[name])
+        assert r[name]["gen"][0]["cached"] == 0, (name, r[name])  # vLLM's own cache was dropped too
+    assert r["zeros"]["loads"] == [], r["zeros"]
+    settled(r["stats"])
+
+
+def test_reset_prefix_cache_with_the_connector_drops_the_tiers(model_dir, tmp_path):
+    """After a weight update vLLM clears caches with reset_prefix_cache(reset_connector=True): it
+    returned True while the tiers kept the old KV and served it (measured: 1,472 stale tokens
+    loaded, wrong tokens). Now the host and disk tiers are empty after it, and the prompt is
+    computed."""
+    r = drive(model_dir, tmp_path, "reset", FLEXKV_CPU_CACHE_GB=0.5, FLEXKV_SSD_CACHE_GB=1,
+              FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"))["reset"]
+    assert r["stats_before"]["host"]["used_blocks"] > 0 and r["stats_before"]["disk"]["used_blocks"] > 0
+    assert r["reset"] is True
+    assert r["stats_reset"]["host"]["used_blocks"] == 0 and r["stats_reset"]["disk"]["used_blocks"] == 0
+    assert r["loads"] == [] and r["after"][0]["cached"] == 0, r
+    assert tokens(r["after"]) == tokens(r["cold"])
+    assert list(tmp_path.glob("flexkv-lookup-*.ipc")) == []  # the engine's lookup socket left with it
+
+
+def test_other_weights_of_the_same_shape_do_not_adopt_a_disk_tier(model_dir, tmp_path):
+    """A second model of the same KV geometry (another fine-tune) on an SSD directory the first
+    left: refused, naming both models, instead of loading the first model's KV (measured before:
+    1,472 tokens of it loaded, wrong tokens)."""
+    import shutil
+    other = tmp_path / "other-model"
+    shutil.copytree(model_dir, other)
+    tiers = dict(FLEXKV_CPU_CACHE_GB=0.05, FLEXKV_SSD_CACHE_GB=0.2, FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = drive(model_dir, tmp_path / "a", "restart_a", **tiers)["restart_a"]
+    assert first["stats"]["disk"]["used_blocks"] > 0
+    out = tmp_path / "b.json"
+    p = subprocess.run([sys.executable, str(DRIVER), str(other), str(out), "--connector", "1", "--scenarios",
+                        "restart_b"], env=_env(tmp_path / "b", **tiers), capture_output=True, text=True, timeout=900)
+    assert "start_error" in json.loads(out.read_text()), "the second model started on the first one's disk tier"
+    refusal = next((ln for ln in p.stderr.splitlines() if "another namespace or model layout" in ln), "")
+    assert "model" in refusal and str(model_dir) in refusal and str(other) in refusal, p.stderr[-4000:]

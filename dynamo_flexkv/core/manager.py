@@ -60,7 +60,7 @@ class KVManager:
         self.model = model
         self.config = config or CacheConfig.load()
         self.namespace = namespace or None
-        self.model_id = model_id  # names the weights in the remote fingerprint: same shape != same bytes
+        self.model_id = model_id  # names the weights in the disk and remote fingerprints: same shape != same bytes
         self.tokens_per_block = self.config.tokens_per_block
         caps = self.config.tier_blocks(model)
         host_layout = self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST)
@@ -79,8 +79,11 @@ class KVManager:
                 movers[OpKind.REMOTE2H] = movers[OpKind.H2REMOTE] = RemoteMover(self.host, self.remote)
             if caps["disk"]:
                 try:
+                    # The model's identity too, where the engine names it: the same KV shape of other
+                    # weights is other bytes (a new fine-tune on a node that keeps its SSD cache).
                     self.ssd = SsdStore(self.config.ssd_cache_dir, caps["disk"], self.host.layout.block_bytes,
-                                        dict(self.host.layout.fingerprint(), namespace=self.namespace or ""))
+                                        dict(self.host.layout.fingerprint(), namespace=self.namespace or "",
+                                             **({"model": self.model_id} if self.model_id else {})))
                 except OSError as e:  # EFBIG / ENOSPC / EACCES: the files cannot be that large, or there
                     size = caps["disk"] * self.host.layout.block_bytes / GiB
                     raise ConfigError(f"ssd_cache_gb={self.config.ssd_cache_gb} in ssd_cache_dir "

@@ -31,6 +31,7 @@ class FlexKVConnector(KVConnectorBase_V1):
                              f"(it is {policy!r}): a block that fails to load or verify is then recomputed "
                              "instead of failing the request")
         settings = ConnectorSettings.from_vllm(vllm_config, kv_cache_config)
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._sched: Optional["SchedulerSide"] = None
         self._worker: Optional["WorkerSide"] = None
         if role == KVConnectorRole.SCHEDULER:
@@ -136,6 +137,13 @@ class FlexKVConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[Any]:
         return self._sched.take_events()
+
+    def reset_cache(self) -> Optional[bool]:
+        """vLLM's reset_prefix_cache(reset_connector=True): the tiers drop what they hold (see
+        SchedulerSide.reset); False when they could not, so no stale KV is served unnoticed."""
+        if self._sched is None:
+            return None
+        return self._sched.reset(self._tp_size)
 
     # ---- both --------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ not come after ``give_up_s`` counts as a miss (the request is computed, nothing 
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import threading
 import time
@@ -22,13 +23,15 @@ log = logging.getLogger(__name__)
 
 # (token ids, lora name, cache salt) -> cached tokens
 LookupFn = Callable[[Sequence[int], Optional[str], Optional[str]], int]
+ResetFn = Callable[[], bool]  # drops what the tiers hold; False when it could not
+RESET_SEQ = -1  # the sequence number of a reset request (lookups count up from 1)
 
 
 class LookupServer:
     """Answers lookups on ``endpoint`` from a thread of its own until close()."""
 
-    def __init__(self, endpoint: str, lookup: LookupFn) -> None:
-        self.endpoint, self._lookup = endpoint, lookup
+    def __init__(self, endpoint: str, lookup: LookupFn, reset: Optional[ResetFn] = None) -> None:
+        self.endpoint, self._lookup, self._reset = endpoint, lookup, reset
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -49,6 +52,9 @@ class LookupServer:
                 log.warning("flexkv lookup: dropped a message of %d frames (expected 4)", len(frames))
                 continue
             ident, seq, tokens, extra = frames
+            if struct.unpack("<q", seq)[0] == RESET_SEQ:
+                self._sock.send_multipart([ident, seq, struct.pack("<q", int(self._answer_reset()))])
+                continue
             try:
                 lora, salt = msgspec.msgpack.decode(extra)
                 n = int(self._lookup(np.frombuffer(tokens, dtype="<u4").tolist(), lora, salt))
@@ -60,9 +66,24 @@ class LookupServer:
             self.answered += 1
         self._sock.close()
 
+    def _answer_reset(self) -> bool:
+        if self._reset is None:
+            return False
+        try:
+            return bool(self._reset())
+        except Exception:  # noqa: BLE001 - the scheduler hears "not reset", the worker goes on
+            log.exception("flexkv: resetting the tiers failed")
+            return False
+
     def close(self) -> None:
+        """Stops answering and removes the socket file (an ipc:// endpoint is a file)."""
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except FileNotFoundError:
+                pass
 
 
 class LookupClient:
@@ -78,6 +99,7 @@ class LookupClient:
         self._asked: Dict[str, Tuple[int, float]] = {}  # request id -> (seq, when asked)
         self._by_seq: Dict[int, str] = {}
         self._answers: Dict[str, int] = {}
+        self._reset_answer: Optional[int] = None
         self.timeouts = 0
 
     def query(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
@@ -109,12 +131,29 @@ class LookupClient:
             return 0
         return None
 
+    def reset(self, timeout_s: float) -> bool:
+        """Asks the worker to drop what its tiers hold; True once it did, False when it could not
+        or did not answer within ``timeout_s``."""
+        self._reset_answer: Optional[int] = None
+        self._sock.send_multipart([struct.pack("<q", RESET_SEQ), b"", msgspec.msgpack.encode([None, None])])
+        deadline = time.monotonic() + timeout_s
+        while self._reset_answer is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                break
+            self._receive()
+        answer, self._reset_answer = self._reset_answer, None
+        return answer == 1
+
     def _receive(self) -> None:
         while True:
             try:
                 seq, n = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if struct.unpack("<q", seq)[0] == RESET_SEQ:
+                self._reset_answer = struct.unpack("<q", n)[0]
+                continue
             rid = self._by_seq.pop(struct.unpack("<q", seq)[0], None)
             if rid is not None and rid in self._asked:  # else: forgotten meanwhile
                 self._answers[rid] = struct.unpack("<q", n)[0]

@@ -28,6 +28,15 @@ def _lora(request: Any) -> Optional[str]:
     return getattr(lr, "lora_name", None) or None
 
 
+def offloadable(request: Any) -> bool:
+    """Whether the request's KV is named by its token ids alone, which our block hashes cover.
+    Not so for prompt embeddings (vLLM's token ids are then zeros: two prompts of one length would
+    share blocks) or multimodal inputs (placeholder tokens stand for the images): such requests
+    are neither looked up nor stored, and vLLM's own prefix cache, which hashes their content,
+    still serves them."""
+    return getattr(request, "prompt_embeds", None) is None and not getattr(request, "mm_features", None)
+
+
 def _event_hashes(request: Any, n: int) -> List[Any]:
     """vLLM's external hashes of the request's first ``n`` blocks (what its device events carry)."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -48,7 +57,7 @@ class SchedulerSide:
         self.lookups = self.hit_tokens = self.saved_requests = 0
 
     def matched_tokens(self, request: Any, num_computed: int) -> Tuple[Optional[int], bool]:
-        if not self.s.load or num_computed % self.bs:
+        if not self.s.load or num_computed % self.bs or not offloadable(request):
             return 0, False
         # Whole blocks, and at least one token left for vLLM to compute (it needs the logits).
         usable = (request.num_tokens - 1) // self.bs * self.bs
@@ -91,7 +100,7 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self.client.forget(request.request_id)
         self._hits.pop(request.request_id, None)
-        if not self.s.store:
+        if not self.s.store or not offloadable(request):
             return False, None
         tokens = request.all_token_ids
         n = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.bs) // self.bs
@@ -101,6 +110,21 @@ class SchedulerSide:
                                     _lora(request), request.cache_salt, _event_hashes(request, n)))
         self.saved_requests += 1
         return True, None  # vLLM frees the blocks once a worker lists the request as finished sending
+
+    def reset(self, tp_size: int) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: rank 0's
+        worker drops its host and disk blocks once their writes finished. False (vLLM then reports
+        the reset failed) with tensor parallelism, whose other ranks this side cannot reach
+        (call FlexKVConnector.reset_tiers on every worker), and with a remote tier, shared with
+        other workers, which keeps its copies (give new weights a new model_id)."""
+        if tp_size > 1:
+            log.warning("FlexKVConnector: reset_cache with tensor parallelism %d is not done from the scheduler: "
+                        "call reset_tiers() on every worker (collective_rpc)", tp_size)
+            return False
+        # Saves not handed to the workers yet hold KV computed before the reset (old weights):
+        # they only release their blocks now.
+        self._saves = [SaveSpec(x.req_id, [], []) for x in self._saves]
+        return self.client.reset(self.s.drain_timeout_s + 10)
 
     def add_events(self, events: Any) -> None:
         if events is not None:

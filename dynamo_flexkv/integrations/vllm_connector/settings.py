@@ -3,6 +3,7 @@ policies come from FLEXKV_* / FLEXKV_CONFIG_PATH, as for the reference worker)."
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ EXTRA_KEYS: Dict[str, tuple] = {
     "load_timeout_s": (float, 30.0, "a layer not loaded after this long is cancelled and recomputed"),
     "drain_timeout_s": (float, 20.0, "longest shutdown waits for stores still writing"),
     "run_dir": (str, None, "directory of the lookup socket (default $FLEXKV_RUN_DIR or the temp dir)"),
-    "model_id": (str, None, "names the weights in the remote tier's fingerprint (default: the model path)"),
+    "model_id": (str, None, "names the weights in the disk and remote tiers' fingerprints (default: the model path "
+                            "or hub id with its revision, the load format, and for a local directory the names, "
+                            "sizes and modification times of its weight files)"),
 }
 
 
@@ -61,7 +64,7 @@ class ConnectorSettings:
             if typ is str and not isinstance(value, str):
                 raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a string")
             values[key] = value
-        values.setdefault("model_id", str(vllm_config.model_config.model))
+        values.setdefault("model_id", default_model_id(vllm_config))
         run_dir = values.get("run_dir") or os.environ.get("FLEXKV_RUN_DIR")
         if run_dir and not (os.path.isdir(run_dir) and os.access(run_dir, os.W_OK)):
             where = "kv_connector_extra_config run_dir" if values.get("run_dir") else "FLEXKV_RUN_DIR"
@@ -72,3 +75,30 @@ class ConnectorSettings:
                    engine_id=str(kt.engine_id), **values)
 
 
+
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def default_model_id(vllm_config: Any) -> str:
+    """What tells two deployments' weights apart, so cached KV is shared only between the same
+    weights: the model path or hub id, its revision, the load format, and for a local directory the
+    names, sizes and modification times of its weight files (a new fine-tune written over the old
+    one at the same path gets a new id; a copy of the same files does too, which only costs hits)."""
+    mc = vllm_config.model_config
+    parts = [str(mc.model)]
+    if getattr(mc, "revision", None):
+        parts.append(f"revision={mc.revision}")
+    load_format = getattr(getattr(vllm_config, "load_config", None), "load_format", None)
+    if load_format is not None and str(load_format) not in ("auto", "LoadFormat.AUTO"):
+        parts.append(f"load={load_format}")
+    if os.path.isdir(str(mc.model)):
+        digest = hashlib.sha256()
+        for root, _, names in sorted(os.walk(str(mc.model))):
+            for name in sorted(names):
+                if name.endswith(WEIGHT_FILES):
+                    st = os.stat(os.path.join(root, name))
+                    digest.update(f"{os.path.relpath(os.path.join(root, name), mc.model)}\0{st.st_size}\0"
+                                  f"{st.st_mtime_ns}\n".encode())
+        parts.append(f"weights={digest.hexdigest()[:16]}")
+    return "|".join(parts)

@@ -94,7 +94,8 @@ class WorkerSide:
             self.offload.register(desc.tensors, desc.layout)
             self._layer = desc.layer_index()
             if self.tp_rank == 0:
-                self.server = LookupServer(lookup_endpoint(self.s.engine_id, self.s.run_dir), self._lookup)
+                self.server = LookupServer(lookup_endpoint(self.s.engine_id, self.s.run_dir), self._lookup,
+                                           self._reset_for_scheduler)
                 self.kv.announce_adopted()  # a restarted worker's disk blocks, for the router
         except BaseException:
             self.kv.shutdown()
@@ -111,6 +112,9 @@ class WorkerSide:
         if self.offload is None:
             return
         for save in meta.saves:
+            if not save.block_ids:  # nothing to store (dropped by a reset): only the blocks' release
+                self._saved.add(save.req_id)
+                continue
             try:
                 self._alias(save.token_ids, save.event_hashes, save.lora_name, save.cache_salt)
                 self.offload.store(save.token_ids, save.block_ids, key=save.req_id, lora_name=save.lora_name,
@@ -246,6 +250,18 @@ class WorkerSide:
         """Drops every host and disk block once the writes finished (the remote tier, shared
         with other workers, keeps its copies)."""
         self._idle_manager("reset_tiers", timeout).reset()
+
+    def _reset_for_scheduler(self) -> bool:
+        """The scheduler's reset_cache: host and disk dropped once the writes finished. False with
+        a remote tier, which keeps the old blocks for every worker sharing it."""
+        self.reset_tiers(self.s.drain_timeout_s)
+        if self.kv.remote is not None:
+            log.warning("FlexKVConnector: host and disk tiers reset; the remote tier %s keeps its blocks (shared "
+                        "with other workers): after a weight update give the new weights a new model_id",
+                        self.kv.remote.config.redacted_url)
+            return False
+        log.info("FlexKVConnector: host and disk tiers reset (reset_prefix_cache)")
+        return True
 
     def step_stats(self) -> Dict[str, Any]:
         """Counter deltas since the last call, and the tiers' gauges at most once a second
