@@ -243,6 +243,7 @@ def test_sigint_drains_in_flight_requests_and_ssd_writes(graph):
     assert "Traceback" not in log and "KeyboardInterrupt" not in log
     assert "flexkv worker stopped" in log
     cfg = CacheConfig.load(worker.env["FLEXKV_CONFIG_PATH"])
-    with KVManager(EngineModelConfig.preset("tiny").kv_spec(), cfg) as kv:
+    # as the worker names its weights (model|served-model-name): its disk tier is keyed by them
+    with KVManager(EngineModelConfig.preset("tiny").kv_spec(), cfg, model_id="tiny|flexkv-tiny") as kv:
         for p in prompts:
             assert kv.match(p).get("disk", 0) == 8 * 16, kv.match(p)
