@@ -311,8 +311,16 @@ class Busy:
     """True once process ``pid`` (vLLM's Worker: it runs the forward, and the connector's layerwise
     load inside it) burned ``ticks`` more CPU than its idle rate since this object was made."""
 
-    def __init__(self, pid: int, ticks: int = 5, idle_s: float = 1.0) -> None:
+    def __init__(self, pid: int, ticks: int = 3, idle_s: float = 0.5, settle_s: float = 15.0) -> None:
         self.pid, self.ticks = pid, ticks
+        # vLLM's Worker spins for a second after each step: wait until it stopped, or the idle rate
+        # measured here is that spin, and a short step on a fast machine ends before it shows.
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            t0 = cpu_ticks(pid)
+            time.sleep(0.2)
+            if cpu_ticks(pid) - t0 <= 2:
+                break
         t0 = cpu_ticks(pid)
         time.sleep(idle_s)
         self.idle_rate = (cpu_ticks(pid) - t0) / idle_s
