@@ -190,10 +190,10 @@ class KVManager:
         salt = "/".join(s for s in (self.namespace, cache_salt) if s) or None
         return block_hashes(token_ids, self.tokens_per_block, lora_name=lora_name, cache_salt=salt)
 
-    def match(self, token_ids, **kw) -> Dict[str, int]:
+    def match(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> Dict[str, int]:
         """Cached prefix in tokens per tier (no side effects)."""
         self._check_open("match")
-        seq = self.hashes(token_ids, **kw).sequence
+        seq = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence
         m = self.cache.match(seq)
         out = {t.value: n * self.tokens_per_block for t, n in m.per_tier.items()}
         if self.remote is not None:  # beyond the local prefix: what a get would read from remote
@@ -203,14 +203,14 @@ class KVManager:
 
     # ---- tasks ---------------------------------------------------------------------------------
     def get_async(self, token_ids, device_block_ids, *, skip_blocks: int = 0, layerwise: bool = False,
-                  **kw) -> int:
+                  lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
         """Loads the cached prefix beyond the first ``skip_blocks`` blocks (which the engine already
         holds) into ``device_block_ids[i]`` for block i."""
         self._need_device("get_async")
         if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, (int, np.integer)):
             raise TypeError(f"skip_blocks must be an int (the number of leading blocks the engine already "
                             f"holds), got {type(skip_blocks).__name__} {skip_blocks!r}")
-        h = self.hashes(token_ids, **kw)
+        h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
         blocks = -(-len(token_ids) // self.tokens_per_block)
         if skip_blocks < 0:
             raise ValueError(f"skip_blocks={skip_blocks} must be >= 0: the number of leading blocks the engine "
@@ -232,10 +232,10 @@ class KVManager:
             self._submit(task, self.graphs.get(task, plan, dev_ids, layerwise))
         return task.id
 
-    def prefetch_async(self, token_ids, **kw) -> int:
+    def prefetch_async(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
         """Brings the disk part of a cached prefix into host memory (no device copy)."""
         self._check_open("prefetch_async")
-        h = self.hashes(token_ids, **kw)
+        h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
         with self._issue(TaskKind.PREFETCH) as task:
             seq = _int_list(h.sequence)
             plan = self.cache.plan_get(task.id, seq, 0, self._remote_probe(seq, 0))
@@ -249,11 +249,11 @@ class KVManager:
             self._submit(task, self.graphs.get(task, plan, None, False))
         return task.id
 
-    def put_async(self, token_ids, device_block_ids, **kw) -> int:
+    def put_async(self, token_ids, device_block_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
         """Stores the full blocks not held yet. The task finishes once the device copy is done (the
         engine may reuse its blocks); the disk write continues in the background."""
         self._need_device("put_async")
-        h = self.hashes(token_ids, **kw)
+        h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
         dev_ids = self._device_ids(token_ids, device_block_ids)
         with self._issue(TaskKind.PUT) as task:
             after = None
