@@ -381,7 +381,9 @@ def test_hundred_clients_hanging_up_mid_stream_leave_normal_clients_served(graph
             break
         assert time.monotonic() < deadline, (aborted, done)
         time.sleep(0.1)
-    assert aborted >= HANGUPS - 10, (aborted, done)
+    # How many finish their 200 tokens before the frontend's cancel reaches the worker depends on
+    # the machine's load (idle: 90+ aborted; under two CPU burners 83): a broken abort path gives none.
+    assert aborted >= HANGUPS // 2, (aborted, done)
     # The same requests again, on a quiet graph, give the same tokens.
     assert normal == [answer(plan, p, 24) for p in normal_prompts]
 
