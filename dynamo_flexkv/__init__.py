@@ -4,7 +4,8 @@ from dynamo_flexkv.core.errors import FlexKVError
 
 __version__ = "0.1.0"
 
-__all__ = ["FlexKVError", "KVManager", "CacheConfig", "ModelSpec", "KVLayoutType", "TaskStatus", "TaskResult"]
+__all__ = ["FlexKVError", "KVManager", "CacheConfig", "ModelSpec", "KVLayoutType", "TaskStatus", "TaskResult",
+           "ManagerStats"]
 
 
 def __getattr__(name: str):
@@ -21,4 +22,7 @@ def __getattr__(name: str):
     if name in ("TaskStatus", "TaskResult"):
         from dynamo_flexkv.core import tasks
         return getattr(tasks, name)
+    if name == "ManagerStats":
+        from dynamo_flexkv.core.stats import ManagerStats
+        return ManagerStats
     raise AttributeError(name)

@@ -62,7 +62,7 @@ def main() -> int:
                     try:
                         conn.register_kv_caches({f"model.layers.{i}.self_attn.attn": store[i] for i in range(4)})
                         r["register"] = "ok"
-                        st = conn.tier_stats()
+                        st = conn.tier_stats().as_dict()
                         r["tiers"] = {t: st[t].get("capacity_blocks") for t in ("host", "disk", "remote") if t in st}
                     except BaseException as e:  # noqa: BLE001
                         r["register"] = f"{type(e).__name__}: {e}"[:1500]

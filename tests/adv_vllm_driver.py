@@ -42,7 +42,8 @@ def _drain_stats(worker):
     if c is None:
         return None
     c.drain(60)
-    return json.loads(json.dumps(c.tier_stats(), default=str))
+    s = c.tier_stats()
+    return s.as_dict() if s is not None else {}
 
 
 def _files(worker):

@@ -69,6 +69,13 @@ def assert_no_leaks(kv: KVManager) -> None:
             assert info.ready and info.locks == 0, f"{tier}: block {h:#x} left locked or unready"
 
 
+def final_results_after_shutdown(kv: KVManager, task_ids) -> list:
+    """The results a shut-down manager's tasks ended with. No public call answers after
+    shutdown(), so this reads the task table: None for a task left without a result (a hang)."""
+    tasks = [kv._table._tasks.get(t) for t in task_ids]
+    return [t.result if t is not None and t.done.is_set() else None for t in tasks]
+
+
 def open_fds(settle_to: int = -1, timeout: float = 5.0) -> int:
     """Open descriptors of this process. With ``settle_to``, waits (bounded) for the count to fall
     to it: a joined worker thread closes its cached io_uring ring in its native thread-exit

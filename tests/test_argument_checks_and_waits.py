@@ -218,7 +218,7 @@ def test_cancel_of_an_expired_result_is_a_no_op(tmp_path):
         toks = list(range(2 * TPB))
         p = kv.put_async(toks, [0, 1])
         assert kv.drain(timeout=30)
-        while kv.stats()["tasks"]["expired_results"] == 0:  # ends once 1 ms passed since the put finished
+        while kv.stats().tasks.expired_results == 0:  # ends once 1 ms passed since the put finished
             pass
         kv.cancel([p])
         with pytest.raises(KeyError, match="task_result_ttl_seconds"):
@@ -280,7 +280,7 @@ def test_shutdown_during_deferred_puts_cancels_them_never_fails_them(tmp_path):
     # Host holds 8 blocks: the first put takes them all, the other 29 wait for its disk write.
     ids = [kv.put_async(list(range(k * 10**6, k * 10**6 + 8 * TPB)), list(range(8 * k, 8 * k + 8)))
            for k in range(30)]
-    assert kv.stats()["tasks"]["deferred_puts"] > 0
+    assert kv.stats().tasks.deferred_puts > 0
     results: list = []
     waiters = [threading.Thread(target=lambda part: results.append(kv.wait(part)), args=(ids[i::3],))
                for i in range(3)]

@@ -156,7 +156,7 @@ def test_a_constructed_config_drives_a_manager(tmp_path):
     cfg = CacheConfig(cpu_cache_gb=8 * gb, ssd_cache_gb=16 * gb, ssd_cache_dir=str(tmp_path / "ssd"),
                       eviction_policy="lfu")
     with KVManager(MODEL, cfg) as kv:
-        assert kv.stats()["disk"]["capacity_blocks"] == 16
+        assert kv.stats().disk.capacity_blocks == 16
 
 
 def test_gds_needs_nixl(tmp_path):

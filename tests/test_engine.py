@@ -68,7 +68,7 @@ def test_offload_serves_same_tokens_and_logits(tmp_path, layerwise, tiers):
             served += g.offload_hit_tokens
         assert served > 20 * BS, "the workload never hit the offload tiers"
         if tiers == "host+disk":
-            assert kv.stats()["links"].get(OpKind.DISK2H.value, {}).get("bytes", 0) > 0
+            assert kv.stats().links[OpKind.DISK2H.value].bytes > 0
         assert engine.pool.evictions > 0
 
 
@@ -144,7 +144,7 @@ def test_continuous_batching_and_queue_prefetch(tmp_path):
         engine.flush()
         assert [r.output for r in batched] == one_by_one  # batching changes no request's tokens
         assert sum(r.prefetch_task is not None for r in batched) >= len(prompts) - 4
-        assert kv.stats()["tasks"]["in_flight"] == 0  # every task's result was collected
+        assert kv.stats().tasks.in_flight == 0  # every task's result was collected
 
 
 def test_bad_requests():
@@ -229,7 +229,7 @@ def idle(engine, kv=None) -> None:
     assert engine.pool.num_available == engine.pool.num_blocks, "device blocks leaked"
     assert all(r == 0 for r in engine.pool.refs)
     if kv is not None:
-        assert kv.stats()["tasks"]["in_flight"] == 0, "offload tasks left behind"
+        assert kv.stats().tasks.in_flight == 0, "offload tasks left behind"
 
 
 def test_abort_running_and_waiting_requests_frees_blocks_and_keeps_computed_prefix():

@@ -148,6 +148,42 @@ def test_put_stores_only_new_blocks(tmp_path):
         assert kv.wait([t])[t].num_tokens == 0
 
 
+def test_done_says_a_task_finished_and_leaves_its_result_for_wait(tmp_path):
+    rng = np.random.default_rng(3)
+    with KVManager(MODEL, config(tmp_path, disk_blocks=0)) as kv:
+        dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
+        kv.register_device_cache(dev)
+        t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, list(range(4 * TPB)), rng)
+        assert kv.drain(30) and kv.done(t) and kv.done(t)  # asking does not collect
+        assert kv.wait([t])[t].num_tokens == 4 * TPB
+        with pytest.raises(KeyError, match="already taken by wait"):
+            kv.done(t)
+        with pytest.raises(KeyError, match="never issued"):
+            kv.done(t + 100)
+
+
+@pytest.mark.parametrize("disk", [0, 32])
+def test_stats_is_a_typed_snapshot_and_as_dict_gives_the_same_numbers(tmp_path, disk):
+    import json
+
+    from dynamo_flexkv import ManagerStats
+    rng = np.random.default_rng(4)
+    with KVManager(MODEL, config(tmp_path, disk_blocks=disk)) as kv:
+        dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
+        kv.register_device_cache(dev)
+        t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, list(range(4 * TPB)), rng)
+        assert kv.wait([t])[t].ok and kv.drain(30)
+        s = kv.stats()
+        assert isinstance(s, ManagerStats) and s.remote is None
+        assert s.host.stored_blocks == 4 and s.host.ready_blocks == 4 and s.tasks.in_flight == 0
+        assert s.links["d2h"].ops >= 1 and s.links["d2h"].bytes > 0
+        assert list(s.tiers) == (["host", "disk"] if disk else ["host"])
+        assert (s.disk is None) == (disk == 0) and (not disk or s.disk.stored_blocks == 4)
+        d = json.loads(json.dumps(s.as_dict()))  # plain values: it crosses process boundaries
+        assert d["host"]["stored_blocks"] == 4 and ("disk" in d) == bool(disk)
+        assert d["tasks"]["in_flight"] == 0 and d["links"]["d2h"]["bytes"] == s.links["d2h"].bytes
+
+
 def _wait_idle(kv, timeout=30.0):
     assert kv.drain(timeout)
     assert kv.cache.task_ids() == []
@@ -178,6 +214,7 @@ AFTER_SHUTDOWN = {
     "put_async": lambda kv, p, t, dev: kv.put_async(p, [0, 1, 2, 3]),
     "wait": lambda kv, p, t, dev: kv.wait([t]),
     "try_wait": lambda kv, p, t, dev: kv.try_wait([t]),
+    "done": lambda kv, p, t, dev: kv.done(t),
     "cancel": lambda kv, p, t, dev: kv.cancel([t]),
     "drain": lambda kv, p, t, dev: kv.drain(),
     "planned_tokens": lambda kv, p, t, dev: kv.planned_tokens(t),
@@ -323,7 +360,7 @@ def test_a_refused_call_leaves_no_task_behind(tmp_path, call):
                     kv.get_async(prompt, [0, 1, 2, 3])
                 else:
                     kv.put_async(prompt, [0, 1, 2, 3])
-        assert kv.stats()["tasks"]["in_flight"] == 0
+        assert kv.stats().tasks.in_flight == 0
         assert kv.drain(timeout=5)
         assert_no_leaks(kv)
 
@@ -359,12 +396,12 @@ def test_results_nobody_collects_expire(tmp_path):
         assert kv.drain(30)
         collected = kv.get_async(prompt, [0, 1, 2, 3])
         assert kv.wait([collected])[collected].ok
-        st = kv.stats()["tasks"]
-        assert (st["in_flight"], st["uncollected_results"]) == (0, 1)  # the forgotten put's result waits for its TTL
+        st = kv.stats().tasks
+        assert (st.in_flight, st.uncollected_results) == (0, 1)  # the forgotten put's result waits for its TTL
         time.sleep(0.4)
-        st = kv.stats()["tasks"]
-        assert (st["in_flight"], st["uncollected_results"], st["expired_results"]) == (0, 0, 1)
+        st = kv.stats().tasks
+        assert (st.in_flight, st.uncollected_results, st.expired_results) == (0, 0, 1)
         with pytest.raises(KeyError, match="nobody collected it within task_result_ttl_seconds"):
             kv.wait([forgotten])
-        st = kv.stats()["tasks"]  # nothing else is kept for expired or collected tasks
-        assert (st["in_flight"], st["uncollected_results"], st["expired_results"]) == (0, 0, 1)
+        st = kv.stats().tasks  # nothing else is kept for expired or collected tasks
+        assert (st.in_flight, st.uncollected_results, st.expired_results) == (0, 0, 1)

@@ -22,7 +22,7 @@ from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.storage.ssd import SsdInUseError, SsdLayoutError
 from dynamo_flexkv.core.tasks import TooManyTasks
 
-from kv_helpers import MODEL, TPB, config, device_tensors, fill, holds
+from kv_helpers import MODEL, TPB, config, device_tensors, fill, final_results_after_shutdown, holds
 
 L = KVLayoutType.LAYERBLOCK
 
@@ -138,7 +138,7 @@ def test_float_skip_blocks_error_names_the_argument(tmp_path):
     try:
         with pytest.raises(TypeError, match="skip_blocks"):
             kv.get_async(prompt(1, 8), list(range(8)), skip_blocks=2.0)
-        assert kv.stats()["tasks"]["in_flight"] == 0  # refused: no task left behind
+        assert kv.stats().tasks.in_flight == 0  # refused: no task left behind
     finally:
         kv.shutdown()
 
@@ -162,7 +162,7 @@ def test_stats_in_flight_is_zero_after_drain(tmp_path):
         for k in range(3):
             kv.put_async(prompt(k + 1, 1), [k])
         assert kv.drain(timeout=20)
-        assert kv.stats()["tasks"]["in_flight"] == 0
+        assert kv.stats().tasks.in_flight == 0
     finally:
         kv.shutdown()
 
@@ -202,8 +202,8 @@ def test_put_burst_that_fits_the_disk_is_cached(tmp_path):
         stored = [r.num_tokens // TPB for r in results.values()]
         assert stored == [6] * 20, f"blocks stored per put: {stored}"
         st = kv.stats()
-        assert st["tasks"]["put_refused_blocks"] == 0 and st["tasks"]["deferred_puts"] == 0
-        assert st["host"]["rolled_back_blocks"] == 0  # waiting for room is not a rollback
+        assert st.tasks.put_refused_blocks == 0 and st.tasks.deferred_puts == 0
+        assert st.host.rolled_back_blocks == 0  # waiting for room is not a rollback
         for k in (0, 19):  # the first and the last put of the burst restore exactly
             assert load_checked(kv, dev, prompts[k], list(range(120 - 6, 120))) == 6
     finally:
@@ -221,7 +221,7 @@ def test_put_longer_than_the_host_tier_stores_what_fits_and_counts_the_rest(tmp_
         r = kv.wait([p], timeout=20)[p]
         assert r.status is TaskStatus.SUCCESS and r.num_tokens == 24 * TPB
         assert kv.drain(timeout=20)
-        assert kv.stats()["tasks"]["put_refused_blocks"] == 6
+        assert kv.stats().tasks.put_refused_blocks == 6
         assert load_checked(kv, dev, toks, list(range(32, 62))) == 24
     finally:
         kv.shutdown()
@@ -235,12 +235,13 @@ def test_cancelling_a_burst_of_deferred_puts_leaks_nothing(tmp_path):
         results = kv.wait(ids, timeout=30)
         assert {r.status for r in results.values()} <= {TaskStatus.SUCCESS, TaskStatus.CANCELLED}
         assert kv.drain(timeout=30)
-        st = kv.stats()["tasks"]
-        assert (st["in_flight"], st["deferred_puts"], kv.cache.task_ids()) == (0, 0, [])
+        st = kv.stats().tasks
+        assert (st.in_flight, st.deferred_puts, kv.cache.task_ids()) == (0, 0, [])
         late = [kv.put_async(prompt(100 + k, 6), [6 * k + i for i in range(6)]) for k in range(8)]
     finally:
         kv.shutdown()  # deferred puts of a closing manager are cancelled, never left hanging
-    assert all(kv._tasks[t].done.is_set() for t in late)
+    assert all(r is not None and r.status in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)
+               for r in final_results_after_shutdown(kv, late))
 
 
 # --------------------------------------------------------------------------- what held up
@@ -265,7 +266,7 @@ def test_wrong_token_types_raise_clear_errors_and_equivalent_types_agree(tmp_pat
                      np.array(toks, dtype=np.int64), torch.tensor(toks), torch.tensor(toks, dtype=torch.int32)):
             assert kv.match(same) == want
         assert kv.match(toks[: 3 * TPB + 5])["host"] == 3 * TPB  # trailing partial block never matches
-        assert kv.stats()["tasks"]["in_flight"] == 0  # refused calls left no task
+        assert kv.stats().tasks.in_flight == 0  # refused calls left no task
     finally:
         kv.shutdown()
 
@@ -425,7 +426,7 @@ def test_threaded_burst_with_eviction_restores_exact_bytes(tmp_path):
             t.join(timeout=120)
         assert not errors, errors
         assert kv.drain(timeout=30)
-        assert kv.stats()["host"]["evicted_blocks"] > 0
+        assert kv.stats().host.evicted_blocks > 0
     finally:
         kv.shutdown()
 
@@ -436,7 +437,7 @@ def test_result_expiry_and_flood_limit(tmp_path):
         t = kv.put_async(prompt(1, 1), [0])
         assert kv.drain(timeout=10)
         time.sleep(0.4)
-        assert kv.stats()["tasks"]["expired_results"] >= 1
+        assert kv.stats().tasks.expired_results >= 1
         with pytest.raises(KeyError):
             kv.wait([t])
         accepted = []
@@ -576,6 +577,6 @@ def test_two_threads_waiting_on_one_task_get_its_result_once(tmp_path):
             assert len(refused) == 7 and all("already" in m for m in refused), refused
         g = kv.get_async(toks, list(range(20, 28)))
         assert list(kv.wait([g, g], timeout=10)) == [g]
-        assert kv.stats()["tasks"]["in_flight"] == 0
+        assert kv.stats().tasks.in_flight == 0
     finally:
         kv.shutdown()

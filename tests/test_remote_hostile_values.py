@@ -111,8 +111,8 @@ def test_hand_crafted_bad_value_is_a_clean_miss(tmp_path, big_redis, case, layer
             assert c.call(b"EXISTS", k) == 0  # the bad value was deleted
         finally:
             c.close()
-        s = kv1.stats()["remote"]
-        assert s["short_reads"] == 1 and s["hits"] == 3
+        s = kv1.stats().remote
+        assert s.short_reads == 1 and s.hits == 3
         assert kv1.match(p)["host"] == 3 * TPB
         check_clean(kv1)
 
@@ -161,7 +161,7 @@ def test_bulk_rejects_a_value_longer_than_its_header(tmp_path, big_redis):
             assert r.status is TaskStatus.FAILED and "verified 3 of 6" in r.error, r
         finally:
             c.close()
-        assert kv1.stats()["remote"]["truncated"] == 1
+        assert kv1.stats().remote.truncated == 1
         check_clean(kv1)
 
 
@@ -238,7 +238,7 @@ def test_concurrent_workers_putting_one_prefix_write_it_once_and_a_reader_gets_e
             assert len(c.call(b"KEYS", b"flexkv:%016x:*" % kvs[0].remote.fingerprint)) == 8
         finally:
             c.close()
-        assert sum(kv.stats()["remote"]["puts"] for kv in kvs) >= 8
+        assert sum(kv.stats().remote.puts for kv in kvs) >= 8
         with manager(tmp_path / "r", redis_server.url) as reader:
             for lw in (False, True):
                 reader.reset()
@@ -294,8 +294,8 @@ def test_redis_frozen_during_write_behind_drain_returns_and_nothing_leaks(tmp_pa
         os.kill(redis_server.proc.pid, signal.SIGSTOP)
         try:
             e.put(prompt_of(rng, 6))  # asserts the put succeeded and drain(30) returned True
-            st = kv.stats()["remote"]
-            assert st["op_errors"] >= 1 and st["put_failed"] >= 1 and st["write_failures"] == 0
+            st = kv.stats().remote
+            assert st.op_errors >= 1 and st.put_failed >= 1 and st.write_failures == 0
             check_clean(kv)
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)

@@ -74,7 +74,7 @@ def check_clean(kv: KVManager) -> None:
     assert kv.drain(30)
     assert_no_leaks(kv)
     s = kv.stats()
-    assert s["tasks"]["queued_ops"] == 0 and s["requests"]["tasks_in_flight"] == 0
+    assert s.tasks.queued_ops == 0 and s.requests.tasks_in_flight == 0
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -86,12 +86,12 @@ def test_second_manager_loads_exact_bytes_from_remote(tmp_path, redis_server, la
     with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
         e0, e1 = Engine(kv0, 0), Engine(kv1, 1)
         e0.put(p)
-        assert kv0.stats()["remote"]["puts"] == 10
+        assert kv0.stats().remote.puts == 10
         assert kv1.match(p) == {"host": 0, "remote": 10 * TPB}
         r, planned = e1.get(p, layerwise=layerwise)  # kv1 never saw the prompt
         assert r.num_tokens == 10 * TPB and planned == {"host": 0, "disk": 0, "remote": 10 * TPB}
         s = kv1.stats()
-        assert s["remote"]["hits"] == 10 and s["remote"]["bytes_read"] == 10 * kv1.host.layout.block_bytes
+        assert s.remote.hits == 10 and s.remote.bytes_read == 10 * kv1.host.layout.block_bytes
         conn, _ = _keys(redis_server)
         try:
             ranges = conn.call(b"INFO", b"commandstats").decode().count("cmdstat_getrange:")
@@ -186,7 +186,7 @@ def test_worker_without_redis_keeps_serving_locally(tmp_path):
         e.put(p)
         r, planned = e.get(p)
         assert planned == {"host": 4 * TPB, "disk": 0, "remote": 0}
-        assert kv.stats()["remote"]["breaker_state"] == "open"
+        assert kv.stats().remote.breaker_state == "open"
         check_clean(kv)
 
 
@@ -208,8 +208,8 @@ def test_redis_killed_and_restarted_mid_run(tmp_path):
             for _ in range(6):  # the breaker opens and stops touching the dead server
                 kv1.match(p)
             assert time.monotonic() - t0 < 20
-            s = kv1.stats()["remote"]
-            assert s["breaker_opened"] >= 1 and s["breaker_refused"] >= 1
+            s = kv1.stats().remote
+            assert s.breaker_opened >= 1 and s.breaker_refused >= 1
             check_clean(kv0)
             check_clean(kv1)
             # Back on the same port (empty: no persistence): after the cool-down the tier works again.
@@ -301,10 +301,10 @@ def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server
             conn.close()
         check_clean(kv1)
         assert kv1.match(p)["host"] == 5 * TPB  # the verified blocks stayed
-        s = kv1.stats()["remote"]
-        assert s["short_reads"] == 1 and s["hits"] == 5
-        assert s[{"evicted": "misses", "evicted_mid": "misses", "corrupt": "corrupt", "truncated": "truncated", "wrong_block": "corrupt",
-                  "foreign": "foreign"}[fault]] == 1
+        s = kv1.stats().remote
+        assert s.short_reads == 1 and s.hits == 5
+        assert getattr(s, {"evicted": "misses", "evicted_mid": "misses", "corrupt": "corrupt", "truncated": "truncated",
+                           "wrong_block": "corrupt", "foreign": "foreign"}[fault]) == 1
         r, planned = e1.get(p)  # the next get loads the 5 verified blocks from host, exactly
         assert planned == {"host": 5 * TPB, "disk": 0, "remote": 0}
 
@@ -317,8 +317,8 @@ def test_full_redis_refuses_writes_and_nothing_else_breaks(tmp_path):
             prompts = [prompt_of(rng, 8) for _ in range(20)]  # 20 x 8 x 24 KiB = 3.8 MB > 2 MB
             for p in prompts:
                 e0.put(p)
-            s = kv0.stats()["remote"]
-            assert s["put_refused"] > 0 and s["puts"] > 0 and s["breaker_state"] == "closed"
+            s = kv0.stats().remote
+            assert s.put_refused > 0 and s.puts > 0 and s.breaker_state == "closed"
             for p in prompts[:3]:
                 r, planned = e0.get(p)
                 assert planned["host"] == 8 * TPB
@@ -388,7 +388,7 @@ def test_redis_stalled_mid_read_fails_the_get_within_the_timeout(tmp_path, redis
             store.get_into = real_get
             os.kill(redis_server.proc.pid, signal.SIGCONT)
         assert time.monotonic() - t0 < 10  # remote_timeout_s = 1 bounds each socket wait
-        assert kv1.stats()["remote"]["op_errors"] >= 1
+        assert kv1.stats().remote.op_errors >= 1
         check_clean(kv1)
         r, planned = e1.get(p)
         assert planned["remote"] == 6 * TPB
@@ -413,14 +413,14 @@ def test_engine_reports_remote_cached_tokens_and_same_tokens(tmp_path, redis_ser
         e = LLMEngine(cfg, num_device_blocks=64, model=model, kv_manager=writer)
         e.generate([prompt], params)
         e.flush()
-        assert writer.drain(30) and writer.stats()["remote"]["puts"] == 6
+        assert writer.drain(30) and writer.stats().remote.puts == 6
         e = LLMEngine(cfg, num_device_blocks=64, model=model, kv_manager=reader, layerwise=layerwise,
                       offload_puts=False)
         r = e.generate([prompt], params)[0]
         e.flush()
         assert r.output == want
         assert r.cached_tokens == {"device": 0, "host": 0, "disk": 0, "remote": 6 * cfg.block_size}
-        assert reader.stats()["remote"]["hits"] == 6
+        assert reader.stats().remote.hits == 6
         check_clean(reader)
 
 
@@ -444,13 +444,10 @@ def test_tensor_parallel_ranks_key_their_own_shards(tmp_path, redis_server):
 
 def test_every_remote_failure_counter_reaches_metrics():
     """Each of RemoteStats' failure counters is a /metrics family, with its value."""
-    from dataclasses import asdict
-
+    from dynamo_flexkv.core.stats import RemoteTierStats
     from dynamo_flexkv.integrations.dynamo_worker.metrics import _remote_families
-    from dynamo_flexkv.core.remote.store import RemoteStats
 
-    stats = dict(asdict(RemoteStats()), short_reads=0, write_failures=0)  # as KVManager.stats()["remote"]
-    stats.update(put_failed=7, op_errors=3, put_refused=2)
+    stats = RemoteTierStats(put_failed=7, op_errors=3, put_refused=2)  # as KVManager.stats().remote
     values = {m.name: m.samples[0].value for m in _remote_families(stats) if len(m.samples) == 1}
     assert values["flexkv_remote_put_failed"] == 7
     assert values["flexkv_remote_op_errors"] == 3

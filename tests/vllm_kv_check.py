@@ -38,7 +38,7 @@ def _disk_files(worker):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     conn = get_kv_transfer_group()
     conn.drain(60)  # the disk writes run behind the store
-    s = conn.tier_stats()
+    s = conn.tier_stats().as_dict()
     return conn.tier_files(), {t: s[t] for t in ("host", "disk", "remote") if t in s}
 
 

@@ -248,7 +248,7 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
                     if not writer.drain(120):
                         raise RuntimeError("remote writes still running after 120 s")
                     reader.reset()  # the reader's own tiers hold nothing: only Redis has the prefix
-                    hits = reader.stats()["remote"]["hits"]
+                    hits = reader.stats().remote.hits
 
                     def recompute() -> int:
                         t, tok = first_token(None, prompt)
@@ -267,13 +267,13 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
                     else:
                         got = from_remote()
                         want = recompute()
-                    if reader.stats()["remote"]["hits"] < hits + int(size * 0.9) // cfg.block_size:
+                    if reader.stats().remote.hits < hits + int(size * 0.9) // cfg.block_size:
                         raise RuntimeError("the measured request did not load its prefix from Redis")
                     if got != want:
                         raise RuntimeError(f"remote-loaded first token {got} != recomputed {want}")
                     if not reader.drain(120):
                         raise RuntimeError("reader tasks still running after 120 s")
-                hits = reader.stats()["remote"]["hits"]
+                hits = reader.stats().remote.hits
                 cases.append(Case("remote", f"ttft-remote-90-{size // 1024}K", statistics.median(remote) * 1e3,
                                   statistics.median(base) * 1e3, "ms", "recompute (offload off)",
                                   f"small preset, {size} tokens, 90% in Redis only, median of {runs}, torch threads "

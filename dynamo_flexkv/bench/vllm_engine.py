@@ -42,12 +42,8 @@ def rpc_drain(worker, timeout: float) -> bool:
 
 
 def rpc_tier_stats(worker) -> Dict[str, Any]:
-    s = _conn().tier_stats()
-    out = {t: dict(s[t]) for t in ("host", "disk") if t in s}
-    out["requests"] = dict(s.get("requests", {}))
-    if "remote" in s:
-        out["remote"] = {k: v for k, v in s["remote"].items() if isinstance(v, (int, float))}
-    return out
+    s = _conn().tier_stats()  # plain dicts cross collective_rpc
+    return s.as_dict() if s is not None else {}
 
 
 def rpc_drop_host(worker, timeout: float) -> int:

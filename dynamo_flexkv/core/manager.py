@@ -11,35 +11,38 @@ builds a transfer graph for the data plane, and commits index changes only after
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, NoReturn, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+from dynamo_flexkv.core import arguments
+from dynamo_flexkv.core.arguments import deadline as _deadline, int_list as _int_list, left as _left
 from dynamo_flexkv.core.config import CacheConfig, ConfigError, GiB
+from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
+from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
 from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
-from dynamo_flexkv.core.index.cache_engine import IndexListener, TierRun
+from dynamo_flexkv.core.index.cache_engine import IndexListener
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
+from dynamo_flexkv.core.stats import LinkStats, ManagerStats, RemoteTierStats, RequestStats, TaskStats, TierStats
 from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
-from dynamo_flexkv.core.storage.ssd import DiskEntry, SsdStore
+from dynamo_flexkv.core.storage.ssd import SsdStore
+from dynamo_flexkv.core.task_table import TaskTable
 from dynamo_flexkv.core.task_graphs import GraphBuilder
 from dynamo_flexkv.core.tasks import ManagerClosed, Task, TaskFailed, TaskKind, TaskResult, TaskStatus, TooManyTasks
+from dynamo_flexkv.core.transfer.graph import OpKind, TransferGraph
+from dynamo_flexkv.core.transfer.movers import DiskMover, HostDeviceMover
+from dynamo_flexkv.core.transfer.remote_mover import RemoteMover
 from dynamo_flexkv.core.transfer.runner import TransferRunner
 
 if TYPE_CHECKING:
     from dynamo_flexkv.core.remote import RemoteStore
-from dynamo_flexkv.core.transfer.graph import OpKind, TransferGraph
-from dynamo_flexkv.core.transfer.movers import DiskMover, HostDeviceMover
-from dynamo_flexkv.core.transfer.remote_mover import RemoteMover
-
 
 
 # Longest a put waits for host room held by running tasks before it stores what fits.
@@ -96,7 +99,8 @@ class KVManager:
             self.cache = CacheEngine(self.config, {Tier.HOST: caps["host"], Tier.DISK: caps["disk"]},
                                      listener=listener, on_slots_freed=self._slots_freed)
             if self.ssd is not None:
-                self._adopt_disk(movers[OpKind.DISK2H])
+                # Restart: what the journal says is on disk, verified through host slots.
+                self.adopt_report = adopt_disk(self.ssd, self.cache, movers[OpKind.DISK2H], self.host.num_blocks)
         except BaseException:
             self._close_storage()
             raise
@@ -104,21 +108,13 @@ class KVManager:
         self.graphs = GraphBuilder(self.cache, self.ssd, self.host.layout.layer_block_bytes,
                                    self.tokens_per_block, model.num_layers)
         self.device: Optional[DeviceCache] = None
-        self._tasks: Dict[int, Task] = {}
-        self._next_id = 1  # ids are issued in order: an id below it that is not in _tasks has finished
-        self._waiters: Dict[int, int] = {}  # task id -> wait()/wait_for_layer() calls blocked on it
-        self._lock = threading.Lock()
+        self._table = TaskTable(self.config.task_result_ttl_seconds)
+        self._lock = self._table.lock  # also guards _closed: a call checks it and issues atomically
         self._closed = False
         self._live_graphs = 0  # submitted graphs whose finish callback has not run yet
         self._idle = threading.Condition()
-        # Puts waiting for host room: the host tier was full of blocks that running tasks lock
-        # (disk writes in flight). Retried, oldest first, each time a graph finishes.
-        self._deferred: "collections.deque[_DeferredPut]" = collections.deque()
-        self._retrying = self._retry_again = False
+        self._deferred = DeferredPuts(self._idle, self._retry_put, self._fail_put)
         self.put_refused_blocks = 0  # blocks puts could not store: longer than the host tier
-        # Finished results nobody has collected yet, oldest first: id -> finish time (for expiry).
-        self._uncollected: "collections.OrderedDict[int, float]" = collections.OrderedDict()
-        self.expired_results = 0
 
     # ---- setup ---------------------------------------------------------------------------------
     def register_device_cache(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]],
@@ -156,22 +152,6 @@ class KVManager:
             return NixlDiskMover(self.host, self.ssd, gds=self.config.enable_gds)
         return DiskMover(self.host, self.ssd, self.config.io_queue_depth)
 
-    def _adopt_disk(self, mover: DiskMover) -> None:
-        """Restart: verify what the journal says is on disk, using host slots as scratch."""
-        scratch = self.host.num_blocks
-
-        def read(entries: List[DiskEntry]) -> np.ndarray:
-            out = []
-            for i in range(0, len(entries), scratch):
-                part = entries[i:i + scratch]
-                disk_ids = np.array([e.block_id for e in part], dtype=np.int64)
-                out.append(mover.read_for_adoption(disk_ids, np.arange(len(part), dtype=np.int64)))
-            return np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
-
-        report = self.ssd.adopt(read)
-        self.cache.tiers[Tier.DISK].adopt([(e.seq_hash, e.parent, e.block_id) for e in report.adopted])
-        self.adopt_report = report
-
     def announce_adopted(self) -> int:
         """Sends the index listener (the router's events) a Stored event for every disk block
         re-adopted at start that is still held: the old process's announcements died with it. Call
@@ -182,7 +162,7 @@ class KVManager:
         if report is None or not report.adopted:
             return 0
         self.adopt_report = dataclasses.replace(report, adopted=[])  # once only
-        return self.cache.announce(_adopted_chains(report.adopted, self.tokens_per_block))
+        return self.cache.announce(adopted_chains(report.adopted, self.tokens_per_block))
 
     # ---- queries -------------------------------------------------------------------------------
     def hashes(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None):
@@ -207,21 +187,12 @@ class KVManager:
         """Loads the cached prefix beyond the first ``skip_blocks`` blocks (which the engine already
         holds) into ``device_block_ids[i]`` for block i."""
         self._need_device("get_async")
-        if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, (int, np.integer)):
-            raise TypeError(f"skip_blocks must be an int (the number of leading blocks the engine already "
-                            f"holds), got {type(skip_blocks).__name__} {skip_blocks!r}")
         h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
-        blocks = -(-len(token_ids) // self.tokens_per_block)
-        if skip_blocks < 0:
-            raise ValueError(f"skip_blocks={skip_blocks} must be >= 0: the number of leading blocks the engine "
-                             "already holds")
-        if skip_blocks > blocks:
-            raise ValueError(f"skip_blocks={skip_blocks} is past this {len(token_ids)}-token prompt's {blocks} "
-                             "blocks: pass the number of its leading blocks the engine already holds")
+        skip_blocks = arguments.skip_blocks(skip_blocks, len(token_ids), self.tokens_per_block)
         dev_ids = self._device_ids(token_ids, device_block_ids)
         with self._issue(TaskKind.GET) as task:
             seq = _int_list(h.sequence)
-            start = min(int(skip_blocks), len(h))
+            start = min(skip_blocks, len(h))
             plan = self.cache.plan_get(task.id, seq, start, self._remote_probe(seq, start))
             if plan.num_blocks == 0:
                 self.cache.abort_task(task.id)
@@ -260,14 +231,14 @@ class KVManager:
             if self.device.device.type == "cuda":  # the copy waits for the engine's writes
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(self.device.device))
-            self._put_now(_DeferredPut(task, _int_list(h.sequence), token_ids, dev_ids, after))
+            self._put_now(DeferredPut(task, _int_list(h.sequence), token_ids, dev_ids, after))
         return task.id
 
-    def _put_now(self, put: "_DeferredPut") -> bool:
+    def _put_now(self, put: DeferredPut) -> bool:
         """Plans and submits the put; False when it was deferred instead: some blocks found no host
         room while running tasks lock it, so it waits for them (a task finishing retries it). What
         still does not fit (nothing runs any more, the prompt is longer than the host tier, or it
-        waited MAX_PUT_DEFER_S) is counted in stats()["tasks"]["put_refused_blocks"]; the put
+        waited MAX_PUT_DEFER_S) is counted in stats().tasks.put_refused_blocks; the put
         stores the rest."""
         task, seq = put.task, put.seq
         plan = self.cache.plan_put(task.id, seq, remote=self.remote is not None)
@@ -279,7 +250,7 @@ class KVManager:
             self.cache.abort_task(task.id, replan=True)  # nothing planned stays behind while it waits
             with self._idle:
                 if self._live_graphs:
-                    self._deferred.append(put)
+                    self._deferred.add(put)
                     return False
             plan = self.cache.plan_put(task.id, seq, remote=self.remote is not None)
             short = len(seq) - plan.held - (len(plan.host) if plan.host is not None else 0)
@@ -291,44 +262,17 @@ class KVManager:
         self._submit(task, self.graphs.put(task, plan, put.dev_ids, put.after if plan.host is not None else None))
         return True
 
-    def _retry_deferred(self) -> None:
-        """Retries deferred puts, oldest first, until one has to wait again. One thread at a time;
-        a call meanwhile makes that thread look again, so no wake-up is lost."""
-        with self._idle:
-            if self._retrying:
-                self._retry_again = True
-                return
-            self._retrying = True
-        while True:
-            with self._idle:
-                put = self._deferred.popleft() if self._deferred else None
-                if put is None:
-                    if self._retry_again:
-                        self._retry_again = False
-                        continue
-                    self._retrying = False
-                    self._idle.notify_all()
-                    return
-                self._retry_again = False
-            try:
-                if self._closed:
-                    raise ManagerClosed("shut down")
-                waiting = not self._put_now(put)
-            except BaseException as e:  # noqa: BLE001 - the put fails, the retry loop goes on
-                self.cache.abort_task(put.task.id)
-                status = TaskStatus.CANCELLED if isinstance(e, ManagerClosed) else TaskStatus.FAILED
-                put.task.finish(TaskResult(put.task.id, TaskKind.PUT, status,
-                                           error=None if status is TaskStatus.CANCELLED else f"{type(e).__name__}: {e}"))
-                waiting = False
-            if waiting:  # _put_now queued it last: back to the front, the rest wait behind it
-                with self._idle:
-                    if put in self._deferred:  # cancel() may have taken it meanwhile
-                        self._deferred.remove(put)
-                        self._deferred.appendleft(put)
-                    if not self._retry_again:
-                        self._retrying = False
-                        return
-                    self._retry_again = False
+    def _retry_put(self, put: DeferredPut) -> bool:
+        if self._closed:
+            raise ManagerClosed("shut down")
+        return self._put_now(put)
+
+    def _fail_put(self, put: DeferredPut, error: BaseException) -> None:
+        """A deferred put whose retry raised: cancelled by shutdown, failed otherwise."""
+        self.cache.abort_task(put.task.id)
+        cancelled = isinstance(error, ManagerClosed)
+        put.task.finish(TaskResult(put.task.id, TaskKind.PUT, TaskStatus.CANCELLED if cancelled else TaskStatus.FAILED,
+                                   error=None if cancelled else f"{type(error).__name__}: {error}"))
 
     def wait(self, task_ids: Iterable[int], timeout: Optional[float] = None) -> Dict[int, TaskResult]:
         """Results of the tasks; unfinished ones after ``timeout`` seconds report TIMEOUT and can be
@@ -344,15 +288,13 @@ class KVManager:
                     finished.append(task)
                 else:
                     out[task.id] = TaskResult(task.id, task.kind, TaskStatus.TIMEOUT)
-            with self._lock:  # claimed all at once: two threads waiting on one task get it once, lose nothing else
-                taken = [t.id for t in finished if self._tasks.get(t.id) is not t]
-                if taken:
-                    raise KeyError(f"task(s) {taken}: the result was already collected by another wait(); "
-                                   "wait on a task from one thread only")
-                for t in finished:
-                    self._tasks.pop(t.id, None)  # an id listed twice in one call is handed out once
-                    self._uncollected.pop(t.id, None)
+            self._table.collect(finished)
         return out
+
+    def done(self, task_id: int) -> bool:
+        """True once the task finished; its result stays until wait()/try_wait() collects it (or it
+        expires). For an engine that polls a put's device copy and collects later."""
+        return self._task(task_id, "done").done.is_set()
 
     def try_wait(self, task_ids: Iterable[int]) -> Dict[int, TaskResult]:
         """Results of the tasks that already finished; the others are left running."""
@@ -364,24 +306,14 @@ class KVManager:
         task already finished, its result collected or expired, is skipped: cancel may race wait().
         An id never issued raises KeyError, and then nothing is cancelled."""
         self._check_open("cancel")
-        with self._lock:  # all ids checked before any task is touched
-            tasks = [self._lookup(t, finished_ok=True) for t in list(task_ids)]
+        tasks = self._table.get_all(list(task_ids))  # all ids checked before any task is touched
         for task in tasks:
             if task is None:
                 continue
             if task.graph is not None:
                 self.transfer.cancel(task.graph)
-            elif self._drop_deferred(lambda put: put.task is task):
+            elif self._deferred.drop(lambda put: put.task is task):
                 task.finish(TaskResult(task.id, task.kind, TaskStatus.CANCELLED))
-
-    def _drop_deferred(self, which) -> List["_DeferredPut"]:
-        """Takes the deferred puts ``which(put)`` selects out of the queue (they were never planned)."""
-        with self._idle:
-            out = [p for p in self._deferred if which(p)]
-            for p in out:
-                self._deferred.remove(p)
-            self._idle.notify_all()
-        return out
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Waits until every task has finished, the background disk writes of puts included.
@@ -389,7 +321,7 @@ class KVManager:
         self._check_open("drain")
         deadline = _deadline(timeout, "drain")
         with self._idle:
-            while self._live_graphs or self._deferred or self._retrying:
+            while self._live_graphs or self._deferred.busy():
                 left = _left(deadline)
                 if left is not None and left <= 0:
                     return False
@@ -426,27 +358,29 @@ class KVManager:
         return True
 
     # ---- admin ---------------------------------------------------------------------------------
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> ManagerStats:
+        """A snapshot of the tiers, requests, links, tasks and remote store (see core/stats.py)."""
         self._check_open("stats")
-        self._expire_results()
-        out: Dict[str, Any] = dict(self.cache.stats())
+        self._table.expire()
+        index = self.cache.stats()
+        tiers = {name: TierStats(**index[name]) for name in ("host", "disk") if name in index}
+        requests = RequestStats(**index["requests"])
         t = self.transfer
-        out["links"] = {k.value: {"bytes": t.link_bytes[k], "seconds": t.link_seconds[k], "ops": t.link_ops[k]}
-                        for k in OpKind if t.link_ops[k]}
+        links = {k.value: LinkStats(t.link_bytes[k], t.link_seconds[k], t.link_ops[k]) for k in OpKind if t.link_ops[k]}
+        remote = None
         if self.remote is not None:
-            out["remote"] = dict(self.remote.stats_dict(), url=self.remote.config.redacted_url,
-                                 planned_blocks=out["requests"]["remote_hit_blocks"],
-                                 short_reads=self.graphs.remote_short_reads,
-                                 write_failures=self.graphs.remote_write_failures)
-        with self._lock:  # finished results waiting for wait() are not in flight
-            uncollected = len(self._uncollected)
-            in_flight = len(self._tasks) - uncollected
-        out["tasks"] = {"in_flight": in_flight, "uncollected_results": uncollected,
-                        "queued_ops": t.queue_depth, "failed_ops": t.failed_ops,
-                        "deferred_puts": len(self._deferred), "put_refused_blocks": self.put_refused_blocks,
-                        "disk_write_failures": self.graphs.disk_write_failures,
-                        "expired_results": self.expired_results}
-        return out
+            remote = RemoteTierStats(**dataclasses.asdict(self.remote.stats()), url=self.remote.config.redacted_url,
+                                     planned_blocks=requests.remote_hit_blocks,
+                                     short_reads=self.graphs.remote_short_reads,
+                                     write_failures=self.graphs.remote_write_failures)
+        in_flight, uncollected = self._table.counts()  # finished results waiting for wait() are not in flight
+        tasks = TaskStats(in_flight=in_flight, uncollected_results=uncollected, queued_ops=t.queue_depth,
+                          failed_ops=t.failed_ops, deferred_puts=len(self._deferred),
+                          put_refused_blocks=self.put_refused_blocks,
+                          disk_write_failures=self.graphs.disk_write_failures,
+                          expired_results=self._table.expired_results)
+        return ManagerStats(host=tiers["host"], disk=tiers.get("disk"), requests=requests, tasks=tasks,
+                            remote=remote, links=links)
 
     def evict(self, tier: str, count: Optional[int] = None) -> int:
         """Evicts up to ``count`` (default: all) ready, unpinned blocks of the ``"host"`` or
@@ -481,7 +415,7 @@ class KVManager:
                 return
             self._closed = True
         self.transfer.shutdown()
-        for put in self._drop_deferred(lambda put: True):
+        for put in self._deferred.drop(lambda put: True):
             put.task.finish(TaskResult(put.task.id, TaskKind.PUT, TaskStatus.CANCELLED))
         self._close_storage()
 
@@ -513,16 +447,13 @@ class KVManager:
             if busy >= limit:  # bounded work under a flood: refuse rather than queue forever
                 raise TooManyTasks(f"{kind.value}_async refused: {busy} tasks in flight "
                                    f"(max_tasks_in_flight={limit}); wait for some, or raise max_tasks_in_flight")
-            task = Task(self._next_id, kind, self.model.num_layers, on_finish=self._result_ready)
-            self._next_id += 1
-            self._tasks[task.id] = task
-        self._expire_results()
+            task = self._table.issue(kind, self.model.num_layers)
+        self._table.expire()
         try:
             yield task
         except BaseException as e:
             self.cache.abort_task(task.id)
-            with self._lock:
-                self._tasks.pop(task.id, None)
+            self._table.discard(task.id)
             task.finish(TaskResult(task.id, kind, TaskStatus.FAILED, error=f"refused: {e}"))  # wakes no one
             raise
 
@@ -534,27 +465,6 @@ class KVManager:
         if plan.remote_staged is not None:
             r = plan.remote_staged
             task.planned_remote_tokens = max(0, r.end - max(r.start, plan.start)) * tpb
-
-    def _result_ready(self, task: Task) -> None:
-        with self._lock:
-            if task.id in self._tasks:
-                self._uncollected[task.id] = task.finished_at
-
-    def _expire_results(self) -> None:
-        """Drops results nobody collected within task_result_ttl_seconds (oldest first); results a
-        blocked wait() is waiting for stay."""
-        cutoff = time.monotonic() - self.config.task_result_ttl_seconds
-        with self._lock:
-            expired = []
-            for task_id, finished_at in self._uncollected.items():
-                if finished_at > cutoff:
-                    break
-                if task_id not in self._waiters:
-                    expired.append(task_id)
-            for task_id in expired:
-                del self._uncollected[task_id]
-                if self._tasks.pop(task_id, None) is not None:
-                    self.expired_results += 1
 
     def _submit(self, task: Task, graph: TransferGraph) -> None:
         task.graph = graph
@@ -581,64 +491,21 @@ class KVManager:
         with self._idle:
             self._live_graphs -= 1
             self._idle.notify_all()
-        if self._deferred:  # what it held may be the room a deferred put waits for
-            self._retry_deferred()
+        if len(self._deferred):  # what it held may be the room a deferred put waits for
+            self._deferred.retry()
 
     def _task(self, task_id: int, call: str) -> Task:
         self._check_open(call)
-        self._expire_results()
-        with self._lock:
-            return self._lookup(task_id)
-
-    def _lookup(self, task_id: Any, finished_ok: bool = False) -> Optional[Task]:
-        """The task of ``task_id`` (under self._lock). One issued but gone (its result collected or
-        expired) is None with ``finished_ok``, else KeyError; one never issued is a KeyError."""
-        issued = isinstance(task_id, (int, np.integer)) and not isinstance(task_id, bool) \
-            and 0 < task_id < self._next_id
-        task = self._tasks.get(task_id) if issued else None
-        if task is not None or (issued and finished_ok):
-            return task
-        if issued:
-            raise KeyError(f"task id {task_id!r} has finished and its result is gone: already taken by wait(), "
-                           "or nobody collected it within task_result_ttl_seconds")
-        raise KeyError(f"unknown task id {task_id!r}: never issued (task ids are the ints the *_async calls "
-                       "return)")
+        return self._table.get(task_id)
 
     @contextlib.contextmanager
     def _awaited(self, task_ids: List[Any], call: str) -> Iterator[List[Task]]:
-        """The tasks, marked as waited for while the block runs: their results do not expire."""
         self._check_open(call)
-        self._expire_results()
-        with self._lock:
-            tasks = [self._lookup(t) for t in task_ids]
-            for t in tasks:
-                self._waiters[t.id] = self._waiters.get(t.id, 0) + 1
-        try:
+        with self._table.awaited(task_ids) as tasks:
             yield tasks
-        finally:
-            with self._lock:
-                for t in tasks:
-                    left = self._waiters.pop(t.id) - 1
-                    if left:
-                        self._waiters[t.id] = left
 
     def _device_ids(self, token_ids, device_block_ids) -> np.ndarray:
-        """The ids of the full blocks, as int64; refuses non-integers and repeated ids (one device
-        block cannot hold two blocks: a put would store its bytes under both hashes, a get would
-        scatter both blocks into it)."""
-        n_tokens = len(token_ids)
-        full, covering = n_tokens // self.tokens_per_block, -(-n_tokens // self.tokens_per_block)
-        ids = _integer_array(device_block_ids, self.device.num_blocks)
-        if ids.size not in (full, covering):
-            raise ValueError(f"{ids.size} device block ids for {n_tokens} tokens: pass one id per block "
-                             f"({full} full blocks, or {covering} with the partial one)")
-        ids = ids[:full]
-        values, counts = np.unique(ids, return_counts=True)
-        if values.size < ids.size:
-            dup = int(values[counts > 1][0])
-            raise ValueError(f"device_block_ids repeats block {dup} (at positions "
-                             f"{np.flatnonzero(ids == dup).tolist()}): pass a distinct device block per block")
-        return ids
+        return arguments.device_ids(token_ids, device_block_ids, self.tokens_per_block, self.device.num_blocks)
 
     def _attach_tokens(self, token_ids, *runs, always: bool = False) -> None:
         """New runs carry their tokens so the events they cause can name them."""
@@ -660,90 +527,3 @@ class KVManager:
             self.ssd.close()
         if getattr(self, "host", None) is not None:
             self.host.close()
-
-
-@dataclasses.dataclass(eq=False)
-class _DeferredPut:
-    """What a put needs to be planned later (its task is issued, its device blocks are the caller's)."""
-
-    task: Task
-    seq: List[int]
-    token_ids: Any
-    dev_ids: np.ndarray
-    after: Any  # the CUDA event recorded at put_async: the copy waits for the engine's writes
-    since: float = dataclasses.field(default_factory=time.monotonic)
-
-
-def _integer_array(device_block_ids, num_blocks: int) -> np.ndarray:
-    """device_block_ids (list, tuple, numpy array or tensor of integers, each in [0, num_blocks))
-    as a flat int64 array."""
-    if isinstance(device_block_ids, torch.Tensor):
-        device_block_ids = device_block_ids.detach().cpu().numpy()
-    ids = None if device_block_ids is None or isinstance(device_block_ids, (str, bytes)) \
-        else np.asarray(device_block_ids)
-    if ids is not None and ids.dtype.kind in "fO" and ids.ndim == 1:
-        # Python ints past int64 turn a list into float64 or object: name the id, not the dtype.
-        for pos, v in enumerate(device_block_ids):
-            if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and not 0 <= v < num_blocks:
-                _out_of_range(int(v), pos, num_blocks)
-    if ids is None or ids.dtype == object or ids.ndim == 0:
-        raise TypeError(f"device_block_ids must be a sequence of integers, got {type(device_block_ids).__name__}")
-    if ids.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if ids.dtype.kind not in "iu":  # floats would be truncated, bools read as blocks 0 and 1
-        raise TypeError(f"device_block_ids must be integers, got dtype {ids.dtype}")
-    ids = ids.reshape(-1)
-    bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))  # in the ids' own dtype: uint64 does not wrap
-    if bad.size:
-        _out_of_range(int(ids[bad[0]]), int(bad[0]), num_blocks)
-    return ids.astype(np.int64, copy=False)
-
-
-def _out_of_range(block_id: int, pos: int, num_blocks: int) -> NoReturn:
-    raise IndexError(f"device block id out of range [0, {num_blocks}): got {block_id} (position {pos}); pass "
-                     "ids of blocks of the registered device cache")
-
-
-def _deadline(timeout: Any, call: str) -> Optional[float]:
-    """time.monotonic() deadline of a public call's ``timeout`` seconds; None (no limit) for None,
-    inf, or past what threads can wait. A negative timeout polls once."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{call}(timeout={timeout!r}): timeout must be a number of seconds or None (no limit), "
-                        f"got {type(timeout).__name__}")
-    if math.isnan(timeout):
-        raise ValueError(f"{call}(timeout=nan): pass a number of seconds, or None (or inf) to wait without limit")
-    if timeout >= threading.TIMEOUT_MAX:
-        return None
-    return time.monotonic() + float(timeout)
-
-
-def _left(deadline: Optional[float]) -> Optional[float]:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _int_list(hashes) -> List[int]:
-    return hashes.tolist() if isinstance(hashes, np.ndarray) else [int(x) for x in hashes]
-
-
-def _adopted_chains(entries: List[DiskEntry], tokens_per_block: int) -> List[TierRun]:
-    """Adopted entries (parents first) as chains, depth first: one event per chain, not per block."""
-    children: Dict[Optional[int], List[DiskEntry]] = {}
-    for e in entries:
-        children.setdefault(e.parent, []).append(e)
-    runs: List[TierRun] = []
-    stack = list(reversed(children.get(None, [])))
-    while stack:
-        e, chain = stack.pop(), []
-        parent = e.parent
-        while e is not None and e.tokens is not None and len(e.tokens) == 4 * tokens_per_block:
-            chain.append(e)
-            kids = children.get(e.seq_hash, [])
-            stack.extend(reversed(kids[1:]))
-            e = kids[0] if kids else None
-        if chain:
-            runs.append(TierRun(Tier.DISK, 0, [c.seq_hash for c in chain], [c.block_id for c in chain], parent,
-                                new=False, token_ids=np.frombuffer(b"".join(c.tokens for c in chain),
-                                                                   dtype="<u4").tolist()))
-    return runs

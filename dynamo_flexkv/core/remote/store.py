@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
@@ -23,6 +23,7 @@ from dynamo_flexkv.core.remote.codec import (HEADER_BYTES, Verdict, check_header
 from dynamo_flexkv.core.remote.config import RemoteConfig
 from dynamo_flexkv.core.remote.connections import NodeConnections
 from dynamo_flexkv.core.remote.errors import RemoteAuthError, RemoteClosedError, RemoteError, RemoteUnavailableError
+from dynamo_flexkv.core.remote.stats import RemoteStats
 from dynamo_flexkv.core.remote.resp import ProtocolError, RespConnection, encode_command
 
 __all__ = ["RemoteAuthError", "RemoteClosedError", "RemoteError", "RemoteStats", "RemoteStore", "RemoteUnavailableError"]
@@ -31,42 +32,6 @@ log = logging.getLogger(__name__)
 
 Hashes = Union[Sequence[int], Any]  # a list of ints or a numpy uint64 array
 _U64 = (1 << 64) - 1
-
-
-@dataclass
-class RemoteStats:
-    """Counters since open (``RemoteStore.stats()`` returns a copy).
-
-    Remote failures are counted here, never raised: ``op_errors`` counts ops of every kind (exists,
-    get, put, delete) cut short by a connection failure or timeout, one per op; ``breaker_refused``
-    the ops not tried while the breaker was open. What a put did not store is counted per block by
-    cause: ``put_refused`` (the server said no: OOM), ``server_errors`` (other error replies) and
-    ``put_failed`` (no answer: the op was cut short or refused by the breaker). A write-behind whose
-    put failed so still succeeds (its blocks stay on host): the manager's ``write_failures`` counts
-    only H2REMOTE ops that raised (a bug or a bad argument), not Redis failures, which land here.
-    """
-
-    exists_keys: int = 0
-    hits: int = 0  # blocks read and verified
-    misses: int = 0  # the block that ended a read's prefix was missing
-    truncated: int = 0
-    foreign: int = 0
-    corrupt: int = 0
-    server_errors: int = 0  # error replies (MOVED during resharding, ...)
-    bytes_read: int = 0
-    puts: int = 0  # blocks stored
-    put_skipped: int = 0  # already there (skip_existing)
-    put_refused: int = 0  # refused by the server (OOM: maxmemory reached with noeviction)
-    put_failed: int = 0  # not stored for want of an answer: connection failure, timeout, open breaker
-    bytes_written: int = 0
-    op_errors: int = 0  # ops cut short by a connection failure or timeout
-    breaker_refused: int = 0  # ops refused while the breaker was open
-    breaker_opened: int = 0
-    connects: int = 0  # connections opened (reconnects included)
-    get_seconds: float = 0.0
-    put_seconds: float = 0.0
-    exists_seconds: float = 0.0
-    breaker_state: str = BreakerState.CLOSED.value
 
 
 def _byte_view(buf: Any, writable: bool) -> memoryview:
@@ -564,10 +529,6 @@ class RemoteStore:
         snap.breaker_state = self._breaker.state.value
         snap.breaker_opened = self._breaker.times_opened
         return snap
-
-    def stats_dict(self) -> Dict[str, Any]:
-        snap = self.stats()
-        return {f.name: getattr(snap, f.name) for f in fields(snap)}
 
     def close(self) -> None:
         """Closes every connection; later ops raise RemoteClosedError. Safe to call twice."""

@@ -26,6 +26,7 @@ class Mover(Protocol):
 
 class TransferRunner:
     def __init__(self, movers: Dict[OpKind, Mover], workers: int = 4) -> None:
+        self.num_threads = workers
         self.movers = dict(movers)
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._lock = threading.Lock()

@@ -14,6 +14,8 @@ from typing import Callable, Dict, Iterator, Optional
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from dynamo_flexkv.core.stats import ManagerStats, RemoteTierStats
+
 PREFIX = "flexkv_"
 REQUEST_TIERS = ("device", "host", "disk", "remote")
 
@@ -54,7 +56,7 @@ class OffloadCollector(Collector):
     """Turns the worker's counters into Prometheus families at each scrape."""
 
     def __init__(self, tally: RequestTally, device_blocks: Callable[[], tuple],
-                 offload_stats: Callable[[], Optional[dict]],
+                 offload_stats: Callable[[], Optional[ManagerStats]],
                  engine_stats: Callable[[], Dict[str, float]] = dict) -> None:
         self.tally, self.device_blocks, self.offload_stats = tally, device_blocks, offload_stats
         self.engine_stats = engine_stats
@@ -89,8 +91,8 @@ class OffloadCollector(Collector):
             yield from _offload_families(stats)
 
 
-def _offload_families(stats: dict) -> Iterator[Metric]:
-    tiers = {k: v for k, v in stats.items() if k in ("host", "disk")}
+def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
+    tiers = stats.tiers
     per_tier = {
         "hit_blocks": ("Blocks found in the tier by a get", "hit_blocks"),
         "stored_blocks": ("Blocks that landed in the tier", "stored_blocks"),
@@ -100,66 +102,66 @@ def _offload_families(stats: dict) -> Iterator[Metric]:
     for name, (doc, key) in per_tier.items():
         fam = CounterMetricFamily(PREFIX + name, doc, labels=["tier"])
         for tier, s in tiers.items():
-            fam.add_metric([tier], s[key])
+            fam.add_metric([tier], getattr(s, key))
         yield fam
     pool = GaugeMetricFamily(PREFIX + "pool_blocks", "Offload tier slots", labels=["tier", "state"])
     for tier, s in tiers.items():
         for state in ("capacity", "used", "ready"):
-            pool.add_metric([tier, state], s[f"{state}_blocks"])
+            pool.add_metric([tier, state], getattr(s, f"{state}_blocks"))
     yield pool
-    yield _counter("miss_blocks", "Blocks of gets found in no offload tier", stats["requests"]["miss_blocks"])
+    yield _counter("miss_blocks", "Blocks of gets found in no offload tier", stats.requests.miss_blocks)
     link_bytes = CounterMetricFamily(PREFIX + "link_bytes", "Bytes moved per link", labels=["link"])
     link_secs = CounterMetricFamily(PREFIX + "link_seconds", "Seconds spent in copies per link "
                                     "(divide by link_ops for mean latency)", labels=["link"])
     link_ops = CounterMetricFamily(PREFIX + "link_ops", "Copies finished per link", labels=["link"])
-    for link, s in stats["links"].items():
-        link_bytes.add_metric([link], s["bytes"])
-        link_secs.add_metric([link], s["seconds"])
-        link_ops.add_metric([link], s["ops"])
+    for link, s in stats.links.items():
+        link_bytes.add_metric([link], s.bytes)
+        link_secs.add_metric([link], s.seconds)
+        link_ops.add_metric([link], s.ops)
     yield from (link_bytes, link_secs, link_ops)
-    tasks = stats["tasks"]
-    yield _gauge("tasks_in_flight", "Offload tasks not yet finished", tasks["in_flight"])
-    yield _gauge("transfer_queue_depth", "Ready copies waiting for a transfer thread", tasks["queued_ops"])
-    yield _counter("failed_ops", "Copies that failed (their task rolled back)", tasks["failed_ops"])
+    tasks = stats.tasks
+    yield _gauge("tasks_in_flight", "Offload tasks not yet finished", tasks.in_flight)
+    yield _gauge("transfer_queue_depth", "Ready copies waiting for a transfer thread", tasks.queued_ops)
+    yield _counter("failed_ops", "Copies that failed (their task rolled back)", tasks.failed_ops)
     yield _counter("disk_write_failures", "Puts whose disk write failed (kept on host only)",
-                   tasks["disk_write_failures"])
-    if "remote" in stats:
-        yield from _remote_families(stats["remote"])
+                   tasks.disk_write_failures)
+    if stats.remote is not None:
+        yield from _remote_families(stats.remote)
 
 
-def _remote_families(r: dict) -> Iterator[Metric]:
+def _remote_families(r: RemoteTierStats) -> Iterator[Metric]:
     """The remote tier (Redis): what gets read and verified, what puts wrote, failures, breaker."""
-    yield _counter("remote_hit_blocks", "Remote blocks read and verified by gets", r["hits"])
+    yield _counter("remote_hit_blocks", "Remote blocks read and verified by gets", r.hits)
     yield _counter("remote_miss_blocks", "Remote reads that ended at a missing value (evicted after the lookup)",
-                   r["misses"])
+                   r.misses)
     bad = CounterMetricFamily(PREFIX + "remote_bad_values", "Remote values refused by verification (the get "
                               "recomputes from there)", labels=["reason"])
     for reason in ("truncated", "foreign", "corrupt"):
-        bad.add_metric([reason], r[reason])
+        bad.add_metric([reason], getattr(r, reason))
     yield bad
     yield _counter("remote_short_reads", "Gets whose remote part verified fewer blocks than planned",
-                   r["short_reads"])
-    yield _counter("remote_stored_blocks", "Blocks written to remote by puts", r["puts"])
+                   r.short_reads)
+    yield _counter("remote_stored_blocks", "Blocks written to remote by puts", r.puts)
     yield _counter("remote_put_refused", "Remote writes refused by the server (full with noeviction)",
-                   r["put_refused"])
+                   r.put_refused)
     data = CounterMetricFamily(PREFIX + "remote_bytes", "Block bytes moved to and from remote",
                                labels=["direction"])
-    data.add_metric(["read"], r["bytes_read"])
-    data.add_metric(["written"], r["bytes_written"])
+    data.add_metric(["read"], r.bytes_read)
+    data.add_metric(["written"], r.bytes_written)
     yield data
     secs = CounterMetricFamily(PREFIX + "remote_seconds", "Seconds spent in remote operations",
                                labels=["op"])
     for op in ("get", "put", "exists"):
-        secs.add_metric([op], r[f"{op}_seconds"])
+        secs.add_metric([op], getattr(r, f"{op}_seconds"))
     yield secs
-    yield _counter("remote_op_errors", "Remote operations cut short by a failure or timeout", r["op_errors"])
+    yield _counter("remote_op_errors", "Remote operations cut short by a failure or timeout", r.op_errors)
     yield _counter("remote_put_failed", "Blocks a remote write could not store (no answer, or the breaker was open); "
-                   "they stay on the local tiers", r["put_failed"])
+                   "they stay on the local tiers", r.put_failed)
     yield _counter("remote_breaker_refused", "Remote operations skipped while the circuit breaker was open",
-                   r["breaker_refused"])
-    yield _counter("remote_breaker_opened", "Times the remote circuit breaker opened", r["breaker_opened"])
+                   r.breaker_refused)
+    yield _counter("remote_breaker_opened", "Times the remote circuit breaker opened", r.breaker_opened)
     yield _gauge("remote_breaker_open", "1 while the remote circuit breaker is open or half-open",
-                 0 if r["breaker_state"] == "closed" else 1)
+                 0 if r.breaker_state == "closed" else 1)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Set, Tuple
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
+from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
 
@@ -61,8 +62,9 @@ class FlexKVConnector(KVConnectorBase_V1):
         """Waits for this worker's background tier writes; False if some still run after ``timeout``."""
         return self._worker.drain(timeout)
 
-    def tier_stats(self) -> Dict[str, Any]:
-        """This worker's KVManager stats (tiers, requests, links, tasks)."""
+    def tier_stats(self) -> Optional[ManagerStats]:
+        """This worker's KVManager stats (tiers, requests, links, tasks); None before vLLM
+        registered the KV caches."""
         return self._worker.stats()
 
     def evict_host(self, timeout: Optional[float] = None) -> int:

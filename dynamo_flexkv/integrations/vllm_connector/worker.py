@@ -22,6 +22,7 @@ import torch
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.manager import KVManager
 from dynamo_flexkv.core.offload import EngineOffload
+from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskFailed
 from dynamo_flexkv.integrations.vllm_connector.events import FlexKVEvents, TierEventQueue
 from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
@@ -231,8 +232,8 @@ class WorkerSide:
         """Waits for the stores' background writes (disk, remote); False if some still run."""
         return self.kv.drain(timeout) if self.kv is not None else True
 
-    def stats(self) -> Dict[str, Any]:
-        return self.kv.stats() if self.kv is not None else {}
+    def stats(self) -> Optional[ManagerStats]:
+        return self.kv.stats() if self.kv is not None else None
 
     def _idle_manager(self, what: str, timeout: Optional[float]) -> KVManager:
         if self.kv is None:
@@ -276,12 +277,11 @@ class WorkerSide:
         if now - self._gauges_at >= 1.0:
             self._gauges_at = now
             st = self.kv.stats()
-            for tier in ("host", "disk"):
-                if tier in st:
-                    out[f"gauge:used_blocks/{tier}"] = st[tier]["used_blocks"]
-                    out[f"gauge:capacity_blocks/{tier}"] = st[tier]["capacity_blocks"]
-                    totals[f"evicted_blocks/{tier}"] = st[tier]["evicted_blocks"]
-            totals["disk_write_failures"] = st["tasks"]["disk_write_failures"]
+            for tier, ts in st.tiers.items():
+                out[f"gauge:used_blocks/{tier}"] = ts.used_blocks
+                out[f"gauge:capacity_blocks/{tier}"] = ts.capacity_blocks
+                totals[f"evicted_blocks/{tier}"] = ts.evicted_blocks
+            totals["disk_write_failures"] = st.tasks.disk_write_failures
         for k, total in totals.items():
             delta = total - self._reported.get(k, 0)
             if delta:

@@ -1,0 +1,96 @@
+"""Puts waiting for host room: the host tier was full of blocks that running tasks lock (disk
+writes in flight). They are retried, oldest first, each time a transfer graph finishes."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, List
+
+import numpy as np
+
+from dynamo_flexkv.core.tasks import Task
+
+
+@dataclasses.dataclass(eq=False)
+class DeferredPut:
+    """What a put needs to be planned later (its task is issued, its device blocks are the caller's)."""
+
+    task: Task
+    seq: List[int]
+    token_ids: Any
+    dev_ids: np.ndarray
+    after: Any  # the CUDA event recorded at put_async: the copy waits for the engine's writes
+    since: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class DeferredPuts:
+    """The queue and its retry loop. ``put_now(put)`` plans and submits a put, returning False when
+    it had to wait again (it re-queued itself with ``add``); ``fail(put, error)`` ends one whose
+    retry raised. ``cond`` is the manager's idle condition: ``drain()`` waits on it until
+    ``busy()`` is False, and every change here notifies it."""
+
+    def __init__(self, cond: threading.Condition, put_now: Callable[[DeferredPut], bool],
+                 fail: Callable[[DeferredPut, BaseException], None]) -> None:
+        self._cond = cond
+        self._put_now = put_now
+        self._fail = fail
+        self._queue: "collections.deque[DeferredPut]" = collections.deque()
+        self._retrying = self._again = False
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def busy(self) -> bool:
+        """(Under ``cond``.) Puts are queued or being retried."""
+        return bool(self._queue) or self._retrying
+
+    def add(self, put: DeferredPut) -> None:
+        """(Under ``cond``.) Queues a put last."""
+        self._queue.append(put)
+
+    def drop(self, which: Callable[[DeferredPut], bool]) -> List[DeferredPut]:
+        """Takes the puts ``which(put)`` selects out of the queue (they were never planned)."""
+        with self._cond:
+            out = [p for p in self._queue if which(p)]
+            for p in out:
+                self._queue.remove(p)
+            self._cond.notify_all()
+        return out
+
+    def retry(self) -> None:
+        """Retries queued puts, oldest first, until one has to wait again. One thread at a time; a
+        call meanwhile makes that thread look again, so no wake-up is lost."""
+        with self._cond:
+            if self._retrying:
+                self._again = True
+                return
+            self._retrying = True
+        while True:
+            with self._cond:
+                put = self._queue.popleft() if self._queue else None
+                if put is None:
+                    if self._again:
+                        self._again = False
+                        continue
+                    self._retrying = False
+                    self._cond.notify_all()
+                    return
+                self._again = False
+            try:
+                waiting = not self._put_now(put)
+            except BaseException as e:  # noqa: BLE001 - this put fails, the retry loop goes on
+                self._fail(put, e)
+                waiting = False
+            if waiting:  # put_now queued it last: back to the front, the rest wait behind it
+                with self._cond:
+                    if put in self._queue:  # cancel() may have taken it meanwhile
+                        self._queue.remove(put)
+                        self._queue.appendleft(put)
+                    if not self._again:
+                        self._retrying = False
+                        self._cond.notify_all()
+                        return
+                    self._again = False

@@ -1,0 +1,90 @@
+"""What ``KVManager.stats()`` returns: one typed snapshot of the tiers, links, tasks and remote.
+
+Counters are totals since the manager opened; gauges (``used_blocks``, ``in_flight``, ...) are
+the moment of the call. ``as_dict()`` gives the same numbers as plain dicts for JSON reports and
+for crossing a process boundary (vLLM's collective_rpc).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from dynamo_flexkv.core.remote.stats import RemoteStats
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One local tier (host or disk), in blocks."""
+
+    capacity_blocks: int
+    used_blocks: int  # slots held: ready blocks and blocks whose copy is in flight
+    ready_blocks: int  # landed and verified: what a get can find
+    evicted_blocks: int
+    hit_blocks: int  # blocks gets found here
+    stored_blocks: int  # blocks that landed here
+    rolled_back_blocks: int  # blocks whose copy into the tier failed or was cancelled
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    miss_blocks: int  # blocks of gets found in no tier
+    remote_hit_blocks: int  # blocks gets planned to read from the remote tier
+    tasks_in_flight: int  # tasks holding index state (runs not yet committed or rolled back)
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    """Copies finished on one link (``d2h``, ``h2disk``, ...): divide for GB/s and mean latency."""
+
+    bytes: int
+    seconds: float
+    ops: int
+
+
+@dataclass(frozen=True)
+class TaskStats:
+    in_flight: int  # issued and not finished
+    uncollected_results: int  # finished, waiting for wait()/try_wait()
+    queued_ops: int  # ready copies waiting for a transfer thread
+    failed_ops: int  # copies that failed (their task rolled back)
+    deferred_puts: int  # puts waiting for host room that running tasks hold
+    put_refused_blocks: int  # blocks puts could not store: longer than the host tier
+    disk_write_failures: int  # puts whose disk write failed (kept on host only)
+    expired_results: int  # results nobody collected within task_result_ttl_seconds
+
+
+@dataclass
+class RemoteTierStats(RemoteStats):
+    """The remote store's counters (see RemoteStats) and what the manager planned of it."""
+
+    url: str = ""  # redacted: no password
+    planned_blocks: int = 0  # = RequestStats.remote_hit_blocks
+    short_reads: int = 0  # gets whose remote part verified fewer blocks than planned
+    write_failures: int = 0  # write-behind ops that raised (Redis failures count in RemoteStats)
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    host: TierStats
+    requests: RequestStats
+    tasks: TaskStats
+    disk: Optional[TierStats] = None  # None without a disk tier
+    remote: Optional[RemoteTierStats] = None  # None without a remote tier
+    links: Dict[str, LinkStats] = field(default_factory=dict)  # only links that moved something
+
+    @property
+    def tiers(self) -> Dict[str, TierStats]:
+        """The local tiers this manager has, by name: ``{"host": ..., "disk": ...}``."""
+        return {name: s for name, s in (("host", self.host), ("disk", self.disk)) if s is not None}
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Plain nested dicts (tiers by name, then requests, links, tasks, remote where present)."""
+        out: Dict[str, Any] = {name: dataclasses.asdict(s) for name, s in self.tiers.items()}
+        out["requests"] = dataclasses.asdict(self.requests)
+        out["links"] = {name: dataclasses.asdict(s) for name, s in self.links.items()}
+        out["tasks"] = dataclasses.asdict(self.tasks)
+        if self.remote is not None:
+            out["remote"] = dataclasses.asdict(self.remote)
+        return out
