@@ -50,6 +50,34 @@ def metric(port: int, name: str, **labels) -> float:
     return float(m.group(1))
 
 
+def _metric_sums(url: str, name: str, *by: str) -> dict:
+    """The samples of ``name`` at ``url`` summed per the values of the labels ``by``."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict = {}
+    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        key = tuple(labels.get(b, "") for b in by)
+        out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+def events_applied(frontend_metrics: str, worker_metrics: List[str], timeout: float = 60) -> dict:
+    """Waits until the frontend's router applied as many KV events as the workers published
+    (every one arrived), then returns the applied events by (event_type, status): a status other
+    than "ok" is an event the router could not apply (a parent or block it did not know)."""
+    def published() -> float:
+        return sum(sum(_metric_sums(u, "flexkv_kv_events_published_total").values()) for u in worker_metrics)
+    deadline = time.monotonic() + timeout
+    while True:
+        want = published()
+        applied = _metric_sums(frontend_metrics, "dynamo_component_kv_cache_events_applied", "event_type", "status")
+        if sum(applied.values()) >= want:
+            return {k: v for k, v in applied.items() if v}
+        assert time.monotonic() < deadline, f"the router applied {sum(applied.values())} of {want} KV events"
+        time.sleep(0.05)
+
+
 def assert_gone(launcher: Launcher) -> None:
     for p in launcher.running.values():  # nothing of any process group is left
         with pytest.raises(ProcessLookupError):

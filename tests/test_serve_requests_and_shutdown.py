@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import Serve, Streamed, assert_all_gone, stream, wait_until  # noqa: E402
+from served import Serve, Streamed, assert_all_gone, events_applied, stream, wait_until  # noqa: E402
 
 MODEL = "flexkv-tiny"
 WINDOW = 64 * 16  # the Serve helper's graph: 64 device blocks of 16 tokens per worker
@@ -71,6 +71,12 @@ def post(serve, body: dict, path: str = "/v1/completions"):
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+def disk_ready(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        m = re.search(r'^flexkv_pool_blocks\{(?=[^}]*tier="disk")(?=[^}]*state="ready")[^}]*\} (\S+)$', r.read().decode(), re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def scrape(port: int) -> dict:
@@ -337,7 +343,8 @@ def test_burst_with_hangups_drops_no_router_event(graph):
         codes = list(pool.map(one, range(120)))
     assert codes == [200] * 120, codes
     wait_idle(graph, all_workers(graph), 0)
-    time.sleep(1)  # the last events reach the router
+    applied = events_applied(graph.metrics["Frontend"], [graph.metrics[w] for w in WORKERS])  # every one arrived
+    assert {status for _, status in applied} == {"ok"}, f"events the router could not apply: {applied}"
     bad = [ln for ln in logs(graph).splitlines() if EVENT_DROPS.search(ln)]
     assert not bad, bad[:5]
 
@@ -460,7 +467,14 @@ def test_a_new_graph_on_the_same_ssd_serves_the_drained_prefixes_from_disk(graph
     again = Serve(graph.tmp, "g", "FlexKVWorker.restart-backoff-s=0.5")
     again.run_dir = graph.run_dir
     try:
-        time.sleep(2)  # the re-announced disk blocks reach the router
+        # The re-announced disk blocks reach the router: each worker that re-adopted blocks says it
+        # announced them, and the frontend's router applied every event published.
+        adopted = sum(disk_ready(again.worker_port(w)) > 0 for w in WORKERS)
+        assert adopted, "no worker re-adopted a disk block"
+        wait_until("each re-adopting worker's announcement",
+                   lambda: sum(bool(re.search(r"announced \d+ re-adopted disk blocks", ln)) for ln in again.lines) >= adopted)
+        applied = events_applied(again.metrics["Frontend"], [again.metrics[w] for w in WORKERS])
+        assert {status for _, status in applied} == {"ok"}, applied
         for p in DRAIN_PROMPTS:
             code, reply = post(again, {"prompt": p, "max_tokens": 1})
             assert code == 200 and reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 8 * 16, reply

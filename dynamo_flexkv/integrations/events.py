@@ -79,6 +79,7 @@ class KvEventRelay:
         self._closed = False
         self.sent = 0  # frames
         self.events_sent = 0
+        self.events_published = 0  # queued for the router; sent within about one flush_interval
         self.skipped = 0  # events the router could not have applied (see the module docstring)
         self.subscribed = False
         self._flusher = threading.Thread(target=self._flush_loop, name="kv-event-relay", daemon=True)
@@ -201,6 +202,7 @@ class KvEventRelay:
         if medium is not None:
             event["medium"] = medium
         self._pending.append(event)
+        self.events_published += 1
 
     def _grew(self, blocks: int) -> None:
         was_empty = self._pending_blocks == 0

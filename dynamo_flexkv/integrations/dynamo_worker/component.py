@@ -149,7 +149,8 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     def _engine_stats(self) -> Dict[str, float]:
         e = self.engine  # plain counters written by the engine thread: a scrape reads them as they are
         return {"steps": e.steps, "step_requests": e.step_requests, "step_seconds": e.step_seconds,
-                "load_stall_seconds": e.load_stall_seconds}
+                "load_stall_seconds": e.load_stall_seconds,
+                "kv_events_published": self.relay.events_published, "kv_events_skipped": self.relay.skipped}
 
     def _publish_load(self) -> None:
         """Device blocks in use (what the router weighs a worker's load by), on change only."""

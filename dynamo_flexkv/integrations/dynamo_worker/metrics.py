@@ -86,6 +86,12 @@ class OffloadCollector(Collector):
             yield _counter("engine_step_seconds", "Seconds the engine spent in steps", e["step_seconds"])
             yield _counter("engine_load_stall_seconds", "Seconds steps waited for offload loads",
                            e["load_stall_seconds"])
+            # The frontend's dynamo_component_kv_cache_events_applied (by status) counts the same
+            # events as its router applied them: equal sums mean every published event arrived.
+            yield _counter("kv_events_published", "KV events (device, host, disk) published to the router",
+                           e.get("kv_events_published", 0))
+            yield _counter("kv_events_skipped", "KV events not sent: a Stored whose parent or a Removed whose "
+                           "block the router was never told about", e.get("kv_events_skipped", 0))
         stats = self.offload_stats()
         if stats is not None:
             yield from _offload_families(stats)
