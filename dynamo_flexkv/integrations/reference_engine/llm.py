@@ -34,6 +34,7 @@ class LLMEngine:
         device_prefix_cache: bool = True,
         max_batch_tokens: int = 16384,
         max_running: int = 16,
+        max_overtakes: int = 16,
         seed: int = 0,
         on_device_stored: Optional[Callable[[List[int], Optional[int], List[int]], None]] = None,
         on_device_removed: Optional[Callable[[List[int]], None]] = None,
@@ -57,6 +58,11 @@ class LLMEngine:
         # tiers lack from the prefill worker, before any compute; returns how many it filled.
         self.remote_fill = remote_fill
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
+        if max_overtakes < 0:
+            raise ValueError(f"max_overtakes={max_overtakes} must be >= 0 (0: first come, first served)")
+        # A waiting request that does not fit the free blocks lets later ones that fit go first,
+        # at most this many times; then admission waits for it (bounded starvation).
+        self.max_overtakes = max_overtakes
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self._ids = itertools.count()
@@ -191,11 +197,21 @@ class LLMEngine:
             self._finished.append(req)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            if not self._allocate(req):
+        """In arrival order; a request that does not fit is skipped (no head-of-line blocking)
+        until ``max_overtakes`` later requests went past it, then nothing is admitted past it
+        until running requests free enough blocks for it."""
+        skipped: List[Request] = []
+        for req in list(self.waiting):
+            if len(self.running) >= self.max_running:
                 break
-            self.waiting.popleft()
+            if any(s.overtaken >= self.max_overtakes for s in skipped):
+                break
+            if not self._allocate(req):
+                skipped.append(req)
+                continue
+            for s in skipped:
+                s.overtaken += 1
+            self.waiting.remove(req)
             req.state = RequestState.RUNNING
             self.running.append(req)
         if self.connector is not None:
