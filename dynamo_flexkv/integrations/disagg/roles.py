@@ -67,10 +67,16 @@ class PrefillSide:
 
 @dataclass
 class DecodeStats:
-    handovers: int = 0
+    """Engine thread writes, a metrics scrape reads (plain counters)."""
+
+    handovers: int = 0  # requests that came with a handover and were allocated
+    ok: int = 0  # handovers whose blocks were pulled
+    local: int = 0  # handovers with nothing to pull: the decode worker's own tiers had every block
+    failed: int = 0  # handovers refused, failed or corrupt: recomputed
     pulled_blocks: int = 0
     local_blocks: int = 0  # prompt blocks the decode worker's own tiers already had
-    failed: int = 0  # pulls that failed or were refused: recomputed
+    bytes: int = 0  # KV bytes pulled
+    seconds: float = 0.0  # spent in reads (wall time on the engine thread)
 
 
 class DecodeSide:
@@ -120,6 +126,7 @@ class DecodeSide:
         try:
             n = min(len(p.blocks), cap)
             if n <= first:
+                self.stats.local += 1
                 return 0
             self.agent.check_compatible(p)
             budget = min(self.pull_timeout, p.lease_expires_unix - time.time() - LEASE_MARGIN_S)
@@ -127,8 +134,15 @@ class DecodeSide:
                 raise HandoverRefused(f"lease {p.lease} ends before a read could finish (expired or about to)")
             if p.last_hash != int(req.hashes.sequence[n - 1]):
                 raise HandoverRefused("the handed-over blocks are not this prompt's (sequence hash differs)")
-            self.agent.pull(p, p.blocks[first:n], req.block_table[first:n], budget, notif=RELEASE + p.lease.encode())
+            t0 = time.perf_counter()
+            try:
+                nbytes = self.agent.pull(p, p.blocks[first:n], req.block_table[first:n], budget,
+                                         notif=RELEASE + p.lease.encode())
+            finally:
+                self.stats.seconds += time.perf_counter() - t0
             released = True
+            self.stats.ok += 1
+            self.stats.bytes += nbytes
             self.stats.pulled_blocks += n - first
             self.pulled[req.id] = (n - first) * req.hashes.block_size
             return n - first

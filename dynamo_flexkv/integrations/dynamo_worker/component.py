@@ -131,10 +131,14 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                                                 context_length=self.limits.context_window))
 
     async def register_prometheus(self, metrics) -> None:
-        collector = OffloadCollector(self.tally, self._device_blocks,
-                                     lambda: self.kv.stats() if self.kv is not None else None,
-                                     self._engine_stats)
-        register_engine_registry(metrics, offload_registry(collector), prefix_filters=[PREFIX])
+        register_engine_registry(metrics, offload_registry(self.collector()), prefix_filters=[PREFIX])
+
+    def collector(self) -> OffloadCollector:
+        """The flexkv_* families of this worker's /metrics."""
+        return OffloadCollector(self.tally, self._device_blocks,
+                                lambda: self.kv.stats() if self.kv is not None else None,
+                                self._engine_stats,
+                                lambda: None if self.role.decode is None else self.role.decode.stats)
 
     def component_metrics_dp_ranks(self) -> List[int]:
         return [0]
@@ -311,8 +315,9 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                 stream = self._streams[o.request_id]
                 if o.finished:  # counted before the caller hears of it: a scrape after the reply sees it
                     del self._streams[o.request_id]
-                    self.tally.add(stream.prompt_len, o.cached_tokens)
                     extra = self.role.finished(o.request_id, stream.prompt)
+                    self.tally.add(stream.prompt_len, o.cached_tokens,
+                                   handover_tokens=0 if extra is None else extra.get("handover_tokens", 0))
                     if extra is not None:
                         stream.send(extra)
                 stream.send((o.new_token, o.finish_reason if o.finished else None, o.cached_tokens))

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from dynamo_flexkv.core.stats import ManagerStats, RemoteTierStats
+
+if TYPE_CHECKING:  # the disagg roles import NIXL's agent lazily; the metrics only read their counters
+    from dynamo_flexkv.integrations.disagg.roles import DecodeStats
 
 PREFIX = "flexkv_"
 REQUEST_TIERS = ("device", "host", "disk", "remote")
@@ -29,14 +32,18 @@ class RequestTally:
     prompt_tokens: int = 0
     aborted: int = 0  # requests stopped by a disconnect, a cancel or shutdown (not in the counts above)
     cached_tokens: Dict[str, int] = field(default_factory=lambda: {t: 0 for t in REQUEST_TIERS})
+    # Decode: prompt tokens pulled from the prefill worker. Neither cached here (the prefill worker
+    # computed them, its own counters say from where) nor computed here.
+    handover_tokens: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, prompt_tokens: int, cached: Dict[str, int]) -> None:
+    def add(self, prompt_tokens: int, cached: Dict[str, int], handover_tokens: int = 0) -> None:
         with self._lock:
             self.requests += 1
             self.prompt_tokens += prompt_tokens
             for tier, n in cached.items():
                 self.cached_tokens[tier] = self.cached_tokens.get(tier, 0) + n
+            self.handover_tokens += handover_tokens
 
     def add_aborted(self) -> None:
         with self._lock:
@@ -44,7 +51,13 @@ class RequestTally:
 
     def snapshot(self) -> "RequestTally":
         with self._lock:
-            return RequestTally(self.requests, self.prompt_tokens, self.aborted, dict(self.cached_tokens))
+            return RequestTally(self.requests, self.prompt_tokens, self.aborted, dict(self.cached_tokens),
+                                self.handover_tokens)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens this worker prefilled: neither cached nor handed over."""
+        return self.prompt_tokens - sum(self.cached_tokens.values()) - self.handover_tokens
 
     @property
     def hit_rate(self) -> Optional[float]:
@@ -57,9 +70,11 @@ class OffloadCollector(Collector):
 
     def __init__(self, tally: RequestTally, device_blocks: Callable[[], tuple],
                  offload_stats: Callable[[], Optional[ManagerStats]],
-                 engine_stats: Callable[[], Dict[str, float]] = dict) -> None:
+                 engine_stats: Callable[[], Dict[str, float]] = dict,
+                 handover_stats: Callable[[], Optional["DecodeStats"]] = lambda: None) -> None:
         self.tally, self.device_blocks, self.offload_stats = tally, device_blocks, offload_stats
         self.engine_stats = engine_stats
+        self.handover_stats = handover_stats  # decode workers' pulls (None elsewhere: zeros)
 
     def collect(self) -> Iterator[Metric]:
         t = self.tally.snapshot()
@@ -71,8 +86,11 @@ class OffloadCollector(Collector):
         for tier in REQUEST_TIERS:
             cached.add_metric([tier], t.cached_tokens.get(tier, 0))
         yield cached
-        yield _counter("prompt_tokens_computed", "Prompt tokens prefilled (cache misses)",
-                       t.prompt_tokens - sum(t.cached_tokens.values()))
+        yield _counter("prompt_tokens_computed", "Prompt tokens prefilled (cache misses, not handed over)",
+                       t.computed_tokens)
+        yield _counter("handover_tokens", "Prompt tokens a decode worker pulled from its prefill worker "
+                       "(neither cached nor computed here)", t.handover_tokens)
+        yield from _handover_families(self.handover_stats())
         used, total = self.device_blocks()
         dev = GaugeMetricFamily(PREFIX + "device_blocks", "Engine KV blocks", labels=["state"])
         dev.add_metric(["total"], total)
@@ -95,6 +113,19 @@ class OffloadCollector(Collector):
         stats = self.offload_stats()
         if stats is not None:
             yield from _offload_families(stats)
+
+
+def _handover_families(h: Optional["DecodeStats"]) -> Iterator[Metric]:
+    """Decode's KV handovers (zeros on other workers, so every worker exports the same families)."""
+    results = CounterMetricFamily(PREFIX + "handovers", "KV handovers a decode worker took: ok (pulled), "
+                                  "local (its own tiers had every block), failed (refused, failed or "
+                                  "corrupt: recomputed)", labels=["result"])
+    for result in ("ok", "local", "failed"):
+        results.add_metric([result], 0 if h is None else getattr(h, result))
+    yield results
+    yield _counter("handover_bytes", "KV bytes pulled from prefill workers", 0 if h is None else h.bytes)
+    yield _counter("handover_seconds", "Seconds decode spent pulling KV from prefill workers (reads)",
+                   0 if h is None else h.seconds)
 
 
 def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
