@@ -46,14 +46,14 @@ def test_lease_ends_on_release_or_expiry_never_twice():
 
 
 def test_params_round_trip_and_refuse_malformed_payloads():
-    p = HandoverParams("agent", "bWV0YQ==", "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0, 1e9, 8)
+    p = HandoverParams("agent", "bWV0YQ==", "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0, 1e9, 8, checksums=[7, 8])
     assert HandoverParams.from_dict(p.to_dict()) == p
     assert HandoverParams.from_dict({}) is None and HandoverParams.from_dict(None) is None
     for bad in ({KEY: {"version": 99}}, {KEY: "x"}, {KEY: dict(p.to_dict()[KEY], blocks="no")},
                 {KEY: dict(p.to_dict()[KEY], mem="HBM")}, {KEY: {k: v for k, v in p.to_dict()[KEY].items()
                                                                if k != "lease"}},
                 {KEY: dict(p.to_dict()[KEY], blocks=[4, 8])}, {KEY: dict(p.to_dict()[KEY], num_blocks=0)},
-                {KEY: dict(p.to_dict()[KEY], version=1)}):
+                {KEY: dict(p.to_dict()[KEY], version=2)}):
         with pytest.raises(HandoverRefused):
             HandoverParams.from_dict(bad)
 

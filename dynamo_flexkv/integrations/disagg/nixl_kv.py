@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from dynamo_flexkv import _native
 from dynamo_flexkv.integrations.disagg.params import HandoverParams, HandoverRefused, pack_metadata, unpack_metadata
 from dynamo_flexkv.core.errors import FlexKVError
 
@@ -58,6 +59,31 @@ def exit_past_libnl() -> Iterator[None]:
 
 class HandoverFailed(IOError, FlexKVError):
     """A pull did not complete (peer gone, transfer error, timeout): the decode worker recomputes."""
+
+
+class HandoverCorrupt(HandoverFailed):
+    """A pull completed but a block's bytes do not hash to the prefill worker's checksum."""
+
+
+def block_checksums(layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> List[int]:
+    """One xxh3_64 per block over all its layers: the native xxh3 the SSD tier checks its blocks
+    with, over each (layer, block) span, then over those per-layer digests (LE u64, layer order).
+    Device tensors are gathered to host first."""
+    n = len(blocks)
+    if not n:
+        return []
+    per_layer = np.empty((n, len(layers)), dtype=np.uint64)
+    for i, x in enumerate(layers):
+        bb = x[0].nbytes
+        if x.is_cuda:
+            x = x[torch.as_tensor(list(blocks), device=x.device)].cpu()
+            offsets = np.arange(n, dtype=np.uint64) * np.uint64(bb)
+        else:
+            offsets = np.asarray(blocks, dtype=np.uint64) * np.uint64(bb)
+        per_layer[:, i] = _native.checksums(x.data_ptr(), offsets, bb)
+    row = per_layer.shape[1] * 8
+    out = _native.checksums(per_layer.ctypes.data, np.arange(n, dtype=np.uint64) * np.uint64(row), row)
+    return out.tolist()  # Python ints, as the payload carries them
 
 
 @dataclass
@@ -132,7 +158,17 @@ class KVAgent:
                               blocks=list(blocks), last_hash=last_hash,
                               layer_addrs=[x.data_ptr() for x in self.layers], block_bytes=self.block_bytes,
                               mem=self.mem, dev=self.dev, lease_expires_unix=lease_expires_unix,
-                              num_blocks=self.num_blocks)
+                              num_blocks=self.num_blocks, checksums=block_checksums(self.layers, blocks))
+
+    def verify(self, p: HandoverParams, first: int, local_blocks: Sequence[int]) -> None:
+        """Raises HandoverCorrupt unless the local blocks (just read for ``p.blocks[first:]``) hash
+        to the prefill worker's checksums."""
+        want = p.checksums[first:first + len(local_blocks)]
+        got = block_checksums(self.layers, local_blocks)
+        bad = [first + i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+        if bad:
+            raise HandoverCorrupt(f"{len(bad)} of {len(local_blocks)} blocks read from {p.agent} fail their "
+                                  f"checksum (first: prompt block {bad[0]}, prefill block {p.blocks[bad[0]]})")
 
     def check_compatible(self, p: HandoverParams) -> None:
         if len(p.layer_addrs) != len(self.layers) or p.block_bytes != self.block_bytes:

@@ -9,8 +9,11 @@ import hmac
 import json
 import os
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional
+
+import numpy as np
+
 from dynamo_flexkv.core.errors import FlexKVError
 
 KEY = "flexkv_handover"
@@ -18,7 +21,8 @@ KEY = "flexkv_handover"
 # never on a command line: the prefill worker signs each handover with it and the decode worker
 # refuses (recomputes) one whose signature is missing or wrong. Unset: no signing on either side.
 SECRET_ENV = "FLEXKV_HANDOVER_SECRET"
-VERSION = 2  # 2: num_blocks (the decode worker prepares the prefill worker's KV descriptors once)
+# 2: num_blocks (the decode worker prepares the prefill worker's KV descriptors once); 3: checksums
+VERSION = 3
 
 
 class HandoverRefused(ValueError, FlexKVError):
@@ -40,11 +44,14 @@ class HandoverParams:
     lease_expires_unix: float  # wall-clock end of the lease: a read must be over by then
     num_blocks: int  # blocks per layer tensor on the prefill worker (what its descriptors cover)
     sig: Optional[str] = None  # HMAC-SHA256 of the fields that say what to read (see ``signed``)
+    # xxh3_64 of each block's bytes over every layer (nixl_kv.block_checksums), as the prefill
+    # worker computed them: decode verifies what it read before using any of it.
+    checksums: List[int] = field(default_factory=list)
 
     def _mac(self, secret: bytes) -> str:
-        # Every field that names what is read, from where, and for how long.
+        # Every field that names what is read, from where, for how long, and what it must hash to.
         fields = [self.agent, self.lease, self.blocks, self.num_blocks, self.last_hash, self.layer_addrs,
-                  self.block_bytes, self.mem, self.dev, repr(float(self.lease_expires_unix))]
+                  self.block_bytes, self.mem, self.dev, repr(float(self.lease_expires_unix)), self.checksums]
         return hmac.new(secret, json.dumps(fields).encode(), hashlib.sha256).hexdigest()
 
     def signed(self, secret: Optional[bytes]) -> "HandoverParams":
@@ -59,7 +66,7 @@ class HandoverParams:
                                   f"its signature does not match this graph's {SECRET_ENV}")
 
     def to_dict(self) -> Dict[str, Any]:
-        return {KEY: dict(asdict(self), version=VERSION)}
+        return {KEY: dict(asdict(self), version=VERSION, checksums=pack_checksums(self.checksums))}
 
     @classmethod
     def from_dict(cls, payload: Optional[Mapping[str, Any]]) -> Optional["HandoverParams"]:
@@ -76,7 +83,8 @@ class HandoverParams:
                     last_hash=None if d.get("last_hash") is None else int(d["last_hash"]),
                     layer_addrs=[int(a) for a in d["layer_addrs"]], block_bytes=int(d["block_bytes"]),
                     mem=str(d["mem"]), dev=int(d["dev"]), lease_expires_unix=float(d["lease_expires_unix"]),
-                    num_blocks=int(d["num_blocks"]), sig=None if d.get("sig") is None else str(d["sig"]))
+                    num_blocks=int(d["num_blocks"]), sig=None if d.get("sig") is None else str(d["sig"]),
+                    checksums=unpack_checksums(d["checksums"]))
         except (KeyError, TypeError, ValueError) as e:
             raise HandoverRefused(f"disaggregated_params.{KEY} is malformed ({type(e).__name__}: {e})") from None
         if p.mem not in ("DRAM", "VRAM") or p.block_bytes <= 0 or p.num_blocks <= 0:
@@ -84,7 +92,24 @@ class HandoverParams:
                                   f"{p.mem}/{p.block_bytes} bytes/{p.num_blocks} blocks")
         if any(not 0 <= b < p.num_blocks for b in p.blocks):
             raise HandoverRefused(f"disaggregated_params.{KEY}: a block id outside [0, {p.num_blocks})")
+        if len(p.checksums) != len(p.blocks):
+            raise HandoverRefused(f"disaggregated_params.{KEY}: {len(p.checksums)} checksums for "
+                                  f"{len(p.blocks)} blocks (one per block expected)")
         return p
+
+
+def pack_checksums(values: List[int]) -> str:
+    """Little-endian u64 per block, base64: 11 characters a block, and no JSON number past 2^53."""
+    return base64.b64encode(np.asarray(values, dtype="<u8").tobytes()).decode("ascii")
+
+
+def unpack_checksums(text: Any) -> List[int]:
+    if not isinstance(text, str):
+        raise TypeError(f"checksums must be a base64 string, not {type(text).__name__}")
+    raw = base64.b64decode(text, validate=True)  # binascii.Error is a ValueError
+    if len(raw) % 8:
+        raise ValueError(f"checksums are {len(raw)} bytes, not 8 per block")
+    return [int(x) for x in np.frombuffer(raw, dtype="<u8")]
 
 
 def handover_secret() -> Optional[bytes]:

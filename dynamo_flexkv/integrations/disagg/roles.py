@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from dynamo_flexkv.integrations.disagg.leases import LeaseTable
-from dynamo_flexkv.integrations.disagg.nixl_kv import HandoverFailed, KVAgent
+from dynamo_flexkv.integrations.disagg.nixl_kv import HandoverCorrupt, HandoverFailed, KVAgent
 from dynamo_flexkv.integrations.disagg.params import HandoverParams, HandoverRefused
 from dynamo_flexkv.integrations.reference_engine.llm import LLMEngine
 from dynamo_flexkv.integrations.reference_engine.request import Request
@@ -77,6 +77,8 @@ class DecodeStats:
     local_blocks: int = 0  # prompt blocks the decode worker's own tiers already had
     bytes: int = 0  # KV bytes pulled
     seconds: float = 0.0  # spent in reads (wall time on the engine thread)
+    verify_seconds: float = 0.0  # spent hashing what was read (the checksum check)
+    corrupt: int = 0  # the part of ``failed`` whose blocks failed their checksum
 
 
 class DecodeSide:
@@ -141,6 +143,11 @@ class DecodeSide:
             finally:
                 self.stats.seconds += time.perf_counter() - t0
             released = True
+            t0 = time.perf_counter()
+            try:  # before anything computes on them: a corrupt block is recomputed, not used
+                self.agent.verify(p, first, req.block_table[first:n])
+            finally:
+                self.stats.verify_seconds += time.perf_counter() - t0
             self.stats.ok += 1
             self.stats.bytes += nbytes
             self.stats.pulled_blocks += n - first
@@ -148,6 +155,7 @@ class DecodeSide:
             return n - first
         except (HandoverFailed, HandoverRefused) as e:
             self.stats.failed += 1
+            self.stats.corrupt += isinstance(e, HandoverCorrupt)
             log.warning("request %s: KV handover from %s failed, recomputing its prompt: %s", req.id, p.agent, e)
             return 0
         finally:

@@ -126,6 +126,10 @@ def _handover_families(h: Optional["DecodeStats"]) -> Iterator[Metric]:
     yield _counter("handover_bytes", "KV bytes pulled from prefill workers", 0 if h is None else h.bytes)
     yield _counter("handover_seconds", "Seconds decode spent pulling KV from prefill workers (reads)",
                    0 if h is None else h.seconds)
+    yield _counter("handover_checksum_seconds", "Seconds decode spent verifying the xxh3 checksums of what "
+                   "it pulled", 0 if h is None else h.verify_seconds)
+    yield _counter("handover_corrupt", "Handovers whose pulled blocks failed their checksum (part of "
+                   "handovers{result=failed}: recomputed)", 0 if h is None else h.corrupt)
 
 
 def _offload_families(stats: ManagerStats) -> Iterator[Metric]:

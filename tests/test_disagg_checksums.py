@@ -1,0 +1,104 @@
+"""The handover's integrity check: the prefill side sends an xxh3 per handed-over block, the
+decode side verifies the blocks it pulled before anything uses them. A block corrupted between
+the two (here: the prefill worker's copy after it was handed over) is recomputed, exactly, counted
+as a failed handover with one WARNING line."""
+
+import logging
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
+
+from dynamo_flexkv.integrations.disagg import HandoverParams, HandoverRefused  # noqa: E402
+from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent, block_checksums  # noqa: E402
+from dynamo_flexkv.integrations.disagg.params import KEY  # noqa: E402
+from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide  # noqa: E402
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine  # noqa: E402
+from dynamo_flexkv.integrations.reference_engine.request import SamplingParams  # noqa: E402
+
+CFG = EngineModelConfig.load("tiny")
+
+
+@pytest.fixture
+def pair():
+    prefill = LLMEngine(CFG, num_device_blocks=48)
+    decode = LLMEngine(CFG, num_device_blocks=48)
+    p_agent, d_agent = KVAgent(prefill.kv_cache.layers), KVAgent(decode.kv_cache.layers)
+    p_side = PrefillSide(prefill, p_agent, lease_ttl=30)
+    d_side = DecodeSide(decode, d_agent, pull_timeout=10)
+    decode.remote_fill = d_side.fill
+    yield prefill, decode, p_side, d_side
+    p_side.close()
+    d_agent.close()
+    p_agent.close()
+
+
+def decode_one(engine, side, rid, prompt, params, handover):
+    engine.add_request(prompt, params, request_id=rid)
+    side.expect(rid, HandoverParams.from_dict(handover))
+    while engine.has_unfinished():
+        engine.step()
+    (req,) = [r for r in engine.take_finished() if r.id == rid]
+    return req.output
+
+
+def serve_releases(side, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(side.leases):
+        side.service()
+        assert time.monotonic() < deadline, "the decode side's release notice never arrived"
+        time.sleep(0.005)
+
+
+def test_checksums_are_per_block_and_see_every_layer():
+    engine = LLMEngine(CFG, num_device_blocks=8)
+    torch.manual_seed(0)
+    for layer in engine.kv_cache.layers:
+        layer.normal_()
+    before = block_checksums(engine.kv_cache.layers, [0, 3, 5])
+    assert len(set(before)) == 3 and before == block_checksums(engine.kv_cache.layers, [0, 3, 5])
+    engine.kv_cache.layers[-1][3, 1, 0, 0, 0] += 1  # one value of one layer of block 3
+    after = block_checksums(engine.kv_cache.layers, [0, 3, 5])
+    assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
+
+
+def test_a_corrupted_block_is_recomputed_exactly_and_counted_as_a_failed_handover(pair, caplog):
+    prefill, decode, p_side, d_side = pair
+    agg = LLMEngine(CFG, num_device_blocks=48)
+    prompt = list(range(1, 100))
+    params = SamplingParams(max_tokens=6)
+    (want,) = agg.generate([prompt], params)
+    prefill.generate([prompt], SamplingParams(max_tokens=1))
+    handover = p_side.hand_over(prompt)
+    assert len(HandoverParams.from_dict(handover).checksums) == len(handover[KEY]["blocks"])
+    prefill.kv_cache.layers[1][handover[KEY]["blocks"][2]].fill_(7.0)  # after hashing, before the read
+    with caplog.at_level(logging.WARNING, logger="dynamo_flexkv.integrations.disagg.roles"):
+        got = decode_one(decode, d_side, "c1", prompt, params, handover)
+    assert got == want.output
+    assert d_side.stats.failed == 1 and d_side.stats.ok == 0 and d_side.stats.pulled_blocks == 0
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "checksum" in warnings[0].getMessage(), [r.getMessage() for r in warnings]
+    serve_releases(p_side)  # the read completed: its notification still ends the lease
+    assert decode.pool.num_available == decode.pool.num_blocks
+    # What decode recomputed entered its prefix cache as computed blocks: the next request hits
+    # them and, with an intact handover of the same prompt, needs nothing from the prefill worker.
+    prefill.kv_cache.layers[1].zero_()  # nothing of the prefill worker's KV may be used any more
+    assert decode_one(decode, d_side, "c2", prompt, params, p_side.hand_over(prompt)) == want.output
+    assert d_side.stats.local == 1
+
+
+def test_checksums_travel_signed_and_must_match_the_blocks():
+    p = HandoverParams("agent", None, "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0, 1e9, 8, checksums=[1, 2**64 - 1])
+    assert HandoverParams.from_dict(p.to_dict()) == p
+    for bad in (dict(p.to_dict()[KEY], checksums=p.to_dict()[KEY]["checksums"][:-2]),  # not 8 bytes per block
+                {k: v for k, v in p.to_dict()[KEY].items() if k != "checksums"},
+                dict(p.to_dict()[KEY], checksums="***")):
+        with pytest.raises(HandoverRefused):
+            HandoverParams.from_dict({KEY: bad})
+    signed = p.signed(b"s")
+    signed.verify(b"s")
+    with pytest.raises(HandoverRefused, match="forged"):  # checksums that fit another prompt's blocks
+        HandoverParams.from_dict(replace(signed, checksums=[2, 1]).to_dict()).verify(b"s")
