@@ -118,7 +118,8 @@ def test_cpu_binds_give_each_worker_its_share_of_the_cores():
     (["VllmWorker.offload=false", "VllmWorker.connector={load: false}"], "offload is false"),
     (["VllmWorker.extra-args=[--block-size=16]"], "extra-args sets --block-size: serve sets it from VllmWorker.block-size"),
     (["VllmWorker.dtype=fp8"], r"dtype='fp8': use one of"),
-    (["VllmWorker.disaggregation-mode=prefill"], "VllmWorker.disaggregation-mode is not an option"),
+    (["VllmWorker.disaggregation-mode=prefill"], "no decode worker"),
+    (["VllmWorker.disaggregation-mode=both"], "disaggregation-mode='both': use one of"),
     (["Common.model=/nonexistent/model"], "neither a preset .* nor a directory holding a config.json"),
     (["VllmWorker.replicas=0"], "replicas=0 must be >= 1"),
     (["VllmWorker.liveness-timeout-s=1"], "liveness-timeout-s=1.0 must be 0 \\(off\\) or between 5 and 3600"),
@@ -126,6 +127,30 @@ def test_cpu_binds_give_each_worker_its_share_of_the_cores():
 def test_bad_vllm_configs_fail_with_a_message_that_names_the_fix(tmp_path, overrides, message):
     with pytest.raises(GraphError, match=message):
         vplan(tmp_path, *overrides)
+
+
+@pytest.mark.parametrize("graph,prefills", [("disagg_vllm", 1), ("disagg_router_vllm", 2)])
+@pytest.mark.parametrize("offload", [True, False])
+def test_the_vllm_disagg_graphs_run_nixl_beside_our_connector(tmp_path, monkeypatch, graph, prefills, offload):
+    """Prefill and decode workers: --disaggregation-mode, and vLLM's MultiConnector holding
+    NixlConnector (first: a handed-over prompt loads from prefill, not from a tier) and
+    FlexKVConnector; NixlConnector alone without offload; each worker its own NIXL handshake port."""
+    monkeypatch.setattr("dynamo_flexkv.serve.vllm_worker.on_cpu", lambda: True)
+    roles = ("PrefillWorker", "DecodeWorker")
+    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+                             ["Frontend.http-port=0", *(f"{r}.cache.ssd_cache_dir={tmp_path}/{r}{{replica}}" for r in roles),
+                              *(f"{r}.offload={str(offload).lower()}" for r in roles)])
+    p = build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run")
+    assert [arg(w.argv, "--disaggregation-mode") for w in p.workers] == ["prefill"] * prefills + ["decode"]
+    for w in p.workers:
+        kv = json.loads(arg(w.argv, "--kv-transfer-config"))
+        children = kv["kv_connector_extra_config"]["connectors"] if offload else [kv]
+        assert kv["kv_connector"] == ("MultiConnector" if offload else "NixlConnector")
+        assert [c["kv_connector"] for c in children] == ["NixlConnector", "FlexKVConnector"][:1 + offload]
+        assert children[0]["kv_buffer_device"] == "cpu" and w.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    ports = [w.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for w in p.workers]
+    assert len(set(ports)) == len(ports)  # one address: the default 5600 would collide
+    assert arg(p.processes[0].argv, "--router-mode") == ("kv" if "router" in graph else "round-robin")
 
 
 def test_a_model_directory_without_weights_or_vllm_missing_is_refused(tmp_path, monkeypatch):

@@ -51,8 +51,10 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
                 if "--disaggregation-mode" in first.argv else "agg"
             if mode != "agg":  # the operator's (and planner's) name for the role
                 service["subComponentType"] = mode
+            if mode != "agg" and first.engine == "flexkv":
                 # Every prefill and decode pod signs and checks handovers with one graph secret,
-                # from a Secret (serve makes one per graph; a manifest must not carry it).
+                # from a Secret (serve makes one per graph; a manifest must not carry it). vLLM's
+                # NixlConnector has no such secret: its handshake port is the pod network's to guard.
                 service["envs"].append({"name": HANDOVER_SECRET_ENV,
                                         "valueFrom": {"secretKeyRef": {"name": f"{name}-handover", "key": "secret"}}})
                 handover_secret = f"{name}-handover"

@@ -28,6 +28,11 @@ from dynamo_flexkv.resources import presets_dir
 ENGINE = "vllm"
 CONNECTOR = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+# The P->D handover of the disagg graphs: vLLM's NixlConnector (pull: decode READs the prefill's
+# blocks over NIXL/UCX, then tells it to free them), beside FlexKVConnector under vLLM's
+# MultiConnector (Dynamo 1.6.1 accepts a MultiConnector holding Nixl for disaggregation).
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"  # its handshake listener (default 5600 for every worker)
 # What every vLLM worker runs with, here and in a rendered pod (with VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS).
 PORTABLE_ENV = {"VLLM_NO_USAGE_STATS": "1"}
 PORTABLE_KEYS = ("VLLM_NO_USAGE_STATS", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS")
@@ -48,7 +53,8 @@ MANAGED_FLAGS = {
     "--dtype": "dtype", "--kv-cache-memory-bytes": "kv-cache-memory-bytes",
     "--num-gpu-blocks-override": "num-device-blocks", "--load-format": "load-format",
     "--enforce-eager": "enforce-eager", "--kv-events-config": "(serve publishes KV events on ipc://)",
-    "--kv-transfer-config": "offload and connector", "--shutdown-timeout": "shutdown-timeout-s",
+    "--kv-transfer-config": "offload, connector and disaggregation-mode", "--shutdown-timeout": "shutdown-timeout-s",
+    "--disaggregation-mode": "disaggregation-mode",
 }
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 
@@ -76,7 +82,7 @@ def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Cal
 
     shared = ("model", "served-model-name", "namespace", "replicas", "offload", "system-port", "cache",
               "extra-args", "on-death", "max-restarts", "restart-window-s", "restart-backoff-s",
-              "liveness-timeout-s")
+              "liveness-timeout-s", "disaggregation-mode")
     return {**{k: worker_options[k] for k in shared},
             "num-device-blocks": _nonneg_int_or_none,  # vLLM's --num-gpu-blocks-override; unset: from memory
             "block-size": int_option, "max-model-len": int_option, "dtype": str_option, "kv-cache-memory-bytes": int_option,
@@ -87,7 +93,7 @@ def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Cal
 def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
     return {**{k: v for k, v in worker_defaults.items() if k in (
         "model", "namespace", "replicas", "offload", "cache", "extra-args", "on-death", "max-restarts",
-        "restart-window-s", "restart-backoff-s", "liveness-timeout-s")},
+        "restart-window-s", "restart-backoff-s", "liveness-timeout-s", "disaggregation-mode")},
         "num-device-blocks": None, "block-size": 64, "max-model-len": 4096, "dtype": "bfloat16",
         "kv-cache-memory-bytes": 256 << 20, "enforce-eager": True, "load-format": None, "connector": {},
         "cpu-threads-bind": None, "shutdown-timeout-s": 20}
@@ -97,6 +103,11 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
     """The vLLM-specific option checks (the shared ones ran already)."""
     from dynamo_flexkv.serve.graph import GraphError
 
+    from dynamo_flexkv.serve.options import DISAGG_MODES
+
+    if o["disaggregation-mode"] not in DISAGG_MODES:
+        raise GraphError(f"{source}: {name}.disaggregation-mode={o['disaggregation-mode']!r}: use one of "
+                         f"{list(DISAGG_MODES)}")
     if not 1 <= o["shutdown-timeout-s"] <= 300:
         raise GraphError(f"{source}: {name}.shutdown-timeout-s={o['shutdown-timeout-s']} must be between 1 and 300 "
                          "(seconds vLLM's engine takes to stop, its connector's last writes included)")
@@ -119,7 +130,8 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
         raise GraphError(f"{source}: {name}.dtype={o['dtype']!r}: use one of {list(DTYPES)}")
     for arg in o["extra-args"]:
         flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS and not (flag == "--kv-transfer-config" and not o["offload"]):
+        own_connector = flag == "--kv-transfer-config" and not o["offload"] and o["disaggregation-mode"] == "agg"
+        if flag in MANAGED_FLAGS and not own_connector:
             raise GraphError(f"{source}: {name}.extra-args sets {flag}: serve sets it from {name}."
                              f"{MANAGED_FLAGS[flag]}" + (" (your own connector: only with offload: false)"
                                                          if flag == "--kv-transfer-config" else ""))
@@ -287,11 +299,25 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
         argv = base + ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                          "endpoint": events_endpoint(run_dir, pname, port, local)})]
         cache, files = None, {}
+        connectors = []
         if o["offload"]:
             cache, files = replica_cache(name, pname, i, o, spec, o["block-size"], run_dir, penv, ports, source,
                                           local, redis, dirs)
             extra = {**o["connector"], "run_dir": str(run_dir / pname) if local else "/tmp"}
-            argv += ["--kv-transfer-config", json.dumps({**CONNECTOR, "kv_connector_extra_config": extra})]
+            connectors.append({**CONNECTOR, "kv_connector_extra_config": extra})
+        if o["disaggregation-mode"] != "agg":
+            argv += ["--disaggregation-mode", o["disaggregation-mode"]]
+            # NIXL first: MultiConnector loads from the first child that has a prefix, and a
+            # handed-over prompt must come from the prefill worker, not be looked up again.
+            connectors.insert(0, {**NIXL, "kv_buffer_device": "cpu" if on_cpu() else "cuda"})
+            if local:  # each worker its own handshake port (they share one address)
+                penv[NIXL_PORT_ENV] = str(ports.take_range(1, f"{pname} {NIXL_PORT_ENV}", VLLM_PORT_BAND))
+                penv["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        if len(connectors) == 1:
+            argv += ["--kv-transfer-config", json.dumps(connectors[0])]
+        elif connectors:
+            argv += ["--kv-transfer-config", json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                                                         "kv_connector_extra_config": {"connectors": connectors}})]
         proc_dirs: List[str] = []
         penv.update(PORTABLE_ENV, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=worker_s)
         if local:

@@ -42,7 +42,11 @@ class FlexKVConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
             tp = int(vllm_config.parallel_config.tensor_parallel_size)
-            self._worker = WorkerSide(settings, get_tensor_model_parallel_rank() if tp > 1 else 0, tp)
+            rank = get_tensor_model_parallel_rank() if tp > 1 else 0
+            if vllm_config.device_config.device_type == "cpu":
+                from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import restore_bind
+                restore_bind(rank)  # after a sibling NixlConnector pinned this thread (cpu_affinity.py)
+            self._worker = WorkerSide(settings, rank, tp)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -1,0 +1,95 @@
+"""Disaggregated prefill/decode on vLLM (graphs/disagg_vllm.py): the real Dynamo frontend, a
+``dynamo.vllm --disaggregation-mode prefill`` worker and a ``decode`` worker, each with vLLM's
+NixlConnector (the handover) beside FlexKVConnector (its own host/disk tiers) under MultiConnector.
+* 50 greedy prompts of mixed lengths (10 documents of 100-2,000 tokens, each asked 5 times with a
+  suffix of its own) give the same token ids as the aggregated vLLM graph (graphs/agg_vllm.py);
+  the prefill worker computed the prompts, the decode worker received their KV over NIXL (its
+  NIXL transfer counters) and computed almost none of them.
+All -m slow: each graph takes 1-3 minutes to start on 2 CPU cores; the aggregated graph stops
+before the disaggregated one starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vLLM is installed by scripts/install.sh")]
+pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
+
+import vllm_graph as vg  # noqa: E402
+from vllm_graph import VllmServe  # noqa: E402
+
+BS = 64
+MAX_TOKENS = 8
+DOC_LENS = (100, 300, 500, 700, 900, 1100, 1300, 1500, 1700, 2000)
+DOCS = [vg.tokens(3000 + d, n) for d, n in enumerate(DOC_LENS)]
+PROMPTS = [DOCS[d] + vg.tokens(4000 + 10 * r + d, 5 + (3 * r + 7 * d) % 20) for r in range(5) for d in range(len(DOCS))]
+
+
+def common(tmp: Path, name: str, workers: List[str]) -> List[str]:
+    out = ["Frontend.http-port=0"]
+    for w in workers:
+        out += [f"{w}.cache.ssd_cache_dir={tmp}/{name}/{w}{{replica}}", f"{w}.max-model-len=2560",
+                f"{w}.num-device-blocks=64", f"{w}.cache.cpu_cache_gb=0.0625", f"{w}.cache.ssd_cache_gb=0.1",
+                f"{w}.restart-backoff-s=5"]
+    return out
+
+
+def run(serve: VllmServe) -> Dict[int, List[int]]:
+    out = {}
+    for i, p in enumerate(PROMPTS):
+        r = vg.complete(serve.base_url, p, MAX_TOKENS, timeout=300)
+        assert len(r["ids"]) == MAX_TOKENS, r
+        out[i] = r["ids"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm-disagg")
+
+
+@pytest.fixture(scope="module")
+def aggregated(tmp) -> Dict[int, List[int]]:
+    """Token ids of every prompt from one aggregated vLLM worker with the same offload."""
+    serve = VllmServe(tmp, "agg", graph="agg_vllm", base=common(tmp, "agg", ["VllmWorker"]))
+    try:
+        t0 = time.monotonic()
+        out = run(serve)
+        print(f"\nagg_vllm: {len(PROMPTS)} prompts in {time.monotonic() - t0:.0f} s")
+    finally:
+        serve.close()
+    assert vg.ours_left(serve.run) == []
+    return out
+
+
+def test_disaggregated_vllm_gives_the_aggregated_tokens_and_decode_pulls_the_kv_over_nixl(tmp, aggregated):
+    serve = VllmServe(tmp, "disagg", graph="disagg_vllm",
+                      base=common(tmp, "disagg", ["PrefillWorker", "DecodeWorker"]))
+    try:
+        t0 = time.monotonic()
+        got = run(serve)
+        elapsed = time.monotonic() - t0
+        prefill, decode = (vg.scrape(serve.metrics[w]) for w in ("PrefillWorker", "DecodeWorker"))
+    finally:
+        serve.close()
+    assert vg.ours_left(serve.run) == []
+    differ = [i for i in got if got[i] != aggregated[i]]
+    assert not differ, f"{len(differ)} of {len(PROMPTS)} prompts differ from agg_vllm, e.g. #{differ[0]}: " \
+                       f"{got[differ[0]]} != {aggregated[differ[0]]}"
+    total = sum(len(p) for p in PROMPTS)
+    computed_p = vg.metric(prefill, "vllm:prompt_tokens_total")
+    transfers = vg.metric(decode, "vllm:nixl_xfer_time_seconds_count")
+    pulled = vg.metric(decode, "vllm:nixl_bytes_transferred_sum")
+    failed = vg.metric(decode, "vllm:nixl_num_failed_transfers_total")
+    print(f"\ndisagg_vllm: {len(PROMPTS)} prompts in {elapsed:.0f} s; prefill prompt tokens {computed_p:.0f} of "
+          f"{total}; decode: {transfers:.0f} NIXL transfers, {pulled / 2**20:.1f} MiB, {failed:.0f} failed")
+    assert computed_p >= total  # every prompt went through the prefill worker
+    assert failed == 0 and transfers >= 0.9 * len(PROMPTS), (transfers, failed)
+    assert pulled > 0
