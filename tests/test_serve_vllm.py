@@ -120,6 +120,7 @@ def test_cpu_binds_give_each_worker_its_share_of_the_cores():
     (["VllmWorker.dtype=fp8"], r"dtype='fp8': use one of"),
     (["VllmWorker.disaggregation-mode=prefill"], "no decode worker"),
     (["VllmWorker.disaggregation-mode=both"], "disaggregation-mode='both': use one of"),
+    (["VllmWorker.handover-lease-s=2"], "handover-lease-s=2.0 must be between 6 and 3600"),
     (["Common.model=/nonexistent/model"], "neither a preset .* nor a directory holding a config.json"),
     (["VllmWorker.replicas=0"], "replicas=0 must be >= 1"),
     (["VllmWorker.liveness-timeout-s=1"], "liveness-timeout-s=1.0 must be 0 \\(off\\) or between 5 and 3600"),
@@ -148,6 +149,7 @@ def test_the_vllm_disagg_graphs_run_nixl_beside_our_connector(tmp_path, monkeypa
         assert kv["kv_connector"] == ("MultiConnector" if offload else "NixlConnector")
         assert [c["kv_connector"] for c in children] == ["NixlConnector", "FlexKVConnector"][:1 + offload]
         assert children[0]["kv_buffer_device"] == "cpu" and w.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        assert children[0]["kv_connector_extra_config"] == {"kv_lease_duration": 30}  # handover-lease-s
     ports = [w.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for w in p.workers]
     assert len(set(ports)) == len(ports)  # one address: the default 5600 would collide
     assert arg(p.processes[0].argv, "--router-mode") == ("kv" if "router" in graph else "round-robin")

@@ -82,7 +82,7 @@ def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Cal
 
     shared = ("model", "served-model-name", "namespace", "replicas", "offload", "system-port", "cache",
               "extra-args", "on-death", "max-restarts", "restart-window-s", "restart-backoff-s",
-              "liveness-timeout-s", "disaggregation-mode")
+              "liveness-timeout-s", "disaggregation-mode", "handover-lease-s")
     return {**{k: worker_options[k] for k in shared},
             "num-device-blocks": _nonneg_int_or_none,  # vLLM's --num-gpu-blocks-override; unset: from memory
             "block-size": int_option, "max-model-len": int_option, "dtype": str_option, "kv-cache-memory-bytes": int_option,
@@ -93,7 +93,7 @@ def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Cal
 def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
     return {**{k: v for k, v in worker_defaults.items() if k in (
         "model", "namespace", "replicas", "offload", "cache", "extra-args", "on-death", "max-restarts",
-        "restart-window-s", "restart-backoff-s", "liveness-timeout-s", "disaggregation-mode")},
+        "restart-window-s", "restart-backoff-s", "liveness-timeout-s", "disaggregation-mode", "handover-lease-s")},
         "num-device-blocks": None, "block-size": 64, "max-model-len": 4096, "dtype": "bfloat16",
         "kv-cache-memory-bytes": 256 << 20, "enforce-eager": True, "load-format": None, "connector": {},
         "cpu-threads-bind": None, "shutdown-timeout-s": 20}
@@ -108,6 +108,10 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
     if o["disaggregation-mode"] not in DISAGG_MODES:
         raise GraphError(f"{source}: {name}.disaggregation-mode={o['disaggregation-mode']!r}: use one of "
                          f"{list(DISAGG_MODES)}")
+    if not 6 <= o["handover-lease-s"] <= 3600:
+        raise GraphError(f"{source}: {name}.handover-lease-s={o['handover-lease-s']} must be between 6 and 3600 "
+                         "(seconds NixlConnector holds a prefill's blocks for decode; decode renews the lease every "
+                         "sixth of it while it pulls)")
     if not 1 <= o["shutdown-timeout-s"] <= 300:
         raise GraphError(f"{source}: {name}.shutdown-timeout-s={o['shutdown-timeout-s']} must be between 1 and 300 "
                          "(seconds vLLM's engine takes to stop, its connector's last writes included)")
@@ -309,7 +313,10 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
             argv += ["--disaggregation-mode", o["disaggregation-mode"]]
             # NIXL first: MultiConnector loads from the first child that has a prefix, and a
             # handed-over prompt must come from the prefill worker, not be looked up again.
-            connectors.insert(0, {**NIXL, "kv_buffer_device": "cpu" if on_cpu() else "cuda"})
+            # Its lease: a prefill's blocks wait this long for decode's read (decode renews it
+            # while it pulls), so a dead decode worker holds them no longer.
+            connectors.insert(0, {**NIXL, "kv_buffer_device": "cpu" if on_cpu() else "cuda",
+                                  "kv_connector_extra_config": {"kv_lease_duration": math.ceil(o["handover-lease-s"])}})
             if local:  # each worker its own handshake port (they share one address)
                 penv[NIXL_PORT_ENV] = str(ports.take_range(1, f"{pname} {NIXL_PORT_ENV}", VLLM_PORT_BAND))
                 penv["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
