@@ -127,7 +127,7 @@ def test_decode_tokens_and_pulled_bytes_equal_aggregated_and_prefill(pair):
     fill = d_side.fill
 
     def recording_fill(req, first, cap):
-        p = d_side._pending.get(req.id)
+        p = d_side._pending[req.id].params if req.id in d_side._pending else None
         got = fill(req, first, cap)
         if got:
             pulled.append((list(p.blocks[first:first + got]), list(req.block_table[first:first + got])))

@@ -255,3 +255,69 @@ def _text_or_none(plan, prompt: str):
         return complete(plan, prompt, 3)["choices"][0]["text"]
     except (urllib.error.HTTPError, OSError):
         return None
+
+
+def test_a_lease_no_decode_worker_claims_ends_after_the_renewal_window_not_the_lease_ttl(tmp_path):
+    """SIGSTOP the decode worker and send a request: the prefill worker computes it and leases its
+    blocks, but no decode worker claims the lease. It ends ``renew_s`` (5 s) after the grant, far
+    before the 30 s ``handover-lease-s``, counted as unclaimed. (Dynamo's frontend gives up on the
+    stopped decode worker after its 5 s TCP request timeout and migrates the request: it prefills it
+    again, and that lease goes unclaimed too.) SIGCONT decode: the request ends in exact tokens or a
+    clean HTTP error, every lease ends (none held until its ttl), later requests pull as before and
+    every process exits 0."""
+    import os
+    import signal
+    import threading
+    import time
+    import urllib.error
+
+    plan = disagg_plan(tmp_path, "disagg")
+    prefill, decode = plan.workers
+    base, extra = prompts(4, seed=23)
+    with Launcher(plan) as launcher:
+        launcher.wait_ready(120)
+        want = {p: complete(plan, p, 3)["choices"][0]["text"] for p in base + extra}
+        wait_until("no prefill block leased", lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0)
+        decode_pid = launcher.running[decode.name].pid
+        fresh = extra[0] + " " + " ".join(reversed(base[0].split()))
+        os.kill(decode_pid, signal.SIGSTOP)
+        outcome = {}
+
+        def ask():
+            try:
+                outcome["reply"] = complete(plan, fresh, 3)
+            except (urllib.error.HTTPError, OSError) as e:
+                outcome["error"] = e
+        asker = threading.Thread(target=ask)
+        try:
+            asker.start()
+            wait_until("a lease held on the prefill worker",
+                       lambda: metric(prefill.port, "flexkv_handover_leases") >= 1, every=0.05)
+            held = time.monotonic()
+            wait_until("the unclaimed lease ended",
+                       lambda: metric(prefill.port, "flexkv_handover_leases_ended_total", how="unclaimed") >= 1,
+                       timeout=25, every=0.1)
+            assert time.monotonic() - held < 15, "an unclaimed lease was held about as long as the 30 s lease ttl"
+        finally:
+            os.kill(decode_pid, signal.SIGCONT)
+        asker.join(120)
+        assert not asker.is_alive(), "the request neither finished nor failed"
+        if "reply" in outcome:
+            assert outcome["reply"]["choices"][0]["text"] == complete(plan, fresh, 3)["choices"][0]["text"]
+        else:
+            assert isinstance(outcome["error"], urllib.error.HTTPError), outcome["error"]
+        wait_until("every lease ended", lambda: metric(prefill.port, "flexkv_handover_leases") == 0, timeout=15)
+        assert "expired unclaimed" in (plan.run_dir / "logs" / f"{prefill.name}.log").read_text()
+        wait_until("the graph serving exact tokens again",
+                   lambda: _text_or_none(plan, base[1]) == want[base[1]], timeout=30, every=0.5)
+        failed = metric(decode.port, "flexkv_handovers_total", result="failed")
+        for p in base:  # pulled again, exact
+            assert complete(plan, p, 3)["choices"][0]["text"] == want[p]
+        assert metric(decode.port, "flexkv_handovers_total", result="failed") == failed
+        wait_until("the prefill worker's leases released",
+                   lambda: metric(prefill.port, "flexkv_handover_leases") == 0, timeout=10)
+        # No lease was claimed and then lost: each ended by release or unclaimed.
+        assert metric(prefill.port, "flexkv_handover_leases_ended_total", how="expired") == 0
+        assert metric(prefill.port, "flexkv_device_blocks", state="used") == 0
+    clean_exit(launcher)
+    assert_gone(launcher)

@@ -50,7 +50,8 @@ class Role:
             if not engine.device_prefix_cache:
                 raise InvalidArgument("a prefill worker hands over its device prefix cache: drop "
                                       "--no-device-prefix-cache")
-            self.prefill = PrefillSide(engine, self.agent, self.args.handover_lease_s, handover_secret())
+            self.prefill = PrefillSide(engine, self.agent, self.args.handover_lease_s, handover_secret(),
+                                       renew_s=self.args.handover_renew_s)
         else:
             self.decode = DecodeSide(engine, self.agent, self.args.handover_timeout_s, handover_secret())
             engine.remote_fill = self.decode.fill
@@ -106,6 +107,8 @@ class Role:
     def service(self) -> None:
         if self.prefill is not None:
             self.prefill.service()
+        if self.decode is not None:
+            self.decode.service()  # renews the leases of requests still waiting here
 
     def is_quiescent(self) -> Optional[bool]:
         return None if self.prefill is None else len(self.prefill.leases) == 0

@@ -153,12 +153,13 @@ class KVAgent:
         return self._metadata
 
     def describe(self, lease: str, blocks: List[int], last_hash, lease_expires_unix: float,
-                 with_metadata: bool = True) -> HandoverParams:
+                 with_metadata: bool = True, renew_by_unix: float = 0.0, renew_s: float = 0.0) -> HandoverParams:
         return HandoverParams(agent=self.name, metadata=self._metadata if with_metadata else None, lease=lease,
                               blocks=list(blocks), last_hash=last_hash,
                               layer_addrs=[x.data_ptr() for x in self.layers], block_bytes=self.block_bytes,
                               mem=self.mem, dev=self.dev, lease_expires_unix=lease_expires_unix,
-                              num_blocks=self.num_blocks, checksums=block_checksums(self.layers, blocks))
+                              num_blocks=self.num_blocks, checksums=block_checksums(self.layers, blocks),
+                              renew_by_unix=renew_by_unix, renew_s=renew_s)
 
     def verify(self, p: HandoverParams, first: int, local_blocks: Sequence[int]) -> None:
         """Raises HandoverCorrupt unless the local blocks (just read for ``p.blocks[first:]``) hash

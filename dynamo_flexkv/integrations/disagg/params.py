@@ -7,6 +7,7 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 import os
 import zlib
 from dataclasses import asdict, dataclass, field, replace
@@ -21,8 +22,9 @@ KEY = "flexkv_handover"
 # never on a command line: the prefill worker signs each handover with it and the decode worker
 # refuses (recomputes) one whose signature is missing or wrong. Unset: no signing on either side.
 SECRET_ENV = "FLEXKV_HANDOVER_SECRET"
-# 2: num_blocks (the decode worker prepares the prefill worker's KV descriptors once); 3: checksums
-VERSION = 3
+# 2: num_blocks (the decode worker prepares the prefill worker's KV descriptors once); 3: checksums;
+# 4: renew_by_unix, renew_s (the lease holds briefly unless the decode worker claims and renews it)
+VERSION = 4
 
 
 class HandoverRefused(ValueError, FlexKVError):
@@ -47,11 +49,16 @@ class HandoverParams:
     # xxh3_64 of each block's bytes over every layer (nixl_kv.block_checksums), as the prefill
     # worker computed them: decode verifies what it read before using any of it.
     checksums: List[int] = field(default_factory=list)
+    # The lease ends at renew_by_unix unless a decode worker's claim reaches the prefill worker
+    # first; each claim or renewal holds it renew_s seconds more (never past lease_expires_unix).
+    renew_by_unix: float = 0.0
+    renew_s: float = 0.0
 
     def _mac(self, secret: bytes) -> str:
         # Every field that names what is read, from where, for how long, and what it must hash to.
         fields = [self.agent, self.lease, self.blocks, self.num_blocks, self.last_hash, self.layer_addrs,
-                  self.block_bytes, self.mem, self.dev, repr(float(self.lease_expires_unix)), self.checksums]
+                  self.block_bytes, self.mem, self.dev, repr(float(self.lease_expires_unix)), self.checksums,
+                  repr(float(self.renew_by_unix)), repr(float(self.renew_s))]
         return hmac.new(secret, json.dumps(fields).encode(), hashlib.sha256).hexdigest()
 
     def signed(self, secret: Optional[bytes]) -> "HandoverParams":
@@ -84,7 +91,8 @@ class HandoverParams:
                     layer_addrs=[int(a) for a in d["layer_addrs"]], block_bytes=int(d["block_bytes"]),
                     mem=str(d["mem"]), dev=int(d["dev"]), lease_expires_unix=float(d["lease_expires_unix"]),
                     num_blocks=int(d["num_blocks"]), sig=None if d.get("sig") is None else str(d["sig"]),
-                    checksums=unpack_checksums(d["checksums"]))
+                    checksums=unpack_checksums(d["checksums"]), renew_by_unix=float(d["renew_by_unix"]),
+                    renew_s=float(d["renew_s"]))
         except (KeyError, TypeError, ValueError) as e:
             raise HandoverRefused(f"disaggregated_params.{KEY} is malformed ({type(e).__name__}: {e})") from None
         if p.mem not in ("DRAM", "VRAM") or p.block_bytes <= 0 or p.num_blocks <= 0:
@@ -92,6 +100,8 @@ class HandoverParams:
                                   f"{p.mem}/{p.block_bytes} bytes/{p.num_blocks} blocks")
         if any(not 0 <= b < p.num_blocks for b in p.blocks):
             raise HandoverRefused(f"disaggregated_params.{KEY}: a block id outside [0, {p.num_blocks})")
+        if not all(math.isfinite(x) for x in (p.lease_expires_unix, p.renew_by_unix, p.renew_s)):
+            raise HandoverRefused(f"disaggregated_params.{KEY}: lease times must be finite numbers")
         if len(p.checksums) != len(p.blocks):
             raise HandoverRefused(f"disaggregated_params.{KEY}: {len(p.checksums)} checksums for "
                                   f"{len(p.blocks)} blocks (one per block expected)")

@@ -70,7 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill: seconds handed-over blocks stay held without the decode worker's release")
     p.add_argument("--handover-timeout-s", type=handover_seconds, default=10.0,
                    help="decode: seconds a KV pull may take before the prompt is recomputed instead")
+    p.add_argument("--handover-renew-s", type=handover_renew_seconds, default=5.0,  # leases.DEFAULT_RENEW_S
+                   help="prefill: seconds a lease holds unless the decode worker claims or renews it (it does "
+                        "when the request reaches it and while the request waits there); at most "
+                        "--handover-lease-s")
     return p
+
+
+def handover_renew_seconds(text: str) -> float:
+    """argparse type of --handover-renew-s: a decode worker claims a lease with 1 s to spare
+    (clock skew, the notice's way), so a window under 2 s would leave it almost no time."""
+    value = handover_seconds(text)
+    if value < 2.0:
+        raise argparse.ArgumentTypeError(f"--handover-renew-s {value} must be at least 2 seconds: the decode "
+                                         "worker claims a lease with 1 s to spare")
+    return value
 
 
 def check_event_plane_binds_loopback(event_plane: str) -> None:

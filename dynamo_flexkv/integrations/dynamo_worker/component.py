@@ -138,7 +138,8 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         return OffloadCollector(self.tally, self._device_blocks,
                                 lambda: self.kv.stats() if self.kv is not None else None,
                                 self._engine_stats,
-                                lambda: None if self.role.decode is None else self.role.decode.stats)
+                                lambda: None if self.role.decode is None else self.role.decode.stats,
+                                lambda: None if self.role.prefill is None else self.role.prefill.leases)
 
     def component_metrics_dp_ranks(self) -> List[int]:
         return [0]

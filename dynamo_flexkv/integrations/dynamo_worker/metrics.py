@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from dynamo_flexkv.core.stats import ManagerStats, RemoteTierStats
 
 if TYPE_CHECKING:  # the disagg roles import NIXL's agent lazily; the metrics only read their counters
+    from dynamo_flexkv.integrations.disagg.leases import LeaseTable
     from dynamo_flexkv.integrations.disagg.roles import DecodeStats
 
 PREFIX = "flexkv_"
@@ -71,10 +72,12 @@ class OffloadCollector(Collector):
     def __init__(self, tally: RequestTally, device_blocks: Callable[[], tuple],
                  offload_stats: Callable[[], Optional[ManagerStats]],
                  engine_stats: Callable[[], Dict[str, float]] = dict,
-                 handover_stats: Callable[[], Optional["DecodeStats"]] = lambda: None) -> None:
+                 handover_stats: Callable[[], Optional["DecodeStats"]] = lambda: None,
+                 lease_stats: Callable[[], Optional["LeaseTable"]] = lambda: None) -> None:
         self.tally, self.device_blocks, self.offload_stats = tally, device_blocks, offload_stats
         self.engine_stats = engine_stats
         self.handover_stats = handover_stats  # decode workers' pulls (None elsewhere: zeros)
+        self.lease_stats = lease_stats  # prefill workers' leases (None elsewhere: zeros)
 
     def collect(self) -> Iterator[Metric]:
         t = self.tally.snapshot()
@@ -91,6 +94,7 @@ class OffloadCollector(Collector):
         yield _counter("handover_tokens", "Prompt tokens a decode worker pulled from its prefill worker "
                        "(neither cached nor computed here)", t.handover_tokens)
         yield from _handover_families(self.handover_stats())
+        yield from _lease_families(self.lease_stats())
         used, total = self.device_blocks()
         dev = GaugeMetricFamily(PREFIX + "device_blocks", "Engine KV blocks", labels=["state"])
         dev.add_metric(["total"], total)
@@ -130,6 +134,20 @@ def _handover_families(h: Optional["DecodeStats"]) -> Iterator[Metric]:
                    "it pulled", 0 if h is None else h.verify_seconds)
     yield _counter("handover_corrupt", "Handovers whose pulled blocks failed their checksum (part of "
                    "handovers{result=failed}: recomputed)", 0 if h is None else h.corrupt)
+
+
+def _lease_families(leases: Optional["LeaseTable"]) -> Iterator[Metric]:
+    """Prefill's handover leases (zeros on other workers)."""
+    yield _gauge("handover_leases", "Handover leases a prefill worker holds (their blocks stay referenced)",
+                 0 if leases is None else len(leases))
+    ended = CounterMetricFamily(PREFIX + "handover_leases_ended", "Handover leases ended: released by the decode "
+                                "worker, expired after its renewals stopped, or unclaimed (no decode worker took "
+                                "the request)", labels=["how"])
+    released, expired, unclaimed = (0, 0, 0) if leases is None else (
+        leases.released, leases.expired_count - leases.unclaimed_count, leases.unclaimed_count)
+    for how, n in (("released", released), ("expired", expired), ("unclaimed", unclaimed)):
+        ended.add_metric([how], n)
+    yield ended
 
 
 def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
