@@ -39,6 +39,7 @@ def test_disagg_graphs_plan_prefill_and_decode_workers(tmp_path, graph, prefills
     ("PrefillWorker.device-prefix-cache=false", "device-prefix-cache: true"),
     ("PrefillWorker.handover-lease-s=0", "must be > 0"),
     ("DecodeWorker.handover-timeout-s=-1", "must be > 0"),
+    ("PrefillWorker.handover-renew-s=1", "must be at least 2 seconds"),
 ])
 def test_bad_disagg_configs_are_refused_before_anything_starts(tmp_path, override, message):
     with pytest.raises(GraphError, match=message):

@@ -68,6 +68,7 @@ OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
         "system-port": int_option, "cache": mapping_option, "extra-args": args_option,
         "on-death": str_option, "max-restarts": int_option, "restart-window-s": float_option, "restart-backoff-s": float_option,
         "liveness-timeout-s": float_option, "disaggregation-mode": str_option, "handover-lease-s": float_option, "handover-timeout-s": float_option,
+        "handover-renew-s": float_option,
     },
 }
 DISAGG_MODES = ("agg", "prefill", "decode")
@@ -80,7 +81,7 @@ DEFAULTS: Dict[Kind, Dict[str, Any]] = {
                   "offload": True, "bulk-load": False, "device-prefix-cache": True, "cache": {},
                   "extra-args": [], "on-death": "restart", "max-restarts": 3, "restart-window-s": 300.0,
                   "restart-backoff-s": 1.0, "liveness-timeout-s": 30.0, "disaggregation-mode": "agg", "handover-lease-s": 30.0,
-                  "handover-timeout-s": 10.0},
+                  "handover-timeout-s": 10.0, "handover-renew-s": 5.0},
 }
 
 
@@ -179,10 +180,13 @@ def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, en
         if out["disaggregation-mode"] not in DISAGG_MODES:
             raise GraphError(f"{source}: {name}.disaggregation-mode={out['disaggregation-mode']!r}: use one of "
                              f"{list(DISAGG_MODES)}")
-        for key in ("handover-lease-s", "handover-timeout-s"):
+        for key in ("handover-lease-s", "handover-timeout-s", "handover-renew-s"):
             problem = handover_seconds_problem(out[key])
             if problem is not None:
                 raise GraphError(f"{source}: {name}.{key}={problem}")
+        if out["handover-renew-s"] < 2:  # as the worker's --handover-renew-s refuses it
+            raise GraphError(f"{source}: {name}.handover-renew-s={out['handover-renew-s']} must be at least 2 seconds: "
+                             "the decode worker claims a lease with 1 s to spare")
         if out["disaggregation-mode"] == "prefill" and not out["device-prefix-cache"]:
             raise GraphError(f"{source}: {name}: a prefill worker hands its device prefix cache over; set "
                              "device-prefix-cache: true")

@@ -231,7 +231,7 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
             "--discovery-backend", discovery, "--event-plane", event_plane,
             "--num-device-blocks", str(o["num-device-blocks"]),
             "--disaggregation-mode", o["disaggregation-mode"], "--handover-lease-s", str(o["handover-lease-s"]),
-            "--handover-timeout-s", str(o["handover-timeout-s"])]
+            "--handover-timeout-s", str(o["handover-timeout-s"]), "--handover-renew-s", str(o["handover-renew-s"])]
     if o["disaggregation-mode"] == "prefill":
         argv += ["--component", "prefill"]  # Dynamo's convention; decode and agg keep the default
     argv += ["--no-offload"] * (not o["offload"]) + ["--bulk-load"] * o["bulk-load"]
