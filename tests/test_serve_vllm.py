@@ -147,6 +147,7 @@ def test_the_vllm_disagg_graphs_run_nixl_beside_our_connector(tmp_path, monkeypa
         kv = json.loads(arg(w.argv, "--kv-transfer-config"))
         children = kv["kv_connector_extra_config"]["connectors"] if offload else [kv]
         assert kv["kv_connector"] == ("MultiConnector" if offload else "NixlConnector")
+        assert kv["kv_load_failure_policy"] == "recompute"  # a failed handover is recomputed
         assert [c["kv_connector"] for c in children] == ["NixlConnector", "FlexKVConnector"][:1 + offload]
         assert children[0]["kv_buffer_device"] == "cpu" and w.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
         assert children[0]["kv_connector_extra_config"] == {"kv_lease_duration": 30}  # handover-lease-s

@@ -5,13 +5,21 @@ NixlConnector (the handover) beside FlexKVConnector (its own host/disk tiers) un
   suffix of its own) give the same token ids as the aggregated vLLM graph (graphs/agg_vllm.py);
   the prefill worker computed the prompts, the decode worker received their KV over NIXL (its
   NIXL transfer counters) and computed almost none of them.
+* Decode SIGKILLed while it holds a request, then prefill SIGKILLed while it computes one: the
+  request ends with the aggregated tokens or a clean 5xx, never a hang; serve restarts the worker,
+  a new request is answered with the same tokens within the README's bound once it is ready, and
+  the prefill worker's blocks (NixlConnector's lease) are free again.
 All -m slow: each graph takes 1-3 minutes to start on 2 CPU cores; the aggregated graph stops
 before the disaggregated one starts."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import time
+import urllib.error
 from pathlib import Path
 from typing import Dict, List
 
@@ -23,6 +31,7 @@ pytestmark = [pytest.mark.slow,
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
 import vllm_graph as vg  # noqa: E402
+from served import wait_until  # noqa: E402
 from vllm_graph import VllmServe  # noqa: E402
 
 BS = 64
@@ -93,3 +102,65 @@ def test_disaggregated_vllm_gives_the_aggregated_tokens_and_decode_pulls_the_kv_
     assert computed_p >= total  # every prompt went through the prefill worker
     assert failed == 0 and transfers >= 0.9 * len(PROMPTS), (transfers, failed)
     assert pulled > 0
+
+
+RECOVERY_S = 30  # README: a new request after a worker's restart is answered within this
+
+
+def pid_of(serve: VllmServe, name: str) -> int:
+    """``name``'s dynamo.vllm process now (serve's children change when it restarts one)."""
+    serve.children = [int(x) for x in subprocess.run(["pgrep", "-P", str(serve.proc.pid)], capture_output=True,
+                                                     text=True).stdout.split()]
+    return serve.worker_pid(name)
+
+
+def running(serve: VllmServe, name: str) -> float:
+    try:
+        return vg.metric(vg.scrape(serve.metrics[name]), "vllm:num_requests_running")
+    except OSError:
+        return 0.0
+
+
+def test_a_killed_decode_or_prefill_worker_fails_cleanly_and_the_graph_recovers(tmp, aggregated):
+    serve = VllmServe(tmp, "faults", "PrefillWorker.restart-backoff-s=1", "DecodeWorker.restart-backoff-s=1",
+                      graph="disagg_vllm", base=common(tmp, "faults", ["PrefillWorker", "DecodeWorker"]))
+    try:
+        for victim, k in (("DecodeWorker", 19), ("PrefillWorker", 29)):  # 2,000-token prompts
+            pid, seen = pid_of(serve, victim), len(serve.lines)
+            out, thread = vg.stream_in_thread(serve.base_url, PROMPTS[k], MAX_TOKENS)
+            wait_until(f"{victim} to hold the request", lambda: out.finished or running(serve, victim) > 0,
+                       timeout=120, every=0.01)
+            os.kill(pid, signal.SIGKILL)
+            thread.join(180)
+            assert out.finished, f"the request hung after {victim} died"
+            if out.status == 200 and out.done and out.error is None and out.exception is None:
+                assert out.ids == aggregated[k], f"after {victim} died: {out.ids} != {aggregated[k]}"
+                outcome = "the aggregated tokens"
+            else:  # a clean 5xx: an HTTP status or an SSE error event, never a broken stream
+                code = out.status if out.status >= 500 else int((out.error or {}).get("code") or 0)
+                assert 500 <= code < 600 and out.exception is None, out
+                outcome = f"a clean {code}"
+            ready = serve.wait_for(rf"{victim} is ready again after \S+ s", 600)
+            assert any(f"{victim} exited with signal SIGKILL" in x for x in serve.lines[seen:])
+            # Ready is the worker's /health; the frontend answers 404/503 until it re-discovered the
+            # model (decode is the model's only backend): the bound counts from ready to an answer.
+            t0, failures = time.monotonic(), []
+            while True:
+                try:
+                    r = vg.complete(serve.base_url, PROMPTS[k + 10], MAX_TOKENS, timeout=RECOVERY_S)
+                    break
+                except urllib.error.HTTPError as e:
+                    failures.append(e.code)
+                    assert e.code in (404, 503) and time.monotonic() - t0 < RECOVERY_S, (failures, e.read()[:300])
+                    time.sleep(0.2)
+            answered = time.monotonic() - t0
+            assert r["ids"] == aggregated[k + 10] and answered < RECOVERY_S, (answered, r)
+            # Nothing of the dead side holds the prefill's blocks past NixlConnector's lease (30 s).
+            wait_until("the prefill worker's KV blocks free", lambda: vg.metric(
+                vg.scrape(serve.metrics["PrefillWorker"]), "vllm:kv_cache_usage_perc") == 0, timeout=60, every=0.5)
+            print(f"\n{victim} killed while it held a request: {outcome} after {out.seconds:.1f} s; "
+                  f"{ready.group(0)}; the next request answered {answered:.1f} s later "
+                  f"({len(failures)} refused meanwhile: {sorted(set(failures))})")
+    finally:
+        serve.close()
+    assert vg.ours_left(serve.run) == []

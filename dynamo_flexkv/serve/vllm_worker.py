@@ -320,10 +320,13 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
             if local:  # each worker its own handshake port (they share one address)
                 penv[NIXL_PORT_ENV] = str(ports.take_range(1, f"{pname} {NIXL_PORT_ENV}", VLLM_PORT_BAND))
                 penv["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        # The scheduler reads the top level's policy: a handover that fails (prefill died mid-read)
+        # is recomputed, not failed (vLLM's default).
         if len(connectors) == 1:
-            argv += ["--kv-transfer-config", json.dumps(connectors[0])]
+            argv += ["--kv-transfer-config", json.dumps({**connectors[0], "kv_load_failure_policy": "recompute"})]
         elif connectors:
             argv += ["--kv-transfer-config", json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                                                         "kv_load_failure_policy": "recompute",
                                                          "kv_connector_extra_config": {"connectors": connectors}})]
         proc_dirs: List[str] = []
         penv.update(PORTABLE_ENV, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=worker_s)
