@@ -148,7 +148,20 @@ def test_decode_stopped_then_killed_while_holding_a_lease_the_lease_expires_and_
             assert outcome["reply"]["choices"][0]["text"] == want[extra[0]]
         wait_until("the decode worker restarted", lambda: decode.name not in launcher.starting
                    and launcher.restarts.get(decode.name) == 1, timeout=90)
-        time.sleep(2)
+        # README's bound: once the restarted worker is ready, a new short request is answered within
+        # 30 s (the frontend answers 404/503 until it re-discovered the decode worker).
+        t0, refused = time.monotonic(), []
+        while True:
+            try:
+                short = complete(plan, "a new short request after the restart", 3)
+                break
+            except urllib.error.HTTPError as e:
+                refused.append(e.code)
+                assert e.code in (404, 503) and time.monotonic() - t0 < 30, refused
+                time.sleep(0.2)
+        answered = time.monotonic() - t0
+        print(f"\na new short request answered {answered:.1f} s after the restarted decode was ready ({refused})")
+        assert answered < 30 and short["choices"][0]["text"]
         for p in base:
             assert complete(plan, p, 3)["choices"][0]["text"] == want[p]
     finally:
