@@ -5,7 +5,7 @@ from dynamo_flexkv.core.errors import FlexKVError
 __version__ = "0.1.0"
 
 __all__ = ["FlexKVError", "KVManager", "CacheConfig", "ModelSpec", "KVLayoutType", "TaskStatus", "TaskResult",
-           "ManagerStats"]
+           "ManagerStats", "ManagerClosed", "TaskFailed", "TooManyTasks"]
 
 
 def __getattr__(name: str):
@@ -19,7 +19,7 @@ def __getattr__(name: str):
     if name in ("ModelSpec", "KVLayoutType"):
         from dynamo_flexkv.core import layout
         return getattr(layout, name)
-    if name in ("TaskStatus", "TaskResult"):
+    if name in ("TaskStatus", "TaskResult", "ManagerClosed", "TaskFailed", "TooManyTasks"):
         from dynamo_flexkv.core import tasks
         return getattr(tasks, name)
     if name == "ManagerStats":

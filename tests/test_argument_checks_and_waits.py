@@ -300,3 +300,30 @@ def test_shutdown_during_deferred_puts_cancels_them_never_fails_them(tmp_path):
     bad = [r for r in got.values() if r.status not in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)]
     assert not bad, bad
     assert sum(r.status is TaskStatus.CANCELLED for r in got.values()) >= 1  # the held retry, at least
+
+
+def test_layer_ids_and_id_lists_of_the_wrong_type_are_refused_naming_the_argument(tmp_path):
+    """Found by an outside review: a float/str/bool layer, a bool among device ids, ragged or 2-D
+    ids and a bare task id passed to wait() were accepted or failed with numpy/Python internals."""
+    from dynamo_flexkv import KVLayoutType, KVManager
+    from kv_helpers import MODEL, TPB, config, device_tensors
+
+    with KVManager(MODEL, config(tmp_path, disk_blocks=0)) as kv:
+        kv.register_device_cache(device_tensors(KVLayoutType.LAYERBLOCK, 16))
+        p = list(range(3 * TPB))
+        t = kv.put_async(p, [0, 1, 2])
+        assert kv.wait([t])[t].ok
+        g = kv.get_async(p, [3, 4, 5], layerwise=True)
+        for bad in (1.0, "0", None, True):
+            with pytest.raises(TypeError, match="layer must be an int"):
+                kv.wait_for_layer(g, bad)
+        assert kv.wait_for_layer(g, 0, timeout=30)
+        for ids, message in (([10, True, 12], r"device_block_ids\[1\] is True, a bool"),
+                             ([[4, 5], [6]], "flat sequence of integers"),
+                             ([[4], [5], [6]], "one-dimensional"), (np.array([[4, 5, 6]]), "one-dimensional")):
+            with pytest.raises(TypeError, match=message):
+                kv.put_async(list(range(100, 100 + 3 * TPB)), ids)
+        for call in (kv.wait, kv.try_wait, kv.cancel):
+            with pytest.raises(TypeError, match=r"pass a list of task ids"):
+                call(g)
+        assert kv.wait([g])[g].ok and kv.drain(30) and kv.stats().tasks.in_flight == 0

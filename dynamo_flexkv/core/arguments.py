@@ -31,6 +31,27 @@ def device_ids(token_ids: Sequence[int], device_block_ids: Any, tokens_per_block
     return ids
 
 
+def layer_index(value: Any, num_layers: int) -> int:
+    """``layer`` of wait_for_layer: an int in [0, num_layers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"wait_for_layer(layer={value!r}): layer must be an int in [0, {num_layers}), "
+                        f"got {type(value).__name__}")
+    if not 0 <= value < num_layers:
+        raise ValueError(f"layer {value} outside [0, {num_layers})")
+    return int(value)
+
+
+def task_id_list(task_ids: Any, call: str) -> List[Any]:
+    """The ids a wait/cancel call takes: an iterable of task ids (one id alone is refused, naming
+    the fix, rather than read as characters or failing as 'not iterable')."""
+    if isinstance(task_ids, (str, bytes, int, np.integer)) or task_ids is None:
+        raise TypeError(f"{call}(task_ids={task_ids!r}): pass a list of task ids, e.g. {call}([tid])")
+    try:
+        return list(task_ids)
+    except TypeError:
+        raise TypeError(f"{call}(task_ids={task_ids!r}): pass a list of task ids, e.g. {call}([tid])") from None
+
+
 def skip_blocks(value: Any, n_tokens: int, tokens_per_block: int) -> int:
     """``skip_blocks`` of a get: an int in [0, the prompt's blocks]."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -51,8 +72,15 @@ def integer_array(device_block_ids, num_blocks: int) -> np.ndarray:
     as a flat int64 array."""
     if isinstance(device_block_ids, torch.Tensor):
         device_block_ids = device_block_ids.detach().cpu().numpy()
-    ids = None if device_block_ids is None or isinstance(device_block_ids, (str, bytes)) \
-        else np.asarray(device_block_ids)
+    if isinstance(device_block_ids, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in device_block_ids):
+        pos = next(i for i, v in enumerate(device_block_ids) if isinstance(v, (bool, np.bool_)))
+        raise TypeError(f"device_block_ids[{pos}] is {device_block_ids[pos]!r}, a bool: pass integer block ids")
+    try:
+        ids = None if device_block_ids is None or isinstance(device_block_ids, (str, bytes)) \
+            else np.asarray(device_block_ids)
+    except ValueError:  # ragged nesting
+        raise TypeError("device_block_ids must be a flat sequence of integers (one id per block), got a "
+                        f"ragged {type(device_block_ids).__name__}") from None
     if ids is not None and ids.dtype.kind in "fO" and ids.ndim == 1:
         # Python ints past int64 turn a list into float64 or object: name the id, not the dtype.
         for pos, v in enumerate(device_block_ids):
@@ -64,7 +92,8 @@ def integer_array(device_block_ids, num_blocks: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if ids.dtype.kind not in "iu":  # floats would be truncated, bools read as blocks 0 and 1
         raise TypeError(f"device_block_ids must be integers, got dtype {ids.dtype}")
-    ids = ids.reshape(-1)
+    if ids.ndim != 1:  # a [n, 1] array is not one id per block by accident
+        raise TypeError(f"device_block_ids must be one-dimensional (one id per block), got shape {ids.shape}")
     bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))  # in the ids' own dtype: uint64 does not wrap
     if bad.size:
         out_of_range(int(ids[bad[0]]), int(bad[0]), num_blocks)

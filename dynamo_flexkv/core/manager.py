@@ -279,7 +279,7 @@ class KVManager:
         waited on again. A finished result is handed out once; results a wait() is blocked on never
         expire. ``timeout``: seconds (None or inf: no limit)."""
         deadline = _deadline(timeout, "wait")
-        with self._awaited(list(task_ids), "wait") as tasks:
+        with self._awaited(arguments.task_id_list(task_ids, "wait"), "wait") as tasks:
             out: Dict[int, TaskResult] = {}
             finished = []
             for task in tasks:
@@ -298,7 +298,7 @@ class KVManager:
 
     def try_wait(self, task_ids: Iterable[int]) -> Dict[int, TaskResult]:
         """Results of the tasks that already finished; the others are left running."""
-        finished = [t for t in task_ids if self._task(t, "try_wait").done.is_set()]
+        finished = [t for t in arguments.task_id_list(task_ids, "try_wait") if self._task(t, "try_wait").done.is_set()]
         return self.wait(finished, 0)
 
     def cancel(self, task_ids: Iterable[int]) -> None:
@@ -306,7 +306,7 @@ class KVManager:
         task already finished, its result collected or expired, is skipped: cancel may race wait().
         An id never issued raises KeyError, and then nothing is cancelled."""
         self._check_open("cancel")
-        tasks = self._table.get_all(list(task_ids))  # all ids checked before any task is touched
+        tasks = self._table.get_all(arguments.task_id_list(task_ids, "cancel"))  # all checked before any is touched
         for task in tasks:
             if task is None:
                 continue
@@ -349,8 +349,7 @@ class KVManager:
         ``timeout``: seconds (None or inf: no limit)."""
         deadline = _deadline(timeout, "wait_for_layer")
         with self._awaited([task_id], "wait_for_layer") as (task,):
-            if not 0 <= layer < task.num_layers:
-                raise ValueError(f"layer {layer} outside [0, {task.num_layers})")
+            layer = arguments.layer_index(layer, task.num_layers)
             if not task.layer_ready[layer].wait(_left(deadline)):
                 return False
         if task.result is not None and not task.result.ok:
@@ -378,7 +377,8 @@ class KVManager:
                           failed_ops=t.failed_ops, deferred_puts=len(self._deferred),
                           put_refused_blocks=self.put_refused_blocks,
                           disk_write_failures=self.graphs.disk_write_failures,
-                          expired_results=self._table.expired_results)
+                          expired_results=self._table.expired_results,
+                          transfers_running=self._live_graphs + len(self._deferred))
         return ManagerStats(host=tiers["host"], disk=tiers.get("disk"), requests=requests, tasks=tasks,
                             remote=remote, links=links)
 
@@ -445,8 +445,9 @@ class KVManager:
             limit = self.config.max_tasks_in_flight
             busy = self._live_graphs + len(self._deferred)
             if busy >= limit:  # bounded work under a flood: refuse rather than queue forever
-                raise TooManyTasks(f"{kind.value}_async refused: {busy} tasks in flight "
-                                   f"(max_tasks_in_flight={limit}); wait for some, or raise max_tasks_in_flight")
+                raise TooManyTasks(f"{kind.value}_async refused: {busy} tasks in flight (max_tasks_in_flight={limit}; "
+                                   "the background disk/remote writes of finished puts count: "
+                                   "stats().tasks.transfers_running); wait for some (drain()), or raise max_tasks_in_flight")
             task = self._table.issue(kind, self.model.num_layers)
         self._table.expire()
         try:

@@ -53,6 +53,9 @@ class TaskStats:
     put_refused_blocks: int  # blocks puts could not store: longer than the host tier
     disk_write_failures: int  # puts whose disk write failed (kept on host only)
     expired_results: int  # results nobody collected within task_result_ttl_seconds
+    # What max_tasks_in_flight counts: tasks' transfer graphs still running, the background disk
+    # and remote writes of puts that already reported success included, and deferred puts.
+    transfers_running: int = 0
 
 
 @dataclass
