@@ -232,3 +232,15 @@ class ModelTier:
         for h, parent, slot in entries:
             self.tick += 1
             self.blocks[h] = MBlock(parent, None, slot, ready=True, last=now, ins=self.tick, tick=self.tick)
+
+
+def random_chains(rng, count=40, max_len=12):
+    """Chains of sequence hashes that share prefixes, like prompts of one workload."""
+    chains, next_hash = [], 1
+    for _ in range(count):
+        base = list(rng.choice(chains)[: rng.randrange(0, max_len)]) if chains and rng.random() < 0.7 else []
+        extra = rng.randrange(1, max_len)
+        chain = base + list(range(next_hash, next_hash + extra))
+        next_hash += extra
+        chains.append(chain)
+    return chains

@@ -21,10 +21,14 @@ import pytest
 
 from dynamo_flexkv.serve import load_graph
 from dynamo_flexkv.serve.launcher import Launcher, http_json
-from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+from dynamo_flexkv.serve.plan import LaunchPlan, RestartPolicy, apply_overrides, build_plan, load_config
 from sse import DONE, sse_data
 
 ROOT = Path(__file__).resolve().parents[1]
+AGG_ROUTER = str(ROOT / "graphs" / "agg_router.py")
+CONFIG = str(ROOT / "configs" / "agg_router.yaml")
+# Dynamo's words for events it could not apply or never received (dynamo_kv_router / dynamo_llm).
+CONTRADICTIONS = ("Failed to find block to remove", "Failed to find parent block", "dropping the newest batch")
 TINY = ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
         "FlexKVWorker.num-device-blocks=64", "FlexKVWorker.cache.cpu_cache_gb=0.02",
         "FlexKVWorker.cache.ssd_cache_gb=0.05"]
@@ -44,10 +48,15 @@ def complete(plan, prompt, max_tokens=4) -> dict:
 def metric(port: int, name: str, **labels) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    want = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
-    m = re.search(rf"^{name}\{{{want}[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
-    assert m is not None, f"{name}{labels} not on /metrics"
-    return float(m.group(1))
+    found = [v for have, v in samples(text, name) if all(have.get(k) == str(w) for k, w in labels.items())]
+    assert found, f"{name}{labels} not on /metrics"
+    return found[0]
+
+
+def samples(text: str, name: str):
+    """Each sample of ``name`` in a Prometheus text page, as (labels dict, value)."""
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        yield dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or "")), float(m.group(2))
 
 
 def _metric_sums(url: str, name: str, *by: str) -> dict:
@@ -55,10 +64,9 @@ def _metric_sums(url: str, name: str, *by: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     out: dict = {}
-    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+    for labels, value in samples(text, name):
         key = tuple(labels.get(b, "") for b in by)
-        out[key] = out.get(key, 0.0) + float(m.group(2))
+        out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -245,3 +253,29 @@ class Serve:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def agg_router_plan(tmp_path, *overrides, graph=AGG_ROUTER, **kw):
+    """The shipped agg_router config (reference workers, full size) with an SSD under tmp_path."""
+    config = apply_overrides(load_config(CONFIG), ["Frontend.http-port=0",
+                                                   f"FlexKVWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}",
+                                                   *overrides])
+    return build_plan(load_graph(graph), config, run_dir=tmp_path / "run", source="agg_router.yaml", **kw)
+
+
+def sleeper_plan(tmp_path, policy: RestartPolicy) -> LaunchPlan:
+    """A frontend and a worker that are real processes (sleep) under the launcher's supervision."""
+    p = agg_router_plan(tmp_path, "FlexKVWorker.replicas=1", "Common.model=tiny")
+    front, worker = p.processes
+    for proc in (front, worker):
+        proc.argv = ["sleep", "60"]
+    worker.restart = policy
+    return p
+
+
+def vplan(tmp_path, *overrides, graph="agg_router_vllm", **kw):
+    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+                             ["Frontend.http-port=0", f"VllmWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}",
+                              *overrides])
+    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run",
+                      source=f"{graph}.yaml", **kw)

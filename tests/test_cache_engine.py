@@ -11,7 +11,7 @@ import pytest
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.index import CacheEngine, IndexError_, Tier
-from test_tier_index import random_chains
+from index_model import random_chains
 
 
 def make_engine(tmp_path, host=16, disk=48, **kw):

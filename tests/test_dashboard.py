@@ -6,36 +6,11 @@ frontend's) /metrics is checked against a served graph in tests/test_replay.py."
 
 import json
 import re
-from pathlib import Path
-from typing import Dict, Iterator, List, Set
+from typing import List
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-DASHBOARD = ROOT / "configs" / "grafana" / "flexkv.json"
-PROMETHEUS = ROOT / "configs" / "prometheus.yml"
-METRIC = re.compile(r"\b((?:flexkv|dynamo)_[a-z0-9_]+)\b")
-
-
-def load_dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def all_panels(panels: List[dict]) -> Iterator[dict]:
-    for p in panels:
-        yield p
-        yield from all_panels(p.get("panels", []))
-
-
-def queried_metrics(dashboard: dict) -> Dict[str, Set[str]]:
-    """Metric name -> titles of the panels that query it."""
-    out: Dict[str, Set[str]] = {}
-    for p in all_panels(dashboard["panels"]):
-        for t in p.get("targets", []):
-            for name in METRIC.findall(t["expr"]):
-                out.setdefault(name, set()).add(p["title"])
-    return out
-
+from dashboard_queries import METRIC, PROMETHEUS, all_panels, load_dashboard
 
 def schema_problems(d: dict) -> List[str]:
     """What Grafana's classic dashboard schema requires, and what an import needs to work."""

@@ -3,10 +3,11 @@ the real lease table and the real pull. Decode tokens must equal the aggregated 
 pulled KV bytes must equal the prefill engine's, and no lease or block may be left behind."""
 
 import random
-import time
 
 import pytest
 import torch
+
+from disagg_helpers import Clock, decode_one, engine_pair, serve_releases
 
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
@@ -18,14 +19,6 @@ from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEn
 from dynamo_flexkv.integrations.reference_engine.request import SamplingParams  # noqa: E402
 
 CFG = EngineModelConfig.load("tiny")
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_lease_ends_on_release_or_expiry_never_twice():
@@ -78,44 +71,10 @@ def _prompts(n, rng):
     return out
 
 
-def _serve_releases(side, timeout: float = 10.0) -> None:
-    """Services the prefill side until every lease it granted ended. A release notice is NIXL's
-    notification from the decode agent (riding on the read, or sent alone when nothing was
-    read): the decode side sends it and goes on, and it reaches the prefill agent
-    asynchronously (UCX progress), so one service() right after a decode may not see it yet —
-    in a worker the engine loop services leases every turn. Bounded well below the pair's 30 s
-    lease: a notice that never arrives fails here rather than ending by expiry."""
-    deadline = time.monotonic() + timeout
-    while True:
-        side.service()
-        if len(side.leases) == 0:
-            return
-        assert time.monotonic() < deadline, \
-            f"{len(side.leases)} leases still held {timeout:.0f} s after their decode side released them"
-        time.sleep(0.005)
-
-
-def _decode_one(engine, side, rid, prompt, params, handover):
-    engine.add_request(prompt, params, request_id=rid)
-    side.expect(rid, HandoverParams.from_dict(handover))
-    while engine.has_unfinished():
-        engine.step()
-    (req,) = [r for r in engine.take_finished() if r.id == rid]
-    return req.output
-
-
 @pytest.fixture
 def pair():
-    prefill = LLMEngine(CFG, num_device_blocks=48)
-    decode = LLMEngine(CFG, num_device_blocks=48)
-    p_agent, d_agent = KVAgent(prefill.kv_cache.layers), KVAgent(decode.kv_cache.layers)
-    p_side = PrefillSide(prefill, p_agent, lease_ttl=30)
-    d_side = DecodeSide(decode, d_agent, pull_timeout=10)
-    decode.remote_fill = d_side.fill
-    yield prefill, decode, p_side, d_side
-    p_side.close()
-    d_agent.close()
-    p_agent.close()
+    with engine_pair() as p:
+        yield p
 
 
 def test_decode_tokens_and_pulled_bytes_equal_aggregated_and_prefill(pair):
@@ -139,13 +98,13 @@ def test_decode_tokens_and_pulled_bytes_equal_aggregated_and_prefill(pair):
         prefill.generate([prompt], SamplingParams(max_tokens=1))
         handover = p_side.hand_over(prompt)
         assert bool(handover) == (len(prompt) > CFG.block_size)
-        got = _decode_one(decode, d_side, f"d{i}", prompt, params, handover)
+        got = decode_one(decode, d_side, f"d{i}", prompt, params, handover)
         assert got == want.output, f"prompt {i} ({len(prompt)} tokens)"
         for remote, local in pulled:  # the bytes decode computes on are the prefill worker's
             for layer in range(CFG.num_layers):
                 assert torch.equal(decode.kv_cache.layers[layer][local], prefill.kv_cache.layers[layer][remote])
         pulled.clear()
-        _serve_releases(p_side)  # before the next prompt (its blocks stay referenced while leased)
+        serve_releases(p_side)  # before the next prompt (its blocks stay referenced while leased)
     assert d_side.stats.pulled_blocks > 0 and d_side.stats.local_blocks > 0  # shared prefixes hit locally
     assert d_side.stats.failed == 0
     # Every lease ended on its release notice; every block is free or evictable on both sides.
@@ -164,19 +123,19 @@ def test_a_refused_or_failed_handover_is_recomputed_exactly_and_the_lease_still_
     good = p_side.hand_over(prompt)
     # Another prompt's handover (its hash differs): refused, recomputed, lease released.
     other = dict(good[KEY], last_hash=good[KEY]["last_hash"] ^ 1)
-    assert _decode_one(decode, d_side, "r1", prompt, params, {KEY: other}) == want.output
+    assert decode_one(decode, d_side, "r1", prompt, params, {KEY: other}) == want.output
     assert d_side.stats.failed == 1
     # A lease that ended (or ends before a read could): refused, recomputed.
     decode.pool = type(decode.pool)(decode.pool.num_blocks)  # forget what r1 computed
     late = dict(good[KEY], lease_expires_unix=0.5)
-    assert _decode_one(decode, d_side, "r0", prompt, params, {KEY: late}) == want.output
+    assert decode_one(decode, d_side, "r0", prompt, params, {KEY: late}) == want.output
     assert d_side.stats.failed == 2 and d_side.stats.pulled_blocks == 0
     # An agent that does not exist: the pull fails, the prompt is recomputed.
     decode.pool = type(decode.pool)(decode.pool.num_blocks)  # forget what r1 computed
     ghost = dict(good[KEY], agent="flexkv-kv-gone", metadata="bm90IG1ldGFkYXRh")
-    assert _decode_one(decode, d_side, "r2", prompt, params, {KEY: ghost}) == want.output
+    assert decode_one(decode, d_side, "r2", prompt, params, {KEY: ghost}) == want.output
     assert d_side.stats.failed == 3
-    _serve_releases(p_side)  # r1's release notice ended the one real lease
+    serve_releases(p_side)  # r1's release notice ended the one real lease
     assert p_side.leases.released == 1 and p_side.leases.expired_count == 0
     # A lease whose decode worker never answers ends by timeout.
     clock = Clock()
@@ -226,7 +185,7 @@ def test_prefill_process_killed_after_handing_over_decode_recomputes_exactly(tmp
             if i == 1:
                 proc.kill()
                 proc.wait(10)
-            got = _decode_one(decode, side, f"k{i}", prompt, params, handover)
+            got = decode_one(decode, side, f"k{i}", prompt, params, handover)
             assert got == agg.generate([prompt], params)[0].output
         assert len(fills) == 2 and max(fills) < 3 + 2  # bounded by the pull timeout, never a hang
         assert side.stats.pulled_blocks == (len(first) - 1) // CFG.block_size  # the first, across processes
@@ -254,9 +213,9 @@ def test_signed_handover_is_pulled_and_an_unsigned_or_differently_signed_one_rec
             (want,) = agg.generate([prompt], params)
             prefill.generate([prompt], SamplingParams(max_tokens=1))
             handover = side.hand_over(prompt)
-            assert _decode_one(decode, d_side, f"s{i}", prompt, params, handover) == want.output
+            assert decode_one(decode, d_side, f"s{i}", prompt, params, handover) == want.output
             assert d_side.stats.failed == i and d_side.stats.pulled_blocks > 0
-        _serve_releases(signer)
+        serve_releases(signer)
         assert len(other.leases) == len(unsigned.leases) == 1  # no release sent
     finally:
         for side in (signer, other, unsigned):

@@ -4,18 +4,18 @@ the two (here: the prefill worker's copy after it was handed over) is recomputed
 as a failed handover with one WARNING line."""
 
 import logging
-import time
 from dataclasses import replace
 
 import pytest
 import torch
 
+from disagg_helpers import decode_one, engine_pair, serve_releases
+
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
 from dynamo_flexkv.integrations.disagg import HandoverParams, HandoverRefused  # noqa: E402
-from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent, block_checksums  # noqa: E402
+from dynamo_flexkv.integrations.disagg.nixl_kv import block_checksums  # noqa: E402
 from dynamo_flexkv.integrations.disagg.params import KEY  # noqa: E402
-from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide  # noqa: E402
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine  # noqa: E402
 from dynamo_flexkv.integrations.reference_engine.request import SamplingParams  # noqa: E402
 
@@ -24,33 +24,8 @@ CFG = EngineModelConfig.load("tiny")
 
 @pytest.fixture
 def pair():
-    prefill = LLMEngine(CFG, num_device_blocks=48)
-    decode = LLMEngine(CFG, num_device_blocks=48)
-    p_agent, d_agent = KVAgent(prefill.kv_cache.layers), KVAgent(decode.kv_cache.layers)
-    p_side = PrefillSide(prefill, p_agent, lease_ttl=30)
-    d_side = DecodeSide(decode, d_agent, pull_timeout=10)
-    decode.remote_fill = d_side.fill
-    yield prefill, decode, p_side, d_side
-    p_side.close()
-    d_agent.close()
-    p_agent.close()
-
-
-def decode_one(engine, side, rid, prompt, params, handover):
-    engine.add_request(prompt, params, request_id=rid)
-    side.expect(rid, HandoverParams.from_dict(handover))
-    while engine.has_unfinished():
-        engine.step()
-    (req,) = [r for r in engine.take_finished() if r.id == rid]
-    return req.output
-
-
-def serve_releases(side, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(side.leases):
-        side.service()
-        assert time.monotonic() < deadline, "the decode side's release notice never arrived"
-        time.sleep(0.005)
+    with engine_pair() as p:
+        yield p
 
 
 def test_checksums_are_per_block_and_see_every_layer():

@@ -8,17 +8,11 @@ import time
 
 import pytest
 
+from disagg_helpers import Clock, engine_pair
+
 from dynamo_flexkv.integrations.disagg import LeaseTable
 
 CFG_NAME = "tiny"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_an_unclaimed_lease_ends_after_the_renewal_window_a_renewed_one_at_most_at_its_ttl():
@@ -47,9 +41,7 @@ def test_an_unclaimed_lease_ends_after_the_renewal_window_a_renewed_one_at_most_
 nixl = pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
 from dynamo_flexkv.integrations.disagg import HandoverParams  # noqa: E402
-from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent  # noqa: E402
 from dynamo_flexkv.integrations.disagg.params import KEY  # noqa: E402
-from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide  # noqa: E402
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine  # noqa: E402
 from dynamo_flexkv.integrations.reference_engine.request import SamplingParams  # noqa: E402
 
@@ -58,15 +50,8 @@ CFG = EngineModelConfig.load(CFG_NAME)
 
 @pytest.fixture
 def pair():
-    prefill, decode = LLMEngine(CFG, num_device_blocks=48), LLMEngine(CFG, num_device_blocks=48)
-    p_agent, d_agent = KVAgent(prefill.kv_cache.layers), KVAgent(decode.kv_cache.layers)
-    p_side = PrefillSide(prefill, p_agent, lease_ttl=30, renew_s=2.0)
-    d_side = DecodeSide(decode, d_agent, pull_timeout=10)
-    decode.remote_fill = d_side.fill
-    yield prefill, decode, p_side, d_side
-    p_side.close()
-    d_agent.close()
-    p_agent.close()
+    with engine_pair(renew_s=2.0) as p:
+        yield p
 
 
 def until(what: str, condition, service, timeout: float = 20.0) -> None:

@@ -173,9 +173,8 @@ def test_disagg_request_refused_by_decode_releases_the_prefill_lease(tmp_path):
     pytest.importorskip("nixl._api")
     import urllib.error
 
-    from test_disagg_serve import complete, disagg_plan
-    from test_dynamo_worker import metric
-    from test_serve_faults import wait_until
+    from disagg_helpers import complete, disagg_plan
+    from served import metric, wait_until
 
     from dynamo_flexkv.serve.launcher import Launcher
 
@@ -198,7 +197,7 @@ def test_disagg_prefill_worker_exits_cleanly_after_a_request_decode_refused(tmp_
     pytest.importorskip("nixl._api")
     import urllib.error
 
-    from test_disagg_serve import complete, disagg_plan
+    from disagg_helpers import complete, disagg_plan
 
     from dynamo_flexkv.serve.launcher import Launcher
 
@@ -213,21 +212,15 @@ def test_disagg_prefill_worker_exits_cleanly_after_a_request_decode_refused(tmp_
 
 def test_decode_refuses_a_forged_handover_naming_another_prompts_blocks():
     pytest.importorskip("nixl._api")
-    from test_disagg import CFG, _decode_one
+    from disagg_helpers import decode_one, engine_pair
 
-    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
     from dynamo_flexkv.integrations.disagg.params import KEY
-    from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide
-    from dynamo_flexkv.integrations.reference_engine import LLMEngine
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
     from dynamo_flexkv.integrations.reference_engine.request import SamplingParams
 
-    prefill, decode, agg = (LLMEngine(CFG, num_device_blocks=48) for _ in range(3))
-    p_agent, d_agent = KVAgent(prefill.kv_cache.layers), KVAgent(decode.kv_cache.layers)
-    secret = b"the graph's handover secret"  # what `dynamo-flexkv serve` gives both workers
-    p_side = PrefillSide(prefill, p_agent, lease_ttl=30, secret=secret)
-    d_side = DecodeSide(decode, d_agent, pull_timeout=10, secret=secret)
-    decode.remote_fill = d_side.fill
-    try:
+    agg = LLMEngine(EngineModelConfig.load("tiny"), num_device_blocks=48)
+    # the graph's handover secret, as `dynamo-flexkv serve` gives both workers
+    with engine_pair(secret=b"the graph's handover secret") as (prefill, decode, p_side, d_side):
         params = SamplingParams(max_tokens=6)
         a, b = list(range(1, 100)), list(range(200, 299))
         (want,) = agg.generate([a], params)
@@ -236,8 +229,4 @@ def test_decode_refuses_a_forged_handover_naming_another_prompts_blocks():
             prefill.generate([prompt], SamplingParams(max_tokens=1))
             handovers.append(p_side.hand_over(prompt)[KEY])
         forged = dict(handovers[0], blocks=handovers[1]["blocks"])  # a's lease and hash, b's blocks
-        assert _decode_one(decode, d_side, "forged", a, params, {KEY: forged}) == want.output
-    finally:
-        p_side.close()
-        d_agent.close()
-        p_agent.close()
+        assert decode_one(decode, d_side, "forged", a, params, {KEY: forged}) == want.output

@@ -11,26 +11,15 @@ import pytest
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
+from disagg_helpers import complete, disagg_plan, tiny  # noqa: E402
 from served import ROOT, assert_gone, metric  # noqa: E402
 from served import wait_until  # noqa: E402
 
 from dynamo_flexkv.serve import load_graph  # noqa: E402
-from dynamo_flexkv.serve.launcher import Launcher, http_json  # noqa: E402
+from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config  # noqa: E402
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
-
-
-def tiny(section: str, tmp_path) -> list:
-    return [f"{section}.num-device-blocks=64", f"{section}.cache.cpu_cache_gb=0.02",
-            f"{section}.cache.ssd_cache_gb=0.05", f"{section}.cache.ssd_cache_dir={tmp_path}/ssd-{section}{{replica}}"]
-
-
-def disagg_plan(tmp_path, graph="disagg", *overrides):
-    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
-                             ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
-                              *tiny("PrefillWorker", tmp_path), *tiny("DecodeWorker", tmp_path), *overrides])
-    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run")
 
 
 def agg_plan(tmp_path):
@@ -47,12 +36,6 @@ def prompts(n: int, seed: int = 3):
     base = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 120))) for _ in range(n // 2)]
     return base, [rng.choice(base) + " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
                   for _ in range(n - n // 2)]
-
-
-def complete(plan, prompt: str, max_tokens: int) -> dict:
-    return http_json("POST", f"{plan.base_url}/v1/completions",
-                     {"model": plan.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
-                      "temperature": 0.0, "nvext": {"extra_fields": ["engine_data"]}}, timeout=120)
 
 
 def serve_all(plan, waves, max_tokens=3):
@@ -111,7 +94,7 @@ def test_decode_stopped_then_killed_while_holding_a_lease_the_lease_expires_and_
     import time
     import urllib.error
 
-    from test_serve_faults import assert_all_gone, wait_until
+    from served import assert_all_gone
 
     plan = disagg_plan(tmp_path, "disagg", "PrefillWorker.handover-lease-s=3", "DecodeWorker.restart-backoff-s=0.5")
     prefill, decode = plan.workers
@@ -187,7 +170,7 @@ def test_prefill_killed_mid_handover_decode_recomputes_and_the_restarted_prefill
     import time
     import urllib.error
 
-    from test_serve_faults import assert_all_gone, inflight
+    from served import assert_all_gone, inflight
 
     plan = disagg_plan(tmp_path, "disagg", "PrefillWorker.restart-backoff-s=0.5")
     prefill, decode = plan.workers

@@ -15,19 +15,19 @@ from dynamo_flexkv.serve import launcher as launcher_mod
 from dynamo_flexkv.serve.launcher import GraphStopped, Launcher
 from dynamo_flexkv.serve.options import OnDeath, RestartPolicy
 
-from test_serve import _sleepers, plan
+from served import agg_router_plan, sleeper_plan
 
 
 # --- the option -------------------------------------------------------------------------------------
 
 def test_liveness_timeout_defaults_to_30_s_and_rides_on_the_restart_policy(tmp_path):
-    p = plan(tmp_path)
+    p = agg_router_plan(tmp_path)
     assert {w.restart.liveness_s for w in p.workers} == {30.0}
-    assert {w.restart.liveness_s for w in plan(tmp_path, "FlexKVWorker.liveness-timeout-s=0").workers} == {0.0}
-    assert plan(tmp_path, "FlexKVWorker.liveness-timeout-s=5").workers[0].restart.liveness_s == 5.0
-    assert plan(tmp_path, "FlexKVWorker.liveness-timeout-s=3600").workers[0].restart.liveness_s == 3600.0
+    assert {w.restart.liveness_s for w in agg_router_plan(tmp_path, "FlexKVWorker.liveness-timeout-s=0").workers} == {0.0}
+    assert agg_router_plan(tmp_path, "FlexKVWorker.liveness-timeout-s=5").workers[0].restart.liveness_s == 5.0
+    assert agg_router_plan(tmp_path, "FlexKVWorker.liveness-timeout-s=3600").workers[0].restart.liveness_s == 3600.0
     # YAML 1.1 reads 1e3 as a string: a number to the user, as for the other seconds options
-    assert plan(tmp_path, "FlexKVWorker.liveness-timeout-s=1e3").workers[0].restart.liveness_s == 1000.0
+    assert agg_router_plan(tmp_path, "FlexKVWorker.liveness-timeout-s=1e3").workers[0].restart.liveness_s == 1000.0
 
 
 @pytest.mark.parametrize("value, message", [
@@ -42,14 +42,14 @@ def test_liveness_timeout_defaults_to_30_s_and_rides_on_the_restart_policy(tmp_p
 ])
 def test_bad_liveness_timeouts_are_refused_naming_the_option(tmp_path, value, message):
     with pytest.raises(GraphError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        plan(tmp_path, f"FlexKVWorker.liveness-timeout-s={value}")
+        agg_router_plan(tmp_path, f"FlexKVWorker.liveness-timeout-s={value}")
 
 
 @pytest.mark.parametrize("key, value", [("restart-window-s", ".nan"), ("restart-window-s", ".inf"),
                                         ("restart-backoff-s", ".nan")])
 def test_the_other_seconds_options_now_refuse_nan_and_inf_too(tmp_path, key, value):
     with pytest.raises(GraphError, match=rf"FlexKVWorker\.{key}=(nan|inf) must be .*a finite number"):
-        plan(tmp_path, f"FlexKVWorker.{key}={value}")
+        agg_router_plan(tmp_path, f"FlexKVWorker.{key}={value}")
 
 
 # --- the launcher's clock (sleep processes, /health stubbed) ---------------------------------------
@@ -67,7 +67,7 @@ class _Health:
 
 def _supervised(tmp_path, monkeypatch, policy: RestartPolicy, health: _Health):
     monkeypatch.setattr(launcher_mod, "PROBE_EVERY_S", 0.05)
-    launcher = Launcher(_sleepers(tmp_path, policy))
+    launcher = Launcher(sleeper_plan(tmp_path, policy))
     monkeypatch.setattr(launcher, "_worker_ready", health)
     launcher.start()
     worker = launcher.plan.workers[0]
@@ -155,9 +155,7 @@ def test_a_hung_worker_with_on_death_stop_stops_the_graph_and_zero_turns_probing
 @pytest.mark.slow
 def test_a_sigstopped_worker_is_killed_as_hung_its_streams_migrate_and_it_serves_again(tmp_path):
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
-    from test_serve_requests_and_shutdown import routed_workers
-    from test_dynamo_worker import metric
-    from test_serve_faults import Serve, Streamed, inflight, stream, wait_until
+    from served import Serve, Streamed, inflight, metric, routed_workers, stream, wait_until
 
     g = Serve(tmp_path, "liveness", "FlexKVWorker.liveness-timeout-s=5", "FlexKVWorker.restart-backoff-s=0.5")
     names = ("FlexKVWorker-0", "FlexKVWorker-1")

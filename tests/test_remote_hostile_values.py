@@ -26,7 +26,7 @@ from dynamo_flexkv.core.remote.resp import RespConnection
 from dynamo_flexkv.serve.redis_server import RedisServer
 from kv_helpers import MODEL, TPB, config, holds
 from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixture)
-from test_remote_tier import LAYOUT, Engine, check_clean, manager, prompt_of
+from remote_helpers import LAYOUT, REMOTE, Engine, check_clean, manager, prompt_of
 
 pytestmark = needs_redis
 HDR = struct.Struct("<4sHHQQQQQ")
@@ -263,25 +263,19 @@ def test_other_namespace_or_rank_never_shares(tmp_path, redis_server, other):
 
 def test_a_prompt_longer_than_the_host_tier_loads_what_fits_exactly(tmp_path, redis_server):
     """300 remote blocks (more than two 128-key existence chunks), a 32-block host tier."""
-    import test_remote_tier as trt
     p = prompt_of(np.random.default_rng(16), 300)
     with manager(tmp_path / "w", redis_server.url, host_blocks=320) as kv0, \
             manager(tmp_path / "r", redis_server.url, host_blocks=32) as kv1:
-        old = trt.DEVICE_BLOCKS
-        trt.DEVICE_BLOCKS = 320
-        try:
-            Engine(kv0).put(p)
-            assert kv1.match(p)["remote"] == 300 * TPB
-            e1 = Engine(kv1, 1)
-            h = kv1.hashes(p).sequence
-            ids = e1.rng.choice(320, size=len(h), replace=False)
-            t = kv1.get_async(p, ids, layerwise=True)
-            r = kv1.wait([t], timeout=60)[t]
-            assert r.ok and 0 < r.num_tokens <= 32 * TPB
-            assert all(holds(e1.dev, LAYOUT, int(ids[i]), int(h[i])) for i in range(r.num_tokens // TPB))
-            check_clean(kv1)
-        finally:
-            trt.DEVICE_BLOCKS = old
+        Engine(kv0, device_blocks=320).put(p)
+        assert kv1.match(p)["remote"] == 300 * TPB
+        e1 = Engine(kv1, 1, device_blocks=320)
+        h = kv1.hashes(p).sequence
+        ids = e1.rng.choice(320, size=len(h), replace=False)
+        t = kv1.get_async(p, ids, layerwise=True)
+        r = kv1.wait([t], timeout=60)[t]
+        assert r.ok and 0 < r.num_tokens <= 32 * TPB
+        assert all(holds(e1.dev, LAYOUT, int(ids[i]), int(h[i])) for i in range(r.num_tokens // TPB))
+        check_clean(kv1)
 
 
 # ---------------------------------------------------------------- faults
@@ -457,8 +451,7 @@ def test_doctor_reports_an_unreachable_remote_with_the_password_redacted():
 
 def test_serve_refuses_a_wrong_password_without_echoing_it(tmp_path):
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
-    from test_dynamo_worker import make_plan
-    from test_remote_serve import REMOTE
+    from served import make_plan
 
     from dynamo_flexkv.serve import GraphError
     with RedisServer(maxmemory="16mb", password="TopS3cretPW") as s:

@@ -19,10 +19,9 @@ from dynamo_flexkv.serve.redis_server import RedisCluster, free_port  # noqa: E4
 from dynamo_flexkv.serve import GraphError  # noqa: E402
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 from redis_fixtures import needs_redis  # noqa: E402
+from remote_helpers import REMOTE  # noqa: E402
 
 pytestmark = needs_redis
-REMOTE = ["FlexKVWorker.cache.enable_remote=true", "FlexKVWorker.cache.ssd_cache_gb=0",
-          "FlexKVWorker.device-prefix-cache=false", "FlexKVWorker.restart-backoff-s=0.2"]
 
 
 def _served_from_remote(tmp_path, *overrides):
@@ -150,7 +149,7 @@ def test_a_password_in_the_url_reaches_the_workers_by_environment_never_in_a_fil
                         "FlexKVWorker.cache.remote_password_env=MY_REDIS_PW")
         assert all(w.env["MY_REDIS_PW"] == PASSWORD and DEFAULT_PASSWORD_ENV not in w.env for w in own.workers)
         if importlib.util.find_spec("vllm") is not None:  # vLLM workers' cache YAML: the same
-            from test_serve_vllm import vplan
+            from served import vplan
             v = vplan(tmp_path / "vllm", "VllmWorker.cache.enable_remote=true",
                       f"VllmWorker.cache.remote_cache_url={url}")
             for w in v.workers:

@@ -10,73 +10,16 @@ import time
 import numpy as np
 import pytest
 
-from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
+from dynamo_flexkv import KVManager, TaskStatus
 from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.remote import RemoteAuthError, RemoteUnavailableError
 from dynamo_flexkv.core.remote.resp import RespConnection
 from dynamo_flexkv.serve.redis_server import RedisServer, free_port
-from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
+from kv_helpers import TPB, config, holds
 from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
+from remote_helpers import DEVICE_BLOCKS, LAYOUT, Engine, check_clean, manager, prompt_of  # noqa: F401
 
 pytestmark = needs_redis
-LAYOUT = KVLayoutType.LAYERBLOCK
-DEVICE_BLOCKS = 64
-
-
-def manager(tmp_path, url, host_blocks=32, namespace=None, **kw) -> KVManager:
-    cfg = config(tmp_path, host_blocks=host_blocks, disk_blocks=0, enable_remote=True, remote_cache_url=url,
-                 remote_timeout_s=kw.pop("remote_timeout_s", 1.0), **kw)
-    return KVManager(MODEL, cfg, namespace=namespace)
-
-
-class Engine:
-    """The engine side of one manager: its device tensors, put and checked get."""
-
-    def __init__(self, kv: KVManager, seed: int = 0) -> None:
-        self.kv = kv
-        self.dev = device_tensors(LAYOUT, DEVICE_BLOCKS)
-        kv.register_device_cache(self.dev, LAYOUT)
-        self.rng = np.random.default_rng(seed)
-
-    def put(self, prompt) -> None:
-        h = self.kv.hashes(prompt).sequence
-        ids = self.rng.choice(DEVICE_BLOCKS, size=len(h), replace=False)
-        for b, s in zip(ids, h):
-            fill(self.dev, LAYOUT, int(b), int(s))
-        t = self.kv.put_async(prompt, ids)
-        assert self.kv.wait([t], timeout=30)[t].ok
-        assert self.kv.drain(30)  # the write-behind to remote finished
-
-    def get(self, prompt, expect_status=TaskStatus.SUCCESS, layerwise=False):
-        """Loads the cached prefix; every block it reports loaded holds the exact bytes."""
-        h = self.kv.hashes(prompt).sequence
-        ids = self.rng.choice(DEVICE_BLOCKS, size=len(h), replace=False)
-        for b in ids:  # poison: a block that was not loaded cannot pass the check by accident
-            for layer in range(MODEL.num_layers):
-                self.dev[layer][int(b)].fill_(0)
-        t = self.kv.get_async(prompt, ids, layerwise=layerwise)
-        planned = self.kv.planned_tokens_by_tier(t)
-        r = self.kv.wait([t], timeout=30)[t]
-        assert r.status is expect_status, r
-        if r.ok:
-            assert r.num_tokens == sum(planned.values())
-            for i in range(r.num_tokens // TPB):
-                assert holds(self.dev, LAYOUT, int(ids[i]), int(h[i])), f"block {i}: wrong bytes"
-        assert self.kv.drain(30)
-        return r, planned
-
-
-def prompt_of(rng, blocks: int):
-    return rng.integers(0, 50000, blocks * TPB + 5).tolist()
-
-
-def check_clean(kv: KVManager) -> None:
-    assert kv.drain(30)
-    assert_no_leaks(kv)
-    s = kv.stats()
-    assert s.tasks.queued_ops == 0 and s.requests.tasks_in_flight == 0
-
-
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_second_manager_loads_exact_bytes_from_remote(tmp_path, redis_server, layerwise):
     """Bulk: one GET per block. Layerwise: one GETRANGE per block and layer span, chained, the

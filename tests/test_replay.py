@@ -22,7 +22,7 @@ from dynamo_flexkv.replay.configs import (CONFIGURATIONS, ENGINES, ConfigRun, Wo
 from dynamo_flexkv.replay.main import sampled, within_window
 from dynamo_flexkv.replay.report import check_accounting, findings, kept_on_worker, percentile, summarize
 from dynamo_flexkv.workload import Scale, Turn, trace_turns
-from test_dashboard import load_dashboard, queried_metrics
+from dashboard_queries import load_dashboard, queried_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 from served import assert_gone, complete, make_plan  # noqa: E402
-from test_router_events import CONTRADICTIONS  # noqa: E402
+from served import CONTRADICTIONS  # noqa: E402
 from vllm_graph import RouterProbe  # noqa: E402
 
 BS = 16  # the tiny preset's block

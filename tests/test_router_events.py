@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from served import CONTRADICTIONS
+
 pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is installed by make test")
 
-# Dynamo's words for events it could not apply or never received (dynamo_kv_router / dynamo_llm).
-CONTRADICTIONS = ("Failed to find block to remove", "Failed to find parent block", "dropping the newest batch")
 
 
 def run_scenario(tmp_path, scenario: str):

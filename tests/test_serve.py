@@ -15,23 +15,15 @@ import yaml
 
 from dynamo_flexkv.serve import GraphError, Kind, load_graph
 from dynamo_flexkv.serve.launcher import GraphStopped, Launcher
-from dynamo_flexkv.serve.plan import LaunchPlan, OnDeath, RestartPolicy, apply_overrides, build_plan, load_config
+from dynamo_flexkv.serve.plan import OnDeath, RestartPolicy, build_plan, load_config
 from dynamo_flexkv.serve.render import render_k8s
+from served import AGG_ROUTER, CONFIG, agg_router_plan, sleeper_plan  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
-AGG_ROUTER = str(ROOT / "graphs" / "agg_router.py")
-CONFIG = str(ROOT / "configs" / "agg_router.yaml")
-
-
-def plan(tmp_path, *overrides, graph=AGG_ROUTER, **kw):
-    config = apply_overrides(load_config(CONFIG), ["Frontend.http-port=0",
-                                                   f"FlexKVWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}",
-                                                   *overrides])
-    return build_plan(load_graph(graph), config, run_dir=tmp_path / "run", source="agg_router.yaml", **kw)
 
 
 def test_the_shipped_configs_plan_every_component(tmp_path):
-    p = plan(tmp_path)
+    p = agg_router_plan(tmp_path)
     assert [x.name for x in p.processes] == ["Frontend", "FlexKVWorker-0", "FlexKVWorker-1"]
     front, w0, w1 = p.processes
     assert front.argv[front.argv.index("--router-mode") + 1] == "kv"
@@ -71,7 +63,7 @@ def test_the_shipped_configs_plan_every_component(tmp_path):
 ])
 def test_bad_configs_fail_with_a_message_that_names_the_fix(tmp_path, overrides, message):
     with pytest.raises(GraphError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        plan(tmp_path, *overrides)
+        agg_router_plan(tmp_path, *overrides)
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -83,13 +75,13 @@ def test_bad_configs_fail_with_a_message_that_names_the_fix(tmp_path, overrides,
 def test_a_system_port_dynamo_cannot_read_is_refused_naming_the_limit_and_the_fix(tmp_path, overrides, named):
     """Dynamo reads DYN_SYSTEM_PORT as an i16: serve refuses any worker's port >= 32768 before starting."""
     with pytest.raises(GraphError) as e:
-        plan(tmp_path, *overrides, local=False)
+        agg_router_plan(tmp_path, *overrides, local=False)
     msg = str(e.value)
     assert named in msg and "DYN_SYSTEM_PORT" in msg and "below 32768" in msg, msg
     replicas = 1 if "FlexKVWorker.replicas=1" in overrides else 2
     assert f"set FlexKVWorker.system-port to a port from 1 to {32768 - replicas}" in msg, msg
     assert "or leave it out" in msg
-    last = plan(tmp_path, "FlexKVWorker.system-port=32766", local=False)  # the highest that fits 2 replicas
+    last = agg_router_plan(tmp_path, "FlexKVWorker.system-port=32766", local=False)  # the highest that fits 2 replicas
     assert [w.env["DYN_SYSTEM_PORT"] for w in last.workers] == ["32766", "32767"]
 
 
@@ -99,7 +91,7 @@ def test_ports_in_use_and_locked_ssd_dirs_are_refused(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(GraphError, match=f"Frontend.http-port={port} is in use"):
-            plan(tmp_path, f"Frontend.http-port={port}")
+            agg_router_plan(tmp_path, f"Frontend.http-port={port}")
     from dynamo_flexkv.core.storage.ssd import lock_dir
     (tmp_path / "ssd1").mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dynamo_flexkv.core.storage.ssd import lock_dir; "
@@ -108,12 +100,12 @@ def test_ports_in_use_and_locked_ssd_dirs_are_refused(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(GraphError, match=f"in use by pid {holder.pid}"):
-            plan(tmp_path)
+            agg_router_plan(tmp_path)
     finally:
         holder.kill()
         holder.wait()
     os.close(lock_dir(str(tmp_path / "ssd1")))  # released when its holder died
-    plan(tmp_path)
+    agg_router_plan(tmp_path)
 
 
 def test_bad_graph_files_are_named(tmp_path):
@@ -136,7 +128,7 @@ def test_serve_refuses_a_bad_config_before_starting_anything(tmp_path):
 
 
 def test_render_k8s_writes_a_graph_deployment(tmp_path):
-    doc = yaml.safe_load(render_k8s(plan(tmp_path, local=False), "registry.example/dynamo-flexkv:1"))
+    doc = yaml.safe_load(render_k8s(agg_router_plan(tmp_path, local=False), "registry.example/dynamo-flexkv:1"))
     assert doc["apiVersion"] == "nvidia.com/v1alpha1" and doc["kind"] == "DynamoGraphDeployment"
     front, worker = doc["spec"]["services"]["Frontend"], doc["spec"]["services"]["FlexKVWorker"]
     assert front["componentType"] == "frontend" and worker["componentType"] == "worker"
@@ -162,13 +154,13 @@ def test_render_cli_writes_the_manifest_file(tmp_path):
 
 
 def test_migration_and_restart_options_are_checked_and_reach_the_processes(tmp_path):
-    p = plan(tmp_path)
+    p = agg_router_plan(tmp_path)
     front, w0, w1 = p.processes
     assert front.argv[front.argv.index("--migration-limit") + 1] == "3"  # on by default
     assert front.restart.on_death is OnDeath.STOP  # the frontend's death always stops the graph
     assert w0.restart == w1.restart == RestartPolicy(OnDeath.RESTART, max_restarts=3, window_s=300, backoff_s=1.0)
     assert [x.metrics_url for x in p.processes] == [f"http://127.0.0.1:{x.port}/metrics" for x in p.processes]
-    off = plan(tmp_path, "Frontend.migration-limit=0", "FlexKVWorker.on-death=stop", "FlexKVWorker.max-restarts=5")
+    off = agg_router_plan(tmp_path, "Frontend.migration-limit=0", "FlexKVWorker.on-death=stop", "FlexKVWorker.max-restarts=5")
     assert off.processes[0].argv[off.processes[0].argv.index("--migration-limit") + 1] == "0"
     assert {w.restart.on_death for w in off.workers} == {OnDeath.STOP}
     assert off.workers[0].restart.max_restarts == 5
@@ -176,18 +168,8 @@ def test_migration_and_restart_options_are_checked_and_reach_the_processes(tmp_p
     assert [backoff.delay(n) for n in (1, 2, 3, 6)] == [1.5, 3.0, 6.0, 30.0]  # doubles, capped at 30 s
 
 
-def _sleepers(tmp_path, policy: RestartPolicy) -> LaunchPlan:
-    """A frontend and a worker that are real processes (sleep) under the launcher's supervision."""
-    p = plan(tmp_path, "FlexKVWorker.replicas=1", "Common.model=tiny")
-    front, worker = p.processes
-    for proc in (front, worker):
-        proc.argv = ["sleep", "60"]
-    worker.restart = policy
-    return p
-
-
 def test_the_launcher_restarts_a_dead_worker_with_backoff_until_its_budget_is_spent(tmp_path):
-    launcher = Launcher(_sleepers(tmp_path, RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1)))
+    launcher = Launcher(sleeper_plan(tmp_path, RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1)))
     worker = launcher.plan.workers[0]
     try:
         launcher.start()
@@ -219,7 +201,7 @@ def test_the_launcher_restarts_a_dead_worker_with_backoff_until_its_budget_is_sp
 
 
 def test_deaths_outside_the_window_are_forgiven_and_the_frontends_death_stops_the_graph(tmp_path):
-    launcher = Launcher(_sleepers(tmp_path, RestartPolicy(max_restarts=1, window_s=0.3, backoff_s=0)))
+    launcher = Launcher(sleeper_plan(tmp_path, RestartPolicy(max_restarts=1, window_s=0.3, backoff_s=0)))
     front, worker = launcher.plan.processes
     try:
         launcher.start()
@@ -242,7 +224,7 @@ def test_deaths_outside_the_window_are_forgiven_and_the_frontends_death_stops_th
 def test_a_dead_worker_is_removed_from_file_discovery_and_nothing_else(tmp_path):
     """The files as Dynamo 1.6.1's FileStore writes them: a model card naming the worker's system
     port, its endpoint instances, its KV event source."""
-    p = _sleepers(tmp_path, RestartPolicy())
+    p = sleeper_plan(tmp_path, RestartPolicy())
     worker = p.workers[0]
     root = tmp_path / "discovery"
     worker.env["DYN_FILE_KV"] = str(root)
@@ -269,7 +251,7 @@ def test_a_dead_worker_is_removed_from_file_discovery_and_nothing_else(tmp_path)
 def test_a_closed_terminal_ends_the_echo_not_the_logs_or_the_shutdown(tmp_path):
     """serve's stdout reader went away (a closed terminal, a dead pipe): writes fail with EPIPE. The
     component logs still reach their files and shutdown still stops every process."""
-    p = _sleepers(tmp_path, RestartPolicy())
+    p = sleeper_plan(tmp_path, RestartPolicy())
     p.workers[0].argv = ["sh", "-c", "for i in $(seq 2000); do echo worker line $i; done; exec sleep 60"]
     read_end, write_end = os.pipe()
     os.close(read_end)

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import (ROOT, TINY, Serve, Streamed, assert_all_gone, assert_gone, complete, holder_of,  # noqa: E402,F401
+from served import (Serve, assert_all_gone, assert_gone, complete, holder_of,  # noqa: E402
                     inflight, make_plan, metric, routed_workers, stream, wait_until)
 
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402

@@ -426,7 +426,9 @@ def test_migrated_requests_report_their_own_prompt_tokens(graph):
 # --- shutdown ------------------------------------------------------------------------------------------
 
 DRAIN_PROMPTS = [ids(8 * 16 + 3, 60 + p) for p in range(4)]
-DRAIN_TOKENS = 200  # each stream decodes well past both signals: the drain has work to do
+# Each stream decodes well past both signals (the drain has work to do) and ends well inside serve's
+# 30 s stop deadline, past which what is left gets SIGKILL, also on a loaded 2-core machine.
+DRAIN_TOKENS = 120
 
 
 def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(graph):
@@ -449,8 +451,12 @@ def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(graph):
         results = [f.result(timeout=TIMEOUT) for f in futures]
     summary = [(r.status, r.chunks, r.done, r.error, r.usage) for r in results]
     assert streaming, f"every stream had ended before the second signal: nothing was drained ({summary})"
-    assert all(r.status == 200 and r.done and r.error is None and r.usage
-               and r.usage["completion_tokens"] == DRAIN_TOKENS for r in results), summary
+    cut = [(i, r.status, r.chunks, r.done, r.error, (r.usage or {}).get("completion_tokens"), round(r.seconds, 1))
+           for i, r in enumerate(results)
+           if not (r.status == 200 and r.done and r.error is None and r.usage
+                   and r.usage["completion_tokens"] == DRAIN_TOKENS)]
+    # Only the streams that were cut, so the reason is not lost to pytest's truncation.
+    assert not cut, f"{len(cut)} of {len(results)} streams cut (index, status, chunks, done, error, tokens, s): {cut}"
     assert graph.proc.wait(timeout=90) == 0, "\n".join(graph.lines[-40:])
     out = "\n".join(graph.lines)
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]

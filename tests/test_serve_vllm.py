@@ -23,16 +23,9 @@ from dynamo_flexkv.serve import GraphError, load_graph
 from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 from dynamo_flexkv.serve.vllm_worker import cpu_binds
+from served import vplan
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def vplan(tmp_path, *overrides, graph="agg_router_vllm", **kw):
-    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
-                             ["Frontend.http-port=0", f"VllmWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}",
-                              *overrides])
-    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run",
-                      source=f"{graph}.yaml", **kw)
 
 
 def arg(argv, flag):
@@ -265,7 +258,7 @@ def test_two_vllm_workers_behind_the_kv_router_serve_cache_restart_and_stop_on_c
     worker's EngineCore and Worker go with it and it is restarted; Ctrl-C stops the graph with
     exit 0 and leaves no process behind."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
-    from test_serve_faults import Serve, assert_all_gone, wait_until
+    from served import Serve, assert_all_gone, wait_until
 
     serve = Serve(tmp_path, "vllm", graph="agg_router_vllm", ready_timeout=400, base=[
         "Frontend.http-port=0", f"VllmWorker.cache.ssd_cache_dir={tmp_path}/vllm/ssd{{replica}}",

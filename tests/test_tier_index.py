@@ -8,7 +8,7 @@ import pytest
 from dynamo_flexkv.core.index.policies import EvictionPolicy
 from dynamo_flexkv.core.index.tier_index import PoolError
 from dynamo_flexkv.core.index.tier_index import IndexError_, TierIndex
-from index_model import ModelTier
+from index_model import ModelTier, random_chains
 
 POLICIES = [p.value for p in EvictionPolicy]
 
@@ -19,18 +19,6 @@ class FakeClock:
 
     def __call__(self):
         return self.now
-
-
-def random_chains(rng, count=40, max_len=12):
-    """Chains of sequence hashes that share prefixes, like prompts of one workload."""
-    chains, next_hash = [], 1
-    for _ in range(count):
-        base = list(rng.choice(chains)[: rng.randrange(0, max_len)]) if chains and rng.random() < 0.7 else []
-        extra = rng.randrange(1, max_len)
-        chain = base + list(range(next_hash, next_hash + extra))
-        next_hash += extra
-        chains.append(chain)
-    return chains
 
 
 def assert_same(idx: TierIndex, model: ModelTier):

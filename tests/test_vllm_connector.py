@@ -89,6 +89,7 @@ def test_load_from_remote_restores_vllms_bytes(model_dir, tmp_path):
 
 
 @needs_redis
+@pytest.mark.slow  # ~90 s of engine: the default suite's failed load (corrupt disk) takes the same path
 def test_remote_killed_before_a_load_is_recomputed_with_the_same_tokens(model_dir, tmp_path):
     with RedisServer(maxmemory="64mb") as redis:
         r = run_check(model_dir, tmp_path, layerwise=True, scenario="remote-down", host_gb=0.006,

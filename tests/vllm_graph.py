@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from sse import DONE, sse_data
-from served import Serve
+from served import Serve, samples
 
 MODEL = "vllm-small"
 VOCAB = (100, 31000)  # token ids drawn from here: the small preset's vocabulary is 32000
@@ -159,12 +159,7 @@ def scrape(url: str) -> str:
 
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return sum(v for have, v in samples(text, name) if all(have.get(k) == w for k, w in labels.items()))
 
 
 def loaded(text: str) -> Dict[str, float]:
