@@ -29,6 +29,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"],
                        help="zmq (default) or nats (nats-server started on 127.0.0.1 unless NATS_SERVER is set)")
     serve.add_argument("--run-dir", help="discovery store, model directory, logs (default: a new temp dir)")
+    serve.add_argument("--nodes", metavar="FILE", help="a nodes file from `dynamo-flexkv nodes up`: each component "
+                       "with a node option (e.g. --set PrefillWorker.node=B) runs in that node's network namespace "
+                       "(needs --discovery-backend etcd --event-plane nats; run serve itself on the frontend's node)")
+
+    nodes = sub.add_parser("nodes", help="network namespaces on this machine that stand in for separate nodes (root)",
+                           description="up: a bridge namespace PREFIX-sw and one namespace PREFIX-<name> per node, "
+                           "each with a veth pair into the bridge, a link-local address and no other route; writes "
+                           "the nodes file serve --nodes reads. down: removes them. link: takes a node's link down "
+                           "or up.")
+    nodes.add_argument("action", choices=["up", "down", "link"])
+    nodes.add_argument("names", nargs="*", help="up: node names (default A B C); link: NAME up|down")
+    nodes.add_argument("--prefix", default="flexkv", help="namespace name prefix (default flexkv)")
+    nodes.add_argument("--file", default="nodes.yaml", help="the nodes file to write (up) or read (default nodes.yaml)")
 
     render = sub.add_parser("render", help="write a graph as a deployment manifest")
     _graph_args(render)
@@ -83,12 +96,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return 0
             import tempfile
             from dynamo_flexkv.serve.launcher import serve
+            from dynamo_flexkv.serve.nodes import Nodes
             plan = _plan(args, args.run_dir or tempfile.mkdtemp(prefix="dynamo-flexkv-"),
-                         discovery_backend=args.discovery_backend, event_plane=args.event_plane)
+                         discovery_backend=args.discovery_backend, event_plane=args.event_plane,
+                         nodes=Nodes.load(args.nodes) if args.nodes else None)
         except GraphError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return serve(plan, sys.stdout)
+    if args.command == "nodes":
+        return _nodes(args)
     if args.command in ("replay", "demo"):
         from dynamo_flexkv.replay.main import run as replay_run
         return replay_run(args)
@@ -99,6 +116,33 @@ def main(argv: Optional[List[str]] = None) -> int:
         from dynamo_flexkv.bench import run_command
         return run_command(args)
     raise AssertionError(args.command)
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    from dynamo_flexkv.serve.graph import GraphError
+    from dynamo_flexkv.serve.nodes import Nodes, NodesError
+    try:
+        if args.action == "up":
+            made = Nodes.up(args.prefix, args.names or ("A", "B", "C"))
+            made.save(Path(args.file))
+            for node in made.nodes.values():
+                print(f"node {node.name}: netns {node.netns}, {node.address} on {node.device}")
+            print(f"wrote {args.file}; serve from the frontend's node: ip netns exec {made[next(iter(made.nodes))].netns} "
+                  f"dynamo-flexkv serve GRAPH -f CONFIG --nodes {args.file} --discovery-backend etcd --event-plane nats "
+                  "--set Frontend.node=... --set <Worker>.node=...")
+            return 0
+        made = Nodes.load(args.file)
+        if args.action == "down":
+            made.down()
+            return 0
+        if len(args.names) != 2 or args.names[0] not in made.nodes or args.names[1] not in ("up", "down"):
+            print(f"error: nodes link NAME up|down, NAME one of {sorted(made.nodes)}", file=sys.stderr)
+            return 2
+        made.set_link(args.names[0], args.names[1] == "up")
+        return 0
+    except (NodesError, GraphError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

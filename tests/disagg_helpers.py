@@ -5,15 +5,19 @@ own importorskip."""
 
 from __future__ import annotations
 
+import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterator, Optional, Tuple
 
 from served import ROOT
 
 from dynamo_flexkv.serve import load_graph
-from dynamo_flexkv.serve.launcher import http_json
+from dynamo_flexkv.serve.launcher import Launcher, http_json
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
 
 
 def tiny(section: str, tmp_path) -> list:
@@ -21,11 +25,42 @@ def tiny(section: str, tmp_path) -> list:
             f"{section}.cache.ssd_cache_gb=0.05", f"{section}.cache.ssd_cache_dir={tmp_path}/ssd-{section}{{replica}}"]
 
 
-def disagg_plan(tmp_path, graph="disagg", *overrides):
+def disagg_plan(tmp_path, graph="disagg", *overrides, **build):
+    """``build``: more build_plan arguments (discovery_backend, event_plane, nodes)."""
     config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
                              ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
                               *tiny("PrefillWorker", tmp_path), *tiny("DecodeWorker", tmp_path), *overrides])
-    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run")
+    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", **build)
+
+
+def agg_plan(tmp_path):
+    config = apply_overrides(load_config(str(ROOT / "configs" / "agg.yaml")),
+                             ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
+                              *tiny("FlexKVWorker", tmp_path)])
+    return build_plan(load_graph(str(ROOT / "graphs" / "agg.py")), config, run_dir=tmp_path / "run-agg")
+
+
+def prompts(n: int, seed: int = 3):
+    """Mixed lengths (a few words to ~400 tokens); the second half extends earlier prompts, so
+    part of each is cached in the prefill worker's tiers."""
+    rng = random.Random(seed)
+    base = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 120))) for _ in range(n // 2)]
+    return base, [rng.choice(base) + " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+                  for _ in range(n - n // 2)]
+
+
+def serve_all(plan, waves, max_tokens=3):
+    out = []
+    with ThreadPoolExecutor(4) as pool:
+        for wave in waves:  # a wave ends before the next starts: its prefixes are cached by then
+            out += list(pool.map(lambda p: complete(plan, p, max_tokens), wave))
+    return out
+
+
+def clean_exit(launcher: Launcher) -> None:
+    """Workers that created a UCX backend still exit 0 (no libnl exit-time crash)."""
+    for p in launcher.plan.workers:
+        assert launcher.running[p.name].returncode == 0, f"{p.name} exited {launcher.running[p.name].returncode}"
 
 
 def complete(plan, prompt: str, max_tokens: int) -> dict:

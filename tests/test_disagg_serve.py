@@ -3,53 +3,16 @@ router, a prefill worker and a decode worker that pulls the prompt's KV over NIX
 tokens must equal the aggregated graph's; faults must end in exact tokens or a clean error, with
 no lease, block or process left behind."""
 
-import random
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
-from disagg_helpers import complete, disagg_plan, tiny  # noqa: E402
-from served import ROOT, assert_gone, metric  # noqa: E402
+from disagg_helpers import agg_plan, clean_exit, complete, disagg_plan, prompts, serve_all  # noqa: E402
+from served import assert_gone, metric  # noqa: E402
 from served import wait_until  # noqa: E402
 
-from dynamo_flexkv.serve import load_graph  # noqa: E402
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
-from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config  # noqa: E402
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
-
-
-def agg_plan(tmp_path):
-    config = apply_overrides(load_config(str(ROOT / "configs" / "agg.yaml")),
-                             ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
-                              *tiny("FlexKVWorker", tmp_path)])
-    return build_plan(load_graph(str(ROOT / "graphs" / "agg.py")), config, run_dir=tmp_path / "run-agg")
-
-
-def prompts(n: int, seed: int = 3):
-    """Mixed lengths (a few words to ~400 tokens); the second half extends earlier prompts, so
-    part of each is cached in the prefill worker's tiers."""
-    rng = random.Random(seed)
-    base = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 120))) for _ in range(n // 2)]
-    return base, [rng.choice(base) + " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
-                  for _ in range(n - n // 2)]
-
-
-def serve_all(plan, waves, max_tokens=3):
-    out = []
-    with ThreadPoolExecutor(4) as pool:
-        for wave in waves:  # a wave ends before the next starts: its prefixes are cached by then
-            out += list(pool.map(lambda p: complete(plan, p, max_tokens), wave))
-    return out
-
-
-def clean_exit(launcher: Launcher) -> None:
-    """Workers that created a UCX backend still exit 0 (no libnl exit-time crash)."""
-    for p in launcher.plan.workers:
-        assert launcher.running[p.name].returncode == 0, f"{p.name} exited {launcher.running[p.name].returncode}"
 
 
 def test_disagg_graph_generates_the_aggregated_graphs_tokens_with_kv_pulled_over_nixl(tmp_path):

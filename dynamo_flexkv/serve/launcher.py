@@ -26,7 +26,6 @@ from typing import IO, Dict, List, Optional, Set
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.options import OnDeath
 from dynamo_flexkv.serve.plan import LaunchPlan
-from dynamo_flexkv.serve.ports import LOOPBACK
 from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.core.errors import FlexKVError
 
@@ -221,7 +220,7 @@ class Launcher:
 
     def _worker_ready(self, proc: Process, timeout: float = 2) -> bool:
         try:
-            return http_json("GET", f"http://{LOOPBACK}:{proc.port}/health", timeout=timeout).get("status") == "ready"
+            return http_json("GET", f"http://{proc.host}:{proc.port}/health", timeout=timeout).get("status") == "ready"
         except (OSError, ValueError, http.client.HTTPException):  # not up yet, or cut off mid-answer
             return False
 
@@ -237,7 +236,7 @@ class Launcher:
         while True:
             self.check_alive()
             try:
-                socket.create_connection((LOOPBACK, proc.port), timeout=1).close()
+                socket.create_connection((proc.host, proc.port), timeout=1).close()
                 return
             except OSError:
                 self._tick(deadline, f"{proc.name} not listening on {proc.port}")
@@ -368,7 +367,7 @@ class Launcher:
                 docs[path] = (text, json.loads(text))
             except (OSError, ValueError):
                 continue
-        marker = f"http://{LOOPBACK}:{proc.port}/"
+        marker = f"http://{proc.host}:{proc.port}/"
         ids = {doc.get("instance_id") for text, doc in docs.values()
                if isinstance(doc, dict) and doc.get("type") == "Model" and marker in text} - {None}
         removed = 0

@@ -61,6 +61,7 @@ OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
         "namespace": str_option, "http-port": int_option, "router-mode": str_option, "migration-limit": int_option,
         "router-host-cache-hit-weight": float_option, "router-disk-cache-hit-weight": float_option, "extra-args": args_option,
         "kv-cache-block-size": int_option,  # the router's block size; serve sets it from vLLM workers' block-size
+        "node": str_option,  # serve --nodes: the node it runs on (etcd and NATS run there too)
     },
     Kind.WORKER: {
         "model": str_option, "served-model-name": str_option, "namespace": str_option, "replicas": int_option,
@@ -68,7 +69,7 @@ OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
         "system-port": int_option, "cache": mapping_option, "extra-args": args_option,
         "on-death": str_option, "max-restarts": int_option, "restart-window-s": float_option, "restart-backoff-s": float_option,
         "liveness-timeout-s": float_option, "disaggregation-mode": str_option, "handover-lease-s": float_option, "handover-timeout-s": float_option,
-        "handover-renew-s": float_option,
+        "handover-renew-s": float_option, "node": str_option,
     },
 }
 DISAGG_MODES = ("agg", "prefill", "decode")

@@ -28,6 +28,7 @@ from dynamo_flexkv.core.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.serve import vllm_worker as _vllm
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
+from dynamo_flexkv.serve.nodes import Nodes, place
 from dynamo_flexkv.serve.infra import check_remote_reachable, infra_processes, redis_process, use_local_redis
 from dynamo_flexkv.serve.options import OPTIONS, OnDeath, RestartPolicy, allowed_options, check_options, restart_policy
 from dynamo_flexkv.serve.ports import LOOPBACK, PortBook, system_port
@@ -60,7 +61,7 @@ class LaunchPlan:
 
     @property
     def base_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.http_port}"
+        return f"http://{self.processes[0].host}:{self.http_port}"
 
     @property
     def workers(self) -> List[Process]:
@@ -92,9 +93,11 @@ def apply_overrides(config: Dict[str, Any], overrides: Sequence[str]) -> Dict[st
 
 
 def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discovery_backend: str = "file",
-               event_plane: str = "zmq", source: str = "config", local: bool = True) -> LaunchPlan:
+               event_plane: str = "zmq", source: str = "config", local: bool = True,
+               nodes: Optional[Nodes] = None) -> LaunchPlan:
     """``local=False`` (rendering for elsewhere): ports and SSD directories are not probed on this
-    machine and no etcd/NATS is planned."""
+    machine and no etcd/NATS is planned. ``nodes``: components with a ``node`` option run there
+    (dynamo_flexkv.serve.nodes)."""
     sections = dict(config)
     common = sections.pop("Common", None) or {}
     if not isinstance(common, dict):
@@ -113,6 +116,9 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     if event_plane not in ("zmq", "nats"):
         raise GraphError(f"--event-plane {event_plane!r}: use zmq (default) or nats")
 
+    if nodes is not None and (discovery_backend, event_plane) != ("etcd", "nats"):
+        raise GraphError("--nodes needs --discovery-backend etcd --event-plane nats: file discovery and the "
+                         "ZMQ broker are on one machine only")
     ports = PortBook(probe=local)
     run_dir = Path(run_dir)
     infra, env = infra_processes(run_dir, discovery_backend, event_plane, ports) if local else ([], {})
@@ -123,9 +129,11 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     front_opts: Dict[str, Any] = {}
     write_model = False
     ssd_dirs: Dict[str, str] = {}  # every worker's SSD directories: no two may share one
+    node_of: Dict[str, str] = {}  # process name -> the node its component names
     if local and any(c.engine == _vllm.ENGINE for c in graph.components):
         _vllm.check_installed(source)
     for comp in graph.components:
+        planned = {p.name for p in processes}
         own = sections.get(comp.name) or {}
         if not isinstance(own, dict):
             raise GraphError(f"{source}: section {comp.name} must be a mapping of options")
@@ -147,6 +155,11 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
             processes += _workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
                                   ports, source, local, redis, ssd_dirs)
             write_model = True
+        if opts.get("node") and local:  # a manifest for elsewhere places nothing here
+            if nodes is None:
+                raise GraphError(f"{source}: {comp.name}.node={opts['node']!r} needs serve --nodes FILE "
+                                 "(written by `dynamo-flexkv nodes up`); or remove the option")
+            node_of.update({p.name: opts["node"] for p in processes if p.name not in planned})
     if local:  # one secret per graph: prefill workers sign handovers, decode workers check them
         secret = secrets.token_hex(32)
         for proc in processes:
@@ -156,7 +169,12 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     _check_roles(processes, source)
     _check_block_size(processes, front_opts, graph, source)
     if redis:
+        if nodes is not None:
+            raise GraphError(f"{source}: with --nodes, give the workers a remote_cache_url every node reaches "
+                             "(the graph's own redis-server listens on one node's loopback)")
         infra.append(redis_process(run_dir, redis))
+    if nodes is not None:
+        place(processes, infra, nodes, node_of, source)
     return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes,
                       write_model)
 

@@ -28,8 +28,9 @@ class Process:
     # Stopping a ready one: SIGINT to its whole process group, or (False) to the process alone, which
     # stops its own children in order (dynamo.vllm: its EngineCore, which stops its Worker).
     stop_group: bool = True
+    host: str = LOOPBACK  # the address it binds and others reach it at (its node's, when placed on one)
 
     @property
     def metrics_url(self) -> Optional[str]:
         """Frontend: on its HTTP port; worker: on its Dynamo system port; infrastructure: none."""
-        return None if self.kind is None else f"http://{LOOPBACK}:{self.port}/metrics"
+        return None if self.kind is None else f"http://{self.host}:{self.port}/metrics"

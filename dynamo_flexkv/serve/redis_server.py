@@ -20,11 +20,14 @@ __all__ = ["RedisCluster", "RedisServer", "free_port", "local_redis_settings", "
 
 
 def local_redis_settings(port: int, workdir: str, maxmemory: str, policy: str = "allkeys-lru",
-                         password: Optional[str] = None) -> List[Tuple[str, str]]:
+                         password: Optional[str] = None, host: str = "127.0.0.1") -> List[Tuple[str, str]]:
     """The one definition of a local redis-server, for RedisServer's command line (tests, benches)
     and serve's redis.conf: loopback only, protected mode, no persistence (no RDB snapshot, no
-    AOF), evicting by ``policy`` within ``maxmemory``."""
-    out = [("bind", "127.0.0.1"), ("port", str(port)), ("protected-mode", "yes"), ("save", ""),
+    AOF), evicting by ``policy`` within ``maxmemory``. ``host``: a node's own address (serve.nodes)."""
+    # Protected mode refuses every client but loopback's when there is no password: a server on a
+    # node's address (reachable only on the nodes' own bridge) serves the other nodes without it.
+    protected = "yes" if host == "127.0.0.1" or password else "no"
+    out = [("bind", host), ("port", str(port)), ("protected-mode", protected), ("save", ""),
            ("appendonly", "no"), ("dir", workdir), ("maxmemory", maxmemory), ("maxmemory-policy", policy)]
     if password:
         out.append(("requirepass", password))
@@ -60,7 +63,8 @@ def make_test_certs(directory: str) -> str:
 
 @dataclass
 class RedisServer:
-    """One ``redis-server`` on 127.0.0.1; ``start()`` waits until it answers PING."""
+    """One ``redis-server`` on 127.0.0.1 (or ``host`` inside network namespace ``netns``: a node of
+    dynamo_flexkv.serve.nodes); ``start()`` waits until it answers PING."""
 
     maxmemory: str = "512mb"
     policy: str = "allkeys-lru"
@@ -71,10 +75,12 @@ class RedisServer:
     port: int = field(default_factory=free_port)
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flexkv-redis-"))
     proc: Optional[subprocess.Popen] = None
+    host: str = "127.0.0.1"
+    netns: Optional[str] = None
 
     @property
     def url(self) -> str:
-        return f"{'rediss' if self.tls_dir else 'redis'}://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls_dir else 'redis'}://{self.host}:{self.port}"
 
     def args(self) -> List[str]:
         tls: List[str] = []
@@ -84,8 +90,10 @@ class RedisServer:
                    "--tls-key-file", os.path.join(self.tls_dir, "server.key"),
                    "--tls-ca-cert-file", os.path.join(self.tls_dir, "ca.crt")]
         settings = local_redis_settings(0 if self.tls_dir else self.port, self.workdir, self.maxmemory,
-                                        self.policy, self.password)
+                                        self.policy, self.password, self.host)
         args = [require_binary("redis-server"), *redis_args(settings), *tls]
+        if self.netns:
+            args = ["ip", "netns", "exec", self.netns, *args]
         if self.cluster:
             # An explicit bus port: the default (port + 10000) fails for ports above 55535.
             args += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.workdir, "nodes.conf"),
@@ -108,7 +116,7 @@ class RedisServer:
 
     def ping(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as raw:
                 s = raw
                 if self.tls_dir:
                     s = ssl.create_default_context(cafile=os.path.join(self.tls_dir, "ca.crt")).wrap_socket(
@@ -120,7 +128,7 @@ class RedisServer:
             return False
 
     def cli(self, *args: str) -> str:
-        cmd = [require_binary("redis-cli"), "-p", str(self.port)]
+        cmd = [require_binary("redis-cli"), "-h", self.host, "-p", str(self.port)]
         if self.tls_dir:
             cmd += ["--tls", "--cacert", os.path.join(self.tls_dir, "ca.crt")]
         if self.password:
@@ -155,21 +163,24 @@ class RedisServer:
 
 
 class RedisCluster:
-    """Three (by default) master-only cluster nodes on loopback, slots spread by redis-cli."""
+    """Three (by default) master-only cluster nodes on loopback, slots spread by redis-cli; or one
+    master per (address, network namespace) in ``on``: masters on different nodes."""
 
-    def __init__(self, nodes: int = 3, maxmemory: str = "256mb") -> None:
-        self.servers = [RedisServer(maxmemory=maxmemory, cluster=True) for _ in range(nodes)]
+    def __init__(self, nodes: int = 3, maxmemory: str = "256mb",
+                 on: Sequence[Tuple[str, Optional[str]]] = ()) -> None:
+        self.servers = [RedisServer(maxmemory=maxmemory, cluster=True, host=host, netns=netns)
+                        for host, netns in (on or [("127.0.0.1", None)] * nodes)]
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        return "redis+cluster://" + ",".join(f"{s.host}:{s.port}" for s in self.servers)
 
     def start(self, timeout_s: float = 20.0) -> "RedisCluster":
         try:
             for s in self.servers:
                 s.start()
             subprocess.run([require_binary("redis-cli"), "--cluster", "create",
-                            *[f"127.0.0.1:{s.port}" for s in self.servers],
+                            *[f"{s.host}:{s.port}" for s in self.servers],
                             "--cluster-replicas", "0", "--cluster-yes"],
                            check=True, capture_output=True, text=True, timeout=timeout_s)
             deadline = time.monotonic() + timeout_s
