@@ -78,14 +78,17 @@ def aggregated(tmp) -> Dict[int, List[int]]:
     return out
 
 
-def test_disaggregated_vllm_gives_the_aggregated_tokens_and_decode_pulls_the_kv_over_nixl(tmp, aggregated):
-    serve = VllmServe(tmp, "disagg", graph="disagg_vllm",
-                      base=common(tmp, "disagg", ["PrefillWorker", "DecodeWorker"]))
+@pytest.mark.parametrize("graph", ["disagg_vllm", "disagg_router_vllm"])
+def test_disaggregated_vllm_gives_the_aggregated_tokens_and_decode_pulls_the_kv_over_nixl(tmp, aggregated, graph):
+    """disagg_router_vllm: two prefill workers behind the frontend's KV-aware prefill router (each
+    prompt's prefill leg goes to the worker holding the most of its prefix in any tier)."""
+    serve = VllmServe(tmp, graph, graph=graph, base=common(tmp, graph, ["PrefillWorker", "DecodeWorker"]))
     try:
         t0 = time.monotonic()
         got = run(serve)
         elapsed = time.monotonic() - t0
-        prefill, decode = (vg.scrape(serve.metrics[w]) for w in ("PrefillWorker", "DecodeWorker"))
+        prefills = [vg.scrape(url) for name, url in serve.metrics.items() if name.startswith("PrefillWorker")]
+        decode = vg.scrape(serve.metrics["DecodeWorker"])
     finally:
         serve.close()
     assert vg.ours_left(serve.run) == []
@@ -93,13 +96,15 @@ def test_disaggregated_vllm_gives_the_aggregated_tokens_and_decode_pulls_the_kv_
     assert not differ, f"{len(differ)} of {len(PROMPTS)} prompts differ from agg_vllm, e.g. #{differ[0]}: " \
                        f"{got[differ[0]]} != {aggregated[differ[0]]}"
     total = sum(len(p) for p in PROMPTS)
-    computed_p = vg.metric(prefill, "vllm:prompt_tokens_total")
+    each_p = [vg.metric(m, "vllm:prompt_tokens_total") for m in prefills]
     transfers = vg.metric(decode, "vllm:nixl_xfer_time_seconds_count")
     pulled = vg.metric(decode, "vllm:nixl_bytes_transferred_sum")
     failed = vg.metric(decode, "vllm:nixl_num_failed_transfers_total")
-    print(f"\ndisagg_vllm: {len(PROMPTS)} prompts in {elapsed:.0f} s; prefill prompt tokens {computed_p:.0f} of "
-          f"{total}; decode: {transfers:.0f} NIXL transfers, {pulled / 2**20:.1f} MiB, {failed:.0f} failed")
-    assert computed_p >= total  # every prompt went through the prefill worker
+    print(f"\n{graph}: {len(PROMPTS)} prompts in {elapsed:.0f} s; prefill prompt tokens {each_p} (sum "
+          f"{sum(each_p):.0f}) of {total}; decode: {transfers:.0f} NIXL transfers, {pulled / 2**20:.1f} MiB, "
+          f"{failed:.0f} failed")
+    assert sum(each_p) >= total  # every prompt went through a prefill worker
+    assert len(prefills) == (2 if graph == "disagg_router_vllm" else 1) and all(each_p)  # each one served some
     assert failed == 0 and transfers >= 0.9 * len(PROMPTS), (transfers, failed)
     assert pulled > 0
 
@@ -164,3 +169,33 @@ def test_a_killed_decode_or_prefill_worker_fails_cleanly_and_the_graph_recovers(
     finally:
         serve.close()
     assert vg.ours_left(serve.run) == []
+
+
+def test_decode_holds_the_bytes_prefill_computed_and_stores_them_in_its_own_tiers(tmp_path):
+    """Prefill and decode engines of the graph's connector layout, in one test process: after the
+    NIXL handover, every full block of the prompt in decode's KV cache equals prefill's bit for bit,
+    decode's FlexKVConnector stored those blocks in its own host tier, and decode's tokens equal
+    the aggregated engine's."""
+    import json
+    import sys
+
+    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+
+    model = write_model_dir(EngineModelConfig.preset("small"), tmp_path / "model", context_length=8192)
+    out = tmp_path / "result.json"
+    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
+               HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"), VLLM_CACHE_ROOT=str(tmp_path / "vllm"))
+    env.pop("FLEXKV_CONFIG_PATH", None)
+    script = Path(__file__).with_name("vllm_disagg_kv_check.py")
+    p = subprocess.run([sys.executable, str(script), str(model), str(out), str(tmp_path / "run")], env=env,
+                       capture_output=True, text=True, timeout=900, cwd=str(script.parent))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    for r in json.loads(out.read_text()):
+        print(f"\n{r['prompt_tokens']} tokens: {r['full_blocks']} full blocks handed over, equal={r['bytes_equal']}, "
+              f"decode stored {r['decode_stored_blocks']}, decode cached {r['decode_cached']} tokens")
+        assert r["remote_blocks"] >= r["full_blocks"] and r["nonzero"] and r["layers"] > 0
+        assert r["decode_stored_blocks"] >= r["full_blocks"], r  # what decode received, in its own tiers
+        assert r["bytes_equal"], r
+        assert r["decode_cached"] >= r["full_blocks"] * BS  # decode computed none of the full blocks
+        assert r["decode_tokens"] == r["agg_tokens"], r
