@@ -192,10 +192,10 @@ def test_decode_holds_the_bytes_prefill_computed_and_stores_them_in_its_own_tier
                        capture_output=True, text=True, timeout=900, cwd=str(script.parent))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     for r in json.loads(out.read_text()):
-        print(f"\n{r['prompt_tokens']} tokens: {r['full_blocks']} full blocks handed over, equal={r['bytes_equal']}, "
-              f"decode stored {r['decode_stored_blocks']}, decode cached {r['decode_cached']} tokens")
+        print(f"\n{r['prompt_tokens']} tokens: {r['remote_blocks']} blocks handed over ({r['nixl_bytes']:.0f} bytes "
+              f"READ over NIXL), full ones equal: {r['bytes_equal']}; decode stored {r['decode_stored_blocks']}")
         assert r["remote_blocks"] >= r["full_blocks"] and r["nonzero"] and r["layers"] > 0
+        assert r["nixl_bytes"] == r["remote_blocks"] * r["block_bytes"], r  # decode READ every block, every layer
+        assert r["bytes_equal"], r  # bit for bit, every layer of every full block
         assert r["decode_stored_blocks"] >= r["full_blocks"], r  # what decode received, in its own tiers
-        assert r["bytes_equal"], r
-        assert r["decode_cached"] >= r["full_blocks"] * BS  # decode computed none of the full blocks
         assert r["decode_tokens"] == r["agg_tokens"], r

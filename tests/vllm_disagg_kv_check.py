@@ -33,15 +33,17 @@ def _blocks(worker, block_ids):
 
 
 def transfer_config(run_dir: str, name: str) -> dict:
-    flexkv = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
-              "kv_role": "kv_both", "kv_connector_extra_config": {"run_dir": os.path.join(run_dir, name)}}
-    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    """The disagg_vllm graph's layout (dynamo_flexkv.serve.vllm_worker): NixlConnector first."""
+    from dynamo_flexkv.serve.vllm_worker import CONNECTOR, NIXL
+    flexkv = {**CONNECTOR, "kv_connector_extra_config": {"run_dir": os.path.join(run_dir, name)}}
+    nixl = {**NIXL, "kv_buffer_device": "cpu"}
     return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": [nixl, flexkv]}}
 
 
 def engine(model_dir: str, run_dir: str, name: str, port: int, core: int):
     from vllm import LLM
+    os.makedirs(os.path.join(run_dir, name), exist_ok=True)
     # Read by the worker process vLLM spawns now: each engine its own NIXL handshake port, core,
     # host tier and SSD directory.
     os.environ.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(port), VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
@@ -49,7 +51,17 @@ def engine(model_dir: str, run_dir: str, name: str, port: int, core: int):
                       FLEXKV_RUN_DIR=os.path.join(run_dir, name))
     return LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, block_size=64,
                enforce_eager=True, kv_cache_memory_bytes=128 << 20, kv_transfer_config=transfer_config(run_dir, name),
-               seed=0)
+               seed=0, disable_log_stats=False)  # stats on: NixlConnector's transfer counters
+
+
+def nixl_reads(llm) -> dict:
+    """NixlConnector's transfer counters (vllm:nixl_*), as vLLM's Prometheus logger holds them. The
+    reads are counted on the reading side: decode's (prefill serves them and counts none)."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:nixl"):
+            out[m.name] = [getattr(m, "count", None), getattr(m, "sum", getattr(m, "value", None))]
+    return out
 
 
 def main(model_dir: str, out: str, run_dir: str) -> int:
@@ -60,7 +72,7 @@ def main(model_dir: str, out: str, run_dir: str) -> int:
     prefill = engine(model_dir, run_dir, "prefill", 5611, 0)
     decode = engine(model_dir, run_dir, "decode", 5612, 1)
     rnd = random.Random(5)
-    results = []
+    results, moved_before = [], 0.0
     for n_tokens in (700, 1500):  # 10 and 23 full blocks of 64, and a partial one
         prompt = [rnd.randrange(300, 30000) for _ in range(n_tokens)]
         first = prefill.generate([{"prompt_token_ids": prompt}],
@@ -73,18 +85,27 @@ def main(model_dir: str, out: str, run_dir: str) -> int:
         out_d = decode.generate([{"prompt_token_ids": prompt}],
                                 SamplingParams(max_tokens=6, temperature=0,
                                                extra_args={"kv_transfer_params": params}))[0]
-        new_stores = [s for s in decode.collective_rpc(_stores)[0][stores_before:] if s[2]]
+        new_stores = []
+        for _ in range(50):  # the store rides on a later step's metadata: run steps until it is done
+            new_stores = [s for s in decode.collective_rpc(_stores)[0][stores_before:] if s[2]]
+            if new_stores:
+                break
+            decode.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1))
         stored_ids = new_stores[0][1] if new_stores else []
         full = n_tokens // 64
         restored = decode.collective_rpc(_blocks, args=(stored_ids[:full],))[0] if stored_ids else []
         equal = bool(stored_ids) and all(
             torch.equal(c[:full].contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
             for c, r in zip(computed, restored))
+        reads = nixl_reads(decode)
+        moved = reads["vllm:nixl_bytes_transferred"][1] - moved_before
+        moved_before = reads["vllm:nixl_bytes_transferred"][1]
         agg = prefill.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0))[0]
         results.append({"prompt_tokens": n_tokens, "remote_blocks": len(remote_ids), "full_blocks": full,
                         "decode_stored_blocks": len(stored_ids), "bytes_equal": equal, "layers": len(computed),
                         "nonzero": all(bool(c.abs().sum() > 0) for c in computed),
-                        "decode_cached": out_d.num_cached_tokens,
+                        "nixl": reads, "nixl_bytes": moved,
+                        "block_bytes": sum(c[0].numel() * c.element_size() for c in computed),
                         "decode_tokens": list(out_d.outputs[0].token_ids),
                         "agg_tokens": list(agg.outputs[0].token_ids)})
     with open(out, "w") as f:
