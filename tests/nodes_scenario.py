@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,73 +60,90 @@ def timed(plan, prompt):
     return code, round(time.monotonic() - t0, 2)
 
 
+PLACED = ("Frontend.node=A", "PrefillWorker.node=B", "DecodeWorker.node=C", "DecodeWorker.cache.ssd_cache_gb=0",
+          "DecodeWorker.restart-backoff-s=0.2")
+
+
+@contextmanager
+def node_graph(tmp: Path, nodes: Nodes, report: dict, *overrides: str):
+    """The disagg graph placed on the nodes, supervised as serve runs it (restarts, liveness);
+    on exit every process has exited (their codes go to report["exit_codes"])."""
+    plan = disagg_plan(tmp, "disagg", *PLACED, *overrides, discovery_backend="etcd", event_plane="nats", nodes=nodes)
+    report["hosts"] = {p.name: p.host for p in plan.processes + plan.infra}
+    with Launcher(plan) as launcher:
+        launcher.wait_ready(180)
+        stop = threading.Event()
+        supervisor = threading.Thread(target=lambda: launcher.supervise(stop), daemon=True)
+        supervisor.start()
+        try:
+            yield plan, launcher
+        finally:
+            stop.set()
+            supervisor.join(30)
+    assert_gone(launcher)
+    codes = report.setdefault("exit_codes", {})
+    for name, p in launcher.running.items():
+        codes[name] = codes.get(name) or p.returncode  # a non-zero code of either graph stays
+
+
 def main(nodes_file: str, tmp: Path, out: Path) -> None:
     nodes = Nodes.load(nodes_file)
-    a, b, c = (nodes[n] for n in ("A", "B", "C"))
     base, extra = prompts(8, seed=41)
     batch = base + extra
     report: dict = {}
     with Launcher(agg_plan(tmp)) as agg:  # the reference: one aggregated worker on A's loopback
         agg.wait_ready(120)
         report["agg"] = texts(agg.plan, batch)
-    with RedisCluster(on=[(n.address, n.netns) for n in (a, b, c)], maxmemory="64mb") as cluster:
+
+    # Without a remote tier decode's only source is the handover: NIXL over C's link.
+    with node_graph(tmp / "nixl", nodes, report) as (plan, launcher):
+        prefill, decode = plan.workers
+        rx0 = nodes.link_bytes("C")["rx"]
+        pulled0 = metric(decode, "flexkv_handover_bytes_total")
+        report["disagg"] = texts(plan, batch)
+        report["c_rx_bytes"] = nodes.link_bytes("C")["rx"] - rx0
+        report["handover_bytes"] = metric(decode, "flexkv_handover_bytes_total") - pulled0
+        report["prefill_computed"] = metric(prefill, "flexkv_prompt_tokens_computed_total")
+
+        # C's cable out for OUTAGE_S: each request in that time ends (cleanly or not) within the
+        # bound; the cable back in, the graph serves again.
+        nodes.set_link("C", False)
+        down_at, answers = time.monotonic(), []
+        while time.monotonic() - down_at < OUTAGE_S:
+            answers.append(timed(plan, base[len(answers) % len(base)]))
+            time.sleep(0.5)
+        nodes.set_link("C", True)
+        report["link_down"] = {"first": answers[0], "max_s": max(s for _, s in answers),
+                               "statuses": sorted({code for code, _ in answers})}
+        t0, code = time.monotonic(), 0
+        while code != 200 and time.monotonic() - t0 < 180:
+            code, _ = timed(plan, base[2])
+            if code != 200:
+                time.sleep(0.5)
+        report["recovered_s"] = round(time.monotonic() - t0, 1) if code == 200 else None
+        report["after_link"] = texts(plan, batch[:4])
+        report["events"] = list(launcher.events)
+
+    # With a Redis Cluster spread over A, B and C: B stores what it prefills; C, restarted with
+    # nothing (no disk tier, host and device gone), loads that prefix from the cluster.
+    with RedisCluster(on=[(n.address, n.netns) for n in nodes.nodes.values()], maxmemory="64mb") as cluster:
         report["redis_masters"] = [s.url for s in cluster.servers]
         remote = [f"{w}.cache.{k}" for w in ("PrefillWorker", "DecodeWorker")
                   for k in ("enable_remote=true", f"remote_cache_url={cluster.url}")]
-        plan = disagg_plan(tmp, "disagg", "Frontend.node=A", "PrefillWorker.node=B", "DecodeWorker.node=C",
-                           "DecodeWorker.cache.ssd_cache_gb=0", "DecodeWorker.restart-backoff-s=0.2", *remote,
-                           discovery_backend="etcd", event_plane="nats", nodes=nodes)
-        prefill, decode = plan.workers
-        report["hosts"] = {p.name: p.host for p in plan.processes + plan.infra}
-        with Launcher(plan) as launcher:
-            launcher.wait_ready(180)
-            stop = threading.Event()  # restarts and liveness, as serve runs them
-            supervisor = threading.Thread(target=lambda: launcher.supervise(stop), daemon=True)
-            supervisor.start()
-            rx0 = nodes.link_bytes("C")["rx"]
-            pulled0 = metric(decode, "flexkv_handover_bytes_total")
-            report["disagg"] = texts(plan, batch)
-            report["c_rx_bytes"] = nodes.link_bytes("C")["rx"] - rx0
-            report["handover_bytes"] = metric(decode, "flexkv_handover_bytes_total") - pulled0
-            report["prefill_computed"] = metric(prefill, "flexkv_prompt_tokens_computed_total")
-
-            # Remote: B stored the prompts in the cluster; C restarts with nothing of them (no
-            # disk tier, host and device gone) and must load the first one from Redis.
+        with node_graph(tmp / "remote", nodes, report, *remote) as (plan, launcher):
+            prefill, decode = plan.workers
+            texts(plan, [batch[0]])
             wait_until("B's writes to the remote tier",
                        lambda: metric(prefill, "flexkv_remote_stored_blocks_total") > 0, timeout=60)
             os.kill(launcher.running[decode.name].pid, signal.SIGKILL)
             wait_until("the decode worker restarted and ready", lambda: decode.name in launcher.ready
                        and launcher.restarts.get(decode.name, 0) >= 1, timeout=120, every=0.2)
             remote0 = metric(decode, "flexkv_prompt_tokens_cached_total", tier="remote")
-            code = 0
-            deadline = time.monotonic() + 60
+            code, deadline = 0, time.monotonic() + 60
             while code != 200 and time.monotonic() < deadline:  # the frontend re-learns the restarted worker
                 code, _ = timed(plan, "warm up " + base[1])
             report["after_restart"] = texts(plan, [batch[0]])[0]
             report["c_remote_tokens"] = metric(decode, "flexkv_prompt_tokens_cached_total", tier="remote") - remote0
-
-            # C's cable out for OUTAGE_S: each request in that time ends (cleanly or not) within
-            # the bound; the cable back in, the graph serves again.
-            nodes.set_link("C", False)
-            down_at, answers = time.monotonic(), []
-            while time.monotonic() - down_at < OUTAGE_S:
-                answers.append(timed(plan, base[len(answers) % len(base)]))
-                time.sleep(0.5)
-            nodes.set_link("C", True)
-            report["link_down"] = {"first": answers[0], "max_s": max(s for _, s in answers),
-                                   "statuses": sorted({code for code, _ in answers})}
-            t0, code = time.monotonic(), 0
-            while code != 200 and time.monotonic() - t0 < 180:
-                code, _ = timed(plan, base[2])
-                if code != 200:
-                    time.sleep(0.5)
-            report["recovered_s"] = round(time.monotonic() - t0, 1) if code == 200 else None
-            report["after_link"] = texts(plan, batch[:4])
-            report["events"] = list(launcher.events)
-            stop.set()
-            supervisor.join(30)
-        assert_gone(launcher)
-        report["exit_codes"] = {n: p.returncode for n, p in launcher.running.items()}
     out.write_text(json.dumps(report))
 
 
