@@ -20,7 +20,7 @@ bench: install
 	$(PY) -m dynamo_flexkv.bench all --json bench-results.jsonl
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Long randomized runs of the index and planner properties.
 test-slow: install
