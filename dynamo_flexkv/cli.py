@@ -123,16 +123,19 @@ def _nodes(args: argparse.Namespace) -> int:
     from dynamo_flexkv.serve.nodes import Nodes, NodesError
     try:
         if args.action == "up":
-            made = Nodes.up(args.prefix, args.names or ("A", "B", "C"))
-            made.save(Path(args.file))
+            made = Nodes.up(args.prefix, args.names or ("A", "B", "C"), path=Path(args.file))
             for node in made.nodes.values():
-                print(f"node {node.name}: netns {node.netns}, {node.address} on {node.device}")
-            print(f"wrote {args.file}; serve from the frontend's node: ip netns exec {made[next(iter(made.nodes))].netns} "
+                print(f"node {node.name}: netns {node.netns}, {node.address} and {node.address6} on {node.device}")
+            first = next(iter(made.nodes.values()))
+            print(f"wrote {args.file}; serve from the frontend's node: ip netns exec {first.netns} "
                   f"dynamo-flexkv serve GRAPH -f CONFIG --nodes {args.file} --discovery-backend etcd --event-plane nats "
-                  "--set Frontend.node=... --set <Worker>.node=...")
+                  f"--set Frontend.node={first.name} --set <Worker>.node=<name> ...")
             return 0
-        made = Nodes.load(args.file)
+        made = Nodes.load(args.file, "--file")
         if args.action == "down":
+            if args.names:
+                print(f"error: nodes down takes no names (it removes every namespace of {args.file})", file=sys.stderr)
+                return 2
             made.down()
             return 0
         if len(args.names) != 2 or args.names[0] not in made.nodes or args.names[1] not in ("up", "down"):

@@ -17,58 +17,118 @@ from served import ROOT
 from dynamo_flexkv.serve import GraphError
 from dynamo_flexkv.serve.nodes import Node, Nodes
 
-FAKE = Nodes("t-sw", {n: Node(n, f"t-{n.lower()}", f"169.254.9.{i + 1}", f"fd00:9::{i + 1}")
-                      for i, n in enumerate("ABC")})
+# Nodes that do not exist: planning refuses what it can before it looks for them.
+FAKE = Nodes("t-sw", {n: Node(n, f"t-{n.lower()}", f"169.254.9.{i + 1}", f"fd00:9::{i + 1}", port=f"p{i}")
+                      for i, n in enumerate("ABC")}, "t")
 PLACED = ("Frontend.node=A", "PrefillWorker.node=B", "DecodeWorker.node=C")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
 
-def test_each_component_binds_and_advertises_its_nodes_address_and_reaches_etcd_and_nats_on_the_frontends(tmp_path):
-    plan = disagg_plan(tmp_path, "disagg", *PLACED, discovery_backend="etcd", event_plane="nats", nodes=FAKE)
-    front, prefill, decode = plan.processes
-    assert plan.base_url == f"http://169.254.9.1:{plan.http_port}"
-    assert front.argv[:4] == ["ip", "netns", "exec", "t-a"]
-    assert front.argv[front.argv.index("--http-host") + 1] == "169.254.9.1"
-    for proc, ns, addr in ((prefill, "t-b", "169.254.9.2"), (decode, "t-c", "169.254.9.3")):
-        assert proc.argv[:4] == ["ip", "netns", "exec", ns] and proc.host == addr
-        assert proc.metrics_url == f"http://{addr}:{proc.port}/metrics"
-        for key in ("DYN_TCP_RPC_HOST", "DYN_SYSTEM_HOST", "DYN_EVENT_PLANE_HOST"):
-            assert proc.env[key] == addr, key
-        assert proc.env["UCX_TLS"] == "tcp" and proc.env["UCX_NET_DEVICES"] == "eth0"  # over the link
-        assert proc.env["ETCD_ENDPOINTS"].startswith("http://169.254.9.1:")
-        assert proc.env["NATS_SERVER"].startswith("nats://169.254.9.1:")
-    etcd, nats = plan.infra
-    assert etcd.host == nats.host == "169.254.9.1" and etcd.argv[:4] == ["ip", "netns", "exec", "t-a"]
-    assert "127.0.0.1" not in " ".join(etcd.argv + nats.argv)
-
-
-def test_a_placement_serve_cannot_honour_is_refused_naming_the_fix(tmp_path):
+def test_a_placement_serve_cannot_honour_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    etcd_nats = dict(discovery_backend="etcd", event_plane="nats", nodes=FAKE)
     with pytest.raises(GraphError, match="--discovery-backend etcd --event-plane nats"):
         disagg_plan(tmp_path, "disagg", *PLACED, nodes=FAKE)
     with pytest.raises(GraphError, match=r"PrefillWorker.node='B' needs serve --nodes FILE"):
         disagg_plan(tmp_path, "disagg", "PrefillWorker.node=B")
     with pytest.raises(GraphError, match=r"node 'D' is not in the nodes file \(it has \['A', 'B', 'C'\]\)"):
-        disagg_plan(tmp_path, "disagg", "DecodeWorker.node=D", discovery_backend="etcd", event_plane="nats",
-                    nodes=FAKE)
+        disagg_plan(tmp_path, "disagg", "Frontend.node=A", "PrefillWorker.node=B", "DecodeWorker.node=D", **etcd_nats)
+    with pytest.raises(GraphError, match=r"every component names its node: \['Frontend'\] name none"):
+        disagg_plan(tmp_path, "disagg", "PrefillWorker.node=B", "DecodeWorker.node=C", **etcd_nats)
     with pytest.raises(GraphError, match="remote_cache_url every node reaches"):
-        disagg_plan(tmp_path, "disagg", *PLACED, "DecodeWorker.cache.enable_remote=true",
-                    discovery_backend="etcd", event_plane="nats", nodes=FAKE)
+        disagg_plan(tmp_path, "disagg", *PLACED, "DecodeWorker.cache.enable_remote=true", **etcd_nats)
+    monkeypatch.setenv("NATS_SERVER", "nats://127.0.0.1:4222")
+    with pytest.raises(GraphError, match="NATS_SERVER=nats://127.0.0.1:4222 is this machine's loopback"):
+        disagg_plan(tmp_path, "disagg", *PLACED, **etcd_nats)
+    monkeypatch.delenv("NATS_SERVER")
+    with pytest.raises(GraphError, match=r"network namespaces \['t-a', 't-b', 't-c', 't-sw'\] do not exist"):
+        disagg_plan(tmp_path, "disagg", *PLACED, **etcd_nats)
     bad = tmp_path / "nodes.yaml"
     bad.write_text("nodes: [A, B]\n")
     with pytest.raises(GraphError, match="not a nodes file written by `dynamo-flexkv nodes up`"):
         Nodes.load(str(bad))
+    FAKE.save(bad)
+    bad.write_text(bad.read_text().replace("switch: t-sw", "switch: victim"))
+    with pytest.raises(GraphError, match=r"namespaces \['victim'\] do not match its prefix 't'"):
+        Nodes.load(str(bad))  # `nodes down` would have deleted a namespace the file did not make
+
+
+def test_vllm_workers_take_a_node_too(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
+    from dynamo_flexkv.serve import load_graph
+    from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+    config = apply_overrides(load_config(str(ROOT / "configs" / "disagg_vllm.yaml")),
+                             ["Frontend.http-port=0", *PLACED[:3], *(f"{w}.cache.ssd_cache_dir={tmp_path}/{w}"
+                                                                    for w in ("PrefillWorker", "DecodeWorker"))])
+    with pytest.raises(GraphError, match="do not exist"):  # accepted as an option, then looked for
+        build_plan(load_graph(str(ROOT / "graphs" / "disagg_vllm.py")), config, run_dir=tmp_path / "run",
+                   discovery_backend="etcd", event_plane="nats", nodes=FAKE)
 
 
 @pytest.fixture
 def nodes(tmp_path):
-    made = Nodes.up(f"fx{os.getpid() % 100000}")
-    made.save(tmp_path / "nodes.yaml")
+    made = Nodes.up(f"fx{os.getpid() % 100000}", path=tmp_path / "nodes.yaml")
     try:
         yield made
     finally:
         made.down()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert made.switch not in listed and not any(n.netns in listed for n in made.nodes.values())
+
+
+PLAN_IN_A = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from disagg_helpers import disagg_plan
+from dynamo_flexkv.serve.nodes import Nodes
+plan = disagg_plan(Path({tmp!r}), "disagg", *{placed!r}, discovery_backend="etcd", event_plane="nats",
+                   nodes=Nodes.load({file!r}))
+print(json.dumps({{"base_url": plan.base_url, "processes": [
+    {{"name": p.name, "argv": p.argv, "env": p.env, "host": p.host, "metrics_url": p.metrics_url}}
+    for p in plan.processes + plan.infra]}}))
+"""
+
+
+@needs_root
+def test_each_component_binds_and_advertises_its_nodes_address_and_reaches_etcd_and_nats_on_the_frontends(nodes, tmp_path):
+    with pytest.raises(GraphError, match=f"serve must run on the frontend's node A .*ip netns exec {nodes['A'].netns}"):
+        disagg_plan(tmp_path, "disagg", *PLACED, discovery_backend="etcd", event_plane="nats", nodes=nodes)
+    code = PLAN_IN_A.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), placed=PLACED, file=str(tmp_path / "nodes.yaml"))
+    p = subprocess.run(["ip", "netns", "exec", nodes["A"].netns, sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    plan = json.loads(p.stdout.splitlines()[-1])
+    procs = {x["name"]: x for x in plan["processes"]}
+    a, b, c = (nodes[n] for n in "ABC")
+    assert plan["base_url"].startswith(f"http://{a.address}:")
+    front = procs["Frontend"]
+    assert front["argv"][:4] == ["ip", "netns", "exec", a.netns]
+    assert front["argv"][front["argv"].index("--http-host") + 1] == a.address
+    for name, node in (("PrefillWorker", b), ("DecodeWorker", c)):
+        proc = procs[name]
+        assert proc["argv"][:4] == ["ip", "netns", "exec", node.netns] and proc["host"] == node.address
+        assert proc["metrics_url"].startswith(f"http://{node.address}:")
+        for key in ("DYN_TCP_RPC_HOST", "DYN_SYSTEM_HOST", "DYN_EVENT_PLANE_HOST"):
+            assert proc["env"][key] == node.address, key
+        assert proc["env"]["UCX_TLS"] == "tcp" and proc["env"]["UCX_NET_DEVICES"] == "eth0"  # over the link
+        assert proc["env"]["ETCD_ENDPOINTS"].startswith(f"http://{a.address}:")
+        assert proc["env"]["NATS_SERVER"].startswith(f"nats://{a.address}:")
+    for name in ("etcd", "nats"):
+        assert procs[name]["host"] == a.address and procs[name]["argv"][:4] == ["ip", "netns", "exec", a.netns]
+        assert "127.0.0.1" not in " ".join(procs[name]["argv"])
+
+
+@needs_root
+def test_nodes_up_refuses_names_it_could_not_keep_apart_and_leaves_nothing_behind(tmp_path):
+    from dynamo_flexkv.serve.nodes import NodesError
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for names, match in ((["A", "a"], "differ from the others in more than case"), (["a b"], "letters or digits"),
+                         (["sw"], "none may be 'sw'"), (["A", "A"], "differ from the others")):
+        with pytest.raises(NodesError, match=match):
+            Nodes.up("rvt", names, path=tmp_path / "n.yaml")
+    with pytest.raises(OSError):  # the file cannot be written: refused before any namespace is made
+        Nodes.up("rvt", ["A"], path=tmp_path / "missing" / "n.yaml")
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
 
 
 @needs_root

@@ -82,7 +82,7 @@ def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Cal
 
     shared = ("model", "served-model-name", "namespace", "replicas", "offload", "system-port", "cache",
               "extra-args", "on-death", "max-restarts", "restart-window-s", "restart-backoff-s",
-              "liveness-timeout-s", "disaggregation-mode", "handover-lease-s")
+              "liveness-timeout-s", "disaggregation-mode", "handover-lease-s", "node")
     return {**{k: worker_options[k] for k in shared},
             "num-device-blocks": _nonneg_int_or_none,  # vLLM's --num-gpu-blocks-override; unset: from memory
             "block-size": int_option, "max-model-len": int_option, "dtype": str_option, "kv-cache-memory-bytes": int_option,
