@@ -20,6 +20,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import yaml
 
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.ports import LOOPBACK
 from dynamo_flexkv.serve.process import Process
@@ -36,8 +37,8 @@ OWN_HOST_ENV = ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST", "
 INFRA_URL_ENV = ("ETCD_ENDPOINTS", "NATS_SERVER")
 
 
-class NodesError(RuntimeError):
-    pass
+class NodesError(RuntimeError, FlexKVError):
+    """A node network that cannot be made, used or removed as asked."""
 
 
 @dataclass(frozen=True)
