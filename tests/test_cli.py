@@ -1,6 +1,7 @@
 """The dynamo-flexkv command as a user runs it: doctor and the index benchmark."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -48,4 +49,5 @@ def test_bench_ttft_quick(tmp_path):
             "host-100-bulk-2K", "disk-90-load-stall-2K"} <= set(by)
     # Each case timed, with its same-run baseline (which one wins is the benchmark's to report: a
     # single quick sample on a loaded machine can go either way, and was seen to).
-    assert all(c.unit == "ms" and c.ours > 0 and c.baseline > 0 and c.baseline_name for c in cases)
+    # ("load-added" cases are differences of medians and may be negative within noise.)
+    assert all(c.unit == "ms" and math.isfinite(c.ours) and c.baseline > 0 and c.baseline_name for c in cases), cases
