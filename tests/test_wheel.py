@@ -22,9 +22,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# A CMake build dir of its own, kept between runs (only changed sources recompile); separate from
-# the editable install's so a test run never races a `pip install -e .`.
-BUILD_DIR = ROOT / "build" / "wheel-test"
+# The editable install's CMake build dir (pyproject's build-dir): its objects are up to date after
+# `make install`, so the wheel recompiles nothing that did not change (a separate dir cost a full
+# native compile, ~30 s of the default suite on 2 cores). The editable install copied its extension
+# out of this dir, so the wheel build cannot change what the checkout imports; the lock keeps two
+# test runs from building here at once.
+_CP = f"cp{sys.version_info.major}{sys.version_info.minor}"
+BUILD_DIR = ROOT / "build" / f"{_CP}-{_CP}-{sysconfig.get_platform().replace('-', '_').replace('.', '_')}"
 
 ROUND_TRIP = r"""
 import os, sys, time
