@@ -15,34 +15,50 @@ from served import wait_until  # noqa: E402
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 
 
-def test_disagg_graph_generates_the_aggregated_graphs_tokens_with_kv_pulled_over_nixl(tmp_path):
+@pytest.fixture(scope="module")
+def disagg_graph(tmp_path_factory):
+    """One disagg graph for the tests whose faults it survives (they check counters as deltas);
+    every process exits 0 at the end."""
+    plan = disagg_plan(tmp_path_factory.mktemp("disagg"))
+    with Launcher(plan) as launcher:
+        launcher.wait_ready(120)
+        yield launcher
+    clean_exit(launcher)
+    assert_gone(launcher)
+
+
+def _lease_ends(port: int) -> dict:
+    return {how: metric(port, "flexkv_handover_leases_ended_total", how=how) for how in ("released", "expired", "unclaimed")}
+
+
+def test_disagg_graph_generates_the_aggregated_graphs_tokens_with_kv_pulled_over_nixl(disagg_graph, tmp_path):
     waves = prompts(50)
     with Launcher(agg_plan(tmp_path)) as launcher:
         launcher.wait_ready(120)
         want = [r["choices"][0]["text"] for r in serve_all(launcher.plan, waves)]
-    plan = disagg_plan(tmp_path)
+    plan = disagg_graph.plan
     prefill, decode = plan.workers
-    with Launcher(plan) as launcher:
-        launcher.wait_ready(120)
-        replies = serve_all(plan, waves)
-        assert [r["choices"][0]["text"] for r in replies] == want
-        pulled = [r["nvext"]["engine_data"]["flexkv"].get("handover_tokens") for r in replies]
-        assert all(t is not None for t in pulled), "a request reached decode without a handover"
-        assert sum(pulled) > 0
-        # Every request went through the prefill worker; repeated prefixes came from its tiers.
-        assert metric(prefill.port, "flexkv_requests_total") == 50
-        assert metric(decode.port, "flexkv_requests_total") == 50
-        assert sum(metric(prefill.port, "flexkv_prompt_tokens_cached_total", tier=t)
-                   for t in ("device", "host", "disk")) > 0
-        # The decode worker offloads what it received to its own tiers too.
-        assert metric(decode.port, "flexkv_stored_blocks_total", tier="host") > 0
-        # Each lease ends on decode's release notice, a NIXL message that may land a little after the
-        # reply (the 30 s lease timeout is far off; the log check below proves none expired).
-        wait_until("the prefill worker's leased blocks released",
-                   lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0, timeout=10)
-    clean_exit(launcher)
-    assert_gone(launcher)
-    assert "expired" not in (plan.run_dir / "logs" / f"{prefill.name}.log").read_text()
+    requests = [metric(w.port, "flexkv_requests_total") for w in (prefill, decode)]
+    cached = sum(metric(prefill.port, "flexkv_prompt_tokens_cached_total", tier=t) for t in ("device", "host", "disk"))
+    stored = metric(decode.port, "flexkv_stored_blocks_total", tier="host")
+    ends = _lease_ends(prefill.port)
+    replies = serve_all(plan, waves)
+    assert [r["choices"][0]["text"] for r in replies] == want
+    pulled = [r["nvext"]["engine_data"]["flexkv"].get("handover_tokens") for r in replies]
+    assert all(t is not None for t in pulled), "a request reached decode without a handover"
+    assert sum(pulled) > 0
+    # Every request went through the prefill worker; repeated prefixes came from its tiers.
+    assert [metric(w.port, "flexkv_requests_total") - n for w, n in zip((prefill, decode), requests)] == [50, 50]
+    assert sum(metric(prefill.port, "flexkv_prompt_tokens_cached_total", tier=t)
+               for t in ("device", "host", "disk")) > cached
+    # The decode worker offloads what it received to its own tiers too.
+    assert metric(decode.port, "flexkv_stored_blocks_total", tier="host") > stored
+    # Each lease ends on decode's release notice, a NIXL message that may land a little after the
+    # reply (the 30 s lease timeout is far off): each released, none expired or unclaimed.
+    wait_until("the prefill worker's leases released", lambda: metric(prefill.port, "flexkv_handover_leases") == 0
+               and metric(prefill.port, "flexkv_device_blocks", state="used") == 0, timeout=10)
+    ended = {how: n - ends[how] for how, n in _lease_ends(prefill.port).items()}
+    assert ended["released"] > 0 and ended["expired"] == ended["unclaimed"] == 0, ended
 
 
 def test_decode_stopped_then_killed_while_holding_a_lease_the_lease_expires_and_the_graph_keeps_serving(tmp_path):
@@ -216,67 +232,65 @@ def _text_or_none(plan, prompt: str):
         return None
 
 
-def test_a_lease_no_decode_worker_claims_ends_after_the_renewal_window_not_the_lease_ttl(tmp_path):
+def test_a_lease_no_decode_worker_claims_ends_after_the_renewal_window_not_the_lease_ttl(disagg_graph):
     """SIGSTOP the decode worker and send a request: the prefill worker computes it and leases its
     blocks, but no decode worker claims the lease. It ends ``renew_s`` (5 s) after the grant, far
     before the 30 s ``handover-lease-s``, counted as unclaimed. (Dynamo's frontend gives up on the
     stopped decode worker after its 5 s TCP request timeout and migrates the request: it prefills it
     again, and that lease goes unclaimed too.) SIGCONT decode: the request ends in exact tokens or a
     clean HTTP error, every lease ends (none held until its ttl), later requests pull as before and
-    every process exits 0."""
+    no lease is claimed and then lost."""
     import os
     import signal
     import threading
     import time
     import urllib.error
 
-    plan = disagg_plan(tmp_path, "disagg")
+    launcher = disagg_graph
+    plan = launcher.plan
     prefill, decode = plan.workers
     base, extra = prompts(4, seed=23)
-    with Launcher(plan) as launcher:
-        launcher.wait_ready(120)
-        want = {p: complete(plan, p, 3)["choices"][0]["text"] for p in base + extra}
-        wait_until("no prefill block leased", lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0)
-        decode_pid = launcher.running[decode.name].pid
-        fresh = extra[0] + " " + " ".join(reversed(base[0].split()))
-        os.kill(decode_pid, signal.SIGSTOP)
-        outcome = {}
+    want = {p: complete(plan, p, 3)["choices"][0]["text"] for p in base + extra}
+    wait_until("no prefill block leased", lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0)
+    ends = _lease_ends(prefill.port)
+    decode_pid = launcher.running[decode.name].pid
+    fresh = extra[0] + " " + " ".join(reversed(base[0].split()))
+    os.kill(decode_pid, signal.SIGSTOP)
+    outcome = {}
 
-        def ask():
-            try:
-                outcome["reply"] = complete(plan, fresh, 3)
-            except (urllib.error.HTTPError, OSError) as e:
-                outcome["error"] = e
-        asker = threading.Thread(target=ask)
+    def ask():
         try:
-            asker.start()
-            wait_until("a lease held on the prefill worker",
-                       lambda: metric(prefill.port, "flexkv_handover_leases") >= 1, every=0.05)
-            held = time.monotonic()
-            wait_until("the unclaimed lease ended",
-                       lambda: metric(prefill.port, "flexkv_handover_leases_ended_total", how="unclaimed") >= 1,
-                       timeout=25, every=0.1)
-            assert time.monotonic() - held < 15, "an unclaimed lease was held about as long as the 30 s lease ttl"
-        finally:
-            os.kill(decode_pid, signal.SIGCONT)
-        asker.join(120)
-        assert not asker.is_alive(), "the request neither finished nor failed"
-        if "reply" in outcome:
-            assert outcome["reply"]["choices"][0]["text"] == complete(plan, fresh, 3)["choices"][0]["text"]
-        else:
-            assert isinstance(outcome["error"], urllib.error.HTTPError), outcome["error"]
-        wait_until("every lease ended", lambda: metric(prefill.port, "flexkv_handover_leases") == 0, timeout=15)
-        assert "expired unclaimed" in (plan.run_dir / "logs" / f"{prefill.name}.log").read_text()
-        wait_until("the graph serving exact tokens again",
-                   lambda: _text_or_none(plan, base[1]) == want[base[1]], timeout=30, every=0.5)
-        failed = metric(decode.port, "flexkv_handovers_total", result="failed")
-        for p in base:  # pulled again, exact
-            assert complete(plan, p, 3)["choices"][0]["text"] == want[p]
-        assert metric(decode.port, "flexkv_handovers_total", result="failed") == failed
-        wait_until("the prefill worker's leases released",
-                   lambda: metric(prefill.port, "flexkv_handover_leases") == 0, timeout=10)
-        # No lease was claimed and then lost: each ended by release or unclaimed.
-        assert metric(prefill.port, "flexkv_handover_leases_ended_total", how="expired") == 0
-        assert metric(prefill.port, "flexkv_device_blocks", state="used") == 0
-    clean_exit(launcher)
-    assert_gone(launcher)
+            outcome["reply"] = complete(plan, fresh, 3)
+        except (urllib.error.HTTPError, OSError) as e:
+            outcome["error"] = e
+    asker = threading.Thread(target=ask)
+    try:
+        asker.start()
+        wait_until("a lease held on the prefill worker",
+                   lambda: metric(prefill.port, "flexkv_handover_leases") >= 1, every=0.05)
+        held = time.monotonic()
+        wait_until("the unclaimed lease ended",
+                   lambda: _lease_ends(prefill.port)["unclaimed"] > ends["unclaimed"],
+                   timeout=25, every=0.1)
+        assert time.monotonic() - held < 15, "an unclaimed lease was held about as long as the 30 s lease ttl"
+    finally:
+        os.kill(decode_pid, signal.SIGCONT)
+    asker.join(120)
+    assert not asker.is_alive(), "the request neither finished nor failed"
+    if "reply" in outcome:
+        assert outcome["reply"]["choices"][0]["text"] == complete(plan, fresh, 3)["choices"][0]["text"]
+    else:
+        assert isinstance(outcome["error"], urllib.error.HTTPError), outcome["error"]
+    wait_until("every lease ended", lambda: metric(prefill.port, "flexkv_handover_leases") == 0, timeout=15)
+    assert "expired unclaimed" in (plan.run_dir / "logs" / f"{prefill.name}.log").read_text()
+    wait_until("the graph serving exact tokens again",
+               lambda: _text_or_none(plan, base[1]) == want[base[1]], timeout=30, every=0.5)
+    failed = metric(decode.port, "flexkv_handovers_total", result="failed")
+    for p in base:  # pulled again, exact
+        assert complete(plan, p, 3)["choices"][0]["text"] == want[p]
+    assert metric(decode.port, "flexkv_handovers_total", result="failed") == failed
+    wait_until("the prefill worker's leases released",
+               lambda: metric(prefill.port, "flexkv_handover_leases") == 0, timeout=10)
+    # No lease was claimed and then lost: each ended by release or unclaimed.
+    assert _lease_ends(prefill.port)["expired"] == ends["expired"]
+    assert metric(prefill.port, "flexkv_device_blocks", state="used") == 0
