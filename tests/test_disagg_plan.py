@@ -70,6 +70,15 @@ def test_render_k8s_gives_both_roles_the_handover_secret_from_a_secret(tmp_path)
     assert f"kubectl create secret generic {name}-handover" in text
 
 
+def test_render_k8s_names_the_node_placement_it_does_not_carry_over(tmp_path):
+    """A config written for serve --nodes renders, saying which placement Kubernetes takes over."""
+    text = render_k8s(plan(tmp_path, "disagg", "Frontend.node=A", "PrefillWorker.node=B", "DecodeWorker.node=C"), "img")
+    note = next(line for line in text.splitlines() if line.startswith("# Not carried over"))
+    assert "PrefillWorker.node=B" in note and "DecodeWorker.node=C" in note and "nodeSelector" in note
+    assert "node" not in str(yaml.safe_load(text)["spec"]["services"]["PrefillWorker"]["extraPodSpec"])
+    assert "Not carried over" not in render_k8s(plan(tmp_path, "disagg"), "img")
+
+
 def test_disagg_graph_gives_its_workers_one_handover_secret_by_environment_only(tmp_path):
     from dynamo_flexkv.integrations.disagg.params import SECRET_ENV
 

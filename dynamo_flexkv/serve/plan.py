@@ -16,7 +16,7 @@ import os
 import secrets
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -58,6 +58,7 @@ class LaunchPlan:
     processes: List[Process]  # frontend first, then the workers
     write_model: bool = True  # the launcher writes run_dir/model from the preset ``model`` (a vLLM worker
                               # on its own Hugging Face directory needs none)
+    node_options: Dict[str, str] = field(default_factory=dict)  # component -> its ``node`` option (serve --nodes)
 
     @property
     def base_url(self) -> str:
@@ -130,6 +131,7 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     write_model = False
     ssd_dirs: Dict[str, str] = {}  # every worker's SSD directories: no two may share one
     node_of: Dict[str, str] = {}  # process name -> the node its component names
+    node_options: Dict[str, str] = {}
     if local and any(c.engine == _vllm.ENGINE for c in graph.components):
         _vllm.check_installed(source)
     for comp in graph.components:
@@ -155,6 +157,8 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
             processes += _workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
                                   ports, source, local, redis, ssd_dirs)
             write_model = True
+        if opts.get("node"):
+            node_options[comp.name] = str(opts["node"])
         if opts.get("node") and local:  # a manifest for elsewhere places nothing here
             if nodes is None:
                 raise GraphError(f"{source}: {comp.name}.node={opts['node']!r} needs serve --nodes FILE "
@@ -176,7 +180,7 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     if nodes is not None:
         place(processes, infra, nodes, node_of, source)
     return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes,
-                      write_model)
+                      write_model, node_options)
 
 
 def _check_block_size(processes: List[Process], front: Dict[str, Any], graph: Graph, source: str) -> None:

@@ -87,6 +87,10 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
     if own_model_dirs:
         header += ("# vLLM workers load their model from a directory in the pod; mount it there (e.g. a "
                    "PersistentVolume): " + ", ".join(own_model_dirs) + ".\n")
+    if plan.node_options:
+        header += ("# Not carried over: " + ", ".join(f"{c}.node={n}" for c, n in plan.node_options.items())
+                   + " (places a component on a network-namespace node of serve --nodes); Kubernetes schedules "
+                   "the pods itself: pin them with a nodeSelector or affinity in extraPodSpec.\n")
     if handover_secret:
         header += (f"# Disaggregation: prefill and decode workers sign and check handovers with one secret; create it "
                    f"first, e.g. kubectl create secret generic {handover_secret} "
