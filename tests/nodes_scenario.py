@@ -7,8 +7,8 @@ Node A: the frontend, etcd and NATS; node B: the prefill worker; node C: the dec
 remote tier: a Redis Cluster with one master on each node. It records, for the test to judge:
 the texts the graph served against the aggregated graph's (served on A's loopback); the bytes
 decode received on C's link against the KV bytes its handovers reported; a prompt prefilled on B
-loaded on C from the remote tier after C's worker restarted empty; and C's link taken down (what
-a request gets, how fast) and brought back (how soon requests succeed again)."""
+loaded on C from the remote tier after C's worker restarted empty; and C's link, then B's, taken
+down (what a request gets, how fast) and brought back (how soon requests succeed again)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,26 @@ def node_graph(tmp: Path, nodes: Nodes, report: dict, *overrides: str):
         codes[name] = codes.get(name) or p.returncode  # a non-zero code of either graph stays
 
 
+def outage(nodes: Nodes, name: str, plan, prompts_: list) -> dict:
+    """Node ``name``'s link down OUTAGE_S, requests sent all along, then up: the first answer,
+    the longest, the statuses seen, and how soon a request succeeded once the link was back."""
+    nodes.set_link(name, False)
+    down_at, answers = time.monotonic(), []
+    try:
+        while time.monotonic() - down_at < OUTAGE_S:
+            answers.append(timed(plan, prompts_[len(answers) % len(prompts_)]))
+            time.sleep(0.5)
+    finally:
+        nodes.set_link(name, True)
+    t0, code = time.monotonic(), 0
+    while code != 200 and time.monotonic() - t0 < 180:
+        code, _ = timed(plan, prompts_[2])
+        if code != 200:
+            time.sleep(0.5)
+    return {"first": answers[0], "max_s": max(s for _, s in answers), "statuses": sorted({c for c, _ in answers}),
+            "recovered_s": round(time.monotonic() - t0, 1) if code == 200 else None}
+
+
 def main(nodes_file: str, tmp: Path, out: Path) -> None:
     nodes = Nodes.load(nodes_file)
     base, extra = prompts(8, seed=41)
@@ -105,22 +125,11 @@ def main(nodes_file: str, tmp: Path, out: Path) -> None:
         report["handover_bytes"] = metric(decode, "flexkv_handover_bytes_total") - pulled0
         report["prefill_computed"] = metric(prefill, "flexkv_prompt_tokens_computed_total")
 
-        # C's cable out for OUTAGE_S: each request in that time ends (cleanly or not) within the
-        # bound; the cable back in, the graph serves again.
-        nodes.set_link("C", False)
-        down_at, answers = time.monotonic(), []
-        while time.monotonic() - down_at < OUTAGE_S:
-            answers.append(timed(plan, base[len(answers) % len(base)]))
-            time.sleep(0.5)
-        nodes.set_link("C", True)
-        report["link_down"] = {"first": answers[0], "max_s": max(s for _, s in answers),
-                               "statuses": sorted({code for code, _ in answers})}
-        t0, code = time.monotonic(), 0
-        while code != 200 and time.monotonic() - t0 < 180:
-            code, _ = timed(plan, base[2])
-            if code != 200:
-                time.sleep(0.5)
-        report["recovered_s"] = round(time.monotonic() - t0, 1) if code == 200 else None
+        # Each worker node's cable out for OUTAGE_S in turn (decode's C, then prefill's B): each
+        # request in that time ends (cleanly or not) within the bound; the cable back in, the
+        # graph serves again.
+        for name in ("C", "B"):
+            report[f"link_down_{name}"] = outage(nodes, name, plan, base)
         report["after_link"] = texts(plan, batch[:4])
         report["events"] = list(launcher.events)
 

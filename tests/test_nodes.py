@@ -168,9 +168,10 @@ def test_a_disagg_graph_over_three_nodes_serves_exact_tokens_moves_kv_over_the_l
     assert r["after_restart"] == r["agg"][0]
     assert r["c_remote_tokens"] > 0  # B's prefix, loaded on C from the Redis Cluster spread over A, B, C
     assert all(h.startswith("redis://169.254.") for h in r["redis_masters"]) and len(set(r["redis_masters"])) == 3
-    down = r["link_down"]  # requests while C's cable was out: a clean refusal within the bound, no hang
-    assert down["max_s"] <= 30 and set(down["statuses"]) <= {200, 404, 503}, down
-    assert r["recovered_s"] is not None and r["recovered_s"] <= 120, r
+    for name in ("C", "B"):  # requests while decode's, then prefill's cable was out: served or a clean
+        down = r[f"link_down_{name}"]  # refusal within the bound, no hang; served again once it is back
+        assert down["max_s"] <= 30 and set(down["statuses"]) <= {200, 404, 503}, (name, down)
+        assert down["recovered_s"] is not None and down["recovered_s"] <= 120, (name, down)
     assert r["after_link"] == r["agg"][:4]
     codes = r["exit_codes"]
     assert {codes[n] for n in ("Frontend", "PrefillWorker", "DecodeWorker")} == {0}, codes
