@@ -144,6 +144,11 @@ def test_the_vllm_disagg_graphs_run_nixl_beside_our_connector(tmp_path, monkeypa
         assert [c["kv_connector"] for c in children] == ["NixlConnector", "FlexKVConnector"][:1 + offload]
         assert children[0]["kv_buffer_device"] == "cpu" and w.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
         assert children[0]["kv_connector_extra_config"] == {"kv_lease_duration": 30}  # handover-lease-s
+        if offload:  # bench disagg --vllm and its checks build the same layout
+            from dynamo_flexkv.bench.vllm_disagg import disagg_transfer_config
+            bench = disagg_transfer_config(children[1]["kv_connector_extra_config"]["run_dir"])
+            children[1]["kv_connector_extra_config"] = {"run_dir": children[1]["kv_connector_extra_config"]["run_dir"]}
+            assert kv == bench
     ports = [w.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for w in p.workers]
     assert len(set(ports)) == len(ports)  # one address: the default 5600 would collide
     assert arg(p.processes[0].argv, "--router-mode") == ("kv" if "router" in graph else "round-robin")

@@ -32,17 +32,10 @@ def _blocks(worker, block_ids):
     return [t[block_ids].clone() for t in worker.model_runner.kv_caches]
 
 
-def transfer_config(run_dir: str, name: str) -> dict:
-    """The disagg_vllm graph's layout (dynamo_flexkv.serve.vllm_worker): NixlConnector first."""
-    from dynamo_flexkv.serve.vllm_worker import CONNECTOR, NIXL
-    flexkv = {**CONNECTOR, "kv_connector_extra_config": {"run_dir": os.path.join(run_dir, name)}}
-    nixl = {**NIXL, "kv_buffer_device": "cpu"}
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"connectors": [nixl, flexkv]}}
-
-
 def engine(model_dir: str, run_dir: str, name: str, port: int, core: int):
     from vllm import LLM
+
+    from dynamo_flexkv.bench.vllm_disagg import disagg_transfer_config
     os.makedirs(os.path.join(run_dir, name), exist_ok=True)
     # Read by the worker process vLLM spawns now: each engine its own NIXL handshake port, core,
     # host tier and SSD directory.
@@ -50,7 +43,8 @@ def engine(model_dir: str, run_dir: str, name: str, port: int, core: int):
                       VLLM_CPU_OMP_THREADS_BIND=str(core), FLEXKV_CPU_CACHE_GB="0.1", FLEXKV_SSD_CACHE_GB="0",
                       FLEXKV_RUN_DIR=os.path.join(run_dir, name))
     return LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, block_size=64,
-               enforce_eager=True, kv_cache_memory_bytes=128 << 20, kv_transfer_config=transfer_config(run_dir, name),
+               enforce_eager=True, kv_cache_memory_bytes=128 << 20,
+               kv_transfer_config=disagg_transfer_config(os.path.join(run_dir, name)),
                seed=0, disable_log_stats=False)  # stats on: NixlConnector's transfer counters
 
 

@@ -42,6 +42,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                         help="bench vllm: timed requests per case (default 3, --quick 2)")
     parser.add_argument("--sizes", metavar="LIST",
                         help="bench vllm: prompt sizes in tokens, e.g. 2k,8k (default 2k,8k,32k; --quick 2k,8k)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="bench disagg: the vLLM disagg graphs' handover (two vLLM engines, on loopback and, as "
+                             "root, across network-namespace nodes) instead of the reference engine's cases")
     parser.add_argument("--compare-offloading-connector", action="store_true",
                         help="bench vllm: also vLLM's OffloadingConnector (CPU spec) on the same prompts "
                              "(CUDA/XPU only; skipped with a message on CPU)")

@@ -166,7 +166,8 @@ def _stream(base_url: str, model: str, prompt: List[int], max_tokens: int) -> Tu
 
 
 def _serve_workload(graph: str, quick: bool, tmp: str) -> dict:
-    """TTFT of every request, inter-token gaps of the streaming ones, on one served graph."""
+    """TTFT of every request, inter-token gaps of the streaming ones, on one served graph
+    (agg / disagg: the reference engine; agg_vllm / disagg_vllm: vLLM workers)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
@@ -176,7 +177,8 @@ def _serve_workload(graph: str, quick: bool, tmp: str) -> dict:
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
     root = Path(__file__).resolve().parents[2]
-    sections = ["FlexKVWorker"] if graph == "agg" else ["PrefillWorker", "DecodeWorker"]
+    sections = (["PrefillWorker", "DecodeWorker"] if graph.startswith("disagg")
+                else ["VllmWorker"] if graph.endswith("vllm") else ["FlexKVWorker"])
     overrides = ["Frontend.http-port=0"] + [f"{s}.cache.ssd_cache_dir={tmp}/{graph}-{s}{{replica}}" for s in sections]
     config = apply_overrides(load_config(str(root / "configs" / f"{graph}.yaml")), overrides)
     plan = build_plan(load_graph(str(root / "graphs" / f"{graph}.py")), config, run_dir=Path(tmp) / f"run-{graph}")
@@ -186,7 +188,7 @@ def _serve_workload(graph: str, quick: bool, tmp: str) -> dict:
     streaming = [rng.integers(0, vocab, 64).tolist() for _ in range(n_stream)]
     longs = [rng.integers(0, vocab, 2048 if quick else 3072).tolist() for _ in range(n_long)]
     with Launcher(plan) as launcher:
-        launcher.wait_ready(180)
+        launcher.wait_ready(600 if graph.endswith("vllm") else 180)  # a vLLM engine starts in 1-3 min on 2 cores
         _stream(plan.base_url, plan.served_model_name, rng.integers(0, vocab, 128).tolist(), 2)  # warm-up
         with ThreadPoolExecutor(n_stream + n_long) as pool:
             chatty = [pool.submit(_stream, plan.base_url, plan.served_model_name, p, 48) for p in streaming]
@@ -208,22 +210,27 @@ def _pct(xs: List[float], q: float) -> float:
     return float(np.percentile(np.array(xs) * 1e3, q))
 
 
-def _serving_cases(args: argparse.Namespace) -> List[Case]:
+def _serving_cases(args: argparse.Namespace, engine: str = "") -> List[Case]:
+    """``engine`` "vllm": graphs/disagg_vllm.py against graphs/agg_vllm.py."""
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="flexkv-bench-disagg-", dir=getattr(args, "dir", None))
-    agg = _serve_workload("agg", args.quick, tmp)
-    dis = _serve_workload("disagg", args.quick, tmp)
+    suffix = f"_{engine}" if engine else ""
+    agg = _serve_workload("agg" + suffix, args.quick, tmp)
+    dis = _serve_workload("disagg" + suffix, args.quick, tmp)
     cases = []
     for metric in ("ttft", "itl"):
         for q in (50, 99):
-            cases.append(Case("disagg", f"serving-{metric}-p{q}", _pct(dis[metric], q), _pct(agg[metric], q), "ms",
+            cases.append(Case("disagg", f"{engine + '-' if engine else ''}serving-{metric}-p{q}", _pct(dis[metric], q), _pct(agg[metric], q), "ms",
                               "agg graph, same workload", f"lower is better; {len(dis[metric])} samples"
                               + ("; per streaming request: (last chunk - first token) / (tokens - 1)" if metric == "itl" else "")))
     return cases
 
 
 def run(args: argparse.Namespace) -> List[Case]:
+    if getattr(args, "vllm", False):
+        from dynamo_flexkv.bench import vllm_disagg
+        return vllm_disagg.run(args)
     cases = _handover_cases(args)
     cases += _serving_cases(args)
     cases += _etcd_cases(args)

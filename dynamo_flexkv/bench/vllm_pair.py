@@ -60,10 +60,12 @@ def wait_quiet(pgids: Sequence[int], window_s: float = 0.25, busy_frac: float = 
 
 
 class ServedEngine:
-    """One engine in serve mode (bench/vllm_engine.py --serve): its log goes to a file, its
-    RESULT lines to ``request``."""
+    """One engine in serve mode (``python -m <module> --serve SPEC``, by default
+    bench/vllm_engine.py): its log goes to a file, its RESULT lines to ``call``. ``wrap``: argv
+    the command runs under (e.g. ``ip netns exec NODE``)."""
 
-    def __init__(self, role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: str) -> None:
+    def __init__(self, role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: str,
+                 module: str = "dynamo_flexkv.bench.vllm_engine", wrap: Sequence[str] = ()) -> None:
         self.role = role
         spec_path = os.path.join(workdir, f"spec-{role}.json")
         with open(spec_path, "w", encoding="utf-8") as f:
@@ -71,7 +73,7 @@ class ServedEngine:
         self.log_path = os.path.join(workdir, f"engine-{role}.log")
         self._log = open(self.log_path, "w", encoding="utf-8")
         self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
-        self.proc = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.bench.vllm_engine", "--serve", spec_path],
+        self.proc = subprocess.Popen([*wrap, sys.executable, "-m", module, "--serve", spec_path],
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, errors="replace", start_new_session=True)
         threading.Thread(target=self._pump, daemon=True).start()
@@ -101,10 +103,14 @@ class ServedEngine:
     def wait_ready(self, timeout_s: float) -> None:
         self._next(timeout_s, "starting")
 
-    def request(self, case: str, size: int, index: int, timeout_s: float) -> Dict[str, Any]:
-        self.proc.stdin.write(json.dumps({"case": case, "size": size, "index": index}) + "\n")
+    def call(self, cmd: Dict[str, Any], timeout_s: float, waiting_for: str) -> Dict[str, Any]:
+        """Sends one command line and returns its RESULT."""
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self._next(timeout_s, f"timing {case} #{index}")[len(RESULT):])
+        return json.loads(self._next(timeout_s, waiting_for)[len(RESULT):])
+
+    def request(self, case: str, size: int, index: int, timeout_s: float) -> Dict[str, Any]:
+        return self.call({"case": case, "size": size, "index": index}, timeout_s, f"timing {case} #{index}")
 
     def stop(self) -> None:
         try:

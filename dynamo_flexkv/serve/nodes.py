@@ -54,6 +54,11 @@ class Node:
         """``argv`` run inside this node (``ip netns exec`` execs it: the pid is the command's)."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
+    def ucx_env(self) -> Dict[str, str]:
+        """What NIXL's UCX needs on this node to reach the others: TCP over its link (no shared
+        memory between nodes)."""
+        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.device}
+
 
 NAME = re.compile(r"[A-Za-z0-9]{1,8}")
 
@@ -215,7 +220,7 @@ def place(processes: List[Process], infra: List[Process], nodes: Nodes, node_of:
         for key in OWN_HOST_ENV:
             if key in proc.env or key.startswith("DYN_"):
                 proc.env[key] = node.address
-        proc.env.update(UCX_TLS="tcp", UCX_NET_DEVICES=node.device)
+        proc.env.update(node.ucx_env())
         if "--http-host" in proc.argv:
             proc.argv[proc.argv.index("--http-host") + 1] = node.address
         proc.argv = node.argv(proc.argv)

@@ -59,6 +59,21 @@ MANAGED_FLAGS = {
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 
 
+
+def nixl_connector(lease_s: float) -> Dict[str, Any]:
+    """NixlConnector as the disagg graphs hand over with it: its lease (a prefill's blocks wait
+    this long for decode's read) and its buffer on the platform's device."""
+    return {**NIXL, "kv_buffer_device": "cpu" if on_cpu() else "cuda",
+            "kv_connector_extra_config": {"kv_lease_duration": math.ceil(lease_s)}}
+
+
+def kv_transfer_config(connectors: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One connector as it is, several under MultiConnector (the first with a prefix loads it)."""
+    if len(connectors) == 1:
+        return {**connectors[0], "kv_load_failure_policy": "recompute"}
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": connectors}}
+
 def _nonneg_int_or_none(v: Any) -> Optional[int]:
     if v is None:
         return None
@@ -315,19 +330,14 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
             # handed-over prompt must come from the prefill worker, not be looked up again.
             # Its lease: a prefill's blocks wait this long for decode's read (decode renews it
             # while it pulls), so a dead decode worker holds them no longer.
-            connectors.insert(0, {**NIXL, "kv_buffer_device": "cpu" if on_cpu() else "cuda",
-                                  "kv_connector_extra_config": {"kv_lease_duration": math.ceil(o["handover-lease-s"])}})
+            connectors.insert(0, nixl_connector(o["handover-lease-s"]))
             if local:  # each worker its own handshake port (they share one address)
                 penv[NIXL_PORT_ENV] = str(ports.take_range(1, f"{pname} {NIXL_PORT_ENV}", VLLM_PORT_BAND))
                 penv["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         # The scheduler reads the top level's policy: a handover that fails (prefill died mid-read)
         # is recomputed, not failed (vLLM's default).
-        if len(connectors) == 1:
-            argv += ["--kv-transfer-config", json.dumps({**connectors[0], "kv_load_failure_policy": "recompute"})]
-        elif connectors:
-            argv += ["--kv-transfer-config", json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                                                         "kv_load_failure_policy": "recompute",
-                                                         "kv_connector_extra_config": {"connectors": connectors}})]
+        if connectors:
+            argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(connectors))]
         proc_dirs: List[str] = []
         penv.update(PORTABLE_ENV, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=worker_s)
         if local:

@@ -1,0 +1,302 @@
+"""``bench disagg --vllm``: the vLLM disagg graphs' P->D handover against a raw NIXL READ of the
+same bytes between the same two processes, in the same run.
+
+Two vLLM engines (CPU or CUDA, the installed build) in the roles of graphs/disagg_vllm.py, each
+with the graph's MultiConnector [NixlConnector, FlexKVConnector], each in a process of its own
+(``--serve SPEC``, driven over stdin by this process). Per prompt size and repeat, a fresh prompt:
+
+* the prefill engine computes it (``do_remote_decode``) and holds its blocks for decode;
+* handover: the decode engine generates it with those kv_transfer_params; timed inside its worker
+  from NixlConnector's ``start_load_kv`` receiving the request to ``get_transfer_results``
+  reporting it received (what the engine waits for before it decodes), checked against
+  NixlConnector's own byte counter;
+* raw NIXL: a NIXL agent of our own in each of the same two worker processes (the prefill one over
+  vLLM's KV tensors, the decode one over zeroed blocks of the same shape) READs the same blocks
+  with prepared descriptor lists (bench/disagg.py's ``_RawRead``), after one untimed read warmed
+  the source; which of the two goes first alternates between repeats.
+
+Placements: ``loopback`` (both on 127.0.0.1; UCX picks its transports for both alike) and
+``nodes`` (prefill on node B, decode on node C, network namespaces joined by veth pairs, UCX over
+TCP on the link: serve/nodes.py; needs root, skipped with a note otherwise). Ratio = handover
+GB/s / raw GB/s (1.0: the handover adds nothing).
+
+Then the served vLLM graphs on bench disagg's mixed workload (``vllm-serving`` cases): TTFT and
+inter-token latency p50/p99 of graphs/disagg_vllm.py against graphs/agg_vllm.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.bench.vllm_engine import READY, RESULT
+from dynamo_flexkv.integrations.disagg.params import KEY
+
+MAX_MODEL_LEN = 8192
+BLOCK_SIZE = 64
+SIDE_PORTS = {"prefill": 5631, "decode": 5632}  # NixlConnector's handshake listeners
+_held: Dict[str, Any] = {}  # in a worker process: its raw agent, the handover log
+
+
+def disagg_transfer_config(run_dir: str, lease_s: float = 30.0) -> Dict[str, Any]:
+    """The disagg_vllm graph's kv_transfer_config, built as serve/vllm_worker.py builds it:
+    NixlConnector for the handover first, FlexKVConnector for the worker's own tiers."""
+    from dynamo_flexkv.serve.vllm_worker import CONNECTOR, kv_transfer_config, nixl_connector
+    return kv_transfer_config([nixl_connector(lease_s), {**CONNECTOR, "kv_connector_extra_config": {"run_dir": run_dir}}])
+
+
+# ---- run inside vLLM's worker process by LLM.collective_rpc (pickled by reference) -------------------
+def _nixl_worker():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    group = get_kv_transfer_group()
+    for c in getattr(group, "_connectors", [group]):
+        if type(c).__name__.startswith("Nixl") and getattr(c, "connector_worker", None) is not None:
+            return c.connector_worker
+    raise RuntimeError("bench disagg --vllm: no NixlConnector in this worker's kv_transfer_config")
+
+
+def _count_blocks(ids) -> int:
+    return sum(len(g) for g in ids) if ids and isinstance(ids[0], (list, tuple)) else len(ids)
+
+
+def rpc_watch_handovers(worker) -> None:
+    """Times each received request: NixlConnector's start_load_kv seeing it -> its transfer
+    results reporting it received."""
+    cw = _nixl_worker()
+    started: Dict[str, tuple] = {}
+    done: List[tuple] = _held.setdefault("handovers", [])
+    start_load_kv, results = cw.start_load_kv, cw.get_transfer_results
+
+    def timed_start_load_kv(metadata):
+        now = time.perf_counter()
+        for rid, meta in metadata.reqs_to_recv.items():
+            started.setdefault(rid, (now, _count_blocks(meta.local_block_ids)))
+        return start_load_kv(metadata)
+
+    def timed_results():
+        r = results()
+        now = time.perf_counter()
+        for rid in r.finished_recving:
+            if rid in started:
+                t0, blocks = started.pop(rid)
+                done.append((rid, now - t0, blocks))
+        return r
+    cw.start_load_kv, cw.get_transfer_results = timed_start_load_kv, timed_results
+
+
+def rpc_handovers(worker) -> List[tuple]:
+    return list(_held.get("handovers", []))
+
+
+def _raw_agent(layers, name: str):
+    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+    if "agent" not in _held:
+        _held["agent"] = KVAgent(layers, name=f"bench-raw-{name}-{os.getpid()}")
+    return _held["agent"]
+
+
+def rpc_raw_source(worker, blocks: List[int]) -> Dict[str, Any]:
+    """The prefill worker's raw agent over vLLM's own KV tensors; what a reader needs of ``blocks``."""
+    agent = _raw_agent(worker.model_runner.kv_caches, "prefill")
+    return agent.describe("bench", list(blocks), None, time.time() + 3600).to_dict()
+
+
+def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int) -> float:
+    """One untimed read of the source's blocks into one zeroed region, then the timed read into
+    another (never into vLLM's own blocks); returns its seconds."""
+    import torch
+
+    from dynamo_flexkv.bench.disagg import _RawRead
+    from dynamo_flexkv.integrations.disagg.params import HandoverParams
+
+    t = worker.model_runner.kv_caches[0]
+    agent = _raw_agent([torch.zeros((2 * max_blocks, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                        for _ in worker.model_runner.kv_caches], "decode")
+    p = HandoverParams.from_dict(source)
+    n = len(p.blocks)
+    if n > max_blocks:
+        raise ValueError(f"bench disagg --vllm: {n} blocks exceed the raw agent's {max_blocks}")
+    warm, read = _RawRead(agent, p, range(n)), _RawRead(agent, p, range(max_blocks, max_blocks + n))
+    warm()
+    t0 = time.perf_counter()
+    read()
+    return time.perf_counter() - t0
+
+
+# ---- the engine process --------------------------------------------------------------------------------
+def _nixl_sums(llm) -> Dict[str, float]:
+    """NixlConnector's own counters: bytes it moved, and NIXL's transfer time (its telemetry:
+    post to completion of each READ, without the connector's work around it)."""
+    want = {"vllm:nixl_bytes_transferred": "bytes", "vllm:nixl_xfer_time_seconds": "xfer_s",
+            "vllm:nixl_num_descriptors": "descriptors"}
+    out = dict.fromkeys(want.values(), 0.0)
+    for m in llm.get_metrics():
+        if m.name in want:
+            out[want[m.name]] = float(getattr(m, "sum", 0.0))
+    return out
+
+
+def serve(spec: Dict[str, Any]) -> None:
+    """One engine; per stdin line ``{"op": ...}`` one RESULT line:
+    prefill ``{"prompt"}`` -> ``{"params", "raw"}``; decode ``{"op": "handover", "prompt", "params"}``
+    -> ``{"seconds", "blocks", "bytes"}`` and ``{"op": "raw", "raw"}`` -> ``{"seconds"}``."""
+    from vllm import LLM, SamplingParams
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc pickles this module's rpc_*
+    role = spec["side"]
+    llm = LLM(model=spec["model_dir"], load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
+              block_size=BLOCK_SIZE, enforce_eager=True, kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
+              kv_transfer_config=disagg_transfer_config(spec["run_dir"]), seed=0,
+              disable_log_stats=False)  # stats on: NixlConnector's byte counter
+    if role == "decode":
+        llm.collective_rpc(rpc_watch_handovers)
+    print(READY, flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        prompt = [{"prompt_token_ids": cmd.get("prompt", [])}]
+        if cmd["op"] == "prefill":
+            out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, extra_args={
+                "kv_transfer_params": {"do_remote_decode": True}}), use_tqdm=False)[0]
+            params = dict(out.kv_transfer_params)
+            (blocks,) = params["remote_block_ids"]  # one KV cache group
+            rec = {"params": params, "raw": llm.collective_rpc(rpc_raw_source, args=(list(blocks),))[0]}
+        elif cmd["op"] == "handover":
+            before, seen = _nixl_sums(llm), len(llm.collective_rpc(rpc_handovers)[0])
+            llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0,
+                                                extra_args={"kv_transfer_params": cmd["params"]}), use_tqdm=False)
+            new = llm.collective_rpc(rpc_handovers)[0][seen:]
+            if len(new) != 1:
+                raise RuntimeError(f"bench disagg --vllm: {len(new)} handovers timed for one request "
+                                   "(expected 1: did decode find the prompt cached?)")
+            after = _nixl_sums(llm)
+            rec = {"seconds": new[0][1], "blocks": new[0][2], **{k: after[k] - before[k] for k in after}}
+        elif cmd["op"] == "raw":
+            rec = {"seconds": llm.collective_rpc(rpc_raw_read, args=(cmd["raw"], int(cmd["max_blocks"])))[0]}
+        else:
+            raise ValueError(f"bench disagg --vllm: unknown op {cmd['op']!r}")
+        print(RESULT + json.dumps(rec), flush=True)
+
+
+# ---- this process ----------------------------------------------------------------------------------------
+def _placements(notes: List[str]):
+    """(name, the nodes or None, (prefill's node, decode's node) or None), loopback first; the
+    nodes are removed when the caller moves on."""
+    yield "loopback", None, None
+    if os.geteuid() != 0:
+        notes.append("nodes: skipped (network namespaces need root)")
+        return
+    from dynamo_flexkv.serve.nodes import Nodes
+    nodes = Nodes.up(prefix=f"fkvb{os.getpid() % 100000}", names=("B", "C"))
+    try:
+        yield "nodes", nodes, (nodes["B"], nodes["C"])
+    finally:
+        nodes.down()
+
+
+def _engines(workdir: str, model_dir: str, where: str, nodes) -> List[Any]:
+    from dynamo_flexkv.bench.vllm_pair import ServedEngine
+    from dynamo_flexkv.bench.vllm_ttft import engine_env
+
+    out = []
+    cores = sorted(os.sched_getaffinity(0))
+    for i, (role, node) in enumerate(zip(("prefill", "decode"), nodes or (None, None))):
+        name = f"{where}-{role}"
+        env = engine_env(workdir, f"flexkv-{name}", 64 << 20, 0)
+        # Each engine's OpenMP threads on cores of their own, as in a deployment (one GPU per
+        # worker): two engines spinning on the same cores stalled NIXL's progress threads for
+        # seconds (2 MiB handovers and raw reads of 0.03-13 s when both had every core).
+        half = max(1, len(cores) // 2)
+        own = cores[:half] if i == 0 else (cores[half:] or cores)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, own))
+        host = "127.0.0.1" if node is None else node.address
+        env.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(SIDE_PORTS[role]), VLLM_NIXL_SIDE_CHANNEL_HOST=host,
+                   VLLM_HOST_IP=host, **({} if node is None else node.ucx_env()))
+        spec = {"side": role, "model_dir": str(model_dir), "run_dir": env["FLEXKV_RUN_DIR"], "kv_cache_bytes": 256 << 20}
+        out.append(ServedEngine(name, spec, env, workdir, module=__name__, wrap=() if node is None else node.argv([])))
+    return out
+
+
+def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: int, seed: int,
+                    link: Optional[tuple]) -> List[Case]:
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    max_blocks = max(sizes) // BLOCK_SIZE + 1
+    for size in sizes:
+        ours, raw, xfer, descs, nbytes = [], [], [], [], 0
+        link_before = link[0].link_bytes(link[1].name) if link else None
+        for i in range(repeat + 1):  # the first round connects the agents (handshakes) and warms up
+            prompt = [rng.randrange(300, 30000) for _ in range(size)]
+            p = prefill.call({"op": "prefill", "prompt": prompt}, 300, f"prefilling {size} tokens")
+            blocks, raw_p = len(p["params"]["remote_block_ids"][0]), p["raw"][KEY]
+            nbytes = blocks * raw_p["block_bytes"] * len(raw_p["layer_addrs"])
+            steps = [("handover", {"op": "handover", "prompt": prompt, "params": p["params"]}),
+                     ("raw", {"op": "raw", "raw": p["raw"], "max_blocks": max_blocks})]
+            got = {}
+            for what, cmd in (steps if i % 2 == 0 else steps[::-1]):
+                got[what] = decode.call(cmd, 300, f"{what} of {size} tokens")
+            h = got["handover"]
+            if h["blocks"] != blocks or abs(h["bytes"] - nbytes) > 0.5:
+                raise RuntimeError(f"bench disagg --vllm: the handover of {size} tokens read {h['blocks']} blocks, "
+                                   f"{h['bytes']:.0f} B; the prefill engine held {blocks} blocks, {nbytes} B")
+            if i:
+                ours.append(h["seconds"])
+                xfer.append(h["xfer_s"])
+                descs.append(h["descriptors"])
+                raw.append(got["raw"]["seconds"])
+        t_ours, t_raw = statistics.median(ours), statistics.median(raw)
+        label = f"{size // 1024}K" if size >= 1024 else str(size)
+        note = (f"{nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (NIXL's own transfer time in it "
+                f"{statistics.median(xfer) * 1e3:.2f} ms, {statistics.median(descs):.0f} descriptors) vs {t_raw * 1e3:.2f} ms "
+                f"raw ({blocks * len(raw_p['layer_addrs'])} descriptors), medians of {repeat}")
+        if link:
+            after = link[0].link_bytes(link[1].name)
+            note += f"; node C's link received {after['rx'] - link_before['rx']:,} B"
+        cases.append(Case("disagg", f"vllm-{where}-handover-{label}", nbytes / t_ours / 1e9, nbytes / t_raw / 1e9,
+                          "GB/s", "raw NIXL READ, same bytes, same processes", note))
+    return cases
+
+
+def run(args: argparse.Namespace) -> List[Case]:
+    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+
+    sizes = [1024, 4096] if args.quick else [1024, 4096, 8000]
+    repeat = args.repeat or (4 if args.quick else 12)
+    workdir = tempfile.mkdtemp(prefix="flexkv-bench-disagg-vllm-", dir=getattr(args, "dir", None))
+    model_dir = write_model_dir(EngineModelConfig.preset("small"), os.path.join(workdir, "model"),
+                                context_length=MAX_MODEL_LEN)
+    notes: List[str] = []
+    cases: List[Case] = []
+    for where, nodes, pair in _placements(notes):
+        engines = _engines(workdir, model_dir, where, pair)
+        try:
+            for e in engines:
+                e.wait_ready(600)
+            link = (nodes, pair[1]) if nodes else None
+            cases += _handover_cases(where, *engines, sizes, repeat, seed=11, link=link)
+        finally:
+            for e in engines:
+                e.stop()
+    for n in notes:
+        print(f"bench disagg --vllm: {n}")
+    from dynamo_flexkv.bench.disagg import _serving_cases
+    return cases + _serving_cases(args, engine="vllm")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        # Through the module's own name: collective_rpc then pickles the rpc_* functions by
+        # reference (from __main__ they would travel by value, each call with a fresh _held).
+        from dynamo_flexkv.bench.vllm_disagg import serve as serve_here
+        with open(sys.argv[2], encoding="utf-8") as f:
+            serve_here(json.load(f))
