@@ -22,7 +22,7 @@ bench: install
 test: install
 	$(PY) -m pytest -q --durations=15
 
-# Long randomized runs of the index and planner properties.
+# The slow tests: long randomized runs, vLLM graphs, graphs over network-namespace nodes, benchmark smokes.
 test-slow: install
 	$(PY) -m pytest -q -m slow
 

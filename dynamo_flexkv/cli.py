@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run a serve graph (frontend + workers) on this machine, on 127.0.0.1",
                            description="Starts the graph's components, streams their logs, waits until the "
-                           "OpenAI endpoint answers, and stops everything on Ctrl-C or when a component dies.")
+                           "OpenAI endpoint answers, restarts a worker that dies (on-death: restart, the default; stop: "
+                           "the graph stops) and stops everything on Ctrl-C or when the frontend dies.")
     _graph_args(serve)
     serve.add_argument("--discovery-backend", default="file", choices=["file", "etcd"],
                        help="file (default, no server needed) or etcd (started on 127.0.0.1 unless ETCD_ENDPOINTS is set)")

@@ -2,7 +2,7 @@
 unmodified, replays a small Mooncake trace against a served graph (real frontend in KV-router
 mode, two reference-engine workers of the `small` preset) with streaming: every request succeeds
 and has a time to first token and an inter-token latency above zero. That needs a stream chunk per
-generated token, so every id the model can emit must decode to text (dynamo/model_dir.py): with a
+generated token, so every id the model can emit must decode to text (integrations/dynamo_worker/model_dir.py): with a
 261-token tokenizer under a 32,000-id model most requests arrived as one or two chunks and aiperf
 counted them as errors. aiperf is installed into its own venv, ``.venv-aiperf/``, the first time
 this runs (about 2 minutes, 1.2 GB); slow, so not in the default suite. Our own replay client

@@ -504,7 +504,8 @@ def test_worker_killed_during_heavy_ssd_writes_readopts_and_answers_the_same_tex
         adopted = [int(x) for x in re.findall(r"disk tier: adopted (\d+) blocks, dropped \d+ torn", log)]
         assert len(adopted) == 2 and adopted[-1] == readopted, adopted  # first life: 0; restart: what /metrics says
         assert f"announced {adopted[-1]} re-adopted disk blocks to the router" in log
-        time.sleep(2)
+        # Same text whether or not the router applied those events yet (the disk hits printed below
+        # count only what it had).
         after = _greedy_texts(g, probes)
         assert after == before, (before, after)
         m = scrape(g.worker_port(w))

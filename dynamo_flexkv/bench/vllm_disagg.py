@@ -254,7 +254,7 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
                 descs.append(h["descriptors"])
                 raw.append(got["raw"]["seconds"])
         t_ours, t_raw = statistics.median(ours), statistics.median(raw)
-        label = f"{size // 1024}K" if size >= 1024 else str(size)
+        label = f"{round(size / 1024)}K" if size >= 1024 else str(size)  # 8000 tokens: 8K
         note = (f"{nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (NIXL's own transfer time in it "
                 f"{statistics.median(xfer) * 1e3:.2f} ms, {statistics.median(descs):.0f} descriptors) vs {t_raw * 1e3:.2f} ms "
                 f"raw ({blocks * len(raw_p['layer_addrs'])} descriptors), medians of {repeat}")

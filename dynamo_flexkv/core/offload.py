@@ -1,7 +1,7 @@
 """EngineOffload: the engine-facing contract of dynamo_flexkv (docs/ENGINE_CONTRACT.md).
 
 An engine's KV connector talks to the offload tiers only through this class, never through
-KVManager internals. Its two clients are the reference engine (engine/llm.py) and the vLLM
+KVManager internals. Its two clients are the reference engine (integrations/reference_engine/llm.py) and the vLLM
 connector (vllm_connector/). The calls follow one request's life:
 
 * ``register(tensors, layout)`` once, with the engine's paged KV tensors;
