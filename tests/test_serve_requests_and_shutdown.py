@@ -426,9 +426,19 @@ def test_migrated_requests_report_their_own_prompt_tokens(graph):
 # --- shutdown ------------------------------------------------------------------------------------------
 
 DRAIN_PROMPTS = [ids(8 * 16 + 3, 60 + p) for p in range(4)]
-# Each stream decodes well past both signals (the drain has work to do) and ends well inside serve's
-# 30 s stop deadline, past which what is left gets SIGKILL, also on a loaded 2-core machine.
-DRAIN_TOKENS = 120
+
+
+def drain_tokens(graph) -> int:
+    """Tokens for each drained stream: enough that it decodes well past both signals (the drain has
+    work to do) and ends well inside serve's 30 s stop deadline, past which what is left gets
+    SIGKILL. Scaled to this machine's decode rate now, measured on one stream: a fixed 120 ended
+    every stream before the second signal on a quiet fast 2-core machine. About 3 s of decoding
+    alone, 120 to 360 tokens (two streams per worker fit its 64 blocks of 16)."""
+    t0 = time.monotonic()
+    done = tracked_stream(graph, ids(8 * 16 + 3, 99), 120, Streamed())
+    assert done.status == 200 and done.done, done
+    rate = 120 / (time.monotonic() - t0)
+    return int(min(360, max(120, 3.0 * rate)))
 
 
 def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(graph):
@@ -438,8 +448,9 @@ def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(graph):
     pids = [graph.proc.pid] + [worker_pid(graph, w) for w in WORKERS]
     ports = [graph.worker_port(w) for w in WORKERS] + [int(graph.base_url.rsplit(":", 1)[1])]
     tracks = [Streamed() for _ in DRAIN_PROMPTS]
+    tokens = drain_tokens(graph)
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(tracked_stream, graph, p, DRAIN_TOKENS, t) for p, t in zip(DRAIN_PROMPTS, tracks)]
+        futures = [pool.submit(tracked_stream, graph, p, tokens, t) for p, t in zip(DRAIN_PROMPTS, tracks)]
         # In flight: each stream delivered a token (the client's own count, which only grows; a
         # gauge polled on /metrics can miss requests that start and end between two scrapes).
         wait_until("requests in flight", lambda: all(t.chunks >= 1 for t in tracks) or any(f.done() for f in futures),
@@ -450,11 +461,11 @@ def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(graph):
         graph.proc.send_signal(signal.SIGINT)
         results = [f.result(timeout=TIMEOUT) for f in futures]
     summary = [(r.status, r.chunks, r.done, r.error, r.usage) for r in results]
-    assert streaming, f"every stream had ended before the second signal: nothing was drained ({summary})"
+    assert streaming, f"every stream of {tokens} tokens had ended before the second signal: nothing was drained ({summary})"
     cut = [(i, r.status, r.chunks, r.done, r.error, (r.usage or {}).get("completion_tokens"), round(r.seconds, 1))
            for i, r in enumerate(results)
            if not (r.status == 200 and r.done and r.error is None and r.usage
-                   and r.usage["completion_tokens"] == DRAIN_TOKENS)]
+                   and r.usage["completion_tokens"] == tokens)]
     # Only the streams that were cut, so the reason is not lost to pytest's truncation.
     assert not cut, f"{len(cut)} of {len(results)} streams cut (index, status, chunks, done, error, tokens, s): {cut}"
     assert graph.proc.wait(timeout=90) == 0, "\n".join(graph.lines[-40:])
