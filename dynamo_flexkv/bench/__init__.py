@@ -39,7 +39,8 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                         help="where the engine's KV tensors live (default: cuda when available; bench vllm: "
                              "the platform of the installed vLLM)")
     parser.add_argument("--repeat", type=int, metavar="N",
-                        help="bench vllm: timed requests per case (default 3, --quick 2)")
+                        help="bench vllm: timed requests per case (default 3, --quick 2); bench disagg --vllm: timed handovers "
+                             "per size (default 12, --quick 4)")
     parser.add_argument("--sizes", metavar="LIST",
                         help="bench vllm: prompt sizes in tokens, e.g. 2k,8k (default 2k,8k,32k; --quick 2k,8k)")
     parser.add_argument("--vllm", action="store_true",

@@ -211,8 +211,8 @@ def _engines(workdir: str, model_dir: str, where: str, nodes) -> List[Any]:
         name = f"{where}-{role}"
         env = engine_env(workdir, f"flexkv-{name}", 64 << 20, 0)
         # Each engine's OpenMP threads on cores of their own, as in a deployment (one GPU per
-        # worker): two engines spinning on the same cores stalled NIXL's progress threads for
-        # seconds (2 MiB handovers and raw reads of 0.03-13 s when both had every core).
+        # worker): with both on every core (and another test running) 2 MiB handovers took
+        # 0.03-74 s and raw reads up to 2 s.
         half = max(1, len(cores) // 2)
         own = cores[:half] if i == 0 else (cores[half:] or cores)
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, own))
