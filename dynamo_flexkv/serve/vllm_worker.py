@@ -32,6 +32,12 @@ CONNECTOR = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dyn
 # blocks over NIXL/UCX, then tells it to free them), beside FlexKVConnector under vLLM's
 # MultiConnector (Dynamo 1.6.1 accepts a MultiConnector holding Nixl for disaggregation).
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+# Who carries a disaggregated graph's prefill->decode handover; auto: flexkv with offload, else nixl.
+HANDOVERS = ("auto", "flexkv", "nixl")
+
+
+def handover_of(o: Mapping[str, Any]) -> str:
+    return ("flexkv" if o["offload"] else "nixl") if o["handover"] == "auto" else o["handover"]
 NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"  # its handshake listener (default 5600 for every worker)
 # What every vLLM worker runs with, here and in a rendered pod (with VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS).
 PORTABLE_ENV = {"VLLM_NO_USAGE_STATS": "1"}
@@ -102,7 +108,7 @@ def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Cal
             "num-device-blocks": _nonneg_int_or_none,  # vLLM's --num-gpu-blocks-override; unset: from memory
             "block-size": int_option, "max-model-len": int_option, "dtype": str_option, "kv-cache-memory-bytes": int_option,
             "enforce-eager": bool_option, "load-format": _str_or_none, "connector": mapping_option,
-            "cpu-threads-bind": _str_or_none, "shutdown-timeout-s": int_option}
+            "cpu-threads-bind": _str_or_none, "shutdown-timeout-s": int_option, "handover": str_option}
 
 
 def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
@@ -111,7 +117,7 @@ def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
         "restart-window-s", "restart-backoff-s", "liveness-timeout-s", "disaggregation-mode", "handover-lease-s")},
         "num-device-blocks": None, "block-size": 64, "max-model-len": 4096, "dtype": "bfloat16",
         "kv-cache-memory-bytes": 256 << 20, "enforce-eager": True, "load-format": None, "connector": {},
-        "cpu-threads-bind": None, "shutdown-timeout-s": 20}
+        "cpu-threads-bind": None, "shutdown-timeout-s": 20, "handover": "auto"}
 
 
 def check(name: str, o: Dict[str, Any], source: str) -> None:
@@ -123,6 +129,12 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
     if o["disaggregation-mode"] not in DISAGG_MODES:
         raise GraphError(f"{source}: {name}.disaggregation-mode={o['disaggregation-mode']!r}: use one of "
                          f"{list(DISAGG_MODES)}")
+    if o["handover"] not in HANDOVERS:
+        raise GraphError(f"{source}: {name}.handover={o['handover']!r}: use one of {list(HANDOVERS)} (who carries the "
+                         "prefill->decode handover: FlexKVConnector's verified NIXL read, or vLLM's NixlConnector)")
+    if o["handover"] == "flexkv" and o["disaggregation-mode"] != "agg" and not o["offload"]:
+        raise GraphError(f"{source}: {name}.handover=flexkv needs offload: true (FlexKVConnector carries it); set "
+                         "handover: nixl to run NixlConnector alone")
     if not 6 <= o["handover-lease-s"] <= 3600:
         raise GraphError(f"{source}: {name}.handover-lease-s={o['handover-lease-s']} must be between 6 and 3600 "
                          "(seconds NixlConnector holds a prefill's blocks for decode; decode renews the lease every "
@@ -323,14 +335,18 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
             cache, files = replica_cache(name, pname, i, o, spec, o["block-size"], run_dir, penv, ports, source,
                                           local, redis, dirs)
             extra = {**o["connector"], "run_dir": str(run_dir / pname) if local else "/tmp"}
+            if o["disaggregation-mode"] != "agg" and handover_of(o) == "flexkv":
+                extra.update(handover=True, handover_lease_s=float(o["handover-lease-s"]))
             connectors.append({**CONNECTOR, "kv_connector_extra_config": extra})
         if o["disaggregation-mode"] != "agg":
             argv += ["--disaggregation-mode", o["disaggregation-mode"]]
-            # NIXL first: MultiConnector loads from the first child that has a prefix, and a
-            # handed-over prompt must come from the prefill worker, not be looked up again.
-            # Its lease: a prefill's blocks wait this long for decode's read (decode renews it
-            # while it pulls), so a dead decode worker holds them no longer.
-            connectors.insert(0, nixl_connector(o["handover-lease-s"]))
+            # MultiConnector loads from the first child that has a prefix. handover=flexkv:
+            # FlexKVConnector first, carrying the handover (vllm_connector/handover.py); NixlConnector
+            # after it only because Dynamo 1.6.1 accepts disaggregation only with it (it frees its
+            # own hold when decode tells it the prompt was found). handover=nixl: NixlConnector
+            # first, its lease a prefill's blocks wait for decode's read.
+            nixl = nixl_connector(o["handover-lease-s"])
+            connectors.insert(len(connectors) if handover_of(o) == "flexkv" else 0, nixl)
             if local:  # each worker its own handshake port (they share one address)
                 penv[NIXL_PORT_ENV] = str(ports.take_range(1, f"{pname} {NIXL_PORT_ENV}", VLLM_PORT_BAND))
                 penv["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"

@@ -92,6 +92,7 @@ class _Peer:
     layout: Optional[Tuple[Any, ...]] = None  # what ``dlist`` describes: layer addresses, block bytes, blocks, mem, dev
     dlist: Any = None  # its KV prepared as one descriptor per (layer, block)
     offsets: List[int] = field(default_factory=list)  # _layer_offsets of ``dlist``
+    digest_dlist: Any = None  # its digest table, one 8-byte descriptor per block (enable_digests)
 
 
 def _block_rows(addrs: Sequence[int], block_bytes: int, num_blocks: int, dev: int) -> np.ndarray:
@@ -145,6 +146,9 @@ class KVAgent:
         self._lock = threading.Lock()
         self._metadata = pack_metadata(self.agent.get_agent_metadata())
         self._peers: Dict[str, _Peer] = {}  # remote agent name -> what this agent holds of it
+        self.digests: Optional[torch.Tensor] = None  # enable_digests
+        self.landed: Optional[torch.Tensor] = None
+        self._landed_dlist: Any = None
         self.bytes_pulled = 0
         self.pulls = 0
 
@@ -189,7 +193,7 @@ class KVAgent:
                 raise HandoverFailed(f"no NIXL metadata for prefill agent {p.agent}")
             self.agent.add_remote_agent(unpack_metadata(p.metadata))
             peer = self._peers[p.agent] = _Peer(p.metadata)
-        layout = (tuple(p.layer_addrs), p.block_bytes, p.num_blocks, p.mem, p.dev)
+        layout = (tuple(p.layer_addrs), p.block_bytes, p.num_blocks, p.mem, p.dev, getattr(p, "digest_addr", 0))
         if prep and peer.layout != layout:
             if peer.dlist is not None:
                 self.agent.release_dlist_handle(peer.dlist)
@@ -197,15 +201,23 @@ class KVAgent:
             peer.offsets = _layer_offsets(len(p.layer_addrs), p.num_blocks)
             peer.dlist = self.agent.prep_xfer_dlist(
                 p.agent, _block_rows(p.layer_addrs, p.block_bytes, p.num_blocks, p.dev), p.mem)
+            if peer.digest_dlist is not None:
+                self.agent.release_dlist_handle(peer.digest_dlist)
+                peer.digest_dlist = None
+            if getattr(p, "digest_addr", 0):
+                peer.digest_dlist = self.agent.prep_xfer_dlist(
+                    p.agent, _block_rows([p.digest_addr], 8, p.num_blocks, 0), "DRAM")
             peer.layout = layout
         return peer
 
     def pull(self, p: HandoverParams, remote_blocks: Sequence[int], local_blocks: Sequence[int],
-             timeout: float, notif: bytes = b"") -> int:
+             timeout: float, notif: bytes = b"", digests: bool = False) -> int:
         """READs the remote blocks into the local ones, every layer; returns bytes moved. ``notif``
-        reaches the prefill agent once the read is done (only then). Raises HandoverFailed on any
-        failure or after ``timeout`` seconds (the local blocks then hold garbage and must be
-        recomputed; ``notif`` was not sent)."""
+        reaches the prefill agent once the read is done (only then). With ``digests`` the peer's
+        digest of each remote block (``p.digest_addr``'s table) lands in ``landed[local block]`` by
+        the same time (see ``enable_digests``). Raises HandoverFailed on any failure or after
+        ``timeout`` seconds (the local blocks then hold garbage and must be recomputed; ``notif``
+        was not sent)."""
         n = len(local_blocks)
         if len(remote_blocks) != n:
             raise ValueError("pull: remote and local block lists differ in length")
@@ -217,27 +229,37 @@ class KVAgent:
         if min(remote_blocks) < 0 or max(remote_blocks) >= p.num_blocks:
             raise HandoverRefused(f"handover names a block outside the prefill worker's {p.num_blocks}")
         nbytes = n * self.block_bytes * len(self.layers)
+        if digests and (self.landed is None or not getattr(p, "digest_addr", 0)):
+            raise HandoverRefused("pull with digests: this agent has no digest tables (enable_digests) or the "
+                                  "handover names no digest table")
         with self._lock:
+            handles = []
             try:
                 peer = self._connect(p)
-                handle = self.agent.make_prepped_xfer("READ", self._local, _indices(self._offsets, local_blocks),
-                                                      peer.dlist, _indices(peer.offsets, remote_blocks), notif)
+                if digests:  # first, so it is over when the KV read (which carries the release) is
+                    handles.append(self.agent.make_prepped_xfer("READ", self._landed_dlist, list(local_blocks),
+                                                                peer.digest_dlist, list(remote_blocks), b""))
+                handles.append(self.agent.make_prepped_xfer(
+                    "READ", self._local, _indices(self._offsets, local_blocks), peer.dlist,
+                    _indices(peer.offsets, remote_blocks), notif))
             except HandoverRefused:
+                self._release(handles)
                 raise
             except Exception as e:  # NIXL raises its own types for an unknown or unreachable agent
+                self._release(handles)
                 self._forget(p.agent)
                 raise HandoverFailed(f"NIXL could not start a read from {p.agent}: {e}") from e
             try:
-                state = self.agent.transfer(handle)
+                states = [self.agent.transfer(h) for h in handles]
                 deadline = time.monotonic() + timeout
-                while state == "PROC":
+                while "PROC" in states:
                     if time.monotonic() > deadline:
                         raise HandoverFailed(f"NIXL read of {nbytes} bytes from {p.agent} still running after "
                                              f"{timeout:.1f} s")
                     time.sleep(0)  # other Python threads run while UCX moves the bytes
-                    state = self.agent.check_xfer_state(handle)
-                if state != "DONE":
-                    raise HandoverFailed(f"NIXL read of {nbytes} bytes from {p.agent} failed ({state})")
+                    states = [s if s != "PROC" else self.agent.check_xfer_state(h) for h, s in zip(handles, states)]
+                if any(s != "DONE" for s in states):
+                    raise HandoverFailed(f"NIXL read of {nbytes} bytes from {p.agent} failed ({states})")
             except HandoverFailed:
                 self._forget(p.agent)
                 raise
@@ -245,13 +267,36 @@ class KVAgent:
                 self._forget(p.agent)
                 raise HandoverFailed(f"NIXL read from {p.agent} failed: {e}") from e
             finally:
-                try:
-                    self.agent.release_xfer_handle(handle)
-                except Exception:  # a transfer that could not be aborted: its handle is gone with the peer
-                    pass
+                self._release(handles)
         self.bytes_pulled += nbytes
         self.pulls += 1
         return nbytes
+
+    def _release(self, handles: List[Any]) -> None:
+        for h in handles:
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception:  # a transfer that could not be aborted: its handle is gone with the peer
+                pass
+
+    def enable_digests(self) -> None:
+        """Two tables of one u64 per block, registered with NIXL (host memory, whatever the KV's
+        device): ``digests`` holds this worker's checksum of each of its blocks, written by the
+        prefill side once a block's bytes are final, and read by a decode worker beside the blocks;
+        ``landed`` receives a peer's digests in a pull, at the local block's index."""
+        if self.digests is not None:
+            return
+        self.digests = torch.zeros(self.num_blocks, dtype=torch.int64)
+        self.landed = torch.zeros(self.num_blocks, dtype=torch.int64)
+        with self._lock:
+            self.agent.register_memory([(t.data_ptr(), t.nbytes, 0, "") for t in (self.digests, self.landed)], "DRAM")
+            self._landed_dlist = self.agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", _block_rows([self.landed.data_ptr()], 8, self.num_blocks, 0), "DRAM")
+            self._metadata = pack_metadata(self.agent.get_agent_metadata())  # peers must see the tables
+
+    @property
+    def digest_addr(self) -> int:
+        return self.digests.data_ptr() if self.digests is not None else 0
 
     def notify(self, p: HandoverParams, message: bytes) -> bool:
         """A standalone notification to the prefill agent (the lease release); False when it is
@@ -281,6 +326,9 @@ class KVAgent:
             if peer.dlist is not None:
                 self.agent.release_dlist_handle(peer.dlist)
         with contextlib.suppress(Exception):
+            if peer.digest_dlist is not None:
+                self.agent.release_dlist_handle(peer.digest_dlist)
+        with contextlib.suppress(Exception):
             self.agent.remove_remote_agent(agent_name)
 
     def close(self) -> None:
@@ -289,6 +337,11 @@ class KVAgent:
                 self._forget(name)
             with contextlib.suppress(Exception):
                 self.agent.release_dlist_handle(self._local)
+            with contextlib.suppress(Exception):
+                if self._landed_dlist is not None:
+                    self.agent.release_dlist_handle(self._landed_dlist)
+                    self.agent.deregister_memory(self.agent.get_reg_descs(
+                        [(t.data_ptr(), t.nbytes, 0, "") for t in (self.digests, self.landed)], "DRAM"))
             try:
                 self.agent.deregister_memory(
                     self.agent.get_reg_descs([(x.data_ptr(), x.nbytes, self.dev, "") for x in self.layers], self.mem))

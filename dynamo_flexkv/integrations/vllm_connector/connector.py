@@ -133,7 +133,7 @@ class FlexKVConnector(KVConnectorBase_V1):
         self._sched.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._sched.build_meta()
+        return self._sched.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched.add_events(getattr(connector_output, "kv_cache_events", None))

@@ -23,6 +23,11 @@ COUNTERS = {
     "stored_tokens": ("Tokens of finished requests copied into the host tier", False),
     "evicted_blocks": ("Blocks evicted from an offload tier", True),
     "disk_write_failures": ("Background disk writes that failed (the blocks stayed on host)", False),
+    "handover_tokens": ("Prompt tokens read from a prefill worker (FlexKVConnector handover), not computed here", False),
+    "handover_bytes": ("Bytes read from prefill workers by the handover", False),
+    "handover_seconds": ("Seconds spent reading and verifying handovers", False),
+    "handover_failures": ("Handovers refused, failed, past their lease or corrupt (their tokens were recomputed)", False),
+    "handover_corrupt": ("Handovers whose bytes did not match the prefill worker's digests (recomputed)", False),
 }
 GAUGES = {
     "used_blocks": "Blocks held in an offload tier",

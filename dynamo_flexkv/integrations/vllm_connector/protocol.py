@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -21,6 +21,7 @@ class LoadSpec:
     lora_name: Optional[str] = None
     cache_salt: Optional[str] = None
     event_hashes: List[Any] = field(default_factory=list)  # as in SaveSpec
+    handover: Any = None  # a handover.VllmHandover: read these blocks from the prefill worker, not the tiers
 
     @property
     def num_blocks(self) -> int:
@@ -45,6 +46,10 @@ class SaveSpec:
 class FlexKVMetadata(KVConnectorMetadata):
     loads: List[LoadSpec] = field(default_factory=list)
     saves: List[SaveSpec] = field(default_factory=list)
+    # Handover, prefill side (handover.py): blocks to digest once this step's forward wrote them
+    # (request, block ids), and finished requests whose blocks wait for decode (request, lease end).
+    digests: List[Tuple[str, List[int]]] = field(default_factory=list)
+    holds: List[Tuple[str, float]] = field(default_factory=list)
 
 
 def lookup_endpoint(engine_id: str, run_dir: Optional[str] = None) -> str:

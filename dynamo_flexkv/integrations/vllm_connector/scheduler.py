@@ -8,14 +8,21 @@
 * ``request_finished`` turns a finished request's computed full blocks into a SaveSpec and keeps
   its blocks alive (True) until the worker reports the store's device copy done;
 * ``build_meta`` hands the step's loads and saves to the workers;
-* the tiers' KV events arrive with the workers' output and leave through vLLM's publisher.
+* the tiers' KV events arrive with the workers' output and leave through vLLM's publisher;
+* with ``handover`` (disaggregated workers, handover.py): on prefill, the step that completes a
+  prompt has its blocks digested and ``request_finished`` holds them and names them in
+  kv_transfer_params; on decode, such params are a hit of the whole prompt, read from the prefill.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import asdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from dynamo_flexkv.integrations.disagg.params import HandoverRefused
+from dynamo_flexkv.integrations.vllm_connector.handover import SourceInfo, VllmHandover, read_source
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, SaveSpec, lookup_endpoint
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
@@ -50,18 +57,42 @@ class SchedulerSide:
         self.bs = settings.block_size
         self.client = LookupClient(lookup_endpoint(settings.engine_id, settings.run_dir),
                                    wait_s=settings.lookup_wait_ms / 1000.0, give_up_s=settings.lookup_give_up_s)
-        self._hits: Dict[str, Tuple[int, int]] = {}  # request -> (vLLM's computed tokens, tokens we load)
+        self._hits: Dict[str, Tuple[int, int, Optional[VllmHandover]]] = {}  # request -> (vLLM's computed
+        # tokens, tokens we load, the handover they come from or None for the tiers)
+        self._prefills: Dict[str, Tuple[Any, List[int]]] = {}  # handover prefill side: request, its blocks so far
+        self._digests: List[Tuple[str, List[int]]] = []
+        self._holds: List[Tuple[str, float]] = []
+        self._source: Optional[SourceInfo] = None
+        self.handovers_refused = 0
         self._loads: List[LoadSpec] = []
         self._saves: List[SaveSpec] = []
         self._events: List[Any] = []
         self.lookups = self.hit_tokens = self.saved_requests = 0
 
+    def _handover_of(self, request: Any) -> Optional[VllmHandover]:
+        if not self.s.handover:
+            return None
+        try:
+            return VllmHandover.from_params(getattr(request, "kv_transfer_params", None))
+        except HandoverRefused as e:
+            self.handovers_refused += 1
+            log.warning("FlexKVConnector: request %s: %s; the next connector, if any, hands it over",
+                        request.request_id, e)
+            return None
+
     def matched_tokens(self, request: Any, num_computed: int) -> Tuple[Optional[int], bool]:
-        if not self.s.load or num_computed % self.bs or not offloadable(request):
+        if num_computed % self.bs or not offloadable(request):
             return 0, False
         # Whole blocks, and at least one token left for vLLM to compute (it needs the logits).
         usable = (request.num_tokens - 1) // self.bs * self.bs
-        if usable <= num_computed:
+        h = self._handover_of(request)
+        if h is not None:  # the prefill worker holds the prompt: read it from there, not the tiers
+            external = min(usable, len(h.blocks) * self.bs) - num_computed
+            if external <= 0:
+                return 0, False
+            self._hits[request.request_id] = (num_computed, external, h)
+            return external, False
+        if not self.s.load or usable <= num_computed:
             return 0, False
         hit = self.client.query(request.request_id, request.all_token_ids[:usable], _lora(request),
                                 request.cache_salt)
@@ -72,14 +103,17 @@ class SchedulerSide:
         if external <= 0:
             self._hits.pop(request.request_id, None)
             return 0, False
-        self._hits[request.request_id] = (num_computed, external)
+        self._hits[request.request_id] = (num_computed, external, None)
         return external, False
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = getattr(request, "kv_transfer_params", None)
+        if self.s.handover and isinstance(params, dict) and params.get("do_remote_decode") and offloadable(request):
+            self._prefills[request.request_id] = (request, [])  # block ids arrive with build_meta
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens == 0 or hit is None:
             return
-        local, external = hit
+        local, external, handover = hit
         if external != num_external_tokens:  # vLLM took less than offered: load what it allocated for
             external = num_external_tokens // self.bs * self.bs
         end = (local + external) // self.bs
@@ -89,27 +123,68 @@ class SchedulerSide:
                         request.request_id, len(block_ids), end)
             return
         self._loads.append(LoadSpec(request.request_id, list(request.all_token_ids[: end * self.bs]), block_ids,
-                                    local // self.bs, _lora(request), request.cache_salt, _event_hashes(request, end)))
+                                    local // self.bs, _lora(request), request.cache_salt, _event_hashes(request, end),
+                                    handover))
         self.hit_tokens += external
 
-    def build_meta(self) -> FlexKVMetadata:
-        meta = FlexKVMetadata(self._loads, self._saves)
-        self._loads, self._saves = [], []
+    def build_meta(self, scheduler_output: Any = None) -> FlexKVMetadata:
+        if self._prefills and scheduler_output is not None:
+            self._plan_digests(scheduler_output)
+        meta = FlexKVMetadata(self._loads, self._saves, self._digests, self._holds)
+        self._loads, self._saves, self._digests, self._holds = [], [], [], []
         return meta
+
+    def _plan_digests(self, out: Any) -> None:
+        """Follows the handover prefills' block ids through the step's output; a step that computes
+        a prompt's last token has its full blocks digested by the worker right after its forward."""
+        for new in getattr(out, "scheduled_new_reqs", ()):
+            got = self._prefills.get(new.req_id)
+            if got is not None:
+                got[1][:] = list(new.block_ids[0])
+        cached = getattr(out, "scheduled_cached_reqs", None)
+        for i, rid in enumerate(getattr(cached, "req_ids", ())):
+            got = self._prefills.get(rid)
+            ids = cached.new_block_ids[i]
+            if got is not None and ids is not None:
+                if rid in cached.resumed_req_ids:
+                    got[1][:] = list(ids[0])
+                else:
+                    got[1].extend(ids[0])
+        scheduled = out.num_scheduled_tokens
+        for rid, (request, ids) in self._prefills.items():
+            n = scheduled.get(rid, 0)
+            if n and request.num_computed_tokens + n >= request.num_prompt_tokens:
+                self._digests.append((rid, ids[: request.num_prompt_tokens // self.bs]))
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self.client.forget(request.request_id)
         self._hits.pop(request.request_id, None)
+        params = self._hand_over(request, block_ids) if request.request_id in self._prefills else None
         if not self.s.store or not offloadable(request):
-            return False, None
+            return params is not None, params
         tokens = request.all_token_ids
         n = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.bs) // self.bs
         if n <= 0:
-            return False, None
+            return params is not None, params
         self._saves.append(SaveSpec(request.request_id, list(tokens[: n * self.bs]), list(block_ids[:n]),
                                     _lora(request), request.cache_salt, _event_hashes(request, n)))
         self.saved_requests += 1
-        return True, None  # vLLM frees the blocks once a worker lists the request as finished sending
+        return True, params  # vLLM frees the blocks once a worker lists the request as finished sending
+
+    def _hand_over(self, request: Any, block_ids: List[int]) -> Optional[Dict[str, Any]]:
+        """A finished prefill: its full prompt blocks (digested in their last step) held for decode."""
+        self._prefills.pop(request.request_id, None)
+        n = min(request.num_prompt_tokens, request.num_computed_tokens) // self.bs
+        if n <= 0 or len(block_ids) < n or request.num_computed_tokens < request.num_prompt_tokens:
+            return None  # aborted before its prompt was computed: nothing to hand over
+        if self._source is None:
+            self._source = read_source(self.s.engine_id, self.s.run_dir)
+            if self._source is None:
+                return None
+        expires = time.time() + self.s.handover_lease_s
+        self._holds.append((request.request_id, expires))
+        return VllmHandover(**asdict(self._source), req=request.request_id, blocks=list(block_ids[:n]),
+                            lease_expires_unix=expires).to_params()
 
     def reset(self, tp_size: int) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: rank 0's

@@ -18,6 +18,9 @@ EXTRA_KEYS: Dict[str, tuple] = {
     "lookup_give_up_s": (float, 2.0, "a lookup unanswered this long is a miss (the prompt is computed)"),
     "load_timeout_s": (float, 30.0, "a layer not loaded after this long is cancelled and recomputed"),
     "drain_timeout_s": (float, 20.0, "longest shutdown waits for stores still writing"),
+    "handover": (bool, False, "disaggregated workers: carry the prefill->decode handover (NIXL READ of the prefill's "
+                              "blocks, verified by digest) instead of the next connector (docs/VLLM.md)"),
+    "handover_lease_s": (float, 30.0, "prefill side: how long a finished request's blocks wait for decode's read"),
     "run_dir": (str, None, "directory of the lookup socket (default $FLEXKV_RUN_DIR or the temp dir)"),
     "model_id": (str, None, "names the weights in the disk and remote tiers' fingerprints (default: the model path "
                             "or hub id with its revision, the load format, and for a local directory the names, "
@@ -37,6 +40,8 @@ class ConnectorSettings:
     lookup_give_up_s: float = 2.0
     load_timeout_s: float = 30.0
     drain_timeout_s: float = 20.0
+    handover: bool = False
+    handover_lease_s: float = 30.0
     run_dir: Optional[str] = None
     model_id: str = ""
 

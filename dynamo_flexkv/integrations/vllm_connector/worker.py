@@ -11,6 +11,7 @@ blocks through ``take_load_errors`` and vLLM recomputes them (kv_load_failure_po
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from dynamo_flexkv.core.offload import EngineOffload
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskFailed
 from dynamo_flexkv.integrations.vllm_connector.events import FlexKVEvents, TierEventQueue
+from dynamo_flexkv.integrations.vllm_connector.handover import Handover, source_file
 from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, lookup_endpoint
@@ -57,6 +59,11 @@ class LoadCounters:
     loaded: Dict[str, int]
     recomputed: int = 0
     failed_loads: int = 0
+    handover_tokens: int = 0  # read from a prefill worker (handover.py), not computed here
+    handover_bytes: int = 0
+    handover_seconds: float = 0.0
+    handover_failures: int = 0  # reads refused, failed, past their lease or corrupt: recomputed
+    handover_corrupt: int = 0  # of those, read but not matching the prefill's digests
 
 
 class WorkerSide:
@@ -66,6 +73,8 @@ class WorkerSide:
         self.offload: Optional[EngineOffload] = None
         self.events: Optional[TierEventQueue] = None
         self.server: Optional[LookupServer] = None
+        self.handover: Optional[Handover] = None
+        self._digest_after: List[List[int]] = []  # handover blocks to digest once this step's forward ends
         self._layer: Dict[str, int] = {}
         self._loads: Dict[str, _Load] = {}
         self._errors: Set[int] = set()
@@ -94,6 +103,8 @@ class WorkerSide:
             self.offload = EngineOffload(self.kv, layerwise=self.s.layerwise)
             self.offload.register(desc.tensors, desc.layout)
             self._layer = desc.layer_index()
+            if self.s.handover:
+                self._start_handover(desc)
             if self.tp_rank == 0:
                 self.server = LookupServer(lookup_endpoint(self.s.engine_id, self.s.run_dir), self._lookup,
                                            self._reset_for_scheduler)
@@ -104,6 +115,20 @@ class WorkerSide:
         log.info("FlexKVConnector worker rank %d: %d layers, %s, %d-byte blocks; tiers %s", self.tp_rank,
                  len(desc.tensors), desc.layout_tag, self.kv.host.layout.block_bytes,
                  {k: v for k, v in cache.tier_blocks(desc.model).items()})
+
+    def _start_handover(self, desc: Any) -> None:
+        """This worker's NIXL agent for the P->D handover; without one (tensor parallelism, no NIXL)
+        the scheduler finds no source file and the next connector hands requests over."""
+        if self.tp_size > 1:
+            log.warning("FlexKVConnector: handover with tensor parallelism %d is not supported; the next connector "
+                        "hands requests over", self.tp_size)
+            return
+        from dynamo_flexkv.core.layout import KVLayoutType
+        layers = desc.tensors if desc.layout is KVLayoutType.LAYERBLOCK else [t[k] for t in desc.tensors for k in (0, 1)]
+        try:
+            self.handover = Handover(layers, self.s.engine_id, self.s.run_dir)
+        except Exception as e:  # noqa: BLE001 - NIXL's own types; the graph still serves through NixlConnector
+            log.warning("FlexKVConnector: no handover agent (%s); the next connector hands requests over", e)
 
     def _lookup(self, tokens, lora: Optional[str], salt: Optional[str]) -> int:
         return self.offload.cached_tokens(tokens, lora_name=lora, cache_salt=salt)
@@ -124,8 +149,16 @@ class WorkerSide:
             except Exception:  # noqa: BLE001 - a store that cannot start frees its blocks at once
                 log.exception("FlexKVConnector: storing request %s failed; its blocks are released", save.req_id)
                 self._saved.add(save.req_id)
+        if self.handover is not None:
+            self._digest_after = [blocks for _, blocks in meta.digests]
+            for rid, expires in meta.holds:
+                self.handover.hold(rid, expires)
+                self._saving[rid] = self._saving.get(rid, 0) + 1
         for spec in meta.loads:
-            self._start(spec)
+            if spec.handover is not None:
+                self._pull(spec)
+            else:
+                self._start(spec)
         if not self.s.layerwise:
             for ld in self._loads.values():  # bulk: the whole load lands before the forward
                 self._wait(ld, None)
@@ -150,6 +183,24 @@ class WorkerSide:
         if planned < spec.num_blocks:  # evicted since the lookup: the rest is recomputed
             self._fail(spec, planned)
         self._loads[spec.req_id] = _Load(tid, spec, planned, self.offload.planned_tokens_by_tier(tid))
+
+    def _pull(self, spec: LoadSpec) -> None:
+        """A handed-over prompt: read from the prefill worker before this step's forward."""
+        local = spec.block_ids[spec.skip_blocks:]
+        if self.handover is None:
+            self._fail(spec, 0)
+            self.counters.handover_failures += 1
+            return
+        r = self.handover.pull(spec.handover, spec.skip_blocks, local, self.s.load_timeout_s)
+        self.counters.handover_bytes += r.nbytes
+        self.counters.handover_seconds += r.seconds
+        if r.ok:
+            self.counters.handover_tokens += len(local) * self.s.block_size
+        else:
+            self.counters.handover_failures += 1
+            self.counters.handover_corrupt += r.why == "corrupt"
+            self._fail(spec, 0)
+        self.transfer_log.append(TransferRecord("handover", spec.req_id, list(local), r.ok))
 
     def _fail(self, spec: LoadSpec, from_block: int) -> None:
         """Blocks [skip + from_block, ...) of ``spec`` are not loaded: vLLM recomputes them."""
@@ -180,7 +231,11 @@ class WorkerSide:
             self._fail(ld.spec, 0)
 
     def end_step(self) -> None:
-        """Collects this step's loads: after this no copy writes vLLM's blocks."""
+        """Collects this step's loads: after this no copy writes vLLM's blocks. Digests the
+        handover blocks whose last bytes this step's forward wrote."""
+        for blocks in self._digest_after:
+            self.handover.digest(blocks)
+        self._digest_after = []
         for ld in self._loads.values():
             result = self.offload.finish(ld.tid)
             if not result.ok and not ld.failed:
@@ -203,6 +258,14 @@ class WorkerSide:
     def finished_saves(self, finished_req_ids: Set[str]) -> Set[str]:
         """Requests whose stored blocks vLLM may free now. vLLM accepts only ids it already listed
         as finished, so a store that ends earlier waits for that."""
+        if self.handover is not None:
+            for rid in self.handover.finished():  # decode released the blocks, or their lease ended
+                left = self._saving.get(rid, 0) - 1
+                if left > 0:
+                    self._saving[rid] = left
+                else:
+                    self._saving.pop(rid, None)
+                    self._saved.add(rid)
         if self.offload is not None:
             for hold in self.offload.finished_holds():
                 self.transfer_log.append(TransferRecord("store", hold.key, hold.blocks, True))
@@ -269,8 +332,11 @@ class WorkerSide:
         (vllm_connector/metrics.py names them)."""
         if self.kv is None:
             return {}
-        totals = {"recomputed_tokens": self.counters.recomputed, "failed_loads": self.counters.failed_loads,
-                  "stored_tokens": self.stored_tokens}
+        c = self.counters
+        totals = {"recomputed_tokens": c.recomputed, "failed_loads": c.failed_loads, "stored_tokens": self.stored_tokens,
+                  "handover_tokens": c.handover_tokens, "handover_bytes": c.handover_bytes,
+                  "handover_seconds": c.handover_seconds, "handover_failures": c.handover_failures,
+                  "handover_corrupt": c.handover_corrupt}
         totals.update({f"loaded_tokens/{t}": n for t, n in self.counters.loaded.items()})
         out: Dict[str, Any] = {}
         now = time.monotonic()
@@ -290,6 +356,11 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self.handover is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(source_file(self.s.engine_id, self.s.run_dir))
+            self.handover.close()
+            self.handover = None
         if self.server is not None:
             self.server.close()
             self.server = None

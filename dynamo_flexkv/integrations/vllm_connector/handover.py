@@ -1,0 +1,216 @@
+"""The P->D handover carried by FlexKVConnector (disaggregated vLLM workers, ``handover: true``).
+
+Prefill (the request's kv_transfer_params say ``do_remote_decode``): in the step that computes the
+last prompt token, the worker half writes each full prompt block's xxh3 into its digest table (a
+NIXL-registered array, one u64 per vLLM block) right after the forward, so the digests exist
+before the request's output leaves the engine. When the request finishes, the scheduler half holds
+its blocks (request_finished returns True) and returns under ``flexkv_vllm_handover`` where they
+are: the worker's NIXL agent (name and metadata, from the file the worker wrote at registration),
+each layer's base address, the block ids, the digest table, the lease. The worker frees the blocks
+when decode's release notification arrives or the lease ends.
+
+Decode: a request with such params is loaded from the prefill worker, not from the tiers, as a tier
+load is: synchronously inside the step that computes the rest of the prompt (no polling step). One
+prepared READ of every (layer, block), beside a READ of those blocks' digests, whose completion
+notification releases the prefill's blocks; the bytes are verified before vLLM computes on them. A
+read that cannot finish inside the lease, fails, or does not match its digests is recomputed
+(kv_load_failure_policy=recompute) and counted. Why not vLLM's NixlConnector: docs/VLLM.md."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
+
+import numpy as np
+
+from dynamo_flexkv.integrations.disagg.nixl_kv import HandoverFailed, KVAgent, block_checksums
+from dynamo_flexkv.integrations.disagg.params import HandoverRefused
+
+log = logging.getLogger(__name__)
+
+KEY = "flexkv_vllm_handover"  # in kv_transfer_params, beside NixlConnector's keys
+VERSION = 1
+RELEASE = b"flexkv-release:"  # + request id: decode is done with the prefill's blocks
+LEASE_MARGIN_S = 0.5  # a read must end this long before the lease does (clock reads, the release's trip)
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """What does not change while a prefill worker lives: its agent and where its KV is."""
+    agent: str
+    metadata: str  # packed NIXL agent metadata (disagg/params.pack_metadata)
+    layer_addrs: List[int]
+    block_bytes: int
+    num_blocks: int
+    mem: str
+    dev: int
+    digest_addr: int
+
+
+@dataclass(frozen=True)
+class VllmHandover(SourceInfo):
+    """One request's handover, as the decode worker gets it."""
+    req: str = ""  # the prefill engine's request id (the release names it)
+    blocks: List[int] = ()  # type: ignore[assignment]  # prefill block of each full prompt block, in order
+    lease_expires_unix: float = 0.0
+
+    def to_params(self) -> Dict[str, Any]:
+        return {KEY: dict(asdict(self), version=VERSION)}
+
+    @classmethod
+    def from_params(cls, params: Optional[Mapping[str, Any]]) -> Optional["VllmHandover"]:
+        """None when ``params`` carries no handover of ours; HandoverRefused when it is malformed."""
+        if not isinstance(params, Mapping) or params.get(KEY) is None:
+            return None
+        d = params[KEY]
+        if not isinstance(d, Mapping) or d.get("version") != VERSION:
+            raise HandoverRefused(f"kv_transfer_params.{KEY}: expected version {VERSION}, got "
+                                  f"{d.get('version') if isinstance(d, Mapping) else type(d).__name__}")
+        try:
+            kw = {f.name: d[f.name] for f in fields(cls)}
+            h = cls(**{**kw, "layer_addrs": [int(a) for a in kw["layer_addrs"]], "blocks": [int(b) for b in kw["blocks"]],
+                       "block_bytes": int(kw["block_bytes"]), "num_blocks": int(kw["num_blocks"]), "dev": int(kw["dev"]),
+                       "digest_addr": int(kw["digest_addr"]), "lease_expires_unix": float(kw["lease_expires_unix"]),
+                       "agent": str(kw["agent"]), "metadata": str(kw["metadata"]), "mem": str(kw["mem"]),
+                       "req": str(kw["req"])})
+        except (KeyError, TypeError, ValueError) as e:
+            raise HandoverRefused(f"kv_transfer_params.{KEY} is malformed ({type(e).__name__}: {e})") from None
+        if h.mem not in ("DRAM", "VRAM") or h.block_bytes <= 0 or h.num_blocks <= 0 or not h.digest_addr:
+            raise HandoverRefused(f"kv_transfer_params.{KEY}: bad memory description")
+        if any(not 0 <= b < h.num_blocks for b in h.blocks):
+            raise HandoverRefused(f"kv_transfer_params.{KEY}: a block id outside [0, {h.num_blocks})")
+        if not math.isfinite(h.lease_expires_unix):
+            raise HandoverRefused(f"kv_transfer_params.{KEY}: the lease end must be a finite number")
+        return h
+
+
+def source_file(engine_id: str, run_dir: Optional[str]) -> str:
+    """Where a prefill engine's worker leaves its SourceInfo for its scheduler (same machine)."""
+    base = run_dir or os.environ.get("FLEXKV_RUN_DIR") or tempfile.gettempdir()
+    return os.path.join(base, f"flexkv-handover-{engine_id}.json")
+
+
+def read_source(engine_id: str, run_dir: Optional[str]) -> Optional[SourceInfo]:
+    try:
+        with open(source_file(engine_id, run_dir)) as f:
+            return SourceInfo(**json.load(f))
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("FlexKVConnector: no handover source for engine %s (%s): requests are handed over by the "
+                    "next connector, if any", engine_id, e)
+        return None
+
+
+def _digests(agent: KVAgent, blocks: Sequence[int]) -> np.ndarray:
+    return np.asarray(block_checksums(agent.layers, blocks), dtype=np.uint64)
+
+
+@dataclass
+class PullResult:
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    why: str = ""  # "", "lease", "failed", "corrupt", "refused"
+
+
+class Handover:
+    """One NIXL agent over this worker's vLLM KV: the prefill half (digests, holds, releases) and
+    the decode half (pull, verify); a worker uses the half of its role."""
+
+    def __init__(self, layers: Sequence[Any], engine_id: str, run_dir: Optional[str]) -> None:
+        self.agent = KVAgent(layers, name=f"flexkv-vllm-{engine_id[:24]}-{os.getpid()}")
+        self.agent.enable_digests()
+        self._table = self.agent.digests.numpy().view(np.uint64)
+        self._landed = self.agent.landed.numpy().view(np.uint64)
+        self._holds: Dict[str, float] = {}  # request -> monotonic end of its lease
+        self._early: Dict[str, float] = {}  # released before its hold arrived -> when seen
+        self._done: Set[str] = set()
+        self.released = self.expired = 0
+        info = SourceInfo(agent=self.agent.name, metadata=self.agent.metadata,
+                          layer_addrs=[x.data_ptr() for x in self.agent.layers], block_bytes=self.agent.block_bytes,
+                          num_blocks=self.agent.num_blocks, mem=self.agent.mem, dev=self.agent.dev,
+                          digest_addr=self.agent.digest_addr)
+        path = source_file(engine_id, run_dir)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(asdict(info), f)
+        os.replace(tmp, path)
+
+    def digest(self, blocks: Sequence[int]) -> None:
+        """Called once the blocks' bytes are final (after the forward that wrote them)."""
+        if blocks:
+            self._table[np.asarray(blocks, dtype=np.int64)] = _digests(self.agent, blocks)
+
+    def hold(self, req_id: str, lease_expires_unix: float) -> None:
+        if self._early.pop(req_id, None) is not None:
+            self.released += 1
+            self._done.add(req_id)
+            return
+        self._holds[req_id] = time.monotonic() + max(0.0, lease_expires_unix - time.time())
+
+    def finished(self) -> Set[str]:
+        """Requests whose blocks decode released, or whose lease ended, since the last call."""
+        now = time.monotonic()
+        for msg in self.agent.notifications():
+            if not msg.startswith(RELEASE):
+                continue
+            rid = msg[len(RELEASE):].decode("utf-8", "replace")
+            if self._holds.pop(rid, None) is not None:
+                self.released += 1
+                self._done.add(rid)
+            else:
+                self._early[rid] = now
+        for rid, end in list(self._holds.items()):
+            if now >= end:
+                del self._holds[rid]
+                self.expired += 1
+                self._done.add(rid)
+                log.warning("FlexKVConnector: handover lease of request %s ended before a decode worker released "
+                            "it; its blocks are freed", rid)
+        for rid, seen in list(self._early.items()):  # a release whose hold never came (aborted request)
+            if now - seen > 600:
+                del self._early[rid]
+        out, self._done = self._done, set()
+        return out
+
+    def pull(self, h: VllmHandover, first: int, local_blocks: Sequence[int], timeout: float) -> PullResult:
+        """Reads prompt blocks [first, first + len(local_blocks)) of ``h`` into ``local_blocks``."""
+        remote = h.blocks[first:first + len(local_blocks)]
+        release = RELEASE + h.req.encode()
+        if len(remote) != len(local_blocks):
+            self.agent.notify(h, release)
+            return PullResult(False, why="refused")
+        budget = min(timeout, h.lease_expires_unix - LEASE_MARGIN_S - time.time())
+        if budget <= 0:
+            self.agent.notify(h, release)
+            return PullResult(False, why="lease")
+        t0 = time.perf_counter()
+        try:
+            self.agent.check_compatible(h)
+            nbytes = self.agent.pull(h, remote, local_blocks, budget, notif=release, digests=True)
+        except HandoverRefused as e:
+            log.warning("FlexKVConnector: handover of %s refused (%s); recomputing", h.req, e)
+            self.agent.notify(h, release)
+            return PullResult(False, why="refused")
+        except HandoverFailed as e:
+            log.warning("FlexKVConnector: handover of %s failed (%s); recomputing", h.req, e)
+            self.agent.notify(h, release)
+            return PullResult(False, why="failed")
+        if time.time() > h.lease_expires_unix:  # the prefill may have reused the blocks mid-read
+            return PullResult(False, nbytes, time.perf_counter() - t0, "lease")
+        want = self._landed[np.asarray(local_blocks, dtype=np.int64)]
+        got = _digests(self.agent, local_blocks)
+        if not np.array_equal(got, want):
+            bad = int(np.flatnonzero(got != want)[0])
+            log.warning("FlexKVConnector: %d of %d blocks handed over for %s fail their digest (first: prompt "
+                        "block %d); recomputing", int((got != want).sum()), len(got), h.req, first + bad)
+            return PullResult(False, nbytes, time.perf_counter() - t0, "corrupt")
+        return PullResult(True, nbytes, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.agent.close()

@@ -1,0 +1,150 @@
+"""FlexKVConnector's P->D handover (vllm_connector/handover.py) between two real NIXL agents over
+vLLM-shaped KV tensors (one per layer, [blocks, kv_heads, block_size, 2*head_size], as on the CPU
+platform): what decode reads equals what prefill computed, bit for bit; the read releases the
+prefill's hold; and every way a read can go wrong (corrupt bytes, a block reused without its
+digest, an expired lease, a malformed or foreign payload) ends in a recompute, never in used bytes."""
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
+
+from served import wait_until  # noqa: E402
+
+from dynamo_flexkv.integrations.disagg.params import HandoverRefused  # noqa: E402
+from dynamo_flexkv.integrations.vllm_connector.handover import (KEY, Handover, VllmHandover,  # noqa: E402
+                                                                read_source, source_file)
+
+LAYERS, BLOCKS, HEADS, BS, WIDTH = 4, 32, 2, 16, 64
+
+
+def kv(seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, HEADS, BS, WIDTH, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+@pytest.fixture
+def pair(tmp_path):
+    p_layers, d_layers = kv(1), [torch.zeros(BLOCKS, HEADS, BS, WIDTH, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    prefill = Handover(p_layers, "prefill-engine", str(tmp_path))
+    decode = Handover(d_layers, "decode-engine", str(tmp_path))
+    try:
+        yield prefill, decode, p_layers, d_layers, tmp_path
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def handed(tmp_path, req: str, blocks, lease_s: float = 30.0) -> VllmHandover:
+    """What the prefill scheduler returns in kv_transfer_params, through its JSON round trip."""
+    import json
+    from dataclasses import asdict
+    src = read_source("prefill-engine", str(tmp_path))
+    params = VllmHandover(**asdict(src), req=req, blocks=list(blocks), lease_expires_unix=time.time() + lease_s).to_params()
+    return VllmHandover.from_params(json.loads(json.dumps(params)))
+
+
+def released(prefill: Handover, req: str) -> bool:
+    return req in prefill.finished()
+
+
+def test_decode_reads_exactly_the_prefill_blocks_and_the_read_releases_them(pair):
+    prefill, decode, p_layers, d_layers, tmp = pair
+    remote, local = [7, 3, 20, 21, 0], [1, 2, 30, 5, 9]
+    prefill.digest(remote)
+    prefill.hold("r1", time.time() + 30)
+    r = decode.pull(handed(tmp, "r1", remote), 0, local, timeout=30)
+    assert r.ok and r.why == "" and r.nbytes == len(local) * LAYERS * p_layers[0][0].nbytes
+    for p, d in zip(p_layers, d_layers):
+        assert torch.equal(d[local], p[remote])
+    wait_until("r1 released", lambda: released(prefill, "r1"), timeout=30, every=0.01)
+    assert prefill.released == 1 and prefill.expired == 0
+
+
+def test_a_read_that_skips_blocks_vllm_already_holds_reads_only_the_rest(pair):
+    prefill, decode, p_layers, d_layers, tmp = pair
+    remote = [4, 5, 6, 7]
+    prefill.digest(remote)
+    prefill.hold("r2", time.time() + 30)
+    r = decode.pull(handed(tmp, "r2", remote), 2, [11, 12], timeout=30)
+    assert r.ok
+    for p, d in zip(p_layers, d_layers):
+        assert torch.equal(d[[11, 12]], p[[6, 7]])
+        assert not d[[0, 1]].any()
+
+
+def test_bytes_changed_after_their_digest_are_refused_as_corrupt(pair):
+    prefill, decode, p_layers, _, tmp = pair
+    remote = [1, 2, 3]
+    prefill.digest(remote)
+    p_layers[2][2, 1, 3, 5] += 1  # one value of one layer of block 2
+    prefill.hold("r3", time.time() + 30)
+    r = decode.pull(handed(tmp, "r3", remote), 0, [4, 5, 6], timeout=30)
+    assert not r.ok and r.why == "corrupt"
+    wait_until("r3 released", lambda: released(prefill, "r3"), timeout=30, every=0.01)  # the read itself released them
+
+
+def test_a_block_reused_without_a_new_digest_is_refused(pair):
+    """The digest table is per vLLM block: a block rewritten for another prompt keeps its old
+    digest until its own prompt completes, and a read in between must not pass."""
+    prefill, decode, p_layers, _, tmp = pair
+    prefill.digest([8])
+    for layer in p_layers:
+        layer[8].normal_()
+    r = decode.pull(handed(tmp, "r4", [8]), 0, [3], timeout=30)
+    assert not r.ok and r.why == "corrupt"
+
+
+def test_an_expired_lease_is_not_read_and_releases_the_prefill_at_once(pair):
+    prefill, decode, _, d_layers, tmp = pair
+    prefill.digest([1])
+    prefill.hold("r5", time.time() + 30)
+    r = decode.pull(handed(tmp, "r5", [1], lease_s=0.1), 0, [2], timeout=30)
+    assert not r.ok and r.why == "lease" and r.nbytes == 0
+    assert not any(d[2].any() for d in d_layers)
+    wait_until("r5 released", lambda: released(prefill, "r5"), timeout=30, every=0.01)
+
+
+def test_a_hold_nobody_reads_ends_with_its_lease(pair):
+    prefill, *_ = pair
+    prefill.hold("r6", time.time() + 0.2)
+    wait_until("r6 expired", lambda: released(prefill, "r6"), timeout=30, every=0.01)
+    assert prefill.expired == 1
+
+
+def test_a_release_that_arrives_before_its_hold_still_ends_it(pair):
+    prefill, decode, _, _, tmp = pair
+    prefill.digest([2])
+    assert decode.pull(handed(tmp, "r7", [2]), 0, [2], timeout=30).ok
+    wait_until("r7 seen", lambda: (prefill.finished() or True) and "r7" in prefill._early, timeout=30, every=0.01)
+    prefill.hold("r7", time.time() + 30)
+    assert "r7" in prefill.finished()
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"version": 99}, "version"),
+    ({"blocks": [0, BLOCKS]}, "outside"),
+    ({"blocks": "1,2"}, "malformed"),
+    ({"mem": "GPU"}, "memory"),
+    ({"digest_addr": 0}, "memory"),
+    ({"lease_expires_unix": float("nan")}, "finite"),
+])
+def test_malformed_params_are_refused_naming_what_is_wrong(pair, bad, why):
+    *_, tmp = pair
+    params = handed(tmp, "r9", [1, 2]).to_params()
+    params[KEY].update(bad)
+    with pytest.raises(HandoverRefused, match=why):
+        VllmHandover.from_params(params)
+
+
+def test_params_without_a_handover_are_none_and_a_missing_source_file_is_no_source(tmp_path):
+    assert VllmHandover.from_params(None) is None
+    assert VllmHandover.from_params({"do_remote_prefill": True}) is None
+    h = Handover(kv(3), "gone", str(tmp_path))
+    assert read_source("gone", str(tmp_path)).num_blocks == BLOCKS
+    h.close()
+    import os
+    os.unlink(source_file("gone", str(tmp_path)))
+    assert read_source("gone", str(tmp_path)) is None
