@@ -55,11 +55,15 @@ def key_prefix_bytes(key_prefix: str, fingerprint: int) -> bytes:
     return b"%s%016x:" % (key_prefix.encode("utf-8"), fingerprint & _U64)
 
 
-def encode_header(fingerprint: int, seq_hash: int, parent: Optional[int], payload: memoryview) -> bytes:
+def encode_header(fingerprint: int, seq_hash: int, parent: Optional[int], payload: memoryview,
+                  checksum: Optional[int] = None) -> bytes:
+    """``checksum``: xxh3_64(payload) when the caller already has it (the host pool records it
+    when a block's bytes land); hashed here otherwise. A wrong one makes every read refuse the
+    value (readers verify the payload), never accept other bytes."""
     flags = 0 if parent is None else _HAS_PARENT
     return HEADER.pack(MAGIC, VERSION, flags, fingerprint & _U64, seq_hash & _U64,
                        0 if parent is None else parent & _U64, payload.nbytes,
-                       xxhash.xxh3_64_intdigest(payload))
+                       xxhash.xxh3_64_intdigest(payload) if checksum is None else checksum & _U64)
 
 
 def check_header(header: memoryview, fingerprint: int, seq_hash: int, parent: Optional[int],

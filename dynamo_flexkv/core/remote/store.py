@@ -228,23 +228,27 @@ class RemoteStore:
 
     def get_into(self, seq_hashes: Hashes, dests: Sequence[Any],
                  parents: Optional[Sequence[Optional[int]]] = None, *,
-                 refused: Optional[List[RefusedValue]] = None) -> int:
+                 refused: Optional[List[RefusedValue]] = None, checksums: Optional[List[int]] = None) -> int:
         """Reads blocks straight into ``dests`` (writable buffers of each block's size) and returns
         how many leading blocks are present and verified. ``parents`` defaults to the chain
         (block 0 has none). Bytes of ``dests`` past the returned count are unspecified. When the
-        value that ended the prefix was refused by verification, ``refused`` (if given) gets it."""
+        value that ended the prefix was refused by verification, ``refused`` (if given) gets it.
+        ``checksums`` (if given) gets the verified blocks' payload checksums, one per block."""
         seq, par, views = self._read_args(seq_hashes, dests, parents)
         fp = self.fingerprint
         why: Dict[int, str] = {}
+        sums = [0] * len(seq)
 
         def read(conn: RespConnection, header: memoryview, i: int) -> Verdict:
-            return self._read_value(conn, header, fp, seq[i], par[i], views[i], why, i)
+            return self._read_value(conn, header, fp, seq[i], par[i], views[i], why, i, sums)
 
         verdicts = self._read_pipelined(seq, lambda k: encode_command(b"GET", k), read,
                                         max((v.nbytes for v in views), default=0))
         n = _ok_prefix(verdicts)
         self._count_read(n, sum(v.nbytes for v in views[:n]), verdicts[n] if n < len(seq) else None)
         _note_refused(refused, seq, verdicts, n, why)
+        if checksums is not None:
+            checksums[:] = sums[:n]
         return n
 
     def get_range_into(self, seq_hashes: Hashes, dests: Sequence[Any], offset: int, block_bytes: int,
@@ -405,7 +409,8 @@ class RemoteStore:
         return int(line[1:])
 
     def _read_value(self, conn: RespConnection, header: memoryview, fp: int, seq: int,
-                    parent: Optional[int], dest: memoryview, why: Dict[int, str], i: int) -> Verdict:
+                    parent: Optional[int], dest: memoryview, why: Dict[int, str], i: int,
+                    sums: List[int]) -> Verdict:
         """One GET reply into ``dest``; a refused value's reason goes to ``why[i]``."""
         size = self._bulk_size(conn, "GET")
         if size is None:
@@ -430,19 +435,26 @@ class RemoteStore:
             if not payload_ok(dest, checksum):
                 verdict = Verdict.CORRUPT
                 why[i] = "payload checksum mismatch"
+            else:
+                sums[i] = checksum
         else:
             conn.skip(body)
         conn.expect_crlf()
         return verdict
 
     def put(self, seq_hashes: Hashes, srcs: Sequence[Any], parents: Optional[Sequence[Optional[int]]] = None,
-            *, skip_existing: bool = False) -> int:
+            *, skip_existing: bool = False, checksums: Optional[Sequence[int]] = None) -> int:
         """Stores blocks (pipelined SET, with PX when ttl_s is set); idempotent, since a key names
         its content. Returns how many are in the store afterwards as far as this call knows
-        (stored or, with ``skip_existing``, already there). Refused writes are counted, not raised."""
+        (stored or, with ``skip_existing``, already there). Refused writes are counted, not raised.
+        ``checksums``: each source's xxh3_64 when the caller has it (the host pool's, taken when
+        the bytes landed), so no block is hashed again here; otherwise each is hashed as it goes."""
         seq = _hash_list(seq_hashes)
         if len(srcs) != len(seq):
             raise ValueError(f"got {len(srcs)} source buffers for {len(seq)} sequence hashes")
+        if checksums is not None and len(checksums) != len(seq):
+            raise ValueError(f"got {len(checksums)} checksums for {len(seq)} sequence hashes")
+        sums = [None] * len(seq) if checksums is None else [int(c) for c in checksums]
         par = _parent_list(seq, parents)
         views = [_byte_view(s, writable=False) for s in srcs]
         todo = list(range(len(seq)))
@@ -464,7 +476,7 @@ class RemoteStore:
                 view = views[i]
                 head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + ttl_argc, len(key), key,
                                                                        HEADER_BYTES + view.nbytes)
-                return [head + encode_header(fp, seq[i], par[i], view), view, b"\r\n" + ttl]
+                return [head + encode_header(fp, seq[i], par[i], view, sums[i]), view, b"\r\n" + ttl]
 
             def read(j: int) -> bool:
                 reply = conn.readline()

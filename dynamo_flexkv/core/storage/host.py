@@ -1,4 +1,5 @@
-"""Host tier memory: one page-aligned pool allocated once, pinned when CUDA exists."""
+"""Host tier memory: one page-aligned pool allocated once, pinned when CUDA exists, and the
+checksum of each block's bytes taken when they landed (reused by every write of the block)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from dynamo_flexkv import _native
 from dynamo_flexkv.core.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,13 @@ class HostPool:
                 self._mm.madvise(mmap.MADV_HUGEPAGE)  # transparent huge pages: fewer TLB misses in gathers
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)
+        # xxh3_64 of each slot's bytes, known from when they landed: the D2H copy hashes what it
+        # copies, disk and remote reads verify theirs. Disk and remote writes reuse it instead of
+        # hashing the block again. Every path that writes a slot forgets its checksum before the
+        # first byte moves (a failed or partial write leaves it unknown), so a reused slot never
+        # carries the previous block's checksum; an unknown one is hashed by the writer that needs it.
+        self._sums = np.zeros(layout.num_blocks, dtype=np.uint64)
+        self._sum_known = np.zeros(layout.num_blocks, dtype=np.bool_)
         self.pinned = False
         if pin if pin is not None else torch.cuda.is_available():
             err = torch.cuda.cudart().cudaHostRegister(self.base, len(self._mm), 0)
@@ -58,6 +67,36 @@ class HostPool:
         """Start address of each whole block (BLOCKFIRST) for disk I/O."""
         self.check_ids(block_ids)
         return (self.base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(self.layout.block_bytes)).astype(np.uint64)
+
+    def forget_checksums(self, block_ids: np.ndarray) -> None:
+        """Called before anything writes these slots: their bytes are about to change."""
+        self._sum_known[np.asarray(block_ids, dtype=np.int64)] = False
+
+    def record_checksums(self, block_ids: np.ndarray, sums: np.ndarray) -> None:
+        """The xxh3_64 of the bytes that just landed in these slots (hashed or verified by the
+        path that wrote them, after its last byte landed)."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        self._sums[ids] = np.asarray(sums, dtype=np.uint64)
+        self._sum_known[ids] = True
+
+    def known_checksums(self, block_ids: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
+        """(checksums, known) of these slots; a checksum is meaningful only where known."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return self._sums[ids], self._sum_known[ids]
+
+    def checksums(self, block_ids: np.ndarray) -> np.ndarray:
+        """xxh3_64 of each slot's bytes, for a writer that copies them out (disk, remote): the
+        recorded ones, and the unknown ones hashed now (natively, GIL released) and recorded.
+        The caller must hold the blocks immutable (locked as a write's sources)."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        self.check_ids(ids)
+        sums, known = self._sums[ids], self._sum_known[ids]
+        if not known.all():
+            missing = ids[~known]
+            bb = self.layout.block_bytes
+            sums[~known] = got = _native.checksums(self.base, missing.astype(np.uint64) * np.uint64(bb), bb)
+            self.record_checksums(missing, got)
+        return sums
 
     def check_ids(self, block_ids: np.ndarray) -> None:
         ids = np.asarray(block_ids)

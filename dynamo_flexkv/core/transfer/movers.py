@@ -3,11 +3,20 @@
 * HostDeviceMover  D2H / H2D between the engine's tensors and the host pool. On CPU tensors one
   native multi-threaded gather/scatter of (block, layer, kv) chunks; on CUDA, torch copies on a
   dedicated stream that waits for the engine's writes and never blocks the engine's stream.
+  A whole-block D2H records each host block's checksum (HostPool.record_checksums): on CPU the
+  gather hashes each piece as it copies it; on CUDA a native pass over the landed blocks.
 * DiskMover        H2DISK / DISK2H between the host pool and the block files: native batches
-  (io_uring, or a pread/pwrite pool), GIL released, each block checksummed inside the batch as
-  soon as its own I/O completes, while the rest are in flight (a pass after each part's I/O
-  left ~0.1-0.2 of the read link exposed). Subclasses that move bytes their own way (NIXL)
-  hash on a second thread while their I/O is in flight.
+  (io_uring, or a pread/pwrite pool), GIL released. A write journals the checksums the host pool
+  already holds (hashing, inside the batch, only blocks whose checksum is unknown); a read
+  verifies every block inside the batch as soon as its own I/O completes, while the rest are in
+  flight (a pass after each part's I/O left ~0.1-0.2 of the read link exposed), and records the
+  verified checksums on the host slots. Subclasses that move bytes their own way (NIXL) hash on a
+  second thread while their I/O is in flight.
+
+Checksum once: every path that writes host slots forgets their checksums before the first byte
+moves and records them only after the last one landed and was hashed or verified, so a slot
+reused for another block never carries the old block's checksum (and a wrong one could only make
+a read refuse good bytes: every read verifies).
 """
 
 from __future__ import annotations
@@ -56,16 +65,34 @@ class HostDeviceMover:
         self.host.check_ids(host_ids)
         m = self.host.layout.model
         lo, hi = op.layers or (0, m.num_layers)
+        whole = to_host and (lo, hi) == (0, m.num_layers)
+        if to_host:
+            self.host.forget_checksums(host_ids)
         if self.cuda:
             self._cuda_copy(dev_ids, host_ids, lo, hi, to_host, op.after)
+            if whole:
+                self.host.record_checksums(host_ids, self._host_checksums(host_ids))
+        elif whole:
+            # Block-major: each host block is filled front to back and hashed piece by piece
+            # as it is copied (no second pass over the bytes).
+            order, dev, hst, lens = self._chunk_addrs(dev_ids, host_ids, lo, hi, to_host, block_major=True)
+            sums = _native.copy_blocks_hashed(hst, dev, lens, (hi - lo) * m.kv_dim, self.threads)
+            self.host.record_checksums(host_ids[order], sums)
         else:
-            dev, hst, lens = self._chunk_addrs(dev_ids, host_ids, lo, hi, to_host)
+            _, dev, hst, lens = self._chunk_addrs(dev_ids, host_ids, lo, hi, to_host)
             _native.copy_chunks(*((hst, dev) if to_host else (dev, hst)), lens, self.threads)
         return int(dev_ids.size) * (hi - lo) * self.host.layout.layer_block_bytes
 
-    def _chunk_addrs(self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int, to_host: bool):
-        """(device, host, length) of every chunk, listed in *source* address order: sequential
-        reads keep the prefetcher busy; K and V of a block stay neighbours so they merge."""
+    def _host_checksums(self, host_ids: np.ndarray) -> np.ndarray:
+        bb = self.host.layout.block_bytes
+        return _native.checksums(self.host.base, host_ids.astype(np.uint64) * np.uint64(bb), bb)
+
+    def _chunk_addrs(self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int, to_host: bool,
+                     block_major: bool = False):
+        """(order, device, host, length) of every chunk, blocks taken in ``order`` (of the ids
+        given), listed in *source* address order: sequential reads keep the prefetcher busy; K and
+        V of a block stay neighbours so they merge. ``block_major``: each block's chunks together,
+        in the host block's byte order, whatever the direction."""
         hl = self.host.layout
         order = np.argsort(dev_ids if to_host else host_ids, kind="stable")
         dev_ids, host_ids = dev_ids[order], host_ids[order]
@@ -74,10 +101,10 @@ class HostDeviceMover:
         hst = (np.uint64(self.host.base) + np.arange(lo, hi, dtype=np.uint64)[:, None, None] * np.uint64(sl)
                + host_ids.astype(np.uint64)[None, :, None] * np.uint64(sb)
                + np.arange(hl.model.kv_dim, dtype=np.uint64)[None, None, :] * np.uint64(sk))
-        if not to_host:  # the host is BLOCKFIRST: block-major order walks it front to back
+        if block_major or not to_host:  # the host is BLOCKFIRST: block-major order walks it front to back
             dev, hst = dev.transpose(1, 0, 2), hst.transpose(1, 0, 2)
         dev_a, hst_a = np.ascontiguousarray(dev).ravel(), np.ascontiguousarray(hst).ravel()
-        return dev_a, hst_a, np.full(dev_a.size, hl.chunk_bytes, dtype=np.uint64)
+        return order, dev_a, hst_a, np.full(dev_a.size, hl.chunk_bytes, dtype=np.uint64)
 
     def _cuda_copy(self, dev_ids, host_ids, lo, hi, to_host, after) -> None:
         dev = self.device.device
@@ -123,6 +150,8 @@ class DiskMover:
         write = op.kind is OpKind.H2DISK
         host_ids, disk_ids = (op.src, op.dst) if write else (op.dst, op.src)
         offset, length = self.span(op.layers)
+        if not write:
+            self.host.forget_checksums(host_ids)
         if write:
             if op.layers is not None:  # the journal's checksums cover whole blocks
                 raise ValueError("H2DISK writes whole blocks: op.layers must be None")
@@ -142,16 +171,21 @@ class DiskMover:
         return lo * layout.layer_block_bytes, (hi - lo) * layout.layer_block_bytes
 
     def _verify(self, disk_ids: np.ndarray, host_ids: np.ndarray) -> None:
-        bad = self._mismatches(disk_ids, host_ids)
+        bad = self._mismatches(disk_ids, host_ids, record=True)
         if bad.size:
             raise ChecksumError(bad)
 
-    def _mismatches(self, disk_ids: np.ndarray, host_ids: np.ndarray, got: Optional[np.ndarray] = None) -> np.ndarray:
+    def _mismatches(self, disk_ids: np.ndarray, host_ids: np.ndarray, got: Optional[np.ndarray] = None,
+                    record: bool = False) -> np.ndarray:
         """Disk ids whose bytes now in their host slots differ from what was written (``got``:
-        those slots' checksums when already taken)."""
+        those slots' checksums when already taken). ``record``: when all match, the host pool
+        keeps them (the slots hold whole, verified blocks)."""
         got = self._checksums(host_ids) if got is None else got
         want = np.fromiter((self.ssd.checksum_of(int(d)) for d in disk_ids), dtype=np.uint64, count=disk_ids.size)
-        return disk_ids[got != want]
+        bad = disk_ids[got != want]
+        if record and not bad.size:
+            self.host.record_checksums(host_ids, got)
+        return bad
 
     def _hashes_in_batch(self) -> bool:
         """Whether ``_transfer`` is the native batch, which checksums each block as its I/O
@@ -159,12 +193,19 @@ class DiskMover:
         return type(self)._transfer is DiskMover._transfer
 
     def _write_hashed(self, host_ids: np.ndarray, disk_ids: np.ndarray) -> np.ndarray:
-        """Whole-block write; returns the blocks' checksums for the journal. The source host
+        """Whole-block write; returns the blocks' checksums for the journal: the ones the host
+        pool recorded when the bytes landed (no second hash), else taken now. The source host
         blocks are locked (immutable) for the whole op, so hashing them during or right after
         their own write gives the bytes that landed."""
+        sums, known = self.host.known_checksums(host_ids)
+        if known.all():
+            self._transfer(host_ids, disk_ids, True)
+            return sums
         if self._hashes_in_batch():
-            return self._transfer(host_ids, disk_ids, True, checksums=True)
-        sums = self._hasher.submit(self._checksums, host_ids)
+            got = self._transfer(host_ids, disk_ids, True, checksums=True)
+            self.host.record_checksums(host_ids, got)
+            return got
+        sums = self._hasher.submit(self.host.checksums, host_ids)
         try:
             self._transfer(host_ids, disk_ids, True)
         finally:
@@ -178,7 +219,7 @@ class DiskMover:
         after a failed op rolled back."""
         if self._hashes_in_batch():
             got = self._transfer(host_ids, disk_ids, False, checksums=True)
-            bad_ids = self._mismatches(disk_ids, host_ids, got)
+            bad_ids = self._mismatches(disk_ids, host_ids, got, record=True)
             if bad_ids.size:
                 raise ChecksumError(bad_ids)
             return
@@ -188,7 +229,7 @@ class DiskMover:
         try:
             for part in np.array_split(np.arange(host_ids.size), parts):
                 self._transfer(host_ids[part], disk_ids[part], write=False)
-                pending.append(self._hasher.submit(self._mismatches, disk_ids[part], host_ids[part]))
+                pending.append(self._hasher.submit(self._mismatches, disk_ids[part], host_ids[part], record=True))
         finally:
             bad = [f.result() for f in pending]
         bad_ids = np.concatenate(bad) if bad else np.zeros(0, dtype=np.int64)
@@ -211,6 +252,7 @@ class DiskMover:
 
     def read_for_adoption(self, disk_ids: np.ndarray, host_ids: np.ndarray) -> np.ndarray:
         """Reads disk blocks into host slots and returns their checksums (restart verification)."""
+        self.host.forget_checksums(host_ids)
         if self._hashes_in_batch():
             return self._transfer(host_ids, disk_ids, False, checksums=True)
         self._transfer(host_ids, disk_ids, write=False)

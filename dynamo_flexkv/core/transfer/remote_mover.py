@@ -63,9 +63,12 @@ class RemoteMover:
             raise ValueError(f"{op.kind.value}: needs one sequence hash per block")
         if op.kind is OpKind.REMOTE2H:
             views = self._views(op.dst)
+            self.host.forget_checksums(op.dst)
             refused: List[RefusedValue] = []
             if op.layers is None or tuple(op.layers) == (0, self.num_layers):
-                n = self.store.get_into(seq, views, self._parents(op), refused=refused)
+                sums: List[int] = []
+                n = self.store.get_into(seq, views, self._parents(op), refused=refused, checksums=sums)
+                self.host.record_checksums(op.dst[:n], sums[:n])  # verified: the bytes that landed
                 op.result = n
             else:
                 n = self._read_span(op, views, refused)
@@ -78,7 +81,10 @@ class RemoteMover:
                 raise RemoteShortRead(n, len(seq))
             return n * (self.block_bytes if op.layers is None else (op.layers[1] - op.layers[0]) * self.layer_bytes)
         if op.kind is OpKind.H2REMOTE:
-            n = self.store.put(seq, self._views(op.src), self._parents(op), skip_existing=True)
+            # The checksums the host pool took when these bytes landed: one hash per block,
+            # shared with its disk write.
+            n = self.store.put(seq, self._views(op.src), self._parents(op), skip_existing=True,
+                               checksums=self.host.checksums(op.src).tolist())
             op.result = n
             return n * self.block_bytes
         raise ValueError(f"RemoteMover cannot run {op.kind.value}")
@@ -110,4 +116,5 @@ class RemoteMover:
             hi = self.num_layers
         if hi == self.num_layers:
             n = self.store.verify_landed(views[:n], state.checksums[:n], seq_hashes=seq[:n], refused=refused)
+            self.host.record_checksums(op.dst[:n], state.checksums[:n])  # verified whole blocks
         return n
