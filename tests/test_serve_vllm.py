@@ -100,6 +100,24 @@ def test_cpu_binds_give_each_worker_its_share_of_the_cores():
     assert cpu_binds(1, [0, 1]) == ["auto"]
 
 
+def test_with_more_engines_than_cores_each_decode_engine_gets_a_core_of_its_own():
+    from dynamo_flexkv.serve.process import Process
+    from dynamo_flexkv.serve.vllm_worker import BIND_ENV, ENGINE, pin_cpus
+
+    def worker(name, mode):
+        return Process(name, ["python", "-m", "dynamo.vllm", "--disaggregation-mode", mode], {}, engine=ENGINE)
+
+    procs = [worker("P0", "prefill"), worker("P1", "prefill"), worker("D", "decode")]
+    pin_cpus(procs, [0, 1])
+    assert [p.env[BIND_ENV] for p in procs] == ["0", "0", "1"]
+    procs = [worker("P0", "prefill"), worker("D", "decode")]  # as many cores as engines: shares as before
+    pin_cpus(procs, [0, 1])
+    assert [p.env[BIND_ENV] for p in procs] == ["0", "1"]
+    procs = [worker("P0", "prefill"), worker("P1", "prefill"), worker("P2", "prefill"), worker("D", "decode")]
+    pin_cpus(procs, [0, 1, 2])
+    assert [p.env[BIND_ENV] for p in procs] == ["0", "1", "0", "2"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["Frontend.kv-cache-block-size=16"], r"Frontend.kv-cache-block-size=16 but the workers' KV blocks hold 64 "
                                           r"tokens .*set it to 64"),

@@ -2,14 +2,15 @@
 same bytes between the same two processes, in the same run.
 
 Two vLLM engines (CPU or CUDA, the installed build) in the roles of graphs/disagg_vllm.py, each
-with the graph's MultiConnector [NixlConnector, FlexKVConnector], each in a process of its own
-(``--serve SPEC``, driven over stdin by this process). Per prompt size and repeat, a fresh prompt:
+with the graph's MultiConnector [FlexKVConnector (carrying the handover), NixlConnector], each in a
+process of its own (``--serve SPEC``, driven over stdin by this process). Per prompt size and
+repeat, a fresh prompt:
 
 * the prefill engine computes it (``do_remote_decode``) and holds its blocks for decode;
 * handover: the decode engine generates it with those kv_transfer_params; timed inside its worker
-  from NixlConnector's ``start_load_kv`` receiving the request to ``get_transfer_results``
-  reporting it received (what the engine waits for before it decodes), checked against
-  NixlConnector's own byte counter;
+  by FlexKVConnector, from the start of its read to the bytes verified against the prefill's
+  digests (what vLLM waits for before it computes the last token), its block and byte counts
+  checked;
 * raw NIXL: a NIXL agent of our own in each of the same two worker processes (the prefill one over
   vLLM's KV tensors, the decode one over zeroed blocks of the same shape) READs the same blocks
   with prepared descriptor lists (bench/disagg.py's ``_RawRead``), after one untimed read warmed
@@ -37,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.bench.vllm_engine import READY, RESULT
 from dynamo_flexkv.integrations.disagg.params import KEY
+from dynamo_flexkv.integrations.vllm_connector.handover import KEY as HANDOVER_KEY
 
 MAX_MODEL_LEN = 8192
 BLOCK_SIZE = 64
@@ -46,52 +48,26 @@ _held: Dict[str, Any] = {}  # in a worker process: its raw agent, the handover l
 
 def disagg_transfer_config(run_dir: str, lease_s: float = 30.0) -> Dict[str, Any]:
     """The disagg_vllm graph's kv_transfer_config, built as serve/vllm_worker.py builds it:
-    NixlConnector for the handover first, FlexKVConnector for the worker's own tiers."""
+    FlexKVConnector first, carrying the handover; NixlConnector after it, as Dynamo requires."""
     from dynamo_flexkv.serve.vllm_worker import CONNECTOR, kv_transfer_config, nixl_connector
-    return kv_transfer_config([nixl_connector(lease_s), {**CONNECTOR, "kv_connector_extra_config": {"run_dir": run_dir}}])
+    extra = {"run_dir": run_dir, "handover": True, "handover_lease_s": lease_s}
+    return kv_transfer_config([{**CONNECTOR, "kv_connector_extra_config": extra}, nixl_connector(lease_s)])
 
 
 # ---- run inside vLLM's worker process by LLM.collective_rpc (pickled by reference) -------------------
-def _nixl_worker():
+def _flexkv_worker():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     group = get_kv_transfer_group()
     for c in getattr(group, "_connectors", [group]):
-        if type(c).__name__.startswith("Nixl") and getattr(c, "connector_worker", None) is not None:
-            return c.connector_worker
-    raise RuntimeError("bench disagg --vllm: no NixlConnector in this worker's kv_transfer_config")
-
-
-def _count_blocks(ids) -> int:
-    return sum(len(g) for g in ids) if ids and isinstance(ids[0], (list, tuple)) else len(ids)
-
-
-def rpc_watch_handovers(worker) -> None:
-    """Times each received request: NixlConnector's start_load_kv seeing it -> its transfer
-    results reporting it received."""
-    cw = _nixl_worker()
-    started: Dict[str, tuple] = {}
-    done: List[tuple] = _held.setdefault("handovers", [])
-    start_load_kv, results = cw.start_load_kv, cw.get_transfer_results
-
-    def timed_start_load_kv(metadata):
-        now = time.perf_counter()
-        for rid, meta in metadata.reqs_to_recv.items():
-            started.setdefault(rid, (now, _count_blocks(meta.local_block_ids)))
-        return start_load_kv(metadata)
-
-    def timed_results():
-        r = results()
-        now = time.perf_counter()
-        for rid in r.finished_recving:
-            if rid in started:
-                t0, blocks = started.pop(rid)
-                done.append((rid, now - t0, blocks))
-        return r
-    cw.start_load_kv, cw.get_transfer_results = timed_start_load_kv, timed_results
+        if type(c).__name__ == "FlexKVConnector":
+            return c
+    raise RuntimeError("bench disagg --vllm: no FlexKVConnector in this worker's kv_transfer_config")
 
 
 def rpc_handovers(worker) -> List[tuple]:
-    return list(_held.get("handovers", []))
+    """Decode's handovers so far: (seconds to read and verify, blocks, bytes, verify seconds, ok)."""
+    return [(r.seconds, len(r.block_ids), r.nbytes, r.verify_seconds, r.ok)
+            for r in _flexkv_worker().transfer_log if r.kind == "handover"]
 
 
 def _raw_agent(layers, name: str):
@@ -107,9 +83,9 @@ def rpc_raw_source(worker, blocks: List[int]) -> Dict[str, Any]:
     return agent.describe("bench", list(blocks), None, time.time() + 3600).to_dict()
 
 
-def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int) -> float:
-    """One untimed read of the source's blocks into one zeroed region, then the timed read into
-    another (never into vLLM's own blocks); returns its seconds."""
+def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int, count: int) -> float:
+    """One untimed read of the source's first ``count`` blocks into one zeroed region, then the
+    timed read into another (never into vLLM's own blocks); returns its seconds."""
     import torch
 
     from dynamo_flexkv.bench.disagg import _RawRead
@@ -119,7 +95,7 @@ def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int) -> float:
     agent = _raw_agent([torch.zeros((2 * max_blocks, *t.shape[1:]), dtype=t.dtype, device=t.device)
                         for _ in worker.model_runner.kv_caches], "decode")
     p = HandoverParams.from_dict(source)
-    n = len(p.blocks)
+    n = min(count, len(p.blocks))
     if n > max_blocks:
         raise ValueError(f"bench disagg --vllm: {n} blocks exceed the raw agent's {max_blocks}")
     warm, read = _RawRead(agent, p, range(n)), _RawRead(agent, p, range(max_blocks, max_blocks + n))
@@ -130,18 +106,6 @@ def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int) -> float:
 
 
 # ---- the engine process --------------------------------------------------------------------------------
-def _nixl_sums(llm) -> Dict[str, float]:
-    """NixlConnector's own counters: bytes it moved, and NIXL's transfer time (its telemetry:
-    post to completion of each READ, without the connector's work around it)."""
-    want = {"vllm:nixl_bytes_transferred": "bytes", "vllm:nixl_xfer_time_seconds": "xfer_s",
-            "vllm:nixl_num_descriptors": "descriptors"}
-    out = dict.fromkeys(want.values(), 0.0)
-    for m in llm.get_metrics():
-        if m.name in want:
-            out[want[m.name]] = float(getattr(m, "sum", 0.0))
-    return out
-
-
 def serve(spec: Dict[str, Any]) -> None:
     """One engine; per stdin line ``{"op": ...}`` one RESULT line:
     prefill ``{"prompt"}`` -> ``{"params", "raw"}``; decode ``{"op": "handover", "prompt", "params"}``
@@ -153,9 +117,7 @@ def serve(spec: Dict[str, Any]) -> None:
     llm = LLM(model=spec["model_dir"], load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
               block_size=BLOCK_SIZE, enforce_eager=True, kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
               kv_transfer_config=disagg_transfer_config(spec["run_dir"]), seed=0,
-              disable_log_stats=False)  # stats on: NixlConnector's byte counter
-    if role == "decode":
-        llm.collective_rpc(rpc_watch_handovers)
+              disable_log_stats=False)
     print(READY, flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -166,20 +128,20 @@ def serve(spec: Dict[str, Any]) -> None:
             out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, extra_args={
                 "kv_transfer_params": {"do_remote_decode": True}}), use_tqdm=False)[0]
             params = dict(out.kv_transfer_params)
-            (blocks,) = params["remote_block_ids"]  # one KV cache group
+            blocks = params[HANDOVER_KEY]["blocks"]
             rec = {"params": params, "raw": llm.collective_rpc(rpc_raw_source, args=(list(blocks),))[0]}
         elif cmd["op"] == "handover":
-            before, seen = _nixl_sums(llm), len(llm.collective_rpc(rpc_handovers)[0])
+            seen = len(llm.collective_rpc(rpc_handovers)[0])
             llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0,
                                                 extra_args={"kv_transfer_params": cmd["params"]}), use_tqdm=False)
             new = llm.collective_rpc(rpc_handovers)[0][seen:]
-            if len(new) != 1:
-                raise RuntimeError(f"bench disagg --vllm: {len(new)} handovers timed for one request "
-                                   "(expected 1: did decode find the prompt cached?)")
-            after = _nixl_sums(llm)
-            rec = {"seconds": new[0][1], "blocks": new[0][2], **{k: after[k] - before[k] for k in after}}
+            if len(new) != 1 or not new[0][4]:
+                raise RuntimeError(f"bench disagg --vllm: {len(new)} handovers for one request, ok: "
+                                   f"{[x[4] for x in new]} (expected one that verified)")
+            seconds, blocks, nbytes, verify_s, _ = new[0]
+            rec = {"seconds": seconds, "blocks": blocks, "bytes": nbytes, "verify_s": verify_s}
         elif cmd["op"] == "raw":
-            rec = {"seconds": llm.collective_rpc(rpc_raw_read, args=(cmd["raw"], int(cmd["max_blocks"])))[0]}
+            rec = {"seconds": llm.collective_rpc(rpc_raw_read, args=(cmd["raw"], int(cmd["max_blocks"]), int(cmd["blocks"])))[0]}
         else:
             raise ValueError(f"bench disagg --vllm: unknown op {cmd['op']!r}")
         print(RESULT + json.dumps(rec), flush=True)
@@ -232,32 +194,33 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
     cases = []
     max_blocks = max(sizes) // BLOCK_SIZE + 1
     for size in sizes:
-        ours, raw, xfer, descs, nbytes = [], [], [], [], 0
+        ours, raw, verify, nbytes = [], [], [], 0
         link_before = link[0].link_bytes(link[1].name) if link else None
         for i in range(repeat + 1):  # the first round connects the agents (handshakes) and warms up
             prompt = [rng.randrange(300, 30000) for _ in range(size)]
             p = prefill.call({"op": "prefill", "prompt": prompt}, 300, f"prefilling {size} tokens")
-            blocks, raw_p = len(p["params"]["remote_block_ids"][0]), p["raw"][KEY]
+            raw_p = p["raw"][KEY]
+            # decode reads the full blocks but the last token's (it computes that one itself)
+            blocks = (size - 1) // BLOCK_SIZE
             nbytes = blocks * raw_p["block_bytes"] * len(raw_p["layer_addrs"])
             steps = [("handover", {"op": "handover", "prompt": prompt, "params": p["params"]}),
-                     ("raw", {"op": "raw", "raw": p["raw"], "max_blocks": max_blocks})]
+                     ("raw", {"op": "raw", "raw": p["raw"], "max_blocks": max_blocks, "blocks": blocks})]
             got = {}
             for what, cmd in (steps if i % 2 == 0 else steps[::-1]):
                 got[what] = decode.call(cmd, 300, f"{what} of {size} tokens")
             h = got["handover"]
-            if h["blocks"] != blocks or abs(h["bytes"] - nbytes) > 0.5:
+            if h["blocks"] != blocks or h["bytes"] != nbytes:
                 raise RuntimeError(f"bench disagg --vllm: the handover of {size} tokens read {h['blocks']} blocks, "
-                                   f"{h['bytes']:.0f} B; the prefill engine held {blocks} blocks, {nbytes} B")
+                                   f"{h['bytes']} B; expected {blocks} blocks, {nbytes} B")
             if i:
                 ours.append(h["seconds"])
-                xfer.append(h["xfer_s"])
-                descs.append(h["descriptors"])
+                verify.append(h["verify_s"])
                 raw.append(got["raw"]["seconds"])
         t_ours, t_raw = statistics.median(ours), statistics.median(raw)
         label = f"{round(size / 1024)}K" if size >= 1024 else str(size)  # 8000 tokens: 8K
-        note = (f"{nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (NIXL's own transfer time in it "
-                f"{statistics.median(xfer) * 1e3:.2f} ms, {statistics.median(descs):.0f} descriptors) vs {t_raw * 1e3:.2f} ms "
-                f"raw ({blocks * len(raw_p['layer_addrs'])} descriptors), medians of {repeat}")
+        note = (f"{nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (read + verify; the verify "
+                f"{statistics.median(verify) * 1e3:.2f} ms) vs {t_raw * 1e3:.2f} ms raw, "
+                f"{blocks * len(raw_p['layer_addrs'])} descriptors each, medians of {repeat}")
         if link:
             after = link[0].link_bytes(link[1].name)
             note += f"; node C's link received {after['rx'] - link_before['rx']:,} B"

@@ -43,9 +43,9 @@ class FlexKVConnector(KVConnectorBase_V1):
             from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
             tp = int(vllm_config.parallel_config.tensor_parallel_size)
             rank = get_tensor_model_parallel_rank() if tp > 1 else 0
-            if vllm_config.device_config.device_type == "cpu":
-                from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import restore_bind
-                restore_bind(rank)  # after a sibling NixlConnector pinned this thread (cpu_affinity.py)
+            self._on_cpu = vllm_config.device_config.device_type == "cpu"
+            self._rank = rank
+            self._restore_bind()
             self._worker = WorkerSide(settings, rank, tp)
 
     @property
@@ -81,7 +81,15 @@ class FlexKVConnector(KVConnectorBase_V1):
         remote tier keeps its copies."""
         self._worker.reset_tiers(timeout)
 
+    def _restore_bind(self) -> None:
+        """After a sibling NixlConnector pinned this thread (cpu_affinity.py): once when created
+        (NixlConnector before us) and once when the caches arrive (NixlConnector after us)."""
+        if self._on_cpu:
+            from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import restore_bind
+            restore_bind(self._rank)
+
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        self._restore_bind()
         self._worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

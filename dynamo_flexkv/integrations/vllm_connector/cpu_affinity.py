@@ -5,8 +5,9 @@ NUMA node ("reserve different cores for start_load_kv() from model_forward()",
 nixl/base_worker.py). That thread is the vLLM worker's main thread, which runs the model, and
 every thread started after it inherits the pin. On a one-node machine every worker then computes
 on the same last core, whatever VLLM_CPU_OMP_THREADS_BIND gave it (measured here: a prefill
-worker bound to core 0 had all 59 threads on core 1, next to the decode worker). Created after it
-under MultiConnector, FlexKVConnector puts the thread back on the worker's own cores.
+worker bound to core 0 had all 59 threads on core 1, next to the decode worker). FlexKVConnector
+puts the thread back on the worker's own cores when it is created and again when vLLM registers the
+KV caches (after every connector of a MultiConnector was created, whatever their order).
 """
 
 from __future__ import annotations

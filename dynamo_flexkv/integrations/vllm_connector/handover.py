@@ -116,6 +116,7 @@ class PullResult:
     nbytes: int = 0
     seconds: float = 0.0
     why: str = ""  # "", "lease", "failed", "corrupt", "refused"
+    verify_seconds: float = 0.0  # of ``seconds``: hashing what landed
 
 
 class Handover:
@@ -187,6 +188,8 @@ class Handover:
             return PullResult(False, why="refused")
         budget = min(timeout, h.lease_expires_unix - LEASE_MARGIN_S - time.time())
         if budget <= 0:
+            log.warning("FlexKVConnector: handover of %s reached decode %.1f s before its lease ends; recomputing",
+                        h.req, h.lease_expires_unix - time.time())
             self.agent.notify(h, release)
             return PullResult(False, why="lease")
         t0 = time.perf_counter()
@@ -203,14 +206,16 @@ class Handover:
             return PullResult(False, why="failed")
         if time.time() > h.lease_expires_unix:  # the prefill may have reused the blocks mid-read
             return PullResult(False, nbytes, time.perf_counter() - t0, "lease")
+        t1 = time.perf_counter()
         want = self._landed[np.asarray(local_blocks, dtype=np.int64)]
         got = _digests(self.agent, local_blocks)
+        t2 = time.perf_counter()
         if not np.array_equal(got, want):
             bad = int(np.flatnonzero(got != want)[0])
             log.warning("FlexKVConnector: %d of %d blocks handed over for %s fail their digest (first: prompt "
                         "block %d); recomputing", int((got != want).sum()), len(got), h.req, first + bad)
-            return PullResult(False, nbytes, time.perf_counter() - t0, "corrupt")
-        return PullResult(True, nbytes, time.perf_counter() - t0)
+            return PullResult(False, nbytes, t2 - t0, "corrupt", t2 - t1)
+        return PullResult(True, nbytes, t2 - t0, "", t2 - t1)
 
     def close(self) -> None:
         self.agent.close()

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
-from dynamo_flexkv.integrations.vllm_connector.handover import SourceInfo, VllmHandover, read_source
+from dynamo_flexkv.integrations.vllm_connector.handover import KEY, SourceInfo, VllmHandover, read_source
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, SaveSpec, lookup_endpoint
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
@@ -63,6 +63,7 @@ class SchedulerSide:
         self._digests: List[Tuple[str, List[int]]] = []
         self._holds: List[Tuple[str, float]] = []
         self._source: Optional[SourceInfo] = None
+        self._source_read = False
         self.handovers_refused = 0
         self._loads: List[LoadSpec] = []
         self._saves: List[SaveSpec] = []
@@ -108,8 +109,13 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = getattr(request, "kv_transfer_params", None)
-        if self.s.handover and isinstance(params, dict) and params.get("do_remote_decode") and offloadable(request):
+        if self.s.handover and isinstance(params, dict) and params.get("do_remote_decode") and offloadable(request) \
+                and self._source_info() is not None:
             self._prefills[request.request_id] = (request, [])  # block ids arrive with build_meta
+            # Ours from here: a NixlConnector after us in the MultiConnector (there only because
+            # Dynamo requires one) then neither tracks, holds nor names the blocks, and decode's
+            # copy of it has nothing to do (no side-channel handshake, no second lease to end).
+            request.kv_transfer_params = {**params, "do_remote_decode": False}
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens == 0 or hit is None:
             return
@@ -160,27 +166,33 @@ class SchedulerSide:
         self.client.forget(request.request_id)
         self._hits.pop(request.request_id, None)
         params = self._hand_over(request, block_ids) if request.request_id in self._prefills else None
+        held = bool(params and params.get(KEY))
         if not self.s.store or not offloadable(request):
-            return params is not None, params
+            return held, params
         tokens = request.all_token_ids
         n = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.bs) // self.bs
         if n <= 0:
-            return params is not None, params
+            return held, params
         self._saves.append(SaveSpec(request.request_id, list(tokens[: n * self.bs]), list(block_ids[:n]),
                                     _lora(request), request.cache_salt, _event_hashes(request, n)))
         self.saved_requests += 1
         return True, params  # vLLM frees the blocks once a worker lists the request as finished sending
+
+    def _source_info(self) -> Optional[SourceInfo]:
+        """This engine's worker agent (read once; a worker without one hands nothing over)."""
+        if not self._source_read:
+            self._source_read = True
+            self._source = read_source(self.s.engine_id, self.s.run_dir)
+        return self._source
 
     def _hand_over(self, request: Any, block_ids: List[int]) -> Optional[Dict[str, Any]]:
         """A finished prefill: its full prompt blocks (digested in their last step) held for decode."""
         self._prefills.pop(request.request_id, None)
         n = min(request.num_prompt_tokens, request.num_computed_tokens) // self.bs
         if n <= 0 or len(block_ids) < n or request.num_computed_tokens < request.num_prompt_tokens:
-            return None  # aborted before its prompt was computed: nothing to hand over
-        if self._source is None:
-            self._source = read_source(self.s.engine_id, self.s.run_dir)
-            if self._source is None:
-                return None
+            # Shorter than a block, or aborted before its prompt was computed: decode computes it
+            # all (the payload says so; a null one would fail the request in Dynamo's frontend).
+            return {KEY: None}
         expires = time.time() + self.s.handover_lease_s
         self._holds.append((request.request_id, expires))
         return VllmHandover(**asdict(self._source), req=request.request_id, blocks=list(block_ids[:n]),

@@ -47,10 +47,13 @@ class _Load:
 @dataclass(frozen=True)
 class TransferRecord:
     """One finished load or store of this worker (``transfer_log``): which of vLLM's blocks."""
-    kind: str  # "load" or "store"
+    kind: str  # "load", "store" or "handover" (a read from a prefill worker)
     req_id: str
-    block_ids: List[int]  # load: the blocks it filled; store: the blocks it copied out
+    block_ids: List[int]  # load/handover: the blocks it filled; store: the blocks it copied out
     ok: bool
+    seconds: float = 0.0  # handover: read and verify
+    nbytes: int = 0  # handover: bytes read
+    verify_seconds: float = 0.0  # handover: of ``seconds``, hashing what landed
 
 
 @dataclass
@@ -200,7 +203,8 @@ class WorkerSide:
             self.counters.handover_failures += 1
             self.counters.handover_corrupt += r.why == "corrupt"
             self._fail(spec, 0)
-        self.transfer_log.append(TransferRecord("handover", spec.req_id, list(local), r.ok))
+        self.transfer_log.append(TransferRecord("handover", spec.req_id, list(local), r.ok, r.seconds, r.nbytes,
+                                                r.verify_seconds))
 
     def _fail(self, spec: LoadSpec, from_block: int) -> None:
         """Blocks [skip + from_block, ...) of ``spec`` are not loaded: vLLM recomputes them."""
