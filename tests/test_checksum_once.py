@@ -1,5 +1,5 @@
-"""Checksum once: a host block's xxh3_64 is taken when its bytes land (the D2H gather hashes what it
-copies; disk and remote reads record what they verified) and reused by its disk and remote writes.
+"""Checksum once: a host block's xxh3_64 is taken when its bytes land (a put's HASH op right after
+its D2H; disk and remote reads record what they verified) and reused by its disk and remote writes.
 The danger is a stale checksum: a slot reused for other bytes must never hand the old block's
 checksum to a write. These tests try every way of rewriting a slot and check that what the journal
 and the Redis header get is always the xxh3 of the bytes actually written."""
@@ -20,7 +20,7 @@ from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
 from dynamo_flexkv.core.storage.ssd import DiskEntry, SsdStore
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
-from dynamo_flexkv.core.transfer.movers import ChecksumError, DiskMover, HostDeviceMover
+from dynamo_flexkv.core.transfer.movers import ChecksumError, DiskMover, HostDeviceMover, HostHasher
 from dynamo_flexkv.core.transfer.remote_mover import RemoteMover, RemoteShortRead
 from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixture)
 
@@ -43,6 +43,7 @@ class Rig:
                        for _ in range(MODEL.num_layers)]
         self.device = DeviceCache.register(self.layers, MODEL, KVLayoutType.LAYERBLOCK, TPB)
         self.d2h = HostDeviceMover(self.host, self.device, threads=2)
+        self.hasher = HostHasher(self.host)
         self.ssd = SsdStore([str(tmp_path / "ssd")], 16, self.host.layout.block_bytes, {"test": "checksum_once"})
         self.disk = DiskMover(self.host, self.ssd, depth=4, use_uring=use_uring, threads=2)
         self.store = self.remote = None
@@ -61,7 +62,10 @@ class Rig:
         return self.host.array[host_id * bb:(host_id + 1) * bb]
 
     def put(self, dev_ids, host_ids, layers=None) -> None:
+        """A put's D2H, then (whole blocks) its HASH op, as GraphBuilder.put chains them."""
         self.d2h.run(TransferOp(OpKind.D2H, np.asarray(dev_ids), np.asarray(host_ids), layers=layers))
+        if layers is None:
+            self.hasher.run(TransferOp(OpKind.HASH, np.asarray(host_ids), np.asarray(host_ids)))
 
     def write_disk(self, host_ids, disk_ids) -> np.ndarray:
         op = TransferOp(OpKind.H2DISK, np.asarray(host_ids), np.asarray(disk_ids))
@@ -83,7 +87,7 @@ def rig(tmp_path):
     r.close()
 
 
-def test_d2h_records_the_checksum_of_the_bytes_it_copied(rig):
+def test_a_put_records_the_checksum_of_the_bytes_it_copied(rig):
     for d in range(DEV_BLOCKS):
         rig.fill_device(d)
     dev, host = np.array([9, 2, 14, 5, 0, 11]), np.array([3, 7, 0, 1, 6, 4])
@@ -91,10 +95,12 @@ def test_d2h_records_the_checksum_of_the_bytes_it_copied(rig):
     sums, known = rig.host.known_checksums(host)
     assert known.all()
     assert sums.tolist() == [xxh(rig.host_bytes(h)) for h in host]
-    # The gather moved the right bytes: the same as the plain chunk copy puts there.
     for d, h in zip(dev, host):
         want = torch.stack([layer[int(d)] for layer in rig.layers]).view(torch.uint8).numpy().ravel()
         assert np.array_equal(rig.host_bytes(int(h)), want)
+    # A D2H alone (no HASH yet) leaves them unknown: its bytes are new.
+    rig.d2h.run(TransferOp(OpKind.D2H, dev[:2], host[:2]))
+    assert not rig.host.known_checksums(host[:2])[1].any()
 
 
 def test_disk_write_reuses_the_recorded_checksum_without_hashing(rig, monkeypatch):
@@ -130,12 +136,14 @@ def test_a_reused_slot_never_carries_the_old_blocks_checksum(rig, monkeypatch):
     rig.put([3], [2])
     assert rig.host.known_checksums([2])[1].all()
 
-    def torn_copy(dst, src, lens, *args):
-        _native.copy_chunks(dst[:1], src[:1], lens[:1], 1)  # the first chunk lands, then it fails
+    real_copy = _native.copy_chunks
+
+    def torn_copy(dst, src, lens, threads):
+        real_copy(dst[:1], src[:1], lens[:1], 1)  # the first chunk lands, then it fails
         raise OSError("copy failed half way")
     rig.fill_device(5)
     with monkeypatch.context() as m:
-        m.setattr(_native, "copy_blocks_hashed", torn_copy)
+        m.setattr(_native, "copy_chunks", torn_copy)
         with pytest.raises(OSError):
             rig.put([5], [2])
     assert not rig.host.known_checksums([2])[1].any()
@@ -269,22 +277,29 @@ def test_a_wrong_checksum_handed_to_put_is_refused_by_every_read(redis_server): 
         assert store.get_into([22], dest[1:], parents=[21]) == 1 and np.array_equal(dest[1], block)
 
 
-def test_copy_blocks_hashed_matches_copy_and_xxh3_for_odd_sizes():
-    rng = np.random.default_rng(3)
-    lens = np.array([1, 17, 240, 241, 4096, 16 << 10, (16 << 10) + 3, 100_003, 64, 3], dtype=np.uint64)
-    src = rng.integers(0, 256, int(lens.sum()) + 64, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    order = rng.permutation(lens.size)
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.uint64)
-    # Destination: blocks of two chunks each, packed in `order`; sources scattered at `starts`.
-    dst_starts = np.concatenate([[0], np.cumsum(lens[order])[:-1]]).astype(np.uint64)
-    sums = _native.copy_blocks_hashed(np.uint64(dst.ctypes.data) + dst_starts, np.uint64(src.ctypes.data) + starts[order],
-                                      lens[order], 2, 3)
-    for b in range(lens.size // 2):
-        lo, hi = int(dst_starts[2 * b]), int(dst_starts[2 * b + 1] + lens[order][2 * b + 1])
-        assert int(sums[b]) == xxh(dst[lo:hi])
-    for i, j in enumerate(order):
-        assert np.array_equal(dst[int(dst_starts[i]):int(dst_starts[i] + lens[j])],
-                              src[int(starts[j]):int(starts[j] + lens[j])])
-    with pytest.raises(ValueError):
-        _native.copy_blocks_hashed(np.zeros(3, np.uint64), np.zeros(3, np.uint64), np.zeros(3, np.uint64), 2)
+def test_a_freed_host_slot_forgets_its_checksum(tmp_path):
+    """The manager's free hook: a host block evicted or removed from the index drops its slot's
+    checksum, whatever writes the slot next."""
+    from dynamo_flexkv import KVLayoutType, KVManager
+    from dynamo_flexkv.core.index import Tier
+    from kv_helpers import MODEL as KMODEL, config, device_tensors, fill
+
+    with KVManager(KMODEL, config(tmp_path, host_blocks=4, disk_blocks=8)) as kv:
+        dev = device_tensors(KVLayoutType.LAYERBLOCK, 8)
+        kv.register_device_cache(dev, KVLayoutType.LAYERBLOCK)
+        prompts = [list(range(1000 * i, 1000 * i + 2 * kv.tokens_per_block)) for i in range(4)]
+        for i, p in enumerate(prompts):
+            for j, s in enumerate(kv.hashes(p).sequence):
+                fill(dev, KVLayoutType.LAYERBLOCK, 2 * (i % 4) + j, int(s))
+            t = kv.put_async(p, np.array([2 * (i % 4), 2 * (i % 4) + 1]))
+            assert kv.wait([t], timeout=30)[t].ok
+            assert kv.drain(30)
+            # Every slot the pool calls known holds bytes with that checksum, evictions or not.
+            sums, known = kv.host.known_checksums(np.arange(kv.host.num_blocks))
+            bb = kv.host.layout.block_bytes
+            for h in np.flatnonzero(known):
+                assert int(sums[h]) == xxh(kv.host.array[h * bb:(h + 1) * bb]), f"prompt {i}: slot {h} stale"
+        known = np.flatnonzero(kv.host.known_checksums(np.arange(kv.host.num_blocks))[1])
+        assert known.size
+        kv._slots_freed(Tier.HOST, known.tolist())  # what the index calls when it frees host slots
+        assert not kv.host.known_checksums(known)[1].any()

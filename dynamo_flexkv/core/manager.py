@@ -37,7 +37,7 @@ from dynamo_flexkv.core.task_table import TaskTable
 from dynamo_flexkv.core.task_graphs import GraphBuilder
 from dynamo_flexkv.core.tasks import ManagerClosed, Task, TaskFailed, TaskKind, TaskResult, TaskStatus, TooManyTasks
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferGraph
-from dynamo_flexkv.core.transfer.movers import DiskMover, HostDeviceMover
+from dynamo_flexkv.core.transfer.movers import DiskMover, HostDeviceMover, HostHasher
 from dynamo_flexkv.core.transfer.remote_mover import RemoteMover
 from dynamo_flexkv.core.transfer.runner import TransferRunner
 
@@ -75,7 +75,7 @@ class KVManager:
                               "(FLEXKV_CPU_CACHE_GB) to what this machine can hold") from None
         self.ssd: Optional[SsdStore] = None
         self.remote: Optional["RemoteStore"] = None
-        movers: Dict[OpKind, Any] = {}
+        movers: Dict[OpKind, Any] = {OpKind.HASH: HostHasher(self.host)}
         try:
             if self.config.enable_remote:
                 self.remote = self._open_remote()
@@ -520,6 +520,8 @@ class KVManager:
     def _slots_freed(self, tier: Tier, slots: List[int]) -> None:
         if tier is Tier.DISK and self.ssd is not None:
             self.ssd.record_removed(slots)
+        elif tier is Tier.HOST:
+            self.host.forget_checksums(slots)  # checksum once: a freed slot's checksum goes with it
 
     def _close_storage(self) -> None:
         if getattr(self, "remote", None) is not None:

@@ -120,6 +120,15 @@ class GraphBuilder:
             ops.append(d2h)
         else:
             task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, 0))
+        # One checksum per block for all its writes (disk journal, Redis header), taken after the
+        # D2H landed (the put has already succeeded for the engine); known ones are reused.
+        sources = [r.block_ids for r in (plan.host_sources if plan.disk is not None else None,
+                                         plan.remote_sources) if r is not None]
+        feed = d2h  # what the writes wait for
+        if sources:
+            ids = np.unique(np.concatenate([np.asarray(b, dtype=np.int64) for b in sources]))
+            feed = TransferOp(OpKind.HASH, ids, ids, deps=(d2h,) if d2h else ())
+            ops.append(feed)
         if plan.disk is not None:
             def disk_landed(op: TransferOp) -> None:
                 run, tpb = plan.disk, self.tokens_per_block
@@ -132,11 +141,11 @@ class GraphBuilder:
                 self.cache.complete(plan.disk, tid)
                 self.cache.complete(plan.host_sources, tid)
             ops.append(TransferOp(OpKind.H2DISK, plan.host_sources.block_ids, plan.disk.block_ids,
-                                  deps=(d2h,) if d2h else (), on_done=disk_landed))
+                                  deps=(feed,) if feed else (), on_done=disk_landed))
 
         if plan.remote_sources is not None:
             src = plan.remote_sources
-            ops.append(TransferOp(OpKind.H2REMOTE, src.block_ids, src.block_ids, deps=(d2h,) if d2h else (),
+            ops.append(TransferOp(OpKind.H2REMOTE, src.block_ids, src.block_ids, deps=(feed,) if feed else (),
                                   seq_hashes=list(src.hashes), parent=src.parent,
                                   on_done=lambda op: self.cache.complete(src, tid)))
 

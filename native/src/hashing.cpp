@@ -28,52 +28,12 @@ void chain_hashes(const uint64_t* tok, size_t n, bool has_parent, uint64_t paren
   }
 }
 
-namespace {
-bool have_avx2() {
-#if defined(DFKV_HAVE_AVX2_XXH3)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2;
-#else
-  return false;
-#endif
-}
-}  // namespace
-
 uint64_t block_checksum(const void* p, size_t len) {
 #if defined(DFKV_HAVE_AVX2_XXH3)
-  if (have_avx2()) return xxh3_64_avx2(p, len);
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return xxh3_64_avx2(p, len);
 #endif
   return XXH3_64bits(p, len);
-}
-
-static_assert(sizeof(XXH3_state_t) <= 1024, "BlockHasher::state_ is too small for XXH3_state_t");
-static_assert(alignof(XXH3_state_t) <= 64, "BlockHasher::state_ is under-aligned for XXH3_state_t");
-
-BlockHasher::BlockHasher() : avx2_(have_avx2()) {
-#if defined(DFKV_HAVE_AVX2_XXH3)
-  if (avx2_) {
-    xxh3_avx2_reset(state_);
-    return;
-  }
-#endif
-  XXH3_64bits_reset(reinterpret_cast<XXH3_state_t*>(state_));
-}
-
-void BlockHasher::update(const void* p, size_t len) {
-#if defined(DFKV_HAVE_AVX2_XXH3)
-  if (avx2_) {
-    xxh3_avx2_update(state_, p, len);
-    return;
-  }
-#endif
-  XXH3_64bits_update(reinterpret_cast<XXH3_state_t*>(state_), p, len);
-}
-
-uint64_t BlockHasher::digest() const {
-#if defined(DFKV_HAVE_AVX2_XXH3)
-  if (avx2_) return xxh3_avx2_digest(state_);
-#endif
-  return XXH3_64bits_digest(reinterpret_cast<const XXH3_state_t*>(state_));
 }
 
 }  // namespace dfkv

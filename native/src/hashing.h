@@ -23,23 +23,4 @@ uint64_t block_checksum(const void* p, size_t len);
 // The AVX2 build (xxh3_avx2.cpp); call only through block_checksum.
 uint64_t xxh3_64_avx2(const void* p, size_t len);
 
-// block_checksum of a block handed over in consecutive parts (update() each in the block's byte
-// order; digest() equals block_checksum of their concatenation). Hashing each part right after
-// it was read (still in L1) costs no memory traffic: copies hash what they move this way.
-class BlockHasher {
- public:
-  BlockHasher();
-  void update(const void* p, size_t len);
-  uint64_t digest() const;
-
- private:
-  alignas(64) unsigned char state_[1024];  // an XXH3_state_t (size checked in hashing.cpp)
-  bool avx2_;
-};
-
-// The AVX2 build of the streaming calls (xxh3_avx2.cpp); call only through BlockHasher.
-void xxh3_avx2_reset(void* state);
-void xxh3_avx2_update(void* state, const void* p, size_t len);
-uint64_t xxh3_avx2_digest(const void* state);
-
 }  // namespace dfkv

@@ -341,40 +341,6 @@ void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, 
   });
 }
 
-void copy_blocks_hashed(const uint64_t* dst, const uint64_t* src, const uint64_t* len, size_t n_blocks,
-                        size_t per_block, unsigned threads, uint64_t* sums) {
-  uint64_t total = 0;
-  for (size_t i = 0; i < n_blocks * per_block; ++i) total += len[i];
-  const uint64_t min_per_thread = 4ull << 20;  // as copy_chunks
-  threads = static_cast<unsigned>(std::max<uint64_t>(
-      1, std::min<uint64_t>({threads, total / min_per_thread, std::max<uint64_t>(1, n_blocks)})));
-  const bool stream = total >= (8ull << 20);
-  // Each piece is hashed first (which pulls it into L1) and then copied from there: the copy's
-  // memory traffic stays one read of the source and one (streaming) write of the destination.
-  const uint64_t piece = 16 << 10;
-  parallel(threads, [&](unsigned t) {
-    const size_t lo = n_blocks * t / threads, hi = n_blocks * (t + 1) / threads;
-    for (size_t b = lo; b < hi; ++b) {
-      BlockHasher h;
-      for (size_t i = b * per_block; i < (b + 1) * per_block; ++i) {
-        char* d = reinterpret_cast<char*>(dst[i]);
-        const char* s = reinterpret_cast<const char*>(src[i]);
-        for (uint64_t off = 0; off < len[i]; off += piece) {
-          const uint64_t k = std::min(piece, len[i] - off);
-          h.update(s + off, k);
-          if (stream) {
-            copy_stream(d + off, s + off, k);
-          } else {
-            std::memcpy(d + off, s + off, k);
-          }
-        }
-      }
-      sums[b] = h.digest();
-    }
-    if (stream) fence_streams();
-  });
-}
-
 void checksums(const char* base, const uint64_t* offsets, size_t n, uint64_t len, uint64_t* out) {
   for (size_t i = 0; i < n; ++i) out[i] = block_checksum(base + offsets[i], len);
 }

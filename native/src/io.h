@@ -38,14 +38,6 @@ IoResult pool_rw(const IoOp* ops, size_t n, bool write, unsigned threads, uint64
 void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, size_t n,
                  unsigned threads);
 
-// Block gathers with their checksums: block b is chunks [b * per_block, (b + 1) * per_block),
-// listed in the byte order of the block being filled; each is copied like copy_chunks does and
-// sums[b] = block_checksum of the concatenation of its chunks' bytes (the filled block's bytes:
-// the hash is taken of each piece as it is copied, not by a second pass over the block). Blocks
-// are split over `threads`; the source must not change while this runs.
-void copy_blocks_hashed(const uint64_t* dst, const uint64_t* src, const uint64_t* len, size_t n_blocks,
-                        size_t per_block, unsigned threads, uint64_t* sums);
-
 // out[i] = block_checksum of [base + offsets[i], + len).
 void checksums(const char* base, const uint64_t* offsets, size_t n, uint64_t len, uint64_t* out);
 

@@ -147,25 +147,6 @@ void copy_chunks(const CArray<uint64_t>& dst, const CArray<uint64_t>& src,
   dfkv::copy_chunks(dst.data(), src.data(), lengths.data(), n, threads);
 }
 
-U64Array copy_blocks_hashed(const CArray<uint64_t>& dst, const CArray<uint64_t>& src,
-                            const CArray<uint64_t>& lengths, size_t per_block, unsigned threads) {
-  const size_t n = static_cast<size_t>(dst.size());
-  if (static_cast<size_t>(src.size()) != n || static_cast<size_t>(lengths.size()) != n) {
-    throw py::value_error("copy_blocks_hashed: dst, src and lengths must have one entry per chunk");
-  }
-  if (per_block == 0 || n % per_block != 0) {
-    throw py::value_error("copy_blocks_hashed: the chunk count must be a multiple of per_block");
-  }
-  const size_t blocks = n / per_block;
-  U64Array out(static_cast<py::ssize_t>(blocks));
-  uint64_t* sums = out.mutable_data();
-  {
-    py::gil_scoped_release release;
-    dfkv::copy_blocks_hashed(dst.data(), src.data(), lengths.data(), blocks, per_block, threads, sums);
-  }
-  return out;
-}
-
 U64Array checksums(uint64_t base, const CArray<uint64_t>& offsets, uint64_t length) {
   const size_t n = static_cast<size_t>(offsets.size());
   U64Array out(static_cast<py::ssize_t>(n));
@@ -194,10 +175,6 @@ PYBIND11_MODULE(_native, m) {
         "checksums=True returns the xxh3_64 of each op's buffer, hashed as the op completes.");
   m.def("copy_chunks", &copy_chunks, py::arg("dst"), py::arg("src"), py::arg("lengths"),
         py::arg("threads") = 4, "memcpy each (dst, src, length) chunk, merged and multi-threaded.");
-  m.def("copy_blocks_hashed", &copy_blocks_hashed, py::arg("dst"), py::arg("src"), py::arg("lengths"),
-        py::arg("per_block"), py::arg("threads") = 4,
-        "copy_chunks grouped per_block chunks to a block (listed in the filled block's byte order); "
-        "returns each block's xxh3_64, hashed piece by piece as it is copied.");
   m.def("checksums", &checksums, py::arg("base"), py::arg("offsets"), py::arg("length"),
         "xxh3_64 of `length` bytes at base + each offset.");
   dfkv::bind_tier_index(m);

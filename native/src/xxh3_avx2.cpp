@@ -15,14 +15,4 @@ namespace dfkv {
 
 uint64_t xxh3_64_avx2(const void* p, size_t len) { return XXH3_64bits(p, len); }
 
-void xxh3_avx2_reset(void* state) { XXH3_64bits_reset(static_cast<XXH3_state_t*>(state)); }
-
-void xxh3_avx2_update(void* state, const void* p, size_t len) {
-  XXH3_64bits_update(static_cast<XXH3_state_t*>(state), p, len);
-}
-
-uint64_t xxh3_avx2_digest(const void* state) {
-  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state));
-}
-
 }  // namespace dfkv

@@ -18,6 +18,7 @@ class OpKind(str, Enum):
     VERIFY = "verify"  # checksums of disk blocks that landed in host slots (after per-layer reads)
     REMOTE2H = "remote2h"  # remote (Redis) blocks read and verified into host slots
     H2REMOTE = "h2remote"  # host blocks written behind to remote
+    HASH = "hash"  # checksums of host blocks a put's D2H filled, recorded once for their writes
 
 
 class OpState(str, Enum):
