@@ -177,8 +177,8 @@ def test_a_killed_decode_or_prefill_worker_fails_cleanly_and_the_graph_recovers(
 
 
 def test_decode_holds_the_bytes_prefill_computed_and_stores_them_in_its_own_tiers(tmp_path):
-    """Prefill and decode engines of the graph's connector layout, in one test process: after the
-    NIXL handover, every full block of the prompt in decode's KV cache equals prefill's bit for bit,
+    """Prefill and decode engines of the graph's connector layout, in one test process: after
+    FlexKVConnector's handover, every full block of the prompt in decode's KV cache equals prefill's bit for bit,
     decode's FlexKVConnector stored those blocks in its own host tier, and decode's tokens equal
     the aggregated engine's."""
     import json
@@ -197,10 +197,13 @@ def test_decode_holds_the_bytes_prefill_computed_and_stores_them_in_its_own_tier
                        capture_output=True, text=True, timeout=900, cwd=str(script.parent))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     for r in json.loads(out.read_text()):
-        print(f"\n{r['prompt_tokens']} tokens: {r['remote_blocks']} blocks handed over ({r['nixl_bytes']:.0f} bytes "
-              f"READ over NIXL), full ones equal: {r['bytes_equal']}; decode stored {r['decode_stored_blocks']}")
-        assert r["remote_blocks"] >= r["full_blocks"] and r["nonzero"] and r["layers"] > 0
-        assert r["nixl_bytes"] == r["remote_blocks"] * r["block_bytes"], r  # decode READ every block, every layer
+        print(f"\n{r['prompt_tokens']} tokens: {r['remote_blocks']} blocks held by prefill, decode's handovers "
+              f"(blocks, bytes, verified) {r['handovers']}, full ones equal: {r['bytes_equal']}; decode stored "
+              f"{r['decode_stored_blocks']}")
+        assert r["remote_blocks"] == r["full_blocks"] and r["nonzero"] and r["layers"] > 0
+        # One verified read of every full block but the one holding the last token, every layer.
+        read = (r["prompt_tokens"] - 1) // 64
+        assert r["handovers"] == [[read, read * r["block_bytes"], True]], r
         assert r["bytes_equal"], r  # bit for bit, every layer of every full block
         assert r["decode_stored_blocks"] >= r["full_blocks"], r  # what decode received, in its own tiers
         assert r["decode_tokens"] == r["agg_tokens"], r

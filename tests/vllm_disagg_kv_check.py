@@ -1,6 +1,6 @@
 """Two real vLLM engines (CPU) in the roles of the disagg_vllm graph, each with MultiConnector
-[NixlConnector, FlexKVConnector]: the prefill engine computes a prompt (do_remote_decode), the
-decode engine receives its KV over NIXL (do_remote_prefill) and generates. Checks, from inside
+[FlexKVConnector, NixlConnector]: the prefill engine computes a prompt (do_remote_decode), the
+decode engine reads its KV over NIXL (FlexKVConnector's handover) and generates. Checks, from inside
 both workers, that the KV bytes decode holds for the prompt equal the bytes prefill computed
 (torch.equal, every layer, every full block), and that decode's FlexKVConnector stored what it
 received in its own tiers. Run by tests/test_vllm_disagg.py:
@@ -28,6 +28,10 @@ def _stores(worker):
     return [(r.req_id, list(r.block_ids), r.ok) for r in ours.transfer_log if r.kind == "store"]
 
 
+def _handovers(worker):
+    return [(r.req_id, list(r.block_ids), r.nbytes, r.ok) for r in _ours().transfer_log if r.kind == "handover"]
+
+
 def _blocks(worker, block_ids):
     return [t[block_ids].clone() for t in worker.model_runner.kv_caches]
 
@@ -45,17 +49,7 @@ def engine(model_dir: str, run_dir: str, name: str, port: int, core: int):
     return LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, block_size=64,
                enforce_eager=True, kv_cache_memory_bytes=128 << 20,
                kv_transfer_config=disagg_transfer_config(os.path.join(run_dir, name)),
-               seed=0, disable_log_stats=False)  # stats on: NixlConnector's transfer counters
-
-
-def nixl_reads(llm) -> dict:
-    """NixlConnector's transfer counters (vllm:nixl_*), as vLLM's Prometheus logger holds them. The
-    reads are counted on the reading side: decode's (prefill serves them and counts none)."""
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:nixl"):
-            out[m.name] = [getattr(m, "count", None), getattr(m, "sum", getattr(m, "value", None))]
-    return out
+               seed=0)
 
 
 def main(model_dir: str, out: str, run_dir: str) -> int:
@@ -66,16 +60,18 @@ def main(model_dir: str, out: str, run_dir: str) -> int:
     prefill = engine(model_dir, run_dir, "prefill", 5611, 0)
     decode = engine(model_dir, run_dir, "decode", 5612, 1)
     rnd = random.Random(5)
-    results, moved_before = [], 0.0
+    from dynamo_flexkv.integrations.vllm_connector.handover import KEY
+    results = []
     for n_tokens in (700, 1500):  # 10 and 23 full blocks of 64, and a partial one
         prompt = [rnd.randrange(300, 30000) for _ in range(n_tokens)]
         first = prefill.generate([{"prompt_token_ids": prompt}],
                                  SamplingParams(max_tokens=1, temperature=0,
                                                 extra_args={"kv_transfer_params": {"do_remote_decode": True}}))[0]
         params = dict(first.kv_transfer_params)
-        (remote_ids,) = params["remote_block_ids"]  # one KV cache group
+        remote_ids = params[KEY]["blocks"]  # every full prompt block, held for decode's read
         computed = prefill.collective_rpc(_blocks, args=(list(remote_ids),))[0]  # held for decode's read
         stores_before = len(decode.collective_rpc(_stores)[0])
+        handovers_before = len(decode.collective_rpc(_handovers)[0])
         out_d = decode.generate([{"prompt_token_ids": prompt}],
                                 SamplingParams(max_tokens=6, temperature=0,
                                                extra_args={"kv_transfer_params": params}))[0]
@@ -91,14 +87,12 @@ def main(model_dir: str, out: str, run_dir: str) -> int:
         equal = bool(stored_ids) and all(
             torch.equal(c[:full].contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
             for c, r in zip(computed, restored))
-        reads = nixl_reads(decode)
-        moved = reads["vllm:nixl_bytes_transferred"][1] - moved_before
-        moved_before = reads["vllm:nixl_bytes_transferred"][1]
+        handovers = decode.collective_rpc(_handovers)[0][handovers_before:]
         agg = prefill.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0))[0]
         results.append({"prompt_tokens": n_tokens, "remote_blocks": len(remote_ids), "full_blocks": full,
                         "decode_stored_blocks": len(stored_ids), "bytes_equal": equal, "layers": len(computed),
                         "nonzero": all(bool(c.abs().sum() > 0) for c in computed),
-                        "nixl": reads, "nixl_bytes": moved,
+                        "handovers": [(len(b), n, ok) for _, b, n, ok in handovers],
                         "block_bytes": sum(c[0].numel() * c.element_size() for c in computed),
                         "decode_tokens": list(out_d.outputs[0].token_ids),
                         "agg_tokens": list(agg.outputs[0].token_ids)})
