@@ -16,7 +16,9 @@ BLOCK_BYTES = CFG.kv_spec().token_bytes() * BS
 
 def offload_config(tmp_path, host_blocks, disk_blocks):
     gb = BLOCK_BYTES / (1 << 30)
-    d = dict(tokens_per_block=BS, cpu_cache_gb=host_blocks * gb)
+    # These tests are about what loads bring back: load every cached block. (cost_aware, the
+    # default, would recompute blocks whose measured load is slower: tests/test_cost_model.py.)
+    d = dict(tokens_per_block=BS, cpu_cache_gb=host_blocks * gb, load_policy="always")
     if disk_blocks:
         d.update(ssd_cache_gb=disk_blocks * gb, ssd_cache_dir=str(tmp_path / "ssd"))
     return CacheConfig.from_dict(d)

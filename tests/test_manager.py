@@ -209,6 +209,8 @@ AFTER_SHUTDOWN = {
     "announce_adopted": lambda kv, p, t, dev: kv.announce_adopted(),
     "hashes": lambda kv, p, t, dev: kv.hashes(p),
     "match": lambda kv, p, t, dev: kv.match(p),
+    "loadable_tokens": lambda kv, p, t, dev: kv.loadable_tokens(p),
+    "observe_prefill": lambda kv, p, t, dev: kv.observe_prefill(16, 64, 0.01),
     "get_async": lambda kv, p, t, dev: kv.get_async(p, [0, 1, 2, 3]),
     "prefetch_async": lambda kv, p, t, dev: kv.prefetch_async(p),
     "put_async": lambda kv, p, t, dev: kv.put_async(p, [0, 1, 2, 3]),

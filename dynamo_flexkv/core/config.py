@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 import yaml
 
 from dynamo_flexkv.core.durations import is_duration
-from dynamo_flexkv.core.enums import EvictionPolicy
+from dynamo_flexkv.core.enums import EvictionPolicy, LoadPolicy
 from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.core.remote.config import DEFAULT_PASSWORD_ENV
 from dynamo_flexkv.core.errors import FlexKVError
@@ -70,6 +70,9 @@ class CacheConfig:
     remote_required: bool = True  # an unreachable server at start is an error (false: start without it)
     tp_rank: int = 0  # this worker's tensor-parallel rank: its KV shard's bytes are its own (keys the remote tier)
     tp_size: int = 1  # tensor-parallel ranks of one model instance
+    # How much of a cached prefix a get loads (core/cost.py): cost_aware (what is measured faster than
+    # recomputing it; before any measurement everything, as always), always, never.
+    load_policy: LoadPolicy = LoadPolicy.COST_AWARE
 
     def __post_init__(self) -> None:
         # The constructor converts like the loader: "a;b" is two directories, "lfu" a policy.
@@ -258,6 +261,8 @@ def _coerce(key: str, default: Any, value: Any, source: str) -> Any:
             return _parse_bool(value)
         if isinstance(default, EvictionPolicy):
             return EvictionPolicy.parse(value)
+        if isinstance(default, LoadPolicy):
+            return LoadPolicy.parse(value)
         if isinstance(default, tuple):
             if isinstance(value, (str, os.PathLike)):
                 value = os.fspath(value).split(";")

@@ -29,3 +29,21 @@ class EvictionPolicy(str, Enum):
         except ValueError:
             names = ", ".join(m.value for m in cls)
             raise ValueError(f"unknown eviction_policy {value!r}: use one of {names}") from None
+
+
+class LoadPolicy(str, Enum):
+    """Per request, how much of a cached prefix a get loads (core/cost.py, docs/POLICIES.md)."""
+
+    COST_AWARE = "cost_aware"  # load what is predicted faster than recomputing it (measured online)
+    ALWAYS = "always"  # load every cached block (the behaviour before cost-aware loading)
+    NEVER = "never"  # load nothing: recompute every prompt (the tiers still store)
+
+    @classmethod
+    def parse(cls, value: Any) -> "LoadPolicy":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).strip().lower().replace("-", "_"))
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown load_policy {value!r}: use one of {names}") from None

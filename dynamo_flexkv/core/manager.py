@@ -23,6 +23,7 @@ import torch
 from dynamo_flexkv.core import arguments
 from dynamo_flexkv.core.arguments import deadline as _deadline, int_list as _int_list, left as _left
 from dynamo_flexkv.core.config import CacheConfig, ConfigError, GiB
+from dynamo_flexkv.core.cost import CostModel, LoadDecision, Segment
 from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
 from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
 from dynamo_flexkv.core.hashing import block_hashes
@@ -107,6 +108,10 @@ class KVManager:
         self.transfer = TransferRunner(movers, workers)
         self.graphs = GraphBuilder(self.cache, self.ssd, self.host.layout.layer_block_bytes,
                                    self.tokens_per_block, model.num_layers)
+        # Cost-aware loading (core/cost.py): the gets' reads measure the tiers, the engine its prefill.
+        self.cost = CostModel(self.config.load_policy, self.tokens_per_block, self.host.layout.block_bytes,
+                              model.num_layers)
+        self.graphs.observe_link = self.cost.observe_link
         self.device: Optional[DeviceCache] = None
         self._table = TaskTable(self.config.task_result_ttl_seconds)
         self._lock = self._table.lock  # also guards _closed: a call checks it and issues atomically
@@ -183,9 +188,12 @@ class KVManager:
 
     # ---- tasks ---------------------------------------------------------------------------------
     def get_async(self, token_ids, device_block_ids, *, skip_blocks: int = 0, layerwise: bool = False,
-                  lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
+                  lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+                  prompt_tokens: Optional[int] = None) -> int:
         """Loads the cached prefix beyond the first ``skip_blocks`` blocks (which the engine already
-        holds) into ``device_block_ids[i]`` for block i."""
+        holds) into ``device_block_ids[i]`` for block i. With ``prompt_tokens`` (the whole prompt's
+        length, ``token_ids`` may be a prefix of it) the config's load_policy decides how much of
+        it to load (core/cost.py): planned_tokens() then says what the engine must compute."""
         self._need_device("get_async")
         h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
         skip_blocks = arguments.skip_blocks(skip_blocks, len(token_ids), self.tokens_per_block)
@@ -193,7 +201,12 @@ class KVManager:
         with self._issue(TaskKind.GET) as task:
             seq = _int_list(h.sequence)
             start = min(skip_blocks, len(h))
-            plan = self.cache.plan_get(task.id, seq, start, self._remote_probe(seq, start))
+            probe = self._remote_probe(seq, start)
+            if prompt_tokens is not None:
+                decision = self._decide(seq, start, probe, max(int(prompt_tokens), len(token_ids)), layerwise)
+                seq = seq[:max(decision.end, start)]  # the blocks past it are recomputed, not planned
+                probe = (probe[0], min(probe[1], len(seq))) if probe and min(probe[1], len(seq)) > probe[0] else None
+            plan = self.cache.plan_get(task.id, seq, start, probe)
             if plan.num_blocks == 0:
                 self.cache.abort_task(task.id)
                 task.finish(TaskResult(task.id, TaskKind.GET, TaskStatus.NOT_FOUND))
@@ -202,6 +215,38 @@ class KVManager:
             self._attach_tokens(token_ids, plan.staged, plan.remote_staged)
             self._submit(task, self.graphs.get(task, plan, dev_ids, layerwise))
         return task.id
+
+    def _decide(self, seq: List[int], start: int, probe: Optional[tuple], prompt_tokens: int,
+                layerwise: bool) -> LoadDecision:
+        """The load policy's decision for blocks [start, ...) of ``seq``, counted in
+        stats().prefix_tokens."""
+        per_tier = self.cache.match(seq).per_tier
+        segments, end = [], start
+        for tier, n in ((Tier.HOST, per_tier.get(Tier.HOST, 0)), (Tier.DISK, per_tier.get(Tier.DISK, 0)),
+                        (None, probe[1] if probe else 0)):
+            if n > end:
+                segments.append(Segment(tier.value if tier is not None else "remote", end, n))
+                end = n
+        decision = self.cost.decide(start, segments, prompt_tokens, len(seq), layerwise)
+        self.cost.record(decision)
+        return decision
+
+    def loadable_tokens(self, token_ids, *, prompt_tokens: Optional[int] = None, layerwise: bool = True,
+                        lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
+        """Tokens of ``token_ids``' cached prefix a get would load under the load policy (whole
+        blocks; ``prompt_tokens``: the whole prompt's length, default one more than token_ids).
+        The decision counts in stats().prefix_tokens: for an engine that asks first and loads what
+        it was told, passing no prompt_tokens to get_async (vLLM's scheduler)."""
+        self._check_open("loadable_tokens")
+        seq = _int_list(self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence)
+        total = len(token_ids) + 1 if prompt_tokens is None else max(int(prompt_tokens), len(token_ids))
+        return self._decide(seq, 0, self._remote_probe(seq, 0), total, layerwise).end * self.tokens_per_block
+
+    def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
+        """The engine's measurement for cost-aware loading: a step computed ``tokens`` prompt tokens
+        (of prompts up to ``prompt_tokens`` long) in ``seconds``, time blocked on loads excluded."""
+        self._check_open("observe_prefill")
+        self.cost.observe_prefill(int(tokens), int(prompt_tokens), float(seconds))
 
     def prefetch_async(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
         """Brings the disk part of a cached prefix into host memory (no device copy)."""
@@ -379,8 +424,9 @@ class KVManager:
                           disk_write_failures=self.graphs.disk_write_failures,
                           expired_results=self._table.expired_results,
                           transfers_running=self._live_graphs + len(self._deferred))
+        prefix = {"/".join(k): n for k, n in sorted(self.cost.token_counts().items())}
         return ManagerStats(host=tiers["host"], disk=tiers.get("disk"), requests=requests, tasks=tasks,
-                            remote=remote, links=links)
+                            remote=remote, links=links, prefix_tokens=prefix, tier_costs=self.cost.link_costs())
 
     def evict(self, tier: str, count: Optional[int] = None) -> int:
         """Evicts up to ``count`` (default: all) ready, unpinned blocks of the ``"host"`` or

@@ -5,14 +5,18 @@ KVManager internals. Its two clients are the reference engine (integrations/refe
 connector (vllm_connector/). The calls follow one request's life:
 
 * ``register(tensors, layout)`` once, with the engine's paged KV tensors;
-* ``cached_tokens(tokens)``: the longest prefix the tiers hold (no side effects);
-* ``load(tokens, block_table, skip_blocks)`` starts copying blocks ``[skip_blocks, ...)`` into the
-  request's device blocks; ``wait_layer(task, i)`` before layer i's attention (layerwise), then
+* ``cached_tokens(tokens)``: the prefix the tiers hold that the load policy would load (the
+  decision is counted, nothing else changes);
+* ``load(tokens, block_table, skip_blocks, prompt_tokens=...)`` starts copying blocks
+  ``[skip_blocks, ...)`` into the request's device blocks (with ``prompt_tokens``, only as far as
+  the load policy decides: ``planned_tokens`` says how far); ``wait_layer(task, i)`` before layer i's attention (layerwise), then
   ``finish(task)``; a failed load raises ``TaskFailed`` from ``wait_layer`` (recompute instead);
 * ``store(tokens, block_table, key)`` copies the computed full blocks out; the engine keeps the
   device blocks until ``finished_holds()`` hands them back (with ``key``), so it may reuse them
   while the slower tier writes continue in the background;
-* ``prefetch(tokens)`` warms host memory from disk for a request that still waits.
+* ``prefetch(tokens)`` warms host memory from disk for a request that still waits;
+* ``observe_prefill(tokens, prompt_tokens, seconds)`` after each step that only prefilled: the
+  cost-aware load policy compares loads with this measured prefill time (core/cost.py).
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ class EngineOffload:
 
     def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
                       cache_salt: Optional[str] = None) -> int:
-        """Tokens of the longest prefix of ``tokens`` a load would bring back (whole blocks)."""
-        return max(self.kv.match(tokens, lora_name=lora_name, cache_salt=cache_salt).values(), default=0)
+        """Tokens of the cached prefix of ``tokens`` a load would bring back (whole blocks): what
+        the tiers hold, as far as the load policy loads it (``tokens``: a prompt's full blocks)."""
+        return self.kv.loadable_tokens(tokens, layerwise=self.layerwise, lora_name=lora_name, cache_salt=cache_salt)
 
     def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
                      cache_salt: Optional[str] = None) -> List[int]:
@@ -61,15 +66,24 @@ class EngineOffload:
         return self.cached_tokens(tokens) // self.bs
 
     def load(self, tokens: Sequence[int], block_table: Sequence[int], skip_blocks: int, *,
-             lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> Optional[int]:
+             lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+             prompt_tokens: Optional[int] = None) -> Optional[int]:
         """Starts loading blocks [skip_blocks, ...) of ``tokens`` (full blocks only). Returns the
-        task, or None when nothing beyond skip_blocks is cached."""
+        task, or None when nothing beyond skip_blocks is cached or worth loading. With
+        ``prompt_tokens`` (the whole prompt's length) the load policy decides how far to load;
+        without, everything cached is (an engine that asked cached_tokens first)."""
         tid = self.kv.get_async(list(tokens), list(block_table), skip_blocks=skip_blocks, layerwise=self.layerwise,
-                                lora_name=lora_name, cache_salt=cache_salt)
+                                lora_name=lora_name, cache_salt=cache_salt, prompt_tokens=prompt_tokens)
         if self.kv.planned_tokens(tid) == 0:
             self.kv.wait([tid])
             return None
         return tid
+
+    def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
+        """A step computed ``tokens`` prompt tokens of prompts up to ``prompt_tokens`` long in
+        ``seconds`` (time blocked on loads excluded): the cost-aware load policy's measure of
+        recompute."""
+        self.kv.observe_prefill(tokens, prompt_tokens, seconds)
 
     def planned_tokens(self, tid: int) -> int:
         """Tokens the load brings if it succeeds (beyond skip_blocks), known when it starts."""

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+from dynamo_flexkv.core.cost import LinkCost
 from dynamo_flexkv.core.remote.stats import RemoteStats
 
 
@@ -76,6 +77,10 @@ class ManagerStats:
     disk: Optional[TierStats] = None  # None without a disk tier
     remote: Optional[RemoteTierStats] = None  # None without a remote tier
     links: Dict[str, LinkStats] = field(default_factory=dict)  # only links that moved something
+    # Cost-aware loading (core/cost.py): prompt tokens by "decision/tier/reason" (loaded/disk/faster,
+    # recomputed/remote/slower, recomputed/none/not_cached, ...), and each measured tier's read cost.
+    prefix_tokens: Dict[str, int] = field(default_factory=dict)
+    tier_costs: Dict[str, LinkCost] = field(default_factory=dict)
 
     @property
     def tiers(self) -> Dict[str, TierStats]:
@@ -90,4 +95,6 @@ class ManagerStats:
         out["tasks"] = dataclasses.asdict(self.tasks)
         if self.remote is not None:
             out["remote"] = dataclasses.asdict(self.remote)
+        out["prefix_tokens"] = dict(self.prefix_tokens)
+        out["tier_costs"] = {name: dataclasses.asdict(c) for name, c in self.tier_costs.items()}
         return out

@@ -4,7 +4,7 @@ order, and what the index commits when each op has landed (never before)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -27,6 +27,8 @@ class GraphBuilder:
         self.disk_write_failures = 0
         self.remote_write_failures = 0  # write-behind ops that raised (stats() of the store counts refusals)
         self.remote_short_reads = 0  # gets whose remote part verified fewer blocks than planned
+        # (tier, bytes, seconds) of each finished get's and prefetch's reads: the cost model's input
+        self.observe_link: Optional[Callable[[str, int, float], None]] = None
 
     def get(self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool) -> TransferGraph:
         """A get (``dev_ids`` given) or a prefetch (None): DISK2H into staged host blocks, then
@@ -89,6 +91,8 @@ class GraphBuilder:
 
         def finished(graph: TransferGraph) -> None:
             if graph.state is GraphState.DONE:
+                if self.observe_link is not None:
+                    observe_reads(graph, self.observe_link)
                 if plan.host_reads is not None:
                     self.cache.complete(plan.host_reads, tid)
                 self.cache.finish_task(tid)
@@ -174,3 +178,26 @@ class GraphBuilder:
         log.error("disk blocks %s failed their checksum; dropping them", disk_ids[:8])
         self.cache.discard(Tier.DISK, disk_ids)
 
+
+# Which tier an op of a get reads (VERIFY: the disk read's check, part of its time, not its bytes).
+_READ_TIER = {OpKind.H2D: "host", OpKind.DISK2H: "disk", OpKind.VERIFY: "disk", OpKind.REMOTE2H: "remote"}
+
+
+def observe_reads(graph: TransferGraph, observe: Callable[[str, int, float], None]) -> None:
+    """Reports each tier a finished get read: its bytes and the wall time from its first op's start
+    to its last op's end. Host->device only for gets that read host alone (behind a disk or remote
+    read its copies wait for those)."""
+    spans: Dict[str, List[float]] = {}
+    for op in graph.ops:
+        tier = _READ_TIER.get(op.kind)
+        if tier is None or op.state is not OpState.DONE:
+            continue
+        span = spans.setdefault(tier, [op.started, op.started + op.seconds, 0])
+        span[0], span[1] = min(span[0], op.started), max(span[1], op.started + op.seconds)
+        if op.kind is not OpKind.VERIFY:
+            span[2] += op.nbytes
+    if len(spans) > 1:
+        spans.pop("host", None)
+    for tier, (lo, hi, nbytes) in spans.items():
+        if nbytes > 0:
+            observe(tier, int(nbytes), hi - lo)

@@ -45,6 +45,7 @@ class TransferOp:
     # Filled in by the engine and the mover.
     state: OpState = OpState.PENDING
     nbytes: int = 0
+    started: float = 0.0  # time.perf_counter() when a worker thread began the op
     seconds: float = 0.0
     error: Optional[BaseException] = None
     result: Any = None

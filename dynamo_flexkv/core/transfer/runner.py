@@ -101,7 +101,7 @@ class TransferRunner:
             if item is None:
                 return
             graph, op = item
-            t0 = time.perf_counter()
+            t0 = op.started = time.perf_counter()
             try:
                 op.nbytes = int(self.movers[op.kind].run(op))
                 op.seconds = time.perf_counter() - t0

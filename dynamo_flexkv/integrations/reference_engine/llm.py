@@ -143,12 +143,23 @@ class LLMEngine:
         if not chunks:
             return []
         t0 = time.perf_counter()
+        stall0 = self.load_stall_seconds
         self.steps += 1
         self.step_requests += len(reqs)
         try:
             return self._run_batch(chunks, reqs)
         finally:
-            self.step_seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.step_seconds += dt
+            if self.connector is not None:
+                self._observe_prefill(chunks, reqs, dt - (self.load_stall_seconds - stall0))
+
+    def _observe_prefill(self, chunks: List[SeqChunk], reqs: List[Request], seconds: float) -> None:
+        """Cost-aware loading's measure of recompute: a step that only prefilled (no decode token
+        in it), its compute time without the time it waited for loads."""
+        if not all(ch.start < len(r.prompt) for ch, r in zip(chunks, reqs)):
+            return
+        self.connector.observe_prefill(sum(len(ch.tokens) for ch in chunks), max(len(r.prompt) for r in reqs), seconds)
 
     def _run_batch(self, chunks: List[SeqChunk], reqs: List[Request]) -> List[RequestOutput]:
         loading = [r for r in reqs if r.load_task is not None]
@@ -235,7 +246,8 @@ class LLMEngine:
         req.block_table = dev + new
         req.num_computed = req.device_hit_tokens = len(dev) * bs
         if self.connector is not None and cap > len(dev):
-            tid = self.connector.load(req.prompt[: cap * bs], req.block_table[:cap], len(dev))
+            tid = self.connector.load(req.prompt[: cap * bs], req.block_table[:cap], len(dev),
+                                      prompt_tokens=len(req.prompt))
             if tid is not None:
                 req.load_task = tid
                 by_tier = self.connector.planned_tokens_by_tier(tid)

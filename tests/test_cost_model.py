@@ -1,0 +1,244 @@
+"""Cost-aware loading (dynamo_flexkv/core/cost.py): the online fits, the decision rule fed with
+fixed observations (deterministic: no clock but a fake one, no timed asserts), the load_policy
+key, and that a decision to recompute still gives the reference engine's exact tokens."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dynamo_flexkv import CacheConfig, KVManager
+from dynamo_flexkv.core.config import ConfigError
+from dynamo_flexkv.core.cost import MIN_GAIN_FRACTION, MIN_GAIN_S, CostModel, LinearFit, Segment
+from dynamo_flexkv.core.enums import LoadPolicy
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
+
+BB = 1 << 20  # block bytes
+BS = 16  # tokens per block
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def model(policy=LoadPolicy.COST_AWARE, layers=4, clock=None) -> CostModel:
+    return CostModel(policy, BS, BB, layers, clock=clock or Clock())
+
+
+def feed(m: CostModel, host_bw=10e9, disk_bw=None, remote_bw=None, per_token=1e-4, latency=1e-4,
+         prompt=4096) -> None:
+    """Three sizes per link (so latency and bandwidth separate) and per prefill bucket."""
+    for tier, bw in (("host", host_bw), ("disk", disk_bw), ("remote", remote_bw)):
+        if bw:
+            for blocks in (4, 16, 64):
+                m.observe_link(tier, blocks * BB, latency + blocks * BB / bw)
+    for n in (64, 512, prompt - 64):
+        m.observe_prefill(n, prompt, 0.002 + n * per_token)
+
+
+def test_fit_separates_latency_and_bandwidth():
+    f = LinearFit()
+    for x in (1e6, 4e6, 16e6, 2e6, 8e6):
+        f.observe(x, 0.003 + x / 2e9)
+    c, m = f.coefficients()
+    assert c == pytest.approx(0.003, rel=1e-6) and 1 / m == pytest.approx(2e9, rel=1e-6)
+    assert f.predict(10e6) == pytest.approx(0.003 + 10e6 / 2e9)
+
+
+def test_fit_without_spread_goes_through_the_origin_and_ignores_nonsense():
+    f = LinearFit()
+    for _ in range(3):
+        f.observe(1e6, 0.01)
+    assert f.coefficients() == (0.0, pytest.approx(1e-8))
+    assert not f.observe(0, 1.0) and not f.observe(1e6, -1) and not f.observe(1e6, math.nan)
+    assert f.count == 3
+
+
+def test_fit_follows_a_changed_link_exponentially():
+    f = LinearFit(alpha=0.25)
+    for x in (1e6, 4e6, 16e6) * 3:
+        f.observe(x, x / 1e9)
+    for x in (1e6, 4e6, 16e6) * 8:  # the link became 10x slower
+        f.observe(x, x / 1e8)
+    assert f.predict(8e6) == pytest.approx(8e6 / 1e8, rel=0.02)
+
+
+def test_cold_start_loads_everything():
+    m = model()
+    segs = [Segment("host", 0, 10), Segment("disk", 10, 50)]
+    d = m.decide(0, segs, 50 * BS + 8, 50)
+    assert (d.end, d.reason) == (50, "cold_start")
+    feed(m, host_bw=10e9)  # prefill and host measured, disk not yet
+    d = m.decide(0, segs, 50 * BS + 8, 50)
+    assert (d.end, d.reason) == (50, "cold_start")
+    assert d.token_counts(BS) == {("loaded", "host", "cold_start"): 160, ("loaded", "disk", "cold_start"): 640}
+
+
+def test_slow_disk_is_recomputed_and_host_still_loaded():
+    m = model()
+    # Recompute: 0.1 ms per token; disk: 10 MB/s (a 1 MiB block 105 ms, its 16 tokens 1.6 ms).
+    feed(m, host_bw=20e9, disk_bw=10e6)
+    segs = [Segment("host", 0, 100), Segment("disk", 100, 240)]
+    d = m.decide(0, segs, 240 * BS + 10, 250)
+    assert (d.end, d.reason) == (100, "slower")
+    assert d.predicted_s < d.recompute_s
+    m.record(d)
+    assert m.token_counts() == {("loaded", "host", "faster"): 1600, ("recomputed", "disk", "slower"): 2240,
+                                ("recomputed", "none", "not_cached"): 160}
+
+
+def test_fast_disk_is_loaded():
+    m = model()
+    feed(m, host_bw=20e9, disk_bw=5e9)
+    d = m.decide(0, [Segment("host", 0, 100), Segment("disk", 100, 240)], 240 * BS + 10, 240)
+    assert (d.end, d.reason) == (240, "faster")
+
+
+def test_slow_host_against_a_fast_engine_is_recomputed():
+    m = model()
+    feed(m, host_bw=1e6, per_token=1e-7)  # short prefix, fast GPU: even host loses
+    d = m.decide(2, [Segment("host", 2, 20)], 20 * BS + 3, 20)
+    assert (d.start, d.end, d.reason) == (2, 2, "slower")
+    assert d.token_counts(BS) == {("recomputed", "host", "slower"): 18 * BS}
+
+
+def test_remote_segment_partly_loaded_when_layerwise_overlap_pays():
+    """Layerwise, the load hides behind the compute of the rest: the best k lies inside the slow
+    segment, where the two cross. Bulk (no overlap), a remote block costs what recomputing it
+    does: no k gains the margin, so everything loads (as without the cost model)."""
+    m = model(layers=32)
+    bw = BB / (16 * 1e-4)  # a remote block costs what computing its tokens costs
+    feed(m, host_bw=50e9, remote_bw=bw, latency=0.0)
+    segs = [Segment("host", 0, 20), Segment("remote", 20, 200)]
+    lw = m.decide(0, segs, 200 * BS + 1, 200, layerwise=True)
+    bulk = m.decide(0, segs, 200 * BS + 1, 200, layerwise=False)
+    assert 20 < lw.end < 200 and lw.reason == "slower"
+    assert (bulk.end, bulk.reason) == (200, "faster")
+    assert lw.predicted_s <= lw.recompute_s
+    assert bulk.predicted_s <= bulk.recompute_s + MIN_GAIN_S
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_never_predicted_slower_than_recompute(seed):
+    rng = np.random.default_rng(seed)
+    m = model(layers=int(rng.integers(1, 64)))
+    feed(m, host_bw=10 ** rng.uniform(6, 11), disk_bw=10 ** rng.uniform(5, 10), remote_bw=10 ** rng.uniform(5, 10),
+         per_token=10 ** rng.uniform(-7, -3), latency=10 ** rng.uniform(-6, -1))
+    a, b, c = sorted(rng.integers(0, 300, 3))
+    segs = [Segment("host", 0, a), Segment("disk", a, b), Segment("remote", b, c + 1)]
+    d = m.decide(0, segs, (c + 1) * BS + 5, c + 1, layerwise=bool(rng.integers(2)))
+    if d.reason in ("faster", "slower"):  # slower than recompute by at most the margin
+        assert d.predicted_s <= d.recompute_s + max(MIN_GAIN_S, MIN_GAIN_FRACTION * d.predicted_s) + 1e-12
+
+
+def test_policies_always_and_never():
+    segs = [Segment("host", 0, 4), Segment("disk", 4, 8)]
+    for policy, end in ((LoadPolicy.ALWAYS, 8), (LoadPolicy.NEVER, 0)):
+        m = model(policy)
+        feed(m, host_bw=20e9, disk_bw=1e3)
+        d = m.decide(0, segs, 200, 12)
+        assert (d.end, d.reason) == (end, policy.value)
+    assert model().decide(3, [], 100, 6).reason == "not_cached"
+
+
+def test_a_left_out_tier_is_probed_again_after_reprobe_s():
+    clock = Clock()
+    m = model(clock=clock)
+    feed(m, host_bw=20e9, disk_bw=10e6)
+    segs = [Segment("host", 0, 10), Segment("disk", 10, 100)]
+    assert m.decide(0, segs, 1700, 100).end == 10
+    clock.t += m.reprobe_s
+    d = m.decide(0, segs, 1700, 100)
+    assert (d.end, d.reason) == (100, "probe")
+    assert m.decide(0, segs, 1700, 100).end == 10  # once: the probe's read measures the tier again
+
+
+def test_unmeasured_prompt_length_uses_the_nearest_bucket():
+    m = model()
+    m.observe_prefill(1000, 1024, 0.1)
+    m.observe_prefill(100, 1024, 0.01)
+    assert m.prefill_seconds(500, 1024) == pytest.approx(0.05)
+    assert m.prefill_seconds(500, 8192) == pytest.approx(0.05)
+    assert m.prefill_seconds(0, 8192) == 0.0
+
+
+def test_load_policy_key(monkeypatch):
+    assert CacheConfig().load_policy is LoadPolicy.COST_AWARE
+    assert CacheConfig(load_policy="cost-aware").load_policy is LoadPolicy.COST_AWARE
+    assert CacheConfig.from_dict({"load_policy": "Always"}).load_policy is LoadPolicy.ALWAYS
+    assert CacheConfig.load(env={"FLEXKV_LOAD_POLICY": "never"}).load_policy is LoadPolicy.NEVER
+    with pytest.raises(ConfigError, match="load_policy='sometimes'.*cost_aware, always, never"):
+        CacheConfig.from_dict({"load_policy": "sometimes"})
+
+
+# ---- through the manager and the reference engine --------------------------------------------------
+CFG = EngineModelConfig.preset("tiny")
+ENGINE_BB = CFG.kv_spec().token_bytes() * CFG.block_size
+
+
+def tiny_kv(tmp_path, **kw) -> KVManager:
+    gb = ENGINE_BB / (1 << 30)
+    return KVManager(CFG.kv_spec(), CacheConfig.from_dict(dict(
+        tokens_per_block=CFG.block_size, cpu_cache_gb=64 * gb, ssd_cache_gb=256 * gb,
+        ssd_cache_dir=str(tmp_path / "ssd"), **kw)))
+
+
+def slow_disk(kv: KVManager) -> None:
+    """Measurements of a disk far slower than this CPU's prefill: 1 KB/s after 1 s latency."""
+    for blocks in (1, 4, 16):
+        kv.cost.observe_link("host", blocks * ENGINE_BB, 1e-6 * blocks)
+        kv.cost.observe_link("disk", blocks * ENGINE_BB, 1.0 + blocks * ENGINE_BB / 1e3)
+    for n in (16, 64, 256):
+        kv.cost.observe_prefill(n, 512, 1e-3 * n)
+
+
+def test_manager_plans_only_what_the_decision_loads(tmp_path):
+    with tiny_kv(tmp_path) as kv:
+        engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv)
+        prompt = np.random.default_rng(0).integers(0, CFG.vocab_size, 12 * CFG.block_size + 5).tolist()
+        engine.generate([prompt], SamplingParams(max_tokens=1))
+        engine.flush()
+        assert kv.drain(60)
+        kv.evict("host", 6)  # host keeps the first 6 blocks (evicts leaves first), disk all 12
+        slow_disk(kv)
+        assert kv.match(prompt)["host"] == 6 * CFG.block_size
+        assert kv.loadable_tokens(prompt[:12 * CFG.block_size], prompt_tokens=len(prompt)) == 6 * CFG.block_size
+        counts = kv.stats().prefix_tokens
+        assert counts["loaded/host/faster"] == 6 * CFG.block_size
+        assert counts["recomputed/disk/slower"] == 6 * CFG.block_size
+
+
+def test_recompute_decision_gives_exact_tokens(tmp_path):
+    """The prefix is on disk only, the disk is measured slow: the engine recomputes it, and its
+    tokens and logits equal those of an engine without offload."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, CFG.vocab_size, int(n)).tolist() for n in (100, 190, 260)]
+    params = SamplingParams(max_tokens=4, record_logits=True)
+    weights = LLMEngine(CFG, num_device_blocks=8).model
+    expected = [LLMEngine(CFG, num_device_blocks=64, model=weights).generate([p], params)[0] for p in prompts]
+    with tiny_kv(tmp_path) as kv:
+        writer = LLMEngine(CFG, num_device_blocks=64, model=weights, kv_manager=kv)
+        writer.generate(prompts, SamplingParams(max_tokens=1))
+        writer.flush()
+        assert kv.drain(60)
+        kv.evict("host")
+        slow_disk(kv)
+        engine = LLMEngine(CFG, num_device_blocks=64, model=weights, kv_manager=kv, offload_puts=False)
+        got = [engine.generate([p], params)[0] for p in prompts]
+        for e, g in zip(expected, got):
+            assert g.output == e.output
+            assert g.cached_tokens == {"device": 0, "host": 0, "disk": 0}
+            assert all(torch.equal(a, b) for a, b in zip(e.logits, g.logits))
+        counts = kv.stats().prefix_tokens
+        assert counts["recomputed/disk/slower"] == sum(len(p) // CFG.block_size for p in prompts) * CFG.block_size
+        assert not any(k.startswith("loaded/") for k in counts)
+        # The same prompts under load_policy=always load the disk prefix: the switch is per manager.
+        kv.cost.policy = LoadPolicy.ALWAYS
+        again = LLMEngine(CFG, num_device_blocks=64, model=weights, kv_manager=kv, offload_puts=False)
+        r = again.generate([prompts[2]], params)[0]
+        assert r.cached_tokens["disk"] > 0 and r.output == expected[2].output
