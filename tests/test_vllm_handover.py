@@ -56,6 +56,7 @@ def test_decode_reads_exactly_the_prefill_blocks_and_the_read_releases_them(pair
     prefill.digest(remote)
     prefill.hold("r1", time.time() + 30)
     r = decode.pull(handed(tmp, "r1", remote), 0, local, timeout=30)
+    decode.send_releases()  # the worker sends them after the step's forward
     assert r.ok and r.why == "" and r.nbytes == len(local) * LAYERS * p_layers[0][0].nbytes
     for p, d in zip(p_layers, d_layers):
         assert torch.equal(d[local], p[remote])
@@ -82,8 +83,9 @@ def test_bytes_changed_after_their_digest_are_refused_as_corrupt(pair):
     p_layers[2][2, 1, 3, 5] += 1  # one value of one layer of block 2
     prefill.hold("r3", time.time() + 30)
     r = decode.pull(handed(tmp, "r3", remote), 0, [4, 5, 6], timeout=30)
+    decode.send_releases()
     assert not r.ok and r.why == "corrupt"
-    wait_until("r3 released", lambda: released(prefill, "r3"), timeout=30, every=0.01)  # the read itself released them
+    wait_until("r3 released", lambda: released(prefill, "r3"), timeout=30, every=0.01)  # a corrupt read still frees them
 
 
 def test_a_block_reused_without_a_new_digest_is_refused(pair):
@@ -102,6 +104,7 @@ def test_an_expired_lease_is_not_read_and_releases_the_prefill_at_once(pair):
     prefill.digest([1])
     prefill.hold("r5", time.time() + 30)
     r = decode.pull(handed(tmp, "r5", [1], lease_s=0.1), 0, [2], timeout=30)
+    decode.send_releases()
     assert not r.ok and r.why == "lease" and r.nbytes == 0
     assert not any(d[2].any() for d in d_layers)
     wait_until("r5 released", lambda: released(prefill, "r5"), timeout=30, every=0.01)
@@ -118,6 +121,7 @@ def test_a_release_that_arrives_before_its_hold_still_ends_it(pair):
     prefill, decode, _, _, tmp = pair
     prefill.digest([2])
     assert decode.pull(handed(tmp, "r7", [2]), 0, [2], timeout=30).ok
+    decode.send_releases()
     wait_until("r7 seen", lambda: (prefill.finished() or True) and "r7" in prefill._early, timeout=30, every=0.01)
     prefill.hold("r7", time.time() + 30)
     assert "r7" in prefill.finished()

@@ -18,7 +18,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -211,13 +211,17 @@ class KVAgent:
         return peer
 
     def pull(self, p: HandoverParams, remote_blocks: Sequence[int], local_blocks: Sequence[int],
-             timeout: float, notif: bytes = b"", digests: bool = False) -> int:
+             timeout: float, notif: bytes = b"", digests: bool = False,
+             landed: Optional[Callable[[int, int], None]] = None, chunks: int = 1) -> int:
         """READs the remote blocks into the local ones, every layer; returns bytes moved. ``notif``
         reaches the prefill agent once the read is done (only then). With ``digests`` the peer's
         digest of each remote block (``p.digest_addr``'s table) lands in ``landed[local block]`` by
-        the same time (see ``enable_digests``). Raises HandoverFailed on any failure or after
-        ``timeout`` seconds (the local blocks then hold garbage and must be recomputed; ``notif``
-        was not sent)."""
+        the same time (see ``enable_digests``). ``chunks`` splits the read into that many reads of
+        consecutive blocks, all posted at once; ``landed(start, end)`` is called for each chunk of
+        ``local_blocks[start:end]`` once its bytes (and the digests) are here, in order, while the
+        later chunks still move (a verify overlaps the transfer); whatever it raises is raised
+        once every chunk is over. Raises HandoverFailed on any failure or after ``timeout`` seconds
+        (the local blocks then hold garbage and must be recomputed; ``notif`` was not sent)."""
         n = len(local_blocks)
         if len(remote_blocks) != n:
             raise ValueError("pull: remote and local block lists differ in length")
@@ -232,6 +236,8 @@ class KVAgent:
         if digests and (self.landed is None or not getattr(p, "digest_addr", 0)):
             raise HandoverRefused("pull with digests: this agent has no digest tables (enable_digests) or the "
                                   "handover names no digest table")
+        chunks = max(1, min(chunks, n))
+        bounds = [(n * i // chunks, n * (i + 1) // chunks) for i in range(chunks)]
         with self._lock:
             handles = []
             try:
@@ -239,9 +245,10 @@ class KVAgent:
                 if digests:  # first, so it is over when the KV read (which carries the release) is
                     handles.append(self.agent.make_prepped_xfer("READ", self._landed_dlist, list(local_blocks),
                                                                 peer.digest_dlist, list(remote_blocks), b""))
-                handles.append(self.agent.make_prepped_xfer(
-                    "READ", self._local, _indices(self._offsets, local_blocks), peer.dlist,
-                    _indices(peer.offsets, remote_blocks), notif))
+                for i, (a, b) in enumerate(bounds):
+                    handles.append(self.agent.make_prepped_xfer(
+                        "READ", self._local, _indices(self._offsets, local_blocks[a:b]), peer.dlist,
+                        _indices(peer.offsets, remote_blocks[a:b]), notif if i == chunks - 1 else b""))
             except HandoverRefused:
                 self._release(handles)
                 raise
@@ -249,17 +256,29 @@ class KVAgent:
                 self._release(handles)
                 self._forget(p.agent)
                 raise HandoverFailed(f"NIXL could not start a read from {p.agent}: {e}") from e
+            raised: Optional[BaseException] = None
             try:
                 states = [self.agent.transfer(h) for h in handles]
                 deadline = time.monotonic() + timeout
-                while "PROC" in states:
+                head = 1 if digests else 0  # the KV chunks' handles start here
+                seen = 0  # chunks handed to ``landed``
+                while True:
+                    states = [s if s != "PROC" else self.agent.check_xfer_state(h) for h, s in zip(handles, states)]
+                    if any(s not in ("PROC", "DONE") for s in states):
+                        raise HandoverFailed(f"NIXL read of {nbytes} bytes from {p.agent} failed ({states})")
+                    while (landed is not None and raised is None and seen < chunks
+                           and states[head + seen] == "DONE" and states[0] == "DONE"):
+                        try:
+                            landed(*bounds[seen])
+                        except BaseException as e:  # noqa: BLE001 - raised once every chunk is over
+                            raised = e
+                        seen += 1
+                    if "PROC" not in states:
+                        break
                     if time.monotonic() > deadline:
                         raise HandoverFailed(f"NIXL read of {nbytes} bytes from {p.agent} still running after "
                                              f"{timeout:.1f} s")
                     time.sleep(0)  # other Python threads run while UCX moves the bytes
-                    states = [s if s != "PROC" else self.agent.check_xfer_state(h) for h, s in zip(handles, states)]
-                if any(s != "DONE" for s in states):
-                    raise HandoverFailed(f"NIXL read of {nbytes} bytes from {p.agent} failed ({states})")
             except HandoverFailed:
                 self._forget(p.agent)
                 raise
@@ -268,6 +287,8 @@ class KVAgent:
                 raise HandoverFailed(f"NIXL read from {p.agent} failed: {e}") from e
             finally:
                 self._release(handles)
+        if raised is not None:
+            raise raised
         self.bytes_pulled += nbytes
         self.pulls += 1
         return nbytes

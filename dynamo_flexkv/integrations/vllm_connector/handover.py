@@ -11,8 +11,9 @@ when decode's release notification arrives or the lease ends.
 
 Decode: a request with such params is loaded from the prefill worker, not from the tiers, as a tier
 load is: synchronously inside the step that computes the rest of the prompt (no polling step). One
-prepared READ of every (layer, block), beside a READ of those blocks' digests, whose completion
-notification releases the prefill's blocks; the bytes are verified before vLLM computes on them. A
+prepared READ of every (layer, block), beside a READ of those blocks' digests; the bytes are
+verified before vLLM computes on them, and the notice that releases the prefill's blocks leaves
+after the step's forward (off the prompt's critical path). A
 read that cannot finish inside the lease, fails, or does not match its digests is recomputed
 (kv_load_failure_policy=recompute) and counted. Why not vLLM's NixlConnector: docs/VLLM.md."""
 
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 KEY = "flexkv_vllm_handover"  # in kv_transfer_params, beside NixlConnector's keys
 VERSION = 1
 RELEASE = b"flexkv-release:"  # + request id: decode is done with the prefill's blocks
+# A read goes as up to this many reads of consecutive blocks (at least 8 blocks each), so each
+# one's verify overlaps the transfer of the next.
+PULL_CHUNKS = 4
 LEASE_MARGIN_S = 0.5  # a read must end this long before the lease does (clock reads, the release's trip)
 
 
@@ -131,6 +135,7 @@ class Handover:
         self._holds: Dict[str, float] = {}  # request -> monotonic end of its lease
         self._early: Dict[str, float] = {}  # released before its hold arrived -> when seen
         self._done: Set[str] = set()
+        self._releases: List[VllmHandover] = []  # decode: read (or given up), not yet released
         self.released = self.expired = 0
         info = SourceInfo(agent=self.agent.name, metadata=self.agent.metadata,
                           layer_addrs=[x.data_ptr() for x in self.agent.layers], block_bytes=self.agent.block_bytes,
@@ -180,42 +185,53 @@ class Handover:
         return out
 
     def pull(self, h: VllmHandover, first: int, local_blocks: Sequence[int], timeout: float) -> PullResult:
-        """Reads prompt blocks [first, first + len(local_blocks)) of ``h`` into ``local_blocks``."""
+        """Reads prompt blocks [first, first + len(local_blocks)) of ``h`` into ``local_blocks``.
+        Whatever the outcome, the prefill's release is queued for ``send_releases`` (after the
+        forward: the notice is not on the prompt's critical path)."""
+        self._releases.append(h)
         remote = h.blocks[first:first + len(local_blocks)]
-        release = RELEASE + h.req.encode()
         if len(remote) != len(local_blocks):
-            self.agent.notify(h, release)
             return PullResult(False, why="refused")
         budget = min(timeout, h.lease_expires_unix - LEASE_MARGIN_S - time.time())
         if budget <= 0:
             log.warning("FlexKVConnector: handover of %s reached decode %.1f s before its lease ends; recomputing",
                         h.req, h.lease_expires_unix - time.time())
-            self.agent.notify(h, release)
             return PullResult(False, why="lease")
         t0 = time.perf_counter()
+        ids = np.asarray(local_blocks, dtype=np.int64)
+        bad: List[int] = []
+        verify_s = [0.0]
+
+        def verify(a: int, b: int) -> None:  # one chunk, while the next ones still move
+            v0 = time.perf_counter()
+            got = _digests(self.agent, local_blocks[a:b])
+            bad.extend(a + int(i) for i in np.flatnonzero(got != self._landed[ids[a:b]]))
+            verify_s[0] += time.perf_counter() - v0
         try:
             self.agent.check_compatible(h)
-            nbytes = self.agent.pull(h, remote, local_blocks, budget, notif=release, digests=True)
+            nbytes = self.agent.pull(h, remote, local_blocks, budget, digests=True, landed=verify,
+                                     chunks=min(PULL_CHUNKS, max(1, len(local_blocks) // 8)))
         except HandoverRefused as e:
             log.warning("FlexKVConnector: handover of %s refused (%s); recomputing", h.req, e)
-            self.agent.notify(h, release)
             return PullResult(False, why="refused")
         except HandoverFailed as e:
             log.warning("FlexKVConnector: handover of %s failed (%s); recomputing", h.req, e)
-            self.agent.notify(h, release)
             return PullResult(False, why="failed")
         if time.time() > h.lease_expires_unix:  # the prefill may have reused the blocks mid-read
             return PullResult(False, nbytes, time.perf_counter() - t0, "lease")
-        t1 = time.perf_counter()
-        want = self._landed[np.asarray(local_blocks, dtype=np.int64)]
-        got = _digests(self.agent, local_blocks)
         t2 = time.perf_counter()
-        if not np.array_equal(got, want):
-            bad = int(np.flatnonzero(got != want)[0])
+        if bad:
             log.warning("FlexKVConnector: %d of %d blocks handed over for %s fail their digest (first: prompt "
-                        "block %d); recomputing", int((got != want).sum()), len(got), h.req, first + bad)
-            return PullResult(False, nbytes, t2 - t0, "corrupt", t2 - t1)
-        return PullResult(True, nbytes, t2 - t0, "", t2 - t1)
+                        "block %d); recomputing", len(bad), len(local_blocks), h.req, first + bad[0])
+            return PullResult(False, nbytes, t2 - t0, "corrupt", verify_s[0])
+        return PullResult(True, nbytes, t2 - t0, "", verify_s[0])
+
+    def send_releases(self) -> None:
+        """Tells each prefill whose blocks this worker read (or gave up on) since the last call that
+        it may free them; an unreachable one frees them when their lease ends."""
+        out, self._releases = self._releases, []
+        for h in out:
+            self.agent.notify(h, RELEASE + h.req.encode())
 
     def close(self) -> None:
         self.agent.close()

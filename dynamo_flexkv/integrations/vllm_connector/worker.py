@@ -240,6 +240,8 @@ class WorkerSide:
         for blocks in self._digest_after:
             self.handover.digest(blocks)
         self._digest_after = []
+        if self.handover is not None:
+            self.handover.send_releases()
         for ld in self._loads.values():
             result = self.offload.finish(ld.tid)
             if not result.ok and not ld.failed:
