@@ -20,10 +20,13 @@ BENCHES: Dict[str, tuple] = {
     "disagg": ("dynamo_flexkv.bench.disagg", "prefill->decode KV handover GB/s over NIXL vs same-run raw NIXL READ"),
     "vllm": ("dynamo_flexkv.bench.vllm_ttft", "real vLLM TTFT, FlexKVConnector host/disk/remote hits vs same-run "
              "recompute and vLLM's own prefix-cache hit"),
+    "events": ("dynamo_flexkv.bench.events", "Dynamo's KvRouter fed by 100-1,000 simulated workers' tier-tagged KV "
+               "events (lag, drops, router CPU/RSS, decision latency) vs same-run device-only events"),
 }
 # Not in `all`: bench vllm needs vLLM installed and starts three vLLM engines one after the other
-# (~4 min at full sizes on 2 CPU cores); run it by name.
-NOT_IN_ALL = {"vllm"}
+# (~4 min at full sizes on 2 CPU cores); run it by name. bench events runs 12 router/publisher
+# rounds (~10 min at full sizes), also by name.
+NOT_IN_ALL = {"vllm", "events"}
 # Benchmarks whose ratio is better when higher (bandwidths); the rest report times.
 HIGHER_IS_BETTER = {"links", "remote", "disagg"}
 
@@ -49,6 +52,14 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--compare-offloading-connector", action="store_true",
                         help="bench vllm: also vLLM's OffloadingConnector (CPU spec) on the same prompts "
                              "(CUDA/XPU only; skipped with a message on CPU)")
+    parser.add_argument("--workers", metavar="LIST",
+                        help="bench events: simulated worker counts (default 100,300,1000; --quick 20)")
+    parser.add_argument("--transports", metavar="LIST", help="bench events: event planes, zmq and/or nats (default zmq,nats)")
+    parser.add_argument("--duration", type=float, metavar="S", help="bench events: measured seconds per case (default 20)")
+    parser.add_argument("--warmup", type=float, metavar="S", help="bench events: seconds before measuring (default 8)")
+    parser.add_argument("--rate", type=float, metavar="R", help="bench events: requests/s per simulated worker")
+    parser.add_argument("--plot", metavar="FILE.png", help="bench events: the curve over worker counts as a PNG")
+    parser.add_argument("--rows", metavar="FILE", help="bench events: every raw measurement as JSON lines")
     return parser
 
 

@@ -36,10 +36,14 @@ from dynamo_flexkv.core.index.cache_engine import Tier, TierRun
 
 log = logging.getLogger(__name__)
 
-MEDIUM: Dict[Optional[Tier], Optional[str]] = {
+# The remote store is not one of the cache engine's tiers (see Tier); a publisher that announces
+# its blocks passes REMOTE as the tier (bench events simulates such workers).
+REMOTE = "remote"
+MEDIUM: Dict[Optional[object], Optional[str]] = {
     None: None,  # the engine's own (device) cache
     Tier.HOST: "CPU_PINNED",
     Tier.DISK: "DISK",
+    REMOTE: "EXTERNAL",
 }
 
 
