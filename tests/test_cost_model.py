@@ -242,3 +242,19 @@ def test_recompute_decision_gives_exact_tokens(tmp_path):
         again = LLMEngine(CFG, num_device_blocks=64, model=weights, kv_manager=kv, offload_puts=False)
         r = again.generate([prompts[2]], params)[0]
         assert r.cached_tokens["disk"] > 0 and r.output == expected[2].output
+
+
+def test_decisions_and_tier_costs_on_the_workers_metrics(tmp_path):
+    from dynamo_flexkv.integrations.dynamo_worker.metrics import _offload_families
+    with tiny_kv(tmp_path) as kv:
+        slow_disk(kv)
+        kv.cost.record(kv.cost.decide(0, [Segment("host", 0, 2), Segment("disk", 2, 40)], 41 * CFG.block_size, 41))
+        fams = {f.name: f for f in _offload_families(kv.stats())}
+    samples = {tuple(sorted(s.labels.items())): s.value for s in fams["flexkv_prefix_tokens"].samples}
+    assert samples[(("decision", "loaded"), ("reason", "faster"), ("tier", "host"))] == 2 * CFG.block_size
+    assert samples[(("decision", "recomputed"), ("reason", "slower"), ("tier", "disk"))] == 38 * CFG.block_size
+    assert samples[(("decision", "recomputed"), ("reason", "not_cached"), ("tier", "none"))] == CFG.block_size
+    latency = {s.labels["tier"]: s.value for s in fams["flexkv_tier_read_latency_seconds"].samples}
+    assert latency["disk"] == pytest.approx(1.0)
+    bandwidth = {s.labels["tier"]: s.value for s in fams["flexkv_tier_read_bandwidth_bytes"].samples}
+    assert bandwidth["disk"] == pytest.approx(1e3)

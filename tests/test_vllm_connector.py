@@ -245,6 +245,16 @@ def test_step_stats_become_vllm_flexkv_metrics():
     assert 'vllm:flexkv_recomputed_tokens_total{engine="0",model_name="m"} 64.0' in text
     assert 'vllm:flexkv_used_blocks{engine="0",model_name="m",tier="host"} 5.0' in text
     assert FlexKVStats({}).is_empty() and not total.is_empty()
+    # Cost-aware loading's decisions: one family labelled by decision, tier and reason.
+    from types import SimpleNamespace
+    from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals
+    keys = prefix_token_totals(SimpleNamespace(prefix_tokens={"loaded/host/faster": 320, "recomputed/disk/slower": 96}))
+    prom.observe(FlexKVStats(dict(keys)).aggregate(FlexKVStats({"prefix_tokens/loaded/host/faster": 16})).reduce(), 0)
+    text = generate_latest(reg).decode()
+    assert ('vllm:flexkv_prefix_tokens_total{decision="loaded",engine="0",model_name="m",reason="faster",tier="host"} '
+            '336.0') in text
+    assert ('vllm:flexkv_prefix_tokens_total{decision="recomputed",engine="0",model_name="m",reason="slower",'
+            'tier="disk"} 96.0') in text
 
 
 def test_tier_events_name_blocks_as_vllms_device_events_do():

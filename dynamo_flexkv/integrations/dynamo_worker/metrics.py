@@ -178,6 +178,7 @@ def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
         link_secs.add_metric([link], s.seconds)
         link_ops.add_metric([link], s.ops)
     yield from (link_bytes, link_secs, link_ops)
+    yield from _load_decision_families(stats)
     tasks = stats.tasks
     yield _gauge("tasks_in_flight", "Offload tasks not yet finished", tasks.in_flight)
     yield _gauge("transfer_queue_depth", "Ready copies waiting for a transfer thread", tasks.queued_ops)
@@ -186,6 +187,28 @@ def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
                    tasks.disk_write_failures)
     if stats.remote is not None:
         yield from _remote_families(stats.remote)
+
+
+def _load_decision_families(stats: ManagerStats) -> Iterator[Metric]:
+    """Cost-aware loading (core/cost.py): what the load policy did with each get's prefix, and the
+    tier costs it measured."""
+    prefix = CounterMetricFamily(PREFIX + "prefix_tokens", "Prompt tokens of gets by the load policy's decision: "
+                                 "loaded from a tier or recomputed, and why (faster/slower than recomputing, "
+                                 "cold_start, probe, always, never; tier none: not_cached)",
+                                 labels=["decision", "tier", "reason"])
+    for key, n in stats.prefix_tokens.items():
+        prefix.add_metric(key.split("/"), n)
+    yield prefix
+    latency = GaugeMetricFamily(PREFIX + "tier_read_latency_seconds", "Measured fixed cost of a read from the "
+                                "tier (seconds = latency + bytes / bandwidth)", labels=["tier"])
+    bandwidth = GaugeMetricFamily(PREFIX + "tier_read_bandwidth_bytes", "Measured read bandwidth of the tier "
+                                  "in bytes per second (a tier whose reads showed no size dependence is left out)",
+                                  labels=["tier"])
+    for tier, c in stats.tier_costs.items():
+        latency.add_metric([tier], c.latency_s)
+        if c.bandwidth_bytes_per_s != float("inf"):
+            bandwidth.add_metric([tier], c.bandwidth_bytes_per_s)
+    yield from (latency, bandwidth)
 
 
 def _remote_families(r: RemoteTierStats) -> Iterator[Metric]:

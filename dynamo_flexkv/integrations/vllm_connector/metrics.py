@@ -29,6 +29,17 @@ COUNTERS = {
     "handover_failures": ("Handovers refused, failed, past their lease or corrupt (their tokens were recomputed)", False),
     "handover_corrupt": ("Handovers whose bytes did not match the prefill worker's digests (recomputed)", False),
 }
+# Cost-aware loading (core/cost.py): "prefix_tokens/<decision>/<tier>/<reason>" counter deltas, one
+# family labelled by decision, tier and reason (the lookup decides what vLLM loads: worker._lookup).
+PREFIX_TOKENS = "prefix_tokens"
+
+
+def prefix_token_totals(stats: Any) -> Dict[str, int]:
+    """A worker's running totals of the load policy's decisions (KVManager.stats().prefix_tokens)
+    as step-stats keys; the worker reports their deltas like every other counter."""
+    return {f"{PREFIX_TOKENS}/{key}": n for key, n in getattr(stats, "prefix_tokens", {}).items()}
+
+
 GAUGES = {
     "used_blocks": "Blocks held in an offload tier",
     "capacity_blocks": "Capacity of an offload tier in blocks",
@@ -66,6 +77,10 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
             self._family(name, self._counter_cls, f"vllm:flexkv_{name}", doc, by_tier)
         for name, doc in GAUGES.items():
             self._family("gauge:" + name, self._gauge_cls, f"vllm:flexkv_{name}", doc, True)
+        self._prefix = self._counter_cls(
+            name=f"vllm:flexkv_{PREFIX_TOKENS}", labelnames=list(self._labelnames) + ["decision", "tier", "reason"],
+            documentation="Prompt tokens the load policy loaded or had recomputed, by tier and reason "
+                          "(faster/slower than recomputing, cold_start, probe, always, never; tier none: not_cached)")
 
     def _family(self, key: str, cls: type, metric: str, doc: str, by_tier: bool) -> None:
         names = list(self._labelnames) + (["tier"] if by_tier else [])
@@ -77,6 +92,10 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in transfer_stats_data.items():
+            if k.startswith(PREFIX_TOKENS + "/") and v and engine_idx in self.per_engine_labelvalues:
+                decision, tier, reason = k.split("/")[1:4]
+                self._prefix.labels(*self.per_engine_labelvalues[engine_idx], decision, tier, reason).inc(v)
+                continue
             child = self._children.get(k, {}).get(engine_idx)
             if child is None:
                 continue
