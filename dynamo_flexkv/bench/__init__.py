@@ -16,6 +16,8 @@ BENCHES: Dict[str, tuple] = {
     "index": ("dynamo_flexkv.bench.index", "hash + longest-prefix match, insert, evict vs Dynamo's RadixTree"),
     "links": ("dynamo_flexkv.bench.links", "device<->host and host<->disk bandwidth vs same-run contiguous copy / sequential disk batch"),
     "ttft": ("dynamo_flexkv.bench.ttft", "reference-engine TTFT with cached prefixes vs same-run recompute"),
+    "throttled": ("dynamo_flexkv.bench.throttled", "reference-engine TTFT, cost-aware loading vs always-load with a "
+                  "throttled disk tier (slower than recompute) and a host hit, vs same-run recompute"),
     "remote": ("dynamo_flexkv.bench.remote", "Redis put/get GB/s (standalone and cluster) vs same-run redis-benchmark"),
     "disagg": ("dynamo_flexkv.bench.disagg", "prefill->decode KV handover GB/s over NIXL vs same-run raw NIXL READ"),
     "vllm": ("dynamo_flexkv.bench.vllm_ttft", "real vLLM TTFT, FlexKVConnector host/disk/remote hits vs same-run "

@@ -23,11 +23,11 @@ of the prompt (``S`` tokens, ``B`` per block) is predicted to take
     ttft(k)    = max(load, compute) + min(load, compute) / layers    layerwise (they overlap)
                  load + compute                                       bulk
 
-and the get loads ``[start, k*)`` with ``k*`` the ``k`` of least ``ttft(k)`` among every segment
-boundary and, inside each segment, the blocks where load and compute cross (ties load more), if
-it beats loading everything by at least max(2 ms, 5%) of ``ttft(end)``; else everything. So a slow
-tier is loaded only where that beats recomputing it, and never when loading is measurably slower
-than recompute. Cold start: until the prefill and every tier the prefix touches have a measurement,
+and the get loads ``[start, k*)`` with ``k*`` the segment boundary of least ``ttft(k)`` (``start``
+included; ties load more), if it beats loading everything by at least max(2 ms, 5%) of
+``ttft(end)``; else everything. So a tier is loaded only where that beats recomputing it, and
+never when loading is measurably slower than recompute. Whole segments only: a cut inside one
+(where load and compute cross) would rest on the overlap prediction alone, the least sure part. Cold start: until the prefill and every tier the prefix touches have a measurement,
 everything is loaded (as before this module). A tier left unloaded for ``reprobe_s`` since its
 newest measurement is loaded once again (reason ``probe``), so a tier that became fast is noticed.
 
@@ -43,7 +43,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from dynamo_flexkv.core.enums import LoadPolicy
 
@@ -244,10 +244,7 @@ class CostModel:
                     return max(load, comp) + min(load, comp) / self.num_layers
                 return load + comp
 
-            candidates = {start, end}
-            for s in segs:
-                candidates.add(s.end)
-                candidates.update(_crossing(ttft, s.start, s.end))
+            candidates = {start, end, *(s.end for s in segs)}
             best = min(sorted(candidates, reverse=True), key=ttft)  # ties: the larger k (listed first)
             full = ttft(end)
             if full - ttft(best) < max(MIN_GAIN_S, MIN_GAIN_FRACTION * full):
@@ -278,15 +275,3 @@ class CostModel:
 def _bucket(prompt_tokens: int) -> int:
     return max(0, int(prompt_tokens) - 1).bit_length()  # ceil(log2(n)): 4096 -> 12, 4097 -> 13
 
-
-def _crossing(ttft: Callable[[int], float], lo: int, hi: int) -> List[int]:
-    """Inside [lo, hi]: the blocks around the least ttft, found by ternary search (ttft(k) is
-    convex enough in one segment: load grows and compute shrinks with k, both about linearly)."""
-    a, b = lo, hi
-    while b - a > 2:
-        m1, m2 = a + (b - a) // 3, b - (b - a) // 3
-        if ttft(m1) <= ttft(m2):
-            b = m2
-        else:
-            a = m1
-    return list(range(a, b + 1))
