@@ -67,7 +67,8 @@ from dynamo_flexkv.bench.report import Case
 BLOCK_TOKENS = 64  # one trace block (512 tokens) -> one 64-token KV block, workload.Scale's x1/8
 MAX_BLOCKS = 64  # prompts cut at 64 blocks (4,096 scaled tokens)
 # Per-worker LRU capacity in blocks: small, so every tier evicts (steady state) within the warm-up.
-CAPACITY = {"device": 32, "host": 64, "disk": 128, "remote": 256}
+CAPACITY = {"device": 32, "host": 48, "disk": 64, "remote": 96}
+PREROLL = 8  # requests per worker during the warm-up (spread over it): every tier full and evicting
 OURS_TIERS = ("device", "host", "disk", "remote")
 DEVICE_TIERS = ("device",)
 ENDPOINT = "bench.worker.generate"
@@ -109,6 +110,13 @@ def probe_tokens(k: int) -> List[int]:
 
 def probe_hash(k: int) -> int:
     return splitmix((1 << 62) + k)
+
+
+# Every worker stores this one block until the run starts: the router lists, per worker, whether
+# it arrived, so the run starts once every worker's event path is live (early frames of a new
+# ZMQ subscription are dropped by ZMQ itself, before Dynamo sees them).
+HELLO_TOKENS = [(1 << 29) + j for j in range(BLOCK_TOKENS)]
+HELLO_HASH = splitmix(1 << 61)
 
 
 def load_prompts() -> List[Tuple[int, ...]]:
@@ -198,7 +206,7 @@ def worker_ids(n: int) -> List[int]:
 
 
 # ---------------------------------------------------------------- router process
-def register_fake_workers(discovery: str, ids: Sequence[int], timeout: float = 30.0) -> None:
+def register_fake_workers(discovery: str, ids: Sequence[int], timeout: float = 30.0) -> List[str]:
     """Copies this process's own instance record and model card once per simulated worker id:
     file discovery then lists N workers of the model (nobody serves their requests: none is sent)."""
     deadline = time.monotonic() + timeout
@@ -215,6 +223,7 @@ def register_fake_workers(discovery: str, ids: Sequence[int], timeout: float = 3
     with open(mdc[0]) as f:
         card = json.load(f)
     tcp = instance["transport"]["tcp"].split("/", 1)[0]
+    written: List[str] = []
     for wid in ids:
         h = format(wid, "x")
         rec = dict(instance, instance_id=wid, transport={"tcp": f"{tcp}/{h}/bench/worker/generate"})
@@ -223,6 +232,19 @@ def register_fake_workers(discovery: str, ids: Sequence[int], timeout: float = 3
             with open(target + ".tmp", "w") as f:
                 json.dump(obj, f)
             os.replace(target + ".tmp", target)
+            written.append(target)
+    return written
+
+
+def keep_alive(paths: Sequence[str], stop: threading.Event, every: float = 2.0) -> None:
+    """File discovery expires records whose owner stopped refreshing them (~10 s): refresh the
+    simulated workers' records as their own runtimes would."""
+    while not stop.wait(every):
+        for p in paths:
+            try:
+                os.utime(p)
+            except OSError:
+                pass
 
 
 async def router_main(cfg: Dict[str, Any]) -> None:
@@ -244,7 +266,9 @@ async def router_main(cfg: Dict[str, Any]) -> None:
     await register_model(ModelInput.Tokens, ModelType.Chat, ep, str(model_dir), "bench-events",
                          worker_type=WorkerType.Aggregated, kv_cache_block_size=BLOCK_TOKENS)
     ids = worker_ids(cfg["workers"])
-    await asyncio.to_thread(register_fake_workers, os.environ["DYN_FILE_KV"], ids)
+    paths = await asyncio.to_thread(register_fake_workers, os.environ["DYN_FILE_KV"], ids)
+    stop_refresh = threading.Event()
+    threading.Thread(target=keep_alive, args=(paths, stop_refresh), daemon=True).start()
     router = KvRouter(ep, BLOCK_TOKENS, KvRouterConfig())
     deadline = time.monotonic() + 120
     while True:  # the router added every simulated worker (its own instance is one more)
@@ -255,6 +279,24 @@ async def router_main(cfg: Dict[str, Any]) -> None:
             raise RuntimeError(f"the router lists {len(rows)} of {len(ids)} workers after 120 s")
         await asyncio.sleep(0.2)
     emit({"ready": True, "pid": os.getpid()})
+    await asyncio.to_thread(read_cmd)  # the publishers are up and saying hello
+    deadline = time.monotonic() + 180
+    while True:
+        rows = (await router.get_overlap_scores(HELLO_TOKENS))["workers"]
+        live = sum(1 for r in rows if r["device_blocks"] >= 1)
+        if live >= len(ids) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.25)
+    emit({"live": live})
+    await asyncio.to_thread(read_cmd)  # the publishers stopped saying hello
+    before: Dict[str, float] = {}
+    for _ in range(50):  # what the router applied before the run, once it stops changing
+        await asyncio.sleep(0.2)
+        now = scrape_applied(cfg["system_port"])
+        if now == before:
+            break
+        before = now
+    emit({"applied_before": before})
     go = await asyncio.to_thread(read_cmd)
     prompts = load_prompts()
     start, end = go["t0"] + go["warmup"], go["t0"] + go["warmup"] + go["duration"]
@@ -309,12 +351,12 @@ async def router_main(cfg: Dict[str, Any]) -> None:
     deadline = time.monotonic() + cmd.get("settle", 20)
     while True:  # the router catches up with everything the publishers sent, or time is up
         applied = scrape_applied(cfg["system_port"])
-        if sum(applied.values()) >= cmd["published"] or time.monotonic() > deadline:
+        if sum(applied.values()) - sum(before.values()) >= cmd["published"] or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.1)
     emit({"cpu_cores": (cpu1 - cpu0) / (wall1 - wall0), "rss_mib": rss, "hwm_mib": hwm,
           "decisions": decisions, "probe_polls": probe_polls, "probe_seen": probe_seen,
-          "applied": applied, "workers": len(ids)})
+          "applied": {k: v - before.get(k, 0.0) for k, v in applied.items()}, "workers": len(ids)})
     for t in tasks:
         t.cancel()
     serving.cancel()
@@ -358,6 +400,15 @@ async def publisher_main(cfg: Dict[str, Any]) -> None:
     prompts = load_prompts()
     seqs_cache: Dict[int, List[int]] = {}
     emit({"ready": True, "pid": os.getpid()})
+    got: List[Dict[str, Any]] = []
+    reader = threading.Thread(target=lambda: got.append(read_cmd()), daemon=True)
+    reader.start()
+    while not got:  # hello from every worker until the run starts (see HELLO_TOKENS)
+        for r in relays:
+            r.stored(None, [HELLO_HASH], None, HELLO_TOKENS)
+        await asyncio.to_thread(reader.join, 2.0)
+    await asyncio.sleep(0.1)  # the relays' flushers sent the last hellos
+    emit({"quiet": True, "events": sum(r.events_sent for r in relays)})
     go = await asyncio.to_thread(read_cmd)
     result = await asyncio.to_thread(drive, cfg, go, ids, all_n, sims, relays, prompts, seqs_cache)
     for r in relays:
@@ -376,11 +427,12 @@ def drive(cfg, go, ids, all_n, sims, relays, prompts, seqs_cache) -> Dict[str, A
     and the probes this process owns (probe k belongs to worker k mod N)."""
     rate, t0 = go["rate"], go["t0"]
     start, end = t0 + go["warmup"], t0 + go["warmup"] + go["duration"]
+    warm_rate = max(rate, PREROLL / max(1e-3, 0.75 * go["warmup"]))  # the last quarter of the warm-up at rate
     rng = random.Random(cfg["seed"])
     heap: List[Tuple[float, int, int]] = []  # (time, kind 0 request / 1 probe, worker index or probe k)
     offsets = []
     for i, wid in enumerate(ids):
-        heapq.heappush(heap, (t0 + rng.random() / rate, 0, i))
+        heapq.heappush(heap, (t0 + rng.random() / warm_rate, 0, i))
         offsets.append(((wid - WORKER_BASE) * len(prompts)) // all_n)
     served = [0] * len(ids)
     index_of = {wid: i for i, wid in enumerate(ids)}
@@ -419,7 +471,10 @@ def drive(cfg, go, ids, all_n, sims, relays, prompts, seqs_cache) -> Dict[str, A
         sims[x].serve(hids, seqs)
         if at >= start:
             requests += 1
-        heapq.heappush(heap, (at + 1.0 / rate, 0, x))
+        nxt = at + 1.0 / warm_rate
+        if nxt >= t0 + 0.75 * go["warmup"]:
+            nxt = max(nxt, t0 + 0.75 * go["warmup"] + rng.random() / rate) if at < t0 + 0.75 * go["warmup"] else at + 1.0 / rate
+        heapq.heappush(heap, (nxt, 0, x))
     blocks1 = _sum_blocks(sims)
     blocks0 = blocks0 or {t: [0, 0] for t in blocks1}
     cpu1 = (cpu_seconds(os.getpid()), time.monotonic())
@@ -550,7 +605,7 @@ def run_case(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
         router = _child("router", {"transport": transport, "workers": n, "workdir": workdir, "system_port": port},
                         dict(env, DYN_SYSTEM_PORT=str(port)), router_log)
         procs.append(router)
-        rinfo = _read(router, "router process", 180, router_log)
+        _read(router, "router process", 180, router_log)
         ids = worker_ids(n)
         n_pub = min(PUBLISHERS_MAX, max(1, math.ceil(n / WORKERS_PER_PUBLISHER)))
         pubs, logs = [], []
@@ -561,13 +616,23 @@ def run_case(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
             pubs.append(_child("publisher", cfg, env, log))
             logs.append(log)
         procs.extend(pubs)
-        pinfo = [_read(p, f"publisher {j}", 300, logs[j]) for j, p in enumerate(pubs)]
+        for j, p in enumerate(pubs):
+            _read(p, f"publisher {j}", 300, logs[j])
+        _send(router, {"publishers": n_pub})
+        live = _read(router, "router process", 200, router_log)["live"]
+        if live < n:
+            raise RuntimeError(f"only {live} of {n} simulated workers' events reached the router in 180 s")
+        for p in pubs:
+            _send(p, {"quiet": True})
+        hello = sum(_read(p, f"publisher {j}", 60, logs[j])["events"] for j, p in enumerate(pubs))
+        _send(router, {"quiet": True})
+        _read(router, "router process", 60, router_log)
         go = {"t0": time.time() + 1.0, "warmup": warmup, "duration": duration, "rate": rate}
         for p in [router, *pubs]:
             _send(p, go)
         pres = [_read(p, f"publisher {j}", warmup + duration + 120, logs[j]) for j, p in enumerate(pubs)]
         _read(router, "router process", 60, router_log)
-        published = sum(r["events"] for r in pres)
+        published = sum(r["events"] for r in pres) - hello
         _send(router, {"published": published, "settle": 30})
         rres = _read(router, "router process", 120, router_log)
         for p in pubs:

@@ -1,0 +1,54 @@
+"""bench events at a tiny size: 10 simulated workers for a few seconds, ours against device-only,
+through the real KvRouter. Every case has a finite positive baseline, the router applied every
+event the relays published (no dropped batch, no event it could not apply), and every probe
+became visible. No timing is asserted: this machine is shared."""
+
+import json
+import math
+import shutil
+
+import pytest
+
+pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is installed by make test")
+
+
+def check(rows, cases):
+    assert {r["format"] for r in rows} == {"ours", "device"}
+    for r in rows:
+        assert r["published"] > 0 and r["requests"] > 0, r
+        assert r["dropped"] == 0 and r["applied"] == r["published"], r
+        assert r["applied_not_ok"] == 0 and r["drop_warnings"] == 0, r["drop_warning_sample"]
+        assert r["skipped"] == 0, r
+        assert r["probes_sent"] > 0 and r["probes_seen"] == r["probes_sent"], r
+    ours = next(r for r in rows if r["format"] == "ours")
+    device = next(r for r in rows if r["format"] == "device")
+    # Ours carries every tier; device-only the device tier alone, whose events are the same.
+    assert set(ours["blocks"]) == {"device", "host", "disk", "remote"} and set(device["blocks"]) == {"device"}
+    assert ours["block_events_per_s"] > device["block_events_per_s"]
+    assert len(cases) == 6
+    for c in cases:
+        assert math.isfinite(c.baseline) and c.baseline > 0, c
+        assert math.isfinite(c.ours) and c.ours > 0, c
+
+
+def test_bench_events_cli_zmq(tmp_path):
+    from dynamo_flexkv.bench import main
+
+    out, rows_path, png = tmp_path / "events.json", tmp_path / "rows.jsonl", tmp_path / "events.png"
+    assert main(["events", "--workers", "10", "--transports", "zmq", "--warmup", "2", "--duration", "3",
+                 "--json", str(out), "--rows", str(rows_path), "--plot", str(png)]) == 0
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    objs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(o["bench"] == "events" and {"ours", "baseline", "ratio"} <= set(o) for o in objs)
+    from dynamo_flexkv.bench.report import Case
+
+    check(rows, [Case(**{k: v for k, v in o.items() if k != "ratio"}) for o in objs])
+    assert png.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(shutil.which("nats-server") is None, reason="nats-server is installed by scripts/install.sh")
+def test_bench_events_nats():
+    from dynamo_flexkv.bench.events import cases, measure
+
+    rows = measure(["nats"], [10], rate=0.5, warmup=2, duration=3)
+    check(rows, cases(rows))
