@@ -145,8 +145,9 @@ def test_bad_vllm_configs_fail_with_a_message_that_names_the_fix(tmp_path, overr
 @pytest.mark.parametrize("offload", [True, False])
 def test_the_vllm_disagg_graphs_run_nixl_beside_our_connector(tmp_path, monkeypatch, graph, prefills, offload):
     """Prefill and decode workers: --disaggregation-mode, and vLLM's MultiConnector holding
-    NixlConnector (first: a handed-over prompt loads from prefill, not from a tier) and
-    FlexKVConnector; NixlConnector alone without offload; each worker its own NIXL handshake port."""
+    FlexKVConnector (first, carrying the handover: handover auto with offload) and NixlConnector
+    (there because Dynamo requires it); NixlConnector alone, carrying it, without offload; each
+    worker its own NIXL handshake port."""
     monkeypatch.setattr("dynamo_flexkv.serve.vllm_worker.on_cpu", lambda: True)
     roles = ("PrefillWorker", "DecodeWorker")
     config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
@@ -159,17 +160,31 @@ def test_the_vllm_disagg_graphs_run_nixl_beside_our_connector(tmp_path, monkeypa
         children = kv["kv_connector_extra_config"]["connectors"] if offload else [kv]
         assert kv["kv_connector"] == ("MultiConnector" if offload else "NixlConnector")
         assert kv["kv_load_failure_policy"] == "recompute"  # a failed handover is recomputed
-        assert [c["kv_connector"] for c in children] == ["NixlConnector", "FlexKVConnector"][:1 + offload]
-        assert children[0]["kv_buffer_device"] == "cpu" and w.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
-        assert children[0]["kv_connector_extra_config"] == {"kv_lease_duration": 30}  # handover-lease-s
+        assert [c["kv_connector"] for c in children] == (["FlexKVConnector", "NixlConnector"] if offload
+                                                         else ["NixlConnector"])
+        nixl = children[-1]
+        assert nixl["kv_buffer_device"] == "cpu" and w.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        assert nixl["kv_connector_extra_config"] == {"kv_lease_duration": 30}  # handover-lease-s
         if offload:  # bench disagg --vllm and its checks build the same layout
+            extra = children[0]["kv_connector_extra_config"]
+            assert extra["handover"] is True and extra["handover_lease_s"] == 30.0
             from dynamo_flexkv.bench.vllm_disagg import disagg_transfer_config
-            bench = disagg_transfer_config(children[1]["kv_connector_extra_config"]["run_dir"])
-            children[1]["kv_connector_extra_config"] = {"run_dir": children[1]["kv_connector_extra_config"]["run_dir"]}
-            assert kv == bench
+            assert kv == disagg_transfer_config(extra["run_dir"])
     ports = [w.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for w in p.workers]
     assert len(set(ports)) == len(ports)  # one address: the default 5600 would collide
     assert arg(p.processes[0].argv, "--router-mode") == ("kv" if "router" in graph else "round-robin")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["DecodeWorker.handover=nixl"], r"disagree on who carries the handover \(DecodeWorker: nixl, PrefillWorker: flexkv\)"),
+    (["PrefillWorker.handover=flexkv", "PrefillWorker.offload=false"], r"PrefillWorker.handover=flexkv needs offload"),
+    (["DecodeWorker.handover=bogus"], r"DecodeWorker.handover='bogus': use one of \['auto', 'flexkv', 'nixl'\]"),
+])
+def test_prefill_and_decode_must_agree_on_who_hands_the_kv_over(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setattr("dynamo_flexkv.serve.vllm_worker.on_cpu", lambda: True)
+    config = apply_overrides(load_config(str(ROOT / "configs" / "disagg_vllm.yaml")), ["Frontend.http-port=0", *overrides])
+    with pytest.raises(GraphError, match=message):
+        build_plan(load_graph(str(ROOT / "graphs" / "disagg_vllm.py")), config, run_dir=tmp_path / "run")
 
 
 def test_a_model_directory_without_weights_or_vllm_missing_is_refused(tmp_path, monkeypatch):

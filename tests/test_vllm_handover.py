@@ -53,7 +53,7 @@ def released(prefill: Handover, req: str) -> bool:
 def test_decode_reads_exactly_the_prefill_blocks_and_the_read_releases_them(pair):
     prefill, decode, p_layers, d_layers, tmp = pair
     remote, local = [7, 3, 20, 21, 0], [1, 2, 30, 5, 9]
-    prefill.digest(remote)
+    prefill.digest("r1", remote)
     prefill.hold("r1", time.time() + 30)
     r = decode.pull(handed(tmp, "r1", remote), 0, local, timeout=30)
     decode.send_releases()  # the worker sends them after the step's forward
@@ -67,7 +67,7 @@ def test_decode_reads_exactly_the_prefill_blocks_and_the_read_releases_them(pair
 def test_a_read_that_skips_blocks_vllm_already_holds_reads_only_the_rest(pair):
     prefill, decode, p_layers, d_layers, tmp = pair
     remote = [4, 5, 6, 7]
-    prefill.digest(remote)
+    prefill.digest("r2", remote)
     prefill.hold("r2", time.time() + 30)
     r = decode.pull(handed(tmp, "r2", remote), 2, [11, 12], timeout=30)
     assert r.ok
@@ -79,7 +79,7 @@ def test_a_read_that_skips_blocks_vllm_already_holds_reads_only_the_rest(pair):
 def test_bytes_changed_after_their_digest_are_refused_as_corrupt(pair):
     prefill, decode, p_layers, _, tmp = pair
     remote = [1, 2, 3]
-    prefill.digest(remote)
+    prefill.digest("r3", remote)
     p_layers[2][2, 1, 3, 5] += 1  # one value of one layer of block 2
     prefill.hold("r3", time.time() + 30)
     r = decode.pull(handed(tmp, "r3", remote), 0, [4, 5, 6], timeout=30)
@@ -92,7 +92,7 @@ def test_a_block_reused_without_a_new_digest_is_refused(pair):
     """The digest table is per vLLM block: a block rewritten for another prompt keeps its old
     digest until its own prompt completes, and a read in between must not pass."""
     prefill, decode, p_layers, _, tmp = pair
-    prefill.digest([8])
+    prefill.digest("r4", [8])
     for layer in p_layers:
         layer[8].normal_()
     r = decode.pull(handed(tmp, "r4", [8]), 0, [3], timeout=30)
@@ -101,7 +101,7 @@ def test_a_block_reused_without_a_new_digest_is_refused(pair):
 
 def test_an_expired_lease_is_not_read_and_releases_the_prefill_at_once(pair):
     prefill, decode, _, d_layers, tmp = pair
-    prefill.digest([1])
+    prefill.digest("r5", [1])
     prefill.hold("r5", time.time() + 30)
     r = decode.pull(handed(tmp, "r5", [1], lease_s=0.1), 0, [2], timeout=30)
     decode.send_releases()
@@ -119,7 +119,7 @@ def test_a_hold_nobody_reads_ends_with_its_lease(pair):
 
 def test_a_release_that_arrives_before_its_hold_still_ends_it(pair):
     prefill, decode, _, _, tmp = pair
-    prefill.digest([2])
+    prefill.digest("r7", [2])
     assert decode.pull(handed(tmp, "r7", [2]), 0, [2], timeout=30).ok
     decode.send_releases()
     wait_until("r7 seen", lambda: (prefill.finished() or True) and "r7" in prefill._early, timeout=30, every=0.01)
@@ -127,7 +127,52 @@ def test_a_release_that_arrives_before_its_hold_still_ends_it(pair):
     assert "r7" in prefill.finished()
 
 
+def test_a_block_the_prefill_reused_for_another_request_never_passes_for_the_first(pair):
+    """Digests are mixed with the request: a second read of r10's handover after its blocks went
+    to r11 (re-digested for r11, same table slot) fails, though r11's bytes hash correctly."""
+    prefill, decode, p_layers, d_layers, tmp = pair
+    prefill.digest("r10", [5])
+    assert decode.pull(handed(tmp, "r10", [5]), 0, [6], timeout=30).ok
+    for layer in p_layers:
+        layer[5].normal_()
+    prefill.digest("r11", [5])
+    r = decode.pull(handed(tmp, "r10", [5]), 0, [6], timeout=30)
+    assert not r.ok and r.why == "corrupt"
+    assert decode.pull(handed(tmp, "r11", [5]), 0, [7], timeout=30).ok
+
+
+@pytest.mark.parametrize("local", [[4, 4], [BLOCKS, 1], [-1, 2]])
+def test_local_blocks_repeated_or_outside_the_cache_are_refused_not_raised(pair, local):
+    prefill, decode, *_, tmp = pair
+    prefill.digest("r12", [3, 4])
+    r = decode.pull(handed(tmp, "r12", [3, 4]), 0, local, timeout=30)
+    assert not r.ok and r.why == "refused"
+
+
+def test_kv_of_another_dtype_or_block_shape_with_the_same_bytes_is_refused(tmp_path):
+    prefill = Handover(kv(4), "p2", str(tmp_path))
+    other = Handover([torch.zeros(BLOCKS, HEADS, BS, WIDTH, dtype=torch.float16) for _ in range(LAYERS)], "d2",
+                     str(tmp_path))
+    try:
+        from dataclasses import asdict
+        prefill.digest("r13", [1])
+        h = VllmHandover(**asdict(read_source("p2", str(tmp_path))), req="r13", blocks=[1],
+                         lease_expires_unix=time.time() + 30)
+        r = other.pull(h, 0, [1], timeout=30)
+        assert not r.ok and r.why == "refused"
+    finally:
+        other.close()
+        prefill.close()
+    assert read_source("p2", str(tmp_path)) is None  # close removed its source file
+
+
 @pytest.mark.parametrize("bad, why", [
+    ({"blocks": [1, float("inf")]}, "malformed"),
+    ({"block_bytes": float("inf")}, "malformed"),
+    ({"blocks": [True, 2]}, "malformed"),
+    ({"num_blocks": "16"}, "malformed"),
+    ({"agent": None}, "malformed"),
+    ({"version": True}, "version"),
     ({"version": 99}, "version"),
     ({"blocks": [0, BLOCKS]}, "outside"),
     ({"blocks": "1,2"}, "malformed"),
@@ -143,12 +188,13 @@ def test_malformed_params_are_refused_naming_what_is_wrong(pair, bad, why):
         VllmHandover.from_params(params)
 
 
-def test_params_without_a_handover_are_none_and_a_missing_source_file_is_no_source(tmp_path):
+def test_params_without_a_handover_are_none_and_a_closed_source_is_gone(tmp_path):
     assert VllmHandover.from_params(None) is None
     assert VllmHandover.from_params({"do_remote_prefill": True}) is None
     h = Handover(kv(3), "gone", str(tmp_path))
     assert read_source("gone", str(tmp_path)).num_blocks == BLOCKS
     h.close()
-    import os
-    os.unlink(source_file("gone", str(tmp_path)))
+    h.close()  # twice: nothing more to do
     assert read_source("gone", str(tmp_path)) is None
+    path = source_file("../gone", str(tmp_path))  # an engine id never leaves the run directory
+    assert path.startswith(str(tmp_path) + "/")

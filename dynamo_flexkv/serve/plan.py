@@ -171,6 +171,7 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
                 proc.env[HANDOVER_SECRET_ENV] = secret
         _vllm.pin_cpus(processes)
     _check_roles(processes, source)
+    _vllm.check_handovers(processes, source)
     _check_block_size(processes, front_opts, graph, source)
     if redis:
         if nodes is not None:

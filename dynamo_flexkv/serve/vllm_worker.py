@@ -132,7 +132,10 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
     if o["handover"] not in HANDOVERS:
         raise GraphError(f"{source}: {name}.handover={o['handover']!r}: use one of {list(HANDOVERS)} (who carries the "
                          "prefill->decode handover: FlexKVConnector's verified NIXL read, or vLLM's NixlConnector)")
-    if o["handover"] == "flexkv" and o["disaggregation-mode"] != "agg" and not o["offload"]:
+    if o["handover"] != "auto" and o["disaggregation-mode"] == "agg":
+        raise GraphError(f"{source}: {name}.handover={o['handover']!r} applies to prefill and decode workers only "
+                         f"({name} is aggregated): remove it")
+    if o["handover"] == "flexkv" and not o["offload"]:
         raise GraphError(f"{source}: {name}.handover=flexkv needs offload: true (FlexKVConnector carries it); set "
                          "handover: nixl to run NixlConnector alone")
     if not 6 <= o["handover-lease-s"] <= 3600:
@@ -390,6 +393,27 @@ def pin_cpus(processes: list, cpus: Optional[Sequence[int]] = None) -> None:
         return
     for proc, bind in zip(todo, cpu_binds(len(todo), cpus)):
         proc.env[BIND_ENV] = bind
+
+
+def check_handovers(processes: list, source: str) -> None:
+    """Prefill and decode workers of one graph must agree on who carries the handover: a
+    FlexKVConnector prefill's held blocks would wait out their lease for a NixlConnector decode."""
+    from dynamo_flexkv.serve.graph import GraphError
+
+    carriers = {}
+    for p in processes:
+        if p.engine != ENGINE or _mode(p) == "agg":
+            continue
+        argv = list(p.argv)
+        cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1]) if "--kv-transfer-config" in argv else {}
+        children = cfg.get("kv_connector_extra_config", {}).get("connectors", [cfg])
+        ours = any(c.get("kv_connector") == CONNECTOR["kv_connector"]
+                   and (c.get("kv_connector_extra_config") or {}).get("handover") for c in children)
+        carriers[p.name] = "flexkv" if ours else "nixl"
+    if len(set(carriers.values())) > 1:
+        raise GraphError(f"{source}: prefill and decode workers disagree on who carries the handover "
+                         f"({', '.join(f'{k}: {v}' for k, v in sorted(carriers.items()))}): give them the same "
+                         "handover option (flexkv needs offload: true on both)")
 
 
 def _mode(proc: Any) -> str:

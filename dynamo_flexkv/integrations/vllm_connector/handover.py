@@ -41,7 +41,9 @@ RELEASE = b"flexkv-release:"  # + request id: decode is done with the prefill's 
 # A read goes as up to this many reads of consecutive blocks (at least 8 blocks each), so each
 # one's verify overlaps the transfer of the next.
 PULL_CHUNKS = 4
-LEASE_MARGIN_S = 0.5  # a read must end this long before the lease does (clock reads, the release's trip)
+LEASE_MARGIN_S = 0.5
+NOTICE_POLL_S = 0.005
+MAX_HOLD_S = 3600.0  # serve allows leases up to this long  # the prefill asks NIXL for release notices at most this often  # a read must end this long before the lease does (clock reads, the release's trip)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class SourceInfo:
     mem: str
     dev: int
     digest_addr: int
+    block_shape: List[int]  # one block of one layer, e.g. [kv_heads, block_size, 2*head_size]
+    dtype: str  # torch dtype of the KV, e.g. "torch.bfloat16"
 
 
 @dataclass(frozen=True)
@@ -73,17 +77,13 @@ class VllmHandover(SourceInfo):
         if not isinstance(params, Mapping) or params.get(KEY) is None:
             return None
         d = params[KEY]
-        if not isinstance(d, Mapping) or d.get("version") != VERSION:
+        version = d.get("version") if isinstance(d, Mapping) else None
+        if not isinstance(d, Mapping) or isinstance(version, bool) or not isinstance(version, int) or version != VERSION:
             raise HandoverRefused(f"kv_transfer_params.{KEY}: expected version {VERSION}, got "
                                   f"{d.get('version') if isinstance(d, Mapping) else type(d).__name__}")
         try:
-            kw = {f.name: d[f.name] for f in fields(cls)}
-            h = cls(**{**kw, "layer_addrs": [int(a) for a in kw["layer_addrs"]], "blocks": [int(b) for b in kw["blocks"]],
-                       "block_bytes": int(kw["block_bytes"]), "num_blocks": int(kw["num_blocks"]), "dev": int(kw["dev"]),
-                       "digest_addr": int(kw["digest_addr"]), "lease_expires_unix": float(kw["lease_expires_unix"]),
-                       "agent": str(kw["agent"]), "metadata": str(kw["metadata"]), "mem": str(kw["mem"]),
-                       "req": str(kw["req"])})
-        except (KeyError, TypeError, ValueError) as e:
+            h = cls(**{f.name: _field(f.name, d) for f in fields(cls)})
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise HandoverRefused(f"kv_transfer_params.{KEY} is malformed ({type(e).__name__}: {e})") from None
         if h.mem not in ("DRAM", "VRAM") or h.block_bytes <= 0 or h.num_blocks <= 0 or not h.digest_addr:
             raise HandoverRefused(f"kv_transfer_params.{KEY}: bad memory description")
@@ -94,17 +94,58 @@ class VllmHandover(SourceInfo):
         return h
 
 
+_INT_LISTS = ("layer_addrs", "blocks", "block_shape")
+_INTS = ("block_bytes", "num_blocks", "dev", "digest_addr")
+_STRS = ("agent", "metadata", "mem", "req", "dtype")
+
+
+def _field(name: str, d: Mapping[str, Any]) -> Any:
+    """One field of a payload, of exactly its type (no bool for int, no string for a list)."""
+    v = d[name]
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+    if name in _INT_LISTS:
+        if not isinstance(v, list) or not all(is_int(x) for x in v):
+            raise TypeError(f"{name} must be a list of integers")
+        return v
+    if name in _INTS:
+        if not is_int(v):
+            raise TypeError(f"{name} must be an integer")
+        return v
+    if name in _STRS:
+        if not isinstance(v, str):
+            raise TypeError(f"{name} must be a string")
+        return v
+    if name == "lease_expires_unix":
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name} must be a number")
+        return float(v)
+    raise KeyError(name)
+
+
+def _tag(req: str) -> np.uint64:
+    """What a block's digest is mixed with for one request, so a block the prefill reused for
+    another prompt never passes for this one (digest tables are per block, requests come and go)."""
+    import xxhash
+    return np.uint64(xxhash.xxh3_64_intdigest(req.encode("utf-8"), seed=0x51F7))
+
+
 def source_file(engine_id: str, run_dir: Optional[str]) -> str:
     """Where a prefill engine's worker leaves its SourceInfo for its scheduler (same machine)."""
     base = run_dir or os.environ.get("FLEXKV_RUN_DIR") or tempfile.gettempdir()
-    return os.path.join(base, f"flexkv-handover-{engine_id}.json")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id).lstrip(".")
+    return os.path.join(base, f"flexkv-handover-{safe}.json")
 
 
 def read_source(engine_id: str, run_dir: Optional[str]) -> Optional[SourceInfo]:
     try:
         with open(source_file(engine_id, run_dir)) as f:
-            return SourceInfo(**json.load(f))
-    except (OSError, ValueError, TypeError) as e:
+            d = json.load(f)
+        if not isinstance(d, dict):
+            raise TypeError("not a JSON object")
+        return SourceInfo(**{f.name: _field(f.name, d) for f in fields(SourceInfo)})
+    except (OSError, ValueError, TypeError, KeyError, RecursionError, OverflowError) as e:
         log.warning("FlexKVConnector: no handover source for engine %s (%s): requests are handed over by the "
                     "next connector, if any", engine_id, e)
         return None
@@ -128,7 +169,8 @@ class Handover:
     the decode half (pull, verify); a worker uses the half of its role."""
 
     def __init__(self, layers: Sequence[Any], engine_id: str, run_dir: Optional[str]) -> None:
-        self.agent = KVAgent(layers, name=f"flexkv-vllm-{engine_id[:24]}-{os.getpid()}")
+        import uuid
+        self.agent = KVAgent(layers, name=f"flexkv-vllm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self.agent.enable_digests()
         self._table = self.agent.digests.numpy().view(np.uint64)
         self._landed = self.agent.landed.numpy().view(np.uint64)
@@ -136,32 +178,44 @@ class Handover:
         self._early: Dict[str, float] = {}  # released before its hold arrived -> when seen
         self._done: Set[str] = set()
         self._releases: List[VllmHandover] = []  # decode: read (or given up), not yet released
+        self._polled = 0.0
         self.released = self.expired = 0
         info = SourceInfo(agent=self.agent.name, metadata=self.agent.metadata,
                           layer_addrs=[x.data_ptr() for x in self.agent.layers], block_bytes=self.agent.block_bytes,
                           num_blocks=self.agent.num_blocks, mem=self.agent.mem, dev=self.agent.dev,
-                          digest_addr=self.agent.digest_addr)
-        path = source_file(engine_id, run_dir)
-        tmp = f"{path}.{os.getpid()}.tmp"
+                          digest_addr=self.agent.digest_addr, block_shape=list(self.agent.layers[0].shape[1:]),
+                          dtype=str(self.agent.layers[0].dtype))
+        self.layout = (tuple(info.block_shape), info.dtype)
+        self.path = source_file(engine_id, run_dir)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(asdict(info), f)
-        os.replace(tmp, path)
+        os.replace(tmp, self.path)
+        self._closed = False
 
-    def digest(self, blocks: Sequence[int]) -> None:
+    def digest(self, req_id: str, blocks: Sequence[int]) -> None:
         """Called once the blocks' bytes are final (after the forward that wrote them)."""
         if blocks:
-            self._table[np.asarray(blocks, dtype=np.int64)] = _digests(self.agent, blocks)
+            self._table[np.asarray(blocks, dtype=np.int64)] = _digests(self.agent, blocks) ^ _tag(req_id)
 
     def hold(self, req_id: str, lease_expires_unix: float) -> None:
         if self._early.pop(req_id, None) is not None:
             self.released += 1
             self._done.add(req_id)
             return
-        self._holds[req_id] = time.monotonic() + max(0.0, lease_expires_unix - time.time())
+        left = lease_expires_unix - time.time()
+        self._holds[req_id] = time.monotonic() + (min(max(0.0, left), MAX_HOLD_S) if math.isfinite(left) else 0.0)
 
     def finished(self) -> Set[str]:
         """Requests whose blocks decode released, or whose lease ended, since the last call."""
         now = time.monotonic()
+        # An engine holding blocks steps in a tight loop; asking NIXL for notices at every step
+        # contends with the progress thread that serves decode's read (measured: a 0.4 ms read
+        # took 10-30 ms while the prefill engine polled every step). Releases wait a few ms.
+        if now - self._polled < NOTICE_POLL_S:
+            out, self._done = self._done, set()
+            return out
+        self._polled = now
         for msg in self.agent.notifications():
             if not msg.startswith(RELEASE):
                 continue
@@ -189,10 +243,17 @@ class Handover:
         Whatever the outcome, the prefill's release is queued for ``send_releases`` (after the
         forward: the notice is not on the prompt's critical path)."""
         self._releases.append(h)
-        remote = h.blocks[first:first + len(local_blocks)]
-        if len(remote) != len(local_blocks):
+        remote = h.blocks[first:first + len(local_blocks)] if first >= 0 else []
+        if len(remote) != len(local_blocks) or len(set(local_blocks)) != len(local_blocks) \
+                or (tuple(h.block_shape), h.dtype) != self.layout:
+            log.warning("FlexKVConnector: handover of %s refused: %d local blocks for %d remote ones (distinct: %s), "
+                        "prefill's blocks %s %s vs this worker's %s %s; recomputing", h.req, len(local_blocks),
+                        len(remote), len(set(local_blocks)) == len(local_blocks), h.block_shape, h.dtype, *self.layout)
             return PullResult(False, why="refused")
-        budget = min(timeout, h.lease_expires_unix - LEASE_MARGIN_S - time.time())
+        lease_left = h.lease_expires_unix - LEASE_MARGIN_S - time.time()
+        budget = min(timeout, lease_left)
+        if budget <= 0 and lease_left > 0:
+            return PullResult(False, why="failed")
         if budget <= 0:
             log.warning("FlexKVConnector: handover of %s reached decode %.1f s before its lease ends; recomputing",
                         h.req, h.lease_expires_unix - time.time())
@@ -201,17 +262,18 @@ class Handover:
         ids = np.asarray(local_blocks, dtype=np.int64)
         bad: List[int] = []
         verify_s = [0.0]
+        tag = _tag(h.req)
 
         def verify(a: int, b: int) -> None:  # one chunk, while the next ones still move
             v0 = time.perf_counter()
             got = _digests(self.agent, local_blocks[a:b])
-            bad.extend(a + int(i) for i in np.flatnonzero(got != self._landed[ids[a:b]]))
+            bad.extend(a + int(i) for i in np.flatnonzero((got ^ tag) != self._landed[ids[a:b]]))
             verify_s[0] += time.perf_counter() - v0
         try:
             self.agent.check_compatible(h)
             nbytes = self.agent.pull(h, remote, local_blocks, budget, digests=True, landed=verify,
                                      chunks=min(PULL_CHUNKS, max(1, len(local_blocks) // 8)))
-        except HandoverRefused as e:
+        except (HandoverRefused, ValueError) as e:  # ValueError: local block ids outside this cache
             log.warning("FlexKVConnector: handover of %s refused (%s); recomputing", h.req, e)
             return PullResult(False, why="refused")
         except HandoverFailed as e:
@@ -234,4 +296,12 @@ class Handover:
             self.agent.notify(h, RELEASE + h.req.encode())
 
     def close(self) -> None:
+        """Ends the agent and removes the source file (a restarted engine writes its own)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
         self.agent.close()
