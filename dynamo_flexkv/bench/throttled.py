@@ -111,6 +111,8 @@ def run(args: argparse.Namespace) -> List[Case]:
                          "disk-90-slow-always-load"):
                 cases.append(Case("throttled", f"{name}-{label}", statistics.median(times[name]) * 1e3, r, "ms",
                                   "recompute (offload off)", note))
+            print(f"[{label}] per round, ms: " + "; ".join(
+                f"{n}: " + " ".join(f"{t * 1e3:.0f}" for t in ts) for n, ts in times.items()))
             st = kv.stats()
             print(f"[{label}] recompute median {r:.0f} ms; decisions (tokens, all rounds): {st.prefix_tokens}")
             print(f"[{label}] measured tier costs: " + ", ".join(
