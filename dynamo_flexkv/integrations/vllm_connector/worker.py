@@ -28,6 +28,7 @@ from dynamo_flexkv.integrations.vllm_connector.events import FlexKVEvents, TierE
 from dynamo_flexkv.integrations.vllm_connector.handover import Handover
 from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
+from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, lookup_endpoint
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
 
@@ -357,6 +358,7 @@ class WorkerSide:
                 out[f"gauge:capacity_blocks/{tier}"] = ts.capacity_blocks
                 totals[f"evicted_blocks/{tier}"] = ts.evicted_blocks
             totals["disk_write_failures"] = st.tasks.disk_write_failures
+            totals.update(prefix_token_totals(st))  # the load policy's decisions (cost-aware loading)
         for k, total in totals.items():
             delta = total - self._reported.get(k, 0)
             if delta:
