@@ -77,6 +77,8 @@ PROBE_INTERVAL = 0.05
 POLL_S = 0.005
 DECISIONS_PER_S = 20
 PUBLISHERS_MAX = 4
+LIVE_TIMEOUT = 90.0  # for every simulated worker's hello to reach the router
+ATTEMPTS = 3  # a case whose workers did not all go live starts again from scratch (see run_case)
 WORKERS_PER_PUBLISHER = 250
 TRACE_RATE_NOTE = "Mooncake conversation trace: 12,031 requests in 3,537 s (3.40 req/s), 24.0 blocks of 512 tokens each on average"
 MASK = (1 << 64) - 1
@@ -280,7 +282,7 @@ async def router_main(cfg: Dict[str, Any]) -> None:
         await asyncio.sleep(0.2)
     emit({"ready": True, "pid": os.getpid()})
     await asyncio.to_thread(read_cmd)  # the publishers are up and saying hello
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + LIVE_TIMEOUT
     while True:
         rows = (await router.get_overlap_scores(HELLO_TOKENS))["workers"]
         seen_ids = {r["worker_id"] for r in rows if r["device_blocks"] >= 1}
@@ -594,13 +596,36 @@ def _send(proc: subprocess.Popen, obj: Dict[str, Any]) -> None:
     proc.stdin.flush()
 
 
+class NotLive(RuntimeError):
+    """Some simulated workers' hello never reached the router before the run."""
+
+
 def run_case(transport: str, n: int, fmt: str, rate: float, warmup: float, duration: float,
+             flush_interval: float, keep: Optional[str] = None) -> Dict[str, Any]:
+    """run_once, started again (fresh processes) when some workers' events never reached the router
+    before the run: seen in 2 of about 10 starts at 1,000 workers, a few workers of one publisher
+    process, listed by the router as workers; the cause was not found. The row says how many
+    attempts it took."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            row = run_once(transport, n, fmt, rate, warmup, duration, flush_interval, keep)
+            row["attempts"] = attempt
+            return row
+        except NotLive as e:
+            if attempt == ATTEMPTS:
+                raise
+            print(f"bench events: {e}; starting the case again", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, duration: float,
              flush_interval: float, keep: Optional[str] = None) -> Dict[str, Any]:
     """One measurement: a fresh event plane, router and publishers; every process is stopped
     before it returns."""
     workdir = tempfile.mkdtemp(prefix=f"bench-events-{transport}-{n}-{fmt}-")
     infra = Infra(transport, workdir)
     procs: List[subprocess.Popen] = []
+    failed = False
     try:
         env = dict(infra.env, DYN_FILE_KV=os.path.join(workdir, "discovery"))
         port = low_port()
@@ -622,9 +647,9 @@ def run_case(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
         for j, p in enumerate(pubs):
             _read(p, f"publisher {j}", 300, logs[j])
         _send(router, {"publishers": n_pub})
-        live = _read(router, "router process", 200, router_log)
+        live = _read(router, "router process", LIVE_TIMEOUT + 30, router_log)
         if live["live"] < n:
-            raise RuntimeError(f"only {live['live']} of {n} simulated workers' events reached the router in 180 s "
+            raise NotLive(f"only {live['live']} of {n} simulated workers' events reached the router in {LIVE_TIMEOUT:.0f} s "
                                f"(missing {live['missing']}, of them not listed as workers {live['missing_unlisted']}); "
                                f"router log {router_log}")
         for p in pubs:
@@ -651,6 +676,7 @@ def run_case(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
             probes.update({int(k): v for k, v in r["probes"].items()})
         seen = {int(k): v for k, v in rres["probe_seen"].items()}
         lags = [seen[k] - t for k, t in probes.items() if k in seen]
+        series = sorted((k * PROBE_INTERVAL, round(1e3 * (seen[k] - t), 2)) for k, t in probes.items() if k in seen)
         applied = rres["applied"]
         applied_total = sum(applied.values())
         not_ok = sum(v for k, v in applied.items() if not k.endswith("/ok"))
@@ -680,19 +706,27 @@ def run_case(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
             "publisher_cpu_cores": sum(r["cpu_cores"] for r in pres),
             "publisher_late_max_s": max(r["late_max_s"] for r in pres),
             "publishers": n_pub,
+            "lag_series_ms": series,  # (seconds into the measured window, lag) per probe
         }
+    except BaseException:
+        failed = True  # the logs of a failed case stay for a look
+        print(f"bench events: logs of the failed case kept in {workdir}", file=sys.stderr)
+        raise
     finally:
         stop(procs)
         infra.close()
         if keep:
             shutil.copytree(workdir, os.path.join(keep, os.path.basename(workdir)), dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("nats", "model"))
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not failed:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def measure(transports: Sequence[str], sizes: Sequence[int], rate: float, warmup: float, duration: float,
-            flush_interval: float = 0.005, keep: Optional[str] = None, log=print) -> List[Dict[str, Any]]:
-    """Every (transport, size): device-only then ours, each on a fresh router. Returns raw rows."""
+            flush_interval: float = 0.005, keep: Optional[str] = None, log=print,
+            rows_path: Optional[str] = None) -> List[Dict[str, Any]]:
+    """Every (transport, size): device-only then ours, each on a fresh router. Returns raw rows
+    (also appended to ``rows_path`` as JSON lines as they are measured)."""
     rows = []
     for transport in transports:
         for n in sizes:
@@ -703,6 +737,9 @@ def measure(transports: Sequence[str], sizes: Sequence[int], rate: float, warmup
                     f"cores {row['router_rss_mib']:.0f} MiB, decision p50 {row['decision_p50_ms']:.2f} ms, "
                     f"{row['block_events_per_s']:.0f} block events/s, probes {row['probes_seen']}/{row['probes_sent']}")
                 rows.append(row)
+                if rows_path:
+                    with open(rows_path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
     return rows
 
 
@@ -724,12 +761,15 @@ def cases(rows: Sequence[Dict[str, Any]]) -> List[Case]:
 
 
 def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
+    """Lag p50/p99, router CPU and decision latency over the worker counts: ours solid, device-only
+    dashed, one colour per event plane; the 1 s lag goal as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    colours = {"zmq": "tab:blue", "nats": "tab:orange"}
     for transport in sorted({r["transport"] for r in rows}):
         for fmt, style in (("ours", "-o"), ("device", "--s")):
             rs = sorted((r for r in rows if r["transport"] == transport and r["format"] == fmt), key=lambda r: r["workers"])
@@ -737,10 +777,13 @@ def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
                 continue
             xs = [r["workers"] for r in rs]
             label = f"{transport}, {'ours (4 tiers)' if fmt == 'ours' else 'device-only'}"
-            axes[0].plot(xs, [r["lag_p99_ms"] for r in rs], style, label=label + " p99")
-            axes[0].plot(xs, [r["lag_p50_ms"] for r in rs], style, alpha=0.4, label=label + " p50")
-            axes[1].plot(xs, [r["router_cpu_cores"] for r in rs], style, label=label)
-            axes[2].plot(xs, [r["decision_p50_ms"] for r in rs], style, label=label + " p50")
+            c = colours.get(transport)
+            axes[0].plot(xs, [r["lag_p99_ms"] for r in rs], style, color=c, label=label + " p99")
+            axes[0].plot(xs, [r["lag_p50_ms"] for r in rs], style, color=c, alpha=0.35, label=label + " p50")
+            axes[1].plot(xs, [r["router_cpu_cores"] for r in rs], style, color=c, label=label)
+            axes[2].plot(xs, [r["decision_p50_ms"] for r in rs], style, color=c, label=label + " p50")
+    axes[0].axhline(1000, color="red", lw=0.8, ls=":", label="1 s")
+    axes[0].set_yscale("log")
     axes[0].set_title("event lag (publish -> visible in best_worker)")
     axes[0].set_ylabel("ms")
     axes[1].set_title("router process CPU")
@@ -753,12 +796,10 @@ def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     r0 = rows[0]
-    fig.suptitle(f"bench events: Dynamo KvRouter, {r0['rate']} req/s per worker (Mooncake trace), "
-                 f"{r0['duration']:.0f} s measured per point; drops: "
-                 + ", ".join(f"{r['transport']}/{r['workers']}/{r['format']}={r['dropped']}" for r in rows if r["dropped"])
-                 if any(r["dropped"] for r in rows) else
-                 f"bench events: Dynamo KvRouter, {r0['rate']} req/s per worker (Mooncake trace), "
-                 f"{r0['duration']:.0f} s measured per point; no dropped batch", fontsize=10)
+    drops = [f"{r['transport']}/{r['workers']}/{r['format']}={r['dropped']:.0f}" for r in rows if r["dropped"]]
+    fig.suptitle(f"bench events: Dynamo KvRouter, {r0['rate']} req/s per simulated worker (Mooncake trace), "
+                 f"{r0['duration']:.0f} s measured per point; "
+                 + ("dropped: " + ", ".join(drops) if drops else "no dropped batch"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -772,11 +813,9 @@ def run(args: argparse.Namespace) -> List[Case]:
     rate = args.rate or DEFAULT_RATE
     print(f"bench events: {', '.join(transports)}; {sizes} simulated workers; {rate} req/s per worker; "
           f"{warmup:g} s warm-up + {duration:g} s measured per case\n  ({TRACE_RATE_NOTE})", flush=True)
-    rows = measure(transports, sizes, rate, warmup, duration, keep=getattr(args, "keep", None))
-    if getattr(args, "rows", None):
-        with open(args.rows, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    if args.rows:
+        open(args.rows, "w").close()
+    rows = measure(transports, sizes, rate, warmup, duration, rows_path=args.rows)
     if getattr(args, "plot", None):
         plot(rows, args.plot)
         print(f"wrote {args.plot}")
