@@ -57,11 +57,11 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--workers", metavar="LIST",
                         help="bench events: simulated worker counts (default 100,300,1000; --quick 20)")
     parser.add_argument("--transports", metavar="LIST", help="bench events: event planes, zmq and/or nats (default zmq,nats)")
-    parser.add_argument("--duration", type=float, metavar="S", help="bench events: measured seconds per case (default 20)")
-    parser.add_argument("--warmup", type=float, metavar="S", help="bench events: seconds before measuring (default 8)")
-    parser.add_argument("--rate", type=float, metavar="R", help="bench events: requests/s per simulated worker")
+    parser.add_argument("--duration", type=float, metavar="S", help="bench events: measured seconds per case (default 15)")
+    parser.add_argument("--warmup", type=float, metavar="S", help="bench events: seconds before measuring (default 10)")
+    parser.add_argument("--rate", type=float, metavar="R", help="bench events: requests/s per simulated worker (default 0.5)")
     parser.add_argument("--plot", metavar="FILE.png", help="bench events: the curve over worker counts as a PNG")
-    parser.add_argument("--rows", metavar="FILE", help="bench events: every raw measurement as JSON lines")
+    parser.add_argument("--rows", metavar="FILE", help="bench events: every raw measurement as JSON lines, written as each case ends")
     return parser
 
 
