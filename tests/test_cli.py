@@ -46,7 +46,9 @@ def test_bench_ttft_quick(tmp_path):
     cases = run(build_parser().parse_args(["ttft", "--quick", "--dir", str(tmp_path)]))
     by = {c.case: c for c in cases}
     assert {"miss-2K", "host-90-bulk-2K", "host-90-layerwise-2K", "disk-90-bulk-2K", "disk-90-layerwise-2K",
-            "host-100-bulk-2K", "disk-90-load-stall-2K"} <= set(by)
+            "host-100-bulk-2K", "disk-90-load-stall-2K", "host-90-layerwise-vs-device-2K",
+            "disk-90-bulk-vs-device-2K"} <= set(by)
+    assert by["host-90-layerwise-vs-device-2K"].baseline_name == "device-cache hit, same prompt"
     # Each case timed, with its same-run baseline (which one wins is the benchmark's to report: a
     # single quick sample on a loaded machine can go either way, and was seen to).
     # ("load-added" cases are differences of medians and may be negative within noise.)
