@@ -341,12 +341,23 @@ async def router_main(cfg: Dict[str, Any]) -> None:
                 return
             await asyncio.sleep(POLL_S)
 
+    loop_stalls: List[float] = []
+
+    async def heartbeat() -> None:
+        """How late this process's event loop wakes up: a late probe poll inflates the lag."""
+        while time.time() < end:
+            t1 = time.monotonic()
+            await asyncio.sleep(0.01)
+            loop_stalls.append(time.monotonic() - t1 - 0.01)
+
     await sleep_until(start)
+    beat = asyncio.ensure_future(heartbeat())
     cpu0, wall0 = cpu_seconds(os.getpid()), time.monotonic()
     n_probes = int(go["duration"] / PROBE_INTERVAL)
     tasks = [asyncio.ensure_future(probe(k, start + k * PROBE_INTERVAL)) for k in range(n_probes)]
     await decide()
     await sleep_until(end)
+    await beat
     cpu1, wall1 = cpu_seconds(os.getpid()), time.monotonic()
     rss, hwm = rss_mib(os.getpid())
     emit({"measured": True})
@@ -361,7 +372,8 @@ async def router_main(cfg: Dict[str, Any]) -> None:
         await asyncio.sleep(0.1)
     emit({"cpu_cores": (cpu1 - cpu0) / (wall1 - wall0), "rss_mib": rss, "hwm_mib": hwm,
           "decisions": decisions, "probe_polls": probe_polls, "probe_seen": probe_seen,
-          "applied": {k: v - before.get(k, 0.0) for k, v in applied.items()}, "workers": len(ids)})
+          "applied": {k: v - before.get(k, 0.0) for k, v in applied.items()}, "workers": len(ids),
+          "loop_stall_max_s": max(loop_stalls, default=0.0)})
     for t in tasks:
         t.cancel()
     serving.cancel()
@@ -706,6 +718,7 @@ def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
             "publisher_cpu_cores": sum(r["cpu_cores"] for r in pres),
             "publisher_late_max_s": max(r["late_max_s"] for r in pres),
             "publishers": n_pub,
+            "router_loop_stall_max_ms": 1e3 * rres.get("loop_stall_max_s", 0.0),
             "lag_series_ms": series,  # (seconds into the measured window, lag) per probe
         }
     except BaseException:
