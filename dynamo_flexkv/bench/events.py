@@ -62,6 +62,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.bench.report import Case
 
 BLOCK_TOKENS = 64  # one trace block (512 tokens) -> one 64-token KV block, workload.Scale's x1/8
@@ -608,7 +609,7 @@ def _send(proc: subprocess.Popen, obj: Dict[str, Any]) -> None:
     proc.stdin.flush()
 
 
-class NotLive(RuntimeError):
+class NotLive(RuntimeError, FlexKVError):
     """Some simulated workers' hello never reached the router before the run."""
 
 
