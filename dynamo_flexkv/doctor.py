@@ -125,11 +125,12 @@ def _nixl_probe() -> None:
 
 def _nixl_checks() -> List[Check]:
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from dynamo_flexkv.core.transfer.nixl_agents import new_agent
+        import nixl._api  # noqa: F401
     except ImportError as e:
         return [Check("NIXL", Status.FALLBACK, f"not importable ({e}): our own movers are used")]
     try:
-        agent = nixl_agent(f"flexkv-doctor-{os.getpid()}", nixl_agent_config(backends=[]))
+        agent = new_agent(f"flexkv-doctor-{os.getpid()}", [])
         plugins = set(agent.get_plugin_list())
     except Exception as e:  # NIXL raises its own error types; report them as they are
         return [Check("NIXL", Status.FALLBACK, f"agent creation failed: {e}")]

@@ -31,12 +31,12 @@ class NixlError(IOError, FlexKVError):
 class NixlDiskMover(DiskMover):
     def __init__(self, host: HostPool, ssd: SsdStore, gds: bool = False) -> None:
         super().__init__(host, ssd)
-        from nixl._api import nixl_agent, nixl_agent_config
+        from dynamo_flexkv.core.transfer.nixl_agents import new_agent
 
         self.backend = "GDS_MT" if gds else "POSIX"
         self.name = f"flexkv-disk-{os.getpid()}-{next(_names)}"
         try:
-            self.agent = nixl_agent(self.name, nixl_agent_config(backends=[self.backend]))
+            self.agent = new_agent(self.name, [self.backend])
         except Exception as e:  # NIXL's own exception types
             raise NixlError(f"NIXL {self.backend} backend unavailable ({e}); set enable_nixl=false "
                             "(and enable_gds=false) to use the native io_uring mover") from e

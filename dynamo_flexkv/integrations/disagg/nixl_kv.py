@@ -118,7 +118,7 @@ def _indices(offsets: List[int], blocks: Sequence[int]) -> List[int]:
 
 class KVAgent:
     def __init__(self, layers: Sequence[torch.Tensor], name: str = "", backend: str = "UCX") -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from dynamo_flexkv.core.transfer.nixl_agents import new_agent
 
         self.layers = list(layers)
         t = self.layers[0]
@@ -131,7 +131,7 @@ class KVAgent:
         self.dev = (t.device.index or 0) if t.is_cuda else 0
         self.name = name or f"flexkv-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            self.agent = nixl_agent(self.name, nixl_agent_config(backends=[backend]))
+            self.agent = new_agent(self.name, [backend])
         except Exception as e:  # NIXL's own exception types
             raise HandoverFailed(f"NIXL {backend} backend unavailable: {e}") from e
         global _ucx_agents

@@ -40,7 +40,11 @@ class FlexKVConnector(KVConnectorBase_V1):
             self._sched = SchedulerSide(settings)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from dynamo_flexkv.core.transfer.nixl_agents import quiet_progress_threads
             from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
+            # Before NixlConnector (after us in a MultiConnector) creates its agent: every NIXL
+            # agent of this worker gets a progress thread that sleeps when idle (nixl_agents.py).
+            quiet_progress_threads()
             tp = int(vllm_config.parallel_config.tensor_parallel_size)
             rank = get_tensor_model_parallel_rank() if tp > 1 else 0
             self._on_cpu = vllm_config.device_config.device_type == "cpu"
