@@ -14,7 +14,11 @@ repeat, a fresh prompt:
 * raw NIXL: a NIXL agent of our own in each of the same two worker processes (the prefill one over
   vLLM's KV tensors, the decode one over zeroed blocks of the same shape) READs the same blocks
   with prepared descriptor lists (bench/disagg.py's ``_RawRead``), after one untimed read warmed
-  the source; which of the two goes first alternates between repeats.
+  the source. The baseline read runs inside the same engine step as the handover, just before or
+  just after it (alternating between repeats): vLLM's engine-core process spin-waits for the
+  step's result, on this machine on the decode worker's core, so a read inside a step gets about
+  half the core a read between steps gets. The same read between steps (``collective_rpc``, the
+  engine idle) is reported beside it.
 
 Placements: ``loopback`` (both on 127.0.0.1; UCX picks its transports for both alike) and
 ``nodes`` (prefill on node B, decode on node C, network namespaces joined by veth pairs, UCX over
@@ -83,9 +87,9 @@ def rpc_raw_source(worker, blocks: List[int]) -> Dict[str, Any]:
     return agent.describe("bench", list(blocks), None, time.time() + 3600).to_dict()
 
 
-def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int, count: int) -> float:
-    """One untimed read of the source's first ``count`` blocks into one zeroed region, then the
-    timed read into another (never into vLLM's own blocks); returns its seconds."""
+def _raw_reads(worker, source: Dict[str, Any], max_blocks: int, count: int):
+    """(warm, timed): reads of the source's first ``count`` blocks into two zeroed regions of the
+    decode worker's raw agent (never into vLLM's own blocks)."""
     import torch
 
     from dynamo_flexkv.bench.disagg import _RawRead
@@ -98,11 +102,44 @@ def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int, count: int) ->
     n = min(count, len(p.blocks))
     if n > max_blocks:
         raise ValueError(f"bench disagg --vllm: {n} blocks exceed the raw agent's {max_blocks}")
-    warm, read = _RawRead(agent, p, range(n)), _RawRead(agent, p, range(max_blocks, max_blocks + n))
+    return _RawRead(agent, p, range(n)), _RawRead(agent, p, range(max_blocks, max_blocks + n))
+
+
+def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int, count: int) -> float:
+    """The raw read between steps: one untimed read, then the timed one; returns its seconds."""
+    warm, read = _raw_reads(worker, source, max_blocks, count)
     warm()
     t0 = time.perf_counter()
     read()
     return time.perf_counter() - t0
+
+
+def rpc_raw_in_next_handover(worker, source: Dict[str, Any], max_blocks: int, count: int, first: bool) -> None:
+    """Arms the raw read for the next handover's engine step: the worker's next ``Handover.pull``
+    (one-shot wrap) times the raw read just before it (``first``) or just after it."""
+    handover = _flexkv_worker()._worker.handover
+    warm, read = _raw_reads(worker, source, max_blocks, count)
+    warm()  # between steps, as for the read above
+    pull = handover.pull
+
+    def pull_beside_raw(*args, **kwargs):
+        handover.pull = pull
+        if first:
+            t0 = time.perf_counter()
+            read()
+            _held["raw_in_step"] = time.perf_counter() - t0
+        out = pull(*args, **kwargs)
+        if not first:
+            t0 = time.perf_counter()
+            read()
+            _held["raw_in_step"] = time.perf_counter() - t0
+        return out
+    _held.pop("raw_in_step", None)
+    handover.pull = pull_beside_raw
+
+
+def rpc_raw_in_step(worker) -> float:
+    return _held.pop("raw_in_step")
 
 
 # ---- the engine process --------------------------------------------------------------------------------
@@ -124,6 +161,9 @@ def serve(spec: Dict[str, Any]) -> None:
             continue
         cmd = json.loads(line)
         prompt = [{"prompt_token_ids": cmd.get("prompt", [])}]
+        if cmd["op"] == "handover" and cmd.get("raw"):  # the baseline read, inside the same step
+            llm.collective_rpc(rpc_raw_in_next_handover, args=(cmd["raw"], int(cmd["max_blocks"]),
+                                                                int(cmd["blocks"]), bool(cmd["raw_first"])))
         if cmd["op"] == "prefill":
             out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, extra_args={
                 "kv_transfer_params": {"do_remote_decode": True}}), use_tqdm=False)[0]
@@ -140,6 +180,8 @@ def serve(spec: Dict[str, Any]) -> None:
                                    f"{[x[4] for x in new]} (expected one that verified)")
             seconds, blocks, nbytes, verify_s, _ = new[0]
             rec = {"seconds": seconds, "blocks": blocks, "bytes": nbytes, "verify_s": verify_s}
+            if cmd.get("raw"):
+                rec["raw_in_step"] = llm.collective_rpc(rpc_raw_in_step)[0]
         elif cmd["op"] == "raw":
             rec = {"seconds": llm.collective_rpc(rpc_raw_read, args=(cmd["raw"], int(cmd["max_blocks"]), int(cmd["blocks"])))[0]}
         else:
@@ -194,7 +236,7 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
     cases = []
     max_blocks = max(sizes) // BLOCK_SIZE + 1
     for size in sizes:
-        ours, raw, verify, nbytes = [], [], [], 0
+        ours, raw, between, verify, nbytes = [], [], [], [], 0
         link_before = link[0].link_bytes(link[1].name) if link else None
         for i in range(repeat + 1):  # the first round connects the agents (handshakes) and warms up
             prompt = [rng.randrange(300, 30000) for _ in range(size)]
@@ -203,8 +245,10 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
             # decode reads the full blocks but the last token's (it computes that one itself)
             blocks = (size - 1) // BLOCK_SIZE
             nbytes = blocks * raw_p["block_bytes"] * len(raw_p["layer_addrs"])
-            steps = [("handover", {"op": "handover", "prompt": prompt, "params": p["params"]}),
-                     ("raw", {"op": "raw", "raw": p["raw"], "max_blocks": max_blocks, "blocks": blocks})]
+            raw_cmd = {"raw": p["raw"], "max_blocks": max_blocks, "blocks": blocks}
+            steps = [("handover", {"op": "handover", "prompt": prompt, "params": p["params"], **raw_cmd,
+                                   "raw_first": i % 2 == 1}),
+                     ("raw", {"op": "raw", **raw_cmd})]
             got = {}
             for what, cmd in (steps if i % 2 == 0 else steps[::-1]):
                 got[what] = decode.call(cmd, 300, f"{what} of {size} tokens")
@@ -215,17 +259,19 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
             if i:
                 ours.append(h["seconds"])
                 verify.append(h["verify_s"])
-                raw.append(got["raw"]["seconds"])
-        t_ours, t_raw = statistics.median(ours), statistics.median(raw)
+                raw.append(h["raw_in_step"])
+                between.append(got["raw"]["seconds"])
+        t_ours, t_raw, t_between = statistics.median(ours), statistics.median(raw), statistics.median(between)
         label = f"{round(size / 1024)}K" if size >= 1024 else str(size)  # 8000 tokens: 8K
         note = (f"{nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (read + verify; the verify "
-                f"{statistics.median(verify) * 1e3:.2f} ms) vs {t_raw * 1e3:.2f} ms raw, "
+                f"{statistics.median(verify) * 1e3:.2f} ms) vs {t_raw * 1e3:.2f} ms raw in the same step "
+                f"({t_between * 1e3:.2f} ms raw between steps: ratio {t_between / t_ours:.2f}), "
                 f"{blocks * len(raw_p['layer_addrs'])} descriptors each, medians of {repeat}")
         if link:
             after = link[0].link_bytes(link[1].name)
             note += f"; node C's link received {after['rx'] - link_before['rx']:,} B"
         cases.append(Case("disagg", f"vllm-{where}-handover-{label}", nbytes / t_ours / 1e9, nbytes / t_raw / 1e9,
-                          "GB/s", "raw NIXL READ, same bytes, same processes", note))
+                          "GB/s", "raw NIXL READ, same bytes, same processes, same engine step", note))
     return cases
 
 

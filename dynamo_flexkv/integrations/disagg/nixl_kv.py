@@ -242,7 +242,7 @@ class KVAgent:
             handles = []
             try:
                 peer = self._connect(p)
-                if digests:  # first, so it is over when the KV read (which carries the release) is
+                if digests:  # handle 0; posted first only when a KV read carries a notice (below)
                     handles.append(self.agent.make_prepped_xfer("READ", self._landed_dlist, list(local_blocks),
                                                                 peer.digest_dlist, list(remote_blocks), b""))
                 for i, (a, b) in enumerate(bounds):
@@ -258,7 +258,15 @@ class KVAgent:
                 raise HandoverFailed(f"NIXL could not start a read from {p.agent}: {e}") from e
             raised: Optional[BaseException] = None
             try:
-                states = [self.agent.transfer(h) for h in handles]
+                # The digests' read goes last unless the notice rides the last KV chunk: posted after
+                # the KV (copied inline over shared memory) it too completed inline, where posted
+                # first it stayed in flight and cost the engine step another poll (bench disagg --vllm).
+                order = list(range(len(handles)))
+                if digests and not notif:
+                    order = order[1:] + order[:1]
+                states = [""] * len(handles)
+                for k in order:
+                    states[k] = self.agent.transfer(handles[k])
                 deadline = time.monotonic() + timeout
                 head = 1 if digests else 0  # the KV chunks' handles start here
                 seen = 0  # chunks handed to ``landed``
