@@ -9,31 +9,38 @@ a fraction of its core, and a 0.4 ms handover read took 8-50 ms waiting on the r
 creates from then on (vLLM's NixlConnector's included) a delay, so its thread waits in the kernel
 for UCX events or the delay, whichever comes first; a transfer's own events still wake it.
 
-``FLEXKV_NIXL_PROGRESS_DELAY_US`` sets the delay (default 100; 0 keeps NIXL's busy polling)."""
+``FLEXKV_NIXL_PROGRESS_DELAY_US`` sets the delay (default 100, at most 1 s; 0 keeps NIXL's busy
+polling). vLLM's NixlConnector sets ``UCX_RCACHE_MAX_UNRELEASED=1024`` (a guard against a UCX
+registration-cache leak) only if NIXL is not imported yet; we import NIXL first in a worker, so we
+set the same default before importing it."""
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any, List
 
+from dynamo_flexkv.core.errors import FlexKVError
+
 DEFAULT_DELAY_US = 100
+MAX_DELAY_US = 1_000_000  # NIXL keeps the delay in 32 bits; larger values wrapped back to polling
 _lock = threading.Lock()
 _installed: List[int] = []  # the delay installed in this process, once
 
 
+class ProgressDelayError(ValueError, FlexKVError):
+    """FLEXKV_NIXL_PROGRESS_DELAY_US holds something other than whole microseconds in range."""
+
+
 def progress_delay_us() -> int:
-    raw = os.environ.get("FLEXKV_NIXL_PROGRESS_DELAY_US", "")
-    if not raw.strip():
+    raw = os.environ.get("FLEXKV_NIXL_PROGRESS_DELAY_US", "").strip()
+    if not raw:
         return DEFAULT_DELAY_US
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"FLEXKV_NIXL_PROGRESS_DELAY_US={raw!r}: expected a whole number of microseconds "
-                         f"(default {DEFAULT_DELAY_US}; 0 keeps NIXL's busy-polling progress thread)") from None
-    if value < 0:
-        raise ValueError(f"FLEXKV_NIXL_PROGRESS_DELAY_US={value}: must be >= 0")
-    return value
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_DELAY_US:
+        raise ProgressDelayError(f"FLEXKV_NIXL_PROGRESS_DELAY_US={raw!r}: expected whole microseconds from 0 to "
+                         f"{MAX_DELAY_US} (default {DEFAULT_DELAY_US}; 0 keeps NIXL's busy-polling progress thread)")
+    return int(raw)
 
 
 def quiet_progress_threads() -> int:
@@ -43,6 +50,8 @@ def quiet_progress_threads() -> int:
         if _installed:
             return _installed[0]
         delay = progress_delay_us()
+        if "nixl" not in sys.modules:
+            os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # as vLLM's nixl_utils would
         try:
             from nixl import _api
         except ImportError:

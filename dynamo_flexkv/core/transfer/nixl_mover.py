@@ -31,12 +31,14 @@ class NixlError(IOError, FlexKVError):
 class NixlDiskMover(DiskMover):
     def __init__(self, host: HostPool, ssd: SsdStore, gds: bool = False) -> None:
         super().__init__(host, ssd)
-        from dynamo_flexkv.core.transfer.nixl_agents import new_agent
+        from dynamo_flexkv.core.transfer.nixl_agents import ProgressDelayError, new_agent
 
         self.backend = "GDS_MT" if gds else "POSIX"
         self.name = f"flexkv-disk-{os.getpid()}-{next(_names)}"
         try:
             self.agent = new_agent(self.name, [self.backend])
+        except ProgressDelayError:  # our own setting: its message names it
+            raise
         except Exception as e:  # NIXL's own exception types
             raise NixlError(f"NIXL {self.backend} backend unavailable ({e}); set enable_nixl=false "
                             "(and enable_gds=false) to use the native io_uring mover") from e

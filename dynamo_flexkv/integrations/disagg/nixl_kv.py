@@ -118,7 +118,7 @@ def _indices(offsets: List[int], blocks: Sequence[int]) -> List[int]:
 
 class KVAgent:
     def __init__(self, layers: Sequence[torch.Tensor], name: str = "", backend: str = "UCX") -> None:
-        from dynamo_flexkv.core.transfer.nixl_agents import new_agent
+        from dynamo_flexkv.core.transfer.nixl_agents import ProgressDelayError, new_agent
 
         self.layers = list(layers)
         t = self.layers[0]
@@ -132,6 +132,8 @@ class KVAgent:
         self.name = name or f"flexkv-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             self.agent = new_agent(self.name, [backend])
+        except ProgressDelayError:  # our own setting: its message names it
+            raise
         except Exception as e:  # NIXL's own exception types
             raise HandoverFailed(f"NIXL {backend} backend unavailable: {e}") from e
         global _ucx_agents
