@@ -40,6 +40,26 @@ def test_checksums_are_per_block_and_see_every_layer():
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
 
 
+def test_checksums_are_xxh3_of_each_layers_span_then_of_those_digests():
+    """The definition both sides of a handover hash by (the native call, checked against the
+    xxhash package over the same bytes), for blocks in any order, and refused out of range."""
+    import numpy as np
+    import xxhash
+
+    torch.manual_seed(1)
+    layers = [torch.randn(40, 2, 16, 8).to(torch.bfloat16) for _ in range(5)]
+    blocks = [39, 0, 17, 17, 4]
+
+    def reference(b: int) -> int:
+        per_layer = [xxhash.xxh3_64_intdigest(x[b].contiguous().view(torch.uint8).numpy().tobytes()) for x in layers]
+        return xxhash.xxh3_64_intdigest(np.asarray(per_layer, dtype="<u8").tobytes())
+    assert block_checksums(layers, blocks) == [reference(b) for b in blocks]
+    assert block_checksums(layers, []) == []
+    for bad in ([40], [-1]):
+        with pytest.raises(ValueError, match=r"block ids must be in \[0, 40\)"):
+            block_checksums(layers, bad)
+
+
 def test_a_corrupted_block_is_recomputed_exactly_and_counted_as_a_failed_handover(pair, caplog):
     prefill, decode, p_side, d_side = pair
     agg = LLMEngine(CFG, num_device_blocks=48)

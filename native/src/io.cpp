@@ -1,5 +1,6 @@
 #include "io.h"
 
+#include <endian.h>
 #include <errno.h>
 #include <unistd.h>
 
@@ -343,6 +344,19 @@ void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, 
 
 void checksums(const char* base, const uint64_t* offsets, size_t n, uint64_t len, uint64_t* out) {
   for (size_t i = 0; i < n; ++i) out[i] = block_checksum(base + offsets[i], len);
+}
+
+void kv_block_checksums(const uint64_t* layer_addrs, size_t layers, uint64_t block_bytes,
+                        const uint64_t* blocks, size_t n, uint64_t* out) {
+  // Block-major: a block's spans in every layer, then their digests, while they are in cache.
+  std::vector<uint64_t> per_layer(layers);
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t l = 0; l < layers; ++l) {
+      const char* p = reinterpret_cast<const char*>(layer_addrs[l]) + blocks[i] * block_bytes;
+      per_layer[l] = htole64(block_checksum(p, block_bytes));
+    }
+    out[i] = block_checksum(per_layer.data(), layers * sizeof(uint64_t));
+  }
 }
 
 }  // namespace dfkv

@@ -41,4 +41,9 @@ void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, 
 // out[i] = block_checksum of [base + offsets[i], + len).
 void checksums(const char* base, const uint64_t* offsets, size_t n, uint64_t len, uint64_t* out);
 
+// A paged KV cache's block checksum over every layer: out[i] = xxh3_64 of the LE u64 digests
+// block_checksum(layer_addrs[l] + blocks[i] * block_bytes, block_bytes), l in layer order.
+void kv_block_checksums(const uint64_t* layer_addrs, size_t layers, uint64_t block_bytes,
+                        const uint64_t* blocks, size_t n, uint64_t* out);
+
 }  // namespace dfkv

@@ -158,6 +158,19 @@ U64Array checksums(uint64_t base, const CArray<uint64_t>& offsets, uint64_t leng
   return out;
 }
 
+U64Array kv_block_checksums(const CArray<uint64_t>& layer_addrs, uint64_t block_bytes,
+                            const CArray<uint64_t>& blocks) {
+  const size_t n = static_cast<size_t>(blocks.size());
+  U64Array out(static_cast<py::ssize_t>(n));
+  uint64_t* dst = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    dfkv::kv_block_checksums(layer_addrs.data(), static_cast<size_t>(layer_addrs.size()), block_bytes,
+                             blocks.data(), n, dst);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -177,5 +190,9 @@ PYBIND11_MODULE(_native, m) {
         py::arg("threads") = 4, "memcpy each (dst, src, length) chunk, merged and multi-threaded.");
   m.def("checksums", &checksums, py::arg("base"), py::arg("offsets"), py::arg("length"),
         "xxh3_64 of `length` bytes at base + each offset.");
+  m.def("kv_block_checksums", &kv_block_checksums, py::arg("layer_addrs"), py::arg("block_bytes"),
+        py::arg("blocks"),
+        "Per block: xxh3_64 over the LE u64 xxh3_64 of its `block_bytes` span in each layer "
+        "(layer_addrs[l] + block * block_bytes), in layer order. The caller checks the bounds.");
   dfkv::bind_tier_index(m);
 }
