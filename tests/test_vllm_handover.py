@@ -14,8 +14,8 @@ pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 from served import wait_until  # noqa: E402
 
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused  # noqa: E402
-from dynamo_flexkv.integrations.vllm_connector.handover import (KEY, Handover, VllmHandover,  # noqa: E402
-                                                                read_source, source_file)
+from dynamo_flexkv.integrations.vllm_connector.handover import (KEY, Handover, Verify,  # noqa: E402
+                                                                VllmHandover, read_source, source_file)
 
 LAYERS, BLOCKS, HEADS, BS, WIDTH = 4, 32, 2, 16, 64
 
@@ -26,10 +26,11 @@ def kv(seed: int) -> list:
 
 
 @pytest.fixture
-def pair(tmp_path):
+def pair(tmp_path, request):
+    verify = getattr(request, "param", (Verify.BYTES, Verify.BYTES))  # (prefill's, decode's) handover_verify
     p_layers, d_layers = kv(1), [torch.zeros(BLOCKS, HEADS, BS, WIDTH, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    prefill = Handover(p_layers, "prefill-engine", str(tmp_path))
-    decode = Handover(d_layers, "decode-engine", str(tmp_path))
+    prefill = Handover(p_layers, "prefill-engine", str(tmp_path), verify[0])
+    decode = Handover(d_layers, "decode-engine", str(tmp_path), verify[1])
     try:
         yield prefill, decode, p_layers, d_layers, tmp_path
     finally:
@@ -50,6 +51,11 @@ def released(prefill: Handover, req: str) -> bool:
     return req in prefill.finished()
 
 
+BOTH_MODES = pytest.mark.parametrize("pair", [(Verify.BYTES, Verify.BYTES), (Verify.OWNER, Verify.OWNER),
+                                               (Verify.BYTES, Verify.OWNER)], indirect=True, ids=str)
+
+
+@BOTH_MODES
 def test_decode_reads_exactly_the_prefill_blocks_and_the_read_releases_them(pair):
     prefill, decode, p_layers, d_layers, tmp = pair
     remote, local = [7, 3, 20, 21, 0], [1, 2, 30, 5, 9]
@@ -64,6 +70,7 @@ def test_decode_reads_exactly_the_prefill_blocks_and_the_read_releases_them(pair
     assert prefill.released == 1 and prefill.expired == 0
 
 
+@BOTH_MODES
 def test_a_read_that_skips_blocks_vllm_already_holds_reads_only_the_rest(pair):
     prefill, decode, p_layers, d_layers, tmp = pair
     remote = [4, 5, 6, 7]
@@ -127,6 +134,7 @@ def test_a_release_that_arrives_before_its_hold_still_ends_it(pair):
     assert "r7" in prefill.finished()
 
 
+@BOTH_MODES
 def test_a_block_the_prefill_reused_for_another_request_never_passes_for_the_first(pair):
     """Digests are mixed with the request: a second read of r10's handover after its blocks went
     to r11 (re-digested for r11, same table slot) fails, though r11's bytes hash correctly."""
@@ -179,6 +187,9 @@ def test_kv_of_another_dtype_or_block_shape_with_the_same_bytes_is_refused(tmp_p
     ({"mem": "GPU"}, "memory"),
     ({"digest_addr": 0}, "memory"),
     ({"lease_expires_unix": float("nan")}, "finite"),
+    ({"verify": "none"}, "verify"),
+    ({"verify": None}, "malformed"),
+    ({"version": 1}, "version"),
 ])
 def test_malformed_params_are_refused_naming_what_is_wrong(pair, bad, why):
     *_, tmp = pair
@@ -198,3 +209,35 @@ def test_params_without_a_handover_are_none_and_a_closed_source_is_gone(tmp_path
     assert read_source("gone", str(tmp_path)) is None
     path = source_file("../gone", str(tmp_path))  # an engine id never leaves the run directory
     assert path.startswith(str(tmp_path) + "/")
+
+
+@pytest.mark.parametrize("pair", [(Verify.OWNER, Verify.OWNER)], indirect=True)
+def test_owner_stamps_catch_a_wrong_or_undigested_block_but_not_changed_bytes(pair):
+    """handover_verify=owner: what it catches (a block that was not this request's when read) and
+    what it leaves to the transport (bytes changed in place after the stamp: read as they are)."""
+    prefill, decode, p_layers, d_layers, tmp = pair
+    prefill.digest("o1", [3, 4])
+    wrong = handed(tmp, "o1", [4, 3])  # the blocks swapped: each stamp names the other block
+    r = decode.pull(wrong, 0, [10, 11], timeout=30)
+    assert not r.ok and r.why == "corrupt"
+    r = decode.pull(handed(tmp, "o1", [3, 5]), 0, [10, 11], timeout=30)  # block 5 never stamped for o1
+    assert not r.ok and r.why == "corrupt"
+    p_layers[1][4, 0, 0, 0] += 1
+    r = decode.pull(handed(tmp, "o1", [3, 4]), 0, [10, 11], timeout=30)
+    assert r.ok and r.verify_seconds < 0.01
+    assert torch.equal(d_layers[1][11], p_layers[1][4])
+
+
+@pytest.mark.parametrize("pair", [(Verify.OWNER, Verify.BYTES)], indirect=True)
+def test_a_decode_that_verifies_bytes_refuses_owner_stamps_naming_the_setting(pair, caplog):
+    prefill, decode, _, d_layers, tmp = pair
+    prefill.digest("o2", [1])
+    with caplog.at_level("WARNING"):
+        r = decode.pull(handed(tmp, "o2", [1]), 0, [2], timeout=30)
+    assert not r.ok and r.why == "refused" and not d_layers[0][2].any()
+    assert "handover_verify" in caplog.text
+
+
+def test_an_unknown_verify_mode_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="handover_verify='crc'"):
+        Handover(kv(2), "bad-mode", str(tmp_path), "crc")

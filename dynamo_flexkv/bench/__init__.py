@@ -51,6 +51,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--vllm", action="store_true",
                         help="bench disagg: the vLLM disagg graphs' handover (two vLLM engines, on loopback and, as "
                              "root, across network-namespace nodes) instead of the reference engine's cases")
+    parser.add_argument("--handover-verify", metavar="LIST", default="bytes,owner",
+                        help="bench disagg --vllm: the handover_verify modes to measure, each with its own engines "
+                             "(default bytes,owner)")
     parser.add_argument("--compare-offloading-connector", action="store_true",
                         help="bench vllm: also vLLM's OffloadingConnector (CPU spec) on the same prompts "
                              "(CUDA/XPU only; skipped with a message on CPU)")

@@ -50,11 +50,13 @@ SIDE_PORTS = {"prefill": 5631, "decode": 5632}  # NixlConnector's handshake list
 _held: Dict[str, Any] = {}  # in a worker process: its raw agent, the handover log
 
 
-def disagg_transfer_config(run_dir: str, lease_s: float = 30.0) -> Dict[str, Any]:
+def disagg_transfer_config(run_dir: str, lease_s: float = 30.0, verify: str = "bytes") -> Dict[str, Any]:
     """The disagg_vllm graph's kv_transfer_config, built as serve/vllm_worker.py builds it:
     FlexKVConnector first, carrying the handover; NixlConnector after it, as Dynamo requires."""
     from dynamo_flexkv.serve.vllm_worker import CONNECTOR, kv_transfer_config, nixl_connector
     extra = {"run_dir": run_dir, "handover": True, "handover_lease_s": lease_s}
+    if verify != "bytes":  # the graphs' default, left out as they leave it out
+        extra["handover_verify"] = verify
     return kv_transfer_config([{**CONNECTOR, "kv_connector_extra_config": extra}, nixl_connector(lease_s)])
 
 
@@ -153,7 +155,7 @@ def serve(spec: Dict[str, Any]) -> None:
     role = spec["side"]
     llm = LLM(model=spec["model_dir"], load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
               block_size=BLOCK_SIZE, enforce_eager=True, kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
-              kv_transfer_config=disagg_transfer_config(spec["run_dir"]), seed=0,
+              kv_transfer_config=disagg_transfer_config(spec["run_dir"], verify=spec.get("verify", "bytes")), seed=0,
               disable_log_stats=False)
     print(READY, flush=True)
     for line in sys.stdin:
@@ -205,14 +207,14 @@ def _placements(notes: List[str]):
         nodes.down()
 
 
-def _engines(workdir: str, model_dir: str, where: str, nodes) -> List[Any]:
+def _engines(workdir: str, model_dir: str, where: str, nodes, verify: str = "bytes") -> List[Any]:
     from dynamo_flexkv.bench.vllm_pair import ServedEngine
     from dynamo_flexkv.bench.vllm_ttft import engine_env
 
     out = []
     cores = sorted(os.sched_getaffinity(0))
     for i, (role, node) in enumerate(zip(("prefill", "decode"), nodes or (None, None))):
-        name = f"{where}-{role}"
+        name = f"{where}-{verify}-{role}"
         env = engine_env(workdir, f"flexkv-{name}", 64 << 20, 0)
         # Each engine's OpenMP threads on cores of their own, as in a deployment (one GPU per
         # worker): with both on every core (and another test running) 2 MiB handovers took
@@ -223,13 +225,14 @@ def _engines(workdir: str, model_dir: str, where: str, nodes) -> List[Any]:
         host = "127.0.0.1" if node is None else node.address
         env.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(SIDE_PORTS[role]), VLLM_NIXL_SIDE_CHANNEL_HOST=host,
                    VLLM_HOST_IP=host, **({} if node is None else node.ucx_env()))
-        spec = {"side": role, "model_dir": str(model_dir), "run_dir": env["FLEXKV_RUN_DIR"], "kv_cache_bytes": 256 << 20}
+        spec = {"side": role, "model_dir": str(model_dir), "run_dir": env["FLEXKV_RUN_DIR"], "kv_cache_bytes": 256 << 20,
+                "verify": verify}
         out.append(ServedEngine(name, spec, env, workdir, module=__name__, wrap=() if node is None else node.argv([])))
     return out
 
 
 def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: int, seed: int,
-                    link: Optional[tuple]) -> List[Case]:
+                    link: Optional[tuple], verify: str = "bytes") -> List[Case]:
     import random
 
     rng = random.Random(seed)
@@ -263,14 +266,15 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
                 between.append(got["raw"]["seconds"])
         t_ours, t_raw, t_between = statistics.median(ours), statistics.median(raw), statistics.median(between)
         label = f"{round(size / 1024)}K" if size >= 1024 else str(size)  # 8000 tokens: 8K
-        note = (f"{nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (read + verify; the verify "
+        note = (f"handover_verify={verify}, {nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (read + verify; the verify "
                 f"{statistics.median(verify) * 1e3:.2f} ms) vs {t_raw * 1e3:.2f} ms raw in the same step "
                 f"({t_between * 1e3:.2f} ms raw between steps: ratio {t_between / t_ours:.2f}), "
                 f"{blocks * len(raw_p['layer_addrs'])} descriptors each, medians of {repeat}")
         if link:
             after = link[0].link_bytes(link[1].name)
             note += f"; node C's link received {after['rx'] - link_before['rx']:,} B"
-        cases.append(Case("disagg", f"vllm-{where}-handover-{label}", nbytes / t_ours / 1e9, nbytes / t_raw / 1e9,
+        mode = "" if verify == "bytes" else f"{verify}-"
+        cases.append(Case("disagg", f"vllm-{where}-handover-{mode}{label}", nbytes / t_ours / 1e9, nbytes / t_raw / 1e9,
                           "GB/s", "raw NIXL READ, same bytes, same processes, same engine step", note))
     return cases
 
@@ -286,16 +290,21 @@ def run(args: argparse.Namespace) -> List[Case]:
                                 context_length=MAX_MODEL_LEN)
     notes: List[str] = []
     cases: List[Case] = []
+    modes = [m.strip() for m in (getattr(args, "handover_verify", None) or "bytes").split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("bytes", "owner")]
+    if bad or not modes:
+        raise SystemExit(f"bench disagg --vllm: --handover-verify {bad or modes}: expected bytes and/or owner")
     for where, nodes, pair in _placements(notes):
-        engines = _engines(workdir, model_dir, where, pair)
-        try:
-            for e in engines:
-                e.wait_ready(600)
-            link = (nodes, pair[1]) if nodes else None
-            cases += _handover_cases(where, *engines, sizes, repeat, seed=11, link=link)
-        finally:
-            for e in engines:
-                e.stop()
+        for verify in modes:
+            engines = _engines(workdir, model_dir, where, pair, verify)
+            try:
+                for e in engines:
+                    e.wait_ready(600)
+                link = (nodes, pair[1]) if nodes else None
+                cases += _handover_cases(where, *engines, sizes, repeat, seed=11, link=link, verify=verify)
+            finally:
+                for e in engines:
+                    e.stop()
     for n in notes:
         print(f"bench disagg --vllm: {n}")
     from dynamo_flexkv.bench.disagg import _serving_cases

@@ -1,9 +1,10 @@
 """The P->D handover carried by FlexKVConnector (disaggregated vLLM workers, ``handover: true``).
 
 Prefill (the request's kv_transfer_params say ``do_remote_decode``): in the step that computes the
-last prompt token, the worker half writes each full prompt block's xxh3 into its digest table (a
+last prompt token, the worker half writes each full prompt block's digest into its digest table (a
 NIXL-registered array, one u64 per vLLM block) right after the forward, so the digests exist
-before the request's output leaves the engine. When the request finishes, the scheduler half holds
+before the request's output leaves the engine. What a digest is follows ``handover_verify``
+(Verify): the xxh3 of the block's bytes over every layer, or only an owner stamp (request, block). When the request finishes, the scheduler half holds
 its blocks (request_finished returns True) and returns under ``flexkv_vllm_handover`` where they
 are: the worker's NIXL agent (name and metadata, from the file the worker wrote at registration),
 each layer's base address, the block ids, the digest table, the lease. The worker frees the blocks
@@ -30,13 +31,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
 import numpy as np
 
-from dynamo_flexkv.integrations.disagg.nixl_kv import HandoverFailed, KVAgent, block_checksums
+from dynamo_flexkv.integrations.disagg.nixl_kv import HandoverFailed, KVAgent, kv_block_checksums
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
 
 log = logging.getLogger(__name__)
 
 KEY = "flexkv_vllm_handover"  # in kv_transfer_params, beside NixlConnector's keys
-VERSION = 1
+VERSION = 2  # 2: the payload names its digests' kind (verify)
 RELEASE = b"flexkv-release:"  # + request id: decode is done with the prefill's blocks
 # A read goes as up to this many reads of consecutive blocks (at least 8 blocks each), so each
 # one's verify overlaps the transfer of the next.
@@ -44,6 +45,32 @@ PULL_CHUNKS = 4
 LEASE_MARGIN_S = 0.5
 NOTICE_POLL_S = 0.005
 MAX_HOLD_S = 3600.0  # serve allows leases up to this long  # the prefill asks NIXL for release notices at most this often  # a read must end this long before the lease does (clock reads, the release's trip)
+
+
+class Verify:
+    """What decode checks before vLLM computes on handed-over blocks (``handover_verify``).
+
+    BYTES: every landed byte hashes (xxh3, all layers) to the digest the prefill wrote after its
+    forward, mixed with the request: catches bytes changed at the source or on the way, and a
+    block reused for another prompt. It costs a second pass over the bytes on decode's core (and
+    one on the prefill's, after its forward): on loopback shared memory as much CPU as half the
+    read itself (docs/BENCHMARKS.md, bench disagg --vllm).
+    OWNER: only each block's owner stamp (request, block id), read in the same NIXL transfer: the
+    prefill's block still belonged to this request when it was read. With the lease check after
+    the read, this catches a wrong or reused block; it trusts the transport and the source memory
+    for the bytes themselves (TCP and RDMA checksum them on the wire; shared memory is a memcpy)."""
+    BYTES = "bytes"
+    OWNER = "owner"
+    ALL = (BYTES, OWNER)
+
+
+def _owner_stamps(tag: np.uint64, blocks: Sequence[int], first: int = 0) -> np.ndarray:
+    """The OWNER digest of each prefill block of a prompt (``blocks`` from prompt block ``first``
+    on): its id and its place in the prompt, mixed with the request's tag."""
+    ids = np.asarray(blocks, dtype=np.uint64) + np.uint64(1)
+    places = np.arange(first + 1, first + 1 + len(ids), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return (ids * np.uint64(0x9E3779B97F4A7C15) + places * np.uint64(0xC2B2AE3D27D4EB4F)) ^ tag
 
 
 @dataclass(frozen=True)
@@ -59,6 +86,7 @@ class SourceInfo:
     digest_addr: int
     block_shape: List[int]  # one block of one layer, e.g. [kv_heads, block_size, 2*head_size]
     dtype: str  # torch dtype of the KV, e.g. "torch.bfloat16"
+    verify: str = Verify.BYTES  # what the digest table holds (Verify)
 
 
 @dataclass(frozen=True)
@@ -85,6 +113,8 @@ class VllmHandover(SourceInfo):
             h = cls(**{f.name: _field(f.name, d) for f in fields(cls)})
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise HandoverRefused(f"kv_transfer_params.{KEY} is malformed ({type(e).__name__}: {e})") from None
+        if h.verify not in Verify.ALL:
+            raise HandoverRefused(f"kv_transfer_params.{KEY}: verify={h.verify!r}, expected one of {Verify.ALL}")
         if h.mem not in ("DRAM", "VRAM") or h.block_bytes <= 0 or h.num_blocks <= 0 or not h.digest_addr:
             raise HandoverRefused(f"kv_transfer_params.{KEY}: bad memory description")
         if any(not 0 <= b < h.num_blocks for b in h.blocks):
@@ -96,7 +126,7 @@ class VllmHandover(SourceInfo):
 
 _INT_LISTS = ("layer_addrs", "blocks", "block_shape")
 _INTS = ("block_bytes", "num_blocks", "dev", "digest_addr")
-_STRS = ("agent", "metadata", "mem", "req", "dtype")
+_STRS = ("agent", "metadata", "mem", "req", "dtype", "verify")
 
 
 def _field(name: str, d: Mapping[str, Any]) -> Any:
@@ -151,10 +181,6 @@ def read_source(engine_id: str, run_dir: Optional[str]) -> Optional[SourceInfo]:
         return None
 
 
-def _digests(agent: KVAgent, blocks: Sequence[int]) -> np.ndarray:
-    return np.asarray(block_checksums(agent.layers, blocks), dtype=np.uint64)
-
-
 @dataclass
 class PullResult:
     ok: bool
@@ -168,8 +194,12 @@ class Handover:
     """One NIXL agent over this worker's vLLM KV: the prefill half (digests, holds, releases) and
     the decode half (pull, verify); a worker uses the half of its role."""
 
-    def __init__(self, layers: Sequence[Any], engine_id: str, run_dir: Optional[str]) -> None:
+    def __init__(self, layers: Sequence[Any], engine_id: str, run_dir: Optional[str],
+                 verify: str = Verify.BYTES) -> None:
         import uuid
+        if verify not in Verify.ALL:
+            raise ValueError(f"handover_verify={verify!r}: expected one of {Verify.ALL}")
+        self.verify = verify
         self.agent = KVAgent(layers, name=f"flexkv-vllm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self.agent.enable_digests()
         self._table = self.agent.digests.numpy().view(np.uint64)
@@ -184,7 +214,7 @@ class Handover:
                           layer_addrs=[x.data_ptr() for x in self.agent.layers], block_bytes=self.agent.block_bytes,
                           num_blocks=self.agent.num_blocks, mem=self.agent.mem, dev=self.agent.dev,
                           digest_addr=self.agent.digest_addr, block_shape=list(self.agent.layers[0].shape[1:]),
-                          dtype=str(self.agent.layers[0].dtype))
+                          dtype=str(self.agent.layers[0].dtype), verify=verify)
         self.layout = (tuple(info.block_shape), info.dtype)
         self.path = source_file(engine_id, run_dir)
         tmp = f"{self.path}.{os.getpid()}.tmp"
@@ -195,8 +225,13 @@ class Handover:
 
     def digest(self, req_id: str, blocks: Sequence[int]) -> None:
         """Called once the blocks' bytes are final (after the forward that wrote them)."""
-        if blocks:
-            self._table[np.asarray(blocks, dtype=np.int64)] = _digests(self.agent, blocks) ^ _tag(req_id)
+        if not blocks:
+            return
+        tag = _tag(req_id)
+        if self.verify == Verify.OWNER:
+            self._table[np.asarray(blocks, dtype=np.int64)] = _owner_stamps(tag, blocks)
+        else:
+            self._table[np.asarray(blocks, dtype=np.int64)] = kv_block_checksums(self.agent.layers, blocks) ^ tag
 
     def hold(self, req_id: str, lease_expires_unix: float) -> None:
         if self._early.pop(req_id, None) is not None:
@@ -250,6 +285,11 @@ class Handover:
                         "prefill's blocks %s %s vs this worker's %s %s; recomputing", h.req, len(local_blocks),
                         len(remote), len(set(local_blocks)) == len(local_blocks), h.block_shape, h.dtype, *self.layout)
             return PullResult(False, why="refused")
+        if h.verify == Verify.OWNER and self.verify == Verify.BYTES:
+            log.warning("FlexKVConnector: handover of %s refused: the prefill worker stamps owners only "
+                        "(handover_verify=owner) and this worker verifies bytes (handover_verify=bytes): set the "
+                        "same handover_verify on both roles; recomputing", h.req)
+            return PullResult(False, why="refused")
         lease_left = h.lease_expires_unix - LEASE_MARGIN_S - time.time()
         budget = min(timeout, lease_left)
         if budget <= 0 and lease_left > 0:
@@ -266,13 +306,18 @@ class Handover:
 
         def verify(a: int, b: int) -> None:  # one chunk, while the next ones still move
             v0 = time.perf_counter()
-            got = _digests(self.agent, local_blocks[a:b])
-            bad.extend(a + int(i) for i in np.flatnonzero((got ^ tag) != self._landed[ids[a:b]]))
+            if h.verify == Verify.OWNER:
+                got = _owner_stamps(tag, remote[a:b], first + a)
+            else:
+                got = kv_block_checksums(self.agent.layers, local_blocks[a:b]) ^ tag
+            bad.extend(a + int(i) for i in np.flatnonzero(got != self._landed[ids[a:b]]))
             verify_s[0] += time.perf_counter() - v0
+        # Chunks only let a byte verify overlap the rest of the read; an owner check has nothing to
+        # overlap, and each chunk is one more NIXL transfer (~10% more CPU per read, measured).
+        chunks = 1 if h.verify == Verify.OWNER else min(PULL_CHUNKS, max(1, len(local_blocks) // 8))
         try:
             self.agent.check_compatible(h)
-            nbytes = self.agent.pull(h, remote, local_blocks, budget, digests=True, landed=verify,
-                                     chunks=min(PULL_CHUNKS, max(1, len(local_blocks) // 8)))
+            nbytes = self.agent.pull(h, remote, local_blocks, budget, digests=True, landed=verify, chunks=chunks)
         except (HandoverRefused, ValueError) as e:  # ValueError: local block ids outside this cache
             log.warning("FlexKVConnector: handover of %s refused (%s); recomputing", h.req, e)
             return PullResult(False, why="refused")

@@ -21,6 +21,9 @@ EXTRA_KEYS: Dict[str, tuple] = {
     "handover": (bool, False, "disaggregated workers: carry the prefill->decode handover (NIXL READ of the prefill's "
                               "blocks, verified by digest) instead of the next connector (docs/VLLM.md)"),
     "handover_lease_s": (float, 30.0, "prefill side: how long a finished request's blocks wait for decode's read"),
+    "handover_verify": (str, "bytes", "what decode checks before using handed-over blocks: bytes (xxh3 of every "
+                                      "byte, all layers) or owner (each block still belonged to the request when "
+                                      "read; trusts the transport for the bytes); the same on both roles"),
     "run_dir": (str, None, "directory of the lookup socket (default $FLEXKV_RUN_DIR or the temp dir)"),
     "model_id": (str, None, "names the weights in the disk and remote tiers' fingerprints (default: the model path "
                             "or hub id with its revision, the load format, and for a local directory the names, "
@@ -42,6 +45,7 @@ class ConnectorSettings:
     drain_timeout_s: float = 20.0
     handover: bool = False
     handover_lease_s: float = 30.0
+    handover_verify: str = "bytes"
     run_dir: Optional[str] = None
     model_id: str = ""
 
@@ -68,6 +72,9 @@ class ConnectorSettings:
                 value = float(value)
             if typ is str and not isinstance(value, str):
                 raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a string")
+            if key == "handover_verify" and value not in ("bytes", "owner"):
+                raise ValueError(f"FlexKVConnector: kv_connector_extra_config handover_verify={value!r} must be "
+                                 "'bytes' or 'owner'")
             values[key] = value
         values.setdefault("model_id", default_model_id(vllm_config))
         run_dir = values.get("run_dir") or os.environ.get("FLEXKV_RUN_DIR")

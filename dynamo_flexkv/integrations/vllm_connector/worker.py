@@ -129,7 +129,7 @@ class WorkerSide:
         from dynamo_flexkv.core.layout import KVLayoutType
         layers = desc.tensors if desc.layout is KVLayoutType.LAYERBLOCK else [t[k] for t in desc.tensors for k in (0, 1)]
         try:
-            self.handover = Handover(layers, self.s.engine_id, self.s.run_dir)
+            self.handover = Handover(layers, self.s.engine_id, self.s.run_dir, self.s.handover_verify)
         except Exception as e:  # noqa: BLE001 - NIXL's own types; the graph still serves through NixlConnector
             log.warning("FlexKVConnector: no handover agent (%s); the next connector hands requests over", e)
 
