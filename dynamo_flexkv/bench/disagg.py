@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -109,13 +109,14 @@ class _RawRead:
     prepared descriptor lists the agent holds (its own KV; the peer's, prepared on the first
     handover), index lists computed here (untimed); ``__call__`` is the timed part."""
 
-    def __init__(self, agent, p: HandoverParams, local: Sequence[int]) -> None:
+    def __init__(self, agent, p: HandoverParams, local: Sequence[int], remote: Optional[Sequence[int]] = None) -> None:
         from dynamo_flexkv.integrations.disagg.nixl_kv import _indices
 
         self.a = agent.agent
         peer = agent._connect(p)  # a no-op once the first handover added the prefill agent
         self.lists = agent._local, peer.dlist
-        self.idx = _indices(agent._offsets, local), _indices(peer.offsets, p.blocks[:len(local)])
+        remote = p.blocks[:len(local)] if remote is None else remote
+        self.idx = _indices(agent._offsets, local), _indices(peer.offsets, remote)
 
     def __call__(self) -> None:
         a = self.a
