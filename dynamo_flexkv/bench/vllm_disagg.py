@@ -272,7 +272,9 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
         note = (f"handover_verify={verify}, {nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (read + verify; the verify "
                 f"{statistics.median(verify_s) * 1e3:.2f} ms) vs {t_raw * 1e3:.2f} ms raw in the same step "
                 f"({t_between * 1e3:.2f} ms raw between steps, own agents and buffers: ratio {t_between / t_ours:.2f}), "
-                f"{blocks * len(raw_p['layer_addrs'])} descriptors each, medians of {repeat}")
+                f"{blocks * len(raw_p['layer_addrs'])} descriptors each, medians of {repeat}; median of the per-step "
+                f"ratios {statistics.median(r / o for r, o in zip(raw, ours)):.2f}, their range "
+                f"{min(r / o for r, o in zip(raw, ours)):.2f}-{max(r / o for r, o in zip(raw, ours)):.2f}")
         if link:
             after = link[0].link_bytes(link[1].name)
             note += f"; node C's link received {after['rx'] - link_before['rx']:,} B"
