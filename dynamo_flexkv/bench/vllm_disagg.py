@@ -16,8 +16,8 @@ repeat, a fresh prompt:
   decode blocks on the same two agents (bench/disagg.py's ``_RawRead``: no digests, no verify, no
   bookkeeping). Same step, because vLLM's engine-core process spin-waits for the step's result, on
   this machine on the decode worker's core, so a read inside a step gets a fraction of the core a
-  read between steps gets; same destination, because the blocks vLLM hands a request are cold in
-  cache where a bench buffer read over and over is warm.
+  read between steps gets; same agents and blocks, because that is the same transfer (vLLM's blocks
+  for a request are cold in cache, where a bench buffer read over and over is warm).
 * beside it, between steps (``collective_rpc``, the engine idle): a NIXL agent of our own in each
   of the two worker processes (the prefill one over vLLM's KV tensors, the decode one over zeroed
   blocks of the same shape) READs the same blocks, after one untimed read warmed the source.
