@@ -20,6 +20,24 @@ from dynamo_flexkv.integrations.vllm_connector.handover import (KEY, Handover, V
 LAYERS, BLOCKS, HEADS, BS, WIDTH = 4, 32, 2, 16, 64
 
 
+def prompt(seed: int, blocks: int = 24) -> list:
+    """The sequence hash of each full block of a prompt (what both roles compute from its tokens)."""
+    from dynamo_flexkv.core.hashing import block_hashes
+    g = torch.Generator().manual_seed(1000 + seed)
+    return block_hashes(torch.randint(0, 32000, (blocks * BS,), generator=g).tolist(), BS).sequence.tolist()
+
+
+class _Prompts(dict):
+    """Each request's prompt block hashes, made on first use (the request name seeds its tokens)."""
+    def __missing__(self, req: str) -> list:
+        import zlib
+        self[req] = got = prompt(zlib.crc32(req.encode()))
+        return got
+
+
+P = _Prompts()
+
+
 def kv(seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(BLOCKS, HEADS, BS, WIDTH, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
@@ -59,9 +77,9 @@ BOTH_MODES = pytest.mark.parametrize("pair", [(Verify.BYTES, Verify.BYTES), (Ver
 def test_decode_reads_exactly_the_prefill_blocks_and_the_read_releases_them(pair):
     prefill, decode, p_layers, d_layers, tmp = pair
     remote, local = [7, 3, 20, 21, 0], [1, 2, 30, 5, 9]
-    prefill.digest("r1", remote)
+    prefill.digest("r1", remote, P["r1"][:len(remote)])
     prefill.hold("r1", time.time() + 30)
-    r = decode.pull(handed(tmp, "r1", remote), 0, local, timeout=30)
+    r = decode.pull(handed(tmp, "r1", remote), 0, local, timeout=30, hashes=P["r1"])
     decode.send_releases()  # the worker sends them after the step's forward
     assert r.ok and r.why == "" and r.nbytes == len(local) * LAYERS * p_layers[0][0].nbytes
     for p, d in zip(p_layers, d_layers):
@@ -74,9 +92,9 @@ def test_decode_reads_exactly_the_prefill_blocks_and_the_read_releases_them(pair
 def test_a_read_that_skips_blocks_vllm_already_holds_reads_only_the_rest(pair):
     prefill, decode, p_layers, d_layers, tmp = pair
     remote = [4, 5, 6, 7]
-    prefill.digest("r2", remote)
+    prefill.digest("r2", remote, P["r2"][:len(remote)])
     prefill.hold("r2", time.time() + 30)
-    r = decode.pull(handed(tmp, "r2", remote), 2, [11, 12], timeout=30)
+    r = decode.pull(handed(tmp, "r2", remote), 2, [11, 12], timeout=30, hashes=P["r2"])
     assert r.ok
     for p, d in zip(p_layers, d_layers):
         assert torch.equal(d[[11, 12]], p[[6, 7]])
@@ -86,10 +104,10 @@ def test_a_read_that_skips_blocks_vllm_already_holds_reads_only_the_rest(pair):
 def test_bytes_changed_after_their_digest_are_refused_as_corrupt(pair):
     prefill, decode, p_layers, _, tmp = pair
     remote = [1, 2, 3]
-    prefill.digest("r3", remote)
+    prefill.digest("r3", remote, P["r3"][:len(remote)])
     p_layers[2][2, 1, 3, 5] += 1  # one value of one layer of block 2
     prefill.hold("r3", time.time() + 30)
-    r = decode.pull(handed(tmp, "r3", remote), 0, [4, 5, 6], timeout=30)
+    r = decode.pull(handed(tmp, "r3", remote), 0, [4, 5, 6], timeout=30, hashes=P["r3"])
     decode.send_releases()
     assert not r.ok and r.why == "corrupt"
     wait_until("r3 released", lambda: released(prefill, "r3"), timeout=30, every=0.01)  # a corrupt read still frees them
@@ -99,18 +117,18 @@ def test_a_block_reused_without_a_new_digest_is_refused(pair):
     """The digest table is per vLLM block: a block rewritten for another prompt keeps its old
     digest until its own prompt completes, and a read in between must not pass."""
     prefill, decode, p_layers, _, tmp = pair
-    prefill.digest("r4", [8])
+    prefill.digest("r4", [8], P["r4"][:len([8])])
     for layer in p_layers:
         layer[8].normal_()
-    r = decode.pull(handed(tmp, "r4", [8]), 0, [3], timeout=30)
+    r = decode.pull(handed(tmp, "r4", [8]), 0, [3], timeout=30, hashes=P["r4"])
     assert not r.ok and r.why == "corrupt"
 
 
 def test_an_expired_lease_is_not_read_and_releases_the_prefill_at_once(pair):
     prefill, decode, _, d_layers, tmp = pair
-    prefill.digest("r5", [1])
+    prefill.digest("r5", [1], P["r5"][:len([1])])
     prefill.hold("r5", time.time() + 30)
-    r = decode.pull(handed(tmp, "r5", [1], lease_s=0.1), 0, [2], timeout=30)
+    r = decode.pull(handed(tmp, "r5", [1], lease_s=0.1), 0, [2], timeout=30, hashes=P["r5"])
     decode.send_releases()
     assert not r.ok and r.why == "lease" and r.nbytes == 0
     assert not any(d[2].any() for d in d_layers)
@@ -126,8 +144,8 @@ def test_a_hold_nobody_reads_ends_with_its_lease(pair):
 
 def test_a_release_that_arrives_before_its_hold_still_ends_it(pair):
     prefill, decode, _, _, tmp = pair
-    prefill.digest("r7", [2])
-    assert decode.pull(handed(tmp, "r7", [2]), 0, [2], timeout=30).ok
+    prefill.digest("r7", [2], P["r7"][:len([2])])
+    assert decode.pull(handed(tmp, "r7", [2]), 0, [2], timeout=30, hashes=P["r7"]).ok
     decode.send_releases()
     wait_until("r7 seen", lambda: (prefill.finished() or True) and "r7" in prefill._early, timeout=30, every=0.01)
     prefill.hold("r7", time.time() + 30)
@@ -139,21 +157,21 @@ def test_a_block_the_prefill_reused_for_another_request_never_passes_for_the_fir
     """Digests are mixed with the request: a second read of r10's handover after its blocks went
     to r11 (re-digested for r11, same table slot) fails, though r11's bytes hash correctly."""
     prefill, decode, p_layers, d_layers, tmp = pair
-    prefill.digest("r10", [5])
-    assert decode.pull(handed(tmp, "r10", [5]), 0, [6], timeout=30).ok
+    prefill.digest("r10", [5], P["r10"][:len([5])])
+    assert decode.pull(handed(tmp, "r10", [5]), 0, [6], timeout=30, hashes=P["r10"]).ok
     for layer in p_layers:
         layer[5].normal_()
-    prefill.digest("r11", [5])
-    r = decode.pull(handed(tmp, "r10", [5]), 0, [6], timeout=30)
+    prefill.digest("r11", [5], P["r11"][:len([5])])
+    r = decode.pull(handed(tmp, "r10", [5]), 0, [6], timeout=30, hashes=P["r10"])
     assert not r.ok and r.why == "corrupt"
-    assert decode.pull(handed(tmp, "r11", [5]), 0, [7], timeout=30).ok
+    assert decode.pull(handed(tmp, "r11", [5]), 0, [7], timeout=30, hashes=P["r11"]).ok
 
 
 @pytest.mark.parametrize("local", [[4, 4], [BLOCKS, 1], [-1, 2]])
 def test_local_blocks_repeated_or_outside_the_cache_are_refused_not_raised(pair, local):
     prefill, decode, *_, tmp = pair
-    prefill.digest("r12", [3, 4])
-    r = decode.pull(handed(tmp, "r12", [3, 4]), 0, local, timeout=30)
+    prefill.digest("r12", [3, 4], P["r12"][:len([3, 4])])
+    r = decode.pull(handed(tmp, "r12", [3, 4]), 0, local, timeout=30, hashes=P["r12"])
     assert not r.ok and r.why == "refused"
 
 
@@ -163,10 +181,10 @@ def test_kv_of_another_dtype_or_block_shape_with_the_same_bytes_is_refused(tmp_p
                      str(tmp_path))
     try:
         from dataclasses import asdict
-        prefill.digest("r13", [1])
+        prefill.digest("r13", [1], P["r13"][:len([1])])
         h = VllmHandover(**asdict(read_source("p2", str(tmp_path))), req="r13", blocks=[1],
                          lease_expires_unix=time.time() + 30)
-        r = other.pull(h, 0, [1], timeout=30)
+        r = other.pull(h, 0, [1], timeout=30, hashes=P["r13"])
         assert not r.ok and r.why == "refused"
     finally:
         other.close()
@@ -216,14 +234,14 @@ def test_owner_stamps_catch_a_wrong_or_undigested_block_but_not_changed_bytes(pa
     """handover_verify=owner: what it catches (a block that was not this request's when read) and
     what it leaves to the transport (bytes changed in place after the stamp: read as they are)."""
     prefill, decode, p_layers, d_layers, tmp = pair
-    prefill.digest("o1", [3, 4])
+    prefill.digest("o1", [3, 4], P["o1"][:len([3, 4])])
     wrong = handed(tmp, "o1", [4, 3])  # the blocks swapped: each stamp names the other block
-    r = decode.pull(wrong, 0, [10, 11], timeout=30)
+    r = decode.pull(wrong, 0, [10, 11], timeout=30, hashes=P["o1"])
     assert not r.ok and r.why == "corrupt"
-    r = decode.pull(handed(tmp, "o1", [3, 5]), 0, [10, 11], timeout=30)  # block 5 never stamped for o1
+    r = decode.pull(handed(tmp, "o1", [3, 5]), 0, [10, 11], timeout=30, hashes=P["o1"])  # block 5 never stamped for o1
     assert not r.ok and r.why == "corrupt"
     p_layers[1][4, 0, 0, 0] += 1
-    r = decode.pull(handed(tmp, "o1", [3, 4]), 0, [10, 11], timeout=30)
+    r = decode.pull(handed(tmp, "o1", [3, 4]), 0, [10, 11], timeout=30, hashes=P["o1"])
     assert r.ok and r.verify_seconds < 0.01
     assert torch.equal(d_layers[1][11], p_layers[1][4])
 
@@ -231,9 +249,9 @@ def test_owner_stamps_catch_a_wrong_or_undigested_block_but_not_changed_bytes(pa
 @pytest.mark.parametrize("pair", [(Verify.OWNER, Verify.BYTES)], indirect=True)
 def test_a_decode_that_verifies_bytes_refuses_owner_stamps_naming_the_setting(pair, caplog):
     prefill, decode, _, d_layers, tmp = pair
-    prefill.digest("o2", [1])
+    prefill.digest("o2", [1], P["o2"][:len([1])])
     with caplog.at_level("WARNING"):
-        r = decode.pull(handed(tmp, "o2", [1]), 0, [2], timeout=30)
+        r = decode.pull(handed(tmp, "o2", [1]), 0, [2], timeout=30, hashes=P["o2"])
     assert not r.ok and r.why == "refused" and not d_layers[0][2].any()
     assert "handover_verify" in caplog.text
 
@@ -241,3 +259,66 @@ def test_a_decode_that_verifies_bytes_refuses_owner_stamps_naming_the_setting(pa
 def test_an_unknown_verify_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="handover_verify='crc'"):
         Handover(kv(2), "bad-mode", str(tmp_path), "crc")
+
+
+@BOTH_MODES
+def test_a_block_in_the_wrong_place_never_passes(pair):
+    """Each digest names the prefix its block holds: a handover that lists the prompt's blocks
+    swapped, repeated or shifted (pulled from the wrong place) is refused in both modes."""
+    prefill, decode, _, d_layers, tmp = pair
+    prefill.digest("w1", [7, 3, 12, 0], P["w1"][:4])
+    for blocks, first in (([3, 7, 12, 0], 0), ([7, 7, 12, 0], 0), ([12, 0], 0), ([3, 12, 0], 1)):
+        h = handed(tmp, "w1", blocks)
+        n = len(blocks) - first
+        r = decode.pull(h, first, list(range(20, 20 + n)), timeout=30, hashes=P["w1"])
+        assert not r.ok and r.why == "corrupt", (blocks, first, r)
+    assert decode.pull(handed(tmp, "w1", [7, 3, 12, 0]), 0, [20, 21, 22, 23], timeout=30, hashes=P["w1"]).ok
+    assert decode.pull(handed(tmp, "w1", [7, 3, 12, 0]), 1, [24, 25, 26], timeout=30, hashes=P["w1"]).ok
+
+
+@BOTH_MODES
+def test_prompts_sharing_a_prefix_block_both_hand_it_over(pair):
+    """vLLM's prefix cache gives two prompts with a common first block the same physical block;
+    its one digest slot serves both, and one hold ending keeps it while the other's goes on."""
+    prefill, decode, p_layers, d_layers, tmp = pair
+    shared = P["s1"][:1]
+    second = [shared[0]] + P["s2"][1:2]  # not a real chain, but any hash names a block's prefix
+    prefill.digest("s1", [4, 9], P["s1"][:2])
+    prefill.digest("s2", [4, 10], second)
+    prefill.hold("s1", time.time() + 30)
+    prefill.hold("s2", time.time() + 30)
+    assert decode.pull(handed(tmp, "s1", [4, 9]), 0, [1, 2], timeout=30, hashes=P["s1"]).ok
+    decode.send_releases()
+    wait_until("s1 released", lambda: released(prefill, "s1"), timeout=30, every=0.01)
+    assert decode.pull(handed(tmp, "s2", [4, 10]), 0, [3, 5], timeout=30, hashes=second).ok
+    for p, d in zip(p_layers, d_layers):
+        assert torch.equal(d[[1, 2, 3, 5]], p[[4, 9, 4, 10]])
+
+
+@BOTH_MODES
+def test_a_hold_that_ended_takes_its_digests_with_it(pair):
+    """Once decode released a handover (or its lease ended on the prefill), its blocks may be
+    reused before a new prompt's digests reach them: a late or repeated read of the old payload
+    is refused whatever decode's clock says about the lease."""
+    prefill, decode, p_layers, _, tmp = pair
+    prefill.digest("e1", [6, 7], P["e1"][:2])
+    prefill.hold("e1", time.time() + 30)
+    assert decode.pull(handed(tmp, "e1", [6, 7]), 0, [1, 2], timeout=30, hashes=P["e1"]).ok
+    decode.send_releases()
+    wait_until("e1 released", lambda: released(prefill, "e1"), timeout=30, every=0.01)
+    for layer in p_layers:
+        layer[6].normal_()  # vLLM reused the block; its new prompt is not digested yet
+    r = decode.pull(handed(tmp, "e1", [6, 7]), 0, [1, 2], timeout=30, hashes=P["e1"])
+    assert not r.ok and r.why == "corrupt"
+    prefill.digest("e2", [3], P["e2"][:1])
+    prefill.hold("e2", time.time() + 0.2)
+    wait_until("e2 expired", lambda: released(prefill, "e2"), timeout=30, every=0.01)
+    r = decode.pull(handed(tmp, "e2", [3]), 0, [4], timeout=30, hashes=P["e2"])  # payload lease still 30 s
+    assert not r.ok and r.why == "corrupt"
+
+
+def test_a_decode_prompt_shorter_than_the_read_is_refused(pair):
+    prefill, decode, *_, tmp = pair
+    prefill.digest("h1", [1, 2, 3], P["h1"][:3])
+    r = decode.pull(handed(tmp, "h1", [1, 2, 3]), 0, [4, 5, 6], timeout=30, hashes=P["h1"][:2])
+    assert not r.ok and r.why == "refused"

@@ -80,17 +80,24 @@ def kv_block_checksums(layers: Sequence[torch.Tensor], blocks: Sequence[int]) ->
     n = len(blocks)
     if not n:
         return np.empty(0, dtype=np.uint64)
+    if not layers or layers[0].dim() < 1:
+        raise ValueError("block checksums need at least one KV tensor of [blocks, ...]")
     t = layers[0]
-    ids = np.asarray(blocks, dtype=np.int64)
+    # The native call reads raw memory: every layer the same shape (block count included), and
+    # integer ids inside it, or it would read past a layer's end.
+    if any(x.shape != t.shape or x.dtype != t.dtype or x.device != t.device or not x.is_contiguous() for x in layers):
+        raise ValueError("every layer's KV tensor must be contiguous with the same shape, dtype and device")
+    ids = np.asarray(blocks)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"block ids must be a flat sequence of integers, got {ids.dtype} of shape {ids.shape}")
     if int(ids.min()) < 0 or int(ids.max()) >= t.shape[0]:
         raise ValueError(f"block ids must be in [0, {t.shape[0]})")
+    ids = ids.astype(np.int64)
     if t.is_cuda:
         index = torch.as_tensor(ids, device=t.device)
         layers = [x[index].cpu() for x in layers]
         ids = np.arange(n, dtype=np.int64)
     bb = layers[0][0].nbytes
-    if any(x.shape[1:] != layers[0].shape[1:] or x.dtype != layers[0].dtype or not x.is_contiguous() for x in layers):
-        raise ValueError("every layer's KV tensor must be contiguous with the same block shape and dtype")
     addrs = np.fromiter((x.data_ptr() for x in layers), dtype=np.uint64, count=len(layers))
     return _native.kv_block_checksums(addrs, bb, ids.astype(np.uint64))
 

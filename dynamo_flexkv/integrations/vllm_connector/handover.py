@@ -64,13 +64,18 @@ class Verify:
     ALL = (BYTES, OWNER)
 
 
-def _owner_stamps(tag: np.uint64, blocks: Sequence[int], first: int = 0) -> np.ndarray:
-    """The OWNER digest of each prefill block of a prompt (``blocks`` from prompt block ``first``
-    on): its id and its place in the prompt, mixed with the request's tag."""
-    ids = np.asarray(blocks, dtype=np.uint64) + np.uint64(1)
-    places = np.arange(first + 1, first + 1 + len(ids), dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        return (ids * np.uint64(0x9E3779B97F4A7C15) + places * np.uint64(0xC2B2AE3D27D4EB4F)) ^ tag
+def _owner_stamps(tags: np.ndarray) -> np.ndarray:
+    """The OWNER digest of blocks whose content tags are ``tags`` (``_content_tags``)."""
+    return tags * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0xC2B2AE3D27D4EB4F)
+
+
+def _content_tags(hashes: Sequence[int]) -> np.ndarray:
+    """What each block's digest is mixed with: the sequence hash of the prompt up to and including
+    the block (core/hashing.py: token ids, block size, adapter and salt, chained), which both roles
+    compute from the prompt. A block's digest then says which prefix it holds the KV of: a block
+    in the wrong place, or reused for another prompt, never passes; prompts sharing a prefix block
+    (vLLM's prefix cache) write the same digest into its one slot, so neither loses the other's."""
+    return np.asarray(hashes, dtype=np.uint64)
 
 
 @dataclass(frozen=True)
@@ -154,13 +159,6 @@ def _field(name: str, d: Mapping[str, Any]) -> Any:
     raise KeyError(name)
 
 
-def _tag(req: str) -> np.uint64:
-    """What a block's digest is mixed with for one request, so a block the prefill reused for
-    another prompt never passes for this one (digest tables are per block, requests come and go)."""
-    import xxhash
-    return np.uint64(xxhash.xxh3_64_intdigest(req.encode("utf-8"), seed=0x51F7))
-
-
 def source_file(engine_id: str, run_dir: Optional[str]) -> str:
     """Where a prefill engine's worker leaves its SourceInfo for its scheduler (same machine)."""
     base = run_dir or os.environ.get("FLEXKV_RUN_DIR") or tempfile.gettempdir()
@@ -206,6 +204,9 @@ class Handover:
         self._landed = self.agent.landed.numpy().view(np.uint64)
         self._holds: Dict[str, float] = {}  # request -> monotonic end of its lease
         self._early: Dict[str, float] = {}  # released before its hold arrived -> when seen
+        # request -> (its stamped blocks, the digests written, when): cleared when its hold ends
+        self._stamped: Dict[str, tuple] = {}
+        self._stampers: Dict[int, int] = {}  # block -> requests whose digests it carries (shared prefixes)
         self._done: Set[str] = set()
         self._releases: List[VllmHandover] = []  # decode: read (or given up), not yet released
         self._polled = 0.0
@@ -223,20 +224,47 @@ class Handover:
         os.replace(tmp, self.path)
         self._closed = False
 
-    def digest(self, req_id: str, blocks: Sequence[int]) -> None:
-        """Called once the blocks' bytes are final (after the forward that wrote them)."""
+    def digest(self, req_id: str, blocks: Sequence[int], hashes: Sequence[int]) -> None:
+        """Called once the blocks' bytes are final (after the forward that wrote them): ``blocks``
+        hold the prompt's first blocks, ``hashes`` their sequence hashes (``_content_tags``)."""
+        if len(hashes) != len(blocks):
+            raise ValueError(f"digest of {req_id}: {len(blocks)} blocks but {len(hashes)} hashes")
+        self._unstamp(req_id)
         if not blocks:
             return
-        tag = _tag(req_id)
+        ids = np.asarray(blocks, dtype=np.int64)
+        tags = _content_tags(hashes)
         if self.verify == Verify.OWNER:
-            self._table[np.asarray(blocks, dtype=np.int64)] = _owner_stamps(tag, blocks)
+            values = _owner_stamps(tags)
         else:
-            self._table[np.asarray(blocks, dtype=np.int64)] = kv_block_checksums(self.agent.layers, blocks) ^ tag
+            values = kv_block_checksums(self.agent.layers, blocks) ^ tags
+        self._table[ids] = values
+        self._stamped[req_id] = (ids, values, time.monotonic())
+        for b in set(ids.tolist()):
+            self._stampers[b] = self._stampers.get(b, 0) + 1
+
+    def _unstamp(self, req_id: str) -> None:
+        """A request's hold ended: its digests leave the table (unless another request whose hold
+        goes on carries the same block, or the block was digested again since), so a read of the
+        freed blocks can no longer pass whatever decode's clock says about the lease."""
+        got = self._stamped.pop(req_id, None)
+        if got is None:
+            return
+        ids, values, _ = got
+        for b, v in zip(ids.tolist(), values.tolist()):
+            left = self._stampers.get(b, 0) - 1
+            if left > 0:
+                self._stampers[b] = left
+                continue
+            self._stampers.pop(b, None)
+            if int(self._table[b]) == v:
+                self._table[b] = 0
 
     def hold(self, req_id: str, lease_expires_unix: float) -> None:
         if self._early.pop(req_id, None) is not None:
             self.released += 1
             self._done.add(req_id)
+            self._unstamp(req_id)
             return
         left = lease_expires_unix - time.time()
         self._holds[req_id] = time.monotonic() + (min(max(0.0, left), MAX_HOLD_S) if math.isfinite(left) else 0.0)
@@ -258,6 +286,7 @@ class Handover:
             if self._holds.pop(rid, None) is not None:
                 self.released += 1
                 self._done.add(rid)
+                self._unstamp(rid)
             else:
                 self._early[rid] = now
         for rid, end in list(self._holds.items()):
@@ -265,20 +294,31 @@ class Handover:
                 del self._holds[rid]
                 self.expired += 1
                 self._done.add(rid)
+                self._unstamp(rid)
                 log.warning("FlexKVConnector: handover lease of request %s ended before a decode worker released "
                             "it; its blocks are freed", rid)
         for rid, seen in list(self._early.items()):  # a release whose hold never came (aborted request)
             if now - seen > 600:
                 del self._early[rid]
+        for rid, (_, _, when) in list(self._stamped.items()):  # digested, never held (aborted): no payload
+            if rid not in self._holds and now - when > 600:
+                self._unstamp(rid)
         out, self._done = self._done, set()
         return out
 
-    def pull(self, h: VllmHandover, first: int, local_blocks: Sequence[int], timeout: float) -> PullResult:
-        """Reads prompt blocks [first, first + len(local_blocks)) of ``h`` into ``local_blocks``.
+    def pull(self, h: VllmHandover, first: int, local_blocks: Sequence[int], timeout: float,
+             hashes: Sequence[int]) -> PullResult:
+        """Reads prompt blocks [first, first + len(local_blocks)) of ``h`` into ``local_blocks``;
+        ``hashes``: the sequence hash of each full block of decode's own prompt, from block 0.
         Whatever the outcome, the prefill's release is queued for ``send_releases`` (after the
         forward: the notice is not on the prompt's critical path)."""
         self._releases.append(h)
         remote = h.blocks[first:first + len(local_blocks)] if first >= 0 else []
+        tags = _content_tags(hashes[first:first + len(local_blocks)]) if first >= 0 else _content_tags([])
+        if len(remote) == len(local_blocks) and len(tags) != len(local_blocks):
+            log.warning("FlexKVConnector: handover of %s refused: this worker's prompt has %d full blocks, the read "
+                        "names prompt blocks %d-%d; recomputing", h.req, len(hashes), first, first + len(local_blocks))
+            return PullResult(False, why="refused")
         if len(remote) != len(local_blocks) or len(set(local_blocks)) != len(local_blocks) \
                 or (tuple(h.block_shape), h.dtype) != self.layout:
             log.warning("FlexKVConnector: handover of %s refused: %d local blocks for %d remote ones (distinct: %s), "
@@ -302,14 +342,13 @@ class Handover:
         ids = np.asarray(local_blocks, dtype=np.int64)
         bad: List[int] = []
         verify_s = [0.0]
-        tag = _tag(h.req)
 
         def verify(a: int, b: int) -> None:  # one chunk, while the next ones still move
             v0 = time.perf_counter()
             if h.verify == Verify.OWNER:
-                got = _owner_stamps(tag, remote[a:b], first + a)
+                got = _owner_stamps(tags[a:b])
             else:
-                got = kv_block_checksums(self.agent.layers, local_blocks[a:b]) ^ tag
+                got = kv_block_checksums(self.agent.layers, local_blocks[a:b]) ^ tags[a:b]
             bad.extend(a + int(i) for i in np.flatnonzero(got != self._landed[ids[a:b]]))
             verify_s[0] += time.perf_counter() - v0
         # Chunks only let a byte verify overlap the rest of the read; an owner check has nothing to

@@ -47,8 +47,9 @@ class FlexKVMetadata(KVConnectorMetadata):
     loads: List[LoadSpec] = field(default_factory=list)
     saves: List[SaveSpec] = field(default_factory=list)
     # Handover, prefill side (handover.py): blocks to digest once this step's forward wrote them
-    # (request, block ids), and finished requests whose blocks wait for decode (request, lease end).
-    digests: List[Tuple[str, List[int]]] = field(default_factory=list)
+    # (request, block ids, their sequence hashes), and finished requests whose blocks wait for
+    # decode (request, lease end).
+    digests: List[Tuple[str, List[int], List[int]]] = field(default_factory=list)
     holds: List[Tuple[str, float]] = field(default_factory=list)
 
 

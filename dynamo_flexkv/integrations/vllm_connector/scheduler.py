@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
 from dynamo_flexkv.integrations.vllm_connector.handover import KEY, SourceInfo, VllmHandover, read_source
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient
@@ -160,7 +161,12 @@ class SchedulerSide:
         for rid, (request, ids) in self._prefills.items():
             n = scheduled.get(rid, 0)
             if n and request.num_computed_tokens + n >= request.num_prompt_tokens:
-                self._digests.append((rid, ids[: request.num_prompt_tokens // self.bs]))
+                n = request.num_prompt_tokens // self.bs
+                # Each block's digest names the prefix it holds (handover.py _content_tags), as
+                # decode hashes its own prompt.
+                hashes = block_hashes(request.prompt_token_ids[: n * self.bs], self.bs, lora_name=_lora(request),
+                                      cache_salt=request.cache_salt).sequence.tolist()
+                self._digests.append((rid, ids[:n], hashes))
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self.client.forget(request.request_id)

@@ -20,6 +20,7 @@ from typing import Any, Deque, Dict, List, Optional, Set
 import torch
 
 from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.core.manager import KVManager
 from dynamo_flexkv.core.offload import EngineOffload
 from dynamo_flexkv.core.stats import ManagerStats
@@ -198,7 +199,9 @@ class WorkerSide:
             self._fail(spec, 0)
             self.counters.handover_failures += 1
             return
-        r = self.handover.pull(spec.handover, spec.skip_blocks, local, self.s.load_timeout_s)
+        hashes = block_hashes(spec.token_ids, self.s.block_size, lora_name=spec.lora_name,
+                              cache_salt=spec.cache_salt).sequence
+        r = self.handover.pull(spec.handover, spec.skip_blocks, local, self.s.load_timeout_s, hashes)
         self.counters.handover_bytes += r.nbytes
         self.counters.handover_seconds += r.seconds
         if r.ok:
@@ -241,8 +244,8 @@ class WorkerSide:
     def end_step(self) -> None:
         """Collects this step's loads: after this no copy writes vLLM's blocks. Digests the
         handover blocks whose last bytes this step's forward wrote."""
-        for req_id, blocks in self._digest_after:
-            self.handover.digest(req_id, blocks)
+        for req_id, blocks, hashes in self._digest_after:
+            self.handover.digest(req_id, blocks, hashes)
         self._digest_after = []
         if self.handover is not None:
             self.handover.send_releases()
