@@ -322,3 +322,36 @@ def test_a_decode_prompt_shorter_than_the_read_is_refused(pair):
     prefill.digest("h1", [1, 2, 3], P["h1"][:3])
     r = decode.pull(handed(tmp, "h1", [1, 2, 3]), 0, [4, 5, 6], timeout=30, hashes=P["h1"][:2])
     assert not r.ok and r.why == "refused"
+
+
+@BOTH_MODES
+def test_a_block_digested_again_for_another_prefix_clears_when_that_hold_ends(pair):
+    """Carriers are counted per (block, digest): an earlier request's stamp on a block that was
+    then digested for another prefix (never held, or its hold still on) does not keep the later
+    request's digest in the table after the later hold ended."""
+    prefill, decode, p_layers, _, tmp = pair
+    prefill.digest("a1", [5], P["a1"][:1])  # never held (aborted)
+    prefill.digest("a2", [6], P["a2"][:1])
+    prefill.hold("a2", time.time() + 30)
+    for layer in p_layers:
+        layer[5].normal_()
+        layer[6].normal_()
+    prefill.digest("b1", [5], P["b1"][:1])
+    prefill.digest("b2", [6], P["b2"][:1])  # a2's hold still on, its block reused (a bug upstream)
+    for req in ("b1", "b2"):
+        prefill.hold(req, time.time() + 30)
+        assert decode.pull(handed(tmp, req, [5 if req == "b1" else 6]), 0, [1], timeout=30, hashes=P[req]).ok
+    decode.send_releases()
+    seen: set = set()
+    wait_until("b1, b2 released", lambda: seen.update(prefill.finished()) or {"b1", "b2"} <= seen, timeout=30,
+               every=0.01)
+    for req, block in (("b1", 5), ("b2", 6)):
+        r = decode.pull(handed(tmp, req, [block]), 0, [2], timeout=30, hashes=P[req])
+        assert not r.ok and r.why == "corrupt", (req, r)
+
+
+def test_digest_refuses_repeated_or_outside_block_ids(pair):
+    prefill, *_ = pair
+    for bad in ([5, 5], [-1], [BLOCKS]):
+        with pytest.raises(ValueError, match="distinct and in"):
+            prefill.digest("d1", bad, P["d1"][:len(bad)])

@@ -27,7 +27,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -206,7 +206,8 @@ class Handover:
         self._early: Dict[str, float] = {}  # released before its hold arrived -> when seen
         # request -> (its stamped blocks, the digests written, when): cleared when its hold ends
         self._stamped: Dict[str, tuple] = {}
-        self._stampers: Dict[int, int] = {}  # block -> requests whose digests it carries (shared prefixes)
+        # (block, digest) -> requests that wrote it and whose hold has not ended (shared prefixes)
+        self._stampers: Dict[Tuple[int, int], int] = {}
         self._done: Set[str] = set()
         self._releases: List[VllmHandover] = []  # decode: read (or given up), not yet released
         self._polled = 0.0
@@ -230,9 +231,11 @@ class Handover:
         if len(hashes) != len(blocks):
             raise ValueError(f"digest of {req_id}: {len(blocks)} blocks but {len(hashes)} hashes")
         self._unstamp(req_id)
-        if not blocks:
+        if not len(blocks):
             return
         ids = np.asarray(blocks, dtype=np.int64)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.agent.num_blocks or len(set(ids.tolist())) != len(ids):
+            raise ValueError(f"digest of {req_id}: block ids must be distinct and in [0, {self.agent.num_blocks})")
         tags = _content_tags(hashes)
         if self.verify == Verify.OWNER:
             values = _owner_stamps(tags)
@@ -240,25 +243,26 @@ class Handover:
             values = kv_block_checksums(self.agent.layers, blocks) ^ tags
         self._table[ids] = values
         self._stamped[req_id] = (ids, values, time.monotonic())
-        for b in set(ids.tolist()):
-            self._stampers[b] = self._stampers.get(b, 0) + 1
+        for key in zip(ids.tolist(), values.tolist()):
+            self._stampers[key] = self._stampers.get(key, 0) + 1
 
     def _unstamp(self, req_id: str) -> None:
         """A request's hold ended: its digests leave the table (unless another request whose hold
-        goes on carries the same block, or the block was digested again since), so a read of the
-        freed blocks can no longer pass whatever decode's clock says about the lease."""
+        goes on wrote the same digest into the same block: a shared prefix), so a read of the
+        freed blocks can no longer pass whatever decode's clock says about the lease. Counted per
+        (block, digest): a block digested again for another prefix clears when that one ends."""
         got = self._stamped.pop(req_id, None)
         if got is None:
             return
         ids, values, _ = got
-        for b, v in zip(ids.tolist(), values.tolist()):
-            left = self._stampers.get(b, 0) - 1
+        for key in zip(ids.tolist(), values.tolist()):
+            left = self._stampers.get(key, 0) - 1
             if left > 0:
-                self._stampers[b] = left
+                self._stampers[key] = left
                 continue
-            self._stampers.pop(b, None)
-            if int(self._table[b]) == v:
-                self._table[b] = 0
+            self._stampers.pop(key, None)
+            if int(self._table[key[0]]) == key[1]:
+                self._table[key[0]] = 0
 
     def hold(self, req_id: str, lease_expires_unix: float) -> None:
         if self._early.pop(req_id, None) is not None:
@@ -314,7 +318,13 @@ class Handover:
         forward: the notice is not on the prompt's critical path)."""
         self._releases.append(h)
         remote = h.blocks[first:first + len(local_blocks)] if first >= 0 else []
-        tags = _content_tags(hashes[first:first + len(local_blocks)]) if first >= 0 else _content_tags([])
+        try:
+            tags = _content_tags(hashes[first:first + len(local_blocks)]) if first >= 0 else _content_tags([])
+            ids = np.asarray(local_blocks, dtype=np.int64)
+        except (OverflowError, ValueError, TypeError) as e:
+            log.warning("FlexKVConnector: handover of %s refused: bad block ids or prompt hashes (%s); recomputing",
+                        h.req, e)
+            return PullResult(False, why="refused")
         if len(remote) == len(local_blocks) and len(tags) != len(local_blocks):
             log.warning("FlexKVConnector: handover of %s refused: this worker's prompt has %d full blocks, the read "
                         "names prompt blocks %d-%d; recomputing", h.req, len(hashes), first, first + len(local_blocks))
@@ -339,7 +349,6 @@ class Handover:
                         h.req, h.lease_expires_unix - time.time())
             return PullResult(False, why="lease")
         t0 = time.perf_counter()
-        ids = np.asarray(local_blocks, dtype=np.int64)
         bad: List[int] = []
         verify_s = [0.0]
 
