@@ -4,7 +4,8 @@ Prefill (the request's kv_transfer_params say ``do_remote_decode``): in the step
 last prompt token, the worker half writes each full prompt block's digest into its digest table (a
 NIXL-registered array, one u64 per vLLM block) right after the forward, so the digests exist
 before the request's output leaves the engine. What a digest is follows ``handover_verify``
-(Verify): the xxh3 of the block's bytes over every layer, or only an owner stamp (request, block). When the request finishes, the scheduler half holds
+(Verify): the xxh3 of the block's bytes over every layer, or only a stamp, each mixed with the
+prefix hash of its block (_content_tags). When the request finishes, the scheduler half holds
 its blocks (request_finished returns True) and returns under ``flexkv_vllm_handover`` where they
 are: the worker's NIXL agent (name and metadata, from the file the worker wrote at registration),
 each layer's base address, the block ids, the digest table, the lease. The worker frees the blocks
@@ -51,13 +52,13 @@ class Verify:
     """What decode checks before vLLM computes on handed-over blocks (``handover_verify``).
 
     BYTES: every landed byte hashes (xxh3, all layers) to the digest the prefill wrote after its
-    forward, mixed with the request: catches bytes changed at the source or on the way, and a
+    forward, mixed with the block's prefix hash: catches bytes changed at the source or on the way, and a
     block reused for another prompt. It costs a second pass over the bytes on decode's core (and
     one on the prefill's, after its forward): on loopback shared memory as much CPU as half the
     read itself (docs/BENCHMARKS.md, bench disagg --vllm).
-    OWNER: only each block's owner stamp (request, block id), read in the same NIXL transfer: the
-    prefill's block still belonged to this request when it was read. With the lease check after
-    the read, this catches a wrong or reused block; it trusts the transport and the source memory
+    OWNER: only each block's stamp (its prefix hash, mixed), read in the same NIXL transfer: the
+    prefill's block held this prefix when it was read, and its hold had not ended (a hold's
+    digests leave the table when it ends). This catches a wrong, swapped or reused block; it trusts the transport and the source memory
     for the bytes themselves (TCP and RDMA checksum them on the wire; shared memory is a memcpy)."""
     BYTES = "bytes"
     OWNER = "owner"
