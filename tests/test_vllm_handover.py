@@ -355,3 +355,48 @@ def test_digest_refuses_repeated_or_outside_block_ids(pair):
     for bad in ([5, 5], [-1], [BLOCKS]):
         with pytest.raises(ValueError, match="distinct and in"):
             prefill.digest("d1", bad, P["d1"][:len(bad)])
+
+
+def test_releases_leave_from_an_agent_of_their_own_not_the_reading_one(pair):
+    """A release sent on the reading agent's endpoint left the next READ from that prefill in
+    progress for 5-15 ms on this host (bench disagg --vllm); the notices agent carries them."""
+    prefill, decode, p_layers, d_layers, tmp = pair
+    senders: dict = {}
+    for i, req in enumerate(("n1", "n2")):
+        prefill.digest(req, [i], P[req][:1])
+        prefill.hold(req, time.time() + 30)
+        assert decode.pull(handed(tmp, req, [i]), 0, [i + 4], timeout=30, hashes=P[req]).ok
+        decode.send_releases()
+        wait_until(f"{req}'s release", lambda: [senders.setdefault(k, []).extend(v) for k, v in
+                                                prefill.agent.agent.get_new_notifs().items()] and False
+                   or sum(map(len, senders.values())) > i, timeout=30, every=0.01)
+    assert list(senders) == [decode._notices.name] and decode.agent.name not in senders
+    assert all(torch.equal(d_layers[0][i + 4], p_layers[0][i]) for i in range(2))
+
+
+@BOTH_MODES
+def test_digests_in_a_transfer_of_their_own_verify_the_same(pair, monkeypatch):
+    """The digests ride in the KV's own transfer when both tables sit in host memory; where they
+    cannot (GPU KV) they go in a transfer of their own. Forced here on CPU: same checks, same bytes."""
+    prefill, decode, p_layers, d_layers, tmp = pair
+    monkeypatch.setattr(decode.agent, "_landed_base", None)
+    remote, local = [9, 2, 17], [3, 30, 8]
+    prefill.digest("s1", remote, P["s1"][:3])
+    assert decode.pull(handed(tmp, "s1", remote), 0, local, timeout=30, hashes=P["s1"]).ok
+    assert all(torch.equal(d[local], p[remote]) for p, d in zip(p_layers, d_layers))
+    r = decode.pull(handed(tmp, "s1", remote[::-1]), 0, local, timeout=30, hashes=P["s1"])
+    assert not r.ok and r.why == "corrupt"
+
+
+def test_a_notice_after_close_or_to_an_unknown_agent_is_false_not_raised(pair):
+    from dynamo_flexkv.integrations.disagg.nixl_kv import Notifier
+    prefill, decode, _, _, tmp = pair
+    n = Notifier("test-notices")
+    h = handed(tmp, "x1", [0])
+    assert n.notify(h, b"hello")
+    wait_until("the notice", lambda: prefill.agent.notifications() == [b"hello"], timeout=30, every=0.01)
+    from dataclasses import replace
+    assert not n.notify(replace(h, agent="no-such-agent", metadata=None), b"lost")
+    assert not n.notify(replace(h, agent="garbled", metadata="!!not base64!!"), b"lost")
+    n.close()
+    assert not n.notify(h, b"after close")
