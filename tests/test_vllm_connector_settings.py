@@ -19,9 +19,9 @@ def vllm_config(tmp_path, **extra):
 
 def test_defaults_and_handover_verify(tmp_path):
     s = ConnectorSettings.from_vllm(vllm_config(tmp_path), None)
-    assert s.handover is False and s.handover_verify == "bytes" and s.block_size == 16
-    s = ConnectorSettings.from_vllm(vllm_config(tmp_path, handover=True, handover_verify="owner"), None)
-    assert s.handover and s.handover_verify == "owner"
+    assert s.handover is False and s.handover_verify == "owner" and s.block_size == 16
+    s = ConnectorSettings.from_vllm(vllm_config(tmp_path, handover=True, handover_verify="bytes"), None)
+    assert s.handover and s.handover_verify == "bytes"
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -47,13 +47,18 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                         help="bench vllm: timed requests per case (default 3, --quick 2); bench disagg --vllm: timed handovers "
                              "per size (default 12, --quick 4)")
     parser.add_argument("--sizes", metavar="LIST",
-                        help="bench vllm: prompt sizes in tokens, e.g. 2k,8k (default 2k,8k,32k; --quick 2k,8k)")
+                        help="bench vllm: prompt sizes in tokens, e.g. 2k,8k (default 2k,8k,32k; --quick 2k,8k); "
+                             "bench disagg --vllm: handed-over prompt sizes (default 256,1k,2k with --model "
+                             "kv-llama-1b, 1k,4k,8000 with small)")
+    parser.add_argument("--model", metavar="PRESET",
+                        help="bench disagg --vllm: the model preset (configs/models) of both engines (default "
+                             "kv-llama-1b: a 1B model's KV, 32 KiB per token; small: the demo preset, 2 KiB)")
     parser.add_argument("--vllm", action="store_true",
                         help="bench disagg: the vLLM disagg graphs' handover (two vLLM engines, on loopback and, as "
                              "root, across network-namespace nodes) instead of the reference engine's cases")
-    parser.add_argument("--handover-verify", metavar="LIST", default="bytes,owner",
+    parser.add_argument("--handover-verify", metavar="LIST", default="owner,bytes",
                         help="bench disagg --vllm: the handover_verify modes to measure, each with its own engines "
-                             "(default bytes,owner)")
+                             "(default owner,bytes)")
     parser.add_argument("--compare-offloading-connector", action="store_true",
                         help="bench vllm: also vLLM's OffloadingConnector (CPU spec) on the same prompts "
                              "(CUDA/XPU only; skipped with a message on CPU)")

@@ -33,13 +33,14 @@ inter-token latency p50/p99 of graphs/disagg_vllm.py against graphs/agg_vllm.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.bench.vllm_engine import READY, RESULT
@@ -48,16 +49,21 @@ from dynamo_flexkv.integrations.vllm_connector.handover import KEY as HANDOVER_K
 
 MAX_MODEL_LEN = 8192
 BLOCK_SIZE = 64
+# Default model: a 1B model's KV per token (32 KiB) on a narrow body. A handover's fixed costs (its
+# checks, the digests, ~0.05-0.1 ms of CPU here) weigh on bytes per prompt, and the demo preset's
+# 2 KiB per token made a 1K-token handover 1.9 MiB: a 0.3 ms read, smaller than any real model's.
+MODEL = "kv-llama-1b"
+SIZES = {"kv-llama-1b": (256, 1024, 2048), "small": (1024, 4096, 8000)}
 SIDE_PORTS = {"prefill": 5631, "decode": 5632}  # NixlConnector's handshake listeners
 _held: Dict[str, Any] = {}  # in a worker process: its raw agent, the handover log
 
 
-def disagg_transfer_config(run_dir: str, lease_s: float = 30.0, verify: str = "bytes") -> Dict[str, Any]:
+def disagg_transfer_config(run_dir: str, lease_s: float = 30.0, verify: str = "owner") -> Dict[str, Any]:
     """The disagg_vllm graph's kv_transfer_config, built as serve/vllm_worker.py builds it:
     FlexKVConnector first, carrying the handover; NixlConnector after it, as Dynamo requires."""
     from dynamo_flexkv.serve.vllm_worker import CONNECTOR, kv_transfer_config, nixl_connector
     extra = {"run_dir": run_dir, "handover": True, "handover_lease_s": lease_s}
-    if verify != "bytes":  # the graphs' default, left out as they leave it out
+    if verify != "owner":  # the graphs' default, left out as they leave it out
         extra["handover_verify"] = verify
     return kv_transfer_config([{**CONNECTOR, "kv_connector_extra_config": extra}, nixl_connector(lease_s)])
 
@@ -157,9 +163,11 @@ def serve(spec: Dict[str, Any]) -> None:
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc pickles this module's rpc_*
     role = spec["side"]
+    if spec.get("engine_core_cpus"):  # this process and its engine core; the worker binds its own (below)
+        os.sched_setaffinity(0, spec["engine_core_cpus"])
     llm = LLM(model=spec["model_dir"], load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
               block_size=BLOCK_SIZE, enforce_eager=True, kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
-              kv_transfer_config=disagg_transfer_config(spec["run_dir"], verify=spec.get("verify", "bytes")), seed=0,
+              kv_transfer_config=disagg_transfer_config(spec["run_dir"], verify=spec.get("verify", "owner")), seed=0,
               disable_log_stats=False)
     print(READY, flush=True)
     for line in sys.stdin:
@@ -210,7 +218,26 @@ def _placements(notes: List[str]):
         nodes.down()
 
 
-def _engines(workdir: str, model_dir: str, where: str, nodes, verify: str = "bytes") -> List[Any]:
+@contextlib.contextmanager
+def _off_decode_cores() -> Iterator[None]:
+    """This process's threads on the prefill's cores while it drives the engines (it parses each
+    prefill's answer while decode's step may already run), as its engines' schedulers are."""
+    cores = sorted(os.sched_getaffinity(0))
+    keep = cores[:max(1, len(cores) // 2)] if len(cores) > 1 else cores
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+
+    def pin(to) -> None:
+        for tid in tids:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, to)
+    pin(keep)
+    try:
+        yield
+    finally:
+        pin(cores)
+
+
+def _engines(workdir: str, model_dir: str, where: str, nodes, verify: str = "owner") -> List[Any]:
     from dynamo_flexkv.bench.vllm_pair import ServedEngine
     from dynamo_flexkv.bench.vllm_ttft import engine_env
 
@@ -225,17 +252,22 @@ def _engines(workdir: str, model_dir: str, where: str, nodes, verify: str = "byt
         half = max(1, len(cores) // 2)
         own = cores[:half] if i == 0 else (cores[half:] or cores)
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, own))
+        # Both engine cores (schedulers) on the prefill's cores, as on a GPU node where each has a
+        # core of its own: decode's spin-waits (sched_yield) for each step's result, and on its
+        # worker's core that spin took 20-80% of the core from the step's reads; the prefill's steps
+        # in a loop while it holds blocks for decode, so on decode's core it starved the handover.
+        sched_cores = cores[:half] if len(cores) > 1 else []
         host = "127.0.0.1" if node is None else node.address
         env.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(SIDE_PORTS[role]), VLLM_NIXL_SIDE_CHANNEL_HOST=host,
                    VLLM_HOST_IP=host, **({} if node is None else node.ucx_env()))
-        spec = {"side": role, "model_dir": str(model_dir), "run_dir": env["FLEXKV_RUN_DIR"], "kv_cache_bytes": 256 << 20,
-                "verify": verify}
+        spec = {"side": role, "model_dir": str(model_dir), "run_dir": env["FLEXKV_RUN_DIR"], "kv_cache_bytes": 512 << 20,
+                "verify": verify, "engine_core_cpus": sched_cores}
         out.append(ServedEngine(name, spec, env, workdir, module=__name__, wrap=() if node is None else node.argv([])))
     return out
 
 
 def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: int, seed: int,
-                    link: Optional[tuple], verify: str = "bytes") -> List[Case]:
+                    link: Optional[tuple], verify: str = "owner", model: str = MODEL) -> List[Case]:
     import random
 
     rng = random.Random(seed)
@@ -269,7 +301,7 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
                 between.append(got["raw"]["seconds"])
         t_ours, t_raw, t_between = statistics.median(ours), statistics.median(raw), statistics.median(between)
         label = f"{round(size / 1024)}K" if size >= 1024 else str(size)  # 8000 tokens: 8K
-        note = (f"handover_verify={verify}, {nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (read + verify; the verify "
+        note = (f"{model}, handover_verify={verify}, {nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (read + verify; the verify "
                 f"{statistics.median(verify_s) * 1e3:.2f} ms) vs {t_raw * 1e3:.2f} ms raw in the same step "
                 f"({t_between * 1e3:.2f} ms raw between steps, own agents and buffers: ratio {t_between / t_ours:.2f}), "
                 f"{blocks * len(raw_p['layer_addrs'])} descriptors each, medians of {repeat}; median of the per-step "
@@ -278,8 +310,9 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
         if link:
             after = link[0].link_bytes(link[1].name)
             note += f"; node C's link received {after['rx'] - link_before['rx']:,} B"
-        mode = "" if verify == "bytes" else f"{verify}-"
-        cases.append(Case("disagg", f"vllm-{where}-handover-{mode}{label}", nbytes / t_ours / 1e9, nbytes / t_raw / 1e9,
+        mode = f"{verify}-"
+        model_tag = "" if model == MODEL else f"-{model}"
+        cases.append(Case("disagg", f"vllm-{where}-handover-{mode}{label}{model_tag}", nbytes / t_ours / 1e9, nbytes / t_raw / 1e9,
                           "GB/s", "raw NIXL READ, same blocks, same agents, same engine step", note))
     return cases
 
@@ -288,14 +321,21 @@ def run(args: argparse.Namespace) -> List[Case]:
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
-    sizes = [1024, 4096] if args.quick else [1024, 4096, 8000]
+    from dynamo_flexkv.bench.vllm_ttft import parse_sizes
+
+    model = getattr(args, "model", None) or MODEL
+    sizes = list(SIZES.get(model, SIZES[MODEL]))
+    sizes = parse_sizes(args.sizes) if getattr(args, "sizes", None) else (sizes[:2] if args.quick else sizes)
+    if max(sizes) >= MAX_MODEL_LEN:
+        raise SystemExit(f"bench disagg --vllm: --sizes {max(sizes)} tokens: the engines hold at most "
+                         f"{MAX_MODEL_LEN - 1} (max_model_len {MAX_MODEL_LEN})")
     repeat = args.repeat or (4 if args.quick else 12)
     workdir = tempfile.mkdtemp(prefix="flexkv-bench-disagg-vllm-", dir=getattr(args, "dir", None))
-    model_dir = write_model_dir(EngineModelConfig.preset("small"), os.path.join(workdir, "model"),
+    model_dir = write_model_dir(EngineModelConfig.preset(model), os.path.join(workdir, "model"),
                                 context_length=MAX_MODEL_LEN)
     notes: List[str] = []
     cases: List[Case] = []
-    modes = [m.strip() for m in (getattr(args, "handover_verify", None) or "bytes").split(",") if m.strip()]
+    modes = [m.strip() for m in (getattr(args, "handover_verify", None) or "owner").split(",") if m.strip()]
     bad = [m for m in modes if m not in ("bytes", "owner")]
     if bad or not modes:
         raise SystemExit(f"bench disagg --vllm: --handover-verify {bad or modes}: expected bytes and/or owner")
@@ -306,7 +346,9 @@ def run(args: argparse.Namespace) -> List[Case]:
                 for e in engines:
                     e.wait_ready(600)
                 link = (nodes, pair[1]) if nodes else None
-                cases += _handover_cases(where, *engines, sizes, repeat, seed=11, link=link, verify=verify)
+                with _off_decode_cores():
+                    cases += _handover_cases(where, *engines, sizes, repeat, seed=11, link=link, verify=verify,
+                                             model=model)
             finally:
                 for e in engines:
                     e.stop()

@@ -194,7 +194,7 @@ class Handover:
     the decode half (pull, verify); a worker uses the half of its role."""
 
     def __init__(self, layers: Sequence[Any], engine_id: str, run_dir: Optional[str],
-                 verify: str = Verify.BYTES) -> None:
+                 verify: str = Verify.OWNER) -> None:
         import uuid
         if verify not in Verify.ALL:
             raise ValueError(f"handover_verify={verify!r}: expected one of {Verify.ALL}")

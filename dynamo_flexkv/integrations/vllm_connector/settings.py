@@ -21,9 +21,10 @@ EXTRA_KEYS: Dict[str, tuple] = {
     "handover": (bool, False, "disaggregated workers: carry the prefill->decode handover (NIXL READ of the prefill's "
                               "blocks, verified by digest) instead of the next connector (docs/VLLM.md)"),
     "handover_lease_s": (float, 30.0, "prefill side: how long a finished request's blocks wait for decode's read"),
-    "handover_verify": (str, "bytes", "what decode checks before using handed-over blocks: bytes (xxh3 of every "
-                                      "byte, all layers) or owner (each block still belonged to the request when "
-                                      "read; trusts the transport for the bytes); the same on both roles"),
+    "handover_verify": (str, "owner", "what decode checks before using handed-over blocks: owner (each block still "
+                                      "held this prompt's prefix when read; trusts the transport and memory for the "
+                                      "bytes) or bytes (also the xxh3 of every byte, all layers: a second pass over "
+                                      "them on both roles); the same on both roles"),
     "run_dir": (str, None, "directory of the lookup socket (default $FLEXKV_RUN_DIR or the temp dir)"),
     "model_id": (str, None, "names the weights in the disk and remote tiers' fingerprints (default: the model path "
                             "or hub id with its revision, the load format, and for a local directory the names, "
@@ -45,7 +46,7 @@ class ConnectorSettings:
     drain_timeout_s: float = 20.0
     handover: bool = False
     handover_lease_s: float = 30.0
-    handover_verify: str = "bytes"
+    handover_verify: str = "owner"
     run_dir: Optional[str] = None
     model_id: str = ""
 
