@@ -14,13 +14,18 @@ repeat, a fresh prompt:
 * raw NIXL, the baseline: inside the same engine step, just before or just after the handover
   (alternating between repeats), one prepared NIXL READ of the same prefill blocks into the same
   decode blocks on the same two agents (bench/disagg.py's ``_RawRead``: no digests, no verify, no
-  bookkeeping). Same step, because vLLM's engine-core process spin-waits for the step's result, on
-  this machine on the decode worker's core, so a read inside a step gets a fraction of the core a
-  read between steps gets; same agents and blocks, because that is the same transfer (vLLM's blocks
-  for a request are cold in cache, where a bench buffer read over and over is warm).
+  bookkeeping). Same step, so both reads share the step's load; same agents and blocks, because
+  that is the same transfer (vLLM's blocks for a request are cold in cache, where a bench buffer
+  read over and over is warm).
 * beside it, between steps (``collective_rpc``, the engine idle): a NIXL agent of our own in each
   of the two worker processes (the prefill one over vLLM's KV tensors, the decode one over zeroed
   blocks of the same shape) READs the same blocks, after one untimed read warmed the source.
+
+The model is a preset of configs/models (``--model``, default ``kv-llama-1b``: Llama-3.2-1B's KV
+geometry, 32 KiB per token, on a narrow body so a CPU prefill stays short); sizes per model
+(``--sizes``). Each engine's worker runs on its own half of the cores; both engines' engine-core
+processes (which spin-wait for each step's result) and this process's threads during a handover
+case run on the prefill's half, as on a GPU node where each has a core of its own.
 
 Placements: ``loopback`` (both on 127.0.0.1; UCX picks its transports for both alike) and
 ``nodes`` (prefill on node B, decode on node C, network namespaces joined by veth pairs, UCX over
@@ -287,8 +292,11 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
             steps = [("handover", {"op": "handover", "prompt": prompt, "params": p["params"], **raw_cmd,
                                    "raw_first": i % 2 == 1}),
                      ("raw", {"op": "raw", **raw_cmd})]
+            # The step first, right after the prefill, whichever read leads in it: a read between
+            # steps just before the step sped up its first read over the nodes' link (the handover
+            # when it led: 120 vs 95 ms for 62 MiB; the raw read did not lead after one).
             got = {}
-            for what, cmd in (steps if i % 2 == 0 else steps[::-1]):
+            for what, cmd in steps:
                 got[what] = decode.call(cmd, 300, f"{what} of {size} tokens")
             h = got["handover"]
             if h["blocks"] != blocks or h["bytes"] != nbytes:
