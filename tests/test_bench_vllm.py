@@ -157,6 +157,25 @@ def test_bench_vllm_smoke(tmp_path):
         assert "OffloadingConnector (CPUOffloadingSpec) refuses it" in p.stdout
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "nope"], "unknown model preset 'nope'"),
+    (["--model", ""], "unknown model preset ''"),
+    (["--sizes", ""], "--sizes: no size given"),
+    (["--sizes", "abc"], "--sizes: 'abc' is not a token count"),
+    (["--sizes", "8k"], "--sizes 8192 tokens: the engines hold at most 8191"),
+    (["--repeat", "0"], "--repeat 0: needs at least 1"),
+    (["--repeat", "-1"], "--repeat -1: needs at least 1"),
+    (["--handover-verify", ""], "--handover-verify '': expected bytes and/or owner"),
+    (["--handover-verify", "owner,crc"], "--handover-verify 'owner,crc': expected bytes and/or owner"),
+])
+def test_bench_disagg_vllm_refuses_bad_arguments_before_starting_anything(tmp_path, argv, message):
+    from dynamo_flexkv.bench import vllm_disagg
+    args = build_parser().parse_args(["disagg", "--vllm", "--dir", str(tmp_path), *argv])
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+        vllm_disagg.run(args)
+    assert list(tmp_path.iterdir()) == []  # no work directory left behind
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_bench_disagg_vllm_smoke(tmp_path):
@@ -167,17 +186,19 @@ def test_bench_disagg_vllm_smoke(tmp_path):
     positive TTFT and inter-token latencies."""
     out = tmp_path / "disagg.jsonl"
     p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.bench", "disagg", "--vllm", "--quick", "--repeat", "2",
-                        "--json", str(out), "--dir", str(tmp_path)], capture_output=True, text=True, timeout=1500)
+                        "--handover-verify", "owner", "--json", str(out), "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
     where = ["loopback"] + (["nodes"] if os.geteuid() == 0 else [])
     serving = {f"vllm-serving-{m}-p{q}" for m in ("ttft", "itl") for q in (50, 99)}
-    assert set(rows) == {f"vllm-{w}-handover-{k}" for w in where for k in ("1K", "4K")} | serving, sorted(rows)
+    sizes = ("256", "1K")  # --quick: the default model's first two sizes
+    assert set(rows) == {f"vllm-{w}-handover-owner-{k}" for w in where for k in sizes} | serving, sorted(rows)
     for r in rows.values():
         assert r["unit"] == ("ms" if r["case"] in serving else "GB/s") and r["ours"] > 0 and r["baseline"] > 0
-    for k in ("1K", "4K"):
+    for k in sizes:
         if "nodes" in where:
-            note = rows[f"vllm-nodes-handover-{k}"]["note"]
+            note = rows[f"vllm-nodes-handover-owner-{k}"]["note"]
             mib = float(note.split(" MiB")[0])
             received = int(note.split("link received ")[1].split(" B")[0].replace(",", ""))
             # per round (3): a handover, a warm and a timed raw read, all over the link, none over shared memory

@@ -30,6 +30,8 @@ def test_defaults_and_handover_verify(tmp_path):
     ({"handover": "yes"}, "handover='yes' must be true or false"),
     ({"handover_lease_s": 0}, "handover_lease_s=0 must be a finite positive number"),
     ({"handover_verifi": "owner"}, r"unknown kv_connector_extra_config key\(s\) \['handover_verifi'\]"),
+    ({"handover_lease_s": 1e9}, "handover_lease_s=1000000000.0 is over 3600 s"),
+    ({"model_id": "  "}, "model_id='' names no weights"),
 ])
 def test_bad_values_are_refused_naming_the_key(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):

@@ -6,6 +6,7 @@ digest, an expired lease, a malformed or foreign payload) ends in a recompute, n
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -400,3 +401,24 @@ def test_a_notice_after_close_or_to_an_unknown_agent_is_false_not_raised(pair):
     assert not n.notify(replace(h, agent="garbled", metadata="!!not base64!!"), b"lost")
     n.close()
     assert not n.notify(h, b"after close")
+
+
+@BOTH_MODES
+def test_a_read_after_the_prefill_closed_is_refused_not_used(pair):
+    """A closed prefill worker's memory may still be readable (shared memory): its digest table is
+    cleared first, so a late read fails its check."""
+    prefill, decode, _, d_layers, tmp = pair
+    prefill.digest("c1", [3, 4], P["c1"][:2])
+    prefill.hold("c1", time.time() + 30)
+    h = handed(tmp, "c1", [3, 4])  # the source file goes with close
+    prefill.close()
+    r = decode.pull(h, 0, [1, 2], timeout=30, hashes=P["c1"])
+    assert not r.ok and r.why in ("corrupt", "failed")
+
+
+def test_no_prefix_hash_gives_an_owner_stamp_of_zero_the_cleared_slot():
+    from dynamo_flexkv.integrations.vllm_connector.handover import _owner_stamps
+    mul, add = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F
+    zero_before = (-add * pow(mul, -1, 2**64)) % 2**64  # the tag the plain affine map sent to 0
+    tags = np.array([zero_before, 0, 2**64 - 1, 12345], dtype=np.uint64)
+    assert (_owner_stamps(tags) != 0).all()

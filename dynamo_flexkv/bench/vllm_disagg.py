@@ -331,22 +331,33 @@ def run(args: argparse.Namespace) -> List[Case]:
 
     from dynamo_flexkv.bench.vllm_ttft import parse_sizes
 
-    model = getattr(args, "model", None) or MODEL
-    sizes = list(SIZES.get(model, SIZES[MODEL]))
-    sizes = parse_sizes(args.sizes) if getattr(args, "sizes", None) else (sizes[:2] if args.quick else sizes)
+    # Every argument checked before anything starts (or a temp dir is made).
+    model = getattr(args, "model", None)
+    model = MODEL if model is None else model
+    try:
+        preset = EngineModelConfig.preset(model)
+        sizes = list(SIZES.get(model, SIZES[MODEL]))
+        sizes = parse_sizes(args.sizes) if getattr(args, "sizes", None) is not None else (
+            sizes[:2] if args.quick else sizes)
+    except ValueError as e:
+        raise SystemExit(f"bench disagg --vllm: {e}") from None
     if max(sizes) >= MAX_MODEL_LEN:
         raise SystemExit(f"bench disagg --vllm: --sizes {max(sizes)} tokens: the engines hold at most "
                          f"{MAX_MODEL_LEN - 1} (max_model_len {MAX_MODEL_LEN})")
+    if args.repeat is not None and args.repeat < 1:
+        raise SystemExit(f"bench disagg --vllm: --repeat {args.repeat}: needs at least 1 timed handover per size")
     repeat = args.repeat or (4 if args.quick else 12)
-    workdir = tempfile.mkdtemp(prefix="flexkv-bench-disagg-vllm-", dir=getattr(args, "dir", None))
-    model_dir = write_model_dir(EngineModelConfig.preset(model), os.path.join(workdir, "model"),
-                                context_length=MAX_MODEL_LEN)
-    notes: List[str] = []
-    cases: List[Case] = []
-    modes = [m.strip() for m in (getattr(args, "handover_verify", None) or "owner").split(",") if m.strip()]
+    verify_arg = getattr(args, "handover_verify", None)
+    modes = list(dict.fromkeys(m.strip() for m in ("owner" if verify_arg is None else verify_arg).split(",")
+                               if m.strip()))
     bad = [m for m in modes if m not in ("bytes", "owner")]
     if bad or not modes:
-        raise SystemExit(f"bench disagg --vllm: --handover-verify {bad or modes}: expected bytes and/or owner")
+        raise SystemExit(f"bench disagg --vllm: --handover-verify {verify_arg!r}: expected bytes and/or owner, "
+                         f"comma-separated (e.g. owner,bytes)")
+    workdir = tempfile.mkdtemp(prefix="flexkv-bench-disagg-vllm-", dir=getattr(args, "dir", None))
+    model_dir = write_model_dir(preset, os.path.join(workdir, "model"), context_length=MAX_MODEL_LEN)
+    notes: List[str] = []
+    cases: List[Case] = []
     for where, nodes, pair in _placements(notes):
         for verify in modes:
             engines = _engines(workdir, model_dir, where, pair, verify)

@@ -82,7 +82,10 @@ def parse_sizes(text: str) -> List[int]:
         p = part.strip().lower()
         if not p:
             continue
-        n = int(p[:-1]) * 1024 if p.endswith("k") else int(p)
+        try:
+            n = int(p[:-1]) * 1024 if p.endswith("k") else int(p)
+        except ValueError:
+            raise ValueError(f"--sizes: {part!r} is not a token count (e.g. 2048 or 2k)") from None
         if n < 2 * BLOCK:
             raise ValueError(f"--sizes: {part!r} is below {2 * BLOCK} tokens (two {BLOCK}-token blocks)")
         out.append(n)

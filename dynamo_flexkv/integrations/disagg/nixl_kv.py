@@ -3,8 +3,9 @@ The decode worker READs blocks from the prefill worker's registered memory: UCX 
 transport the two processes share (shared memory or TCP here; RDMA, NVLink or CUDA IPC on GPU
 nodes), with the same descriptors. Both sides' KV is prepared once as a NIXL descriptor list with
 one descriptor per (layer, block) -- the local one at start, a peer's on its first handover -- so a
-pull is one ``make_prepped_xfer`` with two index arrays, and the lease release rides on the read
-as its completion notification. Requests are serialized per agent (NIXL 1.5.1 crashed with two
+pull is one ``make_prepped_xfer`` with two index arrays. The reference engine's lease release
+rides on the read as its completion notification; the vLLM connector's leaves after the step from
+a ``Notifier`` (below). Requests are serialized per agent (NIXL 1.5.1 crashed with two
 threads driving one agent, see transfer/nixl_mover.py)."""
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ import numpy as np
 
 from dynamo_flexkv.integrations.disagg.nixl_kv import HandoverFailed, KVAgent, Notifier, kv_block_checksums
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
+from dynamo_flexkv.integrations.vllm_connector.settings import MAX_LEASE_S
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,9 @@ RELEASE = b"flexkv-release:"  # + request id: decode is done with the prefill's 
 # A read goes as up to this many reads of consecutive blocks (at least 8 blocks each), so each
 # one's verify overlaps the transfer of the next.
 PULL_CHUNKS = 4
-LEASE_MARGIN_S = 0.5
-NOTICE_POLL_S = 0.005
-MAX_HOLD_S = 3600.0  # serve allows leases up to this long  # the prefill asks NIXL for release notices at most this often  # a read must end this long before the lease does (clock reads, the release's trip)
+LEASE_MARGIN_S = 0.5  # a read must end this long before the lease does (clock reads, the release's trip)
+NOTICE_POLL_S = 0.005  # the prefill asks NIXL for release notices at most this often
+MAX_HOLD_S = MAX_LEASE_S  # the longest a prefill holds a finished request's blocks
 
 
 class Verify:
@@ -66,8 +67,9 @@ class Verify:
 
 
 def _owner_stamps(tags: np.ndarray) -> np.ndarray:
-    """The OWNER digest of blocks whose content tags are ``tags`` (``_content_tags``)."""
-    return tags * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0xC2B2AE3D27D4EB4F)
+    """The OWNER digest of blocks whose content tags are ``tags`` (``_content_tags``); never 0,
+    the value of a cleared table slot (an ended hold), so no prefix hash can match a freed block."""
+    return (tags * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0xC2B2AE3D27D4EB4F)) | np.uint64(1)
 
 
 def _content_tags(hashes: Sequence[int]) -> np.ndarray:
@@ -402,6 +404,7 @@ class Handover:
         if self._closed:
             return
         self._closed = True
+        self._table[:] = 0  # a decode still reading this worker's memory fails its check from now on
         try:
             os.unlink(self.path)
         except OSError:

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+MAX_LEASE_S = 3600.0  # handover_lease_s's ceiling (serve's handover-lease-s too)
+
 # kv_connector_extra_config keys -> (field, type, default, what it does)
 EXTRA_KEYS: Dict[str, tuple] = {
     "layerwise": (bool, True, "load layer by layer, each attention layer waits only for its own layer"),
@@ -73,6 +75,12 @@ class ConnectorSettings:
                 value = float(value)
             if typ is str and not isinstance(value, str):
                 raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a string")
+            if key == "handover_lease_s" and value > MAX_LEASE_S:
+                raise ValueError(f"FlexKVConnector: kv_connector_extra_config handover_lease_s={value!r} is over "
+                                 f"{MAX_LEASE_S:.0f} s, the longest a prefill holds blocks for decode: lower it")
+            if key == "model_id" and not value.strip():
+                raise ValueError("FlexKVConnector: kv_connector_extra_config model_id='' names no weights (tiers "
+                                 "would share KV across models): name them, or leave the key out for the default")
             if key == "handover_verify" and value not in ("bytes", "owner"):
                 raise ValueError(f"FlexKVConnector: kv_connector_extra_config handover_verify={value!r} must be "
                                  "'bytes' or 'owner'")
