@@ -59,10 +59,12 @@ def assert_restored(r: dict, stored_blocks: int) -> None:
 
 @pytest.fixture(scope="module")
 def disk_run(model_dir, tmp_path_factory):
-    """One engine, two prompts: one loaded layerwise through disk, one whose disk copy is corrupted.
-    Host holds ~49 blocks: three later prompts push each 23-block prompt out, disk keeps it."""
-    return run_check(model_dir, tmp_path_factory.mktemp("disk"), layerwise=True, scenario="disk,corrupt-disk",
-                     host_gb=0.006, ssd_gb=0.1)
+    """One engine, a prompt per scenario: one loaded from host (it measures the host link for the
+    cost model), one loaded layerwise through disk, one whose disk copy is corrupted, then two
+    through a disk throttled below recompute. Host holds ~49 blocks: three later prompts push each
+    23-block prompt out, disk keeps it."""
+    return run_check(model_dir, tmp_path_factory.mktemp("disk"), layerwise=True,
+                     scenario="host,disk,corrupt-disk,slow-disk,slow-disk", host_gb=0.006, ssd_gb=0.1)
 
 
 def test_layerwise_load_from_disk_restores_vllms_bytes(disk_run):
@@ -77,6 +79,19 @@ def test_corrupt_disk_block_is_recomputed_with_the_same_tokens(disk_run):
     assert r["second_tokens"] == r["first_tokens"]
     rolled_back = r["tiers_after_load"]["host"]["rolled_back_blocks"] - r["tiers_before_load"]["host"]["rolled_back_blocks"]
     assert rolled_back == 23  # the staged host copies never became visible
+
+
+def test_cost_aware_loading_on_vllm_recomputes_a_prefix_that_loads_slower_than_it_computes(disk_run):
+    """vLLM's prefill steps are timed for the cost model (core/cost.py): with the disk throttled to
+    ten measured prefills per prefix read, the first prompt through it is still loaded (the model
+    knew a fast disk) and measures it; the next is recomputed, with the same tokens, and counted."""
+    learn, slow = disk_run["slow-disk"], disk_run["slow-disk-4"]
+    assert learn["throttle"]["prefill_s"] > 0 and learn["throttle"]["prefill_fits"] >= 1
+    assert learn["decisions"] == {"loaded/disk/faster": 23 * 64}  # measured, not cold start
+    assert_restored(learn, 23)
+    assert slow["decisions"] == {"recomputed/disk/slower": 23 * 64}
+    assert slow["second_cached"] == 0 and slow["loads"] == []
+    assert slow["second_tokens"] == slow["first_tokens"]
 
 
 @needs_redis
@@ -143,15 +158,18 @@ def test_lookup_answers_and_never_blocks_the_scheduler(tmp_path):
     endpoint = f"ipc://{tmp_path}/lookup.ipc"
     calls = []
 
-    def lookup(tokens, lora, salt):
-        calls.append((len(tokens), lora, salt))
+    def lookup(tokens, lora, salt, prompt_tokens):
+        calls.append((len(tokens), lora, salt, prompt_tokens))
         return len(tokens) // 2
 
     server = LookupServer(endpoint, lookup)
     client = LookupClient(endpoint, wait_s=5.0, give_up_s=10.0)
     try:
-        assert client.query("r1", list(range(128)), "lora-a", "salt") == 64
-        assert calls == [(128, "lora-a", "salt")]
+        # The whole prompt's length travels with its cached blocks: the cost model weighs loading
+        # them against recomputing them in a prompt that long.
+        assert client.query("r1", list(range(128)), "lora-a", "salt", 1000) == 64
+        assert client.query("r2", list(range(64))) == 32
+        assert calls == [(128, "lora-a", "salt", 1000), (64, None, None, 65)]
     finally:
         server.close()
         client.close()
@@ -170,7 +188,7 @@ def test_a_reset_reaches_the_worker_and_says_whether_it_happened(tmp_path):
             raise outcome
         return outcome
 
-    server = LookupServer(endpoint, lambda tokens, lora, salt: 64, reset)
+    server = LookupServer(endpoint, lambda tokens, lora, salt, prompt_tokens: 64, reset)
     client = LookupClient(endpoint, wait_s=0.0, give_up_s=10.0)
     try:
         assert client.query("r1", list(range(128))) is None  # asked; the answer comes during the reset
@@ -278,3 +296,49 @@ def test_tier_events_name_blocks_as_vllms_device_events_do():
     q.on_removed(Tier.DISK, [13, 12, 11])
     q.on_removed(Tier.HOST, [11])
     assert q.take() is not None and q.known_blocks(Tier.HOST) == 0 and q.named_blocks == 0  # names dropped with the blocks
+
+
+def test_only_steps_where_every_request_prefills_are_timed_for_the_cost_model(tmp_path):
+    """The scheduler names the steps whose forward is pure prompt compute (what the cost model
+    weighs loads against): not a step with a decoding request, nor a request without token ids."""
+    from types import SimpleNamespace as NS
+    from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
+    from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+
+    side = SchedulerSide(ConnectorSettings(block_size=64, num_blocks=100, engine_id="e", run_dir=str(tmp_path)))
+
+    def step(new=(), cached=(), tokens=0):
+        cached = NS(req_ids=[c[0] for c in cached], num_output_tokens=[c[1] for c in cached],
+                    resumed_req_ids=set(), new_block_ids=[None] * len(cached))
+        out = NS(scheduled_new_reqs=[NS(req_id=r, prompt_token_ids=ids, block_ids=([],)) for r, ids in new],
+                 scheduled_cached_reqs=cached, num_scheduled_tokens={}, total_num_scheduled_tokens=tokens)
+        return side.build_meta(out).prefill
+
+    try:
+        assert step(new=[("a", list(range(3000))), ("b", list(range(700)))], tokens=2048) == (2048, 3000)
+        assert step(cached=[("a", 0)], tokens=952) == (952, 3000)  # a's next chunk
+        assert step(cached=[("a", 1), ("b", 0)], tokens=2) is None  # a decodes now
+        assert step(new=[("e", None)], tokens=16) is None  # prompt embeddings: no token ids
+        side.request_finished(NS(request_id="a", all_token_ids=[], num_computed_tokens=0,
+                                 lora_request=None, cache_salt=None, prompt_embeds=None), [])
+        assert step(cached=[("a", 0)], tokens=5) is None  # a finished: unknown here, not guessed
+        assert step() is None
+    finally:
+        side.close()
+
+
+def test_the_step_clock_times_what_it_was_told_to_and_nothing_else():
+    from dynamo_flexkv.integrations.vllm_connector.step_clock import StepClock
+
+    clock = StepClock(cuda=False)
+    clock.end((64, 64))  # no begin: nothing to time
+    clock.begin()
+    clock.end(None)  # a step that decoded or loaded
+    clock.begin()
+    x = torch.randn(256, 256)
+    for _ in range(20):
+        x = x @ x.T / 256
+    clock.end((512, 4096))
+    steps = clock.take()
+    assert [(s.tokens, s.prompt_tokens) for s in steps] == [(512, 4096)] and steps[0].seconds > 0
+    assert clock.take() == []

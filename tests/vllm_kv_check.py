@@ -8,7 +8,10 @@ Scenarios: ``host`` (computed, device cache reset and zeroed, loaded from host),
 out of a small host tier by other prompts: loaded through disk), ``corrupt-disk`` (bytes of every
 disk block flipped after they were written: the load fails verification, vLLM recomputes, same
 tokens), ``remote`` (no disk: loaded from a Redis remote tier), ``remote-down`` (that Redis is
-SIGKILLed before the load: recomputed, same tokens, nothing hangs)."""
+SIGKILLed before the load: recomputed, same tokens, nothing hangs), ``slow-disk`` (as disk, with
+the disk's reads throttled to ``--slow-factor`` times the prefill time the connector measured:
+the first such prompt is loaded and teaches the cost model the slow disk, a later one is
+recomputed instead, with the same tokens)."""
 
 from __future__ import annotations
 
@@ -40,6 +43,25 @@ def _disk_files(worker):
     conn.drain(60)  # the disk writes run behind the store
     s = conn.tier_stats().as_dict()
     return conn.tier_files(), {t: s[t] for t in ("host", "disk", "remote") if t in s}
+
+
+def _throttle_disk(worker, factor: float, prompt_tokens: int, prefix_bytes: int) -> dict:
+    """Stretches every disk read so that reading ``prefix_bytes`` takes ``factor`` times the
+    prefill of a ``prompt_tokens`` prompt, as the connector measured it; the cost model's view."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from dynamo_flexkv.bench.throttled import ThrottledDisk
+    from dynamo_flexkv.core.transfer.graph import OpKind
+    kv = get_kv_transfer_group()._worker.kv
+    prefill_s = kv.cost.prefill_seconds(prompt_tokens, prompt_tokens)
+    movers = kv.transfer.movers
+    if prefill_s and not isinstance(movers[OpKind.DISK2H], ThrottledDisk):
+        movers[OpKind.DISK2H] = ThrottledDisk(movers[OpKind.DISK2H], prefix_bytes / (factor * prefill_s))
+    return {"prefill_s": prefill_s, "prefill_fits": len(kv.cost.prefill)}
+
+
+def _prefix_tokens(worker) -> dict:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    return dict(get_kv_transfer_group().tier_stats().prefix_tokens)
 
 
 def run_scenario(llm, scenario: str, rnd: random.Random, a) -> dict:
@@ -81,14 +103,23 @@ def run_scenario(llm, scenario: str, rnd: random.Random, a) -> dict:
     if scenario == "remote-down":
         import signal
         os.kill(a.kill_pid, signal.SIGKILL)
+    throttle = None
+    if scenario == "slow-disk":
+        throttle = llm.collective_rpc(_throttle_disk, args=(a.slow_factor, a.prompt_tokens,
+                                                            len(stored) * a.block_bytes))[0]
     llm.reset_prefix_cache()
     llm.collective_rpc(_zero)
     before_load = len(log())
+    decided = llm.collective_rpc(_prefix_tokens)[0]
     second = llm.generate([{"prompt_token_ids": prompt}], sp)[0]
     loads = [r for r in log()[before_load:] if r[0] == "load"]
     result = {"first_tokens": list(first.outputs[0].token_ids), "second_tokens": list(second.outputs[0].token_ids),
               "first_cached": first.num_cached_tokens, "second_cached": second.num_cached_tokens,
               "stored_blocks": len(stored), "loads": [[r[3], len(r[2])] for r in loads]}
+    after = llm.collective_rpc(_prefix_tokens)[0]
+    result["decisions"] = {k: n - decided.get(k, 0) for k, n in after.items() if n != decided.get(k, 0)}
+    if throttle is not None:
+        result["throttle"] = throttle
     if scenario != "host":
         result["tiers_before_load"] = result_tiers
         result["tiers_after_load"] = llm.collective_rpc(_disk_files)[0][1]
@@ -117,6 +148,8 @@ def main() -> int:
     ap.add_argument("--flush-prompts", type=int, default=3)
     ap.add_argument("--block-bytes", type=int, default=128 << 10)
     ap.add_argument("--corrupt-slots", type=int, default=256)
+    ap.add_argument("--slow-factor", type=float, default=10.0,
+                    help="slow-disk: reading the prefix takes this many measured prefill times")
     a = ap.parse_args()
     # collective_rpc ships these functions to vLLM's worker process by pickle (a local test only).
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -129,7 +162,8 @@ def main() -> int:
               enforce_eager=True, kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0)
     results = {}
     for i, scenario in enumerate(a.scenario.split(",")):
-        results[scenario] = run_scenario(llm, scenario, random.Random(7 + i), a)
+        key = scenario if scenario not in results else f"{scenario}-{i}"  # a scenario may run twice
+        results[key] = run_scenario(llm, scenario, random.Random(7 + i), a)
     result = results if "," in a.scenario else results[a.scenario]
     with open(a.out, "w") as f:
         json.dump(result, f)

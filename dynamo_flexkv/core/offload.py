@@ -51,10 +51,12 @@ class EngineOffload:
         self.kv.register_device_cache(layers, layout)
 
     def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
-                      cache_salt: Optional[str] = None) -> int:
+                      cache_salt: Optional[str] = None, prompt_tokens: Optional[int] = None) -> int:
         """Tokens of the cached prefix of ``tokens`` a load would bring back (whole blocks): what
-        the tiers hold, as far as the load policy loads it (``tokens``: a prompt's full blocks)."""
-        return self.kv.loadable_tokens(tokens, layerwise=self.layerwise, lora_name=lora_name, cache_salt=cache_salt)
+        the tiers hold, as far as the load policy loads it (``tokens``: a prompt's full blocks;
+        ``prompt_tokens``: the whole prompt's length, default one more than ``tokens``)."""
+        return self.kv.loadable_tokens(tokens, layerwise=self.layerwise, lora_name=lora_name, cache_salt=cache_salt,
+                                       prompt_tokens=prompt_tokens)
 
     def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
                      cache_salt: Optional[str] = None) -> List[int]:

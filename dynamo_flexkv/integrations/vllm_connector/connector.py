@@ -96,6 +96,11 @@ class FlexKVConnector(KVConnectorBase_V1):
         self._restore_bind()
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:  # before the forward, whether loads start before it or after
+            self._worker.begin_step()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, FlexKVMetadata):
@@ -108,7 +113,8 @@ class FlexKVConnector(KVConnectorBase_V1):
         return  # stores happen once a request finished (request_finished), from whole blocks
 
     def wait_for_save(self) -> None:
-        self._worker.end_step()
+        meta = self._get_connector_metadata()
+        self._worker.end_step(meta if isinstance(meta, FlexKVMetadata) else None)
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         return self._worker.finished_saves(set(finished_req_ids)) or None, None

@@ -51,6 +51,9 @@ class FlexKVMetadata(KVConnectorMetadata):
     # decode (request, lease end).
     digests: List[Tuple[str, List[int], List[int]]] = field(default_factory=list)
     holds: List[Tuple[str, float]] = field(default_factory=list)
+    # (prompt tokens, longest prompt) when every request in the step is prefilling (no decode
+    # token): the worker times such a step for the cost model (step_clock.py); else None.
+    prefill: Optional[Tuple[int, int]] = None
 
 
 def lookup_endpoint(engine_id: str, run_dir: Optional[str] = None) -> str:

@@ -7,7 +7,8 @@
 * ``after_alloc`` turns a hit into a LoadSpec for the blocks vLLM allocated;
 * ``request_finished`` turns a finished request's computed full blocks into a SaveSpec and keeps
   its blocks alive (True) until the worker reports the store's device copy done;
-* ``build_meta`` hands the step's loads and saves to the workers;
+* ``build_meta`` hands the step's loads and saves to the workers, and says whether the step only
+  prefills (the workers time such steps: cost-aware loading's measure of recompute);
 * the tiers' KV events arrive with the workers' output and leave through vLLM's publisher;
 * with ``handover`` (disaggregated workers, handover.py): on prefill, the step that completes a
   prompt has its blocks digested and ``request_finished`` holds them and names them in
@@ -69,6 +70,7 @@ class SchedulerSide:
         self._loads: List[LoadSpec] = []
         self._saves: List[SaveSpec] = []
         self._events: List[Any] = []
+        self._prompt_len: Dict[str, int] = {}  # scheduled request -> its prompt's length (0: no token ids)
         self.lookups = self.hit_tokens = self.saved_requests = 0
 
     def _handover_of(self, request: Any) -> Optional[VllmHandover]:
@@ -97,7 +99,7 @@ class SchedulerSide:
         if not self.s.load or usable <= num_computed:
             return 0, False
         hit = self.client.query(request.request_id, request.all_token_ids[:usable], _lora(request),
-                                request.cache_salt)
+                                request.cache_salt, request.num_tokens)
         if hit is None:
             return None, False  # asked; vLLM asks again next step
         self.lookups += 1
@@ -137,9 +139,29 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any = None) -> FlexKVMetadata:
         if self._prefills and scheduler_output is not None:
             self._plan_digests(scheduler_output)
-        meta = FlexKVMetadata(self._loads, self._saves, self._digests, self._holds)
+        prefill = self._prefill_work(scheduler_output) if scheduler_output is not None else None
+        meta = FlexKVMetadata(self._loads, self._saves, self._digests, self._holds, prefill)
         self._loads, self._saves, self._digests, self._holds = [], [], [], []
         return meta
+
+    def _prefill_work(self, out: Any) -> Optional[Tuple[int, int]]:
+        """(tokens, longest prompt) of a step in which every request computes prompt tokens; None
+        when one of them decodes (its output tokens so far > 0) or has no token ids."""
+        longest = 0
+        for new in getattr(out, "scheduled_new_reqs", ()):
+            ids = new.prompt_token_ids
+            self._prompt_len[new.req_id] = len(ids) if ids is not None else 0
+            longest = max(longest, self._prompt_len[new.req_id])
+            if not self._prompt_len[new.req_id]:
+                return None
+        cached = getattr(out, "scheduled_cached_reqs", None)
+        for i, rid in enumerate(getattr(cached, "req_ids", ())):
+            n = self._prompt_len.get(rid, 0)
+            if cached.num_output_tokens[i] > 0 or not n:
+                return None
+            longest = max(longest, n)
+        tokens = int(getattr(out, "total_num_scheduled_tokens", 0))
+        return (tokens, longest) if tokens > 0 and longest > 0 else None
 
     def _plan_digests(self, out: Any) -> None:
         """Follows the handover prefills' block ids through the step's output; a step that computes
@@ -171,6 +193,7 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self.client.forget(request.request_id)
         self._hits.pop(request.request_id, None)
+        self._prompt_len.pop(request.request_id, None)
         params = self._hand_over(request, block_ids) if request.request_id in self._prefills else None
         held = bool(params and params.get(KEY))
         if not self.s.store or not offloadable(request):

@@ -4,7 +4,8 @@ Per step (vLLM calls these in this order): ``start_load`` before the forward iss
 stores (finished requests, whose blocks vLLM keeps until we report them) and loads (layerwise:
 each layer's copy is its own op); ``wait_layer`` before each attention layer waits for that
 layer only; ``end_step`` after the forward collects the loads, so no copy into vLLM's blocks
-outlives the step. A load that failed, or found less than the scheduler was told, reports its
+outlives the step. ``begin_step`` (vLLM binding the step's metadata, before the forward) and
+``end_step`` time the steps that only prefill: the cost model's measure of recompute. A load that failed, or found less than the scheduler was told, reports its
 blocks through ``take_load_errors`` and vLLM recomputes them (kv_load_failure_policy=recompute).
 """
 
@@ -32,6 +33,7 @@ from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
 from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, lookup_endpoint
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+from dynamo_flexkv.integrations.vllm_connector.step_clock import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ class WorkerSide:
         self.stored_tokens = 0
         self._reported: Dict[str, int] = {}  # counter totals already sent as deltas
         self._gauges_at = 0.0
+        self.clock: Optional[StepClock] = None
 
     # ---- setup -----------------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
@@ -107,6 +110,7 @@ class WorkerSide:
             self.offload = EngineOffload(self.kv, layerwise=self.s.layerwise)
             self.offload.register(desc.tensors, desc.layout)
             self._layer = desc.layer_index()
+            self.clock = StepClock(cuda=desc.tensors[0].is_cuda)
             if self.s.handover:
                 self._start_handover(desc)
             if self.tp_rank == 0:
@@ -134,8 +138,8 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 - NIXL's own types; the graph still serves through NixlConnector
             log.warning("FlexKVConnector: no handover agent (%s); the next connector hands requests over", e)
 
-    def _lookup(self, tokens, lora: Optional[str], salt: Optional[str]) -> int:
-        return self.offload.cached_tokens(tokens, lora_name=lora, cache_salt=salt)
+    def _lookup(self, tokens, lora: Optional[str], salt: Optional[str], prompt_tokens: int) -> int:
+        return self.offload.cached_tokens(tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens)
 
     # ---- one step --------------------------------------------------------------------------------
     def start_load(self, meta: FlexKVMetadata) -> None:
@@ -241,9 +245,18 @@ class WorkerSide:
             ld.failed = True
             self._fail(ld.spec, 0)
 
-    def end_step(self) -> None:
+    def begin_step(self) -> None:
+        if self.clock is not None:
+            self.clock.begin()
+
+    def end_step(self, meta: Optional[FlexKVMetadata] = None) -> None:
         """Collects this step's loads: after this no copy writes vLLM's blocks. Digests the
-        handover blocks whose last bytes this step's forward wrote."""
+        handover blocks whose last bytes this step's forward wrote. Times a step that only
+        prefilled and loaded nothing, for the cost model."""
+        if self.clock is not None:
+            self.clock.end(meta.prefill if meta is not None and not meta.loads else None)
+            for step in self.clock.take():
+                self.offload.observe_prefill(step.tokens, step.prompt_tokens, step.seconds)
         for req_id, blocks, hashes in self._digest_after:
             self.handover.digest(req_id, blocks, hashes)
         self._digest_after = []
