@@ -1,0 +1,49 @@
+"""The native gather/scatter copier (``_native.copy_chunks``) behind every host<->device copy on
+the CPU: whatever the chunk sizes, alignments, orders and thread counts, each destination byte
+is its source byte and no byte outside the chunks changes. Small moves take the memcpy path,
+8 MiB and more the streaming path with its prefetch of the next short run."""
+
+import numpy as np
+import pytest
+
+from dynamo_flexkv import _native
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_chunks_land_exactly_and_touch_nothing_else(seed):
+    rng = np.random.default_rng(seed)
+    big = seed % 2 == 0  # the streaming path (>= 8 MiB) or the memcpy path
+    n = int(rng.integers(600, 1500)) if big else int(rng.integers(5, 200))
+    # Lengths from 1 byte to 70 KiB: below 64 B, below the 4 KiB streaming floor, around the
+    # 16 KiB prefetch window and the 64 KiB short-run bound.
+    lens = rng.choice([1, 63, 64, 4095, 4097, 16 << 10, (16 << 10) + 5, 40000, 64 << 10, 70000], size=n)
+    lens = lens.astype(np.uint64)
+    gap = rng.integers(0, 3, size=n).astype(np.uint64) * 4096 + rng.integers(0, 64, size=n).astype(np.uint64)
+    src_off = np.concatenate([[0], np.cumsum(lens + gap)[:-1]]).astype(np.uint64) + 7
+    src = rng.integers(0, 256, int(src_off[-1] + lens[-1]) + 64, dtype=np.uint8)
+    # Destinations: the same chunks in a random order, some adjacent (they merge), unaligned.
+    order = rng.permutation(n)
+    dgap = (rng.integers(0, 2, size=n) * rng.integers(1, 200, size=n)).astype(np.uint64)
+    dst_off = np.empty(n, dtype=np.uint64)
+    pos = np.uint64(3)
+    for i in order:
+        dst_off[i] = pos
+        pos += lens[i] + dgap[i]
+    dst = np.full(int(pos) + 64, 0xA5, dtype=np.uint8)
+    want = dst.copy()
+    for s, d, k in zip(src_off.tolist(), dst_off.tolist(), lens.tolist()):
+        want[d:d + k] = src[s:s + k]
+    if big:
+        assert int(lens.sum()) >= 8 << 20  # else this case would not reach the streaming path
+    threads = int(rng.integers(1, 5))
+    _native.copy_chunks(dst.ctypes.data + dst_off, src.ctypes.data + src_off, lens, threads)
+    assert np.array_equal(dst, want)
+
+
+def test_one_contiguous_streaming_copy_is_exact():
+    rng = np.random.default_rng(9)
+    src = rng.integers(0, 256, (24 << 20) + 13, dtype=np.uint8)
+    dst = np.zeros(src.size + 32, dtype=np.uint8)
+    one = lambda a: np.array([a], dtype=np.uint64)  # noqa: E731
+    _native.copy_chunks(one(dst.ctypes.data + 5), one(src.ctypes.data), one(src.size), 4)
+    assert np.array_equal(dst[5:5 + src.size], src) and not dst[:5].any() and not dst[5 + src.size:].any()
