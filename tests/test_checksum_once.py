@@ -136,14 +136,14 @@ def test_a_reused_slot_never_carries_the_old_blocks_checksum(rig, monkeypatch):
     rig.put([3], [2])
     assert rig.host.known_checksums([2])[1].all()
 
-    real_copy = _native.copy_chunks
+    real_copy = _native.copy_kv_grid
 
-    def torn_copy(dst, src, lens, threads):
-        real_copy(dst[:1], src[:1], lens[:1], 1)  # the first chunk lands, then it fails
+    def torn_copy(dst_base, dst_ids, dsb, dsk, src_base, src_ids, *rest, **kw):
+        real_copy(dst_base[:1], dst_ids, dsb, dsk, src_base[:1], src_ids, *rest, **kw)  # layer 0 lands, then it fails
         raise OSError("copy failed half way")
     rig.fill_device(5)
     with monkeypatch.context() as m:
-        m.setattr(_native, "copy_chunks", torn_copy)
+        m.setattr(_native, "copy_kv_grid", torn_copy)
         with pytest.raises(OSError):
             rig.put([5], [2])
     assert not rig.host.known_checksums([2])[1].any()

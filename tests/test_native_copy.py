@@ -47,3 +47,43 @@ def test_one_contiguous_streaming_copy_is_exact():
     one = lambda a: np.array([a], dtype=np.uint64)  # noqa: E731
     _native.copy_chunks(one(dst.ctypes.data + 5), one(src.ctypes.data), one(src.size), 4)
     assert np.array_equal(dst[5:5 + src.size], src) and not dst[:5].any() and not dst[5 + src.size:].any()
+
+
+@pytest.mark.parametrize("block_major", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_kv_grid_copy_moves_each_chunk_to_its_place(seed, block_major):
+    """copy_kv_grid (every CPU host<->device copy): chunk (layer, block, kv) goes from its address
+    on one side to its address on the other, for any strides, ids and order; bytes outside the
+    chunks stay as they were. Big enough grids take the streaming path."""
+    rng = np.random.default_rng(seed)
+    layers, kv = int(rng.integers(1, 6)), int(rng.integers(1, 3))
+    chunk = int(rng.choice([64, 4096, 8192 + 16, 16 << 10]))
+    nblocks = int(rng.integers(1, 300)) if seed else 700
+    # src: per-layer tensors [block][kv][chunk] with a padded block; dst: blockfirst [block][layer][kv].
+    s_sk, s_sb = chunk, kv * chunk + int(rng.integers(0, 2)) * 64
+    d_sk, d_sl = chunk, kv * chunk
+    d_sb = layers * d_sl
+    src_blocks = nblocks * 2
+    src = [rng.integers(0, 256, src_blocks * s_sb, dtype=np.uint8) for _ in range(layers)]
+    dst = np.full(nblocks * d_sb + 128, 0x5A, dtype=np.uint8)
+    src_ids = rng.choice(src_blocks, size=nblocks, replace=False).astype(np.uint64)
+    dst_ids = rng.permutation(nblocks).astype(np.uint64)
+    want = dst.copy()
+    for l in range(layers):
+        for b in range(nblocks):
+            for k in range(kv):
+                s0 = int(src_ids[b]) * s_sb + k * s_sk
+                d0 = 64 + int(dst_ids[b]) * d_sb + l * d_sl + k * d_sk
+                want[d0:d0 + chunk] = src[l][s0:s0 + chunk]
+    src_base = np.array([a.ctypes.data for a in src], dtype=np.uint64)
+    dst_base = np.uint64(dst.ctypes.data + 64) + np.arange(layers, dtype=np.uint64) * np.uint64(d_sl)
+    _native.copy_kv_grid(dst_base, dst_ids, d_sb, d_sk, src_base, src_ids, s_sb, s_sk, kv, chunk,
+                         block_major=block_major, threads=int(rng.integers(1, 5)))
+    assert np.array_equal(dst, want)
+
+
+def test_the_kv_grid_copy_refuses_mismatched_sides():
+    ids = np.arange(4, dtype=np.uint64)
+    with pytest.raises(ValueError, match="one base per layer"):
+        _native.copy_kv_grid(np.zeros(2, np.uint64), ids, 0, 0, np.zeros(3, np.uint64), ids, 0, 0, 1, 64,
+                             block_major=False)

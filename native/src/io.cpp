@@ -336,23 +336,10 @@ IoResult pool_rw(const IoOp* ops, size_t n, bool write, unsigned threads, uint64
   return res;
 }
 
-void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, size_t n,
-                 unsigned threads) {
-  // Chunks are copied in the order given (callers list them in source order: scattered reads
-  // defeat the hardware prefetcher, scattered streaming writes cost little); neighbours that are
-  // adjacent on both sides merge into one run.
-  std::vector<Run> runs;
-  runs.reserve(n);
-  uint64_t total = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (!runs.empty() && runs.back().dst + runs.back().len == dst[i] &&
-        runs.back().src + runs.back().len == src[i]) {
-      runs.back().len += len[i];
-    } else {
-      runs.push_back({dst[i], src[i], len[i]});
-    }
-    total += len[i];
-  }
+namespace {
+
+// Copies runs (adjacent ones already merged; `total` bytes in all), split by bytes over threads.
+void copy_runs(const std::vector<Run>& runs, uint64_t total, unsigned threads) {
   // Threads only pay off for large moves; below ~4 MiB one thread is faster than spawning more.
   const uint64_t min_per_thread = 4ull << 20;
   threads = static_cast<unsigned>(std::max<uint64_t>(1, std::min<uint64_t>(threads, total / min_per_thread)));
@@ -385,6 +372,51 @@ void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, 
     }
     copy(mine.data(), mine.size());
   });
+}
+
+// Appends a chunk, merged into the last run when it continues it on both sides.
+inline void add_chunk(std::vector<Run>& runs, uint64_t dst, uint64_t src, uint64_t len) {
+  if (!runs.empty() && runs.back().dst + runs.back().len == dst && runs.back().src + runs.back().len == src) {
+    runs.back().len += len;
+  } else {
+    runs.push_back({dst, src, len});
+  }
+}
+
+}  // namespace
+
+void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, size_t n,
+                 unsigned threads) {
+  // Chunks are copied in the order given (callers list them in source order: scattered reads
+  // defeat the hardware prefetcher, scattered streaming writes cost little); neighbours that are
+  // adjacent on both sides merge into one run.
+  std::vector<Run> runs;
+  runs.reserve(n);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    add_chunk(runs, dst[i], src[i], len[i]);
+    total += len[i];
+  }
+  copy_runs(runs, total, threads);
+}
+
+void copy_kv_grid(const GridSide& dst, const GridSide& src, size_t layers, size_t blocks, size_t kv,
+                  uint64_t chunk_bytes, bool block_major, unsigned threads) {
+  std::vector<Run> runs;
+  runs.reserve(layers * blocks);
+  auto add = [&](size_t l, size_t i) {
+    const uint64_t d = dst.layer_base[l] + dst.ids[i] * dst.block_stride;
+    const uint64_t s = src.layer_base[l] + src.ids[i] * src.block_stride;
+    for (size_t k = 0; k < kv; ++k) add_chunk(runs, d + k * dst.kv_stride, s + k * src.kv_stride, chunk_bytes);
+  };
+  if (block_major) {
+    for (size_t i = 0; i < blocks; ++i)
+      for (size_t l = 0; l < layers; ++l) add(l, i);
+  } else {
+    for (size_t l = 0; l < layers; ++l)
+      for (size_t i = 0; i < blocks; ++i) add(l, i);
+  }
+  copy_runs(runs, static_cast<uint64_t>(layers) * blocks * kv * chunk_bytes, threads);
 }
 
 void checksums(const char* base, const uint64_t* offsets, size_t n, uint64_t len, uint64_t* out) {

@@ -38,6 +38,20 @@ IoResult pool_rw(const IoOp* ops, size_t n, bool write, unsigned threads, uint64
 void copy_chunks(const uint64_t* dst, const uint64_t* src, const uint64_t* len, size_t n,
                  unsigned threads);
 
+// One side of a paged-KV copy: chunk (layer l, block i, kv k) lies at
+// layer_base[l] + ids[i] * block_stride + k * kv_stride.
+struct GridSide {
+  const uint64_t* layer_base;
+  const uint64_t* ids;
+  uint64_t block_stride, kv_stride;
+};
+
+// Copies chunk_bytes of every (layer, block, kv) chunk from `src` to `dst` ([layers][blocks][kv],
+// or [blocks][layers][kv] with block_major), chunks adjacent on both sides merged into one run, as
+// copy_chunks does with the same addresses listed in that order.
+void copy_kv_grid(const GridSide& dst, const GridSide& src, size_t layers, size_t blocks, size_t kv,
+                  uint64_t chunk_bytes, bool block_major, unsigned threads);
+
 // out[i] = block_checksum of [base + offsets[i], + len).
 void checksums(const char* base, const uint64_t* offsets, size_t n, uint64_t len, uint64_t* out);
 

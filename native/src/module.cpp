@@ -147,6 +147,23 @@ void copy_chunks(const CArray<uint64_t>& dst, const CArray<uint64_t>& src,
   dfkv::copy_chunks(dst.data(), src.data(), lengths.data(), n, threads);
 }
 
+void copy_kv_grid(const CArray<uint64_t>& dst_layer_base, const CArray<uint64_t>& dst_ids, uint64_t dst_block_stride,
+                  uint64_t dst_kv_stride, const CArray<uint64_t>& src_layer_base, const CArray<uint64_t>& src_ids,
+                  uint64_t src_block_stride, uint64_t src_kv_stride, size_t kv, uint64_t chunk_bytes,
+                  bool block_major, unsigned threads) {
+  if (dst_layer_base.size() != src_layer_base.size() || dst_ids.size() != src_ids.size()) {
+    throw py::value_error("copy_kv_grid: both sides need one base per layer and one id per block (got " +
+                          std::to_string(dst_layer_base.size()) + "/" + std::to_string(src_layer_base.size()) +
+                          " layers, " + std::to_string(dst_ids.size()) + "/" + std::to_string(src_ids.size()) +
+                          " blocks)");
+  }
+  const dfkv::GridSide dst{dst_layer_base.data(), dst_ids.data(), dst_block_stride, dst_kv_stride};
+  const dfkv::GridSide src{src_layer_base.data(), src_ids.data(), src_block_stride, src_kv_stride};
+  py::gil_scoped_release release;
+  dfkv::copy_kv_grid(dst, src, static_cast<size_t>(dst_layer_base.size()), static_cast<size_t>(dst_ids.size()), kv,
+                     chunk_bytes, block_major, threads);
+}
+
 U64Array checksums(uint64_t base, const CArray<uint64_t>& offsets, uint64_t length) {
   const size_t n = static_cast<size_t>(offsets.size());
   U64Array out(static_cast<py::ssize_t>(n));
@@ -188,6 +205,13 @@ PYBIND11_MODULE(_native, m) {
         "checksums=True returns the xxh3_64 of each op's buffer, hashed as the op completes.");
   m.def("copy_chunks", &copy_chunks, py::arg("dst"), py::arg("src"), py::arg("lengths"),
         py::arg("threads") = 4, "memcpy each (dst, src, length) chunk, merged and multi-threaded.");
+  m.def("copy_kv_grid", &copy_kv_grid, py::arg("dst_layer_base"), py::arg("dst_ids"), py::arg("dst_block_stride"),
+        py::arg("dst_kv_stride"), py::arg("src_layer_base"), py::arg("src_ids"), py::arg("src_block_stride"),
+        py::arg("src_kv_stride"), py::arg("kv"), py::arg("chunk_bytes"), py::arg("block_major"),
+        py::arg("threads") = 4,
+        "Copy chunk (l, i, k) at src_layer_base[l] + src_ids[i] * src_block_stride + k * src_kv_stride to the "
+        "same formula on dst, for every layer, block and kv, in [layer][block][kv] order ([block][layer][kv] "
+        "with block_major); adjacent chunks merge. The caller checks the bounds.");
   m.def("checksums", &checksums, py::arg("base"), py::arg("offsets"), py::arg("length"),
         "xxh3_64 of `length` bytes at base + each offset.");
   m.def("kv_block_checksums", &kv_block_checksums, py::arg("layer_addrs"), py::arg("block_bytes"),

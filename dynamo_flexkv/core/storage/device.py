@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Union
+from typing import List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -77,17 +77,15 @@ class DeviceCache:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise IndexError(f"device block id out of range [0, {self.num_blocks}): got {ids.min()}..{ids.max()}")
 
-    def chunk_addr_grid(self, block_ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        """Addresses of chunks (layer, block, kv) for layers [lo, hi): shape [layers, blocks, kv]."""
+    def chunk_grid(self, lo: int, hi: int) -> Tuple[np.ndarray, int, int]:
+        """Where the chunks of layers [lo, hi) lie: (each layer's base address, block stride, kv
+        stride); chunk (layer l, block b, kv k) is at ``base[l - lo] + b * block + k * kv``."""
         sb, sl, sk = self.layout.strides()
-        layers = np.arange(lo, hi, dtype=np.uint64)
         if self.per_layer:
             base = np.array([self.tensors[i].data_ptr() for i in range(lo, hi)], dtype=np.uint64)
         else:
-            base = np.uint64(self.tensors[0].data_ptr()) + layers * np.uint64(sl)
-        kv = np.arange(self.layout.model.kv_dim, dtype=np.uint64) * np.uint64(sk)
-        blocks = np.asarray(block_ids, dtype=np.uint64) * np.uint64(sb)
-        return base[:, None, None] + blocks[None, :, None] + kv[None, None, :]
+            base = np.uint64(self.tensors[0].data_ptr()) + np.arange(lo, hi, dtype=np.uint64) * np.uint64(sl)
+        return base, int(sb), int(sk)
 
     def block_tensor(self, layer: int) -> torch.Tensor:
         """Layer ``layer`` as [block][kv][token][head][dim] (a view) — for torch gathers on CUDA."""

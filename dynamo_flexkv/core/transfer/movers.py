@@ -72,25 +72,22 @@ class HostDeviceMover:
         if self.cuda:
             self._cuda_copy(dev_ids, host_ids, lo, hi, to_host, op.after)
         else:
-            dev, hst, lens = self._chunk_addrs(dev_ids, host_ids, lo, hi, to_host)
-            _native.copy_chunks(*((hst, dev) if to_host else (dev, hst)), lens, self.threads)
+            self._cpu_copy(dev_ids, host_ids, lo, hi, to_host)
         return int(dev_ids.size) * (hi - lo) * self.host.layout.layer_block_bytes
 
-    def _chunk_addrs(self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int, to_host: bool):
-        """(device, host, length) of every chunk, listed in *source* address order: sequential
-        reads keep the prefetcher busy; K and V of a block stay neighbours so they merge."""
+    def _cpu_copy(self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int, to_host: bool) -> None:
+        """One native call: chunk addresses are generated there, listed in *source* address order
+        (sequential reads keep the prefetcher busy; K and V of a block stay neighbours, so they
+        merge): the device is read layer by layer, the BLOCKFIRST host block by block."""
         hl = self.host.layout
         order = np.argsort(dev_ids if to_host else host_ids, kind="stable")
-        dev_ids, host_ids = dev_ids[order], host_ids[order]
-        dev = self.device.chunk_addr_grid(dev_ids, lo, hi)  # [layer][block][kv]
+        dev = (*self.device.chunk_grid(lo, hi), dev_ids[order].astype(np.uint64))
         sb, sl, sk = hl.strides()
-        hst = (np.uint64(self.host.base) + np.arange(lo, hi, dtype=np.uint64)[:, None, None] * np.uint64(sl)
-               + host_ids.astype(np.uint64)[None, :, None] * np.uint64(sb)
-               + np.arange(hl.model.kv_dim, dtype=np.uint64)[None, None, :] * np.uint64(sk))
-        if not to_host:  # the host is BLOCKFIRST: block-major order walks it front to back
-            dev, hst = dev.transpose(1, 0, 2), hst.transpose(1, 0, 2)
-        dev_a, hst_a = np.ascontiguousarray(dev).ravel(), np.ascontiguousarray(hst).ravel()
-        return dev_a, hst_a, np.full(dev_a.size, hl.chunk_bytes, dtype=np.uint64)
+        host_base = np.uint64(self.host.base) + np.arange(lo, hi, dtype=np.uint64) * np.uint64(sl)
+        hst = (host_base, int(sb), int(sk), host_ids[order].astype(np.uint64))
+        (db, dsb, dsk, dids), (sbase, ssb, ssk, sids) = (hst, dev) if to_host else (dev, hst)
+        _native.copy_kv_grid(db, dids, dsb, dsk, sbase, sids, ssb, ssk, hl.model.kv_dim, hl.chunk_bytes,
+                             block_major=not to_host, threads=self.threads)
 
     def _cuda_copy(self, dev_ids, host_ids, lo, hi, to_host, after) -> None:
         dev = self.device.device
