@@ -211,6 +211,44 @@ def test_manager_plans_only_what_the_decision_loads(tmp_path):
         assert counts["recomputed/disk/slower"] == 6 * CFG.block_size
 
 
+def test_a_lookup_decides_only_about_the_blocks_the_engine_lacks(tmp_path):
+    """vLLM asks with its own prefix-cache hit (skip_blocks): the decision weighs loading the
+    rest against recomputing the rest, and counts only those tokens."""
+    with tiny_kv(tmp_path) as kv:
+        engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv)
+        prompt = np.random.default_rng(1).integers(0, CFG.vocab_size, 12 * CFG.block_size + 5).tolist()
+        engine.generate([prompt], SamplingParams(max_tokens=1))
+        engine.flush()
+        assert kv.drain(60)
+        kv.evict("host", 6)
+        slow_disk(kv)
+        full = prompt[:12 * CFG.block_size]
+
+        def decided(skip: int) -> tuple:
+            before = kv.stats().prefix_tokens
+            end = kv.loadable_tokens(full, prompt_tokens=len(prompt), skip_blocks=skip)
+            after = kv.stats().prefix_tokens
+            return end // CFG.block_size, {k: (n - before.get(k, 0)) // CFG.block_size for k, n in after.items()
+                                           if n != before.get(k, 0)}
+
+        # The engine holds 8 blocks: the 4 disk blocks beyond them are the decision, and recomputed.
+        assert decided(8) == (8, {"recomputed/disk/slower": 4})
+        # It holds 4: host's 2 more load, the disk's 6 are recomputed.
+        assert decided(4) == (6, {"loaded/host/faster": 2, "recomputed/disk/slower": 6})
+        with pytest.raises(ValueError, match="skip_blocks=13"):
+            kv.loadable_tokens(full, skip_blocks=13)
+
+
+def test_a_prefill_time_the_fit_refuses_does_not_end_the_cold_start():
+    m = model()
+    for bad in (float("nan"), float("inf"), float("-inf"), -0.5):
+        m.observe_prefill(1000, 4000, bad)
+    assert m.prefill == {} and m.prefill_seconds(1000, 4000) is None
+    feed_links = [Segment("host", 0, 60)]
+    m.observe_link("host", 4 * BB, 1e-4)
+    assert m.decide(0, feed_links, 4000, 250).reason == "cold_start"
+
+
 def test_recompute_decision_gives_exact_tokens(tmp_path):
     """The prefix is on disk only, the disk is measured slow: the engine recomputes it, and its
     tokens and logits equal those of an engine without offload."""

@@ -158,18 +158,18 @@ def test_lookup_answers_and_never_blocks_the_scheduler(tmp_path):
     endpoint = f"ipc://{tmp_path}/lookup.ipc"
     calls = []
 
-    def lookup(tokens, lora, salt, prompt_tokens):
-        calls.append((len(tokens), lora, salt, prompt_tokens))
+    def lookup(tokens, lora, salt, prompt_tokens, local_blocks):
+        calls.append((len(tokens), lora, salt, prompt_tokens, local_blocks))
         return len(tokens) // 2
 
     server = LookupServer(endpoint, lookup)
     client = LookupClient(endpoint, wait_s=5.0, give_up_s=10.0)
     try:
-        # The whole prompt's length travels with its cached blocks: the cost model weighs loading
-        # them against recomputing them in a prompt that long.
-        assert client.query("r1", list(range(128)), "lora-a", "salt", 1000) == 64
+        # The whole prompt's length and vLLM's own hit travel with the blocks: the cost model
+        # weighs loading what vLLM lacks against recomputing it, in a prompt that long.
+        assert client.query("r1", list(range(128)), "lora-a", "salt", 1000, 1) == 64
         assert client.query("r2", list(range(64))) == 32
-        assert calls == [(128, "lora-a", "salt", 1000), (64, None, None, 65)]
+        assert calls == [(128, "lora-a", "salt", 1000, 1), (64, None, None, 65, 0)]
     finally:
         server.close()
         client.close()
@@ -188,7 +188,7 @@ def test_a_reset_reaches_the_worker_and_says_whether_it_happened(tmp_path):
             raise outcome
         return outcome
 
-    server = LookupServer(endpoint, lambda tokens, lora, salt, prompt_tokens: 64, reset)
+    server = LookupServer(endpoint, lambda tokens, lora, salt, prompt_tokens, local_blocks: 64, reset)
     client = LookupClient(endpoint, wait_s=0.0, give_up_s=10.0)
     try:
         assert client.query("r1", list(range(128))) is None  # asked; the answer comes during the reset
@@ -318,13 +318,46 @@ def test_only_steps_where_every_request_prefills_are_timed_for_the_cost_model(tm
         assert step(new=[("a", list(range(3000))), ("b", list(range(700)))], tokens=2048) == (2048, 3000)
         assert step(cached=[("a", 0)], tokens=952) == (952, 3000)  # a's next chunk
         assert step(cached=[("a", 1), ("b", 0)], tokens=2) is None  # a decodes now
-        assert step(new=[("e", None)], tokens=16) is None  # prompt embeddings: no token ids
+        assert step(new=[("e", None), ("c", list(range(5000)))], tokens=2048) is None  # e: prompt embeddings
+        assert step(cached=[("c", 0)], tokens=2048) == (2048, 5000)  # c's next chunk, without e
         side.request_finished(NS(request_id="a", all_token_ids=[], num_computed_tokens=0,
                                  lora_request=None, cache_salt=None, prompt_embeds=None), [])
         assert step(cached=[("a", 0)], tokens=5) is None  # a finished: unknown here, not guessed
         assert step() is None
     finally:
         side.close()
+
+
+def test_a_waiting_request_is_looked_up_once_with_vllms_own_hit(tmp_path):
+    """vLLM asks for a waiting request's external tokens at every step until it can schedule it:
+    the worker decides (and counts the decision) once, about the blocks beyond vLLM's own hit;
+    once allocated, a request that waits again (preempted) is looked up anew."""
+    from types import SimpleNamespace as NS
+    from dynamo_flexkv.integrations.vllm_connector.protocol import lookup_endpoint
+    from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
+    from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+
+    calls = []
+
+    def lookup(tokens, lora, salt, prompt_tokens, local_blocks):
+        calls.append((len(tokens), prompt_tokens, local_blocks))
+        return 640
+
+    server = LookupServer(lookup_endpoint("e", str(tmp_path)), lookup)
+    side = SchedulerSide(ConnectorSettings(block_size=64, num_blocks=100, engine_id="e", run_dir=str(tmp_path),
+                                           lookup_wait_ms=5000))
+    req = NS(request_id="r", num_tokens=1000, all_token_ids=list(range(1000)), lora_request=None, cache_salt=None,
+             prompt_embeds=None, mm_features=None, kv_transfer_params=None)
+    try:
+        for _ in range(5):  # five steps waiting for free blocks
+            assert side.matched_tokens(req, 128) == (640 - 128, False)
+        assert calls == [(960, 1000, 2)] and side.lookups == 1
+        side.after_alloc(req, NS(get_block_ids=lambda: [list(range(15))]), 0)
+        assert side.matched_tokens(req, 0) == (640, False)  # preempted and waiting again: asked anew
+        assert calls == [(960, 1000, 2), (960, 1000, 0)]
+    finally:
+        side.close()
+        server.close()
 
 
 def test_the_step_clock_times_what_it_was_told_to_and_nothing_else():

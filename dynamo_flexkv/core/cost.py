@@ -177,8 +177,8 @@ class CostModel:
 
     def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
         """A step that computed ``tokens`` prompt tokens of prompts up to ``prompt_tokens`` long."""
-        if tokens <= 0 or prompt_tokens <= 0:
-            return
+        if tokens <= 0 or prompt_tokens <= 0 or not (math.isfinite(seconds) and seconds >= 0):
+            return  # no bucket for a value the fit refuses: an empty one would end the cold start
         with self._lock:
             self.prefill.setdefault(_bucket(prompt_tokens), LinearFit()).observe(float(tokens), float(seconds),
                                                                                   self.clock())

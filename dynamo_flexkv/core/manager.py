@@ -232,15 +232,20 @@ class KVManager:
         return decision
 
     def loadable_tokens(self, token_ids, *, prompt_tokens: Optional[int] = None, layerwise: bool = True,
-                        lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
-        """Tokens of ``token_ids``' cached prefix a get would load under the load policy (whole
-        blocks; ``prompt_tokens``: the whole prompt's length, default one more than token_ids).
-        The decision counts in stats().prefix_tokens: for an engine that asks first and loads what
-        it was told, passing no prompt_tokens to get_async (vLLM's scheduler)."""
+                        lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+                        skip_blocks: int = 0) -> int:
+        """End of the prefix of ``token_ids`` a get would have loaded under the load policy, in
+        tokens (whole blocks; at least ``skip_blocks`` blocks, which the engine holds already and
+        the decision weighs only what lies beyond; ``prompt_tokens``: the whole prompt's length,
+        default one more than token_ids). The decision counts in stats().prefix_tokens: for an
+        engine that asks first and loads what it was told, passing no prompt_tokens to get_async
+        (vLLM's scheduler)."""
         self._check_open("loadable_tokens")
         seq = _int_list(self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence)
+        start = arguments.skip_blocks(skip_blocks, len(token_ids), self.tokens_per_block)
+        start = min(start, len(seq))
         total = len(token_ids) + 1 if prompt_tokens is None else max(int(prompt_tokens), len(token_ids))
-        return self._decide(seq, 0, self._remote_probe(seq, 0), total, layerwise).end * self.tokens_per_block
+        return self._decide(seq, start, self._remote_probe(seq, start), total, layerwise).end * self.tokens_per_block
 
     def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
         """The engine's measurement for cost-aware loading: a step computed ``tokens`` prompt tokens

@@ -51,12 +51,14 @@ class EngineOffload:
         self.kv.register_device_cache(layers, layout)
 
     def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
-                      cache_salt: Optional[str] = None, prompt_tokens: Optional[int] = None) -> int:
-        """Tokens of the cached prefix of ``tokens`` a load would bring back (whole blocks): what
-        the tiers hold, as far as the load policy loads it (``tokens``: a prompt's full blocks;
-        ``prompt_tokens``: the whole prompt's length, default one more than ``tokens``)."""
+                      cache_salt: Optional[str] = None, prompt_tokens: Optional[int] = None,
+                      skip_blocks: int = 0) -> int:
+        """End of the cached prefix of ``tokens`` a load would bring back (whole blocks): what the
+        tiers hold, as far as the load policy loads it (``tokens``: a prompt's full blocks;
+        ``prompt_tokens``: the whole prompt's length, default one more than ``tokens``;
+        ``skip_blocks``: blocks the engine holds already, the decision is about the rest)."""
         return self.kv.loadable_tokens(tokens, layerwise=self.layerwise, lora_name=lora_name, cache_salt=cache_salt,
-                                       prompt_tokens=prompt_tokens)
+                                       prompt_tokens=prompt_tokens, skip_blocks=skip_blocks)
 
     def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
                      cache_salt: Optional[str] = None) -> List[int]:

@@ -21,9 +21,10 @@ import zmq
 
 log = logging.getLogger(__name__)
 
-# (token ids, lora name, cache salt, the whole prompt's length) -> tokens to load (the load policy's
-# decision: the cost model compares loading them with recomputing them in a prompt that long)
-LookupFn = Callable[[Sequence[int], Optional[str], Optional[str], int], int]
+# (token ids, lora name, cache salt, the whole prompt's length, blocks vLLM holds already) -> end
+# of the prefix to load, in tokens (the load policy's decision: the cost model compares loading
+# the blocks beyond vLLM's with recomputing them, in a prompt that long)
+LookupFn = Callable[[Sequence[int], Optional[str], Optional[str], int, int], int]
 ResetFn = Callable[[], bool]  # drops what the tiers hold; False when it could not
 RESET_SEQ = -1  # the sequence number of a reset request (lookups count up from 1)
 
@@ -57,8 +58,9 @@ class LookupServer:
                 self._sock.send_multipart([ident, seq, struct.pack("<q", int(self._answer_reset()))])
                 continue
             try:
-                lora, salt, prompt_tokens = msgspec.msgpack.decode(extra)
-                n = int(self._lookup(np.frombuffer(tokens, dtype="<u4").tolist(), lora, salt, int(prompt_tokens)))
+                lora, salt, prompt_tokens, local_blocks = msgspec.msgpack.decode(extra)
+                n = int(self._lookup(np.frombuffer(tokens, dtype="<u4").tolist(), lora, salt, int(prompt_tokens),
+                                     int(local_blocks)))
             except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
                 log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
                 self.failed += 1
@@ -104,9 +106,11 @@ class LookupClient:
         self.timeouts = 0
 
     def query(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
-              salt: Optional[str] = None, prompt_tokens: Optional[int] = None) -> Optional[int]:
-        """Tokens of ``tokens``' cached prefix to load (``prompt_tokens``: the whole prompt's length,
-        default one more than ``tokens``); None while the answer is still on its way."""
+              salt: Optional[str] = None, prompt_tokens: Optional[int] = None,
+              local_blocks: int = 0) -> Optional[int]:
+        """End of ``tokens``' cached prefix to load, in tokens (``prompt_tokens``: the whole
+        prompt's length, default one more than ``tokens``; ``local_blocks``: blocks vLLM holds
+        already); None while the answer is still on its way."""
         if req_id in self._answers:
             self._asked.pop(req_id, None)
             return self._answers.pop(req_id)
@@ -115,7 +119,8 @@ class LookupClient:
             self._asked[req_id] = (self._seq, time.monotonic())
             self._by_seq[self._seq] = req_id
             self._sock.send_multipart([struct.pack("<q", self._seq), np.asarray(tokens, dtype="<u4").tobytes(),
-                                       msgspec.msgpack.encode([lora, salt, prompt_tokens or len(tokens) + 1])])
+                                       msgspec.msgpack.encode([lora, salt, prompt_tokens or len(tokens) + 1,
+                                                               local_blocks])])
         deadline = time.monotonic() + self.wait_s
         while req_id not in self._answers:
             left = deadline - time.monotonic()
@@ -137,7 +142,7 @@ class LookupClient:
         """Asks the worker to drop what its tiers hold; True once it did, False when it could not
         or did not answer within ``timeout_s``."""
         self._reset_answer: Optional[int] = None
-        self._sock.send_multipart([struct.pack("<q", RESET_SEQ), b"", msgspec.msgpack.encode([None, None, 0])])
+        self._sock.send_multipart([struct.pack("<q", RESET_SEQ), b"", msgspec.msgpack.encode([None, None, 0, 0])])
         deadline = time.monotonic() + timeout_s
         while self._reset_answer is None:
             left = deadline - time.monotonic()

@@ -71,6 +71,10 @@ class SchedulerSide:
         self._saves: List[SaveSpec] = []
         self._events: List[Any] = []
         self._prompt_len: Dict[str, int] = {}  # scheduled request -> its prompt's length (0: no token ids)
+        # Waiting request -> the worker's answer (end of the prefix to load, in tokens): vLLM asks
+        # again at every step a request waits, and one decision per request is what the cost
+        # model counts; the answer is dropped once vLLM allocates the request (or it finishes).
+        self._answers: Dict[str, int] = {}
         self.lookups = self.hit_tokens = self.saved_requests = 0
 
     def _handover_of(self, request: Any) -> Optional[VllmHandover]:
@@ -98,11 +102,15 @@ class SchedulerSide:
             return external, False
         if not self.s.load or usable <= num_computed:
             return 0, False
-        hit = self.client.query(request.request_id, request.all_token_ids[:usable], _lora(request),
-                                request.cache_salt, request.num_tokens)
+        hit = self._answers.get(request.request_id)
         if hit is None:
-            return None, False  # asked; vLLM asks again next step
-        self.lookups += 1
+            # The decision is about what vLLM lacks: the blocks beyond its own prefix-cache hit.
+            hit = self.client.query(request.request_id, request.all_token_ids[:usable], _lora(request),
+                                    request.cache_salt, request.num_tokens, num_computed // self.bs)
+            if hit is None:
+                return None, False  # asked; vLLM asks again next step
+            self._answers[request.request_id] = hit
+            self.lookups += 1
         external = (min(hit, usable) - num_computed) // self.bs * self.bs
         if external <= 0:
             self._hits.pop(request.request_id, None)
@@ -111,6 +119,7 @@ class SchedulerSide:
         return external, False
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._answers.pop(request.request_id, None)  # scheduled: a later wait (preemption) asks anew
         params = getattr(request, "kv_transfer_params", None)
         if self.s.handover and isinstance(params, dict) and params.get("do_remote_decode") and offloadable(request) \
                 and self._source_info() is not None:
@@ -147,21 +156,17 @@ class SchedulerSide:
     def _prefill_work(self, out: Any) -> Optional[Tuple[int, int]]:
         """(tokens, longest prompt) of a step in which every request computes prompt tokens; None
         when one of them decodes (its output tokens so far > 0) or has no token ids."""
-        longest = 0
-        for new in getattr(out, "scheduled_new_reqs", ()):
+        longest, timed = 0, True
+        for new in getattr(out, "scheduled_new_reqs", ()):  # every one recorded, for its later chunks
             ids = new.prompt_token_ids
-            self._prompt_len[new.req_id] = len(ids) if ids is not None else 0
-            longest = max(longest, self._prompt_len[new.req_id])
-            if not self._prompt_len[new.req_id]:
-                return None
+            self._prompt_len[new.req_id] = n = len(ids) if ids is not None else 0
+            longest, timed = max(longest, n), timed and n > 0
         cached = getattr(out, "scheduled_cached_reqs", None)
         for i, rid in enumerate(getattr(cached, "req_ids", ())):
             n = self._prompt_len.get(rid, 0)
-            if cached.num_output_tokens[i] > 0 or not n:
-                return None
-            longest = max(longest, n)
+            longest, timed = max(longest, n), timed and n > 0 and cached.num_output_tokens[i] == 0
         tokens = int(getattr(out, "total_num_scheduled_tokens", 0))
-        return (tokens, longest) if tokens > 0 and longest > 0 else None
+        return (tokens, longest) if timed and tokens > 0 and longest > 0 else None
 
     def _plan_digests(self, out: Any) -> None:
         """Follows the handover prefills' block ids through the step's output; a step that computes
@@ -194,6 +199,7 @@ class SchedulerSide:
         self.client.forget(request.request_id)
         self._hits.pop(request.request_id, None)
         self._prompt_len.pop(request.request_id, None)
+        self._answers.pop(request.request_id, None)
         params = self._hand_over(request, block_ids) if request.request_id in self._prefills else None
         held = bool(params and params.get(KEY))
         if not self.s.store or not offloadable(request):

@@ -138,8 +138,9 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 - NIXL's own types; the graph still serves through NixlConnector
             log.warning("FlexKVConnector: no handover agent (%s); the next connector hands requests over", e)
 
-    def _lookup(self, tokens, lora: Optional[str], salt: Optional[str], prompt_tokens: int) -> int:
-        return self.offload.cached_tokens(tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens)
+    def _lookup(self, tokens, lora: Optional[str], salt: Optional[str], prompt_tokens: int, local_blocks: int) -> int:
+        return self.offload.cached_tokens(tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens,
+                                          skip_blocks=local_blocks)
 
     # ---- one step --------------------------------------------------------------------------------
     def start_load(self, meta: FlexKVMetadata) -> None:
