@@ -115,6 +115,17 @@ def test_float_device_block_id_is_refused(tmp_path):
         kv.shutdown()
 
 
+def test_kv_caches_without_addressable_memory_are_refused(tmp_path):
+    """Meta tensors have shapes but no memory (data_ptr 0): copying into them would crash the
+    process, so registering them is refused, naming the device."""
+    kv = KVManager(MODEL, config(tmp_path))
+    try:
+        with pytest.raises(ValueError, match="'meta'.*CPU or CUDA"):
+            kv.register_device_cache(device_tensors(L, 8, device="meta"), L)
+    finally:
+        kv.shutdown()
+
+
 def test_none_device_block_ids_error_names_the_argument(tmp_path):
     kv, dev = open_manager(tmp_path)
     try:

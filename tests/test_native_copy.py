@@ -87,3 +87,15 @@ def test_the_kv_grid_copy_refuses_mismatched_sides():
     with pytest.raises(ValueError, match="one base per layer"):
         _native.copy_kv_grid(np.zeros(2, np.uint64), ids, 0, 0, np.zeros(3, np.uint64), ids, 0, 0, 1, 64,
                              block_major=False)
+
+
+@pytest.mark.parametrize("bad", [np.array([-1], dtype=np.int64), np.array([4.7]), np.array([4], dtype=np.int32)])
+def test_the_copies_take_only_unsigned_64_bit_arrays(bad):
+    """A signed or float array is refused, not cast: -1 would wrap to 2**64 - 1 bytes (or an id
+    before the buffer) and 4.7 would silently copy 4 bytes."""
+    buf = np.zeros(64, dtype=np.uint8)
+    addr = np.array([buf.ctypes.data], dtype=np.uint64)
+    with pytest.raises(TypeError):
+        _native.copy_chunks(addr, addr + np.uint64(32), bad, 1)
+    with pytest.raises(TypeError):
+        _native.copy_kv_grid(addr, bad, 0, 0, addr, np.zeros(1, np.uint64), 0, 0, 1, 8, block_major=False)

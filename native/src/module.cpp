@@ -137,8 +137,9 @@ py::object file_io(const CArray<int32_t>& fds, const CArray<uint64_t>& file_offs
   return std::move(sums);
 }
 
-void copy_chunks(const CArray<uint64_t>& dst, const CArray<uint64_t>& src,
-                 const CArray<uint64_t>& lengths, unsigned threads) {
+// The copies take only unsigned 64-bit arrays (no forced cast): a negative length or id would
+// otherwise wrap to a huge one, and a float one would be truncated, without a word.
+void copy_chunks(const U64Array& dst, const U64Array& src, const U64Array& lengths, unsigned threads) {
   const size_t n = static_cast<size_t>(dst.size());
   if (static_cast<size_t>(src.size()) != n || static_cast<size_t>(lengths.size()) != n) {
     throw py::value_error("copy_chunks: dst, src and lengths must have one entry per chunk");
@@ -147,8 +148,8 @@ void copy_chunks(const CArray<uint64_t>& dst, const CArray<uint64_t>& src,
   dfkv::copy_chunks(dst.data(), src.data(), lengths.data(), n, threads);
 }
 
-void copy_kv_grid(const CArray<uint64_t>& dst_layer_base, const CArray<uint64_t>& dst_ids, uint64_t dst_block_stride,
-                  uint64_t dst_kv_stride, const CArray<uint64_t>& src_layer_base, const CArray<uint64_t>& src_ids,
+void copy_kv_grid(const U64Array& dst_layer_base, const U64Array& dst_ids, uint64_t dst_block_stride,
+                  uint64_t dst_kv_stride, const U64Array& src_layer_base, const U64Array& src_ids,
                   uint64_t src_block_stride, uint64_t src_kv_stride, size_t kv, uint64_t chunk_bytes,
                   bool block_major, unsigned threads) {
   if (dst_layer_base.size() != src_layer_base.size() || dst_ids.size() != src_ids.size()) {

@@ -41,6 +41,10 @@ class DeviceCache:
         devices = {t.device for t in ts}
         if len(devices) != 1:
             raise ValueError(f"register_device_cache: tensors on several devices {sorted(map(str, devices))}")
+        device = next(iter(devices))
+        if device.type not in ("cpu", "cuda"):  # the copies read and write their memory directly
+            raise ValueError(f"register_device_cache: tensors on {device.type!r}; the KV caches must live in CPU or "
+                             "CUDA memory")
         for i, t in enumerate(ts):
             if t.dtype != want_dtype:
                 raise ValueError(f"register_device_cache: tensor {i} has dtype {t.dtype}, the model says {want_dtype}")
