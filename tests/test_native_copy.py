@@ -99,3 +99,33 @@ def test_the_copies_take_only_unsigned_64_bit_arrays(bad):
         _native.copy_chunks(addr, addr + np.uint64(32), bad, 1)
     with pytest.raises(TypeError):
         _native.copy_kv_grid(addr, bad, 0, 0, addr, np.zeros(1, np.uint64), 0, 0, 1, 8, block_major=False)
+
+
+@pytest.mark.parametrize("heads", [1, 8])  # 2 KiB (device order both ways) and 64 KiB (host order for H2D) runs
+def test_the_cpu_mover_round_trips_random_blocks_in_either_copy_order(heads):
+    import torch
+    from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
+    from dynamo_flexkv.core.storage.device import DeviceCache
+    from dynamo_flexkv.core.storage.host import HostPool
+    from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
+    from dynamo_flexkv.core.transfer.movers import SHORT_RUN_BYTES, HostDeviceMover
+
+    model = ModelSpec(num_layers=3, num_kv_heads=heads, head_size=128, dtype="bfloat16")
+    host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, 16, 40), pin=False)
+    assert (host.layout.model.kv_dim * host.layout.chunk_bytes < SHORT_RUN_BYTES) == (heads == 1)
+    layers = [torch.randint(-2**15, 2**15, (80, 2, 16, heads, 128), dtype=torch.int16).view(torch.bfloat16)
+              for _ in range(3)]
+    mover = HostDeviceMover(host, DeviceCache.register(layers, model, KVLayoutType.LAYERBLOCK, 16), threads=3)
+    rng = np.random.default_rng(heads)
+    dev_ids, host_ids = rng.choice(80, 40, replace=False), rng.permutation(40)
+    want = [layer.view(torch.int16).clone() for layer in layers]
+    mover.run(TransferOp(OpKind.D2H, dev_ids, host_ids))
+    back = rng.choice(80, 40, replace=False)  # other device blocks, layers 1-2 only
+    mover.run(TransferOp(OpKind.H2D, host_ids, back, layers=(1, 3)))
+    for i, (layer, before) in enumerate(zip(layers, want)):
+        got = layer.view(torch.int16)
+        expect = before.clone()
+        if i >= 1:
+            expect[torch.as_tensor(back)] = before[torch.as_tensor(dev_ids)]
+        assert torch.equal(got, expect), f"layer {i}"
+    host.close()

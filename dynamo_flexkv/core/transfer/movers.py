@@ -47,6 +47,9 @@ class ChecksumError(IOError, FlexKVError):
                          f"{'...' if len(self.disk_ids) > 8 else ''}: refusing to load them")
 
 
+SHORT_RUN_BYTES = 64 << 10  # a block's K and V in one layer below this: copied in the device's order
+
+
 class HostDeviceMover:
     def __init__(self, host: HostPool, device: DeviceCache, threads: int = 4) -> None:
         if host.layout.type is not KVLayoutType.BLOCKFIRST:
@@ -76,18 +79,23 @@ class HostDeviceMover:
         return int(dev_ids.size) * (hi - lo) * self.host.layout.layer_block_bytes
 
     def _cpu_copy(self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int, to_host: bool) -> None:
-        """One native call: chunk addresses are generated there, listed in *source* address order
-        (sequential reads keep the prefetcher busy; K and V of a block stay neighbours, so they
-        merge): the device is read layer by layer, the BLOCKFIRST host block by block."""
+        """One native call: chunk addresses are generated there (K and V of a block stay
+        neighbours, so they merge), in the device's order (layer by layer, blocks ascending) except
+        for host->device copies of long runs, read in the BLOCKFIRST host's order (block by block).
+        Measured on 512 MiB of random blocks (A/B rounds, three processes), against a contiguous
+        copy: device->host 16 KiB runs 0.85-0.89 either way, 64 KiB runs 0.94-0.97 in device order
+        against 0.86-0.88; host->device 16 KiB runs 0.93-0.97 in device order against 0.87-0.90,
+        64 KiB runs 0.93-0.94 against 0.96-0.99 in host order."""
         hl = self.host.layout
-        order = np.argsort(dev_ids if to_host else host_ids, kind="stable")
+        device_order = to_host or hl.model.kv_dim * hl.chunk_bytes < SHORT_RUN_BYTES
+        order = np.argsort(dev_ids if device_order else host_ids, kind="stable")
         dev = (*self.device.chunk_grid(lo, hi), dev_ids[order].astype(np.uint64))
         sb, sl, sk = hl.strides()
         host_base = np.uint64(self.host.base) + np.arange(lo, hi, dtype=np.uint64) * np.uint64(sl)
         hst = (host_base, int(sb), int(sk), host_ids[order].astype(np.uint64))
         (db, dsb, dsk, dids), (sbase, ssb, ssk, sids) = (hst, dev) if to_host else (dev, hst)
         _native.copy_kv_grid(db, dids, dsb, dsk, sbase, sids, ssb, ssk, hl.model.kv_dim, hl.chunk_bytes,
-                             block_major=not to_host, threads=self.threads)
+                             block_major=not device_order, threads=self.threads)
 
     def _cuda_copy(self, dev_ids, host_ids, lo, hi, to_host, after) -> None:
         dev = self.device.device
