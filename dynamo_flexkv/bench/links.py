@@ -43,14 +43,14 @@ from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
 from dynamo_flexkv.core.storage.ssd import DiskEntry, SsdStore
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
-from dynamo_flexkv.core.transfer.movers import DiskMover, HostDeviceMover, HostHasher
+from dynamo_flexkv.core.transfer.movers import DiskMover, HostDeviceMover, HostHasher, copy_threads
 
 SHAPES = {
     "small": ModelSpec(num_layers=8, num_kv_heads=4, head_size=64, dtype="bfloat16"),  # 128 KiB blocks
     "8b": ModelSpec(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16"),  # 2 MiB blocks
 }
 TPB = 16
-THREADS = 4
+THREADS = copy_threads()  # what the engine's mover uses here; the baseline gets the same
 
 
 def gbps(nbytes: int, seconds: float) -> float:
