@@ -678,11 +678,13 @@ def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
         published = sum(r["events"] for r in pres) - hello
         _send(router, {"published": published, "settle": 30})
         rres = _read(router, "router process", 120, router_log)
+        # The router's log up to its report, before it is stopped: its shutdown says "... watch
+        # dropped, shutting down", which is no dropped event.
+        stderr = Path(router_log).read_text(errors="replace")
         for p in pubs:
             _send(p, {"exit": True})
         stop([router])
         stop(pubs)
-        stderr = Path(router_log).read_text(errors="replace")
         warnings = [ln for ln in stderr.splitlines() if any(ph in ln for ph in DROP_PHRASES)]
         probes: Dict[int, float] = {}
         for r in pres:
