@@ -195,15 +195,22 @@ def slow_disk(kv: KVManager) -> None:
         kv.cost.observe_prefill(n, 512, 1e-3 * n)
 
 
+def host_6_disk_12(kv: KVManager, seed: int) -> list:
+    """A 12-block prompt computed and stored, host then cut to its first 6 blocks (evicting leaves
+    first; disk keeps all 12), and measurements of a disk slower than recompute."""
+    engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv)
+    prompt = np.random.default_rng(seed).integers(0, CFG.vocab_size, 12 * CFG.block_size + 5).tolist()
+    engine.generate([prompt], SamplingParams(max_tokens=1))
+    engine.flush()
+    assert kv.drain(60)
+    kv.evict("host", 6)
+    slow_disk(kv)
+    return prompt
+
+
 def test_manager_plans_only_what_the_decision_loads(tmp_path):
     with tiny_kv(tmp_path) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv)
-        prompt = np.random.default_rng(0).integers(0, CFG.vocab_size, 12 * CFG.block_size + 5).tolist()
-        engine.generate([prompt], SamplingParams(max_tokens=1))
-        engine.flush()
-        assert kv.drain(60)
-        kv.evict("host", 6)  # host keeps the first 6 blocks (evicts leaves first), disk all 12
-        slow_disk(kv)
+        prompt = host_6_disk_12(kv, seed=0)
         assert kv.match(prompt)["host"] == 6 * CFG.block_size
         assert kv.loadable_tokens(prompt[:12 * CFG.block_size], prompt_tokens=len(prompt)) == 6 * CFG.block_size
         counts = kv.stats().prefix_tokens
@@ -215,13 +222,7 @@ def test_a_lookup_decides_only_about_the_blocks_the_engine_lacks(tmp_path):
     """vLLM asks with its own prefix-cache hit (skip_blocks): the decision weighs loading the
     rest against recomputing the rest, and counts only those tokens."""
     with tiny_kv(tmp_path) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv)
-        prompt = np.random.default_rng(1).integers(0, CFG.vocab_size, 12 * CFG.block_size + 5).tolist()
-        engine.generate([prompt], SamplingParams(max_tokens=1))
-        engine.flush()
-        assert kv.drain(60)
-        kv.evict("host", 6)
-        slow_disk(kv)
+        prompt = host_6_disk_12(kv, seed=1)
         full = prompt[:12 * CFG.block_size]
 
         def decided(skip: int) -> tuple:
