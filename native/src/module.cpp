@@ -8,6 +8,7 @@
 
 #include "hashing.h"
 #include "io.h"
+#include "net.h"
 
 namespace py = pybind11;
 
@@ -189,6 +190,59 @@ U64Array kv_block_checksums(const CArray<uint64_t>& layer_addrs, uint64_t block_
   return out;
 }
 
+
+// A writable C-contiguous buffer's bytes, or a TypeError naming `what`.
+std::pair<char*, size_t> writable_bytes(const py::buffer& b, const char* what) {
+  py::buffer_info info = b.request(true);
+  py::ssize_t expect = info.itemsize;
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+    if (info.shape[d] > 1 && info.strides[d] != expect) {
+      throw py::type_error(std::string(what) + " must be a C-contiguous buffer");
+    }
+    expect *= info.shape[d];
+  }
+  return {static_cast<char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize)};
+}
+
+// The receive buffer as Python holds it (a bytearray and its unread [r, w)), checked.
+dfkv::RxBuffer rx_buffer(const py::buffer& buf, size_t r, size_t w) {
+  const auto [p, cap] = writable_bytes(buf, "rx");
+  if (r > w || w > cap) {
+    throw py::value_error("rx: unread range [" + std::to_string(r) + ", " + std::to_string(w) +
+                          ") does not fit its " + std::to_string(cap) + "-byte buffer");
+  }
+  return {p, cap, r, w};
+}
+
+py::tuple recv_reply(const dfkv::RecvResult& res, const dfkv::RxBuffer& rx) {
+  return py::make_tuple(static_cast<int>(res.status), res.error, rx.r, rx.w, res.checksum);
+}
+
+py::tuple recv_exact(int fd, const py::buffer& rx_buf, size_t r, size_t w, size_t spill, int timeout_ms,
+                     const py::buffer& dest, bool checksum) {
+  dfkv::RxBuffer rx = rx_buffer(rx_buf, r, w);
+  const auto [d, n] = writable_bytes(dest, "dest");
+  dfkv::RecvResult res;
+  {
+    py::gil_scoped_release release;
+    res = dfkv::recv_exact(fd, rx, d, n, spill, timeout_ms, checksum);
+  }
+  return recv_reply(res, rx);
+}
+
+py::tuple recv_bulk(int fd, const py::buffer& rx_buf, size_t r, size_t w, size_t spill, int timeout_ms,
+                    const py::buffer& header, const py::buffer& dest) {
+  dfkv::RxBuffer rx = rx_buffer(rx_buf, r, w);
+  const auto [h, hn] = writable_bytes(header, "header");
+  const auto [d, n] = writable_bytes(dest, "dest");
+  dfkv::RecvResult res;
+  {
+    py::gil_scoped_release release;
+    res = dfkv::recv_bulk(fd, rx, h, hn, d, n, spill, timeout_ms);
+  }
+  return recv_reply(res, rx);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -219,5 +273,15 @@ PYBIND11_MODULE(_native, m) {
         py::arg("blocks"),
         "Per block: xxh3_64 over the LE u64 xxh3_64 of its `block_bytes` span in each layer "
         "(layer_addrs[l] + block * block_bytes), in layer order. The caller checks the bounds.");
+  // The receive side of the remote tier's RESP connection (core/remote/resp.py). Both return
+  // (status, errno, r, w, checksum): status as dfkv::RecvStatus, [r, w) the buffer's new unread bytes.
+  m.def("recv_exact", &recv_exact, py::arg("fd"), py::arg("rx"), py::arg("r"), py::arg("w"), py::arg("spill"),
+        py::arg("timeout_ms"), py::arg("dest"), py::arg("checksum"),
+        "Fill dest from rx[r:w] and then the socket (each wait bounded by timeout_ms), then take what already "
+        "arrived, up to spill bytes, into rx; with checksum, the xxh3_64 of dest.");
+  m.def("recv_bulk", &recv_bulk, py::arg("fd"), py::arg("rx"), py::arg("r"), py::arg("w"), py::arg("spill"),
+        py::arg("timeout_ms"), py::arg("header"), py::arg("dest"),
+        "Read a bulk reply of exactly len(header) + len(dest) bytes into header and dest, checksumming dest; "
+        "status 4 (nothing consumed) when the next reply in rx is anything else, 5 when no CRLF ends it.");
   dfkv::bind_tier_index(m);
 }

@@ -1,8 +1,9 @@
 """A small RESP2 connection over a raw socket, built for large values.
 
 Writes go out with ``sendmsg`` scatter lists, so a block's bytes are sent straight from the
-caller's buffer; bulk replies are read with ``recv_into`` straight into the caller's buffer. The
-receive buffer only ever holds reply lines and the few bytes read past them, so no block is
+caller's buffer; bulk replies are received straight into the caller's buffer, by one native call
+per payload that also hashes it and picks up the reply line after it (on TLS, by ``recv_into``).
+The receive buffer only ever holds reply lines and the few bytes read past them, so no block is
 copied through Python objects. Every socket wait is bounded by the timeout.
 """
 
@@ -10,7 +11,14 @@ from __future__ import annotations
 
 import socket
 import ssl
-from typing import List, Optional, Sequence, Union
+import enum
+import math
+import os
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import xxhash
+
+from dynamo_flexkv import _native
 from dynamo_flexkv.core.errors import FlexKVError
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -19,6 +27,16 @@ _IOV_MAX = 1024  # Linux UIO_MAXIOV
 _RX_BYTES = 64 << 10
 _FILL = 8 << 10  # read at most this much when waiting for a reply line: little payload lands here
 _MAX_LINE = 64 << 10
+
+
+class _Recv(enum.IntEnum):
+    """Outcome of a native receive (dfkv::RecvStatus in native/src/net.h)."""
+    OK = 0
+    CLOSED = 1
+    TIMEOUT = 2
+    ERROR = 3
+    OTHER = 4  # not the bulk reply asked for: nothing consumed
+    BAD_END = 5  # a payload not followed by CRLF
 
 
 class ProtocolError(ConnectionError, FlexKVError):
@@ -58,6 +76,11 @@ class RespConnection:
             raise
         self._sock = sock
         self._scatter = ssl_context is None  # SSLSocket has no sendmsg
+        # Plain sockets take payloads natively: one call (one GIL release) per reply instead of a
+        # recv_into per arriving piece and four Python reads per reply. With a thread per cluster
+        # node on 2 vCPUs that made cluster gets 4% (128 KiB) and 6% (2 MiB) faster.
+        self._fd = sock.fileno() if ssl_context is None else -1
+        self._timeout_ms = math.ceil(timeout_s * 1000)
         self._buf = bytearray(_RX_BYTES)
         self._mv = memoryview(self._buf)
         self._r = self._w = 0
@@ -66,6 +89,7 @@ class RespConnection:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._fd = -1  # the number may soon name another socket: native reads must not use it
             try:
                 self._sock.close()
             except OSError:
@@ -117,8 +141,11 @@ class RespConnection:
                 raise ProtocolError(f"redis {self.host}:{self.port}: reply line longer than {_MAX_LINE} bytes")
             self._fill()
 
-    def read_into(self, dest: memoryview) -> None:
-        """Fills ``dest`` (a byte memoryview) with the next ``dest.nbytes`` bytes of the stream."""
+    def read_into(self, dest: memoryview, checksum: bool = False) -> int:
+        """Fills ``dest`` (a byte memoryview) with the next ``dest.nbytes`` bytes of the stream;
+        returns their xxh3_64 with ``checksum`` (hashed while in cache), else 0."""
+        if self._fd >= 0:
+            return self._recv_natively(_native.recv_exact, dest, checksum)
         n = dest.nbytes
         k = min(self._w - self._r, n)
         if k:
@@ -131,6 +158,34 @@ class RespConnection:
             if not got:
                 raise ConnectionError(f"redis {self.host}:{self.port} closed the connection mid-reply")
             pos += got
+        return xxhash.xxh3_64_intdigest(dest) if checksum else 0
+
+    def read_bulk(self, header: memoryview, dest: memoryview) -> Optional[int]:
+        """Reads the next reply when it is a bulk string of exactly ``header`` + ``dest`` bytes:
+        fills both and returns the payload's xxh3_64. None when the reply is anything else (nil,
+        an error, another length), with nothing consumed: read it with ``readline`` and co."""
+        if self._fd < 0:
+            return None  # TLS: the general path
+        return self._recv_natively(_native.recv_bulk, header, dest)
+
+    def _recv_natively(self, call: Callable[..., Tuple[int, int, int, int, int]], *args: object) -> Optional[int]:
+        """Runs a native receive on the socket and this buffer. A signal does not cut its waits
+        short (each ends within the timeout); the handler's exception follows it."""
+        code, err, self._r, self._w, digest = call(self._fd, self._buf, self._r, self._w, _FILL,
+                                                   self._timeout_ms, *args)
+        if code == _Recv.OK:
+            return digest
+        status = _Recv(code)
+        if status is _Recv.OTHER:
+            return None
+        where = f"redis {self.host}:{self.port}"
+        if status is _Recv.CLOSED:
+            raise ConnectionError(f"{where} closed the connection mid-reply")
+        if status is _Recv.TIMEOUT:
+            raise socket.timeout(f"{where}: no reply data for {self._timeout_ms} ms")
+        if status is _Recv.BAD_END:
+            raise ProtocolError(f"{where}: bulk reply not followed by CRLF")
+        raise OSError(err, f"{where}: recv failed mid-reply: {os.strerror(err)}")
 
     def skip(self, n: int) -> None:
         """Discards the next ``n`` bytes of the stream."""

@@ -412,6 +412,17 @@ class RemoteStore:
                     parent: Optional[int], dest: memoryview, why: Dict[int, str], i: int,
                     sums: List[int]) -> Verdict:
         """One GET reply into ``dest``; a refused value's reason goes to ``why[i]``."""
+        got = conn.read_bulk(header, dest)  # the usual reply, a value of the right size: one call
+        if got is not None:
+            verdict, checksum = check_header(header, fp, seq, parent, dest.nbytes)
+            if verdict is not Verdict.OK:
+                why[i] = header_problem(header, fp, seq, parent, dest.nbytes)
+                return verdict
+            if got != checksum:
+                why[i] = "payload checksum mismatch"
+                return Verdict.CORRUPT
+            sums[i] = checksum
+            return Verdict.OK
         size = self._bulk_size(conn, "GET")
         if size is None:
             return Verdict.ERROR
@@ -431,8 +442,7 @@ class RemoteStore:
             verdict = Verdict.TRUNCATED
             why[i] = f"wrong size: {size} bytes, not the {HEADER_BYTES}-byte header + {dest.nbytes} bytes"
         if verdict is Verdict.OK:
-            conn.read_into(dest)
-            if not payload_ok(dest, checksum):
+            if conn.read_into(dest, checksum=True) != checksum:
                 verdict = Verdict.CORRUPT
                 why[i] = "payload checksum mismatch"
             else:

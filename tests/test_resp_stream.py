@@ -1,0 +1,213 @@
+"""The RESP reader against a real TCP peer that sends scripted bytes, split anywhere.
+
+Redis sends a reply in whatever pieces the kernel makes of it; these tests choose the pieces, so
+every boundary (inside a reply line, a header, a payload, the CRLF after it) is crossed, on the
+native path (plain sockets) and on the Python one (what TLS connections use), with the same
+results."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from typing import List, Optional, Tuple
+
+import pytest
+import xxhash
+
+from dynamo_flexkv.core.remote.resp import ProtocolError, ReplyError, RespConnection
+
+HEADER = 48  # any fixed header length: the reader only needs it and the payload's
+
+
+class ScriptedPeer:
+    """A loopback server that, once a client connects, sends ``pieces`` one by one (a pause
+    between them lets each arrive alone), then closes or holds the connection open."""
+
+    def __init__(self, pieces: List[bytes], pause_s: float = 0.0, hold_open: bool = False) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._pieces, self._pause, self._hold = pieces, pause_s, hold_open
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self._listener.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for p in self._pieces:
+                conn.sendall(p)
+                if self._pause:
+                    time.sleep(self._pause)  # pacing the sender, not waiting for a result
+            if self._hold:
+                self._done.wait(30)
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(30)
+        self._listener.close()
+
+
+def connect(peer: ScriptedPeer, timeout_s: float = 10, native: bool = True) -> RespConnection:
+    conn = RespConnection("127.0.0.1", peer.port, timeout_s=timeout_s, connect_timeout_s=5)
+    if not native:
+        conn._fd = -1  # the path TLS connections take
+    return conn
+
+
+def split(data: bytes, rng: random.Random) -> List[bytes]:
+    """``data`` in pieces of 1 byte to 20 KiB, cut anywhere."""
+    out, i = [], 0
+    while i < len(data):
+        n = rng.choice([1, 2, 3, 7, rng.randint(1, 300), rng.randint(1, 20000)])
+        out.append(data[i:i + n])
+        i += n
+    return out
+
+
+def bulk(payload: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(payload), payload)
+
+
+Expected = Tuple[str, object]
+
+
+def script(rng: random.Random, size: int, count: int) -> Tuple[bytes, List[Expected]]:
+    """A pipeline's replies: mostly values of the expected size, and every other kind."""
+    data, want = [], []
+    for _ in range(count):
+        kind = rng.choice(["value"] * 6 + ["nil", "error", "short", "long", "status", "int"])
+        if kind == "value":
+            header, payload = rng.randbytes(HEADER), rng.randbytes(size)
+            data.append(bulk(header + payload))
+            want.append(("value", (header, payload)))
+        elif kind == "nil":
+            data.append(b"$-1\r\n")
+            want.append(("reply", None))
+        elif kind == "error":
+            data.append(b"-MOVED 3999 127.0.0.1:6381\r\n")
+            want.append(("reply", ReplyError("MOVED 3999 127.0.0.1:6381")))
+        elif kind in ("short", "long"):
+            v = rng.randbytes(HEADER + size + (-1 if kind == "short" else 1))
+            data.append(bulk(v))
+            want.append(("reply", v))
+        elif kind == "status":
+            data.append(b"+OK\r\n")
+            want.append(("reply", "OK"))
+        else:
+            data.append(b":42\r\n")
+            want.append(("reply", 42))
+    return b"".join(data), want
+
+
+def read_script(conn: RespConnection, size: int, want: List[Expected]) -> int:
+    """Reads the replies as the store does; returns how many values the one-call path took."""
+    header, dest = memoryview(bytearray(HEADER)), memoryview(bytearray(size))
+    whole = 0
+    for i, (kind, value) in enumerate(want):
+        got: Optional[int] = conn.read_bulk(header, dest)
+        whole += got is not None
+        if got is None:  # another reply, or a value whose line has not all arrived
+            if kind == "value":
+                line = conn.readline()
+                assert line == b"$%d" % (HEADER + size)
+                conn.read_into(header)
+                got = conn.read_into(dest, checksum=True)
+                conn.expect_crlf()
+            else:
+                assert conn.read_reply() == value, f"reply {i}"
+                continue
+        assert kind == "value", f"reply {i}: read as a value"
+        assert (bytes(header), bytes(dest)) == value, f"reply {i}: other bytes"
+        assert got == xxhash.xxh3_64_intdigest(value[1]), f"reply {i}: wrong checksum"
+    return whole
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("size", [0, 1, 4096, 128 << 10])
+def test_replies_split_anywhere_read_exactly(native, size):
+    rng = random.Random(size * 2 + native)
+    whole = 0
+    for _ in range(3):
+        data, want = script(rng, size, 40)
+        peer = ScriptedPeer(split(data, rng))
+        conn = connect(peer, native=native)
+        try:
+            whole += read_script(conn, size, want)
+        finally:
+            conn.close()
+            peer.close()
+    assert (whole > 0) == native  # TLS's path never takes it
+
+
+def test_one_byte_at_a_time_with_pauses():
+    """Every piece arrives alone: each wait inside the native read is taken."""
+    rng = random.Random(7)
+    data, want = script(rng, 200, 6)
+    peer = ScriptedPeer([data[i:i + 1] for i in range(len(data))], pause_s=0.0005)
+    conn = connect(peer)
+    try:
+        read_script(conn, 200, want)
+    finally:
+        conn.close()
+        peer.close()
+
+
+def test_a_payload_without_its_crlf_is_a_protocol_error():
+    payload = bytes(HEADER + 1000)
+    peer = ScriptedPeer([b"+OK\r\n$%d\r\n" % len(payload) + payload + b"XX"])
+    conn = connect(peer)
+    try:
+        assert conn.read_reply() == "OK"  # the reply after it has arrived with it
+        with pytest.raises(ProtocolError, match="not followed by CRLF"):
+            conn.read_bulk(memoryview(bytearray(HEADER)), memoryview(bytearray(1000)))
+    finally:
+        conn.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("cut", ["line", "header", "payload", "crlf"])
+def test_peer_closing_mid_reply_is_a_connection_error(cut):
+    payload = bytes(range(256)) * 40
+    whole = bulk(bytes(HEADER) + payload)
+    at = {"line": 3, "header": 10 + HEADER // 2, "payload": 10 + HEADER + 5000, "crlf": len(whole) - 1}[cut]
+    peer = ScriptedPeer([b"+OK\r\n" + whole[:at]], pause_s=0.05)
+    conn = connect(peer)
+    try:
+        assert conn.read_reply() == "OK"
+        with pytest.raises(ConnectionError, match="closed the connection"):
+            got = conn.read_bulk(memoryview(bytearray(HEADER)), memoryview(bytearray(len(payload))))
+            assert got is None  # only a line cut short leaves it to the general path
+            conn.readline()
+    finally:
+        conn.close()
+        peer.close()
+
+
+def test_a_stalled_peer_times_out_within_the_timeout():
+    payload = bytes(HEADER + 100000)
+    peer = ScriptedPeer([b"+OK\r\n$%d\r\n" % len(payload) + payload[:5000]], hold_open=True)
+    conn = connect(peer, timeout_s=0.3)
+    try:
+        assert conn.read_reply() == "OK"
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no reply data for 300 ms"):
+            conn.read_bulk(memoryview(bytearray(HEADER)), memoryview(bytearray(100000)))
+        assert time.monotonic() - t0 < 10
+    finally:
+        conn.close()
+        peer.close()
+
+
+def test_a_closed_connection_never_reads_through_its_old_descriptor():
+    peer = ScriptedPeer([bulk(bytes(HEADER + 10))], hold_open=True)
+    conn = connect(peer)
+    conn.close()
+    try:
+        assert conn.read_bulk(memoryview(bytearray(HEADER)), memoryview(bytearray(10))) is None
+        with pytest.raises(OSError):
+            conn.read_into(memoryview(bytearray(10)))
+    finally:
+        peer.close()
