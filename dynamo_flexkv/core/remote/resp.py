@@ -18,7 +18,6 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import xxhash
 
-from dynamo_flexkv import _native
 from dynamo_flexkv.core.errors import FlexKVError
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -80,6 +79,8 @@ class RespConnection:
         # recv_into per arriving piece and four Python reads per reply. With a thread per cluster
         # node on 2 vCPUs that made cluster gets 4% (128 KiB) and 6% (2 MiB) faster.
         self._fd = sock.fileno() if ssl_context is None else -1
+        from dynamo_flexkv import _native  # here: reading a config must not load the native core
+        self._recv_exact, self._recv_bulk = _native.recv_exact, _native.recv_bulk
         self._timeout_ms = math.ceil(timeout_s * 1000)
         self._buf = bytearray(_RX_BYTES)
         self._mv = memoryview(self._buf)
@@ -145,7 +146,7 @@ class RespConnection:
         """Fills ``dest`` (a byte memoryview) with the next ``dest.nbytes`` bytes of the stream;
         returns their xxh3_64 with ``checksum`` (hashed while in cache), else 0."""
         if self._fd >= 0:
-            return self._recv_natively(_native.recv_exact, dest, checksum)
+            return self._recv_natively(self._recv_exact, dest, checksum)
         n = dest.nbytes
         k = min(self._w - self._r, n)
         if k:
@@ -166,7 +167,7 @@ class RespConnection:
         an error, another length), with nothing consumed: read it with ``readline`` and co."""
         if self._fd < 0:
             return None  # TLS: the general path
-        return self._recv_natively(_native.recv_bulk, header, dest)
+        return self._recv_natively(self._recv_bulk, header, dest)
 
     def _recv_natively(self, call: Callable[..., Tuple[int, int, int, int, int]], *args: object) -> Optional[int]:
         """Runs a native receive on the socket and this buffer. A signal does not cut its waits
