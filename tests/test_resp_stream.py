@@ -7,6 +7,7 @@ results."""
 
 from __future__ import annotations
 
+import platform
 import random
 import socket
 import threading
@@ -25,10 +26,11 @@ class ScriptedPeer:
     """A loopback server that, once a client connects, sends ``pieces`` one by one (a pause
     between them lets each arrive alone), then closes or holds the connection open."""
 
-    def __init__(self, pieces: List[bytes], pause_s: float = 0.0, hold_open: bool = False) -> None:
+    def __init__(self, pieces: List[bytes], pause_s: float = 0.0, hold_open: bool = False,
+                 gate: Optional[threading.Event] = None) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
-        self._pieces, self._pause, self._hold = pieces, pause_s, hold_open
+        self._pieces, self._pause, self._hold, self._gate = pieces, pause_s, hold_open, gate
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -37,7 +39,9 @@ class ScriptedPeer:
         conn, _ = self._listener.accept()
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for p in self._pieces:
+            for i, p in enumerate(self._pieces):
+                if i == 1 and self._gate is not None:
+                    self._gate.wait(30)  # the rest only when the test says
                 conn.sendall(p)
                 if self._pause:
                     time.sleep(self._pause)  # pacing the sender, not waiting for a result
@@ -210,4 +214,95 @@ def test_a_closed_connection_never_reads_through_its_old_descriptor():
         with pytest.raises(OSError):
             conn.read_into(memoryview(bytearray(10)))
     finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("timeout_s", [None, 2147484.0, 1e7])
+def test_any_socket_timeout_reads(timeout_s):
+    """None waits forever and timeouts past poll()'s 24.8-day limit are clamped, as the socket
+    path takes them, instead of refusing the call."""
+    peer = ScriptedPeer([bulk(bytes(HEADER) + b"x" * 100)], hold_open=True)
+    conn = connect(peer, timeout_s=timeout_s)
+    try:
+        assert conn.read_bulk(memoryview(bytearray(HEADER)), memoryview(bytearray(100))) is not None \
+            or conn.read_reply() == bytes(HEADER) + b"x" * 100
+    finally:
+        conn.close()
+        peer.close()
+
+
+def test_close_wakes_a_reader_waiting_in_another_thread():
+    """Connections are not shared, but if one is closed under a waiting read, that read fails as
+    closed at once instead of waiting out its timeout (or reading a reused descriptor)."""
+    peer = ScriptedPeer([b"+OK\r\n$%d\r\n" % (HEADER + 100000) + bytes(500)], hold_open=True)
+    conn = connect(peer, timeout_s=60)
+    assert conn.read_reply() == "OK"
+    errors: List[BaseException] = []
+
+    def read() -> None:
+        try:
+            conn.read_bulk(memoryview(bytearray(HEADER)), memoryview(bytearray(100000)))
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while reader.is_alive() and time.monotonic() < deadline and conn._r == 0:
+            time.sleep(0.01)  # until the reader consumed the line: it is waiting in the payload
+        conn.close()
+        reader.join(30)
+        assert not reader.is_alive(), "the read kept waiting after close"
+        assert errors and isinstance(errors[0], OSError)
+    finally:
+        peer.close()
+
+
+def in_poll(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is blocked in poll (x86-64 poll/ppoll), not waiting for the GIL."""
+    with open(f"/proc/self/task/{thread.native_id}/syscall") as f:
+        return f.read().split()[0] in ("7", "271")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="reads x86-64 syscall numbers")
+def test_a_destination_cannot_be_resized_while_a_read_fills_it():
+    """The buffer stays exported for the whole native read: once the read waits for its payload,
+    releasing the view and resizing the bytearray is refused, never a write into freed memory."""
+    payload = b"Z" * 4096
+    gate = threading.Event()
+    peer = ScriptedPeer([b"+OK\r\n$%d\r\n" % len(payload), payload], gate=gate)
+    conn = connect(peer)
+    assert conn.read_reply() == "OK" and conn.readline() == b"$4096"
+    dest = bytearray(len(payload))
+    view = memoryview(dest)
+    reader = threading.Thread(target=conn.read_into, args=(view,))
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not in_poll(reader) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert in_poll(reader), "the read never waited for its payload"
+        with pytest.raises(BufferError):
+            view.release()
+        with pytest.raises(BufferError):
+            dest.extend(bytes(1 << 20))
+        gate.set()
+        reader.join(30)
+        assert bytes(dest) == payload
+    finally:
+        gate.set()
+        conn.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("line", [b"$abc\r\n", b":x\r\n", b"*1z\r\n"])
+def test_a_length_that_is_not_a_number_is_a_protocol_error(line):
+    peer = ScriptedPeer([line])
+    conn = connect(peer)
+    try:
+        with pytest.raises(ProtocolError, match="not a number"):
+            conn.read_reply()
+    finally:
+        conn.close()
         peer.close()

@@ -191,27 +191,33 @@ U64Array kv_block_checksums(const CArray<uint64_t>& layer_addrs, uint64_t block_
 }
 
 
-// A writable C-contiguous buffer's bytes, or a TypeError naming `what`.
-std::pair<char*, size_t> writable_bytes(const py::buffer& b, const char* what) {
-  py::buffer_info info = b.request(true);
-  py::ssize_t expect = info.itemsize;
-  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
-    if (info.shape[d] > 1 && info.strides[d] != expect) {
-      throw py::type_error(std::string(what) + " must be a C-contiguous buffer");
+// A writable C-contiguous buffer's bytes, or a TypeError naming `what`. Holds the buffer's export
+// for its lifetime, so that nobody can resize or free the memory while the GIL is released.
+struct WritableBytes {
+  py::buffer_info info;
+  char* data;
+  size_t size;
+
+  WritableBytes(const py::buffer& b, const char* what) : info(b.request(true)) {
+    py::ssize_t expect = info.itemsize;
+    for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+      if (info.shape[d] > 1 && info.strides[d] != expect) {
+        throw py::type_error(std::string(what) + " must be a C-contiguous buffer");
+      }
+      expect *= info.shape[d];
     }
-    expect *= info.shape[d];
+    data = static_cast<char*>(info.ptr);
+    size = static_cast<size_t>(info.size * info.itemsize);
   }
-  return {static_cast<char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize)};
-}
+};
 
 // The receive buffer as Python holds it (a bytearray and its unread [r, w)), checked.
-dfkv::RxBuffer rx_buffer(const py::buffer& buf, size_t r, size_t w) {
-  const auto [p, cap] = writable_bytes(buf, "rx");
-  if (r > w || w > cap) {
+dfkv::RxBuffer rx_buffer(const WritableBytes& buf, size_t r, size_t w) {
+  if (r > w || w > buf.size) {
     throw py::value_error("rx: unread range [" + std::to_string(r) + ", " + std::to_string(w) +
-                          ") does not fit its " + std::to_string(cap) + "-byte buffer");
+                          ") does not fit its " + std::to_string(buf.size) + "-byte buffer");
   }
-  return {p, cap, r, w};
+  return {buf.data, buf.size, r, w};
 }
 
 py::tuple recv_reply(const dfkv::RecvResult& res, const dfkv::RxBuffer& rx) {
@@ -220,25 +226,24 @@ py::tuple recv_reply(const dfkv::RecvResult& res, const dfkv::RxBuffer& rx) {
 
 py::tuple recv_exact(int fd, const py::buffer& rx_buf, size_t r, size_t w, size_t spill, int timeout_ms,
                      const py::buffer& dest, bool checksum) {
-  dfkv::RxBuffer rx = rx_buffer(rx_buf, r, w);
-  const auto [d, n] = writable_bytes(dest, "dest");
+  const WritableBytes rx_bytes(rx_buf, "rx"), d(dest, "dest");
+  dfkv::RxBuffer rx = rx_buffer(rx_bytes, r, w);
   dfkv::RecvResult res;
   {
     py::gil_scoped_release release;
-    res = dfkv::recv_exact(fd, rx, d, n, spill, timeout_ms, checksum);
+    res = dfkv::recv_exact(fd, rx, d.data, d.size, spill, timeout_ms, checksum);
   }
   return recv_reply(res, rx);
 }
 
 py::tuple recv_bulk(int fd, const py::buffer& rx_buf, size_t r, size_t w, size_t spill, int timeout_ms,
                     const py::buffer& header, const py::buffer& dest) {
-  dfkv::RxBuffer rx = rx_buffer(rx_buf, r, w);
-  const auto [h, hn] = writable_bytes(header, "header");
-  const auto [d, n] = writable_bytes(dest, "dest");
+  const WritableBytes rx_bytes(rx_buf, "rx"), h(header, "header"), d(dest, "dest");
+  dfkv::RxBuffer rx = rx_buffer(rx_bytes, r, w);
   dfkv::RecvResult res;
   {
     py::gil_scoped_release release;
-    res = dfkv::recv_bulk(fd, rx, h, hn, d, n, spill, timeout_ms);
+    res = dfkv::recv_bulk(fd, rx, h.data, h.size, d.data, d.size, spill, timeout_ms);
   }
   return recv_reply(res, rx);
 }

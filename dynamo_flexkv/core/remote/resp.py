@@ -26,6 +26,7 @@ _IOV_MAX = 1024  # Linux UIO_MAXIOV
 _RX_BYTES = 64 << 10
 _FILL = 8 << 10  # read at most this much when waiting for a reply line: little payload lands here
 _MAX_LINE = 64 << 10
+_MAX_WAIT_MS = 2**31 - 1  # poll()'s limit (24.8 days); a longer timeout waits this long per piece
 
 
 class _Recv(enum.IntEnum):
@@ -61,7 +62,7 @@ def encode_command(*args: Union[bytes, str, int]) -> bytes:
 class RespConnection:
     """One connection to one Redis node; not thread-safe (the store pools them)."""
 
-    def __init__(self, host: str, port: int, *, timeout_s: float, connect_timeout_s: float,
+    def __init__(self, host: str, port: int, *, timeout_s: Optional[float], connect_timeout_s: float,
                  ssl_context: Optional[ssl.SSLContext] = None) -> None:
         self.host, self.port = host, port
         sock = socket.create_connection((host, port), timeout=connect_timeout_s)
@@ -81,7 +82,8 @@ class RespConnection:
         self._fd = sock.fileno() if ssl_context is None else -1
         from dynamo_flexkv import _native  # here: reading a config must not load the native core
         self._recv_exact, self._recv_bulk = _native.recv_exact, _native.recv_bulk
-        self._timeout_ms = math.ceil(timeout_s * 1000)
+        # Per wait, as the socket's timeout applies; None waits forever, as a blocking socket does.
+        self._timeout_ms = -1 if timeout_s is None else min(math.ceil(timeout_s * 1000), _MAX_WAIT_MS)
         self._buf = bytearray(_RX_BYTES)
         self._mv = memoryview(self._buf)
         self._r = self._w = 0
@@ -91,6 +93,12 @@ class RespConnection:
         if not self.closed:
             self.closed = True
             self._fd = -1  # the number may soon name another socket: native reads must not use it
+            try:
+                # A read still waiting (misuse from another thread: connections are not shared)
+                # wakes now and fails as closed, before the number can be reused.
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 self._sock.close()
             except OSError:
@@ -217,9 +225,9 @@ class RespConnection:
         if kind == b"-":
             return ReplyError(rest.decode("utf-8", "replace"))
         if kind == b":":
-            return int(rest)
+            return self.reply_number(line)
         if kind == b"$":
-            n = int(rest)
+            n = self.reply_number(line)
             if n < 0:
                 return None
             out = bytearray(n)
@@ -227,9 +235,17 @@ class RespConnection:
             self.expect_crlf()
             return bytes(out)
         if kind == b"*":
-            n = int(rest)
+            n = self.reply_number(line)
             return None if n < 0 else [self.read_reply() for _ in range(n)]
         raise ProtocolError(f"redis {self.host}:{self.port}: unexpected reply type {line[:16]!r}")
+
+    def reply_number(self, line: bytes) -> int:
+        """The number after a reply line's type byte; ProtocolError when it is not one."""
+        try:
+            return int(line[1:])
+        except ValueError:
+            raise ProtocolError(f"redis {self.host}:{self.port}: {line[:1]!r} reply with a length or value that is "
+                                f"not a number ({len(line)}-byte line)") from None
 
     def call(self, *args: Union[bytes, str, int]) -> object:
         """Sends one command and returns its reply; an error reply raises ServerError."""

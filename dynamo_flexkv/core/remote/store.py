@@ -406,7 +406,7 @@ class RemoteStore:
             return None
         if line[:1] != b"$":
             raise ProtocolError(f"redis {conn.host}:{conn.port}: {command} answered {line[:16]!r}")
-        return int(line[1:])
+        return conn.reply_number(line)
 
     def _read_value(self, conn: RespConnection, header: memoryview, fp: int, seq: int,
                     parent: Optional[int], dest: memoryview, why: Dict[int, str], i: int,
