@@ -190,7 +190,6 @@ U64Array kv_block_checksums(const CArray<uint64_t>& layer_addrs, uint64_t block_
   return out;
 }
 
-
 // A writable C-contiguous buffer's bytes, or a TypeError naming `what`. Holds the buffer's export
 // for its lifetime, so that nobody can resize or free the memory while the GIL is released.
 struct WritableBytes {

@@ -9,11 +9,11 @@ copied through Python objects. Every socket wait is bounded by the timeout.
 
 from __future__ import annotations
 
-import socket
-import ssl
 import enum
 import math
 import os
+import socket
+import ssl
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import xxhash
