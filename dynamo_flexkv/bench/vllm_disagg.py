@@ -167,7 +167,6 @@ def serve(spec: Dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc pickles this module's rpc_*
-    role = spec["side"]
     if spec.get("engine_core_cpus"):  # this process and its engine core; the worker binds its own (below)
         os.sched_setaffinity(0, spec["engine_core_cpus"])
     llm = LLM(model=spec["model_dir"], load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN,

@@ -13,12 +13,15 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_flexkv.replay.client import TIERS, Replayer, RequestRecord
 from dynamo_flexkv.workload import Turn
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.serve.launcher import Launcher
 
 
 @dataclass(frozen=True)

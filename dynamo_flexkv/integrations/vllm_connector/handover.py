@@ -324,7 +324,7 @@ class Handover:
         remote = h.blocks[first:first + len(local_blocks)] if first >= 0 else []
         try:
             tags = _content_tags(hashes[first:first + len(local_blocks)]) if first >= 0 else _content_tags([])
-            ids = np.asarray(local_blocks, dtype=np.int64)
+            np.asarray(local_blocks, dtype=np.int64)  # refuses ids that are not int64 before anything moves
         except (OverflowError, ValueError, TypeError) as e:
             log.warning("FlexKVConnector: handover of %s refused: bad block ids or prompt hashes (%s); recomputing",
                         h.req, e)
