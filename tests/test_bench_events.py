@@ -52,3 +52,43 @@ def test_bench_events_nats():
 
     rows = measure(["nats"], [10], rate=0.5, warmup=2, duration=3)
     check(rows, cases(rows))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--workers", ""], "--workers takes comma-separated worker counts"),
+    (["--workers", "abc"], "--workers takes comma-separated worker counts"),
+    (["--workers", "0"], "worker counts must be positive integers, got [0]"),
+    (["--workers=-5"], "worker counts must be positive integers, got [-5]"),
+    (["--transports", "foo"], "unknown transport(s) ['foo']"),
+    (["--transports", "zmq,"], "unknown transport(s) ['']"),
+    (["--rate", "0"], "need rate > 0"),
+    (["--rate", "-1"], "need rate > 0"),
+    (["--duration", "0"], "need rate > 0 and duration > 0"),
+    (["--plot", "/nonexistent-dir/events.png"], "cannot write the plot to /nonexistent-dir/events.png"),
+])
+def test_bench_events_refuses_a_plan_that_would_measure_nothing(argv, says, tmp_path, monkeypatch):
+    """Bad input is refused before any process starts: no simulated worker, event plane or
+    work directory (bench events otherwise runs for minutes and reports nan, or spins)."""
+    import tempfile
+
+    from dynamo_flexkv.bench import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        main(["events", "--workers", "2", "--transports", "zmq", "--warmup", "1", "--duration", "1", *argv])
+    assert says in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_measure_refuses_an_unknown_transport_before_running_the_known_ones():
+    from dynamo_flexkv.bench.events import measure
+
+    with pytest.raises(ValueError, match="unknown transport"):
+        measure(["zmq", "foo"], [2], rate=0.5, warmup=1, duration=1)
+
+
+def test_plot_of_no_rows_says_so(tmp_path):
+    from dynamo_flexkv.bench.events import plot
+
+    with pytest.raises(ValueError, match="no measured rows"):
+        plot([], str(tmp_path / "p.png"))

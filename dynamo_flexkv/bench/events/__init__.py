@@ -46,9 +46,13 @@ they share).
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import sys
+import threading
 from typing import List
 
-from dynamo_flexkv.bench.events.orchestrate import cases, measure, plot
+from dynamo_flexkv.bench.events.orchestrate import cases, check_plan, measure, plot
 from dynamo_flexkv.bench.events.workload import TRACE_RATE_NOTE
 from dynamo_flexkv.bench.report import Case
 
@@ -56,19 +60,36 @@ __all__ = ["DEFAULT_RATE", "cases", "measure", "plot", "run"]
 
 
 def run(args: argparse.Namespace) -> List[Case]:
-    sizes = [int(x) for x in (args.workers or ("20" if args.quick else "100,300,1000")).split(",")]
-    transports = (args.transports or "zmq,nats").split(",")
-    duration = args.duration or (4.0 if args.quick else 15.0)
+    workers = args.workers if args.workers is not None else ("20" if args.quick else "100,300,1000")
+    try:
+        sizes = [int(x) for x in workers.split(",")]
+    except ValueError:
+        raise ValueError(f"bench events: --workers takes comma-separated worker counts (e.g. 100,300,1000), "
+                         f"got {workers!r}") from None
+    transports = (args.transports if args.transports is not None else "zmq,nats").split(",")
+    duration = args.duration if args.duration is not None else (4.0 if args.quick else 15.0)
     warmup = args.warmup if args.warmup is not None else (2.0 if args.quick else 10.0)
-    rate = args.rate or DEFAULT_RATE
+    rate = args.rate if args.rate is not None else DEFAULT_RATE
+    check_plan(transports, sizes, rate, warmup, duration)
+    plot_path = getattr(args, "plot", None)
+    if plot_path and not os.access(os.path.dirname(os.path.abspath(plot_path)), os.W_OK):
+        raise ValueError(f"bench events: cannot write the plot to {plot_path}: its folder is missing or read-only")
     print(f"bench events: {', '.join(transports)}; {sizes} simulated workers; {rate} req/s per worker; "
           f"{warmup:g} s warm-up + {duration:g} s measured per case\n  ({TRACE_RATE_NOTE})", flush=True)
     if args.rows:
         open(args.rows, "w").close()
-    rows = measure(transports, sizes, rate, warmup, duration, rows_path=args.rows)
-    if getattr(args, "plot", None):
-        plot(rows, args.plot)
-        print(f"wrote {args.plot}")
+    # A plain kill of this process must still stop the event plane and the children it started
+    # (they run in sessions of their own); signal handlers can only be set from the main thread.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if main_thread else None
+    try:
+        rows = measure(transports, sizes, rate, warmup, duration, rows_path=args.rows)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    if plot_path:
+        plot(rows, plot_path)
+        print(f"wrote {plot_path}")
     return cases(rows)
 
 

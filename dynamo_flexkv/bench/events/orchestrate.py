@@ -146,7 +146,11 @@ def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
     """One measurement: a fresh event plane, router and publishers; every process is stopped
     before it returns."""
     workdir = tempfile.mkdtemp(prefix=f"bench-events-{transport}-{n}-{fmt}-")
-    infra = Infra(transport, workdir)
+    try:
+        infra = Infra(transport, workdir)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)  # nothing ran: no logs to keep
+        raise
     procs: List[subprocess.Popen] = []
     failed = False
     try:
@@ -248,11 +252,29 @@ def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+TRANSPORTS = ("zmq", "nats")
+
+
+def check_plan(transports: Sequence[str], sizes: Sequence[int], rate: float, warmup: float,
+               duration: float) -> None:
+    """Refuses a plan that would run for minutes and measure nothing, before anything starts."""
+    unknown = [t for t in transports if t not in TRANSPORTS]
+    if unknown:
+        raise ValueError(f"bench events: unknown transport(s) {unknown}: use zmq and/or nats")
+    bad = [n for n in sizes if not isinstance(n, int) or n < 1]
+    if bad:
+        raise ValueError(f"bench events: worker counts must be positive integers, got {bad}")
+    if not (rate > 0 and duration > 0 and warmup >= 0):
+        raise ValueError(f"bench events: need rate > 0 and duration > 0 (seconds) and warmup >= 0, got rate {rate}, "
+                         f"duration {duration}, warmup {warmup}")
+
+
 def measure(transports: Sequence[str], sizes: Sequence[int], rate: float, warmup: float, duration: float,
             flush_interval: float = 0.005, keep: Optional[str] = None, log=print,
             rows_path: Optional[str] = None) -> List[Dict[str, Any]]:
     """Every (transport, size): device-only then ours, each on a fresh router. Returns raw rows
     (also appended to ``rows_path`` as JSON lines as they are measured)."""
+    check_plan(transports, sizes, rate, warmup, duration)
     rows = []
     for transport in transports:
         for n in sizes:
@@ -289,6 +311,8 @@ def cases(rows: Sequence[Dict[str, Any]]) -> List[Case]:
 def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
     """Lag p50/p99, router CPU and decision latency over the worker counts: ours solid, device-only
     dashed, one colour per event plane; the 1 s lag goal as a line."""
+    if not rows:
+        raise ValueError("bench events: no measured rows to plot")
     import matplotlib
 
     matplotlib.use("Agg")
