@@ -30,7 +30,7 @@ from dynamo_flexkv.core.remote import (
 )
 from dynamo_flexkv.core.remote.cluster import key_slot
 from dynamo_flexkv.core.remote.codec import block_key, check_header, encode_header
-from dynamo_flexkv.core.remote.resp import RespConnection
+from dynamo_flexkv.core.remote.resp import RespConnection, encode_command
 from dynamo_flexkv.serve.redis_server import RedisServer, free_port, make_test_certs
 from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
 
@@ -709,6 +709,16 @@ def test_a_string_is_not_a_list_of_hashes_anywhere(redis_server: RedisServer, ar
 
 
 @needs_redis
+def test_blocks_per_node_on_one_server_and_after_close(redis_server: RedisServer) -> None:
+    with RemoteStore.open(redis_server.url, FP) as store:
+        assert store.blocks_per_node([1, 2, 3]) == {f"127.0.0.1:{redis_server.port}": 3}
+        with pytest.raises(ValueError, match="outside the u64 range"):
+            store.blocks_per_node([-1])
+    with pytest.raises(RemoteClosedError):
+        store.blocks_per_node([1])
+
+
+@needs_redis
 def test_standalone_url_on_a_cluster_node_says_use_cluster(redis_cluster) -> None:  # noqa: F811
     port = redis_cluster.servers[0].port
     with pytest.raises(RemoteError, match=rf"redis\+cluster://127.0.0.1:{port}"):
@@ -725,6 +735,19 @@ def test_cluster_round_trip_spreads_keys(redis_cluster) -> None:  # noqa: F811
         assert store.get_into(seq, list(dst)) == 120 and np.array_equal(dst, data)
         per_node = [int(s.cli("DBSIZE")) for s in redis_cluster.servers]
         assert all(k > 0 for k in per_node) and sum(per_node) >= 120
+        # What the store says each node serves is what each node holds: asked of every node, a
+        # key it does not serve answers MOVED (an error reply), one it holds answers 1.
+        keys = [encode_command(b"EXISTS", block_key(b"flexkv:", FP, int(h))) for h in seq]
+        held = {}
+        for server in redis_cluster.servers:
+            conn = RespConnection("127.0.0.1", server.port, timeout_s=30, connect_timeout_s=5)
+            try:
+                held[f"127.0.0.1:{server.port}"] = sum(r == 1 for r in conn.pipeline(keys))
+            finally:
+                conn.close()
+        placed = store.blocks_per_node(seq)
+        assert placed == held and sum(placed.values()) == 120 and len(placed) == 3
+        assert store.blocks_per_node(np.asarray(seq, dtype=np.uint64)) == placed and store.blocks_per_node([]) == {}
         for h in seq[:5]:
             key = block_key(b"flexkv:", FP, int(h))
             assert int(redis_cluster.servers[0].cli("CLUSTER", "KEYSLOT", key.decode())) == key_slot(key)

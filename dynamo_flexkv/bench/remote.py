@@ -14,7 +14,9 @@ redis-benchmark also runs unpipelined (-P 1) and the better of its two figures i
 (deep pipelines of large SETs are slow in it, and a weak baseline proves nothing). The sides
 alternate and medians are reported. A local three-node Redis Cluster runs the same cases
 (``cluster-*``) against redis-benchmark --cluster with one connection and one thread per node,
-as ours uses; each of its runs there moves 16 GiB (4 GiB with --quick), because its cluster
+as ours uses (each call of ours returns when its fullest node is done, and the note gives the
+batch's blocks per node: the 2 MiB batch's 32 keys fall 15/7/10, so each call ends waiting on
+the node with 15, 1.41x the mean); each of its runs there moves 16 GiB (4 GiB with --quick), because its cluster
 mode's timing includes ~0.25 s of start-up and ends on a 0.25 s tick, both counted against it
 (~0.5 s of ~4.5 s at most; medians of 3). Ratios are ours / baseline; higher is better.
 
@@ -205,12 +207,19 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
             if misses:
                 raise RuntimeError(f"{misses} GETs missed: the baseline would have timed empty replies")
             nbytes = n * value_bytes
+            placement = ""
+            if cluster:
+                # redis-benchmark keeps every node busy (one thread per node, no batches); a call of
+                # ours ends when its fullest node is done, so the batch's key placement bounds it.
+                counts = list(store.blocks_per_node(seq).values())
+                placement = (f"; blocks per node {'/'.join(map(str, counts))}: a call waits for its fullest "
+                             f"node, {max(counts) * len(counts) / n:.2f}x the mean")
             for op, ours_s, deep_s, flat_s in (("put", put_s, set_s, set1_s), ("get", get_s, get_s_base, get1_s)):
                 best_p = depth if deep_s <= flat_s else 1
                 note = (f"{n} blocks, ours -P {depth}; redis-benchmark -c/--threads {len(ports)} -P {depth}: "
                         f"{nbytes / deep_s / 1e9:.3g}, -P 1: {nbytes / flat_s / 1e9:.3g} GB/s"
                         + (f"; checksums taken at landing (not timed here) {n * block / hash_s / 1e9:.3g} GB/s"
-                           if op == "put" else "; every payload verified"))
+                           if op == "put" else "; every payload verified") + placement)
                 cases.append(Case("remote", f"{prefix}{op}-{label}", nbytes / ours_s / 1e9,
                                   nbytes / min(deep_s, flat_s) / 1e9, "GB/s",
                                   f"redis-benchmark {'SET' if op == 'put' else 'GET'} -P {best_p}", note))

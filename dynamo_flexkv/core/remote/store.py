@@ -541,6 +541,17 @@ class RemoteStore:
             self._guard(run, "exists_seconds")
         return removed[0]
 
+    def blocks_per_node(self, seq_hashes: Hashes) -> Dict[str, int]:
+        """How many of these blocks each node serves ("host:port" -> count; one entry on a single
+        server). A get or put of them returns when its fullest node is done: on a cluster, a batch
+        whose keys fall unevenly ends waiting on that node while the others idle. Raises
+        RemoteUnavailableError when no node answers for the slot map."""
+        if self._closed:
+            raise RemoteClosedError("the remote store is closed")
+        seq = _hash_list(seq_hashes)
+        groups = self._nodes.route(self._keys(seq)) if seq else {}
+        return {f"{host}:{port}": len(idx) for (host, port), idx in groups.items()}
+
     @property
     def breaker_state(self) -> BreakerState:
         return self._breaker.state
