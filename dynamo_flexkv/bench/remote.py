@@ -15,7 +15,7 @@ redis-benchmark also runs unpipelined (-P 1) and the better of its two figures i
 alternate and medians are reported. A local three-node Redis Cluster runs the same cases
 (``cluster-*``) against redis-benchmark --cluster with one connection and one thread per node,
 as ours uses (each call of ours returns when its fullest node is done, and the note gives the
-batch's blocks per node: the 2 MiB batch's 32 keys fall 15/7/10, so each call ends waiting on
+batch's blocks per node: the 2 MiB batch's 32 keys fall 15, 10 and 7, so each call ends waiting on
 the node with 15, 1.41x the mean); each of its runs there moves 16 GiB (4 GiB with --quick), because its cluster
 mode's timing includes ~0.25 s of start-up and ends on a 0.25 s tick, both counted against it
 (~0.5 s of ~4.5 s at most; medians of 3). Ratios are ours / baseline; higher is better.
