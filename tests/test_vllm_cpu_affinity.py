@@ -1,12 +1,17 @@
-"""FlexKVConnector puts a vLLM worker's thread back on its VLLM_CPU_OMP_THREADS_BIND cores after
-NixlConnector (its sibling in the disaggregated graphs) pinned it to the machine's last core."""
+"""FlexKVConnector keeps a CPU vLLM worker's model thread on the core vLLM's OpenMP binding gave it
+(the first of VLLM_CPU_OMP_THREADS_BIND), after NixlConnector pinned it to the machine's last core
+or anything widened it, while the helper threads it starts share the whole bind list."""
 
 import os
 import threading
 
 import pytest
 
-from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import BIND_ENV, bind_cpus, restore_bind
+from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import (BIND_ENV, bind_cpus, bind_list,
+                                                                    helpers_on_bind_cores, restore_bind)
+
+CORES = sorted(os.sched_getaffinity(0))
+needs_two = pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to move a thread between")
 
 
 @pytest.mark.parametrize("value,rank,cpus", [
@@ -17,21 +22,63 @@ def test_bind_values_as_vllm_reads_them(value, rank, cpus):
     assert bind_cpus(value, rank) == cpus
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to move a thread between")
-def test_a_pinned_thread_goes_back_to_its_bind_and_an_unpinned_one_is_left_alone(monkeypatch):
-    cores = sorted(os.sched_getaffinity(0))
-    monkeypatch.setenv(BIND_ENV, f"{cores[0]}-{cores[1]}")
-    seen = {}
+@pytest.mark.parametrize("value,rank,cpus", [("3,1", 0, [3, 1]), ("5,0-2", 0, [5, 0, 1, 2]),
+                                             ("0-1|3,2", 1, [3, 2]), ("1,1,0", 0, [1, 0])])
+def test_the_bind_list_keeps_its_order(value, rank, cpus):
+    """OpenMP thread i goes to the i-th core written: the model thread's core is the first one."""
+    assert bind_list(value, rank) == cpus
 
-    def worker():  # a thread of its own: the test process keeps its cores
-        os.sched_setaffinity(0, {cores[-1]})  # what NixlConnector does on a CPU platform
-        seen["moved"] = restore_bind()
-        seen["cpus"] = os.sched_getaffinity(0)
-        seen["again"] = restore_bind()  # already there: nothing to do
 
-    t = threading.Thread(target=worker)
+def in_a_thread(fn):
+    """Runs ``fn`` in a thread of its own (the test process keeps its cores) and returns its result."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(result=fn()))
     t.start()
     t.join()
-    assert seen == {"moved": True, "cpus": {cores[0], cores[1]}, "again": False}
+    return out["result"]
+
+
+@needs_two
+@pytest.mark.parametrize("moved_to", [[CORES[-1]], CORES[:2]], ids=["pinned-elsewhere", "widened"])
+def test_the_model_thread_goes_back_to_its_core(monkeypatch, moved_to):
+    """Pinned to the last core (what NixlConnector does on a CPU platform), or widened to every core
+    of the list (the thread then shares a core with an OpenMP thread while another idles)."""
+    monkeypatch.setenv(BIND_ENV, f"{CORES[0]}-{CORES[1]}")
+
+    def model_thread():
+        os.sched_setaffinity(0, set(moved_to))
+        moved = restore_bind()
+        return moved, os.sched_getaffinity(0), restore_bind()
+
+    assert in_a_thread(model_thread) == (True, {CORES[0]}, False)  # again: already there
     monkeypatch.setenv(BIND_ENV, "auto")
     assert restore_bind() is False
+
+
+@needs_two
+def test_helpers_share_the_bind_list_and_the_model_thread_ends_on_its_core(monkeypatch):
+    monkeypatch.setenv(BIND_ENV, f"{CORES[1]},{CORES[0]}")  # thread 0's core is the first written
+
+    def model_thread():
+        os.sched_setaffinity(0, {CORES[0]})
+        helper = {}
+        with helpers_on_bind_cores():
+            t = threading.Thread(target=lambda: helper.update(cpus=os.sched_getaffinity(0)))
+            t.start()
+            t.join()
+        return helper["cpus"], os.sched_getaffinity(0)
+
+    assert in_a_thread(model_thread) == ({CORES[0], CORES[1]}, {CORES[1]})
+
+
+def test_without_a_bind_list_nothing_moves(monkeypatch):
+    monkeypatch.setenv(BIND_ENV, "nobind")
+
+    def model_thread():
+        before = os.sched_getaffinity(0)
+        with helpers_on_bind_cores():
+            pass
+        return before, os.sched_getaffinity(0)
+
+    before, after = in_a_thread(model_thread)
+    assert before == after

@@ -6,8 +6,9 @@ moves it through the engine contract (dynamo_flexkv.core.offload.EngineOffload).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, Optional, Set, Tuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
@@ -49,8 +50,8 @@ class FlexKVConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank() if tp > 1 else 0
             self._on_cpu = vllm_config.device_config.device_type == "cpu"
             self._rank = rank
-            self._restore_bind()
-            self._worker = WorkerSide(settings, rank, tp)
+            with self._cpu_binding():
+                self._worker = WorkerSide(settings, rank, tp)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -85,16 +86,18 @@ class FlexKVConnector(KVConnectorBase_V1):
         remote tier keeps its copies."""
         self._worker.reset_tiers(timeout)
 
-    def _restore_bind(self) -> None:
-        """After a sibling NixlConnector pinned this thread (cpu_affinity.py): once when created
+    def _cpu_binding(self) -> ContextManager[None]:
+        """On a CPU platform, the threads started inside share the worker's bind cores and this
+        thread, the model's, ends on its own core (cpu_affinity.py): once when created
         (NixlConnector before us) and once when the caches arrive (NixlConnector after us)."""
-        if self._on_cpu:
-            from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import restore_bind
-            restore_bind(self._rank)
+        if not self._on_cpu:
+            return contextlib.nullcontext()
+        from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import helpers_on_bind_cores
+        return helpers_on_bind_cores(self._rank)
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        self._restore_bind()
-        self._worker.register(kv_caches)
+        with self._cpu_binding():
+            self._worker.register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
