@@ -719,6 +719,32 @@ def test_blocks_per_node_on_one_server_and_after_close(redis_server: RedisServer
 
 
 @needs_redis
+@pytest.mark.parametrize("arg,match", [
+    ([1.5, 2.0], r"must hold integers .*not float \(1\.5\)"), (["1", "2"], r"not str \('1'\)"),
+    (np.array([1.0, 2.0]), r"not a float64 array: pass a numpy uint64 array"),
+    (np.zeros((2, 2), dtype=np.uint64), r"not a 2-D uint64 array"), (5, r"not int"),
+    (np.uint64(5), r"not uint64"), ([float("nan")], r"not float"),
+])
+def test_hashes_of_the_wrong_type_are_refused_not_truncated(redis_server: RedisServer, arg, match) -> None:
+    """A float hash would be truncated onto another block's key (a float64 holds 53 bits)."""
+    with RemoteStore.open(redis_server.url, FP) as store:
+        for call in (lambda: store.exists(arg), lambda: store.blocks_per_node(arg),
+                     lambda: store.get_into(arg, [bytearray(8)] * 2)):
+            with pytest.raises(TypeError, match=match):
+                call()
+
+
+@needs_redis
+def test_blocks_per_node_refuses_fast_while_the_breaker_pauses_the_tier(redis_cluster) -> None:  # noqa: F811
+    with RemoteStore.open(redis_cluster.url, FP, breaker_failures=1, breaker_cooldown_s=60) as store:
+        store._breaker.failure()  # as after a failed op: the tier is paused
+        t0 = time.monotonic()
+        with pytest.raises(RemoteUnavailableError, match="paused for 60 s"):
+            store.blocks_per_node([1, 2])
+        assert time.monotonic() - t0 < 1.0 and store.stats().breaker_refused == 1
+
+
+@needs_redis
 def test_standalone_url_on_a_cluster_node_says_use_cluster(redis_cluster) -> None:  # noqa: F811
     port = redis_cluster.servers[0].port
     with pytest.raises(RemoteError, match=rf"redis\+cluster://127.0.0.1:{port}"):
@@ -747,7 +773,10 @@ def test_cluster_round_trip_spreads_keys(redis_cluster) -> None:  # noqa: F811
                 conn.close()
         placed = store.blocks_per_node(seq)
         assert placed == held and sum(placed.values()) == 120 and len(placed) == 3
-        assert store.blocks_per_node(np.asarray(seq, dtype=np.uint64)) == placed and store.blocks_per_node([]) == {}
+        assert store.blocks_per_node(np.asarray(seq, dtype=np.uint64)) == placed
+        assert store.blocks_per_node([]) == {node: 0 for node in placed}  # every node, 0 included
+        one = store.blocks_per_node(seq[:1])
+        assert sorted(one.values()) == [0, 0, 1] and one.keys() == placed.keys()
         for h in seq[:5]:
             key = block_key(b"flexkv:", FP, int(h))
             assert int(redis_cluster.servers[0].cli("CLUSTER", "KEYSLOT", key.decode())) == key_slot(key)
@@ -780,7 +809,13 @@ def test_cluster_stale_slot_map_ends_prefix_then_refreshes(redis_cluster) -> Non
         slots = store._nodes.slots  # a stale map, as after a resharding
         first_elsewhere = next(i for i, h in enumerate(seq)
                                if slots.owner[key_slot(block_key(b"flexkv:", FP, int(h)))] != 0)
+        placed = store.blocks_per_node(seq)
         slots.owner = [0] * len(slots.owner)  # every slot "moved" to node 0 in our stale view
+        # A lookup's EXISTS answered MOVED: not a miss to keep repeating, the map is fetched again.
+        assert store.exists(seq) != [True] * 60 and store.stats().server_errors >= 1
+        assert store.blocks_per_node(seq) == placed and store.exists(seq) == [True] * 60
+        slots = store._nodes.slots
+        slots.owner = [0] * len(slots.owner)
         dst = np.zeros_like(data)
         assert store.get_into(seq, list(dst)) == first_elsewhere
         assert store.stats().server_errors >= 1 and store.stats().op_errors == 0

@@ -1,32 +1,51 @@
 """FlexKVConnector keeps a CPU vLLM worker's model thread on the core vLLM's OpenMP binding gave it
-(the first of VLLM_CPU_OMP_THREADS_BIND), after NixlConnector pinned it to the machine's last core
-or anything widened it, while the helper threads it starts share the whole bind list."""
+(the first of the list vLLM hands the OpenMP runtime), after NixlConnector pinned it to the
+machine's last core or anything widened it, while the helper threads it starts share the list."""
 
 import os
 import threading
 
 import pytest
 
-from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import (BIND_ENV, bind_cpus, bind_list,
-                                                                    helpers_on_bind_cores, restore_bind)
+from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import (OmpBinding, helpers_on_bind_cores, omp_binding,
+                                                                    restore_bind)
 
 CORES = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to move a thread between")
+OMP_VARS = ("KMP_AFFINITY", "GOMP_CPU_AFFINITY", "OMP_PLACES")
 
 
-@pytest.mark.parametrize("value,rank,cpus", [
-    ("0", 0, {0}), ("0-3,5", 0, {0, 1, 2, 3, 5}), ("0-1|2-3", 1, {2, 3}), ("0-1|2-3", 2, None),
-    ("auto", 0, None), ("nobind", 0, None), ("all", 0, None), ("", 0, None), (None, 0, None), ("x-1", 0, None),
+@pytest.mark.parametrize("env,binding", [
+    # what vllm/utils/ompmultiprocessing.py sets for each runtime, already sorted and per worker
+    ({"GOMP_CPU_AFFINITY": "0 1"}, OmpBinding([0, 1], True)),
+    ({"GOMP_CPU_AFFINITY": "2 3 0"}, OmpBinding([2, 3, 0], True)),  # thread order, as written
+    ({"GOMP_CPU_AFFINITY": "0-3 5"}, OmpBinding([0, 1, 2, 3, 5], True)),
+    ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5]"}, OmpBinding([4, 5], True)),
+    ({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}, OmpBinding([0, 1, 2], False)),
+    ({"KMP_AFFINITY": "proclist=[1]", "GOMP_CPU_AFFINITY": "0"}, OmpBinding([1], True)),  # Intel's wins
+    ({}, None), ({"GOMP_CPU_AFFINITY": " "}, None), ({"GOMP_CPU_AFFINITY": "a"}, None),
+    ({"GOMP_CPU_AFFINITY": "3-1"}, None), ({"GOMP_CPU_AFFINITY": "0-"}, None), ({"GOMP_CPU_AFFINITY": "-1"}, None),
+    ({"OMP_PLACES": "{0},{1}"}, None), ({"OMP_PLACES": "cores"}, None), ({"KMP_AFFINITY": "compact"}, None),
 ])
-def test_bind_values_as_vllm_reads_them(value, rank, cpus):
-    assert bind_cpus(value, rank) == cpus
+def test_the_binding_is_read_from_what_vllm_gave_the_openmp_runtime(env, binding):
+    assert omp_binding(env) == binding
 
 
-@pytest.mark.parametrize("value,rank,cpus", [("3,1", 0, [3, 1]), ("5,0-2", 0, [5, 0, 1, 2]),
-                                             ("0-1|3,2", 1, [3, 2]), ("1,1,0", 0, [1, 0])])
-def test_the_bind_list_keeps_its_order(value, rank, cpus):
-    """OpenMP thread i goes to the i-th core written: the model thread's core is the first one."""
-    assert bind_list(value, rank) == cpus
+def test_the_model_thread_belongs_on_thread_zeros_core():
+    assert OmpBinding([2, 3, 0], True).model_cores == [2]
+    assert OmpBinding([0, 1, 2], False).model_cores == [0, 1, 2]  # one place: every thread floats over it
+
+
+def test_a_long_list_parses_fast():
+    assert omp_binding({"GOMP_CPU_AFFINITY": " ".join(map(str, range(4096)))}).cores == list(range(4096))
+
+
+@pytest.fixture
+def gomp(monkeypatch):
+    """Sets the worker's binding as vLLM does for GNU OpenMP (the other variables cleared)."""
+    for var in OMP_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return lambda cores: monkeypatch.setenv("GOMP_CPU_AFFINITY", " ".join(map(str, cores)))
 
 
 def in_a_thread(fn):
@@ -40,10 +59,10 @@ def in_a_thread(fn):
 
 @needs_two
 @pytest.mark.parametrize("moved_to", [[CORES[-1]], CORES[:2]], ids=["pinned-elsewhere", "widened"])
-def test_the_model_thread_goes_back_to_its_core(monkeypatch, moved_to):
+def test_the_model_thread_goes_back_to_its_core(gomp, moved_to):
     """Pinned to the last core (what NixlConnector does on a CPU platform), or widened to every core
     of the list (the thread then shares a core with an OpenMP thread while another idles)."""
-    monkeypatch.setenv(BIND_ENV, f"{CORES[0]}-{CORES[1]}")
+    gomp(CORES[:2])
 
     def model_thread():
         os.sched_setaffinity(0, set(moved_to))
@@ -51,34 +70,53 @@ def test_the_model_thread_goes_back_to_its_core(monkeypatch, moved_to):
         return moved, os.sched_getaffinity(0), restore_bind()
 
     assert in_a_thread(model_thread) == (True, {CORES[0]}, False)  # again: already there
-    monkeypatch.setenv(BIND_ENV, "auto")
-    assert restore_bind() is False
 
 
 @needs_two
-def test_helpers_share_the_bind_list_and_the_model_thread_ends_on_its_core(monkeypatch):
-    monkeypatch.setenv(BIND_ENV, f"{CORES[1]},{CORES[0]}")  # thread 0's core is the first written
+def test_helpers_share_the_list_and_the_model_thread_ends_on_its_core_even_nested_or_raising(gomp):
+    gomp([CORES[1], CORES[0]])  # thread 0's core is the first in the list
 
     def model_thread():
         os.sched_setaffinity(0, {CORES[0]})
-        helper = {}
-        with helpers_on_bind_cores():
-            t = threading.Thread(target=lambda: helper.update(cpus=os.sched_getaffinity(0)))
+        seen = []
+
+        def helper():
+            t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
             t.start()
             t.join()
-        return helper["cpus"], os.sched_getaffinity(0)
 
-    assert in_a_thread(model_thread) == ({CORES[0], CORES[1]}, {CORES[1]})
+        with pytest.raises(RuntimeError):
+            with helpers_on_bind_cores():
+                helper()
+                with helpers_on_bind_cores():
+                    helper()
+                helper()  # still inside the outer one: the inner exit did not pin the caller yet
+                raise RuntimeError("a failed registration")
+        return seen, os.sched_getaffinity(0)
+
+    both = {CORES[0], CORES[1]}
+    assert in_a_thread(model_thread) == ([both, both, both], {CORES[1]})
 
 
-def test_without_a_bind_list_nothing_moves(monkeypatch):
-    monkeypatch.setenv(BIND_ENV, "nobind")
-
+def test_where_vllm_bound_nothing_nothing_moves(gomp):
     def model_thread():
         before = os.sched_getaffinity(0)
         with helpers_on_bind_cores():
             pass
-        return before, os.sched_getaffinity(0)
+        return before, os.sched_getaffinity(0), restore_bind()
 
-    before, after = in_a_thread(model_thread)
-    assert before == after
+    before, after, moved = in_a_thread(model_thread)
+    assert before == after and moved is False
+
+
+def test_a_core_outside_this_process_is_left_alone(gomp, caplog):
+    outside = max(CORES) + 64
+    gomp([outside])
+
+    def model_thread():
+        before = os.sched_getaffinity(0)
+        return before, restore_bind(), os.sched_getaffinity(0)
+
+    before, moved, after = in_a_thread(model_thread)
+    assert moved is False and after == before
+    assert "cannot move the worker thread" in caplog.text

@@ -181,7 +181,7 @@ class NodeConnections:
         return True
 
     def refresh_slots(self) -> None:
-        nodes = list(self.slots.nodes if self.slots else []) + self.config.nodes
+        nodes = list(dict.fromkeys([*(self.slots.nodes if self.slots else []), *self.config.nodes]))
         for node in nodes:
             pool = self.pool(node)
             try:

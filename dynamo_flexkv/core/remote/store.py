@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from dynamo_flexkv.core.remote.config import RemoteConfig
 from dynamo_flexkv.core.remote.connections import NodeConnections
 from dynamo_flexkv.core.remote.errors import RemoteAuthError, RemoteClosedError, RemoteError, RemoteUnavailableError
 from dynamo_flexkv.core.remote.stats import RemoteStats
-from dynamo_flexkv.core.remote.resp import ProtocolError, RespConnection, encode_command
+from dynamo_flexkv.core.remote.resp import ProtocolError, ReplyError, RespConnection, encode_command
 
 __all__ = ["RemoteAuthError", "RemoteClosedError", "RemoteError", "RemoteStats", "RemoteStore", "RemoteUnavailableError"]
 
@@ -49,9 +49,10 @@ def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> List[int]:
     """``hashes`` as Python ints, each checked to be a u64: one outside [0, 2**64) would otherwise
     wrap onto another block's key. numpy unsigned arrays need no check, signed ones one vectorized
     min; lists are checked with min/max (no per-element Python test)."""
-    if isinstance(hashes, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"{what} must be a sequence of u64 sequence hashes (a list of ints or a numpy uint64 "
-                        f"array), not {type(hashes).__name__}: pass e.g. kv.hashes(tokens).sequence")
+    if isinstance(hashes, (str, bytes, bytearray, memoryview, int, np.integer)) or \
+            (isinstance(hashes, np.ndarray) and hashes.ndim != 1):
+        raise TypeError(f"{what} must be a sequence of u64 sequence hashes (a list of ints or a 1-D numpy uint64 "
+                        f"array), not {_kind_of(hashes)}: pass e.g. kv.hashes(tokens).sequence")
     if isinstance(hashes, np.ndarray):
         if hashes.dtype.kind == "u":
             return hashes.tolist()
@@ -59,7 +60,13 @@ def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> List[int]:
             _out_of_range(int(hashes.min()), what)
         if hashes.dtype.kind in "iu":
             return hashes.tolist()
-    out = [int(h) for h in (hashes.tolist() if hasattr(hashes, "tolist") else hashes)]
+        if hashes.size:  # floats, strings, objects: a float64 above 2**53 is already another hash
+            raise TypeError(f"{what} must hold integers, not a {hashes.dtype} array: pass a numpy uint64 array")
+    items = hashes.tolist() if hasattr(hashes, "tolist") else list(hashes)
+    bad = next((h for h in items if not isinstance(h, (int, np.integer))), None)
+    if bad is not None:
+        raise TypeError(f"{what} must hold integers (u64 sequence hashes), not {type(bad).__name__} ({bad!r})")
+    out = [int(h) for h in items]
     if out:
         low, high = min(out), max(out)
         if low < 0:
@@ -69,9 +76,20 @@ def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> List[int]:
     return out
 
 
+def _kind_of(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"a {value.ndim}-D {value.dtype} array"
+    return type(value).__name__
+
+
 def _out_of_range(value: int, what: str) -> None:
     raise ValueError(f"{what} holds {value}, outside the u64 range [0, 2**64): sequence hashes are unsigned "
                      f"64-bit (it would be stored under the key of {value & _U64:#x})")
+
+
+def _node_name(node: "tuple[str, int]") -> str:
+    host, port = node
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 REFUSED = (Verdict.TRUNCATED, Verdict.FOREIGN, Verdict.CORRUPT)  # a value that is there but bad
@@ -207,6 +225,7 @@ class RemoteStore:
                 replies = conn.pipeline([encode_command(b"EXISTS", keys[i]) for i in idx])
                 for i, r in zip(idx, replies):
                     found[i] = r == 1
+                self._note_reply_errors(r for r in replies if isinstance(r, ReplyError))
 
             self._nodes.per_node(self._nodes.route(keys), work)
 
@@ -395,14 +414,24 @@ class RemoteStore:
             elif end is Verdict.CORRUPT:
                 s.corrupt += 1
 
+    def _note_reply_errors(self, errors: Iterable[Union[bytes, str]]) -> None:
+        """Counts error replies; a MOVED or ASK (the cluster moved a slot since the map was read)
+        makes the next op fetch the slot map again."""
+        n = 0
+        for e in errors:
+            n += 1
+            text = e.decode("ascii", "replace").lstrip("-") if isinstance(e, bytes) else e
+            if text.startswith(("MOVED", "ASK")):
+                self._nodes.slots_stale = True
+        if n:
+            with self._stats_lock:
+                self._stats.server_errors += n
+
     def _bulk_size(self, conn: RespConnection, command: str) -> Optional[int]:
         """Length of the next bulk reply (-1: nil), or None for an error reply (counted)."""
         line = conn.readline()
         if line[:1] == b"-":
-            if line.startswith(b"-MOVED") or line.startswith(b"-ASK"):
-                self._nodes.slots_stale = True
-            with self._stats_lock:
-                self._stats.server_errors += 1
+            self._note_reply_errors([line])
             return None
         if line[:1] != b"$":
             raise ProtocolError(f"redis {conn.host}:{conn.port}: {command} answered {line[:16]!r}")
@@ -496,10 +525,7 @@ class RemoteStore:
                 elif reply.startswith(b"-OOM"):
                     refused[0] += 1
                 elif reply.startswith(b"-"):
-                    if reply.startswith(b"-MOVED") or reply.startswith(b"-ASK"):
-                        self._nodes.slots_stale = True
-                    with self._stats_lock:
-                        self._stats.server_errors += 1
+                    self._note_reply_errors([reply])
                 else:
                     raise ProtocolError(f"redis {conn.host}:{conn.port}: SET answered {reply[:16]!r}")
                 return True
@@ -542,15 +568,25 @@ class RemoteStore:
         return removed[0]
 
     def blocks_per_node(self, seq_hashes: Hashes) -> Dict[str, int]:
-        """How many of these blocks each node serves ("host:port" -> count; one entry on a single
-        server). A get or put of them returns when its fullest node is done: on a cluster, a batch
-        whose keys fall unevenly ends waiting on that node while the others idle. Raises
-        RemoteUnavailableError when no node answers for the slot map."""
-        if self._closed:
-            raise RemoteClosedError("the remote store is closed")
+        """How many of these blocks each node serves, as this client routes them now ("host:port"
+        -> count, every node listed, 0 included; one entry on a single server; the cluster's slot
+        map is fetched again after a MOVED). A get or put of them returns when its fullest node is
+        done: on a cluster, a batch whose keys fall unevenly ends waiting on that node while the
+        others idle. Raises RemoteUnavailableError when no node answers for the slot map, or while
+        the circuit breaker pauses the tier after failures."""
         seq = _hash_list(seq_hashes)
-        groups = self._nodes.route(self._keys(seq)) if seq else {}
-        return {f"{host}:{port}": len(idx) for (host, port), idx in groups.items()}
+        counts: Dict[str, int] = {}
+
+        def run() -> None:
+            groups = self._nodes.route(self._keys(seq))
+            nodes = self._nodes.slots.nodes if self.config.parsed.cluster and self._nodes.slots else list(groups)
+            counts.update((_node_name(node), 0) for node in nodes)
+            counts.update((_node_name(node), len(idx)) for node, idx in groups.items())
+
+        if not self._guard(run, "exists_seconds"):
+            raise RemoteUnavailableError(f"no node of {self.config.redacted_url} answered for the slot map (or the "
+                                         f"tier is paused for {self.config.breaker_cooldown_s:.0f} s after failures)")
+        return counts
 
     @property
     def breaker_state(self) -> BreakerState:

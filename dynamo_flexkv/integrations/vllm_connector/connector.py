@@ -49,7 +49,6 @@ class FlexKVConnector(KVConnectorBase_V1):
             tp = int(vllm_config.parallel_config.tensor_parallel_size)
             rank = get_tensor_model_parallel_rank() if tp > 1 else 0
             self._on_cpu = vllm_config.device_config.device_type == "cpu"
-            self._rank = rank
             with self._cpu_binding():
                 self._worker = WorkerSide(settings, rank, tp)
 
@@ -93,7 +92,7 @@ class FlexKVConnector(KVConnectorBase_V1):
         if not self._on_cpu:
             return contextlib.nullcontext()
         from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import helpers_on_bind_cores
-        return helpers_on_bind_cores(self._rank)
+        return helpers_on_bind_cores()
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         with self._cpu_binding():

@@ -1,8 +1,10 @@
 """Keeps a CPU vLLM worker's model thread on the core vLLM's OpenMP binding gave it.
 
-vLLM's CPU worker binds OpenMP thread i to the i-th core of its VLLM_CPU_OMP_THREADS_BIND list
-(GOMP_CPU_AFFINITY, KMP_AFFINITY or OMP_PLACES; vllm/utils/ompmultiprocessing.py), so the thread
-that runs the model, OpenMP's thread 0, sits on the list's first core. Two things move it:
+vLLM's CPU executor gives each worker process its cores (from VLLM_CPU_OMP_THREADS_BIND, or its
+own "auto" choice, sorted and sliced per worker) as the OpenMP runtime's binding variable:
+GOMP_CPU_AFFINITY, KMP_AFFINITY's proclist or OMP_PLACES (vllm/utils/ompmultiprocessing.py).
+OpenMP thread i is pinned to the i-th core of that list, so the thread that runs the model,
+OpenMP's thread 0, sits on its first core. Two things move it:
 
 * NixlConnector, our sibling in the disaggregated graphs, pins the thread that creates it to the
   last core of each NUMA node ("reserve different cores for start_load_kv() from model_forward()",
@@ -10,13 +12,14 @@ that runs the model, OpenMP's thread 0, sits on the list's first core. Two thing
   decode worker.
 * Widening it to the whole list is as bad: the model thread then wanders onto a core whose
   OpenMP thread is pinned there, the two share it at half speed while the other core idles (and
-  vLLM's engine core, spinning on its reply, fills it). Measured: 8K-token prefills of a 2-core
-  worker ran 1.14-1.18 s with the thread on its core and 1.21-1.75 s while it floated.
+  vLLM's engine core, spinning on its reply, fills it). Measured: 8K-token misses of a 2-core
+  worker took 1.15-1.19 s (medians) with the thread on its core and 1.33-1.38 s while it floated.
 
-So FlexKVConnector creates its helper threads (transfers, hashing, lookups) with the whole list,
-which they inherit and share with whatever is idle, then puts the model thread back on the
-list's first core; again when vLLM registers the KV caches (after every connector of a
-MultiConnector was created, whatever their order).
+So FlexKVConnector starts its helper threads (transfers, hashing, lookups) on the whole list,
+which they inherit and share with whatever is idle, then puts the model thread back on the list's
+first core; again when vLLM registers the KV caches (after every connector of a MultiConnector
+was created, whatever their order). Where vLLM bound nothing (VLLM_CPU_OMP_THREADS_BIND=nobind, or
+no binding variable in the worker's environment), nothing is moved.
 """
 
 from __future__ import annotations
@@ -24,70 +27,103 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Iterator, List, Optional, Set
+import re
+import threading
+from dataclasses import dataclass
+from typing import Iterator, List, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+_PROCLIST = re.compile(r"proclist=\[([^\]]*)\]")
 
 
-def bind_list(value: Optional[str], rank: int = 0) -> Optional[List[int]]:
-    """The cores a VLLM_CPU_OMP_THREADS_BIND value gives ``rank``, in its order ("0-3,5"; ranks
-    split by "|"); None for "auto", "nobind", "all" or an unset/unreadable value (vLLM then
-    binds nothing we could restore)."""
-    if not value or value.strip() in ("auto", "nobind", "all"):
-        return None
-    parts = value.split("|")
-    if rank >= len(parts):
-        return None
-    cpus: List[int] = []
+def _ids(text: str, sep: str) -> Optional[List[int]]:
+    """Cores of a list such as "0 1 2" or "0,2-3" in its order, duplicates dropped; None when
+    anything in it is not a core id or an ascending range."""
+    out: List[int] = []
     try:
-        for item in parts[rank].split(","):
-            lo, _, hi = item.strip().partition("-")
-            cpus.extend(c for c in range(int(lo), int(hi or lo) + 1) if c not in cpus)
+        for item in filter(None, (s.strip() for s in re.split(sep, text))):
+            lo, dash, hi = item.partition("-")
+            first, last = int(lo), int(hi) if dash else int(lo)
+            if first < 0 or last < first:
+                return None
+            out.extend(range(first, last + 1))
     except ValueError:
         return None
-    return cpus or None
+    return list(dict.fromkeys(out)) or None
 
 
-def bind_cpus(value: Optional[str], rank: int = 0) -> Optional[Set[int]]:
-    """``bind_list`` as a set."""
-    cpus = bind_list(value, rank)
-    return None if cpus is None else set(cpus)
+@dataclass(frozen=True)
+class OmpBinding:
+    """The cores vLLM bound this worker's OpenMP threads to, in thread order, and whether each
+    thread has its own core (GNU and Intel OpenMP lists) or all share them (OMP_PLACES with one
+    place)."""
+
+    cores: List[int]
+    one_per_thread: bool
+
+    @property
+    def model_cores(self) -> List[int]:
+        """Where OpenMP's thread 0, the model's, belongs."""
+        return self.cores[:1] if self.one_per_thread else self.cores
 
 
-def _set(cpus: Set[int]) -> bool:
+def omp_binding(environ: Optional[Mapping[str, str]] = None) -> Optional[OmpBinding]:
+    """The binding vLLM set for the OpenMP runtime it found (KMP_AFFINITY's proclist,
+    GOMP_CPU_AFFINITY, or OMP_PLACES); None when it bound nothing we can read."""
+    env = os.environ if environ is None else environ
+    m = _PROCLIST.search(env.get("KMP_AFFINITY", ""))
+    cores, per_thread = None, True
+    if m:
+        cores = _ids(m.group(1), r",")
+    elif env.get("GOMP_CPU_AFFINITY", "").strip():
+        cores = _ids(env["GOMP_CPU_AFFINITY"], r"[\s,]+")
+    else:
+        places = env.get("OMP_PLACES", "").strip()
+        if places.startswith("{") and places.endswith("}") and places.count("{") == 1:
+            cores, per_thread = _ids(places[1:-1], r","), False
+    return None if cores is None else OmpBinding(cores, per_thread)
+
+
+def _move(cpus: List[int], why: str) -> bool:
     try:
         os.sched_setaffinity(0, cpus)
     except OSError as e:  # cores outside this process's cgroup: leave it as vLLM set it
-        log.warning("FlexKVConnector: cannot move the worker thread to cores %s (%s): it stays on %s",
-                    sorted(cpus), e, sorted(os.sched_getaffinity(0)))
+        log.warning("FlexKVConnector: cannot move the worker thread to cores %s for %s (%s): it stays on %s",
+                    cpus, why, e, sorted(os.sched_getaffinity(0)))
         return False
     return True
 
 
-def restore_bind(rank: int = 0) -> bool:
-    """Puts the calling thread (the one that runs the model) back on the core vLLM's binding gave
-    it, the first of its VLLM_CPU_OMP_THREADS_BIND list, if something moved it; True if it did."""
-    cpus = bind_list(os.environ.get(BIND_ENV), rank)
-    if cpus is None or not hasattr(os, "sched_setaffinity"):
+def restore_bind() -> bool:
+    """Puts the calling thread (the one that runs the model) back where vLLM's OpenMP binding put
+    it, the first core of this worker's list, if something moved it; True if it did."""
+    bound = omp_binding()
+    if bound is None or not hasattr(os, "sched_setaffinity"):
         return False
-    home, now = {cpus[0]}, os.sched_getaffinity(0)
-    if now == home or not _set(home):
+    home, now = bound.model_cores, os.sched_getaffinity(0)
+    if now == set(home) or not _move(home, "the model"):
         return False
-    log.info("FlexKVConnector: worker thread moved back from cores %s to core %d (OpenMP's thread 0 of %s=%s; "
-             "NixlConnector pins it on CPU platforms)", sorted(now), cpus[0], BIND_ENV, os.environ.get(BIND_ENV))
+    log.info("FlexKVConnector: worker thread moved back from cores %s to %s, where vLLM's OpenMP binding put it "
+             "(NixlConnector pins it on CPU platforms)", sorted(now), home)
     return True
+
+
+_depth = threading.local()
 
 
 @contextlib.contextmanager
-def helpers_on_bind_cores(rank: int = 0) -> Iterator[None]:
-    """Threads the calling thread starts inside may run on every core of its bind list; on the
-    way out the calling thread goes back to its own core (``restore_bind``)."""
-    cpus = bind_list(os.environ.get(BIND_ENV), rank)
-    if cpus is not None and hasattr(os, "sched_setaffinity"):
-        _set(set(cpus))
+def helpers_on_bind_cores() -> Iterator[None]:
+    """Threads the calling thread starts inside may run on every core of this worker's list; when
+    the outermost use ends, the calling thread goes back to its own core (``restore_bind``)."""
+    depth = getattr(_depth, "n", 0)
+    bound = omp_binding()
+    if depth == 0 and bound is not None and hasattr(os, "sched_setaffinity"):
+        _move(bound.cores, "its helper threads")
+    _depth.n = depth + 1
     try:
         yield
     finally:
-        restore_bind(rank)
+        _depth.n = depth
+        if depth == 0:
+            restore_bind()
