@@ -723,7 +723,8 @@ def test_blocks_per_node_on_one_server_and_after_close(redis_server: RedisServer
     ([1.5, 2.0], r"must hold integers .*not float \(1\.5\)"), (["1", "2"], r"not str \('1'\)"),
     (np.array([1.0, 2.0]), r"not a float64 array: pass a numpy uint64 array"),
     (np.zeros((2, 2), dtype=np.uint64), r"not a 2-D uint64 array"), (5, r"not int"),
-    (np.uint64(5), r"not uint64"), ([float("nan")], r"not float"),
+    (np.uint64(5), r"not uint64"), ([float("nan")], r"not float"), ([1, None], r"not NoneType"),
+    ([True, False], r"not bool"), ({1, 2}, r"not set"), ({1: 2}, r"not dict"),
 ])
 def test_hashes_of_the_wrong_type_are_refused_not_truncated(redis_server: RedisServer, arg, match) -> None:
     """A float hash would be truncated onto another block's key (a float64 holds 53 bits)."""
@@ -732,6 +733,12 @@ def test_hashes_of_the_wrong_type_are_refused_not_truncated(redis_server: RedisS
                      lambda: store.get_into(arg, [bytearray(8)] * 2)):
             with pytest.raises(TypeError, match=match):
                 call()
+
+
+@needs_redis
+def test_an_object_array_of_u64_ints_is_accepted(redis_server: RedisServer) -> None:
+    with RemoteStore.open(redis_server.url, FP) as store:
+        assert store.exists(np.array([1, 2**64 - 1], dtype=object)) == [False, False]
 
 
 @needs_redis
@@ -811,9 +818,15 @@ def test_cluster_stale_slot_map_ends_prefix_then_refreshes(redis_cluster) -> Non
                                if slots.owner[key_slot(block_key(b"flexkv:", FP, int(h)))] != 0)
         placed = store.blocks_per_node(seq)
         slots.owner = [0] * len(slots.owner)  # every slot "moved" to node 0 in our stale view
-        # A lookup's EXISTS answered MOVED: not a miss to keep repeating, the map is fetched again.
-        assert store.exists(seq) != [True] * 60 and store.stats().server_errors >= 1
-        assert store.blocks_per_node(seq) == placed and store.exists(seq) == [True] * 60
+        assert store.blocks_per_node(seq) == placed  # asks the cluster, not the stale view
+        k = first_elsewhere  # a block node 0 does not serve: asking node 0 for it gets a MOVED
+        for op in (lambda: store.exists(seq) != [True] * 60, lambda: store.delete(seq[k:k + 1]) == 0):
+            # EXISTS or DEL answered MOVED: counted, and the next op fetches the map again
+            slots = store._nodes.slots
+            slots.owner = [0] * len(slots.owner)
+            errors = store.stats().server_errors
+            assert op() and store.stats().server_errors > errors and store._nodes.slots_stale
+            assert store.exists(seq) == [True] * 60  # the MOVED deleted nothing
         slots = store._nodes.slots
         slots.owner = [0] * len(slots.owner)
         dst = np.zeros_like(data)

@@ -15,17 +15,27 @@ needs_two = pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to move a
 OMP_VARS = ("KMP_AFFINITY", "GOMP_CPU_AFFINITY", "OMP_PLACES")
 
 
+GOMP = "/venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1"
+IOMP = "/opt/intel/lib/libiomp5.so"
+
+
 @pytest.mark.parametrize("env,binding", [
-    # what vllm/utils/ompmultiprocessing.py sets for each runtime, already sorted and per worker
-    ({"GOMP_CPU_AFFINITY": "0 1"}, OmpBinding([0, 1], True)),
-    ({"GOMP_CPU_AFFINITY": "2 3 0"}, OmpBinding([2, 3, 0], True)),  # thread order, as written
-    ({"GOMP_CPU_AFFINITY": "0-3 5"}, OmpBinding([0, 1, 2, 3, 5], True)),
-    ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5]"}, OmpBinding([4, 5], True)),
+    # what vllm/utils/ompmultiprocessing.py sets for the runtime in LD_PRELOAD, sorted and per worker
+    ({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": "0 1"}, OmpBinding([0, 1], True)),
+    ({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": "2 3 0"}, OmpBinding([2, 3, 0], True)),  # thread order
+    ({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": "0-3 5"}, OmpBinding([0, 1, 2, 3, 5], True)),
+    ({"LD_PRELOAD": IOMP, "KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5]"}, OmpBinding([4, 5], True)),
     ({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}, OmpBinding([0, 1, 2], False)),
-    ({"KMP_AFFINITY": "proclist=[1]", "GOMP_CPU_AFFINITY": "0"}, OmpBinding([1], True)),  # Intel's wins
-    ({}, None), ({"GOMP_CPU_AFFINITY": " "}, None), ({"GOMP_CPU_AFFINITY": "a"}, None),
-    ({"GOMP_CPU_AFFINITY": "3-1"}, None), ({"GOMP_CPU_AFFINITY": "0-"}, None), ({"GOMP_CPU_AFFINITY": "-1"}, None),
-    ({"OMP_PLACES": "{0},{1}"}, None), ({"OMP_PLACES": "cores"}, None), ({"KMP_AFFINITY": "compact"}, None),
+    # the runtime decides which variable counts, as in vLLM: another runtime's variable is ignored
+    ({"LD_PRELOAD": GOMP, "KMP_AFFINITY": "proclist=[2,3]", "GOMP_CPU_AFFINITY": "0 1"}, OmpBinding([0, 1], True)),
+    ({"LD_PRELOAD": IOMP, "GOMP_CPU_AFFINITY": "0 1"}, None),
+    ({"GOMP_CPU_AFFINITY": "0 1"}, None), ({"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "false"}, None),
+    ({}, None), ({"LD_PRELOAD": GOMP}, None),
+    # what no vLLM writes: not a core list we can trust, so nothing moves
+    *(({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": v}, None) for v in (
+        " ", "a", "3-1", "0-", "-1", "+1", "1_0", "\u0661", "0-15:2", "99999999999999999999999", "0-10000000")),
+    ({"OMP_PLACES": "{0},{1}", "OMP_PROC_BIND": "true"}, None), ({"OMP_PLACES": "cores", "OMP_PROC_BIND": "true"}, None),
+    ({"LD_PRELOAD": IOMP, "KMP_AFFINITY": "compact"}, None), ({"LD_PRELOAD": IOMP, "KMP_AFFINITY": "proclist=[]"}, None),
 ])
 def test_the_binding_is_read_from_what_vllm_gave_the_openmp_runtime(env, binding):
     assert omp_binding(env) == binding
@@ -37,14 +47,16 @@ def test_the_model_thread_belongs_on_thread_zeros_core():
 
 
 def test_a_long_list_parses_fast():
-    assert omp_binding({"GOMP_CPU_AFFINITY": " ".join(map(str, range(4096)))}).cores == list(range(4096))
+    cores = list(range(4096))
+    assert omp_binding({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": " ".join(map(str, cores))}).cores == cores
 
 
 @pytest.fixture
 def gomp(monkeypatch):
     """Sets the worker's binding as vLLM does for GNU OpenMP (the other variables cleared)."""
-    for var in OMP_VARS:
+    for var in OMP_VARS + ("OMP_PROC_BIND",):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", GOMP)
     return lambda cores: monkeypatch.setenv("GOMP_CPU_AFFINITY", " ".join(map(str, cores)))
 
 

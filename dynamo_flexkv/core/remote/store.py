@@ -49,8 +49,8 @@ def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> List[int]:
     """``hashes`` as Python ints, each checked to be a u64: one outside [0, 2**64) would otherwise
     wrap onto another block's key. numpy unsigned arrays need no check, signed ones one vectorized
     min; lists are checked with min/max (no per-element Python test)."""
-    if isinstance(hashes, (str, bytes, bytearray, memoryview, int, np.integer)) or \
-            (isinstance(hashes, np.ndarray) and hashes.ndim != 1):
+    if isinstance(hashes, (str, bytes, bytearray, memoryview, int, np.integer, set, frozenset, dict)) or \
+            (isinstance(hashes, np.ndarray) and hashes.ndim != 1):  # a set or dict: no order to match buffers
         raise TypeError(f"{what} must be a sequence of u64 sequence hashes (a list of ints or a 1-D numpy uint64 "
                         f"array), not {_kind_of(hashes)}: pass e.g. kv.hashes(tokens).sequence")
     if isinstance(hashes, np.ndarray):
@@ -60,12 +60,12 @@ def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> List[int]:
             _out_of_range(int(hashes.min()), what)
         if hashes.dtype.kind in "iu":
             return hashes.tolist()
-        if hashes.size:  # floats, strings, objects: a float64 above 2**53 is already another hash
+        if hashes.size and hashes.dtype.kind != "O":  # a float64 above 2**53 is already another hash
             raise TypeError(f"{what} must hold integers, not a {hashes.dtype} array: pass a numpy uint64 array")
     items = hashes.tolist() if hasattr(hashes, "tolist") else list(hashes)
-    bad = next((h for h in items if not isinstance(h, (int, np.integer))), None)
-    if bad is not None:
-        raise TypeError(f"{what} must hold integers (u64 sequence hashes), not {type(bad).__name__} ({bad!r})")
+    for h in items:
+        if not isinstance(h, (int, np.integer)) or isinstance(h, (bool, np.bool_)):
+            raise TypeError(f"{what} must hold integers (u64 sequence hashes), not {type(h).__name__} ({h!r})")
     out = [int(h) for h in items]
     if out:
         low, high = min(out), max(out)
@@ -560,6 +560,7 @@ class RemoteStore:
             def work(conn: RespConnection, idx: List[int]) -> None:
                 replies = conn.pipeline([encode_command(b"DEL", keys[i]) for i in idx])
                 removed[0] += sum(r for r in replies if isinstance(r, int))
+                self._note_reply_errors(r for r in replies if isinstance(r, ReplyError))
 
             self._nodes.per_node(self._nodes.route(keys), work)
 
@@ -568,9 +569,9 @@ class RemoteStore:
         return removed[0]
 
     def blocks_per_node(self, seq_hashes: Hashes) -> Dict[str, int]:
-        """How many of these blocks each node serves, as this client routes them now ("host:port"
-        -> count, every node listed, 0 included; one entry on a single server; the cluster's slot
-        map is fetched again after a MOVED). A get or put of them returns when its fullest node is
+        """How many of these blocks each node serves now ("host:port"
+        -> count, every node listed, 0 included; one entry on a single server; a cluster's slot
+        map is fetched again first). A get or put of them returns when its fullest node is
         done: on a cluster, a batch whose keys fall unevenly ends waiting on that node while the
         others idle. Raises RemoteUnavailableError when no node answers for the slot map, or while
         the circuit breaker pauses the tier after failures."""
@@ -578,6 +579,8 @@ class RemoteStore:
         counts: Dict[str, int] = {}
 
         def run() -> None:
+            if self.config.parsed.cluster:
+                self._nodes.slots_stale = True  # a diagnostic: ask the cluster where its slots are now
             groups = self._nodes.route(self._keys(seq))
             nodes = self._nodes.slots.nodes if self.config.parsed.cluster and self._nodes.slots else list(groups)
             counts.update((_node_name(node), 0) for node in nodes)

@@ -1,8 +1,9 @@
 """Keeps a CPU vLLM worker's model thread on the core vLLM's OpenMP binding gave it.
 
 vLLM's CPU executor gives each worker process its cores (from VLLM_CPU_OMP_THREADS_BIND, or its
-own "auto" choice, sorted and sliced per worker) as the OpenMP runtime's binding variable:
-GOMP_CPU_AFFINITY, KMP_AFFINITY's proclist or OMP_PLACES (vllm/utils/ompmultiprocessing.py).
+own "auto" choice, sorted and sliced per worker) as the binding variable of the OpenMP runtime in
+LD_PRELOAD: KMP_AFFINITY's proclist, GOMP_CPU_AFFINITY, or else OMP_PLACES with OMP_PROC_BIND
+(vllm/utils/ompmultiprocessing.py).
 OpenMP thread i is pinned to the i-th core of that list, so the thread that runs the model,
 OpenMP's thread 0, sits on its first core. Two things move it:
 
@@ -37,19 +38,24 @@ log = logging.getLogger(__name__)
 _PROCLIST = re.compile(r"proclist=\[([^\]]*)\]")
 
 
+MAX_CORE = 1 << 16  # beyond any Linux CPU set: a larger id is not a core vLLM wrote
+_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")  # ASCII digits only, as the OpenMP runtimes read them
+
+
 def _ids(text: str, sep: str) -> Optional[List[int]]:
     """Cores of a list such as "0 1 2" or "0,2-3" in its order, duplicates dropped; None when
-    anything in it is not a core id or an ascending range."""
+    anything in it is not a core id or an ascending range of them (strides and the like, which
+    vLLM does not write, included)."""
     out: List[int] = []
-    try:
-        for item in filter(None, (s.strip() for s in re.split(sep, text))):
-            lo, dash, hi = item.partition("-")
-            first, last = int(lo), int(hi) if dash else int(lo)
-            if first < 0 or last < first:
-                return None
-            out.extend(range(first, last + 1))
-    except ValueError:
-        return None
+    for item in filter(None, (s.strip() for s in re.split(sep, text))):
+        m = _ITEM.fullmatch(item)
+        if m is None:
+            return None
+        first = int(m.group(1))
+        last = int(m.group(2)) if m.group(2) else first
+        if last < first or last >= MAX_CORE:
+            return None
+        out.extend(range(first, last + 1))
     return list(dict.fromkeys(out)) or None
 
 
@@ -69,16 +75,18 @@ class OmpBinding:
 
 
 def omp_binding(environ: Optional[Mapping[str, str]] = None) -> Optional[OmpBinding]:
-    """The binding vLLM set for the OpenMP runtime it found (KMP_AFFINITY's proclist,
-    GOMP_CPU_AFFINITY, or OMP_PLACES); None when it bound nothing we can read."""
+    """The binding vLLM set for the OpenMP runtime it found, chosen as vLLM chooses it (by the
+    runtime in LD_PRELOAD): KMP_AFFINITY's proclist for Intel's, GOMP_CPU_AFFINITY for GNU's,
+    OMP_PLACES (one place, OMP_PROC_BIND=true) otherwise; None when it bound nothing we can read."""
     env = os.environ if environ is None else environ
-    m = _PROCLIST.search(env.get("KMP_AFFINITY", ""))
+    preload = env.get("LD_PRELOAD", "")
     cores, per_thread = None, True
-    if m:
-        cores = _ids(m.group(1), r",")
-    elif env.get("GOMP_CPU_AFFINITY", "").strip():
-        cores = _ids(env["GOMP_CPU_AFFINITY"], r"[\s,]+")
-    else:
+    if "libiomp" in preload or "libomp" in preload:
+        m = _PROCLIST.search(env.get("KMP_AFFINITY", ""))
+        cores = _ids(m.group(1), r",") if m else None
+    elif "libgomp" in preload:
+        cores = _ids(env.get("GOMP_CPU_AFFINITY", ""), r"[\s,]+")
+    elif env.get("OMP_PROC_BIND", "").strip().lower() == "true":
         places = env.get("OMP_PLACES", "").strip()
         if places.startswith("{") and places.endswith("}") and places.count("{") == 1:
             cores, per_thread = _ids(places[1:-1], r","), False
@@ -88,7 +96,7 @@ def omp_binding(environ: Optional[Mapping[str, str]] = None) -> Optional[OmpBind
 def _move(cpus: List[int], why: str) -> bool:
     try:
         os.sched_setaffinity(0, cpus)
-    except OSError as e:  # cores outside this process's cgroup: leave it as vLLM set it
+    except (OSError, ValueError, OverflowError) as e:  # cores outside this process's cgroup: leave it as vLLM set it
         log.warning("FlexKVConnector: cannot move the worker thread to cores %s for %s (%s): it stays on %s",
                     cpus, why, e, sorted(os.sched_getaffinity(0)))
         return False
