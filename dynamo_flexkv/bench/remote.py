@@ -210,7 +210,7 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
             placement = ""
             if cluster:
                 # redis-benchmark keeps every node busy (one thread per node, no batches); a call of
-                # ours ends when its fullest node is done, so the batch's key placement bounds it.
+                # ours ends when its fullest node is done: the note shows how the batch's keys fell.
                 counts = list(store.blocks_per_node(seq).values())
                 placement = (f"; blocks per node {'/'.join(map(str, counts))}: a call waits for its fullest "
                              f"node, {max(counts) * len(counts) / n:.2f}x the mean")

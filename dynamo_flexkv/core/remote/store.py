@@ -47,8 +47,8 @@ def _byte_view(buf: Any, writable: bool) -> memoryview:
 
 def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> List[int]:
     """``hashes`` as Python ints, each checked to be a u64: one outside [0, 2**64) would otherwise
-    wrap onto another block's key. numpy unsigned arrays need no check, signed ones one vectorized
-    min; lists are checked with min/max (no per-element Python test)."""
+    wrap onto another block's key, and a float would be truncated onto one. numpy integer arrays
+    need at most one vectorized min; lists get one type test per element and a min/max."""
     if isinstance(hashes, (str, bytes, bytearray, memoryview, int, np.integer, set, frozenset, dict)) or \
             (isinstance(hashes, np.ndarray) and hashes.ndim != 1):  # a set or dict: no order to match buffers
         raise TypeError(f"{what} must be a sequence of u64 sequence hashes (a list of ints or a 1-D numpy uint64 "
@@ -569,12 +569,12 @@ class RemoteStore:
         return removed[0]
 
     def blocks_per_node(self, seq_hashes: Hashes) -> Dict[str, int]:
-        """How many of these blocks each node serves now ("host:port"
-        -> count, every node listed, 0 included; one entry on a single server; a cluster's slot
-        map is fetched again first). A get or put of them returns when its fullest node is
-        done: on a cluster, a batch whose keys fall unevenly ends waiting on that node while the
-        others idle. Raises RemoteUnavailableError when no node answers for the slot map, or while
-        the circuit breaker pauses the tier after failures."""
+        """How many of these blocks each node serves now: "host:port" -> count, every node listed,
+        0 included (one entry on a single server; a cluster's slot map is fetched again first).
+        A get or put of them returns when its fullest node is done: on a cluster, a batch whose
+        keys fall unevenly ends waiting on that node while the others idle. Raises
+        RemoteUnavailableError when no node answers for the slot map, or while the circuit
+        breaker pauses the tier after failures."""
         seq = _hash_list(seq_hashes)
         counts: Dict[str, int] = {}
 

@@ -36,8 +36,6 @@ from typing import Iterator, List, Mapping, Optional
 log = logging.getLogger(__name__)
 
 _PROCLIST = re.compile(r"proclist=\[([^\]]*)\]")
-
-
 MAX_CORE = 1 << 16  # beyond any Linux CPU set: a larger id is not a core vLLM wrote
 _ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")  # ASCII digits only, as the OpenMP runtimes read them
 
