@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-slow bench doctor
+.PHONY: install demo test test-slow bench doctor peer-lmcache
 
 install:
 	VENV=$(VENV) bash scripts/install.sh
@@ -18,6 +18,11 @@ demo: install
 # Every benchmark with its same-run baseline.
 bench: install
 	$(PY) -m dynamo_flexkv.bench all --json bench-results.jsonl
+
+# The peer `bench vllm --peer lmcache` compares with: LMCache 0.5.6 into .peers/lmcache, its own
+# prefix (never the venv; test and demo do not need it).
+peer-lmcache: install
+	VENV=$(VENV) bash scripts/install_peer_lmcache.sh
 
 test: install
 	$(PY) -m pytest -q --durations=15
