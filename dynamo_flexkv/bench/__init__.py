@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from typing import Dict, List, Optional
 
 from dynamo_flexkv.bench.report import Case, print_table, write_json
@@ -62,6 +63,11 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--compare-offloading-connector", action="store_true",
                         help="bench vllm: also vLLM's OffloadingConnector (CPU spec) on the same prompts "
                              "(CUDA/XPU only; skipped with a message on CPU)")
+    parser.add_argument("--peer", choices=["lmcache"],
+                        help="bench vllm: also LMCache 0.5.6 (multi-process server + LMCacheMPConnector) on the same "
+                             "engine and prompts: its CPU and disk tiers, miss path and restart beside ours, and "
+                             "*-vs-lmcache-* rows (ratio = our TTFT / LMCache's); install it first with make "
+                             "peer-lmcache (exit 2 if absent)")
     parser.add_argument("--workers", metavar="LIST",
                         help="bench events: simulated worker counts (default 100,300,1000; --quick 20)")
     parser.add_argument("--transports", metavar="LIST", help="bench events: event planes, zmq and/or nats (default zmq,nats)")
@@ -74,6 +80,10 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
 
 
 def run(args: argparse.Namespace) -> List[Case]:
+    if getattr(args, "peer", None) and args.name != "vllm":
+        print(f"bench {args.name}: --peer {args.peer} is bench vllm's (run: bench vllm --peer {args.peer})",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2)
     names = [n for n in BENCHES if n not in NOT_IN_ALL] if args.name == "all" else [args.name]
     cases: List[Case] = []
     for name in names:

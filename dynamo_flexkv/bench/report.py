@@ -50,12 +50,13 @@ def print_table(cases: Iterable[Case], out: Optional[TextIO] = None, lower_is_be
     if not rows:
         return
     better = "lower is better" if lower_is_better else "higher is better"
-    header = f"{'case':<24} {'ours':>12} {'baseline':>12} {'unit':<9} {'ratio':>7}  baseline"
+    width = max(24, *(len(c.case) for c in rows))
+    header = f"{'case':<{width}} {'ours':>12} {'baseline':>12} {'unit':<9} {'ratio':>7}  baseline"
     print(f"\n== bench {rows[0].bench}  (ratio = ours / baseline, {better})", file=out)
     print(header, file=out)
     print("-" * len(header), file=out)
     for c in rows:
-        print(f"{c.case:<24} {c.ours:>12.4g} {c.baseline:>12.4g} {c.unit:<9} {c.ratio:>7.3f}  "
+        print(f"{c.case:<{width}} {c.ours:>12.4g} {c.baseline:>12.4g} {c.unit:<9} {c.ratio:>7.3f}  "
               f"{c.baseline_name}{'  (' + c.note + ')' if c.note else ''}", file=out)
 
 

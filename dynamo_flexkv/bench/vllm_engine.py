@@ -22,8 +22,9 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
+from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.vllm_ttft import ROLES, cached_tokens, fresh_prompt, prefix_prompt, suffix
 
 TINY = [5, 6, 7]  # a step that computes nothing worth storing (less than one block)
@@ -64,6 +65,7 @@ class Engine:
         self.block = int(spec["block_size"])
         self.connector = spec["kv_transfer_config"] is not None
         self.ours = self.connector and spec["kv_transfer_config"]["kv_connector"] == "FlexKVConnector"
+        self.lmcache_http: Optional[str] = spec.get("lmcache_http")  # the LMCache server's admin API
         self.sp = SamplingParams(max_tokens=1, temperature=0)
         self.tiny_sp = SamplingParams(max_tokens=1, temperature=0)
         self.llm = LLM(model=spec["model_dir"], load_format="dummy", dtype="bfloat16",
@@ -102,6 +104,8 @@ class Engine:
             time.sleep(0.01)
         if self.ours and not self.rpc(rpc_drain, timeout):
             raise RuntimeError(f"FlexKVConnector writes still running after {timeout} s")
+        if self.lmcache_http:  # its server writes L2 behind the store, as ours writes disk behind host
+            lmc.wait_l2_written(self.lmcache_http, timeout)
 
     def rpc(self, fn: Callable, *args):
         return self.llm.collective_rpc(fn, args=args)[0]
@@ -161,6 +165,13 @@ def run_role(e: Engine) -> None:
                 rec = e.timed(f"device-hit-{size}", prefix + suffix(seed, size, bs, "device", i))
                 if rec["cached"] != hit:
                     raise RuntimeError(f"device hit {size}: vLLM found {rec['cached']} cached tokens, expected {hit}")
+            # The first tokens the other engines' prompts must give (their suffix kinds), from the same hit.
+            for kind in spec.get("reference_kinds", ()):
+                for i in range(repeat):
+                    rec = e.timed(f"ref-{kind}-{size}", prefix + suffix(seed, size, bs, kind, i))
+                    if rec["cached"] != hit:
+                        raise RuntimeError(f"reference {kind} {size}: vLLM found {rec['cached']} cached tokens, "
+                                           f"expected {hit}")
         elif role in ("flexkv", "offloading"):
             if role == "offloading":  # ours is timed against no connector in serve mode (bench/vllm_ttft.py)
                 for i in range(repeat):  # the recompute prompts, connector on: lookups and stores, no loads
@@ -181,8 +192,42 @@ def run_role(e: Engine) -> None:
             e.settle()  # the remote write-behind drained: Redis holds the prefix
             tier_case("remote", "device", lambda: e.rpc(rpc_drop_local, 120.0),
                       lambda a, b, r: _delta(a, b, "requests", "remote_hit_blocks"), "remote")
+        elif role == "lmcache":
+            http = str(e.lmcache_http)
+            e.generate(prefix)
+            e.settle()  # in its L1, and written behind to its L2
+            # No per-tier hit counters of theirs: L1 holding the prefix before the request (host),
+            # or L1 emptied before it (disk), with vLLM's count of cached tokens, says where it came from.
+            tier_case("lmcache-host", "device", lambda: lmc.require_l1_holds(http, blocks),
+                      lambda a, b, r: r["cached"] // bs, "LMCache L1")
+            tier_case("lmcache-disk", "disk", lambda: lmc.clear_l1(http), lambda a, b, r: r["cached"] // bs, "LMCache L2")
+        elif role in RESTART_CASE:
+            restart_case(e, RESTART_CASE[role], size, prefix + suffix(seed, size, bs, "restart", 0), hit, checks)
     e.info["checks"] = checks
     e.info["tiers"] = e.stats()
+
+
+RESTART_CASE = {"flexkv-restart": "restart", "lmcache-restart": "lmcache-restart"}
+
+
+def restart_case(e: Engine, case: str, size: int, prompt: List[int], hit: int, checks: Dict[str, Any]) -> None:
+    """One request, the first of its prefix in this fresh engine process (the previous engine
+    stored the prefix and exited): ours loads it from the disk tier it re-adopted at start (its host
+    tier died with the process); LMCache from the tiers its still-running server kept."""
+    e.settle()
+    before = e.stats()
+    l1_objects = lmc.l1_state(e.lmcache_http)["objects"] if e.lmcache_http else None
+    rec = e.timed(f"{case}-{size}", prompt)
+    got = _delta(e.stats(), before, "disk", "hit_blocks") if e.ours else rec["cached"] // e.block
+    checks.setdefault(f"{case}-{size}", []).append(got)
+    if e.ours:
+        e.info.setdefault("adopted_disk_blocks", before.get("disk", {}).get("used_blocks"))
+    else:
+        e.info.setdefault("l1_objects_before", {})[str(size)] = l1_objects
+    if got < hit // e.block or rec["cached"] < hit:
+        raise RuntimeError(f"{case} {size}: the first request after the restart found {rec['cached']} cached tokens "
+                           f"({got} blocks loaded), expected {hit}; tier counters {e.stats()}")
+    e.settle()
 
 
 def serve(e: Engine) -> None:

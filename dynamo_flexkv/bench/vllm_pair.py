@@ -19,9 +19,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.vllm_engine import PROGRESS, READY, RESULT
+from dynamo_flexkv.bench.vllm_ttft import engine_env, kv_transfer_config
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -135,17 +138,17 @@ class ServedEngine:
         self._log.close()
 
 
-def run_pair(base: ServedEngine, ours: ServedEngine, sizes: Sequence[int], repeat: int,
-             timeout_s: float) -> Dict[str, List[Dict[str, Any]]]:
-    """``recompute-<size>`` from ``base`` and ``miss-<size>`` from ``ours``: the same fresh
-    prompts, ABBA-interleaved, each from idle engines."""
+def run_interleaved(engines: Sequence[Tuple[ServedEngine, str]], sizes: Sequence[int], repeat: int,
+                    timeout_s: float, also_quiet: Sequence[int] = ()) -> Dict[str, List[Dict[str, Any]]]:
+    """``<case>-<size>`` from each (engine, case): the same fresh prompts, the engines' order
+    reversed every round (AB BA AB ..., ABC CBA ...), each request from idle engines (and idle
+    ``also_quiet`` process groups: a peer's cache server)."""
     results: Dict[str, List[Dict[str, Any]]] = {}
-    groups = [base.proc.pid, ours.proc.pid]
+    groups = [e.proc.pid for e, _ in engines] + list(also_quiet)
     k = 0
     for size in sizes:
         for i in range(repeat):
-            order = ((base, "recompute"), (ours, "miss"))
-            for eng, case in (order if k % 2 == 0 else order[::-1]):  # AB BA AB ...
+            for eng, case in (engines if k % 2 == 0 else engines[::-1]):
                 wait_quiet(groups)
                 rec = eng.request(f"{case}-{size}", size, i, timeout_s)
                 if rec["cached"]:
@@ -153,3 +156,34 @@ def run_pair(base: ServedEngine, ours: ServedEngine, sizes: Sequence[int], repea
                 results.setdefault(f"{case}-{size}", []).append(rec)
             k += 1
     return results
+
+
+def run_pair(base: ServedEngine, ours: ServedEngine, sizes: Sequence[int], repeat: int,
+             timeout_s: float) -> Dict[str, List[Dict[str, Any]]]:
+    """``recompute-<size>`` from ``base`` and ``miss-<size>`` from ``ours``, ABBA-interleaved."""
+    return run_interleaved([(base, "recompute"), (ours, "miss")], sizes, repeat, timeout_s)
+
+
+def run_miss_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_bytes: int, timeout: float,
+                     server: Optional[lmc.LMCacheServer], prefix: Optional[Path]) -> Dict[str, List[Dict[str, Any]]]:
+    """The recompute / miss engines alive at once (no connector, ours and, with ``server``,
+    LMCache's), the same fresh prompts interleaved (run_interleaved)."""
+    made = [("plain-pair", "recompute", dict(spec, kv_transfer_config=None), engine_env(workdir, "plain", host_bytes,
+                                                                                       disk_bytes)),
+            ("flexkv-pair", "miss", dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
+             engine_env(workdir, "flexkv-pair", host_bytes, disk_bytes))]
+    if server is not None and prefix is not None:
+        made.append(("lmcache-pair", "lmcache-miss",
+                     dict(spec, kv_transfer_config=lmc.kv_transfer_config(server.port), lmcache_http=server.http),
+                     lmc.peer_env(engine_env(workdir, "plain", host_bytes, disk_bytes), prefix)))
+    print(f"bench vllm: engines {' + '.join(m[0] for m in made)} (requests interleaved) ...", flush=True)
+    engines: List[Tuple[ServedEngine, str]] = []
+    try:
+        for role, case, role_spec, env in made:  # one at a time: engines starting together on 2 cores start slowly
+            engines.append((ServedEngine(role, role_spec, env, workdir), case))
+            engines[-1][0].wait_ready(900)
+        return run_interleaved(engines, spec["sizes"], spec["repeat"], timeout_s=timeout,
+                               also_quiet=[server.proc.pid] if server is not None and server.proc else [])
+    finally:
+        for e, _ in engines:
+            e.stop()

