@@ -65,3 +65,28 @@ def test_a_hub_cache_entry_loads_by_repo_id_offline(tmp_path):
     assert tok.decode([300, 301]) == " mu na" and tok.eos_token_id == 257
     with pytest.raises(ValueError, match="expected ORG/NAME"):
         write_hf_cache_entry(d, tmp_path / "hub", "tiny")
+
+
+def test_a_seeded_preset_writes_the_reference_engines_weights_as_a_checkpoint(tmp_path):
+    """vLLM serving the directory computes the reference engine's model: the weight file holds
+    exactly ``LlamaModel``'s seeded weights under Hugging Face Llama names, in the preset's dtype."""
+    import torch
+
+    from dynamo_flexkv.integrations.reference_engine.model import LlamaModel
+
+    cfg = EngineModelConfig.preset("tiny")
+    assert cfg.weights == "seeded"
+    d = write_model_dir(cfg, tmp_path / "m", weights=True)
+    loaded, ours = LlamaModel.from_pretrained(d), LlamaModel(cfg, seed=0)
+    assert loaded.w.keys() == ours.w.keys()
+    assert all(torch.equal(loaded.w[k], ours.w[k]) for k in ours.w)
+    assert not (write_model_dir(cfg, tmp_path / "no-weights") / "model.safetensors").exists()
+    snapshot = write_hf_cache_entry(d, tmp_path / "hub", "flexkv/tiny")  # binary files copy too
+    assert (snapshot / "model.safetensors").read_bytes() == (d / "model.safetensors").read_bytes()
+
+
+def test_a_dummy_preset_writes_no_weights_and_unknown_kinds_are_refused(tmp_path):
+    cfg = EngineModelConfig.preset("llama-3.1-8b")  # far too large to write: vLLM's dummy weights
+    assert cfg.weights == "dummy"
+    with pytest.raises(ValueError, match="weights='random': use one of"):
+        EngineModelConfig.from_dict({**EngineModelConfig.preset("tiny").__dict__, "weights": "random"})

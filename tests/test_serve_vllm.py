@@ -41,11 +41,12 @@ def test_the_vllm_graphs_plan_the_worker_command_line_and_environment(tmp_path, 
     front, w0, w1 = p.processes
     assert [x.name for x in p.processes] == ["Frontend", "VllmWorker-0", "VllmWorker-1"]
     assert arg(front.argv, "--router-mode") == "kv" and arg(front.argv, "--kv-cache-block-size") == "64"
-    assert p.write_model and p.served_model_name == "vllm-small"
+    assert p.write_model and p.model_weights and p.served_model_name == "vllm-small"
     for i, w in enumerate((w0, w1)):
         a = w.argv
         assert a[1:3] == ["-m", "dynamo.vllm"] and w.engine == "vllm"
-        assert arg(a, "--model") == str(run / "model") and arg(a, "--load-format") == "dummy"
+        # The small preset's seeded weights: the launcher writes them, vLLM loads them (no dummy).
+        assert arg(a, "--model") == str(run / "model") and "--load-format" not in a
         assert (arg(a, "--block-size"), arg(a, "--max-model-len"), arg(a, "--dtype")) == ("64", "4096", "bfloat16")
         assert arg(a, "--num-gpu-blocks-override") == "72" and "--enforce-eager" in a
         assert arg(a, "--shutdown-timeout") == "20" and w.env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] == "25"
@@ -217,6 +218,7 @@ def test_render_k8s_of_the_vllm_graph_imports_neither_torch_nor_vllm(tmp_path):
     assert json.loads(arg(main["args"], "--kv-events-config"))["endpoint"].startswith("ipc:///tmp/")
     init = worker["extraPodSpec"]["initContainers"][0]  # writes the preset's model directory
     assert "write_model_dir" in init["command"][-1] and init["volumeMounts"][0]["mountPath"] == "/model"
+    assert "weights=True" in init["command"][-1]  # the seeded weights vLLM loads
     env = {e["name"]: e["value"] for e in worker["envs"]}
     assert env["FLEXKV_TOKENS_PER_BLOCK"] == "64" and env["VLLM_NO_USAGE_STATS"] == "1"
     assert env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] == "25"  # the connector's 20 s drain fits

@@ -140,7 +140,8 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         _unignore_sigint()
         if self.plan.write_model:
-            write_model_dir(EngineModelConfig.load(self.plan.model), self.plan.run_dir / "model")
+            write_model_dir(EngineModelConfig.load(self.plan.model), self.plan.run_dir / "model",
+                            weights=self.plan.model_weights)
         try:
             for proc in self.plan.infra:
                 write_files(proc)  # e.g. redis.conf, which holds a password

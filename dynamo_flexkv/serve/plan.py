@@ -58,6 +58,7 @@ class LaunchPlan:
     processes: List[Process]  # frontend first, then the workers
     write_model: bool = True  # the launcher writes run_dir/model from the preset ``model`` (a vLLM worker
                               # on its own Hugging Face directory needs none)
+    model_weights: bool = False  # ... with the preset's seeded weights (a vLLM worker loads them)
     node_options: Dict[str, str] = field(default_factory=dict)  # component -> its ``node`` option (serve --nodes)
 
     @property
@@ -128,7 +129,7 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     model = served = None
     http_port = 0
     front_opts: Dict[str, Any] = {}
-    write_model = False
+    write_model = model_weights = False
     ssd_dirs: Dict[str, str] = {}  # every worker's SSD directories: no two may share one
     node_of: Dict[str, str] = {}  # process name -> the node its component names
     node_options: Dict[str, str] = {}
@@ -150,7 +151,9 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
             model, served = opts["model"], opts.get("served-model-name") or f"vllm-{Path(opts['model']).name}"
             procs = _vllm.workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
                                   ports, source, local, redis, ssd_dirs)
-            write_model = write_model or procs[0].argv[procs[0].argv.index("--model") + 1] == str(run_dir / "model")
+            on_preset = procs[0].argv[procs[0].argv.index("--model") + 1] == str(run_dir / "model")
+            write_model = write_model or on_preset
+            model_weights = model_weights or (on_preset and not _vllm.loads_dummy(procs[0].argv))
             processes += procs
         else:
             model, served = opts["model"], opts.get("served-model-name") or f"flexkv-{opts['model']}"
@@ -181,7 +184,7 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     if nodes is not None:
         place(processes, infra, nodes, node_of, source)
     return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes,
-                      write_model, node_options)
+                      write_model, model_weights, node_options)
 
 
 def _check_block_size(processes: List[Process], front: Dict[str, Any], graph: Graph, source: str) -> None:

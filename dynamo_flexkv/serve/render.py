@@ -69,7 +69,8 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
                     mounts.append({"name": "model", "mountPath": model})
                     service["extraPodSpec"]["initContainers"] = [{
                         "name": "model-dir", "image": image,
-                        "command": ["python3", "-c", _write_model_dir(plan, model)],
+                        "command": ["python3", "-c", _write_model_dir(plan, model,
+                                                                      not vllm_worker.loads_dummy(first.argv))],
                         "volumeMounts": [{"name": "model", "mountPath": model}]}]
                 else:
                     own_model_dirs.append(f"{comp.name}: {model}")
@@ -98,12 +99,12 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
     return header + yaml.safe_dump(manifest, sort_keys=False)
 
 
-def _write_model_dir(plan: LaunchPlan, path: str) -> str:
-    """The init container's script: the preset's model directory (config.json + tokenizer; vLLM
-    loads random weights with --load-format dummy), as serve's launcher writes it."""
+def _write_model_dir(plan: LaunchPlan, path: str, weights: bool) -> str:
+    """The init container's script: the preset's model directory (config.json + tokenizer, and the
+    seeded weights unless vLLM loads dummy ones), as serve's launcher writes it."""
     return ("from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir; "
             "from dynamo_flexkv.integrations.reference_engine import EngineModelConfig; "
-            f"write_model_dir(EngineModelConfig.load({plan.model!r}), {path!r})")
+            f"write_model_dir(EngineModelConfig.load({plan.model!r}), {path!r}, weights={weights!r})")
 
 
 def _portable_args(args: List[str]) -> List[str]:

@@ -237,10 +237,11 @@ def cpu_binds(count: int, cpus: Optional[Sequence[int]] = None) -> List[str]:
 
 
 def resolve_model(name: str, o: Mapping[str, Any], run_dir: Path, source: str, local: bool):
-    """(path vLLM loads, whether it is a preset, the KV shape for checking tier sizes or None).
-    A preset (configs/models/<name>.yaml) is served from the model directory the launcher writes
-    (config.json + tokenizer, random weights: load-format dummy); anything else is a local Hugging
-    Face model directory, served as it is (its own weights)."""
+    """(path vLLM loads, the load format a preset needs or None, the KV shape for checking tier
+    sizes or None). A preset (configs/models/<name>.yaml) is served from the model directory the
+    launcher writes (config.json + tokenizer, and with ``weights: seeded`` the seeded weights, which
+    vLLM loads; ``weights: dummy``: none, load-format dummy); anything else is a local Hugging Face
+    model directory, served as it is (its own weights)."""
     from dynamo_flexkv.serve.graph import GraphError
 
     import yaml
@@ -249,14 +250,16 @@ def resolve_model(name: str, o: Mapping[str, Any], run_dir: Path, source: str, l
     preset = presets_dir() / f"{model}.yaml"
     if "/" not in model and preset.is_file():
         cfg = yaml.safe_load(preset.read_text())
-        return str(run_dir / "model") if local else RENDER_MODEL_DIR, True, _spec(cfg, cfg.get("dtype"), o["dtype"])
+        load_format = "dummy" if cfg.get("weights", "dummy") == "dummy" else "auto"
+        return (str(run_dir / "model") if local else RENDER_MODEL_DIR, load_format,
+                _spec(cfg, cfg.get("dtype"), o["dtype"]))
     path = Path(model).expanduser()
     if not local:
         if not path.is_absolute():
             raise GraphError(f"{source}: {name}.model={model!r} is neither a preset "
                              f"({sorted(p.stem for p in presets_dir().glob('*.yaml'))}) nor an absolute path "
                              "to a model directory in the pod")
-        return model, False, None
+        return model, None, None
     if not (path / "config.json").is_file():
         raise GraphError(f"{source}: {name}.model={model!r} is neither a preset "
                          f"({sorted(p.stem for p in presets_dir().glob('*.yaml'))}) nor a directory holding a "
@@ -275,7 +278,13 @@ def resolve_model(name: str, o: Mapping[str, Any], run_dir: Path, source: str, l
             cfg["hidden_size"] // cfg["num_attention_heads"]}, cfg.get("torch_dtype"), o["dtype"])
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         spec = None  # not Llama-shaped: the connector reads the real layout from vLLM's tensors
-    return str(path.resolve()), False, spec
+    return str(path.resolve()), None, spec
+
+
+def loads_dummy(argv: Sequence[str]) -> bool:
+    """Whether a worker's command line loads vLLM's dummy weights (no weight file needed)."""
+    argv = list(argv)
+    return "--load-format" in argv[:-1] and argv[argv.index("--load-format") + 1] == "dummy"
 
 
 def _spec(cfg: Mapping[str, Any], model_dtype: Optional[str], dtype: str) -> Optional[ModelSpec]:
@@ -306,8 +315,8 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
     from dynamo_flexkv.serve.ports import system_port
     from dynamo_flexkv.serve.graph import Kind
 
-    model_path, preset, spec = resolve_model(name, o, run_dir, source, local)
-    load_format = o["load-format"] or ("dummy" if preset else None)
+    model_path, preset_format, spec = resolve_model(name, o, run_dir, source, local)
+    load_format = o["load-format"] or (preset_format if preset_format != "auto" else None)
     base = [sys.executable, "-m", "dynamo.vllm", "--model", model_path, "--served-model-name", served,
             "--namespace", o["namespace"], "--discovery-backend", discovery, "--event-plane", event_plane,
             "--request-plane", "tcp", "--dtype", o["dtype"], "--max-model-len", str(o["max-model-len"]),

@@ -31,9 +31,11 @@ CHAT_TEMPLATE = (
 
 
 def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = "flexkv-reference",
-                    context_length: int = 131072) -> Path:
+                    context_length: int = 131072, weights: bool = False) -> Path:
     """Writes (or rewrites) the directory; the token ids stay below ``cfg.vocab_size``, and the
-    context window the worker serves is what config.json and the tokenizer declare."""
+    context window the worker serves is what config.json and the tokenizer declare. With
+    ``weights`` and a preset of ``weights: seeded``, also model.safetensors: the reference engine's
+    seeded weights, which vLLM then loads (without it, vLLM needs ``--load-format dummy``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -67,7 +69,23 @@ def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = 
         "torch_dtype": cfg.dtype, "tie_word_embeddings": False,
     }, indent=2))
     _replace(path / "generation_config.json", json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
+    if weights and cfg.weights == "seeded":
+        write_seeded_weights(cfg, path)
     return path
+
+
+def write_seeded_weights(cfg: EngineModelConfig, path: Union[str, Path], seed: int = 0) -> Path:
+    """model.safetensors in ``path``: the reference engine's seeded weights for ``cfg`` (float32
+    for the small presets: ~80 MB for ``small``), written atomically."""
+    from safetensors.torch import save_file
+
+    from dynamo_flexkv.integrations.reference_engine.model import seeded_checkpoint
+
+    target = Path(path) / "model.safetensors"
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    save_file(seeded_checkpoint(cfg, seed), str(tmp), metadata={"format": "pt", "flexkv_seed": str(seed)})
+    os.replace(tmp, target)
+    return target
 
 
 def write_hf_cache_entry(model_dir: Union[str, Path], hub_cache: Union[str, Path], repo_id: str) -> Path:
@@ -91,7 +109,7 @@ def write_hf_cache_entry(model_dir: Union[str, Path], hub_cache: Union[str, Path
     snapshot = repo / "snapshots" / revision
     snapshot.mkdir(parents=True, exist_ok=True)
     for f in files:
-        _replace(snapshot / f.name, f.read_text())
+        _replace(snapshot / f.name, f.read_bytes())
     (repo / "refs").mkdir(exist_ok=True)
     _replace(repo / "refs" / "main", revision)
     return snapshot
@@ -107,8 +125,11 @@ def filler_word(n: int) -> str:
             return word
 
 
-def _replace(target: Path, text: str) -> None:
+def _replace(target: Path, content: Union[str, bytes]) -> None:
     """Atomic rewrite: several workers may write one directory while the frontend reads it."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    if isinstance(content, bytes):
+        tmp.write_bytes(content)
+    else:
+        tmp.write_text(content)
     os.replace(tmp, target)

@@ -14,6 +14,9 @@ from dynamo_flexkv.core.layout import ModelSpec
 from dynamo_flexkv.resources import presets_dir
 
 
+WEIGHTS = ("seeded", "dummy")
+
+
 @dataclass(frozen=True)
 class EngineModelConfig:
     vocab_size: int
@@ -28,8 +31,17 @@ class EngineModelConfig:
     dtype: str = "float32"
     block_size: int = 16
     kv_dim: int = 2
+    # What a vLLM worker serving this preset loads (the reference engine always computes the seeded
+    # weights): "seeded", the reference engine's seeded weights written as model.safetensors, so
+    # the output depends on the whole prompt and wrong KV shows in tokens and logprobs; "dummy",
+    # vLLM's --load-format dummy (no weight file: for shapes too large to write, where only speed
+    # or bytes matter; greedy tokens then follow the last prompt token only).
+    weights: str = "dummy"
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights={self.weights!r}: use one of {list(WEIGHTS)} (seeded: a weight file with the "
+                             "reference engine's seeded weights; dummy: vLLM's --load-format dummy)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:

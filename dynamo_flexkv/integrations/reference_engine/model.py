@@ -15,6 +15,54 @@ from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
 from dynamo_flexkv.integrations.reference_engine.kv_cache import PagedKVCache, torch_dtype
 
 
+# Our weight names -> Hugging Face Llama's (the per-layer ones with "{i}.").
+_HF_LAYER = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj", "ln1": "input_layernorm",
+             "ln2": "post_attention_layernorm"}
+
+
+def hf_names(num_layers: int) -> Dict[str, str]:
+    """Each weight's name here -> its name in a Hugging Face Llama checkpoint."""
+    names = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+    for i in range(num_layers):
+        names.update({f"{i}.{short}": f"model.layers.{i}.{hf}.weight" for short, hf in _HF_LAYER.items()})
+    return names
+
+
+def seeded_weights(cfg: EngineModelConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Deterministic random weights at a trained model's scale (projections N(0, 1/fan_in), norms
+    near 1), float32: attention is peaked enough that the output depends on the whole prompt (with
+    vLLM's ``--load-format dummy``, uniform weights of +-1e-3, greedy tokens follow the last prompt
+    token only)."""
+    c, g = cfg, torch.Generator().manual_seed(seed)
+
+    def lin(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+
+    w = {"embed": torch.randn(c.vocab_size, c.hidden_size, generator=g),
+         "norm": 1.0 + 0.1 * torch.randn(c.hidden_size, generator=g),
+         "lm_head": lin(c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        w[f"{i}.q"] = lin(c.num_heads * c.head_dim, c.hidden_size)
+        w[f"{i}.k"] = lin(c.num_kv_heads * c.head_dim, c.hidden_size)
+        w[f"{i}.v"] = lin(c.num_kv_heads * c.head_dim, c.hidden_size)
+        w[f"{i}.o"] = lin(c.hidden_size, c.num_heads * c.head_dim)
+        w[f"{i}.gate"] = lin(c.intermediate_size, c.hidden_size)
+        w[f"{i}.up"] = lin(c.intermediate_size, c.hidden_size)
+        w[f"{i}.down"] = lin(c.hidden_size, c.intermediate_size)
+        w[f"{i}.ln1"] = 1.0 + 0.1 * torch.randn(c.hidden_size, generator=g)
+        w[f"{i}.ln2"] = 1.0 + 0.1 * torch.randn(c.hidden_size, generator=g)
+    return w
+
+
+def seeded_checkpoint(cfg: EngineModelConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """``seeded_weights`` named as a Hugging Face Llama checkpoint, in the model's dtype: what
+    vLLM (or ``LlamaModel.from_pretrained``) loads to compute this very model."""
+    dtype = torch_dtype(cfg.dtype)
+    names = hf_names(cfg.num_layers)
+    return {names[k]: v.to(dtype).contiguous() for k, v in seeded_weights(cfg, seed).items()}
+
+
 @dataclass
 class SeqChunk:
     """New tokens of one sequence in a forward pass: positions [start, start + len(tokens))."""
@@ -47,36 +95,11 @@ class LlamaModel:
         raw: Dict[str, torch.Tensor] = {}
         for f in files:
             raw.update(load_file(str(f)))
-        w = {"embed": raw["model.embed_tokens.weight"], "norm": raw["model.norm.weight"],
-             "lm_head": raw.get("lm_head.weight", raw["model.embed_tokens.weight"])}
-        names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-                 "down": "mlp.down_proj", "ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
-        for i in range(cfg.num_layers):
-            for short, hf in names.items():
-                w[f"{i}.{short}"] = raw[f"model.layers.{i}.{hf}.weight"]
-        return cls(cfg, device, weights=w)
+        raw.setdefault("lm_head.weight", raw["model.embed_tokens.weight"])  # tied embeddings
+        return cls(cfg, device, weights={ours: raw[hf] for ours, hf in hf_names(cfg.num_layers).items()})
 
     def _random_weights(self, seed: int) -> Dict[str, torch.Tensor]:
-        c, g = self.cfg, torch.Generator().manual_seed(seed)
-
-        def lin(out_f: int, in_f: int) -> torch.Tensor:
-            return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
-
-        w = {"embed": torch.randn(c.vocab_size, c.hidden_size, generator=g),
-             "norm": 1.0 + 0.1 * torch.randn(c.hidden_size, generator=g),
-             "lm_head": lin(c.vocab_size, c.hidden_size)}
-        for i in range(c.num_layers):
-            w[f"{i}.q"] = lin(c.num_heads * c.head_dim, c.hidden_size)
-            w[f"{i}.k"] = lin(c.num_kv_heads * c.head_dim, c.hidden_size)
-            w[f"{i}.v"] = lin(c.num_kv_heads * c.head_dim, c.hidden_size)
-            w[f"{i}.o"] = lin(c.hidden_size, c.num_heads * c.head_dim)
-            w[f"{i}.gate"] = lin(c.intermediate_size, c.hidden_size)
-            w[f"{i}.up"] = lin(c.intermediate_size, c.hidden_size)
-            w[f"{i}.down"] = lin(c.hidden_size, c.intermediate_size)
-            w[f"{i}.ln1"] = 1.0 + 0.1 * torch.randn(c.hidden_size, generator=g)
-            w[f"{i}.ln2"] = 1.0 + 0.1 * torch.randn(c.hidden_size, generator=g)
-        return w
+        return seeded_weights(self.cfg, seed)
 
     # ---- forward ---------------------------------------------------------------------------------
     @torch.inference_mode()
