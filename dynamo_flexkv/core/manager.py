@@ -40,7 +40,7 @@ from dynamo_flexkv.core.tasks import ManagerClosed, Task, TaskFailed, TaskKind, 
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferGraph
 from dynamo_flexkv.core.transfer.movers import DiskMover, HostDeviceMover, HostHasher
 from dynamo_flexkv.core.transfer.remote_mover import RemoteMover
-from dynamo_flexkv.core.transfer.runner import TransferRunner
+from dynamo_flexkv.core.transfer.runner import MoverHook, TransferRunner
 
 if TYPE_CHECKING:
     from dynamo_flexkv.core.remote import RemoteStore
@@ -60,8 +60,13 @@ class KVManager:
         listener: Optional[IndexListener] = None,
         workers: int = 4,
         model_id: str = "",
+        mover_hook: Optional[MoverHook] = None,
     ) -> None:
+        """``mover_hook(link, mover)`` returns the mover each link's copies run on instead of the
+        one built here (a public seam for fault injection and tracing; restart adoption reads
+        the disk directly)."""
         self.model = model
+        self._mover_hook = mover_hook
         self.config = config or CacheConfig.load()
         self.namespace = namespace or None
         self.model_id = model_id  # names the weights in the disk and remote fingerprints: same shape != same bytes
@@ -105,7 +110,7 @@ class KVManager:
         except BaseException:
             self._close_storage()
             raise
-        self.transfer = TransferRunner(movers, workers)
+        self.transfer = TransferRunner(self._hooked(movers), workers)
         self.graphs = GraphBuilder(self.cache, self.ssd, self.host.layout.layer_block_bytes,
                                    self.tokens_per_block, model.num_layers)
         # Cost-aware loading (core/cost.py): the gets' reads measure the tiers, the engine its prefill.
@@ -128,7 +133,12 @@ class KVManager:
         self._check_open("register_device_cache")
         self.device = DeviceCache.register(tensors, self.model, layout, self.tokens_per_block)
         mover = HostDeviceMover(self.host, self.device)
-        self.transfer.movers[OpKind.D2H] = self.transfer.movers[OpKind.H2D] = mover
+        self.transfer.movers.update(self._hooked({OpKind.D2H: mover, OpKind.H2D: mover}))
+
+    def _hooked(self, movers: Dict[OpKind, Any]) -> Dict[OpKind, Any]:
+        if self._mover_hook is None:
+            return movers
+        return {kind: self._mover_hook(kind, mover) for kind, mover in movers.items()}
 
     def _open_remote(self) -> "RemoteStore":
         """Opens the remote tier: an unreachable server or a wrong password raises (naming the fix)

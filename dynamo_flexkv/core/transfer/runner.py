@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Dict, Optional, Protocol
+from typing import Callable, Dict, Optional, Protocol
 
 from dynamo_flexkv.core.transfer.graph import GraphState, OpKind, OpState, TransferGraph, TransferOp
 
@@ -22,6 +22,11 @@ class Mover(Protocol):
     """Moves the bytes of one op; returns the bytes moved; raises on failure."""
 
     def run(self, op: TransferOp) -> int: ...
+
+
+# Wraps the mover of one link (fault injection, throttling, tracing): given the link and the mover
+# KVManager built for it, returns the mover the runner uses instead (KVManager(mover_hook=...)).
+MoverHook = Callable[[OpKind, Mover], Mover]
 
 
 class TransferRunner:

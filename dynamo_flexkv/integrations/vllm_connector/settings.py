@@ -28,6 +28,9 @@ EXTRA_KEYS: Dict[str, tuple] = {
                                       "bytes) or bytes (also the xxh3 of every byte, all layers: a second pass over "
                                       "them on both roles); the same on both roles"),
     "run_dir": (str, None, "directory of the lookup socket (default $FLEXKV_RUN_DIR or the temp dir)"),
+    "mover_hook": (str, None, "module:function called as function(link, mover) for each of this worker's copy links; "
+                              "returns the mover to use instead (fault injection and tracing, e.g. tests' "
+                              "wrong_kv:one_wrong_block; the module must be importable in vLLM's worker)"),
     "model_id": (str, None, "names the weights in the disk and remote tiers' fingerprints (default: the model path "
                             "or hub id with its revision, the load format, and for a local directory the names, "
                             "sizes and modification times of its weight files)"),
@@ -51,6 +54,7 @@ class ConnectorSettings:
     handover_verify: str = "owner"
     run_dir: Optional[str] = None
     model_id: str = ""
+    mover_hook: Optional[str] = None
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> "ConnectorSettings":
@@ -81,6 +85,9 @@ class ConnectorSettings:
             if key == "model_id" and not value.strip():
                 raise ValueError("FlexKVConnector: kv_connector_extra_config model_id='' names no weights (tiers "
                                  "would share KV across models): name them, or leave the key out for the default")
+            if key == "mover_hook" and not _is_entry_point(value):
+                raise ValueError(f"FlexKVConnector: kv_connector_extra_config mover_hook={value!r} must name a "
+                                 "function as module:function, e.g. mypackage.faults:wrap")
             if key == "handover_verify" and value not in ("bytes", "owner"):
                 raise ValueError(f"FlexKVConnector: kv_connector_extra_config handover_verify={value!r} must be "
                                  "'bytes' or 'owner'")
@@ -96,6 +103,26 @@ class ConnectorSettings:
                    engine_id=str(kt.engine_id), **values)
 
 
+
+
+def _is_entry_point(value: str) -> bool:
+    module, _, attr = value.partition(":")
+    return all(part.isidentifier() for part in module.split(".")) and attr.isidentifier()
+
+
+def load_mover_hook(entry: str) -> Any:
+    """The function ``module:function`` names (the mover_hook setting); a clear error if it is not there."""
+    import importlib
+
+    module, _, attr = entry.partition(":")
+    try:
+        hook = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"FlexKVConnector: kv_connector_extra_config mover_hook={entry!r} cannot be loaded in this "
+                         f"worker ({e}): put its module on the worker's PYTHONPATH") from None
+    if not callable(hook):
+        raise ValueError(f"FlexKVConnector: kv_connector_extra_config mover_hook={entry!r} is not a function")
+    return hook
 
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

@@ -32,7 +32,7 @@ from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
 from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, lookup_endpoint
-from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings, load_mover_hook
 from dynamo_flexkv.integrations.vllm_connector.step_clock import StepClock
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,9 @@ class WorkerSide:
                 os.makedirs(d, exist_ok=True)
             cache = cache.replace(ssd_cache_dir=dirs)
         self.events = TierEventQueue(self.s.block_size) if self.tp_rank == 0 else None
-        self.kv = KVManager(desc.model, cache, listener=self.events, model_id=f"{self.s.model_id}|{desc.layout_tag}")
+        hook = load_mover_hook(self.s.mover_hook) if self.s.mover_hook else None
+        self.kv = KVManager(desc.model, cache, listener=self.events, model_id=f"{self.s.model_id}|{desc.layout_tag}",
+                            mover_hook=hook)
         try:
             self.offload = EngineOffload(self.kv, layerwise=self.s.layerwise)
             self.offload.register(desc.tensors, desc.layout)
