@@ -7,7 +7,9 @@ scenarios and writes what it saw as JSON. Used by tests/test_vllm_connector_faul
 Every scenario builds its prompts from its own seeded RNG, so an engine without the connector
 (the reference) sees the same prompts in the same order as one with it. Each scenario computes its
 prompts cold, lets the stores land, drops vLLM's prefix cache and zeroes the KV tensors, and
-computes them again ("warm": loaded from the connector's tiers when there is one)."""
+computes them again ("warm": loaded from the connector's tiers when there is one). MODEL_DIR holds
+seeded weights, served in float32, and every generation records its tokens' logprobs, so the tests
+compare warm with cold by tests/exactness.py's oracle. FLEXKV_TEST_WRONG_KV=1 adds the wrong_kv seam."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import random
 import sys
 import time
 import traceback
+
+from exactness import EXACT_DTYPE, Generation, connector_extra
 
 
 def _conn():
@@ -75,10 +79,14 @@ class Driver:
         self.llm.collective_rpc(_zero)
 
     def gen(self, prompts, sp):
+        if sp.logprobs is None:  # every generation's logprobs, for the exactness oracle
+            sp = sp.clone()
+            sp.logprobs = 0
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         res = []
         for o in outs:
-            r = {"tokens": [list(c.token_ids) for c in o.outputs], "cached": o.num_cached_tokens}
+            r = {"tokens": [list(c.token_ids) for c in o.outputs], "cached": o.num_cached_tokens,
+                 "logprobs": [Generation.of_vllm(c).logprobs for c in o.outputs]}
             if o.prompt_logprobs is not None:
                 pl = []
                 for i, d in enumerate(o.prompt_logprobs):
@@ -232,7 +240,7 @@ def sc_embeds(d, rnd):
     sp = SamplingParams(max_tokens=4, temperature=0)
     g = torch.Generator().manual_seed(rnd.randrange(1 << 30))
     hidden = d.llm.llm_engine.model_config.get_hidden_size()
-    e1, e2 = (torch.randn(1000, hidden, generator=g).to(torch.bfloat16) for _ in range(2))
+    e1, e2 = (torch.randn(1000, hidden, generator=g) for _ in range(2))
     out = {}
     for name, prompt in (("e1", {"prompt_embeds": e1}), ("e2", {"prompt_embeds": e2}),
                          ("zeros", {"prompt_token_ids": [0] * 1000}), ("e1_again", {"prompt_embeds": e1})):
@@ -278,13 +286,13 @@ def main() -> int:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
 
-    kw = dict(model=a.model_dir, load_format="dummy", dtype="bfloat16", max_model_len=8192, block_size=64,
+    kw = dict(model=a.model_dir, dtype=EXACT_DTYPE, max_model_len=8192, block_size=64,
               enforce_eager=True, kv_cache_memory_bytes=128 << 20, seed=0)
     kw.update(json.loads(a.engine))
     if a.connector:
         kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": json.loads(a.extra)}
+              "kv_connector_extra_config": {**json.loads(a.extra), **connector_extra()}}
         kt.update(json.loads(a.kt))
         kw["kv_transfer_config"] = kt
     results = {}

@@ -11,6 +11,10 @@ from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV  # noqa: E402
 
 for var, value in LOOPBACK_ENV.items():
     os.environ.setdefault(var, value)
+# The processes tests start (serve's workers, vLLM's) import tests' seams by name (wrong_kv.py).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
 
 
 import sys  # noqa: E402

@@ -20,6 +20,7 @@ from dynamo_flexkv.serve.redis_server import RedisServer  # noqa: E402
 from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe  # noqa: E402
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient, LookupServer  # noqa: E402
 
+from exactness import LOGPROB_TOLERANCE, WRONG_KV_ENV, Generation, assert_exact, margin  # noqa: E402
 from redis_fixtures import needs_redis  # noqa: E402
 
 CHECK = Path(__file__).with_name("vllm_kv_check.py")
@@ -29,16 +30,19 @@ CHECK = Path(__file__).with_name("vllm_kv_check.py")
 def model_dir(tmp_path_factory):
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
-    return write_model_dir(EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192)
+    return write_model_dir(EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192,
+                           weights=True)
 
 
 def run_check(model_dir, tmp_path, *, layerwise: bool, scenario: str, host_gb: float, ssd_gb: float = 0.0,
-              remote_url: str = "", kill_pid: int = 0) -> dict:
+              remote_url: str = "", kill_pid: int = 0, wrong_kv: bool = False) -> dict:
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
                HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"), VLLM_CACHE_ROOT=str(tmp_path / "vllm"),
                FLEXKV_RUN_DIR=str(tmp_path), FLEXKV_CPU_CACHE_GB=str(host_gb), FLEXKV_SSD_CACHE_GB=str(ssd_gb),
                FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"))
     env.pop("FLEXKV_CONFIG_PATH", None)
+    if wrong_kv:
+        env[WRONG_KV_ENV] = "1"
     if remote_url:
         env.update(FLEXKV_ENABLE_REMOTE="true", FLEXKV_REMOTE_CACHE_URL=remote_url, FLEXKV_REMOTE_TIMEOUT_S="0.5")
     out = tmp_path / "result.json"
@@ -50,8 +54,14 @@ def run_check(model_dir, tmp_path, *, layerwise: bool, scenario: str, host_gb: f
     return json.loads(out.read_text())
 
 
+def assert_same_generation(r: dict, what: str) -> None:
+    """The second generation of the scenario's prompt (after the load, or its recompute) equals the
+    first (computed): token ids and logprobs (tests/exactness.py)."""
+    assert_exact({0: Generation.from_json(r["second"])}, {0: Generation.from_json(r["first"])}, what)
+
+
 def assert_restored(r: dict, stored_blocks: int) -> None:
-    assert r["second_tokens"] == r["first_tokens"]
+    assert_same_generation(r, "loaded vs computed")
     assert r["first_cached"] == 0 and r["second_cached"] == stored_blocks * 64
     assert r["loads"][-1] == [True, stored_blocks]
     assert r["bytes_equal"] is True and r["layers"] == 4 and r["nonzero"] is True
@@ -61,10 +71,10 @@ def assert_restored(r: dict, stored_blocks: int) -> None:
 def disk_run(model_dir, tmp_path_factory):
     """One engine, a prompt per scenario: one loaded from host (it measures the host link for the
     cost model), one loaded layerwise through disk, one whose disk copy is corrupted, then two
-    through a disk throttled below recompute. Host holds ~49 blocks: three later prompts push each
+    through a disk throttled below recompute. Host holds ~49 blocks (256 KiB in float32): three later prompts push each
     23-block prompt out, disk keeps it."""
     return run_check(model_dir, tmp_path_factory.mktemp("disk"), layerwise=True,
-                     scenario="host,disk,corrupt-disk,slow-disk,slow-disk", host_gb=0.006, ssd_gb=0.1)
+                     scenario="host,disk,corrupt-disk,slow-disk,slow-disk", host_gb=0.012, ssd_gb=0.1)
 
 
 def test_layerwise_load_from_disk_restores_vllms_bytes(disk_run):
@@ -76,7 +86,7 @@ def test_layerwise_load_from_disk_restores_vllms_bytes(disk_run):
 def test_corrupt_disk_block_is_recomputed_with_the_same_tokens(disk_run):
     r = disk_run["corrupt-disk"]
     assert r["loads"][-1][0] is False  # the load failed its checksum: vLLM recomputed those blocks
-    assert r["second_tokens"] == r["first_tokens"]
+    assert_same_generation(r, "recomputed after a failed load vs computed")
     rolled_back = r["tiers_after_load"]["host"]["rolled_back_blocks"] - r["tiers_before_load"]["host"]["rolled_back_blocks"]
     assert rolled_back == 23  # the staged host copies never became visible
 
@@ -91,14 +101,29 @@ def test_cost_aware_loading_on_vllm_recomputes_a_prefix_that_loads_slower_than_i
     assert_restored(learn, 23)
     assert slow["decisions"] == {"recomputed/disk/slower": 23 * 64}
     assert slow["second_cached"] == 0 and slow["loads"] == []
-    assert slow["second_tokens"] == slow["first_tokens"]
+    assert_same_generation(slow, "recomputed vs computed")
+
+
+def test_the_oracle_catches_one_wrong_block_that_passed_every_checksum(model_dir, tmp_path):
+    """The exactness oracle (tests/exactness.py) is not blind: with the wrong_kv seam, every load
+    writes its second block's bytes into its first (a wrong block with valid checksums), and the
+    generation after the load differs from the computed one beyond the tolerance, in tokens or
+    logprobs; the byte check sees it too. (FLEXKV_TEST_WRONG_KV=1 does this to every exactness test.)"""
+    r = run_check(model_dir, tmp_path, layerwise=True, scenario="host", host_gb=0.25, wrong_kv=True)
+    assert r["second_cached"] == 23 * 64 and r["loads"][-1] == [True, 23]  # it loaded, "successfully"
+    assert r["bytes_equal"] is False
+    seen = margin(Generation.from_json(r["second"]), Generation.from_json(r["first"]))
+    print(f"\none wrong block: largest logprob difference {seen:.3g} (tolerance {LOGPROB_TOLERANCE})")
+    assert seen > LOGPROB_TOLERANCE
+    with pytest.raises(AssertionError, match="differ from the run without offload"):
+        assert_restored(r, 23)
 
 
 @needs_redis
 @pytest.mark.slow
 def test_load_from_remote_restores_vllms_bytes(model_dir, tmp_path):
     with RedisServer(maxmemory="64mb") as redis:
-        r = run_check(model_dir, tmp_path, layerwise=True, scenario="remote", host_gb=0.006, remote_url=redis.url)
+        r = run_check(model_dir, tmp_path, layerwise=True, scenario="remote", host_gb=0.012, remote_url=redis.url)
     assert r["tiers_after_load"]["remote"]["hits"] - r["tiers_before_load"]["remote"]["hits"] == 23
     assert_restored(r, 23)
 
@@ -107,10 +132,10 @@ def test_load_from_remote_restores_vllms_bytes(model_dir, tmp_path):
 @pytest.mark.slow  # ~90 s of engine: the default suite's failed load (corrupt disk) takes the same path
 def test_remote_killed_before_a_load_is_recomputed_with_the_same_tokens(model_dir, tmp_path):
     with RedisServer(maxmemory="64mb") as redis:
-        r = run_check(model_dir, tmp_path, layerwise=True, scenario="remote-down", host_gb=0.006,
+        r = run_check(model_dir, tmp_path, layerwise=True, scenario="remote-down", host_gb=0.012,
                       remote_url=redis.url, kill_pid=redis.proc.pid)
     assert r["tiers_before_load"]["remote"]["puts"] >= 23  # it was stored remotely before the kill
-    assert r["second_tokens"] == r["first_tokens"]
+    assert_same_generation(r, "recomputed after the remote died vs computed")
     assert not (r["loads"] and r["loads"][-1][0])  # nothing was served from the dead server
 
 

@@ -2,7 +2,8 @@
 only: vLLM loading the connector by module path, the documented kv_connector_extra_config and
 FLEXKV_* tiers, and the connector's public transfer_log / tier_stats() / drain() / tier_files().
 
-The promise: greedy outputs with the connector equal the same engine's first computation, nothing
+The promise: outputs with the connector equal the same engine's first computation (token ids and
+logprobs, tests/exactness.py: seeded weights in float32), nothing
 hangs or crashes, tier tasks are not left in flight after drain, bad configuration is refused with
 a message naming the fix. Each engine runs in its own subprocess (tests/adv_vllm_driver.py);
 configuration refusals are checked by constructing the connector the way vLLM's
@@ -22,6 +23,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make install installs
 
 pytestmark = pytest.mark.slow
 
+from exactness import Generation, assert_exact  # noqa: E402
+
 HERE = Path(__file__).parent
 DRIVER = HERE / "adv_vllm_driver.py"
 CONFIG = HERE / "adv_vllm_config.py"
@@ -40,7 +43,8 @@ def _env(tmp: Path, **tiers) -> dict:
 def model_dir(tmp_path_factory):
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
-    return write_model_dir(EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192)
+    return write_model_dir(EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192,
+                           weights=True)
 
 
 def drive(model_dir, tmp: Path, scenarios: str, *, extra=None, engine=None, timeout=900, **tiers) -> dict:
@@ -60,8 +64,12 @@ def drive(model_dir, tmp: Path, scenarios: str, *, extra=None, engine=None, time
     return r
 
 
-def tokens(gens):
-    return [g["tokens"] for g in gens]
+def assert_same(ours, base, what: str) -> None:
+    """Each output (each sample) of ``ours`` equals ``base``'s: token ids and logprobs."""
+    def by_sample(gens):
+        return {(i, j): Generation(ids, g["logprobs"][j]) for i, g in enumerate(gens) for j, ids in enumerate(g["tokens"])}
+    assert len(ours) == len(base), what
+    assert_exact(by_sample(ours), by_sample(base), what)
 
 
 def cached(gens):
@@ -83,7 +91,7 @@ def main_run(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 127, 128, 129, 1000, 4032, 4096])
 def test_prompt_lengths_around_block_boundaries(main_run, n):
     r = main_run["lengths"][str(n)]
-    assert tokens(r["warm"]) == tokens(r["cold"])
+    assert_same(r["warm"], r["cold"], f"{n}-token prompt, loaded vs computed")
     # whole blocks, leaving at least one token to compute
     assert cached(r["warm"]) == [((n - 1) // 64) * 64]
     settled(r["stats_after"])
@@ -91,22 +99,24 @@ def test_prompt_lengths_around_block_boundaries(main_run, n):
 
 def test_batch_of_32_sharing_a_prefix(main_run):
     r = main_run["batch32"]
-    assert tokens(r["warm"]) == tokens(r["cold"]) == tokens(r["hit"])
+    assert_same(r["warm"], r["cold"], "batch of 32, loaded vs computed")
+    assert_same(r["hit"], r["cold"], "batch of 32, vLLM's prefix cache vs computed")
     assert all(ok for ok, _ in r["loads"]) and r["loads"]
     settled(r["stats_after"])
 
 
 def test_same_prompt_twice_in_one_batch(main_run):
     r = main_run["dup"]
-    assert tokens(r["cold"])[0] == tokens(r["cold"])[1] == tokens(r["warm"])[0] == tokens(r["warm"])[1]
-    assert tokens(r["single"])[0] == tokens(r["cold"])[0]
+    assert_same(r["warm"], r["cold"], "the same prompt twice, loaded vs computed")
+    assert_same(r["cold"][1:], r["cold"][:1], "the same prompt twice in one batch")
+    assert_same(r["single"], r["cold"][:1], "alone vs twice in one batch")
     assert cached(r["warm"]) == [640, 640]
 
 
 def test_seeded_sampling_n3_same_samples(main_run):
     for k in ("seeded_n3", "seeded_n1"):
         r = main_run["nsample"][k]
-        assert tokens(r["warm"]) == tokens(r["cold"]), k
+        assert_same(r["warm"], r["cold"], f"{k}, loaded vs computed")
         assert r["loads"] and all(ok for ok, _ in r["loads"]), k
 
 
@@ -118,12 +128,14 @@ def test_prompt_logprobs_request_is_computed_not_loaded(main_run):
 
 def test_cache_salt_isolation(main_run):
     r = main_run["salt"]
-    base = tokens(r["a"]["cold"])
-    assert tokens(r["a"]["warm"]) == base and cached(r["a"]["warm"]) == [640]
+    base = r["a"]["cold"]
+    assert_same(r["a"]["warm"], base, "salt a, loaded vs computed")
+    assert cached(r["a"]["warm"]) == [640]
     for other in ("b", "none"):
         assert r[other]["loads"] == [] and cached(r[other]["gen"]) == [0], other
-        assert tokens(r[other]["gen"]) == base
-    assert cached(r["a_again"]["gen"]) == [640] and tokens(r["a_again"]["gen"]) == base
+        assert_same(r[other]["gen"], base, f"salt {other}, computed again")
+    assert cached(r["a_again"]["gen"]) == [640]
+    assert_same(r["a_again"]["gen"], base, "salt a again, loaded vs computed")
 
 
 def test_no_task_left_in_flight(main_run):
@@ -136,19 +148,19 @@ def test_no_task_left_in_flight(main_run):
 @pytest.fixture(scope="module")
 def small_run(model_dir, tmp_path_factory):
     return drive(model_dir, tmp_path_factory.mktemp("small"), "preempt,nsample,many",
-                 engine={"kv_cache_memory_bytes": 40 * (128 << 10), "max_model_len": 2048},
+                 engine={"kv_cache_memory_bytes": 40 * (256 << 10), "max_model_len": 2048},
                  FLEXKV_CPU_CACHE_GB=0.001, FLEXKV_SSD_CACHE_GB=0)
 
 
 def test_preemption_in_a_small_device_cache(small_run):
     r = small_run["preempt"]
-    assert tokens(r["warm"]) == tokens(r["cold"])
+    assert_same(r["warm"], r["cold"], "preempted, loaded vs computed")
     settled(r["stats_after"])
 
 
 def test_host_tier_smaller_than_one_prompt(small_run):
     r = small_run["many"]
-    assert tokens(r["warm"]) == tokens(r["cold"])
+    assert_same(r["warm"], r["cold"], "host tier smaller than one prompt")
     settled(r["stats_after"])
     settled(small_run["final_stats"])
 
@@ -243,9 +255,10 @@ def test_missing_run_dir_is_refused_naming_run_dir(configs):
 
 @pytest.fixture(scope="module")
 def restart_runs(model_dir, tmp_path_factory):
-    """Disk holds 40 blocks: three 23-block prompts fill it; a second engine on the same SSD dir."""
+    """Disk holds 40 blocks (256 KiB in float32): three 23-block prompts fill it; a second engine on
+    the same SSD dir."""
     tmp = tmp_path_factory.mktemp("restart")
-    tiers = dict(FLEXKV_CPU_CACHE_GB=0.002, FLEXKV_SSD_CACHE_GB=0.005, FLEXKV_SSD_CACHE_DIR=str(tmp / "ssd"))
+    tiers = dict(FLEXKV_CPU_CACHE_GB=0.004, FLEXKV_SSD_CACHE_GB=0.01, FLEXKV_SSD_CACHE_DIR=str(tmp / "ssd"))
     a = drive(model_dir, tmp / "a", "restart_a", **tiers)
     b = drive(model_dir, tmp / "b", "restart_b,dup", **tiers)
     return a, b
@@ -261,12 +274,12 @@ def test_stores_larger_than_the_host_tier_reach_disk_whole_blocks_only(restart_r
 
 def test_second_engine_readopts_disk_blocks(restart_runs):
     a, b = restart_runs
-    assert tokens(b["restart_b"]["warm"]) == tokens(a["restart_a"]["cold"])
+    assert_same(b["restart_b"]["warm"], a["restart_a"]["cold"], "second engine, loaded from disk vs computed")
     assert b["restart_b"]["stats_before"]["disk"]["used_blocks"] > 0  # re-adopted at start
     assert sum(cached(b["restart_b"]["warm"])) > 0  # what the first engine left on disk is loaded
     assert b["restart_b"]["loads"] and all(ok for ok, _ in b["restart_b"]["loads"])
     r = b["dup"]
-    assert tokens(r["warm"]) == tokens(r["cold"])
+    assert_same(r["warm"], r["cold"], "second engine, the same prompt twice")
     settled(b["final_stats"])
 
 
@@ -296,7 +309,7 @@ def test_reset_prefix_cache_with_the_connector_drops_the_tiers(model_dir, tmp_pa
     assert r["reset"] is True
     assert r["stats_reset"]["host"]["used_blocks"] == 0 and r["stats_reset"]["disk"]["used_blocks"] == 0
     assert r["loads"] == [] and r["after"][0]["cached"] == 0, r
-    assert tokens(r["after"]) == tokens(r["cold"])
+    assert_same(r["after"], r["cold"], "after the reset, computed again")
     assert list(tmp_path.glob("flexkv-lookup-*.ipc")) == []  # the engine's lookup socket left with it
 
 

@@ -2,11 +2,12 @@
 ``dynamo.vllm --disaggregation-mode prefill`` worker and a ``decode`` worker, each with vLLM's
 NixlConnector (the handover) beside FlexKVConnector (its own host/disk tiers) under MultiConnector.
 * 50 greedy prompts of mixed lengths (10 documents of 100-2,000 tokens, each asked 5 times with a
-  suffix of its own) give the same token ids as the aggregated vLLM graph (graphs/agg_vllm.py);
+  suffix of its own) give the same token ids and logprobs (tests/exactness.py: seeded weights in
+  float32) as the aggregated vLLM graph without offload (graphs/agg_vllm.py, offload: false);
   the prefill worker computed the prompts, the decode worker received their KV over NIXL (its
   NIXL transfer counters) and computed almost none of them.
 * Decode SIGKILLed while it holds a request, then prefill SIGKILLed while it computes one: the
-  request ends with the aggregated tokens or a clean 5xx, never a hang; serve restarts the worker,
+  request ends with the aggregated generation or a clean 5xx, never a hang; serve restarts the worker,
   a new request is answered with the same tokens within the README's bound once it is ready, and
   the prefill worker's blocks (NixlConnector's lease) are free again.
 All -m slow: each graph takes 1-3 minutes to start on 2 CPU cores; the aggregated graph stops
@@ -30,7 +31,9 @@ pytestmark = [pytest.mark.slow,
                                  reason="vLLM is installed by scripts/install.sh")]
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
+import exactness  # noqa: E402
 import vllm_graph as vg  # noqa: E402
+from exactness import Generation  # noqa: E402
 from served import wait_until  # noqa: E402
 from vllm_graph import VllmServe  # noqa: E402
 
@@ -41,21 +44,21 @@ DOCS = [vg.tokens(3000 + d, n) for d, n in enumerate(DOC_LENS)]
 PROMPTS = [DOCS[d] + vg.tokens(4000 + 10 * r + d, 5 + (3 * r + 7 * d) % 20) for r in range(5) for d in range(len(DOCS))]
 
 
-def common(tmp: Path, name: str, workers: List[str]) -> List[str]:
+def common(tmp: Path, name: str, workers: List[str], offload: bool = True) -> List[str]:
     out = ["Frontend.http-port=0"]
     for w in workers:
-        out += [f"{w}.cache.ssd_cache_dir={tmp}/{name}/{w}{{replica}}", f"{w}.max-model-len=2560",
+        out += [*exactness.serve_sets(w), *(exactness.offload_sets(w) if offload else [f"{w}.offload=false"]),f"{w}.cache.ssd_cache_dir={tmp}/{name}/{w}{{replica}}", f"{w}.max-model-len=2560",
                 f"{w}.num-device-blocks=64", f"{w}.cache.cpu_cache_gb=0.0625", f"{w}.cache.ssd_cache_gb=0.1",
                 f"{w}.restart-backoff-s=5"]
     return out
 
 
-def run(serve: VllmServe) -> Dict[int, List[int]]:
+def run(serve: VllmServe) -> Dict[int, Generation]:
     out = {}
     for i, p in enumerate(PROMPTS):
         r = vg.complete(serve.base_url, p, MAX_TOKENS, timeout=300)
         assert len(r["ids"]) == MAX_TOKENS, r
-        out[i] = r["ids"]
+        out[i] = r["gen"]
     return out
 
 
@@ -65,9 +68,9 @@ def tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def aggregated(tmp) -> Dict[int, List[int]]:
-    """Token ids of every prompt from one aggregated vLLM worker with the same offload."""
-    serve = VllmServe(tmp, "agg", graph="agg_vllm", base=common(tmp, "agg", ["VllmWorker"]))
+def aggregated(tmp) -> Dict[int, Generation]:
+    """Token ids and logprobs of every prompt from one aggregated vLLM worker without offload."""
+    serve = VllmServe(tmp, "agg", graph="agg_vllm", base=common(tmp, "agg", ["VllmWorker"], offload=False))
     try:
         t0 = time.monotonic()
         out = run(serve)
@@ -92,9 +95,7 @@ def test_disaggregated_vllm_gives_the_aggregated_tokens_and_decode_pulls_the_kv_
     finally:
         serve.close()
     assert vg.ours_left(serve.run) == []
-    differ = [i for i in got if got[i] != aggregated[i]]
-    assert not differ, f"{len(differ)} of {len(PROMPTS)} prompts differ from agg_vllm, e.g. #{differ[0]}: " \
-                       f"{got[differ[0]]} != {aggregated[differ[0]]}"
+    exactness.assert_exact(got, aggregated, f"{graph}: {len(PROMPTS)} prompts against agg_vllm without offload")
     total = sum(len(p) for p in PROMPTS)
     each_p = [vg.metric(m, "vllm:prompt_tokens_total") for m in prefills]
     # FlexKVConnector carries the handover (handover: auto): decode READ each prompt's full blocks
@@ -144,7 +145,7 @@ def test_a_killed_decode_or_prefill_worker_fails_cleanly_and_the_graph_recovers(
             thread.join(180)
             assert out.finished, f"the request hung after {victim} died"
             if out.status == 200 and out.done and out.error is None and out.exception is None:
-                assert out.ids == aggregated[k], f"after {victim} died: {out.ids} != {aggregated[k]}"
+                exactness.assert_exact({k: out.gen}, aggregated, f"after {victim} died")
                 outcome = "the aggregated tokens"
             else:  # a clean 5xx: an HTTP status or an SSE error event, never a broken stream
                 code = out.status if out.status >= 500 else int((out.error or {}).get("code") or 0)
@@ -164,7 +165,8 @@ def test_a_killed_decode_or_prefill_worker_fails_cleanly_and_the_graph_recovers(
                     assert e.code in (404, 503) and time.monotonic() - t0 < RECOVERY_S, (failures, e.read()[:300])
                     time.sleep(0.2)
             answered = time.monotonic() - t0
-            assert r["ids"] == aggregated[k + 10] and answered < RECOVERY_S, (answered, r)
+            assert answered < RECOVERY_S, (answered, r)
+            exactness.assert_exact({k + 10: r["gen"]}, aggregated, f"after {victim} came back")
             # Nothing of the dead side holds the prefill's blocks past NixlConnector's lease (30 s).
             wait_until("the prefill worker's KV blocks free", lambda: vg.metric(
                 vg.scrape(serve.metrics["PrefillWorker"]), "vllm:kv_cache_usage_perc") == 0, timeout=60, every=0.5)
@@ -187,7 +189,7 @@ def test_decode_holds_the_bytes_prefill_computed_and_stores_them_in_its_own_tier
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
-    model = write_model_dir(EngineModelConfig.preset("small"), tmp_path / "model", context_length=8192)
+    model = write_model_dir(EngineModelConfig.preset("small"), tmp_path / "model", context_length=8192, weights=True)
     out = tmp_path / "result.json"
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
                HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"), VLLM_CACHE_ROOT=str(tmp_path / "vllm"))
@@ -206,4 +208,5 @@ def test_decode_holds_the_bytes_prefill_computed_and_stores_them_in_its_own_tier
         assert r["handovers"] == [[read, read * r["block_bytes"], True]], r
         assert r["bytes_equal"], r  # bit for bit, every layer of every full block
         assert r["decode_stored_blocks"] >= r["full_blocks"], r  # what decode received, in its own tiers
-        assert r["decode_tokens"] == r["agg_tokens"], r
+        exactness.assert_exact({0: Generation.from_json(r["decode"])}, {0: Generation.from_json(r["agg"])},
+                               f"decode after the handover, {r['prompt_tokens']} tokens")

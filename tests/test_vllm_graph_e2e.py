@@ -4,7 +4,8 @@ their device caches (56 blocks of 64 tokens) far smaller than the working set (1
 200-2,900 tokens, ~240 blocks), a 64-block host tier and an SSD tier per worker.
 
 * 50 greedy prompts (each document re-asked 5 times with a new suffix, interleaved so the device
-  caches evict) give the same token ids as the same graph without offload (VllmWorker.offload=false),
+  caches evict) give the same token ids and logprobs (tests/exactness.py: the small preset's seeded
+  weights in float32) as the same graph without offload (VllmWorker.offload=false),
   report cached tokens, load from host and from disk; a returning document whose device copy is
   gone is routed to the worker whose host/disk tier holds it, as a second KvRouter attached to the
   graph (tests/vllm_router_probe.py) and the frontend's own routing log show; no KV event is lost.
@@ -36,7 +37,9 @@ pytestmark = [pytest.mark.slow,
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
+import exactness  # noqa: E402
 import vllm_graph as vg  # noqa: E402
+from exactness import Generation  # noqa: E402
 from served import Serve, assert_all_gone, wait_until  # noqa: E402
 from vllm_graph import VllmServe  # noqa: E402
 
@@ -45,7 +48,7 @@ NAMES = ("VllmWorker-0", "VllmWorker-1")
 BS = 64
 DEVICE_BLOCKS = 56  # vLLM's --num-gpu-blocks-override (one is its null block): 3,520 tokens per worker
 MAX_LEN = 3072  # 49 blocks: one request fits the device cache
-BLOCK_BYTES = 4 * 2 * 64 * 2 * 2 * BS  # small preset, bf16: layers * kv heads * head dim * K/V * bytes * tokens
+BLOCK_BYTES = 4 * 2 * 64 * 2 * 4 * BS  # small preset, float32: layers * kv heads * head dim * K/V * bytes * tokens
 HOST_BLOCKS = 64
 HOST_GB = HOST_BLOCKS * BLOCK_BYTES / 2**30
 DISK_GB = 0.1  # 819 blocks: every document fits
@@ -81,7 +84,7 @@ CHECKED = [p for _, _, p in E2E] + [HANG_DOC, HANG_PROMPT, KILL_DOC, KILL_PROMPT
 
 
 def sets(tmp: Path, name: str) -> List[str]:
-    return ["Frontend.http-port=0", f"VllmWorker.cache.ssd_cache_dir={tmp}/{name}/ssd{{replica}}",
+    return ["Frontend.http-port=0", *exactness.serve_sets(), f"VllmWorker.cache.ssd_cache_dir={tmp}/{name}/ssd{{replica}}",
             f"VllmWorker.num-device-blocks={DEVICE_BLOCKS}", f"VllmWorker.max-model-len={MAX_LEN}",
             f"VllmWorker.cache.cpu_cache_gb={HOST_GB}", f"VllmWorker.cache.ssd_cache_gb={DISK_GB}",
             "VllmWorker.restart-backoff-s=5"]  # time to look for the dead worker's leftovers
@@ -98,17 +101,17 @@ def tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp) -> Dict[tuple, List[int]]:
-    """Token ids of every prompt these tests check, from the same graph without offload."""
+def baseline(tmp) -> Dict[tuple, Generation]:
+    """Token ids and logprobs of every prompt these tests check, from the same graph without offload."""
     t0 = time.monotonic()
     serve = VllmServe(tmp, "baseline", "VllmWorker.offload=false", graph=GRAPH, base=sets(tmp, "baseline"))
-    out: Dict[tuple, List[int]] = {}
+    out: Dict[tuple, Generation] = {}
     try:
         ready = time.monotonic() - t0
         for p in CHECKED:
             r = vg.complete(serve.base_url, p, MAX_TOKENS)
             assert len(r["ids"]) == MAX_TOKENS, r
-            out[tuple(p)] = r["ids"]
+            out[tuple(p)] = r["gen"]
         print(f"\nbaseline (offload=false): ready in {ready:.0f} s, {len(CHECKED)} prompts in "
               f"{time.monotonic() - t0 - ready:.0f} s")
     finally:
@@ -161,7 +164,7 @@ class Graph:
 def graph(tmp, baseline):
     """The offload graph (after the baseline graph stopped) with a router probe attached."""
     t0 = time.monotonic()
-    serve = VllmServe(tmp, "offload", graph=GRAPH, base=sets(tmp, "offload"))
+    serve = VllmServe(tmp, "offload", *exactness.offload_sets(), graph=GRAPH, base=sets(tmp, "offload"))
     probe = None
     try:
         print(f"\noffload graph ready in {time.monotonic() - t0:.0f} s")
@@ -198,7 +201,7 @@ def test_served_vllm_graph_offloads_routes_by_tier_and_gives_the_no_offload_toke
         served = ids.get(r["worker"])
         recs.append(dict(i=i, round=rnd, doc=d, n=len(prompt), view=view, served=served, cached=r["cached"],
                          delta={n: {t: now[n][t] - prev[n][t] for t in ("host", "disk")} for n in NAMES},
-                         ids=r["ids"], rid=r["rid"], s=r["seconds"]))
+                         ids=r["ids"], gen=r["gen"], rid=r["rid"], s=r["seconds"]))
         prev = now
         # The next request's routing view includes this one's blocks (device events at once; the
         # host copy when the request's store lands): wait for the probe to see them.
@@ -227,10 +230,9 @@ def test_served_vllm_graph_offloads_routes_by_tier_and_gives_the_no_offload_toke
     total = {t: sum(prev[n][t] - start[n][t] for n in NAMES) for t in ("host", "disk")}
     print(f"loaded tokens over the run: {total}")
 
-    # Same tokens as without offload.
-    wrong = [(x["i"], x["ids"], baseline[tuple(E2E[x["i"]][2])]) for x in recs
-             if x["ids"] != baseline[tuple(E2E[x["i"]][2])]]
-    assert not wrong, f"{len(wrong)} of {len(recs)} prompts differ from the no-offload graph: {wrong[:5]}"
+    # Same tokens and logprobs as without offload.
+    exactness.assert_exact({x["i"]: x["gen"] for x in recs}, {x["i"]: baseline[tuple(E2E[x["i"]][2])] for x in recs},
+                           f"{len(recs)} prompts through the offload graph")
     # Returning documents report their cached prefix; lower tiers supplied host and disk loads.
     returning = [x for x in recs if x["round"] > 0]
     short = [(x["i"], x["doc"], x["cached"], x["served"]) for x in returning
@@ -267,7 +269,7 @@ def prepare_lower_tier(g: Graph, baseline, doc: List[int], prompt: List[int], se
     the router's view of it is the holder's host/disk tiers alone."""
     s = g.serve
     r = vg.complete(s.base_url, doc, MAX_TOKENS)
-    assert r["ids"] == baseline[tuple(doc)]
+    exactness.assert_exact({0: r["gen"]}, {0: baseline[tuple(doc)]}, "the document")
     holder = g.ids()[r["worker"]]
     need = PREFIX // BS
     assert g.settle(prompt, holder, need), g.view(prompt)
@@ -338,10 +340,10 @@ def test_a_client_hang_up_during_a_load_frees_the_request_and_the_worker_serves_
 
     again = vg.complete(s.base_url, HANG_PROMPT, MAX_TOKENS)
     print(f"the prompt again: cached {again['cached']} of {len(HANG_PROMPT)}, on {g.ids()[again['worker']]}")
-    assert again["ids"] == baseline[tuple(HANG_PROMPT)]
+    exactness.assert_exact({0: again["gen"]}, {0: baseline[tuple(HANG_PROMPT)]}, "the prompt after the hang-up")
     assert again["cached"] >= PREFIX
     for p in (HANG_DOC, E2E[0][2], E2E[-1][2]):  # what was served before the hang-up
-        assert vg.complete(s.base_url, p, MAX_TOKENS)["ids"] == baseline[tuple(p)]
+        exactness.assert_exact({0: vg.complete(s.base_url, p, MAX_TOKENS)["gen"]}, {0: baseline[tuple(p)]}, "after")
     assert vg.event_trouble(s.run) == []
     print(f"hang-up test: {time.monotonic() - t0:.0f} s")
 
@@ -383,7 +385,7 @@ def test_a_worker_killed_during_a_load_migrates_its_request_and_is_restarted_cle
           f"{out.status}, {len(out.ids)} tokens, error {out.error}, exception {out.exception}; attempts {tries}")
     assert tokens_at_kill == 0  # the kill landed before the first token: in the step that loads
     if out.status == 200 and out.done and out.error is None and out.exception is None:
-        assert out.ids == baseline[tuple(KILL_PROMPT)], "the migrated request's tokens differ from no offload"
+        exactness.assert_exact({0: out.gen}, {0: baseline[tuple(KILL_PROMPT)]}, "the migrated request")
         assert tries and tries[-1]["worker"] == other_id and tries[-1]["outcome"] == "completed", \
             "it did not finish on the other worker"
         outcome = f"migrated to {other}"
@@ -410,14 +412,15 @@ def test_a_worker_killed_during_a_load_migrates_its_request_and_is_restarted_cle
     served = []
     for p in AFTER:  # fresh prompts: the router ties between the workers until one lands on the new one
         r = vg.complete(s.base_url, p, MAX_TOKENS)
-        assert r["ids"] == baseline[tuple(p)]
+        exactness.assert_exact({0: r["gen"]}, {0: baseline[tuple(p)]}, "the restarted worker")
         served.append(ids.get(r["worker"]))
         if holder in served:
             break
     print(f"kill test: {outcome}; leftovers of the dead worker: {leftovers}; after the restart {served}; "
           f"{time.monotonic() - t0:.0f} s")
     assert holder in served, f"the restarted {holder} served none of {len(served)} fresh prompts"
-    assert vg.complete(s.base_url, KILL_DOC, MAX_TOKENS)["ids"] == baseline[tuple(KILL_DOC)]
+    exactness.assert_exact({0: vg.complete(s.base_url, KILL_DOC, MAX_TOKENS)["gen"]}, {0: baseline[tuple(KILL_DOC)]},
+                           "the killed worker's document")
     trouble = vg.event_trouble(s.run)
     if trouble:
         print("event trouble after the kill (reported, not asserted):", *trouble[:10], sep="\n  ")

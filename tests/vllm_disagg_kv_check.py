@@ -5,7 +5,10 @@ both workers, that the KV bytes decode holds for the prompt equal the bytes pref
 (torch.equal, every layer, every full block), and that decode's FlexKVConnector stored what it
 received in its own tiers. Run by tests/test_vllm_disagg.py:
 
-    python tests/vllm_disagg_kv_check.py MODEL_DIR OUT.json RUN_DIR"""
+    python tests/vllm_disagg_kv_check.py MODEL_DIR OUT.json RUN_DIR
+
+MODEL_DIR holds seeded weights, served in float32; decode's generation and the prefill engine's
+own (computed) one are written with their logprobs for tests/exactness.py's oracle."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import json
 import os
 import random
 import sys
+
+from exactness import EXACT_DTYPE, Generation, connector_extra
 
 
 def _ours(worker=None):
@@ -46,10 +51,12 @@ def engine(model_dir: str, run_dir: str, name: str, port: int, core: int):
     os.environ.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(port), VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                       VLLM_CPU_OMP_THREADS_BIND=str(core), FLEXKV_CPU_CACHE_GB="0.1", FLEXKV_SSD_CACHE_GB="0",
                       FLEXKV_RUN_DIR=os.path.join(run_dir, name))
-    return LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, block_size=64,
-               enforce_eager=True, kv_cache_memory_bytes=128 << 20,
-               kv_transfer_config=disagg_transfer_config(os.path.join(run_dir, name)),
-               seed=0)
+    kt = disagg_transfer_config(os.path.join(run_dir, name))
+    for child in kt["kv_connector_extra_config"]["connectors"]:  # FlexKVConnector: the wrong_kv seam, when on
+        if child["kv_connector"] == "FlexKVConnector":
+            child["kv_connector_extra_config"].update(connector_extra())
+    return LLM(model=model_dir, dtype=EXACT_DTYPE, max_model_len=4096, block_size=64, enforce_eager=True,
+               kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0)
 
 
 def main(model_dir: str, out: str, run_dir: str) -> int:
@@ -73,7 +80,7 @@ def main(model_dir: str, out: str, run_dir: str) -> int:
         stores_before = len(decode.collective_rpc(_stores)[0])
         handovers_before = len(decode.collective_rpc(_handovers)[0])
         out_d = decode.generate([{"prompt_token_ids": prompt}],
-                                SamplingParams(max_tokens=6, temperature=0,
+                                SamplingParams(max_tokens=6, temperature=0, logprobs=0,
                                                extra_args={"kv_transfer_params": params}))[0]
         new_stores = []
         for _ in range(50):  # the store rides on a later step's metadata: run steps until it is done
@@ -88,14 +95,15 @@ def main(model_dir: str, out: str, run_dir: str) -> int:
             torch.equal(c[:full].contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
             for c, r in zip(computed, restored))
         handovers = decode.collective_rpc(_handovers)[0][handovers_before:]
-        agg = prefill.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0))[0]
+        agg = prefill.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0,
+                                                                              logprobs=0))[0]
         results.append({"prompt_tokens": n_tokens, "remote_blocks": len(remote_ids), "full_blocks": full,
                         "decode_stored_blocks": len(stored_ids), "bytes_equal": equal, "layers": len(computed),
                         "nonzero": all(bool(c.abs().sum() > 0) for c in computed),
                         "handovers": [(len(b), n, ok) for _, b, n, ok in handovers],
                         "block_bytes": sum(c[0].numel() * c.element_size() for c in computed),
-                        "decode_tokens": list(out_d.outputs[0].token_ids),
-                        "agg_tokens": list(agg.outputs[0].token_ids)})
+                        "decode": Generation.of_vllm(out_d.outputs[0]).as_json(),
+                        "agg": Generation.of_vllm(agg.outputs[0]).as_json()})
     with open(out, "w") as f:
         json.dump(results, f)
     return 0

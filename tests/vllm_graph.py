@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from exactness import Generation
 from sse import DONE, sse_data
 from served import Serve, samples
 
@@ -48,9 +49,10 @@ class VllmServe(Serve):
 # ---- requests ----------------------------------------------------------------------------------
 
 def complete(base_url: str, prompt: List[int], max_tokens: int = 8, timeout: float = 120) -> dict:
-    """One greedy completion of a token-id prompt. Returns ids (the generated token ids), worker
-    (the frontend's decode worker id), cached (usage cached_tokens), rid (the router's request id)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    """One greedy completion of a token-id prompt. Returns ids (the generated token ids), gen (ids
+    and their logprobs: exactness.Generation), worker (the frontend's decode worker id), cached
+    (usage cached_tokens), rid (the router's request id)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
             "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
@@ -60,7 +62,8 @@ def complete(base_url: str, prompt: List[int], max_tokens: int = 8, timeout: flo
         doc = json.loads(r.read())
     nvext = doc.get("nvext") or {}
     usage = doc.get("usage") or {}
-    return {"ids": list(nvext.get("completion_token_ids") or []),
+    ids = list(nvext.get("completion_token_ids") or [])
+    return {"ids": ids, "gen": Generation.of_completion(doc, ids),
             "worker": int((nvext.get("worker_id") or {}).get("decode_worker_id") or 0),
             "cached": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
             "prompt_tokens": int(usage.get("prompt_tokens") or 0),
@@ -72,6 +75,7 @@ class Stream:
     """A streamed completion read on a thread; its fields fill in as chunks arrive."""
     status: int = 0
     ids: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
     workers: List[int] = field(default_factory=list)  # decode worker of each chunk, in order
     rid: str = ""  # the router's request id (the chunks' id without "cmpl-")
     error: Optional[dict] = None  # an SSE error event or an HTTP error body
@@ -81,10 +85,14 @@ class Stream:
     exception: Optional[str] = None
     seconds: float = 0.0
 
+    @property
+    def gen(self) -> Generation:
+        return Generation(self.ids, self.logprobs)
+
 
 def stream(base_url: str, prompt: List[int], max_tokens: int, out: Stream, timeout: float = 120) -> None:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream_options": {"include_usage": True}, "logprobs": 1,
             "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
@@ -115,6 +123,7 @@ def stream(base_url: str, prompt: List[int], max_tokens: int, out: Stream, timeo
                 if wid is not None:
                     out.workers.append(int(wid))
                 out.ids += list(nvext.get("completion_token_ids") or [])
+                out.logprobs += Generation.of_completion(chunk, []).logprobs
                 usage = chunk.get("usage") or {}
                 if usage:
                     out.cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)

@@ -4,6 +4,11 @@ block). Run by tests/test_vllm_connector.py in a subprocess (vLLM's CPU platform
 
     python tests/vllm_kv_check.py MODEL_DIR OUT.json --layerwise {0,1} [--scenario NAME]
 
+MODEL_DIR holds seeded weights (the small preset, written with weights=True), served in float32:
+each scenario's second generation (loaded) must equal its first (computed) in token ids and in
+per-token logprobs (tests/exactness.py), and the loaded bytes must equal the computed ones.
+With FLEXKV_TEST_WRONG_KV=1 the connector runs the wrong_kv seam (every load one wrong block).
+
 Scenarios: ``host`` (computed, device cache reset and zeroed, loaded from host), ``disk`` (pushed
 out of a small host tier by other prompts: loaded through disk), ``corrupt-disk`` (bytes of every
 disk block flipped after they were written: the load fails verification, vLLM recomputes, same
@@ -20,6 +25,8 @@ import json
 import os
 import random
 import sys
+
+from exactness import EXACT_DTYPE, Generation, connector_extra
 
 
 def _blocks(worker, block_ids):
@@ -75,7 +82,7 @@ def run_scenario(llm, scenario: str, rnd: random.Random, a) -> dict:
 
     seen = len(log())
     prompt = [rnd.randrange(300, 30000) for _ in range(a.prompt_tokens)]
-    sp = SamplingParams(max_tokens=6, temperature=0)
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=0)
     first = llm.generate([{"prompt_token_ids": prompt}], sp)[0]
     # Later steps run until the store's device copy is reported (vLLM keeps the blocks until then).
     for _ in range(50):
@@ -114,6 +121,8 @@ def run_scenario(llm, scenario: str, rnd: random.Random, a) -> dict:
     second = llm.generate([{"prompt_token_ids": prompt}], sp)[0]
     loads = [r for r in log()[before_load:] if r[0] == "load"]
     result = {"first_tokens": list(first.outputs[0].token_ids), "second_tokens": list(second.outputs[0].token_ids),
+              "first": Generation.of_vllm(first.outputs[0]).as_json(),
+              "second": Generation.of_vllm(second.outputs[0]).as_json(),
               "first_cached": first.num_cached_tokens, "second_cached": second.num_cached_tokens,
               "stored_blocks": len(stored), "loads": [[r[3], len(r[2])] for r in loads]}
     after = llm.collective_rpc(_prefix_tokens)[0]
@@ -146,7 +155,7 @@ def main() -> int:
     ap.add_argument("--kill-pid", type=int, default=0, help="remote-down: the redis-server to SIGKILL before the load")
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--flush-prompts", type=int, default=3)
-    ap.add_argument("--block-bytes", type=int, default=128 << 10)
+    ap.add_argument("--block-bytes", type=int, default=256 << 10)  # small preset, float32
     ap.add_argument("--corrupt-slots", type=int, default=256)
     ap.add_argument("--slow-factor", type=float, default=10.0,
                     help="slow-disk: reading the prefix takes this many measured prefill times")
@@ -157,8 +166,8 @@ def main() -> int:
 
     kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"layerwise": bool(a.layerwise)}}
-    llm = LLM(model=a.model_dir, load_format="dummy", dtype="bfloat16", max_model_len=8192, block_size=64,
+          "kv_connector_extra_config": {"layerwise": bool(a.layerwise), **connector_extra()}}
+    llm = LLM(model=a.model_dir, dtype=EXACT_DTYPE, max_model_len=8192, block_size=64,
               enforce_eager=True, kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0)
     results = {}
     for i, scenario in enumerate(a.scenario.split(",")):
