@@ -202,7 +202,8 @@ def run_role(e: Engine) -> None:
                       lambda a, b, r: r["cached"] // bs, "LMCache L1")
             tier_case("lmcache-disk", "disk", lambda: lmc.clear_l1(http), lambda a, b, r: r["cached"] // bs, "LMCache L2")
         elif role in RESTART_CASE:
-            restart_case(e, RESTART_CASE[role], size, prefix + suffix(seed, size, bs, "restart", 0), hit, checks)
+            restart_cases(e, RESTART_CASE[role], size,
+                          [prefix + suffix(seed, size, bs, "restart", i) for i in range(repeat)], hit, checks)
     e.info["checks"] = checks
     e.info["tiers"] = e.stats()
 
@@ -210,23 +211,26 @@ def run_role(e: Engine) -> None:
 RESTART_CASE = {"flexkv-restart": "restart", "lmcache-restart": "lmcache-restart"}
 
 
-def restart_case(e: Engine, case: str, size: int, prompt: List[int], hit: int, checks: Dict[str, Any]) -> None:
-    """One request, the first of its prefix in this fresh engine process (the previous engine
-    stored the prefix and exited): ours loads it from the disk tier it re-adopted at start (its host
-    tier died with the process); LMCache from the tiers its still-running server kept."""
-    e.settle()
-    before = e.stats()
-    l1_objects = lmc.l1_state(e.lmcache_http)["objects"] if e.lmcache_http else None
-    rec = e.timed(f"{case}-{size}", prompt)
-    got = _delta(e.stats(), before, "disk", "hit_blocks") if e.ours else rec["cached"] // e.block
-    checks.setdefault(f"{case}-{size}", []).append(got)
-    if e.ours:
-        e.info.setdefault("adopted_disk_blocks", before.get("disk", {}).get("used_blocks"))
-    else:
-        e.info.setdefault("l1_objects_before", {})[str(size)] = l1_objects
-    if got < hit // e.block or rec["cached"] < hit:
-        raise RuntimeError(f"{case} {size}: the first request after the restart found {rec['cached']} cached tokens "
-                           f"({got} blocks loaded), expected {hit}; tier counters {e.stats()}")
+def restart_cases(e: Engine, case: str, size: int, prompts: List[List[int]], hit: int, checks: Dict[str, Any]) -> None:
+    """The prefix in this fresh engine process (the previous engine stored it and exited): ours
+    from the disk tier it re-adopted at start (its host tier died with that process; the host copy
+    a load leaves is dropped before each request, so every one reads disk); LMCache from the tiers
+    its still-running server kept. The first request is the first of the prefix in the process."""
+    for i, prompt in enumerate(prompts):
+        e.settle()
+        if e.ours:
+            e.rpc(rpc_drop_host, 120.0)
+        before = e.stats()
+        if e.ours and i == 0:
+            e.info.setdefault("adopted_disk_blocks", {})[str(size)] = before.get("disk", {}).get("used_blocks")
+        if e.lmcache_http:
+            e.info.setdefault("l1_objects_before", {}).setdefault(str(size), lmc.l1_state(e.lmcache_http)["objects"])
+        rec = e.timed(f"{case}-{size}", prompt)
+        got = _delta(e.stats(), before, "disk", "hit_blocks") if e.ours else rec["cached"] // e.block
+        checks.setdefault(f"{case}-{size}", []).append(got)
+        if got < hit // e.block or rec["cached"] < hit:
+            raise RuntimeError(f"{case} {size}: request {i} after the restart found {rec['cached']} cached tokens "
+                               f"({got} blocks loaded), expected {hit}; tier counters {e.stats()}")
     e.settle()
 
 

@@ -19,6 +19,13 @@ prompts (generated from one seed in every process):
 * ``flexkv-remote`` (FlexKVConnector with the remote tier on a local redis-server):
   ``remote-90-*`` (host and disk dropped before each request; the remote hit counter must grow by
   the prefix's blocks);
+* with ``--peer lmcache`` (bench/peer_lmcache.py): a third engine in the pair, LMCache's
+  (``lmcache-miss-*``); ``flexkv-restart``, a fresh engine on the ``flexkv`` engine's disk tier
+  (``restart-90-*``: re-adopted at start, host copies dropped before each request); ``lmcache``
+  (LMCacheMPConnector + an lmcache server: ``lmcache-host-90-*`` from its CPU tier,
+  ``lmcache-disk-90-*`` from its disk tier with its CPU tier cleared first) and
+  ``lmcache-restart`` (a fresh engine against that server: ``lmcache-restart-90-*``); and
+  ``<ours>-vs-lmcache-<size>`` rows, ratio = our TTFT / LMCache's in the same case;
 * ``offloading`` (``--compare-offloading-connector``, CUDA/XPU only: vLLM's OffloadingConnector
   with its CPUOffloadingSpec refuses the CPU platform): ``offloading-miss-*`` and
   ``offloading-host-90-*``, and ``host-90-*-vs-offloading`` (ours against theirs).
@@ -28,7 +35,9 @@ first-token latency from RequestOutput.metrics is recorded beside it; it is the 
 less the request's input processing, and is printed in the notes). Each case is the median of
 ``--repeat`` requests. Every first token of a loaded request must equal the first token the
 device-hit engine computed for the same prompt (and a miss the recomputed one), or the run fails.
-Ratios are ours / baseline: lower is better; ``*-vs-device-hit`` near 1 is the ceiling.
+Ratios are ours / baseline: lower is better; ``*-vs-device-hit`` near 1 is the ceiling. The
+device-hit engine also computes (untimed as cases) the prompts of the disk and restart cases
+(``ref-*``), whose first tokens those cases must give.
 """
 
 from __future__ import annotations
@@ -130,10 +139,10 @@ def suffix(seed: int, size: int, block: int, kind: str, i: int) -> List[int]:
 # ---- results -> cases (no engine needed) ----------------------------------------------------------------
 # Loaded cases: results key stem -> who served it (the row's note).
 TIERS = (("host", "FlexKV host"), ("disk", "FlexKV disk"), ("remote", "FlexKV remote"),
-         ("restart", "FlexKV disk re-adopted by a fresh engine process, its first request of the prefix"),
+         ("restart", "FlexKV disk re-adopted by a fresh engine process (host copies dropped before each request)"),
          ("offloading-host", "OffloadingConnector CPU"),
          ("lmcache-host", "LMCache L1 (CPU)"), ("lmcache-disk", "LMCache L2 (fs adapter, O_DIRECT), L1 cleared first"),
-         ("lmcache-restart", "LMCache server kept running, a fresh engine process's first request of the prefix"))
+         ("lmcache-restart", "a fresh engine process against the LMCache server that kept running"))
 # Case -> the reference whose first tokens it must give for the same prompts.
 TOKEN_REFERENCE = (("host", "device-hit"), ("remote", "device-hit"), ("offloading-host", "device-hit"),
                    ("disk", "ref-disk"), ("restart", "ref-restart"), ("lmcache-host", "device-hit"),
@@ -192,6 +201,8 @@ def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], 
             if loaded and tier != "offloading-host":
                 counted = "vLLM's cached tokens" if tier.startswith("lmcache") else "tier_stats"
                 who += f", {min(loaded)} blocks per request from it ({counted})"
+            if tier.endswith("restart"):
+                who += f"; the first request after the restart {results[f'{tier}-{size}'][0]['wall_s'] * 1e3:.0f} ms"
             cases.append(Case(BENCH, f"{tier}-{pct}-{lab}", t, base, "ms", "recompute (no connector)",
                               note(tier, size, who)))
             if dev is not None:
