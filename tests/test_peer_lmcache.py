@@ -124,19 +124,42 @@ class _FakeEngine:
         self.log.append(case)
         return {"cached": 0, "wall_s": 0.1, "token": 1}
 
+    def call(self, cmd, timeout_s, waiting_for):
+        self.log.append(f"{cmd['tier']}-{cmd['size']}#{cmd['index']}")
+        return {"cached": 1856, "wall_s": 0.1, "token": 1, "loaded_blocks": 29}
+
+
+def _stop(engines):
+    for e in engines:
+        e.proc.kill()
+        e.proc.wait()
+
 
 def test_three_engines_are_interleaved_in_reversed_order_each_round():
     from dynamo_flexkv.bench.vllm_pair import run_interleaved
     log: list = []
-    engines = [(_FakeEngine(log), c) for c in ("recompute", "miss", "lmcache-miss")]
+    engines = [_FakeEngine(log) for _ in range(3)]
     try:
-        out = run_interleaved(engines, [2048], 2, timeout_s=10)
+        out = run_interleaved([list(zip(engines, ("recompute", "miss", "lmcache-miss")))], [2048], 2, timeout_s=10)
     finally:
-        for e, _ in engines:
-            e.proc.kill()
-            e.proc.wait()
+        _stop(engines)
     assert log == [f"{c}-2048" for c in ("recompute", "miss", "lmcache-miss", "lmcache-miss", "miss", "recompute")]
     assert {k: len(r) for k, r in out.items()} == {"recompute-2048": 2, "miss-2048": 2, "lmcache-miss-2048": 2}
+
+
+def test_each_loaded_case_takes_turns_with_the_peers_same_case():
+    from dynamo_flexkv.bench.vllm_pair import run_interleaved
+    log: list = []
+    ours, theirs = _FakeEngine(log), _FakeEngine(log)
+    try:
+        out = run_interleaved([[(ours, "host"), (theirs, "lmcache-host")], [(ours, "disk"), (theirs, "lmcache-disk")]],
+                              [2048, 8192], 2, timeout_s=10, tier=True)
+    finally:
+        _stop([ours, theirs])
+    assert log[:8] == ["host-2048#0", "lmcache-host-2048#0", "lmcache-host-2048#1", "host-2048#1",
+                       "disk-2048#0", "lmcache-disk-2048#0", "lmcache-disk-2048#1", "disk-2048#1"]
+    assert len(log) == 16 and log[8] == "host-8192#0"
+    assert set(out) == {f"{c}-{n}" for c in ("host", "lmcache-host", "disk", "lmcache-disk") for n in (2048, 8192)}
 
 
 def test_only_new_segments_of_dead_processes_are_removed(tmp_path):

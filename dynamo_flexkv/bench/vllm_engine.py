@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.vllm_ttft import ROLES, cached_tokens, fresh_prompt, prefix_prompt, suffix
@@ -74,6 +74,7 @@ class Engine:
                        kv_transfer_config=spec["kv_transfer_config"], seed=0,
                        disable_log_stats=False)  # RequestOutput.metrics carries vLLM's first-token latency
         self.results: Dict[str, List[Dict[str, Any]]] = {}
+        self.stored: set = set()  # sizes whose prefix this engine computed and stored (tier_request)
         self.info: Dict[str, Any] = {"platform": _platform()}
 
     def generate(self, prompt: List[int]):
@@ -126,39 +127,71 @@ def _delta(after: Dict[str, Any], before: Dict[str, Any], *path: str) -> int:
     return int(a or 0) - int(b or 0)
 
 
+# Loaded cases: suffix kind of their prompts, what is dropped before each request, and where the
+# blocks that came from the tier are counted (a tier_stats path; None: vLLM's count of cached
+# tokens, for connectors without our counters).
+TIER_CASES: Dict[str, Tuple[str, Optional[str], Optional[Tuple[str, str]]]] = {
+    "host": ("device", None, ("host", "hit_blocks")),
+    "disk": ("disk", "host", ("disk", "hit_blocks")),
+    "remote": ("device", "local", ("requests", "remote_hit_blocks")),
+    # a fresh engine on the disk tier the previous one left: each request reads the re-adopted disk
+    "restart": ("restart", "host", ("disk", "hit_blocks")),
+    "offloading-host": ("device", None, None),
+    # No per-tier hit counters of LMCache's: L1 holding the prefix before the request (host), or L1
+    # emptied before it (disk), with vLLM's count of cached tokens, says where it came from.
+    "lmcache-host": ("device", "l1-holds", None),
+    "lmcache-disk": ("disk", "l1", None),
+    # a fresh engine against the server that kept running: whatever its tiers hold
+    "lmcache-restart": ("restart", None, None),
+}
+STORED_BY_ANOTHER_ENGINE = {"restart", "lmcache-restart"}
+ROLE_CASES = {"flexkv": ("host", "disk"), "flexkv-remote": ("remote",), "offloading": ("offloading-host",)}
+
+
+def _drop(e: Engine, what: Optional[str], blocks: int) -> None:
+    if what == "host":  # every host block; the disk copies stay
+        e.rpc(rpc_drop_host, 120.0)
+    elif what == "local":  # host and disk: only the remote tier holds the prefix
+        e.rpc(rpc_drop_local, 120.0)
+    elif what == "l1":
+        lmc.clear_l1(str(e.lmcache_http))
+    elif what == "l1-holds":
+        lmc.require_l1_holds(str(e.lmcache_http), blocks)
+
+
+def tier_request(e: Engine, case: str, size: int, i: int) -> Dict[str, Any]:
+    """Request ``i`` of a loaded case: the 90% prefix + a suffix of the case's kind, from a settled
+    engine after the case's drop; fails unless the prefix's blocks came from the case's tier. The
+    first request of a size stores the prefix first (computed once; the connector stores it)."""
+    kind, drop, counter = TIER_CASES[case]
+    seed, bs = int(e.spec["seed"]), e.block
+    hit = cached_tokens(size, bs)
+    prefix = prefix_prompt(seed, size, bs)
+    if case not in STORED_BY_ANOTHER_ENGINE and size not in e.stored:
+        e.generate(prefix)
+        e.stored.add(size)
+    e.settle()
+    _drop(e, drop, hit // bs)
+    before = e.stats()
+    rec = e.timed(f"{case}-{size}", prefix + suffix(seed, size, bs, kind, i))
+    rec["loaded_blocks"] = _delta(e.stats(), before, *counter) if counter else rec["cached"] // bs
+    if rec["loaded_blocks"] < hit // bs or rec["cached"] < hit:
+        raise RuntimeError(f"{case} {size}: request {i} found {rec['cached']} cached tokens and "
+                           f"{rec['loaded_blocks']} blocks from its tier, expected {hit} tokens / {hit // bs} "
+                           f"blocks; tier counters now {e.stats()}")
+    return rec
+
+
 def run_role(e: Engine) -> None:
     spec = e.spec
     role, seed, repeat, bs = spec["role"], int(spec["seed"]), int(spec["repeat"]), e.block
     if role not in ROLES:
         raise SystemExit(f"unknown role {role!r}; known: {sorted(ROLES)}")
-    # Warm-up: vLLM's first request in a fresh engine pays one-time costs.
-    for size in sorted(set(spec["warmup_sizes"])):
-        e.generate(fresh_prompt(seed, size, -1 - size))
-    if e.connector:
-        e.settle()
+    warm_up(e)
     checks: Dict[str, Any] = {}
     for size in spec["sizes"]:
         hit = cached_tokens(size, bs)
         prefix = prefix_prompt(seed, size, bs)
-        blocks = hit // bs
-
-        def tier_case(case: str, kind: str, drop: Callable[[], None],
-                      loaded: Callable[[Dict, Dict, Dict], int], tier: str) -> None:
-            """``repeat`` requests of the prefix + a suffix of ``kind``, each from a settled engine
-            after ``drop``; ``loaded`` counts the prefix blocks that came from ``tier``."""
-            for i in range(repeat):
-                e.settle()
-                drop()
-                before = e.stats()
-                rec = e.timed(f"{case}-{size}", prefix + suffix(seed, size, bs, kind, i))
-                got = loaded(e.stats(), before, rec)
-                checks.setdefault(f"{case}-{size}", []).append(got)
-                if got < blocks or rec["cached"] < hit:
-                    raise RuntimeError(f"{case} {size}: the request found {rec['cached']} cached tokens and "
-                                       f"{got} blocks from the {tier} tier, expected {hit} tokens / {blocks} "
-                                       f"blocks; tier counters now {e.stats()}")
-            e.settle()
-
         if role == "plain":
             e.generate(prefix)  # vLLM's prefix cache holds the 90% prefix from here on (no reset)
             for i in range(repeat):
@@ -172,82 +205,45 @@ def run_role(e: Engine) -> None:
                     if rec["cached"] != hit:
                         raise RuntimeError(f"reference {kind} {size}: vLLM found {rec['cached']} cached tokens, "
                                            f"expected {hit}")
-        elif role in ("flexkv", "offloading"):
-            if role == "offloading":  # ours is timed against no connector in serve mode (bench/vllm_ttft.py)
-                for i in range(repeat):  # the recompute prompts, connector on: lookups and stores, no loads
-                    rec = e.timed(f"offloading-miss-{size}", fresh_prompt(seed, size, i))
-                    if rec["cached"]:
-                        raise RuntimeError(f"offloading-miss {size}: a fresh prompt found {rec['cached']} cached tokens")
-                e.settle()
-            e.generate(prefix)  # computed once; the connector stores it after the first token
+            continue
+        if role == "offloading":  # ours is timed against no connector in serve mode (bench/vllm_ttft.py)
+            for i in range(repeat):  # the recompute prompts, connector on: lookups and stores, no loads
+                rec = e.timed(f"offloading-miss-{size}", fresh_prompt(seed, size, i))
+                if rec["cached"]:
+                    raise RuntimeError(f"offloading-miss {size}: a fresh prompt found {rec['cached']} cached tokens")
             e.settle()
-            if role == "flexkv":
-                tier_case("host", "device", lambda: None, lambda a, b, r: _delta(a, b, "host", "hit_blocks"), "host")
-                tier_case("disk", "disk", lambda: e.rpc(rpc_drop_host, 120.0),
-                          lambda a, b, r: _delta(a, b, "disk", "hit_blocks"), "disk")
-            else:  # no tier counters of theirs here: vLLM's count of cached tokens says it loaded
-                tier_case("offloading-host", "device", lambda: None, lambda a, b, r: r["cached"] // bs, "CPU")
-        elif role == "flexkv-remote":
-            e.generate(prefix)
-            e.settle()  # the remote write-behind drained: Redis holds the prefix
-            tier_case("remote", "device", lambda: e.rpc(rpc_drop_local, 120.0),
-                      lambda a, b, r: _delta(a, b, "requests", "remote_hit_blocks"), "remote")
-        elif role == "lmcache":
-            http = str(e.lmcache_http)
-            e.generate(prefix)
-            e.settle()  # in its L1, and written behind to its L2
-            # No per-tier hit counters of theirs: L1 holding the prefix before the request (host),
-            # or L1 emptied before it (disk), with vLLM's count of cached tokens, says where it came from.
-            tier_case("lmcache-host", "device", lambda: lmc.require_l1_holds(http, blocks),
-                      lambda a, b, r: r["cached"] // bs, "LMCache L1")
-            tier_case("lmcache-disk", "disk", lambda: lmc.clear_l1(http), lambda a, b, r: r["cached"] // bs, "LMCache L2")
-        elif role in RESTART_CASE:
-            restart_cases(e, RESTART_CASE[role], size,
-                          [prefix + suffix(seed, size, bs, "restart", i) for i in range(repeat)], hit, checks)
+        for case in ROLE_CASES[role]:
+            for i in range(repeat):
+                checks.setdefault(f"{case}-{size}", []).append(tier_request(e, case, size, i)["loaded_blocks"])
+        e.settle()
     e.info["checks"] = checks
     e.info["tiers"] = e.stats()
 
 
-RESTART_CASE = {"flexkv-restart": "restart", "lmcache-restart": "lmcache-restart"}
-
-
-def restart_cases(e: Engine, case: str, size: int, prompts: List[List[int]], hit: int, checks: Dict[str, Any]) -> None:
-    """The prefix in this fresh engine process (the previous engine stored it and exited): ours
-    from the disk tier it re-adopted at start (its host tier died with that process; the host copy
-    a load leaves is dropped before each request, so every one reads disk); LMCache from the tiers
-    its still-running server kept. The first request is the first of the prefix in the process."""
-    for i, prompt in enumerate(prompts):
-        e.settle()
-        if e.ours:
-            e.rpc(rpc_drop_host, 120.0)
-        before = e.stats()
-        if e.ours and i == 0:
-            e.info.setdefault("adopted_disk_blocks", {})[str(size)] = before.get("disk", {}).get("used_blocks")
-        if e.lmcache_http:
-            e.info.setdefault("l1_objects_before", {}).setdefault(str(size), lmc.l1_state(e.lmcache_http)["objects"])
-        rec = e.timed(f"{case}-{size}", prompt)
-        got = _delta(e.stats(), before, "disk", "hit_blocks") if e.ours else rec["cached"] // e.block
-        checks.setdefault(f"{case}-{size}", []).append(got)
-        if got < hit // e.block or rec["cached"] < hit:
-            raise RuntimeError(f"{case} {size}: request {i} after the restart found {rec['cached']} cached tokens "
-                               f"({got} blocks loaded), expected {hit}; tier counters {e.stats()}")
+def warm_up(e: Engine) -> None:
+    """vLLM's first request in a fresh engine pays one-time costs: every engine sends the same
+    fresh prompts first."""
+    for size in sorted(set(e.spec["warmup_sizes"])):
+        e.generate(fresh_prompt(int(e.spec["seed"]), size, -1 - size))
     e.settle()
 
 
 def serve(e: Engine) -> None:
-    """Serve mode (``--serve SPEC``): warm up, print READY, then one timed fresh prompt per stdin
-    line ``{"case", "size", "index"}``, each answered by a RESULT line once the engine settled
-    (its stores done; ``settle_s`` says how long that took after the first token)."""
+    """Serve mode (``--serve SPEC``): warm up, print READY, then one timed request per stdin line,
+    each answered by a RESULT line once the engine settled (its stores done; ``settle_s`` says
+    how long that took after the first token): ``{"case", "size", "index"}`` a fresh prompt,
+    ``{"tier", "size", "index"}`` request ``index`` of loaded case ``tier`` (tier_request)."""
     seed = int(e.spec["seed"])
-    for size in sorted(set(e.spec["warmup_sizes"])):
-        e.generate(fresh_prompt(seed, size, -1 - size))
-    e.settle()
+    warm_up(e)
     print(READY, flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
         cmd = json.loads(line)
-        rec = e.timed(cmd["case"], fresh_prompt(seed, int(cmd["size"]), int(cmd["index"])))
+        if "tier" in cmd:
+            rec = tier_request(e, cmd["tier"], int(cmd["size"]), int(cmd["index"]))
+        else:
+            rec = e.timed(cmd["case"], fresh_prompt(seed, int(cmd["size"]), int(cmd["index"])))
         t0 = time.perf_counter()
         e.settle()
         rec["settle_s"] = time.perf_counter() - t0

@@ -7,10 +7,15 @@ engines are up, the requests alternate between them in ABBA order (so a trend ov
 weighs on both alike), and each one starts only once both engines are idle: the previous
 request's stores finished and drained (``settle_s``, recorded and reported beside the TTFT), and
 vLLM's worker done with its busy-wait after a step (measured from /proc, not slept for).
+
+``bench vllm --peer lmcache`` runs the same way a third engine in the pair (LMCache's miss path)
+and, for the loaded cases, ours and LMCache's engines side by side, each request of a case
+interleaved with the other's same case (host / its CPU tier, disk / its disk tier, the restart).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -20,7 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.vllm_engine import PROGRESS, READY, RESULT
@@ -138,52 +143,93 @@ class ServedEngine:
         self._log.close()
 
 
-def run_interleaved(engines: Sequence[Tuple[ServedEngine, str]], sizes: Sequence[int], repeat: int,
-                    timeout_s: float, also_quiet: Sequence[int] = ()) -> Dict[str, List[Dict[str, Any]]]:
-    """``<case>-<size>`` from each (engine, case): the same fresh prompts, the engines' order
-    reversed every round (AB BA AB ..., ABC CBA ...), each request from idle engines (and idle
-    ``also_quiet`` process groups: a peer's cache server)."""
+def run_interleaved(groups: Sequence[Sequence[Tuple[ServedEngine, str]]], sizes: Sequence[int], repeat: int,
+                    timeout_s: float, also_quiet: Sequence[int] = (), tier: bool = False
+                    ) -> Dict[str, List[Dict[str, Any]]]:
+    """``<case>-<size>`` from each (engine, case) of each group, per size and group: the engines of
+    a group take turns on request ``i``, their order reversed every round (AB BA AB ..., ABC CBA
+    ...), each request from idle engines (and idle ``also_quiet`` process groups: a peer's cache
+    server). Fresh prompts (nothing cached), or with ``tier`` the loaded cases of tier_request."""
     results: Dict[str, List[Dict[str, Any]]] = {}
-    groups = [e.proc.pid for e, _ in engines] + list(also_quiet)
+    pgids = sorted({e.proc.pid for g in groups for e, _ in g} | set(also_quiet))
     k = 0
     for size in sizes:
-        for i in range(repeat):
-            for eng, case in (engines if k % 2 == 0 else engines[::-1]):
-                wait_quiet(groups)
-                rec = eng.request(f"{case}-{size}", size, i, timeout_s)
-                if rec["cached"]:
-                    raise RuntimeError(f"bench vllm: {case} {size}: a fresh prompt found {rec['cached']} cached tokens")
-                results.setdefault(f"{case}-{size}", []).append(rec)
-            k += 1
+        for group in groups:
+            for i in range(repeat):
+                for eng, case in (group if k % 2 == 0 else group[::-1]):
+                    wait_quiet(pgids)
+                    if tier:
+                        rec = eng.call({"tier": case, "size": size, "index": i}, timeout_s, f"timing {case} #{i}")
+                    else:
+                        rec = eng.request(f"{case}-{size}", size, i, timeout_s)
+                        if rec["cached"]:
+                            raise RuntimeError(f"bench vllm: {case} {size}: a fresh prompt found {rec['cached']} "
+                                               "cached tokens")
+                    results.setdefault(f"{case}-{size}", []).append(rec)
+                k += 1
     return results
+
+
+@contextlib.contextmanager
+def served(made: Sequence[Tuple[str, Dict[str, Any], Dict[str, str]]], workdir: str) -> Iterator[List[ServedEngine]]:
+    """(role, spec, env) engines in serve mode, started one at a time (engines starting together on
+    2 cores start slowly), all stopped on the way out."""
+    print(f"bench vllm: engines {' + '.join(m[0] for m in made)} (requests interleaved) ...", flush=True)
+    engines: List[ServedEngine] = []
+    try:
+        for role, spec, env in made:
+            engines.append(ServedEngine(role, spec, env, workdir))
+            engines[-1].wait_ready(900)
+        yield engines
+    finally:
+        for e in engines:
+            e.stop()
 
 
 def run_pair(base: ServedEngine, ours: ServedEngine, sizes: Sequence[int], repeat: int,
              timeout_s: float) -> Dict[str, List[Dict[str, Any]]]:
     """``recompute-<size>`` from ``base`` and ``miss-<size>`` from ``ours``, ABBA-interleaved."""
-    return run_interleaved([(base, "recompute"), (ours, "miss")], sizes, repeat, timeout_s)
+    return run_interleaved([[(base, "recompute"), (ours, "miss")]], sizes, repeat, timeout_s)
+
+
+def _lmcache_engine(spec: Dict[str, Any], workdir: str, server: lmc.LMCacheServer, prefix: Path
+                    ) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    return (dict(spec, kv_transfer_config=lmc.kv_transfer_config(server.port), lmcache_http=server.http),
+            lmc.peer_env(engine_env(workdir, "plain", 0, 0), prefix))
 
 
 def run_miss_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_bytes: int, timeout: float,
                      server: Optional[lmc.LMCacheServer], prefix: Optional[Path]) -> Dict[str, List[Dict[str, Any]]]:
     """The recompute / miss engines alive at once (no connector, ours and, with ``server``,
-    LMCache's), the same fresh prompts interleaved (run_interleaved)."""
-    made = [("plain-pair", "recompute", dict(spec, kv_transfer_config=None), engine_env(workdir, "plain", host_bytes,
-                                                                                       disk_bytes)),
-            ("flexkv-pair", "miss", dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
+    LMCache's), the same fresh prompts interleaved."""
+    made = [("plain-pair", dict(spec, kv_transfer_config=None), engine_env(workdir, "plain", host_bytes, disk_bytes)),
+            ("flexkv-pair", dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
              engine_env(workdir, "flexkv-pair", host_bytes, disk_bytes))]
+    cases = ["recompute", "miss"]
     if server is not None and prefix is not None:
-        made.append(("lmcache-pair", "lmcache-miss",
-                     dict(spec, kv_transfer_config=lmc.kv_transfer_config(server.port), lmcache_http=server.http),
-                     lmc.peer_env(engine_env(workdir, "plain", host_bytes, disk_bytes), prefix)))
-    print(f"bench vllm: engines {' + '.join(m[0] for m in made)} (requests interleaved) ...", flush=True)
-    engines: List[Tuple[ServedEngine, str]] = []
-    try:
-        for role, case, role_spec, env in made:  # one at a time: engines starting together on 2 cores start slowly
-            engines.append((ServedEngine(role, role_spec, env, workdir), case))
-            engines[-1][0].wait_ready(900)
-        return run_interleaved(engines, spec["sizes"], spec["repeat"], timeout_s=timeout,
-                               also_quiet=[server.proc.pid] if server is not None and server.proc else [])
-    finally:
-        for e, _ in engines:
-            e.stop()
+        made.append(("lmcache-pair", *_lmcache_engine(spec, workdir, server, prefix)))
+        cases.append("lmcache-miss")
+    quiet = [server.proc.pid] if server is not None and server.proc else []
+    with served(made, workdir) as engines:
+        return run_interleaved([list(zip(engines, cases))], spec["sizes"], spec["repeat"], timeout, also_quiet=quiet)
+
+
+def run_peer_tier_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_bytes: int, timeout: float,
+                          server: lmc.LMCacheServer, prefix: Path) -> Dict[str, List[Dict[str, Any]]]:
+    """Ours (host + disk) and LMCache's engine (against ``server``) alive at once, each case's
+    requests interleaved with the other's same case: host / its CPU tier, disk / its disk tier.
+    Then both engines stop and a fresh one of each starts (ours on the disk tier the first left,
+    LMCache's against the still-running server): restart, interleaved too."""
+    ours = ("flexkv-tiers", dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
+            engine_env(workdir, "flexkv", host_bytes, disk_bytes))
+    theirs = ("lmcache-tiers", *_lmcache_engine(spec, workdir, server, prefix))
+    quiet = [server.proc.pid] if server.proc else []
+    sizes, repeat = spec["sizes"], spec["repeat"]
+    with served([ours, theirs], workdir) as (a, b):
+        results = run_interleaved([[(a, "host"), (b, "lmcache-host")], [(a, "disk"), (b, "lmcache-disk")]], sizes,
+                                  repeat, timeout, also_quiet=quiet, tier=True)
+    ours_again = ("flexkv-restart", ours[1], engine_env(workdir, "flexkv-restart", host_bytes, disk_bytes))
+    with served([ours_again, ("lmcache-restart", *theirs[1:])], workdir) as (a, b):
+        results.update(run_interleaved([[(a, "restart"), (b, "lmcache-restart")]], sizes, repeat, timeout,
+                                       also_quiet=quiet, tier=True))
+    return results

