@@ -10,11 +10,11 @@
 # packages; those go into the prefix with --no-deps, pinned, so the venv is never touched and
 # `make test` / `make demo` never see LMCache.
 #   VENV=path    the project's virtual environment whose python runs the peer (default .venv)
-#   PEER_DIR=dir the prefix (default .peers/lmcache)
+#   LMCACHE_PEER_DIR=dir  the prefix (default .peers/lmcache; bench vllm --peer lmcache reads it too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-PEER_DIR=${PEER_DIR:-.peers/lmcache}
+PEER_DIR=${LMCACHE_PEER_DIR:-.peers/lmcache}
 PY="$VENV/bin/python"
 # lmcache itself, then the four it imports that the venv lacks (caio: aiofile's backend, within
 # lmcache's caio~=0.12.0; nvtx: imported unconditionally by its transfer code).
@@ -26,9 +26,10 @@ PROBE="import lmcache.cli.main, lmcache.v1.multiprocess.http_server, lmcache.int
 stamp="$PEER_DIR/.installed-$(printf '%s\n' "${PINS[@]}" | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "install_peer_lmcache.sh: ${PINS[*]} into $PEER_DIR (--no-deps)"
-  rm -rf "$PEER_DIR"
   mkdir -p "$PEER_DIR"
-  "$PY" -m pip --disable-pip-version-check -q install --no-deps --target "$PEER_DIR" "${PINS[@]}" \
+  rm -f "$PEER_DIR"/.installed-*
+  # --upgrade: pip --target replaces what an earlier pin left there (and nothing else in the directory).
+  "$PY" -m pip --disable-pip-version-check -q install --upgrade --no-deps --target "$PEER_DIR" "${PINS[@]}" \
     2> >(grep -v "is ignored: it is neither" >&2)
   touch "$stamp"
 fi
