@@ -141,8 +141,8 @@ TIER_CASES: Dict[str, Tuple[str, Optional[str], Optional[Tuple[str, str]]]] = {
     # emptied before it (disk), with vLLM's count of cached tokens, says where it came from.
     "lmcache-host": ("device", "l1-holds", None),
     "lmcache-disk": ("disk", "l1", None),
-    # a fresh engine against the server that kept running: whatever its tiers hold
-    "lmcache-restart": ("restart", None, None),
+    # a fresh engine against the server that kept running: its CPU tier outlived the engine
+    "lmcache-restart": ("restart", "l1-holds", None),
 }
 STORED_BY_ANOTHER_ENGINE = {"restart", "lmcache-restart"}
 ROLE_CASES = {"flexkv": ("host", "disk"), "flexkv-remote": ("remote",), "offloading": ("offloading-host",)}

@@ -141,7 +141,7 @@ TIERS = (("host", "FlexKV host"), ("disk", "FlexKV disk"), ("remote", "FlexKV re
          ("restart", "FlexKV disk re-adopted by a fresh engine process (host copies dropped before each request)"),
          ("offloading-host", "OffloadingConnector CPU"),
          ("lmcache-host", "LMCache L1 (CPU)"), ("lmcache-disk", "LMCache L2 (fs adapter, O_DIRECT), L1 cleared first"),
-         ("lmcache-restart", "a fresh engine process against the LMCache server that kept running"))
+         ("lmcache-restart", "a fresh engine process against the LMCache server that kept running: its L1"))
 # Case -> the reference whose first tokens it must give for the same prompts.
 TOKEN_REFERENCE = (("host", "device-hit"), ("remote", "device-hit"), ("offloading-host", "device-hit"),
                    ("disk", "ref-disk"), ("restart", "ref-restart"), ("lmcache-host", "device-hit"),
