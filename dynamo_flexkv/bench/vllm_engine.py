@@ -137,8 +137,9 @@ TIER_CASES: Dict[str, Tuple[str, Optional[str], Optional[Tuple[str, str]]]] = {
     # a fresh engine on the disk tier the previous one left: each request reads the re-adopted disk
     "restart": ("restart", "host", ("disk", "hit_blocks")),
     "offloading-host": ("device", None, None),
-    # No per-tier hit counters of LMCache's: L1 holding the prefix before the request (host), or L1
-    # emptied before it (disk), with vLLM's count of cached tokens, says where it came from.
+    # No per-tier hit counters of LMCache's: its L1 gaining only the suffix's chunks (host: nothing
+    # was brought in from L2), or L1 emptied before the request (disk), with vLLM's count of cached
+    # tokens, says where the prefix came from.
     "lmcache-host": ("device", "l1-holds", None),
     "lmcache-disk": ("disk", "l1", None),
     # a fresh engine against the server that kept running: its CPU tier outlived the engine
@@ -148,7 +149,8 @@ STORED_BY_ANOTHER_ENGINE = {"restart", "lmcache-restart"}
 ROLE_CASES = {"flexkv": ("host", "disk"), "flexkv-remote": ("remote",), "offloading": ("offloading-host",)}
 
 
-def _drop(e: Engine, what: Optional[str], blocks: int) -> None:
+def _drop(e: Engine, what: Optional[str], blocks: int) -> Optional[int]:
+    """Returns LMCache's L1 object count for ``l1-holds``."""
     if what == "host":  # every host block; the disk copies stay
         e.rpc(rpc_drop_host, 120.0)
     elif what == "local":  # host and disk: only the remote tier holds the prefix
@@ -156,7 +158,8 @@ def _drop(e: Engine, what: Optional[str], blocks: int) -> None:
     elif what == "l1":
         lmc.clear_l1(str(e.lmcache_http))
     elif what == "l1-holds":
-        lmc.require_l1_holds(str(e.lmcache_http), blocks)
+        return lmc.require_l1_holds(str(e.lmcache_http), blocks)
+    return None
 
 
 def tier_request(e: Engine, case: str, size: int, i: int) -> Dict[str, Any]:
@@ -167,13 +170,20 @@ def tier_request(e: Engine, case: str, size: int, i: int) -> Dict[str, Any]:
     seed, bs = int(e.spec["seed"]), e.block
     hit = cached_tokens(size, bs)
     prefix = prefix_prompt(seed, size, bs)
-    if case not in STORED_BY_ANOTHER_ENGINE and size not in e.stored:
-        e.generate(prefix)
-        e.stored.add(size)
+    if size not in e.stored:
+        if case not in STORED_BY_ANOTHER_ENGINE:
+            e.generate(prefix)
+        e.stored.add(size)  # from here on the tiers hold it (this engine stored it, or loads it)
     e.settle()
-    _drop(e, drop, hit // bs)
+    l1_before = _drop(e, drop, hit // bs)
     before = e.stats()
     rec = e.timed(f"{case}-{size}", prefix + suffix(seed, size, bs, kind, i))
+    if l1_before is not None:  # its L1 gained the suffix's chunks only: no prefix chunk came from L2
+        e.settle()
+        gained, want = lmc.l1_state(str(e.lmcache_http))["objects"] - l1_before, size // bs - hit // bs
+        if gained != want:
+            raise RuntimeError(f"{case} {size}: LMCache's L1 gained {gained} objects in request {i}, expected the "
+                               f"suffix's {want}: part of the prefix came from its disk tier, or L1 evicted")
     rec["loaded_blocks"] = _delta(e.stats(), before, *counter) if counter else rec["cached"] // bs
     if rec["loaded_blocks"] < hit // bs or rec["cached"] < hit:
         raise RuntimeError(f"{case} {size}: request {i} found {rec['cached']} cached tokens and "

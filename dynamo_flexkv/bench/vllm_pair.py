@@ -216,20 +216,21 @@ def run_miss_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_b
 
 def run_peer_tier_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_bytes: int, timeout: float,
                           server: lmc.LMCacheServer, prefix: Path) -> Dict[str, List[Dict[str, Any]]]:
-    """Ours (host + disk) and LMCache's engine (against ``server``) alive at once, each case's
-    requests interleaved with the other's same case: host / its CPU tier, disk / its disk tier.
-    Then both engines stop and a fresh one of each starts (ours on the disk tier the first left,
-    LMCache's against the still-running server): restart, interleaved too."""
+    """Ours (host + disk) and LMCache's engine (against ``server``) alive at once, each request of
+    a case interleaved with the other's same case: host / its CPU tier. Then both engines stop and
+    a fresh one of each starts, ours on the disk tier the first one left, LMCache's against the
+    still-running server: restart (ours from the re-adopted disk, LMCache from the CPU tier its
+    server kept), then disk / its disk tier. Every size's restart comes before any disk case:
+    LMCache's disk case empties its CPU tier, which its restart case reads."""
     ours = ("flexkv-tiers", dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
             engine_env(workdir, "flexkv", host_bytes, disk_bytes))
     theirs = ("lmcache-tiers", *_lmcache_engine(spec, workdir, server, prefix))
     quiet = [server.proc.pid] if server.proc else []
     sizes, repeat = spec["sizes"], spec["repeat"]
     with served([ours, theirs], workdir) as (a, b):
-        results = run_interleaved([[(a, "host"), (b, "lmcache-host")], [(a, "disk"), (b, "lmcache-disk")]], sizes,
-                                  repeat, timeout, also_quiet=quiet, tier=True)
+        results = run_interleaved([[(a, "host"), (b, "lmcache-host")]], sizes, repeat, timeout, quiet, tier=True)
     ours_again = ("flexkv-restart", ours[1], engine_env(workdir, "flexkv-restart", host_bytes, disk_bytes))
     with served([ours_again, ("lmcache-restart", *theirs[1:])], workdir) as (a, b):
-        results.update(run_interleaved([[(a, "restart"), (b, "lmcache-restart")]], sizes, repeat, timeout,
-                                       also_quiet=quiet, tier=True))
+        for case, peer_case in (("restart", "lmcache-restart"), ("disk", "lmcache-disk")):
+            results.update(run_interleaved([[(a, case), (b, peer_case)]], sizes, repeat, timeout, quiet, tier=True))
     return results

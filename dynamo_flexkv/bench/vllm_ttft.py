@@ -22,12 +22,12 @@ prompts (generated from one seed in every process):
 * with ``--peer lmcache`` (bench/peer_lmcache.py): a third engine in the pair, LMCache's
   (``lmcache-miss-*``); instead of the ``flexkv`` engine, ours (host + disk) and LMCache's
   (LMCacheMPConnector + an lmcache server) alive at once, each request interleaved with the
-  other's same case (bench/vllm_pair.py): ``host-90-*`` / ``lmcache-host-90-*`` (its CPU tier),
-  ``disk-90-*`` / ``lmcache-disk-90-*`` (its disk tier, its CPU tier cleared first); then a fresh
-  engine of each, ours on the disk tier the first one left (re-adopted at start; the host copy a
-  load leaves dropped before each request) and LMCache's against the still-running server:
-  ``restart-90-*`` / ``lmcache-restart-90-*``; and ``<ours>-vs-lmcache-<size>`` rows, ratio = our
-  TTFT / LMCache's in the same case;
+  other's same case (bench/vllm_pair.py): ``host-90-*`` / ``lmcache-host-90-*`` (its CPU tier);
+  then a fresh engine of each, ours on the disk tier the first one left (re-adopted at start; the
+  host copy a load leaves dropped before each request) and LMCache's against the still-running
+  server: ``restart-90-*`` / ``lmcache-restart-90-*`` (its CPU tier, which outlived the engine),
+  then ``disk-90-*`` / ``lmcache-disk-90-*`` (its disk tier, its CPU tier cleared first); and
+  ``<ours>-vs-lmcache-<size>`` rows, ratio = our TTFT / LMCache's in the same case;
 * ``offloading`` (``--compare-offloading-connector``, CUDA/XPU only: vLLM's OffloadingConnector
   with its CPUOffloadingSpec refuses the CPU platform): ``offloading-miss-*`` and
   ``offloading-host-90-*``, and ``host-90-*-vs-offloading`` (ours against theirs).
