@@ -58,7 +58,7 @@ def _throttle_disk(worker, factor: float, prompt_tokens: int, prefix_bytes: int)
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from dynamo_flexkv.bench.throttled import ThrottledDisk
     from dynamo_flexkv.core.transfer.graph import OpKind
-    kv = get_kv_transfer_group()._worker.kv
+    kv = get_kv_transfer_group()._worker.offload.kv  # the embedded KVManager (a private reach: issue 42)
     prefill_s = kv.cost.prefill_seconds(prompt_tokens, prompt_tokens)
     movers = kv.transfer.movers
     if prefill_s and not isinstance(movers[OpKind.DISK2H], ThrottledDisk):

@@ -34,6 +34,7 @@ ENV_ALIASES: Dict[str, str] = {
     "DYN_KVBM_DISK_CACHE_DIR": "ssd_cache_dir",
 }
 CONFIG_PATH_ENV = "FLEXKV_CONFIG_PATH"
+MODES = ("embedded", "node")
 
 
 class ConfigError(ValueError, FlexKVError):
@@ -73,6 +74,11 @@ class CacheConfig:
     # How much of a cached prefix a get loads (core/cost.py): cost_aware (what is measured faster than
     # recomputing it; before any measurement everything, as always), always, never.
     load_policy: LoadPolicy = LoadPolicy.COST_AWARE
+    # Who owns the tiers (core/offload.py open_offload): embedded, this engine process (each engine and
+    # rank its own); node, the node's cache service (dynamo-flexkv cache-server) at node_socket, shared
+    # by every engine on the node and outliving them (docs/NODE_CACHE.md).
+    mode: str = "embedded"
+    node_socket: str = ""  # the service's Unix socket; default $XDG_RUNTIME_DIR/flexkv-node.sock
 
     def __post_init__(self) -> None:
         # The constructor converts like the loader: "a;b" is two directories, "lfu" a policy.
@@ -194,6 +200,9 @@ class CacheConfig:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank={self.tp_rank} with tp_size={self.tp_size}: tp_size must be >= 1 and "
                               "tp_rank in [0, tp_size) (set both to the engine's tensor-parallel rank and size)")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r}: use one of {list(MODES)} (embedded: this engine's own tiers; "
+                              "node: the node's cache service at node_socket)")
         if self.remote_admission_hits < 0:
             raise ConfigError(f"remote_admission_hits={self.remote_admission_hits} must be >= 0")
         if self.enable_gds and self.ssd_cache_gb <= 0:

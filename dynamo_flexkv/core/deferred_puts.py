@@ -23,6 +23,7 @@ class DeferredPut:
     token_ids: Any
     dev_ids: np.ndarray
     after: Any  # the CUDA event recorded at put_async: the copy waits for the engine's writes
+    device: Any = None  # an attached engine's device (node cache), which copies its blocks itself
     since: float = dataclasses.field(default_factory=time.monotonic)
 
 

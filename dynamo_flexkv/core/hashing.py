@@ -75,6 +75,14 @@ def block_hashes(
     return BlockHashes(tokens=tokens, sequence=sequence, block_size=int(block_size))
 
 
+def namespaced_hashes(token_ids: TokenIds, block_size: int, namespace: Optional[str] = None,
+                      lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> BlockHashes:
+    """block_hashes of a namespace's tiers: the namespace (a KVManager's, the node cache's tenant)
+    salts every hash together with the request's own cache_salt."""
+    salt = "/".join(s for s in (namespace, cache_salt) if s) or None
+    return block_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=salt)
+
+
 def chain_hashes(tokens_hashes: np.ndarray, parent: Optional[int] = None) -> np.ndarray:
     """Sequence hashes for tokens hashes, continuing the chain after ``parent`` when given."""
     arr = np.ascontiguousarray(tokens_hashes, dtype=np.uint64)

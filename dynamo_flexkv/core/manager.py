@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from dynamo_flexkv.core.config import CacheConfig, ConfigError, GiB
 from dynamo_flexkv.core.cost import CostModel, LoadDecision, Segment
 from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
 from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
-from dynamo_flexkv.core.hashing import block_hashes
+from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
 from dynamo_flexkv.core.index.cache_engine import IndexListener
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
@@ -50,6 +50,15 @@ if TYPE_CHECKING:
 MAX_PUT_DEFER_S = 10.0
 
 
+class EngineDevice(Protocol):
+    """An engine's device blocks that the engine copies itself (an engine attached to the node
+    cache, core/node/engines.py): its block count, and the copies started on it (AsyncMover)."""
+
+    num_blocks: int
+
+    def start(self, op: Any, done: Callable[[Optional[BaseException], int], None]) -> None: ...
+
+
 class KVManager:
     def __init__(
         self,
@@ -61,10 +70,12 @@ class KVManager:
         workers: int = 4,
         model_id: str = "",
         mover_hook: Optional[MoverHook] = None,
+        share_host: bool = False,
     ) -> None:
         """``mover_hook(link, mover)`` returns the mover each link's copies run on instead of the
         one built here (a public seam for fault injection and tracing; restart adoption reads
-        the disk directly)."""
+        the disk directly). ``share_host``: the host tier is a shared-memory segment (``host.fd``)
+        that engines of other processes map (the node cache, core/node/)."""
         self.model = model
         self._mover_hook = mover_hook
         self.config = config or CacheConfig.load()
@@ -74,7 +85,7 @@ class KVManager:
         caps = self.config.tier_blocks(model)
         host_layout = self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST)
         try:
-            self.host = HostPool(host_layout, use_huge_pages=self.config.use_huge_pages)
+            self.host = HostPool(host_layout, use_huge_pages=self.config.use_huge_pages, share=share_host)
         except OSError as e:  # ENOMEM: more than the machine (or its limits) allows
             raise ConfigError(f"cpu_cache_gb={self.config.cpu_cache_gb}: cannot allocate the host tier's "
                               f"{host_layout.total_bytes / GiB:.2f} GiB ({e.strerror or e}): set cpu_cache_gb "
@@ -182,8 +193,7 @@ class KVManager:
     # ---- queries -------------------------------------------------------------------------------
     def hashes(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None):
         self._check_open("hashes")
-        salt = "/".join(s for s in (self.namespace, cache_salt) if s) or None
-        return block_hashes(token_ids, self.tokens_per_block, lora_name=lora_name, cache_salt=salt)
+        return namespaced_hashes(token_ids, self.tokens_per_block, self.namespace, lora_name, cache_salt)
 
     def match(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> Dict[str, int]:
         """Cached prefix in tokens per tier (no side effects)."""
@@ -199,16 +209,19 @@ class KVManager:
     # ---- tasks ---------------------------------------------------------------------------------
     def get_async(self, token_ids, device_block_ids, *, skip_blocks: int = 0, layerwise: bool = False,
                   lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
-                  prompt_tokens: Optional[int] = None) -> int:
+                  prompt_tokens: Optional[int] = None, device: Optional[EngineDevice] = None,
+                  on_done: Optional[Callable[[TaskResult], None]] = None) -> int:
         """Loads the cached prefix beyond the first ``skip_blocks`` blocks (which the engine already
         holds) into ``device_block_ids[i]`` for block i. With ``prompt_tokens`` (the whole prompt's
         length, ``token_ids`` may be a prefix of it) the config's load_policy decides how much of
-        it to load (core/cost.py): planned_tokens() then says what the engine must compute."""
-        self._need_device("get_async")
+        it to load (core/cost.py): planned_tokens() then says what the engine must compute.
+        ``device``: an attached engine's device, which copies its blocks itself (the node cache);
+        ``on_done``: receives the result instead of wait() (called once, from any thread)."""
+        self._need_device("get_async", device)
         h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
         skip_blocks = arguments.skip_blocks(skip_blocks, len(token_ids), self.tokens_per_block)
-        dev_ids = self._device_ids(token_ids, device_block_ids)
-        with self._issue(TaskKind.GET) as task:
+        dev_ids = self._device_ids(token_ids, device_block_ids, device)
+        with self._issue(TaskKind.GET, on_done) as task:
             seq = _int_list(h.sequence)
             start = min(skip_blocks, len(h))
             probe = self._remote_probe(seq, start)
@@ -223,7 +236,7 @@ class KVManager:
                 return task.id
             self._plan_tokens(task, plan)
             self._attach_tokens(token_ids, plan.staged, plan.remote_staged)
-            self._submit(task, self.graphs.get(task, plan, dev_ids, layerwise))
+            self._submit(task, self.graphs.get(task, plan, dev_ids, layerwise, device))
         return task.id
 
     def _decide(self, seq: List[int], start: int, probe: Optional[tuple], prompt_tokens: int,
@@ -263,11 +276,12 @@ class KVManager:
         self._check_open("observe_prefill")
         self.cost.observe_prefill(int(tokens), int(prompt_tokens), float(seconds))
 
-    def prefetch_async(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
+    def prefetch_async(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+                       on_done: Optional[Callable[[TaskResult], None]] = None) -> int:
         """Brings the disk part of a cached prefix into host memory (no device copy)."""
         self._check_open("prefetch_async")
         h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
-        with self._issue(TaskKind.PREFETCH) as task:
+        with self._issue(TaskKind.PREFETCH, on_done) as task:
             seq = _int_list(h.sequence)
             plan = self.cache.plan_get(task.id, seq, 0, self._remote_probe(seq, 0))
             if plan.host_fill is None:
@@ -280,18 +294,21 @@ class KVManager:
             self._submit(task, self.graphs.get(task, plan, None, False))
         return task.id
 
-    def put_async(self, token_ids, device_block_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
+    def put_async(self, token_ids, device_block_ids, *, lora_name: Optional[str] = None,
+                  cache_salt: Optional[str] = None, device: Optional[EngineDevice] = None,
+                  on_done: Optional[Callable[[TaskResult], None]] = None) -> int:
         """Stores the full blocks not held yet. The task finishes once the device copy is done (the
-        engine may reuse its blocks); the disk write continues in the background."""
-        self._need_device("put_async")
+        engine may reuse its blocks); the disk write continues in the background. ``device`` and
+        ``on_done`` as for get_async."""
+        self._need_device("put_async", device)
         h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
-        dev_ids = self._device_ids(token_ids, device_block_ids)
-        with self._issue(TaskKind.PUT) as task:
+        dev_ids = self._device_ids(token_ids, device_block_ids, device)
+        with self._issue(TaskKind.PUT, on_done) as task:
             after = None
-            if self.device.device.type == "cuda":  # the copy waits for the engine's writes
+            if device is None and self.device.device.type == "cuda":  # the copy waits for the engine's writes
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(self.device.device))
-            self._put_now(DeferredPut(task, _int_list(h.sequence), token_ids, dev_ids, after))
+            self._put_now(DeferredPut(task, _int_list(h.sequence), token_ids, dev_ids, after, device))
         return task.id
 
     def _put_now(self, put: DeferredPut) -> bool:
@@ -319,7 +336,8 @@ class KVManager:
                 self.put_refused_blocks += short
         self._attach_tokens(put.token_ids, plan.host)
         self._attach_tokens(put.token_ids, plan.disk, always=True)  # the journal keeps them for restarts
-        self._submit(task, self.graphs.put(task, plan, put.dev_ids, put.after if plan.host is not None else None))
+        self._submit(task, self.graphs.put(task, plan, put.dev_ids, put.after if plan.host is not None else None,
+                                          put.device))
         return True
 
     def _retry_put(self, put: DeferredPut) -> bool:
@@ -493,13 +511,13 @@ class KVManager:
             raise ManagerClosed(f"{call}(): this KVManager was shut down, its memory and cache directories are "
                                 "released: create a new KVManager (it re-adopts the disk tier)")
 
-    def _need_device(self, call: str) -> None:
+    def _need_device(self, call: str, device: Optional[EngineDevice] = None) -> None:
         self._check_open(call)
-        if self.device is None:
+        if self.device is None and device is None:
             raise RuntimeError(f"{call} before register_device_cache(): register the engine's KV tensors first")
 
     @contextlib.contextmanager
-    def _issue(self, kind: TaskKind) -> Iterator[Task]:
+    def _issue(self, kind: TaskKind, on_done: Optional[Callable[[TaskResult], None]] = None) -> Iterator[Task]:
         """A new task; if issuing it fails, it leaves nothing behind (no record, no index state)."""
         with self._lock:
             self._check_open(f"{kind.value}_async")
@@ -510,6 +528,7 @@ class KVManager:
                                    "the background disk/remote writes of finished puts count: "
                                    "stats().tasks.transfers_running); wait for some (drain()), or raise max_tasks_in_flight")
             task = self._table.issue(kind, self.model.num_layers)
+            task.deliver = on_done
         self._table.expire()
         try:
             yield task
@@ -566,8 +585,9 @@ class KVManager:
         with self._table.awaited(task_ids) as tasks:
             yield tasks
 
-    def _device_ids(self, token_ids, device_block_ids) -> np.ndarray:
-        return arguments.device_ids(token_ids, device_block_ids, self.tokens_per_block, self.device.num_blocks)
+    def _device_ids(self, token_ids, device_block_ids, device: Optional[EngineDevice] = None) -> np.ndarray:
+        num_blocks = device.num_blocks if device is not None else self.device.num_blocks
+        return arguments.device_ids(token_ids, device_block_ids, self.tokens_per_block, num_blocks)
 
     def _attach_tokens(self, token_ids, *runs, always: bool = False) -> None:
         """New runs carry their tokens so the events they cause can name them."""

@@ -1,32 +1,43 @@
-"""EngineOffload: the engine-facing contract of dynamo_flexkv (docs/ENGINE_CONTRACT.md).
+"""The engine contract of dynamo_flexkv (docs/ENGINE_CONTRACT.md): ``EngineOffload``.
 
-An engine's KV connector talks to the offload tiers only through this class, never through
-KVManager internals. Its two clients are the reference engine (integrations/reference_engine/llm.py) and the vLLM
-connector (vllm_connector/). The calls follow one request's life:
+An engine's KV connector reaches the offload tiers only through this class. ``open_offload`` picks
+the implementation from the config's ``mode``: ``EmbeddedOffload`` (the engine process owns its
+tiers, a KVManager) or ``NodeOffload`` (core/node/client.py: the node's cache service owns them and
+every engine and rank on the node shares them). Its clients are the reference engine
+(integrations/reference_engine/llm.py) and the vLLM connector (integrations/vllm_connector/). The
+calls follow one request's life:
 
 * ``register(tensors, layout)`` once, with the engine's paged KV tensors;
 * ``cached_tokens(tokens)``: the prefix the tiers hold that the load policy would load (the
   decision is counted, nothing else changes);
 * ``load(tokens, block_table, skip_blocks, prompt_tokens=...)`` starts copying blocks
   ``[skip_blocks, ...)`` into the request's device blocks (with ``prompt_tokens``, only as far as
-  the load policy decides: ``planned_tokens`` says how far); ``wait_layer(task, i)`` before layer i's attention (layerwise), then
-  ``finish(task)``; a failed load raises ``TaskFailed`` from ``wait_layer`` (recompute instead);
+  the load policy decides: ``planned_tokens`` says how far); ``wait_layer(task, i)`` before layer
+  i's attention (layerwise), then ``finish(task)``; a failed load raises ``TaskFailed`` from
+  ``wait_layer`` (recompute instead);
 * ``store(tokens, block_table, key)`` copies the computed full blocks out; the engine keeps the
   device blocks until ``finished_holds()`` hands them back (with ``key``), so it may reuse them
   while the slower tier writes continue in the background;
 * ``prefetch(tokens)`` warms host memory from disk for a request that still waits;
 * ``observe_prefill(tokens, prompt_tokens, seconds)`` after each step that only prefilled: the
-  cost-aware load policy compares loads with this measured prefill time (core/cost.py).
+  cost-aware load policy compares loads with this measured prefill time (core/cost.py);
+* administration: ``stats``, ``drain``, ``evict_host``, ``reset_tiers``, ``describe``,
+  ``tier_files``, ``announce_adopted``, ``shutdown``.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from dynamo_flexkv.core.layout import KVLayoutType
+from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.index.cache_engine import IndexListener
+from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.manager import KVManager
+from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskResult, TaskStatus
+from dynamo_flexkv.core.transfer.runner import MoverHook
 
 
 @dataclass(frozen=True)
@@ -36,39 +47,40 @@ class Hold:
     blocks: List[int]
 
 
-class EngineOffload:
-    def __init__(self, kv: KVManager, layerwise: bool = True) -> None:
-        self.kv = kv
-        self.layerwise = layerwise
-        self.bs = kv.tokens_per_block
-        # Task -> (key, device blocks it still touches): a put reads them until its device copy is
-        # done, a cancelled load may still write them until its copies in flight drained.
-        self._holds: Dict[int, Hold] = {}
-        self._prefetches: List[int] = []
-        self.failed_loads = 0
+class EngineOffload(ABC):
+    """What an engine may call. ``bs``: tokens per block; ``num_layers``: the model's layers."""
 
-    def register(self, layers, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
-        self.kv.register_device_cache(layers, layout)
+    layerwise: bool
+    bs: int
+    num_layers: int
+    failed_loads: int
 
+    # ---- setup ------------------------------------------------------------------------------------
+    @abstractmethod
+    def register(self, layers: Any, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
+        """The engine's KV tensors (validated: dtype, shape and contiguity, naming what differs)."""
+
+    # ---- per request -------------------------------------------------------------------------------
+    @abstractmethod
     def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
                       cache_salt: Optional[str] = None, prompt_tokens: Optional[int] = None,
                       skip_blocks: int = 0) -> int:
         """End of the cached prefix of ``tokens`` a load would bring back (whole blocks): what the
         tiers hold, as far as the load policy loads it (``tokens``: a prompt's full blocks;
         ``prompt_tokens``: the whole prompt's length, default one more than ``tokens``;
-        ``skip_blocks``: blocks the engine holds already, the decision is about the rest)."""
-        return self.kv.loadable_tokens(tokens, layerwise=self.layerwise, lora_name=lora_name, cache_salt=cache_salt,
-                                       prompt_tokens=prompt_tokens, skip_blocks=skip_blocks)
+        ``skip_blocks``: blocks the engine holds already, the decision is about the rest). May be
+        called from another thread than the engine's."""
 
+    @abstractmethod
     def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
                      cache_salt: Optional[str] = None) -> List[int]:
         """The sequence hash of each full block of ``tokens``: how the tiers (and their events) name
-        the blocks."""
-        return [int(h) for h in self.kv.hashes(tokens, lora_name=lora_name, cache_salt=cache_salt).sequence]
+        the blocks, in this engine's namespace."""
 
     def cached_blocks(self, tokens: Sequence[int]) -> int:
         return self.cached_tokens(tokens) // self.bs
 
+    @abstractmethod
     def load(self, tokens: Sequence[int], block_table: Sequence[int], skip_blocks: int, *,
              lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
              prompt_tokens: Optional[int] = None) -> Optional[int]:
@@ -76,6 +88,131 @@ class EngineOffload:
         task, or None when nothing beyond skip_blocks is cached or worth loading. With
         ``prompt_tokens`` (the whole prompt's length) the load policy decides how far to load;
         without, everything cached is (an engine that asked cached_tokens first)."""
+
+    @abstractmethod
+    def planned_tokens(self, tid: int) -> int:
+        """Tokens the load brings if it succeeds (beyond skip_blocks), known when it starts."""
+
+    @abstractmethod
+    def planned_tokens_by_tier(self, tid: int) -> Dict[str, int]:
+        """planned_tokens by the tier each block is read from."""
+
+    @abstractmethod
+    def wait_layer(self, tid: int, layer: int, timeout: Optional[float] = None) -> bool:
+        """Waits for layer ``layer`` of a load; False after ``timeout`` seconds. Raises TaskFailed
+        when the load failed (the step recomputes what it would have loaded)."""
+
+    @abstractmethod
+    def cancel_load(self, tid: int, blocks: Sequence[int], key: Any = None) -> None:
+        """Cancels a load; ``blocks`` come back from finished_holds() once no copy writes them (none
+        given: the engine keeps them and collects the load with finish())."""
+
+    @abstractmethod
+    def finish(self, tid: int) -> TaskResult:
+        """The load's result; after it no copy of this task touches the device blocks."""
+
+    @abstractmethod
+    def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
+        """A step computed ``tokens`` prompt tokens of prompts up to ``prompt_tokens`` long in
+        ``seconds`` (time blocked on loads excluded): the cost-aware load policy's measure of
+        recompute."""
+
+    @abstractmethod
+    def store(self, tokens: Sequence[int], block_table: Sequence[int], key: Any = None, *,
+              lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+              names: Optional[Sequence[int]] = None) -> int:
+        """Stores the full blocks of ``tokens`` from ``block_table``; the blocks are held until
+        finished_holds() returns them with ``key``. ``names``: the engine's own name of each block
+        (vLLM's block hashes), for the KV events of engines that share the tiers."""
+
+    @abstractmethod
+    def prefetch(self, tokens: Sequence[int]) -> int:
+        """Warms host memory from disk for a request that waits; collected by finished_holds()."""
+
+    @abstractmethod
+    def cancel_prefetch(self, tid: int) -> None: ...
+
+    @property
+    @abstractmethod
+    def tasks_pending(self) -> int:
+        """Tasks whose results the connector still has to collect."""
+
+    @abstractmethod
+    def finished_holds(self) -> List[Hold]:
+        """Holds of stores whose device copy is done and of cancelled loads that drained
+        (non-blocking). Also collects finished prefetches, whose results nobody waits for."""
+
+    @abstractmethod
+    def drain_holds(self) -> List[Hold]:
+        """Every hold, once its copies are done (blocking: at shutdown)."""
+
+    # ---- administration -------------------------------------------------------------------------------
+    @abstractmethod
+    def stats(self) -> Optional[ManagerStats]:
+        """The tiers' snapshot (None where it cannot be read now)."""
+
+    @abstractmethod
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Waits for background tier writes; False if some still run after ``timeout``."""
+
+    @abstractmethod
+    def evict_host(self, timeout: Optional[float] = None) -> int:
+        """Evicts every host block once the writes below finished (disk and remote keep theirs)."""
+
+    @abstractmethod
+    def reset_tiers(self, timeout: Optional[float] = None) -> bool:
+        """Drops every host and disk block once the writes finished; False when a remote tier
+        (shared with other workers) keeps its copies."""
+
+    @abstractmethod
+    def describe(self) -> Dict[str, Any]:
+        """Where the tiers are and how large (for logs and operators)."""
+
+    @abstractmethod
+    def tier_files(self) -> List[str]:
+        """The disk tier's data files this process owns (none in node mode: the service's)."""
+
+    @abstractmethod
+    def announce_adopted(self) -> int:
+        """Announces disk blocks re-adopted at a restart to the listener; once, when the event
+        subscriber is connected."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Waits for background writes (embedded: up to the caller's drain), then releases memory,
+        files and the connection; later calls raise or do nothing."""
+
+
+class EmbeddedOffload(EngineOffload):
+    """The tiers in this process: a KVManager of this engine's own."""
+
+    def __init__(self, kv: KVManager, layerwise: bool = True) -> None:
+        self.kv = kv
+        self.layerwise = layerwise
+        self.bs = kv.tokens_per_block
+        self.num_layers = kv.model.num_layers
+        # Task -> (key, device blocks it still touches): a put reads them until its device copy is
+        # done, a cancelled load may still write them until its copies in flight drained.
+        self._holds: Dict[int, Hold] = {}
+        self._prefetches: List[int] = []
+        self.failed_loads = 0
+
+    def register(self, layers: Any, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
+        self.kv.register_device_cache(layers, layout)
+
+    def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
+                      cache_salt: Optional[str] = None, prompt_tokens: Optional[int] = None,
+                      skip_blocks: int = 0) -> int:
+        return self.kv.loadable_tokens(tokens, layerwise=self.layerwise, lora_name=lora_name, cache_salt=cache_salt,
+                                       prompt_tokens=prompt_tokens, skip_blocks=skip_blocks)
+
+    def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
+                     cache_salt: Optional[str] = None) -> List[int]:
+        return [int(h) for h in self.kv.hashes(tokens, lora_name=lora_name, cache_salt=cache_salt).sequence]
+
+    def load(self, tokens: Sequence[int], block_table: Sequence[int], skip_blocks: int, *,
+             lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+             prompt_tokens: Optional[int] = None) -> Optional[int]:
         tid = self.kv.get_async(list(tokens), list(block_table), skip_blocks=skip_blocks, layerwise=self.layerwise,
                                 lora_name=lora_name, cache_salt=cache_salt, prompt_tokens=prompt_tokens)
         if self.kv.planned_tokens(tid) == 0:
@@ -84,27 +221,21 @@ class EngineOffload:
         return tid
 
     def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
-        """A step computed ``tokens`` prompt tokens of prompts up to ``prompt_tokens`` long in
-        ``seconds`` (time blocked on loads excluded): the cost-aware load policy's measure of
-        recompute."""
         self.kv.observe_prefill(tokens, prompt_tokens, seconds)
 
     def planned_tokens(self, tid: int) -> int:
-        """Tokens the load brings if it succeeds (beyond skip_blocks), known when it starts."""
         return self.kv.planned_tokens(tid)
 
     def planned_tokens_by_tier(self, tid: int) -> Dict[str, int]:
         return self.kv.planned_tokens_by_tier(tid)
 
     def wait_layer(self, tid: int, layer: int, timeout: Optional[float] = None) -> bool:
-        """Waits for layer ``layer`` of a load; False after ``timeout`` seconds. Raises TaskFailed
-        when the load failed (the step recomputes what it would have loaded)."""
         return self.kv.wait_for_layer(tid, layer, timeout)
 
     def cancel_load(self, tid: int, blocks: Sequence[int], key: Any = None) -> None:
-        """Cancels a load; ``blocks`` come back from finished_holds() once no copy writes them."""
         self.kv.cancel([tid])
-        self._holds[tid] = Hold(key, list(blocks))
+        if blocks:
+            self._holds[tid] = Hold(key, list(blocks))
 
     def finish(self, tid: int) -> TaskResult:
         r = self.kv.wait([tid])[tid]
@@ -122,9 +253,8 @@ class EngineOffload:
             self.kv.cancel([tid])
 
     def store(self, tokens: Sequence[int], block_table: Sequence[int], key: Any = None, *,
-              lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
-        """Stores the full blocks of ``tokens`` from ``block_table``; the blocks are held until
-        finished_holds() returns them with ``key``."""
+              lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+              names: Optional[Sequence[int]] = None) -> int:
         n = len(tokens) // self.bs
         tid = self.kv.put_async(list(tokens[: n * self.bs]), list(block_table[:n]),
                                 lora_name=lora_name, cache_salt=cache_salt)
@@ -133,12 +263,9 @@ class EngineOffload:
 
     @property
     def tasks_pending(self) -> int:
-        """Tasks whose results the connector still has to collect."""
         return len(self._holds) + len(self._prefetches)
 
     def finished_holds(self) -> List[Hold]:
-        """Holds of puts whose device copy is done and of cancelled loads that drained. Also
-        collects finished prefetches, whose results nobody waits for."""
         if self._prefetches:
             done = self.kv.try_wait(self._prefetches)
             self._prefetches = [t for t in self._prefetches if t not in done]
@@ -152,3 +279,55 @@ class EngineOffload:
         self._prefetches = []
         done = self.kv.wait(list(self._holds))
         return [self._holds.pop(t) for t in done]
+
+    def stats(self) -> Optional[ManagerStats]:
+        return self.kv.stats()
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        return self.kv.drain(timeout)
+
+    def _idle(self, what: str, timeout: Optional[float]) -> KVManager:
+        if not self.kv.drain(timeout):
+            raise RuntimeError(f"{what}: tier writes still running after {timeout} s; call it again when the engine "
+                               "is idle")
+        return self.kv
+
+    def evict_host(self, timeout: Optional[float] = None) -> int:
+        return self._idle("evict_host", timeout).evict("host")
+
+    def reset_tiers(self, timeout: Optional[float] = None) -> bool:
+        self._idle("reset_tiers", timeout).reset()
+        return self.kv.remote is None
+
+    def describe(self) -> Dict[str, Any]:
+        kv = self.kv
+        return {"mode": "embedded", "host_block_bytes": kv.host.layout.block_bytes,
+                "tiers": kv.config.tier_blocks(kv.model), "ssd_dirs": list(kv.ssd.dirs) if kv.ssd else [],
+                "remote": kv.remote.config.redacted_url if kv.remote else None}
+
+    def tier_files(self) -> List[str]:
+        from dynamo_flexkv.core.storage.ssd import DATA
+        import os
+        return [os.path.join(d, DATA) for d in self.kv.ssd.dirs] if self.kv.ssd else []
+
+    def announce_adopted(self) -> int:
+        return self.kv.announce_adopted()
+
+    def shutdown(self) -> None:
+        self.kv.shutdown()
+
+
+def open_offload(model: ModelSpec, config: CacheConfig, *, layerwise: bool = True,
+                 listener: Optional[IndexListener] = None, model_id: str = "", engine: str = "",
+                 namespace: Optional[str] = None, rank: int = 0, ranks: int = 1,
+                 mover_hook: Optional[MoverHook] = None) -> EngineOffload:
+    """The engine's offload, as the config's ``mode`` says: ``embedded``, tiers of this process
+    (``model_id`` keys its disk and remote tiers, ``mover_hook`` wraps its copy links); ``node``,
+    the node's cache service at ``node_socket``, shared with the other engines that present the
+    same ``model_id``, KV shape and ``namespace`` (the tenant), ``engine`` naming this one."""
+    if config.mode == "node":  # ``mover_hook`` wraps the device copies, the links this engine drives
+        from dynamo_flexkv.core.node.client import NodeOffload
+        return NodeOffload(model, config, layerwise=layerwise, listener=listener, model_id=model_id,
+                           engine=engine, tenant=namespace or "", rank=rank, ranks=ranks, mover_hook=mover_hook)
+    kv = KVManager(model, config, namespace=namespace, listener=listener, model_id=model_id, mover_hook=mover_hook)
+    return EmbeddedOffload(kv, layerwise=layerwise)

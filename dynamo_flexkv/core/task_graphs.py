@@ -30,9 +30,11 @@ class GraphBuilder:
         # (tier, bytes, seconds) of each finished get's and prefetch's reads: the cost model's input
         self.observe_link: Optional[Callable[[str, int, float], None]] = None
 
-    def get(self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool) -> TransferGraph:
+    def get(self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool,
+            device: Any = None) -> TransferGraph:
         """A get (``dev_ids`` given) or a prefetch (None): DISK2H into staged host blocks, then
-        H2D per layer or at once. Staged blocks commit after their bytes are verified."""
+        H2D per layer or at once. Staged blocks commit after their bytes are verified. ``device``:
+        the attached engine that copies its own device blocks (None: the registered device)."""
         load_device = dev_ids is not None
         tid, ops = task.id, []
         layers = [(i, i + 1) for i in range(self.num_layers)] if layerwise else [(0, self.num_layers)]
@@ -86,7 +88,7 @@ class GraphBuilder:
                         task.layer_ready[i].set()
                 dep = disk_for.get((lo, hi))
                 ops.append(TransferOp(OpKind.H2D, reads_h.block_ids, dst, deps=(dep,) if dep else (),
-                                      layers=(lo, hi), on_done=layer_landed))
+                                      layers=(lo, hi), on_done=layer_landed, device=device))
         loaded = plan.num_blocks if load_device else sum(len(r) for r in (plan.staged, plan.remote_staged) if r)
 
         def finished(graph: TransferGraph) -> None:
@@ -107,9 +109,12 @@ class GraphBuilder:
             if isinstance(graph.error, ChecksumError):
                 self._drop_corrupt(graph.error.disk_ids)
             task.finish(self._failure(task, graph))
+        for op in ops:
+            op.task_id = tid
         return TransferGraph(ops, on_finish=finished)
 
-    def put(self, task: Task, plan: PutPlan, dev_ids: np.ndarray, after: Any = None) -> TransferGraph:
+    def put(self, task: Task, plan: PutPlan, dev_ids: np.ndarray, after: Any = None,
+            device: Any = None) -> TransferGraph:
         """D2H into new host blocks (the task succeeds for its caller right then: the engine may
         reuse its blocks), then H2DISK in the background, journaled before it commits."""
         tid, ops = task.id, []
@@ -120,7 +125,7 @@ class GraphBuilder:
                 self.cache.complete(plan.host, tid)
                 task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, stored * self.tokens_per_block))
             d2h = TransferOp(OpKind.D2H, dev_ids[plan.host.start:plan.host.end], plan.host.block_ids,
-                             after=after, on_done=host_landed)
+                             after=after, on_done=host_landed, device=device)
             ops.append(d2h)
         else:
             task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, 0))
@@ -167,6 +172,8 @@ class GraphBuilder:
                             graph.error)
             self.cache.abort_task(tid)
             task.finish(self._failure(task, graph))
+        for op in ops:
+            op.task_id = tid
         return TransferGraph(ops, on_finish=finished)
 
     def _failure(self, task: Task, graph: TransferGraph) -> TaskResult:

@@ -101,6 +101,11 @@ class TaskTable:
                     self.expired_results += 1
 
     def _finished(self, task: Task) -> None:
+        if task.deliver is not None:  # handed to its receiver, never to wait()
+            with self.lock:
+                self._tasks.pop(task.id, None)
+            task.deliver(task.result)
+            return
         with self.lock:
             if task.id in self._tasks:
                 self._uncollected[task.id] = task.finished_at

@@ -77,6 +77,8 @@ class Task:
     done: threading.Event = field(default_factory=threading.Event)  # the caller may proceed
     layer_ready: List[threading.Event] = field(default_factory=list)
     on_finish: Optional[Callable[["Task"], None]] = None  # called once, when the result is set
+    # The result's receiver, instead of wait(): called once with it (the result is not kept).
+    deliver: Optional[Callable[[TaskResult], None]] = None
     finished_at: float = 0.0  # time.monotonic() of the result
     _finish_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

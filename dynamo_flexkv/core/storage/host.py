@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 from typing import Optional
 
 import numpy as np
@@ -27,12 +28,18 @@ class HostPool:
     makes host<->device copies asynchronous DMA.
     """
 
-    def __init__(self, layout: KVLayout, *, use_huge_pages: bool = False, pin: Optional[bool] = None) -> None:
+    def __init__(self, layout: KVLayout, *, use_huge_pages: bool = False, pin: Optional[bool] = None,
+                 share: bool = False, shared_fd: Optional[int] = None) -> None:
+        """``share``: a shared-memory segment (memfd) whose descriptor ``fd`` other processes map
+        with ``shared_fd`` (the node cache's engines); the segment lives while any mapping does."""
         self.layout = layout
         self.nbytes = layout.total_bytes
         self.huge_pages = False
+        self.fd: Optional[int] = None
         self._mm = None
-        if use_huge_pages:
+        if share or shared_fd is not None:
+            self._mm = self._map_shared(share, shared_fd)
+        elif use_huge_pages:
             size = -(-self.nbytes // _HUGE_PAGE) * _HUGE_PAGE
             try:
                 self._mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB)
@@ -41,8 +48,11 @@ class HostPool:
                 log.warning("host pool: huge pages unavailable (%s); using normal pages", e.strerror)
         if self._mm is None:
             self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                self._mm.madvise(mmap.MADV_HUGEPAGE)  # transparent huge pages: fewer TLB misses in gathers
+        if not self.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:  # transparent huge pages: fewer TLB misses in gathers (shared memory: where the kernel allows)
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)
         # xxh3_64 of each slot's bytes, known from when they landed: the D2H copy hashes what it
@@ -58,6 +68,20 @@ class HostPool:
             self.pinned = int(err) == 0
             if not self.pinned:
                 log.warning("host pool: cudaHostRegister failed (%s); copies will be synchronous", err)
+
+    def _map_shared(self, create: bool, fd: Optional[int]) -> mmap.mmap:
+        if create:
+            fd = os.memfd_create("flexkv-host-tier", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, self.nbytes)
+            except OSError:
+                os.close(fd)
+                raise
+            self.fd = fd
+        size = os.fstat(fd).st_size
+        if size < self.nbytes:
+            raise ValueError(f"shared host segment of {size} bytes is smaller than the tier's {self.nbytes}")
+        return mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     @property
     def num_blocks(self) -> int:
@@ -114,3 +138,6 @@ class HostPool:
             mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it
             pass
+        if self.fd is not None:
+            os.close(self.fd)  # engines that mapped the segment keep it until they unmap it
+            self.fd = None

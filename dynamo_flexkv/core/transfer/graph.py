@@ -42,6 +42,10 @@ class TransferOp:
     after: Any = None  # CUDA event the copy waits for: the engine's writes to these blocks
     seq_hashes: Optional[List[int]] = None  # remote ops: the blocks' sequence hashes (their keys)
     parent: Optional[int] = None  # remote ops: sequence hash before seq_hashes[0] (None at the root)
+    # Device copies (H2D, D2H) of an engine attached to the node cache: the engine's device, which
+    # copies them itself (core/node/engines.py); None: the manager's own registered device.
+    device: Any = None
+    task_id: Optional[int] = None  # the task whose graph this op belongs to
     # Filled in by the engine and the mover.
     state: OpState = OpState.PENDING
     nbytes: int = 0

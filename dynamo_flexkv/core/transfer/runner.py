@@ -29,6 +29,14 @@ class Mover(Protocol):
 MoverHook = Callable[[OpKind, Mover], Mover]
 
 
+class AsyncMover(Protocol):
+    """Moves one op's bytes elsewhere (an attached engine copies them, core/node/engines.py):
+    ``start`` returns at once, and ``done(error, nbytes)`` is called once, from any thread, when
+    the op landed (error None) or failed. No transfer thread waits for it meanwhile."""
+
+    def start(self, op: TransferOp, done: Callable[[Optional[BaseException], int], None]) -> None: ...
+
+
 class TransferRunner:
     def __init__(self, movers: Dict[OpKind, Mover], workers: int = 4) -> None:
         self.num_threads = workers
@@ -49,7 +57,7 @@ class TransferRunner:
 
     def submit(self, graph: TransferGraph) -> TransferGraph:
         for op in graph.ops:
-            if op.kind not in self.movers:
+            if op.device is None and op.kind not in self.movers:
                 raise ValueError(f"no mover for {op.kind.value}: this manager was built without that tier")
         with self._lock:
             if self._closed:
@@ -107,31 +115,51 @@ class TransferRunner:
                 return
             graph, op = item
             t0 = op.started = time.perf_counter()
+            mover = op.device if op.device is not None else self.movers[op.kind]
+            start = getattr(mover, "start", None)
+            if start is not None:  # an engine copies it: settled by its answer, on whatever thread
+                try:
+                    start(op, lambda error, nbytes, graph=graph, op=op: self._settle(graph, op, error, nbytes))
+                except BaseException as e:  # noqa: BLE001 - it could not even be sent: the op failed
+                    self._settle(graph, op, e, 0)
+                continue
             try:
-                op.nbytes = int(self.movers[op.kind].run(op))
-                op.seconds = time.perf_counter() - t0
+                nbytes = int(mover.run(op))
+                error = None
+            except BaseException as e:  # any failure of a copy fails its graph, never the worker
+                nbytes, error = 0, e
+            self._settle(graph, op, error, nbytes)
+
+    def _settle(self, graph: TransferGraph, op: TransferOp, error: Optional[BaseException], nbytes: int) -> None:
+        """An op landed (error None) or failed: commit it, dispatch what it unblocked, or fail the graph."""
+        op.seconds = time.perf_counter() - op.started
+        ok = error is None
+        if ok:
+            op.nbytes = int(nbytes)
+            try:
                 if op.on_done is not None:
                     op.on_done(op)
-                ok = True
-            except BaseException as e:  # any failure of a copy fails its graph, never the worker
-                op.error, op.seconds, ok = e, time.perf_counter() - t0, False
-            with self._lock:
-                self._running[id(graph)] -= 1
-                finished = False
-                if ok:
-                    op.state = OpState.DONE
-                    self.link_bytes[op.kind] += op.nbytes
-                    self.link_seconds[op.kind] += op.seconds
-                    self.link_ops[op.kind] += 1
-                    self._dispatch(graph)
-                else:
-                    op.state = OpState.FAILED
-                    self.failed_ops += 1
-                    if graph.error is None:
-                        graph.error = op.error
-                finished = self._maybe_finish(graph)
-            if finished:
-                self._finish(graph)
+            except BaseException as e:  # noqa: BLE001 - a failed commit fails the graph like a failed copy
+                error, ok = e, False
+        if not ok:
+            op.error = error
+        with self._lock:
+            self._running[id(graph)] -= 1
+            finished = False
+            if ok:
+                op.state = OpState.DONE
+                self.link_bytes[op.kind] += op.nbytes
+                self.link_seconds[op.kind] += op.seconds
+                self.link_ops[op.kind] += 1
+                self._dispatch(graph)
+            else:
+                op.state = OpState.FAILED
+                self.failed_ops += 1
+                if graph.error is None:
+                    graph.error = op.error
+            finished = self._maybe_finish(graph)
+        if finished:
+            self._finish(graph)
 
     def _maybe_finish(self, graph: TransferGraph) -> bool:  # lock held
         """Settles the graph once nothing of it runs; the caller then runs _finish unlocked

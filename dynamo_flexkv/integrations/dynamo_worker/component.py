@@ -41,7 +41,7 @@ from dynamo_flexkv.integrations.disagg.dynamo_handlers import Role
 from dynamo_flexkv.integrations.dynamo_worker.args import build_parser, check_event_plane_binds_loopback, mark_serving, on_sigint
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
 from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
-from dynamo_flexkv.core.manager import KVManager
+from dynamo_flexkv.core.offload import EngineOffload, open_offload
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self.model_dir = write_model_dir(self.cfg, args.model_dir or tempfile.mkdtemp(prefix="flexkv-model-"),
                                          context_length=self.limits.context_window)
         self.relay = KvEventRelay(self.cfg.block_size)
-        self.kv: Optional[KVManager] = None
+        self.offload: Optional[EngineOffload] = None  # the tiers, embedded or the node's cache service
         self.engine: Optional[LLMEngine] = None
         # ("add", rid, tokens, params, stream) or ("abort", rid), in arrival order: an abort never
         # overtakes its request.
@@ -110,21 +110,22 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             # Tier sizes, directories and policies come from FLEXKV_* / YAML (FLEXKV_CONFIG_PATH).
             # The engine's block is the unit of offload: tokens_per_block follows the model.
             cache = CacheConfig.load().replace(tokens_per_block=self.cfg.block_size)
-            self.kv = KVManager(self.cfg.kv_spec(), cache, listener=OffloadEvents(self.relay),
-                                model_id=f"{self.args.model}|{self.args.served_model_name}")  # remote fingerprint
+            self.offload = open_offload(self.cfg.kv_spec(), cache, layerwise=not self.args.bulk_load,
+                                        listener=OffloadEvents(self.relay), engine=f"{self.args.served_model_name}-{worker_id}",
+                                        model_id=f"{self.args.model}|{self.args.served_model_name}")  # remote fingerprint
         self.engine = LLMEngine(
-            self.cfg, num_device_blocks=self.args.num_device_blocks, kv_manager=self.kv,
+            self.cfg, num_device_blocks=self.args.num_device_blocks, offload=self.offload,
             layerwise=not self.args.bulk_load, device_prefix_cache=not self.args.no_device_prefix_cache,
             on_device_stored=lambda h, p, t: self.relay.stored(None, h, p, t),
             on_device_removed=lambda h: self.relay.removed(None, h))
         self.role.start(self.engine)
         self._thread = threading.Thread(target=self._loop, name="flexkv-engine", daemon=True)
         self._thread.start()
-        if self.kv is not None:
+        if self.offload is not None:
             threading.Thread(target=self._announce_disk, name="flexkv-announce", daemon=True).start()
         log.info("flexkv worker serving %s: context window %d tokens, vocabulary %d, offload %s",
                  self.args.served_model_name, self.limits.context_window, self.cfg.vocab_size,
-                 "off" if self.kv is None else "on")
+                 "off" if self.offload is None else self.offload.describe())
         return EngineConfig(model=str(self.model_dir), served_model_name=self.args.served_model_name,
                             llm=LlmRegistration(kv_cache_block_size=self.cfg.block_size,
                                                 total_kv_blocks=self.args.num_device_blocks,
@@ -136,7 +137,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     def collector(self) -> OffloadCollector:
         """The flexkv_* families of this worker's /metrics."""
         return OffloadCollector(self.tally, self._device_blocks,
-                                lambda: self.kv.stats() if self.kv is not None else None,
+                                lambda: self.offload.stats() if self.offload is not None else None,
                                 self._engine_stats,
                                 lambda: None if self.role.decode is None else self.role.decode.stats,
                                 lambda: None if self.role.prefill is None else self.role.prefill.leases)
@@ -258,7 +259,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             self._stop.set()
             await asyncio.to_thread(self._thread.join, 30)
         self.role.close()
-        if self.kv is not None:
+        if self.offload is not None:
             await asyncio.to_thread(self._flush_offload)
         self.relay.close()
         log.info("flexkv worker stopped")
@@ -270,16 +271,15 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     def _flush_offload(self) -> None:
         if self.engine is not None:
             self.engine.flush()  # collects the engine's own offload tasks
-        drain = getattr(self.kv, "drain", None)
-        if drain is not None and not drain(timeout=60):
+        if not self.offload.drain(timeout=60):
             log.error("shutdown: offload writes still running after 60 s; they are cancelled")
-        self.kv.shutdown()
+        self.offload.shutdown()
 
     def _announce_disk(self) -> None:
         """A restarted worker's re-adopted disk blocks are news to the router: announce them once
         the Worker's relay subscribed to our events."""
         if self.relay.wait_for_subscriber(timeout=120):
-            n = self.kv.announce_adopted()
+            n = self.offload.announce_adopted()
             if n:
                 log.info("announced %d re-adopted disk blocks to the router", n)
         else:

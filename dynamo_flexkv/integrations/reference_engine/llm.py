@@ -16,7 +16,7 @@ from dynamo_flexkv.integrations.reference_engine.model import LlamaModel, SeqChu
 from dynamo_flexkv.integrations.reference_engine.request import Request, RequestOutput, RequestState, SamplingParams, sample
 from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.core.manager import KVManager
-from dynamo_flexkv.core.offload import EngineOffload
+from dynamo_flexkv.core.offload import EmbeddedOffload, EngineOffload
 from dynamo_flexkv.core.tasks import TaskFailed, TaskStatus
 
 
@@ -29,6 +29,7 @@ class LLMEngine:
         model: Optional[LlamaModel] = None,
         device: str = "cpu",
         kv_manager: Optional[KVManager] = None,
+        offload: Optional[EngineOffload] = None,
         layerwise: bool = True,
         offload_puts: bool = True,
         device_prefix_cache: bool = True,
@@ -44,12 +45,17 @@ class LLMEngine:
         self.model = model or LlamaModel(cfg, device, seed)
         self.kv_cache = PagedKVCache(cfg, num_device_blocks, device)
         self.pool = DeviceBlockPool(num_device_blocks, on_device_stored, on_device_removed)
-        self.connector: Optional[EngineOffload] = None
+        # The offload tiers, through the engine contract: ``offload`` (open_offload: embedded or the
+        # node's cache service), or a KVManager of this engine's own.
+        if kv_manager is not None and offload is not None:
+            raise ValueError("pass kv_manager or offload, not both")
+        self.connector: Optional[EngineOffload] = offload
         if kv_manager is not None:
-            if kv_manager.tokens_per_block != cfg.block_size:
-                raise ValueError(f"the KVManager's tokens_per_block={kv_manager.tokens_per_block} differs from the "
+            self.connector = EmbeddedOffload(kv_manager, layerwise)
+        if self.connector is not None:
+            if self.connector.bs != cfg.block_size:
+                raise ValueError(f"the offload's tokens_per_block={self.connector.bs} differs from the "
                                  f"engine's block_size={cfg.block_size}: set tokens_per_block={cfg.block_size}")
-            self.connector = EngineOffload(kv_manager, layerwise)
             self.connector.register(self.kv_cache.layers)
         self.layerwise = layerwise
         self.offload_puts = offload_puts  # False: load from offload tiers but never store (benchmarks)

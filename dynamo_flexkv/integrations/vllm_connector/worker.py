@@ -22,8 +22,7 @@ import torch
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.hashing import block_hashes
-from dynamo_flexkv.core.manager import KVManager
-from dynamo_flexkv.core.offload import EngineOffload
+from dynamo_flexkv.core.offload import EngineOffload, open_offload
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskFailed
 from dynamo_flexkv.integrations.vllm_connector.events import FlexKVEvents, TierEventQueue
@@ -75,7 +74,6 @@ class LoadCounters:
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, tp_rank: int, tp_size: int) -> None:
         self.s, self.tp_rank, self.tp_size = settings, tp_rank, tp_size
-        self.kv: Optional[KVManager] = None
         self.offload: Optional[EngineOffload] = None
         self.events: Optional[TierEventQueue] = None
         self.server: Optional[LookupServer] = None
@@ -106,10 +104,10 @@ class WorkerSide:
             cache = cache.replace(ssd_cache_dir=dirs)
         self.events = TierEventQueue(self.s.block_size) if self.tp_rank == 0 else None
         hook = load_mover_hook(self.s.mover_hook) if self.s.mover_hook else None
-        self.kv = KVManager(desc.model, cache, listener=self.events, model_id=f"{self.s.model_id}|{desc.layout_tag}",
-                            mover_hook=hook)
+        self.offload = open_offload(desc.model, cache, layerwise=self.s.layerwise, listener=self.events,
+                                    model_id=f"{self.s.model_id}|{desc.layout_tag}", engine=self.s.engine_id,
+                                    rank=self.tp_rank, ranks=self.tp_size, mover_hook=hook)
         try:
-            self.offload = EngineOffload(self.kv, layerwise=self.s.layerwise)
             self.offload.register(desc.tensors, desc.layout)
             self._layer = desc.layer_index()
             self.clock = StepClock(cuda=desc.tensors[0].is_cuda)
@@ -118,13 +116,13 @@ class WorkerSide:
             if self.tp_rank == 0:
                 self.server = LookupServer(lookup_endpoint(self.s.engine_id, self.s.run_dir), self._lookup,
                                            self._reset_for_scheduler)
-                self.kv.announce_adopted()  # a restarted worker's disk blocks, for the router
+                self.offload.announce_adopted()  # a restarted worker's disk blocks, for the router
         except BaseException:
-            self.kv.shutdown()
+            self.offload.shutdown()
+            self.offload = None
             raise
-        log.info("FlexKVConnector worker rank %d: %d layers, %s, %d-byte blocks; tiers %s", self.tp_rank,
-                 len(desc.tensors), desc.layout_tag, self.kv.host.layout.block_bytes,
-                 {k: v for k, v in cache.tier_blocks(desc.model).items()})
+        log.info("FlexKVConnector worker rank %d: %d layers, %s; tiers %s", self.tp_rank, len(desc.tensors),
+                 desc.layout_tag, self.offload.describe())
 
     def _start_handover(self, desc: Any) -> None:
         """This worker's NIXL agent for the P->D handover; without one (tensor parallelism, no NIXL)
@@ -161,7 +159,7 @@ class WorkerSide:
             try:
                 self._alias(save.token_ids, save.event_hashes, save.lora_name, save.cache_salt)
                 self.offload.store(save.token_ids, save.block_ids, key=save.req_id, lora_name=save.lora_name,
-                                   cache_salt=save.cache_salt)
+                                   cache_salt=save.cache_salt, names=save.event_hashes or None)
                 self._saving[save.req_id] = self._saving.get(save.req_id, 0) + 1
             except Exception:  # noqa: BLE001 - a store that cannot start frees its blocks at once
                 log.exception("FlexKVConnector: storing request %s failed; its blocks are released", save.req_id)
@@ -238,11 +236,11 @@ class WorkerSide:
         if ld.failed:
             return
         try:
-            for i in range(self.kv.model.num_layers) if layer is None else (layer,):
+            for i in range(self.offload.num_layers) if layer is None else (layer,):
                 if not self.offload.wait_layer(ld.tid, i, self.s.load_timeout_s):
                     log.warning("FlexKVConnector: load for request %s still not on the device after %.0f s; "
                                 "cancelling it and recomputing", ld.spec.req_id, self.s.load_timeout_s)
-                    self.kv.cancel([ld.tid])
+                    self.offload.cancel_load(ld.tid, ())  # the request keeps its blocks; end_step collects it
                     raise TaskFailed("timed out")
         except TaskFailed:
             ld.failed = True
@@ -316,42 +314,38 @@ class WorkerSide:
         return self.events.take() if self.events is not None else None
 
     def tier_files(self) -> List[str]:
-        """The disk tier's data files (for operators and fault tests)."""
-        from dynamo_flexkv.core.storage.ssd import DATA
-        return [os.path.join(d, DATA) for d in self.kv.ssd.dirs] if self.kv is not None and self.kv.ssd else []
+        """The disk tier's data files this process owns (for operators and fault tests)."""
+        return self.offload.tier_files() if self.offload is not None else []
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Waits for the stores' background writes (disk, remote); False if some still run."""
-        return self.kv.drain(timeout) if self.kv is not None else True
+        return self.offload.drain(timeout) if self.offload is not None else True
 
     def stats(self) -> Optional[ManagerStats]:
-        return self.kv.stats() if self.kv is not None else None
+        return self.offload.stats() if self.offload is not None else None
 
-    def _idle_manager(self, what: str, timeout: Optional[float]) -> KVManager:
-        if self.kv is None:
+    def _registered(self, what: str) -> EngineOffload:
+        if self.offload is None:
             raise RuntimeError(f"{what}: this worker registered no KV caches yet (vLLM calls register_kv_caches first)")
-        if not self.kv.drain(timeout):
-            raise RuntimeError(f"{what}: tier writes still running after {timeout} s; call it again when the engine is idle")
-        return self.kv
+        return self.offload
 
     def evict_host(self, timeout: Optional[float] = None) -> int:
         """Evicts every host block once the writes below finished (the disk and remote copies
         stay); returns how many went."""
-        return self._idle_manager("evict_host", timeout).evict("host")
+        return self._registered("evict_host").evict_host(timeout)
 
-    def reset_tiers(self, timeout: Optional[float] = None) -> None:
-        """Drops every host and disk block once the writes finished (the remote tier, shared
-        with other workers, keeps its copies)."""
-        self._idle_manager("reset_tiers", timeout).reset()
+    def reset_tiers(self, timeout: Optional[float] = None) -> bool:
+        """Drops every host and disk block once the writes finished; False when a remote tier,
+        shared with other workers, keeps its copies."""
+        return self._registered("reset_tiers").reset_tiers(timeout)
 
     def _reset_for_scheduler(self) -> bool:
         """The scheduler's reset_cache: host and disk dropped once the writes finished. False with
         a remote tier, which keeps the old blocks for every worker sharing it."""
-        self.reset_tiers(self.s.drain_timeout_s)
-        if self.kv.remote is not None:
+        if not self.reset_tiers(self.s.drain_timeout_s):
             log.warning("FlexKVConnector: host and disk tiers reset; the remote tier %s keeps its blocks (shared "
                         "with other workers): after a weight update give the new weights a new model_id",
-                        self.kv.remote.config.redacted_url)
+                        self.offload.describe().get("remote"))
             return False
         log.info("FlexKVConnector: host and disk tiers reset (reset_prefix_cache)")
         return True
@@ -359,7 +353,7 @@ class WorkerSide:
     def step_stats(self) -> Dict[str, Any]:
         """Counter deltas since the last call, and the tiers' gauges at most once a second
         (vllm_connector/metrics.py names them)."""
-        if self.kv is None:
+        if self.offload is None:
             return {}
         c = self.counters
         totals = {"recomputed_tokens": c.recomputed, "failed_loads": c.failed_loads, "stored_tokens": self.stored_tokens,
@@ -369,9 +363,9 @@ class WorkerSide:
         totals.update({f"loaded_tokens/{t}": n for t, n in self.counters.loaded.items()})
         out: Dict[str, Any] = {}
         now = time.monotonic()
-        if now - self._gauges_at >= 1.0:
+        st = self.offload.stats() if now - self._gauges_at >= 1.0 else None
+        if st is not None:  # node mode: None while the service is away
             self._gauges_at = now
-            st = self.kv.stats()
             for tier, ts in st.tiers.items():
                 out[f"gauge:used_blocks/{tier}"] = ts.used_blocks
                 out[f"gauge:capacity_blocks/{tier}"] = ts.capacity_blocks
@@ -392,9 +386,9 @@ class WorkerSide:
         if self.server is not None:
             self.server.close()
             self.server = None
-        if self.kv is not None:
-            if not self.kv.drain(timeout=self.s.drain_timeout_s):
+        if self.offload is not None:
+            if not self.offload.drain(timeout=self.s.drain_timeout_s):
                 log.warning("FlexKVConnector: offload writes still running after %.0f s at shutdown; cancelled",
                             self.s.drain_timeout_s)
-            self.kv.shutdown()
-            self.kv = None
+            self.offload.shutdown()
+            self.offload = None
