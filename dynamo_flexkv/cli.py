@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="the main job: the replay comparison with its defaults on vLLM workers (same options as "
         "replay; --engine reference: the reference engine's workers)"))
 
+    from dynamo_flexkv.cache_server import add_arguments as cache_server_arguments
+    cache_server_arguments(sub.add_parser(
+        "cache-server", help="the node's KV cache service: one per node, shared by every engine and rank that "
+        "attaches (cache mode: node); outlives them",
+        description="Owns the host tier (shared memory the engines map), the disk and remote tiers, the index and "
+        "eviction for every engine on this node, which attach over a Unix socket (owner only). Runs until Ctrl-C or "
+        "SIGTERM (exit 0); the disk tier stays for the next one to re-adopt."))
+
     from dynamo_flexkv.bench import build_parser as bench_parser
     bench_parser(sub.add_parser("bench", help="run a benchmark against its same-run baseline"))
     return parser
@@ -113,6 +121,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "doctor":
         from dynamo_flexkv.doctor import main as doctor_main
         return doctor_main(args.cache_dirs, args.json)
+    if args.command == "cache-server":
+        from dynamo_flexkv.cache_server import run as cache_server_run
+        return cache_server_run(args)
     if args.command == "bench":
         from dynamo_flexkv.bench import run_command
         return run_command(args)

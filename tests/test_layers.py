@@ -124,7 +124,7 @@ def test_render_k8s_image_defaults_to_the_dockerfiles_tag(tmp_path):
 # ---- the folders are the layers ------------------------------------------------------------------
 PACKAGE = ROOT / "dynamo_flexkv"
 APPS = ("dynamo_flexkv.serve", "dynamo_flexkv.replay", "dynamo_flexkv.bench", "dynamo_flexkv.cli",
-        "dynamo_flexkv.doctor", "dynamo_flexkv.workload")
+        "dynamo_flexkv.doctor", "dynamo_flexkv.workload", "dynamo_flexkv.cache_server")
 # beside them on top, for every layer: resources.py (where the shipped presets, graphs and configs
 # are; imports nothing of ours), data/ (the shipped trace), _native (the C++ extension)
 # what each layer may not import (a module or any of its submodules)

@@ -1,0 +1,536 @@
+"""NodeOffload: the engine contract (core/offload.py) through the node's cache service.
+
+The engine keeps what must stay local: its device blocks and the copies between them and the
+host tier, which is the service's shared segment mapped here. So a load's layer waits are local
+events, set by this process's own copy of that layer; the service plans what moves (which host
+slots, which disk reads first) and commits what landed, as one KVManager would.
+
+One thread reads the connection (replies, task results, KV events for the engine's listener),
+one runs the service's copy requests in order (RunOp: H2D, D2H) and answers each. If the service
+goes away, every task in flight fails (the engine recomputes: exact tokens), the tier blocks this
+engine announced are removed from its router view, and a thread attaches again in the background;
+until then lookups miss and loads and stores are refused (NodeUnavailable) without waiting."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.hashing import namespaced_hashes
+from dynamo_flexkv.core.index.cache_engine import IndexListener, Tier, TierRun
+from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
+from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
+from dynamo_flexkv.core.node.protocol import (VERSION, Attach, Attached, Call, Cancel, Detach, Events, Load, Lookup,
+                                              Observe, OpDone, Prefetch, ProtocolError, Reply, RunOp, Store, TaskDone,
+                                              decode_to_engine, pack_ids, pack_tokens, unpack_ids, unpack_tokens)
+from dynamo_flexkv.core.offload import EngineOffload, Hold
+from dynamo_flexkv.core.stats import ManagerStats
+from dynamo_flexkv.core.storage.device import DeviceCache
+from dynamo_flexkv.core.storage.host import HostPool
+from dynamo_flexkv.core.tasks import TaskFailed, TaskKind, TaskResult, TaskStatus
+from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
+from dynamo_flexkv.core.transfer.movers import HostDeviceMover
+from dynamo_flexkv.core.transfer.runner import MoverHook
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 30.0  # a request the service does not answer in this long fails (it is gone or stuck)
+RETRY_S = (0.5, 5.0)  # re-attach backoff: first and longest wait
+
+
+class NodeUnavailable(ConnectionError, FlexKVError):
+    """The node's cache service is not reachable now: nothing was loaded or stored (recompute)."""
+
+
+@dataclass
+class _Task:
+    id: int
+    num_layers: int
+    kind: Optional[TaskKind] = None
+    planned: int = 0
+    by_tier: Dict[str, int] = field(default_factory=dict)
+    hold: Optional[Hold] = None
+    result: Optional[TaskResult] = None
+    done: threading.Event = field(default_factory=threading.Event)
+    layers: List[threading.Event] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.layers = [threading.Event() for _ in range(self.num_layers)]
+
+    def finish(self, result: TaskResult) -> None:
+        if self.result is None:
+            self.result = result
+        for ev in self.layers:
+            ev.set()
+        self.done.set()
+
+
+class _Connection:
+    """One attach: the channel, the mapped host segment and the movers over it (by link)."""
+
+    def __init__(self, channel: Channel, attached: Attached, host: HostPool, movers: Dict[OpKind, Any]) -> None:
+        self.channel, self.attached, self.host, self.movers = channel, attached, host, movers
+        self.replies: Dict[int, Tuple[threading.Event, List[Reply]]] = {}
+        self.lock = threading.Lock()
+        self.gone = threading.Event()  # _lost finished cleaning up after it
+
+
+class NodeOffload(EngineOffload):
+    def __init__(self, model: ModelSpec, config: CacheConfig, *, layerwise: bool = True,
+                 listener: Optional[IndexListener] = None, model_id: str, engine: str, tenant: str = "",
+                 rank: int = 0, ranks: int = 1, socket_path: Optional[str] = None,
+                 mover_hook: Optional[MoverHook] = None) -> None:
+        from dynamo_flexkv.core.node.server import default_socket_path
+        self.model, self.config = model, config
+        self.layerwise, self.bs, self.num_layers = layerwise, config.tokens_per_block, model.num_layers
+        self.listener, self.model_id, self.engine, self.tenant = listener, model_id, engine, tenant
+        self.rank, self.ranks = rank, ranks
+        self._mover_hook = mover_hook  # wraps this engine's device copies (fault injection, tracing)
+        self.socket_path = socket_path or config.node_socket or default_socket_path()
+        self.failed_loads = 0
+        self.device: Optional[DeviceCache] = None
+        self._conn: Optional[_Connection] = None
+        self._lock = threading.Lock()
+        self._tasks: Dict[int, _Task] = {}
+        self._holds: Dict[int, Hold] = {}
+        self._prefetches: List[int] = []
+        self._ids = itertools.count(1)
+        self._ops: "queue.Queue[Optional[Tuple[Any, Any]]]" = queue.Queue()  # (connection, RunOp) to copy
+        self._announced: Dict[str, Dict[int, None]] = {"host": {}, "disk": {}}  # what the listener was told
+        self._closed = False
+        self._copier = threading.Thread(target=self._copy_loop, name="flexkv-node-copy", daemon=True)
+        self._retry: Optional[threading.Thread] = None
+        self.namespace = ""
+        self.attaches = 0
+
+    # ---- setup ----------------------------------------------------------------------------------------
+    def register(self, layers: Any, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
+        self.device = DeviceCache.register(layers, self.model, layout, self.bs)
+        self._copier.start()
+        self._connect()  # a service not up yet is not an error: the engine serves, and attaches later
+        if self._conn is None:
+            self._retry_soon()
+
+    def _connect(self) -> bool:
+        """Attaches to the service; False (and logs why) if it cannot now."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(CALL_TIMEOUT_S)
+            sock.connect(self.socket_path)
+        except OSError as e:
+            sock.close()
+            log.warning("node cache %s: cannot connect (%s): serving without it, retrying", self.socket_path, e)
+            return False
+        channel = Channel(sock, f"node-cache-{self.engine}")
+        try:
+            channel.send(Attach(version=VERSION, engine=self.engine, model_id=self.model_id,
+                                num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
+                                head_size=self.model.head_size, dtype=self.model.dtype, kv_dim=self.model.kv_dim,
+                                tokens_per_block=self.bs, device_blocks=self.device.num_blocks, tenant=self.tenant,
+                                rank=self.rank, ranks=self.ranks, events=self.listener is not None))
+            frames = channel.frames()
+            body, fds = next(frames)
+            msg = decode_to_engine(body)
+            if isinstance(msg, Reply):
+                raise NodeUnavailable(f"the node cache refused this engine: {msg.error}")
+            if not isinstance(msg, Attached) or len(fds) != 1:
+                raise ProtocolError(f"expected Attached with the host segment, got {type(msg).__name__}")
+            sock.settimeout(None)
+            layout = self.config.layout(self.model, msg.host_blocks, KVLayoutType.BLOCKFIRST)
+            host = HostPool(layout, shared_fd=fds[0])
+            os.close(fds[0])  # the mapping keeps the segment
+        except (OSError, StopIteration, ProtocolError) as e:
+            channel.close(str(e))
+            channel.release()
+            log.warning("node cache %s: attach failed (%s): serving without it, retrying", self.socket_path, e)
+            return False
+        except NodeUnavailable:
+            channel.close("refused")
+            channel.release()
+            raise
+        mover = HostDeviceMover(host, self.device)
+        hook = self._mover_hook or (lambda kind, m: m)
+        conn = _Connection(channel, msg, host, {kind: hook(kind, mover) for kind in (OpKind.H2D, OpKind.D2H)})
+        self.namespace = msg.namespace
+        with self._lock:
+            self._conn = conn
+        self.attaches += 1
+        threading.Thread(target=self._read_loop, args=(conn, frames), name="flexkv-node-read", daemon=True).start()
+        log.info("node cache %s: attached (service pid %d, %d host blocks of %d bytes)", self.socket_path,
+                 msg.service_pid, msg.host_blocks, layout.block_bytes)
+        return True
+
+    def _retry_soon(self) -> None:
+        with self._lock:
+            if self._closed or (self._retry is not None and self._retry.is_alive()):
+                return
+            self._retry = threading.Thread(target=self._retry_loop, name="flexkv-node-attach", daemon=True)
+            self._retry.start()
+
+    def _retry_loop(self) -> None:
+        wait = RETRY_S[0]
+        while not self._closed and self._conn is None:
+            time.sleep(wait)
+            try:
+                if self._connect():
+                    return
+            except NodeUnavailable as e:  # refused (e.g. another model holds the server): keep trying, quietly
+                log.warning("%s", e)
+            wait = min(wait * 2, RETRY_S[1])
+
+    # ---- the connection's threads ---------------------------------------------------------------------
+    def _read_loop(self, conn: _Connection, frames: Any) -> None:
+        why = "the node cache service closed the connection"
+        try:
+            for body, fds in frames:
+                for fd in fds:
+                    os.close(fd)
+                msg = decode_to_engine(body)
+                if isinstance(msg, Reply):
+                    self._reply(conn, msg)
+                elif isinstance(msg, RunOp):
+                    self._ops.put((conn, msg))
+                elif isinstance(msg, TaskDone):
+                    self._task_done(msg)
+                elif isinstance(msg, Events):
+                    self._events(msg)
+        except (ProtocolError, ChannelClosed) as e:
+            why = str(e)
+        except Exception as e:  # noqa: BLE001 - whatever broke, the engine goes on without the service
+            why = f"{type(e).__name__}: {e}"
+            log.exception("node cache: reading from the service failed")
+        self._lost(conn, why)
+
+    def _copy_loop(self) -> None:
+        while True:
+            item = self._ops.get()
+            if item is None:
+                return
+            conn, msg = item
+            if isinstance(msg, threading.Event):  # _drain_copies: every copy before it is done
+                msg.set()
+                continue
+            if conn.channel.closed is not None:
+                continue  # its service is gone: nobody waits for this copy
+            error, nbytes = None, 0
+            try:
+                op = TransferOp(OpKind(msg.kind), unpack_ids(msg.src), unpack_ids(msg.dst),
+                                layers=(msg.lo, msg.hi) if msg.hi >= 0 else None, task_id=msg.task)
+                nbytes = conn.movers[op.kind].run(op)
+            except Exception as e:  # noqa: BLE001 - reported to the service, which fails the task
+                error = f"{type(e).__name__}: {e}"
+            if error is None and msg.kind == OpKind.H2D.value:
+                task = self._task(msg.task)
+                for i in range(max(msg.lo, 0), msg.hi if msg.hi >= 0 else self.num_layers):
+                    task.layers[i].set()
+            try:
+                conn.channel.send(OpDone(op=msg.op, nbytes=nbytes, error=error))
+            except ChannelClosed:
+                pass
+
+    def _lost(self, conn: _Connection, why: str) -> None:
+        """The service went away: every task it had fails, the router forgets the node blocks."""
+        conn.channel.close(why)
+        with self._lock:
+            if self._conn is not conn:  # another thread cleans up: wait for it to finish
+                cleaning = True
+            else:
+                cleaning = False
+                self._conn = None
+        if cleaning:
+            conn.gone.wait(CALL_TIMEOUT_S)
+            return
+        with self._lock:
+            tasks = [t for t in self._tasks.values() if t.result is None]
+        for rid, (ev, box) in list(conn.replies.items()):
+            box.append(Reply(id=rid, error=f"the node cache service went away: {why}", kind="closed"))
+            ev.set()
+        self._drain_copies()
+        for t in tasks:
+            t.finish(TaskResult(t.id, t.kind or TaskKind.GET, TaskStatus.FAILED,
+                                error=f"the node cache service went away: {why}"))
+        self._forget_announced()
+        conn.host.close()
+        conn.gone.set()
+        conn.channel.release()
+        if not self._closed:
+            log.warning("node cache %s: %s; recomputing until it is back", self.socket_path, why)
+            self._retry_soon()
+
+    def _drain_copies(self) -> None:
+        """Waits for the copy in progress (queued ones for a closed channel are skipped)."""
+        done = threading.Event()
+        self._ops.put((None, done))  # type: ignore[arg-type]
+        if self._copier.is_alive():
+            done.wait(CALL_TIMEOUT_S)
+
+    # ---- messages -----------------------------------------------------------------------------------
+    def _reply(self, conn: _Connection, msg: Reply) -> None:
+        with conn.lock:
+            waiter = conn.replies.pop(msg.id, None)
+        if waiter is not None:
+            waiter[1].append(msg)
+            waiter[0].set()
+        elif msg.error:
+            log.warning("node cache: %s", msg.error)
+
+    def _task(self, tid: int) -> _Task:
+        with self._lock:
+            t = self._tasks.get(tid)
+            if t is None:
+                t = self._tasks[tid] = _Task(tid, self.num_layers)
+            return t
+
+    def _task_done(self, msg: TaskDone) -> None:
+        t = self._task(msg.task)
+        t.finish(TaskResult(msg.task, t.kind or TaskKind.GET, TaskStatus(msg.status), msg.num_tokens, msg.error))
+
+    def _events(self, msg: Events) -> None:
+        if self.listener is None:
+            return
+        if msg.resync:
+            self._forget_announced()
+        for ev in msg.events:
+            tier = Tier(ev.tier)
+            seen = self._announced[ev.tier]
+            if ev.stored:
+                if ev.names and hasattr(self.listener, "alias"):
+                    named = [(h, n) for h, n in zip(ev.hashes, ev.names) if n is not None]
+                    self.listener.alias([h for h, _ in named], [n for _, n in named])
+                tokens = unpack_tokens(ev.tokens).tolist() if ev.tokens is not None else None
+                self.listener.on_stored(tier, TierRun(tier, 0, list(ev.hashes), [], ev.parent, False,
+                                                      token_ids=tokens))
+                seen.update(dict.fromkeys(ev.hashes))
+            else:
+                self.listener.on_removed(tier, list(ev.hashes))
+                for h in ev.hashes:
+                    seen.pop(h, None)
+
+    def _forget_announced(self) -> None:
+        """The router is told this engine no longer holds what it announced (newest first)."""
+        if self.listener is None:
+            return
+        for name, seen in self._announced.items():
+            if seen:
+                self.listener.on_removed(Tier(name), list(reversed(list(seen))))
+                seen.clear()
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def _request(self, make: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+        conn = self._conn
+        if conn is None:
+            raise NodeUnavailable(f"the node cache at {self.socket_path} is not attached")
+        rid = next(self._ids)
+        ev, box = threading.Event(), []
+        with conn.lock:
+            conn.replies[rid] = (ev, box)
+        try:
+            conn.channel.send(make(rid))
+        except ChannelClosed as e:
+            with conn.lock:
+                conn.replies.pop(rid, None)
+            raise NodeUnavailable(str(e)) from None
+        if not ev.wait(timeout):
+            with conn.lock:
+                conn.replies.pop(rid, None)
+            raise NodeUnavailable(f"the node cache did not answer within {timeout} s")
+        reply = box[0]
+        if reply.error is not None:
+            if reply.kind == "closed":
+                raise NodeUnavailable(reply.error)
+            raise RuntimeError(f"node cache: {reply.error}")
+        return reply.value
+
+    # ---- the contract -------------------------------------------------------------------------------
+    def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
+                      cache_salt: Optional[str] = None, prompt_tokens: Optional[int] = None,
+                      skip_blocks: int = 0) -> int:
+        try:
+            return int(self._request(lambda rid: Lookup(id=rid, tokens=pack_tokens(tokens), lora=lora_name,
+                                                        salt=cache_salt, prompt_tokens=prompt_tokens,
+                                                        skip_blocks=skip_blocks, layerwise=self.layerwise)))
+        except NodeUnavailable:
+            return skip_blocks * self.bs if skip_blocks else 0  # nothing beyond what the engine holds
+
+    def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
+                     cache_salt: Optional[str] = None) -> List[int]:
+        return [int(h) for h in namespaced_hashes(tokens, self.bs, self.namespace, lora_name, cache_salt).sequence]
+
+    def load(self, tokens: Sequence[int], block_table: Sequence[int], skip_blocks: int, *,
+             lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+             prompt_tokens: Optional[int] = None) -> Optional[int]:
+        value = self._request(lambda rid: Load(id=rid, tokens=pack_tokens(tokens), blocks=pack_ids(block_table),
+                                               skip_blocks=skip_blocks, lora=lora_name, salt=cache_salt,
+                                               prompt_tokens=prompt_tokens, layerwise=self.layerwise))
+        t = self._task(int(value["task"]))
+        t.kind, t.planned, t.by_tier = TaskKind.GET, int(value["planned"]), dict(value["by_tier"])
+        if t.planned == 0:
+            t.done.wait(CALL_TIMEOUT_S)
+            self._forget(t.id)
+            return None
+        return t.id
+
+    def planned_tokens(self, tid: int) -> int:
+        return self._known(tid).planned
+
+    def planned_tokens_by_tier(self, tid: int) -> Dict[str, int]:
+        return dict(self._known(tid).by_tier)
+
+    def wait_layer(self, tid: int, layer: int, timeout: Optional[float] = None) -> bool:
+        t = self._known(tid)
+        if not t.layers[layer].wait(timeout):
+            return False
+        if t.result is not None and not t.result.ok:
+            raise TaskFailed(f"task {tid}: {t.result.status.value}: {t.result.reason}")
+        return True
+
+    def cancel_load(self, tid: int, blocks: Sequence[int], key: Any = None) -> None:
+        t = self._known(tid)
+        if blocks:
+            t.hold = Hold(key, list(blocks))
+            with self._lock:
+                self._holds[tid] = t.hold
+        self._send_quietly(Cancel(task=tid))
+
+    def finish(self, tid: int) -> TaskResult:
+        t = self._known(tid)
+        t.done.wait()
+        self._forget(tid)
+        if not t.result.ok:
+            self.failed_loads += 1
+        return t.result
+
+    def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
+        self._send_quietly(Observe(tokens=int(tokens), prompt_tokens=int(prompt_tokens), seconds=float(seconds)))
+
+    def store(self, tokens: Sequence[int], block_table: Sequence[int], key: Any = None, *,
+              lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+              names: Optional[Sequence[int]] = None) -> int:
+        n = len(tokens) // self.bs
+        blocks = list(block_table[:n])
+        value = self._request(lambda rid: Store(id=rid, tokens=pack_tokens(tokens[:n * self.bs]),
+                                                blocks=pack_ids(blocks), lora=lora_name, salt=cache_salt,
+                                                names=list(names[:n]) if names else None))
+        t = self._task(int(value["task"]))
+        t.kind, t.hold = TaskKind.PUT, Hold(key, blocks)
+        with self._lock:
+            self._holds[t.id] = t.hold
+        return t.id
+
+    def prefetch(self, tokens: Sequence[int]) -> int:
+        value = self._request(lambda rid: Prefetch(id=rid, tokens=pack_tokens(tokens)))
+        t = self._task(int(value["task"]))
+        t.kind = TaskKind.PREFETCH
+        with self._lock:
+            self._prefetches.append(t.id)
+        return t.id
+
+    def cancel_prefetch(self, tid: int) -> None:
+        if tid in self._prefetches:
+            self._send_quietly(Cancel(task=tid))
+
+    @property
+    def tasks_pending(self) -> int:
+        with self._lock:
+            return len(self._holds) + len(self._prefetches)
+
+    def finished_holds(self) -> List[Hold]:
+        """Holds of stores and cancelled loads whose task finished (the service answered every copy
+        it asked of this engine first); finished prefetches are collected too."""
+        with self._lock:
+            finished = [p for p in self._prefetches if self._tasks[p].done.is_set()]
+            self._prefetches = [p for p in self._prefetches if p not in finished]
+            done = [tid for tid in self._holds if self._tasks[tid].done.is_set()]
+            out = [self._holds.pop(tid) for tid in done]
+            for tid in done + finished:
+                self._tasks.pop(tid, None)
+        return out
+
+    def drain_holds(self) -> List[Hold]:
+        with self._lock:
+            waits = [self._tasks[t] for t in list(self._holds) + self._prefetches]
+        for t in waits:
+            t.done.wait()
+        return self.finished_holds()
+
+    # ---- administration ----------------------------------------------------------------------------
+    def stats(self) -> Optional[ManagerStats]:
+        try:
+            return ManagerStats.from_dict(self._request(lambda rid: Call(id=rid, name="stats"))["tiers"])
+        except NodeUnavailable:
+            return None
+
+    def service_stats(self) -> Dict[str, Any]:
+        return self._request(lambda rid: Call(id=rid, name="stats"))
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        wait = CALL_TIMEOUT_S if timeout is None else timeout + 5
+        try:
+            return bool(self._request(lambda rid: Call(id=rid, name="drain", timeout=timeout), wait))
+        except NodeUnavailable:
+            return True  # nothing of this engine's is being written anywhere
+
+    def evict_host(self, timeout: Optional[float] = None) -> int:
+        return int(self._request(lambda rid: Call(id=rid, name="evict_host", timeout=timeout)))
+
+    def reset_tiers(self, timeout: Optional[float] = None) -> bool:
+        return bool(self._request(lambda rid: Call(id=rid, name="reset", timeout=timeout)))
+
+    def describe(self) -> Dict[str, Any]:
+        try:
+            out = dict(self._request(lambda rid: Call(id=rid, name="describe")))
+        except NodeUnavailable as e:
+            out = {"unavailable": str(e)}
+        return {"mode": "node", "socket": self.socket_path, **out}
+
+    def tier_files(self) -> List[str]:
+        return []  # the service's: not this engine's to touch
+
+    def announce_adopted(self) -> int:
+        return 0  # the service announces what it re-adopted, to every engine that attaches
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conn = self._conn
+        if conn is not None:
+            try:
+                conn.channel.send(Detach())
+                conn.channel.close("this engine shut down", flush_s=1.0)
+            except ChannelClosed:
+                pass
+            self._lost(conn, "this engine shut down")
+        self._ops.put(None)
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def _known(self, tid: int) -> _Task:
+        with self._lock:
+            t = self._tasks.get(tid)
+        if t is None:
+            raise KeyError(f"task {tid!r}: not a task of this engine, or its result was taken")
+        return t
+
+    def _forget(self, tid: int) -> None:
+        with self._lock:
+            self._tasks.pop(tid, None)
+
+    def _send_quietly(self, msg: Any) -> None:
+        conn = self._conn
+        if conn is not None:
+            try:
+                conn.channel.send(msg)
+            except ChannelClosed:
+                pass

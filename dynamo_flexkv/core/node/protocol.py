@@ -1,0 +1,242 @@
+"""The node cache's wire protocol: what an engine and the node's cache server say on the local socket.
+
+Every message is one frame: a 4-byte little-endian length, then a msgpack map tagged by ``t``
+(msgspec Structs: a frame that does not decode into one of them, or carries a wrong type, is a
+ProtocolError naming what is wrong, and the service closes that connection only). Token ids travel
+as little-endian uint32 bytes, block ids as little-endian int64 bytes: a 128K-token prompt is
+512 KiB, decoded without a Python int per token.
+
+An engine (``NodeOffload``, client.py) attaches once per process with what makes its KV bytes its
+own (model fingerprint, layout, tenant): engines that agree share one namespace of the service's
+tiers. It then asks (Lookup, Load, Store, ...) and the service answers (Reply) and drives the
+device copies of the tasks it planned (RunOp): the engine copies between its device blocks and the
+shared host segment itself and reports each copy (OpDone). Task results (TaskDone) and the tiers'
+KV events (Events) are pushed to it."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import msgspec
+import numpy as np
+from dynamo_flexkv.core.errors import FlexKVError
+
+VERSION = 1
+MAX_FRAME = 64 << 20  # a frame longer than this is refused: no single message needs it
+_LEN = struct.Struct("<I")
+
+
+class ProtocolError(ValueError, FlexKVError):
+    """A frame that is not a message of this protocol (garbage, truncated, oversized, wrong types)."""
+
+
+# ---- engine -> service ------------------------------------------------------------------------
+class Attach(msgspec.Struct, tag="attach", forbid_unknown_fields=True):
+    version: int
+    engine: str  # the engine instance (vLLM engine id, a worker name): events and ranks are per engine
+    model_id: str  # names the weights: other weights of the same shape are other bytes
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    kv_dim: int
+    tokens_per_block: int
+    device_blocks: int  # the engine's own blocks: ids of its loads and stores are below this
+    tenant: str = ""  # a namespace of its own: nothing of another tenant's is visible to it
+    rank: int = 0
+    ranks: int = 1
+    events: bool = True  # this engine publishes the tiers' KV events (tensor-parallel rank 0)
+
+
+class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
+    id: int
+    tokens: bytes
+    lora: Optional[str] = None
+    salt: Optional[str] = None
+    prompt_tokens: Optional[int] = None
+    skip_blocks: int = 0
+    layerwise: bool = True
+
+
+class Load(msgspec.Struct, tag="load", forbid_unknown_fields=True):
+    id: int
+    tokens: bytes
+    blocks: bytes
+    skip_blocks: int = 0
+    lora: Optional[str] = None
+    salt: Optional[str] = None
+    prompt_tokens: Optional[int] = None
+    layerwise: bool = True
+
+
+class Store(msgspec.Struct, tag="store", forbid_unknown_fields=True):
+    id: int
+    tokens: bytes
+    blocks: bytes
+    lora: Optional[str] = None
+    salt: Optional[str] = None
+    names: Optional[List[Union[int, bytes]]] = None  # the engine's own name of each block, for KV events (vLLM's hashes)
+
+
+class Prefetch(msgspec.Struct, tag="prefetch", forbid_unknown_fields=True):
+    id: int
+    tokens: bytes
+    lora: Optional[str] = None
+    salt: Optional[str] = None
+
+
+class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):
+    task: int
+
+
+class OpDone(msgspec.Struct, tag="op_done", forbid_unknown_fields=True):
+    op: int
+    nbytes: int = 0
+    error: Optional[str] = None
+
+
+class Observe(msgspec.Struct, tag="observe", forbid_unknown_fields=True):
+    tokens: int
+    prompt_tokens: int
+    seconds: float
+
+
+class Call(msgspec.Struct, tag="call", forbid_unknown_fields=True):
+    """An administrative call: stats, drain, reset, evict_host, describe."""
+    id: int
+    name: str
+    timeout: Optional[float] = None
+
+
+class Detach(msgspec.Struct, tag="detach", forbid_unknown_fields=True):
+    pass
+
+
+# ---- service -> engine ------------------------------------------------------------------------
+class Attached(msgspec.Struct, tag="attached", forbid_unknown_fields=True):
+    """The host segment itself travels beside this frame (SCM_RIGHTS)."""
+    version: int
+    namespace: str  # the hashing salt of this engine's namespace
+    host_blocks: int
+    host_bytes: int
+    service_pid: int
+    incarnation: str  # changes when the service restarts: a re-attached engine's old state is void
+
+
+class Reply(msgspec.Struct, tag="reply", forbid_unknown_fields=True):
+    id: int
+    value: Any = None
+    error: Optional[str] = None
+    kind: Optional[str] = None  # the error's class: "closed", "refused", "bad_request", ...
+
+
+class RunOp(msgspec.Struct, tag="run_op", forbid_unknown_fields=True):
+    op: int
+    task: int
+    kind: str  # "h2d" or "d2h"
+    src: bytes
+    dst: bytes
+    lo: int
+    hi: int
+
+
+class TaskDone(msgspec.Struct, tag="task_done", forbid_unknown_fields=True):
+    task: int
+    status: str
+    num_tokens: int = 0
+    error: Optional[str] = None
+
+
+class Event(msgspec.Struct, array_like=True):
+    stored: bool
+    tier: str  # "host" or "disk"
+    hashes: List[int]
+    parent: Optional[int] = None
+    tokens: Optional[bytes] = None
+    names: Optional[List[Union[int, bytes, None]]] = None  # the router's name of each block, where the storing engine gave one
+
+
+class Events(msgspec.Struct, tag="events", forbid_unknown_fields=True):
+    events: List[Event]
+    resync: bool = False  # the engine forgets every tier block it announced before these
+
+
+ToService = Union[Attach, Lookup, Load, Store, Prefetch, Cancel, OpDone, Observe, Call, Detach]
+ToEngine = Union[Attached, Reply, RunOp, TaskDone, Events]
+
+_encoder = msgspec.msgpack.Encoder()
+_to_service = msgspec.msgpack.Decoder(ToService)
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    body = _encoder.encode(message)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"{type(message).__name__} of {len(body)} bytes is over the {MAX_FRAME}-byte frame limit")
+    return _LEN.pack(len(body)) + body
+
+
+def decode_to_service(body: bytes) -> Any:
+    return _decode(_to_service, body)
+
+
+def decode_to_engine(body: bytes) -> Any:
+    return _decode(_to_engine, body)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"not a message of the node cache protocol: {e}") from None
+
+
+def frame_length(header: bytes) -> int:
+    (n,) = _LEN.unpack(header)
+    if n > MAX_FRAME:
+        raise ProtocolError(f"a frame of {n} bytes is over the {MAX_FRAME}-byte limit")
+    return n
+
+
+HEADER_BYTES = _LEN.size
+
+
+# ---- arrays -------------------------------------------------------------------------------------
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > 0xFFFFFFFF)):
+        raise ValueError("token ids must be a flat sequence of integers in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def unpack_tokens(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise ProtocolError(f"token ids of {len(data)} bytes: not a whole number of uint32")
+    return np.frombuffer(data, dtype="<u4")
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError("block ids must be a flat sequence of integers")
+    return arr.astype("<i8", copy=False).tobytes()
+
+
+def unpack_ids(data: bytes) -> np.ndarray:
+    if len(data) % 8:
+        raise ProtocolError(f"block ids of {len(data)} bytes: not a whole number of int64")
+    return np.frombuffer(data, dtype="<i8")
+
+
+def attach_key(a: Attach) -> Tuple[Any, ...]:
+    """What must agree for two engines to share blocks: weights, KV shape and dtype, block size,
+    tenant and the tensor-parallel split (each rank's shard is other bytes)."""
+    return (a.model_id, a.num_layers, a.num_kv_heads, a.head_size, a.dtype, a.kv_dim, a.tokens_per_block,
+            a.tenant, a.ranks)
+
+
+def describe_key(key: Tuple[Any, ...]) -> Dict[str, Any]:
+    names = ("model_id", "num_layers", "num_kv_heads", "head_size", "dtype", "kv_dim", "tokens_per_block",
+             "tenant", "ranks")
+    return dict(zip(names, key))

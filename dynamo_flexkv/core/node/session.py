@@ -1,0 +1,320 @@
+"""One attached engine's connection to the node cache service, on a thread of its own.
+
+Requests are answered in order (Reply with the request's id); task results (TaskDone), device
+copies to run (RunOp, engines.py) and the namespace's KV events (Events) are pushed. A frame that
+is not a message of the protocol, a request before Attach, or ids out of the engine's range end or
+refuse that engine's request only; the service serves the others on. When the connection ends (a
+Detach, a closed socket, a killed engine) the engine's copies in flight fail or are fenced
+(engines.py), its tasks are cancelled, and nothing of it stays: the holds it lent are released
+with them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import struct
+import threading
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+
+import numpy as np
+
+from dynamo_flexkv.core.config import ConfigError
+from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.layout import DTYPE_BYTES
+from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
+from dynamo_flexkv.core.node.engines import EngineDevice
+from dynamo_flexkv.core.node.protocol import (VERSION, Attach, Attached, Call, Cancel, Detach, Event, Events, Load,
+                                              Lookup, Observe, OpDone, Prefetch, ProtocolError, Reply, Store, TaskDone,
+                                              decode_to_service, unpack_ids, unpack_tokens)
+from dynamo_flexkv.core.tasks import TaskResult
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.core.node.server import Namespace, NodeCacheServer
+
+log = logging.getLogger(__name__)
+
+_PEERCRED = struct.Struct("3i")
+MAX_TASKS_PER_ENGINE = 4096  # loads, stores and prefetches of one engine not finished yet
+
+
+class RequestRefused(ValueError, FlexKVError):
+    """A request this engine may not make (wrong order, another engine's task, ids out of range)."""
+
+
+class Session:
+    def __init__(self, server: "NodeCacheServer", sid: int, conn: socket.socket) -> None:
+        self.server, self.id = server, sid
+        pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        self.pid, self.uid = pid, uid
+        self.channel = Channel(conn, f"engine-{sid}-pid{pid}", server.options.max_queued_mb << 20)
+        self.attach: Optional[Attach] = None
+        self.ns: Optional["Namespace"] = None
+        self.device: Optional[EngineDevice] = None
+        self._tasks: Set[int] = set()  # issued, not finished
+        self._finished_early: Set[int] = set()  # finished inside the call that issued them
+        self._tasks_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"flexkv-node-engine-{sid}", daemon=True)
+        self._closed = False
+        self.requests = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def refuse(self, why: str) -> None:
+        """Answers the first request with ``why`` and closes (the server is full)."""
+        try:
+            self.channel.send(Reply(id=0, error=why, kind="refused"))
+        except ConnectionError:
+            pass
+        self.channel.close(why)
+        self.channel.release()
+
+    def describe(self) -> Dict[str, Any]:
+        a = self.attach
+        return {"session": self.id, "pid": self.pid, "engine": a.engine if a else None, "rank": a.rank if a else None,
+                "model_id": a.model_id if a else None, "tasks": len(self._tasks),
+                "copies_in_flight": self.device.in_flight if self.device else 0}
+
+    # ---- the connection ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        why = "the engine closed the connection"
+        try:
+            for body, fds in self.channel.frames():
+                for fd in fds:  # engines send none
+                    _close_fd(fd)
+                msg = decode_to_service(body)
+                if isinstance(msg, Detach):
+                    why = "the engine detached"
+                    break
+                self._handle(msg)
+        except ProtocolError as e:
+            self.server.counters["protocol_errors"] += 1
+            why = f"protocol error: {e}"
+            log.warning("node cache: engine pid %d: %s; closing its connection", self.pid, e)
+            try:
+                self.channel.send(Reply(id=0, error=str(e), kind="protocol"))
+            except ConnectionError:
+                pass
+        except ChannelClosed as e:
+            why = str(e)
+        except Exception as e:  # noqa: BLE001 - a bug here must end this engine's session only
+            why = f"service error: {type(e).__name__}: {e}"
+            log.exception("node cache: engine pid %d: session failed", self.pid)
+        self.close(why)
+
+    def close(self, why: str, fence: bool = True) -> None:
+        """Ends the session (idempotent): copies in flight fail or are fenced, tasks cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        self.channel.close(why)
+        if self.device is not None:
+            if fence:
+                self.device.detach(why, self.server.fence)
+            else:  # the service itself stops: its segment is never reused, nothing to fence
+                self.device.detach(why, _NoFence())
+        if self.ns is not None:
+            self.ns.mirror.unsubscribe(self.id)
+            with self._tasks_lock:
+                tasks = list(self._tasks)
+            try:
+                if tasks:
+                    self.ns.kv.cancel(tasks)
+            except Exception:  # noqa: BLE001 - ManagerClosed at shutdown, or tasks already gone
+                pass
+            self.server.leave(self.ns, self)
+        if self.attach is not None:
+            log.info("node cache: engine %s rank %d (pid %d) detached: %s", self.attach.engine, self.attach.rank,
+                     self.pid, why)
+        self.server.session_ended(self)
+        threading.Thread(target=self.channel.release, daemon=True).start()
+
+    # ---- requests --------------------------------------------------------------------------------------
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, Attach):
+            self._attach(msg)
+            return
+        if self.ns is None:
+            raise ProtocolError(f"{type(msg).__name__} before Attach: attach first")
+        if isinstance(msg, OpDone):
+            if not self.device.finish(msg.op, msg.nbytes, msg.error):
+                raise ProtocolError(f"OpDone for copy {msg.op}, which this engine was never asked to make")
+            return
+        if isinstance(msg, Cancel):
+            with self._tasks_lock:
+                mine = msg.task in self._tasks
+            if mine:
+                self.ns.kv.cancel([msg.task])
+            return
+        if isinstance(msg, Observe):
+            self.ns.kv.observe_prefill(msg.tokens, msg.prompt_tokens, msg.seconds)
+            return
+        self.requests += 1
+        self.server.counters["requests"] += 1
+        try:
+            value = self._answer(msg)
+        except (ValueError, KeyError, TypeError, RuntimeError, FlexKVError) as e:
+            self.server.counters["request_errors"] += 1
+            kind = "closed" if "shut down" in str(e) else "refused"
+            self.channel.send(Reply(id=msg.id, error=f"{type(e).__name__}: {e}", kind=kind))
+            return
+        self.channel.send(Reply(id=msg.id, value=value))
+
+    def _attach(self, a: Attach) -> None:
+        if self.attach is not None:
+            raise ProtocolError("Attach twice on one connection")
+        problem = _check_attach(a)
+        if problem:
+            self.channel.send(Reply(id=0, error=problem, kind="refused"))
+            raise ProtocolError(problem)
+        try:
+            ns = self.server.namespace_for(a, self)
+        except (ConfigError, OSError) as e:
+            self.server.counters["refused"] += 1
+            self.channel.send(Reply(id=0, error=str(e), kind="refused"))
+            raise ChannelClosed(f"refused: {e}") from None
+        self.attach, self.ns = a, ns
+        kv = ns.kv
+        self.device = EngineDevice(f"{a.engine}/rank{a.rank}", a.device_blocks, self.channel.send, self.pid,
+                                   kv.host.forget_checksums)
+        self.server.counters["attached"] += 1
+        self.channel.send(Attached(version=VERSION, namespace=ns.salt, host_blocks=kv.host.num_blocks,
+                                   host_bytes=kv.host.nbytes, service_pid=os.getpid(),
+                                   incarnation=self.server.incarnation), fds=[kv.host.fd])
+        log.info("node cache: engine %s rank %d/%d (pid %d) attached to model %s%s", a.engine, a.rank, a.ranks,
+                 self.pid, a.model_id, f" tenant {a.tenant}" if a.tenant else "")
+        if a.events:
+            ns.mirror.subscribe(self.id, self._send_events)
+
+    def _send_events(self, events: List[Event], resync: bool) -> None:
+        self.channel.send(Events(events=events, resync=resync))
+
+    def _answer(self, msg: Any) -> Any:
+        kv = self.ns.kv
+        if isinstance(msg, Lookup):
+            return kv.loadable_tokens(unpack_tokens(msg.tokens), prompt_tokens=msg.prompt_tokens,
+                                      layerwise=msg.layerwise, lora_name=msg.lora, cache_salt=msg.salt,
+                                      skip_blocks=msg.skip_blocks)
+        if isinstance(msg, Load):
+            self._room()
+            tid = kv.get_async(unpack_tokens(msg.tokens), self._ids(msg.blocks), skip_blocks=msg.skip_blocks,
+                               layerwise=msg.layerwise, lora_name=msg.lora, cache_salt=msg.salt,
+                               prompt_tokens=msg.prompt_tokens, device=self.device, on_done=self._task_done)
+            if not self._track(tid):  # found nothing to load: finished (not_found) inside get_async
+                return {"task": tid, "planned": 0, "by_tier": {}}
+            return {"task": tid, "planned": kv.planned_tokens(tid), "by_tier": kv.planned_tokens_by_tier(tid)}
+        if isinstance(msg, Store):
+            self._room()
+            tokens = unpack_tokens(msg.tokens)
+            if msg.names:
+                self.ns.mirror.name(kv.hashes(tokens, lora_name=msg.lora, cache_salt=msg.salt).sequence.tolist(),
+                                    msg.names)
+            tid = kv.put_async(tokens, self._ids(msg.blocks), lora_name=msg.lora, cache_salt=msg.salt,
+                               device=self.device, on_done=self._task_done)
+            self._track(tid)
+            return {"task": tid}
+        if isinstance(msg, Prefetch):
+            self._room()
+            tid = kv.prefetch_async(unpack_tokens(msg.tokens), lora_name=msg.lora, cache_salt=msg.salt,
+                                    on_done=self._task_done)
+            self._track(tid)
+            return {"task": tid}
+        if isinstance(msg, Call):
+            return self._call(msg)
+        raise ProtocolError(f"{type(msg).__name__} is not a request")
+
+    def _call(self, msg: Call) -> Any:
+        kv = self.ns.kv
+        if msg.name == "stats":
+            return {"tiers": dataclasses.asdict(kv.stats()), "namespace": self.ns.describe(),
+                    "service": {k: v for k, v in self.server.counters.items()}}
+        if msg.name == "drain":
+            return kv.drain(msg.timeout)
+        if msg.name == "reset":
+            if not kv.drain(msg.timeout):
+                raise RuntimeError(f"tier writes still running after {msg.timeout} s; call reset again when idle")
+            kv.reset()
+            return kv.remote is None  # a remote tier keeps its blocks for every worker sharing it
+        if msg.name == "evict_host":
+            if not kv.drain(msg.timeout):
+                raise RuntimeError(f"tier writes still running after {msg.timeout} s; call evict_host again when idle")
+            return kv.evict("host")
+        if msg.name == "describe":
+            return {"host_block_bytes": kv.host.layout.block_bytes, "tiers": kv.config.tier_blocks(kv.model),
+                    "ssd_dirs": list(kv.ssd.dirs) if kv.ssd else [],
+                    "remote": kv.remote.config.redacted_url if kv.remote else None}
+        raise RequestRefused(f"unknown call {msg.name!r}: stats, drain, reset, evict_host or describe")
+
+    # ---- task bookkeeping -----------------------------------------------------------------------------
+    def _ids(self, data: bytes) -> np.ndarray:
+        ids = unpack_ids(data)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.attach.device_blocks):
+            raise RequestRefused(f"device block ids {int(ids.min())}..{int(ids.max())} outside this engine's "
+                                 f"{self.attach.device_blocks} blocks")
+        return ids
+
+    def _room(self) -> None:
+        with self._tasks_lock:
+            if len(self._tasks) >= MAX_TASKS_PER_ENGINE:
+                raise RequestRefused(f"{len(self._tasks)} tasks of this engine unfinished (at most "
+                                     f"{MAX_TASKS_PER_ENGINE}): wait for some")
+
+    def _track(self, tid: int) -> bool:
+        """Records a task this engine issued; False if it finished already (its result is sent)."""
+        with self._tasks_lock:
+            if tid in self._finished_early:
+                self._finished_early.discard(tid)
+                return False
+            self._tasks.add(tid)
+            return True
+
+    def _task_done(self, result: TaskResult) -> None:
+        with self._tasks_lock:
+            if result.task_id in self._tasks:
+                self._tasks.discard(result.task_id)
+            else:  # finished inside get_async/put_async, before _track
+                self._finished_early.add(result.task_id)
+        try:
+            self.channel.send(TaskDone(task=result.task_id, status=result.status.value, num_tokens=result.num_tokens,
+                                       error=result.error))
+        except ConnectionError:
+            pass  # the engine is gone: nothing waits for it
+
+
+def _check_attach(a: Attach) -> Optional[str]:
+    if a.version != VERSION:
+        return f"protocol version {a.version}; this cache server speaks {VERSION}: upgrade the engine or the server"
+    if a.dtype not in DTYPE_BYTES:
+        return f"dtype {a.dtype!r} unknown: one of {sorted(DTYPE_BYTES)}"
+    for name in ("num_layers", "num_kv_heads", "head_size", "tokens_per_block", "device_blocks", "ranks"):
+        if getattr(a, name) < 1:
+            return f"{name}={getattr(a, name)} must be >= 1"
+    if a.kv_dim not in (1, 2):
+        return f"kv_dim={a.kv_dim}: 2 (K and V) or 1 (an MLA latent)"
+    if not 0 <= a.rank < a.ranks:
+        return f"rank={a.rank} outside [0, {a.ranks})"
+    if a.ranks > 1:
+        return (f"ranks={a.ranks}: tensor-parallel engines do not share the node cache yet; run them with "
+                "mode: embedded (each rank keeps tiers of its own)")
+    if not a.model_id.strip():
+        return "model_id is empty: name the weights, or engines of other models would share KV"
+    if len(a.tenant) > 256 or len(a.engine) > 256 or len(a.model_id) > 4096:
+        return "engine, tenant or model_id too long"
+    return None
+
+
+class _NoFence:
+    def after_exit(self, pid: int, callback: Any) -> None:
+        callback()
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,126 @@
+"""Helpers for tests of the node cache (not a test module): a service in this process, engines
+(NodeOffload over CPU tensors standing in for device memory) whose KV bytes are a function of
+the tokens they hold, so any loaded block can be checked against what it must be, and an engine
+in a process of its own (node_engine.py) for kills."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
+from dynamo_flexkv.core.node.server import NodeCacheServer, ServerOptions
+from dynamo_flexkv.core.offload import EngineOffload, open_offload
+
+SPEC = ModelSpec(num_layers=4, num_kv_heads=2, head_size=32, dtype="float32")
+BS = 16
+DEVICE_BLOCKS = 128
+HERE = Path(__file__).parent
+
+
+def server_config(tmp: Path, host_gb: float = 0.02, ssd_gb: float = 0.0) -> CacheConfig:
+    return CacheConfig(tokens_per_block=BS, cpu_cache_gb=host_gb, ssd_cache_gb=ssd_gb,
+                       ssd_cache_dir=str(tmp / "ssd") if ssd_gb else ())
+
+
+@contextlib.contextmanager
+def node_server(tmp: Path, host_gb: float = 0.02, ssd_gb: float = 0.0, **options) -> Iterator[NodeCacheServer]:
+    with NodeCacheServer(server_config(tmp, host_gb, ssd_gb), ServerOptions(str(tmp / "node.sock"), **options)) as s:
+        yield s
+
+
+class Engine:
+    """A NodeOffload over per-layer CPU tensors (LAYERBLOCK), like an engine's paged KV cache."""
+
+    def __init__(self, socket_path: str, name: str, model_id: str = "m", tenant: str = "", listener=None,
+                 spec: ModelSpec = SPEC, mover_hook=None) -> None:
+        cfg = CacheConfig(tokens_per_block=BS, mode="node", node_socket=socket_path)
+        self.offload: EngineOffload = open_offload(spec, cfg, model_id=model_id, engine=name, namespace=tenant,
+                                                   listener=listener, mover_hook=mover_hook)
+        layout = KVLayout(KVLayoutType.LAYERBLOCK, spec, BS, DEVICE_BLOCKS)
+        self.layers = [torch.zeros(layout.layer_shape(), dtype=torch.float32) for _ in range(spec.num_layers)]
+        self.offload.register(self.layers)
+
+    def fill(self, tokens: Sequence[int], blocks: Sequence[int]) -> None:
+        """Computes the KV of each full block of ``tokens`` into ``blocks``: bytes that only these
+        tokens at this position give."""
+        for i, b in enumerate(blocks[: len(tokens) // BS]):
+            for layer, t in enumerate(self.layers):
+                t[b] = expected_block(tokens, i, layer, t.shape[1:])
+
+    def check(self, tokens: Sequence[int], blocks: Sequence[int], first: int, count: int) -> List[int]:
+        """Blocks [first, first + count) of ``tokens`` in ``blocks`` whose bytes are wrong."""
+        wrong = []
+        for i in range(first, first + count):
+            for layer, t in enumerate(self.layers):
+                if not torch.equal(t[blocks[i]], expected_block(tokens, i, layer, t.shape[1:])):
+                    wrong.append(i)
+                    break
+        return wrong
+
+    def store(self, tokens: Sequence[int], blocks: Sequence[int], key: str = "r", timeout: float = 30) -> None:
+        """Stores and waits until the hold comes back (the device copy landed)."""
+        self.fill(tokens, blocks)
+        self.offload.store(tokens, blocks, key=key)
+        deadline = time.monotonic() + timeout
+        while not any(h.key == key for h in self.offload.finished_holds()):
+            assert time.monotonic() < deadline, "the store's hold never came back"
+            time.sleep(0.005)
+
+    def load(self, tokens: Sequence[int], blocks: Sequence[int], skip: int = 0) -> Optional[int]:
+        """Loads and waits; returns the blocks loaded (None: nothing was)."""
+        for t in self.layers:
+            t[list(blocks)] = 0
+        tid = self.offload.load(tokens, blocks, skip)
+        if tid is None:
+            return None
+        planned = self.offload.planned_tokens(tid) // BS
+        for layer in range(SPEC.num_layers):
+            assert self.offload.wait_layer(tid, layer, 30)
+        result = self.offload.finish(tid)
+        assert result.ok, result
+        return planned
+
+
+def expected_block(tokens: Sequence[int], i: int, layer: int, shape) -> torch.Tensor:
+    seed = (hash(tuple(int(t) for t in tokens[: (i + 1) * BS])) ^ (layer * 0x9E3779B1)) & 0x7FFFFFFF
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(shape), generator=g)
+
+
+def prompt(seed: int, n: int) -> List[int]:
+    r = np.random.default_rng(seed)
+    return [int(x) for x in r.integers(10, 50000, n)]
+
+
+def engine_process(socket_path: str, *args: str) -> subprocess.Popen:
+    """node_engine.py in a process of its own; it prints one line per step it reached."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, str(HERE / "node_engine.py"), socket_path, *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def read_line(proc: subprocess.Popen, want: str, timeout: float = 60) -> str:
+    """The engine process's next line starting with ``want`` (lines are short and flushed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no line {want!r} from the engine process within {timeout} s"
+        ready, _, _ = select.select([proc.stdout], [], [], left)
+        if not ready:
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the engine process exited ({proc.wait()}): {proc.stderr.read()[-3000:]}")
+        if line.startswith(want):
+            return line.strip()

@@ -1,0 +1,292 @@
+"""The node cache (core/node/, docs/NODE_CACHE.md): one service owns the tiers of a node and every
+engine attached to it loads what any of them stored, bytes exact; an engine that dies mid-copy
+leaves nothing visible and nothing held; a service that restarts re-adopts its disk and its
+engines re-attach by themselves; bad input on the socket ends that connection only."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import stat
+import struct
+import time
+
+import pytest
+
+from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.node.protocol import Attach, Load, VERSION, encode
+from node_helpers import BS, SPEC, Engine, engine_process, node_server, prompt, read_line
+from served import wait_until
+
+
+def stats(server) -> dict:
+    return server.stats()
+
+
+def idle(server) -> bool:
+    st = server.stats()
+    return all(e["copies_in_flight"] == 0 and e["tasks"] == 0 for e in st["engines"]) and st["fenced_waiting"] == 0
+
+
+def test_what_one_engine_stores_another_loads_bytes_exact_from_host_and_disk(tmp_path):
+    with node_server(tmp_path, host_gb=0.02, ssd_gb=0.05) as server:
+        a, b = Engine(server.options.socket_path, "A"), Engine(server.options.socket_path, "B")
+        shared = prompt(1, 40 * BS)
+        a.store(shared, list(range(40)))
+        assert b.offload.cached_tokens(shared) == 40 * BS
+        assert b.load(shared, list(range(50, 90))) == 40
+        assert b.check(shared, list(range(50, 90)), 0, 40) == []
+        # A prompt that extends it: B holds the first 40 blocks already (skip), loads the rest.
+        longer = shared + prompt(2, 8 * BS)
+        a.store(longer, list(range(48)), key="r2")
+        assert b.load(longer, list(range(50, 98)), skip=40) == 8
+        assert b.check(longer, list(range(50, 98)), 40, 8) == []
+        # Through disk: host evicted (disk keeps the copies), B loads again.
+        assert b.offload.drain(30)
+        assert a.offload.evict_host(30) > 0
+        assert b.offload.stats().host.ready_blocks == 0
+        assert b.load(shared, list(range(0, 40))) == 40
+        assert b.check(shared, list(range(0, 40)), 0, 40) == []
+        tiers = b.offload.stats()
+        assert tiers.disk.hit_blocks >= 40 and tiers.host.hit_blocks >= 48
+        wait_until("every copy answered", lambda: idle(server))
+        a.offload.shutdown()
+        b.offload.shutdown()
+        wait_until("both detached", lambda: not server.stats()["engines"])
+
+
+def test_randomized_stores_and_loads_of_two_engines_always_restore_the_stored_bytes(tmp_path):
+    """Random prompts sharing prefixes, stored and loaded by two engines in random order, through a
+    host tier that holds a fraction of them and a disk tier: every block a load brings back is the
+    block those tokens stored (their bytes are a function of the tokens), whatever was evicted."""
+    rnd = random.Random(5)
+    bases = [prompt(100 + i, rnd.randrange(4, 20) * BS) for i in range(6)]
+    with node_server(tmp_path, host_gb=0.002, ssd_gb=0.03) as server:
+        engines = [Engine(server.options.socket_path, name) for name in ("A", "B")]
+        loaded = 0
+        for step in range(60):
+            e = rnd.choice(engines)
+            tokens = rnd.choice(bases) + prompt(1000 + step, rnd.randrange(0, 6) * BS)
+            n = len(tokens) // BS
+            blocks = rnd.sample(range(96), n)
+            if rnd.random() < 0.5:
+                e.store(tokens, blocks, key=f"s{step}")
+            else:
+                got = e.load(tokens, blocks)
+                if got:
+                    loaded += got
+                    assert e.check(tokens, blocks, 0, got) == [], f"step {step}: wrong bytes loaded"
+        assert loaded > 50
+        st = engines[0].offload.stats()
+        assert st.host.evicted_blocks > 0 and st.disk.hit_blocks > 0
+        wait_until("every copy answered", lambda: idle(server))
+        for e in engines:
+            e.offload.shutdown()
+
+
+def test_an_engine_killed_mid_store_leaves_nothing_visible_and_nothing_held(tmp_path):
+    with node_server(tmp_path) as server:
+        proc = engine_process(server.options.socket_path, "store-hang", "7", str(12 * BS))
+        try:
+            read_line(proc, "copying")  # half its blocks' bytes are in host slots, the copy not finished
+            assert sum(e["copies_in_flight"] for e in server.stats()["engines"]) == 1
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            proc.kill()
+        wait_until("the dead engine detached and its copy fenced and failed", lambda: (
+            not server.stats()["engines"] and server.stats()["fenced_waiting"] == 0))
+        other = Engine(server.options.socket_path, "B")
+        tokens = prompt(7, 12 * BS)
+        assert other.offload.cached_tokens(tokens) == 0  # the torn blocks never became visible
+        ns = server.namespaces()[0]
+        host = ns.kv.stats().host
+        assert host.used_blocks == 0 and host.rolled_back_blocks == 12
+        other.store(tokens, list(range(12)))  # the slots are reusable, and the block is stored whole
+        assert other.load(tokens, list(range(20, 32))) == 12 and other.check(tokens, list(range(20, 32)), 0, 12) == []
+        other.offload.shutdown()
+
+
+def test_an_engine_killed_mid_load_releases_its_locks(tmp_path):
+    with node_server(tmp_path) as server:
+        a = Engine(server.options.socket_path, "A")
+        tokens = prompt(8, 10 * BS)
+        a.store(tokens, list(range(10)))
+        proc = engine_process(server.options.socket_path, "load-hang", "8", str(10 * BS))
+        try:
+            read_line(proc, "copying")
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            proc.kill()
+        wait_until("the dead engine detached", lambda: len(server.stats()["engines"]) == 1)
+        wait_until("its load failed and unlocked", lambda: idle(server))
+        assert server.namespaces()[0].kv.stats().requests.tasks_in_flight == 0
+        assert a.offload.evict_host(10) == 10  # nothing is pinned by the dead engine's read
+        a.offload.shutdown()
+
+
+def test_a_dropped_connection_fences_host_writes_until_the_process_exits(tmp_path):
+    """EngineDevice + Fence directly: a device-to-host copy of an engine whose connection is gone
+    but whose process lives fails only once that process exited, so its slots cannot be reused
+    under a write still landing."""
+    import subprocess
+    import numpy as np
+    from dynamo_flexkv.core.node.engines import EngineDevice, EngineGone, Fence
+    from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
+
+    sent, forgot, results = [], [], []
+    sleeper = subprocess.Popen(["sleep", "60"])
+    fence = Fence()
+    try:
+        dev = EngineDevice("e", 8, sent.append, sleeper.pid, forgot.append)
+        d2h = TransferOp(OpKind.D2H, np.arange(2), np.arange(2))
+        h2d = TransferOp(OpKind.H2D, np.arange(2), np.arange(2), layers=(0, 1))
+        dev.start(d2h, lambda e, n: results.append(("d2h", type(e))))
+        dev.start(h2d, lambda e, n: results.append(("h2d", type(e))))
+        assert len(sent) == 2 and len(forgot) == 1  # the write's slots forget their checksums first
+        dev.detach("connection dropped", fence)
+        assert results == [("h2d", EngineGone)]  # a read fails at once
+        assert fence.waiting == 1
+        sleeper.kill()
+        sleeper.wait()
+        wait_until("the write failed after the exit", lambda: len(results) == 2)
+        assert results[1] == ("d2h", EngineGone) and fence.waiting == 0
+        dev.start(TransferOp(OpKind.H2D, np.arange(1), np.arange(1)), lambda e, n: results.append(("late", type(e))))
+        assert results[2] == ("late", EngineGone)  # a copy of a departed engine fails at once
+    finally:
+        sleeper.kill()
+        fence.close()
+
+
+def test_a_restarted_service_readopts_its_disk_and_engines_reattach_by_themselves(tmp_path):
+    tokens = prompt(9, 16 * BS)
+    server = node_server(tmp_path, host_gb=0.02, ssd_gb=0.05)
+    s1 = server.__enter__()
+    try:
+        e = Engine(s1.options.socket_path, "A")
+        e.store(tokens, list(range(16)))
+        assert e.offload.drain(30)
+    finally:
+        server.__exit__(None, None, None)
+    # The service is gone: requests fail cleanly and at once (recompute), nothing hangs.
+    wait_until("the engine noticed", lambda: e.offload.cached_tokens(tokens) == 0)
+    from dynamo_flexkv.core.node.client import NodeUnavailable
+    with pytest.raises(NodeUnavailable, match="not attached"):  # the engine recomputes
+        e.offload.load(tokens, list(range(16)), 0)
+    with pytest.raises(NodeUnavailable):  # the engine frees its blocks at once
+        e.offload.store(tokens, list(range(16)), key="x")
+    assert e.offload.stats() is None and e.offload.drain(1)
+    with node_server(tmp_path, host_gb=0.02, ssd_gb=0.05) as s2:
+        wait_until("the engine re-attached", lambda: e.offload.cached_tokens(tokens) == 16 * BS, timeout=30)
+        assert e.load(tokens, list(range(40, 56))) == 16
+        assert e.check(tokens, list(range(40, 56)), 0, 16) == []
+        assert s2.namespaces()[0].kv.stats().disk.hit_blocks == 16
+        e.offload.shutdown()
+
+
+def test_engines_of_another_model_or_tenant_see_nothing_and_a_second_model_is_refused(tmp_path):
+    with node_server(tmp_path, max_models=2) as server:
+        path = server.options.socket_path
+        a = Engine(path, "A")
+        tokens = prompt(10, 8 * BS)
+        a.store(tokens, list(range(8)))
+        other_tenant = Engine(path, "T", tenant="acme")
+        assert other_tenant.offload.cached_tokens(tokens) == 0
+        assert other_tenant.load(tokens, list(range(8))) is None
+        other_model = Engine(path, "M", model_id="another-finetune")
+        assert other_model.offload.cached_tokens(tokens) == 0
+        # max_models=2 holds m (tenant "") and m (tenant acme): a third namespace is refused, clearly.
+        third = Engine(path, "X", model_id="third")
+        assert third.offload.cached_tokens(tokens) == 0  # it serves without the cache
+        assert server.stats()["refused"] >= 1
+        for e in (a, other_tenant, other_model, third):
+            e.offload.shutdown()
+
+
+def test_garbage_truncated_oversized_and_out_of_order_frames_end_that_connection_only(tmp_path):
+    with node_server(tmp_path) as server:
+        path = server.options.socket_path
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # owner only
+        good = Engine(path, "good")
+        tokens = prompt(11, 4 * BS)
+        good.store(tokens, list(range(4)))
+        attach = Attach(version=VERSION, engine="x", model_id="m", num_layers=SPEC.num_layers,
+                        num_kv_heads=SPEC.num_kv_heads, head_size=SPEC.head_size, dtype=SPEC.dtype, kv_dim=2,
+                        tokens_per_block=BS, device_blocks=8)
+        bad_frames = [
+            b"\x05\x00\x00\x00hello",  # not msgpack of the protocol
+            struct.pack("<I", 1 << 30),  # a frame longer than the limit
+            struct.pack("<I", 100) + b"\x81",  # cut off
+            encode(Load(id=1, tokens=b"\x00" * 8, blocks=b"\x00" * 8)),  # before Attach
+            encode(attach) + encode(Load(id=2, tokens=b"\x00" * 7, blocks=b"")),  # tokens not whole uint32
+            encode(attach) + encode(Load(id=3, tokens=b"\x00" * 64, blocks=struct.pack("<q", 10 ** 9))),  # ids
+            encode(Attach(**{**{f: getattr(attach, f) for f in attach.__struct_fields__}, "version": 99})),
+            encode(Attach(**{**{f: getattr(attach, f) for f in attach.__struct_fields__}, "dtype": "int3"})),
+        ]
+        for frame in bad_frames:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(path)
+                s.sendall(frame)
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(10)
+                while s.recv(65536):  # the service answers (an error) and closes, never hangs
+                    pass
+        wait_until("every bad connection closed", lambda: len(server.stats()["engines"]) == 1)
+        assert server.stats()["protocol_errors"] >= 5
+        assert good.offload.cached_tokens(tokens) == 4 * BS  # the others are served on
+        good.offload.shutdown()
+
+
+def test_a_thousand_attaches_are_bounded_and_leave_nothing(tmp_path):
+    with node_server(tmp_path, max_clients=8) as server:
+        path = server.options.socket_path
+        socks = []
+        for _ in range(1000):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            socks.append(s)
+        wait_until("the server refused all but max_clients", lambda: server.stats()["refused"] >= 992, timeout=60)
+        assert len(server.stats()["engines"]) <= 8
+        for s in socks:
+            s.close()
+        wait_until("every connection gone", lambda: not server.stats()["engines"])
+        e = Engine(path, "after")
+        assert e.offload.cached_tokens(prompt(12, 2 * BS)) == 0 and e.offload.stats() is not None
+        e.offload.shutdown()
+
+
+def test_every_engine_announces_the_node_blocks_it_can_load_and_an_engine_that_attaches_gets_them(tmp_path):
+    from dynamo_flexkv.core.index import Tier
+
+    class Seen:
+        def __init__(self):
+            self.blocks = {"host": set(), "disk": set()}
+
+        def on_stored(self, tier, run):
+            self.blocks[tier.value].update(int(h) for h in run.hashes)
+
+        def on_removed(self, tier, hashes):
+            self.blocks[tier.value].difference_update(int(h) for h in hashes)
+
+    with node_server(tmp_path, host_gb=0.02, ssd_gb=0.05) as server:
+        path = server.options.socket_path
+        seen_a, seen_b = Seen(), Seen()
+        a = Engine(path, "A", listener=seen_a)
+        t1 = prompt(13, 6 * BS)
+        a.store(t1, list(range(6)))
+        b = Engine(path, "B", listener=seen_b)  # attaches after the store: gets the current set
+        ns = server.namespaces()[0]
+        want = set(ns.mirror.held("host"))
+        assert len(want) == 6
+        wait_until("both engines see the host blocks", lambda: seen_a.blocks["host"] == want == seen_b.blocks["host"])
+        assert a.offload.drain(30)
+        wait_until("both see the disk copies", lambda: seen_a.blocks["disk"] == set(ns.mirror.held("disk"))
+                   == seen_b.blocks["disk"] and len(seen_b.blocks["disk"]) == 6)
+        a.offload.evict_host(10)  # eviction leaves every engine's view
+        wait_until("host blocks removed everywhere", lambda: not seen_a.blocks["host"] and not seen_b.blocks["host"])
+        a.offload.shutdown()
+        assert seen_a.blocks == {"host": set(), "disk": set()}  # a detaching engine forgets what it announced
+        b.offload.shutdown()
