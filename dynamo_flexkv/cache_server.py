@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-clients", type=int, default=64, help="engines attached at once (each rank counts; default 64)")
     p.add_argument("--max-models", type=int, default=1, help="models (namespaces) served at once, each with tiers of "
                    "the configured sizes (default 1)")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on 127.0.0.1:PORT (0: off)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on METRICS_HOST:PORT (0: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics listen on (default 127.0.0.1)")
 
 
 def load_config(path: Optional[str], sets: List[str]) -> CacheConfig:
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.start()
         if args.metrics_port:
-            metrics = serve_metrics(server, args.metrics_port)
+            metrics = serve_metrics(server, args.metrics_host, args.metrics_port)
         print(f"{READY} {path} (pid {server.stats()['pid']}; host {config.cpu_cache_gb} GB, disk "
               f"{config.ssd_cache_gb} GB{' in ' + ';'.join(config.ssd_cache_dir) if config.ssd_cache_dir else ''})",
               flush=True)
@@ -77,12 +78,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_metrics(server: Any, port: int) -> Any:
-    """Prometheus text on 127.0.0.1:``port``: the service's counters and each model's tiers."""
+def serve_metrics(server: Any, host: str, port: int) -> Any:
+    """Prometheus text on ``host:port``: the service's counters and each model's tiers."""
     from prometheus_client import CollectorRegistry, start_http_server
     registry = CollectorRegistry()
     registry.register(_Collector(server))
-    httpd, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    httpd, _ = start_http_server(port, addr=host, registry=registry)
     return httpd
 
 

@@ -19,6 +19,7 @@ class GraphError(ValueError, FlexKVError):
 class Kind(Enum):
     FRONTEND = "frontend"  # python -m dynamo.frontend: OpenAI HTTP, preprocessing, router
     WORKER = "worker"  # a backend: our reference engine (dynamo_flexkv.integrations.dynamo_worker) or dynamo.vllm
+    CACHE = "cache"  # the node's KV cache service (dynamo-flexkv cache-server; serve/node_cache.py)
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,8 @@ class Launcher:
                     Path(d).mkdir(parents=True, exist_ok=True)
                 write_files(proc)
                 self._spawn(proc)
+                if proc.kind is Kind.CACHE:  # its workers attach at once (they would retry without it)
+                    self._wait_port(proc, timeout=60)
         except BaseException:
             self.shutdown()
             raise
@@ -221,6 +223,12 @@ class Launcher:
         return False
 
     def _worker_ready(self, proc: Process, timeout: float = 2) -> bool:
+        if proc.kind is Kind.CACHE:  # the node cache: its metrics port answers once it serves
+            try:
+                socket.create_connection((proc.host, proc.port), timeout=timeout).close()
+                return True
+            except OSError:
+                return False
         try:
             return http_json("GET", f"http://{proc.host}:{proc.port}/health", timeout=timeout).get("status") == "ready"
         except (OSError, ValueError, http.client.HTTPException):  # not up yet, or cut off mid-answer
@@ -406,9 +414,11 @@ class Launcher:
         has not exited after ``timeout`` gets SIGKILL. Every process group is reaped. A worker that
         has not reported ready (a restart still starting) has accepted nothing and its SSD journal
         survives any stop: it is stopped at once (_stop_starting)."""
-        order = [p for p in self._order if p.kind is Kind.FRONTEND] + \
-                [p for p in self._order if p.kind is Kind.WORKER] + [p for p in self._order if p.kind is None]
-        for group in ([p for p in order if p.kind is not None], [p for p in order if p.kind is None]):
+        # The workers stop before the node cache they attach to (they detach cleanly), which stops
+        # before the infrastructure.
+        serving = [p for p in self._order if p.kind in (Kind.FRONTEND, Kind.WORKER)]
+        for group in (serving, [p for p in self._order if p.kind is Kind.CACHE],
+                      [p for p in self._order if p.kind is None]):
             # A worker whose death _died handled (restart pending) was group-killed and reaped then:
             # its pid may belong to someone else by now.
             group = [proc for proc in group if self.running[proc.name] not in self._buried]

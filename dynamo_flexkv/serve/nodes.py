@@ -221,8 +221,9 @@ def place(processes: List[Process], infra: List[Process], nodes: Nodes, node_of:
             if key in proc.env or key.startswith("DYN_"):
                 proc.env[key] = node.address
         proc.env.update(node.ucx_env())
-        if "--http-host" in proc.argv:
-            proc.argv[proc.argv.index("--http-host") + 1] = node.address
+        for flag in ("--http-host", "--metrics-host"):
+            if flag in proc.argv:
+                proc.argv[proc.argv.index(flag) + 1] = node.address
         proc.argv = node.argv(proc.argv)
 
 

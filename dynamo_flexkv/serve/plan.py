@@ -18,7 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
@@ -26,6 +26,7 @@ from dynamo_flexkv.core.config import CacheConfig, ConfigError, read_yaml_mappin
 from dynamo_flexkv.core.remote.config import split_password
 from dynamo_flexkv.core.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
+from dynamo_flexkv.serve import node_cache as _node_cache
 from dynamo_flexkv.serve import vllm_worker as _vllm
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
 from dynamo_flexkv.serve.nodes import Nodes, place
@@ -104,12 +105,13 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     common = sections.pop("Common", None) or {}
     if not isinstance(common, dict):
         raise GraphError(f"{source}: Common must be a mapping of options")
+    node_cache = _node_cache.options(sections.pop(_node_cache.SECTION, None), source)
     known = [c.name for c in graph.components]
     for name in sections:
         if name not in known:
             raise GraphError(f"{source}: unknown component {name!r}: graph {graph.name} has {known} "
-                             "(plus Common); rename or remove that section")
-    all_keys = set().union(*(OPTIONS[k] for k in Kind), _vllm.options(OPTIONS[Kind.WORKER]))
+                             f"(plus Common and {_node_cache.SECTION}); rename or remove that section")
+    all_keys = set().union(*OPTIONS.values(), _vllm.options(OPTIONS[Kind.WORKER]))
     for key in common:
         if key not in all_keys:
             raise GraphError(f"{source}: Common.{key} is not an option of any component; known: {sorted(all_keys)}")
@@ -133,6 +135,7 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     ssd_dirs: Dict[str, str] = {}  # every worker's SSD directories: no two may share one
     node_of: Dict[str, str] = {}  # process name -> the node its component names
     node_options: Dict[str, str] = {}
+    caches: Dict[Optional[str], Process] = {}  # node (None: this machine) -> its node cache server
     if local and any(c.engine == _vllm.ENGINE for c in graph.components):
         _vllm.check_installed(source)
     for comp in graph.components:
@@ -143,6 +146,9 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
         allowed = allowed_options(comp.kind, comp.engine)
         opts = check_options(comp.kind, comp.name, {**comp.defaults, **{k: v for k, v in common.items()
                                                                   if k in allowed}, **own}, source, comp.engine)
+        if comp.kind is Kind.WORKER and _node_cache.in_node_mode(opts):
+            opts = _attach_to_node_cache(comp, opts, node_cache, caches, processes, run_dir, ports, source, local,
+                                         ssd_dirs, node_of)
         if comp.kind is Kind.FRONTEND:
             front_opts = opts
             http_port = ports.take(opts["http-port"], f"{comp.name}.http-port", source, any_port=True)
@@ -185,6 +191,51 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
         place(processes, infra, nodes, node_of, source)
     return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes,
                       write_model, model_weights, node_options)
+
+
+def _attach_to_node_cache(comp: Any, opts: Dict[str, Any], node_cache: Dict[str, Any],
+                          caches: Dict[Optional[str], Process], processes: List[Process], run_dir: Path,
+                          ports: PortBook, source: str, local: bool, ssd_dirs: Dict[str, str],
+                          node_of: Dict[str, str]) -> Dict[str, Any]:
+    """A worker in node mode: its node's cache server is planned (once per node, before the
+    workers), and the worker's cache names that server's socket."""
+    _node_cache.check_worker_cache(comp.name, opts["cache"], source)
+    node = opts.get("node") or None
+    spec, block_size = _kv_shape(comp, opts, run_dir, source, local)
+    sock = _node_cache.socket_path(run_dir, node, local)
+    if node not in caches:
+        def check_dirs(dirs: List[str], owner: str) -> None:
+            for d in dirs:
+                if local:
+                    try:
+                        check_dir_free(d)
+                    except SsdInUseError as e:
+                        raise GraphError(f"{source}: {_node_cache.SECTION}.cache: {e}") from None
+                if os.path.realpath(d) in ssd_dirs:
+                    raise GraphError(f"{source}: {_node_cache.SECTION}.cache.ssd_cache_dir {d} is also "
+                                     f"{ssd_dirs[os.path.realpath(d)]}'s: give the node cache a directory of its own")
+                ssd_dirs[os.path.realpath(d)] = owner
+        proc = _node_cache.process(node_cache, node, sock, run_dir, spec, block_size, ports, source, local, check_dirs)
+        caches[node] = proc
+        processes.append(proc)
+        if node is not None:
+            node_of[proc.name] = node
+    elif caches[node].block_size != block_size:
+        raise GraphError(f"{source}: {comp.name}.block-size {block_size} differs from the other node-mode workers' "
+                         f"{caches[node].block_size}: one node cache holds one block size")
+    return dict(opts, cache=dict(opts["cache"], mode="node", node_socket=sock))
+
+
+def _kv_shape(comp: Any, opts: Dict[str, Any], run_dir: Path, source: str, local: bool) -> Tuple[Any, int]:
+    """(KV shape for checking tier sizes or None, tokens per block) of a worker component's model."""
+    if comp.engine == _vllm.ENGINE:
+        return _vllm.resolve_model(comp.name, opts, run_dir, source, local)[2], opts["block-size"]
+    from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
+    try:
+        cfg = EngineModelConfig.load(opts["model"])
+    except (ValueError, OSError, KeyError) as e:
+        raise GraphError(f"{source}: {comp.name}.model={opts['model']!r}: {e}") from None
+    return cfg.kv_spec(), cfg.block_size
 
 
 def _check_block_size(processes: List[Process], front: Dict[str, Any], graph: Graph, source: str) -> None:

@@ -15,7 +15,7 @@ import yaml
 
 from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.serve.graph import Kind
-from dynamo_flexkv.serve import vllm_worker
+from dynamo_flexkv.serve import node_cache, vllm_worker
 from dynamo_flexkv.serve.plan import PRE_COMMIT_PEEK_ENV, LaunchPlan
 from dynamo_flexkv.serve.process import Process
 
@@ -61,6 +61,10 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
             dirs = _ssd_dirs(first)
             vols = [{"name": f"ssd-cache-{i}", "emptyDir": {}} for i in range(len(dirs))]
             mounts = [{"name": v["name"], "mountPath": d} for v, d in zip(vols, dirs)]
+            if first.cache is not None and first.cache.mode == "node":  # its node's cache server's socket
+                vol, mount = node_cache.worker_mounts()
+                vols.append(vol)
+                mounts.append(mount)
             if first.engine == vllm_worker.ENGINE:
                 service["envs"] += [{"name": k, "value": first.env[k]} for k in vllm_worker.PORTABLE_KEYS]
                 model = first.argv[first.argv.index("--model") + 1]
@@ -96,7 +100,15 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
         header += (f"# Disaggregation: prefill and decode workers sign and check handovers with one secret; create it "
                    f"first, e.g. kubectl create secret generic {handover_secret} "
                    "--from-literal=secret=$(openssl rand -hex 32).\n")
-    return header + yaml.safe_dump(manifest, sort_keys=False)
+    extra = []
+    for proc in plan.processes:
+        if proc.kind is Kind.CACHE:
+            docs = node_cache.render_daemonset(proc, name, image)
+            extra += [docs["configMap"], docs["daemonSet"]]
+    if extra:
+        header += (f"# Node cache: a DaemonSet runs one cache server per node ({name}-node-cache); the worker pods "
+                   f"attach over the hostPath {node_cache.RENDER_SOCKET_DIR} and must run as its user.\n")
+    return header + yaml.safe_dump_all([manifest, *extra], sort_keys=False)
 
 
 def _write_model_dir(plan: LaunchPlan, path: str, weights: bool) -> str:

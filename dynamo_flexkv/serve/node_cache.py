@@ -1,0 +1,164 @@
+"""The node cache in a serve graph: one ``dynamo-flexkv cache-server`` per node for the workers whose
+cache says ``mode: node`` (docs/NODE_CACHE.md).
+
+The ``NodeCache`` section (beside Common, in any graph's config) holds the service's options: its
+``cache`` (the node's tiers: cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, eviction, remote, ...),
+``max-clients``, ``max-models``, ``metrics-port`` and its restart policy. A worker in node mode
+keeps only ``mode: node`` in its own ``cache``: serve gives it the socket of its node's service.
+The service is supervised like a worker (restarted on death; the engines re-attach by themselves)
+and stopped after them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import yaml
+
+from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.serve.graph import GraphError, Kind
+from dynamo_flexkv.serve.options import (OnDeath, RestartPolicy, SECONDS_OPTIONS, float_option, int_option,
+                                         mapping_option, seconds_problem, str_option)
+from dynamo_flexkv.serve.ports import LOOPBACK
+from dynamo_flexkv.serve.process import Process
+
+SECTION = "NodeCache"
+SOCKET_MAX = 100  # sun_path holds 107 bytes
+RENDER_SOCKET_DIR = "/run/dynamo-flexkv"  # a rendered DaemonSet's hostPath, mounted by the workers too
+RENDER_METRICS_PORT = 9400  # a rendered cache server's /metrics, on its pod's address
+# Worker cache keys that mean something in node mode (serve sets node_socket and tokens_per_block).
+NODE_WORKER_KEYS = ("mode", "node_socket", "tokens_per_block")
+
+OPTIONS: Dict[str, Callable[[Any], Any]] = {
+    "cache": mapping_option, "max-clients": int_option, "max-models": int_option, "metrics-port": int_option,
+    "on-death": str_option, "max-restarts": int_option, "restart-window-s": float_option,
+    "restart-backoff-s": float_option,
+}
+DEFAULTS: Dict[str, Any] = {"cache": {}, "max-clients": 64, "max-models": 1, "metrics-port": 0, "on-death": "restart",
+                            "max-restarts": 5, "restart-window-s": 300.0, "restart-backoff-s": 1.0}
+
+
+def options(raw: Any, source: str) -> Dict[str, Any]:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise GraphError(f"{source}: {SECTION} must be a mapping of options")
+    out = dict(DEFAULTS)
+    for key, value in raw.items():
+        if key not in OPTIONS:
+            raise GraphError(f"{source}: {SECTION}.{key} is not an option of the node cache; known: {sorted(OPTIONS)}")
+        try:
+            out[key] = OPTIONS[key](value)
+        except ValueError as e:
+            raise GraphError(f"{source}: {SECTION}.{key}={value!r}: {e}") from None
+    for key in ("max-clients", "max-models"):
+        if out[key] < 1:
+            raise GraphError(f"{source}: {SECTION}.{key}={out[key]} must be >= 1")
+    if out["on-death"] not in {d.value for d in OnDeath}:
+        raise GraphError(f"{source}: {SECTION}.on-death={out['on-death']!r}: use restart or stop")
+    for key in ("restart-window-s", "restart-backoff-s"):
+        problem = seconds_problem(out[key], *SECONDS_OPTIONS[key])
+        if problem is not None:
+            raise GraphError(f"{source}: {SECTION}.{key}={problem}")
+    return out
+
+
+def in_node_mode(worker_options: Mapping[str, Any]) -> bool:
+    cache = worker_options.get("cache") or {}
+    return worker_options.get("offload", True) and str(cache.get("mode", "embedded")).strip() == "node"
+
+
+def check_worker_cache(name: str, cache: Mapping[str, Any], source: str) -> None:
+    """A node-mode worker's tiers are the service's: tier keys of its own would be silently unused."""
+    stray = sorted(k for k in cache if k not in NODE_WORKER_KEYS)
+    if stray:
+        raise GraphError(f"{source}: {name}.cache sets {stray} with mode: node: the node's tiers are the cache "
+                         f"server's; move them to {SECTION}.cache (or use mode: embedded)")
+
+
+def socket_path(run_dir: Path, node: Optional[str], local: bool) -> str:
+    if not local:
+        return f"{RENDER_SOCKET_DIR}/node.sock"
+    path = str(run_dir / f"node-cache{'-' + node if node else ''}.sock")
+    if len(path) > SOCKET_MAX:
+        digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]
+        path = os.path.join(tempfile.gettempdir(), f"flexkv-node-{digest}{'-' + node if node else ''}.sock")
+    return path
+
+
+def process(o: Mapping[str, Any], node: Optional[str], sock: str, run_dir: Path, spec: Optional[Any],
+            block_size: int, ports: Any, source: str, local: bool, check_dirs: Callable[[List[str], str], None]) -> Process:
+    """One node's cache server: its tiers checked (sizes against the workers' KV shape), its config
+    written for it, a metrics port of its own (serve waits for it, and reads it like a worker's)."""
+    name = f"{SECTION}-{node}" if node else SECTION
+    values = dict(o["cache"])
+    values["tokens_per_block"] = block_size
+    for key in ("mode", "node_socket"):
+        if key in values:
+            raise GraphError(f"{source}: {SECTION}.cache.{key}: the server is the node cache; remove it")
+    try:
+        checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())
+        cache = CacheConfig.from_dict(checked, f"{source}: {SECTION}.cache")
+        if spec is not None:
+            cache.tier_blocks(spec)
+    except ConfigError as e:
+        raise GraphError(f"{source}: {SECTION}.cache: {e}") from None
+    if cache.ssd_cache_gb > 0 and local:
+        check_dirs(list(cache.ssd_cache_dir), name)
+    cfg_path = str(run_dir / f"{name}.cache.yaml")
+    port = ports.take(o["metrics-port"], f"{SECTION}.metrics-port", source, any_port=True)
+    argv = [sys.executable, "-m", "dynamo_flexkv.cli", "cache-server", "--socket", sock, "-f", cfg_path,
+            "--max-clients", str(o["max-clients"]), "--max-models", str(o["max-models"]),
+            "--metrics-port", str(port), "--metrics-host", LOOPBACK]
+    policy = RestartPolicy(OnDeath(o["on-death"]), o["max-restarts"], o["restart-window-s"], o["restart-backoff-s"],
+                           liveness_s=0.0)
+    return Process(name, argv, {}, Kind.CACHE, port, cache, {cfg_path: yaml.safe_dump(values, sort_keys=True)},
+                   policy, engine="cache", block_size=block_size)
+
+
+
+
+def render_daemonset(proc: Process, name: str, image: str) -> Dict[str, Any]:
+    """How a Kubernetes user runs a per-node service: a DaemonSet (one pod per node) whose socket
+    directory is a hostPath the node's worker pods mount too. hostPID: the service fences a dead
+    engine's writes by its process id (pidfd), which it must see; its disk tier is a hostPath too,
+    so a restarted service re-adopts it."""
+    args = list(proc.argv[proc.argv.index("cache-server") + 1:])
+    for flag, value in (("--socket", f"{RENDER_SOCKET_DIR}/node.sock"), ("-f", "/etc/flexkv/node-cache.yaml"),
+                        ("--metrics-port", str(RENDER_METRICS_PORT)), ("--metrics-host", "$(POD_IP)")):
+        args[args.index(flag) + 1] = value
+    config = next(iter(proc.files.values()))
+    values = yaml.safe_load(config) or {}
+    dirs = values.get("ssd_cache_dir") or [] if float(values.get("ssd_cache_gb") or 0) > 0 else []
+    dirs = dirs.split(";") if isinstance(dirs, str) else list(dirs)
+    mounts = [{"name": "socket-dir", "mountPath": RENDER_SOCKET_DIR}, {"name": "config", "mountPath": "/etc/flexkv"}]
+    volumes = [{"name": "socket-dir", "hostPath": {"path": RENDER_SOCKET_DIR, "type": "DirectoryOrCreate"}},
+               {"name": "config", "configMap": {"name": f"{name}-node-cache"}}]
+    for i, d in enumerate(dirs):
+        mounts.append({"name": f"ssd-{i}", "mountPath": d})
+        volumes.append({"name": f"ssd-{i}", "hostPath": {"path": d, "type": "DirectoryOrCreate"}})
+    def labels() -> Dict[str, str]:  # a fresh dict each time: the manifest carries no YAML aliases
+        return {"app": f"{name}-node-cache"}
+    return {
+        "configMap": {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-node-cache"},
+                      "data": {"node-cache.yaml": config}},
+        "daemonSet": {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": f"{name}-node-cache"},
+                      "spec": {"selector": {"matchLabels": labels()}, "template": {
+                          "metadata": {"labels": labels()},
+                          "spec": {"hostPID": True, "volumes": volumes, "containers": [{
+                              "name": "cache-server", "image": image,
+                              "command": ["python3", "-m", "dynamo_flexkv.cli", "cache-server"], "args": args,
+                              "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                              "volumeMounts": mounts,
+                              "ports": [{"name": "metrics", "containerPort": RENDER_METRICS_PORT}]}]}}}},
+    }
+
+
+def worker_mounts() -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(volume, mount) a node-mode worker pod needs: its node's cache socket directory."""
+    return ({"name": "node-cache", "hostPath": {"path": RENDER_SOCKET_DIR, "type": "Directory"}},
+            {"name": "node-cache", "mountPath": RENDER_SOCKET_DIR})

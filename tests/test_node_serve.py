@@ -1,0 +1,184 @@
+"""The node cache in serve graphs (serve/node_cache.py): the plan starts one cache server before the
+workers that say ``cache: {mode: node}`` and hands them its socket, refuses tier keys those
+workers would not use, renders a DaemonSet; and the served agg_router graph (two reference workers
+on one node cache, the real KV router) serves a prompt one worker computed from the other's view of
+the shared host tier, credits both workers in the router, survives a worker's SIGKILL (its restart
+loads from the node's host tier) and stops with nothing left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dynamo_flexkv.serve import GraphError, load_graph
+from dynamo_flexkv.serve.graph import Kind
+from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+NODE_SETS = ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
+             "FlexKVWorker.num-device-blocks=64", "FlexKVWorker.cache={mode: node}"]
+
+
+def plan_for(tmp_path, *overrides, graph="agg_router"):
+    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")), [
+        *NODE_SETS, f"NodeCache.cache={{cpu_cache_gb: 0.02, ssd_cache_gb: 0.05, ssd_cache_dir: {tmp_path}/ssd}}",
+        *overrides])
+    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run",
+                      source=f"{graph}.yaml")
+
+
+def test_the_plan_starts_one_node_cache_before_its_workers_and_hands_them_its_socket(tmp_path):
+    p = plan_for(tmp_path)
+    kinds = [(proc.name, proc.kind) for proc in p.processes]
+    assert kinds == [("Frontend", Kind.FRONTEND), ("NodeCache", Kind.CACHE), ("FlexKVWorker-0", Kind.WORKER),
+                     ("FlexKVWorker-1", Kind.WORKER)]
+    cache = p.processes[1]
+    argv = cache.argv
+    sock = argv[argv.index("--socket") + 1]
+    assert argv[1:4] == ["-m", "dynamo_flexkv.cli", "cache-server"] and sock == str(tmp_path / "run" / "node-cache.sock")
+    assert argv[argv.index("--metrics-host") + 1] == "127.0.0.1" and cache.port > 0
+    node_cfg = yaml.safe_load(cache.files[argv[argv.index("-f") + 1]])
+    assert node_cfg == {"cpu_cache_gb": 0.02, "ssd_cache_gb": 0.05, "ssd_cache_dir": f"{tmp_path}/ssd",
+                        "tokens_per_block": 16}
+    for w in p.workers:
+        cfg = yaml.safe_load(w.files[w.env["FLEXKV_CONFIG_PATH"]])
+        assert cfg == {"mode": "node", "node_socket": sock, "tokens_per_block": 16}
+    assert cache.restart.on_death.value == "restart"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["FlexKVWorker.cache={mode: node, cpu_cache_gb: 1}"], r"cache sets \['cpu_cache_gb'\] with mode: node.*"
+                                                          r"NodeCache.cache"),
+    (["NodeCache.replicas=2"], r"NodeCache.replicas is not an option of the node cache"),
+    (["NodeCache.max-clients=0"], r"NodeCache.max-clients=0 must be >= 1"),
+    (["NodeCache.cache={cpu_cache_gb: 0.000001}"], r"NodeCache.cache: cpu_cache_gb=1e-06 holds no block"),
+    (["NodeCache.cache={mode: node}"], r"NodeCache.cache.mode: the server is the node cache"),
+    (["NodeCache.on-death=retry"], r"NodeCache.on-death='retry': use restart or stop"),
+])
+def test_bad_node_cache_configs_are_refused_naming_the_fix(tmp_path, overrides, message):
+    with pytest.raises(GraphError, match=message):
+        plan_for(tmp_path, *overrides)
+
+
+def test_render_runs_the_node_cache_as_a_daemonset_the_workers_reach_by_host_path(tmp_path):
+    from dynamo_flexkv.serve.render import render_k8s
+    config = apply_overrides(load_config(str(ROOT / "configs" / "agg_router_vllm_node.yaml")), [])
+    plan = build_plan(load_graph(str(ROOT / "graphs" / "agg_router_vllm.py")), config, run_dir=tmp_path,
+                      local=False, source="agg_router_vllm_node.yaml")
+    docs = list(yaml.safe_load_all(render_k8s(plan, "img")))
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["DynamoGraphDeployment", "ConfigMap", "DaemonSet"]
+    ds = docs[2]["spec"]["template"]["spec"]
+    assert ds["hostPID"] is True  # it fences a dead engine's writes by its pid
+    args = ds["containers"][0]["args"]
+    assert args[args.index("--socket") + 1] == "/run/dynamo-flexkv/node.sock" and "$(POD_IP)" in args
+    worker = docs[0]["spec"]["services"]["VllmWorker"]
+    env = {e["name"]: e.get("value") for e in worker["envs"]}
+    assert env["FLEXKV_MODE"] == "node" and env["FLEXKV_NODE_SOCKET"] == "/run/dynamo-flexkv/node.sock"
+    mounts = worker["extraPodSpec"]["mainContainer"]["volumeMounts"]
+    assert {"name": "node-cache", "mountPath": "/run/dynamo-flexkv"} in mounts
+
+
+# ---- the served graph --------------------------------------------------------------------------------
+
+def complete(base_url: str, prompt, worker: int = 0, max_tokens: int = 4) -> dict:
+    body = {"model": "flexkv-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "nvext": {"extra_fields": ["worker_id", "engine_data", "completion_token_ids"]}}
+    if worker:
+        body["nvext"]["backend_instance_id"] = worker
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        doc = json.loads(r.read())
+    nv = doc["nvext"]
+    return {"ids": nv["completion_token_ids"], "worker": int(nv["worker_id"]["decode_worker_id"]),
+            "tiers": nv["engine_data"]["flexkv"]["cached_tokens"]}
+
+
+def node_metric(serve, name: str) -> float:
+    from served import samples
+    with urllib.request.urlopen(serve.metrics["NodeCache"], timeout=10) as r:
+        return sum(v for _, v in samples(r.read().decode(), name))
+
+
+def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_credits_both(tmp_path):
+    pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
+    import vllm_graph as vg
+    from served import Serve, assert_all_gone, wait_until
+    from node_helpers import BS, Engine, prompt
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+
+    serve = Serve(tmp_path, "node", graph="agg_router", base=[
+        *NODE_SETS, f"NodeCache.cache={{cpu_cache_gb: 0.02, ssd_cache_gb: 0.05, ssd_cache_dir: {tmp_path}/ssd}}"])
+    probe = None
+    try:
+        names = ("FlexKVWorker-0", "FlexKVWorker-1")
+        ids = {n: vg.worker_id(vg.scrape(serve.metrics[n])) for n in names}
+        front = [p for p in serve.children if b"dynamo.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
+        probe = vg.RouterProbe(front[0], tmp_path / "probe.log", endpoint="dynamo.flexkv.generate", block_size=16)
+        tokens = [t % 500 + 10 for t in prompt(21, 30 * BS + 5)]  # ids of the tiny model's vocabulary
+        first = complete(serve.base_url, tokens, ids[names[0]])
+        assert first["worker"] == ids[names[0]] and first["tiers"]["host"] == 0
+        n = len(tokens) // BS
+
+        def view():
+            return {w: v for w, v in probe.scores(tokens).items() if w in ids.values()}
+
+        # Both workers are credited with the node's host and disk copies (the computing one holds it
+        # on its device too): every worker on the node can load them.
+        wait_until("the router credits both workers", lambda: all(
+            view().get(ids[x], (0, 0, 0))[1:] == (n, n) for x in names), timeout=30)
+        # The other worker serves the prompt from the shared host tier, with the same tokens.
+        other = complete(serve.base_url, tokens, ids[names[1]])
+        assert other["worker"] == ids[names[1]] and other["tiers"]["host"] == n * BS, other
+        assert other["ids"] == first["ids"]
+        assert node_metric(serve, "flexkv_node_tier_hit_blocks_total") >= n
+
+        # An engine of the same model attached from here (the node cache's public interface) stores a
+        # prompt no worker has on its device: both workers are credited with its host and disk copies
+        # (the router's counts include the faster tiers: disk >= host >= device); it evicts the host
+        # tier: both lose the host copies and keep the disk ones.
+        spec = EngineModelConfig.preset("tiny").kv_spec()
+        sock = [a for a in serve.lines if "cache server ready on" in a][0].split("ready on ")[1].split(" ")[0]
+        admin = Engine(sock, "admin", model_id="tiny|flexkv-tiny", spec=spec)
+        q = [t % 500 + 10 for t in prompt(22, 12 * BS)]
+        admin.store(q, list(range(12)))
+        assert admin.offload.drain(30)
+
+        def q_view():
+            return {x: probe.scores(q).get(ids[x], (0, 0, 0)) for x in names}
+        wait_until("both workers credited with the stored prompt", lambda: all(v == (0, 12, 12) for v in q_view().values()),
+                   timeout=30)
+        assert admin.offload.evict_host(30) >= 12
+        wait_until("the router sees the host copies gone", lambda: all(v == (0, 0, 12) for v in q_view().values()),
+                   timeout=30)
+        admin.offload.shutdown()
+
+        # A worker SIGKILLed: restarted, re-attached, and its first request of the prompt loads it.
+        victim = names[0]
+        pid = serve.worker_pid(victim)
+        os.kill(pid, signal.SIGKILL)
+        serve.wait_for(rf"{victim} is ready again after \S+ s", 120)
+        wait_until("the node cache counts both workers again", lambda: node_metric(serve, "flexkv_node_engines") == 2)
+        assert node_metric(serve, "flexkv_node_copies_in_flight") == 0
+        new_id = vg.worker_id(vg.scrape(serve.metrics[victim]))
+        again = complete(serve.base_url, tokens, new_id)
+        assert again["tiers"]["disk"] + again["tiers"]["host"] == n * BS and again["ids"] == first["ids"], again
+        wait_until("no task left in flight", lambda: node_metric(serve, "flexkv_node_engine_tasks") == 0)
+        serve.children += [int(x) for x in os.popen(f"pgrep -P {serve.proc.pid}").read().split()
+                           if int(x) not in serve.children]
+        serve.proc.send_signal(signal.SIGINT)
+        assert serve.proc.wait(timeout=90) == 0, "\n".join(serve.lines[-40:])
+        assert_all_gone(serve.children, [])
+        assert vg.event_trouble(serve.run) == []
+    finally:
+        if probe is not None:
+            probe.close()
+        serve.close()
