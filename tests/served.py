@@ -190,17 +190,17 @@ class Serve:
 
     def __init__(self, tmp_path, name: str, *overrides: str, graph: str = "agg_router",
                  base: Optional[List[str]] = None, ready_timeout: float = 120,
-                 command: Optional[List[str]] = None) -> None:
-        """``graph``: graphs/<graph>.py with configs/<graph>.yaml; ``base``: the --set values before
-        ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run dir);
-        ``command``: what runs ``serve ...`` (default the CLI)."""
+                 command: Optional[List[str]] = None, config: Optional[str] = None) -> None:
+        """``graph``: graphs/<graph>.py with configs/<config or graph>.yaml; ``base``: the --set values
+        before ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run
+        dir); ``command``: what runs ``serve ...`` (default the CLI)."""
         self.run = run = tmp_path / name
         sets = [*(base if base is not None else [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}"]),
                 *overrides]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [*(command or [sys.executable, "-m", "dynamo_flexkv.cli"]), "serve", str(ROOT / "graphs" / f"{graph}.py"),
-             "-f", str(ROOT / "configs" / f"{graph}.yaml"), "--run-dir", str(run),
+             "-f", str(ROOT / "configs" / f"{config or graph}.yaml"), "--run-dir", str(run),
              *[a for s in sets for a in ("--set", s)]],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: List[str] = []
@@ -238,9 +238,18 @@ class Serve:
         return int(self.metrics[name].rsplit(":", 1)[1].split("/")[0])
 
     def worker_pid(self, name: str) -> int:
+        """The pid of ``name``'s current life (serve's children are read again: a restarted worker
+        is a new child; every one started is kept in ``children``)."""
         port = self.worker_port(name)
-        for pid in self.children:
-            if f"DYN_SYSTEM_PORT={port}".encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+        now = [int(x) for x in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+        self.children += [p for p in now if p not in self.children]
+        for pid in now:
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:  # gone meanwhile
+                continue
+            if f"DYN_SYSTEM_PORT={port}".encode() in env:
                 return pid
         raise AssertionError(f"no child of serve runs {name}")
 

@@ -41,9 +41,10 @@ class VllmServe(Serve):
     vllm_serve.py, whose readiness deadline is ``ready_timeout`` instead of the CLI's 300 s."""
 
     def __init__(self, tmp_path: Path, name: str, *overrides: str, graph: str, base: List[str],
-                 ready_timeout: float = 900) -> None:
+                 ready_timeout: float = 900, config: Optional[str] = None) -> None:
         super().__init__(tmp_path, name, *overrides, graph=graph, base=base, ready_timeout=ready_timeout + 30,
-                         command=[sys.executable, str(Path(__file__).with_name("vllm_serve.py")), str(ready_timeout)])
+                         command=[sys.executable, str(Path(__file__).with_name("vllm_serve.py")), str(ready_timeout)],
+                         config=config)
 
 
 # ---- requests ----------------------------------------------------------------------------------
