@@ -182,3 +182,19 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
         if probe is not None:
             probe.close()
         serve.close()
+
+
+def test_the_replays_node_configuration_pools_the_workers_tiers_into_one_node_cache(tmp_path):
+    """`replay --configs node` (the demo's node row): the same memory and disk as every worker's
+    own tiers together, in one node cache the two workers share."""
+    from dynamo_flexkv.replay.configs import CONFIGURATIONS, node_cache_config
+
+    assert CONFIGURATIONS["node"].node
+    config = apply_overrides(load_config(str(ROOT / "configs" / "agg_router_vllm.yaml")),
+                             ["Frontend.http-port=0", "VllmWorker.cache.cpu_cache_gb=0.0625"])
+    pooled = node_cache_config(config, "VllmWorker", tmp_path)
+    assert pooled["VllmWorker"]["cache"] == {"mode": "node"}
+    assert pooled["NodeCache"]["cache"] == {"cpu_cache_gb": 0.125, "ssd_cache_gb": 2.0, "eviction_policy": "lru",
+                                            "ssd_cache_dir": str(tmp_path / "node-ssd")}
+    plan = build_plan(load_graph(str(ROOT / "graphs" / "agg_router_vllm.py")), pooled, run_dir=tmp_path / "run")
+    assert [p.kind for p in plan.processes].count(Kind.CACHE) == 1 and len(plan.workers) == 2

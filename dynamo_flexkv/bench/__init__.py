@@ -23,6 +23,8 @@ BENCHES: Dict[str, tuple] = {
     "disagg": ("dynamo_flexkv.bench.disagg", "prefill->decode KV handover GB/s over NIXL vs same-run raw NIXL READ"),
     "vllm": ("dynamo_flexkv.bench.vllm_ttft", "real vLLM TTFT, FlexKVConnector host/disk/remote hits vs same-run "
              "recompute and vLLM's own prefix-cache hit"),
+    "node": ("dynamo_flexkv.bench.node", "node cache vs embedded tiers at the engine contract: host-90 loads, lookup "
+             "round trips, attach; the engine-driven data path vs the service copying into the engine's KV"),
     "events": ("dynamo_flexkv.bench.events", "Dynamo's KvRouter fed by 100-1,000 simulated workers' tier-tagged KV "
                "events (lag, drops, router CPU/RSS, decision latency) vs same-run device-only events"),
 }

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,6 +30,7 @@ class Configuration:
     description: str
     overrides: Tuple[str, ...]  # --set style, on top of the graph's config; {worker}: the worker section
     offload: bool = True
+    node: bool = False  # the workers' tiers become one node cache they share (node_cache_config)
 
     def overrides_for(self, worker: str) -> List[str]:
         """The overrides with ``{worker}`` replaced by the engine's worker section (FlexKVWorker, VllmWorker)."""
@@ -106,6 +107,8 @@ CONFIGURATIONS: Dict[str, Configuration] = {c.name: c for c in (
     Configuration("round-robin", "host + SSD tiers, round-robin routing", ("Frontend.router-mode=round-robin",)),
     Configuration("kv-device-only", "host + SSD tiers, KV routing counting the device only "
                   "(host/disk weights 0)", DEVICE_ONLY),
+    Configuration("node", "host + SSD tiers of one node cache both workers share (the same memory and disk in "
+                  "all as host+ssd), KV routing over every tier", (), node=True),
 )}
 # Remote (peer) tiers do not exist yet; the comparison gains "host+ssd+remote" when they do.
 
@@ -204,8 +207,10 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
     overrides = ["Frontend.http-port=0",  # any free port: never collides with a running graph
                  f"{worker}.cache.ssd_cache_dir={run_dir}/ssd{{replica}}",  # a fresh disk tier per run
                  f"{worker}.num-device-blocks={device_blocks}", *extra_overrides, *config.overrides_for(worker)]
-    plan = build_plan(load_graph(graph), apply_overrides(load_config(config_file), overrides),
-                      run_dir=run_dir, source=config_file)
+    cfg = apply_overrides(load_config(config_file), overrides)
+    if config.node:
+        cfg = node_cache_config(cfg, worker, run_dir)
+    plan = build_plan(load_graph(graph), cfg, run_dir=run_dir, source=config_file)
     sys.stderr.write(f"{config.name} @{device_blocks} device blocks: starting {plan.graph.name} "
                      f"({len(plan.workers)} workers), logs in {run_dir}/logs\n")
     launcher = Launcher(plan, sys.stderr if logs else None)
@@ -221,6 +226,23 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
         launcher.shutdown()
         raise
     return run, launcher
+
+
+def node_cache_config(cfg: Dict[str, Any], worker: str, run_dir: Path) -> Dict[str, Any]:
+    """The same graph with its workers' tiers pooled into one node cache (docs/NODE_CACHE.md): the
+    node cache gets the workers' cache keys with their host and disk sizes added up (the same memory
+    and disk as every worker's own tiers together), a fresh disk directory, and each worker only
+    ``mode: node``."""
+    common, section = cfg.get("Common") or {}, dict(cfg.get(worker) or {})
+    replicas = int(section.get("replicas", common.get("replicas", 1)))
+    tiers = {k: v for k, v in (section.get("cache") or {}).items() if k not in ("mode", "node_socket")}
+    for key in ("cpu_cache_gb", "ssd_cache_gb"):
+        if key in tiers:
+            tiers[key] = float(tiers[key]) * replicas
+    tiers["ssd_cache_dir"] = str(run_dir / "node-ssd")
+    node = dict(cfg.get("NodeCache") or {})
+    node["cache"] = {**(node.get("cache") or {}), **tiers}
+    return {**cfg, worker: {**section, "cache": {"mode": "node"}}, "NodeCache": node}
 
 
 def replay_url(url: str, model: str, turns: Sequence[Turn], *, ports: Sequence[int], time_scale: float,

@@ -20,7 +20,7 @@ from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
 from dynamo_flexkv.workload import TRACE_BLOCK, Scale, Turn, trace_turns
 
 
-ALL_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only"
+ALL_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only,node"
 # Host tier per worker, in blocks of the small preset: the reference engine 512 (float32, 256 KiB a
 # block), what a worker serves in the default workload; vLLM 128 (bfloat16, 128 KiB a block), a
 # quarter of that, so the SSD tier serves part of the lower-tier hits (with 512 it served none).
@@ -46,7 +46,7 @@ class Preset:
 # blocks a prompt leaves the device before its conversation's next turn; a 512-block host tier
 # holds what a worker serves, so a later turn's prefix is on the worker that served the turn before.
 DEFAULT = Preset(conversations=32, sample_every=4, trace_window_s=900, time_scale=20.0,
-                 configs="no-offload,host+ssd,kv-device-only", device_blocks="40", sweep_configs="no-offload,host+ssd")
+                 configs="no-offload,host+ssd,kv-device-only,node", device_blocks="40", sweep_configs="no-offload,host+ssd")
 FULL = Preset(conversations=192, sample_every=1, trace_window_s=None, time_scale=40.0, configs=ALL_CONFIGS,
               device_blocks="48,64,128,256", sweep_configs=ALL_CONFIGS)
 
