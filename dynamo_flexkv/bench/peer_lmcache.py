@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core.sysutil import LOOPBACK, free_port
 
@@ -182,23 +183,9 @@ class LMCacheServer:
 
     def stop(self) -> None:
         """SIGTERM to its process group, SIGKILL after 15 s."""
-        if self.proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # anything of the group still alive
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc = None
+        if self.proc is not None:
+            stop_group(self.proc, ((signal.SIGTERM, 15), (signal.SIGKILL, 10)))
+            self.proc = None
 
     def __enter__(self) -> "LMCacheServer":
         return self.start()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
+from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.vllm_engine import PROGRESS, READY, RESULT
 from dynamo_flexkv.bench.vllm_ttft import engine_env, kv_transfer_config
 
@@ -125,21 +126,8 @@ class ServedEngine:
             self.proc.stdin.close()
         except OSError:
             pass
-        for sig, wait_s in ((None, 30), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            if sig is not None:
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-            try:
-                self.proc.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # vLLM processes the engine left behind, if any
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # stdin closed: the engine exits by itself; signals only if it does not
+        stop_group(self.proc, ((None, 30), (signal.SIGTERM, 20), (signal.SIGKILL, 10)))
         self._log.close()
 
 

@@ -61,6 +61,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.peer_lmcache import vs_lmcache_cases
+from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.report import Case
 
 BENCH = "vllm"
@@ -286,20 +287,6 @@ def kv_transfer_config(role: str, host_bytes: int) -> Optional[Dict[str, Any]]:
             "kv_connector_extra_config": {"layerwise": True, "lookup_give_up_s": 60.0}}
 
 
-def _stop_group(p: subprocess.Popen) -> None:
-    """SIGTERM to the engine's process group (vLLM shuts its processes down), SIGKILL after 20 s."""
-    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            p.wait(wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: str, timeout_s: float) -> Dict[str, Any]:
     spec_path = os.path.join(workdir, f"spec-{role}.json")
     out_path = os.path.join(workdir, f"out-{role}.json")
@@ -313,7 +300,7 @@ def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: st
         p = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.bench.vllm_engine", spec_path, out_path], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                              start_new_session=True)
-        killer = threading.Timer(timeout_s, _stop_group, (p,))  # past the timeout the run fails
+        killer = threading.Timer(timeout_s, stop_group, (p,))  # past the timeout the run fails
         killer.start()
         try:
             for line in p.stdout:
@@ -328,7 +315,7 @@ def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: st
         finally:
             killer.cancel()
             if p.poll() is None:
-                _stop_group(p)
+                stop_group(p)
     if rc != 0 and time.perf_counter() - t0 >= timeout_s:
         rc = f"killed after the {timeout_s:.0f} s timeout"
     if rc != 0:
