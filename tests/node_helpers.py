@@ -50,6 +50,8 @@ class Engine:
         layout = KVLayout(KVLayoutType.LAYERBLOCK, spec, BS, DEVICE_BLOCKS)
         self.layers = [torch.zeros(layout.layer_shape(), dtype=torch.float32) for _ in range(spec.num_layers)]
         self.offload.register(self.layers)
+        if listener is not None:
+            self.offload.announce_adopted()  # the listener can take the node's events now
 
     def fill(self, tokens: Sequence[int], blocks: Sequence[int]) -> None:
         """Computes the KV of each full block of ``tokens`` into ``blocks``: bytes that only these

@@ -258,6 +258,20 @@ def test_a_thousand_attaches_are_bounded_and_leave_nothing(tmp_path):
         e.offload.shutdown()
 
 
+def test_a_connection_that_never_attaches_is_closed_and_frees_its_place(tmp_path, monkeypatch):
+    from dynamo_flexkv.core.node import session
+    monkeypatch.setattr(session, "ATTACH_TIMEOUT_S", 0.5)
+    with node_server(tmp_path, max_clients=1) as server:
+        idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        idle.connect(server.options.socket_path)  # says nothing
+        wait_until("the silent connection closed", lambda: not server.stats()["engines"], timeout=30)
+        assert idle.recv(1) == b""
+        idle.close()
+        e = Engine(server.options.socket_path, "after")  # its place is free again
+        assert e.offload.stats() is not None
+        e.offload.shutdown()
+
+
 def test_every_engine_announces_the_node_blocks_it_can_load_and_an_engine_that_attaches_gets_them(tmp_path):
     from dynamo_flexkv.core.index import Tier
 

@@ -108,6 +108,26 @@ def node_metric(serve, name: str) -> float:
         return sum(v for _, v in samples(r.read().decode(), name))
 
 
+class Held:
+    """IndexListener: the node cache's blocks per tier, as its events tell an attached engine."""
+
+    def __init__(self) -> None:
+        self.blocks = {"host": set(), "disk": set()}
+
+    def on_stored(self, tier, run) -> None:
+        self.blocks[tier.value].update(int(h) for h in run.hashes)
+
+    def on_removed(self, tier, hashes) -> None:
+        self.blocks[tier.value].difference_update(int(h) for h in hashes)
+
+    def prefix(self, tiers, hashes) -> int:
+        """Blocks of ``hashes``, from the first, that one of ``tiers`` holds."""
+        n = 0
+        while n < len(hashes) and any(int(hashes[n]) in self.blocks[t] for t in tiers):
+            n += 1
+        return n
+
+
 def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_credits_both(tmp_path):
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
     import vllm_graph as vg
@@ -141,34 +161,59 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
         assert other["ids"] == first["ids"]
         assert node_metric(serve, "flexkv_node_tier_hit_blocks_total") >= n
 
-        # An engine of the same model attached from here (the node cache's public interface) stores a
-        # prompt no worker has on its device: both workers are credited with its host and disk copies
-        # (the router's counts include the faster tiers: disk >= host >= device); it evicts the host
-        # tier: both lose the host copies and keep the disk ones.
+        # The router's view of every worker against the node cache's contents. An engine of the same
+        # model attached from here (the service's public interface; it hears the same events) stores a
+        # burst of prompts sharing prefixes, that no worker holds on its device: each worker's
+        # (device, host, disk) counts of each prompt must be (0, its prefix held on host, its prefix
+        # held on disk) by the service (the router's counts include the faster tiers).
         spec = EngineModelConfig.preset("tiny").kv_spec()
         sock = [a for a in serve.lines if "cache server ready on" in a][0].split("ready on ")[1].split(" ")[0]
-        admin = Engine(sock, "admin", model_id="tiny|flexkv-tiny", spec=spec)
-        q = [t % 500 + 10 for t in prompt(22, 12 * BS)]
-        admin.store(q, list(range(12)))
-        assert admin.offload.drain(30)
+        held = Held()
+        admin = Engine(sock, "admin", model_id="tiny|flexkv-tiny", spec=spec, listener=held)
+        stem = [t % 500 + 10 for t in prompt(22, 6 * BS)]
+        burst = [stem + [t % 500 + 10 for t in prompt(100 + i, (i % 5 + 1) * BS)] for i in range(24)]
+        for i, q in enumerate(burst):  # stores in flight together: one hold each, collected below
+            admin.fill(q, list(range(len(q) // BS)))
+            admin.offload.store(q, list(range(len(q) // BS)), key=f"b{i}")
+        wait_until("every store's hold back", lambda: admin.offload.drain(30) and not admin.offload.finished_holds()
+                   and admin.offload.tasks_pending == 0, timeout=60)
 
-        def q_view():
-            return {x: probe.scores(q).get(ids[x], (0, 0, 0)) for x in names}
-        wait_until("both workers credited with the stored prompt", lambda: all(v == (0, 12, 12) for v in q_view().values()),
-                   timeout=30)
-        assert admin.offload.evict_host(30) >= 12
-        wait_until("the router sees the host copies gone", lambda: all(v == (0, 0, 12) for v in q_view().values()),
-                   timeout=30)
-        admin.offload.shutdown()
+        def expected(q):
+            """The router counts a tier with the faster ones: host = the host prefix, disk = the prefix
+            held on host or disk (a racing store may leave its suffix on host only)."""
+            hs = admin.offload.block_hashes(q)
+            return (0, held.prefix(("host",), hs), held.prefix(("host", "disk"), hs))
 
-        # A worker SIGKILLed: restarted, re-attached, and its first request of the prompt loads it.
+        def views_match(live):
+            scores = [probe.scores(q) for q in burst]
+            bad = [(i, x, sc.get(ids[x], (0, 0, 0)), expected(q)) for i, (q, sc) in enumerate(zip(burst, scores))
+                   for x in live if sc.get(ids[x], (0, 0, 0)) != expected(q)]
+            mismatches[:] = bad
+            return not bad
+        mismatches: list = []
+        try:
+            wait_until("both workers' views equal the node's contents after the burst", lambda: views_match(names),
+                       timeout=60)
+        except AssertionError:
+            raise AssertionError(f"(prompt, worker, router view, node contents): {mismatches[:10]}") from None
+        assert expected(burst[0])[1] == len(burst[0]) // BS  # the views are not trivially empty
+        assert admin.offload.evict_host(30) > 0  # eviction leaves every worker's view
+        wait_until("both views equal the node's contents after the eviction", lambda: views_match(names), timeout=60)
+        assert all(expected(q)[1] == 0 and expected(q)[2] >= 6 for q in burst)
+
+        # A worker SIGKILLed: the router drops it; restarted, it re-attaches, receives the node's
+        # contents (its view equals them again) and its first request of the prompt loads it.
         victim = names[0]
         pid = serve.worker_pid(victim)
         os.kill(pid, signal.SIGKILL)
         serve.wait_for(rf"{victim} is ready again after \S+ s", 120)
-        wait_until("the node cache counts both workers again", lambda: node_metric(serve, "flexkv_node_engines") == 2)
+        wait_until("the node cache counts both workers again", lambda: node_metric(serve, "flexkv_node_engines") == 3)
         assert node_metric(serve, "flexkv_node_copies_in_flight") == 0
         new_id = vg.worker_id(vg.scrape(serve.metrics[victim]))
+        assert ids[victim] not in probe.scores(burst[0])  # the dead instance is gone from the router
+        ids[victim] = new_id
+        wait_until("the restarted worker's view equals the node's contents", lambda: views_match(names), timeout=60)
+        admin.offload.shutdown()
         again = complete(serve.base_url, tokens, new_id)
         assert again["tiers"]["disk"] + again["tiers"]["host"] == n * BS and again["ids"] == first["ids"], again
         wait_until("no task left in flight", lambda: node_metric(serve, "flexkv_node_engine_tasks") == 0)

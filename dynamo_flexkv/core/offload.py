@@ -174,8 +174,9 @@ class EngineOffload(ABC):
 
     @abstractmethod
     def announce_adopted(self) -> int:
-        """Announces disk blocks re-adopted at a restart to the listener; once, when the event
-        subscriber is connected."""
+        """The listener's events can reach the router now: call once, when the event subscriber is
+        connected. Embedded: announces the disk blocks re-adopted at a restart. Node: the service
+        sends the node's blocks, then every change (before it, the listener hears nothing)."""
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -85,6 +85,8 @@ class Channel:
         anc = socket.CMSG_SPACE(4 * array.array("i").itemsize)
         try:
             data, ancdata, _, _ = self.sock.recvmsg(1 << 20, anc)
+        except socket.timeout:
+            raise ChannelClosed(f"{self.name}: nothing received within {self.sock.gettimeout()} s") from None
         except OSError as e:
             if self._closed is not None:
                 return False

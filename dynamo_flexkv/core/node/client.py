@@ -113,6 +113,9 @@ class NodeOffload(EngineOffload):
         self._retry: Optional[threading.Thread] = None
         self.namespace = ""
         self.attaches = 0
+        # The node's blocks go to the listener once its publisher can deliver them (announce_adopted:
+        # a PUB socket drops what it sends before a subscriber joins); re-attaches send them at once.
+        self._publishing = False
 
     # ---- setup ----------------------------------------------------------------------------------------
     def register(self, layers: Any, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
@@ -138,7 +141,8 @@ class NodeOffload(EngineOffload):
                                 num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
                                 head_size=self.model.head_size, dtype=self.model.dtype, kv_dim=self.model.kv_dim,
                                 tokens_per_block=self.bs, device_blocks=self.device.num_blocks, tenant=self.tenant,
-                                rank=self.rank, ranks=self.ranks, events=self.listener is not None))
+                                rank=self.rank, ranks=self.ranks,
+                                events=self.listener is not None and self._publishing))
             frames = channel.frames()
             body, fds = next(frames)
             msg = decode_to_engine(body)
@@ -498,7 +502,15 @@ class NodeOffload(EngineOffload):
         return []  # the service's: not this engine's to touch
 
     def announce_adopted(self) -> int:
-        return 0  # the service announces what it re-adopted, to every engine that attaches
+        """The listener can publish now: the service sends it the node's blocks (what it re-adopted
+        included), then every change; after a re-attach it does so at once. Returns the blocks sent."""
+        if self.listener is None or self._publishing:
+            return 0
+        self._publishing = True
+        try:
+            return int(self._request(lambda rid: Call(id=rid, name="subscribe")))
+        except NodeUnavailable:
+            return 0  # the next attach subscribes
 
     def shutdown(self) -> None:
         with self._lock:

@@ -46,7 +46,7 @@ class Attach(msgspec.Struct, tag="attach", forbid_unknown_fields=True):
     tenant: str = ""  # a namespace of its own: nothing of another tenant's is visible to it
     rank: int = 0
     ranks: int = 1
-    events: bool = True  # this engine publishes the tiers' KV events (tensor-parallel rank 0)
+    events: bool = True  # send this engine the tiers' KV events from now (else: once it calls subscribe)
 
 
 class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
@@ -103,7 +103,8 @@ class Observe(msgspec.Struct, tag="observe", forbid_unknown_fields=True):
 
 
 class Call(msgspec.Struct, tag="call", forbid_unknown_fields=True):
-    """An administrative call: stats, drain, reset, evict_host, describe."""
+    """An administrative call: stats, drain, reset, evict_host, subscribe (the KV events, for an engine that
+    attached without them), describe."""
     id: int
     name: str
     timeout: Optional[float] = None

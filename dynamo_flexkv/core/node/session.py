@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")
 MAX_TASKS_PER_ENGINE = 4096  # loads, stores and prefetches of one engine not finished yet
+ATTACH_TIMEOUT_S = 10.0  # a connection must attach within this long
 
 
 class RequestRefused(ValueError, FlexKVError):
@@ -57,6 +58,7 @@ class Session:
         self._tasks_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"flexkv-node-engine-{sid}", daemon=True)
         self._closed = False
+        self._subscribed = False  # this engine receives the namespace's KV events
         self.requests = 0
 
     def start(self) -> None:
@@ -83,6 +85,8 @@ class Session:
     # ---- the connection ----------------------------------------------------------------------------
     def _run(self) -> None:
         why = "the engine closed the connection"
+        # A connection that never attaches would hold a place of max_clients forever.
+        self.channel.sock.settimeout(ATTACH_TIMEOUT_S)
         try:
             for body, fds in self.channel.frames():
                 for fd in fds:  # engines send none
@@ -179,6 +183,7 @@ class Session:
             self.channel.send(Reply(id=0, error=str(e), kind="refused"))
             raise ChannelClosed(f"refused: {e}") from None
         self.attach, self.ns = a, ns
+        self.channel.sock.settimeout(None)  # attached: it may stay idle as long as it likes
         kv = ns.kv
         self.device = EngineDevice(f"{a.engine}/rank{a.rank}", a.device_blocks, self.channel.send, self.pid,
                                    kv.host.forget_checksums)
@@ -189,6 +194,7 @@ class Session:
         log.info("node cache: engine %s rank %d/%d (pid %d) attached to model %s%s", a.engine, a.rank, a.ranks,
                  self.pid, a.model_id, f" tenant {a.tenant}" if a.tenant else "")
         if a.events:
+            self._subscribed = True
             ns.mirror.subscribe(self.id, self._send_events)
 
     def _send_events(self, events: List[Event], resync: bool) -> None:
@@ -244,11 +250,16 @@ class Session:
             if not kv.drain(msg.timeout):
                 raise RuntimeError(f"tier writes still running after {msg.timeout} s; call evict_host again when idle")
             return kv.evict("host")
+        if msg.name == "subscribe":  # the engine's event publisher is connected now: the blocks, then changes
+            if self._subscribed:
+                return 0
+            self._subscribed = True
+            return self.ns.mirror.subscribe(self.id, self._send_events)
         if msg.name == "describe":
             return {"host_block_bytes": kv.host.layout.block_bytes, "tiers": kv.config.tier_blocks(kv.model),
                     "ssd_dirs": list(kv.ssd.dirs) if kv.ssd else [],
                     "remote": kv.remote.config.redacted_url if kv.remote else None}
-        raise RequestRefused(f"unknown call {msg.name!r}: stats, drain, reset, evict_host or describe")
+        raise RequestRefused(f"unknown call {msg.name!r}: stats, drain, reset, evict_host, subscribe or describe")
 
     # ---- task bookkeeping -----------------------------------------------------------------------------
     def _ids(self, data: bytes) -> np.ndarray:
