@@ -237,3 +237,60 @@ def test_stop_group_ends_children_that_ignore_sigterm():
             break
         assert time.monotonic() < deadline, "a process of the group outlived stop_group"
         time.sleep(0.05)
+
+
+# ---- the replay's lmcache row ------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _vllm_config(*sets: str):
+    from dynamo_flexkv.serve.plan import apply_overrides, load_config
+    return apply_overrides(load_config(str(ROOT / "configs" / "agg_router_vllm.yaml")),
+                           ["Frontend.http-port=0", "VllmWorker.cache.cpu_cache_gb=0.0625", *sets])
+
+
+def test_the_replays_lmcache_row_serves_the_same_graph_on_one_lmcache_server_for_the_node(tmp_path, monkeypatch):
+    """`replay --configs lmcache`: our offload off, LMCacheMPConnector in every worker, one LMCache
+    server for the node planned before the workers (the launcher waits for it and stops it after
+    them), its CPU tier the workers' host tiers together, its chunks the workers' blocks."""
+    import json
+    from dynamo_flexkv.replay.configs import CONFIGURATIONS
+    from dynamo_flexkv.replay.peers import SERVER, add_lmcache_server, lmcache_config
+    from dynamo_flexkv.serve import load_graph
+    from dynamo_flexkv.serve.graph import Kind
+    from dynamo_flexkv.serve.plan import build_plan
+
+    (tmp_path / "peer" / "lmcache-0.5.6.dist-info").mkdir(parents=True)
+    monkeypatch.setenv(lmc.PREFIX_ENV, str(tmp_path / "peer"))
+    assert CONFIGURATIONS["lmcache"].peer == "lmcache" and not CONFIGURATIONS["lmcache"].offload
+    cfg, server = lmcache_config(_vllm_config(), "VllmWorker", tmp_path / "run")
+    plan = build_plan(load_graph(str(ROOT / "graphs" / "agg_router_vllm.py")), cfg, run_dir=tmp_path / "run")
+    add_lmcache_server(plan, server)
+    kinds = [(p.name, p.kind) for p in plan.processes]
+    assert kinds.index((SERVER, Kind.CACHE)) < min(i for i, (_, k) in enumerate(kinds) if k is Kind.WORKER)
+    assert server.l1_bytes == 2 * int(0.0625 * (1 << 30)) and server.chunk_tokens == 64
+    assert len(plan.workers) == 2
+    for w in plan.workers:
+        kt = json.loads(w.argv[w.argv.index("--kv-transfer-config") + 1])
+        assert kt["kv_connector"] == "LMCacheMPConnector" and kt["kv_connector_extra_config"]["lmcache.mp.port"] == server.port
+        assert "FlexKVConnector" not in " ".join(w.argv) and w.cache is None
+        assert w.env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "peer")
+
+
+def test_the_replays_lmcache_row_is_refused_before_anything_is_served_without_lmcache_or_on_the_reference_engine(
+        tmp_path, monkeypatch, capsys):
+    import argparse
+    from dynamo_flexkv.replay.main import add_arguments, run as replay_run
+
+    monkeypatch.setenv(lmc.PREFIX_ENV, str(tmp_path / "nope"))
+    for argv, message in ((["--configs", "host+ssd,lmcache"], "not lmcache 0.5.6; install it with make peer-lmcache"),
+                          (["--engine", "reference", "--configs", "lmcache"], "runs vLLM workers: use --engine vllm")):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        out = tmp_path / "out"
+        assert replay_run(p.parse_args([*argv, "--out", str(out)])) == 1
+        assert message in capsys.readouterr().err
+        assert not out.exists()  # nothing served, nothing written
+    with pytest.raises(ValueError, match="make peer-lmcache"):
+        from dynamo_flexkv.replay.peers import lmcache_config
+        lmcache_config(_vllm_config(), "VllmWorker", tmp_path)

@@ -31,6 +31,7 @@ class Configuration:
     overrides: Tuple[str, ...]  # --set style, on top of the graph's config; {worker}: the worker section
     offload: bool = True
     node: bool = False  # the workers' tiers become one node cache they share (node_cache_config)
+    peer: Optional[str] = None  # another offload system in the workers instead of ours (replay/peers.py)
 
     def overrides_for(self, worker: str) -> List[str]:
         """The overrides with ``{worker}`` replaced by the engine's worker section (FlexKVWorker, VllmWorker)."""
@@ -68,6 +69,13 @@ def _flexkv_tier(tier: str) -> Counter:
 
 def _vllm_tier(tier: str) -> Counter:
     return Counter("vllm:flexkv_loaded_tokens_total", (("tier", tier),))
+
+
+def peer_mapping(mapping: MetricMapping) -> MetricMapping:
+    """A vLLM worker on a peer's connector: vLLM counts what the peer loaded as external prefix-cache
+    hits, one number for all of its tiers, shown as host."""
+    return MetricMapping(mapping.requests, mapping.prompt_tokens,
+                         {"device": mapping.cached["device"], "host": Counter("vllm:external_prefix_cache_hits_total")})
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,9 @@ CONFIGURATIONS: Dict[str, Configuration] = {c.name: c for c in (
                   "(host/disk weights 0)", DEVICE_ONLY),
     Configuration("node", "host + SSD tiers of one node cache both workers share (the same memory and disk in "
                   "all as host+ssd), KV routing over every tier", (), node=True),
+    Configuration("lmcache", "LMCache 0.5.6 (multi-process) in each vLLM worker instead of ours: one LMCache server "
+                  "for the node, its CPU tier the workers' host tiers together, a disk tier; KV routing on device "
+                  "events (LMCache publishes none)", (), offload=False, peer="lmcache"),
 )}
 # Remote (peer) tiers do not exist yet; the comparison gains "host+ssd+remote" when they do.
 
@@ -203,6 +214,8 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
     worker = ENGINES[engine].worker
+    if config.peer and engine != "vllm":
+        raise ValueError(f"the {config.name} configuration runs vLLM workers: use --engine vllm")
     run_dir = Path(tempfile.mkdtemp(prefix=f"dynamo-flexkv-replay-{config.name.replace('+', '-')}-"))
     overrides = ["Frontend.http-port=0",  # any free port: never collides with a running graph
                  f"{worker}.cache.ssd_cache_dir={run_dir}/ssd{{replica}}",  # a fresh disk tier per run
@@ -210,7 +223,14 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
     cfg = apply_overrides(load_config(config_file), overrides)
     if config.node:
         cfg = node_cache_config(cfg, worker, run_dir)
+    server = None
+    if config.peer == "lmcache":
+        from dynamo_flexkv.replay.peers import lmcache_config
+        cfg, server = lmcache_config(cfg, worker, run_dir)
     plan = build_plan(load_graph(graph), cfg, run_dir=run_dir, source=config_file)
+    if server is not None:
+        from dynamo_flexkv.replay.peers import add_lmcache_server
+        add_lmcache_server(plan, server)
     sys.stderr.write(f"{config.name} @{device_blocks} device blocks: starting {plan.graph.name} "
                      f"({len(plan.workers)} workers), logs in {run_dir}/logs\n")
     launcher = Launcher(plan, sys.stderr if logs else None)
@@ -262,7 +282,7 @@ def _measure(config: Configuration, device_blocks: int, url: str, model: str, po
              on_done: Callable[[RequestRecord], None], check_alive: Callable[[], None] = lambda: None,
              request_timeout_s: float = 120, engine: str = "reference", client: str = "ours",
              model_dir: Optional[Path] = None, workdir: Optional[Path] = None) -> ConfigRun:
-    mapping = ENGINES[engine].metrics
+    mapping = peer_mapping(ENGINES[engine].metrics) if config.peer else ENGINES[engine].metrics
     texts = {name: scrape(port) for name, port in ports.items()}
     names = {worker_id(text): name for name, text in texts.items()}
     before = {name: worker_totals(text, mapping) for name, text in texts.items()}

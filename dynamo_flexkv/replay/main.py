@@ -89,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"bfloat16, a quarter of what a worker serves in the default workload, so the SSD tier serves "
                    f"part of the lower-tier hits; {HOST_GB['reference']} for reference: 512 float32 blocks, all of it)")
     g.add_argument("--configs", help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
-                   f"--full {FULL.configs}; all: {ALL_CONFIGS})")
+                   f"--full {FULL.configs}; all: {ALL_CONFIGS}; with --engine vllm, lmcache is added to the "
+                   f"defaults once `make peer-lmcache` installed LMCache: the peer in the same graph)")
     g.add_argument("--device-blocks", help="device KV blocks per worker, comma-separated: the first size runs "
                    f"--configs, the others --sweep-configs (default {DEFAULT.device_blocks}; --full "
                    f"{FULL.device_blocks})")
@@ -157,6 +158,31 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _with_peer(configs: str, engine: str) -> str:
+    """The default configurations, with the LMCache row when the peer is installed (vLLM only)."""
+    from dynamo_flexkv.bench.peer_lmcache import INSTALL, missing_reason, prefix_dir
+
+    if engine != "vllm":
+        return configs
+    why = missing_reason(prefix_dir())
+    if why:
+        sys.stderr.write(f"replay: no lmcache row ({why}; {INSTALL} adds it)\n")
+        return configs
+    return configs + ",lmcache"
+
+
+def _check_peers(configs, engine: str) -> None:
+    """A peer configuration runs on vLLM, with its peer installed: refused before anything is served."""
+    from dynamo_flexkv.bench.peer_lmcache import INSTALL, missing_reason, prefix_dir
+
+    for c in configs:
+        if c.peer and engine != "vllm":
+            raise ValueError(f"configuration {c.name} runs vLLM workers: use --engine vllm")
+        why = missing_reason(prefix_dir()) if c.peer == "lmcache" else None
+        if why:
+            raise ValueError(f"configuration {c.name}: {why}; install it with {INSTALL}")
+
+
 def _interrupt(signum: int, frame) -> None:
     # once: a second SIGTERM must not cut short the stopping of the graph (a handler, not SIG_IGN,
     # which the graph's processes would inherit across exec)
@@ -205,9 +231,10 @@ def _run(args: argparse.Namespace) -> int:
         plan = [(Configuration("served", f"the graph at {args.url}", ()), 0)]
     else:
         sizes = device_block_list(args.device_blocks or preset.device_blocks)
-        main = parse_configs(args.configs or preset.configs)
+        main = parse_configs(args.configs or _with_peer(preset.configs, args.engine))
         sweep = parse_configs(args.sweep_configs) if args.sweep_configs else (
             main if args.full else parse_configs(preset.sweep_configs))
+        _check_peers([*main, *sweep], args.engine)
         plan = [(c, sizes[0]) for c in main] + [(c, b) for b in sizes[1:] for c in sweep]
         _check_context(args, scale, min(sizes))
     out = Path(args.out or f"replay-results/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")

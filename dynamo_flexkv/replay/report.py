@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from dynamo_flexkv.replay.client import TIERS, RequestRecord
-from dynamo_flexkv.replay.configs import ENGINES, ConfigRun, attribute_workers
+from dynamo_flexkv.replay.configs import ENGINES, ConfigRun, attribute_workers, peer_mapping
 
 
 CLIENTS = {"ours": "our replay client (TTFT: the first chunk carrying a token, by nvext.completion_token_ids)",
@@ -174,6 +174,9 @@ def markdown(summaries: Sequence[Summary], workload: str, setup: str) -> str:
     lines += ["", f"Per-tier hits from: {', '.join(sources)}. Per-request accounting against the workers' "
               "counters: " + "; ".join(f"{s.config} @{s.device_blocks}: {s.accounting}" for s in summaries),
               "", f"Worker counters read: {metric_note(sorted({s.engine for s in summaries}))}."]
+    if any(s.config == "lmcache" for s in summaries):
+        lines += ["", "lmcache: LMCache's CPU and disk hits together in the host column (vLLM counts what a "
+                  f"connector loaded as {peer_mapping(ENGINES['vllm'].metrics).cached['host']}, one number)."]
     lines += ["", *findings(summaries)]
     return "\n".join(lines) + "\n"
 
@@ -193,6 +196,15 @@ def findings(summaries: Sequence[Summary]) -> List[str]:
                        f"(later turns {_fmt(tiered.ttft_p50_later_ms)} vs {_fmt(device_only.ttft_p50_later_ms)} ms; "
                        f"on their previous turn's worker {_pct(tiered.kept_on_worker)} vs "
                        f"{_pct(device_only.kept_on_worker)}).")
+        peer = by.get(("lmcache", blocks))
+        if tiered and peer:
+            holds = tiered.ttft_p50_ms < peer.ttft_p50_ms and tiered.computed_tokens <= peer.computed_tokens
+            out.append(f"- {blocks} device blocks: ours (host+ssd) {'beats' if holds else 'does NOT beat'} LMCache in "
+                       f"the same graph: TTFT p50 {_fmt(tiered.ttft_p50_ms)} vs {_fmt(peer.ttft_p50_ms)} ms "
+                       f"({tiered.ttft_p50_ms / peer.ttft_p50_ms:.2f}x), p90 {_fmt(tiered.ttft_p90_ms)} vs "
+                       f"{_fmt(peer.ttft_p90_ms)} ms, hit rate {tiered.hit_rate['all']:.0%} vs "
+                       f"{peer.hit_rate['all']:.0%}, prompt tokens computed {tiered.computed_tokens:,} vs "
+                       f"{peer.computed_tokens:,}.")
         if tiered and none:
             holds = tiered.ttft_p50_ms < none.ttft_p50_ms and tiered.computed_tokens < none.computed_tokens
             out.append(f"- {blocks} device blocks: offload (host+ssd) {'beats' if holds else 'does NOT beat'} no "
