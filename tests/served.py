@@ -222,10 +222,12 @@ class Serve:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+    def wait_for(self, pattern: str, timeout: float, since: int = 0) -> re.Match:
+        """The first line matching ``pattern`` from line ``since`` on (``len(lines)`` before an
+        action: a restart's lines, not an earlier restart's)."""
         deadline = time.monotonic() + timeout
         while True:
-            for line in list(self.lines):
+            for line in list(self.lines)[since:]:
                 m = re.search(pattern, line)
                 if m:
                     return m

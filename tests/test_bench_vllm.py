@@ -224,3 +224,43 @@ def test_the_pair_waits_for_idle_engines_by_their_cpu_time():
         for p in (busy, idle):
             p.kill()
             p.wait()
+
+
+# ---- --node: ours through the node cache beside ours embedded ------------------------------------------------
+def test_node_rows_put_the_node_cache_against_embedded_in_the_same_case():
+    r = {"recompute-8192": _recs([1000]), "device-hit-8192": _recs([30], 7360), "miss-8192": _recs([1000]),
+         "node-miss-8192": _recs([1020]), "host-8192": _recs([60], 7360), "node-host-8192": _recs([66], 7360),
+         "disk-8192": _recs([80], 7360), "node-disk-8192": _recs([72], 7360),
+         "restart-8192": _recs([90], 7360), "node-restart-8192": _recs([45], 7360)}
+    cases = {c.case: c for c in v.build_cases(r, [8192])}
+    assert cases["host-90-node-vs-embedded-8k"].ratio == pytest.approx(1.1)
+    assert cases["disk-90-node-vs-embedded-8k"].ratio == pytest.approx(0.9)
+    assert cases["miss-node-vs-embedded-8k"].ratio == pytest.approx(1.02)
+    assert cases["restart-90-node-vs-embedded-8k"].ratio == pytest.approx(0.5)
+    assert cases["node-miss-8k"].baseline == 1000 and "node cache" in cases["node-host-90-8k"].note
+    # A node case must give the same prompt's first token as the engine that computed it.
+    r["node-host-8192"] = _recs([66], 7360, token=3)
+    assert v.check_tokens(r, [8192]) == ["node-host-8192 request 0: first token 3 != device-hit's 7"]
+
+
+def test_node_is_refused_for_other_benches():
+    p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.bench", "index", "--node"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "--node is bench vllm's" in p.stderr, p.stderr[-2000:]
+
+
+def test_the_node_engines_attach_to_a_real_cache_server_that_stops_with_its_group(tmp_path):
+    """What `bench vllm --node` gives its node engines: a running cache server with our engine's
+    host and disk sizes, its socket in their environment, no local tier of their own."""
+    from dynamo_flexkv.bench.vllm_node import new_server
+    server = new_server(str(tmp_path), 64 << 20, 256 << 20, 64)
+    try:
+        env = v.engine_env(str(tmp_path), "flexkv-node", 64 << 20, 0, node_socket=server.socket)
+        assert (env["FLEXKV_MODE"], env["FLEXKV_NODE_SOCKET"]) == ("node", server.socket)
+        assert "FLEXKV_SSD_CACHE_DIR" not in env and "FLEXKV_CPU_CACHE_GB" not in env
+        assert os.path.exists(server.socket)
+        pid = server.proc.pid
+    finally:
+        server.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)

@@ -35,7 +35,7 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 import exactness  # noqa: E402
 import vllm_graph as vg  # noqa: E402
 from exactness import Generation  # noqa: E402
-from served import samples, wait_until  # noqa: E402
+from served import routed_workers, samples, wait_until  # noqa: E402
 from slow_kv import HOOK as SLOW_HOOK  # noqa: E402
 from vllm_graph import VllmServe  # noqa: E402
 
@@ -128,8 +128,9 @@ class NodeGraph:
     def ids(self) -> Dict[str, int]:
         """Dynamo instance ids (a restarted worker has a new one, on its metrics before its first request)."""
         from dynamo_flexkv.replay.configs import worker_id
-        return {n: wait_until(f"{n}'s instance id", lambda n=n: _quiet(worker_id, vg.scrape(self.serve.metrics[n])),
-                              timeout=60) for n in NAMES}
+        def read(n: str):
+            return _quiet(lambda: worker_id(vg.scrape(self.serve.metrics[n])))
+        return {n: wait_until(f"{n}'s instance id", lambda n=n: read(n), timeout=60) for n in NAMES}
 
     def loaded(self, name: str) -> float:
         return vg.loaded(vg.scrape(self.serve.metrics[name]))["host"]
@@ -143,6 +144,23 @@ class NodeGraph:
             return sum(v for labels, v in samples(r.read().decode(), "flexkv_node_tier_used_blocks")
                        if labels.get("tier") == "host")
 
+    def crash(self, name: str) -> int:
+        """SIGKILLs ``name``'s processes (vg.crash) and waits for serve to see it; returns the log
+        mark ``back`` waits from."""
+        mark = len(self.serve.lines)
+        vg.crash(self.serve.worker_pid(name))
+        self.serve.wait_for(rf"{name} exited with signal SIGKILL", 60, since=mark)
+        return mark
+
+    def back(self, name: str, mark: int) -> Dict[str, int]:
+        """Waits for ``name``'s restart after ``mark``: ready, attached to the node cache, and known
+        to the frontend's router (a request naming its new instance id earlier gets a 400)."""
+        self.serve.wait_for(rf"{name} is ready again after \S+ s", 600, since=mark)
+        wait_until(f"{name} re-attached", lambda: self.node("flexkv_node_engines") == 2, timeout=120)
+        wait_until("the router knows both workers", lambda: _quiet(lambda: routed_workers(self.serve.base_url)) == 2,
+                   timeout=120)
+        return self.ids()
+
     def complete_and_store(self, prompt: List[int], worker: int) -> dict:
         """A completion whose prompt is then in the node's host tier: vLLM stores a finished request
         at its next step, so the answer comes before the store; wait for the blocks, not for time."""
@@ -153,10 +171,10 @@ class NodeGraph:
         return r
 
 
-def _quiet(fn, *args):
+def _quiet(fn):
     try:
-        return fn(*args)
-    except RuntimeError:
+        return fn()
+    except (RuntimeError, OSError):  # a restarting worker's metrics port: not yet, or reset
         return None
 
 
@@ -192,8 +210,8 @@ def test_a_prompt_one_vllm_worker_computed_is_served_by_the_other_from_the_node_
 
 
 def kill_inside_a_copy(graph: NodeGraph, name: str, prompt: List[int], worker: int) -> dict:
-    """Sends ``prompt`` to ``worker`` with its device copies slowed, SIGKILLs the worker's whole
-    process group while the node cache has one of its copies in flight (the vLLM Worker process
+    """Sends ``prompt`` to ``worker`` with its device copies slowed, SIGKILLs the worker's processes
+    (vg.crash) while the node cache has one of its copies in flight (the vLLM Worker process
     making the copy dies in it; a SIGKILL of dynamo.vllm alone lets that process finish the copy
     while it stops, and the block lands whole), and returns how the request ended."""
     out: dict = {}
@@ -210,8 +228,7 @@ def kill_inside_a_copy(graph: NodeGraph, name: str, prompt: List[int], worker: i
         t.start()
         wait_until("a copy of the victim in flight", lambda: graph.node("flexkv_node_copies_in_flight") >= 1,
                    timeout=120, every=0.05)
-        os.killpg(graph.serve.worker_pid(name), signal.SIGKILL)  # serve starts each worker as a group leader
-        graph.serve.wait_for(rf"{name} exited with signal SIGKILL", 60)
+        out["mark"] = graph.crash(name)
     finally:
         graph.slow.unlink()
     t.join(300)
@@ -232,19 +249,16 @@ def test_a_worker_killed_inside_a_load_and_a_store_leaves_the_node_cache_clean_a
         exactness.assert_exact({0: ended["r"]["gen"]}, {0: baseline[tuple(KILL_LOAD)]}, "the migrated request")
     other = complete(graph.serve.base_url, DOCS[0], ids[b])  # B serves on
     exactness.assert_exact({0: other["gen"]}, {0: baseline[tuple(DOCS[0])]}, "the other worker after the kill")
-    graph.serve.wait_for(rf"{a} is ready again after \S+ s", 600)
-    wait_until("A re-attached", lambda: graph.node("flexkv_node_engines") == 2, timeout=120)
+    ids = graph.back(a, ended["mark"])
 
     # Inside a store: a fresh prompt on A, whose device->host copy of it is slowed after it answered.
-    ids = graph.ids()
     hits = graph.node("flexkv_node_tier_hit_blocks_total")
     ended = kill_inside_a_copy(graph, a, KILL_STORE, ids[a])
     print(f"killed inside a store: {ended.get('error') or 'answered before the kill'}")
     probe = complete(graph.serve.base_url, KILL_STORE, ids[b])
     assert probe["cached"] == 0, "a half-stored prompt became visible"  # recomputed by B, nothing loaded
     assert graph.node("flexkv_node_tier_hit_blocks_total") == hits
-    graph.serve.wait_for(rf"{a} is ready again after \S+ s", 600)
-    wait_until("A re-attached", lambda: graph.node("flexkv_node_engines") == 2, timeout=120)
+    graph.back(a, ended["mark"])
 
     # The restarted worker's first request: an 8K prefix B computed is a host hit. Against what? The
     # first request after another restart, cold (a restarted vLLM's first forward pays its warm-up:
@@ -253,11 +267,8 @@ def test_a_worker_killed_inside_a_load_and_a_store_leaves_the_node_cache_clean_a
     for kind, doc in (("host hit", LONG[0]), ("cold", LONG[2])):
         if kind == "host hit":
             graph.complete_and_store(doc, graph.ids()[b])
-        os.killpg(graph.serve.worker_pid(a), signal.SIGKILL)
-        graph.serve.wait_for(rf"{a} exited with signal SIGKILL", 60)
-        graph.serve.wait_for(rf"{a} is ready again after \S+ s", 600)
-        wait_until("A re-attached", lambda: graph.node("flexkv_node_engines") == 2, timeout=120)
-        firsts[kind] = complete(graph.serve.base_url, doc, graph.ids()[a])
+        ids = graph.back(a, graph.crash(a))
+        firsts[kind] = complete(graph.serve.base_url, doc, ids[a])
     hit, cold = firsts["host hit"], firsts["cold"]
     assert hit["cached"] == (len(LONG[0]) - 1) // BS * BS and cold["cached"] == 0
     exactness.assert_exact({0: hit["gen"]}, {0: baseline[tuple(LONG[0])]}, "the restarted worker's 8K host hit")

@@ -70,6 +70,10 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                              "engine and prompts: its CPU and disk tiers, miss path and restart beside ours, and "
                              "*-vs-lmcache-* rows (ratio = our TTFT / LMCache's); install it first with make "
                              "peer-lmcache (exit 2 if absent)")
+    parser.add_argument("--node", action="store_true",
+                        help="bench vllm: also ours through the node cache (dynamo-flexkv cache-server, the same host "
+                             "and disk sizes) beside ours embedded: miss, host, disk and restart interleaved, and "
+                             "*-node-vs-embedded-* rows (ratio = through the node cache / embedded)")
     parser.add_argument("--workers", metavar="LIST",
                         help="bench events: simulated worker counts (default 100,300,1000; --quick 20)")
     parser.add_argument("--transports", metavar="LIST", help="bench events: event planes, zmq and/or nats (default zmq,nats)")
@@ -85,6 +89,10 @@ def run(args: argparse.Namespace) -> List[Case]:
     if getattr(args, "peer", None) and args.name != "vllm":
         print(f"bench {args.name}: --peer {args.peer} is bench vllm's (run: bench vllm --peer {args.peer})",
               file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    if getattr(args, "node", False) and args.name != "vllm":
+        print(f"bench {args.name}: --node is bench vllm's (bench node measures the node cache at the engine "
+              "contract)", file=sys.stderr, flush=True)
         raise SystemExit(2)
     names = [n for n in BENCHES if n not in NOT_IN_ALL] if args.name == "all" else [args.name]
     cases: List[Case] = []

@@ -144,8 +144,13 @@ TIER_CASES: Dict[str, Tuple[str, Optional[str], Optional[Tuple[str, str]]]] = {
     "lmcache-disk": ("disk", "l1", None),
     # a fresh engine against the server that kept running: its CPU tier outlived the engine
     "lmcache-restart": ("restart", "l1-holds", None),
+    # through the node cache (its counters are the node's): as host and disk; the restart reads the
+    # host tier the node cache kept while the engine that stored the prefix went
+    "node-host": ("device", None, ("host", "hit_blocks")),
+    "node-disk": ("disk", "host", ("disk", "hit_blocks")),
+    "node-restart": ("restart", None, ("host", "hit_blocks")),
 }
-STORED_BY_ANOTHER_ENGINE = {"restart", "lmcache-restart"}
+STORED_BY_ANOTHER_ENGINE = {"restart", "lmcache-restart", "node-restart"}
 ROLE_CASES = {"flexkv": ("host", "disk"), "flexkv-remote": ("remote",), "offloading": ("offloading-host",)}
 
 

@@ -10,7 +10,8 @@ vLLM's worker done with its busy-wait after a step (measured from /proc, not sle
 
 ``bench vllm --peer lmcache`` runs the same way a third engine in the pair (LMCache's miss path)
 and, for the loaded cases, ours and LMCache's engines side by side, each request of a case
-interleaved with the other's same case (host / its CPU tier, disk / its disk tier, the restart).
+interleaved with the other's same case (host / its CPU tier, disk / its disk tier, the restart);
+``bench vllm --node`` likewise adds ours through the node cache (bench/vllm_node.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.vllm_engine import PROGRESS, READY, RESULT
+from dynamo_flexkv.bench.vllm_node import NodeCacheServer
 from dynamo_flexkv.bench.vllm_ttft import engine_env, kv_transfer_config
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -186,10 +188,22 @@ def _lmcache_engine(spec: Dict[str, Any], workdir: str, server: lmc.LMCacheServe
             lmc.peer_env(engine_env(workdir, "plain", 0, 0), prefix))
 
 
+def _node_engine(role: str, spec: Dict[str, Any], workdir: str, host_bytes: int, node: NodeCacheServer
+                 ) -> Tuple[str, Dict[str, Any], Dict[str, str]]:
+    return (role, dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
+            engine_env(workdir, role, host_bytes, 0, node_socket=node.socket))
+
+
+def _quiet_pids(lmcache: Optional[lmc.LMCacheServer], node: Optional[NodeCacheServer]) -> List[int]:
+    """The servers' process groups: each request starts once they are idle too."""
+    return [s.proc.pid for s in (lmcache, node) if s is not None and s.proc is not None]
+
+
 def run_miss_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_bytes: int, timeout: float,
-                     server: Optional[lmc.LMCacheServer], prefix: Optional[Path]) -> Dict[str, List[Dict[str, Any]]]:
+                     server: Optional[lmc.LMCacheServer], prefix: Optional[Path],
+                     node: Optional[NodeCacheServer] = None) -> Dict[str, List[Dict[str, Any]]]:
     """The recompute / miss engines alive at once (no connector, ours and, with ``server``,
-    LMCache's), the same fresh prompts interleaved."""
+    LMCache's, with ``node`` ours through that node cache), the same fresh prompts interleaved."""
     made = [("plain-pair", dict(spec, kv_transfer_config=None), engine_env(workdir, "plain", host_bytes, disk_bytes)),
             ("flexkv-pair", dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
              engine_env(workdir, "flexkv-pair", host_bytes, disk_bytes))]
@@ -197,28 +211,44 @@ def run_miss_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_b
     if server is not None and prefix is not None:
         made.append(("lmcache-pair", *_lmcache_engine(spec, workdir, server, prefix)))
         cases.append("lmcache-miss")
-    quiet = [server.proc.pid] if server is not None and server.proc else []
+    if node is not None:
+        made.append(_node_engine("flexkv-node-pair", spec, workdir, host_bytes, node))
+        cases.append("node-miss")
     with served(made, workdir) as engines:
-        return run_interleaved([list(zip(engines, cases))], spec["sizes"], spec["repeat"], timeout, also_quiet=quiet)
+        return run_interleaved([list(zip(engines, cases))], spec["sizes"], spec["repeat"], timeout,
+                               also_quiet=_quiet_pids(server, node))
 
 
-def run_peer_tier_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_bytes: int, timeout: float,
-                          server: lmc.LMCacheServer, prefix: Path) -> Dict[str, List[Dict[str, Any]]]:
-    """Ours (host + disk) and LMCache's engine (against ``server``) alive at once, each request of
-    a case interleaved with the other's same case: host / its CPU tier. Then both engines stop and
-    a fresh one of each starts, ours on the disk tier the first one left, LMCache's against the
-    still-running server: restart (ours from the re-adopted disk, LMCache from the CPU tier its
-    server kept), then disk / its disk tier. Every size's restart comes before any disk case:
-    LMCache's disk case empties its CPU tier, which its restart case reads."""
-    ours = ("flexkv-tiers", dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
-            engine_env(workdir, "flexkv", host_bytes, disk_bytes))
-    theirs = ("lmcache-tiers", *_lmcache_engine(spec, workdir, server, prefix))
-    quiet = [server.proc.pid] if server.proc else []
-    sizes, repeat = spec["sizes"], spec["repeat"]
-    with served([ours, theirs], workdir) as (a, b):
-        results = run_interleaved([[(a, "host"), (b, "lmcache-host")]], sizes, repeat, timeout, quiet, tier=True)
-    ours_again = ("flexkv-restart", ours[1], engine_env(workdir, "flexkv-restart", host_bytes, disk_bytes))
-    with served([ours_again, ("lmcache-restart", *theirs[1:])], workdir) as (a, b):
-        for case, peer_case in (("restart", "lmcache-restart"), ("disk", "lmcache-disk")):
-            results.update(run_interleaved([[(a, case), (b, peer_case)]], sizes, repeat, timeout, quiet, tier=True))
+def run_tier_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_bytes: int, timeout: float,
+                     server: Optional[lmc.LMCacheServer] = None, prefix: Optional[Path] = None,
+                     node: Optional[NodeCacheServer] = None) -> Dict[str, List[Dict[str, Any]]]:
+    """Ours (host + disk) beside LMCache's engine (against ``server``) and/or ours through the
+    node cache ``node``, alive at once, each request of a case interleaved with the others' same
+    case: host / LMCache's CPU tier / the node's host. Then the engines stop and a fresh one of
+    each starts: ours on the disk tier the first one left, LMCache's against its still-running
+    server, the node engine against the still-running node cache: restart (ours from the
+    re-adopted disk, LMCache from the CPU tier its server kept, the node from its host tier), then
+    disk (LMCache: its disk tier; the node: its disk, its host evicted). Every size's restart comes
+    before any disk case: the disk cases empty the host tiers the restart cases read."""
+    first = [("flexkv-tiers", dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
+              engine_env(workdir, "flexkv", host_bytes, disk_bytes))]
+    again = [("flexkv-restart", first[0][1], engine_env(workdir, "flexkv-restart", host_bytes, disk_bytes))]
+    cases = [("host", "restart", "disk")]
+    if server is not None and prefix is not None:
+        theirs = _lmcache_engine(spec, workdir, server, prefix)
+        first.append(("lmcache-tiers", *theirs))
+        again.append(("lmcache-restart", *theirs))
+        cases.append(("lmcache-host", "lmcache-restart", "lmcache-disk"))
+    if node is not None:
+        first.append(_node_engine("flexkv-node", spec, workdir, host_bytes, node))
+        again.append(_node_engine("flexkv-node-restart", spec, workdir, host_bytes, node))
+        cases.append(("node-host", "node-restart", "node-disk"))
+    quiet, sizes, repeat = _quiet_pids(server, node), spec["sizes"], spec["repeat"]
+    with served(first, workdir) as engines:
+        results = run_interleaved([[(e, c[0]) for e, c in zip(engines, cases)]], sizes, repeat, timeout, quiet,
+                                  tier=True)
+    with served(again, workdir) as engines:
+        for k in (1, 2):
+            results.update(run_interleaved([[(e, c[k]) for e, c in zip(engines, cases)]], sizes, repeat, timeout,
+                                           quiet, tier=True))
     return results

