@@ -7,11 +7,12 @@ PY := $(VENV)/bin/python
 install:
 	VENV=$(VENV) bash scripts/install.sh
 
-# The main job (a few minutes): the Mooncake conversation trace replayed concurrently against the
-# agg_router_vllm graph (2 vLLM workers) with no offload, with FlexKVConnector's host+SSD offload and
-# tier-aware routing, and with host+SSD offload but device-only routing (`--engine reference`: the
-# agg_router graph of reference-engine workers; `dynamo-flexkv replay --full` runs every
-# configuration and size).
+# The main job: the Mooncake conversation trace replayed concurrently against the agg_router_vllm
+# graph (2 vLLM workers) with no offload, with FlexKVConnector's host+SSD offload and tier-aware
+# routing, with host+SSD offload but device-only routing, with one node cache both workers share,
+# and (once `make peer-lmcache` installed it) with LMCache in the workers instead (`--engine
+# reference`: the agg_router graph of reference-engine workers; `dynamo-flexkv replay --full` runs
+# every configuration and size).
 demo: install
 	$(PY) -m dynamo_flexkv.cli demo --json demo-results.jsonl
 

@@ -52,15 +52,37 @@ class Channel:
         with self._cond:
             if self._closed is not None:
                 raise ChannelClosed(f"{self.name}: {self._closed}")
-            if self._queued + len(frame) > self._max_queued:
-                why = f"more than {self._max_queued} bytes queued for a peer that does not read"
+            try:
+                frame, fds = self._send_now(frame, fds)
+            except OSError as e:
+                why = f"send failed: {e}"
             else:
-                self._queue.append((frame, tuple(fds)))
-                self._queued += len(frame)
-                self._cond.notify()
-                return
+                if not frame:
+                    return
+                if self._queued + len(frame) > self._max_queued:
+                    why = f"more than {self._max_queued} bytes queued for a peer that does not read"
+                else:
+                    self._queue.append((frame, tuple(fds)))
+                    self._queued += len(frame)
+                    self._cond.notify()
+                    return
         self.close(why)
         raise ChannelClosed(f"{self.name}: {why}")
+
+    def _send_now(self, frame: bytes, fds: Sequence[int]) -> Tuple[bytes, Sequence[int]]:
+        """With nothing queued ahead (lock held): as much of ``frame`` as the socket takes without
+        waiting, straight from this thread (a load's request and per-layer messages save the
+        writer thread's wake-up, ~0.1 ms each way); returns what is left for the writer."""
+        if self._queue or self._sending or self.sock.gettimeout() is not None:
+            return frame, fds
+        try:
+            if fds:
+                sent = socket.send_fds(self.sock, [frame], list(fds), socket.MSG_DONTWAIT)
+            else:
+                sent = self.sock.send(frame, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return frame, fds
+        return frame[sent:], (fds if sent == 0 else ())
 
     def frames(self) -> Iterator[Tuple[bytes, List[int]]]:
         """Each received frame's body and the descriptors that came with its bytes; ends when the

@@ -81,7 +81,10 @@ class HostPool:
         size = os.fstat(fd).st_size
         if size < self.nbytes:
             raise ValueError(f"shared host segment of {size} bytes is smaller than the tier's {self.nbytes}")
-        return mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # Mapping another process's segment (an engine attaching to the node cache): its page
+        # tables filled now, not by faults inside the first loads of a freshly started engine.
+        populate = 0 if create else getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     @property
     def num_blocks(self) -> int:
