@@ -112,6 +112,11 @@ class EngineOffload(ABC):
         """The load's result; after it no copy of this task touches the device blocks."""
 
     @abstractmethod
+    def load_done(self, tid: int) -> bool:
+        """Whether finish() would return at once: for an engine that loads ahead of the step that
+        needs the blocks and polls."""
+
+    @abstractmethod
     def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
         """A step computed ``tokens`` prompt tokens of prompts up to ``prompt_tokens`` long in
         ``seconds`` (time blocked on loads excluded): the cost-aware load policy's measure of
@@ -238,6 +243,9 @@ class EmbeddedOffload(EngineOffload):
         if blocks:
             self._holds[tid] = Hold(key, list(blocks))
 
+    def load_done(self, tid: int) -> bool:
+        return self.kv.done(tid)
+
     def finish(self, tid: int) -> TaskResult:
         r = self.kv.wait([tid])[tid]
         if r.status is not TaskStatus.SUCCESS:
@@ -320,15 +328,18 @@ class EmbeddedOffload(EngineOffload):
 
 def open_offload(model: ModelSpec, config: CacheConfig, *, layerwise: bool = True,
                  listener: Optional[IndexListener] = None, model_id: str = "", engine: str = "",
-                 namespace: Optional[str] = None, rank: int = 0, ranks: int = 1,
+                 namespace: Optional[str] = None, rank: int = 0, ranks: int = 1, replicated: bool = False,
                  mover_hook: Optional[MoverHook] = None) -> EngineOffload:
     """The engine's offload, as the config's ``mode`` says: ``embedded``, tiers of this process
     (``model_id`` keys its disk and remote tiers, ``mover_hook`` wraps its copy links); ``node``,
     the node's cache service at ``node_socket``, shared with the other engines that present the
-    same ``model_id``, KV shape and ``namespace`` (the tenant), ``engine`` naming this one."""
+    same ``model_id``, KV shape and ``namespace`` (the tenant), ``engine`` naming this one, each of
+    ``ranks`` tensor-parallel ranks its own shard (``replicated``: every rank the same bytes, one
+    namespace for all of them)."""
     if config.mode == "node":  # ``mover_hook`` wraps the device copies, the links this engine drives
         from dynamo_flexkv.core.node.client import NodeOffload
         return NodeOffload(model, config, layerwise=layerwise, listener=listener, model_id=model_id,
-                           engine=engine, tenant=namespace or "", rank=rank, ranks=ranks, mover_hook=mover_hook)
+                           engine=engine, tenant=namespace or "", rank=rank, ranks=ranks, replicated=replicated,
+                           mover_hook=mover_hook)
     kv = KVManager(model, config, namespace=namespace, listener=listener, model_id=model_id, mover_hook=mover_hook)
     return EmbeddedOffload(kv, layerwise=layerwise)

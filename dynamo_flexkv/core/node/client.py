@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0  # a request the service does not answer in this long fails (it is gone or stuck)
 RETRY_S = (0.5, 5.0)  # re-attach backoff: first and longest wait
+SLOW_CALL_S = 0.25  # a request slower than this is logged: a step of the engine waited for it
 COPIERS = 4  # threads copying the service's device ops (an embedded KVManager's transfer workers)
 
 
@@ -90,13 +91,13 @@ class _Connection:
 class NodeOffload(EngineOffload):
     def __init__(self, model: ModelSpec, config: CacheConfig, *, layerwise: bool = True,
                  listener: Optional[IndexListener] = None, model_id: str, engine: str, tenant: str = "",
-                 rank: int = 0, ranks: int = 1, socket_path: Optional[str] = None,
+                 rank: int = 0, ranks: int = 1, replicated: bool = False, socket_path: Optional[str] = None,
                  mover_hook: Optional[MoverHook] = None) -> None:
         from dynamo_flexkv.core.node.server import default_socket_path
         self.model, self.config = model, config
         self.layerwise, self.bs, self.num_layers = layerwise, config.tokens_per_block, model.num_layers
         self.listener, self.model_id, self.engine, self.tenant = listener, model_id, engine, tenant
-        self.rank, self.ranks = rank, ranks
+        self.rank, self.ranks, self.replicated = rank, ranks, replicated
         self._mover_hook = mover_hook  # wraps this engine's device copies (fault injection, tracing)
         self.socket_path = socket_path or config.node_socket or default_socket_path()
         self.failed_loads = 0
@@ -147,7 +148,7 @@ class NodeOffload(EngineOffload):
                                 num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
                                 head_size=self.model.head_size, dtype=self.model.dtype, kv_dim=self.model.kv_dim,
                                 tokens_per_block=self.bs, device_blocks=self.device.num_blocks, tenant=self.tenant,
-                                rank=self.rank, ranks=self.ranks,
+                                rank=self.rank, ranks=self.ranks, replicated=self.replicated,
                                 events=self.listener is not None and self._publishing))
             frames = channel.frames()
             body, fds = next(frames)
@@ -356,8 +357,10 @@ class NodeOffload(EngineOffload):
         ev, box = threading.Event(), []
         with conn.lock:
             conn.replies[rid] = (ev, box)
+        t0 = time.monotonic()
         try:
-            conn.channel.send(make(rid))
+            msg = make(rid)
+            conn.channel.send(msg)
         except ChannelClosed as e:
             with conn.lock:
                 conn.replies.pop(rid, None)
@@ -366,6 +369,9 @@ class NodeOffload(EngineOffload):
             with conn.lock:
                 conn.replies.pop(rid, None)
             raise NodeUnavailable(f"the node cache did not answer within {timeout} s")
+        took = time.monotonic() - t0
+        if took > SLOW_CALL_S:  # the engine's step (or the scheduler's lookup) waited this long
+            log.warning("node cache: a %s took %.0f ms to answer", type(msg).__name__, took * 1e3)
         reply = box[0]
         if reply.error is not None:
             if reply.kind == "closed":
@@ -423,6 +429,9 @@ class NodeOffload(EngineOffload):
             with self._lock:
                 self._holds[tid] = t.hold
         self._send_quietly(Cancel(task=tid))
+
+    def load_done(self, tid: int) -> bool:
+        return self._known(tid).done.is_set()
 
     def finish(self, tid: int) -> TaskResult:
         t = self._known(tid)

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 from dynamo_flexkv.core.errors import FlexKVError
 
-VERSION = 1
+VERSION = 2
 MAX_FRAME = 64 << 20  # a frame longer than this is refused: no single message needs it
 _LEN = struct.Struct("<I")
 
@@ -46,6 +46,9 @@ class Attach(msgspec.Struct, tag="attach", forbid_unknown_fields=True):
     tenant: str = ""  # a namespace of its own: nothing of another tenant's is visible to it
     rank: int = 0
     ranks: int = 1
+    # Every rank holds the same bytes (MLA's latent under tensor parallelism): the ranks share one
+    # namespace instead of one per shard, and one rank storing serves all of them.
+    replicated: bool = False
     events: bool = True  # send this engine the tiers' KV events from now (else: once it calls subscribe)
 
 
@@ -230,14 +233,20 @@ def unpack_ids(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8")
 
 
+def shard(a: Attach) -> str:
+    """Which tensor-parallel shard of the KV an engine's blocks are: ``rank/ranks``, or "" for a
+    single rank and for replicated KV (every rank the same bytes)."""
+    return "" if a.ranks == 1 or a.replicated else f"{a.rank}/{a.ranks}"
+
+
 def attach_key(a: Attach) -> Tuple[Any, ...]:
     """What must agree for two engines to share blocks: weights, KV shape and dtype, block size,
-    tenant and the tensor-parallel split (each rank's shard is other bytes)."""
+    tenant and the tensor-parallel shard (each rank's shard is other bytes: a namespace per rank)."""
     return (a.model_id, a.num_layers, a.num_kv_heads, a.head_size, a.dtype, a.kv_dim, a.tokens_per_block,
-            a.tenant, a.ranks)
+            a.tenant, shard(a))
 
 
 def describe_key(key: Tuple[Any, ...]) -> Dict[str, Any]:
     names = ("model_id", "num_layers", "num_kv_heads", "head_size", "dtype", "kv_dim", "tokens_per_block",
-             "tenant", "ranks")
+             "tenant", "shard")
     return dict(zip(names, key))

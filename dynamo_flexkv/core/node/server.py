@@ -27,7 +27,7 @@ from dynamo_flexkv.core.layout import ModelSpec
 from dynamo_flexkv.core.manager import KVManager
 from dynamo_flexkv.core.node.engines import Fence
 from dynamo_flexkv.core.node.mirror import EventMirror
-from dynamo_flexkv.core.node.protocol import Attach, attach_key, describe_key
+from dynamo_flexkv.core.node.protocol import Attach, attach_key, describe_key, shard
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,17 @@ class ServerOptions:
 class Namespace:
     """The tiers shared by the engines of one attach_key."""
 
-    def __init__(self, key: Tuple[Any, ...], config: CacheConfig, ssd_root: Tuple[str, ...], index: int) -> None:
+    def __init__(self, key: Tuple[Any, ...], config: CacheConfig, ssd_root: Tuple[str, ...], index: int,
+                 ranks: int = 1) -> None:
         self.key = key
         d = describe_key(key)
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         self.salt = f"{d['tenant']}" if d["tenant"] else ""
-        cfg = config.replace(tokens_per_block=d["tokens_per_block"],
+        # A tensor-parallel model's shards split its tiers: one model's memory and disk in all.
+        cfg = config.replace(tokens_per_block=d["tokens_per_block"], cpu_cache_gb=config.cpu_cache_gb / ranks,
+                             ssd_cache_gb=config.ssd_cache_gb / ranks,
                              ssd_cache_dir=tuple(os.path.join(r, f"ns-{digest}") for r in ssd_root))
-        model = ModelSpec(num_layers=d["num_layers"] * d["ranks"], num_kv_heads=d["num_kv_heads"],
+        model = ModelSpec(num_layers=d["num_layers"], num_kv_heads=d["num_kv_heads"],
                           head_size=d["head_size"], dtype=d["dtype"], kv_dim=d["kv_dim"])
         self.mirror = EventMirror(d["tokens_per_block"])
         self.kv = KVManager(model, cfg, namespace=self.salt or None, listener=self.mirror, model_id=d["model_id"],
@@ -190,14 +193,16 @@ class NodeCacheServer:
         with self._lock:
             ns = self._namespaces.get(key)
             if ns is None:
-                if len(self._namespaces) >= self.options.max_models:
+                models = {k[:-1] for k in self._namespaces}  # a model's shards count once
+                if key[:-1] not in models and len(models) >= self.options.max_models:
                     have = [describe_key(k) for k in self._namespaces]
                     raise ConfigError(f"this cache server holds {len(have)} model(s) already ({have}) and "
                                       f"max_models={self.options.max_models}: an engine of model_id="
                                       f"{attach.model_id!r} (tenant {attach.tenant!r}, {attach.ranks} rank(s)) "
                                       "needs tiers of its own: start the server with a higher --max-models (each "
                                       "takes cpu_cache_gb and ssd_cache_gb) or run another server for it")
-                ns = Namespace(key, self.config, self.config.ssd_cache_dir, len(self._namespaces))
+                ns = Namespace(key, self.config, self.config.ssd_cache_dir, len(self._namespaces),
+                               ranks=attach.ranks if shard(attach) else 1)
                 self._namespaces[key] = ns
             ns.sessions[session.id] = session
             return ns

@@ -16,6 +16,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 
 import numpy as np
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from dynamo_flexkv.core.node.server import Namespace, NodeCacheServer
 
 log = logging.getLogger(__name__)
+
+SLOW_ANSWER_S = 0.1  # a request that took longer is logged
 
 _PEERCRED = struct.Struct("3i")
 MAX_TASKS_PER_ENGINE = 4096  # loads, stores and prefetches of one engine not finished yet
@@ -160,8 +163,13 @@ class Session:
             return
         self.requests += 1
         self.server.counters["requests"] += 1
+        t0 = time.monotonic()
         try:
             value = self._answer(msg)
+            took = time.monotonic() - t0
+            if took > SLOW_ANSWER_S:  # this engine's other messages waited behind it
+                log.warning("node cache: engine %s: a %s took %.0f ms to answer", self.attach.engine,
+                            type(msg).__name__, took * 1e3)
         except (ValueError, KeyError, TypeError, RuntimeError, FlexKVError) as e:
             self.server.counters["request_errors"] += 1
             kind = "closed" if "shut down" in str(e) else "refused"
@@ -309,9 +317,6 @@ def _check_attach(a: Attach) -> Optional[str]:
         return f"kv_dim={a.kv_dim}: 2 (K and V) or 1 (an MLA latent)"
     if not 0 <= a.rank < a.ranks:
         return f"rank={a.rank} outside [0, {a.ranks})"
-    if a.ranks > 1:
-        return (f"ranks={a.ranks}: tensor-parallel engines do not share the node cache yet; run them with "
-                "mode: embedded (each rank keeps tiers of its own)")
     if not a.model_id.strip():
         return "model_id is empty: name the weights, or engines of other models would share KV"
     if len(a.tenant) > 256 or len(a.engine) > 256 or len(a.model_id) > 4096:
