@@ -12,7 +12,7 @@ def vllm_config(tmp_path, **extra):
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"run_dir": str(tmp_path), **extra},
                                            engine_id="e0"),
-        cache_config=SimpleNamespace(block_size=16),
+        cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=1),
         model_config=SimpleNamespace(model="some/model", revision=None),
         load_config=SimpleNamespace(load_format="auto"))
 

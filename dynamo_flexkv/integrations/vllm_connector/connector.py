@@ -11,7 +11,8 @@ import logging
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, Optional, Set, Tuple
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                              KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class FlexKVConnector(KVConnectorBase_V1):
+class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
@@ -33,7 +34,6 @@ class FlexKVConnector(KVConnectorBase_V1):
                              f"(it is {policy!r}): a block that fails to load or verify is then recomputed "
                              "instead of failing the request")
         settings = ConnectorSettings.from_vllm(vllm_config, kv_cache_config)
-        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._sched: Optional["SchedulerSide"] = None
         self._worker: Optional["WorkerSide"] = None
         if role == KVConnectorRole.SCHEDULER:
@@ -119,7 +119,15 @@ class FlexKVConnector(KVConnectorBase_V1):
         self._worker.end_step(meta if isinstance(meta, FlexKVMetadata) else None)
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        return self._worker.finished_saves(set(finished_req_ids)) or None, None
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        """Stores whose blocks vLLM may free; a hybrid model's loads that ran ahead, and those that
+        failed (vLLM computes them from their first token)."""
+        loaded, failed = self._worker.finished_loads()
+        return KVConnectorTransferResults(finished_sending=self._worker.finished_saves(set(finished_req_ids)),
+                                          finished_recving=loaded, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self._worker.take_load_errors()
@@ -157,9 +165,14 @@ class FlexKVConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched.add_events(getattr(connector_output, "kv_cache_events", None))
+        self._sched.loads_ended(getattr(connector_output, "finished_recving", None) or ())
 
     def request_finished(self, request: Any, block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Tuple[list, ...]
+                                    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self._sched.request_finished_all(request, block_ids)
 
     def take_events(self) -> Iterable[Any]:
         return self._sched.take_events()
@@ -169,7 +182,7 @@ class FlexKVConnector(KVConnectorBase_V1):
         SchedulerSide.reset); False when they could not, so no stale KV is served unnoticed."""
         if self._sched is None:
             return None
-        return self._sched.reset(self._tp_size)
+        return self._sched.reset()
 
     # ---- both --------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -50,8 +50,11 @@ class TierEventQueue:
     """IndexListener: queues the tiers' commits and removals as vLLM events (thread-safe: the
     transfer threads commit)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, group_idx: Optional[int] = None, kind: Optional[str] = None) -> None:
         self.block_size = block_size
+        # A hybrid model's events are its main group's (hybrid.py): named so, as vLLM names its own,
+        # for Dynamo's router, which reads the main attention group only.
+        self.group_idx, self.kind = group_idx, kind
         self._lock = threading.Lock()
         self._events: List[KVCacheEvent] = []
         self._known: Dict[str, Set[Any]] = {}  # medium -> blocks announced and not removed
@@ -89,7 +92,8 @@ class TierEventQueue:
             known.update(hashes)
             self._events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
                                             token_ids=[int(t) for t in run.token_ids], block_size=self.block_size,
-                                            lora_id=None, medium=medium, lora_name=None))
+                                            lora_id=None, medium=medium, lora_name=None, group_idx=self.group_idx,
+                                            kv_cache_spec_kind=self.kind))
 
     def on_removed(self, tier: Tier, hashes: List[int]) -> None:
         medium = MEDIUM[tier]
@@ -102,7 +106,7 @@ class TierEventQueue:
             for h, name in named:
                 self._forget(h, name)
             if gone:
-                self._events.append(BlockRemoved(block_hashes=gone, medium=medium))
+                self._events.append(BlockRemoved(block_hashes=gone, medium=medium, group_idx=self.group_idx))
 
     @property
     def named_blocks(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -34,8 +34,13 @@ class VllmKV:
     layer_names: List[str]  # vLLM's layer name of each
     layout_tag: str  # what makes these bytes incompatible with another engine's (fingerprint)
 
-    def layer_index(self) -> Dict[str, int]:
-        return {name: i for i, name in enumerate(self.layer_names)}
+    def layer_index(self, kv_caches: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, int]:
+        """vLLM's layer name -> the index of its tensor here (every layer sharing a tensor: its index)."""
+        out = {name: i for i, name in enumerate(self.layer_names)}
+        if kv_caches:
+            ptrs = {kv_caches[name].data_ptr(): i for i, name in enumerate(self.layer_names)}
+            out.update({name: ptrs[t.data_ptr()] for name, t in kv_caches.items() if t.data_ptr() in ptrs})
+        return out
 
 
 def _layer_order(names: List[str]) -> List[str]:
@@ -45,11 +50,26 @@ def _layer_order(names: List[str]) -> List[str]:
     return sorted(names, key=key)
 
 
-def describe(kv_caches: Dict[str, torch.Tensor], num_blocks: int, block_size: int) -> VllmKV:
-    """Checks vLLM's tensors and returns them as KVManager views; the errors name what differs."""
+def _unique_storage(kv_caches: Dict[str, torch.Tensor], names: List[str]) -> List[str]:
+    """The first layer of each tensor: a hybrid model's KV cache groups pack one layer of each
+    group into the same tensor (a block id belongs to one group at a time), so copying a block of
+    each distinct tensor moves a block of any group."""
+    seen, out = set(), []
+    for name in names:
+        t = kv_caches[name]
+        key = (t.data_ptr(), tuple(t.shape), t.stride())
+        if key not in seen:
+            seen.add(key)
+            out.append(name)
+    return out
+
+
+def describe(kv_caches: Dict[str, torch.Tensor], num_blocks: int, block_size: int, latent: bool = False) -> VllmKV:
+    """Checks vLLM's tensors and returns them as KVManager views; the errors name what differs.
+    ``latent``: MLA, one latent vector per token (K and V together), not two halves."""
     if not kv_caches:
         raise ValueError("FlexKVConnector: vLLM registered no KV cache tensors (no attention layers?)")
-    names = _layer_order(list(kv_caches))
+    names = _unique_storage(kv_caches, _layer_order(list(kv_caches)))
     first = kv_caches[names[0]]
     if first.dtype not in _DTYPE_NAMES:
         raise ValueError(f"FlexKVConnector: KV cache dtype {first.dtype} is not supported; use one of "
@@ -84,8 +104,8 @@ def describe(kv_caches: Dict[str, torch.Tensor], num_blocks: int, block_size: in
         raise ValueError(f"FlexKVConnector: a block of {per_block} elements is not {block_size} tokens")
     if layout is KVLayoutType.LAYERFIRST:  # K|V is the outer axis: each span is one of them
         kv_dim, width = 2, per_block // block_size
-    else:  # one span holds K and V: two halves when they split evenly per token, else one latent (MLA)
-        kv_dim = 2 if per_block % (2 * block_size) == 0 else 1
+    else:  # one span holds K and V: two halves, or one latent (MLA)
+        kv_dim = 1 if latent or per_block % (2 * block_size) else 2
         width = per_block // (kv_dim * block_size)
     model = ModelSpec(num_layers=len(names), num_kv_heads=1, head_size=width, dtype=_DTYPE_NAMES[first.dtype],
                       kv_dim=kv_dim)

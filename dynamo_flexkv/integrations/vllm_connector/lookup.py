@@ -1,8 +1,9 @@
 """How the scheduler asks the worker's tiers how much of a prompt they hold.
 
 vLLM runs its scheduler and its workers in separate processes, and the tiers (and their index)
-live with the worker that owns the KV tensors. Rank 0's worker answers lookups on a local ipc://
-socket. The scheduler never waits long: ``LookupClient.query`` waits ``wait_s`` for the answer
+live with the worker that owns the KV tensors. Each rank's worker answers lookups on a local
+ipc:// socket of its own, and the scheduler takes the smallest answer (with tensor parallelism a
+block is cached only when every rank holds its shard). The scheduler never waits long: ``LookupClient.query`` waits ``wait_s`` for the answer
 and otherwise says "not yet" (None), and vLLM asks again at its next step; an answer that has
 not come after ``give_up_s`` counts as a miss (the request is computed, nothing hangs)."""
 
@@ -13,7 +14,7 @@ import os
 import struct
 import threading
 import time
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import msgspec
 import numpy as np
@@ -90,19 +91,29 @@ class LookupServer:
 
 
 class LookupClient:
-    """The scheduler's side: one outstanding lookup per request id."""
+    """The scheduler's side: one outstanding lookup per request id, asked of every rank's worker
+    (``endpoints``: one per tensor-parallel rank). The answer is the smallest: a block counts as
+    cached only when every rank holds its shard of it."""
 
-    def __init__(self, endpoint: str, wait_s: float = 0.005, give_up_s: float = 2.0) -> None:
-        self.endpoint, self.wait_s, self.give_up_s = endpoint, wait_s, give_up_s
+    def __init__(self, endpoints: Union[str, Sequence[str]], wait_s: float = 0.005, give_up_s: float = 2.0) -> None:
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        self.endpoint = self.endpoints[0]
+        self.wait_s, self.give_up_s = wait_s, give_up_s
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._socks = []
+        for ep in self.endpoints:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(ep)
+            self._socks.append(sock)
+        self._poller = zmq.Poller()
+        for sock in self._socks:
+            self._poller.register(sock, zmq.POLLIN)
         self._seq = 0
         self._asked: Dict[str, Tuple[int, float]] = {}  # request id -> (seq, when asked)
         self._by_seq: Dict[int, str] = {}
-        self._answers: Dict[str, int] = {}
-        self._reset_answer: Optional[int] = None
+        self._answers: Dict[str, Dict[int, int]] = {}  # request id -> rank -> its answer
+        self._reset_answers: Dict[int, int] = {}
         self.timeouts = 0
 
     def query(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
@@ -110,60 +121,66 @@ class LookupClient:
               local_blocks: int = 0) -> Optional[int]:
         """End of ``tokens``' cached prefix to load, in tokens (``prompt_tokens``: the whole
         prompt's length, default one more than ``tokens``; ``local_blocks``: blocks vLLM holds
-        already); None while the answer is still on its way."""
-        if req_id in self._answers:
-            self._asked.pop(req_id, None)
-            return self._answers.pop(req_id)
+        already); None while an answer is still on its way."""
         if req_id not in self._asked:
             self._seq += 1
             self._asked[req_id] = (self._seq, time.monotonic())
             self._by_seq[self._seq] = req_id
-            self._sock.send_multipart([struct.pack("<q", self._seq), np.asarray(tokens, dtype="<u4").tobytes(),
-                                       msgspec.msgpack.encode([lora, salt, prompt_tokens or len(tokens) + 1,
-                                                               local_blocks])])
+            self._answers[req_id] = {}
+            frames = [struct.pack("<q", self._seq), np.asarray(tokens, dtype="<u4").tobytes(),
+                      msgspec.msgpack.encode([lora, salt, prompt_tokens or len(tokens) + 1, local_blocks])]
+            for sock in self._socks:
+                sock.send_multipart(frames)
         deadline = time.monotonic() + self.wait_s
-        while req_id not in self._answers:
+        while not self._complete(req_id):
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+            if left <= 0 or not self._poller.poll(max(1, int(left * 1000))):
                 break
             self._receive()
-        if req_id in self._answers:
-            self._asked.pop(req_id, None)
-            return self._answers.pop(req_id)
+        if self._complete(req_id):
+            answer = min(self._answers[req_id].values())
+            self.forget(req_id)
+            return answer
         if time.monotonic() - self._asked[req_id][1] > self.give_up_s:
+            missing = len(self._socks) - len(self._answers[req_id])
             self.forget(req_id)
             self.timeouts += 1
-            log.warning("flexkv lookup for request %s had no answer from the worker in %.1f s: computing it",
-                        req_id, self.give_up_s)
+            log.warning("flexkv lookup for request %s: %d of %d worker(s) did not answer in %.1f s: computing it",
+                        req_id, missing, len(self._socks), self.give_up_s)
             return 0
         return None
 
+    def _complete(self, req_id: str) -> bool:
+        return len(self._answers.get(req_id, ())) == len(self._socks)
+
     def reset(self, timeout_s: float) -> bool:
-        """Asks the worker to drop what its tiers hold; True once it did, False when it could not
-        or did not answer within ``timeout_s``."""
-        self._reset_answer: Optional[int] = None
-        self._sock.send_multipart([struct.pack("<q", RESET_SEQ), b"", msgspec.msgpack.encode([None, None, 0, 0])])
+        """Asks every rank's worker to drop what its tiers hold; True once all did, False when
+        one could not or did not answer within ``timeout_s``."""
+        self._reset_answers = {}
+        for sock in self._socks:
+            sock.send_multipart([struct.pack("<q", RESET_SEQ), b"", msgspec.msgpack.encode([None, None, 0, 0])])
         deadline = time.monotonic() + timeout_s
-        while self._reset_answer is None:
+        while len(self._reset_answers) < len(self._socks):
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+            if left <= 0 or not self._poller.poll(max(1, int(left * 1000))):
                 break
             self._receive()
-        answer, self._reset_answer = self._reset_answer, None
-        return answer == 1
+        answers, self._reset_answers = self._reset_answers, {}
+        return len(answers) == len(self._socks) and all(a == 1 for a in answers.values())
 
     def _receive(self) -> None:
-        while True:
-            try:
-                seq, n = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if struct.unpack("<q", seq)[0] == RESET_SEQ:
-                self._reset_answer = struct.unpack("<q", n)[0]
-                continue
-            rid = self._by_seq.pop(struct.unpack("<q", seq)[0], None)
-            if rid is not None and rid in self._asked:  # else: forgotten meanwhile
-                self._answers[rid] = struct.unpack("<q", n)[0]
+        for rank, sock in enumerate(self._socks):
+            while True:
+                try:
+                    seq, n = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if struct.unpack("<q", seq)[0] == RESET_SEQ:
+                    self._reset_answers[rank] = struct.unpack("<q", n)[0]
+                    continue
+                rid = self._by_seq.get(struct.unpack("<q", seq)[0])
+                if rid is not None and rid in self._asked:  # else: forgotten meanwhile
+                    self._answers[rid][rank] = struct.unpack("<q", n)[0]
 
     def forget(self, req_id: str) -> None:
         """Drops what is pending for a request that finished or was aborted."""
@@ -173,4 +190,5 @@ class LookupClient:
         self._answers.pop(req_id, None)
 
     def close(self) -> None:
-        self._sock.close()
+        for sock in self._socks:
+            sock.close()

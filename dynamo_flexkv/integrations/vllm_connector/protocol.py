@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -22,6 +22,10 @@ class LoadSpec:
     cache_salt: Optional[str] = None
     event_hashes: List[Any] = field(default_factory=list)  # as in SaveSpec
     handover: Any = None  # a handover.VllmHandover: read these blocks from the prefill worker, not the tiers
+    # A hybrid model (groups.py): every KV cache group's blocks (vLLM's group index -> block id per
+    # block of token_ids, 0 where vLLM holds none: outside a sliding window); loaded asynchronously,
+    # before the request's first step (vLLM recomputes a multi-group request only as a whole).
+    groups: Dict[int, List[int]] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
@@ -40,6 +44,8 @@ class SaveSpec:
     # vLLM's external hash of each block, as its own device events name it: our tier events name
     # the same blocks the same way (Dynamo's router cuts lower tiers to the device prefix otherwise).
     event_hashes: List[Any] = field(default_factory=list)
+    groups: Dict[int, List[int]] = field(default_factory=dict)  # as in LoadSpec
+    after_load: bool = False  # nothing to store: release the blocks once this request's load ran ahead ended
 
 
 @dataclass
@@ -56,11 +62,12 @@ class FlexKVMetadata(KVConnectorMetadata):
     prefill: Optional[Tuple[int, int]] = None
 
 
-def lookup_endpoint(engine_id: str, run_dir: Optional[str] = None) -> str:
-    """The ipc:// address where rank 0's worker answers lookups for engine ``engine_id``
+def lookup_endpoint(engine_id: str, run_dir: Optional[str] = None, rank: int = 0) -> str:
+    """The ipc:// address where rank ``rank``'s worker answers lookups for engine ``engine_id``
     (the scheduler and the workers of one engine share the engine id)."""
     base = run_dir or os.environ.get("FLEXKV_RUN_DIR") or tempfile.gettempdir()
-    path = os.path.join(base, f"flexkv-lookup-{engine_id}.ipc")
+    suffix = f"-r{rank}" if rank else ""
+    path = os.path.join(base, f"flexkv-lookup-{engine_id}{suffix}.ipc")
     if len(path) > 100:  # sun_path limit (108 bytes with the terminator)
-        path = os.path.join(tempfile.gettempdir(), f"flexkv-lookup-{engine_id[:40]}.ipc")
+        path = os.path.join(tempfile.gettempdir(), f"flexkv-lookup-{engine_id[:40]}{suffix}.ipc")
     return "ipc://" + path

@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
+from dynamo_flexkv.integrations.vllm_connector.groups import FULL, is_hybrid
 from dynamo_flexkv.integrations.vllm_connector.handover import KEY, SourceInfo, VllmHandover, read_source
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, SaveSpec, lookup_endpoint
@@ -57,7 +58,14 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings) -> None:
         self.s = settings
         self.bs = settings.block_size
-        self.client = LookupClient(lookup_endpoint(settings.engine_id, settings.run_dir),
+        # A hybrid model (groups.py): every group's blocks travel, and loads run ahead of the
+        # request's first step (vLLM recomputes a multi-group request only as a whole: a failed
+        # load must be reported per request, which only an asynchronous load can).
+        self.hybrid = is_hybrid(settings.groups)
+        self._loading: Set[str] = set()  # loads run ahead whose end vLLM has not seen yet
+        self._main = next((k for k, g in enumerate(settings.groups) if g.kind in FULL), 0)
+        self.client = LookupClient([lookup_endpoint(settings.engine_id, settings.run_dir, r)
+                                    for r in range(settings.tp_size)],
                                    wait_s=settings.lookup_wait_ms / 1000.0, give_up_s=settings.lookup_give_up_s)
         self._hits: Dict[str, Tuple[int, int, Optional[VllmHandover]]] = {}  # request -> (vLLM's computed
         # tokens, tokens we load, the handover they come from or None for the tiers)
@@ -116,7 +124,7 @@ class SchedulerSide:
             self._hits.pop(request.request_id, None)
             return 0, False
         self._hits[request.request_id] = (num_computed, external, None)
-        return external, False
+        return external, self.hybrid
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._answers.pop(request.request_id, None)  # scheduled: a later wait (preemption) asks anew
@@ -135,14 +143,18 @@ class SchedulerSide:
         if external != num_external_tokens:  # vLLM took less than offered: load what it allocated for
             external = num_external_tokens // self.bs * self.bs
         end = (local + external) // self.bs
-        block_ids = list(blocks.get_block_ids()[0][:end])
+        per_group = blocks.get_block_ids()
+        block_ids = list(per_group[self._main][:end])
         if len(block_ids) < end:
             log.warning("FlexKVConnector: request %s has %d blocks for a %d-block load; not loading",
                         request.request_id, len(block_ids), end)
             return
+        groups = self._group_ids(per_group, end) if self.hybrid and handover is None else {}
+        if groups:
+            self._loading.add(request.request_id)
         self._loads.append(LoadSpec(request.request_id, list(request.all_token_ids[: end * self.bs]), block_ids,
                                     local // self.bs, _lora(request), request.cache_salt, _event_hashes(request, end),
-                                    handover))
+                                    handover, groups))
         self.hit_tokens += external
 
     def build_meta(self, scheduler_output: Any = None) -> FlexKVMetadata:
@@ -195,11 +207,24 @@ class SchedulerSide:
                                       cache_salt=request.cache_salt).sequence.tolist()
                 self._digests.append((rid, ids[:n], hashes))
 
-    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def _group_ids(self, per_group: Any, n: int) -> Dict[int, List[int]]:
+        """Each group's first ``n`` block ids (0 where vLLM holds none), by vLLM's group index."""
+        return {g.index: list(per_group[k][:n]) for k, g in enumerate(self.s.groups)}
+
+    def request_finished_all(self, request: Any, per_group: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """A finished request's blocks of every group (vLLM's SupportsHMA call)."""
+        if not self.hybrid:
+            return self.request_finished(request, list(per_group[0]))
+        return self.request_finished(request, list(per_group[self._main]), per_group)
+
+    def request_finished(self, request: Any, block_ids: List[int],
+                         per_group: Any = None) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self.client.forget(request.request_id)
         self._hits.pop(request.request_id, None)
         self._prompt_len.pop(request.request_id, None)
         self._answers.pop(request.request_id, None)
+        if request.request_id in self._loading:  # finished (aborted) while its load runs ahead
+            return self._end_during_load(request.request_id)
         params = self._hand_over(request, block_ids) if request.request_id in self._prefills else None
         held = bool(params and params.get(KEY))
         if not self.s.store or not offloadable(request):
@@ -208,10 +233,27 @@ class SchedulerSide:
         n = min(request.num_computed_tokens, len(tokens), len(block_ids) * self.bs) // self.bs
         if n <= 0:
             return held, params
+        groups = self._group_ids(per_group, n) if per_group is not None else {}
         self._saves.append(SaveSpec(request.request_id, list(tokens[: n * self.bs]), list(block_ids[:n]),
-                                    _lora(request), request.cache_salt, _event_hashes(request, n)))
+                                    _lora(request), request.cache_salt, _event_hashes(request, n), groups))
         self.saved_requests += 1
         return True, params  # vLLM frees the blocks once a worker lists the request as finished sending
+
+    def _end_during_load(self, rid: str) -> Tuple[bool, None]:
+        """A request that ends before its load ran ahead: never sent, the load is dropped; sent,
+        its blocks stay with vLLM until the load let go of them (the worker reports it then).
+        Nothing is stored: its blocks may hold part of a load."""
+        self._loading.discard(rid)
+        pending = [x for x in self._loads if x.req_id == rid]
+        if pending:
+            self._loads = [x for x in self._loads if x.req_id != rid]
+            return False, None
+        self._saves.append(SaveSpec(rid, [], [], after_load=True))
+        return True, None
+
+    def loads_ended(self, req_ids: Iterable[str]) -> None:
+        """vLLM's finished_recving: loads run ahead that ended (landed or failed)."""
+        self._loading.difference_update(req_ids)
 
     def _source_info(self) -> Optional[SourceInfo]:
         """This engine's worker agent (read once; a worker without one hands nothing over)."""
@@ -233,16 +275,11 @@ class SchedulerSide:
         return VllmHandover(**asdict(self._source), req=request.request_id, blocks=list(block_ids[:n]),
                             lease_expires_unix=expires).to_params()
 
-    def reset(self, tp_size: int) -> bool:
-        """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: rank 0's
+    def reset(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: every rank's
         worker drops its host and disk blocks once their writes finished. False (vLLM then reports
-        the reset failed) with tensor parallelism, whose other ranks this side cannot reach
-        (call FlexKVConnector.reset_tiers on every worker), and with a remote tier, shared with
-        other workers, which keeps its copies (give new weights a new model_id)."""
-        if tp_size > 1:
-            log.warning("FlexKVConnector: reset_cache with tensor parallelism %d is not done from the scheduler: "
-                        "call reset_tiers() on every worker (collective_rpc)", tp_size)
-            return False
+        the reset failed) when a rank could not, e.g. with a remote tier, shared with other
+        workers, which keeps its copies (give new weights a new model_id)."""
         # Saves not handed to the workers yet hold KV computed before the reset (old weights):
         # they only release their blocks now.
         self._saves = [SaveSpec(x.req_id, [], []) for x in self._saves]

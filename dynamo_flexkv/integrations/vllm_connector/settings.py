@@ -7,7 +7,9 @@ import hashlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
+
+from dynamo_flexkv.integrations.vllm_connector.groups import KVGroup, read_groups
 
 MAX_LEASE_S = 3600.0  # handover_lease_s's ceiling (serve's handover-lease-s too)
 
@@ -55,6 +57,10 @@ class ConnectorSettings:
     run_dir: Optional[str] = None
     model_id: str = ""
     mover_hook: Optional[str] = None
+    tp_size: int = 1  # tensor-parallel ranks: each has its own worker, tiers (or node shard) and lookup socket
+    groups: Tuple[KVGroup, ...] = ()  # vLLM's KV cache groups (groups.py); () when vLLM gave no config
+    dp_rank: Optional[int] = None  # this engine's data-parallel rank, when it is one of several
+    max_model_len: int = 0
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> "ConnectorSettings":
@@ -99,8 +105,15 @@ class ConnectorSettings:
             raise ValueError(f"FlexKVConnector: {where}={run_dir!r} is not a writable directory (the lookup socket "
                              "lives there): create it, or point it at one")
         num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
-        return cls(block_size=int(vllm_config.cache_config.block_size), num_blocks=num_blocks,
-                   engine_id=str(kt.engine_id), **values)
+        groups = tuple(read_groups(kv_cache_config)) if kv_cache_config is not None else ()
+        block_size = groups[0].block_size if groups else int(vllm_config.cache_config.block_size)
+        pc = vllm_config.parallel_config
+        # vLLM names each data-parallel engine <engine_id>_dp<rank> (v1/engine/core.py)
+        dp = int(getattr(pc, "data_parallel_index", 0) or 0)
+        dp_rank = dp if str(kt.engine_id).endswith(f"_dp{dp}") else None
+        return cls(block_size=block_size, num_blocks=num_blocks, engine_id=str(kt.engine_id),
+                   tp_size=int(pc.tensor_parallel_size), groups=groups, dp_rank=dp_rank,
+                   max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0), **values)
 
 
 

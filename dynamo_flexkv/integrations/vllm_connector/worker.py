@@ -15,8 +15,8 @@ import collections
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Set
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -27,6 +27,8 @@ from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskFailed
 from dynamo_flexkv.integrations.vllm_connector.events import FlexKVEvents, TierEventQueue
 from dynamo_flexkv.integrations.vllm_connector.handover import Handover
+from dynamo_flexkv.integrations.vllm_connector.groups import FULL, aux_share, is_hybrid, latent
+from dynamo_flexkv.integrations.vllm_connector.hybrid import GroupTiers
 from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
 from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals
@@ -35,6 +37,14 @@ from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
 from dynamo_flexkv.integrations.vllm_connector.step_clock import StepClock
 
 log = logging.getLogger(__name__)
+
+
+def _subdirs(dirs, *parts: str) -> tuple:
+    """Each directory's subdirectory ``parts`` (made): one engine, rank or group's own disk tier."""
+    out = tuple(os.path.join(d, *parts) for d in dirs)
+    for d in out:
+        os.makedirs(d, exist_ok=True)
+    return out
 
 
 @dataclass
@@ -56,6 +66,9 @@ class TransferRecord:
     seconds: float = 0.0  # handover: read and verify
     nbytes: int = 0  # handover: bytes read
     verify_seconds: float = 0.0  # handover: of ``seconds``, hashing what landed
+    # A hybrid model's load or store: each group's block ids by block position (from the request's
+    # first block), 0 where it has none
+    groups: Dict[int, List[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,38 +104,83 @@ class WorkerSide:
         self._reported: Dict[str, int] = {}  # counter totals already sent as deltas
         self._gauges_at = 0.0
         self.clock: Optional[StepClock] = None
+        self._stores = True  # False on the ranks whose replicated KV another rank stores
+        # A hybrid model's other KV cache groups (hybrid.py), and its loads, which run ahead of
+        # the request's first step: request -> (spec, (offload, task) per part).
+        self.aux: Optional[EngineOffload] = None
+        self.tiers: Optional[GroupTiers] = None
+        self._ahead: Dict[str, Tuple[LoadSpec, List[Tuple[EngineOffload, int]], Dict[str, int]]] = {}
+        self._ahead_failed: Set[str] = set()
+        self._stored_groups: Dict[str, Dict[int, List[int]]] = {}  # for the store's TransferRecord
+        self._release_after_load: Set[str] = set()
 
     # ---- setup -----------------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        desc = describe(kv_caches, self.s.num_blocks, self.s.block_size)
+        mla = latent(self.s.groups)
+        desc = describe(kv_caches, self.s.num_blocks, self.s.block_size, latent=mla)
         cache = CacheConfig.load().replace(tokens_per_block=self.s.block_size, tp_rank=self.tp_rank,
                                            tp_size=self.tp_size)
-        if self.tp_size > 1 and cache.ssd_cache_dir:  # each rank holds its own shard's bytes
-            dirs = tuple(os.path.join(d, f"rank{self.tp_rank}") for d in cache.ssd_cache_dir)
-            for d in dirs:
-                os.makedirs(d, exist_ok=True)
-            cache = cache.replace(ssd_cache_dir=dirs)
-        self.events = TierEventQueue(self.s.block_size) if self.tp_rank == 0 else None
+        # MLA's latent is the same on every rank: through the node cache the ranks share one copy,
+        # which rank 0 stores and every rank loads (embedded, each rank keeps its own).
+        replicated = mla and self.tp_size > 1
+        self._stores = not (replicated and cache.mode == "node" and self.tp_rank > 0)
+        parts = ([f"dp{self.s.dp_rank}"] if self.s.dp_rank is not None else []) + \
+            ([f"rank{self.tp_rank}"] if self.tp_size > 1 else [])
+        if parts and cache.ssd_cache_dir:  # each engine and rank holds its own bytes on disk
+            cache = cache.replace(ssd_cache_dir=_subdirs(cache.ssd_cache_dir, *parts))
+        hybrid = is_hybrid(self.s.groups)
+        if hybrid:
+            main = next((g for g in self.s.groups if g.kind in FULL), self.s.groups[0])
+            self.events = TierEventQueue(self.s.block_size, main.index, main.kind) if self.tp_rank == 0 else None
+        else:
+            self.events = TierEventQueue(self.s.block_size) if self.tp_rank == 0 else None
         hook = load_mover_hook(self.s.mover_hook) if self.s.mover_hook else None
-        self.offload = open_offload(desc.model, cache, layerwise=self.s.layerwise, listener=self.events,
-                                    model_id=f"{self.s.model_id}|{desc.layout_tag}", engine=self.s.engine_id,
-                                    rank=self.tp_rank, ranks=self.tp_size, mover_hook=hook)
+        model_id = f"{self.s.model_id}|{desc.layout_tag}"
+        share = aux_share(self.s.groups, self.s.block_size, self.s.max_model_len) if hybrid else 0.0
+        main_cache = cache.replace(cpu_cache_gb=cache.cpu_cache_gb * (1 - share),
+                                   ssd_cache_gb=cache.ssd_cache_gb * (1 - share)) if hybrid else cache
+        self.offload = open_offload(desc.model, main_cache, layerwise=self.s.layerwise, listener=self.events,
+                                    model_id=model_id, engine=self.s.engine_id, rank=self.tp_rank, ranks=self.tp_size,
+                                    replicated=replicated, mover_hook=hook)
         try:
             self.offload.register(desc.tensors, desc.layout)
-            self._layer = desc.layer_index()
+            if hybrid:
+                self._register_aux(desc, cache, share, model_id, replicated, hook)
+            self._layer = desc.layer_index(kv_caches)
             self.clock = StepClock(cuda=desc.tensors[0].is_cuda)
-            if self.s.handover:
+            if self.s.handover and not hybrid:
                 self._start_handover(desc)
+            # Every rank answers for its own shard; the scheduler takes the smallest answer.
+            self.server = LookupServer(lookup_endpoint(self.s.engine_id, self.s.run_dir, self.tp_rank), self._lookup,
+                                       self._reset_for_scheduler)
             if self.tp_rank == 0:
-                self.server = LookupServer(lookup_endpoint(self.s.engine_id, self.s.run_dir), self._lookup,
-                                           self._reset_for_scheduler)
                 self.offload.announce_adopted()  # a restarted worker's disk blocks, for the router
         except BaseException:
-            self.offload.shutdown()
-            self.offload = None
+            self._close_offloads()
             raise
-        log.info("FlexKVConnector worker rank %d: %d layers, %s; tiers %s", self.tp_rank, len(desc.tensors),
-                 desc.layout_tag, self.offload.describe())
+        log.info("FlexKVConnector worker rank %d: %d layers, %s; %stiers %s", self.tp_rank, len(desc.tensors),
+                 desc.layout_tag, f"{len(self.s.groups)} KV cache groups; " if hybrid else "",
+                 self.offload.describe())
+
+    def _register_aux(self, desc: Any, cache: CacheConfig, share: float, model_id: str, replicated: bool,
+                      hook: Any) -> None:
+        """A hybrid model's other groups (hybrid.py): their own tiers over the same tensors, a
+        ``share`` of the host and disk budget, no events, every cached block loaded."""
+        from dynamo_flexkv.core.enums import LoadPolicy
+        aux_cache = cache.replace(cpu_cache_gb=cache.cpu_cache_gb * share, ssd_cache_gb=cache.ssd_cache_gb * share,
+                                  load_policy=LoadPolicy.ALWAYS,
+                                  ssd_cache_dir=_subdirs(cache.ssd_cache_dir, "groups") if cache.ssd_cache_dir else ())
+        self.aux = open_offload(desc.model, aux_cache, layerwise=False, model_id=f"{model_id}|groups",
+                                engine=self.s.engine_id, rank=self.tp_rank, ranks=self.tp_size, replicated=replicated,
+                                mover_hook=hook)
+        self.aux.register(desc.tensors, desc.layout)
+        self.tiers = GroupTiers(self.s.groups, self.offload, self.aux, self.s.block_size)
+
+    def _close_offloads(self) -> None:
+        for off in (self.aux, self.offload):
+            if off is not None:
+                off.shutdown()
+        self.offload = self.aux = self.tiers = None
 
     def _start_handover(self, desc: Any) -> None:
         """This worker's NIXL agent for the P->D handover; without one (tensor parallelism, no NIXL)
@@ -139,6 +197,8 @@ class WorkerSide:
             log.warning("FlexKVConnector: no handover agent (%s); the next connector hands requests over", e)
 
     def _lookup(self, tokens, lora: Optional[str], salt: Optional[str], prompt_tokens: int, local_blocks: int) -> int:
+        if self.tiers is not None:
+            return self.tiers.cached_tokens(tokens, lora, salt, prompt_tokens, local_blocks)
         return self.offload.cached_tokens(tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens,
                                           skip_blocks=local_blocks)
 
@@ -153,14 +213,27 @@ class WorkerSide:
             if spec.handover is not None:
                 self._pull(spec)
         for save in meta.saves:
-            if not save.block_ids:  # nothing to store (dropped by a reset): only the blocks' release
+            if save.after_load and save.req_id in self._ahead:  # released once its load ended
+                self._release_after_load.add(save.req_id)
+                continue
+            if not save.block_ids or not self._stores:  # nothing to store (dropped by a reset, or another
+                # rank stores the shared copy): only the blocks' release
                 self._saved.add(save.req_id)
                 continue
             try:
                 self._alias(save.token_ids, save.event_hashes, save.lora_name, save.cache_salt)
-                self.offload.store(save.token_ids, save.block_ids, key=save.req_id, lora_name=save.lora_name,
-                                   cache_salt=save.cache_salt, names=save.event_hashes or None)
-                self._saving[save.req_id] = self._saving.get(save.req_id, 0) + 1
+                if self.tiers is not None and save.groups:
+                    self._stored_groups[save.req_id] = save.groups
+                    started = self.tiers.store(save.token_ids, save.groups, save.req_id, save.lora_name,
+                                               save.cache_salt, save.event_hashes or None)
+                else:
+                    self.offload.store(save.token_ids, save.block_ids, key=save.req_id, lora_name=save.lora_name,
+                                       cache_salt=save.cache_salt, names=save.event_hashes or None)
+                    started = 1
+                if started:
+                    self._saving[save.req_id] = self._saving.get(save.req_id, 0) + started
+                else:
+                    self._saved.add(save.req_id)
             except Exception:  # noqa: BLE001 - a store that cannot start frees its blocks at once
                 log.exception("FlexKVConnector: storing request %s failed; its blocks are released", save.req_id)
                 self._saved.add(save.req_id)
@@ -170,7 +243,9 @@ class WorkerSide:
                 self.handover.hold(rid, expires)
                 self._saving[rid] = self._saving.get(rid, 0) + 1
         for spec in meta.loads:
-            if spec.handover is None:
+            if spec.groups and self.tiers is not None:
+                self._start_ahead(spec)
+            elif spec.handover is None:
                 self._start(spec)
         if not self.s.layerwise:
             for ld in self._loads.values():  # bulk: the whole load lands before the forward
@@ -196,6 +271,48 @@ class WorkerSide:
         if planned < spec.num_blocks:  # evicted since the lookup: the rest is recomputed
             self._fail(spec, planned)
         self._loads[spec.req_id] = _Load(tid, spec, planned, self.offload.planned_tokens_by_tier(tid))
+
+    def _start_ahead(self, spec: LoadSpec) -> None:
+        """A hybrid model's load: every group's part, ahead of the request's first step (vLLM
+        waits for finished_loads); a part that cannot start fails the whole request, which vLLM
+        then computes."""
+        self._alias(spec.token_ids, spec.event_hashes, spec.lora_name, spec.cache_salt)
+        try:
+            parts = self.tiers.load(spec.token_ids, spec.groups, spec.skip_blocks, spec.lora_name, spec.cache_salt)
+        except Exception as e:  # noqa: BLE001 - e.g. TooManyTasks: computed instead
+            log.warning("FlexKVConnector: load for request %s could not start (%s); recomputing", spec.req_id, e)
+            parts = None
+        if parts is None:
+            self._ahead_failed.add(spec.req_id)
+            self.counters.recomputed += spec.num_blocks * self.s.block_size
+            return
+        off, tid = parts[0]  # the main group's (or the first part's) tiers say where the prefix came from
+        self._ahead[spec.req_id] = (spec, parts, off.planned_tokens_by_tier(tid))
+
+    def finished_loads(self) -> Tuple[Set[str], Set[str]]:
+        """Loads run ahead (hybrid models) that ended since the last call: (every part landed,
+        some part failed). A failed one is computed from its first token by vLLM."""
+        done, failed = set(), self._ahead_failed
+        self._ahead_failed = set()
+        for rid, (spec, parts, by_tier) in list(self._ahead.items()):
+            if not all(off.load_done(tid) for off, tid in parts):
+                continue
+            del self._ahead[rid]
+            ok = all([off.finish(tid).ok for off, tid in parts])
+            if rid in self._release_after_load:  # the request ended meanwhile: vLLM frees its blocks now
+                self._release_after_load.discard(rid)
+                self._saved.add(rid)
+            self.transfer_log.append(TransferRecord("load", rid, spec.block_ids[spec.skip_blocks:], ok,
+                                                    groups=spec.groups))
+            if ok:
+                done.add(rid)
+                for tier, n in by_tier.items():
+                    self.counters.loaded[tier] = self.counters.loaded.get(tier, 0) + n
+            else:
+                failed.add(rid)
+                self.counters.failed_loads += 1
+                self.counters.recomputed += spec.num_blocks * self.s.block_size
+        return done | failed, failed
 
     def _pull(self, spec: LoadSpec) -> None:
         """A handed-over prompt: read from the prefill worker before this step's forward."""
@@ -293,10 +410,13 @@ class WorkerSide:
                 else:
                     self._saving.pop(rid, None)
                     self._saved.add(rid)
-        if self.offload is not None:
-            for hold in self.offload.finished_holds():
-                self.transfer_log.append(TransferRecord("store", hold.key, hold.blocks, True))
-                self.stored_tokens += len(hold.blocks) * self.s.block_size
+        for off in self._offloads():
+            main = off is self.offload
+            for hold in off.finished_holds():
+                if main:  # the main group's blocks are the request's (a hybrid model's others are extra)
+                    self.transfer_log.append(TransferRecord("store", hold.key, hold.blocks, True,
+                                                            groups=self._stored_groups.pop(hold.key, {})))
+                    self.stored_tokens += len(hold.blocks) * self.s.block_size
                 left = self._saving.get(hold.key, 0) - 1
                 if left > 0:
                     self._saving[hold.key] = left
@@ -304,22 +424,27 @@ class WorkerSide:
                     self._saving.pop(hold.key, None)
                     self._saved.add(hold.key)
         # Only ids with a store of ours: vLLM lists every finished request here.
-        self._finished_seen |= finished_req_ids & (self._saved | set(self._saving))
+        self._finished_seen |= finished_req_ids & (self._saved | set(self._saving) | self._release_after_load)
         done = self._saved & self._finished_seen
         self._saved -= done
         self._finished_seen -= done
+        for rid in done:
+            self._stored_groups.pop(rid, None)
         return done
+
+    def _offloads(self) -> List[EngineOffload]:
+        return [off for off in (self.offload, self.aux) if off is not None]
 
     def take_events(self) -> Optional[FlexKVEvents]:
         return self.events.take() if self.events is not None else None
 
     def tier_files(self) -> List[str]:
         """The disk tier's data files this process owns (for operators and fault tests)."""
-        return self.offload.tier_files() if self.offload is not None else []
+        return [f for off in self._offloads() for f in off.tier_files()]
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Waits for the stores' background writes (disk, remote); False if some still run."""
-        return self.offload.drain(timeout) if self.offload is not None else True
+        return all([off.drain(timeout) for off in self._offloads()])
 
     def stats(self) -> Optional[ManagerStats]:
         return self.offload.stats() if self.offload is not None else None
@@ -331,13 +456,15 @@ class WorkerSide:
 
     def evict_host(self, timeout: Optional[float] = None) -> int:
         """Evicts every host block once the writes below finished (the disk and remote copies
-        stay); returns how many went."""
-        return self._registered("evict_host").evict_host(timeout)
+        stay); returns how many went (a hybrid model's other groups' too)."""
+        self._registered("evict_host")
+        return sum(off.evict_host(timeout) for off in self._offloads())
 
     def reset_tiers(self, timeout: Optional[float] = None) -> bool:
         """Drops every host and disk block once the writes finished; False when a remote tier,
         shared with other workers, keeps its copies."""
-        return self._registered("reset_tiers").reset_tiers(timeout)
+        self._registered("reset_tiers")
+        return all([off.reset_tiers(timeout) for off in self._offloads()])
 
     def _reset_for_scheduler(self) -> bool:
         """The scheduler's reset_cache: host and disk dropped once the writes finished. False with
@@ -387,8 +514,11 @@ class WorkerSide:
             self.server.close()
             self.server = None
         if self.offload is not None:
-            if not self.offload.drain(timeout=self.s.drain_timeout_s):
+            if not self.drain(timeout=self.s.drain_timeout_s):
                 log.warning("FlexKVConnector: offload writes still running after %.0f s at shutdown; cancelled",
                             self.s.drain_timeout_s)
-            self.offload.shutdown()
-            self.offload = None
+            for _, parts, _ in self._ahead.values():  # loads run ahead of requests that never ran
+                for off, tid in parts:
+                    off.cancel_load(tid, ())
+            self._ahead.clear()
+            self._close_offloads()
