@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
 
@@ -36,30 +36,8 @@ def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = 
     context window the worker serves is what config.json and the tokenizer declare. With
     ``weights`` and a preset of ``weights: seeded``, also model.safetensors: the reference engine's
     seeded weights, which vLLM then loads (without it, vLLM needs ``--load-format dummy``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    if len(alphabet) + len(SPECIALS) > cfg.vocab_size:
-        raise ValueError(f"vocab_size {cfg.vocab_size} is too small for a byte-level tokenizer "
-                         f"({len(alphabet) + len(SPECIALS)} tokens)")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = {ch: i for i, ch in enumerate(alphabet)}  # the byte tokens (ByteLevel's printable stand-ins)
-    vocab.update((t, len(alphabet) + i) for i, t in enumerate(SPECIALS))  # specials: ids 256-260, as before
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    space = byte_level.pre_tokenize_str(" ")[0][0]  # "Ġ": how ByteLevel writes the space byte
-    for i in range(cfg.vocab_size - len(vocab)):
-        vocab[space + filler_word(i)] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=False))  # no merges: only bytes encode
-    tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)  # already in the vocabulary: they keep their ids
-    _replace(path / "tokenizer.json", tok.to_str())
-    bos, eos = tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
-    _replace(path / "tokenizer_config.json", json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
-        "model_max_length": context_length, "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
-    }, indent=2))
+    bos, eos = _write_tokenizer(path, cfg.vocab_size, context_length)
     _replace(path / "config.json", json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": name,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
@@ -72,6 +50,102 @@ def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = 
     if weights and cfg.weights == "seeded":
         write_seeded_weights(cfg, path)
     return path
+
+
+def _write_tokenizer(path: Path, vocab_size: int, context_length: int) -> Tuple[int, int]:
+    """tokenizer.json and tokenizer_config.json for ``vocab_size`` ids; returns (bos, eos)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if len(alphabet) + len(SPECIALS) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer "
+                         f"({len(alphabet) + len(SPECIALS)} tokens)")
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {ch: i for i, ch in enumerate(alphabet)}  # the byte tokens (ByteLevel's printable stand-ins)
+    vocab.update((t, len(alphabet) + i) for i, t in enumerate(SPECIALS))  # specials: ids 256-260, as before
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    space = byte_level.pre_tokenize_str(" ")[0][0]  # "Ġ": how ByteLevel writes the space byte
+    for i in range(vocab_size - len(vocab)):
+        vocab[space + filler_word(i)] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=False))  # no merges: only bytes encode
+    tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)  # already in the vocabulary: they keep their ids
+    _replace(path / "tokenizer.json", tok.to_str())
+    _replace(path / "tokenizer_config.json", json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
+        "model_max_length": context_length, "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    return tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
+
+
+def hf_preset(name: str) -> Optional[Path]:
+    """configs/models/<name>/ when it holds a config.json: a preset of a Hugging Face architecture
+    vLLM serves (a hybrid sliding-window model, MLA), not one the reference engine computes."""
+    from dynamo_flexkv.integrations.reference_engine.config import presets_dir
+
+    path = presets_dir() / name
+    return path if "/" not in name and (path / "config.json").is_file() else None
+
+
+def write_preset(model: str, path: Union[str, Path], context_length: int = 131072, weights: bool = False) -> Path:
+    """The model directory of preset ``model``: a reference-engine preset (configs/models/<model>.yaml,
+    write_model_dir) or a Hugging Face architecture's (configs/models/<model>/config.json): that
+    config, the byte-level tokenizer and, with ``weights``, seeded weights (seeded_hf_weights)."""
+    preset = hf_preset(model)
+    if preset is None:
+        return write_model_dir(EngineModelConfig.load(model), path, context_length=context_length, weights=weights)
+    path = Path(path)
+    cfg = json.loads((preset / "config.json").read_text())
+    bos, eos = _write_tokenizer(path, int(cfg["vocab_size"]), context_length)
+    cfg.update(_name_or_path=model, bos_token_id=bos, eos_token_id=eos,
+               max_position_embeddings=max(int(cfg.get("max_position_embeddings", 0)), context_length))
+    _replace(path / "config.json", json.dumps(cfg, indent=2))
+    _replace(path / "generation_config.json", json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
+    if weights:
+        from safetensors.torch import save_file
+
+        target = path / "model.safetensors"
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        save_file(seeded_hf_weights(cfg), str(tmp), metadata={"format": "pt", "flexkv_seed": "0"})
+        os.replace(tmp, target)
+    return path
+
+
+def seeded_hf_weights(config: Dict[str, Any], seed: int = 0) -> Dict[str, Any]:
+    """Deterministic random weights for any Hugging Face causal-LM architecture ``config`` names,
+    at a trained model's scale as the reference engine's (reference_engine/model.py): matrices
+    N(0, 1/fan_in) (MoE experts and routers too), embeddings N(0, 1) (N(0, 1/hidden) when tied to
+    the output: else every greedy token has probability 1), norms near their identity
+    (1 + 0.1 N, or 0.1 N for Gemma's zero-centered ones), biases 0.02 N. Names and shapes come
+    from transformers' model class built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    dtype = getattr(torch, str(config.get("torch_dtype", "float32")))
+    zero_centered = str(config.get("model_type", "")).startswith("gemma")
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    tied = bool(config.get("tie_word_embeddings"))
+    for name, p in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        shape = tuple(p.shape)
+        if "embed" in name:  # tied: it is the output matrix too, at its scale (logits ~ N(0, 1))
+            w = torch.randn(shape, generator=g) / (shape[-1] ** 0.5 if tied else 1.0)
+        elif len(shape) >= 2:
+            w = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+        elif "norm" in name:
+            w = 0.1 * torch.randn(shape, generator=g) + (0.0 if zero_centered else 1.0)
+        elif "correction_bias" in name:
+            w = torch.zeros(shape)
+        else:
+            w = 0.02 * torch.randn(shape, generator=g)
+        out[name] = w.to(dtype).contiguous()
+    return out
 
 
 def write_seeded_weights(cfg: EngineModelConfig, path: Union[str, Path], seed: int = 0) -> Path:
