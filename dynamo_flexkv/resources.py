@@ -9,7 +9,7 @@ finds them without the source tree; an editable install (no ``_data``) uses the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 _PACKAGE = Path(__file__).resolve().parent
 _SEARCH = (_PACKAGE / "_data", _PACKAGE.parent)  # wheel first, then the source checkout
@@ -30,8 +30,16 @@ def shipped_dir(kind: str) -> Path:
 
 
 def presets_dir() -> Path:
-    """The model presets (``<name>.yaml``) of the reference engine."""
+    """The model presets: ``<name>.yaml`` of the reference engine, ``<name>/config.json`` of a
+    Hugging Face architecture (hf_preset)."""
     return shipped_dir(CONFIGS) / "models"
+
+
+def hf_preset(name: str) -> Optional[Path]:
+    """configs/models/<name>/ when it holds a config.json: a preset of a Hugging Face architecture
+    vLLM serves (a hybrid sliding-window model, MLA), not one the reference engine computes."""
+    path = presets_dir() / name
+    return path if name and "/" not in name and (path / "config.json").is_file() else None
 
 
 def shipped_names(kind: str) -> List[str]:

@@ -119,7 +119,37 @@ def test_with_more_engines_than_cores_each_decode_engine_gets_a_core_of_its_own(
     assert [p.env[BIND_ENV] for p in procs] == ["0", "1", "0", "2"]
 
 
+def test_parallel_workers_get_their_flags_a_core_per_rank_and_loopback_event_ports(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("dynamo_flexkv.serve.vllm_worker.on_cpu", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    tp = vplan(tmp_path, "VllmWorker.replicas=1", "VllmWorker.tensor-parallel-size=2").workers[0]
+    assert arg(tp.argv, "--tensor-parallel-size") == "2" and "--data-parallel-size" not in tp.argv
+    assert tp.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"  # vLLM binds rank i to the i-th list
+    assert json.loads(arg(tp.argv, "--kv-events-config"))["endpoint"].startswith("ipc://")
+    dp = vplan(tmp_path, "VllmWorker.replicas=1", "VllmWorker.data-parallel-size=2").workers[0]
+    assert arg(dp.argv, "--data-parallel-size") == "2" and arg(dp.argv, "--data-parallel-address") == "127.0.0.1"
+    assert dp.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    # Each DP rank publishes on the endpoint's port + its rank (vLLM cannot offset an ipc:// one);
+    # the IPv4-mapped loopback makes vLLM bind (it binds an address holding "::") 127.0.0.1 only.
+    endpoint = json.loads(arg(dp.argv, "--kv-events-config"))["endpoint"]
+    assert endpoint.startswith("tcp://[::ffff:127.0.0.1]:")
+    assert int(arg(dp.argv, "--data-parallel-rpc-port")) == int(endpoint.rsplit(":", 1)[1]) + 2
+    two = vplan(tmp_path, "VllmWorker.tensor-parallel-size=2").workers  # 2 workers x 2 ranks on 2 cores
+    assert [w.env["VLLM_CPU_OMP_THREADS_BIND"] for w in two] == ["0|1", "0|1"]
+
+
+def test_a_hugging_face_preset_is_written_with_its_seeded_weights(tmp_path):
+    p = vplan(tmp_path, "Common.model=hybrid-sw", "VllmWorker.dtype=float32")
+    w = p.workers[0]
+    assert arg(w.argv, "--model") == str(tmp_path / "run" / "model") and "--load-format" not in w.argv
+    assert p.write_model and p.model_weights and p.model == "hybrid-sw"
+
+
 @pytest.mark.parametrize("overrides, message", [
+    (["VllmWorker.tensor-parallel-size=0"], "tensor-parallel-size=0 must be >= 1"),
+    (["VllmWorker.extra-args=[--tensor-parallel-size, '2']"], "serve sets it from VllmWorker.tensor-parallel-size"),
+    (["VllmWorker.extra-args=[--data-parallel-rpc-port=5]"], "serve picks a free port"),
     (["Frontend.kv-cache-block-size=16"], r"Frontend.kv-cache-block-size=16 but the workers' KV blocks hold 64 "
                                           r"tokens .*set it to 64"),
     (["Frontend.extra-args=[--kv-cache-block-size, '64']"], "use Frontend.kv-cache-block-size"),
@@ -217,7 +247,7 @@ def test_render_k8s_of_the_vllm_graph_imports_neither_torch_nor_vllm(tmp_path):
     assert arg(main["args"], "--model") == "/model" and "--discovery-backend" not in main["args"]
     assert json.loads(arg(main["args"], "--kv-events-config"))["endpoint"].startswith("ipc:///tmp/")
     init = worker["extraPodSpec"]["initContainers"][0]  # writes the preset's model directory
-    assert "write_model_dir" in init["command"][-1] and init["volumeMounts"][0]["mountPath"] == "/model"
+    assert "write_preset('small'" in init["command"][-1] and init["volumeMounts"][0]["mountPath"] == "/model"
     assert "weights=True" in init["command"][-1]  # the seeded weights vLLM loads
     env = {e["name"]: e["value"] for e in worker["envs"]}
     assert env["FLEXKV_TOKENS_PER_BLOCK"] == "64" and env["VLLM_NO_USAGE_STATS"] == "1"

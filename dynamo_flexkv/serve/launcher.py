@@ -135,14 +135,12 @@ class Launcher:
 
     # ---- start -------------------------------------------------------------------------------
     def start(self) -> None:
-        from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
-        from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+        from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         _unignore_sigint()
         if self.plan.write_model:
-            write_model_dir(EngineModelConfig.load(self.plan.model), self.plan.run_dir / "model",
-                            weights=self.plan.model_weights)
+            write_preset(self.plan.model, self.plan.run_dir / "model", weights=self.plan.model_weights)
         try:
             for proc in self.plan.infra:
                 write_files(proc)  # e.g. redis.conf, which holds a password

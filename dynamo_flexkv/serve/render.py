@@ -114,9 +114,8 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
 def _write_model_dir(plan: LaunchPlan, path: str, weights: bool) -> str:
     """The init container's script: the preset's model directory (config.json + tokenizer, and the
     seeded weights unless vLLM loads dummy ones), as serve's launcher writes it."""
-    return ("from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir; "
-            "from dynamo_flexkv.integrations.reference_engine import EngineModelConfig; "
-            f"write_model_dir(EngineModelConfig.load({plan.model!r}), {path!r}, weights={weights!r})")
+    return ("from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset; "
+            f"write_preset({plan.model!r}, {path!r}, weights={weights!r})")
 
 
 def _portable_args(args: List[str]) -> List[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from dynamo_flexkv.core.layout import ModelSpec
-from dynamo_flexkv.resources import presets_dir
+from dynamo_flexkv.resources import hf_preset, presets_dir
 
 ENGINE = "vllm"
 CONNECTOR = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
@@ -60,7 +60,9 @@ MANAGED_FLAGS = {
     "--num-gpu-blocks-override": "num-device-blocks", "--load-format": "load-format",
     "--enforce-eager": "enforce-eager", "--kv-events-config": "(serve publishes KV events on ipc://)",
     "--kv-transfer-config": "offload, connector and disaggregation-mode", "--shutdown-timeout": "shutdown-timeout-s",
-    "--disaggregation-mode": "disaggregation-mode",
+    "--disaggregation-mode": "disaggregation-mode", "--tensor-parallel-size": "tensor-parallel-size",
+    "--data-parallel-size": "data-parallel-size", "--data-parallel-rpc-port": "(serve picks a free port)",
+    "--data-parallel-address": "(always 127.0.0.1)",
 }
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 
@@ -108,7 +110,8 @@ def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Cal
             "num-device-blocks": _nonneg_int_or_none,  # vLLM's --num-gpu-blocks-override; unset: from memory
             "block-size": int_option, "max-model-len": int_option, "dtype": str_option, "kv-cache-memory-bytes": int_option,
             "enforce-eager": bool_option, "load-format": _str_or_none, "connector": mapping_option,
-            "cpu-threads-bind": _str_or_none, "shutdown-timeout-s": int_option, "handover": str_option}
+            "cpu-threads-bind": _str_or_none, "shutdown-timeout-s": int_option, "handover": str_option,
+            "tensor-parallel-size": int_option, "data-parallel-size": int_option}
 
 
 def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
@@ -117,7 +120,8 @@ def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
         "restart-window-s", "restart-backoff-s", "liveness-timeout-s", "disaggregation-mode", "handover-lease-s")},
         "num-device-blocks": None, "block-size": 64, "max-model-len": 4096, "dtype": "bfloat16",
         "kv-cache-memory-bytes": 256 << 20, "enforce-eager": True, "load-format": None, "connector": {},
-        "cpu-threads-bind": None, "shutdown-timeout-s": 20, "handover": "auto"}
+        "cpu-threads-bind": None, "shutdown-timeout-s": 20, "handover": "auto", "tensor-parallel-size": 1,
+        "data-parallel-size": 1}
 
 
 def check(name: str, o: Dict[str, Any], source: str) -> None:
@@ -145,9 +149,13 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
     if not 1 <= o["shutdown-timeout-s"] <= 300:
         raise GraphError(f"{source}: {name}.shutdown-timeout-s={o['shutdown-timeout-s']} must be between 1 and 300 "
                          "(seconds vLLM's engine takes to stop, its connector's last writes included)")
-    for key in ("block-size", "max-model-len", "kv-cache-memory-bytes"):
+    for key in ("block-size", "max-model-len", "kv-cache-memory-bytes", "tensor-parallel-size", "data-parallel-size"):
         if o[key] < 1:
             raise GraphError(f"{source}: {name}.{key}={o[key]} must be >= 1")
+    if ranks(o) > 1 and o["disaggregation-mode"] != "agg":
+        raise GraphError(f"{source}: {name}: tensor-parallel-size / data-parallel-size above 1 run aggregated workers "
+                         f"only here (disaggregation-mode={o['disaggregation-mode']!r}); use replicas for more "
+                         "prefill or decode engines")
     if o["num-device-blocks"] is not None and o["num-device-blocks"] < 1:
         raise GraphError(f"{source}: {name}.num-device-blocks={o['num-device-blocks']} must be >= 1 "
                          "(or leave it out: vLLM sizes its cache from kv-cache-memory-bytes)")
@@ -223,6 +231,11 @@ def on_cpu() -> bool:
     return not any(Path("/dev").glob("nvidia[0-9]*"))
 
 
+def ranks(o: Mapping[str, Any]) -> int:
+    """The engine processes of one vLLM worker: its tensor-parallel ranks times its data-parallel ones."""
+    return int(o.get("tensor-parallel-size", 1)) * int(o.get("data-parallel-size", 1))
+
+
 def cpu_binds(count: int, cpus: Optional[Sequence[int]] = None) -> List[str]:
     """VLLM_CPU_OMP_THREADS_BIND for ``count`` CPU vLLM workers on one machine: each its own
     contiguous share of the CPUs this process may use (2 workers on 2 cores: "0" and "1"); with
@@ -238,7 +251,9 @@ def cpu_binds(count: int, cpus: Optional[Sequence[int]] = None) -> List[str]:
 
 def resolve_model(name: str, o: Mapping[str, Any], run_dir: Path, source: str, local: bool):
     """(path vLLM loads, the load format a preset needs or None, the KV shape for checking tier
-    sizes or None). A preset (configs/models/<name>.yaml) is served from the model directory the
+    sizes or None). A preset of a Hugging Face architecture (configs/models/<name>/config.json:
+    hybrid-sw, mla-small) is served from the directory the launcher writes with its seeded
+    weights; a reference-engine preset (configs/models/<name>.yaml) is served from the model directory the
     launcher writes (config.json + tokenizer, and with ``weights: seeded`` the seeded weights, which
     vLLM loads; ``weights: dummy``: none, load-format dummy); anything else is a local Hugging Face
     model directory, served as it is (its own weights)."""
@@ -248,6 +263,8 @@ def resolve_model(name: str, o: Mapping[str, Any], run_dir: Path, source: str, l
 
     model = o["model"]
     preset = presets_dir() / f"{model}.yaml"
+    if hf_preset(model) is not None:  # a Hugging Face architecture's config.json, seeded weights beside it
+        return (str(run_dir / "model") if local else RENDER_MODEL_DIR), "auto", None
     if "/" not in model and preset.is_file():
         cfg = yaml.safe_load(preset.read_text())
         load_format = "dummy" if cfg.get("weights", "dummy") == "dummy" else "auto"
@@ -296,9 +313,14 @@ def _spec(cfg: Mapping[str, Any], model_dtype: Optional[str], dtype: str) -> Opt
         return None
 
 
-def events_endpoint(run_dir: Path, pname: str, port: int, local: bool) -> str:
+def events_endpoint(run_dir: Path, pname: str, port: int, local: bool, dp_port: Optional[int] = None) -> str:
     """Where vLLM publishes its KV events and dynamo.vllm subscribes: an ipc:// socket (vLLM and
-    Dynamo both connect to a tcp:// one, so nothing binds it), in the replica's run directory."""
+    Dynamo both connect to a tcp:// one, so nothing binds it), in the replica's run directory.
+    ``dp_port``: a data-parallel engine's ranks publish on consecutive tcp ports from it (vLLM
+    offsets only a tcp port by the rank); vLLM binds an address holding "::", so the IPv4-mapped
+    loopback binds 127.0.0.1 alone where "*" would bind every interface."""
+    if dp_port is not None:
+        return f"tcp://[::ffff:127.0.0.1]:{dp_port}"
     if not local:
         return "ipc:///tmp/flexkv-kv-events.ipc"
     path = str(run_dir / pname / "kv-events.ipc")
@@ -339,8 +361,18 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
         penv = dict(env)
         port = system_port(name, o, i, ports, source)
         penv["DYN_SYSTEM_PORT"] = str(port)
+        dp_port = None
+        if o["data-parallel-size"] > 1:  # the ranks' event ports, and the port their coordinator listens on
+            dp_port = ports.take_range(o["data-parallel-size"] + 1, f"{pname} data-parallel ports", VLLM_PORT_BAND) \
+                if local else 20100
         argv = base + ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                         "endpoint": events_endpoint(run_dir, pname, port, local)})]
+                                                         "endpoint": events_endpoint(run_dir, pname, port, local,
+                                                                                     dp_port)})]
+        if dp_port is not None:
+            argv += ["--data-parallel-size", str(o["data-parallel-size"]), "--data-parallel-address", "127.0.0.1",
+                     "--data-parallel-rpc-port", str(dp_port + o["data-parallel-size"])]
+        if o["tensor-parallel-size"] > 1:
+            argv += ["--tensor-parallel-size", str(o["tensor-parallel-size"])]
         cache, files = None, {}
         connectors = []
         if o["offload"]:
@@ -400,8 +432,11 @@ def pin_cpus(processes: list, cpus: Optional[Sequence[int]] = None) -> None:
         for proc, bind in zip(rest, cpu_binds(len(rest), cpus[:len(cpus) - len(decode)])):
             proc.env[BIND_ENV] = bind if bind != "auto" else ",".join(map(str, cpus[:len(cpus) - len(decode)]))
         return
-    for proc, bind in zip(todo, cpu_binds(len(todo), cpus)):
-        proc.env[BIND_ENV] = bind
+    slots = cpu_binds(sum(_ranks(p) for p in todo), cpus)  # a worker of several ranks: one bind each, "|"-joined
+    for proc in todo:
+        n = _ranks(proc)
+        own, slots = slots[:n], slots[n:]
+        proc.env[BIND_ENV] = "auto" if own == ["auto"] else "|".join(own)
 
 
 def check_handovers(processes: list, source: str) -> None:
@@ -423,6 +458,15 @@ def check_handovers(processes: list, source: str) -> None:
         raise GraphError(f"{source}: prefill and decode workers disagree on who carries the handover "
                          f"({', '.join(f'{k}: {v}' for k, v in sorted(carriers.items()))}): give them the same "
                          "handover option (flexkv needs offload: true on both)")
+
+
+def _ranks(proc: Any) -> int:
+    """The engine processes of a planned vLLM worker (from its command line)."""
+    argv, n = list(getattr(proc, "argv", ())), 1
+    for flag in ("--tensor-parallel-size", "--data-parallel-size"):
+        if flag in argv[:-1]:
+            n *= int(argv[argv.index(flag) + 1])
+    return n
 
 
 def _mode(proc: Any) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
 from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
+from dynamo_flexkv.resources import hf_preset
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|user|>", "<|assistant|>", "<|system|>"]
 FILLER_SYLLABLES = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]  # 75 two-letter syllables
@@ -77,15 +78,6 @@ def _write_tokenizer(path: Path, vocab_size: int, context_length: int) -> Tuple[
         "model_max_length": context_length, "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
     }, indent=2))
     return tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
-
-
-def hf_preset(name: str) -> Optional[Path]:
-    """configs/models/<name>/ when it holds a config.json: a preset of a Hugging Face architecture
-    vLLM serves (a hybrid sliding-window model, MLA), not one the reference engine computes."""
-    from dynamo_flexkv.integrations.reference_engine.config import presets_dir
-
-    path = presets_dir() / name
-    return path if "/" not in name and (path / "config.json").is_file() else None
 
 
 def write_preset(model: str, path: Union[str, Path], context_length: int = 131072, weights: bool = False) -> Path:
