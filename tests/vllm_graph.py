@@ -50,11 +50,11 @@ class VllmServe(Serve):
 
 # ---- requests ----------------------------------------------------------------------------------
 
-def complete(base_url: str, prompt: List[int], max_tokens: int = 8, timeout: float = 120) -> dict:
+def complete(base_url: str, prompt: List[int], max_tokens: int = 8, timeout: float = 120, model: str = MODEL) -> dict:
     """One greedy completion of a token-id prompt. Returns ids (the generated token ids), gen (ids
     and their logprobs: exactness.Generation), worker (the frontend's decode worker id), cached
     (usage cached_tokens), rid (the router's request id)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
             "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
@@ -92,8 +92,9 @@ class Stream:
         return Generation(self.ids, self.logprobs)
 
 
-def stream(base_url: str, prompt: List[int], max_tokens: int, out: Stream, timeout: float = 120) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+def stream(base_url: str, prompt: List[int], max_tokens: int, out: Stream, timeout: float = 120,
+           model: str = MODEL) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "logprobs": 1,
             "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
@@ -293,6 +294,14 @@ class RouterProbe:
         out = self._next(timeout)
         assert "error" not in out, out
         return {r["worker_id"]: (r["device"], r["host"], r["disk"]) for r in out["workers"]}
+
+    def rank_scores(self, prompt: List[int], timeout: float = 30) -> Dict[Tuple[int, int], Tuple[int, int, int]]:
+        """As ``scores``, per (worker id, data-parallel rank)."""
+        self.proc.stdin.write(json.dumps({"tokens": prompt}) + "\n")
+        self.proc.stdin.flush()
+        out = self._next(timeout)
+        assert "error" not in out, out
+        return {(r["worker_id"], r["dp_rank"]): (r["device"], r["host"], r["disk"]) for r in out["workers"]}
 
     def close(self) -> None:
         if self.proc.poll() is None:

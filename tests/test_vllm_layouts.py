@@ -1,0 +1,204 @@
+"""The model shapes and parallel layouts vLLM users deploy, under FlexKVConnector on vLLM's CPU
+build: the hybrid sliding-window preset (configs/models/hybrid-sw: Gemma 3, two window groups and
+one full-attention group), the MLA preset (configs/models/mla-small: DeepSeek V2's latent cache),
+tensor parallel (TP=2, a rank per core) and data parallel (DP=2 under dynamo.vllm).
+
+* test_loaded_bytes_*: vLLM's offline engine (tests/vllm_layout_check.py) from inside every rank's
+  worker: a 1,500-token prompt computed, its KV copied, vLLM's prefix cache reset and its KV zeroed
+  (disk: the host tier evicted too), the prompt again: every block loaded into every group on every
+  rank equals, byte for byte, the block computed at its position; tokens and logprobs equal.
+* test_served_*: ``dynamo-flexkv serve`` of the router graph with that layout: prompts of 1.2K, 4K
+  and 8K tokens sharing a 1K prefix give the token ids and logprobs of the same graph without
+  offload, and come back from the host tier, then (after other prompts pushed them out) from disk.
+  DP: the router's view has the prompt on the data-parallel rank that computed it, and routes the
+  returning prompt there.
+
+All -m slow: every case starts vLLM (1-5 minutes on 2 cores)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vLLM is installed by scripts/install.sh")]
+pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
+
+import exactness  # noqa: E402
+import vllm_graph as vg  # noqa: E402
+from exactness import Generation  # noqa: E402
+from served import Serve  # noqa: E402
+from vllm_graph import VllmServe  # noqa: E402
+
+from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset  # noqa: E402
+
+HERE = Path(__file__).parent
+MLA_LOGPROB_TOLERANCE = 1e-2  # vLLM's CPU MLA prefill over a cached context takes another path than
+# a prefill of the whole prompt: with equal KV bytes, logprobs differed by up to 3.7e-3 (float32)
+
+
+def _check(tmp: Path, model: str, *args: str, env: Dict[str, str] = {}) -> dict:
+    model_dir = write_preset(model, tmp / model, context_length=8192, weights=True)
+    out = tmp / "out.json"
+    run_env = dict(os.environ, FLEXKV_RUN_DIR=str(tmp), FLEXKV_CPU_CACHE_GB="0.25", FLEXKV_SSD_CACHE_GB="0.5",
+                   FLEXKV_SSD_CACHE_DIR=str(tmp / "ssd"), **env)
+    r = subprocess.run([sys.executable, str(HERE / "vllm_layout_check.py"), str(model_dir), str(out),
+                        "--scenario", "host,disk", *args], env=run_env, cwd=str(HERE), capture_output=True,
+                       text=True, timeout=1200)
+    assert r.returncode == 0 and out.is_file(), r.stdout[-3000:] + r.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def _assert_loaded_exact(results: dict, ranks: int, groups: int, tolerance: float = exactness.LOGPROB_TOLERANCE):
+    for scenario, res in results.items():
+        first, second = Generation.from_json(res["first"]), Generation.from_json(res["second"])
+        m = exactness.margin(second, first)
+        print(f"\n{scenario}: cached {res['second_cached']} of the prompt, loads {res['loads']}, "
+              f"groups {res['ranks']}, logprob difference {m:.3g}")
+        assert m <= tolerance, (scenario, first, second)
+        assert res["second_cached"] > 1000 and all(x and x[-1][0] for x in res["loads"]), res  # from our tiers
+        assert len(res["ranks"]) == ranks
+        for rank in res["ranks"]:
+            assert rank["loaded"], (scenario, res)
+            assert len(rank["groups"]) == groups, rank
+            assert all(g["equal"] and g["blocks"] > 0 for g in rank["groups"].values()), (scenario, rank)
+
+
+def test_loaded_bytes_of_a_hybrid_sliding_window_model_equal_the_computed_ones(tmp_path):
+    res = _check(tmp_path, "hybrid-sw")
+    _assert_loaded_exact(res, ranks=1, groups=3)
+    for r in res.values():  # the windows hold 4 blocks (window 256), the full group every block
+        counts = sorted(g["blocks"] for g in r["ranks"][0]["groups"].values())
+        assert counts == [4, 4, r["stored_blocks"]], counts
+
+
+def test_loaded_bytes_of_an_mla_model_equal_the_computed_ones(tmp_path):
+    # vLLM's CPU MLA backend (float32 allowed) sets 16-token blocks itself.
+    res = _check(tmp_path, "mla-small", "--block-size", "16")
+    _assert_loaded_exact(res, ranks=1, groups=1, tolerance=MLA_LOGPROB_TOLERANCE)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 binds a rank to each of two cores")
+def test_loaded_bytes_with_tensor_parallel_ranks_equal_the_computed_ones(tmp_path):
+    res = _check(tmp_path, "small", "--tp", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    _assert_loaded_exact(res, ranks=2, groups=1)
+
+
+# ---- served ------------------------------------------------------------------------------------
+
+PREFIX = vg.tokens(7000, 1024)
+# Lengths whose full blocks end where the prompt and its 8 generated tokens do (a hybrid model's
+# windows are stored at a request's end, which a resent prompt then hits).
+PROMPTS = [PREFIX + vg.tokens(7001 + i, n - len(PREFIX)) for i, n in enumerate((1224, 4000, 7990))]
+FILLERS = [vg.tokens(7100 + j, 7990) for j in range(4)]
+MAX_TOKENS = 8
+HOST_TOKENS = 31000  # the prompts (~11K tokens apart from the shared prefix) and two fillers: the
+# host tier keeps p0 through two fillers and lets p1 and p2 go after two more
+LAYOUTS = {  # name: (preset, worker options, bytes per token of one rank's KV, its main offload's share, device blocks)
+    "hybrid": ("hybrid-sw", [], 2 * 2 * 64 * 2 * 4, 64 / 72, 300),  # two tensors; 2 windows of 4 blocks beside 64
+    "mla": ("mla-small", ["VllmWorker.block-size=16"], 4 * 576 * 4, 1.0, 8192 // 16 + 8),
+    "tp2": ("small", ["VllmWorker.tensor-parallel-size=2"], 4 * 1 * 64 * 2 * 4, 1.0, 136),
+    "dp2": ("small", ["VllmWorker.data-parallel-size=2"], 4 * 2 * 64 * 2 * 4, 1.0, 136),
+}
+
+
+def _sets(tmp: Path, name: str, layout: str) -> List[str]:
+    model, extra, per_token, main_share, device = LAYOUTS[layout]
+    host_gb = HOST_TOKENS * per_token / main_share / 2**30
+    return ["Frontend.http-port=0", *exactness.serve_sets(), f"Common.model={model}",
+            "VllmWorker.served-model-name=" + vg.MODEL, "VllmWorker.replicas=1",
+            f"VllmWorker.num-device-blocks={device}", "VllmWorker.max-model-len=8192",
+            f"VllmWorker.cache.cpu_cache_gb={host_gb:.4f}", "VllmWorker.cache.ssd_cache_gb=1.0",
+            f"VllmWorker.cache.ssd_cache_dir={tmp}/{name}/ssd{{replica}}", *extra]
+
+
+def _run(tmp: Path, layout: str, offload: bool) -> dict:
+    name = f"{layout}-{'offload' if offload else 'baseline'}"
+    extra = exactness.offload_sets() if offload else ["VllmWorker.offload=false"]
+    t0 = time.monotonic()
+    serve = VllmServe(tmp, name, *extra, graph="agg_router_vllm", base=_sets(tmp, name, layout))
+    out: dict = {"gens": {}, "cached": {}, "loads": [], "ranks": {}}
+    probe = None
+    try:
+        print(f"\n{name}: ready in {time.monotonic() - t0:.0f} s")
+        worker = "VllmWorker"
+        if offload and layout == "dp2":
+            front = [p for p in vg_children(serve) if b"dynamo.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
+            probe = vg.RouterProbe(front[0], tmp / f"{name}-probe.log")
+
+        def send(key: str, prompt: List[int]) -> dict:
+            r = vg.complete(serve.base_url, prompt, MAX_TOKENS, timeout=600)
+            out["gens"][key], out["cached"][key] = r["gen"], r["cached"]
+            if offload:
+                out["loads"].append((key, vg.loaded(vg.scrape(serve.metrics[worker]))))
+            return r
+
+        for i, p in enumerate(PROMPTS):
+            send(f"p{i}", p)
+            if probe is not None:  # the data-parallel rank that computed it holds it
+                out["ranks"][f"p{i}"] = wait_rank(probe, p)
+        send("f0", FILLERS[0])
+        send("f1", FILLERS[1])  # the device cache let the prompts go; the host tier keeps them
+        send("p0-host", PROMPTS[0])
+        send("f2", FILLERS[2])
+        send("f3", FILLERS[3])  # the host tier let p1 and p2 go; the disk keeps them
+        for i in (1, 2):
+            if probe is not None:
+                out["ranks"][f"p{i}-before"] = wait_rank(probe, PROMPTS[i])
+            send(f"p{i}-disk", PROMPTS[i])
+    finally:
+        if probe is not None:
+            probe.close()
+        serve.close()
+    assert serve.proc.returncode == 0, "\n".join(serve.lines[-40:])
+    assert vg.ours_left(serve.run) == []
+    out["routing"] = vg.routing_log(serve.run / "logs" / "Frontend.log") if layout == "dp2" else {}
+    return out
+
+
+def vg_children(serve: Serve) -> List[int]:
+    r = subprocess.run(["pgrep", "-P", str(serve.proc.pid)], capture_output=True, text=True)
+    return [int(x) for x in r.stdout.split()]
+
+
+def wait_rank(probe: "vg.RouterProbe", prompt: List[int], timeout: float = 20) -> tuple:
+    """The (worker id, dp rank) the router's view holds most of ``prompt`` on, once it holds some."""
+    deadline = time.monotonic() + timeout
+    while True:
+        view = probe.rank_scores(prompt)
+        best = max(view.items(), key=lambda kv: kv[1][2], default=None)
+        if best is not None and best[1][2] > 0 or time.monotonic() > deadline:
+            return best
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_served_layout_gives_the_no_offload_tokens_from_host_and_disk(tmp_path, layout):
+    if layout in ("tp2", "dp2") and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two ranks bind a core each")
+    base = _run(tmp_path, layout, offload=False)
+    ours = _run(tmp_path, layout, offload=True)
+    tolerance = MLA_LOGPROB_TOLERANCE if layout == "mla" else exactness.LOGPROB_TOLERANCE
+    exactness.assert_exact(ours["gens"], base["gens"], f"{layout} served", tolerance=tolerance)
+    print(f"{layout}: cached tokens {ours['cached']}\nloaded by tier after each request {ours['loads']}")
+    loads = dict(ours["loads"])
+    for key in ("p0-host", "p1-disk", "p2-disk"):
+        assert ours["cached"][key] > 0, (key, ours["cached"])
+    if layout != "dp2":  # one engine: its device cache let the prompts go, its tiers served them
+        assert loads["p0-host"]["host"] > loads["f1"]["host"], ours["loads"]
+        assert loads["p2-disk"]["disk"] > loads["f3"]["disk"], ours["loads"]
+    else:  # two engines, two device caches: the fillers may have gone to the other rank
+        print(f"dp ranks (worker, rank) -> (device, host, disk) blocks: {ours['ranks']}")
+        ranks = {ours["ranks"][f"p{i}"][0][1] for i in range(3)}
+        for i in (1, 2):  # the router still sees the prompt where it was computed, now on disk only
+            assert ours["ranks"][f"p{i}-before"][0] == ours["ranks"][f"p{i}"][0], ours["ranks"]
+        print(f"prompts computed on dp ranks {sorted(ranks)}")
