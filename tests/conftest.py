@@ -11,6 +11,9 @@ from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV  # noqa: E402
 
 for var, value in LOOPBACK_ENV.items():
     os.environ.setdefault(var, value)
+# ... and vLLM's engines too (its multi-process executor advertises VLLM_HOST_IP to its ranks).
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_LOOPBACK_IP", "127.0.0.1")
 # The processes tests start (serve's workers, vLLM's) import tests' seams by name (wrong_kv.py).
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):

@@ -43,10 +43,10 @@ class Engine:
     """A NodeOffload over per-layer CPU tensors (LAYERBLOCK), like an engine's paged KV cache."""
 
     def __init__(self, socket_path: str, name: str, model_id: str = "m", tenant: str = "", listener=None,
-                 spec: ModelSpec = SPEC, mover_hook=None) -> None:
+                 spec: ModelSpec = SPEC, mover_hook=None, rank: int = 0, ranks: int = 1) -> None:
         cfg = CacheConfig(tokens_per_block=BS, mode="node", node_socket=socket_path)
         self.offload: EngineOffload = open_offload(spec, cfg, model_id=model_id, engine=name, namespace=tenant,
-                                                   listener=listener, mover_hook=mover_hook)
+                                                   listener=listener, mover_hook=mover_hook, rank=rank, ranks=ranks)
         layout = KVLayout(KVLayoutType.LAYERBLOCK, spec, BS, DEVICE_BLOCKS)
         self.layers = [torch.zeros(layout.layer_shape(), dtype=torch.float32) for _ in range(spec.num_layers)]
         self.offload.register(self.layers)

@@ -304,3 +304,21 @@ def test_every_engine_announces_the_node_blocks_it_can_load_and_an_engine_that_a
         a.offload.shutdown()
         assert seen_a.blocks == {"host": set(), "disk": set()}  # a detaching engine forgets what it announced
         b.offload.shutdown()
+
+
+def test_another_tensor_parallel_split_of_a_model_is_budgeted_as_another_model_and_told_why(tmp_path, caplog):
+    """Shards of one split divide the model's budget; a TP=4 engine beside TP=2 ones would add its
+    own split's namespaces, so it counts against max_models, and the engine's log says why."""
+    from served import wait_until
+
+    with node_server(tmp_path) as server:
+        path = server.options.socket_path
+        tp2 = [Engine(path, "E", rank=r, ranks=2).offload for r in range(2)]
+        wait_until("both shards attached", lambda: server.stats()["attached"] >= 2, timeout=30)
+        with caplog.at_level("WARNING", logger="dynamo_flexkv.core.node.client"):
+            tp4 = Engine(path, "F", rank=0, ranks=4).offload
+            wait_until("the TP=4 engine refused", lambda: server.stats()["refused"] >= 1, timeout=30)
+            wait_until("its log says why", lambda: "max_models=1" in caplog.text, timeout=30)
+        assert "refused this engine" in caplog.text and "--max-models" in caplog.text
+        for off in (*tp2, tp4):
+            off.shutdown()

@@ -147,9 +147,16 @@ def test_a_hugging_face_preset_is_written_with_its_seeded_weights(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["VllmWorker.tensor-parallel-size=0"], "tensor-parallel-size=0 must be >= 1"),
+    (["VllmWorker.tensor-parallel-size=0"], "tensor-parallel-size=0 must be between 1 and 64"),
     (["VllmWorker.extra-args=[--tensor-parallel-size, '2']"], "serve sets it from VllmWorker.tensor-parallel-size"),
     (["VllmWorker.extra-args=[--data-parallel-rpc-port=5]"], "serve picks a free port"),
+    (["VllmWorker.extra-args=[-tp, '2']"], "sets --tensor-parallel-size: serve sets it"),
+    (["VllmWorker.extra-args=[--tensor_parallel_size=2]"], "sets --tensor-parallel-size: serve sets it"),
+    (["VllmWorker.extra-args=[--tensor-parallel=2]"], "sets --tensor-parallel-size: serve sets it"),
+    (["VllmWorker.data-parallel-size=2", "VllmWorker.extra-args=[-dpa, 0.0.0.0]"], "always 127.0.0.1"),
+    (["VllmWorker.tensor-parallel-size=100000"], "tensor-parallel-size=100000 must be between 1 and 64"),
+    (["VllmWorker.tensor-parallel-size=2", "VllmWorker.cpu-threads-bind='0,1'"],
+     r"a worker of 2 ranks .* needs 2 core lists joined by '\|'"),
     (["Frontend.kv-cache-block-size=16"], r"Frontend.kv-cache-block-size=16 but the workers' KV blocks hold 64 "
                                           r"tokens .*set it to 64"),
     (["Frontend.extra-args=[--kv-cache-block-size, '64']"], "use Frontend.kv-cache-block-size"),

@@ -15,6 +15,7 @@ import torch
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.core.offload import open_offload
+from dynamo_flexkv.core.tasks import TooManyTasks
 from dynamo_flexkv.integrations.vllm_connector.groups import KVGroup, aux_share, check_groups, read_groups
 from dynamo_flexkv.integrations.vllm_connector.hybrid import GroupTiers
 
@@ -187,3 +188,48 @@ def test_the_aux_budget_share_follows_the_blocks_it_holds():
     assert aux_share([KVGroup(0, "full_attention", 64, 0, ())], 64, 16384) == 0.0
     assert aux_share([KVGroup(0, "full_attention", 64, 0, ()), KVGroup(1, "full_attention", 64, 0, ())],
                      64, 16384) == 0.5
+
+
+class _Refusing:
+    """An offload that refuses new tasks while ``armed`` (as a full task table does: TooManyTasks)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.armed = inner, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def load(self, *a, **kw):
+        if self.armed:
+            raise TooManyTasks("no room for another task")
+        return self.inner.load(*a, **kw)
+
+    def store(self, *a, **kw):
+        if self.armed:
+            raise TooManyTasks("no room for another task")
+        return self.inner.store(*a, **kw)
+
+
+def test_a_group_that_cannot_start_leaves_no_other_group_writing(tiers):
+    tokens = _tokens(8, 10)
+    _store(tiers, tokens, _tables(1, 10), "a")
+    refusing = _Refusing(tiers.aux)
+    t = GroupTiers(GROUPS, tiers.main, refusing, BS)
+    t.layers = tiers.layers
+    refusing.armed = True
+    for layer in tiers.layers:
+        layer.zero_()
+    with pytest.raises(TooManyTasks):
+        t.load(tokens, _tables(21, 10), 0, None, None)  # the main group's part started first
+    # It was cancelled and collected before the error came back: no task of it is left to write the
+    # blocks the engine now gives up (what it wrote before the cancel, the recompute overwrites).
+    tasks = tiers.main.stats().tasks
+    assert tiers.main.tasks_pending == 0 and tasks.in_flight == 0 and tasks.uncollected_results == 0, tasks
+    # A store whose window part cannot start: the main group's store is started and counted.
+    other = _tokens(9, 10)
+    tables = _tables(30, 10)
+    for ids in tables.values():
+        _fill(t, ids)
+    assert t.store(other, tables, "b", None, None, None) == 1
+    _wait_holds(t, "b", 1)
+    assert t.windows_skipped == 1 and t.cached_tokens(other, None, None, len(other), 0) == 0

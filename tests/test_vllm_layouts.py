@@ -93,6 +93,17 @@ def test_loaded_bytes_with_tensor_parallel_ranks_equal_the_computed_ones(tmp_pat
     _assert_loaded_exact(res, ranks=2, groups=1)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 binds a rank to each of two cores")
+def test_loaded_bytes_with_tensor_parallel_ranks_on_the_node_cache(tmp_path):
+    """Both ranks attach to one node cache service as shards of one engine (issue: one cache per node)."""
+    from node_helpers import node_server
+
+    with node_server(tmp_path, host_gb=0.25, ssd_gb=0.5) as server:
+        res = _check(tmp_path, "small", "--tp", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "FLEXKV_MODE": "node",
+                                                          "FLEXKV_NODE_SOCKET": server.options.socket_path})
+    _assert_loaded_exact(res, ranks=2, groups=1)
+
+
 # ---- served ------------------------------------------------------------------------------------
 
 PREFIX = vg.tokens(7000, 1024)

@@ -134,6 +134,8 @@ def main() -> int:
     ap.add_argument("--attention-backend", default=None)
     a = ap.parse_args()
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc pickles these functions (a local test)
+    for var in ("VLLM_HOST_IP", "VLLM_LOOPBACK_IP"):  # the ranks' message queues on loopback only
+        os.environ.setdefault(var, "127.0.0.1")
     from vllm import LLM
 
     kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",

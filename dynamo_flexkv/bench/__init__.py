@@ -55,7 +55,9 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                              "kv-llama-1b, 1k,4k,8000 with small)")
     parser.add_argument("--model", metavar="PRESET",
                         help="bench disagg --vllm: the model preset (configs/models) of both engines (default "
-                             "kv-llama-1b: a 1B model's KV, 32 KiB per token; small: the demo preset, 2 KiB)")
+                             "kv-llama-1b: a 1B model's KV, 32 KiB per token; small: the demo preset, 2 KiB); "
+                             "bench vllm: small (default) or a Hugging Face preset: hybrid-sw (sliding-window "
+                             "hybrid), mla-small (MLA; vLLM's CPU MLA has no prefix cache: no device-hit rows)")
     parser.add_argument("--vllm", action="store_true",
                         help="bench disagg: the vLLM disagg graphs' handover (two vLLM engines, on loopback and, as "
                              "root, across network-namespace nodes) instead of the reference engine's cases")

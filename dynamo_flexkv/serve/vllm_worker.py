@@ -51,6 +51,10 @@ VLLM_PORT_BAND = (12000, 20000)  # below serve's system ports (21000-32000) and 
 IPC_PATH_MAX = 100  # sun_path holds 107 bytes
 RENDER_MODEL_DIR = "/model"  # where a rendered pod's init container writes a preset's model directory
 
+MAX_PARALLEL = 64  # ranks of one kind per worker: a bound that names a typo, not a hardware limit
+# vLLM's short forms of flags serve manages (its argparse also takes underscores and abbreviations).
+FLAG_ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-dpa": "--data-parallel-address",
+                "-dpp": "--data-parallel-rpc-port", "-dpl": "--data-parallel-size-local"}
 # Flags serve sets itself from the worker's options; extra-args may not repeat them.
 MANAGED_FLAGS = {
     "--model": "model", "--served-model-name": "served-model-name", "--namespace": "namespace",
@@ -62,7 +66,8 @@ MANAGED_FLAGS = {
     "--kv-transfer-config": "offload, connector and disaggregation-mode", "--shutdown-timeout": "shutdown-timeout-s",
     "--disaggregation-mode": "disaggregation-mode", "--tensor-parallel-size": "tensor-parallel-size",
     "--data-parallel-size": "data-parallel-size", "--data-parallel-rpc-port": "(serve picks a free port)",
-    "--data-parallel-address": "(always 127.0.0.1)",
+    "--data-parallel-address": "(always 127.0.0.1)", "--data-parallel-size-local": "data-parallel-size (every "
+    "rank on this machine)",
 }
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 
@@ -149,9 +154,18 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
     if not 1 <= o["shutdown-timeout-s"] <= 300:
         raise GraphError(f"{source}: {name}.shutdown-timeout-s={o['shutdown-timeout-s']} must be between 1 and 300 "
                          "(seconds vLLM's engine takes to stop, its connector's last writes included)")
-    for key in ("block-size", "max-model-len", "kv-cache-memory-bytes", "tensor-parallel-size", "data-parallel-size"):
+    for key in ("block-size", "max-model-len", "kv-cache-memory-bytes"):
         if o[key] < 1:
             raise GraphError(f"{source}: {name}.{key}={o[key]} must be >= 1")
+    for key in ("tensor-parallel-size", "data-parallel-size"):
+        if not 1 <= o[key] <= MAX_PARALLEL:
+            raise GraphError(f"{source}: {name}.{key}={o[key]} must be between 1 and {MAX_PARALLEL}")
+    bind = o["cpu-threads-bind"]
+    if bind is not None and bind not in ("auto", "nobind") and ranks(o) > 1:
+        if bind.count("|") + 1 != ranks(o):
+            raise GraphError(f"{source}: {name}.cpu-threads-bind={bind!r}: a worker of {ranks(o)} ranks "
+                             f"(tensor-parallel-size x data-parallel-size) needs {ranks(o)} core lists joined by "
+                             "'|', one per rank (e.g. \"0|1\"); or leave it out: serve gives each rank its share")
     if ranks(o) > 1 and o["disaggregation-mode"] != "agg":
         raise GraphError(f"{source}: {name}: tensor-parallel-size / data-parallel-size above 1 run aggregated workers "
                          f"only here (disaggregation-mode={o['disaggregation-mode']!r}); use replicas for more "
@@ -171,7 +185,7 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
     if o["dtype"] not in DTYPES:
         raise GraphError(f"{source}: {name}.dtype={o['dtype']!r}: use one of {list(DTYPES)}")
     for arg in o["extra-args"]:
-        flag = arg.split("=", 1)[0]
+        flag = managed_flag(str(arg).split("=", 1)[0])
         own_connector = flag == "--kv-transfer-config" and not o["offload"] and o["disaggregation-mode"] == "agg"
         if flag in MANAGED_FLAGS and not own_connector:
             raise GraphError(f"{source}: {name}.extra-args sets {flag}: serve sets it from {name}."
@@ -229,6 +243,19 @@ def on_cpu() -> bool:
     except importlib.metadata.PackageNotFoundError:
         pass
     return not any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def managed_flag(flag: str) -> str:
+    """The long form of a command-line flag as vLLM reads it: its short aliases, underscores for
+    dashes, and an unambiguous abbreviation of a managed flag (argparse accepts those)."""
+    flag = FLAG_ALIASES.get(flag, flag)
+    if flag.startswith("--"):
+        flag = "--" + flag[2:].replace("_", "-")
+        if flag not in MANAGED_FLAGS and len(flag) > 3:
+            matches = [f for f in MANAGED_FLAGS if f.startswith(flag)]
+            if len(matches) == 1:
+                return matches[0]
+    return flag
 
 
 def ranks(o: Mapping[str, Any]) -> int:

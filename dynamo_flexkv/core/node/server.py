@@ -193,8 +193,10 @@ class NodeCacheServer:
         with self._lock:
             ns = self._namespaces.get(key)
             if ns is None:
-                models = {k[:-1] for k in self._namespaces}  # a model's shards count once
-                if key[:-1] not in models and len(models) >= self.options.max_models:
+                # A model's shards of one split count once (they divide its budget); another split
+                # of the same model (TP=4 beside TP=2, or unsharded) is budgeted as another model.
+                models = {_split(k) for k in self._namespaces}
+                if _split(key) not in models and len(models) >= self.options.max_models:
                     have = [describe_key(k) for k in self._namespaces]
                     raise ConfigError(f"this cache server holds {len(have)} model(s) already ({have}) and "
                                       f"max_models={self.options.max_models}: an engine of model_id="
@@ -224,6 +226,12 @@ class NodeCacheServer:
     def namespaces(self) -> List[Namespace]:
         with self._lock:
             return list(self._namespaces.values())
+
+
+def _split(key: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """An attach key without the rank: the model and how many shards its engines split it into."""
+    shard_of = key[-1]
+    return (*key[:-1], shard_of.split("/")[1] if shard_of else "1")
 
 
 def default_socket_path() -> str:

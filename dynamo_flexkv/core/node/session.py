@@ -119,7 +119,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        self.channel.close(why)
+        self.channel.close(why, flush_s=1.0)  # a refusal's or protocol error's reason reaches the engine
         if self.device is not None:
             if fence:
                 self.device.detach(why, self.server.fence)

@@ -89,28 +89,35 @@ class GroupTiers:
     def store(self, tokens: Sequence[int], groups: Dict[int, List[int]], key: str, lora: Optional[str],
               salt: Optional[str], names: Optional[Sequence[int]]) -> int:
         """Stores a finished request's full blocks (``tokens``: whole blocks); returns the stores
-        started (each hands ``key`` back from finished_holds)."""
+        started (each hands ``key`` back from finished_holds). The main group's store failing
+        raises (nothing started); another part failing (e.g. TooManyTasks) is logged and skipped:
+        the parts already started still hold their blocks, and are counted."""
         n, bs, started = len(tokens) // self.bs, self.bs, 0
         if self.main_group is not None:
             self.main.store(tokens, groups[self.main_group.index][:n], key=key, lora_name=lora, cache_salt=salt,
                             names=names)
             started += 1
-        for g in self.chains:
-            self.aux.store(tokens, groups[g.index][:n], key=key, lora_name=lora, cache_salt=self._salt(salt, g))
+        parts = [(tokens, groups[g.index][:n], self._salt(salt, g)) for g in self.chains]
+        anchor = self.anchors(tokens, lora, salt)[n - 1] if self.windows and n else None
+        windows = 0
+        for g in self.windows if anchor is not None else ():
+            w = self._window(n, g)
+            ids = groups[g.index][w.start:n]
+            if len(ids) < len(w) or not all(ids):  # a block of it was freed already: no window here
+                continue
+            parts.append((tokens[w.start * bs:n * bs], ids, self._salt(salt, g, anchor)))
+            windows += 1
+        for toks, ids, s in parts:
+            try:
+                self.aux.store(toks, ids, key=key, lora_name=lora, cache_salt=s)
+            except Exception as e:  # noqa: BLE001 - the started parts are still counted
+                log.warning("FlexKVConnector: a KV cache group's store was not started (%s: %s); that prefix "
+                            "will not hit", type(e).__name__, e)
+                windows = -1
+                continue
             started += 1
-        if self.windows and n:
-            anchor = self.anchors(tokens, lora, salt)[n - 1]
-            stored = 0
-            for g in self.windows:
-                w = self._window(n, g)
-                ids = groups[g.index][w.start:n]
-                if len(ids) < len(w) or not all(ids):  # a block of it was freed already: no window here
-                    continue
-                self.aux.store(tokens[w.start * bs:n * bs], ids, key=key, lora_name=lora,
-                               cache_salt=self._salt(salt, g, anchor))
-                started += 1
-                stored += 1
-            if stored == len(self.windows):
+        if anchor is not None:
+            if windows == len(self.windows):
                 self._remember(anchor)
             else:
                 self.windows_skipped += 1
@@ -145,15 +152,23 @@ class GroupTiers:
                 log.warning("FlexKVConnector: group %d has no block for part of the window before block %d", g.index, p)
                 return None
             parts.append((self.aux, tokens[w.start * bs:p * bs], ids, skip, self._salt(salt, g, anchor)))
-        started = []
+        started: List[tuple] = []
+
+        def cancel() -> None:
+            for o, t in started:
+                o.cancel_load(t, ())
+                o.finish(t)
+
         for off, toks, ids, skip, s in parts:
-            tid = off.load(toks, ids, skip, lora_name=lora, cache_salt=s)
+            try:
+                tid = off.load(toks, ids, skip, lora_name=lora, cache_salt=s)
+            except BaseException:  # e.g. TooManyTasks: no part may go on writing blocks given up
+                cancel()
+                raise
             if tid is None or off.planned_tokens(tid) < (len(ids) - skip) * bs:  # evicted since the lookup
                 if tid is not None:
                     started.append((off, tid))
-                for o, t in started:
-                    o.cancel_load(t, ())
-                    o.finish(t)
+                cancel()
                 return None
             started.append((off, tid))
         return started

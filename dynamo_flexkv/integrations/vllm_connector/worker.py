@@ -167,6 +167,9 @@ class WorkerSide:
         """A hybrid model's other groups (hybrid.py): their own tiers over the same tensors, a
         ``share`` of the host and disk budget, no events, every cached block loaded."""
         from dynamo_flexkv.core.enums import LoadPolicy
+        if cache.mode == "node":  # its groups would be a second model there, with a budget of their own
+            raise ValueError("FlexKVConnector: a hybrid (sliding-window) model is not offloaded to the node cache "
+                             "yet (cache mode: node); use mode: embedded for this worker")
         aux_cache = cache.replace(cpu_cache_gb=cache.cpu_cache_gb * share, ssd_cache_gb=cache.ssd_cache_gb * share,
                                   load_policy=LoadPolicy.ALWAYS,
                                   ssd_cache_dir=_subdirs(cache.ssd_cache_dir, "groups") if cache.ssd_cache_dir else ())
