@@ -42,8 +42,11 @@ from vllm_graph import VllmServe  # noqa: E402
 from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset  # noqa: E402
 
 HERE = Path(__file__).parent
-MLA_LOGPROB_TOLERANCE = 1e-2  # vLLM's CPU MLA prefill over a cached context takes another path than
-# a prefill of the whole prompt: with equal KV bytes, logprobs differed by up to 3.7e-3 (float32)
+MLA_LOGPROB_TOLERANCE = 5e-2  # vLLM's CPU MLA computes a prefill over context a connector loaded
+# through another path than a whole-prompt prefill (and has no prefix cache of its own to compare
+# with): with byte-equal KV (test_loaded_bytes_of_an_mla_model_equal_the_computed_ones) logprobs
+# differed by up to 3.7e-3 at 1.5K tokens and 0.025 at 4K-8K (float32). For MLA the bytes are the
+# oracle; token ids must still be equal.
 
 
 def _check(tmp: Path, model: str, *args: str, env: Dict[str, str] = {}) -> dict:
@@ -137,7 +140,7 @@ def _run(tmp: Path, layout: str, offload: bool) -> dict:
     extra = exactness.offload_sets() if offload else ["VllmWorker.offload=false"]
     t0 = time.monotonic()
     serve = VllmServe(tmp, name, *extra, graph="agg_router_vllm", base=_sets(tmp, name, layout))
-    out: dict = {"gens": {}, "cached": {}, "loads": [], "ranks": {}}
+    out: dict = {"gens": {}, "cached": {}, "loads": [], "ranks": {}, "rank_views": {}}
     probe = None
     try:
         print(f"\n{name}: ready in {time.monotonic() - t0:.0f} s")
@@ -156,7 +159,7 @@ def _run(tmp: Path, layout: str, offload: bool) -> dict:
         for i, p in enumerate(PROMPTS):
             send(f"p{i}", p)
             if probe is not None:  # the data-parallel rank that computed it holds it
-                out["ranks"][f"p{i}"] = wait_rank(probe, p)
+                out["ranks"][f"p{i}"], out["rank_views"][f"p{i}"] = wait_rank(probe, p)
         send("f0", FILLERS[0])
         send("f1", FILLERS[1])  # the device cache let the prompts go; the host tier keeps them
         send("p0-host", PROMPTS[0])
@@ -164,7 +167,7 @@ def _run(tmp: Path, layout: str, offload: bool) -> dict:
         send("f3", FILLERS[3])  # the host tier let p1 and p2 go; the disk keeps them
         for i in (1, 2):
             if probe is not None:
-                out["ranks"][f"p{i}-before"] = wait_rank(probe, PROMPTS[i])
+                out["ranks"][f"p{i}-before"], out["rank_views"][f"p{i}-before"] = wait_rank(probe, PROMPTS[i])
             send(f"p{i}-disk", PROMPTS[i])
     finally:
         if probe is not None:
@@ -182,13 +185,14 @@ def vg_children(serve: Serve) -> List[int]:
 
 
 def wait_rank(probe: "vg.RouterProbe", prompt: List[int], timeout: float = 20) -> tuple:
-    """The (worker id, dp rank) the router's view holds most of ``prompt`` on, once it holds some."""
+    """(the (worker id, dp rank) the router's view holds most of ``prompt`` on, once it holds
+    some, with its (device, host, disk) blocks; the whole view)."""
     deadline = time.monotonic() + timeout
     while True:
         view = probe.rank_scores(prompt)
         best = max(view.items(), key=lambda kv: kv[1][2], default=None)
         if best is not None and best[1][2] > 0 or time.monotonic() > deadline:
-            return best
+            return best, view
         time.sleep(0.2)
 
 
@@ -210,6 +214,10 @@ def test_served_layout_gives_the_no_offload_tokens_from_host_and_disk(tmp_path, 
     else:  # two engines, two device caches: the fillers may have gone to the other rank
         print(f"dp ranks (worker, rank) -> (device, host, disk) blocks: {ours['ranks']}")
         ranks = {ours["ranks"][f"p{i}"][0][1] for i in range(3)}
-        for i in (1, 2):  # the router still sees the prompt where it was computed, now on disk only
+        for i in (1, 2):  # the router still sees the prompt where it was computed, now in host/disk only
             assert ours["ranks"][f"p{i}-before"][0] == ours["ranks"][f"p{i}"][0], ours["ranks"]
+            # no other rank holds any of it (each DP rank has tiers of its own), so the cached tokens
+            # it came back with say the router sent it to the rank that holds it
+            assert all(v == (0, 0, 0) for k, v in ours["rank_views"][f"p{i}-before"].items()
+                       if k != ours["ranks"][f"p{i}"][0]), ours["rank_views"]
         print(f"prompts computed on dp ranks {sorted(ranks)}")
