@@ -9,7 +9,7 @@
 #   bash scripts/device_check.sh --prepare        # downloads the .deb files into .devdeps/
 # Then run on the device with carry [".devdeps"]:
 #   bash scripts/device_check.sh                  # results land in $OUT (or ./device-out)
-#   bash scripts/device_check.sh tests links      # only these sections (tests, links, vllm)
+#   bash scripts/device_check.sh tests links      # only these sections (tests, links, vllm, layouts)
 # The vllm section needs a CUDA build of vLLM 0.31 importable by python3 there (it is skipped with a
 # message otherwise); its remote cases need redis-server (--prepare fetches the Debian packages).
 set -euo pipefail
@@ -23,7 +23,7 @@ if [ "${1:-}" = "--prepare" ]; then
   exit 0
 fi
 
-sections=${*:-tests links vllm}
+sections=${*:-tests links vllm layouts}
 want() { case " $sections " in *" $1 "*) return 0 ;; esac; return 1; }
 out=${OUT:-device-out}
 mkdir -p "$out"
@@ -56,5 +56,19 @@ if want vllm; then
       --json "$out/vllm.jsonl" 2>&1 | tee -a "$out/vllm.txt"
   else
     echo "bench vllm: skipped: no CUDA build of vLLM importable by python3 here" | tee "$out/vllm.txt"
+  fi
+fi
+if want layouts; then
+  # The model shapes and parallel layouts on CUDA (FlashAttention's KV layout, its MLA backend, TP
+  # over NCCL when there are two GPUs): the loaded bytes per group and rank, host and disk.
+  if python3 -c 'import sys; from vllm.platforms import current_platform as p; sys.exit(0 if p.is_cuda_alike() else 1)' \
+      >/dev/null 2>&1; then
+    python3 -m pytest -q -m slow tests/test_vllm_layouts.py -k loaded_bytes 2>&1 | tee "$out/layouts.txt"
+    python3 -m dynamo_flexkv.bench vllm --model hybrid-sw --sizes 8k --json "$out/vllm-hybrid.jsonl" 2>&1 \
+      | tee "$out/vllm-hybrid.txt"
+    python3 -m dynamo_flexkv.bench vllm --model mla-small --sizes 8k --json "$out/vllm-mla.jsonl" 2>&1 \
+      | tee "$out/vllm-mla.txt"
+  else
+    echo "layouts: skipped: no CUDA build of vLLM importable by python3 here" | tee "$out/layouts.txt"
   fi
 fi
