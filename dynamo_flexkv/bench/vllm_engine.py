@@ -211,15 +211,17 @@ def run_role(e: Engine) -> None:
             continue  # vLLM turned its prefix cache off (its CPU MLA backend does): no device hit to time
         if role == "plain":
             e.generate(prefix)  # vLLM's prefix cache holds the 90% prefix from here on (no reset)
+            # A hybrid model's own prefix cache may stop a block short (its window groups' hit rule).
+            device_low = hit - bs * int(spec.get("device_hit_slack_blocks", 0))
             for i in range(repeat):
                 rec = e.timed(f"device-hit-{size}", prefix + suffix(seed, size, bs, "device", i))
-                if rec["cached"] != hit:
+                if not device_low <= rec["cached"] <= hit:
                     raise RuntimeError(f"device hit {size}: vLLM found {rec['cached']} cached tokens, expected {hit}")
             # The first tokens the other engines' prompts must give (their suffix kinds), from the same hit.
             for kind in spec.get("reference_kinds", ()):
                 for i in range(repeat):
                     rec = e.timed(f"ref-{kind}-{size}", prefix + suffix(seed, size, bs, kind, i))
-                    if rec["cached"] != hit:
+                    if not device_low <= rec["cached"] <= hit:
                         raise RuntimeError(f"reference {kind} {size}: vLLM found {rec['cached']} cached tokens, "
                                            f"expected {hit}")
             continue

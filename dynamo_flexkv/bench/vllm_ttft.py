@@ -272,6 +272,15 @@ def block_bytes(block: int = BLOCK, model: str = "small") -> int:
     return int(c["num_hidden_layers"]) * per_layer * 2 * block
 
 
+def _hybrid(model: str) -> bool:
+    """A preset with sliding-window layers beside full attention (its layer_types say)."""
+    from dynamo_flexkv.resources import hf_preset
+
+    hf = hf_preset(model)
+    types = set(json.loads((hf / "config.json").read_text()).get("layer_types") or ()) if hf else set()
+    return len(types) > 1
+
+
 def cpu_list() -> str:
     """The cores this process may run on, as vLLM's VLLM_CPU_OMP_THREADS_BIND list (``0,1``)."""
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
@@ -434,7 +443,8 @@ def run(args: argparse.Namespace) -> List[Case]:
         model_dir = write_preset(model, os.path.join(workdir, "model"), context_length=max_model_len)
         spec = {"model_dir": str(model_dir), "sizes": sizes, "repeat": repeat, "seed": 0, "block_size": BLOCK,
                 "max_model_len": max_model_len, "kv_cache_bytes": max(128 << 20, 4 * prompt_bytes),
-                "warmup_sizes": [min(sizes)], "reference_kinds": ["disk"] + (["restart"] if beside else [])}
+                "warmup_sizes": [min(sizes)], "reference_kinds": ["disk"] + (["restart"] if beside else []),
+                "device_hit_slack_blocks": 1 if _hybrid(model) else 0}
         timeout = 900 + 600 * repeat * len(sizes) * (4 if max(sizes) > 8192 else 1)  # a safety net, not a budget
         results.update(run_miss_engines(spec, workdir, host_bytes, disk_bytes, timeout,
                                         lmcache_server() if prefix else None, prefix, node_server() if node else None))
