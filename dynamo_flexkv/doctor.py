@@ -30,11 +30,11 @@ class Check:
 
 def check_native() -> Check:
     try:
-        from dynamo_flexkv import _native
+        from dynamo_flexkv.core import native
     except ImportError as e:
         return Check("native extension", Status.MISSING,
                      f"{e}; build it with `make install` in a checkout, or reinstall the wheel")
-    return Check("native extension", Status.OK, _native.__file__)
+    return Check("native extension", Status.OK, native.PATH)
 
 
 def check_package_data() -> Check:

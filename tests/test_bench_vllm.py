@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from dynamo_flexkv.bench import BENCHES, NOT_IN_ALL, build_parser
+from dynamo_flexkv.bench import vllm_setup as vs
 from dynamo_flexkv.bench import vllm_ttft as v
 
 
@@ -26,38 +27,38 @@ def test_registered_and_left_out_of_all():
 
 
 def test_sizes_and_repeats():
-    assert v.parse_sizes("2k,8k") == [2048, 8192]
-    assert v.parse_sizes(" 32K, 2048 ,2k") == [2048, 32768]
+    assert vs.parse_sizes("2k,8k") == [2048, 8192]
+    assert vs.parse_sizes(" 32K, 2048 ,2k") == [2048, 32768]
     for bad in ("", ",", "64", "1x"):
         with pytest.raises(ValueError):
-            v.parse_sizes(bad)
+            vs.parse_sizes(bad)
     p = build_parser()
     assert v.plan(p.parse_args(["vllm"])) == ([2048, 8192, 32768], 3)
     assert v.plan(p.parse_args(["vllm", "--quick"])) == ([2048, 8192], 2)
     assert v.plan(p.parse_args(["vllm", "--quick", "--sizes", "4k", "--repeat", "5"])) == ([4096], 5)
     with pytest.raises(ValueError):
         v.plan(p.parse_args(["vllm", "--repeat", "0"]))
-    assert [v.label(n) for n in (2048, 8192, 32768, 3000)] == ["2k", "8k", "32k", "3000"]
+    assert [vs.label(n) for n in (2048, 8192, 32768, 3000)] == ["2k", "8k", "32k", "3000"]
 
 
 def test_cached_prefix_is_90_percent_in_whole_blocks():
-    assert {n: v.cached_tokens(n) for n in (2048, 8192, 32768)} == {2048: 1856, 8192: 7360, 32768: 29504}
+    assert {n: vs.cached_tokens(n) for n in (2048, 8192, 32768)} == {2048: 1856, 8192: 7360, 32768: 29504}
     for n in range(128, 5000, 37):
-        c = v.cached_tokens(n)
+        c = vs.cached_tokens(n)
         assert c % 64 == 0 and 64 <= c < n
         assert abs(c - 0.9 * n) <= 32 or c == (n - 1) // 64 * 64
 
 
 def test_prompts_are_deterministic_and_never_share_a_first_block():
-    assert v.fresh_prompt(0, 2048, 1) == v.fresh_prompt(0, 2048, 1)
-    pre = v.prefix_prompt(0, 2048)
-    assert len(pre) == 1856 and pre == v.prefix_prompt(0, 2048)
-    firsts = {tuple(v.fresh_prompt(0, 2048, i)[:64]) for i in range(3)} | {tuple(pre[:64])}
+    assert vs.fresh_prompt(0, 2048, 1) == vs.fresh_prompt(0, 2048, 1)
+    pre = vs.prefix_prompt(0, 2048)
+    assert len(pre) == 1856 and pre == vs.prefix_prompt(0, 2048)
+    firsts = {tuple(vs.fresh_prompt(0, 2048, i)[:64]) for i in range(3)} | {tuple(pre[:64])}
     assert len(firsts) == 4
-    sufs = [v.suffix(0, 2048, 64, kind, i) for kind in ("device", "disk") for i in range(3)]
+    sufs = [vs.suffix(0, 2048, 64, kind, i) for kind in ("device", "disk") for i in range(3)]
     assert all(len(s) == 2048 - 1856 for s in sufs)
     assert len({tuple(s[:64]) for s in sufs}) == 6  # no request finds another one's stored suffix
-    lo, hi = v.TOKEN_RANGE
+    lo, hi = vs.TOKEN_RANGE
     assert all(lo <= t < hi for t in pre)
 
 
@@ -103,20 +104,20 @@ def test_engine_environment_and_connector_configs(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "99")
     monkeypatch.setenv("FLEXKV_CONFIG_PATH", "/nope.yaml")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    plain = v.engine_env(str(tmp_path), "plain", 1 << 30, 2 << 30)
+    plain = vs.engine_env(str(tmp_path), "plain", 1 << 30, 2 << 30)
     assert not any(k.startswith("FLEXKV_") for k in plain)  # no tier settings of the caller leak in
     assert plain["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    ours = v.engine_env(str(tmp_path), "flexkv", 1 << 30, 2 << 30)
+    ours = vs.engine_env(str(tmp_path), "flexkv", 1 << 30, 2 << 30)
     assert float(ours["FLEXKV_CPU_CACHE_GB"]) == 1.0 and float(ours["FLEXKV_SSD_CACHE_GB"]) == 2.0
     assert os.path.isdir(ours["FLEXKV_SSD_CACHE_DIR"]) and "FLEXKV_ENABLE_REMOTE" not in ours
-    remote = v.engine_env(str(tmp_path), "flexkv-remote", 1 << 30, 2 << 30, "redis://127.0.0.1:1")
+    remote = vs.engine_env(str(tmp_path), "flexkv-remote", 1 << 30, 2 << 30, "redis://127.0.0.1:1")
     assert remote["FLEXKV_ENABLE_REMOTE"] == "true" and remote["FLEXKV_REMOTE_CACHE_URL"] == "redis://127.0.0.1:1"
     assert remote["FLEXKV_SSD_CACHE_DIR"] != ours["FLEXKV_SSD_CACHE_DIR"]  # fresh local tiers per engine
-    assert v.kv_transfer_config("plain", 1) is None
-    kt = v.kv_transfer_config("flexkv", 1)
+    assert vs.kv_transfer_config("plain", 1) is None
+    kt = vs.kv_transfer_config("flexkv", 1)
     assert (kt["kv_connector"], kt["kv_connector_module_path"], kt["kv_load_failure_policy"]) == (
         "FlexKVConnector", "dynamo_flexkv.integrations.vllm_connector", "recompute")
-    off = v.kv_transfer_config("offloading", 123)
+    off = vs.kv_transfer_config("offloading", 123)
     assert off["kv_connector"] == "OffloadingConnector"
     assert off["kv_connector_extra_config"] == {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 123}
     assert v.block_bytes() == 128 << 10  # small preset in bf16, 64-token blocks
@@ -255,7 +256,7 @@ def test_the_node_engines_attach_to_a_real_cache_server_that_stops_with_its_grou
     from dynamo_flexkv.bench.vllm_node import new_server
     server = new_server(str(tmp_path), 64 << 20, 256 << 20, 64)
     try:
-        env = v.engine_env(str(tmp_path), "flexkv-node", 64 << 20, 0, node_socket=server.socket)
+        env = vs.engine_env(str(tmp_path), "flexkv-node", 64 << 20, 0, node_socket=server.socket)
         assert (env["FLEXKV_MODE"], env["FLEXKV_NODE_SOCKET"]) == ("node", server.socket)
         assert "FLEXKV_SSD_CACHE_DIR" not in env and "FLEXKV_CPU_CACHE_GB" not in env
         assert os.path.exists(server.socket)

@@ -14,6 +14,7 @@ import pytest
 
 from dynamo_flexkv.bench import build_parser
 from dynamo_flexkv.bench import peer_lmcache as lmc
+from dynamo_flexkv.bench import vllm_setup as vs
 from dynamo_flexkv.bench import vllm_ttft as v
 
 
@@ -71,8 +72,8 @@ def test_server_command_line_and_connector_config(tmp_path):
 
 
 def test_restart_engine_starts_on_the_flexkv_engines_disk_tier(tmp_path):
-    a = v.engine_env(str(tmp_path), "flexkv", 1 << 30, 2 << 30)
-    b = v.engine_env(str(tmp_path), "flexkv-restart", 1 << 30, 2 << 30)
+    a = vs.engine_env(str(tmp_path), "flexkv", 1 << 30, 2 << 30)
+    b = vs.engine_env(str(tmp_path), "flexkv-restart", 1 << 30, 2 << 30)
     assert a["FLEXKV_SSD_CACHE_DIR"] == b["FLEXKV_SSD_CACHE_DIR"] and a["FLEXKV_RUN_DIR"] != b["FLEXKV_RUN_DIR"]
 
 
@@ -196,7 +197,7 @@ def test_lmcache_mp_serves_a_prompt_again_from_its_cache(tmp_path):
             "max_model_len": 2048, "kv_cache_bytes": 128 << 20, "warmup_sizes": [256]}
     with lmc.LMCacheServer(lmc.prefix_dir(), str(tmp_path), 64 << 20, 64) as server:
         spec.update(kv_transfer_config=lmc.kv_transfer_config(server.port), lmcache_http=server.http)
-        env = lmc.peer_env(v.engine_env(str(tmp_path), "plain", 0, 0), lmc.prefix_dir())
+        env = lmc.peer_env(vs.engine_env(str(tmp_path), "plain", 0, 0), lmc.prefix_dir())
         eng = ServedEngine("lmcache-test", spec, env, str(tmp_path))
         try:
             eng.wait_ready(600)

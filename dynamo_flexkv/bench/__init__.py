@@ -99,8 +99,10 @@ def run(args: argparse.Namespace) -> List[Case]:
     names = [n for n in BENCHES if n not in NOT_IN_ALL] if args.name == "all" else [args.name]
     cases: List[Case] = []
     for name in names:
-        module = importlib.import_module(BENCHES[name][0])
-        got = module.run(args)
+        module_name = BENCHES[name][0]
+        if name == "disagg" and getattr(args, "vllm", False):  # the vLLM engines' handover instead
+            module_name = "dynamo_flexkv.bench.vllm_disagg"
+        got = importlib.import_module(module_name).run(args)
         print_table(got, lower_is_better=name not in HIGHER_IS_BETTER)
         cases.extend(got)
     if args.json:

@@ -104,7 +104,7 @@ class _Prefill:
             self.proc.wait()
 
 
-class _RawRead:
+class RawRead:
     """One raw NIXL READ of the leased blocks of every layer into ``local`` blocks, on the same
     prepared descriptor lists the agent holds (its own KV; the peer's, prepared on the first
     handover), index lists computed here (untimed); ``__call__`` is the timed part."""
@@ -211,7 +211,7 @@ def _pct(xs: List[float], q: float) -> float:
     return float(np.percentile(np.array(xs) * 1e3, q))
 
 
-def _serving_cases(args: argparse.Namespace, engine: str = "") -> List[Case]:
+def serving_cases(args: argparse.Namespace, engine: str = "") -> List[Case]:
     """``engine`` "vllm": graphs/disagg_vllm.py against graphs/agg_vllm.py."""
     import tempfile
 
@@ -229,11 +229,10 @@ def _serving_cases(args: argparse.Namespace, engine: str = "") -> List[Case]:
 
 
 def run(args: argparse.Namespace) -> List[Case]:
-    if getattr(args, "vllm", False):
-        from dynamo_flexkv.bench import vllm_disagg
-        return vllm_disagg.run(args)
+    """The reference engine's cases (``--vllm``: bench/vllm_disagg.py runs instead, the dispatch in
+    bench/__init__.py)."""
     cases = _handover_cases(args)
-    cases += _serving_cases(args)
+    cases += serving_cases(args)
     cases += _etcd_cases(args)
     return cases
 
@@ -382,7 +381,7 @@ def _handover_cases(args: argparse.Namespace) -> List[Case]:
                 warm, dst = decode.pool.allocate(cap), decode.pool.allocate(cap)
                 req = Request(f"b{size}-{i}", prompt, SamplingParams(max_tokens=1), hashes)
                 req.block_table = decode.pool.allocate(cap + 1)
-                warm_read, raw_read = _RawRead(agent, p, warm), _RawRead(agent, p, dst)
+                warm_read, raw_read = RawRead(agent, p, warm), RawRead(agent, p, dst)
                 warm_read()  # the source is as warm for both timed reads
                 side.expect(req.id, p)
                 # Alternate which goes first: on a shared host the later read of a pair is more

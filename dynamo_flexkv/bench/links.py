@@ -36,7 +36,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from dynamo_flexkv import _native
+from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.core.storage.device import DeviceCache

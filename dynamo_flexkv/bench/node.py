@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
 from typing import List, Tuple
 
 import torch

@@ -44,7 +44,7 @@ from typing import Callable, Dict, List
 
 import numpy as np
 
-from dynamo_flexkv import _native
+from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core.remote import HEADER_BYTES, RemoteStore, fingerprint_of
 from dynamo_flexkv.core.remote.resp import RespConnection, encode_command

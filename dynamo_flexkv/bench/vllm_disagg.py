@@ -13,7 +13,7 @@ repeat, a fresh prompt:
   checked;
 * raw NIXL, the baseline: inside the same engine step, just before or just after the handover
   (alternating between repeats), one prepared NIXL READ of the same prefill blocks into the same
-  decode blocks on the same two agents (bench/disagg.py's ``_RawRead``: no digests, no verify, no
+  decode blocks on the same two agents (bench/disagg.py's ``RawRead``: no digests, no verify, no
   bookkeeping). Same step, so both reads share the step's load; same agents and blocks, because
   that is the same transfer (vLLM's blocks for a request are cold in cache, where a bench buffer
   read over and over is warm).
@@ -107,7 +107,7 @@ def _raw_reads(worker, source: Dict[str, Any], max_blocks: int, count: int):
     decode worker's raw agent (never into vLLM's own blocks)."""
     import torch
 
-    from dynamo_flexkv.bench.disagg import _RawRead
+    from dynamo_flexkv.bench.disagg import RawRead
     from dynamo_flexkv.integrations.disagg.params import HandoverParams
 
     t = worker.model_runner.kv_caches[0]
@@ -117,7 +117,7 @@ def _raw_reads(worker, source: Dict[str, Any], max_blocks: int, count: int):
     n = min(count, len(p.blocks))
     if n > max_blocks:
         raise ValueError(f"bench disagg --vllm: {n} blocks exceed the raw agent's {max_blocks}")
-    return _RawRead(agent, p, range(n)), _RawRead(agent, p, range(max_blocks, max_blocks + n))
+    return RawRead(agent, p, range(n)), RawRead(agent, p, range(max_blocks, max_blocks + n))
 
 
 def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int, count: int) -> float:
@@ -133,14 +133,14 @@ def rpc_raw_in_next_handover(worker, first: bool) -> None:
     """Arms the raw read for the next handover's engine step: the worker's next ``Handover.pull``
     (one-shot wrap) times, just before it (``first``) or just after it, one prepared READ of the
     same prefill blocks into the same local blocks on the handover's own agent."""
-    from dynamo_flexkv.bench.disagg import _RawRead
+    from dynamo_flexkv.bench.disagg import RawRead
 
     handover = _flexkv_worker()._worker.handover
     pull = handover.pull
 
     def pull_beside_raw(h, first_block, local_blocks, *args, **kwargs):
         handover.pull = pull
-        read = _RawRead(handover.agent, h, local_blocks, h.blocks[first_block:first_block + len(local_blocks)])
+        read = RawRead(handover.agent, h, local_blocks, h.blocks[first_block:first_block + len(local_blocks)])
         if first:
             t0 = time.perf_counter()
             read()
@@ -243,7 +243,7 @@ def _off_decode_cores() -> Iterator[None]:
 
 def _engines(workdir: str, model_dir: str, where: str, nodes, verify: str = "owner") -> List[Any]:
     from dynamo_flexkv.bench.vllm_pair import ServedEngine
-    from dynamo_flexkv.bench.vllm_ttft import engine_env
+    from dynamo_flexkv.bench.vllm_setup import engine_env
 
     out = []
     cores = sorted(os.sched_getaffinity(0))
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> List[Case]:
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
-    from dynamo_flexkv.bench.vllm_ttft import parse_sizes
+    from dynamo_flexkv.bench.vllm_setup import parse_sizes
 
     # Every argument checked before anything starts (or a temp dir is made).
     model = getattr(args, "model", None)
@@ -372,8 +372,8 @@ def run(args: argparse.Namespace) -> List[Case]:
                     e.stop()
     for n in notes:
         print(f"bench disagg --vllm: {n}")
-    from dynamo_flexkv.bench.disagg import _serving_cases
-    return cases + _serving_cases(args, engine="vllm")
+    from dynamo_flexkv.bench.disagg import serving_cases
+    return cases + serving_cases(args, engine="vllm")
 
 
 if __name__ == "__main__":

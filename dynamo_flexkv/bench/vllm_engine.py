@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
-from dynamo_flexkv.bench.vllm_ttft import ROLES, cached_tokens, fresh_prompt, prefix_prompt, suffix
+from dynamo_flexkv.bench.vllm_setup import ROLES, cached_tokens, fresh_prompt, prefix_prompt, suffix
 
 TINY = [5, 6, 7]  # a step that computes nothing worth storing (less than one block)
 PROGRESS = "bench vllm |"  # lines the parent echoes

@@ -32,7 +32,7 @@ from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.vllm_engine import PROGRESS, READY, RESULT
 from dynamo_flexkv.bench.vllm_node import NodeCacheServer
-from dynamo_flexkv.bench.vllm_ttft import engine_env, kv_transfer_config
+from dynamo_flexkv.bench.vllm_setup import engine_env, kv_transfer_config
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

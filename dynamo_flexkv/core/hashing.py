@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import xxhash
 
-from dynamo_flexkv import _native
+from dynamo_flexkv.core import native as _native
 
 TOKENS_HASH_SEED: int = _native.TOKENS_HASH_SEED
 _U64 = (1 << 64) - 1

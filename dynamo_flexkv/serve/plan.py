@@ -15,25 +15,25 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from dynamo_flexkv.core.config import CacheConfig, ConfigError, read_yaml_mapping
-from dynamo_flexkv.core.remote.config import split_password
+from dynamo_flexkv.core.config import ConfigError, read_yaml_mapping
 from dynamo_flexkv.core.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.serve import node_cache as _node_cache
 from dynamo_flexkv.serve import vllm_worker as _vllm
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
 from dynamo_flexkv.serve.nodes import Nodes, place
-from dynamo_flexkv.serve.infra import check_remote_reachable, infra_processes, redis_process, use_local_redis
-from dynamo_flexkv.serve.options import OPTIONS, OnDeath, RestartPolicy, allowed_options, check_options, restart_policy
+from dynamo_flexkv.serve.infra import infra_processes, redis_process
+from dynamo_flexkv.serve.option_checks import allowed_options, check_options
+from dynamo_flexkv.serve.options import OPTIONS, OnDeath, RestartPolicy, restart_policy
 from dynamo_flexkv.serve.ports import LOOPBACK, PortBook, system_port
 from dynamo_flexkv.serve.process import Process
+from dynamo_flexkv.serve.replica_cache import per_replica, replica_cache
 
 __all__ = ["LOOPBACK", "LaunchPlan", "OnDeath", "PRE_COMMIT_PEEK_ENV", "Process", "RestartPolicy", "apply_overrides",
            "build_plan", "load_config", "per_replica", "replica_cache"]
@@ -330,69 +330,3 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
         out.append(Process(pname, list(argv), penv, Kind.WORKER, port, cache, files, restart,
                            block_size=model_cfg.block_size))
     return out
-
-
-def replica_cache(name: str, pname: str, i: int, o: Mapping[str, Any], spec: Optional[Any], block_size: int,
-                   run_dir: Path, penv: Dict[str, str], ports: "PortBook", source: str, local: bool,
-                   redis: Optional[Dict[str, Any]], dirs: Dict[str, str]):
-    """One replica's tiers from the worker's ``cache`` section: checked (sizes against ``spec``, the
-    KV shape, unless None; SSD directories free and not shared; a given Redis reachable), written to
-    ``run_dir/<pname>.cache.yaml``, which FLEXKV_CONFIG_PATH names (CacheConfig.load reads it).
-    A password in remote_cache_url stays out of that file: the worker gets it in the variable
-    remote_password_env names (as the handover secret and the local redis's password reach it).
-    Returns (CacheConfig, {path: text})."""
-    values = {k: per_replica(v, i) for k, v in o["cache"].items()}
-    values["tokens_per_block"] = block_size
-    given_url = bool(values.get("remote_cache_url"))
-    if _parse_flag(values.get("enable_remote")) and not given_url and local and redis is not None:
-        use_local_redis(redis, ports, values, penv)
-    try:
-        checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())  # not our disks
-        if not local and not given_url:  # Kubernetes: the URL comes from a Secret (render --k8s)
-            checked["remote_cache_url"] = "redis://redis-from-secret:6379"
-        cache = CacheConfig.from_dict(checked, f"{source}: {name}.cache")
-        if spec is not None:
-            cache.tier_blocks(spec)
-    except ConfigError as e:
-        raise GraphError(f"{source}: {name}.cache: {e}") from None
-    if local and cache.enable_remote and given_url:
-        check_remote_reachable(cache, f"{source}: {name}.cache")
-    for d in _dirs(values.get("ssd_cache_dir")) if cache.ssd_cache_gb > 0 else ():
-        if local:
-            try:
-                check_dir_free(d)
-            except SsdInUseError as e:
-                raise GraphError(f"{source}: {name}.cache: {e}") from None
-        if os.path.realpath(d) in dirs:
-            raise GraphError(f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {dirs[os.path.realpath(d)]} "
-                             f"and {pname}: each worker needs its own; put {{replica}} in the path")
-        dirs[os.path.realpath(d)] = pname
-    url = values.get("remote_cache_url")
-    url, password = split_password(url) if isinstance(url, str) else (url, None)
-    if password is not None:  # the file names the server; its password goes by environment, like the local redis's
-        values["remote_cache_url"] = url
-        penv[cache.remote_password_env] = password
-    cfg_path = str(run_dir / f"{pname}.cache.yaml")
-    penv["FLEXKV_CONFIG_PATH"] = cfg_path
-    return cache, {cfg_path: yaml.safe_dump(values, sort_keys=True)}
-
-
-def _parse_flag(value: Any) -> bool:
-    return value is True or str(value).strip().lower() in ("1", "true", "yes", "on")
-
-
-def per_replica(value: Any, replica: int) -> Any:
-    if isinstance(value, str):
-        return value.replace("{replica}", str(replica))
-    if isinstance(value, list):
-        return [per_replica(v, replica) for v in value]
-    return value
-
-
-def _dirs(value: Any) -> List[str]:
-    """ssd_cache_dir as CacheConfig reads it: a list, or one string with ';' between directories."""
-    if value is None:
-        return []
-    return [d for d in value.split(";") if d] if isinstance(value, str) else [str(d) for d in value]
-
-

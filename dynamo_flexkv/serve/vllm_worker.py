@@ -24,6 +24,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from dynamo_flexkv.core.layout import ModelSpec
 from dynamo_flexkv.resources import hf_preset, presets_dir
+from dynamo_flexkv.serve.options import (DISAGG_MODES, bool_option, int_option, mapping_option, restart_policy,
+                                         str_option)
 
 ENGINE = "vllm"
 CONNECTOR = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
@@ -106,8 +108,6 @@ def _str_or_none(v: Any) -> Optional[str]:
 def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Callable[[Any], Any]]:
     """A VllmWorker's options: the worker options that mean the same for both engines (reusing
     their checks: replicas, cache, restart and liveness), then vLLM's own."""
-    from dynamo_flexkv.serve.options import bool_option, int_option, mapping_option, str_option
-
     shared = ("model", "served-model-name", "namespace", "replicas", "offload", "system-port", "cache",
               "extra-args", "on-death", "max-restarts", "restart-window-s", "restart-backoff-s",
               "liveness-timeout-s", "disaggregation-mode", "handover-lease-s", "node")
@@ -132,8 +132,6 @@ def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
 def check(name: str, o: Dict[str, Any], source: str) -> None:
     """The vLLM-specific option checks (the shared ones ran already)."""
     from dynamo_flexkv.serve.graph import GraphError
-
-    from dynamo_flexkv.serve.options import DISAGG_MODES
 
     if o["disaggregation-mode"] not in DISAGG_MODES:
         raise GraphError(f"{source}: {name}.disaggregation-mode={o['disaggregation-mode']!r}: use one of "
@@ -359,8 +357,8 @@ def events_endpoint(run_dir: Path, pname: str, port: int, local: bool, dp_port: 
 def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery: str, event_plane: str,
             env: Dict[str, str], ports: Any, source: str, local: bool, redis: Optional[Dict[str, Any]],
             dirs: Dict[str, str]) -> list:
-    from dynamo_flexkv.serve.options import restart_policy
-    from dynamo_flexkv.serve.plan import Process, per_replica, replica_cache
+    from dynamo_flexkv.serve.process import Process
+    from dynamo_flexkv.serve.replica_cache import per_replica, replica_cache
     from dynamo_flexkv.serve.ports import system_port
     from dynamo_flexkv.serve.graph import Kind
 

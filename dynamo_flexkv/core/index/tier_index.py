@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
-from dynamo_flexkv import _native
+from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.core.enums import EvictionPolicy
 from dynamo_flexkv.core.errors import FlexKVError
 

@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.errors import FlexKVError
@@ -34,7 +33,7 @@ from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
 from dynamo_flexkv.core.node.protocol import (VERSION, Attach, Attached, Call, Cancel, Detach, Events, Load, Lookup,
                                               Observe, OpDone, Prefetch, ProtocolError, Reply, RunOp, Store, TaskDone,
                                               decode_to_engine, pack_ids, pack_tokens, unpack_ids, unpack_tokens)
-from dynamo_flexkv.core.offload import EngineOffload, Hold
+from dynamo_flexkv.core.contract import EngineOffload, Hold
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool

@@ -80,7 +80,7 @@ class RespConnection:
         # recv_into per arriving piece and four Python reads per reply. With a thread per cluster
         # node on 2 vCPUs that made cluster gets 4% (128 KiB) and 6% (2 MiB) faster.
         self._fd = sock.fileno() if ssl_context is None else -1
-        from dynamo_flexkv import _native  # here: reading a config must not load the native core
+        from dynamo_flexkv.core import native as _native  # here: reading a config must not load it
         self._recv_exact, self._recv_bulk = _native.recv_exact, _native.recv_bulk
         # Per wait, as the socket's timeout applies; None waits forever, as a blocking socket does.
         self._timeout_ms = -1 if timeout_s is None else min(math.ceil(timeout_s * 1000), _MAX_WAIT_MS)

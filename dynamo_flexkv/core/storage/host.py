@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dynamo_flexkv import _native
+from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.core.layout import KVLayout
 
 log = logging.getLogger(__name__)

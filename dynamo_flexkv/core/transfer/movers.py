@@ -30,7 +30,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from dynamo_flexkv import _native
+from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.core.layout import KVLayoutType
 from dynamo_flexkv.core.storage.device import TORCH_DTYPES, DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from dynamo_flexkv import _native
+from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.integrations.disagg.params import HandoverParams, HandoverRefused, pack_metadata, unpack_metadata
 from dynamo_flexkv.core.errors import FlexKVError
 

@@ -1,0 +1,164 @@
+"""The engine contract of dynamo_flexkv (docs/ENGINE_CONTRACT.md): ``EngineOffload``, the one
+class an engine's KV connector reaches the offload tiers through, and ``Hold``. Its
+implementations: ``EmbeddedOffload`` (core/offload.py, the engine process owns its tiers) and
+``NodeOffload`` (core/node/client.py, the node's cache service owns them); ``open_offload``
+(core/offload.py) picks one. What each call means, in a request's order: core/offload.py."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from dynamo_flexkv.core.layout import KVLayoutType
+from dynamo_flexkv.core.stats import ManagerStats
+from dynamo_flexkv.core.tasks import TaskResult
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Device blocks an offload copy no longer touches: the engine may release or reuse them."""
+    key: Any  # what the engine passed to store() / cancel_load(), e.g. its request id
+    blocks: List[int]
+
+
+class EngineOffload(ABC):
+    """What an engine may call. ``bs``: tokens per block; ``num_layers``: the model's layers."""
+
+    layerwise: bool
+    bs: int
+    num_layers: int
+    failed_loads: int
+
+    # ---- setup ------------------------------------------------------------------------------------
+    @abstractmethod
+    def register(self, layers: Any, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
+        """The engine's KV tensors (validated: dtype, shape and contiguity, naming what differs)."""
+
+    # ---- per request -------------------------------------------------------------------------------
+    @abstractmethod
+    def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
+                      cache_salt: Optional[str] = None, prompt_tokens: Optional[int] = None,
+                      skip_blocks: int = 0) -> int:
+        """End of the cached prefix of ``tokens`` a load would bring back (whole blocks): what the
+        tiers hold, as far as the load policy loads it (``tokens``: a prompt's full blocks;
+        ``prompt_tokens``: the whole prompt's length, default one more than ``tokens``;
+        ``skip_blocks``: blocks the engine holds already, the decision is about the rest). May be
+        called from another thread than the engine's."""
+
+    @abstractmethod
+    def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
+                     cache_salt: Optional[str] = None) -> List[int]:
+        """The sequence hash of each full block of ``tokens``: how the tiers (and their events) name
+        the blocks, in this engine's namespace."""
+
+    def cached_blocks(self, tokens: Sequence[int]) -> int:
+        return self.cached_tokens(tokens) // self.bs
+
+    @abstractmethod
+    def load(self, tokens: Sequence[int], block_table: Sequence[int], skip_blocks: int, *,
+             lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+             prompt_tokens: Optional[int] = None) -> Optional[int]:
+        """Starts loading blocks [skip_blocks, ...) of ``tokens`` (full blocks only). Returns the
+        task, or None when nothing beyond skip_blocks is cached or worth loading. With
+        ``prompt_tokens`` (the whole prompt's length) the load policy decides how far to load;
+        without, everything cached is (an engine that asked cached_tokens first)."""
+
+    @abstractmethod
+    def planned_tokens(self, tid: int) -> int:
+        """Tokens the load brings if it succeeds (beyond skip_blocks), known when it starts."""
+
+    @abstractmethod
+    def planned_tokens_by_tier(self, tid: int) -> Dict[str, int]:
+        """planned_tokens by the tier each block is read from."""
+
+    @abstractmethod
+    def wait_layer(self, tid: int, layer: int, timeout: Optional[float] = None) -> bool:
+        """Waits for layer ``layer`` of a load; False after ``timeout`` seconds. Raises TaskFailed
+        when the load failed (the step recomputes what it would have loaded)."""
+
+    @abstractmethod
+    def cancel_load(self, tid: int, blocks: Sequence[int], key: Any = None) -> None:
+        """Cancels a load; ``blocks`` come back from finished_holds() once no copy writes them (none
+        given: the engine keeps them and collects the load with finish())."""
+
+    @abstractmethod
+    def finish(self, tid: int) -> TaskResult:
+        """The load's result; after it no copy of this task touches the device blocks."""
+
+    @abstractmethod
+    def load_done(self, tid: int) -> bool:
+        """Whether finish() would return at once: for an engine that loads ahead of the step that
+        needs the blocks and polls."""
+
+    @abstractmethod
+    def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
+        """A step computed ``tokens`` prompt tokens of prompts up to ``prompt_tokens`` long in
+        ``seconds`` (time blocked on loads excluded): the cost-aware load policy's measure of
+        recompute."""
+
+    @abstractmethod
+    def store(self, tokens: Sequence[int], block_table: Sequence[int], key: Any = None, *,
+              lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
+              names: Optional[Sequence[int]] = None) -> int:
+        """Stores the full blocks of ``tokens`` from ``block_table``; the blocks are held until
+        finished_holds() returns them with ``key``. ``names``: the engine's own name of each block
+        (vLLM's block hashes), for the KV events of engines that share the tiers."""
+
+    @abstractmethod
+    def prefetch(self, tokens: Sequence[int]) -> int:
+        """Warms host memory from disk for a request that waits; collected by finished_holds()."""
+
+    @abstractmethod
+    def cancel_prefetch(self, tid: int) -> None: ...
+
+    @property
+    @abstractmethod
+    def tasks_pending(self) -> int:
+        """Tasks whose results the connector still has to collect."""
+
+    @abstractmethod
+    def finished_holds(self) -> List[Hold]:
+        """Holds of stores whose device copy is done and of cancelled loads that drained
+        (non-blocking). Also collects finished prefetches, whose results nobody waits for."""
+
+    @abstractmethod
+    def drain_holds(self) -> List[Hold]:
+        """Every hold, once its copies are done (blocking: at shutdown)."""
+
+    # ---- administration -------------------------------------------------------------------------------
+    @abstractmethod
+    def stats(self) -> Optional[ManagerStats]:
+        """The tiers' snapshot (None where it cannot be read now)."""
+
+    @abstractmethod
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Waits for background tier writes; False if some still run after ``timeout``."""
+
+    @abstractmethod
+    def evict_host(self, timeout: Optional[float] = None) -> int:
+        """Evicts every host block once the writes below finished (disk and remote keep theirs)."""
+
+    @abstractmethod
+    def reset_tiers(self, timeout: Optional[float] = None) -> bool:
+        """Drops every host and disk block once the writes finished; False when a remote tier
+        (shared with other workers) keeps its copies."""
+
+    @abstractmethod
+    def describe(self) -> Dict[str, Any]:
+        """Where the tiers are and how large (for logs and operators)."""
+
+    @abstractmethod
+    def tier_files(self) -> List[str]:
+        """The disk tier's data files this process owns (none in node mode: the service's)."""
+
+    @abstractmethod
+    def announce_adopted(self) -> int:
+        """The listener's events can reach the router now: call once, when the event subscriber is
+        connected. Embedded: announces the disk blocks re-adopted at a restart. Node: the service
+        sends the node's blocks, then every change (before it, the listener hears nothing)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Waits for background writes (embedded: up to the caller's drain), then releases memory,
+        files and the connection; later calls raise or do nothing."""

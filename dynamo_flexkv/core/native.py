@@ -1,0 +1,11 @@
+"""The one access point to the C++ core (native/, built as the extension ``dynamo_flexkv._native``):
+every module that calls native code imports this one, ``from dynamo_flexkv.core import native``, so
+which extension is loaded, and when, is decided here (importing this module loads it)."""
+
+from __future__ import annotations
+
+from dynamo_flexkv import _native as extension
+
+PATH = extension.__file__  # where the loaded extension lives (dynamo-flexkv doctor reports it)
+# Its functions and constants as this module's own names (a plain lookup on the hot paths).
+globals().update({name: getattr(extension, name) for name in dir(extension) if not name.startswith("__")})

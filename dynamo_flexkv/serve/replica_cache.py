@@ -1,0 +1,86 @@
+"""A worker replica's cache config as serve plans it: the section's values with ``{replica}``
+filled in, checked as the worker will load them (CacheConfig), its SSD directories free and
+owned by no other replica, a local redis-server when remote is on without a URL, written to the
+file the worker reads (FLEXKV_CONFIG_PATH)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+
+import yaml
+
+from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.remote.config import split_password
+from dynamo_flexkv.core.storage.ssd import SsdInUseError, check_dir_free
+from dynamo_flexkv.serve.graph import GraphError
+from dynamo_flexkv.serve.infra import check_remote_reachable, use_local_redis
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.serve.ports import PortBook
+
+
+def replica_cache(name: str, pname: str, i: int, o: Mapping[str, Any], spec: Optional[Any], block_size: int,
+                   run_dir: Path, penv: Dict[str, str], ports: "PortBook", source: str, local: bool,
+                   redis: Optional[Dict[str, Any]], dirs: Dict[str, str]):
+    """One replica's tiers from the worker's ``cache`` section: checked (sizes against ``spec``, the
+    KV shape, unless None; SSD directories free and not shared; a given Redis reachable), written to
+    ``run_dir/<pname>.cache.yaml``, which FLEXKV_CONFIG_PATH names (CacheConfig.load reads it).
+    A password in remote_cache_url stays out of that file: the worker gets it in the variable
+    remote_password_env names (as the handover secret and the local redis's password reach it).
+    Returns (CacheConfig, {path: text})."""
+    values = {k: per_replica(v, i) for k, v in o["cache"].items()}
+    values["tokens_per_block"] = block_size
+    given_url = bool(values.get("remote_cache_url"))
+    if _parse_flag(values.get("enable_remote")) and not given_url and local and redis is not None:
+        use_local_redis(redis, ports, values, penv)
+    try:
+        checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())  # not our disks
+        if not local and not given_url:  # Kubernetes: the URL comes from a Secret (render --k8s)
+            checked["remote_cache_url"] = "redis://redis-from-secret:6379"
+        cache = CacheConfig.from_dict(checked, f"{source}: {name}.cache")
+        if spec is not None:
+            cache.tier_blocks(spec)
+    except ConfigError as e:
+        raise GraphError(f"{source}: {name}.cache: {e}") from None
+    if local and cache.enable_remote and given_url:
+        check_remote_reachable(cache, f"{source}: {name}.cache")
+    for d in _dirs(values.get("ssd_cache_dir")) if cache.ssd_cache_gb > 0 else ():
+        if local:
+            try:
+                check_dir_free(d)
+            except SsdInUseError as e:
+                raise GraphError(f"{source}: {name}.cache: {e}") from None
+        if os.path.realpath(d) in dirs:
+            raise GraphError(f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {dirs[os.path.realpath(d)]} "
+                             f"and {pname}: each worker needs its own; put {{replica}} in the path")
+        dirs[os.path.realpath(d)] = pname
+    url = values.get("remote_cache_url")
+    url, password = split_password(url) if isinstance(url, str) else (url, None)
+    if password is not None:  # the file names the server; its password goes by environment, like the local redis's
+        values["remote_cache_url"] = url
+        penv[cache.remote_password_env] = password
+    cfg_path = str(run_dir / f"{pname}.cache.yaml")
+    penv["FLEXKV_CONFIG_PATH"] = cfg_path
+    return cache, {cfg_path: yaml.safe_dump(values, sort_keys=True)}
+
+
+def _parse_flag(value: Any) -> bool:
+    return value is True or str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def per_replica(value: Any, replica: int) -> Any:
+    if isinstance(value, str):
+        return value.replace("{replica}", str(replica))
+    if isinstance(value, list):
+        return [per_replica(v, replica) for v in value]
+    return value
+
+
+def _dirs(value: Any) -> List[str]:
+    """ssd_cache_dir as CacheConfig reads it: a list, or one string with ';' between directories."""
+    if value is None:
+        return []
+    return [d for d in value.split(";") if d] if isinstance(value, str) else [str(d) for d in value]
