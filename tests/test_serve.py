@@ -270,3 +270,24 @@ def test_a_closed_terminal_ends_the_echo_not_the_logs_or_the_shutdown(tmp_path):
     for proc in launcher.spawned:
         with pytest.raises(ProcessLookupError):
             os.killpg(proc.pid, 0)
+
+
+def test_a_cache_variable_in_serves_environment_is_refused_not_silently_applied(tmp_path, monkeypatch):
+    """A worker applies FLEXKV_<KEY> over the cache file serve checked (defaults < file <
+    environment) and inherits serve's environment: serve refuses such a variable, naming it, so
+    what serve checked is what every worker runs; rendering for elsewhere is not affected."""
+    monkeypatch.setenv("FLEXKV_SSD_CACHE_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "2")
+    with pytest.raises(GraphError, match=r"serve's environment sets DYN_KVBM_CPU_CACHE_GB='2', "
+                                         r"FLEXKV_SSD_CACHE_DIR=.*--set"):
+        agg_router_plan(tmp_path)
+    assert agg_router_plan(tmp_path, local=False).workers  # a manifest for pods: they do not inherit it
+    monkeypatch.delenv("FLEXKV_SSD_CACHE_DIR")
+    monkeypatch.delenv("DYN_KVBM_CPU_CACHE_GB")
+    monkeypatch.setenv("FLEXKV_TEST_WRONG_KV", "0")  # not a cache key: passes through
+    assert agg_router_plan(tmp_path).workers
+    # The worker's own loading applies such a variable over the file, which is why it is refused.
+    from dynamo_flexkv.core.config import CacheConfig
+    path = tmp_path / "c.yaml"
+    path.write_text("cpu_cache_gb: 1\n")
+    assert CacheConfig.load(str(path), env={"FLEXKV_CPU_CACHE_GB": "3"}).cpu_cache_gb == 3

@@ -232,6 +232,13 @@ def read_yaml_mapping(path: str, fix: str = "", holds: str = "keys to values") -
     return data
 
 
+def env_settings(env: Mapping[str, str]) -> Dict[str, str]:
+    """The variables of ``env`` that CacheConfig.load applies over the file: variable -> value."""
+    fields = {f.name for f in dataclasses.fields(CacheConfig)}
+    names = {f"FLEXKV_{k.upper()}" for k in fields} | set(ENV_ALIASES)
+    return {var: env[var] for var in sorted(names) if var in env}
+
+
 def _env_values(env: Mapping[str, str]) -> Dict[str, str]:
     """Collects FLEXKV_<KEY> and the KVBM aliases; two names for one key must agree."""
     fields = {f.name: f for f in dataclasses.fields(CacheConfig)}

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from dynamo_flexkv.core.config import ConfigError, read_yaml_mapping
+from dynamo_flexkv.core.config import ConfigError, env_settings, read_yaml_mapping
 from dynamo_flexkv.core.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.serve import node_cache as _node_cache
@@ -101,6 +101,8 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     """``local=False`` (rendering for elsewhere): ports and SSD directories are not probed on this
     machine and no etcd/NATS is planned. ``nodes``: components with a ``node`` option run there
     (dynamo_flexkv.serve.nodes)."""
+    if local:
+        _refuse_stray_cache_env(os.environ, source)
     sections = dict(config)
     common = sections.pop("Common", None) or {}
     if not isinstance(common, dict):
@@ -191,6 +193,19 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
         place(processes, infra, nodes, node_of, source)
     return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes,
                       write_model, model_weights, node_options)
+
+
+def _refuse_stray_cache_env(env: Mapping[str, str], source: str) -> None:
+    """Every process serve starts inherits its environment, and a worker's cache config applies
+    FLEXKV_* variables over the file serve checked and wrote (defaults < file < environment): one
+    left in the shell would silently replace what serve checked, for every replica. Refused."""
+    stray = env_settings(env)
+    if stray:
+        what = ", ".join(f"{k}={v!r}" for k, v in stray.items())
+        raise GraphError(f"{source}: serve's environment sets {what}: every worker and cache server it starts would "
+                         "apply it over the cache section serve checked (the environment wins over the file, "
+                         "docs/CONFIGURATION.md). Unset it and put the value in the config, or pass it with --set "
+                         "(e.g. --set VllmWorker.cache.ssd_cache_dir=...)")
 
 
 def _attach_to_node_cache(comp: Any, opts: Dict[str, Any], node_cache: Dict[str, Any],
