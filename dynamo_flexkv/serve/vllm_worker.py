@@ -11,7 +11,6 @@ not fight over them. Nothing here imports torch or vLLM: ``render --k8s`` runs w
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import importlib.util
 import json
@@ -203,17 +202,10 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
 
 
 def connector_keys() -> Sequence[str]:
-    """FlexKVConnector's kv_connector_extra_config keys (``EXTRA_KEYS`` in its settings module),
-    read from the source: importing the connector package imports vLLM, which planning and
-    rendering must not."""
-    spec = importlib.util.find_spec("dynamo_flexkv")
-    path = Path(spec.origin).parent / "integrations" / "vllm_connector" / "settings.py"
-    for node in ast.parse(path.read_text()).body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (
-            node.targets[0] if isinstance(node, ast.Assign) else None)
-        if isinstance(target, ast.Name) and target.id == "EXTRA_KEYS" and isinstance(node.value, ast.Dict):
-            return tuple(k.value for k in node.value.keys if isinstance(k, ast.Constant))
-    raise RuntimeError(f"no EXTRA_KEYS in {path}")
+    """FlexKVConnector's kv_connector_extra_config keys (its settings module loads no vLLM)."""
+    from dynamo_flexkv.integrations.vllm_connector.settings import EXTRA_KEYS
+
+    return tuple(EXTRA_KEYS)
 
 
 def check_installed(source: str) -> None:

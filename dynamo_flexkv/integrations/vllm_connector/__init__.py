@@ -9,9 +9,20 @@ plans loads into the blocks vLLM allocated; the worker half (worker.py) owns the
 moves the bytes, layer by layer. See docs/VLLM.md.
 """
 
-from dynamo_flexkv.integrations.vllm_connector.connector import FlexKVConnector
+import sys
+from typing import Any
 
 __all__ = ["FlexKVConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing this package's settings (serve checks connector options with them) must not
+    # load vLLM; vLLM's loader takes the class by name, which imports it.
+    if name == "FlexKVConnector":
+        from dynamo_flexkv.integrations.vllm_connector.connector import FlexKVConnector
+        _register_by_name()  # also when this package was imported before vLLM was
+        return FlexKVConnector
+    raise AttributeError(name)
 
 
 def _register_by_name() -> None:
@@ -27,4 +38,5 @@ def _register_by_name() -> None:
         pass
 
 
-_register_by_name()
+if "vllm" in sys.modules:  # imported by vLLM (by module path): make the name resolve at once, as before
+    _register_by_name()

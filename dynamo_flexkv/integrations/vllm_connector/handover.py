@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -35,6 +34,7 @@ import numpy as np
 from dynamo_flexkv.integrations.disagg.nixl_kv import HandoverFailed, KVAgent, Notifier, kv_block_checksums
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
 from dynamo_flexkv.integrations.vllm_connector.settings import MAX_LEASE_S
+from dynamo_flexkv.integrations.vllm_connector.settings import run_dir_or_default
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _field(name: str, d: Mapping[str, Any]) -> Any:
 
 def source_file(engine_id: str, run_dir: Optional[str]) -> str:
     """Where a prefill engine's worker leaves its SourceInfo for its scheduler (same machine)."""
-    base = run_dir or os.environ.get("FLEXKV_RUN_DIR") or tempfile.gettempdir()
+    base = run_dir_or_default(run_dir)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id).lstrip(".")
     return os.path.join(base, f"flexkv-handover-{safe}.json")
 

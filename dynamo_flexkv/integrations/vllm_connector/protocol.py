@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from dynamo_flexkv.integrations.vllm_connector.settings import run_dir_or_default
 
 
 @dataclass
@@ -65,7 +66,7 @@ class FlexKVMetadata(KVConnectorMetadata):
 def lookup_endpoint(engine_id: str, run_dir: Optional[str] = None, rank: int = 0) -> str:
     """The ipc:// address where rank ``rank``'s worker answers lookups for engine ``engine_id``
     (the scheduler and the workers of one engine share the engine id)."""
-    base = run_dir or os.environ.get("FLEXKV_RUN_DIR") or tempfile.gettempdir()
+    base = run_dir_or_default(run_dir)
     suffix = f"-r{rank}" if rank else ""
     path = os.path.join(base, f"flexkv-lookup-{engine_id}{suffix}.ipc")
     if len(path) > 100:  # sun_path limit (108 bytes with the terminator)

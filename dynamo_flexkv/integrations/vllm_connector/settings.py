@@ -6,12 +6,20 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from dynamo_flexkv.integrations.vllm_connector.groups import KVGroup, read_groups
 
 MAX_LEASE_S = 3600.0  # handover_lease_s's ceiling (serve's handover-lease-s too)
+RUN_DIR_ENV = "FLEXKV_RUN_DIR"
+
+
+def run_dir_or_default(run_dir: Optional[str]) -> str:
+    """Where the connector's sockets and files live: the run_dir setting, else $FLEXKV_RUN_DIR,
+    else the temp directory."""
+    return run_dir or os.environ.get(RUN_DIR_ENV) or tempfile.gettempdir()
 
 # kv_connector_extra_config keys -> (field, type, default, what it does)
 EXTRA_KEYS: Dict[str, tuple] = {
@@ -44,19 +52,19 @@ class ConnectorSettings:
     block_size: int
     num_blocks: int
     engine_id: str
-    layerwise: bool = True
-    load: bool = True
-    store: bool = True
-    lookup_wait_ms: float = 5.0
-    lookup_give_up_s: float = 2.0
-    load_timeout_s: float = 30.0
-    drain_timeout_s: float = 20.0
-    handover: bool = False
-    handover_lease_s: float = 30.0
-    handover_verify: str = "owner"
-    run_dir: Optional[str] = None
+    layerwise: bool = EXTRA_KEYS["layerwise"][1]
+    load: bool = EXTRA_KEYS["load"][1]
+    store: bool = EXTRA_KEYS["store"][1]
+    lookup_wait_ms: float = EXTRA_KEYS["lookup_wait_ms"][1]
+    lookup_give_up_s: float = EXTRA_KEYS["lookup_give_up_s"][1]
+    load_timeout_s: float = EXTRA_KEYS["load_timeout_s"][1]
+    drain_timeout_s: float = EXTRA_KEYS["drain_timeout_s"][1]
+    handover: bool = EXTRA_KEYS["handover"][1]
+    handover_lease_s: float = EXTRA_KEYS["handover_lease_s"][1]
+    handover_verify: str = EXTRA_KEYS["handover_verify"][1]
+    run_dir: Optional[str] = EXTRA_KEYS["run_dir"][1]
     model_id: str = ""
-    mover_hook: Optional[str] = None
+    mover_hook: Optional[str] = EXTRA_KEYS["mover_hook"][1]
     tp_size: int = 1  # tensor-parallel ranks: each has its own worker, tiers (or node shard) and lookup socket
     groups: Tuple[KVGroup, ...] = ()  # vLLM's KV cache groups (groups.py); () when vLLM gave no config
     dp_rank: Optional[int] = None  # this engine's data-parallel rank, when it is one of several
@@ -99,9 +107,9 @@ class ConnectorSettings:
                                  "'bytes' or 'owner'")
             values[key] = value
         values.setdefault("model_id", default_model_id(vllm_config))
-        run_dir = values.get("run_dir") or os.environ.get("FLEXKV_RUN_DIR")
+        run_dir = values.get("run_dir") or os.environ.get(RUN_DIR_ENV)
         if run_dir and not (os.path.isdir(run_dir) and os.access(run_dir, os.W_OK)):
-            where = "kv_connector_extra_config run_dir" if values.get("run_dir") else "FLEXKV_RUN_DIR"
+            where = "kv_connector_extra_config run_dir" if values.get("run_dir") else RUN_DIR_ENV
             raise ValueError(f"FlexKVConnector: {where}={run_dir!r} is not a writable directory (the lookup socket "
                              "lives there): create it, or point it at one")
         num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
