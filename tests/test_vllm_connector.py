@@ -345,8 +345,9 @@ def test_only_steps_where_every_request_prefills_are_timed_for_the_cost_model(tm
         assert step(cached=[("a", 1), ("b", 0)], tokens=2) is None  # a decodes now
         assert step(new=[("e", None), ("c", list(range(5000)))], tokens=2048) is None  # e: prompt embeddings
         assert step(cached=[("c", 0)], tokens=2048) == (2048, 5000)  # c's next chunk, without e
-        side.request_finished(NS(request_id="a", all_token_ids=[], num_computed_tokens=0,
-                                 lora_request=None, cache_salt=None, prompt_embeds=None), [])
+        side.request_finished(NS(request_id="a", all_token_ids=[], num_computed_tokens=0, num_tokens=0,
+                                 num_prompt_tokens=0, lora_request=None, cache_salt=None, prompt_embeds=None,
+                                 mm_features=None, block_hashes=[], kv_transfer_params=None), [])
         assert step(cached=[("a", 0)], tokens=5) is None  # a finished: unknown here, not guessed
         assert step() is None
     finally:
@@ -372,7 +373,8 @@ def test_a_waiting_request_is_looked_up_once_with_vllms_own_hit(tmp_path):
     side = SchedulerSide(ConnectorSettings(block_size=64, num_blocks=100, engine_id="e", run_dir=str(tmp_path),
                                            lookup_wait_ms=5000))
     req = NS(request_id="r", num_tokens=1000, all_token_ids=list(range(1000)), lora_request=None, cache_salt=None,
-             prompt_embeds=None, mm_features=None, kv_transfer_params=None)
+             prompt_embeds=None, mm_features=None, kv_transfer_params=None, block_hashes=[], num_computed_tokens=0,
+             num_prompt_tokens=1000)
     try:
         for _ in range(5):  # five steps waiting for free blocks
             assert side.matched_tokens(req, 128) == (640 - 128, False)

@@ -36,3 +36,15 @@ def test_defaults_and_handover_verify(tmp_path):
 def test_bad_values_are_refused_naming_the_key(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):
         ConnectorSettings.from_vllm(vllm_config(tmp_path, **extra), None)
+
+
+def test_the_installed_vllm_has_every_field_the_connector_reads_and_a_renamed_one_fails_clearly(monkeypatch):
+    from dynamo_flexkv.integrations.vllm_connector import vllm_api
+
+    assert vllm_api.missing() == []
+    monkeypatch.setattr(vllm_api, "REQUEST", vllm_api.REQUEST + ("block_hashes_v2",))
+    key = ("vllm.v1.core.sched.output", "SchedulerOutput")
+    monkeypatch.setitem(vllm_api.FIELDS, key, vllm_api.FIELDS[key] + ("scheduled_spec_reqs",))
+    with pytest.raises(RuntimeError, match=r"lacks Request.block_hashes_v2, SchedulerOutput.scheduled_spec_reqs, "
+                                           r"which the connector reads .* install vllm==0.31.0"):
+        vllm_api.check()

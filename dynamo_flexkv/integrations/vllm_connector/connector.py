@@ -15,10 +15,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                               KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 
 from dynamo_flexkv.core.stats import ManagerStats
+from dynamo_flexkv.integrations.vllm_connector import vllm_api
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # vLLM's types at the boundary (vllm_api.check() verifies the fields read)
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
     from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
     from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
 
@@ -26,9 +34,11 @@ log = logging.getLogger(__name__)
 
 
 class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+        vllm_api.check()  # the scheduler API this connector reads is the pinned vLLM's
+        policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         if policy != "recompute":
             raise ValueError(f"FlexKVConnector needs kv_load_failure_policy=\"recompute\" in --kv-transfer-config "
                              f"(it is {policy!r}): a block that fails to load or verify is then recomputed "
@@ -154,23 +164,23 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
         return FlexKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side ----------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         return self._sched.matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self._sched.after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self._sched.build_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: Any) -> None:
-        self._sched.add_events(getattr(connector_output, "kv_cache_events", None))
-        self._sched.loads_ended(getattr(connector_output, "finished_recving", None) or ())
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._sched.add_events(connector_output.kv_cache_events)
+        self._sched.loads_ended(connector_output.finished_recving or ())
 
-    def request_finished(self, request: Any, block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished(self, request: "Request", block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._sched.request_finished(request, block_ids)
 
-    def request_finished_all_groups(self, request: Any, block_ids: Tuple[list, ...]
+    def request_finished_all_groups(self, request: "Request", block_ids: Tuple[list, ...]
                                     ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._sched.request_finished_all(request, block_ids)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
@@ -30,27 +30,32 @@ from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, SaveSpec, lookup_endpoint
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
 
+if TYPE_CHECKING:  # vLLM's types at the boundary (vllm_api.py checks the fields read at start-up)
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
 log = logging.getLogger(__name__)
 
 
-def _lora(request: Any) -> Optional[str]:
-    lr = getattr(request, "lora_request", None)
-    return getattr(lr, "lora_name", None) or None
+def _lora(request: "Request") -> Optional[str]:
+    lr = request.lora_request
+    return (lr.lora_name or None) if lr is not None else None
 
 
-def offloadable(request: Any) -> bool:
+def offloadable(request: "Request") -> bool:
     """Whether the request's KV is named by its token ids alone, which our block hashes cover.
     Not so for prompt embeddings (vLLM's token ids are then zeros: two prompts of one length would
     share blocks) or multimodal inputs (placeholder tokens stand for the images): such requests
     are neither looked up nor stored, and vLLM's own prefix cache, which hashes their content,
     still serves them."""
-    return getattr(request, "prompt_embeds", None) is None and not getattr(request, "mm_features", None)
+    return request.prompt_embeds is None and not request.mm_features
 
 
-def _event_hashes(request: Any, n: int) -> List[Any]:
+def _event_hashes(request: "Request", n: int) -> List[Any]:
     """vLLM's external hashes of the request's first ``n`` blocks (what its device events carry)."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-    hashes = list(getattr(request, "block_hashes", ())[:n])
+    hashes = list(request.block_hashes[:n])
     return [maybe_convert_block_hash(h) for h in hashes] if len(hashes) == n else []
 
 
@@ -85,18 +90,18 @@ class SchedulerSide:
         self._answers: Dict[str, int] = {}
         self.lookups = self.hit_tokens = self.saved_requests = 0
 
-    def _handover_of(self, request: Any) -> Optional[VllmHandover]:
+    def _handover_of(self, request: "Request") -> Optional[VllmHandover]:
         if not self.s.handover:
             return None
         try:
-            return VllmHandover.from_params(getattr(request, "kv_transfer_params", None))
+            return VllmHandover.from_params(request.kv_transfer_params)
         except HandoverRefused as e:
             self.handovers_refused += 1
             log.warning("FlexKVConnector: request %s: %s; the next connector, if any, hands it over",
                         request.request_id, e)
             return None
 
-    def matched_tokens(self, request: Any, num_computed: int) -> Tuple[Optional[int], bool]:
+    def matched_tokens(self, request: "Request", num_computed: int) -> Tuple[Optional[int], bool]:
         if num_computed % self.bs or not offloadable(request):
             return 0, False
         # Whole blocks, and at least one token left for vLLM to compute (it needs the logits).
@@ -126,9 +131,9 @@ class SchedulerSide:
         self._hits[request.request_id] = (num_computed, external, None)
         return external, self.hybrid
 
-    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self._answers.pop(request.request_id, None)  # scheduled: a later wait (preemption) asks anew
-        params = getattr(request, "kv_transfer_params", None)
+        params = request.kv_transfer_params
         if self.s.handover and isinstance(params, dict) and params.get("do_remote_decode") and offloadable(request) \
                 and self._source_info() is not None:
             self._prefills[request.request_id] = (request, [])  # block ids arrive with build_meta
@@ -157,7 +162,7 @@ class SchedulerSide:
                                     handover, groups))
         self.hit_tokens += external
 
-    def build_meta(self, scheduler_output: Any = None) -> FlexKVMetadata:
+    def build_meta(self, scheduler_output: Optional["SchedulerOutput"] = None) -> FlexKVMetadata:
         if self._prefills and scheduler_output is not None:
             self._plan_digests(scheduler_output)
         prefill = self._prefill_work(scheduler_output) if scheduler_output is not None else None
@@ -165,30 +170,30 @@ class SchedulerSide:
         self._loads, self._saves, self._digests, self._holds = [], [], [], []
         return meta
 
-    def _prefill_work(self, out: Any) -> Optional[Tuple[int, int]]:
+    def _prefill_work(self, out: "SchedulerOutput") -> Optional[Tuple[int, int]]:
         """(tokens, longest prompt) of a step in which every request computes prompt tokens; None
         when one of them decodes (its output tokens so far > 0) or has no token ids."""
         longest, timed = 0, True
-        for new in getattr(out, "scheduled_new_reqs", ()):  # every one recorded, for its later chunks
+        for new in out.scheduled_new_reqs:  # every one recorded, for its later chunks
             ids = new.prompt_token_ids
             self._prompt_len[new.req_id] = n = len(ids) if ids is not None else 0
             longest, timed = max(longest, n), timed and n > 0
-        cached = getattr(out, "scheduled_cached_reqs", None)
-        for i, rid in enumerate(getattr(cached, "req_ids", ())):
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
             n = self._prompt_len.get(rid, 0)
             longest, timed = max(longest, n), timed and n > 0 and cached.num_output_tokens[i] == 0
-        tokens = int(getattr(out, "total_num_scheduled_tokens", 0))
+        tokens = int(out.total_num_scheduled_tokens)
         return (tokens, longest) if timed and tokens > 0 and longest > 0 else None
 
-    def _plan_digests(self, out: Any) -> None:
+    def _plan_digests(self, out: "SchedulerOutput") -> None:
         """Follows the handover prefills' block ids through the step's output; a step that computes
         a prompt's last token has its full blocks digested by the worker right after its forward."""
-        for new in getattr(out, "scheduled_new_reqs", ()):
+        for new in out.scheduled_new_reqs:
             got = self._prefills.get(new.req_id)
             if got is not None:
                 got[1][:] = list(new.block_ids[0])
-        cached = getattr(out, "scheduled_cached_reqs", None)
-        for i, rid in enumerate(getattr(cached, "req_ids", ())):
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
             got = self._prefills.get(rid)
             ids = cached.new_block_ids[i]
             if got is not None and ids is not None:
@@ -211,13 +216,13 @@ class SchedulerSide:
         """Each group's first ``n`` block ids (0 where vLLM holds none), by vLLM's group index."""
         return {g.index: list(per_group[k][:n]) for k, g in enumerate(self.s.groups)}
 
-    def request_finished_all(self, request: Any, per_group: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished_all(self, request: "Request", per_group: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """A finished request's blocks of every group (vLLM's SupportsHMA call)."""
         if not self.hybrid:
             return self.request_finished(request, list(per_group[0]))
         return self.request_finished(request, list(per_group[self._main]), per_group)
 
-    def request_finished(self, request: Any, block_ids: List[int],
+    def request_finished(self, request: "Request", block_ids: List[int],
                          per_group: Any = None) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self.client.forget(request.request_id)
         self._hits.pop(request.request_id, None)
@@ -262,7 +267,7 @@ class SchedulerSide:
             self._source = read_source(self.s.engine_id, self.s.run_dir)
         return self._source
 
-    def _hand_over(self, request: Any, block_ids: List[int]) -> Optional[Dict[str, Any]]:
+    def _hand_over(self, request: "Request", block_ids: List[int]) -> Optional[Dict[str, Any]]:
         """A finished prefill: its full prompt blocks (digested in their last step) held for decode."""
         self._prefills.pop(request.request_id, None)
         n = min(request.num_prompt_tokens, request.num_computed_tokens) // self.bs
