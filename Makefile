@@ -26,6 +26,7 @@ peer-lmcache: install
 	VENV=$(VENV) bash scripts/install_peer_lmcache.sh
 
 test: install
+	$(PY) -m ruff check --output-format concise .
 	$(PY) -m pytest -q --durations=15
 
 # The slow tests: long randomized runs, vLLM graphs, graphs over network-namespace nodes, benchmark smokes.

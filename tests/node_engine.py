@@ -22,7 +22,6 @@ class Hang:
     def __call__(self, kind, mover):
         if kind is not self.kind:
             return mover
-        outer = self
 
         class Stuck:
             def run(self, op):

@@ -69,12 +69,12 @@ def test_the_kv_grid_copy_moves_each_chunk_to_its_place(seed, block_major):
     src_ids = rng.choice(src_blocks, size=nblocks, replace=False).astype(np.uint64)
     dst_ids = rng.permutation(nblocks).astype(np.uint64)
     want = dst.copy()
-    for l in range(layers):
+    for layer in range(layers):
         for b in range(nblocks):
             for k in range(kv):
                 s0 = int(src_ids[b]) * s_sb + k * s_sk
-                d0 = 64 + int(dst_ids[b]) * d_sb + l * d_sl + k * d_sk
-                want[d0:d0 + chunk] = src[l][s0:s0 + chunk]
+                d0 = 64 + int(dst_ids[b]) * d_sb + layer * d_sl + k * d_sk
+                want[d0:d0 + chunk] = src[layer][s0:s0 + chunk]
     src_base = np.array([a.ctypes.data for a in src], dtype=np.uint64)
     dst_base = np.uint64(dst.ctypes.data + 64) + np.arange(layers, dtype=np.uint64) * np.uint64(d_sl)
     _native.copy_kv_grid(dst_base, dst_ids, d_sb, d_sk, src_base, src_ids, s_sb, s_sk, kv, chunk,

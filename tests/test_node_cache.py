@@ -11,11 +11,9 @@ import signal
 import socket
 import stat
 import struct
-import time
 
 import pytest
 
-from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.node.protocol import Attach, Load, VERSION, encode
 from node_helpers import BS, SPEC, Engine, engine_process, node_server, prompt, read_line
 from served import wait_until
@@ -273,7 +271,6 @@ def test_a_connection_that_never_attaches_is_closed_and_frees_its_place(tmp_path
 
 
 def test_every_engine_announces_the_node_blocks_it_can_load_and_an_engine_that_attaches_gets_them(tmp_path):
-    from dynamo_flexkv.core.index import Tier
 
     class Seen:
         def __init__(self):

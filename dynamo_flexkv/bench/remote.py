@@ -225,7 +225,7 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
                                   f"redis-benchmark {'SET' if op == 'put' else 'GET'} -P {best_p}", note))
             store.delete(seq)
             store.close()
-            del src, dst, src_rows, dst_rows
+            src = dst = src_rows = dst_rows = None  # this size's buffers go before the next one's
     finally:
         if store is not None:
             store.close()

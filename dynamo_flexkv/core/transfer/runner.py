@@ -114,7 +114,7 @@ class TransferRunner:
             if item is None:
                 return
             graph, op = item
-            t0 = op.started = time.perf_counter()
+            op.started = time.perf_counter()
             mover = op.device if op.device is not None else self.movers[op.kind]
             start = getattr(mover, "start", None)
             if start is not None:  # an engine copies it: settled by its answer, on whatever thread
