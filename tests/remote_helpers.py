@@ -69,3 +69,24 @@ def check_clean(kv: KVManager) -> None:
 # A graph whose workers offload to Redis only (no SSD, no device prefix cache).
 REMOTE = ["FlexKVWorker.cache.enable_remote=true", "FlexKVWorker.cache.ssd_cache_gb=0",
           "FlexKVWorker.device-prefix-cache=false", "FlexKVWorker.restart-backoff-s=0.2"]
+
+
+def make_test_certs(directory: str) -> str:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI), for TLS tests."""
+
+    import os
+    import subprocess
+
+    from dynamo_flexkv.core.sysutil import require_binary
+
+    openssl = require_binary("openssl", "install Debian's openssl package")
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60, cwd=directory)
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    run("req", "-x509", *ec, "-days", "2", "-subj", "/CN=flexkv-test-ca", "-keyout", "ca.key", "-out", "ca.crt")
+    run("req", *ec, "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
+    with open(os.path.join(directory, "san.ext"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
+    return directory

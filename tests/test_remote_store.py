@@ -31,7 +31,8 @@ from dynamo_flexkv.core.remote import (
 from dynamo_flexkv.core.remote.cluster import key_slot
 from dynamo_flexkv.core.remote.codec import block_key, check_header, encode_header
 from dynamo_flexkv.core.remote.resp import RespConnection, encode_command
-from dynamo_flexkv.serve.redis_server import RedisServer, free_port, make_test_certs
+from dynamo_flexkv.serve.redis_server import RedisServer, free_port
+from remote_helpers import make_test_certs
 from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
 
 FP = fingerprint_of({"model": "test", "dtype": "bfloat16", "tokens_per_block": 16})

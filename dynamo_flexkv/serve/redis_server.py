@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from dynamo_flexkv.core.sysutil import free_port, require_binary
 
-__all__ = ["RedisCluster", "RedisServer", "free_port", "local_redis_settings", "make_test_certs",
+__all__ = ["RedisCluster", "RedisServer", "free_port", "local_redis_settings",
            "redis_args", "redis_conf", "require_binary"]
 
 
@@ -45,22 +45,6 @@ def redis_conf(settings: Sequence[Tuple[str, str]]) -> str:
     return "".join(f"{key} {value or empty}\n" for key, value in settings)
 
 
-def make_test_certs(directory: str) -> str:
-    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI), for TLS tests."""
-
-    openssl = require_binary("openssl", "install Debian's openssl package")
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60, cwd=directory)
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    run("req", "-x509", *ec, "-days", "2", "-subj", "/CN=flexkv-test-ca", "-keyout", "ca.key", "-out", "ca.crt")
-    run("req", *ec, "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
-    with open(os.path.join(directory, "san.ext"), "w") as f:
-        f.write("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
-    return directory
-
-
 @dataclass
 class RedisServer:
     """One ``redis-server`` on 127.0.0.1 (or ``host`` inside network namespace ``netns``: a node of
@@ -70,7 +54,7 @@ class RedisServer:
     policy: str = "allkeys-lru"
     password: Optional[str] = None
     cluster: bool = False
-    tls_dir: Optional[str] = None  # serve TLS only, with ca.crt / server.crt / server.key from make_test_certs
+    tls_dir: Optional[str] = None  # serve TLS only, with ca.crt / server.crt / server.key in it
     extra: Sequence[str] = ()
     port: int = field(default_factory=free_port)
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flexkv-redis-"))
