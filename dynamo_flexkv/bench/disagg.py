@@ -244,14 +244,12 @@ class _Etcd:
         import http.client
 
         from dynamo_flexkv.core.sysutil import free_port
+        from dynamo_flexkv.serve.infra import etcd_argv
 
         client, peer = free_port(), free_port()
         self.log = open(os.path.join(tmp, "etcd.log"), "wb")
-        self.proc = subprocess.Popen(
-            [binary, "--name", "bench", "--data-dir", os.path.join(tmp, "data"),
-             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"bench=http://127.0.0.1:{peer}"], stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(etcd_argv(binary, "bench", os.path.join(tmp, "data"), client, peer),
+                                     stdout=self.log, stderr=subprocess.STDOUT)
         self.conn = http.client.HTTPConnection("127.0.0.1", client, timeout=10)
         deadline = time.monotonic() + 30
         while True:

@@ -7,7 +7,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.remote.config import DEFAULT_PASSWORD_ENV
@@ -58,12 +58,8 @@ def infra_processes(run_dir: Path, discovery: str, event_plane: str, ports: "Por
     if discovery == "etcd" and not os.environ.get("ETCD_ENDPOINTS"):
         exe = need_binary("etcd", "etcd-server")
         client, peer = ports.take(0, "etcd", "", any_port=True), ports.take(0, "etcd peer", "", any_port=True)
-        url, purl = f"http://{LOOPBACK}:{client}", f"http://{LOOPBACK}:{peer}"
-        procs.append(Process("etcd", [exe, "--name", "flexkv", "--data-dir", str(run_dir / "etcd"),
-                                      "--listen-client-urls", url, "--advertise-client-urls", url,
-                                      "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
-                                      "--initial-cluster", f"flexkv={purl}"], {}, None, client))
-        env["ETCD_ENDPOINTS"] = url
+        procs.append(Process("etcd", etcd_argv(exe, "flexkv", str(run_dir / "etcd"), client, peer), {}, None, client))
+        env["ETCD_ENDPOINTS"] = f"http://{LOOPBACK}:{client}"
     if event_plane == "zmq" and not os.environ.get("DYN_ZMQ_BROKER_URL"):
         xsub, xpub = (f"tcp://{LOOPBACK}:{ports.take(0, 'zmq broker', '', any_port=True)}" for _ in range(2))
         procs.append(Process("zmq-broker", [sys.executable, "-m", "dynamo_flexkv.serve.zmq_broker", xsub, xpub],
@@ -76,6 +72,13 @@ def infra_processes(run_dir: Path, discovery: str, event_plane: str, ports: "Por
                              {}, None, port))
         env["NATS_SERVER"] = f"nats://{LOOPBACK}:{port}"
     return procs, env
+
+
+def etcd_argv(exe: str, name: str, data_dir: str, client: int, peer: int) -> List[str]:
+    """A single-node etcd on loopback: clients on ``client``, its peer URL on ``peer``."""
+    url, purl = f"http://{LOOPBACK}:{client}", f"http://{LOOPBACK}:{peer}"
+    return [exe, "--name", name, "--data-dir", data_dir, "--listen-client-urls", url, "--advertise-client-urls", url,
+            "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl, "--initial-cluster", f"{name}={purl}"]
 
 
 def need_binary(exe: str, package: str) -> str:
