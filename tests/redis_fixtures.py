@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
 from typing import Iterator
 
 import pytest
 
 from dynamo_flexkv.serve.redis_server import RedisCluster, RedisServer
+from dynamo_flexkv.core.sysutil import find_binary
 
 needs_redis = pytest.mark.skipif(
-    shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+    find_binary("redis-server") is None or find_binary("redis-cli") is None,
     reason="redis-server/redis-cli not installed (Debian redis-server; scripts/install.sh)")
 
 

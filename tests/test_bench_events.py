@@ -5,9 +5,9 @@ became visible. No timing is asserted: this machine is shared."""
 
 import json
 import math
-import shutil
 
 import pytest
+from dynamo_flexkv.core.sysutil import find_binary
 
 pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is installed by make test")
 
@@ -46,7 +46,7 @@ def test_bench_events_cli_zmq(tmp_path):
     assert png.stat().st_size > 10_000
 
 
-@pytest.mark.skipif(shutil.which("nats-server") is None, reason="nats-server is installed by scripts/install.sh")
+@pytest.mark.skipif(find_binary("nats-server") is None, reason="nats-server is installed by scripts/install.sh")
 def test_bench_events_nats():
     from dynamo_flexkv.bench.events import cases, measure
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -32,6 +31,7 @@ from dynamo_flexkv.core.remote.cluster import key_slot
 from dynamo_flexkv.core.remote.codec import block_key, check_header, encode_header
 from dynamo_flexkv.core.remote.resp import RespConnection, encode_command
 from dynamo_flexkv.serve.redis_server import RedisServer, free_port
+from dynamo_flexkv.core.sysutil import find_binary
 from remote_helpers import make_test_certs
 from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
 
@@ -795,7 +795,7 @@ def test_cluster_round_trip_spreads_keys(redis_cluster) -> None:  # noqa: F811
 
 @needs_redis
 def test_tls_round_trip_and_untrusted_certificate(tmp_path) -> None:
-    if shutil.which("openssl") is None:
+    if find_binary("openssl") is None:
         pytest.skip("openssl not installed")
     certs = make_test_certs(str(tmp_path))
     with RedisServer(maxmemory="16mb", tls_dir=certs) as server:

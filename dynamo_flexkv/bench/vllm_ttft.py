@@ -70,6 +70,7 @@ from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.bench.vllm_node import new_server as new_node_server, vs_embedded_cases
 from dynamo_flexkv.bench.vllm_setup import (BLOCK, FRACTION, ROLES, engine_env, kv_transfer_config, label,
                                             parse_sizes)
+from dynamo_flexkv.core.sysutil import find_binary
 
 BENCH = "vllm"
 SIZES = (2048, 8192, 32768)
@@ -301,7 +302,7 @@ def run(args: argparse.Namespace) -> List[Case]:
     roles = ["plain"] + ([] if beside else ["flexkv"])
     if model != "small":
         print(f"bench vllm: --model {model}: no remote cases (they run on the small preset)", flush=True)
-    elif shutil.which("redis-server"):
+    elif find_binary("redis-server"):
         roles.append("flexkv-remote")
     else:
         print("bench vllm: redis-server not installed: no remote cases (Debian redis-server)", flush=True)

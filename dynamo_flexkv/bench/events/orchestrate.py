@@ -23,6 +23,7 @@ from dynamo_flexkv.bench.events.router import LIVE_TIMEOUT
 from dynamo_flexkv.bench.events.workload import PROBE_INTERVAL
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.sysutil import find_binary
 
 PUBLISHERS_MAX = 4
 WORKERS_PER_PUBLISHER = 250
@@ -50,7 +51,7 @@ class Infra:
                                                env=self.env, stdin=subprocess.DEVNULL))
             self.env["DYN_ZMQ_BROKER_URL"] = f"xsub={xsub} , xpub={xpub}"
         elif transport == "nats":
-            server = shutil.which("nats-server")
+            server = find_binary("nats-server")
             if not server:
                 raise RuntimeError("nats-server not found: scripts/install.sh installs it (Debian's nats-server)")
             port = free_port()
