@@ -27,6 +27,7 @@ peer-lmcache: install
 
 test: install
 	$(PY) -m ruff check --output-format concise .
+	$(PY) -m mypy
 	$(PY) -m pytest -q --durations=15
 
 # The slow tests: long randomized runs, vLLM graphs, graphs over network-namespace nodes, benchmark smokes.

@@ -38,9 +38,9 @@ stamp="$VENV/.flexkv-deps-$(sha256sum scripts/install.sh | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "install.sh: Python dependencies (Dynamo runtime, NIXL, build and test tools)"
   # hypothesis: property tests; matplotlib: benchmark plots; hiredis: the redis client's parser;
-  # ruff: the linter `make test` runs first.
+  # ruff and mypy: the linter and type checker `make test` runs first.
   pip install "ai-dynamo-runtime==1.6.1" "nixl==1.5.1" \
-    numpy pyyaml xxhash prometheus-client redis hiredis pytest hypothesis matplotlib "ruff==0.17.6" \
+    numpy pyyaml xxhash prometheus-client redis hiredis pytest hypothesis matplotlib "ruff==0.17.6" "mypy==2.4.1" \
     "scikit-build-core>=0.10" "pybind11>=2.12" ninja
   # ai-dynamo requires `aisimulate`, a placeholder that downloads from outside and fails here:
   # install ai-dynamo without dependencies, then its real requirements.

@@ -95,7 +95,8 @@ def _as_native_tokens(token_ids: TokenIds) -> Union[list, tuple, np.ndarray]:
     if isinstance(token_ids, (list, tuple)):
         return token_ids
     if type(token_ids).__module__.startswith("torch"):
-        token_ids = token_ids.detach().cpu().numpy()
+        tensor: Any = token_ids  # torch is optional here: no import for its type
+        token_ids = tensor.detach().cpu().numpy()
     if not isinstance(token_ids, np.ndarray):
         raise TypeError(
             f"token_ids must be a list or tuple of ints, a numpy array or a torch tensor, "

@@ -4,8 +4,14 @@ which extension is loaded, and when, is decided here (importing this module load
 
 from __future__ import annotations
 
+from typing import Any
+
 from dynamo_flexkv import _native as extension
 
 PATH = extension.__file__  # where the loaded extension lives (dynamo-flexkv doctor reports it)
 # Its functions and constants as this module's own names (a plain lookup on the hot paths).
 globals().update({name: getattr(extension, name) for name in dir(extension) if not name.startswith("__")})
+
+
+def __getattr__(name: str) -> Any:  # what type checkers see: the names come from the extension
+    return getattr(extension, name)
