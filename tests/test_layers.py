@@ -66,8 +66,9 @@ def run_light(code: str, timeout: float = 120) -> dict:
 def test_the_recorder_names_the_chain():
     """The hook itself: a module known to load the native extension is reported with its importer."""
     loaded = run_light("import dynamo_flexkv.core.hashing")
-    assert loaded["dynamo_flexkv._native"].startswith(
-        "dynamo_flexkv._native <- dynamo_flexkv.core.native:7 <- dynamo_flexkv.core.hashing:")
+    chain = loaded["dynamo_flexkv._native"]
+    assert chain.startswith("dynamo_flexkv._native <- dynamo_flexkv.core.native:"), chain
+    assert " <- dynamo_flexkv.core.hashing:" in chain, chain
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
