@@ -11,7 +11,7 @@ import pytest
 import torch
 import xxhash
 
-from dynamo_flexkv import _native
+from dynamo_flexkv.core import native as _native  # the access point the code calls through
 from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.core.remote import RemoteStore, fingerprint_of
 from dynamo_flexkv.core.remote.codec import HEADER

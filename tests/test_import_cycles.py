@@ -30,7 +30,7 @@ def _imports(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
     tree = ast.parse(path.read_text())
     skip: Set[int] = set()
     for node in ast.walk(tree):  # `if TYPE_CHECKING:` bodies
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
             skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     is_pkg = path.name == "__init__.py"
     out: Set[str] = set()

@@ -6,7 +6,7 @@ is its source byte and no byte outside the chunks changes. Small moves take the 
 import numpy as np
 import pytest
 
-from dynamo_flexkv import _native
+from dynamo_flexkv.core import native as _native
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -278,12 +278,15 @@ def test_a_cache_variable_in_serves_environment_is_refused_not_silently_applied(
     what serve checked is what every worker runs; rendering for elsewhere is not affected."""
     monkeypatch.setenv("FLEXKV_SSD_CACHE_DIR", str(tmp_path / "elsewhere"))
     monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "2")
-    with pytest.raises(GraphError, match=r"serve's environment sets DYN_KVBM_CPU_CACHE_GB='2', "
-                                         r"FLEXKV_SSD_CACHE_DIR=.*--set"):
+    monkeypatch.setenv("FLEXKV_REMOTE_CACHE_URL", "redis://:hunter2@127.0.0.1:6379")
+    with pytest.raises(GraphError, match=r"serve's environment sets DYN_KVBM_CPU_CACHE_GB \(cpu_cache_gb\), "
+                                         r"FLEXKV_REMOTE_CACHE_URL \(remote_cache_url\), FLEXKV_SSD_CACHE_DIR "
+                                         r"\(ssd_cache_dir\).*--set") as refused:
         agg_router_plan(tmp_path)
+    assert "hunter2" not in str(refused.value)  # values stay out of the message (a URL may hold a password)
     assert agg_router_plan(tmp_path, local=False).workers  # a manifest for pods: they do not inherit it
-    monkeypatch.delenv("FLEXKV_SSD_CACHE_DIR")
-    monkeypatch.delenv("DYN_KVBM_CPU_CACHE_GB")
+    for var in ("FLEXKV_SSD_CACHE_DIR", "DYN_KVBM_CPU_CACHE_GB", "FLEXKV_REMOTE_CACHE_URL"):
+        monkeypatch.delenv(var)
     monkeypatch.setenv("FLEXKV_TEST_WRONG_KV", "0")  # not a cache key: passes through
     assert agg_router_plan(tmp_path).workers
     # The worker's own loading applies such a variable over the file, which is why it is refused.

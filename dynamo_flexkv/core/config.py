@@ -233,10 +233,11 @@ def read_yaml_mapping(path: str, fix: str = "", holds: str = "keys to values") -
 
 
 def env_settings(env: Mapping[str, str]) -> Dict[str, str]:
-    """The variables of ``env`` that CacheConfig.load applies over the file: variable -> value."""
-    fields = {f.name for f in dataclasses.fields(CacheConfig)}
-    names = {f"FLEXKV_{k.upper()}" for k in fields} | set(ENV_ALIASES)
-    return {var: env[var] for var in sorted(names) if var in env}
+    """The variables of ``env`` that CacheConfig.load applies over the file: variable -> the
+    config key it sets (values are left out: one may hold a password)."""
+    names = {f"FLEXKV_{f.name.upper()}": f.name for f in dataclasses.fields(CacheConfig)}
+    names.update(ENV_ALIASES)
+    return {var: names[var] for var in sorted(names) if var in env}
 
 
 def _env_values(env: Mapping[str, str]) -> Dict[str, str]:

@@ -1,6 +1,7 @@
 """The one access point to the C++ core (native/, built as the extension ``dynamo_flexkv._native``):
 every module that calls native code imports this one, ``from dynamo_flexkv.core import native``, so
-which extension is loaded, and when, is decided here (importing this module loads it)."""
+which extension is loaded, and when, is decided here (importing this module loads it). The code
+calls the names bound here: a test that replaces one patches it on this module."""
 
 from __future__ import annotations
 

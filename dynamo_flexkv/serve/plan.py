@@ -201,11 +201,11 @@ def _refuse_stray_cache_env(env: Mapping[str, str], source: str) -> None:
     left in the shell would silently replace what serve checked, for every replica. Refused."""
     stray = env_settings(env)
     if stray:
-        what = ", ".join(f"{k}={v!r}" for k, v in stray.items())
+        what = ", ".join(f"{var} ({key})" for var, key in stray.items())
         raise GraphError(f"{source}: serve's environment sets {what}: every worker and cache server it starts would "
-                         "apply it over the cache section serve checked (the environment wins over the file, "
-                         "docs/CONFIGURATION.md). Unset it and put the value in the config, or pass it with --set "
-                         "(e.g. --set VllmWorker.cache.ssd_cache_dir=...)")
+                         "apply it over the cache config serve checked (the environment wins over the file, "
+                         "docs/CONFIGURATION.md). Unset it, and put the key in the worker's cache section "
+                         "(NodeCache.cache for workers on a node cache) or pass it with --set <Worker>.cache.<key>=...")
 
 
 def _attach_to_node_cache(comp: Any, opts: Dict[str, Any], node_cache: Dict[str, Any],

@@ -30,8 +30,10 @@ def _register_by_name() -> None:
     the API process by connector *name* from KVConnectorFactory, which knows only vLLM's own; a
     child loaded by module path is imported there first (its prom metrics), so registering here
     makes the name resolve."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError:  # another vLLM: the connector's start-up check (vllm_api.py) names what differs
+        return
     try:
         KVConnectorFactory.register_connector("FlexKVConnector", __name__, "FlexKVConnector")
     except ValueError:  # already registered (imported twice, or a vLLM that ships the name)

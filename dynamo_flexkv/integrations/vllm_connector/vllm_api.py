@@ -6,7 +6,7 @@ naming what it lacks. Pinned: vLLM 0.31."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Set, Tuple
 
 PINNED = "0.31"
 
@@ -32,19 +32,39 @@ def _missing_fields(module: str, name: str, fields: Iterable[str]) -> List[str]:
     cls = getattr(importlib.import_module(module), name, None)
     if cls is None:
         return [f"{module}.{name}"]
-    have = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(dir(cls))
-    have |= set(getattr(cls, "__annotations__", {}))
+    have = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    have |= set(dir(cls)) | set(getattr(cls, "__annotations__", {})) | _instance_attributes(cls)
     return [f"{name}.{f}" for f in fields if f not in have]
+
+
+def _instance_attributes(cls: type) -> Set[str]:
+    """Names a class and its bases assign on ``self`` (``self.x = ...``, ``self.x: T = ...``), read
+    from their source's syntax tree (comments, strings and comparisons do not count)."""
+    import ast
+    import inspect
+    import textwrap
+
+    names: Set[str] = set()
+    for klass in cls.__mro__[:-1]:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):  # a class without Python source
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            for t in targets:
+                for leaf in ast.walk(t):
+                    if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self":
+                        names.add(leaf.attr)
+    return names
 
 
 def missing() -> List[str]:
     """What the installed vLLM lacks of what the connector reads ([] on the pinned one)."""
-    import inspect
-    import re
-
     from vllm.v1.request import Request
 
-    assigned = set(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?=", inspect.getsource(Request)))  # instance attributes
+    assigned = _instance_attributes(Request)
     out = [f"Request.{a}" for a in REQUEST if a not in assigned and not hasattr(Request, a)]
     for (module, name), fields in FIELDS.items():
         out += _missing_fields(module, name, fields)
