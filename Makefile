@@ -27,6 +27,7 @@ peer-lmcache: install
 
 test: install
 	$(PY) -m ruff check --output-format concise .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q --durations=15
 

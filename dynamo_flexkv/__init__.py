@@ -4,25 +4,41 @@ from dynamo_flexkv.core.errors import FlexKVError
 
 __version__ = "0.1.0"
 
-__all__ = ["FlexKVError", "KVManager", "CacheConfig", "ModelSpec", "KVLayoutType", "TaskStatus", "TaskResult",
-           "ManagerStats", "ManagerClosed", "TaskFailed", "TooManyTasks"]
+__all__ = [
+    "FlexKVError",
+    "KVManager",
+    "CacheConfig",
+    "ModelSpec",
+    "KVLayoutType",
+    "TaskStatus",
+    "TaskResult",
+    "ManagerStats",
+    "ManagerClosed",
+    "TaskFailed",
+    "TooManyTasks",
+]
 
 
 def __getattr__(name: str):
     # Lazy: `import dynamo_flexkv.core.hashing` must not pull in torch and the data plane.
     if name == "KVManager":
         from dynamo_flexkv.core.manager import KVManager
+
         return KVManager
     if name == "CacheConfig":
         from dynamo_flexkv.core.config import CacheConfig
+
         return CacheConfig
     if name in ("ModelSpec", "KVLayoutType"):
         from dynamo_flexkv.core import layout
+
         return getattr(layout, name)
     if name in ("TaskStatus", "TaskResult", "ManagerClosed", "TaskFailed", "TooManyTasks"):
         from dynamo_flexkv.core import tasks
+
         return getattr(tasks, name)
     if name == "ManagerStats":
         from dynamo_flexkv.core.stats import ManagerStats
+
         return ManagerStats
     raise AttributeError(name)

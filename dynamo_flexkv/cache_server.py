@@ -22,15 +22,33 @@ READY = "cache server ready on"  # serve waits for this line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", help="the Unix socket engines attach to (default: node_socket from the config, else "
-                   "$XDG_RUNTIME_DIR/flexkv-node.sock)")
-    p.add_argument("-f", "--config", help="cache config YAML (the keys of docs/CONFIGURATION.md: cpu_cache_gb, "
-                   "ssd_cache_gb, ssd_cache_dir, ...); default FLEXKV_CONFIG_PATH")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one cache config value, e.g. "
-                   "--set cpu_cache_gb=8 (repeatable; wins over the file and the environment)")
-    p.add_argument("--max-clients", type=int, default=64, help="engines attached at once (each rank counts; default 64)")
-    p.add_argument("--max-models", type=int, default=1, help="models (namespaces) served at once, each with tiers of "
-                   "the configured sizes (default 1)")
+    p.add_argument(
+        "--socket",
+        help="the Unix socket engines attach to (default: node_socket from the config, else "
+        "$XDG_RUNTIME_DIR/flexkv-node.sock)",
+    )
+    p.add_argument(
+        "-f",
+        "--config",
+        help="cache config YAML (the keys of docs/CONFIGURATION.md: cpu_cache_gb, "
+        "ssd_cache_gb, ssd_cache_dir, ...); default FLEXKV_CONFIG_PATH",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one cache config value, e.g. --set cpu_cache_gb=8 (repeatable; wins over the file and the environment)",
+    )
+    p.add_argument(
+        "--max-clients", type=int, default=64, help="engines attached at once (each rank counts; default 64)"
+    )
+    p.add_argument(
+        "--max-models",
+        type=int,
+        default=1,
+        help="models (namespaces) served at once, each with tiers of the configured sizes (default 1)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on METRICS_HOST:PORT (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics listen on (default 127.0.0.1)")
 
@@ -54,8 +72,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.set)
         path = args.socket or config.node_socket or default_socket_path()
-        server = NodeCacheServer(config, ServerOptions(path, max_clients=args.max_clients,
-                                                       max_models=args.max_models))
+        server = NodeCacheServer(config, ServerOptions(path, max_clients=args.max_clients, max_models=args.max_models))
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -67,9 +84,11 @@ def run(args: argparse.Namespace) -> int:
         server.start()
         if args.metrics_port:
             metrics = serve_metrics(server, args.metrics_host, args.metrics_port)
-        print(f"{READY} {path} (pid {server.stats()['pid']}; host {config.cpu_cache_gb} GB, disk "
-              f"{config.ssd_cache_gb} GB{' in ' + ';'.join(config.ssd_cache_dir) if config.ssd_cache_dir else ''})",
-              flush=True)
+        print(
+            f"{READY} {path} (pid {server.stats()['pid']}; host {config.cpu_cache_gb} GB, disk "
+            f"{config.ssd_cache_gb} GB{' in ' + ';'.join(config.ssd_cache_dir) if config.ssd_cache_dir else ''})",
+            flush=True,
+        )
         stop.wait()
     finally:
         if metrics is not None:
@@ -81,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 def serve_metrics(server: Any, host: str, port: int) -> Any:
     """Prometheus text on ``host:port``: the service's counters and each model's tiers."""
     from prometheus_client import CollectorRegistry, start_http_server
+
     registry = CollectorRegistry()
     registry.register(_Collector(server))
     httpd, _ = start_http_server(port, addr=host, registry=registry)
@@ -93,6 +113,7 @@ class _Collector:
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         st = self.server.stats()
         engines = GaugeMetricFamily("flexkv_node_engines", "Engines (ranks) attached now")
         engines.add_metric([], len(st["engines"]))
@@ -100,24 +121,32 @@ class _Collector:
         copies = GaugeMetricFamily("flexkv_node_copies_in_flight", "Device copies sent to engines and not answered")
         copies.add_metric([], sum(e["copies_in_flight"] for e in st["engines"]))
         yield copies
-        tasks = GaugeMetricFamily("flexkv_node_engine_tasks", "Loads, stores and prefetches of attached engines not "
-                                  "finished")
+        tasks = GaugeMetricFamily(
+            "flexkv_node_engine_tasks", "Loads, stores and prefetches of attached engines not finished"
+        )
         tasks.add_metric([], sum(e["tasks"] for e in st["engines"]))
         yield tasks
-        fenced = GaugeMetricFamily("flexkv_node_fenced_copies", "Host writes of departed engines whose slots wait "
-                                   "for their process to exit")
+        fenced = GaugeMetricFamily(
+            "flexkv_node_fenced_copies", "Host writes of departed engines whose slots wait for their process to exit"
+        )
         fenced.add_metric([], st["fenced_waiting"])
         yield fenced
-        for key, doc in (("attached", "Engines that attached"), ("detached", "Engines that detached or died"),
-                         ("refused", "Attaches refused (full, another model past max_models)"),
-                         ("protocol_errors", "Connections closed for frames outside the protocol"),
-                         ("requests", "Requests answered"), ("request_errors", "Requests refused or failed")):
+        for key, doc in (
+            ("attached", "Engines that attached"),
+            ("detached", "Engines that detached or died"),
+            ("refused", "Attaches refused (full, another model past max_models)"),
+            ("protocol_errors", "Connections closed for frames outside the protocol"),
+            ("requests", "Requests answered"),
+            ("request_errors", "Requests refused or failed"),
+        ):
             c = CounterMetricFamily(f"flexkv_node_{key}", doc)
             c.add_metric([], st[key])
             yield c
         used = GaugeMetricFamily("flexkv_node_tier_used_blocks", "Blocks held per tier", labels=["model", "tier"])
         cap = GaugeMetricFamily("flexkv_node_tier_capacity_blocks", "Tier capacity in blocks", labels=["model", "tier"])
-        hits = CounterMetricFamily("flexkv_node_tier_hit_blocks", "Blocks loads found per tier", labels=["model", "tier"])
+        hits = CounterMetricFamily(
+            "flexkv_node_tier_hit_blocks", "Blocks loads found per tier", labels=["model", "tier"]
+        )
         for ns in st["namespaces"]:
             for tier in ("host", "disk"):
                 t = ns["tiers"].get(tier)
@@ -128,4 +157,3 @@ class _Collector:
         yield used
         yield cap
         yield hits
-

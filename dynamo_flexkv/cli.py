@@ -16,29 +16,52 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     doctor = sub.add_parser("doctor", help="report native extension, io_uring, O_DIRECT, CUDA, NIXL, Dynamo")
-    doctor.add_argument("--cache-dir", action="append", dest="cache_dirs", metavar="DIR",
-                        help="directory to probe for O_DIRECT (default: ssd_cache_dir from the config, else /tmp)")
+    doctor.add_argument(
+        "--cache-dir",
+        action="append",
+        dest="cache_dirs",
+        metavar="DIR",
+        help="directory to probe for O_DIRECT (default: ssd_cache_dir from the config, else /tmp)",
+    )
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
 
-    serve = sub.add_parser("serve", help="run a serve graph (frontend + workers) on this machine, on 127.0.0.1",
-                           description="Starts the graph's components, streams their logs, waits until the "
-                           "OpenAI endpoint answers, restarts a worker that dies (on-death: restart, the default; stop: "
-                           "the graph stops) and stops everything on Ctrl-C or when the frontend dies.")
+    serve = sub.add_parser(
+        "serve",
+        help="run a serve graph (frontend + workers) on this machine, on 127.0.0.1",
+        description="Starts the graph's components, streams their logs, waits until the "
+        "OpenAI endpoint answers, restarts a worker that dies (on-death: restart, the default; stop: "
+        "the graph stops) and stops everything on Ctrl-C or when the frontend dies.",
+    )
     _graph_args(serve)
-    serve.add_argument("--discovery-backend", default="file", choices=["file", "etcd"],
-                       help="file (default, no server needed) or etcd (started on 127.0.0.1 unless ETCD_ENDPOINTS is set)")
-    serve.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"],
-                       help="zmq (default) or nats (nats-server started on 127.0.0.1 unless NATS_SERVER is set)")
+    serve.add_argument(
+        "--discovery-backend",
+        default="file",
+        choices=["file", "etcd"],
+        help="file (default, no server needed) or etcd (started on 127.0.0.1 unless ETCD_ENDPOINTS is set)",
+    )
+    serve.add_argument(
+        "--event-plane",
+        default="zmq",
+        choices=["zmq", "nats"],
+        help="zmq (default) or nats (nats-server started on 127.0.0.1 unless NATS_SERVER is set)",
+    )
     serve.add_argument("--run-dir", help="discovery store, model directory, logs (default: a new temp dir)")
-    serve.add_argument("--nodes", metavar="FILE", help="a nodes file from `dynamo-flexkv nodes up`: each component "
-                       "with a node option (e.g. --set PrefillWorker.node=B) runs in that node's network namespace "
-                       "(needs --discovery-backend etcd --event-plane nats; run serve itself on the frontend's node)")
+    serve.add_argument(
+        "--nodes",
+        metavar="FILE",
+        help="a nodes file from `dynamo-flexkv nodes up`: each component "
+        "with a node option (e.g. --set PrefillWorker.node=B) runs in that node's network namespace "
+        "(needs --discovery-backend etcd --event-plane nats; run serve itself on the frontend's node)",
+    )
 
-    nodes = sub.add_parser("nodes", help="network namespaces on this machine that stand in for separate nodes (root)",
-                           description="up: a bridge namespace PREFIX-sw and one namespace PREFIX-<name> per node, "
-                           "each with a veth pair into the bridge, a link-local address and no other route; writes "
-                           "the nodes file serve --nodes reads. down: removes them. link: takes a node's link down "
-                           "or up.")
+    nodes = sub.add_parser(
+        "nodes",
+        help="network namespaces on this machine that stand in for separate nodes (root)",
+        description="up: a bridge namespace PREFIX-sw and one namespace PREFIX-<name> per node, "
+        "each with a veth pair into the bridge, a link-local address and no other route; writes "
+        "the nodes file serve --nodes reads. down: removes them. link: takes a node's link down "
+        "or up.",
+    )
     nodes.add_argument("action", choices=["up", "down", "link"])
     nodes.add_argument("names", nargs="*", help="up: node names (default A B C); link: NAME up|down")
     nodes.add_argument("--prefix", default="flexkv", help="namespace name prefix (default flexkv)")
@@ -46,39 +69,64 @@ def build_parser() -> argparse.ArgumentParser:
 
     render = sub.add_parser("render", help="write a graph as a deployment manifest")
     _graph_args(render)
-    render.add_argument("--k8s", action="store_true", required=True, help="a Dynamo DynamoGraphDeployment (nvidia.com/v1alpha1)")
+    render.add_argument(
+        "--k8s", action="store_true", required=True, help="a Dynamo DynamoGraphDeployment (nvidia.com/v1alpha1)"
+    )
     render.add_argument("--image", default="dynamo-flexkv:latest", help="container image with dynamo_flexkv installed")
     render.add_argument("-o", "--output", help="file to write (default: stdout)")
 
     from dynamo_flexkv.replay.main import add_arguments as replay_arguments
-    replay_arguments(sub.add_parser(
-        "replay", help="replay the Mooncake conversation trace with its arrival times and concurrency over HTTP "
-        "against each configuration (offload, tiers, routing, device sizes); table, plots, JSON lines",
-        description="Serves each configuration on a fresh graph of --engine's workers (vLLM by default; or uses "
-        "--url), replays the trace against it, and writes report.md, results.jsonl and PNG plots to the results "
-        "folder."))
-    replay_arguments(sub.add_parser(
-        "demo", help="the main job: the replay comparison with its defaults on vLLM workers (same options as "
-        "replay; --engine reference: the reference engine's workers)"))
+
+    replay_arguments(
+        sub.add_parser(
+            "replay",
+            help="replay the Mooncake conversation trace with its arrival times and concurrency over HTTP "
+            "against each configuration (offload, tiers, routing, device sizes); table, plots, JSON lines",
+            description="Serves each configuration on a fresh graph of --engine's workers (vLLM by default; or uses "
+            "--url), replays the trace against it, and writes report.md, results.jsonl and PNG plots to the results "
+            "folder.",
+        )
+    )
+    replay_arguments(
+        sub.add_parser(
+            "demo",
+            help="the main job: the replay comparison with its defaults on vLLM workers (same options as "
+            "replay; --engine reference: the reference engine's workers)",
+        )
+    )
 
     from dynamo_flexkv.cache_server import add_arguments as cache_server_arguments
-    cache_server_arguments(sub.add_parser(
-        "cache-server", help="the node's KV cache service: one per node, shared by every engine and rank that "
-        "attaches (cache mode: node); outlives them",
-        description="Owns the host tier (shared memory the engines map), the disk and remote tiers, the index and "
-        "eviction for every engine on this node, which attach over a Unix socket (owner only). Runs until Ctrl-C or "
-        "SIGTERM (exit 0); the disk tier stays for the next one to re-adopt."))
+
+    cache_server_arguments(
+        sub.add_parser(
+            "cache-server",
+            help="the node's KV cache service: one per node, shared by every engine and rank that "
+            "attaches (cache mode: node); outlives them",
+            description="Owns the host tier (shared memory the engines map), the disk and remote tiers, the index "
+            "and eviction for every engine on this node, which attach over a Unix socket (owner only). "
+            "Runs until Ctrl-C or "
+            "SIGTERM (exit 0); the disk tier stays for the next one to re-adopt.",
+        )
+    )
 
     from dynamo_flexkv.bench import build_parser as bench_parser
+
     bench_parser(sub.add_parser("bench", help="run a benchmark against its same-run baseline"))
     return parser
 
 
 def _graph_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("graph", help="graph file, e.g. graphs/agg_router.py")
-    p.add_argument("-f", "--config", help="config file, e.g. configs/agg_router.yaml (Common + a section per component)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value, e.g. --set FlexKVWorker.replicas=3 (repeatable)")
+    p.add_argument(
+        "-f", "--config", help="config file, e.g. configs/agg_router.yaml (Common + a section per component)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set FlexKVWorker.replicas=3 (repeatable)",
+    )
 
 
 def _plan(args: argparse.Namespace, run_dir: str, **kw):
@@ -87,16 +135,20 @@ def _plan(args: argparse.Namespace, run_dir: str, **kw):
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
     config = apply_overrides(load_config(resolve(CONFIGS, args.config) if args.config else None), args.set)
-    return build_plan(load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=args.config or "defaults", **kw)
+    return build_plan(
+        load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=args.config or "defaults", **kw
+    )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "render"):
         from dynamo_flexkv.serve import GraphError
+
         try:
             if args.command == "render":
                 from dynamo_flexkv.serve.render import render_k8s
+
                 text = render_k8s(_plan(args, "/run/dynamo-flexkv", local=False), args.image)
                 if args.output:
                     Path(args.output).write_text(text)
@@ -106,9 +158,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             import tempfile
             from dynamo_flexkv.serve.launcher import serve
             from dynamo_flexkv.serve.nodes import Nodes
-            plan = _plan(args, args.run_dir or tempfile.mkdtemp(prefix="dynamo-flexkv-"),
-                         discovery_backend=args.discovery_backend, event_plane=args.event_plane,
-                         nodes=Nodes.load(args.nodes) if args.nodes else None)
+
+            plan = _plan(
+                args,
+                args.run_dir or tempfile.mkdtemp(prefix="dynamo-flexkv-"),
+                discovery_backend=args.discovery_backend,
+                event_plane=args.event_plane,
+                nodes=Nodes.load(args.nodes) if args.nodes else None,
+            )
         except GraphError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -117,15 +174,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _nodes(args)
     if args.command in ("replay", "demo"):
         from dynamo_flexkv.replay.main import run as replay_run
+
         return replay_run(args)
     if args.command == "doctor":
         from dynamo_flexkv.doctor import main as doctor_main
+
         return doctor_main(args.cache_dirs, args.json)
     if args.command == "cache-server":
         from dynamo_flexkv.cache_server import run as cache_server_run
+
         return cache_server_run(args)
     if args.command == "bench":
         from dynamo_flexkv.bench import run_command
+
         return run_command(args)
     raise AssertionError(args.command)
 
@@ -133,15 +194,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _nodes(args: argparse.Namespace) -> int:
     from dynamo_flexkv.serve.graph import GraphError
     from dynamo_flexkv.serve.nodes import Nodes, NodesError
+
     try:
         if args.action == "up":
             made = Nodes.up(args.prefix, args.names or ("A", "B", "C"), path=Path(args.file))
             for node in made.nodes.values():
                 print(f"node {node.name}: netns {node.netns}, {node.address} and {node.address6} on {node.device}")
             first = next(iter(made.nodes.values()))
-            print(f"wrote {args.file}; serve from the frontend's node: ip netns exec {first.netns} "
-                  f"dynamo-flexkv serve GRAPH -f CONFIG --nodes {args.file} --discovery-backend etcd --event-plane nats "
-                  f"--set Frontend.node={first.name} --set <Worker>.node=<name> ...")
+            print(
+                f"wrote {args.file}; serve from the frontend's node: ip netns exec {first.netns} "
+                f"dynamo-flexkv serve GRAPH -f CONFIG --nodes {args.file} --discovery-backend etcd --event-plane nats "
+                f"--set Frontend.node={first.name} --set <Worker>.node=<name> ..."
+            )
             return 0
         made = Nodes.load(args.file, "--file")
         if args.action == "down":

@@ -32,8 +32,11 @@ def check_native() -> Check:
     try:
         from dynamo_flexkv.core import native
     except ImportError as e:
-        return Check("native extension", Status.MISSING,
-                     f"{e}; build it with `make install` in a checkout, or reinstall the wheel")
+        return Check(
+            "native extension",
+            Status.MISSING,
+            f"{e}; build it with `make install` in a checkout, or reinstall the wheel",
+        )
     return Check("native extension", Status.OK, native.PATH)
 
 
@@ -45,11 +48,17 @@ def check_package_data() -> Check:
     presets = sorted(p.stem for p in presets_dir().glob("*.yaml"))
     graphs, configs = shipped_names(GRAPHS), shipped_names(CONFIGS)
     if not (presets and graphs and configs):
-        return Check("package data", Status.MISSING,
-                     f"presets {presets}, graphs {graphs}, configs {configs} under {shipped_dir(CONFIGS).parent}: "
-                     "the install is incomplete; reinstall with `pip install .` from the repository")
-    return Check("package data", Status.OK,
-                 f"{shipped_dir(GRAPHS).parent}: graphs {graphs}, configs {configs}, model presets {presets}")
+        return Check(
+            "package data",
+            Status.MISSING,
+            f"presets {presets}, graphs {graphs}, configs {configs} under {shipped_dir(CONFIGS).parent}: "
+            "the install is incomplete; reinstall with `pip install .` from the repository",
+        )
+    return Check(
+        "package data",
+        Status.OK,
+        f"{shipped_dir(GRAPHS).parent}: graphs {graphs}, configs {configs}, model presets {presets}",
+    )
 
 
 _SYS_IO_URING_SETUP = 425  # same number on x86_64 and aarch64
@@ -62,8 +71,11 @@ def check_io_uring() -> Check:
     fd = libc.syscall(_SYS_IO_URING_SETUP, 1, params)
     if fd < 0:
         err = ctypes.get_errno()
-        return Check("io_uring", Status.FALLBACK,
-                     f"io_uring_setup failed ({os.strerror(err)}): disk I/O uses a pread/pwrite thread pool")
+        return Check(
+            "io_uring",
+            Status.FALLBACK,
+            f"io_uring_setup failed ({os.strerror(err)}): disk I/O uses a pread/pwrite thread pool",
+        )
     os.close(fd)
     return Check("io_uring", Status.OK, "io_uring_setup works: disk I/O uses batched io_uring")
 
@@ -100,7 +112,9 @@ def check_cuda() -> Check:
     if torch.cuda.is_available():
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         return Check("CUDA", Status.OK, f"torch {torch.__version__}: {names}")
-    return Check("CUDA", Status.FALLBACK, f"torch {torch.__version__} without CUDA: CPU tensors stand in for device memory")
+    return Check(
+        "CUDA", Status.FALLBACK, f"torch {torch.__version__} without CUDA: CPU tensors stand in for device memory"
+    )
 
 
 def check_nixl() -> List[Check]:
@@ -108,7 +122,9 @@ def check_nixl() -> List[Check]:
     destructor (SIGSEGV in rtnl_tc_unregister, NIXL 1.5.1), which must not take doctor down."""
     proc = subprocess.run(
         [sys.executable, "-c", "from dynamo_flexkv.doctor import _nixl_probe; _nixl_probe()"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
@@ -135,8 +151,12 @@ def _nixl_checks() -> List[Check]:
     except Exception as e:  # NIXL raises its own error types; report them as they are
         return [Check("NIXL", Status.FALLBACK, f"agent creation failed: {e}")]
     out = []
-    for backend, use in (("POSIX", "host<->disk"), ("UCX", "host<->remote host"),
-                         ("GDS", "GPUDirect Storage"), ("GDS_MT", "host<->disk when enable_gds")):
+    for backend, use in (
+        ("POSIX", "host<->disk"),
+        ("UCX", "host<->remote host"),
+        ("GDS", "GPUDirect Storage"),
+        ("GDS_MT", "host<->disk when enable_gds"),
+    ):
         if backend not in plugins:
             out.append(Check(f"NIXL {backend}", Status.FALLBACK, f"plugin absent: {use} without NIXL"))
             continue
@@ -144,8 +164,13 @@ def _nixl_checks() -> List[Check]:
             agent.create_backend(backend)
             out.append(Check(f"NIXL {backend}", Status.OK, f"backend created: {use}"))
         except Exception as e:  # e.g. GDS without cuFile / a GPU
-            out.append(Check(f"NIXL {backend}", Status.FALLBACK,
-                             f"plugin present, backend failed ({type(e).__name__}): {use} without it"))
+            out.append(
+                Check(
+                    f"NIXL {backend}",
+                    Status.FALLBACK,
+                    f"plugin present, backend failed ({type(e).__name__}): {use} without it",
+                )
+            )
     return out
 
 
@@ -154,9 +179,12 @@ def check_dynamo() -> Check:
         import dynamo._core  # noqa: F401
         from importlib.metadata import version
     except ImportError as e:
-        return Check("Dynamo runtime", Status.FALLBACK, f"not importable ({e}): the library works, the Dynamo component does not")
+        return Check(
+            "Dynamo runtime", Status.FALLBACK, f"not importable ({e}): the library works, the Dynamo component does not"
+        )
     try:
         import dynamo.common.backend  # noqa: F401
+
         backend = "dynamo.common.backend importable"
     except ImportError as e:
         backend = f"dynamo.common.backend missing ({e})"
@@ -167,6 +195,7 @@ def check_config(config=None) -> "tuple[Check, Optional[object]]":
     """The configuration (file and FLEXKV_* environment) and the CacheConfig it makes (None when it
     cannot be loaded: the check says why, naming the key and the fix)."""
     from dynamo_flexkv.core.config import CONFIG_PATH_ENV, CacheConfig, ConfigError
+
     if config is not None:
         return Check("config", Status.OK, "given"), config
     try:
@@ -195,6 +224,7 @@ def check_remote(config=None) -> Check:
         return Check(name, Status.OK if server else Status.MISSING, f"no remote_cache_url: `serve` starts {local}")
     from dynamo_flexkv.core.config import ConfigError
     from dynamo_flexkv.core.remote import RemoteError, RemoteStore
+
     try:
         rc = cfg.remote_config()
     except ConfigError as e:
@@ -203,27 +233,40 @@ def check_remote(config=None) -> Check:
         store = RemoteStore(rc, 0, strict=True)
     except RemoteError as e:
         status = Status.MISSING if cfg.remote_required else Status.FALLBACK
-        return Check(name, status, f"{e}" + ("" if cfg.remote_required else
-                                             " (remote_required=false: workers start on their local tiers)"))
+        return Check(
+            name,
+            status,
+            f"{e}" + ("" if cfg.remote_required else " (remote_required=false: workers start on their local tiers)"),
+        )
     except Exception as e:  # noqa: BLE001 -- doctor reports, never dies with a traceback
-        return Check(name, Status.MISSING, f"cannot open the remote tier at {rc.redacted_url}: "
-                     f"{type(e).__name__}: {e}")
+        return Check(name, Status.MISSING, f"cannot open the remote tier at {rc.redacted_url}: {type(e).__name__}: {e}")
     kind = "Redis Cluster" if rc.parsed.cluster else "Redis"
     warn = getattr(store, "policy_warning", None)
     store.close()
     if warn:
-        return Check(name, Status.FALLBACK, f"{kind} at {rc.redacted_url}: maxmemory-policy {warn} refuses every "
-                     "write once full; set maxmemory-policy allkeys-lru and a maxmemory")
-    return Check(name, Status.OK, f"{kind} at {rc.redacted_url} reachable; timeout {rc.timeout_s} s, "
-                 f"ttl {rc.ttl_s or 'none'}, key prefix {rc.key_prefix!r}")
+        return Check(
+            name,
+            Status.FALLBACK,
+            f"{kind} at {rc.redacted_url}: maxmemory-policy {warn} refuses every "
+            "write once full; set maxmemory-policy allkeys-lru and a maxmemory",
+        )
+    return Check(
+        name,
+        Status.OK,
+        f"{kind} at {rc.redacted_url} reachable; timeout {rc.timeout_s} s, "
+        f"ttl {rc.ttl_s or 'none'}, key prefix {rc.key_prefix!r}",
+    )
 
 
 def _run_checks(cache_dirs: Sequence[str], loaded: Check, cfg) -> List[Check]:
     checks = [loaded, check_native(), check_package_data(), check_io_uring()]
     checks += [check_o_direct(d) for d in cache_dirs]
     checks += [check_cuda(), *check_nixl(), check_dynamo()]
-    checks.append(check_remote(cfg) if cfg is not None else
-                  Check("remote tier (Redis)", Status.MISSING, "not checked: the config is invalid (see config)"))
+    checks.append(
+        check_remote(cfg)
+        if cfg is not None
+        else Check("remote tier (Redis)", Status.MISSING, "not checked: the config is invalid (see config)")
+    )
     return [Check(c.name, c.status, _scrub(c.detail)) for c in checks]
 
 

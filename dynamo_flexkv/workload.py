@@ -53,18 +53,27 @@ class Scale:
     token_vocab: int = 256  # ids below this (byte tokens of the generated tokenizer)
 
     def __post_init__(self) -> None:
-        for name in ("conversations", "min_turns", "max_turns", "tokens_per_hash_block", "max_prompt_tokens",
-                     "max_output_tokens", "token_vocab"):
+        for name in (
+            "conversations",
+            "min_turns",
+            "max_turns",
+            "tokens_per_hash_block",
+            "max_prompt_tokens",
+            "max_output_tokens",
+            "token_vocab",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
         if self.min_turns > self.max_turns:
             raise ValueError(f"min-turns={self.min_turns} > max-turns={self.max_turns}: lower min-turns")
 
     def describe(self) -> str:
-        return (f"the first {self.conversations} conversations of {self.min_turns}-{self.max_turns} turns of the "
-                f"Mooncake conversation trace (later turns dropped); each 512-token trace block -> "
-                f"{self.tokens_per_hash_block} tokens (prompts x{self.tokens_per_hash_block / TRACE_BLOCK:g}), "
-                f"prompts <= {self.max_prompt_tokens} tokens, outputs <= {self.max_output_tokens} tokens")
+        return (
+            f"the first {self.conversations} conversations of {self.min_turns}-{self.max_turns} turns of the "
+            f"Mooncake conversation trace (later turns dropped); each 512-token trace block -> "
+            f"{self.tokens_per_hash_block} tokens (prompts x{self.tokens_per_hash_block / TRACE_BLOCK:g}), "
+            f"prompts <= {self.max_prompt_tokens} tokens, outputs <= {self.max_output_tokens} tokens"
+        )
 
 
 def _open(path: Path) -> IO[str]:
@@ -81,11 +90,18 @@ def load_trace(path: Optional[Path] = None) -> List[TraceRequest]:
         for n, line in enumerate(f, 1):
             try:
                 r = json.loads(line)
-                out.append(TraceRequest(int(r["timestamp"]), int(r["input_length"]), int(r["output_length"]),
-                                        tuple(int(h) for h in r["hash_ids"])))
+                out.append(
+                    TraceRequest(
+                        int(r["timestamp"]),
+                        int(r["input_length"]),
+                        int(r["output_length"]),
+                        tuple(int(h) for h in r["hash_ids"]),
+                    )
+                )
             except (ValueError, KeyError, TypeError, OverflowError) as e:
-                raise ValueError(f"{path}:{n}: not a trace record ({e}): expected timestamp, input_length, "
-                                 "output_length, hash_ids") from None
+                raise ValueError(
+                    f"{path}:{n}: not a trace record ({e}): expected timestamp, input_length, output_length, hash_ids"
+                ) from None
     return out
 
 
@@ -120,10 +136,12 @@ def trace_turns(scale: Scale = Scale(), path: Optional[Path] = None) -> List[Tur
     for i, c in enumerate(conv):
         if int(trace[i].input_length * ratio) <= scale.max_prompt_tokens:
             members.setdefault(c, []).append(i)
-    chosen = [m[:scale.max_turns] for m in members.values() if len(m) >= scale.min_turns][:scale.conversations]
+    chosen = [m[: scale.max_turns] for m in members.values() if len(m) >= scale.min_turns][: scale.conversations]
     if len(chosen) < scale.conversations:
-        raise ValueError(f"the trace has only {len(chosen)} conversations of >= {scale.min_turns} turns under "
-                         f"{scale.max_prompt_tokens} tokens; lower --conversations or raise the prompt cap")
+        raise ValueError(
+            f"the trace has only {len(chosen)} conversations of >= {scale.min_turns} turns under "
+            f"{scale.max_prompt_tokens} tokens; lower --conversations or raise the prompt cap"
+        )
     block_cache: Dict[int, np.ndarray] = {}
 
     def block(h: int) -> np.ndarray:
@@ -136,7 +154,8 @@ def trace_turns(scale: Scale = Scale(), path: Optional[Path] = None) -> List[Tur
         for t, i in enumerate(idxs):
             r = trace[i]
             tokens = np.concatenate([block(h) for h in r.hash_ids])[: max(1, int(r.input_length * ratio))]
-            turns.append(Turn(rank, t, r.timestamp_ms, tokens.tolist(),
-                              max(1, min(r.output_length, scale.max_output_tokens))))
+            turns.append(
+                Turn(rank, t, r.timestamp_ms, tokens.tolist(), max(1, min(r.output_length, scale.max_output_tokens)))
+            )
     turns.sort(key=lambda t: (t.timestamp_ms, t.conversation, t.turn))
     return turns

@@ -8,6 +8,12 @@ its own tiers lack over NIXL and generates. Same tokens as graphs/agg.py.
 
 from dynamo_flexkv.serve import FlexKVWorker, Frontend, Graph
 
-graph = Graph("disagg", (Frontend(router_mode="round-robin"),
-                         FlexKVWorker("PrefillWorker", disaggregation_mode="prefill"),
-                         FlexKVWorker("DecodeWorker", disaggregation_mode="decode")), description=__doc__)
+graph = Graph(
+    "disagg",
+    (
+        Frontend(router_mode="round-robin"),
+        FlexKVWorker("PrefillWorker", disaggregation_mode="prefill"),
+        FlexKVWorker("DecodeWorker", disaggregation_mode="decode"),
+    ),
+    description=__doc__,
+)

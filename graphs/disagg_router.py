@@ -8,7 +8,12 @@ is placed by load, and the decode worker pulls only the blocks its own tiers lac
 
 from dynamo_flexkv.serve import FlexKVWorker, Frontend, Graph
 
-graph = Graph("disagg_router", (Frontend(router_mode="kv"),
-                                FlexKVWorker("PrefillWorker", disaggregation_mode="prefill", replicas=2),
-                                FlexKVWorker("DecodeWorker", disaggregation_mode="decode", replicas=1)),
-              description=__doc__)
+graph = Graph(
+    "disagg_router",
+    (
+        Frontend(router_mode="kv"),
+        FlexKVWorker("PrefillWorker", disaggregation_mode="prefill", replicas=2),
+        FlexKVWorker("DecodeWorker", disaggregation_mode="decode", replicas=1),
+    ),
+    description=__doc__,
+)

@@ -8,7 +8,12 @@ FlexKVConnector's host/disk events), the decode leg by load; decode pulls the KV
 
 from dynamo_flexkv.serve import Frontend, Graph, VllmWorker
 
-graph = Graph("disagg_router_vllm", (Frontend(router_mode="kv"),
-                                     VllmWorker("PrefillWorker", disaggregation_mode="prefill", replicas=2),
-                                     VllmWorker("DecodeWorker", disaggregation_mode="decode", replicas=1)),
-              description=__doc__)
+graph = Graph(
+    "disagg_router_vllm",
+    (
+        Frontend(router_mode="kv"),
+        VllmWorker("PrefillWorker", disaggregation_mode="prefill", replicas=2),
+        VllmWorker("DecodeWorker", disaggregation_mode="decode", replicas=1),
+    ),
+    description=__doc__,
+)

@@ -8,6 +8,12 @@ FlexKVConnector for its own host/disk tiers, under vLLM's MultiConnector.
 
 from dynamo_flexkv.serve import Frontend, Graph, VllmWorker
 
-graph = Graph("disagg_vllm", (Frontend(router_mode="round-robin"),
-                              VllmWorker("PrefillWorker", disaggregation_mode="prefill"),
-                              VllmWorker("DecodeWorker", disaggregation_mode="decode")), description=__doc__)
+graph = Graph(
+    "disagg_vllm",
+    (
+        Frontend(router_mode="round-robin"),
+        VllmWorker("PrefillWorker", disaggregation_mode="prefill"),
+        VllmWorker("DecodeWorker", disaggregation_mode="decode"),
+    ),
+    description=__doc__,
+)

@@ -16,8 +16,18 @@ import sys
 
 def build(model_dir, kt):
     from vllm.engine.arg_utils import EngineArgs
-    ea = EngineArgs(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=8192, block_size=64,
-                    enforce_eager=True, kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0)
+
+    ea = EngineArgs(
+        model=model_dir,
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=8192,
+        block_size=64,
+        enforce_eager=True,
+        kv_cache_memory_bytes=128 << 20,
+        kv_transfer_config=kt,
+        seed=0,
+    )
     return ea.create_engine_config()
 
 
@@ -26,10 +36,14 @@ def make(vc, role):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
     r = KVConnectorRole.SCHEDULER if role == "scheduler" else KVConnectorRole.WORKER
     spec = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(4)], spec)])
+    kcc = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(4)], spec)],
+    )
     return KVConnectorFactory.create_connector(vc, r, kcc)
 
 
@@ -41,9 +55,13 @@ def main() -> int:
         os.environ.clear()
         os.environ.update(base_env)
         os.environ.update(c.get("env", {}))
-        kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
-              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": c.get("extra", {"layerwise": True})}
+        kt = {
+            "kv_connector": "FlexKVConnector",
+            "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": c.get("extra", {"layerwise": True}),
+        }
         kt.update(c.get("kt", {}))
         r = {}
         try:
@@ -58,6 +76,7 @@ def main() -> int:
                 r[role] = "ok"
                 if role == "worker" and c.get("register", True):
                     import torch
+
                     store = torch.zeros(4, 64, 2, 64, 128, dtype=torch.bfloat16)
                     try:
                         conn.register_kv_caches({f"model.layers.{i}.self_attn.attn": store[i] for i in range(4)})

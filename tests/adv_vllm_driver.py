@@ -26,6 +26,7 @@ from exactness import EXACT_DTYPE, Generation, connector_extra
 
 def _conn():
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
     return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
@@ -68,6 +69,7 @@ class Driver:
     def settle(self):
         """Steps the engine until the stores are reported, then drains the background writes."""
         from vllm import SamplingParams
+
         for _ in range(4):
             self.llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
         st = self.stats()
@@ -85,8 +87,11 @@ class Driver:
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         res = []
         for o in outs:
-            r = {"tokens": [list(c.token_ids) for c in o.outputs], "cached": o.num_cached_tokens,
-                 "logprobs": [Generation.of_vllm(c).logprobs for c in o.outputs]}
+            r = {
+                "tokens": [list(c.token_ids) for c in o.outputs],
+                "cached": o.num_cached_tokens,
+                "logprobs": [Generation.of_vllm(c).logprobs for c in o.outputs],
+            }
             if o.prompt_logprobs is not None:
                 pl = []
                 for i, d in enumerate(o.prompt_logprobs):
@@ -122,6 +127,7 @@ def rand_prompt(rnd, n):
 
 def sc_lengths(d, rnd):
     from vllm import SamplingParams
+
     sp = SamplingParams(max_tokens=8, temperature=0)
     res = {}
     for n in (1, 2, 63, 64, 65, 127, 128, 129, 1000, 4032, 4096):
@@ -132,6 +138,7 @@ def sc_lengths(d, rnd):
 
 def sc_batch32(d, rnd):
     from vllm import SamplingParams
+
     sp = SamplingParams(max_tokens=8, temperature=0)
     prefix = rand_prompt(rnd, 1024)
     suffix_lens = [0, 64, 1, 63, 65] + [rnd.randrange(1, 300) for _ in range(27)]
@@ -141,6 +148,7 @@ def sc_batch32(d, rnd):
 
 def sc_dup(d, rnd):
     from vllm import SamplingParams
+
     sp = SamplingParams(max_tokens=8, temperature=0)
     p = rand_prompt(rnd, 700)
     out = d.cold_warm([{"prompt_token_ids": p}, {"prompt_token_ids": p}], sp)
@@ -150,28 +158,36 @@ def sc_dup(d, rnd):
 
 def sc_nsample(d, rnd):
     from vllm import SamplingParams
+
     p = rand_prompt(rnd, 700)
     q = rand_prompt(rnd, 700)
-    return {"seeded_n3": d.cold_warm([{"prompt_token_ids": q}],
-                                     SamplingParams(max_tokens=8, temperature=0.8, n=3, seed=123)),
-            "seeded_n1": d.cold_warm([{"prompt_token_ids": p}], SamplingParams(max_tokens=8, temperature=0.8, seed=7))}
+    return {
+        "seeded_n3": d.cold_warm(
+            [{"prompt_token_ids": q}], SamplingParams(max_tokens=8, temperature=0.8, n=3, seed=123)
+        ),
+        "seeded_n1": d.cold_warm([{"prompt_token_ids": p}], SamplingParams(max_tokens=8, temperature=0.8, seed=7)),
+    }
 
 
 def sc_plogprobs(d, rnd):
     from vllm import SamplingParams
+
     p = rand_prompt(rnd, 300)
     return d.cold_warm([{"prompt_token_ids": p}], SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=1))
 
 
 def sc_salt(d, rnd):
     from vllm import SamplingParams
+
     sp = SamplingParams(max_tokens=8, temperature=0)
     p = rand_prompt(rnd, 700)
     out = {"a": d.cold_warm([{"prompt_token_ids": p, "cache_salt": "a"}], sp)}
     # p is now in the tiers under salt "a" only.
-    for name, prompt in (("b", {"prompt_token_ids": p, "cache_salt": "b"}),
-                         ("none", {"prompt_token_ids": p}),
-                         ("a_again", {"prompt_token_ids": p, "cache_salt": "a"})):
+    for name, prompt in (
+        ("b", {"prompt_token_ids": p, "cache_salt": "b"}),
+        ("none", {"prompt_token_ids": p}),
+        ("a_again", {"prompt_token_ids": p, "cache_salt": "a"}),
+    ):
         d.drop_device()
         log0 = len(d.log())
         g = d.gen([prompt], sp)
@@ -183,6 +199,7 @@ def sc_salt(d, rnd):
 def sc_many(d, rnd):
     """Many distinct prompts one after the other (fills small tiers), then all of them again."""
     from vllm import SamplingParams
+
     sp = SamplingParams(max_tokens=6, temperature=0)
     prompts = [{"prompt_token_ids": rand_prompt(rnd, 1500)} for _ in range(10)]
     log0 = len(d.log())
@@ -192,14 +209,20 @@ def sc_many(d, rnd):
     log1 = len(d.log())
     warm = [d.gen([p], sp)[0] for p in reversed(prompts)][::-1]
     lg = d.log()
-    return {"cold": cold, "warm": warm, "stats_before": st0, "stats_after": d.settle(),
-            "stores": [[r[3], len(r[2])] for r in lg[log0:log1] if r[0] == "store"],
-            "loads": [[r[3], len(r[2])] for r in lg[log1:] if r[0] == "load"]}
+    return {
+        "cold": cold,
+        "warm": warm,
+        "stats_before": st0,
+        "stats_after": d.settle(),
+        "stores": [[r[3], len(r[2])] for r in lg[log0:log1] if r[0] == "store"],
+        "loads": [[r[3], len(r[2])] for r in lg[log1:] if r[0] == "load"],
+    }
 
 
 def sc_preempt(d, rnd):
     """Long prompts with long outputs submitted together into a small device cache: vLLM preempts."""
     from vllm import SamplingParams
+
     sp = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
     prefix = rand_prompt(rnd, 640)
     prompts = [{"prompt_token_ids": prefix + rand_prompt(rnd, 700 + 64 * i)} for i in range(6)]
@@ -209,6 +232,7 @@ def sc_preempt(d, rnd):
 def sc_restart_a(d, rnd):
     """First engine on an SSD dir: compute and persist."""
     from vllm import SamplingParams
+
     sp = SamplingParams(max_tokens=8, temperature=0)
     prompts = [{"prompt_token_ids": rand_prompt(rnd, 1500)} for _ in range(3)]
     out = {"cold": d.gen(prompts, sp)}
@@ -220,6 +244,7 @@ def sc_restart_a(d, rnd):
 def sc_restart_b(d, rnd):
     """Second engine, same SSD dir and the same prompts: loaded from disk."""
     from vllm import SamplingParams
+
     sp = SamplingParams(max_tokens=8, temperature=0)
     rnd = random.Random(1000 + sum(map(ord, "restart_a")))  # restart_a's prompts
     prompts = [{"prompt_token_ids": rand_prompt(rnd, 1500)} for _ in range(3)]
@@ -237,18 +262,26 @@ def sc_embeds(d, rnd):
     enable_prompt_embeds)."""
     import torch
     from vllm import SamplingParams
+
     sp = SamplingParams(max_tokens=4, temperature=0)
     g = torch.Generator().manual_seed(rnd.randrange(1 << 30))
     hidden = d.llm.llm_engine.model_config.get_hidden_size()
     e1, e2 = (torch.randn(1000, hidden, generator=g) for _ in range(2))
     out = {}
-    for name, prompt in (("e1", {"prompt_embeds": e1}), ("e2", {"prompt_embeds": e2}),
-                         ("zeros", {"prompt_token_ids": [0] * 1000}), ("e1_again", {"prompt_embeds": e1})):
+    for name, prompt in (
+        ("e1", {"prompt_embeds": e1}),
+        ("e2", {"prompt_embeds": e2}),
+        ("zeros", {"prompt_token_ids": [0] * 1000}),
+        ("e1_again", {"prompt_embeds": e1}),
+    ):
         d.settle()
         d.drop_device()
         log0 = len(d.log())
-        out[name] = {"gen": d.gen([prompt], sp), "loads": [[r[3], len(r[2])] for r in d.log()[log0:] if r[0] == "load"],
-                     "stores": [[r[3], len(r[2])] for r in d.log()[log0:] if r[0] == "store"]}
+        out[name] = {
+            "gen": d.gen([prompt], sp),
+            "loads": [[r[3], len(r[2])] for r in d.log()[log0:] if r[0] == "load"],
+            "stores": [[r[3], len(r[2])] for r in d.log()[log0:] if r[0] == "store"],
+        }
     out["stats"] = d.settle()
     return out
 
@@ -257,6 +290,7 @@ def sc_reset(d, rnd):
     """vLLM's cache clear after a weight update: reset_prefix_cache(reset_connector=True) must
     drop the tiers too (or say it failed), so the same prompt is computed, not loaded."""
     from vllm import SamplingParams
+
     sp = SamplingParams(max_tokens=4, temperature=0)
     p = {"prompt_token_ids": rand_prompt(rnd, 1500)}
     out = {"cold": d.gen([p], sp), "stats_before": d.settle()}
@@ -286,13 +320,24 @@ def main() -> int:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
 
-    kw = dict(model=a.model_dir, dtype=EXACT_DTYPE, max_model_len=8192, block_size=64,
-              enforce_eager=True, kv_cache_memory_bytes=128 << 20, seed=0)
+    kw = dict(
+        model=a.model_dir,
+        dtype=EXACT_DTYPE,
+        max_model_len=8192,
+        block_size=64,
+        enforce_eager=True,
+        kv_cache_memory_bytes=128 << 20,
+        seed=0,
+    )
     kw.update(json.loads(a.engine))
     if a.connector:
-        kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
-              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {**json.loads(a.extra), **connector_extra()}}
+        kt = {
+            "kv_connector": "FlexKVConnector",
+            "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {**json.loads(a.extra), **connector_extra()},
+        }
         kt.update(json.loads(a.kt))
         kw["kv_transfer_config"] = kt
     results = {}

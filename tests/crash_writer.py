@@ -14,7 +14,7 @@ FAMILIES, MAX_BLOCKS, DEVICE_BLOCKS = 40, 8, 32
 
 def family_prompt(family: int, blocks: int) -> list:
     """Prompts of one family share their prefixes: prefix-closed chains with forks on disk."""
-    return np.random.default_rng(family).integers(0, 50000, MAX_BLOCKS * TPB)[:blocks * TPB].tolist()
+    return np.random.default_rng(family).integers(0, 50000, MAX_BLOCKS * TPB)[: blocks * TPB].tolist()
 
 
 def write_forever(cfg, seed: int, ready) -> None:

@@ -21,22 +21,40 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu x
 
 
 def tiny(section: str, tmp_path) -> list:
-    return [f"{section}.num-device-blocks=64", f"{section}.cache.cpu_cache_gb=0.02",
-            f"{section}.cache.ssd_cache_gb=0.05", f"{section}.cache.ssd_cache_dir={tmp_path}/ssd-{section}{{replica}}"]
+    return [
+        f"{section}.num-device-blocks=64",
+        f"{section}.cache.cpu_cache_gb=0.02",
+        f"{section}.cache.ssd_cache_gb=0.05",
+        f"{section}.cache.ssd_cache_dir={tmp_path}/ssd-{section}{{replica}}",
+    ]
 
 
 def disagg_plan(tmp_path, graph="disagg", *overrides, **build):
     """``build``: more build_plan arguments (discovery_backend, event_plane, nodes)."""
-    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
-                             ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
-                              *tiny("PrefillWorker", tmp_path), *tiny("DecodeWorker", tmp_path), *overrides])
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+        [
+            "Common.model=tiny",
+            "Common.served-model-name=flexkv-tiny",
+            "Frontend.http-port=0",
+            *tiny("PrefillWorker", tmp_path),
+            *tiny("DecodeWorker", tmp_path),
+            *overrides,
+        ],
+    )
     return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", **build)
 
 
 def agg_plan(tmp_path):
-    config = apply_overrides(load_config(str(ROOT / "configs" / "agg.yaml")),
-                             ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
-                              *tiny("FlexKVWorker", tmp_path)])
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / "agg.yaml")),
+        [
+            "Common.model=tiny",
+            "Common.served-model-name=flexkv-tiny",
+            "Frontend.http-port=0",
+            *tiny("FlexKVWorker", tmp_path),
+        ],
+    )
     return build_plan(load_graph(str(ROOT / "graphs" / "agg.py")), config, run_dir=tmp_path / "run-agg")
 
 
@@ -45,8 +63,10 @@ def prompts(n: int, seed: int = 3):
     part of each is cached in the prefill worker's tiers."""
     rng = random.Random(seed)
     base = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 120))) for _ in range(n // 2)]
-    return base, [rng.choice(base) + " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
-                  for _ in range(n - n // 2)]
+    return base, [
+        rng.choice(base) + " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+        for _ in range(n - n // 2)
+    ]
 
 
 def serve_all(plan, waves, max_tokens=3):
@@ -64,9 +84,18 @@ def clean_exit(launcher: Launcher) -> None:
 
 
 def complete(plan, prompt: str, max_tokens: int) -> dict:
-    return http_json("POST", f"{plan.base_url}/v1/completions",
-                     {"model": plan.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
-                      "temperature": 0.0, "nvext": {"extra_fields": ["engine_data"]}}, timeout=120)
+    return http_json(
+        "POST",
+        f"{plan.base_url}/v1/completions",
+        {
+            "model": plan.served_model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "nvext": {"extra_fields": ["engine_data"]},
+        },
+        timeout=120,
+    )
 
 
 class Clock:
@@ -126,6 +155,7 @@ def serve_releases(side, timeout: float = 10.0) -> None:
         side.service()
         if len(side.leases) == 0:
             return
-        assert time.monotonic() < deadline, \
+        assert time.monotonic() < deadline, (
             f"{len(side.leases)} leases still held {timeout:.0f} s after their decode side released them"
+        )
         time.sleep(0.005)

@@ -77,8 +77,9 @@ def margin(ours: Generation, base: Generation) -> float:
     return max((abs(a - b) for a, b in zip(ours.logprobs, base.logprobs)), default=0.0)
 
 
-def differences(ours: Mapping[Hashable, Generation], base: Mapping[Hashable, Generation],
-                tolerance: float = LOGPROB_TOLERANCE) -> List[str]:
+def differences(
+    ours: Mapping[Hashable, Generation], base: Mapping[Hashable, Generation], tolerance: float = LOGPROB_TOLERANCE
+) -> List[str]:
     out = []
     for key, g in ours.items():
         b = base[key]
@@ -93,13 +94,19 @@ def worst(ours: Mapping[Hashable, Generation], base: Mapping[Hashable, Generatio
     return max((margin(g, base[k]) for k, g in ours.items()), default=0.0)
 
 
-def assert_exact(ours: Mapping[Hashable, Generation], base: Mapping[Hashable, Generation], what: str = "",
-                 tolerance: float = LOGPROB_TOLERANCE) -> float:
+def assert_exact(
+    ours: Mapping[Hashable, Generation],
+    base: Mapping[Hashable, Generation],
+    what: str = "",
+    tolerance: float = LOGPROB_TOLERANCE,
+) -> float:
     """Every generation of ``ours`` equals ``base``'s of the same key: token ids, and logprobs within
     ``tolerance``. Returns (and prints, for the record) the largest logprob difference seen."""
     wrong = differences(ours, base, tolerance)
-    assert not wrong, (f"{what}: {len(wrong)} of {len(ours)} generations differ from the run without offload "
-                       f"(tolerance {tolerance}):\n  " + "\n  ".join(wrong[:8]))
+    assert not wrong, (
+        f"{what}: {len(wrong)} of {len(ours)} generations differ from the run without offload "
+        f"(tolerance {tolerance}):\n  " + "\n  ".join(wrong[:8])
+    )
     seen = worst(ours, base)
     print(f"\n{what}: {len(ours)} generations exact, largest logprob difference {seen:.3g} (tolerance {tolerance})")
     return seen

@@ -136,8 +136,9 @@ class ModelTier:
 
     def candidates(self, extra_locked=None):
         children = self.children_counts()
-        return [h for h, b in self.blocks.items()
-                if b.ready and b.locks == 0 and h != extra_locked and h not in children]
+        return [
+            h for h, b in self.blocks.items() if b.ready and b.locks == 0 and h != extra_locked and h not in children
+        ]
 
     def busy(self) -> bool:
         return any(b.locks or not b.ready for b in self.blocks.values())

@@ -46,8 +46,9 @@ def block_view(tensors, layout: KVLayoutType, block: int, layer: int) -> torch.T
 def content(seq_hash: int, layer: int) -> torch.Tensor:
     """The bytes a block 'computed' for a prefix: a pure function of its sequence hash."""
     g = torch.Generator().manual_seed((int(seq_hash) ^ (layer * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1))
-    return torch.randint(-30000, 30000, (2, TPB, MODEL.num_kv_heads, MODEL.head_size), generator=g,
-                         dtype=torch.int16).view(torch.float16)
+    return torch.randint(
+        -30000, 30000, (2, TPB, MODEL.num_kv_heads, MODEL.head_size), generator=g, dtype=torch.int16
+    ).view(torch.float16)
 
 
 def fill(tensors, layout, block: int, seq_hash: int) -> None:
@@ -56,8 +57,13 @@ def fill(tensors, layout, block: int, seq_hash: int) -> None:
 
 
 def holds(tensors, layout, block: int, seq_hash: int) -> bool:
-    return all(torch.equal(block_view(tensors, layout, block, layer).cpu().view(torch.int16),
-                           content(seq_hash, layer).view(torch.int16)) for layer in range(MODEL.num_layers))
+    return all(
+        torch.equal(
+            block_view(tensors, layout, block, layer).cpu().view(torch.int16),
+            content(seq_hash, layer).view(torch.int16),
+        )
+        for layer in range(MODEL.num_layers)
+    )
 
 
 def assert_no_leaks(kv: KVManager) -> None:
@@ -81,6 +87,7 @@ def open_fds(settle_to: int = -1, timeout: float = 5.0) -> int:
     to it: a joined worker thread closes its cached io_uring ring in its native thread-exit
     handlers, which can run just after Python's join() returned."""
     import time
+
     deadline = time.monotonic() + timeout
     while True:
         n = len(os.listdir("/proc/self/fd"))

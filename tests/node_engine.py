@@ -31,6 +31,7 @@ class Hang:
                     mover.run(op_part)  # half the blocks' bytes land: a torn copy if it were committed
                 print("copying", flush=True)
                 threading.Event().wait()
+
         return Stuck()
 
 

@@ -29,8 +29,9 @@ HERE = Path(__file__).parent
 
 
 def server_config(tmp: Path, host_gb: float = 0.02, ssd_gb: float = 0.0) -> CacheConfig:
-    return CacheConfig(tokens_per_block=BS, cpu_cache_gb=host_gb, ssd_cache_gb=ssd_gb,
-                       ssd_cache_dir=str(tmp / "ssd") if ssd_gb else ())
+    return CacheConfig(
+        tokens_per_block=BS, cpu_cache_gb=host_gb, ssd_cache_gb=ssd_gb, ssd_cache_dir=str(tmp / "ssd") if ssd_gb else ()
+    )
 
 
 @contextlib.contextmanager
@@ -42,11 +43,30 @@ def node_server(tmp: Path, host_gb: float = 0.02, ssd_gb: float = 0.0, **options
 class Engine:
     """A NodeOffload over per-layer CPU tensors (LAYERBLOCK), like an engine's paged KV cache."""
 
-    def __init__(self, socket_path: str, name: str, model_id: str = "m", tenant: str = "", listener=None,
-                 spec: ModelSpec = SPEC, mover_hook=None, rank: int = 0, ranks: int = 1) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        name: str,
+        model_id: str = "m",
+        tenant: str = "",
+        listener=None,
+        spec: ModelSpec = SPEC,
+        mover_hook=None,
+        rank: int = 0,
+        ranks: int = 1,
+    ) -> None:
         cfg = CacheConfig(tokens_per_block=BS, mode="node", node_socket=socket_path)
-        self.offload: EngineOffload = open_offload(spec, cfg, model_id=model_id, engine=name, namespace=tenant,
-                                                   listener=listener, mover_hook=mover_hook, rank=rank, ranks=ranks)
+        self.offload: EngineOffload = open_offload(
+            spec,
+            cfg,
+            model_id=model_id,
+            engine=name,
+            namespace=tenant,
+            listener=listener,
+            mover_hook=mover_hook,
+            rank=rank,
+            ranks=ranks,
+        )
         layout = KVLayout(KVLayoutType.LAYERBLOCK, spec, BS, DEVICE_BLOCKS)
         self.layers = [torch.zeros(layout.layer_shape(), dtype=torch.float32) for _ in range(spec.num_layers)]
         self.offload.register(self.layers)
@@ -108,8 +128,14 @@ def prompt(seed: int, n: int) -> List[int]:
 def engine_process(socket_path: str, *args: str) -> subprocess.Popen:
     """node_engine.py in a process of its own; it prints one line per step it reached."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, str(HERE / "node_engine.py"), socket_path, *args],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "node_engine.py"), socket_path, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def read_line(proc: subprocess.Popen, want: str, timeout: float = 60) -> str:

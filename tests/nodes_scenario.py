@@ -60,8 +60,13 @@ def timed(plan, prompt):
     return code, round(time.monotonic() - t0, 2)
 
 
-PLACED = ("Frontend.node=A", "PrefillWorker.node=B", "DecodeWorker.node=C", "DecodeWorker.cache.ssd_cache_gb=0",
-          "DecodeWorker.restart-backoff-s=0.2")
+PLACED = (
+    "Frontend.node=A",
+    "PrefillWorker.node=B",
+    "DecodeWorker.node=C",
+    "DecodeWorker.cache.ssd_cache_gb=0",
+    "DecodeWorker.restart-backoff-s=0.2",
+)
 
 
 @contextmanager
@@ -102,8 +107,12 @@ def outage(nodes: Nodes, name: str, plan, prompts_: list) -> dict:
         code, _ = timed(plan, prompts_[2])
         if code != 200:
             time.sleep(0.5)
-    return {"first": answers[0], "max_s": max(s for _, s in answers), "statuses": sorted({c for c, _ in answers}),
-            "recovered_s": round(time.monotonic() - t0, 1) if code == 200 else None}
+    return {
+        "first": answers[0],
+        "max_s": max(s for _, s in answers),
+        "statuses": sorted({c for c, _ in answers}),
+        "recovered_s": round(time.monotonic() - t0, 1) if code == 200 else None,
+    }
 
 
 def main(nodes_file: str, tmp: Path, out: Path) -> None:
@@ -137,16 +146,26 @@ def main(nodes_file: str, tmp: Path, out: Path) -> None:
     # nothing (no disk tier, host and device gone), loads that prefix from the cluster.
     with RedisCluster(on=[(n.address, n.netns) for n in nodes.nodes.values()], maxmemory="64mb") as cluster:
         report["redis_masters"] = [s.url for s in cluster.servers]
-        remote = [f"{w}.cache.{k}" for w in ("PrefillWorker", "DecodeWorker")
-                  for k in ("enable_remote=true", f"remote_cache_url={cluster.url}")]
+        remote = [
+            f"{w}.cache.{k}"
+            for w in ("PrefillWorker", "DecodeWorker")
+            for k in ("enable_remote=true", f"remote_cache_url={cluster.url}")
+        ]
         with node_graph(tmp / "remote", nodes, report, *remote) as (plan, launcher):
             prefill, decode = plan.workers
             texts(plan, [batch[0]])
-            wait_until("B's writes to the remote tier",
-                       lambda: metric(prefill, "flexkv_remote_stored_blocks_total") > 0, timeout=60)
+            wait_until(
+                "B's writes to the remote tier",
+                lambda: metric(prefill, "flexkv_remote_stored_blocks_total") > 0,
+                timeout=60,
+            )
             os.kill(launcher.running[decode.name].pid, signal.SIGKILL)
-            wait_until("the decode worker restarted and ready", lambda: decode.name in launcher.ready
-                       and launcher.restarts.get(decode.name, 0) >= 1, timeout=120, every=0.2)
+            wait_until(
+                "the decode worker restarted and ready",
+                lambda: decode.name in launcher.ready and launcher.restarts.get(decode.name, 0) >= 1,
+                timeout=120,
+                every=0.2,
+            )
             remote0 = metric(decode, "flexkv_prompt_tokens_cached_total", tier="remote")
             code, deadline = 0, time.monotonic() + 60
             while code != 200 and time.monotonic() < deadline:  # the frontend re-learns the restarted worker

@@ -35,20 +35,33 @@ def scrape(port: int) -> dict:
 
 
 def profile(offload: bool, tmp: Path) -> dict:
-    config = apply_overrides(load_config(str(ROOT / "configs/agg.yaml")), [
-        "Common.model=small", "Common.served-model-name=flexkv-small", "Frontend.http-port=0",
-        "FlexKVWorker.num-device-blocks=160", "FlexKVWorker.cache.cpu_cache_gb=0.05",
-        "FlexKVWorker.cache.ssd_cache_gb=0.5", f"FlexKVWorker.cache.ssd_cache_dir={tmp}/ssd",
-        f"FlexKVWorker.offload={'true' if offload else 'false'}"])
+    config = apply_overrides(
+        load_config(str(ROOT / "configs/agg.yaml")),
+        [
+            "Common.model=small",
+            "Common.served-model-name=flexkv-small",
+            "Frontend.http-port=0",
+            "FlexKVWorker.num-device-blocks=160",
+            "FlexKVWorker.cache.cpu_cache_gb=0.05",
+            "FlexKVWorker.cache.ssd_cache_gb=0.5",
+            f"FlexKVWorker.cache.ssd_cache_dir={tmp}/ssd",
+            f"FlexKVWorker.offload={'true' if offload else 'false'}",
+        ],
+    )
     plan = build_plan(load_graph(str(ROOT / "graphs/agg.py")), config, run_dir=tmp / "run")
     conversations = [[(c * 97 + i * 7) % 30000 + 300 for i in range(1024)] for c in range(16)]
 
     def ask(conv_turn):
         c, turn = conv_turn
-        body = {"model": "flexkv-small", "prompt": conversations[c][: 512 * (turn + 1)] + [c + 1, turn + 1],
-                "max_tokens": 24, "nvext": {"extra_fields": ["engine_data"]}}
-        req = urllib.request.Request(plan.base_url + "/v1/completions", json.dumps(body).encode(),
-                                     {"content-type": "application/json"})
+        body = {
+            "model": "flexkv-small",
+            "prompt": conversations[c][: 512 * (turn + 1)] + [c + 1, turn + 1],
+            "max_tokens": 24,
+            "nvext": {"extra_fields": ["engine_data"]},
+        }
+        req = urllib.request.Request(
+            plan.base_url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
         return json.load(urllib.request.urlopen(req, timeout=300))
 
     with Launcher(plan) as launcher:
@@ -66,13 +79,17 @@ def profile(offload: bool, tmp: Path) -> dict:
 
     steps = delta("flexkv_engine_steps_total")
     return {
-        "offload": offload, "wall_s": round(wall, 2), "requests": len(replies),
-        "mean_batch": round(delta("flexkv_engine_step_requests_total") / steps, 2), "steps": steps,
+        "offload": offload,
+        "wall_s": round(wall, 2),
+        "requests": len(replies),
+        "mean_batch": round(delta("flexkv_engine_step_requests_total") / steps, 2),
+        "steps": steps,
         "engine_busy_share": round(delta("flexkv_engine_step_seconds_total") / wall, 3),
         "step_ms": round(1000 * delta("flexkv_engine_step_seconds_total") / steps, 2),
         "load_stall_s": round(delta("flexkv_engine_load_stall_seconds_total"), 3),
-        "cached_per_response_sum": {t: sum(r["nvext"]["engine_data"]["flexkv"]["cached_tokens"][t] for r in replies)
-                                    for t in TIERS},
+        "cached_per_response_sum": {
+            t: sum(r["nvext"]["engine_data"]["flexkv"]["cached_tokens"][t] for r in replies) for t in TIERS
+        },
         "metric_cached_delta": {t: delta(f'flexkv_prompt_tokens_cached_total{{tier="{t}"}}') for t in TIERS},
         "prompt_computed": delta("flexkv_prompt_tokens_computed_total"),
     }
@@ -81,5 +98,6 @@ def profile(offload: bool, tmp: Path) -> dict:
 if __name__ == "__main__":
     for rep in range(int(sys.argv[1]) if len(sys.argv) > 1 else 1):
         for offload in (True, False):
-            print(json.dumps({"run": rep, **profile(offload, Path(tempfile.mkdtemp(prefix="flexkv-prof-")))}),
-                  flush=True)
+            print(
+                json.dumps({"run": rep, **profile(offload, Path(tempfile.mkdtemp(prefix="flexkv-prof-")))}), flush=True
+            )

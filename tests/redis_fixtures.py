@@ -11,7 +11,8 @@ from dynamo_flexkv.core.sysutil import find_binary
 
 needs_redis = pytest.mark.skipif(
     find_binary("redis-server") is None or find_binary("redis-cli") is None,
-    reason="redis-server/redis-cli not installed (Debian redis-server; scripts/install.sh)")
+    reason="redis-server/redis-cli not installed (Debian redis-server; scripts/install.sh)",
+)
 
 
 @pytest.fixture

@@ -13,8 +13,15 @@ DEVICE_BLOCKS = 64
 
 
 def manager(tmp_path, url, host_blocks=32, namespace=None, **kw) -> KVManager:
-    cfg = config(tmp_path, host_blocks=host_blocks, disk_blocks=0, enable_remote=True, remote_cache_url=url,
-                 remote_timeout_s=kw.pop("remote_timeout_s", 1.0), **kw)
+    cfg = config(
+        tmp_path,
+        host_blocks=host_blocks,
+        disk_blocks=0,
+        enable_remote=True,
+        remote_cache_url=url,
+        remote_timeout_s=kw.pop("remote_timeout_s", 1.0),
+        **kw,
+    )
     return KVManager(MODEL, cfg, namespace=namespace)
 
 
@@ -67,8 +74,12 @@ def check_clean(kv: KVManager) -> None:
 
 
 # A graph whose workers offload to Redis only (no SSD, no device prefix cache).
-REMOTE = ["FlexKVWorker.cache.enable_remote=true", "FlexKVWorker.cache.ssd_cache_gb=0",
-          "FlexKVWorker.device-prefix-cache=false", "FlexKVWorker.restart-backoff-s=0.2"]
+REMOTE = [
+    "FlexKVWorker.cache.enable_remote=true",
+    "FlexKVWorker.cache.ssd_cache_gb=0",
+    "FlexKVWorker.device-prefix-cache=false",
+    "FlexKVWorker.restart-backoff-s=0.2",
+]
 
 
 def make_test_certs(directory: str) -> str:
@@ -80,13 +91,30 @@ def make_test_certs(directory: str) -> str:
     from dynamo_flexkv.core.sysutil import require_binary
 
     openssl = require_binary("openssl", "install Debian's openssl package")
+
     def run(*args: str) -> None:
         subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60, cwd=directory)
+
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     run("req", "-x509", *ec, "-days", "2", "-subj", "/CN=flexkv-test-ca", "-keyout", "ca.key", "-out", "ca.crt")
     run("req", *ec, "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
     with open(os.path.join(directory, "san.ext"), "w") as f:
         f.write("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.crt",
+    )
     return directory

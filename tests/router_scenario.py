@@ -16,8 +16,16 @@ import time
 
 import numpy as np
 
-from dynamo._core import (DistributedRuntime, KvEventPublisher, KvRouter, KvRouterConfig, ModelInput, ModelType,
-                          WorkerType, register_model)
+from dynamo._core import (
+    DistributedRuntime,
+    KvEventPublisher,
+    KvRouter,
+    KvRouterConfig,
+    ModelInput,
+    ModelType,
+    WorkerType,
+    register_model,
+)
 
 from dynamo_flexkv import CacheConfig, KVManager
 from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
@@ -69,13 +77,20 @@ class Checker:
 
 def cache_config(workdir, host_blocks, disk_blocks):
     gb = CFG.kv_spec().token_bytes() * BS / (1 << 30)
-    return CacheConfig.from_dict(dict(tokens_per_block=BS, cpu_cache_gb=host_blocks * gb,
-                                      ssd_cache_gb=disk_blocks * gb, ssd_cache_dir=os.path.join(workdir, "ssd")))
+    return CacheConfig.from_dict(
+        dict(
+            tokens_per_block=BS,
+            cpu_cache_gb=host_blocks * gb,
+            ssd_cache_gb=disk_blocks * gb,
+            ssd_cache_dir=os.path.join(workdir, "ssd"),
+        )
+    )
 
 
 def device_events(relay):
-    return dict(on_device_stored=lambda h, p, t: relay.stored(None, h, p, t),
-                on_device_removed=lambda h: relay.removed(None, h))
+    return dict(
+        on_device_stored=lambda h, p, t: relay.stored(None, h, p, t), on_device_removed=lambda h: relay.removed(None, h)
+    )
 
 
 async def tiers(workdir, relay, checker) -> None:
@@ -137,9 +152,16 @@ async def bursts(workdir, relay, checker) -> None:
             sent += prompts
             for i, p in enumerate(sent):
                 await checker.check(f"burst-{burst}-prompt-{i}", engine, kv, p)
-        print(json.dumps({"device_evictions": engine.pool.evictions,
-                          "host_evictions": kv.cache.tiers[Tier.HOST].evictions,
-                          "disk_evictions": kv.cache.tiers[Tier.DISK].evictions}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "device_evictions": engine.pool.evictions,
+                    "host_evictions": kv.cache.tiers[Tier.HOST].evictions,
+                    "disk_evictions": kv.cache.tiers[Tier.DISK].evictions,
+                }
+            ),
+            flush=True,
+        )
 
 
 @contextlib.asynccontextmanager
@@ -155,8 +177,15 @@ async def relay_and_router(workdir: str):
 
     serving = asyncio.ensure_future(ep.serve_endpoint(handler))
     model_dir = write_model_dir(CFG, os.path.join(workdir, "model"))  # real assets: config + tokenizer
-    await register_model(ModelInput.Tokens, ModelType.Chat, ep, str(model_dir), "flexkv-tiny",
-                         worker_type=WorkerType.Aggregated, kv_cache_block_size=BS)
+    await register_model(
+        ModelInput.Tokens,
+        ModelType.Chat,
+        ep,
+        str(model_dir),
+        "flexkv-tiny",
+        worker_type=WorkerType.Aggregated,
+        kv_cache_block_size=BS,
+    )
     relay = KvEventRelay(BS)
     # Relay mode: the publisher subscribes to our PUB socket and forwards to the router. Keep the
     # reference: dropping it stops the relay.
@@ -198,8 +227,10 @@ async def main(workdir: str, scenario: str) -> int:
         await asyncio.sleep(0.5)  # and the router's subscription reached the event plane
         checker = Checker(router)
         await {"tiers": tiers, "bursts": bursts}[scenario](workdir, relay, checker)
-        print(json.dumps({"relay": {"frames": relay.sent, "events": relay.events_sent, "skipped": relay.skipped}}),
-              flush=True)
+        print(
+            json.dumps({"relay": {"frames": relay.sent, "events": relay.events_sent, "skipped": relay.skipped}}),
+            flush=True,
+        )
     return 1 if checker.failures else 0
 
 

@@ -29,20 +29,30 @@ AGG_ROUTER = str(ROOT / "graphs" / "agg_router.py")
 CONFIG = str(ROOT / "configs" / "agg_router.yaml")
 # Dynamo's words for events it could not apply or never received (dynamo_kv_router / dynamo_llm).
 CONTRADICTIONS = ("Failed to find block to remove", "Failed to find parent block", "dropping the newest batch")
-TINY = ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
-        "FlexKVWorker.num-device-blocks=64", "FlexKVWorker.cache.cpu_cache_gb=0.02",
-        "FlexKVWorker.cache.ssd_cache_gb=0.05"]
+TINY = [
+    "Common.model=tiny",
+    "Common.served-model-name=flexkv-tiny",
+    "Frontend.http-port=0",
+    "FlexKVWorker.num-device-blocks=64",
+    "FlexKVWorker.cache.cpu_cache_gb=0.02",
+    "FlexKVWorker.cache.ssd_cache_gb=0.05",
+]
 
 
 def make_plan(tmp_path, graph: str, *overrides: str, **kw):
-    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
-                             [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}", *overrides])
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+        [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}", *overrides],
+    )
     return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", **kw)
 
 
 def complete(plan, prompt, max_tokens=4) -> dict:
-    return http_json("POST", f"{plan.base_url}/v1/completions",
-                     {"model": plan.served_model_name, "prompt": prompt, "max_tokens": max_tokens})
+    return http_json(
+        "POST",
+        f"{plan.base_url}/v1/completions",
+        {"model": plan.served_model_name, "prompt": prompt, "max_tokens": max_tokens},
+    )
 
 
 def metric(port: int, name: str, **labels) -> float:
@@ -74,8 +84,10 @@ def events_applied(frontend_metrics: str, worker_metrics: List[str], timeout: fl
     """Waits until the frontend's router applied as many KV events as the workers published
     (every one arrived), then returns the applied events by (event_type, status): a status other
     than "ok" is an event the router could not apply (a parent or block it did not know)."""
+
     def published() -> float:
         return sum(sum(_metric_sums(u, "flexkv_kv_events_published_total").values()) for u in worker_metrics)
+
     deadline = time.monotonic() + timeout
     while True:
         want = published()
@@ -110,14 +122,22 @@ class Streamed:
     seconds: float = 0.0
 
 
-def stream(base_url: str, model: str, prompt, max_tokens: int = STREAM_TOKENS,
-           out: Optional[Streamed] = None, **extra) -> Streamed:
+def stream(
+    base_url: str, model: str, prompt, max_tokens: int = STREAM_TOKENS, out: Optional[Streamed] = None, **extra
+) -> Streamed:
     """One streamed completion, read to its end. ``out`` is filled as chunks arrive (another
     thread may watch it); ``extra`` goes into the request body."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     out, t0 = out if out is not None else Streamed(), time.monotonic()
     try:
         r = urllib.request.urlopen(req, timeout=60)  # a hang fails the test here
@@ -154,8 +174,9 @@ def wait_until(what: str, cond, timeout: float = 60, every: float = 0.1):
 def inflight(port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(v) for v in re.findall(r"^dynamo_component_inflight_requests(?:\{[^}]*\})? ([0-9.e+-]+)$",
-                                             text, re.M))
+    return sum(
+        float(v) for v in re.findall(r"^dynamo_component_inflight_requests(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
+    )
 
 
 def routed_workers(base_url: str) -> int:
@@ -188,21 +209,42 @@ def assert_all_gone(pids: List[int], ports: List[int]) -> None:
 class Serve:
     """``dynamo-flexkv serve`` as a user runs it, its output collected line by line."""
 
-    def __init__(self, tmp_path, name: str, *overrides: str, graph: str = "agg_router",
-                 base: Optional[List[str]] = None, ready_timeout: float = 120,
-                 command: Optional[List[str]] = None, config: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        tmp_path,
+        name: str,
+        *overrides: str,
+        graph: str = "agg_router",
+        base: Optional[List[str]] = None,
+        ready_timeout: float = 120,
+        command: Optional[List[str]] = None,
+        config: Optional[str] = None,
+    ) -> None:
         """``graph``: graphs/<graph>.py with configs/<config or graph>.yaml; ``base``: the --set values
         before ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run
         dir); ``command``: what runs ``serve ...`` (default the CLI)."""
         self.run = run = tmp_path / name
-        sets = [*(base if base is not None else [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}"]),
-                *overrides]
+        sets = [
+            *(base if base is not None else [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}"]),
+            *overrides,
+        ]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [*(command or [sys.executable, "-m", "dynamo_flexkv.cli"]), "serve", str(ROOT / "graphs" / f"{graph}.py"),
-             "-f", str(ROOT / "configs" / f"{config or graph}.yaml"), "--run-dir", str(run),
-             *[a for s in sets for a in ("--set", s)]],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            [
+                *(command or [sys.executable, "-m", "dynamo_flexkv.cli"]),
+                "serve",
+                str(ROOT / "graphs" / f"{graph}.py"),
+                "-f",
+                str(ROOT / "configs" / f"{config or graph}.yaml"),
+                "--run-dir",
+                str(run),
+                *[a for s in sets for a in ("--set", s)],
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: List[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -213,10 +255,13 @@ class Serve:
             raise
         self.ready_s = time.monotonic() - self.started
         self.base_url = ready.group(1)
-        self.metrics = {m.group(1): m.group(2) for m in (re.match(r"\s+(\S+) metrics: (http://\S+)", x)
-                                                          for x in self.lines) if m}
-        self.children = [int(x) for x in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
-                                                        text=True).stdout.split()]
+        self.metrics = {
+            m.group(1): m.group(2) for m in (re.match(r"\s+(\S+) metrics: (http://\S+)", x) for x in self.lines) if m
+        }
+        self.children = [
+            int(x)
+            for x in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        ]
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -231,8 +276,9 @@ class Serve:
                 m = re.search(pattern, line)
                 if m:
                     return m
-            assert self.proc.poll() is None or self._reader.is_alive(), \
+            assert self.proc.poll() is None or self._reader.is_alive(), (
                 f"serve exited with {self.proc.returncode}:\n" + "\n".join(self.lines[-40:])
+            )
             assert time.monotonic() < deadline, f"no line matching {pattern!r}:\n" + "\n".join(self.lines[-40:])
             time.sleep(0.1)
 
@@ -243,8 +289,10 @@ class Serve:
         """The pid of ``name``'s current life (serve's children are read again: a restarted worker
         is a new child; every one started is kept in ``children``)."""
         port = self.worker_port(name)
-        now = [int(x) for x in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
-                                              text=True).stdout.split()]
+        now = [
+            int(x)
+            for x in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        ]
         self.children += [p for p in now if p not in self.children]
         for pid in now:
             try:
@@ -268,9 +316,10 @@ class Serve:
 
 def agg_router_plan(tmp_path, *overrides, graph=AGG_ROUTER, **kw):
     """The shipped agg_router config (reference workers, full size) with an SSD under tmp_path."""
-    config = apply_overrides(load_config(CONFIG), ["Frontend.http-port=0",
-                                                   f"FlexKVWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}",
-                                                   *overrides])
+    config = apply_overrides(
+        load_config(CONFIG),
+        ["Frontend.http-port=0", f"FlexKVWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}", *overrides],
+    )
     return build_plan(load_graph(graph), config, run_dir=tmp_path / "run", source="agg_router.yaml", **kw)
 
 
@@ -285,8 +334,10 @@ def sleeper_plan(tmp_path, policy: RestartPolicy) -> LaunchPlan:
 
 
 def vplan(tmp_path, *overrides, graph="agg_router_vllm", **kw):
-    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
-                             ["Frontend.http-port=0", f"VllmWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}",
-                              *overrides])
-    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run",
-                      source=f"{graph}.yaml", **kw)
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+        ["Frontend.http-port=0", f"VllmWorker.cache.ssd_cache_dir={tmp_path}/ssd{{replica}}", *overrides],
+    )
+    return build_plan(
+        load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", source=f"{graph}.yaml", **kw
+    )

@@ -34,8 +34,9 @@ def test_short_requests_overtake_a_long_one_that_does_not_fit_and_the_long_one_r
     engine.step()
     assert [r.id for r in engine.running] == ["hog"]
     engine.add_request(prompt(19, 2), SamplingParams(max_tokens=4), request_id="long")
-    shorts = [engine.add_request(prompt(1, 10 + i), SamplingParams(max_tokens=2), request_id=f"short{i}")
-              for i in range(3)]
+    shorts = [
+        engine.add_request(prompt(1, 10 + i), SamplingParams(max_tokens=2), request_id=f"short{i}") for i in range(3)
+    ]
     finished = step_until(engine, lambda f: {r.id for r in f} >= set(shorts))
     assert "long" not in {r.id for r in finished} and any(r.id == "long" for r in engine.waiting)
     assert "hog" not in {r.id for r in finished}  # the short ones ran beside it, not after it

@@ -24,9 +24,14 @@ from dynamo_flexkv.replay.client import chunk_tokens
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 64  # tokens per KV block of the small preset: one trace hash id per block
 TOKENIZER = "flexkv/small"  # aiperf's --tokenizer: a repo id in an HF cache laid out by write_hf_cache_entry
-SMALL = ["Common.model=small", "Common.served-model-name=flexkv-small", "Frontend.http-port=0",
-         "FlexKVWorker.num-device-blocks=64", "FlexKVWorker.cache.cpu_cache_gb=0.02",
-         "FlexKVWorker.cache.ssd_cache_gb=0.1"]
+SMALL = [
+    "Common.model=small",
+    "Common.served-model-name=flexkv-small",
+    "Frontend.http-port=0",
+    "FlexKVWorker.num-device-blocks=64",
+    "FlexKVWorker.cache.cpu_cache_gb=0.02",
+    "FlexKVWorker.cache.ssd_cache_gb=0.1",
+]
 
 
 def test_replay_client_counts_tokens_not_text():
@@ -45,8 +50,10 @@ def graph(tmp_path_factory):
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
     tmp = tmp_path_factory.mktemp("aiperf-graph")
-    config = apply_overrides(load_config(str(ROOT / "configs" / "agg_router.yaml")),
-                             [*SMALL, f"FlexKVWorker.cache.ssd_cache_dir={tmp}/ssd{{replica}}"])
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / "agg_router.yaml")),
+        [*SMALL, f"FlexKVWorker.cache.ssd_cache_dir={tmp}/ssd{{replica}}"],
+    )
     plan = build_plan(load_graph(str(ROOT / "graphs" / "agg_router.py")), config, run_dir=tmp / "run")
     with Launcher(plan) as launcher:
         launcher.wait_ready(300)
@@ -60,8 +67,14 @@ def write_trace(path: Path) -> int:
     for i in range(12):
         conv, turn = i % 3, i // 3
         blocks = 3 * (turn + 1)  # 192 to 768 prompt tokens: prompt + output fit 64 device blocks
-        lines.append({"timestamp": 150 * i, "input_length": BLOCK * blocks, "output_length": 16,
-                      "hash_ids": [1000 * conv + k for k in range(blocks)]})
+        lines.append(
+            {
+                "timestamp": 150 * i,
+                "input_length": BLOCK * blocks,
+                "output_length": 16,
+                "hash_ids": [1000 * conv + k for k in range(blocks)],
+            }
+        )
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return len(lines)
 
@@ -75,14 +88,48 @@ def run_aiperf(plan, tmp: Path, timeout_s: float = 600) -> tuple:
     trace, out, hub = tmp / "trace.jsonl", tmp / "aiperf", tmp / "hub"
     requests = write_trace(trace)
     write_hf_cache_entry(plan.run_dir / "model", hub, TOKENIZER)
-    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(tmp / "hf"), "XDG_CACHE_HOME": str(tmp / "cache"), "MPLCONFIGDIR": str(tmp / "mpl")}
-    argv = [str(exe), "profile", "-m", plan.served_model_name, "--url", plan.base_url,
-            "--endpoint-type", "completions", "--streaming", "--tokenizer", TOKENIZER,
-            "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace", "--isl-block-size", str(BLOCK),
-            "--fixed-schedule", "--use-server-token-count", "--random-seed", "1", "--request-timeout-seconds", "120",
-            "--ui", "none", "--no-gpu-telemetry", "--no-server-metrics", "--workers-max", "2",
-            "--output-artifact-dir", str(out)]
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(hub),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(tmp / "hf"),
+        "XDG_CACHE_HOME": str(tmp / "cache"),
+        "MPLCONFIGDIR": str(tmp / "mpl"),
+    }
+    argv = [
+        str(exe),
+        "profile",
+        "-m",
+        plan.served_model_name,
+        "--url",
+        plan.base_url,
+        "--endpoint-type",
+        "completions",
+        "--streaming",
+        "--tokenizer",
+        TOKENIZER,
+        "--input-file",
+        str(trace),
+        "--custom-dataset-type",
+        "mooncake_trace",
+        "--isl-block-size",
+        str(BLOCK),
+        "--fixed-schedule",
+        "--use-server-token-count",
+        "--random-seed",
+        "1",
+        "--request-timeout-seconds",
+        "120",
+        "--ui",
+        "none",
+        "--no-gpu-telemetry",
+        "--no-server-metrics",
+        "--workers-max",
+        "2",
+        "--output-artifact-dir",
+        str(out),
+    ]
     with open(tmp / "aiperf.log", "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True)
         try:
@@ -129,5 +176,7 @@ def test_aiperf_streams_every_request_with_ttft_and_itl(graph, tmp_path):
     chunks = sum(1 + len((r["metrics"].get("inter_chunk_latency") or {}).get("value") or []) for r in records)
     assert chunks >= 0.9 * sum(osl), f"{chunks} chunks with text for {sum(osl):.0f} tokens"
     t, i = summary["time_to_first_token"], summary["inter_token_latency"]
-    print(f"aiperf: {len(records)} requests, 0 errors, {chunks} chunks with text for {sum(osl):.0f} tokens, "
-          f"TTFT p50 {t['p50']:.1f} ms p99 {t['p99']:.1f} ms, ITL p50 {i['p50']:.1f} ms")
+    print(
+        f"aiperf: {len(records)} requests, 0 errors, {chunks} chunks with text for {sum(osl):.0f} tokens, "
+        f"TTFT p50 {t['p50']:.1f} ms p99 {t['p99']:.1f} ms, ITL p50 {i['p50']:.1f} ms"
+    )

@@ -18,5 +18,7 @@ def modules():
 def test_every_module_has_its_place_in_the_architecture_map():
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     missing = [str(rel) for rel in modules() if rel.name not in doc]
-    assert not missing, (f"modules docs/ARCHITECTURE.md's source layout does not name: {missing}; add each "
-                         "with a few words on what it holds")
+    assert not missing, (
+        f"modules docs/ARCHITECTURE.md's source layout does not name: {missing}; add each "
+        "with a few words on what it holds"
+    )

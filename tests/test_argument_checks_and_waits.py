@@ -86,7 +86,10 @@ def test_evict_refuses_a_negative_count():
 
 def test_capacity_past_memory_names_capacity_and_bytes():
     if os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") > 1 << 38:
-        pytest.skip("a machine with more than 256 GiB of memory may really allocate a 4-billion-block index; runs on smaller ones (CI)")
+        pytest.skip(
+            "a machine with more than 256 GiB of memory may really allocate a 4-billion-block index; "
+            "runs on smaller ones (CI)"
+        )
     with pytest.raises(MemoryError, match=r"capacity=4294967294 blocks needs about \d+ bytes"):
         TierIndex("host", 2**32 - 2)
 
@@ -117,8 +120,9 @@ def test_wait_with_infinite_timeout_waits(tmp_path):
 
 def test_result_awaited_by_a_blocked_wait_does_not_expire(tmp_path):
     n = 1024  # b copies 24 MiB: it ends well after a's one block
-    kv, dev = open_manager(tmp_path, num_device_blocks=n + 8, host_blocks=6 * n, disk_blocks=0,
-                           task_result_ttl_seconds=0.001)
+    kv, dev = open_manager(
+        tmp_path, num_device_blocks=n + 8, host_blocks=6 * n, disk_blocks=0, task_result_ttl_seconds=0.001
+    )
     stop = threading.Event()
 
     def poll_stats():  # what any metrics thread does
@@ -180,8 +184,11 @@ def test_public_timeouts_are_validated_and_inf_means_no_limit(tmp_path):
     kv, dev, toks, h = _stored(tmp_path)
     try:
         g = kv.get_async(toks, [10, 11, 12, 13], layerwise=True)
-        for call in (lambda t: kv.wait([g], timeout=t), lambda t: kv.drain(timeout=t),
-                     lambda t: kv.wait_for_layer(g, 0, timeout=t)):
+        for call in (
+            lambda t: kv.wait([g], timeout=t),
+            lambda t: kv.drain(timeout=t),
+            lambda t: kv.wait_for_layer(g, 0, timeout=t),
+        ):
             with pytest.raises(ValueError, match=r"timeout=nan"):
                 call(float("nan"))
             for bad in ("1", True, [1]):
@@ -229,6 +236,7 @@ def test_cancel_of_an_expired_result_is_a_no_op(tmp_path):
 
 def test_wait_for_layer_of_a_get_that_found_nothing_says_why(tmp_path):
     from dynamo_flexkv.core.tasks import TaskFailed
+
     kv, dev = open_manager(tmp_path, disk_blocks=0)
     try:
         g = kv.get_async(list(range(2 * TPB)), [0, 1], layerwise=True)
@@ -278,12 +286,10 @@ def test_shutdown_during_deferred_puts_cancels_them_never_fails_them(tmp_path):
 
     engine.submit = held_submit
     # Host holds 8 blocks: the first put takes them all, the other 29 wait for its disk write.
-    ids = [kv.put_async(list(range(k * 10**6, k * 10**6 + 8 * TPB)), list(range(8 * k, 8 * k + 8)))
-           for k in range(30)]
+    ids = [kv.put_async(list(range(k * 10**6, k * 10**6 + 8 * TPB)), list(range(8 * k, 8 * k + 8))) for k in range(30)]
     assert kv.stats().tasks.deferred_puts > 0
     results: list = []
-    waiters = [threading.Thread(target=lambda part: results.append(kv.wait(part)), args=(ids[i::3],))
-               for i in range(3)]
+    waiters = [threading.Thread(target=lambda part: results.append(kv.wait(part)), args=(ids[i::3],)) for i in range(3)]
     for w in waiters:
         w.start()
     assert in_window.wait(30), "no deferred put was retried"
@@ -318,9 +324,12 @@ def test_layer_ids_and_id_lists_of_the_wrong_type_are_refused_naming_the_argumen
             with pytest.raises(TypeError, match="layer must be an int"):
                 kv.wait_for_layer(g, bad)
         assert kv.wait_for_layer(g, 0, timeout=30)
-        for ids, message in (([10, True, 12], r"device_block_ids\[1\] is True, a bool"),
-                             ([[4, 5], [6]], "flat sequence of integers"),
-                             ([[4], [5], [6]], "one-dimensional"), (np.array([[4, 5, 6]]), "one-dimensional")):
+        for ids, message in (
+            ([10, True, 12], r"device_block_ids\[1\] is True, a bool"),
+            ([[4, 5], [6]], "flat sequence of integers"),
+            ([[4], [5], [6]], "one-dimensional"),
+            (np.array([[4, 5, 6]]), "one-dimensional"),
+        ):
             with pytest.raises(TypeError, match=message):
                 kv.put_async(list(range(100, 100 + 3 * TPB)), ids)
         for call in (kv.wait, kv.try_wait, kv.cancel):

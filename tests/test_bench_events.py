@@ -35,8 +35,28 @@ def test_bench_events_cli_zmq(tmp_path):
     from dynamo_flexkv.bench import main
 
     out, rows_path, png = tmp_path / "events.json", tmp_path / "rows.jsonl", tmp_path / "events.png"
-    assert main(["events", "--workers", "10", "--transports", "zmq", "--warmup", "2", "--duration", "3",
-                 "--json", str(out), "--rows", str(rows_path), "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "events",
+                "--workers",
+                "10",
+                "--transports",
+                "zmq",
+                "--warmup",
+                "2",
+                "--duration",
+                "3",
+                "--json",
+                str(out),
+                "--rows",
+                str(rows_path),
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
     objs = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(o["bench"] == "events" and {"ours", "baseline", "ratio"} <= set(o) for o in objs)
@@ -54,18 +74,21 @@ def test_bench_events_nats():
     check(rows, cases(rows))
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--workers", ""], "--workers takes comma-separated worker counts"),
-    (["--workers", "abc"], "--workers takes comma-separated worker counts"),
-    (["--workers", "0"], "worker counts must be positive integers, got [0]"),
-    (["--workers=-5"], "worker counts must be positive integers, got [-5]"),
-    (["--transports", "foo"], "unknown transport(s) ['foo']"),
-    (["--transports", "zmq,"], "unknown transport(s) ['']"),
-    (["--rate", "0"], "need rate > 0"),
-    (["--rate", "-1"], "need rate > 0"),
-    (["--duration", "0"], "need rate > 0 and duration > 0"),
-    (["--plot", "/nonexistent-dir/events.png"], "cannot write the plot to /nonexistent-dir/events.png"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--workers", ""], "--workers takes comma-separated worker counts"),
+        (["--workers", "abc"], "--workers takes comma-separated worker counts"),
+        (["--workers", "0"], "worker counts must be positive integers, got [0]"),
+        (["--workers=-5"], "worker counts must be positive integers, got [-5]"),
+        (["--transports", "foo"], "unknown transport(s) ['foo']"),
+        (["--transports", "zmq,"], "unknown transport(s) ['']"),
+        (["--rate", "0"], "need rate > 0"),
+        (["--rate", "-1"], "need rate > 0"),
+        (["--duration", "0"], "need rate > 0 and duration > 0"),
+        (["--plot", "/nonexistent-dir/events.png"], "cannot write the plot to /nonexistent-dir/events.png"),
+    ],
+)
 def test_bench_events_refuses_a_plan_that_would_measure_nothing(argv, says, tmp_path, monkeypatch):
     """Bad input is refused before any process starts: no simulated worker, event plane or
     work directory (bench events otherwise runs for minutes and reports nan, or spins)."""

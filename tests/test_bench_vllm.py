@@ -20,7 +20,9 @@ from dynamo_flexkv.bench import vllm_ttft as v
 def test_registered_and_left_out_of_all():
     assert BENCHES["vllm"][0] == "dynamo_flexkv.bench.vllm_ttft"
     assert "vllm" in NOT_IN_ALL
-    a = build_parser().parse_args(["vllm", "--quick", "--repeat", "1", "--sizes", "2k", "--compare-offloading-connector"])
+    a = build_parser().parse_args(
+        ["vllm", "--quick", "--repeat", "1", "--sizes", "2k", "--compare-offloading-connector"]
+    )
     assert (a.name, a.quick, a.repeat, a.sizes, a.compare_offloading_connector) == ("vllm", True, 1, "2k", True)
     a = build_parser().parse_args(["vllm"])
     assert a.repeat is None and a.sizes is None and a.compare_offloading_connector is False
@@ -67,15 +69,30 @@ def _recs(ms, cached=0, token=7):
 
 
 def test_cases_names_baselines_and_ratios():
-    r = {"recompute-8192": _recs([1000, 900, 1100]), "device-hit-8192": _recs([30, 20, 40], 7360),
-         "host-8192": _recs([60, 50, 70], 7360), "disk-8192": _recs([80, 90, 70], 7360),
-         "remote-8192": _recs([100, 120, 110], 7360), "miss-8192": _recs([1010, 1020, 1000]),
-         "recompute-2048": _recs([100]), "host-2048": _recs([20], 1856)}
+    r = {
+        "recompute-8192": _recs([1000, 900, 1100]),
+        "device-hit-8192": _recs([30, 20, 40], 7360),
+        "host-8192": _recs([60, 50, 70], 7360),
+        "disk-8192": _recs([80, 90, 70], 7360),
+        "remote-8192": _recs([100, 120, 110], 7360),
+        "miss-8192": _recs([1010, 1020, 1000]),
+        "recompute-2048": _recs([100]),
+        "host-2048": _recs([20], 1856),
+    }
     cases = {c.case: c for c in v.build_cases(r, [2048, 8192], checks={"disk-8192": [115, 115, 115]})}
     assert set(cases) == {
-        "recompute-8k", "device-hit-90-8k", "host-90-8k", "host-90-8k-vs-device-hit", "disk-90-8k",
-        "disk-90-8k-vs-device-hit", "remote-90-8k", "remote-90-8k-vs-device-hit", "miss-8k",
-        "recompute-2k", "host-90-2k"}  # no device hit at 2k: no -vs-device-hit row there
+        "recompute-8k",
+        "device-hit-90-8k",
+        "host-90-8k",
+        "host-90-8k-vs-device-hit",
+        "disk-90-8k",
+        "disk-90-8k-vs-device-hit",
+        "remote-90-8k",
+        "remote-90-8k-vs-device-hit",
+        "miss-8k",
+        "recompute-2k",
+        "host-90-2k",
+    }  # no device hit at 2k: no -vs-device-hit row there
     c = cases["host-90-8k"]
     assert (c.bench, c.unit, c.ours, c.baseline) == ("vllm", "ms", 60, 1000) and c.ratio == pytest.approx(0.06)
     assert cases["host-90-8k-vs-device-hit"].baseline == 30 and cases["host-90-8k-vs-device-hit"].ratio == 2.0
@@ -93,8 +110,12 @@ def test_cases_names_baselines_and_ratios():
 
 
 def test_first_tokens_are_checked_against_the_reference_engine():
-    r = {"device-hit-2048": _recs([1, 1], token=5), "host-2048": _recs([1, 1], token=5),
-         "recompute-2048": _recs([1, 1], token=9), "miss-2048": [_recs([1], token=9)[0], _recs([1], token=8)[0]]}
+    r = {
+        "device-hit-2048": _recs([1, 1], token=5),
+        "host-2048": _recs([1, 1], token=5),
+        "recompute-2048": _recs([1, 1], token=9),
+        "miss-2048": [_recs([1], token=9)[0], _recs([1], token=8)[0]],
+    }
     assert v.check_tokens(r, [2048]) == ["miss-2048 request 1: first token 8 != recompute's 9"]
     r["remote-2048"] = _recs([1], token=4)
     assert len(v.check_tokens(r, [2048])) == 2
@@ -116,7 +137,10 @@ def test_engine_environment_and_connector_configs(tmp_path, monkeypatch):
     assert vs.kv_transfer_config("plain", 1) is None
     kt = vs.kv_transfer_config("flexkv", 1)
     assert (kt["kv_connector"], kt["kv_connector_module_path"], kt["kv_load_failure_policy"]) == (
-        "FlexKVConnector", "dynamo_flexkv.integrations.vllm_connector", "recompute")
+        "FlexKVConnector",
+        "dynamo_flexkv.integrations.vllm_connector",
+        "recompute",
+    )
     off = vs.kv_transfer_config("offloading", 123)
     assert off["kv_connector"] == "OffloadingConnector"
     assert off["kv_connector_extra_config"] == {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 123}
@@ -140,13 +164,38 @@ def test_bench_vllm_smoke(tmp_path):
     """The whole bench at one size, one request per case (three vLLM engines, one after the other):
     3 min 17 s here at load ~1, most of it the three engines' start-up (~50 s each)."""
     out = tmp_path / "vllm.jsonl"
-    p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.bench", "vllm", "--quick", "--sizes", "2k",
-                        "--repeat", "1", "--compare-offloading-connector", "--json", str(out), "--dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_flexkv.bench",
+            "vllm",
+            "--quick",
+            "--sizes",
+            "2k",
+            "--repeat",
+            "1",
+            "--compare-offloading-connector",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
-    want = {"recompute-2k", "device-hit-90-2k", "host-90-2k", "host-90-2k-vs-device-hit", "disk-90-2k",
-            "disk-90-2k-vs-device-hit", "miss-2k"}
+    want = {
+        "recompute-2k",
+        "device-hit-90-2k",
+        "host-90-2k",
+        "host-90-2k-vs-device-hit",
+        "disk-90-2k",
+        "disk-90-2k-vs-device-hit",
+        "miss-2k",
+    }
     assert want <= set(rows), sorted(rows)
     if "remote-90-2k" not in rows:
         assert "redis-server not installed" in p.stdout
@@ -159,19 +208,23 @@ def test_bench_vllm_smoke(tmp_path):
         assert "OffloadingConnector (CPUOffloadingSpec) refuses it" in p.stdout
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "nope"], "unknown model preset 'nope'"),
-    (["--model", ""], "unknown model preset ''"),
-    (["--sizes", ""], "--sizes: no size given"),
-    (["--sizes", "abc"], "--sizes: 'abc' is not a token count"),
-    (["--sizes", "8k"], "--sizes 8192 tokens: the engines hold at most 8191"),
-    (["--repeat", "0"], "--repeat 0: needs at least 1"),
-    (["--repeat", "-1"], "--repeat -1: needs at least 1"),
-    (["--handover-verify", ""], "--handover-verify '': expected bytes and/or owner"),
-    (["--handover-verify", "owner,crc"], "--handover-verify 'owner,crc': expected bytes and/or owner"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "nope"], "unknown model preset 'nope'"),
+        (["--model", ""], "unknown model preset ''"),
+        (["--sizes", ""], "--sizes: no size given"),
+        (["--sizes", "abc"], "--sizes: 'abc' is not a token count"),
+        (["--sizes", "8k"], "--sizes 8192 tokens: the engines hold at most 8191"),
+        (["--repeat", "0"], "--repeat 0: needs at least 1"),
+        (["--repeat", "-1"], "--repeat -1: needs at least 1"),
+        (["--handover-verify", ""], "--handover-verify '': expected bytes and/or owner"),
+        (["--handover-verify", "owner,crc"], "--handover-verify 'owner,crc': expected bytes and/or owner"),
+    ],
+)
 def test_bench_disagg_vllm_refuses_bad_arguments_before_starting_anything(tmp_path, argv, message):
     from dynamo_flexkv.bench import vllm_disagg
+
     args = build_parser().parse_args(["disagg", "--vllm", "--dir", str(tmp_path), *argv])
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
         vllm_disagg.run(args)
@@ -187,9 +240,27 @@ def test_bench_disagg_vllm_smoke(tmp_path):
     node's link carried at least those bytes; the served agg_vllm and disagg_vllm graphs give
     positive TTFT and inter-token latencies."""
     out = tmp_path / "disagg.jsonl"
-    p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.bench", "disagg", "--vllm", "--quick", "--repeat", "2",
-                        "--handover-verify", "owner", "--json", str(out), "--dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=1500)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_flexkv.bench",
+            "disagg",
+            "--vllm",
+            "--quick",
+            "--repeat",
+            "2",
+            "--handover-verify",
+            "owner",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
     where = ["loopback"] + (["nodes"] if os.geteuid() == 0 else [])
@@ -212,6 +283,7 @@ def test_the_pair_waits_for_idle_engines_by_their_cpu_time():
     """bench vllm's recompute/miss pair starts a request only once both engines' process groups
     are idle (measured from /proc): a spinning group keeps it waiting, a sleeping one does not."""
     from dynamo_flexkv.bench.vllm_pair import group_cpu_s, wait_quiet
+
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     try:
@@ -229,10 +301,18 @@ def test_the_pair_waits_for_idle_engines_by_their_cpu_time():
 
 # ---- --node: ours through the node cache beside ours embedded ------------------------------------------------
 def test_node_rows_put_the_node_cache_against_embedded_in_the_same_case():
-    r = {"recompute-8192": _recs([1000]), "device-hit-8192": _recs([30], 7360), "miss-8192": _recs([1000]),
-         "node-miss-8192": _recs([1020]), "host-8192": _recs([60], 7360), "node-host-8192": _recs([66], 7360),
-         "disk-8192": _recs([80], 7360), "node-disk-8192": _recs([72], 7360),
-         "restart-8192": _recs([90], 7360), "node-restart-8192": _recs([45], 7360)}
+    r = {
+        "recompute-8192": _recs([1000]),
+        "device-hit-8192": _recs([30], 7360),
+        "miss-8192": _recs([1000]),
+        "node-miss-8192": _recs([1020]),
+        "host-8192": _recs([60], 7360),
+        "node-host-8192": _recs([66], 7360),
+        "disk-8192": _recs([80], 7360),
+        "node-disk-8192": _recs([72], 7360),
+        "restart-8192": _recs([90], 7360),
+        "node-restart-8192": _recs([45], 7360),
+    }
     cases = {c.case: c for c in v.build_cases(r, [8192])}
     assert cases["host-90-node-vs-embedded-8k"].ratio == pytest.approx(1.1)
     assert cases["disk-90-node-vs-embedded-8k"].ratio == pytest.approx(0.9)
@@ -245,8 +325,9 @@ def test_node_rows_put_the_node_cache_against_embedded_in_the_same_case():
 
 
 def test_node_is_refused_for_other_benches():
-    p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.bench", "index", "--node"], capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "dynamo_flexkv.bench", "index", "--node"], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 2 and "--node is bench vllm's" in p.stderr, p.stderr[-2000:]
 
 
@@ -254,6 +335,7 @@ def test_the_node_engines_attach_to_a_real_cache_server_that_stops_with_its_grou
     """What `bench vllm --node` gives its node engines: a running cache server with our engine's
     host and disk sizes, its socket in their environment, no local tier of their own."""
     from dynamo_flexkv.bench.vllm_node import new_server
+
     server = new_server(str(tmp_path), 64 << 20, 256 << 20, 64)
     try:
         env = vs.engine_env(str(tmp_path), "flexkv-node", 64 << 20, 0, node_socket=server.socket)

@@ -108,9 +108,13 @@ def test_interleaved_tasks_long(tmp_path, seed):
 def interleaved_tasks(tmp_path, seed):
     rng = random.Random(seed)
     admission = rng.choice([0, 0, 1, 2])
-    ce, events = make_engine(tmp_path, host=rng.randrange(8, 40), disk=rng.randrange(40, 120),
-                             eviction_policy=rng.choice(["lru", "lfu", "slru", "fifo", "filo", "mru"]),
-                             disk_admission_hits=admission)
+    ce, events = make_engine(
+        tmp_path,
+        host=rng.randrange(8, 40),
+        disk=rng.randrange(40, 120),
+        eviction_policy=rng.choice(["lru", "lfu", "slru", "fifo", "filo", "mru"]),
+        disk_admission_hits=admission,
+    )
     dp = SimDataPlane()
     chains = random_chains(rng, count=30, max_len=10)
     live, next_id = [], 0
@@ -238,8 +242,9 @@ def test_threads_share_one_engine(tmp_path):
             for i in range(300):
                 chain = rng.choice(chains)
                 tid = (wid, i)
-                gen = (put_steps if rng.random() < 0.5 else
-                       lambda *a: get_steps(*a, min(len(chain), rng.randrange(0, 2))))(ce, dp, tid, chain, rng, 0.05)
+                gen = (
+                    put_steps if rng.random() < 0.5 else lambda *a: get_steps(*a, min(len(chain), rng.randrange(0, 2)))
+                )(ce, dp, tid, chain, rng, 0.05)
                 for _ in gen:
                     with lock:
                         check_ready_blocks_hold_their_bytes(ce, dp)

@@ -39,8 +39,10 @@ class Rig:
 
     def __init__(self, tmp_path, url=None, use_uring=None) -> None:
         self.host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, MODEL, TPB, HOST_BLOCKS), pin=False)
-        self.layers = [torch.zeros(DEV_BLOCKS, 2, TPB, MODEL.num_kv_heads, MODEL.head_size, dtype=torch.bfloat16)
-                       for _ in range(MODEL.num_layers)]
+        self.layers = [
+            torch.zeros(DEV_BLOCKS, 2, TPB, MODEL.num_kv_heads, MODEL.head_size, dtype=torch.bfloat16)
+            for _ in range(MODEL.num_layers)
+        ]
         self.device = DeviceCache.register(self.layers, MODEL, KVLayoutType.LAYERBLOCK, TPB)
         self.d2h = HostDeviceMover(self.host, self.device, threads=2)
         self.hasher = HostHasher(self.host)
@@ -59,7 +61,7 @@ class Rig:
 
     def host_bytes(self, host_id: int) -> np.ndarray:
         bb = self.host.layout.block_bytes
-        return self.host.array[host_id * bb:(host_id + 1) * bb]
+        return self.host.array[host_id * bb : (host_id + 1) * bb]
 
     def put(self, dev_ids, host_ids, layers=None) -> None:
         """A put's D2H, then (whole blocks) its HASH op, as GraphBuilder.put chains them."""
@@ -141,6 +143,7 @@ def test_a_reused_slot_never_carries_the_old_blocks_checksum(rig, monkeypatch):
     def torn_copy(dst_base, dst_ids, dsb, dsk, src_base, src_ids, *rest, **kw):
         real_copy(dst_base[:1], dst_ids, dsb, dsk, src_base[:1], src_ids, *rest, **kw)  # layer 0 lands, then it fails
         raise OSError("copy failed half way")
+
     rig.fill_device(5)
     with monkeypatch.context() as m:
         m.setattr(_native, "copy_kv_grid", torn_copy)
@@ -232,7 +235,7 @@ def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server,
             raw = conn.call(b"GET", key)
         finally:
             conn.close()
-        assert HEADER.unpack(raw[:HEADER.size])[-1] == want[0]
+        assert HEADER.unpack(raw[: HEADER.size])[-1] == want[0]
 
         # The slots get other bytes (partial D2H), then a remote read of the same blocks into them:
         # the checksums recorded are the verified ones, equal to the bytes that landed.
@@ -247,8 +250,7 @@ def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server,
         rig.store.delete([13])
         rig.put([3, 3, 3], [5, 6, 7], layers=(0, 1))
         with pytest.raises(RemoteShortRead):
-            rig.remote.run(TransferOp(OpKind.REMOTE2H, np.array([5, 6, 7]), np.array([5, 6, 7]),
-                                      seq_hashes=seq))
+            rig.remote.run(TransferOp(OpKind.REMOTE2H, np.array([5, 6, 7]), np.array([5, 6, 7]), seq_hashes=seq))
         sums, known = rig.host.known_checksums([5, 6, 7])
         assert known.tolist() == [True, True, False] and sums[:2].tolist() == want[:2]
 
@@ -257,8 +259,11 @@ def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server,
         first = TransferOp(OpKind.REMOTE2H, np.array([5, 6]), np.array([5, 6]), seq_hashes=seq[:2], layers=(0, 2))
         rig.remote.run(first)
         assert not rig.host.known_checksums([5, 6])[1].any()
-        rig.remote.run(TransferOp(OpKind.REMOTE2H, np.array([5, 6]), np.array([5, 6]), seq_hashes=seq[:2],
-                                  layers=(2, 4), deps=(first,)))
+        rig.remote.run(
+            TransferOp(
+                OpKind.REMOTE2H, np.array([5, 6]), np.array([5, 6]), seq_hashes=seq[:2], layers=(2, 4), deps=(first,)
+            )
+        )
         assert rig.host.known_checksums([5, 6])[0].tolist() == want[:2]
     finally:
         rig.close()
@@ -298,7 +303,7 @@ def test_a_freed_host_slot_forgets_its_checksum(tmp_path):
             sums, known = kv.host.known_checksums(np.arange(kv.host.num_blocks))
             bb = kv.host.layout.block_bytes
             for h in np.flatnonzero(known):
-                assert int(sums[h]) == xxh(kv.host.array[h * bb:(h + 1) * bb]), f"prompt {i}: slot {h} stale"
+                assert int(sums[h]) == xxh(kv.host.array[h * bb : (h + 1) * bb]), f"prompt {i}: slot {h} stale"
         known = np.flatnonzero(kv.host.known_checksums(np.arange(kv.host.num_blocks))[1])
         assert known.size
         kv._slots_freed(Tier.HOST, known.tolist())  # what the index calls when it frees host slots

@@ -9,8 +9,12 @@ from dynamo_flexkv.bench import build_parser, run
 
 
 def test_doctor_reports_each_component(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "doctor", "--json", "--cache-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynamo_flexkv.cli", "doctor", "--json", "--cache-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     checks = {c["name"]: c for c in json.loads(proc.stdout)}
     assert checks["native extension"]["status"] == "ok"
@@ -35,8 +39,14 @@ def test_bench_index_quick_writes_json(tmp_path):
 def test_bench_links_quick(tmp_path):
     cases = run(build_parser().parse_args(["links", "--quick", "--dir", str(tmp_path)]))
     names = {c.case for c in cases}
-    assert {"host-d2h-small", "host-h2d-small", "host-d2h-8b", "host-h2d-8b",
-            "disk-write-2MiB", "disk-read-2MiB"} <= names
+    assert {
+        "host-d2h-small",
+        "host-h2d-small",
+        "host-d2h-8b",
+        "host-h2d-8b",
+        "disk-write-2MiB",
+        "disk-read-2MiB",
+    } <= names
     for c in cases:
         assert c.unit == "GB/s" and c.ours > 0 and c.baseline > 0
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up its files
@@ -45,9 +55,17 @@ def test_bench_links_quick(tmp_path):
 def test_bench_ttft_quick(tmp_path):
     cases = run(build_parser().parse_args(["ttft", "--quick", "--dir", str(tmp_path)]))
     by = {c.case: c for c in cases}
-    assert {"miss-2K", "host-90-bulk-2K", "host-90-layerwise-2K", "disk-90-bulk-2K", "disk-90-layerwise-2K",
-            "host-100-bulk-2K", "disk-90-load-stall-2K", "host-90-layerwise-vs-device-2K",
-            "disk-90-bulk-vs-device-2K"} <= set(by)
+    assert {
+        "miss-2K",
+        "host-90-bulk-2K",
+        "host-90-layerwise-2K",
+        "disk-90-bulk-2K",
+        "disk-90-layerwise-2K",
+        "host-100-bulk-2K",
+        "disk-90-load-stall-2K",
+        "host-90-layerwise-vs-device-2K",
+        "disk-90-bulk-vs-device-2K",
+    } <= set(by)
     assert by["host-90-layerwise-vs-device-2K"].baseline_name == "device-cache hit, same prompt"
     # Each case timed, with its same-run baseline (which one wins is the benchmark's to report: a
     # single quick sample on a loaded machine can go either way, and was seen to).

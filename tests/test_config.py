@@ -29,11 +29,15 @@ def test_yaml_then_env_override(tmp_path):
 
 def test_kvbm_aliases_and_dir_list(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    cfg = CacheConfig.load(env={
-        "DYN_KVBM_CPU_CACHE_GB": "1.5", "DYN_KVBM_DISK_CACHE_GB": "4",
-        "DYN_KVBM_DISK_CACHE_DIR": f"{a};{b}", "FLEXKV_EVICTION_POLICY": "FILO",
-        "FLEXKV_ENABLE_NIXL": "yes",
-    })
+    cfg = CacheConfig.load(
+        env={
+            "DYN_KVBM_CPU_CACHE_GB": "1.5",
+            "DYN_KVBM_DISK_CACHE_GB": "4",
+            "DYN_KVBM_DISK_CACHE_DIR": f"{a};{b}",
+            "FLEXKV_EVICTION_POLICY": "FILO",
+            "FLEXKV_ENABLE_NIXL": "yes",
+        }
+    )
     assert cfg.cpu_cache_gb == 1.5 and cfg.ssd_cache_gb == 4 and cfg.ssd_cache_dir == (str(a), str(b))
     assert cfg.eviction_policy is EvictionPolicy.FILO and cfg.enable_nixl is True
 
@@ -126,6 +130,7 @@ def test_bad_model(kw, words):
 
 # ---- the constructor checks and converts like the loader (defects found as a new user) -----------
 
+
 def test_constructor_takes_a_directory_string_like_the_loader(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir="some-dir")
@@ -141,8 +146,11 @@ def test_constructor_takes_a_directory_string_like_the_loader(tmp_path, monkeypa
 def test_constructor_parses_the_policy_and_rejects_unknown_ones():
     assert CacheConfig(eviction_policy="lfu").eviction_policy is EvictionPolicy.LFU
     assert CacheConfig(eviction_policy="SLRU").eviction_policy is EvictionPolicy.SLRU
-    with pytest.raises(ConfigError, match=r"eviction_policy='bogus' in CacheConfig\(\) is invalid: unknown "
-                                          r"eviction_policy 'bogus': use one of lru, lfu"):
+    with pytest.raises(
+        ConfigError,
+        match=r"eviction_policy='bogus' in CacheConfig\(\) is invalid: unknown "
+        r"eviction_policy 'bogus': use one of lru, lfu",
+    ):
         CacheConfig(eviction_policy="bogus")
     with pytest.raises(ConfigError, match=r"cpu_cache_gb='lots' in CacheConfig\(\) is invalid"):
         CacheConfig(cpu_cache_gb="lots")
@@ -152,16 +160,21 @@ def test_constructor_parses_the_policy_and_rejects_unknown_ones():
 def test_a_constructed_config_drives_a_manager(tmp_path):
     from kv_helpers import BLOCK_BYTES, MODEL
     from dynamo_flexkv import KVManager
+
     gb = BLOCK_BYTES / (1 << 30)
-    cfg = CacheConfig(cpu_cache_gb=8 * gb, ssd_cache_gb=16 * gb, ssd_cache_dir=str(tmp_path / "ssd"),
-                      eviction_policy="lfu")
+    cfg = CacheConfig(
+        cpu_cache_gb=8 * gb, ssd_cache_gb=16 * gb, ssd_cache_dir=str(tmp_path / "ssd"), eviction_policy="lfu"
+    )
     with KVManager(MODEL, cfg) as kv:
         assert kv.stats().disk.capacity_blocks == 16
 
 
 def test_gds_needs_nixl(tmp_path):
-    with pytest.raises(ConfigError, match="enable_gds=true moves disk blocks through NIXL's GDS_MT backend: "
-                                          "set enable_nixl=true as well, or enable_gds=false"):
+    with pytest.raises(
+        ConfigError,
+        match="enable_gds=true moves disk blocks through NIXL's GDS_MT backend: "
+        "set enable_nixl=true as well, or enable_gds=false",
+    ):
         CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=str(tmp_path), enable_gds=True)
     cfg = CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=str(tmp_path), enable_gds=True, enable_nixl=True)
     assert cfg.enable_gds and cfg.enable_nixl
@@ -177,8 +190,12 @@ def test_task_result_ttl():
 
 
 def test_remote_keys_from_env_and_their_errors_name_the_key_and_fix():
-    env = {"FLEXKV_ENABLE_REMOTE": "true", "FLEXKV_REMOTE_CACHE_URL": "redis://:s3cret@127.0.0.1:6390/2",
-           "FLEXKV_REMOTE_TTL_S": "60", "FLEXKV_REMOTE_TIMEOUT_S": "0.5"}
+    env = {
+        "FLEXKV_ENABLE_REMOTE": "true",
+        "FLEXKV_REMOTE_CACHE_URL": "redis://:s3cret@127.0.0.1:6390/2",
+        "FLEXKV_REMOTE_TTL_S": "60",
+        "FLEXKV_REMOTE_TIMEOUT_S": "0.5",
+    }
     cfg = CacheConfig.load(env=env)
     rc = cfg.remote_config()
     assert (rc.ttl_s, rc.timeout_s, rc.parsed.db, rc.password) == (60.0, 0.5, 2, "s3cret")

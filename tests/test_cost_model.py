@@ -30,8 +30,7 @@ def model(policy=LoadPolicy.COST_AWARE, layers=4, clock=None) -> CostModel:
     return CostModel(policy, BS, BB, layers, clock=clock or Clock())
 
 
-def feed(m: CostModel, host_bw=10e9, disk_bw=None, remote_bw=None, per_token=1e-4, latency=1e-4,
-         prompt=4096) -> None:
+def feed(m: CostModel, host_bw=10e9, disk_bw=None, remote_bw=None, per_token=1e-4, latency=1e-4, prompt=4096) -> None:
     """Three sizes per link (so latency and bandwidth separate) and per prefill bucket."""
     for tier, bw in (("host", host_bw), ("disk", disk_bw), ("remote", remote_bw)):
         if bw:
@@ -88,8 +87,11 @@ def test_slow_disk_is_recomputed_and_host_still_loaded():
     assert (d.end, d.reason) == (100, "slower")
     assert d.predicted_s < d.recompute_s
     m.record(d)
-    assert m.token_counts() == {("loaded", "host", "faster"): 1600, ("recomputed", "disk", "slower"): 2240,
-                                ("recomputed", "none", "not_cached"): 160}
+    assert m.token_counts() == {
+        ("loaded", "host", "faster"): 1600,
+        ("recomputed", "disk", "slower"): 2240,
+        ("recomputed", "none", "not_cached"): 160,
+    }
 
 
 def test_fast_disk_is_loaded():
@@ -125,8 +127,14 @@ def test_layerwise_overlap_loads_a_tier_slower_per_block_than_recompute():
 def test_never_predicted_slower_than_recompute(seed):
     rng = np.random.default_rng(seed)
     m = model(layers=int(rng.integers(1, 64)))
-    feed(m, host_bw=10 ** rng.uniform(6, 11), disk_bw=10 ** rng.uniform(5, 10), remote_bw=10 ** rng.uniform(5, 10),
-         per_token=10 ** rng.uniform(-7, -3), latency=10 ** rng.uniform(-6, -1))
+    feed(
+        m,
+        host_bw=10 ** rng.uniform(6, 11),
+        disk_bw=10 ** rng.uniform(5, 10),
+        remote_bw=10 ** rng.uniform(5, 10),
+        per_token=10 ** rng.uniform(-7, -3),
+        latency=10 ** rng.uniform(-6, -1),
+    )
     a, b, c = sorted(rng.integers(0, 300, 3))
     segs = [Segment("host", 0, a), Segment("disk", a, b), Segment("remote", b, c + 1)]
     d = m.decide(0, segs, (c + 1) * BS + 5, c + 1, layerwise=bool(rng.integers(2)))
@@ -181,9 +189,18 @@ ENGINE_BB = CFG.kv_spec().token_bytes() * CFG.block_size
 
 def tiny_kv(tmp_path, **kw) -> KVManager:
     gb = ENGINE_BB / (1 << 30)
-    return KVManager(CFG.kv_spec(), CacheConfig.from_dict(dict(
-        tokens_per_block=CFG.block_size, cpu_cache_gb=64 * gb, ssd_cache_gb=256 * gb,
-        ssd_cache_dir=str(tmp_path / "ssd"), **kw)))
+    return KVManager(
+        CFG.kv_spec(),
+        CacheConfig.from_dict(
+            dict(
+                tokens_per_block=CFG.block_size,
+                cpu_cache_gb=64 * gb,
+                ssd_cache_gb=256 * gb,
+                ssd_cache_dir=str(tmp_path / "ssd"),
+                **kw,
+            )
+        ),
+    )
 
 
 def slow_disk(kv: KVManager) -> None:
@@ -212,7 +229,7 @@ def test_manager_plans_only_what_the_decision_loads(tmp_path):
     with tiny_kv(tmp_path) as kv:
         prompt = host_6_disk_12(kv, seed=0)
         assert kv.match(prompt)["host"] == 6 * CFG.block_size
-        assert kv.loadable_tokens(prompt[:12 * CFG.block_size], prompt_tokens=len(prompt)) == 6 * CFG.block_size
+        assert kv.loadable_tokens(prompt[: 12 * CFG.block_size], prompt_tokens=len(prompt)) == 6 * CFG.block_size
         counts = kv.stats().prefix_tokens
         assert counts["loaded/host/faster"] == 6 * CFG.block_size
         assert counts["recomputed/disk/slower"] == 6 * CFG.block_size
@@ -223,14 +240,15 @@ def test_a_lookup_decides_only_about_the_blocks_the_engine_lacks(tmp_path):
     rest against recomputing the rest, and counts only those tokens."""
     with tiny_kv(tmp_path) as kv:
         prompt = host_6_disk_12(kv, seed=1)
-        full = prompt[:12 * CFG.block_size]
+        full = prompt[: 12 * CFG.block_size]
 
         def decided(skip: int) -> tuple:
             before = kv.stats().prefix_tokens
             end = kv.loadable_tokens(full, prompt_tokens=len(prompt), skip_blocks=skip)
             after = kv.stats().prefix_tokens
-            return end // CFG.block_size, {k: (n - before.get(k, 0)) // CFG.block_size for k, n in after.items()
-                                           if n != before.get(k, 0)}
+            return end // CFG.block_size, {
+                k: (n - before.get(k, 0)) // CFG.block_size for k, n in after.items() if n != before.get(k, 0)
+            }
 
         # The engine holds 8 blocks: the 4 disk blocks beyond them are the decision, and recomputed.
         assert decided(8) == (8, {"recomputed/disk/slower": 4})
@@ -283,6 +301,7 @@ def test_recompute_decision_gives_exact_tokens(tmp_path):
 
 def test_decisions_and_tier_costs_on_the_workers_metrics(tmp_path):
     from dynamo_flexkv.integrations.dynamo_worker.metrics import _offload_families
+
     with tiny_kv(tmp_path) as kv:
         slow_disk(kv)
         kv.cost.record(kv.cost.decide(0, [Segment("host", 0, 2), Segment("disk", 2, 40)], 41 * CFG.block_size, 41))

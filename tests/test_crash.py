@@ -31,6 +31,7 @@ def test_sigkill_during_disk_writes_never_serves_torn_blocks(tmp_path):
     # Python 3.11's forkserver ignores the parent's sys.path, so preload installed modules only.
     ctx.set_forkserver_preload(["torch", "numpy", "dynamo_flexkv.core.manager"])
     from crash_writer import DEVICE_BLOCKS, MAX_BLOCKS
+
     cfg = config(tmp_path, host_blocks=12, disk_blocks=96, evict_ratio=0.1)
     rng = np.random.default_rng(7)
     adopted_total, torn_total, checked = 0, 0, 0
@@ -71,9 +72,11 @@ def test_sigkill_during_disk_writes_never_serves_torn_blocks(tmp_path):
 
 def _manager_args(cfg):
     from kv_helpers import MODEL
+
     return MODEL, cfg
 
 
 def _run_writer(cfg, seed, ready):
     from crash_writer import write_forever
+
     write_forever(cfg, seed, ready)

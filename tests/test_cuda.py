@@ -10,8 +10,9 @@ import torch
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs CUDA; runs on GPU machines via scripts/device_check.sh")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA; runs on GPU machines via scripts/device_check.sh"
+)
 
 
 @pytest.mark.parametrize("layout", list(KVLayoutType))

@@ -12,11 +12,20 @@ import yaml
 
 from dashboard_queries import METRIC, PROMETHEUS, all_panels, load_dashboard
 
+
 def schema_problems(d: dict) -> List[str]:
     """What Grafana's classic dashboard schema requires, and what an import needs to work."""
     problems = []
-    for key, kind in (("title", str), ("uid", str), ("schemaVersion", int), ("editable", bool),
-                      ("graphTooltip", int), ("panels", list), ("templating", dict), ("time", dict)):
+    for key, kind in (
+        ("title", str),
+        ("uid", str),
+        ("schemaVersion", int),
+        ("editable", bool),
+        ("graphTooltip", int),
+        ("panels", list),
+        ("templating", dict),
+        ("time", dict),
+    ):
         if not isinstance(d.get(key), kind):
             problems.append(f"dashboard.{key} missing or not a {kind.__name__}")
     if d.get("graphTooltip") not in (0, 1, 2):
@@ -36,15 +45,25 @@ def schema_problems(d: dict) -> List[str]:
         if not isinstance(p.get("type"), str) or not p["type"]:
             problems.append(f"{where}: type missing")
         g = p.get("gridPos", {})
-        if not (g.get("h", 0) > 0 and 0 < g.get("w", 0) <= 24 and 0 <= g.get("x", -1) < 24 and g.get("y", -1) >= 0
-                and g["x"] + g["w"] <= 24):
+        if not (
+            g.get("h", 0) > 0
+            and 0 < g.get("w", 0) <= 24
+            and 0 <= g.get("x", -1) < 24
+            and g.get("y", -1) >= 0
+            and g["x"] + g["w"] <= 24
+        ):
             problems.append(f"{where}: gridPos {g} outside the 24-column grid")
         if p.get("type") == "row":
             if not isinstance(p.get("collapsed"), bool) or not isinstance(p.get("panels"), list):
                 problems.append(f"{where}: a row needs collapsed and panels")
             continue
-        for key, kind in (("options", dict), ("fieldConfig", dict), ("transformations", list), ("targets", list),
-                          ("title", str)):
+        for key, kind in (
+            ("options", dict),
+            ("fieldConfig", dict),
+            ("transformations", list),
+            ("targets", list),
+            ("title", str),
+        ):
             if not isinstance(p.get(key), kind):
                 problems.append(f"{where}: {key} missing or not a {kind.__name__}")
         fc = p.get("fieldConfig", {})
@@ -101,4 +120,3 @@ def test_prometheus_config_scrapes_frontend_and_workers():
         for sc in job["static_configs"]:
             assert sc["targets"] and all(re.fullmatch(r"127\.0\.0\.1:\d+", t) for t in sc["targets"])
     assert re.fullmatch(r"\d+s", cfg["global"]["scrape_interval"])
-

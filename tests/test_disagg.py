@@ -42,11 +42,16 @@ def test_params_round_trip_and_refuse_malformed_payloads():
     p = HandoverParams("agent", "bWV0YQ==", "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0, 1e9, 8, checksums=[7, 8])
     assert HandoverParams.from_dict(p.to_dict()) == p
     assert HandoverParams.from_dict({}) is None and HandoverParams.from_dict(None) is None
-    for bad in ({KEY: {"version": 99}}, {KEY: "x"}, {KEY: dict(p.to_dict()[KEY], blocks="no")},
-                {KEY: dict(p.to_dict()[KEY], mem="HBM")}, {KEY: {k: v for k, v in p.to_dict()[KEY].items()
-                                                               if k != "lease"}},
-                {KEY: dict(p.to_dict()[KEY], blocks=[4, 8])}, {KEY: dict(p.to_dict()[KEY], num_blocks=0)},
-                {KEY: dict(p.to_dict()[KEY], version=2)}):
+    for bad in (
+        {KEY: {"version": 99}},
+        {KEY: "x"},
+        {KEY: dict(p.to_dict()[KEY], blocks="no")},
+        {KEY: dict(p.to_dict()[KEY], mem="HBM")},
+        {KEY: {k: v for k, v in p.to_dict()[KEY].items() if k != "lease"}},
+        {KEY: dict(p.to_dict()[KEY], blocks=[4, 8])},
+        {KEY: dict(p.to_dict()[KEY], num_blocks=0)},
+        {KEY: dict(p.to_dict()[KEY], version=2)},
+    ):
         with pytest.raises(HandoverRefused):
             HandoverParams.from_dict(bad)
 
@@ -89,8 +94,9 @@ def test_decode_tokens_and_pulled_bytes_equal_aggregated_and_prefill(pair):
         p = d_side._pending[req.id].params if req.id in d_side._pending else None
         got = fill(req, first, cap)
         if got:
-            pulled.append((list(p.blocks[first:first + got]), list(req.block_table[first:first + got])))
+            pulled.append((list(p.blocks[first : first + got]), list(req.block_table[first : first + got])))
         return got
+
     decode.remote_fill = recording_fill
 
     for i, prompt in enumerate(_prompts(6, rng)):
@@ -156,8 +162,12 @@ def test_prefill_process_killed_after_handing_over_decode_recomputes_exactly(tmp
     import time
     from pathlib import Path
 
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("disagg_prefill_proc.py")), "30"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("disagg_prefill_proc.py")), "30"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         decode = LLMEngine(CFG, num_device_blocks=48)
         agent = KVAgent(decode.kv_cache.layers)
@@ -170,6 +180,7 @@ def test_prefill_process_killed_after_handing_over_decode_recomputes_exactly(tmp
                 return side.fill(req, first, cap)
             finally:
                 fills.append(time.monotonic() - t0)
+
         decode.remote_fill = timed_fill
         agg = LLMEngine(CFG, num_device_blocks=48, device_prefix_cache=False)
         params = SamplingParams(max_tokens=4)
@@ -181,7 +192,7 @@ def test_prefill_process_killed_after_handing_over_decode_recomputes_exactly(tmp
             while not line.startswith("HANDOVER "):
                 assert line, "the prefill process died"
                 line = proc.stdout.readline()
-            handover = json.loads(line[len("HANDOVER "):])
+            handover = json.loads(line[len("HANDOVER ") :])
             if i == 1:
                 proc.kill()
                 proc.wait(10)

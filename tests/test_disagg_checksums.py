@@ -53,6 +53,7 @@ def test_checksums_are_xxh3_of_each_layers_span_then_of_those_digests():
     def reference(b: int) -> int:
         per_layer = [xxhash.xxh3_64_intdigest(x[b].contiguous().view(torch.uint8).numpy().tobytes()) for x in layers]
         return xxhash.xxh3_64_intdigest(np.asarray(per_layer, dtype="<u8").tobytes())
+
     assert block_checksums(layers, blocks) == [reference(b) for b in blocks]
     assert block_checksums(layers, []) == []
     for bad in ([40], [-1]):
@@ -88,9 +89,11 @@ def test_a_corrupted_block_is_recomputed_exactly_and_counted_as_a_failed_handove
 def test_checksums_travel_signed_and_must_match_the_blocks():
     p = HandoverParams("agent", None, "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0, 1e9, 8, checksums=[1, 2**64 - 1])
     assert HandoverParams.from_dict(p.to_dict()) == p
-    for bad in (dict(p.to_dict()[KEY], checksums=p.to_dict()[KEY]["checksums"][:-2]),  # not 8 bytes per block
-                {k: v for k, v in p.to_dict()[KEY].items() if k != "checksums"},
-                dict(p.to_dict()[KEY], checksums="***")):
+    for bad in (
+        dict(p.to_dict()[KEY], checksums=p.to_dict()[KEY]["checksums"][:-2]),  # not 8 bytes per block
+        {k: v for k, v in p.to_dict()[KEY].items() if k != "checksums"},
+        dict(p.to_dict()[KEY], checksums="***"),
+    ):
         with pytest.raises(HandoverRefused):
             HandoverParams.from_dict({KEY: bad})
     signed = p.signed(b"s")

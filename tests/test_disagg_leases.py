@@ -94,6 +94,7 @@ def test_a_claimed_request_waiting_on_decode_keeps_its_lease_by_renewals_then_pu
     def both():
         p_side.service()
         d_side.service()
+
     # The request waits on the decode worker (queued) past several renewal windows.
     until("renewed past its window", lambda: lease.renewals >= 7, both)  # every 0.5 s: ~3 s
     assert len(p_side.leases) == 1 and p_side.leases.expired_count == 0

@@ -42,8 +42,12 @@ def samples(worker: FlexKVWorkerEngine) -> Dict[str, float]:
 
 
 def decode_request(tokens, max_tokens, handover):
-    return {"token_ids": tokens, "stop_conditions": {"max_tokens": max_tokens}, "sampling_options": {},
-            "prefill_result": {"disaggregated_params": handover}}
+    return {
+        "token_ids": tokens,
+        "stop_conditions": {"max_tokens": max_tokens},
+        "sampling_options": {},
+        "prefill_result": {"disaggregated_params": handover},
+    }
 
 
 @pytest.fixture
@@ -58,8 +62,19 @@ def prefill():
 
 def test_decode_counts_pulled_tokens_as_handed_over_not_computed(tmp_path, prefill):
     p_engine, p_side = prefill
-    args = build_parser().parse_args(["--model", "tiny", "--model-dir", str(tmp_path / "model"), "--no-offload",
-                                      "--num-device-blocks", "64", "--disaggregation-mode", "decode"])
+    args = build_parser().parse_args(
+        [
+            "--model",
+            "tiny",
+            "--model-dir",
+            str(tmp_path / "model"),
+            "--no-offload",
+            "--num-device-blocks",
+            "64",
+            "--disaggregation-mode",
+            "decode",
+        ]
+    )
     worker = FlexKVWorkerEngine(args)
     prompt = list(range(1, 100))  # 6 full blocks before the last token: 96 tokens handed over
     p_engine.generate([prompt], SamplingParams(max_tokens=1))
@@ -98,8 +113,9 @@ def test_decode_counts_pulled_tokens_as_handed_over_not_computed(tmp_path, prefi
 
 
 def test_an_aggregated_worker_exports_the_handover_families_as_zeros(tmp_path):
-    args = build_parser().parse_args(["--model", "tiny", "--model-dir", str(tmp_path / "model"), "--no-offload",
-                                      "--num-device-blocks", "64"])
+    args = build_parser().parse_args(
+        ["--model", "tiny", "--model-dir", str(tmp_path / "model"), "--no-offload", "--num-device-blocks", "64"]
+    )
     worker = FlexKVWorkerEngine(args)
 
     async def scenario():

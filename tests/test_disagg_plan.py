@@ -25,22 +25,26 @@ def test_disagg_graphs_plan_prefill_and_decode_workers(tmp_path, graph, prefills
     modes = [w.argv[w.argv.index("--disaggregation-mode") + 1] for w in p.workers]
     assert modes == ["prefill"] * prefills + ["decode"]
     for w in p.workers:  # prefill workers are their own component: the frontend tells the roles apart
-        assert (w.argv[w.argv.index("--component") + 1] if "--component" in w.argv else None) == \
-            ("prefill" if "prefill" in w.argv else None)
+        assert (w.argv[w.argv.index("--component") + 1] if "--component" in w.argv else None) == (
+            "prefill" if "prefill" in w.argv else None
+        )
     dirs = {w.env["FLEXKV_CONFIG_PATH"] for w in p.workers}
     assert len(dirs) == len(p.workers)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("DecodeWorker.disaggregation-mode=prefill", "no decode worker"),
-    ("PrefillWorker.disaggregation-mode=decode", "no prefill worker"),
-    ("DecodeWorker.disaggregation-mode=agg", "aggregated and disaggregated"),
-    ("PrefillWorker.disaggregation-mode=both", "use one of"),
-    ("PrefillWorker.device-prefix-cache=false", "device-prefix-cache: true"),
-    ("PrefillWorker.handover-lease-s=0", "must be > 0"),
-    ("DecodeWorker.handover-timeout-s=-1", "must be > 0"),
-    ("PrefillWorker.handover-renew-s=1", "must be at least 2 seconds"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("DecodeWorker.disaggregation-mode=prefill", "no decode worker"),
+        ("PrefillWorker.disaggregation-mode=decode", "no prefill worker"),
+        ("DecodeWorker.disaggregation-mode=agg", "aggregated and disaggregated"),
+        ("PrefillWorker.disaggregation-mode=both", "use one of"),
+        ("PrefillWorker.device-prefix-cache=false", "device-prefix-cache: true"),
+        ("PrefillWorker.handover-lease-s=0", "must be > 0"),
+        ("DecodeWorker.handover-timeout-s=-1", "must be > 0"),
+        ("PrefillWorker.handover-renew-s=1", "must be at least 2 seconds"),
+    ],
+)
 def test_bad_disagg_configs_are_refused_before_anything_starts(tmp_path, override, message):
     with pytest.raises(GraphError, match=message):
         plan(tmp_path, "disagg", override)
@@ -65,7 +69,9 @@ def test_render_k8s_gives_both_roles_the_handover_secret_from_a_secret(tmp_path)
     name = yaml.safe_load(text)["metadata"]["name"]
     for role in ("PrefillWorker", "DecodeWorker"):
         env = [e for e in services[role]["envs"] if e["name"] == SECRET_ENV]
-        assert env == [{"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-handover", "key": "secret"}}}]
+        assert env == [
+            {"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-handover", "key": "secret"}}}
+        ]
     assert "envs" not in services["Frontend"] or all(e["name"] != SECRET_ENV for e in services["Frontend"]["envs"])
     assert f"kubectl create secret generic {name}-handover" in text
 
@@ -83,8 +89,9 @@ def test_disagg_graph_gives_its_workers_one_handover_secret_by_environment_only(
     from dynamo_flexkv.integrations.disagg.params import SECRET_ENV
 
     def secrets_of(run):
-        config = apply_overrides(load_config(str(ROOT / "configs" / "disagg.yaml")),
-                                 ["Common.model=tiny", "Frontend.http-port=0"])
+        config = apply_overrides(
+            load_config(str(ROOT / "configs" / "disagg.yaml")), ["Common.model=tiny", "Frontend.http-port=0"]
+        )
         p = build_plan(load_graph(str(ROOT / "graphs" / "disagg.py")), config, run_dir=tmp_path / run)
         assert not any(w.env[SECRET_ENV] in " ".join(w.argv) for w in p.workers)
         return {w.env[SECRET_ENV] for w in p.workers}

@@ -21,8 +21,9 @@ def disagg_config_error(tmp_path, *overrides) -> str:
     from dynamo_flexkv.serve import GraphError, load_graph
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
-    config = apply_overrides(load_config(str(ROOT / "configs" / "disagg.yaml")),
-                             ["Common.model=tiny", "Frontend.http-port=0", *overrides])
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / "disagg.yaml")), ["Common.model=tiny", "Frontend.http-port=0", *overrides]
+    )
     try:
         build_plan(load_graph(str(ROOT / "graphs" / "disagg.py")), config, run_dir=tmp_path / "run")
     except GraphError as e:
@@ -47,9 +48,25 @@ def test_handover_lease_s_in_e_notation_is_read_as_a_number(tmp_path):
 def worker_cli(*args: str) -> subprocess.CompletedProcess:
     # A broker URL in the wrong form: the worker fails at its event plane if it gets that far.
     env = dict(os.environ, DYN_ZMQ_BROKER_URL="tcp://127.0.0.1:1")
-    return subprocess.run([sys.executable, "-m", "dynamo_flexkv.integrations.dynamo_worker", "--model", "tiny", "--num-device-blocks", "8",
-                           "--discovery-backend", "file", *args], capture_output=True, text=True, timeout=55,
-                          env=env, cwd=ROOT)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_flexkv.integrations.dynamo_worker",
+            "--model",
+            "tiny",
+            "--num-device-blocks",
+            "8",
+            "--discovery-backend",
+            "file",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=55,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
@@ -61,8 +78,13 @@ def test_worker_cli_refuses_a_bad_handover_lease_before_starting(value):
 def replay_until_start(tmp_path, *args: str, timeout: float = 50) -> Tuple[int, str, bool]:
     """Runs `dynamo-flexkv replay ARGS`; if it starts a graph, interrupts it (Ctrl-C) and stops every
     process of that graph. Returns (exit code, stderr, whether a graph was started)."""
-    p = subprocess.Popen([*CLI, "replay", *args, "--out", str(tmp_path / "out")], stderr=subprocess.PIPE,
-                         stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    p = subprocess.Popen(
+        [*CLI, "replay", *args, "--out", str(tmp_path / "out")],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+    )
     lines: List[str] = []
     started = False
     deadline = time.monotonic() + timeout
@@ -108,16 +130,18 @@ def test_replay_refuses_time_scale_nan(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("option", [["--time-scale", "0"], ["--concurrency", "0"], ["--request-timeout", "0"]])
 def test_replay_refuses_bad_run_options_before_starting_a_graph(tmp_path, option):
-    rc, err, started = replay_until_start(tmp_path, *option, "--configs", "no-offload", "--set", "Common.model=tiny",
-                                            "--max-prompt-tokens", "512")
+    rc, err, started = replay_until_start(
+        tmp_path, *option, "--configs", "no-offload", "--set", "Common.model=tiny", "--max-prompt-tokens", "512"
+    )
     assert not started and rc != 0 and option[0].lstrip("-") in err, err[-800:]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("value", ["-1", "nan"])
 def test_replay_refuses_a_bad_host_gb(tmp_path, value):
-    rc, err, started = replay_until_start(tmp_path, "--host-gb", value, "--configs", "host",
-                                          "--set", "Common.model=tiny", "--max-prompt-tokens", "512")
+    rc, err, started = replay_until_start(
+        tmp_path, "--host-gb", value, "--configs", "host", "--set", "Common.model=tiny", "--max-prompt-tokens", "512"
+    )
     assert not started and rc != 0 and "host-gb" in err, err[-800:]
 
 
@@ -143,10 +167,31 @@ def marked_pids(mark: str) -> List[int]:
 @pytest.mark.slow
 def test_replay_sigterm_stops_the_graph_it_started(tmp_path):
     mark = f"{os.getpid()}-{time.monotonic_ns()}"
-    p = subprocess.Popen([*CLI, "replay", "--engine", "reference", "--configs", "no-offload", "--set", "Common.model=tiny",
-                          "--max-prompt-tokens",
-                          "512", "--conversations", "4", "--sample-every", "1", "--out", str(tmp_path / "out")], stderr=subprocess.PIPE,
-                         stdout=subprocess.DEVNULL, text=True, cwd=ROOT, env=dict(os.environ, ADV_MARK=mark))
+    p = subprocess.Popen(
+        [
+            *CLI,
+            "replay",
+            "--engine",
+            "reference",
+            "--configs",
+            "no-offload",
+            "--set",
+            "Common.model=tiny",
+            "--max-prompt-tokens",
+            "512",
+            "--conversations",
+            "4",
+            "--sample-every",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, ADV_MARK=mark),
+    )
     try:
         for line in p.stderr:  # the graph is ready once the progress bar shows a finished request
             if "no-offload @40:" in line and "1/" in line:
@@ -186,8 +231,11 @@ def test_disagg_request_refused_by_decode_releases_the_prefill_lease(tmp_path):
         with pytest.raises(urllib.error.HTTPError) as refused:
             complete(plan, prompt, 100000)
         assert refused.value.code == 400
-        wait_until("the prefill worker's blocks back",
-                   lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0, timeout=10)
+        wait_until(
+            "the prefill worker's blocks back",
+            lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0,
+            timeout=10,
+        )
     assert "expired" not in (plan.run_dir / "logs" / f"{prefill.name}.log").read_text()
 
 

@@ -29,12 +29,15 @@ def test_decode_takes_the_handover_from_prefill_result():
     assert got == HandoverParams.from_dict(HANDOVER)
 
 
-@pytest.mark.parametrize("request_", [
-    {"token_ids": [1], HEALTH_CHECK_KEY: True},  # a health probe: no prefill peer involved
-    {"token_ids": [1], "annotations": [BYPASS_REMOTE_PREFILL]},  # conditional disaggregation
-    {"token_ids": [1], "prefill_result": {"disaggregated_params": {}}},  # the prefill worker held nothing
-    {"token_ids": [1], "prefill_result": {"disaggregated_params": {KEY: {"version": 0}}}},  # unusable: recompute
-])
+@pytest.mark.parametrize(
+    "request_",
+    [
+        {"token_ids": [1], HEALTH_CHECK_KEY: True},  # a health probe: no prefill peer involved
+        {"token_ids": [1], "annotations": [BYPASS_REMOTE_PREFILL]},  # conditional disaggregation
+        {"token_ids": [1], "prefill_result": {"disaggregated_params": {}}},  # the prefill worker held nothing
+        {"token_ids": [1], "prefill_result": {"disaggregated_params": {KEY: {"version": 0}}}},  # unusable: recompute
+    ],
+)
 def test_decode_prefills_locally_when_there_is_nothing_to_pull(request_):
     assert role("decode").prepare(request_) is None
 

@@ -28,7 +28,9 @@ def disagg_graph(tmp_path_factory):
 
 
 def _lease_ends(port: int) -> dict:
-    return {how: metric(port, "flexkv_handover_leases_ended_total", how=how) for how in ("released", "expired", "unclaimed")}
+    return {
+        how: metric(port, "flexkv_handover_leases_ended_total", how=how) for how in ("released", "expired", "unclaimed")
+    }
 
 
 def test_disagg_graph_generates_the_aggregated_graphs_tokens_with_kv_pulled_over_nixl(disagg_graph, tmp_path):
@@ -49,14 +51,22 @@ def test_disagg_graph_generates_the_aggregated_graphs_tokens_with_kv_pulled_over
     assert sum(pulled) > 0
     # Every request went through the prefill worker; repeated prefixes came from its tiers.
     assert [metric(w.port, "flexkv_requests_total") - n for w, n in zip((prefill, decode), requests)] == [50, 50]
-    assert sum(metric(prefill.port, "flexkv_prompt_tokens_cached_total", tier=t)
-               for t in ("device", "host", "disk")) > cached
+    assert (
+        sum(metric(prefill.port, "flexkv_prompt_tokens_cached_total", tier=t) for t in ("device", "host", "disk"))
+        > cached
+    )
     # The decode worker offloads what it received to its own tiers too.
     assert metric(decode.port, "flexkv_stored_blocks_total", tier="host") > stored
     # Each lease ends on decode's release notice, a NIXL message that may land a little after the
     # reply (the 30 s lease timeout is far off): each released, none expired or unclaimed.
-    wait_until("the prefill worker's leases released", lambda: metric(prefill.port, "flexkv_handover_leases") == 0
-               and metric(prefill.port, "flexkv_device_blocks", state="used") == 0, timeout=10)
+    wait_until(
+        "the prefill worker's leases released",
+        lambda: (
+            metric(prefill.port, "flexkv_handover_leases") == 0
+            and metric(prefill.port, "flexkv_device_blocks", state="used") == 0
+        ),
+        timeout=10,
+    )
     ended = {how: n - ends[how] for how, n in _lease_ends(prefill.port).items()}
     assert ended["released"] > 0 and ended["expired"] == ended["unclaimed"] == 0, ended
 
@@ -96,20 +106,30 @@ def test_decode_stopped_then_killed_while_holding_a_lease_the_lease_expires_and_
                 outcome["reply"] = complete(plan, extra[0], 3)
             except (urllib.error.HTTPError, OSError) as e:
                 outcome["error"] = e
+
         asker = threading.Thread(target=ask)
         asker.start()
-        wait_until("a lease held on the prefill worker",
-                   lambda: metric(prefill.port, "flexkv_device_blocks", state="used") > 0, every=0.05)
+        wait_until(
+            "a lease held on the prefill worker",
+            lambda: metric(prefill.port, "flexkv_device_blocks", state="used") > 0,
+            every=0.05,
+        )
         os.kill(first_pid, signal.SIGKILL)
-        wait_until("the lease expired", lambda: "expired" in (plan.run_dir / "logs" / f"{prefill.name}.log").read_text(),
-                   timeout=20)
+        wait_until(
+            "the lease expired",
+            lambda: "expired" in (plan.run_dir / "logs" / f"{prefill.name}.log").read_text(),
+            timeout=20,
+        )
         wait_until("its blocks back", lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0)
         asker.join(150)
         assert not asker.is_alive()
         if "reply" in outcome:
             assert outcome["reply"]["choices"][0]["text"] == want[extra[0]]
-        wait_until("the decode worker restarted", lambda: decode.name not in launcher.starting
-                   and launcher.restarts.get(decode.name) == 1, timeout=90)
+        wait_until(
+            "the decode worker restarted",
+            lambda: decode.name not in launcher.starting and launcher.restarts.get(decode.name) == 1,
+            timeout=90,
+        )
         # README's bound: once the restarted worker is ready, a new short request is answered within
         # 30 s (the frontend answers 404/503 until it re-discovered the decode worker).
         t0, refused = time.monotonic(), []
@@ -176,14 +196,23 @@ def test_prefill_killed_mid_handover_decode_recomputes_and_the_restarted_prefill
                 outcome["reply"] = complete(plan, fresh, 3)
             except (urllib.error.HTTPError, OSError) as e:
                 outcome["error"] = e
+
         asker = threading.Thread(target=ask)
         asker.start()
-        wait_until("a lease held on the prefill worker",
-                   lambda: metric(prefill.port, "flexkv_device_blocks", state="used") > 0, every=0.05)
+        wait_until(
+            "a lease held on the prefill worker",
+            lambda: metric(prefill.port, "flexkv_device_blocks", state="used") > 0,
+            every=0.05,
+        )
         time.sleep(0.5)  # the prefill stream ends; the frontend sends the request on to the stopped decode worker
         os.kill(first_prefill, signal.SIGKILL)
-        wait_until("the prefill worker reaped", lambda: launcher.running[prefill.name].pid != first_prefill
-                   or launcher.running[prefill.name].poll() is not None, timeout=10)
+        wait_until(
+            "the prefill worker reaped",
+            lambda: (
+                launcher.running[prefill.name].pid != first_prefill or launcher.running[prefill.name].poll() is not None
+            ),
+            timeout=10,
+        )
         os.kill(decode_pid, signal.SIGCONT)
         decode_pid = None
         asker.join(120)
@@ -195,21 +224,34 @@ def test_prefill_killed_mid_handover_decode_recomputes_and_the_restarted_prefill
             assert "KV handover from" in log and "failed, recomputing" in log
         else:
             assert isinstance(outcome["error"], urllib.error.HTTPError), outcome["error"]
-        wait_until("the prefill worker restarted", lambda: prefill.name not in launcher.starting
-                   and launcher.restarts.get(prefill.name) == 1, timeout=90)
+        wait_until(
+            "the prefill worker restarted",
+            lambda: prefill.name not in launcher.starting and launcher.restarts.get(prefill.name) == 1,
+            timeout=90,
+        )
         # The frontend registers the new prefill instance a moment after its /health is ready.
-        wait_until("the graph serving exact tokens again",
-                   lambda: _text_or_none(plan, base[1]) == want[base[1]], timeout=30, every=0.5)
+        wait_until(
+            "the graph serving exact tokens again",
+            lambda: _text_or_none(plan, base[1]) == want[base[1]],
+            timeout=30,
+            every=0.5,
+        )
         for p in base + extra:
             assert complete(plan, p, 3)["choices"][0]["text"] == want[p]
         if "reply" in outcome:
             assert outcome["reply"]["choices"][0]["text"] == complete(plan, fresh, 3)["choices"][0]["text"]
         assert launcher.restarts.get(decode.name) is None, "the decode worker died too"
-        wait_until("decode holds no device block", lambda: metric(decode.port, "flexkv_device_blocks", state="used") == 0,
-                   timeout=20)
+        wait_until(
+            "decode holds no device block",
+            lambda: metric(decode.port, "flexkv_device_blocks", state="used") == 0,
+            timeout=20,
+        )
         wait_until("no task in flight", lambda: inflight(decode.port) == 0 and inflight(prefill.port) == 0, timeout=20)
-        wait_until("the new prefill worker's leases released",
-                   lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0, timeout=20)
+        wait_until(
+            "the new prefill worker's leases released",
+            lambda: metric(prefill.port, "flexkv_device_blocks", state="used") == 0,
+            timeout=20,
+        )
     finally:
         if decode_pid is not None:
             os.kill(decode_pid, signal.SIGCONT)
@@ -263,15 +305,22 @@ def test_a_lease_no_decode_worker_claims_ends_after_the_renewal_window_not_the_l
             outcome["reply"] = complete(plan, fresh, 3)
         except (urllib.error.HTTPError, OSError) as e:
             outcome["error"] = e
+
     asker = threading.Thread(target=ask)
     try:
         asker.start()
-        wait_until("a lease held on the prefill worker",
-                   lambda: metric(prefill.port, "flexkv_handover_leases") >= 1, every=0.05)
+        wait_until(
+            "a lease held on the prefill worker",
+            lambda: metric(prefill.port, "flexkv_handover_leases") >= 1,
+            every=0.05,
+        )
         held = time.monotonic()
-        wait_until("the unclaimed lease ended",
-                   lambda: _lease_ends(prefill.port)["unclaimed"] > ends["unclaimed"],
-                   timeout=25, every=0.1)
+        wait_until(
+            "the unclaimed lease ended",
+            lambda: _lease_ends(prefill.port)["unclaimed"] > ends["unclaimed"],
+            timeout=25,
+            every=0.1,
+        )
         assert time.monotonic() - held < 15, "an unclaimed lease was held about as long as the 30 s lease ttl"
     finally:
         os.kill(decode_pid, signal.SIGCONT)
@@ -283,14 +332,19 @@ def test_a_lease_no_decode_worker_claims_ends_after_the_renewal_window_not_the_l
         assert isinstance(outcome["error"], urllib.error.HTTPError), outcome["error"]
     wait_until("every lease ended", lambda: metric(prefill.port, "flexkv_handover_leases") == 0, timeout=15)
     assert "expired unclaimed" in (plan.run_dir / "logs" / f"{prefill.name}.log").read_text()
-    wait_until("the graph serving exact tokens again",
-               lambda: _text_or_none(plan, base[1]) == want[base[1]], timeout=30, every=0.5)
+    wait_until(
+        "the graph serving exact tokens again",
+        lambda: _text_or_none(plan, base[1]) == want[base[1]],
+        timeout=30,
+        every=0.5,
+    )
     failed = metric(decode.port, "flexkv_handovers_total", result="failed")
     for p in base:  # pulled again, exact
         assert complete(plan, p, 3)["choices"][0]["text"] == want[p]
     assert metric(decode.port, "flexkv_handovers_total", result="failed") == failed
-    wait_until("the prefill worker's leases released",
-               lambda: metric(prefill.port, "flexkv_handover_leases") == 0, timeout=10)
+    wait_until(
+        "the prefill worker's leases released", lambda: metric(prefill.port, "flexkv_handover_leases") == 0, timeout=10
+    )
     # No lease was claimed and then lost: each ended by release or unclaimed.
     assert _lease_ends(prefill.port)["expired"] == ends["expired"]
     assert metric(prefill.port, "flexkv_device_blocks", state="used") == 0

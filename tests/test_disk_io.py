@@ -20,8 +20,10 @@ ENGINES = [pytest.param(True, id="io_uring"), pytest.param(False, id="pread-pool
 
 def _engine(use_uring: bool) -> None:
     if use_uring and not _native.uring_available():
-        pytest.skip("io_uring is not available here (kernel or seccomp refuses it); the pread-pool case runs "
-                    "instead, and this one runs wherever io_uring works")
+        pytest.skip(
+            "io_uring is not available here (kernel or seccomp refuses it); the pread-pool case runs "
+            "instead, and this one runs wherever io_uring works"
+        )
 
 
 @pytest.mark.parametrize("use_uring", ENGINES)
@@ -43,7 +45,7 @@ def test_file_io_checksums_are_xxh3_of_the_bytes_moved(tmp_path, use_uring):
     finally:
         os.close(fd)
     assert np.array_equal(src, dst)
-    want = [xxhash.xxh3_64_intdigest(src[int(s):int(s + n)].tobytes()) for s, n in zip(starts, lens)]
+    want = [xxhash.xxh3_64_intdigest(src[int(s) : int(s + n)].tobytes()) for s, n in zip(starts, lens)]
     assert wrote.tolist() == want and read.tolist() == want
     assert _native.checksums(src.ctypes.data, starts[lens == lens[-1]], int(lens[-1])).tolist() == want[-1:]
 
@@ -56,9 +58,17 @@ def test_read_past_end_of_file_raises(tmp_path, use_uring):
     try:
         os.write(fd, b"x" * 4096)
         with pytest.raises(OSError, match="failed on op 1"):
-            _native.file_io(np.full(2, fd, np.int32), np.array([0, 4096], np.uint64),
-                            np.array([buf.ctypes.data, buf.ctypes.data + 4096], np.uint64),
-                            np.full(2, 4096, np.uint64), False, 2, use_uring, 2, True)
+            _native.file_io(
+                np.full(2, fd, np.int32),
+                np.array([0, 4096], np.uint64),
+                np.array([buf.ctypes.data, buf.ctypes.data + 4096], np.uint64),
+                np.full(2, 4096, np.uint64),
+                False,
+                2,
+                use_uring,
+                2,
+                True,
+            )
     finally:
         os.close(fd)
 
@@ -84,12 +94,12 @@ def test_disk_mover_round_trip_and_corrupt_block_refused(disk, tmp_path, use_uri
     op = TransferOp(OpKind.H2DISK, src, dst)
     mover.run(op)
     bb = host.layout.block_bytes
-    assert op.result.tolist() == [xxhash.xxh3_64_intdigest(kept[b * bb:(b + 1) * bb].tobytes()) for b in src]
+    assert op.result.tolist() == [xxhash.xxh3_64_intdigest(kept[b * bb : (b + 1) * bb].tobytes()) for b in src]
     ssd.record_stored(DiskEntry(d, d, None, c) for d, c in zip(dst.tolist(), op.result.tolist()))
     host.array[:] = 0
     mover.run(TransferOp(OpKind.DISK2H, dst, np.array([7, 6, 5, 4])))
     blocks = host.array.reshape(8, bb)
-    assert all(np.array_equal(blocks[7 - b], kept[b * bb:(b + 1) * bb]) for b in src)
+    assert all(np.array_equal(blocks[7 - b], kept[b * bb : (b + 1) * bb]) for b in src)
     assert np.array_equal(mover.read_for_adoption(dst, np.arange(4)), op.result)
     # Flip bytes of disk block 2 in its file: that block, and only it, is refused.
     _, offsets = ssd.locate(np.array([2]))

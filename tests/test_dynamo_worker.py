@@ -17,6 +17,7 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 from served import ROOT, TINY, assert_gone, complete, make_plan, metric  # noqa: E402,F401
 
+
 def test_agg_graph_serves_completions_and_reports_offload_metrics(tmp_path):
     plan = make_plan(tmp_path, "agg")
     worker = plan.workers[0]
@@ -37,15 +38,18 @@ def test_agg_graph_serves_completions_and_reports_offload_metrics(tmp_path):
     assert_gone(launcher)
 
 
-@pytest.mark.skipif(not (os.path.exists("/usr/bin/etcd") and os.path.exists("/usr/sbin/nats-server")),
-                    reason="etcd-server and nats-server are installed by make test")
+@pytest.mark.skipif(
+    not (os.path.exists("/usr/bin/etcd") and os.path.exists("/usr/sbin/nats-server")),
+    reason="etcd-server and nats-server are installed by make test",
+)
 def test_repeated_prefix_goes_to_the_worker_holding_it_offloaded_on_etcd_and_nats(tmp_path):
     """Two workers without a device prefix cache: a prompt's KV survives only in the host/disk
     tier of the worker that served it. The router must send each repeat there (a cache hit);
     a request sent to the other worker would find nothing. On etcd discovery and NATS events (the
     multi-node backends; file discovery and ZMQ events serve every other graph test)."""
-    plan = make_plan(tmp_path, "agg_router", "FlexKVWorker.device-prefix-cache=false",
-                     discovery_backend="etcd", event_plane="nats")
+    plan = make_plan(
+        tmp_path, "agg_router", "FlexKVWorker.device-prefix-cache=false", discovery_backend="etcd", event_plane="nats"
+    )
     assert [p.name for p in plan.infra] == ["etcd", "nats"]
     with Launcher(plan) as launcher:
         launcher.wait_ready(120)
@@ -57,22 +61,34 @@ def test_repeated_prefix_goes_to_the_worker_holding_it_offloaded_on_etcd_and_nat
             again = complete(plan, p)
             cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= again["usage"]["prompt_tokens"] - 16, (cached, again["usage"])
-        served = sum(metric(w.port, "flexkv_prompt_tokens_cached_total", tier=t)
-                     for w in plan.workers for t in ("host", "disk"))
+        served = sum(
+            metric(w.port, "flexkv_prompt_tokens_cached_total", tier=t) for w in plan.workers for t in ("host", "disk")
+        )
         assert served >= sum(len(p) for p in prompts) - 4 * 16  # the hits came from offload tiers
         assert all(metric(w.port, "flexkv_prompt_tokens_cached_total", tier="device") == 0 for w in plan.workers)
     assert_gone(launcher)
 
 
 def test_serve_stops_the_graph_on_ctrl_c_and_when_a_component_dies(tmp_path):
-    base = [sys.executable, "-m", "dynamo_flexkv.cli", "serve", str(ROOT / "graphs" / "agg_router.py"),
-            "-f", str(ROOT / "configs" / "agg_router.yaml"), *[a for s in TINY for a in ("--set", s)]]
+    base = [
+        sys.executable,
+        "-m",
+        "dynamo_flexkv.cli",
+        "serve",
+        str(ROOT / "graphs" / "agg_router.py"),
+        "-f",
+        str(ROOT / "configs" / "agg_router.yaml"),
+        *[a for s in TINY for a in ("--set", s)],
+    ]
 
     def start(name, *extra):
         run = tmp_path / name
-        p = subprocess.Popen(base + ["--set", f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}",
-                                     "--run-dir", str(run), *extra], stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            base + ["--set", f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}", "--run-dir", str(run), *extra],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 120
         for line in p.stdout:
             if "graph agg_router ready" in line:

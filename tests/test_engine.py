@@ -35,7 +35,7 @@ def workload(seed, n, vocab=CFG.vocab_size):
         else:
             base = []
         out.append(base + rng.integers(0, vocab, int(rng.integers(5, 3 * BS))).tolist())
-    return [p[:12 * BS] for p in out]
+    return [p[: 12 * BS] for p in out]
 
 
 def run(engine, prompts, params):
@@ -182,21 +182,43 @@ def test_loads_hugging_face_directory(tmp_path):
     from dynamo_flexkv.integrations.reference_engine import LlamaModel
 
     src = LLMEngine(CFG, num_device_blocks=64, seed=11).model
-    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
-             "ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
-    tensors = {"model.embed_tokens.weight": src.w["embed"], "model.norm.weight": src.w["norm"],
-               "lm_head.weight": src.w["lm_head"]}
+    names = {
+        "q": "self_attn.q_proj",
+        "k": "self_attn.k_proj",
+        "v": "self_attn.v_proj",
+        "o": "self_attn.o_proj",
+        "gate": "mlp.gate_proj",
+        "up": "mlp.up_proj",
+        "down": "mlp.down_proj",
+        "ln1": "input_layernorm",
+        "ln2": "post_attention_layernorm",
+    }
+    tensors = {
+        "model.embed_tokens.weight": src.w["embed"],
+        "model.norm.weight": src.w["norm"],
+        "lm_head.weight": src.w["lm_head"],
+    }
     for i in range(CFG.num_layers):
         for short, hf in names.items():
             tensors[f"model.layers.{i}.{hf}.weight"] = src.w[f"{i}.{short}"]
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size,
-        "num_hidden_layers": CFG.num_layers, "num_attention_heads": CFG.num_heads,
-        "num_key_value_heads": CFG.num_kv_heads, "head_dim": CFG.head_dim,
-        "intermediate_size": CFG.intermediate_size, "rope_theta": CFG.rope_theta,
-        "rms_norm_eps": CFG.rms_norm_eps, "torch_dtype": "float32"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": CFG.vocab_size,
+                "hidden_size": CFG.hidden_size,
+                "num_hidden_layers": CFG.num_layers,
+                "num_attention_heads": CFG.num_heads,
+                "num_key_value_heads": CFG.num_kv_heads,
+                "head_dim": CFG.head_dim,
+                "intermediate_size": CFG.intermediate_size,
+                "rope_theta": CFG.rope_theta,
+                "rms_norm_eps": CFG.rms_norm_eps,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     loaded = LlamaModel.from_pretrained(tmp_path)
     params = SamplingParams(max_tokens=4, record_logits=True)
     a = LLMEngine(CFG, num_device_blocks=64, model=src).generate([list(range(50))], params)[0]

@@ -24,7 +24,9 @@ def _exception_classes():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 bases = [ast.unparse(b) for b in node.bases]
-                if module != "dynamo_flexkv.core.errors" and any(b in BUILTIN_EXCEPTIONS or b == "FlexKVError" for b in bases):
+                if module != "dynamo_flexkv.core.errors" and any(
+                    b in BUILTIN_EXCEPTIONS or b == "FlexKVError" for b in bases
+                ):
                     out.append((module, node.name, bases))
     return out
 

@@ -59,13 +59,33 @@ def test_frames_carry_tier_and_signed_hashes(relay_and_sub):
     ts, _, dp = msgspec.msgpack.decode(frames[0][2])
     assert dp == 0 and isinstance(ts, float)
     assert events_of(frames) == [
-        {"type": "BlockStored", "block_hashes": [-5, 7], "parent_block_hash": None, "token_ids": list(range(8)),
-         "block_size": 4, "lora_name": None, "medium": "CPU_PINNED"},
-        {"type": "BlockStored", "block_hashes": [-5, 7], "parent_block_hash": None, "token_ids": list(range(8)),
-         "block_size": 4, "lora_name": None, "medium": "DISK"},
+        {
+            "type": "BlockStored",
+            "block_hashes": [-5, 7],
+            "parent_block_hash": None,
+            "token_ids": list(range(8)),
+            "block_size": 4,
+            "lora_name": None,
+            "medium": "CPU_PINNED",
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [-5, 7],
+            "parent_block_hash": None,
+            "token_ids": list(range(8)),
+            "block_size": 4,
+            "lora_name": None,
+            "medium": "DISK",
+        },
         {"type": "BlockRemoved", "block_hashes": [7], "medium": "DISK"},
-        {"type": "BlockStored", "block_hashes": [9], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
-         "block_size": 4, "lora_name": None},  # device events carry no medium
+        {
+            "type": "BlockStored",
+            "block_hashes": [9],
+            "parent_block_hash": None,
+            "token_ids": [1, 2, 3, 4],
+            "block_size": 4,
+            "lora_name": None,
+        },  # device events carry no medium
     ]
     assert relay.known_blocks(Tier.HOST) == 2 and relay.known_blocks(Tier.DISK) == 1 and relay.known_blocks(None) == 1
 
@@ -91,8 +111,12 @@ def test_a_burst_is_one_frame_with_chains_and_passes_merged(relay_and_sub):
     assert len(frames) == 1
     events = events_of(frames)
     assert [(e["type"], e.get("medium")) for e in events] == [
-        ("BlockStored", None), ("BlockStored", "CPU_PINNED"), ("BlockRemoved", None),
-        ("BlockRemoved", "CPU_PINNED"), ("BlockRemoved", None)]
+        ("BlockStored", None),
+        ("BlockStored", "CPU_PINNED"),
+        ("BlockRemoved", None),
+        ("BlockRemoved", "CPU_PINNED"),
+        ("BlockRemoved", None),
+    ]
     assert events[0]["block_hashes"] == list(range(1, 120)) and events[0]["parent_block_hash"] is None
     assert events[0]["token_ids"] == [i for i in range(1, 120) for _ in range(4)]
     assert events[2]["block_hashes"] == list(range(119, 60, -1)) and events[4]["block_hashes"] == [60]
@@ -143,8 +167,12 @@ def test_cleared_forgets_every_tier(relay_and_sub):
     relay.removed(Tier.DISK, [1])  # the router already forgot it
     relay.stored(Tier.DISK, [1], None, [0] * 4)
     relay.flush()
-    assert [e["type"] for e in events_of(sub.frames())] == ["BlockStored", "BlockStored", "AllBlocksCleared",
-                                                           "BlockStored"]
+    assert [e["type"] for e in events_of(sub.frames())] == [
+        "BlockStored",
+        "BlockStored",
+        "AllBlocksCleared",
+        "BlockStored",
+    ]
     assert relay.known_blocks(None) == 0 and relay.known_blocks(Tier.DISK) == 1
 
 

@@ -39,7 +39,9 @@ def idle(kv, timeout=30.0):
 
 def test_bad_block_ids(kv):
     prompt = list(range(3 * TPB + 5))
-    with pytest.raises(ValueError, match=r"2 device block ids for 53 tokens: pass one id per block \(3 full blocks, or 4"):
+    with pytest.raises(
+        ValueError, match=r"2 device block ids for 53 tokens: pass one id per block \(3 full blocks, or 4"
+    ):
         kv.put_async(prompt, [0, 1])
     with pytest.raises(IndexError, match=r"device block id out of range \[0, 32\)"):
         kv.get_async(prompt, [0, 1, 99])
@@ -54,7 +56,10 @@ def test_bad_block_ids(kv):
         (lambda: [torch.zeros(8, 2, TPB, 2, 64, dtype=torch.float32) for _ in range(3)], "dtype torch.float32"),
         (lambda: [torch.zeros(8, 2, TPB, 4, 64, dtype=torch.float16) for _ in range(3)], "needs (8, 2, 16, 2, 64)"),
         (lambda: [torch.zeros(8, 2, TPB, 2, 64, dtype=torch.float16) for _ in range(2)], "2 tensors for 3 layers"),
-        (lambda: [torch.zeros(8, 2, 64, TPB, 2, dtype=torch.float16).transpose(2, 4) for _ in range(3)], "not contiguous"),
+        (
+            lambda: [torch.zeros(8, 2, 64, TPB, 2, dtype=torch.float16).transpose(2, 4) for _ in range(3)],
+            "not contiguous",
+        ),
     ],
 )
 def test_device_tensor_contradicting_layout(kv, tensors, words):
@@ -165,25 +170,32 @@ def test_shutdown_with_tasks_in_flight(tmp_path):
     kv.register_device_cache(dev)
     ids = [kv.put_async([i] * (4 * TPB), [0, 1, 2, 3]) for i in range(20)]
     kv.shutdown()  # cancels and drains: every task has its final result
-    assert all(r is not None and r.status in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)
-               for r in final_results_after_shutdown(kv, ids))
+    assert all(
+        r is not None and r.status in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)
+        for r in final_results_after_shutdown(kv, ids)
+    )
     assert kv.cache.task_ids() == []
     kv.shutdown()  # twice is fine (ManagerClosed after it: tests/test_manager.py)
 
 
 # ---- a full or failing SSD: writes fail cleanly and are counted, host keeps serving ----------------
 
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 320 KiB tmpfs: room for about a dozen 24 KiB blocks, then ENOSPC (a real one)."""
     import subprocess
+
     mnt = tmp_path / "full"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320k,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=320k,mode=0700", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip() or r.returncode}): needs root with "
-                    "CAP_SYS_ADMIN; the injected-EIO test covers the error path")
+        pytest.skip(
+            f"cannot mount a small tmpfs here ({r.stderr.strip() or r.returncode}): needs root with "
+            "CAP_SYS_ADMIN; the injected-EIO test covers the error path"
+        )
     try:
         yield mnt
     finally:
@@ -257,6 +269,7 @@ def test_eio_injected_in_the_disk_mover(kv):
     """EIO cannot be produced on demand without a device-mapper target, so the disk mover's batch
     I/O raises it (reads, then writes); everything above the mover is the real code path."""
     import errno
+
     prompt = list(range(4 * TPB))
     store(kv, prompt, [0, 1, 2, 3])
     host = kv.cache.tiers[Tier.HOST]
@@ -281,8 +294,9 @@ def test_eio_injected_in_the_disk_mover(kv):
         assert kv.match(other) == {"host": 4 * TPB, "disk": 0}
         t = kv.get_async(other, [12, 13, 14, 15])
         assert kv.wait([t])[t].num_tokens == 4 * TPB  # host keeps serving
-        assert all(holds(kv.dev, KVLayoutType.LAYERBLOCK, 12 + j, int(s))
-                   for j, s in enumerate(kv.hashes(other).sequence))
+        assert all(
+            holds(kv.dev, KVLayoutType.LAYERBLOCK, 12 + j, int(s)) for j, s in enumerate(kv.hashes(other).sequence)
+        )
         idle(kv)
         assert_no_leaks(kv)
     finally:
@@ -298,6 +312,7 @@ def test_a_flood_is_refused_past_max_tasks_in_flight(tmp_path):
     """Work in flight is bounded: with disk writes stuck, new tasks are refused with a clear error
     (nothing planned, no record) instead of queueing without bound; they run again once it drains."""
     from dynamo_flexkv.core.tasks import TooManyTasks
+
     with KVManager(MODEL, config(tmp_path, host_blocks=16, disk_blocks=48, max_tasks_in_flight=3)) as kv:
         dev = device_tensors(KVLayoutType.LAYERBLOCK, DEV)
         kv.register_device_cache(dev)

@@ -26,8 +26,12 @@ atexit.register(shutil.rmtree, SCRATCH, True)
 # ---- config loader ------------------------------------------------------------------------------
 
 ANY_VALUE = st.one_of(
-    st.none(), st.booleans(), st.integers(-(10 ** 30), 10 ** 30), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12), st.lists(st.integers(), max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**30), 10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.lists(st.integers(), max_size=3),
     st.sampled_from(["lru", "LFU", "slru", "bogus", "1", "0", "yes", "off", "16", "0.5", "1e400", "-3", "nan"]),
 )
 DIRS = st.sampled_from([f"{SCRATCH}/a", f"{SCRATCH}/a;{SCRATCH}/b", [f"{SCRATCH}/c"], "", 7, None])
@@ -56,9 +60,16 @@ def test_config_from_dict_and_constructor(values, dirs):
 
 
 @FAST
-@given(st.dictionaries(st.sampled_from([f"FLEXKV_{k.upper()}" for k in KEYS if k != "ssd_cache_dir"]
-                                       + ["DYN_KVBM_CPU_CACHE_GB", "DYN_KVBM_DISK_CACHE_GB"]),
-                       st.text(max_size=10), max_size=5))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [f"FLEXKV_{k.upper()}" for k in KEYS if k != "ssd_cache_dir"]
+            + ["DYN_KVBM_CPU_CACHE_GB", "DYN_KVBM_DISK_CACHE_GB"]
+        ),
+        st.text(max_size=10),
+        max_size=5,
+    )
+)
 def test_config_from_environment(env):
     _config_or_error(lambda: CacheConfig.load(env=env))
 
@@ -100,18 +111,27 @@ def _write_journal(directory, history):
     return truth
 
 
-HISTORY = st.lists(st.one_of(
-    st.tuples(st.just("S"), st.integers(0, N_SLOTS - 1), st.integers(1, 2 ** 64 - 1),
-              st.none() | st.none() | st.integers(1, 2 ** 64 - 1)),
-    st.tuples(st.just("R"), st.integers(0, N_SLOTS - 1))), max_size=40)
+HISTORY = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("S"),
+            st.integers(0, N_SLOTS - 1),
+            st.integers(1, 2**64 - 1),
+            st.none() | st.none() | st.integers(1, 2**64 - 1),
+        ),
+        st.tuples(st.just("R"), st.integers(0, N_SLOTS - 1)),
+    ),
+    max_size=40,
+)
 
 
 def _replay(directory, truth):
     """Restart: every adopted block is exactly what its slot holds; nothing raises."""
     s = SsdStore([directory], N_SLOTS, 4096, {"model": "fuzz"}, direct=False)
     try:
-        report = s.adopt(lambda entries: [_checksum(e.block_id, *truth[e.block_id]) if e.block_id in truth else 0
-                                          for e in entries])
+        report = s.adopt(
+            lambda entries: [_checksum(e.block_id, *truth[e.block_id]) if e.block_id in truth else 0 for e in entries]
+        )
     finally:
         s.close()
     for e in report.adopted:
@@ -173,6 +193,7 @@ def test_journal_replay_of_random_bytes(raw):
 
 # ---- router event frames --------------------------------------------------------------------------
 
+
 def _signed(h):
     return h - (1 << 64) if h >= (1 << 63) else h
 
@@ -182,6 +203,7 @@ def _signed(h):
 def test_event_frames_decode_to_what_was_published(data):
     from dynamo_flexkv.integrations.events import KvEventRelay
     from dynamo_flexkv.core.index import Tier
+
     bs = data.draw(st.sampled_from([1, 4, 16]), label="block size")
     relay = KvEventRelay(bs, flush_interval=0.001)
     sub = zmq.Context.instance().socket(zmq.SUB)
@@ -203,14 +225,18 @@ def test_event_frames_decode_to_what_was_published(data):
                     want.append(("R", medium, _signed(h), None, None))
                 continue
             parent = data.draw(st.none() | st.sampled_from(known[tier]) if known[tier] else st.none(), label="parent")
-            hashes = data.draw(st.lists(st.integers(0, 2 ** 64 - 1), min_size=1, max_size=4, unique=True), label="hashes")
+            hashes = data.draw(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=4, unique=True), label="hashes")
             if any(h in known[tier] or h == parent for h in hashes):
                 continue
-            tokens = data.draw(st.lists(st.integers(0, 2 ** 32 - 1), min_size=bs * len(hashes), max_size=bs * len(hashes)))
+            tokens = data.draw(
+                st.lists(st.integers(0, 2**32 - 1), min_size=bs * len(hashes), max_size=bs * len(hashes))
+            )
             relay.stored(tier, hashes, parent, tokens)
             prev = parent
             for i, h in enumerate(hashes):
-                want.append(("S", medium, _signed(h), None if prev is None else _signed(prev), tokens[i * bs:(i + 1) * bs]))
+                want.append(
+                    ("S", medium, _signed(h), None if prev is None else _signed(prev), tokens[i * bs : (i + 1) * bs])
+                )
                 prev = h
             known[tier].extend(hashes)
         relay.close()
@@ -228,7 +254,7 @@ def test_event_frames_decode_to_what_was_published(data):
                     assert ev["type"] == "BlockStored" and ev["block_size"] == bs
                     prev = ev["parent_block_hash"]
                     for i, h in enumerate(ev["block_hashes"]):
-                        got.append(("S", ev.get("medium"), h, prev, ev["token_ids"][i * bs:(i + 1) * bs]))
+                        got.append(("S", ev.get("medium"), h, prev, ev["token_ids"][i * bs : (i + 1) * bs]))
                         prev = h
         assert got == want
     finally:
@@ -238,15 +264,22 @@ def test_event_frames_decode_to_what_was_published(data):
 # ---- trace parsing -------------------------------------------------------------------------------
 
 FINITE = ANY_VALUE.filter(lambda v: not (isinstance(v, float) and abs(v) == float("inf")))
-RECORD = st.fixed_dictionaries({}, optional={
-    "timestamp": FINITE, "input_length": FINITE, "output_length": FINITE,
-    "hash_ids": st.lists(FINITE, max_size=4) | FINITE})
+RECORD = st.fixed_dictionaries(
+    {},
+    optional={
+        "timestamp": FINITE,
+        "input_length": FINITE,
+        "output_length": FINITE,
+        "hash_ids": st.lists(FINITE, max_size=4) | FINITE,
+    },
+)
 
 
 @FAST
 @given(st.lists(RECORD | ANY_VALUE, min_size=1, max_size=4), st.booleans())
 def test_trace_reader_accepts_records_or_names_the_bad_line(records, tail_garbage):
     from dynamo_flexkv.workload import load_trace
+
     path = os.path.join(SCRATCH, "fuzz-trace.jsonl")
     with open(path, "w") as f:
         for r in records:
@@ -267,6 +300,7 @@ def test_trace_reader_names_the_line_of_an_infinite_number(tmp_path):
     """An infinite timestamp is refused, naming the file and line (the property above would also
     pass if it were accepted: this one would not)."""
     from dynamo_flexkv.workload import load_trace
+
     path = tmp_path / "trace.jsonl"
     good = {"timestamp": 1, "input_length": 1, "output_length": 1, "hash_ids": [1]}
     path.write_text(json.dumps(good) + "\n" + json.dumps(dict(good, timestamp=float("inf"))) + "\n")

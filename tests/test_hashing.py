@@ -42,8 +42,14 @@ def test_inputs_in_every_form_hash_alike():
     rng = np.random.default_rng(0)
     arr = rng.integers(0, 2**31, size=16 * 50 + 7, dtype=np.int64)
     ref = block_hashes(arr.tolist(), 16)
-    for form in (arr, arr.astype(np.uint32), arr.astype(np.uint64), torch.from_numpy(arr), tuple(arr.tolist()),
-                 arr[::-1].copy()[::-1]):
+    for form in (
+        arr,
+        arr.astype(np.uint32),
+        arr.astype(np.uint64),
+        torch.from_numpy(arr),
+        tuple(arr.tolist()),
+        arr[::-1].copy()[::-1],
+    ):
         got = block_hashes(form, 16)
         assert np.array_equal(got.tokens, ref.tokens)
         assert np.array_equal(got.sequence, ref.sequence)

@@ -45,8 +45,13 @@ TIMEOUT = 60  # no request may take longer: a hang fails the test instead of hol
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
-    plan = make_plan(tmp, "agg_router", f"FlexKVWorker.num-device-blocks={DEVICE_BLOCKS}",
-                     f"FlexKVWorker.cache.cpu_cache_gb={HOST_GB}", f"FlexKVWorker.cache.ssd_cache_gb={DISK_GB}")
+    plan = make_plan(
+        tmp,
+        "agg_router",
+        f"FlexKVWorker.num-device-blocks={DEVICE_BLOCKS}",
+        f"FlexKVWorker.cache.cpu_cache_gb={HOST_GB}",
+        f"FlexKVWorker.cache.ssd_cache_gb={DISK_GB}",
+    )
     launcher = Launcher(plan)
     try:
         launcher.start()
@@ -121,6 +126,7 @@ def long_prompt(seed: int, blocks: int = LONG_BLOCKS) -> list:
 
 # --- prompts longer than every offload tier, and beyond the context window -------------------------
 
+
 def test_prompt_beyond_every_tier_is_answered_correctly_and_tiers_evict(graph):
     plan, _ = graph
     before = [scrape(w.port) for w in plan.workers]
@@ -132,12 +138,16 @@ def test_prompt_beyond_every_tier_is_answered_correctly_and_tiers_evict(graph):
     assert answer(plan, long_prompt(0), 8, streaming=True) == first
     after = [scrape(w.port) for w in plan.workers]
     for t in ("host", "disk"):
-        evicted = sum(a[f'flexkv_evicted_blocks_total{{tier="{t}"}}'] - b[f'flexkv_evicted_blocks_total{{tier="{t}"}}']
-                      for a, b in zip(after, before))
+        evicted = sum(
+            a[f'flexkv_evicted_blocks_total{{tier="{t}"}}'] - b[f'flexkv_evicted_blocks_total{{tier="{t}"}}']
+            for a, b in zip(after, before)
+        )
         assert evicted > 0, (t, after)
         for a in after:
-            assert a[f'flexkv_pool_blocks{{state="used",tier="{t}"}}'] <= \
-                a[f'flexkv_pool_blocks{{state="capacity",tier="{t}"}}']
+            assert (
+                a[f'flexkv_pool_blocks{{state="used",tier="{t}"}}']
+                <= a[f'flexkv_pool_blocks{{state="capacity",tier="{t}"}}']
+            )
 
 
 def test_long_chat_is_answered_correctly(graph):
@@ -147,12 +157,16 @@ def test_long_chat_is_answered_correctly(graph):
     assert answer(plan, content, 6, chat=True, streaming=True) == first
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": [i % (VOCAB - 1) + 1 for i in range(WINDOW + 6)], "max_tokens": 2}),
-    ("/v1/completions", {"prompt": "ab " * 1100, "max_tokens": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab " * 1100}], "max_tokens": 2}),
-    ("/v1/completions", {"prompt": "x" * 200_000, "max_tokens": 2}),
-], ids=["token-ids", "text", "chat", "text-200k"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": [i % (VOCAB - 1) + 1 for i in range(WINDOW + 6)], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "ab " * 1100, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab " * 1100}], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "x" * 200_000, "max_tokens": 2}),
+    ],
+    ids=["token-ids", "text", "chat", "text-200k"],
+)
 def test_prompt_beyond_the_window_is_refused_naming_the_limit(graph, path, body):
     plan, _ = graph
     code, reply = post(plan, body, path)
@@ -174,56 +188,120 @@ def test_streamed_prompt_beyond_the_window_gets_a_400_naming_the_limit(graph):
 REFUSALS = {  # id: (path, body without model, status, what the message must contain)
     "empty-prompt": ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "Prompt string cannot be empty"),
     "empty-id-list": ("/v1/completions", {"prompt": [], "max_tokens": 4}, 400, "cannot be empty"),
-    "empty-messages": ("/v1/chat/completions", {"messages": [], "max_tokens": 4}, 400,
-                       "'messages' field cannot be empty"),
-    "max-tokens-0": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400,
-                     "Max tokens must be greater than 0, got 0"),
-    "chat-max-tokens-0": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                   "max_tokens": 0}, 400, "Max tokens must be greater than 0"),
+    "empty-messages": (
+        "/v1/chat/completions",
+        {"messages": [], "max_tokens": 4},
+        400,
+        "'messages' field cannot be empty",
+    ),
+    "max-tokens-0": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 0},
+        400,
+        "Max tokens must be greater than 0, got 0",
+    ),
+    "chat-max-tokens-0": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+        400,
+        "Max tokens must be greater than 0",
+    ),
     "max-tokens-negative": ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "`-5`"),
-    "max-tokens-over-window": ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2 * WINDOW}, 400,
-                               f"exceeds this model's context window of {WINDOW:,}; use max_tokens <= {WINDOW - 3:,}"),
-    "chat-max-tokens-over-window": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                             "max_tokens": 2 * WINDOW}, 400,
-                                    f"context window of {WINDOW:,}; use max_tokens <="),
-    "max-tokens-huge": ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 8}, 400,
-                        "Max tokens must not exceed"),
-    "max-tokens-beyond-u32": ("/v1/completions", {"prompt": "hi", "max_tokens": 2 ** 40}, 400, "expected u32"),
+    "max-tokens-over-window": (
+        "/v1/completions",
+        {"prompt": [1, 2, 3], "max_tokens": 2 * WINDOW},
+        400,
+        f"exceeds this model's context window of {WINDOW:,}; use max_tokens <= {WINDOW - 3:,}",
+    ),
+    "chat-max-tokens-over-window": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2 * WINDOW},
+        400,
+        f"context window of {WINDOW:,}; use max_tokens <=",
+    ),
+    "max-tokens-huge": ("/v1/completions", {"prompt": "hi", "max_tokens": 10**8}, 400, "Max tokens must not exceed"),
+    "max-tokens-beyond-u32": ("/v1/completions", {"prompt": "hi", "max_tokens": 2**40}, 400, "expected u32"),
     "max-tokens-float": ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "`2.5`"),
     "max-tokens-string": ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, '"ten"'),
     "prompt-number": ("/v1/completions", {"prompt": 5, "max_tokens": 2}, 400, "Prompt"),
     "prompt-negative-id": ("/v1/completions", {"prompt": [1, -2, 3], "max_tokens": 2}, 400, "Prompt"),
-    "prompt-id-beyond-u32": ("/v1/completions", {"prompt": [1, 2 ** 40, 3], "max_tokens": 2}, 400, "Prompt"),
+    "prompt-id-beyond-u32": ("/v1/completions", {"prompt": [1, 2**40, 3], "max_tokens": 2}, 400, "Prompt"),
     "messages-string": ("/v1/chat/completions", {"messages": "hi", "max_tokens": 2}, 400, "expected a sequence"),
-    "message-without-role": ("/v1/chat/completions", {"messages": [{"content": "hi"}], "max_tokens": 2}, 400,
-                             "missing field `role`"),
-    "message-unknown-role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}],
-                                                      "max_tokens": 2}, 400, "unknown variant `wizard`"),
-    "unknown-field": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "frobnicate": 1}, 400,
-                      "Unsupported parameter(s): `frobnicate`"),
-    "chat-unknown-field": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                    "max_tokens": 2, "frob": True}, 400, "`frob`"),
+    "message-without-role": (
+        "/v1/chat/completions",
+        {"messages": [{"content": "hi"}], "max_tokens": 2},
+        400,
+        "missing field `role`",
+    ),
+    "message-unknown-role": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2},
+        400,
+        "unknown variant `wizard`",
+    ),
+    "unknown-field": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "frobnicate": 1},
+        400,
+        "Unsupported parameter(s): `frobnicate`",
+    ),
+    "chat-unknown-field": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "frob": True},
+        400,
+        "`frob`",
+    ),
     "n": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 3}, 400, "n=3 is not supported"),
-    "max-completion-tokens-over-window": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                                   "max_completion_tokens": 5000}, 400,
-                                          f"context window of {WINDOW:,}; use max_tokens <="),
-    "max-completion-tokens-0": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                         "max_completion_tokens": 0}, 400,
-                                "Max completion tokens must be greater than 0"),
-    "temperature-negative": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": -1}, 400,
-                             "Temperature must be between 0 and 2, got -1"),
+    "max-completion-tokens-over-window": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000},
+        400,
+        f"context window of {WINDOW:,}; use max_tokens <=",
+    ),
+    "max-completion-tokens-0": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        400,
+        "Max completion tokens must be greater than 0",
+    ),
+    "temperature-negative": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "temperature": -1},
+        400,
+        "Temperature must be between 0 and 2, got -1",
+    ),
     "temperature-string": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": "hot"}, 400, '"hot"'),
     "stream-string": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": "yes"}, 400, "expected a boolean"),
-    "empty-stop": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": [""]}, 400,
-                   "Stop sequence at index 0 cannot be empty"),
-    "batch-with-empty-prompt": ("/v1/completions", {"prompt": [[1, 2], []], "max_tokens": 2}, 400,
-                                "Prompt integer array at index 1 cannot be empty"),
-    "batch-too-large": ("/v1/completions", {"prompt": [[i + 1, 2] for i in range(200)], "max_tokens": 2}, 400,
-                        "exceeds maximum of 128"),
-    "batch-member-over-window": ("/v1/completions", {"prompt": [[1, 2], [3] * 2 * WINDOW], "max_tokens": 2}, 400,
-                                 f"context window is {WINDOW:,}"),
-    "min-tokens": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400,
-                   "min_tokens=5 is not supported"),
+    "empty-stop": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "stop": [""]},
+        400,
+        "Stop sequence at index 0 cannot be empty",
+    ),
+    "batch-with-empty-prompt": (
+        "/v1/completions",
+        {"prompt": [[1, 2], []], "max_tokens": 2},
+        400,
+        "Prompt integer array at index 1 cannot be empty",
+    ),
+    "batch-too-large": (
+        "/v1/completions",
+        {"prompt": [[i + 1, 2] for i in range(200)], "max_tokens": 2},
+        400,
+        "exceeds maximum of 128",
+    ),
+    "batch-member-over-window": (
+        "/v1/completions",
+        {"prompt": [[1, 2], [3] * 2 * WINDOW], "max_tokens": 2},
+        400,
+        f"context window is {WINDOW:,}",
+    ),
+    "min-tokens": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "min_tokens": 5},
+        400,
+        "min_tokens=5 is not supported",
+    ),
 }
 
 
@@ -235,24 +313,37 @@ def test_bad_field_is_refused_naming_it(graph, case):
     assert code == status and message in reply["message"], reply
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
-], ids=["completions", "chat"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ],
+    ids=["completions", "chat"],
+)
 def test_unknown_model_is_404(graph, path, body):
     plan, _ = graph
     code, text = send(plan, path, json.dumps({"model": "no-such-model", **body}).encode())
     assert code == 404 and "Model not found" in json.loads(text)["message"], text
 
 
-@pytest.mark.parametrize("raw, content_type, status, message", [
-    (b'{"model": "flexkv-tiny", "prompt": "hi",', "application/json", 400, "EOF while parsing"),
-    (b"hello", "application/json", 400, "expected value at line 1 column 1"),
-    (b"[1, 2]", "application/json", 400, "expected struct"),
-    (b'{"prompt": "hi", "max_tokens": 2}', "application/json", 400, "missing field `model`"),
-    (b'{"model": "flexkv-tiny", "prompt": "hi", "max_tokens": 2}', "text/plain", 415, "Content-Type application/json"),
-    (b'{"model": "flexkv-tiny", "prompt": "hi", "max_tokens": 2}', None, 415, "Content-Type application/json"),
-], ids=["truncated-json", "not-json", "json-array", "no-model", "text-plain", "no-content-type"])
+@pytest.mark.parametrize(
+    "raw, content_type, status, message",
+    [
+        (b'{"model": "flexkv-tiny", "prompt": "hi",', "application/json", 400, "EOF while parsing"),
+        (b"hello", "application/json", 400, "expected value at line 1 column 1"),
+        (b"[1, 2]", "application/json", 400, "expected struct"),
+        (b'{"prompt": "hi", "max_tokens": 2}', "application/json", 400, "missing field `model`"),
+        (
+            b'{"model": "flexkv-tiny", "prompt": "hi", "max_tokens": 2}',
+            "text/plain",
+            415,
+            "Content-Type application/json",
+        ),
+        (b'{"model": "flexkv-tiny", "prompt": "hi", "max_tokens": 2}', None, 415, "Content-Type application/json"),
+    ],
+    ids=["truncated-json", "not-json", "json-array", "no-model", "text-plain", "no-content-type"],
+)
 def test_malformed_body_is_refused_naming_it(graph, raw, content_type, status, message):
     plan, _ = graph
     code, text = send(plan, "/v1/completions", raw, content_type)
@@ -264,8 +355,10 @@ def test_body_shorter_than_its_content_length_is_refused(graph):
     host, port = plan.base_url.split("//")[1].split(":")
     body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 4}).encode()
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % (len(body) + 20) + body[:30])
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (len(body) + 20) + body[:30]
+        )
         s.shutdown(socket.SHUT_WR)  # the client gives up mid-body
         reply = b""
         while chunk := s.recv(4096):
@@ -279,17 +372,27 @@ def test_echo_is_refused_naming_echo(graph):
     assert code == 400 and "echo" in reply["message"], reply
 
 
-@pytest.mark.xfail(strict=True, reason="Dynamo 1.6.1's frontend refuses an image part for this text-only model "
-                   "with a bare 'Invalid request'")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Dynamo 1.6.1's frontend refuses an image part for this text-only model with a bare 'Invalid request'",
+)
 def test_image_content_is_refused_naming_it(graph):
     plan, _ = graph
-    code, reply = post(plan, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}], "max_tokens": 2},
-        "/v1/chat/completions")
+    code, reply = post(
+        plan,
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}
+            ],
+            "max_tokens": 2,
+        },
+        "/v1/chat/completions",
+    )
     assert code == 400 and "image" in reply["message"], reply
 
 
 # --- token-id prompts ------------------------------------------------------------------------------------
+
 
 def test_token_ids_at_the_vocabulary_edges_are_served(graph):
     plan, _ = graph
@@ -297,13 +400,19 @@ def test_token_ids_at_the_vocabulary_edges_are_served(graph):
     assert answer(plan, [0, VOCAB - 1, 3, 0], 4, streaming=True) == first
 
 
-@pytest.mark.xfail(strict=True, reason="Dynamo 1.6.1's frontend refuses ids >= vocab_size itself with a bare "
-                   "'Invalid request' that names neither the id nor the vocabulary (README, worker checks)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Dynamo 1.6.1's frontend refuses ids >= vocab_size itself with a bare "
+    "'Invalid request' that names neither the id nor the vocabulary (README, worker checks)",
+)
 @pytest.mark.parametrize("stream_it", [False, True], ids=["plain", "stream"])
 def test_token_id_beyond_the_vocabulary_is_refused_naming_it(graph, stream_it):
     plan, _ = graph
-    code, text = send(plan, "/v1/completions", json.dumps(
-        {"model": MODEL, "prompt": [1, 2, VOCAB + 88], "max_tokens": 2, "stream": stream_it}).encode())
+    code, text = send(
+        plan,
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": [1, 2, VOCAB + 88], "max_tokens": 2, "stream": stream_it}).encode(),
+    )
     assert code == 400, text
     message = json.loads(text)["message"]
     assert str(VOCAB + 88) in message and "vocabulary" in message, message
@@ -326,7 +435,7 @@ HANGUPS = 100
 
 def _hangup_prompt(i: int) -> list:
     if i % 20 == 0:  # a prefix the long-prompt test left in host/disk: aborted while its load is in flight
-        return long_prompt(i // 20 % 4)[:40 * BLOCK] + [i + 1]
+        return long_prompt(i // 20 % 4)[: 40 * BLOCK] + [i + 1]
     return [i % 400 + 1] * 24 + [7, 8, 9, i % 50 + 1]
 
 
@@ -342,8 +451,7 @@ async def _hang_up_after_first_chunk(session, url: str, i: int) -> bool:
 
 
 async def _complete(session, url: str, prompt: list) -> Tuple[str, str]:
-    async with session.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 24,
-                                       "temperature": 0}) as resp:
+    async with session.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}) as resp:
         assert resp.status == 200, await resp.text()
         choice = (await resp.json())["choices"][0]
         return choice["text"], choice["finish_reason"]
@@ -390,6 +498,7 @@ def test_hundred_clients_hanging_up_mid_stream_leave_normal_clients_served(graph
 
 # --- afterwards: every worker alive, never restarted, and idle -------------------------------------------
 
+
 def test_workers_alive_and_back_to_idle(graph):
     plan, launcher = graph
     assert not launcher.deaths and not launcher.restarts, (launcher.deaths, launcher.restarts)
@@ -401,11 +510,16 @@ def test_workers_alive_and_back_to_idle(graph):
     for w in plan.workers:
         while True:
             m = scrape(w.port)
-            busy = {k: v for k, v in m.items() if k in ('flexkv_device_blocks{state="used"}', "flexkv_tasks_in_flight")
-                    and v != 0}
+            busy = {
+                k: v
+                for k, v in m.items()
+                if k in ('flexkv_device_blocks{state="used"}', "flexkv_tasks_in_flight") and v != 0
+            }
             for t in ("host", "disk"):
-                used, ready = m[f'flexkv_pool_blocks{{state="used",tier="{t}"}}'], \
-                    m[f'flexkv_pool_blocks{{state="ready",tier="{t}"}}']
+                used, ready = (
+                    m[f'flexkv_pool_blocks{{state="used",tier="{t}"}}'],
+                    m[f'flexkv_pool_blocks{{state="ready",tier="{t}"}}'],
+                )
                 if used != ready:
                     busy[f"{t} used {used} != ready {ready}"] = used
             if not busy:

@@ -43,10 +43,12 @@ def _imports(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
             base = node.module or ""
             if node.level:
                 parts = name.split(".") if is_pkg else name.split(".")[:-1]
-                parts = parts[:len(parts) - node.level + 1]
+                parts = parts[: len(parts) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules or f"{base}.{a.name}" == EXTENSION
-                       else base for a in node.names]
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules or f"{base}.{a.name}" == EXTENSION else base
+                for a in node.names
+            ]
         for t in targets:
             if t == EXTENSION:
                 out.add(t)
@@ -97,8 +99,7 @@ def test_the_package_has_no_import_cycle():
     modules = _modules()
     edges = {name: _imports(name, path, modules) for name, path in modules.items()}
     cycles = _cycles(edges)
-    detail = [" <-> ".join(c) + ": " + "; ".join(f"{m} imports {sorted(edges[m] & set(c))}" for m in c)
-              for c in cycles]
+    detail = [" <-> ".join(c) + ": " + "; ".join(f"{m} imports {sorted(edges[m] & set(c))}" for m in c) for c in cycles]
     assert not cycles, "import cycles:\n  " + "\n  ".join(detail)
 
 

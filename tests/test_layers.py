@@ -2,8 +2,9 @@
 so they load neither torch, Dynamo's runtime (``dynamo``), vLLM nor our native extension.
 
 Each case runs in a fresh interpreter with an import hook that records which module (and line)
-first imported each module; a failure names the whole chain, e.g.
-``vllm <- dynamo_flexkv.integrations.reference_engine.llm:11 <- dynamo_flexkv.integrations.reference_engine:5 <- dynamo_flexkv.serve.plan:415``."""
+first imported each module; a failure names the whole chain, e.g. ``vllm <-
+dynamo_flexkv.integrations.reference_engine.llm:11 <- dynamo_flexkv.integrations.reference_engine:5
+<- dynamo_flexkv.serve.plan:415``."""
 
 import json
 import os
@@ -20,7 +21,7 @@ GRAPH_CONFIGS = [c for c in CONFIGS if (ROOT / "graphs" / f"{c.stem}.py").is_fil
 FORBIDDEN = ("torch", "dynamo", "vllm", "dynamo_flexkv._native")
 
 # Runs first in the child: a meta-path finder that only records "who imported me" and finds nothing.
-HOOK = r'''
+HOOK = r"""
 import importlib.abc, json, sys
 _first = {}
 class _Recorder(importlib.abc.MetaPathFinder):
@@ -48,19 +49,20 @@ def _chain(name):
 def _report(forbidden):
     loaded = [m for m in forbidden if m in sys.modules]
     print("LAYERS " + json.dumps({m: _chain(m) for m in loaded}))
-'''
+"""
 
 
 def run_light(code: str, timeout: float = 120) -> dict:
     """Runs ``code`` after the hook in a fresh interpreter; returns {forbidden module: import chain}."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLEXKV_", "DYN_KVBM_"))}
     script = HOOK + code + f"\n_report({FORBIDDEN!r})\n"
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
-                       cwd=ROOT, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith("LAYERS ")]
     assert lines, r.stdout[-2000:] + r.stderr[-2000:]
-    return json.loads(lines[-1][len("LAYERS "):])
+    return json.loads(lines[-1][len("LAYERS ") :])
 
 
 def test_the_recorder_names_the_chain():
@@ -83,9 +85,7 @@ def test_reading_a_cache_config_stays_light(config, tmp_path):
             path.write_text(yaml.safe_dump(values["cache"]))
             paths.append(str(path))
     assert paths, f"{config.name} has no worker cache section"
-    code = ("from dynamo_flexkv.core.config import CacheConfig\n"
-            f"for p in {paths!r}:\n"
-            "    CacheConfig.load(p)\n")
+    code = f"from dynamo_flexkv.core.config import CacheConfig\nfor p in {paths!r}:\n    CacheConfig.load(p)\n"
     loaded = run_light(code)
     assert not loaded, "reading a config loaded (module <- importer:line <- ...):\n" + "\n".join(loaded.values())
 
@@ -96,8 +96,17 @@ def test_render_k8s_stays_light_and_uses_the_image(config, tmp_path):
     NAME is the image of every container it renders (init containers included)."""
     out = tmp_path / f"{config.stem}.k8s.yaml"
     image = "registry.example/team/dynamo-flexkv:0.1.0-test"
-    argv = ["render", str(ROOT / "graphs" / f"{config.stem}.py"), "-f", str(config), "--k8s",
-            "--image", image, "-o", str(out)]
+    argv = [
+        "render",
+        str(ROOT / "graphs" / f"{config.stem}.py"),
+        "-f",
+        str(config),
+        "--k8s",
+        "--image",
+        image,
+        "-o",
+        str(out),
+    ]
     code = f"from dynamo_flexkv.cli import main\nassert main({argv!r}) == 0\n"
     loaded = run_light(code)
     assert not loaded, "render --k8s loaded (module <- importer:line <- ...):\n" + "\n".join(loaded.values())
@@ -114,19 +123,43 @@ def test_render_k8s_image_defaults_to_the_dockerfiles_tag(tmp_path):
     """Without --image the manifest names dynamo-flexkv:latest, the tag the repository's Dockerfile
     is built under (docker build -t dynamo-flexkv:latest .)."""
     out = tmp_path / "agg.k8s.yaml"
-    r = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "render", str(ROOT / "graphs" / "agg.py"),
-                        "-f", str(ROOT / "configs" / "agg.yaml"), "--k8s", "-o", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_flexkv.cli",
+            "render",
+            str(ROOT / "graphs" / "agg.py"),
+            "-f",
+            str(ROOT / "configs" / "agg.yaml"),
+            "--k8s",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
-    images = {s["extraPodSpec"]["mainContainer"]["image"] for s in yaml.safe_load(out.read_text())["spec"]["services"].values()}
+    images = {
+        s["extraPodSpec"]["mainContainer"]["image"]
+        for s in yaml.safe_load(out.read_text())["spec"]["services"].values()
+    }
     assert images == {"dynamo-flexkv:latest"}
     assert "dynamo-flexkv:latest" in (ROOT / "Dockerfile").read_text()
 
 
 # ---- the folders are the layers ------------------------------------------------------------------
 PACKAGE = ROOT / "dynamo_flexkv"
-APPS = ("dynamo_flexkv.serve", "dynamo_flexkv.replay", "dynamo_flexkv.bench", "dynamo_flexkv.cli",
-        "dynamo_flexkv.doctor", "dynamo_flexkv.workload", "dynamo_flexkv.cache_server")
+APPS = (
+    "dynamo_flexkv.serve",
+    "dynamo_flexkv.replay",
+    "dynamo_flexkv.bench",
+    "dynamo_flexkv.cli",
+    "dynamo_flexkv.doctor",
+    "dynamo_flexkv.workload",
+    "dynamo_flexkv.cache_server",
+)
 # beside them on top, for every layer: resources.py (where the shipped presets, graphs and configs
 # are; imports nothing of ours), data/ (the shipped trace), _native (the C++ extension)
 # what each layer may not import (a module or any of its submodules)
@@ -159,8 +192,12 @@ def test_imports_only_go_down(layer):
     imports inside functions count too: a layer that reaches up at run time is still tangled."""
     files = sorted((PACKAGE / layer).rglob("*.py"))
     assert files, f"no {layer}/ folder"
-    up = [f"{f.relative_to(ROOT)}:{line} imports {mod}" for f in files for line, mod in _imports(f)
-          if _within(mod, BELOW[layer])]
+    up = [
+        f"{f.relative_to(ROOT)}:{line} imports {mod}"
+        for f in files
+        for line, mod in _imports(f)
+        if _within(mod, BELOW[layer])
+    ]
     assert up == [], "\n".join(up)
 
 

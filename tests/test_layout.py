@@ -24,7 +24,7 @@ def test_chunk_offsets_address_the_right_elements(kind, kv_dim):
         else:
             chunk = arr[layer, block, kv]
         off = int(layout.chunk_offsets(np.array([block]), layer, kv)[0])
-        got = flat[off:off + layout.chunk_bytes].view(np.float32).reshape(chunk.shape)
+        got = flat[off : off + layout.chunk_bytes].view(np.float32).reshape(chunk.shape)
         assert np.array_equal(got, chunk)
 
 

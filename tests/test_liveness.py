@@ -20,39 +20,47 @@ from served import agg_router_plan, sleeper_plan
 
 # --- the option -------------------------------------------------------------------------------------
 
+
 def test_liveness_timeout_defaults_to_30_s_and_rides_on_the_restart_policy(tmp_path):
     p = agg_router_plan(tmp_path)
     assert {w.restart.liveness_s for w in p.workers} == {30.0}
-    assert {w.restart.liveness_s for w in agg_router_plan(tmp_path, "FlexKVWorker.liveness-timeout-s=0").workers} == {0.0}
+    assert {w.restart.liveness_s for w in agg_router_plan(tmp_path, "FlexKVWorker.liveness-timeout-s=0").workers} == {
+        0.0
+    }
     assert agg_router_plan(tmp_path, "FlexKVWorker.liveness-timeout-s=5").workers[0].restart.liveness_s == 5.0
     assert agg_router_plan(tmp_path, "FlexKVWorker.liveness-timeout-s=3600").workers[0].restart.liveness_s == 3600.0
     # YAML 1.1 reads 1e3 as a string: a number to the user, as for the other seconds options
     assert agg_router_plan(tmp_path, "FlexKVWorker.liveness-timeout-s=1e3").workers[0].restart.liveness_s == 1000.0
 
 
-@pytest.mark.parametrize("value, message", [
-    ("4", "FlexKVWorker.liveness-timeout-s=4.0 must be 0 (off) or between 5 and 3600 seconds"),
-    ("-1", "FlexKVWorker.liveness-timeout-s=-1.0 must be 0 (off) or between 5 and 3600 seconds"),
-    ("3601", "FlexKVWorker.liveness-timeout-s=3601.0 must be 0 (off) or between 5 and 3600 seconds"),
-    (".nan", "FlexKVWorker.liveness-timeout-s=nan must be 0 (off) or between 5 and 3600 seconds"),
-    (".inf", "FlexKVWorker.liveness-timeout-s=inf must be 0 (off)"),
-    ("1e9", "FlexKVWorker.liveness-timeout-s=1000000000.0 must be"),
-    ("soon", "FlexKVWorker.liveness-timeout-s='soon': expected a number"),
-    ("true", "FlexKVWorker.liveness-timeout-s=True: expected a number"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("4", "FlexKVWorker.liveness-timeout-s=4.0 must be 0 (off) or between 5 and 3600 seconds"),
+        ("-1", "FlexKVWorker.liveness-timeout-s=-1.0 must be 0 (off) or between 5 and 3600 seconds"),
+        ("3601", "FlexKVWorker.liveness-timeout-s=3601.0 must be 0 (off) or between 5 and 3600 seconds"),
+        (".nan", "FlexKVWorker.liveness-timeout-s=nan must be 0 (off) or between 5 and 3600 seconds"),
+        (".inf", "FlexKVWorker.liveness-timeout-s=inf must be 0 (off)"),
+        ("1e9", "FlexKVWorker.liveness-timeout-s=1000000000.0 must be"),
+        ("soon", "FlexKVWorker.liveness-timeout-s='soon': expected a number"),
+        ("true", "FlexKVWorker.liveness-timeout-s=True: expected a number"),
+    ],
+)
 def test_bad_liveness_timeouts_are_refused_naming_the_option(tmp_path, value, message):
     with pytest.raises(GraphError, match=message.replace("(", r"\(").replace(")", r"\)")):
         agg_router_plan(tmp_path, f"FlexKVWorker.liveness-timeout-s={value}")
 
 
-@pytest.mark.parametrize("key, value", [("restart-window-s", ".nan"), ("restart-window-s", ".inf"),
-                                        ("restart-backoff-s", ".nan")])
+@pytest.mark.parametrize(
+    "key, value", [("restart-window-s", ".nan"), ("restart-window-s", ".inf"), ("restart-backoff-s", ".nan")]
+)
 def test_the_other_seconds_options_now_refuse_nan_and_inf_too(tmp_path, key, value):
     with pytest.raises(GraphError, match=rf"FlexKVWorker\.{key}=(nan|inf) must be .*a finite number"):
         agg_router_plan(tmp_path, f"FlexKVWorker.{key}={value}")
 
 
 # --- the launcher's clock (sleep processes, /health stubbed) ---------------------------------------
+
 
 class _Health:
     """Stands in for Launcher._worker_ready: answers what the test says, counts the probes."""
@@ -83,7 +91,8 @@ def _steps(launcher: Launcher, seconds: float) -> None:
 
 
 def test_a_worker_answering_ready_is_left_alone_and_failures_shorter_than_the_timeout_are_forgiven(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     health = _Health(True)
     launcher, worker = _supervised(tmp_path, monkeypatch, RestartPolicy(liveness_s=1.5, backoff_s=0), health)
     try:
@@ -114,8 +123,9 @@ def test_a_worker_failing_its_probes_for_the_timeout_is_killed_as_hung_and_resta
             launcher.step()
             time.sleep(0.01)
         hung = next(e for e in launcher.events if "as hung" in e)
-        assert hung.startswith(f"{worker.name} did not answer /health for ") and \
-            hung.endswith(" s: killing it (SIGKILL) as hung"), hung
+        assert hung.startswith(f"{worker.name} did not answer /health for ") and hung.endswith(
+            " s: killing it (SIGKILL) as hung"
+        ), hung
         assert first.returncode == -signal.SIGKILL
         assert f"{worker.name} exited with signal SIGKILL (death 1 within 300 s" in launcher.events[-1]
         assert worker.name not in launcher.ready and worker.name not in launcher.liveness
@@ -136,8 +146,9 @@ def test_a_hung_worker_with_on_death_stop_stops_the_graph_and_zero_turns_probing
     health = _Health(False)
     launcher, worker = _supervised(tmp_path, monkeypatch, RestartPolicy(OnDeath.STOP, liveness_s=0.2), health)
     try:
-        with pytest.raises(GraphStopped, match=f"{worker.name} exited with signal SIGKILL; its on-death policy "
-                                               "is stop"):
+        with pytest.raises(
+            GraphStopped, match=f"{worker.name} exited with signal SIGKILL; its on-death policy is stop"
+        ):
             _steps(launcher, 5)
     finally:
         launcher.shutdown()
@@ -152,6 +163,7 @@ def test_a_hung_worker_with_on_death_stop_stops_the_graph_and_zero_turns_probing
 
 # --- a served graph: SIGSTOP a worker under load -----------------------------------------------------
 
+
 @pytest.mark.slow
 def test_a_sigstopped_worker_is_killed_as_hung_its_streams_migrate_and_it_serves_again(tmp_path):
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
@@ -164,10 +176,16 @@ def test_a_sigstopped_worker_is_killed_as_hung_its_streams_migrate_and_it_serves
         assert routed_workers(g) == 2
         outs = [Streamed() for _ in range(8)]
         pool = ThreadPoolExecutor(8)
-        futs = [pool.submit(stream, g.base_url, "flexkv-tiny", f"hang {i}: " + "x y z " * 30, 400, out=outs[i])
-                for i in range(8)]
-        wait_until("streams on both workers", lambda: all(inflight(g.worker_port(n)) > 0 for n in names),
-                   every=0.05, timeout=30)
+        futs = [
+            pool.submit(stream, g.base_url, "flexkv-tiny", f"hang {i}: " + "x y z " * 30, 400, out=outs[i])
+            for i in range(8)
+        ]
+        wait_until(
+            "streams on both workers",
+            lambda: all(inflight(g.worker_port(n)) > 0 for n in names),
+            every=0.05,
+            timeout=30,
+        )
         stopped = g.worker_pid(names[1])
         t0 = time.monotonic()
         os.kill(stopped, signal.SIGSTOP)
@@ -177,8 +195,9 @@ def test_a_sigstopped_worker_is_killed_as_hung_its_streams_migrate_and_it_serves
         results = [f.result(timeout=120) for f in futs]
         pool.shutdown()
         # migration-limit 3 (the shipped config): the hung worker's streams finish on the other one
-        assert all(r.status == 200 and r.error is None and r.done and r.usage["completion_tokens"] == 400
-                   for r in results), results
+        assert all(
+            r.status == 200 and r.error is None and r.done and r.usage["completion_tokens"] == 400 for r in results
+        ), results
         g.wait_for(rf"{names[1]} is ready again after", 90)
         wait_until("the router routes to both workers again", lambda: routed_workers(g) == 2, timeout=30)
         before = metric(g.worker_port(names[1]), "flexkv_requests_total")
@@ -195,4 +214,3 @@ def test_a_sigstopped_worker_is_killed_as_hung_its_streams_migrate_and_it_serves
                 pass
         g.close()
     assert g.proc.returncode == 0, "\n".join(g.lines[-30:])
-

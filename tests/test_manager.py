@@ -6,8 +6,7 @@ import pytest
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.tasks import ManagerClosed, TaskFailed
 from dynamo_flexkv.core.transfer.graph import OpKind
-from kv_helpers import (MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, open_fds,
-                        prompts)
+from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, open_fds, prompts
 
 DEVICE_BLOCKS = 64
 
@@ -66,8 +65,9 @@ def test_round_trip_with_eviction_and_restart(tmp_path, layout, seed, nixl):
     if nixl:
         pytest.importorskip("nixl._api", reason="NIXL is installed by make test; GPU images may lack it")
     rng = np.random.default_rng(seed)
-    cfg = config(tmp_path, host_blocks=12, disk_blocks=40, eviction_policy=["lru", "lfu", "fifo"][seed],
-                 enable_nixl=nixl)
+    cfg = config(
+        tmp_path, host_blocks=12, disk_blocks=40, eviction_policy=["lru", "lfu", "fifo"][seed], enable_nixl=nixl
+    )
     ps = prompts(rng, 30, max_blocks=6)
     fds = None
     loaded = 0
@@ -87,8 +87,9 @@ def test_round_trip_with_eviction_and_restart(tmp_path, layout, seed, nixl):
                     t, _ = put(kv, dev, layout, p, rng)
                     assert kv.wait([t], timeout=30)[t].status is TaskStatus.SUCCESS
                 else:
-                    loaded += get_and_check(kv, dev, layout, p, rng, skip=int(rng.integers(0, 2)),
-                                            layerwise=bool(rng.random() < 0.5))
+                    loaded += get_and_check(
+                        kv, dev, layout, p, rng, skip=int(rng.integers(0, 2)), layerwise=bool(rng.random() < 0.5)
+                    )
             assert kv.drain(timeout=30)  # background disk writes finish before checking
             assert_no_leaks(kv)
     assert loaded > 0
@@ -167,6 +168,7 @@ def test_stats_is_a_typed_snapshot_and_as_dict_gives_the_same_numbers(tmp_path, 
     import json
 
     from dynamo_flexkv import ManagerStats
+
     rng = np.random.default_rng(4)
     with KVManager(MODEL, config(tmp_path, disk_blocks=disk)) as kv:
         dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
@@ -190,6 +192,7 @@ def _wait_idle(kv, timeout=30.0):
 
 
 # ---- defects found by trying the API as a new user (each test failed before its fix) -------------
+
 
 def _wait_quiet(kv):
     """Every task, background disk writes included, has finished."""
@@ -262,8 +265,11 @@ def shut_down(tmp_path_factory):
 def test_every_public_call_after_shutdown_raises_manager_closed(shut_down, call):
     kv, kv2, cfg, prompt, t, dev = shut_down
     fds = open_fds()
-    with pytest.raises(ManagerClosed, match=rf"^{call}\(\): this KVManager was shut down, its memory and cache "
-                                            r"directories are released: create a new KVManager"):
+    with pytest.raises(
+        ManagerClosed,
+        match=rf"^{call}\(\): this KVManager was shut down, its memory and cache "
+        r"directories are released: create a new KVManager",
+    ):
         AFTER_SHUTDOWN[call](kv, prompt, t, dev)
     assert open_fds(settle_to=fds) <= fds  # the refused call opened nothing
     # It touched neither the journal nor the next manager's cache (a closed reset() wiped them once).
@@ -285,6 +291,7 @@ def test_a_shut_down_managers_directories_are_adopted_by_the_next(tmp_path):
 
 def test_reset_refuses_while_tasks_run_and_then_clears_both_tiers(tmp_path):
     import threading
+
     rng = np.random.default_rng(0)
     with KVManager(MODEL, config(tmp_path, host_blocks=8, disk_blocks=32)) as kv:
         dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
@@ -318,7 +325,7 @@ def test_write_through_when_disk_holds_more_than_host(tmp_path):
         dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)
         kv.register_device_cache(dev)
         prompt = list(range(8 * TPB))
-        t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt[:5 * TPB], rng)
+        t, _ = put(kv, dev, KVLayoutType.LAYERBLOCK, prompt[: 5 * TPB], rng)
         kv.wait([t])
         _wait_quiet(kv)
         assert kv.evict("host") == 5
@@ -389,6 +396,7 @@ def test_planned_tokens_by_tier_when_skip_covers_part_of_the_disk_run(tmp_path):
 
 def test_results_nobody_collects_expire(tmp_path):
     import time
+
     rng = np.random.default_rng(0)
     with KVManager(MODEL, config(tmp_path, disk_blocks=0, task_result_ttl_seconds=0.3)) as kv:
         dev = device_tensors(KVLayoutType.LAYERBLOCK, DEVICE_BLOCKS)

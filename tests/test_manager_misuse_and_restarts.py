@@ -186,8 +186,11 @@ def test_other_namespace_does_not_destroy_the_first_tenants_cache(tmp_path):
         kv.shutdown()
     # The promised answer (docs/PYTHON_API.md, LIMITATIONS.md): the directory is refused with
     # SsdLayoutError naming the namespaces, before the other tenant can adopt or evict anything.
-    with pytest.raises(SsdLayoutError, match=r"holds 4 blocks of another namespace.*namespace '' on disk vs "
-                                             r"'tenant-b' here"):
+    with pytest.raises(
+        SsdLayoutError,
+        match=r"holds 4 blocks of another namespace.*namespace '' on disk vs "
+        r"'tenant-b' here",
+    ):
         KVManager(MODEL, config(tmp_path), namespace="tenant-b")
     kv, dev = open_manager(tmp_path)  # the refused open released the directory's lock
     try:
@@ -251,8 +254,10 @@ def test_cancelling_a_burst_of_deferred_puts_leaks_nothing(tmp_path):
         late = [kv.put_async(prompt(100 + k, 6), [6 * k + i for i in range(6)]) for k in range(8)]
     finally:
         kv.shutdown()  # deferred puts of a closing manager are cancelled, never left hanging
-    assert all(r is not None and r.status in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)
-               for r in final_results_after_shutdown(kv, late))
+    assert all(
+        r is not None and r.status in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)
+        for r in final_results_after_shutdown(kv, late)
+    )
 
 
 # --------------------------------------------------------------------------- what held up
@@ -263,18 +268,27 @@ def test_wrong_token_types_raise_clear_errors_and_equivalent_types_agree(tmp_pat
     try:
         toks = prompt(1, 4)
         store(kv, dev, toks, [0, 1, 2, 3])
-        for bad, exc, words in [("hello", TypeError, "token_ids"), ((x for x in toks), TypeError, "token_ids"),
-                                ([float(x) for x in toks], TypeError, "token_ids"),
-                                ([-1] + toks[1:], ValueError, "out of range"),
-                                ([1 << 40] + toks[1:], ValueError, "out of range"),
-                                (np.array(toks).reshape(4, TPB), ValueError, "1-D"),
-                                (torch.tensor(toks, dtype=torch.float32), TypeError, "integer dtype")]:
+        for bad, exc, words in [
+            ("hello", TypeError, "token_ids"),
+            ((x for x in toks), TypeError, "token_ids"),
+            ([float(x) for x in toks], TypeError, "token_ids"),
+            ([-1] + toks[1:], ValueError, "out of range"),
+            ([1 << 40] + toks[1:], ValueError, "out of range"),
+            (np.array(toks).reshape(4, TPB), ValueError, "1-D"),
+            (torch.tensor(toks, dtype=torch.float32), TypeError, "integer dtype"),
+        ]:
             with pytest.raises(exc, match=words):
                 kv.put_async(bad, [0, 1, 2, 3])
         want = kv.match(toks)
         assert want["host"] == 4 * TPB
-        for same in (tuple(toks), np.array(toks, dtype=np.int32), np.array(toks, dtype=np.uint32),
-                     np.array(toks, dtype=np.int64), torch.tensor(toks), torch.tensor(toks, dtype=torch.int32)):
+        for same in (
+            tuple(toks),
+            np.array(toks, dtype=np.int32),
+            np.array(toks, dtype=np.uint32),
+            np.array(toks, dtype=np.int64),
+            torch.tensor(toks),
+            torch.tensor(toks, dtype=torch.int32),
+        ):
             assert kv.match(same) == want
         assert kv.match(toks[: 3 * TPB + 5])["host"] == 3 * TPB  # trailing partial block never matches
         assert kv.stats().tasks.in_flight == 0  # refused calls left no task
@@ -306,8 +320,13 @@ def test_wrong_order_and_unknown_ids(tmp_path):
         assert kv.wait_for_layer(g, MODEL.num_layers - 1, timeout=10)
         assert kv.wait([g], timeout=10)[g].status is TaskStatus.SUCCESS
         kv.cancel([g])  # issued and collected: a no-op (cancel may race wait)
-        for again in (lambda: kv.wait([g]), lambda: kv.cancel([10 ** 9]), lambda: kv.wait([10 ** 9]),
-                      lambda: kv.try_wait([-1]), lambda: kv.wait_for_layer(g, 0)):
+        for again in (
+            lambda: kv.wait([g]),
+            lambda: kv.cancel([10**9]),
+            lambda: kv.wait([10**9]),
+            lambda: kv.try_wait([-1]),
+            lambda: kv.wait_for_layer(g, 0),
+        ):
             with pytest.raises(KeyError):
                 again()
         with pytest.raises(ValueError, match="skip_blocks"):
@@ -461,16 +480,27 @@ def test_result_expiry_and_flood_limit(tmp_path):
         kv.shutdown()
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(cpu_cache_gb=float("nan")), "finite"), (dict(cpu_cache_gb=float("inf")), "finite"),
-    (dict(cpu_cache_gb=-1), ">= 0"), (dict(tokens_per_block=24), "power of two"),
-    (dict(tokens_per_block=16.5), "integer"), (dict(tokens_per_block=True), "integer"),
-    (dict(evict_ratio=0), "evict_ratio"), (dict(evict_start_threshold=float("nan")), "finite"),
-    (dict(task_result_ttl_seconds=0), "task_result_ttl_seconds"), (dict(max_tasks_in_flight=0), "max_tasks_in_flight"),
-    (dict(io_queue_depth=0), "io_queue_depth"), (dict(eviction_policy="random"), "lru"),
-    (dict(enable_nixl=2), "true/false"), (dict(enable_gds=True), "disk tier"),
-    (dict(ssd_cache_gb=8), "ssd_cache_dir"), (dict(cpu_cache_gb=2, ssd_cache_gb=1, ssd_cache_dir="/tmp"), "smaller"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(cpu_cache_gb=float("nan")), "finite"),
+        (dict(cpu_cache_gb=float("inf")), "finite"),
+        (dict(cpu_cache_gb=-1), ">= 0"),
+        (dict(tokens_per_block=24), "power of two"),
+        (dict(tokens_per_block=16.5), "integer"),
+        (dict(tokens_per_block=True), "integer"),
+        (dict(evict_ratio=0), "evict_ratio"),
+        (dict(evict_start_threshold=float("nan")), "finite"),
+        (dict(task_result_ttl_seconds=0), "task_result_ttl_seconds"),
+        (dict(max_tasks_in_flight=0), "max_tasks_in_flight"),
+        (dict(io_queue_depth=0), "io_queue_depth"),
+        (dict(eviction_policy="random"), "lru"),
+        (dict(enable_nixl=2), "true/false"),
+        (dict(enable_gds=True), "disk tier"),
+        (dict(ssd_cache_gb=8), "ssd_cache_dir"),
+        (dict(cpu_cache_gb=2, ssd_cache_gb=1, ssd_cache_dir="/tmp"), "smaller"),
+    ],
+)
 def test_config_odd_values_raise_config_error(kw, words):
     with pytest.raises(ConfigError, match=words):
         CacheConfig(**kw)
@@ -493,24 +523,36 @@ def test_config_sources_unknown_keys_files_and_aliases(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="unset one"):
         CacheConfig.load()
     monkeypatch.delenv("DYN_KVBM_CPU_CACHE_GB")
-    y.write_text("cpu_cache_gb: 1\nssd_cache_dir: [" + str(tmp_path / "d1") + ", " + str(tmp_path / "d2") + "]\n"
-                 "ssd_cache_gb: 4\n")
+    y.write_text(
+        "cpu_cache_gb: 1\nssd_cache_dir: [" + str(tmp_path / "d1") + ", " + str(tmp_path / "d2") + "]\n"
+        "ssd_cache_gb: 4\n"
+    )
     c = CacheConfig.load(str(y))
     assert c.cpu_cache_gb == 2.0  # environment overrides the file
     assert len(c.ssd_cache_dir) == 2
-    assert CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=f"{tmp_path}/a;{tmp_path}/b;").ssd_cache_dir \
-        == (f"{tmp_path}/a", f"{tmp_path}/b")
+    assert CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=f"{tmp_path}/a;{tmp_path}/b;").ssd_cache_dir == (
+        f"{tmp_path}/a",
+        f"{tmp_path}/b",
+    )
 
 
 def test_dir_held_by_another_process_is_refused_naming_it_and_freed_by_its_death(tmp_path):
     import signal
     import subprocess
     import sys
+
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; sys.path.insert(0, 'tests')\n"
-         "from dynamo_flexkv import KVManager\nfrom kv_helpers import MODEL, config\n"
-         f"kv = KVManager(MODEL, config({str(tmp_path)!r})); print('ready', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, 'tests')\n"
+            "from dynamo_flexkv import KVManager\nfrom kv_helpers import MODEL, config\n"
+            f"kv = KVManager(MODEL, config({str(tmp_path)!r})); print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     try:
         assert holder.stdout.readline().strip() == "ready"
         with pytest.raises(SsdInUseError, match=f"pid {holder.pid}"):

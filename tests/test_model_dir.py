@@ -43,7 +43,7 @@ def test_every_id_decodes_to_text_and_encoding_stays_byte_level(tmp_path, preset
     texts = tok.batch_decode([[i] for i in range(cfg.vocab_size)])
     assert [i for i, t in enumerate(texts) if not t] == []
     assert [tok.convert_ids_to_tokens(i) for i in range(256, 261)] == SPECIALS
-    fillers = texts[256 + len(SPECIALS):]
+    fillers = texts[256 + len(SPECIALS) :]
     assert len(set(fillers)) == len(fillers) and all(t.startswith(" ") and t[1:].isalpha() for t in fillers)
     text = "".join(fillers[:50]) + " Héllo 你好 \x00\n" + SPECIALS[2] + "ba be"
     ids = tok.encode(text, add_special_tokens=False)
@@ -60,8 +60,9 @@ def test_a_hub_cache_entry_loads_by_repo_id_offline(tmp_path):
     assert snapshot == write_hf_cache_entry(d, tmp_path / "hub", "flexkv/tiny")  # same files: same revision
     repo = tmp_path / "hub" / "models--flexkv--tiny"
     assert (repo / "refs" / "main").read_text() == snapshot.name and snapshot.parent == repo / "snapshots"
-    tok = transformers.AutoTokenizer.from_pretrained("flexkv/tiny", cache_dir=str(tmp_path / "hub"),
-                                                     local_files_only=True)
+    tok = transformers.AutoTokenizer.from_pretrained(
+        "flexkv/tiny", cache_dir=str(tmp_path / "hub"), local_files_only=True
+    )
     assert tok.decode([300, 301]) == " mu na" and tok.eos_token_id == 257
     with pytest.raises(ValueError, match="expected ORG/NAME"):
         write_hf_cache_entry(d, tmp_path / "hub", "tiny")

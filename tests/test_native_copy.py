@@ -32,7 +32,7 @@ def test_random_chunks_land_exactly_and_touch_nothing_else(seed):
     dst = np.full(int(pos) + 64, 0xA5, dtype=np.uint8)
     want = dst.copy()
     for s, d, k in zip(src_off.tolist(), dst_off.tolist(), lens.tolist()):
-        want[d:d + k] = src[s:s + k]
+        want[d : d + k] = src[s : s + k]
     if big:
         assert int(lens.sum()) >= 8 << 20  # else this case would not reach the streaming path
     threads = int(rng.integers(1, 5))
@@ -46,7 +46,7 @@ def test_one_contiguous_streaming_copy_is_exact():
     dst = np.zeros(src.size + 32, dtype=np.uint8)
     one = lambda a: np.array([a], dtype=np.uint64)  # noqa: E731
     _native.copy_chunks(one(dst.ctypes.data + 5), one(src.ctypes.data), one(src.size), 4)
-    assert np.array_equal(dst[5:5 + src.size], src) and not dst[:5].any() and not dst[5 + src.size:].any()
+    assert np.array_equal(dst[5 : 5 + src.size], src) and not dst[:5].any() and not dst[5 + src.size :].any()
 
 
 @pytest.mark.parametrize("block_major", [False, True])
@@ -74,19 +74,32 @@ def test_the_kv_grid_copy_moves_each_chunk_to_its_place(seed, block_major):
             for k in range(kv):
                 s0 = int(src_ids[b]) * s_sb + k * s_sk
                 d0 = 64 + int(dst_ids[b]) * d_sb + layer * d_sl + k * d_sk
-                want[d0:d0 + chunk] = src[layer][s0:s0 + chunk]
+                want[d0 : d0 + chunk] = src[layer][s0 : s0 + chunk]
     src_base = np.array([a.ctypes.data for a in src], dtype=np.uint64)
     dst_base = np.uint64(dst.ctypes.data + 64) + np.arange(layers, dtype=np.uint64) * np.uint64(d_sl)
-    _native.copy_kv_grid(dst_base, dst_ids, d_sb, d_sk, src_base, src_ids, s_sb, s_sk, kv, chunk,
-                         block_major=block_major, threads=int(rng.integers(1, 5)))
+    _native.copy_kv_grid(
+        dst_base,
+        dst_ids,
+        d_sb,
+        d_sk,
+        src_base,
+        src_ids,
+        s_sb,
+        s_sk,
+        kv,
+        chunk,
+        block_major=block_major,
+        threads=int(rng.integers(1, 5)),
+    )
     assert np.array_equal(dst, want)
 
 
 def test_the_kv_grid_copy_refuses_mismatched_sides():
     ids = np.arange(4, dtype=np.uint64)
     with pytest.raises(ValueError, match="one base per layer"):
-        _native.copy_kv_grid(np.zeros(2, np.uint64), ids, 0, 0, np.zeros(3, np.uint64), ids, 0, 0, 1, 64,
-                             block_major=False)
+        _native.copy_kv_grid(
+            np.zeros(2, np.uint64), ids, 0, 0, np.zeros(3, np.uint64), ids, 0, 0, 1, 64, block_major=False
+        )
 
 
 @pytest.mark.parametrize("bad", [np.array([-1], dtype=np.int64), np.array([4.7]), np.array([4], dtype=np.int32)])
@@ -113,8 +126,10 @@ def test_the_cpu_mover_round_trips_random_blocks_in_either_copy_order(heads):
     model = ModelSpec(num_layers=3, num_kv_heads=heads, head_size=128, dtype="bfloat16")
     host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, 16, 40), pin=False)
     assert (host.layout.model.kv_dim * host.layout.chunk_bytes < SHORT_RUN_BYTES) == (heads == 1)
-    layers = [torch.randint(-2**15, 2**15, (80, 2, 16, heads, 128), dtype=torch.int16).view(torch.bfloat16)
-              for _ in range(3)]
+    layers = [
+        torch.randint(-(2**15), 2**15, (80, 2, 16, heads, 128), dtype=torch.int16).view(torch.bfloat16)
+        for _ in range(3)
+    ]
     mover = HostDeviceMover(host, DeviceCache.register(layers, model, KVLayoutType.LAYERBLOCK, 16), threads=3)
     rng = np.random.default_rng(heads)
     dev_ids, host_ids = rng.choice(80, 40, replace=False), rng.permutation(40)

@@ -29,6 +29,7 @@ os._exit(0)  # NIXL's bundled libnl crashes at exit (disagg/nixl_kv.exit_past_li
 
 def _idle_share(env_delay: str) -> float:
     import os
+
     env = {**os.environ, "FLEXKV_NIXL_PROGRESS_DELAY_US": env_delay}
     out = subprocess.run([sys.executable, "-c", _IDLE_AGENT], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -47,11 +48,14 @@ def test_an_idle_agent_created_through_nixls_own_api_leaves_the_core_free():
 def test_the_ucx_leak_guard_vllm_sets_still_holds_once_we_imported_nixl_first():
     # vLLM's NixlConnector sets UCX_RCACHE_MAX_UNRELEASED only when NIXL is not imported yet; in a
     # FlexKVConnector worker we import it first, so the guard must come from us.
-    code = ("import os\n"
-            "from dynamo_flexkv.core.transfer.nixl_agents import quiet_progress_threads\n"
-            "quiet_progress_threads()\n"
-            "print(os.environ.get('UCX_RCACHE_MAX_UNRELEASED'))\n")
+    code = (
+        "import os\n"
+        "from dynamo_flexkv.core.transfer.nixl_agents import quiet_progress_threads\n"
+        "quiet_progress_threads()\n"
+        "print(os.environ.get('UCX_RCACHE_MAX_UNRELEASED'))\n"
+    )
     import os
+
     env = {k: v for k, v in os.environ.items() if k != "UCX_RCACHE_MAX_UNRELEASED"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-1000:]
@@ -59,12 +63,17 @@ def test_the_ucx_leak_guard_vllm_sets_still_holds_once_we_imported_nixl_first():
 
 
 def test_a_bad_delay_setting_is_refused_with_the_variable_named():
-    code = ("from dynamo_flexkv.core.transfer.nixl_agents import quiet_progress_threads\n"
-            "quiet_progress_threads()\n")
+    code = "from dynamo_flexkv.core.transfer.nixl_agents import quiet_progress_threads\nquiet_progress_threads()\n"
     import os
+
     # 2**64 was accepted and then failed every agent creation; 2**32 wrapped to 0 inside NIXL.
     for bad in ("fast", "-5", "+7", "1_000", "1e3", str(2**32), str(2**64)):
-        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FLEXKV_NIXL_PROGRESS_DELAY_US": bad},
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "FLEXKV_NIXL_PROGRESS_DELAY_US": bad},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode != 0
         assert "FLEXKV_NIXL_PROGRESS_DELAY_US" in out.stderr, out.stderr[-1000:]

@@ -94,8 +94,10 @@ def test_an_engine_killed_mid_store_leaves_nothing_visible_and_nothing_held(tmp_
             proc.wait(30)
         finally:
             proc.kill()
-        wait_until("the dead engine detached and its copy fenced and failed", lambda: (
-            not server.stats()["engines"] and server.stats()["fenced_waiting"] == 0))
+        wait_until(
+            "the dead engine detached and its copy fenced and failed",
+            lambda: not server.stats()["engines"] and server.stats()["fenced_waiting"] == 0,
+        )
         other = Engine(server.options.socket_path, "B")
         tokens = prompt(7, 12 * BS)
         assert other.offload.cached_tokens(tokens) == 0  # the torn blocks never became visible
@@ -172,6 +174,7 @@ def test_a_restarted_service_readopts_its_disk_and_engines_reattach_by_themselve
     # The service is gone: requests fail cleanly and at once (recompute), nothing hangs.
     wait_until("the engine noticed", lambda: e.offload.cached_tokens(tokens) == 0)
     from dynamo_flexkv.core.node.client import NodeUnavailable
+
     with pytest.raises(NodeUnavailable, match="not attached"):  # the engine recomputes
         e.offload.load(tokens, list(range(16)), 0)
     with pytest.raises(NodeUnavailable):  # the engine frees its blocks at once
@@ -211,16 +214,25 @@ def test_garbage_truncated_oversized_and_out_of_order_frames_end_that_connection
         good = Engine(path, "good")
         tokens = prompt(11, 4 * BS)
         good.store(tokens, list(range(4)))
-        attach = Attach(version=VERSION, engine="x", model_id="m", num_layers=SPEC.num_layers,
-                        num_kv_heads=SPEC.num_kv_heads, head_size=SPEC.head_size, dtype=SPEC.dtype, kv_dim=2,
-                        tokens_per_block=BS, device_blocks=8)
+        attach = Attach(
+            version=VERSION,
+            engine="x",
+            model_id="m",
+            num_layers=SPEC.num_layers,
+            num_kv_heads=SPEC.num_kv_heads,
+            head_size=SPEC.head_size,
+            dtype=SPEC.dtype,
+            kv_dim=2,
+            tokens_per_block=BS,
+            device_blocks=8,
+        )
         bad_frames = [
             b"\x05\x00\x00\x00hello",  # not msgpack of the protocol
             struct.pack("<I", 1 << 30),  # a frame longer than the limit
             struct.pack("<I", 100) + b"\x81",  # cut off
             encode(Load(id=1, tokens=b"\x00" * 8, blocks=b"\x00" * 8)),  # before Attach
             encode(attach) + encode(Load(id=2, tokens=b"\x00" * 7, blocks=b"")),  # tokens not whole uint32
-            encode(attach) + encode(Load(id=3, tokens=b"\x00" * 64, blocks=struct.pack("<q", 10 ** 9))),  # ids
+            encode(attach) + encode(Load(id=3, tokens=b"\x00" * 64, blocks=struct.pack("<q", 10**9))),  # ids
             encode(Attach(**{**{f: getattr(attach, f) for f in attach.__struct_fields__}, "version": 99})),
             encode(Attach(**{**{f: getattr(attach, f) for f in attach.__struct_fields__}, "dtype": "int3"})),
         ]
@@ -258,6 +270,7 @@ def test_a_thousand_attaches_are_bounded_and_leave_nothing(tmp_path):
 
 def test_a_connection_that_never_attaches_is_closed_and_frees_its_place(tmp_path, monkeypatch):
     from dynamo_flexkv.core.node import session
+
     monkeypatch.setattr(session, "ATTACH_TIMEOUT_S", 0.5)
     with node_server(tmp_path, max_clients=1) as server:
         idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -294,8 +307,13 @@ def test_every_engine_announces_the_node_blocks_it_can_load_and_an_engine_that_a
         assert len(want) == 6
         wait_until("both engines see the host blocks", lambda: seen_a.blocks["host"] == want == seen_b.blocks["host"])
         assert a.offload.drain(30)
-        wait_until("both see the disk copies", lambda: seen_a.blocks["disk"] == set(ns.mirror.held("disk"))
-                   == seen_b.blocks["disk"] and len(seen_b.blocks["disk"]) == 6)
+        wait_until(
+            "both see the disk copies",
+            lambda: (
+                seen_a.blocks["disk"] == set(ns.mirror.held("disk")) == seen_b.blocks["disk"]
+                and len(seen_b.blocks["disk"]) == 6
+            ),
+        )
         a.offload.evict_host(10)  # eviction leaves every engine's view
         wait_until("host blocks removed everywhere", lambda: not seen_a.blocks["host"] and not seen_b.blocks["host"])
         a.offload.shutdown()

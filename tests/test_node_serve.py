@@ -21,46 +21,73 @@ from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-NODE_SETS = ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
-             "FlexKVWorker.num-device-blocks=64", "FlexKVWorker.cache={mode: node}"]
+NODE_SETS = [
+    "Common.model=tiny",
+    "Common.served-model-name=flexkv-tiny",
+    "Frontend.http-port=0",
+    "FlexKVWorker.num-device-blocks=64",
+    "FlexKVWorker.cache={mode: node}",
+]
 
 
 def plan_for(tmp_path, *overrides, graph="agg_router"):
-    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")), [
-        *NODE_SETS, f"NodeCache.cache={{cpu_cache_gb: 0.02, ssd_cache_gb: 0.05, ssd_cache_dir: {tmp_path}/ssd}}",
-        *overrides])
-    return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run",
-                      source=f"{graph}.yaml")
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+        [
+            *NODE_SETS,
+            f"NodeCache.cache={{cpu_cache_gb: 0.02, ssd_cache_gb: 0.05, ssd_cache_dir: {tmp_path}/ssd}}",
+            *overrides,
+        ],
+    )
+    return build_plan(
+        load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", source=f"{graph}.yaml"
+    )
 
 
 def test_the_plan_starts_one_node_cache_before_its_workers_and_hands_them_its_socket(tmp_path):
     p = plan_for(tmp_path)
     kinds = [(proc.name, proc.kind) for proc in p.processes]
-    assert kinds == [("Frontend", Kind.FRONTEND), ("NodeCache", Kind.CACHE), ("FlexKVWorker-0", Kind.WORKER),
-                     ("FlexKVWorker-1", Kind.WORKER)]
+    assert kinds == [
+        ("Frontend", Kind.FRONTEND),
+        ("NodeCache", Kind.CACHE),
+        ("FlexKVWorker-0", Kind.WORKER),
+        ("FlexKVWorker-1", Kind.WORKER),
+    ]
     cache = p.processes[1]
     argv = cache.argv
     sock = argv[argv.index("--socket") + 1]
-    assert argv[1:4] == ["-m", "dynamo_flexkv.cli", "cache-server"] and sock == str(tmp_path / "run" / "node-cache.sock")
+    assert argv[1:4] == ["-m", "dynamo_flexkv.cli", "cache-server"] and sock == str(
+        tmp_path / "run" / "node-cache.sock"
+    )
     assert argv[argv.index("--metrics-host") + 1] == "127.0.0.1" and cache.port > 0
     node_cfg = yaml.safe_load(cache.files[argv[argv.index("-f") + 1]])
-    assert node_cfg == {"cpu_cache_gb": 0.02, "ssd_cache_gb": 0.05, "ssd_cache_dir": f"{tmp_path}/ssd",
-                        "tokens_per_block": 16}
+    assert node_cfg == {
+        "cpu_cache_gb": 0.02,
+        "ssd_cache_gb": 0.05,
+        "ssd_cache_dir": f"{tmp_path}/ssd",
+        "tokens_per_block": 16,
+    }
     for w in p.workers:
         cfg = yaml.safe_load(w.files[w.env["FLEXKV_CONFIG_PATH"]])
         assert cfg == {"mode": "node", "node_socket": sock, "tokens_per_block": 16}
     assert cache.restart.on_death.value == "restart"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["FlexKVWorker.cache={mode: node, cpu_cache_gb: 1}"], r"cache sets \['cpu_cache_gb'\] with mode: node.*"
-                                                          r"NodeCache.cache"),
-    (["NodeCache.replicas=2"], r"NodeCache.replicas is not an option of the node cache"),
-    (["NodeCache.max-clients=0"], r"NodeCache.max-clients=0 must be >= 1"),
-    (["NodeCache.cache={cpu_cache_gb: 0.000001}"], r"NodeCache.cache: cpu_cache_gb=1e-06 holds no block"),
-    (["NodeCache.cache={mode: node}"], r"NodeCache.cache.mode: the server is the node cache"),
-    (["NodeCache.on-death=retry"], r"NodeCache.on-death='retry': use restart or stop"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["FlexKVWorker.cache={mode: node, cpu_cache_gb: 1}"],
+            r"cache sets \['cpu_cache_gb'\] with mode: node.*"
+            r"NodeCache.cache",
+        ),
+        (["NodeCache.replicas=2"], r"NodeCache.replicas is not an option of the node cache"),
+        (["NodeCache.max-clients=0"], r"NodeCache.max-clients=0 must be >= 1"),
+        (["NodeCache.cache={cpu_cache_gb: 0.000001}"], r"NodeCache.cache: cpu_cache_gb=1e-06 holds no block"),
+        (["NodeCache.cache={mode: node}"], r"NodeCache.cache.mode: the server is the node cache"),
+        (["NodeCache.on-death=retry"], r"NodeCache.on-death='retry': use restart or stop"),
+    ],
+)
 def test_bad_node_cache_configs_are_refused_naming_the_fix(tmp_path, overrides, message):
     with pytest.raises(GraphError, match=message):
         plan_for(tmp_path, *overrides)
@@ -68,9 +95,15 @@ def test_bad_node_cache_configs_are_refused_naming_the_fix(tmp_path, overrides, 
 
 def test_render_runs_the_node_cache_as_a_daemonset_the_workers_reach_by_host_path(tmp_path):
     from dynamo_flexkv.serve.render import render_k8s
+
     config = apply_overrides(load_config(str(ROOT / "configs" / "agg_router_vllm_node.yaml")), [])
-    plan = build_plan(load_graph(str(ROOT / "graphs" / "agg_router_vllm.py")), config, run_dir=tmp_path,
-                      local=False, source="agg_router_vllm_node.yaml")
+    plan = build_plan(
+        load_graph(str(ROOT / "graphs" / "agg_router_vllm.py")),
+        config,
+        run_dir=tmp_path,
+        local=False,
+        source="agg_router_vllm_node.yaml",
+    )
     docs = list(yaml.safe_load_all(render_k8s(plan, "img")))
     kinds = [d["kind"] for d in docs]
     assert kinds == ["DynamoGraphDeployment", "ConfigMap", "DaemonSet"]
@@ -87,22 +120,33 @@ def test_render_runs_the_node_cache_as_a_daemonset_the_workers_reach_by_host_pat
 
 # ---- the served graph --------------------------------------------------------------------------------
 
+
 def complete(base_url: str, prompt, worker: int = 0, max_tokens: int = 4) -> dict:
-    body = {"model": "flexkv-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "nvext": {"extra_fields": ["worker_id", "engine_data", "completion_token_ids"]}}
+    body = {
+        "model": "flexkv-tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "nvext": {"extra_fields": ["worker_id", "engine_data", "completion_token_ids"]},
+    }
     if worker:
         body["nvext"]["backend_instance_id"] = worker
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         doc = json.loads(r.read())
     nv = doc["nvext"]
-    return {"ids": nv["completion_token_ids"], "worker": int(nv["worker_id"]["decode_worker_id"]),
-            "tiers": nv["engine_data"]["flexkv"]["cached_tokens"]}
+    return {
+        "ids": nv["completion_token_ids"],
+        "worker": int(nv["worker_id"]["decode_worker_id"]),
+        "tiers": nv["engine_data"]["flexkv"]["cached_tokens"],
+    }
 
 
 def node_metric(serve, name: str) -> float:
     from served import samples
+
     with urllib.request.urlopen(serve.metrics["NodeCache"], timeout=10) as r:
         return sum(v for _, v in samples(r.read().decode(), name))
 
@@ -134,8 +178,12 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
     from node_helpers import BS, Engine, prompt
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
-    serve = Serve(tmp_path, "node", graph="agg_router", base=[
-        *NODE_SETS, f"NodeCache.cache={{cpu_cache_gb: 0.02, ssd_cache_gb: 0.05, ssd_cache_dir: {tmp_path}/ssd}}"])
+    serve = Serve(
+        tmp_path,
+        "node",
+        graph="agg_router",
+        base=[*NODE_SETS, f"NodeCache.cache={{cpu_cache_gb: 0.02, ssd_cache_gb: 0.05, ssd_cache_dir: {tmp_path}/ssd}}"],
+    )
     probe = None
     try:
         names = ("FlexKVWorker-0", "FlexKVWorker-1")
@@ -152,8 +200,11 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
 
         # Both workers are credited with the node's host and disk copies (the computing one holds it
         # on its device too): every worker on the node can load them.
-        wait_until("the router credits both workers", lambda: all(
-            view().get(ids[x], (0, 0, 0))[1:] == (n, n) for x in names), timeout=30)
+        wait_until(
+            "the router credits both workers",
+            lambda: all(view().get(ids[x], (0, 0, 0))[1:] == (n, n) for x in names),
+            timeout=30,
+        )
         # The other worker serves the prompt from the shared host tier, with the same tokens.
         other = complete(serve.base_url, tokens, ids[names[1]])
         assert other["worker"] == ids[names[1]] and other["tiers"]["host"] == n * BS, other
@@ -174,8 +225,11 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
         for i, q in enumerate(burst):  # stores in flight together: one hold each, collected below
             admin.fill(q, list(range(len(q) // BS)))
             admin.offload.store(q, list(range(len(q) // BS)), key=f"b{i}")
-        wait_until("every store's hold back", lambda: admin.offload.drain(30) and not admin.offload.finished_holds()
-                   and admin.offload.tasks_pending == 0, timeout=60)
+        wait_until(
+            "every store's hold back",
+            lambda: admin.offload.drain(30) and not admin.offload.finished_holds() and admin.offload.tasks_pending == 0,
+            timeout=60,
+        )
 
         def expected(q):
             """The router counts a tier with the faster ones: host = the host prefix, disk = the prefix
@@ -185,14 +239,20 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
 
         def views_match(live):
             scores = [probe.scores(q) for q in burst]
-            bad = [(i, x, sc.get(ids[x], (0, 0, 0)), expected(q)) for i, (q, sc) in enumerate(zip(burst, scores))
-                   for x in live if sc.get(ids[x], (0, 0, 0)) != expected(q)]
+            bad = [
+                (i, x, sc.get(ids[x], (0, 0, 0)), expected(q))
+                for i, (q, sc) in enumerate(zip(burst, scores))
+                for x in live
+                if sc.get(ids[x], (0, 0, 0)) != expected(q)
+            ]
             mismatches[:] = bad
             return not bad
+
         mismatches: list = []
         try:
-            wait_until("both workers' views equal the node's contents after the burst", lambda: views_match(names),
-                       timeout=60)
+            wait_until(
+                "both workers' views equal the node's contents after the burst", lambda: views_match(names), timeout=60
+            )
         except AssertionError:
             raise AssertionError(f"(prompt, worker, router view, node contents): {mismatches[:10]}") from None
         assert expected(burst[0])[1] == len(burst[0]) // BS  # the views are not trivially empty
@@ -216,8 +276,9 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
         again = complete(serve.base_url, tokens, new_id)
         assert again["tiers"]["disk"] + again["tiers"]["host"] == n * BS and again["ids"] == first["ids"], again
         wait_until("no task left in flight", lambda: node_metric(serve, "flexkv_node_engine_tasks") == 0)
-        serve.children += [int(x) for x in os.popen(f"pgrep -P {serve.proc.pid}").read().split()
-                           if int(x) not in serve.children]
+        serve.children += [
+            int(x) for x in os.popen(f"pgrep -P {serve.proc.pid}").read().split() if int(x) not in serve.children
+        ]
         serve.proc.send_signal(signal.SIGINT)
         assert serve.proc.wait(timeout=90) == 0, "\n".join(serve.lines[-40:])
         assert_all_gone(serve.children, [])
@@ -234,11 +295,17 @@ def test_the_replays_node_configuration_pools_the_workers_tiers_into_one_node_ca
     from dynamo_flexkv.replay.configs import CONFIGURATIONS, node_cache_config
 
     assert CONFIGURATIONS["node"].node
-    config = apply_overrides(load_config(str(ROOT / "configs" / "agg_router_vllm.yaml")),
-                             ["Frontend.http-port=0", "VllmWorker.cache.cpu_cache_gb=0.0625"])
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / "agg_router_vllm.yaml")),
+        ["Frontend.http-port=0", "VllmWorker.cache.cpu_cache_gb=0.0625"],
+    )
     pooled = node_cache_config(config, "VllmWorker", tmp_path)
     assert pooled["VllmWorker"]["cache"] == {"mode": "node"}
-    assert pooled["NodeCache"]["cache"] == {"cpu_cache_gb": 0.125, "ssd_cache_gb": 2.0, "eviction_policy": "lru",
-                                            "ssd_cache_dir": str(tmp_path / "node-ssd")}
+    assert pooled["NodeCache"]["cache"] == {
+        "cpu_cache_gb": 0.125,
+        "ssd_cache_gb": 2.0,
+        "eviction_policy": "lru",
+        "ssd_cache_dir": str(tmp_path / "node-ssd"),
+    }
     plan = build_plan(load_graph(str(ROOT / "graphs" / "agg_router_vllm.py")), pooled, run_dir=tmp_path / "run")
     assert [p.kind for p in plan.processes].count(Kind.CACHE) == 1 and len(plan.workers) == 2

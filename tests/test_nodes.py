@@ -18,8 +18,11 @@ from dynamo_flexkv.serve import GraphError
 from dynamo_flexkv.serve.nodes import Node, Nodes
 
 # Nodes that do not exist: planning refuses what it can before it looks for them.
-FAKE = Nodes("t-sw", {n: Node(n, f"t-{n.lower()}", f"169.254.9.{i + 1}", f"fd00:9::{i + 1}", port=f"p{i}")
-                      for i, n in enumerate("ABC")}, "t")
+FAKE = Nodes(
+    "t-sw",
+    {n: Node(n, f"t-{n.lower()}", f"169.254.9.{i + 1}", f"fd00:9::{i + 1}", port=f"p{i}") for i, n in enumerate("ABC")},
+    "t",
+)
 PLACED = ("Frontend.node=A", "PrefillWorker.node=B", "DecodeWorker.node=C")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
@@ -56,12 +59,24 @@ def test_vllm_workers_take_a_node_too(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
     from dynamo_flexkv.serve import load_graph
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
-    config = apply_overrides(load_config(str(ROOT / "configs" / "disagg_vllm.yaml")),
-                             ["Frontend.http-port=0", *PLACED[:3], *(f"{w}.cache.ssd_cache_dir={tmp_path}/{w}"
-                                                                    for w in ("PrefillWorker", "DecodeWorker"))])
+
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / "disagg_vllm.yaml")),
+        [
+            "Frontend.http-port=0",
+            *PLACED[:3],
+            *(f"{w}.cache.ssd_cache_dir={tmp_path}/{w}" for w in ("PrefillWorker", "DecodeWorker")),
+        ],
+    )
     with pytest.raises(GraphError, match="do not exist"):  # accepted as an option, then looked for
-        build_plan(load_graph(str(ROOT / "graphs" / "disagg_vllm.py")), config, run_dir=tmp_path / "run",
-                   discovery_backend="etcd", event_plane="nats", nodes=FAKE)
+        build_plan(
+            load_graph(str(ROOT / "graphs" / "disagg_vllm.py")),
+            config,
+            run_dir=tmp_path / "run",
+            discovery_backend="etcd",
+            event_plane="nats",
+            nodes=FAKE,
+        )
 
 
 @pytest.fixture
@@ -90,12 +105,20 @@ print(json.dumps({{"base_url": plan.base_url, "processes": [
 
 
 @needs_root
-def test_each_component_binds_and_advertises_its_nodes_address_and_reaches_etcd_and_nats_on_the_frontends(nodes, tmp_path):
+def test_each_component_binds_and_advertises_its_nodes_address_and_reaches_etcd_and_nats_on_the_frontends(
+    nodes, tmp_path
+):
     with pytest.raises(GraphError, match=f"serve must run on the frontend's node A .*ip netns exec {nodes['A'].netns}"):
         disagg_plan(tmp_path, "disagg", *PLACED, discovery_backend="etcd", event_plane="nats", nodes=nodes)
-    code = PLAN_IN_A.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), placed=PLACED, file=str(tmp_path / "nodes.yaml"))
-    p = subprocess.run(["ip", "netns", "exec", nodes["A"].netns, sys.executable, "-c", code],
-                       capture_output=True, text=True, timeout=120)
+    code = PLAN_IN_A.format(
+        tests=str(ROOT / "tests"), tmp=str(tmp_path), placed=PLACED, file=str(tmp_path / "nodes.yaml")
+    )
+    p = subprocess.run(
+        ["ip", "netns", "exec", nodes["A"].netns, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     plan = json.loads(p.stdout.splitlines()[-1])
     procs = {x["name"]: x for x in plan["processes"]}
@@ -121,9 +144,14 @@ def test_each_component_binds_and_advertises_its_nodes_address_and_reaches_etcd_
 @needs_root
 def test_nodes_up_refuses_names_it_could_not_keep_apart_and_leaves_nothing_behind(tmp_path):
     from dynamo_flexkv.serve.nodes import NodesError
+
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for names, match in ((["A", "a"], "differ from the others in more than case"), (["a b"], "letters or digits"),
-                         (["sw"], "none may be 'sw'"), (["A", "A"], "differ from the others")):
+    for names, match in (
+        (["A", "a"], "differ from the others in more than case"),
+        (["a b"], "letters or digits"),
+        (["sw"], "none may be 'sw'"),
+        (["A", "A"], "differ from the others"),
+    ):
         with pytest.raises(NodesError, match=match):
             Nodes.up("rvt", names, path=tmp_path / "n.yaml")
     with pytest.raises(OSError):  # the file cannot be written: refused before any namespace is made
@@ -136,8 +164,11 @@ def test_nodes_reach_each_other_only_over_their_links_and_a_link_can_be_cut(node
     def probe(src: str, dst: str) -> int:
         """1 when dst's stack answered (refused: nothing listens on port 9), 0 when nothing came back."""
         connect = f"exec 3<>/dev/tcp/{nodes[dst].address}/9"
-        p = subprocess.run(["ip", "netns", "exec", nodes[src].netns, "timeout", "2", "bash", "-c", connect],
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            ["ip", "netns", "exec", nodes[src].netns, "timeout", "2", "bash", "-c", connect],
+            capture_output=True,
+            text=True,
+        )
         return int("Connection refused" in p.stderr)
 
     assert probe("A", "C") == 1  # reached C's stack (nothing listens on port 9): the link works
@@ -157,9 +188,23 @@ def test_a_disagg_graph_over_three_nodes_serves_exact_tokens_moves_kv_over_the_l
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
     pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
     out = tmp_path / "report.json"
-    p = subprocess.run(["ip", "netns", "exec", nodes["A"].netns, sys.executable, str(ROOT / "tests" / "nodes_scenario.py"),
-                        str(tmp_path / "nodes.yaml"), str(tmp_path), str(out)],
-                       capture_output=True, text=True, timeout=900, cwd=str(ROOT / "tests"))
+    p = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            nodes["A"].netns,
+            sys.executable,
+            str(ROOT / "tests" / "nodes_scenario.py"),
+            str(tmp_path / "nodes.yaml"),
+            str(tmp_path),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=str(ROOT / "tests"),
+    )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-8000:]
     r = json.loads(out.read_text())
     assert r["disagg"] == r["agg"]  # exact greedy tokens, prefilled on B, decoded on C

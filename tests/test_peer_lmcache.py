@@ -44,13 +44,18 @@ def test_another_lmcache_version_in_the_prefix_is_named(tmp_path, monkeypatch):
     assert lmc.missing_reason(lmc.prefix_dir()) is None and lmc.require_installed() == tmp_path
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["vllm", "--peer", "vllm"], "invalid choice: 'vllm'"),
-    (["index", "--peer", "lmcache"], "--peer lmcache is bench vllm's"),
-    (["all", "--peer", "lmcache"], "--peer lmcache is bench vllm's"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["vllm", "--peer", "vllm"], "invalid choice: 'vllm'"),
+        (["index", "--peer", "lmcache"], "--peer lmcache is bench vllm's"),
+        (["all", "--peer", "lmcache"], "--peer lmcache is bench vllm's"),
+    ],
+)
 def test_bad_peer_arguments_exit_2(argv, message):
-    p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.bench", *argv], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "dynamo_flexkv.bench", *argv], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 2 and message in p.stderr, (p.returncode, p.stderr[-2000:])
 
 
@@ -60,13 +65,21 @@ def test_server_command_line_and_connector_config(tmp_path):
     a = s.args()
     opt = {a[i]: a[i + 1] for i in range(len(a) - 1) if a[i].startswith("--")}
     assert a[1:5] == ["-m", "lmcache.cli.main", "server", "--host"]
-    assert (opt["--host"], opt["--http-host"], opt["--port"], opt["--http-port"]) == ("127.0.0.1", "127.0.0.1", "5001", "5002")
+    assert (opt["--host"], opt["--http-host"], opt["--port"], opt["--http-port"]) == (
+        "127.0.0.1",
+        "127.0.0.1",
+        "5001",
+        "5002",
+    )
     assert opt["--chunk-size"] == "64" and float(opt["--l1-size-gb"]) == 0.25 and opt["--eviction-policy"] == "LRU"
     assert '"type": "fs"' in opt["--l2-adapter"] and '"use_odirect": true' in opt["--l2-adapter"]
     assert "--disable-observability" in a and s.http == "http://127.0.0.1:5002"
     kt = lmc.kv_transfer_config(5001)["kv_connector_extra_config"]
-    assert kt == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5001,
-                  "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
+    assert kt == {
+        "lmcache.mp.host": "tcp://127.0.0.1",
+        "lmcache.mp.port": 5001,
+        "lmcache.mp.mp_transfer_mode": "lmcache_driven",
+    }
     env = lmc.peer_env({"PYTHONPATH": "/a"}, Path("/p"))
     assert env["PYTHONPATH"] == os.pathsep.join(["/p", "/a"]) and lmc.peer_env({}, Path("/p"))["PYTHONPATH"] == "/p"
 
@@ -79,20 +92,38 @@ def test_restart_engine_starts_on_the_flexkv_engines_disk_tier(tmp_path):
 
 # ---- results -> rows -------------------------------------------------------------------------------------
 def test_lmcache_rows_and_the_vs_lmcache_verdict_rows():
-    r = {"recompute-8192": _recs([1000, 1000]), "device-hit-8192": _recs([40], 7360),
-         "host-8192": _recs([60, 50], 7360), "disk-8192": _recs([80], 7360), "restart-8192": _recs([90], 7360),
-         "miss-8192": _recs([1010]),
-         "lmcache-host-8192": _recs([40], 7360), "lmcache-disk-8192": _recs([160], 7360),
-         "lmcache-restart-8192": _recs([45], 7360), "lmcache-miss-8192": _recs([1100]),
-         "recompute-2048": _recs([100]), "host-2048": _recs([20], 1856)}  # no LMCache row at 2k: no verdict there
+    r = {
+        "recompute-8192": _recs([1000, 1000]),
+        "device-hit-8192": _recs([40], 7360),
+        "host-8192": _recs([60, 50], 7360),
+        "disk-8192": _recs([80], 7360),
+        "restart-8192": _recs([90], 7360),
+        "miss-8192": _recs([1010]),
+        "lmcache-host-8192": _recs([40], 7360),
+        "lmcache-disk-8192": _recs([160], 7360),
+        "lmcache-restart-8192": _recs([45], 7360),
+        "lmcache-miss-8192": _recs([1100]),
+        "recompute-2048": _recs([100]),
+        "host-2048": _recs([20], 1856),
+    }  # no LMCache row at 2k: no verdict there
     cases = {c.case: c for c in v.build_cases(r, [2048, 8192], checks={"lmcache-disk-8192": [115]})}
-    for name in ("lmcache-host-90-8k", "lmcache-disk-90-8k", "lmcache-restart-90-8k", "lmcache-miss-8k",
-                 "restart-90-8k", "lmcache-host-90-8k-vs-device-hit"):
+    for name in (
+        "lmcache-host-90-8k",
+        "lmcache-disk-90-8k",
+        "lmcache-restart-90-8k",
+        "lmcache-miss-8k",
+        "restart-90-8k",
+        "lmcache-host-90-8k-vs-device-hit",
+    ):
         assert cases[name].baseline in (1000, 40), name
     assert "115 blocks per request from it (vLLM's cached tokens)" in cases["lmcache-disk-90-8k"].note
     verdict = {k: c for k, c in cases.items() if "vs-lmcache" in k}
-    assert set(verdict) == {"host-90-vs-lmcache-8k", "disk-90-vs-lmcache-8k", "miss-vs-lmcache-8k",
-                            "restart-90-vs-lmcache-8k"}
+    assert set(verdict) == {
+        "host-90-vs-lmcache-8k",
+        "disk-90-vs-lmcache-8k",
+        "miss-vs-lmcache-8k",
+        "restart-90-vs-lmcache-8k",
+    }
     assert verdict["host-90-vs-lmcache-8k"].ratio == pytest.approx(55 / 40)  # our median / theirs
     assert verdict["disk-90-vs-lmcache-8k"].ratio == pytest.approx(0.5)
     assert verdict["miss-vs-lmcache-8k"].ratio == pytest.approx(1010 / 1100)
@@ -102,11 +133,23 @@ def test_lmcache_rows_and_the_vs_lmcache_verdict_rows():
 
 
 def test_every_loaded_case_is_checked_against_the_same_prompts_reference():
-    ok = {"device-hit-2048": _recs([1], token=5), "ref-disk-2048": _recs([1], token=6),
-          "ref-restart-2048": _recs([1], token=4), "recompute-2048": _recs([1], token=9)}
-    good = dict(ok, **{"disk-2048": _recs([1], token=6), "lmcache-disk-2048": _recs([1], token=6),
-                       "lmcache-host-2048": _recs([1], token=5), "restart-2048": _recs([1], token=4),
-                       "lmcache-restart-2048": _recs([1], token=4), "lmcache-miss-2048": _recs([1], token=9)})
+    ok = {
+        "device-hit-2048": _recs([1], token=5),
+        "ref-disk-2048": _recs([1], token=6),
+        "ref-restart-2048": _recs([1], token=4),
+        "recompute-2048": _recs([1], token=9),
+    }
+    good = dict(
+        ok,
+        **{
+            "disk-2048": _recs([1], token=6),
+            "lmcache-disk-2048": _recs([1], token=6),
+            "lmcache-host-2048": _recs([1], token=5),
+            "restart-2048": _recs([1], token=4),
+            "lmcache-restart-2048": _recs([1], token=4),
+            "lmcache-miss-2048": _recs([1], token=9),
+        },
+    )
     assert v.check_tokens(good, [2048]) == []
     for case in ("disk", "lmcache-disk", "lmcache-host", "restart", "lmcache-restart", "lmcache-miss"):
         bad = dict(good, **{f"{case}-2048": _recs([1], token=1)})
@@ -138,6 +181,7 @@ def _stop(engines):
 
 def test_three_engines_are_interleaved_in_reversed_order_each_round():
     from dynamo_flexkv.bench.vllm_pair import run_interleaved
+
     log: list = []
     engines = [_FakeEngine(log) for _ in range(3)]
     try:
@@ -150,15 +194,29 @@ def test_three_engines_are_interleaved_in_reversed_order_each_round():
 
 def test_each_loaded_case_takes_turns_with_the_peers_same_case():
     from dynamo_flexkv.bench.vllm_pair import run_interleaved
+
     log: list = []
     ours, theirs = _FakeEngine(log), _FakeEngine(log)
     try:
-        out = run_interleaved([[(ours, "host"), (theirs, "lmcache-host")], [(ours, "disk"), (theirs, "lmcache-disk")]],
-                              [2048, 8192], 2, timeout_s=10, tier=True)
+        out = run_interleaved(
+            [[(ours, "host"), (theirs, "lmcache-host")], [(ours, "disk"), (theirs, "lmcache-disk")]],
+            [2048, 8192],
+            2,
+            timeout_s=10,
+            tier=True,
+        )
     finally:
         _stop([ours, theirs])
-    assert log[:8] == ["host-2048#0", "lmcache-host-2048#0", "lmcache-host-2048#1", "host-2048#1",
-                       "disk-2048#0", "lmcache-disk-2048#0", "lmcache-disk-2048#1", "disk-2048#1"]
+    assert log[:8] == [
+        "host-2048#0",
+        "lmcache-host-2048#0",
+        "lmcache-host-2048#1",
+        "host-2048#1",
+        "disk-2048#0",
+        "lmcache-disk-2048#0",
+        "lmcache-disk-2048#1",
+        "disk-2048#1",
+    ]
     assert len(log) == 16 and log[8] == "host-8192#0"
     assert set(out) == {f"{c}-{n}" for c in ("host", "lmcache-host", "disk", "lmcache-disk") for n in (2048, 8192)}
 
@@ -180,8 +238,10 @@ _PEER_MISSING = lmc.missing_reason(lmc.prefix_dir())
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-@pytest.mark.skipif(_PEER_MISSING is not None, reason=f"LMCache {lmc.VERSION} is not installed ({_PEER_MISSING}): "
-                    f"install it with {lmc.INSTALL}")
+@pytest.mark.skipif(
+    _PEER_MISSING is not None,
+    reason=f"LMCache {lmc.VERSION} is not installed ({_PEER_MISSING}): install it with {lmc.INSTALL}",
+)
 def test_lmcache_mp_serves_a_prompt_again_from_its_cache(tmp_path):
     """One 1,024-token prompt through LMCacheMPConnector (vLLM's prefix cache reset after each
     send): the first send computes it, the second gets 15 of its 16 blocks from LMCache's CPU tier,
@@ -193,8 +253,16 @@ def test_lmcache_mp_serves_a_prompt_again_from_its_cache(tmp_path):
 
     shm_before = lmc.shm_segments()
     model_dir = write_model_dir(EngineModelConfig.preset("small"), str(tmp_path / "model"), context_length=2048)
-    spec = {"model_dir": str(model_dir), "sizes": [1024], "repeat": 1, "seed": 0, "block_size": 64,
-            "max_model_len": 2048, "kv_cache_bytes": 128 << 20, "warmup_sizes": [256]}
+    spec = {
+        "model_dir": str(model_dir),
+        "sizes": [1024],
+        "repeat": 1,
+        "seed": 0,
+        "block_size": 64,
+        "max_model_len": 2048,
+        "kv_cache_bytes": 128 << 20,
+        "warmup_sizes": [256],
+    }
     with lmc.LMCacheServer(lmc.prefix_dir(), str(tmp_path), 64 << 20, 64) as server:
         spec.update(kv_transfer_config=lmc.kv_transfer_config(server.port), lmcache_http=server.http)
         env = lmc.peer_env(vs.engine_env(str(tmp_path), "plain", 0, 0), lmc.prefix_dir())
@@ -221,12 +289,22 @@ def test_stop_group_ends_children_that_ignore_sigterm():
     import signal
     import time
     from dynamo_flexkv.bench.procs import stop_group
-    child = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
-             "time.sleep(600)")
-    leader = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, "
-                               f"'-c', {child!r}], stdout=subprocess.PIPE, text=True); c.stdout.readline(); "
-                               "print('ready', flush=True); time.sleep(600)"],
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+    child = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    )
+    leader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, "
+            f"'-c', {child!r}], stdout=subprocess.PIPE, text=True); c.stdout.readline(); "
+            "print('ready', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert leader.stdout.readline().strip() == "ready"  # the child is up and ignores SIGTERM
     stop_group(leader, ((signal.SIGTERM, 10),))
     assert leader.returncode == -signal.SIGTERM
@@ -246,8 +324,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _vllm_config(*sets: str):
     from dynamo_flexkv.serve.plan import apply_overrides, load_config
-    return apply_overrides(load_config(str(ROOT / "configs" / "agg_router_vllm.yaml")),
-                           ["Frontend.http-port=0", "VllmWorker.cache.cpu_cache_gb=0.0625", *sets])
+
+    return apply_overrides(
+        load_config(str(ROOT / "configs" / "agg_router_vllm.yaml")),
+        ["Frontend.http-port=0", "VllmWorker.cache.cpu_cache_gb=0.0625", *sets],
+    )
 
 
 def test_the_replays_lmcache_row_serves_the_same_graph_on_one_lmcache_server_for_the_node(tmp_path, monkeypatch):
@@ -273,19 +354,25 @@ def test_the_replays_lmcache_row_serves_the_same_graph_on_one_lmcache_server_for
     assert len(plan.workers) == 2
     for w in plan.workers:
         kt = json.loads(w.argv[w.argv.index("--kv-transfer-config") + 1])
-        assert kt["kv_connector"] == "LMCacheMPConnector" and kt["kv_connector_extra_config"]["lmcache.mp.port"] == server.port
+        assert (
+            kt["kv_connector"] == "LMCacheMPConnector"
+            and kt["kv_connector_extra_config"]["lmcache.mp.port"] == server.port
+        )
         assert "FlexKVConnector" not in " ".join(w.argv) and w.cache is None
         assert w.env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "peer")
 
 
 def test_the_replays_lmcache_row_is_refused_before_anything_is_served_without_lmcache_or_on_the_reference_engine(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     import argparse
     from dynamo_flexkv.replay.main import add_arguments, run as replay_run
 
     monkeypatch.setenv(lmc.PREFIX_ENV, str(tmp_path / "nope"))
-    for argv, message in ((["--configs", "host+ssd,lmcache"], "not lmcache 0.5.6; install it with make peer-lmcache"),
-                          (["--engine", "reference", "--configs", "lmcache"], "runs vLLM workers: use --engine vllm")):
+    for argv, message in (
+        (["--configs", "host+ssd,lmcache"], "not lmcache 0.5.6; install it with make peer-lmcache"),
+        (["--engine", "reference", "--configs", "lmcache"], "runs vLLM workers: use --engine vllm"),
+    ):
         p = argparse.ArgumentParser()
         add_arguments(p)
         out = tmp_path / "out"
@@ -294,4 +381,5 @@ def test_the_replays_lmcache_row_is_refused_before_anything_is_served_without_lm
         assert not out.exists()  # nothing served, nothing written
     with pytest.raises(ValueError, match="make peer-lmcache"):
         from dynamo_flexkv.replay.peers import lmcache_config
+
         lmcache_config(_vllm_config(), "VllmWorker", tmp_path)

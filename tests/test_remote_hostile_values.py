@@ -21,8 +21,16 @@ import xxhash
 
 from dynamo_flexkv import TaskStatus
 from dynamo_flexkv.core.config import ConfigError
-from dynamo_flexkv.core.remote import (RemoteAuthError, RemoteClosedError, RemoteConfig, RemoteConfigError,
-                                  RemoteError, RemoteStore, RemoteUnavailableError, parse_url)
+from dynamo_flexkv.core.remote import (
+    RemoteAuthError,
+    RemoteClosedError,
+    RemoteConfig,
+    RemoteConfigError,
+    RemoteError,
+    RemoteStore,
+    RemoteUnavailableError,
+    parse_url,
+)
 from dynamo_flexkv.core.remote.resp import RespConnection
 from dynamo_flexkv.serve.redis_server import RedisServer
 from kv_helpers import MODEL, TPB, config, holds
@@ -56,6 +64,7 @@ def load(kv, e: Engine, prompt, layerwise=False):
 
 # ---------------------------------------------------------------- hand-crafted values
 
+
 def _crafted(orig: bytes, case: str) -> bytes:
     m, ver, flags, fp, sh, par, ln, xx = HDR.unpack(orig[:48])
     payload = orig[48:]
@@ -64,8 +73,12 @@ def _crafted(orig: bytes, case: str) -> bytes:
     def mk(pl=evil, tail=b"", **kw):
         d = dict(m=m, ver=ver, flags=flags, fp=fp, sh=sh, par=par, ln=ln)
         d.update(kw)
-        return HDR.pack(d["m"], d["ver"], d["flags"], d["fp"], d["sh"], d["par"], d["ln"],
-                        xxhash.xxh3_64_intdigest(pl)) + pl + tail
+        return (
+            HDR.pack(d["m"], d["ver"], d["flags"], d["fp"], d["sh"], d["par"], d["ln"], xxhash.xxh3_64_intdigest(pl))
+            + pl
+            + tail
+        )
+
     return {
         "foreign_fp_valid_checksum": lambda: mk(fp=fp ^ 1),
         "wrong_parent": lambda: mk(par=par ^ 1),
@@ -83,9 +96,21 @@ def _crafted(orig: bytes, case: str) -> bytes:
     }[case]()
 
 
-CRAFTED = ["foreign_fp_valid_checksum", "wrong_parent", "parent_flag_cleared", "future_version",
-           "header_len_and_value_short", "header_len_lies_long", "huge_value", "header_only", "bad_magic",
-           "flip_one_payload_byte", "flip_checksum_byte", "empty", "four_bytes"]
+CRAFTED = [
+    "foreign_fp_valid_checksum",
+    "wrong_parent",
+    "parent_flag_cleared",
+    "future_version",
+    "header_len_and_value_short",
+    "header_len_lies_long",
+    "huge_value",
+    "header_only",
+    "bad_magic",
+    "flip_one_payload_byte",
+    "flip_checksum_byte",
+    "empty",
+    "four_bytes",
+]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +119,10 @@ def big_redis():
         yield server
 
 
-@pytest.mark.parametrize("case,layerwise", [
-    pytest.param(c, lw, id=f"{c}-{'layerwise' if lw else 'bulk'}") for c in CRAFTED for lw in (False, True)])
+@pytest.mark.parametrize(
+    "case,layerwise",
+    [pytest.param(c, lw, id=f"{c}-{'layerwise' if lw else 'bulk'}") for c in CRAFTED for lw in (False, True)],
+)
 def test_hand_crafted_bad_value_is_a_clean_miss(tmp_path, big_redis, case, layerwise):
     """Block 3 of 6 replaced by a hand-written bad value: the get fails cleanly (recompute), never
     reports a block holding the wrong bytes, keeps blocks 0-2 on host, deletes the bad value."""
@@ -205,8 +232,10 @@ def test_middle_block_missing_loads_only_the_prefix_before_it(tmp_path, redis_se
 
 def test_ttl_expiry_is_a_clean_miss(tmp_path, redis_server):
     p = prompt_of(np.random.default_rng(13), 4)
-    with manager(tmp_path / "w", redis_server.url, remote_ttl_s=0.3) as kv0, \
-            manager(tmp_path / "r", redis_server.url) as kv1:
+    with (
+        manager(tmp_path / "w", redis_server.url, remote_ttl_s=0.3) as kv0,
+        manager(tmp_path / "r", redis_server.url) as kv1,
+    ):
         Engine(kv0).put(p)
         time.sleep(0.6)
         assert kv1.match(p) == {"host": 0, "remote": 0}
@@ -216,6 +245,7 @@ def test_ttl_expiry_is_a_clean_miss(tmp_path, redis_server):
 
 
 # ---------------------------------------------------------------- sharing and isolation
+
 
 def test_concurrent_workers_putting_one_prefix_write_it_once_and_a_reader_gets_exact_bytes(tmp_path, redis_server):
     p = prompt_of(np.random.default_rng(14), 8)
@@ -230,6 +260,7 @@ def test_concurrent_workers_putting_one_prefix_write_it_once_and_a_reader_gets_e
                     e.put(p)
             except BaseException as ex:  # noqa: BLE001
                 errors.append(ex)
+
         threads = [threading.Thread(target=run, args=(e,)) for e in engines]
         for t in threads:
             t.start()
@@ -267,8 +298,10 @@ def test_other_namespace_or_rank_never_shares(tmp_path, redis_server, other):
 def test_a_prompt_longer_than_the_host_tier_loads_what_fits_exactly(tmp_path, redis_server):
     """300 remote blocks (more than two 128-key existence chunks), a 32-block host tier."""
     p = prompt_of(np.random.default_rng(16), 300)
-    with manager(tmp_path / "w", redis_server.url, host_blocks=320) as kv0, \
-            manager(tmp_path / "r", redis_server.url, host_blocks=32) as kv1:
+    with (
+        manager(tmp_path / "w", redis_server.url, host_blocks=320) as kv0,
+        manager(tmp_path / "r", redis_server.url, host_blocks=32) as kv1,
+    ):
         Engine(kv0, device_blocks=320).put(p)
         assert kv1.match(p)["remote"] == 300 * TPB
         e1 = Engine(kv1, 1, device_blocks=320)
@@ -282,6 +315,7 @@ def test_a_prompt_longer_than_the_host_tier_loads_what_fits_exactly(tmp_path, re
 
 
 # ---------------------------------------------------------------- faults
+
 
 def test_redis_frozen_during_write_behind_drain_returns_and_nothing_leaks(tmp_path, redis_server):
     rng = np.random.default_rng(17)
@@ -312,6 +346,7 @@ def test_redis_killed_between_layer_spans_fails_cleanly(tmp_path):
                 if offset > 0 and server.proc is not None and server.proc.poll() is None:
                     server.kill()
                 return real(hashes, dests, offset, block_bytes, parents, **kw)
+
             store.get_range_into = dying
             try:
                 r, ok = load(kv1, Engine(kv1, 1), p, layerwise=True)
@@ -355,6 +390,7 @@ def test_shutdown_twice_and_calls_after_close(tmp_path, redis_server):
 
 
 # ---------------------------------------------------------------- URLs and config
+
 
 def test_rediss_against_a_plain_server_fails_bounded_naming_the_fix(redis_server):
     t0 = time.monotonic()
@@ -403,15 +439,20 @@ def test_remote_config_refuses_an_infinite_timeout(redis_server):
 
 def test_cache_config_refuses_an_infinite_timeout(tmp_path):
     with pytest.raises(ConfigError, match="remote_timeout_s"):
-        config(tmp_path, disk_blocks=0, enable_remote=True, remote_cache_url="redis://127.0.0.1:1",
-               remote_timeout_s=float("inf"))
+        config(
+            tmp_path,
+            disk_blocks=0,
+            enable_remote=True,
+            remote_cache_url="redis://127.0.0.1:1",
+            remote_timeout_s=float("inf"),
+        )
 
 
 def test_out_of_range_sequence_hash_is_refused_not_aliased(redis_server):
     st = RemoteStore(RemoteConfig(url=redis_server.url), 9)
     try:
         try:
-            st.put([2 ** 64], [bytearray(b"A" * 64)])
+            st.put([2**64], [bytearray(b"A" * 64)])
         except (ValueError, OverflowError):
             pass
         dest = [bytearray(64)]
@@ -432,9 +473,11 @@ def test_a_string_is_not_a_list_of_hashes(redis_server):
 
 # ---------------------------------------------------------------- doctor and serve
 
+
 def _doctor(env_url: str):
     import subprocess
     import sys
+
     env = dict(os.environ, FLEXKV_ENABLE_REMOTE="true", FLEXKV_REMOTE_CACHE_URL=env_url)
     exe = os.path.join(os.path.dirname(sys.executable), "dynamo-flexkv")
     return subprocess.run([exe, "doctor"], env=env, capture_output=True, text=True, timeout=120)
@@ -457,8 +500,13 @@ def test_serve_refuses_a_wrong_password_without_echoing_it(tmp_path):
     from served import make_plan
 
     from dynamo_flexkv.serve import GraphError
+
     with RedisServer(maxmemory="16mb", password="TopS3cretPW") as s:
         with pytest.raises(GraphError, match="refused the credentials") as e:
-            make_plan(tmp_path, "agg_router", *REMOTE,
-                      f"FlexKVWorker.cache.remote_cache_url=redis://:wrongpw-XYZ@127.0.0.1:{s.port}")
+            make_plan(
+                tmp_path,
+                "agg_router",
+                *REMOTE,
+                f"FlexKVWorker.cache.remote_cache_url=redis://:wrongpw-XYZ@127.0.0.1:{s.port}",
+            )
         assert "wrongpw-XYZ" not in str(e.value) and "TopS3cretPW" not in str(e.value)

@@ -33,9 +33,10 @@ def _served_from_remote(tmp_path, *overrides):
         prompt = "a long prompt whose prefix lives in the shared remote tier. " * 12
         before = {w.name: metric(w.port, "flexkv_requests_total") for w in plan.workers}
         first = complete(plan, prompt, 8)
-        holder, = [w for w in plan.workers if metric(w.port, "flexkv_requests_total") > before[w.name]]
-        wait_until("the prefix written behind to Redis",
-                   lambda: metric(holder.port, "flexkv_remote_stored_blocks_total") > 0)
+        (holder,) = [w for w in plan.workers if metric(w.port, "flexkv_requests_total") > before[w.name]]
+        wait_until(
+            "the prefix written behind to Redis", lambda: metric(holder.port, "flexkv_remote_stored_blocks_total") > 0
+        )
         # The holder loses its local tiers: killed, restarted by the launcher, empty host, no disk.
         pid = launcher.running[holder.name].pid
         os.kill(pid, signal.SIGKILL)
@@ -93,14 +94,17 @@ def test_render_k8s_takes_the_redis_url_from_a_secret(tmp_path):
     import yaml
 
     from dynamo_flexkv.serve.render import render_k8s
+
     plan = make_plan(tmp_path, "agg_router", *REMOTE, local=False)
     text = render_k8s(plan, "example/flexkv:latest")
     assert "kubectl create secret generic flexkv-agg-router-redis" in text
     worker = yaml.safe_load(text)["spec"]["services"]["FlexKVWorker"]
     env = {e["name"]: e for e in worker["envs"]}
     assert env["FLEXKV_ENABLE_REMOTE"]["value"] == "True"
-    assert env["FLEXKV_REMOTE_CACHE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "flexkv-agg-router-redis",
-                                                                            "key": "url"}
+    assert env["FLEXKV_REMOTE_CACHE_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "flexkv-agg-router-redis",
+        "key": "url",
+    }
     assert "redis-from-secret" not in text
 
 
@@ -145,13 +149,20 @@ def test_a_password_in_the_url_reaches_the_workers_by_environment_never_in_a_fil
             monkeypatch.setenv(DEFAULT_PASSWORD_ENV, w.env[DEFAULT_PASSWORD_ENV])  # as the launcher passes it
             RemoteStore(CacheConfig.load(cfg, env={}).remote_config(), 0, strict=True).close()  # logs in
             monkeypatch.delenv(DEFAULT_PASSWORD_ENV)
-        own = make_plan(tmp_path, "agg_router", *REMOTE, f"FlexKVWorker.cache.remote_cache_url={url}",
-                        "FlexKVWorker.cache.remote_password_env=MY_REDIS_PW")
+        own = make_plan(
+            tmp_path,
+            "agg_router",
+            *REMOTE,
+            f"FlexKVWorker.cache.remote_cache_url={url}",
+            "FlexKVWorker.cache.remote_password_env=MY_REDIS_PW",
+        )
         assert all(w.env["MY_REDIS_PW"] == PASSWORD and DEFAULT_PASSWORD_ENV not in w.env for w in own.workers)
         if importlib.util.find_spec("vllm") is not None:  # vLLM workers' cache YAML: the same
             from served import vplan
-            v = vplan(tmp_path / "vllm", "VllmWorker.cache.enable_remote=true",
-                      f"VllmWorker.cache.remote_cache_url={url}")
+
+            v = vplan(
+                tmp_path / "vllm", "VllmWorker.cache.enable_remote=true", f"VllmWorker.cache.remote_cache_url={url}"
+            )
             for w in v.workers:
                 assert w.env[DEFAULT_PASSWORD_ENV] == PASSWORD
                 cache = yaml.safe_load(w.files[w.env["FLEXKV_CONFIG_PATH"]])
@@ -164,8 +175,17 @@ def test_a_password_in_the_url_reaches_the_workers_by_environment_never_in_a_fil
 
     # render --k8s: the URL from a Secret when the tier is on; no password inlined even when it is off.
     for on in ("true", "false"):
-        text = render_k8s(make_plan(tmp_path, "agg_router", *REMOTE, f"FlexKVWorker.cache.enable_remote={on}",
-                                    f"FlexKVWorker.cache.remote_cache_url={url}", local=False), "img")
+        text = render_k8s(
+            make_plan(
+                tmp_path,
+                "agg_router",
+                *REMOTE,
+                f"FlexKVWorker.cache.enable_remote={on}",
+                f"FlexKVWorker.cache.remote_cache_url={url}",
+                local=False,
+            ),
+            "img",
+        )
         assert PASSWORD not in text and encoded not in text
         env = {e["name"]: e for e in yaml.safe_load(text)["spec"]["services"]["FlexKVWorker"]["envs"]}
         assert ("valueFrom" in env["FLEXKV_REMOTE_CACHE_URL"]) == (on == "true")

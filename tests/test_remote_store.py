@@ -53,6 +53,7 @@ def raw(server: RedisServer) -> RespConnection:
 
 # ---- config, codec, routing, breaker (no server) ----
 
+
 def test_url_forms() -> None:
     p = parse_url("redis://127.0.0.1:7000/2")
     assert (p.tls, p.cluster, p.nodes, p.db, p.password) == (False, False, (("127.0.0.1", 7000),), 2, None)
@@ -63,16 +64,19 @@ def test_url_forms() -> None:
     assert parse_url("redis://h").nodes == (("h", 6379),)
 
 
-@pytest.mark.parametrize("url, words", [
-    ("http://h:1", "unknown scheme"),
-    ("redis://a:1,b:2", "redis+cluster://"),
-    ("redis://h:99999", "port"),
-    ("redis+cluster://a:1,b:2/3", "only database 0"),
-    ("redis://", "names no host"),
-    ("redis://h/abc", "must be a number"),
-    ("redis://:pw@h:1?ssl=1", "query options"),
-    ("", "empty"),
-])
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("http://h:1", "unknown scheme"),
+        ("redis://a:1,b:2", "redis+cluster://"),
+        ("redis://h:99999", "port"),
+        ("redis+cluster://a:1,b:2/3", "only database 0"),
+        ("redis://", "names no host"),
+        ("redis://h/abc", "must be a number"),
+        ("redis://:pw@h:1?ssl=1", "query options"),
+        ("", "empty"),
+    ],
+)
 def test_bad_urls_name_the_key_and_the_fix(url: str, words: str) -> None:
     with pytest.raises(RemoteConfigError, match="remote_cache_url") as e:
         RemoteConfig(url=url)
@@ -87,15 +91,18 @@ def test_password_never_shown() -> None:
     assert SECRET not in str(e.value)
 
 
-@pytest.mark.parametrize("url", [
-    "redis://:abc/topsecret@127.0.0.1:6379",  # unencoded '/' (read as a path before)
-    "redis://:p@ss:w/rd%@h",  # '@', ':', '/' and a bare '%'
-    "redis://user:top?secret#x@h:1/0",  # '?' and '#'
-    "redis://:topsecret%zz@h",  # a '%' that is no %XX escape
-    "redis://top secret@h",  # a space (no ':' at all: still redacted whole)
-    ":abc/topsecret@h:1",  # no scheme
-    "redis//:abc/topsecret@h:1",  # a mistyped scheme
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:abc/topsecret@127.0.0.1:6379",  # unencoded '/' (read as a path before)
+        "redis://:p@ss:w/rd%@h",  # '@', ':', '/' and a bare '%'
+        "redis://user:top?secret#x@h:1/0",  # '?' and '#'
+        "redis://:topsecret%zz@h",  # a '%' that is no %XX escape
+        "redis://top secret@h",  # a space (no ':' at all: still redacted whole)
+        ":abc/topsecret@h:1",  # no scheme
+        "redis//:abc/topsecret@h:1",  # a mistyped scheme
+    ],
+)
 def test_a_malformed_password_is_never_shown_and_the_fix_is_named(url: str) -> None:
     """Everything between '//' and the last '@' is redacted; an unparsable user:password part is
     refused, saying what to percent-encode, and none of it is echoed."""
@@ -116,14 +123,17 @@ def test_redacted_url_hides_the_whole_user_part() -> None:
     assert (p.username, p.password) == ("user", "p/s:s@")
 
 
-@pytest.mark.parametrize("url, without, password", [
-    ("redis://:pw@h:1", "redis://h:1", "pw"),
-    ("rediss://us%40er:p%2Fs%3As%40@h:1/2", "rediss://us%40er@h:1/2", "p/s:s@"),  # decoded, user kept
-    ("redis+cluster://:x@a:1,b:2", "redis+cluster://a:1,b:2", "x"),
-    ("redis://:abc/topsecret@h:1", "redis://h:1", "abc/topsecret"),  # refused by parse_url: still split off
-    ("redis://h:1", "redis://h:1", None),
-    ("redis://user@h:1", "redis://user@h:1", None),
-])
+@pytest.mark.parametrize(
+    "url, without, password",
+    [
+        ("redis://:pw@h:1", "redis://h:1", "pw"),
+        ("rediss://us%40er:p%2Fs%3As%40@h:1/2", "rediss://us%40er@h:1/2", "p/s:s@"),  # decoded, user kept
+        ("redis+cluster://:x@a:1,b:2", "redis+cluster://a:1,b:2", "x"),
+        ("redis://:abc/topsecret@h:1", "redis://h:1", "abc/topsecret"),  # refused by parse_url: still split off
+        ("redis://h:1", "redis://h:1", None),
+        ("redis://user@h:1", "redis://user@h:1", None),
+    ],
+)
 def test_split_password_keeps_no_password_in_the_url(url: str, without: str, password) -> None:
     """serve writes the URL without its password and hands the password over by environment."""
     from dynamo_flexkv.core.remote.config import split_password
@@ -139,15 +149,23 @@ def test_password_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert RemoteConfig(url="redis://:fromurl@h:1", password_env="MY_REDIS_PW").password == "fromurl"
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"timeout_s": 0}, "remote_timeout_s"), ({"pipeline_depth": 0}, "remote_pipeline_depth"),
-    ({"pipeline_bytes": 0}, "remote_pipeline_bytes"),
-    ({"ttl_s": -1}, "remote_ttl_s"), ({"key_prefix": "a{b}"}, "remote_key_prefix"),
-    ({"tls_ca_file": "/nonexistent.pem"}, "remote_tls_ca_file"),
-    ({"timeout_s": float("inf")}, "remote_timeout_s"), ({"connect_timeout_s": float("nan")}, "remote_connect_timeout_s"),
-    ({"breaker_cooldown_s": float("inf")}, "remote_breaker_cooldown_s"), ({"ttl_s": float("inf")}, "remote_ttl_s"),
-    ({"ttl_s": float("nan")}, "remote_ttl_s"), ({"timeout_s": "2"}, "remote_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"timeout_s": 0}, "remote_timeout_s"),
+        ({"pipeline_depth": 0}, "remote_pipeline_depth"),
+        ({"pipeline_bytes": 0}, "remote_pipeline_bytes"),
+        ({"ttl_s": -1}, "remote_ttl_s"),
+        ({"key_prefix": "a{b}"}, "remote_key_prefix"),
+        ({"tls_ca_file": "/nonexistent.pem"}, "remote_tls_ca_file"),
+        ({"timeout_s": float("inf")}, "remote_timeout_s"),
+        ({"connect_timeout_s": float("nan")}, "remote_connect_timeout_s"),
+        ({"breaker_cooldown_s": float("inf")}, "remote_breaker_cooldown_s"),
+        ({"ttl_s": float("inf")}, "remote_ttl_s"),
+        ({"ttl_s": float("nan")}, "remote_ttl_s"),
+        ({"timeout_s": "2"}, "remote_timeout_s"),
+    ],
+)
 def test_bad_settings(kwargs: dict, key: str) -> None:
     with pytest.raises(RemoteConfigError, match=key):
         RemoteConfig(url="redis://h:1", **kwargs)
@@ -195,6 +213,7 @@ def test_breaker_opens_cools_down_and_closes() -> None:
 
 
 # ---- against a real server ----
+
 
 @needs_redis
 @pytest.mark.parametrize("pipeline_bytes", [4 << 20, 100_000])  # the second: 1-3 values in flight
@@ -274,7 +293,7 @@ def _damage(server: RedisServer, seq, data, i: int, damage: str) -> bytes:
         value = value[:-100]
     elif damage == "foreign":
         with RemoteStore.open(server.url, FP ^ 1) as other:
-            other.put(seq[i:i + 1], [data[i]], parents=[int(seq[i - 1])])
+            other.put(seq[i : i + 1], [data[i]], parents=[int(seq[i - 1])])
         value = bytearray(conn.call(b"GET", block_key(b"flexkv:", FP ^ 1, int(seq[i]))))
     elif damage == "other_key":
         value = bytearray(conn.call(b"GET", block_key(b"flexkv:", FP, int(seq[i + 1]))))
@@ -288,9 +307,16 @@ def _damage(server: RedisServer, seq, data, i: int, damage: str) -> bytes:
 
 
 @needs_redis
-@pytest.mark.parametrize("damage, verdict", [("flip", "corrupt"), ("truncate", "truncated"),
-                                             ("foreign", "foreign"), ("other_key", "corrupt"),
-                                             ("garbage", "truncated")])
+@pytest.mark.parametrize(
+    "damage, verdict",
+    [
+        ("flip", "corrupt"),
+        ("truncate", "truncated"),
+        ("foreign", "foreign"),
+        ("other_key", "corrupt"),
+        ("garbage", "truncated"),
+    ],
+)
 def test_damaged_value_ends_the_prefix(redis_server: RedisServer, damage: str, verdict: str) -> None:
     seq, data = blocks(8, 5000)
     with RemoteStore.open(redis_server.url, FP) as store:
@@ -306,11 +332,19 @@ def test_damaged_value_ends_the_prefix(redis_server: RedisServer, damage: str, v
 
 
 @needs_redis
-@pytest.mark.parametrize("damage, verdict, first_range", [
-    ("delete", "misses", 3), ("empty", "truncated", 3), ("append", "truncated", 8), ("truncate", "truncated", 8),
-    ("header_only", "truncated", 3)])
-def test_ranged_reads_tell_a_bad_value_from_a_missing_one(redis_server: RedisServer, damage: str, verdict: str,
-                                                          first_range: int) -> None:
+@pytest.mark.parametrize(
+    "damage, verdict, first_range",
+    [
+        ("delete", "misses", 3),
+        ("empty", "truncated", 3),
+        ("append", "truncated", 8),
+        ("truncate", "truncated", 8),
+        ("header_only", "truncated", 3),
+    ],
+)
+def test_ranged_reads_tell_a_bad_value_from_a_missing_one(
+    redis_server: RedisServer, damage: str, verdict: str, first_range: int
+) -> None:
     """Layerwise reads (GETRANGE): an empty value is bad (truncated), not an eviction (missing),
     though both read as zero bytes; a value longer or shorter than header + payload ends the prefix
     at the range that reaches the payload's end (it asks for one byte more), as a bulk get would."""
@@ -321,8 +355,13 @@ def test_ranged_reads_tell_a_bad_value_from_a_missing_one(redis_server: RedisSer
         conn = raw(redis_server)
         key = block_key(b"flexkv:", FP, int(seq[3]))
         value = conn.call(b"GET", key)
-        new = {"delete": None, "empty": b"", "append": value + b"\xde\xad", "truncate": value[:-1],
-               "header_only": value[:HEADER_BYTES]}[damage]
+        new = {
+            "delete": None,
+            "empty": b"",
+            "append": value + b"\xde\xad",
+            "truncate": value[:-1],
+            "header_only": value[:HEADER_BYTES],
+        }[damage]
         if new is None:
             conn.call(b"DEL", key)
         else:
@@ -348,21 +387,43 @@ def _dropped_lines(caplog: pytest.LogCaptureFixture) -> List[logging.LogRecord]:
 
 
 @needs_redis
-@pytest.mark.parametrize("damage, verdict, why, ranged_why", [
-    ("flip", "corrupt", "payload checksum mismatch", "payload checksum mismatch (read layer by layer)"),
-    ("truncate", "truncated", "wrong size: 4948 bytes, not the 48-byte header + 5000 bytes",
-     "wrong size: bytes 1248..5048 of the value are 3700 bytes, not 3800"),  # at the range ending the payload
-    ("garbage", "truncated", "wrong size: 18 bytes, shorter than the 48-byte header",
-     "wrong size: bytes 0..1247 of the value are 18 bytes, not 1248"),
-    ("other_key", "corrupt", "bad header: it is block ", "bad header: it is block "),
-    ("magic", "corrupt", "bad header: magic is not FKVR", "bad header: magic is not FKVR"),
-    ("foreign", "foreign", f"written under fingerprint {FP ^ 1:016x}, not this model's {FP:016x}",
-     f"written under fingerprint {FP ^ 1:016x}, not this model's {FP:016x}"),
-], ids=["flip", "truncate", "garbage", "other_key", "magic", "foreign"])
+@pytest.mark.parametrize(
+    "damage, verdict, why, ranged_why",
+    [
+        ("flip", "corrupt", "payload checksum mismatch", "payload checksum mismatch (read layer by layer)"),
+        (
+            "truncate",
+            "truncated",
+            "wrong size: 4948 bytes, not the 48-byte header + 5000 bytes",
+            "wrong size: bytes 1248..5048 of the value are 3700 bytes, not 3800",
+        ),  # at the range ending the payload
+        (
+            "garbage",
+            "truncated",
+            "wrong size: 18 bytes, shorter than the 48-byte header",
+            "wrong size: bytes 0..1247 of the value are 18 bytes, not 1248",
+        ),
+        ("other_key", "corrupt", "bad header: it is block ", "bad header: it is block "),
+        ("magic", "corrupt", "bad header: magic is not FKVR", "bad header: magic is not FKVR"),
+        (
+            "foreign",
+            "foreign",
+            f"written under fingerprint {FP ^ 1:016x}, not this model's {FP:016x}",
+            f"written under fingerprint {FP ^ 1:016x}, not this model's {FP:016x}",
+        ),
+    ],
+    ids=["flip", "truncate", "garbage", "other_key", "magic", "foreign"],
+)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["get", "layerwise"])
 def test_a_refused_value_is_deleted_with_one_warning_naming_its_key_and_why(
-        redis_server: RedisServer, caplog: pytest.LogCaptureFixture, damage: str, verdict: str, why: str,
-        ranged_why: str, layerwise: bool) -> None:
+    redis_server: RedisServer,
+    caplog: pytest.LogCaptureFixture,
+    damage: str,
+    verdict: str,
+    why: str,
+    ranged_why: str,
+    layerwise: bool,
+) -> None:
     """What the remote mover does with the value that ended a read's prefix: the store reports it
     (refused=) only when verification refused it, drop_refused deletes it and logs one WARNING with
     the key (hex hashes, not the value), the reason and that it was deleted."""
@@ -382,12 +443,12 @@ def test_a_refused_value_is_deleted_with_one_warning_naming_its_key_and_why(
         else:
             n = store.get_into(seq, list(dst), refused=refused)
         assert n == 3 and len(refused) == 1, refused
-        bad, = refused
+        (bad,) = refused
         assert (bad.seq_hash, bad.verdict.value) == (int(seq[3]), verdict) and why in bad.why, bad
         assert not _dropped_lines(caplog)  # reporting is not dropping
         assert store.drop_refused(bad)
         assert store.exists(seq[3:4]) == [False]  # the next put rewrites it
-        line, = _dropped_lines(caplog)
+        (line,) = _dropped_lines(caplog)
         msg = line.getMessage()
         assert line.levelno == logging.WARNING
         assert f"deleted bad value {key.decode()} ({verdict}: " in msg and why in msg, msg
@@ -412,7 +473,8 @@ def test_a_miss_and_a_server_error_are_not_reported_as_refused(redis_server: Red
 
 @needs_redis
 def test_bad_value_lines_are_at_most_one_a_second_with_a_count_of_the_others(
-        redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
     """Many bad values at once (a corrupting writer, a flushed DB of another format) make one
     line a second: the next line that goes out, or the store's close, counts those left out."""
     seq, data = blocks(8, 2000, seed=13)
@@ -427,7 +489,7 @@ def test_bad_value_lines_are_at_most_one_a_second_with_a_count_of_the_others(
         for i in range(6):  # 6 reads, each ending at a bad value: 5 within one second, then one more
             now[0] += 0.1 if i < 5 else 1.0
             refused: list = []
-            assert store.get_into(seq[i:i + 1], [dst[i]], [int(seq[i - 1]) if i else None], refused=refused) == 0
+            assert store.get_into(seq[i : i + 1], [dst[i]], [int(seq[i - 1]) if i else None], refused=refused) == 0
             assert store.drop_refused(refused[0])
             assert len(_dropped_lines(caplog)) == (1 if i < 5 else 2)
         assert "and 4 more like it since the last such line" in _dropped_lines(caplog)[1].getMessage()
@@ -450,7 +512,9 @@ def test_rate_limited_log_counts_what_it_leaves_out(caplog: pytest.LogCaptureFix
     assert limited.warning("a %d", 5)
     limited.flush("a lines")  # nothing left out since
     assert [r.getMessage() for r in caplog.records] == [
-        "a 1", "a 5 (and 3 more like it since the last such line, not logged one by one)"]
+        "a 1",
+        "a 5 (and 3 more like it since the last such line, not logged one by one)",
+    ]
 
 
 @needs_redis
@@ -594,7 +658,7 @@ def test_server_killed_during_a_read(redis_server: RedisServer) -> None:
         redis_server.kill()
         reader.join(timeout=10)
         assert not reader.is_alive() and 0 <= got[0] < n
-        assert np.array_equal(dst[:got[0]], data[:got[0]])  # what it reports as read is exact
+        assert np.array_equal(dst[: got[0]], data[: got[0]])  # what it reports as read is exact
     assert open_fds() == fds  # the broken connection was closed, not leaked
 
 
@@ -646,8 +710,11 @@ def test_threads_share_one_store(redis_server: RedisServer) -> None:
             seq, data = blocks(30, 20_000, seed=100 + k)
             for _ in range(3):
                 dst = np.zeros_like(data)
-                if store.put(seq, list(data)) != 30 or store.get_into(seq, list(dst)) != 30 \
-                        or not np.array_equal(dst, data):
+                if (
+                    store.put(seq, list(data)) != 30
+                    or store.get_into(seq, list(dst)) != 30
+                    or not np.array_equal(dst, data)
+                ):
                     errors.append(f"worker {k}")
 
         threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
@@ -679,13 +746,23 @@ def test_hashes_outside_u64_are_refused_not_aliased(redis_server: RedisServer) -
     value and the range; a numpy uint64 array (the fast path) and ints up to 2**64-1 work."""
     u64max = 2**64 - 1
     with RemoteStore.open(redis_server.url, FP) as store:
-        for bad, shown in ([2**64], "18446744073709551616"), ([5, -1], "-1"), \
-                (np.array([3, -2], dtype=np.int64), "-2"), ([np.int64(-7)], "-7"):
-            for call in (lambda: store.put(bad, [bytearray(8)] * len(bad)), lambda: store.exists(bad),
-                         lambda: store.exists_prefix(bad), lambda: store.get_into(bad, [bytearray(8)] * len(bad)),
-                         lambda: store.get_range_into(bad, [bytearray(8)] * len(bad), 0, 8),
-                         lambda: store.delete(bad)):
-                with pytest.raises(ValueError, match=rf"seq_hashes holds {shown}, outside the u64 range \[0, 2\*\*64\)"):
+        for bad, shown in (
+            ([2**64], "18446744073709551616"),
+            ([5, -1], "-1"),
+            (np.array([3, -2], dtype=np.int64), "-2"),
+            ([np.int64(-7)], "-7"),
+        ):
+            for call in (
+                lambda: store.put(bad, [bytearray(8)] * len(bad)),
+                lambda: store.exists(bad),
+                lambda: store.exists_prefix(bad),
+                lambda: store.get_into(bad, [bytearray(8)] * len(bad)),
+                lambda: store.get_range_into(bad, [bytearray(8)] * len(bad), 0, 8),
+                lambda: store.delete(bad),
+            ):
+                with pytest.raises(
+                    ValueError, match=rf"seq_hashes holds {shown}, outside the u64 range \[0, 2\*\*64\)"
+                ):
                     call()
         with pytest.raises(ValueError, match="parents holds -1"):
             store.put([1], [bytearray(8)], parents=[-1])
@@ -701,10 +778,14 @@ def test_hashes_outside_u64_are_refused_not_aliased(redis_server: RedisServer) -
 @pytest.mark.parametrize("arg", ["123", b"123", bytearray(b"12")])
 def test_a_string_is_not_a_list_of_hashes_anywhere(redis_server: RedisServer, arg) -> None:
     with RemoteStore.open(redis_server.url, FP) as store:
-        for call in (lambda: store.exists_prefix(arg), lambda: store.exists(arg), lambda: store.delete(arg),
-                     lambda: store.put(arg, [bytearray(8)] * len(arg)),
-                     lambda: store.get_into(arg, [bytearray(8)] * len(arg)),
-                     lambda: store.put([1, 2], [bytearray(8)] * 2, parents=arg[:2])):
+        for call in (
+            lambda: store.exists_prefix(arg),
+            lambda: store.exists(arg),
+            lambda: store.delete(arg),
+            lambda: store.put(arg, [bytearray(8)] * len(arg)),
+            lambda: store.get_into(arg, [bytearray(8)] * len(arg)),
+            lambda: store.put([1, 2], [bytearray(8)] * 2, parents=arg[:2]),
+        ):
             with pytest.raises(TypeError, match=r"(seq_hashes|parents) must be a sequence of u64 .*numpy uint64"):
                 call()
 
@@ -720,18 +801,30 @@ def test_blocks_per_node_on_one_server_and_after_close(redis_server: RedisServer
 
 
 @needs_redis
-@pytest.mark.parametrize("arg,match", [
-    ([1.5, 2.0], r"must hold integers .*not float \(1\.5\)"), (["1", "2"], r"not str \('1'\)"),
-    (np.array([1.0, 2.0]), r"not a float64 array: pass a numpy uint64 array"),
-    (np.zeros((2, 2), dtype=np.uint64), r"not a 2-D uint64 array"), (5, r"not int"),
-    (np.uint64(5), r"not uint64"), ([float("nan")], r"not float"), ([1, None], r"not NoneType"),
-    ([True, False], r"not bool"), ({1, 2}, r"not set"), ({1: 2}, r"not dict"),
-])
+@pytest.mark.parametrize(
+    "arg,match",
+    [
+        ([1.5, 2.0], r"must hold integers .*not float \(1\.5\)"),
+        (["1", "2"], r"not str \('1'\)"),
+        (np.array([1.0, 2.0]), r"not a float64 array: pass a numpy uint64 array"),
+        (np.zeros((2, 2), dtype=np.uint64), r"not a 2-D uint64 array"),
+        (5, r"not int"),
+        (np.uint64(5), r"not uint64"),
+        ([float("nan")], r"not float"),
+        ([1, None], r"not NoneType"),
+        ([True, False], r"not bool"),
+        ({1, 2}, r"not set"),
+        ({1: 2}, r"not dict"),
+    ],
+)
 def test_hashes_of_the_wrong_type_are_refused_not_truncated(redis_server: RedisServer, arg, match) -> None:
     """A float hash would be truncated onto another block's key (a float64 holds 53 bits)."""
     with RemoteStore.open(redis_server.url, FP) as store:
-        for call in (lambda: store.exists(arg), lambda: store.blocks_per_node(arg),
-                     lambda: store.get_into(arg, [bytearray(8)] * 2)):
+        for call in (
+            lambda: store.exists(arg),
+            lambda: store.blocks_per_node(arg),
+            lambda: store.get_into(arg, [bytearray(8)] * 2),
+        ):
             with pytest.raises(TypeError, match=match):
                 call()
 
@@ -815,13 +908,14 @@ def test_cluster_stale_slot_map_ends_prefix_then_refreshes(redis_cluster) -> Non
     with RemoteStore.open(redis_cluster.url, FP) as store:
         assert store.put(seq, list(data)) == 60
         slots = store._nodes.slots  # a stale map, as after a resharding
-        first_elsewhere = next(i for i, h in enumerate(seq)
-                               if slots.owner[key_slot(block_key(b"flexkv:", FP, int(h)))] != 0)
+        first_elsewhere = next(
+            i for i, h in enumerate(seq) if slots.owner[key_slot(block_key(b"flexkv:", FP, int(h)))] != 0
+        )
         placed = store.blocks_per_node(seq)
         slots.owner = [0] * len(slots.owner)  # every slot "moved" to node 0 in our stale view
         assert store.blocks_per_node(seq) == placed  # asks the cluster, not the stale view
         k = first_elsewhere  # a block node 0 does not serve: asking node 0 for it gets a MOVED
-        for op in (lambda: store.exists(seq) != [True] * 60, lambda: store.delete(seq[k:k + 1]) == 0):
+        for op in (lambda: store.exists(seq) != [True] * 60, lambda: store.delete(seq[k : k + 1]) == 0):
             # EXISTS or DEL answered MOVED: counted, and the next op fetches the map again
             slots = store._nodes.slots
             slots.owner = [0] * len(slots.owner)

@@ -20,6 +20,8 @@ from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F40
 from remote_helpers import DEVICE_BLOCKS, LAYOUT, Engine, check_clean, manager, prompt_of  # noqa: F401
 
 pytestmark = needs_redis
+
+
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_second_manager_loads_exact_bytes_from_remote(tmp_path, redis_server, layerwise):
     """Bulk: one GET per block. Layerwise: one GETRANGE per block and layer span, chained, the
@@ -45,7 +47,7 @@ def test_second_manager_loads_exact_bytes_from_remote(tmp_path, redis_server, la
         r, planned = e1.get(p)
         assert planned == {"host": 10 * TPB, "disk": 0, "remote": 0}
         # A longer prompt sharing the prefix: host part + remote part + recomputed tail.
-        longer = p[:10 * TPB] + prompt_of(rng, 4)
+        longer = p[: 10 * TPB] + prompt_of(rng, 4)
         e0.put(longer)
         r, planned = e1.get(longer, layerwise=layerwise)
         assert planned == {"host": 10 * TPB, "disk": 0, "remote": 4 * TPB}
@@ -181,15 +183,18 @@ def _keys(server, pattern=b"*"):
         raise
 
 
-@pytest.mark.parametrize("fault,layerwise", [(f, False) for f in ("evicted", "corrupt", "truncated", "wrong_block",
-                                                                  "foreign")]
-                         + [(f, True) for f in ("evicted", "evicted_mid", "corrupt", "truncated", "wrong_block")])
+@pytest.mark.parametrize(
+    "fault,layerwise",
+    [(f, False) for f in ("evicted", "corrupt", "truncated", "wrong_block", "foreign")]
+    + [(f, True) for f in ("evicted", "evicted_mid", "corrupt", "truncated", "wrong_block")],
+)
 def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server, fault, layerwise, caplog):
     """A value evicted between lookup and read (layerwise: also between two layer spans), corrupt,
     truncated, or of another model: the get fails cleanly (the engine recomputes), blocks verified
     before it stay on host (whole: every layer), nothing leaks. A bad value (not an evicted one) is
     deleted, in one WARNING line that names its key and why."""
     import logging
+
     caplog.set_level(logging.WARNING, logger="dynamo_flexkv.core.remote.store")
     rng = np.random.default_rng(6)
     p = prompt_of(rng, 8)
@@ -226,6 +231,7 @@ def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server
                 if (fault == "evicted" and offset == 0) or (fault == "evicted_mid" and offset > 0):
                     conn.call(b"DEL", key)  # before the first span, or after it landed
                 return real_range(hashes, dests, offset, block_bytes, parents, **kw)
+
             store.get_into, store.get_range_into = evicting_get, evicting_range
             assert kv1.match(p)["remote"] == 8 * TPB or fault.startswith("evicted")
             r, _ = e1.get(p, expect_status=TaskStatus.FAILED, layerwise=layerwise)
@@ -235,9 +241,12 @@ def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server
             if fault.startswith("evicted"):
                 assert dropped == []
             else:
-                reason = {"corrupt": "corrupt: payload checksum mismatch", "truncated": "truncated: wrong size",
-                          "wrong_block": "corrupt: bad header: it is block", "foreign": "foreign: written under "
-                          "fingerprint"}[fault]
+                reason = {
+                    "corrupt": "corrupt: payload checksum mismatch",
+                    "truncated": "truncated: wrong size",
+                    "wrong_block": "corrupt: bad header: it is block",
+                    "foreign": "foreign: written under fingerprint",
+                }[fault]
                 assert len(dropped) == 1 and f"deleted bad value {key.decode()} ({reason}" in dropped[0], dropped
                 assert conn.call(b"EXISTS", key) == 0
         finally:
@@ -246,8 +255,20 @@ def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server
         assert kv1.match(p)["host"] == 5 * TPB  # the verified blocks stayed
         s = kv1.stats().remote
         assert s.short_reads == 1 and s.hits == 5
-        assert getattr(s, {"evicted": "misses", "evicted_mid": "misses", "corrupt": "corrupt", "truncated": "truncated",
-                           "wrong_block": "corrupt", "foreign": "foreign"}[fault]) == 1
+        assert (
+            getattr(
+                s,
+                {
+                    "evicted": "misses",
+                    "evicted_mid": "misses",
+                    "corrupt": "corrupt",
+                    "truncated": "truncated",
+                    "wrong_block": "corrupt",
+                    "foreign": "foreign",
+                }[fault],
+            )
+            == 1
+        )
         r, planned = e1.get(p)  # the next get loads the 5 verified blocks from host, exactly
         assert planned == {"host": 5 * TPB, "disk": 0, "remote": 0}
 
@@ -270,6 +291,7 @@ def test_full_redis_refuses_writes_and_nothing_else_breaks(tmp_path):
 
 def test_doctor_reports_the_remote_tier(tmp_path, redis_server):
     from dynamo_flexkv.doctor import Status, check_remote
+
     ok = check_remote(config(tmp_path, disk_blocks=0, enable_remote=True, remote_cache_url=redis_server.url))
     assert ok.status is Status.OK and redis_server.url in ok.detail
     down = f"redis://:pw@127.0.0.1:{free_port()}"
@@ -281,15 +303,21 @@ def test_doctor_reports_the_remote_tier(tmp_path, redis_server):
         assert warn.status is Status.FALLBACK and "allkeys-lru" in warn.detail
 
 
-@pytest.mark.parametrize("env, words", [
-    ({"FLEXKV_ENABLE_REMOTE": "true", "FLEXKV_REMOTE_CACHE_URL": "redis://:p@ss/w0rd@127.0.0.1:1"},
-     "percent-encoded"),
-    ({"FLEXKV_TOKENS_PER_BLOCK": "3"}, "tokens_per_block=3"),
-])
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        (
+            {"FLEXKV_ENABLE_REMOTE": "true", "FLEXKV_REMOTE_CACHE_URL": "redis://:p@ss/w0rd@127.0.0.1:1"},
+            "percent-encoded",
+        ),
+        ({"FLEXKV_TOKENS_PER_BLOCK": "3"}, "tokens_per_block=3"),
+    ],
+)
 def test_doctor_reports_an_invalid_config_as_a_failed_check(tmp_path, monkeypatch, capsys, env, words):
     """A bad config key is the "config" check (missing, with the ConfigError's message) and the
     remote check says it was not run: no exception, exit status 1, no password."""
     import dynamo_flexkv.doctor as doctor
+
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(doctor, "check_nixl", lambda: [])  # its child process is not what is tested
@@ -302,8 +330,11 @@ def test_doctor_reports_an_invalid_config_as_a_failed_check(tmp_path, monkeypatc
 
 def test_doctor_never_shows_a_password_a_library_echoed():
     from dynamo_flexkv.doctor import _scrub
-    assert _scrub("error at redis://u:s3cret@h:1/0, see rediss://:a@b@h2") == \
-        "error at redis://***@h:1/0, see rediss://***@h2"
+
+    assert (
+        _scrub("error at redis://u:s3cret@h:1/0, see rediss://:a@b@h2")
+        == "error at redis://***@h:1/0, see rediss://***@h2"
+    )
     assert _scrub("remote_cache_url 'redis://***@h:1': @ is %40") == "remote_cache_url 'redis://***@h:1': @ is %40"
 
 
@@ -313,6 +344,7 @@ def test_redis_stalled_mid_read_fails_the_get_within_the_timeout(tmp_path, redis
     the next get loads from it."""
     import os
     import signal
+
     rng = np.random.default_rng(9)
     p = prompt_of(rng, 6)
     with manager(tmp_path / "a", redis_server.url) as kv0, manager(tmp_path / "b", redis_server.url) as kv1:
@@ -323,6 +355,7 @@ def test_redis_stalled_mid_read_fails_the_get_within_the_timeout(tmp_path, redis
         def stalled_get(hashes, dests, parents=None, **kw):
             os.kill(redis_server.proc.pid, signal.SIGSTOP)
             return real_get(hashes, dests, parents, **kw)
+
         store.get_into = stalled_get
         t0 = time.monotonic()
         try:
@@ -346,8 +379,9 @@ def test_engine_reports_remote_cached_tokens_and_same_tokens(tmp_path, redis_ser
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
 
     cfg = EngineModelConfig.preset("tiny")
-    cache = CacheConfig.from_dict(dict(tokens_per_block=cfg.block_size, cpu_cache_gb=0.01, enable_remote=True,
-                                       remote_cache_url=redis_server.url))
+    cache = CacheConfig.from_dict(
+        dict(tokens_per_block=cfg.block_size, cpu_cache_gb=0.01, enable_remote=True, remote_cache_url=redis_server.url)
+    )
     prompt = np.random.default_rng(9).integers(0, cfg.vocab_size, 6 * cfg.block_size + 3).tolist()
     params = SamplingParams(max_tokens=3)
     model = LLMEngine(cfg, num_device_blocks=64).model
@@ -357,8 +391,9 @@ def test_engine_reports_remote_cached_tokens_and_same_tokens(tmp_path, redis_ser
         e.generate([prompt], params)
         e.flush()
         assert writer.drain(30) and writer.stats().remote.puts == 6
-        e = LLMEngine(cfg, num_device_blocks=64, model=model, kv_manager=reader, layerwise=layerwise,
-                      offload_puts=False)
+        e = LLMEngine(
+            cfg, num_device_blocks=64, model=model, kv_manager=reader, layerwise=layerwise, offload_puts=False
+        )
         r = e.generate([prompt], params)[0]
         e.flush()
         assert r.output == want
@@ -371,9 +406,11 @@ def test_tensor_parallel_ranks_key_their_own_shards(tmp_path, redis_server):
     """Each TP rank holds another shard of the same prompt's KV: ranks share nothing in Redis, the
     same rank of another worker finds its blocks."""
     p = prompt_of(np.random.default_rng(10), 4)
-    with manager(tmp_path / "a", redis_server.url, tp_rank=0, tp_size=2) as r0, \
-            manager(tmp_path / "b", redis_server.url, tp_rank=1, tp_size=2) as r1, \
-            manager(tmp_path / "c", redis_server.url, tp_rank=1, tp_size=2) as r1b:
+    with (
+        manager(tmp_path / "a", redis_server.url, tp_rank=0, tp_size=2) as r0,
+        manager(tmp_path / "b", redis_server.url, tp_rank=1, tp_size=2) as r1,
+        manager(tmp_path / "c", redis_server.url, tp_rank=1, tp_size=2) as r1b,
+    ):
         Engine(r0).put(p)
         assert r1.match(p)["remote"] == 0  # rank 1 must not load rank 0's shard
         Engine(r1, 1).put(p)

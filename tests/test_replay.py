@@ -17,8 +17,16 @@ from pathlib import Path
 import pytest
 
 from dynamo_flexkv.replay.client import RequestRecord, arrival_times, tier_split
-from dynamo_flexkv.replay.configs import (CONFIGURATIONS, ENGINES, ConfigRun, WorkerTotals, device_block_list,
-                                          parse_configs, replay_url, worker_totals)
+from dynamo_flexkv.replay.configs import (
+    CONFIGURATIONS,
+    ENGINES,
+    ConfigRun,
+    WorkerTotals,
+    device_block_list,
+    parse_configs,
+    replay_url,
+    worker_totals,
+)
 from dynamo_flexkv.replay.main import sampled, within_window
 from dynamo_flexkv.replay.report import check_accounting, findings, kept_on_worker, percentile, summarize
 from dynamo_flexkv.workload import Scale, Turn, trace_turns
@@ -59,10 +67,21 @@ def test_bad_options_are_named():
     assert [c.name for c in parse_configs("host+ssd, kv-device-only")] == ["host+ssd", "kv-device-only"]
 
 
-@pytest.mark.parametrize("option,value", [("--conversations", "0"), ("--sample-every", "-1"), ("--concurrency", "0"),
-                                          ("--time-scale", "nan"), ("--time-scale", "0"), ("--request-timeout", "inf"),
-                                          ("--trace-window-s", "-1"), ("--host-gb", "nan"), ("--host-gb", "x"),
-                                          ("--ready-timeout", "0")])
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("--conversations", "0"),
+        ("--sample-every", "-1"),
+        ("--concurrency", "0"),
+        ("--time-scale", "nan"),
+        ("--time-scale", "0"),
+        ("--request-timeout", "inf"),
+        ("--trace-window-s", "-1"),
+        ("--host-gb", "nan"),
+        ("--host-gb", "x"),
+        ("--ready-timeout", "0"),
+    ],
+)
 def test_out_of_range_numbers_are_refused_by_the_parser(option, value, capsys):
     """argparse refuses them (exit 2, naming the option) before anything is served."""
     import argparse
@@ -119,12 +138,18 @@ def test_the_vllm_mapping_reads_a_vllm_workers_metrics():
     assert w.cached == {"device": 1408, "host": 2560, "disk": 640, "remote": 0}
     # the reference mapping finds none of its flexkv_* counters there, and reads its own
     assert worker_totals(VLLM_METRICS) == WorkerTotals()
-    ref = ('flexkv_requests_total 3.0\nflexkv_prompt_tokens_total 300.0\n'
-           'flexkv_prompt_tokens_cached_total{tier="device"} 64.0\nflexkv_prompt_tokens_cached_total{tier="disk"} 128.0\n')
-    assert worker_totals(ref, ENGINES["reference"].metrics) == WorkerTotals(3, 300, {"device": 64, "host": 0,
-                                                                                      "disk": 128, "remote": 0})
-    assert set(ENGINES["vllm"].metrics.cached) == set(ENGINES["reference"].metrics.cached) == {
-        "device", "host", "disk", "remote"}
+    ref = (
+        "flexkv_requests_total 3.0\nflexkv_prompt_tokens_total 300.0\n"
+        'flexkv_prompt_tokens_cached_total{tier="device"} 64.0\nflexkv_prompt_tokens_cached_total{tier="disk"} 128.0\n'
+    )
+    assert worker_totals(ref, ENGINES["reference"].metrics) == WorkerTotals(
+        3, 300, {"device": 64, "host": 0, "disk": 128, "remote": 0}
+    )
+    assert (
+        set(ENGINES["vllm"].metrics.cached)
+        == set(ENGINES["reference"].metrics.cached)
+        == {"device", "host", "disk", "remote"}
+    )
 
 
 def test_configurations_set_the_engines_worker_section():
@@ -132,9 +157,12 @@ def test_configurations_set_the_engines_worker_section():
     assert CONFIGURATIONS["no-offload"].overrides_for("FlexKVWorker") == ["FlexKVWorker.offload=false"]
     assert CONFIGURATIONS["host"].overrides_for("VllmWorker") == ["VllmWorker.cache.ssd_cache_gb=0"]
     assert CONFIGURATIONS["kv-device-only"].overrides_for("VllmWorker") == [
-        "Frontend.router-host-cache-hit-weight=0", "Frontend.router-disk-cache-hit-weight=0"]
+        "Frontend.router-host-cache-hit-weight=0",
+        "Frontend.router-disk-cache-hit-weight=0",
+    ]
     # every override names a section the engine's config has (or Frontend)
     from dynamo_flexkv.serve.plan import load_config
+
     for e in ENGINES.values():
         sections = set(load_config(str(ROOT / "configs" / f"{e.config}.yaml")))
         assert (ROOT / "graphs" / f"{e.graph}.py").is_file() and e.worker in sections
@@ -161,8 +189,10 @@ def test_the_demo_serves_vllm_by_default_and_the_reference_engine_on_request():
     scale = Scale(max_prompt_tokens=2048, max_output_tokens=8)
     # vLLM's max-model-len: the longest prompt plus output in whole 64-token blocks (33 blocks), so
     # the demo's 40-block device cache holds one request besides the block vLLM keeps back
-    assert engine_overrides(ENGINES["vllm"], args, scale) == ["VllmWorker.cache.cpu_cache_gb=0.015625",
-                                                              "VllmWorker.max-model-len=2112"]
+    assert engine_overrides(ENGINES["vllm"], args, scale) == [
+        "VllmWorker.cache.cpu_cache_gb=0.015625",
+        "VllmWorker.max-model-len=2112",
+    ]
     args.set = engine_overrides(ENGINES["vllm"], args, scale)
     _check_context(args, scale, int(DEFAULT.device_blocks.split(",")[0]))
     _check_context(args, scale, 34)
@@ -185,14 +215,27 @@ def test_the_demo_serves_vllm_by_default_and_the_reference_engine_on_request():
 
 
 def _record(i: int, worker: int, cached: dict) -> RequestRecord:
-    return RequestRecord(i, i, 0, 0.0, prompt_tokens=100, output_tokens=2, ttft_ms=10.0 + i, e2e_ms=20.0,
-                         worker_id=worker, cached_tokens=sum(cached.values()), cached_by_tier=dict(cached))
+    return RequestRecord(
+        i,
+        i,
+        0,
+        0.0,
+        prompt_tokens=100,
+        output_tokens=2,
+        ttft_ms=10.0 + i,
+        e2e_ms=20.0,
+        worker_id=worker,
+        cached_tokens=sum(cached.values()),
+        cached_by_tier=dict(cached),
+    )
 
 
 def test_accounting_names_each_mismatch():
     recs = [_record(0, 1, {"device": 10, "host": 20, "disk": 0}), _record(1, 2, {"device": 0, "host": 0, "disk": 30})]
-    workers = {"w1": WorkerTotals(1, 100, {"device": 10, "host": 20, "disk": 0}),
-               "w2": WorkerTotals(1, 100, {"device": 0, "host": 0, "disk": 30})}
+    workers = {
+        "w1": WorkerTotals(1, 100, {"device": 10, "host": 20, "disk": 0}),
+        "w2": WorkerTotals(1, 100, {"device": 0, "host": 0, "disk": 30}),
+    }
     run = ConfigRun(CONFIGURATIONS["host+ssd"], 64, recs, 1.0, workers, {1: "w1", 2: "w2"})
     assert check_accounting(run) == "exact"
     workers["w2"].cached["disk"] = 29
@@ -215,8 +258,9 @@ def test_vllm_accounting_checks_the_cached_total_against_its_counters():
     assert s.tier_source == "worker metrics" and s.engine == "vllm"
     assert s.cached == {"device": 64, "host": 128, "disk": 64, "remote": 0} and s.hit_rate["all"] == 256 / 200
     workers["w1"].requests, workers["w1"].cached["host"] = 3, 64
-    assert check_accounting(run) == ("w1: 2 responses, vllm:request_success_total +3; "
-                                     "w1: cached 256 in responses vs 192 in metrics")
+    assert check_accounting(run) == (
+        "w1: 2 responses, vllm:request_success_total +3; w1: cached 256 in responses vs 192 in metrics"
+    )
 
 
 def test_aiperf_gets_our_request_bodies_as_sessions(tmp_path):
@@ -228,36 +272,65 @@ def test_aiperf_gets_our_request_bodies_as_sessions(tmp_path):
     turns = [Turn(0, 0, 1_000, [5, 6, 7], 4), Turn(1, 0, 3_000, [8, 9], 2), Turn(0, 1, 5_000, [5, 6, 7, 1], 3)]
     write_trace(turns, "m", 2.0, tmp_path / "t.jsonl")
     lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
-    assert [(x["session_id"], x["timestamp"]) for x in lines] == [("conv-0", 0.0), ("conv-1", 1000.0), ("conv-0", 2000.0)]
-    assert lines[2]["payload"] == {"model": "m", "prompt": [5, 6, 7, 1], "max_tokens": 3, "temperature": 0,
-                                   "stream": True, "stream_options": {"include_usage": True}}
+    assert [(x["session_id"], x["timestamp"]) for x in lines] == [
+        ("conv-0", 0.0),
+        ("conv-1", 1000.0),
+        ("conv-0", 2000.0),
+    ]
+    assert lines[2]["payload"] == {
+        "model": "m",
+        "prompt": [5, 6, 7, 1],
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
     def row(conv: str, k: int, ttft: float, error=None) -> str:
-        return json.dumps({"metadata": {"conversation_id": conv, "turn_index": k}, "error": error,
-                           "metrics": {"time_to_first_token": {"value": ttft}, "inter_chunk_latency": {"value": [2.0, 3.0]},
-                                       "request_latency": {"value": ttft + 5}, "output_sequence_length": {"value": 3}}})
+        return json.dumps(
+            {
+                "metadata": {"conversation_id": conv, "turn_index": k},
+                "error": error,
+                "metrics": {
+                    "time_to_first_token": {"value": ttft},
+                    "inter_chunk_latency": {"value": [2.0, 3.0]},
+                    "request_latency": {"value": ttft + 5},
+                    "output_sequence_length": {"value": 3},
+                },
+            }
+        )
 
-    recs = records_from_export([row("conv-0", 1, 30.0), row("conv-1", 0, 20.0, {"message": "HTTP 503"}),
-                                row("conv-0", 0, 10.0)], turns, 2.0)
-    assert [(r.conversation, r.turn, r.ttft_ms, r.error) for r in recs] == \
-        [(0, 0, 10.0, None), (1, 0, 20.0, "HTTP 503"), (0, 1, 30.0, None)]
+    recs = records_from_export(
+        [row("conv-0", 1, 30.0), row("conv-1", 0, 20.0, {"message": "HTTP 503"}), row("conv-0", 0, 10.0)], turns, 2.0
+    )
+    assert [(r.conversation, r.turn, r.ttft_ms, r.error) for r in recs] == [
+        (0, 0, 10.0, None),
+        (1, 0, 20.0, "HTTP 503"),
+        (0, 1, 30.0, None),
+    ]
     assert recs[2].itl_ms == [2.0, 3.0] and recs[2].prompt_tokens == 4 and recs[2].arrival_s == 2.0
     missing = records_from_export([row("conv-0", 0, 10.0)], turns)
     assert [r.error for r in missing] == [None, "aiperf sent no request for it", "aiperf sent no request for it"]
     with pytest.raises(RuntimeError, match="session 'conv-7' turn 0"):
         records_from_export([row("conv-7", 0, 1.0)], turns)
-    spans = [json.dumps({"metadata": {"request_start_ns": a, "request_end_ns": b}}) for a, b in
-             ((5_000_000_000, 6_000_000_000), (4_500_000_000, 9_000_000_000))]
+    spans = [
+        json.dumps({"metadata": {"request_start_ns": a, "request_end_ns": b}})
+        for a, b in ((5_000_000_000, 6_000_000_000), (4_500_000_000, 9_000_000_000))
+    ]
     assert replay_seconds(spans) == 4.5  # first start to last end, not aiperf's own start-up
 
 
 def test_aiperf_runs_are_accounted_from_the_workers_counters():
     """aiperf's records name no worker and no cached tokens: hits, requests per worker and the
     accounting (the graph's totals) come from the workers' counters; no later turn counts as kept."""
-    recs = [RequestRecord(i, i % 2, i // 2, 0.0, prompt_tokens=100, output_tokens=2, ttft_ms=5.0, itl_ms=[1.0])
-            for i in range(4)]
-    workers = {"w1": WorkerTotals(3, 300, {"device": 64, "host": 64, "disk": 0, "remote": 0}),
-               "w2": WorkerTotals(1, 100, {"device": 0, "host": 0, "disk": 64, "remote": 0})}
+    recs = [
+        RequestRecord(i, i % 2, i // 2, 0.0, prompt_tokens=100, output_tokens=2, ttft_ms=5.0, itl_ms=[1.0])
+        for i in range(4)
+    ]
+    workers = {
+        "w1": WorkerTotals(3, 300, {"device": 64, "host": 64, "disk": 0, "remote": 0}),
+        "w2": WorkerTotals(1, 100, {"device": 0, "host": 0, "disk": 64, "remote": 0}),
+    }
     run = ConfigRun(CONFIGURATIONS["host+ssd"], 40, recs, 1.0, workers, {}, "vllm", "aiperf")
     s = summarize(run)
     assert s.client == "aiperf" and s.accounting.startswith("totals exact")
@@ -275,8 +348,12 @@ def test_plots_skip_what_has_no_data(tmp_path):
     run = ConfigRun(CONFIGURATIONS["host+ssd"], 0, failed, 1.0, {}, {})
     assert write_plots(tmp_path, [run], [summarize(run)], 0) == []
     run = ConfigRun(CONFIGURATIONS["host+ssd"], 0, failed + [_record(2, 1, {"device": 10})], 1.0, {}, {})
-    assert [p.name for p in write_plots(tmp_path, [run], [summarize(run)], 0)] == \
-        ["ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png"]
+    assert [p.name for p in write_plots(tmp_path, [run], [summarize(run)], 0)] == [
+        "ttft_cdf.png",
+        "cached_tokens.png",
+        "requests_per_worker.png",
+        "throughput.png",
+    ]
 
 
 def test_findings_say_when_the_measurement_disagrees():
@@ -288,15 +365,21 @@ def test_findings_say_when_the_measurement_disagrees():
         return summarize(ConfigRun(CONFIGURATIONS[config], 64, recs, 2.0, workers, {1: "w1"}))
 
     good = findings([summary("host+ssd", 50, 100.0), summary("kv-device-only", 10, 300.0)])
-    assert good == ["- 64 device blocks: tier-aware routing beats device-only routing: hit rate 60% vs 20%, "
-                    "TTFT p50 100 vs 300 ms (later turns - vs - ms; on their previous turn's worker - vs -)."]
+    assert good == [
+        "- 64 device blocks: tier-aware routing beats device-only routing: hit rate 60% vs 20%, "
+        "TTFT p50 100 vs 300 ms (later turns - vs - ms; on their previous turn's worker - vs -)."
+    ]
     bad = findings([summary("host+ssd", 50, 400.0), summary("kv-device-only", 10, 300.0)])
     assert "does NOT beat" in bad[0]
 
 
 def test_later_turns_kept_on_their_previous_worker():
-    recs = [RequestRecord(0, 0, 0, 0.0, worker_id=1), RequestRecord(1, 0, 1, 1.0, worker_id=1),
-            RequestRecord(2, 0, 2, 2.0, worker_id=2), RequestRecord(3, 1, 0, 0.5, worker_id=2)]
+    recs = [
+        RequestRecord(0, 0, 0, 0.0, worker_id=1),
+        RequestRecord(1, 0, 1, 1.0, worker_id=1),
+        RequestRecord(2, 0, 2, 2.0, worker_id=2),
+        RequestRecord(3, 1, 0, 0.5, worker_id=2),
+    ]
     assert kept_on_worker(recs) == 0.5  # turn 1 stayed on worker 1, turn 2 moved to worker 2
     assert math.isnan(kept_on_worker(recs[:1]))
 
@@ -315,12 +398,21 @@ def test_main_job_samples_conversations_and_cuts_the_window():
 
 
 # ---- against a served graph -------------------------------------------------------------------------
-TINY = ["Common.model=tiny", "Common.served-model-name=flexkv-tiny", "Frontend.http-port=0",
-        "FlexKVWorker.num-device-blocks=64",  # 1,024 tokens per worker: most prefixes leave the device
-        "FlexKVWorker.cache.cpu_cache_gb=0.002",  # 256 tiny blocks: the disk tier serves hits too
-        "FlexKVWorker.cache.ssd_cache_gb=0.05"]
-SCALE = Scale(conversations=64, max_turns=6, tokens_per_hash_block=16,  # 207 requests
-              max_prompt_tokens=1000, max_output_tokens=3)  # prompt + output within 64 blocks of 16 tokens
+TINY = [
+    "Common.model=tiny",
+    "Common.served-model-name=flexkv-tiny",
+    "Frontend.http-port=0",
+    "FlexKVWorker.num-device-blocks=64",  # 1,024 tokens per worker: most prefixes leave the device
+    "FlexKVWorker.cache.cpu_cache_gb=0.002",  # 256 tiny blocks: the disk tier serves hits too
+    "FlexKVWorker.cache.ssd_cache_gb=0.05",
+]
+SCALE = Scale(
+    conversations=64,
+    max_turns=6,
+    tokens_per_hash_block=16,  # 207 requests
+    max_prompt_tokens=1000,
+    max_output_tokens=3,
+)  # prompt + output within 64 blocks of 16 tokens
 CONCURRENCY = 8
 
 
@@ -331,8 +423,10 @@ def graph(tmp_path_factory):
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
     tmp = tmp_path_factory.mktemp("replay-graph")
-    config = apply_overrides(load_config(str(ROOT / "configs" / "agg_router.yaml")),
-                             [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={tmp}/ssd{{replica}}"])
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / "agg_router.yaml")),
+        [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={tmp}/ssd{{replica}}"],
+    )
     plan = build_plan(load_graph(str(ROOT / "graphs" / "agg_router.py")), config, run_dir=tmp / "run")
     with Launcher(plan) as launcher:
         launcher.wait_ready(240)
@@ -343,8 +437,15 @@ def graph(tmp_path_factory):
 def replayed(graph):
     plan, launcher = graph
     turns = trace_turns(SCALE)
-    run = replay_url(plan.base_url, plan.served_model_name, turns, ports=[p.port for p in plan.workers],
-                     time_scale=1000, concurrency=CONCURRENCY, on_done=lambda r: None)
+    run = replay_url(
+        plan.base_url,
+        plan.served_model_name,
+        turns,
+        ports=[p.port for p in plan.workers],
+        time_scale=1000,
+        concurrency=CONCURRENCY,
+        on_done=lambda r: None,
+    )
     launcher.check_alive()
     return turns, run
 
@@ -384,8 +485,9 @@ def test_replay_keeps_arrivals_the_cap_and_conversation_order(replayed):
 def _metric_names(url: str) -> set:
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
-    return {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"^([a-z_:][a-z0-9_:]*)[{ ]", text, re.M)} | \
-        set(re.findall(r"^([a-z_:][a-z0-9_:]*)[{ ]", text, re.M))
+    return {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"^([a-z_:][a-z0-9_:]*)[{ ]", text, re.M)} | set(
+        re.findall(r"^([a-z_:][a-z0-9_:]*)[{ ]", text, re.M)
+    )
 
 
 def test_every_dashboard_metric_exists_on_the_running_graph(graph, replayed):
@@ -403,10 +505,33 @@ def test_replay_command_against_a_served_graph(graph, replayed, tmp_path):
 
     plan, _ = graph
     out, summaries = tmp_path / "results", tmp_path / "summaries.jsonl"
-    code = main(["replay", "--engine", "reference", "--url", plan.base_url, "--model", plan.served_model_name,
-                 "--worker-metrics", ",".join(str(p.port) for p in plan.workers), "--conversations", "6",
-                 "--tokens-per-hash-block", "16", "--max-prompt-tokens", "1000", "--time-scale", "500",
-                 "--concurrency", "4", "--out", str(out), "--json", str(summaries)])
+    code = main(
+        [
+            "replay",
+            "--engine",
+            "reference",
+            "--url",
+            plan.base_url,
+            "--model",
+            plan.served_model_name,
+            "--worker-metrics",
+            ",".join(str(p.port) for p in plan.workers),
+            "--conversations",
+            "6",
+            "--tokens-per-hash-block",
+            "16",
+            "--max-prompt-tokens",
+            "1000",
+            "--time-scale",
+            "500",
+            "--concurrency",
+            "4",
+            "--out",
+            str(out),
+            "--json",
+            str(summaries),
+        ]
+    )
     assert code == 0
     report = (out / "report.md").read_text()
     assert "| served | 0 |" in report
@@ -429,15 +554,43 @@ def test_replay_timed_by_aiperf_against_a_served_graph(graph, replayed, tmp_path
 
     plan, _ = graph
     out, summaries = tmp_path / "results", tmp_path / "summaries.jsonl"
-    code = main(["replay", "--engine", "reference", "--client", "aiperf", "--url", plan.base_url,
-                 "--model", plan.served_model_name, "--worker-metrics", ",".join(str(p.port) for p in plan.workers),
-                 "--conversations", "6", "--tokens-per-hash-block", "16", "--max-prompt-tokens", "1000",
-                 "--time-scale", "500", "--concurrency", "4", "--out", str(out), "--json", str(summaries)])
+    code = main(
+        [
+            "replay",
+            "--engine",
+            "reference",
+            "--client",
+            "aiperf",
+            "--url",
+            plan.base_url,
+            "--model",
+            plan.served_model_name,
+            "--worker-metrics",
+            ",".join(str(p.port) for p in plan.workers),
+            "--conversations",
+            "6",
+            "--tokens-per-hash-block",
+            "16",
+            "--max-prompt-tokens",
+            "1000",
+            "--time-scale",
+            "500",
+            "--concurrency",
+            "4",
+            "--out",
+            str(out),
+            "--json",
+            str(summaries),
+        ]
+    )
     assert code == 0
     report = (out / "report.md").read_text()
     assert "Timed by: aiperf" in report and "served @0: totals exact" in report
-    requests = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()
-                if json.loads(x)["bench"] == "replay-request"]
+    requests = [
+        json.loads(x)
+        for x in (out / "results.jsonl").read_text().splitlines()
+        if json.loads(x)["bench"] == "replay-request"
+    ]
     assert requests and all(r["error"] is None and r["ttft_ms"] > 0 for r in requests)
     assert all(len(r["itl_ms"]) >= 1 and r["ttft_ms"] < r["e2e_ms"] for r in requests)
     summary = json.loads(summaries.read_text().splitlines()[0])
@@ -452,18 +605,42 @@ def test_main_job_compares_configurations_end_to_end(tmp_path):
     import sys
 
     out = tmp_path / "results"
-    proc = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "demo", "--engine", "reference",
-                           "--conversations", "8",
-                           "--configs", "host+ssd,kv-device-only", "--device-blocks", "64,128",
-                           "--sweep-configs", "host+ssd", "--out", str(out), "--json", str(tmp_path / "s.jsonl")],
-                          capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_flexkv.cli",
+            "demo",
+            "--engine",
+            "reference",
+            "--conversations",
+            "8",
+            "--configs",
+            "host+ssd,kv-device-only",
+            "--device-blocks",
+            "64,128",
+            "--sweep-configs",
+            "host+ssd",
+            "--out",
+            str(out),
+            "--json",
+            str(tmp_path / "s.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| host+ssd | 64 |" in proc.stdout and "| kv-device-only | 64 |" in proc.stdout
     assert "| host+ssd | 128 |" in proc.stdout and "tier-aware routing" in proc.stdout
     assert str(out) in proc.stdout
     summaries = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
-    assert [(s["config"], s["device_blocks"]) for s in summaries] == [("host+ssd", 64), ("kv-device-only", 64),
-                                                                       ("host+ssd", 128)]
+    assert [(s["config"], s["device_blocks"]) for s in summaries] == [
+        ("host+ssd", 64),
+        ("kv-device-only", 64),
+        ("host+ssd", 128),
+    ]
     assert all(s["errors"] == 0 and s["accounting"] == "exact" for s in summaries)
     for png in ("ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png", "device_sweep.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
@@ -481,10 +658,32 @@ def test_the_vllm_demo_end_to_end(tmp_path):
     import sys
 
     out = tmp_path / "results"
-    proc = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "demo", "--conversations", "6",
-                           "--configs", "no-offload,host+ssd", "--device-blocks", "24", "--max-prompt-tokens", "1024",
-                           "--time-scale", "100", "--out", str(out), "--json", str(tmp_path / "s.jsonl")],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_flexkv.cli",
+            "demo",
+            "--conversations",
+            "6",
+            "--configs",
+            "no-offload,host+ssd",
+            "--device-blocks",
+            "24",
+            "--max-prompt-tokens",
+            "1024",
+            "--time-scale",
+            "100",
+            "--out",
+            str(out),
+            "--json",
+            str(tmp_path / "s.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)
     assert "| no-offload | 24 |" in proc.stdout and "| host+ssd | 24 |" in proc.stdout

@@ -26,8 +26,9 @@ class ScriptedPeer:
     """A loopback server that, once a client connects, sends ``pieces`` one by one (a pause
     between them lets each arrive alone), then closes or holds the connection open."""
 
-    def __init__(self, pieces: List[bytes], pause_s: float = 0.0, hold_open: bool = False,
-                 gate: Optional[threading.Event] = None) -> None:
+    def __init__(
+        self, pieces: List[bytes], pause_s: float = 0.0, hold_open: bool = False, gate: Optional[threading.Event] = None
+    ) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._pieces, self._pause, self._hold, self._gate = pieces, pause_s, hold_open, gate
@@ -66,7 +67,7 @@ def split(data: bytes, rng: random.Random) -> List[bytes]:
     out, i = [], 0
     while i < len(data):
         n = rng.choice([1, 2, 3, 7, rng.randint(1, 300), rng.randint(1, 20000)])
-        out.append(data[i:i + n])
+        out.append(data[i : i + n])
         i += n
     return out
 
@@ -150,7 +151,7 @@ def test_one_byte_at_a_time_with_pauses():
     """Every piece arrives alone: each wait inside the native read is taken."""
     rng = random.Random(7)
     data, want = script(rng, 200, 6)
-    peer = ScriptedPeer([data[i:i + 1] for i in range(len(data))], pause_s=0.0005)
+    peer = ScriptedPeer([data[i : i + 1] for i in range(len(data))], pause_s=0.0005)
     conn = connect(peer)
     try:
         read_script(conn, 200, want)
@@ -224,8 +225,10 @@ def test_any_socket_timeout_reads(timeout_s):
     peer = ScriptedPeer([bulk(bytes(HEADER) + b"x" * 100)], hold_open=True)
     conn = connect(peer, timeout_s=timeout_s)
     try:
-        assert conn.read_bulk(memoryview(bytearray(HEADER)), memoryview(bytearray(100))) is not None \
+        assert (
+            conn.read_bulk(memoryview(bytearray(HEADER)), memoryview(bytearray(100))) is not None
             or conn.read_reply() == bytes(HEADER) + b"x" * 100
+        )
     finally:
         conn.close()
         peer.close()

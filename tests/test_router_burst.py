@@ -29,8 +29,10 @@ def assert_no_contradiction(launcher: Launcher) -> None:
 
 
 def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(("cache", "block", "prefix", "router", "tier", "disk", "host", "event"))
-                    + str(rng.randrange(100)) for _ in range(n))
+    return " ".join(
+        rng.choice(("cache", "block", "prefix", "router", "tier", "disk", "host", "event")) + str(rng.randrange(100))
+        for _ in range(n)
+    )
 
 
 def seen(probe: RouterProbe, ids, timeout: float) -> Optional[float]:
@@ -56,9 +58,14 @@ def test_bursts_of_long_prompts_leave_no_contradiction_in_any_log(tmp_path):
         # moment the replies are back can be routed before they arrived. A second KV router on the
         # graph's event plane (it routes nothing) says when they did.
         from tokenizers import Tokenizer
+
         encode = Tokenizer.from_file(str(plan.run_dir / "model" / "tokenizer.json")).encode
-        probe = RouterProbe(launcher.running["Frontend"].pid, tmp_path / "router-probe.log",
-                            endpoint="dynamo.flexkv.generate", block_size=BS)
+        probe = RouterProbe(
+            launcher.running["Frontend"].pid,
+            tmp_path / "router-probe.log",
+            endpoint="dynamo.flexkv.generate",
+            block_size=BS,
+        )
         try:
             # It learns only from events published once its subscription reached the broker: a
             # short prompt it sees says it did (another one if its events went before that).
@@ -84,8 +91,11 @@ def test_bursts_of_long_prompts_leave_no_contradiction_in_any_log(tmp_path):
             assert waited is not None, f"no router learned of the newest prompt's blocks: {probe.scores(ids)}"
             again = complete(plan, sent[-1], 2)
             assert again["usage"]["prompt_tokens"] == len(ids)  # the frontend tokenized it as we did
-            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 64, \
-                (again["usage"], f"the probe router saw its blocks {waited:.2f} s after the replies", probe.scores(ids))
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 64, (
+                again["usage"],
+                f"the probe router saw its blocks {waited:.2f} s after the replies",
+                probe.scores(ids),
+            )
         finally:
             probe.close()
     assert_no_contradiction(launcher)
@@ -100,8 +110,9 @@ def test_replay_of_hundreds_of_requests_leaves_no_contradiction_in_any_log(tmp_p
     from dynamo_flexkv.replay.client import Replayer
     from dynamo_flexkv.workload import Scale, trace_turns
 
-    turns = trace_turns(Scale(conversations=100, max_turns=4, tokens_per_hash_block=16, max_prompt_tokens=900,
-                              max_output_tokens=2))
+    turns = trace_turns(
+        Scale(conversations=100, max_turns=4, tokens_per_hash_block=16, max_prompt_tokens=900, max_output_tokens=2)
+    )
     assert len(turns) >= 250
     plan = make_plan(tmp_path, "agg_router")  # 64 device blocks (1,024 tokens) per worker
     with Launcher(plan) as launcher:

@@ -19,13 +19,23 @@ from served import CONTRADICTIONS
 pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is installed by make test")
 
 
-
 def run_scenario(tmp_path, scenario: str):
-    env = dict(os.environ, DYN_TCP_RPC_HOST="127.0.0.1", DYN_EVENT_PLANE_HOST="127.0.0.1",
-               DYN_SYSTEM_HOST="127.0.0.1", DYN_LOG="warn")
+    env = dict(
+        os.environ,
+        DYN_TCP_RPC_HOST="127.0.0.1",
+        DYN_EVENT_PLANE_HOST="127.0.0.1",
+        DYN_SYSTEM_HOST="127.0.0.1",
+        DYN_LOG="warn",
+    )
     script = Path(__file__).with_name("router_scenario.py")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), scenario], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=str(script.parent))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), scenario],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(script.parent),
+    )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     checks = [c for c in lines if "check" in c]
     facts = {k: v for c in lines if "check" not in c for k, v in c.items()}
@@ -38,15 +48,28 @@ def run_scenario(tmp_path, scenario: str):
 def test_router_counts_each_tier_exactly(tmp_path):
     proc, checks, facts = run_scenario(tmp_path, "tiers")
     names = [c["check"] for c in checks]
-    assert names == ["after-first-request", "after-device-eviction", "after-host-eviction",
-                     "shared-prefix-request", "first-prompt-again", "restart-first-prompt",
-                     "restart-shared-prefix"], proc.stderr[-3000:]
+    assert names == [
+        "after-first-request",
+        "after-device-eviction",
+        "after-host-eviction",
+        "shared-prefix-request",
+        "first-prompt-again",
+        "restart-first-prompt",
+        "restart-shared-prefix",
+    ], proc.stderr[-3000:]
     for c in checks:
         assert c["got"] == c["want"], c
     # The scenario moves blocks through every tier: the checks are not all alike. The device keeps
     # a's first 2 blocks when fillers evict it (tails go first), so a usable prefix stays.
-    assert [tuple(c["want"].values()) for c in checks] == [(6, 6, 6), (2, 6, 6), (2, 2, 6), (7, 7, 7), (3, 3, 6),
-                                                           (0, 0, 6), (0, 0, 7)]
+    assert [tuple(c["want"].values()) for c in checks] == [
+        (6, 6, 6),
+        (2, 6, 6),
+        (2, 2, 6),
+        (7, 7, 7),
+        (3, 3, 6),
+        (0, 0, 6),
+        (0, 0, 7),
+    ]
     # After the restart only the re-announced disk blocks can be what the router counts.
     assert facts["announced"] == 31  # 6 (a) + 3 x 7 (fillers) + 4 (b past the 3 it shares with a)
     assert proc.returncode == 0

@@ -33,45 +33,64 @@ def test_the_shipped_configs_plan_every_component(tmp_path):
     assert len({w0.port, w1.port}) == 2 and all(x.port < 32768 for x in (w0, w1))  # Dynamo reads an i16
     assert all(x.env["DYN_TCP_RPC_HOST"] == "127.0.0.1" for x in p.processes)
     assert [x.name for x in p.infra] == ["zmq-broker"]  # no event publisher binds 0.0.0.0
-    agg = build_plan(load_graph(str(ROOT / "graphs" / "agg.py")), load_config(str(ROOT / "configs" / "agg.yaml")),
-                     run_dir=tmp_path, local=False)
+    agg = build_plan(
+        load_graph(str(ROOT / "graphs" / "agg.py")),
+        load_config(str(ROOT / "configs" / "agg.yaml")),
+        run_dir=tmp_path,
+        local=False,
+    )
     assert [x.kind for x in agg.processes] == [Kind.FRONTEND, Kind.WORKER]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["Planner.replicas=1"], "unknown component 'Planner'"),
-    (["FlexKVWorker.num-blocks=4"], "FlexKVWorker.num-blocks is not an option of a worker"),
-    (["Common.colour=red"], "Common.colour is not an option of any component"),
-    (["FlexKVWorker.model=llama-9000"], "unknown model preset 'llama-9000'"),
-    (["FlexKVWorker.replicas=0"], "FlexKVWorker.replicas=0 must be >= 1"),
-    (["FlexKVWorker.offload=maybe"], "FlexKVWorker.offload='maybe': expected true or false"),
-    (["Frontend.router-mode=nearest"], "router-mode='nearest'"),
-    (["FlexKVWorker.cache.cpu_cache_gb=-1"], "cpu_cache_gb=-1.0 must be >= 0"),
-    (["FlexKVWorker.cache.ssd_cache_dir=/proc/flexkv"], "is not writable"),
-    (["FlexKVWorker.cache.ssd_cache_dir=/tmp/flexkv-shared-test"], "is shared by FlexKVWorker-0 and FlexKVWorker-1"),
-    (["FlexKVWorker.system-port=40000"], "below 32768"),
-    (["FlexKVWorker.extra-args=[--frobnicate]"], "are not worker options"),
-    (["Frontend"], "expected Section.key=value"),
-    (["Frontend.migration-limit=-1"], "Frontend.migration-limit=-1 must be >= 0"),
-    (["Frontend.migration-limit=lots"], "Frontend.migration-limit='lots': expected an integer"),
-    (["Frontend.extra-args=[--migration-limit, '2']"], "sets --migration-limit: use Frontend.migration-limit"),
-    (["Frontend.on-death=restart"], "Frontend.on-death is not an option of a frontend"),
-    (["FlexKVWorker.on-death=ignore"], "FlexKVWorker.on-death='ignore': use restart"),
-    (["FlexKVWorker.max-restarts=-1"], "FlexKVWorker.max-restarts=-1 must be >= 0"),
-    (["FlexKVWorker.restart-window-s=0"], "FlexKVWorker.restart-window-s=0.0 must be > 0 seconds"),
-    (["FlexKVWorker.restart-backoff-s=60"], "FlexKVWorker.restart-backoff-s=60.0 must be between 0 and 30"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["Planner.replicas=1"], "unknown component 'Planner'"),
+        (["FlexKVWorker.num-blocks=4"], "FlexKVWorker.num-blocks is not an option of a worker"),
+        (["Common.colour=red"], "Common.colour is not an option of any component"),
+        (["FlexKVWorker.model=llama-9000"], "unknown model preset 'llama-9000'"),
+        (["FlexKVWorker.replicas=0"], "FlexKVWorker.replicas=0 must be >= 1"),
+        (["FlexKVWorker.offload=maybe"], "FlexKVWorker.offload='maybe': expected true or false"),
+        (["Frontend.router-mode=nearest"], "router-mode='nearest'"),
+        (["FlexKVWorker.cache.cpu_cache_gb=-1"], "cpu_cache_gb=-1.0 must be >= 0"),
+        (["FlexKVWorker.cache.ssd_cache_dir=/proc/flexkv"], "is not writable"),
+        (
+            ["FlexKVWorker.cache.ssd_cache_dir=/tmp/flexkv-shared-test"],
+            "is shared by FlexKVWorker-0 and FlexKVWorker-1",
+        ),
+        (["FlexKVWorker.system-port=40000"], "below 32768"),
+        (["FlexKVWorker.extra-args=[--frobnicate]"], "are not worker options"),
+        (["Frontend"], "expected Section.key=value"),
+        (["Frontend.migration-limit=-1"], "Frontend.migration-limit=-1 must be >= 0"),
+        (["Frontend.migration-limit=lots"], "Frontend.migration-limit='lots': expected an integer"),
+        (["Frontend.extra-args=[--migration-limit, '2']"], "sets --migration-limit: use Frontend.migration-limit"),
+        (["Frontend.on-death=restart"], "Frontend.on-death is not an option of a frontend"),
+        (["FlexKVWorker.on-death=ignore"], "FlexKVWorker.on-death='ignore': use restart"),
+        (["FlexKVWorker.max-restarts=-1"], "FlexKVWorker.max-restarts=-1 must be >= 0"),
+        (["FlexKVWorker.restart-window-s=0"], "FlexKVWorker.restart-window-s=0.0 must be > 0 seconds"),
+        (["FlexKVWorker.restart-backoff-s=60"], "FlexKVWorker.restart-backoff-s=60.0 must be between 0 and 30"),
+    ],
+)
 def test_bad_configs_fail_with_a_message_that_names_the_fix(tmp_path, overrides, message):
     with pytest.raises(GraphError, match=message.replace("(", r"\(").replace("[", r"\[")):
         agg_router_plan(tmp_path, *overrides)
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["FlexKVWorker.system-port=32768", "FlexKVWorker.replicas=1"], "FlexKVWorker.system-port=32768 is out of range"),
-    (["FlexKVWorker.system-port=40000"], "FlexKVWorker.system-port=40000 is out of range"),
-    (["FlexKVWorker.system-port=32767"], "FlexKVWorker.system-port=32767 with replicas=2 gives replica 1 port 32768"),
-    (["FlexKVWorker.system-port=-1"], "FlexKVWorker.system-port=-1 is out of range"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (
+            ["FlexKVWorker.system-port=32768", "FlexKVWorker.replicas=1"],
+            "FlexKVWorker.system-port=32768 is out of range",
+        ),
+        (["FlexKVWorker.system-port=40000"], "FlexKVWorker.system-port=40000 is out of range"),
+        (
+            ["FlexKVWorker.system-port=32767"],
+            "FlexKVWorker.system-port=32767 with replicas=2 gives replica 1 port 32768",
+        ),
+        (["FlexKVWorker.system-port=-1"], "FlexKVWorker.system-port=-1 is out of range"),
+    ],
+)
 def test_a_system_port_dynamo_cannot_read_is_refused_naming_the_limit_and_the_fix(tmp_path, overrides, named):
     """Dynamo reads DYN_SYSTEM_PORT as an i16: serve refuses any worker's port >= 32768 before starting."""
     with pytest.raises(GraphError) as e:
@@ -93,10 +112,18 @@ def test_ports_in_use_and_locked_ssd_dirs_are_refused(tmp_path):
         with pytest.raises(GraphError, match=f"Frontend.http-port={port} is in use"):
             agg_router_plan(tmp_path, f"Frontend.http-port={port}")
     from dynamo_flexkv.core.storage.ssd import lock_dir
+
     (tmp_path / "ssd1").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dynamo_flexkv.core.storage.ssd import lock_dir; "
-                               f"lock_dir({str(tmp_path / 'ssd1')!r}); print('locked', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from dynamo_flexkv.core.storage.ssd import lock_dir; "
+            f"lock_dir({str(tmp_path / 'ssd1')!r}); print('locked', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(GraphError, match=f"in use by pid {holder.pid}"):
@@ -121,8 +148,22 @@ def test_serve_refuses_a_bad_config_before_starting_anything(tmp_path):
     """The CLI exits 2 with the message; no frontend or worker was ever spawned."""
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"Common": {"model": "tiny"}, "Router": {"replicas": 2}}))
-    r = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "serve", AGG_ROUTER, "-f", str(bad),
-                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_flexkv.cli",
+            "serve",
+            AGG_ROUTER,
+            "-f",
+            str(bad),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "unknown component 'Router'" in r.stderr, r.stderr
     assert not (tmp_path / "run" / "logs").exists()
 
@@ -146,8 +187,12 @@ def test_render_k8s_writes_a_graph_deployment(tmp_path):
 
 def test_render_cli_writes_the_manifest_file(tmp_path):
     out = tmp_path / "agg_router.k8s.yaml"
-    r = subprocess.run([sys.executable, "-m", "dynamo_flexkv.cli", "render", AGG_ROUTER, "-f", CONFIG, "--k8s",
-                        "-o", str(out)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "dynamo_flexkv.cli", "render", AGG_ROUTER, "-f", CONFIG, "--k8s", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     doc = yaml.safe_load(out.read_text())
     assert set(doc["spec"]["services"]) == {"Frontend", "FlexKVWorker"}
@@ -160,7 +205,9 @@ def test_migration_and_restart_options_are_checked_and_reach_the_processes(tmp_p
     assert front.restart.on_death is OnDeath.STOP  # the frontend's death always stops the graph
     assert w0.restart == w1.restart == RestartPolicy(OnDeath.RESTART, max_restarts=3, window_s=300, backoff_s=1.0)
     assert [x.metrics_url for x in p.processes] == [f"http://127.0.0.1:{x.port}/metrics" for x in p.processes]
-    off = agg_router_plan(tmp_path, "Frontend.migration-limit=0", "FlexKVWorker.on-death=stop", "FlexKVWorker.max-restarts=5")
+    off = agg_router_plan(
+        tmp_path, "Frontend.migration-limit=0", "FlexKVWorker.on-death=stop", "FlexKVWorker.max-restarts=5"
+    )
     assert off.processes[0].argv[off.processes[0].argv.index("--migration-limit") + 1] == "0"
     assert {w.restart.on_death for w in off.workers} == {OnDeath.STOP}
     assert off.workers[0].restart.max_restarts == 5
@@ -189,8 +236,11 @@ def test_the_launcher_restarts_a_dead_worker_with_backoff_until_its_budget_is_sp
             assert launcher.running[worker.name].poll() is None and pids[-1] != pids[-2]
         os.kill(pids[-1], signal.SIGKILL)
         launcher.running[worker.name].wait()
-        with pytest.raises(GraphStopped, match=rf"{worker.name} exited with signal SIGKILL: it died 3 times "
-                                               r"within 60 s, more than its restart budget \(max-restarts=2\)"):
+        with pytest.raises(
+            GraphStopped,
+            match=rf"{worker.name} exited with signal SIGKILL: it died 3 times "
+            r"within 60 s, more than its restart budget \(max-restarts=2\)",
+        ):
             launcher.step()
         assert "---- restart 2 of" in (launcher.log_dir / f"{worker.name}.log").read_text()  # one log, all lives
     finally:
@@ -234,18 +284,37 @@ def test_a_dead_worker_is_removed_from_file_discovery_and_nothing_else(tmp_path)
         (root / "v1" / kind / name).write_text(json.dumps(doc))
 
     for iid, port in ((111, worker.port), (222, worker.port + 1)):
-        write("mdc", f"dynamo%2Fflexkv%2Fgenerate%2F{iid:x}", {"type": "Model", "instance_id": iid, "card_json": {
-            "model_info": {"hf_config_json": {"path": f"http://127.0.0.1:{port}/v1/metadata/config.json"}}}})
+        write(
+            "mdc",
+            f"dynamo%2Fflexkv%2Fgenerate%2F{iid:x}",
+            {
+                "type": "Model",
+                "instance_id": iid,
+                "card_json": {
+                    "model_info": {"hf_config_json": {"path": f"http://127.0.0.1:{port}/v1/metadata/config.json"}}
+                },
+            },
+        )
         write("instances", f"dynamo%2Fflexkv%2Fgenerate%2F{iid:x}", {"type": "Endpoint", "instance_id": iid})
         write("instances", f"dynamo%2Fflexkv%2Fquery%2F{iid:x}", {"type": "Endpoint", "instance_id": iid})
-        write("event_sources", f"kv-events%2F{iid + 5}", {"type": "EventSource",
-                                                          "metadata": {"worker": {"worker_id": iid}}})
+        write(
+            "event_sources",
+            f"kv-events%2F{iid + 5}",
+            {"type": "EventSource", "metadata": {"worker": {"worker_id": iid}}},
+        )
     (root / "v1" / "instances" / ".tmp_0123").write_text("{partial")
     launcher = Launcher(p)
     assert launcher._deregister(worker) == 4
     left = sorted(f.name for f in (root / "v1").glob("*/*"))
-    assert left == sorted([".tmp_0123", "dynamo%2Fflexkv%2Fgenerate%2Fde", "dynamo%2Fflexkv%2Fgenerate%2Fde",
-                           "dynamo%2Fflexkv%2Fquery%2Fde", "kv-events%2F227"])
+    assert left == sorted(
+        [
+            ".tmp_0123",
+            "dynamo%2Fflexkv%2Fgenerate%2Fde",
+            "dynamo%2Fflexkv%2Fgenerate%2Fde",
+            "dynamo%2Fflexkv%2Fquery%2Fde",
+            "kv-events%2F227",
+        ]
+    )
 
 
 def test_a_closed_terminal_ends_the_echo_not_the_logs_or_the_shutdown(tmp_path):
@@ -279,9 +348,12 @@ def test_a_cache_variable_in_serves_environment_is_refused_not_silently_applied(
     monkeypatch.setenv("FLEXKV_SSD_CACHE_DIR", str(tmp_path / "elsewhere"))
     monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "2")
     monkeypatch.setenv("FLEXKV_REMOTE_CACHE_URL", "redis://:hunter2@127.0.0.1:6379")
-    with pytest.raises(GraphError, match=r"serve's environment sets DYN_KVBM_CPU_CACHE_GB \(cpu_cache_gb\), "
-                                         r"FLEXKV_REMOTE_CACHE_URL \(remote_cache_url\), FLEXKV_SSD_CACHE_DIR "
-                                         r"\(ssd_cache_dir\).*--set") as refused:
+    with pytest.raises(
+        GraphError,
+        match=r"serve's environment sets DYN_KVBM_CPU_CACHE_GB \(cpu_cache_gb\), "
+        r"FLEXKV_REMOTE_CACHE_URL \(remote_cache_url\), FLEXKV_SSD_CACHE_DIR "
+        r"\(ssd_cache_dir\).*--set",
+    ) as refused:
         agg_router_plan(tmp_path)
     assert "hunter2" not in str(refused.value)  # values stay out of the message (a URL may hold a password)
     assert agg_router_plan(tmp_path, local=False).workers  # a manifest for pods: they do not inherit it
@@ -291,6 +363,7 @@ def test_a_cache_variable_in_serves_environment_is_refused_not_silently_applied(
     assert agg_router_plan(tmp_path).workers
     # The worker's own loading applies such a variable over the file, which is why it is refused.
     from dynamo_flexkv.core.config import CacheConfig
+
     path = tmp_path / "c.yaml"
     path.write_text("cpu_cache_gb: 1\n")
     assert CacheConfig.load(str(path), env={"FLEXKV_CPU_CACHE_GB": "3"}).cpu_cache_gb == 3

@@ -13,8 +13,19 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import (Serve, assert_all_gone, assert_gone, complete, holder_of,  # noqa: E402
-                    inflight, make_plan, metric, routed_workers, stream, wait_until)
+from served import (
+    Serve,
+    assert_all_gone,
+    assert_gone,
+    complete,
+    holder_of,  # noqa: E402
+    inflight,
+    make_plan,
+    metric,
+    routed_workers,
+    stream,
+    wait_until,
+)
 
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 
@@ -26,8 +37,13 @@ def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_sp
     on the same ports and SSD directory, it re-adopts P from disk and announces it, and the router
     sends P to it again (a disk hit on the restarted worker). Killed again, it has spent its budget
     (max-restarts=1): the graph stops with exit 1, naming it, and leaves nothing behind."""
-    plan = make_plan(tmp_path, "agg_router", "FlexKVWorker.device-prefix-cache=false",
-                     "FlexKVWorker.restart-backoff-s=0.5", "FlexKVWorker.max-restarts=1")
+    plan = make_plan(
+        tmp_path,
+        "agg_router",
+        "FlexKVWorker.device-prefix-cache=false",
+        "FlexKVWorker.restart-backoff-s=0.5",
+        "FlexKVWorker.max-restarts=1",
+    )
     front = plan.processes[0]
     assert front.argv[front.argv.index("--migration-limit") + 1] == "3"  # on by default in the config
     launcher = Launcher(plan)
@@ -43,8 +59,10 @@ def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_sp
         wait_until("P on the holder's disk", lambda: metric(victim.port, "flexkv_stored_blocks_total", tier="disk") > 0)
 
         with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(stream, plan.base_url, plan.served_model_name, f"stream {i}: " + "x y z " * 30)
-                       for i in range(8)]
+            futures = [
+                pool.submit(stream, plan.base_url, plan.served_model_name, f"stream {i}: " + "x y z " * 30)
+                for i in range(8)
+            ]
             wait_until("requests in flight on the victim", lambda: inflight(victim.port) > 0, every=0.05)
             first_pid = launcher.running[victim.name].pid
             os.kill(first_pid, signal.SIGKILL)
@@ -54,12 +72,16 @@ def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_sp
         migrated = metric(front.port, "dynamo_frontend_model_migration_duration_seconds_count", outcome="success")
         assert migrated >= 1  # the victim's in-flight requests finished on the other worker
 
-        wait_until("the restarted worker ready", lambda: victim.name not in launcher.starting
-                   and launcher.restarts.get(victim.name) == 1, timeout=90)
+        wait_until(
+            "the restarted worker ready",
+            lambda: victim.name not in launcher.starting and launcher.restarts.get(victim.name) == 1,
+            timeout=90,
+        )
         wait_until("the router routing to it", lambda: routed_workers(plan.base_url) == 2)
         assert launcher.running[victim.name].pid != first_pid
-        assert any(f"{victim.name} exited with signal SIGKILL" in e and "discovery entries" in e
-                   for e in launcher.events), launcher.events
+        assert any(
+            f"{victim.name} exited with signal SIGKILL" in e and "discovery entries" in e for e in launcher.events
+        ), launcher.events
         time.sleep(2)  # its re-announced disk blocks reach the router
         again = complete(plan, prompt, 2)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
@@ -71,9 +93,11 @@ def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_sp
         os.kill(launcher.running[victim.name].pid, signal.SIGKILL)
         supervisor.join(timeout=30)
         assert launcher.exit_code == 1
-        assert re.match(rf"error: {victim.name} exited with signal SIGKILL: it died 2 times within 300 s, more "
-                        r"than its restart budget \(max-restarts=1\); stopping the graph. Its last log lines",
-                        launcher.events[-1]), launcher.events[-1]
+        assert re.match(
+            rf"error: {victim.name} exited with signal SIGKILL: it died 2 times within 300 s, more "
+            r"than its restart budget \(max-restarts=1\); stopping the graph. Its last log lines",
+            launcher.events[-1],
+        ), launcher.events[-1]
     finally:
         stop.set()
         if supervisor.is_alive():
@@ -101,11 +125,16 @@ def test_without_migration_the_dead_workers_requests_fail_clearly_and_ctrl_c_sto
         failed = [r for r in results if r.error is not None]
         assert failed and len(failed) < 8, results
         # A stream under way ends with an error event; one not yet begun is refused with a 503.
-        assert all(r.seconds < 30 and (r.status == 503 or (r.status == 200 and r.done and r.error["code"] == 503))
-                   for r in failed), failed
+        assert all(
+            r.seconds < 30 and (r.status == 503 or (r.status == 200 and r.done and r.error["code"] == 503))
+            for r in failed
+        ), failed
         assert all(r.usage and r.usage["completion_tokens"] >= 1 for r in results if r.error is None)
-        serve.wait_for(rf"{victim} exited with signal SIGKILL .*removed its \d+ discovery entries; restarting "
-                       r"it in 30.0 s", 10)
+        serve.wait_for(
+            rf"{victim} exited with signal SIGKILL .*removed its \d+ discovery entries; restarting "
+            r"it in 30.0 s",
+            10,
+        )
         # Deregistered at once: the router drops it within moments (not after Dynamo's 10 s TTL).
         wait_until("the router dropping the dead worker", lambda: routed_workers(serve.base_url) == 1, timeout=5)
         for i in range(4):  # the healthy worker serves every new request; none is routed to the dead one

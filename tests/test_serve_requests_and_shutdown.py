@@ -37,8 +37,11 @@ WINDOW = 64 * 16  # the Serve helper's graph: 64 device blocks of 16 tokens per 
 VOCAB = 512
 WORKERS = ("FlexKVWorker-0", "FlexKVWorker-1")
 TIMEOUT = 60
-EVENT_DROPS = re.compile(r"Failed to find block|block to remove|unknown parent|parent block .* not found|"
-                         r"dropp(ed|ing) (kv )?event|event gap|missed \d+ events", re.I)
+EVENT_DROPS = re.compile(
+    r"Failed to find block|block to remove|unknown parent|parent block .* not found|"
+    r"dropp(ed|ing) (kv )?event|event gap|missed \d+ events",
+    re.I,
+)
 
 
 def ids(n: int, seed: int) -> List[int]:
@@ -59,8 +62,11 @@ def graph(tmp_path_factory):
 
 def post(serve, body: dict, path: str = "/v1/completions"):
     """(status, parsed JSON or raw text) of one request; errors are returned, not raised."""
-    req = urllib.request.Request(serve.base_url + path, json.dumps({"model": MODEL, **body}).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        serve.base_url + path,
+        json.dumps({"model": MODEL, **body}).encode(),
+        headers={"content-type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
             text = r.read().decode()
@@ -75,7 +81,9 @@ def post(serve, body: dict, path: str = "/v1/completions"):
 
 def disk_ready(port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        m = re.search(r'^flexkv_pool_blocks\{(?=[^}]*tier="disk")(?=[^}]*state="ready")[^}]*\} (\S+)$', r.read().decode(), re.M)
+        m = re.search(
+            r'^flexkv_pool_blocks\{(?=[^}]*tier="disk")(?=[^}]*state="ready")[^}]*\} (\S+)$', r.read().decode(), re.M
+        )
     return float(m.group(1)) if m else 0.0
 
 
@@ -85,11 +93,14 @@ def scrape(port: int) -> dict:
 
     def total(pattern):
         return sum(float(v) for v in re.findall(pattern, text, re.M))
-    return {"used": total(r'^flexkv_device_blocks\{[^}]*state="used"[^}]*\} (\S+)$'),
-            "tasks": total(r"^flexkv_tasks_in_flight(?:\{[^}]*\})? (\S+)$"),
-            "aborted": total(r"^flexkv_requests_aborted_total(?:\{[^}]*\})? (\S+)$"),
-            "done": total(r"^flexkv_requests_total(?:\{[^}]*\})? (\S+)$"),
-            "disk_hits": total(r'^flexkv_prompt_tokens_cached_total\{[^}]*tier="disk"[^}]*\} (\S+)$')}
+
+    return {
+        "used": total(r'^flexkv_device_blocks\{[^}]*state="used"[^}]*\} (\S+)$'),
+        "tasks": total(r"^flexkv_tasks_in_flight(?:\{[^}]*\})? (\S+)$"),
+        "aborted": total(r"^flexkv_requests_aborted_total(?:\{[^}]*\})? (\S+)$"),
+        "done": total(r"^flexkv_requests_total(?:\{[^}]*\})? (\S+)$"),
+        "disk_hits": total(r'^flexkv_prompt_tokens_cached_total\{[^}]*tier="disk"[^}]*\} (\S+)$'),
+    }
 
 
 def all_workers(serve) -> List[dict]:
@@ -116,8 +127,11 @@ def logs(serve) -> str:
 def open_stream(serve, body: dict, path: str = "/v1/completions") -> socket.socket:
     raw = json.dumps({"model": MODEL, **body}).encode()
     s = socket.create_connection(("127.0.0.1", int(serve.base_url.rsplit(":", 1)[1])), timeout=TIMEOUT)
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
     return s
 
 
@@ -141,8 +155,13 @@ def hang_up(serve, body: dict, after_events: int, delay: float = 0.0, path: str 
 
 def routed_workers(serve) -> int:
     """How many workers the frontend's router has registered."""
-    return len(re.findall(r"^dynamo_component_router_worker_registered\{[^}]*\} 1$",
-                          urllib.request.urlopen(serve.base_url + "/metrics", timeout=10).read().decode(), re.M))
+    return len(
+        re.findall(
+            r"^dynamo_component_router_worker_registered\{[^}]*\} 1$",
+            urllib.request.urlopen(serve.base_url + "/metrics", timeout=10).read().decode(),
+            re.M,
+        )
+    )
 
 
 def wait_idle(serve, before: List[dict], n: int, timeout: float = 15.0):
@@ -164,15 +183,20 @@ def wait_idle(serve, before: List[dict], n: int, timeout: float = 15.0):
 SERVED = {  # id: (path, body without model, completion tokens)
     "prompt-window-minus-1": ("/v1/completions", {"prompt": ids(WINDOW - 1, 1), "max_tokens": 1}, 1),
     "prompt-window-minus-1-default-max": ("/v1/completions", {"prompt": ids(WINDOW - 1, 2)}, 1),
-    "prompt-plus-max-tokens-exactly-window": ("/v1/completions", {"prompt": ids(WINDOW - 4, 3), "max_tokens": 4,
-                                                                  "ignore_eos": True}, None),
-    "stream-prompt-window-minus-1": ("/v1/completions", {"prompt": ids(WINDOW - 1, 4), "max_tokens": 1,
-                                                         "stream": True}, None),
+    "prompt-plus-max-tokens-exactly-window": (
+        "/v1/completions",
+        {"prompt": ids(WINDOW - 4, 3), "max_tokens": 4, "ignore_eos": True},
+        None,
+    ),
+    "stream-prompt-window-minus-1": (
+        "/v1/completions",
+        {"prompt": ids(WINDOW - 1, 4), "max_tokens": 1, "stream": True},
+        None,
+    ),
     "token-id-vocab-minus-1": ("/v1/completions", {"prompt": [VOCAB - 1, 0, VOCAB - 1], "max_tokens": 2}, 2),
     "n-1": ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 1}, 2),
     "best_of-1": ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "best_of": 1}, 2),
-    "chat-n-1": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                          "n": 1}, 2),
+    "chat-n-1": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 1}, 2),
     "top_p-1-is-off": ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "top_p": 1.0}, 2),
 }
 
@@ -192,34 +216,61 @@ def test_limits_at_their_edge_are_served(graph, case):
 
 
 REFUSED = {  # id: (path, body without model, what the 4xx message must contain)
-    "prompt-exactly-window": ("/v1/completions", {"prompt": ids(WINDOW, 5), "max_tokens": 1},
-                              f"prompt has {WINDOW:,} tokens; this model's context window is {WINDOW:,}"),
-    "prompt-exactly-window-default-max": ("/v1/completions", {"prompt": ids(WINDOW, 6)},
-                                          f"context window is {WINDOW:,}"),
-    "max-tokens-one-over-room": ("/v1/completions", {"prompt": ids(WINDOW - 4, 7), "max_tokens": 5},
-                                 f"{WINDOW + 1:,} exceeds this model's context window of {WINDOW:,}; "
-                                 "use max_tokens <= 4"),
+    "prompt-exactly-window": (
+        "/v1/completions",
+        {"prompt": ids(WINDOW, 5), "max_tokens": 1},
+        f"prompt has {WINDOW:,} tokens; this model's context window is {WINDOW:,}",
+    ),
+    "prompt-exactly-window-default-max": (
+        "/v1/completions",
+        {"prompt": ids(WINDOW, 6)},
+        f"context window is {WINDOW:,}",
+    ),
+    "max-tokens-one-over-room": (
+        "/v1/completions",
+        {"prompt": ids(WINDOW - 4, 7), "max_tokens": 5},
+        f"{WINDOW + 1:,} exceeds this model's context window of {WINDOW:,}; use max_tokens <= 4",
+    ),
     "n-0": ("/v1/completions", {"prompt": [5], "max_tokens": 2, "n": 0}, "n must be between 1 and 128, got 0"),
     "n-string": ("/v1/completions", {"prompt": [5], "max_tokens": 2, "n": "2"}, 'invalid type: string "2"'),
     "max-tokens-string-digits": ("/v1/completions", {"prompt": [5], "max_tokens": "2"}, 'invalid type: string "2"'),
     "best_of-0": ("/v1/completions", {"prompt": [5], "max_tokens": 2, "best_of": 0}, "best_of=0 is not supported"),
-    "chat-n-2": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2},
-                 "n=2 is not supported"),
-    "chat-best_of": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                              "best_of": 3}, "best_of"),
-    "chat-logprobs": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                               "logprobs": True}, "logprobs=1 is not supported"),
-    "chat-logprobs-top-0": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                     "max_tokens": 2, "logprobs": True, "top_logprobs": 0},
-                            "logprobs=0 is not supported"),
+    "chat-n-2": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2},
+        "n=2 is not supported",
+    ),
+    "chat-best_of": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "best_of": 3},
+        "best_of",
+    ),
+    "chat-logprobs": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True},
+        "logprobs=1 is not supported",
+    ),
+    "chat-logprobs-top-0": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 0},
+        "logprobs=0 is not supported",
+    ),
     "top_k": ("/v1/completions", {"prompt": [5], "max_tokens": 2, "top_k": 5}, "top_k=5 is not supported"),
-    "repetition_penalty": ("/v1/completions", {"prompt": [5], "max_tokens": 2, "repetition_penalty": 1.5},
-                           "repetition_penalty=1.5 is not supported"),
-    "use_beam_search": ("/v1/completions", {"prompt": [5], "max_tokens": 2, "use_beam_search": True},
-                        "use_beam_search"),
-    "json-response-format": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                      "max_tokens": 2, "response_format": {"type": "json_object"}},
-                             "is not supported"),
+    "repetition_penalty": (
+        "/v1/completions",
+        {"prompt": [5], "max_tokens": 2, "repetition_penalty": 1.5},
+        "repetition_penalty=1.5 is not supported",
+    ),
+    "use_beam_search": (
+        "/v1/completions",
+        {"prompt": [5], "max_tokens": 2, "use_beam_search": True},
+        "use_beam_search",
+    ),
+    "json-response-format": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": "json_object"}},
+        "is not supported",
+    ),
 }
 
 
@@ -235,13 +286,16 @@ def _greedy(graph, **extra):
     return code, reply
 
 
-@pytest.mark.xfail(strict=True, reason="logit_bias is accepted (200) and ignored, and the worker cannot refuse it: "
-                   "Dynamo 1.6.1's frontend drops it before the worker. Probed (the request dict generate() gets): "
-                   "model, token_ids, stop_conditions, sampling_options (n, best_of, penalties, temperature, top_p, "
-                   "top_k, min_p, use_beam_search, length_penalty, seed, include_stop_str_in_output, "
-                   "guided_decoding), output_options (logprobs, prompt_logprobs, skip_special_tokens, "
-                   "formatted_prompt, return_tokens_as_token_ids), eos_token_ids, mdc_sum, annotations, routing, "
-                   "router_config_override - identical with and without logit_bias")
+@pytest.mark.xfail(
+    strict=True,
+    reason="logit_bias is accepted (200) and ignored, and the worker cannot refuse it: "
+    "Dynamo 1.6.1's frontend drops it before the worker. Probed (the request dict generate() gets): "
+    "model, token_ids, stop_conditions, sampling_options (n, best_of, penalties, temperature, top_p, "
+    "top_k, min_p, use_beam_search, length_penalty, seed, include_stop_str_in_output, "
+    "guided_decoding), output_options (logprobs, prompt_logprobs, skip_special_tokens, "
+    "formatted_prompt, return_tokens_as_token_ids), eos_token_ids, mdc_sum, annotations, routing, "
+    "router_config_override - identical with and without logit_bias",
+)
 def test_logit_bias_is_refused_not_ignored(graph):
     code, plain = _greedy(graph)
     assert code == 200
@@ -260,21 +314,30 @@ def test_completions_logprobs_zero_is_refused_or_honoured(graph):
         assert 400 <= code < 500 and "logprobs" in reply["message"], reply
 
 
-@pytest.mark.xfail(strict=True, reason="completions 'suffix' is accepted (200) and ignored, and the worker cannot "
-                   "refuse it: Dynamo 1.6.1's frontend drops it before the worker (the request generate() gets is "
-                   "identical with and without it; see the logit_bias test)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="completions 'suffix' is accepted (200) and ignored, and the worker cannot "
+    "refuse it: Dynamo 1.6.1's frontend drops it before the worker (the request generate() gets is "
+    "identical with and without it; see the logit_bias test)",
+)
 def test_suffix_is_refused_not_ignored(graph):
     code, reply = _greedy(graph, suffix=" the end")
     assert 400 <= code < 500 and "suffix" in reply["message"], (code, reply)
 
 
-@pytest.mark.xfail(strict=True, reason="chat top_logprobs=3 without logprobs=true is accepted (200, logprobs "
-                   "null) and the worker cannot refuse it: Dynamo 1.6.1's frontend sets output_options.logprobs "
-                   "only with logprobs=true (to top_logprobs, 1 when absent) and otherwise sends None, the same as "
-                   "a request without top_logprobs; logprobs=true is refused, with any top_logprobs, 0 too")
+@pytest.mark.xfail(
+    strict=True,
+    reason="chat top_logprobs=3 without logprobs=true is accepted (200, logprobs "
+    "null) and the worker cannot refuse it: Dynamo 1.6.1's frontend sets output_options.logprobs "
+    "only with logprobs=true (to top_logprobs, 1 when absent) and otherwise sends None, the same as "
+    "a request without top_logprobs; logprobs=true is refused, with any top_logprobs, 0 too",
+)
 def test_chat_top_logprobs_is_refused_not_ignored(graph):
-    code, reply = post(graph, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 3},
-                       "/v1/chat/completions")
+    code, reply = post(
+        graph,
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 3},
+        "/v1/chat/completions",
+    )
     assert 400 <= code < 500 and "logprobs" in reply["message"], (code, reply)
 
 
@@ -285,6 +348,7 @@ def test_streamed_n_2_gets_a_4xx(graph):
 
 # --- clients hanging up -----------------------------------------------------------------------------
 
+
 def test_clients_hanging_up_at_every_moment_free_everything(graph):
     """40 clients at once: before the first token of a ~1,000-token prefill, after the first chunk,
     after five decoded chunks, non-streaming ones after 1 s of a 700-token answer, chat streams
@@ -293,14 +357,25 @@ def test_clients_hanging_up_at_every_moment_free_everything(graph):
     before = all_workers(graph)
     jobs = []
     for i in range(10):
-        jobs.append(({"prompt": ids(WINDOW - 30, 100 + i), "max_tokens": 20, "stream": True}, 0, 0.05,
-                     "/v1/completions"))
+        jobs.append(
+            ({"prompt": ids(WINDOW - 30, 100 + i), "max_tokens": 20, "stream": True}, 0, 0.05, "/v1/completions")
+        )
         jobs.append(({"prompt": ids(900, 200 + i), "max_tokens": 100, "stream": True}, 1, 0, "/v1/completions"))
         jobs.append(({"prompt": ids(300, 300 + i), "max_tokens": 400, "stream": True}, 5, 0, "/v1/completions"))
     for i in range(5):
         jobs.append(({"prompt": ids(200, 400 + i), "max_tokens": 700}, 0, 1.0, "/v1/completions"))
-        jobs.append(({"messages": [{"role": "user", "content": f"chat {i} " + "x y " * 100}], "max_tokens": 300,
-                      "stream": True}, 1, 0, "/v1/chat/completions"))
+        jobs.append(
+            (
+                {
+                    "messages": [{"role": "user", "content": f"chat {i} " + "x y " * 100}],
+                    "max_tokens": 300,
+                    "stream": True,
+                },
+                1,
+                0,
+                "/v1/chat/completions",
+            )
+        )
     with ThreadPoolExecutor(len(jobs)) as pool:
         list(pool.map(lambda j: hang_up(graph, j[0], j[1], j[2], j[3]), jobs))
     # The 10 clients gone 50 ms after sending may leave before the frontend dispatched them (it
@@ -309,8 +384,11 @@ def test_clients_hanging_up_at_every_moment_free_everything(graph):
     assert aborted >= len(jobs) - 10 - 8, (aborted, done)  # a few may end by themselves (end-of-text)
     # A request that reached a worker late ends by itself (20 tokens); a leaked block or task never
     # comes back, so this waits for the condition and fails only on a leak.
-    wait_until("no device block in use and no offload task in flight on either worker",
-               lambda: all(m["used"] == 0 and m["tasks"] == 0 for m in all_workers(graph)), timeout=60)
+    wait_until(
+        "no device block in use and no offload task in flight on either worker",
+        lambda: all(m["used"] == 0 and m["tasks"] == 0 for m in all_workers(graph)),
+        timeout=60,
+    )
     code, reply = post(graph, {"prompt": ids(100, 1), "max_tokens": 4})
     assert code == 200 and reply["usage"]["completion_tokens"] >= 1
 
@@ -329,11 +407,12 @@ def test_burst_with_hangups_drops_no_router_event(graph):
     """120 requests over 8 shared prefixes (device, host and disk evictions) interleaved with
     clients hanging up: no log says the router failed to apply an event."""
     import random
+
     rnd = random.Random(5)
     prefixes = [[rnd.randrange(1, VOCAB - 1) for _ in range(rnd.choice([100, 300, 600]))] for _ in range(8)]
 
     def one(i):
-        prompt = (prefixes[i % 8] + [rnd.randrange(1, VOCAB - 1) for _ in range(rnd.randrange(1, 200))])[:WINDOW - 20]
+        prompt = (prefixes[i % 8] + [rnd.randrange(1, VOCAB - 1) for _ in range(rnd.randrange(1, 200))])[: WINDOW - 20]
         if i % 5 == 4:
             hang_up(graph, {"prompt": prompt, "max_tokens": 16, "stream": True}, 0, 0.02 * (i % 7))
             return 200
@@ -367,16 +446,23 @@ def test_worker_killed_mid_decode_of_long_prompts_loses_nothing_and_is_routed_to
     ready_before = sum(f"{victim} is ready again" in x for x in graph.lines)
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(tracked_stream, graph, p, 100, t) for p, t in zip(prompts, tracks)]
-        wait_until("every stream decoding", lambda: all(t.chunks >= 3 for t in tracks) or
-                   any(f.done() for f in futures), timeout=TIMEOUT, every=0.01)
+        wait_until(
+            "every stream decoding",
+            lambda: all(t.chunks >= 3 for t in tracks) or any(f.done() for f in futures),
+            timeout=TIMEOUT,
+            every=0.01,
+        )
         os.kill(worker_pid(graph, victim), signal.SIGKILL)
         # a client that hangs up while the worker is dead / restarting
         hang_up(graph, {"prompt": ids(600, 5), "max_tokens": 50, "stream": True}, 1)
         results = [f.result(timeout=TIMEOUT) for f in futures]
     assert all(r.status == 200 and r.done and r.error is None for r in results), [vars(r) for r in results]
     assert all(r.usage["completion_tokens"] == 100 for r in results), [r.usage for r in results]
-    wait_until("the restarted worker ready",
-               lambda: sum(f"{victim} is ready again" in x for x in graph.lines) > ready_before, timeout=90)
+    wait_until(
+        "the restarted worker ready",
+        lambda: sum(f"{victim} is ready again" in x for x in graph.lines) > ready_before,
+        timeout=90,
+    )
     wait_until("both workers routed", lambda: routed_workers(graph) == 2, timeout=30)
     port = graph.worker_port(victim)
     served = scrape(port)["done"]
@@ -388,14 +474,17 @@ def test_worker_killed_mid_decode_of_long_prompts_loses_nothing_and_is_routed_to
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a request migrated mid-decode reports usage.prompt_tokens = its prompt plus "
-                   "the tokens generated before the death. Probed: Dynamo 1.6.1 resends it to the new worker as a "
-                   "fresh request - token_ids = prompt + the k generated tokens, stop_conditions.max_tokens reduced "
-                   "by k, annotations [] and no other field changed - so no worker can tell the original prompt "
-                   "length. The frontend takes prompt_tokens from the worker's completion_usage (its own count "
-                   "only when completion_usage is absent, which would lose usage.prompt_tokens_details."
-                   "cached_tokens for every request; completion_usage without prompt_tokens is refused by the "
-                   "frontend as 'Invalid request'). completion_tokens is right (the frontend's count)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a request migrated mid-decode reports usage.prompt_tokens = its prompt plus "
+    "the tokens generated before the death. Probed: Dynamo 1.6.1 resends it to the new worker as a "
+    "fresh request - token_ids = prompt + the k generated tokens, stop_conditions.max_tokens reduced "
+    "by k, annotations [] and no other field changed - so no worker can tell the original prompt "
+    "length. The frontend takes prompt_tokens from the worker's completion_usage (its own count "
+    "only when completion_usage is absent, which would lose usage.prompt_tokens_details."
+    "cached_tokens for every request; completion_usage without prompt_tokens is refused by the "
+    "frontend as 'Invalid request'). completion_tokens is right (the frontend's count)",
+)
 def test_migrated_requests_report_their_own_prompt_tokens(graph):
     """8 streams of 300-token prompts decoding 700 tokens each; once every stream has at least 10
     chunks, SIGKILL the worker holding the most device blocks: its streams are migrated with at
@@ -404,8 +493,12 @@ def test_migrated_requests_report_their_own_prompt_tokens(graph):
     tracks = [Streamed() for _ in prompts]
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(tracked_stream, graph, p, 700, t) for p, t in zip(prompts, tracks)]
-        wait_until("every stream decoding", lambda: all(t.chunks >= 10 for t in tracks) or
-                   any(f.done() for f in futures), timeout=TIMEOUT, every=0.01)
+        wait_until(
+            "every stream decoding",
+            lambda: all(t.chunks >= 10 for t in tracks) or any(f.done() for f in futures),
+            timeout=TIMEOUT,
+            every=0.01,
+        )
         used = {w: scrape(graph.worker_port(w))["used"] for w in WORKERS}
         victim = max(used, key=used.get)
         ready_before = sum(f"{victim} is ready again" in x for x in graph.lines)
@@ -413,14 +506,20 @@ def test_migrated_requests_report_their_own_prompt_tokens(graph):
             os.kill(worker_pid(graph, victim), signal.SIGKILL)
         results = [f.result(timeout=TIMEOUT) for f in futures]
     if not used[victim]:
-        pytest.skip(f"no stream was decoding when the kill was due ({used}): no worker held "
-                    "a stream's blocks at that moment, so nothing would migrate; rerun it")
-    wait_until("the restarted worker ready",
-               lambda: sum(f"{victim} is ready again" in x for x in graph.lines) > ready_before, timeout=90)
+        pytest.skip(
+            f"no stream was decoding when the kill was due ({used}): no worker held "
+            "a stream's blocks at that moment, so nothing would migrate; rerun it"
+        )
+    wait_until(
+        "the restarted worker ready",
+        lambda: sum(f"{victim} is ready again" in x for x in graph.lines) > ready_before,
+        timeout=90,
+    )
     wait_until("both workers routed", lambda: routed_workers(graph) == 2, timeout=30)
     wait_idle(graph, all_workers(graph), 0)
-    assert all(r.usage and r.usage["prompt_tokens"] == len(p) for p, r in zip(prompts, results)), \
-        [(len(p), r.usage and r.usage["prompt_tokens"], r.error) for p, r in zip(prompts, results)]
+    assert all(r.usage and r.usage["prompt_tokens"] == len(p) for p, r in zip(prompts, results)), [
+        (len(p), r.usage and r.usage["prompt_tokens"], r.error) for p, r in zip(prompts, results)
+    ]
 
 
 # --- shutdown ------------------------------------------------------------------------------------------
@@ -453,19 +552,26 @@ def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(graph):
         futures = [pool.submit(tracked_stream, graph, p, tokens, t) for p, t in zip(DRAIN_PROMPTS, tracks)]
         # In flight: each stream delivered a token (the client's own count, which only grows; a
         # gauge polled on /metrics can miss requests that start and end between two scrapes).
-        wait_until("requests in flight", lambda: all(t.chunks >= 1 for t in tracks) or any(f.done() for f in futures),
-                   timeout=TIMEOUT, every=0.01)
+        wait_until(
+            "requests in flight",
+            lambda: all(t.chunks >= 1 for t in tracks) or any(f.done() for f in futures),
+            timeout=TIMEOUT,
+            every=0.01,
+        )
         graph.proc.send_signal(signal.SIGTERM)
         graph.wait_for(r"^stopping\.\.\.$", TIMEOUT)  # serve took the SIGTERM and is stopping the graph
         streaming = sum(not t.done for t in tracks)
         graph.proc.send_signal(signal.SIGINT)
         results = [f.result(timeout=TIMEOUT) for f in futures]
     summary = [(r.status, r.chunks, r.done, r.error, r.usage) for r in results]
-    assert streaming, f"every stream of {tokens} tokens had ended before the second signal: nothing was drained ({summary})"
-    cut = [(i, r.status, r.chunks, r.done, r.error, (r.usage or {}).get("completion_tokens"), round(r.seconds, 1))
-           for i, r in enumerate(results)
-           if not (r.status == 200 and r.done and r.error is None and r.usage
-                   and r.usage["completion_tokens"] == tokens)]
+    assert streaming, (
+        f"every stream of {tokens} tokens had ended before the second signal: nothing was drained ({summary})"
+    )
+    cut = [
+        (i, r.status, r.chunks, r.done, r.error, (r.usage or {}).get("completion_tokens"), round(r.seconds, 1))
+        for i, r in enumerate(results)
+        if not (r.status == 200 and r.done and r.error is None and r.usage and r.usage["completion_tokens"] == tokens)
+    ]
     # Only the streams that were cut, so the reason is not lost to pytest's truncation.
     assert not cut, f"{len(cut)} of {len(results)} streams cut (index, status, chunks, done, error, tokens, s): {cut}"
     assert graph.proc.wait(timeout=90) == 0, "\n".join(graph.lines[-40:])
@@ -479,8 +585,10 @@ def test_a_new_graph_on_the_same_ssd_serves_the_drained_prefixes_from_disk(graph
     """The SSD writes pending at the SIGTERM were flushed: a new graph on the same run directory
     re-adopts them and serves each drained prompt's full blocks as cache hits."""
     if graph.proc.poll() is None:
-        pytest.skip("needs the graph test_sigterm_then_second_signal_drains_in_flight_and_exits_0 stopped: "
-                    "runs when both are selected, e.g. pytest -m 'slow or not slow' tests/test_serve_requests_and_shutdown.py")
+        pytest.skip(
+            "needs the graph test_sigterm_then_second_signal_drains_in_flight_and_exits_0 stopped: "
+            "runs when both are selected, e.g. pytest -m 'slow or not slow' tests/test_serve_requests_and_shutdown.py"
+        )
     again = Serve(graph.tmp, "g", "FlexKVWorker.restart-backoff-s=0.5")
     again.run_dir = graph.run_dir
     try:
@@ -488,8 +596,10 @@ def test_a_new_graph_on_the_same_ssd_serves_the_drained_prefixes_from_disk(graph
         # announced them, and the frontend's router applied every event published.
         adopted = sum(disk_ready(again.worker_port(w)) > 0 for w in WORKERS)
         assert adopted, "no worker re-adopted a disk block"
-        wait_until("each re-adopting worker's announcement",
-                   lambda: sum(bool(re.search(r"announced \d+ re-adopted disk blocks", ln)) for ln in again.lines) >= adopted)
+        wait_until(
+            "each re-adopting worker's announcement",
+            lambda: sum(bool(re.search(r"announced \d+ re-adopted disk blocks", ln)) for ln in again.lines) >= adopted,
+        )
         applied = events_applied(again.metrics["Frontend"], [again.metrics[w] for w in WORKERS])
         assert {status for _, status in applied} == {"ok"}, applied
         for p in DRAIN_PROMPTS:

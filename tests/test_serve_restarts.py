@@ -48,8 +48,9 @@ class Graph(Serve):
         super().__init__(tmp_path, name, *overrides)
         self.run_dir = tmp_path / name
         self.pids: Set[int] = set(self.children)
-        self.ports: Set[int] = {int(self.base_url.rsplit(":", 1)[1])} | {self.worker_port(w) for w in self.metrics
-                                                                         if w != "Frontend"}
+        self.ports: Set[int] = {int(self.base_url.rsplit(":", 1)[1])} | {
+            self.worker_port(w) for w in self.metrics if w != "Frontend"
+        }
         for pid in self.children:  # the event broker's two ports, say
             try:
                 cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
@@ -64,8 +65,9 @@ class Graph(Serve):
                 if name == "Frontend":
                     hit = b"dynamo.frontend" in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
                 else:
-                    hit = f"DYN_SYSTEM_PORT={self.worker_port(name)}".encode() in \
-                        open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                    hit = f"DYN_SYSTEM_PORT={self.worker_port(name)}".encode() in open(
+                        f"/proc/{pid}/environ", "rb"
+                    ).read().split(b"\0")
             except OSError:
                 continue
             if hit:
@@ -122,8 +124,9 @@ class Graph(Serve):
                     busy.append(port)
         assert not busy, f"ports still in use: {busy}"
         if not tracebacks_ok:
-            assert TRACEBACK not in self.logs() and TRACEBACK not in self.output(), \
-                self.logs()[self.logs().find(TRACEBACK) - 200:][:3000] if TRACEBACK in self.logs() else self.output()
+            assert TRACEBACK not in self.logs() and TRACEBACK not in self.output(), (
+                self.logs()[self.logs().find(TRACEBACK) - 200 :][:3000] if TRACEBACK in self.logs() else self.output()
+            )
 
     def close(self) -> None:
         super().close()
@@ -138,8 +141,11 @@ class Graph(Serve):
 
 
 def post(graph: Graph, body: dict, timeout: float = 60):
-    req = urllib.request.Request(graph.base_url + "/v1/completions", json.dumps({"model": MODEL, **body}).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        graph.base_url + "/v1/completions",
+        json.dumps({"model": MODEL, **body}).encode(),
+        headers={"content-type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -171,13 +177,16 @@ def exit_code(graph: Graph, timeout: float) -> int:
 def streams(graph: Graph, n: int, max_tokens: int = 300, tag: str = "s") -> list:
     pool = ThreadPoolExecutor(n)
     outs = [Streamed() for _ in range(n)]
-    futs = [pool.submit(stream, graph.base_url, MODEL, f"{tag} {i}: " + "x y z " * 30, max_tokens, out=outs[i])
-            for i in range(n)]
+    futs = [
+        pool.submit(stream, graph.base_url, MODEL, f"{tag} {i}: " + "x y z " * 30, max_tokens, out=outs[i])
+        for i in range(n)
+    ]
     pool.shutdown(wait=False)
     return futs
 
 
 # --- restart budget under deaths inside and right after the start-up window ------------------------
+
 
 @pytest.mark.slow
 def test_deaths_during_and_right_after_a_restarts_startup_each_spend_one_restart_then_exit_1(tmp_path):
@@ -189,18 +198,21 @@ def test_deaths_during_and_right_after_a_restarts_startup_each_spend_one_restart
     victim = "FlexKVWorker-1"
     try:
         os.kill(g.pid_of(victim), signal.SIGKILL)
-        g.wait_for(rf"{victim} exited with signal SIGKILL \(death 1 within 300 s, budget 3\).*restarting it in 0.3 s",
-                   10)
+        g.wait_for(
+            rf"{victim} exited with signal SIGKILL \(death 1 within 300 s, budget 3\).*restarting it in 0.3 s", 10
+        )
         pid = g.restarted_pid(victim, 1)
         os.kill(pid, signal.SIGKILL)  # inside its start-up window: not ready yet
-        g.wait_for(rf"{victim} exited with signal SIGKILL \(death 2 within 300 s, budget 3\).*restarting it in 0.6 s",
-                   10)
+        g.wait_for(
+            rf"{victim} exited with signal SIGKILL \(death 2 within 300 s, budget 3\).*restarting it in 0.6 s", 10
+        )
         assert not any(re.search(rf"{victim} is ready again", x) for x in g.lines), g.lines[-10:]
         pid = g.restarted_pid(victim, 2)
         g.wait_for(rf"{victim} is ready again", 60)
         os.kill(pid, signal.SIGKILL)  # right after it became ready
-        g.wait_for(rf"{victim} exited with signal SIGKILL \(death 3 within 300 s, budget 3\).*restarting it in 1.2 s",
-                   10)
+        g.wait_for(
+            rf"{victim} exited with signal SIGKILL \(death 3 within 300 s, budget 3\).*restarting it in 1.2 s", 10
+        )
         # The graph still serves on the other worker meanwhile.
         status, body = post(g, {"prompt": "still here", "max_tokens": 2})
         assert status == 200, body
@@ -208,8 +220,11 @@ def test_deaths_during_and_right_after_a_restarts_startup_each_spend_one_restart
         os.kill(pid, signal.SIGKILL)
         assert exit_code(g, 60) == 1, g.output()[-3000:]
         out = g.output()
-        assert re.search(rf"error: {victim} exited with signal SIGKILL: it died 4 times within 300 s, more than "
-                         r"its restart budget \(max-restarts=3\)", out), out[-3000:]
+        assert re.search(
+            rf"error: {victim} exited with signal SIGKILL: it died 4 times within 300 s, more than "
+            r"its restart budget \(max-restarts=3\)",
+            out,
+        ), out[-3000:]
         assert f"{victim} restarted (restart 4" not in out
         g.assert_clean()
     finally:
@@ -217,6 +232,7 @@ def test_deaths_during_and_right_after_a_restarts_startup_each_spend_one_restart
 
 
 # --- a client hanging up as its request migrates ---------------------------------------------------
+
 
 @pytest.mark.slow
 def test_client_hanging_up_as_its_request_migrates_leaves_no_work_behind(tmp_path):
@@ -230,14 +246,28 @@ def test_client_hanging_up_as_its_request_migrates_leaves_no_work_behind(tmp_pat
     try:
         port = int(g.base_url.rsplit(":", 1)[1])
         for i in range(8):
-            raw = json.dumps({"model": MODEL, "prompt": f"hang {i}: " + "a b c " * 30, "max_tokens": 400,
-                              "stream": True, "ignore_eos": True}).encode()
+            raw = json.dumps(
+                {
+                    "model": MODEL,
+                    "prompt": f"hang {i}: " + "a b c " * 30,
+                    "max_tokens": 400,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
+            ).encode()
             s = socket.create_connection(("127.0.0.1", port), timeout=30)
-            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+            s.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(raw)}\r\n\r\n".encode()
+                + raw
+            )
             socks.append(s)
-        wait_until("streams on both workers", lambda: inflight(g, victim) > 0 and inflight(g, other) > 0, every=0.05,
-                   timeout=30)
+        wait_until(
+            "streams on both workers",
+            lambda: inflight(g, victim) > 0 and inflight(g, other) > 0,
+            every=0.05,
+            timeout=30,
+        )
         os.kill(g.pid_of(victim), signal.SIGKILL)
         time.sleep(0.08)
         for s in socks:
@@ -246,9 +276,12 @@ def test_client_hanging_up_as_its_request_migrates_leaves_no_work_behind(tmp_pat
 
         def idle():
             m = scrape(g.worker_port(other))
-            return (value(m, "dynamo_component_inflight_requests") == 0
-                    and value(m, "flexkv_device_blocks", state="used") == 0
-                    and value(m, "flexkv_tasks_in_flight") == 0)
+            return (
+                value(m, "dynamo_component_inflight_requests") == 0
+                and value(m, "flexkv_device_blocks", state="used") == 0
+                and value(m, "flexkv_tasks_in_flight") == 0
+            )
+
         wait_until("the surviving worker idle", idle, timeout=20, every=0.2)
         g.restarted_pid(victim, 1)
         g.wait_for(rf"{victim} is ready again", 60)
@@ -264,6 +297,7 @@ def test_client_hanging_up_as_its_request_migrates_leaves_no_work_behind(tmp_pat
 
 
 # --- signals to serve -----------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_two_sigints_within_0_2_s_during_a_restart_backoff_stop_everything_exit_0(tmp_path):
@@ -307,8 +341,9 @@ def test_ctrl_c_inside_a_restarts_startup_window_and_a_death_during_shutdown_res
         except (ProcessLookupError, StopIteration):
             pass
         assert exit_code(g, 60) == 0, g.output()[-3000:]
-        assert not any(re.search(r"restarted \(restart 1, pid \d+\)", x) for x in g.lines
-                       if WORKERS[0] in x), g.output()[-2000:]
+        assert not any(re.search(r"restarted \(restart 1, pid \d+\)", x) for x in g.lines if WORKERS[0] in x), (
+            g.output()[-2000:]
+        )
         assert sum(f"{WORKERS[1]} restarted" in x for x in g.lines) == 1
         g.assert_clean(tracebacks_ok=True)  # worker 0 is SIGKILLed while it drains
     finally:
@@ -324,15 +359,16 @@ def test_ctrl_c_inside_a_restarts_startup_window_leaves_no_traceback(tmp_path):
         g.proc.send_signal(signal.SIGINT)
         assert exit_code(g, 60) == 0, g.output()[-3000:]
         g.assert_clean(tracebacks_ok=True)
-        assert TRACEBACK not in g.logs(), g.logs()[g.logs().find(TRACEBACK) - 100:][:1500]
+        assert TRACEBACK not in g.logs(), g.logs()[g.logs().find(TRACEBACK) - 100 :][:1500]
     finally:
         g.close()
 
 
 def _is_worker0(g: Graph, pid: int) -> bool:
     try:
-        return f"DYN_SYSTEM_PORT={g.worker_port(WORKERS[0])}".encode() in \
-            open(f"/proc/{pid}/environ", "rb").read().split(NUL)
+        return f"DYN_SYSTEM_PORT={g.worker_port(WORKERS[0])}".encode() in open(
+            f"/proc/{pid}/environ", "rb"
+        ).read().split(NUL)
     except OSError:
         return False
 
@@ -344,8 +380,12 @@ def test_sigterm_to_serve_during_a_workers_drain_grace_stops_everything_exit_0(t
     g = Graph(tmp_path, "drain", "FlexKVWorker.restart-backoff-s=0.3")
     try:
         futs = streams(g, 6, 300, "drain")
-        wait_until("streams on both workers",
-                   lambda: inflight(g, WORKERS[0]) > 0 and inflight(g, WORKERS[1]) > 0, every=0.05, timeout=30)
+        wait_until(
+            "streams on both workers",
+            lambda: inflight(g, WORKERS[0]) > 0 and inflight(g, WORKERS[1]) > 0,
+            every=0.05,
+            timeout=30,
+        )
         os.kill(g.pid_of(WORKERS[1]), signal.SIGTERM)
         time.sleep(1.0)
         g.proc.send_signal(signal.SIGTERM)
@@ -376,6 +416,7 @@ def test_a_worker_that_drains_by_itself_is_restarted_or_reported(tmp_path):
 
 # --- a hung (SIGSTOPped) worker -------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_ctrl_c_with_a_sigstopped_worker_stops_everything_within_the_kill_deadline(tmp_path):
     """A worker SIGSTOPped while it streams: its clients stall (it is hung, not dead) until its
@@ -386,8 +427,12 @@ def test_ctrl_c_with_a_sigstopped_worker_stops_everything_within_the_kill_deadli
     hung = None
     try:
         futs = streams(g, 6, 400, "hung")
-        wait_until("streams on both workers",
-                   lambda: inflight(g, WORKERS[0]) > 0 and inflight(g, WORKERS[1]) > 0, every=0.05, timeout=30)
+        wait_until(
+            "streams on both workers",
+            lambda: inflight(g, WORKERS[0]) > 0 and inflight(g, WORKERS[1]) > 0,
+            every=0.05,
+            timeout=30,
+        )
         hung = g.pid_of(WORKERS[1])
         os.kill(hung, signal.SIGSTOP)
         time.sleep(5)
@@ -397,8 +442,10 @@ def test_ctrl_c_with_a_sigstopped_worker_stops_everything_within_the_kill_deadli
         # lists it, so some may be routed there and stall until the client gives up.
         with ThreadPoolExecutor(4) as pool:
             fresh = list(pool.map(lambda i: _try(g, f"while hung {i}: " + "q r " * 20), range(4)))
-        print(f"while a worker is SIGSTOPped: {fresh.count(200)}/4 new requests answered within 10 s, "
-              f"router lists {_routed(g)} workers")
+        print(
+            f"while a worker is SIGSTOPped: {fresh.count(200)}/4 new requests answered within 10 s, "
+            f"router lists {_routed(g)} workers"
+        )
         t0 = time.monotonic()
         g.proc.send_signal(signal.SIGINT)
         rc = exit_code(g, 75)
@@ -426,11 +473,15 @@ def _try(g: Graph, prompt: str):
 
 
 def _routed(g: Graph) -> int:
-    return len(re.findall(r"^dynamo_component_router_worker_registered\{[^}]*\} 1$", scrape(int(g.base_url.rsplit(":", 1)[1])),
-                          re.M))
+    return len(
+        re.findall(
+            r"^dynamo_component_router_worker_registered\{[^}]*\} 1$", scrape(int(g.base_url.rsplit(":", 1)[1])), re.M
+        )
+    )
 
 
 # --- the frontend's death -------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_the_frontends_death_stops_the_graph_with_exit_1_and_leaves_nothing(tmp_path):
@@ -450,6 +501,7 @@ def test_the_frontends_death_stops_the_graph_with_exit_1_and_leaves_nothing(tmp_
 
 # --- SSD tier full, worker SIGKILLed during heavy offload writes ----------------------------------
 
+
 def _greedy_texts(g: Graph, prompts) -> List[str]:
     texts = []
     for p in prompts:
@@ -465,9 +517,15 @@ def test_worker_killed_during_heavy_ssd_writes_readopts_and_answers_the_same_tex
     distinct prompts, SIGKILLed while offload writes are in flight. The restarted worker re-adopts
     its disk tier (disk blocks in use > 0 before any request) and answers the same greedy prompts
     with the same text as before the kill."""
-    g = Graph(tmp_path, "ssdfull", "FlexKVWorker.replicas=1", "FlexKVWorker.device-prefix-cache=false",
-              "FlexKVWorker.restart-backoff-s=0.3", "FlexKVWorker.cache.ssd_cache_gb=0.005",
-              "FlexKVWorker.cache.cpu_cache_gb=0.005")
+    g = Graph(
+        tmp_path,
+        "ssdfull",
+        "FlexKVWorker.replicas=1",
+        "FlexKVWorker.device-prefix-cache=false",
+        "FlexKVWorker.restart-backoff-s=0.3",
+        "FlexKVWorker.cache.ssd_cache_gb=0.005",
+        "FlexKVWorker.cache.cpu_cache_gb=0.005",
+    )
     w = "FlexKVWorker"  # a single replica has no number
     try:
         probes = [f"probe {k}: " + "the quick brown fox jumps " * (10 + 3 * k) for k in range(4)]
@@ -479,19 +537,24 @@ def test_worker_killed_during_heavy_ssd_writes_readopts_and_answers_the_same_tex
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda i: post(g, {"prompt": f"fill {i}: " + f"w{i} " * 200, "max_tokens": 1}), range(40)))
         m = scrape(g.worker_port(w))
-        assert value(m, "flexkv_evicted_blocks_total", tier="disk") > 0 or \
-            value(m, "flexkv_pool_blocks", tier="disk", state="used") >= cap * 0.9, m
+        assert (
+            value(m, "flexkv_evicted_blocks_total", tier="disk") > 0
+            or value(m, "flexkv_pool_blocks", tier="disk", state="used") >= cap * 0.9
+        ), m
         before_probe = _greedy_texts(g, probes)  # the probes again (re-offloaded): the text is stable
         assert before_probe == before
         pool = ThreadPoolExecutor(6)
         base = value(scrape(g.worker_port(w)), "flexkv_link_ops_total", link="h2disk")
-        burst = [pool.submit(post, g, {"prompt": f"burst {i}: " + f"b{i} " * 200, "max_tokens": 1}, 30)
-                 for i in range(48)]
+        burst = [
+            pool.submit(post, g, {"prompt": f"burst {i}: " + f"b{i} " * 200, "max_tokens": 1}, 30) for i in range(48)
+        ]
 
         def writing():  # an offload task in flight, or disk writes under way with the burst still running
             m = scrape(g.worker_port(w))
             return value(m, "flexkv_tasks_in_flight") > 0 or (
-                value(m, "flexkv_link_ops_total", link="h2disk") > base and sum(not f.done() for f in burst) > 2)
+                value(m, "flexkv_link_ops_total", link="h2disk") > base and sum(not f.done() for f in burst) > 2
+            )
+
         wait_until("offload writes in flight", writing, every=0.02, timeout=30)
         os.kill(g.pid_of(w), signal.SIGKILL)
         pool.shutdown(wait=True)
@@ -510,8 +573,10 @@ def test_worker_killed_during_heavy_ssd_writes_readopts_and_answers_the_same_tex
         assert after == before, (before, after)
         m = scrape(g.worker_port(w))
         assert value(m, "flexkv_failed_ops_total") == 0, m
-        print(f"disk capacity {cap:.0f} blocks, re-adopted {readopted:.0f}; disk hits after restart "
-              f"{value(m, 'flexkv_prompt_tokens_cached_total', tier='disk'):.0f} tokens")
+        print(
+            f"disk capacity {cap:.0f} blocks, re-adopted {readopted:.0f}; disk hits after restart "
+            f"{value(m, 'flexkv_prompt_tokens_cached_total', tier='disk'):.0f} tokens"
+        )
         g.proc.send_signal(signal.SIGINT)
         assert exit_code(g, 60) == 0, g.output()[-3000:]
         g.assert_clean()

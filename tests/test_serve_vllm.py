@@ -51,13 +51,22 @@ def test_the_vllm_graphs_plan_the_worker_command_line_and_environment(tmp_path, 
         assert arg(a, "--num-gpu-blocks-override") == "72" and "--enforce-eager" in a
         assert arg(a, "--shutdown-timeout") == "20" and w.env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] == "25"
         assert not w.stop_group  # SIGINT to dynamo.vllm alone: it drains, then stops EngineCore and Worker
-        assert (arg(a, "--discovery-backend"), arg(a, "--event-plane"), arg(a, "--request-plane")) == \
-            ("file", "zmq", "tcp")
+        assert (arg(a, "--discovery-backend"), arg(a, "--event-plane"), arg(a, "--request-plane")) == (
+            "file",
+            "zmq",
+            "tcp",
+        )
         events = json.loads(arg(a, "--kv-events-config"))
-        assert events == {"enable_kv_cache_events": True, "publisher": "zmq",
-                          "endpoint": f"ipc://{run}/VllmWorker-{i}/kv-events.ipc"}
+        assert events == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"ipc://{run}/VllmWorker-{i}/kv-events.ipc",
+        }
         kt = json.loads(arg(a, "--kv-transfer-config"))
-        assert kt["kv_connector"] == "FlexKVConnector" and kt["kv_connector_module_path"] == "dynamo_flexkv.integrations.vllm_connector"
+        assert (
+            kt["kv_connector"] == "FlexKVConnector"
+            and kt["kv_connector_module_path"] == "dynamo_flexkv.integrations.vllm_connector"
+        )
         assert kt["kv_role"] == "kv_both" and kt["kv_load_failure_policy"] == "recompute"
         assert kt["kv_connector_extra_config"] == {"run_dir": str(run / f"VllmWorker-{i}")}
         env = w.env
@@ -146,34 +155,51 @@ def test_a_hugging_face_preset_is_written_with_its_seeded_weights(tmp_path):
     assert p.write_model and p.model_weights and p.model == "hybrid-sw"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["VllmWorker.tensor-parallel-size=0"], "tensor-parallel-size=0 must be between 1 and 64"),
-    (["VllmWorker.extra-args=[--tensor-parallel-size, '2']"], "serve sets it from VllmWorker.tensor-parallel-size"),
-    (["VllmWorker.extra-args=[--data-parallel-rpc-port=5]"], "serve picks a free port"),
-    (["VllmWorker.extra-args=[-tp, '2']"], "sets --tensor-parallel-size: serve sets it"),
-    (["VllmWorker.extra-args=[--tensor_parallel_size=2]"], "sets --tensor-parallel-size: serve sets it"),
-    (["VllmWorker.extra-args=[--tensor-parallel=2]"], "sets --tensor-parallel-size: serve sets it"),
-    (["VllmWorker.data-parallel-size=2", "VllmWorker.extra-args=[-dpa, 0.0.0.0]"], "always 127.0.0.1"),
-    (["VllmWorker.tensor-parallel-size=100000"], "tensor-parallel-size=100000 must be between 1 and 64"),
-    (["VllmWorker.tensor-parallel-size=2", "VllmWorker.cpu-threads-bind='0,1'"],
-     r"a worker of 2 ranks .* needs 2 core lists joined by '\|'"),
-    (["Frontend.kv-cache-block-size=16"], r"Frontend.kv-cache-block-size=16 but the workers' KV blocks hold 64 "
-                                          r"tokens .*set it to 64"),
-    (["Frontend.extra-args=[--kv-cache-block-size, '64']"], "use Frontend.kv-cache-block-size"),
-    (["VllmWorker.num-device-blocks=64"], r"cannot hold one request of max-model-len=4096 .* set num-device-blocks "
-                                          r">= 65 or max-model-len <= 4032"),
-    (["VllmWorker.connector={lookup_wait: 5}"], r"connector.lookup_wait is not a FlexKVConnector option .*lookup_wait_ms"),
-    (["VllmWorker.connector={run_dir: /x}"], "serve puts the connector's lookup socket"),
-    (["VllmWorker.offload=false", "VllmWorker.connector={load: false}"], "offload is false"),
-    (["VllmWorker.extra-args=[--block-size=16]"], "extra-args sets --block-size: serve sets it from VllmWorker.block-size"),
-    (["VllmWorker.dtype=fp8"], r"dtype='fp8': use one of"),
-    (["VllmWorker.disaggregation-mode=prefill"], "no decode worker"),
-    (["VllmWorker.disaggregation-mode=both"], "disaggregation-mode='both': use one of"),
-    (["VllmWorker.handover-lease-s=2"], "handover-lease-s=2.0 must be between 6 and 3600"),
-    (["Common.model=/nonexistent/model"], "neither a preset .* nor a directory holding a config.json"),
-    (["VllmWorker.replicas=0"], "replicas=0 must be >= 1"),
-    (["VllmWorker.liveness-timeout-s=1"], "liveness-timeout-s=1.0 must be 0 \\(off\\) or between 5 and 3600"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["VllmWorker.tensor-parallel-size=0"], "tensor-parallel-size=0 must be between 1 and 64"),
+        (["VllmWorker.extra-args=[--tensor-parallel-size, '2']"], "serve sets it from VllmWorker.tensor-parallel-size"),
+        (["VllmWorker.extra-args=[--data-parallel-rpc-port=5]"], "serve picks a free port"),
+        (["VllmWorker.extra-args=[-tp, '2']"], "sets --tensor-parallel-size: serve sets it"),
+        (["VllmWorker.extra-args=[--tensor_parallel_size=2]"], "sets --tensor-parallel-size: serve sets it"),
+        (["VllmWorker.extra-args=[--tensor-parallel=2]"], "sets --tensor-parallel-size: serve sets it"),
+        (["VllmWorker.data-parallel-size=2", "VllmWorker.extra-args=[-dpa, 0.0.0.0]"], "always 127.0.0.1"),
+        (["VllmWorker.tensor-parallel-size=100000"], "tensor-parallel-size=100000 must be between 1 and 64"),
+        (
+            ["VllmWorker.tensor-parallel-size=2", "VllmWorker.cpu-threads-bind='0,1'"],
+            r"a worker of 2 ranks .* needs 2 core lists joined by '\|'",
+        ),
+        (
+            ["Frontend.kv-cache-block-size=16"],
+            r"Frontend.kv-cache-block-size=16 but the workers' KV blocks hold 64 "
+            r"tokens .*set it to 64",
+        ),
+        (["Frontend.extra-args=[--kv-cache-block-size, '64']"], "use Frontend.kv-cache-block-size"),
+        (
+            ["VllmWorker.num-device-blocks=64"],
+            r"cannot hold one request of max-model-len=4096 .* set num-device-blocks "
+            r">= 65 or max-model-len <= 4032",
+        ),
+        (
+            ["VllmWorker.connector={lookup_wait: 5}"],
+            r"connector.lookup_wait is not a FlexKVConnector option .*lookup_wait_ms",
+        ),
+        (["VllmWorker.connector={run_dir: /x}"], "serve puts the connector's lookup socket"),
+        (["VllmWorker.offload=false", "VllmWorker.connector={load: false}"], "offload is false"),
+        (
+            ["VllmWorker.extra-args=[--block-size=16]"],
+            "extra-args sets --block-size: serve sets it from VllmWorker.block-size",
+        ),
+        (["VllmWorker.dtype=fp8"], r"dtype='fp8': use one of"),
+        (["VllmWorker.disaggregation-mode=prefill"], "no decode worker"),
+        (["VllmWorker.disaggregation-mode=both"], "disaggregation-mode='both': use one of"),
+        (["VllmWorker.handover-lease-s=2"], "handover-lease-s=2.0 must be between 6 and 3600"),
+        (["Common.model=/nonexistent/model"], "neither a preset .* nor a directory holding a config.json"),
+        (["VllmWorker.replicas=0"], "replicas=0 must be >= 1"),
+        (["VllmWorker.liveness-timeout-s=1"], "liveness-timeout-s=1.0 must be 0 \\(off\\) or between 5 and 3600"),
+    ],
+)
 def test_bad_vllm_configs_fail_with_a_message_that_names_the_fix(tmp_path, overrides, message):
     with pytest.raises(GraphError, match=message):
         vplan(tmp_path, *overrides)
@@ -188,9 +214,14 @@ def test_the_vllm_disagg_graphs_run_nixl_beside_our_connector(tmp_path, monkeypa
     worker its own NIXL handshake port."""
     monkeypatch.setattr("dynamo_flexkv.serve.vllm_worker.on_cpu", lambda: True)
     roles = ("PrefillWorker", "DecodeWorker")
-    config = apply_overrides(load_config(str(ROOT / "configs" / f"{graph}.yaml")),
-                             ["Frontend.http-port=0", *(f"{r}.cache.ssd_cache_dir={tmp_path}/{r}{{replica}}" for r in roles),
-                              *(f"{r}.offload={str(offload).lower()}" for r in roles)])
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+        [
+            "Frontend.http-port=0",
+            *(f"{r}.cache.ssd_cache_dir={tmp_path}/{r}{{replica}}" for r in roles),
+            *(f"{r}.offload={str(offload).lower()}" for r in roles),
+        ],
+    )
     p = build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run")
     assert [arg(w.argv, "--disaggregation-mode") for w in p.workers] == ["prefill"] * prefills + ["decode"]
     for w in p.workers:
@@ -198,8 +229,9 @@ def test_the_vllm_disagg_graphs_run_nixl_beside_our_connector(tmp_path, monkeypa
         children = kv["kv_connector_extra_config"]["connectors"] if offload else [kv]
         assert kv["kv_connector"] == ("MultiConnector" if offload else "NixlConnector")
         assert kv["kv_load_failure_policy"] == "recompute"  # a failed handover is recomputed
-        assert [c["kv_connector"] for c in children] == (["FlexKVConnector", "NixlConnector"] if offload
-                                                         else ["NixlConnector"])
+        assert [c["kv_connector"] for c in children] == (
+            ["FlexKVConnector", "NixlConnector"] if offload else ["NixlConnector"]
+        )
         nixl = children[-1]
         assert nixl["kv_buffer_device"] == "cpu" and w.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
         assert nixl["kv_connector_extra_config"] == {"kv_lease_duration": 30}  # handover-lease-s
@@ -207,20 +239,32 @@ def test_the_vllm_disagg_graphs_run_nixl_beside_our_connector(tmp_path, monkeypa
             extra = children[0]["kv_connector_extra_config"]
             assert extra["handover"] is True and extra["handover_lease_s"] == 30.0
             from dynamo_flexkv.bench.vllm_disagg import disagg_transfer_config
+
             assert kv == disagg_transfer_config(extra["run_dir"])
     ports = [w.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for w in p.workers]
     assert len(set(ports)) == len(ports)  # one address: the default 5600 would collide
     assert arg(p.processes[0].argv, "--router-mode") == ("kv" if "router" in graph else "round-robin")
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["DecodeWorker.handover=nixl"], r"disagree on who carries the handover \(DecodeWorker: nixl, PrefillWorker: flexkv\)"),
-    (["PrefillWorker.handover=flexkv", "PrefillWorker.offload=false"], r"PrefillWorker.handover=flexkv needs offload"),
-    (["DecodeWorker.handover=bogus"], r"DecodeWorker.handover='bogus': use one of \['auto', 'flexkv', 'nixl'\]"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["DecodeWorker.handover=nixl"],
+            r"disagree on who carries the handover \(DecodeWorker: nixl, PrefillWorker: flexkv\)",
+        ),
+        (
+            ["PrefillWorker.handover=flexkv", "PrefillWorker.offload=false"],
+            r"PrefillWorker.handover=flexkv needs offload",
+        ),
+        (["DecodeWorker.handover=bogus"], r"DecodeWorker.handover='bogus': use one of \['auto', 'flexkv', 'nixl'\]"),
+    ],
+)
 def test_prefill_and_decode_must_agree_on_who_hands_the_kv_over(tmp_path, monkeypatch, overrides, message):
     monkeypatch.setattr("dynamo_flexkv.serve.vllm_worker.on_cpu", lambda: True)
-    config = apply_overrides(load_config(str(ROOT / "configs" / "disagg_vllm.yaml")), ["Frontend.http-port=0", *overrides])
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / "disagg_vllm.yaml")), ["Frontend.http-port=0", *overrides]
+    )
     with pytest.raises(GraphError, match=message):
         build_plan(load_graph(str(ROOT / "graphs" / "disagg_vllm.py")), config, run_dir=tmp_path / "run")
 
@@ -239,10 +283,12 @@ def test_a_model_directory_without_weights_or_vllm_missing_is_refused(tmp_path, 
 
 def test_render_k8s_of_the_vllm_graph_imports_neither_torch_nor_vllm(tmp_path):
     out = tmp_path / "vllm.k8s.yaml"
-    code = ("import sys; from dynamo_flexkv.cli import main; "
-            f"rc = main(['render', {str(ROOT / 'graphs' / 'agg_router_vllm.py')!r}, '-f', "
-            f"{str(ROOT / 'configs' / 'agg_router_vllm.yaml')!r}, '--k8s', '-o', {str(out)!r}]); "
-            "print(rc, 'torch' in sys.modules, 'vllm' in sys.modules)")
+    code = (
+        "import sys; from dynamo_flexkv.cli import main; "
+        f"rc = main(['render', {str(ROOT / 'graphs' / 'agg_router_vllm.py')!r}, '-f', "
+        f"{str(ROOT / 'configs' / 'agg_router_vllm.yaml')!r}, '--k8s', '-o', {str(out)!r}]); "
+        "print(rc, 'torch' in sys.modules, 'vllm' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["0", "False", "False"], r.stderr
     doc = yaml.safe_load(out.read_text())
@@ -272,13 +318,17 @@ def test_shutdown_waits_for_a_workers_children_to_drain(tmp_path, monkeypatch):
     front, worker = p.processes
     front.argv = ["sleep", "60"]
     done = tmp_path / "child-drained"
-    child = ("import pathlib, signal, sys, time\n"
-             "def drain(*_):\n    time.sleep(1); pathlib.Path(sys.argv[1]).touch(); sys.exit(0)\n"
-             "signal.signal(signal.SIGINT, drain)\nprint('child up', flush=True)\ntime.sleep(60)\n")
-    parent = ("import signal, subprocess, sys, time\n"
-              "c = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]])\n"
-              "signal.signal(signal.SIGINT, lambda *_: (c.send_signal(signal.SIGINT), sys.exit(0)))\n"
-              "time.sleep(60)\n")  # on SIGINT it tells its child and exits at once; the child drains on
+    child = (
+        "import pathlib, signal, sys, time\n"
+        "def drain(*_):\n    time.sleep(1); pathlib.Path(sys.argv[1]).touch(); sys.exit(0)\n"
+        "signal.signal(signal.SIGINT, drain)\nprint('child up', flush=True)\ntime.sleep(60)\n"
+    )
+    parent = (
+        "import signal, subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]])\n"
+        "signal.signal(signal.SIGINT, lambda *_: (c.send_signal(signal.SIGINT), sys.exit(0)))\n"
+        "time.sleep(60)\n"
+    )  # on SIGINT it tells its child and exits at once; the child drains on
     worker.argv = [sys.executable, "-c", parent, child, str(done)]
     launcher = Launcher(p)
     launcher.start()
@@ -298,10 +348,12 @@ def test_shutdown_waits_for_a_workers_children_to_drain(tmp_path, monkeypatch):
 
 # ---- the real graph --------------------------------------------------------------------------------
 
+
 def completion(base_url: str, prompt, max_tokens: int = 4) -> dict:
     body = {"model": "vllm-small", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=120) as r:
         assert r.status == 200
@@ -321,8 +373,11 @@ def tier_loads(metrics_url: str):
     """Tokens the worker's connector loaded from its tiers; None where it exports no such counter."""
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         text = r.read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("vllm:flexkv_loaded_tokens_total")]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:flexkv_loaded_tokens_total")
+    ]
     return sum(values) if values else None
 
 
@@ -337,16 +392,30 @@ def test_two_vllm_workers_behind_the_kv_router_serve_cache_restart_and_stop_on_c
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
     from served import Serve, assert_all_gone, wait_until
 
-    serve = Serve(tmp_path, "vllm", graph="agg_router_vllm", ready_timeout=400, base=[
-        "Frontend.http-port=0", f"VllmWorker.cache.ssd_cache_dir={tmp_path}/vllm/ssd{{replica}}",
-        "VllmWorker.num-device-blocks=64", "VllmWorker.max-model-len=2048",
-        "VllmWorker.cache.cpu_cache_gb=0.05", "VllmWorker.cache.ssd_cache_gb=0.1"])
+    serve = Serve(
+        tmp_path,
+        "vllm",
+        graph="agg_router_vllm",
+        ready_timeout=400,
+        base=[
+            "Frontend.http-port=0",
+            f"VllmWorker.cache.ssd_cache_dir={tmp_path}/vllm/ssd{{replica}}",
+            "VllmWorker.num-device-blocks=64",
+            "VllmWorker.max-model-len=2048",
+            "VllmWorker.cache.cpu_cache_gb=0.05",
+            "VllmWorker.cache.ssd_cache_gb=0.1",
+        ],
+    )
     names = ("VllmWorker-0", "VllmWorker-1")
     try:
         print(f"graph ready after {serve.ready_s:.1f} s")
         pids = {n: serve.worker_pid(n) for n in names}
-        binds = {n: dict(x.split(b"=", 1) for x in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in x)
-                 .get(b"VLLM_CPU_OMP_THREADS_BIND") for n, pid in pids.items()}
+        binds = {
+            n: dict(x.split(b"=", 1) for x in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in x).get(
+                b"VLLM_CPU_OMP_THREADS_BIND"
+            )
+            for n, pid in pids.items()
+        }
         if len(os.sched_getaffinity(0)) >= 2:
             assert len(set(binds.values())) == 2, binds  # each its own core(s)
         for i in range(3):
@@ -359,9 +428,11 @@ def test_two_vllm_workers_behind_the_kv_router_serve_cache_restart_and_stop_on_c
             completion(serve.base_url, f"other {j} " + "".join(f"filler {i} words here. " for i in range(62)), 2)
         later = completion(serve.base_url, long_prompt, 4)
         loads = {n: tier_loads(serve.metrics[n]) for n in names}
-        print(f"long prompt: {first['usage']['prompt_tokens']} tokens, cached {cached(first)}, {cached(again)}, "
-              f"after 8 others {cached(later)}; {first['_seconds']:.2f} s, {again['_seconds']:.2f} s, "
-              f"{later['_seconds']:.2f} s; tokens loaded from the tiers {loads}")
+        print(
+            f"long prompt: {first['usage']['prompt_tokens']} tokens, cached {cached(first)}, {cached(again)}, "
+            f"after 8 others {cached(later)}; {first['_seconds']:.2f} s, {again['_seconds']:.2f} s, "
+            f"{later['_seconds']:.2f} s; tokens loaded from the tiers {loads}"
+        )
         assert cached(again) > 0 and cached(later) > 0
         if None not in loads.values():  # the repeat came from a lower tier, through FlexKVConnector
             assert sum(loads.values()) > 0, loads
@@ -374,15 +445,19 @@ def test_two_vllm_workers_behind_the_kv_router_serve_cache_restart_and_stop_on_c
         wait_until("the dead worker's EngineCore and Worker to go", lambda: not group(pids[victim]), timeout=15)
         print(serve.wait_for(rf"{victim} is ready again after \S+ s", 400).group(0))
         assert completion(serve.base_url, long_prompt, 4)["usage"]["completion_tokens"] >= 1
-        serve.children += [int(x) for x in subprocess.run(["pgrep", "-P", str(serve.proc.pid)], capture_output=True,
-                                                          text=True).stdout.split() if int(x) not in serve.children]
+        serve.children += [
+            int(x)
+            for x in subprocess.run(["pgrep", "-P", str(serve.proc.pid)], capture_output=True, text=True).stdout.split()
+            if int(x) not in serve.children
+        ]
 
         stopped = time.monotonic()
         serve.proc.send_signal(signal.SIGINT)
         assert serve.proc.wait(timeout=120) == 0, "\n".join(serve.lines[-60:])
         print(f"stopped in {time.monotonic() - stopped:.1f} s")
-        assert not any("force killing" in x or "sending SIGKILL" in x for x in serve.lines), \
-            [x for x in serve.lines if "force killing" in x or "sending SIGKILL" in x]  # vLLM stopped in order
+        assert not any("force killing" in x or "sending SIGKILL" in x for x in serve.lines), [
+            x for x in serve.lines if "force killing" in x or "sending SIGKILL" in x
+        ]  # vLLM stopped in order
         assert_all_gone(serve.children, [serve.worker_port(n) for n in names])
         assert ours_left(serve.run) == []
     finally:
@@ -420,9 +495,19 @@ def test_ctrl_c_while_a_vllm_worker_restarts_stops_quietly_and_leaks_nothing(tmp
     from served import Serve, wait_until
 
     before = shm_entries()
-    serve = Serve(tmp_path, "vllm", graph="agg_vllm", ready_timeout=400, base=[
-        "Frontend.http-port=0", f"VllmWorker.cache.ssd_cache_dir={tmp_path}/vllm/ssd",
-        "VllmWorker.cache.cpu_cache_gb=0.05", "VllmWorker.cache.ssd_cache_gb=0.1", "VllmWorker.restart-backoff-s=0.5"])
+    serve = Serve(
+        tmp_path,
+        "vllm",
+        graph="agg_vllm",
+        ready_timeout=400,
+        base=[
+            "Frontend.http-port=0",
+            f"VllmWorker.cache.ssd_cache_dir={tmp_path}/vllm/ssd",
+            "VllmWorker.cache.cpu_cache_gb=0.05",
+            "VllmWorker.cache.ssd_cache_gb=0.1",
+            "VllmWorker.restart-backoff-s=0.5",
+        ],
+    )
     try:
         pid = serve.worker_pid("VllmWorker")
         os.kill(pid, signal.SIGKILL)

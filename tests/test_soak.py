@@ -67,8 +67,16 @@ def test_request_flood_levels_off(tmp_path):
         while time.monotonic() - start < SECONDS:
             time.sleep(SECONDS / 30)
             st = kv.stats()
-            samples.append((time.monotonic() - start, _rss_mib(), len(os.listdir("/proc/self/fd")),
-                            st.tasks.in_flight, st.tasks.queued_ops, st.tasks.expired_results))
+            samples.append(
+                (
+                    time.monotonic() - start,
+                    _rss_mib(),
+                    len(os.listdir("/proc/self/fd")),
+                    st.tasks.in_flight,
+                    st.tasks.queued_ops,
+                    st.tasks.expired_results,
+                )
+            )
         stop.set()
         for t in threads:
             t.join(60)

@@ -30,8 +30,13 @@ def assert_same(idx: TierIndex, model: ModelTier):
     children = model.children_counts()
     for h, mb in model.blocks.items():
         info = idx.info(h)
-        assert (info.ready, info.locks, info.hits, info.parent, info.block_id) == \
-            (mb.ready, mb.locks, mb.hits, mb.parent, mb.slot), hex(h)
+        assert (info.ready, info.locks, info.hits, info.parent, info.block_id) == (
+            mb.ready,
+            mb.locks,
+            mb.hits,
+            mb.parent,
+            mb.slot,
+        ), hex(h)
         assert info.children == children.get(h, 0)
         assert info.owner == (None if mb.ready else mb.owner)
         assert idx.pool.is_used(mb.slot)
@@ -46,8 +51,7 @@ def assert_same(idx: TierIndex, model: ModelTier):
 def unready_run(model: ModelTier, rng: random.Random) -> list:
     """A chain of one owner's unready blocks whose first block's parent is ready (or the root):
     what a task commits in one call."""
-    starts = [h for h, b in model.blocks.items() if not b.ready
-              and (b.parent is None or model.blocks[b.parent].ready)]
+    starts = [h for h, b in model.blocks.items() if not b.ready and (b.parent is None or model.blocks[b.parent].ready)]
     if not starts:
         return []
     run = [rng.choice(starts)]
@@ -99,8 +103,17 @@ def run_random_ops(seed, policy, steps=600, capacity=None):
         removed.extend(hs)
         removed_slots.extend(slots)
 
-    idx = TierIndex("t", cap, EvictionPolicy(policy), hit_reward_seconds=reward, slru_protected_hits=2,
-                    evict_start_threshold=threshold, evict_ratio=ratio, clock=clock, on_removed=on_removed)
+    idx = TierIndex(
+        "t",
+        cap,
+        EvictionPolicy(policy),
+        hit_reward_seconds=reward,
+        slru_protected_hits=2,
+        evict_start_threshold=threshold,
+        evict_ratio=ratio,
+        clock=clock,
+        on_removed=on_removed,
+    )
     model = ModelTier(cap, policy, reward, 2, threshold, ratio)
     chains = random_chains(rng, count=max(40, cap // 4))
     if seed % 2:  # full-width 64-bit hashes (the real ones) instead of small ints
@@ -120,7 +133,7 @@ def run_random_ops(seed, policy, steps=600, capacity=None):
             allowed = held < len(chain) and (parent is None or pb.ready or pb.owner == owner)
             expect = model.insert(chain[held:], parent, owner, clock.now) if allowed else []
             arg = np.array(chain, dtype=np.uint64) if rng.random() < 0.5 else chain
-            run = chain[held:held + len(expect)]
+            run = chain[held : held + len(expect)]
             assert idx.put(arg, owner) == (held, expect, run, parent)
         elif op < 0.25:  # insert
             owner = rng.choice(owners)
@@ -130,7 +143,7 @@ def run_random_ops(seed, policy, steps=600, capacity=None):
             parent = chain[p - 1] if p else None
             pb = model.blocks.get(parent) if parent is not None else None
             allowed = parent is None or pb.ready or pb.owner == owner
-            part = chain[p:p + rng.randrange(1, len(chain) - p + 1)]
+            part = chain[p : p + rng.randrange(1, len(chain) - p + 1)]
             if not allowed:
                 unchanged(idx, model, idx.insert, part, parent, owner)
                 continue
@@ -203,7 +216,7 @@ def run_random_ops(seed, policy, steps=600, capacity=None):
             p = model.match(chain)
             if p < model.match(chain, ready_only=False) or p == len(chain) or not model.pool.num_free:
                 continue  # the next block is held (unready), or nothing to adopt / no room
-            part = chain[p:p + rng.randrange(1, min(len(chain) - p, model.pool.num_free) + 1)]
+            part = chain[p : p + rng.randrange(1, min(len(chain) - p, model.pool.num_free) + 1)]
             free = [s for s in range(cap) if not model.pool.is_used(s)]
             slots = rng.sample(free, len(part))
             parent = chain[p - 1] if p else None
@@ -471,10 +484,10 @@ def test_threads_share_one_index():
                 ids = idx.insert(chain, None, (w, i))
                 # Pinned while still unready (never evicted): once ready and unpinned, another
                 # thread's insert may evict them, so locking after commit would race.
-                idx.lock(chain[:len(ids)])
-                idx.commit(chain[:len(ids)], (w, i))
+                idx.lock(chain[: len(ids)])
+                idx.commit(chain[: len(ids)], (w, i))
                 idx.touch(chain, hit=True)
-                idx.unlock(chain[:len(ids)])
+                idx.unlock(chain[: len(ids)])
                 assert idx.match_length(chain) <= len(ids)
         except Exception as e:  # surfaced below
             errors.append(e)

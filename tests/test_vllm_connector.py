@@ -30,24 +30,61 @@ CHECK = Path(__file__).with_name("vllm_kv_check.py")
 def model_dir(tmp_path_factory):
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
-    return write_model_dir(EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192,
-                           weights=True)
+
+    return write_model_dir(
+        EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192, weights=True
+    )
 
 
-def run_check(model_dir, tmp_path, *, layerwise: bool, scenario: str, host_gb: float, ssd_gb: float = 0.0,
-              remote_url: str = "", kill_pid: int = 0, wrong_kv: bool = False) -> dict:
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
-               HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"), VLLM_CACHE_ROOT=str(tmp_path / "vllm"),
-               FLEXKV_RUN_DIR=str(tmp_path), FLEXKV_CPU_CACHE_GB=str(host_gb), FLEXKV_SSD_CACHE_GB=str(ssd_gb),
-               FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"))
+def run_check(
+    model_dir,
+    tmp_path,
+    *,
+    layerwise: bool,
+    scenario: str,
+    host_gb: float,
+    ssd_gb: float = 0.0,
+    remote_url: str = "",
+    kill_pid: int = 0,
+    wrong_kv: bool = False,
+) -> dict:
+    env = dict(
+        os.environ,
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_LOOPBACK_IP="127.0.0.1",
+        VLLM_NO_USAGE_STATS="1",
+        HOME=str(tmp_path),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        VLLM_CACHE_ROOT=str(tmp_path / "vllm"),
+        FLEXKV_RUN_DIR=str(tmp_path),
+        FLEXKV_CPU_CACHE_GB=str(host_gb),
+        FLEXKV_SSD_CACHE_GB=str(ssd_gb),
+        FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"),
+    )
     env.pop("FLEXKV_CONFIG_PATH", None)
     if wrong_kv:
         env[WRONG_KV_ENV] = "1"
     if remote_url:
         env.update(FLEXKV_ENABLE_REMOTE="true", FLEXKV_REMOTE_CACHE_URL=remote_url, FLEXKV_REMOTE_TIMEOUT_S="0.5")
     out = tmp_path / "result.json"
-    p = subprocess.run([sys.executable, str(CHECK), str(model_dir), str(out), "--layerwise", str(int(layerwise)),
-                        "--scenario", scenario, "--kill-pid", str(kill_pid)], env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(CHECK),
+            str(model_dir),
+            str(out),
+            "--layerwise",
+            str(int(layerwise)),
+            "--scenario",
+            scenario,
+            "--kill-pid",
+            str(kill_pid),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     for bad in ("Failed to find block", "Traceback"):
         assert bad not in p.stderr, p.stderr[-6000:]
@@ -73,8 +110,14 @@ def disk_run(model_dir, tmp_path_factory):
     cost model), one loaded layerwise through disk, one whose disk copy is corrupted, then two
     through a disk throttled below recompute. Host holds ~49 blocks (256 KiB in float32): three later prompts push each
     23-block prompt out, disk keeps it."""
-    return run_check(model_dir, tmp_path_factory.mktemp("disk"), layerwise=True,
-                     scenario="host,disk,corrupt-disk,slow-disk,slow-disk", host_gb=0.012, ssd_gb=0.1)
+    return run_check(
+        model_dir,
+        tmp_path_factory.mktemp("disk"),
+        layerwise=True,
+        scenario="host,disk,corrupt-disk,slow-disk,slow-disk",
+        host_gb=0.012,
+        ssd_gb=0.1,
+    )
 
 
 def test_layerwise_load_from_disk_restores_vllms_bytes(disk_run):
@@ -87,7 +130,9 @@ def test_corrupt_disk_block_is_recomputed_with_the_same_tokens(disk_run):
     r = disk_run["corrupt-disk"]
     assert r["loads"][-1][0] is False  # the load failed its checksum: vLLM recomputed those blocks
     assert_same_generation(r, "recomputed after a failed load vs computed")
-    rolled_back = r["tiers_after_load"]["host"]["rolled_back_blocks"] - r["tiers_before_load"]["host"]["rolled_back_blocks"]
+    rolled_back = (
+        r["tiers_after_load"]["host"]["rolled_back_blocks"] - r["tiers_before_load"]["host"]["rolled_back_blocks"]
+    )
     assert rolled_back == 23  # the staged host copies never became visible
 
 
@@ -132,8 +177,15 @@ def test_load_from_remote_restores_vllms_bytes(model_dir, tmp_path):
 @pytest.mark.slow  # ~90 s of engine: the default suite's failed load (corrupt disk) takes the same path
 def test_remote_killed_before_a_load_is_recomputed_with_the_same_tokens(model_dir, tmp_path):
     with RedisServer(maxmemory="64mb") as redis:
-        r = run_check(model_dir, tmp_path, layerwise=True, scenario="remote-down", host_gb=0.012,
-                      remote_url=redis.url, kill_pid=redis.proc.pid)
+        r = run_check(
+            model_dir,
+            tmp_path,
+            layerwise=True,
+            scenario="remote-down",
+            host_gb=0.012,
+            remote_url=redis.url,
+            kill_pid=redis.proc.pid,
+        )
     assert r["tiers_before_load"]["remote"]["puts"] >= 23  # it was stored remotely before the kill
     assert_same_generation(r, "recomputed after the remote died vs computed")
     assert not (r["loads"] and r["loads"][-1][0])  # nothing was served from the dead server
@@ -242,8 +294,9 @@ def test_prompt_embeds_and_multimodal_requests_are_not_offloaded():
 
     sp = SamplingParams(max_tokens=1)
     tokens = Request("t", prompt_token_ids=[1, 2, 3], sampling_params=sp, pooling_params=None)
-    embeds = Request("e", prompt_token_ids=None, prompt_embeds=torch.zeros(3, 8), sampling_params=sp,
-                     pooling_params=None)
+    embeds = Request(
+        "e", prompt_token_ids=None, prompt_embeds=torch.zeros(3, 8), sampling_params=sp, pooling_params=None
+    )
     assert offloadable(tokens) and not offloadable(embeds)
     assert list(embeds.all_token_ids) == [0, 0, 0]  # what our hashes would have seen
     tokens.mm_features = [object()]  # vLLM's MultiModalFeatureSpec list of a request with images
@@ -255,6 +308,7 @@ def test_an_unanswered_lookup_is_not_yet_then_a_miss(tmp_path):
     try:
         assert client.query("r1", [1, 2, 3]) is None  # not yet: vLLM asks again next step
         import time
+
         deadline = time.monotonic() + 5
         answer = None
         while answer is None and time.monotonic() < deadline:
@@ -269,8 +323,12 @@ def test_step_stats_become_vllm_flexkv_metrics():
     from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVPromMetrics, FlexKVStats
 
     reg = CollectorRegistry()
-    types = {cls: type(cls.__name__, (cls,), {"__init__": lambda self, *a, _c=cls, **k: _c.__init__(
-        self, *a, registry=reg, **k)}) for cls in (Counter, Gauge, Histogram)}
+    types = {
+        cls: type(
+            cls.__name__, (cls,), {"__init__": lambda self, *a, _c=cls, **k: _c.__init__(self, *a, registry=reg, **k)}
+        )
+        for cls in (Counter, Gauge, Histogram)
+    }
 
     class Config:
         kv_transfer_config = None
@@ -279,8 +337,12 @@ def test_step_stats_become_vllm_flexkv_metrics():
     a = FlexKVStats({"loaded_tokens/host": 640, "recomputed_tokens": 64, "gauge:used_blocks/host": 3})
     b = FlexKVStats({"loaded_tokens/host": 64, "loaded_tokens/disk": 128, "gauge:used_blocks/host": 5})
     total = a.aggregate(b)
-    assert total.reduce() == {"loaded_tokens/host": 704, "recomputed_tokens": 64, "gauge:used_blocks/host": 5,
-                              "loaded_tokens/disk": 128}
+    assert total.reduce() == {
+        "loaded_tokens/host": 704,
+        "recomputed_tokens": 64,
+        "gauge:used_blocks/host": 5,
+        "loaded_tokens/disk": 128,
+    }
     prom.observe(total.reduce(), 0)
     text = generate_latest(reg).decode()
     assert 'vllm:flexkv_loaded_tokens_total{engine="0",model_name="m",tier="host"} 704.0' in text
@@ -291,13 +353,17 @@ def test_step_stats_become_vllm_flexkv_metrics():
     # Cost-aware loading's decisions: one family labelled by decision, tier and reason.
     from types import SimpleNamespace
     from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals
+
     keys = prefix_token_totals(SimpleNamespace(prefix_tokens={"loaded/host/faster": 320, "recomputed/disk/slower": 96}))
     prom.observe(FlexKVStats(dict(keys)).aggregate(FlexKVStats({"prefix_tokens/loaded/host/faster": 16})).reduce(), 0)
     text = generate_latest(reg).decode()
-    assert ('vllm:flexkv_prefix_tokens_total{decision="loaded",engine="0",model_name="m",reason="faster",tier="host"} '
-            '336.0') in text
-    assert ('vllm:flexkv_prefix_tokens_total{decision="recomputed",engine="0",model_name="m",reason="slower",'
-            'tier="disk"} 96.0') in text
+    assert (
+        'vllm:flexkv_prefix_tokens_total{decision="loaded",engine="0",model_name="m",reason="faster",tier="host"} 336.0'
+    ) in text
+    assert (
+        'vllm:flexkv_prefix_tokens_total{decision="recomputed",engine="0",model_name="m",reason="slower",'
+        'tier="disk"} 96.0'
+    ) in text
 
 
 def test_tier_events_name_blocks_as_vllms_device_events_do():
@@ -316,11 +382,16 @@ def test_tier_events_name_blocks_as_vllms_device_events_do():
     q.on_removed(Tier.HOST, [12])
     events = q.take().get_all_events()
     assert [(e.medium, e.block_hashes, getattr(e, "parent_block_hash", None)) for e in events] == [
-        ("CPU_PINNED", theirs[:2], None), ("DISK", theirs, None), ("CPU_PINNED", theirs[1:2], None)]
+        ("CPU_PINNED", theirs[:2], None),
+        ("DISK", theirs, None),
+        ("CPU_PINNED", theirs[1:2], None),
+    ]
     assert q.skipped == 1  # block 99's parent 13 was never announced on host
     q.on_removed(Tier.DISK, [13, 12, 11])
     q.on_removed(Tier.HOST, [11])
-    assert q.take() is not None and q.known_blocks(Tier.HOST) == 0 and q.named_blocks == 0  # names dropped with the blocks
+    assert (
+        q.take() is not None and q.known_blocks(Tier.HOST) == 0 and q.named_blocks == 0
+    )  # names dropped with the blocks
 
 
 def test_only_steps_where_every_request_prefills_are_timed_for_the_cost_model(tmp_path):
@@ -333,10 +404,18 @@ def test_only_steps_where_every_request_prefills_are_timed_for_the_cost_model(tm
     side = SchedulerSide(ConnectorSettings(block_size=64, num_blocks=100, engine_id="e", run_dir=str(tmp_path)))
 
     def step(new=(), cached=(), tokens=0):
-        cached = NS(req_ids=[c[0] for c in cached], num_output_tokens=[c[1] for c in cached],
-                    resumed_req_ids=set(), new_block_ids=[None] * len(cached))
-        out = NS(scheduled_new_reqs=[NS(req_id=r, prompt_token_ids=ids, block_ids=([],)) for r, ids in new],
-                 scheduled_cached_reqs=cached, num_scheduled_tokens={}, total_num_scheduled_tokens=tokens)
+        cached = NS(
+            req_ids=[c[0] for c in cached],
+            num_output_tokens=[c[1] for c in cached],
+            resumed_req_ids=set(),
+            new_block_ids=[None] * len(cached),
+        )
+        out = NS(
+            scheduled_new_reqs=[NS(req_id=r, prompt_token_ids=ids, block_ids=([],)) for r, ids in new],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={},
+            total_num_scheduled_tokens=tokens,
+        )
         return side.build_meta(out).prefill
 
     try:
@@ -345,9 +424,22 @@ def test_only_steps_where_every_request_prefills_are_timed_for_the_cost_model(tm
         assert step(cached=[("a", 1), ("b", 0)], tokens=2) is None  # a decodes now
         assert step(new=[("e", None), ("c", list(range(5000)))], tokens=2048) is None  # e: prompt embeddings
         assert step(cached=[("c", 0)], tokens=2048) == (2048, 5000)  # c's next chunk, without e
-        side.request_finished(NS(request_id="a", all_token_ids=[], num_computed_tokens=0, num_tokens=0,
-                                 num_prompt_tokens=0, lora_request=None, cache_salt=None, prompt_embeds=None,
-                                 mm_features=None, block_hashes=[], kv_transfer_params=None), [])
+        side.request_finished(
+            NS(
+                request_id="a",
+                all_token_ids=[],
+                num_computed_tokens=0,
+                num_tokens=0,
+                num_prompt_tokens=0,
+                lora_request=None,
+                cache_salt=None,
+                prompt_embeds=None,
+                mm_features=None,
+                block_hashes=[],
+                kv_transfer_params=None,
+            ),
+            [],
+        )
         assert step(cached=[("a", 0)], tokens=5) is None  # a finished: unknown here, not guessed
         assert step() is None
     finally:
@@ -370,11 +462,22 @@ def test_a_waiting_request_is_looked_up_once_with_vllms_own_hit(tmp_path):
         return 640
 
     server = LookupServer(lookup_endpoint("e", str(tmp_path)), lookup)
-    side = SchedulerSide(ConnectorSettings(block_size=64, num_blocks=100, engine_id="e", run_dir=str(tmp_path),
-                                           lookup_wait_ms=5000))
-    req = NS(request_id="r", num_tokens=1000, all_token_ids=list(range(1000)), lora_request=None, cache_salt=None,
-             prompt_embeds=None, mm_features=None, kv_transfer_params=None, block_hashes=[], num_computed_tokens=0,
-             num_prompt_tokens=1000)
+    side = SchedulerSide(
+        ConnectorSettings(block_size=64, num_blocks=100, engine_id="e", run_dir=str(tmp_path), lookup_wait_ms=5000)
+    )
+    req = NS(
+        request_id="r",
+        num_tokens=1000,
+        all_token_ids=list(range(1000)),
+        lora_request=None,
+        cache_salt=None,
+        prompt_embeds=None,
+        mm_features=None,
+        kv_transfer_params=None,
+        block_hashes=[],
+        num_computed_tokens=0,
+        num_prompt_tokens=1000,
+    )
     try:
         for _ in range(5):  # five steps waiting for free blocks
             assert side.matched_tokens(req, 128) == (640 - 128, False)

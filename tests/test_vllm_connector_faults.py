@@ -31,9 +31,18 @@ CONFIG = HERE / "adv_vllm_config.py"
 
 
 def _env(tmp: Path, **tiers) -> dict:
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", HOME=str(tmp), XDG_CACHE_HOME=str(tmp / "cache"),
-               VLLM_CACHE_ROOT=str(tmp / "vllm"), FLEXKV_RUN_DIR=str(tmp))
+    env = dict(
+        os.environ,
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_LOOPBACK_IP="127.0.0.1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        HOME=str(tmp),
+        XDG_CACHE_HOME=str(tmp / "cache"),
+        VLLM_CACHE_ROOT=str(tmp / "vllm"),
+        FLEXKV_RUN_DIR=str(tmp),
+    )
     env.pop("FLEXKV_CONFIG_PATH", None)
     env.update({k: str(v) for k, v in tiers.items()})
     return env
@@ -43,8 +52,10 @@ def _env(tmp: Path, **tiers) -> dict:
 def model_dir(tmp_path_factory):
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
-    return write_model_dir(EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192,
-                           weights=True)
+
+    return write_model_dir(
+        EngineModelConfig.preset("small"), tmp_path_factory.mktemp("model"), context_length=8192, weights=True
+    )
 
 
 def drive(model_dir, tmp: Path, scenarios: str, *, extra=None, engine=None, timeout=900, **tiers) -> dict:
@@ -66,8 +77,12 @@ def drive(model_dir, tmp: Path, scenarios: str, *, extra=None, engine=None, time
 
 def assert_same(ours, base, what: str) -> None:
     """Each output (each sample) of ``ours`` equals ``base``'s: token ids and logprobs."""
+
     def by_sample(gens):
-        return {(i, j): Generation(ids, g["logprobs"][j]) for i, g in enumerate(gens) for j, ids in enumerate(g["tokens"])}
+        return {
+            (i, j): Generation(ids, g["logprobs"][j]) for i, g in enumerate(gens) for j, ids in enumerate(g["tokens"])
+        }
+
     assert len(ours) == len(base), what
     assert_exact(by_sample(ours), by_sample(base), what)
 
@@ -82,10 +97,16 @@ def settled(stats) -> None:
 
 # ---------------------------------------------------------------- one engine, 0.5 GB host, no disk
 
+
 @pytest.fixture(scope="module")
 def main_run(model_dir, tmp_path_factory):
-    return drive(model_dir, tmp_path_factory.mktemp("main"), "lengths,batch32,dup,nsample,plogprobs,salt",
-                 FLEXKV_CPU_CACHE_GB=0.5, FLEXKV_SSD_CACHE_GB=0)
+    return drive(
+        model_dir,
+        tmp_path_factory.mktemp("main"),
+        "lengths,batch32,dup,nsample,plogprobs,salt",
+        FLEXKV_CPU_CACHE_GB=0.5,
+        FLEXKV_SSD_CACHE_GB=0,
+    )
 
 
 @pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 127, 128, 129, 1000, 4032, 4096])
@@ -145,11 +166,17 @@ def test_no_task_left_in_flight(main_run):
 
 # ------------------------------------------ small device cache (preemption), host tier < one prompt
 
+
 @pytest.fixture(scope="module")
 def small_run(model_dir, tmp_path_factory):
-    return drive(model_dir, tmp_path_factory.mktemp("small"), "preempt,nsample,many",
-                 engine={"kv_cache_memory_bytes": 40 * (256 << 10), "max_model_len": 2048},
-                 FLEXKV_CPU_CACHE_GB=0.001, FLEXKV_SSD_CACHE_GB=0)
+    return drive(
+        model_dir,
+        tmp_path_factory.mktemp("small"),
+        "preempt,nsample,many",
+        engine={"kv_cache_memory_bytes": 40 * (256 << 10), "max_model_len": 2048},
+        FLEXKV_CPU_CACHE_GB=0.001,
+        FLEXKV_SSD_CACHE_GB=0,
+    )
 
 
 def test_preemption_in_a_small_device_cache(small_run):
@@ -167,12 +194,18 @@ def test_host_tier_smaller_than_one_prompt(small_run):
 
 # ------------------------------------------------------------------ configuration refusals
 
+
 def check_configs(model_dir, tmp: Path, cases: dict) -> dict:
     f = tmp / "cases.json"
     f.write_text(json.dumps(cases))
     out = tmp / "cfg.json"
-    p = subprocess.run([sys.executable, str(CONFIG), str(model_dir), str(out), str(f)], env=_env(tmp),
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, str(CONFIG), str(model_dir), str(out), str(f)],
+        env=_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0 and out.exists(), p.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -183,22 +216,31 @@ def configs(model_dir, tmp_path_factory):
     long_dir = tmp / ("r" * 120)
     long_dir.mkdir()
     ssd = {"FLEXKV_CPU_CACHE_GB": "0.01", "FLEXKV_SSD_CACHE_GB": "0.01"}
-    return check_configs(model_dir, tmp, {
-        "baseline": {"env": dict(ssd, FLEXKV_SSD_CACHE_DIR=str(tmp / "ssd"))},
-        "unknown_key": {"extra": {"layerwise": True, "layerwize": False}},
-        "policy_fail": {"kt": {"kv_load_failure_policy": "fail"}},
-        "layerwise_str": {"extra": {"layerwise": "no"}},
-        "lookup_wait_neg": {"extra": {"lookup_wait_ms": -5}},
-        "load_timeout_zero": {"extra": {"load_timeout_s": 0}},
-        "ssd_unwritable": {"env": dict(ssd, FLEXKV_SSD_CACHE_DIR="/proc/adv_ssd")},
-        "cpu_gb_bad": {"env": {"FLEXKV_CPU_CACHE_GB": "lots"}},
-        "cpu_gb_zero": {"env": {"FLEXKV_CPU_CACHE_GB": "0"}},
-        "cpu_gb_huge": {"env": {"FLEXKV_CPU_CACHE_GB": "100000"}},
-        "ssd_gb_huge": {"env": {"FLEXKV_CPU_CACHE_GB": "0.01", "FLEXKV_SSD_CACHE_GB": "100000",
-                                "FLEXKV_SSD_CACHE_DIR": str(tmp / "big")}},
-        "run_dir_missing": {"extra": {"run_dir": str(tmp / "no" / "such" / "dir")}},
-        "config_path_missing": {"env": {"FLEXKV_CONFIG_PATH": str(tmp / "nope.yaml")}},
-    })
+    return check_configs(
+        model_dir,
+        tmp,
+        {
+            "baseline": {"env": dict(ssd, FLEXKV_SSD_CACHE_DIR=str(tmp / "ssd"))},
+            "unknown_key": {"extra": {"layerwise": True, "layerwize": False}},
+            "policy_fail": {"kt": {"kv_load_failure_policy": "fail"}},
+            "layerwise_str": {"extra": {"layerwise": "no"}},
+            "lookup_wait_neg": {"extra": {"lookup_wait_ms": -5}},
+            "load_timeout_zero": {"extra": {"load_timeout_s": 0}},
+            "ssd_unwritable": {"env": dict(ssd, FLEXKV_SSD_CACHE_DIR="/proc/adv_ssd")},
+            "cpu_gb_bad": {"env": {"FLEXKV_CPU_CACHE_GB": "lots"}},
+            "cpu_gb_zero": {"env": {"FLEXKV_CPU_CACHE_GB": "0"}},
+            "cpu_gb_huge": {"env": {"FLEXKV_CPU_CACHE_GB": "100000"}},
+            "ssd_gb_huge": {
+                "env": {
+                    "FLEXKV_CPU_CACHE_GB": "0.01",
+                    "FLEXKV_SSD_CACHE_GB": "100000",
+                    "FLEXKV_SSD_CACHE_DIR": str(tmp / "big"),
+                }
+            },
+            "run_dir_missing": {"extra": {"run_dir": str(tmp / "no" / "such" / "dir")}},
+            "config_path_missing": {"env": {"FLEXKV_CONFIG_PATH": str(tmp / "nope.yaml")}},
+        },
+    )
 
 
 def test_baseline_config_registers(configs):
@@ -207,13 +249,16 @@ def test_baseline_config_registers(configs):
     assert c["tiers"] == {"host": 81, "disk": 81}
 
 
-@pytest.mark.parametrize("case, words", [
-    ("unknown_key", ["layerwize", "known: layerwise"]),
-    ("policy_fail", ['kv_load_failure_policy="recompute"']),
-    ("layerwise_str", ["layerwise", "true or false"]),
-    ("lookup_wait_neg", ["lookup_wait_ms", "positive"]),
-    ("load_timeout_zero", ["load_timeout_s", "positive"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("unknown_key", ["layerwize", "known: layerwise"]),
+        ("policy_fail", ['kv_load_failure_policy="recompute"']),
+        ("layerwise_str", ["layerwise", "true or false"]),
+        ("lookup_wait_neg", ["lookup_wait_ms", "positive"]),
+        ("load_timeout_zero", ["load_timeout_s", "positive"]),
+    ],
+)
 def test_bad_extra_config_is_refused_by_both_roles(configs, case, words):
     for role in ("scheduler", "worker"):
         msg = configs[case][role]
@@ -222,12 +267,15 @@ def test_bad_extra_config_is_refused_by_both_roles(configs, case, words):
             assert w in msg, (role, msg)
 
 
-@pytest.mark.parametrize("case, words", [
-    ("ssd_unwritable", ["ssd_cache_dir", "not writable", "ssd_cache_gb=0"]),
-    ("cpu_gb_bad", ["cpu_cache_gb", "lots"]),
-    ("cpu_gb_zero", ["cpu_cache_gb > 0"]),
-    ("config_path_missing", ["FLEXKV_CONFIG_PATH"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("ssd_unwritable", ["ssd_cache_dir", "not writable", "ssd_cache_gb=0"]),
+        ("cpu_gb_bad", ["cpu_cache_gb", "lots"]),
+        ("cpu_gb_zero", ["cpu_cache_gb > 0"]),
+        ("config_path_missing", ["FLEXKV_CONFIG_PATH"]),
+    ],
+)
 def test_bad_tier_config_is_refused_naming_the_fix(configs, case, words):
     msg = configs[case]["register"]
     assert msg != "ok"
@@ -252,6 +300,7 @@ def test_missing_run_dir_is_refused_naming_run_dir(configs):
 
 
 # ------------------------------------- disk tier that fills up, then a second engine on that SSD dir
+
 
 @pytest.fixture(scope="module")
 def restart_runs(model_dir, tmp_path_factory):
@@ -285,12 +334,19 @@ def test_second_engine_readopts_disk_blocks(restart_runs):
 
 # ------------------------------------------- what the connector's block hashes cannot tell apart
 
+
 def test_prompt_embeds_requests_are_neither_loaded_nor_stored(model_dir, tmp_path):
     """vLLM gives a prompt_embeds request zeros for token ids, so two such prompts of one length
     would share our blocks (measured before the fix: 960 tokens of another prompt's KV loaded, wrong
     tokens): they are not offloaded at all, and a prompt of zero token ids loads nothing of theirs."""
-    r = drive(model_dir, tmp_path, "embeds", engine={"enable_prompt_embeds": True},
-              FLEXKV_CPU_CACHE_GB=0.5, FLEXKV_SSD_CACHE_GB=0)["embeds"]
+    r = drive(
+        model_dir,
+        tmp_path,
+        "embeds",
+        engine={"enable_prompt_embeds": True},
+        FLEXKV_CPU_CACHE_GB=0.5,
+        FLEXKV_SSD_CACHE_GB=0,
+    )["embeds"]
     for name in ("e1", "e2", "e1_again"):
         assert r[name]["loads"] == [] and r[name]["stores"] == [], (name, r[name])
         assert r[name]["gen"][0]["cached"] == 0, (name, r[name])  # vLLM's own cache was dropped too
@@ -303,8 +359,14 @@ def test_reset_prefix_cache_with_the_connector_drops_the_tiers(model_dir, tmp_pa
     returned True while the tiers kept the old KV and served it (measured: 1,472 stale tokens
     loaded, wrong tokens). Now the host and disk tiers are empty after it, and the prompt is
     computed."""
-    r = drive(model_dir, tmp_path, "reset", FLEXKV_CPU_CACHE_GB=0.5, FLEXKV_SSD_CACHE_GB=1,
-              FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"))["reset"]
+    r = drive(
+        model_dir,
+        tmp_path,
+        "reset",
+        FLEXKV_CPU_CACHE_GB=0.5,
+        FLEXKV_SSD_CACHE_GB=1,
+        FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"),
+    )["reset"]
     assert r["stats_before"]["host"]["used_blocks"] > 0 and r["stats_before"]["disk"]["used_blocks"] > 0
     assert r["reset"] is True
     assert r["stats_reset"]["host"]["used_blocks"] == 0 and r["stats_reset"]["disk"]["used_blocks"] == 0
@@ -318,6 +380,7 @@ def test_other_weights_of_the_same_shape_do_not_adopt_a_disk_tier(model_dir, tmp
     left: refused, naming both models, instead of loading the first model's KV (measured before:
     1,472 tokens of it loaded, wrong tokens)."""
     import shutil
+
     other = tmp_path / "other-model"
     shutil.copytree(model_dir, other)
     tiers = dict(FLEXKV_CPU_CACHE_GB=0.05, FLEXKV_SSD_CACHE_GB=0.2, FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"))
@@ -326,8 +389,13 @@ def test_other_weights_of_the_same_shape_do_not_adopt_a_disk_tier(model_dir, tmp
     first = drive(model_dir, tmp_path / "a", "restart_a", **tiers)["restart_a"]
     assert first["stats"]["disk"]["used_blocks"] > 0
     out = tmp_path / "b.json"
-    p = subprocess.run([sys.executable, str(DRIVER), str(other), str(out), "--connector", "1", "--scenarios",
-                        "restart_b"], env=_env(tmp_path / "b", **tiers), capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, str(DRIVER), str(other), str(out), "--connector", "1", "--scenarios", "restart_b"],
+        env=_env(tmp_path / "b", **tiers),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert "start_error" in json.loads(out.read_text()), "the second model started on the first one's disk tier"
     refusal = next((ln for ln in p.stderr.splitlines() if "another namespace or model layout" in ln), "")
     assert "model" in refusal and str(model_dir) in refusal and str(other) in refusal, p.stderr[-4000:]

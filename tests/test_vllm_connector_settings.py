@@ -10,11 +10,14 @@ from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
 
 def vllm_config(tmp_path, **extra):
     return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"run_dir": str(tmp_path), **extra},
-                                           engine_id="e0"),
-        cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"run_dir": str(tmp_path), **extra}, engine_id="e0"
+        ),
+        cache_config=SimpleNamespace(block_size=16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
         model_config=SimpleNamespace(model="some/model", revision=None),
-        load_config=SimpleNamespace(load_format="auto"))
+        load_config=SimpleNamespace(load_format="auto"),
+    )
 
 
 def test_defaults_and_handover_verify(tmp_path):
@@ -24,15 +27,18 @@ def test_defaults_and_handover_verify(tmp_path):
     assert s.handover and s.handover_verify == "bytes"
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"handover_verify": "crc32"}, "handover_verify='crc32' must be 'bytes' or 'owner'"),
-    ({"handover_verify": True}, "handover_verify=True must be a string"),
-    ({"handover": "yes"}, "handover='yes' must be true or false"),
-    ({"handover_lease_s": 0}, "handover_lease_s=0 must be a finite positive number"),
-    ({"handover_verifi": "owner"}, r"unknown kv_connector_extra_config key\(s\) \['handover_verifi'\]"),
-    ({"handover_lease_s": 1e9}, "handover_lease_s=1000000000.0 is over 3600 s"),
-    ({"model_id": "  "}, "model_id='' names no weights"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"handover_verify": "crc32"}, "handover_verify='crc32' must be 'bytes' or 'owner'"),
+        ({"handover_verify": True}, "handover_verify=True must be a string"),
+        ({"handover": "yes"}, "handover='yes' must be true or false"),
+        ({"handover_lease_s": 0}, "handover_lease_s=0 must be a finite positive number"),
+        ({"handover_verifi": "owner"}, r"unknown kv_connector_extra_config key\(s\) \['handover_verifi'\]"),
+        ({"handover_lease_s": 1e9}, "handover_lease_s=1000000000.0 is over 3600 s"),
+        ({"model_id": "  "}, "model_id='' names no weights"),
+    ],
+)
 def test_bad_values_are_refused_naming_the_key(tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):
         ConnectorSettings.from_vllm(vllm_config(tmp_path, **extra), None)
@@ -45,6 +51,9 @@ def test_the_installed_vllm_has_every_field_the_connector_reads_and_a_renamed_on
     monkeypatch.setattr(vllm_api, "REQUEST", vllm_api.REQUEST + ("block_hashes_v2",))
     key = ("vllm.v1.core.sched.output", "SchedulerOutput")
     monkeypatch.setitem(vllm_api.FIELDS, key, vllm_api.FIELDS[key] + ("scheduled_spec_reqs",))
-    with pytest.raises(RuntimeError, match=r"lacks Request.block_hashes_v2, SchedulerOutput.scheduled_spec_reqs, "
-                                           r"which the connector reads .* install vllm==0.31.0"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"lacks Request.block_hashes_v2, SchedulerOutput.scheduled_spec_reqs, "
+        r"which the connector reads .* install vllm==0.31.0",
+    ):
         vllm_api.check()

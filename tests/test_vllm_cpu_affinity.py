@@ -7,8 +7,12 @@ import threading
 
 import pytest
 
-from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import (OmpBinding, helpers_on_bind_cores, omp_binding,
-                                                                    restore_bind)
+from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import (
+    OmpBinding,
+    helpers_on_bind_cores,
+    omp_binding,
+    restore_bind,
+)
 
 CORES = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to move a thread between")
@@ -19,24 +23,45 @@ GOMP = "/venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1"
 IOMP = "/opt/intel/lib/libiomp5.so"
 
 
-@pytest.mark.parametrize("env,binding", [
-    # what vllm/utils/ompmultiprocessing.py sets for the runtime in LD_PRELOAD, sorted and per worker
-    ({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": "0 1"}, OmpBinding([0, 1], True)),
-    ({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": "2 3 0"}, OmpBinding([2, 3, 0], True)),  # thread order
-    ({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": "0-3 5"}, OmpBinding([0, 1, 2, 3, 5], True)),
-    ({"LD_PRELOAD": IOMP, "KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5]"}, OmpBinding([4, 5], True)),
-    ({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}, OmpBinding([0, 1, 2], False)),
-    # the runtime decides which variable counts, as in vLLM: another runtime's variable is ignored
-    ({"LD_PRELOAD": GOMP, "KMP_AFFINITY": "proclist=[2,3]", "GOMP_CPU_AFFINITY": "0 1"}, OmpBinding([0, 1], True)),
-    ({"LD_PRELOAD": IOMP, "GOMP_CPU_AFFINITY": "0 1"}, None),
-    ({"GOMP_CPU_AFFINITY": "0 1"}, None), ({"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "false"}, None),
-    ({}, None), ({"LD_PRELOAD": GOMP}, None),
-    # what no vLLM writes: not a core list we can trust, so nothing moves
-    *(({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": v}, None) for v in (
-        " ", "a", "3-1", "0-", "-1", "+1", "1_0", "\u0661", "0-15:2", "99999999999999999999999", "0-10000000")),
-    ({"OMP_PLACES": "{0},{1}", "OMP_PROC_BIND": "true"}, None), ({"OMP_PLACES": "cores", "OMP_PROC_BIND": "true"}, None),
-    ({"LD_PRELOAD": IOMP, "KMP_AFFINITY": "compact"}, None), ({"LD_PRELOAD": IOMP, "KMP_AFFINITY": "proclist=[]"}, None),
-])
+@pytest.mark.parametrize(
+    "env,binding",
+    [
+        # what vllm/utils/ompmultiprocessing.py sets for the runtime in LD_PRELOAD, sorted and per worker
+        ({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": "0 1"}, OmpBinding([0, 1], True)),
+        ({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": "2 3 0"}, OmpBinding([2, 3, 0], True)),  # thread order
+        ({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": "0-3 5"}, OmpBinding([0, 1, 2, 3, 5], True)),
+        ({"LD_PRELOAD": IOMP, "KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5]"}, OmpBinding([4, 5], True)),
+        ({"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}, OmpBinding([0, 1, 2], False)),
+        # the runtime decides which variable counts, as in vLLM: another runtime's variable is ignored
+        ({"LD_PRELOAD": GOMP, "KMP_AFFINITY": "proclist=[2,3]", "GOMP_CPU_AFFINITY": "0 1"}, OmpBinding([0, 1], True)),
+        ({"LD_PRELOAD": IOMP, "GOMP_CPU_AFFINITY": "0 1"}, None),
+        ({"GOMP_CPU_AFFINITY": "0 1"}, None),
+        ({"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "false"}, None),
+        ({}, None),
+        ({"LD_PRELOAD": GOMP}, None),
+        # what no vLLM writes: not a core list we can trust, so nothing moves
+        *(
+            ({"LD_PRELOAD": GOMP, "GOMP_CPU_AFFINITY": v}, None)
+            for v in (
+                " ",
+                "a",
+                "3-1",
+                "0-",
+                "-1",
+                "+1",
+                "1_0",
+                "\u0661",
+                "0-15:2",
+                "99999999999999999999999",
+                "0-10000000",
+            )
+        ),
+        ({"OMP_PLACES": "{0},{1}", "OMP_PROC_BIND": "true"}, None),
+        ({"OMP_PLACES": "cores", "OMP_PROC_BIND": "true"}, None),
+        ({"LD_PRELOAD": IOMP, "KMP_AFFINITY": "compact"}, None),
+        ({"LD_PRELOAD": IOMP, "KMP_AFFINITY": "proclist=[]"}, None),
+    ],
+)
 def test_the_binding_is_read_from_what_vllm_gave_the_openmp_runtime(env, binding):
     assert omp_binding(env) == binding
 

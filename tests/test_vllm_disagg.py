@@ -26,9 +26,10 @@ from typing import Dict, List
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vLLM is installed by scripts/install.sh")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is installed by scripts/install.sh"),
+]
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
 import exactness  # noqa: E402
@@ -47,9 +48,16 @@ PROMPTS = [DOCS[d] + vg.tokens(4000 + 10 * r + d, 5 + (3 * r + 7 * d) % 20) for 
 def common(tmp: Path, name: str, workers: List[str], offload: bool = True) -> List[str]:
     out = ["Frontend.http-port=0"]
     for w in workers:
-        out += [*exactness.serve_sets(w), *(exactness.offload_sets(w) if offload else [f"{w}.offload=false"]),f"{w}.cache.ssd_cache_dir={tmp}/{name}/{w}{{replica}}", f"{w}.max-model-len=2560",
-                f"{w}.num-device-blocks=64", f"{w}.cache.cpu_cache_gb=0.0625", f"{w}.cache.ssd_cache_gb=0.1",
-                f"{w}.restart-backoff-s=5"]
+        out += [
+            *exactness.serve_sets(w),
+            *(exactness.offload_sets(w) if offload else [f"{w}.offload=false"]),
+            f"{w}.cache.ssd_cache_dir={tmp}/{name}/{w}{{replica}}",
+            f"{w}.max-model-len=2560",
+            f"{w}.num-device-blocks=64",
+            f"{w}.cache.cpu_cache_gb=0.0625",
+            f"{w}.cache.ssd_cache_gb=0.1",
+            f"{w}.restart-backoff-s=5",
+        ]
     return out
 
 
@@ -106,9 +114,11 @@ def test_disaggregated_vllm_gives_the_aggregated_tokens_and_decode_pulls_the_kv_
     failed = vg.metric(decode, "vllm:flexkv_handover_failures_total")
     nixl_reads = vg.metric(decode, "vllm:nixl_xfer_time_seconds_count")
     full = sum((len(p) - 1) // BS * BS for p in PROMPTS)
-    print(f"\n{graph}: {len(PROMPTS)} prompts in {elapsed:.0f} s; prefill prompt tokens {each_p} (sum "
-          f"{sum(each_p):.0f}) of {total}; decode: {handed:.0f} handed-over tokens of {full} in full blocks, "
-          f"{pulled / 2**20:.1f} MiB, {failed:.0f} failed; NixlConnector reads {nixl_reads:.0f}")
+    print(
+        f"\n{graph}: {len(PROMPTS)} prompts in {elapsed:.0f} s; prefill prompt tokens {each_p} (sum "
+        f"{sum(each_p):.0f}) of {total}; decode: {handed:.0f} handed-over tokens of {full} in full blocks, "
+        f"{pulled / 2**20:.1f} MiB, {failed:.0f} failed; NixlConnector reads {nixl_reads:.0f}"
+    )
     assert sum(each_p) >= total  # every prompt went through a prefill worker
     assert len(prefills) == (2 if graph == "disagg_router_vllm" else 1) and all(each_p)  # each one served some
     assert failed == 0 and nixl_reads == 0, (failed, nixl_reads)
@@ -120,8 +130,10 @@ RECOVERY_S = 30  # README: a new request after a worker's restart is answered wi
 
 def pid_of(serve: VllmServe, name: str) -> int:
     """``name``'s dynamo.vllm process now (serve's children change when it restarts one)."""
-    serve.children = [int(x) for x in subprocess.run(["pgrep", "-P", str(serve.proc.pid)], capture_output=True,
-                                                     text=True).stdout.split()]
+    serve.children = [
+        int(x)
+        for x in subprocess.run(["pgrep", "-P", str(serve.proc.pid)], capture_output=True, text=True).stdout.split()
+    ]
     return serve.worker_pid(name)
 
 
@@ -133,14 +145,24 @@ def running(serve: VllmServe, name: str) -> float:
 
 
 def test_a_killed_decode_or_prefill_worker_fails_cleanly_and_the_graph_recovers(tmp, aggregated):
-    serve = VllmServe(tmp, "faults", "PrefillWorker.restart-backoff-s=1", "DecodeWorker.restart-backoff-s=1",
-                      graph="disagg_vllm", base=common(tmp, "faults", ["PrefillWorker", "DecodeWorker"]))
+    serve = VllmServe(
+        tmp,
+        "faults",
+        "PrefillWorker.restart-backoff-s=1",
+        "DecodeWorker.restart-backoff-s=1",
+        graph="disagg_vllm",
+        base=common(tmp, "faults", ["PrefillWorker", "DecodeWorker"]),
+    )
     try:
         for victim, k in (("DecodeWorker", 19), ("PrefillWorker", 29)):  # 2,000-token prompts
             pid, seen = pid_of(serve, victim), len(serve.lines)
             out, thread = vg.stream_in_thread(serve.base_url, PROMPTS[k], MAX_TOKENS)
-            wait_until(f"{victim} to hold the request", lambda: out.finished or running(serve, victim) > 0,
-                       timeout=120, every=0.01)
+            wait_until(
+                f"{victim} to hold the request",
+                lambda: out.finished or running(serve, victim) > 0,
+                timeout=120,
+                every=0.01,
+            )
             os.kill(pid, signal.SIGKILL)
             thread.join(180)
             assert out.finished, f"the request hung after {victim} died"
@@ -168,11 +190,17 @@ def test_a_killed_decode_or_prefill_worker_fails_cleanly_and_the_graph_recovers(
             assert answered < RECOVERY_S, (answered, r)
             exactness.assert_exact({k + 10: r["gen"]}, aggregated, f"after {victim} came back")
             # Nothing of the dead side holds the prefill's blocks past NixlConnector's lease (30 s).
-            wait_until("the prefill worker's KV blocks free", lambda: vg.metric(
-                vg.scrape(serve.metrics["PrefillWorker"]), "vllm:kv_cache_usage_perc") == 0, timeout=60, every=0.5)
-            print(f"\n{victim} killed while it held a request: {outcome} after {out.seconds:.1f} s; "
-                  f"{ready.group(0)}; the next request answered {answered:.1f} s later "
-                  f"({len(failures)} refused meanwhile: {sorted(set(failures))})")
+            wait_until(
+                "the prefill worker's KV blocks free",
+                lambda: vg.metric(vg.scrape(serve.metrics["PrefillWorker"]), "vllm:kv_cache_usage_perc") == 0,
+                timeout=60,
+                every=0.5,
+            )
+            print(
+                f"\n{victim} killed while it held a request: {outcome} after {out.seconds:.1f} s; "
+                f"{ready.group(0)}; the next request answered {answered:.1f} s later "
+                f"({len(failures)} refused meanwhile: {sorted(set(failures))})"
+            )
     finally:
         serve.close()
     assert vg.ours_left(serve.run) == []
@@ -191,22 +219,40 @@ def test_decode_holds_the_bytes_prefill_computed_and_stores_them_in_its_own_tier
 
     model = write_model_dir(EngineModelConfig.preset("small"), tmp_path / "model", context_length=8192, weights=True)
     out = tmp_path / "result.json"
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
-               HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"), VLLM_CACHE_ROOT=str(tmp_path / "vllm"))
+    env = dict(
+        os.environ,
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_LOOPBACK_IP="127.0.0.1",
+        VLLM_NO_USAGE_STATS="1",
+        HOME=str(tmp_path),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        VLLM_CACHE_ROOT=str(tmp_path / "vllm"),
+    )
     env.pop("FLEXKV_CONFIG_PATH", None)
     script = Path(__file__).with_name("vllm_disagg_kv_check.py")
-    p = subprocess.run([sys.executable, str(script), str(model), str(out), str(tmp_path / "run")], env=env,
-                       capture_output=True, text=True, timeout=900, cwd=str(script.parent))
+    p = subprocess.run(
+        [sys.executable, str(script), str(model), str(out), str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=str(script.parent),
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     for r in json.loads(out.read_text()):
-        print(f"\n{r['prompt_tokens']} tokens: {r['remote_blocks']} blocks held by prefill, decode's handovers "
-              f"(blocks, bytes, verified) {r['handovers']}, full ones equal: {r['bytes_equal']}; decode stored "
-              f"{r['decode_stored_blocks']}")
+        print(
+            f"\n{r['prompt_tokens']} tokens: {r['remote_blocks']} blocks held by prefill, decode's handovers "
+            f"(blocks, bytes, verified) {r['handovers']}, full ones equal: {r['bytes_equal']}; decode stored "
+            f"{r['decode_stored_blocks']}"
+        )
         assert r["remote_blocks"] == r["full_blocks"] and r["nonzero"] and r["layers"] > 0
         # One verified read of every full block but the one holding the last token, every layer.
         read = (r["prompt_tokens"] - 1) // 64
         assert r["handovers"] == [[read, read * r["block_bytes"], True]], r
         assert r["bytes_equal"], r  # bit for bit, every layer of every full block
         assert r["decode_stored_blocks"] >= r["full_blocks"], r  # what decode received, in its own tiers
-        exactness.assert_exact({0: Generation.from_json(r["decode"])}, {0: Generation.from_json(r["agg"])},
-                               f"decode after the handover, {r['prompt_tokens']} tokens")
+        exactness.assert_exact(
+            {0: Generation.from_json(r["decode"])},
+            {0: Generation.from_json(r["agg"])},
+            f"decode after the handover, {r['prompt_tokens']} tokens",
+        )

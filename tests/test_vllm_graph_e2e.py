@@ -31,9 +31,10 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vLLM is installed by scripts/install.sh")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is installed by scripts/install.sh"),
+]
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
@@ -84,10 +85,16 @@ CHECKED = [p for _, _, p in E2E] + [HANG_DOC, HANG_PROMPT, KILL_DOC, KILL_PROMPT
 
 
 def sets(tmp: Path, name: str) -> List[str]:
-    return ["Frontend.http-port=0", *exactness.serve_sets(), f"VllmWorker.cache.ssd_cache_dir={tmp}/{name}/ssd{{replica}}",
-            f"VllmWorker.num-device-blocks={DEVICE_BLOCKS}", f"VllmWorker.max-model-len={MAX_LEN}",
-            f"VllmWorker.cache.cpu_cache_gb={HOST_GB}", f"VllmWorker.cache.ssd_cache_gb={DISK_GB}",
-            "VllmWorker.restart-backoff-s=5"]  # time to look for the dead worker's leftovers
+    return [
+        "Frontend.http-port=0",
+        *exactness.serve_sets(),
+        f"VllmWorker.cache.ssd_cache_dir={tmp}/{name}/ssd{{replica}}",
+        f"VllmWorker.num-device-blocks={DEVICE_BLOCKS}",
+        f"VllmWorker.max-model-len={MAX_LEN}",
+        f"VllmWorker.cache.cpu_cache_gb={HOST_GB}",
+        f"VllmWorker.cache.ssd_cache_gb={DISK_GB}",
+        "VllmWorker.restart-backoff-s=5",
+    ]  # time to look for the dead worker's leftovers
 
 
 def children(serve: Serve) -> List[int]:
@@ -112,8 +119,10 @@ def baseline(tmp) -> Dict[tuple, Generation]:
             r = vg.complete(serve.base_url, p, MAX_TOKENS)
             assert len(r["ids"]) == MAX_TOKENS, r
             out[tuple(p)] = r["gen"]
-        print(f"\nbaseline (offload=false): ready in {ready:.0f} s, {len(CHECKED)} prompts in "
-              f"{time.monotonic() - t0 - ready:.0f} s")
+        print(
+            f"\nbaseline (offload=false): ready in {ready:.0f} s, {len(CHECKED)} prompts in "
+            f"{time.monotonic() - t0 - ready:.0f} s"
+        )
     finally:
         serve.close()
     assert vg.ours_left(serve.run) == []
@@ -199,9 +208,22 @@ def test_served_vllm_graph_offloads_routes_by_tier_and_gives_the_no_offload_toke
         r = vg.complete(s.base_url, prompt, MAX_TOKENS)
         now = g.loads()
         served = ids.get(r["worker"])
-        recs.append(dict(i=i, round=rnd, doc=d, n=len(prompt), view=view, served=served, cached=r["cached"],
-                         delta={n: {t: now[n][t] - prev[n][t] for t in ("host", "disk")} for n in NAMES},
-                         ids=r["ids"], gen=r["gen"], rid=r["rid"], s=r["seconds"]))
+        recs.append(
+            dict(
+                i=i,
+                round=rnd,
+                doc=d,
+                n=len(prompt),
+                view=view,
+                served=served,
+                cached=r["cached"],
+                delta={n: {t: now[n][t] - prev[n][t] for t in ("host", "disk")} for n in NAMES},
+                ids=r["ids"],
+                gen=r["gen"],
+                rid=r["rid"],
+                s=r["seconds"],
+            )
+        )
         prev = now
         # The next request's routing view includes this one's blocks (device events at once; the
         # host copy when the request's store lands): wait for the probe to see them.
@@ -224,19 +246,25 @@ def test_served_vllm_graph_offloads_routes_by_tier_and_gives_the_no_offload_toke
         f = frontend.get(x["rid"], {})
         views = " ".join(f"{n[-1]}:{'/'.join(map(str, x['view'].get(n, (0, 0, 0))))}" for n in NAMES)
         loads = " ".join(f"{n[-1]}:{x['delta'][n]['host']:.0f}/{x['delta'][n]['disk']:.0f}" for n in NAMES)
-        print(f"{x['i']:2d} {x['round']} {x['doc']:3d} {x['n']:4d} {x['served']} {x['cached']:6d}  {views:32s}  "
-              f"{loads:22s} dev={f.get('device')} host={f.get('host')} disk={f.get('disk')}"
-              + ("  <- lower tier" if holder(x) else ""))
+        print(
+            f"{x['i']:2d} {x['round']} {x['doc']:3d} {x['n']:4d} {x['served']} {x['cached']:6d}  {views:32s}  "
+            f"{loads:22s} dev={f.get('device')} host={f.get('host')} disk={f.get('disk')}"
+            + ("  <- lower tier" if holder(x) else "")
+        )
     total = {t: sum(prev[n][t] - start[n][t] for n in NAMES) for t in ("host", "disk")}
     print(f"loaded tokens over the run: {total}")
 
     # Same tokens and logprobs as without offload.
-    exactness.assert_exact({x["i"]: x["gen"] for x in recs}, {x["i"]: baseline[tuple(E2E[x["i"]][2])] for x in recs},
-                           f"{len(recs)} prompts through the offload graph")
+    exactness.assert_exact(
+        {x["i"]: x["gen"] for x in recs},
+        {x["i"]: baseline[tuple(E2E[x["i"]][2])] for x in recs},
+        f"{len(recs)} prompts through the offload graph",
+    )
     # Returning documents report their cached prefix; lower tiers supplied host and disk loads.
     returning = [x for x in recs if x["round"] > 0]
-    short = [(x["i"], x["doc"], x["cached"], x["served"]) for x in returning
-             if x["cached"] < doc_blocks(DOCS[x["doc"]]) * BS]
+    short = [
+        (x["i"], x["doc"], x["cached"], x["served"]) for x in returning if x["cached"] < doc_blocks(DOCS[x["doc"]]) * BS
+    ]
     assert not short, f"returning prompts without their document's blocks cached: {short}"
     assert total["host"] > 0 and total["disk"] > 0, total
     # Routing: a returning document whose device copies are gone goes to the worker whose host/disk
@@ -244,17 +272,25 @@ def test_served_vllm_graph_offloads_routes_by_tier_and_gives_the_no_offload_toke
     lower = [x for x in returning if holder(x)]
     misrouted = [(x["i"], holder(x), x["served"]) for x in lower if x["served"] != holder(x)]
     unloaded = [(x["i"], x["delta"][x["served"]]) for x in lower if sum(x["delta"][x["served"]].values()) <= 0]
-    unseen = [(x["i"], frontend.get(x["rid"])) for x in lower
-              if (frontend.get(x["rid"]) or {}).get("host", 0) + (frontend.get(x["rid"]) or {}).get("disk", 0) <= 0]
+    unseen = [
+        (x["i"], frontend.get(x["rid"]))
+        for x in lower
+        if (frontend.get(x["rid"]) or {}).get("host", 0) + (frontend.get(x["rid"]) or {}).get("disk", 0) <= 0
+    ]
     # The router credits the serving worker with every block it then took from its tiers, also when its
     # device keeps only the first blocks: the lower-tier walk starts at the device's last block, so
     # the tiers must name blocks as vLLM does (tests/vllm_tier_hash_repro.py shows the cut otherwise).
-    under = [(x["i"], x["view"].get(x["served"]), x["cached"]) for x in returning
-             if x["view"].get(x["served"], (0, 0, 0))[2] * BS < x["cached"]]
+    under = [
+        (x["i"], x["view"].get(x["served"]), x["cached"])
+        for x in returning
+        if x["view"].get(x["served"], (0, 0, 0))[2] * BS < x["cached"]
+    ]
     partial = [(x["i"], x["view"][x["served"]]) for x in lower if x["view"][x["served"]][0] > 0]
-    print(f"lower-tier returns: {len(lower)} ({len(partial)} with a device prefix: {partial}), misrouted "
-          f"{misrouted}, no load {unloaded}, frontend counted no host/disk blocks {unseen}, "
-          f"router under-counted {under}")
+    print(
+        f"lower-tier returns: {len(lower)} ({len(partial)} with a device prefix: {partial}), misrouted "
+        f"{misrouted}, no load {unloaded}, frontend counted no host/disk blocks {unseen}, "
+        f"router under-counted {under}"
+    )
     assert len(lower) >= 5, f"only {len(lower)} returning prompts found their document only in a lower tier"
     assert not misrouted and not unloaded and not unseen and not under
     assert vg.event_trouble(s.run) == []
@@ -277,13 +313,16 @@ def prepare_lower_tier(g: Graph, baseline, doc: List[int], prompt: List[int], se
     for j in range(16):
         v = g.view(prompt)[holder]
         if v[0] == 0 and v[2] >= need:
-            print(f"{holder} holds the prompt's {need}-block prefix in host/disk only (device/host/disk {v}) "
-                  f"after fillers on {landed}")
+            print(
+                f"{holder} holds the prompt's {need}-block prefix in host/disk only (device/host/disk {v}) "
+                f"after fillers on {landed}"
+            )
             return holder
         f = vg.complete(s.base_url, vg.tokens(seed + j, 2700), 2)
         landed.append(g.ids().get(f["worker"]))
-    raise AssertionError(f"could not push the document out of {holder}'s device cache with fillers on {landed}: "
-                         f"{g.view(prompt)}")
+    raise AssertionError(
+        f"could not push the document out of {holder}'s device cache with fillers on {landed}: {g.view(prompt)}"
+    )
 
 
 def inflight(g: Graph, name: str) -> bool:
@@ -313,27 +352,39 @@ def test_a_client_hang_up_during_a_load_frees_the_request_and_the_worker_serves_
     busy = vg.Busy(engine_worker(g, holder))
     hung = vg.send_and_hang_up(s.base_url, HANG_PROMPT, 100, busy)
     t_hang = time.monotonic()
-    print(f"hung up {hung * 1000:.0f} ms after sending, {holder}'s Worker {busy.burned} ticks into its step "
-          f"(idle {busy.idle_rate:.1f} ticks/s)")
+    print(
+        f"hung up {hung * 1000:.0f} ms after sending, {holder}'s Worker {busy.burned} ticks into its step "
+        f"(idle {busy.idle_rate:.1f} ticks/s)"
+    )
 
     def done():  # the load's step reported (its counters), the request gone, its blocks free
         text = g.text(holder)
-        return text if (sum(vg.loaded(text).values()) > sum(vg.loaded(before).values())
-                        and vg.metric(text, "vllm:num_requests_running") == 0
-                        and vg.metric(text, "vllm:num_requests_waiting") == 0
-                        and vg.metric(text, "vllm:kv_cache_usage_perc") == 0
-                        and vg.metric(text, "dynamo_component_inflight_requests", dynamo_endpoint="generate") == 0) \
+        return (
+            text
+            if (
+                sum(vg.loaded(text).values()) > sum(vg.loaded(before).values())
+                and vg.metric(text, "vllm:num_requests_running") == 0
+                and vg.metric(text, "vllm:num_requests_waiting") == 0
+                and vg.metric(text, "vllm:kv_cache_usage_perc") == 0
+                and vg.metric(text, "dynamo_component_inflight_requests", dynamo_endpoint="generate") == 0
+            )
             else None
+        )
 
-    after = wait_until(f"{holder} to finish the load's step, drop the request and free its blocks", done,
-                       timeout=90, every=0.2)
+    after = wait_until(
+        f"{holder} to finish the load's step, drop the request and free its blocks", done, timeout=90, every=0.2
+    )
     load = {t: vg.loaded(after)[t] - vg.loaded(before)[t] for t in ("host", "disk")}
-    ended = {reason: vg.metric(after, "vllm:request_success_total", finished_reason=reason)
-             - vg.metric(before, "vllm:request_success_total", finished_reason=reason)
-             for reason in ("abort", "length", "stop", "error")}
+    ended = {
+        reason: vg.metric(after, "vllm:request_success_total", finished_reason=reason)
+        - vg.metric(before, "vllm:request_success_total", finished_reason=reason)
+        for reason in ("abort", "length", "stop", "error")
+    }
     generated = vg.metric(after, "vllm:generation_tokens_total") - vg.metric(before, "vllm:generation_tokens_total")
-    print(f"{holder} idle with its blocks free {time.monotonic() - t_hang:.2f} s after the hang-up; loaded {load}, "
-          f"requests ended {ended}, generated {generated:.0f} of 100 tokens")
+    print(
+        f"{holder} idle with its blocks free {time.monotonic() - t_hang:.2f} s after the hang-up; loaded {load}, "
+        f"requests ended {ended}, generated {generated:.0f} of 100 tokens"
+    )
     assert sum(load.values()) >= (PREFIX // BS - 1) * BS, load  # the hung-up request's load
     assert generated < 100 and ended["length"] == 0, "the hang-up did not stop the request"
     assert g.pid(holder) == pid and vg.healthy(s.metrics[holder])
@@ -363,8 +414,7 @@ def test_a_worker_killed_during_a_load_migrates_its_request_and_is_restarted_cle
     busy = vg.Busy(engine_worker(g, holder))
     sent = time.monotonic()
     out, thread = vg.stream_in_thread(s.base_url, KILL_PROMPT, MAX_TOKENS)
-    wait_until(f"{holder}'s Worker to start the loading step", lambda: out.finished or busy(), timeout=60,
-               every=0.005)
+    wait_until(f"{holder}'s Worker to start the loading step", lambda: out.finished or busy(), timeout=60, every=0.005)
     tokens_at_kill, sent_for = len(out.ids), time.monotonic() - sent
     assert not out.finished, f"the request ended before {holder} started it: {out}"
     os.kill(pid, signal.SIGKILL)
@@ -380,14 +430,17 @@ def test_a_worker_killed_during_a_load_migrates_its_request_and_is_restarted_cle
         tries = wait_until("the frontend to log the request's last attempt", finished_attempts, timeout=15, every=0.2)
     except AssertionError:
         tries = vg.attempts(log, out.rid)  # a request that failed has no completed attempt
-    print(f"killed {holder} {sent_for * 1000:.0f} ms after sending, its Worker {busy.burned} ticks into the step, "
-          f"{tokens_at_kill} tokens streamed; the request ended {out.seconds:.1f} s after sending: status "
-          f"{out.status}, {len(out.ids)} tokens, error {out.error}, exception {out.exception}; attempts {tries}")
+    print(
+        f"killed {holder} {sent_for * 1000:.0f} ms after sending, its Worker {busy.burned} ticks into the step, "
+        f"{tokens_at_kill} tokens streamed; the request ended {out.seconds:.1f} s after sending: status "
+        f"{out.status}, {len(out.ids)} tokens, error {out.error}, exception {out.exception}; attempts {tries}"
+    )
     assert tokens_at_kill == 0  # the kill landed before the first token: in the step that loads
     if out.status == 200 and out.done and out.error is None and out.exception is None:
         exactness.assert_exact({0: out.gen}, {0: baseline[tuple(KILL_PROMPT)]}, "the migrated request")
-        assert tries and tries[-1]["worker"] == other_id and tries[-1]["outcome"] == "completed", \
+        assert tries and tries[-1]["worker"] == other_id and tries[-1]["outcome"] == "completed", (
             "it did not finish on the other worker"
+        )
         outcome = f"migrated to {other}"
     else:  # a clean 5xx: an HTTP status or an SSE error event, never a hang or a broken stream
         code = out.status if out.status >= 500 else int((out.error or {}).get("code") or 0)
@@ -416,11 +469,16 @@ def test_a_worker_killed_during_a_load_migrates_its_request_and_is_restarted_cle
         served.append(ids.get(r["worker"]))
         if holder in served:
             break
-    print(f"kill test: {outcome}; leftovers of the dead worker: {leftovers}; after the restart {served}; "
-          f"{time.monotonic() - t0:.0f} s")
+    print(
+        f"kill test: {outcome}; leftovers of the dead worker: {leftovers}; after the restart {served}; "
+        f"{time.monotonic() - t0:.0f} s"
+    )
     assert holder in served, f"the restarted {holder} served none of {len(served)} fresh prompts"
-    exactness.assert_exact({0: vg.complete(s.base_url, KILL_DOC, MAX_TOKENS)["gen"]}, {0: baseline[tuple(KILL_DOC)]},
-                           "the killed worker's document")
+    exactness.assert_exact(
+        {0: vg.complete(s.base_url, KILL_DOC, MAX_TOKENS)["gen"]},
+        {0: baseline[tuple(KILL_DOC)]},
+        "the killed worker's document",
+    )
     trouble = vg.event_trouble(s.run)
     if trouble:
         print("event trouble after the kill (reported, not asserted):", *trouble[:10], sep="\n  ")

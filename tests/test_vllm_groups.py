@@ -23,8 +23,10 @@ BS = 16
 WINDOW = 40  # tokens: a hit needs ceil(39 / 16) = 3 blocks before it
 SPEC = ModelSpec(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")
 DEVICE_BLOCKS = 128
-GROUPS = [KVGroup(0, "sliding_window", BS, WINDOW, ("model.layers.0.attn",)),
-          KVGroup(1, "full_attention", BS, 0, ("model.layers.1.attn",))]
+GROUPS = [
+    KVGroup(0, "sliding_window", BS, WINDOW, ("model.layers.0.attn",)),
+    KVGroup(1, "full_attention", BS, 0, ("model.layers.1.attn",)),
+]
 
 
 @pytest.fixture
@@ -106,8 +108,12 @@ def test_a_returning_prefix_loads_every_full_block_and_only_the_window(tiers):
             assert torch.equal(old[s], new[d])  # every block of the full group
         for s, d in zip(src[0][7:], dst[0][7:]):
             assert torch.equal(old[s], new[d])  # the window's three
-    outside = [b for layer in tiers.layers for b in range(DEVICE_BLOCKS) if b not in dst[0] + dst[1]
-               and layer[b].abs().sum() != 0]
+    outside = [
+        b
+        for layer in tiers.layers
+        for b in range(DEVICE_BLOCKS)
+        if b not in dst[0] + dst[1] and layer[b].abs().sum() != 0
+    ]
     assert not outside, f"a load wrote blocks it was not given: {sorted(set(outside))}"
 
 
@@ -115,7 +121,7 @@ def test_a_prefix_without_its_window_is_not_cached(tiers):
     tokens = _tokens(3, 10)
     _store(tiers, tokens, _tables(1, 10), "a")
     # A shorter prompt of the same prefix: the full group has its blocks, but no window ends there.
-    assert tiers.cached_tokens(tokens[:8 * BS], None, None, 8 * BS, 0) == 0
+    assert tiers.cached_tokens(tokens[: 8 * BS], None, None, 8 * BS, 0) == 0
     # vLLM freed a block of the window before the request finished: no window, nothing to hit.
     other = _tokens(4, 10)
     tables = _tables(30, 10)
@@ -155,8 +161,11 @@ def test_vllm_holding_the_window_loads_the_rest(tiers):
 
 def test_groups_refused_name_their_layers():
     mamba = KVGroup(2, "mamba", BS, 0, ("model.layers.2.mixer", "model.layers.5.mixer"))
-    with pytest.raises(ValueError, match=r"group 2 \(mamba\): model.layers.2.mixer, model.layers.5.mixer.*"
-                                         r"offload: false"):
+    with pytest.raises(
+        ValueError,
+        match=r"group 2 \(mamba\): model.layers.2.mixer, model.layers.5.mixer.*"
+        r"offload: false",
+    ):
         check_groups(GROUPS + [mamba])
     with pytest.raises(ValueError, match=r"different block sizes \[16, 32\].*--block-size"):
         check_groups([GROUPS[0], KVGroup(1, "full_attention", 32, 0, ("x",))])
@@ -164,16 +173,26 @@ def test_groups_refused_name_their_layers():
 
 
 def test_read_groups_from_vllm_kv_cache_config():
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
-                                            SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     full = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.float32)
     sw = SlidingWindowSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=256)
-    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["l.0", "l.3"], sw), KVCacheGroupSpec(["l.2", "l.5"], full)])
+    cfg = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l.0", "l.3"], sw), KVCacheGroupSpec(["l.2", "l.5"], full)],
+    )
     groups = read_groups(cfg)
     assert [(g.kind, g.window, g.window_blocks, g.layer_names) for g in groups] == [
-        ("sliding_window", 256, 4, ("l.0", "l.3")), ("full_attention", 0, 0, ("l.2", "l.5"))]
+        ("sliding_window", 256, 4, ("l.0", "l.3")),
+        ("full_attention", 0, 0, ("l.2", "l.5")),
+    ]
     mamba = MambaSpec(block_size=64, shapes=((4, 4),), dtypes=(torch.float32,))
     cfg.kv_cache_groups.append(KVCacheGroupSpec(["l.1"], mamba))
     with pytest.raises(ValueError, match=r"group 2 \(mamba\): l.1"):
@@ -182,12 +201,16 @@ def test_read_groups_from_vllm_kv_cache_config():
 
 def test_the_aux_budget_share_follows_the_blocks_it_holds():
     # Gemma-3-like: two window groups of 4 blocks beside one full group, 128 blocks per request.
-    gemma = [KVGroup(0, "sliding_window", 64, 256, ()), KVGroup(1, "sliding_window", 64, 256, ()),
-             KVGroup(2, "full_attention", 64, 0, ())]
+    gemma = [
+        KVGroup(0, "sliding_window", 64, 256, ()),
+        KVGroup(1, "sliding_window", 64, 256, ()),
+        KVGroup(2, "full_attention", 64, 0, ()),
+    ]
     assert aux_share(gemma, 64, 16384) == pytest.approx(8 / 136)
     assert aux_share([KVGroup(0, "full_attention", 64, 0, ())], 64, 16384) == 0.0
-    assert aux_share([KVGroup(0, "full_attention", 64, 0, ()), KVGroup(1, "full_attention", 64, 0, ())],
-                     64, 16384) == 0.5
+    assert (
+        aux_share([KVGroup(0, "full_attention", 64, 0, ()), KVGroup(1, "full_attention", 64, 0, ())], 64, 16384) == 0.5
+    )
 
 
 class _Refusing:

@@ -15,8 +15,14 @@ pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 from served import wait_until  # noqa: E402
 
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused  # noqa: E402
-from dynamo_flexkv.integrations.vllm_connector.handover import (KEY, Handover, Verify,  # noqa: E402
-                                                                VllmHandover, read_source, source_file)
+from dynamo_flexkv.integrations.vllm_connector.handover import (
+    KEY,
+    Handover,
+    Verify,  # noqa: E402
+    VllmHandover,
+    read_source,
+    source_file,
+)
 
 LAYERS, BLOCKS, HEADS, BS, WIDTH = 4, 32, 2, 16, 64
 
@@ -24,14 +30,17 @@ LAYERS, BLOCKS, HEADS, BS, WIDTH = 4, 32, 2, 16, 64
 def prompt(seed: int, blocks: int = 24) -> list:
     """The sequence hash of each full block of a prompt (what both roles compute from its tokens)."""
     from dynamo_flexkv.core.hashing import block_hashes
+
     g = torch.Generator().manual_seed(1000 + seed)
     return block_hashes(torch.randint(0, 32000, (blocks * BS,), generator=g).tolist(), BS).sequence.tolist()
 
 
 class _Prompts(dict):
     """Each request's prompt block hashes, made on first use (the request name seeds its tokens)."""
+
     def __missing__(self, req: str) -> list:
         import zlib
+
         self[req] = got = prompt(zlib.crc32(req.encode()))
         return got
 
@@ -61,8 +70,11 @@ def handed(tmp_path, req: str, blocks, lease_s: float = 30.0) -> VllmHandover:
     """What the prefill scheduler returns in kv_transfer_params, through its JSON round trip."""
     import json
     from dataclasses import asdict
+
     src = read_source("prefill-engine", str(tmp_path))
-    params = VllmHandover(**asdict(src), req=req, blocks=list(blocks), lease_expires_unix=time.time() + lease_s).to_params()
+    params = VllmHandover(
+        **asdict(src), req=req, blocks=list(blocks), lease_expires_unix=time.time() + lease_s
+    ).to_params()
     return VllmHandover.from_params(json.loads(json.dumps(params)))
 
 
@@ -70,15 +82,19 @@ def released(prefill: Handover, req: str) -> bool:
     return req in prefill.finished()
 
 
-BOTH_MODES = pytest.mark.parametrize("pair", [(Verify.BYTES, Verify.BYTES), (Verify.OWNER, Verify.OWNER),
-                                               (Verify.BYTES, Verify.OWNER)], indirect=True, ids=str)
+BOTH_MODES = pytest.mark.parametrize(
+    "pair",
+    [(Verify.BYTES, Verify.BYTES), (Verify.OWNER, Verify.OWNER), (Verify.BYTES, Verify.OWNER)],
+    indirect=True,
+    ids=str,
+)
 
 
 @BOTH_MODES
 def test_decode_reads_exactly_the_prefill_blocks_and_the_read_releases_them(pair):
     prefill, decode, p_layers, d_layers, tmp = pair
     remote, local = [7, 3, 20, 21, 0], [1, 2, 30, 5, 9]
-    prefill.digest("r1", remote, P["r1"][:len(remote)])
+    prefill.digest("r1", remote, P["r1"][: len(remote)])
     prefill.hold("r1", time.time() + 30)
     r = decode.pull(handed(tmp, "r1", remote), 0, local, timeout=30, hashes=P["r1"])
     decode.send_releases()  # the worker sends them after the step's forward
@@ -93,7 +109,7 @@ def test_decode_reads_exactly_the_prefill_blocks_and_the_read_releases_them(pair
 def test_a_read_that_skips_blocks_vllm_already_holds_reads_only_the_rest(pair):
     prefill, decode, p_layers, d_layers, tmp = pair
     remote = [4, 5, 6, 7]
-    prefill.digest("r2", remote, P["r2"][:len(remote)])
+    prefill.digest("r2", remote, P["r2"][: len(remote)])
     prefill.hold("r2", time.time() + 30)
     r = decode.pull(handed(tmp, "r2", remote), 2, [11, 12], timeout=30, hashes=P["r2"])
     assert r.ok
@@ -105,20 +121,22 @@ def test_a_read_that_skips_blocks_vllm_already_holds_reads_only_the_rest(pair):
 def test_bytes_changed_after_their_digest_are_refused_as_corrupt(pair):
     prefill, decode, p_layers, _, tmp = pair
     remote = [1, 2, 3]
-    prefill.digest("r3", remote, P["r3"][:len(remote)])
+    prefill.digest("r3", remote, P["r3"][: len(remote)])
     p_layers[2][2, 1, 3, 5] += 1  # one value of one layer of block 2
     prefill.hold("r3", time.time() + 30)
     r = decode.pull(handed(tmp, "r3", remote), 0, [4, 5, 6], timeout=30, hashes=P["r3"])
     decode.send_releases()
     assert not r.ok and r.why == "corrupt"
-    wait_until("r3 released", lambda: released(prefill, "r3"), timeout=30, every=0.01)  # a corrupt read still frees them
+    wait_until(
+        "r3 released", lambda: released(prefill, "r3"), timeout=30, every=0.01
+    )  # a corrupt read still frees them
 
 
 def test_a_block_reused_without_a_new_digest_is_refused(pair):
     """The digest table is per vLLM block: a block rewritten for another prompt keeps its old
     digest until its own prompt completes, and a read in between must not pass."""
     prefill, decode, p_layers, _, tmp = pair
-    prefill.digest("r4", [8], P["r4"][:len([8])])
+    prefill.digest("r4", [8], P["r4"][: len([8])])
     for layer in p_layers:
         layer[8].normal_()
     r = decode.pull(handed(tmp, "r4", [8]), 0, [3], timeout=30, hashes=P["r4"])
@@ -127,7 +145,7 @@ def test_a_block_reused_without_a_new_digest_is_refused(pair):
 
 def test_an_expired_lease_is_not_read_and_releases_the_prefill_at_once(pair):
     prefill, decode, _, d_layers, tmp = pair
-    prefill.digest("r5", [1], P["r5"][:len([1])])
+    prefill.digest("r5", [1], P["r5"][: len([1])])
     prefill.hold("r5", time.time() + 30)
     r = decode.pull(handed(tmp, "r5", [1], lease_s=0.1), 0, [2], timeout=30, hashes=P["r5"])
     decode.send_releases()
@@ -145,7 +163,7 @@ def test_a_hold_nobody_reads_ends_with_its_lease(pair):
 
 def test_a_release_that_arrives_before_its_hold_still_ends_it(pair):
     prefill, decode, _, _, tmp = pair
-    prefill.digest("r7", [2], P["r7"][:len([2])])
+    prefill.digest("r7", [2], P["r7"][: len([2])])
     assert decode.pull(handed(tmp, "r7", [2]), 0, [2], timeout=30, hashes=P["r7"]).ok
     decode.send_releases()
     wait_until("r7 seen", lambda: (prefill.finished() or True) and "r7" in prefill._early, timeout=30, every=0.01)
@@ -158,11 +176,11 @@ def test_a_block_the_prefill_reused_for_another_request_never_passes_for_the_fir
     """Digests are mixed with the request: a second read of r10's handover after its blocks went
     to r11 (re-digested for r11, same table slot) fails, though r11's bytes hash correctly."""
     prefill, decode, p_layers, d_layers, tmp = pair
-    prefill.digest("r10", [5], P["r10"][:len([5])])
+    prefill.digest("r10", [5], P["r10"][: len([5])])
     assert decode.pull(handed(tmp, "r10", [5]), 0, [6], timeout=30, hashes=P["r10"]).ok
     for layer in p_layers:
         layer[5].normal_()
-    prefill.digest("r11", [5], P["r11"][:len([5])])
+    prefill.digest("r11", [5], P["r11"][: len([5])])
     r = decode.pull(handed(tmp, "r10", [5]), 0, [6], timeout=30, hashes=P["r10"])
     assert not r.ok and r.why == "corrupt"
     assert decode.pull(handed(tmp, "r11", [5]), 0, [7], timeout=30, hashes=P["r11"]).ok
@@ -171,20 +189,23 @@ def test_a_block_the_prefill_reused_for_another_request_never_passes_for_the_fir
 @pytest.mark.parametrize("local", [[4, 4], [BLOCKS, 1], [-1, 2]])
 def test_local_blocks_repeated_or_outside_the_cache_are_refused_not_raised(pair, local):
     prefill, decode, *_, tmp = pair
-    prefill.digest("r12", [3, 4], P["r12"][:len([3, 4])])
+    prefill.digest("r12", [3, 4], P["r12"][: len([3, 4])])
     r = decode.pull(handed(tmp, "r12", [3, 4]), 0, local, timeout=30, hashes=P["r12"])
     assert not r.ok and r.why == "refused"
 
 
 def test_kv_of_another_dtype_or_block_shape_with_the_same_bytes_is_refused(tmp_path):
     prefill = Handover(kv(4), "p2", str(tmp_path))
-    other = Handover([torch.zeros(BLOCKS, HEADS, BS, WIDTH, dtype=torch.float16) for _ in range(LAYERS)], "d2",
-                     str(tmp_path))
+    other = Handover(
+        [torch.zeros(BLOCKS, HEADS, BS, WIDTH, dtype=torch.float16) for _ in range(LAYERS)], "d2", str(tmp_path)
+    )
     try:
         from dataclasses import asdict
-        prefill.digest("r13", [1], P["r13"][:len([1])])
-        h = VllmHandover(**asdict(read_source("p2", str(tmp_path))), req="r13", blocks=[1],
-                         lease_expires_unix=time.time() + 30)
+
+        prefill.digest("r13", [1], P["r13"][: len([1])])
+        h = VllmHandover(
+            **asdict(read_source("p2", str(tmp_path))), req="r13", blocks=[1], lease_expires_unix=time.time() + 30
+        )
         r = other.pull(h, 0, [1], timeout=30, hashes=P["r13"])
         assert not r.ok and r.why == "refused"
     finally:
@@ -193,23 +214,26 @@ def test_kv_of_another_dtype_or_block_shape_with_the_same_bytes_is_refused(tmp_p
     assert read_source("p2", str(tmp_path)) is None  # close removed its source file
 
 
-@pytest.mark.parametrize("bad, why", [
-    ({"blocks": [1, float("inf")]}, "malformed"),
-    ({"block_bytes": float("inf")}, "malformed"),
-    ({"blocks": [True, 2]}, "malformed"),
-    ({"num_blocks": "16"}, "malformed"),
-    ({"agent": None}, "malformed"),
-    ({"version": True}, "version"),
-    ({"version": 99}, "version"),
-    ({"blocks": [0, BLOCKS]}, "outside"),
-    ({"blocks": "1,2"}, "malformed"),
-    ({"mem": "GPU"}, "memory"),
-    ({"digest_addr": 0}, "memory"),
-    ({"lease_expires_unix": float("nan")}, "finite"),
-    ({"verify": "none"}, "verify"),
-    ({"verify": None}, "malformed"),
-    ({"version": 1}, "version"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ({"blocks": [1, float("inf")]}, "malformed"),
+        ({"block_bytes": float("inf")}, "malformed"),
+        ({"blocks": [True, 2]}, "malformed"),
+        ({"num_blocks": "16"}, "malformed"),
+        ({"agent": None}, "malformed"),
+        ({"version": True}, "version"),
+        ({"version": 99}, "version"),
+        ({"blocks": [0, BLOCKS]}, "outside"),
+        ({"blocks": "1,2"}, "malformed"),
+        ({"mem": "GPU"}, "memory"),
+        ({"digest_addr": 0}, "memory"),
+        ({"lease_expires_unix": float("nan")}, "finite"),
+        ({"verify": "none"}, "verify"),
+        ({"verify": None}, "malformed"),
+        ({"version": 1}, "version"),
+    ],
+)
 def test_malformed_params_are_refused_naming_what_is_wrong(pair, bad, why):
     *_, tmp = pair
     params = handed(tmp, "r9", [1, 2]).to_params()
@@ -235,7 +259,7 @@ def test_owner_stamps_catch_a_wrong_or_undigested_block_but_not_changed_bytes(pa
     """handover_verify=owner: what it catches (a block that was not this request's when read) and
     what it leaves to the transport (bytes changed in place after the stamp: read as they are)."""
     prefill, decode, p_layers, d_layers, tmp = pair
-    prefill.digest("o1", [3, 4], P["o1"][:len([3, 4])])
+    prefill.digest("o1", [3, 4], P["o1"][: len([3, 4])])
     wrong = handed(tmp, "o1", [4, 3])  # the blocks swapped: each stamp names the other block
     r = decode.pull(wrong, 0, [10, 11], timeout=30, hashes=P["o1"])
     assert not r.ok and r.why == "corrupt"
@@ -250,7 +274,7 @@ def test_owner_stamps_catch_a_wrong_or_undigested_block_but_not_changed_bytes(pa
 @pytest.mark.parametrize("pair", [(Verify.OWNER, Verify.BYTES)], indirect=True)
 def test_a_decode_that_verifies_bytes_refuses_owner_stamps_naming_the_setting(pair, caplog):
     prefill, decode, _, d_layers, tmp = pair
-    prefill.digest("o2", [1], P["o2"][:len([1])])
+    prefill.digest("o2", [1], P["o2"][: len([1])])
     with caplog.at_level("WARNING"):
         r = decode.pull(handed(tmp, "o2", [1]), 0, [2], timeout=30, hashes=P["o2"])
     assert not r.ok and r.why == "refused" and not d_layers[0][2].any()
@@ -344,8 +368,9 @@ def test_a_block_digested_again_for_another_prefix_clears_when_that_hold_ends(pa
         assert decode.pull(handed(tmp, req, [5 if req == "b1" else 6]), 0, [1], timeout=30, hashes=P[req]).ok
     decode.send_releases()
     seen: set = set()
-    wait_until("b1, b2 released", lambda: seen.update(prefill.finished()) or {"b1", "b2"} <= seen, timeout=30,
-               every=0.01)
+    wait_until(
+        "b1, b2 released", lambda: seen.update(prefill.finished()) or {"b1", "b2"} <= seen, timeout=30, every=0.01
+    )
     for req, block in (("b1", 5), ("b2", 6)):
         r = decode.pull(handed(tmp, req, [block]), 0, [2], timeout=30, hashes=P[req])
         assert not r.ok and r.why == "corrupt", (req, r)
@@ -355,7 +380,7 @@ def test_digest_refuses_repeated_or_outside_block_ids(pair):
     prefill, *_ = pair
     for bad in ([5, 5], [-1], [BLOCKS]):
         with pytest.raises(ValueError, match="distinct and in"):
-            prefill.digest("d1", bad, P["d1"][:len(bad)])
+            prefill.digest("d1", bad, P["d1"][: len(bad)])
 
 
 def test_releases_leave_from_an_agent_of_their_own_not_the_reading_one(pair):
@@ -368,9 +393,16 @@ def test_releases_leave_from_an_agent_of_their_own_not_the_reading_one(pair):
         prefill.hold(req, time.time() + 30)
         assert decode.pull(handed(tmp, req, [i]), 0, [i + 4], timeout=30, hashes=P[req]).ok
         decode.send_releases()
-        wait_until(f"{req}'s release", lambda: [senders.setdefault(k, []).extend(v) for k, v in
-                                                prefill.agent.agent.get_new_notifs().items()] and False
-                   or sum(map(len, senders.values())) > i, timeout=30, every=0.01)
+        wait_until(
+            f"{req}'s release",
+            lambda: (
+                [senders.setdefault(k, []).extend(v) for k, v in prefill.agent.agent.get_new_notifs().items()]
+                and False
+                or sum(map(len, senders.values())) > i
+            ),
+            timeout=30,
+            every=0.01,
+        )
     assert list(senders) == [decode._notices.name] and decode.agent.name not in senders
     assert all(torch.equal(d_layers[0][i + 4], p_layers[0][i]) for i in range(2))
 
@@ -391,12 +423,14 @@ def test_digests_in_a_transfer_of_their_own_verify_the_same(pair, monkeypatch):
 
 def test_a_notice_after_close_or_to_an_unknown_agent_is_false_not_raised(pair):
     from dynamo_flexkv.integrations.disagg.nixl_kv import Notifier
+
     prefill, decode, _, _, tmp = pair
     n = Notifier("test-notices")
     h = handed(tmp, "x1", [0])
     assert n.notify(h, b"hello")
     wait_until("the notice", lambda: prefill.agent.notifications() == [b"hello"], timeout=30, every=0.01)
     from dataclasses import replace
+
     assert not n.notify(replace(h, agent="no-such-agent", metadata=None), b"lost")
     assert not n.notify(replace(h, agent="garbled", metadata="!!not base64!!"), b"lost")
     n.close()
@@ -418,6 +452,7 @@ def test_a_read_after_the_prefill_closed_is_refused_not_used(pair):
 
 def test_no_prefix_hash_gives_an_owner_stamp_of_zero_the_cleared_slot():
     from dynamo_flexkv.integrations.vllm_connector.handover import _owner_stamps
+
     mul, add = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F
     zero_before = (-add * pow(mul, -1, 2**64)) % 2**64  # the tag the plain affine map sent to 0
     tags = np.array([zero_before, 0, 2**64 - 1, 12345], dtype=np.uint64)

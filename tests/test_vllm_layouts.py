@@ -28,9 +28,10 @@ from typing import Dict, List
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vLLM is installed by scripts/install.sh")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is installed by scripts/install.sh"),
+]
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
 import exactness  # noqa: E402
@@ -52,11 +53,30 @@ MLA_LOGPROB_TOLERANCE = 5e-2  # vLLM's CPU MLA computes a prefill over context a
 def _check(tmp: Path, model: str, *args: str, env: Dict[str, str] = {}) -> dict:
     model_dir = write_preset(model, tmp / model, context_length=8192, weights=True)
     out = tmp / "out.json"
-    run_env = dict(os.environ, FLEXKV_RUN_DIR=str(tmp), FLEXKV_CPU_CACHE_GB="0.25", FLEXKV_SSD_CACHE_GB="0.5",
-                   FLEXKV_SSD_CACHE_DIR=str(tmp / "ssd"), **env)
-    r = subprocess.run([sys.executable, str(HERE / "vllm_layout_check.py"), str(model_dir), str(out),
-                        "--scenario", "host,disk", *args], env=run_env, cwd=str(HERE), capture_output=True,
-                       text=True, timeout=1200)
+    run_env = dict(
+        os.environ,
+        FLEXKV_RUN_DIR=str(tmp),
+        FLEXKV_CPU_CACHE_GB="0.25",
+        FLEXKV_SSD_CACHE_GB="0.5",
+        FLEXKV_SSD_CACHE_DIR=str(tmp / "ssd"),
+        **env,
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "vllm_layout_check.py"),
+            str(model_dir),
+            str(out),
+            "--scenario",
+            "host,disk",
+            *args,
+        ],
+        env=run_env,
+        cwd=str(HERE),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert r.returncode == 0 and out.is_file(), r.stdout[-3000:] + r.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -65,8 +85,10 @@ def _assert_loaded_exact(results: dict, ranks: int, groups: int, tolerance: floa
     for scenario, res in results.items():
         first, second = Generation.from_json(res["first"]), Generation.from_json(res["second"])
         m = exactness.margin(second, first)
-        print(f"\n{scenario}: cached {res['second_cached']} of the prompt, loads {res['loads']}, "
-              f"groups {res['ranks']}, logprob difference {m:.3g}")
+        print(
+            f"\n{scenario}: cached {res['second_cached']} of the prompt, loads {res['loads']}, "
+            f"groups {res['ranks']}, logprob difference {m:.3g}"
+        )
         assert m <= tolerance, (scenario, first, second)
         assert res["second_cached"] > 1000 and all(x and x[-1][0] for x in res["loads"]), res  # from our tiers
         assert len(res["ranks"]) == ranks
@@ -102,8 +124,17 @@ def test_loaded_bytes_with_tensor_parallel_ranks_on_the_node_cache(tmp_path):
     from node_helpers import node_server
 
     with node_server(tmp_path, host_gb=0.25, ssd_gb=0.5) as server:
-        res = _check(tmp_path, "small", "--tp", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "FLEXKV_MODE": "node",
-                                                          "FLEXKV_NODE_SOCKET": server.options.socket_path})
+        res = _check(
+            tmp_path,
+            "small",
+            "--tp",
+            "2",
+            env={
+                "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                "FLEXKV_MODE": "node",
+                "FLEXKV_NODE_SOCKET": server.options.socket_path,
+            },
+        )
     _assert_loaded_exact(res, ranks=2, groups=1)
 
 
@@ -128,11 +159,19 @@ LAYOUTS = {  # name: (preset, worker options, bytes per token of one rank's KV, 
 def _sets(tmp: Path, name: str, layout: str) -> List[str]:
     model, extra, per_token, main_share, device = LAYOUTS[layout]
     host_gb = HOST_TOKENS * per_token / main_share / 2**30
-    return ["Frontend.http-port=0", *exactness.serve_sets(), f"Common.model={model}",
-            "VllmWorker.served-model-name=" + vg.MODEL, "VllmWorker.replicas=1",
-            f"VllmWorker.num-device-blocks={device}", "VllmWorker.max-model-len=8192",
-            f"VllmWorker.cache.cpu_cache_gb={host_gb:.4f}", "VllmWorker.cache.ssd_cache_gb=1.0",
-            f"VllmWorker.cache.ssd_cache_dir={tmp}/{name}/ssd{{replica}}", *extra]
+    return [
+        "Frontend.http-port=0",
+        *exactness.serve_sets(),
+        f"Common.model={model}",
+        "VllmWorker.served-model-name=" + vg.MODEL,
+        "VllmWorker.replicas=1",
+        f"VllmWorker.num-device-blocks={device}",
+        "VllmWorker.max-model-len=8192",
+        f"VllmWorker.cache.cpu_cache_gb={host_gb:.4f}",
+        "VllmWorker.cache.ssd_cache_gb=1.0",
+        f"VllmWorker.cache.ssd_cache_dir={tmp}/{name}/ssd{{replica}}",
+        *extra,
+    ]
 
 
 def _run(tmp: Path, layout: str, offload: bool) -> dict:
@@ -218,6 +257,7 @@ def test_served_layout_gives_the_no_offload_tokens_from_host_and_disk(tmp_path, 
             assert ours["ranks"][f"p{i}-before"][0] == ours["ranks"][f"p{i}"][0], ours["ranks"]
             # no other rank holds any of it (each DP rank has tiers of its own), so the cached tokens
             # it came back with say the router sent it to the rank that holds it
-            assert all(v == (0, 0, 0) for k, v in ours["rank_views"][f"p{i}-before"].items()
-                       if k != ours["ranks"][f"p{i}"][0]), ours["rank_views"]
+            assert all(
+                v == (0, 0, 0) for k, v in ours["rank_views"][f"p{i}-before"].items() if k != ours["ranks"][f"p{i}"][0]
+            ), ours["rank_views"]
         print(f"prompts computed on dp ranks {sorted(ranks)}")

@@ -26,9 +26,10 @@ from typing import Dict, List
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vLLM is installed by scripts/install.sh")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is installed by scripts/install.sh"),
+]
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
 import exactness  # noqa: E402
@@ -55,47 +56,83 @@ def test_what_one_vllm_engine_computed_another_loads_from_the_node_cache_bit_for
     model = write_model_dir(EngineModelConfig.preset("small"), tmp_path / "model", context_length=8192, weights=True)
     out, run = tmp_path / "result.json", tmp_path / "run"
     run.mkdir()
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
-               HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"), VLLM_CACHE_ROOT=str(tmp_path / "vllm"))
+    env = dict(
+        os.environ,
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_LOOPBACK_IP="127.0.0.1",
+        VLLM_NO_USAGE_STATS="1",
+        HOME=str(tmp_path),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        VLLM_CACHE_ROOT=str(tmp_path / "vllm"),
+    )
     env.pop("FLEXKV_CONFIG_PATH", None)
     script = Path(__file__).with_name("vllm_node_kv_check.py")
-    p = subprocess.run([sys.executable, str(script), str(model), str(out), str(run)], env=env, capture_output=True,
-                       text=True, timeout=900, cwd=str(script.parent))
+    p = subprocess.run(
+        [sys.executable, str(script), str(model), str(out), str(run)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=str(script.parent),
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     *prompts, service = json.loads(out.read_text())
     for r in prompts:
-        print(f"\n{r['prompt_tokens']} tokens: A stored {r['stored_blocks']} blocks, B loaded {r['loaded_blocks']} "
-              f"(cached {r['b_cached']}), bytes equal: {r['bytes_equal']}")
+        print(
+            f"\n{r['prompt_tokens']} tokens: A stored {r['stored_blocks']} blocks, B loaded {r['loaded_blocks']} "
+            f"(cached {r['b_cached']}), bytes equal: {r['bytes_equal']}"
+        )
         full = (r["prompt_tokens"] - 1) // BS
         assert r["a_cached"] == 0 and r["loaded_blocks"] == full and r["b_cached"] == full * BS, r
         assert r["bytes_equal"] is True and r["nonzero"] is True
-        exactness.assert_exact({0: Generation.from_json(r["b"])}, {0: Generation.from_json(r["a"])},
-                               f"{r['prompt_tokens']} tokens, loaded on B vs computed on A")
+        exactness.assert_exact(
+            {0: Generation.from_json(r["b"])},
+            {0: Generation.from_json(r["a"])},
+            f"{r['prompt_tokens']} tokens, loaded on B vs computed on A",
+        )
     assert service["engines"] == 2 and service["copies_in_flight"] == 0
     assert service["host_hits"] >= sum((r["prompt_tokens"] - 1) // BS for r in prompts)
 
 
 # ---- the served graph --------------------------------------------------------------------------------------
 
+
 def sets(tmp: Path, name: str) -> List[str]:
-    return ["Frontend.http-port=0", *exactness.serve_sets(), "VllmWorker.max-model-len=8448",
-            "VllmWorker.num-device-blocks=140", "VllmWorker.restart-backoff-s=2", "VllmWorker.max-restarts=6"]
+    return [
+        "Frontend.http-port=0",
+        *exactness.serve_sets(),
+        "VllmWorker.max-model-len=8448",
+        "VllmWorker.num-device-blocks=140",
+        "VllmWorker.restart-backoff-s=2",
+        "VllmWorker.max-restarts=6",
+    ]
 
 
 def complete(base_url: str, prompt: List[int], worker: int = 0) -> dict:
-    body = {"model": vg.MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-            "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
+    body = {
+        "model": vg.MODEL,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": 1,
+        "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]},
+    }
     if worker:
         body["nvext"]["backend_instance_id"] = worker
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=300) as r:
         doc = json.loads(r.read())
     took = time.monotonic() - t0
     ids = doc["nvext"]["completion_token_ids"]
-    return {"gen": Generation.of_completion(doc, ids), "worker": int(doc["nvext"]["worker_id"]["decode_worker_id"]),
-            "cached": int(doc["usage"]["prompt_tokens_details"]["cached_tokens"] or 0), "seconds": took}
+    return {
+        "gen": Generation.of_completion(doc, ids),
+        "worker": int(doc["nvext"]["worker_id"]["decode_worker_id"]),
+        "cached": int(doc["usage"]["prompt_tokens_details"]["cached_tokens"] or 0),
+        "seconds": took,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +153,14 @@ class NodeGraph:
     def __init__(self, tmp: Path) -> None:
         self.slow = tmp / "slow-kv"
         os.environ.update(SLOW_KV_FILE=str(self.slow), SLOW_KV_S="4")  # serve's workers inherit it
-        self.serve = VllmServe(tmp, "node", f"VllmWorker.connector.mover_hook={SLOW_HOOK}", graph="agg_router_vllm",
-                               base=sets(tmp, "node") + [f"NodeCache.cache.ssd_cache_dir={tmp}/node-ssd"],
-                               config="agg_router_vllm_node")
+        self.serve = VllmServe(
+            tmp,
+            "node",
+            f"VllmWorker.connector.mover_hook={SLOW_HOOK}",
+            graph="agg_router_vllm",
+            base=sets(tmp, "node") + [f"NodeCache.cache.ssd_cache_dir={tmp}/node-ssd"],
+            config="agg_router_vllm_node",
+        )
 
     def node(self, name: str) -> float:
         with urllib.request.urlopen(self.serve.metrics["NodeCache"], timeout=10) as r:
@@ -127,21 +169,29 @@ class NodeGraph:
     def ids(self) -> Dict[str, int]:
         """Dynamo instance ids (a restarted worker has a new one, on its metrics before its first request)."""
         from dynamo_flexkv.replay.configs import worker_id
+
         def read(n: str):
             return _quiet(lambda: worker_id(vg.scrape(self.serve.metrics[n])))
+
         return {n: wait_until(f"{n}'s instance id", lambda n=n: read(n), timeout=60) for n in NAMES}
 
     def loaded(self, name: str) -> float:
         return vg.loaded(vg.scrape(self.serve.metrics[name]))["host"]
 
     def idle(self) -> bool:
-        return (self.node("flexkv_node_copies_in_flight") == 0 and self.node("flexkv_node_engine_tasks") == 0
-                and self.node("flexkv_node_fenced_copies") == 0)
+        return (
+            self.node("flexkv_node_copies_in_flight") == 0
+            and self.node("flexkv_node_engine_tasks") == 0
+            and self.node("flexkv_node_fenced_copies") == 0
+        )
 
     def host_blocks(self) -> float:
         with urllib.request.urlopen(self.serve.metrics["NodeCache"], timeout=10) as r:
-            return sum(v for labels, v in samples(r.read().decode(), "flexkv_node_tier_used_blocks")
-                       if labels.get("tier") == "host")
+            return sum(
+                v
+                for labels, v in samples(r.read().decode(), "flexkv_node_tier_used_blocks")
+                if labels.get("tier") == "host"
+            )
 
     def crash(self, name: str) -> int:
         """SIGKILLs ``name``'s processes (vg.crash) and waits for serve to see it; returns the log
@@ -156,8 +206,11 @@ class NodeGraph:
         to the frontend's router (a request naming its new instance id earlier gets a 400)."""
         self.serve.wait_for(rf"{name} is ready again after \S+ s", 600, since=mark)
         wait_until(f"{name} re-attached", lambda: self.node("flexkv_node_engines") == 2, timeout=120)
-        wait_until("the router knows both workers", lambda: _quiet(lambda: routed_workers(self.serve.base_url)) == 2,
-                   timeout=120)
+        wait_until(
+            "the router knows both workers",
+            lambda: _quiet(lambda: routed_workers(self.serve.base_url)) == 2,
+            timeout=120,
+        )
         return self.ids()
 
     def complete_and_store(self, prompt: List[int], worker: int) -> dict:
@@ -165,8 +218,11 @@ class NodeGraph:
         at its next step, so the answer comes before the store; wait for the blocks, not for time."""
         before = self.host_blocks()
         r = complete(self.serve.base_url, prompt, worker)
-        wait_until("the prompt stored in the node's host tier", lambda: self.idle() and
-                   self.host_blocks() >= before + len(prompt) // BS - r["cached"] // BS, timeout=60)
+        wait_until(
+            "the prompt stored in the node's host tier",
+            lambda: self.idle() and self.host_blocks() >= before + len(prompt) // BS - r["cached"] // BS,
+            timeout=60,
+        )
         return r
 
 
@@ -198,12 +254,17 @@ def test_a_prompt_one_vllm_worker_computed_is_served_by_the_other_from_the_node_
         before = graph.loaded(dst)
         second = complete(graph.serve.base_url, doc, ids[dst])
         full = (len(doc) - 1) // BS
-        print(f"\n{len(doc)} tokens computed on {src} ({first['seconds']:.2f} s), served by {dst} "
-              f"({second['seconds']:.2f} s, {second['cached']} cached)")
+        print(
+            f"\n{len(doc)} tokens computed on {src} ({first['seconds']:.2f} s), served by {dst} "
+            f"({second['seconds']:.2f} s, {second['cached']} cached)"
+        )
         assert first["worker"] == ids[src] and second["worker"] == ids[dst]
         assert second["cached"] == full * BS and graph.loaded(dst) - before == full * BS
-        exactness.assert_exact({0: first["gen"], 1: second["gen"]}, {0: baseline[tuple(doc)], 1: baseline[tuple(doc)]},
-                               f"{len(doc)} tokens on both workers")
+        exactness.assert_exact(
+            {0: first["gen"], 1: second["gen"]},
+            {0: baseline[tuple(doc)], 1: baseline[tuple(doc)]},
+            f"{len(doc)} tokens on both workers",
+        )
     assert graph.node("flexkv_node_tier_hit_blocks_total") >= sum((len(d) - 1) // BS for d in DOCS)
     assert vg.event_trouble(graph.serve.run) == []
 
@@ -220,24 +281,34 @@ def kill_inside_a_copy(graph: NodeGraph, name: str, prompt: List[int], worker: i
             out["r"] = complete(graph.serve.base_url, prompt, worker)
         except (urllib.error.HTTPError, OSError) as e:
             out["error"] = f"{type(e).__name__}: {e}"
+
     import threading
+
     graph.slow.touch()
     try:
         t = threading.Thread(target=send, daemon=True)
         t.start()
-        wait_until("a copy of the victim in flight", lambda: graph.node("flexkv_node_copies_in_flight") >= 1,
-                   timeout=120, every=0.05)
+        wait_until(
+            "a copy of the victim in flight",
+            lambda: graph.node("flexkv_node_copies_in_flight") >= 1,
+            timeout=120,
+            every=0.05,
+        )
         out["mark"] = graph.crash(name)
     finally:
         graph.slow.unlink()
     t.join(300)
-    wait_until("the node cache forgot the dead engine", lambda: graph.node("flexkv_node_engines") == 1 and graph.idle(),
-               timeout=60)
+    wait_until(
+        "the node cache forgot the dead engine",
+        lambda: graph.node("flexkv_node_engines") == 1 and graph.idle(),
+        timeout=60,
+    )
     return out
 
 
 def test_a_worker_killed_inside_a_load_and_a_store_leaves_the_node_cache_clean_and_comes_back_to_a_host_hit(
-        graph, baseline):
+    graph, baseline
+):
     a, b = NAMES
     ids = graph.ids()
     # Inside a load: KILL_LOAD computed on B, then sent to A, whose host->device copy is slowed.
@@ -272,6 +343,8 @@ def test_a_worker_killed_inside_a_load_and_a_store_leaves_the_node_cache_clean_a
     assert hit["cached"] == (len(LONG[0]) - 1) // BS * BS and cold["cached"] == 0
     exactness.assert_exact({0: hit["gen"]}, {0: baseline[tuple(LONG[0])]}, "the restarted worker's 8K host hit")
     # Reported, not asserted (timings are the benchmarks' to judge): the note quotes them.
-    print(f"restarted worker, first request of an 8K prompt: host hit {hit['seconds']:.2f} s against cold "
-          f"{cold['seconds']:.2f} s ({hit['seconds'] / cold['seconds']:.2f}x)")
+    print(
+        f"restarted worker, first request of an 8K prompt: host hit {hit['seconds']:.2f} s against cold "
+        f"{cold['seconds']:.2f} s ({hit['seconds'] / cold['seconds']:.2f}x)"
+    )
     assert vg.event_trouble(graph.serve.run) == []

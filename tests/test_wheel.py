@@ -95,18 +95,53 @@ def installed(tmp_path_factory) -> Path:
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     with open(BUILD_DIR.parent / "wheel-test.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two test runs at once must not share one CMake build
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "--disable-pip-version-check", "-C", f"build-dir={BUILD_DIR}", "-w", str(wheels),
-                        str(ROOT)], check=True, timeout=900)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "--disable-pip-version-check",
+                "-C",
+                f"build-dir={BUILD_DIR}",
+                "-w",
+                str(wheels),
+                str(ROOT),
+            ],
+            check=True,
+            timeout=900,
+        )
     (wheel,) = wheels.glob("dynamo_flexkv-*.whl")
     env = tmp_path_factory.mktemp("venv")
     venv.EnvBuilder(with_pip=False).create(env)
     python = env / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                    "-q", "--disable-pip-version-check", str(wheel)], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            "--disable-pip-version-check",
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+    )
     # Only after the install: pip must not see (and try to replace) the checkout's editable install.
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     deps = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     Path(site, "project-deps.pth").write_text("".join(p + "\n" for p in deps))
     return env
@@ -120,15 +155,24 @@ def run_in(env: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
 def test_wheel_ships_presets_graphs_and_configs(installed):
     names = [Path(p).name for p in (installed / "lib").glob("python3*/site-packages/dynamo_flexkv/_data/*/*")]
     assert {"agg_router.py", "agg.py", "agg_router.yaml", "agg.yaml", "models"} <= set(names), names
-    presets = {p.stem for p in (installed / "lib").glob("python3*/site-packages/dynamo_flexkv/_data/configs/models/*.yaml")}
+    presets = {
+        p.stem for p in (installed / "lib").glob("python3*/site-packages/dynamo_flexkv/_data/configs/models/*.yaml")
+    }
     assert presets == {p.stem for p in (ROOT / "configs" / "models").glob("*.yaml")}
 
 
 def test_doctor_runs_from_the_wheel(installed, tmp_path):
-    r = run_in(installed, tmp_path, str(installed / "bin" / "dynamo-flexkv"), "doctor", "--json",
-               "--cache-dir", str(tmp_path / "cache"))
+    r = run_in(
+        installed,
+        tmp_path,
+        str(installed / "bin" / "dynamo-flexkv"),
+        "doctor",
+        "--json",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    checks = {c["name"]: c for c in json.loads(r.stdout[r.stdout.index("["):])}
+    checks = {c["name"]: c for c in json.loads(r.stdout[r.stdout.index("[") :])}
     assert checks["native extension"]["status"] == "ok"
     assert checks["native extension"]["detail"].startswith(str(installed))
     assert checks["package data"]["status"] == "ok" and str(installed) in checks["package data"]["detail"]

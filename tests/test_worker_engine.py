@@ -38,8 +38,19 @@ async def until_idle(worker, timeout=5.0):
 
 
 def test_generate_abort_close_and_engine_failure(tmp_path):
-    args = build_parser().parse_args(["--model", "tiny", "--model-dir", str(tmp_path / "model"), "--no-offload",
-                                      "--num-device-blocks", "64", "--drain-timeout", "2"])
+    args = build_parser().parse_args(
+        [
+            "--model",
+            "tiny",
+            "--model-dir",
+            str(tmp_path / "model"),
+            "--no-offload",
+            "--num-device-blocks",
+            "64",
+            "--drain-timeout",
+            "2",
+        ]
+    )
     worker = FlexKVWorkerEngine(args)
 
     async def scenario():
@@ -71,6 +82,7 @@ def test_generate_abort_close_and_engine_failure(tmp_path):
             # The engine thread dies: the request in flight fails, later ones are refused at once.
             def broken_step():
                 raise RuntimeError("injected engine fault")
+
             worker.engine.step = broken_step
             with pytest.raises(EngineShutdown, match="injected engine fault"):
                 [c async for c in worker.generate(request([5, 6, 7], 2), Context("e"))]

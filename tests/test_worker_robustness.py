@@ -49,8 +49,11 @@ def graph(tmp_path_factory):
 
 def post(plan, body: dict, path="/v1/completions"):
     """(status, parsed JSON body) for a request; errors are returned, not raised."""
-    req = urllib.request.Request(plan.base_url + path, json.dumps({"model": MODEL, **body}).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        plan.base_url + path,
+        json.dumps({"model": MODEL, **body}).encode(),
+        headers={"content-type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -83,29 +86,61 @@ def test_nothing_listens_beyond_loopback(graph):
 
 def test_worker_without_broker_refuses_to_bind_every_interface(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "DYN_ZMQ_BROKER_URL"}
-    p = subprocess.run([sys.executable, "-m", "dynamo_flexkv.integrations.dynamo_worker", "--model", "tiny",
-                        "--model-dir", str(tmp_path / "m"), "--no-offload"],
-                       env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynamo_flexkv.integrations.dynamo_worker",
+            "--model",
+            "tiny",
+            "--model-dir",
+            str(tmp_path / "m"),
+            "--no-offload",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0
     assert "0.0.0.0" in p.stderr and "DYN_ZMQ_BROKER_URL" in p.stderr and "dynamo-flexkv serve" in p.stderr
     assert "Traceback" not in p.stderr
 
 
-@pytest.mark.parametrize("body, status, message", [
-    ({"prompt": "x" * (WINDOW + 5), "max_tokens": 2}, 400,
-     f"prompt has {WINDOW + 5:,} tokens; this model's context window is {WINDOW:,}"),
-    ({"prompt": [1, 2, 3], "max_tokens": WINDOW}, 400,
-     f"prompt has 3 tokens and max_tokens is {WINDOW:,}: {WINDOW + 3:,} exceeds this model's context window "
-     f"of {WINDOW:,}; use max_tokens <= {WINDOW - 3:,}"),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "Max tokens must be greater than 0, got 0"),  # the frontend's
-    ({"prompt": "hi", "max_tokens": 2, "n": 3}, 400, "n=3 is not supported"),
-    ({"prompt": "hi", "max_tokens": 2, "best_of": 2}, 400, "best_of=2 is not supported"),
-    ({"prompt": "hi", "max_tokens": 2, "top_p": 0.5}, 400, "top_p=0.5 is not supported"),
-    ({"prompt": "hi", "max_tokens": 2, "logprobs": 1}, 400, "logprobs=1 is not supported"),
-    ({"prompt": "hi", "max_tokens": 2, "logprobs": 0}, 400, "logprobs=0 is not supported"),  # 0 asks too
-    ({"prompt": "hi", "max_tokens": 2, "frequency_penalty": 1.0}, 400, "frequency_penalty=1.0 is not supported"),
-], ids=["prompt-over-window", "max-tokens-over-window", "max-tokens-0", "n", "best_of", "top_p", "logprobs",
-        "logprobs-0", "penalty"])
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (
+            {"prompt": "x" * (WINDOW + 5), "max_tokens": 2},
+            400,
+            f"prompt has {WINDOW + 5:,} tokens; this model's context window is {WINDOW:,}",
+        ),
+        (
+            {"prompt": [1, 2, 3], "max_tokens": WINDOW},
+            400,
+            f"prompt has 3 tokens and max_tokens is {WINDOW:,}: {WINDOW + 3:,} exceeds this model's context window "
+            f"of {WINDOW:,}; use max_tokens <= {WINDOW - 3:,}",
+        ),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "Max tokens must be greater than 0, got 0"),  # the frontend's
+        ({"prompt": "hi", "max_tokens": 2, "n": 3}, 400, "n=3 is not supported"),
+        ({"prompt": "hi", "max_tokens": 2, "best_of": 2}, 400, "best_of=2 is not supported"),
+        ({"prompt": "hi", "max_tokens": 2, "top_p": 0.5}, 400, "top_p=0.5 is not supported"),
+        ({"prompt": "hi", "max_tokens": 2, "logprobs": 1}, 400, "logprobs=1 is not supported"),
+        ({"prompt": "hi", "max_tokens": 2, "logprobs": 0}, 400, "logprobs=0 is not supported"),  # 0 asks too
+        ({"prompt": "hi", "max_tokens": 2, "frequency_penalty": 1.0}, 400, "frequency_penalty=1.0 is not supported"),
+    ],
+    ids=[
+        "prompt-over-window",
+        "max-tokens-over-window",
+        "max-tokens-0",
+        "n",
+        "best_of",
+        "top_p",
+        "logprobs",
+        "logprobs-0",
+        "penalty",
+    ],
+)
 def test_refusals_name_the_limit(graph, body, status, message):
     plan, _ = graph
     code, reply = post(plan, body)
@@ -114,8 +149,9 @@ def test_refusals_name_the_limit(graph, body, status, message):
 
 def test_chat_refusal_reaches_the_client(graph):
     plan, _ = graph
-    code, reply = post(plan, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2},
-                       "/v1/chat/completions")
+    code, reply = post(
+        plan, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2}, "/v1/chat/completions"
+    )
     assert code == 400 and "n=2 is not supported" in reply["message"]
 
 
@@ -139,8 +175,7 @@ def test_concurrent_requests_account_cached_tokens_exactly(graph):
         for round_ in range(2):
             replies += list(pool.map(ask, range(round_ * 12, round_ * 12 + 12)))
             # unrelated long prompts push the shared prefixes out of the device cache
-            list(pool.map(lambda j: post(plan, {"prompt": [200 + j] * (EVICT_BLOCKS * 16), "max_tokens": 1}),
-                          range(2)))
+            list(pool.map(lambda j: post(plan, {"prompt": [200 + j] * (EVICT_BLOCKS * 16), "max_tokens": 1}), range(2)))
     after = scrape(port)
     sums = {t: 0 for t in ("device", "host", "disk")}
     for r in replies:
@@ -150,8 +185,12 @@ def test_concurrent_requests_account_cached_tokens_exactly(graph):
             sums[t] += by_tier[t]
     extra = 2 * 2  # the eviction prompts (their cached tokens, if any, are counted below too)
     assert after["flexkv_requests_total"] - before["flexkv_requests_total"] == len(replies) + extra
-    evict_cached = {t: tier(after, "flexkv_prompt_tokens_cached_total", t) -
-                    tier(before, "flexkv_prompt_tokens_cached_total", t) - sums[t] for t in sums}
+    evict_cached = {
+        t: tier(after, "flexkv_prompt_tokens_cached_total", t)
+        - tier(before, "flexkv_prompt_tokens_cached_total", t)
+        - sums[t]
+        for t in sums
+    }
     assert all(v >= 0 for v in evict_cached.values()), evict_cached
     assert sum(evict_cached.values()) <= 2 * 2 * EVICT_BLOCKS * 16  # only the eviction prompts are unaccounted
     assert sums["host"] + sums["disk"] > 0, sums  # the second round found prefixes offloaded
@@ -178,19 +217,25 @@ def test_concurrent_accounting_matches_metrics_exactly(graph):
     after = scrape(port)
     for t in ("device", "host", "disk"):
         got = sum(r["nvext"]["engine_data"]["flexkv"]["cached_tokens"][t] for r in replies)
-        assert got == tier(after, "flexkv_prompt_tokens_cached_total", t) - \
-            tier(before, "flexkv_prompt_tokens_cached_total", t), t
-    assert sum(r["usage"]["prompt_tokens"] for r in replies) == \
-        after["flexkv_prompt_tokens_total"] - before["flexkv_prompt_tokens_total"]
+        assert got == tier(after, "flexkv_prompt_tokens_cached_total", t) - tier(
+            before, "flexkv_prompt_tokens_cached_total", t
+        ), t
+    assert (
+        sum(r["usage"]["prompt_tokens"] for r in replies)
+        == after["flexkv_prompt_tokens_total"] - before["flexkv_prompt_tokens_total"]
+    )
 
 
 def _open_and_close_after_first_chunk(plan, i: int) -> None:
     host, port = plan.base_url.split("//")[1].split(":")
-    body = json.dumps({"model": MODEL, "prompt": [i % 200 + 1] * 40 + [5, 6, 7], "max_tokens": 300,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "prompt": [i % 200 + 1] * 40 + [5, 6, 7], "max_tokens": 300, "stream": True}
+    ).encode()
     with socket.create_connection((host, int(port)), timeout=60) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
         buf = b""
         while b"data:" not in buf:
             chunk = s.recv(4096)
@@ -237,8 +282,11 @@ def test_sigint_drains_in_flight_requests_and_ssd_writes(graph):
         # All four admitted: each distinct 131-token prompt holds at least 9 blocks of 16 (or one
         # already finished, so it was in the worker).
         need = len(prompts) * -(-len(prompts[0]) // 16)
-        wait_until("every request running in the worker", lambda: any(f.done() for f in futures)
-                   or scrape(worker.port)['flexkv_device_blocks{state="used"}'] >= need, every=0.02)
+        wait_until(
+            "every request running in the worker",
+            lambda: any(f.done() for f in futures) or scrape(worker.port)['flexkv_device_blocks{state="used"}'] >= need,
+            every=0.02,
+        )
         os.killpg(proc.pid, signal.SIGINT)
         replies = [f.result() for f in futures]
     assert [code for code, _ in replies] == [200] * 4, replies

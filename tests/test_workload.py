@@ -34,8 +34,8 @@ def test_turns_share_exactly_the_trace_prefix(trace):
     assert [(t.conversation, t.turn) for t in turns] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
     first, second, third = [t for t in turns if t.conversation == 0]
     assert len(first.tokens) == 1000 * 64 // 512
-    assert second.tokens[:len(first.tokens)] == first.tokens  # blocks 0 and 1 (the second one partial)
-    assert third.tokens[:len(second.tokens)] == second.tokens  # the earlier prompt, cut mid-block
+    assert second.tokens[: len(first.tokens)] == first.tokens  # blocks 0 and 1 (the second one partial)
+    assert third.tokens[: len(second.tokens)] == second.tokens  # the earlier prompt, cut mid-block
     other = [t for t in turns if t.conversation == 1][0]
     assert other.tokens[:64] == first.tokens[:64] and other.tokens[64:128] != first.tokens[64:128]
     assert all(0 <= x < scale.token_vocab for t in turns for x in t.tokens)

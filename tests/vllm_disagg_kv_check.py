@@ -23,6 +23,7 @@ from exactness import EXACT_DTYPE, Generation, connector_extra
 def _ours(worker=None):
     """This worker's FlexKVConnector inside the MultiConnector."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     group = get_kv_transfer_group()
     return next(c for c in getattr(group, "_connectors", [group]) if hasattr(c, "transfer_log"))
 
@@ -45,18 +46,32 @@ def engine(model_dir: str, run_dir: str, name: str, port: int, core: int):
     from vllm import LLM
 
     from dynamo_flexkv.bench.vllm_disagg import disagg_transfer_config
+
     os.makedirs(os.path.join(run_dir, name), exist_ok=True)
     # Read by the worker process vLLM spawns now: each engine its own NIXL handshake port, core,
     # host tier and SSD directory.
-    os.environ.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(port), VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-                      VLLM_CPU_OMP_THREADS_BIND=str(core), FLEXKV_CPU_CACHE_GB="0.1", FLEXKV_SSD_CACHE_GB="0",
-                      FLEXKV_RUN_DIR=os.path.join(run_dir, name))
+    os.environ.update(
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(port),
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_CPU_OMP_THREADS_BIND=str(core),
+        FLEXKV_CPU_CACHE_GB="0.1",
+        FLEXKV_SSD_CACHE_GB="0",
+        FLEXKV_RUN_DIR=os.path.join(run_dir, name),
+    )
     kt = disagg_transfer_config(os.path.join(run_dir, name))
     for child in kt["kv_connector_extra_config"]["connectors"]:  # FlexKVConnector: the wrong_kv seam, when on
         if child["kv_connector"] == "FlexKVConnector":
             child["kv_connector_extra_config"].update(connector_extra())
-    return LLM(model=model_dir, dtype=EXACT_DTYPE, max_model_len=4096, block_size=64, enforce_eager=True,
-               kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0)
+    return LLM(
+        model=model_dir,
+        dtype=EXACT_DTYPE,
+        max_model_len=4096,
+        block_size=64,
+        enforce_eager=True,
+        kv_cache_memory_bytes=128 << 20,
+        kv_transfer_config=kt,
+        seed=0,
+    )
 
 
 def main(model_dir: str, out: str, run_dir: str) -> int:
@@ -68,20 +83,23 @@ def main(model_dir: str, out: str, run_dir: str) -> int:
     decode = engine(model_dir, run_dir, "decode", 5612, 1)
     rnd = random.Random(5)
     from dynamo_flexkv.integrations.vllm_connector.handover import KEY
+
     results = []
     for n_tokens in (700, 1500):  # 10 and 23 full blocks of 64, and a partial one
         prompt = [rnd.randrange(300, 30000) for _ in range(n_tokens)]
-        first = prefill.generate([{"prompt_token_ids": prompt}],
-                                 SamplingParams(max_tokens=1, temperature=0,
-                                                extra_args={"kv_transfer_params": {"do_remote_decode": True}}))[0]
+        first = prefill.generate(
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
+        )[0]
         params = dict(first.kv_transfer_params)
         remote_ids = params[KEY]["blocks"]  # every full prompt block, held for decode's read
         computed = prefill.collective_rpc(_blocks, args=(list(remote_ids),))[0]  # held for decode's read
         stores_before = len(decode.collective_rpc(_stores)[0])
         handovers_before = len(decode.collective_rpc(_handovers)[0])
-        out_d = decode.generate([{"prompt_token_ids": prompt}],
-                                SamplingParams(max_tokens=6, temperature=0, logprobs=0,
-                                               extra_args={"kv_transfer_params": params}))[0]
+        out_d = decode.generate(
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(max_tokens=6, temperature=0, logprobs=0, extra_args={"kv_transfer_params": params}),
+        )[0]
         new_stores = []
         for _ in range(50):  # the store rides on a later step's metadata: run steps until it is done
             new_stores = [s for s in decode.collective_rpc(_stores)[0][stores_before:] if s[2]]
@@ -93,17 +111,27 @@ def main(model_dir: str, out: str, run_dir: str) -> int:
         restored = decode.collective_rpc(_blocks, args=(stored_ids[:full],))[0] if stored_ids else []
         equal = bool(stored_ids) and all(
             torch.equal(c[:full].contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
-            for c, r in zip(computed, restored))
+            for c, r in zip(computed, restored)
+        )
         handovers = decode.collective_rpc(_handovers)[0][handovers_before:]
-        agg = prefill.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0,
-                                                                              logprobs=0))[0]
-        results.append({"prompt_tokens": n_tokens, "remote_blocks": len(remote_ids), "full_blocks": full,
-                        "decode_stored_blocks": len(stored_ids), "bytes_equal": equal, "layers": len(computed),
-                        "nonzero": all(bool(c.abs().sum() > 0) for c in computed),
-                        "handovers": [(len(b), n, ok) for _, b, n, ok in handovers],
-                        "block_bytes": sum(c[0].numel() * c.element_size() for c in computed),
-                        "decode": Generation.of_vllm(out_d.outputs[0]).as_json(),
-                        "agg": Generation.of_vllm(agg.outputs[0]).as_json()})
+        agg = prefill.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0, logprobs=0))[
+            0
+        ]
+        results.append(
+            {
+                "prompt_tokens": n_tokens,
+                "remote_blocks": len(remote_ids),
+                "full_blocks": full,
+                "decode_stored_blocks": len(stored_ids),
+                "bytes_equal": equal,
+                "layers": len(computed),
+                "nonzero": all(bool(c.abs().sum() > 0) for c in computed),
+                "handovers": [(len(b), n, ok) for _, b, n, ok in handovers],
+                "block_bytes": sum(c[0].numel() * c.element_size() for c in computed),
+                "decode": Generation.of_vllm(out_d.outputs[0]).as_json(),
+                "agg": Generation.of_vllm(agg.outputs[0]).as_json(),
+            }
+        )
     with open(out, "w") as f:
         json.dump(results, f)
     return 0

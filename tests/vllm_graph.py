@@ -41,23 +41,46 @@ class VllmServe(Serve):
     """served.Serve (``dynamo-flexkv serve`` as a user runs it, output collected) through
     vllm_serve.py, whose readiness deadline is ``ready_timeout`` instead of the CLI's 300 s."""
 
-    def __init__(self, tmp_path: Path, name: str, *overrides: str, graph: str, base: List[str],
-                 ready_timeout: float = 900, config: Optional[str] = None) -> None:
-        super().__init__(tmp_path, name, *overrides, graph=graph, base=base, ready_timeout=ready_timeout + 30,
-                         command=[sys.executable, str(Path(__file__).with_name("vllm_serve.py")), str(ready_timeout)],
-                         config=config)
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str,
+        *overrides: str,
+        graph: str,
+        base: List[str],
+        ready_timeout: float = 900,
+        config: Optional[str] = None,
+    ) -> None:
+        super().__init__(
+            tmp_path,
+            name,
+            *overrides,
+            graph=graph,
+            base=base,
+            ready_timeout=ready_timeout + 30,
+            command=[sys.executable, str(Path(__file__).with_name("vllm_serve.py")), str(ready_timeout)],
+            config=config,
+        )
 
 
 # ---- requests ----------------------------------------------------------------------------------
+
 
 def complete(base_url: str, prompt: List[int], max_tokens: int = 8, timeout: float = 120, model: str = MODEL) -> dict:
     """One greedy completion of a token-id prompt. Returns ids (the generated token ids), gen (ids
     and their logprobs: exactness.Generation), worker (the frontend's decode worker id), cached
     (usage cached_tokens), rid (the router's request id)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
-            "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]},
+    }
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.status == 200
@@ -65,16 +88,21 @@ def complete(base_url: str, prompt: List[int], max_tokens: int = 8, timeout: flo
     nvext = doc.get("nvext") or {}
     usage = doc.get("usage") or {}
     ids = list(nvext.get("completion_token_ids") or [])
-    return {"ids": ids, "gen": Generation.of_completion(doc, ids),
-            "worker": int((nvext.get("worker_id") or {}).get("decode_worker_id") or 0),
-            "cached": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-            "rid": str(doc.get("id", "")).removeprefix("cmpl-"), "seconds": time.monotonic() - t0}
+    return {
+        "ids": ids,
+        "gen": Generation.of_completion(doc, ids),
+        "worker": int((nvext.get("worker_id") or {}).get("decode_worker_id") or 0),
+        "cached": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+        "rid": str(doc.get("id", "")).removeprefix("cmpl-"),
+        "seconds": time.monotonic() - t0,
+    }
 
 
 @dataclass
 class Stream:
     """A streamed completion read on a thread; its fields fill in as chunks arrive."""
+
     status: int = 0
     ids: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
@@ -92,13 +120,22 @@ class Stream:
         return Generation(self.ids, self.logprobs)
 
 
-def stream(base_url: str, prompt: List[int], max_tokens: int, out: Stream, timeout: float = 120,
-           model: str = MODEL) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "logprobs": 1,
-            "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+def stream(
+    base_url: str, prompt: List[int], max_tokens: int, out: Stream, timeout: float = 120, model: str = MODEL
+) -> None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": 1,
+        "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]},
+    }
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     t0 = time.monotonic()
     try:
         try:
@@ -148,8 +185,9 @@ def send_and_hang_up(base_url: str, prompt: List[int], max_tokens: int, until, t
     """Sends a streamed completion on a raw connection and closes it as soon as ``until()`` is true
     (e.g. the worker has the request in flight). Returns the seconds from sending to the hang-up."""
     host, port = base_url.split("//", 1)[1].rsplit(":", 1)
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    ).encode()
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
         conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
@@ -163,6 +201,7 @@ def send_and_hang_up(base_url: str, prompt: List[int], max_tokens: int, until, t
 
 
 # ---- metrics -----------------------------------------------------------------------------------
+
 
 def scrape(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
@@ -196,14 +235,18 @@ def healthy(metrics_url: str) -> bool:
 
 # ---- the frontend's routing log ----------------------------------------------------------------
 
+
 def routing_log(log: Path) -> Dict[str, dict]:
     """The frontend's KV router decisions by request id: the worker it selected and the host/disk
     blocks it counted for that worker ("Selected worker" lines), and the overlap (device) blocks of
     the routed request ("route request completed")."""
     out: Dict[str, dict] = {}
     for line in ANSI.sub("", log.read_text(errors="replace")).splitlines():
-        m = re.search(r'Selected worker .*request_id="([^"]+)" worker_id=(\d+) .*host_pinned_blocks=(\d+) '
-                      r'disk_blocks=(\d+)', line)
+        m = re.search(
+            r'Selected worker .*request_id="([^"]+)" worker_id=(\d+) .*host_pinned_blocks=(\d+) '
+            r"disk_blocks=(\d+)",
+            line,
+        )
         if m:
             out.setdefault(m.group(1), {}).update(worker=int(m.group(2)), host=int(m.group(3)), disk=int(m.group(4)))
             continue
@@ -218,8 +261,11 @@ def attempts(log: Path, rid: str) -> List[dict]:
     worker, the attempt number and how it ended. (nvext.worker_id keeps naming the first worker.)"""
     out = []
     for line in ANSI.sub("", log.read_text(errors="replace")).splitlines():
-        m = re.search(rf"route request (completed|failed) .*request_id={re.escape(rid)} .*worker_id=(\d+) "
-                      r"request\.attempt=(\d+)", line)
+        m = re.search(
+            rf"route request (completed|failed) .*request_id={re.escape(rid)} .*worker_id=(\d+) "
+            r"request\.attempt=(\d+)",
+            line,
+        )
         if m:
             out.append({"outcome": m.group(1), "worker": int(m.group(2)), "attempt": int(m.group(3))})
     return out
@@ -238,6 +284,7 @@ def event_trouble(*dirs: Path) -> List[str]:
 
 # ---- a second router on the served graph -------------------------------------------------------
 
+
 def environ(pid: int) -> Dict[str, str]:
     raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
     return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
@@ -248,21 +295,39 @@ class RouterProbe:
     frontend runs as ``frontend_pid``: same discovery directory and event plane. It learns only
     from the KV events published after it started (start it before the requests it is asked about)."""
 
-    def __init__(self, frontend_pid: int, log_path: Path, endpoint: str = "dynamo.backend.generate",
-                 block_size: int = 64, timeout: float = 60) -> None:
+    def __init__(
+        self,
+        frontend_pid: int,
+        log_path: Path,
+        endpoint: str = "dynamo.backend.generate",
+        block_size: int = 64,
+        timeout: float = 60,
+    ) -> None:
         fe = environ(frontend_pid)
         env = dict(os.environ, DYN_LOG="warn")
-        for k in ("DYN_FILE_KV", "DYN_ZMQ_BROKER_URL", "DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST",
-                  "DYN_SYSTEM_HOST", "DYN_TCP_RESPONSE_STREAM_HOST"):
+        for k in (
+            "DYN_FILE_KV",
+            "DYN_ZMQ_BROKER_URL",
+            "DYN_TCP_RPC_HOST",
+            "DYN_EVENT_PLANE_HOST",
+            "DYN_SYSTEM_HOST",
+            "DYN_TCP_RESPONSE_STREAM_HOST",
+        ):
             if k in fe:
                 env[k] = fe[k]
         assert "DYN_FILE_KV" in env and "DYN_ZMQ_BROKER_URL" in env, "the frontend has no file discovery / broker"
         self.log_path = log_path
         self._log = open(log_path, "w")
         script = Path(__file__).with_name("vllm_router_probe.py")
-        self.proc = subprocess.Popen([sys.executable, str(script), endpoint, str(block_size)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
-                                     cwd=str(script.parent))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), endpoint, str(block_size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+            cwd=str(script.parent),
+        )
         self._lines: List[str] = []
         self._cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -281,8 +346,9 @@ class RouterProbe:
         with self._cond:
             while not self._lines:
                 left = deadline - time.monotonic()
-                assert left > 0 and self.proc.poll() is None, \
+                assert left > 0 and self.proc.poll() is None, (
                     f"the router probe did not answer (exit {self.proc.poll()}); see {self.log_path}"
+                )
                 self._cond.wait(min(left, 0.5))
             return json.loads(self._lines.pop(0))
 
@@ -318,7 +384,7 @@ class RouterProbe:
 def cpu_ticks(pid: int) -> int:
     """User + system CPU time of process ``pid`` so far, in clock ticks (1/100 s)."""
     stat = open(f"/proc/{pid}/stat").read()
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return int(fields[11]) + int(fields[12])
 
 
@@ -349,6 +415,7 @@ class Busy:
 
 # ---- what is left ------------------------------------------------------------------------------
 
+
 def ours_left(run: Path) -> list:
     """Processes whose environment points into ``run`` (vLLM's children too)."""
     left = []
@@ -370,7 +437,7 @@ def group(pgid: int) -> list:
             stat = open(f"/proc/{pid}/stat").read()
         except OSError:
             continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
         if rest[0] != "Z" and int(rest[2]) == pgid:
             out.append((int(pid), name))
     return out

@@ -41,11 +41,13 @@ def _zero(worker):
 
 def _log(worker):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     return [(r.kind, r.req_id, list(r.block_ids), r.ok) for r in get_kv_transfer_group().transfer_log]
 
 
 def _disk_files(worker):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     conn = get_kv_transfer_group()
     conn.drain(60)  # the disk writes run behind the store
     s = conn.tier_stats().as_dict()
@@ -58,6 +60,7 @@ def _throttle_disk(worker, factor: float, prompt_tokens: int, prefix_bytes: int)
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from dynamo_flexkv.bench.throttled import ThrottledDisk
     from dynamo_flexkv.core.transfer.graph import OpKind
+
     kv = get_kv_transfer_group()._worker.offload.kv  # the embedded KVManager (a private reach: issue 42)
     prefill_s = kv.cost.prefill_seconds(prompt_tokens, prompt_tokens)
     movers = kv.transfer.movers
@@ -68,6 +71,7 @@ def _throttle_disk(worker, factor: float, prompt_tokens: int, prefix_bytes: int)
 
 def _prefix_tokens(worker) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     return dict(get_kv_transfer_group().tier_stats().prefix_tokens)
 
 
@@ -109,22 +113,29 @@ def run_scenario(llm, scenario: str, rnd: random.Random, a) -> dict:
                 f.write(bytes(x ^ 0xFF for x in b))
     if scenario == "remote-down":
         import signal
+
         os.kill(a.kill_pid, signal.SIGKILL)
     throttle = None
     if scenario == "slow-disk":
-        throttle = llm.collective_rpc(_throttle_disk, args=(a.slow_factor, a.prompt_tokens,
-                                                            len(stored) * a.block_bytes))[0]
+        throttle = llm.collective_rpc(
+            _throttle_disk, args=(a.slow_factor, a.prompt_tokens, len(stored) * a.block_bytes)
+        )[0]
     llm.reset_prefix_cache()
     llm.collective_rpc(_zero)
     before_load = len(log())
     decided = llm.collective_rpc(_prefix_tokens)[0]
     second = llm.generate([{"prompt_token_ids": prompt}], sp)[0]
     loads = [r for r in log()[before_load:] if r[0] == "load"]
-    result = {"first_tokens": list(first.outputs[0].token_ids), "second_tokens": list(second.outputs[0].token_ids),
-              "first": Generation.of_vllm(first.outputs[0]).as_json(),
-              "second": Generation.of_vllm(second.outputs[0]).as_json(),
-              "first_cached": first.num_cached_tokens, "second_cached": second.num_cached_tokens,
-              "stored_blocks": len(stored), "loads": [[r[3], len(r[2])] for r in loads]}
+    result = {
+        "first_tokens": list(first.outputs[0].token_ids),
+        "second_tokens": list(second.outputs[0].token_ids),
+        "first": Generation.of_vllm(first.outputs[0]).as_json(),
+        "second": Generation.of_vllm(second.outputs[0]).as_json(),
+        "first_cached": first.num_cached_tokens,
+        "second_cached": second.num_cached_tokens,
+        "stored_blocks": len(stored),
+        "loads": [[r[3], len(r[2])] for r in loads],
+    }
     after = llm.collective_rpc(_prefix_tokens)[0]
     result["decisions"] = {k: n - decided.get(k, 0) for k, n in after.items() if n != decided.get(k, 0)}
     if throttle is not None:
@@ -137,8 +148,10 @@ def run_scenario(llm, scenario: str, rnd: random.Random, a) -> dict:
         restored = llm.collective_rpc(_blocks, args=(loaded_ids,))[0]
         n = len(loaded_ids)
         # Bit for bit (a NaN equals itself here): the raw bytes of every layer of every loaded block.
-        result["bytes_equal"] = all(torch.equal(c[:n].contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
-                                    for c, r in zip(computed, restored))
+        result["bytes_equal"] = all(
+            torch.equal(c[:n].contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
+            for c, r in zip(computed, restored)
+        )
         result["layers"] = len(restored)
         result["nonzero"] = all(bool(r.abs().sum() > 0) for r in restored)
     return result
@@ -149,26 +162,45 @@ def main() -> int:
     ap.add_argument("model_dir")
     ap.add_argument("out")
     ap.add_argument("--layerwise", type=int, default=1)
-    ap.add_argument("--scenario", default="host",
-                    help="host, disk, corrupt-disk, remote or remote-down; several, comma-separated, run in order "
-                         "on one engine, each with its own prompt")
+    ap.add_argument(
+        "--scenario",
+        default="host",
+        help="host, disk, corrupt-disk, remote or remote-down; several, comma-separated, run in order "
+        "on one engine, each with its own prompt",
+    )
     ap.add_argument("--kill-pid", type=int, default=0, help="remote-down: the redis-server to SIGKILL before the load")
     ap.add_argument("--prompt-tokens", type=int, default=1500)
     ap.add_argument("--flush-prompts", type=int, default=3)
     ap.add_argument("--block-bytes", type=int, default=256 << 10)  # small preset, float32
     ap.add_argument("--corrupt-slots", type=int, default=256)
-    ap.add_argument("--slow-factor", type=float, default=10.0,
-                    help="slow-disk: reading the prefix takes this many measured prefill times")
+    ap.add_argument(
+        "--slow-factor",
+        type=float,
+        default=10.0,
+        help="slow-disk: reading the prefix takes this many measured prefill times",
+    )
     a = ap.parse_args()
     # collective_rpc ships these functions to vLLM's worker process by pickle (a local test only).
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
 
-    kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
-          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"layerwise": bool(a.layerwise), **connector_extra()}}
-    llm = LLM(model=a.model_dir, dtype=EXACT_DTYPE, max_model_len=8192, block_size=64,
-              enforce_eager=True, kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0)
+    kt = {
+        "kv_connector": "FlexKVConnector",
+        "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"layerwise": bool(a.layerwise), **connector_extra()},
+    }
+    llm = LLM(
+        model=a.model_dir,
+        dtype=EXACT_DTYPE,
+        max_model_len=8192,
+        block_size=64,
+        enforce_eager=True,
+        kv_cache_memory_bytes=128 << 20,
+        kv_transfer_config=kt,
+        seed=0,
+    )
     results = {}
     for i, scenario in enumerate(a.scenario.split(",")):
         key = scenario if scenario not in results else f"{scenario}-{i}"  # a scenario may run twice

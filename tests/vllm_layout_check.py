@@ -25,12 +25,15 @@ from exactness import Generation, connector_extra
 
 def _conn():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     return get_kv_transfer_group()
 
 
 def _log(worker):
-    return [(r.kind, r.req_id, list(r.block_ids), r.ok, {int(g): list(ids) for g, ids in r.groups.items()})
-            for r in _conn().transfer_log]
+    return [
+        (r.kind, r.req_id, list(r.block_ids), r.ok, {int(g): list(ids) for g, ids in r.groups.items()})
+        for r in _conn().transfer_log
+    ]
 
 
 def _storages(worker):
@@ -64,6 +67,7 @@ def _compare(worker, per_rank):
     """Per group: how many loaded blocks, and whether each equals the block computed at its
     position (raw bytes of every KV tensor). ``per_rank``: (stored, loaded) block ids by group."""
     import torch
+
     stored, loaded = per_rank[worker.rank]
     if loaded is None:
         return {"loaded": False}
@@ -71,7 +75,7 @@ def _compare(worker, per_rank):
     out = {}
     for g, ids in loaded.items():  # block ids by position from the request's first block
         src = stored.get(g, [])
-        pairs = [(src[pos], b) for pos, b in enumerate(ids[:len(src)]) if b and src[pos]]
+        pairs = [(src[pos], b) for pos, b in enumerate(ids[: len(src)]) if b and src[pos]]
         ok = bool(pairs)
         for old, new in zip(before, now):
             for s, d in pairs:
@@ -106,10 +110,14 @@ def run_scenario(llm, scenario: str, rnd: random.Random, a) -> dict:
     before = [len(x) for x in log()]
     second = llm.generate([{"prompt_token_ids": prompt}], sp)[0]
     loads = [[r for r in x[n:] if r[0] == "load"] for x, n in zip(log(), before)]
-    result = {"first": Generation.of_vllm(first.outputs[0]).as_json(),
-              "second": Generation.of_vllm(second.outputs[0]).as_json(),
-              "first_cached": first.num_cached_tokens, "second_cached": second.num_cached_tokens,
-              "stored_blocks": len(stored[0][2]), "loads": [[[r[3], len(r[2])] for r in x] for x in loads]}
+    result = {
+        "first": Generation.of_vllm(first.outputs[0]).as_json(),
+        "second": Generation.of_vllm(second.outputs[0]).as_json(),
+        "first_cached": first.num_cached_tokens,
+        "second_cached": second.num_cached_tokens,
+        "stored_blocks": len(stored[0][2]),
+        "loads": [[[r[3], len(r[2])] for r in x] for x in loads],
+    }
     per_rank = []
     for st, ld in zip(stored, loads):
         if not ld or not ld[-1][3]:
@@ -138,13 +146,27 @@ def main() -> int:
         os.environ.setdefault(var, "127.0.0.1")
     from vllm import LLM
 
-    kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
-          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"layerwise": True, **connector_extra()}}
+    kt = {
+        "kv_connector": "FlexKVConnector",
+        "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"layerwise": True, **connector_extra()},
+    }
     extra = {"attention_config": {"backend": a.attention_backend}} if a.attention_backend else {}
-    llm = LLM(model=a.model_dir, dtype=a.dtype, max_model_len=8192, block_size=a.block_size, enforce_eager=True,
-              kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0, tensor_parallel_size=a.tp,
-              distributed_executor_backend="mp" if a.tp > 1 else None, **extra)
+    llm = LLM(
+        model=a.model_dir,
+        dtype=a.dtype,
+        max_model_len=8192,
+        block_size=a.block_size,
+        enforce_eager=True,
+        kv_cache_memory_bytes=128 << 20,
+        kv_transfer_config=kt,
+        seed=0,
+        tensor_parallel_size=a.tp,
+        distributed_executor_backend="mp" if a.tp > 1 else None,
+        **extra,
+    )
     results = {}
     for i, scenario in enumerate(a.scenario.split(",")):
         results[scenario] = run_scenario(llm, scenario, random.Random(11 + i), a)

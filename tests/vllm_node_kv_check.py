@@ -30,17 +30,31 @@ def _zero(worker):
 
 def _log(worker):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     return [(r.kind, r.req_id, list(r.block_ids), r.ok) for r in get_kv_transfer_group().transfer_log]
 
 
 def engine(model_dir: str, core: int):
     from vllm import LLM
+
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)  # read by the worker process vLLM spawns now
-    kt = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
-          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"layerwise": True, **connector_extra()}}
-    return LLM(model=model_dir, dtype=EXACT_DTYPE, max_model_len=8192, block_size=64, enforce_eager=True,
-               kv_cache_memory_bytes=128 << 20, kv_transfer_config=kt, seed=0)
+    kt = {
+        "kv_connector": "FlexKVConnector",
+        "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"layerwise": True, **connector_extra()},
+    }
+    return LLM(
+        model=model_dir,
+        dtype=EXACT_DTYPE,
+        max_model_len=8192,
+        block_size=64,
+        enforce_eager=True,
+        kv_cache_memory_bytes=128 << 20,
+        kv_transfer_config=kt,
+        seed=0,
+    )
 
 
 def main(model_dir: str, out: str, run_dir: str) -> int:
@@ -77,17 +91,31 @@ def main(model_dir: str, out: str, run_dir: str) -> int:
         loaded = loads[-1][2] if loads and loads[-1][3] else []
         restored = b.collective_rpc(_blocks, args=(loaded,))[0] if loaded else []
         n = len(loaded)
-        results.append({
-            "prompt_tokens": n_tokens, "stored_blocks": len(stored), "loaded_blocks": n,
-            "a_cached": first.num_cached_tokens, "b_cached": second.num_cached_tokens,
-            "bytes_equal": bool(loaded) and all(torch.equal(c[:n].contiguous().view(torch.uint8),
-                                                            r.contiguous().view(torch.uint8))
-                                                for c, r in zip(computed, restored)),
-            "nonzero": bool(loaded) and all(bool(r.abs().sum() > 0) for r in restored),
-            "a": Generation.of_vllm(first.outputs[0]).as_json(), "b": Generation.of_vllm(second.outputs[0]).as_json()})
+        results.append(
+            {
+                "prompt_tokens": n_tokens,
+                "stored_blocks": len(stored),
+                "loaded_blocks": n,
+                "a_cached": first.num_cached_tokens,
+                "b_cached": second.num_cached_tokens,
+                "bytes_equal": bool(loaded)
+                and all(
+                    torch.equal(c[:n].contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))
+                    for c, r in zip(computed, restored)
+                ),
+                "nonzero": bool(loaded) and all(bool(r.abs().sum() > 0) for r in restored),
+                "a": Generation.of_vllm(first.outputs[0]).as_json(),
+                "b": Generation.of_vllm(second.outputs[0]).as_json(),
+            }
+        )
     stats = server.stats()
-    results.append({"engines": len(stats["engines"]), "host_hits": stats["namespaces"][0]["tiers"]["host"]["hit_blocks"],
-                    "copies_in_flight": sum(e["copies_in_flight"] for e in stats["engines"])})
+    results.append(
+        {
+            "engines": len(stats["engines"]),
+            "host_hits": stats["namespaces"][0]["tiers"]["host"]["hit_blocks"],
+            "copies_in_flight": sum(e["copies_in_flight"] for e in stats["engines"]),
+        }
+    )
     with open(out, "w") as f:
         json.dump(results, f)
     for llm in (a, b):

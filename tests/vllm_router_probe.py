@@ -33,10 +33,16 @@ async def main(endpoint: str, block_size: int) -> None:
             break
         try:
             scores = await router.get_overlap_scores(req["tokens"])
-            rows = [{"worker_id": int(r["worker_id"]), "dp_rank": int(r.get("dp_rank") or 0),
-                     "device": int(r["device_blocks"]),
-                     "host": int(r["host_pinned_blocks"]), "disk": int(r["disk_blocks"])}
-                    for r in scores["workers"]]
+            rows = [
+                {
+                    "worker_id": int(r["worker_id"]),
+                    "dp_rank": int(r.get("dp_rank") or 0),
+                    "device": int(r["device_blocks"]),
+                    "host": int(r["host_pinned_blocks"]),
+                    "disk": int(r["disk_blocks"]),
+                }
+                for r in scores["workers"]
+            ]
             out = {"workers": rows, "num_blocks": scores.get("num_blocks")}
         except Exception as e:  # noqa: BLE001 - the test reads the error
             out = {"error": f"{type(e).__name__}: {e}"}

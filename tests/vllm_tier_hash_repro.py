@@ -54,8 +54,9 @@ async def scenario(relay, router, same: bool) -> int:
         rows = (await router.get_overlap_scores(tokens))["workers"]
         got = tuple((r["device_blocks"], r["host_pinned_blocks"], r["disk_blocks"]) for r in rows)[0]
         seen.append(got == want)
-        print(json.dumps({"hashes": "same" if same else "distinct", "step": step, "want": want, "got": got}),
-              flush=True)
+        print(
+            json.dumps({"hashes": "same" if same else "distinct", "step": step, "want": want, "got": got}), flush=True
+        )
 
     relay.stored(None, device, None, tokens)
     relay.stored(Tier.HOST, tiers, None, tokens)

@@ -26,8 +26,13 @@ class _SecondBlockIntoFirst:
             src = op.src.copy()
             src[0] = src[1]
             if not self.wrong_loads:
-                log.warning("wrong_kv: loading host block %d into device block %d instead of host block %d "
-                            "(a test seam: every load gets one wrong block)", op.src[1], op.dst[0], op.src[0])
+                log.warning(
+                    "wrong_kv: loading host block %d into device block %d instead of host block %d "
+                    "(a test seam: every load gets one wrong block)",
+                    op.src[1],
+                    op.dst[0],
+                    op.src[0],
+                )
             self.wrong_loads += 1
             op = dataclasses.replace(op, src=src)
         return self.inner.run(op)

@@ -66,6 +66,7 @@ def _child(lease_s: float, blocks: int) -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(1)
+
     threading.Thread(target=orphaned, daemon=True).start()
     with exit_past_libnl():
         engine = LLMEngine(EngineModelConfig.load(PRESET), num_device_blocks=blocks)
@@ -82,8 +83,12 @@ def _child(lease_s: float, blocks: int) -> None:
 
 class _Prefill:
     def __init__(self, blocks: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.bench.disagg", "--child", str(blocks)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_flexkv.bench.disagg", "--child", str(blocks)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def hand_over(self, prompt: List[int]) -> HandoverParams:
         self.proc.stdin.write(json.dumps(prompt) + "\n")
@@ -93,7 +98,7 @@ class _Prefill:
             if not line:
                 raise RuntimeError(f"the prefill process exited ({self.proc.wait()})")
             if line.startswith(MARK):  # NIXL logs to stdout too
-                return HandoverParams.from_dict(json.loads(line[len(MARK):]))
+                return HandoverParams.from_dict(json.loads(line[len(MARK) :]))
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -115,7 +120,7 @@ class RawRead:
         self.a = agent.agent
         peer = agent._connect(p)  # a no-op once the first handover added the prefill agent
         self.lists = agent._local, peer.dlist
-        remote = p.blocks[:len(local)] if remote is None else remote
+        remote = p.blocks[: len(local)] if remote is None else remote
         self.idx = _indices(agent._offsets, local), _indices(peer.offsets, remote)
 
     def __call__(self) -> None:
@@ -146,8 +151,17 @@ def _stream(base_url: str, model: str, prompt: List[int], max_tokens: int) -> Tu
 
     u = urlparse(base_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -178,8 +192,13 @@ def _serve_workload(graph: str, quick: bool, tmp: str) -> dict:
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
     root = Path(__file__).resolve().parents[2]
-    sections = (["PrefillWorker", "DecodeWorker"] if graph.startswith("disagg")
-                else ["VllmWorker"] if graph.endswith("vllm") else ["FlexKVWorker"])
+    sections = (
+        ["PrefillWorker", "DecodeWorker"]
+        if graph.startswith("disagg")
+        else ["VllmWorker"]
+        if graph.endswith("vllm")
+        else ["FlexKVWorker"]
+    )
     overrides = ["Frontend.http-port=0"] + [f"{s}.cache.ssd_cache_dir={tmp}/{graph}-{s}{{replica}}" for s in sections]
     config = apply_overrides(load_config(str(root / "configs" / f"{graph}.yaml")), overrides)
     plan = build_plan(load_graph(str(root / "graphs" / f"{graph}.py")), config, run_dir=Path(tmp) / f"run-{graph}")
@@ -222,9 +241,18 @@ def serving_cases(args: argparse.Namespace, engine: str = "") -> List[Case]:
     cases = []
     for metric in ("ttft", "itl"):
         for q in (50, 99):
-            cases.append(Case("disagg", f"{engine + '-' if engine else ''}serving-{metric}-p{q}", _pct(dis[metric], q), _pct(agg[metric], q), "ms",
-                              "agg graph, same workload", f"lower is better; {len(dis[metric])} samples"
-                              + ("; per streaming request: (last chunk - first token) / (tokens - 1)" if metric == "itl" else "")))
+            cases.append(
+                Case(
+                    "disagg",
+                    f"{engine + '-' if engine else ''}serving-{metric}-p{q}",
+                    _pct(dis[metric], q),
+                    _pct(agg[metric], q),
+                    "ms",
+                    "agg graph, same workload",
+                    f"lower is better; {len(dis[metric])} samples"
+                    + ("; per streaming request: (last chunk - first token) / (tokens - 1)" if metric == "itl" else ""),
+                )
+            )
     return cases
 
 
@@ -248,8 +276,11 @@ class _Etcd:
 
         client, peer = free_port(), free_port()
         self.log = open(os.path.join(tmp, "etcd.log"), "wb")
-        self.proc = subprocess.Popen(etcd_argv(binary, "bench", os.path.join(tmp, "data"), client, peer),
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            etcd_argv(binary, "bench", os.path.join(tmp, "data"), client, peer),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.conn = http.client.HTTPConnection("127.0.0.1", client, timeout=10)
         deadline = time.monotonic() + 30
         while True:
@@ -338,17 +369,41 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
         agent.close()
         shutil.rmtree(tmp, ignore_errors=True)
     meta = f"metadata {len(agent.metadata)} B packed; a 4K-token handover ({len(leased)} blocks)"
-    cases = [Case("disagg", "etcd-params-bytes", len(bare), len(inline), "B", "params with the metadata inline",
-                  f"lower is better; {meta}"),
-             Case("disagg", "etcd-params-parse", parse_bare, parse_inline, "us", "parse with the metadata inline",
-                  "lower is better; json.loads + HandoverParams.from_dict, medians of alternating 20-parse batches")]
+    cases = [
+        Case(
+            "disagg",
+            "etcd-params-bytes",
+            len(bare),
+            len(inline),
+            "B",
+            "params with the metadata inline",
+            f"lower is better; {meta}",
+        ),
+        Case(
+            "disagg",
+            "etcd-params-parse",
+            parse_bare,
+            parse_inline,
+            "us",
+            "parse with the metadata inline",
+            "lower is better; json.loads + HandoverParams.from_dict, medians of alternating 20-parse batches",
+        ),
+    ]
     for name, xs in (("put-under-lease", puts), ("get", gets)):
         for q in (50, 99):
-            cases.append(Case("disagg", f"etcd-{name}-p{q}", _pct(xs, q) * 1e3, parse_inline, "us",
-                              "one request's params parse, metadata inline",
-                              f"lower is better; paid once per worker (put) / per new peer (get), not per request; "
-                              f"{n} ops, one keep-alive HTTP connection to etcd's v3 JSON gateway"
-                              + ("; a put waits for etcd's WAL fsync" if name.startswith("put") else "")))
+            cases.append(
+                Case(
+                    "disagg",
+                    f"etcd-{name}-p{q}",
+                    _pct(xs, q) * 1e3,
+                    parse_inline,
+                    "us",
+                    "one request's params parse, metadata inline",
+                    f"lower is better; paid once per worker (put) / per new peer (get), not per request; "
+                    f"{n} ops, one keep-alive HTTP connection to etcd's v3 JSON gateway"
+                    + ("; a put waits for etcd's WAL fsync" if name.startswith("put") else ""),
+                )
+            )
     return cases
 
 
@@ -399,10 +454,18 @@ def _handover_cases(args: argparse.Namespace) -> List[Case]:
                     raw.append(t_raw)
             t_ours, t_raw = statistics.median(ours), statistics.median(raw)
             label = f"{size // 1024}K" if size >= 1024 else str(size)
-            cases.append(Case("disagg", f"handover-{label}", nbytes / t_ours / 1e9, nbytes / t_raw / 1e9, "GB/s",
-                              "raw NIXL READ, same bytes, same processes",
-                              f"{nbytes / 2**20:.0f} MiB, {t_ours * 1e3:.2f} ms per handover vs {t_raw * 1e3:.2f} ms "
-                              f"raw, medians of {repeat}"))
+            cases.append(
+                Case(
+                    "disagg",
+                    f"handover-{label}",
+                    nbytes / t_ours / 1e9,
+                    nbytes / t_raw / 1e9,
+                    "GB/s",
+                    "raw NIXL READ, same bytes, same processes",
+                    f"{nbytes / 2**20:.0f} MiB, {t_ours * 1e3:.2f} ms per handover vs {t_raw * 1e3:.2f} ms "
+                    f"raw, medians of {repeat}",
+                )
+            )
     finally:
         prefill.close()
         agent.close()

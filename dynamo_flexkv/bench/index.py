@@ -45,8 +45,10 @@ QUICK = [SizeSpec("1K", 1024, 300, 20), SizeSpec("16K", 16384, 40, 8), SizeSpec(
 def make_prompts(spec: SizeSpec, rng: np.random.Generator, vocab: int = 128256) -> List[np.ndarray]:
     half = spec.tokens // 2
     shared = [rng.integers(0, vocab, half, dtype=np.int64) for _ in range(spec.groups)]
-    return [np.concatenate([shared[i % spec.groups], rng.integers(0, vocab, spec.tokens - half, dtype=np.int64)])
-            for i in range(spec.prompts)]
+    return [
+        np.concatenate([shared[i % spec.groups], rng.integers(0, vocab, spec.tokens - half, dtype=np.int64)])
+        for i in range(spec.prompts)
+    ]
 
 
 def make_queries(spec: SizeSpec, prompts: Sequence[np.ndarray], rng: np.random.Generator, n: int) -> List[list]:
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> List[Case]:
         removals: List[int] = []
         t_evict["ours"].append(wall_and_cpu(lambda: evict_ours(engine, removals)))
         evicted = len(removals)
-        rm_events = [removed_event(i, removals[j:j + chunk]) for i, j in enumerate(range(0, evicted, chunk))]
+        rm_events = [removed_event(i, removals[j : j + chunk]) for i, j in enumerate(range(0, evicted, chunk))]
         t_evict["dynamo"].append(wall_and_cpu(lambda: evict_dynamo(tree, rm_events)))
 
     for r in range(rounds):
@@ -161,25 +163,61 @@ def run(args: argparse.Namespace) -> List[Case]:
         per_ours, per_dyn = [], []
         for q in queries:
             per_ours.append(median_seconds(lambda: engine.match(block_hashes(q, BLOCK).sequence), repeat))
-            per_dyn.append(median_seconds(
-                lambda: tree.find_matches(compute_block_hash_for_seq(q, BLOCK)), repeat))
+            per_dyn.append(median_seconds(lambda: tree.find_matches(compute_block_hash_for_seq(q, BLOCK)), repeat))
         ours, dyn = float(np.median(per_ours)) * 1e3, float(np.median(per_dyn)) * 1e3
-        cases.append(Case("index", f"match-{spec.label}", ours, dyn, "ms",
-                          "compute_block_hash_for_seq+find_matches", "list input, 90% cached"))
+        cases.append(
+            Case(
+                "index",
+                f"match-{spec.label}",
+                ours,
+                dyn,
+                "ms",
+                "compute_block_hash_for_seq+find_matches",
+                "list input, 90% cached",
+            )
+        )
         # Extra form: a numpy array prompt (our fast path; Dynamo needs a list, so convert it).
         arrays = [np.asarray(q, dtype=np.int64) for q in queries]
-        ours_np = float(np.median([median_seconds(lambda: engine.match(block_hashes(a, BLOCK).sequence), repeat)
-                                   for a in arrays])) * 1e3
-        dyn_np = float(np.median([median_seconds(
-            lambda: tree.find_matches(compute_block_hash_for_seq(a.tolist(), BLOCK)), repeat)
-            for a in arrays])) * 1e3
-        cases.append(Case("index", f"match-{spec.label}-numpy", ours_np, dyn_np, "ms",
-                          "same, after .tolist()", "numpy int64 input"))
+        ours_np = (
+            float(
+                np.median(
+                    [median_seconds(lambda: engine.match(block_hashes(a, BLOCK).sequence), repeat) for a in arrays]
+                )
+            )
+            * 1e3
+        )
+        dyn_np = (
+            float(
+                np.median(
+                    [
+                        median_seconds(lambda: tree.find_matches(compute_block_hash_for_seq(a.tolist(), BLOCK)), repeat)
+                        for a in arrays
+                    ]
+                )
+            )
+            * 1e3
+        )
+        cases.append(
+            Case(
+                "index",
+                f"match-{spec.label}-numpy",
+                ours_np,
+                dyn_np,
+                "ms",
+                "same, after .tolist()",
+                "numpy int64 input",
+            )
+        )
 
     # ---- eviction per block ---------------------------------------------------------------------
     evict_both(engine, tree)
-    cases += per_block_cases("evict", t_evict, evicted, "RadixTree.apply_event(removed)",
-                             f"{evicted} blocks, LRU leaves in batches of {chunk}, median of {rounds} rounds")
+    cases += per_block_cases(
+        "evict",
+        t_evict,
+        evicted,
+        "RadixTree.apply_event(removed)",
+        f"{evicted} blocks, LRU leaves in batches of {chunk}, median of {rounds} rounds",
+    )
     return cases
 
 
@@ -189,12 +227,23 @@ def wall_and_cpu(fn: Callable[[], object]) -> Tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
-def per_block_cases(name: str, times: Dict[str, List[Tuple[float, float]]], blocks: int, baseline: str,
-                    note: str) -> List[Case]:
+def per_block_cases(
+    name: str, times: Dict[str, List[Tuple[float, float]]], blocks: int, baseline: str, note: str
+) -> List[Case]:
     """Median wall and CPU microseconds per block, ours against Dynamo's."""
+
     def per_block(side: str, which: int) -> float:
         return float(np.median([t[which] for t in times[side]])) / blocks * 1e6
 
-    return [Case("index", name, per_block("ours", 0), per_block("dynamo", 0), "us/block", baseline, note),
-            Case("index", f"{name}-cpu", per_block("ours", 1), per_block("dynamo", 1), "us/block",
-                 baseline, "process CPU time, all threads")]
+    return [
+        Case("index", name, per_block("ours", 0), per_block("dynamo", 0), "us/block", baseline, note),
+        Case(
+            "index",
+            f"{name}-cpu",
+            per_block("ours", 1),
+            per_block("dynamo", 1),
+            "us/block",
+            baseline,
+            "process CPU time, all threads",
+        ),
+    ]

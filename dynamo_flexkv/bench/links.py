@@ -81,8 +81,10 @@ def paired(ours: Callable[[], None], base: Optional[Callable[[], None]], repeat:
 def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> List[Case]:
     rng = np.random.default_rng(0)
     host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, TPB, n))  # pinned when CUDA exists
-    layers = [torch.randn(2 * n, 2, TPB, model.num_kv_heads, model.head_size, device=where).to(torch.bfloat16)
-              for _ in range(model.num_layers)]
+    layers = [
+        torch.randn(2 * n, 2, TPB, model.num_kv_heads, model.head_size, device=where).to(torch.bfloat16)
+        for _ in range(model.num_layers)
+    ]
     device = DeviceCache.register(layers, model, KVLayoutType.LAYERBLOCK, TPB)
     mover = HostDeviceMover(host, device, threads=THREADS)
     dev_ids = rng.choice(2 * n, size=n, replace=False)
@@ -102,12 +104,16 @@ def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> 
             def base_fn(a=a, b=b) -> None:
                 a.copy_(b, non_blocking=True)
                 torch.cuda.synchronize()
+
             base_name, note = "contiguous pinned<->device copy", f"{n} random blocks, CUDA"
         else:
-            base_dst, base_src = (host.base, scratch.data_ptr()) if kind is OpKind.D2H else (scratch.data_ptr(), host.base)
+            base_dst, base_src = (
+                (host.base, scratch.data_ptr()) if kind is OpKind.D2H else (scratch.data_ptr(), host.base)
+            )
 
             def base_fn(base_dst=base_dst, base_src=base_src) -> None:
                 _native.copy_chunks(one(base_dst), one(base_src), one(nbytes), THREADS)
+
             base_name, note = "contiguous copy, same bytes and threads", f"{THREADS} threads"
         ours, base = paired(lambda: mover.run(TransferOp(kind, src, dst)), base_fn, repeat)
         hashed = ""
@@ -115,8 +121,17 @@ def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> 
             t0 = time.perf_counter()
             HostHasher(host).run(TransferOp(OpKind.HASH, host_ids, host_ids))
             hashed = f"; the put's HASH op after it (not timed here) {gbps(nbytes, time.perf_counter() - t0):.2f} GB/s"
-        cases.append(Case("links", f"host-{kind.value}-{name}", gbps(nbytes, ours), gbps(nbytes, base), "GB/s",
-                          base_name, f"{n} random blocks of {host.layout.block_bytes >> 10} KiB, {note}{hashed}"))
+        cases.append(
+            Case(
+                "links",
+                f"host-{kind.value}-{name}",
+                gbps(nbytes, ours),
+                gbps(nbytes, base),
+                "GB/s",
+                base_name,
+                f"{n} random blocks of {host.layout.block_bytes >> 10} KiB, {note}{hashed}",
+            )
+        )
     # The data must have made it: a D2H then H2D round trip restores every byte.
     mover.run(TransferOp(OpKind.D2H, dev_ids, host_ids))
     # Compare raw bits: the baselines copied random bytes around, some of which read as NaN.
@@ -139,8 +154,12 @@ def native_seq(directory: str, host: HostPool, n: int, write: bool, depth: int) 
     fd = os.open(os.path.join(directory, "seq-baseline.dat"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     try:
         os.ftruncate(fd, n * bb)
-        args = (np.full(n, fd, np.int32), np.arange(n, dtype=np.uint64) * np.uint64(bb),
-                host.block_addrs(np.arange(n)), np.full(n, bb, np.uint64))
+        args = (
+            np.full(n, fd, np.int32),
+            np.arange(n, dtype=np.uint64) * np.uint64(bb),
+            host.block_addrs(np.arange(n)),
+            np.full(n, bb, np.uint64),
+        )
         seconds = best_of(lambda: _native.file_io(*args, write, depth, True, 1), 1)
     finally:
         os.close(fd)
@@ -159,6 +178,7 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
     movers: List[Tuple[str, DiskMover]] = [("disk", DiskMover(host, ssd, depth))]
     try:
         from dynamo_flexkv.core.transfer.nixl_mover import NixlDiskMover
+
         movers.append(("nixl-disk", NixlDiskMover(host, ssd)))
     except Exception as e:  # no NIXL here: report ours alone
         print(f"(NIXL POSIX mover unavailable: {e})")
@@ -172,6 +192,7 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
         kind = OpKind.H2DISK if write else OpKind.DISK2H
         src, dst = (host_ids, disk_ids) if write else (disk_ids, host_ids)
         for prefix, mover in movers:
+
             def once() -> float:
                 """Seconds of one op; the journal append of a write's checksums (which the reads
                 verify against) is not timed: it is metadata, not the link, and every few
@@ -183,6 +204,7 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
                 if write:
                     ssd.record_stored(DiskEntry(b, b, None, c) for b, c in zip(disk_ids.tolist(), op.result.tolist()))
                 return seconds
+
             once()  # warm-up: allocates the file's extents
             ours, base, sums = [], [], []
             for _ in range(repeat):  # alternate with the baseline: disks drift
@@ -191,11 +213,19 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
                 t0 = time.perf_counter()
                 _native.checksums(host.base, offsets, bb)
                 sums.append(time.perf_counter() - t0)
-            cases.append(Case("links", f"{prefix}-{label}-2MiB", gbps(nbytes, statistics.median(ours)),
-                              statistics.median(base) / 1e9, "GB/s", base_name,
-                              f"{n} random 2 MiB blocks, "
-                              + ("checksums recorded at landing, none taken" if write else "every block verified")
-                              + f"; checksums alone {gbps(nbytes, statistics.median(sums)):.2f} GB/s"))
+            cases.append(
+                Case(
+                    "links",
+                    f"{prefix}-{label}-2MiB",
+                    gbps(nbytes, statistics.median(ours)),
+                    statistics.median(base) / 1e9,
+                    "GB/s",
+                    base_name,
+                    f"{n} random 2 MiB blocks, "
+                    + ("checksums recorded at landing, none taken" if write else "every block verified")
+                    + f"; checksums alone {gbps(nbytes, statistics.median(sums)):.2f} GB/s",
+                )
+            )
     ssd.close()
     host.close()
     return cases

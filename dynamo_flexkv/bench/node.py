@@ -88,9 +88,23 @@ def run(args) -> List[Case]:
     cases: List[Case] = []
     with tempfile.TemporaryDirectory(prefix="flexkv-bench-node-") as work:
         sock = os.path.join(work, "node.sock")
-        server = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.cli", "cache-server", "--socket", sock,
-                                   "--set", f"cpu_cache_gb={host_gb}", "--set", f"tokens_per_block={BS}"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dynamo_flexkv.cli",
+                "cache-server",
+                "--socket",
+                sock,
+                "--set",
+                f"cpu_cache_gb={host_gb}",
+                "--set",
+                f"tokens_per_block={BS}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             for line in server.stdout:
                 if "cache server ready on" in line:
@@ -98,16 +112,29 @@ def run(args) -> List[Case]:
             else:
                 raise RuntimeError(f"the cache server did not start (exit {server.wait()})")
             t0 = time.perf_counter()
-            node = open_offload(SPEC, CacheConfig(tokens_per_block=BS, mode="node", node_socket=sock), model_id="bench",
-                                engine="bench-node")
+            node = open_offload(
+                SPEC,
+                CacheConfig(tokens_per_block=BS, mode="node", node_socket=sock),
+                model_id="bench",
+                engine="bench-node",
+            )
             node.register(_tensors(device_blocks))
             attach_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             embedded = open_offload(SPEC, CacheConfig(tokens_per_block=BS, cpu_cache_gb=host_gb), model_id="bench")
             embedded.register(_tensors(device_blocks))
             register_s = time.perf_counter() - t0
-            cases.append(Case(BENCH, "attach-node-vs-embedded", attach_s, register_s, "s", "embedded register",
-                              "connect, attach, map the host segment"))
+            cases.append(
+                Case(
+                    BENCH,
+                    "attach-node-vs-embedded",
+                    attach_s,
+                    register_s,
+                    "s",
+                    "embedded register",
+                    "connect, attach, map the host segment",
+                )
+            )
             for n in sizes:
                 tokens = [int(x) for x in torch.randint(10, 30000, (n,), generator=torch.Generator().manual_seed(n))]
                 prefix = tokens[: int(n * FRACTION) // BS * BS]
@@ -115,13 +142,26 @@ def run(args) -> List[Case]:
                 for off in (node, embedded):
                     _store(off, prefix, blocks)
                 label = f"{n // 1024}K"
-                ns, es = _load_seconds(node, tokens[: len(prefix)], blocks, repeat), \
-                    _load_seconds(embedded, tokens[: len(prefix)], blocks, repeat)
-                cases.append(Case(BENCH, f"host-90-node-vs-embedded-{label}", ns, es, "s", "embedded",
-                                  f"{len(blocks)} blocks, layerwise, median of {repeat}"))
+                ns, es = (
+                    _load_seconds(node, tokens[: len(prefix)], blocks, repeat),
+                    _load_seconds(embedded, tokens[: len(prefix)], blocks, repeat),
+                )
+                cases.append(
+                    Case(
+                        BENCH,
+                        f"host-90-node-vs-embedded-{label}",
+                        ns,
+                        es,
+                        "s",
+                        "embedded",
+                        f"{len(blocks)} blocks, layerwise, median of {repeat}",
+                    )
+                )
                 if n == sizes[0]:
-                    (np50, np99), (ep50, ep99) = _lookups(node, tokens, 200 if quick else 1000), \
-                        _lookups(embedded, tokens, 200 if quick else 1000)
+                    (np50, np99), (ep50, ep99) = (
+                        _lookups(node, tokens, 200 if quick else 1000),
+                        _lookups(embedded, tokens, 200 if quick else 1000),
+                    )
                     cases.append(Case(BENCH, f"lookup-p50-node-vs-embedded-{label}", np50, ep50, "s", "embedded"))
                     cases.append(Case(BENCH, f"lookup-p99-node-vs-embedded-{label}", np99, ep99, "s", "embedded"))
             node.shutdown()
@@ -130,5 +170,6 @@ def run(args) -> List[Case]:
             server.terminate()
             server.wait(30)
     from dynamo_flexkv.bench.node_datapath import compare
+
     cases += compare(SPEC, BS, sizes[0], repeat)
     return cases

@@ -74,7 +74,7 @@ def _shared_tensors(spec: ModelSpec, bs: int, blocks: int, fd: int = -1) -> Tupl
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     flat = torch.frombuffer(mm, dtype=TORCH_DTYPES[spec.dtype])
     n = per_layer // layout.model.dtype_bytes
-    return [flat[i * n:(i + 1) * n].view(layout.layer_shape()) for i in range(spec.num_layers)], fd, mm
+    return [flat[i * n : (i + 1) * n].view(layout.layer_shape()) for i in range(spec.num_layers)], fd, mm
 
 
 def compare(spec: ModelSpec, bs: int, tokens: int, repeat: int) -> List[Case]:
@@ -85,9 +85,17 @@ def compare(spec: ModelSpec, bs: int, tokens: int, repeat: int) -> List[Case]:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
         listener.listen(1)
-        proc = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.bench.node_datapath", path,
-                                 msgspec.json.encode([spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype,
-                                                      bs, host_blocks, dev_blocks]).decode()])
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dynamo_flexkv.bench.node_datapath",
+                path,
+                msgspec.json.encode(
+                    [spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype, bs, host_blocks, dev_blocks]
+                ).decode(),
+            ]
+        )
         try:
             sock, _ = listener.accept()
             (_, fds) = _recv(sock, 1)  # the service's host segment
@@ -135,10 +143,26 @@ def compare(spec: ModelSpec, bs: int, tokens: int, repeat: int) -> List[Case]:
             listener.close()
     label = f"{tokens // 1024}K"
     med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in rows.items()}
-    return [Case("node", f"datapath-layer0-engine-vs-service-driven-{label}", med["engine"][0], med["service"][0], "s",
-                 "service-driven (the service copies, notifies per layer)", f"{blocks} blocks"),
-            Case("node", f"datapath-all-layers-engine-vs-service-driven-{label}", med["engine"][1], med["service"][1],
-                 "s", "service-driven (the service copies, notifies per layer)", f"{blocks} blocks")]
+    return [
+        Case(
+            "node",
+            f"datapath-layer0-engine-vs-service-driven-{label}",
+            med["engine"][0],
+            med["service"][0],
+            "s",
+            "service-driven (the service copies, notifies per layer)",
+            f"{blocks} blocks",
+        ),
+        Case(
+            "node",
+            f"datapath-all-layers-engine-vs-service-driven-{label}",
+            med["engine"][1],
+            med["service"][1],
+            "s",
+            "service-driven (the service copies, notifies per layer)",
+            f"{blocks} blocks",
+        ),
+    ]
 
 
 def _service(path: str, shape: str) -> None:

@@ -32,10 +32,12 @@ INSTALL = "make peer-lmcache (scripts/install_peer_lmcache.sh)"
 PREFIX_ENV = "LMCACHE_PEER_DIR"  # the prefix, if not <checkout>/.peers/lmcache (also the install script's)
 SHM_PREFIX = "lmcache_kv_"  # its vLLM worker's POSIX shm segments: /dev/shm/lmcache_kv_<pid>_<n>
 # Ours -> LMCache's same case (case-name stems, without the size label).
-SAME_CASE = (("host-90", "lmcache-host-90", "its CPU tier (L1)"),
-             ("disk-90", "lmcache-disk-90", "its disk tier (L2 fs adapter)"),
-             ("miss", "lmcache-miss", "its miss path (LMCacheMPConnector, nothing cached)"),
-             ("restart-90", "lmcache-restart-90", "a fresh engine process against its running server"))
+SAME_CASE = (
+    ("host-90", "lmcache-host-90", "its CPU tier (L1)"),
+    ("disk-90", "lmcache-disk-90", "its disk tier (L2 fs adapter)"),
+    ("miss", "lmcache-miss", "its miss path (LMCacheMPConnector, nothing cached)"),
+    ("restart-90", "lmcache-restart-90", "a fresh engine process against its running server"),
+)
 
 
 # ---- the prefix -------------------------------------------------------------------------------------
@@ -75,19 +77,26 @@ def peer_env(env: Dict[str, str], prefix: Path) -> Dict[str, str]:
 
 
 def kv_transfer_config(port: int) -> Dict[str, Any]:
-    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "lmcache.mp.host": f"tcp://{LOOPBACK}", "lmcache.mp.port": port,
-                # A CPU worker's default (auto) picks engine_driven, which this server refuses: vLLM then
-                # waits out its 300 s message timeout and dies.
-                "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": f"tcp://{LOOPBACK}",
+            "lmcache.mp.port": port,
+            # A CPU worker's default (auto) picks engine_driven, which this server refuses: vLLM then
+            # waits out its 300 s message timeout and dies.
+            "lmcache.mp.mp_transfer_mode": "lmcache_driven",
+        },
+    }
 
 
 # ---- the server's HTTP admin API (also called inside engine processes) ------------------------------
 def http_json(url: str, body: Optional[Dict[str, Any]] = None, timeout_s: float = 10.0) -> Any:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method="GET" if body is None else "POST", headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
 
@@ -97,9 +106,11 @@ def l1_state(http: str) -> Dict[str, int]:
     sm = http_json(f"{http}/status")["storage_manager"]
     l1 = sm["l1_managers"]["_default"]
     store = sm["store_controllers"]["_default"]
-    return {"objects": int(l1["total_object_count"]), "locked": int(l1["write_locked_count"]) +
-            int(l1["read_locked_count"]), "l2_pending": int(store["pending_keys_count"]) +
-            int(store["in_flight_task_count"])}
+    return {
+        "objects": int(l1["total_object_count"]),
+        "locked": int(l1["write_locked_count"]) + int(l1["read_locked_count"]),
+        "l2_pending": int(store["pending_keys_count"]) + int(store["in_flight_task_count"]),
+    }
 
 
 def wait_l2_written(http: str, timeout_s: float) -> None:
@@ -152,20 +163,43 @@ class LMCacheServer:
     def args(self) -> List[str]:
         # O_DIRECT as our disk tier reads: both disk cases come from the device, not the page cache.
         l2 = {"type": "fs", "base_path": self.l2_dir, "use_odirect": True}
-        return [sys.executable, "-m", "lmcache.cli.main", "server", "--host", LOOPBACK, "--port", str(self.port),
-                "--http-host", LOOPBACK, "--http-port", str(self.http_port), "--chunk-size", str(self.chunk_tokens),
-                "--l1-size-gb", f"{self.l1_bytes / (1 << 30):.6f}", "--eviction-policy", "LRU",
-                "--l2-adapter", json.dumps(l2),
-                # OpenTelemetry's Prometheus exporter is not installed (it is not one of the four).
-                "--disable-observability"]
+        return [
+            sys.executable,
+            "-m",
+            "lmcache.cli.main",
+            "server",
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+            "--http-host",
+            LOOPBACK,
+            "--http-port",
+            str(self.http_port),
+            "--chunk-size",
+            str(self.chunk_tokens),
+            "--l1-size-gb",
+            f"{self.l1_bytes / (1 << 30):.6f}",
+            "--eviction-policy",
+            "LRU",
+            "--l2-adapter",
+            json.dumps(l2),
+            # OpenTelemetry's Prometheus exporter is not installed (it is not one of the four).
+            "--disable-observability",
+        ]
 
     def start(self, timeout_s: float = 120.0) -> "LMCacheServer":
         os.makedirs(self.l2_dir, exist_ok=True)
         log_path = os.path.join(self.workdir, "lmcache-server.log")
         with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                         env=peer_env(dict(os.environ, PYTHONUNBUFFERED="1"), self.prefix),
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.args(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                env=peer_env(dict(os.environ, PYTHONUNBUFFERED="1"), self.prefix),
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -206,7 +240,7 @@ def remove_orphan_shm(before: Sequence[str], shm_dir: str = "/dev/shm") -> List[
     (the pid in the name) is gone: a vLLM worker that was killed never unlinks them."""
     removed = []
     for name in set(shm_segments(shm_dir)) - set(before):
-        pid = name[len(SHM_PREFIX):].split("_", 1)[0]
+        pid = name[len(SHM_PREFIX) :].split("_", 1)[0]
         if pid.isdigit() and os.path.exists(f"/proc/{pid}"):
             continue
         try:
@@ -228,6 +262,15 @@ def vs_lmcache_cases(cases: Sequence[Case], labels: Sequence[str]) -> List[Case]
             a, b = by.get(f"{ours}-{lab}"), by.get(f"{theirs}-{lab}")
             if a is None or b is None:
                 continue
-            out.append(Case(a.bench, f"{ours}-vs-{PEER}-{lab}", a.ours, b.ours, a.unit, f"LMCache {VERSION}: {what}",
-                            f"ours {a.ours:.1f} ms / LMCache {b.ours:.1f} ms; recompute {a.baseline:.1f} ms"))
+            out.append(
+                Case(
+                    a.bench,
+                    f"{ours}-vs-{PEER}-{lab}",
+                    a.ours,
+                    b.ours,
+                    a.unit,
+                    f"LMCache {VERSION}: {what}",
+                    f"ours {a.ours:.1f} ms / LMCache {b.ours:.1f} ms; recompute {a.baseline:.1f} ms",
+                )
+            )
     return out

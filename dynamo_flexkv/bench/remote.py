@@ -71,13 +71,31 @@ def _rps(output: str, test: str) -> float:
     return float(m.group(1))
 
 
-def _redis_benchmark_seconds(port: int, test: str, value_bytes: int, requests: int, keyspace: int,
-                             depth: int, conns: int, cluster: bool) -> float:
+def _redis_benchmark_seconds(
+    port: int, test: str, value_bytes: int, requests: int, keyspace: int, depth: int, conns: int, cluster: bool
+) -> float:
     """Seconds redis-benchmark took for ``requests`` requests (from its own requests/s, so process
     start is not counted)."""
-    cmd = [require_binary("redis-benchmark"), "-h", "127.0.0.1", "-p", str(port), "-t", test,
-           "-d", str(value_bytes), "-P", str(depth), "-c", str(conns), "-n", str(requests),
-           "-r", str(keyspace), "-q"]
+    cmd = [
+        require_binary("redis-benchmark"),
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-t",
+        test,
+        "-d",
+        str(value_bytes),
+        "-P",
+        str(depth),
+        "-c",
+        str(conns),
+        "-n",
+        str(requests),
+        "-r",
+        str(keyspace),
+        "-q",
+    ]
     if cluster:
         cmd.append("--cluster")
     if conns > 1:  # ours runs one thread per cluster node; so does the baseline
@@ -86,8 +104,16 @@ def _redis_benchmark_seconds(port: int, test: str, value_bytes: int, requests: i
     return requests / _rps(out.stdout + out.stderr, test.upper())
 
 
-def redis_benchmark(port: int, test: str, value_bytes: int, n: int, depth: int, conns: int, cluster: bool,
-                    cluster_bytes: int = CLUSTER_BASELINE_BYTES) -> float:
+def redis_benchmark(
+    port: int,
+    test: str,
+    value_bytes: int,
+    n: int,
+    depth: int,
+    conns: int,
+    cluster: bool,
+    cluster_bytes: int = CLUSTER_BASELINE_BYTES,
+) -> float:
     """Seconds per ``n`` requests of redis-benchmark on a keyspace of ``n`` keys. On one server it
     issues BASELINE_ROUNDS * n requests. In cluster mode its own timing includes ~0.25 s of
     start-up (the slot map) and ends on a 0.25 s tick (a 128-request run of 2 MiB SETs reads 0.28
@@ -106,9 +132,32 @@ def _benchmark_keys(ports: List[int], n: int) -> Dict[int, List[bytes]]:
     hash there, so one probe SET per node shows each node's tag."""
     if len(ports) == 1:
         return {ports[0]: [b"key:%012d" % i for i in range(n)]}
-    subprocess.run([require_binary("redis-benchmark"), "-h", "127.0.0.1", "-p", str(ports[0]), "--cluster",
-                    "-t", "set", "-d", "1", "-P", "1", "-c", str(len(ports)), "-n", str(100 * len(ports)),
-                    "-r", "1", "-q"], capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        [
+            require_binary("redis-benchmark"),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(ports[0]),
+            "--cluster",
+            "-t",
+            "set",
+            "-d",
+            "1",
+            "-P",
+            "1",
+            "-c",
+            str(len(ports)),
+            "-n",
+            str(100 * len(ports)),
+            "-r",
+            "1",
+            "-q",
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     out: Dict[int, List[bytes]] = {}
     for port in ports:
         conn = RespConnection("127.0.0.1", port, timeout_s=30, connect_timeout_s=5)
@@ -118,7 +167,7 @@ def _benchmark_keys(ports: List[int], n: int) -> Dict[int, List[bytes]]:
             conn.close()
         if len(probes) != 1:
             raise RuntimeError(f"expected one redis-benchmark probe key on node {port}, found {probes}")
-        tag = probes[0][:-len(b"000000000000")]
+        tag = probes[0][: -len(b"000000000000")]
         out[port] = [tag + b"%012d" % i for i in range(n)]
     return out
 
@@ -130,7 +179,7 @@ def _populate(ports: List[int], value_bytes: int, n: int, depth: int) -> None:
         conn = RespConnection("127.0.0.1", port, timeout_s=30, connect_timeout_s=5)
         try:
             for lo in range(0, n, depth):
-                replies = conn.pipeline([encode_command(b"SET", k, value) for k in keys[lo:lo + depth]])
+                replies = conn.pipeline([encode_command(b"SET", k, value) for k in keys[lo : lo + depth]])
                 if any(r != "OK" for r in replies):
                     raise RuntimeError(f"populating node {port} failed: {replies[:3]}")
         finally:
@@ -160,8 +209,15 @@ def _alternate(fns: List[Callable[[], float]], repeat: int) -> List[float]:
     return [statistics.median(r) for r in runs]
 
 
-def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_bytes: int, repeat: int,
-               cluster_bytes: int = CLUSTER_BASELINE_BYTES) -> List[Case]:
+def link_cases(
+    prefix: str,
+    url: str,
+    ports: List[int],
+    cluster: bool,
+    total_bytes: int,
+    repeat: int,
+    cluster_bytes: int = CLUSTER_BASELINE_BYTES,
+) -> List[Case]:
     cases: List[Case] = []
     rng = np.random.default_rng(0)
     store = None
@@ -189,6 +245,7 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
                     if done != [n] * BASELINE_ROUNDS:
                         raise RuntimeError(f"remote {op} moved {done} of {n} blocks per batch: {store.stats()}")
                     return dt
+
                 return timed
 
             t0 = time.perf_counter()
@@ -199,8 +256,16 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
             ours_get = ours("get", lambda: store.get_into(seq, dst_rows))
 
             put_s, set_s, set1_s, get_s, get_s_base, get1_s = _alternate(
-                [ours_put, baseline("set", depth), baseline("set", 1),
-                 ours_get, baseline("get", depth), baseline("get", 1)], repeat)
+                [
+                    ours_put,
+                    baseline("set", depth),
+                    baseline("set", 1),
+                    ours_get,
+                    baseline("get", depth),
+                    baseline("get", 1),
+                ],
+                repeat,
+            )
             if not np.array_equal(src, dst):
                 raise RuntimeError("remote get returned other bytes than were put")
             misses = _keyspace_misses(ports)
@@ -212,17 +277,33 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
                 # redis-benchmark keeps every node busy (one thread per node, no batches); a call of
                 # ours ends when its fullest node is done: the note shows how the batch's keys fell.
                 counts = list(store.blocks_per_node(seq).values())
-                placement = (f"; blocks per node {'/'.join(map(str, counts))}: a call waits for its fullest "
-                             f"node, {max(counts) * len(counts) / n:.2f}x the mean")
+                placement = (
+                    f"; blocks per node {'/'.join(map(str, counts))}: a call waits for its fullest "
+                    f"node, {max(counts) * len(counts) / n:.2f}x the mean"
+                )
             for op, ours_s, deep_s, flat_s in (("put", put_s, set_s, set1_s), ("get", get_s, get_s_base, get1_s)):
                 best_p = depth if deep_s <= flat_s else 1
-                note = (f"{n} blocks, ours -P {depth}; redis-benchmark -c/--threads {len(ports)} -P {depth}: "
-                        f"{nbytes / deep_s / 1e9:.3g}, -P 1: {nbytes / flat_s / 1e9:.3g} GB/s"
-                        + (f"; checksums taken at landing (not timed here) {n * block / hash_s / 1e9:.3g} GB/s"
-                           if op == "put" else "; every payload verified") + placement)
-                cases.append(Case("remote", f"{prefix}{op}-{label}", nbytes / ours_s / 1e9,
-                                  nbytes / min(deep_s, flat_s) / 1e9, "GB/s",
-                                  f"redis-benchmark {'SET' if op == 'put' else 'GET'} -P {best_p}", note))
+                note = (
+                    f"{n} blocks, ours -P {depth}; redis-benchmark -c/--threads {len(ports)} -P {depth}: "
+                    f"{nbytes / deep_s / 1e9:.3g}, -P 1: {nbytes / flat_s / 1e9:.3g} GB/s"
+                    + (
+                        f"; checksums taken at landing (not timed here) {n * block / hash_s / 1e9:.3g} GB/s"
+                        if op == "put"
+                        else "; every payload verified"
+                    )
+                    + placement
+                )
+                cases.append(
+                    Case(
+                        "remote",
+                        f"{prefix}{op}-{label}",
+                        nbytes / ours_s / 1e9,
+                        nbytes / min(deep_s, flat_s) / 1e9,
+                        "GB/s",
+                        f"redis-benchmark {'SET' if op == 'put' else 'GET'} -P {best_p}",
+                        note,
+                    )
+                )
             store.delete(seq)
             store.close()
             src = dst = src_rows = dst_rows = None  # this size's buffers go before the next one's
@@ -235,6 +316,7 @@ def link_cases(prefix: str, url: str, ports: List[int], cluster: bool, total_byt
 def ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
     """Both sides with one torch intra-op thread (see the module docstring)."""
     import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(TTFT_THREADS)
     try:
@@ -256,14 +338,17 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
     rng = np.random.default_rng(0)
     cases: List[Case] = []
     with RedisServer(maxmemory="2gb") as server:
-        cache = CacheConfig.from_dict(dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, enable_remote=True,
-                                           remote_cache_url=server.url))
+        cache = CacheConfig.from_dict(
+            dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, enable_remote=True, remote_cache_url=server.url)
+        )
         with KVManager(cfg.kv_spec(), cache) as writer, KVManager(cfg.kv_spec(), cache) as reader:
+
             def first_token(kv, prompt, puts=False):
                 engine = LLMEngine(cfg, num_device_blocks=blocks, model=model, kv_manager=kv, offload_puts=puts)
                 r = engine.generate([prompt], ONE)[0]
                 engine.flush()
                 return r.ttft, r.output[0]
+
             first_token(None, rng.integers(0, cfg.vocab_size, 512).tolist())  # warm-up
             for size in sizes:
                 base, remote = [], []
@@ -300,11 +385,19 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
                     if not reader.drain(120):
                         raise RuntimeError("reader tasks still running after 120 s")
                 hits = reader.stats().remote.hits
-                cases.append(Case("remote", f"ttft-remote-90-{size // 1024}K", statistics.median(remote) * 1e3,
-                                  statistics.median(base) * 1e3, "ms", "recompute (offload off)",
-                                  f"small preset, {size} tokens, 90% in Redis only, median of {runs}, torch threads "
-                                  f"{TTFT_THREADS} both sides; "
-                                  f"lower is better; {hits} remote blocks read so far"))
+                cases.append(
+                    Case(
+                        "remote",
+                        f"ttft-remote-90-{size // 1024}K",
+                        statistics.median(remote) * 1e3,
+                        statistics.median(base) * 1e3,
+                        "ms",
+                        "recompute (offload off)",
+                        f"small preset, {size} tokens, 90% in Redis only, median of {runs}, torch threads "
+                        f"{TTFT_THREADS} both sides; "
+                        f"lower is better; {hits} remote blocks read so far",
+                    )
+                )
     return cases
 
 
@@ -315,6 +408,13 @@ def run(args: argparse.Namespace) -> List[Case]:
     with RedisServer(maxmemory="2gb") as server:
         cases += link_cases("remote-", server.url, [server.port], False, total, repeat if args.quick else LINK_REPEAT)
     with RedisCluster(maxmemory="1gb") as cluster:
-        cases += link_cases("cluster-", cluster.url, [s.port for s in cluster.servers], True, total, CLUSTER_REPEAT,
-                            CLUSTER_BASELINE_BYTES_QUICK if args.quick else CLUSTER_BASELINE_BYTES)
+        cases += link_cases(
+            "cluster-",
+            cluster.url,
+            [s.port for s in cluster.servers],
+            True,
+            total,
+            CLUSTER_REPEAT,
+            CLUSTER_BASELINE_BYTES_QUICK if args.quick else CLUSTER_BASELINE_BYTES,
+        )
     return cases

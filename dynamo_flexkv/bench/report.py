@@ -56,8 +56,11 @@ def print_table(cases: Iterable[Case], out: Optional[TextIO] = None, lower_is_be
     print(header, file=out)
     print("-" * len(header), file=out)
     for c in rows:
-        print(f"{c.case:<{width}} {c.ours:>12.4g} {c.baseline:>12.4g} {c.unit:<9} {c.ratio:>7.3f}  "
-              f"{c.baseline_name}{'  (' + c.note + ')' if c.note else ''}", file=out)
+        print(
+            f"{c.case:<{width}} {c.ours:>12.4g} {c.baseline:>12.4g} {c.unit:<9} {c.ratio:>7.3f}  "
+            f"{c.baseline_name}{'  (' + c.note + ')' if c.note else ''}",
+            file=out,
+        )
 
 
 def write_json(cases: Iterable[Case], path: str) -> None:

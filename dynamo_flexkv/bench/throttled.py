@@ -91,9 +91,11 @@ def run(args: argparse.Namespace) -> List[Case]:
             for i in range(repeat + 1):  # the first round is the untimed warm-up of the cost model
                 prompt = rng.integers(0, cfg.vocab_size, size).tolist()
                 rig.store(prompt[:cached])
-                got = {"recompute": rig.ttft(rig.engine(False), prompt),
-                       "host-90-always-load": ttft(LoadPolicy.ALWAYS, prompt),
-                       "host-90-cost-aware": ttft(LoadPolicy.COST_AWARE, prompt)}
+                got = {
+                    "recompute": rig.ttft(rig.engine(False), prompt),
+                    "host-90-always-load": ttft(LoadPolicy.ALWAYS, prompt),
+                    "host-90-cost-aware": ttft(LoadPolicy.COST_AWARE, prompt),
+                }
                 rig.drop_host()
                 got["disk-90-slow-always-load"] = ttft(LoadPolicy.ALWAYS, prompt)
                 rig.drop_host()  # the load staged the prefix into host again
@@ -105,19 +107,41 @@ def run(args: argparse.Namespace) -> List[Case]:
                         times.setdefault(name, []).append(t)
             kv.cost.policy = LoadPolicy.COST_AWARE
             r = statistics.median(times["recompute"]) * 1e3
-            note = (f"small preset, {size} tokens, {int(FRACTION * 100)}% cached, disk throttled to "
-                    f"{rate / 1e6:.1f} MB/s (prefix read = {SLOW_FACTOR:g}x recompute), median of {repeat}")
-            for name in ("host-90-cost-aware", "host-90-always-load", "disk-90-slow-cost-aware",
-                         "disk-90-slow-always-load"):
-                cases.append(Case("throttled", f"{name}-{label}", statistics.median(times[name]) * 1e3, r, "ms",
-                                  "recompute (offload off)", note))
-            print(f"[{label}] per round, ms: " + "; ".join(
-                f"{n}: " + " ".join(f"{t * 1e3:.0f}" for t in ts) for n, ts in times.items()))
+            note = (
+                f"small preset, {size} tokens, {int(FRACTION * 100)}% cached, disk throttled to "
+                f"{rate / 1e6:.1f} MB/s (prefix read = {SLOW_FACTOR:g}x recompute), median of {repeat}"
+            )
+            for name in (
+                "host-90-cost-aware",
+                "host-90-always-load",
+                "disk-90-slow-cost-aware",
+                "disk-90-slow-always-load",
+            ):
+                cases.append(
+                    Case(
+                        "throttled",
+                        f"{name}-{label}",
+                        statistics.median(times[name]) * 1e3,
+                        r,
+                        "ms",
+                        "recompute (offload off)",
+                        note,
+                    )
+                )
+            print(
+                f"[{label}] per round, ms: "
+                + "; ".join(f"{n}: " + " ".join(f"{t * 1e3:.0f}" for t in ts) for n, ts in times.items())
+            )
             st = kv.stats()
             print(f"[{label}] recompute median {r:.0f} ms; decisions (tokens, all rounds): {st.prefix_tokens}")
-            print(f"[{label}] measured tier costs: " + ", ".join(
-                f"{t}: {c.latency_s * 1e3:.2f} ms + {c.bandwidth_bytes_per_s / 1e9:.3f} GB/s ({c.observations} reads)"
-                for t, c in st.tier_costs.items()))
+            print(
+                f"[{label}] measured tier costs: "
+                + ", ".join(
+                    f"{t}: {c.latency_s * 1e3:.2f} ms + {c.bandwidth_bytes_per_s / 1e9:.3f} GB/s "
+                    f"({c.observations} reads)"
+                    for t, c in st.tier_costs.items()
+                )
+            )
     finally:
         kv.transfer.movers[OpKind.DISK2H] = disk
         rig.close()

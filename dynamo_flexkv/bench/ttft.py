@@ -5,8 +5,9 @@ disabled) of the same prompt in the same run; and the miss path (offload on, not
 Each measurement uses a fresh engine (empty device cache) and one request, so the time is what
 the offload tiers and the compute cost, not what the device prefix cache remembers.
 `*-90-*-vs-device` cases compare a tier's TTFT with its ceiling: the same prompt whose 90% prefix
-is already in the engine's own device cache. `*-load-added` cases isolate the load: TTFT minus the TTFT of the same request whose prefix is
-already on the device (a difference of two medians: noisy at a few ms). `disk-90-load-stall`
+is already in the engine's own device cache. `*-load-added` cases isolate the load: TTFT minus
+the TTFT of the same request whose prefix is already on the device (a difference of two medians:
+noisy at a few ms). `disk-90-load-stall`
 is the engine's own clock of the time it sat blocked on the load, layerwise versus bulk:
 layerwise ought to stall at most half as long.
 """
@@ -39,14 +40,24 @@ class Rig:
         self.blocks = max_tokens // cfg.block_size + 8
         block_bytes = cfg.kv_spec().token_bytes() * cfg.block_size
         gb = 2 * self.blocks * block_bytes / (1 << 30)
-        self.kv = KVManager(cfg.kv_spec(), CacheConfig.from_dict(dict(
-            tokens_per_block=cfg.block_size, cpu_cache_gb=gb, ssd_cache_gb=2 * gb, ssd_cache_dir=directory)))
+        self.kv = KVManager(
+            cfg.kv_spec(),
+            CacheConfig.from_dict(
+                dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, ssd_cache_gb=2 * gb, ssd_cache_dir=directory)
+            ),
+        )
 
     def engine(self, offload: bool, layerwise: bool = True, puts: bool = True) -> LLMEngine:
         """``puts=False``: the measured request loads but stores nothing, so one measurement does
         not change what the next one finds cached."""
-        return LLMEngine(self.cfg, num_device_blocks=self.blocks, model=self.model,
-                         kv_manager=self.kv if offload else None, layerwise=layerwise, offload_puts=puts)
+        return LLMEngine(
+            self.cfg,
+            num_device_blocks=self.blocks,
+            model=self.model,
+            kv_manager=self.kv if offload else None,
+            layerwise=layerwise,
+            offload_puts=puts,
+        )
 
     def ttft(self, engine: LLMEngine, prompt: List[int]) -> float:
         r = engine.generate([prompt], ONE)[0]
@@ -90,6 +101,7 @@ def run(args: argparse.Namespace) -> List[Case]:
 
             def add(name: str, t: float) -> None:
                 times.setdefault(name, []).append(t)
+
             for _ in range(repeat):
                 prompt = rng.integers(0, cfg.vocab_size, size).tolist()
                 base.append(rig.ttft(rig.engine(False), prompt))
@@ -115,28 +127,65 @@ def run(args: argparse.Namespace) -> List[Case]:
             for name, ts in times.items():
                 if name == "device-90" or name.endswith("-stall"):
                     continue
-                cases.append(Case("ttft", f"{name}-{label}", statistics.median(ts) * 1e3, b, "ms",
-                                  "recompute (offload off)", f"small preset, {size} tokens, median of {repeat}"))
+                cases.append(
+                    Case(
+                        "ttft",
+                        f"{name}-{label}",
+                        statistics.median(ts) * 1e3,
+                        b,
+                        "ms",
+                        "recompute (offload off)",
+                        f"small preset, {size} tokens, median of {repeat}",
+                    )
+                )
             dev = statistics.median(times["device-90"]) * 1e3
             for tier in ("host", "disk"):  # each tier against its ceiling: the engine's own device cache
                 for mode in ("bulk", "layerwise"):
-                    cases.append(Case("ttft", f"{tier}-90-{mode}-vs-device-{label}",
-                                      statistics.median(times[f"{tier}-90-{mode}"]) * 1e3, dev, "ms",
-                                      "device-cache hit, same prompt", f"90% cached; median of {repeat}"))
+                    cases.append(
+                        Case(
+                            "ttft",
+                            f"{tier}-90-{mode}-vs-device-{label}",
+                            statistics.median(times[f"{tier}-90-{mode}"]) * 1e3,
+                            dev,
+                            "ms",
+                            "device-cache hit, same prompt",
+                            f"90% cached; median of {repeat}",
+                        )
+                    )
             for tier in ("host", "disk"):
                 bulk = statistics.median(times[f"{tier}-90-bulk"]) * 1e3 - dev
                 lw = statistics.median(times[f"{tier}-90-layerwise"]) * 1e3 - dev
                 if bulk < 1.0:  # a difference of medians below a millisecond is noise, not a ratio
-                    print(f"({tier}-90-load-added-{label}: bulk adds {bulk:.2f} ms, layerwise {lw:.2f} ms: "
-                          "below this machine's noise, no case reported)")
+                    print(
+                        f"({tier}-90-load-added-{label}: bulk adds {bulk:.2f} ms, layerwise {lw:.2f} ms: "
+                        "below this machine's noise, no case reported)"
+                    )
                     continue
-                cases.append(Case("ttft", f"{tier}-90-load-added-{label}", lw, bulk, "ms",
-                                  "bulk load's added time", f"TTFT minus device-hit TTFT ({dev:.1f} ms)"))
+                cases.append(
+                    Case(
+                        "ttft",
+                        f"{tier}-90-load-added-{label}",
+                        lw,
+                        bulk,
+                        "ms",
+                        "bulk load's added time",
+                        f"TTFT minus device-hit TTFT ({dev:.1f} ms)",
+                    )
+                )
             # The engine's own clock of the load it waited for (the part not hidden by compute).
             stall_lw = statistics.median(times["disk-90-layerwise-stall"]) * 1e3
             stall_bulk = statistics.median(times["disk-90-bulk-stall"]) * 1e3
-            cases.append(Case("ttft", f"disk-90-load-stall-{label}", stall_lw, max(stall_bulk, 1e-6), "ms",
-                              "bulk load stall", "engine time blocked on the load: layerwise vs bulk"))
+            cases.append(
+                Case(
+                    "ttft",
+                    f"disk-90-load-stall-{label}",
+                    stall_lw,
+                    max(stall_bulk, 1e-6),
+                    "ms",
+                    "bulk load stall",
+                    "engine time blocked on the load: layerwise vs bulk",
+                )
+            )
     finally:
         rig.close()
         shutil.rmtree(directory, ignore_errors=True)

@@ -67,6 +67,7 @@ def disagg_transfer_config(run_dir: str, lease_s: float = 30.0, verify: str = "o
     """The disagg_vllm graph's kv_transfer_config, built as serve/vllm_worker.py builds it:
     FlexKVConnector first, carrying the handover; NixlConnector after it, as Dynamo requires."""
     from dynamo_flexkv.serve.vllm_worker import CONNECTOR, kv_transfer_config, nixl_connector
+
     extra = {"run_dir": run_dir, "handover": True, "handover_lease_s": lease_s}
     if verify != "owner":  # the graphs' default, left out as they leave it out
         extra["handover_verify"] = verify
@@ -76,6 +77,7 @@ def disagg_transfer_config(run_dir: str, lease_s: float = 30.0, verify: str = "o
 # ---- run inside vLLM's worker process by LLM.collective_rpc (pickled by reference) -------------------
 def _flexkv_worker():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     group = get_kv_transfer_group()
     for c in getattr(group, "_connectors", [group]):
         if type(c).__name__ == "FlexKVConnector":
@@ -85,12 +87,16 @@ def _flexkv_worker():
 
 def rpc_handovers(worker) -> List[tuple]:
     """Decode's handovers so far: (seconds to read and verify, blocks, bytes, verify seconds, ok)."""
-    return [(r.seconds, len(r.block_ids), r.nbytes, r.verify_seconds, r.ok)
-            for r in _flexkv_worker().transfer_log if r.kind == "handover"]
+    return [
+        (r.seconds, len(r.block_ids), r.nbytes, r.verify_seconds, r.ok)
+        for r in _flexkv_worker().transfer_log
+        if r.kind == "handover"
+    ]
 
 
 def _raw_agent(layers, name: str):
     from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+
     if "agent" not in _held:
         _held["agent"] = KVAgent(layers, name=f"bench-raw-{name}-{os.getpid()}")
     return _held["agent"]
@@ -111,8 +117,13 @@ def _raw_reads(worker, source: Dict[str, Any], max_blocks: int, count: int):
     from dynamo_flexkv.integrations.disagg.params import HandoverParams
 
     t = worker.model_runner.kv_caches[0]
-    agent = _raw_agent([torch.zeros((2 * max_blocks, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                        for _ in worker.model_runner.kv_caches], "decode")
+    agent = _raw_agent(
+        [
+            torch.zeros((2 * max_blocks, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            for _ in worker.model_runner.kv_caches
+        ],
+        "decode",
+    )
     p = HandoverParams.from_dict(source)
     n = min(count, len(p.blocks))
     if n > max_blocks:
@@ -140,7 +151,7 @@ def rpc_raw_in_next_handover(worker, first: bool) -> None:
 
     def pull_beside_raw(h, first_block, local_blocks, *args, **kwargs):
         handover.pull = pull
-        read = RawRead(handover.agent, h, local_blocks, h.blocks[first_block:first_block + len(local_blocks)])
+        read = RawRead(handover.agent, h, local_blocks, h.blocks[first_block : first_block + len(local_blocks)])
         if first:
             t0 = time.perf_counter()
             read()
@@ -151,6 +162,7 @@ def rpc_raw_in_next_handover(worker, first: bool) -> None:
             read()
             _held["raw_in_step"] = time.perf_counter() - t0
         return out
+
     _held.pop("raw_in_step", None)
     handover.pull = pull_beside_raw
 
@@ -169,10 +181,18 @@ def serve(spec: Dict[str, Any]) -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc pickles this module's rpc_*
     if spec.get("engine_core_cpus"):  # this process and its engine core; the worker binds its own (below)
         os.sched_setaffinity(0, spec["engine_core_cpus"])
-    llm = LLM(model=spec["model_dir"], load_format="dummy", dtype="bfloat16", max_model_len=MAX_MODEL_LEN,
-              block_size=BLOCK_SIZE, enforce_eager=True, kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
-              kv_transfer_config=disagg_transfer_config(spec["run_dir"], verify=spec.get("verify", "owner")), seed=0,
-              disable_log_stats=False)
+    llm = LLM(
+        model=spec["model_dir"],
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+        kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
+        kv_transfer_config=disagg_transfer_config(spec["run_dir"], verify=spec.get("verify", "owner")),
+        seed=0,
+        disable_log_stats=False,
+    )
     print(READY, flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -182,25 +202,39 @@ def serve(spec: Dict[str, Any]) -> None:
         if cmd["op"] == "handover" and cmd.get("raw"):  # the baseline read, inside the same step
             llm.collective_rpc(rpc_raw_in_next_handover, args=(bool(cmd["raw_first"]),))
         if cmd["op"] == "prefill":
-            out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, extra_args={
-                "kv_transfer_params": {"do_remote_decode": True}}), use_tqdm=False)[0]
+            out = llm.generate(
+                prompt,
+                SamplingParams(
+                    max_tokens=1, temperature=0, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+                ),
+                use_tqdm=False,
+            )[0]
             params = dict(out.kv_transfer_params)
             blocks = params[HANDOVER_KEY]["blocks"]
             rec = {"params": params, "raw": llm.collective_rpc(rpc_raw_source, args=(list(blocks),))[0]}
         elif cmd["op"] == "handover":
             seen = len(llm.collective_rpc(rpc_handovers)[0])
-            llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0,
-                                                extra_args={"kv_transfer_params": cmd["params"]}), use_tqdm=False)
+            llm.generate(
+                prompt,
+                SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": cmd["params"]}),
+                use_tqdm=False,
+            )
             new = llm.collective_rpc(rpc_handovers)[0][seen:]
             if len(new) != 1 or not new[0][4]:
-                raise RuntimeError(f"bench disagg --vllm: {len(new)} handovers for one request, ok: "
-                                   f"{[x[4] for x in new]} (expected one that verified)")
+                raise RuntimeError(
+                    f"bench disagg --vllm: {len(new)} handovers for one request, ok: "
+                    f"{[x[4] for x in new]} (expected one that verified)"
+                )
             seconds, blocks, nbytes, verify_s, _ = new[0]
             rec = {"seconds": seconds, "blocks": blocks, "bytes": nbytes, "verify_s": verify_s}
             if cmd.get("raw"):
                 rec["raw_in_step"] = llm.collective_rpc(rpc_raw_in_step)[0]
         elif cmd["op"] == "raw":
-            rec = {"seconds": llm.collective_rpc(rpc_raw_read, args=(cmd["raw"], int(cmd["max_blocks"]), int(cmd["blocks"])))[0]}
+            rec = {
+                "seconds": llm.collective_rpc(
+                    rpc_raw_read, args=(cmd["raw"], int(cmd["max_blocks"]), int(cmd["blocks"]))
+                )[0]
+            }
         else:
             raise ValueError(f"bench disagg --vllm: unknown op {cmd['op']!r}")
         print(RESULT + json.dumps(rec), flush=True)
@@ -215,6 +249,7 @@ def _placements(notes: List[str]):
         notes.append("nodes: skipped (network namespaces need root)")
         return
     from dynamo_flexkv.serve.nodes import Nodes
+
     nodes = Nodes.up(prefix=f"fkvb{os.getpid() % 100000}", names=("B", "C"))
     try:
         yield "nodes", nodes, (nodes["B"], nodes["C"])
@@ -227,13 +262,14 @@ def _off_decode_cores() -> Iterator[None]:
     """This process's threads on the prefill's cores while it drives the engines (it parses each
     prefill's answer while decode's step may already run), as its engines' schedulers are."""
     cores = sorted(os.sched_getaffinity(0))
-    keep = cores[:max(1, len(cores) // 2)] if len(cores) > 1 else cores
+    keep = cores[: max(1, len(cores) // 2)] if len(cores) > 1 else cores
     tids = [int(t) for t in os.listdir("/proc/self/task")]
 
     def pin(to) -> None:
         for tid in tids:
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
                 os.sched_setaffinity(tid, to)
+
     pin(keep)
     try:
         yield
@@ -262,16 +298,35 @@ def _engines(workdir: str, model_dir: str, where: str, nodes, verify: str = "own
         # in a loop while it holds blocks for decode, so on decode's core it starved the handover.
         sched_cores = cores[:half] if len(cores) > 1 else []
         host = "127.0.0.1" if node is None else node.address
-        env.update(VLLM_NIXL_SIDE_CHANNEL_PORT=str(SIDE_PORTS[role]), VLLM_NIXL_SIDE_CHANNEL_HOST=host,
-                   VLLM_HOST_IP=host, **({} if node is None else node.ucx_env()))
-        spec = {"side": role, "model_dir": str(model_dir), "run_dir": env["FLEXKV_RUN_DIR"], "kv_cache_bytes": 512 << 20,
-                "verify": verify, "engine_core_cpus": sched_cores}
+        env.update(
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(SIDE_PORTS[role]),
+            VLLM_NIXL_SIDE_CHANNEL_HOST=host,
+            VLLM_HOST_IP=host,
+            **({} if node is None else node.ucx_env()),
+        )
+        spec = {
+            "side": role,
+            "model_dir": str(model_dir),
+            "run_dir": env["FLEXKV_RUN_DIR"],
+            "kv_cache_bytes": 512 << 20,
+            "verify": verify,
+            "engine_core_cpus": sched_cores,
+        }
         out.append(ServedEngine(name, spec, env, workdir, module=__name__, wrap=() if node is None else node.argv([])))
     return out
 
 
-def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: int, seed: int,
-                    link: Optional[tuple], verify: str = "owner", model: str = MODEL) -> List[Case]:
+def _handover_cases(
+    where: str,
+    prefill,
+    decode,
+    sizes: Sequence[int],
+    repeat: int,
+    seed: int,
+    link: Optional[tuple],
+    verify: str = "owner",
+    model: str = MODEL,
+) -> List[Case]:
     import random
 
     rng = random.Random(seed)
@@ -288,9 +343,13 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
             blocks = (size - 1) // BLOCK_SIZE
             nbytes = blocks * raw_p["block_bytes"] * len(raw_p["layer_addrs"])
             raw_cmd = {"raw": p["raw"], "max_blocks": max_blocks, "blocks": blocks}
-            steps = [("handover", {"op": "handover", "prompt": prompt, "params": p["params"], **raw_cmd,
-                                   "raw_first": i % 2 == 1}),
-                     ("raw", {"op": "raw", **raw_cmd})]
+            steps = [
+                (
+                    "handover",
+                    {"op": "handover", "prompt": prompt, "params": p["params"], **raw_cmd, "raw_first": i % 2 == 1},
+                ),
+                ("raw", {"op": "raw", **raw_cmd}),
+            ]
             # The step first, right after the prefill, whichever read leads in it: a read between
             # steps just before the step sped up its first read over the nodes' link (the handover
             # when it led: 120 vs 95 ms for 62 MiB; the raw read did not lead after one).
@@ -299,8 +358,10 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
                 got[what] = decode.call(cmd, 300, f"{what} of {size} tokens")
             h = got["handover"]
             if h["blocks"] != blocks or h["bytes"] != nbytes:
-                raise RuntimeError(f"bench disagg --vllm: the handover of {size} tokens read {h['blocks']} blocks, "
-                                   f"{h['bytes']} B; expected {blocks} blocks, {nbytes} B")
+                raise RuntimeError(
+                    f"bench disagg --vllm: the handover of {size} tokens read {h['blocks']} blocks, "
+                    f"{h['bytes']} B; expected {blocks} blocks, {nbytes} B"
+                )
             if i:
                 ours.append(h["seconds"])
                 verify_s.append(h["verify_s"])
@@ -308,19 +369,31 @@ def _handover_cases(where: str, prefill, decode, sizes: Sequence[int], repeat: i
                 between.append(got["raw"]["seconds"])
         t_ours, t_raw, t_between = statistics.median(ours), statistics.median(raw), statistics.median(between)
         label = f"{round(size / 1024)}K" if size >= 1024 else str(size)  # 8000 tokens: 8K
-        note = (f"{model}, handover_verify={verify}, {nbytes / 2**20:.1f} MiB, {t_ours * 1e3:.2f} ms per handover (read + verify; the verify "
-                f"{statistics.median(verify_s) * 1e3:.2f} ms) vs {t_raw * 1e3:.2f} ms raw in the same step "
-                f"({t_between * 1e3:.2f} ms raw between steps, own agents and buffers: ratio {t_between / t_ours:.2f}), "
-                f"{blocks * len(raw_p['layer_addrs'])} descriptors each, medians of {repeat}; median of the per-step "
-                f"ratios {statistics.median(r / o for r, o in zip(raw, ours)):.2f}, their range "
-                f"{min(r / o for r, o in zip(raw, ours)):.2f}-{max(r / o for r, o in zip(raw, ours)):.2f}")
+        note = (
+            f"{model}, handover_verify={verify}, {nbytes / 2**20:.1f} MiB, "
+            f"{t_ours * 1e3:.2f} ms per handover (read + verify; the verify "
+            f"{statistics.median(verify_s) * 1e3:.2f} ms) vs {t_raw * 1e3:.2f} ms raw in the same step "
+            f"({t_between * 1e3:.2f} ms raw between steps, own agents and buffers: ratio {t_between / t_ours:.2f}), "
+            f"{blocks * len(raw_p['layer_addrs'])} descriptors each, medians of {repeat}; median of the per-step "
+            f"ratios {statistics.median(r / o for r, o in zip(raw, ours)):.2f}, their range "
+            f"{min(r / o for r, o in zip(raw, ours)):.2f}-{max(r / o for r, o in zip(raw, ours)):.2f}"
+        )
         if link:
             after = link[0].link_bytes(link[1].name)
             note += f"; node C's link received {after['rx'] - link_before['rx']:,} B"
         mode = f"{verify}-"
         model_tag = "" if model == MODEL else f"-{model}"
-        cases.append(Case("disagg", f"vllm-{where}-handover-{mode}{label}{model_tag}", nbytes / t_ours / 1e9, nbytes / t_raw / 1e9,
-                          "GB/s", "raw NIXL READ, same blocks, same agents, same engine step", note))
+        cases.append(
+            Case(
+                "disagg",
+                f"vllm-{where}-handover-{mode}{label}{model_tag}",
+                nbytes / t_ours / 1e9,
+                nbytes / t_raw / 1e9,
+                "GB/s",
+                "raw NIXL READ, same blocks, same agents, same engine step",
+                note,
+            )
+        )
     return cases
 
 
@@ -336,23 +409,31 @@ def run(args: argparse.Namespace) -> List[Case]:
     try:
         preset = EngineModelConfig.preset(model)
         sizes = list(SIZES.get(model, SIZES[MODEL]))
-        sizes = parse_sizes(args.sizes) if getattr(args, "sizes", None) is not None else (
-            sizes[:2] if args.quick else sizes)
+        sizes = (
+            parse_sizes(args.sizes)
+            if getattr(args, "sizes", None) is not None
+            else (sizes[:2] if args.quick else sizes)
+        )
     except ValueError as e:
         raise SystemExit(f"bench disagg --vllm: {e}") from None
     if max(sizes) >= MAX_MODEL_LEN:
-        raise SystemExit(f"bench disagg --vllm: --sizes {max(sizes)} tokens: the engines hold at most "
-                         f"{MAX_MODEL_LEN - 1} (max_model_len {MAX_MODEL_LEN})")
+        raise SystemExit(
+            f"bench disagg --vllm: --sizes {max(sizes)} tokens: the engines hold at most "
+            f"{MAX_MODEL_LEN - 1} (max_model_len {MAX_MODEL_LEN})"
+        )
     if args.repeat is not None and args.repeat < 1:
         raise SystemExit(f"bench disagg --vllm: --repeat {args.repeat}: needs at least 1 timed handover per size")
     repeat = args.repeat or (4 if args.quick else 12)
     verify_arg = getattr(args, "handover_verify", None)
-    modes = list(dict.fromkeys(m.strip() for m in ("owner" if verify_arg is None else verify_arg).split(",")
-                               if m.strip()))
+    modes = list(
+        dict.fromkeys(m.strip() for m in ("owner" if verify_arg is None else verify_arg).split(",") if m.strip())
+    )
     bad = [m for m in modes if m not in ("bytes", "owner")]
     if bad or not modes:
-        raise SystemExit(f"bench disagg --vllm: --handover-verify {verify_arg!r}: expected bytes and/or owner, "
-                         f"comma-separated (e.g. owner,bytes)")
+        raise SystemExit(
+            f"bench disagg --vllm: --handover-verify {verify_arg!r}: expected bytes and/or owner, "
+            f"comma-separated (e.g. owner,bytes)"
+        )
     workdir = tempfile.mkdtemp(prefix="flexkv-bench-disagg-vllm-", dir=getattr(args, "dir", None))
     model_dir = write_model_dir(preset, os.path.join(workdir, "model"), context_length=MAX_MODEL_LEN)
     notes: List[str] = []
@@ -365,14 +446,16 @@ def run(args: argparse.Namespace) -> List[Case]:
                     e.wait_ready(600)
                 link = (nodes, pair[1]) if nodes else None
                 with _off_decode_cores():
-                    cases += _handover_cases(where, *engines, sizes, repeat, seed=11, link=link, verify=verify,
-                                             model=model)
+                    cases += _handover_cases(
+                        where, *engines, sizes, repeat, seed=11, link=link, verify=verify, model=model
+                    )
             finally:
                 for e in engines:
                     e.stop()
     for n in notes:
         print(f"bench disagg --vllm: {n}")
     from dynamo_flexkv.bench.disagg import serving_cases
+
     return cases + serving_cases(args, engine="vllm")
 
 
@@ -381,5 +464,6 @@ if __name__ == "__main__":
         # Through the module's own name: collective_rpc then pickles the rpc_* functions by
         # reference (from __main__ they would travel by value, each call with a fresh _held).
         from dynamo_flexkv.bench.vllm_disagg import serve as serve_here
+
         with open(sys.argv[2], encoding="utf-8") as f:
             serve_here(json.load(f))

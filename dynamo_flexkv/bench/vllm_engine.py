@@ -35,6 +35,7 @@ READY, RESULT = "bench vllm ready", "bench vllm result "  # serve mode's protoco
 # ---- run inside vLLM's worker process by LLM.collective_rpc (pickled by reference) -------------------
 def _conn():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     return get_kv_transfer_group()
 
 
@@ -61,6 +62,7 @@ def rpc_drop_local(worker, timeout: float) -> None:
 class Engine:
     def __init__(self, spec: Dict[str, Any]) -> None:
         from vllm import LLM, SamplingParams
+
         self.spec = spec
         self.block = int(spec["block_size"])
         self.connector = spec["kv_transfer_config"] is not None
@@ -68,11 +70,18 @@ class Engine:
         self.lmcache_http: Optional[str] = spec.get("lmcache_http")  # the LMCache server's admin API
         self.sp = SamplingParams(max_tokens=1, temperature=0)
         self.tiny_sp = SamplingParams(max_tokens=1, temperature=0)
-        self.llm = LLM(model=spec["model_dir"], load_format="dummy", dtype="bfloat16",
-                       max_model_len=int(spec["max_model_len"]), block_size=self.block, enforce_eager=True,
-                       kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
-                       kv_transfer_config=spec["kv_transfer_config"], seed=0,
-                       disable_log_stats=False)  # RequestOutput.metrics carries vLLM's first-token latency
+        self.llm = LLM(
+            model=spec["model_dir"],
+            load_format="dummy",
+            dtype="bfloat16",
+            max_model_len=int(spec["max_model_len"]),
+            block_size=self.block,
+            enforce_eager=True,
+            kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
+            kv_transfer_config=spec["kv_transfer_config"],
+            seed=0,
+            disable_log_stats=False,
+        )  # RequestOutput.metrics carries vLLM's first-token latency
         self.results: Dict[str, List[Dict[str, Any]]] = {}
         self.stored: set = set()  # sizes whose prefix this engine computed and stored (tier_request)
         self.info: Dict[str, Any] = {"platform": _platform()}
@@ -86,11 +95,19 @@ class Engine:
         wall = time.perf_counter() - t0
         m = out.metrics
         engine_s = float(m.first_token_latency) if m is not None and m.first_token_latency > 0 else None
-        rec = {"wall_s": wall, "engine_s": engine_s, "cached": int(out.num_cached_tokens or 0),
-               "token": int(out.outputs[0].token_ids[0]), "prompt_tokens": len(prompt)}
+        rec = {
+            "wall_s": wall,
+            "engine_s": engine_s,
+            "cached": int(out.num_cached_tokens or 0),
+            "token": int(out.outputs[0].token_ids[0]),
+            "prompt_tokens": len(prompt),
+        }
         self.results.setdefault(case, []).append(rec)
-        print(f"{PROGRESS} {self.spec['role']}: {case} #{len(self.results[case])}: {wall * 1e3:.0f} ms, "
-              f"{rec['cached']} cached", flush=True)
+        print(
+            f"{PROGRESS} {self.spec['role']}: {case} #{len(self.results[case])}: {wall * 1e3:.0f} ms, "
+            f"{rec['cached']} cached",
+            flush=True,
+        )
         return rec
 
     def settle(self, timeout: float = 120.0) -> None:
@@ -117,6 +134,7 @@ class Engine:
 
 def _platform() -> str:
     from vllm.platforms import current_platform
+
     return str(getattr(current_platform, "device_name", "") or current_platform.device_type)
 
 
@@ -187,13 +205,17 @@ def tier_request(e: Engine, case: str, size: int, i: int) -> Dict[str, Any]:
         e.settle()
         gained, want = lmc.l1_state(str(e.lmcache_http))["objects"] - l1_before, size // bs - hit // bs
         if gained != want:
-            raise RuntimeError(f"{case} {size}: LMCache's L1 gained {gained} objects in request {i}, expected the "
-                               f"suffix's {want}: part of the prefix came from its disk tier, or L1 evicted")
+            raise RuntimeError(
+                f"{case} {size}: LMCache's L1 gained {gained} objects in request {i}, expected the "
+                f"suffix's {want}: part of the prefix came from its disk tier, or L1 evicted"
+            )
     rec["loaded_blocks"] = _delta(e.stats(), before, *counter) if counter else rec["cached"] // bs
     if rec["loaded_blocks"] < hit // bs or rec["cached"] < hit:
-        raise RuntimeError(f"{case} {size}: request {i} found {rec['cached']} cached tokens and "
-                           f"{rec['loaded_blocks']} blocks from its tier, expected {hit} tokens / {hit // bs} "
-                           f"blocks; tier counters now {e.stats()}")
+        raise RuntimeError(
+            f"{case} {size}: request {i} found {rec['cached']} cached tokens and "
+            f"{rec['loaded_blocks']} blocks from its tier, expected {hit} tokens / {hit // bs} "
+            f"blocks; tier counters now {e.stats()}"
+        )
     return rec
 
 
@@ -222,8 +244,9 @@ def run_role(e: Engine) -> None:
                 for i in range(repeat):
                     rec = e.timed(f"ref-{kind}-{size}", prefix + suffix(seed, size, bs, kind, i))
                     if not device_low <= rec["cached"] <= hit:
-                        raise RuntimeError(f"reference {kind} {size}: vLLM found {rec['cached']} cached tokens, "
-                                           f"expected {hit}")
+                        raise RuntimeError(
+                            f"reference {kind} {size}: vLLM found {rec['cached']} cached tokens, expected {hit}"
+                        )
             continue
         if role == "offloading":  # ours is timed against no connector in serve mode (bench/vllm_ttft.py)
             for i in range(repeat):  # the recompute prompts, connector on: lookups and stores, no loads

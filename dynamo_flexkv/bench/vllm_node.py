@@ -26,10 +26,16 @@ from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.report import Case
 
 # Ours embedded -> ours through the node cache (case-name stems, without the size label).
-SAME_CASE = (("host-90", "node-host-90", "host tier"), ("disk-90", "node-disk-90", "disk tier, host evicted"),
-             ("miss", "node-miss", "miss path, nothing cached"),
-             ("restart-90", "node-restart-90", "a fresh engine process: embedded re-adopts its disk, the node "
-              "cache kept its host tier"))
+SAME_CASE = (
+    ("host-90", "node-host-90", "host tier"),
+    ("disk-90", "node-disk-90", "disk tier, host evicted"),
+    ("miss", "node-miss", "miss path, nothing cached"),
+    (
+        "restart-90",
+        "node-restart-90",
+        "a fresh engine process: embedded re-adopts its disk, the node cache kept its host tier",
+    ),
+)
 READY = "cache server ready on"
 
 
@@ -50,15 +56,28 @@ class NodeCacheServer:
     def start(self, timeout_s: float = 120.0) -> "NodeCacheServer":
         ssd = os.path.join(self.workdir, "ssd")
         os.makedirs(ssd, exist_ok=True)
-        sets = {"cpu_cache_gb": f"{self.host_bytes / (1 << 30):.6f}", "ssd_cache_gb": f"{self.disk_bytes / (1 << 30):.6f}",
-                "ssd_cache_dir": ssd, "tokens_per_block": str(self.block)}
-        argv = [sys.executable, "-m", "dynamo_flexkv.cli", "cache-server", "--socket", self.socket,
-                *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]
+        sets = {
+            "cpu_cache_gb": f"{self.host_bytes / (1 << 30):.6f}",
+            "ssd_cache_gb": f"{self.disk_bytes / (1 << 30):.6f}",
+            "ssd_cache_dir": ssd,
+            "tokens_per_block": str(self.block),
+        }
+        argv = [
+            sys.executable,
+            "-m",
+            "dynamo_flexkv.cli",
+            "cache-server",
+            "--socket",
+            self.socket,
+            *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")),
+        ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXKV_")}  # the sets above, nothing else
         log = open(os.path.join(self.workdir, "cache-server.log"), "w", encoding="utf-8")
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         import threading
+
         ready = threading.Event()
 
         def pump() -> None:
@@ -68,13 +87,15 @@ class NodeCacheServer:
                 if READY in line:
                     ready.set()
             log.close()
+
         threading.Thread(target=pump, daemon=True).start()
         if not ready.wait(timeout_s) or self.proc.poll() is not None:
             self.stop()
             with open(os.path.join(self.workdir, "cache-server.log"), encoding="utf-8", errors="replace") as f:
                 tail = f.read()[-3000:]
-            raise RuntimeError(f"bench vllm --node: the cache server did not start within {timeout_s:.0f} s; its log "
-                               f"ends:\n{tail}")
+            raise RuntimeError(
+                f"bench vllm --node: the cache server did not start within {timeout_s:.0f} s; its log ends:\n{tail}"
+            )
         return self
 
     def stop(self) -> None:
@@ -97,7 +118,15 @@ def vs_embedded_cases(cases: Sequence[Case], labels: Sequence[str]) -> List[Case
             a, b = by.get(f"{ours}-{lab}"), by.get(f"{node}-{lab}")
             if a is None or b is None:
                 continue
-            out.append(Case(a.bench, f"{ours}-node-vs-embedded-{lab}", b.ours, a.ours, a.unit,
-                            f"embedded tiers: {what}", f"node {b.ours:.1f} ms / embedded {a.ours:.1f} ms; "
-                            f"recompute {a.baseline:.1f} ms"))
+            out.append(
+                Case(
+                    a.bench,
+                    f"{ours}-node-vs-embedded-{lab}",
+                    b.ours,
+                    a.ours,
+                    a.unit,
+                    f"embedded tiers: {what}",
+                    f"node {b.ours:.1f} ms / embedded {a.ours:.1f} ms; recompute {a.baseline:.1f} ms",
+                )
+            )
     return out

@@ -53,8 +53,7 @@ def group_cpu_s(pgid: int) -> float:
     return total / _TICK
 
 
-def wait_quiet(pgids: Sequence[int], window_s: float = 0.25, busy_frac: float = 0.05,
-               timeout_s: float = 30.0) -> float:
+def wait_quiet(pgids: Sequence[int], window_s: float = 0.25, busy_frac: float = 0.05, timeout_s: float = 30.0) -> float:
     """Until the process groups together use under ``busy_frac`` of one core over a window;
     returns the seconds waited. Raises if they stay busy ``timeout_s``."""
     t0 = time.monotonic()
@@ -65,8 +64,10 @@ def wait_quiet(pgids: Sequence[int], window_s: float = 0.25, busy_frac: float = 
         if now - before < busy_frac * window_s:
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout_s:
-            raise RuntimeError(f"bench vllm: engines still busy ({(now - before) / window_s:.0%} of a core) "
-                               f"after {timeout_s:.0f} s idle")
+            raise RuntimeError(
+                f"bench vllm: engines still busy ({(now - before) / window_s:.0%} of a core) "
+                f"after {timeout_s:.0f} s idle"
+            )
         before = now
 
 
@@ -75,8 +76,15 @@ class ServedEngine:
     bench/vllm_engine.py): its log goes to a file, its RESULT lines to ``call``. ``wrap``: argv
     the command runs under (e.g. ``ip netns exec NODE``)."""
 
-    def __init__(self, role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: str,
-                 module: str = "dynamo_flexkv.bench.vllm_engine", wrap: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        role: str,
+        spec: Dict[str, Any],
+        env: Dict[str, str],
+        workdir: str,
+        module: str = "dynamo_flexkv.bench.vllm_engine",
+        wrap: Sequence[str] = (),
+    ) -> None:
         self.role = role
         spec_path = os.path.join(workdir, f"spec-{role}.json")
         with open(spec_path, "w", encoding="utf-8") as f:
@@ -84,9 +92,16 @@ class ServedEngine:
         self.log_path = os.path.join(workdir, f"engine-{role}.log")
         self._log = open(self.log_path, "w", encoding="utf-8")
         self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
-        self.proc = subprocess.Popen([*wrap, sys.executable, "-m", module, "--serve", spec_path],
-                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, errors="replace", start_new_session=True)
+        self.proc = subprocess.Popen(
+            [*wrap, sys.executable, "-m", module, "--serve", spec_path],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -94,7 +109,7 @@ class ServedEngine:
             self._log.write(line)
             self._log.flush()
             if line.startswith(PROGRESS):
-                print("  " + line[len(PROGRESS):].strip(), flush=True)
+                print("  " + line[len(PROGRESS) :].strip(), flush=True)
             if line.startswith((READY, RESULT)):
                 self._lines.put(line)
         self._lines.put(None)  # the process ended
@@ -118,7 +133,7 @@ class ServedEngine:
         """Sends one command line and returns its RESULT."""
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self._next(timeout_s, waiting_for)[len(RESULT):])
+        return json.loads(self._next(timeout_s, waiting_for)[len(RESULT) :])
 
     def request(self, case: str, size: int, index: int, timeout_s: float) -> Dict[str, Any]:
         return self.call({"case": case, "size": size, "index": index}, timeout_s, f"timing {case} #{index}")
@@ -133,9 +148,14 @@ class ServedEngine:
         self._log.close()
 
 
-def run_interleaved(groups: Sequence[Sequence[Tuple[ServedEngine, str]]], sizes: Sequence[int], repeat: int,
-                    timeout_s: float, also_quiet: Sequence[int] = (), tier: bool = False
-                    ) -> Dict[str, List[Dict[str, Any]]]:
+def run_interleaved(
+    groups: Sequence[Sequence[Tuple[ServedEngine, str]]],
+    sizes: Sequence[int],
+    repeat: int,
+    timeout_s: float,
+    also_quiet: Sequence[int] = (),
+    tier: bool = False,
+) -> Dict[str, List[Dict[str, Any]]]:
     """``<case>-<size>`` from each (engine, case) of each group, per size and group: the engines of
     a group take turns on request ``i``, their order reversed every round (AB BA AB ..., ABC CBA
     ...), each request from idle engines (and idle ``also_quiet`` process groups: a peer's cache
@@ -146,15 +166,16 @@ def run_interleaved(groups: Sequence[Sequence[Tuple[ServedEngine, str]]], sizes:
     for size in sizes:
         for group in groups:
             for i in range(repeat):
-                for eng, case in (group if k % 2 == 0 else group[::-1]):
+                for eng, case in group if k % 2 == 0 else group[::-1]:
                     wait_quiet(pgids)
                     if tier:
                         rec = eng.call({"tier": case, "size": size, "index": i}, timeout_s, f"timing {case} #{i}")
                     else:
                         rec = eng.request(f"{case}-{size}", size, i, timeout_s)
                         if rec["cached"]:
-                            raise RuntimeError(f"bench vllm: {case} {size}: a fresh prompt found {rec['cached']} "
-                                               "cached tokens")
+                            raise RuntimeError(
+                                f"bench vllm: {case} {size}: a fresh prompt found {rec['cached']} cached tokens"
+                            )
                     results.setdefault(f"{case}-{size}", []).append(rec)
                 k += 1
     return results
@@ -176,22 +197,30 @@ def served(made: Sequence[Tuple[str, Dict[str, Any], Dict[str, str]]], workdir: 
             e.stop()
 
 
-def run_pair(base: ServedEngine, ours: ServedEngine, sizes: Sequence[int], repeat: int,
-             timeout_s: float) -> Dict[str, List[Dict[str, Any]]]:
+def run_pair(
+    base: ServedEngine, ours: ServedEngine, sizes: Sequence[int], repeat: int, timeout_s: float
+) -> Dict[str, List[Dict[str, Any]]]:
     """``recompute-<size>`` from ``base`` and ``miss-<size>`` from ``ours``, ABBA-interleaved."""
     return run_interleaved([[(base, "recompute"), (ours, "miss")]], sizes, repeat, timeout_s)
 
 
-def _lmcache_engine(spec: Dict[str, Any], workdir: str, server: lmc.LMCacheServer, prefix: Path
-                    ) -> Tuple[Dict[str, Any], Dict[str, str]]:
-    return (dict(spec, kv_transfer_config=lmc.kv_transfer_config(server.port), lmcache_http=server.http),
-            lmc.peer_env(engine_env(workdir, "plain", 0, 0), prefix))
+def _lmcache_engine(
+    spec: Dict[str, Any], workdir: str, server: lmc.LMCacheServer, prefix: Path
+) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    return (
+        dict(spec, kv_transfer_config=lmc.kv_transfer_config(server.port), lmcache_http=server.http),
+        lmc.peer_env(engine_env(workdir, "plain", 0, 0), prefix),
+    )
 
 
-def _node_engine(role: str, spec: Dict[str, Any], workdir: str, host_bytes: int, node: NodeCacheServer
-                 ) -> Tuple[str, Dict[str, Any], Dict[str, str]]:
-    return (role, dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
-            engine_env(workdir, role, host_bytes, 0, node_socket=node.socket))
+def _node_engine(
+    role: str, spec: Dict[str, Any], workdir: str, host_bytes: int, node: NodeCacheServer
+) -> Tuple[str, Dict[str, Any], Dict[str, str]]:
+    return (
+        role,
+        dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
+        engine_env(workdir, role, host_bytes, 0, node_socket=node.socket),
+    )
 
 
 def _quiet_pids(lmcache: Optional[lmc.LMCacheServer], node: Optional[NodeCacheServer]) -> List[int]:
@@ -199,14 +228,26 @@ def _quiet_pids(lmcache: Optional[lmc.LMCacheServer], node: Optional[NodeCacheSe
     return [s.proc.pid for s in (lmcache, node) if s is not None and s.proc is not None]
 
 
-def run_miss_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_bytes: int, timeout: float,
-                     server: Optional[lmc.LMCacheServer], prefix: Optional[Path],
-                     node: Optional[NodeCacheServer] = None) -> Dict[str, List[Dict[str, Any]]]:
+def run_miss_engines(
+    spec: Dict[str, Any],
+    workdir: str,
+    host_bytes: int,
+    disk_bytes: int,
+    timeout: float,
+    server: Optional[lmc.LMCacheServer],
+    prefix: Optional[Path],
+    node: Optional[NodeCacheServer] = None,
+) -> Dict[str, List[Dict[str, Any]]]:
     """The recompute / miss engines alive at once (no connector, ours and, with ``server``,
     LMCache's, with ``node`` ours through that node cache), the same fresh prompts interleaved."""
-    made = [("plain-pair", dict(spec, kv_transfer_config=None), engine_env(workdir, "plain", host_bytes, disk_bytes)),
-            ("flexkv-pair", dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
-             engine_env(workdir, "flexkv-pair", host_bytes, disk_bytes))]
+    made = [
+        ("plain-pair", dict(spec, kv_transfer_config=None), engine_env(workdir, "plain", host_bytes, disk_bytes)),
+        (
+            "flexkv-pair",
+            dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
+            engine_env(workdir, "flexkv-pair", host_bytes, disk_bytes),
+        ),
+    ]
     cases = ["recompute", "miss"]
     if server is not None and prefix is not None:
         made.append(("lmcache-pair", *_lmcache_engine(spec, workdir, server, prefix)))
@@ -215,13 +256,21 @@ def run_miss_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_b
         made.append(_node_engine("flexkv-node-pair", spec, workdir, host_bytes, node))
         cases.append("node-miss")
     with served(made, workdir) as engines:
-        return run_interleaved([list(zip(engines, cases))], spec["sizes"], spec["repeat"], timeout,
-                               also_quiet=_quiet_pids(server, node))
+        return run_interleaved(
+            [list(zip(engines, cases))], spec["sizes"], spec["repeat"], timeout, also_quiet=_quiet_pids(server, node)
+        )
 
 
-def run_tier_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_bytes: int, timeout: float,
-                     server: Optional[lmc.LMCacheServer] = None, prefix: Optional[Path] = None,
-                     node: Optional[NodeCacheServer] = None) -> Dict[str, List[Dict[str, Any]]]:
+def run_tier_engines(
+    spec: Dict[str, Any],
+    workdir: str,
+    host_bytes: int,
+    disk_bytes: int,
+    timeout: float,
+    server: Optional[lmc.LMCacheServer] = None,
+    prefix: Optional[Path] = None,
+    node: Optional[NodeCacheServer] = None,
+) -> Dict[str, List[Dict[str, Any]]]:
     """Ours (host + disk) beside LMCache's engine (against ``server``) and/or ours through the
     node cache ``node``, alive at once, each request of a case interleaved with the others' same
     case: host / LMCache's CPU tier / the node's host. Then the engines stop and a fresh one of
@@ -230,8 +279,13 @@ def run_tier_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_b
     re-adopted disk, LMCache from the CPU tier its server kept, the node from its host tier), then
     disk (LMCache: its disk tier; the node: its disk, its host evicted). Every size's restart comes
     before any disk case: the disk cases empty the host tiers the restart cases read."""
-    first = [("flexkv-tiers", dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
-              engine_env(workdir, "flexkv", host_bytes, disk_bytes))]
+    first = [
+        (
+            "flexkv-tiers",
+            dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
+            engine_env(workdir, "flexkv", host_bytes, disk_bytes),
+        )
+    ]
     again = [("flexkv-restart", first[0][1], engine_env(workdir, "flexkv-restart", host_bytes, disk_bytes))]
     cases = [("host", "restart", "disk")]
     if server is not None and prefix is not None:
@@ -245,10 +299,12 @@ def run_tier_engines(spec: Dict[str, Any], workdir: str, host_bytes: int, disk_b
         cases.append(("node-host", "node-restart", "node-disk"))
     quiet, sizes, repeat = _quiet_pids(server, node), spec["sizes"], spec["repeat"]
     with served(first, workdir) as engines:
-        results = run_interleaved([[(e, c[0]) for e, c in zip(engines, cases)]], sizes, repeat, timeout, quiet,
-                                  tier=True)
+        results = run_interleaved(
+            [[(e, c[0]) for e, c in zip(engines, cases)]], sizes, repeat, timeout, quiet, tier=True
+        )
     with served(again, workdir) as engines:
         for k in (1, 2):
-            results.update(run_interleaved([[(e, c[k]) for e, c in zip(engines, cases)]], sizes, repeat, timeout,
-                                           quiet, tier=True))
+            results.update(
+                run_interleaved([[(e, c[k]) for e, c in zip(engines, cases)]], sizes, repeat, timeout, quiet, tier=True)
+            )
     return results

@@ -77,26 +77,42 @@ def cpu_list() -> str:
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
-def engine_env(workdir: str, role: str, host_bytes: int, disk_bytes: int,
-               remote_url: Optional[str] = None, node_socket: Optional[str] = None) -> Dict[str, str]:
+def engine_env(
+    workdir: str,
+    role: str,
+    host_bytes: int,
+    disk_bytes: int,
+    remote_url: Optional[str] = None,
+    node_socket: Optional[str] = None,
+) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXKV_")}
-    env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
-               XDG_CACHE_HOME=os.path.join(workdir, "cache"), VLLM_CACHE_ROOT=os.path.join(workdir, "vllm-cache"))
+    env.update(
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_LOOPBACK_IP="127.0.0.1",
+        VLLM_NO_USAGE_STATS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        XDG_CACHE_HOME=os.path.join(workdir, "cache"),
+        VLLM_CACHE_ROOT=os.path.join(workdir, "vllm-cache"),
+    )
     # vLLM's CPU worker binds its OpenMP threads itself; by default ("auto") it reserves cores for
     # the other processes, one per connector too: on 2 cores the engine without a connector got one
     # thread and the engine with one got two. Every engine here gets every core this process may use.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list())
     if node_socket:  # the node cache holds the tiers (bench/vllm_node.py); this engine attaches to it
-        env.update(FLEXKV_RUN_DIR=os.path.join(workdir, f"run-{role}"), FLEXKV_MODE="node",
-                   FLEXKV_NODE_SOCKET=node_socket)
+        env.update(
+            FLEXKV_RUN_DIR=os.path.join(workdir, f"run-{role}"), FLEXKV_MODE="node", FLEXKV_NODE_SOCKET=node_socket
+        )
         os.makedirs(env["FLEXKV_RUN_DIR"], exist_ok=True)
     elif role.startswith("flexkv"):
-        env.update(FLEXKV_RUN_DIR=os.path.join(workdir, f"run-{role}"),
-                   FLEXKV_CPU_CACHE_GB=f"{host_bytes / (1 << 30):.6f}",
-                   FLEXKV_SSD_CACHE_GB=f"{disk_bytes / (1 << 30):.6f}",
-                   # the restart engine starts on the flexkv engine's disk tier (and re-adopts it)
-                   FLEXKV_SSD_CACHE_DIR=os.path.join(workdir, f"ssd-{SSD_OF.get(role, role)}"))
+        env.update(
+            FLEXKV_RUN_DIR=os.path.join(workdir, f"run-{role}"),
+            FLEXKV_CPU_CACHE_GB=f"{host_bytes / (1 << 30):.6f}",
+            FLEXKV_SSD_CACHE_GB=f"{disk_bytes / (1 << 30):.6f}",
+            # the restart engine starts on the flexkv engine's disk tier (and re-adopts it)
+            FLEXKV_SSD_CACHE_DIR=os.path.join(workdir, f"ssd-{SSD_OF.get(role, role)}"),
+        )
         os.makedirs(env["FLEXKV_RUN_DIR"], exist_ok=True)
         os.makedirs(env["FLEXKV_SSD_CACHE_DIR"], exist_ok=True)
     if remote_url:
@@ -108,11 +124,18 @@ def kv_transfer_config(role: str, host_bytes: int) -> Optional[Dict[str, Any]]:
     if role == "plain":
         return None
     if role == "offloading":
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host_bytes}}
-    return {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            # A lookup slower than the 2 s default give-up (the remote tier's existence check on a
-            # loaded machine) would turn a hit case into a miss and fail the run; here its wait is
-            # part of the timed TTFT instead.
-            "kv_connector_extra_config": {"layerwise": True, "lookup_give_up_s": 60.0}}
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host_bytes},
+        }
+    return {
+        "kv_connector": "FlexKVConnector",
+        "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        # A lookup slower than the 2 s default give-up (the remote tier's existence check on a
+        # loaded machine) would turn a hit case into a miss and fail the run; here its wait is
+        # part of the timed TTFT instead.
+        "kv_connector_extra_config": {"layerwise": True, "lookup_give_up_s": 60.0},
+    }

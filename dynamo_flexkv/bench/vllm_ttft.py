@@ -68,37 +68,54 @@ from dynamo_flexkv.bench.peer_lmcache import vs_lmcache_cases
 from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.bench.vllm_node import new_server as new_node_server, vs_embedded_cases
-from dynamo_flexkv.bench.vllm_setup import (BLOCK, FRACTION, ROLES, engine_env, kv_transfer_config, label,
-                                            parse_sizes)
+from dynamo_flexkv.bench.vllm_setup import BLOCK, FRACTION, ROLES, engine_env, kv_transfer_config, label, parse_sizes
 from dynamo_flexkv.core.sysutil import find_binary
 
 BENCH = "vllm"
 SIZES = (2048, 8192, 32768)
 QUICK_SIZES = (2048, 8192)
 REPEAT, QUICK_REPEAT = 3, 2
-OFFLOADING_SKIP = ("--compare-offloading-connector: skipped on this {platform} platform: vLLM's "
-                   "OffloadingConnector (CPUOffloadingSpec) refuses it (\"CPU Offloading is currently only "
-                   "supported on CUDA-alike and XPU GPUs\", v1/kv_offload/cpu/spec.py); run it on a GPU machine "
-                   "(scripts/device_check.sh)")
+OFFLOADING_SKIP = (
+    "--compare-offloading-connector: skipped on this {platform} platform: vLLM's "
+    'OffloadingConnector (CPUOffloadingSpec) refuses it ("CPU Offloading is currently only '
+    'supported on CUDA-alike and XPU GPUs", v1/kv_offload/cpu/spec.py); run it on a GPU machine '
+    "(scripts/device_check.sh)"
+)
 
 
 # ---- results -> cases (no engine needed) ----------------------------------------------------------------
 # Loaded cases: results key stem -> who served it (the row's note).
-TIERS = (("host", "FlexKV host"), ("disk", "FlexKV disk"), ("remote", "FlexKV remote"),
-         ("restart", "FlexKV disk re-adopted by a fresh engine process (host copies dropped before each request)"),
-         ("offloading-host", "OffloadingConnector CPU"),
-         ("lmcache-host", "LMCache L1 (CPU)"), ("lmcache-disk", "LMCache L2 (fs adapter, O_DIRECT), L1 cleared first"),
-         ("lmcache-restart", "a fresh engine process against the LMCache server that kept running: its L1"),
-         ("node-host", "FlexKV host through the node cache"),
-         ("node-disk", "FlexKV disk through the node cache, its host evicted first"),
-         ("node-restart", "a fresh engine process against the node cache that kept running: its host tier"))
+TIERS = (
+    ("host", "FlexKV host"),
+    ("disk", "FlexKV disk"),
+    ("remote", "FlexKV remote"),
+    ("restart", "FlexKV disk re-adopted by a fresh engine process (host copies dropped before each request)"),
+    ("offloading-host", "OffloadingConnector CPU"),
+    ("lmcache-host", "LMCache L1 (CPU)"),
+    ("lmcache-disk", "LMCache L2 (fs adapter, O_DIRECT), L1 cleared first"),
+    ("lmcache-restart", "a fresh engine process against the LMCache server that kept running: its L1"),
+    ("node-host", "FlexKV host through the node cache"),
+    ("node-disk", "FlexKV disk through the node cache, its host evicted first"),
+    ("node-restart", "a fresh engine process against the node cache that kept running: its host tier"),
+)
 # Case -> the reference whose first tokens it must give for the same prompts.
-TOKEN_REFERENCE = (("host", "device-hit"), ("remote", "device-hit"), ("offloading-host", "device-hit"),
-                   ("disk", "ref-disk"), ("restart", "ref-restart"), ("lmcache-host", "device-hit"),
-                   ("lmcache-disk", "ref-disk"), ("lmcache-restart", "ref-restart"),
-                   ("node-host", "device-hit"), ("node-disk", "ref-disk"), ("node-restart", "ref-restart"),
-                   ("miss", "recompute"), ("offloading-miss", "recompute"), ("lmcache-miss", "recompute"),
-                   ("node-miss", "recompute"))
+TOKEN_REFERENCE = (
+    ("host", "device-hit"),
+    ("remote", "device-hit"),
+    ("offloading-host", "device-hit"),
+    ("disk", "ref-disk"),
+    ("restart", "ref-restart"),
+    ("lmcache-host", "device-hit"),
+    ("lmcache-disk", "ref-disk"),
+    ("lmcache-restart", "ref-restart"),
+    ("node-host", "device-hit"),
+    ("node-disk", "ref-disk"),
+    ("node-restart", "ref-restart"),
+    ("miss", "recompute"),
+    ("offloading-miss", "recompute"),
+    ("lmcache-miss", "recompute"),
+    ("node-miss", "recompute"),
+)
 
 
 def median_ms(records: Sequence[Dict[str, Any]], key: str = "wall_s") -> float:
@@ -108,8 +125,12 @@ def median_ms(records: Sequence[Dict[str, Any]], key: str = "wall_s") -> float:
     return statistics.median(vals) * 1e3
 
 
-def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], block: int = BLOCK,
-                checks: Optional[Dict[str, List[int]]] = None) -> List[Case]:
+def build_cases(
+    results: Dict[str, List[Dict[str, Any]]],
+    sizes: Sequence[int],
+    block: int = BLOCK,
+    checks: Optional[Dict[str, List[int]]] = None,
+) -> List[Case]:
     """``results``: case-size key (``host-8192``) -> timed records, all engines merged; ``checks``:
     the same keys -> blocks each request loaded from its tier. Missing cases (a skipped engine)
     give no rows."""
@@ -138,12 +159,30 @@ def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], 
         if not have("recompute", size):
             continue
         base = ms("recompute", size)
-        cases.append(Case(BENCH, f"recompute-{lab}", base, base, "ms", "recompute (no connector)",
-                          note("recompute", size, "the baseline itself")))
+        cases.append(
+            Case(
+                BENCH,
+                f"recompute-{lab}",
+                base,
+                base,
+                "ms",
+                "recompute (no connector)",
+                note("recompute", size, "the baseline itself"),
+            )
+        )
         dev = ms("device-hit", size) if have("device-hit", size) else None
         if dev is not None:
-            cases.append(Case(BENCH, f"device-hit-{pct}-{lab}", dev, base, "ms", "recompute (no connector)",
-                              note("device-hit", size, "vLLM's own prefix cache: the ceiling")))
+            cases.append(
+                Case(
+                    BENCH,
+                    f"device-hit-{pct}-{lab}",
+                    dev,
+                    base,
+                    "ms",
+                    "recompute (no connector)",
+                    note("device-hit", size, "vLLM's own prefix cache: the ceiling"),
+                )
+            )
         for tier, who in TIERS:
             if not have(tier, size):
                 continue
@@ -154,25 +193,57 @@ def build_cases(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int], 
                 who += f", {min(loaded)} blocks per request from it ({counted})"
             if tier.endswith("restart"):
                 who += f"; the first request after the restart {results[f'{tier}-{size}'][0]['wall_s'] * 1e3:.0f} ms"
-            cases.append(Case(BENCH, f"{tier}-{pct}-{lab}", t, base, "ms", "recompute (no connector)",
-                              note(tier, size, who)))
+            cases.append(
+                Case(BENCH, f"{tier}-{pct}-{lab}", t, base, "ms", "recompute (no connector)", note(tier, size, who))
+            )
             if dev is not None:
-                cases.append(Case(BENCH, f"{tier}-{pct}-{lab}-vs-device-hit", t, dev, "ms", "vLLM prefix-cache hit",
-                                  note(tier, size, who)))
+                cases.append(
+                    Case(
+                        BENCH,
+                        f"{tier}-{pct}-{lab}-vs-device-hit",
+                        t,
+                        dev,
+                        "ms",
+                        "vLLM prefix-cache hit",
+                        note(tier, size, who),
+                    )
+                )
         if have("host", size) and have("offloading-host", size):
-            cases.append(Case(BENCH, f"host-{pct}-{lab}-vs-offloading", ms("host", size), ms("offloading-host", size),
-                              "ms", "OffloadingConnector CPU host hit", note("host", size)))
-        for miss, who in (("miss", "FlexKVConnector on, nothing cached"),
-                          ("offloading-miss", "OffloadingConnector on, nothing cached"),
-                          ("lmcache-miss", "LMCacheMPConnector on, nothing cached"),
-                          ("node-miss", "FlexKVConnector through the node cache, nothing cached")):
+            cases.append(
+                Case(
+                    BENCH,
+                    f"host-{pct}-{lab}-vs-offloading",
+                    ms("host", size),
+                    ms("offloading-host", size),
+                    "ms",
+                    "OffloadingConnector CPU host hit",
+                    note("host", size),
+                )
+            )
+        for miss, who in (
+            ("miss", "FlexKVConnector on, nothing cached"),
+            ("offloading-miss", "OffloadingConnector on, nothing cached"),
+            ("lmcache-miss", "LMCacheMPConnector on, nothing cached"),
+            ("node-miss", "FlexKVConnector through the node cache, nothing cached"),
+        ):
             if have(miss, size):
                 settle = [r["settle_s"] * 1e3 for r in results[f"{miss}-{size}"] if r.get("settle_s") is not None]
                 if settle:
-                    who += (f"; interleaved with recompute; its stores finished {statistics.median(settle):.0f} ms "
-                            "(median) after the first token, off the timed path")
-                cases.append(Case(BENCH, f"{miss}-{lab}", ms(miss, size), base, "ms", "no connector, same prompts",
-                                  note(miss, size, who)))
+                    who += (
+                        f"; interleaved with recompute; its stores finished {statistics.median(settle):.0f} ms "
+                        "(median) after the first token, off the timed path"
+                    )
+                cases.append(
+                    Case(
+                        BENCH,
+                        f"{miss}-{lab}",
+                        ms(miss, size),
+                        base,
+                        "ms",
+                        "no connector, same prompts",
+                        note(miss, size, who),
+                    )
+                )
     labels = [label(s) for s in sizes]
     return cases + vs_lmcache_cases(cases, labels) + vs_embedded_cases(cases, labels)
 
@@ -201,6 +272,7 @@ def block_bytes(block: int = BLOCK, model: str = "small") -> int:
     hf = hf_preset(model)
     if hf is None:
         from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+
         cfg = EngineModelConfig.preset(model)
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * block
     c = json.loads((hf / "config.json").read_text())
@@ -231,16 +303,22 @@ def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: st
     t0 = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         # Its own process group: a timeout or Ctrl-C here ends vLLM's EngineCore and Worker too.
-        p = subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.bench.vllm_engine", spec_path, out_path], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                             start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_flexkv.bench.vllm_engine", spec_path, out_path],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         killer = threading.Timer(timeout_s, stop_group, (p,))  # past the timeout the run fails
         killer.start()
         try:
             for line in p.stdout:
                 log.write(line)
                 if line.startswith("bench vllm |"):  # the engine's one line per timed request
-                    print("  " + line[len("bench vllm |"):].strip(), flush=True)
+                    print("  " + line[len("bench vllm |") :].strip(), flush=True)
             rc = p.wait()
             try:  # vLLM processes the engine left behind, if any
                 os.killpg(p.pid, signal.SIGKILL)
@@ -255,18 +333,23 @@ def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: st
     if rc != 0:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             tail = f.read()[-6000:]
-        raise RuntimeError(f"bench vllm: engine {role} failed ({rc}, after {time.perf_counter() - t0:.0f} s); "
-                           f"its log ends:\n{tail}")
+        raise RuntimeError(
+            f"bench vllm: engine {role} failed ({rc}, after {time.perf_counter() - t0:.0f} s); its log ends:\n{tail}"
+        )
     with open(out_path, encoding="utf-8") as f:
         out = json.load(f)
     info = out["info"]
-    print(f"bench vllm: engine {role} done in {time.perf_counter() - t0:.0f} s (engine start {info['start_s']:.0f} s, "
-          f"platform {info['platform']})", flush=True)
+    print(
+        f"bench vllm: engine {role} done in {time.perf_counter() - t0:.0f} s (engine start {info['start_s']:.0f} s, "
+        f"platform {info['platform']})",
+        flush=True,
+    )
     return out
 
 
 def offloading_platform_ok() -> Tuple[bool, str]:
     from vllm.platforms import current_platform
+
     ok = bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
     return ok, str(current_platform.device_type)
 
@@ -293,8 +376,9 @@ def run(args: argparse.Namespace) -> List[Case]:
     sizes, repeat = plan(args)
     model = getattr(args, "model", None) or "small"
     if model != "small" and hf_preset(model) is None:
-        raise ValueError(f"bench vllm --model {model!r}: use small or a Hugging Face preset of configs/models "
-                         "(hybrid-sw, mla-small)")
+        raise ValueError(
+            f"bench vllm --model {model!r}: use small or a Hugging Face preset of configs/models (hybrid-sw, mla-small)"
+        )
     node = bool(getattr(args, "node", False))
     # With a peer or the node cache, ours' host and disk cases run beside theirs, interleaved
     # (run_tier_engines), instead of in the flexkv engine.
@@ -335,34 +419,63 @@ def run(args: argparse.Namespace) -> List[Case]:
 
     try:
         model_dir = write_preset(model, os.path.join(workdir, "model"), context_length=max_model_len)
-        spec = {"model_dir": str(model_dir), "sizes": sizes, "repeat": repeat, "seed": 0, "block_size": BLOCK,
-                "max_model_len": max_model_len, "kv_cache_bytes": max(128 << 20, 4 * prompt_bytes),
-                "warmup_sizes": [min(sizes)], "reference_kinds": ["disk"] + (["restart"] if beside else []),
-                "device_hit_slack_blocks": 1 if _hybrid(model) else 0}
+        spec = {
+            "model_dir": str(model_dir),
+            "sizes": sizes,
+            "repeat": repeat,
+            "seed": 0,
+            "block_size": BLOCK,
+            "max_model_len": max_model_len,
+            "kv_cache_bytes": max(128 << 20, 4 * prompt_bytes),
+            "warmup_sizes": [min(sizes)],
+            "reference_kinds": ["disk"] + (["restart"] if beside else []),
+            "device_hit_slack_blocks": 1 if _hybrid(model) else 0,
+        }
         timeout = 900 + 600 * repeat * len(sizes) * (4 if max(sizes) > 8192 else 1)  # a safety net, not a budget
-        results.update(run_miss_engines(spec, workdir, host_bytes, disk_bytes, timeout,
-                                        lmcache_server() if prefix else None, prefix, node_server() if node else None))
+        results.update(
+            run_miss_engines(
+                spec,
+                workdir,
+                host_bytes,
+                disk_bytes,
+                timeout,
+                lmcache_server() if prefix else None,
+                prefix,
+                node_server() if node else None,
+            )
+        )
         for s in servers:
             s.stop()
         for role in roles:
             role_spec = dict(spec, kv_transfer_config=kv_transfer_config(role, host_bytes))
             if role == "flexkv-remote":
                 with RedisServer(maxmemory=f"{max(256, disk_bytes >> 20)}mb") as server:
-                    out = run_engine(role, role_spec, engine_env(workdir, role, host_bytes, disk_bytes, server.url),
-                                     workdir, timeout)
+                    out = run_engine(
+                        role, role_spec, engine_env(workdir, role, host_bytes, disk_bytes, server.url), workdir, timeout
+                    )
             else:
                 out = run_engine(role, role_spec, engine_env(workdir, role, host_bytes, disk_bytes), workdir, timeout)
             results.update(out["results"])
             checks.update(out["info"].get("checks", {}))
             if role == "plain" and beside:  # the servers keep their tiers across the restart of their engines
-                tiers = run_tier_engines(spec, workdir, host_bytes, disk_bytes, timeout,
-                                         lmcache_server() if prefix else None, prefix, node_server() if node else None)
+                tiers = run_tier_engines(
+                    spec,
+                    workdir,
+                    host_bytes,
+                    disk_bytes,
+                    timeout,
+                    lmcache_server() if prefix else None,
+                    prefix,
+                    node_server() if node else None,
+                )
                 results.update(tiers)
                 checks.update({k: [r["loaded_blocks"] for r in recs] for k, recs in tiers.items()})
         bad = check_tokens(results, sizes)
         if bad:
-            raise RuntimeError("bench vllm: loaded requests computed other first tokens than the same prompts "
-                               "in the reference engine:\n  " + "\n  ".join(bad))
+            raise RuntimeError(
+                "bench vllm: loaded requests computed other first tokens than the same prompts "
+                "in the reference engine:\n  " + "\n  ".join(bad)
+            )
     finally:
         for s in servers:
             s.stop()

@@ -20,22 +20,27 @@ def device_ids(token_ids: Sequence[int], device_block_ids: Any, tokens_per_block
     full, covering = n_tokens // tokens_per_block, -(-n_tokens // tokens_per_block)
     ids = integer_array(device_block_ids, num_blocks)
     if ids.size not in (full, covering):
-        raise ValueError(f"{ids.size} device block ids for {n_tokens} tokens: pass one id per block "
-                         f"({full} full blocks, or {covering} with the partial one)")
+        raise ValueError(
+            f"{ids.size} device block ids for {n_tokens} tokens: pass one id per block "
+            f"({full} full blocks, or {covering} with the partial one)"
+        )
     ids = ids[:full]
     values, counts = np.unique(ids, return_counts=True)
     if values.size < ids.size:
         dup = int(values[counts > 1][0])
-        raise ValueError(f"device_block_ids repeats block {dup} (at positions "
-                         f"{np.flatnonzero(ids == dup).tolist()}): pass a distinct device block per block")
+        raise ValueError(
+            f"device_block_ids repeats block {dup} (at positions "
+            f"{np.flatnonzero(ids == dup).tolist()}): pass a distinct device block per block"
+        )
     return ids
 
 
 def layer_index(value: Any, num_layers: int) -> int:
     """``layer`` of wait_for_layer: an int in [0, num_layers)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"wait_for_layer(layer={value!r}): layer must be an int in [0, {num_layers}), "
-                        f"got {type(value).__name__}")
+        raise TypeError(
+            f"wait_for_layer(layer={value!r}): layer must be an int in [0, {num_layers}), got {type(value).__name__}"
+        )
     if not 0 <= value < num_layers:
         raise ValueError(f"layer {value} outside [0, {num_layers})")
     return int(value)
@@ -55,15 +60,18 @@ def task_id_list(task_ids: Any, call: str) -> List[Any]:
 def skip_blocks(value: Any, n_tokens: int, tokens_per_block: int) -> int:
     """``skip_blocks`` of a get: an int in [0, the prompt's blocks]."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"skip_blocks must be an int (the number of leading blocks the engine already "
-                        f"holds), got {type(value).__name__} {value!r}")
+        raise TypeError(
+            f"skip_blocks must be an int (the number of leading blocks the engine already "
+            f"holds), got {type(value).__name__} {value!r}"
+        )
     blocks = -(-n_tokens // tokens_per_block)
     if value < 0:
-        raise ValueError(f"skip_blocks={value} must be >= 0: the number of leading blocks the engine "
-                         "already holds")
+        raise ValueError(f"skip_blocks={value} must be >= 0: the number of leading blocks the engine already holds")
     if value > blocks:
-        raise ValueError(f"skip_blocks={value} is past this {n_tokens}-token prompt's {blocks} "
-                         "blocks: pass the number of its leading blocks the engine already holds")
+        raise ValueError(
+            f"skip_blocks={value} is past this {n_tokens}-token prompt's {blocks} "
+            "blocks: pass the number of its leading blocks the engine already holds"
+        )
     return int(value)
 
 
@@ -76,11 +84,16 @@ def integer_array(device_block_ids, num_blocks: int) -> np.ndarray:
         pos = next(i for i, v in enumerate(device_block_ids) if isinstance(v, (bool, np.bool_)))
         raise TypeError(f"device_block_ids[{pos}] is {device_block_ids[pos]!r}, a bool: pass integer block ids")
     try:
-        ids = None if device_block_ids is None or isinstance(device_block_ids, (str, bytes)) \
+        ids = (
+            None
+            if device_block_ids is None or isinstance(device_block_ids, (str, bytes))
             else np.asarray(device_block_ids)
+        )
     except ValueError:  # ragged nesting
-        raise TypeError("device_block_ids must be a flat sequence of integers (one id per block), got a "
-                        f"ragged {type(device_block_ids).__name__}") from None
+        raise TypeError(
+            "device_block_ids must be a flat sequence of integers (one id per block), got a "
+            f"ragged {type(device_block_ids).__name__}"
+        ) from None
     if ids is not None and ids.dtype.kind in "fO" and ids.ndim == 1:
         # Python ints past int64 turn a list into float64 or object: name the id, not the dtype.
         for pos, v in enumerate(device_block_ids):
@@ -101,8 +114,10 @@ def integer_array(device_block_ids, num_blocks: int) -> np.ndarray:
 
 
 def out_of_range(block_id: int, pos: int, num_blocks: int) -> NoReturn:
-    raise IndexError(f"device block id out of range [0, {num_blocks}): got {block_id} (position {pos}); pass "
-                     "ids of blocks of the registered device cache")
+    raise IndexError(
+        f"device block id out of range [0, {num_blocks}): got {block_id} (position {pos}); pass "
+        "ids of blocks of the registered device cache"
+    )
 
 
 def deadline(timeout: Any, call: str) -> Optional[float]:
@@ -111,8 +126,10 @@ def deadline(timeout: Any, call: str) -> Optional[float]:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{call}(timeout={timeout!r}): timeout must be a number of seconds or None (no limit), "
-                        f"got {type(timeout).__name__}")
+        raise TypeError(
+            f"{call}(timeout={timeout!r}): timeout must be a number of seconds or None (no limit), "
+            f"got {type(timeout).__name__}"
+        )
     if math.isnan(timeout):
         raise ValueError(f"{call}(timeout=nan): pass a number of seconds, or None (or inf) to wait without limit")
     if timeout >= threading.TIMEOUT_MAX:

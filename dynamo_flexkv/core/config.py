@@ -47,7 +47,9 @@ class CacheConfig:
     cpu_cache_gb: float = 4.0
     ssd_cache_gb: float = 0.0
     ssd_cache_dir: Tuple[str, ...] = ()  # blocks are striped across these directories
-    enable_gds: bool = False  # host<->disk through NIXL's GDS_MT backend, not POSIX (needs enable_nixl, CUDA, cuFile); still staged in host, never disk<->device
+    # host<->disk through NIXL's GDS_MT backend, not POSIX (needs enable_nixl, CUDA, cuFile); still
+    # staged in host, never disk<->device
+    enable_gds: bool = False
     enable_nixl: bool = False  # host<->disk through NIXL instead of our io_uring mover
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     evict_start_threshold: float = 1.0  # fraction of a tier in use that starts proactive eviction
@@ -61,7 +63,9 @@ class CacheConfig:
     max_tasks_in_flight: int = 4096  # running tasks (background disk writes included) before new ones are refused
     # Remote tier (Redis / Valkey / Redis Cluster, shared by every worker of a model; docs/REMOTE.md).
     enable_remote: bool = False
-    remote_cache_url: str = dataclasses.field(default="", repr=False)  # may carry a password: never in a repr; redis://, rediss://, redis+cluster://h:p,h:p; `serve` starts one when empty
+    remote_cache_url: str = dataclasses.field(
+        default="", repr=False
+    )  # may carry a password: never in a repr; redis://, rediss://, redis+cluster://h:p,h:p; serve starts one if empty
     remote_password_env: str = DEFAULT_PASSWORD_ENV  # read when the URL carries no password
     remote_timeout_s: float = 2.0  # bound on every remote socket wait
     remote_connect_timeout_s: float = 1.0
@@ -93,9 +97,7 @@ class CacheConfig:
         return cls(**_coerce_all(data, source))
 
     @classmethod
-    def load(
-        cls, path: Optional[str] = None, env: Optional[Mapping[str, str]] = None
-    ) -> "CacheConfig":
+    def load(cls, path: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> "CacheConfig":
         """Defaults, then the YAML file (``path`` or $FLEXKV_CONFIG_PATH), then the environment."""
         env = os.environ if env is None else env
         values: Dict[str, Any] = {}
@@ -109,8 +111,7 @@ class CacheConfig:
         return dataclasses.replace(self, **_coerce_all(changes, "replace()"))
 
     # ---- derived ---------------------------------------------------------------------------
-    def layout(self, model: ModelSpec, num_blocks: int,
-               type: KVLayoutType = KVLayoutType.BLOCKFIRST) -> KVLayout:
+    def layout(self, model: ModelSpec, num_blocks: int, type: KVLayoutType = KVLayoutType.BLOCKFIRST) -> KVLayout:
         """Layout of ``num_blocks`` blocks; host and disk tiers are always BLOCKFIRST (a block is
         one span: one disk I/O, one checksum)."""
         return KVLayout(type, model, self.tokens_per_block, num_blocks)
@@ -132,24 +133,31 @@ class CacheConfig:
             out[tier] = blocks
         if out["host"] == 0:
             raise ConfigError(
-                "cpu_cache_gb=0: the host tier stages every transfer, so it needs room: "
-                "set cpu_cache_gb > 0"
+                "cpu_cache_gb=0: the host tier stages every transfer, so it needs room: set cpu_cache_gb > 0"
             )
         return out
 
     def remote_config(self) -> "RemoteConfig":
         """The remote tier's settings; ConfigError naming the key and the fix when they cannot work."""
         from dynamo_flexkv.core.remote.config import RemoteConfig, RemoteConfigError
+
         if not self.remote_cache_url:
-            raise ConfigError("enable_remote=true needs remote_cache_url (redis://host:port, "
-                              "redis+cluster://h:p,h:p,...): set it, or let `serve` start a local redis-server "
-                              "(it sets the URL for its workers), or set enable_remote=false")
+            raise ConfigError(
+                "enable_remote=true needs remote_cache_url (redis://host:port, "
+                "redis+cluster://h:p,h:p,...): set it, or let `serve` start a local redis-server "
+                "(it sets the URL for its workers), or set enable_remote=false"
+            )
         if self.remote_ttl_s < 0:
             raise ConfigError(f"remote_ttl_s={self.remote_ttl_s} must be >= 0 (0 = no expiry)")
         try:
-            return RemoteConfig(url=self.remote_cache_url, password_env=self.remote_password_env,
-                                timeout_s=self.remote_timeout_s, connect_timeout_s=self.remote_connect_timeout_s,
-                                ttl_s=self.remote_ttl_s or None, key_prefix=self.remote_key_prefix)
+            return RemoteConfig(
+                url=self.remote_cache_url,
+                password_env=self.remote_password_env,
+                timeout_s=self.remote_timeout_s,
+                connect_timeout_s=self.remote_connect_timeout_s,
+                ttl_s=self.remote_ttl_s or None,
+                key_prefix=self.remote_key_prefix,
+            )
         except RemoteConfigError as e:
             raise ConfigError(str(e)) from None
 
@@ -162,8 +170,10 @@ class CacheConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 0")
         if not is_duration(self.task_result_ttl_seconds):
-            raise ConfigError(f"task_result_ttl_seconds={self.task_result_ttl_seconds} must be > 0: the time a "
-                              "finished task's result waits for wait() before it is dropped")
+            raise ConfigError(
+                f"task_result_ttl_seconds={self.task_result_ttl_seconds} must be > 0: the time a "
+                "finished task's result waits for wait() before it is dropped"
+            )
         for key in ("evict_start_threshold", "evict_ratio"):
             value = getattr(self, key)
             if not 0 < value <= 1:
@@ -191,25 +201,32 @@ class CacheConfig:
             for d in self.ssd_cache_dir:
                 real = os.path.realpath(d)
                 if real in seen:  # two stripes in one directory would share (and fight over) its files
-                    raise ConfigError(f"ssd_cache_dir lists {real!r} twice ({seen[real]!r} and {d!r}): "
-                                      "name each directory once")
+                    raise ConfigError(
+                        f"ssd_cache_dir lists {real!r} twice ({seen[real]!r} and {d!r}): name each directory once"
+                    )
                 seen[real] = d
                 _check_writable_dir(d)
         if self.enable_remote:
             self.remote_config()  # a bad URL or setting fails here, naming remote_<key>
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank={self.tp_rank} with tp_size={self.tp_size}: tp_size must be >= 1 and "
-                              "tp_rank in [0, tp_size) (set both to the engine's tensor-parallel rank and size)")
+            raise ConfigError(
+                f"tp_rank={self.tp_rank} with tp_size={self.tp_size}: tp_size must be >= 1 and "
+                "tp_rank in [0, tp_size) (set both to the engine's tensor-parallel rank and size)"
+            )
         if self.mode not in MODES:
-            raise ConfigError(f"mode={self.mode!r}: use one of {list(MODES)} (embedded: this engine's own tiers; "
-                              "node: the node's cache service at node_socket)")
+            raise ConfigError(
+                f"mode={self.mode!r}: use one of {list(MODES)} (embedded: this engine's own tiers; "
+                "node: the node's cache service at node_socket)"
+            )
         if self.remote_admission_hits < 0:
             raise ConfigError(f"remote_admission_hits={self.remote_admission_hits} must be >= 0")
         if self.enable_gds and self.ssd_cache_gb <= 0:
             raise ConfigError("enable_gds=true needs a disk tier: set ssd_cache_gb and ssd_cache_dir")
         if self.enable_gds and not self.enable_nixl:
-            raise ConfigError("enable_gds=true moves disk blocks through NIXL's GDS_MT backend: set "
-                              "enable_nixl=true as well, or enable_gds=false")
+            raise ConfigError(
+                "enable_gds=true moves disk blocks through NIXL's GDS_MT backend: set "
+                "enable_nixl=true as well, or enable_gds=false"
+            )
 
 
 def _read_yaml(path: str) -> Mapping[str, Any]:
@@ -250,12 +267,11 @@ def _env_values(env: Mapping[str, str]) -> Dict[str, str]:
         if var not in env:
             continue
         # Compare parsed values: "2" and "2.0" agree.
-        if key in found and _coerce(key, fields[key].default, found[key][1], found[key][0]) \
-                != _coerce(key, fields[key].default, env[var], var):
+        if key in found and _coerce(key, fields[key].default, found[key][1], found[key][0]) != _coerce(
+            key, fields[key].default, env[var], var
+        ):
             other = found[key][0]
-            raise ConfigError(
-                f"{other}={found[key][1]!r} and {var}={env[var]!r} both set {key}: unset one"
-            )
+            raise ConfigError(f"{other}={found[key][1]!r} and {var}={env[var]!r} both set {key}: unset one")
         found[key] = (var, env[var])
     return {k: v for k, (_, v) in found.items()}
 

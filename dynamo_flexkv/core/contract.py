@@ -18,6 +18,7 @@ from dynamo_flexkv.core.tasks import TaskResult
 @dataclass(frozen=True)
 class Hold:
     """Device blocks an offload copy no longer touches: the engine may release or reuse them."""
+
     key: Any  # what the engine passed to store() / cancel_load(), e.g. its request id
     blocks: List[int]
 
@@ -37,9 +38,15 @@ class EngineOffload(ABC):
 
     # ---- per request -------------------------------------------------------------------------------
     @abstractmethod
-    def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
-                      cache_salt: Optional[str] = None, prompt_tokens: Optional[int] = None,
-                      skip_blocks: int = 0) -> int:
+    def cached_tokens(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+        skip_blocks: int = 0,
+    ) -> int:
         """End of the cached prefix of ``tokens`` a load would bring back (whole blocks): what the
         tiers hold, as far as the load policy loads it (``tokens``: a prompt's full blocks;
         ``prompt_tokens``: the whole prompt's length, default one more than ``tokens``;
@@ -47,8 +54,9 @@ class EngineOffload(ABC):
         called from another thread than the engine's."""
 
     @abstractmethod
-    def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
-                     cache_salt: Optional[str] = None) -> List[int]:
+    def block_hashes(
+        self, tokens: Sequence[int], *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
+    ) -> List[int]:
         """The sequence hash of each full block of ``tokens``: how the tiers (and their events) name
         the blocks, in this engine's namespace."""
 
@@ -56,9 +64,16 @@ class EngineOffload(ABC):
         return self.cached_tokens(tokens) // self.bs
 
     @abstractmethod
-    def load(self, tokens: Sequence[int], block_table: Sequence[int], skip_blocks: int, *,
-             lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
-             prompt_tokens: Optional[int] = None) -> Optional[int]:
+    def load(
+        self,
+        tokens: Sequence[int],
+        block_table: Sequence[int],
+        skip_blocks: int,
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+    ) -> Optional[int]:
         """Starts loading blocks [skip_blocks, ...) of ``tokens`` (full blocks only). Returns the
         task, or None when nothing beyond skip_blocks is cached or worth loading. With
         ``prompt_tokens`` (the whole prompt's length) the load policy decides how far to load;
@@ -98,9 +113,16 @@ class EngineOffload(ABC):
         recompute."""
 
     @abstractmethod
-    def store(self, tokens: Sequence[int], block_table: Sequence[int], key: Any = None, *,
-              lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
-              names: Optional[Sequence[int]] = None) -> int:
+    def store(
+        self,
+        tokens: Sequence[int],
+        block_table: Sequence[int],
+        key: Any = None,
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        names: Optional[Sequence[int]] = None,
+    ) -> int:
         """Stores the full blocks of ``tokens`` from ``block_table``; the blocks are held until
         finished_holds() returns them with ``key``. ``names``: the engine's own name of each block
         (vLLM's block hashes), for the KV events of engines that share the tiers."""

@@ -27,8 +27,9 @@ and the get loads ``[start, k*)`` with ``k*`` the segment boundary of least ``tt
 included; ties load more), if it beats loading everything by at least max(2 ms, 5%) of
 ``ttft(end)``; else everything. So a tier is loaded only where that beats recomputing it, and
 never when loading is measurably slower than recompute. Whole segments only: a cut inside one
-(where load and compute cross) would rest on the overlap prediction alone, the least sure part. Cold start: until the prefill and every tier the prefix touches have a measurement,
-everything is loaded (as before this module). A tier left unloaded for ``reprobe_s`` since its
+(where load and compute cross) would rest on the overlap prediction alone, the least sure part.
+Cold start: until the prefill and every tier the prefix touches have a measurement, everything is
+loaded (as before this module). A tier left unloaded for ``reprobe_s`` since its
 newest measurement is loaded once again (reason ``probe``), so a tier that became fast is noticed.
 
 ``load_policy``: ``cost_aware`` (this rule, the default), ``always`` (load everything) or
@@ -157,8 +158,16 @@ class CostModel:
     """The tiers' and the prefill's measurements, the decision, and its token counters. Thread-safe:
     transfer threads observe links, the engine observes prefills and decides."""
 
-    def __init__(self, policy: LoadPolicy, tokens_per_block: int, block_bytes: int, num_layers: int, *,
-                 clock: Callable[[], float] = time.monotonic, reprobe_s: float = REPROBE_S) -> None:
+    def __init__(
+        self,
+        policy: LoadPolicy,
+        tokens_per_block: int,
+        block_bytes: int,
+        num_layers: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        reprobe_s: float = REPROBE_S,
+    ) -> None:
         self.policy = LoadPolicy.parse(policy)
         self.tokens_per_block, self.block_bytes = tokens_per_block, block_bytes
         self.num_layers = max(1, num_layers)
@@ -180,8 +189,9 @@ class CostModel:
         if tokens <= 0 or prompt_tokens <= 0 or not (math.isfinite(seconds) and seconds >= 0):
             return  # no bucket for a value the fit refuses: an empty one would end the cold start
         with self._lock:
-            self.prefill.setdefault(_bucket(prompt_tokens), LinearFit()).observe(float(tokens), float(seconds),
-                                                                                  self.clock())
+            self.prefill.setdefault(_bucket(prompt_tokens), LinearFit()).observe(
+                float(tokens), float(seconds), self.clock()
+            )
 
     def link_costs(self) -> Dict[str, LinkCost]:
         """The tiers measured so far."""
@@ -209,8 +219,15 @@ class CostModel:
         return self.prefill[nearest].predict(tokens)
 
     # ---- the decision ----------------------------------------------------------------------------
-    def decide(self, start: int, segments: Sequence[Segment], prompt_tokens: int, full_blocks: int,
-               layerwise: bool = True, policy: Optional[LoadPolicy] = None) -> LoadDecision:
+    def decide(
+        self,
+        start: int,
+        segments: Sequence[Segment],
+        prompt_tokens: int,
+        full_blocks: int,
+        layerwise: bool = True,
+        policy: Optional[LoadPolicy] = None,
+    ) -> LoadDecision:
         """How far to load (see the module doc). ``segments``: the cached prefix beyond ``start``
         by tier, contiguous and fastest first; ``prompt_tokens``: the whole prompt's length."""
         segs = tuple(s for s in segments if s.end > s.start)
@@ -274,4 +291,3 @@ class CostModel:
 
 def _bucket(prompt_tokens: int) -> int:
     return max(0, int(prompt_tokens) - 1).bit_length()  # ceil(log2(n)): 4096 -> 12, 4097 -> 13
-

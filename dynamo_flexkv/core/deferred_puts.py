@@ -33,8 +33,12 @@ class DeferredPuts:
     retry raised. ``cond`` is the manager's idle condition: ``drain()`` waits on it until
     ``busy()`` is False, and every change here notifies it."""
 
-    def __init__(self, cond: threading.Condition, put_now: Callable[[DeferredPut], bool],
-                 fail: Callable[[DeferredPut, BaseException], None]) -> None:
+    def __init__(
+        self,
+        cond: threading.Condition,
+        put_now: Callable[[DeferredPut], bool],
+        fail: Callable[[DeferredPut, BaseException], None],
+    ) -> None:
         self._cond = cond
         self._put_now = put_now
         self._fail = fail

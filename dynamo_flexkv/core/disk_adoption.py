@@ -20,7 +20,7 @@ def adopt_disk(ssd: SsdStore, cache: CacheEngine, mover: DiskMover, scratch_bloc
     def read(entries: List[DiskEntry]) -> np.ndarray:
         out = []
         for i in range(0, len(entries), scratch_blocks):
-            part = entries[i:i + scratch_blocks]
+            part = entries[i : i + scratch_blocks]
             disk_ids = np.array([e.block_id for e in part], dtype=np.int64)
             out.append(mover.read_for_adoption(disk_ids, np.arange(len(part), dtype=np.int64)))
         return np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
@@ -46,7 +46,15 @@ def adopted_chains(entries: List[DiskEntry], tokens_per_block: int) -> List[Tier
             stack.extend(reversed(kids[1:]))
             e = kids[0] if kids else None
         if chain:
-            runs.append(TierRun(Tier.DISK, 0, [c.seq_hash for c in chain], [c.block_id for c in chain], parent,
-                                new=False, token_ids=np.frombuffer(b"".join(c.tokens for c in chain),
-                                                                   dtype="<u4").tolist()))
+            runs.append(
+                TierRun(
+                    Tier.DISK,
+                    0,
+                    [c.seq_hash for c in chain],
+                    [c.block_id for c in chain],
+                    parent,
+                    new=False,
+                    token_ids=np.frombuffer(b"".join(c.tokens for c in chain), dtype="<u4").tolist(),
+                )
+            )
     return runs

@@ -11,5 +11,10 @@ from typing import Optional
 def is_duration(value: object, low: float = 0.0, high: Optional[float] = None, low_ok: bool = False) -> bool:
     """``value`` is a real number (not a bool), finite (inf would overflow timeouts, NaN compares
     false to everything), above ``low`` (or equal to it with ``low_ok``) and at most ``high``."""
-    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-            and (value >= low if low_ok else value > low) and (high is None or value <= high))
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (value >= low if low_ok else value > low)
+        and (high is None or value <= high)
+    )

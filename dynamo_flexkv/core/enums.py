@@ -13,12 +13,12 @@ class EvictionPolicy(str, Enum):
     (``TierIndexCore::key_of`` in native/src/tier_index.cpp). Every key ends in a tick no other
     block shares, so eviction is deterministic."""
 
-    LRU = "lru"    # least recently used; each hit adds hit_reward_seconds of recency
-    LFU = "lfu"    # fewest hits, then least recent
+    LRU = "lru"  # least recently used; each hit adds hit_reward_seconds of recency
+    LFU = "lfu"  # fewest hits, then least recent
     SLRU = "slru"  # probation (hits < slru_protected_hits) before protected, LRU within each
     FIFO = "fifo"  # oldest insert
     FILO = "filo"  # newest insert
-    MRU = "mru"    # most recently used
+    MRU = "mru"  # most recently used
 
     @classmethod
     def parse(cls, value: Any) -> "EvictionPolicy":

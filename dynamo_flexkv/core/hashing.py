@@ -75,8 +75,13 @@ def block_hashes(
     return BlockHashes(tokens=tokens, sequence=sequence, block_size=int(block_size))
 
 
-def namespaced_hashes(token_ids: TokenIds, block_size: int, namespace: Optional[str] = None,
-                      lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> BlockHashes:
+def namespaced_hashes(
+    token_ids: TokenIds,
+    block_size: int,
+    namespace: Optional[str] = None,
+    lora_name: Optional[str] = None,
+    cache_salt: Optional[str] = None,
+) -> BlockHashes:
     """block_hashes of a namespace's tiers: the namespace (a KVManager's, the node cache's tenant)
     salts every hash together with the request's own cache_salt."""
     salt = "/".join(s for s in (namespace, cache_salt) if s) or None
@@ -116,7 +121,6 @@ def _as_native_tokens(token_ids: TokenIds) -> Union[list, tuple, np.ndarray]:
         if lo < 0 or hi > _MAX_TOKEN:
             bad = int(np.flatnonzero((token_ids < 0) | (token_ids > _MAX_TOKEN))[0])
             raise ValueError(
-                f"token_ids[{bad}] = {int(token_ids[bad])} is out of range: "
-                "token ids must be in [0, 2**32)"
+                f"token_ids[{bad}] = {int(token_ids[bad])} is out of range: token ids must be in [0, 2**32)"
             )
     return np.ascontiguousarray(token_ids, dtype=np.uint32)

@@ -62,9 +62,7 @@ class ModelSpec:
         if self.kv_dim not in (1, 2):
             raise ValueError(f"model kv_dim must be 2 (K and V) or 1 (MLA latent), got {self.kv_dim!r}")
         if self.dtype not in DTYPE_BYTES:
-            raise ValueError(
-                f"model dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPE_BYTES)}"
-            )
+            raise ValueError(f"model dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPE_BYTES)}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelSpec":

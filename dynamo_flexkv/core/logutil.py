@@ -13,8 +13,9 @@ class RateLimitedLog:
     block: a line asked for sooner is not logged but counted, and the next line that is logged
     says how many were left out (``flush()`` logs that count on its own, e.g. at close)."""
 
-    def __init__(self, logger: logging.Logger, every_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.logger, self.every_s, self.clock = logger, every_s, clock
         self._lock = threading.Lock()
         self._next = float("-inf")

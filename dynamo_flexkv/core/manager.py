@@ -87,9 +87,11 @@ class KVManager:
         try:
             self.host = HostPool(host_layout, use_huge_pages=self.config.use_huge_pages, share=share_host)
         except OSError as e:  # ENOMEM: more than the machine (or its limits) allows
-            raise ConfigError(f"cpu_cache_gb={self.config.cpu_cache_gb}: cannot allocate the host tier's "
-                              f"{host_layout.total_bytes / GiB:.2f} GiB ({e.strerror or e}): set cpu_cache_gb "
-                              "(FLEXKV_CPU_CACHE_GB) to what this machine can hold") from None
+            raise ConfigError(
+                f"cpu_cache_gb={self.config.cpu_cache_gb}: cannot allocate the host tier's "
+                f"{host_layout.total_bytes / GiB:.2f} GiB ({e.strerror or e}): set cpu_cache_gb "
+                "(FLEXKV_CPU_CACHE_GB) to what this machine can hold"
+            ) from None
         self.ssd: Optional[SsdStore] = None
         self.remote: Optional["RemoteStore"] = None
         movers: Dict[OpKind, Any] = {OpKind.HASH: HostHasher(self.host)}
@@ -101,20 +103,33 @@ class KVManager:
                 try:
                     # The model's identity too, where the engine names it: the same KV shape of other
                     # weights is other bytes (a new fine-tune on a node that keeps its SSD cache).
-                    self.ssd = SsdStore(self.config.ssd_cache_dir, caps["disk"], self.host.layout.block_bytes,
-                                        dict(self.host.layout.fingerprint(), namespace=self.namespace or "",
-                                             **({"model": self.model_id} if self.model_id else {})))
+                    self.ssd = SsdStore(
+                        self.config.ssd_cache_dir,
+                        caps["disk"],
+                        self.host.layout.block_bytes,
+                        dict(
+                            self.host.layout.fingerprint(),
+                            namespace=self.namespace or "",
+                            **({"model": self.model_id} if self.model_id else {}),
+                        ),
+                    )
                 except OSError as e:  # EFBIG / ENOSPC / EACCES: the files cannot be that large, or there
                     size = caps["disk"] * self.host.layout.block_bytes / GiB
-                    raise ConfigError(f"ssd_cache_gb={self.config.ssd_cache_gb} in ssd_cache_dir "
-                                      f"{';'.join(self.config.ssd_cache_dir)}: cannot create the disk tier's "
-                                      f"{size:.2f} GiB of files ({e.strerror or e}{': ' + e.filename if e.filename else ''}): "
-                                      "set ssd_cache_gb (FLEXKV_SSD_CACHE_GB) to what the file system holds, or "
-                                      "point ssd_cache_dir at a writable directory") from None
+                    raise ConfigError(
+                        f"ssd_cache_gb={self.config.ssd_cache_gb} in ssd_cache_dir "
+                        f"{';'.join(self.config.ssd_cache_dir)}: cannot create the disk tier's "
+                        f"{size:.2f} GiB of files ({e.strerror or e}{': ' + e.filename if e.filename else ''}): "
+                        "set ssd_cache_gb (FLEXKV_SSD_CACHE_GB) to what the file system holds, or "
+                        "point ssd_cache_dir at a writable directory"
+                    ) from None
                 disk_mover = self._make_disk_mover()
                 movers[OpKind.DISK2H] = movers[OpKind.H2DISK] = movers[OpKind.VERIFY] = disk_mover
-            self.cache = CacheEngine(self.config, {Tier.HOST: caps["host"], Tier.DISK: caps["disk"]},
-                                     listener=listener, on_slots_freed=self._slots_freed)
+            self.cache = CacheEngine(
+                self.config,
+                {Tier.HOST: caps["host"], Tier.DISK: caps["disk"]},
+                listener=listener,
+                on_slots_freed=self._slots_freed,
+            )
             if self.ssd is not None:
                 # Restart: what the journal says is on disk, verified through host slots.
                 self.adopt_report = adopt_disk(self.ssd, self.cache, movers[OpKind.DISK2H], self.host.num_blocks)
@@ -122,11 +137,13 @@ class KVManager:
             self._close_storage()
             raise
         self.transfer = TransferRunner(self._hooked(movers), workers)
-        self.graphs = GraphBuilder(self.cache, self.ssd, self.host.layout.layer_block_bytes,
-                                   self.tokens_per_block, model.num_layers)
+        self.graphs = GraphBuilder(
+            self.cache, self.ssd, self.host.layout.layer_block_bytes, self.tokens_per_block, model.num_layers
+        )
         # Cost-aware loading (core/cost.py): the gets' reads measure the tiers, the engine its prefill.
-        self.cost = CostModel(self.config.load_policy, self.tokens_per_block, self.host.layout.block_bytes,
-                              model.num_layers)
+        self.cost = CostModel(
+            self.config.load_policy, self.tokens_per_block, self.host.layout.block_bytes, model.num_layers
+        )
         self.graphs.observe_link = self.cost.observe_link
         self.device: Optional[DeviceCache] = None
         self._table = TaskTable(self.config.task_result_ttl_seconds)
@@ -138,8 +155,9 @@ class KVManager:
         self.put_refused_blocks = 0  # blocks puts could not store: longer than the host tier
 
     # ---- setup ---------------------------------------------------------------------------------
-    def register_device_cache(self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]],
-                              layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
+    def register_device_cache(
+        self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]], layout: KVLayoutType = KVLayoutType.LAYERBLOCK
+    ) -> None:
         """Registers the engine's KV tensors (one per layer, or one for all layers)."""
         self._check_open("register_device_cache")
         self.device = DeviceCache.register(tensors, self.model, layout, self.tokens_per_block)
@@ -155,8 +173,14 @@ class KVManager:
         """Opens the remote tier: an unreachable server or a wrong password raises (naming the fix)
         unless remote_required=false, which starts with the tier off and retries it periodically."""
         from dynamo_flexkv.core.remote import RemoteStore, fingerprint_of
-        parts = dict(self.host.layout.fingerprint(), namespace=self.namespace or "", model=self.model_id,
-                     tp_rank=self.config.tp_rank, tp_size=self.config.tp_size)  # each rank holds another shard
+
+        parts = dict(
+            self.host.layout.fingerprint(),
+            namespace=self.namespace or "",
+            model=self.model_id,
+            tp_rank=self.config.tp_rank,
+            tp_size=self.config.tp_size,
+        )  # each rank holds another shard
         return RemoteStore(self.config.remote_config(), fingerprint_of(parts), strict=self.config.remote_required)
 
     def _remote_probe(self, hashes: List[int], start: int) -> Optional[tuple]:
@@ -175,6 +199,7 @@ class KVManager:
     def _make_disk_mover(self):
         if self.config.enable_nixl:
             from dynamo_flexkv.core.transfer.nixl_mover import NixlDiskMover
+
             return NixlDiskMover(self.host, self.ssd, gds=self.config.enable_gds)
         return DiskMover(self.host, self.ssd, self.config.io_queue_depth)
 
@@ -207,10 +232,19 @@ class KVManager:
         return out
 
     # ---- tasks ---------------------------------------------------------------------------------
-    def get_async(self, token_ids, device_block_ids, *, skip_blocks: int = 0, layerwise: bool = False,
-                  lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
-                  prompt_tokens: Optional[int] = None, device: Optional[EngineDevice] = None,
-                  on_done: Optional[Callable[[TaskResult], None]] = None) -> int:
+    def get_async(
+        self,
+        token_ids,
+        device_block_ids,
+        *,
+        skip_blocks: int = 0,
+        layerwise: bool = False,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+        device: Optional[EngineDevice] = None,
+        on_done: Optional[Callable[[TaskResult], None]] = None,
+    ) -> int:
         """Loads the cached prefix beyond the first ``skip_blocks`` blocks (which the engine already
         holds) into ``device_block_ids[i]`` for block i. With ``prompt_tokens`` (the whole prompt's
         length, ``token_ids`` may be a prefix of it) the config's load_policy decides how much of
@@ -227,7 +261,7 @@ class KVManager:
             probe = self._remote_probe(seq, start)
             if prompt_tokens is not None:
                 decision = self._decide(seq, start, probe, max(int(prompt_tokens), len(token_ids)), layerwise)
-                seq = seq[:max(decision.end, start)]  # the blocks past it are recomputed, not planned
+                seq = seq[: max(decision.end, start)]  # the blocks past it are recomputed, not planned
                 probe = (probe[0], min(probe[1], len(seq))) if probe and min(probe[1], len(seq)) > probe[0] else None
             plan = self.cache.plan_get(task.id, seq, start, probe)
             if plan.num_blocks == 0:
@@ -239,14 +273,18 @@ class KVManager:
             self._submit(task, self.graphs.get(task, plan, dev_ids, layerwise, device))
         return task.id
 
-    def _decide(self, seq: List[int], start: int, probe: Optional[tuple], prompt_tokens: int,
-                layerwise: bool) -> LoadDecision:
+    def _decide(
+        self, seq: List[int], start: int, probe: Optional[tuple], prompt_tokens: int, layerwise: bool
+    ) -> LoadDecision:
         """The load policy's decision for blocks [start, ...) of ``seq``, counted in
         stats().prefix_tokens."""
         per_tier = self.cache.match(seq).per_tier
         segments, end = [], start
-        for tier, n in ((Tier.HOST, per_tier.get(Tier.HOST, 0)), (Tier.DISK, per_tier.get(Tier.DISK, 0)),
-                        (None, probe[1] if probe else 0)):
+        for tier, n in (
+            (Tier.HOST, per_tier.get(Tier.HOST, 0)),
+            (Tier.DISK, per_tier.get(Tier.DISK, 0)),
+            (None, probe[1] if probe else 0),
+        ):
             if n > end:
                 segments.append(Segment(tier.value if tier is not None else "remote", end, n))
                 end = n
@@ -254,9 +292,16 @@ class KVManager:
         self.cost.record(decision)
         return decision
 
-    def loadable_tokens(self, token_ids, *, prompt_tokens: Optional[int] = None, layerwise: bool = True,
-                        lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
-                        skip_blocks: int = 0) -> int:
+    def loadable_tokens(
+        self,
+        token_ids,
+        *,
+        prompt_tokens: Optional[int] = None,
+        layerwise: bool = True,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        skip_blocks: int = 0,
+    ) -> int:
         """End of the prefix of ``token_ids`` a get would have loaded under the load policy, in
         tokens (whole blocks; at least ``skip_blocks`` blocks, which the engine holds already and
         the decision weighs only what lies beyond; ``prompt_tokens``: the whole prompt's length,
@@ -276,8 +321,14 @@ class KVManager:
         self._check_open("observe_prefill")
         self.cost.observe_prefill(int(tokens), int(prompt_tokens), float(seconds))
 
-    def prefetch_async(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
-                       on_done: Optional[Callable[[TaskResult], None]] = None) -> int:
+    def prefetch_async(
+        self,
+        token_ids,
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        on_done: Optional[Callable[[TaskResult], None]] = None,
+    ) -> int:
         """Brings the disk part of a cached prefix into host memory (no device copy)."""
         self._check_open("prefetch_async")
         h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
@@ -294,9 +345,16 @@ class KVManager:
             self._submit(task, self.graphs.get(task, plan, None, False))
         return task.id
 
-    def put_async(self, token_ids, device_block_ids, *, lora_name: Optional[str] = None,
-                  cache_salt: Optional[str] = None, device: Optional[EngineDevice] = None,
-                  on_done: Optional[Callable[[TaskResult], None]] = None) -> int:
+    def put_async(
+        self,
+        token_ids,
+        device_block_ids,
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        device: Optional[EngineDevice] = None,
+        on_done: Optional[Callable[[TaskResult], None]] = None,
+    ) -> int:
         """Stores the full blocks not held yet. The task finishes once the device copy is done (the
         engine may reuse its blocks); the disk write continues in the background. ``device`` and
         ``on_done`` as for get_async."""
@@ -322,8 +380,11 @@ class KVManager:
         short = len(seq) - plan.held - (len(plan.host) if plan.host is not None else 0)
         # Wait only for room that can come: the put fits the host tier, and not past the bound
         # (the engine cannot reuse its device blocks before the put finishes).
-        if short > 0 and len(seq) - plan.held <= self.cache.tiers[Tier.HOST].capacity \
-                and time.monotonic() - put.since < MAX_PUT_DEFER_S:
+        if (
+            short > 0
+            and len(seq) - plan.held <= self.cache.tiers[Tier.HOST].capacity
+            and time.monotonic() - put.since < MAX_PUT_DEFER_S
+        ):
             self.cache.abort_task(task.id, replan=True)  # nothing planned stays behind while it waits
             with self._idle:
                 if self._live_graphs:
@@ -336,8 +397,9 @@ class KVManager:
                 self.put_refused_blocks += short
         self._attach_tokens(put.token_ids, plan.host)
         self._attach_tokens(put.token_ids, plan.disk, always=True)  # the journal keeps them for restarts
-        self._submit(task, self.graphs.put(task, plan, put.dev_ids, put.after if plan.host is not None else None,
-                                          put.device))
+        self._submit(
+            task, self.graphs.put(task, plan, put.dev_ids, put.after if plan.host is not None else None, put.device)
+        )
         return True
 
     def _retry_put(self, put: DeferredPut) -> bool:
@@ -349,8 +411,14 @@ class KVManager:
         """A deferred put whose retry raised: cancelled by shutdown, failed otherwise."""
         self.cache.abort_task(put.task.id)
         cancelled = isinstance(error, ManagerClosed)
-        put.task.finish(TaskResult(put.task.id, TaskKind.PUT, TaskStatus.CANCELLED if cancelled else TaskStatus.FAILED,
-                                   error=None if cancelled else f"{type(error).__name__}: {error}"))
+        put.task.finish(
+            TaskResult(
+                put.task.id,
+                TaskKind.PUT,
+                TaskStatus.CANCELLED if cancelled else TaskStatus.FAILED,
+                error=None if cancelled else f"{type(error).__name__}: {error}",
+            )
+        )
 
     def wait(self, task_ids: Iterable[int], timeout: Optional[float] = None) -> Dict[int, TaskResult]:
         """Results of the tasks; unfinished ones after ``timeout`` seconds report TIMEOUT and can be
@@ -446,20 +514,36 @@ class KVManager:
         links = {k.value: LinkStats(t.link_bytes[k], t.link_seconds[k], t.link_ops[k]) for k in OpKind if t.link_ops[k]}
         remote = None
         if self.remote is not None:
-            remote = RemoteTierStats(**dataclasses.asdict(self.remote.stats()), url=self.remote.config.redacted_url,
-                                     planned_blocks=requests.remote_hit_blocks,
-                                     short_reads=self.graphs.remote_short_reads,
-                                     write_failures=self.graphs.remote_write_failures)
+            remote = RemoteTierStats(
+                **dataclasses.asdict(self.remote.stats()),
+                url=self.remote.config.redacted_url,
+                planned_blocks=requests.remote_hit_blocks,
+                short_reads=self.graphs.remote_short_reads,
+                write_failures=self.graphs.remote_write_failures,
+            )
         in_flight, uncollected = self._table.counts()  # finished results waiting for wait() are not in flight
-        tasks = TaskStats(in_flight=in_flight, uncollected_results=uncollected, queued_ops=t.queue_depth,
-                          failed_ops=t.failed_ops, deferred_puts=len(self._deferred),
-                          put_refused_blocks=self.put_refused_blocks,
-                          disk_write_failures=self.graphs.disk_write_failures,
-                          expired_results=self._table.expired_results,
-                          transfers_running=self._live_graphs + len(self._deferred))
+        tasks = TaskStats(
+            in_flight=in_flight,
+            uncollected_results=uncollected,
+            queued_ops=t.queue_depth,
+            failed_ops=t.failed_ops,
+            deferred_puts=len(self._deferred),
+            put_refused_blocks=self.put_refused_blocks,
+            disk_write_failures=self.graphs.disk_write_failures,
+            expired_results=self._table.expired_results,
+            transfers_running=self._live_graphs + len(self._deferred),
+        )
         prefix = {"/".join(k): n for k, n in sorted(self.cost.token_counts().items())}
-        return ManagerStats(host=tiers["host"], disk=tiers.get("disk"), requests=requests, tasks=tasks,
-                            remote=remote, links=links, prefix_tokens=prefix, tier_costs=self.cost.link_costs())
+        return ManagerStats(
+            host=tiers["host"],
+            disk=tiers.get("disk"),
+            requests=requests,
+            tasks=tasks,
+            remote=remote,
+            links=links,
+            prefix_tokens=prefix,
+            tier_costs=self.cost.link_costs(),
+        )
 
     def evict(self, tier: str, count: Optional[int] = None) -> int:
         """Evicts up to ``count`` (default: all) ready, unpinned blocks of the ``"host"`` or
@@ -508,8 +592,10 @@ class KVManager:
     # ---- helpers ---------------------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
         if self._closed:
-            raise ManagerClosed(f"{call}(): this KVManager was shut down, its memory and cache directories are "
-                                "released: create a new KVManager (it re-adopts the disk tier)")
+            raise ManagerClosed(
+                f"{call}(): this KVManager was shut down, its memory and cache directories are "
+                "released: create a new KVManager (it re-adopts the disk tier)"
+            )
 
     def _need_device(self, call: str, device: Optional[EngineDevice] = None) -> None:
         self._check_open(call)
@@ -524,9 +610,11 @@ class KVManager:
             limit = self.config.max_tasks_in_flight
             busy = self._live_graphs + len(self._deferred)
             if busy >= limit:  # bounded work under a flood: refuse rather than queue forever
-                raise TooManyTasks(f"{kind.value}_async refused: {busy} tasks in flight (max_tasks_in_flight={limit}; "
-                                   "the background disk/remote writes of finished puts count: "
-                                   "stats().tasks.transfers_running); wait for some (drain()), or raise max_tasks_in_flight")
+                raise TooManyTasks(
+                    f"{kind.value}_async refused: {busy} tasks in flight (max_tasks_in_flight={limit}; "
+                    "the background disk/remote writes of finished puts count: "
+                    "stats().tasks.transfers_running); wait for some (drain()), or raise max_tasks_in_flight"
+                )
             task = self._table.issue(kind, self.model.num_layers)
             task.deliver = on_done
         self._table.expire()
@@ -557,6 +645,7 @@ class KVManager:
                     inner(g)
             finally:
                 self._graph_done()
+
         graph.on_finish = finished
         with self._idle:
             self._live_graphs += 1
@@ -596,7 +685,7 @@ class KVManager:
         b = self.tokens_per_block
         for run in runs:
             if run is not None:
-                run.token_ids = [int(t) for t in token_ids[run.start * b:run.end * b]]
+                run.token_ids = [int(t) for t in token_ids[run.start * b : run.end * b]]
 
     def _slots_freed(self, tier: Tier, slots: List[int]) -> None:
         if tier is Tier.DISK and self.ssd is not None:

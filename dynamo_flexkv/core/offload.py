@@ -59,21 +59,48 @@ class EmbeddedOffload(EngineOffload):
     def register(self, layers: Any, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
         self.kv.register_device_cache(layers, layout)
 
-    def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
-                      cache_salt: Optional[str] = None, prompt_tokens: Optional[int] = None,
-                      skip_blocks: int = 0) -> int:
-        return self.kv.loadable_tokens(tokens, layerwise=self.layerwise, lora_name=lora_name, cache_salt=cache_salt,
-                                       prompt_tokens=prompt_tokens, skip_blocks=skip_blocks)
+    def cached_tokens(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+        skip_blocks: int = 0,
+    ) -> int:
+        return self.kv.loadable_tokens(
+            tokens,
+            layerwise=self.layerwise,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            prompt_tokens=prompt_tokens,
+            skip_blocks=skip_blocks,
+        )
 
-    def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
-                     cache_salt: Optional[str] = None) -> List[int]:
+    def block_hashes(
+        self, tokens: Sequence[int], *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
+    ) -> List[int]:
         return [int(h) for h in self.kv.hashes(tokens, lora_name=lora_name, cache_salt=cache_salt).sequence]
 
-    def load(self, tokens: Sequence[int], block_table: Sequence[int], skip_blocks: int, *,
-             lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
-             prompt_tokens: Optional[int] = None) -> Optional[int]:
-        tid = self.kv.get_async(list(tokens), list(block_table), skip_blocks=skip_blocks, layerwise=self.layerwise,
-                                lora_name=lora_name, cache_salt=cache_salt, prompt_tokens=prompt_tokens)
+    def load(
+        self,
+        tokens: Sequence[int],
+        block_table: Sequence[int],
+        skip_blocks: int,
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+    ) -> Optional[int]:
+        tid = self.kv.get_async(
+            list(tokens),
+            list(block_table),
+            skip_blocks=skip_blocks,
+            layerwise=self.layerwise,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            prompt_tokens=prompt_tokens,
+        )
         if self.kv.planned_tokens(tid) == 0:
             self.kv.wait([tid])
             return None
@@ -114,12 +141,20 @@ class EmbeddedOffload(EngineOffload):
         if tid in self._prefetches:  # not collected yet (a finished one needs no cancel)
             self.kv.cancel([tid])
 
-    def store(self, tokens: Sequence[int], block_table: Sequence[int], key: Any = None, *,
-              lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
-              names: Optional[Sequence[int]] = None) -> int:
+    def store(
+        self,
+        tokens: Sequence[int],
+        block_table: Sequence[int],
+        key: Any = None,
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        names: Optional[Sequence[int]] = None,
+    ) -> int:
         n = len(tokens) // self.bs
-        tid = self.kv.put_async(list(tokens[: n * self.bs]), list(block_table[:n]),
-                                lora_name=lora_name, cache_salt=cache_salt)
+        tid = self.kv.put_async(
+            list(tokens[: n * self.bs]), list(block_table[:n]), lora_name=lora_name, cache_salt=cache_salt
+        )
         self._holds[tid] = Hold(key, list(block_table[:n]))
         return tid
 
@@ -150,8 +185,9 @@ class EmbeddedOffload(EngineOffload):
 
     def _idle(self, what: str, timeout: Optional[float]) -> KVManager:
         if not self.kv.drain(timeout):
-            raise RuntimeError(f"{what}: tier writes still running after {timeout} s; call it again when the engine "
-                               "is idle")
+            raise RuntimeError(
+                f"{what}: tier writes still running after {timeout} s; call it again when the engine is idle"
+            )
         return self.kv
 
     def evict_host(self, timeout: Optional[float] = None) -> int:
@@ -163,13 +199,18 @@ class EmbeddedOffload(EngineOffload):
 
     def describe(self) -> Dict[str, Any]:
         kv = self.kv
-        return {"mode": "embedded", "host_block_bytes": kv.host.layout.block_bytes,
-                "tiers": kv.config.tier_blocks(kv.model), "ssd_dirs": list(kv.ssd.dirs) if kv.ssd else [],
-                "remote": kv.remote.config.redacted_url if kv.remote else None}
+        return {
+            "mode": "embedded",
+            "host_block_bytes": kv.host.layout.block_bytes,
+            "tiers": kv.config.tier_blocks(kv.model),
+            "ssd_dirs": list(kv.ssd.dirs) if kv.ssd else [],
+            "remote": kv.remote.config.redacted_url if kv.remote else None,
+        }
 
     def tier_files(self) -> List[str]:
         from dynamo_flexkv.core.storage.ssd import DATA
         import os
+
         return [os.path.join(d, DATA) for d in self.kv.ssd.dirs] if self.kv.ssd else []
 
     def announce_adopted(self) -> int:
@@ -179,10 +220,20 @@ class EmbeddedOffload(EngineOffload):
         self.kv.shutdown()
 
 
-def open_offload(model: ModelSpec, config: CacheConfig, *, layerwise: bool = True,
-                 listener: Optional[IndexListener] = None, model_id: str = "", engine: str = "",
-                 namespace: Optional[str] = None, rank: int = 0, ranks: int = 1, replicated: bool = False,
-                 mover_hook: Optional[MoverHook] = None) -> EngineOffload:
+def open_offload(
+    model: ModelSpec,
+    config: CacheConfig,
+    *,
+    layerwise: bool = True,
+    listener: Optional[IndexListener] = None,
+    model_id: str = "",
+    engine: str = "",
+    namespace: Optional[str] = None,
+    rank: int = 0,
+    ranks: int = 1,
+    replicated: bool = False,
+    mover_hook: Optional[MoverHook] = None,
+) -> EngineOffload:
     """The engine's offload, as the config's ``mode`` says: ``embedded``, tiers of this process
     (``model_id`` keys its disk and remote tiers, ``mover_hook`` wraps its copy links); ``node``,
     the node's cache service at ``node_socket``, shared with the other engines that present the
@@ -191,8 +242,19 @@ def open_offload(model: ModelSpec, config: CacheConfig, *, layerwise: bool = Tru
     namespace for all of them)."""
     if config.mode == "node":  # ``mover_hook`` wraps the device copies, the links this engine drives
         from dynamo_flexkv.core.node.client import NodeOffload
-        return NodeOffload(model, config, layerwise=layerwise, listener=listener, model_id=model_id,
-                           engine=engine, tenant=namespace or "", rank=rank, ranks=ranks, replicated=replicated,
-                           mover_hook=mover_hook)
+
+        return NodeOffload(
+            model,
+            config,
+            layerwise=layerwise,
+            listener=listener,
+            model_id=model_id,
+            engine=engine,
+            tenant=namespace or "",
+            rank=rank,
+            ranks=ranks,
+            replicated=replicated,
+            mover_hook=mover_hook,
+        )
     kv = KVManager(model, config, namespace=namespace, listener=listener, model_id=model_id, mover_hook=mover_hook)
     return EmbeddedOffload(kv, layerwise=layerwise)

@@ -91,13 +91,20 @@ class ManagerStats:
     def from_dict(cls, d: Dict[str, Any]) -> "ManagerStats":
         """The inverse of ``dataclasses.asdict`` of a ManagerStats (a snapshot that crossed a process
         boundary: the node cache's stats)."""
+
         def tier(x: Optional[Dict[str, Any]]) -> Optional[TierStats]:
             return TierStats(**x) if x is not None else None
-        return cls(host=tier(d["host"]), requests=RequestStats(**d["requests"]), tasks=TaskStats(**d["tasks"]),
-                   disk=tier(d.get("disk")), remote=RemoteTierStats(**d["remote"]) if d.get("remote") else None,
-                   links={k: LinkStats(**v) for k, v in (d.get("links") or {}).items()},
-                   prefix_tokens=dict(d.get("prefix_tokens") or {}),
-                   tier_costs={k: LinkCost(**v) for k, v in (d.get("tier_costs") or {}).items()})
+
+        return cls(
+            host=tier(d["host"]),
+            requests=RequestStats(**d["requests"]),
+            tasks=TaskStats(**d["tasks"]),
+            disk=tier(d.get("disk")),
+            remote=RemoteTierStats(**d["remote"]) if d.get("remote") else None,
+            links={k: LinkStats(**v) for k, v in (d.get("links") or {}).items()},
+            prefix_tokens=dict(d.get("prefix_tokens") or {}),
+            tier_costs={k: LinkCost(**v) for k, v in (d.get("tier_costs") or {}).items()},
+        )
 
     def as_dict(self) -> Dict[str, Any]:
         """Plain nested dicts (tiers by name, then requests, links, tasks, remote where present)."""

@@ -19,8 +19,14 @@ log = logging.getLogger(__name__)
 
 
 class GraphBuilder:
-    def __init__(self, cache: CacheEngine, ssd: Optional[SsdStore], layer_block_bytes: int,
-                 tokens_per_block: int, num_layers: int) -> None:
+    def __init__(
+        self,
+        cache: CacheEngine,
+        ssd: Optional[SsdStore],
+        layer_block_bytes: int,
+        tokens_per_block: int,
+        num_layers: int,
+    ) -> None:
         self.cache, self.ssd = cache, ssd
         self.layer_block_bytes = layer_block_bytes
         self.tokens_per_block, self.num_layers = tokens_per_block, num_layers
@@ -30,8 +36,9 @@ class GraphBuilder:
         # (tier, bytes, seconds) of each finished get's and prefetch's reads: the cost model's input
         self.observe_link: Optional[Callable[[str, int, float], None]] = None
 
-    def get(self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool,
-            device: Any = None) -> TransferGraph:
+    def get(
+        self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool, device: Any = None
+    ) -> TransferGraph:
         """A get (``dev_ids`` given) or a prefetch (None): DISK2H into staged host blocks, then
         H2D per layer or at once. Staged blocks commit after their bytes are verified. ``device``:
         the attached engine that copies its own device blocks (None: the registered device)."""
@@ -44,9 +51,11 @@ class GraphBuilder:
         disk_for: Dict[tuple, TransferOp] = {}
         staged_op: Optional[TransferOp] = None  # the op that commits the disk-staged blocks
         if plan.staged is not None:
+
             def staged_landed(op: TransferOp) -> None:
                 self.cache.complete(plan.disk_reads, tid)
                 self.cache.complete(plan.staged, tid)
+
             src, dst_host = plan.disk_reads.block_ids, plan.staged.block_ids
             split = layerwise and load_device and self.layer_block_bytes % 4096 == 0
             if split:
@@ -54,8 +63,9 @@ class GraphBuilder:
                 # 1/L of the read time instead of all layers landing together at the end.
                 reads: List[TransferOp] = []
                 for span in layers:
-                    reads.append(TransferOp(OpKind.DISK2H, src, dst_host, layers=span,
-                                            deps=(reads[-1],) if reads else ()))
+                    reads.append(
+                        TransferOp(OpKind.DISK2H, src, dst_host, layers=span, deps=(reads[-1],) if reads else ())
+                    )
                 ops += reads
                 staged_op = TransferOp(OpKind.VERIFY, src, dst_host, deps=tuple(reads), on_done=staged_landed)
                 ops.append(staged_op)
@@ -74,21 +84,41 @@ class GraphBuilder:
             reads = []
             for span in spans:
                 dep = reads[-1] if reads else staged_op
-                reads.append(TransferOp(OpKind.REMOTE2H, run.block_ids, run.block_ids, deps=(dep,) if dep else (),
-                                        layers=span, seq_hashes=list(run.hashes), parent=run.parent))
+                reads.append(
+                    TransferOp(
+                        OpKind.REMOTE2H,
+                        run.block_ids,
+                        run.block_ids,
+                        deps=(dep,) if dep else (),
+                        layers=span,
+                        seq_hashes=list(run.hashes),
+                        parent=run.parent,
+                    )
+                )
             reads[-1].on_done = lambda op: self.cache.complete(run, tid)
             ops += reads
             disk_for = dict(zip(layers, reads)) if len(reads) == len(layers) else {span: reads[0] for span in layers}
         if load_device:
             reads_h = plan.host_reads
-            dst = dev_ids[reads_h.start:reads_h.end]
+            dst = dev_ids[reads_h.start : reads_h.end]
             for lo, hi in layers:
+
                 def layer_landed(op: TransferOp, lo=lo, hi=hi) -> None:
                     for i in range(lo, hi):
                         task.layer_ready[i].set()
+
                 dep = disk_for.get((lo, hi))
-                ops.append(TransferOp(OpKind.H2D, reads_h.block_ids, dst, deps=(dep,) if dep else (),
-                                      layers=(lo, hi), on_done=layer_landed, device=device))
+                ops.append(
+                    TransferOp(
+                        OpKind.H2D,
+                        reads_h.block_ids,
+                        dst,
+                        deps=(dep,) if dep else (),
+                        layers=(lo, hi),
+                        on_done=layer_landed,
+                        device=device,
+                    )
+                )
         loaded = plan.num_blocks if load_device else sum(len(r) for r in (plan.staged, plan.remote_staged) if r)
 
         def finished(graph: TransferGraph) -> None:
@@ -109,54 +139,85 @@ class GraphBuilder:
             if isinstance(graph.error, ChecksumError):
                 self._drop_corrupt(graph.error.disk_ids)
             task.finish(self._failure(task, graph))
+
         for op in ops:
             op.task_id = tid
         return TransferGraph(ops, on_finish=finished)
 
-    def put(self, task: Task, plan: PutPlan, dev_ids: np.ndarray, after: Any = None,
-            device: Any = None) -> TransferGraph:
+    def put(
+        self, task: Task, plan: PutPlan, dev_ids: np.ndarray, after: Any = None, device: Any = None
+    ) -> TransferGraph:
         """D2H into new host blocks (the task succeeds for its caller right then: the engine may
         reuse its blocks), then H2DISK in the background, journaled before it commits."""
         tid, ops = task.id, []
         stored = len(plan.host) if plan.host is not None else 0
         d2h = None
         if plan.host is not None:
+
             def host_landed(op: TransferOp) -> None:
                 self.cache.complete(plan.host, tid)
                 task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, stored * self.tokens_per_block))
-            d2h = TransferOp(OpKind.D2H, dev_ids[plan.host.start:plan.host.end], plan.host.block_ids,
-                             after=after, on_done=host_landed, device=device)
+
+            d2h = TransferOp(
+                OpKind.D2H,
+                dev_ids[plan.host.start : plan.host.end],
+                plan.host.block_ids,
+                after=after,
+                on_done=host_landed,
+                device=device,
+            )
             ops.append(d2h)
         else:
             task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, 0))
         # One checksum per block for all its writes (disk journal, Redis header), taken after the
         # D2H landed (the put has already succeeded for the engine); known ones are reused.
-        sources = [r.block_ids for r in (plan.host_sources if plan.disk is not None else None,
-                                         plan.remote_sources) if r is not None]
+        sources = [
+            r.block_ids
+            for r in (plan.host_sources if plan.disk is not None else None, plan.remote_sources)
+            if r is not None
+        ]
         feed = d2h  # what the writes wait for
         if sources:
             ids = np.unique(np.concatenate([np.asarray(b, dtype=np.int64) for b in sources]))
             feed = TransferOp(OpKind.HASH, ids, ids, deps=(d2h,) if d2h else ())
             ops.append(feed)
         if plan.disk is not None:
+
             def disk_landed(op: TransferOp) -> None:
                 run, tpb = plan.disk, self.tokens_per_block
-                tokens = (np.asarray(run.token_ids, dtype="<u4").tobytes() if run.token_ids is not None
-                          else None)
+                tokens = np.asarray(run.token_ids, dtype="<u4").tobytes() if run.token_ids is not None else None
                 self.ssd.record_stored(
-                    DiskEntry(b, h, p, int(c), tokens and tokens[4 * tpb * i:4 * tpb * (i + 1)])
-                    for i, (b, h, p, c) in enumerate(zip(run.block_ids, run.hashes, [run.parent, *run.hashes[:-1]],
-                                                         op.result)))
+                    DiskEntry(b, h, p, int(c), tokens and tokens[4 * tpb * i : 4 * tpb * (i + 1)])
+                    for i, (b, h, p, c) in enumerate(
+                        zip(run.block_ids, run.hashes, [run.parent, *run.hashes[:-1]], op.result)
+                    )
+                )
                 self.cache.complete(plan.disk, tid)
                 self.cache.complete(plan.host_sources, tid)
-            ops.append(TransferOp(OpKind.H2DISK, plan.host_sources.block_ids, plan.disk.block_ids,
-                                  deps=(feed,) if feed else (), on_done=disk_landed))
+
+            ops.append(
+                TransferOp(
+                    OpKind.H2DISK,
+                    plan.host_sources.block_ids,
+                    plan.disk.block_ids,
+                    deps=(feed,) if feed else (),
+                    on_done=disk_landed,
+                )
+            )
 
         if plan.remote_sources is not None:
             src = plan.remote_sources
-            ops.append(TransferOp(OpKind.H2REMOTE, src.block_ids, src.block_ids, deps=(feed,) if feed else (),
-                                  seq_hashes=list(src.hashes), parent=src.parent,
-                                  on_done=lambda op: self.cache.complete(src, tid)))
+            ops.append(
+                TransferOp(
+                    OpKind.H2REMOTE,
+                    src.block_ids,
+                    src.block_ids,
+                    deps=(feed,) if feed else (),
+                    seq_hashes=list(src.hashes),
+                    parent=src.parent,
+                    on_done=lambda op: self.cache.complete(src, tid),
+                )
+            )
 
         def finished(graph: TransferGraph) -> None:
             if graph.state is GraphState.DONE:
@@ -168,10 +229,10 @@ class GraphBuilder:
                     self.disk_write_failures += 1
                 if OpKind.H2REMOTE.value in failed:
                     self.remote_write_failures += 1
-                log.warning("put %d: %s write failed (%s); the blocks stay on host", tid, "/".join(failed),
-                            graph.error)
+                log.warning("put %d: %s write failed (%s); the blocks stay on host", tid, "/".join(failed), graph.error)
             self.cache.abort_task(tid)
             task.finish(self._failure(task, graph))
+
         for op in ops:
             op.task_id = tid
         return TransferGraph(ops, on_finish=finished)

@@ -78,8 +78,10 @@ class TaskTable:
         with self.lock:
             taken = [t.id for t in finished if self._tasks.get(t.id) is not t]
             if taken:
-                raise KeyError(f"task(s) {taken}: the result was already collected by another wait(); "
-                               "wait on a task from one thread only")
+                raise KeyError(
+                    f"task(s) {taken}: the result was already collected by another wait(); "
+                    "wait on a task from one thread only"
+                )
             for t in finished:
                 self._tasks.pop(t.id, None)  # an id listed twice in one call is handed out once
                 self._uncollected.pop(t.id, None)
@@ -113,14 +115,15 @@ class TaskTable:
     def _lookup(self, task_id: Any, finished_ok: bool = False) -> Optional[Task]:
         """(Under ``lock``.) One issued but gone (its result collected or expired) is None with
         ``finished_ok``, else KeyError; one never issued is a KeyError."""
-        issued = isinstance(task_id, (int, np.integer)) and not isinstance(task_id, bool) \
-            and 0 < task_id < self._next_id
+        issued = (
+            isinstance(task_id, (int, np.integer)) and not isinstance(task_id, bool) and 0 < task_id < self._next_id
+        )
         task = self._tasks.get(task_id) if issued else None
         if task is not None or (issued and finished_ok):
             return task
         if issued:
-            raise KeyError(f"task id {task_id!r} has finished and its result is gone: already taken by wait(), "
-                           "or nobody collected it within task_result_ttl_seconds")
-        raise KeyError(f"unknown task id {task_id!r}: never issued (task ids are the ints the *_async calls "
-                       "return)")
-
+            raise KeyError(
+                f"task id {task_id!r} has finished and its result is gone: already taken by wait(), "
+                "or nobody collected it within task_result_ttl_seconds"
+            )
+        raise KeyError(f"unknown task id {task_id!r}: never issued (task ids are the ints the *_async calls return)")

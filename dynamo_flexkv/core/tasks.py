@@ -45,9 +45,11 @@ class TaskResult:
         return self.error or _REASONS.get(self.status, "")
 
 
-_REASONS = {TaskStatus.NOT_FOUND: "nothing of the prompt was cached to load: recompute it",
-            TaskStatus.CANCELLED: "cancelled before it finished: recompute what it would have loaded",
-            TaskStatus.FAILED: "failed: recompute what it would have loaded"}
+_REASONS = {
+    TaskStatus.NOT_FOUND: "nothing of the prompt was cached to load: recompute it",
+    TaskStatus.CANCELLED: "cancelled before it finished: recompute what it would have loaded",
+    TaskStatus.FAILED: "failed: recompute what it would have loaded",
+}
 
 
 class TaskFailed(RuntimeError, FlexKVError):

@@ -56,8 +56,15 @@ class KvEventRelay:
     """Publishes BlockStored / BlockRemoved / AllBlocksCleared events, batched into frames, on a
     loopback PUB socket."""
 
-    def __init__(self, block_size: int, endpoint: str = "tcp://127.0.0.1:*", dp_rank: int = 0,
-                 topic: str = "", flush_interval: float = 0.005, max_pending_blocks: int = 16384) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        endpoint: str = "tcp://127.0.0.1:*",
+        dp_rank: int = 0,
+        topic: str = "",
+        flush_interval: float = 0.005,
+        max_pending_blocks: int = 16384,
+    ) -> None:
         if not endpoint.startswith("tcp://127.0.0.1:") and not endpoint.startswith("ipc://"):
             raise ValueError(f"KV event endpoint {endpoint!r} must be loopback (tcp://127.0.0.1:PORT) or ipc://")
         if flush_interval <= 0:
@@ -108,12 +115,14 @@ class KvEventRelay:
             time.sleep(0.02)
         return True
 
-    def stored(self, tier: Optional[Tier], hashes: Sequence[int], parent: Optional[int],
-               token_ids: Sequence[int]) -> None:
+    def stored(
+        self, tier: Optional[Tier], hashes: Sequence[int], parent: Optional[int], token_ids: Sequence[int]
+    ) -> None:
         """Blocks ``hashes`` (a chain after ``parent``) landed in ``tier`` (None: device)."""
         if len(token_ids) != len(hashes) * self.block_size:
-            raise ValueError(f"{len(hashes)} blocks need {len(hashes) * self.block_size} token ids, "
-                             f"got {len(token_ids)}")
+            raise ValueError(
+                f"{len(hashes)} blocks need {len(hashes) * self.block_size} token ids, got {len(token_ids)}"
+            )
         if not hashes:
             return
         medium = MEDIUM[tier]
@@ -128,14 +137,24 @@ class KvEventRelay:
                 return
             known.update(signed)
             last = self._pending[-1] if self._pending else None
-            if (last is not None and last["type"] == "BlockStored" and last.get("medium") == medium
-                    and parent_signed is not None and last["block_hashes"][-1] == parent_signed):
+            if (
+                last is not None
+                and last["type"] == "BlockStored"
+                and last.get("medium") == medium
+                and parent_signed is not None
+                and last["block_hashes"][-1] == parent_signed
+            ):
                 last["block_hashes"] += signed  # the same chain, continued: one event
                 last["token_ids"] += tokens
             else:
-                event: Dict[str, Any] = {"type": "BlockStored", "block_hashes": signed,
-                                         "parent_block_hash": parent_signed, "token_ids": tokens,
-                                         "block_size": self.block_size, "lora_name": None}
+                event: Dict[str, Any] = {
+                    "type": "BlockStored",
+                    "block_hashes": signed,
+                    "parent_block_hash": parent_signed,
+                    "token_ids": tokens,
+                    "block_size": self.block_size,
+                    "lora_name": None,
+                }
                 self._enqueue(event, medium)
             self._grew(len(signed))
 
@@ -153,8 +172,10 @@ class KvEventRelay:
                     known.discard(s)
                     signed.append(s)
             if len(signed) < len(hashes):
-                self._skip(f"BlockRemoved of {len(hashes) - len(signed)} blocks the router does not know "
-                           f"({medium or 'device'})")
+                self._skip(
+                    f"BlockRemoved of {len(hashes) - len(signed)} blocks the router does not know "
+                    f"({medium or 'device'})"
+                )
             if not signed:
                 return
             last = self._pending[-1] if self._pending else None

@@ -40,8 +40,12 @@ def aiperf_exe(venv: Path = AIPERF_VENV) -> Path:
         if not py.exists():
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
         sys.stderr.write(f"installing aiperf=={AIPERF_VERSION} into {venv} (about 2 minutes)\n")
-        pip = subprocess.run([str(py), "-m", "pip", "install", "-q", f"aiperf=={AIPERF_VERSION}"],
-                             capture_output=True, text=True, timeout=1200)
+        pip = subprocess.run(
+            [str(py), "-m", "pip", "install", "-q", f"aiperf=={AIPERF_VERSION}"],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         if pip.returncode != 0:
             raise RuntimeError(f"pip install aiperf=={AIPERF_VERSION} into {venv} failed:\n{pip.stderr[-3000:]}")
     return exe
@@ -57,16 +61,37 @@ def write_trace(turns: Sequence[Turn], model: str, time_scale: float, path: Path
     ``nvext`` fields (aiperf is timed as a plain client)."""
     lines = []
     for turn, at in zip(turns, arrival_times(turns, time_scale)):
-        body = {"model": model, "prompt": list(turn.tokens), "max_tokens": turn.output_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        lines.append({"session_id": session_id(turn), "timestamp": round(at * 1000, 3),
-                      "output_length": turn.output_tokens, "payload": body})
+        body = {
+            "model": model,
+            "prompt": list(turn.tokens),
+            "max_tokens": turn.output_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        lines.append(
+            {
+                "session_id": session_id(turn),
+                "timestamp": round(at * 1000, 3),
+                "output_length": turn.output_tokens,
+                "payload": body,
+            }
+        )
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
-def run_aiperf(url: str, model: str, model_dir: Path, turns: Sequence[Turn], *, time_scale: float,
-               concurrency: int, workdir: Path, request_timeout_s: float = 120,
-               timeout_s: Optional[float] = None) -> Tuple[List[RequestRecord], float]:
+def run_aiperf(
+    url: str,
+    model: str,
+    model_dir: Path,
+    turns: Sequence[Turn],
+    *,
+    time_scale: float,
+    concurrency: int,
+    workdir: Path,
+    request_timeout_s: float = 120,
+    timeout_s: Optional[float] = None,
+) -> Tuple[List[RequestRecord], float]:
     """``aiperf profile`` of the turns against ``url``: one record per turn (in ``turns``' order)
     with no cap on requests in flight: aiperf's --concurrency caps *sessions* (a conversation holds
     its slot until its last turn), which measured delayed later conversations' first turns by up
@@ -81,20 +106,53 @@ def run_aiperf(url: str, model: str, model_dir: Path, turns: Sequence[Turn], *, 
     trace, out, hub = workdir / "trace.jsonl", workdir / "artifacts", workdir / "hub"
     write_trace(turns, model, time_scale, trace)
     write_hf_cache_entry(model_dir, hub, TOKENIZER)
-    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(workdir / "hf"), "XDG_CACHE_HOME": str(workdir / "cache"),
-           "MPLCONFIGDIR": str(workdir / "mpl")}
-    argv = [str(exe), "profile", "-m", model, "--url", url, "--endpoint-type", "completions", "--streaming",
-            "--tokenizer", TOKENIZER, "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
-            "--fixed-schedule", "--use-server-token-count",
-            "--request-timeout-seconds", f"{request_timeout_s:g}", "--ui", "none", "--no-gpu-telemetry",
-            "--no-server-metrics", "--workers-max", "2", "--random-seed", "1", "--output-artifact-dir", str(out)]
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(hub),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(workdir / "hf"),
+        "XDG_CACHE_HOME": str(workdir / "cache"),
+        "MPLCONFIGDIR": str(workdir / "mpl"),
+    }
+    argv = [
+        str(exe),
+        "profile",
+        "-m",
+        model,
+        "--url",
+        url,
+        "--endpoint-type",
+        "completions",
+        "--streaming",
+        "--tokenizer",
+        TOKENIZER,
+        "--input-file",
+        str(trace),
+        "--custom-dataset-type",
+        "mooncake_trace",
+        "--fixed-schedule",
+        "--use-server-token-count",
+        "--request-timeout-seconds",
+        f"{request_timeout_s:g}",
+        "--ui",
+        "none",
+        "--no-gpu-telemetry",
+        "--no-server-metrics",
+        "--workers-max",
+        "2",
+        "--random-seed",
+        "1",
+        "--output-artifact-dir",
+        str(out),
+    ]
     last = max(arrival_times(turns, time_scale)) if turns else 0.0
     limit = timeout_s or 300 + last + request_timeout_s * max(1, len(turns) // max(1, concurrency))
     log_path = workdir / "aiperf.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True
+        )
         try:
             code: Optional[int] = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -117,8 +175,10 @@ def run_aiperf(url: str, model: str, model_dir: Path, turns: Sequence[Turn], *, 
 
 def replay_seconds(lines: Sequence[str]) -> float:
     """From the first request's start to the last request's end, by aiperf's clock."""
-    spans = [((row.get("metadata") or {}).get("request_start_ns"), (row.get("metadata") or {}).get("request_end_ns"))
-             for row in (json.loads(x) for x in lines if x.strip())]
+    spans = [
+        ((row.get("metadata") or {}).get("request_start_ns"), (row.get("metadata") or {}).get("request_end_ns"))
+        for row in (json.loads(x) for x in lines if x.strip())
+    ]
     starts, ends = [a for a, _ in spans if a], [b for _, b in spans if b]
     return (max(ends) - min(starts)) / 1e9 if starts and ends else 0.0
 
@@ -133,9 +193,17 @@ def records_from_export(lines: Sequence[str], turns: Sequence[Turn], time_scale:
     (the k-th line of a session in the trace is its turn k); a turn aiperf has no record of is an
     error."""
     at = arrival_times(turns, time_scale) if turns else []
-    records = [RequestRecord(index=i, conversation=t.conversation, turn=t.turn, arrival_s=at[i],
-                             prompt_tokens=len(t.tokens), error="aiperf sent no request for it")
-               for i, t in enumerate(turns)]
+    records = [
+        RequestRecord(
+            index=i,
+            conversation=t.conversation,
+            turn=t.turn,
+            arrival_s=at[i],
+            prompt_tokens=len(t.tokens),
+            error="aiperf sent no request for it",
+        )
+        for i, t in enumerate(turns)
+    ]
     slot: Dict[tuple, int] = {}
     seen: Dict[str, int] = {}
     for i, t in enumerate(turns):
@@ -149,8 +217,9 @@ def records_from_export(lines: Sequence[str], turns: Sequence[Turn], time_scale:
         meta, metrics = row.get("metadata") or {}, row.get("metrics") or {}
         key = (meta.get("conversation_id"), meta.get("turn_index"))
         if key not in slot:
-            raise RuntimeError(f"aiperf reported a request of session {key[0]!r} turn {key[1]!r}, which the "
-                               "replay did not send")
+            raise RuntimeError(
+                f"aiperf reported a request of session {key[0]!r} turn {key[1]!r}, which the replay did not send"
+            )
         rec = records[slot[key]]
         if meta.get("request_start_ns"):
             rec.sent_s = (meta["request_start_ns"] - t0) / 1e9  # from the first request's start

@@ -85,12 +85,14 @@ class Replayer:
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model, self.concurrency, self.timeout = model, concurrency, request_timeout_s
 
-    def run(self, turns: Sequence[Turn], time_scale: float,
-            on_done: Callable[[RequestRecord], None] = lambda r: None) -> List[RequestRecord]:
+    def run(
+        self, turns: Sequence[Turn], time_scale: float, on_done: Callable[[RequestRecord], None] = lambda r: None
+    ) -> List[RequestRecord]:
         return asyncio.run(self.replay(turns, time_scale, on_done))
 
-    async def replay(self, turns: Sequence[Turn], time_scale: float,
-                     on_done: Callable[[RequestRecord], None]) -> List[RequestRecord]:
+    async def replay(
+        self, turns: Sequence[Turn], time_scale: float, on_done: Callable[[RequestRecord], None]
+    ) -> List[RequestRecord]:
         arrivals = arrival_times(turns, time_scale)
         records = [RequestRecord(i, t.conversation, t.turn, a) for i, (t, a) in enumerate(zip(turns, arrivals))]
         slots = asyncio.Semaphore(self.concurrency)
@@ -99,6 +101,7 @@ class Replayer:
         start = loop.time()
         connector = aiohttp.TCPConnector(limit=self.concurrency)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout)) as s:
+
             async def one(turn: Turn, rec: RequestRecord) -> None:
                 try:
                     await asyncio.sleep(max(0.0, start + rec.arrival_s - loop.time()))
@@ -116,9 +119,15 @@ class Replayer:
         return records
 
     async def _send(self, session: aiohttp.ClientSession, turn: Turn, rec: RequestRecord) -> None:
-        body = {"model": self.model, "prompt": turn.tokens, "max_tokens": turn.output_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True},
-                "nvext": {"extra_fields": ["worker_id", "engine_data", "completion_token_ids"]}}
+        body = {
+            "model": self.model,
+            "prompt": turn.tokens,
+            "max_tokens": turn.output_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "nvext": {"extra_fields": ["worker_id", "engine_data", "completion_token_ids"]},
+        }
         rec.prompt_tokens = len(turn.tokens)
         t0 = time.perf_counter()
         last: Optional[float] = None

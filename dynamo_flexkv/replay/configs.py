@@ -74,8 +74,11 @@ def _vllm_tier(tier: str) -> Counter:
 def peer_mapping(mapping: MetricMapping) -> MetricMapping:
     """A vLLM worker on a peer's connector: vLLM counts what the peer loaded as external prefix-cache
     hits, one number for all of its tiers, shown as host."""
-    return MetricMapping(mapping.requests, mapping.prompt_tokens,
-                         {"device": mapping.cached["device"], "host": Counter("vllm:external_prefix_cache_hits_total")})
+    return MetricMapping(
+        mapping.requests,
+        mapping.prompt_tokens,
+        {"device": mapping.cached["device"], "host": Counter("vllm:external_prefix_cache_hits_total")},
+    )
 
 
 @dataclass(frozen=True)
@@ -92,35 +95,71 @@ class Engine:
     ready_timeout_s: float  # how long a freshly served graph may take to answer (--ready-timeout)
 
 
-ENGINES: Dict[str, Engine] = {e.name: e for e in (
-    Engine("vllm", "agg_router_vllm", "agg_router_vllm", "VllmWorker", MetricMapping(
-        # vLLM counts finished requests by finish reason (summed), prompt tokens per request, its own
-        # prefix-cache hits (the device tier) at admission; FlexKVConnector the tokens it loaded per tier
-        requests=Counter("vllm:request_success_total"), prompt_tokens=Counter("vllm:prompt_tokens_total"),
-        cached={"device": Counter("vllm:prefix_cache_hits_total"), **{t: _vllm_tier(t) for t in TIERS[1:]}}),
-        # vLLM's start (imports, engine core, model, KV cache) took 3-6 min per graph on 2 busy cores
-        "python -m dynamo.vllm workers (vLLM, FlexKVConnector for the host/SSD tiers)", 900),
-    Engine("reference", "agg_router", "agg_router", "FlexKVWorker", MetricMapping(
-        requests=Counter("flexkv_requests_total"), prompt_tokens=Counter("flexkv_prompt_tokens_total"),
-        cached={t: _flexkv_tier(t) for t in TIERS}),
-        "dynamo_flexkv's reference-engine workers (FlexKVWorker)", 300),
-)}
+ENGINES: Dict[str, Engine] = {
+    e.name: e
+    for e in (
+        Engine(
+            "vllm",
+            "agg_router_vllm",
+            "agg_router_vllm",
+            "VllmWorker",
+            MetricMapping(
+                # vLLM counts finished requests by finish reason (summed), prompt tokens per request, its own
+                # prefix-cache hits (the device tier) at admission; FlexKVConnector the tokens it loaded per tier
+                requests=Counter("vllm:request_success_total"),
+                prompt_tokens=Counter("vllm:prompt_tokens_total"),
+                cached={"device": Counter("vllm:prefix_cache_hits_total"), **{t: _vllm_tier(t) for t in TIERS[1:]}},
+            ),
+            # vLLM's start (imports, engine core, model, KV cache) took 3-6 min per graph on 2 busy cores
+            "python -m dynamo.vllm workers (vLLM, FlexKVConnector for the host/SSD tiers)",
+            900,
+        ),
+        Engine(
+            "reference",
+            "agg_router",
+            "agg_router",
+            "FlexKVWorker",
+            MetricMapping(
+                requests=Counter("flexkv_requests_total"),
+                prompt_tokens=Counter("flexkv_prompt_tokens_total"),
+                cached={t: _flexkv_tier(t) for t in TIERS},
+            ),
+            "dynamo_flexkv's reference-engine workers (FlexKVWorker)",
+            300,
+        ),
+    )
+}
 
 
 DEVICE_ONLY = ("Frontend.router-host-cache-hit-weight=0", "Frontend.router-disk-cache-hit-weight=0")
-CONFIGURATIONS: Dict[str, Configuration] = {c.name: c for c in (
-    Configuration("no-offload", "device prefix cache only, KV routing", ("{worker}.offload=false",), offload=False),
-    Configuration("host", "host tier, KV routing over device+host", ("{worker}.cache.ssd_cache_gb=0",)),
-    Configuration("host+ssd", "host + SSD tiers, KV routing over every tier (the default)", ()),
-    Configuration("round-robin", "host + SSD tiers, round-robin routing", ("Frontend.router-mode=round-robin",)),
-    Configuration("kv-device-only", "host + SSD tiers, KV routing counting the device only "
-                  "(host/disk weights 0)", DEVICE_ONLY),
-    Configuration("node", "host + SSD tiers of one node cache both workers share (the same memory and disk in "
-                  "all as host+ssd), KV routing over every tier", (), node=True),
-    Configuration("lmcache", "LMCache 0.5.6 (multi-process) in each vLLM worker instead of ours: one LMCache server "
-                  "for the node, its CPU tier the workers' host tiers together, a disk tier; KV routing on device "
-                  "events (LMCache publishes none)", (), offload=False, peer="lmcache"),
-)}
+CONFIGURATIONS: Dict[str, Configuration] = {
+    c.name: c
+    for c in (
+        Configuration("no-offload", "device prefix cache only, KV routing", ("{worker}.offload=false",), offload=False),
+        Configuration("host", "host tier, KV routing over device+host", ("{worker}.cache.ssd_cache_gb=0",)),
+        Configuration("host+ssd", "host + SSD tiers, KV routing over every tier (the default)", ()),
+        Configuration("round-robin", "host + SSD tiers, round-robin routing", ("Frontend.router-mode=round-robin",)),
+        Configuration(
+            "kv-device-only", "host + SSD tiers, KV routing counting the device only (host/disk weights 0)", DEVICE_ONLY
+        ),
+        Configuration(
+            "node",
+            "host + SSD tiers of one node cache both workers share (the same memory and disk in "
+            "all as host+ssd), KV routing over every tier",
+            (),
+            node=True,
+        ),
+        Configuration(
+            "lmcache",
+            "LMCache 0.5.6 (multi-process) in each vLLM worker instead of ours: one LMCache server "
+            "for the node, its CPU tier the workers' host tiers together, a disk tier; KV routing on device "
+            "events (LMCache publishes none)",
+            (),
+            offload=False,
+            peer="lmcache",
+        ),
+    )
+}
 # Remote (peer) tiers do not exist yet; the comparison gains "host+ssd+remote" when they do.
 
 
@@ -144,8 +183,11 @@ class WorkerTotals:
     cached: Dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
 
     def minus(self, other: "WorkerTotals") -> "WorkerTotals":
-        return WorkerTotals(self.requests - other.requests, self.prompt_tokens - other.prompt_tokens,
-                            {t: self.cached[t] - other.cached[t] for t in TIERS})
+        return WorkerTotals(
+            self.requests - other.requests,
+            self.prompt_tokens - other.prompt_tokens,
+            {t: self.cached[t] - other.cached[t] for t in TIERS},
+        )
 
 
 def scrape(port: int) -> str:
@@ -161,8 +203,11 @@ def worker_totals(metrics_text: str, mapping: Optional[MetricMapping] = None) ->
     worker's /metrics text; each counter is the sum of its matching samples (0 when absent)."""
     mapping = mapping or ENGINES["reference"].metrics
     out = WorkerTotals()
-    wanted = [("requests", mapping.requests), ("prompt_tokens", mapping.prompt_tokens),
-              *((t, c) for t, c in mapping.cached.items())]
+    wanted = [
+        ("requests", mapping.requests),
+        ("prompt_tokens", mapping.prompt_tokens),
+        *((t, c) for t, c in mapping.cached.items()),
+    ]
     sums = {key: 0.0 for key, _ in wanted}
     for fam in text_string_to_metric_families(metrics_text):
         for s in fam.samples:
@@ -201,11 +246,24 @@ class ConfigRun:
         return f"{self.config.name} @{self.device_blocks}"
 
 
-def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[Turn], *, graph: str,
-                     config_file: str, extra_overrides: Sequence[str], time_scale: float, concurrency: int,
-                     on_done: Callable[[RequestRecord], None], on_ready: Callable[[], None] = lambda: None,
-                     logs: bool = False, request_timeout_s: float = 120, engine: str = "reference",
-                     ready_timeout_s: Optional[float] = None, client: str = "ours") -> Tuple[ConfigRun, "Launcher"]:
+def serve_and_replay(
+    config: Configuration,
+    device_blocks: int,
+    turns: Sequence[Turn],
+    *,
+    graph: str,
+    config_file: str,
+    extra_overrides: Sequence[str],
+    time_scale: float,
+    concurrency: int,
+    on_done: Callable[[RequestRecord], None],
+    on_ready: Callable[[], None] = lambda: None,
+    logs: bool = False,
+    request_timeout_s: float = 120,
+    engine: str = "reference",
+    ready_timeout_s: Optional[float] = None,
+    client: str = "ours",
+) -> Tuple[ConfigRun, "Launcher"]:
     """Serves ``config`` on a fresh graph of ``engine``'s workers and replays ``turns`` against it.
     The graph is returned still running: the caller stops it (``Launcher.shutdown``), e.g. while
     the next one starts."""
@@ -217,31 +275,53 @@ def serve_and_replay(config: Configuration, device_blocks: int, turns: Sequence[
     if config.peer and engine != "vllm":
         raise ValueError(f"the {config.name} configuration runs vLLM workers: use --engine vllm")
     run_dir = Path(tempfile.mkdtemp(prefix=f"dynamo-flexkv-replay-{config.name.replace('+', '-')}-"))
-    overrides = ["Frontend.http-port=0",  # any free port: never collides with a running graph
-                 f"{worker}.cache.ssd_cache_dir={run_dir}/ssd{{replica}}",  # a fresh disk tier per run
-                 f"{worker}.num-device-blocks={device_blocks}", *extra_overrides, *config.overrides_for(worker)]
+    overrides = [
+        "Frontend.http-port=0",  # any free port: never collides with a running graph
+        f"{worker}.cache.ssd_cache_dir={run_dir}/ssd{{replica}}",  # a fresh disk tier per run
+        f"{worker}.num-device-blocks={device_blocks}",
+        *extra_overrides,
+        *config.overrides_for(worker),
+    ]
     cfg = apply_overrides(load_config(config_file), overrides)
     if config.node:
         cfg = node_cache_config(cfg, worker, run_dir)
     server = None
     if config.peer == "lmcache":
         from dynamo_flexkv.replay.peers import lmcache_config
+
         cfg, server = lmcache_config(cfg, worker, run_dir)
     plan = build_plan(load_graph(graph), cfg, run_dir=run_dir, source=config_file)
     if server is not None:
         from dynamo_flexkv.replay.peers import add_lmcache_server
+
         add_lmcache_server(plan, server)
-    sys.stderr.write(f"{config.name} @{device_blocks} device blocks: starting {plan.graph.name} "
-                     f"({len(plan.workers)} workers), logs in {run_dir}/logs\n")
+    sys.stderr.write(
+        f"{config.name} @{device_blocks} device blocks: starting {plan.graph.name} "
+        f"({len(plan.workers)} workers), logs in {run_dir}/logs\n"
+    )
     launcher = Launcher(plan, sys.stderr if logs else None)
     launcher.start()  # stops what it started if it fails
     try:
         launcher.wait_ready(ready_timeout_s or ENGINES[engine].ready_timeout_s)
         on_ready()
         model_dir = plan.run_dir / "model" if plan.write_model else Path(plan.model)
-        run = _measure(config, device_blocks, plan.base_url, plan.served_model_name,
-                       {p.name: p.port for p in plan.workers}, turns, time_scale, concurrency, on_done,
-                       launcher.check_alive, request_timeout_s, engine, client, model_dir, run_dir / "aiperf")
+        run = _measure(
+            config,
+            device_blocks,
+            plan.base_url,
+            plan.served_model_name,
+            {p.name: p.port for p in plan.workers},
+            turns,
+            time_scale,
+            concurrency,
+            on_done,
+            launcher.check_alive,
+            request_timeout_s,
+            engine,
+            client,
+            model_dir,
+            run_dir / "aiperf",
+        )
     except BaseException:
         launcher.shutdown()
         raise
@@ -265,23 +345,59 @@ def node_cache_config(cfg: Dict[str, Any], worker: str, run_dir: Path) -> Dict[s
     return {**cfg, worker: {**section, "cache": {"mode": "node"}}, "NodeCache": node}
 
 
-def replay_url(url: str, model: str, turns: Sequence[Turn], *, ports: Sequence[int], time_scale: float,
-               concurrency: int, on_done: Callable[[RequestRecord], None], request_timeout_s: float = 120,
-               engine: str = "reference", client: str = "ours", model_dir: Optional[Path] = None) -> ConfigRun:
+def replay_url(
+    url: str,
+    model: str,
+    turns: Sequence[Turn],
+    *,
+    ports: Sequence[int],
+    time_scale: float,
+    concurrency: int,
+    on_done: Callable[[RequestRecord], None],
+    request_timeout_s: float = 120,
+    engine: str = "reference",
+    client: str = "ours",
+    model_dir: Optional[Path] = None,
+) -> ConfigRun:
     """The replay against a graph served elsewhere; ``ports``: its workers' system ports (may be
     empty), read with ``engine``'s metric mapping; ``model_dir``: the tokenizer aiperf loads
     (``client="aiperf"``)."""
     config = Configuration("served", f"the graph at {url}", ())
-    return _measure(config, 0, url, model, {f"worker@{p}": p for p in ports}, turns, time_scale, concurrency,
-                    on_done, request_timeout_s=request_timeout_s, engine=engine, client=client,
-                    model_dir=model_dir, workdir=Path(tempfile.mkdtemp(prefix="dynamo-flexkv-aiperf-")))
+    return _measure(
+        config,
+        0,
+        url,
+        model,
+        {f"worker@{p}": p for p in ports},
+        turns,
+        time_scale,
+        concurrency,
+        on_done,
+        request_timeout_s=request_timeout_s,
+        engine=engine,
+        client=client,
+        model_dir=model_dir,
+        workdir=Path(tempfile.mkdtemp(prefix="dynamo-flexkv-aiperf-")),
+    )
 
 
-def _measure(config: Configuration, device_blocks: int, url: str, model: str, ports: Dict[str, int],
-             turns: Sequence[Turn], time_scale: float, concurrency: int,
-             on_done: Callable[[RequestRecord], None], check_alive: Callable[[], None] = lambda: None,
-             request_timeout_s: float = 120, engine: str = "reference", client: str = "ours",
-             model_dir: Optional[Path] = None, workdir: Optional[Path] = None) -> ConfigRun:
+def _measure(
+    config: Configuration,
+    device_blocks: int,
+    url: str,
+    model: str,
+    ports: Dict[str, int],
+    turns: Sequence[Turn],
+    time_scale: float,
+    concurrency: int,
+    on_done: Callable[[RequestRecord], None],
+    check_alive: Callable[[], None] = lambda: None,
+    request_timeout_s: float = 120,
+    engine: str = "reference",
+    client: str = "ours",
+    model_dir: Optional[Path] = None,
+    workdir: Optional[Path] = None,
+) -> ConfigRun:
     mapping = peer_mapping(ENGINES[engine].metrics) if config.peer else ENGINES[engine].metrics
     texts = {name: scrape(port) for name, port in ports.items()}
     names = {worker_id(text): name for name, text in texts.items()}
@@ -293,13 +409,22 @@ def _measure(config: Configuration, device_blocks: int, url: str, model: str, po
 
         if model_dir is None or workdir is None:
             raise ValueError("--client aiperf needs the served model's directory (its tokenizer) and a work folder")
-        records, wall = run_aiperf(url, model, model_dir, turns, time_scale=time_scale, concurrency=concurrency,
-                                   workdir=workdir, request_timeout_s=request_timeout_s)
+        records, wall = run_aiperf(
+            url,
+            model,
+            model_dir,
+            turns,
+            time_scale=time_scale,
+            concurrency=concurrency,
+            workdir=workdir,
+            request_timeout_s=request_timeout_s,
+        )
         for r in records:
             on_done(r)
     elif client == "ours":
         records = Replayer(url, model, concurrency=concurrency, request_timeout_s=request_timeout_s).run(
-            turns, time_scale, on_done)
+            turns, time_scale, on_done
+        )
     else:
         raise ValueError(f"unknown client {client!r}: ours or aiperf")
     wall = wall or time.perf_counter() - t0
@@ -308,8 +433,9 @@ def _measure(config: Configuration, device_blocks: int, url: str, model: str, po
     for r in records:  # workers not scraped are still told apart
         if r.worker_id is not None and r.worker_id not in names:
             names[r.worker_id] = f"worker-{r.worker_id:x}"
-    return ConfigRun(config, device_blocks, records, wall, {n: after[n].minus(before[n]) for n in ports}, names,
-                     engine, client)
+    return ConfigRun(
+        config, device_blocks, records, wall, {n: after[n].minus(before[n]) for n in ports}, names, engine, client
+    )
 
 
 def attribute_workers(run: ConfigRun) -> Dict[str, List[RequestRecord]]:

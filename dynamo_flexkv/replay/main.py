@@ -45,15 +45,30 @@ class Preset:
 # (83 requests; the other 11 trickle in over the next 34 min of trace), at 20x. At 40 device
 # blocks a prompt leaves the device before its conversation's next turn; a 512-block host tier
 # holds what a worker serves, so a later turn's prefix is on the worker that served the turn before.
-DEFAULT = Preset(conversations=32, sample_every=4, trace_window_s=900, time_scale=20.0,
-                 configs="no-offload,host+ssd,kv-device-only,node", device_blocks="40", sweep_configs="no-offload,host+ssd")
-FULL = Preset(conversations=192, sample_every=1, trace_window_s=None, time_scale=40.0, configs=ALL_CONFIGS,
-              device_blocks="48,64,128,256", sweep_configs=ALL_CONFIGS)
+DEFAULT = Preset(
+    conversations=32,
+    sample_every=4,
+    trace_window_s=900,
+    time_scale=20.0,
+    configs="no-offload,host+ssd,kv-device-only,node",
+    device_blocks="40",
+    sweep_configs="no-offload,host+ssd",
+)
+FULL = Preset(
+    conversations=192,
+    sample_every=1,
+    trace_window_s=None,
+    time_scale=40.0,
+    configs=ALL_CONFIGS,
+    device_blocks="48,64,128,256",
+    sweep_configs=ALL_CONFIGS,
+)
 
 
 def _number(kind: type, low: float, inclusive: bool, what: str) -> Callable[[str], float]:
     """An argparse type: a finite ``kind`` at or above (``inclusive``) / above ``low``. argparse names
     the option and exits 2 on a bad value, before anything is served."""
+
     def parse(text: str):
         try:
             value = kind(text)
@@ -62,6 +77,7 @@ def _number(kind: type, low: float, inclusive: bool, what: str) -> Callable[[str
         if not is_duration(value, low, low_ok=inclusive):
             raise argparse.ArgumentTypeError(f"{text} must be {what}")
         return value
+
     return parse
 
 
@@ -76,61 +92,123 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from dynamo_flexkv.replay.configs import ENGINES
 
     g = p.add_argument_group("what to serve")
-    g.add_argument("--engine", choices=list(ENGINES), default="vllm",
-                   help="the workers: " + "; ".join(f"{e.name}: {e.description}, graphs/{e.graph}.py with "
-                                                    f"configs/{e.config}.yaml" for e in ENGINES.values())
-                   + " (default vllm)")
+    g.add_argument(
+        "--engine",
+        choices=list(ENGINES),
+        default="vllm",
+        help="the workers: "
+        + "; ".join(
+            f"{e.name}: {e.description}, graphs/{e.graph}.py with configs/{e.config}.yaml" for e in ENGINES.values()
+        )
+        + " (default vllm)",
+    )
     g.add_argument("--graph", help="graph file (default: the engine's, see --engine)")
     g.add_argument("-f", "--config", help="config file (default: the engine's, see --engine)")
-    g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config override for every configuration (e.g. VllmWorker.cache.ssd_cache_gb=0.5)")
-    g.add_argument("--host-gb", type=GB,
-                   help=f"host tier per worker in GB (default {HOST_GB['vllm']} for vllm: 128 blocks of the small preset in "
-                   f"bfloat16, a quarter of what a worker serves in the default workload, so the SSD tier serves "
-                   f"part of the lower-tier hits; {HOST_GB['reference']} for reference: 512 float32 blocks, all of it)")
-    g.add_argument("--configs", help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
-                   f"--full {FULL.configs}; all: {ALL_CONFIGS}; with --engine vllm, lmcache is added to the "
-                   f"defaults once `make peer-lmcache` installed LMCache: the peer in the same graph)")
-    g.add_argument("--device-blocks", help="device KV blocks per worker, comma-separated: the first size runs "
-                   f"--configs, the others --sweep-configs (default {DEFAULT.device_blocks}; --full "
-                   f"{FULL.device_blocks})")
-    g.add_argument("--sweep-configs", help=f"configurations at the other device sizes (default "
-                   f"{DEFAULT.sweep_configs}; --full: all of --configs)")
-    g.add_argument("--url", help="replay against this already served graph (e.g. http://127.0.0.1:8000) instead: "
-                   "one run, no comparison")
+    g.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="config override for every configuration (e.g. VllmWorker.cache.ssd_cache_gb=0.5)",
+    )
+    g.add_argument(
+        "--host-gb",
+        type=GB,
+        help=f"host tier per worker in GB (default {HOST_GB['vllm']} for vllm: 128 blocks of the small preset in "
+        f"bfloat16, a quarter of what a worker serves in the default workload, so the SSD tier serves "
+        f"part of the lower-tier hits; {HOST_GB['reference']} for reference: 512 float32 blocks, all of it)",
+    )
+    g.add_argument(
+        "--configs",
+        help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
+        f"--full {FULL.configs}; all: {ALL_CONFIGS}; with --engine vllm, lmcache is added to the "
+        f"defaults once `make peer-lmcache` installed LMCache: the peer in the same graph)",
+    )
+    g.add_argument(
+        "--device-blocks",
+        help="device KV blocks per worker, comma-separated: the first size runs "
+        f"--configs, the others --sweep-configs (default {DEFAULT.device_blocks}; --full "
+        f"{FULL.device_blocks})",
+    )
+    g.add_argument(
+        "--sweep-configs",
+        help=f"configurations at the other device sizes (default {DEFAULT.sweep_configs}; --full: all of --configs)",
+    )
+    g.add_argument(
+        "--url",
+        help="replay against this already served graph (e.g. http://127.0.0.1:8000) instead: one run, no comparison",
+    )
     g.add_argument("--model", help="served model name (with --url; default: the config's served-model-name)")
-    g.add_argument("--client", choices=["ours", "aiperf"], default="ours",
-                   help="who sends and times the requests: ours (default; counts tokens per chunk, names the worker "
-                   "and the tiers of each response) or aiperf, NVIDIA's benchmark client, from its own venv "
-                   ".venv-aiperf (installed on first use, ~2 min): the same request bodies and schedule, timed by "
-                   "the chunks that carry text; hits and accounting then come from the workers' counters")
-    g.add_argument("--worker-metrics", default="", metavar="PORT,PORT",
-                   help="with --url: the workers' system ports, to attribute requests and check the accounting "
-                   "(their counters read as --engine's)")
+    g.add_argument(
+        "--client",
+        choices=["ours", "aiperf"],
+        default="ours",
+        help="who sends and times the requests: ours (default; counts tokens per chunk, names the worker "
+        "and the tiers of each response) or aiperf, NVIDIA's benchmark client, from its own venv "
+        ".venv-aiperf (installed on first use, ~2 min): the same request bodies and schedule, timed by "
+        "the chunks that carry text; hits and accounting then come from the workers' counters",
+    )
+    g.add_argument(
+        "--worker-metrics",
+        default="",
+        metavar="PORT,PORT",
+        help="with --url: the workers' system ports, to attribute requests and check the accounting "
+        "(their counters read as --engine's)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="Mooncake-format trace, .jsonl or .jsonl.xz (default: the shipped one)")
-    w.add_argument("--conversations", type=COUNT, help=f"conversations replayed (default {DEFAULT.conversations}; "
-                   f"--full {FULL.conversations})")
+    w.add_argument(
+        "--conversations",
+        type=COUNT,
+        help=f"conversations replayed (default {DEFAULT.conversations}; --full {FULL.conversations})",
+    )
     w.add_argument("--min-turns", type=int, default=Scale.min_turns)
     w.add_argument("--max-turns", type=int, default=Scale.max_turns)
-    w.add_argument("--tokens-per-hash-block", type=int, default=Scale.tokens_per_hash_block,
-                   help=f"tokens per {TRACE_BLOCK}-token trace block (scales prompt length)")
+    w.add_argument(
+        "--tokens-per-hash-block",
+        type=int,
+        default=Scale.tokens_per_hash_block,
+        help=f"tokens per {TRACE_BLOCK}-token trace block (scales prompt length)",
+    )
     w.add_argument("--max-prompt-tokens", type=int, default=Scale.max_prompt_tokens)
     w.add_argument("--max-output-tokens", type=int, default=Scale.max_output_tokens)
-    w.add_argument("--sample-every", type=COUNT, metavar="K",
-                   help="replay every K-th conversation of the first K x --conversations, so new conversations arrive "
-                   f"spread out as in the trace, not in one burst (default {DEFAULT.sample_every}; --full {FULL.sample_every})")
-    w.add_argument("--trace-window-s", type=WINDOW_S, help=f"drop turns that arrive later than this many seconds into "
-                   f"the trace (default {DEFAULT.trace_window_s:g}; --full: none; 0: none)")
-    w.add_argument("--time-scale", type=FACTOR, help=f"trace seconds per replay second (default {DEFAULT.time_scale:g}: "
-                   f"the trace's arrivals {DEFAULT.time_scale:g}x faster; --full {FULL.time_scale:g})")
+    w.add_argument(
+        "--sample-every",
+        type=COUNT,
+        metavar="K",
+        help="replay every K-th conversation of the first K x --conversations, so new conversations arrive "
+        f"spread out as in the trace, not in one burst (default {DEFAULT.sample_every}; --full {FULL.sample_every})",
+    )
+    w.add_argument(
+        "--trace-window-s",
+        type=WINDOW_S,
+        help=f"drop turns that arrive later than this many seconds into "
+        f"the trace (default {DEFAULT.trace_window_s:g}; --full: none; 0: none)",
+    )
+    w.add_argument(
+        "--time-scale",
+        type=FACTOR,
+        help=f"trace seconds per replay second (default {DEFAULT.time_scale:g}: "
+        f"the trace's arrivals {DEFAULT.time_scale:g}x faster; --full {FULL.time_scale:g})",
+    )
     w.add_argument("--concurrency", type=COUNT, default=8, help="requests in flight at most (default 8)")
-    w.add_argument("--ready-timeout", type=POSITIVE_S, help="seconds a freshly served graph may take to answer "
-                   "before its configuration counts as failed (default: the engine's, vllm 900, reference 300)")
-    w.add_argument("--request-timeout", type=POSITIVE_S, default=120,
-                   help="seconds one request may take before it counts as an error (default 120)")
-    w.add_argument("--full", action="store_true", help="a longer replay: more conversations, every configuration "
-                   "at every device size of a wider sweep")
+    w.add_argument(
+        "--ready-timeout",
+        type=POSITIVE_S,
+        help="seconds a freshly served graph may take to answer "
+        "before its configuration counts as failed (default: the engine's, vllm 900, reference 300)",
+    )
+    w.add_argument(
+        "--request-timeout",
+        type=POSITIVE_S,
+        default=120,
+        help="seconds one request may take before it counts as an error (default 120)",
+    )
+    w.add_argument(
+        "--full",
+        action="store_true",
+        help="a longer replay: more conversations, every configuration at every device size of a wider sweep",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", help="results folder (default replay-results/<UTC time>)")
     o.add_argument("--json", help="also append each configuration's summary to this JSONL file")
@@ -200,8 +278,15 @@ def _on_sigterm_interrupt():
 
 def _run(args: argparse.Namespace) -> int:
     from dynamo_flexkv.serve.launcher import ComponentDied
-    from dynamo_flexkv.replay.configs import (ENGINES, ConfigRun, Configuration, device_block_list,
-                                              parse_configs, replay_url, serve_and_replay)
+    from dynamo_flexkv.replay.configs import (
+        ENGINES,
+        ConfigRun,
+        Configuration,
+        device_block_list,
+        parse_configs,
+        replay_url,
+        serve_and_replay,
+    )
     from dynamo_flexkv.replay.report import first_error, markdown, summarize, write_jsonl
 
     preset = FULL if args.full else DEFAULT
@@ -215,9 +300,14 @@ def _run(args: argparse.Namespace) -> int:
     conversations = args.conversations if args.conversations is not None else preset.conversations
     if conversations < 1:
         raise ValueError(f"--conversations {conversations} must be >= 1")
-    scale = Scale(conversations=conversations * every, min_turns=args.min_turns,
-                  max_turns=args.max_turns, tokens_per_hash_block=args.tokens_per_hash_block,
-                  max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens)
+    scale = Scale(
+        conversations=conversations * every,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+        tokens_per_hash_block=args.tokens_per_hash_block,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+    )
     args.set = [*engine_overrides(engine, args, scale), *args.set]  # an explicit --set still wins
     window = args.trace_window_s if args.trace_window_s is not None else preset.trace_window_s
     window = window or None  # 0: no window
@@ -225,23 +315,30 @@ def _run(args: argparse.Namespace) -> int:
     picked = (f"every {every}th of " if every > 1 else "") + scale.describe()
     if window:
         picked += f"; turns within the trace's first {window:g} s"
-    workload = (f"{len(turns)} requests: {picked}; arrivals at trace time / {args.time_scale:g}, a turn "
-                f"never before the previous turn of its conversation answered, at most {args.concurrency} in flight")
+    workload = (
+        f"{len(turns)} requests: {picked}; arrivals at trace time / {args.time_scale:g}, a turn "
+        f"never before the previous turn of its conversation answered, at most {args.concurrency} in flight"
+    )
     if args.url:
         plan = [(Configuration("served", f"the graph at {args.url}", ()), 0)]
     else:
         sizes = device_block_list(args.device_blocks or preset.device_blocks)
         main = parse_configs(args.configs or _with_peer(preset.configs, args.engine))
-        sweep = parse_configs(args.sweep_configs) if args.sweep_configs else (
-            main if args.full else parse_configs(preset.sweep_configs))
+        sweep = (
+            parse_configs(args.sweep_configs)
+            if args.sweep_configs
+            else (main if args.full else parse_configs(preset.sweep_configs))
+        )
         _check_peers([*main, *sweep], args.engine)
         plan = [(c, sizes[0]) for c in main] + [(c, b) for b in sizes[1:] for c in sweep]
         _check_context(args, scale, min(sizes))
     out = Path(args.out or f"replay-results/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     out.mkdir(parents=True, exist_ok=True)
     setup = _setup(args, plan)
-    sys.stderr.write(f"replay: {workload}\nreplay: {len(plan)} runs: "
-                     f"{', '.join(f'{c.name} @{b}' for c, b in plan)}; results in {out}\n")
+    sys.stderr.write(
+        f"replay: {workload}\nreplay: {len(plan)} runs: "
+        f"{', '.join(f'{c.name} @{b}' for c, b in plan)}; results in {out}\n"
+    )
     t_start = time.perf_counter()
     runs: List[ConfigRun] = []
     failed: List[str] = []
@@ -252,22 +349,42 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 if args.url:
                     progress.start()
-                    run = replay_url(args.url, args.model or _served_name(args), turns,
-                                     ports=_ports(args.worker_metrics), time_scale=args.time_scale,
-                                     concurrency=args.concurrency, on_done=progress.done,
-                                     request_timeout_s=args.request_timeout, engine=args.engine,
-                                     client=args.client, model_dir=_tokenizer_dir(args) if args.client == "aiperf" else None)
+                    run = replay_url(
+                        args.url,
+                        args.model or _served_name(args),
+                        turns,
+                        ports=_ports(args.worker_metrics),
+                        time_scale=args.time_scale,
+                        concurrency=args.concurrency,
+                        on_done=progress.done,
+                        request_timeout_s=args.request_timeout,
+                        engine=args.engine,
+                        client=args.client,
+                        model_dir=_tokenizer_dir(args) if args.client == "aiperf" else None,
+                    )
                 else:
+
                     def ready(progress=progress) -> None:
                         stopping.wait()  # the previous graph is gone before this one is measured
                         progress.start()
 
-                    run, launcher = serve_and_replay(config, blocks, turns, graph=args.graph, config_file=args.config,
-                                                     extra_overrides=args.set, time_scale=args.time_scale,
-                                                     concurrency=args.concurrency, on_done=progress.done,
-                                                     on_ready=ready, logs=args.logs,
-                                                     request_timeout_s=args.request_timeout, engine=args.engine,
-                                                     ready_timeout_s=args.ready_timeout, client=args.client)
+                    run, launcher = serve_and_replay(
+                        config,
+                        blocks,
+                        turns,
+                        graph=args.graph,
+                        config_file=args.config,
+                        extra_overrides=args.set,
+                        time_scale=args.time_scale,
+                        concurrency=args.concurrency,
+                        on_done=progress.done,
+                        on_ready=ready,
+                        logs=args.logs,
+                        request_timeout_s=args.request_timeout,
+                        engine=args.engine,
+                        ready_timeout_s=args.ready_timeout,
+                        client=args.client,
+                    )
                     stopping.start(launcher)  # stops while the next graph starts
             except (ComponentDied, TimeoutError, RuntimeError, OSError) as e:  # this run only: the others count
                 failed.append(f"{config.name} @{blocks}: {e}")
@@ -279,9 +396,11 @@ def _run(args: argparse.Namespace) -> int:
             s = summarize(run)
             # written now: kept if a later run fails
             write_jsonl(out / "results.jsonl", [s], [run], workload, setup, per_request=True)
-            sys.stderr.write(f"{config.name} @{blocks}: {s.requests} requests, {s.errors} errors, TTFT p50 "
-                             f"{s.ttft_p50_ms:.0f} ms, {s.hit_rate['all']:.0%} of prompt tokens cached, "
-                             f"{run.wall_s:.0f} s\n")
+            sys.stderr.write(
+                f"{config.name} @{blocks}: {s.requests} requests, {s.errors} errors, TTFT p50 "
+                f"{s.ttft_p50_ms:.0f} ms, {s.hit_rate['all']:.0%} of prompt tokens cached, "
+                f"{run.wall_s:.0f} s\n"
+            )
     finally:
         stopping.wait()
     if not runs:
@@ -295,12 +414,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         write_jsonl(Path(args.json), summaries, runs, workload, setup, per_request=False)
     from dynamo_flexkv.replay.plots import write_plots
+
     pngs = write_plots(out, runs, summaries, runs[0].device_blocks)
     print(report)
-    print(f"Wall time {time.perf_counter() - t_start:.0f} s for {len(runs)} runs. Results in {out}/: report.md, "
-          f"results.jsonl (summaries and every request)"
-          + (f", {', '.join(p.name for p in pngs)}" if pngs else " (no plots: no request succeeded)")
-          + (f"; summaries appended to {args.json}" if args.json else ""))
+    print(
+        f"Wall time {time.perf_counter() - t_start:.0f} s for {len(runs)} runs. Results in {out}/: report.md, "
+        f"results.jsonl (summaries and every request)"
+        + (f", {', '.join(p.name for p in pngs)}" if pngs else " (no plots: no request succeeded)")
+        + (f"; summaries appended to {args.json}" if args.json else "")
+    )
     err = first_error(runs)
     if err:
         print(f"error: {sum(s.errors for s in summaries)} requests failed; the first: {err}", file=sys.stderr)
@@ -402,20 +524,26 @@ def _check_context(args: argparse.Namespace, scale: Scale, device_blocks: int) -
     if args.engine == "vllm":
         block, max_len = int(w.get("block-size") or 64), int(w.get("max-model-len") or 4096)
         if need > max_len:
-            raise ValueError(f"--max-prompt-tokens {scale.max_prompt_tokens} + --max-output-tokens "
-                             f"{scale.max_output_tokens} exceed VllmWorker.max-model-len={max_len}, which vLLM "
-                             f"would refuse: lower them or raise max-model-len (--set)")
+            raise ValueError(
+                f"--max-prompt-tokens {scale.max_prompt_tokens} + --max-output-tokens "
+                f"{scale.max_output_tokens} exceed VllmWorker.max-model-len={max_len}, which vLLM "
+                f"would refuse: lower them or raise max-model-len (--set)"
+            )
         if -(-max_len // block) > device_blocks - 1:
-            raise ValueError(f"a device cache of {device_blocks} blocks of {block} tokens cannot hold one request of "
-                             f"max-model-len {max_len} (vLLM keeps one block back): raise the smallest "
-                             f"--device-blocks to {-(-max_len // block) + 1} or lower --max-prompt-tokens")
+            raise ValueError(
+                f"a device cache of {device_blocks} blocks of {block} tokens cannot hold one request of "
+                f"max-model-len {max_len} (vLLM keeps one block back): raise the smallest "
+                f"--device-blocks to {-(-max_len // block) + 1} or lower --max-prompt-tokens"
+            )
         return
     block = EngineModelConfig.load(w.get("model") or "small").block_size
     if need > device_blocks * block:
-        raise ValueError(f"--max-prompt-tokens {scale.max_prompt_tokens} + --max-output-tokens "
-                         f"{scale.max_output_tokens} do not fit a device cache of {device_blocks} blocks of {block} "
-                         f"tokens ({device_blocks * block} tokens), so the worker would refuse such requests: "
-                         f"lower --max-prompt-tokens or raise the smallest --device-blocks")
+        raise ValueError(
+            f"--max-prompt-tokens {scale.max_prompt_tokens} + --max-output-tokens "
+            f"{scale.max_output_tokens} do not fit a device cache of {device_blocks} blocks of {block} "
+            f"tokens ({device_blocks * block} tokens), so the worker would refuse such requests: "
+            f"lower --max-prompt-tokens or raise the smallest --device-blocks"
+        )
 
 
 def sampled(turns: List[Turn], every: int) -> List[Turn]:
@@ -453,10 +581,13 @@ def _setup(args: argparse.Namespace, plan) -> str:
     cache = w.get("cache", {})
     common = cfg.get("Common", {})
     vllm = f", max-model-len {w.get('max-model-len')}" if args.engine == "vllm" else ""
-    return (f"{Path(args.graph).name} with {Path(args.config).name}: {w.get('replicas', 1)} {engine.description} "
-            f"of model {w.get('model', common.get('model'))}{vllm}, each with the device KV cache of the run (blocks per worker "
-            f"in the table), host tier {cache.get('cpu_cache_gb')} GB and SSD tier {cache.get('ssd_cache_gb')} GB "
-            f"(a fresh directory per run) unless the configuration removes them; router "
-            f"{fe.get('router-mode', 'kv')} with host/disk hit weights {fe.get('router-host-cache-hit-weight')}/"
-            f"{fe.get('router-disk-cache-hit-weight')} unless the configuration changes them; every configuration "
-            f"on a freshly started graph")
+    return (
+        f"{Path(args.graph).name} with {Path(args.config).name}: {w.get('replicas', 1)} {engine.description} "
+        f"of model {w.get('model', common.get('model'))}{vllm}, "
+        f"each with the device KV cache of the run (blocks per worker "
+        f"in the table), host tier {cache.get('cpu_cache_gb')} GB and SSD tier {cache.get('ssd_cache_gb')} GB "
+        f"(a fresh directory per run) unless the configuration removes them; router "
+        f"{fe.get('router-mode', 'kv')} with host/disk hit weights {fe.get('router-host-cache-hit-weight')}/"
+        f"{fe.get('router-disk-cache-hit-weight')} unless the configuration changes them; every configuration "
+        f"on a freshly started graph"
+    )

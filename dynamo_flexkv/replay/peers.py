@@ -36,10 +36,16 @@ def lmcache_config(cfg: Dict[str, Any], worker: str, run_dir: Path) -> Tuple[Dic
     replicas = int(section.get("replicas", common.get("replicas", 1)))
     host_gb = float((section.get("cache") or {}).get("cpu_cache_gb", 0)) * replicas
     if host_gb <= 0:
-        raise ValueError(f"the lmcache configuration sizes LMCache's CPU tier from {worker}.cache.cpu_cache_gb, "
-                         "which is not set: set it (the replay's --host-gb does)")
-    server = LMCacheServer(prefix, workdir=str(run_dir / "lmcache"), l1_bytes=int(host_gb * (1 << 30)),
-                           chunk_tokens=int(section.get("block-size", 64)))
+        raise ValueError(
+            f"the lmcache configuration sizes LMCache's CPU tier from {worker}.cache.cpu_cache_gb, "
+            "which is not set: set it (the replay's --host-gb does)"
+        )
+    server = LMCacheServer(
+        prefix,
+        workdir=str(run_dir / "lmcache"),
+        l1_bytes=int(host_gb * (1 << 30)),
+        chunk_tokens=int(section.get("block-size", 64)),
+    )
     extra = [*section.get("extra-args", []), "--kv-transfer-config", json.dumps(kv_transfer_config(server.port))]
     return {**cfg, worker: {**section, "offload": False, "extra-args": extra}}, server
 
@@ -48,8 +54,14 @@ def add_lmcache_server(plan: LaunchPlan, server: LMCacheServer) -> None:
     """Plans ``server`` before the workers (the launcher waits for its port, stops it after them)
     and puts LMCache's prefix first on the workers' PYTHONPATH (vLLM resolves its connector there)."""
     path = os.pathsep.join(p for p in (str(server.prefix), os.environ.get("PYTHONPATH", "")) if p)
-    proc = Process(SERVER, server.args(), {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}, Kind.CACHE,
-                   server.http_port, dirs=[server.l2_dir])
+    proc = Process(
+        SERVER,
+        server.args(),
+        {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"},
+        Kind.CACHE,
+        server.http_port,
+        dirs=[server.l2_dir],
+    )
     first = next(i for i, p in enumerate(plan.processes) if p.kind is Kind.WORKER)
     plan.processes.insert(first, proc)
     for w in plan.workers:

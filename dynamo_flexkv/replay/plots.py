@@ -29,9 +29,11 @@ def write_plots(out: Path, runs: Sequence[ConfigRun], summaries: Sequence[Summar
         return []  # no request succeeded: nothing to plot (the caller reports the requests' errors)
     plt = _pyplot()
     labels = [s.config for _, s in main]
-    paths = [_ttft_cdf(plt, out / "ttft_cdf.png", main, main_blocks),
-             _cached(plt, out / "cached_tokens.png", [s for _, s in main], main_blocks),
-             _throughput(plt, out / "throughput.png", [s for _, s in main], labels, main_blocks)]
+    paths = [
+        _ttft_cdf(plt, out / "ttft_cdf.png", main, main_blocks),
+        _cached(plt, out / "cached_tokens.png", [s for _, s in main], main_blocks),
+        _throughput(plt, out / "throughput.png", [s for _, s in main], labels, main_blocks),
+    ]
     if any(s.requests_per_worker for _, s in main):  # none when no request names its worker
         paths.insert(2, _workers(plt, out / "requests_per_worker.png", [s for _, s in main], main_blocks))
     if len({s.device_blocks for s in summaries}) > 1:
@@ -44,8 +46,12 @@ def _ttft_cdf(plt, path: Path, main, blocks: int) -> Path:
     for run, s in main:
         xs = sorted(r.ttft_ms for r in run.records if r.error is None and r.ttft_ms is not None)
         if xs:
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                    label=f"{s.config} (p50 {s.ttft_p50_ms:,.0f} ms)")
+            ax.step(
+                xs,
+                [(i + 1) / len(xs) for i in range(len(xs))],
+                where="post",
+                label=f"{s.config} (p50 {s.ttft_p50_ms:,.0f} ms)",
+            )
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (ms, log scale)")
     ax.set_ylabel("fraction of requests")
@@ -79,8 +85,12 @@ def _workers(plt, path: Path, summaries: Sequence[Summary], blocks: int) -> Path
     workers = sorted({w for s in summaries for w in s.requests_per_worker})
     width = 0.8 / max(1, len(workers))
     for k, w in enumerate(workers):
-        ax.bar([i + k * width - 0.4 + width / 2 for i in range(len(summaries))],
-               [s.requests_per_worker.get(w, 0) for s in summaries], width, label=w)
+        ax.bar(
+            [i + k * width - 0.4 + width / 2 for i in range(len(summaries))],
+            [s.requests_per_worker.get(w, 0) for s in summaries],
+            width,
+            label=w,
+        )
     ax.set_xticks(list(range(len(summaries))), [s.config for s in summaries], rotation=15)
     ax.set_ylim(0, max((n for s in summaries for n in s.requests_per_worker.values()), default=1) * 1.2)
     ax.set_ylabel("requests served")
@@ -99,8 +109,13 @@ def _throughput(plt, path: Path, summaries: Sequence[Summary], labels: Sequence[
     for ax in (a, b):
         ax.set_xticks(x, labels, rotation=20)
         for bar in ax.patches:
-            ax.annotate(f"{bar.get_height():.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                f"{bar.get_height():.2f}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     fig.suptitle(f"Throughput over the replay's wall time ({blocks} device blocks per worker)")
     return _save(plt, fig, path)
 

@@ -27,7 +27,8 @@ class Component:
     name: str  # its section in the config file
     kind: Kind
     defaults: Mapping[str, Any] = field(default_factory=dict)  # options the config may override
-    engine: str = "flexkv"  # workers: "flexkv" (python -m dynamo_flexkv.integrations.dynamo_worker) or "vllm" (python -m dynamo.vllm)
+    # workers: "flexkv" (python -m dynamo_flexkv.integrations.dynamo_worker) or "vllm" (python -m dynamo.vllm)
+    engine: str = "flexkv"
 
 
 def Frontend(name: str = "Frontend", **defaults: Any) -> Component:

@@ -35,14 +35,16 @@ def redis_process(run_dir: Path, redis: Dict[str, Any], maxmemory: str = "1gb") 
     password sits in a 0600 config file (not on the command line, where ps would show it)."""
     exe = need_binary("redis-server", "redis-server")
     conf = run_dir / "redis" / "redis.conf"
-    text = redis_conf(local_redis_settings(redis["port"], str(run_dir / "redis"), maxmemory,
-                                           password=redis["password"]))
+    text = redis_conf(
+        local_redis_settings(redis["port"], str(run_dir / "redis"), maxmemory, password=redis["password"])
+    )
     return Process("redis", [exe, str(conf)], {}, None, redis["port"], files={str(conf): text})
 
 
 def check_remote_reachable(cache: CacheConfig, where: str) -> None:
     """serve refuses to start workers against a Redis it cannot reach or log in to."""
     from dynamo_flexkv.core.remote import RemoteError, RemoteStore
+
     try:
         RemoteStore(cache.remote_config(), 0, strict=True).close()
     except RemoteError as e:
@@ -62,14 +64,22 @@ def infra_processes(run_dir: Path, discovery: str, event_plane: str, ports: "Por
         env["ETCD_ENDPOINTS"] = f"http://{LOOPBACK}:{client}"
     if event_plane == "zmq" and not os.environ.get("DYN_ZMQ_BROKER_URL"):
         xsub, xpub = (f"tcp://{LOOPBACK}:{ports.take(0, 'zmq broker', '', any_port=True)}" for _ in range(2))
-        procs.append(Process("zmq-broker", [sys.executable, "-m", "dynamo_flexkv.serve.zmq_broker", xsub, xpub],
-                             {}, None, int(xpub.rsplit(":", 1)[1])))
+        procs.append(
+            Process(
+                "zmq-broker",
+                [sys.executable, "-m", "dynamo_flexkv.serve.zmq_broker", xsub, xpub],
+                {},
+                None,
+                int(xpub.rsplit(":", 1)[1]),
+            )
+        )
         env["DYN_ZMQ_BROKER_URL"] = f"xsub={xsub} , xpub={xpub}"
     if event_plane == "nats" and not os.environ.get("NATS_SERVER"):
         exe = need_binary("nats-server", "nats-server")
         port = ports.take(0, "nats", "", any_port=True)
-        procs.append(Process("nats", [exe, "-a", LOOPBACK, "-p", str(port), "-js", "-sd", str(run_dir / "nats")],
-                             {}, None, port))
+        procs.append(
+            Process("nats", [exe, "-a", LOOPBACK, "-p", str(port), "-js", "-sd", str(run_dir / "nats")], {}, None, port)
+        )
         env["NATS_SERVER"] = f"nats://{LOOPBACK}:{port}"
     return procs, env
 
@@ -77,13 +87,30 @@ def infra_processes(run_dir: Path, discovery: str, event_plane: str, ports: "Por
 def etcd_argv(exe: str, name: str, data_dir: str, client: int, peer: int) -> List[str]:
     """A single-node etcd on loopback: clients on ``client``, its peer URL on ``peer``."""
     url, purl = f"http://{LOOPBACK}:{client}", f"http://{LOOPBACK}:{peer}"
-    return [exe, "--name", name, "--data-dir", data_dir, "--listen-client-urls", url, "--advertise-client-urls", url,
-            "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl, "--initial-cluster", f"{name}={purl}"]
+    return [
+        exe,
+        "--name",
+        name,
+        "--data-dir",
+        data_dir,
+        "--listen-client-urls",
+        url,
+        "--advertise-client-urls",
+        url,
+        "--listen-peer-urls",
+        purl,
+        "--initial-advertise-peer-urls",
+        purl,
+        "--initial-cluster",
+        f"{name}={purl}",
+    ]
 
 
 def need_binary(exe: str, package: str) -> str:
     path = find_binary(exe)
     if path is None:
-        raise GraphError(f"{exe} is not installed: `apt-get install {package}` (scripts/install.sh does), "
-                         f"or point {'ETCD_ENDPOINTS' if exe == 'etcd' else 'NATS_SERVER'} at a running server")
+        raise GraphError(
+            f"{exe} is not installed: `apt-get install {package}` (scripts/install.sh does), "
+            f"or point {'ETCD_ENDPOINTS' if exe == 'etcd' else 'NATS_SERVER'} at a running server"
+        )
     return path

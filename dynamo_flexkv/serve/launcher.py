@@ -55,8 +55,9 @@ class Interrupted(RuntimeError, FlexKVError):
 
 class ComponentDied(RuntimeError, FlexKVError):
     def __init__(self, proc: Process, code: int, tail: str) -> None:
-        super().__init__(f"{proc.name} exited with {exit_status(code)} before the graph was ready; "
-                         f"its last log lines:\n{tail}")
+        super().__init__(
+            f"{proc.name} exited with {exit_status(code)} before the graph was ready; its last log lines:\n{tail}"
+        )
         self.proc, self.code = proc, code
 
 
@@ -163,9 +164,15 @@ class Launcher:
         if restart:
             log_file.write(f"---- restart {self.restarts[proc.name]} of {proc.name} ----\n")
             log_file.flush()
-        p = subprocess.Popen(proc.argv, env={**os.environ, **proc.env}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                             cwd=str(self.plan.run_dir))
+        p = subprocess.Popen(
+            proc.argv,
+            env={**os.environ, **proc.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=str(self.plan.run_dir),
+        )
         self.running[proc.name] = p
         self.spawned.append(p)
         if not restart:
@@ -205,8 +212,10 @@ class Launcher:
         while True:
             self.check_alive()
             try:
-                if any(m.get("id") == self.plan.served_model_name
-                       for m in http_json("GET", models_url, timeout=2).get("data", [])):
+                if any(
+                    m.get("id") == self.plan.served_model_name
+                    for m in http_json("GET", models_url, timeout=2).get("data", [])
+                ):
                     break
             except (OSError, ValueError, http.client.HTTPException):
                 pass
@@ -347,17 +356,23 @@ class Launcher:
         gone = self._deregister(proc) if proc.kind is Kind.WORKER else 0
         what = f"{name} exited with {exit_status(code)}"
         if policy.on_death is OnDeath.STOP:
-            raise GraphStopped(f"{what}; its on-death policy is stop: stopping the graph. "
-                               f"Its last log lines ({self.log_dir / (name + '.log')}):\n{self.tail(name)}")
+            raise GraphStopped(
+                f"{what}; its on-death policy is stop: stopping the graph. "
+                f"Its last log lines ({self.log_dir / (name + '.log')}):\n{self.tail(name)}"
+            )
         if len(deaths) > policy.max_restarts:
-            raise GraphStopped(f"{what}: it died {len(deaths)} times within {policy.window_s:g} s, more than "
-                               f"its restart budget (max-restarts={policy.max_restarts}); stopping the graph. "
-                               f"Its last log lines ({self.log_dir / (name + '.log')}):\n{self.tail(name)}")
+            raise GraphStopped(
+                f"{what}: it died {len(deaths)} times within {policy.window_s:g} s, more than "
+                f"its restart budget (max-restarts={policy.max_restarts}); stopping the graph. "
+                f"Its last log lines ({self.log_dir / (name + '.log')}):\n{self.tail(name)}"
+            )
         delay = policy.delay(len(deaths))
         self.pending[name] = now + delay
-        self._say(f"{what} (death {len(deaths)} within {policy.window_s:g} s, budget {policy.max_restarts})"
-                  + (f"; removed its {gone} discovery entries" if gone else "")
-                  + f"; restarting it in {delay:.1f} s with the same ports and SSD directory")
+        self._say(
+            f"{what} (death {len(deaths)} within {policy.window_s:g} s, budget {policy.max_restarts})"
+            + (f"; removed its {gone} discovery entries" if gone else "")
+            + f"; restarting it in {delay:.1f} s with the same ports and SSD directory"
+        )
 
     def _deregister(self, proc: Process) -> int:
         """File discovery: deletes a dead worker's registrations (its instances, model card and event
@@ -376,8 +391,11 @@ class Launcher:
             except (OSError, ValueError):
                 continue
         marker = f"http://{proc.host}:{proc.port}/"
-        ids = {doc.get("instance_id") for text, doc in docs.values()
-               if isinstance(doc, dict) and doc.get("type") == "Model" and marker in text} - {None}
+        ids = {
+            doc.get("instance_id")
+            for text, doc in docs.values()
+            if isinstance(doc, dict) and doc.get("type") == "Model" and marker in text
+        } - {None}
         removed = 0
         for path, (_, doc) in docs.items():
             if not isinstance(doc, dict):
@@ -415,8 +433,11 @@ class Launcher:
         # The workers stop before the node cache they attach to (they detach cleanly), which stops
         # before the infrastructure.
         serving = [p for p in self._order if p.kind in (Kind.FRONTEND, Kind.WORKER)]
-        for group in (serving, [p for p in self._order if p.kind is Kind.CACHE],
-                      [p for p in self._order if p.kind is None]):
+        for group in (
+            serving,
+            [p for p in self._order if p.kind is Kind.CACHE],
+            [p for p in self._order if p.kind is None],
+        ):
             # A worker whose death _died handled (restart pending) was group-killed and reaped then:
             # its pid may belong to someone else by now.
             group = [proc for proc in group if self.running[proc.name] not in self._buried]
@@ -506,7 +527,7 @@ def _group_members(pgid: int) -> List[int]:
                 stat = Path(f"/proc/{name}/stat").read_text()
             except OSError:
                 continue
-            if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+            if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
                 out.append(int(name))
     return out
 
@@ -561,9 +582,11 @@ def serve(plan: LaunchPlan, echo: IO[str], ready_timeout: float = 300) -> int:
     try:
         launcher.start()
         launcher.wait_ready(ready_timeout)
-        launcher.emit(f"graph {plan.graph.name} ready: {plan.base_url}/v1 serves {plan.served_model_name} "
-                      f"({len(plan.workers)} worker(s)); Ctrl-C stops it\n"
-                      + "".join(f"  {proc.name} metrics: {proc.metrics_url}\n" for proc in plan.processes))
+        launcher.emit(
+            f"graph {plan.graph.name} ready: {plan.base_url}/v1 serves {plan.served_model_name} "
+            f"({len(plan.workers)} worker(s)); Ctrl-C stops it\n"
+            + "".join(f"  {proc.name} metrics: {proc.metrics_url}\n" for proc in plan.processes)
+        )
         code = launcher.supervise(stop)
     except (ComponentDied, TimeoutError, GraphError) as e:
         launcher.emit(f"error: {e}\n")

@@ -21,8 +21,16 @@ import yaml
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 from dynamo_flexkv.serve.graph import GraphError, Kind
-from dynamo_flexkv.serve.options import (OnDeath, RestartPolicy, SECONDS_OPTIONS, float_option, int_option,
-                                         mapping_option, seconds_problem, str_option)
+from dynamo_flexkv.serve.options import (
+    OnDeath,
+    RestartPolicy,
+    SECONDS_OPTIONS,
+    float_option,
+    int_option,
+    mapping_option,
+    seconds_problem,
+    str_option,
+)
 from dynamo_flexkv.serve.ports import LOOPBACK
 from dynamo_flexkv.serve.process import Process
 
@@ -34,12 +42,25 @@ RENDER_METRICS_PORT = 9400  # a rendered cache server's /metrics, on its pod's a
 NODE_WORKER_KEYS = ("mode", "node_socket", "tokens_per_block")
 
 OPTIONS: Dict[str, Callable[[Any], Any]] = {
-    "cache": mapping_option, "max-clients": int_option, "max-models": int_option, "metrics-port": int_option,
-    "on-death": str_option, "max-restarts": int_option, "restart-window-s": float_option,
+    "cache": mapping_option,
+    "max-clients": int_option,
+    "max-models": int_option,
+    "metrics-port": int_option,
+    "on-death": str_option,
+    "max-restarts": int_option,
+    "restart-window-s": float_option,
     "restart-backoff-s": float_option,
 }
-DEFAULTS: Dict[str, Any] = {"cache": {}, "max-clients": 64, "max-models": 1, "metrics-port": 0, "on-death": "restart",
-                            "max-restarts": 5, "restart-window-s": 300.0, "restart-backoff-s": 1.0}
+DEFAULTS: Dict[str, Any] = {
+    "cache": {},
+    "max-clients": 64,
+    "max-models": 1,
+    "metrics-port": 0,
+    "on-death": "restart",
+    "max-restarts": 5,
+    "restart-window-s": 300.0,
+    "restart-backoff-s": 1.0,
+}
 
 
 def options(raw: Any, source: str) -> Dict[str, Any]:
@@ -76,8 +97,10 @@ def check_worker_cache(name: str, cache: Mapping[str, Any], source: str) -> None
     """A node-mode worker's tiers are the service's: tier keys of its own would be silently unused."""
     stray = sorted(k for k in cache if k not in NODE_WORKER_KEYS)
     if stray:
-        raise GraphError(f"{source}: {name}.cache sets {stray} with mode: node: the node's tiers are the cache "
-                         f"server's; move them to {SECTION}.cache (or use mode: embedded)")
+        raise GraphError(
+            f"{source}: {name}.cache sets {stray} with mode: node: the node's tiers are the cache "
+            f"server's; move them to {SECTION}.cache (or use mode: embedded)"
+        )
 
 
 def socket_path(run_dir: Path, node: Optional[str], local: bool) -> str:
@@ -90,8 +113,18 @@ def socket_path(run_dir: Path, node: Optional[str], local: bool) -> str:
     return path
 
 
-def process(o: Mapping[str, Any], node: Optional[str], sock: str, run_dir: Path, spec: Optional[Any],
-            block_size: int, ports: Any, source: str, local: bool, check_dirs: Callable[[List[str], str], None]) -> Process:
+def process(
+    o: Mapping[str, Any],
+    node: Optional[str],
+    sock: str,
+    run_dir: Path,
+    spec: Optional[Any],
+    block_size: int,
+    ports: Any,
+    source: str,
+    local: bool,
+    check_dirs: Callable[[List[str], str], None],
+) -> Process:
     """One node's cache server: its tiers checked (sizes against the workers' KV shape), its config
     written for it, a metrics port of its own (serve waits for it, and reads it like a worker's)."""
     name = f"{SECTION}-{node}" if node else SECTION
@@ -111,15 +144,39 @@ def process(o: Mapping[str, Any], node: Optional[str], sock: str, run_dir: Path,
         check_dirs(list(cache.ssd_cache_dir), name)
     cfg_path = str(run_dir / f"{name}.cache.yaml")
     port = ports.take(o["metrics-port"], f"{SECTION}.metrics-port", source, any_port=True)
-    argv = [sys.executable, "-m", "dynamo_flexkv.cli", "cache-server", "--socket", sock, "-f", cfg_path,
-            "--max-clients", str(o["max-clients"]), "--max-models", str(o["max-models"]),
-            "--metrics-port", str(port), "--metrics-host", LOOPBACK]
-    policy = RestartPolicy(OnDeath(o["on-death"]), o["max-restarts"], o["restart-window-s"], o["restart-backoff-s"],
-                           liveness_s=0.0)
-    return Process(name, argv, {}, Kind.CACHE, port, cache, {cfg_path: yaml.safe_dump(values, sort_keys=True)},
-                   policy, engine="cache", block_size=block_size)
-
-
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_flexkv.cli",
+        "cache-server",
+        "--socket",
+        sock,
+        "-f",
+        cfg_path,
+        "--max-clients",
+        str(o["max-clients"]),
+        "--max-models",
+        str(o["max-models"]),
+        "--metrics-port",
+        str(port),
+        "--metrics-host",
+        LOOPBACK,
+    ]
+    policy = RestartPolicy(
+        OnDeath(o["on-death"]), o["max-restarts"], o["restart-window-s"], o["restart-backoff-s"], liveness_s=0.0
+    )
+    return Process(
+        name,
+        argv,
+        {},
+        Kind.CACHE,
+        port,
+        cache,
+        {cfg_path: yaml.safe_dump(values, sort_keys=True)},
+        policy,
+        engine="cache",
+        block_size=block_size,
+    )
 
 
 def render_daemonset(proc: Process, name: str, image: str) -> Dict[str, Any]:
@@ -127,38 +184,69 @@ def render_daemonset(proc: Process, name: str, image: str) -> Dict[str, Any]:
     directory is a hostPath the node's worker pods mount too. hostPID: the service fences a dead
     engine's writes by its process id (pidfd), which it must see; its disk tier is a hostPath too,
     so a restarted service re-adopts it."""
-    args = list(proc.argv[proc.argv.index("cache-server") + 1:])
-    for flag, value in (("--socket", f"{RENDER_SOCKET_DIR}/node.sock"), ("-f", "/etc/flexkv/node-cache.yaml"),
-                        ("--metrics-port", str(RENDER_METRICS_PORT)), ("--metrics-host", "$(POD_IP)")):
+    args = list(proc.argv[proc.argv.index("cache-server") + 1 :])
+    for flag, value in (
+        ("--socket", f"{RENDER_SOCKET_DIR}/node.sock"),
+        ("-f", "/etc/flexkv/node-cache.yaml"),
+        ("--metrics-port", str(RENDER_METRICS_PORT)),
+        ("--metrics-host", "$(POD_IP)"),
+    ):
         args[args.index(flag) + 1] = value
     config = next(iter(proc.files.values()))
     values = yaml.safe_load(config) or {}
     dirs = values.get("ssd_cache_dir") or [] if float(values.get("ssd_cache_gb") or 0) > 0 else []
     dirs = dirs.split(";") if isinstance(dirs, str) else list(dirs)
     mounts = [{"name": "socket-dir", "mountPath": RENDER_SOCKET_DIR}, {"name": "config", "mountPath": "/etc/flexkv"}]
-    volumes = [{"name": "socket-dir", "hostPath": {"path": RENDER_SOCKET_DIR, "type": "DirectoryOrCreate"}},
-               {"name": "config", "configMap": {"name": f"{name}-node-cache"}}]
+    volumes = [
+        {"name": "socket-dir", "hostPath": {"path": RENDER_SOCKET_DIR, "type": "DirectoryOrCreate"}},
+        {"name": "config", "configMap": {"name": f"{name}-node-cache"}},
+    ]
     for i, d in enumerate(dirs):
         mounts.append({"name": f"ssd-{i}", "mountPath": d})
         volumes.append({"name": f"ssd-{i}", "hostPath": {"path": d, "type": "DirectoryOrCreate"}})
+
     def labels() -> Dict[str, str]:  # a fresh dict each time: the manifest carries no YAML aliases
         return {"app": f"{name}-node-cache"}
+
     return {
-        "configMap": {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-node-cache"},
-                      "data": {"node-cache.yaml": config}},
-        "daemonSet": {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": f"{name}-node-cache"},
-                      "spec": {"selector": {"matchLabels": labels()}, "template": {
-                          "metadata": {"labels": labels()},
-                          "spec": {"hostPID": True, "volumes": volumes, "containers": [{
-                              "name": "cache-server", "image": image,
-                              "command": ["python3", "-m", "dynamo_flexkv.cli", "cache-server"], "args": args,
-                              "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                              "volumeMounts": mounts,
-                              "ports": [{"name": "metrics", "containerPort": RENDER_METRICS_PORT}]}]}}}},
+        "configMap": {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-node-cache"},
+            "data": {"node-cache.yaml": config},
+        },
+        "daemonSet": {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": f"{name}-node-cache"},
+            "spec": {
+                "selector": {"matchLabels": labels()},
+                "template": {
+                    "metadata": {"labels": labels()},
+                    "spec": {
+                        "hostPID": True,
+                        "volumes": volumes,
+                        "containers": [
+                            {
+                                "name": "cache-server",
+                                "image": image,
+                                "command": ["python3", "-m", "dynamo_flexkv.cli", "cache-server"],
+                                "args": args,
+                                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                                "volumeMounts": mounts,
+                                "ports": [{"name": "metrics", "containerPort": RENDER_METRICS_PORT}],
+                            }
+                        ],
+                    },
+                },
+            },
+        },
     }
 
 
 def worker_mounts() -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """(volume, mount) a node-mode worker pod needs: its node's cache socket directory."""
-    return ({"name": "node-cache", "hostPath": {"path": RENDER_SOCKET_DIR, "type": "Directory"}},
-            {"name": "node-cache", "mountPath": RENDER_SOCKET_DIR})
+    return (
+        {"name": "node-cache", "hostPath": {"path": RENDER_SOCKET_DIR, "type": "Directory"}},
+        {"name": "node-cache", "mountPath": RENDER_SOCKET_DIR},
+    )

@@ -31,8 +31,14 @@ SUBNET = "169.254.77.0/24"  # link-local: never routed off a link, and no defaul
 SUBNET6 = "fd00:77::/64"
 DEVICE = "eth0"  # each node's end of its veth pair
 # Addresses a process binds or advertises for others to reach it: its own node's address.
-OWN_HOST_ENV = ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST", "DYN_TCP_RESPONSE_STREAM_HOST",
-                "VLLM_HOST_IP", "VLLM_NIXL_SIDE_CHANNEL_HOST")
+OWN_HOST_ENV = (
+    "DYN_TCP_RPC_HOST",
+    "DYN_EVENT_PLANE_HOST",
+    "DYN_SYSTEM_HOST",
+    "DYN_TCP_RESPONSE_STREAM_HOST",
+    "VLLM_HOST_IP",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST",
+)
 # Addresses of the graph's infrastructure (etcd, NATS): on the frontend's node.
 INFRA_URL_ENV = ("ETCD_ENDPOINTS", "NATS_SERVER")
 
@@ -73,8 +79,12 @@ class Nodes:
         return self.nodes[name]
 
     def save(self, path: Path) -> None:
-        Path(path).write_text(yaml.safe_dump({"prefix": self.prefix, "switch": self.switch,
-                                              "nodes": {n: asdict(v) for n, v in self.nodes.items()}}, sort_keys=False))
+        Path(path).write_text(
+            yaml.safe_dump(
+                {"prefix": self.prefix, "switch": self.switch, "nodes": {n: asdict(v) for n, v in self.nodes.items()}},
+                sort_keys=False,
+            )
+        )
 
     @staticmethod
     def load(path: str, flag: str = "--nodes") -> "Nodes":
@@ -86,8 +96,10 @@ class Nodes:
             raise GraphError(f"{flag} {path}: not a nodes file written by `dynamo-flexkv nodes up` ({e})") from None
         foreign = [ns for ns in made.namespaces() if not ns.startswith(f"{made.prefix}-") or not made.prefix]
         if foreign or any(not n.port for n in nodes.values()):
-            raise GraphError(f"{flag} {path}: not a nodes file written by `dynamo-flexkv nodes up` (namespaces "
-                             f"{foreign or sorted(nodes)} do not match its prefix {made.prefix!r} or lack a switch port)")
+            raise GraphError(
+                f"{flag} {path}: not a nodes file written by `dynamo-flexkv nodes up` (namespaces "
+                f"{foreign or sorted(nodes)} do not match its prefix {made.prefix!r} or lack a switch port)"
+            )
         return made
 
     def namespaces(self) -> List[str]:
@@ -101,8 +113,13 @@ class Nodes:
 
     # ---- the network ---------------------------------------------------------------------------
     @staticmethod
-    def up(prefix: str = "flexkv", names: Sequence[str] = ("A", "B", "C"), subnet: str = SUBNET,
-           subnet6: str = SUBNET6, path: Optional[Path] = None) -> "Nodes":
+    def up(
+        prefix: str = "flexkv",
+        names: Sequence[str] = ("A", "B", "C"),
+        subnet: str = SUBNET,
+        subnet6: str = SUBNET6,
+        path: Optional[Path] = None,
+    ) -> "Nodes":
         """Creates ``<prefix>-sw`` (a bridge) and one namespace ``<prefix>-<name>`` per node, each
         with a veth pair into the bridge, its address from ``subnet`` and its loopback up, and
         writes the nodes file to ``path``. Refuses when one of them exists already; a failure
@@ -111,28 +128,40 @@ class Nodes:
             raise NodesError("nodes need root (network namespaces, veth pairs): run as root")
         bad = [n for n in names if not NAME.fullmatch(n)]
         if bad or not names:
-            raise NodesError(f"node names {bad or list(names)}: give 1 or more names of 1-8 letters or digits (e.g. A B C)")
+            raise NodesError(
+                f"node names {bad or list(names)}: give 1 or more names of 1-8 letters or digits (e.g. A B C)"
+            )
         if len({n.lower() for n in names} | {"sw"}) != len(names) + 1:
-            raise NodesError(f"node names {list(names)}: each must differ from the others in more than case, "
-                             "and none may be 'sw' (the switch's namespace)")
+            raise NodesError(
+                f"node names {list(names)}: each must differ from the others in more than case, "
+                "and none may be 'sw' (the switch's namespace)"
+            )
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,19}", prefix):
-            raise NodesError(f"prefix {prefix!r}: 1-20 letters, digits, '_', '.' or '-', starting with a letter or digit")
+            raise NodesError(
+                f"prefix {prefix!r}: 1-20 letters, digits, '_', '.' or '-', starting with a letter or digit"
+            )
         net, net6 = ipaddress.ip_network(subnet), ipaddress.ip_network(subnet6)
         if not net.is_link_local:
-            raise NodesError(f"subnet {subnet}: use a link-local range (in 169.254.0.0/16): nothing routes it off the link")
+            raise NodesError(
+                f"subnet {subnet}: use a link-local range (in 169.254.0.0/16): nothing routes it off the link"
+            )
         if not net6.subnet_of(ipaddress.ip_network("fc00::/7")):
             raise NodesError(f"subnet6 {subnet6}: use a unique-local range (in fc00::/7)")
         hosts = list(net.hosts())
         if len(names) > len(hosts):
             raise NodesError(f"subnet {subnet} holds {len(hosts)} addresses, not {len(names)}")
         switch = f"{prefix}-sw"
-        nodes = {n: Node(n, f"{prefix}-{n.lower()}", str(hosts[i]), str(net6[i + 1]), port=f"p{i}")
-                 for i, n in enumerate(names)}
+        nodes = {
+            n: Node(n, f"{prefix}-{n.lower()}", str(hosts[i]), str(net6[i + 1]), port=f"p{i}")
+            for i, n in enumerate(names)
+        }
         made = Nodes(switch, nodes, prefix)
         existing = set(_netns_list()) & set(made.namespaces())
         if existing:
-            raise NodesError(f"network namespaces {sorted(existing)} exist already: `dynamo-flexkv nodes down "
-                             f"--file <the nodes file that made them>` removes them (or `ip netns del NAME`)")
+            raise NodesError(
+                f"network namespaces {sorted(existing)} exist already: `dynamo-flexkv nodes down "
+                f"--file <the nodes file that made them>` removes them (or `ip netns del NAME`)"
+            )
         try:
             if path is not None:
                 made.save(path)  # first: a file that cannot be written leaves nothing to clean up by hand
@@ -141,8 +170,20 @@ class Nodes:
             _ip("-n", switch, "link", "set", "br0", "up")
             for node in nodes.values():
                 _ip("netns", "add", node.netns)
-                _ip("link", "add", node.port, "netns", switch, "type", "veth", "peer", "name", node.device,
-                    "netns", node.netns)
+                _ip(
+                    "link",
+                    "add",
+                    node.port,
+                    "netns",
+                    switch,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    node.device,
+                    "netns",
+                    node.netns,
+                )
                 _ip("-n", switch, "link", "set", node.port, "master", "br0", "up")
                 _ip("-n", node.netns, "addr", "add", f"{node.address}/{net.prefixlen}", "dev", node.device)
                 _ip("-n", node.netns, "addr", "add", f"{node.address6}/{net6.prefixlen}", "dev", node.device, "nodad")
@@ -175,8 +216,9 @@ class Nodes:
         return {"rx": int(stats["rx"]["bytes"]), "tx": int(stats["tx"]["bytes"])}
 
 
-def place(processes: List[Process], infra: List[Process], nodes: Nodes, node_of: Mapping[str, str],
-          source: str) -> None:
+def place(
+    processes: List[Process], infra: List[Process], nodes: Nodes, node_of: Mapping[str, str], source: str
+) -> None:
     """Puts each process on its node (``node_of``: process name -> node name, every one named): it
     runs inside the node's namespace, binds and advertises the node's address, reaches etcd/NATS
     on the frontend's node, and NIXL's UCX uses TCP over the node's link (shared memory would not
@@ -187,16 +229,22 @@ def place(processes: List[Process], infra: List[Process], nodes: Nodes, node_of:
         raise GraphError(f"{source}: node {unknown[0]!r} is not in the nodes file (it has {sorted(nodes.nodes)})")
     unplaced = [p.name for p in processes if p.name not in node_of]
     if unplaced:
-        raise GraphError(f"{source}: with --nodes every component names its node: {unplaced} name none "
-                         f"(e.g. --set {unplaced[0].rsplit('-', 1)[0]}.node={next(iter(nodes.nodes))})")
+        raise GraphError(
+            f"{source}: with --nodes every component names its node: {unplaced} name none "
+            f"(e.g. --set {unplaced[0].rsplit('-', 1)[0]}.node={next(iter(nodes.nodes))})"
+        )
     for key in INFRA_URL_ENV:
         if _loopback(os.environ.get(key, "")):
-            raise GraphError(f"{key}={os.environ[key]} is this machine's loopback, which other nodes cannot reach: "
-                             f"unset it (serve starts etcd/NATS on the frontend's node) or give an address on the nodes' link")
+            raise GraphError(
+                f"{key}={os.environ[key]} is this machine's loopback, which other nodes cannot reach: "
+                f"unset it (serve starts etcd/NATS on the frontend's node) or give an address on the nodes' link"
+            )
     for p in processes:
         if p.cache is not None and p.cache.enable_remote and _loopback(p.cache.remote_cache_url or ""):
-            raise GraphError(f"{source}: {p.name}.cache.remote_cache_url {p.cache.remote_cache_url.split('@')[-1]} is a "
-                             "loopback address other nodes cannot reach: give a Redis on a node's address")
+            raise GraphError(
+                f"{source}: {p.name}.cache.remote_cache_url {p.cache.remote_cache_url.split('@')[-1]} is a "
+                "loopback address other nodes cannot reach: give a Redis on a node's address"
+            )
     nodes.check_up(source)
     front = next(p for p in processes if p.kind is Kind.FRONTEND)
     home = nodes[node_of[front.name]]
@@ -204,8 +252,10 @@ def place(processes: List[Process], infra: List[Process], nodes: Nodes, node_of:
         with socket.socket() as s:
             s.bind((home.address, 0))
     except OSError:
-        raise GraphError(f"{source}: serve must run on the frontend's node {home.name} ({home.address} is not an "
-                         f"address here): ip netns exec {home.netns} dynamo-flexkv serve ...") from None
+        raise GraphError(
+            f"{source}: serve must run on the frontend's node {home.name} ({home.address} is not an "
+            f"address here): ip netns exec {home.netns} dynamo-flexkv serve ..."
+        ) from None
     infra_host = home.address
     for proc in infra:
         proc.argv = home.argv([a.replace(LOOPBACK, infra_host) for a in proc.argv])
@@ -246,4 +296,3 @@ def _ip(*args: str) -> str:
 def _netns_list() -> List[str]:
     # "NAME (id: N)" per line; names made here hold no space
     return [line.split(" (id:")[0].strip() for line in _ip("netns", "list").splitlines() if line.strip()]
-

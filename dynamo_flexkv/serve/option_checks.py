@@ -9,8 +9,15 @@ from typing import Any, Callable, Dict, Mapping
 from dynamo_flexkv.integrations.disagg.leases import handover_seconds_problem
 from dynamo_flexkv.serve import vllm_worker as _vllm
 from dynamo_flexkv.serve.graph import GraphError, Kind
-from dynamo_flexkv.serve.options import (DEFAULTS, DISAGG_MODES, OPTIONS, ROUTER_MODES, SECONDS_OPTIONS, OnDeath,
-                                         seconds_problem)
+from dynamo_flexkv.serve.options import (
+    DEFAULTS,
+    DISAGG_MODES,
+    OPTIONS,
+    ROUTER_MODES,
+    SECONDS_OPTIONS,
+    OnDeath,
+    seconds_problem,
+)
 
 
 def allowed_options(kind: Kind, engine: str) -> Dict[str, Callable[[Any], Any]]:
@@ -34,8 +41,10 @@ def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, en
         if out["router-mode"] not in ROUTER_MODES:
             raise GraphError(f"{source}: {name}.router-mode={out['router-mode']!r}: use one of {list(ROUTER_MODES)}")
         if out["migration-limit"] < 0:
-            raise GraphError(f"{source}: {name}.migration-limit={out['migration-limit']} must be >= 0 "
-                             "(0 turns migration off: a dead worker's requests fail with a 503)")
+            raise GraphError(
+                f"{source}: {name}.migration-limit={out['migration-limit']} must be >= 0 "
+                "(0 turns migration off: a dead worker's requests fail with a 503)"
+            )
         for flag in ("--migration-limit", "--kv-cache-block-size"):
             if any(a.split("=", 1)[0] == flag for a in out["extra-args"]):
                 raise GraphError(f"{source}: {name}.extra-args sets {flag}: use {name}.{flag[2:]}")
@@ -45,8 +54,10 @@ def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, en
         if not vllm and out["num-device-blocks"] < 1:
             raise GraphError(f"{source}: {name}.num-device-blocks must be >= 1")
         if out["on-death"] not in {d.value for d in OnDeath}:
-            raise GraphError(f"{source}: {name}.on-death={out['on-death']!r}: use restart (start the worker "
-                             "again) or stop (stop the whole graph)")
+            raise GraphError(
+                f"{source}: {name}.on-death={out['on-death']!r}: use restart (start the worker "
+                "again) or stop (stop the whole graph)"
+            )
         if out["max-restarts"] < 0:
             raise GraphError(f"{source}: {name}.max-restarts={out['max-restarts']} must be >= 0")
         for key, bounds in SECONDS_OPTIONS.items():
@@ -57,16 +68,20 @@ def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, en
             _vllm.check(name, out, source)
             return out
         if out["disaggregation-mode"] not in DISAGG_MODES:
-            raise GraphError(f"{source}: {name}.disaggregation-mode={out['disaggregation-mode']!r}: use one of "
-                             f"{list(DISAGG_MODES)}")
+            raise GraphError(
+                f"{source}: {name}.disaggregation-mode={out['disaggregation-mode']!r}: use one of {list(DISAGG_MODES)}"
+            )
         for key in ("handover-lease-s", "handover-timeout-s", "handover-renew-s"):
             problem = handover_seconds_problem(out[key])
             if problem is not None:
                 raise GraphError(f"{source}: {name}.{key}={problem}")
         if out["handover-renew-s"] < 2:  # as the worker's --handover-renew-s refuses it
-            raise GraphError(f"{source}: {name}.handover-renew-s={out['handover-renew-s']} must be at least 2 seconds: "
-                             "the decode worker claims a lease with 1 s to spare")
+            raise GraphError(
+                f"{source}: {name}.handover-renew-s={out['handover-renew-s']} must be at least 2 seconds: "
+                "the decode worker claims a lease with 1 s to spare"
+            )
         if out["disaggregation-mode"] == "prefill" and not out["device-prefix-cache"]:
-            raise GraphError(f"{source}: {name}: a prefill worker hands its device prefix cache over; set "
-                             "device-prefix-cache: true")
+            raise GraphError(
+                f"{source}: {name}: a prefill worker hands its device prefix cache over; set device-prefix-cache: true"
+            )
     return out

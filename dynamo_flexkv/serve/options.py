@@ -56,31 +56,71 @@ def mapping_option(v: Any) -> Dict[str, Any]:
 ROUTER_MODES = ("round-robin", "random", "power-of-two", "kv", "least-loaded")
 OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
     Kind.FRONTEND: {
-        "namespace": str_option, "http-port": int_option, "router-mode": str_option, "migration-limit": int_option,
-        "router-host-cache-hit-weight": float_option, "router-disk-cache-hit-weight": float_option, "extra-args": args_option,
+        "namespace": str_option,
+        "http-port": int_option,
+        "router-mode": str_option,
+        "migration-limit": int_option,
+        "router-host-cache-hit-weight": float_option,
+        "router-disk-cache-hit-weight": float_option,
+        "extra-args": args_option,
         "kv-cache-block-size": int_option,  # the router's block size; serve sets it from vLLM workers' block-size
         "node": str_option,  # serve --nodes: the node it runs on (etcd and NATS run there too)
     },
     Kind.WORKER: {
-        "model": str_option, "served-model-name": str_option, "namespace": str_option, "replicas": int_option,
-        "num-device-blocks": int_option, "offload": bool_option, "bulk-load": bool_option, "device-prefix-cache": bool_option,
-        "system-port": int_option, "cache": mapping_option, "extra-args": args_option,
-        "on-death": str_option, "max-restarts": int_option, "restart-window-s": float_option, "restart-backoff-s": float_option,
-        "liveness-timeout-s": float_option, "disaggregation-mode": str_option, "handover-lease-s": float_option, "handover-timeout-s": float_option,
-        "handover-renew-s": float_option, "node": str_option,
+        "model": str_option,
+        "served-model-name": str_option,
+        "namespace": str_option,
+        "replicas": int_option,
+        "num-device-blocks": int_option,
+        "offload": bool_option,
+        "bulk-load": bool_option,
+        "device-prefix-cache": bool_option,
+        "system-port": int_option,
+        "cache": mapping_option,
+        "extra-args": args_option,
+        "on-death": str_option,
+        "max-restarts": int_option,
+        "restart-window-s": float_option,
+        "restart-backoff-s": float_option,
+        "liveness-timeout-s": float_option,
+        "disaggregation-mode": str_option,
+        "handover-lease-s": float_option,
+        "handover-timeout-s": float_option,
+        "handover-renew-s": float_option,
+        "node": str_option,
     },
 }
 DISAGG_MODES = ("agg", "prefill", "decode")
 DEFAULTS: Dict[Kind, Dict[str, Any]] = {
     # migration-limit: how often the frontend may move an in-flight request to another worker when
     # its worker dies (Dynamo's default, 0, fails those requests with a 503).
-    Kind.FRONTEND: {"namespace": "dynamo", "http-port": 8000, "router-mode": "kv", "migration-limit": 3,
-                    "extra-args": []},
-    Kind.WORKER: {"model": "small", "namespace": "dynamo", "replicas": 1, "num-device-blocks": 256,
-                  "offload": True, "bulk-load": False, "device-prefix-cache": True, "cache": {},
-                  "extra-args": [], "on-death": "restart", "max-restarts": 3, "restart-window-s": 300.0,
-                  "restart-backoff-s": 1.0, "liveness-timeout-s": 30.0, "disaggregation-mode": "agg", "handover-lease-s": 30.0,
-                  "handover-timeout-s": 10.0, "handover-renew-s": 5.0},
+    Kind.FRONTEND: {
+        "namespace": "dynamo",
+        "http-port": 8000,
+        "router-mode": "kv",
+        "migration-limit": 3,
+        "extra-args": [],
+    },
+    Kind.WORKER: {
+        "model": "small",
+        "namespace": "dynamo",
+        "replicas": 1,
+        "num-device-blocks": 256,
+        "offload": True,
+        "bulk-load": False,
+        "device-prefix-cache": True,
+        "cache": {},
+        "extra-args": [],
+        "on-death": "restart",
+        "max-restarts": 3,
+        "restart-window-s": 300.0,
+        "restart-backoff-s": 1.0,
+        "liveness-timeout-s": 30.0,
+        "disaggregation-mode": "agg",
+        "handover-lease-s": 30.0,
+        "handover-timeout-s": 10.0,
+        "handover-renew-s": 5.0,
+    },
 }
 
 
@@ -117,6 +157,7 @@ class RestartPolicy:
     """What the launcher does when a worker exits on its own. A worker that dies more than
     ``max_restarts`` times within ``window_s`` seconds stops the graph (exit 1). The n-th restart
     within the window waits ``backoff_s * 2**(n-1)`` seconds (at most 30)."""
+
     on_death: OnDeath = OnDeath.RESTART
     max_restarts: int = 3
     window_s: float = 300.0
@@ -128,5 +169,10 @@ class RestartPolicy:
 
 
 def restart_policy(o: Mapping[str, Any]) -> RestartPolicy:
-    return RestartPolicy(OnDeath(o["on-death"]), o["max-restarts"], o["restart-window-s"],
-                         o["restart-backoff-s"], o["liveness-timeout-s"])
+    return RestartPolicy(
+        OnDeath(o["on-death"]),
+        o["max-restarts"],
+        o["restart-window-s"],
+        o["restart-backoff-s"],
+        o["liveness-timeout-s"],
+    )

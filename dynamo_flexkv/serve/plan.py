@@ -35,8 +35,19 @@ from dynamo_flexkv.serve.ports import LOOPBACK, PortBook, system_port
 from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.serve.replica_cache import per_replica, replica_cache
 
-__all__ = ["LOOPBACK", "LaunchPlan", "OnDeath", "PRE_COMMIT_PEEK_ENV", "Process", "RestartPolicy", "apply_overrides",
-           "build_plan", "load_config", "per_replica", "replica_cache"]
+__all__ = [
+    "LOOPBACK",
+    "LaunchPlan",
+    "OnDeath",
+    "PRE_COMMIT_PEEK_ENV",
+    "Process",
+    "RestartPolicy",
+    "apply_overrides",
+    "build_plan",
+    "load_config",
+    "per_replica",
+    "replica_cache",
+]
 
 # Dynamo's frontend answers a stream 200 before the worker's first event unless told to wait for
 # it: a stream the worker refuses (request limits, unsupported options) then gets 200 and an SSE
@@ -58,7 +69,7 @@ class LaunchPlan:
     infra: List[Process]
     processes: List[Process]  # frontend first, then the workers
     write_model: bool = True  # the launcher writes run_dir/model from the preset ``model`` (a vLLM worker
-                              # on its own Hugging Face directory needs none)
+    # on its own Hugging Face directory needs none)
     model_weights: bool = False  # ... with the preset's seeded weights (a vLLM worker loads them)
     node_options: Dict[str, str] = field(default_factory=dict)  # component -> its ``node`` option (serve --nodes)
 
@@ -95,9 +106,17 @@ def apply_overrides(config: Dict[str, Any], overrides: Sequence[str]) -> Dict[st
     return out
 
 
-def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discovery_backend: str = "file",
-               event_plane: str = "zmq", source: str = "config", local: bool = True,
-               nodes: Optional[Nodes] = None) -> LaunchPlan:
+def build_plan(
+    graph: Graph,
+    config: Mapping[str, Any],
+    *,
+    run_dir: Path,
+    discovery_backend: str = "file",
+    event_plane: str = "zmq",
+    source: str = "config",
+    local: bool = True,
+    nodes: Optional[Nodes] = None,
+) -> LaunchPlan:
     """``local=False`` (rendering for elsewhere): ports and SSD directories are not probed on this
     machine and no etcd/NATS is planned. ``nodes``: components with a ``node`` option run there
     (dynamo_flexkv.serve.nodes)."""
@@ -111,8 +130,10 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     known = [c.name for c in graph.components]
     for name in sections:
         if name not in known:
-            raise GraphError(f"{source}: unknown component {name!r}: graph {graph.name} has {known} "
-                             f"(plus Common and {_node_cache.SECTION}); rename or remove that section")
+            raise GraphError(
+                f"{source}: unknown component {name!r}: graph {graph.name} has {known} "
+                f"(plus Common and {_node_cache.SECTION}); rename or remove that section"
+            )
     all_keys = set().union(*OPTIONS.values(), _vllm.options(OPTIONS[Kind.WORKER]))
     for key in common:
         if key not in all_keys:
@@ -123,8 +144,10 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
         raise GraphError(f"--event-plane {event_plane!r}: use zmq (default) or nats")
 
     if nodes is not None and (discovery_backend, event_plane) != ("etcd", "nats"):
-        raise GraphError("--nodes needs --discovery-backend etcd --event-plane nats: file discovery and the "
-                         "ZMQ broker are on one machine only")
+        raise GraphError(
+            "--nodes needs --discovery-backend etcd --event-plane nats: file discovery and the "
+            "ZMQ broker are on one machine only"
+        )
     ports = PortBook(probe=local)
     run_dir = Path(run_dir)
     infra, env = infra_processes(run_dir, discovery_backend, event_plane, ports) if local else ([], {})
@@ -146,34 +169,66 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
         if not isinstance(own, dict):
             raise GraphError(f"{source}: section {comp.name} must be a mapping of options")
         allowed = allowed_options(comp.kind, comp.engine)
-        opts = check_options(comp.kind, comp.name, {**comp.defaults, **{k: v for k, v in common.items()
-                                                                  if k in allowed}, **own}, source, comp.engine)
+        opts = check_options(
+            comp.kind,
+            comp.name,
+            {**comp.defaults, **{k: v for k, v in common.items() if k in allowed}, **own},
+            source,
+            comp.engine,
+        )
         if comp.kind is Kind.WORKER and _node_cache.in_node_mode(opts):
-            opts = _attach_to_node_cache(comp, opts, node_cache, caches, processes, run_dir, ports, source, local,
-                                         ssd_dirs, node_of)
+            opts = _attach_to_node_cache(
+                comp, opts, node_cache, caches, processes, run_dir, ports, source, local, ssd_dirs, node_of
+            )
         if comp.kind is Kind.FRONTEND:
             front_opts = opts
             http_port = ports.take(opts["http-port"], f"{comp.name}.http-port", source, any_port=True)
             processes.insert(0, _frontend(comp.name, opts, http_port, discovery_backend, event_plane, env))
         elif comp.engine == _vllm.ENGINE:
             model, served = opts["model"], opts.get("served-model-name") or f"vllm-{Path(opts['model']).name}"
-            procs = _vllm.workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
-                                  ports, source, local, redis, ssd_dirs)
+            procs = _vllm.workers(
+                comp.name,
+                opts,
+                served,
+                run_dir,
+                discovery_backend,
+                event_plane,
+                env,
+                ports,
+                source,
+                local,
+                redis,
+                ssd_dirs,
+            )
             on_preset = procs[0].argv[procs[0].argv.index("--model") + 1] == str(run_dir / "model")
             write_model = write_model or on_preset
             model_weights = model_weights or (on_preset and not _vllm.loads_dummy(procs[0].argv))
             processes += procs
         else:
             model, served = opts["model"], opts.get("served-model-name") or f"flexkv-{opts['model']}"
-            processes += _workers(comp.name, opts, served, run_dir, discovery_backend, event_plane, env,
-                                  ports, source, local, redis, ssd_dirs)
+            processes += _workers(
+                comp.name,
+                opts,
+                served,
+                run_dir,
+                discovery_backend,
+                event_plane,
+                env,
+                ports,
+                source,
+                local,
+                redis,
+                ssd_dirs,
+            )
             write_model = True
         if opts.get("node"):
             node_options[comp.name] = str(opts["node"])
         if opts.get("node") and local:  # a manifest for elsewhere places nothing here
             if nodes is None:
-                raise GraphError(f"{source}: {comp.name}.node={opts['node']!r} needs serve --nodes FILE "
-                                 "(written by `dynamo-flexkv nodes up`); or remove the option")
+                raise GraphError(
+                    f"{source}: {comp.name}.node={opts['node']!r} needs serve --nodes FILE "
+                    "(written by `dynamo-flexkv nodes up`); or remove the option"
+                )
             node_of.update({p.name: opts["node"] for p in processes if p.name not in planned})
     if local:  # one secret per graph: prefill workers sign handovers, decode workers check them
         secret = secrets.token_hex(32)
@@ -186,13 +241,27 @@ def build_plan(graph: Graph, config: Mapping[str, Any], *, run_dir: Path, discov
     _check_block_size(processes, front_opts, graph, source)
     if redis:
         if nodes is not None:
-            raise GraphError(f"{source}: with --nodes, give the workers a remote_cache_url every node reaches "
-                             "(the graph's own redis-server listens on one node's loopback)")
+            raise GraphError(
+                f"{source}: with --nodes, give the workers a remote_cache_url every node reaches "
+                "(the graph's own redis-server listens on one node's loopback)"
+            )
         infra.append(redis_process(run_dir, redis))
     if nodes is not None:
         place(processes, infra, nodes, node_of, source)
-    return LaunchPlan(graph, run_dir, model, served, http_port, discovery_backend, event_plane, infra, processes,
-                      write_model, model_weights, node_options)
+    return LaunchPlan(
+        graph,
+        run_dir,
+        model,
+        served,
+        http_port,
+        discovery_backend,
+        event_plane,
+        infra,
+        processes,
+        write_model,
+        model_weights,
+        node_options,
+    )
 
 
 def _refuse_stray_cache_env(env: Mapping[str, str], source: str) -> None:
@@ -202,16 +271,27 @@ def _refuse_stray_cache_env(env: Mapping[str, str], source: str) -> None:
     stray = env_settings(env)
     if stray:
         what = ", ".join(f"{var} ({key})" for var, key in stray.items())
-        raise GraphError(f"{source}: serve's environment sets {what}: every worker and cache server it starts would "
-                         "apply it over the cache config serve checked (the environment wins over the file, "
-                         "docs/CONFIGURATION.md). Unset it, and put the key in the worker's cache section "
-                         "(NodeCache.cache for workers on a node cache) or pass it with --set <Worker>.cache.<key>=...")
+        raise GraphError(
+            f"{source}: serve's environment sets {what}: every worker and cache server it starts would "
+            "apply it over the cache config serve checked (the environment wins over the file, "
+            "docs/CONFIGURATION.md). Unset it, and put the key in the worker's cache section "
+            "(NodeCache.cache for workers on a node cache) or pass it with --set <Worker>.cache.<key>=..."
+        )
 
 
-def _attach_to_node_cache(comp: Any, opts: Dict[str, Any], node_cache: Dict[str, Any],
-                          caches: Dict[Optional[str], Process], processes: List[Process], run_dir: Path,
-                          ports: PortBook, source: str, local: bool, ssd_dirs: Dict[str, str],
-                          node_of: Dict[str, str]) -> Dict[str, Any]:
+def _attach_to_node_cache(
+    comp: Any,
+    opts: Dict[str, Any],
+    node_cache: Dict[str, Any],
+    caches: Dict[Optional[str], Process],
+    processes: List[Process],
+    run_dir: Path,
+    ports: PortBook,
+    source: str,
+    local: bool,
+    ssd_dirs: Dict[str, str],
+    node_of: Dict[str, str],
+) -> Dict[str, Any]:
     """A worker in node mode: its node's cache server is planned (once per node, before the
     workers), and the worker's cache names that server's socket."""
     _node_cache.check_worker_cache(comp.name, opts["cache"], source)
@@ -219,6 +299,7 @@ def _attach_to_node_cache(comp: Any, opts: Dict[str, Any], node_cache: Dict[str,
     spec, block_size = _kv_shape(comp, opts, run_dir, source, local)
     sock = _node_cache.socket_path(run_dir, node, local)
     if node not in caches:
+
         def check_dirs(dirs: List[str], owner: str) -> None:
             for d in dirs:
                 if local:
@@ -227,17 +308,22 @@ def _attach_to_node_cache(comp: Any, opts: Dict[str, Any], node_cache: Dict[str,
                     except SsdInUseError as e:
                         raise GraphError(f"{source}: {_node_cache.SECTION}.cache: {e}") from None
                 if os.path.realpath(d) in ssd_dirs:
-                    raise GraphError(f"{source}: {_node_cache.SECTION}.cache.ssd_cache_dir {d} is also "
-                                     f"{ssd_dirs[os.path.realpath(d)]}'s: give the node cache a directory of its own")
+                    raise GraphError(
+                        f"{source}: {_node_cache.SECTION}.cache.ssd_cache_dir {d} is also "
+                        f"{ssd_dirs[os.path.realpath(d)]}'s: give the node cache a directory of its own"
+                    )
                 ssd_dirs[os.path.realpath(d)] = owner
+
         proc = _node_cache.process(node_cache, node, sock, run_dir, spec, block_size, ports, source, local, check_dirs)
         caches[node] = proc
         processes.append(proc)
         if node is not None:
             node_of[proc.name] = node
     elif caches[node].block_size != block_size:
-        raise GraphError(f"{source}: {comp.name}.block-size {block_size} differs from the other node-mode workers' "
-                         f"{caches[node].block_size}: one node cache holds one block size")
+        raise GraphError(
+            f"{source}: {comp.name}.block-size {block_size} differs from the other node-mode workers' "
+            f"{caches[node].block_size}: one node cache holds one block size"
+        )
     return dict(opts, cache=dict(opts["cache"], mode="node", node_socket=sock))
 
 
@@ -246,6 +332,7 @@ def _kv_shape(comp: Any, opts: Dict[str, Any], run_dir: Path, source: str, local
     if comp.engine == _vllm.ENGINE:
         return _vllm.resolve_model(comp.name, opts, run_dir, source, local)[2], opts["block-size"]
     from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
+
     try:
         cfg = EngineModelConfig.load(opts["model"])
     except (ValueError, OSError, KeyError) as e:
@@ -261,18 +348,22 @@ def _check_block_size(processes: List[Process], front: Dict[str, Any], graph: Gr
     sizes = {p.block_size for p in workers}
     if len(sizes) > 1:
         each = ", ".join(f"{p.name}: {p.block_size}" for p in workers)
-        raise GraphError(f"{source}: the workers' KV block sizes differ ({each}): "
-                         "the router hashes one block size; set the same block-size (vLLM) / model preset "
-                         "block_size (FlexKVWorker) on every worker")
+        raise GraphError(
+            f"{source}: the workers' KV block sizes differ ({each}): "
+            "the router hashes one block size; set the same block-size (vLLM) / model preset "
+            "block_size (FlexKVWorker) on every worker"
+        )
     size = sizes.pop()
     frontend = processes[0]
     name = next(c.name for c in graph.components if c.kind is Kind.FRONTEND)
     given = front.get("kv-cache-block-size")
     vllm = [p for p in workers if p.engine == _vllm.ENGINE]
     if given is not None and given != size:
-        raise GraphError(f"{source}: {name}.kv-cache-block-size={given} but the workers' KV blocks hold {size} tokens "
-                         f"({workers[0].name}): the router would hash other blocks than the workers report; set it "
-                         f"to {size}, or leave it out (serve sets it from the workers)")
+        raise GraphError(
+            f"{source}: {name}.kv-cache-block-size={given} but the workers' KV blocks hold {size} tokens "
+            f"({workers[0].name}): the router would hash other blocks than the workers report; set it "
+            f"to {size}, or leave it out (serve sets it from the workers)"
+        )
     if given is not None or vllm:
         at = frontend.argv.index("--migration-limit") + 2
         frontend.argv[at:at] = ["--kv-cache-block-size", str(size)]
@@ -281,23 +372,46 @@ def _check_block_size(processes: List[Process], front: Dict[str, Any], graph: Gr
 def _check_roles(processes: List[Process], source: str) -> None:
     """Dynamo's frontend routes to prefill workers only in front of decode workers of the same
     model; either role alone would serve nothing (prefill) or fail every request (decode)."""
-    modes = {p.argv[p.argv.index("--disaggregation-mode") + 1] if "--disaggregation-mode" in p.argv else "agg"
-             for p in processes if p.kind is Kind.WORKER}
+    modes = {
+        p.argv[p.argv.index("--disaggregation-mode") + 1] if "--disaggregation-mode" in p.argv else "agg"
+        for p in processes
+        if p.kind is Kind.WORKER
+    }
     if "agg" in modes and len(modes) > 1:
-        raise GraphError(f"{source}: aggregated and disaggregated workers of one model in one graph: the "
-                         "frontend would send some requests past the prefill router; use one kind")
+        raise GraphError(
+            f"{source}: aggregated and disaggregated workers of one model in one graph: the "
+            "frontend would send some requests past the prefill router; use one kind"
+        )
     if ("prefill" in modes) != ("decode" in modes):
         have, need = ("prefill", "decode") if "prefill" in modes else ("decode", "prefill")
-        raise GraphError(f"{source}: the graph has {have} workers but no {need} worker: set "
-                         f"disaggregation-mode: {need} on another worker component (see graphs/disagg.py)")
+        raise GraphError(
+            f"{source}: the graph has {have} workers but no {need} worker: set "
+            f"disaggregation-mode: {need} on another worker component (see graphs/disagg.py)"
+        )
 
 
-def _frontend(name: str, o: Dict[str, Any], port: int, discovery: str, event_plane: str,
-              env: Dict[str, str]) -> Process:
-    argv = [sys.executable, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(port),
-            "--router-mode", o["router-mode"], "--namespace", o["namespace"],
-            "--discovery-backend", discovery, "--event-plane", event_plane,
-            "--migration-limit", str(o["migration-limit"])]
+def _frontend(
+    name: str, o: Dict[str, Any], port: int, discovery: str, event_plane: str, env: Dict[str, str]
+) -> Process:
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo.frontend",
+        "--http-host",
+        LOOPBACK,
+        "--http-port",
+        str(port),
+        "--router-mode",
+        o["router-mode"],
+        "--namespace",
+        o["namespace"],
+        "--discovery-backend",
+        discovery,
+        "--event-plane",
+        event_plane,
+        "--migration-limit",
+        str(o["migration-limit"]),
+    ]
     for key in ("router-host-cache-hit-weight", "router-disk-cache-hit-weight"):
         if key in o:
             argv += [f"--{key}", str(o[key])]
@@ -307,9 +421,20 @@ def _frontend(name: str, o: Dict[str, Any], port: int, discovery: str, event_pla
     return Process(name, argv + o["extra-args"], fenv, Kind.FRONTEND, port)
 
 
-def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery: str, event_plane: str,
-             env: Dict[str, str], ports: "PortBook", source: str, local: bool,
-             redis: Optional[Dict[str, Any]] = None, dirs: Optional[Dict[str, str]] = None) -> List[Process]:
+def _workers(
+    name: str,
+    o: Dict[str, Any],
+    served: str,
+    run_dir: Path,
+    discovery: str,
+    event_plane: str,
+    env: Dict[str, str],
+    ports: "PortBook",
+    source: str,
+    local: bool,
+    redis: Optional[Dict[str, Any]] = None,
+    dirs: Optional[Dict[str, str]] = None,
+) -> List[Process]:
     # The worker's option schema and model presets only: rendering and planning load no runtime.
     from dynamo_flexkv.integrations.dynamo_worker.args import build_parser
     from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
@@ -318,12 +443,33 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
         model_cfg = EngineModelConfig.load(o["model"])
     except (ValueError, OSError, KeyError) as e:
         raise GraphError(f"{source}: {name}.model={o['model']!r}: {e}") from None
-    argv = [sys.executable, "-m", "dynamo_flexkv.integrations.dynamo_worker", "--model", o["model"], "--served-model-name", served,
-            "--model-dir", str(run_dir / "model"), "--namespace", o["namespace"],
-            "--discovery-backend", discovery, "--event-plane", event_plane,
-            "--num-device-blocks", str(o["num-device-blocks"]),
-            "--disaggregation-mode", o["disaggregation-mode"], "--handover-lease-s", str(o["handover-lease-s"]),
-            "--handover-timeout-s", str(o["handover-timeout-s"]), "--handover-renew-s", str(o["handover-renew-s"])]
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo_flexkv.integrations.dynamo_worker",
+        "--model",
+        o["model"],
+        "--served-model-name",
+        served,
+        "--model-dir",
+        str(run_dir / "model"),
+        "--namespace",
+        o["namespace"],
+        "--discovery-backend",
+        discovery,
+        "--event-plane",
+        event_plane,
+        "--num-device-blocks",
+        str(o["num-device-blocks"]),
+        "--disaggregation-mode",
+        o["disaggregation-mode"],
+        "--handover-lease-s",
+        str(o["handover-lease-s"]),
+        "--handover-timeout-s",
+        str(o["handover-timeout-s"]),
+        "--handover-renew-s",
+        str(o["handover-renew-s"]),
+    ]
     if o["disaggregation-mode"] == "prefill":
         argv += ["--component", "prefill"]  # Dynamo's convention; decode and agg keep the default
     argv += ["--no-offload"] * (not o["offload"]) + ["--bulk-load"] * o["bulk-load"]
@@ -331,17 +477,37 @@ def _workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery
     try:
         build_parser().parse_args(argv[3:])
     except SystemExit:
-        raise GraphError(f"{source}: {name}.extra-args {o['extra-args']} are not worker options "
-                         "(see python -m dynamo_flexkv.integrations.dynamo_worker --help)") from None
+        raise GraphError(
+            f"{source}: {name}.extra-args {o['extra-args']} are not worker options "
+            "(see python -m dynamo_flexkv.integrations.dynamo_worker --help)"
+        ) from None
     restart = restart_policy(o)
     out, dirs = [], ({} if dirs is None else dirs)
     for i in range(o["replicas"]):
         pname = f"{name}-{i}" if o["replicas"] > 1 else name
         penv = dict(env)
-        cache, files = replica_cache(name, pname, i, o, model_cfg.kv_spec(), model_cfg.block_size, run_dir, penv,
-                                      ports, source, local, redis, dirs) if o["offload"] else (None, {})
+        cache, files = (
+            replica_cache(
+                name,
+                pname,
+                i,
+                o,
+                model_cfg.kv_spec(),
+                model_cfg.block_size,
+                run_dir,
+                penv,
+                ports,
+                source,
+                local,
+                redis,
+                dirs,
+            )
+            if o["offload"]
+            else (None, {})
+        )
         port = system_port(name, o, i, ports, source)
         penv["DYN_SYSTEM_PORT"] = str(port)
-        out.append(Process(pname, list(argv), penv, Kind.WORKER, port, cache, files, restart,
-                           block_size=model_cfg.block_size))
+        out.append(
+            Process(pname, list(argv), penv, Kind.WORKER, port, cache, files, restart, block_size=model_cfg.block_size)
+        )
     return out

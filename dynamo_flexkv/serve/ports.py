@@ -26,12 +26,16 @@ class PortBook:
     def take(self, port: int, what: str, source: str, any_port: bool) -> int:
         if port:
             if not 0 < port < (65536 if any_port else SYSTEM_PORT_MAX + 1):
-                raise GraphError(f"{source}: {what}={port} is out of range"
-                                 + ("" if any_port else f" (Dynamo's system port must be below {SYSTEM_PORT_MAX + 1})"))
+                raise GraphError(
+                    f"{source}: {what}={port} is out of range"
+                    + ("" if any_port else f" (Dynamo's system port must be below {SYSTEM_PORT_MAX + 1})")
+                )
             if port in self.taken or (self.probe and not port_free(port)):
                 holder = self.taken.get(port, "another process")
-                raise GraphError(f"{source}: {what}={port} is in use by {holder} on {LOOPBACK}: stop it or "
-                                 f"pick another port (e.g. --set {what}={port + 1})")
+                raise GraphError(
+                    f"{source}: {what}={port} is in use by {holder} on {LOOPBACK}: stop it or "
+                    f"pick another port (e.g. --set {what}={port + 1})"
+                )
             self.taken[port] = what
             return port
         if any_port:
@@ -43,7 +47,8 @@ class PortBook:
         for _ in range(SYSTEM_PORT_RANGE[1] - SYSTEM_PORT_RANGE[0]):
             port = self._next_system
             self._next_system = SYSTEM_PORT_RANGE[0] + (port + 1 - SYSTEM_PORT_RANGE[0]) % (
-                SYSTEM_PORT_RANGE[1] - SYSTEM_PORT_RANGE[0])
+                SYSTEM_PORT_RANGE[1] - SYSTEM_PORT_RANGE[0]
+            )
             if port not in self.taken and port_free(port):
                 self.taken[port] = what
                 return port
@@ -74,14 +79,18 @@ def system_port(name: str, o: Mapping[str, Any], replica: int, ports: "PortBook"
         count = o.get("replicas", 1)
         last = first + count - 1
         if not 0 < first or last > SYSTEM_PORT_MAX:
-            gives = f" with replicas={count} gives replica {count - 1} port {last}, which" \
-                if count > 1 and 0 < first <= SYSTEM_PORT_MAX else ""
+            gives = (
+                f" with replicas={count} gives replica {count - 1} port {last}, which"
+                if count > 1 and 0 < first <= SYSTEM_PORT_MAX
+                else ""
+            )
             raise GraphError(
                 f"{source}: {name}.system-port={first}{gives} is out of range: Dynamo reads DYN_SYSTEM_PORT "
                 f"as a 16-bit signed number, so each worker's system port must be below 32768 (1..{SYSTEM_PORT_MAX}); "
                 f"set {name}.system-port to a port from 1 to {SYSTEM_PORT_MAX - count + 1}"
                 + (f" ({count} replicas take {count} consecutive ports)" if count > 1 else "")
-                + f", or leave it out and serve picks free ones in {SYSTEM_PORT_RANGE[0]}..{SYSTEM_PORT_RANGE[1]}")
+                + f", or leave it out and serve picks free ones in {SYSTEM_PORT_RANGE[0]}..{SYSTEM_PORT_RANGE[1]}"
+            )
     return ports.take(first + replica if first else 0, f"{name}.system-port", source, any_port=False)
 
 

@@ -16,7 +16,9 @@ from dynamo_flexkv.serve.ports import LOOPBACK
 class Process:
     name: str  # what its log lines are prefixed with
     argv: List[str]
-    env: Dict[str, str] = field(default_factory=dict, repr=False)  # on top of the launcher's environment; secrets: kept out of repr
+    env: Dict[str, str] = field(
+        default_factory=dict, repr=False
+    )  # on top of the launcher's environment; secrets: kept out of repr
     kind: Optional[Kind] = None  # None: infrastructure (etcd, NATS)
     port: Optional[int] = None  # frontend: HTTP; worker: system port (/health, /metrics); infra: client
     cache: Optional[CacheConfig] = None  # workers with offload

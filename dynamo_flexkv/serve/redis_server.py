@@ -15,20 +15,41 @@ from typing import List, Optional, Sequence, Tuple
 
 from dynamo_flexkv.core.sysutil import free_port, require_binary
 
-__all__ = ["RedisCluster", "RedisServer", "free_port", "local_redis_settings",
-           "redis_args", "redis_conf", "require_binary"]
+__all__ = [
+    "RedisCluster",
+    "RedisServer",
+    "free_port",
+    "local_redis_settings",
+    "redis_args",
+    "redis_conf",
+    "require_binary",
+]
 
 
-def local_redis_settings(port: int, workdir: str, maxmemory: str, policy: str = "allkeys-lru",
-                         password: Optional[str] = None, host: str = "127.0.0.1") -> List[Tuple[str, str]]:
+def local_redis_settings(
+    port: int,
+    workdir: str,
+    maxmemory: str,
+    policy: str = "allkeys-lru",
+    password: Optional[str] = None,
+    host: str = "127.0.0.1",
+) -> List[Tuple[str, str]]:
     """The one definition of a local redis-server, for RedisServer's command line (tests, benches)
     and serve's redis.conf: loopback only, protected mode, no persistence (no RDB snapshot, no
     AOF), evicting by ``policy`` within ``maxmemory``. ``host``: a node's own address (serve.nodes)."""
     # Protected mode refuses every client but loopback's when there is no password: a server on a
     # node's address (reachable only on the nodes' own bridge) serves the other nodes without it.
     protected = "yes" if host == "127.0.0.1" or password else "no"
-    out = [("bind", host), ("port", str(port)), ("protected-mode", protected), ("save", ""),
-           ("appendonly", "no"), ("dir", workdir), ("maxmemory", maxmemory), ("maxmemory-policy", policy)]
+    out = [
+        ("bind", host),
+        ("port", str(port)),
+        ("protected-mode", protected),
+        ("save", ""),
+        ("appendonly", "no"),
+        ("dir", workdir),
+        ("maxmemory", maxmemory),
+        ("maxmemory-policy", policy),
+    ]
     if password:
         out.append(("requirepass", password))
     return out
@@ -69,19 +90,36 @@ class RedisServer:
     def args(self) -> List[str]:
         tls: List[str] = []
         if self.tls_dir:  # TLS only: the plain port off, the TLS one on self.port
-            tls = ["--tls-port", str(self.port), "--tls-auth-clients", "no",
-                   "--tls-cert-file", os.path.join(self.tls_dir, "server.crt"),
-                   "--tls-key-file", os.path.join(self.tls_dir, "server.key"),
-                   "--tls-ca-cert-file", os.path.join(self.tls_dir, "ca.crt")]
-        settings = local_redis_settings(0 if self.tls_dir else self.port, self.workdir, self.maxmemory,
-                                        self.policy, self.password, self.host)
+            tls = [
+                "--tls-port",
+                str(self.port),
+                "--tls-auth-clients",
+                "no",
+                "--tls-cert-file",
+                os.path.join(self.tls_dir, "server.crt"),
+                "--tls-key-file",
+                os.path.join(self.tls_dir, "server.key"),
+                "--tls-ca-cert-file",
+                os.path.join(self.tls_dir, "ca.crt"),
+            ]
+        settings = local_redis_settings(
+            0 if self.tls_dir else self.port, self.workdir, self.maxmemory, self.policy, self.password, self.host
+        )
         args = [require_binary("redis-server"), *redis_args(settings), *tls]
         if self.netns:
             args = ["ip", "netns", "exec", self.netns, *args]
         if self.cluster:
             # An explicit bus port: the default (port + 10000) fails for ports above 55535.
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.workdir, "nodes.conf"),
-                     "--cluster-node-timeout", "2000", "--cluster-port", str(free_port())]
+            args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                os.path.join(self.workdir, "nodes.conf"),
+                "--cluster-node-timeout",
+                "2000",
+                "--cluster-port",
+                str(free_port()),
+            ]
         return args + list(self.extra)
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
@@ -104,7 +142,8 @@ class RedisServer:
                 s = raw
                 if self.tls_dir:
                     s = ssl.create_default_context(cafile=os.path.join(self.tls_dir, "ca.crt")).wrap_socket(
-                        raw, server_hostname="127.0.0.1")
+                        raw, server_hostname="127.0.0.1"
+                    )
                 s.sendall(b"PING\r\n")
                 reply = s.recv(64)
                 return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
@@ -150,10 +189,11 @@ class RedisCluster:
     """Three (by default) master-only cluster nodes on loopback, slots spread by redis-cli; or one
     master per (address, network namespace) in ``on``: masters on different nodes."""
 
-    def __init__(self, nodes: int = 3, maxmemory: str = "256mb",
-                 on: Sequence[Tuple[str, Optional[str]]] = ()) -> None:
-        self.servers = [RedisServer(maxmemory=maxmemory, cluster=True, host=host, netns=netns)
-                        for host, netns in (on or [("127.0.0.1", None)] * nodes)]
+    def __init__(self, nodes: int = 3, maxmemory: str = "256mb", on: Sequence[Tuple[str, Optional[str]]] = ()) -> None:
+        self.servers = [
+            RedisServer(maxmemory=maxmemory, cluster=True, host=host, netns=netns)
+            for host, netns in (on or [("127.0.0.1", None)] * nodes)
+        ]
 
     @property
     def url(self) -> str:
@@ -163,10 +203,21 @@ class RedisCluster:
         try:
             for s in self.servers:
                 s.start()
-            subprocess.run([require_binary("redis-cli"), "--cluster", "create",
-                            *[f"{s.host}:{s.port}" for s in self.servers],
-                            "--cluster-replicas", "0", "--cluster-yes"],
-                           check=True, capture_output=True, text=True, timeout=timeout_s)
+            subprocess.run(
+                [
+                    require_binary("redis-cli"),
+                    "--cluster",
+                    "create",
+                    *[f"{s.host}:{s.port}" for s in self.servers],
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
             deadline = time.monotonic() + timeout_s
             for s in self.servers:  # each node converges on its own; one that has not answers CLUSTERDOWN
                 while "cluster_state:ok" not in s.cli("cluster", "info"):

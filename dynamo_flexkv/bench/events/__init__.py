@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> List[Case]:
     try:
         sizes = [int(x) for x in workers.split(",")]
     except ValueError:
-        raise ValueError(f"bench events: --workers takes comma-separated worker counts (e.g. 100,300,1000), "
-                         f"got {workers!r}") from None
+        raise ValueError(
+            f"bench events: --workers takes comma-separated worker counts (e.g. 100,300,1000), got {workers!r}"
+        ) from None
     transports = (args.transports if args.transports is not None else "zmq,nats").split(",")
     duration = args.duration if args.duration is not None else (4.0 if args.quick else 15.0)
     warmup = args.warmup if args.warmup is not None else (2.0 if args.quick else 10.0)
@@ -74,8 +75,11 @@ def run(args: argparse.Namespace) -> List[Case]:
     plot_path = getattr(args, "plot", None)
     if plot_path and not os.access(os.path.dirname(os.path.abspath(plot_path)), os.W_OK):
         raise ValueError(f"bench events: cannot write the plot to {plot_path}: its folder is missing or read-only")
-    print(f"bench events: {', '.join(transports)}; {sizes} simulated workers; {rate} req/s per worker; "
-          f"{warmup:g} s warm-up + {duration:g} s measured per case\n  ({TRACE_RATE_NOTE})", flush=True)
+    print(
+        f"bench events: {', '.join(transports)}; {sizes} simulated workers; {rate} req/s per worker; "
+        f"{warmup:g} s warm-up + {duration:g} s measured per case\n  ({TRACE_RATE_NOTE})",
+        flush=True,
+    )
     if args.rows:
         open(args.rows, "w").close()
     # A plain kill of this process must still stop the event plane and the children it started

@@ -30,8 +30,14 @@ WORKERS_PER_PUBLISHER = 250
 ATTEMPTS = 3  # a case whose workers did not all go live starts again from scratch (see run_case)
 
 
-DROP_PHRASES = ("dropping the newest batch", "Failed to find parent block", "Failed to find block to remove",
-                "gap", "dropped", "lagged")
+DROP_PHRASES = (
+    "dropping the newest batch",
+    "Failed to find parent block",
+    "Failed to find block to remove",
+    "gap",
+    "dropped",
+    "lagged",
+)
 
 
 class Infra:
@@ -47,8 +53,13 @@ class Infra:
             self.env.pop(k, None)
         if transport == "zmq":
             xsub, xpub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.serve.zmq_broker", xsub, xpub],
-                                               env=self.env, stdin=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "dynamo_flexkv.serve.zmq_broker", xsub, xpub],
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
             self.env["DYN_ZMQ_BROKER_URL"] = f"xsub={xsub} , xpub={xpub}"
         elif transport == "nats":
             server = find_binary("nats-server")
@@ -56,9 +67,14 @@ class Infra:
                 raise RuntimeError("nats-server not found: scripts/install.sh installs it (Debian's nats-server)")
             port = free_port()
             store = os.path.join(workdir, "nats")
-            self.procs.append(subprocess.Popen([server, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store],
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                               stdin=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [server, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
             self.env["NATS_SERVER"] = f"nats://127.0.0.1:{port}"
             deadline = time.monotonic() + 10
             while True:
@@ -89,9 +105,15 @@ def stop(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def _child(role: str, cfg: Dict[str, Any], env: Dict[str, str], log: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dynamo_flexkv.bench.events", role, json.dumps(cfg)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                            env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dynamo_flexkv.bench.events", role, json.dumps(cfg)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(log, "w"),
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _read(proc: subprocess.Popen, what: str, timeout: float, log: str) -> Dict[str, Any]:
@@ -124,8 +146,16 @@ class NotLive(RuntimeError, FlexKVError):
     """Some simulated workers' hello never reached the router before the run."""
 
 
-def run_case(transport: str, n: int, fmt: str, rate: float, warmup: float, duration: float,
-             flush_interval: float, keep: Optional[str] = None) -> Dict[str, Any]:
+def run_case(
+    transport: str,
+    n: int,
+    fmt: str,
+    rate: float,
+    warmup: float,
+    duration: float,
+    flush_interval: float,
+    keep: Optional[str] = None,
+) -> Dict[str, Any]:
     """run_once, started again (fresh processes) when some workers' events never reached the router
     before the run: seen in 2 of about 10 starts at 1,000 workers, a few workers of one publisher
     process, listed by the router as workers; the cause was not found. The row says how many
@@ -142,8 +172,16 @@ def run_case(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
     raise AssertionError("unreachable")
 
 
-def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, duration: float,
-             flush_interval: float, keep: Optional[str] = None) -> Dict[str, Any]:
+def run_once(
+    transport: str,
+    n: int,
+    fmt: str,
+    rate: float,
+    warmup: float,
+    duration: float,
+    flush_interval: float,
+    keep: Optional[str] = None,
+) -> Dict[str, Any]:
     """One measurement: a fresh event plane, router and publishers; every process is stopped
     before it returns."""
     workdir = tempfile.mkdtemp(prefix=f"bench-events-{transport}-{n}-{fmt}-")
@@ -158,8 +196,12 @@ def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
         env = dict(infra.env, DYN_FILE_KV=os.path.join(workdir, "discovery"))
         port = low_port()
         router_log = os.path.join(workdir, "router.log")
-        router = _child("router", {"transport": transport, "workers": n, "workdir": workdir, "system_port": port},
-                        dict(env, DYN_SYSTEM_PORT=str(port)), router_log)
+        router = _child(
+            "router",
+            {"transport": transport, "workers": n, "workdir": workdir, "system_port": port},
+            dict(env, DYN_SYSTEM_PORT=str(port)),
+            router_log,
+        )
         procs.append(router)
         _read(router, "router process", 180, router_log)
         ids = worker_ids(n)
@@ -167,8 +209,14 @@ def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
         pubs, logs = [], []
         for j in range(n_pub):
             log = os.path.join(workdir, f"publisher{j}.log")
-            cfg = {"transport": transport, "workers": n, "ids": ids[j::n_pub], "format": fmt, "seed": j,
-                   "flush_interval": flush_interval}
+            cfg = {
+                "transport": transport,
+                "workers": n,
+                "ids": ids[j::n_pub],
+                "format": fmt,
+                "seed": j,
+                "flush_interval": flush_interval,
+            }
             pubs.append(_child("publisher", cfg, env, log))
             logs.append(log)
         procs.extend(pubs)
@@ -177,9 +225,11 @@ def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
         _send(router, {"publishers": n_pub})
         live = _read(router, "router process", LIVE_TIMEOUT + 30, router_log)
         if live["live"] < n:
-            raise NotLive(f"only {live['live']} of {n} simulated workers' events reached the router in {LIVE_TIMEOUT:.0f} s "
-                               f"(missing {live['missing']}, of them not listed as workers {live['missing_unlisted']}); "
-                               f"router log {router_log}")
+            raise NotLive(
+                f"only {live['live']} of {n} simulated workers' events reached the router in {LIVE_TIMEOUT:.0f} s "
+                f"(missing {live['missing']}, of them not listed as workers {live['missing_unlisted']}); "
+                f"router log {router_log}"
+            )
         for p in pubs:
             _send(p, {"quiet": True})
         hello = sum(_read(p, f"publisher {j}", 60, logs[j])["events"] for j, p in enumerate(pubs))
@@ -218,21 +268,33 @@ def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
                 v[1] += b
         requests = sum(r["requests"] for r in pres)
         return {
-            "transport": transport, "workers": n, "format": fmt, "rate": rate, "duration": duration,
-            "requests": requests, "blocks": blocks,
+            "transport": transport,
+            "workers": n,
+            "format": fmt,
+            "rate": rate,
+            "duration": duration,
+            "requests": requests,
+            "blocks": blocks,
             "block_events_per_s": sum(a + b for a, b in blocks.values()) / duration,
-            "published": published, "applied": applied_total, "applied_not_ok": not_ok,
-            "frames": sum(r["frames"] for r in pres), "skipped": sum(r["skipped"] for r in pres),
-            "dropped": max(0, published - applied_total) + not_ok, "drop_warnings": len(warnings),
+            "published": published,
+            "applied": applied_total,
+            "applied_not_ok": not_ok,
+            "frames": sum(r["frames"] for r in pres),
+            "skipped": sum(r["skipped"] for r in pres),
+            "dropped": max(0, published - applied_total) + not_ok,
+            "drop_warnings": len(warnings),
             "drop_warning_sample": warnings[:3],
-            "probes_sent": len(probes), "probes_seen": len(lags),
+            "probes_sent": len(probes),
+            "probes_seen": len(lags),
             "lag_p50_ms": 1e3 * statistics.median(lags) if lags else float("nan"),
             "lag_p99_ms": 1e3 * percentile(lags, 99) if lags else float("nan"),
             "lag_max_ms": 1e3 * max(lags) if lags else float("nan"),
             "decision_p50_ms": 1e3 * statistics.median(rres["decisions"]) if rres["decisions"] else float("nan"),
             "decision_p99_ms": 1e3 * percentile(rres["decisions"], 99) if rres["decisions"] else float("nan"),
             "decisions": len(rres["decisions"]),
-            "router_cpu_cores": rres["cpu_cores"], "router_rss_mib": rres["rss_mib"], "router_hwm_mib": rres["hwm_mib"],
+            "router_cpu_cores": rres["cpu_cores"],
+            "router_rss_mib": rres["rss_mib"],
+            "router_hwm_mib": rres["hwm_mib"],
             "publisher_cpu_cores": sum(r["cpu_cores"] for r in pres),
             "publisher_late_max_s": max(r["late_max_s"] for r in pres),
             "publishers": n_pub,
@@ -247,8 +309,12 @@ def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
         stop(procs)
         infra.close()
         if keep:
-            shutil.copytree(workdir, os.path.join(keep, os.path.basename(workdir)), dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("nats", "model"))
+            shutil.copytree(
+                workdir,
+                os.path.join(keep, os.path.basename(workdir)),
+                dirs_exist_ok=True,
+                ignore=shutil.ignore_patterns("nats", "model"),
+            )
         if not failed:
             shutil.rmtree(workdir, ignore_errors=True)
 
@@ -256,8 +322,7 @@ def run_once(transport: str, n: int, fmt: str, rate: float, warmup: float, durat
 TRANSPORTS = ("zmq", "nats")
 
 
-def check_plan(transports: Sequence[str], sizes: Sequence[int], rate: float, warmup: float,
-               duration: float) -> None:
+def check_plan(transports: Sequence[str], sizes: Sequence[int], rate: float, warmup: float, duration: float) -> None:
     """Refuses a plan that would run for minutes and measure nothing, before anything starts."""
     unknown = [t for t in transports if t not in TRANSPORTS]
     if unknown:
@@ -266,13 +331,23 @@ def check_plan(transports: Sequence[str], sizes: Sequence[int], rate: float, war
     if bad:
         raise ValueError(f"bench events: worker counts must be positive integers, got {bad}")
     if not (rate > 0 and duration > 0 and warmup >= 0):
-        raise ValueError(f"bench events: need rate > 0 and duration > 0 (seconds) and warmup >= 0, got rate {rate}, "
-                         f"duration {duration}, warmup {warmup}")
+        raise ValueError(
+            f"bench events: need rate > 0 and duration > 0 (seconds) and warmup >= 0, got rate {rate}, "
+            f"duration {duration}, warmup {warmup}"
+        )
 
 
-def measure(transports: Sequence[str], sizes: Sequence[int], rate: float, warmup: float, duration: float,
-            flush_interval: float = 0.005, keep: Optional[str] = None, log=print,
-            rows_path: Optional[str] = None) -> List[Dict[str, Any]]:
+def measure(
+    transports: Sequence[str],
+    sizes: Sequence[int],
+    rate: float,
+    warmup: float,
+    duration: float,
+    flush_interval: float = 0.005,
+    keep: Optional[str] = None,
+    log=print,
+    rows_path: Optional[str] = None,
+) -> List[Dict[str, Any]]:
     """Every (transport, size): device-only then ours, each on a fresh router. Returns raw rows
     (also appended to ``rows_path`` as JSON lines as they are measured)."""
     check_plan(transports, sizes, rate, warmup, duration)
@@ -281,10 +356,12 @@ def measure(transports: Sequence[str], sizes: Sequence[int], rate: float, warmup
         for n in sizes:
             for fmt in ("device", "ours"):
                 row = run_case(transport, n, fmt, rate, warmup, duration, flush_interval, keep)
-                log(f"  {transport} {n:>5} workers {fmt:<6}: lag p50 {row['lag_p50_ms']:.1f} ms p99 "
+                log(
+                    f"  {transport} {n:>5} workers {fmt:<6}: lag p50 {row['lag_p50_ms']:.1f} ms p99 "
                     f"{row['lag_p99_ms']:.1f} ms, dropped {row['dropped']}, router {row['router_cpu_cores']:.2f} "
                     f"cores {row['router_rss_mib']:.0f} MiB, decision p50 {row['decision_p50_ms']:.2f} ms, "
-                    f"{row['block_events_per_s']:.0f} block events/s, probes {row['probes_seen']}/{row['probes_sent']}")
+                    f"{row['block_events_per_s']:.0f} block events/s, probes {row['probes_seen']}/{row['probes_sent']}"
+                )
                 rows.append(row)
                 if rows_path:
                     with open(rows_path, "a") as f:
@@ -299,12 +376,19 @@ def cases(rows: Sequence[Dict[str, Any]]) -> List[Case]:
         if fmt != "ours" or (transport, n, "device") not in by:
             continue
         base = by[(transport, n, "device")]
-        note = (f"dropped ours {ours['dropped']} / device-only {base['dropped']}; "
-                f"{ours['block_events_per_s']:.0f} vs {base['block_events_per_s']:.0f} block events/s")
+        note = (
+            f"dropped ours {ours['dropped']} / device-only {base['dropped']}; "
+            f"{ours['block_events_per_s']:.0f} vs {base['block_events_per_s']:.0f} block events/s"
+        )
         tag = f"{transport}-{n}w"
-        for key, name, unit in (("lag_p50_ms", "lag-p50", "ms"), ("lag_p99_ms", "lag-p99", "ms"),
-                                ("decision_p50_ms", "decision-p50", "ms"), ("decision_p99_ms", "decision-p99", "ms"),
-                                ("router_cpu_cores", "router-cpu", "cores"), ("router_rss_mib", "router-rss", "MiB")):
+        for key, name, unit in (
+            ("lag_p50_ms", "lag-p50", "ms"),
+            ("lag_p99_ms", "lag-p99", "ms"),
+            ("decision_p50_ms", "decision-p50", "ms"),
+            ("decision_p99_ms", "decision-p99", "ms"),
+            ("router_cpu_cores", "router-cpu", "cores"),
+            ("router_rss_mib", "router-rss", "MiB"),
+        ):
             out.append(Case("events", f"{name}-{tag}", ours[key], base[key], unit, "device-only events", note))
     return out
 
@@ -323,7 +407,9 @@ def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
     colours = {"zmq": "tab:blue", "nats": "tab:orange"}
     for transport in sorted({r["transport"] for r in rows}):
         for fmt, style in (("ours", "-o"), ("device", "--s")):
-            rs = sorted((r for r in rows if r["transport"] == transport and r["format"] == fmt), key=lambda r: r["workers"])
+            rs = sorted(
+                (r for r in rows if r["transport"] == transport and r["format"] == fmt), key=lambda r: r["workers"]
+            )
             if not rs:
                 continue
             xs = [r["workers"] for r in rs]
@@ -348,9 +434,12 @@ def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
         ax.legend(fontsize=7)
     r0 = rows[0]
     drops = [f"{r['transport']}/{r['workers']}/{r['format']}={r['dropped']:.0f}" for r in rows if r["dropped"]]
-    fig.suptitle(f"bench events: Dynamo KvRouter, {r0['rate']} req/s per simulated worker (Mooncake trace), "
-                 f"{r0['duration']:.0f} s measured per point; "
-                 + ("dropped: " + ", ".join(drops) if drops else "no dropped batch"), fontsize=10)
+    fig.suptitle(
+        f"bench events: Dynamo KvRouter, {r0['rate']} req/s per simulated worker (Mooncake trace), "
+        f"{r0['duration']:.0f} s measured per point; "
+        + ("dropped: " + ", ".join(drops) if drops else "no dropped batch"),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -12,9 +12,20 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from dynamo_flexkv.bench.events.plumbing import ENDPOINT, WORKER_BASE, cpu_seconds, emit, percentile, read_cmd
-from dynamo_flexkv.bench.events.workload import (BLOCK_TOKENS, DEVICE_TIERS, HELLO_HASH, HELLO_TOKENS, OURS_TIERS,
-                                                  PREROLL, PROBE_INTERVAL, SimWorker, chain, load_prompts,
-                                                  probe_hash, probe_tokens)
+from dynamo_flexkv.bench.events.workload import (
+    BLOCK_TOKENS,
+    DEVICE_TIERS,
+    HELLO_HASH,
+    HELLO_TOKENS,
+    OURS_TIERS,
+    PREROLL,
+    PROBE_INTERVAL,
+    SimWorker,
+    chain,
+    load_prompts,
+    probe_hash,
+    probe_tokens,
+)
 
 
 async def publisher_main(cfg: Dict[str, Any]) -> None:
@@ -31,8 +42,7 @@ async def publisher_main(cfg: Dict[str, Any]) -> None:
     for wid in ids:
         relay = KvEventRelay(BLOCK_TOKENS, flush_interval=cfg["flush_interval"])
         relays.append(relay)
-        publishers.append(KvEventPublisher(ep, worker_id=wid, kv_block_size=BLOCK_TOKENS,
-                                           zmq_endpoint=relay.endpoint))
+        publishers.append(KvEventPublisher(ep, worker_id=wid, kv_block_size=BLOCK_TOKENS, zmq_endpoint=relay.endpoint))
         sims.append(SimWorker(relay, tiers))
     for r in relays:
         if not await asyncio.to_thread(r.wait_for_subscriber, 60):
@@ -113,16 +123,24 @@ def drive(cfg, go, ids, all_n, sims, relays, prompts, seqs_cache) -> Dict[str, A
             requests += 1
         nxt = at + 1.0 / warm_rate
         if nxt >= t0 + 0.75 * go["warmup"]:
-            nxt = max(nxt, t0 + 0.75 * go["warmup"] + rng.random() / rate) if at < t0 + 0.75 * go["warmup"] else at + 1.0 / rate
+            nxt = (
+                max(nxt, t0 + 0.75 * go["warmup"] + rng.random() / rate)
+                if at < t0 + 0.75 * go["warmup"]
+                else at + 1.0 / rate
+            )
         heapq.heappush(heap, (nxt, 0, x))
     blocks1 = _sum_blocks(sims)
     blocks0 = blocks0 or {t: [0, 0] for t in blocks1}
     cpu1 = (cpu_seconds(os.getpid()), time.monotonic())
     cpu0 = cpu0 or cpu1
-    return {"probes": probes, "requests": requests,
-            "blocks": {t: [blocks1[t][0] - blocks0[t][0], blocks1[t][1] - blocks0[t][1]] for t in blocks1},
-            "late_p99_s": percentile(late, 99) if late else 0.0, "late_max_s": max(late) if late else 0.0,
-            "cpu_cores": (cpu1[0] - cpu0[0]) / max(1e-9, cpu1[1] - cpu0[1])}
+    return {
+        "probes": probes,
+        "requests": requests,
+        "blocks": {t: [blocks1[t][0] - blocks0[t][0], blocks1[t][1] - blocks0[t][1]] for t in blocks1},
+        "late_p99_s": percentile(late, 99) if late else 0.0,
+        "late_max_s": max(late) if late else 0.0,
+        "cpu_cores": (cpu1[0] - cpu0[0]) / max(1e-9, cpu1[1] - cpu0[1]),
+    }
 
 
 def _sum_blocks(sims) -> Dict[str, List[int]]:

@@ -14,8 +14,14 @@ import urllib.request
 from typing import Any, Dict, List, Sequence
 
 from dynamo_flexkv.bench.events.plumbing import ENDPOINT, cpu_seconds, emit, read_cmd, rss_mib, worker_ids
-from dynamo_flexkv.bench.events.workload import (BLOCK_TOKENS, HELLO_TOKENS, PROBE_INTERVAL, block_tokens,
-                                                  load_prompts, probe_tokens)
+from dynamo_flexkv.bench.events.workload import (
+    BLOCK_TOKENS,
+    HELLO_TOKENS,
+    PROBE_INTERVAL,
+    block_tokens,
+    load_prompts,
+    probe_tokens,
+)
 
 POLL_S = 0.005  # how often the router polls best_worker for a probe
 DECISIONS_PER_S = 20
@@ -64,8 +70,15 @@ def keep_alive(paths: Sequence[str], stop: threading.Event, every: float = 2.0) 
 
 
 async def router_main(cfg: Dict[str, Any]) -> None:
-    from dynamo._core import (DistributedRuntime, KvRouter, KvRouterConfig, ModelInput, ModelType, WorkerType,
-                              register_model)
+    from dynamo._core import (
+        DistributedRuntime,
+        KvRouter,
+        KvRouterConfig,
+        ModelInput,
+        ModelType,
+        WorkerType,
+        register_model,
+    )
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
@@ -79,8 +92,15 @@ async def router_main(cfg: Dict[str, Any]) -> None:
     serving = asyncio.ensure_future(ep.serve_endpoint(handler))
     model = EngineModelConfig.preset("tiny")
     model_dir = write_model_dir(model, os.path.join(cfg["workdir"], "model"), name="bench-events")
-    await register_model(ModelInput.Tokens, ModelType.Chat, ep, str(model_dir), "bench-events",
-                         worker_type=WorkerType.Aggregated, kv_cache_block_size=BLOCK_TOKENS)
+    await register_model(
+        ModelInput.Tokens,
+        ModelType.Chat,
+        ep,
+        str(model_dir),
+        "bench-events",
+        worker_type=WorkerType.Aggregated,
+        kv_cache_block_size=BLOCK_TOKENS,
+    )
     ids = worker_ids(cfg["workers"])
     paths = await asyncio.to_thread(register_fake_workers, os.environ["DYN_FILE_KV"], ids)
     stop_refresh = threading.Event()
@@ -184,10 +204,19 @@ async def router_main(cfg: Dict[str, Any]) -> None:
         if sum(applied.values()) - sum(before.values()) >= cmd["published"] or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.1)
-    emit({"cpu_cores": (cpu1 - cpu0) / (wall1 - wall0), "rss_mib": rss, "hwm_mib": hwm,
-          "decisions": decisions, "probe_polls": probe_polls, "probe_seen": probe_seen,
-          "applied": {k: v - before.get(k, 0.0) for k, v in applied.items()}, "workers": len(ids),
-          "loop_stall_max_s": max(loop_stalls, default=0.0)})
+    emit(
+        {
+            "cpu_cores": (cpu1 - cpu0) / (wall1 - wall0),
+            "rss_mib": rss,
+            "hwm_mib": hwm,
+            "decisions": decisions,
+            "probe_polls": probe_polls,
+            "probe_seen": probe_seen,
+            "applied": {k: v - before.get(k, 0.0) for k, v in applied.items()},
+            "workers": len(ids),
+            "loop_stall_max_s": max(loop_stalls, default=0.0),
+        }
+    )
     for t in tasks:
         t.cancel()
     serving.cancel()
@@ -201,7 +230,7 @@ def scrape_applied(port: int) -> Dict[str, float]:
     for line in text.splitlines():
         if line.startswith("dynamo_component_kv_cache_events_applied{"):
             labels, value = line.rsplit(" ", 1)
-            kv = dict(p.split("=", 1) for p in labels[labels.index("{") + 1:-1].split(","))
+            kv = dict(p.split("=", 1) for p in labels[labels.index("{") + 1 : -1].split(","))
             key = f"{kv['event_type'].strip(chr(34))}/{kv['status'].strip(chr(34))}"
             out[key] = out.get(key, 0.0) + float(value)
     return out

@@ -15,7 +15,9 @@ PREROLL = 8  # requests per worker during the warm-up (spread over it): every ti
 OURS_TIERS = ("device", "host", "disk", "remote")
 DEVICE_TIERS = ("device",)
 PROBE_INTERVAL = 0.05  # a probe block published every this many seconds (the lag measurement)
-TRACE_RATE_NOTE = "Mooncake conversation trace: 12,031 requests in 3,537 s (3.40 req/s), 24.0 blocks of 512 tokens each on average"
+TRACE_RATE_NOTE = (
+    "Mooncake conversation trace: 12,031 requests in 3,537 s (3.40 req/s), 24.0 blocks of 512 tokens each on average"
+)
 MASK = (1 << 64) - 1
 
 
@@ -70,8 +72,10 @@ class SimWorker:
         from dynamo_flexkv.integrations.events import REMOTE
 
         self.relay = relay
-        self.tiers = [(t, {"device": None, "host": Tier.HOST, "disk": Tier.DISK, "remote": REMOTE}[t],
-                       OrderedDict(), CAPACITY[t]) for t in tiers]
+        self.tiers = [
+            (t, {"device": None, "host": Tier.HOST, "disk": Tier.DISK, "remote": REMOTE}[t], OrderedDict(), CAPACITY[t])
+            for t in tiers
+        ]
         self.blocks = {t: [0, 0] for t in tiers}  # tier -> [stored, removed]
 
     def serve(self, hash_ids: Sequence[int], seqs: Sequence[int]) -> None:

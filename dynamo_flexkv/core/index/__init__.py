@@ -5,6 +5,14 @@ from dynamo_flexkv.core.index.policies import EvictionPolicy
 from dynamo_flexkv.core.index.tier_index import IndexError_, PoolError, TierIndex
 
 __all__ = [
-    "CacheEngine", "EvictionPolicy", "GetPlan", "IndexError_", "MatchResult",
-    "PoolError", "PutPlan", "Tier", "TierIndex", "TierRun",
+    "CacheEngine",
+    "EvictionPolicy",
+    "GetPlan",
+    "IndexError_",
+    "MatchResult",
+    "PoolError",
+    "PutPlan",
+    "Tier",
+    "TierIndex",
+    "TierRun",
 ]

@@ -179,8 +179,9 @@ class CacheEngine:
             return list(self._tasks)
 
     # ---- planning --------------------------------------------------------------------------------
-    def plan_get(self, task_id: Hashable, hashes: Sequence[int], start: int = 0,
-                 remote: Optional[Tuple[int, int]] = None) -> GetPlan:
+    def plan_get(
+        self, task_id: Hashable, hashes: Sequence[int], start: int = 0, remote: Optional[Tuple[int, int]] = None
+    ) -> GetPlan:
         """Locks what the get reads and stages disk blocks into new host blocks. The plan covers
         blocks [start, plan.end); it may be empty. ``remote=(lo, hi)``: the remote tier held
         blocks [lo, hi) when probed; those past the local prefix are staged into new host blocks
@@ -201,23 +202,24 @@ class CacheEngine:
                 ids = host.insert(hashes[h:d], parent, task_id)
                 k = len(ids)
                 if h + k > start:
-                    staged = self._track(task_id, TierRun(Tier.HOST, h, hashes[h:h + k], ids, parent, new=True))
+                    staged = self._track(task_id, TierRun(Tier.HOST, h, hashes[h : h + k], ids, parent, new=True))
                     disk_reads = self._lock_run(task_id, Tier.DISK, hashes, h, h + k)
                 elif k:
-                    host.rollback(hashes[h:h + k], task_id)
+                    host.rollback(hashes[h : h + k], task_id)
             end = max(h, staged.end if staged is not None else 0)
             remote_staged = None
             if remote is not None and remote[0] <= end < remote[1] and remote[1] > start:
                 parent = hashes[end - 1] if end else None
                 if host.match_length(hashes, ready_only=False) == end and host.can_extend(parent, task_id):
-                    ids = host.insert(hashes[end:remote[1]], parent, task_id)
+                    ids = host.insert(hashes[end : remote[1]], parent, task_id)
                     if ids and end + len(ids) > start:
-                        remote_staged = self._track(task_id, TierRun(
-                            Tier.HOST, end, hashes[end:end + len(ids)], ids, parent, new=True))
+                        remote_staged = self._track(
+                            task_id, TierRun(Tier.HOST, end, hashes[end : end + len(ids)], ids, parent, new=True)
+                        )
                         self.remote_hit_blocks += len(ids) - max(0, start - end)
                         end = remote_staged.end
                     elif ids:
-                        host.rollback(hashes[end:end + len(ids)], task_id)
+                        host.rollback(hashes[end : end + len(ids)], task_id)
             # Everything the device will read stays locked until the H2D copy finished,
             # staged blocks included (once committed they would otherwise be evictable).
             host_reads = self._lock_run(task_id, Tier.HOST, hashes, start, end) if end > start else None
@@ -254,8 +256,9 @@ class CacheEngine:
                     ids = disk.insert(hashes[d0:d_end], d_parent, task_id)
                     k = len(ids)
                     if k:
-                        disk_run = self._track(task_id, TierRun(
-                            Tier.DISK, d0, hashes[d0:d0 + k], ids, d_parent, new=True))
+                        disk_run = self._track(
+                            task_id, TierRun(Tier.DISK, d0, hashes[d0 : d0 + k], ids, d_parent, new=True)
+                        )
                         sources = self._lock_run(task_id, Tier.HOST, hashes, d0, d0 + k, hit=False)
             remote_sources = None
             if remote:
@@ -283,8 +286,7 @@ class CacheEngine:
             j += 1
         return j
 
-    def _admitted_end(self, hashes: List[int], d0: int, held: int,
-                      host_run: Optional[TierRun]) -> int:
+    def _admitted_end(self, hashes: List[int], d0: int, held: int, host_run: Optional[TierRun]) -> int:
         """End of the run [d0, end) that may go to disk: each block needs a ready host copy (or
         one this put is filling) and, with disk_admission_hits = N > 0, at least N hits on host.
         Hits only fall along a chain, so admitted blocks form a prefix."""
@@ -317,8 +319,12 @@ class CacheEngine:
                     n += 1
                 if n:
                     b = len(run.token_ids) // len(run.hashes)
-                    self.listener.on_stored(run.tier, dataclasses.replace(
-                        run, hashes=run.hashes[:n], block_ids=run.block_ids[:n], token_ids=run.token_ids[:n * b]))
+                    self.listener.on_stored(
+                        run.tier,
+                        dataclasses.replace(
+                            run, hashes=run.hashes[:n], block_ids=run.block_ids[:n], token_ids=run.token_ids[: n * b]
+                        ),
+                    )
                     sent += n
         return sent
 
@@ -351,11 +357,10 @@ class CacheEngine:
                 return
             if count <= 0:
                 return
-            head = dataclasses.replace(run, hashes=run.hashes[:count], block_ids=run.block_ids[:count],
-                                       token_ids=None)
+            head = dataclasses.replace(run, hashes=run.hashes[:count], block_ids=run.block_ids[:count], token_ids=None)
             if run.token_ids is not None:
                 b = len(run.token_ids) // len(run.hashes)
-                head.token_ids, run.token_ids = run.token_ids[:count * b], run.token_ids[count * b:]
+                head.token_ids, run.token_ids = run.token_ids[: count * b], run.token_ids[count * b :]
             self.tiers[run.tier].commit(head.hashes, task_id)
             self.counters[run.tier].stored_blocks += count
             run.parent, run.start = run.hashes[count - 1], run.start + count
@@ -421,8 +426,11 @@ class CacheEngine:
                     "stored_blocks": c.stored_blocks,
                     "rolled_back_blocks": c.rolled_back_blocks,
                 }
-            out["requests"] = {"miss_blocks": self.miss_blocks, "remote_hit_blocks": self.remote_hit_blocks,
-                               "tasks_in_flight": len(self._tasks)}
+            out["requests"] = {
+                "miss_blocks": self.miss_blocks,
+                "remote_hit_blocks": self.remote_hit_blocks,
+                "tasks_in_flight": len(self._tasks),
+            }
             return out
 
     # ---- internals ---------------------------------------------------------------------------------
@@ -435,14 +443,14 @@ class CacheEngine:
         self._tasks[task_id].append(run)
         return run
 
-    def _lock_run(self, task_id: Hashable, tier: Tier, hashes: List[int], start: int, end: int,
-                  hit: bool = True) -> TierRun:
+    def _lock_run(
+        self, task_id: Hashable, tier: Tier, hashes: List[int], start: int, end: int, hit: bool = True
+    ) -> TierRun:
         idx = self.tiers[tier]
         part = hashes[start:end]
         idx.lock(part)
         parent = hashes[start - 1] if start else None
-        return self._track(task_id, TierRun(tier, start, part, idx.block_ids(part), parent,
-                                            new=False, hit=hit))
+        return self._track(task_id, TierRun(tier, start, part, idx.block_ids(part), parent, new=False, hit=hit))
 
     def _check_open(self, run: TierRun, task_id: Hashable) -> None:
         if run.done:

@@ -73,15 +73,22 @@ class TierIndex:
             if not 0 < value <= 1:
                 raise ValueError(f"{key}={value} must be in (0, 1]")
         if hit_reward_seconds < 0 or slru_protected_hits < 0:
-            raise ValueError(f"hit_reward_seconds={hit_reward_seconds} and slru_protected_hits="
-                             f"{slru_protected_hits} must be >= 0")
+            raise ValueError(
+                f"hit_reward_seconds={hit_reward_seconds} and slru_protected_hits={slru_protected_hits} must be >= 0"
+            )
         self.name = name
         self.policy = policy
         self.on_removed = on_removed
         self._clock = clock
-        self._native = _native.TierIndex(name, capacity, policy.value, float(hit_reward_seconds),
-                                         int(slru_protected_hits), float(evict_start_threshold),
-                                         float(evict_ratio))
+        self._native = _native.TierIndex(
+            name,
+            capacity,
+            policy.value,
+            float(hit_reward_seconds),
+            int(slru_protected_hits),
+            float(evict_start_threshold),
+            float(evict_ratio),
+        )
         # The tier's slot pool lives in the native index: capacity, num_used, num_free, is_used().
         self.pool = self._native
 

@@ -28,8 +28,13 @@ class ChannelClosed(ConnectionError, FlexKVError):
 
 
 class Channel:
-    def __init__(self, sock: socket.socket, name: str, max_queued: int = MAX_QUEUED_BYTES,
-                 on_close: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        name: str,
+        max_queued: int = MAX_QUEUED_BYTES,
+        on_close: Optional[Callable[[str], None]] = None,
+    ) -> None:
         self.sock, self.name = sock, name
         self._max_queued = max_queued
         self._queue: Deque[Tuple[bytes, Sequence[int]]] = collections.deque()
@@ -98,8 +103,8 @@ class Channel:
             while len(self._rbuf) < HEADER_BYTES + n:
                 if not self._fill(fds):
                     raise ProtocolError(f"{self.name}: the connection closed inside a frame of {n} bytes")
-            body = bytes(self._rbuf[HEADER_BYTES:HEADER_BYTES + n])
-            del self._rbuf[:HEADER_BYTES + n]
+            body = bytes(self._rbuf[HEADER_BYTES : HEADER_BYTES + n])
+            del self._rbuf[: HEADER_BYTES + n]
             got, fds = fds, []
             yield body, got
 
@@ -116,7 +121,7 @@ class Channel:
         for level, kind, raw in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 got = array.array("i")
-                got.frombytes(raw[:len(raw) - len(raw) % got.itemsize])
+                got.frombytes(raw[: len(raw) - len(raw) % got.itemsize])
                 fds.extend(got)
         if not data:
             return False

@@ -30,9 +30,30 @@ from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index.cache_engine import IndexListener, Tier, TierRun
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
-from dynamo_flexkv.core.node.protocol import (VERSION, Attach, Attached, Call, Cancel, Detach, Events, Load, Lookup,
-                                              Observe, OpDone, Prefetch, ProtocolError, Reply, RunOp, Store, TaskDone,
-                                              decode_to_engine, pack_ids, pack_tokens, unpack_ids, unpack_tokens)
+from dynamo_flexkv.core.node.protocol import (
+    VERSION,
+    Attach,
+    Attached,
+    Call,
+    Cancel,
+    Detach,
+    Events,
+    Load,
+    Lookup,
+    Observe,
+    OpDone,
+    Prefetch,
+    ProtocolError,
+    Reply,
+    RunOp,
+    Store,
+    TaskDone,
+    decode_to_engine,
+    pack_ids,
+    pack_tokens,
+    unpack_ids,
+    unpack_tokens,
+)
 from dynamo_flexkv.core.contract import EngineOffload, Hold
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.storage.device import DeviceCache
@@ -88,11 +109,24 @@ class _Connection:
 
 
 class NodeOffload(EngineOffload):
-    def __init__(self, model: ModelSpec, config: CacheConfig, *, layerwise: bool = True,
-                 listener: Optional[IndexListener] = None, model_id: str, engine: str, tenant: str = "",
-                 rank: int = 0, ranks: int = 1, replicated: bool = False, socket_path: Optional[str] = None,
-                 mover_hook: Optional[MoverHook] = None) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        config: CacheConfig,
+        *,
+        layerwise: bool = True,
+        listener: Optional[IndexListener] = None,
+        model_id: str,
+        engine: str,
+        tenant: str = "",
+        rank: int = 0,
+        ranks: int = 1,
+        replicated: bool = False,
+        socket_path: Optional[str] = None,
+        mover_hook: Optional[MoverHook] = None,
+    ) -> None:
         from dynamo_flexkv.core.node.server import default_socket_path
+
         self.model, self.config = model, config
         self.layerwise, self.bs, self.num_layers = layerwise, config.tokens_per_block, model.num_layers
         self.listener, self.model_id, self.engine, self.tenant = listener, model_id, engine, tenant
@@ -113,8 +147,9 @@ class NodeOffload(EngineOffload):
         # As many copier threads as an embedded KVManager has transfer workers: the service sends a
         # load's layers at once, and one thread copying them in turn took 1.7x the embedded load.
         self._drain_lock = threading.Lock()
-        self._copiers = [threading.Thread(target=self._copy_loop, name=f"flexkv-node-copy-{i}", daemon=True)
-                         for i in range(COPIERS)]
+        self._copiers = [
+            threading.Thread(target=self._copy_loop, name=f"flexkv-node-copy-{i}", daemon=True) for i in range(COPIERS)
+        ]
         self._retry: Optional[threading.Thread] = None
         self.namespace = ""
         self.attaches = 0
@@ -143,12 +178,25 @@ class NodeOffload(EngineOffload):
             return False
         channel = Channel(sock, f"node-cache-{self.engine}")
         try:
-            channel.send(Attach(version=VERSION, engine=self.engine, model_id=self.model_id,
-                                num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads,
-                                head_size=self.model.head_size, dtype=self.model.dtype, kv_dim=self.model.kv_dim,
-                                tokens_per_block=self.bs, device_blocks=self.device.num_blocks, tenant=self.tenant,
-                                rank=self.rank, ranks=self.ranks, replicated=self.replicated,
-                                events=self.listener is not None and self._publishing))
+            channel.send(
+                Attach(
+                    version=VERSION,
+                    engine=self.engine,
+                    model_id=self.model_id,
+                    num_layers=self.model.num_layers,
+                    num_kv_heads=self.model.num_kv_heads,
+                    head_size=self.model.head_size,
+                    dtype=self.model.dtype,
+                    kv_dim=self.model.kv_dim,
+                    tokens_per_block=self.bs,
+                    device_blocks=self.device.num_blocks,
+                    tenant=self.tenant,
+                    rank=self.rank,
+                    ranks=self.ranks,
+                    replicated=self.replicated,
+                    events=self.listener is not None and self._publishing,
+                )
+            )
             frames = channel.frames()
             body, fds = next(frames)
             msg = decode_to_engine(body)
@@ -177,8 +225,13 @@ class NodeOffload(EngineOffload):
             self._conn = conn
         self.attaches += 1
         threading.Thread(target=self._read_loop, args=(conn, frames), name="flexkv-node-read", daemon=True).start()
-        log.info("node cache %s: attached (service pid %d, %d host blocks of %d bytes)", self.socket_path,
-                 msg.service_pid, msg.host_blocks, layout.block_bytes)
+        log.info(
+            "node cache %s: attached (service pid %d, %d host blocks of %d bytes)",
+            self.socket_path,
+            msg.service_pid,
+            msg.host_blocks,
+            layout.block_bytes,
+        )
         return True
 
     def _retry_soon(self) -> None:
@@ -238,8 +291,13 @@ class NodeOffload(EngineOffload):
                 continue  # its service is gone: nobody waits for this copy
             error, nbytes = None, 0
             try:
-                op = TransferOp(OpKind(msg.kind), unpack_ids(msg.src), unpack_ids(msg.dst),
-                                layers=(msg.lo, msg.hi) if msg.hi >= 0 else None, task_id=msg.task)
+                op = TransferOp(
+                    OpKind(msg.kind),
+                    unpack_ids(msg.src),
+                    unpack_ids(msg.dst),
+                    layers=(msg.lo, msg.hi) if msg.hi >= 0 else None,
+                    task_id=msg.task,
+                )
                 nbytes = conn.movers[op.kind].run(op)
             except Exception as e:  # noqa: BLE001 - reported to the service, which fails the task
                 error = f"{type(e).__name__}: {e}"
@@ -271,8 +329,11 @@ class NodeOffload(EngineOffload):
             ev.set()
         self._drain_copies()
         for t in tasks:
-            t.finish(TaskResult(t.id, t.kind or TaskKind.GET, TaskStatus.FAILED,
-                                error=f"the node cache service went away: {why}"))
+            t.finish(
+                TaskResult(
+                    t.id, t.kind or TaskKind.GET, TaskStatus.FAILED, error=f"the node cache service went away: {why}"
+                )
+            )
         self._forget_announced()
         conn.host.close()
         conn.gone.set()
@@ -330,8 +391,7 @@ class NodeOffload(EngineOffload):
                     named = [(h, n) for h, n in zip(ev.hashes, ev.names) if n is not None]
                     self.listener.alias([h for h, _ in named], [n for _, n in named])
                 tokens = unpack_tokens(ev.tokens).tolist() if ev.tokens is not None else None
-                self.listener.on_stored(tier, TierRun(tier, 0, list(ev.hashes), [], ev.parent, False,
-                                                      token_ids=tokens))
+                self.listener.on_stored(tier, TierRun(tier, 0, list(ev.hashes), [], ev.parent, False, token_ids=tokens))
                 seen.update(dict.fromkeys(ev.hashes))
             else:
                 self.listener.on_removed(tier, list(ev.hashes))
@@ -379,26 +439,59 @@ class NodeOffload(EngineOffload):
         return reply.value
 
     # ---- the contract -------------------------------------------------------------------------------
-    def cached_tokens(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
-                      cache_salt: Optional[str] = None, prompt_tokens: Optional[int] = None,
-                      skip_blocks: int = 0) -> int:
+    def cached_tokens(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+        skip_blocks: int = 0,
+    ) -> int:
         try:
-            return int(self._request(lambda rid: Lookup(id=rid, tokens=pack_tokens(tokens), lora=lora_name,
-                                                        salt=cache_salt, prompt_tokens=prompt_tokens,
-                                                        skip_blocks=skip_blocks, layerwise=self.layerwise)))
+            return int(
+                self._request(
+                    lambda rid: Lookup(
+                        id=rid,
+                        tokens=pack_tokens(tokens),
+                        lora=lora_name,
+                        salt=cache_salt,
+                        prompt_tokens=prompt_tokens,
+                        skip_blocks=skip_blocks,
+                        layerwise=self.layerwise,
+                    )
+                )
+            )
         except NodeUnavailable:
             return skip_blocks * self.bs if skip_blocks else 0  # nothing beyond what the engine holds
 
-    def block_hashes(self, tokens: Sequence[int], *, lora_name: Optional[str] = None,
-                     cache_salt: Optional[str] = None) -> List[int]:
+    def block_hashes(
+        self, tokens: Sequence[int], *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
+    ) -> List[int]:
         return [int(h) for h in namespaced_hashes(tokens, self.bs, self.namespace, lora_name, cache_salt).sequence]
 
-    def load(self, tokens: Sequence[int], block_table: Sequence[int], skip_blocks: int, *,
-             lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
-             prompt_tokens: Optional[int] = None) -> Optional[int]:
-        value = self._request(lambda rid: Load(id=rid, tokens=pack_tokens(tokens), blocks=pack_ids(block_table),
-                                               skip_blocks=skip_blocks, lora=lora_name, salt=cache_salt,
-                                               prompt_tokens=prompt_tokens, layerwise=self.layerwise))
+    def load(
+        self,
+        tokens: Sequence[int],
+        block_table: Sequence[int],
+        skip_blocks: int,
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+    ) -> Optional[int]:
+        value = self._request(
+            lambda rid: Load(
+                id=rid,
+                tokens=pack_tokens(tokens),
+                blocks=pack_ids(block_table),
+                skip_blocks=skip_blocks,
+                lora=lora_name,
+                salt=cache_salt,
+                prompt_tokens=prompt_tokens,
+                layerwise=self.layerwise,
+            )
+        )
         t = self._task(int(value["task"]))
         t.kind, t.planned, t.by_tier = TaskKind.GET, int(value["planned"]), dict(value["by_tier"])
         if t.planned == 0:
@@ -443,14 +536,28 @@ class NodeOffload(EngineOffload):
     def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
         self._send_quietly(Observe(tokens=int(tokens), prompt_tokens=int(prompt_tokens), seconds=float(seconds)))
 
-    def store(self, tokens: Sequence[int], block_table: Sequence[int], key: Any = None, *,
-              lora_name: Optional[str] = None, cache_salt: Optional[str] = None,
-              names: Optional[Sequence[int]] = None) -> int:
+    def store(
+        self,
+        tokens: Sequence[int],
+        block_table: Sequence[int],
+        key: Any = None,
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        names: Optional[Sequence[int]] = None,
+    ) -> int:
         n = len(tokens) // self.bs
         blocks = list(block_table[:n])
-        value = self._request(lambda rid: Store(id=rid, tokens=pack_tokens(tokens[:n * self.bs]),
-                                                blocks=pack_ids(blocks), lora=lora_name, salt=cache_salt,
-                                                names=list(names[:n]) if names else None))
+        value = self._request(
+            lambda rid: Store(
+                id=rid,
+                tokens=pack_tokens(tokens[: n * self.bs]),
+                blocks=pack_ids(blocks),
+                lora=lora_name,
+                salt=cache_salt,
+                names=list(names[:n]) if names else None,
+            )
+        )
         t = self._task(int(value["task"]))
         t.kind, t.hold = TaskKind.PUT, Hold(key, blocks)
         with self._lock:

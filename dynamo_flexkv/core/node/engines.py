@@ -39,8 +39,14 @@ class EngineDevice:
 
     _op_ids = itertools.count(1)
 
-    def __init__(self, name: str, num_blocks: int, send: Callable[[RunOp], None], pid: int,
-                 forget_host_checksums: Callable[[object], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        num_blocks: int,
+        send: Callable[[RunOp], None],
+        pid: int,
+        forget_host_checksums: Callable[[object], None],
+    ) -> None:
         self.name, self.num_blocks, self.pid = name, num_blocks, pid
         self.is_cuda = False  # the engine orders its own copies after its writes
         self._send = send
@@ -73,8 +79,9 @@ class EngineDevice:
         if gone is not None:
             done(EngineGone(f"engine {self.name}: {gone}"), 0)
             return
-        msg = RunOp(op=op_id, task=op.task_id or 0, kind=op.kind.value, src=pack_ids(op.src), dst=pack_ids(op.dst),
-                    lo=lo, hi=hi)
+        msg = RunOp(
+            op=op_id, task=op.task_id or 0, kind=op.kind.value, src=pack_ids(op.src), dst=pack_ids(op.dst), lo=lo, hi=hi
+        )
         try:
             self._send(msg)
         except ConnectionError as e:
@@ -104,8 +111,9 @@ class EngineDevice:
                 done(EngineGone(f"engine {self.name}: {why}"), 0)
         if writes:
             self.fenced += len(writes)
-            fence.after_exit(self.pid, lambda: [done(EngineGone(f"engine {self.name}: {why}"), 0)
-                                                for _, done in writes])
+            fence.after_exit(
+                self.pid, lambda: [done(EngineGone(f"engine {self.name}: {why}"), 0) for _, done in writes]
+            )
 
 
 class Fence:

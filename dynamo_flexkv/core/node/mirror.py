@@ -68,7 +68,7 @@ class EventMirror:
                     events.append(Event(True, tier, [h], b.parent, b.tokens, None if b.name is None else [b.name]))
             self._subscribers[key] = send
             for i in range(0, max(len(events), 1), SNAPSHOT_EVENTS_PER_FRAME):
-                send(events[i:i + SNAPSHOT_EVENTS_PER_FRAME], i == 0)
+                send(events[i : i + SNAPSHOT_EVENTS_PER_FRAME], i == 0)
             return len(events)
 
     def unsubscribe(self, key: int) -> None:
@@ -97,13 +97,21 @@ class EventMirror:
                 blk = self._blocks.get(h)
                 if blk is None:
                     parent = run.parent if i == 0 else int(run.hashes[i - 1])
-                    blk = self._blocks[h] = _Block(None if parent is None else int(parent),
-                                                   pack_tokens(run.token_ids[i * b:(i + 1) * b]),
-                                                   self._names.pop(h, None))
+                    blk = self._blocks[h] = _Block(
+                        None if parent is None else int(parent),
+                        pack_tokens(run.token_ids[i * b : (i + 1) * b]),
+                        self._names.pop(h, None),
+                    )
                 blk.tiers.add(tier.value)
                 names.append(blk.name)
-            event = Event(True, tier.value, [int(h) for h in run.hashes], None if run.parent is None else int(run.parent),
-                          pack_tokens(run.token_ids), names if any(n is not None for n in names) else None)
+            event = Event(
+                True,
+                tier.value,
+                [int(h) for h in run.hashes],
+                None if run.parent is None else int(run.parent),
+                pack_tokens(run.token_ids),
+                names if any(n is not None for n in names) else None,
+            )
             self._fan_out([event])
 
     def on_removed(self, tier: Tier, hashes: List[int]) -> None:

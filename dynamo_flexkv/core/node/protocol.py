@@ -79,7 +79,9 @@ class Store(msgspec.Struct, tag="store", forbid_unknown_fields=True):
     blocks: bytes
     lora: Optional[str] = None
     salt: Optional[str] = None
-    names: Optional[List[Union[int, bytes]]] = None  # the engine's own name of each block, for KV events (vLLM's hashes)
+    names: Optional[List[Union[int, bytes]]] = (
+        None  # the engine's own name of each block, for KV events (vLLM's hashes)
+    )
 
 
 class Prefetch(msgspec.Struct, tag="prefetch", forbid_unknown_fields=True):
@@ -108,6 +110,7 @@ class Observe(msgspec.Struct, tag="observe", forbid_unknown_fields=True):
 class Call(msgspec.Struct, tag="call", forbid_unknown_fields=True):
     """An administrative call: stats, drain, reset, evict_host, subscribe (the KV events, for an engine that
     attached without them), describe."""
+
     id: int
     name: str
     timeout: Optional[float] = None
@@ -120,6 +123,7 @@ class Detach(msgspec.Struct, tag="detach", forbid_unknown_fields=True):
 # ---- service -> engine ------------------------------------------------------------------------
 class Attached(msgspec.Struct, tag="attached", forbid_unknown_fields=True):
     """The host segment itself travels beside this frame (SCM_RIGHTS)."""
+
     version: int
     namespace: str  # the hashing salt of this engine's namespace
     host_blocks: int
@@ -158,7 +162,9 @@ class Event(msgspec.Struct, array_like=True):
     hashes: List[int]
     parent: Optional[int] = None
     tokens: Optional[bytes] = None
-    names: Optional[List[Union[int, bytes, None]]] = None  # the router's name of each block, where the storing engine gave one
+    names: Optional[List[Union[int, bytes, None]]] = (
+        None  # the router's name of each block, where the storing engine gave one
+    )
 
 
 class Events(msgspec.Struct, tag="events", forbid_unknown_fields=True):
@@ -242,11 +248,29 @@ def shard(a: Attach) -> str:
 def attach_key(a: Attach) -> Tuple[Any, ...]:
     """What must agree for two engines to share blocks: weights, KV shape and dtype, block size,
     tenant and the tensor-parallel shard (each rank's shard is other bytes: a namespace per rank)."""
-    return (a.model_id, a.num_layers, a.num_kv_heads, a.head_size, a.dtype, a.kv_dim, a.tokens_per_block,
-            a.tenant, shard(a))
+    return (
+        a.model_id,
+        a.num_layers,
+        a.num_kv_heads,
+        a.head_size,
+        a.dtype,
+        a.kv_dim,
+        a.tokens_per_block,
+        a.tenant,
+        shard(a),
+    )
 
 
 def describe_key(key: Tuple[Any, ...]) -> Dict[str, Any]:
-    names = ("model_id", "num_layers", "num_kv_heads", "head_size", "dtype", "kv_dim", "tokens_per_block",
-             "tenant", "shard")
+    names = (
+        "model_id",
+        "num_layers",
+        "num_kv_heads",
+        "head_size",
+        "dtype",
+        "kv_dim",
+        "tokens_per_block",
+        "tenant",
+        "shard",
+    )
     return dict(zip(names, key))

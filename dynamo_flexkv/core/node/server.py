@@ -43,8 +43,10 @@ class ServerOptions:
         if not self.socket_path:
             raise ConfigError("the node cache needs a socket path (node_socket)")
         if len(os.fsencode(self.socket_path)) > 107:
-            raise ConfigError(f"node_socket {self.socket_path!r} is longer than a Unix socket path may be (107 "
-                              "bytes): choose a shorter one")
+            raise ConfigError(
+                f"node_socket {self.socket_path!r} is longer than a Unix socket path may be (107 "
+                "bytes): choose a shorter one"
+            )
         for name in ("max_clients", "max_models", "max_queued_mb"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
@@ -53,21 +55,31 @@ class ServerOptions:
 class Namespace:
     """The tiers shared by the engines of one attach_key."""
 
-    def __init__(self, key: Tuple[Any, ...], config: CacheConfig, ssd_root: Tuple[str, ...], index: int,
-                 ranks: int = 1) -> None:
+    def __init__(
+        self, key: Tuple[Any, ...], config: CacheConfig, ssd_root: Tuple[str, ...], index: int, ranks: int = 1
+    ) -> None:
         self.key = key
         d = describe_key(key)
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         self.salt = f"{d['tenant']}" if d["tenant"] else ""
         # A tensor-parallel model's shards split its tiers: one model's memory and disk in all.
-        cfg = config.replace(tokens_per_block=d["tokens_per_block"], cpu_cache_gb=config.cpu_cache_gb / ranks,
-                             ssd_cache_gb=config.ssd_cache_gb / ranks,
-                             ssd_cache_dir=tuple(os.path.join(r, f"ns-{digest}") for r in ssd_root))
-        model = ModelSpec(num_layers=d["num_layers"], num_kv_heads=d["num_kv_heads"],
-                          head_size=d["head_size"], dtype=d["dtype"], kv_dim=d["kv_dim"])
+        cfg = config.replace(
+            tokens_per_block=d["tokens_per_block"],
+            cpu_cache_gb=config.cpu_cache_gb / ranks,
+            ssd_cache_gb=config.ssd_cache_gb / ranks,
+            ssd_cache_dir=tuple(os.path.join(r, f"ns-{digest}") for r in ssd_root),
+        )
+        model = ModelSpec(
+            num_layers=d["num_layers"],
+            num_kv_heads=d["num_kv_heads"],
+            head_size=d["head_size"],
+            dtype=d["dtype"],
+            kv_dim=d["kv_dim"],
+        )
         self.mirror = EventMirror(d["tokens_per_block"])
-        self.kv = KVManager(model, cfg, namespace=self.salt or None, listener=self.mirror, model_id=d["model_id"],
-                            share_host=True)
+        self.kv = KVManager(
+            model, cfg, namespace=self.salt or None, listener=self.mirror, model_id=d["model_id"], share_host=True
+        )
         self.index = index
         self.sessions: Dict[int, Any] = {}
         self.created = time.monotonic()
@@ -88,8 +100,14 @@ class NodeCacheServer:
         self._next_session = 1
         self._closed = threading.Event()
         self.fence = Fence()
-        self.counters: Dict[str, int] = {"attached": 0, "detached": 0, "refused": 0, "protocol_errors": 0,
-                                         "requests": 0, "request_errors": 0}
+        self.counters: Dict[str, int] = {
+            "attached": 0,
+            "detached": 0,
+            "refused": 0,
+            "protocol_errors": 0,
+            "requests": 0,
+            "request_errors": 0,
+        }
         self._listener = self._listen(options.socket_path)
         self._accept_thread: Optional[threading.Thread] = None
 
@@ -103,8 +121,10 @@ class NodeCacheServer:
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(path)
-                raise ConfigError(f"node_socket {path}: another cache server is listening there: stop it first, "
-                                  "or give this one another node_socket")
+                raise ConfigError(
+                    f"node_socket {path}: another cache server is listening there: stop it first, "
+                    "or give this one another node_socket"
+                )
             except (ConnectionRefusedError, FileNotFoundError):
                 os.unlink(path)  # a dead server's socket file
             finally:
@@ -122,8 +142,12 @@ class NodeCacheServer:
     def start(self) -> "NodeCacheServer":
         self._accept_thread = threading.Thread(target=self._accept_loop, name="flexkv-node-accept", daemon=True)
         self._accept_thread.start()
-        log.info("node cache: listening on %s (%d engines at most, %d model(s))", self.options.socket_path,
-                 self.options.max_clients, self.options.max_models)
+        log.info(
+            "node cache: listening on %s (%d engines at most, %d model(s))",
+            self.options.socket_path,
+            self.options.max_clients,
+            self.options.max_models,
+        )
         return self
 
     def serve_forever(self) -> None:
@@ -163,6 +187,7 @@ class NodeCacheServer:
     # ---- sessions ----------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         from dynamo_flexkv.core.node.session import Session
+
         while not self._closed.is_set():
             try:
                 conn, _ = self._listener.accept()
@@ -175,8 +200,10 @@ class NodeCacheServer:
             session = Session(self, sid, conn)
             if full:
                 self.counters["refused"] += 1
-                session.refuse(f"the cache server has {self.options.max_clients} engines attached (max_clients): "
-                               "detach one, or start it with a higher --max-clients")
+                session.refuse(
+                    f"the cache server has {self.options.max_clients} engines attached (max_clients): "
+                    "detach one, or start it with a higher --max-clients"
+                )
                 continue
             with self._lock:
                 self._sessions[sid] = session
@@ -198,13 +225,20 @@ class NodeCacheServer:
                 models = {_split(k) for k in self._namespaces}
                 if _split(key) not in models and len(models) >= self.options.max_models:
                     have = [describe_key(k) for k in self._namespaces]
-                    raise ConfigError(f"this cache server holds {len(have)} model(s) already ({have}) and "
-                                      f"max_models={self.options.max_models}: an engine of model_id="
-                                      f"{attach.model_id!r} (tenant {attach.tenant!r}, {attach.ranks} rank(s)) "
-                                      "needs tiers of its own: start the server with a higher --max-models (each "
-                                      "takes cpu_cache_gb and ssd_cache_gb) or run another server for it")
-                ns = Namespace(key, self.config, self.config.ssd_cache_dir, len(self._namespaces),
-                               ranks=attach.ranks if shard(attach) else 1)
+                    raise ConfigError(
+                        f"this cache server holds {len(have)} model(s) already ({have}) and "
+                        f"max_models={self.options.max_models}: an engine of model_id="
+                        f"{attach.model_id!r} (tenant {attach.tenant!r}, {attach.ranks} rank(s)) "
+                        "needs tiers of its own: start the server with a higher --max-models (each "
+                        "takes cpu_cache_gb and ssd_cache_gb) or run another server for it"
+                    )
+                ns = Namespace(
+                    key,
+                    self.config,
+                    self.config.ssd_cache_dir,
+                    len(self._namespaces),
+                    ranks=attach.ranks if shard(attach) else 1,
+                )
                 self._namespaces[key] = ns
             ns.sessions[session.id] = session
             return ns
@@ -218,10 +252,14 @@ class NodeCacheServer:
         with self._lock:
             sessions = list(self._sessions.values())
             namespaces = list(self._namespaces.values())
-        return {"incarnation": self.incarnation, "pid": os.getpid(), **self.counters,
-                "engines": [s.describe() for s in sessions],
-                "namespaces": [dict(ns.describe(), tiers=dataclasses.asdict(ns.kv.stats())) for ns in namespaces],
-                "fenced_waiting": self.fence.waiting}
+        return {
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            **self.counters,
+            "engines": [s.describe() for s in sessions],
+            "namespaces": [dict(ns.describe(), tiers=dataclasses.asdict(ns.kv.stats())) for ns in namespaces],
+            "fenced_waiting": self.fence.waiting,
+        }
 
     def namespaces(self) -> List[Namespace]:
         with self._lock:

@@ -26,9 +26,28 @@ from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.layout import DTYPE_BYTES
 from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
 from dynamo_flexkv.core.node.engines import EngineDevice
-from dynamo_flexkv.core.node.protocol import (VERSION, Attach, Attached, Call, Cancel, Detach, Event, Events, Load,
-                                              Lookup, Observe, OpDone, Prefetch, ProtocolError, Reply, Store, TaskDone,
-                                              decode_to_service, unpack_ids, unpack_tokens)
+from dynamo_flexkv.core.node.protocol import (
+    VERSION,
+    Attach,
+    Attached,
+    Call,
+    Cancel,
+    Detach,
+    Event,
+    Events,
+    Load,
+    Lookup,
+    Observe,
+    OpDone,
+    Prefetch,
+    ProtocolError,
+    Reply,
+    Store,
+    TaskDone,
+    decode_to_service,
+    unpack_ids,
+    unpack_tokens,
+)
 from dynamo_flexkv.core.tasks import TaskResult
 
 if TYPE_CHECKING:
@@ -81,9 +100,15 @@ class Session:
 
     def describe(self) -> Dict[str, Any]:
         a = self.attach
-        return {"session": self.id, "pid": self.pid, "engine": a.engine if a else None, "rank": a.rank if a else None,
-                "model_id": a.model_id if a else None, "tasks": len(self._tasks),
-                "copies_in_flight": self.device.in_flight if self.device else 0}
+        return {
+            "session": self.id,
+            "pid": self.pid,
+            "engine": a.engine if a else None,
+            "rank": a.rank if a else None,
+            "model_id": a.model_id if a else None,
+            "tasks": len(self._tasks),
+            "copies_in_flight": self.device.in_flight if self.device else 0,
+        }
 
     # ---- the connection ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -136,8 +161,13 @@ class Session:
                 pass
             self.server.leave(self.ns, self)
         if self.attach is not None:
-            log.info("node cache: engine %s rank %d (pid %d) detached: %s", self.attach.engine, self.attach.rank,
-                     self.pid, why)
+            log.info(
+                "node cache: engine %s rank %d (pid %d) detached: %s",
+                self.attach.engine,
+                self.attach.rank,
+                self.pid,
+                why,
+            )
         self.server.session_ended(self)
         threading.Thread(target=self.channel.release, daemon=True).start()
 
@@ -168,8 +198,12 @@ class Session:
             value = self._answer(msg)
             took = time.monotonic() - t0
             if took > SLOW_ANSWER_S:  # this engine's other messages waited behind it
-                log.warning("node cache: engine %s: a %s took %.0f ms to answer", self.attach.engine,
-                            type(msg).__name__, took * 1e3)
+                log.warning(
+                    "node cache: engine %s: a %s took %.0f ms to answer",
+                    self.attach.engine,
+                    type(msg).__name__,
+                    took * 1e3,
+                )
         except (ValueError, KeyError, TypeError, RuntimeError, FlexKVError) as e:
             self.server.counters["request_errors"] += 1
             kind = "closed" if "shut down" in str(e) else "refused"
@@ -193,14 +227,30 @@ class Session:
         self.attach, self.ns = a, ns
         self.channel.sock.settimeout(None)  # attached: it may stay idle as long as it likes
         kv = ns.kv
-        self.device = EngineDevice(f"{a.engine}/rank{a.rank}", a.device_blocks, self.channel.send, self.pid,
-                                   kv.host.forget_checksums)
+        self.device = EngineDevice(
+            f"{a.engine}/rank{a.rank}", a.device_blocks, self.channel.send, self.pid, kv.host.forget_checksums
+        )
         self.server.counters["attached"] += 1
-        self.channel.send(Attached(version=VERSION, namespace=ns.salt, host_blocks=kv.host.num_blocks,
-                                   host_bytes=kv.host.nbytes, service_pid=os.getpid(),
-                                   incarnation=self.server.incarnation), fds=[kv.host.fd])
-        log.info("node cache: engine %s rank %d/%d (pid %d) attached to model %s%s", a.engine, a.rank, a.ranks,
-                 self.pid, a.model_id, f" tenant {a.tenant}" if a.tenant else "")
+        self.channel.send(
+            Attached(
+                version=VERSION,
+                namespace=ns.salt,
+                host_blocks=kv.host.num_blocks,
+                host_bytes=kv.host.nbytes,
+                service_pid=os.getpid(),
+                incarnation=self.server.incarnation,
+            ),
+            fds=[kv.host.fd],
+        )
+        log.info(
+            "node cache: engine %s rank %d/%d (pid %d) attached to model %s%s",
+            a.engine,
+            a.rank,
+            a.ranks,
+            self.pid,
+            a.model_id,
+            f" tenant {a.tenant}" if a.tenant else "",
+        )
         if a.events:
             self._subscribed = True
             ns.mirror.subscribe(self.id, self._send_events)
@@ -211,14 +261,27 @@ class Session:
     def _answer(self, msg: Any) -> Any:
         kv = self.ns.kv
         if isinstance(msg, Lookup):
-            return kv.loadable_tokens(unpack_tokens(msg.tokens), prompt_tokens=msg.prompt_tokens,
-                                      layerwise=msg.layerwise, lora_name=msg.lora, cache_salt=msg.salt,
-                                      skip_blocks=msg.skip_blocks)
+            return kv.loadable_tokens(
+                unpack_tokens(msg.tokens),
+                prompt_tokens=msg.prompt_tokens,
+                layerwise=msg.layerwise,
+                lora_name=msg.lora,
+                cache_salt=msg.salt,
+                skip_blocks=msg.skip_blocks,
+            )
         if isinstance(msg, Load):
             self._room()
-            tid = kv.get_async(unpack_tokens(msg.tokens), self._ids(msg.blocks), skip_blocks=msg.skip_blocks,
-                               layerwise=msg.layerwise, lora_name=msg.lora, cache_salt=msg.salt,
-                               prompt_tokens=msg.prompt_tokens, device=self.device, on_done=self._task_done)
+            tid = kv.get_async(
+                unpack_tokens(msg.tokens),
+                self._ids(msg.blocks),
+                skip_blocks=msg.skip_blocks,
+                layerwise=msg.layerwise,
+                lora_name=msg.lora,
+                cache_salt=msg.salt,
+                prompt_tokens=msg.prompt_tokens,
+                device=self.device,
+                on_done=self._task_done,
+            )
             if not self._track(tid):  # found nothing to load: finished (not_found) inside get_async
                 return {"task": tid, "planned": 0, "by_tier": {}}
             return {"task": tid, "planned": kv.planned_tokens(tid), "by_tier": kv.planned_tokens_by_tier(tid)}
@@ -226,16 +289,24 @@ class Session:
             self._room()
             tokens = unpack_tokens(msg.tokens)
             if msg.names:
-                self.ns.mirror.name(kv.hashes(tokens, lora_name=msg.lora, cache_salt=msg.salt).sequence.tolist(),
-                                    msg.names)
-            tid = kv.put_async(tokens, self._ids(msg.blocks), lora_name=msg.lora, cache_salt=msg.salt,
-                               device=self.device, on_done=self._task_done)
+                self.ns.mirror.name(
+                    kv.hashes(tokens, lora_name=msg.lora, cache_salt=msg.salt).sequence.tolist(), msg.names
+                )
+            tid = kv.put_async(
+                tokens,
+                self._ids(msg.blocks),
+                lora_name=msg.lora,
+                cache_salt=msg.salt,
+                device=self.device,
+                on_done=self._task_done,
+            )
             self._track(tid)
             return {"task": tid}
         if isinstance(msg, Prefetch):
             self._room()
-            tid = kv.prefetch_async(unpack_tokens(msg.tokens), lora_name=msg.lora, cache_salt=msg.salt,
-                                    on_done=self._task_done)
+            tid = kv.prefetch_async(
+                unpack_tokens(msg.tokens), lora_name=msg.lora, cache_salt=msg.salt, on_done=self._task_done
+            )
             self._track(tid)
             return {"task": tid}
         if isinstance(msg, Call):
@@ -245,8 +316,11 @@ class Session:
     def _call(self, msg: Call) -> Any:
         kv = self.ns.kv
         if msg.name == "stats":
-            return {"tiers": dataclasses.asdict(kv.stats()), "namespace": self.ns.describe(),
-                    "service": {k: v for k, v in self.server.counters.items()}}
+            return {
+                "tiers": dataclasses.asdict(kv.stats()),
+                "namespace": self.ns.describe(),
+                "service": {k: v for k, v in self.server.counters.items()},
+            }
         if msg.name == "drain":
             return kv.drain(msg.timeout)
         if msg.name == "reset":
@@ -264,24 +338,31 @@ class Session:
             self._subscribed = True
             return self.ns.mirror.subscribe(self.id, self._send_events)
         if msg.name == "describe":
-            return {"host_block_bytes": kv.host.layout.block_bytes, "tiers": kv.config.tier_blocks(kv.model),
-                    "ssd_dirs": list(kv.ssd.dirs) if kv.ssd else [],
-                    "remote": kv.remote.config.redacted_url if kv.remote else None}
+            return {
+                "host_block_bytes": kv.host.layout.block_bytes,
+                "tiers": kv.config.tier_blocks(kv.model),
+                "ssd_dirs": list(kv.ssd.dirs) if kv.ssd else [],
+                "remote": kv.remote.config.redacted_url if kv.remote else None,
+            }
         raise RequestRefused(f"unknown call {msg.name!r}: stats, drain, reset, evict_host, subscribe or describe")
 
     # ---- task bookkeeping -----------------------------------------------------------------------------
     def _ids(self, data: bytes) -> np.ndarray:
         ids = unpack_ids(data)
         if ids.size and (ids.min() < 0 or ids.max() >= self.attach.device_blocks):
-            raise RequestRefused(f"device block ids {int(ids.min())}..{int(ids.max())} outside this engine's "
-                                 f"{self.attach.device_blocks} blocks")
+            raise RequestRefused(
+                f"device block ids {int(ids.min())}..{int(ids.max())} outside this engine's "
+                f"{self.attach.device_blocks} blocks"
+            )
         return ids
 
     def _room(self) -> None:
         with self._tasks_lock:
             if len(self._tasks) >= MAX_TASKS_PER_ENGINE:
-                raise RequestRefused(f"{len(self._tasks)} tasks of this engine unfinished (at most "
-                                     f"{MAX_TASKS_PER_ENGINE}): wait for some")
+                raise RequestRefused(
+                    f"{len(self._tasks)} tasks of this engine unfinished (at most "
+                    f"{MAX_TASKS_PER_ENGINE}): wait for some"
+                )
 
     def _track(self, tid: int) -> bool:
         """Records a task this engine issued; False if it finished already (its result is sent)."""
@@ -299,8 +380,11 @@ class Session:
             else:  # finished inside get_async/put_async, before _track
                 self._finished_early.add(result.task_id)
         try:
-            self.channel.send(TaskDone(task=result.task_id, status=result.status.value, num_tokens=result.num_tokens,
-                                       error=result.error))
+            self.channel.send(
+                TaskDone(
+                    task=result.task_id, status=result.status.value, num_tokens=result.num_tokens, error=result.error
+                )
+            )
         except ConnectionError:
             pass  # the engine is gone: nothing waits for it
 

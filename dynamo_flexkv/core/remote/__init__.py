@@ -16,7 +16,18 @@ from dynamo_flexkv.core.remote.store import (
 )
 
 __all__ = [
-    "BreakerState", "CircuitBreaker", "HEADER_BYTES", "Verdict", "fingerprint_of", "RemoteConfig",
-    "RemoteConfigError", "parse_url", "RemoteAuthError", "RemoteClosedError", "RemoteError", "RemoteStats",
-    "RemoteStore", "RemoteUnavailableError",
+    "BreakerState",
+    "CircuitBreaker",
+    "HEADER_BYTES",
+    "Verdict",
+    "fingerprint_of",
+    "RemoteConfig",
+    "RemoteConfigError",
+    "parse_url",
+    "RemoteAuthError",
+    "RemoteClosedError",
+    "RemoteError",
+    "RemoteStats",
+    "RemoteStore",
+    "RemoteUnavailableError",
 ]

@@ -19,7 +19,7 @@ def key_slot(key: bytes) -> int:
     if start >= 0:
         end = key.find(b"}", start + 1)
         if end > start + 1:
-            key = key[start + 1:end]
+            key = key[start + 1 : end]
     return binascii.crc_hqx(key, 0) % NUM_SLOTS
 
 
@@ -37,11 +37,13 @@ class SlotMap:
             if node not in index:
                 index[node] = len(self.nodes)
                 self.nodes.append(node)
-            self.owner[start:end + 1] = [index[node]] * (end - start + 1)
+            self.owner[start : end + 1] = [index[node]] * (end - start + 1)
         missing = self.owner.count(-1)
         if missing:
-            raise ValueError(f"redis cluster covers only {NUM_SLOTS - missing} of {NUM_SLOTS} slots: "
-                             f"fix the cluster (redis-cli --cluster fix HOST:PORT)")
+            raise ValueError(
+                f"redis cluster covers only {NUM_SLOTS - missing} of {NUM_SLOTS} slots: "
+                f"fix the cluster (redis-cli --cluster fix HOST:PORT)"
+            )
 
     def group(self, keys: Sequence[bytes]) -> Dict[int, List[int]]:
         """Positions of ``keys`` per node index, each list in key order."""

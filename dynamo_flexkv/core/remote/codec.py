@@ -55,19 +55,28 @@ def key_prefix_bytes(key_prefix: str, fingerprint: int) -> bytes:
     return b"%s%016x:" % (key_prefix.encode("utf-8"), fingerprint & _U64)
 
 
-def encode_header(fingerprint: int, seq_hash: int, parent: Optional[int], payload: memoryview,
-                  checksum: Optional[int] = None) -> bytes:
+def encode_header(
+    fingerprint: int, seq_hash: int, parent: Optional[int], payload: memoryview, checksum: Optional[int] = None
+) -> bytes:
     """``checksum``: xxh3_64(payload) when the caller already has it (the host pool records it
     when a block's bytes land); hashed here otherwise. A wrong one makes every read refuse the
     value (readers verify the payload), never accept other bytes."""
     flags = 0 if parent is None else _HAS_PARENT
-    return HEADER.pack(MAGIC, VERSION, flags, fingerprint & _U64, seq_hash & _U64,
-                       0 if parent is None else parent & _U64, payload.nbytes,
-                       xxhash.xxh3_64_intdigest(payload) if checksum is None else checksum & _U64)
+    return HEADER.pack(
+        MAGIC,
+        VERSION,
+        flags,
+        fingerprint & _U64,
+        seq_hash & _U64,
+        0 if parent is None else parent & _U64,
+        payload.nbytes,
+        xxhash.xxh3_64_intdigest(payload) if checksum is None else checksum & _U64,
+    )
 
 
-def check_header(header: memoryview, fingerprint: int, seq_hash: int, parent: Optional[int],
-                 payload_bytes: int) -> "tuple[Verdict, int]":
+def check_header(
+    header: memoryview, fingerprint: int, seq_hash: int, parent: Optional[int], payload_bytes: int
+) -> "tuple[Verdict, int]":
     """Verdict for a header before its payload is read, and the checksum the payload must have."""
     magic, version, flags, fp, seq, par, length, checksum = HEADER.unpack(header)
     if magic != MAGIC or version != VERSION:
@@ -76,8 +85,11 @@ def check_header(header: memoryview, fingerprint: int, seq_hash: int, parent: Op
         return Verdict.FOREIGN, 0
     if length != payload_bytes:
         return Verdict.TRUNCATED, 0
-    if seq != seq_hash & _U64 or bool(flags & _HAS_PARENT) != (parent is not None) \
-            or (parent is not None and par != parent & _U64):
+    if (
+        seq != seq_hash & _U64
+        or bool(flags & _HAS_PARENT) != (parent is not None)
+        or (parent is not None and par != parent & _U64)
+    ):
         return Verdict.CORRUPT, 0
     return Verdict.OK, checksum
 
@@ -86,8 +98,9 @@ def payload_ok(payload: memoryview, checksum: int) -> bool:
     return xxhash.xxh3_64_intdigest(payload) == checksum
 
 
-def header_problem(header: memoryview, fingerprint: int, seq_hash: int, parent: Optional[int],
-                   payload_bytes: int) -> str:
+def header_problem(
+    header: memoryview, fingerprint: int, seq_hash: int, parent: Optional[int], payload_bytes: int
+) -> str:
     """Why ``check_header`` refused ``header`` (for the log line of a dropped value; hashes in hex,
     never the value's bytes). Only called for a header it refused."""
     magic, version, flags, fp, seq, par, length, _ = HEADER.unpack(header)

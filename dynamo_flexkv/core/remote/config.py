@@ -31,8 +31,10 @@ SCHEMES = {  # scheme -> (tls, cluster)
     "redis+cluster": (False, True),
     "rediss+cluster": (True, True),
 }
-URL_HELP = ("use redis://[:password@]host[:port][/db], rediss://... for TLS, or "
-            "redis+cluster://[:password@]host:port[,host:port...] for Redis Cluster")
+URL_HELP = (
+    "use redis://[:password@]host[:port][/db], rediss://... for TLS, or "
+    "redis+cluster://[:password@]host:port[,host:port...] for Redis Cluster"
+)
 
 
 class RemoteConfigError(ValueError, FlexKVError):
@@ -53,9 +55,11 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*\Z")
 # What may stand unencoded in the user name and password (RFC 3986 userinfo: unreserved, sub-delims, ':'),
 # and a %XX escape.
 _USERINFO = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=:-]|%[0-9A-Fa-f]{2})*\Z")
-ENCODE_HELP = ("a password (or user name) with / @ : % ? # or spaces must be percent-encoded "
-               "(urllib.parse.quote(password, safe=''): / is %2F, @ is %40, : is %3A, % is %25), or left out "
-               f"of the URL and set in ${DEFAULT_PASSWORD_ENV} (the variable remote_password_env names)")
+ENCODE_HELP = (
+    "a password (or user name) with / @ : % ? # or spaces must be percent-encoded "
+    "(urllib.parse.quote(password, safe=''): / is %2F, @ is %40, : is %3A, % is %25), or left out "
+    f"of the URL and set in ${DEFAULT_PASSWORD_ENV} (the variable remote_password_env names)"
+)
 
 
 def _redact(url: str) -> str:
@@ -124,22 +128,27 @@ def parse_url(url: str) -> ParsedUrl:
     username = password = None
     if at:
         if not _USERINFO.match(userinfo):  # never echo any of it: it holds the password
-            raise RemoteConfigError(f"remote_cache_url {shown!r}: the user name / password part (before the "
-                                    f"last '@') is not a valid percent-encoded user:password; {ENCODE_HELP}")
+            raise RemoteConfigError(
+                f"remote_cache_url {shown!r}: the user name / password part (before the "
+                f"last '@') is not a valid percent-encoded user:password; {ENCODE_HELP}"
+            )
         user, colon, pw = userinfo.partition(":")
         username = unquote(user) or None
         password = unquote(pw) if colon and pw else None
     netloc_end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
     hosts, path = rest[:netloc_end], rest[netloc_end:]
     if path.startswith("?") or "?" in path:
-        raise RemoteConfigError(f"remote_cache_url {shown!r}: query options are not supported; "
-                                f"set TLS and timeouts with the remote_* keys")
+        raise RemoteConfigError(
+            f"remote_cache_url {shown!r}: query options are not supported; set TLS and timeouts with the remote_* keys"
+        )
     host_list = [h for h in hosts.split(",")]
     if not hosts or any(not h for h in host_list):
         raise RemoteConfigError(f"remote_cache_url {shown!r} names no host (or an empty one): {URL_HELP}")
     if len(host_list) > 1 and not cluster:
-        raise RemoteConfigError(f"remote_cache_url {shown!r} lists several hosts: use redis+cluster:// "
-                                f"(or rediss+cluster://) for a Redis Cluster, or name one host")
+        raise RemoteConfigError(
+            f"remote_cache_url {shown!r} lists several hosts: use redis+cluster:// "
+            f"(or rediss+cluster://) for a Redis Cluster, or name one host"
+        )
     nodes = tuple(_host_port(h, shown) for h in host_list)
     db_text = path.strip("/")
     if db_text and not db_text.isdigit():
@@ -186,17 +195,33 @@ class RemoteConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise RemoteConfigError(f"remote_{name} must be a positive int, got {value!r}")
         if self.ttl_s is not None:
-            _check_seconds("ttl_s", self.ttl_s, 0.001, "a finite number of at least 0.001 seconds, or null (no expiry)", inclusive=True)
-        if not isinstance(self.key_prefix, str) or any(c.isspace() for c in self.key_prefix) \
-                or "{" in self.key_prefix or "}" in self.key_prefix:
-            raise RemoteConfigError(f"remote_key_prefix {self.key_prefix!r} must be a string without "
-                                    f"spaces or braces (braces would pin every key to one cluster slot)")
+            _check_seconds(
+                "ttl_s",
+                self.ttl_s,
+                0.001,
+                "a finite number of at least 0.001 seconds, or null (no expiry)",
+                inclusive=True,
+            )
+        if (
+            not isinstance(self.key_prefix, str)
+            or any(c.isspace() for c in self.key_prefix)
+            or "{" in self.key_prefix
+            or "}" in self.key_prefix
+        ):
+            raise RemoteConfigError(
+                f"remote_key_prefix {self.key_prefix!r} must be a string without "
+                f"spaces or braces (braces would pin every key to one cluster slot)"
+            )
         if self.tls_ca_file is not None and not os.path.isfile(self.tls_ca_file):
-            raise RemoteConfigError(f"remote_tls_ca_file {self.tls_ca_file!r} is not a file: "
-                                    f"point it at the CA bundle that signed the server certificate")
+            raise RemoteConfigError(
+                f"remote_tls_ca_file {self.tls_ca_file!r} is not a file: "
+                f"point it at the CA bundle that signed the server certificate"
+            )
         if not self.parsed.tls and (self.tls_ca_file is not None):
-            raise RemoteConfigError("remote_tls_ca_file is set but remote_cache_url is not rediss://: "
-                                    "use rediss:// (or rediss+cluster://) for TLS")
+            raise RemoteConfigError(
+                "remote_tls_ca_file is set but remote_cache_url is not rediss://: "
+                "use rediss:// (or rediss+cluster://) for TLS"
+            )
 
     @property
     def redacted_url(self) -> str:
@@ -205,8 +230,7 @@ class RemoteConfig:
 
     @property
     def password(self) -> Optional[str]:
-        return self.parsed.password if self.parsed.password is not None \
-            else (os.environ.get(self.password_env) or None)
+        return self.parsed.password if self.parsed.password is not None else (os.environ.get(self.password_env) or None)
 
     @property
     def nodes(self) -> List[Tuple[str, int]]:

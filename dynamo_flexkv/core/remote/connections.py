@@ -47,12 +47,18 @@ class NodeConnections:
         cfg = self.config
         where = f"{node[0]}:{node[1]} ({cfg.redacted_url})"
         try:
-            conn = RespConnection(node[0], node[1], timeout_s=cfg.timeout_s,
-                                  connect_timeout_s=cfg.connect_timeout_s, ssl_context=self._ssl)
+            conn = RespConnection(
+                node[0],
+                node[1],
+                timeout_s=cfg.timeout_s,
+                connect_timeout_s=cfg.connect_timeout_s,
+                ssl_context=self._ssl,
+            )
         except OSError as e:
             raise RemoteUnavailableError(
                 f"cannot connect to redis at {where}: {e.strerror or e}; start Redis there, fix "
-                f"remote_cache_url, or set enable_remote: false") from None
+                f"remote_cache_url, or set enable_remote: false"
+            ) from None
         self._on_connect()
         try:
             password = cfg.password
@@ -66,11 +72,13 @@ class NodeConnections:
             if "without any password configured" in str(e):
                 raise RemoteAuthError(
                     f"redis at {where} has no password but one was given: remove it from "
-                    f"remote_cache_url and unset ${cfg.password_env}") from None
+                    f"remote_cache_url and unset ${cfg.password_env}"
+                ) from None
             msg = str(e).split(" ", 1)[0]
             raise RemoteAuthError(
                 f"redis at {where} refused the credentials ({msg}): set the right password in "
-                f"remote_cache_url or in ${cfg.password_env}") from None
+                f"remote_cache_url or in ${cfg.password_env}"
+            ) from None
         except OSError as e:
             conn.close()
             raise RemoteUnavailableError(f"redis at {where} dropped the connection during login: {e}") from None
@@ -95,7 +103,8 @@ class NodeConnections:
             raise RemoteError(
                 f"redis at {where} refused database {db} ({str(e).strip()}): the server {has}; "
                 f"name one of them after the port in remote_cache_url (e.g. /0), or raise 'databases' "
-                f"in its redis.conf") from None
+                f"in its redis.conf"
+            ) from None
 
     def pool(self, node: Node) -> _Pool:
         with self._pools_lock:
@@ -141,13 +150,17 @@ class NodeConnections:
                 if cfg.parsed.cluster:
                     self.slots = SlotMap(conn.call(b"CLUSTER", b"SLOTS"), node[0])
                 elif self.cluster_enabled(conn):
-                    raise RemoteError(f"redis at {node[0]}:{node[1]} is a Redis Cluster node: write "
-                                      f"remote_cache_url as redis+cluster://{node[0]}:{node[1]}")
+                    raise RemoteError(
+                        f"redis at {node[0]}:{node[1]} is a Redis Cluster node: write "
+                        f"remote_cache_url as redis+cluster://{node[0]}:{node[1]}"
+                    )
             except ServerError as e:
                 conn.close()
                 if "NOAUTH" in str(e):
-                    raise RemoteAuthError(f"redis at {cfg.redacted_url} needs a password: put it in "
-                                          f"remote_cache_url or in ${cfg.password_env}") from None
+                    raise RemoteAuthError(
+                        f"redis at {cfg.redacted_url} needs a password: put it in "
+                        f"remote_cache_url or in ${cfg.password_env}"
+                    ) from None
                 raise RemoteError(f"redis at {cfg.redacted_url} answered an error at startup: {e}") from None
             except OSError as e:
                 conn.close()
@@ -167,9 +180,12 @@ class NodeConnections:
             return  # CONFIG is disabled on many managed servers: nothing to check
         policy = reply[1].decode() if isinstance(reply, list) and len(reply) == 2 else ""
         if policy == "noeviction":
-            log.warning("redis at %s has maxmemory-policy noeviction: when it fills up, every new block "
-                        "is refused; set maxmemory-policy allkeys-lru (and a maxmemory) so old blocks "
-                        "make room", self.config.redacted_url)
+            log.warning(
+                "redis at %s has maxmemory-policy noeviction: when it fills up, every new block "
+                "is refused; set maxmemory-policy allkeys-lru (and a maxmemory) so old blocks "
+                "make room",
+                self.config.redacted_url,
+            )
             self.policy_warning = policy
 
     @staticmethod
@@ -247,8 +263,14 @@ class NodeConnections:
             if e is not None:
                 raise e
 
-    def windowed(self, conn: RespConnection, n: int, parts_of: Callable[[int], List[Any]],
-                  on_reply: Callable[[int], bool], value_bytes: int = 0) -> None:
+    def windowed(
+        self,
+        conn: RespConnection,
+        n: int,
+        parts_of: Callable[[int], List[Any]],
+        on_reply: Callable[[int], bool],
+        value_bytes: int = 0,
+    ) -> None:
         """Pipelines ``n`` commands with at most ``pipeline_depth`` in flight -- fewer for large
         values, so that at most ``pipeline_bytes`` of them are (Redis ingests and serves 2 MiB values
         slower when many are queued) -- topping the window up by halves. ``on_reply(j)`` reads
@@ -271,9 +293,9 @@ class NodeConnections:
                 while sent + len(ready) < hi:
                     ready.append(parts_of(sent + len(ready)))
                 parts: List[Any] = []
-                for p in ready[:hi - sent]:
+                for p in ready[: hi - sent]:
                     parts.extend(p)
-                del ready[:hi - sent]
+                del ready[: hi - sent]
                 conn.send(parts)
                 sent = hi
             if done == sent:

@@ -31,6 +31,7 @@ _MAX_WAIT_MS = 2**31 - 1  # poll()'s limit (24.8 days); a longer timeout waits t
 
 class _Recv(enum.IntEnum):
     """Outcome of a native receive (dfkv::RecvStatus in native/src/net.h)."""
+
     OK = 0
     CLOSED = 1
     TIMEOUT = 2
@@ -62,8 +63,15 @@ def encode_command(*args: Union[bytes, str, int]) -> bytes:
 class RespConnection:
     """One connection to one Redis node; not thread-safe (the store pools them)."""
 
-    def __init__(self, host: str, port: int, *, timeout_s: Optional[float], connect_timeout_s: float,
-                 ssl_context: Optional[ssl.SSLContext] = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout_s: Optional[float],
+        connect_timeout_s: float,
+        ssl_context: Optional[ssl.SSLContext] = None,
+    ) -> None:
         self.host, self.port = host, port
         sock = socket.create_connection((host, port), timeout=connect_timeout_s)
         try:
@@ -81,6 +89,7 @@ class RespConnection:
         # node on 2 vCPUs that made cluster gets 4% (128 KiB) and 6% (2 MiB) faster.
         self._fd = sock.fileno() if ssl_context is None else -1
         from dynamo_flexkv.core import native as _native  # here: reading a config must not load it
+
         self._recv_exact, self._recv_bulk = _native.recv_exact, _native.recv_bulk
         # Per wait, as the socket's timeout applies; None waits forever, as a blocking socket does.
         self._timeout_ms = -1 if timeout_s is None else min(math.ceil(timeout_s * 1000), _MAX_WAIT_MS)
@@ -114,7 +123,7 @@ class RespConnection:
             return
         i, n = 0, len(parts)
         while i < n:
-            sent = self._sock.sendmsg(parts[i:i + _IOV_MAX])
+            sent = self._sock.sendmsg(parts[i : i + _IOV_MAX])
             while sent:
                 size = len(parts[i]) if not isinstance(parts[i], memoryview) else parts[i].nbytes
                 if sent >= size:
@@ -131,9 +140,9 @@ class RespConnection:
             self._r = self._w = 0
         elif len(self._buf) - self._w < _FILL:
             n = self._w - self._r
-            self._mv[:n] = self._mv[self._r:self._w]
+            self._mv[:n] = self._mv[self._r : self._w]
             self._r, self._w = 0, n
-        got = self._sock.recv_into(self._mv[self._w:self._w + _FILL])
+        got = self._sock.recv_into(self._mv[self._w : self._w + _FILL])
         if not got:
             raise ConnectionError(f"redis {self.host}:{self.port} closed the connection")
         self._w += got
@@ -143,7 +152,7 @@ class RespConnection:
         while True:
             i = self._buf.find(b"\r\n", self._r, self._w)
             if i >= 0:
-                line = bytes(self._mv[self._r:i])
+                line = bytes(self._mv[self._r : i])
                 self._r = i + 2
                 return line
             if self._w - self._r > _MAX_LINE:
@@ -158,7 +167,7 @@ class RespConnection:
         n = dest.nbytes
         k = min(self._w - self._r, n)
         if k:
-            dest[:k] = self._mv[self._r:self._r + k]
+            dest[:k] = self._mv[self._r : self._r + k]
             self._r += k
         pos = k
         recv_into = self._sock.recv_into
@@ -180,8 +189,9 @@ class RespConnection:
     def _recv_natively(self, call: Callable[..., Tuple[int, int, int, int, int]], *args: object) -> Optional[int]:
         """Runs a native receive on the socket and this buffer. A signal does not cut its waits
         short (each ends within the timeout); the handler's exception follows it."""
-        code, err, self._r, self._w, digest = call(self._fd, self._buf, self._r, self._w, _FILL,
-                                                   self._timeout_ms, *args)
+        code, err, self._r, self._w, digest = call(
+            self._fd, self._buf, self._r, self._w, _FILL, self._timeout_ms, *args
+        )
         if code == _Recv.OK:
             return digest
         status = _Recv(code)
@@ -212,7 +222,7 @@ class RespConnection:
     def expect_crlf(self) -> None:
         while self._w - self._r < 2:
             self._fill()
-        if self._buf[self._r:self._r + 2] != b"\r\n":
+        if self._buf[self._r : self._r + 2] != b"\r\n":
             raise ProtocolError(f"redis {self.host}:{self.port}: bulk reply not followed by CRLF")
         self._r += 2
 
@@ -244,8 +254,10 @@ class RespConnection:
         try:
             return int(line[1:])
         except ValueError:
-            raise ProtocolError(f"redis {self.host}:{self.port}: {line[:1]!r} reply with a length or value that is "
-                                f"not a number ({len(line)}-byte line)") from None
+            raise ProtocolError(
+                f"redis {self.host}:{self.port}: {line[:1]!r} reply with a length or value that is "
+                f"not a number ({len(line)}-byte line)"
+            ) from None
 
     def call(self, *args: Union[bytes, str, int]) -> object:
         """Sends one command and returns its reply; an error reply raises ServerError."""

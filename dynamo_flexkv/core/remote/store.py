@@ -18,15 +18,29 @@ import numpy as np
 
 from dynamo_flexkv.core.remote.breaker import BreakerState, CircuitBreaker
 from dynamo_flexkv.core.logutil import RateLimitedLog
-from dynamo_flexkv.core.remote.codec import (HEADER_BYTES, Verdict, check_header, encode_header, header_problem,
-                                        key_prefix_bytes, payload_ok)
+from dynamo_flexkv.core.remote.codec import (
+    HEADER_BYTES,
+    Verdict,
+    check_header,
+    encode_header,
+    header_problem,
+    key_prefix_bytes,
+    payload_ok,
+)
 from dynamo_flexkv.core.remote.config import RemoteConfig
 from dynamo_flexkv.core.remote.connections import NodeConnections
 from dynamo_flexkv.core.remote.errors import RemoteAuthError, RemoteClosedError, RemoteError, RemoteUnavailableError
 from dynamo_flexkv.core.remote.stats import RemoteStats
 from dynamo_flexkv.core.remote.resp import ProtocolError, ReplyError, RespConnection, encode_command
 
-__all__ = ["RemoteAuthError", "RemoteClosedError", "RemoteError", "RemoteStats", "RemoteStore", "RemoteUnavailableError"]
+__all__ = [
+    "RemoteAuthError",
+    "RemoteClosedError",
+    "RemoteError",
+    "RemoteStats",
+    "RemoteStore",
+    "RemoteUnavailableError",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +63,13 @@ def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> List[int]:
     """``hashes`` as Python ints, each checked to be a u64: one outside [0, 2**64) would otherwise
     wrap onto another block's key, and a float would be truncated onto one. numpy integer arrays
     need at most one vectorized min; lists get one type test per element and a min/max."""
-    if isinstance(hashes, (str, bytes, bytearray, memoryview, int, np.integer, set, frozenset, dict)) or \
-            (isinstance(hashes, np.ndarray) and hashes.ndim != 1):  # a set or dict: no order to match buffers
-        raise TypeError(f"{what} must be a sequence of u64 sequence hashes (a list of ints or a 1-D numpy uint64 "
-                        f"array), not {_kind_of(hashes)}: pass e.g. kv.hashes(tokens).sequence")
+    if isinstance(hashes, (str, bytes, bytearray, memoryview, int, np.integer, set, frozenset, dict)) or (
+        isinstance(hashes, np.ndarray) and hashes.ndim != 1
+    ):  # a set or dict: no order to match buffers
+        raise TypeError(
+            f"{what} must be a sequence of u64 sequence hashes (a list of ints or a 1-D numpy uint64 "
+            f"array), not {_kind_of(hashes)}: pass e.g. kv.hashes(tokens).sequence"
+        )
     if isinstance(hashes, np.ndarray):
         if hashes.dtype.kind == "u":
             return hashes.tolist()
@@ -83,8 +100,10 @@ def _kind_of(value: Any) -> str:
 
 
 def _out_of_range(value: int, what: str) -> None:
-    raise ValueError(f"{what} holds {value}, outside the u64 range [0, 2**64): sequence hashes are unsigned "
-                     f"64-bit (it would be stored under the key of {value & _U64:#x})")
+    raise ValueError(
+        f"{what} holds {value}, outside the u64 range [0, 2**64): sequence hashes are unsigned "
+        f"64-bit (it would be stored under the key of {value & _U64:#x})"
+    )
 
 
 def _node_name(node: "tuple[str, int]") -> str:
@@ -110,8 +129,9 @@ def _ok_prefix(verdicts: List[Verdict]) -> int:
     return next((i for i, v in enumerate(verdicts) if v is not Verdict.OK), len(verdicts))
 
 
-def _note_refused(refused: Optional[List[RefusedValue]], seq: List[int], verdicts: List[Verdict], n: int,
-                  why: Dict[int, str]) -> None:
+def _note_refused(
+    refused: Optional[List[RefusedValue]], seq: List[int], verdicts: List[Verdict], n: int, why: Dict[int, str]
+) -> None:
     if refused is not None and n < len(seq) and verdicts[n] in REFUSED:
         refused.append(RefusedValue(seq[n], verdicts[n], why.get(n, verdicts[n].value)))
 
@@ -138,8 +158,9 @@ class RemoteStore:
         self.config = config
         self.fingerprint = int(fingerprint) & _U64
         self._prefix = key_prefix_bytes(config.key_prefix, self.fingerprint)
-        self._ttl_args = b"" if config.ttl_s is None else \
-            encode_command(b"PX", int(round(config.ttl_s * 1000)))[len(b"*2\r\n"):]
+        self._ttl_args = (
+            b"" if config.ttl_s is None else encode_command(b"PX", int(round(config.ttl_s * 1000)))[len(b"*2\r\n") :]
+        )
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
         self._stats = RemoteStats()
         self._stats_lock = threading.Lock()
@@ -151,13 +172,12 @@ class RemoteStore:
         except RemoteUnavailableError as e:
             if strict:
                 raise
-            log.warning("%s; the remote tier starts disabled and retries every %.0f s", e,
-                        config.breaker_cooldown_s)
+            log.warning("%s; the remote tier starts disabled and retries every %.0f s", e, config.breaker_cooldown_s)
             self._breaker.trip()
 
     @property
     def policy_warning(self) -> Optional[str]:
-        """"noeviction" when the server would refuse writes once full (checked at open)."""
+        """ "noeviction" when the server would refuse writes once full (checked at open)."""
         return self._nodes.policy_warning
 
     def _count_connect(self) -> None:
@@ -200,8 +220,13 @@ class RemoteStore:
             with self._stats_lock:
                 self._stats.op_errors += 1
             if self._breaker.state is BreakerState.OPEN and was is not BreakerState.OPEN:
-                log.warning("remote tier %s failing (%s: %s); pausing it for %.1f s",
-                            self.config.redacted_url, type(e).__name__, e, self.config.breaker_cooldown_s)
+                log.warning(
+                    "remote tier %s failing (%s: %s); pausing it for %.1f s",
+                    self.config.redacted_url,
+                    type(e).__name__,
+                    e,
+                    self.config.breaker_cooldown_s,
+                )
             return False
         finally:
             with self._stats_lock:
@@ -240,14 +265,20 @@ class RemoteStore:
         seq = _hash_list(seq_hashes)
         chunk = self.config.exists_chunk
         for base in range(0, len(seq), chunk):
-            found = self.exists(seq[base:base + chunk])
+            found = self.exists(seq[base : base + chunk])
             if not all(found):
                 return base + found.index(False)
         return len(seq)
 
-    def get_into(self, seq_hashes: Hashes, dests: Sequence[Any],
-                 parents: Optional[Sequence[Optional[int]]] = None, *,
-                 refused: Optional[List[RefusedValue]] = None, checksums: Optional[List[int]] = None) -> int:
+    def get_into(
+        self,
+        seq_hashes: Hashes,
+        dests: Sequence[Any],
+        parents: Optional[Sequence[Optional[int]]] = None,
+        *,
+        refused: Optional[List[RefusedValue]] = None,
+        checksums: Optional[List[int]] = None,
+    ) -> int:
         """Reads blocks straight into ``dests`` (writable buffers of each block's size) and returns
         how many leading blocks are present and verified. ``parents`` defaults to the chain
         (block 0 has none). Bytes of ``dests`` past the returned count are unspecified. When the
@@ -261,8 +292,9 @@ class RemoteStore:
         def read(conn: RespConnection, header: memoryview, i: int) -> Verdict:
             return self._read_value(conn, header, fp, seq[i], par[i], views[i], why, i, sums)
 
-        verdicts = self._read_pipelined(seq, lambda k: encode_command(b"GET", k), read,
-                                        max((v.nbytes for v in views), default=0))
+        verdicts = self._read_pipelined(
+            seq, lambda k: encode_command(b"GET", k), read, max((v.nbytes for v in views), default=0)
+        )
         n = _ok_prefix(verdicts)
         self._count_read(n, sum(v.nbytes for v in views[:n]), verdicts[n] if n < len(seq) else None)
         _note_refused(refused, seq, verdicts, n, why)
@@ -270,9 +302,16 @@ class RemoteStore:
             checksums[:] = sums[:n]
         return n
 
-    def get_range_into(self, seq_hashes: Hashes, dests: Sequence[Any], offset: int, block_bytes: int,
-                       parents: Optional[Sequence[Optional[int]]] = None, *,
-                       refused: Optional[List[RefusedValue]] = None) -> "tuple[int, List[int]]":
+    def get_range_into(
+        self,
+        seq_hashes: Hashes,
+        dests: Sequence[Any],
+        offset: int,
+        block_bytes: int,
+        parents: Optional[Sequence[Optional[int]]] = None,
+        *,
+        refused: Optional[List[RefusedValue]] = None,
+    ) -> "tuple[int, List[int]]":
         """Reads bytes ``[offset, offset + len(dest))`` of each block's payload into ``dests``
         (pipelined GETRANGE), for layerwise loads: the first layers land while later ones are on
         their way. Returns how many leading blocks landed and, when ``offset`` is 0 (the header is
@@ -281,8 +320,9 @@ class RemoteStore:
         ``verify_landed`` once every range of the blocks landed. ``refused`` as for ``get_into``."""
         seq, par, views = self._read_args(seq_hashes, dests, parents)
         if offset < 0 or any(offset + v.nbytes > block_bytes for v in views):
-            raise ValueError(f"range [{offset}, +{views[0].nbytes if views else 0}) is outside "
-                             f"{block_bytes}-byte blocks")
+            raise ValueError(
+                f"range [{offset}, +{views[0].nbytes if views else 0}) is outside {block_bytes}-byte blocks"
+            )
         if views and len({v.nbytes for v in views}) != 1:
             raise ValueError("get_range_into reads one range length for every block")
         span = views[0].nbytes if views else 0
@@ -310,8 +350,10 @@ class RemoteStore:
                     conn.expect_crlf()
                 empty[i] = size <= 0
                 if size > 0:
-                    why[i] = (f"wrong size: bytes {start}..{end} of the value are {size} bytes, not {want} "
-                              f"(a value is a {HEADER_BYTES}-byte header + {block_bytes} bytes)")
+                    why[i] = (
+                        f"wrong size: bytes {start}..{end} of the value are {size} bytes, not {want} "
+                        f"(a value is a {HEADER_BYTES}-byte header + {block_bytes} bytes)"
+                    )
                 return Verdict.MISSING if size <= 0 else Verdict.TRUNCATED
             verdict = Verdict.OK
             if first:
@@ -328,28 +370,41 @@ class RemoteStore:
 
         verdicts = self._read_pipelined(seq, cmd, read, span)
         n = _ok_prefix(verdicts)
-        if n < len(seq) and empty[n] and self.exists(seq[n:n + 1])[0]:
+        if n < len(seq) and empty[n] and self.exists(seq[n : n + 1])[0]:
             # An empty range of a key that exists: an empty (or header-short) value, not an eviction.
             # Asked only for the block that ended the prefix: no round trip on the way of a hit.
             verdicts[n] = Verdict.TRUNCATED
-            why[n] = f"wrong size: the value ends before byte {start} (a value is a {HEADER_BYTES}-byte header + " \
-                     f"{block_bytes} bytes)" if start else "wrong size: the value is empty"
+            why[n] = (
+                f"wrong size: the value ends before byte {start} (a value is a {HEADER_BYTES}-byte header + "
+                f"{block_bytes} bytes)"
+                if start
+                else "wrong size: the value is empty"
+            )
         if n < len(seq):
             self._count_read(0, 0, verdicts[n])
         _note_refused(refused, seq, verdicts, n, why)
         return n, sums[:n]
 
-    def verify_landed(self, blocks: Sequence[Any], checksums: Sequence[int], *,
-                      seq_hashes: Optional[Hashes] = None, refused: Optional[List[RefusedValue]] = None) -> int:
+    def verify_landed(
+        self,
+        blocks: Sequence[Any],
+        checksums: Sequence[int],
+        *,
+        seq_hashes: Optional[Hashes] = None,
+        refused: Optional[List[RefusedValue]] = None,
+    ) -> int:
         """Checks whole blocks that ``get_range_into`` filled range by range against the
         checksums its first range returned; counts and returns the verified leading blocks. With
         the blocks' ``seq_hashes``, ``refused`` (if given) gets the one that failed its checksum."""
-        views = [_byte_view(b, writable=False) for b in blocks[:len(checksums)]]
+        views = [_byte_view(b, writable=False) for b in blocks[: len(checksums)]]
         n = next((i for i, (v, c) in enumerate(zip(views, checksums)) if not payload_ok(v, c)), len(views))
         self._count_read(n, sum(v.nbytes for v in views[:n]), Verdict.CORRUPT if n < len(views) else None)
         if n < len(views) and refused is not None and seq_hashes is not None:
-            refused.append(RefusedValue(_hash_list(seq_hashes)[n], Verdict.CORRUPT,
-                                        "payload checksum mismatch (read layer by layer)"))
+            refused.append(
+                RefusedValue(
+                    _hash_list(seq_hashes)[n], Verdict.CORRUPT, "payload checksum mismatch (read layer by layer)"
+                )
+            )
         return n
 
     def drop_refused(self, value: RefusedValue) -> bool:
@@ -359,24 +414,37 @@ class RemoteStore:
         deleted = self.delete([value.seq_hash]) == 1
         key = (self._prefix + b"%016x" % value.seq_hash).decode("ascii", "replace")
         if deleted:
-            self._bad_log.warning("remote tier: deleted bad value %s (%s: %s); the block is recomputed and "
-                                  "its next put rewrites it", key, value.verdict.value, value.why)
+            self._bad_log.warning(
+                "remote tier: deleted bad value %s (%s: %s); the block is recomputed and its next put rewrites it",
+                key,
+                value.verdict.value,
+                value.why,
+            )
         else:
-            self._bad_log.warning("remote tier: bad value %s (%s: %s) was not deleted (already gone, or the "
-                                  "server did not answer); the block is recomputed", key, value.verdict.value,
-                                  value.why)
+            self._bad_log.warning(
+                "remote tier: bad value %s (%s: %s) was not deleted (already gone, or the "
+                "server did not answer); the block is recomputed",
+                key,
+                value.verdict.value,
+                value.why,
+            )
         return deleted
 
-    def _read_args(self, seq_hashes: Hashes, dests: Sequence[Any],
-                   parents: Optional[Sequence[Optional[int]]]) -> "tuple[List[int], list, List[memoryview]]":
+    def _read_args(
+        self, seq_hashes: Hashes, dests: Sequence[Any], parents: Optional[Sequence[Optional[int]]]
+    ) -> "tuple[List[int], list, List[memoryview]]":
         seq = _hash_list(seq_hashes)
         if len(dests) != len(seq):
             raise ValueError(f"got {len(dests)} destination buffers for {len(seq)} sequence hashes")
         return seq, _parent_list(seq, parents), [_byte_view(d, writable=True) for d in dests]
 
-    def _read_pipelined(self, seq: List[int], command: Callable[[bytes], bytes],
-                        read: Callable[[RespConnection, memoryview, int], Verdict],
-                        value_bytes: int) -> List[Verdict]:
+    def _read_pipelined(
+        self,
+        seq: List[int],
+        command: Callable[[bytes], bytes],
+        read: Callable[[RespConnection, memoryview, int], Verdict],
+        value_bytes: int,
+    ) -> List[Verdict]:
         """Sends ``command(key)`` per block, pipelined per node, and ``read``s each reply until the
         first one that is not OK on each node. Verdicts of blocks never read stay ERROR."""
         verdicts: List[Verdict] = [Verdict.ERROR] * len(seq)
@@ -437,9 +505,18 @@ class RemoteStore:
             raise ProtocolError(f"redis {conn.host}:{conn.port}: {command} answered {line[:16]!r}")
         return conn.reply_number(line)
 
-    def _read_value(self, conn: RespConnection, header: memoryview, fp: int, seq: int,
-                    parent: Optional[int], dest: memoryview, why: Dict[int, str], i: int,
-                    sums: List[int]) -> Verdict:
+    def _read_value(
+        self,
+        conn: RespConnection,
+        header: memoryview,
+        fp: int,
+        seq: int,
+        parent: Optional[int],
+        dest: memoryview,
+        why: Dict[int, str],
+        i: int,
+        sums: List[int],
+    ) -> Verdict:
         """One GET reply into ``dest``; a refused value's reason goes to ``why[i]``."""
         got = conn.read_bulk(header, dest)  # the usual reply, a value of the right size: one call
         if got is not None:
@@ -481,8 +558,15 @@ class RemoteStore:
         conn.expect_crlf()
         return verdict
 
-    def put(self, seq_hashes: Hashes, srcs: Sequence[Any], parents: Optional[Sequence[Optional[int]]] = None,
-            *, skip_existing: bool = False, checksums: Optional[Sequence[int]] = None) -> int:
+    def put(
+        self,
+        seq_hashes: Hashes,
+        srcs: Sequence[Any],
+        parents: Optional[Sequence[Optional[int]]] = None,
+        *,
+        skip_existing: bool = False,
+        checksums: Optional[Sequence[int]] = None,
+    ) -> int:
         """Stores blocks (pipelined SET, with PX when ttl_s is set); idempotent, since a key names
         its content. Returns how many are in the store afterwards as far as this call knows
         (stored or, with ``skip_existing``, already there). Refused writes are counted, not raised.
@@ -513,8 +597,12 @@ class RemoteStore:
                 i = idx[j]
                 key = self._prefix + b"%016x" % seq[i]
                 view = views[i]
-                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + ttl_argc, len(key), key,
-                                                                       HEADER_BYTES + view.nbytes)
+                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                    3 + ttl_argc,
+                    len(key),
+                    key,
+                    HEADER_BYTES + view.nbytes,
+                )
                 return [head + encode_header(fp, seq[i], par[i], view, sums[i]), view, b"\r\n" + ttl]
 
             def read(j: int) -> bool:
@@ -587,8 +675,10 @@ class RemoteStore:
             counts.update((_node_name(node), len(idx)) for node, idx in groups.items())
 
         if not self._guard(run, "exists_seconds"):
-            raise RemoteUnavailableError(f"no node of {self.config.redacted_url} answered for the slot map (or the "
-                                         f"tier is paused for {self.config.breaker_cooldown_s:.0f} s after failures)")
+            raise RemoteUnavailableError(
+                f"no node of {self.config.redacted_url} answered for the slot map (or the "
+                f"tier is paused for {self.config.breaker_cooldown_s:.0f} s after failures)"
+            )
         return counts
 
     @property

@@ -33,8 +33,10 @@ class DeviceCache:
             raise ValueError("register_device_cache: no tensors given")
         per_layer = len(ts) > 1 or (model.num_layers == 1 and ts[0].dim() == 5)
         if per_layer and len(ts) != model.num_layers:
-            raise ValueError(f"register_device_cache: {len(ts)} tensors for {model.num_layers} layers: "
-                             "pass one tensor per layer or one tensor for all layers")
+            raise ValueError(
+                f"register_device_cache: {len(ts)} tensors for {model.num_layers} layers: "
+                "pass one tensor per layer or one tensor for all layers"
+            )
         if per_layer and layout_type is KVLayoutType.BLOCKFIRST:
             raise ValueError("register_device_cache: BLOCKFIRST keeps all layers in one tensor; pass one tensor")
         want_dtype = TORCH_DTYPES[model.dtype]
@@ -43,8 +45,9 @@ class DeviceCache:
             raise ValueError(f"register_device_cache: tensors on several devices {sorted(map(str, devices))}")
         device = next(iter(devices))
         if device.type not in ("cpu", "cuda"):  # the copies read and write their memory directly
-            raise ValueError(f"register_device_cache: tensors on {device.type!r}; the KV caches must live in CPU or "
-                             "CUDA memory")
+            raise ValueError(
+                f"register_device_cache: tensors on {device.type!r}; the KV caches must live in CPU or CUDA memory"
+            )
         for i, t in enumerate(ts):
             if t.dtype != want_dtype:
                 raise ValueError(f"register_device_cache: tensor {i} has dtype {t.dtype}, the model says {want_dtype}")
@@ -55,13 +58,17 @@ class DeviceCache:
         if per_layer:
             block_axis -= 1
         if ts[0].dim() <= block_axis:
-            raise ValueError(f"register_device_cache: tensor of shape {tuple(ts[0].shape)} does not fit {layout_type.value}")
+            raise ValueError(
+                f"register_device_cache: tensor of shape {tuple(ts[0].shape)} does not fit {layout_type.value}"
+            )
         layout = KVLayout(layout_type, model, tokens_per_block, int(ts[0].shape[block_axis]))
         want = layout.layer_shape() if per_layer else layout.shape()
         for i, t in enumerate(ts):
             if tuple(t.shape) != want:
-                raise ValueError(f"register_device_cache: tensor {i} has shape {tuple(t.shape)}, {layout_type.value} "
-                                 f"with this model and {tokens_per_block} tokens per block needs {want}")
+                raise ValueError(
+                    f"register_device_cache: tensor {i} has shape {tuple(t.shape)}, {layout_type.value} "
+                    f"with this model and {tokens_per_block} tokens per block needs {want}"
+                )
         return cls(layout, ts)
 
     @property

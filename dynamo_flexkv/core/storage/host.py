@@ -28,8 +28,15 @@ class HostPool:
     makes host<->device copies asynchronous DMA.
     """
 
-    def __init__(self, layout: KVLayout, *, use_huge_pages: bool = False, pin: Optional[bool] = None,
-                 share: bool = False, shared_fd: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        use_huge_pages: bool = False,
+        pin: Optional[bool] = None,
+        share: bool = False,
+        shared_fd: Optional[int] = None,
+    ) -> None:
         """``share``: a shared-memory segment (memfd) whose descriptor ``fd`` other processes map
         with ``shared_fd`` (the node cache's engines); the segment lives while any mapping does."""
         self.layout = layout
@@ -93,7 +100,9 @@ class HostPool:
     def block_addrs(self, block_ids: np.ndarray) -> np.ndarray:
         """Start address of each whole block (BLOCKFIRST) for disk I/O."""
         self.check_ids(block_ids)
-        return (self.base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(self.layout.block_bytes)).astype(np.uint64)
+        return (self.base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(self.layout.block_bytes)).astype(
+            np.uint64
+        )
 
     def forget_checksums(self, block_ids: np.ndarray) -> None:
         """Called before anything writes these slots: their bytes are about to change."""

@@ -57,8 +57,10 @@ def lock_dir(directory: str) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise SsdInUseError(f"ssd_cache_dir {directory!r} is in use by pid {holder}: give each worker "
-                            "its own directory, or stop the process using it") from None
+        raise SsdInUseError(
+            f"ssd_cache_dir {directory!r} is in use by pid {holder}: give each worker "
+            "its own directory, or stop the process using it"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
@@ -88,8 +90,9 @@ class AdoptReport:
 
 
 class SsdStore:
-    def __init__(self, dirs: Sequence[str], num_blocks: int, block_bytes: int, fingerprint: dict,
-                 *, direct: bool = True) -> None:
+    def __init__(
+        self, dirs: Sequence[str], num_blocks: int, block_bytes: int, fingerprint: dict, *, direct: bool = True
+    ) -> None:
         if not dirs:
             raise ValueError("the disk tier needs at least one ssd_cache_dir")
         if block_bytes % 4096:
@@ -273,8 +276,13 @@ class SsdStore:
                     raise
                 log.warning("disk journal: cannot compact at start (%s); appending to the old one", e.strerror)
                 self._continue_journal()
-        log.info("disk tier: adopted %d blocks, dropped %d torn, %d foreign, %d of another layout",
-                 len(report.adopted), report.torn, report.foreign, report.mismatched)
+        log.info(
+            "disk tier: adopted %d blocks, dropped %d torn, %d foreign, %d of another layout",
+            len(report.adopted),
+            report.torn,
+            report.foreign,
+            report.mismatched,
+        )
         return report
 
     def _replay(self, report: AdoptReport) -> List[DiskEntry]:
@@ -320,8 +328,9 @@ class SsdStore:
 
     def _refuse_other_tenant(self, found: dict, blocks: int) -> None:
         """Blocks of another namespace or model shape are another tenant's cache, not garbage."""
-        keys = sorted(k for k in set(found) | set(self.fingerprint) if k != "journal"
-                      and found.get(k) != self.fingerprint.get(k))
+        keys = sorted(
+            k for k in set(found) | set(self.fingerprint) if k != "journal" and found.get(k) != self.fingerprint.get(k)
+        )
         if not keys:
             return  # only the journal format changed: this tenant's own blocks, not readable any more
         diff = ", ".join(f"{k} {found.get(k)!r} on disk vs {self.fingerprint.get(k)!r} here" for k in keys)
@@ -329,7 +338,8 @@ class SsdStore:
         raise SsdLayoutError(
             f"ssd_cache_dir {self.dirs[0]!r} holds {blocks} blocks of another namespace or model layout ({diff}); "
             f"opening it here would drop them: give this namespace/model its own ssd_cache_dir, or wipe "
-            f"the old cache explicitly by deleting {', '.join(files)}")
+            f"the old cache explicitly by deleting {', '.join(files)}"
+        )
 
     def checksum_of(self, block_id: int) -> int:
         return self.entries[block_id].checksum
@@ -345,11 +355,10 @@ class SsdStore:
             self.fds, self._locks = [], []
 
 
-
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _stored_line(e: DiskEntry) -> str:

@@ -44,8 +44,10 @@ class ChecksumError(IOError, FlexKVError):
 
     def __init__(self, disk_ids: np.ndarray) -> None:
         self.disk_ids = [int(b) for b in disk_ids]
-        super().__init__(f"checksum mismatch on disk blocks {self.disk_ids[:8]}"
-                         f"{'...' if len(self.disk_ids) > 8 else ''}: refusing to load them")
+        super().__init__(
+            f"checksum mismatch on disk blocks {self.disk_ids[:8]}"
+            f"{'...' if len(self.disk_ids) > 8 else ''}: refusing to load them"
+        )
 
 
 MAX_COPY_THREADS = 4
@@ -71,8 +73,9 @@ class HostDeviceMover:
             self.stream = torch.cuda.Stream(device.device)
             m = host.layout.model
             flat = torch.frombuffer(host.array, dtype=TORCH_DTYPES[m.dtype])
-            self.host_blocks = flat.view(host.num_blocks, m.num_layers, m.kv_dim,
-                                         host.layout.tokens_per_block, m.num_kv_heads, m.head_size)
+            self.host_blocks = flat.view(
+                host.num_blocks, m.num_layers, m.kv_dim, host.layout.tokens_per_block, m.num_kv_heads, m.head_size
+            )
 
     def run(self, op: TransferOp) -> int:
         to_host = op.kind is OpKind.D2H
@@ -105,8 +108,20 @@ class HostDeviceMover:
         host_base = np.uint64(self.host.base) + np.arange(lo, hi, dtype=np.uint64) * np.uint64(sl)
         hst = (host_base, int(sb), int(sk), host_ids[order].astype(np.uint64))
         (db, dsb, dsk, dids), (sbase, ssb, ssk, sids) = (hst, dev) if to_host else (dev, hst)
-        _native.copy_kv_grid(db, dids, dsb, dsk, sbase, sids, ssb, ssk, hl.model.kv_dim, hl.chunk_bytes,
-                             block_major=not device_order, threads=self.threads)
+        _native.copy_kv_grid(
+            db,
+            dids,
+            dsb,
+            dsk,
+            sbase,
+            sids,
+            ssb,
+            ssk,
+            hl.model.kv_dim,
+            hl.chunk_bytes,
+            block_major=not device_order,
+            threads=self.threads,
+        )
 
     def _cuda_copy(self, dev_ids, host_ids, lo, hi, to_host, after) -> None:
         dev = self.device.device
@@ -147,8 +162,9 @@ class DiskMover:
     READ_PART_BYTES = 32 << 20
     MAX_READ_PARTS = 8
 
-    def __init__(self, host: HostPool, ssd: SsdStore, depth: int = 512, use_uring: Optional[bool] = None,
-                 threads: int = 8) -> None:
+    def __init__(
+        self, host: HostPool, ssd: SsdStore, depth: int = 512, use_uring: Optional[bool] = None, threads: int = 8
+    ) -> None:
         if host.layout.block_bytes != ssd.block_bytes:
             raise ValueError("host and disk blocks differ in size")
         self.host, self.ssd, self.depth, self.threads = host, ssd, depth, threads
@@ -189,8 +205,9 @@ class DiskMover:
         if bad.size:
             raise ChecksumError(bad)
 
-    def _mismatches(self, disk_ids: np.ndarray, host_ids: np.ndarray, got: Optional[np.ndarray] = None,
-                    record: bool = False) -> np.ndarray:
+    def _mismatches(
+        self, disk_ids: np.ndarray, host_ids: np.ndarray, got: Optional[np.ndarray] = None, record: bool = False
+    ) -> np.ndarray:
         """Disk ids whose bytes now in their host slots differ from what was written (``got``:
         those slots' checksums when already taken). ``record``: when all match, the host pool
         keeps them (the slots hold whole, verified blocks)."""
@@ -250,15 +267,31 @@ class DiskMover:
         if bad_ids.size:
             raise ChecksumError(bad_ids)
 
-    def _transfer(self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool, offset: int = 0,
-                  length: Optional[int] = None, checksums: bool = False) -> Optional[np.ndarray]:
+    def _transfer(
+        self,
+        host_ids: np.ndarray,
+        disk_ids: np.ndarray,
+        write: bool,
+        offset: int = 0,
+        length: Optional[int] = None,
+        checksums: bool = False,
+    ) -> Optional[np.ndarray]:
         """Moves [offset, offset + length) of each block between host and disk slots: one batch.
         ``checksums``: also returns each moved span's xxh3_64, hashed as its I/O completes."""
         length = self.host.layout.block_bytes if length is None else length
         fds, offsets = self.ssd.locate(disk_ids)
         lens = np.full(host_ids.size, length, dtype=np.uint64)
-        return _native.file_io(fds, offsets + np.uint64(offset), self.host.block_addrs(host_ids) + np.uint64(offset),
-                               lens, write, self.depth, self.use_uring, self.threads, checksums)
+        return _native.file_io(
+            fds,
+            offsets + np.uint64(offset),
+            self.host.block_addrs(host_ids) + np.uint64(offset),
+            lens,
+            write,
+            self.depth,
+            self.use_uring,
+            self.threads,
+            checksums,
+        )
 
     def _checksums(self, host_ids: np.ndarray) -> np.ndarray:
         bb = self.host.layout.block_bytes

@@ -38,8 +38,10 @@ def progress_delay_us() -> int:
     if not raw:
         return DEFAULT_DELAY_US
     if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_DELAY_US:
-        raise ProgressDelayError(f"FLEXKV_NIXL_PROGRESS_DELAY_US={raw!r}: expected whole microseconds from 0 to "
-                         f"{MAX_DELAY_US} (default {DEFAULT_DELAY_US}; 0 keeps NIXL's busy-polling progress thread)")
+        raise ProgressDelayError(
+            f"FLEXKV_NIXL_PROGRESS_DELAY_US={raw!r}: expected whole microseconds from 0 to "
+            f"{MAX_DELAY_US} (default {DEFAULT_DELAY_US}; 0 keeps NIXL's busy-polling progress thread)"
+        )
     return int(raw)
 
 

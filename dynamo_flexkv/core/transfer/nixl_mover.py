@@ -40,18 +40,23 @@ class NixlDiskMover(DiskMover):
         except ProgressDelayError:  # our own setting: its message names it
             raise
         except Exception as e:  # NIXL's own exception types
-            raise NixlError(f"NIXL {self.backend} backend unavailable ({e}); set enable_nixl=false "
-                            "(and enable_gds=false) to use the native io_uring mover") from e
+            raise NixlError(
+                f"NIXL {self.backend} backend unavailable ({e}); set enable_nixl=false "
+                "(and enable_gds=false) to use the native io_uring mover"
+            ) from e
         if self.backend not in self.agent.backends:
-            raise NixlError(f"NIXL could not create its {self.backend} backend here; set enable_nixl=false"
-                            f"{' and enable_gds=false' if gds else ''}")
+            raise NixlError(
+                f"NIXL could not create its {self.backend} backend here; set enable_nixl=false"
+                f"{' and enable_gds=false' if gds else ''}"
+            )
         self.agent.register_memory([(host.base, host.nbytes, 0, "")], "DRAM")
         file_bytes = -(-ssd.num_blocks // len(ssd.fds)) * ssd.block_bytes
         self.agent.register_memory([(0, file_bytes, fd, "") for fd in ssd.fds], "FILE")
         self._agent_lock = threading.Lock()
 
-    def _transfer(self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool, offset: int = 0,
-                  length: Optional[int] = None) -> None:
+    def _transfer(
+        self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool, offset: int = 0, length: Optional[int] = None
+    ) -> None:
         if host_ids.size == 0:
             return
         bb = self.host.layout.block_bytes if length is None else length
@@ -61,16 +66,20 @@ class NixlDiskMover(DiskMover):
         dram = np.stack([addrs, np.full(n, bb, np.uint64), np.zeros(n, np.uint64)], axis=1)
         files = np.stack([offsets + np.uint64(offset), np.full(n, bb, np.uint64), fds.astype(np.uint64)], axis=1)
         with self._agent_lock:
-            handle = self.agent.initialize_xfer("WRITE" if write else "READ",
-                                                self.agent.get_xfer_descs(dram, "DRAM"),
-                                                self.agent.get_xfer_descs(files, "FILE"), self.name)
+            handle = self.agent.initialize_xfer(
+                "WRITE" if write else "READ",
+                self.agent.get_xfer_descs(dram, "DRAM"),
+                self.agent.get_xfer_descs(files, "FILE"),
+                self.name,
+            )
             try:
                 state = self.agent.transfer(handle)
                 while state == "PROC":
                     time.sleep(0)  # let other Python threads run while NIXL's workers move bytes
                     state = self.agent.check_xfer_state(handle)
                 if state != "DONE":
-                    raise NixlError(f"NIXL {self.backend} {'write' if write else 'read'} of {n} blocks failed "
-                                    f"({state})")
+                    raise NixlError(
+                        f"NIXL {self.backend} {'write' if write else 'read'} of {n} blocks failed ({state})"
+                    )
             finally:
                 self.agent.release_xfer_handle(handle)

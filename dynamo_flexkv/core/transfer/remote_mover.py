@@ -30,8 +30,10 @@ class RemoteShortRead(IOError, FlexKVError):
 
     def __init__(self, verified: int, planned: int) -> None:
         self.verified, self.planned = verified, planned
-        super().__init__(f"remote tier verified {verified} of {planned} planned blocks "
-                         "(evicted, corrupt, foreign or unreachable): the rest is recomputed")
+        super().__init__(
+            f"remote tier verified {verified} of {planned} planned blocks "
+            "(evicted, corrupt, foreign or unreachable): the rest is recomputed"
+        )
 
 
 @dataclass
@@ -51,7 +53,7 @@ class RemoteMover:
     def _views(self, host_ids: np.ndarray) -> List[np.ndarray]:
         self.host.check_ids(host_ids)
         bb, arr = self.block_bytes, self.host.array
-        return [arr[int(b) * bb:(int(b) + 1) * bb] for b in host_ids]
+        return [arr[int(b) * bb : (int(b) + 1) * bb] for b in host_ids]
 
     def _parents(self, op: TransferOp) -> list:
         seq = op.seq_hashes or []
@@ -83,8 +85,13 @@ class RemoteMover:
         if op.kind is OpKind.H2REMOTE:
             # The checksums the host pool took when these bytes landed: one hash per block,
             # shared with its disk write.
-            n = self.store.put(seq, self._views(op.src), self._parents(op), skip_existing=True,
-                               checksums=self.host.checksums(op.src).tolist())
+            n = self.store.put(
+                seq,
+                self._views(op.src),
+                self._parents(op),
+                skip_existing=True,
+                checksums=self.host.checksums(op.src).tolist(),
+            )
             op.result = n
             return n * self.block_bytes
         raise ValueError(f"RemoteMover cannot run {op.kind.value}")
@@ -97,22 +104,35 @@ class RemoteMover:
         seq, lb = op.seq_hashes, self.layer_bytes
         if lo == 0:
             state = _LayeredRead([])
-            n, state.checksums = self.store.get_range_into(seq, [v[:hi * lb] for v in views], 0,
-                                                           self.block_bytes, self._parents(op), refused=refused)
+            n, state.checksums = self.store.get_range_into(
+                seq, [v[: hi * lb] for v in views], 0, self.block_bytes, self._parents(op), refused=refused
+            )
         else:
             prev: Optional[TransferOp] = next((d for d in op.deps if d.kind is OpKind.REMOTE2H), None)
             if prev is None or not isinstance(prev.result, _LayeredRead):
                 raise ValueError(f"remote2h layers {lo}..{hi} must follow the read of layers 0..{lo}")
             state = prev.result
             k = len(state.checksums)
-            n, _ = self.store.get_range_into(seq[:k], [v[lo * lb:hi * lb] for v in views[:k]], lo * lb,
-                                             self.block_bytes, self._parents(op)[:k], refused=refused)
+            n, _ = self.store.get_range_into(
+                seq[:k],
+                [v[lo * lb : hi * lb] for v in views[:k]],
+                lo * lb,
+                self.block_bytes,
+                self._parents(op)[:k],
+                refused=refused,
+            )
             state.checksums = state.checksums[:n]
         op.result = state
         if n < len(seq) and hi < self.num_layers and n:
             # Short: finish the landed prefix's other layers now, so it commits whole.
-            n, _ = self.store.get_range_into(seq[:n], [v[hi * lb:] for v in views[:n]], hi * lb,
-                                             self.block_bytes, self._parents(op)[:n], refused=refused)
+            n, _ = self.store.get_range_into(
+                seq[:n],
+                [v[hi * lb :] for v in views[:n]],
+                hi * lb,
+                self.block_bytes,
+                self._parents(op)[:n],
+                refused=refused,
+            )
             hi = self.num_layers
         if hi == self.num_layers:
             n = self.store.verify_landed(views[:n], state.checksums[:n], seq_hashes=seq[:n], refused=refused)

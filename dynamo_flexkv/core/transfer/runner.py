@@ -46,8 +46,9 @@ class TransferRunner:
         self._running: Dict[int, int] = {}  # id(graph) -> ops in flight
         self._graphs: Dict[int, TransferGraph] = {}
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"flexkv-transfer-{i}", daemon=True)
-                         for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"flexkv-transfer-{i}", daemon=True) for i in range(workers)
+        ]
         for t in self._threads:
             t.start()
         self.link_bytes: Dict[OpKind, int] = {k: 0 for k in OpKind}
@@ -172,8 +173,13 @@ class TransferRunner:
         for op in graph.ops:
             if op.state is OpState.PENDING:
                 op.state = OpState.SKIPPED
-        graph.state = (GraphState.FAILED if graph.error is not None else
-                       GraphState.CANCELLED if graph.cancel_requested else GraphState.DONE)
+        graph.state = (
+            GraphState.FAILED
+            if graph.error is not None
+            else GraphState.CANCELLED
+            if graph.cancel_requested
+            else GraphState.DONE
+        )
         self._graphs.pop(id(graph), None)
         self._running.pop(id(graph), None)
         return True

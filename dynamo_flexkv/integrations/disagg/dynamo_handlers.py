@@ -23,8 +23,11 @@ from dynamo_flexkv.integrations.reference_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 BYPASS_REMOTE_PREFILL = "x-bypass-remote-prefill"
-MODES = {"agg": DisaggregationMode.AGGREGATED, "prefill": DisaggregationMode.PREFILL,
-         "decode": DisaggregationMode.DECODE}
+MODES = {
+    "agg": DisaggregationMode.AGGREGATED,
+    "prefill": DisaggregationMode.PREFILL,
+    "decode": DisaggregationMode.DECODE,
+}
 
 
 class Role:
@@ -48,15 +51,21 @@ class Role:
         self.agent = KVAgent(engine.kv_cache.layers)
         if self.mode is DisaggregationMode.PREFILL:
             if not engine.device_prefix_cache:
-                raise InvalidArgument("a prefill worker hands over its device prefix cache: drop "
-                                      "--no-device-prefix-cache")
-            self.prefill = PrefillSide(engine, self.agent, self.args.handover_lease_s, handover_secret(),
-                                       renew_s=self.args.handover_renew_s)
+                raise InvalidArgument(
+                    "a prefill worker hands over its device prefix cache: drop --no-device-prefix-cache"
+                )
+            self.prefill = PrefillSide(
+                engine, self.agent, self.args.handover_lease_s, handover_secret(), renew_s=self.args.handover_renew_s
+            )
         else:
             self.decode = DecodeSide(engine, self.agent, self.args.handover_timeout_s, handover_secret())
             engine.remote_fill = self.decode.fill
-        log.info("%s worker: NIXL agent %s over %d KV layers", self.args.disaggregation_mode, self.agent.name,
-                 len(engine.kv_cache.layers))
+        log.info(
+            "%s worker: NIXL agent %s over %d KV layers",
+            self.args.disaggregation_mode,
+            self.agent.name,
+            len(engine.kv_cache.layers),
+        )
 
     # ---- event loop side ---------------------------------------------------------------------------
     def prepare(self, request: Dict[str, Any]) -> Optional[HandoverParams]:

@@ -49,8 +49,9 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic,
-                 renew_s: float = DEFAULT_RENEW_S) -> None:
+    def __init__(
+        self, ttl: float, clock: Callable[[], float] = time.monotonic, renew_s: float = DEFAULT_RENEW_S
+    ) -> None:
         for what, value in (("lease ttl", ttl), ("lease renewal window", renew_s)):
             problem = handover_seconds_problem(value)
             if problem is not None:
@@ -68,8 +69,14 @@ class LeaseTable:
 
     def grant(self, blocks: List[int]) -> Lease:
         now, unix = self._clock(), time.time()
-        lease = Lease(f"{self._prefix}-{next(self._ids)}", list(blocks), now + self.renew_s, now + self.ttl,
-                      unix + self.ttl, unix + self.renew_s)
+        lease = Lease(
+            f"{self._prefix}-{next(self._ids)}",
+            list(blocks),
+            now + self.renew_s,
+            now + self.ttl,
+            unix + self.ttl,
+            unix + self.renew_s,
+        )
         self._leases[lease.id] = lease
         self.granted += 1
         return lease

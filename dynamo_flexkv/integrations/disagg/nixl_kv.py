@@ -198,8 +198,10 @@ class KVAgent:
         self.layers = list(layers)
         t = self.layers[0]
         if any(x.shape != t.shape or x.dtype != t.dtype or not x.is_contiguous() for x in self.layers):
-            raise ValueError("KVAgent: every layer's KV tensor must be contiguous with the same shape and dtype "
-                             "(block i of a layer at offset i * block bytes)")
+            raise ValueError(
+                "KVAgent: every layer's KV tensor must be contiguous with the same shape and dtype "
+                "(block i of a layer at offset i * block bytes)"
+            )
         self.block_bytes = t[0].nbytes
         self.num_blocks = t.shape[0]
         self.mem = "VRAM" if t.is_cuda else "DRAM"
@@ -218,8 +220,10 @@ class KVAgent:
         self.agent.register_memory([(x.data_ptr(), x.nbytes, self.dev, "") for x in self.layers], self.mem)
         self._offsets = _layer_offsets(len(self.layers), self.num_blocks)
         self._local = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _block_rows([x.data_ptr() for x in self.layers], self.block_bytes, self.num_blocks,
-                                           self.dev), self.mem)
+            "NIXL_INIT_AGENT",
+            _block_rows([x.data_ptr() for x in self.layers], self.block_bytes, self.num_blocks, self.dev),
+            self.mem,
+        )
         self._lock = threading.Lock()
         self._metadata = pack_metadata(self.agent.get_agent_metadata())
         self._peers: Dict[str, _Peer] = {}  # remote agent name -> what this agent holds of it
@@ -234,30 +238,52 @@ class KVAgent:
     def metadata(self) -> str:
         return self._metadata
 
-    def describe(self, lease: str, blocks: List[int], last_hash, lease_expires_unix: float,
-                 with_metadata: bool = True, renew_by_unix: float = 0.0, renew_s: float = 0.0) -> HandoverParams:
-        return HandoverParams(agent=self.name, metadata=self._metadata if with_metadata else None, lease=lease,
-                              blocks=list(blocks), last_hash=last_hash,
-                              layer_addrs=[x.data_ptr() for x in self.layers], block_bytes=self.block_bytes,
-                              mem=self.mem, dev=self.dev, lease_expires_unix=lease_expires_unix,
-                              num_blocks=self.num_blocks, checksums=block_checksums(self.layers, blocks),
-                              renew_by_unix=renew_by_unix, renew_s=renew_s)
+    def describe(
+        self,
+        lease: str,
+        blocks: List[int],
+        last_hash,
+        lease_expires_unix: float,
+        with_metadata: bool = True,
+        renew_by_unix: float = 0.0,
+        renew_s: float = 0.0,
+    ) -> HandoverParams:
+        return HandoverParams(
+            agent=self.name,
+            metadata=self._metadata if with_metadata else None,
+            lease=lease,
+            blocks=list(blocks),
+            last_hash=last_hash,
+            layer_addrs=[x.data_ptr() for x in self.layers],
+            block_bytes=self.block_bytes,
+            mem=self.mem,
+            dev=self.dev,
+            lease_expires_unix=lease_expires_unix,
+            num_blocks=self.num_blocks,
+            checksums=block_checksums(self.layers, blocks),
+            renew_by_unix=renew_by_unix,
+            renew_s=renew_s,
+        )
 
     def verify(self, p: HandoverParams, first: int, local_blocks: Sequence[int]) -> None:
         """Raises HandoverCorrupt unless the local blocks (just read for ``p.blocks[first:]``) hash
         to the prefill worker's checksums."""
-        want = p.checksums[first:first + len(local_blocks)]
+        want = p.checksums[first : first + len(local_blocks)]
         got = block_checksums(self.layers, local_blocks)
         bad = [first + i for i, (a, b) in enumerate(zip(got, want)) if a != b]
         if bad:
-            raise HandoverCorrupt(f"{len(bad)} of {len(local_blocks)} blocks read from {p.agent} fail their "
-                                  f"checksum (first: prompt block {bad[0]}, prefill block {p.blocks[bad[0]]})")
+            raise HandoverCorrupt(
+                f"{len(bad)} of {len(local_blocks)} blocks read from {p.agent} fail their "
+                f"checksum (first: prompt block {bad[0]}, prefill block {p.blocks[bad[0]]})"
+            )
 
     def check_compatible(self, p: HandoverParams) -> None:
         if len(p.layer_addrs) != len(self.layers) or p.block_bytes != self.block_bytes:
-            raise HandoverRefused(f"the prefill worker's KV layout ({len(p.layer_addrs)} layers x {p.block_bytes} "
-                                  f"bytes per block) differs from this worker's ({len(self.layers)} x "
-                                  f"{self.block_bytes}): serve the same model on both roles")
+            raise HandoverRefused(
+                f"the prefill worker's KV layout ({len(p.layer_addrs)} layers x {p.block_bytes} "
+                f"bytes per block) differs from this worker's ({len(self.layers)} x "
+                f"{self.block_bytes}): serve the same model on both roles"
+            )
 
     def _connect(self, p: HandoverParams, prep: bool = True) -> _Peer:
         """The peer, added once (and again only if it comes with other metadata); its KV
@@ -284,7 +310,9 @@ class KVAgent:
             digest_rows = _block_rows([p.digest_addr], 8, p.num_blocks, 0) if getattr(p, "digest_addr", 0) else None
             # Host KV: the digest table in the same list (a read of blocks and digests is then one
             # transfer: one post and one poll fewer per handover, ~5% of a 2 MiB read's CPU).
-            peer.digest_base = len(p.layer_addrs) * p.num_blocks if digest_rows is not None and p.mem == "DRAM" else None
+            peer.digest_base = (
+                len(p.layer_addrs) * p.num_blocks if digest_rows is not None and p.mem == "DRAM" else None
+            )
             if peer.digest_base is not None:
                 rows = np.concatenate([rows, digest_rows])
             peer.dlist = self.agent.prep_xfer_dlist(p.agent, rows, p.mem)
@@ -293,13 +321,22 @@ class KVAgent:
             peer.layout = layout
         return peer
 
-    def pull(self, p: HandoverParams, remote_blocks: Sequence[int], local_blocks: Sequence[int],
-             timeout: float, notif: bytes = b"", digests: bool = False,
-             landed: Optional[Callable[[int, int], None]] = None, chunks: int = 1) -> int:
+    def pull(
+        self,
+        p: HandoverParams,
+        remote_blocks: Sequence[int],
+        local_blocks: Sequence[int],
+        timeout: float,
+        notif: bytes = b"",
+        digests: bool = False,
+        landed: Optional[Callable[[int, int], None]] = None,
+        chunks: int = 1,
+    ) -> int:
         """READs the remote blocks into the local ones, every layer; returns bytes moved. ``notif``
         reaches the prefill agent once the read is done (only then). With ``digests`` the peer's
         digest of ``remote_blocks[i]`` (``p.digest_addr``'s table) lands in ``self.landed[i]`` by
-        the same time (see ``enable_digests``; read it before the agent's next pull). ``chunks`` splits the read into that many reads of
+        the same time (see ``enable_digests``; read it before the agent's next pull). ``chunks`` splits
+        the read into that many reads of
         consecutive blocks, all posted at once; ``landed(start, end)`` is called for each chunk of
         ``local_blocks[start:end]`` once its bytes (and the digests) are here, in order, while the
         later chunks still move (a verify overlaps the transfer); whatever it raises is raised
@@ -317,8 +354,10 @@ class KVAgent:
             raise HandoverRefused(f"handover names a block outside the prefill worker's {p.num_blocks}")
         nbytes = n * self.block_bytes * len(self.layers)
         if digests and (self.landed is None or not getattr(p, "digest_addr", 0)):
-            raise HandoverRefused("pull with digests: this agent has no digest tables (enable_digests) or the "
-                                  "handover names no digest table")
+            raise HandoverRefused(
+                "pull with digests: this agent has no digest tables (enable_digests) or the "
+                "handover names no digest table"
+            )
         if digests and n > self.num_blocks:
             raise ValueError(f"pull with digests: {n} blocks exceed the landed table's {self.num_blocks}")
         chunks = max(1, min(chunks, n))
@@ -332,15 +371,24 @@ class KVAgent:
                 # read carries a notice (below).
                 inline = digests and peer.digest_base is not None and self._landed_base is not None
                 if digests and not inline:
-                    handles.append(self.agent.make_prepped_xfer("READ", self._landed_dlist, list(range(n)),
-                                                                peer.digest_dlist, list(remote_blocks), b""))
+                    handles.append(
+                        self.agent.make_prepped_xfer(
+                            "READ", self._landed_dlist, list(range(n)), peer.digest_dlist, list(remote_blocks), b""
+                        )
+                    )
                 for i, (a, b) in enumerate(bounds):
-                    local, remote = _indices(self._offsets, local_blocks[a:b]), _indices(peer.offsets, remote_blocks[a:b])
+                    local, remote = (
+                        _indices(self._offsets, local_blocks[a:b]),
+                        _indices(peer.offsets, remote_blocks[a:b]),
+                    )
                     if inline and i == 0:  # after the chunk's KV: over shared memory, read after it
                         local += range(self._landed_base, self._landed_base + n)
                         remote += [peer.digest_base + x for x in remote_blocks]
-                    handles.append(self.agent.make_prepped_xfer("READ", self._local, local, peer.dlist, remote,
-                                                                notif if i == chunks - 1 else b""))
+                    handles.append(
+                        self.agent.make_prepped_xfer(
+                            "READ", self._local, local, peer.dlist, remote, notif if i == chunks - 1 else b""
+                        )
+                    )
             except HandoverRefused:
                 self._release(handles)
                 raise
@@ -366,8 +414,13 @@ class KVAgent:
                     states = [s if s != "PROC" else self.agent.check_xfer_state(h) for h, s in zip(handles, states)]
                     if any(s not in ("PROC", "DONE") for s in states):
                         raise HandoverFailed(f"NIXL read of {nbytes} bytes from {p.agent} failed ({states})")
-                    while (landed is not None and raised is None and seen < chunks
-                           and states[head + seen] == "DONE" and states[0] == "DONE"):
+                    while (
+                        landed is not None
+                        and raised is None
+                        and seen < chunks
+                        and states[head + seen] == "DONE"
+                        and states[0] == "DONE"
+                    ):
                         try:
                             landed(*bounds[seen])
                         except BaseException as e:  # noqa: BLE001 - raised once every chunk is over
@@ -376,8 +429,9 @@ class KVAgent:
                     if "PROC" not in states:
                         break
                     if time.monotonic() > deadline:
-                        raise HandoverFailed(f"NIXL read of {nbytes} bytes from {p.agent} still running after "
-                                             f"{timeout:.1f} s")
+                        raise HandoverFailed(
+                            f"NIXL read of {nbytes} bytes from {p.agent} still running after {timeout:.1f} s"
+                        )
                     time.sleep(0)  # other Python threads run while UCX moves the bytes
             except HandoverFailed:
                 self._forget(p.agent)
@@ -415,9 +469,18 @@ class KVAgent:
             landed_rows = _block_rows([self.landed.data_ptr()], 8, self.num_blocks, 0)
             self._landed_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", landed_rows, "DRAM")
             if self.mem == "DRAM":  # host KV: also at the end of the KV's own list (pull's inline digests)
-                local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.concatenate([_block_rows(
-                    [x.data_ptr() for x in self.layers], self.block_bytes, self.num_blocks, self.dev), landed_rows]),
-                    self.mem)
+                local = self.agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT",
+                    np.concatenate(
+                        [
+                            _block_rows(
+                                [x.data_ptr() for x in self.layers], self.block_bytes, self.num_blocks, self.dev
+                            ),
+                            landed_rows,
+                        ]
+                    ),
+                    self.mem,
+                )
                 self.agent.release_dlist_handle(self._local)
                 self._local, self._landed_base = local, len(self.layers) * self.num_blocks
             self._metadata = pack_metadata(self.agent.get_agent_metadata())  # peers must see the tables
@@ -468,10 +531,14 @@ class KVAgent:
             with contextlib.suppress(Exception):
                 if self._landed_dlist is not None:
                     self.agent.release_dlist_handle(self._landed_dlist)
-                    self.agent.deregister_memory(self.agent.get_reg_descs(
-                        [(t.data_ptr(), t.nbytes, 0, "") for t in (self.digests, self.landed)], "DRAM"))
+                    self.agent.deregister_memory(
+                        self.agent.get_reg_descs(
+                            [(t.data_ptr(), t.nbytes, 0, "") for t in (self.digests, self.landed)], "DRAM"
+                        )
+                    )
             try:
                 self.agent.deregister_memory(
-                    self.agent.get_reg_descs([(x.data_ptr(), x.nbytes, self.dev, "") for x in self.layers], self.mem))
+                    self.agent.get_reg_descs([(x.data_ptr(), x.nbytes, self.dev, "") for x in self.layers], self.mem)
+                )
             except Exception:
                 pass

@@ -56,9 +56,21 @@ class HandoverParams:
 
     def _mac(self, secret: bytes) -> str:
         # Every field that names what is read, from where, for how long, and what it must hash to.
-        fields = [self.agent, self.lease, self.blocks, self.num_blocks, self.last_hash, self.layer_addrs,
-                  self.block_bytes, self.mem, self.dev, repr(float(self.lease_expires_unix)), self.checksums,
-                  repr(float(self.renew_by_unix)), repr(float(self.renew_s))]
+        fields = [
+            self.agent,
+            self.lease,
+            self.blocks,
+            self.num_blocks,
+            self.last_hash,
+            self.layer_addrs,
+            self.block_bytes,
+            self.mem,
+            self.dev,
+            repr(float(self.lease_expires_unix)),
+            self.checksums,
+            repr(float(self.renew_by_unix)),
+            repr(float(self.renew_s)),
+        ]
         return hmac.new(secret, json.dumps(fields).encode(), hashlib.sha256).hexdigest()
 
     def signed(self, secret: Optional[bytes]) -> "HandoverParams":
@@ -69,8 +81,10 @@ class HandoverParams:
         if secret is None:
             return
         if self.sig is None or not hmac.compare_digest(self.sig, self._mac(secret)):
-            raise HandoverRefused(f"handover from {self.agent} is {'unsigned' if self.sig is None else 'forged'}: "
-                                  f"its signature does not match this graph's {SECRET_ENV}")
+            raise HandoverRefused(
+                f"handover from {self.agent} is {'unsigned' if self.sig is None else 'forged'}: "
+                f"its signature does not match this graph's {SECRET_ENV}"
+            )
 
     def to_dict(self) -> Dict[str, Any]:
         return {KEY: dict(asdict(self), version=VERSION, checksums=pack_checksums(self.checksums))}
@@ -82,29 +96,44 @@ class HandoverParams:
             return None
         d = payload[KEY]
         if not isinstance(d, Mapping) or d.get("version") != VERSION:
-            raise HandoverRefused(f"disaggregated_params.{KEY}: expected version {VERSION}, got "
-                                  f"{d.get('version') if isinstance(d, Mapping) else type(d).__name__}")
+            raise HandoverRefused(
+                f"disaggregated_params.{KEY}: expected version {VERSION}, got "
+                f"{d.get('version') if isinstance(d, Mapping) else type(d).__name__}"
+            )
         try:
-            p = cls(agent=str(d["agent"]), metadata=d.get("metadata"), lease=str(d["lease"]),
-                    blocks=[int(b) for b in d["blocks"]],
-                    last_hash=None if d.get("last_hash") is None else int(d["last_hash"]),
-                    layer_addrs=[int(a) for a in d["layer_addrs"]], block_bytes=int(d["block_bytes"]),
-                    mem=str(d["mem"]), dev=int(d["dev"]), lease_expires_unix=float(d["lease_expires_unix"]),
-                    num_blocks=int(d["num_blocks"]), sig=None if d.get("sig") is None else str(d["sig"]),
-                    checksums=unpack_checksums(d["checksums"]), renew_by_unix=float(d["renew_by_unix"]),
-                    renew_s=float(d["renew_s"]))
+            p = cls(
+                agent=str(d["agent"]),
+                metadata=d.get("metadata"),
+                lease=str(d["lease"]),
+                blocks=[int(b) for b in d["blocks"]],
+                last_hash=None if d.get("last_hash") is None else int(d["last_hash"]),
+                layer_addrs=[int(a) for a in d["layer_addrs"]],
+                block_bytes=int(d["block_bytes"]),
+                mem=str(d["mem"]),
+                dev=int(d["dev"]),
+                lease_expires_unix=float(d["lease_expires_unix"]),
+                num_blocks=int(d["num_blocks"]),
+                sig=None if d.get("sig") is None else str(d["sig"]),
+                checksums=unpack_checksums(d["checksums"]),
+                renew_by_unix=float(d["renew_by_unix"]),
+                renew_s=float(d["renew_s"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise HandoverRefused(f"disaggregated_params.{KEY} is malformed ({type(e).__name__}: {e})") from None
         if p.mem not in ("DRAM", "VRAM") or p.block_bytes <= 0 or p.num_blocks <= 0:
-            raise HandoverRefused(f"disaggregated_params.{KEY}: bad memory description "
-                                  f"{p.mem}/{p.block_bytes} bytes/{p.num_blocks} blocks")
+            raise HandoverRefused(
+                f"disaggregated_params.{KEY}: bad memory description "
+                f"{p.mem}/{p.block_bytes} bytes/{p.num_blocks} blocks"
+            )
         if any(not 0 <= b < p.num_blocks for b in p.blocks):
             raise HandoverRefused(f"disaggregated_params.{KEY}: a block id outside [0, {p.num_blocks})")
         if not all(math.isfinite(x) for x in (p.lease_expires_unix, p.renew_by_unix, p.renew_s)):
             raise HandoverRefused(f"disaggregated_params.{KEY}: lease times must be finite numbers")
         if len(p.checksums) != len(p.blocks):
-            raise HandoverRefused(f"disaggregated_params.{KEY}: {len(p.checksums)} checksums for "
-                                  f"{len(p.blocks)} blocks (one per block expected)")
+            raise HandoverRefused(
+                f"disaggregated_params.{KEY}: {len(p.checksums)} checksums for "
+                f"{len(p.blocks)} blocks (one per block expected)"
+            )
         return p
 
 

@@ -37,8 +37,14 @@ LEASE_MARGIN_S = 1.0
 
 
 class PrefillSide:
-    def __init__(self, engine: LLMEngine, agent: KVAgent, lease_ttl: float, secret: Optional[bytes] = None,
-                 renew_s: float = DEFAULT_RENEW_S) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        agent: KVAgent,
+        lease_ttl: float,
+        secret: Optional[bytes] = None,
+        renew_s: float = DEFAULT_RENEW_S,
+    ) -> None:
         self.engine, self.agent, self.secret = engine, agent, secret
         self.leases = LeaseTable(lease_ttl, renew_s=renew_s)
         self._expired_log = RateLimitedLog(log, 5.0)  # a decode outage expires one lease per request
@@ -53,30 +59,42 @@ class PrefillSide:
         if not blocks:
             return {}
         lease = self.leases.grant(blocks)
-        p = self.agent.describe(lease.id, blocks, int(hashes[len(blocks) - 1]), lease.expires_unix,
-                                renew_by_unix=lease.renew_by_unix, renew_s=self.leases.renew_s)
+        p = self.agent.describe(
+            lease.id,
+            blocks,
+            int(hashes[len(blocks) - 1]),
+            lease.expires_unix,
+            renew_by_unix=lease.renew_by_unix,
+            renew_s=self.leases.renew_s,
+        )
         return p.signed(self.secret).to_dict()
 
     def service(self) -> None:
         # Notices first, expiry after: a renewal that arrived in time is never lost to a busy step.
         for msg in self.agent.notifications():
             if msg.startswith(RELEASE):
-                lease = self.leases.release(msg[len(RELEASE):].decode(errors="replace"))
+                lease = self.leases.release(msg[len(RELEASE) :].decode(errors="replace"))
                 if lease is not None:
                     self.engine.pool.release(lease.blocks)
             elif msg.startswith(RENEW):
-                self.leases.renew(msg[len(RENEW):].decode(errors="replace"))
+                self.leases.renew(msg[len(RENEW) :].decode(errors="replace"))
         for lease in self.leases.expire():
             if lease.renewals:
                 self._expired_log.warning(
                     "handover lease %s expired: its decode worker renewed it %d times, then neither renewed "
-                    "nor released it (it died or hangs); its %d blocks are released", lease.id, lease.renewals,
-                    len(lease.blocks))
+                    "nor released it (it died or hangs); its %d blocks are released",
+                    lease.id,
+                    lease.renewals,
+                    len(lease.blocks),
+                )
             else:
                 self._expired_log.warning(
                     "handover lease %s expired unclaimed after %.1f s: no decode worker took its request (none "
                     "running, the frontend's decode call failed, or the client left); its %d blocks are released",
-                    lease.id, self.leases.renew_s, len(lease.blocks))
+                    lease.id,
+                    self.leases.renew_s,
+                    len(lease.blocks),
+                )
             self.engine.pool.release(lease.blocks)
 
     def close(self) -> None:
@@ -120,8 +138,7 @@ class _Pending:
 
 
 class DecodeSide:
-    def __init__(self, engine: LLMEngine, agent: KVAgent, pull_timeout: float,
-                 secret: Optional[bytes] = None) -> None:
+    def __init__(self, engine: LLMEngine, agent: KVAgent, pull_timeout: float, secret: Optional[bytes] = None) -> None:
         self.engine, self.agent, self.pull_timeout = engine, agent, pull_timeout
         self.secret = secret  # the graph's: handovers not signed with it are recomputed
         self._pending: Dict[str, _Pending] = {}
@@ -201,14 +218,16 @@ class DecodeSide:
                 self._renew(pending)  # a fresh window for the read
             budget = min(self.pull_timeout, pending.held_until - time.time() - LEASE_MARGIN_S)
             if budget <= 0:
-                raise HandoverRefused(f"lease {p.lease} ends before a read could finish (not claimed in time, "
-                                      "expired or about to)")
+                raise HandoverRefused(
+                    f"lease {p.lease} ends before a read could finish (not claimed in time, expired or about to)"
+                )
             if p.last_hash != int(req.hashes.sequence[n - 1]):
                 raise HandoverRefused("the handed-over blocks are not this prompt's (sequence hash differs)")
             t0 = time.perf_counter()
             try:
-                nbytes = self.agent.pull(p, p.blocks[first:n], req.block_table[first:n], budget,
-                                         notif=RELEASE + p.lease.encode())
+                nbytes = self.agent.pull(
+                    p, p.blocks[first:n], req.block_table[first:n], budget, notif=RELEASE + p.lease.encode()
+                )
             finally:
                 self.stats.seconds += time.perf_counter() - t0
             released = True

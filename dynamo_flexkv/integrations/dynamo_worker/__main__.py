@@ -1,4 +1,5 @@
-"""``python -m dynamo_flexkv.integrations.dynamo_worker``: the Dynamo worker component (see dynamo_flexkv.integrations.dynamo_worker.component)."""
+"""``python -m dynamo_flexkv.integrations.dynamo_worker``: the Dynamo worker component
+(see dynamo_flexkv.integrations.dynamo_worker.component)."""
 
 import signal
 
@@ -10,6 +11,7 @@ def main() -> None:
     # Refuse a setup that would listen beyond loopback before the runtime is even imported.
     check_event_plane_binds_loopback(build_parser().parse_args().event_plane)
     from dynamo_flexkv.integrations.dynamo_worker.component import main as run_worker
+
     run_worker()
 
 

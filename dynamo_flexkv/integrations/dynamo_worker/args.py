@@ -20,7 +20,9 @@ def on_sigint(signum: int, frame: object) -> None:
     afterwards: it only logs, so the drain is never cut short."""
     if not _serving:
         raise SystemExit(0)
-    logging.getLogger("dynamo_flexkv.integrations.dynamo_worker.component").info("SIGINT: graceful shutdown (Dynamo drains, then cleanup)")
+    logging.getLogger("dynamo_flexkv.integrations.dynamo_worker.component").info(
+        "SIGINT: graceful shutdown (Dynamo drains, then cleanup)"
+    )
 
 
 def mark_serving() -> None:
@@ -43,8 +45,10 @@ def handover_seconds(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dynamo_flexkv.integrations.dynamo_worker",
-                                description="The reference engine with KVManager offload as a Dynamo backend.")
+    p = argparse.ArgumentParser(
+        prog="python -m dynamo_flexkv.integrations.dynamo_worker",
+        description="The reference engine with KVManager offload as a Dynamo backend.",
+    )
     p.add_argument("--model", default="small", help="model preset (configs/models) or a local HF directory")
     p.add_argument("--served-model-name", default="flexkv-small")
     p.add_argument("--model-dir", help="where to write the model directory (default: a temp dir)")
@@ -54,26 +58,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--discovery-backend", default="file", choices=["file", "etcd", "mem", "kubernetes"])
     p.add_argument("--request-plane", default="tcp", choices=["tcp", "nats"])
     p.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"])
-    p.add_argument("--num-device-blocks", type=int, default=256,
-                   help="the engine's own KV blocks; x block size = the context window")
+    p.add_argument(
+        "--num-device-blocks",
+        type=int,
+        default=256,
+        help="the engine's own KV blocks; x block size = the context window",
+    )
     p.add_argument("--no-offload", action="store_true", help="serve without host/disk tiers")
     p.add_argument("--bulk-load", action="store_true", help="load cached prefixes before compute")
-    p.add_argument("--no-device-prefix-cache", action="store_true",
-                   help="free device blocks when a request ends: reuse then comes only from offload tiers")
-    p.add_argument("--drain-timeout", type=float, default=20.0,
-                   help="on shutdown, seconds in-flight requests get to finish before they are aborted")
+    p.add_argument(
+        "--no-device-prefix-cache",
+        action="store_true",
+        help="free device blocks when a request ends: reuse then comes only from offload tiers",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=20.0,
+        help="on shutdown, seconds in-flight requests get to finish before they are aborted",
+    )
     # Disaggregated prefill/decode (dynamo_flexkv.integrations.disagg.dynamo_handlers).
-    p.add_argument("--disaggregation-mode", default="agg", choices=["agg", "prefill", "decode"],
-                   help="agg: prefill and decode here; prefill: compute prompts and hand their KV over; "
-                        "decode: pull prefilled KV over NIXL and generate")
-    p.add_argument("--handover-lease-s", type=handover_seconds, default=30.0,
-                   help="prefill: seconds handed-over blocks stay held without the decode worker's release")
-    p.add_argument("--handover-timeout-s", type=handover_seconds, default=10.0,
-                   help="decode: seconds a KV pull may take before the prompt is recomputed instead")
-    p.add_argument("--handover-renew-s", type=handover_renew_seconds, default=5.0,  # leases.DEFAULT_RENEW_S
-                   help="prefill: seconds a lease holds unless the decode worker claims or renews it (it does "
-                        "when the request reaches it and while the request waits there); at most "
-                        "--handover-lease-s")
+    p.add_argument(
+        "--disaggregation-mode",
+        default="agg",
+        choices=["agg", "prefill", "decode"],
+        help="agg: prefill and decode here; prefill: compute prompts and hand their KV over; "
+        "decode: pull prefilled KV over NIXL and generate",
+    )
+    p.add_argument(
+        "--handover-lease-s",
+        type=handover_seconds,
+        default=30.0,
+        help="prefill: seconds handed-over blocks stay held without the decode worker's release",
+    )
+    p.add_argument(
+        "--handover-timeout-s",
+        type=handover_seconds,
+        default=10.0,
+        help="decode: seconds a KV pull may take before the prompt is recomputed instead",
+    )
+    p.add_argument(
+        "--handover-renew-s",
+        type=handover_renew_seconds,
+        default=5.0,  # leases.DEFAULT_RENEW_S
+        help="prefill: seconds a lease holds unless the decode worker claims or renews it (it does "
+        "when the request reaches it and while the request waits there); at most "
+        "--handover-lease-s",
+    )
     return p
 
 
@@ -82,8 +113,9 @@ def handover_renew_seconds(text: str) -> float:
     (clock skew, the notice's way), so a window under 2 s would leave it almost no time."""
     value = handover_seconds(text)
     if value < 2.0:
-        raise argparse.ArgumentTypeError(f"--handover-renew-s {value} must be at least 2 seconds: the decode "
-                                         "worker claims a lease with 1 s to spare")
+        raise argparse.ArgumentTypeError(
+            f"--handover-renew-s {value} must be at least 2 seconds: the decode worker claims a lease with 1 s to spare"
+        )
     return value
 
 
@@ -93,9 +125,11 @@ def check_event_plane_binds_loopback(event_plane: str) -> None:
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         return  # in a pod, listening on the pod network is the point (render --k8s)
     if event_plane == "zmq" and not os.environ.get("DYN_ZMQ_BROKER_URL"):
-        sys.exit("python -m dynamo_flexkv.integrations.dynamo_worker: --event-plane zmq without DYN_ZMQ_BROKER_URL would make "
-                 "Dynamo's event publishers listen on every interface (0.0.0.0). Start the graph with "
-                 "`dynamo-flexkv serve` (it runs a loopback broker), or run `python -m "
-                 "dynamo_flexkv.serve.zmq_broker tcp://127.0.0.1:P1 tcp://127.0.0.1:P2` and set "
-                 "DYN_ZMQ_BROKER_URL='xsub=tcp://127.0.0.1:P1 , xpub=tcp://127.0.0.1:P2' for the frontend "
-                 "and every worker, or use --event-plane nats.")
+        sys.exit(
+            "python -m dynamo_flexkv.integrations.dynamo_worker: --event-plane zmq without DYN_ZMQ_BROKER_URL "
+            "would make Dynamo's event publishers listen on every interface (0.0.0.0). Start the graph with "
+            "`dynamo-flexkv serve` (it runs a loopback broker), or run `python -m "
+            "dynamo_flexkv.serve.zmq_broker tcp://127.0.0.1:P1 tcp://127.0.0.1:P2` and set "
+            "DYN_ZMQ_BROKER_URL='xsub=tcp://127.0.0.1:P1 , xpub=tcp://127.0.0.1:P2' for the frontend "
+            "and every worker, or use --event-plane nats."
+        )

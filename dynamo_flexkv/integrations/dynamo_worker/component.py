@@ -38,7 +38,12 @@ from dynamo_flexkv.integrations.dynamo_worker.metrics import PREFIX, OffloadColl
 from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
 from dynamo_flexkv.integrations.dynamo_worker.request_limits import RequestLimits, RequestRefused
 from dynamo_flexkv.integrations.disagg.dynamo_handlers import Role
-from dynamo_flexkv.integrations.dynamo_worker.args import build_parser, check_event_plane_binds_loopback, mark_serving, on_sigint
+from dynamo_flexkv.integrations.dynamo_worker.args import (
+    build_parser,
+    check_event_plane_binds_loopback,
+    mark_serving,
+    on_sigint,
+)
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
 from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
 from dynamo_flexkv.core.offload import EngineOffload, open_offload
@@ -54,6 +59,7 @@ ENGINE_DATA_KEY = "flexkv"
 @dataclass
 class _Stream:
     """One request's way back to its generate() coroutine."""
+
     loop: asyncio.AbstractEventLoop
     out: "asyncio.Queue[Any]"
     prompt_len: int
@@ -71,10 +77,14 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.cfg = EngineModelConfig.load(args.model)
-        self.limits = RequestLimits(context_window=args.num_device_blocks * self.cfg.block_size,
-                                    vocab_size=self.cfg.vocab_size)
-        self.model_dir = write_model_dir(self.cfg, args.model_dir or tempfile.mkdtemp(prefix="flexkv-model-"),
-                                         context_length=self.limits.context_window)
+        self.limits = RequestLimits(
+            context_window=args.num_device_blocks * self.cfg.block_size, vocab_size=self.cfg.vocab_size
+        )
+        self.model_dir = write_model_dir(
+            self.cfg,
+            args.model_dir or tempfile.mkdtemp(prefix="flexkv-model-"),
+            context_length=self.limits.context_window,
+        )
         self.relay = KvEventRelay(self.cfg.block_size)
         self.offload: Optional[EngineOffload] = None  # the tiers, embedded or the node's cache service
         self.engine: Optional[LLMEngine] = None
@@ -92,16 +102,25 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self._snapshots: Any = None  # the framework's SnapshotPublisher (router load signal)
         self._last_load: Optional[int] = None
         self._cleaned = False
-        self.role = Role(args)  # disaggregation: agg, prefill or decode (dynamo_flexkv.integrations.disagg.dynamo_handlers)
+        self.role = Role(
+            args
+        )  # disaggregation: agg, prefill or decode (dynamo_flexkv.integrations.disagg.dynamo_handlers)
 
     @classmethod
     async def from_args(cls, argv: Optional[List[str]] = None):
         args = build_parser().parse_args(argv)
         engine = cls(args)
-        wc = WorkerConfig(namespace=args.namespace, component=args.component, endpoint=args.endpoint,
-                          model_name=str(engine.model_dir), served_model_name=args.served_model_name,
-                          discovery_backend=args.discovery_backend, request_plane=args.request_plane,
-                          event_plane=args.event_plane, disaggregation_mode=engine.role.dynamo_mode)
+        wc = WorkerConfig(
+            namespace=args.namespace,
+            component=args.component,
+            endpoint=args.endpoint,
+            model_name=str(engine.model_dir),
+            served_model_name=args.served_model_name,
+            discovery_backend=args.discovery_backend,
+            request_plane=args.request_plane,
+            event_plane=args.event_plane,
+            disaggregation_mode=engine.role.dynamo_mode,
+        )
         return engine, wc
 
     async def start(self, worker_id: int) -> EngineConfig:
@@ -110,37 +129,58 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             # Tier sizes, directories and policies come from FLEXKV_* / YAML (FLEXKV_CONFIG_PATH).
             # The engine's block is the unit of offload: tokens_per_block follows the model.
             cache = CacheConfig.load().replace(tokens_per_block=self.cfg.block_size)
-            self.offload = open_offload(self.cfg.kv_spec(), cache, layerwise=not self.args.bulk_load,
-                                        listener=OffloadEvents(self.relay), engine=f"{self.args.served_model_name}-{worker_id}",
-                                        model_id=f"{self.args.model}|{self.args.served_model_name}")  # remote fingerprint
+            self.offload = open_offload(
+                self.cfg.kv_spec(),
+                cache,
+                layerwise=not self.args.bulk_load,
+                listener=OffloadEvents(self.relay),
+                engine=f"{self.args.served_model_name}-{worker_id}",
+                model_id=f"{self.args.model}|{self.args.served_model_name}",
+            )  # remote fingerprint
         self.engine = LLMEngine(
-            self.cfg, num_device_blocks=self.args.num_device_blocks, offload=self.offload,
-            layerwise=not self.args.bulk_load, device_prefix_cache=not self.args.no_device_prefix_cache,
+            self.cfg,
+            num_device_blocks=self.args.num_device_blocks,
+            offload=self.offload,
+            layerwise=not self.args.bulk_load,
+            device_prefix_cache=not self.args.no_device_prefix_cache,
             on_device_stored=lambda h, p, t: self.relay.stored(None, h, p, t),
-            on_device_removed=lambda h: self.relay.removed(None, h))
+            on_device_removed=lambda h: self.relay.removed(None, h),
+        )
         self.role.start(self.engine)
         self._thread = threading.Thread(target=self._loop, name="flexkv-engine", daemon=True)
         self._thread.start()
         if self.offload is not None:
             threading.Thread(target=self._announce_disk, name="flexkv-announce", daemon=True).start()
-        log.info("flexkv worker serving %s: context window %d tokens, vocabulary %d, offload %s",
-                 self.args.served_model_name, self.limits.context_window, self.cfg.vocab_size,
-                 "off" if self.offload is None else self.offload.describe())
-        return EngineConfig(model=str(self.model_dir), served_model_name=self.args.served_model_name,
-                            llm=LlmRegistration(kv_cache_block_size=self.cfg.block_size,
-                                                total_kv_blocks=self.args.num_device_blocks,
-                                                context_length=self.limits.context_window))
+        log.info(
+            "flexkv worker serving %s: context window %d tokens, vocabulary %d, offload %s",
+            self.args.served_model_name,
+            self.limits.context_window,
+            self.cfg.vocab_size,
+            "off" if self.offload is None else self.offload.describe(),
+        )
+        return EngineConfig(
+            model=str(self.model_dir),
+            served_model_name=self.args.served_model_name,
+            llm=LlmRegistration(
+                kv_cache_block_size=self.cfg.block_size,
+                total_kv_blocks=self.args.num_device_blocks,
+                context_length=self.limits.context_window,
+            ),
+        )
 
     async def register_prometheus(self, metrics) -> None:
         register_engine_registry(metrics, offload_registry(self.collector()), prefix_filters=[PREFIX])
 
     def collector(self) -> OffloadCollector:
         """The flexkv_* families of this worker's /metrics."""
-        return OffloadCollector(self.tally, self._device_blocks,
-                                lambda: self.offload.stats() if self.offload is not None else None,
-                                self._engine_stats,
-                                lambda: None if self.role.decode is None else self.role.decode.stats,
-                                lambda: None if self.role.prefill is None else self.role.prefill.leases)
+        return OffloadCollector(
+            self.tally,
+            self._device_blocks,
+            lambda: self.offload.stats() if self.offload is not None else None,
+            self._engine_stats,
+            lambda: None if self.role.decode is None else self.role.decode.stats,
+            lambda: None if self.role.prefill is None else self.role.prefill.leases,
+        )
 
     def component_metrics_dp_ranks(self) -> List[int]:
         return [0]
@@ -154,9 +194,14 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
 
     def _engine_stats(self) -> Dict[str, float]:
         e = self.engine  # plain counters written by the engine thread: a scrape reads them as they are
-        return {"steps": e.steps, "step_requests": e.step_requests, "step_seconds": e.step_seconds,
-                "load_stall_seconds": e.load_stall_seconds,
-                "kv_events_published": self.relay.events_published, "kv_events_skipped": self.relay.skipped}
+        return {
+            "steps": e.steps,
+            "step_requests": e.step_requests,
+            "step_seconds": e.step_seconds,
+            "load_stall_seconds": e.load_stall_seconds,
+            "kv_events_published": self.relay.events_published,
+            "kv_events_skipped": self.relay.skipped,
+        }
 
     def _publish_load(self) -> None:
         """Device blocks in use (what the router weighs a worker's load by), on change only."""
@@ -164,9 +209,16 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         if self._snapshots is None or used == self._last_load:
             return
         self._last_load = used
-        self._snapshots.publish(0, ComponentSnapshot(kv_used_blocks=used, kv_total_blocks=total,
-                                                     gpu_cache_usage=used / total, dp_rank=0,
-                                                     kv_cache_hit_rate=self.tally.hit_rate))
+        self._snapshots.publish(
+            0,
+            ComponentSnapshot(
+                kv_used_blocks=used,
+                kv_total_blocks=total,
+                gpu_cache_usage=used / total,
+                dp_rank=0,
+                kv_cache_hit_rate=self.tally.hit_rate,
+            ),
+        )
 
     async def kv_event_sources(self):
         return [ZmqSource(endpoint=self.relay.endpoint)]
@@ -203,8 +255,12 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                 token, reason, cached = item
                 if reason == "cancelled":  # aborted: the engine dropped it
                     ended = True
-                    yield {"token_ids": [], "index": 0, "finish_reason": "cancelled",
-                           "completion_usage": _usage(len(tokens), n, cached)}
+                    yield {
+                        "token_ids": [],
+                        "index": 0,
+                        "finish_reason": "cancelled",
+                        "completion_usage": _usage(len(tokens), n, cached),
+                    }
                     return
                 n += 1
                 chunk: Dict[str, Any] = {"token_ids": [token], "index": 0}
@@ -252,8 +308,11 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             while self._live and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if self._live:
-                log.warning("shutdown: aborting %d requests still running after %.0f s",
-                            len(self._live), self.args.drain_timeout)
+                log.warning(
+                    "shutdown: aborting %d requests still running after %.0f s",
+                    len(self._live),
+                    self.args.drain_timeout,
+                )
                 for rid in list(self._live.values()):
                     self._inbox.put(("abort", rid))
             self._stop.set()
@@ -317,8 +376,11 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                 if o.finished:  # counted before the caller hears of it: a scrape after the reply sees it
                     del self._streams[o.request_id]
                     extra = self.role.finished(o.request_id, stream.prompt)
-                    self.tally.add(stream.prompt_len, o.cached_tokens,
-                                   handover_tokens=0 if extra is None else extra.get("handover_tokens", 0))
+                    self.tally.add(
+                        stream.prompt_len,
+                        o.cached_tokens,
+                        handover_tokens=0 if extra is None else extra.get("handover_tokens", 0),
+                    )
                     if extra is not None:
                         stream.send(extra)
                 stream.send((o.new_token, o.finish_reason if o.finished else None, o.cached_tokens))
@@ -368,8 +430,12 @@ def _context_id(context) -> str:
 
 
 def _usage(prompt_len: int, completion: int, cached: Dict[str, int]) -> Dict[str, Any]:
-    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion,
+        "total_tokens": prompt_len + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+    }
 
 
 def main() -> None:
@@ -381,6 +447,7 @@ def main() -> None:
     # middle of that drain. Set before the Worker starts, so its handler is installed on top.
     signal.signal(signal.SIGINT, on_sigint)
     from dynamo_flexkv.integrations.disagg.nixl_kv import exit_past_libnl  # prefill/decode roles create a UCX agent
+
     with exit_past_libnl():
         run(FlexKVWorkerEngine)
 

@@ -52,8 +52,9 @@ class RequestTally:
 
     def snapshot(self) -> "RequestTally":
         with self._lock:
-            return RequestTally(self.requests, self.prompt_tokens, self.aborted, dict(self.cached_tokens),
-                                self.handover_tokens)
+            return RequestTally(
+                self.requests, self.prompt_tokens, self.aborted, dict(self.cached_tokens), self.handover_tokens
+            )
 
     @property
     def computed_tokens(self) -> int:
@@ -69,11 +70,15 @@ class RequestTally:
 class OffloadCollector(Collector):
     """Turns the worker's counters into Prometheus families at each scrape."""
 
-    def __init__(self, tally: RequestTally, device_blocks: Callable[[], tuple],
-                 offload_stats: Callable[[], Optional[ManagerStats]],
-                 engine_stats: Callable[[], Dict[str, float]] = dict,
-                 handover_stats: Callable[[], Optional["DecodeStats"]] = lambda: None,
-                 lease_stats: Callable[[], Optional["LeaseTable"]] = lambda: None) -> None:
+    def __init__(
+        self,
+        tally: RequestTally,
+        device_blocks: Callable[[], tuple],
+        offload_stats: Callable[[], Optional[ManagerStats]],
+        engine_stats: Callable[[], Dict[str, float]] = dict,
+        handover_stats: Callable[[], Optional["DecodeStats"]] = lambda: None,
+        lease_stats: Callable[[], Optional["LeaseTable"]] = lambda: None,
+    ) -> None:
         self.tally, self.device_blocks, self.offload_stats = tally, device_blocks, offload_stats
         self.engine_stats = engine_stats
         self.handover_stats = handover_stats  # decode workers' pulls (None elsewhere: zeros)
@@ -84,15 +89,22 @@ class OffloadCollector(Collector):
         yield _counter("requests", "Requests finished by this worker", t.requests)
         yield _counter("prompt_tokens", "Prompt tokens of finished requests", t.prompt_tokens)
         yield _counter("requests_aborted", "Requests aborted (client disconnect, cancel, shutdown)", t.aborted)
-        cached = CounterMetricFamily(PREFIX + "prompt_tokens_cached", "Prompt tokens not recomputed, by the "
-                                     "tier they came from (device: the engine's prefix cache)", labels=["tier"])
+        cached = CounterMetricFamily(
+            PREFIX + "prompt_tokens_cached",
+            "Prompt tokens not recomputed, by the tier they came from (device: the engine's prefix cache)",
+            labels=["tier"],
+        )
         for tier in REQUEST_TIERS:
             cached.add_metric([tier], t.cached_tokens.get(tier, 0))
         yield cached
-        yield _counter("prompt_tokens_computed", "Prompt tokens prefilled (cache misses, not handed over)",
-                       t.computed_tokens)
-        yield _counter("handover_tokens", "Prompt tokens a decode worker pulled from its prefill worker "
-                       "(neither cached nor computed here)", t.handover_tokens)
+        yield _counter(
+            "prompt_tokens_computed", "Prompt tokens prefilled (cache misses, not handed over)", t.computed_tokens
+        )
+        yield _counter(
+            "handover_tokens",
+            "Prompt tokens a decode worker pulled from its prefill worker (neither cached nor computed here)",
+            t.handover_tokens,
+        )
         yield from _handover_families(self.handover_stats())
         yield from _lease_families(self.lease_stats())
         used, total = self.device_blocks()
@@ -103,17 +115,27 @@ class OffloadCollector(Collector):
         e = self.engine_stats()
         if e:
             yield _counter("engine_steps", "Engine steps that computed a batch", e["steps"])
-            yield _counter("engine_step_requests", "Requests batched, summed over steps "
-                           "(divide by engine_steps for the mean batch)", e["step_requests"])
+            yield _counter(
+                "engine_step_requests",
+                "Requests batched, summed over steps (divide by engine_steps for the mean batch)",
+                e["step_requests"],
+            )
             yield _counter("engine_step_seconds", "Seconds the engine spent in steps", e["step_seconds"])
-            yield _counter("engine_load_stall_seconds", "Seconds steps waited for offload loads",
-                           e["load_stall_seconds"])
+            yield _counter(
+                "engine_load_stall_seconds", "Seconds steps waited for offload loads", e["load_stall_seconds"]
+            )
             # The frontend's dynamo_component_kv_cache_events_applied (by status) counts the same
             # events as its router applied them: equal sums mean every published event arrived.
-            yield _counter("kv_events_published", "KV events (device, host, disk) published to the router",
-                           e.get("kv_events_published", 0))
-            yield _counter("kv_events_skipped", "KV events not sent: a Stored whose parent or a Removed whose "
-                           "block the router was never told about", e.get("kv_events_skipped", 0))
+            yield _counter(
+                "kv_events_published",
+                "KV events (device, host, disk) published to the router",
+                e.get("kv_events_published", 0),
+            )
+            yield _counter(
+                "kv_events_skipped",
+                "KV events not sent: a Stored whose parent or a Removed whose block the router was never told about",
+                e.get("kv_events_skipped", 0),
+            )
         stats = self.offload_stats()
         if stats is not None:
             yield from _offload_families(stats)
@@ -121,30 +143,53 @@ class OffloadCollector(Collector):
 
 def _handover_families(h: Optional["DecodeStats"]) -> Iterator[Metric]:
     """Decode's KV handovers (zeros on other workers, so every worker exports the same families)."""
-    results = CounterMetricFamily(PREFIX + "handovers", "KV handovers a decode worker took: ok (pulled), "
-                                  "local (its own tiers had every block), failed (refused, failed or "
-                                  "corrupt: recomputed)", labels=["result"])
+    results = CounterMetricFamily(
+        PREFIX + "handovers",
+        "KV handovers a decode worker took: ok (pulled), "
+        "local (its own tiers had every block), failed (refused, failed or "
+        "corrupt: recomputed)",
+        labels=["result"],
+    )
     for result in ("ok", "local", "failed"):
         results.add_metric([result], 0 if h is None else getattr(h, result))
     yield results
     yield _counter("handover_bytes", "KV bytes pulled from prefill workers", 0 if h is None else h.bytes)
-    yield _counter("handover_seconds", "Seconds decode spent pulling KV from prefill workers (reads)",
-                   0 if h is None else h.seconds)
-    yield _counter("handover_checksum_seconds", "Seconds decode spent verifying the xxh3 checksums of what "
-                   "it pulled", 0 if h is None else h.verify_seconds)
-    yield _counter("handover_corrupt", "Handovers whose pulled blocks failed their checksum (part of "
-                   "handovers{result=failed}: recomputed)", 0 if h is None else h.corrupt)
+    yield _counter(
+        "handover_seconds",
+        "Seconds decode spent pulling KV from prefill workers (reads)",
+        0 if h is None else h.seconds,
+    )
+    yield _counter(
+        "handover_checksum_seconds",
+        "Seconds decode spent verifying the xxh3 checksums of what it pulled",
+        0 if h is None else h.verify_seconds,
+    )
+    yield _counter(
+        "handover_corrupt",
+        "Handovers whose pulled blocks failed their checksum (part of handovers{result=failed}: recomputed)",
+        0 if h is None else h.corrupt,
+    )
 
 
 def _lease_families(leases: Optional["LeaseTable"]) -> Iterator[Metric]:
     """Prefill's handover leases (zeros on other workers)."""
-    yield _gauge("handover_leases", "Handover leases a prefill worker holds (their blocks stay referenced)",
-                 0 if leases is None else len(leases))
-    ended = CounterMetricFamily(PREFIX + "handover_leases_ended", "Handover leases ended: released by the decode "
-                                "worker, expired after its renewals stopped, or unclaimed (no decode worker took "
-                                "the request)", labels=["how"])
-    released, expired, unclaimed = (0, 0, 0) if leases is None else (
-        leases.released, leases.expired_count - leases.unclaimed_count, leases.unclaimed_count)
+    yield _gauge(
+        "handover_leases",
+        "Handover leases a prefill worker holds (their blocks stay referenced)",
+        0 if leases is None else len(leases),
+    )
+    ended = CounterMetricFamily(
+        PREFIX + "handover_leases_ended",
+        "Handover leases ended: released by the decode "
+        "worker, expired after its renewals stopped, or unclaimed (no decode worker took "
+        "the request)",
+        labels=["how"],
+    )
+    released, expired, unclaimed = (
+        (0, 0, 0)
+        if leases is None
+        else (leases.released, leases.expired_count - leases.unclaimed_count, leases.unclaimed_count)
+    )
     for how, n in (("released", released), ("expired", expired), ("unclaimed", unclaimed)):
         ended.add_metric([how], n)
     yield ended
@@ -170,8 +215,11 @@ def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
     yield pool
     yield _counter("miss_blocks", "Blocks of gets found in no offload tier", stats.requests.miss_blocks)
     link_bytes = CounterMetricFamily(PREFIX + "link_bytes", "Bytes moved per link", labels=["link"])
-    link_secs = CounterMetricFamily(PREFIX + "link_seconds", "Seconds spent in copies per link "
-                                    "(divide by link_ops for mean latency)", labels=["link"])
+    link_secs = CounterMetricFamily(
+        PREFIX + "link_seconds",
+        "Seconds spent in copies per link (divide by link_ops for mean latency)",
+        labels=["link"],
+    )
     link_ops = CounterMetricFamily(PREFIX + "link_ops", "Copies finished per link", labels=["link"])
     for link, s in stats.links.items():
         link_bytes.add_metric([link], s.bytes)
@@ -183,8 +231,7 @@ def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
     yield _gauge("tasks_in_flight", "Offload tasks not yet finished", tasks.in_flight)
     yield _gauge("transfer_queue_depth", "Ready copies waiting for a transfer thread", tasks.queued_ops)
     yield _counter("failed_ops", "Copies that failed (their task rolled back)", tasks.failed_ops)
-    yield _counter("disk_write_failures", "Puts whose disk write failed (kept on host only)",
-                   tasks.disk_write_failures)
+    yield _counter("disk_write_failures", "Puts whose disk write failed (kept on host only)", tasks.disk_write_failures)
     if stats.remote is not None:
         yield from _remote_families(stats.remote)
 
@@ -192,18 +239,27 @@ def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
 def _load_decision_families(stats: ManagerStats) -> Iterator[Metric]:
     """Cost-aware loading (core/cost.py): what the load policy did with each get's prefix, and the
     tier costs it measured."""
-    prefix = CounterMetricFamily(PREFIX + "prefix_tokens", "Prompt tokens of gets by the load policy's decision: "
-                                 "loaded from a tier or recomputed, and why (faster/slower than recomputing, "
-                                 "cold_start, probe, always, never; tier none: not_cached)",
-                                 labels=["decision", "tier", "reason"])
+    prefix = CounterMetricFamily(
+        PREFIX + "prefix_tokens",
+        "Prompt tokens of gets by the load policy's decision: "
+        "loaded from a tier or recomputed, and why (faster/slower than recomputing, "
+        "cold_start, probe, always, never; tier none: not_cached)",
+        labels=["decision", "tier", "reason"],
+    )
     for key, n in stats.prefix_tokens.items():
         prefix.add_metric(key.split("/"), n)
     yield prefix
-    latency = GaugeMetricFamily(PREFIX + "tier_read_latency_seconds", "Measured fixed cost of a read from the "
-                                "tier (seconds = latency + bytes / bandwidth)", labels=["tier"])
-    bandwidth = GaugeMetricFamily(PREFIX + "tier_read_bandwidth_bytes", "Measured read bandwidth of the tier "
-                                  "in bytes per second (a tier whose reads showed no size dependence is left out)",
-                                  labels=["tier"])
+    latency = GaugeMetricFamily(
+        PREFIX + "tier_read_latency_seconds",
+        "Measured fixed cost of a read from the tier (seconds = latency + bytes / bandwidth)",
+        labels=["tier"],
+    )
+    bandwidth = GaugeMetricFamily(
+        PREFIX + "tier_read_bandwidth_bytes",
+        "Measured read bandwidth of the tier "
+        "in bytes per second (a tier whose reads showed no size dependence is left out)",
+        labels=["tier"],
+    )
     for tier, c in stats.tier_costs.items():
         latency.add_metric([tier], c.latency_s)
         if c.bandwidth_bytes_per_s != float("inf"):
@@ -214,36 +270,43 @@ def _load_decision_families(stats: ManagerStats) -> Iterator[Metric]:
 def _remote_families(r: RemoteTierStats) -> Iterator[Metric]:
     """The remote tier (Redis): what gets read and verified, what puts wrote, failures, breaker."""
     yield _counter("remote_hit_blocks", "Remote blocks read and verified by gets", r.hits)
-    yield _counter("remote_miss_blocks", "Remote reads that ended at a missing value (evicted after the lookup)",
-                   r.misses)
-    bad = CounterMetricFamily(PREFIX + "remote_bad_values", "Remote values refused by verification (the get "
-                              "recomputes from there)", labels=["reason"])
+    yield _counter(
+        "remote_miss_blocks", "Remote reads that ended at a missing value (evicted after the lookup)", r.misses
+    )
+    bad = CounterMetricFamily(
+        PREFIX + "remote_bad_values",
+        "Remote values refused by verification (the get recomputes from there)",
+        labels=["reason"],
+    )
     for reason in ("truncated", "foreign", "corrupt"):
         bad.add_metric([reason], getattr(r, reason))
     yield bad
-    yield _counter("remote_short_reads", "Gets whose remote part verified fewer blocks than planned",
-                   r.short_reads)
+    yield _counter("remote_short_reads", "Gets whose remote part verified fewer blocks than planned", r.short_reads)
     yield _counter("remote_stored_blocks", "Blocks written to remote by puts", r.puts)
-    yield _counter("remote_put_refused", "Remote writes refused by the server (full with noeviction)",
-                   r.put_refused)
-    data = CounterMetricFamily(PREFIX + "remote_bytes", "Block bytes moved to and from remote",
-                               labels=["direction"])
+    yield _counter("remote_put_refused", "Remote writes refused by the server (full with noeviction)", r.put_refused)
+    data = CounterMetricFamily(PREFIX + "remote_bytes", "Block bytes moved to and from remote", labels=["direction"])
     data.add_metric(["read"], r.bytes_read)
     data.add_metric(["written"], r.bytes_written)
     yield data
-    secs = CounterMetricFamily(PREFIX + "remote_seconds", "Seconds spent in remote operations",
-                               labels=["op"])
+    secs = CounterMetricFamily(PREFIX + "remote_seconds", "Seconds spent in remote operations", labels=["op"])
     for op in ("get", "put", "exists"):
         secs.add_metric([op], getattr(r, f"{op}_seconds"))
     yield secs
     yield _counter("remote_op_errors", "Remote operations cut short by a failure or timeout", r.op_errors)
-    yield _counter("remote_put_failed", "Blocks a remote write could not store (no answer, or the breaker was open); "
-                   "they stay on the local tiers", r.put_failed)
-    yield _counter("remote_breaker_refused", "Remote operations skipped while the circuit breaker was open",
-                   r.breaker_refused)
+    yield _counter(
+        "remote_put_failed",
+        "Blocks a remote write could not store (no answer, or the breaker was open); they stay on the local tiers",
+        r.put_failed,
+    )
+    yield _counter(
+        "remote_breaker_refused", "Remote operations skipped while the circuit breaker was open", r.breaker_refused
+    )
     yield _counter("remote_breaker_opened", "Times the remote circuit breaker opened", r.breaker_opened)
-    yield _gauge("remote_breaker_open", "1 while the remote circuit breaker is open or half-open",
-                 0 if r.breaker_state == "closed" else 1)
+    yield _gauge(
+        "remote_breaker_open",
+        "1 while the remote circuit breaker is open or half-open",
+        0 if r.breaker_state == "closed" else 1,
+    )
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -31,22 +31,44 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_model_dir(cfg: EngineModelConfig, path: Union[str, Path], name: str = "flexkv-reference",
-                    context_length: int = 131072, weights: bool = False) -> Path:
+def write_model_dir(
+    cfg: EngineModelConfig,
+    path: Union[str, Path],
+    name: str = "flexkv-reference",
+    context_length: int = 131072,
+    weights: bool = False,
+) -> Path:
     """Writes (or rewrites) the directory; the token ids stay below ``cfg.vocab_size``, and the
     context window the worker serves is what config.json and the tokenizer declare. With
     ``weights`` and a preset of ``weights: seeded``, also model.safetensors: the reference engine's
     seeded weights, which vLLM then loads (without it, vLLM needs ``--load-format dummy``)."""
     path = Path(path)
     bos, eos = _write_tokenizer(path, cfg.vocab_size, context_length)
-    _replace(path / "config.json", json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": name,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": context_length, "bos_token_id": bos, "eos_token_id": eos,
-        "torch_dtype": cfg.dtype, "tie_word_embeddings": False,
-    }, indent=2))
+    _replace(
+        path / "config.json",
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "_name_or_path": name,
+                "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.hidden_size,
+                "num_hidden_layers": cfg.num_layers,
+                "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads,
+                "head_dim": cfg.head_dim,
+                "intermediate_size": cfg.intermediate_size,
+                "rope_theta": cfg.rope_theta,
+                "rms_norm_eps": cfg.rms_norm_eps,
+                "max_position_embeddings": context_length,
+                "bos_token_id": bos,
+                "eos_token_id": eos,
+                "torch_dtype": cfg.dtype,
+                "tie_word_embeddings": False,
+            },
+            indent=2,
+        ),
+    )
     _replace(path / "generation_config.json", json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
     if weights and cfg.weights == "seeded":
         write_seeded_weights(cfg, path)
@@ -59,8 +81,9 @@ def _write_tokenizer(path: Path, vocab_size: int, context_length: int) -> Tuple[
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     if len(alphabet) + len(SPECIALS) > vocab_size:
-        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer "
-                         f"({len(alphabet) + len(SPECIALS)} tokens)")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for a byte-level tokenizer ({len(alphabet) + len(SPECIALS)} tokens)"
+        )
     path.mkdir(parents=True, exist_ok=True)
     vocab = {ch: i for i, ch in enumerate(alphabet)}  # the byte tokens (ByteLevel's printable stand-ins)
     vocab.update((t, len(alphabet) + i) for i, t in enumerate(SPECIALS))  # specials: ids 256-260, as before
@@ -73,10 +96,20 @@ def _write_tokenizer(path: Path, vocab_size: int, context_length: int) -> Tuple[
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)  # already in the vocabulary: they keep their ids
     _replace(path / "tokenizer.json", tok.to_str())
-    _replace(path / "tokenizer_config.json", json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
-        "model_max_length": context_length, "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
-    }, indent=2))
+    _replace(
+        path / "tokenizer_config.json",
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": SPECIALS[0],
+                "eos_token": SPECIALS[1],
+                "model_max_length": context_length,
+                "chat_template": CHAT_TEMPLATE,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        ),
+    )
     return tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
 
 
@@ -90,8 +123,12 @@ def write_preset(model: str, path: Union[str, Path], context_length: int = 13107
     path = Path(path)
     cfg = json.loads((preset / "config.json").read_text())
     bos, eos = _write_tokenizer(path, int(cfg["vocab_size"]), context_length)
-    cfg.update(_name_or_path=model, bos_token_id=bos, eos_token_id=eos,
-               max_position_embeddings=max(int(cfg.get("max_position_embeddings", 0)), context_length))
+    cfg.update(
+        _name_or_path=model,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        max_position_embeddings=max(int(cfg.get("max_position_embeddings", 0)), context_length),
+    )
     _replace(path / "config.json", json.dumps(cfg, indent=2))
     _replace(path / "generation_config.json", json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
     if weights:

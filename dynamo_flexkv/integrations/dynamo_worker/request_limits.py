@@ -20,6 +20,7 @@ class RequestRefused(ValueError, FlexKVError):
 
 class _Unsupported(NamedTuple):
     """An option the engine does not implement, as Dynamo's frontend hands it to the worker."""
+
     section: str  # where in the request: sampling_options, stop_conditions, output_options
     name: str
     off: Tuple[Any, ...]  # the values that mean "not asked for" (the frontend sends None by default)
@@ -41,8 +42,13 @@ _UNSUPPORTED: Tuple[_Unsupported, ...] = (
     # Any number asks for log probabilities, 0 too (OpenAI: the sampled token's own). The frontend
     # passes completions' logprobs=N as it is, and chat's logprobs=true as top_logprobs (0 included,
     # 1 when absent); chat's top_logprobs without logprobs=true never reaches the worker.
-    _Unsupported("output_options", "logprobs", (None,),
-                 "logprobs (completions: any number, 0 too; chat: logprobs=true)", "logprobs"),
+    _Unsupported(
+        "output_options",
+        "logprobs",
+        (None,),
+        "logprobs (completions: any number, 0 too; chat: logprobs=true)",
+        "logprobs",
+    ),
     _Unsupported("output_options", "prompt_logprobs", (None,), "echo=true", "echo"),
 )
 
@@ -67,14 +73,18 @@ class RequestLimits:
         for name in ("n", "best_of"):
             value = so.get(name)
             if value is not None and int(value) != 1:
-                raise RequestRefused(f"{name}={value} is not supported: this worker returns exactly one choice "
-                                     f"per request; send {name}=1 or leave it out")
+                raise RequestRefused(
+                    f"{name}={value} is not supported: this worker returns exactly one choice "
+                    f"per request; send {name}=1 or leave it out"
+                )
         for opt in _UNSUPPORTED:
             value = (request.get(opt.section) or {}).get(opt.name)
             if not _is_off(value, opt.off):
                 asked = f"; the request's {opt.asked_by} asks for it" if opt.asked_by else ""
-                raise RequestRefused(f"{opt.name}={value!r} is not supported by this worker (greedy or "
-                                     f"temperature/seed sampling only){asked}; leave {opt.leave or opt.name} out")
+                raise RequestRefused(
+                    f"{opt.name}={value!r} is not supported by this worker (greedy or "
+                    f"temperature/seed sampling only){asked}; leave {opt.leave or opt.name} out"
+                )
         temperature = so.get("temperature")
         temperature = 0.0 if temperature is None else float(temperature)
         if temperature < 0:
@@ -82,8 +92,12 @@ class RequestLimits:
         max_tokens = self._max_tokens(len(tokens), sc.get("max_tokens"))
         stop = () if sc.get("ignore_eos") else tuple(int(t) for t in sc.get("stop_token_ids_hidden") or ())
         seed = so.get("seed")
-        return tokens, SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                      seed=None if seed is None else int(seed), stop_token_ids=stop)
+        return tokens, SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=None if seed is None else int(seed),
+            stop_token_ids=stop,
+        )
 
     def _prompt(self, token_ids: Optional[Sequence[int]]) -> List[int]:
         tokens = [int(t) for t in token_ids or ()]
@@ -91,11 +105,14 @@ class RequestLimits:
             raise RequestRefused("the prompt is empty: send at least one token")
         for i, t in enumerate(tokens):
             if not 0 <= t < self.vocab_size:
-                raise RequestRefused(f"token id {t} at position {i} is outside this model's vocabulary "
-                                     f"(ids 0 to {self.vocab_size - 1})")
+                raise RequestRefused(
+                    f"token id {t} at position {i} is outside this model's vocabulary (ids 0 to {self.vocab_size - 1})"
+                )
         if len(tokens) >= self.context_window:
-            raise RequestRefused(f"prompt has {len(tokens):,} tokens; this model's context window is "
-                                 f"{self.context_window:,} (prompt plus at least one generated token)")
+            raise RequestRefused(
+                f"prompt has {len(tokens):,} tokens; this model's context window is "
+                f"{self.context_window:,} (prompt plus at least one generated token)"
+            )
         return tokens
 
     def _max_tokens(self, prompt_len: int, requested: Any) -> int:
@@ -106,7 +123,9 @@ class RequestLimits:
         if n < 1:
             raise RequestRefused(f"max_tokens={n} must be at least 1")
         if n > room:
-            raise RequestRefused(f"prompt has {prompt_len:,} tokens and max_tokens is {n:,}: "
-                                 f"{prompt_len + n:,} exceeds this model's context window of "
-                                 f"{self.context_window:,}; use max_tokens <= {room:,}")
+            raise RequestRefused(
+                f"prompt has {prompt_len:,} tokens and max_tokens is {n:,}: "
+                f"{prompt_len + n:,} exceeds this model's context window of "
+                f"{self.context_window:,}; use max_tokens <= {room:,}"
+            )
         return n

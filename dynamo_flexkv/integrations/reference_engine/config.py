@@ -40,8 +40,10 @@ class EngineModelConfig:
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
-            raise ValueError(f"weights={self.weights!r}: use one of {list(WEIGHTS)} (seeded: a weight file with the "
-                             "reference engine's seeded weights; dummy: vLLM's --load-format dummy)")
+            raise ValueError(
+                f"weights={self.weights!r}: use one of {list(WEIGHTS)} (seeded: a weight file with the "
+                "reference engine's seeded weights; dummy: vLLM's --load-format dummy)"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
@@ -61,8 +63,10 @@ class EngineModelConfig:
         path = presets / f"{name}.yaml"
         if not path.is_file():
             have = sorted(p.stem for p in presets.glob("*.yaml"))
-            raise ValueError(f"unknown model preset {name!r} (presets in {presets}): use one of {have} "
-                             "or a model directory holding a config.json")
+            raise ValueError(
+                f"unknown model preset {name!r} (presets in {presets}): use one of {have} "
+                "or a model directory holding a config.json"
+            )
         return cls.from_dict(yaml.safe_load(path.read_text()))
 
     @classmethod
@@ -71,10 +75,14 @@ class EngineModelConfig:
         cfg = json.loads((Path(path) / "config.json").read_text())
         heads = cfg["num_attention_heads"]
         return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"], rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            intermediate_size=cfg["intermediate_size"],
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             dtype={"bfloat16": "bfloat16", "float16": "float16"}.get(cfg.get("torch_dtype", ""), "float32"),
             block_size=block_size,
@@ -87,5 +95,10 @@ class EngineModelConfig:
 
     def kv_spec(self) -> ModelSpec:
         """The KV shape the offload tiers store."""
-        return ModelSpec(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
-                         dtype=self.dtype, kv_dim=self.kv_dim)
+        return ModelSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_dim,
+            dtype=self.dtype,
+            kv_dim=self.kv_dim,
+        )

@@ -71,9 +71,12 @@ class DeviceBlockPool:
     be evicted leaves first, and ``num_available`` is exact.
     """
 
-    def __init__(self, num_blocks: int,
-                 on_stored: Optional[Callable[[List[int], Optional[int], List[int]], None]] = None,
-                 on_removed: Optional[Callable[[List[int]], None]] = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        on_stored: Optional[Callable[[List[int], Optional[int], List[int]], None]] = None,
+        on_removed: Optional[Callable[[List[int]], None]] = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self._free: List[int] = list(range(num_blocks - 1, -1, -1))
         self.refs = [0] * num_blocks
@@ -197,8 +200,9 @@ class DeviceBlockPool:
             heapq.heapify(self._leaves)
 
     def _is_leaf_entry(self, released_at: int, b: int) -> bool:
-        return (self.refs[b] == 0 and b in self.hash_of and self._children[b] == 0
-                and self._released_at[b] == released_at)
+        return (
+            self.refs[b] == 0 and b in self.hash_of and self._children[b] == 0 and self._released_at[b] == released_at
+        )
 
     def _evict_leaf(self, evicted: List[int]) -> int:
         """Uncaches the least recently released unreferenced leaf and returns its block; its

@@ -13,7 +13,13 @@ import torch
 from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
 from dynamo_flexkv.integrations.reference_engine.kv_cache import DeviceBlockPool, NoFreeBlocks, PagedKVCache
 from dynamo_flexkv.integrations.reference_engine.model import LlamaModel, SeqChunk
-from dynamo_flexkv.integrations.reference_engine.request import Request, RequestOutput, RequestState, SamplingParams, sample
+from dynamo_flexkv.integrations.reference_engine.request import (
+    Request,
+    RequestOutput,
+    RequestState,
+    SamplingParams,
+    sample,
+)
 from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.core.manager import KVManager
 from dynamo_flexkv.core.offload import EmbeddedOffload, EngineOffload
@@ -54,8 +60,10 @@ class LLMEngine:
             self.connector = EmbeddedOffload(kv_manager, layerwise)
         if self.connector is not None:
             if self.connector.bs != cfg.block_size:
-                raise ValueError(f"the offload's tokens_per_block={self.connector.bs} differs from the "
-                                 f"engine's block_size={cfg.block_size}: set tokens_per_block={cfg.block_size}")
+                raise ValueError(
+                    f"the offload's tokens_per_block={self.connector.bs} differs from the "
+                    f"engine's block_size={cfg.block_size}: set tokens_per_block={cfg.block_size}"
+                )
             self.connector.register(self.kv_cache.layers)
         self.layerwise = layerwise
         self.offload_puts = offload_puts  # False: load from offload tiers but never store (benchmarks)
@@ -83,8 +91,9 @@ class LLMEngine:
         self.step_seconds = 0.0
 
     # ---- API -------------------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None) -> str:
+    def add_request(
+        self, prompt: Sequence[int], params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+    ) -> str:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt: send at least one token")
@@ -252,8 +261,9 @@ class LLMEngine:
         req.block_table = dev + new
         req.num_computed = req.device_hit_tokens = len(dev) * bs
         if self.connector is not None and cap > len(dev):
-            tid = self.connector.load(req.prompt[: cap * bs], req.block_table[:cap], len(dev),
-                                      prompt_tokens=len(req.prompt))
+            tid = self.connector.load(
+                req.prompt[: cap * bs], req.block_table[:cap], len(dev), prompt_tokens=len(req.prompt)
+            )
             if tid is not None:
                 req.load_task = tid
                 by_tier = self.connector.planned_tokens_by_tier(tid)
@@ -272,7 +282,7 @@ class LLMEngine:
                 n = min(len(r.prompt) - r.num_computed, budget)
                 if n <= 0:
                     continue
-                toks = r.prompt[r.num_computed:r.num_computed + n]
+                toks = r.prompt[r.num_computed : r.num_computed + n]
                 chunks.append(SeqChunk(toks, r.num_computed, r.block_table, r.num_computed + n == len(r.prompt)))
                 budget -= n
             else:
@@ -296,6 +306,7 @@ class LLMEngine:
                     failed.add(r.id)  # computed on garbage; _settle_load sends it back
                 finally:
                     self.load_stall_seconds += time.perf_counter() - t0
+
         return wait
 
     def _settle_load(self, r: Request) -> bool:
@@ -318,7 +329,7 @@ class LLMEngine:
         if self.device_prefix_cache:
             for i in range(max(r.cached_blocks, r.device_hit_tokens // bs), full):
                 parent = int(seq[i - 1]) if i else None
-                self.pool.cache(r.block_table[i], int(seq[i]), parent, r.prompt[i * bs:(i + 1) * bs])
+                self.pool.cache(r.block_table[i], int(seq[i]), parent, r.prompt[i * bs : (i + 1) * bs])
             r.cached_blocks = max(r.cached_blocks, full)
         if self.connector is not None and self.offload_puts and r.num_computed == len(r.prompt) and not r.output:
             # Prefill finished: offload the prompt's full blocks; the put holds them meanwhile.
@@ -343,5 +354,6 @@ class LLMEngine:
             self.running.remove(r)
             self.pool.release(r.block_table)
             self._finished.append(r)
-        return RequestOutput(r.id, tok, list(r.output), r.finish_reason is not None, r.finish_reason, r.ttft,
-                             r.cached_tokens)
+        return RequestOutput(
+            r.id, tok, list(r.output), r.finish_reason is not None, r.finish_reason, r.ttft, r.cached_tokens
+        )

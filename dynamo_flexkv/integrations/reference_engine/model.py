@@ -16,9 +16,17 @@ from dynamo_flexkv.integrations.reference_engine.kv_cache import PagedKVCache, t
 
 
 # Our weight names -> Hugging Face Llama's (the per-layer ones with "{i}.").
-_HF_LAYER = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj", "ln1": "input_layernorm",
-             "ln2": "post_attention_layernorm"}
+_HF_LAYER = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+    "ln1": "input_layernorm",
+    "ln2": "post_attention_layernorm",
+}
 
 
 def hf_names(num_layers: int) -> Dict[str, str]:
@@ -37,11 +45,13 @@ def seeded_weights(cfg: EngineModelConfig, seed: int = 0) -> Dict[str, torch.Ten
     c, g = cfg, torch.Generator().manual_seed(seed)
 
     def lin(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
 
-    w = {"embed": torch.randn(c.vocab_size, c.hidden_size, generator=g),
-         "norm": 1.0 + 0.1 * torch.randn(c.hidden_size, generator=g),
-         "lm_head": lin(c.vocab_size, c.hidden_size)}
+    w = {
+        "embed": torch.randn(c.vocab_size, c.hidden_size, generator=g),
+        "norm": 1.0 + 0.1 * torch.randn(c.hidden_size, generator=g),
+        "lm_head": lin(c.vocab_size, c.hidden_size),
+    }
     for i in range(c.num_layers):
         w[f"{i}.q"] = lin(c.num_heads * c.head_dim, c.hidden_size)
         w[f"{i}.k"] = lin(c.num_kv_heads * c.head_dim, c.hidden_size)
@@ -74,8 +84,13 @@ class SeqChunk:
 
 
 class LlamaModel:
-    def __init__(self, cfg: EngineModelConfig, device: Union[str, torch.device] = "cpu", seed: int = 0,
-                 weights: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineModelConfig,
+        device: Union[str, torch.device] = "cpu",
+        seed: int = 0,
+        weights: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = torch_dtype(cfg.dtype)
@@ -103,8 +118,9 @@ class LlamaModel:
 
     # ---- forward ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, chunks: List[SeqChunk], kv: PagedKVCache,
-                before_attention: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+    def forward(
+        self, chunks: List[SeqChunk], kv: PagedKVCache, before_attention: Optional[Callable[[int], None]] = None
+    ) -> torch.Tensor:
         """Computes the chunks' new tokens, writing their K/V into ``kv``; returns the logits of the
         last new token of each chunk with ``want_logits`` ([n, vocab], float32).
         ``before_attention(layer)`` runs before each layer reads cached K/V (layerwise loading)."""

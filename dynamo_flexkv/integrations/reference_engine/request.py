@@ -65,9 +65,11 @@ class Request:
     def cached_tokens(self) -> Dict[str, int]:
         """Prompt tokens not computed, by the tier they came from (device: the prefix cache);
         ``remote`` only for a request that loaded from the remote tier."""
-        out = {"device": self.device_hit_tokens,
-               "host": self.offload_hit_tokens - self.disk_hit_tokens - self.remote_hit_tokens,
-               "disk": self.disk_hit_tokens}
+        out = {
+            "device": self.device_hit_tokens,
+            "host": self.offload_hit_tokens - self.disk_hit_tokens - self.remote_hit_tokens,
+            "disk": self.disk_hit_tokens,
+        }
         if self.remote_hit_tokens:
             out["remote"] = self.remote_hit_tokens
         return out

@@ -20,6 +20,7 @@ def __getattr__(name: str) -> Any:
     # load vLLM; vLLM's loader takes the class by name, which imports it.
     if name == "FlexKVConnector":
         from dynamo_flexkv.integrations.vllm_connector.connector import FlexKVConnector
+
         _register_by_name()  # also when this package was imported before vLLM was
         return FlexKVConnector
     raise AttributeError(name)

@@ -11,8 +11,13 @@ import logging
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, Optional, Set, Tuple
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                              KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.integrations.vllm_connector import vllm_api
@@ -34,25 +39,30 @@ log = logging.getLogger(__name__)
 
 
 class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
+    def __init__(
+        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Optional["KVCacheConfig"] = None
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         vllm_api.check()  # the scheduler API this connector reads is the pinned vLLM's
         policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         if policy != "recompute":
-            raise ValueError(f"FlexKVConnector needs kv_load_failure_policy=\"recompute\" in --kv-transfer-config "
-                             f"(it is {policy!r}): a block that fails to load or verify is then recomputed "
-                             "instead of failing the request")
+            raise ValueError(
+                f'FlexKVConnector needs kv_load_failure_policy="recompute" in --kv-transfer-config '
+                f"(it is {policy!r}): a block that fails to load or verify is then recomputed "
+                "instead of failing the request"
+            )
         settings = ConnectorSettings.from_vllm(vllm_config, kv_cache_config)
         self._sched: Optional["SchedulerSide"] = None
         self._worker: Optional["WorkerSide"] = None
         if role == KVConnectorRole.SCHEDULER:
             from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
+
             self._sched = SchedulerSide(settings)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             from dynamo_flexkv.core.transfer.nixl_agents import quiet_progress_threads
             from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
+
             # Before NixlConnector (after us in a MultiConnector) creates its agent: every NIXL
             # agent of this worker gets a progress thread that sleeps when idle (nixl_agents.py).
             quiet_progress_threads()
@@ -102,6 +112,7 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._on_cpu:
             return contextlib.nullcontext()
         from dynamo_flexkv.integrations.vllm_connector.cpu_affinity import helpers_on_bind_cores
+
         return helpers_on_bind_cores()
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
@@ -136,8 +147,11 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Stores whose blocks vLLM may free; a hybrid model's loads that ran ahead, and those that
         failed (vLLM computes them from their first token)."""
         loaded, failed = self._worker.finished_loads()
-        return KVConnectorTransferResults(finished_sending=self._worker.finished_saves(set(finished_req_ids)),
-                                          finished_recving=loaded, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=self._worker.finished_saves(set(finished_req_ids)),
+            finished_recving=loaded,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self._worker.take_load_errors()
@@ -147,6 +161,7 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> Any:
         from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVStats
+
         if self._worker is None:  # the scheduler asks too: its numbers are vLLM's own
             return None
         data = self._worker.step_stats()
@@ -155,12 +170,15 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Any:
         from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVStats
+
         return FlexKVStats(dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Dict[type, type], labelnames: list,
-                           per_engine_labelvalues: Dict[int, list]) -> Any:
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Dict[type, type], labelnames: list, per_engine_labelvalues: Dict[int, list]
+    ) -> Any:
         from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVPromMetrics
+
         return FlexKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side ----------------------------------------------------------------------------
@@ -180,8 +198,9 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: "Request", block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._sched.request_finished(request, block_ids)
 
-    def request_finished_all_groups(self, request: "Request", block_ids: Tuple[list, ...]
-                                    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: Tuple[list, ...]
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._sched.request_finished_all(request, block_ids)
 
     def take_events(self) -> Iterable[Any]:

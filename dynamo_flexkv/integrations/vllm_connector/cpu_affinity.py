@@ -95,8 +95,13 @@ def _move(cpus: List[int], why: str) -> bool:
     try:
         os.sched_setaffinity(0, cpus)
     except (OSError, ValueError, OverflowError) as e:  # cores outside this process's cgroup: leave it as vLLM set it
-        log.warning("FlexKVConnector: cannot move the worker thread to cores %s for %s (%s): it stays on %s",
-                    cpus, why, e, sorted(os.sched_getaffinity(0)))
+        log.warning(
+            "FlexKVConnector: cannot move the worker thread to cores %s for %s (%s): it stays on %s",
+            cpus,
+            why,
+            e,
+            sorted(os.sched_getaffinity(0)),
+        )
         return False
     return True
 
@@ -110,8 +115,12 @@ def restore_bind() -> bool:
     home, now = bound.model_cores, os.sched_getaffinity(0)
     if now == set(home) or not _move(home, "the model"):
         return False
-    log.info("FlexKVConnector: worker thread moved back from cores %s to %s, where vLLM's OpenMP binding put it "
-             "(NixlConnector pins it on CPU platforms)", sorted(now), home)
+    log.info(
+        "FlexKVConnector: worker thread moved back from cores %s to %s, where vLLM's OpenMP binding put it "
+        "(NixlConnector pins it on CPU platforms)",
+        sorted(now),
+        home,
+    )
     return True
 
 

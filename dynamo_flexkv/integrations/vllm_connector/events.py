@@ -90,10 +90,19 @@ class TierEventQueue:
                 self.skipped += 1
                 return
             known.update(hashes)
-            self._events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
-                                            token_ids=[int(t) for t in run.token_ids], block_size=self.block_size,
-                                            lora_id=None, medium=medium, lora_name=None, group_idx=self.group_idx,
-                                            kv_cache_spec_kind=self.kind))
+            self._events.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent,
+                    token_ids=[int(t) for t in run.token_ids],
+                    block_size=self.block_size,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    group_idx=self.group_idx,
+                    kv_cache_spec_kind=self.kind,
+                )
+            )
 
     def on_removed(self, tier: Tier, hashes: List[int]) -> None:
         medium = MEDIUM[tier]

@@ -61,16 +61,22 @@ def read_groups(kv_cache_config: Any) -> List[KVGroup]:
 def check_groups(groups: Sequence[KVGroup]) -> None:
     refused = [g for g in groups if g.kind not in FULL + WINDOW]
     if refused:
-        what = "; ".join(f"group {g.index} ({g.kind}): {', '.join(g.layer_names[:4])}"
-                         f"{' ...' if len(g.layer_names) > 4 else ''}" for g in refused)
-        raise ValueError(f"FlexKVConnector: this model has KV cache layers the connector cannot offload: {what}. "
-                         "It offloads full attention, MLA and sliding-window attention; Mamba or linear-attention "
-                         "state, chunked local attention and encoder-decoder caches are not offloaded. Serve "
-                         "this model without FlexKVConnector (offload: false)")
+        what = "; ".join(
+            f"group {g.index} ({g.kind}): {', '.join(g.layer_names[:4])}{' ...' if len(g.layer_names) > 4 else ''}"
+            for g in refused
+        )
+        raise ValueError(
+            f"FlexKVConnector: this model has KV cache layers the connector cannot offload: {what}. "
+            "It offloads full attention, MLA and sliding-window attention; Mamba or linear-attention "
+            "state, chunked local attention and encoder-decoder caches are not offloaded. Serve "
+            "this model without FlexKVConnector (offload: false)"
+        )
     sizes = {g.block_size for g in groups}
     if len(sizes) > 1:
-        raise ValueError(f"FlexKVConnector: the KV cache groups have different block sizes {sorted(sizes)}; the "
-                         "connector needs one (set --block-size so vLLM uses it for every group)")
+        raise ValueError(
+            f"FlexKVConnector: the KV cache groups have different block sizes {sorted(sizes)}; the "
+            "connector needs one (set --block-size so vLLM uses it for every group)"
+        )
 
 
 def latent(groups: Sequence[KVGroup]) -> bool:

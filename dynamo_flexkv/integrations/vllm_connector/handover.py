@@ -59,8 +59,10 @@ class Verify:
     read itself (docs/BENCHMARKS.md, bench disagg --vllm).
     OWNER: only each block's stamp (its prefix hash, mixed), read in the same NIXL transfer: the
     prefill's block held this prefix when it was read, and its hold had not ended (a hold's
-    digests leave the table when it ends). This catches a wrong, swapped or reused block; it trusts the transport and the source memory
-    for the bytes themselves (TCP and RDMA checksum them on the wire; shared memory is a memcpy)."""
+    digests leave the table when it ends). This catches a wrong, swapped or reused block; it trusts
+    the transport and the source memory for the bytes themselves (TCP and RDMA checksum them on the
+    wire; shared memory is a memcpy)."""
+
     BYTES = "bytes"
     OWNER = "owner"
     ALL = (BYTES, OWNER)
@@ -84,6 +86,7 @@ def _content_tags(hashes: Sequence[int]) -> np.ndarray:
 @dataclass(frozen=True)
 class SourceInfo:
     """What does not change while a prefill worker lives: its agent and where its KV is."""
+
     agent: str
     metadata: str  # packed NIXL agent metadata (disagg/params.pack_metadata)
     layer_addrs: List[int]
@@ -100,6 +103,7 @@ class SourceInfo:
 @dataclass(frozen=True)
 class VllmHandover(SourceInfo):
     """One request's handover, as the decode worker gets it."""
+
     req: str = ""  # the prefill engine's request id (the release names it)
     blocks: List[int] = ()  # type: ignore[assignment]  # prefill block of each full prompt block, in order
     lease_expires_unix: float = 0.0
@@ -114,9 +118,16 @@ class VllmHandover(SourceInfo):
             return None
         d = params[KEY]
         version = d.get("version") if isinstance(d, Mapping) else None
-        if not isinstance(d, Mapping) or isinstance(version, bool) or not isinstance(version, int) or version != VERSION:
-            raise HandoverRefused(f"kv_transfer_params.{KEY}: expected version {VERSION}, got "
-                                  f"{d.get('version') if isinstance(d, Mapping) else type(d).__name__}")
+        if (
+            not isinstance(d, Mapping)
+            or isinstance(version, bool)
+            or not isinstance(version, int)
+            or version != VERSION
+        ):
+            raise HandoverRefused(
+                f"kv_transfer_params.{KEY}: expected version {VERSION}, got "
+                f"{d.get('version') if isinstance(d, Mapping) else type(d).__name__}"
+            )
         try:
             h = cls(**{f.name: _field(f.name, d) for f in fields(cls)})
         except (KeyError, TypeError, ValueError, OverflowError) as e:
@@ -143,6 +154,7 @@ def _field(name: str, d: Mapping[str, Any]) -> Any:
 
     def is_int(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
+
     if name in _INT_LISTS:
         if not isinstance(v, list) or not all(is_int(x) for x in v):
             raise TypeError(f"{name} must be a list of integers")
@@ -177,8 +189,12 @@ def read_source(engine_id: str, run_dir: Optional[str]) -> Optional[SourceInfo]:
             raise TypeError("not a JSON object")
         return SourceInfo(**{f.name: _field(f.name, d) for f in fields(SourceInfo)})
     except (OSError, ValueError, TypeError, KeyError, RecursionError, OverflowError) as e:
-        log.warning("FlexKVConnector: no handover source for engine %s (%s): requests are handed over by the "
-                    "next connector, if any", engine_id, e)
+        log.warning(
+            "FlexKVConnector: no handover source for engine %s (%s): requests are handed over by the "
+            "next connector, if any",
+            engine_id,
+            e,
+        )
         return None
 
 
@@ -195,9 +211,11 @@ class Handover:
     """One NIXL agent over this worker's vLLM KV: the prefill half (digests, holds, releases) and
     the decode half (pull, verify); a worker uses the half of its role."""
 
-    def __init__(self, layers: Sequence[Any], engine_id: str, run_dir: Optional[str],
-                 verify: str = Verify.OWNER) -> None:
+    def __init__(
+        self, layers: Sequence[Any], engine_id: str, run_dir: Optional[str], verify: str = Verify.OWNER
+    ) -> None:
         import uuid
+
         if verify not in Verify.ALL:
             raise ValueError(f"handover_verify={verify!r}: expected one of {Verify.ALL}")
         self.verify = verify
@@ -216,11 +234,19 @@ class Handover:
         self._releases: List[VllmHandover] = []  # decode: read (or given up), not yet released
         self._polled = 0.0
         self.released = self.expired = 0
-        info = SourceInfo(agent=self.agent.name, metadata=self.agent.metadata,
-                          layer_addrs=[x.data_ptr() for x in self.agent.layers], block_bytes=self.agent.block_bytes,
-                          num_blocks=self.agent.num_blocks, mem=self.agent.mem, dev=self.agent.dev,
-                          digest_addr=self.agent.digest_addr, block_shape=list(self.agent.layers[0].shape[1:]),
-                          dtype=str(self.agent.layers[0].dtype), verify=verify)
+        info = SourceInfo(
+            agent=self.agent.name,
+            metadata=self.agent.metadata,
+            layer_addrs=[x.data_ptr() for x in self.agent.layers],
+            block_bytes=self.agent.block_bytes,
+            num_blocks=self.agent.num_blocks,
+            mem=self.agent.mem,
+            dev=self.agent.dev,
+            digest_addr=self.agent.digest_addr,
+            block_shape=list(self.agent.layers[0].shape[1:]),
+            dtype=str(self.agent.layers[0].dtype),
+            verify=verify,
+        )
         self.layout = (tuple(info.block_shape), info.dtype)
         self.path = source_file(engine_id, run_dir)
         tmp = f"{self.path}.{os.getpid()}.tmp"
@@ -290,7 +316,7 @@ class Handover:
         for msg in self.agent.notifications():
             if not msg.startswith(RELEASE):
                 continue
-            rid = msg[len(RELEASE):].decode("utf-8", "replace")
+            rid = msg[len(RELEASE) :].decode("utf-8", "replace")
             if self._holds.pop(rid, None) is not None:
                 self.released += 1
                 self._done.add(rid)
@@ -303,8 +329,11 @@ class Handover:
                 self.expired += 1
                 self._done.add(rid)
                 self._unstamp(rid)
-                log.warning("FlexKVConnector: handover lease of request %s ended before a decode worker released "
-                            "it; its blocks are freed", rid)
+                log.warning(
+                    "FlexKVConnector: handover lease of request %s ended before a decode worker released "
+                    "it; its blocks are freed",
+                    rid,
+                )
         for rid, seen in list(self._early.items()):  # a release whose hold never came (aborted request)
             if now - seen > 600:
                 del self._early[rid]
@@ -314,43 +343,68 @@ class Handover:
         out, self._done = self._done, set()
         return out
 
-    def pull(self, h: VllmHandover, first: int, local_blocks: Sequence[int], timeout: float,
-             hashes: Sequence[int]) -> PullResult:
+    def pull(
+        self, h: VllmHandover, first: int, local_blocks: Sequence[int], timeout: float, hashes: Sequence[int]
+    ) -> PullResult:
         """Reads prompt blocks [first, first + len(local_blocks)) of ``h`` into ``local_blocks``;
         ``hashes``: the sequence hash of each full block of decode's own prompt, from block 0.
         Whatever the outcome, the prefill's release is queued for ``send_releases`` (after the
         forward: the notice is not on the prompt's critical path)."""
         self._releases.append(h)
-        remote = h.blocks[first:first + len(local_blocks)] if first >= 0 else []
+        remote = h.blocks[first : first + len(local_blocks)] if first >= 0 else []
         try:
-            tags = _content_tags(hashes[first:first + len(local_blocks)]) if first >= 0 else _content_tags([])
+            tags = _content_tags(hashes[first : first + len(local_blocks)]) if first >= 0 else _content_tags([])
             np.asarray(local_blocks, dtype=np.int64)  # refuses ids that are not int64 before anything moves
         except (OverflowError, ValueError, TypeError) as e:
-            log.warning("FlexKVConnector: handover of %s refused: bad block ids or prompt hashes (%s); recomputing",
-                        h.req, e)
+            log.warning(
+                "FlexKVConnector: handover of %s refused: bad block ids or prompt hashes (%s); recomputing", h.req, e
+            )
             return PullResult(False, why="refused")
         if len(remote) == len(local_blocks) and len(tags) != len(local_blocks):
-            log.warning("FlexKVConnector: handover of %s refused: this worker's prompt has %d full blocks, the read "
-                        "names prompt blocks %d-%d; recomputing", h.req, len(hashes), first, first + len(local_blocks))
+            log.warning(
+                "FlexKVConnector: handover of %s refused: this worker's prompt has %d full blocks, the read "
+                "names prompt blocks %d-%d; recomputing",
+                h.req,
+                len(hashes),
+                first,
+                first + len(local_blocks),
+            )
             return PullResult(False, why="refused")
-        if len(remote) != len(local_blocks) or len(set(local_blocks)) != len(local_blocks) \
-                or (tuple(h.block_shape), h.dtype) != self.layout:
-            log.warning("FlexKVConnector: handover of %s refused: %d local blocks for %d remote ones (distinct: %s), "
-                        "prefill's blocks %s %s vs this worker's %s %s; recomputing", h.req, len(local_blocks),
-                        len(remote), len(set(local_blocks)) == len(local_blocks), h.block_shape, h.dtype, *self.layout)
+        if (
+            len(remote) != len(local_blocks)
+            or len(set(local_blocks)) != len(local_blocks)
+            or (tuple(h.block_shape), h.dtype) != self.layout
+        ):
+            log.warning(
+                "FlexKVConnector: handover of %s refused: %d local blocks for %d remote ones (distinct: %s), "
+                "prefill's blocks %s %s vs this worker's %s %s; recomputing",
+                h.req,
+                len(local_blocks),
+                len(remote),
+                len(set(local_blocks)) == len(local_blocks),
+                h.block_shape,
+                h.dtype,
+                *self.layout,
+            )
             return PullResult(False, why="refused")
         if h.verify == Verify.OWNER and self.verify == Verify.BYTES:
-            log.warning("FlexKVConnector: handover of %s refused: the prefill worker stamps owners only "
-                        "(handover_verify=owner) and this worker verifies bytes (handover_verify=bytes): set the "
-                        "same handover_verify on both roles; recomputing", h.req)
+            log.warning(
+                "FlexKVConnector: handover of %s refused: the prefill worker stamps owners only "
+                "(handover_verify=owner) and this worker verifies bytes (handover_verify=bytes): set the "
+                "same handover_verify on both roles; recomputing",
+                h.req,
+            )
             return PullResult(False, why="refused")
         lease_left = h.lease_expires_unix - LEASE_MARGIN_S - time.time()
         budget = min(timeout, lease_left)
         if budget <= 0 and lease_left > 0:
             return PullResult(False, why="failed")
         if budget <= 0:
-            log.warning("FlexKVConnector: handover of %s reached decode %.1f s before its lease ends; recomputing",
-                        h.req, h.lease_expires_unix - time.time())
+            log.warning(
+                "FlexKVConnector: handover of %s reached decode %.1f s before its lease ends; recomputing",
+                h.req,
+                h.lease_expires_unix - time.time(),
+            )
             return PullResult(False, why="lease")
         # What each block's landed digest must be, computed before the read: after a multi-MB copy
         # has flushed the caches every numpy call costs several times more (measured: the owner
@@ -368,9 +422,10 @@ class Handover:
             got = self._landed[a:b]
             if not owner:
                 got = got ^ kv_block_checksums(self.agent.layers, local_blocks[a:b])
-            if got.tobytes() != want_b[8 * a:8 * b]:
+            if got.tobytes() != want_b[8 * a : 8 * b]:
                 bad.extend(a + int(i) for i in np.flatnonzero(got != want[a:b]))
             verify_s[0] += time.perf_counter() - v0
+
         # Chunks only let a byte verify overlap the rest of the read; an owner check has nothing to
         # overlap, and each chunk is one more NIXL transfer (~10% more CPU per read, measured).
         chunks = 1 if h.verify == Verify.OWNER else min(PULL_CHUNKS, max(1, len(local_blocks) // 8))
@@ -387,8 +442,14 @@ class Handover:
             return PullResult(False, nbytes, time.perf_counter() - t0, "lease")
         t2 = time.perf_counter()
         if bad:
-            log.warning("FlexKVConnector: %d of %d blocks handed over for %s fail their digest (first: prompt "
-                        "block %d); recomputing", len(bad), len(local_blocks), h.req, first + bad[0])
+            log.warning(
+                "FlexKVConnector: %d of %d blocks handed over for %s fail their digest (first: prompt "
+                "block %d); recomputing",
+                len(bad),
+                len(local_blocks),
+                h.req,
+                first + bad[0],
+            )
             return PullResult(False, nbytes, t2 - t0, "corrupt", verify_s[0])
         return PullResult(True, nbytes, t2 - t0, "", verify_s[0])
 

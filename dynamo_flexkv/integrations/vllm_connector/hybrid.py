@@ -47,31 +47,42 @@ class GroupTiers:
 
     def anchors(self, tokens: Sequence[int], lora: Optional[str], salt: Optional[str]) -> List[int]:
         """The chain hash of each full block of ``tokens``: what names the prefix a window ends."""
-        return (self.main if self.main_group is not None else self.aux).block_hashes(tokens, lora_name=lora,
-                                                                                  cache_salt=salt)
+        return (self.main if self.main_group is not None else self.aux).block_hashes(
+            tokens, lora_name=lora, cache_salt=salt
+        )
 
     def _window(self, p: int, g: KVGroup) -> range:
         return range(max(0, p - g.window_blocks), p)
 
     # ---- lookup --------------------------------------------------------------------------------------
-    def cached_tokens(self, tokens: Sequence[int], lora: Optional[str], salt: Optional[str], prompt_tokens: int,
-                      local_blocks: int) -> int:
+    def cached_tokens(
+        self, tokens: Sequence[int], lora: Optional[str], salt: Optional[str], prompt_tokens: int, local_blocks: int
+    ) -> int:
         """End of the prefix every group can load, in tokens (0: nothing beyond vLLM's own blocks)."""
         bs = self.bs
         end = len(tokens) // bs
         if self.main_group is not None:
-            end = self.main.cached_tokens(tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens,
-                                          skip_blocks=local_blocks) // bs
+            end = (
+                self.main.cached_tokens(
+                    tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens, skip_blocks=local_blocks
+                )
+                // bs
+            )
         for g in self.chains:
             if end <= local_blocks:
                 return 0
-            end = min(end, self.aux.cached_tokens(tokens[:end * bs], lora_name=lora, cache_salt=self._salt(salt, g),
-                                                  skip_blocks=local_blocks) // bs)
+            end = min(
+                end,
+                self.aux.cached_tokens(
+                    tokens[: end * bs], lora_name=lora, cache_salt=self._salt(salt, g), skip_blocks=local_blocks
+                )
+                // bs,
+            )
         if end <= local_blocks:
             return 0
         if not self.windows:
             return end * bs
-        anchors = self.anchors(tokens[:end * bs], lora, salt)
+        anchors = self.anchors(tokens[: end * bs], lora, salt)
         for p in range(end, local_blocks, -1):
             if p != end and anchors[p - 1] not in self._ends:
                 continue
@@ -79,40 +90,52 @@ class GroupTiers:
                 return p * bs
         return 0
 
-    def _window_cached(self, tokens: Sequence[int], anchor: int, p: int, g: KVGroup, lora: Optional[str],
-                       salt: Optional[str]) -> bool:
+    def _window_cached(
+        self, tokens: Sequence[int], anchor: int, p: int, g: KVGroup, lora: Optional[str], salt: Optional[str]
+    ) -> bool:
         w = self._window(p, g)
-        part = tokens[w.start * self.bs:p * self.bs]
+        part = tokens[w.start * self.bs : p * self.bs]
         return self.aux.cached_tokens(part, lora_name=lora, cache_salt=self._salt(salt, g, anchor)) == len(part)
 
     # ---- store ---------------------------------------------------------------------------------------
-    def store(self, tokens: Sequence[int], groups: Dict[int, List[int]], key: str, lora: Optional[str],
-              salt: Optional[str], names: Optional[Sequence[int]]) -> int:
+    def store(
+        self,
+        tokens: Sequence[int],
+        groups: Dict[int, List[int]],
+        key: str,
+        lora: Optional[str],
+        salt: Optional[str],
+        names: Optional[Sequence[int]],
+    ) -> int:
         """Stores a finished request's full blocks (``tokens``: whole blocks); returns the stores
         started (each hands ``key`` back from finished_holds). The main group's store failing
         raises (nothing started); another part failing (e.g. TooManyTasks) is logged and skipped:
         the parts already started still hold their blocks, and are counted."""
         n, bs, started = len(tokens) // self.bs, self.bs, 0
         if self.main_group is not None:
-            self.main.store(tokens, groups[self.main_group.index][:n], key=key, lora_name=lora, cache_salt=salt,
-                            names=names)
+            self.main.store(
+                tokens, groups[self.main_group.index][:n], key=key, lora_name=lora, cache_salt=salt, names=names
+            )
             started += 1
         parts = [(tokens, groups[g.index][:n], self._salt(salt, g)) for g in self.chains]
         anchor = self.anchors(tokens, lora, salt)[n - 1] if self.windows and n else None
         windows = 0
         for g in self.windows if anchor is not None else ():
             w = self._window(n, g)
-            ids = groups[g.index][w.start:n]
+            ids = groups[g.index][w.start : n]
             if len(ids) < len(w) or not all(ids):  # a block of it was freed already: no window here
                 continue
-            parts.append((tokens[w.start * bs:n * bs], ids, self._salt(salt, g, anchor)))
+            parts.append((tokens[w.start * bs : n * bs], ids, self._salt(salt, g, anchor)))
             windows += 1
         for toks, ids, s in parts:
             try:
                 self.aux.store(toks, ids, key=key, lora_name=lora, cache_salt=s)
             except Exception as e:  # noqa: BLE001 - the started parts are still counted
-                log.warning("FlexKVConnector: a KV cache group's store was not started (%s: %s); that prefix "
-                            "will not hit", type(e).__name__, e)
+                log.warning(
+                    "FlexKVConnector: a KV cache group's store was not started (%s: %s); that prefix will not hit",
+                    type(e).__name__,
+                    e,
+                )
                 windows = -1
                 continue
             started += 1
@@ -130,8 +153,14 @@ class GroupTiers:
             self._ends.popitem(last=False)
 
     # ---- load ----------------------------------------------------------------------------------------
-    def load(self, tokens: Sequence[int], groups: Dict[int, List[int]], local_blocks: int, lora: Optional[str],
-             salt: Optional[str]) -> Optional[List[tuple]]:
+    def load(
+        self,
+        tokens: Sequence[int],
+        groups: Dict[int, List[int]],
+        local_blocks: int,
+        lora: Optional[str],
+        salt: Optional[str],
+    ) -> Optional[List[tuple]]:
         """Starts loading blocks [local_blocks, P) of every group, P = len(tokens) // block size:
         (offload, task) per load started; None when a group's part is not there whole (then
         nothing is loaded: the request is computed)."""
@@ -145,13 +174,13 @@ class GroupTiers:
         for g in self.windows:
             w = self._window(p, g)
             skip = max(0, local_blocks - w.start)
-            ids = groups[g.index][w.start:p]
+            ids = groups[g.index][w.start : p]
             if skip >= len(ids):
                 continue  # vLLM holds the whole window already
             if not all(ids[skip:]):
                 log.warning("FlexKVConnector: group %d has no block for part of the window before block %d", g.index, p)
                 return None
-            parts.append((self.aux, tokens[w.start * bs:p * bs], ids, skip, self._salt(salt, g, anchor)))
+            parts.append((self.aux, tokens[w.start * bs : p * bs], ids, skip, self._salt(salt, g, anchor)))
         started: List[tuple] = []
 
         def cancel() -> None:

@@ -20,9 +20,15 @@ import torch
 
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
-                torch.int8: "int8", torch.uint8: "uint8"}
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+}
 _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
@@ -47,6 +53,7 @@ def _layer_order(names: List[str]) -> List[str]:
     def key(name: str) -> Tuple[int, str]:
         m = _LAYER_INDEX.findall(name)
         return (int(m[0]) if m else 1 << 30, name)
+
     return sorted(names, key=key)
 
 
@@ -72,29 +79,37 @@ def describe(kv_caches: Dict[str, torch.Tensor], num_blocks: int, block_size: in
     names = _unique_storage(kv_caches, _layer_order(list(kv_caches)))
     first = kv_caches[names[0]]
     if first.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"FlexKVConnector: KV cache dtype {first.dtype} is not supported; use one of "
-                         f"{sorted(_DTYPE_NAMES.values())}")
+        raise ValueError(
+            f"FlexKVConnector: KV cache dtype {first.dtype} is not supported; use one of "
+            f"{sorted(_DTYPE_NAMES.values())}"
+        )
     views, layout, per_block = [], None, None
     for name in names:
         t = kv_caches[name]
         if t.dtype != first.dtype or t.shape != first.shape or t.device != first.device:
-            raise ValueError(f"FlexKVConnector: layer {name} has {t.dtype} {tuple(t.shape)} on {t.device}, layer "
-                             f"{names[0]} {first.dtype} {tuple(first.shape)} on {first.device}: layers of different "
-                             "shapes (hybrid or sliding-window models) are not supported")
+            raise ValueError(
+                f"FlexKVConnector: layer {name} has {t.dtype} {tuple(t.shape)} on {t.device}, layer "
+                f"{names[0]} {first.dtype} {tuple(first.shape)} on {first.device}: layers of different "
+                "shapes (hybrid or sliding-window models) are not supported"
+            )
         # Memory order: dims sorted by stride, outermost first (a permuted view is read as laid out).
         order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
         phys = t.permute(order)
         if not phys.is_contiguous():
-            raise ValueError(f"FlexKVConnector: layer {name}'s KV tensor (shape {tuple(t.shape)}, strides "
-                             f"{t.stride()}) is not dense in memory")
+            raise ValueError(
+                f"FlexKVConnector: layer {name}'s KV tensor (shape {tuple(t.shape)}, strides "
+                f"{t.stride()}) is not dense in memory"
+            )
         shape = tuple(phys.shape)
         if shape[0] == num_blocks:
             this, tail = KVLayoutType.LAYERBLOCK, shape[1:]
         elif len(shape) > 1 and shape[0] == 2 and shape[1] == num_blocks:
             this, tail = KVLayoutType.LAYERFIRST, shape[2:]
         else:
-            raise ValueError(f"FlexKVConnector: cannot find the block axis ({num_blocks} blocks) of layer {name}'s "
-                             f"KV tensor, laid out as {shape}: it must be outermost, or follow a K/V axis of 2")
+            raise ValueError(
+                f"FlexKVConnector: cannot find the block axis ({num_blocks} blocks) of layer {name}'s "
+                f"KV tensor, laid out as {shape}: it must be outermost, or follow a K/V axis of 2"
+            )
         elems = math.prod(tail)
         if layout not in (None, this) or per_block not in (None, elems):
             raise ValueError(f"FlexKVConnector: layer {name} is laid out unlike layer {names[0]}")
@@ -107,12 +122,13 @@ def describe(kv_caches: Dict[str, torch.Tensor], num_blocks: int, block_size: in
     else:  # one span holds K and V: two halves, or one latent (MLA)
         kv_dim = 1 if latent or per_block % (2 * block_size) else 2
         width = per_block // (kv_dim * block_size)
-    model = ModelSpec(num_layers=len(names), num_kv_heads=1, head_size=width, dtype=_DTYPE_NAMES[first.dtype],
-                      kv_dim=kv_dim)
+    model = ModelSpec(
+        num_layers=len(names), num_kv_heads=1, head_size=width, dtype=_DTYPE_NAMES[first.dtype], kv_dim=kv_dim
+    )
     # The views KVManager's LAYERBLOCK / LAYERFIRST per-layer shapes expect (same memory).
     lead = (num_blocks, kv_dim) if layout is KVLayoutType.LAYERBLOCK else (kv_dim, num_blocks)
     tensors = [v.reshape(*lead, block_size, 1, width) for v in views]
     if any(v.data_ptr() != t.data_ptr() for v, t in zip(tensors, views)):
         raise RuntimeError("FlexKVConnector: could not view vLLM's KV tensors without a copy")
-    tag = f"vllm:{layout.value}:{'x'.join(map(str, views[0].shape[1 if layout is KVLayoutType.LAYERBLOCK else 2:]))}"
+    tag = f"vllm:{layout.value}:{'x'.join(map(str, views[0].shape[1 if layout is KVLayoutType.LAYERBLOCK else 2 :]))}"
     return VllmKV(model, layout, tensors, names, tag)

@@ -3,8 +3,9 @@
 vLLM runs its scheduler and its workers in separate processes, and the tiers (and their index)
 live with the worker that owns the KV tensors. Each rank's worker answers lookups on a local
 ipc:// socket of its own, and the scheduler takes the smallest answer (with tensor parallelism a
-block is cached only when every rank holds its shard). The scheduler never waits long: ``LookupClient.query`` waits ``wait_s`` for the answer
-and otherwise says "not yet" (None), and vLLM asks again at its next step; an answer that has
+block is cached only when every rank holds its shard). The scheduler never waits long:
+``LookupClient.query`` waits ``wait_s`` for the answer and otherwise says "not yet" (None), and
+vLLM asks again at its next step; an answer that has
 not come after ``give_up_s`` counts as a miss (the request is computed, nothing hangs)."""
 
 from __future__ import annotations
@@ -60,8 +61,11 @@ class LookupServer:
                 continue
             try:
                 lora, salt, prompt_tokens, local_blocks = msgspec.msgpack.decode(extra)
-                n = int(self._lookup(np.frombuffer(tokens, dtype="<u4").tolist(), lora, salt, int(prompt_tokens),
-                                     int(local_blocks)))
+                n = int(
+                    self._lookup(
+                        np.frombuffer(tokens, dtype="<u4").tolist(), lora, salt, int(prompt_tokens), int(local_blocks)
+                    )
+                )
             except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
                 log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
                 self.failed += 1
@@ -85,7 +89,7 @@ class LookupServer:
         self._thread.join(timeout=5)
         if self.endpoint.startswith("ipc://"):
             try:
-                os.unlink(self.endpoint[len("ipc://"):])
+                os.unlink(self.endpoint[len("ipc://") :])
             except FileNotFoundError:
                 pass
 
@@ -116,9 +120,15 @@ class LookupClient:
         self._reset_answers: Dict[int, int] = {}
         self.timeouts = 0
 
-    def query(self, req_id: str, tokens: Sequence[int], lora: Optional[str] = None,
-              salt: Optional[str] = None, prompt_tokens: Optional[int] = None,
-              local_blocks: int = 0) -> Optional[int]:
+    def query(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        lora: Optional[str] = None,
+        salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+        local_blocks: int = 0,
+    ) -> Optional[int]:
         """End of ``tokens``' cached prefix to load, in tokens (``prompt_tokens``: the whole
         prompt's length, default one more than ``tokens``; ``local_blocks``: blocks vLLM holds
         already); None while an answer is still on its way."""
@@ -127,8 +137,11 @@ class LookupClient:
             self._asked[req_id] = (self._seq, time.monotonic())
             self._by_seq[self._seq] = req_id
             self._answers[req_id] = {}
-            frames = [struct.pack("<q", self._seq), np.asarray(tokens, dtype="<u4").tobytes(),
-                      msgspec.msgpack.encode([lora, salt, prompt_tokens or len(tokens) + 1, local_blocks])]
+            frames = [
+                struct.pack("<q", self._seq),
+                np.asarray(tokens, dtype="<u4").tobytes(),
+                msgspec.msgpack.encode([lora, salt, prompt_tokens or len(tokens) + 1, local_blocks]),
+            ]
             for sock in self._socks:
                 sock.send_multipart(frames)
         deadline = time.monotonic() + self.wait_s
@@ -145,8 +158,13 @@ class LookupClient:
             missing = len(self._socks) - len(self._answers[req_id])
             self.forget(req_id)
             self.timeouts += 1
-            log.warning("flexkv lookup for request %s: %d of %d worker(s) did not answer in %.1f s: computing it",
-                        req_id, missing, len(self._socks), self.give_up_s)
+            log.warning(
+                "flexkv lookup for request %s: %d of %d worker(s) did not answer in %.1f s: computing it",
+                req_id,
+                missing,
+                len(self._socks),
+                self.give_up_s,
+            )
             return 0
         return None
 

@@ -23,10 +23,16 @@ COUNTERS = {
     "stored_tokens": ("Tokens of finished requests copied into the host tier", False),
     "evicted_blocks": ("Blocks evicted from an offload tier", True),
     "disk_write_failures": ("Background disk writes that failed (the blocks stayed on host)", False),
-    "handover_tokens": ("Prompt tokens read from a prefill worker (FlexKVConnector handover), not computed here", False),
+    "handover_tokens": (
+        "Prompt tokens read from a prefill worker (FlexKVConnector handover), not computed here",
+        False,
+    ),
     "handover_bytes": ("Bytes read from prefill workers by the handover", False),
     "handover_seconds": ("Seconds spent reading and verifying handovers", False),
-    "handover_failures": ("Handovers refused, failed, past their lease or corrupt (their tokens were recomputed)", False),
+    "handover_failures": (
+        "Handovers refused, failed, past their lease or corrupt (their tokens were recomputed)",
+        False,
+    ),
     "handover_corrupt": ("Handovers whose bytes did not match the prefill worker's digests (recomputed)", False),
 }
 # Cost-aware loading (core/cost.py): "prefix_tokens/<decision>/<tier>/<reason>" counter deltas, one
@@ -69,8 +75,13 @@ class FlexKVStats(KVConnectorStats):
 
 
 class FlexKVPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: Dict[type, type], labelnames: List[str],
-                 per_engine_labelvalues: Dict[int, List[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Dict[type, type],
+        labelnames: List[str],
+        per_engine_labelvalues: Dict[int, List[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._children: Dict[str, Dict[int, Any]] = {}
         for name, (doc, by_tier) in COUNTERS.items():
@@ -78,17 +89,20 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
         for name, doc in GAUGES.items():
             self._family("gauge:" + name, self._gauge_cls, f"vllm:flexkv_{name}", doc, True)
         self._prefix = self._counter_cls(
-            name=f"vllm:flexkv_{PREFIX_TOKENS}", labelnames=list(self._labelnames) + ["decision", "tier", "reason"],
+            name=f"vllm:flexkv_{PREFIX_TOKENS}",
+            labelnames=list(self._labelnames) + ["decision", "tier", "reason"],
             documentation="Prompt tokens the load policy loaded or had recomputed, by tier and reason "
-                          "(faster/slower than recomputing, cold_start, probe, always, never; tier none: not_cached)")
+            "(faster/slower than recomputing, cold_start, probe, always, never; tier none: not_cached)",
+        )
 
     def _family(self, key: str, cls: type, metric: str, doc: str, by_tier: bool) -> None:
         names = list(self._labelnames) + (["tier"] if by_tier else [])
         m = cls(name=metric, documentation=doc, labelnames=names)
         for tier in TIERS if by_tier else (None,):
             k = f"{key}/{tier}" if tier else key
-            self._children[k] = {idx: m.labels(*values, *([tier] if tier else []))
-                                 for idx, values in self.per_engine_labelvalues.items()}
+            self._children[k] = {
+                idx: m.labels(*values, *([tier] if tier else [])) for idx, values in self.per_engine_labelvalues.items()
+            }
 
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in transfer_stats_data.items():

@@ -15,6 +15,7 @@ from dynamo_flexkv.integrations.vllm_connector.settings import run_dir_or_defaul
 @dataclass
 class LoadSpec:
     """Load blocks [skip_blocks, skip_blocks + num_blocks) of ``token_ids`` into ``block_ids``."""
+
     req_id: str
     token_ids: List[int]  # the prompt prefix, whole blocks, up to the last block to load
     block_ids: List[int]  # vLLM block of each of those blocks
@@ -37,6 +38,7 @@ class LoadSpec:
 class SaveSpec:
     """Store the full blocks of ``token_ids`` from ``block_ids`` (a finished request); vLLM keeps
     the blocks until the worker reports ``req_id`` as finished sending."""
+
     req_id: str
     token_ids: List[int]
     block_ids: List[int]

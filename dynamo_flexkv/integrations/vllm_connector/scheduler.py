@@ -55,6 +55,7 @@ def offloadable(request: "Request") -> bool:
 def _event_hashes(request: "Request", n: int) -> List[Any]:
     """vLLM's external hashes of the request's first ``n`` blocks (what its device events carry)."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
     hashes = list(request.block_hashes[:n])
     return [maybe_convert_block_hash(h) for h in hashes] if len(hashes) == n else []
 
@@ -69,9 +70,11 @@ class SchedulerSide:
         self.hybrid = is_hybrid(settings.groups)
         self._loading: Set[str] = set()  # loads run ahead whose end vLLM has not seen yet
         self._main = next((k for k, g in enumerate(settings.groups) if g.kind in FULL), 0)
-        self.client = LookupClient([lookup_endpoint(settings.engine_id, settings.run_dir, r)
-                                    for r in range(settings.tp_size)],
-                                   wait_s=settings.lookup_wait_ms / 1000.0, give_up_s=settings.lookup_give_up_s)
+        self.client = LookupClient(
+            [lookup_endpoint(settings.engine_id, settings.run_dir, r) for r in range(settings.tp_size)],
+            wait_s=settings.lookup_wait_ms / 1000.0,
+            give_up_s=settings.lookup_give_up_s,
+        )
         self._hits: Dict[str, Tuple[int, int, Optional[VllmHandover]]] = {}  # request -> (vLLM's computed
         # tokens, tokens we load, the handover they come from or None for the tiers)
         self._prefills: Dict[str, Tuple[Any, List[int]]] = {}  # handover prefill side: request, its blocks so far
@@ -97,8 +100,9 @@ class SchedulerSide:
             return VllmHandover.from_params(request.kv_transfer_params)
         except HandoverRefused as e:
             self.handovers_refused += 1
-            log.warning("FlexKVConnector: request %s: %s; the next connector, if any, hands it over",
-                        request.request_id, e)
+            log.warning(
+                "FlexKVConnector: request %s: %s; the next connector, if any, hands it over", request.request_id, e
+            )
             return None
 
     def matched_tokens(self, request: "Request", num_computed: int) -> Tuple[Optional[int], bool]:
@@ -118,8 +122,14 @@ class SchedulerSide:
         hit = self._answers.get(request.request_id)
         if hit is None:
             # The decision is about what vLLM lacks: the blocks beyond its own prefix-cache hit.
-            hit = self.client.query(request.request_id, request.all_token_ids[:usable], _lora(request),
-                                    request.cache_salt, request.num_tokens, num_computed // self.bs)
+            hit = self.client.query(
+                request.request_id,
+                request.all_token_ids[:usable],
+                _lora(request),
+                request.cache_salt,
+                request.num_tokens,
+                num_computed // self.bs,
+            )
             if hit is None:
                 return None, False  # asked; vLLM asks again next step
             self._answers[request.request_id] = hit
@@ -134,8 +144,13 @@ class SchedulerSide:
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self._answers.pop(request.request_id, None)  # scheduled: a later wait (preemption) asks anew
         params = request.kv_transfer_params
-        if self.s.handover and isinstance(params, dict) and params.get("do_remote_decode") and offloadable(request) \
-                and self._source_info() is not None:
+        if (
+            self.s.handover
+            and isinstance(params, dict)
+            and params.get("do_remote_decode")
+            and offloadable(request)
+            and self._source_info() is not None
+        ):
             self._prefills[request.request_id] = (request, [])  # block ids arrive with build_meta
             # Ours from here: a NixlConnector after us in the MultiConnector (there only because
             # Dynamo requires one) then neither tracks, holds nor names the blocks, and decode's
@@ -151,15 +166,29 @@ class SchedulerSide:
         per_group = blocks.get_block_ids()
         block_ids = list(per_group[self._main][:end])
         if len(block_ids) < end:
-            log.warning("FlexKVConnector: request %s has %d blocks for a %d-block load; not loading",
-                        request.request_id, len(block_ids), end)
+            log.warning(
+                "FlexKVConnector: request %s has %d blocks for a %d-block load; not loading",
+                request.request_id,
+                len(block_ids),
+                end,
+            )
             return
         groups = self._group_ids(per_group, end) if self.hybrid and handover is None else {}
         if groups:
             self._loading.add(request.request_id)
-        self._loads.append(LoadSpec(request.request_id, list(request.all_token_ids[: end * self.bs]), block_ids,
-                                    local // self.bs, _lora(request), request.cache_salt, _event_hashes(request, end),
-                                    handover, groups))
+        self._loads.append(
+            LoadSpec(
+                request.request_id,
+                list(request.all_token_ids[: end * self.bs]),
+                block_ids,
+                local // self.bs,
+                _lora(request),
+                request.cache_salt,
+                _event_hashes(request, end),
+                handover,
+                groups,
+            )
+        )
         self.hit_tokens += external
 
     def build_meta(self, scheduler_output: Optional["SchedulerOutput"] = None) -> FlexKVMetadata:
@@ -208,8 +237,12 @@ class SchedulerSide:
                 n = request.num_prompt_tokens // self.bs
                 # Each block's digest names the prefix it holds (handover.py _content_tags), as
                 # decode hashes its own prompt.
-                hashes = block_hashes(request.prompt_token_ids[: n * self.bs], self.bs, lora_name=_lora(request),
-                                      cache_salt=request.cache_salt).sequence.tolist()
+                hashes = block_hashes(
+                    request.prompt_token_ids[: n * self.bs],
+                    self.bs,
+                    lora_name=_lora(request),
+                    cache_salt=request.cache_salt,
+                ).sequence.tolist()
                 self._digests.append((rid, ids[:n], hashes))
 
     def _group_ids(self, per_group: Any, n: int) -> Dict[int, List[int]]:
@@ -222,8 +255,9 @@ class SchedulerSide:
             return self.request_finished(request, list(per_group[0]))
         return self.request_finished(request, list(per_group[self._main]), per_group)
 
-    def request_finished(self, request: "Request", block_ids: List[int],
-                         per_group: Any = None) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished(
+        self, request: "Request", block_ids: List[int], per_group: Any = None
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self.client.forget(request.request_id)
         self._hits.pop(request.request_id, None)
         self._prompt_len.pop(request.request_id, None)
@@ -239,8 +273,17 @@ class SchedulerSide:
         if n <= 0:
             return held, params
         groups = self._group_ids(per_group, n) if per_group is not None else {}
-        self._saves.append(SaveSpec(request.request_id, list(tokens[: n * self.bs]), list(block_ids[:n]),
-                                    _lora(request), request.cache_salt, _event_hashes(request, n), groups))
+        self._saves.append(
+            SaveSpec(
+                request.request_id,
+                list(tokens[: n * self.bs]),
+                list(block_ids[:n]),
+                _lora(request),
+                request.cache_salt,
+                _event_hashes(request, n),
+                groups,
+            )
+        )
         self.saved_requests += 1
         return True, params  # vLLM frees the blocks once a worker lists the request as finished sending
 
@@ -277,8 +320,9 @@ class SchedulerSide:
             return {KEY: None}
         expires = time.time() + self.s.handover_lease_s
         self._holds.append((request.request_id, expires))
-        return VllmHandover(**asdict(self._source), req=request.request_id, blocks=list(block_ids[:n]),
-                            lease_expires_unix=expires).to_params()
+        return VllmHandover(
+            **asdict(self._source), req=request.request_id, blocks=list(block_ids[:n]), lease_expires_unix=expires
+        ).to_params()
 
     def reset(self) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: every rank's

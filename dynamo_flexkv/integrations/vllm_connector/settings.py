@@ -21,6 +21,7 @@ def run_dir_or_default(run_dir: Optional[str]) -> str:
     else the temp directory."""
     return run_dir or os.environ.get(RUN_DIR_ENV) or tempfile.gettempdir()
 
+
 # kv_connector_extra_config keys -> (field, type, default, what it does)
 EXTRA_KEYS: Dict[str, tuple] = {
     "layerwise": (bool, True, "load layer by layer, each attention layer waits only for its own layer"),
@@ -30,20 +31,36 @@ EXTRA_KEYS: Dict[str, tuple] = {
     "lookup_give_up_s": (float, 2.0, "a lookup unanswered this long is a miss (the prompt is computed)"),
     "load_timeout_s": (float, 30.0, "a layer not loaded after this long is cancelled and recomputed"),
     "drain_timeout_s": (float, 20.0, "longest shutdown waits for stores still writing"),
-    "handover": (bool, False, "disaggregated workers: carry the prefill->decode handover (NIXL READ of the prefill's "
-                              "blocks, verified by digest) instead of the next connector (docs/VLLM.md)"),
+    "handover": (
+        bool,
+        False,
+        "disaggregated workers: carry the prefill->decode handover (NIXL READ of the prefill's "
+        "blocks, verified by digest) instead of the next connector (docs/VLLM.md)",
+    ),
     "handover_lease_s": (float, 30.0, "prefill side: how long a finished request's blocks wait for decode's read"),
-    "handover_verify": (str, "owner", "what decode checks before using handed-over blocks: owner (each block still "
-                                      "held this prompt's prefix when read; trusts the transport and memory for the "
-                                      "bytes) or bytes (also the xxh3 of every byte, all layers: a second pass over "
-                                      "them on both roles); the same on both roles"),
+    "handover_verify": (
+        str,
+        "owner",
+        "what decode checks before using handed-over blocks: owner (each block still "
+        "held this prompt's prefix when read; trusts the transport and memory for the "
+        "bytes) or bytes (also the xxh3 of every byte, all layers: a second pass over "
+        "them on both roles); the same on both roles",
+    ),
     "run_dir": (str, None, "directory of the lookup socket (default $FLEXKV_RUN_DIR or the temp dir)"),
-    "mover_hook": (str, None, "module:function called as function(link, mover) for each of this worker's copy links; "
-                              "returns the mover to use instead (fault injection and tracing, e.g. tests' "
-                              "wrong_kv:one_wrong_block; the module must be importable in vLLM's worker)"),
-    "model_id": (str, None, "names the weights in the disk and remote tiers' fingerprints (default: the model path "
-                            "or hub id with its revision, the load format, and for a local directory the names, "
-                            "sizes and modification times of its weight files)"),
+    "mover_hook": (
+        str,
+        None,
+        "module:function called as function(link, mover) for each of this worker's copy links; "
+        "returns the mover to use instead (fault injection and tracing, e.g. tests' "
+        "wrong_kv:one_wrong_block; the module must be importable in vLLM's worker)",
+    ),
+    "model_id": (
+        str,
+        None,
+        "names the weights in the disk and remote tiers' fingerprints (default: the model path "
+        "or hub id with its revision, the load format, and for a local directory the names, "
+        "sizes and modification times of its weight files)",
+    ),
 }
 
 
@@ -76,8 +93,10 @@ class ConnectorSettings:
         extra = dict(kt.kv_connector_extra_config or {})
         unknown = sorted(set(extra) - set(EXTRA_KEYS))
         if unknown:
-            raise ValueError(f"FlexKVConnector: unknown kv_connector_extra_config key(s) {unknown}; known: "
-                             + ", ".join(f"{k} ({v[2]})" for k, v in EXTRA_KEYS.items()))
+            raise ValueError(
+                f"FlexKVConnector: unknown kv_connector_extra_config key(s) {unknown}; known: "
+                + ", ".join(f"{k} ({v[2]})" for k, v in EXTRA_KEYS.items())
+            )
         values: Dict[str, Any] = {}
         for key, (typ, default, _) in EXTRA_KEYS.items():
             value = extra.get(key, default)
@@ -86,32 +105,46 @@ class ConnectorSettings:
             if typ is bool and not isinstance(value, bool):
                 raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be true or false")
             if typ is float:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                        or value <= 0:
-                    raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a finite "
-                                     "positive number")
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not math.isfinite(value)
+                    or value <= 0
+                ):
+                    raise ValueError(
+                        f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a finite positive number"
+                    )
                 value = float(value)
             if typ is str and not isinstance(value, str):
                 raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a string")
             if key == "handover_lease_s" and value > MAX_LEASE_S:
-                raise ValueError(f"FlexKVConnector: kv_connector_extra_config handover_lease_s={value!r} is over "
-                                 f"{MAX_LEASE_S:.0f} s, the longest a prefill holds blocks for decode: lower it")
+                raise ValueError(
+                    f"FlexKVConnector: kv_connector_extra_config handover_lease_s={value!r} is over "
+                    f"{MAX_LEASE_S:.0f} s, the longest a prefill holds blocks for decode: lower it"
+                )
             if key == "model_id" and not value.strip():
-                raise ValueError("FlexKVConnector: kv_connector_extra_config model_id='' names no weights (tiers "
-                                 "would share KV across models): name them, or leave the key out for the default")
+                raise ValueError(
+                    "FlexKVConnector: kv_connector_extra_config model_id='' names no weights (tiers "
+                    "would share KV across models): name them, or leave the key out for the default"
+                )
             if key == "mover_hook" and not _is_entry_point(value):
-                raise ValueError(f"FlexKVConnector: kv_connector_extra_config mover_hook={value!r} must name a "
-                                 "function as module:function, e.g. mypackage.faults:wrap")
+                raise ValueError(
+                    f"FlexKVConnector: kv_connector_extra_config mover_hook={value!r} must name a "
+                    "function as module:function, e.g. mypackage.faults:wrap"
+                )
             if key == "handover_verify" and value not in ("bytes", "owner"):
-                raise ValueError(f"FlexKVConnector: kv_connector_extra_config handover_verify={value!r} must be "
-                                 "'bytes' or 'owner'")
+                raise ValueError(
+                    f"FlexKVConnector: kv_connector_extra_config handover_verify={value!r} must be 'bytes' or 'owner'"
+                )
             values[key] = value
         values.setdefault("model_id", default_model_id(vllm_config))
         run_dir = values.get("run_dir") or os.environ.get(RUN_DIR_ENV)
         if run_dir and not (os.path.isdir(run_dir) and os.access(run_dir, os.W_OK)):
             where = "kv_connector_extra_config run_dir" if values.get("run_dir") else RUN_DIR_ENV
-            raise ValueError(f"FlexKVConnector: {where}={run_dir!r} is not a writable directory (the lookup socket "
-                             "lives there): create it, or point it at one")
+            raise ValueError(
+                f"FlexKVConnector: {where}={run_dir!r} is not a writable directory (the lookup socket "
+                "lives there): create it, or point it at one"
+            )
         num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
         groups = tuple(read_groups(kv_cache_config)) if kv_cache_config is not None else ()
         block_size = groups[0].block_size if groups else int(vllm_config.cache_config.block_size)
@@ -119,11 +152,16 @@ class ConnectorSettings:
         # vLLM names each data-parallel engine <engine_id>_dp<rank> (v1/engine/core.py)
         dp = int(getattr(pc, "data_parallel_index", 0) or 0)
         dp_rank = dp if str(kt.engine_id).endswith(f"_dp{dp}") else None
-        return cls(block_size=block_size, num_blocks=num_blocks, engine_id=str(kt.engine_id),
-                   tp_size=int(pc.tensor_parallel_size), groups=groups, dp_rank=dp_rank,
-                   max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0), **values)
-
-
+        return cls(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            engine_id=str(kt.engine_id),
+            tp_size=int(pc.tensor_parallel_size),
+            groups=groups,
+            dp_rank=dp_rank,
+            max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
+            **values,
+        )
 
 
 def _is_entry_point(value: str) -> bool:
@@ -139,8 +177,10 @@ def load_mover_hook(entry: str) -> Any:
     try:
         hook = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"FlexKVConnector: kv_connector_extra_config mover_hook={entry!r} cannot be loaded in this "
-                         f"worker ({e}): put its module on the worker's PYTHONPATH") from None
+        raise ValueError(
+            f"FlexKVConnector: kv_connector_extra_config mover_hook={entry!r} cannot be loaded in this "
+            f"worker ({e}): put its module on the worker's PYTHONPATH"
+        ) from None
     if not callable(hook):
         raise ValueError(f"FlexKVConnector: kv_connector_extra_config mover_hook={entry!r} is not a function")
     return hook
@@ -167,7 +207,9 @@ def default_model_id(vllm_config: Any) -> str:
             for name in sorted(names):
                 if name.endswith(WEIGHT_FILES):
                     st = os.stat(os.path.join(root, name))
-                    digest.update(f"{os.path.relpath(os.path.join(root, name), mc.model)}\0{st.st_size}\0"
-                                  f"{st.st_mtime_ns}\n".encode())
+                    digest.update(
+                        f"{os.path.relpath(os.path.join(root, name), mc.model)}\0{st.st_size}\0"
+                        f"{st.st_mtime_ns}\n".encode()
+                    )
         parts.append(f"weights={digest.hexdigest()[:16]}")
     return "|".join(parts)

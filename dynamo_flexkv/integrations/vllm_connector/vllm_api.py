@@ -11,16 +11,35 @@ from typing import Dict, Iterable, List, Set, Tuple
 PINNED = "0.31"
 
 # Attributes of a Request (read by scheduler.py): set on the instance or properties of the class.
-REQUEST = ("request_id", "prompt_token_ids", "lora_request", "prompt_embeds", "mm_features", "block_hashes",
-           "kv_transfer_params", "cache_salt", "num_computed_tokens", "all_token_ids", "num_prompt_tokens",
-           "num_tokens")
+REQUEST = (
+    "request_id",
+    "prompt_token_ids",
+    "lora_request",
+    "prompt_embeds",
+    "mm_features",
+    "block_hashes",
+    "kv_transfer_params",
+    "cache_salt",
+    "num_computed_tokens",
+    "all_token_ids",
+    "num_prompt_tokens",
+    "num_tokens",
+)
 # Dataclass fields: (module, class) -> fields.
 FIELDS: Dict[Tuple[str, str], Tuple[str, ...]] = {
-    ("vllm.v1.core.sched.output", "SchedulerOutput"): ("scheduled_new_reqs", "scheduled_cached_reqs",
-                                                        "num_scheduled_tokens", "total_num_scheduled_tokens"),
+    ("vllm.v1.core.sched.output", "SchedulerOutput"): (
+        "scheduled_new_reqs",
+        "scheduled_cached_reqs",
+        "num_scheduled_tokens",
+        "total_num_scheduled_tokens",
+    ),
     ("vllm.v1.core.sched.output", "NewRequestData"): ("req_id", "prompt_token_ids", "block_ids"),
-    ("vllm.v1.core.sched.output", "CachedRequestData"): ("req_ids", "resumed_req_ids", "new_block_ids",
-                                                          "num_output_tokens"),
+    ("vllm.v1.core.sched.output", "CachedRequestData"): (
+        "req_ids",
+        "resumed_req_ids",
+        "new_block_ids",
+        "num_output_tokens",
+    ),
     ("vllm.v1.outputs", "KVConnectorOutput"): ("finished_recving", "kv_cache_events"),
     ("vllm.lora.request", "LoRARequest"): ("lora_name",),
 }
@@ -51,8 +70,11 @@ def _instance_attributes(cls: type) -> Set[str]:
         except (OSError, TypeError):  # a class without Python source
             continue
         for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else (
-                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else ([node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            )
             for t in targets:
                 for leaf in ast.walk(t):
                     if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self":
@@ -77,5 +99,7 @@ def check() -> None:
     if gone:
         import vllm
 
-        raise RuntimeError(f"FlexKVConnector: vLLM {getattr(vllm, '__version__', '?')} lacks {', '.join(gone)}, which "
-                           f"the connector reads (it is built for vLLM {PINNED}): install vllm=={PINNED}.0")
+        raise RuntimeError(
+            f"FlexKVConnector: vLLM {getattr(vllm, '__version__', '?')} lacks {', '.join(gone)}, which "
+            f"the connector reads (it is built for vLLM {PINNED}): install vllm=={PINNED}.0"
+        )

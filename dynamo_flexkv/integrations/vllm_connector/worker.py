@@ -5,8 +5,9 @@ stores (finished requests, whose blocks vLLM keeps until we report them) and loa
 each layer's copy is its own op); ``wait_layer`` before each attention layer waits for that
 layer only; ``end_step`` after the forward collects the loads, so no copy into vLLM's blocks
 outlives the step. ``begin_step`` (vLLM binding the step's metadata, before the forward) and
-``end_step`` time the steps that only prefill: the cost model's measure of recompute. A load that failed, or found less than the scheduler was told, reports its
-blocks through ``take_load_errors`` and vLLM recomputes them (kv_load_failure_policy=recompute).
+``end_step`` time the steps that only prefill: the cost model's measure of recompute. A load that
+failed, or found less than the scheduler was told, reports its blocks through ``take_load_errors``
+and vLLM recomputes them (kv_load_failure_policy=recompute).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class _Load:
 @dataclass(frozen=True)
 class TransferRecord:
     """One finished load or store of this worker (``transfer_log``): which of vLLM's blocks."""
+
     kind: str  # "load", "store" or "handover" (a read from a prefill worker)
     req_id: str
     block_ids: List[int]  # load/handover: the blocks it filled; store: the blocks it copied out
@@ -74,6 +76,7 @@ class TransferRecord:
 @dataclass
 class LoadCounters:
     """Tokens this worker loaded, by tier, and tokens it had to hand back for recompute."""
+
     loaded: Dict[str, int]
     recomputed: int = 0
     failed_loads: int = 0
@@ -118,14 +121,16 @@ class WorkerSide:
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         mla = latent(self.s.groups)
         desc = describe(kv_caches, self.s.num_blocks, self.s.block_size, latent=mla)
-        cache = CacheConfig.load().replace(tokens_per_block=self.s.block_size, tp_rank=self.tp_rank,
-                                           tp_size=self.tp_size)
+        cache = CacheConfig.load().replace(
+            tokens_per_block=self.s.block_size, tp_rank=self.tp_rank, tp_size=self.tp_size
+        )
         # MLA's latent is the same on every rank: through the node cache the ranks share one copy,
         # which rank 0 stores and every rank loads (embedded, each rank keeps its own).
         replicated = mla and self.tp_size > 1
         self._stores = not (replicated and cache.mode == "node" and self.tp_rank > 0)
-        parts = ([f"dp{self.s.dp_rank}"] if self.s.dp_rank is not None else []) + \
-            ([f"rank{self.tp_rank}"] if self.tp_size > 1 else [])
+        parts = ([f"dp{self.s.dp_rank}"] if self.s.dp_rank is not None else []) + (
+            [f"rank{self.tp_rank}"] if self.tp_size > 1 else []
+        )
         if parts and cache.ssd_cache_dir:  # each engine and rank holds its own bytes on disk
             cache = cache.replace(ssd_cache_dir=_subdirs(cache.ssd_cache_dir, *parts))
         hybrid = is_hybrid(self.s.groups)
@@ -137,11 +142,23 @@ class WorkerSide:
         hook = load_mover_hook(self.s.mover_hook) if self.s.mover_hook else None
         model_id = f"{self.s.model_id}|{desc.layout_tag}"
         share = aux_share(self.s.groups, self.s.block_size, self.s.max_model_len) if hybrid else 0.0
-        main_cache = cache.replace(cpu_cache_gb=cache.cpu_cache_gb * (1 - share),
-                                   ssd_cache_gb=cache.ssd_cache_gb * (1 - share)) if hybrid else cache
-        self.offload = open_offload(desc.model, main_cache, layerwise=self.s.layerwise, listener=self.events,
-                                    model_id=model_id, engine=self.s.engine_id, rank=self.tp_rank, ranks=self.tp_size,
-                                    replicated=replicated, mover_hook=hook)
+        main_cache = (
+            cache.replace(cpu_cache_gb=cache.cpu_cache_gb * (1 - share), ssd_cache_gb=cache.ssd_cache_gb * (1 - share))
+            if hybrid
+            else cache
+        )
+        self.offload = open_offload(
+            desc.model,
+            main_cache,
+            layerwise=self.s.layerwise,
+            listener=self.events,
+            model_id=model_id,
+            engine=self.s.engine_id,
+            rank=self.tp_rank,
+            ranks=self.tp_size,
+            replicated=replicated,
+            mover_hook=hook,
+        )
         try:
             self.offload.register(desc.tensors, desc.layout)
             if hybrid:
@@ -151,31 +168,52 @@ class WorkerSide:
             if self.s.handover and not hybrid:
                 self._start_handover(desc)
             # Every rank answers for its own shard; the scheduler takes the smallest answer.
-            self.server = LookupServer(lookup_endpoint(self.s.engine_id, self.s.run_dir, self.tp_rank), self._lookup,
-                                       self._reset_for_scheduler)
+            self.server = LookupServer(
+                lookup_endpoint(self.s.engine_id, self.s.run_dir, self.tp_rank), self._lookup, self._reset_for_scheduler
+            )
             if self.tp_rank == 0:
                 self.offload.announce_adopted()  # a restarted worker's disk blocks, for the router
         except BaseException:
             self._close_offloads()
             raise
-        log.info("FlexKVConnector worker rank %d: %d layers, %s; %stiers %s", self.tp_rank, len(desc.tensors),
-                 desc.layout_tag, f"{len(self.s.groups)} KV cache groups; " if hybrid else "",
-                 self.offload.describe())
+        log.info(
+            "FlexKVConnector worker rank %d: %d layers, %s; %stiers %s",
+            self.tp_rank,
+            len(desc.tensors),
+            desc.layout_tag,
+            f"{len(self.s.groups)} KV cache groups; " if hybrid else "",
+            self.offload.describe(),
+        )
 
-    def _register_aux(self, desc: Any, cache: CacheConfig, share: float, model_id: str, replicated: bool,
-                      hook: Any) -> None:
+    def _register_aux(
+        self, desc: Any, cache: CacheConfig, share: float, model_id: str, replicated: bool, hook: Any
+    ) -> None:
         """A hybrid model's other groups (hybrid.py): their own tiers over the same tensors, a
         ``share`` of the host and disk budget, no events, every cached block loaded."""
         from dynamo_flexkv.core.enums import LoadPolicy
+
         if cache.mode == "node":  # its groups would be a second model there, with a budget of their own
-            raise ValueError("FlexKVConnector: a hybrid (sliding-window) model is not offloaded to the node cache "
-                             "yet (cache mode: node); use mode: embedded for this worker")
-        aux_cache = cache.replace(cpu_cache_gb=cache.cpu_cache_gb * share, ssd_cache_gb=cache.ssd_cache_gb * share,
-                                  load_policy=LoadPolicy.ALWAYS,
-                                  ssd_cache_dir=_subdirs(cache.ssd_cache_dir, "groups") if cache.ssd_cache_dir else ())
-        self.aux = open_offload(desc.model, aux_cache, layerwise=False, model_id=f"{model_id}|groups",
-                                engine=self.s.engine_id, rank=self.tp_rank, ranks=self.tp_size, replicated=replicated,
-                                mover_hook=hook)
+            raise ValueError(
+                "FlexKVConnector: a hybrid (sliding-window) model is not offloaded to the node cache "
+                "yet (cache mode: node); use mode: embedded for this worker"
+            )
+        aux_cache = cache.replace(
+            cpu_cache_gb=cache.cpu_cache_gb * share,
+            ssd_cache_gb=cache.ssd_cache_gb * share,
+            load_policy=LoadPolicy.ALWAYS,
+            ssd_cache_dir=_subdirs(cache.ssd_cache_dir, "groups") if cache.ssd_cache_dir else (),
+        )
+        self.aux = open_offload(
+            desc.model,
+            aux_cache,
+            layerwise=False,
+            model_id=f"{model_id}|groups",
+            engine=self.s.engine_id,
+            rank=self.tp_rank,
+            ranks=self.tp_size,
+            replicated=replicated,
+            mover_hook=hook,
+        )
         self.aux.register(desc.tensors, desc.layout)
         self.tiers = GroupTiers(self.s.groups, self.offload, self.aux, self.s.block_size)
 
@@ -189,11 +227,17 @@ class WorkerSide:
         """This worker's NIXL agent for the P->D handover; without one (tensor parallelism, no NIXL)
         the scheduler finds no source file and the next connector hands requests over."""
         if self.tp_size > 1:
-            log.warning("FlexKVConnector: handover with tensor parallelism %d is not supported; the next connector "
-                        "hands requests over", self.tp_size)
+            log.warning(
+                "FlexKVConnector: handover with tensor parallelism %d is not supported; the next connector "
+                "hands requests over",
+                self.tp_size,
+            )
             return
         from dynamo_flexkv.core.layout import KVLayoutType
-        layers = desc.tensors if desc.layout is KVLayoutType.LAYERBLOCK else [t[k] for t in desc.tensors for k in (0, 1)]
+
+        layers = (
+            desc.tensors if desc.layout is KVLayoutType.LAYERBLOCK else [t[k] for t in desc.tensors for k in (0, 1)]
+        )
         try:
             self.handover = Handover(layers, self.s.engine_id, self.s.run_dir, self.s.handover_verify)
         except Exception as e:  # noqa: BLE001 - NIXL's own types; the graph still serves through NixlConnector
@@ -202,8 +246,9 @@ class WorkerSide:
     def _lookup(self, tokens, lora: Optional[str], salt: Optional[str], prompt_tokens: int, local_blocks: int) -> int:
         if self.tiers is not None:
             return self.tiers.cached_tokens(tokens, lora, salt, prompt_tokens, local_blocks)
-        return self.offload.cached_tokens(tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens,
-                                          skip_blocks=local_blocks)
+        return self.offload.cached_tokens(
+            tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens, skip_blocks=local_blocks
+        )
 
     # ---- one step --------------------------------------------------------------------------------
     def start_load(self, meta: FlexKVMetadata) -> None:
@@ -227,11 +272,23 @@ class WorkerSide:
                 self._alias(save.token_ids, save.event_hashes, save.lora_name, save.cache_salt)
                 if self.tiers is not None and save.groups:
                     self._stored_groups[save.req_id] = save.groups
-                    started = self.tiers.store(save.token_ids, save.groups, save.req_id, save.lora_name,
-                                               save.cache_salt, save.event_hashes or None)
+                    started = self.tiers.store(
+                        save.token_ids,
+                        save.groups,
+                        save.req_id,
+                        save.lora_name,
+                        save.cache_salt,
+                        save.event_hashes or None,
+                    )
                 else:
-                    self.offload.store(save.token_ids, save.block_ids, key=save.req_id, lora_name=save.lora_name,
-                                       cache_salt=save.cache_salt, names=save.event_hashes or None)
+                    self.offload.store(
+                        save.token_ids,
+                        save.block_ids,
+                        key=save.req_id,
+                        lora_name=save.lora_name,
+                        cache_salt=save.cache_salt,
+                        names=save.event_hashes or None,
+                    )
                     started = 1
                 if started:
                     self._saving[save.req_id] = self._saving.get(save.req_id, 0) + started
@@ -262,8 +319,9 @@ class WorkerSide:
     def _start(self, spec: LoadSpec) -> None:
         try:
             self._alias(spec.token_ids, spec.event_hashes, spec.lora_name, spec.cache_salt)
-            tid = self.offload.load(spec.token_ids, spec.block_ids, spec.skip_blocks, lora_name=spec.lora_name,
-                                    cache_salt=spec.cache_salt)
+            tid = self.offload.load(
+                spec.token_ids, spec.block_ids, spec.skip_blocks, lora_name=spec.lora_name, cache_salt=spec.cache_salt
+            )
         except Exception as e:  # noqa: BLE001 - e.g. TooManyTasks: recompute instead
             log.warning("FlexKVConnector: load for request %s could not start (%s); recomputing", spec.req_id, e)
             tid = None
@@ -305,8 +363,9 @@ class WorkerSide:
             if rid in self._release_after_load:  # the request ended meanwhile: vLLM frees its blocks now
                 self._release_after_load.discard(rid)
                 self._saved.add(rid)
-            self.transfer_log.append(TransferRecord("load", rid, spec.block_ids[spec.skip_blocks:], ok,
-                                                    groups=spec.groups))
+            self.transfer_log.append(
+                TransferRecord("load", rid, spec.block_ids[spec.skip_blocks :], ok, groups=spec.groups)
+            )
             if ok:
                 done.add(rid)
                 for tier, n in by_tier.items():
@@ -319,13 +378,14 @@ class WorkerSide:
 
     def _pull(self, spec: LoadSpec) -> None:
         """A handed-over prompt: read from the prefill worker before this step's forward."""
-        local = spec.block_ids[spec.skip_blocks:]
+        local = spec.block_ids[spec.skip_blocks :]
         if self.handover is None:
             self._fail(spec, 0)
             self.counters.handover_failures += 1
             return
-        hashes = block_hashes(spec.token_ids, self.s.block_size, lora_name=spec.lora_name,
-                              cache_salt=spec.cache_salt).sequence
+        hashes = block_hashes(
+            spec.token_ids, self.s.block_size, lora_name=spec.lora_name, cache_salt=spec.cache_salt
+        ).sequence
         r = self.handover.pull(spec.handover, spec.skip_blocks, local, self.s.load_timeout_s, hashes)
         self.counters.handover_bytes += r.nbytes
         self.counters.handover_seconds += r.seconds
@@ -335,12 +395,13 @@ class WorkerSide:
             self.counters.handover_failures += 1
             self.counters.handover_corrupt += r.why == "corrupt"
             self._fail(spec, 0)
-        self.transfer_log.append(TransferRecord("handover", spec.req_id, list(local), r.ok, r.seconds, r.nbytes,
-                                                r.verify_seconds))
+        self.transfer_log.append(
+            TransferRecord("handover", spec.req_id, list(local), r.ok, r.seconds, r.nbytes, r.verify_seconds)
+        )
 
     def _fail(self, spec: LoadSpec, from_block: int) -> None:
         """Blocks [skip + from_block, ...) of ``spec`` are not loaded: vLLM recomputes them."""
-        bad = set(spec.block_ids[spec.skip_blocks + from_block:]) - self._errors
+        bad = set(spec.block_ids[spec.skip_blocks + from_block :]) - self._errors
         self._errors |= bad
         self.counters.recomputed += len(bad) * self.s.block_size
 
@@ -358,8 +419,12 @@ class WorkerSide:
         try:
             for i in range(self.offload.num_layers) if layer is None else (layer,):
                 if not self.offload.wait_layer(ld.tid, i, self.s.load_timeout_s):
-                    log.warning("FlexKVConnector: load for request %s still not on the device after %.0f s; "
-                                "cancelling it and recomputing", ld.spec.req_id, self.s.load_timeout_s)
+                    log.warning(
+                        "FlexKVConnector: load for request %s still not on the device after %.0f s; "
+                        "cancelling it and recomputing",
+                        ld.spec.req_id,
+                        self.s.load_timeout_s,
+                    )
                     self.offload.cancel_load(ld.tid, ())  # the request keeps its blocks; end_step collects it
                     raise TaskFailed("timed out")
         except TaskFailed:
@@ -389,8 +454,11 @@ class WorkerSide:
                 ld.failed = True
                 self._fail(ld.spec, 0)
             spec = ld.spec
-            self.transfer_log.append(TransferRecord("load", spec.req_id, spec.block_ids[spec.skip_blocks:][
-                :ld.planned_blocks], not ld.failed))
+            self.transfer_log.append(
+                TransferRecord(
+                    "load", spec.req_id, spec.block_ids[spec.skip_blocks :][: ld.planned_blocks], not ld.failed
+                )
+            )
             if ld.failed:
                 self.counters.failed_loads += 1
             else:
@@ -417,8 +485,11 @@ class WorkerSide:
             main = off is self.offload
             for hold in off.finished_holds():
                 if main:  # the main group's blocks are the request's (a hybrid model's others are extra)
-                    self.transfer_log.append(TransferRecord("store", hold.key, hold.blocks, True,
-                                                            groups=self._stored_groups.pop(hold.key, {})))
+                    self.transfer_log.append(
+                        TransferRecord(
+                            "store", hold.key, hold.blocks, True, groups=self._stored_groups.pop(hold.key, {})
+                        )
+                    )
                     self.stored_tokens += len(hold.blocks) * self.s.block_size
                 left = self._saving.get(hold.key, 0) - 1
                 if left > 0:
@@ -473,9 +544,11 @@ class WorkerSide:
         """The scheduler's reset_cache: host and disk dropped once the writes finished. False with
         a remote tier, which keeps the old blocks for every worker sharing it."""
         if not self.reset_tiers(self.s.drain_timeout_s):
-            log.warning("FlexKVConnector: host and disk tiers reset; the remote tier %s keeps its blocks (shared "
-                        "with other workers): after a weight update give the new weights a new model_id",
-                        self.offload.describe().get("remote"))
+            log.warning(
+                "FlexKVConnector: host and disk tiers reset; the remote tier %s keeps its blocks (shared "
+                "with other workers): after a weight update give the new weights a new model_id",
+                self.offload.describe().get("remote"),
+            )
             return False
         log.info("FlexKVConnector: host and disk tiers reset (reset_prefix_cache)")
         return True
@@ -486,10 +559,16 @@ class WorkerSide:
         if self.offload is None:
             return {}
         c = self.counters
-        totals = {"recomputed_tokens": c.recomputed, "failed_loads": c.failed_loads, "stored_tokens": self.stored_tokens,
-                  "handover_tokens": c.handover_tokens, "handover_bytes": c.handover_bytes,
-                  "handover_seconds": c.handover_seconds, "handover_failures": c.handover_failures,
-                  "handover_corrupt": c.handover_corrupt}
+        totals = {
+            "recomputed_tokens": c.recomputed,
+            "failed_loads": c.failed_loads,
+            "stored_tokens": self.stored_tokens,
+            "handover_tokens": c.handover_tokens,
+            "handover_bytes": c.handover_bytes,
+            "handover_seconds": c.handover_seconds,
+            "handover_failures": c.handover_failures,
+            "handover_corrupt": c.handover_corrupt,
+        }
         totals.update({f"loaded_tokens/{t}": n for t, n in self.counters.loaded.items()})
         out: Dict[str, Any] = {}
         now = time.monotonic()
@@ -518,8 +597,10 @@ class WorkerSide:
             self.server = None
         if self.offload is not None:
             if not self.drain(timeout=self.s.drain_timeout_s):
-                log.warning("FlexKVConnector: offload writes still running after %.0f s at shutdown; cancelled",
-                            self.s.drain_timeout_s)
+                log.warning(
+                    "FlexKVConnector: offload writes still running after %.0f s at shutdown; cancelled",
+                    self.s.drain_timeout_s,
+                )
             for _, parts, _ in self._ahead.values():  # loads run ahead of requests that never ran
                 for off, tid in parts:
                     off.cancel_load(tid, ())
