@@ -76,4 +76,4 @@ fi
 
 # 6. This package and its native extension (CMake reuses build/, so a rerun is incremental).
 pip install --no-build-isolation --no-deps -e .
-"$VENV/bin/python" -c "import dynamo_flexkv._native" || { echo "install.sh: native extension did not build" >&2; exit 1; }
+"$VENV/bin/python" -c "import dynamo_flexkv.core._native" || { echo "install.sh: native extension did not build" >&2; exit 1; }

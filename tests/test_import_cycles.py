@@ -1,8 +1,9 @@
-"""No import cycle anywhere in the package, function-level imports included (a cycle closed by
-an import inside a function still ties the two modules into one): every module's imports form a
-graph without a strongly connected component of more than one module. Imports under
-``if TYPE_CHECKING:`` are annotations only and do not count; the native extension is a leaf, and
-only core/native.py imports it."""
+"""No import cycle anywhere in the package, by the same rule as the team's cycle tool
+(shared/tools/import_cycles.py): every import counts, inside a function or under
+``if TYPE_CHECKING:`` too (an annotation-only import still ties two modules together for a reader),
+and ``from pkg import name`` is an import of ``pkg`` (its ``__init__`` runs) and of ``pkg.name``
+when that is a module. The native extension is a leaf inside the core, and only core/native.py
+imports it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Dict, List, Set
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "dynamo_flexkv"
-EXTENSION = f"{PACKAGE}._native"
+EXTENSION = f"{PACKAGE}.core._native"
 
 
 def _modules() -> Dict[str, Path]:
@@ -28,35 +29,26 @@ def _modules() -> Dict[str, Path]:
 
 def _imports(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
     tree = ast.parse(path.read_text())
-    skip: Set[int] = set()
-    for node in ast.walk(tree):  # `if TYPE_CHECKING:` bodies
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    is_pkg = path.name == "__init__.py"
-    out: Set[str] = set()
+    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    named: Set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
-            continue
         if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        else:
+            named.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parts = name.split(".") if is_pkg else name.split(".")[:-1]
-                parts = parts[: len(parts) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            targets = [
-                f"{base}.{a.name}" if f"{base}.{a.name}" in modules or f"{base}.{a.name}" == EXTENSION else base
-                for a in node.names
-            ]
-        for t in targets:
-            if t == EXTENSION:
-                out.add(t)
-                continue
-            while t and t not in modules:
-                t = t.rpartition(".")[0]
-            if t and t != name:
-                out.add(t)
+                base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+            named.add(base)
+            named.update(f"{base}.{a.name}" for a in node.names)
+    out: Set[str] = set()
+    for t in named:
+        if t == EXTENSION:
+            out.add(t)
+            continue
+        while t and t not in modules:
+            t = t.rpartition(".")[0]
+        if t and t != name:
+            out.add(t)
     return out
 
 
@@ -111,3 +103,15 @@ def test_only_core_native_imports_the_extension():
 
 def test_the_checker_sees_a_cycle_closed_inside_a_function():
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_the_checker_counts_type_checking_and_package_imports(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "def f():\n    from dynamo_flexkv.core import hashing\n"
+        "if TYPE_CHECKING:\n    from dynamo_flexkv.core.node.server import NodeCacheServer\n"
+    )
+    modules = _modules()
+    got = _imports(f"{PACKAGE}.core.x", src, modules)
+    assert got == {f"{PACKAGE}.core", f"{PACKAGE}.core.hashing", f"{PACKAGE}.core.node.server"}, got

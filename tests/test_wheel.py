@@ -42,7 +42,7 @@ from dynamo_flexkv.serve.plan import load_config
 
 venv_dir, work = sys.argv[1], sys.argv[2]
 assert dynamo_flexkv.__file__.startswith(venv_dir), f"imported {dynamo_flexkv.__file__}, not the wheel"
-assert dynamo_flexkv._native.__file__.startswith(venv_dir), dynamo_flexkv._native.__file__
+assert dynamo_flexkv.core._native.__file__.startswith(venv_dir), dynamo_flexkv.core._native.__file__
 
 # Shipped graphs and configs by name and by their repository path.
 graph = resolve(GRAPHS, "agg_router")

@@ -6,7 +6,7 @@
 * sequence hash: ``seq[0] = tok[0]``, ``seq[i] = xxh3_64(LE u64 seq[i-1] || LE u64 tok[i])``;
   unique per prefix, so it keys the offload index and is the router's opaque block hash.
 
-A trailing partial block is never hashed. The hot loop runs in ``dynamo_flexkv._native`` with
+A trailing partial block is never hashed. The hot loop runs in ``dynamo_flexkv.core._native`` with
 the GIL released.
 """
 

@@ -1,4 +1,4 @@
-"""The one access point to the C++ core (native/, built as the extension ``dynamo_flexkv._native``):
+"""The one access point to the C++ core (native/, built as the extension ``dynamo_flexkv.core._native``):
 every module that calls native code imports this one, ``from dynamo_flexkv.core import native``, so
 which extension is loaded, and when, is decided here (importing this module loads it). The code
 calls the names bound here: a test that replaces one patches it on this module."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynamo_flexkv import _native as extension
+import dynamo_flexkv.core._native as extension
 
 PATH = extension.__file__  # where the loaded extension lives (dynamo-flexkv doctor reports it)
 # Its functions and constants as this module's own names (a plain lookup on the hot paths).

@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Protocol, Set
 
 import numpy as np
 
@@ -25,7 +25,8 @@ from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.layout import DTYPE_BYTES
 from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
-from dynamo_flexkv.core.node.engines import EngineDevice
+from dynamo_flexkv.core.node.engines import EngineDevice, Fence
+from dynamo_flexkv.core.node.namespace import Namespace, ServerOptions
 from dynamo_flexkv.core.node.protocol import (
     VERSION,
     Attach,
@@ -50,9 +51,6 @@ from dynamo_flexkv.core.node.protocol import (
 )
 from dynamo_flexkv.core.tasks import TaskResult
 
-if TYPE_CHECKING:
-    from dynamo_flexkv.core.node.server import Namespace, NodeCacheServer
-
 log = logging.getLogger(__name__)
 
 SLOW_ANSWER_S = 0.1  # a request that took longer is logged
@@ -66,14 +64,29 @@ class RequestRefused(ValueError, FlexKVError):
     """A request this engine may not make (wrong order, another engine's task, ids out of range)."""
 
 
+class SessionHost(Protocol):
+    """What a session needs of the service that accepted it (server.NodeCacheServer)."""
+
+    options: ServerOptions
+    incarnation: str
+    counters: Dict[str, int]
+    fence: Fence
+
+    def namespace_for(self, attach: Attach, session: "Session") -> Namespace: ...
+
+    def leave(self, ns: Namespace, session: "Session") -> None: ...
+
+    def session_ended(self, session: "Session") -> None: ...
+
+
 class Session:
-    def __init__(self, server: "NodeCacheServer", sid: int, conn: socket.socket) -> None:
+    def __init__(self, server: SessionHost, sid: int, conn: socket.socket) -> None:
         self.server, self.id = server, sid
         pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         self.pid, self.uid = pid, uid
         self.channel = Channel(conn, f"engine-{sid}-pid{pid}", server.options.max_queued_mb << 20)
         self.attach: Optional[Attach] = None
-        self.ns: Optional["Namespace"] = None
+        self.ns: Optional[Namespace] = None
         self.device: Optional[EngineDevice] = None
         self._tasks: Set[int] = set()  # issued, not finished
         self._finished_early: Set[int] = set()  # finished inside the call that issued them

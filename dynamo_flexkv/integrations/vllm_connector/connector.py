@@ -20,11 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from dynamo_flexkv.core.stats import ManagerStats
-from dynamo_flexkv.integrations.vllm_connector import vllm_api
+from dynamo_flexkv.integrations.vllm_connector.vllm_api import check as check_vllm_api
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
 
-if TYPE_CHECKING:  # vLLM's types at the boundary (vllm_api.check() verifies the fields read)
+if TYPE_CHECKING:  # vLLM's types at the boundary (vllm_api.check verifies the fields read)
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -43,7 +43,7 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Optional["KVCacheConfig"] = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        vllm_api.check()  # the scheduler API this connector reads is the pinned vLLM's
+        check_vllm_api()  # the scheduler API this connector reads is the pinned vLLM's
         policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         if policy != "recompute":
             raise ValueError(

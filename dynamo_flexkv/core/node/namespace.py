@@ -1,0 +1,72 @@
+"""What the node cache service is configured with (ServerOptions) and one namespace: the tiers
+shared by the engines whose KV bytes are interchangeable (server.py, protocol.attach_key)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.layout import ModelSpec
+from dynamo_flexkv.core.manager import KVManager
+from dynamo_flexkv.core.node.mirror import EventMirror
+from dynamo_flexkv.core.node.protocol import describe_key
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    socket_path: str
+    max_clients: int = 64  # attached engines (ranks count one each); more are refused, the others served
+    max_models: int = 1  # namespaces: each holds its own tiers of the configured sizes
+    max_queued_mb: int = 256  # per engine: events and copies queued for an engine that does not read
+
+    def __post_init__(self) -> None:
+        if not self.socket_path:
+            raise ConfigError("the node cache needs a socket path (node_socket)")
+        if len(os.fsencode(self.socket_path)) > 107:
+            raise ConfigError(
+                f"node_socket {self.socket_path!r} is longer than a Unix socket path may be (107 "
+                "bytes): choose a shorter one"
+            )
+        for name in ("max_clients", "max_models", "max_queued_mb"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+class Namespace:
+    """The tiers shared by the engines of one attach_key."""
+
+    def __init__(
+        self, key: Tuple[Any, ...], config: CacheConfig, ssd_root: Tuple[str, ...], index: int, ranks: int = 1
+    ) -> None:
+        self.key = key
+        d = describe_key(key)
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        self.salt = f"{d['tenant']}" if d["tenant"] else ""
+        # A tensor-parallel model's shards split its tiers: one model's memory and disk in all.
+        cfg = config.replace(
+            tokens_per_block=d["tokens_per_block"],
+            cpu_cache_gb=config.cpu_cache_gb / ranks,
+            ssd_cache_gb=config.ssd_cache_gb / ranks,
+            ssd_cache_dir=tuple(os.path.join(r, f"ns-{digest}") for r in ssd_root),
+        )
+        model = ModelSpec(
+            num_layers=d["num_layers"],
+            num_kv_heads=d["num_kv_heads"],
+            head_size=d["head_size"],
+            dtype=d["dtype"],
+            kv_dim=d["kv_dim"],
+        )
+        self.mirror = EventMirror(d["tokens_per_block"])
+        self.kv = KVManager(
+            model, cfg, namespace=self.salt or None, listener=self.mirror, model_id=d["model_id"], share_host=True
+        )
+        self.index = index
+        self.sessions: Dict[int, Any] = {}
+        self.created = time.monotonic()
+
+    def describe(self) -> Dict[str, Any]:
+        return {**describe_key(self.key), "engines": len(self.sessions), "blocks": self.mirror.blocks}
