@@ -80,17 +80,23 @@ def _metric_sums(url: str, name: str, *by: str) -> dict:
     return out
 
 
+def published_events(worker_metrics: List[str]) -> float:
+    """KV events the workers published (each worker's counter, from its current life)."""
+    return sum(sum(_metric_sums(u, "flexkv_kv_events_published_total").values()) for u in worker_metrics)
+
+
+def applied_events(frontend_metrics: str) -> float:
+    """KV events the frontend's router applied (to its index, or refused with a status)."""
+    return sum(_metric_sums(frontend_metrics, "dynamo_component_kv_cache_events_applied").values())
+
+
 def events_applied(frontend_metrics: str, worker_metrics: List[str], timeout: float = 60) -> dict:
     """Waits until the frontend's router applied as many KV events as the workers published
     (every one arrived), then returns the applied events by (event_type, status): a status other
     than "ok" is an event the router could not apply (a parent or block it did not know)."""
-
-    def published() -> float:
-        return sum(sum(_metric_sums(u, "flexkv_kv_events_published_total").values()) for u in worker_metrics)
-
     deadline = time.monotonic() + timeout
     while True:
-        want = published()
+        want = published_events(worker_metrics)
         applied = _metric_sums(frontend_metrics, "dynamo_component_kv_cache_events_applied", "event_type", "status")
         if sum(applied.values()) >= want:
             return {k: v for k, v in applied.items() if v}

@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,12 +15,14 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 from served import (
     Serve,
     assert_all_gone,
+    applied_events,
     assert_gone,
     complete,
     holder_of,  # noqa: E402
     inflight,
     make_plan,
     metric,
+    published_events,
     routed_workers,
     stream,
     wait_until,
@@ -67,6 +68,8 @@ def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_sp
             first_pid = launcher.running[victim.name].pid
             os.kill(first_pid, signal.SIGKILL)
             results = [f.result() for f in futures]
+        urls = {w.name: f"http://127.0.0.1:{w.port}/metrics" for w in (victim, other, front)}
+        applied_before, other_before = applied_events(urls[front.name]), published_events([urls[other.name]])
         assert all(r.status == 200 and r.done and r.error is None for r in results), results
         assert all(r.usage and r.usage["completion_tokens"] >= 1 for r in results), results
         migrated = metric(front.port, "dynamo_frontend_model_migration_duration_seconds_count", outcome="success")
@@ -82,7 +85,13 @@ def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_sp
         assert any(
             f"{victim.name} exited with signal SIGKILL" in e and "discovery entries" in e for e in launcher.events
         ), launcher.events
-        time.sleep(2)  # its re-announced disk blocks reach the router
+
+        def announced() -> bool:  # the restarted worker's events (its re-adopted disk blocks) all applied
+            mine = published_events([urls[victim.name]])
+            others = published_events([urls[other.name]]) - other_before
+            return mine > 0 and applied_events(urls[front.name]) - applied_before >= mine + others
+
+        wait_until("the restarted worker's disk blocks at the router", announced)
         again = complete(plan, prompt, 2)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
         # The new process counts from zero: this disk hit happened on the restarted worker.
