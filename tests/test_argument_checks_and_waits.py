@@ -1,9 +1,8 @@
 """Argument checks of the native put path of TierIndex, and KVManager.wait / cancel / timeouts, through the
 public API only (README: TierIndex, KVManager, CacheConfig).
 
-Confirmed defects are strict xfails whose reason says what is wrong; flip them when fixed. The
-randomized put/get/evict interleavings that held up under the same attack are covered by
-test_fuzz.py and test_tier_index.py.
+The randomized put/get/evict interleavings are covered by test_fuzz.py and
+test_tier_index.py.
 """
 
 from __future__ import annotations
@@ -177,7 +176,7 @@ def test_huge_python_int_device_block_ids_error_names_the_id(tmp_path):
         kv.shutdown()
 
 
-# --------------------------------------------------------------------------- fixed after the review (no xfail before)
+# --------------------------------------------------------------------------- timeouts
 
 
 def test_public_timeouts_are_validated_and_inf_means_no_limit(tmp_path):

@@ -1,6 +1,6 @@
 """Adversarial checks of the disaggregated graph's config and of `dynamo-flexkv replay`'s options,
-through their public interfaces only. Each test here documents a defect found by attack
-(xfail strict: it must start passing when the defect is fixed)."""
+through their public interfaces only: a bad option or request is refused with a message that names
+what is wrong, and a refused handover leaks no lease."""
 
 import os
 import signal

@@ -2,8 +2,7 @@
 
 Written as a demanding user would call it: wrong types, wrong order, after shutdown, restarts on
 the same directories, corrupted files between runs, bursts from several threads. Every restored
-block is compared byte for byte with what was stored. Confirmed defects are strict xfails whose
-reason says what is wrong; flip them when fixed.
+block is compared byte for byte with what was stored.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Adversarial tests of the remote tier (Redis), through the public interface only: KVManager with
 enable_remote, RemoteStore / RemoteConfig / parse_url from dynamo_flexkv.core.remote, and values written
 by hand under the documented key scheme (`{prefix}{fingerprint:016x}:{seq_hash:016x}`, 48-byte
-header "FKVR" | ver u16 | flags u16 | fp | seq | parent | len | xxh3). Confirmed defects are
-strict xfails; the rest are checks that hold."""
+header "FKVR" | ver u16 | flags u16 | fp | seq | parent | len | xxh3)."""
 
 from __future__ import annotations
 

@@ -12,9 +12,7 @@ the frontend's death; a worker SIGKILLed during heavy SSD writes with its disk t
 its blocks and answers the same greedy prompts with the same text. After each: no process of the
 graph (every life of every component), no port, no Python traceback in any log.
 
-Each test starts its own graph (about 10-30 s on this machine), so all are ``slow``. Defect found: Ctrl-C
-while a restarted worker is still importing leaves a KeyboardInterrupt traceback in its log. Defects are
-strict xfails that assert the right behaviour."""
+Each test starts its own graph (about 10-30 s on this machine), so all are ``slow``."""
 
 import json
 import os
