@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from dynamo_flexkv.bench.procs import stop_group
-from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.bench.report import Case, paired_cases
 from dynamo_flexkv.core.sysutil import LOOPBACK, free_port
 
 PEER = "lmcache"
@@ -255,22 +255,15 @@ def remove_orphan_shm(before: Sequence[str], shm_dir: str = "/dev/shm") -> List[
 def vs_lmcache_cases(cases: Sequence[Case], labels: Sequence[str]) -> List[Case]:
     """One row per size and case both sides measured: ``<ours>-vs-lmcache-<size>``, ratio = our
     TTFT / LMCache's in its same case (lower: we are faster)."""
-    by = {c.case: c for c in cases}
-    out = []
-    for lab in labels:
-        for ours, theirs, what in SAME_CASE:
-            a, b = by.get(f"{ours}-{lab}"), by.get(f"{theirs}-{lab}")
-            if a is None or b is None:
-                continue
-            out.append(
-                Case(
-                    a.bench,
-                    f"{ours}-vs-{PEER}-{lab}",
-                    a.ours,
-                    b.ours,
-                    a.unit,
-                    f"LMCache {VERSION}: {what}",
-                    f"ours {a.ours:.1f} ms / LMCache {b.ours:.1f} ms; recompute {a.baseline:.1f} ms",
-                )
-            )
-    return out
+    return [
+        Case(
+            a.bench,
+            f"{ours}-vs-{PEER}-{lab}",
+            a.ours,
+            b.ours,
+            a.unit,
+            f"LMCache {VERSION}: {what}",
+            f"ours {a.ours:.1f} ms / LMCache {b.ours:.1f} ms; recompute {a.baseline:.1f} ms",
+        )
+        for lab, ours, what, a, b in paired_cases(cases, labels, SAME_CASE)
+    ]

@@ -10,7 +10,7 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, List, Optional, TextIO
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,20 @@ class Case:
         d = asdict(self)
         d["ratio"] = self.ratio
         return d
+
+
+def paired_cases(
+    cases: Sequence[Case], labels: Sequence[str], same_case: Sequence[Tuple[str, str, str]]
+) -> Iterator[Tuple[str, str, str, Case, Case]]:
+    """The cases both sides of a comparison measured: for each size label, then each ``(ours, other,
+    what)`` of ``same_case`` (case-name stems, without the size label), ``(label, ours, what, our case,
+    the other's case)`` where both ``<ours>-<label>`` and ``<other>-<label>`` are among ``cases``."""
+    by = {c.case: c for c in cases}
+    for lab in labels:
+        for ours, other, what in same_case:
+            a, b = by.get(f"{ours}-{lab}"), by.get(f"{other}-{lab}")
+            if a is not None and b is not None:
+                yield lab, ours, what, a, b
 
 
 def median_seconds(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from dynamo_flexkv.bench.procs import stop_group
-from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.bench.report import Case, paired_cases
 
 # Ours embedded -> ours through the node cache (case-name stems, without the size label).
 SAME_CASE = (
@@ -111,22 +111,15 @@ def new_server(workdir: str, host_bytes: int, disk_bytes: int, block: int) -> No
 def vs_embedded_cases(cases: Sequence[Case], labels: Sequence[str]) -> List[Case]:
     """One row per size and case both modes measured: ``<case>-node-vs-embedded-<size>``, ratio =
     TTFT through the node cache / embedded (the goal: at most 1.1; the miss path within 3%)."""
-    by = {c.case: c for c in cases}
-    out = []
-    for lab in labels:
-        for ours, node, what in SAME_CASE:
-            a, b = by.get(f"{ours}-{lab}"), by.get(f"{node}-{lab}")
-            if a is None or b is None:
-                continue
-            out.append(
-                Case(
-                    a.bench,
-                    f"{ours}-node-vs-embedded-{lab}",
-                    b.ours,
-                    a.ours,
-                    a.unit,
-                    f"embedded tiers: {what}",
-                    f"node {b.ours:.1f} ms / embedded {a.ours:.1f} ms; recompute {a.baseline:.1f} ms",
-                )
-            )
-    return out
+    return [
+        Case(
+            a.bench,
+            f"{ours}-node-vs-embedded-{lab}",
+            b.ours,
+            a.ours,
+            a.unit,
+            f"embedded tiers: {what}",
+            f"node {b.ours:.1f} ms / embedded {a.ours:.1f} ms; recompute {a.baseline:.1f} ms",
+        )
+        for lab, ours, what, a, b in paired_cases(cases, labels, SAME_CASE)
+    ]

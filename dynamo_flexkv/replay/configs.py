@@ -246,31 +246,64 @@ class ConfigRun:
         return f"{self.config.name} @{self.device_blocks}"
 
 
+@dataclass(frozen=True)
+class ReplaySettings:
+    """What every run of one replay shares: its turns, sent at ``time_scale`` with at most
+    ``concurrency`` in flight by ``client`` (ours: Replayer; or aiperf), each request given
+    ``request_timeout_s``; and ``engine`` (an ENGINES key), whose workers serve them and whose
+    metric mapping reads their /metrics."""
+
+    turns: Sequence[Turn]
+    time_scale: float
+    concurrency: int
+    request_timeout_s: float = 120
+    engine: str = "reference"
+    client: str = "ours"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How serve_and_replay serves each configuration: the graph and config files, overrides for
+    every configuration (--set style, before the configuration's own), the components' logs on
+    stderr or not, and how long a fresh graph may take to answer (None: the engine's
+    ``ready_timeout_s``)."""
+
+    graph: str
+    config_file: str
+    extra_overrides: Sequence[str] = ()
+    logs: bool = False
+    ready_timeout_s: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ReplayTarget:
+    """A served graph a replay measures: its frontend's URL and served model name, its workers'
+    system ports by name (their /metrics; may be empty), a check that names a component that died
+    mid-replay, and the model's directory (the tokenizer aiperf loads; None with our client)."""
+
+    url: str
+    model: str
+    ports: Dict[str, int]
+    check_alive: Callable[[], None] = lambda: None
+    model_dir: Optional[Path] = None
+
+
 def serve_and_replay(
     config: Configuration,
     device_blocks: int,
-    turns: Sequence[Turn],
-    *,
-    graph: str,
-    config_file: str,
-    extra_overrides: Sequence[str],
-    time_scale: float,
-    concurrency: int,
+    replay: ReplaySettings,
+    serve: ServeSettings,
     on_done: Callable[[RequestRecord], None],
     on_ready: Callable[[], None] = lambda: None,
-    logs: bool = False,
-    request_timeout_s: float = 120,
-    engine: str = "reference",
-    ready_timeout_s: Optional[float] = None,
-    client: str = "ours",
 ) -> Tuple[ConfigRun, "Launcher"]:
-    """Serves ``config`` on a fresh graph of ``engine``'s workers and replays ``turns`` against it.
-    The graph is returned still running: the caller stops it (``Launcher.shutdown``), e.g. while
-    the next one starts."""
+    """Serves ``config`` on a fresh graph of ``replay.engine``'s workers and replays
+    ``replay.turns`` against it. The graph is returned still running: the caller stops it
+    (``Launcher.shutdown``), e.g. while the next one starts."""
     from dynamo_flexkv.serve import load_graph
     from dynamo_flexkv.serve.launcher import Launcher
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
+    engine = replay.engine
     worker = ENGINES[engine].worker
     if config.peer and engine != "vllm":
         raise ValueError(f"the {config.name} configuration runs vLLM workers: use --engine vllm")
@@ -279,10 +312,10 @@ def serve_and_replay(
         "Frontend.http-port=0",  # any free port: never collides with a running graph
         f"{worker}.cache.ssd_cache_dir={run_dir}/ssd{{replica}}",  # a fresh disk tier per run
         f"{worker}.num-device-blocks={device_blocks}",
-        *extra_overrides,
+        *serve.extra_overrides,
         *config.overrides_for(worker),
     ]
-    cfg = apply_overrides(load_config(config_file), overrides)
+    cfg = apply_overrides(load_config(serve.config_file), overrides)
     if config.node:
         cfg = node_cache_config(cfg, worker, run_dir)
     server = None
@@ -290,7 +323,7 @@ def serve_and_replay(
         from dynamo_flexkv.replay.peers import lmcache_config
 
         cfg, server = lmcache_config(cfg, worker, run_dir)
-    plan = build_plan(load_graph(graph), cfg, run_dir=run_dir, source=config_file)
+    plan = build_plan(load_graph(serve.graph), cfg, run_dir=run_dir, source=serve.config_file)
     if server is not None:
         from dynamo_flexkv.replay.peers import add_lmcache_server
 
@@ -299,29 +332,20 @@ def serve_and_replay(
         f"{config.name} @{device_blocks} device blocks: starting {plan.graph.name} "
         f"({len(plan.workers)} workers), logs in {run_dir}/logs\n"
     )
-    launcher = Launcher(plan, sys.stderr if logs else None)
+    launcher = Launcher(plan, sys.stderr if serve.logs else None)
     launcher.start()  # stops what it started if it fails
     try:
-        launcher.wait_ready(ready_timeout_s or ENGINES[engine].ready_timeout_s)
+        launcher.wait_ready(serve.ready_timeout_s or ENGINES[engine].ready_timeout_s)
         on_ready()
         model_dir = plan.run_dir / "model" if plan.write_model else Path(plan.model)
-        run = _measure(
-            config,
-            device_blocks,
+        target = ReplayTarget(
             plan.base_url,
             plan.served_model_name,
             {p.name: p.port for p in plan.workers},
-            turns,
-            time_scale,
-            concurrency,
-            on_done,
             launcher.check_alive,
-            request_timeout_s,
-            engine,
-            client,
             model_dir,
-            run_dir / "aiperf",
         )
+        run = _measure(config, device_blocks, target, replay, on_done, run_dir / "aiperf")
     except BaseException:
         launcher.shutdown()
         raise
@@ -348,94 +372,66 @@ def node_cache_config(cfg: Dict[str, Any], worker: str, run_dir: Path) -> Dict[s
 def replay_url(
     url: str,
     model: str,
-    turns: Sequence[Turn],
+    replay: ReplaySettings,
     *,
     ports: Sequence[int],
-    time_scale: float,
-    concurrency: int,
     on_done: Callable[[RequestRecord], None],
-    request_timeout_s: float = 120,
-    engine: str = "reference",
-    client: str = "ours",
     model_dir: Optional[Path] = None,
 ) -> ConfigRun:
     """The replay against a graph served elsewhere; ``ports``: its workers' system ports (may be
-    empty), read with ``engine``'s metric mapping; ``model_dir``: the tokenizer aiperf loads
-    (``client="aiperf"``)."""
+    empty), read with ``replay.engine``'s metric mapping; ``model_dir``: the tokenizer aiperf loads
+    (``replay.client="aiperf"``)."""
     config = Configuration("served", f"the graph at {url}", ())
-    return _measure(
-        config,
-        0,
-        url,
-        model,
-        {f"worker@{p}": p for p in ports},
-        turns,
-        time_scale,
-        concurrency,
-        on_done,
-        request_timeout_s=request_timeout_s,
-        engine=engine,
-        client=client,
-        model_dir=model_dir,
-        workdir=Path(tempfile.mkdtemp(prefix="dynamo-flexkv-aiperf-")),
-    )
+    target = ReplayTarget(url, model, {f"worker@{p}": p for p in ports}, model_dir=model_dir)
+    return _measure(config, 0, target, replay, on_done, Path(tempfile.mkdtemp(prefix="dynamo-flexkv-aiperf-")))
 
 
 def _measure(
     config: Configuration,
     device_blocks: int,
-    url: str,
-    model: str,
-    ports: Dict[str, int],
-    turns: Sequence[Turn],
-    time_scale: float,
-    concurrency: int,
+    target: ReplayTarget,
+    replay: ReplaySettings,
     on_done: Callable[[RequestRecord], None],
-    check_alive: Callable[[], None] = lambda: None,
-    request_timeout_s: float = 120,
-    engine: str = "reference",
-    client: str = "ours",
-    model_dir: Optional[Path] = None,
     workdir: Optional[Path] = None,
 ) -> ConfigRun:
-    mapping = peer_mapping(ENGINES[engine].metrics) if config.peer else ENGINES[engine].metrics
-    texts = {name: scrape(port) for name, port in ports.items()}
+    engine = ENGINES[replay.engine]
+    mapping = peer_mapping(engine.metrics) if config.peer else engine.metrics
+    texts = {name: scrape(port) for name, port in target.ports.items()}
     names = {worker_id(text): name for name, text in texts.items()}
     before = {name: worker_totals(text, mapping) for name, text in texts.items()}
     t0 = time.perf_counter()
     wall: Optional[float] = None
-    if client == "aiperf":
+    if replay.client == "aiperf":
         from dynamo_flexkv.replay.aiperf import run_aiperf
 
-        if model_dir is None or workdir is None:
+        if target.model_dir is None or workdir is None:
             raise ValueError("--client aiperf needs the served model's directory (its tokenizer) and a work folder")
         records, wall = run_aiperf(
-            url,
-            model,
-            model_dir,
-            turns,
-            time_scale=time_scale,
-            concurrency=concurrency,
+            target.url,
+            target.model,
+            target.model_dir,
+            replay.turns,
+            time_scale=replay.time_scale,
+            concurrency=replay.concurrency,
             workdir=workdir,
-            request_timeout_s=request_timeout_s,
+            request_timeout_s=replay.request_timeout_s,
         )
         for r in records:
             on_done(r)
-    elif client == "ours":
-        records = Replayer(url, model, concurrency=concurrency, request_timeout_s=request_timeout_s).run(
-            turns, time_scale, on_done
-        )
+    elif replay.client == "ours":
+        records = Replayer(
+            target.url, target.model, concurrency=replay.concurrency, request_timeout_s=replay.request_timeout_s
+        ).run(replay.turns, replay.time_scale, on_done)
     else:
-        raise ValueError(f"unknown client {client!r}: ours or aiperf")
+        raise ValueError(f"unknown client {replay.client!r}: ours or aiperf")
     wall = wall or time.perf_counter() - t0
-    check_alive()  # a component that died mid-replay is named, with its log tail
-    after = {name: worker_totals(scrape(port), mapping) for name, port in ports.items()}
+    target.check_alive()  # a component that died mid-replay is named, with its log tail
+    after = {name: worker_totals(scrape(port), mapping) for name, port in target.ports.items()}
     for r in records:  # workers not scraped are still told apart
         if r.worker_id is not None and r.worker_id not in names:
             names[r.worker_id] = f"worker-{r.worker_id:x}"
-    return ConfigRun(
-        config, device_blocks, records, wall, {n: after[n].minus(before[n]) for n in ports}, names, engine, client
-    )
+    workers = {n: after[n].minus(before[n]) for n in target.ports}
+    return ConfigRun(config, device_blocks, records, wall, workers, names, replay.engine, replay.client)
 
 
 def attribute_workers(run: ConfigRun) -> Dict[str, List[RequestRecord]]:

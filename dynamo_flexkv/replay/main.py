@@ -282,6 +282,8 @@ def _run(args: argparse.Namespace) -> int:
         ENGINES,
         ConfigRun,
         Configuration,
+        ReplaySettings,
+        ServeSettings,
         device_block_list,
         parse_configs,
         replay_url,
@@ -339,6 +341,8 @@ def _run(args: argparse.Namespace) -> int:
         f"replay: {workload}\nreplay: {len(plan)} runs: "
         f"{', '.join(f'{c.name} @{b}' for c, b in plan)}; results in {out}\n"
     )
+    replay = ReplaySettings(turns, args.time_scale, args.concurrency, args.request_timeout, args.engine, args.client)
+    serve = ServeSettings(args.graph, args.config, args.set, args.logs, args.ready_timeout)
     t_start = time.perf_counter()
     runs: List[ConfigRun] = []
     failed: List[str] = []
@@ -352,14 +356,9 @@ def _run(args: argparse.Namespace) -> int:
                     run = replay_url(
                         args.url,
                         args.model or _served_name(args),
-                        turns,
+                        replay,
                         ports=_ports(args.worker_metrics),
-                        time_scale=args.time_scale,
-                        concurrency=args.concurrency,
                         on_done=progress.done,
-                        request_timeout_s=args.request_timeout,
-                        engine=args.engine,
-                        client=args.client,
                         model_dir=_tokenizer_dir(args) if args.client == "aiperf" else None,
                     )
                 else:
@@ -369,21 +368,7 @@ def _run(args: argparse.Namespace) -> int:
                         progress.start()
 
                     run, launcher = serve_and_replay(
-                        config,
-                        blocks,
-                        turns,
-                        graph=args.graph,
-                        config_file=args.config,
-                        extra_overrides=args.set,
-                        time_scale=args.time_scale,
-                        concurrency=args.concurrency,
-                        on_done=progress.done,
-                        on_ready=ready,
-                        logs=args.logs,
-                        request_timeout_s=args.request_timeout,
-                        engine=args.engine,
-                        ready_timeout_s=args.ready_timeout,
-                        client=args.client,
+                        config, blocks, replay, serve, on_done=progress.done, on_ready=ready
                     )
                     stopping.start(launcher)  # stops while the next graph starts
             except (ComponentDied, TimeoutError, RuntimeError, OSError) as e:  # this run only: the others count

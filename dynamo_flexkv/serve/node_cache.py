@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import yaml
 
@@ -28,11 +28,13 @@ from dynamo_flexkv.serve.options import (
     float_option,
     int_option,
     mapping_option,
+    parse_section,
     seconds_problem,
     str_option,
 )
 from dynamo_flexkv.serve.ports import LOOPBACK
 from dynamo_flexkv.serve.process import Process
+from dynamo_flexkv.serve.replica_cache import PlanContext, claim_ssd_dirs
 
 SECTION = "NodeCache"
 SOCKET_MAX = 100  # sun_path holds 107 bytes
@@ -68,14 +70,7 @@ def options(raw: Any, source: str) -> Dict[str, Any]:
         raw = {}
     if not isinstance(raw, dict):
         raise GraphError(f"{source}: {SECTION} must be a mapping of options")
-    out = dict(DEFAULTS)
-    for key, value in raw.items():
-        if key not in OPTIONS:
-            raise GraphError(f"{source}: {SECTION}.{key} is not an option of the node cache; known: {sorted(OPTIONS)}")
-        try:
-            out[key] = OPTIONS[key](value)
-        except ValueError as e:
-            raise GraphError(f"{source}: {SECTION}.{key}={value!r}: {e}") from None
+    out = parse_section(DEFAULTS, raw, OPTIONS, f"{source}: {SECTION}", "the node cache")
     for key in ("max-clients", "max-models"):
         if out[key] < 1:
             raise GraphError(f"{source}: {SECTION}.{key}={out[key]} must be >= 1")
@@ -114,19 +109,12 @@ def socket_path(run_dir: Path, node: Optional[str], local: bool) -> str:
 
 
 def process(
-    o: Mapping[str, Any],
-    node: Optional[str],
-    sock: str,
-    run_dir: Path,
-    spec: Optional[Any],
-    block_size: int,
-    ports: Any,
-    source: str,
-    local: bool,
-    check_dirs: Callable[[List[str], str], None],
+    ctx: PlanContext, o: Mapping[str, Any], node: Optional[str], sock: str, spec: Optional[Any], block_size: int
 ) -> Process:
-    """One node's cache server: its tiers checked (sizes against the workers' KV shape), its config
-    written for it, a metrics port of its own (serve waits for it, and reads it like a worker's)."""
+    """One node's cache server: its tiers checked (sizes against the workers' KV shape; its SSD
+    directories free and no worker's), its config written for it, a metrics port of its own (serve
+    waits for it, and reads it like a worker's)."""
+    source, local = ctx.source, ctx.local
     name = f"{SECTION}-{node}" if node else SECTION
     values = dict(o["cache"])
     values["tokens_per_block"] = block_size
@@ -141,9 +129,18 @@ def process(
     except ConfigError as e:
         raise GraphError(f"{source}: {SECTION}.cache: {e}") from None
     if cache.ssd_cache_gb > 0 and local:
-        check_dirs(list(cache.ssd_cache_dir), name)
-    cfg_path = str(run_dir / f"{name}.cache.yaml")
-    port = ports.take(o["metrics-port"], f"{SECTION}.metrics-port", source, any_port=True)
+        claim_ssd_dirs(
+            ctx,
+            f"{source}: {SECTION}.cache",
+            list(cache.ssd_cache_dir),
+            name,
+            lambda d, holder: (
+                f"{source}: {SECTION}.cache.ssd_cache_dir {d} is also "
+                f"{holder}'s: give the node cache a directory of its own"
+            ),
+        )
+    cfg_path = str(ctx.run_dir / f"{name}.cache.yaml")
+    port = ctx.ports.take(o["metrics-port"], f"{SECTION}.metrics-port", source, any_port=True)
     argv = [
         sys.executable,
         "-m",

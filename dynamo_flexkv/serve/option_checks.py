@@ -16,6 +16,7 @@ from dynamo_flexkv.serve.options import (
     ROUTER_MODES,
     SECONDS_OPTIONS,
     OnDeath,
+    parse_section,
     seconds_problem,
 )
 
@@ -29,14 +30,8 @@ def allowed_options(kind: Kind, engine: str) -> Dict[str, Callable[[Any], Any]]:
 def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, engine: str = "flexkv") -> Dict[str, Any]:
     vllm = kind is Kind.WORKER and engine == _vllm.ENGINE
     allowed = allowed_options(kind, engine)
-    out = _vllm.defaults(DEFAULTS[kind]) if vllm else dict(DEFAULTS[kind])
-    for key, value in raw.items():
-        if key not in allowed:
-            raise GraphError(f"{source}: {name}.{key} is not an option of a {kind.value}; known: {sorted(allowed)}")
-        try:
-            out[key] = allowed[key](value)
-        except ValueError as e:
-            raise GraphError(f"{source}: {name}.{key}={value!r}: {e}") from None
+    defaults = _vllm.defaults(DEFAULTS[kind]) if vllm else DEFAULTS[kind]
+    out = parse_section(defaults, raw, allowed, f"{source}: {name}", f"a {kind.value}")
     if kind is Kind.FRONTEND:
         if out["router-mode"] not in ROUTER_MODES:
             raise GraphError(f"{source}: {name}.router-mode={out['router-mode']!r}: use one of {list(ROUTER_MODES)}")

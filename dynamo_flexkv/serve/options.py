@@ -8,7 +8,7 @@ from enum import Enum
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from dynamo_flexkv.core.durations import is_duration
-from dynamo_flexkv.serve.graph import Kind
+from dynamo_flexkv.serve.graph import GraphError, Kind
 
 
 def str_option(v: Any) -> str:
@@ -51,6 +51,26 @@ def mapping_option(v: Any) -> Dict[str, Any]:
     if not isinstance(v, dict):
         raise ValueError("expected a mapping of CacheConfig keys")
     return dict(v)
+
+
+def parse_section(
+    defaults: Mapping[str, Any],
+    raw: Mapping[str, Any],
+    allowed: Mapping[str, Callable[[Any], Any]],
+    where: str,
+    owner: str,
+) -> Dict[str, Any]:
+    """``defaults`` with each of a config section's ``raw`` options, parsed by its ``allowed`` parser,
+    over them. ``where`` ("<source>: <section>") and ``owner`` ("a worker") name them in the errors."""
+    out = dict(defaults)
+    for key, value in raw.items():
+        if key not in allowed:
+            raise GraphError(f"{where}.{key} is not an option of {owner}; known: {sorted(allowed)}")
+        try:
+            out[key] = allowed[key](value)
+        except ValueError as e:
+            raise GraphError(f"{where}.{key}={value!r}: {e}") from None
+    return out
 
 
 ROUTER_MODES = ("round-robin", "random", "power-of-two", "kv", "least-loaded")

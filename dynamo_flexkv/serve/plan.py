@@ -22,7 +22,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import yaml
 
 from dynamo_flexkv.core.config import ConfigError, env_settings, read_yaml_mapping
-from dynamo_flexkv.core.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.serve import node_cache as _node_cache
 from dynamo_flexkv.serve import vllm_worker as _vllm
@@ -33,7 +32,7 @@ from dynamo_flexkv.serve.option_checks import allowed_options, check_options
 from dynamo_flexkv.serve.options import OPTIONS, OnDeath, RestartPolicy, restart_policy
 from dynamo_flexkv.serve.ports import LOOPBACK, PortBook, system_port
 from dynamo_flexkv.serve.process import Process
-from dynamo_flexkv.serve.replica_cache import per_replica, replica_cache
+from dynamo_flexkv.serve.replica_cache import PlanContext, per_replica, replica_cache
 
 __all__ = [
     "LOOPBACK",
@@ -151,13 +150,14 @@ def build_plan(
     ports = PortBook(probe=local)
     run_dir = Path(run_dir)
     infra, env = infra_processes(run_dir, discovery_backend, event_plane, ports) if local else ([], {})
-    redis: Dict[str, Any] = {}  # the graph's own redis-server, when a worker enables remote without a URL
+    # redis: the graph's own redis-server, when a worker enables remote without a URL;
+    # dirs: every worker's SSD directories (no two may share one)
+    ctx = PlanContext(run_dir, discovery_backend, event_plane, env, ports, source, local, redis={}, dirs={})
     processes: List[Process] = []
     model = served = None
     http_port = 0
     front_opts: Dict[str, Any] = {}
     write_model = model_weights = False
-    ssd_dirs: Dict[str, str] = {}  # every worker's SSD directories: no two may share one
     node_of: Dict[str, str] = {}  # process name -> the node its component names
     node_options: Dict[str, str] = {}
     caches: Dict[Optional[str], Process] = {}  # node (None: this machine) -> its node cache server
@@ -177,49 +177,21 @@ def build_plan(
             comp.engine,
         )
         if comp.kind is Kind.WORKER and _node_cache.in_node_mode(opts):
-            opts = _attach_to_node_cache(
-                comp, opts, node_cache, caches, processes, run_dir, ports, source, local, ssd_dirs, node_of
-            )
+            opts = _attach_to_node_cache(ctx, comp, opts, node_cache, caches, processes, node_of)
         if comp.kind is Kind.FRONTEND:
             front_opts = opts
             http_port = ports.take(opts["http-port"], f"{comp.name}.http-port", source, any_port=True)
-            processes.insert(0, _frontend(comp.name, opts, http_port, discovery_backend, event_plane, env))
+            processes.insert(0, _frontend(ctx, comp.name, opts, http_port))
         elif comp.engine == _vllm.ENGINE:
             model, served = opts["model"], opts.get("served-model-name") or f"vllm-{Path(opts['model']).name}"
-            procs = _vllm.workers(
-                comp.name,
-                opts,
-                served,
-                run_dir,
-                discovery_backend,
-                event_plane,
-                env,
-                ports,
-                source,
-                local,
-                redis,
-                ssd_dirs,
-            )
+            procs = _vllm.workers(ctx, comp.name, opts, served)
             on_preset = procs[0].argv[procs[0].argv.index("--model") + 1] == str(run_dir / "model")
             write_model = write_model or on_preset
             model_weights = model_weights or (on_preset and not _vllm.loads_dummy(procs[0].argv))
             processes += procs
         else:
             model, served = opts["model"], opts.get("served-model-name") or f"flexkv-{opts['model']}"
-            processes += _workers(
-                comp.name,
-                opts,
-                served,
-                run_dir,
-                discovery_backend,
-                event_plane,
-                env,
-                ports,
-                source,
-                local,
-                redis,
-                ssd_dirs,
-            )
+            processes += _workers(ctx, comp.name, opts, served)
             write_model = True
         if opts.get("node"):
             node_options[comp.name] = str(opts["node"])
@@ -239,13 +211,13 @@ def build_plan(
     _check_roles(processes, source)
     _vllm.check_handovers(processes, source)
     _check_block_size(processes, front_opts, graph, source)
-    if redis:
+    if ctx.redis:
         if nodes is not None:
             raise GraphError(
                 f"{source}: with --nodes, give the workers a remote_cache_url every node reaches "
                 "(the graph's own redis-server listens on one node's loopback)"
             )
-        infra.append(redis_process(run_dir, redis))
+        infra.append(redis_process(run_dir, ctx.redis))
     if nodes is not None:
         place(processes, infra, nodes, node_of, source)
     return LaunchPlan(
@@ -280,41 +252,23 @@ def _refuse_stray_cache_env(env: Mapping[str, str], source: str) -> None:
 
 
 def _attach_to_node_cache(
+    ctx: PlanContext,
     comp: Any,
     opts: Dict[str, Any],
     node_cache: Dict[str, Any],
     caches: Dict[Optional[str], Process],
     processes: List[Process],
-    run_dir: Path,
-    ports: PortBook,
-    source: str,
-    local: bool,
-    ssd_dirs: Dict[str, str],
     node_of: Dict[str, str],
 ) -> Dict[str, Any]:
     """A worker in node mode: its node's cache server is planned (once per node, before the
     workers), and the worker's cache names that server's socket."""
+    source = ctx.source
     _node_cache.check_worker_cache(comp.name, opts["cache"], source)
     node = opts.get("node") or None
-    spec, block_size = _kv_shape(comp, opts, run_dir, source, local)
-    sock = _node_cache.socket_path(run_dir, node, local)
+    spec, block_size = _kv_shape(comp, opts, ctx.run_dir, source, ctx.local)
+    sock = _node_cache.socket_path(ctx.run_dir, node, ctx.local)
     if node not in caches:
-
-        def check_dirs(dirs: List[str], owner: str) -> None:
-            for d in dirs:
-                if local:
-                    try:
-                        check_dir_free(d)
-                    except SsdInUseError as e:
-                        raise GraphError(f"{source}: {_node_cache.SECTION}.cache: {e}") from None
-                if os.path.realpath(d) in ssd_dirs:
-                    raise GraphError(
-                        f"{source}: {_node_cache.SECTION}.cache.ssd_cache_dir {d} is also "
-                        f"{ssd_dirs[os.path.realpath(d)]}'s: give the node cache a directory of its own"
-                    )
-                ssd_dirs[os.path.realpath(d)] = owner
-
-        proc = _node_cache.process(node_cache, node, sock, run_dir, spec, block_size, ports, source, local, check_dirs)
+        proc = _node_cache.process(ctx, node_cache, node, sock, spec, block_size)
         caches[node] = proc
         processes.append(proc)
         if node is not None:
@@ -390,9 +344,7 @@ def _check_roles(processes: List[Process], source: str) -> None:
         )
 
 
-def _frontend(
-    name: str, o: Dict[str, Any], port: int, discovery: str, event_plane: str, env: Dict[str, str]
-) -> Process:
+def _frontend(ctx: PlanContext, name: str, o: Dict[str, Any], port: int) -> Process:
     argv = [
         sys.executable,
         "-m",
@@ -406,39 +358,27 @@ def _frontend(
         "--namespace",
         o["namespace"],
         "--discovery-backend",
-        discovery,
+        ctx.discovery,
         "--event-plane",
-        event_plane,
+        ctx.event_plane,
         "--migration-limit",
         str(o["migration-limit"]),
     ]
     for key in ("router-host-cache-hit-weight", "router-disk-cache-hit-weight"):
         if key in o:
             argv += [f"--{key}", str(o[key])]
-    fenv = dict(env)
+    fenv = dict(ctx.env)
     if PRE_COMMIT_PEEK_ENV not in os.environ:  # an operator's own setting wins
         fenv[PRE_COMMIT_PEEK_ENV] = PRE_COMMIT_PEEK_MS
     return Process(name, argv + o["extra-args"], fenv, Kind.FRONTEND, port)
 
 
-def _workers(
-    name: str,
-    o: Dict[str, Any],
-    served: str,
-    run_dir: Path,
-    discovery: str,
-    event_plane: str,
-    env: Dict[str, str],
-    ports: "PortBook",
-    source: str,
-    local: bool,
-    redis: Optional[Dict[str, Any]] = None,
-    dirs: Optional[Dict[str, str]] = None,
-) -> List[Process]:
+def _workers(ctx: PlanContext, name: str, o: Dict[str, Any], served: str) -> List[Process]:
     # The worker's option schema and model presets only: rendering and planning load no runtime.
     from dynamo_flexkv.integrations.dynamo_worker.args import build_parser
     from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
 
+    source = ctx.source
     try:
         model_cfg = EngineModelConfig.load(o["model"])
     except (ValueError, OSError, KeyError) as e:
@@ -452,13 +392,13 @@ def _workers(
         "--served-model-name",
         served,
         "--model-dir",
-        str(run_dir / "model"),
+        str(ctx.run_dir / "model"),
         "--namespace",
         o["namespace"],
         "--discovery-backend",
-        discovery,
+        ctx.discovery,
         "--event-plane",
-        event_plane,
+        ctx.event_plane,
         "--num-device-blocks",
         str(o["num-device-blocks"]),
         "--disaggregation-mode",
@@ -482,30 +422,16 @@ def _workers(
             "(see python -m dynamo_flexkv.integrations.dynamo_worker --help)"
         ) from None
     restart = restart_policy(o)
-    out, dirs = [], ({} if dirs is None else dirs)
+    out = []
     for i in range(o["replicas"]):
         pname = f"{name}-{i}" if o["replicas"] > 1 else name
-        penv = dict(env)
+        penv = dict(ctx.env)
         cache, files = (
-            replica_cache(
-                name,
-                pname,
-                i,
-                o,
-                model_cfg.kv_spec(),
-                model_cfg.block_size,
-                run_dir,
-                penv,
-                ports,
-                source,
-                local,
-                redis,
-                dirs,
-            )
+            replica_cache(ctx, name, pname, i, o, model_cfg.kv_spec(), model_cfg.block_size, penv)
             if o["offload"]
             else (None, {})
         )
-        port = system_port(name, o, i, ports, source)
+        port = system_port(name, o, i, ctx.ports, source)
         penv["DYN_SYSTEM_PORT"] = str(port)
         out.append(
             Process(pname, list(argv), penv, Kind.WORKER, port, cache, files, restart, block_size=model_cfg.block_size)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import yaml
 
@@ -22,32 +23,47 @@ if TYPE_CHECKING:
     from dynamo_flexkv.serve.ports import PortBook
 
 
+@dataclass(frozen=True)
+class PlanContext:
+    """What planning every component of one graph shares (serve/plan.py build_plan makes one).
+    ``redis`` and ``dirs`` fill up as the components are planned: the graph's own redis-server
+    (port and password, once a worker enables remote without a URL) and every SSD directory taken
+    so far (real path -> its owner: no two may share one). A worker's served model name is not
+    here: each worker component has its own."""
+
+    run_dir: Path
+    discovery: str  # serve --discovery-backend: file or etcd
+    event_plane: str  # serve --event-plane: zmq or nats
+    env: Dict[str, str]  # the planes' environment every component starts with
+    ports: "PortBook"
+    source: str  # the config file, as errors name it
+    local: bool  # False: rendering for elsewhere (no ports or SSD directories probed here)
+    redis: Dict[str, Any]
+    dirs: Dict[str, str]
+
+
 def replica_cache(
+    ctx: PlanContext,
     name: str,
     pname: str,
     i: int,
     o: Mapping[str, Any],
     spec: Optional[Any],
     block_size: int,
-    run_dir: Path,
     penv: Dict[str, str],
-    ports: "PortBook",
-    source: str,
-    local: bool,
-    redis: Optional[Dict[str, Any]],
-    dirs: Dict[str, str],
 ):
     """One replica's tiers from the worker's ``cache`` section: checked (sizes against ``spec``, the
     KV shape, unless None; SSD directories free and not shared; a given Redis reachable), written to
-    ``run_dir/<pname>.cache.yaml``, which FLEXKV_CONFIG_PATH names (CacheConfig.load reads it).
+    ``ctx.run_dir/<pname>.cache.yaml``, which FLEXKV_CONFIG_PATH names (CacheConfig.load reads it).
     A password in remote_cache_url stays out of that file: the worker gets it in the variable
     remote_password_env names (as the handover secret and the local redis's password reach it).
     Returns (CacheConfig, {path: text})."""
+    source, local = ctx.source, ctx.local
     values = {k: per_replica(v, i) for k, v in o["cache"].items()}
     values["tokens_per_block"] = block_size
     given_url = bool(values.get("remote_cache_url"))
-    if _parse_flag(values.get("enable_remote")) and not given_url and local and redis is not None:
-        use_local_redis(redis, ports, values, penv)
+    if _parse_flag(values.get("enable_remote")) and not given_url and local:
+        use_local_redis(ctx.redis, ctx.ports, values, penv)
     try:
         checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())  # not our disks
         if not local and not given_url:  # Kubernetes: the URL comes from a Secret (render --k8s)
@@ -59,26 +75,42 @@ def replica_cache(
         raise GraphError(f"{source}: {name}.cache: {e}") from None
     if local and cache.enable_remote and given_url:
         check_remote_reachable(cache, f"{source}: {name}.cache")
-    for d in _dirs(values.get("ssd_cache_dir")) if cache.ssd_cache_gb > 0 else ():
-        if local:
-            try:
-                check_dir_free(d)
-            except SsdInUseError as e:
-                raise GraphError(f"{source}: {name}.cache: {e}") from None
-        if os.path.realpath(d) in dirs:
-            raise GraphError(
-                f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {dirs[os.path.realpath(d)]} "
-                f"and {pname}: each worker needs its own; put {{replica}} in the path"
-            )
-        dirs[os.path.realpath(d)] = pname
+    claim_ssd_dirs(
+        ctx,
+        f"{source}: {name}.cache",
+        _dirs(values.get("ssd_cache_dir")) if cache.ssd_cache_gb > 0 else (),
+        pname,
+        lambda d, holder: (
+            f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {holder} "
+            f"and {pname}: each worker needs its own; put {{replica}} in the path"
+        ),
+    )
     url = values.get("remote_cache_url")
     url, password = split_password(url) if isinstance(url, str) else (url, None)
     if password is not None:  # the file names the server; its password goes by environment, like the local redis's
         values["remote_cache_url"] = url
         penv[cache.remote_password_env] = password
-    cfg_path = str(run_dir / f"{pname}.cache.yaml")
+    cfg_path = str(ctx.run_dir / f"{pname}.cache.yaml")
     penv["FLEXKV_CONFIG_PATH"] = cfg_path
     return cache, {cfg_path: yaml.safe_dump(values, sort_keys=True)}
+
+
+def claim_ssd_dirs(
+    ctx: PlanContext, where: str, dirs: Sequence[str], owner: str, shared: Callable[[str, str], str]
+) -> None:
+    """Books ``dirs`` for ``owner`` in ``ctx.dirs``: each free on this machine (``local``; ``where``
+    prefixes that error: "<source>: <section>.cache") and no other owner's (``shared(dir, holder)``:
+    that error's message)."""
+    for d in dirs:
+        if ctx.local:
+            try:
+                check_dir_free(d)
+            except SsdInUseError as e:
+                raise GraphError(f"{where}: {e}") from None
+        real = os.path.realpath(d)
+        if real in ctx.dirs:
+            raise GraphError(shared(d, ctx.dirs[real]))
+        ctx.dirs[real] = owner
 
 
 def _parse_flag(value: Any) -> bool:

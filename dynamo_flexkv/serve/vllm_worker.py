@@ -19,7 +19,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from dynamo_flexkv.core.layout import ModelSpec
 from dynamo_flexkv.resources import hf_preset, presets_dir
@@ -31,6 +31,9 @@ from dynamo_flexkv.serve.options import (
     restart_policy,
     str_option,
 )
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.serve.replica_cache import PlanContext
 
 ENGINE = "vllm"
 CONNECTOR = {
@@ -493,25 +496,13 @@ def events_endpoint(run_dir: Path, pname: str, port: int, local: bool, dp_port: 
     return "ipc://" + path
 
 
-def workers(
-    name: str,
-    o: Dict[str, Any],
-    served: str,
-    run_dir: Path,
-    discovery: str,
-    event_plane: str,
-    env: Dict[str, str],
-    ports: Any,
-    source: str,
-    local: bool,
-    redis: Optional[Dict[str, Any]],
-    dirs: Dict[str, str],
-) -> list:
+def workers(ctx: PlanContext, name: str, o: Dict[str, Any], served: str) -> list:
     from dynamo_flexkv.serve.process import Process
     from dynamo_flexkv.serve.replica_cache import per_replica, replica_cache
     from dynamo_flexkv.serve.ports import system_port
     from dynamo_flexkv.serve.graph import Kind
 
+    run_dir, ports, source, local = ctx.run_dir, ctx.ports, ctx.source, ctx.local
     model_path, preset_format, spec = resolve_model(name, o, run_dir, source, local)
     load_format = o["load-format"] or (preset_format if preset_format != "auto" else None)
     base = [
@@ -525,9 +516,9 @@ def workers(
         "--namespace",
         o["namespace"],
         "--discovery-backend",
-        discovery,
+        ctx.discovery,
         "--event-plane",
-        event_plane,
+        ctx.event_plane,
         "--request-plane",
         "tcp",
         "--dtype",
@@ -554,7 +545,7 @@ def workers(
     out = []
     for i in range(o["replicas"]):
         pname = f"{name}-{i}" if o["replicas"] > 1 else name
-        penv = dict(env)
+        penv = dict(ctx.env)
         port = system_port(name, o, i, ports, source)
         penv["DYN_SYSTEM_PORT"] = str(port)
         dp_port = None
@@ -588,9 +579,7 @@ def workers(
         cache, files = None, {}
         connectors = []
         if o["offload"]:
-            cache, files = replica_cache(
-                name, pname, i, o, spec, o["block-size"], run_dir, penv, ports, source, local, redis, dirs
-            )
+            cache, files = replica_cache(ctx, name, pname, i, o, spec, o["block-size"], penv)
             extra = {**o["connector"], "run_dir": str(run_dir / pname) if local else "/tmp"}
             if o["disaggregation-mode"] != "agg" and handover_of(o) == "flexkv":
                 extra.update(handover=True, handover_lease_s=float(o["handover-lease-s"]))
