@@ -33,15 +33,19 @@ def adopt_disk(ssd: SsdStore, cache: CacheEngine, mover: DiskMover, scratch_bloc
 def adopted_chains(entries: List[DiskEntry], tokens_per_block: int) -> List[TierRun]:
     """Adopted entries (parents first) as chains, depth first: one event per chain, not per block."""
     children: Dict[Optional[int], List[DiskEntry]] = {}
-    for e in entries:
-        children.setdefault(e.parent, []).append(e)
+    for entry in entries:
+        children.setdefault(entry.parent, []).append(entry)
     runs: List[TierRun] = []
     stack = list(reversed(children.get(None, [])))
     while stack:
-        e, chain = stack.pop(), []
-        parent = e.parent
+        top = stack.pop()
+        parent = top.parent
+        e: Optional[DiskEntry] = top
+        chain: List[DiskEntry] = []
+        tokens: List[bytes] = []  # the chain's token ids, collected where ``e.tokens`` is known set
         while e is not None and e.tokens is not None and len(e.tokens) == 4 * tokens_per_block:
             chain.append(e)
+            tokens.append(e.tokens)
             kids = children.get(e.seq_hash, [])
             stack.extend(reversed(kids[1:]))
             e = kids[0] if kids else None
@@ -54,7 +58,7 @@ def adopted_chains(entries: List[DiskEntry], tokens_per_block: int) -> List[Tier
                     [c.block_id for c in chain],
                     parent,
                     new=False,
-                    token_ids=np.frombuffer(b"".join(c.tokens for c in chain), dtype="<u4").tolist(),
+                    token_ids=np.frombuffer(b"".join(tokens), dtype="<u4").tolist(),
                 )
             )
     return runs

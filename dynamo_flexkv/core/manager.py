@@ -363,9 +363,10 @@ class KVManager:
         dev_ids = self._device_ids(token_ids, device_block_ids, device)
         with self._issue(TaskKind.PUT, on_done) as task:
             after = None
-            if device is None and self.device.device.type == "cuda":  # the copy waits for the engine's writes
+            local = self._registered_device() if device is None else None
+            if local is not None and local.device.type == "cuda":  # the copy waits for the engine's writes
                 after = torch.cuda.Event()
-                after.record(torch.cuda.current_stream(self.device.device))
+                after.record(torch.cuda.current_stream(local.device))
             self._put_now(DeferredPut(task, _int_list(h.sequence), token_ids, dev_ids, after, device))
         return task.id
 
@@ -430,6 +431,7 @@ class KVManager:
             finished = []
             for task in tasks:
                 if task.done.wait(_left(deadline)):
+                    assert task.result is not None  # finish() sets the result before it sets done
                     out[task.id] = task.result
                     finished.append(task)
                 else:
@@ -602,6 +604,13 @@ class KVManager:
         if self.device is None and device is None:
             raise RuntimeError(f"{call} before register_device_cache(): register the engine's KV tensors first")
 
+    def _registered_device(self) -> DeviceCache:
+        """The device cache register_device_cache() set (callers passed _need_device without an
+        EngineDevice, so it is set)."""
+        if self.device is None:
+            raise RuntimeError("no device cache: call register_device_cache() with the engine's KV tensors first")
+        return self.device
+
     @contextlib.contextmanager
     def _issue(self, kind: TaskKind, on_done: Optional[Callable[[TaskResult], None]] = None) -> Iterator[Task]:
         """A new task; if issuing it fails, it leaves nothing behind (no record, no index state)."""
@@ -675,7 +684,7 @@ class KVManager:
             yield tasks
 
     def _device_ids(self, token_ids, device_block_ids, device: Optional[EngineDevice] = None) -> np.ndarray:
-        num_blocks = device.num_blocks if device is not None else self.device.num_blocks
+        num_blocks = device.num_blocks if device is not None else self._registered_device().num_blocks
         return arguments.device_ids(token_ids, device_block_ids, self.tokens_per_block, num_blocks)
 
     def _attach_tokens(self, token_ids, *runs, always: bool = False) -> None:
@@ -694,9 +703,12 @@ class KVManager:
             self.host.forget_checksums(slots)  # checksum once: a freed slot's checksum goes with it
 
     def _close_storage(self) -> None:
-        if getattr(self, "remote", None) is not None:
-            self.remote.close()
-        if getattr(self, "ssd", None) is not None:
-            self.ssd.close()
+        # getattr: __init__ may fail before it set them.
+        remote: Optional[RemoteStore] = getattr(self, "remote", None)
+        if remote is not None:
+            remote.close()
+        ssd: Optional[SsdStore] = getattr(self, "ssd", None)
+        if ssd is not None:
+            ssd.close()
         if getattr(self, "host", None) is not None:
             self.host.close()

@@ -96,7 +96,7 @@ class ManagerStats:
             return TierStats(**x) if x is not None else None
 
         return cls(
-            host=tier(d["host"]),
+            host=TierStats(**d["host"]),  # every manager has a host tier
             requests=RequestStats(**d["requests"]),
             tasks=TaskStats(**d["tasks"]),
             disk=tier(d.get("disk")),

@@ -4,7 +4,7 @@ order, and what the index commits when each op has landed (never before)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -16,6 +16,11 @@ from dynamo_flexkv.core.transfer.movers import ChecksumError
 from dynamo_flexkv.core.transfer.remote_mover import RemoteShortRead
 
 log = logging.getLogger(__name__)
+
+
+def _as_ids(block_ids: Sequence[int]) -> np.ndarray:
+    """A run's block ids as a TransferOp holds them (its __post_init__ converts them the same way)."""
+    return np.asarray(block_ids, dtype=np.int64)
 
 
 class GraphBuilder:
@@ -51,12 +56,15 @@ class GraphBuilder:
         disk_for: Dict[tuple, TransferOp] = {}
         staged_op: Optional[TransferOp] = None  # the op that commits the disk-staged blocks
         if plan.staged is not None:
+            staged, disk_reads = plan.staged, plan.disk_reads
+            if disk_reads is None:  # plan_get stages host blocks only together with the disk reads filling them
+                raise ValueError("get plan: staged host blocks without the disk reads that fill them")
 
             def staged_landed(op: TransferOp) -> None:
-                self.cache.complete(plan.disk_reads, tid)
-                self.cache.complete(plan.staged, tid)
+                self.cache.complete(disk_reads, tid)
+                self.cache.complete(staged, tid)
 
-            src, dst_host = plan.disk_reads.block_ids, plan.staged.block_ids
+            src, dst_host = _as_ids(disk_reads.block_ids), _as_ids(staged.block_ids)
             split = layerwise and load_device and self.layer_block_bytes % 4096 == 0
             if split:
                 # Chained, so each layer's read gets the whole disk in turn: layer 0 lands after
@@ -80,17 +88,17 @@ class GraphBuilder:
             # Layerwise: one chained read per layer span (RemoteMover), the last verifying and
             # committing whole blocks, so layer 0 computes while later layers are on their way.
             run = plan.remote_staged
-            spans = layers if layerwise and load_device else [None]
+            spans: List[Optional[Tuple[int, int]]] = list(layers) if layerwise and load_device else [None]
             reads = []
-            for span in spans:
+            for remote_span in spans:
                 dep = reads[-1] if reads else staged_op
                 reads.append(
                     TransferOp(
                         OpKind.REMOTE2H,
-                        run.block_ids,
-                        run.block_ids,
+                        _as_ids(run.block_ids),
+                        _as_ids(run.block_ids),
                         deps=(dep,) if dep else (),
-                        layers=span,
+                        layers=remote_span,
                         seq_hashes=list(run.hashes),
                         parent=run.parent,
                     )
@@ -98,8 +106,10 @@ class GraphBuilder:
             reads[-1].on_done = lambda op: self.cache.complete(run, tid)
             ops += reads
             disk_for = dict(zip(layers, reads)) if len(reads) == len(layers) else {span: reads[0] for span in layers}
-        if load_device:
+        if dev_ids is not None:  # load_device
             reads_h = plan.host_reads
+            if reads_h is None:  # the manager builds no graph for a get with nothing to load
+                raise ValueError("get plan: no host blocks to copy to the device")
             dst = dev_ids[reads_h.start : reads_h.end]
             for lo, hi in layers:
 
@@ -111,7 +121,7 @@ class GraphBuilder:
                 ops.append(
                     TransferOp(
                         OpKind.H2D,
-                        reads_h.block_ids,
+                        _as_ids(reads_h.block_ids),
                         dst,
                         deps=(dep,) if dep else (),
                         layers=(lo, hi),
@@ -133,8 +143,9 @@ class GraphBuilder:
             if isinstance(graph.error, RemoteShortRead):
                 self.remote_short_reads += 1
                 staged_ok = plan.staged is None or plan.staged.done
-                if staged_ok and not plan.remote_staged.done:  # keep the verified blocks on host
-                    self.cache.complete_prefix(plan.remote_staged, tid, graph.error.verified)
+                remote_run = plan.remote_staged  # set: only its reads raise RemoteShortRead
+                if staged_ok and remote_run is not None and not remote_run.done:  # keep the verified blocks on host
+                    self.cache.complete_prefix(remote_run, tid, graph.error.verified)
             self.cache.abort_task(tid)
             if isinstance(graph.error, ChecksumError):
                 self._drop_corrupt(graph.error.disk_ids)
@@ -150,18 +161,19 @@ class GraphBuilder:
         """D2H into new host blocks (the task succeeds for its caller right then: the engine may
         reuse its blocks), then H2DISK in the background, journaled before it commits."""
         tid, ops = task.id, []
-        stored = len(plan.host) if plan.host is not None else 0
+        host_run = plan.host
+        stored = len(host_run) if host_run is not None else 0
         d2h = None
-        if plan.host is not None:
+        if host_run is not None:
 
             def host_landed(op: TransferOp) -> None:
-                self.cache.complete(plan.host, tid)
+                self.cache.complete(host_run, tid)
                 task.finish(TaskResult(tid, TaskKind.PUT, TaskStatus.SUCCESS, stored * self.tokens_per_block))
 
             d2h = TransferOp(
                 OpKind.D2H,
-                dev_ids[plan.host.start : plan.host.end],
-                plan.host.block_ids,
+                dev_ids[host_run.start : host_run.end],
+                _as_ids(host_run.block_ids),
                 after=after,
                 on_done=host_landed,
                 device=device,
@@ -182,24 +194,29 @@ class GraphBuilder:
             feed = TransferOp(OpKind.HASH, ids, ids, deps=(d2h,) if d2h else ())
             ops.append(feed)
         if plan.disk is not None:
+            disk_run, disk_sources = plan.disk, plan.host_sources
+            if disk_sources is None:  # plan_put locks the host blocks feeding every disk write it plans
+                raise ValueError("put plan: disk blocks without the host blocks that feed them")
 
             def disk_landed(op: TransferOp) -> None:
-                run, tpb = plan.disk, self.tokens_per_block
+                run, tpb, ssd = disk_run, self.tokens_per_block, self.ssd
+                if ssd is None:  # never: a disk tier exists only with its store (KVManager)
+                    raise RuntimeError("a disk write landed without a disk store to journal it")
                 tokens = np.asarray(run.token_ids, dtype="<u4").tobytes() if run.token_ids is not None else None
-                self.ssd.record_stored(
+                ssd.record_stored(
                     DiskEntry(b, h, p, int(c), tokens and tokens[4 * tpb * i : 4 * tpb * (i + 1)])
                     for i, (b, h, p, c) in enumerate(
                         zip(run.block_ids, run.hashes, [run.parent, *run.hashes[:-1]], op.result)
                     )
                 )
-                self.cache.complete(plan.disk, tid)
-                self.cache.complete(plan.host_sources, tid)
+                self.cache.complete(disk_run, tid)
+                self.cache.complete(disk_sources, tid)
 
             ops.append(
                 TransferOp(
                     OpKind.H2DISK,
-                    plan.host_sources.block_ids,
-                    plan.disk.block_ids,
+                    _as_ids(disk_sources.block_ids),
+                    _as_ids(disk_run.block_ids),
                     deps=(feed,) if feed else (),
                     on_done=disk_landed,
                 )
@@ -210,8 +227,8 @@ class GraphBuilder:
             ops.append(
                 TransferOp(
                     OpKind.H2REMOTE,
-                    src.block_ids,
-                    src.block_ids,
+                    _as_ids(src.block_ids),
+                    _as_ids(src.block_ids),
                     deps=(feed,) if feed else (),
                     seq_hashes=list(src.hashes),
                     parent=src.parent,

@@ -7,7 +7,7 @@ import collections
 import contextlib
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, overload
 
 import numpy as np
 
@@ -106,11 +106,18 @@ class TaskTable:
         if task.deliver is not None:  # handed to its receiver, never to wait()
             with self.lock:
                 self._tasks.pop(task.id, None)
+            assert task.result is not None  # on_finish runs only after finish() set the result
             task.deliver(task.result)
             return
         with self.lock:
             if task.id in self._tasks:
                 self._uncollected[task.id] = task.finished_at
+
+    @overload
+    def _lookup(self, task_id: Any, finished_ok: Literal[False] = False) -> Task: ...
+
+    @overload
+    def _lookup(self, task_id: Any, finished_ok: bool) -> Optional[Task]: ...
 
     def _lookup(self, task_id: Any, finished_ok: bool = False) -> Optional[Task]:
         """(Under ``lock``.) One issued but gone (its result collected or expired) is None with

@@ -318,6 +318,8 @@ class CacheEngine:
                 while n < len(run.hashes) and idx.is_ready(run.hashes[n]):
                     n += 1
                 if n:
+                    if run.token_ids is None:
+                        raise ValueError("announce: a run needs its token_ids (the router events carry them)")
                     b = len(run.token_ids) // len(run.hashes)
                     self.listener.on_stored(
                         run.tier,

@@ -168,6 +168,9 @@ class NodeOffload(EngineOffload):
 
     def _connect(self) -> bool:
         """Attaches to the service; False (and logs why) if it cannot now."""
+        device = self.device
+        if device is None:
+            raise RuntimeError(f"node cache {self.socket_path}: register() the engine's KV tensors before attaching")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(CALL_TIMEOUT_S)
@@ -189,7 +192,7 @@ class NodeOffload(EngineOffload):
                     dtype=self.model.dtype,
                     kv_dim=self.model.kv_dim,
                     tokens_per_block=self.bs,
-                    device_blocks=self.device.num_blocks,
+                    device_blocks=device.num_blocks,
                     tenant=self.tenant,
                     rank=self.rank,
                     ranks=self.ranks,
@@ -217,7 +220,7 @@ class NodeOffload(EngineOffload):
             channel.close("refused")
             channel.release()
             raise
-        mover = HostDeviceMover(host, self.device)
+        mover = HostDeviceMover(host, device)
         hook = self._mover_hook or (lambda kind, m: m)
         conn = _Connection(channel, msg, host, {kind: hook(kind, mover) for kind in (OpKind.H2D, OpKind.D2H)})
         self.namespace = msg.namespace
@@ -413,7 +416,8 @@ class NodeOffload(EngineOffload):
         if conn is None:
             raise NodeUnavailable(f"the node cache at {self.socket_path} is not attached")
         rid = next(self._ids)
-        ev, box = threading.Event(), []
+        ev = threading.Event()
+        box: List[Reply] = []
         with conn.lock:
             conn.replies[rid] = (ev, box)
         t0 = time.monotonic()
@@ -528,6 +532,7 @@ class NodeOffload(EngineOffload):
     def finish(self, tid: int) -> TaskResult:
         t = self._known(tid)
         t.done.wait()
+        assert t.result is not None  # _Task.finish() sets the result before it sets done
         self._forget(tid)
         if not t.result.ok:
             self.failed_loads += 1

@@ -19,7 +19,9 @@ import logging
 import os
 import select
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
+
+import numpy as np
 
 from dynamo_flexkv.core.node.protocol import RunOp, pack_ids
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
@@ -34,6 +36,12 @@ class EngineGone(ConnectionError, FlexKVError):
     """The engine that was to copy these blocks detached or died."""
 
 
+class ExitFence(Protocol):
+    """Runs ``callback`` once process ``pid`` has exited (Fence), or at once where nothing needs fencing."""
+
+    def after_exit(self, pid: int, callback: Callable[[], None]) -> None: ...
+
+
 class EngineDevice:
     """One attached engine's device blocks (``num_blocks``), copied by that engine."""
 
@@ -45,7 +53,7 @@ class EngineDevice:
         num_blocks: int,
         send: Callable[[RunOp], None],
         pid: int,
-        forget_host_checksums: Callable[[object], None],
+        forget_host_checksums: Callable[[np.ndarray], None],
     ) -> None:
         self.name, self.num_blocks, self.pid = name, num_blocks, pid
         self.is_cuda = False  # the engine orders its own copies after its writes
@@ -97,7 +105,7 @@ class EngineDevice:
         done(None if error is None else EngineGone(f"engine {self.name}: {error}"), nbytes)
         return True
 
-    def detach(self, why: str, fence: "Fence") -> None:
+    def detach(self, why: str, fence: ExitFence) -> None:
         """The engine is gone: its host-to-device copies fail now (they only read shared memory),
         its device-to-host ones once its process cannot write any more."""
         with self._lock:
@@ -111,9 +119,12 @@ class EngineDevice:
                 done(EngineGone(f"engine {self.name}: {why}"), 0)
         if writes:
             self.fenced += len(writes)
-            fence.after_exit(
-                self.pid, lambda: [done(EngineGone(f"engine {self.name}: {why}"), 0) for _, done in writes]
-            )
+
+            def fail_writes() -> None:
+                for _, done in writes:
+                    done(EngineGone(f"engine {self.name}: {why}"), 0)
+
+            fence.after_exit(self.pid, fail_writes)
 
 
 class Fence:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Union
 
 from dynamo_flexkv.core.index.cache_engine import Tier, TierRun
 from dynamo_flexkv.core.node.protocol import Event, pack_tokens
@@ -24,12 +24,14 @@ from dynamo_flexkv.core.node.protocol import Event, pack_tokens
 SNAPSHOT_EVENTS_PER_FRAME = 4096
 MAX_PENDING_NAMES = 1 << 20
 
+BlockName = Union[int, bytes]  # the engine's name of a block (vLLM's block hash: an int or bytes)
+
 
 @dataclass
 class _Block:
     parent: Optional[int]
     tokens: bytes
-    name: Optional[int]
+    name: Optional[BlockName]
     tiers: Set[str] = field(default_factory=set)
 
 
@@ -41,12 +43,12 @@ class EventMirror:
         self.tokens_per_block = tokens_per_block
         self._lock = threading.Lock()
         self._blocks: "collections.OrderedDict[int, _Block]" = collections.OrderedDict()
-        self._names: "collections.OrderedDict[int, int]" = collections.OrderedDict()  # named, not stored yet
+        self._names: "collections.OrderedDict[int, BlockName]" = collections.OrderedDict()  # named, not stored yet
         self._subscribers: Dict[int, Subscriber] = {}
         self.dropped_subscribers = 0
 
     # ---- from the engines -------------------------------------------------------------------------
-    def name(self, hashes: List[int], names: Optional[List[int]]) -> None:
+    def name(self, hashes: List[int], names: Optional[List[BlockName]]) -> None:
         """The storing engine's name for each of these blocks; kept for the first Stored of each."""
         if not names or len(names) != len(hashes):
             return
@@ -91,7 +93,7 @@ class EventMirror:
             return  # a re-adopted block journaled without tokens: it cannot be named
         b = self.tokens_per_block
         with self._lock:
-            names: List[Optional[int]] = []
+            names: List[Optional[BlockName]] = []
             for i, h in enumerate(run.hashes):
                 h = int(h)
                 blk = self._blocks.get(h)

@@ -226,7 +226,7 @@ def unpack_tokens(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<u4")
 
 
-def pack_ids(ids: Sequence[int]) -> bytes:
+def pack_ids(ids: Union[np.ndarray, Sequence[int]]) -> bytes:
     arr = np.asarray(ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError("block ids must be a flat sequence of integers")

@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Dict, List, Optional, Protocol, Set
+from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple
 
 import numpy as np
 
@@ -189,20 +189,19 @@ class Session:
         if isinstance(msg, Attach):
             self._attach(msg)
             return
-        if self.ns is None:
-            raise ProtocolError(f"{type(msg).__name__} before Attach: attach first")
+        a, ns, device = self._attached(type(msg).__name__)
         if isinstance(msg, OpDone):
-            if not self.device.finish(msg.op, msg.nbytes, msg.error):
+            if not device.finish(msg.op, msg.nbytes, msg.error):
                 raise ProtocolError(f"OpDone for copy {msg.op}, which this engine was never asked to make")
             return
         if isinstance(msg, Cancel):
             with self._tasks_lock:
                 mine = msg.task in self._tasks
             if mine:
-                self.ns.kv.cancel([msg.task])
+                ns.kv.cancel([msg.task])
             return
         if isinstance(msg, Observe):
-            self.ns.kv.observe_prefill(msg.tokens, msg.prompt_tokens, msg.seconds)
+            ns.kv.observe_prefill(msg.tokens, msg.prompt_tokens, msg.seconds)
             return
         self.requests += 1
         self.server.counters["requests"] += 1
@@ -213,7 +212,7 @@ class Session:
             if took > SLOW_ANSWER_S:  # this engine's other messages waited behind it
                 log.warning(
                     "node cache: engine %s: a %s took %.0f ms to answer",
-                    self.attach.engine,
+                    a.engine,
                     type(msg).__name__,
                     took * 1e3,
                 )
@@ -223,6 +222,12 @@ class Session:
             self.channel.send(Reply(id=msg.id, error=f"{type(e).__name__}: {e}", kind=kind))
             return
         self.channel.send(Reply(id=msg.id, value=value))
+
+    def _attached(self, what: str) -> Tuple[Attach, Namespace, EngineDevice]:
+        """What _attach set (all three, together), for a request past Attach."""
+        if self.attach is None or self.ns is None or self.device is None:
+            raise ProtocolError(f"{what} before Attach: attach first")
+        return self.attach, self.ns, self.device
 
     def _attach(self, a: Attach) -> None:
         if self.attach is not None:
@@ -244,6 +249,8 @@ class Session:
             f"{a.engine}/rank{a.rank}", a.device_blocks, self.channel.send, self.pid, kv.host.forget_checksums
         )
         self.server.counters["attached"] += 1
+        if kv.host.fd is None:  # never: namespace.py opens every namespace's host tier with share_host=True
+            raise RuntimeError("the namespace's host tier is not a shared segment: nothing to hand the engine")
         self.channel.send(
             Attached(
                 version=VERSION,
@@ -272,7 +279,8 @@ class Session:
         self.channel.send(Events(events=events, resync=resync))
 
     def _answer(self, msg: Any) -> Any:
-        kv = self.ns.kv
+        a, ns, device = self._attached(type(msg).__name__)
+        kv = ns.kv
         if isinstance(msg, Lookup):
             return kv.loadable_tokens(
                 unpack_tokens(msg.tokens),
@@ -286,13 +294,13 @@ class Session:
             self._room()
             tid = kv.get_async(
                 unpack_tokens(msg.tokens),
-                self._ids(msg.blocks),
+                self._ids(msg.blocks, a.device_blocks),
                 skip_blocks=msg.skip_blocks,
                 layerwise=msg.layerwise,
                 lora_name=msg.lora,
                 cache_salt=msg.salt,
                 prompt_tokens=msg.prompt_tokens,
-                device=self.device,
+                device=device,
                 on_done=self._task_done,
             )
             if not self._track(tid):  # found nothing to load: finished (not_found) inside get_async
@@ -302,15 +310,13 @@ class Session:
             self._room()
             tokens = unpack_tokens(msg.tokens)
             if msg.names:
-                self.ns.mirror.name(
-                    kv.hashes(tokens, lora_name=msg.lora, cache_salt=msg.salt).sequence.tolist(), msg.names
-                )
+                ns.mirror.name(kv.hashes(tokens, lora_name=msg.lora, cache_salt=msg.salt).sequence.tolist(), msg.names)
             tid = kv.put_async(
                 tokens,
-                self._ids(msg.blocks),
+                self._ids(msg.blocks, a.device_blocks),
                 lora_name=msg.lora,
                 cache_salt=msg.salt,
-                device=self.device,
+                device=device,
                 on_done=self._task_done,
             )
             self._track(tid)
@@ -327,11 +333,12 @@ class Session:
         raise ProtocolError(f"{type(msg).__name__} is not a request")
 
     def _call(self, msg: Call) -> Any:
-        kv = self.ns.kv
+        _, ns, _ = self._attached("Call")
+        kv = ns.kv
         if msg.name == "stats":
             return {
                 "tiers": dataclasses.asdict(kv.stats()),
-                "namespace": self.ns.describe(),
+                "namespace": ns.describe(),
                 "service": {k: v for k, v in self.server.counters.items()},
             }
         if msg.name == "drain":
@@ -349,7 +356,7 @@ class Session:
             if self._subscribed:
                 return 0
             self._subscribed = True
-            return self.ns.mirror.subscribe(self.id, self._send_events)
+            return ns.mirror.subscribe(self.id, self._send_events)
         if msg.name == "describe":
             return {
                 "host_block_bytes": kv.host.layout.block_bytes,
@@ -360,12 +367,11 @@ class Session:
         raise RequestRefused(f"unknown call {msg.name!r}: stats, drain, reset, evict_host, subscribe or describe")
 
     # ---- task bookkeeping -----------------------------------------------------------------------------
-    def _ids(self, data: bytes) -> np.ndarray:
+    def _ids(self, data: bytes, device_blocks: int) -> np.ndarray:
         ids = unpack_ids(data)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.attach.device_blocks):
+        if ids.size and (ids.min() < 0 or ids.max() >= device_blocks):
             raise RequestRefused(
-                f"device block ids {int(ids.min())}..{int(ids.max())} outside this engine's "
-                f"{self.attach.device_blocks} blocks"
+                f"device block ids {int(ids.min())}..{int(ids.max())} outside this engine's {device_blocks} blocks"
             )
         return ids
 
@@ -422,7 +428,7 @@ def _check_attach(a: Attach) -> Optional[str]:
 
 
 class _NoFence:
-    def after_exit(self, pid: int, callback: Any) -> None:
+    def after_exit(self, pid: int, callback: Callable[[], None]) -> None:
         callback()
 
 

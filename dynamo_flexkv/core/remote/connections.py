@@ -148,7 +148,7 @@ class NodeConnections:
             try:
                 self.check_policy(conn)
                 if cfg.parsed.cluster:
-                    self.slots = SlotMap(conn.call(b"CLUSTER", b"SLOTS"), node[0])
+                    self.slots = _slot_map(conn, node)
                 elif self.cluster_enabled(conn):
                     raise RemoteError(
                         f"redis at {node[0]}:{node[1]} is a Redis Cluster node: write "
@@ -205,7 +205,7 @@ class NodeConnections:
             except RemoteError:
                 continue
             try:
-                self.slots = SlotMap(conn.call(b"CLUSTER", b"SLOTS"), node[0])
+                self.slots = _slot_map(conn, node)
             except (OSError, ServerError, ValueError):
                 conn.close()
                 continue
@@ -221,6 +221,7 @@ class NodeConnections:
         if self.slots is None or self.slots_stale:  # never fetched (started while down) or outdated
             self.refresh_slots()
         slots = self.slots
+        assert slots is not None  # refresh_slots() set it or raised; nothing sets it back to None
         return {slots.nodes[n]: idx for n, idx in slots.group(keys).items()}
 
     def per_node(self, groups: Dict[Node, List[int]], work: Callable[[RespConnection, List[int]], None]) -> None:
@@ -319,3 +320,11 @@ class NodeConnections:
                 idle, pool.idle = pool.idle, []
             for conn in idle:
                 conn.close()
+
+
+def _slot_map(conn: RespConnection, node: Node) -> SlotMap:
+    """The cluster's slot map, as ``node`` answers CLUSTER SLOTS (an array of slot ranges)."""
+    reply = conn.call(b"CLUSTER", b"SLOTS")
+    if not isinstance(reply, list):
+        raise ValueError(f"redis at {node[0]}:{node[1]}: CLUSTER SLOTS answered {type(reply).__name__}, not an array")
+    return SlotMap(reply, node[0])

@@ -154,19 +154,27 @@ def _parent_list(seq: List[int], parents: Optional[Sequence[Optional[int]]]) -> 
 class RemoteStore:
     """Blocks of one fingerprint in Redis (thread-safe; connections are pooled per node)."""
 
-    def __init__(self, config: RemoteConfig, fingerprint: int, *, strict: bool = True) -> None:
+    def __init__(
+        self,
+        config: RemoteConfig,
+        fingerprint: int,
+        *,
+        strict: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clock``: the monotonic clock of the breaker's cool-down and the bad-value log's rate limit."""
         self.config = config
         self.fingerprint = int(fingerprint) & _U64
         self._prefix = key_prefix_bytes(config.key_prefix, self.fingerprint)
         self._ttl_args = (
             b"" if config.ttl_s is None else encode_command(b"PX", int(round(config.ttl_s * 1000)))[len(b"*2\r\n") :]
         )
-        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, clock)
         self._stats = RemoteStats()
         self._stats_lock = threading.Lock()
         self._nodes = NodeConnections(config, self._count_connect)
         self._closed = False
-        self._bad_log = RateLimitedLog(log, BAD_VALUE_LOG_EVERY_S)
+        self._bad_log = RateLimitedLog(log, BAD_VALUE_LOG_EVERY_S, clock)
         try:
             self._nodes.check_server()
         except RemoteUnavailableError as e:
@@ -185,16 +193,29 @@ class RemoteStore:
             self._stats.connects += 1
 
     @classmethod
-    def open(cls, url: str, fingerprint: int, *, strict: bool = True, **settings: Any) -> "RemoteStore":
+    def open(
+        cls,
+        url: str,
+        fingerprint: int,
+        *,
+        strict: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        **settings: Any,
+    ) -> "RemoteStore":
         """``RemoteStore.open("redis://127.0.0.1:6379", fp, timeout_s=1.0, ttl_s=3600)``; settings are
         RemoteConfig fields. ``strict=False`` starts with the breaker open when the server is down."""
-        return cls(RemoteConfig(url=url, **settings), fingerprint, strict=strict)
+        return cls(RemoteConfig(url=url, **settings), fingerprint, strict=strict, clock=clock)
 
     # ---- connections ----
 
     def _keys(self, seq: List[int]) -> List[bytes]:
         p = self._prefix
         return [b"%s%016x" % (p, h) for h in seq]
+
+    def key(self, seq_hash: int) -> bytes:
+        """The Redis key block ``seq_hash`` is stored under: ``{key_prefix}{fingerprint:016x}:{seq_hash:016x}``
+        (what ``redis-cli GET`` or ``DEL`` takes)."""
+        return self._keys(_hash_list([seq_hash]))[0]
 
     # ---- running ops ----
 

@@ -7,7 +7,7 @@ import ctypes
 import logging
 import mmap
 import os
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -85,6 +85,8 @@ class HostPool:
                 os.close(fd)
                 raise
             self.fd = fd
+        elif fd is None:
+            raise ValueError("attaching to a shared host segment needs its descriptor (shared_fd)")
         size = os.fstat(fd).st_size
         if size < self.nbytes:
             raise ValueError(f"shared host segment of {size} bytes is smaller than the tier's {self.nbytes}")
@@ -104,11 +106,11 @@ class HostPool:
             np.uint64
         )
 
-    def forget_checksums(self, block_ids: np.ndarray) -> None:
+    def forget_checksums(self, block_ids: Union[np.ndarray, Sequence[int]]) -> None:
         """Called before anything writes these slots: their bytes are about to change."""
         self._sum_known[np.asarray(block_ids, dtype=np.int64)] = False
 
-    def record_checksums(self, block_ids: np.ndarray, sums: np.ndarray) -> None:
+    def record_checksums(self, block_ids: np.ndarray, sums: Union[np.ndarray, Sequence[int]]) -> None:
         """The xxh3_64 of the bytes that just landed in these slots (hashed or verified by the
         path that wrote them, after its last byte landed)."""
         ids = np.asarray(block_ids, dtype=np.int64)

@@ -233,14 +233,14 @@ class DiskMover:
             self._transfer(host_ids, disk_ids, True)
             return sums
         if self._hashes_in_batch():
-            got = self._transfer(host_ids, disk_ids, True, checksums=True)
+            got = self._transfer_hashed(host_ids, disk_ids, True)
             self.host.record_checksums(host_ids, got)
             return got
-        sums = self._hasher.submit(self.host.checksums, host_ids)
+        hashing = self._hasher.submit(self.host.checksums, host_ids)
         try:
             self._transfer(host_ids, disk_ids, True)
         finally:
-            got = sums.result()  # the hasher is done with the host blocks before this raises
+            got = hashing.result()  # the hasher is done with the host blocks before this raises
         return got
 
     def _read_verified(self, host_ids: np.ndarray, disk_ids: np.ndarray) -> None:
@@ -293,6 +293,13 @@ class DiskMover:
             checksums,
         )
 
+    def _transfer_hashed(self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool) -> np.ndarray:
+        """Whole blocks through the native batch, with each block's checksum (where _hashes_in_batch())."""
+        sums = self._transfer(host_ids, disk_ids, write, checksums=True)
+        if sums is None:
+            raise RuntimeError(f"{type(self).__name__}: the disk batch returned no checksums though asked to")
+        return sums
+
     def _checksums(self, host_ids: np.ndarray) -> np.ndarray:
         bb = self.host.layout.block_bytes
         return _native.checksums(self.host.base, host_ids.astype(np.uint64) * np.uint64(bb), bb)
@@ -301,6 +308,6 @@ class DiskMover:
         """Reads disk blocks into host slots and returns their checksums (restart verification)."""
         self.host.forget_checksums(host_ids)
         if self._hashes_in_batch():
-            return self._transfer(host_ids, disk_ids, False, checksums=True)
+            return self._transfer_hashed(host_ids, disk_ids, False)
         self._transfer(host_ids, disk_ids, write=False)
         return self._checksums(host_ids)

@@ -60,7 +60,7 @@ def quiet_progress_threads() -> int:
             return 0
         bind = getattr(_api, "nixlBind", None)
         make = getattr(bind, "nixlAgent", None)
-        if delay == 0 or make is None:
+        if delay == 0 or bind is None or make is None:  # no nixlBind means no nixlAgent either
             _installed.append(0)
             return 0
 

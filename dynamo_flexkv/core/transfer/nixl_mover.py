@@ -55,8 +55,18 @@ class NixlDiskMover(DiskMover):
         self._agent_lock = threading.Lock()
 
     def _transfer(
-        self, host_ids: np.ndarray, disk_ids: np.ndarray, write: bool, offset: int = 0, length: Optional[int] = None
+        self,
+        host_ids: np.ndarray,
+        disk_ids: np.ndarray,
+        write: bool,
+        offset: int = 0,
+        length: Optional[int] = None,
+        checksums: bool = False,
     ) -> None:
+        """As DiskMover's, without ``checksums``: this mover's bytes are hashed on the hasher thread
+        (_hashes_in_batch() is False for it), so nothing asks it for them."""
+        if checksums:
+            raise ValueError("NIXL moves the bytes without hashing them: DiskMover hashes them on its hasher thread")
         if host_ids.size == 0:
             return
         bb = self.host.layout.block_bytes if length is None else length

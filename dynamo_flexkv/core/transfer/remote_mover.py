@@ -14,7 +14,7 @@ disk tier's per-layer reads end in a VERIFY).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -73,7 +73,7 @@ class RemoteMover:
                 self.host.record_checksums(op.dst[:n], sums[:n])  # verified: the bytes that landed
                 op.result = n
             else:
-                n = self._read_span(op, views, refused)
+                n = self._read_span(op, seq, op.layers, views, refused)
             if n < len(seq):
                 for value in refused:
                     # The value that ended the prefix is torn, corrupt or foreign: drop it (logged), so
@@ -96,12 +96,20 @@ class RemoteMover:
             return n * self.block_bytes
         raise ValueError(f"RemoteMover cannot run {op.kind.value}")
 
-    def _read_span(self, op: TransferOp, views: List[np.ndarray], refused: List[RefusedValue]) -> int:
+    def _read_span(
+        self,
+        op: TransferOp,
+        seq: List[int],
+        layers: Tuple[int, int],
+        views: List[np.ndarray],
+        refused: List[RefusedValue],
+    ) -> int:
         """One layer span of a layerwise read; returns the blocks landed so far (verified, for
         the last span). A short span reads the rest of the landed blocks' layers at once and
-        verifies them, so a RemoteShortRead always names whole verified blocks."""
-        lo, hi = op.layers
-        seq, lb = op.seq_hashes, self.layer_bytes
+        verifies them, so a RemoteShortRead always names whole verified blocks. ``seq``, ``layers``:
+        the op's seq_hashes and layers (run() checked them)."""
+        lo, hi = layers
+        lb = self.layer_bytes
         if lo == 0:
             state = _LayeredRead([])
             n, state.checksums = self.store.get_range_into(

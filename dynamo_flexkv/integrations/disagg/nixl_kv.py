@@ -19,7 +19,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -30,6 +30,32 @@ from dynamo_flexkv.core.errors import FlexKVError
 
 
 _ucx_agents = 0  # agents with a UCX backend this process created
+
+
+def ucx_agents_created() -> int:
+    """Agents with a UCX backend this process created: once there is one, the process must end
+    past NIXL's libnl (``exit_past_libnl``)."""
+    return _ucx_agents
+
+
+class KVSource(Protocol):
+    """What a read or a notice needs of the prefill worker: its agent and where its KV is
+    (HandoverParams, or the vLLM connector's VllmHandover; a ``digest_addr`` where it has one)."""
+
+    @property
+    def agent(self) -> str: ...
+    @property
+    def metadata(self) -> Optional[str]: ...
+    @property
+    def layer_addrs(self) -> List[int]: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def mem(self) -> str: ...
+    @property
+    def dev(self) -> int: ...
 
 
 @contextlib.contextmanager
@@ -149,7 +175,7 @@ class Notifier:
         self._lock = threading.Lock()
         self._closed = False
 
-    def notify(self, p: HandoverParams, message: bytes) -> bool:
+    def notify(self, p: KVSource, message: bytes) -> bool:
         """Sends ``message`` to ``p.agent``; False when it cannot (unreachable or gone: the
         receiver's lease then ends by timeout), or after close."""
         from dynamo_flexkv.core.transfer.nixl_agents import new_agent
@@ -277,7 +303,7 @@ class KVAgent:
                 f"checksum (first: prompt block {bad[0]}, prefill block {p.blocks[bad[0]]})"
             )
 
-    def check_compatible(self, p: HandoverParams) -> None:
+    def check_compatible(self, p: KVSource) -> None:
         if len(p.layer_addrs) != len(self.layers) or p.block_bytes != self.block_bytes:
             raise HandoverRefused(
                 f"the prefill worker's KV layout ({len(p.layer_addrs)} layers x {p.block_bytes} "
@@ -285,7 +311,7 @@ class KVAgent:
                 f"{self.block_bytes}): serve the same model on both roles"
             )
 
-    def _connect(self, p: HandoverParams, prep: bool = True) -> _Peer:
+    def _connect(self, p: KVSource, prep: bool = True) -> _Peer:
         """The peer, added once (and again only if it comes with other metadata); its KV
         descriptors prepared once per layout (``prep``: the reads need them, a notice does not)."""
         peer = self._peers.get(p.agent)
@@ -323,7 +349,7 @@ class KVAgent:
 
     def pull(
         self,
-        p: HandoverParams,
+        p: KVSource,
         remote_blocks: Sequence[int],
         local_blocks: Sequence[int],
         timeout: float,
@@ -489,7 +515,7 @@ class KVAgent:
     def digest_addr(self) -> int:
         return self.digests.data_ptr() if self.digests is not None else 0
 
-    def notify(self, p: HandoverParams, message: bytes) -> bool:
+    def notify(self, p: KVSource, message: bytes) -> bool:
         """A standalone notification to the prefill agent (the lease release); False when it is
         unreachable (dead: its leases died with it; alive: the lease ends by timeout)."""
         with self._lock:

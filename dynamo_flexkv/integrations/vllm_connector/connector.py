@@ -42,9 +42,13 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Optional["KVCacheConfig"] = None
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM's base annotates kv_cache_config as required but only stores it; our settings read None as unknown.
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # vLLM: not Optional there
         check_vllm_api()  # the scheduler API this connector reads is the pinned vLLM's
-        policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+        transfer = vllm_config.kv_transfer_config
+        if transfer is None:  # KVConnectorBase_V1.__init__ has refused this already
+            raise ValueError("FlexKVConnector needs a --kv-transfer-config")
+        policy = transfer.kv_load_failure_policy
         if policy != "recompute":
             raise ValueError(
                 f'FlexKVConnector needs kv_load_failure_policy="recompute" in --kv-transfer-config '
@@ -76,6 +80,18 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped store is a later miss, never a wrong token
 
+    def _worker_side(self) -> "WorkerSide":
+        """The worker half: vLLM calls the worker hooks on a worker's connector only."""
+        if self._worker is None:
+            raise RuntimeError("FlexKVConnector: a worker hook called on the scheduler's connector")
+        return self._worker
+
+    def _sched_side(self) -> "SchedulerSide":
+        """The scheduler half: vLLM calls the scheduler hooks on the scheduler's connector only."""
+        if self._sched is None:
+            raise RuntimeError("FlexKVConnector: a scheduler hook called on a worker's connector")
+        return self._sched
+
     # ---- worker side -------------------------------------------------------------------------------
     @property
     def transfer_log(self):
@@ -84,26 +100,26 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def tier_files(self) -> list:
         """This worker's disk tier data files."""
-        return self._worker.tier_files()
+        return self._worker_side().tier_files()
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Waits for this worker's background tier writes; False if some still run after ``timeout``."""
-        return self._worker.drain(timeout)
+        return self._worker_side().drain(timeout)
 
     def tier_stats(self) -> Optional[ManagerStats]:
         """This worker's KVManager stats (tiers, requests, links, tasks); None before vLLM
         registered the KV caches."""
-        return self._worker.stats()
+        return self._worker_side().stats()
 
     def evict_host(self, timeout: Optional[float] = None) -> int:
         """Evicts this worker's host blocks once its tier writes finished (disk and remote copies
         stay): the next loads read the tiers below. Returns how many blocks went."""
-        return self._worker.evict_host(timeout)
+        return self._worker_side().evict_host(timeout)
 
     def reset_tiers(self, timeout: Optional[float] = None) -> None:
         """Drops this worker's host and disk blocks once its tier writes finished; the shared
         remote tier keeps its copies."""
-        self._worker.reset_tiers(timeout)
+        self._worker_side().reset_tiers(timeout)
 
     def _cpu_binding(self) -> ContextManager[None]:
         """On a CPU platform, the threads started inside share the worker's bind cores and this
@@ -117,7 +133,7 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         with self._cpu_binding():
-            self._worker.register(kv_caches)
+            self._worker_side().register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -127,17 +143,17 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, FlexKVMetadata):
-            self._worker.start_load(meta)
+            self._worker_side().start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_layer(layer_name)
+        self._worker_side().wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # stores happen once a request finished (request_finished), from whole blocks
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        self._worker.end_step(meta if isinstance(meta, FlexKVMetadata) else None)
+        self._worker_side().end_step(meta if isinstance(meta, FlexKVMetadata) else None)
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         r = self.get_transfer_results(finished_req_ids)
@@ -146,18 +162,18 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
         """Stores whose blocks vLLM may free; a hybrid model's loads that ran ahead, and those that
         failed (vLLM computes them from their first token)."""
-        loaded, failed = self._worker.finished_loads()
+        loaded, failed = self._worker_side().finished_loads()
         return KVConnectorTransferResults(
-            finished_sending=self._worker.finished_saves(set(finished_req_ids)),
+            finished_sending=self._worker_side().finished_saves(set(finished_req_ids)),
             finished_recving=loaded,
             failed_recving=failed,
         )
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        return self._worker.take_load_errors()
+        return self._worker_side().take_load_errors()
 
     def get_kv_connector_kv_cache_events(self) -> Any:
-        return self._worker.take_events()
+        return self._worker_side().take_events()
 
     def get_kv_connector_stats(self) -> Any:
         from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVStats
@@ -183,28 +199,28 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
-        return self._sched.matched_tokens(request, num_computed_tokens)
+        return self._sched_side().matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        self._sched.after_alloc(request, blocks, num_external_tokens)
+        self._sched_side().after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._sched.build_meta(scheduler_output)
+        return self._sched_side().build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        self._sched.add_events(connector_output.kv_cache_events)
-        self._sched.loads_ended(connector_output.finished_recving or ())
+        self._sched_side().add_events(connector_output.kv_cache_events)
+        self._sched_side().loads_ended(connector_output.finished_recving or ())
 
     def request_finished(self, request: "Request", block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        return self._sched.request_finished(request, block_ids)
+        return self._sched_side().request_finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: Tuple[list, ...]
     ) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        return self._sched.request_finished_all(request, block_ids)
+        return self._sched_side().request_finished_all(request, block_ids)
 
     def take_events(self) -> Iterable[Any]:
-        return self._sched.take_events()
+        return self._sched_side().take_events()
 
     def reset_cache(self) -> Optional[bool]:
         """vLLM's reset_prefix_cache(reset_connector=True): the tiers drop what they hold (see

@@ -57,7 +57,7 @@ class TierEventQueue:
         self.group_idx, self.kind = group_idx, kind
         self._lock = threading.Lock()
         self._events: List[KVCacheEvent] = []
-        self._known: Dict[str, Set[Any]] = {}  # medium -> blocks announced and not removed
+        self._known: Dict[Optional[str], Set[Any]] = {}  # medium (MEDIUM's) -> blocks announced and not removed
         # Our sequence hash -> vLLM's external hash of the same block (alias()): the router must see
         # one name per block across tiers. Blocks without one (re-adopted after a restart) keep ours.
         self._alias: Dict[int, Any] = {}

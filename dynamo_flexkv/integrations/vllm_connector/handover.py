@@ -27,7 +27,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -74,7 +74,7 @@ def _owner_stamps(tags: np.ndarray) -> np.ndarray:
     return (tags * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0xC2B2AE3D27D4EB4F)) | np.uint64(1)
 
 
-def _content_tags(hashes: Sequence[int]) -> np.ndarray:
+def _content_tags(hashes: Union[np.ndarray, Sequence[int]]) -> np.ndarray:
     """What each block's digest is mixed with: the sequence hash of the prompt up to and including
     the block (core/hashing.py: token ids, block size, adapter and salt, chained), which both roles
     compute from the prompt. A block's digest then says which prefix it holds the KV of: a block
@@ -222,8 +222,10 @@ class Handover:
         self.agent = KVAgent(layers, name=f"flexkv-vllm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self._notices = Notifier(f"{self.agent.name}-notices")  # decode's releases: not on the reading agent
         self.agent.enable_digests()
-        self._table = self.agent.digests.numpy().view(np.uint64)
-        self._landed = self.agent.landed.numpy().view(np.uint64)
+        digests, landed = self.agent.digests, self.agent.landed
+        assert digests is not None and landed is not None  # enable_digests() just made both tables
+        self._table = digests.numpy().view(np.uint64)
+        self._landed = landed.numpy().view(np.uint64)
         self._holds: Dict[str, float] = {}  # request -> monotonic end of its lease
         self._early: Dict[str, float] = {}  # released before its hold arrived -> when seen
         # request -> (its stamped blocks, the digests written, when): cleared when its hold ends
@@ -344,7 +346,12 @@ class Handover:
         return out
 
     def pull(
-        self, h: VllmHandover, first: int, local_blocks: Sequence[int], timeout: float, hashes: Sequence[int]
+        self,
+        h: VllmHandover,
+        first: int,
+        local_blocks: Sequence[int],
+        timeout: float,
+        hashes: Union[np.ndarray, Sequence[int]],
     ) -> PullResult:
         """Reads prompt blocks [first, first + len(local_blocks)) of ``h`` into ``local_blocks``;
         ``hashes``: the sequence hash of each full block of decode's own prompt, from block 0.
@@ -452,6 +459,12 @@ class Handover:
             )
             return PullResult(False, nbytes, t2 - t0, "corrupt", verify_s[0])
         return PullResult(True, nbytes, t2 - t0, "", verify_s[0])
+
+    @property
+    def notices_agent(self) -> str:
+        """Name of the NIXL agent decode's release notices leave from: one of their own, never the
+        reading agent (a notice there held up the next read from that prefill)."""
+        return self._notices.name
 
     def send_releases(self) -> None:
         """Tells each prefill whose blocks this worker read (or gave up on) since the last call that

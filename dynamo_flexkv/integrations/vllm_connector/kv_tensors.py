@@ -93,7 +93,8 @@ def describe(kv_caches: Dict[str, torch.Tensor], num_blocks: int, block_size: in
                 "shapes (hybrid or sliding-window models) are not supported"
             )
         # Memory order: dims sorted by stride, outermost first (a permuted view is read as laid out).
-        order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+        strides = t.stride()
+        order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
         phys = t.permute(order)
         if not phys.is_contiguous():
             raise ValueError(
@@ -115,6 +116,7 @@ def describe(kv_caches: Dict[str, torch.Tensor], num_blocks: int, block_size: in
             raise ValueError(f"FlexKVConnector: layer {name} is laid out unlike layer {names[0]}")
         layout, per_block = this, elems
         views.append(phys)
+    assert layout is not None and per_block is not None  # names is not empty: the loop set both
     if per_block % block_size:
         raise ValueError(f"FlexKVConnector: a block of {per_block} elements is not {block_size} tokens")
     if layout is KVLayoutType.LAYERFIRST:  # K|V is the outer axis: each span is one of them

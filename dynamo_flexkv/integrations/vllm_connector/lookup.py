@@ -36,7 +36,7 @@ class LookupServer:
 
     def __init__(self, endpoint: str, lookup: LookupFn, reset: Optional[ResetFn] = None) -> None:
         self.endpoint, self._lookup, self._reset = endpoint, lookup, reset
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(endpoint)
@@ -103,7 +103,7 @@ class LookupClient:
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self.endpoint = self.endpoints[0]
         self.wait_s, self.give_up_s = wait_s, give_up_s
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socks = []
         for ep in self.endpoints:
             sock = self._ctx.socket(zmq.DEALER)

@@ -108,7 +108,8 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
         for k, v in transfer_stats_data.items():
             if k.startswith(PREFIX_TOKENS + "/") and v and engine_idx in self.per_engine_labelvalues:
                 decision, tier, reason = k.split("/")[1:4]
-                self._prefix.labels(*self.per_engine_labelvalues[engine_idx], decision, tier, reason).inc(v)
+                labels = self._prefix.labels(*self.per_engine_labelvalues[engine_idx], decision, tier, reason)
+                labels.inc(v)  # type: ignore[union-attr]  # vLLM types _counter_cls as any PromMetric; it is a Counter
                 continue
             child = self._children.get(k, {}).get(engine_idx)
             if child is None:

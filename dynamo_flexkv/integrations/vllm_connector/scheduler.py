@@ -78,7 +78,7 @@ class SchedulerSide:
         self._hits: Dict[str, Tuple[int, int, Optional[VllmHandover]]] = {}  # request -> (vLLM's computed
         # tokens, tokens we load, the handover they come from or None for the tiers)
         self._prefills: Dict[str, Tuple[Any, List[int]]] = {}  # handover prefill side: request, its blocks so far
-        self._digests: List[Tuple[str, List[int]]] = []
+        self._digests: List[Tuple[str, List[int], List[int]]] = []  # (request, block ids, their sequence hashes)
         self._holds: List[Tuple[str, float]] = []
         self._source: Optional[SourceInfo] = None
         self._source_read = False
@@ -224,12 +224,12 @@ class SchedulerSide:
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             got = self._prefills.get(rid)
-            ids = cached.new_block_ids[i]
-            if got is not None and ids is not None:
+            new_ids = cached.new_block_ids[i]
+            if got is not None and new_ids is not None:
                 if rid in cached.resumed_req_ids:
-                    got[1][:] = list(ids[0])
+                    got[1][:] = list(new_ids[0])
                 else:
-                    got[1].extend(ids[0])
+                    got[1].extend(new_ids[0])
         scheduled = out.num_scheduled_tokens
         for rid, (request, ids) in self._prefills.items():
             n = scheduled.get(rid, 0)
@@ -318,10 +318,12 @@ class SchedulerSide:
             # Shorter than a block, or aborted before its prompt was computed: decode computes it
             # all (the payload says so; a null one would fail the request in Dynamo's frontend).
             return {KEY: None}
+        source = self._source
+        assert source is not None  # in _prefills only once _source_info() found this engine's agent
         expires = time.time() + self.s.handover_lease_s
         self._holds.append((request.request_id, expires))
         return VllmHandover(
-            **asdict(self._source), req=request.request_id, blocks=list(block_ids[:n]), lease_expires_unix=expires
+            **asdict(source), req=request.request_id, blocks=list(block_ids[:n]), lease_expires_unix=expires
         ).to_params()
 
     def reset(self) -> bool:

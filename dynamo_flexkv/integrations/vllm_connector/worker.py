@@ -104,7 +104,7 @@ class WorkerSide:
         self.counters = LoadCounters(loaded={})
         self.transfer_log: Deque[TransferRecord] = collections.deque(maxlen=1024)  # newest last
         self.stored_tokens = 0
-        self._reported: Dict[str, int] = {}  # counter totals already sent as deltas
+        self._reported: Dict[str, float] = {}  # counter totals already sent as deltas
         self._gauges_at = 0.0
         self.clock: Optional[StepClock] = None
         self._stores = True  # False on the ranks whose replicated KV another rank stores
@@ -215,7 +215,7 @@ class WorkerSide:
             mover_hook=hook,
         )
         self.aux.register(desc.tensors, desc.layout)
-        self.tiers = GroupTiers(self.s.groups, self.offload, self.aux, self.s.block_size)
+        self.tiers = GroupTiers(self.s.groups, self._registered("register"), self.aux, self.s.block_size)
 
     def _close_offloads(self) -> None:
         for off in (self.aux, self.offload):
@@ -246,13 +246,14 @@ class WorkerSide:
     def _lookup(self, tokens, lora: Optional[str], salt: Optional[str], prompt_tokens: int, local_blocks: int) -> int:
         if self.tiers is not None:
             return self.tiers.cached_tokens(tokens, lora, salt, prompt_tokens, local_blocks)
-        return self.offload.cached_tokens(
+        return self._registered("lookup").cached_tokens(
             tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens, skip_blocks=local_blocks
         )
 
     # ---- one step --------------------------------------------------------------------------------
     def start_load(self, meta: FlexKVMetadata) -> None:
-        if self.offload is None:
+        offload = self.offload
+        if offload is None:
             return
         # Handovers first: this step's forward waits for them, and the stores queued below would
         # share the CPU with the read (measured in bench disagg --vllm on one core per engine: the
@@ -281,7 +282,7 @@ class WorkerSide:
                         save.event_hashes or None,
                     )
                 else:
-                    self.offload.store(
+                    offload.store(
                         save.token_ids,
                         save.block_ids,
                         key=save.req_id,
@@ -304,7 +305,7 @@ class WorkerSide:
                 self._saving[rid] = self._saving.get(rid, 0) + 1
         for spec in meta.loads:
             if spec.groups and self.tiers is not None:
-                self._start_ahead(spec)
+                self._start_ahead(spec, self.tiers)
             elif spec.handover is None:
                 self._start(spec)
         if not self.s.layerwise:
@@ -314,12 +315,14 @@ class WorkerSide:
     def _alias(self, tokens, event_hashes, lora: Optional[str], salt: Optional[str]) -> None:
         """Our tier events name these blocks as vLLM's device events do."""
         if self.events is not None and event_hashes:
-            self.events.alias(self.offload.block_hashes(tokens, lora_name=lora, cache_salt=salt), event_hashes)
+            hashes = self._registered("alias").block_hashes(tokens, lora_name=lora, cache_salt=salt)
+            self.events.alias(hashes, event_hashes)
 
     def _start(self, spec: LoadSpec) -> None:
+        offload = self._registered("load")
         try:
             self._alias(spec.token_ids, spec.event_hashes, spec.lora_name, spec.cache_salt)
-            tid = self.offload.load(
+            tid = offload.load(
                 spec.token_ids, spec.block_ids, spec.skip_blocks, lora_name=spec.lora_name, cache_salt=spec.cache_salt
             )
         except Exception as e:  # noqa: BLE001 - e.g. TooManyTasks: recompute instead
@@ -328,18 +331,18 @@ class WorkerSide:
         if tid is None:
             self._fail(spec, 0)
             return
-        planned = self.offload.planned_tokens(tid) // self.s.block_size
+        planned = offload.planned_tokens(tid) // self.s.block_size
         if planned < spec.num_blocks:  # evicted since the lookup: the rest is recomputed
             self._fail(spec, planned)
-        self._loads[spec.req_id] = _Load(tid, spec, planned, self.offload.planned_tokens_by_tier(tid))
+        self._loads[spec.req_id] = _Load(tid, spec, planned, offload.planned_tokens_by_tier(tid))
 
-    def _start_ahead(self, spec: LoadSpec) -> None:
+    def _start_ahead(self, spec: LoadSpec, tiers: GroupTiers) -> None:
         """A hybrid model's load: every group's part, ahead of the request's first step (vLLM
         waits for finished_loads); a part that cannot start fails the whole request, which vLLM
         then computes."""
         self._alias(spec.token_ids, spec.event_hashes, spec.lora_name, spec.cache_salt)
         try:
-            parts = self.tiers.load(spec.token_ids, spec.groups, spec.skip_blocks, spec.lora_name, spec.cache_salt)
+            parts = tiers.load(spec.token_ids, spec.groups, spec.skip_blocks, spec.lora_name, spec.cache_salt)
         except Exception as e:  # noqa: BLE001 - e.g. TooManyTasks: computed instead
             log.warning("FlexKVConnector: load for request %s could not start (%s); recomputing", spec.req_id, e)
             parts = None
@@ -416,16 +419,17 @@ class WorkerSide:
         """Waits for one layer of a load (None: every layer)."""
         if ld.failed:
             return
+        offload = self._registered("wait_for_layer_load")
         try:
-            for i in range(self.offload.num_layers) if layer is None else (layer,):
-                if not self.offload.wait_layer(ld.tid, i, self.s.load_timeout_s):
+            for i in range(offload.num_layers) if layer is None else (layer,):
+                if not offload.wait_layer(ld.tid, i, self.s.load_timeout_s):
                     log.warning(
                         "FlexKVConnector: load for request %s still not on the device after %.0f s; "
                         "cancelling it and recomputing",
                         ld.spec.req_id,
                         self.s.load_timeout_s,
                     )
-                    self.offload.cancel_load(ld.tid, ())  # the request keeps its blocks; end_step collects it
+                    offload.cancel_load(ld.tid, ())  # the request keeps its blocks; end_step collects it
                     raise TaskFailed("timed out")
         except TaskFailed:
             ld.failed = True
@@ -442,14 +446,15 @@ class WorkerSide:
         if self.clock is not None:
             self.clock.end(meta.prefill if meta is not None and not meta.loads else None)
             for step in self.clock.take():
-                self.offload.observe_prefill(step.tokens, step.prompt_tokens, step.seconds)
-        for req_id, blocks, hashes in self._digest_after:
-            self.handover.digest(req_id, blocks, hashes)
+                self._registered("wait_for_save").observe_prefill(step.tokens, step.prompt_tokens, step.seconds)
+        if self.handover is not None:  # start_load queues digests only for a worker with a handover agent
+            for req_id, blocks, hashes in self._digest_after:
+                self.handover.digest(req_id, blocks, hashes)
         self._digest_after = []
         if self.handover is not None:
             self.handover.send_releases()
         for ld in self._loads.values():
-            result = self.offload.finish(ld.tid)
+            result = self._registered("wait_for_save").finish(ld.tid)
             if not result.ok and not ld.failed:
                 ld.failed = True
                 self._fail(ld.spec, 0)
@@ -547,7 +552,7 @@ class WorkerSide:
             log.warning(
                 "FlexKVConnector: host and disk tiers reset; the remote tier %s keeps its blocks (shared "
                 "with other workers): after a weight update give the new weights a new model_id",
-                self.offload.describe().get("remote"),
+                self._registered("reset_cache").describe().get("remote"),
             )
             return False
         log.info("FlexKVConnector: host and disk tiers reset (reset_prefix_cache)")
@@ -559,7 +564,7 @@ class WorkerSide:
         if self.offload is None:
             return {}
         c = self.counters
-        totals = {
+        totals: Dict[str, float] = {
             "recomputed_tokens": c.recomputed,
             "failed_loads": c.failed_loads,
             "stored_tokens": self.stored_tokens,
