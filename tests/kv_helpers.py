@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import torch
@@ -75,11 +76,27 @@ def assert_no_leaks(kv: KVManager) -> None:
             assert info.ready and info.locks == 0, f"{tier}: block {h:#x} left locked or unready"
 
 
-def final_results_after_shutdown(kv: KVManager, task_ids) -> list:
-    """The results a shut-down manager's tasks ended with. No public call answers after
-    shutdown(), so this reads the task table: None for a task left without a result (a hang)."""
-    tasks = [kv._table._tasks.get(t) for t in task_ids]
-    return [t.result if t is not None and t.done.is_set() else None for t in tasks]
+class Delivered:
+    """An ``on_done`` receiver for get_async / put_async / prefetch_async: every result handed to
+    it, by task id. How a test sees the results of tasks a shutdown() ended (wait() raises
+    ManagerClosed after it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._results: dict = {}
+        self._twice: list = []  # task ids delivered more than once (the callback must not raise)
+
+    def __call__(self, result) -> None:
+        with self._lock:
+            if result.task_id in self._results:
+                self._twice.append(result.task_id)
+            self._results[result.task_id] = result
+
+    def of(self, task_ids) -> list:
+        """Each task's result: None for a task left without one (a hang)."""
+        with self._lock:
+            assert not self._twice, f"results delivered twice: tasks {self._twice}"
+            return [self._results.get(t) for t in task_ids]
 
 
 def open_fds(settle_to: int = -1, timeout: float = 5.0) -> int:

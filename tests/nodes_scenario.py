@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from disagg_helpers import agg_plan, complete, disagg_plan, prompts  # noqa: E402
-from served import assert_gone, samples, wait_until  # noqa: E402
+from served import assert_gone, scrape, total, wait_until  # noqa: E402
 
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 from dynamo_flexkv.serve.nodes import Nodes  # noqa: E402
@@ -38,9 +38,7 @@ OUTAGE_S = 30.0  # long enough for C's worker to lose its etcd lease (10 s) and 
 
 def metric(proc, name: str, **labels) -> float:
     """A worker's metric, read at its node's address."""
-    with urllib.request.urlopen(proc.metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    return sum(v for have, v in samples(text, name) if all(have.get(k) == w for k, w in labels.items()))
+    return total(scrape(proc.metrics_url), name, **labels)
 
 
 def texts(plan, batch):

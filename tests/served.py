@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple, Union
 
 import pytest
 
@@ -47,6 +47,62 @@ def make_plan(tmp_path, graph: str, *overrides: str, **kw):
     return build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", **kw)
 
 
+MODEL = "flexkv-tiny"  # TINY's served model name
+TIMEOUT = 60  # no request of a test may take longer: a hang fails the test instead of holding the suite
+
+
+def _base_url(target) -> str:
+    return target if isinstance(target, str) else target.base_url
+
+
+def send(target, path: str, raw: bytes, content_type: Optional[str] = "application/json", *, timeout: float = TIMEOUT):
+    """(status, body text) of one POST of ``raw`` to a graph (a base URL, or a plan, Serve or
+    launcher's plan: anything with ``base_url``); HTTP errors are returned, not raised."""
+    headers = {"content-type": content_type} if content_type else {}
+    req = urllib.request.Request(_base_url(target) + path, raw, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def post(target, body: dict, path: str = "/v1/completions", *, timeout: float = TIMEOUT) -> Tuple[int, Any]:
+    """(status, parsed JSON body, or its text when it is not JSON) of one POST of
+    ``{"model": MODEL, **body}``; HTTP errors are returned, not raised."""
+    status, text = send(target, path, json.dumps({"model": MODEL, **body}).encode(), timeout=timeout)
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def scrape(where: Union[int, str]) -> str:
+    """The /metrics page of a worker's system port on 127.0.0.1, or at a URL (``.../metrics``, or
+    a graph's base URL)."""
+    url = where if isinstance(where, str) else f"http://127.0.0.1:{where}/metrics"
+    if not url.endswith("/metrics"):
+        url += "/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def total(text: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` in a /metrics page whose labels include ``labels`` (0 when
+    there is none: a counter not incremented yet)."""
+    return sum(v for have, v in samples(text, name) if all(have.get(k) == str(w) for k, w in labels.items()))
+
+
+def flexkv_metrics(port: int) -> dict:
+    """A worker's flexkv_* samples, as ``name{label="v",...} -> value`` with only the tier, state
+    and link labels (sorted); a missing key is a KeyError, never a 0."""
+    out = {}
+    for m in re.finditer(r"^(flexkv_[a-z_]+)(?:\{([^}]*)\})? ([0-9.e+-]+)$", scrape(port), re.M):
+        ours = sorted(kv for kv in (m.group(2) or "").split(",") if kv.split("=")[0] in ("tier", "state", "link"))
+        out[m.group(1) + (f"{{{','.join(ours)}}}" if ours else "")] = float(m.group(3))
+    return out
+
+
 def complete(plan, prompt, max_tokens=4) -> dict:
     return http_json(
         "POST",
@@ -56,9 +112,7 @@ def complete(plan, prompt, max_tokens=4) -> dict:
 
 
 def metric(port: int, name: str, **labels) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    found = [v for have, v in samples(text, name) if all(have.get(k) == str(w) for k, w in labels.items())]
+    found = [v for have, v in samples(scrape(port), name) if all(have.get(k) == str(w) for k, w in labels.items())]
     assert found, f"{name}{labels} not on /metrics"
     return found[0]
 
@@ -71,10 +125,8 @@ def samples(text: str, name: str):
 
 def _metric_sums(url: str, name: str, *by: str) -> dict:
     """The samples of ``name`` at ``url`` summed per the values of the labels ``by``."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
     out: dict = {}
-    for labels, value in samples(text, name):
+    for labels, value in samples(scrape(url), name):
         key = tuple(labels.get(b, "") for b in by)
         out[key] = out.get(key, 0.0) + value
     return out
@@ -178,18 +230,13 @@ def wait_until(what: str, cond, timeout: float = 60, every: float = 0.1):
 
 
 def inflight(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(
-        float(v) for v in re.findall(r"^dynamo_component_inflight_requests(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
-    )
+    """Requests in flight on a worker (Dynamo's gauge, every endpoint)."""
+    return total(scrape(port), "dynamo_component_inflight_requests")
 
 
 def routed_workers(base_url: str) -> int:
     """How many workers the frontend's router has registered (its own gauge on /metrics)."""
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return len(re.findall(r"^dynamo_component_router_worker_registered\{[^}]*\} 1$", text, re.M))
+    return len(re.findall(r"^dynamo_component_router_worker_registered\{[^}]*\} 1$", scrape(base_url), re.M))
 
 
 def holder_of(plan, prompt: str):

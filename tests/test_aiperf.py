@@ -34,6 +34,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.unit
 def test_replay_client_counts_tokens_not_text():
     """A chunk whose text is still empty (a byte that starts a UTF-8 character) carries a token."""
     assert chunk_tokens({"choices": [{"text": ""}]}, {"completion_token_ids": [112]}) == 1

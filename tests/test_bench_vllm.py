@@ -160,6 +160,7 @@ def test_offloading_connector_is_refused_on_the_cpu_platform():
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.bench
 def test_bench_vllm_smoke(tmp_path):
     """The whole bench at one size, one request per case (three vLLM engines, one after the other):
     3 min 17 s here at load ~1, most of it the three engines' start-up (~50 s each)."""
@@ -233,6 +234,7 @@ def test_bench_disagg_vllm_refuses_bad_arguments_before_starting_anything(tmp_pa
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.bench
 def test_bench_disagg_vllm_smoke(tmp_path):
     """bench disagg --vllm at its quick sizes, two repeats: each case's handover moved the bytes
     the prefill engine held (the bench checks that against NixlConnector's counter) at a positive
@@ -279,6 +281,7 @@ def test_bench_disagg_vllm_smoke(tmp_path):
             assert received >= 0.99 * 12 * mib * 2**20, note
 
 
+@pytest.mark.integration
 def test_the_pair_waits_for_idle_engines_by_their_cpu_time():
     """bench vllm's recompute/miss pair starts a request only once both engines' process groups
     are idle (measured from /proc): a spinning group keeps it waiting, a sleeping one does not."""
@@ -324,6 +327,7 @@ def test_node_rows_put_the_node_cache_against_embedded_in_the_same_case():
     assert v.check_tokens(r, [8192]) == ["node-host-8192 request 0: first token 3 != device-hit's 7"]
 
 
+@pytest.mark.integration
 def test_node_is_refused_for_other_benches():
     p = subprocess.run(
         [sys.executable, "-m", "dynamo_flexkv.bench", "index", "--node"], capture_output=True, text=True, timeout=120
@@ -331,6 +335,7 @@ def test_node_is_refused_for_other_benches():
     assert p.returncode == 2 and "--node is bench vllm's" in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.integration
 def test_the_node_engines_attach_to_a_real_cache_server_that_stops_with_its_group(tmp_path):
     """What `bench vllm --node` gives its node engines: a running cache server with our engine's
     host and disk sizes, its socket in their environment, no local tier of their own."""

@@ -215,6 +215,7 @@ def test_every_slot_rewritten_in_random_order_keeps_checksums_true(rig):
 
 
 @needs_redis
+@pytest.mark.integration
 def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server, monkeypatch):  # noqa: F811
     rig = Rig(tmp_path, redis_server.url)
     try:
@@ -229,7 +230,7 @@ def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server,
         op = TransferOp(OpKind.H2REMOTE, np.array([0, 1, 2]), np.array([0, 1, 2]), seq_hashes=seq)
         rig.remote.run(op)
         assert op.result == 3 and hashed == [], "the remote write hashed blocks the pool already knew"
-        key = rig.store._keys(seq[:1])[0]
+        key = rig.store.key(seq[0])
         conn = RespConnection("127.0.0.1", redis_server.port, timeout_s=5, connect_timeout_s=5)
         try:
             raw = conn.call(b"GET", key)
@@ -270,6 +271,7 @@ def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server,
 
 
 @needs_redis
+@pytest.mark.integration
 def test_a_wrong_checksum_handed_to_put_is_refused_by_every_read(redis_server):  # noqa: F811
     """The guarantee does not rest on the reused checksum being right: a reader verifies every
     payload, so a wrong one costs a miss (recompute), never wrong bytes."""
@@ -286,7 +288,6 @@ def test_a_freed_host_slot_forgets_its_checksum(tmp_path):
     """The manager's free hook: a host block evicted or removed from the index drops its slot's
     checksum, whatever writes the slot next."""
     from dynamo_flexkv import KVLayoutType, KVManager
-    from dynamo_flexkv.core.index import Tier
     from kv_helpers import MODEL as KMODEL, config, device_tensors, fill
 
     with KVManager(KMODEL, config(tmp_path, host_blocks=4, disk_blocks=8)) as kv:
@@ -306,5 +307,5 @@ def test_a_freed_host_slot_forgets_its_checksum(tmp_path):
                 assert int(sums[h]) == xxh(kv.host.array[h * bb : (h + 1) * bb]), f"prompt {i}: slot {h} stale"
         known = np.flatnonzero(kv.host.known_checksums(np.arange(kv.host.num_blocks))[1])
         assert known.size
-        kv._slots_freed(Tier.HOST, known.tolist())  # what the index calls when it frees host slots
+        assert kv.evict("host") == len(known)  # every host block goes (disk keeps its copy), freeing its slot
         assert not kv.host.known_checksums(known)[1].any()

@@ -5,9 +5,12 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from dynamo_flexkv.bench import build_parser, run
 
 
+@pytest.mark.integration
 def test_doctor_reports_each_component(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dynamo_flexkv.cli", "doctor", "--json", "--cache-dir", str(tmp_path)],

@@ -21,6 +21,7 @@ from dynamo_flexkv.integrations.reference_engine.request import SamplingParams  
 CFG = EngineModelConfig.load("tiny")
 
 
+@pytest.mark.unit
 def test_lease_ends_on_release_or_expiry_never_twice():
     clock = Clock()
     table = LeaseTable(5.0, clock)
@@ -38,6 +39,7 @@ def test_lease_ends_on_release_or_expiry_never_twice():
         LeaseTable(0)
 
 
+@pytest.mark.unit
 def test_params_round_trip_and_refuse_malformed_payloads():
     p = HandoverParams("agent", "bWV0YQ==", "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0, 1e9, 8, checksums=[7, 8])
     assert HandoverParams.from_dict(p.to_dict()) == p
@@ -56,6 +58,7 @@ def test_params_round_trip_and_refuse_malformed_payloads():
             HandoverParams.from_dict(bad)
 
 
+@pytest.mark.unit
 def test_descriptor_indices_are_layer_major_like_the_prepared_lists():
     assert _indices(_layer_offsets(2, 10), [3, 4, 9]) == [3, 4, 9, 13, 14, 19]
     assert _indices(_layer_offsets(2, 10), []) == []
@@ -88,12 +91,13 @@ def test_decode_tokens_and_pulled_bytes_equal_aggregated_and_prefill(pair):
     rng = random.Random(7)
     params = SamplingParams(max_tokens=5)
     pulled = []
+    handed = {}  # request id -> the handover it was given (what decode pulls from)
     fill = d_side.fill
 
     def recording_fill(req, first, cap):
-        p = d_side._pending[req.id].params if req.id in d_side._pending else None
         got = fill(req, first, cap)
         if got:
+            p = handed[req.id]
             pulled.append((list(p.blocks[first : first + got]), list(req.block_table[first : first + got])))
         return got
 
@@ -104,6 +108,7 @@ def test_decode_tokens_and_pulled_bytes_equal_aggregated_and_prefill(pair):
         prefill.generate([prompt], SamplingParams(max_tokens=1))
         handover = p_side.hand_over(prompt)
         assert bool(handover) == (len(prompt) > CFG.block_size)
+        handed[f"d{i}"] = HandoverParams.from_dict(handover)
         got = decode_one(decode, d_side, f"d{i}", prompt, params, handover)
         assert got == want.output, f"prompt {i} ({len(prompt)} tokens)"
         for remote, local in pulled:  # the bytes decode computes on are the prefill worker's
@@ -201,7 +206,7 @@ def test_prefill_process_killed_after_handing_over_decode_recomputes_exactly(tmp
         assert len(fills) == 2 and max(fills) < 3 + 2  # bounded by the pull timeout, never a hang
         assert side.stats.pulled_blocks == (len(first) - 1) // CFG.block_size  # the first, across processes
         assert side.stats.failed == 1  # the dead prefill's handover: recomputed
-        assert decode.pool.num_available == decode.pool.num_blocks and not side._pending
+        assert decode.pool.num_available == decode.pool.num_blocks and side.pending_handovers == 0
         agent.close()
     finally:
         proc.kill()

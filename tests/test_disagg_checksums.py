@@ -28,6 +28,7 @@ def pair():
         yield p
 
 
+@pytest.mark.unit
 def test_checksums_are_per_block_and_see_every_layer():
     engine = LLMEngine(CFG, num_device_blocks=8)
     torch.manual_seed(0)
@@ -40,6 +41,7 @@ def test_checksums_are_per_block_and_see_every_layer():
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
 
 
+@pytest.mark.unit
 def test_checksums_are_xxh3_of_each_layers_span_then_of_those_digests():
     """The definition both sides of a handover hash by (the native call, checked against the
     xxhash package over the same bytes), for blocks in any order, and refused out of range."""
@@ -86,6 +88,7 @@ def test_a_corrupted_block_is_recomputed_exactly_and_counted_as_a_failed_handove
     assert d_side.stats.local == 1
 
 
+@pytest.mark.unit
 def test_checksums_travel_signed_and_must_match_the_blocks():
     p = HandoverParams("agent", None, "L-1", [4, 5], 123, [1000, 2000], 64, "DRAM", 0, 1e9, 8, checksums=[1, 2**64 - 1])
     assert HandoverParams.from_dict(p.to_dict()) == p

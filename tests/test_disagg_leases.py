@@ -15,6 +15,7 @@ from dynamo_flexkv.integrations.disagg import LeaseTable
 CFG_NAME = "tiny"
 
 
+@pytest.mark.unit
 def test_an_unclaimed_lease_ends_after_the_renewal_window_a_renewed_one_at_most_at_its_ttl():
     clock = Clock()
     table = LeaseTable(30.0, clock, renew_s=2.0)
@@ -88,8 +89,9 @@ def test_a_claimed_request_waiting_on_decode_keeps_its_lease_by_renewals_then_pu
     (want,) = agg.generate([prompt], params)
     prefill.generate([prompt], SamplingParams(max_tokens=1))
     handover = p_side.hand_over(prompt)
-    d_side.expect("w", HandoverParams.from_dict(handover))  # reached decode: claimed at once
-    lease = next(iter(p_side.leases._leases.values()))
+    handed = HandoverParams.from_dict(handover)
+    d_side.expect("w", handed)  # reached decode: claimed at once
+    lease = p_side.leases.get(handed.lease)
 
     def both():
         p_side.service()
@@ -125,6 +127,7 @@ def test_a_handover_that_reaches_decode_too_late_to_claim_is_recomputed_and_rele
     assert p_side.leases.released == 1  # by decode's notice, not by expiry
 
 
+@pytest.mark.unit
 def test_the_worker_refuses_a_renewal_window_too_short_to_claim_in():
     from dynamo_flexkv.integrations.dynamo_worker.args import build_parser
 

@@ -70,6 +70,7 @@ def worker_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
+@pytest.mark.integration
 def test_worker_cli_refuses_a_bad_handover_lease_before_starting(value):
     r = worker_cli("--disaggregation-mode", "prefill", "--handover-lease-s", value)
     assert r.returncode == 2 and "--handover-lease-s" in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]
@@ -110,18 +111,21 @@ CLOSED = ["--url", "http://127.0.0.1:9", "--model", "x", "--request-timeout", "5
 
 @pytest.mark.slow
 @pytest.mark.parametrize("value", ["0", "-2"])
+@pytest.mark.integration
 def test_replay_refuses_conversations_below_one(tmp_path, value):
     rc, err, _ = replay_until_start(tmp_path, *CLOSED, "--conversations", value)
     assert rc != 0 and "--conversations" in err, err[-800:]
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_replay_refuses_trace_window_nan(tmp_path):
     rc, err, _ = replay_until_start(tmp_path, *CLOSED, "--trace-window-s", "nan")
     assert rc != 0 and "--trace-window-s" in err, err[-800:]
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_replay_refuses_time_scale_nan(tmp_path):
     rc, err, _ = replay_until_start(tmp_path, *CLOSED, "--time-scale", "nan")
     assert rc != 0 and "time-scale" in err, err[-800:]
@@ -129,6 +133,7 @@ def test_replay_refuses_time_scale_nan(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("option", [["--time-scale", "0"], ["--concurrency", "0"], ["--request-timeout", "0"]])
+@pytest.mark.integration
 def test_replay_refuses_bad_run_options_before_starting_a_graph(tmp_path, option):
     rc, err, started = replay_until_start(
         tmp_path, *option, "--configs", "no-offload", "--set", "Common.model=tiny", "--max-prompt-tokens", "512"
@@ -138,6 +143,7 @@ def test_replay_refuses_bad_run_options_before_starting_a_graph(tmp_path, option
 
 @pytest.mark.slow
 @pytest.mark.parametrize("value", ["-1", "nan"])
+@pytest.mark.integration
 def test_replay_refuses_a_bad_host_gb(tmp_path, value):
     rc, err, started = replay_until_start(
         tmp_path, "--host-gb", value, "--configs", "host", "--set", "Common.model=tiny", "--max-prompt-tokens", "512"
@@ -146,6 +152,7 @@ def test_replay_refuses_a_bad_host_gb(tmp_path, value):
 
 
 @pytest.mark.slow
+@pytest.mark.served
 def test_replay_with_every_request_failed_reports_the_request_error(tmp_path):
     rc, err, _ = replay_until_start(tmp_path, *CLOSED, "--conversations", "1", "--sample-every", "1")
     assert rc != 0 and "number sections" not in err and "127.0.0.1:9" in err.splitlines()[-1], err[-800:]
@@ -165,6 +172,7 @@ def marked_pids(mark: str) -> List[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.served
 def test_replay_sigterm_stops_the_graph_it_started(tmp_path):
     mark = f"{os.getpid()}-{time.monotonic_ns()}"
     p = subprocess.Popen(
@@ -213,6 +221,7 @@ def test_replay_sigterm_stops_the_graph_it_started(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.served
 def test_disagg_request_refused_by_decode_releases_the_prefill_lease(tmp_path):
     pytest.importorskip("dynamo.frontend")
     pytest.importorskip("nixl._api")
@@ -240,6 +249,7 @@ def test_disagg_request_refused_by_decode_releases_the_prefill_lease(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.served
 def test_disagg_prefill_worker_exits_cleanly_after_a_request_decode_refused(tmp_path):
     pytest.importorskip("dynamo.frontend")
     pytest.importorskip("nixl._api")
@@ -258,6 +268,7 @@ def test_disagg_prefill_worker_exits_cleanly_after_a_request_decode_refused(tmp_
     assert launcher.running[prefill.name].returncode == 0
 
 
+@pytest.mark.integration
 def test_decode_refuses_a_forged_handover_naming_another_prompts_blocks():
     pytest.importorskip("nixl._api")
     from disagg_helpers import decode_one, engine_pair

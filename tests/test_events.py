@@ -137,7 +137,7 @@ def test_queue_is_bounded_by_blocks(relay_and_sub):
     relay, sub = relay_and_sub
     for i in range(1, 1001):
         relay.stored(None, [i], None, [0] * 4)  # 1000 separate one-block prompts: nothing merges
-        assert relay._pending_blocks < 100
+        assert relay.pending_blocks < 100
     relay.close()
     frames = sub.frames()
     assert 10 <= len(frames) <= 12  # at most one timed frame, then one per 100 blocks

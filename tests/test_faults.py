@@ -1,6 +1,7 @@
 """Bad input and failures: each gives a clear status or error, nothing becomes visible, and no
 lock, pool slot or file descriptor leaks."""
 
+import contextlib
 import os
 import threading
 
@@ -12,17 +13,40 @@ from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.index import Tier
 from dynamo_flexkv.core.tasks import TaskFailed
 from dynamo_flexkv.core.transfer.graph import OpKind
-from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, final_results_after_shutdown, holds
+from kv_helpers import MODEL, TPB, Delivered, assert_no_leaks, config, device_tensors, fill, holds
 
 DEV = 32
 
 
-@pytest.fixture
-def kv(tmp_path):
-    with KVManager(MODEL, config(tmp_path, host_blocks=16, disk_blocks=48)) as m:
+@contextlib.contextmanager
+def opened(tmp_path, **kw):
+    with KVManager(MODEL, config(tmp_path, host_blocks=16, disk_blocks=48), **kw) as m:
         m.dev = device_tensors(KVLayoutType.LAYERBLOCK, DEV)
         m.register_device_cache(m.dev)
         yield m
+
+
+@pytest.fixture
+def kv(tmp_path):
+    with opened(tmp_path) as m:
+        yield m
+
+
+class _Wrapped:
+    """A link's mover behind KVManager(mover_hook=...): ``before(op)`` runs first (it may raise or
+    wait), then the real mover."""
+
+    def __init__(self, mover, before) -> None:
+        self.mover, self.before = mover, before
+
+    def run(self, op) -> int:
+        self.before(op)
+        return self.mover.run(op)
+
+
+def wrap(links, before):
+    """A mover_hook that puts ``before`` in front of the movers of ``links``."""
+    return lambda link, mover: _Wrapped(mover, before) if link in links else mover
 
 
 def store(kv, prompt, ids):
@@ -168,12 +192,10 @@ def test_shutdown_with_tasks_in_flight(tmp_path):
     kv = KVManager(MODEL, config(tmp_path, host_blocks=16, disk_blocks=48))
     dev = device_tensors(KVLayoutType.LAYERBLOCK, DEV)
     kv.register_device_cache(dev)
-    ids = [kv.put_async([i] * (4 * TPB), [0, 1, 2, 3]) for i in range(20)]
+    delivered = Delivered()
+    ids = [kv.put_async([i] * (4 * TPB), [0, 1, 2, 3], on_done=delivered) for i in range(20)]
     kv.shutdown()  # cancels and drains: every task has its final result
-    assert all(
-        r is not None and r.status in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)
-        for r in final_results_after_shutdown(kv, ids)
-    )
+    assert all(r is not None and r.status in (TaskStatus.SUCCESS, TaskStatus.CANCELLED) for r in delivered.of(ids))
     assert kv.cache.task_ids() == []
     kv.shutdown()  # twice is fine (ManagerClosed after it: tests/test_manager.py)
 
@@ -223,6 +245,7 @@ def _assert_serves(kv, dev, prompt, tier_key):
         assert holds(dev, KVLayoutType.LAYERBLOCK, ids[j], int(s)), f"block {j} served with wrong bytes"
 
 
+@pytest.mark.integration
 def test_enospc_on_a_full_ssd(tmp_path, small_tmpfs):
     """Real ENOSPC: the block file is sparse, so writes into it fail once the tmpfs is full."""
     cfg = config(tmp_path, host_blocks=16, disk_blocks=48, ssd_cache_dir=str(small_tmpfs))
@@ -265,47 +288,51 @@ def test_enospc_on_a_full_ssd(tmp_path, small_tmpfs):
                 _assert_serves(kv, dev, p, "disk")
 
 
-def test_eio_injected_in_the_disk_mover(kv):
-    """EIO cannot be produced on demand without a device-mapper target, so the disk mover's batch
-    I/O raises it (reads, then writes); everything above the mover is the real code path."""
+def test_eio_injected_in_the_disk_mover(tmp_path):
+    """EIO cannot be produced on demand without a device-mapper target, so the disk mover raises it
+    (reads, then writes) through KVManager's mover_hook; everything above the mover is the real code
+    path."""
     import errno
 
-    prompt = list(range(4 * TPB))
-    store(kv, prompt, [0, 1, 2, 3])
-    host = kv.cache.tiers[Tier.HOST]
-    host.evict(len(host))
-    mover = kv.transfer.movers[OpKind.DISK2H]
-    orig = mover._transfer
+    failing = threading.Event()
 
-    def failing(host_ids, disk_ids, write, *a, **k):
-        raise OSError(errno.EIO, "Input/output error (injected)")
+    def eio(op):
+        if failing.is_set():
+            raise OSError(errno.EIO, "Input/output error (injected)")
 
-    mover._transfer = failing
-    try:
-        t = kv.get_async(prompt, [4, 5, 6, 7])
-        r = kv.wait([t])[t]
-        assert r.status is TaskStatus.FAILED and "Input/output error" in r.error
-        idle(kv)
-        assert_no_leaks(kv)
-        assert kv.match(prompt) == {"host": 0, "disk": 4 * TPB}  # a read error does not drop the block
-        other = [7] * (4 * TPB)
-        store(kv, other, [8, 9, 10, 11])  # the write to disk fails: host has it, disk not
-        assert kv.stats().tasks.disk_write_failures == 1
-        assert kv.match(other) == {"host": 4 * TPB, "disk": 0}
-        t = kv.get_async(other, [12, 13, 14, 15])
-        assert kv.wait([t])[t].num_tokens == 4 * TPB  # host keeps serving
+    with opened(tmp_path, mover_hook=wrap((OpKind.DISK2H, OpKind.H2DISK), eio)) as kv:
+        prompt = list(range(4 * TPB))
+        store(kv, prompt, [0, 1, 2, 3])
+        host = kv.cache.tiers[Tier.HOST]
+        host.evict(len(host))
+        failing.set()
+        try:
+            t = kv.get_async(prompt, [4, 5, 6, 7])
+            r = kv.wait([t])[t]
+            assert r.status is TaskStatus.FAILED and "Input/output error" in r.error
+            idle(kv)
+            assert_no_leaks(kv)
+            assert kv.match(prompt) == {"host": 0, "disk": 4 * TPB}  # a read error does not drop the block
+            other = [7] * (4 * TPB)
+            store(kv, other, [8, 9, 10, 11])  # the write to disk fails: host has it, disk not
+            assert kv.stats().tasks.disk_write_failures == 1
+            assert kv.match(other) == {"host": 4 * TPB, "disk": 0}
+            t = kv.get_async(other, [12, 13, 14, 15])
+            assert kv.wait([t])[t].num_tokens == 4 * TPB  # host keeps serving
+            assert all(
+                holds(kv.dev, KVLayoutType.LAYERBLOCK, 12 + j, int(s)) for j, s in enumerate(kv.hashes(other).sequence)
+            )
+            idle(kv)
+            assert_no_leaks(kv)
+        finally:
+            failing.clear()
+        t = kv.get_async(prompt, [4, 5, 6, 7])  # the disk recovered: its blocks load again
+        assert kv.wait([t])[t].num_tokens == 4 * TPB
         assert all(
-            holds(kv.dev, KVLayoutType.LAYERBLOCK, 12 + j, int(s)) for j, s in enumerate(kv.hashes(other).sequence)
+            holds(kv.dev, KVLayoutType.LAYERBLOCK, 4 + j, int(s)) for j, s in enumerate(kv.hashes(prompt).sequence)
         )
         idle(kv)
         assert_no_leaks(kv)
-    finally:
-        mover._transfer = orig
-    t = kv.get_async(prompt, [4, 5, 6, 7])  # the disk recovered: its blocks load again
-    assert kv.wait([t])[t].num_tokens == 4 * TPB
-    assert all(holds(kv.dev, KVLayoutType.LAYERBLOCK, 4 + j, int(s)) for j, s in enumerate(kv.hashes(prompt).sequence))
-    idle(kv)
-    assert_no_leaks(kv)
 
 
 def test_a_flood_is_refused_past_max_tasks_in_flight(tmp_path):
@@ -313,13 +340,13 @@ def test_a_flood_is_refused_past_max_tasks_in_flight(tmp_path):
     (nothing planned, no record) instead of queueing without bound; they run again once it drains."""
     from dynamo_flexkv.core.tasks import TooManyTasks
 
-    with KVManager(MODEL, config(tmp_path, host_blocks=16, disk_blocks=48, max_tasks_in_flight=3)) as kv:
+    gate = threading.Event()
+    hook = wrap((OpKind.H2DISK,), lambda op: gate.wait(30))  # disk writes wait for the gate
+    with KVManager(
+        MODEL, config(tmp_path, host_blocks=16, disk_blocks=48, max_tasks_in_flight=3), mover_hook=hook
+    ) as kv:
         dev = device_tensors(KVLayoutType.LAYERBLOCK, DEV)
         kv.register_device_cache(dev)
-        gate = threading.Event()
-        mover = kv.transfer.movers[OpKind.H2DISK]
-        orig = mover.run
-        mover.run = lambda op: (gate.wait(30), orig(op))[1]
         try:
             ids = [kv.put_async([i] * TPB, [i]) for i in range(3)]
             assert all(r.ok for r in kv.wait(ids, timeout=30).values())  # device copies done, disk writes held
@@ -334,7 +361,6 @@ def test_a_flood_is_refused_past_max_tasks_in_flight(tmp_path):
             assert after.host.used_blocks == before.host.used_blocks
         finally:
             gate.set()
-            mover.run = orig
         idle(kv)
         assert_no_leaks(kv)
         t = kv.get_async([0] * TPB, [10])

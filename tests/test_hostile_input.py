@@ -8,17 +8,15 @@ request sent again); nothing answers 5xx or hangs; afterwards both workers are a
 restarted, and back to idle (no device block in use, no offload task in flight, every host/disk
 block that is used is also ready, i.e. no lock left).
 
-Defects are kept as strict xfails that assert the right behaviour. The tests share one graph and
-run in file order (the idle checks come last)."""
+Defects are kept as strict xfails that assert the right behaviour. The tests share one graph, in
+any order: after each one, a check that both workers are alive, never restarted and idle."""
 
 import asyncio
 import json
 import re
 import socket
 import time
-import urllib.error
-import urllib.request
-from typing import Optional, Tuple
+from typing import Tuple
 
 import pytest
 
@@ -26,11 +24,10 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 aiohttp = pytest.importorskip("aiohttp")
 
 from sse import DONE, sse_data  # noqa: E402
-from served import make_plan  # noqa: E402
+from served import MODEL, TIMEOUT, flexkv_metrics, make_plan, post, send  # noqa: E402
 
-from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
+from dynamo_flexkv.serve.launcher import Launcher, http_json  # noqa: E402
 
-MODEL = "flexkv-tiny"
 BLOCK = 16  # tokens per block of the tiny preset
 DEVICE_BLOCKS = 64  # context window 64 x 16 = 1,024 tokens
 WINDOW = DEVICE_BLOCKS * BLOCK
@@ -39,7 +36,6 @@ VOCAB = 512
 # in the context window but in neither offload tier.
 HOST_GB, DISK_GB = 0.00025, 0.0004
 LONG_BLOCKS = 62
-TIMEOUT = 60  # no request may take longer: a hang fails the test instead of holding the suite
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +55,6 @@ def graph(tmp_path_factory):
         yield plan, launcher
     finally:
         launcher.shutdown()
-
-
-def send(plan, path: str, raw: bytes, content_type: Optional[str] = "application/json") -> Tuple[int, str]:
-    """(status, body text) of one request with an arbitrary body; HTTP errors are returned."""
-    headers = {"content-type": content_type} if content_type else {}
-    req = urllib.request.Request(plan.base_url + path, raw, headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def post(plan, body: dict, path: str = "/v1/completions") -> Tuple[int, dict]:
-    code, text = send(plan, path, json.dumps({"model": MODEL, **body}).encode())
-    return code, json.loads(text)
 
 
 def stream(plan, body: dict, path: str = "/v1/completions") -> Tuple[int, list]:
@@ -109,17 +89,6 @@ def answer(plan, prompt, max_tokens: int, chat: bool = False, streaming: bool = 
     return text, finish
 
 
-def scrape(port: int) -> dict:
-    """flexkv_* metrics of one worker: name{tier/state labels} -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for m in re.finditer(r"^(flexkv_[a-z_]+)(?:\{([^}]*)\})? ([0-9.e+-]+)$", text, re.M):
-        ours = sorted(kv for kv in (m.group(2) or "").split(",") if kv.split("=")[0] in ("tier", "state"))
-        out[m.group(1) + (f"{{{','.join(ours)}}}" if ours else "")] = float(m.group(3))
-    return out
-
-
 def long_prompt(seed: int, blocks: int = LONG_BLOCKS) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 1) + 1 for i in range(blocks * BLOCK)]
 
@@ -129,14 +98,14 @@ def long_prompt(seed: int, blocks: int = LONG_BLOCKS) -> list:
 
 def test_prompt_beyond_every_tier_is_answered_correctly_and_tiers_evict(graph):
     plan, _ = graph
-    before = [scrape(w.port) for w in plan.workers]
+    before = [flexkv_metrics(w.port) for w in plan.workers]
     first = answer(plan, long_prompt(0), 8)
     # Three more such prompts: some worker gets two of them, so its host and disk tiers evict.
     for seed in (1, 2, 3):
         answer(plan, long_prompt(seed), 4, streaming=seed == 2)
     assert answer(plan, long_prompt(0), 8) == first  # greedy: the same tokens, whatever tier served it
     assert answer(plan, long_prompt(0), 8, streaming=True) == first
-    after = [scrape(w.port) for w in plan.workers]
+    after = [flexkv_metrics(w.port) for w in plan.workers]
     for t in ("host", "disk"):
         evicted = sum(
             a[f'flexkv_evicted_blocks_total{{tier="{t}"}}'] - b[f'flexkv_evicted_blocks_total{{tier="{t}"}}']
@@ -469,7 +438,7 @@ async def _storm(plan, normal_prompts: list) -> Tuple[list, list]:
 
 def _finished(plan) -> Tuple[float, float]:
     """(aborted, completed) requests over all workers."""
-    ms = [scrape(w.port) for w in plan.workers]
+    ms = [flexkv_metrics(w.port) for w in plan.workers]
     return (sum(m["flexkv_requests_aborted_total"] for m in ms), sum(m["flexkv_requests_total"] for m in ms))
 
 
@@ -496,20 +465,18 @@ def test_hundred_clients_hanging_up_mid_stream_leave_normal_clients_served(graph
     assert normal == [answer(plan, p, 24) for p in normal_prompts]
 
 
-# --- afterwards: every worker alive, never restarted, and idle -------------------------------------------
+# --- after each test: every worker alive, never restarted, and idle ------------------------------------
 
 
-def test_workers_alive_and_back_to_idle(graph):
-    plan, launcher = graph
+def assert_alive_and_idle(plan, launcher) -> None:
     assert not launcher.deaths and not launcher.restarts, (launcher.deaths, launcher.restarts)
     for w in plan.workers:
         assert launcher.running[w.name].poll() is None, w.name
-        with urllib.request.urlopen(f"http://127.0.0.1:{w.port}/health", timeout=10) as r:
-            assert r.status == 200
+        assert http_json("GET", f"http://127.0.0.1:{w.port}/health", timeout=10).get("status") == "ready", w.name
     deadline = time.monotonic() + 5
     for w in plan.workers:
         while True:
-            m = scrape(w.port)
+            m = flexkv_metrics(w.port)
             busy = {
                 k: v
                 for k, v in m.items()
@@ -526,4 +493,17 @@ def test_workers_alive_and_back_to_idle(graph):
                 break
             assert time.monotonic() < deadline, (w.name, busy)
             time.sleep(0.1)
-    assert answer(plan, "still serving after all that", 4)[1] in ("stop", "length")
+
+
+@pytest.fixture(autouse=True)
+def _left_alive_and_idle(request):
+    """After each test on the shared graph, whichever ran before it."""
+    graph = request.getfixturevalue("graph") if "graph" in request.fixturenames else None
+    yield
+    if graph is not None:
+        assert_alive_and_idle(*graph)
+
+
+def test_workers_alive_and_back_to_idle(graph):
+    assert_alive_and_idle(*graph)
+    assert answer(graph[0], "still serving after all that", 4)[1] in ("stop", "length")

@@ -63,7 +63,7 @@ def test_the_other_seconds_options_now_refuse_nan_and_inf_too(tmp_path, key, val
 
 
 class _Health:
-    """Stands in for Launcher._worker_ready: answers what the test says, counts the probes."""
+    """The launcher's probe (Launcher(probe=...)): answers what the test says, counts the probes."""
 
     def __init__(self, answer: bool = True) -> None:
         self.answer, self.calls = answer, 0
@@ -75,8 +75,7 @@ class _Health:
 
 def _supervised(tmp_path, monkeypatch, policy: RestartPolicy, health: _Health):
     monkeypatch.setattr(launcher_mod, "PROBE_EVERY_S", 0.05)
-    launcher = Launcher(sleeper_plan(tmp_path, policy))
-    monkeypatch.setattr(launcher, "_worker_ready", health)
+    launcher = Launcher(sleeper_plan(tmp_path, policy), probe=health)
     launcher.start()
     worker = launcher.plan.workers[0]
     launcher.ready.add(worker.name)  # as wait_ready would
@@ -90,6 +89,7 @@ def _steps(launcher: Launcher, seconds: float) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.integration
 def test_a_worker_answering_ready_is_left_alone_and_failures_shorter_than_the_timeout_are_forgiven(
     tmp_path, monkeypatch
 ):
@@ -110,6 +110,7 @@ def test_a_worker_answering_ready_is_left_alone_and_failures_shorter_than_the_ti
         launcher.shutdown()
 
 
+@pytest.mark.integration
 def test_a_worker_failing_its_probes_for_the_timeout_is_killed_as_hung_and_restarted(tmp_path, monkeypatch):
     health = _Health(False)  # a non-ready answer counts as failing, like no answer
     launcher, worker = _supervised(tmp_path, monkeypatch, RestartPolicy(liveness_s=0.3, backoff_s=0), health)
@@ -142,6 +143,7 @@ def test_a_worker_failing_its_probes_for_the_timeout_is_killed_as_hung_and_resta
         os.killpg(first.pid, 0)
 
 
+@pytest.mark.integration
 def test_a_hung_worker_with_on_death_stop_stops_the_graph_and_zero_turns_probing_off(tmp_path, monkeypatch):
     health = _Health(False)
     launcher, worker = _supervised(tmp_path, monkeypatch, RestartPolicy(OnDeath.STOP, liveness_s=0.2), health)
@@ -165,6 +167,7 @@ def test_a_hung_worker_with_on_death_stop_stops_the_graph_and_zero_turns_probing
 
 
 @pytest.mark.slow
+@pytest.mark.served
 def test_a_sigstopped_worker_is_killed_as_hung_its_streams_migrate_and_it_serves_again(tmp_path):
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
     from served import Serve, Streamed, inflight, metric, routed_workers, stream, wait_until

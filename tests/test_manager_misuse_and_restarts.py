@@ -21,7 +21,7 @@ from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.storage.ssd import SsdInUseError, SsdLayoutError
 from dynamo_flexkv.core.tasks import TooManyTasks
 
-from kv_helpers import MODEL, TPB, config, device_tensors, fill, final_results_after_shutdown, holds
+from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds
 
 L = KVLayoutType.LAYERBLOCK
 
@@ -250,13 +250,11 @@ def test_cancelling_a_burst_of_deferred_puts_leaks_nothing(tmp_path):
         assert kv.drain(timeout=30)
         st = kv.stats().tasks
         assert (st.in_flight, st.deferred_puts, kv.cache.task_ids()) == (0, 0, [])
-        late = [kv.put_async(prompt(100 + k, 6), [6 * k + i for i in range(6)]) for k in range(8)]
+        delivered = Delivered()
+        late = [kv.put_async(prompt(100 + k, 6), [6 * k + i for i in range(6)], on_done=delivered) for k in range(8)]
     finally:
         kv.shutdown()  # deferred puts of a closing manager are cancelled, never left hanging
-    assert all(
-        r is not None and r.status in (TaskStatus.SUCCESS, TaskStatus.CANCELLED)
-        for r in final_results_after_shutdown(kv, late)
-    )
+    assert all(r is not None and r.status in (TaskStatus.SUCCESS, TaskStatus.CANCELLED) for r in delivered.of(late))
 
 
 # --------------------------------------------------------------------------- what held up
@@ -535,6 +533,7 @@ def test_config_sources_unknown_keys_files_and_aliases(tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.integration
 def test_dir_held_by_another_process_is_refused_naming_it_and_freed_by_its_death(tmp_path):
     import signal
     import subprocess

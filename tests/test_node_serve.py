@@ -145,10 +145,9 @@ def complete(base_url: str, prompt, worker: int = 0, max_tokens: int = 4) -> dic
 
 
 def node_metric(serve, name: str) -> float:
-    from served import samples
+    from served import scrape, total
 
-    with urllib.request.urlopen(serve.metrics["NodeCache"], timeout=10) as r:
-        return sum(v for _, v in samples(r.read().decode(), name))
+    return total(scrape(serve.metrics["NodeCache"]), name)
 
 
 class Held:
@@ -171,6 +170,7 @@ class Held:
         return n
 
 
+@pytest.mark.served
 def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_credits_both(tmp_path):
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
     import vllm_graph as vg

@@ -105,6 +105,7 @@ print(json.dumps({{"base_url": plan.base_url, "processes": [
 
 
 @needs_root
+@pytest.mark.integration
 def test_each_component_binds_and_advertises_its_nodes_address_and_reaches_etcd_and_nats_on_the_frontends(
     nodes, tmp_path
 ):
@@ -142,6 +143,7 @@ def test_each_component_binds_and_advertises_its_nodes_address_and_reaches_etcd_
 
 
 @needs_root
+@pytest.mark.integration
 def test_nodes_up_refuses_names_it_could_not_keep_apart_and_leaves_nothing_behind(tmp_path):
     from dynamo_flexkv.serve.nodes import NodesError
 
@@ -160,6 +162,7 @@ def test_nodes_up_refuses_names_it_could_not_keep_apart_and_leaves_nothing_behin
 
 
 @needs_root
+@pytest.mark.integration
 def test_nodes_reach_each_other_only_over_their_links_and_a_link_can_be_cut(nodes):
     def probe(src: str, dst: str) -> int:
         """1 when dst's stack answered (refused: nothing listens on port 9), 0 when nothing came back."""
@@ -184,6 +187,7 @@ def test_nodes_reach_each_other_only_over_their_links_and_a_link_can_be_cut(node
 
 @needs_root
 @pytest.mark.slow
+@pytest.mark.served
 def test_a_disagg_graph_over_three_nodes_serves_exact_tokens_moves_kv_over_the_link_and_survives_a_cut(nodes, tmp_path):
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
     pytest.importorskip("nixl._api", reason="NIXL is installed by make install")

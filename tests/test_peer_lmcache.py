@@ -52,6 +52,7 @@ def test_another_lmcache_version_in_the_prefix_is_named(tmp_path, monkeypatch):
         (["all", "--peer", "lmcache"], "--peer lmcache is bench vllm's"),
     ],
 )
+@pytest.mark.integration
 def test_bad_peer_arguments_exit_2(argv, message):
     p = subprocess.run(
         [sys.executable, "-m", "dynamo_flexkv.bench", *argv], capture_output=True, text=True, timeout=120
@@ -179,6 +180,7 @@ def _stop(engines):
         e.proc.wait()
 
 
+@pytest.mark.integration
 def test_three_engines_are_interleaved_in_reversed_order_each_round():
     from dynamo_flexkv.bench.vllm_pair import run_interleaved
 
@@ -192,6 +194,7 @@ def test_three_engines_are_interleaved_in_reversed_order_each_round():
     assert {k: len(r) for k, r in out.items()} == {"recompute-2048": 2, "miss-2048": 2, "lmcache-miss-2048": 2}
 
 
+@pytest.mark.integration
 def test_each_loaded_case_takes_turns_with_the_peers_same_case():
     from dynamo_flexkv.bench.vllm_pair import run_interleaved
 
@@ -221,6 +224,7 @@ def test_each_loaded_case_takes_turns_with_the_peers_same_case():
     assert set(out) == {f"{c}-{n}" for c in ("host", "lmcache-host", "disk", "lmcache-disk") for n in (2048, 8192)}
 
 
+@pytest.mark.integration
 def test_only_new_segments_of_dead_processes_are_removed(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -242,6 +246,7 @@ _PEER_MISSING = lmc.missing_reason(lmc.prefix_dir())
     _PEER_MISSING is not None,
     reason=f"LMCache {lmc.VERSION} is not installed ({_PEER_MISSING}): install it with {lmc.INSTALL}",
 )
+@pytest.mark.integration
 def test_lmcache_mp_serves_a_prompt_again_from_its_cache(tmp_path):
     """One 1,024-token prompt through LMCacheMPConnector (vLLM's prefix cache reset after each
     send): the first send computes it, the second gets 15 of its 16 blocks from LMCache's CPU tier,
@@ -283,6 +288,7 @@ def test_lmcache_mp_serves_a_prompt_again_from_its_cache(tmp_path):
     assert set(lmc.shm_segments()) <= set(shm_before)
 
 
+@pytest.mark.integration
 def test_stop_group_ends_children_that_ignore_sigterm():
     """What a bench started goes with its group: the leader on SIGTERM, a child that ignores it by
     the final SIGKILL (bench/procs.py, used for engines and the LMCache server)."""

@@ -60,6 +60,7 @@ def _served_from_remote(tmp_path, *overrides):
 
 
 @pytest.mark.slow  # about a minute: two workers, a kill and a restart
+@pytest.mark.served
 def test_serve_starts_a_redis_and_a_restarted_worker_loads_from_it(tmp_path):
     plan = _served_from_remote(tmp_path)
     redis = next(p for p in plan.infra if p.name == "redis")
@@ -79,17 +80,20 @@ def test_serve_starts_a_redis_and_a_restarted_worker_loads_from_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.served
 def test_a_redis_cluster_given_by_url_serves_the_same(tmp_path):
     with RedisCluster(nodes=3, maxmemory="64mb") as cluster:
         _served_from_remote(tmp_path, f"FlexKVWorker.cache.remote_cache_url={cluster.url}")
 
 
+@pytest.mark.unit
 def test_serve_refuses_an_unreachable_redis(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}"
     with pytest.raises(GraphError, match="cannot connect to redis at 127.0.0.1"):
         make_plan(tmp_path, "agg_router", *REMOTE, f"FlexKVWorker.cache.remote_cache_url={url}")
 
 
+@pytest.mark.unit
 def test_render_k8s_takes_the_redis_url_from_a_secret(tmp_path):
     import yaml
 

@@ -480,8 +480,7 @@ def test_bad_value_lines_are_at_most_one_a_second_with_a_count_of_the_others(
     seq, data = blocks(8, 2000, seed=13)
     caplog.set_level(logging.WARNING, logger="dynamo_flexkv.core.remote.store")
     now = [100.0]
-    with RemoteStore.open(redis_server.url, FP) as store:
-        store._bad_log.clock = lambda: now[0]
+    with RemoteStore.open(redis_server.url, FP, clock=lambda: now[0]) as store:
         store.put(seq, list(data))
         for i in range(6):
             _damage(redis_server, seq, data, i, "flip")
@@ -494,7 +493,12 @@ def test_bad_value_lines_are_at_most_one_a_second_with_a_count_of_the_others(
             assert len(_dropped_lines(caplog)) == (1 if i < 5 else 2)
         assert "and 4 more like it since the last such line" in _dropped_lines(caplog)[1].getMessage()
         assert not any(store.exists(seq[:6]))
-        store._bad_log.warning("bad value %s", "x")  # left out: within the second
+        _damage(redis_server, seq, data, 6, "flip")  # one more, within the second of that line: left out
+        now[0] += 0.1
+        refused = []
+        assert store.get_into(seq[6:7], [dst[6]], [int(seq[5])], refused=refused) == 0
+        assert store.drop_refused(refused[0])
+        assert len(_dropped_lines(caplog)) == 2
     closing = [r.getMessage() for r in caplog.records if "not logged one by one" in r.getMessage()]
     assert closing[-1] == "1 more bad values refused and dropped since the last such line, not logged one by one"
 
@@ -835,14 +839,17 @@ def test_an_object_array_of_u64_ints_is_accepted(redis_server: RedisServer) -> N
         assert store.exists(np.array([1, 2**64 - 1], dtype=object)) == [False, False]
 
 
-@needs_redis
-def test_blocks_per_node_refuses_fast_while_the_breaker_pauses_the_tier(redis_cluster) -> None:  # noqa: F811
-    with RemoteStore.open(redis_cluster.url, FP, breaker_failures=1, breaker_cooldown_s=60) as store:
-        store._breaker.failure()  # as after a failed op: the tier is paused
+@pytest.mark.unit
+def test_blocks_per_node_refuses_fast_while_the_breaker_pauses_the_tier() -> None:
+    # strict=False on a cluster nobody answers: the tier starts paused, as after failed ops
+    url = f"redis+cluster://127.0.0.1:{free_port()}"
+    with RemoteStore.open(url, FP, strict=False, breaker_failures=1, breaker_cooldown_s=60) as store:
+        assert store.breaker_state is BreakerState.OPEN
         t0 = time.monotonic()
         with pytest.raises(RemoteUnavailableError, match="paused for 60 s"):
             store.blocks_per_node([1, 2])
         assert time.monotonic() - t0 < 1.0 and store.stats().breaker_refused == 1
+        assert store.stats().op_errors == 0  # refused by the breaker, not by a failed connection
 
 
 @needs_redis

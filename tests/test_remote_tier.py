@@ -202,7 +202,7 @@ def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server
         e0, e1 = Engine(kv0), Engine(kv1, 1)
         e0.put(p)
         seq = kv1.hashes(p).sequence
-        key = kv1.remote._prefix + b"%016x" % int(seq[5])
+        key = kv1.remote.key(int(seq[5]))
         conn = RespConnection("127.0.0.1", redis_server.port, timeout_s=2, connect_timeout_s=1)
         try:
             if fault == "corrupt":
@@ -212,13 +212,13 @@ def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server
             elif fault == "truncated":
                 conn.call(b"SET", key, conn.call(b"GET", key)[:-7])
             elif fault == "wrong_block":  # this model's value of another block
-                other = kv1.remote._prefix + b"%016x" % int(seq[2])
+                other = kv1.remote.key(int(seq[2]))
                 conn.call(b"SET", key, conn.call(b"GET", other))
             elif fault == "foreign":  # a value written by another namespace (another fingerprint)
                 with manager(tmp_path / "c", redis_server.url, namespace="other") as kv2:
                     Engine(kv2, 2).put(p)
                     seq2 = kv2.hashes(p).sequence
-                    conn.call(b"SET", key, conn.call(b"GET", kv2.remote._prefix + b"%016x" % int(seq2[5])))
+                    conn.call(b"SET", key, conn.call(b"GET", kv2.remote.key(int(seq2[5]))))
             store = kv1.remote
             real_get, real_range = store.get_into, store.get_range_into
 

@@ -104,6 +104,7 @@ def test_a_system_port_dynamo_cannot_read_is_refused_naming_the_limit_and_the_fi
     assert [w.env["DYN_SYSTEM_PORT"] for w in last.workers] == ["32766", "32767"]
 
 
+@pytest.mark.integration
 def test_ports_in_use_and_locked_ssd_dirs_are_refused(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -144,6 +145,7 @@ def test_bad_graph_files_are_named(tmp_path):
         load_graph(str(bad))
 
 
+@pytest.mark.integration
 def test_serve_refuses_a_bad_config_before_starting_anything(tmp_path):
     """The CLI exits 2 with the message; no frontend or worker was ever spawned."""
     bad = tmp_path / "bad.yaml"
@@ -185,6 +187,7 @@ def test_render_k8s_writes_a_graph_deployment(tmp_path):
     assert front["envs"] == [{"name": "DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS", "value": "500"}]
 
 
+@pytest.mark.integration
 def test_render_cli_writes_the_manifest_file(tmp_path):
     out = tmp_path / "agg_router.k8s.yaml"
     r = subprocess.run(
@@ -215,6 +218,7 @@ def test_migration_and_restart_options_are_checked_and_reach_the_processes(tmp_p
     assert [backoff.delay(n) for n in (1, 2, 3, 6)] == [1.5, 3.0, 6.0, 30.0]  # doubles, capped at 30 s
 
 
+@pytest.mark.integration
 def test_the_launcher_restarts_a_dead_worker_with_backoff_until_its_budget_is_spent(tmp_path):
     launcher = Launcher(sleeper_plan(tmp_path, RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1)))
     worker = launcher.plan.workers[0]
@@ -250,6 +254,7 @@ def test_the_launcher_restarts_a_dead_worker_with_backoff_until_its_budget_is_sp
             os.killpg(pid, 0)
 
 
+@pytest.mark.integration
 def test_deaths_outside_the_window_are_forgiven_and_the_frontends_death_stops_the_graph(tmp_path):
     launcher = Launcher(sleeper_plan(tmp_path, RestartPolicy(max_restarts=1, window_s=0.3, backoff_s=0)))
     front, worker = launcher.plan.processes
@@ -271,10 +276,11 @@ def test_deaths_outside_the_window_are_forgiven_and_the_frontends_death_stops_th
         launcher.shutdown()
 
 
+@pytest.mark.integration
 def test_a_dead_worker_is_removed_from_file_discovery_and_nothing_else(tmp_path):
     """The files as Dynamo 1.6.1's FileStore writes them: a model card naming the worker's system
     port, its endpoint instances, its KV event source."""
-    p = sleeper_plan(tmp_path, RestartPolicy())
+    p = sleeper_plan(tmp_path, RestartPolicy(backoff_s=30))  # its restart stays pending while the test looks
     worker = p.workers[0]
     root = tmp_path / "discovery"
     worker.env["DYN_FILE_KV"] = str(root)
@@ -304,19 +310,27 @@ def test_a_dead_worker_is_removed_from_file_discovery_and_nothing_else(tmp_path)
         )
     (root / "v1" / "instances" / ".tmp_0123").write_text("{partial")
     launcher = Launcher(p)
-    assert launcher._deregister(worker) == 4
-    left = sorted(f.name for f in (root / "v1").glob("*/*"))
-    assert left == sorted(
-        [
-            ".tmp_0123",
-            "dynamo%2Fflexkv%2Fgenerate%2Fde",
-            "dynamo%2Fflexkv%2Fgenerate%2Fde",
-            "dynamo%2Fflexkv%2Fquery%2Fde",
-            "kv-events%2F227",
-        ]
-    )
+    try:
+        launcher.start()
+        launcher.running[worker.name].kill()
+        launcher.running[worker.name].wait()
+        launcher.step()  # the launcher sees the death
+        assert "; removed its 4 discovery entries; restarting it in 30.0 s" in launcher.events[-1], launcher.events
+        left = sorted(f.name for f in (root / "v1").glob("*/*"))
+        assert left == sorted(
+            [
+                ".tmp_0123",
+                "dynamo%2Fflexkv%2Fgenerate%2Fde",
+                "dynamo%2Fflexkv%2Fgenerate%2Fde",
+                "dynamo%2Fflexkv%2Fquery%2Fde",
+                "kv-events%2F227",
+            ]
+        )
+    finally:
+        launcher.shutdown()
 
 
+@pytest.mark.integration
 def test_a_closed_terminal_ends_the_echo_not_the_logs_or_the_shutdown(tmp_path):
     """serve's stdout reader went away (a closed terminal, a dead pipe): writes fail with EPIPE. The
     component logs still reach their files and shutdown still stops every process."""

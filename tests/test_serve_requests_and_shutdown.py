@@ -19,10 +19,7 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import List
 
@@ -30,13 +27,24 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import Serve, Streamed, assert_all_gone, events_applied, stream, wait_until  # noqa: E402
+from served import (  # noqa: E402
+    MODEL,
+    TIMEOUT,
+    Serve,
+    Streamed,
+    assert_all_gone,
+    events_applied,
+    post,
+    routed_workers,
+    scrape,
+    stream,
+    total,
+    wait_until,
+)
 
-MODEL = "flexkv-tiny"
 WINDOW = 64 * 16  # the Serve helper's graph: 64 device blocks of 16 tokens per worker
 VOCAB = 512
 WORKERS = ("FlexKVWorker-0", "FlexKVWorker-1")
-TIMEOUT = 60
 EVENT_DROPS = re.compile(
     r"Failed to find block|block to remove|unknown parent|parent block .* not found|"
     r"dropp(ed|ing) (kv )?event|event gap|missed \d+ events",
@@ -48,76 +56,52 @@ def ids(n: int, seed: int) -> List[int]:
     return [(seed * 37 + k * 7) % (VOCAB - 12) + 1 for k in range(n)]
 
 
-@pytest.fixture(scope="module")
-def graph(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("advserve")
+def _serve(tmp) -> Serve:
     serve = Serve(tmp, "g", "FlexKVWorker.restart-backoff-s=0.5")
     serve.run_dir = tmp / "g"
     serve.tmp = tmp
+    return serve
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    """One graph for the tests that leave it serving (a worker they kill is restarted and routed to
+    again before they end)."""
+    serve = _serve(tmp_path_factory.mktemp("advserve"))
     try:
         yield serve
     finally:
         serve.close()
 
 
-def post(serve, body: dict, path: str = "/v1/completions"):
-    """(status, parsed JSON or raw text) of one request; errors are returned, not raised."""
-    req = urllib.request.Request(
-        serve.base_url + path,
-        json.dumps({"model": MODEL, **body}).encode(),
-        headers={"content-type": "application/json"},
-    )
+@pytest.fixture
+def own_graph(tmp_path):
+    """A graph of its own, for a test that stops it."""
+    serve = _serve(tmp_path)
     try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
-            text = r.read().decode()
-            status = r.status
-    except urllib.error.HTTPError as e:
-        text, status = e.read().decode(), e.code
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
+        yield serve
+    finally:
+        serve.close()
 
 
 def disk_ready(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        m = re.search(
-            r'^flexkv_pool_blocks\{(?=[^}]*tier="disk")(?=[^}]*state="ready")[^}]*\} (\S+)$', r.read().decode(), re.M
-        )
-    return float(m.group(1)) if m else 0.0
+    return total(scrape(port), "flexkv_pool_blocks", tier="disk", state="ready")
 
 
-def scrape(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-
-    def total(pattern):
-        return sum(float(v) for v in re.findall(pattern, text, re.M))
-
+def counts(port: int) -> dict:
+    """What the tests here watch on a worker's /metrics."""
+    text = scrape(port)
     return {
-        "used": total(r'^flexkv_device_blocks\{[^}]*state="used"[^}]*\} (\S+)$'),
-        "tasks": total(r"^flexkv_tasks_in_flight(?:\{[^}]*\})? (\S+)$"),
-        "aborted": total(r"^flexkv_requests_aborted_total(?:\{[^}]*\})? (\S+)$"),
-        "done": total(r"^flexkv_requests_total(?:\{[^}]*\})? (\S+)$"),
-        "disk_hits": total(r'^flexkv_prompt_tokens_cached_total\{[^}]*tier="disk"[^}]*\} (\S+)$'),
+        "used": total(text, "flexkv_device_blocks", state="used"),
+        "tasks": total(text, "flexkv_tasks_in_flight"),
+        "aborted": total(text, "flexkv_requests_aborted_total"),
+        "done": total(text, "flexkv_requests_total"),
+        "disk_hits": total(text, "flexkv_prompt_tokens_cached_total", tier="disk"),
     }
 
 
 def all_workers(serve) -> List[dict]:
-    return [scrape(serve.worker_port(w)) for w in WORKERS]
-
-
-def worker_pid(serve, name: str) -> int:
-    """The current process of a worker (a restarted one too): serve's child with its system port."""
-    want = f"DYN_SYSTEM_PORT={serve.worker_port(name)}".encode()
-    for pid in subprocess.run(["pgrep", "-P", str(serve.proc.pid)], capture_output=True, text=True).stdout.split():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if want in f.read().split(b"\0"):
-                    return int(pid)
-        except OSError:  # gone meanwhile
-            continue
-    raise AssertionError(f"no live child of serve runs {name}")
+    return [counts(serve.worker_port(w)) for w in WORKERS]
 
 
 def logs(serve) -> str:
@@ -151,17 +135,6 @@ def hang_up(serve, body: dict, after_events: int, delay: float = 0.0, path: str 
     finally:
         s.close()
     return buf
-
-
-def routed_workers(serve) -> int:
-    """How many workers the frontend's router has registered."""
-    return len(
-        re.findall(
-            r"^dynamo_component_router_worker_registered\{[^}]*\} 1$",
-            urllib.request.urlopen(serve.base_url + "/metrics", timeout=10).read().decode(),
-            re.M,
-        )
-    )
 
 
 def wait_idle(serve, before: List[dict], n: int, timeout: float = 15.0):
@@ -452,7 +425,7 @@ def test_worker_killed_mid_decode_of_long_prompts_loses_nothing_and_is_routed_to
             timeout=TIMEOUT,
             every=0.01,
         )
-        os.kill(worker_pid(graph, victim), signal.SIGKILL)
+        os.kill(graph.worker_pid(victim), signal.SIGKILL)
         # a client that hangs up while the worker is dead / restarting
         hang_up(graph, {"prompt": ids(600, 5), "max_tokens": 50, "stream": True}, 1)
         results = [f.result(timeout=TIMEOUT) for f in futures]
@@ -463,13 +436,13 @@ def test_worker_killed_mid_decode_of_long_prompts_loses_nothing_and_is_routed_to
         lambda: sum(f"{victim} is ready again" in x for x in graph.lines) > ready_before,
         timeout=90,
     )
-    wait_until("both workers routed", lambda: routed_workers(graph) == 2, timeout=30)
+    wait_until("both workers routed", lambda: routed_workers(graph.base_url) == 2, timeout=30)
     port = graph.worker_port(victim)
-    served = scrape(port)["done"]
+    served = counts(port)["done"]
     with ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(lambda i: post(graph, {"prompt": ids(150, 5000 + i), "max_tokens": 2})[0], range(16)))
     assert codes == [200] * 16
-    assert scrape(port)["done"] > served  # the router sends new prompts to the restarted worker
+    assert counts(port)["done"] > served  # the router sends new prompts to the restarted worker
     wait_idle(graph, all_workers(graph), 0)
 
 
@@ -499,11 +472,11 @@ def test_migrated_requests_report_their_own_prompt_tokens(graph):
             timeout=TIMEOUT,
             every=0.01,
         )
-        used = {w: scrape(graph.worker_port(w))["used"] for w in WORKERS}
+        used = {w: counts(graph.worker_port(w))["used"] for w in WORKERS}
         victim = max(used, key=used.get)
         ready_before = sum(f"{victim} is ready again" in x for x in graph.lines)
         if used[victim]:
-            os.kill(worker_pid(graph, victim), signal.SIGKILL)
+            os.kill(graph.worker_pid(victim), signal.SIGKILL)
         results = [f.result(timeout=TIMEOUT) for f in futures]
     if not used[victim]:
         pytest.skip(
@@ -515,7 +488,7 @@ def test_migrated_requests_report_their_own_prompt_tokens(graph):
         lambda: sum(f"{victim} is ready again" in x for x in graph.lines) > ready_before,
         timeout=90,
     )
-    wait_until("both workers routed", lambda: routed_workers(graph) == 2, timeout=30)
+    wait_until("both workers routed", lambda: routed_workers(graph.base_url) == 2, timeout=30)
     wait_idle(graph, all_workers(graph), 0)
     assert all(r.usage and r.usage["prompt_tokens"] == len(p) for p, r in zip(prompts, results)), [
         (len(p), r.usage and r.usage["prompt_tokens"], r.error) for p, r in zip(prompts, results)
@@ -540,11 +513,11 @@ def drain_tokens(graph) -> int:
     return int(min(360, max(120, 3.0 * rate)))
 
 
-def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(graph):
-    """Last test on the shared graph: SIGTERM with requests in flight, then an impatient second
-    signal (SIGINT) once serve is stopping. In-flight requests complete, serve exits 0, no
-    traceback in its output or any log, no process of the graph and no port is left."""
-    pids = [graph.proc.pid] + [worker_pid(graph, w) for w in WORKERS]
+def sigterm_then_second_signal(graph) -> None:
+    """SIGTERM with requests in flight, then an impatient second signal (SIGINT) once serve is
+    stopping. In-flight requests complete, serve exits 0, no traceback in its output or any log,
+    no process of the graph and no port is left."""
+    pids = [graph.proc.pid] + [graph.worker_pid(w) for w in WORKERS]
     ports = [graph.worker_port(w) for w in WORKERS] + [int(graph.base_url.rsplit(":", 1)[1])]
     tracks = [Streamed() for _ in DRAIN_PROMPTS]
     tokens = drain_tokens(graph)
@@ -580,17 +553,16 @@ def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(graph):
     assert_all_gone(pids, ports)
 
 
+def test_sigterm_then_second_signal_drains_in_flight_and_exits_0(own_graph):
+    sigterm_then_second_signal(own_graph)
+
+
 @pytest.mark.slow
-def test_a_new_graph_on_the_same_ssd_serves_the_drained_prefixes_from_disk(graph):
+def test_a_new_graph_on_the_same_ssd_serves_the_drained_prefixes_from_disk(own_graph):
     """The SSD writes pending at the SIGTERM were flushed: a new graph on the same run directory
     re-adopts them and serves each drained prompt's full blocks as cache hits."""
-    if graph.proc.poll() is None:
-        pytest.skip(
-            "needs the graph test_sigterm_then_second_signal_drains_in_flight_and_exits_0 stopped: "
-            "runs when both are selected, e.g. pytest -m 'slow or not slow' tests/test_serve_requests_and_shutdown.py"
-        )
-    again = Serve(graph.tmp, "g", "FlexKVWorker.restart-backoff-s=0.5")
-    again.run_dir = graph.run_dir
+    sigterm_then_second_signal(own_graph)
+    again = _serve(own_graph.tmp)
     try:
         # The re-announced disk blocks reach the router: each worker that re-adopted blocks says it
         # announced them, and the frontend's router applied every event published.
@@ -605,7 +577,7 @@ def test_a_new_graph_on_the_same_ssd_serves_the_drained_prefixes_from_disk(graph
         for p in DRAIN_PROMPTS:
             code, reply = post(again, {"prompt": p, "max_tokens": 1})
             assert code == 200 and reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 8 * 16, reply
-        assert sum(scrape(again.worker_port(w))["disk_hits"] for w in WORKERS) >= 4 * 8 * 16
+        assert sum(counts(again.worker_port(w))["disk_hits"] for w in WORKERS) >= 4 * 8 * 16
         again.proc.send_signal(signal.SIGINT)
         assert again.proc.wait(timeout=90) == 0
     finally:

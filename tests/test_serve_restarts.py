@@ -21,8 +21,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import List, Set
@@ -31,9 +29,8 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import Serve, Streamed, stream, wait_until  # noqa: E402
+from served import MODEL, Serve, Streamed, inflight, post, routed_workers, scrape, stream, total, wait_until  # noqa: E402
 
-MODEL = "flexkv-tiny"
 WORKERS = ("FlexKVWorker-0", "FlexKVWorker-1")
 TRACEBACK = "Traceback (most recent call last)"
 NUL = bytes(1)
@@ -138,33 +135,6 @@ class Graph(Serve):
             pass
 
 
-def post(graph: Graph, body: dict, timeout: float = 60):
-    req = urllib.request.Request(
-        graph.base_url + "/v1/completions",
-        json.dumps({"model": MODEL, **body}).encode(),
-        headers={"content-type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def value(text: str, name: str, **labels) -> float:
-    want = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
-    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{{want}[^}}]*\}})? ([0-9.e+-]+)$", text, re.M))
-
-
-def inflight(graph: Graph, name: str) -> float:
-    return value(scrape(graph.worker_port(name)), "dynamo_component_inflight_requests")
-
-
 def exit_code(graph: Graph, timeout: float) -> int:
     try:
         return graph.proc.wait(timeout=timeout)
@@ -262,7 +232,7 @@ def test_client_hanging_up_as_its_request_migrates_leaves_no_work_behind(tmp_pat
             socks.append(s)
         wait_until(
             "streams on both workers",
-            lambda: inflight(g, victim) > 0 and inflight(g, other) > 0,
+            lambda: inflight(g.worker_port(victim)) > 0 and inflight(g.worker_port(other)) > 0,
             every=0.05,
             timeout=30,
         )
@@ -275,9 +245,9 @@ def test_client_hanging_up_as_its_request_migrates_leaves_no_work_behind(tmp_pat
         def idle():
             m = scrape(g.worker_port(other))
             return (
-                value(m, "dynamo_component_inflight_requests") == 0
-                and value(m, "flexkv_device_blocks", state="used") == 0
-                and value(m, "flexkv_tasks_in_flight") == 0
+                total(m, "dynamo_component_inflight_requests") == 0
+                and total(m, "flexkv_device_blocks", state="used") == 0
+                and total(m, "flexkv_tasks_in_flight") == 0
             )
 
         wait_until("the surviving worker idle", idle, timeout=20, every=0.2)
@@ -306,7 +276,7 @@ def test_two_sigints_within_0_2_s_during_a_restart_backoff_stop_everything_exit_
         os.kill(g.pid_of(WORKERS[1]), signal.SIGKILL)
         g.wait_for(rf"{WORKERS[1]} exited with signal SIGKILL .*restarting it in 30.0 s", 10)
         futs = streams(g, 4, 300, "dbl")
-        wait_until("streams in flight", lambda: inflight(g, WORKERS[0]) > 0, every=0.05)
+        wait_until("streams in flight", lambda: inflight(g.worker_port(WORKERS[0])) > 0, every=0.05)
         t0 = time.monotonic()
         g.proc.send_signal(signal.SIGINT)
         time.sleep(0.15)
@@ -380,7 +350,7 @@ def test_sigterm_to_serve_during_a_workers_drain_grace_stops_everything_exit_0(t
         futs = streams(g, 6, 300, "drain")
         wait_until(
             "streams on both workers",
-            lambda: inflight(g, WORKERS[0]) > 0 and inflight(g, WORKERS[1]) > 0,
+            lambda: inflight(g.worker_port(WORKERS[0])) > 0 and inflight(g.worker_port(WORKERS[1])) > 0,
             every=0.05,
             timeout=30,
         )
@@ -427,7 +397,7 @@ def test_ctrl_c_with_a_sigstopped_worker_stops_everything_within_the_kill_deadli
         futs = streams(g, 6, 400, "hung")
         wait_until(
             "streams on both workers",
-            lambda: inflight(g, WORKERS[0]) > 0 and inflight(g, WORKERS[1]) > 0,
+            lambda: inflight(g.worker_port(WORKERS[0])) > 0 and inflight(g.worker_port(WORKERS[1])) > 0,
             every=0.05,
             timeout=30,
         )
@@ -442,7 +412,7 @@ def test_ctrl_c_with_a_sigstopped_worker_stops_everything_within_the_kill_deadli
             fresh = list(pool.map(lambda i: _try(g, f"while hung {i}: " + "q r " * 20), range(4)))
         print(
             f"while a worker is SIGSTOPped: {fresh.count(200)}/4 new requests answered within 10 s, "
-            f"router lists {_routed(g)} workers"
+            f"router lists {routed_workers(g.base_url)} workers"
         )
         t0 = time.monotonic()
         g.proc.send_signal(signal.SIGINT)
@@ -470,14 +440,6 @@ def _try(g: Graph, prompt: str):
         return None
 
 
-def _routed(g: Graph) -> int:
-    return len(
-        re.findall(
-            r"^dynamo_component_router_worker_registered\{[^}]*\} 1$", scrape(int(g.base_url.rsplit(":", 1)[1])), re.M
-        )
-    )
-
-
 # --- the frontend's death -------------------------------------------------------------------------
 
 
@@ -486,7 +448,11 @@ def test_the_frontends_death_stops_the_graph_with_exit_1_and_leaves_nothing(tmp_
     g = Graph(tmp_path, "front", "FlexKVWorker.restart-backoff-s=0.3")
     try:
         futs = streams(g, 4, 300, "front")
-        wait_until("streams in flight", lambda: inflight(g, WORKERS[0]) + inflight(g, WORKERS[1]) > 0, every=0.05)
+        wait_until(
+            "streams in flight",
+            lambda: inflight(g.worker_port(WORKERS[0])) + inflight(g.worker_port(WORKERS[1])) > 0,
+            every=0.05,
+        )
         os.kill(g.pid_of("Frontend"), signal.SIGKILL)
         assert exit_code(g, 60) == 1, g.output()[-3000:]
         assert re.search(r"Frontend exited with signal SIGKILL", g.output()), g.output()[-2000:]
@@ -529,28 +495,29 @@ def test_worker_killed_during_heavy_ssd_writes_readopts_and_answers_the_same_tex
         probes = [f"probe {k}: " + "the quick brown fox jumps " * (10 + 3 * k) for k in range(4)]
         before = _greedy_texts(g, probes)
         m = scrape(g.worker_port(w))
-        cap = value(m, "flexkv_pool_blocks", tier="disk", state="capacity")
+        cap = total(m, "flexkv_pool_blocks", tier="disk", state="capacity")
         assert cap > 0, m
         # Fill the disk tier past capacity, then kill while a burst of distinct prompts is offloading.
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda i: post(g, {"prompt": f"fill {i}: " + f"w{i} " * 200, "max_tokens": 1}), range(40)))
         m = scrape(g.worker_port(w))
         assert (
-            value(m, "flexkv_evicted_blocks_total", tier="disk") > 0
-            or value(m, "flexkv_pool_blocks", tier="disk", state="used") >= cap * 0.9
+            total(m, "flexkv_evicted_blocks_total", tier="disk") > 0
+            or total(m, "flexkv_pool_blocks", tier="disk", state="used") >= cap * 0.9
         ), m
         before_probe = _greedy_texts(g, probes)  # the probes again (re-offloaded): the text is stable
         assert before_probe == before
         pool = ThreadPoolExecutor(6)
-        base = value(scrape(g.worker_port(w)), "flexkv_link_ops_total", link="h2disk")
+        base = total(scrape(g.worker_port(w)), "flexkv_link_ops_total", link="h2disk")
         burst = [
-            pool.submit(post, g, {"prompt": f"burst {i}: " + f"b{i} " * 200, "max_tokens": 1}, 30) for i in range(48)
+            pool.submit(post, g, {"prompt": f"burst {i}: " + f"b{i} " * 200, "max_tokens": 1}, timeout=30)
+            for i in range(48)
         ]
 
         def writing():  # an offload task in flight, or disk writes under way with the burst still running
             m = scrape(g.worker_port(w))
-            return value(m, "flexkv_tasks_in_flight") > 0 or (
-                value(m, "flexkv_link_ops_total", link="h2disk") > base and sum(not f.done() for f in burst) > 2
+            return total(m, "flexkv_tasks_in_flight") > 0 or (
+                total(m, "flexkv_link_ops_total", link="h2disk") > base and sum(not f.done() for f in burst) > 2
             )
 
         wait_until("offload writes in flight", writing, every=0.02, timeout=30)
@@ -559,7 +526,7 @@ def test_worker_killed_during_heavy_ssd_writes_readopts_and_answers_the_same_tex
         g.restarted_pid(w, 1)
         g.wait_for(rf"{w} is ready again", 60)
         m = scrape(g.worker_port(w))
-        readopted = value(m, "flexkv_pool_blocks", tier="disk", state="used")
+        readopted = total(m, "flexkv_pool_blocks", tier="disk", state="used")
         assert 0 < readopted <= cap, m
         log = (g.run_dir / "logs" / f"{w}.log").read_text(errors="replace")
         adopted = [int(x) for x in re.findall(r"disk tier: adopted (\d+) blocks, dropped \d+ torn", log)]
@@ -570,10 +537,10 @@ def test_worker_killed_during_heavy_ssd_writes_readopts_and_answers_the_same_tex
         after = _greedy_texts(g, probes)
         assert after == before, (before, after)
         m = scrape(g.worker_port(w))
-        assert value(m, "flexkv_failed_ops_total") == 0, m
+        assert total(m, "flexkv_failed_ops_total") == 0, m
         print(
             f"disk capacity {cap:.0f} blocks, re-adopted {readopted:.0f}; disk hits after restart "
-            f"{value(m, 'flexkv_prompt_tokens_cached_total', tier='disk'):.0f} tokens"
+            f"{total(m, 'flexkv_prompt_tokens_cached_total', tier='disk'):.0f} tokens"
         )
         g.proc.send_signal(signal.SIGINT)
         assert exit_code(g, 60) == 0, g.output()[-3000:]

@@ -23,7 +23,7 @@ from dynamo_flexkv.serve import GraphError, load_graph
 from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 from dynamo_flexkv.serve.vllm_worker import cpu_binds
-from served import vplan
+from served import scrape, vplan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -281,6 +281,7 @@ def test_a_model_directory_without_weights_or_vllm_missing_is_refused(tmp_path, 
     assert vplan(tmp_path, local=False).workers  # rendering needs no vLLM here
 
 
+@pytest.mark.integration
 def test_render_k8s_of_the_vllm_graph_imports_neither_torch_nor_vllm(tmp_path):
     out = tmp_path / "vllm.k8s.yaml"
     code = (
@@ -308,6 +309,7 @@ def test_render_k8s_of_the_vllm_graph_imports_neither_torch_nor_vllm(tmp_path):
     assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "HOME" not in env  # this machine's only
 
 
+@pytest.mark.integration
 def test_shutdown_waits_for_a_workers_children_to_drain(tmp_path, monkeypatch):
     """A vLLM worker gets SIGINT alone (not its process group); it stops its children, which may
     outlive it while they finish (the Worker process: the connector's last tier writes). The
@@ -371,8 +373,7 @@ from vllm_graph import group, ours_left  # noqa: E402  (the served-graph helpers
 
 def tier_loads(metrics_url: str):
     """Tokens the worker's connector loaded from its tiers; None where it exports no such counter."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as r:
-        text = r.read().decode()
+    text = scrape(metrics_url)
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -382,6 +383,7 @@ def tier_loads(metrics_url: str):
 
 
 @pytest.mark.slow
+@pytest.mark.served
 def test_two_vllm_workers_behind_the_kv_router_serve_cache_restart_and_stop_on_ctrl_c(tmp_path):
     """serve graphs/agg_router_vllm.py: two dynamo.vllm workers (small preset, random weights, a
     64-block device cache) offloading through FlexKVConnector, each pinned to its own core. Greedy
@@ -484,6 +486,7 @@ def unmapped(names: set) -> list:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("after", STOP_AFTER_RESTART_S)
+@pytest.mark.served
 def test_ctrl_c_while_a_vllm_worker_restarts_stops_quietly_and_leaks_nothing(tmp_path, after):
     """A vLLM worker SIGKILLed, restarted by serve, and Ctrl-C while the new life starts: the worker's
     log has no traceback (a signal to vLLM's engine processes used to fail their startup with

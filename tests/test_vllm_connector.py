@@ -120,12 +120,14 @@ def disk_run(model_dir, tmp_path_factory):
     )
 
 
+@pytest.mark.integration
 def test_layerwise_load_from_disk_restores_vllms_bytes(disk_run):
     r = disk_run["disk"]
     assert r["tiers_after_load"]["disk"]["hit_blocks"] - r["tiers_before_load"]["disk"]["hit_blocks"] == 23
     assert_restored(r, 23)
 
 
+@pytest.mark.integration
 def test_corrupt_disk_block_is_recomputed_with_the_same_tokens(disk_run):
     r = disk_run["corrupt-disk"]
     assert r["loads"][-1][0] is False  # the load failed its checksum: vLLM recomputed those blocks
@@ -136,6 +138,7 @@ def test_corrupt_disk_block_is_recomputed_with_the_same_tokens(disk_run):
     assert rolled_back == 23  # the staged host copies never became visible
 
 
+@pytest.mark.integration
 def test_cost_aware_loading_on_vllm_recomputes_a_prefix_that_loads_slower_than_it_computes(disk_run):
     """vLLM's prefill steps are timed for the cost model (core/cost.py): with the disk throttled to
     ten measured prefills per prefix read, the first prompt through it is still loaded (the model
@@ -149,6 +152,7 @@ def test_cost_aware_loading_on_vllm_recomputes_a_prefix_that_loads_slower_than_i
     assert_same_generation(slow, "recomputed vs computed")
 
 
+@pytest.mark.integration
 def test_the_oracle_catches_one_wrong_block_that_passed_every_checksum(model_dir, tmp_path):
     """The exactness oracle (tests/exactness.py) is not blind: with the wrong_kv seam, every load
     writes its second block's bytes into its first (a wrong block with valid checksums), and the
@@ -166,6 +170,7 @@ def test_the_oracle_catches_one_wrong_block_that_passed_every_checksum(model_dir
 
 @needs_redis
 @pytest.mark.slow
+@pytest.mark.integration
 def test_load_from_remote_restores_vllms_bytes(model_dir, tmp_path):
     with RedisServer(maxmemory="64mb") as redis:
         r = run_check(model_dir, tmp_path, layerwise=True, scenario="remote", host_gb=0.012, remote_url=redis.url)
@@ -175,6 +180,7 @@ def test_load_from_remote_restores_vllms_bytes(model_dir, tmp_path):
 
 @needs_redis
 @pytest.mark.slow  # ~90 s of engine: the default suite's failed load (corrupt disk) takes the same path
+@pytest.mark.integration
 def test_remote_killed_before_a_load_is_recomputed_with_the_same_tokens(model_dir, tmp_path):
     with RedisServer(maxmemory="64mb") as redis:
         r = run_check(
@@ -192,11 +198,13 @@ def test_remote_killed_before_a_load_is_recomputed_with_the_same_tokens(model_di
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_bulk_load_from_host_restores_vllms_bytes(model_dir, tmp_path):
     assert_restored(run_check(model_dir, tmp_path, layerwise=False, scenario="host", host_gb=0.25), 23)
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_layerwise_load_from_host_restores_vllms_bytes(model_dir, tmp_path):
     assert_restored(run_check(model_dir, tmp_path, layerwise=True, scenario="host", host_gb=0.25), 23)
 

@@ -206,6 +206,7 @@ def test_a_killed_decode_or_prefill_worker_fails_cleanly_and_the_graph_recovers(
     assert vg.ours_left(serve.run) == []
 
 
+@pytest.mark.integration
 def test_decode_holds_the_bytes_prefill_computed_and_stores_them_in_its_own_tiers(tmp_path):
     """Prefill and decode engines of the graph's connector layout, in one test process: after
     FlexKVConnector's handover, every full block of the prompt in decode's KV cache equals prefill's bit for bit,

@@ -403,7 +403,7 @@ def test_releases_leave_from_an_agent_of_their_own_not_the_reading_one(pair):
             timeout=30,
             every=0.01,
         )
-    assert list(senders) == [decode._notices.name] and decode.agent.name not in senders
+    assert list(senders) == [decode.notices_agent] and decode.agent.name not in senders
     assert all(torch.equal(d_layers[0][i + 4], p_layers[0][i]) for i in range(2))
 
 
@@ -450,6 +450,7 @@ def test_a_read_after_the_prefill_closed_is_refused_not_used(pair):
     assert not r.ok and r.why in ("corrupt", "failed")
 
 
+@pytest.mark.unit
 def test_no_prefix_hash_gives_an_owner_stamp_of_zero_the_cleared_slot():
     from dynamo_flexkv.integrations.vllm_connector.handover import _owner_stamps
 

@@ -98,6 +98,7 @@ def _assert_loaded_exact(results: dict, ranks: int, groups: int, tolerance: floa
             assert all(g["equal"] and g["blocks"] > 0 for g in rank["groups"].values()), (scenario, rank)
 
 
+@pytest.mark.integration
 def test_loaded_bytes_of_a_hybrid_sliding_window_model_equal_the_computed_ones(tmp_path):
     res = _check(tmp_path, "hybrid-sw")
     _assert_loaded_exact(res, ranks=1, groups=3)
@@ -106,6 +107,7 @@ def test_loaded_bytes_of_a_hybrid_sliding_window_model_equal_the_computed_ones(t
         assert counts == [4, 4, r["stored_blocks"]], counts
 
 
+@pytest.mark.integration
 def test_loaded_bytes_of_an_mla_model_equal_the_computed_ones(tmp_path):
     # vLLM's CPU MLA backend (float32 allowed) sets 16-token blocks itself.
     res = _check(tmp_path, "mla-small", "--block-size", "16")
@@ -113,12 +115,14 @@ def test_loaded_bytes_of_an_mla_model_equal_the_computed_ones(tmp_path):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 binds a rank to each of two cores")
+@pytest.mark.integration
 def test_loaded_bytes_with_tensor_parallel_ranks_equal_the_computed_ones(tmp_path):
     res = _check(tmp_path, "small", "--tp", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     _assert_loaded_exact(res, ranks=2, groups=1)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 binds a rank to each of two cores")
+@pytest.mark.integration
 def test_loaded_bytes_with_tensor_parallel_ranks_on_the_node_cache(tmp_path):
     """Both ranks attach to one node cache service as shards of one engine (issue: one cache per node)."""
     from node_helpers import node_server

@@ -35,7 +35,7 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 import exactness  # noqa: E402
 import vllm_graph as vg  # noqa: E402
 from exactness import Generation  # noqa: E402
-from served import routed_workers, samples, wait_until  # noqa: E402
+from served import routed_workers, scrape, total, wait_until  # noqa: E402
 from slow_kv import HOOK as SLOW_HOOK  # noqa: E402
 from vllm_graph import VllmServe  # noqa: E402
 
@@ -49,6 +49,7 @@ KILL_STORE = vg.tokens(5201, 2500)
 CHECKED = DOCS + LONG[:1] + [KILL_LOAD]
 
 
+@pytest.mark.integration
 def test_what_one_vllm_engine_computed_another_loads_from_the_node_cache_bit_for_bit(tmp_path):
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
@@ -163,8 +164,7 @@ class NodeGraph:
         )
 
     def node(self, name: str) -> float:
-        with urllib.request.urlopen(self.serve.metrics["NodeCache"], timeout=10) as r:
-            return sum(v for _, v in samples(r.read().decode(), name))
+        return total(scrape(self.serve.metrics["NodeCache"]), name)
 
     def ids(self) -> Dict[str, int]:
         """Dynamo instance ids (a restarted worker has a new one, on its metrics before its first request)."""
@@ -186,12 +186,7 @@ class NodeGraph:
         )
 
     def host_blocks(self) -> float:
-        with urllib.request.urlopen(self.serve.metrics["NodeCache"], timeout=10) as r:
-            return sum(
-                v
-                for labels, v in samples(r.read().decode(), "flexkv_node_tier_used_blocks")
-                if labels.get("tier") == "host"
-            )
+        return total(scrape(self.serve.metrics["NodeCache"]), "flexkv_node_tier_used_blocks", tier="host")
 
     def crash(self, name: str) -> int:
         """SIGKILLs ``name``'s processes (vg.crash) and waits for serve to see it; returns the log

@@ -30,10 +30,15 @@ def request(tokens, max_tokens):
     return {"token_ids": tokens, "stop_conditions": {"max_tokens": max_tokens}, "sampling_options": {}}
 
 
+def blocks_in_use(worker) -> int:
+    pool = worker.engine.pool
+    return pool.num_blocks - pool.num_available
+
+
 async def until_idle(worker, timeout=5.0):
     deadline = time.monotonic() + timeout
-    while worker._device_blocks()[0] or worker._live:
-        assert time.monotonic() < deadline, (worker._device_blocks(), worker._live)
+    while blocks_in_use(worker) or worker.live_requests:
+        assert time.monotonic() < deadline, (blocks_in_use(worker), worker.live_requests)
         await asyncio.sleep(0.01)
 
 

@@ -2,27 +2,25 @@
 worker, started by the launcher, driven over HTTP): a client that disconnects stops its request
 and frees its blocks; refusals say what is wrong and the limit; each response carries its exact
 cached tokens per tier; SIGINT drains in-flight requests and pending SSD writes, exits 0 without a
-traceback; nothing listens beyond 127.0.0.1. The tests share one graph and run in file order (the
-last one stops it)."""
+traceback; nothing listens beyond 127.0.0.1. The tests that leave the graph serving share one;
+the SIGINT test stops a graph of its own."""
 
+import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import make_plan, wait_until  # noqa: E402
+from served import MODEL, flexkv_metrics, make_plan, post, wait_until  # noqa: E402
 
 from dynamo_flexkv import CacheConfig, KVManager  # noqa: E402
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig  # noqa: E402
@@ -30,13 +28,11 @@ from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 
 BLOCKS = 512  # device blocks of the worker: context window 512 x 16 = 8,192 tokens
 WINDOW = BLOCKS * 16
-MODEL = "flexkv-tiny"
 EVICT_BLOCKS = 250  # two prompts this long push everything else out of the device cache
 
 
-@pytest.fixture(scope="module")
-def graph(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("robust")
+@contextlib.contextmanager
+def agg_graph(tmp):
     plan = make_plan(tmp, "agg", f"FlexKVWorker.num-device-blocks={BLOCKS}")
     launcher = Launcher(plan)
     try:
@@ -47,28 +43,18 @@ def graph(tmp_path_factory):
         launcher.shutdown()
 
 
-def post(plan, body: dict, path="/v1/completions"):
-    """(status, parsed JSON body) for a request; errors are returned, not raised."""
-    req = urllib.request.Request(
-        plan.base_url + path,
-        json.dumps({"model": MODEL, **body}).encode(),
-        headers={"content-type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    """One graph for the tests that leave it serving (they check counters as deltas)."""
+    with agg_graph(tmp_path_factory.mktemp("robust")) as g:
+        yield g
 
 
-def scrape(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}  # name{tier/state/link label} -> value; Dynamo's own labels are dropped
-    for m in re.finditer(r"^(flexkv_[a-z_]+)(?:\{([^}]*)\})? ([0-9.e+-]+)$", text, re.M):
-        ours = [kv for kv in (m.group(2) or "").split(",") if kv.split("=")[0] in ("tier", "state", "link")]
-        out[m.group(1) + (f"{{{','.join(ours)}}}" if ours else "")] = float(m.group(3))
-    return out
+@pytest.fixture
+def own_graph(tmp_path):
+    """A graph of its own, for a test that stops it."""
+    with agg_graph(tmp_path) as g:
+        yield g
 
 
 def tier(metrics: dict, name: str, t: str) -> float:
@@ -84,6 +70,7 @@ def test_nothing_listens_beyond_loopback(graph):
     assert all(addr.startswith("127.0.0.1:") for addr in mine), mine
 
 
+@pytest.mark.integration
 def test_worker_without_broker_refuses_to_bind_every_interface(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "DYN_ZMQ_BROKER_URL"}
     p = subprocess.run(
@@ -161,7 +148,7 @@ def test_concurrent_requests_account_cached_tokens_exactly(graph):
     engine batches requests together."""
     plan, _ = graph
     port = plan.workers[0].port
-    before = scrape(port)
+    before = flexkv_metrics(port)
     prefixes = [[(7 * p + i) % 250 + 1 for i in range(6 * 16)] for p in range(4)]
 
     def ask(i):
@@ -176,7 +163,7 @@ def test_concurrent_requests_account_cached_tokens_exactly(graph):
             replies += list(pool.map(ask, range(round_ * 12, round_ * 12 + 12)))
             # unrelated long prompts push the shared prefixes out of the device cache
             list(pool.map(lambda j: post(plan, {"prompt": [200 + j] * (EVICT_BLOCKS * 16), "max_tokens": 1}), range(2)))
-    after = scrape(port)
+    after = flexkv_metrics(port)
     sums = {t: 0 for t in ("device", "host", "disk")}
     for r in replies:
         by_tier = r["nvext"]["engine_data"]["flexkv"]["cached_tokens"]
@@ -204,7 +191,7 @@ def test_concurrent_accounting_matches_metrics_exactly(graph):
     """The same, without the eviction prompts: per-response sums equal the metric deltas."""
     plan, _ = graph
     port = plan.workers[0].port
-    before = scrape(port)
+    before = flexkv_metrics(port)
     prompts = [[(3 * p + i) % 250 + 1 for i in range(5 * 16 + p)] for p in range(16)]
 
     def ask(prompt):
@@ -214,7 +201,7 @@ def test_concurrent_accounting_matches_metrics_exactly(graph):
 
     with ThreadPoolExecutor(16) as pool:
         replies = list(pool.map(ask, prompts + prompts))
-    after = scrape(port)
+    after = flexkv_metrics(port)
     for t in ("device", "host", "disk"):
         got = sum(r["nvext"]["engine_data"]["flexkv"]["cached_tokens"][t] for r in replies)
         assert got == tier(after, "flexkv_prompt_tokens_cached_total", t) - tier(
@@ -246,7 +233,7 @@ def _open_and_close_after_first_chunk(plan, i: int) -> None:
 def test_disconnected_streams_free_their_blocks_and_tasks(graph):
     plan, _ = graph
     port = plan.workers[0].port
-    before = scrape(port)
+    before = flexkv_metrics(port)
     n = 30
     threads = [threading.Thread(target=_open_and_close_after_first_chunk, args=(plan, i)) for i in range(n)]
     for t in threads:
@@ -255,7 +242,7 @@ def test_disconnected_streams_free_their_blocks_and_tasks(graph):
         t.join()
     closed = time.monotonic()
     while True:
-        m = scrape(port)
+        m = flexkv_metrics(port)
         idle = m['flexkv_device_blocks{state="used"}'] == 0 and m["flexkv_tasks_in_flight"] == 0
         aborted = m["flexkv_requests_aborted_total"] - before["flexkv_requests_aborted_total"]
         # The random model may emit its end-of-text token within the first few tokens: such a
@@ -269,11 +256,11 @@ def test_disconnected_streams_free_their_blocks_and_tasks(graph):
     assert aborted >= n - 3, (aborted, ended)
 
 
-def test_sigint_drains_in_flight_requests_and_ssd_writes(graph):
-    """Last: stops the worker. Requests in flight when SIGINT arrives still complete; the worker
-    exits 0 without a traceback; every prompt block is on disk afterwards (a restarted manager
-    re-adopts them from the journal)."""
-    plan, launcher = graph
+def test_sigint_drains_in_flight_requests_and_ssd_writes(own_graph):
+    """Stops the worker. Requests in flight when SIGINT arrives still complete; the worker exits 0
+    without a traceback; every prompt block is on disk afterwards (a restarted manager re-adopts
+    them from the journal)."""
+    plan, launcher = own_graph
     worker = plan.workers[0]
     proc = launcher.running[worker.name]
     prompts = [[(11 * p + i) % 250 + 1 for i in range(8 * 16 + 3)] for p in range(4)]
@@ -284,7 +271,10 @@ def test_sigint_drains_in_flight_requests_and_ssd_writes(graph):
         need = len(prompts) * -(-len(prompts[0]) // 16)
         wait_until(
             "every request running in the worker",
-            lambda: any(f.done() for f in futures) or scrape(worker.port)['flexkv_device_blocks{state="used"}'] >= need,
+            lambda: (
+                any(f.done() for f in futures)
+                or flexkv_metrics(worker.port)['flexkv_device_blocks{state="used"}'] >= need
+            ),
             every=0.02,
         )
         os.killpg(proc.pid, signal.SIGINT)

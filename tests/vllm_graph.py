@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 from exactness import Generation
 from sse import DONE, sse_data
-from served import Serve, samples
+from served import Serve, scrape, total as metric  # noqa: F401 (vg.scrape, vg.metric: the shared /metrics helpers)
 
 MODEL = "vllm-small"
 VOCAB = (100, 31000)  # token ids drawn from here: the small preset's vocabulary is 32000
@@ -201,16 +201,6 @@ def send_and_hang_up(base_url: str, prompt: List[int], max_tokens: int, until, t
 
 
 # ---- metrics -----------------------------------------------------------------------------------
-
-
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    return sum(v for have, v in samples(text, name) if all(have.get(k) == w for k, w in labels.items()))
 
 
 def loaded(text: str) -> Dict[str, float]:

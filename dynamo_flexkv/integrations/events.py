@@ -198,6 +198,12 @@ class KvEventRelay:
         with self._lock:
             return len(self._known.get(MEDIUM[tier], ()))
 
+    @property
+    def pending_blocks(self) -> int:
+        """Blocks queued for the next frame (it leaves at once when they reach ``max_pending_blocks``)."""
+        with self._lock:
+            return self._pending_blocks
+
     def flush(self) -> None:
         """Sends what is queued now, as one frame, unless a frame left less than
         ``flush_interval`` ago (then the flusher thread sends it when the interval is over).

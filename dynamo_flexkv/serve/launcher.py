@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Dict, List, Optional, Set
+from typing import IO, Callable, Dict, List, Optional, Set
 
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.options import OnDeath
@@ -114,9 +114,16 @@ def write_files(proc: Process) -> None:
 
 
 class Launcher:
-    def __init__(self, plan: LaunchPlan, echo: Optional[IO[str]] = None) -> None:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        echo: Optional[IO[str]] = None,
+        probe: Optional[Callable[[Process, float], bool]] = None,
+    ) -> None:
         self.plan = plan
         self.echo = echo  # where component logs are streamed (None: only to run_dir/logs)
+        # probe(process, timeout_s): whether it answers ready (default: a worker's /health says so)
+        self.probe: Callable[[Process, float], bool] = probe or self._worker_ready
         self.log_dir = plan.run_dir / "logs"
         self.running: Dict[str, subprocess.Popen] = {}
         self._order: List[Process] = []
@@ -224,7 +231,7 @@ class Launcher:
         time.sleep(0.5 + 0.5 * len(self.plan.workers))
 
     def _mark_ready(self, proc: Process) -> bool:
-        if self._worker_ready(proc):
+        if self.probe(proc, 2):
             self.ready.add(proc.name)
             return True
         return False
@@ -337,7 +344,7 @@ class Launcher:
             live.sent, live.due, live.ok = now, now + PROBE_EVERY_S, None
 
             def probe(live: _Liveness = live) -> None:
-                live.ok = self._worker_ready(proc, PROBE_TIMEOUT_S)
+                live.ok = self.probe(proc, PROBE_TIMEOUT_S)
 
             live.thread = threading.Thread(target=probe, name=f"health {name}", daemon=True)
             live.thread.start()
@@ -443,7 +450,7 @@ class Launcher:
             group = [proc for proc in group if self.running[proc.name] not in self._buried]
             for proc in group:
                 p = self.running[proc.name]
-                if proc.kind is Kind.WORKER and proc.name not in self.ready and not self._worker_ready(proc, 1):
+                if proc.kind is Kind.WORKER and proc.name not in self.ready and not self.probe(proc, 1):
                     _stop_starting(p, proc.stop_group)
                 elif proc.stop_group:
                     _signal_group(p, signal.SIGINT)

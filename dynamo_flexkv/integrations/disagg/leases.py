@@ -67,6 +67,10 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
+    def get(self, lease_id: str) -> Optional[Lease]:
+        """The lease while it holds (its renewals, when it ends); None once released or expired."""
+        return self._leases.get(lease_id)
+
     def grant(self, blocks: List[int]) -> Lease:
         now, unix = self._clock(), time.time()
         lease = Lease(

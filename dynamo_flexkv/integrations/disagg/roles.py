@@ -145,6 +145,11 @@ class DecodeSide:
         self.pulled: Dict[str, int] = {}  # request id -> prompt tokens pulled, until the request ends
         self.stats = DecodeStats()
 
+    @property
+    def pending_handovers(self) -> int:
+        """Handovers filed for requests not allocated here yet (their leases renewed while they wait)."""
+        return len(self._pending)
+
     def expect(self, request_id: str, params: Optional[HandoverParams]) -> None:
         """Files the request's handover and claims its lease at once: an unclaimed lease ends
         ``renew_s`` after the prefill worker granted it."""

@@ -192,6 +192,11 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         pool = self.engine.pool
         return pool.num_blocks - pool.num_available, pool.num_blocks
 
+    @property
+    def live_requests(self) -> int:
+        """Requests accepted and not ended yet (what cleanup() drains before it stops)."""
+        return len(self._live)
+
     def _engine_stats(self) -> Dict[str, float]:
         e = self.engine  # plain counters written by the engine thread: a scrape reads them as they are
         return {
