@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from dynamo_flexkv.core.config import CacheConfig
-from dynamo_flexkv.core.index import CacheEngine, IndexError_, Tier
+from dynamo_flexkv.core.index import CacheEngine, IndexInvariantError, Tier
 from index_model import random_chains
 
 
@@ -211,16 +211,16 @@ def test_disk_admission_needs_hits(tmp_path):
 def test_task_errors(tmp_path):
     ce, _ = make_engine(tmp_path)
     plan = ce.plan_put("t", [1, 2, 3])
-    with pytest.raises(IndexError_, match="already in flight"):
+    with pytest.raises(IndexInvariantError, match="already in flight"):
         ce.plan_get("t", [1])
-    with pytest.raises(IndexError_, match="still has 3 open runs"):
+    with pytest.raises(IndexInvariantError, match="still has 3 open runs"):
         ce.finish_task("t")
-    with pytest.raises(IndexError_, match="does not belong to task 'u'"):
+    with pytest.raises(IndexInvariantError, match="does not belong to task 'u'"):
         ce.complete(plan.host, "u")
-    with pytest.raises(IndexError_, match="reset with 1 tasks in flight"):
+    with pytest.raises(IndexInvariantError, match="reset with 1 tasks in flight"):
         ce.reset()
     ce.complete(plan.host, "t")
-    with pytest.raises(IndexError_, match="already finished"):
+    with pytest.raises(IndexInvariantError, match="already finished"):
         ce.complete(plan.host, "t")
     ce.abort_task("t")
     with pytest.raises(KeyError, match="unknown task"):

@@ -7,7 +7,7 @@ import pytest
 
 from dynamo_flexkv.core.index.policies import EvictionPolicy
 from dynamo_flexkv.core.index.tier_index import PoolError
-from dynamo_flexkv.core.index.tier_index import IndexError_, TierIndex
+from dynamo_flexkv.core.index.tier_index import IndexInvariantError, TierIndex
 from index_model import ModelTier, random_chains
 
 POLICIES = [p.value for p in EvictionPolicy]
@@ -80,7 +80,7 @@ def leaf_run(model: ModelTier, rng: random.Random) -> list:
     return run
 
 
-def unchanged(idx, model, call, *args, error=IndexError_):
+def unchanged(idx, model, call, *args, error=IndexInvariantError):
     """A call that must fail leaves the index exactly as it was."""
     with pytest.raises(error):
         call(*args)
@@ -346,14 +346,14 @@ def test_proactive_eviction_in_steps():
 def test_insert_refuses_foreign_unready_parent_and_duplicates():
     idx = TierIndex("t", 10)
     idx.insert([1, 2], None, "a")
-    with pytest.raises(IndexError_, match="unready and owned by another task"):
+    with pytest.raises(IndexInvariantError, match="unready and owned by another task"):
         idx.insert([3], 2, "b")
-    with pytest.raises(IndexError_, match="already present"):
+    with pytest.raises(IndexInvariantError, match="already present"):
         idx.insert([2], 1, "a")
-    with pytest.raises(IndexError_, match="absent"):
+    with pytest.raises(IndexInvariantError, match="absent"):
         idx.insert([9], 77, "a")
     assert len(idx.insert([3], 2, "a")) == 1
-    with pytest.raises(IndexError_, match="would orphan|children or locks"):
+    with pytest.raises(IndexInvariantError, match="would orphan|children or locks"):
         idx.rollback([2], "a")
     idx.rollback([1, 2, 3], "a")
     assert len(idx) == 0 and idx.pool.num_free == 10
@@ -362,7 +362,7 @@ def test_insert_refuses_foreign_unready_parent_and_duplicates():
 def test_clear_refuses_while_busy():
     idx = TierIndex("t", 10)
     idx.insert([1], None, "a")
-    with pytest.raises(IndexError_, match="in use by tasks"):
+    with pytest.raises(IndexInvariantError, match="in use by tasks"):
         idx.clear()
     idx.commit([1], "a")
     assert idx.clear() == [1] and idx.pool.num_free == 10
@@ -402,20 +402,20 @@ def test_index_matches_model_large_tier_long(policy, seed):
 def test_errors_name_block_owner_and_tier():
     idx = TierIndex("host", 10)
     idx.insert([0xABC, 0xABD], None, ("put", 1))
-    with pytest.raises(IndexError_, match=r"host: block 0xabc is not an unready block of \('get', 2\)"):
+    with pytest.raises(IndexInvariantError, match=r"host: block 0xabc is not an unready block of \('get', 2\)"):
         idx.commit([0xABC], ("get", 2))
-    with pytest.raises(IndexError_, match=r"host: commit of 0xabd before its parent"):
+    with pytest.raises(IndexInvariantError, match=r"host: commit of 0xabd before its parent"):
         idx.commit([0xABD], ("put", 1))
-    with pytest.raises(IndexError_, match=r"host: block 0x0 is not present"):
+    with pytest.raises(IndexInvariantError, match=r"host: block 0x0 is not present"):
         idx.lock([0])
     slots = idx.block_ids([0xABC, 0xABD])
-    with pytest.raises(IndexError_, match=rf"host: block id {slots[1]} holds block 0xabd, not 0xabc"):
+    with pytest.raises(IndexInvariantError, match=rf"host: block id {slots[1]} holds block 0xabd, not 0xabc"):
         idx.commit_slots(slots[::-1], [0xABC, 0xABD], ("put", 1))
     with pytest.raises(ValueError, match="got 1 block ids for 2 hashes"):
         idx.commit_slots(slots[:1], [0xABC, 0xABD], ("put", 1))
     with pytest.raises(ValueError, match="block id -3 is not a slot of this tier"):
         idx.commit_slots([-3], [0xABC], ("put", 1))
-    with pytest.raises(IndexError_, match="appears twice in the chain"):
+    with pytest.raises(IndexInvariantError, match="appears twice in the chain"):
         idx.insert([5, 6, 5], None, "a")
     with pytest.raises(ValueError, match="sequence hash -1 is not an unsigned 64-bit integer"):
         idx.insert([-1], None, "a")
@@ -462,7 +462,7 @@ def test_index_keeps_no_reference_to_finished_owners():
     assert idx.info(3).owner is tasks[0]
     idx.commit([1, 2, 3], tasks[0])
     idx.rollback([10], tasks[1])
-    with pytest.raises(IndexError_):
+    with pytest.raises(IndexInvariantError):
         idx.commit([20], tasks[1])  # not its block: fails, and still no reference kept
     idx.commit([20], tasks[2])
     del tasks

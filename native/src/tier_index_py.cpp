@@ -25,7 +25,7 @@ namespace {
 // Shorter batches finish in less time than handing the GIL over would take.
 constexpr size_t kReleaseGilFrom = 64;
 
-// The Python exception classes (IndexError_, PoolError) set by set_error_types; never freed.
+// The Python exception classes (IndexInvariantError, PoolError) set by set_error_types; never freed.
 PyObject* g_index_error = nullptr;
 PyObject* g_pool_error = nullptr;
 

@@ -2,13 +2,13 @@
 
 from dynamo_flexkv.core.index.cache_engine import CacheEngine, GetPlan, MatchResult, PutPlan, Tier, TierRun
 from dynamo_flexkv.core.index.policies import EvictionPolicy
-from dynamo_flexkv.core.index.tier_index import IndexError_, PoolError, TierIndex
+from dynamo_flexkv.core.index.tier_index import IndexInvariantError, PoolError, TierIndex
 
 __all__ = [
     "CacheEngine",
     "EvictionPolicy",
     "GetPlan",
-    "IndexError_",
+    "IndexInvariantError",
     "MatchResult",
     "PoolError",
     "PutPlan",

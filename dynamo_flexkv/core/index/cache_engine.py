@@ -19,7 +19,7 @@ from typing import Callable, Dict, Hashable, Iterable, List, Optional, Protocol,
 import numpy as np
 
 from dynamo_flexkv.core.config import CacheConfig
-from dynamo_flexkv.core.index.tier_index import IndexError_, TierIndex
+from dynamo_flexkv.core.index.tier_index import IndexInvariantError, TierIndex
 
 
 class Tier(str, Enum):
@@ -353,7 +353,7 @@ class CacheEngine:
         with self._lock:
             self._check_open(run, task_id)
             if not run.new:
-                raise IndexError_("complete_prefix applies to new blocks only")
+                raise IndexInvariantError("complete_prefix applies to new blocks only")
             if count >= len(run):
                 self.complete(run, task_id)
                 return
@@ -385,7 +385,7 @@ class CacheEngine:
             open_runs = [r for r in runs if not r.done]
             if open_runs:
                 self._tasks[task_id] = runs
-                raise IndexError_(f"task {task_id!r} still has {len(open_runs)} open runs")
+                raise IndexInvariantError(f"task {task_id!r} still has {len(open_runs)} open runs")
 
     def abort_task(self, task_id: Hashable, *, replan: bool = False) -> None:
         """Aborts every open run of the task (newest first) and forgets it. ``replan``: the task
@@ -410,7 +410,7 @@ class CacheEngine:
         """Drops every cached block; refuses while tasks are in flight."""
         with self._lock:
             if self._tasks:
-                raise IndexError_(f"reset with {len(self._tasks)} tasks in flight: wait or cancel them")
+                raise IndexInvariantError(f"reset with {len(self._tasks)} tasks in flight: wait or cancel them")
             for idx in self.tiers.values():
                 idx.clear()
 
@@ -438,7 +438,7 @@ class CacheEngine:
     # ---- internals ---------------------------------------------------------------------------------
     def _new_task(self, task_id: Hashable) -> None:
         if task_id in self._tasks:
-            raise IndexError_(f"task id {task_id!r} is already in flight: task ids must be unique")
+            raise IndexInvariantError(f"task id {task_id!r} is already in flight: task ids must be unique")
         self._tasks[task_id] = []
 
     def _track(self, task_id: Hashable, run: TierRun) -> TierRun:
@@ -456,9 +456,13 @@ class CacheEngine:
 
     def _check_open(self, run: TierRun, task_id: Hashable) -> None:
         if run.done:
-            raise IndexError_(f"run {run.tier.value}[{run.start}:{run.end}] of task {task_id!r} already finished")
+            raise IndexInvariantError(
+                f"run {run.tier.value}[{run.start}:{run.end}] of task {task_id!r} already finished"
+            )
         if run not in self._tasks.get(task_id, ()):
-            raise IndexError_(f"run {run.tier.value}[{run.start}:{run.end}] does not belong to task {task_id!r}")
+            raise IndexInvariantError(
+                f"run {run.tier.value}[{run.start}:{run.end}] does not belong to task {task_id!r}"
+            )
 
     def _abort_run(self, run: TierRun, task_id: Hashable, counted: bool = True) -> None:
         idx = self.tiers[run.tier]

@@ -32,7 +32,7 @@ RemovedCallback = Callable[[str, List[int], List[int]], None]  # (tier, hashes, 
 Hashes = Sequence[int]  # a list/tuple of ints or an integer numpy array
 
 
-class IndexError_(RuntimeError, FlexKVError):
+class IndexInvariantError(RuntimeError, FlexKVError):
     """A request that would break an index invariant (caller bug), with what and why."""
 
 
@@ -40,7 +40,7 @@ class PoolError(RuntimeError, FlexKVError):
     """A block id freed twice or one the pool never handed out: a bookkeeping bug upstream."""
 
 
-_native.set_index_error_types(IndexError_, PoolError)
+_native.set_index_error_types(IndexInvariantError, PoolError)
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ class LoadCounters:
 
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, tp_rank: int, tp_size: int) -> None:
-        self.s, self.tp_rank, self.tp_size = settings, tp_rank, tp_size
+        self.settings, self.tp_rank, self.tp_size = settings, tp_rank, tp_size
         self.offload: Optional[EngineOffload] = None
         self.events: Optional[TierEventQueue] = None
         self.server: Optional[LookupServer] = None
@@ -119,29 +119,31 @@ class WorkerSide:
 
     # ---- setup -----------------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        mla = latent(self.s.groups)
-        desc = describe(kv_caches, self.s.num_blocks, self.s.block_size, latent=mla)
+        mla = latent(self.settings.groups)
+        desc = describe(kv_caches, self.settings.num_blocks, self.settings.block_size, latent=mla)
         cache = CacheConfig.load().replace(
-            tokens_per_block=self.s.block_size, tp_rank=self.tp_rank, tp_size=self.tp_size
+            tokens_per_block=self.settings.block_size, tp_rank=self.tp_rank, tp_size=self.tp_size
         )
         # MLA's latent is the same on every rank: through the node cache the ranks share one copy,
         # which rank 0 stores and every rank loads (embedded, each rank keeps its own).
         replicated = mla and self.tp_size > 1
         self._stores = not (replicated and cache.mode == "node" and self.tp_rank > 0)
-        parts = ([f"dp{self.s.dp_rank}"] if self.s.dp_rank is not None else []) + (
+        parts = ([f"dp{self.settings.dp_rank}"] if self.settings.dp_rank is not None else []) + (
             [f"rank{self.tp_rank}"] if self.tp_size > 1 else []
         )
         if parts and cache.ssd_cache_dir:  # each engine and rank holds its own bytes on disk
             cache = cache.replace(ssd_cache_dir=_subdirs(cache.ssd_cache_dir, *parts))
-        hybrid = is_hybrid(self.s.groups)
+        hybrid = is_hybrid(self.settings.groups)
         if hybrid:
-            main = next((g for g in self.s.groups if g.kind in FULL), self.s.groups[0])
-            self.events = TierEventQueue(self.s.block_size, main.index, main.kind) if self.tp_rank == 0 else None
+            main = next((g for g in self.settings.groups if g.kind in FULL), self.settings.groups[0])
+            self.events = TierEventQueue(self.settings.block_size, main.index, main.kind) if self.tp_rank == 0 else None
         else:
-            self.events = TierEventQueue(self.s.block_size) if self.tp_rank == 0 else None
-        hook = load_mover_hook(self.s.mover_hook) if self.s.mover_hook else None
-        model_id = f"{self.s.model_id}|{desc.layout_tag}"
-        share = aux_share(self.s.groups, self.s.block_size, self.s.max_model_len) if hybrid else 0.0
+            self.events = TierEventQueue(self.settings.block_size) if self.tp_rank == 0 else None
+        hook = load_mover_hook(self.settings.mover_hook) if self.settings.mover_hook else None
+        model_id = f"{self.settings.model_id}|{desc.layout_tag}"
+        share = (
+            aux_share(self.settings.groups, self.settings.block_size, self.settings.max_model_len) if hybrid else 0.0
+        )
         main_cache = (
             cache.replace(cpu_cache_gb=cache.cpu_cache_gb * (1 - share), ssd_cache_gb=cache.ssd_cache_gb * (1 - share))
             if hybrid
@@ -150,10 +152,10 @@ class WorkerSide:
         self.offload = open_offload(
             desc.model,
             main_cache,
-            layerwise=self.s.layerwise,
+            layerwise=self.settings.layerwise,
             listener=self.events,
             model_id=model_id,
-            engine=self.s.engine_id,
+            engine=self.settings.engine_id,
             rank=self.tp_rank,
             ranks=self.tp_size,
             replicated=replicated,
@@ -165,11 +167,13 @@ class WorkerSide:
                 self._register_aux(desc, cache, share, model_id, replicated, hook)
             self._layer = desc.layer_index(kv_caches)
             self.clock = StepClock(cuda=desc.tensors[0].is_cuda)
-            if self.s.handover and not hybrid:
+            if self.settings.handover and not hybrid:
                 self._start_handover(desc)
             # Every rank answers for its own shard; the scheduler takes the smallest answer.
             self.server = LookupServer(
-                lookup_endpoint(self.s.engine_id, self.s.run_dir, self.tp_rank), self._lookup, self._reset_for_scheduler
+                lookup_endpoint(self.settings.engine_id, self.settings.run_dir, self.tp_rank),
+                self._lookup,
+                self._reset_for_scheduler,
             )
             if self.tp_rank == 0:
                 self.offload.announce_adopted()  # a restarted worker's disk blocks, for the router
@@ -181,7 +185,7 @@ class WorkerSide:
             self.tp_rank,
             len(desc.tensors),
             desc.layout_tag,
-            f"{len(self.s.groups)} KV cache groups; " if hybrid else "",
+            f"{len(self.settings.groups)} KV cache groups; " if hybrid else "",
             self.offload.describe(),
         )
 
@@ -208,14 +212,14 @@ class WorkerSide:
             aux_cache,
             layerwise=False,
             model_id=f"{model_id}|groups",
-            engine=self.s.engine_id,
+            engine=self.settings.engine_id,
             rank=self.tp_rank,
             ranks=self.tp_size,
             replicated=replicated,
             mover_hook=hook,
         )
         self.aux.register(desc.tensors, desc.layout)
-        self.tiers = GroupTiers(self.s.groups, self._registered("register"), self.aux, self.s.block_size)
+        self.tiers = GroupTiers(self.settings.groups, self._registered("register"), self.aux, self.settings.block_size)
 
     def _close_offloads(self) -> None:
         for off in (self.aux, self.offload):
@@ -239,7 +243,9 @@ class WorkerSide:
             desc.tensors if desc.layout is KVLayoutType.LAYERBLOCK else [t[k] for t in desc.tensors for k in (0, 1)]
         )
         try:
-            self.handover = Handover(layers, self.s.engine_id, self.s.run_dir, self.s.handover_verify)
+            self.handover = Handover(
+                layers, self.settings.engine_id, self.settings.run_dir, self.settings.handover_verify
+            )
         except Exception as e:  # noqa: BLE001 - NIXL's own types; the graph still serves through NixlConnector
             log.warning("FlexKVConnector: no handover agent (%s); the next connector hands requests over", e)
 
@@ -308,7 +314,7 @@ class WorkerSide:
                 self._start_ahead(spec, self.tiers)
             elif spec.handover is None:
                 self._start(spec)
-        if not self.s.layerwise:
+        if not self.settings.layerwise:
             for ld in self._loads.values():  # bulk: the whole load lands before the forward
                 self._wait(ld, None)
 
@@ -331,7 +337,7 @@ class WorkerSide:
         if tid is None:
             self._fail(spec, 0)
             return
-        planned = offload.planned_tokens(tid) // self.s.block_size
+        planned = offload.planned_tokens(tid) // self.settings.block_size
         if planned < spec.num_blocks:  # evicted since the lookup: the rest is recomputed
             self._fail(spec, planned)
         self._loads[spec.req_id] = _Load(tid, spec, planned, offload.planned_tokens_by_tier(tid))
@@ -348,7 +354,7 @@ class WorkerSide:
             parts = None
         if parts is None:
             self._ahead_failed.add(spec.req_id)
-            self.counters.recomputed += spec.num_blocks * self.s.block_size
+            self.counters.recomputed += spec.num_blocks * self.settings.block_size
             return
         off, tid = parts[0]  # the main group's (or the first part's) tiers say where the prefix came from
         self._ahead[spec.req_id] = (spec, parts, off.planned_tokens_by_tier(tid))
@@ -376,7 +382,7 @@ class WorkerSide:
             else:
                 failed.add(rid)
                 self.counters.failed_loads += 1
-                self.counters.recomputed += spec.num_blocks * self.s.block_size
+                self.counters.recomputed += spec.num_blocks * self.settings.block_size
         return done | failed, failed
 
     def _pull(self, spec: LoadSpec) -> None:
@@ -387,13 +393,13 @@ class WorkerSide:
             self.counters.handover_failures += 1
             return
         hashes = block_hashes(
-            spec.token_ids, self.s.block_size, lora_name=spec.lora_name, cache_salt=spec.cache_salt
+            spec.token_ids, self.settings.block_size, lora_name=spec.lora_name, cache_salt=spec.cache_salt
         ).sequence
-        r = self.handover.pull(spec.handover, spec.skip_blocks, local, self.s.load_timeout_s, hashes)
+        r = self.handover.pull(spec.handover, spec.skip_blocks, local, self.settings.load_timeout_s, hashes)
         self.counters.handover_bytes += r.nbytes
         self.counters.handover_seconds += r.seconds
         if r.ok:
-            self.counters.handover_tokens += len(local) * self.s.block_size
+            self.counters.handover_tokens += len(local) * self.settings.block_size
         else:
             self.counters.handover_failures += 1
             self.counters.handover_corrupt += r.why == "corrupt"
@@ -406,7 +412,7 @@ class WorkerSide:
         """Blocks [skip + from_block, ...) of ``spec`` are not loaded: vLLM recomputes them."""
         bad = set(spec.block_ids[spec.skip_blocks + from_block :]) - self._errors
         self._errors |= bad
-        self.counters.recomputed += len(bad) * self.s.block_size
+        self.counters.recomputed += len(bad) * self.settings.block_size
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self._layer.get(layer_name)
@@ -422,12 +428,12 @@ class WorkerSide:
         offload = self._registered("wait_for_layer_load")
         try:
             for i in range(offload.num_layers) if layer is None else (layer,):
-                if not offload.wait_layer(ld.tid, i, self.s.load_timeout_s):
+                if not offload.wait_layer(ld.tid, i, self.settings.load_timeout_s):
                     log.warning(
                         "FlexKVConnector: load for request %s still not on the device after %.0f s; "
                         "cancelling it and recomputing",
                         ld.spec.req_id,
-                        self.s.load_timeout_s,
+                        self.settings.load_timeout_s,
                     )
                     offload.cancel_load(ld.tid, ())  # the request keeps its blocks; end_step collects it
                     raise TaskFailed("timed out")
@@ -495,7 +501,7 @@ class WorkerSide:
                             "store", hold.key, hold.blocks, True, groups=self._stored_groups.pop(hold.key, {})
                         )
                     )
-                    self.stored_tokens += len(hold.blocks) * self.s.block_size
+                    self.stored_tokens += len(hold.blocks) * self.settings.block_size
                 left = self._saving.get(hold.key, 0) - 1
                 if left > 0:
                     self._saving[hold.key] = left
@@ -548,7 +554,7 @@ class WorkerSide:
     def _reset_for_scheduler(self) -> bool:
         """The scheduler's reset_cache: host and disk dropped once the writes finished. False with
         a remote tier, which keeps the old blocks for every worker sharing it."""
-        if not self.reset_tiers(self.s.drain_timeout_s):
+        if not self.reset_tiers(self.settings.drain_timeout_s):
             log.warning(
                 "FlexKVConnector: host and disk tiers reset; the remote tier %s keeps its blocks (shared "
                 "with other workers): after a weight update give the new weights a new model_id",
@@ -601,10 +607,10 @@ class WorkerSide:
             self.server.close()
             self.server = None
         if self.offload is not None:
-            if not self.drain(timeout=self.s.drain_timeout_s):
+            if not self.drain(timeout=self.settings.drain_timeout_s):
                 log.warning(
                     "FlexKVConnector: offload writes still running after %.0f s at shutdown; cancelled",
-                    self.s.drain_timeout_s,
+                    self.settings.drain_timeout_s,
                 )
             for _, parts, _ in self._ahead.values():  # loads run ahead of requests that never ran
                 for off, tid in parts:
