@@ -186,6 +186,13 @@ def test_a_hugging_face_preset_is_written_with_its_seeded_weights(tmp_path):
             r"connector.lookup_wait is not a FlexKVConnector option .*lookup_wait_ms",
         ),
         (["VllmWorker.connector={run_dir: /x}"], "serve puts the connector's lookup socket"),
+        (["VllmWorker.connector.drain_timeout_s=.nan"], r"drain_timeout_s=nan must be a finite positive number"),
+        (["VllmWorker.connector.drain_timeout_s=abc"], r"drain_timeout_s='abc' must be a finite positive number"),
+        (["VllmWorker.connector.handover_verify=none"], r"handover_verify='none' must be 'bytes' or 'owner'"),
+        (
+            ["VllmWorker.replicas.x=1"],
+            r"VllmWorker.replicas is 2, not a section: set VllmWorker.replicas=<value> itself",
+        ),
         (["VllmWorker.offload=false", "VllmWorker.connector={load: false}"], "offload is false"),
         (
             ["VllmWorker.extra-args=[--block-size=16]"],

@@ -98,9 +98,16 @@ def apply_overrides(config: Dict[str, Any], overrides: Sequence[str]) -> Dict[st
         parts = path.split(".")
         if not sep or len(parts) < 2 or not all(parts):
             raise GraphError(f"--set {item!r}: expected Section.key=value (e.g. FlexKVWorker.replicas=3)")
-        node = out.setdefault(parts[0], {})
-        for p in parts[1:-1]:
-            node = node.setdefault(p, {})
+        node = out
+        for depth, p in enumerate(parts[:-1]):
+            child = node.get(p, {})
+            if not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise GraphError(
+                    f"--set {item!r}: {where} is {child!r}, not a section: set {where}=<value> itself, "
+                    "or name a key of a section"
+                )
+            node[p] = node = dict(child)  # copied: the caller's config stays as it was
         node[parts[-1]] = yaml.safe_load(value)
     return out
 

@@ -324,6 +324,10 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
             f"{source}: {name}.connector is set but offload is false (no connector runs): "
             "remove connector or set offload: true"
         )
+    try:  # the values, by the connector's own check: a bad one fails here, not in a started engine
+        connector_settings(o["connector"])
+    except ValueError as e:
+        raise GraphError(f"{source}: {name}.connector: {e}") from None
 
 
 def connector_keys() -> Sequence[str]:
@@ -331,6 +335,13 @@ def connector_keys() -> Sequence[str]:
     from dynamo_flexkv.integrations.vllm_connector.settings import EXTRA_KEYS
 
     return tuple(EXTRA_KEYS)
+
+
+def connector_settings(connector: Mapping[str, Any]) -> Dict[str, Any]:
+    """A worker's connector section as FlexKVConnector will read it (its defaults filled in)."""
+    from dynamo_flexkv.integrations.vllm_connector.settings import checked_extra_config
+
+    return checked_extra_config(connector)
 
 
 def check_installed(source: str) -> None:
@@ -539,8 +550,8 @@ def workers(ctx: PlanContext, name: str, o: Dict[str, Any], served: str) -> list
     # EngineCore at once); the EngineCore then gives its Worker process VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
     # (5 by default) to exit, where FlexKVConnector finishes its last tier writes (drain_timeout_s).
     base += ["--shutdown-timeout", str(o["shutdown-timeout-s"])]
-    drain_s = o["connector"].get("drain_timeout_s", 20.0) if o["offload"] else 0.0
-    worker_s = str(max(5, math.ceil(float(drain_s)) + 5)) if isinstance(drain_s, (int, float)) else "25"
+    drain_s = connector_settings(o["connector"])["drain_timeout_s"] if o["offload"] else 0.0
+    worker_s = str(max(5, math.ceil(drain_s) + 5))
     restart = restart_policy(o)
     out = []
     for i in range(o["replicas"]):

@@ -8,7 +8,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from dynamo_flexkv.integrations.vllm_connector.groups import KVGroup, read_groups
 
@@ -91,52 +91,7 @@ class ConnectorSettings:
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> "ConnectorSettings":
         kt = vllm_config.kv_transfer_config
         extra = dict(kt.kv_connector_extra_config or {})
-        unknown = sorted(set(extra) - set(EXTRA_KEYS))
-        if unknown:
-            raise ValueError(
-                f"FlexKVConnector: unknown kv_connector_extra_config key(s) {unknown}; known: "
-                + ", ".join(f"{k} ({v[2]})" for k, v in EXTRA_KEYS.items())
-            )
-        values: Dict[str, Any] = {}
-        for key, (typ, default, _) in EXTRA_KEYS.items():
-            value = extra.get(key, default)
-            if value is None:
-                continue
-            if typ is bool and not isinstance(value, bool):
-                raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be true or false")
-            if typ is float:
-                if (
-                    isinstance(value, bool)
-                    or not isinstance(value, (int, float))
-                    or not math.isfinite(value)
-                    or value <= 0
-                ):
-                    raise ValueError(
-                        f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a finite positive number"
-                    )
-                value = float(value)
-            if typ is str and not isinstance(value, str):
-                raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a string")
-            if key == "handover_lease_s" and value > MAX_LEASE_S:
-                raise ValueError(
-                    f"FlexKVConnector: kv_connector_extra_config handover_lease_s={value!r} is over "
-                    f"{MAX_LEASE_S:.0f} s, the longest a prefill holds blocks for decode: lower it"
-                )
-            if key == "model_id" and not value.strip():
-                raise ValueError(
-                    "FlexKVConnector: kv_connector_extra_config model_id='' names no weights (tiers "
-                    "would share KV across models): name them, or leave the key out for the default"
-                )
-            if key == "mover_hook" and not _is_entry_point(value):
-                raise ValueError(
-                    f"FlexKVConnector: kv_connector_extra_config mover_hook={value!r} must name a "
-                    "function as module:function, e.g. mypackage.faults:wrap"
-                )
-            if key == "handover_verify" and value not in ("bytes", "owner"):
-                raise ValueError(
-                    f"FlexKVConnector: kv_connector_extra_config handover_verify={value!r} must be 'bytes' or 'owner'"
-                )
-            values[key] = value
+        values = checked_extra_config(extra)
         values.setdefault("model_id", default_model_id(vllm_config))
         run_dir = values.get("run_dir") or os.environ.get(RUN_DIR_ENV)
         if run_dir and not (os.path.isdir(run_dir) and os.access(run_dir, os.W_OK)):
@@ -162,6 +117,54 @@ class ConnectorSettings:
             max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
             **values,
         )
+
+
+def checked_extra_config(extra: Mapping[str, Any]) -> Dict[str, Any]:
+    """The kv_connector_extra_config values, each checked (the one check: the connector at start,
+    serve before it starts a worker); the defaults for keys left out, None ones dropped. Raises
+    ValueError naming the key and what it must be."""
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ValueError(
+            f"FlexKVConnector: unknown kv_connector_extra_config key(s) {unknown}; known: "
+            + ", ".join(f"{k} ({v[2]})" for k, v in EXTRA_KEYS.items())
+        )
+    values: Dict[str, Any] = {}
+    for key, (typ, default, _) in EXTRA_KEYS.items():
+        value = extra.get(key, default)
+        if value is None:
+            continue
+        if typ is bool and not isinstance(value, bool):
+            raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be true or false")
+        if typ is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a finite positive number"
+                )
+            value = float(value)
+        if typ is str and not isinstance(value, str):
+            raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a string")
+        if key == "handover_lease_s" and value > MAX_LEASE_S:
+            raise ValueError(
+                f"FlexKVConnector: kv_connector_extra_config handover_lease_s={value!r} is over "
+                f"{MAX_LEASE_S:.0f} s, the longest a prefill holds blocks for decode: lower it"
+            )
+        if key == "model_id" and not value.strip():
+            raise ValueError(
+                "FlexKVConnector: kv_connector_extra_config model_id='' names no weights (tiers "
+                "would share KV across models): name them, or leave the key out for the default"
+            )
+        if key == "mover_hook" and not _is_entry_point(value):
+            raise ValueError(
+                f"FlexKVConnector: kv_connector_extra_config mover_hook={value!r} must name a "
+                "function as module:function, e.g. mypackage.faults:wrap"
+            )
+        if key == "handover_verify" and value not in ("bytes", "owner"):
+            raise ValueError(
+                f"FlexKVConnector: kv_connector_extra_config handover_verify={value!r} must be 'bytes' or 'owner'"
+            )
+        values[key] = value
+    return values
 
 
 def _is_entry_point(value: str) -> bool:
