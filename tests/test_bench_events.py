@@ -68,6 +68,7 @@ def test_bench_events_cli_zmq(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.slow  # the default suite serves over NATS in test_dynamo_worker (etcd + NATS graph)
 @pytest.mark.skipif(find_binary("nats-server") is None, reason="nats-server is installed by scripts/install.sh")
 def test_bench_events_nats():
     from dynamo_flexkv.bench.events import cases, measure

@@ -96,7 +96,7 @@ def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_sp
 
         lost = None  # Dynamo 1.6.1 sometimes never delivers the restarted worker's announcement
         try:
-            wait_until("the restarted worker's disk blocks at the router", announced, timeout=30)
+            wait_until("the restarted worker's disk blocks at the router", announced, timeout=15)
         except AssertionError as e:
             lost = f"{e}: {seen}"
         if lost is None:
