@@ -501,39 +501,24 @@ def test_every_dashboard_metric_exists_on_the_running_graph(graph, replayed):
     assert exported - set(queried_metrics(load_dashboard())) == set(), "flexkv_ metrics not on the dashboard"
 
 
+def replay_argv(plan, out, summaries, *extra: str) -> list:
+    """`dynamo-flexkv replay` of 6 small conversations against the served graph ``plan``."""
+    workers = ",".join(str(p.port) for p in plan.workers)
+    return [
+        "replay", "--engine", "reference", *extra, "--url", plan.base_url, "--model", plan.served_model_name,
+        "--worker-metrics", workers, "--conversations", "6", "--tokens-per-hash-block", "16",
+        "--max-prompt-tokens", "1000", "--time-scale", "500", "--concurrency", "4",
+        "--out", str(out), "--json", str(summaries),
+    ]  # fmt: skip
+
+
 @pytest.mark.served
 def test_replay_command_against_a_served_graph(graph, replayed, tmp_path):
     from dynamo_flexkv.cli import main
 
     plan, _ = graph
     out, summaries = tmp_path / "results", tmp_path / "summaries.jsonl"
-    code = main(
-        [
-            "replay",
-            "--engine",
-            "reference",
-            "--url",
-            plan.base_url,
-            "--model",
-            plan.served_model_name,
-            "--worker-metrics",
-            ",".join(str(p.port) for p in plan.workers),
-            "--conversations",
-            "6",
-            "--tokens-per-hash-block",
-            "16",
-            "--max-prompt-tokens",
-            "1000",
-            "--time-scale",
-            "500",
-            "--concurrency",
-            "4",
-            "--out",
-            str(out),
-            "--json",
-            str(summaries),
-        ]
-    )
+    code = main(replay_argv(plan, out, summaries))
     assert code == 0
     report = (out / "report.md").read_text()
     assert "| served | 0 |" in report
@@ -557,35 +542,7 @@ def test_replay_timed_by_aiperf_against_a_served_graph(graph, replayed, tmp_path
 
     plan, _ = graph
     out, summaries = tmp_path / "results", tmp_path / "summaries.jsonl"
-    code = main(
-        [
-            "replay",
-            "--engine",
-            "reference",
-            "--client",
-            "aiperf",
-            "--url",
-            plan.base_url,
-            "--model",
-            plan.served_model_name,
-            "--worker-metrics",
-            ",".join(str(p.port) for p in plan.workers),
-            "--conversations",
-            "6",
-            "--tokens-per-hash-block",
-            "16",
-            "--max-prompt-tokens",
-            "1000",
-            "--time-scale",
-            "500",
-            "--concurrency",
-            "4",
-            "--out",
-            str(out),
-            "--json",
-            str(summaries),
-        ]
-    )
+    code = main(replay_argv(plan, out, summaries, "--client", "aiperf"))
     assert code == 0
     report = (out / "report.md").read_text()
     assert "Timed by: aiperf" in report and "served @0: totals exact" in report
