@@ -1,7 +1,7 @@
 """The worker's engine class driven directly, the way Dynamo's Worker calls it (generate, abort,
 cleanup), without a frontend: stream ends, aborts by abort(context) and by closing the stream,
 refusals as InvalidArgument, and an engine thread that dies fails its requests instead of hanging
-them."""
+them and stops its worker."""
 
 import asyncio
 import time
@@ -12,6 +12,7 @@ pytest.importorskip("dynamo.common.backend", reason="ai-dynamo is installed by m
 
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument  # noqa: E402
 
+from dynamo_flexkv.integrations.dynamo_worker import component  # noqa: E402
 from dynamo_flexkv.integrations.dynamo_worker.component import FlexKVWorkerEngine  # noqa: E402
 from dynamo_flexkv.integrations.dynamo_worker.args import build_parser  # noqa: E402
 
@@ -88,11 +89,18 @@ def test_generate_abort_close_and_engine_failure(tmp_path):
             def broken_step():
                 raise RuntimeError("injected engine fault")
 
+            stops: list = []
+            worker.stop_worker = lambda: stops.append("SIGTERM")
             worker.engine.step = broken_step
             with pytest.raises(EngineShutdown, match="injected engine fault"):
                 [c async for c in worker.generate(request([5, 6, 7], 2), Context("e"))]
             with pytest.raises(EngineShutdown, match="retry on another worker"):
                 await worker.generate(request([5, 6, 7], 2), Context("f")).__anext__()
+            # It stops itself (so serve or the pod's policy starts a fresh one) and exits non-zero.
+            deadline = time.monotonic() + 10
+            while not stops and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert stops == ["SIGTERM"] and component.engine_failed
         finally:
             await worker.cleanup()
             await worker.cleanup()  # idempotent

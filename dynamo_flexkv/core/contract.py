@@ -6,13 +6,71 @@ implementations: ``EmbeddedOffload`` (core/offload.py, the engine process owns i
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, cast
 
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.layout import KVLayoutType
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskResult
+
+
+log = logging.getLogger(__name__)
+
+# What a tier may raise when a per-request call starts: the node service gone or refusing
+# (NodeUnavailable), too many tasks, a remote or disk error. Every error this package defines, and
+# I/O errors: the engine serves on, recomputing (a caller's TypeError or KeyError still raises).
+TIER_FAULTS: Tuple[Type[BaseException], ...] = (FlexKVError, OSError)
+FAULT_LOG_EVERY_S = 10.0  # a tier that stays down logs its faults at most this often
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def miss_on_tier_fault(miss: Callable[..., Any]) -> Callable[[F], F]:
+    """Wraps a per-request call of an implementation: a tier fault becomes ``miss(self, *args, **kw)``
+    (no task, nothing held), counted in ``tier_faults`` and logged (at most every
+    FAULT_LOG_EVERY_S per offload). This is how the contract keeps its promise that a tier fault
+    never reaches the engine as an exception, the same for every implementation."""
+
+    def wrap(call: F) -> F:
+        @functools.wraps(call)
+        def guarded(self: "EngineOffload", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return call(self, *args, **kwargs)
+            except TIER_FAULTS as e:
+                self.tier_faults += 1
+                now = time.monotonic()
+                if now - self._fault_logged_at >= FAULT_LOG_EVERY_S:
+                    self._fault_logged_at = now
+                    log.warning(
+                        "offload %s failed (%s: %s): a miss, the engine recomputes (%d tier faults so far)",
+                        call.__name__,
+                        type(e).__name__,
+                        e,
+                        self.tier_faults,
+                    )
+                return miss(self, *args, **kwargs)
+
+        return cast(F, guarded)
+
+    return wrap
+
+
+def _no_task(self: "EngineOffload", *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _held_tokens(self: "EngineOffload", tokens: Sequence[int], *args: Any, skip_blocks: int = 0, **kw: Any) -> int:
+    return skip_blocks * self.bs  # nothing beyond what the engine holds
+
+
+# load / store / prefetch: no task (nothing held, the engine computes); cached_tokens: a miss.
+no_task_on_tier_fault = miss_on_tier_fault(_no_task)
+miss_lookup_on_tier_fault = miss_on_tier_fault(_held_tokens)
 
 
 @dataclass(frozen=True)
@@ -30,6 +88,8 @@ class EngineOffload(ABC):
     bs: int
     num_layers: int
     failed_loads: int
+    tier_faults: int = 0  # per-request calls a tier fault turned into a miss (miss_on_tier_fault)
+    _fault_logged_at: float = float("-inf")
 
     # ---- setup ------------------------------------------------------------------------------------
     @abstractmethod
@@ -75,7 +135,8 @@ class EngineOffload(ABC):
         prompt_tokens: Optional[int] = None,
     ) -> Optional[int]:
         """Starts loading blocks [skip_blocks, ...) of ``tokens`` (full blocks only). Returns the
-        task, or None when nothing beyond skip_blocks is cached or worth loading. With
+        task, or None when nothing beyond skip_blocks is cached or worth loading, or a tier fault
+        kept the load from starting (never raises for one: the engine computes). With
         ``prompt_tokens`` (the whole prompt's length) the load policy decides how far to load;
         without, everything cached is (an engine that asked cached_tokens first)."""
 
@@ -122,14 +183,16 @@ class EngineOffload(ABC):
         lora_name: Optional[str] = None,
         cache_salt: Optional[str] = None,
         names: Optional[Sequence[int]] = None,
-    ) -> int:
+    ) -> Optional[int]:
         """Stores the full blocks of ``tokens`` from ``block_table``; the blocks are held until
-        finished_holds() returns them with ``key``. ``names``: the engine's own name of each block
+        finished_holds() returns them with ``key``. None: a tier fault kept the store from starting,
+        nothing is held (the blocks are the engine's at once). ``names``: the engine's own name of each block
         (vLLM's block hashes), for the KV events of engines that share the tiers."""
 
     @abstractmethod
-    def prefetch(self, tokens: Sequence[int]) -> int:
-        """Warms host memory from disk for a request that waits; collected by finished_holds()."""
+    def prefetch(self, tokens: Sequence[int]) -> Optional[int]:
+        """Warms host memory from disk for a request that waits; collected by finished_holds().
+        None: not started (a tier fault)."""
 
     @abstractmethod
     def cancel_prefetch(self, tid: int) -> None: ...

@@ -31,7 +31,12 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from dynamo_flexkv.core.config import CacheConfig
-from dynamo_flexkv.core.contract import EngineOffload, Hold
+from dynamo_flexkv.core.contract import (
+    EngineOffload,
+    Hold,
+    miss_lookup_on_tier_fault,
+    no_task_on_tier_fault,
+)
 from dynamo_flexkv.core.index.cache_engine import IndexListener
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.manager import KVManager
@@ -59,6 +64,7 @@ class EmbeddedOffload(EngineOffload):
     def register(self, layers: Any, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
         self.kv.register_device_cache(layers, layout)
 
+    @miss_lookup_on_tier_fault
     def cached_tokens(
         self,
         tokens: Sequence[int],
@@ -82,6 +88,7 @@ class EmbeddedOffload(EngineOffload):
     ) -> List[int]:
         return [int(h) for h in self.kv.hashes(tokens, lora_name=lora_name, cache_salt=cache_salt).sequence]
 
+    @no_task_on_tier_fault
     def load(
         self,
         tokens: Sequence[int],
@@ -132,7 +139,8 @@ class EmbeddedOffload(EngineOffload):
             self.failed_loads += 1
         return r
 
-    def prefetch(self, tokens: Sequence[int]) -> int:
+    @no_task_on_tier_fault
+    def prefetch(self, tokens: Sequence[int]) -> Optional[int]:
         tid = self.kv.prefetch_async(list(tokens))
         self._prefetches.append(tid)
         return tid
@@ -141,6 +149,7 @@ class EmbeddedOffload(EngineOffload):
         if tid in self._prefetches:  # not collected yet (a finished one needs no cancel)
             self.kv.cancel([tid])
 
+    @no_task_on_tier_fault
     def store(
         self,
         tokens: Sequence[int],
@@ -150,7 +159,7 @@ class EmbeddedOffload(EngineOffload):
         lora_name: Optional[str] = None,
         cache_salt: Optional[str] = None,
         names: Optional[Sequence[int]] = None,
-    ) -> int:
+    ) -> Optional[int]:
         n = len(tokens) // self.bs
         tid = self.kv.put_async(
             list(tokens[: n * self.bs]), list(block_table[:n]), lora_name=lora_name, cache_salt=cache_salt

@@ -9,7 +9,8 @@ One thread reads the connection (replies, task results, KV events for the engine
 one runs the service's copy requests in order (RunOp: H2D, D2H) and answers each. If the service
 goes away, every task in flight fails (the engine recomputes: exact tokens), the tier blocks this
 engine announced are removed from its router view, and a thread attaches again in the background;
-until then lookups miss and loads and stores are refused (NodeUnavailable) without waiting."""
+until then lookups miss and loads, stores and prefetches start nothing (the contract's
+``miss_on_tier_fault``: the engine computes), without waiting."""
 
 from __future__ import annotations
 
@@ -54,7 +55,12 @@ from dynamo_flexkv.core.node.protocol import (
     unpack_ids,
     unpack_tokens,
 )
-from dynamo_flexkv.core.contract import EngineOffload, Hold
+from dynamo_flexkv.core.contract import (
+    EngineOffload,
+    Hold,
+    miss_lookup_on_tier_fault,
+    no_task_on_tier_fault,
+)
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
@@ -68,11 +74,17 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 30.0  # a request the service does not answer in this long fails (it is gone or stuck)
 RETRY_S = (0.5, 5.0)  # re-attach backoff: first and longest wait
 SLOW_CALL_S = 0.25  # a request slower than this is logged: a step of the engine waited for it
+TASK_ID_SPAN = 1 << 32  # a service's task ids; the engine's ids are attach * span + the service's id
 COPIERS = 4  # threads copying the service's device ops (an embedded KVManager's transfer workers)
 
 
 class NodeUnavailable(ConnectionError, FlexKVError):
     """The node's cache service is not reachable now: nothing was loaded or stored (recompute)."""
+
+
+class NodeRequestFailed(RuntimeError, FlexKVError):
+    """The service answered a request with an error (e.g. it refused a request or ran out of
+    tasks): that request did nothing (a lookup misses, a load or store does not start)."""
 
 
 @dataclass
@@ -99,13 +111,31 @@ class _Task:
 
 
 class _Connection:
-    """One attach: the channel, the mapped host segment and the movers over it (by link)."""
+    """One attach: the channel, the mapped host segment and the movers over it (by link).
 
-    def __init__(self, channel: Channel, attached: Attached, host: HostPool, movers: Dict[OpKind, Any]) -> None:
+    A service numbers its tasks from 1 again after a restart, so the engine's task ids carry the
+    attach they belong to (``gen``): a late result or copy of a task of a service that went away
+    can never be taken for a task of its successor."""
+
+    def __init__(
+        self, channel: Channel, attached: Attached, host: HostPool, movers: Dict[OpKind, Any], gen: int
+    ) -> None:
         self.channel, self.attached, self.host, self.movers = channel, attached, host, movers
+        self.gen = gen
         self.replies: Dict[int, Tuple[threading.Event, List[Reply]]] = {}
         self.lock = threading.Lock()
         self.gone = threading.Event()  # _lost finished cleaning up after it
+
+    def task_id(self, service_task: int) -> int:
+        """The engine's id of this service's task."""
+        if not 0 <= service_task < TASK_ID_SPAN:
+            raise ProtocolError(f"the node cache sent task id {service_task}, outside [0, 2**32)")
+        return self.gen * TASK_ID_SPAN + service_task
+
+    def service_task(self, tid: int) -> Optional[int]:
+        """The service's id of the engine's task ``tid``; None if it is a task of another attach."""
+        gen, service_task = divmod(tid, TASK_ID_SPAN)
+        return service_task if gen == self.gen else None
 
 
 class NodeOffload(EngineOffload):
@@ -222,7 +252,8 @@ class NodeOffload(EngineOffload):
             raise
         mover = HostDeviceMover(host, device)
         hook = self._mover_hook or (lambda kind, m: m)
-        conn = _Connection(channel, msg, host, {kind: hook(kind, mover) for kind in (OpKind.H2D, OpKind.D2H)})
+        movers = {kind: hook(kind, mover) for kind in (OpKind.H2D, OpKind.D2H)}
+        conn = _Connection(channel, msg, host, movers, gen=self.attaches + 1)
         self.namespace = msg.namespace
         with self._lock:
             self._conn = conn
@@ -268,7 +299,7 @@ class NodeOffload(EngineOffload):
                 elif isinstance(msg, RunOp):
                     self._ops.put((conn, msg))
                 elif isinstance(msg, TaskDone):
-                    self._task_done(msg)
+                    self._task_done(conn, msg)
                 elif isinstance(msg, Events):
                     self._events(msg)
         except (ProtocolError, ChannelClosed) as e:
@@ -305,7 +336,7 @@ class NodeOffload(EngineOffload):
             except Exception as e:  # noqa: BLE001 - reported to the service, which fails the task
                 error = f"{type(e).__name__}: {e}"
             if error is None and msg.kind == OpKind.H2D.value:
-                task = self._task(msg.task)
+                task = self._task(conn.task_id(msg.task))
                 for i in range(max(msg.lo, 0), msg.hi if msg.hi >= 0 else self.num_layers):
                     task.layers[i].set()
             try:
@@ -377,9 +408,9 @@ class NodeOffload(EngineOffload):
                 t = self._tasks[tid] = _Task(tid, self.num_layers)
             return t
 
-    def _task_done(self, msg: TaskDone) -> None:
-        t = self._task(msg.task)
-        t.finish(TaskResult(msg.task, t.kind or TaskKind.GET, TaskStatus(msg.status), msg.num_tokens, msg.error))
+    def _task_done(self, conn: _Connection, msg: TaskDone) -> None:
+        t = self._task(conn.task_id(msg.task))
+        t.finish(TaskResult(t.id, t.kind or TaskKind.GET, TaskStatus(msg.status), msg.num_tokens, msg.error))
 
     def _events(self, msg: Events) -> None:
         if self.listener is None:
@@ -411,8 +442,15 @@ class NodeOffload(EngineOffload):
                 seen.clear()
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def _request(self, make: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+    def _request_task(self, make: Any) -> Tuple[_Task, Any]:
+        """A request that starts a task on the service: the task (under the engine's id) and the reply."""
         conn = self._conn
+        value = self._request(make, conn=conn)
+        assert conn is not None  # _request raised NodeUnavailable otherwise
+        return self._task(conn.task_id(int(value["task"]))), value
+
+    def _request(self, make: Any, timeout: float = CALL_TIMEOUT_S, conn: Optional[_Connection] = None) -> Any:
+        conn = conn or self._conn
         if conn is None:
             raise NodeUnavailable(f"the node cache at {self.socket_path} is not attached")
         rid = next(self._ids)
@@ -439,10 +477,11 @@ class NodeOffload(EngineOffload):
         if reply.error is not None:
             if reply.kind == "closed":
                 raise NodeUnavailable(reply.error)
-            raise RuntimeError(f"node cache: {reply.error}")
+            raise NodeRequestFailed(f"node cache: {reply.error}")
         return reply.value
 
     # ---- the contract -------------------------------------------------------------------------------
+    @miss_lookup_on_tier_fault  # no service: what the engine holds
     def cached_tokens(
         self,
         tokens: Sequence[int],
@@ -452,28 +491,26 @@ class NodeOffload(EngineOffload):
         prompt_tokens: Optional[int] = None,
         skip_blocks: int = 0,
     ) -> int:
-        try:
-            return int(
-                self._request(
-                    lambda rid: Lookup(
-                        id=rid,
-                        tokens=pack_tokens(tokens),
-                        lora=lora_name,
-                        salt=cache_salt,
-                        prompt_tokens=prompt_tokens,
-                        skip_blocks=skip_blocks,
-                        layerwise=self.layerwise,
-                    )
+        return int(
+            self._request(
+                lambda rid: Lookup(
+                    id=rid,
+                    tokens=pack_tokens(tokens),
+                    lora=lora_name,
+                    salt=cache_salt,
+                    prompt_tokens=prompt_tokens,
+                    skip_blocks=skip_blocks,
+                    layerwise=self.layerwise,
                 )
             )
-        except NodeUnavailable:
-            return skip_blocks * self.bs if skip_blocks else 0  # nothing beyond what the engine holds
+        )
 
     def block_hashes(
         self, tokens: Sequence[int], *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
     ) -> List[int]:
         return [int(h) for h in namespaced_hashes(tokens, self.bs, self.namespace, lora_name, cache_salt).sequence]
 
+    @no_task_on_tier_fault
     def load(
         self,
         tokens: Sequence[int],
@@ -484,7 +521,7 @@ class NodeOffload(EngineOffload):
         cache_salt: Optional[str] = None,
         prompt_tokens: Optional[int] = None,
     ) -> Optional[int]:
-        value = self._request(
+        t, value = self._request_task(
             lambda rid: Load(
                 id=rid,
                 tokens=pack_tokens(tokens),
@@ -496,7 +533,6 @@ class NodeOffload(EngineOffload):
                 layerwise=self.layerwise,
             )
         )
-        t = self._task(int(value["task"]))
         t.kind, t.planned, t.by_tier = TaskKind.GET, int(value["planned"]), dict(value["by_tier"])
         if t.planned == 0:
             t.done.wait(CALL_TIMEOUT_S)
@@ -524,7 +560,7 @@ class NodeOffload(EngineOffload):
             t.hold = Hold(key, list(blocks))
             with self._lock:
                 self._holds[tid] = t.hold
-        self._send_quietly(Cancel(task=tid))
+        self._send_task_quietly(Cancel, tid)
 
     def load_done(self, tid: int) -> bool:
         return self._known(tid).done.is_set()
@@ -541,6 +577,7 @@ class NodeOffload(EngineOffload):
     def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
         self._send_quietly(Observe(tokens=int(tokens), prompt_tokens=int(prompt_tokens), seconds=float(seconds)))
 
+    @no_task_on_tier_fault
     def store(
         self,
         tokens: Sequence[int],
@@ -550,10 +587,10 @@ class NodeOffload(EngineOffload):
         lora_name: Optional[str] = None,
         cache_salt: Optional[str] = None,
         names: Optional[Sequence[int]] = None,
-    ) -> int:
+    ) -> Optional[int]:
         n = len(tokens) // self.bs
         blocks = list(block_table[:n])
-        value = self._request(
+        t, _ = self._request_task(
             lambda rid: Store(
                 id=rid,
                 tokens=pack_tokens(tokens[: n * self.bs]),
@@ -563,15 +600,14 @@ class NodeOffload(EngineOffload):
                 names=list(names[:n]) if names else None,
             )
         )
-        t = self._task(int(value["task"]))
         t.kind, t.hold = TaskKind.PUT, Hold(key, blocks)
         with self._lock:
             self._holds[t.id] = t.hold
         return t.id
 
-    def prefetch(self, tokens: Sequence[int]) -> int:
-        value = self._request(lambda rid: Prefetch(id=rid, tokens=pack_tokens(tokens)))
-        t = self._task(int(value["task"]))
+    @no_task_on_tier_fault
+    def prefetch(self, tokens: Sequence[int]) -> Optional[int]:
+        t, _ = self._request_task(lambda rid: Prefetch(id=rid, tokens=pack_tokens(tokens)))
         t.kind = TaskKind.PREFETCH
         with self._lock:
             self._prefetches.append(t.id)
@@ -579,7 +615,7 @@ class NodeOffload(EngineOffload):
 
     def cancel_prefetch(self, tid: int) -> None:
         if tid in self._prefetches:
-            self._send_quietly(Cancel(task=tid))
+            self._send_task_quietly(Cancel, tid)
 
     @property
     def tasks_pending(self) -> int:
@@ -676,6 +712,13 @@ class NodeOffload(EngineOffload):
     def _forget(self, tid: int) -> None:
         with self._lock:
             self._tasks.pop(tid, None)
+
+    def _send_task_quietly(self, make: Any, tid: int) -> None:
+        """A message about task ``tid`` to the service that runs it (none if that one is gone)."""
+        conn = self._conn
+        service_task = None if conn is None else conn.service_task(tid)
+        if service_task is not None:
+            self._send_quietly(make(task=service_task))
 
     def _send_quietly(self, msg: Any) -> None:
         conn = self._conn

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Dict, List, Optional
+from typing import Any, AsyncGenerator, Callable, Dict, List, Optional
 
 from dynamo.common.backend import EngineConfig, LLMEngine as DynamoLLMEngine, LlmRegistration, WorkerConfig
 from dynamo.common.backend.metrics import register_engine_registry
@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 # Dynamo's frontend returns as nvext.engine_data when the request asks for it
 # (nvext.extra_fields: ["engine_data"]).
 ENGINE_DATA_KEY = "flexkv"
+
+engine_failed = False  # the engine thread died and the worker stopped itself: exit non-zero
 
 
 @dataclass
@@ -95,6 +97,9 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self._live: Dict[str, str] = {}  # Dynamo context id -> our request id, requests not yet ended
         self._closing = False  # cleanup() started: refuse new requests
         self._failed: Optional[str] = None  # the engine thread died: why
+        # What a dead engine thread does to its worker: SIGTERM, Dynamo's graceful stop (tests that
+        # drive the class in their own process replace it).
+        self.stop_worker: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._ids = itertools.count()
@@ -204,6 +209,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             "step_requests": e.step_requests,
             "step_seconds": e.step_seconds,
             "load_stall_seconds": e.load_stall_seconds,
+            "tier_faults": self.offload.tier_faults if self.offload is not None else 0,
             "kv_events_published": self.relay.events_published,
             "kv_events_skipped": self.relay.skipped,
         }
@@ -353,17 +359,23 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     def _loop(self) -> None:
         try:
             self._serve()
-        except Exception as e:  # a bug or a device fault: fail every request rather than hang it
-            log.exception("the engine thread failed; this worker cannot serve any more")
+        except Exception as e:  # a bug or a device fault (tier faults are misses): fail every request
+            log.exception("the engine thread failed; this worker cannot serve any more: stopping it")
             self._failed = f"the engine failed ({type(e).__name__}: {e}); retry on another worker"
+            global engine_failed
+            engine_failed = True
             for stream in self._streams.values():
                 stream.send(EngineShutdown(self._failed))
             self._streams.clear()
-            while True:  # requests that raced with the failure
+            # A worker that cannot serve must not stay registered and answer /health "ready": Dynamo's
+            # Worker unregisters it and runs cleanup(), then main() exits non-zero, so serve (or the
+            # pod's restart policy) starts a fresh one.
+            self.stop_worker()
+            while not self._stop.is_set():  # requests that raced with the failure, until cleanup
                 try:
-                    item = self._inbox.get_nowait()
+                    item = self._inbox.get(timeout=0.1)
                 except queue.Empty:
-                    return
+                    continue
                 if item[0] == "add":
                     item[4].send(EngineShutdown(self._failed))
 
@@ -455,6 +467,8 @@ def main() -> None:
 
     with exit_past_libnl():
         run(FlexKVWorkerEngine)
+        if engine_failed:
+            raise SystemExit(1)  # stopped itself: its engine thread failed (see _loop)
 
 
 if __name__ == "__main__":

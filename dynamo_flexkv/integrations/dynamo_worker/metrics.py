@@ -124,6 +124,11 @@ class OffloadCollector(Collector):
             yield _counter(
                 "engine_load_stall_seconds", "Seconds steps waited for offload loads", e["load_stall_seconds"]
             )
+            yield _counter(
+                "tier_faults",
+                "Lookups, loads, stores and prefetches a tier fault turned into a miss (the engine computed)",
+                e.get("tier_faults", 0),
+            )
             # The frontend's dynamo_component_kv_cache_events_applied (by status) counts the same
             # events as its router applied them: equal sums mean every published event arrived.
             yield _counter(

@@ -244,7 +244,8 @@ class LLMEngine:
             # Queue-time prefetch: requests next in line bring their disk prefix into host memory
             # while they wait for a slot or for device blocks.
             for req in itertools.islice(self.waiting, self.max_running):
-                if req.prefetch_task is None:
+                if req.prefetch_task is None and not req.prefetch_tried:
+                    req.prefetch_tried = True  # once: a tier that is down is not asked every step
                     req.prefetch_task = self.connector.prefetch(req.prompt)
 
     def _allocate(self, req: Request) -> bool:
@@ -336,7 +337,8 @@ class LLMEngine:
             n = len(r.prompt) // bs
             if n:
                 self.pool.ref(r.block_table[:n])
-                self.connector.store(r.prompt, r.block_table)
+                if self.connector.store(r.prompt, r.block_table) is None:  # a tier fault: nothing is held
+                    self.pool.release(r.block_table[:n])
 
     def _emit(self, r: Request, logits: torch.Tensor) -> RequestOutput:
         tok = sample(logits, r)

@@ -52,6 +52,7 @@ class Request:
     remote_hit_tokens: int = 0  # the part of offload_hit_tokens read from the remote tier (Redis)
     load_task: Optional[int] = None
     prefetch_task: Optional[int] = None
+    prefetch_tried: bool = False
     overtaken: int = 0  # later requests admitted while this one waited for free blocks
     first_token_at: Optional[float] = None
     finish_reason: Optional[str] = None

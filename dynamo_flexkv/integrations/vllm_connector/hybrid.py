@@ -108,15 +108,14 @@ class GroupTiers:
         names: Optional[Sequence[int]],
     ) -> int:
         """Stores a finished request's full blocks (``tokens``: whole blocks); returns the stores
-        started (each hands ``key`` back from finished_holds). The main group's store failing
-        raises (nothing started); another part failing (e.g. TooManyTasks) is logged and skipped:
-        the parts already started still hold their blocks, and are counted."""
+        started (each hands ``key`` back from finished_holds). A part that a tier fault kept from
+        starting (e.g. TooManyTasks) holds nothing and is not counted; the parts started are."""
         n, bs, started = len(tokens) // self.bs, self.bs, 0
         if self.main_group is not None:
-            self.main.store(
+            tid = self.main.store(
                 tokens, groups[self.main_group.index][:n], key=key, lora_name=lora, cache_salt=salt, names=names
             )
-            started += 1
+            started += tid is not None  # None: a tier fault, nothing held
         parts = [(tokens, groups[g.index][:n], self._salt(salt, g)) for g in self.chains]
         anchor = self.anchors(tokens, lora, salt)[n - 1] if self.windows and n else None
         windows = 0
@@ -128,15 +127,8 @@ class GroupTiers:
             parts.append((tokens[w.start * bs : n * bs], ids, self._salt(salt, g, anchor)))
             windows += 1
         for toks, ids, s in parts:
-            try:
-                self.aux.store(toks, ids, key=key, lora_name=lora, cache_salt=s)
-            except Exception as e:  # noqa: BLE001 - the started parts are still counted
-                log.warning(
-                    "FlexKVConnector: a KV cache group's store was not started (%s: %s); that prefix will not hit",
-                    type(e).__name__,
-                    e,
-                )
-                windows = -1
+            if self.aux.store(toks, ids, key=key, lora_name=lora, cache_salt=s) is None:
+                windows = -1  # a tier fault (logged by the contract): that prefix will not hit
                 continue
             started += 1
         if anchor is not None:

@@ -20,6 +20,7 @@ COUNTERS = {
     "loaded_tokens": ("Tokens loaded from an offload tier into vLLM's KV cache", True),
     "recomputed_tokens": ("Tokens a lookup promised that were recomputed instead (evicted, failed or corrupt)", False),
     "failed_loads": ("Loads that failed or timed out (their blocks were recomputed)", False),
+    "tier_faults": ("Lookups, loads, stores and prefetches a tier fault turned into a miss (computed)", False),
     "stored_tokens": ("Tokens of finished requests copied into the host tier", False),
     "evicted_blocks": ("Blocks evicted from an offload tier", True),
     "disk_write_failures": ("Background disk writes that failed (the blocks stayed on host)", False),

@@ -288,7 +288,7 @@ class WorkerSide:
                         save.event_hashes or None,
                     )
                 else:
-                    offload.store(
+                    tid = offload.store(
                         save.token_ids,
                         save.block_ids,
                         key=save.req_id,
@@ -296,7 +296,7 @@ class WorkerSide:
                         cache_salt=save.cache_salt,
                         names=save.event_hashes or None,
                     )
-                    started = 1
+                    started = 0 if tid is None else 1  # None: a tier fault, nothing held
                 if started:
                     self._saving[save.req_id] = self._saving.get(save.req_id, 0) + started
                 else:
@@ -573,6 +573,7 @@ class WorkerSide:
         totals: Dict[str, float] = {
             "recomputed_tokens": c.recomputed,
             "failed_loads": c.failed_loads,
+            "tier_faults": self.offload.tier_faults,
             "stored_tokens": self.stored_tokens,
             "handover_tokens": c.handover_tokens,
             "handover_bytes": c.handover_bytes,
