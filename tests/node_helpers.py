@@ -152,3 +152,23 @@ def read_line(proc: subprocess.Popen, want: str, timeout: float = 60) -> str:
             raise AssertionError(f"the engine process exited ({proc.wait()}): {proc.stderr.read()[-3000:]}")
         if line.startswith(want):
             return line.strip()
+
+
+class Held:
+    """IndexListener: the node cache's blocks per tier, as its events tell an attached engine."""
+
+    def __init__(self) -> None:
+        self.blocks = {"host": set(), "disk": set()}
+
+    def on_stored(self, tier, run) -> None:
+        self.blocks[tier.value].update(int(h) for h in run.hashes)
+
+    def on_removed(self, tier, hashes) -> None:
+        self.blocks[tier.value].difference_update(int(h) for h in hashes)
+
+    def prefix(self, tiers, hashes) -> int:
+        """Blocks of ``hashes``, from the first, that one of ``tiers`` holds."""
+        n = 0
+        while n < len(hashes) and any(int(hashes[n]) in self.blocks[t] for t in tiers):
+            n += 1
+        return n

@@ -12,10 +12,9 @@ import socket
 import stat
 import struct
 
-import pytest
 
 from dynamo_flexkv.core.node.protocol import Attach, Load, VERSION, encode
-from node_helpers import BS, SPEC, Engine, engine_process, node_server, prompt, read_line
+from node_helpers import BS, SPEC, Engine, Held, engine_process, node_server, prompt, read_line
 from served import wait_until
 
 
@@ -171,17 +170,25 @@ def test_a_restarted_service_readopts_its_disk_and_engines_reattach_by_themselve
         assert e.offload.drain(30)
     finally:
         server.__exit__(None, None, None)
-    # The service is gone: requests fail cleanly and at once (recompute), nothing hangs.
+    # The service is gone: every per-request call is a miss at once (the engine computes), nothing
+    # raises, nothing hangs, nothing is held.
     wait_until("the engine noticed", lambda: e.offload.cached_tokens(tokens) == 0)
-    from dynamo_flexkv.core.node.client import NodeUnavailable
-
-    with pytest.raises(NodeUnavailable, match="not attached"):  # the engine recomputes
-        e.offload.load(tokens, list(range(16)), 0)
-    with pytest.raises(NodeUnavailable):  # the engine frees its blocks at once
-        e.offload.store(tokens, list(range(16)), key="x")
+    faults = e.offload.tier_faults
+    assert e.offload.cached_tokens(tokens, skip_blocks=3) == 3 * BS  # what the engine holds
+    assert e.offload.load(tokens, list(range(16)), 0) is None
+    assert e.offload.store(tokens, list(range(16)), key="x") is None
+    assert e.offload.prefetch(tokens) is None
+    assert e.offload.tier_faults == faults + 4 and e.offload.tasks_pending == 0
     assert e.offload.stats() is None and e.offload.drain(1)
     with node_server(tmp_path, host_gb=0.02, ssd_gb=0.05) as s2:
         wait_until("the engine re-attached", lambda: e.offload.cached_tokens(tokens) == 16 * BS, timeout=30)
+        # An engine that publishes hears of the re-adopted disk blocks when it subscribes: the router
+        # learns that every engine on the node can load them.
+        held = Held()
+        listener = Engine(s2.options.socket_path, "L", listener=held)
+        hashes = listener.offload.block_hashes(tokens)
+        wait_until("the re-adopted blocks announced", lambda: held.prefix(("disk",), hashes) == 16)
+        listener.offload.shutdown()
         assert e.load(tokens, list(range(40, 56))) == 16
         assert e.check(tokens, list(range(40, 56)), 0, 16) == []
         assert s2.namespaces()[0].kv.stats().disk.hit_blocks == 16

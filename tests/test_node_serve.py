@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -150,32 +151,12 @@ def node_metric(serve, name: str) -> float:
     return total(scrape(serve.metrics["NodeCache"]), name)
 
 
-class Held:
-    """IndexListener: the node cache's blocks per tier, as its events tell an attached engine."""
-
-    def __init__(self) -> None:
-        self.blocks = {"host": set(), "disk": set()}
-
-    def on_stored(self, tier, run) -> None:
-        self.blocks[tier.value].update(int(h) for h in run.hashes)
-
-    def on_removed(self, tier, hashes) -> None:
-        self.blocks[tier.value].difference_update(int(h) for h in hashes)
-
-    def prefix(self, tiers, hashes) -> int:
-        """Blocks of ``hashes``, from the first, that one of ``tiers`` holds."""
-        n = 0
-        while n < len(hashes) and any(int(hashes[n]) in self.blocks[t] for t in tiers):
-            n += 1
-        return n
-
-
 @pytest.mark.served
 def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_credits_both(tmp_path):
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
     import vllm_graph as vg
     from served import Serve, assert_all_gone, wait_until
-    from node_helpers import BS, Engine, prompt
+    from node_helpers import BS, Engine, Held, prompt
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
     serve = Serve(
@@ -309,3 +290,108 @@ def test_the_replays_node_configuration_pools_the_workers_tiers_into_one_node_ca
     }
     plan = build_plan(load_graph(str(ROOT / "graphs" / "agg_router_vllm.py")), pooled, run_dir=tmp_path / "run")
     assert [p.kind for p in plan.processes].count(Kind.CACHE) == 1 and len(plan.workers) == 2
+
+
+def reference_tokens(prompts, max_tokens: int = 4):
+    """What the no-offload graph answers: the tiny preset's engine in this process, greedy, ending
+    at the served tokenizer's end-of-sequence id as the frontend does."""
+    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
+
+    cfg = EngineModelConfig.preset("tiny")
+    with tempfile.TemporaryDirectory() as d:
+        eos = json.loads((write_model_dir(cfg, d, context_length=1024) / "config.json").read_text())["eos_token_id"]
+    engine = LLMEngine(cfg, num_device_blocks=256, device_prefix_cache=False)
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=(eos,))
+    return [r.output for r in engine.generate(prompts, params)]
+
+
+@pytest.mark.served
+def test_a_killed_node_cache_costs_no_request_and_its_disk_prefix_loads_again(tmp_path):
+    """SIGKILL the node's cache service while requests flow: every request is answered 200 with the
+    no-offload tokens (the engines recompute during the outage), serve restarts the service, both
+    workers re-attach by themselves, and the prefix the restarted service re-adopted from disk loads
+    on a worker that never computed it and reaches the router for both workers."""
+    pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
+    import threading
+    import time
+
+    import vllm_graph as vg
+    from served import Serve, wait_until
+    from node_helpers import BS, prompt
+
+    serve = Serve(
+        tmp_path,
+        "node",
+        graph="agg_router",
+        base=[*NODE_SETS, f"NodeCache.cache={{cpu_cache_gb: 0.02, ssd_cache_gb: 0.05, ssd_cache_dir: {tmp_path}/ssd}}"],
+    )
+    probe = None
+    try:
+        names = ("FlexKVWorker-0", "FlexKVWorker-1")
+        ids = {n: vg.worker_id(vg.scrape(serve.metrics[n])) for n in names}
+        front = [p for p in serve.children if b"dynamo.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
+        probe = vg.RouterProbe(front[0], tmp_path / "probe.log", endpoint="dynamo.flexkv.generate", block_size=16)
+        kept = [t % 500 + 10 for t in prompt(31, 20 * BS + 3)]  # on disk before the kill, loaded after
+        n = len(kept) // BS
+        traffic = [[t % 500 + 10 for t in prompt(200 + i, (4 + i % 9) * BS + i)] for i in range(12)]
+        want = reference_tokens([kept, *traffic])
+        assert complete(serve.base_url, kept, ids[names[0]])["ids"] == want[0]
+        wait_until(
+            "the prompt is on the node's disk",
+            lambda: {w: v for w, v in probe.scores(kept).items()}.get(ids[names[1]], (0, 0, 0))[2] == n,
+            timeout=60,
+        )
+
+        answers: list = []  # (prompt index, status or exception, token ids)
+        stop = threading.Event()
+
+        def flow() -> None:
+            i, deadline = 0, time.monotonic() + 240
+            while not stop.is_set() and time.monotonic() < deadline:  # bounded: 4 minutes at most
+                k = i % len(traffic)
+                try:
+                    got = complete(serve.base_url, traffic[k], ids[names[i % 2]] if i % 3 else 0)
+                    answers.append((k, 200, got["ids"]))
+                except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                    answers.append((k, repr(e), None))
+                i += 1
+
+        loader = threading.Thread(target=flow, daemon=True)
+        loader.start()
+        wait_until("requests flow", lambda: len(answers) >= 6)
+        cache_pid = next(p for p in serve.children if b"cache-server" in open(f"/proc/{p}/cmdline", "rb").read())
+        since, before = len(serve.lines), len(answers)
+        os.kill(cache_pid, signal.SIGKILL)
+        serve.wait_for(r"NodeCache is ready again after \S+ s", 120, since)
+        wait_until("both workers re-attached", lambda: node_metric(serve, "flexkv_node_engines") == 2, timeout=60)
+        after = len(answers)
+        wait_until("requests flow after the restart", lambda: len(answers) >= after + 6, timeout=120)
+        stop.set()
+        loader.join(120)
+        assert len(answers) > before + 6, "no request was sent during the outage"
+        bad = [(k, status, got, want[1 + k]) for k, status, got in answers if status != 200 or got != want[1 + k]]
+        assert bad == [], f"{len(bad)} of {len(answers)} requests failed or differ: {bad[:5]}"
+
+        # The restarted service re-adopted the prompt from disk: both workers are credited with it
+        # again, and the worker that never computed it loads it from there.
+        seen: list = []
+
+        def credited() -> bool:
+            seen[:] = [probe.scores(kept).get(ids[x], (0, 0, 0)) for x in names]
+            return all(v[2] == n for v in seen)
+
+        try:
+            wait_until("the router credits both workers with the re-adopted prefix", credited, timeout=60)
+        except AssertionError:
+            raise AssertionError(f"the router's (device, host, disk) blocks of {n} per worker: {seen}") from None
+        other = complete(serve.base_url, kept, ids[names[1]])
+        assert other["ids"] == want[0] and other["tiers"]["disk"] + other["tiers"]["host"] == n * BS, other
+        assert other["tiers"]["disk"] > 0, other  # the host tier died with the service
+        serve.proc.send_signal(signal.SIGINT)
+        assert serve.proc.wait(timeout=90) == 0, "\n".join(serve.lines[-40:])
+        assert not [x for x in serve.lines if "engine thread failed" in x]
+    finally:
+        if probe is not None:
+            probe.close()
+        serve.close()

@@ -64,6 +64,9 @@ class Namespace:
         self.kv = KVManager(
             model, cfg, namespace=self.salt or None, listener=self.mirror, model_id=d["model_id"], share_host=True
         )
+        # The disk blocks a restarted service re-adopted are news to every engine: the mirror
+        # (no network, nothing to wait for) holds them now, so each engine's subscribe sends them.
+        self.kv.announce_adopted()
         self.index = index
         self.sessions: Dict[int, Any] = {}
         self.created = time.monotonic()
