@@ -200,3 +200,47 @@ def test_queued_copies_of_a_cancelled_load_never_run():
         assert_idle(off)
         assert [kind for task, kind in stall.ran if task == b] == []
         assert kv.stats().tasks.failed_ops == 0  # skipped, not failed
+
+
+def test_node_cache_cancel_of_a_stalled_load_is_bounded(tmp_path):
+    """The same through the node cache: the engine's own copier holds the stalled copy, and the
+    load is collected without waiting for it or for the service's answer."""
+    from node_helpers import BS, Engine, node_server
+
+    stall = Stall(OpKind.H2D, 0)
+    with node_server(tmp_path) as server:
+        engine = Engine(str(tmp_path / "node.sock"), "e1", mover_hook=stall.hook)
+        off = engine.offload
+        try:
+            tokens, loaded = list(range(4 * BS)), [8, 9, 10, 11]
+            engine.fill(tokens, [0, 1, 2, 3])
+            off.store(tokens, [0, 1, 2, 3], key="s")
+            assert [h.key for h in off.drain_holds()] == ["s"] and off.drain(WAIT_S)
+            stall.armed = True
+            tid = off.load(tokens, loaded, 0)
+            assert tid is not None and stall.stalled.wait(WAIT_S)
+            t0 = time.monotonic()
+            off.cancel_load(tid, loaded, key="req")
+            got = off.finished_holds()
+            took = time.monotonic() - t0
+            assert [(h.key, h.blocks) for h in got] == [("req", loaded)] and took < CANCEL_BOUND_S
+            for b in loaded:  # reused by the engine
+                for layer in engine.layers:
+                    layer[b] = -1.0
+            stall.release.set()
+            deadline = time.monotonic() + WAIT_S
+            while off._collected and time.monotonic() < deadline:  # type: ignore[attr-defined]
+                time.sleep(0.01)  # the service's TaskDone of the cancelled load is on its way
+            assert not off._collected, "the service never finished the cancelled load"  # type: ignore[attr-defined]
+            tasks = server.namespaces()[0].kv.stats().tasks
+            assert (tasks.in_flight, tasks.transfers_running) == (0, 0)
+            assert all(bool((layer[b] == -1.0).all()) for b in loaded for layer in engine.layers)
+            assert off.tasks_pending == 0
+            # A new load of the same prompt brings the right bytes.
+            stall.armed = False
+            tid = off.load(tokens, loaded, 0)
+            assert tid is not None and off.finish(tid).ok
+            assert engine.check(tokens, loaded, 0, 4) == []
+        finally:
+            stall.release.set()
+            off.shutdown()
