@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Union
@@ -37,6 +38,7 @@ from dynamo_flexkv.core.storage.ssd import SsdStore
 from dynamo_flexkv.core.task_table import TaskTable
 from dynamo_flexkv.core.task_graphs import GraphBuilder
 from dynamo_flexkv.core.tasks import ManagerClosed, Task, TaskFailed, TaskKind, TaskResult, TaskStatus, TooManyTasks
+from dynamo_flexkv.core.transfer.fence import DeviceFence
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferGraph
 from dynamo_flexkv.core.transfer.movers import DiskMover, HostDeviceMover, HostHasher
 from dynamo_flexkv.core.transfer.remote_mover import RemoteMover
@@ -270,6 +272,8 @@ class KVManager:
                 return task.id
             self._plan_tokens(task, plan)
             self._attach_tokens(token_ids, plan.staged, plan.remote_staged)
+            if device is None:  # our own device: its writes are fenced (an attached engine fences its own)
+                task.fence = DeviceFence()
             self._submit(task, self.graphs.get(task, plan, dev_ids, layerwise, device))
         return task.id
 
@@ -452,7 +456,12 @@ class KVManager:
     def cancel(self, task_ids: Iterable[int]) -> None:
         """Cancels the tasks (their results report CANCELLED unless they finished first). An id whose
         task already finished, its result collected or expired, is skipped: cancel may race wait().
-        An id never issued raises KeyError, and then nothing is cancelled."""
+        An id never issued raises KeyError, and then nothing is cancelled.
+
+        A load into the registered device finishes as soon as none of its device writes runs (at
+        once, unless one is copying now: then when that one returns), not when every copy of it
+        returned: a copy stalled before its write (disk, queue, a hook) wakes up to a closed fence
+        and writes nothing (core/transfer/fence.py). Its host side drains on its own (drain())."""
         self._check_open("cancel")
         tasks = self._table.get_all(arguments.task_id_list(task_ids, "cancel"))  # all checked before any is touched
         for task in tasks:
@@ -460,8 +469,15 @@ class KVManager:
                 continue
             if task.graph is not None:
                 self.transfer.cancel(task.graph)
+                if task.fence is not None:
+                    task.fence.close(functools.partial(self._fenced, task))
             elif self._deferred.drop(lambda put: put.task is task):
                 task.finish(TaskResult(task.id, task.kind, TaskStatus.CANCELLED))
+
+    @staticmethod
+    def _fenced(task: Task) -> None:
+        """A cancelled load's device writes are over: the engine may reuse its blocks."""
+        task.finish(TaskResult(task.id, task.kind, TaskStatus.CANCELLED))
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Waits until every task has finished, the background disk writes of puts included.

@@ -127,6 +127,7 @@ class GraphBuilder:
                         layers=(lo, hi),
                         on_done=layer_landed,
                         device=device,
+                        fence=task.fence,
                     )
                 )
         loaded = plan.num_blocks if load_device else sum(len(r) for r in (plan.staged, plan.remote_staged) if r)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Callable, List, Optional
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.transfer.fence import DeviceFence
 
 if TYPE_CHECKING:  # a task only holds its graph; the transfer layer builds and runs it
     from dynamo_flexkv.core.transfer.graph import TransferGraph
@@ -82,6 +83,9 @@ class Task:
     # The result's receiver, instead of wait(): called once with it (the result is not kept).
     deliver: Optional[Callable[[TaskResult], None]] = None
     finished_at: float = 0.0  # time.monotonic() of the result
+    # A load into the registered device: its device writes pass this fence, so a cancel finishes
+    # the task once none can land (the graph's host side drains later, on its own).
+    fence: Optional[DeviceFence] = None
     _finish_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:

@@ -65,6 +65,7 @@ from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
 from dynamo_flexkv.core.tasks import TaskFailed, TaskKind, TaskResult, TaskStatus
+from dynamo_flexkv.core.transfer.fence import DeviceFence
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
 from dynamo_flexkv.core.transfer.movers import HostDeviceMover
 from dynamo_flexkv.core.transfer.runner import MoverHook
@@ -98,6 +99,10 @@ class _Task:
     result: Optional[TaskResult] = None
     done: threading.Event = field(default_factory=threading.Event)
     layers: List[threading.Event] = field(default_factory=list)
+    # This engine's device writes for the task pass it: cancel_load finishes a load once none can
+    # land (core/transfer/fence.py), without waiting for a stalled copy or the service's answer.
+    fence: DeviceFence = field(default_factory=DeviceFence)
+    service_done: bool = False  # the service's TaskDone came
 
     def __post_init__(self) -> None:
         self.layers = [threading.Event() for _ in range(self.num_layers)]
@@ -169,6 +174,9 @@ class NodeOffload(EngineOffload):
         self._lock = threading.Lock()
         self._tasks: Dict[int, _Task] = {}
         self._holds: Dict[int, Hold] = {}
+        # Cancelled loads collected before the service finished them: a late copy finds their
+        # closed fence here (and writes nothing) until their TaskDone comes.
+        self._collected: Dict[int, _Task] = {}
         self._prefetches: List[int] = []
         self._ids = itertools.count(1)
         self._ops: "queue.Queue[Optional[Tuple[Any, Any]]]" = queue.Queue()  # (connection, RunOp) to copy
@@ -324,6 +332,7 @@ class NodeOffload(EngineOffload):
             if conn.channel.closed is not None:
                 continue  # its service is gone: nobody waits for this copy
             error, nbytes = None, 0
+            task = self._task(conn.task_id(msg.task))
             try:
                 op = TransferOp(
                     OpKind(msg.kind),
@@ -331,12 +340,12 @@ class NodeOffload(EngineOffload):
                     unpack_ids(msg.dst),
                     layers=(msg.lo, msg.hi) if msg.hi >= 0 else None,
                     task_id=msg.task,
+                    fence=task.fence if msg.kind == OpKind.H2D.value else None,
                 )
                 nbytes = conn.movers[op.kind].run(op)
             except Exception as e:  # noqa: BLE001 - reported to the service, which fails the task
                 error = f"{type(e).__name__}: {e}"
             if error is None and msg.kind == OpKind.H2D.value:
-                task = self._task(conn.task_id(msg.task))
                 for i in range(max(msg.lo, 0), msg.hi if msg.hi >= 0 else self.num_layers):
                     task.layers[i].set()
             try:
@@ -369,6 +378,8 @@ class NodeOffload(EngineOffload):
                 )
             )
         self._forget_announced()
+        with self._lock:
+            self._collected.clear()  # no copy or result of that service comes any more
         conn.host.close()
         conn.gone.set()
         conn.channel.release()
@@ -403,14 +414,21 @@ class NodeOffload(EngineOffload):
 
     def _task(self, tid: int) -> _Task:
         with self._lock:
-            t = self._tasks.get(tid)
+            t = self._tasks.get(tid) or self._collected.get(tid)
             if t is None:
                 t = self._tasks[tid] = _Task(tid, self.num_layers)
             return t
 
     def _task_done(self, conn: _Connection, msg: TaskDone) -> None:
-        t = self._task(conn.task_id(msg.task))
-        t.finish(TaskResult(t.id, t.kind or TaskKind.GET, TaskStatus(msg.status), msg.num_tokens, msg.error))
+        tid = conn.task_id(msg.task)
+        with self._lock:
+            if self._collected.pop(tid, None) is not None:
+                return  # its result was taken when its writes were fenced
+            t = self._tasks.get(tid)
+            if t is None:
+                t = self._tasks[tid] = _Task(tid, self.num_layers)
+            t.service_done = True
+        t.finish(TaskResult(tid, t.kind or TaskKind.GET, TaskStatus(msg.status), msg.num_tokens, msg.error))
 
     def _events(self, msg: Events) -> None:
         if self.listener is None:
@@ -561,6 +579,7 @@ class NodeOffload(EngineOffload):
             with self._lock:
                 self._holds[tid] = t.hold
         self._send_task_quietly(Cancel, tid)
+        t.fence.close(lambda: t.finish(TaskResult(tid, TaskKind.GET, TaskStatus.CANCELLED)))
 
     def load_done(self, tid: int) -> bool:
         return self._known(tid).done.is_set()
@@ -631,7 +650,7 @@ class NodeOffload(EngineOffload):
             done = [tid for tid in self._holds if self._tasks[tid].done.is_set()]
             out = [self._holds.pop(tid) for tid in done]
             for tid in done + finished:
-                self._tasks.pop(tid, None)
+                self._forget_locked(tid)
         return out
 
     def drain_holds(self) -> List[Hold]:
@@ -711,7 +730,12 @@ class NodeOffload(EngineOffload):
 
     def _forget(self, tid: int) -> None:
         with self._lock:
-            self._tasks.pop(tid, None)
+            self._forget_locked(tid)
+
+    def _forget_locked(self, tid: int) -> None:
+        t = self._tasks.pop(tid, None)
+        if t is not None and t.fence.closed and not t.service_done:  # copies of it may still come
+            self._collected[tid] = t
 
     def _send_task_quietly(self, make: Any, tid: int) -> None:
         """A message about task ``tid`` to the service that runs it (none if that one is gone)."""

@@ -9,6 +9,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
+from dynamo_flexkv.core.transfer.fence import DeviceFence
+
 
 class OpKind(str, Enum):
     D2H = "d2h"
@@ -46,6 +48,8 @@ class TransferOp:
     # copies them itself (core/node/engines.py); None: the manager's own registered device.
     device: Any = None
     task_id: Optional[int] = None  # the task whose graph this op belongs to
+    # H2D: the load's fence (fence.py); the device write runs inside it, so none lands after a cancel.
+    fence: Optional[DeviceFence] = None
     # Filled in by the engine and the mover.
     state: OpState = OpState.PENDING
     nbytes: int = 0

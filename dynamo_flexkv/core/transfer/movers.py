@@ -23,6 +23,7 @@ a read refuse good bytes: every read verifies).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import List, Optional
@@ -86,10 +87,13 @@ class HostDeviceMover:
         lo, hi = op.layers or (0, m.num_layers)
         if to_host:
             self.host.forget_checksums(host_ids)  # new bytes: a put's HASH op records them
-        if self.cuda:
-            self._cuda_copy(dev_ids, host_ids, lo, hi, to_host, op.after)
-        else:
-            self._cpu_copy(dev_ids, host_ids, lo, hi, to_host)
+        # A load's write passes its fence: after a cancel it raises CopyFenced before any byte moves.
+        fence = op.fence.writing() if op.fence is not None and not to_host else contextlib.nullcontext()
+        with fence:
+            if self.cuda:
+                self._cuda_copy(dev_ids, host_ids, lo, hi, to_host, op.after)
+            else:
+                self._cpu_copy(dev_ids, host_ids, lo, hi, to_host)
         return int(dev_ids.size) * (hi - lo) * self.host.layout.layer_block_bytes
 
     def _cpu_copy(self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int, to_host: bool) -> None:

@@ -2,7 +2,9 @@
 
 An op runs once all its deps are done. A failing op fails its graph: no further op of that graph
 starts, the ones already running drain, and only then does the graph finish (so buffers are never
-freed under a copy in flight). Cancel works the same way, without an error.
+freed under a copy in flight). Cancel works the same way, without an error; ops of a cancelled
+graph still waiting in the queue are skipped, not run, and a load's device copy that reaches its
+fence after the cancel (fence.py: CopyFenced) counts as skipped too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Protocol
 
+from dynamo_flexkv.core.transfer.fence import CopyFenced
 from dynamo_flexkv.core.transfer.graph import GraphState, OpKind, OpState, TransferGraph, TransferOp
 
 log = logging.getLogger(__name__)
@@ -116,6 +119,9 @@ class TransferRunner:
                 return
             graph, op = item
             op.started = time.perf_counter()
+            if graph.cancel_requested or graph.error is not None:  # stopped while it queued: never run
+                self._settle(graph, op, CopyFenced("its graph stopped before it ran"), 0)
+                continue
             mover = op.device if op.device is not None else self.movers[op.kind]
             start = getattr(mover, "start", None)
             if start is not None:  # an engine copies it: settled by its answer, on whatever thread
@@ -142,12 +148,16 @@ class TransferRunner:
                     op.on_done(op)
             except BaseException as e:  # noqa: BLE001 - a failed commit fails the graph like a failed copy
                 error, ok = e, False
-        if not ok:
+        # Wrote nothing because its graph stopped (cancelled or failed first): not a failure of its own.
+        skipped = isinstance(error, CopyFenced) and (graph.cancel_requested or graph.error is not None)
+        if not ok and not skipped:
             op.error = error
         with self._lock:
             self._running[id(graph)] -= 1
             finished = False
-            if ok:
+            if skipped:
+                op.state = OpState.SKIPPED
+            elif ok:
                 op.state = OpState.DONE
                 self.link_bytes[op.kind] += op.nbytes
                 self.link_seconds[op.kind] += op.seconds
