@@ -48,6 +48,9 @@ MLA_LOGPROB_TOLERANCE = 5e-2  # vLLM's CPU MLA computes a prefill over context a
 # with): with byte-equal KV (test_loaded_bytes_of_an_mla_model_equal_the_computed_ones) logprobs
 # differed by up to 3.7e-3 at 1.5K tokens and 0.025 at 4K-8K (float32). For MLA the bytes are the
 # oracle; token ids must still be equal.
+MLA_BACKEND = "CPU_MLA"  # vLLM's reference CPU MLA, named: on a host with AMX vLLM would pick AMX_MLA,
+# which takes bfloat16 weights only (float32 is the exactness dtype); named, every x86 or Arm host
+# runs the same float32 backend with the same tolerance
 
 
 def _check(tmp: Path, model: str, *args: str, env: Dict[str, str] = {}) -> dict:
@@ -109,8 +112,8 @@ def test_loaded_bytes_of_a_hybrid_sliding_window_model_equal_the_computed_ones(t
 
 @pytest.mark.integration
 def test_loaded_bytes_of_an_mla_model_equal_the_computed_ones(tmp_path):
-    # vLLM's CPU MLA backend (float32 allowed) sets 16-token blocks itself.
-    res = _check(tmp_path, "mla-small", "--block-size", "16")
+    # vLLM's reference CPU MLA backend (float32 allowed) sets 16-token blocks itself.
+    res = _check(tmp_path, "mla-small", "--block-size", "16", "--attention-backend", MLA_BACKEND)
     _assert_loaded_exact(res, ranks=1, groups=1, tolerance=MLA_LOGPROB_TOLERANCE)
 
 
@@ -154,7 +157,13 @@ HOST_TOKENS = 31000  # the prompts (~11K tokens apart from the shared prefix) an
 # host tier keeps p0 through two fillers and lets p1 and p2 go after two more
 LAYOUTS = {  # name: (preset, worker options, bytes per token of one rank's KV, its main offload's share, device blocks)
     "hybrid": ("hybrid-sw", [], 2 * 2 * 64 * 2 * 4, 64 / 72, 300),  # two tensors; 2 windows of 4 blocks beside 64
-    "mla": ("mla-small", ["VllmWorker.block-size=16"], 4 * 576 * 4, 1.0, 8192 // 16 + 8),
+    "mla": (
+        "mla-small",
+        ["VllmWorker.block-size=16", f"VllmWorker.extra-args=[--attention-backend, {MLA_BACKEND}]"],
+        4 * 576 * 4,
+        1.0,
+        8192 // 16 + 8,
+    ),
     "tp2": ("small", ["VllmWorker.tensor-parallel-size=2"], 4 * 1 * 64 * 2 * 4, 1.0, 136),
     "dp2": ("small", ["VllmWorker.data-parallel-size=2"], 4 * 2 * 64 * 2 * 4, 1.0, 136),
 }
