@@ -128,8 +128,8 @@ PIPELINE_PARALLEL_UNSUPPORTED = (
 
 
 def refuse_pipeline_parallel(size: int) -> None:
-    """Raises on a pipeline-parallel engine (the one check: the connector at start; serve runs the
-    same on a VllmWorker's extra-args)."""
+    """Raises on a pipeline-parallel engine, at connector start (serve refuses the flag in a
+    VllmWorker's extra-args for the same reason: serve/option_checks.py)."""
     if size > 1:
         raise ValueError(
             f"{PIPELINE_PARALLEL_UNSUPPORTED}; this engine has pipeline_parallel_size={size}: run "
