@@ -1,7 +1,7 @@
 """The parts of vLLM's scheduler API and parallel config the connector reads, checked once at
-start-up against the installed vLLM: the connector reads them directly (no ``getattr`` with a default that would turn
-a renamed field of the next vLLM into a silent miss), so a vLLM whose API differs fails here,
-naming what it lacks. Pinned: vLLM 0.31."""
+start-up against the installed vLLM: the connector reads them directly (no ``getattr`` with a
+default that would turn a renamed field of the next vLLM into a silent miss), so a vLLM whose API
+differs fails here, naming what it lacks. Pinned: vLLM 0.31."""
 
 from __future__ import annotations
 
