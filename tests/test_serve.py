@@ -17,7 +17,7 @@ from dynamo_flexkv.serve import GraphError, Kind, load_graph
 from dynamo_flexkv.serve.launcher import GraphStopped, Launcher
 from dynamo_flexkv.serve.plan import OnDeath, RestartPolicy, build_plan, load_config
 from dynamo_flexkv.serve.render import render_k8s
-from served import AGG_ROUTER, CONFIG, agg_router_plan, sleeper_plan  # noqa: F401
+from served import AGG_ROUTER, CONFIG, agg_router_plan, sleeper_plan, vplan  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -381,3 +381,44 @@ def test_a_cache_variable_in_serves_environment_is_refused_not_silently_applied(
     path = tmp_path / "c.yaml"
     path.write_text("cpu_cache_gb: 1\n")
     assert CacheConfig.load(str(path), env={"FLEXKV_CPU_CACHE_GB": "3"}).cpu_cache_gb == 3
+
+
+@pytest.mark.parametrize(
+    "args, shown",
+    [
+        (["--pipeline-parallel-size", "2"], "2"),
+        (["-pp", "2"], "2"),
+        (["--pipeline_parallel_size=4"], "4"),
+        (["--pipeline-parallel=2"], "2"),  # argparse takes an unambiguous abbreviation
+        (["--pipeline-parallel-size", "1", "-pp", "2"], "2"),  # the last one wins
+    ],
+)
+def test_a_vllm_worker_with_pipeline_parallelism_is_refused_naming_the_flag_and_the_fix(tmp_path, args, shown):
+    """FlexKVConnector keys its tiers, disk paths, lookup socket and remote fingerprint by model,
+    tensor and data-parallel rank only: two pipeline stages would load each other's layers."""
+    extra = "VllmWorker.extra-args=[" + ", ".join(f"'{a}'" for a in args) + "]"
+    with pytest.raises(GraphError) as e:
+        vplan(tmp_path, extra)
+    msg = str(e.value)
+    assert f"VllmWorker.extra-args sets --pipeline-parallel-size {shown}" in msg, msg
+    assert "does not support pipeline parallelism" in msg and "remove it" in msg, msg
+    assert "set offload: false" in msg and "VllmWorker.tensor-parallel-size" in msg, msg
+    # one stage is no pipeline; without the connector vLLM runs pipeline stages on its own
+    vplan(tmp_path, "VllmWorker.extra-args=['-pp', '1']")
+    vplan(tmp_path, extra, "VllmWorker.offload=false")
+
+
+@pytest.mark.integration
+def test_serve_exits_2_on_a_pipeline_parallel_vllm_worker(tmp_path):
+    cfg = tmp_path / "pp.yaml"
+    cfg.write_text(yaml.safe_dump({"VllmWorker": {"extra-args": ["--pipeline-parallel-size", "2"]}}))
+    r = subprocess.run(
+        [sys.executable, "-m", "dynamo_flexkv.cli", "serve", str(ROOT / "graphs" / "agg_vllm.py")]
+        + ["-f", str(cfg), "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "VllmWorker.extra-args sets --pipeline-parallel-size 2" in r.stderr, r.stderr
+    assert not (tmp_path / "run" / "logs").exists()

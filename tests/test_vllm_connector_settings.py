@@ -14,7 +14,7 @@ def vllm_config(tmp_path, **extra):
             kv_connector_extra_config={"run_dir": str(tmp_path), **extra}, engine_id="e0"
         ),
         cache_config=SimpleNamespace(block_size=16),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         model_config=SimpleNamespace(model="some/model", revision=None),
         load_config=SimpleNamespace(load_format="auto"),
     )
@@ -57,3 +57,29 @@ def test_the_installed_vllm_has_every_field_the_connector_reads_and_a_renamed_on
         r"which the connector reads .* install vllm==0.31.0",
     ):
         vllm_api.check()
+
+
+def test_a_pipeline_parallel_engine_is_refused_at_connector_start_naming_the_setting_and_the_fix(tmp_path):
+    """vLLM's own config, through the connector's constructor: the tiers, disk paths, lookup
+    socket and remote fingerprint carry no pipeline stage, so stages would load each other's layers."""
+    from vllm.config import KVTransferConfig, ParallelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from dynamo_flexkv.integrations.vllm_connector import FlexKVConnector
+
+    config = VllmConfig(
+        parallel_config=ParallelConfig(pipeline_parallel_size=2),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="FlexKVConnector",
+            kv_connector_module_path="dynamo_flexkv.integrations.vllm_connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"run_dir": str(tmp_path)},
+        ),
+    )
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError) as e:
+            FlexKVConnector(config, role, None)
+        msg = str(e.value)
+        assert "does not support pipeline parallelism" in msg and "pipeline_parallel_size=2" in msg, msg
+        assert "run with --pipeline-parallel-size 1" in msg, msg

@@ -7,6 +7,9 @@ tensor parallel (TP=2, a rank per core) and data parallel (DP=2 under dynamo.vll
   worker: a 1,500-token prompt computed, its KV copied, vLLM's prefix cache reset and its KV zeroed
   (disk: the host tier evicted too), the prompt again: every block loaded into every group on every
   rank equals, byte for byte, the block computed at its position; tokens and logprobs equal.
+  MLA runs vLLM's reference CPU_MLA backend in float32 on every host (named: vLLM would pick
+  AMX_MLA on a host with AMX, which takes bfloat16 only); on a host with AMX, AMX_MLA in bfloat16
+  is checked too (skipped elsewhere).
 * test_served_*: ``dynamo-flexkv serve`` of the router graph with that layout: prompts of 1.2K, 4K
   and 8K tokens sharing a 1K prefix give the token ids and logprobs of the same graph without
   offload, and come back from the host tier, then (after other prompts pushed them out) from disk.
@@ -48,6 +51,12 @@ MLA_LOGPROB_TOLERANCE = 5e-2  # vLLM's CPU MLA computes a prefill over context a
 # with): with byte-equal KV (test_loaded_bytes_of_an_mla_model_equal_the_computed_ones) logprobs
 # differed by up to 3.7e-3 at 1.5K tokens and 0.025 at 4K-8K (float32). For MLA the bytes are the
 # oracle; token ids must still be equal.
+AMX_MLA_LOGPROB_TOLERANCE = 0.1  # bfloat16 (AMX_MLA takes nothing else): a logprob near -6 carries
+# about 8 significant bits (steps of 0.03); measured 0.031 (host) and 5e-4 (disk) with byte-equal KV.
+# The bytes are the oracle here too: FLEXKV_TEST_WRONG_KV=1 fails them, its logprobs moved by 0.063.
+MLA_BACKEND = "CPU_MLA"  # vLLM's reference CPU MLA, named: on a host with AMX vLLM would pick AMX_MLA,
+# which takes bfloat16 weights only (float32 is the exactness dtype); named, every x86 or Arm host
+# runs the same float32 backend with the same tolerance
 
 
 def _check(tmp: Path, model: str, *args: str, env: Dict[str, str] = {}) -> dict:
@@ -109,9 +118,29 @@ def test_loaded_bytes_of_a_hybrid_sliding_window_model_equal_the_computed_ones(t
 
 @pytest.mark.integration
 def test_loaded_bytes_of_an_mla_model_equal_the_computed_ones(tmp_path):
-    # vLLM's CPU MLA backend (float32 allowed) sets 16-token blocks itself.
-    res = _check(tmp_path, "mla-small", "--block-size", "16")
+    # vLLM's reference CPU MLA backend (float32 allowed) sets 16-token blocks itself.
+    res = _check(tmp_path, "mla-small", "--block-size", "16", "--attention-backend", MLA_BACKEND)
     _assert_loaded_exact(res, ranks=1, groups=1, tolerance=MLA_LOGPROB_TOLERANCE)
+
+
+def _vllm_picks_amx_mla() -> bool:
+    """Whether vLLM runs MLA on its AMX backend here, by vLLM's own test (platforms/cpu.py): an x86
+    host whose CPU has AMX tiles (Intel Sapphire Rapids and later; no AMD CPU has them)."""
+    import torch
+    from vllm.platforms import CpuArchEnum
+    from vllm.platforms.cpu import CpuPlatform
+
+    return CpuPlatform.get_cpu_architecture() == CpuArchEnum.X86 and torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.integration
+def test_loaded_bytes_of_an_mla_model_under_vllms_amx_backend_equal_the_computed_ones(tmp_path):
+    """What an MLA model runs on where the host has AMX and its dtype is bfloat16 (serve's default):
+    AMX_MLA, with 64-token blocks and vLLM's own prefix cache on, not the reference backend above."""
+    if not _vllm_picks_amx_mla():
+        pytest.skip("vLLM runs AMX_MLA on an x86 host with AMX tiles only; this one has none")
+    res = _check(tmp_path, "mla-small", "--dtype", "bfloat16", "--attention-backend", "AMX_MLA")
+    _assert_loaded_exact(res, ranks=1, groups=1, tolerance=AMX_MLA_LOGPROB_TOLERANCE)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 binds a rank to each of two cores")
@@ -154,7 +183,13 @@ HOST_TOKENS = 31000  # the prompts (~11K tokens apart from the shared prefix) an
 # host tier keeps p0 through two fillers and lets p1 and p2 go after two more
 LAYOUTS = {  # name: (preset, worker options, bytes per token of one rank's KV, its main offload's share, device blocks)
     "hybrid": ("hybrid-sw", [], 2 * 2 * 64 * 2 * 4, 64 / 72, 300),  # two tensors; 2 windows of 4 blocks beside 64
-    "mla": ("mla-small", ["VllmWorker.block-size=16"], 4 * 576 * 4, 1.0, 8192 // 16 + 8),
+    "mla": (
+        "mla-small",
+        ["VllmWorker.block-size=16", f"VllmWorker.extra-args=[--attention-backend, {MLA_BACKEND}]"],
+        4 * 576 * 4,
+        1.0,
+        8192 // 16 + 8,
+    ),
     "tp2": ("small", ["VllmWorker.tensor-parallel-size=2"], 4 * 1 * 64 * 2 * 4, 1.0, 136),
     "dp2": ("small", ["VllmWorker.data-parallel-size=2"], 4 * 2 * 64 * 2 * 4, 1.0, 136),
 }

@@ -4,9 +4,10 @@ the fix."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 from dynamo_flexkv.integrations.disagg.leases import handover_seconds_problem
+from dynamo_flexkv.integrations.vllm_connector.settings import PIPELINE_PARALLEL_UNSUPPORTED
 from dynamo_flexkv.serve import vllm_worker as _vllm
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.options import (
@@ -61,6 +62,8 @@ def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, en
                 raise GraphError(f"{source}: {name}.{key}={problem}")
         if vllm:
             _vllm.check(name, out, source)
+            if out["offload"]:
+                _refuse_pipeline_parallel(name, out["extra-args"], source)
             return out
         if out["disaggregation-mode"] not in DISAGG_MODES:
             raise GraphError(
@@ -80,3 +83,30 @@ def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, en
                 f"{source}: {name}: a prefill worker hands its device prefix cache over; set device-prefix-cache: true"
             )
     return out
+
+
+PIPELINE_FLAG = "--pipeline-parallel-size"
+
+
+def pipeline_parallel_size(args: Sequence[Any]) -> Optional[str]:
+    """The pipeline-parallel size a vLLM command line's extra arguments set (None: not set), read
+    as vLLM's argparse reads it: ``-pp``, underscores for dashes, ``=value`` or the next argument,
+    an abbreviation; the last one wins."""
+    size: Optional[str] = None
+    args = [str(a) for a in args]
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        flag = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+        if flag == "-pp" or (len(flag) > 3 and PIPELINE_FLAG.startswith(flag)):
+            size = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return size
+
+
+def _refuse_pipeline_parallel(name: str, extra_args: Sequence[Any], source: str) -> None:
+    size = pipeline_parallel_size(extra_args)
+    if size is not None and size.strip() != "1":
+        raise GraphError(
+            f"{source}: {name}.extra-args sets {PIPELINE_FLAG} {size}, but {PIPELINE_PARALLEL_UNSUPPORTED}: "
+            f"remove it (or set offload: false to run vLLM without FlexKVConnector); scale with "
+            f"{name}.tensor-parallel-size or {name}.replicas instead"
+        )

@@ -89,6 +89,8 @@ class ConnectorSettings:
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> "ConnectorSettings":
+        pc = vllm_config.parallel_config
+        refuse_pipeline_parallel(int(pc.pipeline_parallel_size))
         kt = vllm_config.kv_transfer_config
         extra = dict(kt.kv_connector_extra_config or {})
         values = checked_extra_config(extra)
@@ -103,7 +105,6 @@ class ConnectorSettings:
         num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
         groups = tuple(read_groups(kv_cache_config)) if kv_cache_config is not None else ()
         block_size = groups[0].block_size if groups else int(vllm_config.cache_config.block_size)
-        pc = vllm_config.parallel_config
         # vLLM names each data-parallel engine <engine_id>_dp<rank> (v1/engine/core.py)
         dp = int(getattr(pc, "data_parallel_index", 0) or 0)
         dp_rank = dp if str(kt.engine_id).endswith(f"_dp{dp}") else None
@@ -116,6 +117,23 @@ class ConnectorSettings:
             dp_rank=dp_rank,
             max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
             **values,
+        )
+
+
+PIPELINE_PARALLEL_UNSUPPORTED = (
+    "FlexKVConnector does not support pipeline parallelism: the tiers' block keys, disk "
+    "subdirectories, node-cache lookup socket, remote fingerprint and layout tag carry no pipeline "
+    "stage, so two stages of equal layer counts would load each other's layers under valid checksums"
+)
+
+
+def refuse_pipeline_parallel(size: int) -> None:
+    """Raises on a pipeline-parallel engine, at connector start (serve refuses the flag in a
+    VllmWorker's extra-args for the same reason: serve/option_checks.py)."""
+    if size > 1:
+        raise ValueError(
+            f"{PIPELINE_PARALLEL_UNSUPPORTED}; this engine has pipeline_parallel_size={size}: run "
+            "with --pipeline-parallel-size 1 (tensor parallelism or more engines scale it instead)"
         )
 
 

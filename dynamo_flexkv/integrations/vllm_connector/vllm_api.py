@@ -1,7 +1,7 @@
-"""The parts of vLLM's scheduler API the connector reads, checked once at start-up against the
-installed vLLM: the connector reads them directly (no ``getattr`` with a default that would turn
-a renamed field of the next vLLM into a silent miss), so a vLLM whose API differs fails here,
-naming what it lacks. Pinned: vLLM 0.31."""
+"""The parts of vLLM's scheduler API and parallel config the connector reads, checked once at
+start-up against the installed vLLM: the connector reads them directly (no ``getattr`` with a
+default that would turn a renamed field of the next vLLM into a silent miss), so a vLLM whose API
+differs fails here, naming what it lacks. Pinned: vLLM 0.31."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ FIELDS: Dict[Tuple[str, str], Tuple[str, ...]] = {
     ),
     ("vllm.v1.outputs", "KVConnectorOutput"): ("finished_recving", "kv_cache_events"),
     ("vllm.lora.request", "LoRARequest"): ("lora_name",),
+    # settings.py: the parallel sizes it keys tiers and sockets by, and the one it refuses above 1
+    ("vllm.config.parallel", "ParallelConfig"): (
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_index",
+    ),
 }
 
 
