@@ -225,7 +225,8 @@ def command(service) -> List[str]:
 def test_the_rendered_reference_worker_serves_through_the_rendered_frontend_on_etcd_and_nats(tmp_path):
     """The rendered Frontend and FlexKVWorker commands, each with the environment the operator
     gives its pod (etcd discovery, NATS events, a namespace of the operator's, the workers'
-    rollout suffix): the frontend lists the model and a completion is answered."""
+    rollout suffix): the frontend lists the model, a completion is answered, etcd holds the worker
+    under NAMESPACE-SUFFIX only, and the frontend's router applies the worker's KV events."""
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
     from dynamo_flexkv.serve.infra import infra_processes
     from dynamo_flexkv.serve.launcher import Launcher, http_json
