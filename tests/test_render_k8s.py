@@ -7,6 +7,7 @@ that environment says (flag > environment > default, as dynamo.vllm and dynamo.f
 import argparse
 import base64
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -217,22 +218,52 @@ def command(service) -> List[str]:
     return [sys.executable, *container["command"][1:], *container["args"]]
 
 
-@pytest.mark.served
-@pytest.mark.skipif(
+ETCD_AND_NATS = pytest.mark.skipif(
     not (Path("/usr/bin/etcd").exists() and Path("/usr/sbin/nats-server").exists()),
     reason="etcd-server and nats-server are installed by make test",
 )
-def test_the_rendered_reference_worker_serves_through_the_rendered_frontend_on_etcd_and_nats(tmp_path):
-    """The rendered Frontend and FlexKVWorker commands, each with the environment the operator
-    gives its pod (etcd discovery, NATS events, a namespace of the operator's, the workers'
-    rollout suffix): the frontend lists the model, a completion is answered, etcd holds the worker
-    under NAMESPACE-SUFFIX only, and the frontend's router applies the worker's KV events."""
+
+
+def pod_process(tmp_path: Path, name: str, service, ports, operator: Dict[str, str]) -> Process:
+    """A rendered worker service's pod on this machine: its command, the operator's environment,
+    and in place of the pod's own filesystem and network paths, ones under ``tmp_path``."""
+    from dynamo_flexkv.serve.vllm_worker import LOCAL_ENV, RENDER_MODEL_DIR, VLLM_PORT_BAND, VLLM_PORTS_PER_WORKER
+
+    system_port = ports.take(0, f"{name} system", "", any_port=False)  # Dynamo's: below 32768
+    here = {"DYN_SYSTEM_PORT": str(system_port), "DYN_SYSTEM_HOST": "127.0.0.1"}  # loopback only
+    if any(e["name"] == "FLEXKV_SSD_CACHE_DIR" for e in service["envs"]):
+        here["FLEXKV_SSD_CACHE_DIR"] = str(tmp_path / "ssd")  # the pod's emptyDir
+    argv = command(service)
+    if engine(service) != "dynamo.vllm":
+        return Process(name, argv, pod_env(service, operator, **here), Kind.WORKER, system_port)
+    # The init container writes the preset's model directory; /tmp is the pod's own.
+    model = tmp_path / "model"
+    for init in service["extraPodSpec"]["initContainers"]:
+        script = init["command"][2].replace(repr(RENDER_MODEL_DIR), repr(str(model)))
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    argv = [
+        a.replace("ipc:///tmp/", f"ipc://{tmp_path}/").replace('"run_dir": "/tmp"', f'"run_dir": "{tmp_path}"')
+        for a in argv
+    ]
+    argv[argv.index("--model") + 1] = str(model)
+    here.update(LOCAL_ENV, HOME=str(tmp_path / "home"))
+    here["VLLM_PORT"] = str(ports.take_range(VLLM_PORTS_PER_WORKER, f"{name} VLLM_PORT", VLLM_PORT_BAND))
+    return Process(
+        name, argv, pod_env(service, operator, **here), Kind.WORKER, system_port, engine="vllm", stop_group=False
+    )
+
+
+def serve_rendered(tmp_path: Path, graph: str, worker: str, *overrides: str) -> None:
+    """The rendered Frontend and ``worker`` commands, each with the environment the operator gives
+    its pod (etcd discovery, NATS events, a namespace of the operator's, the workers' rollout
+    suffix): the frontend lists the model, a completion is answered, etcd holds the worker under
+    NAMESPACE-SUFFIX only, and the frontend's router applies the worker's KV events."""
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
     from dynamo_flexkv.serve.infra import infra_processes
     from dynamo_flexkv.serve.launcher import Launcher, http_json
     from dynamo_flexkv.serve.ports import PortBook
 
-    svc = services(render(tmp_path, "agg_router", "agg_router", *TINY, "FlexKVWorker.replicas=1"))
+    svc = services(render(tmp_path, graph, graph, *overrides, f"{worker}.replicas=1"))
     run = tmp_path / "run"
     ports = PortBook()
     infra, infra_env = infra_processes(run, "etcd", "nats", ports)
@@ -240,9 +271,8 @@ def test_the_rendered_reference_worker_serves_through_the_rendered_frontend_on_e
     reach = {k: infra_env[k] for k in ("ETCD_ENDPOINTS", "NATS_SERVER")}
     etcd_env = dict(POD_ENV, DYN_DISCOVERY_BACKEND="etcd", **reach)
 
-    front, worker = svc["Frontend"], svc["FlexKVWorker"]
+    front = svc["Frontend"]
     http_port = ports.take(0, "Frontend http", "", any_port=True)
-    system_port = ports.take(0, "FlexKVWorker system", "", any_port=False)  # Dynamo's: below 32768
     argv = command(front)
     argv[argv.index("--http-port") + 1] = str(http_port)  # the pod's 8000
     frontend = Process(
@@ -252,47 +282,48 @@ def test_the_rendered_reference_worker_serves_through_the_rendered_frontend_on_e
         Kind.FRONTEND,
         http_port,
     )
-    cache_dir = {e["name"]: e.get("value") for e in worker["envs"]}["FLEXKV_SSD_CACHE_DIR"]
-    assert [m["mountPath"] for m in worker["extraPodSpec"]["mainContainer"]["volumeMounts"]] == [cache_dir]
-    flexkv = Process(
-        "FlexKVWorker",
-        command(worker),
-        pod_env(
-            worker,
-            {**etcd_env, "DYN_NAMESPACE_WORKER_SUFFIX": SUFFIX},
-            # this machine: the pod's system port and its emptyDir; loopback only
-            DYN_SYSTEM_PORT=str(system_port),
-            DYN_SYSTEM_HOST="127.0.0.1",
-            FLEXKV_SSD_CACHE_DIR=str(tmp_path / "ssd"),
-        ),
-        Kind.WORKER,
-        system_port,
-    )
+    proc = pod_process(tmp_path, worker, svc[worker], ports, {**etcd_env, "DYN_NAMESPACE_WORKER_SUFFIX": SUFFIX})
+    args = main_args(svc[worker])
+    served = args[args.index("--served-model-name") + 1]
     plan = LaunchPlan(
-        load_graph(str(ROOT / "graphs" / "agg_router.py")),
+        load_graph(str(ROOT / "graphs" / f"{graph}.py")),
         run,
         "tiny",
-        "flexkv-tiny",
+        served,
         http_port,
         "etcd",
         "nats",
         infra,
-        [frontend, flexkv],
-        write_model=False,  # the worker writes its own (no --model-dir in a pod)
+        [frontend, proc],
+        write_model=False,  # a reference worker writes its own (no --model-dir in a pod)
     )
     base = f"http://127.0.0.1:{http_port}"
     with Launcher(plan) as launcher:
-        launcher.wait_ready(180)  # the worker's /health, then the frontend lists the model
+        launcher.wait_ready(400)  # the worker's /health, then the frontend lists the model
         models = http_json("GET", f"{base}/v1/models")
-        assert [m["id"] for m in models["data"]] == ["flexkv-tiny"]
-        status, body = post(base, {"prompt": "The operator supplies discovery. " * 4, "max_tokens": 4})
+        assert [m["id"] for m in models["data"]] == [served]
+        status, body = post(base, {"model": served, "prompt": "The operator supplies discovery. " * 4, "max_tokens": 4})
         assert status == 200, body
         assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] >= 1
         # Registered in the operator's namespace plus the rollout's suffix, nowhere else.
         instances = [k for k in etcd_keys(reach["ETCD_ENDPOINTS"]) if k.startswith(("v1/instances/", "v1/mdc/"))]
-        assert any(k.startswith(f"v1/mdc/{NAMESPACE}-{SUFFIX}/flexkv/generate/") for k in instances), instances
+        assert any(k.startswith(f"v1/mdc/{NAMESPACE}-{SUFFIX}/") for k in instances), instances
         assert all(k.split("/")[2] == f"{NAMESPACE}-{SUFFIX}" for k in instances), instances
-        # ... and its KV events reach the frontend's router over the operator's event plane.
-        applied = events_applied(f"{base}/metrics", [f"http://127.0.0.1:{system_port}/metrics"])
-        assert applied and all(status == "ok" for _, status in applied), applied
+        if proc.engine == "flexkv":  # ... and its KV events reach the router over the operator's event plane
+            applied = events_applied(f"{base}/metrics", [f"http://127.0.0.1:{proc.port}/metrics"])
+            assert applied and all(status == "ok" for _, status in applied), applied
     assert_gone(launcher)
+
+
+@pytest.mark.served
+@ETCD_AND_NATS
+def test_the_rendered_reference_worker_serves_through_the_rendered_frontend_on_etcd_and_nats(tmp_path):
+    serve_rendered(tmp_path, "agg_router", "FlexKVWorker", *TINY)
+
+
+@pytest.mark.served
+@pytest.mark.slow  # a vLLM worker starts in 45 s or more on 2 cores
+@ETCD_AND_NATS
+def test_the_rendered_vllm_worker_serves_through_the_rendered_frontend_on_etcd_and_nats(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is installed by make test")
+    serve_rendered(tmp_path, "agg_router_vllm", "VllmWorker")
