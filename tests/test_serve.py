@@ -180,7 +180,7 @@ def test_render_k8s_writes_a_graph_deployment(tmp_path):
     assert main["image"] == "registry.example/dynamo-flexkv:1"
     assert main["command"] == ["python3", "-m", "dynamo_flexkv.integrations.dynamo_worker"]
     assert "--discovery-backend" not in main["args"] and "--model-dir" not in main["args"]
-    env = {e["name"]: e["value"] for e in worker["envs"]}
+    env = {e["name"]: e.get("value") for e in worker["envs"]}  # pod-IP hosts: valueFrom
     assert env["FLEXKV_CPU_CACHE_GB"] == "0.125" and env["FLEXKV_TOKENS_PER_BLOCK"] == "64"
     assert [m["mountPath"] for m in main["volumeMounts"]] == [env["FLEXKV_SSD_CACHE_DIR"]]
     # A stream the worker refuses is answered 400, as under serve.

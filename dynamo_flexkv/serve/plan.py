@@ -128,6 +128,7 @@ def build_plan(
     (dynamo_flexkv.serve.nodes)."""
     if local:
         _refuse_stray_cache_env(os.environ, source)
+        _refuse_operator_namespace_env(os.environ, source)
     sections = dict(config)
     common = sections.pop("Common", None) or {}
     if not isinstance(common, dict):
@@ -255,6 +256,24 @@ def _refuse_stray_cache_env(env: Mapping[str, str], source: str) -> None:
             "apply it over the cache config serve checked (the environment wins over the file, "
             "docs/CONFIGURATION.md). Unset it, and put the key in the worker's cache section "
             "(NodeCache.cache for workers on a node cache) or pass it with --set <Worker>.cache.<key>=..."
+        )
+
+
+# The Dynamo operator's namespace variables for pods of a DynamoGraphDeployment: Dynamo's workers
+# (and the reference worker) append the suffix even to a --namespace flag, and the frontend looks by
+# the prefix instead of its --namespace; left in serve's shell, the workers would register where
+# serve's frontend does not look.
+OPERATOR_NAMESPACE_ENV = ("DYN_NAMESPACE_WORKER_SUFFIX", "DYN_NAMESPACE_PREFIX")
+
+
+def _refuse_operator_namespace_env(env: Mapping[str, str], source: str) -> None:
+    stray = [f"{var}={env[var]!r}" for var in OPERATOR_NAMESPACE_ENV if env.get(var)]
+    if stray:
+        raise GraphError(
+            f"{source}: serve's environment sets {', '.join(stray)}: the Dynamo operator's variables "
+            "for pods (workers register in NAMESPACE-SUFFIX, the frontend looks by the prefix), so "
+            "serve's frontend would not find its workers. Unset them; the namespace is the "
+            "components' namespace option"
         )
 
 

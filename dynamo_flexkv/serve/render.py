@@ -1,10 +1,14 @@
 """``dynamo-flexkv render --k8s``: the same graph and config as a DynamoGraphDeployment for the
 Dynamo operator (nvidia.com/v1alpha1, one service per component).
 
-In Kubernetes the operator supplies discovery (the Kubernetes API) and the event plane; the
-workers' cache options become FLEXKV_* environment variables, and each worker pod gets its own
-emptyDir at its SSD cache directory (swap in a hostPath or local PersistentVolume on nodes with
-NVMe: the disk tier is only as fast as what backs that directory)."""
+In Kubernetes the operator supplies discovery and the event plane: it sets DYN_NAMESPACE,
+DYN_DISCOVERY_BACKEND (and ETCD_ENDPOINTS or NATS_SERVER where they are used), DYN_EVENT_PLANE,
+DYN_NAMESPACE_WORKER_SUFFIX on workers and DYN_NAMESPACE_PREFIX on the frontend in every pod, and
+every rendered command leaves those choices to that environment (no --namespace,
+--discovery-backend, --request-plane or --event-plane). The workers' cache options become FLEXKV_*
+environment variables, and each worker pod gets its own emptyDir at its SSD cache directory (swap
+in a hostPath or local PersistentVolume on nodes with NVMe: the disk tier is only as fast as what
+backs that directory)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Any, Dict, List
 import yaml
 
 from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
+from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
 from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.serve import node_cache, vllm_worker
 from dynamo_flexkv.serve.plan import PRE_COMMIT_PEEK_ENV, LaunchPlan
@@ -28,6 +33,10 @@ SKIP_ARGS = {
     "--namespace",
     "--request-plane",
 }  # the operator sets these
+# The reference worker binds and advertises loopback unless told otherwise (LOOPBACK_ENV, for serve
+# on one machine); in a pod the frontend and the operator's probes reach it at the pod's address.
+SYSTEM_HOST = "0.0.0.0"  # its system server (/health, /metrics): Dynamo's default
+POD_IP = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
 def render_k8s(plan: LaunchPlan, image: str) -> str:
@@ -70,6 +79,8 @@ def render_k8s(plan: LaunchPlan, image: str) -> str:
             )
             if mode != "agg":  # the operator's (and planner's) name for the role
                 service["subComponentType"] = mode
+            if first.engine == "flexkv":
+                service["envs"] += _pod_hosts()
             if mode != "agg" and first.engine == "flexkv":
                 # Every prefill and decode pod signs and checks handovers with one graph secret,
                 # from a Secret (serve makes one per graph; a manifest must not carry it). vLLM's
@@ -179,6 +190,15 @@ def _portable_args(args: List[str]) -> List[str]:
             continue
         out.append(a)
     return out
+
+
+def _pod_hosts() -> List[Dict[str, Any]]:
+    """The reference worker's request, response, event and system servers on the pod's network
+    (in place of its loopback defaults, which would register an address no other pod reaches)."""
+    return [
+        {"name": var, "value": SYSTEM_HOST} if var == "DYN_SYSTEM_HOST" else {"name": var, **POD_IP}
+        for var in LOOPBACK_ENV
+    ]
 
 
 def _replace_arg(args: List[str], flag: str, value: str) -> List[str]:

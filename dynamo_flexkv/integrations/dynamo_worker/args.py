@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Callable, List
 
 
 _serving = False  # the engine started: Dynamo's Worker owns SIGINT from here on
@@ -44,6 +45,49 @@ def handover_seconds(text: str) -> float:
     return value
 
 
+# Where the worker registers and publishes, read as dynamo.vllm and dynamo.frontend read it
+# (dynamo.common.configuration.groups.runtime_args): the flag, else the environment variable (the
+# Dynamo operator sets them in every pod of a DynamoGraphDeployment), else the default. The
+# defaults are this project's local ones (file discovery, the ZMQ event plane).
+RUNTIME_ENV = {
+    "--namespace": "DYN_NAMESPACE",
+    "--discovery-backend": "DYN_DISCOVERY_BACKEND",
+    "--request-plane": "DYN_REQUEST_PLANE",
+    "--event-plane": "DYN_EVENT_PLANE",
+}
+DISCOVERY_BACKENDS = ["file", "etcd", "mem", "kubernetes"]
+REQUEST_PLANES = ["tcp", "nats"]
+EVENT_PLANES = ["zmq", "nats"]
+# The operator sets it on worker pods: each rollout's workers register in NAMESPACE-SUFFIX, which
+# the frontend finds by its DYN_NAMESPACE_PREFIX (dynamo.common.utils.namespace.get_worker_namespace).
+WORKER_SUFFIX_ENV = "DYN_NAMESPACE_WORKER_SUFFIX"
+
+
+def worker_namespace(text: str) -> str:
+    """argparse type of --namespace, applied to the flag's value or else to the default (argparse
+    converts a string default too): the namespace with the operator's worker suffix, if any."""
+    suffix = os.environ.get(WORKER_SUFFIX_ENV)
+    return f"{text}-{suffix}" if suffix else text
+
+
+def one_of(flag: str, choices: List[str]) -> Callable[[str], str]:
+    """argparse type of a runtime option: argparse checks ``choices`` against a flag's value but
+    not against a default, which here may come from the environment."""
+
+    def check(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} (the flag's value, else ${RUNTIME_ENV[flag]}) is not one of {', '.join(choices)}"
+            )
+        return text
+
+    return check
+
+
+def _env_default(flag: str, default: str) -> str:
+    return os.environ.get(RUNTIME_ENV[flag]) or default  # set but empty: unset
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dynamo_flexkv.integrations.dynamo_worker",
@@ -52,12 +96,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="small", help="model preset (configs/models) or a local HF directory")
     p.add_argument("--served-model-name", default="flexkv-small")
     p.add_argument("--model-dir", help="where to write the model directory (default: a temp dir)")
-    p.add_argument("--namespace", default="dynamo")
+    p.add_argument(
+        "--namespace",
+        default=_env_default("--namespace", "dynamo"),
+        type=worker_namespace,
+        help="Dynamo namespace to register in (default: $DYN_NAMESPACE, else dynamo); "
+        f"${WORKER_SUFFIX_ENV}, when set, is appended as -SUFFIX",
+    )
+    for flag, default, choices in (
+        ("--discovery-backend", "file", DISCOVERY_BACKENDS),
+        ("--request-plane", "tcp", REQUEST_PLANES),
+        ("--event-plane", "zmq", EVENT_PLANES),
+    ):
+        p.add_argument(
+            flag,
+            default=_env_default(flag, default),
+            type=one_of(flag, choices),
+            choices=choices,
+            help=f"default: ${RUNTIME_ENV[flag]}, else {default}",
+        )
     p.add_argument("--component", default="flexkv")
     p.add_argument("--endpoint", default="generate")
-    p.add_argument("--discovery-backend", default="file", choices=["file", "etcd", "mem", "kubernetes"])
-    p.add_argument("--request-plane", default="tcp", choices=["tcp", "nats"])
-    p.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"])
     p.add_argument(
         "--num-device-blocks",
         type=int,
