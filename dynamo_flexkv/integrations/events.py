@@ -93,6 +93,7 @@ class KvEventRelay:
         self.events_published = 0  # queued for the router; sent within about one flush_interval
         self.skipped = 0  # events the router could not have applied (see the module docstring)
         self.subscribed = False
+        self.unheard = 0  # events queued before any subscriber joined: dropped, not counted as told
         self._flusher = threading.Thread(target=self._flush_loop, name="kv-event-relay", daemon=True)
         self._flusher.start()
 
@@ -100,20 +101,26 @@ class KvEventRelay:
         """True once a subscriber's subscription arrived (events sent before that are lost: ZMQ
         drops them); False after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        while not self.subscribed:
+        while True:
             with self._lock:
                 try:
-                    if self._sock.recv(zmq.NOBLOCK)[:1] == b"\x01":
-                        self.subscribed = True
-                        continue
-                except zmq.Again:
-                    pass
+                    if self._poll_subscribed():
+                        return True
                 except zmq.ZMQError:  # closed while we waited
                     return False
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)
-        return True
+
+    def _poll_subscribed(self) -> bool:  # lock held
+        """Reads the XPUB's subscription messages that arrived (never blocks)."""
+        while not self.subscribed:
+            try:
+                if self._sock.recv(zmq.NOBLOCK)[:1] == b"\x01":
+                    self.subscribed = True
+            except zmq.Again:
+                break
+        return self.subscribed
 
     def stored(
         self, tier: Optional[Tier], hashes: Sequence[int], parent: Optional[int], token_ids: Sequence[int]
@@ -204,12 +211,12 @@ class KvEventRelay:
         with self._lock:
             return self._pending_blocks
 
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
         """Sends what is queued now, as one frame, unless a frame left less than
-        ``flush_interval`` ago (then the flusher thread sends it when the interval is over).
-        Call at the end of an engine step: the step's events leave together."""
+        ``flush_interval`` ago (then the flusher thread sends it when the interval is over) and
+        ``force`` is off. Call at the end of an engine step: the step's events leave together."""
         with self._lock:
-            if self._pending and time.monotonic() - self._last_frame_at >= self.flush_interval:
+            if self._pending and (force or time.monotonic() - self._last_frame_at >= self.flush_interval):
                 self._send_pending()
 
     def close(self) -> None:
@@ -252,6 +259,15 @@ class KvEventRelay:
         if not self._pending:
             return
         events, self._pending, self._pending_blocks = self._pending, [], 0
+        if not self._poll_subscribed():
+            # Nobody listens yet: ZMQ drops the frame, so the router never hears of these blocks
+            # and the relay must not count them as told (a child or a removal would be sent for
+            # blocks the router does not know).
+            for ev in events:
+                if ev["type"] == "BlockStored":
+                    self._known.get(ev.get("medium"), set()).difference_update(ev["block_hashes"])
+            self.unheard += len(events)
+            return
         payload = msgspec.msgpack.encode([time.time(), events, self.dp_rank])
         self._sock.send_multipart([self.topic, self._seq.to_bytes(8, "big"), payload])
         self._seq += 1

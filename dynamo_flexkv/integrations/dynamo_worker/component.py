@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # (nvext.extra_fields: ["engine_data"]).
 ENGINE_DATA_KEY = "flexkv"
 
+SUBSCRIBER_WAIT_S = 10.0  # on_endpoint_ready: the Worker's publisher subscribed already, unless KV routing is off
+LATE_SUBSCRIBER_WAIT_S = 120.0
+
 engine_failed = False  # the engine thread died and the worker stopped itself: exit non-zero
 
 
@@ -154,8 +157,6 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self.role.start(self.engine)
         self._thread = threading.Thread(target=self._loop, name="flexkv-engine", daemon=True)
         self._thread.start()
-        if self.offload is not None:
-            threading.Thread(target=self._announce_disk, name="flexkv-announce", daemon=True).start()
         log.info(
             "flexkv worker serving %s: context window %d tokens, vocabulary %d, offload %s",
             self.args.served_model_name,
@@ -345,15 +346,30 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             log.error("shutdown: offload writes still running after 60 s; they are cancelled")
         self.offload.shutdown()
 
-    def _announce_disk(self) -> None:
-        """A restarted worker's re-adopted disk blocks are news to the router: announce them once
-        the Worker's relay subscribed to our events."""
-        if self.relay.wait_for_subscriber(timeout=120):
-            n = self.offload.announce_adopted()
-            if n:
-                log.info("announced %d re-adopted disk blocks to the router", n)
-        else:
-            log.warning("no KV event subscriber after 120 s: re-adopted disk blocks stay unannounced")
+    async def on_endpoint_ready(self, endpoint: Any) -> None:
+        """Dynamo's Worker calls this once its KV event publisher subscribed to our relay and before
+        it attaches the model card. The router drops a live event of a worker it has not activated
+        yet and asks for nothing again, but when it activates a worker it reads the worker's local
+        indexer (the recovery dump): a restarted worker's re-adopted disk blocks announced here are
+        in that indexer before any router can know of this worker, so they reach it in the dump."""
+        if self.offload is not None:
+            await asyncio.to_thread(self._announce_disk, SUBSCRIBER_WAIT_S)
+
+    def _announce_disk(self, wait_s: float) -> None:
+        """A restarted worker's re-adopted disk blocks (node mode: the node's blocks) are news to
+        the router: announce them once the Worker's publisher subscribed to our events."""
+        if not self.relay.wait_for_subscriber(timeout=wait_s):
+            if wait_s < LATE_SUBSCRIBER_WAIT_S:  # KV routing off, or a slow start: keep waiting, aside
+                threading.Thread(
+                    target=self._announce_disk, args=(LATE_SUBSCRIBER_WAIT_S,), name="flexkv-announce", daemon=True
+                ).start()
+            else:
+                log.warning("no KV event subscriber after %.0f s: re-adopted disk blocks stay unannounced", wait_s)
+            return
+        n = self.offload.announce_adopted()
+        self.relay.flush(force=True)  # out now, before the Worker attaches the model card
+        if n:
+            log.info("announced %d re-adopted disk blocks to the router", n)
 
     # ---- the engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
