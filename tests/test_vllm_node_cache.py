@@ -9,7 +9,10 @@
   a worker SIGKILLed inside a device copy of a load, then inside one of a store (the copies slowed on
   demand by the slow_kv seam): the other worker serves on, exact, the node cache's copies, tasks and
   fences return to zero, nothing half-written becomes visible, and the restarted worker's first
-  request of an 8K prefix the other computed is a host hit (its TTFT against its cold TTFT)."""
+  request of an 8K prefix the other computed is a host hit (its TTFT against its cold TTFT);
+* the node cache service SIGKILLed while requests flow: every request answered with the
+  no-offload tokens and logprobs, the service restarted, both workers re-attached by themselves,
+  and a prefix the restarted service re-adopted from disk loads on the worker that never computed it."""
 
 from __future__ import annotations
 
@@ -46,7 +49,8 @@ DOCS = [vg.tokens(5000 + i, n) for i, n in enumerate((900, 1500, 2200, 3000))]
 LONG = [vg.tokens(5100 + i, 8192) for i in range(3)]  # 8K prompts: LONG[0] computed elsewhere, LONG[2] cold
 KILL_LOAD = vg.tokens(5200, 2500)
 KILL_STORE = vg.tokens(5201, 2500)
-CHECKED = DOCS + LONG[:1] + [KILL_LOAD]
+ON_DISK = vg.tokens(5300, 2000)  # on the node's disk when its service is killed, loaded after its restart
+CHECKED = DOCS + LONG[:1] + [KILL_LOAD, ON_DISK]
 
 
 @pytest.mark.integration
@@ -342,4 +346,57 @@ def test_a_worker_killed_inside_a_load_and_a_store_leaves_the_node_cache_clean_a
         f"restarted worker, first request of an 8K prompt: host hit {hit['seconds']:.2f} s against cold "
         f"{cold['seconds']:.2f} s ({hit['seconds'] / cold['seconds']:.2f}x)"
     )
+    assert vg.event_trouble(graph.serve.run) == []
+
+
+def test_a_killed_node_cache_costs_no_vllm_request_and_its_disk_prefix_loads_again(graph, baseline):
+    import threading
+
+    a, b = NAMES
+    ids = graph.ids()
+    graph.complete_and_store(ON_DISK, ids[a])
+    blocks = (len(ON_DISK) - 1) // BS
+    wait_until(
+        "the prompt on the node's disk",
+        lambda: total(scrape(graph.serve.metrics["NodeCache"]), "flexkv_node_tier_used_blocks", tier="disk") >= blocks,
+        timeout=120,
+    )
+    answers: list = []  # (prompt, generation or the error)
+    stop = threading.Event()
+
+    def flow() -> None:
+        deadline, i = time.monotonic() + 600, 0
+        while not stop.is_set() and time.monotonic() < deadline:  # bounded: 10 minutes at most
+            doc = DOCS[i % len(DOCS)]
+            try:
+                answers.append((doc, complete(graph.serve.base_url, doc, ids[NAMES[i % 2]])["gen"]))
+            except (urllib.error.HTTPError, OSError) as e:
+                answers.append((doc, f"{type(e).__name__}: {e}"))
+            i += 1
+
+    loader = threading.Thread(target=flow, daemon=True)
+    loader.start()
+    try:
+        wait_until("requests flow", lambda: len(answers) >= 2, timeout=120)
+        serve = graph.serve
+        mark = len(serve.lines)
+        cache = [p for p in serve.children if b"cache-server" in open(f"/proc/{p}/cmdline", "rb").read()]
+        os.kill(cache[0], 9)
+        during = len(answers)
+        serve.wait_for(r"NodeCache is ready again after \S+ s", 120, since=mark)
+        wait_until("both workers re-attached", lambda: graph.node("flexkv_node_engines") == 2, timeout=120)
+        after = len(answers)
+        wait_until("requests flow after the restart", lambda: len(answers) >= after + 2, timeout=300)
+    finally:
+        stop.set()
+        loader.join(300)
+    failed = [(len(doc), got) for doc, got in answers if isinstance(got, str)]
+    assert failed == [], f"{len(failed)} of {len(answers)} requests failed: {failed[:3]}"
+    print(f"\n{len(answers)} requests, {after - during} answered between the kill and the re-attach")
+    for doc, got in answers:
+        exactness.assert_exact({0: got}, {0: baseline[tuple(doc)]}, f"{len(doc)} tokens around the service's death")
+    # The restarted service re-adopted ON_DISK: the worker that never computed it loads it from disk.
+    r = complete(graph.serve.base_url, ON_DISK, ids[b])
+    assert r["worker"] == ids[b] and r["cached"] == blocks * BS, r
+    exactness.assert_exact({0: r["gen"]}, {0: baseline[tuple(ON_DISK)]}, "the re-adopted prefix on the other worker")
     assert vg.event_trouble(graph.serve.run) == []
