@@ -218,3 +218,26 @@ def test_bad_use():
     with pytest.raises(RuntimeError, match="closed"):
         relay.stored(None, [1], None, [0] * 4)
     relay.close()  # twice is fine
+
+
+def test_blocks_sent_before_any_subscriber_are_not_counted_as_told():
+    """ZMQ drops a frame nobody subscribed to: those blocks are not the router's, so a child of
+    them is not sent either, and they are sent again once someone listens."""
+    relay = KvEventRelay(block_size=4)
+    try:
+        relay.stored(Tier.DISK, [1, 2], None, list(range(8)))
+        relay.flush(force=True)
+        assert relay.known_blocks(Tier.DISK) == 0 and relay.unheard == 1
+        relay.stored(Tier.DISK, [3], 2, list(range(4)))  # its parent never reached anyone
+        assert relay.skipped == 1
+        sub = Subscriber(relay)
+        try:
+            relay.stored(Tier.DISK, [1, 2], None, list(range(8)))
+            relay.stored(Tier.DISK, [3], 2, list(range(4)))
+            relay.flush(force=True)
+            got = events_of(sub.frames())
+            assert [e["block_hashes"] for e in got] == [[1, 2, 3]] and relay.known_blocks(Tier.DISK) == 3
+        finally:
+            sub.close()
+    finally:
+        relay.close()
