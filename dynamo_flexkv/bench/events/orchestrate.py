@@ -23,6 +23,7 @@ from dynamo_flexkv.bench.events.router import LIVE_TIMEOUT
 from dynamo_flexkv.bench.events.workload import PROBE_INTERVAL
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.procgroup import kill_group, signal_group, wait_group
 from dynamo_flexkv.core.sysutil import find_binary
 
 PUBLISHERS_MAX = 4
@@ -58,6 +59,7 @@ class Infra:
                     [sys.executable, "-m", "dynamo_flexkv.serve.zmq_broker", xsub, xpub],
                     env=self.env,
                     stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # its own group, as every process stop() stops
                 )
             )
             self.env["DYN_ZMQ_BROKER_URL"] = f"xsub={xsub} , xpub={xpub}"
@@ -73,6 +75,7 @@ class Infra:
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                     stdin=subprocess.DEVNULL,
+                    start_new_session=True,
                 )
             )
             self.env["NATS_SERVER"] = f"nats://127.0.0.1:{port}"
@@ -93,15 +96,14 @@ class Infra:
 
 
 def stop(procs: Sequence[subprocess.Popen]) -> None:
+    """Each process's group its signal at once (the ZMQ broker stops on SIGINT), 10 s for all to
+    exit, then SIGKILL to what is left (core/procgroup.py)."""
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT if "zmq_broker" in " ".join(map(str, p.args)) else signal.SIGTERM)
+        signal_group(p, signal.SIGINT if "zmq_broker" in " ".join(map(str, p.args)) else signal.SIGTERM)
+    deadline = time.monotonic() + 10
     for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+        wait_group(p, deadline)
+        kill_group(p)
 
 
 def _child(role: str, cfg: Dict[str, Any], env: Dict[str, str], log: str) -> subprocess.Popen:
