@@ -29,6 +29,7 @@ from dynamo_flexkv.serve.plan import LaunchPlan
 from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.procgroup import kill_group, signal_group, stop_group, wait_group
+from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
 
 
 STOP_TIMEOUT_S = 30.0  # what a component has to stop on serve's signal before SIGKILL (docs/SERVING.md)
@@ -94,8 +95,7 @@ def write_private(path: str, text: str) -> None:
     """Writes ``path`` readable by this user only (0600) from its first byte: a new file made with
     O_EXCL (mkstemp) in its directory, renamed over ``path``. Opening ``path`` itself would keep the
     mode of a file already there (a run directory used before) and follow a link planted in its place."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    directory = private_dir(os.path.dirname(os.path.abspath(path)), f"the directory of {path}")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
     try:
         with os.fdopen(fd, "w") as f:
@@ -112,6 +112,22 @@ def write_files(proc: Process) -> None:
     may show another user a secret, even one a later change puts there."""
     for path, text in proc.files.items():
         write_private(path, text)
+
+
+def run_dirs(plan: LaunchPlan) -> None:
+    """The directories serve makes for a run, owner-only (0700, docs/SERVING.md): the run directory
+    (the node cache's socket, the discovery store, configs), logs/, each process's own (a vLLM
+    worker's HOME). A run directory given that exists is used if it is yours and nobody else can
+    write to it (others may list it; nothing in it is theirs to read); the ones inside it that
+    serve names are made 0700. Anything else: GraphError naming the directory and the fix."""
+    try:
+        private_dir(str(plan.run_dir), "the run directory (--run-dir)")
+        private_dir(str(plan.run_dir / "logs"), "the run's log directory", tighten=True)
+        for proc in plan.processes:
+            for d in proc.dirs:
+                private_dir(d, f"{proc.name}'s directory", tighten=True)
+    except UnsafeDirectory as e:
+        raise GraphError(str(e)) from None
 
 
 class Launcher:
@@ -146,7 +162,7 @@ class Launcher:
     def start(self) -> None:
         from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset
 
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        run_dirs(self.plan)
         _unignore_sigint()
         if self.plan.write_model:
             write_preset(self.plan.model, self.plan.run_dir / "model", weights=self.plan.model_weights)
@@ -156,8 +172,6 @@ class Launcher:
                 self._spawn(proc)
                 self._wait_port(proc, timeout=30)
             for proc in self.plan.processes:
-                for d in proc.dirs:
-                    Path(d).mkdir(parents=True, exist_ok=True)
                 write_files(proc)
                 self._spawn(proc)
                 if proc.kind is Kind.CACHE:  # its workers attach at once (they would retry without it)
