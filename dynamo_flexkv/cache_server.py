@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--socket",
         help="the Unix socket engines attach to (default: node_socket from the config, else "
-        "$XDG_RUNTIME_DIR/flexkv-node.sock)",
+        "$XDG_RUNTIME_DIR/flexkv-node.sock); the socket is 0600, its directory is made 0700 if missing "
+        "and refused if another user owns it or others may write to it",
     )
     p.add_argument(
         "-f",

@@ -104,6 +104,8 @@ MODULE_KINDS = {
     "test_node_serve": "unit",
     "test_nodes": "unit",
     "test_peer_lmcache": "unit",
+    "test_private_dirs": "integration",
+    "test_procgroup": "integration",
     "test_remote_hostile_values": "integration",
     "test_remote_serve": "integration",
     "test_remote_store": "integration",

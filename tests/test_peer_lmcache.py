@@ -288,42 +288,6 @@ def test_lmcache_mp_serves_a_prompt_again_from_its_cache(tmp_path):
     assert set(lmc.shm_segments()) <= set(shm_before)
 
 
-@pytest.mark.integration
-def test_stop_group_ends_children_that_ignore_sigterm():
-    """What a bench started goes with its group: the leader on SIGTERM, a child that ignores it by
-    the final SIGKILL (bench/procs.py, used for engines and the LMCache server)."""
-    import signal
-    import time
-    from dynamo_flexkv.bench.procs import stop_group
-
-    child = (
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
-    )
-    leader = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, "
-            f"'-c', {child!r}], stdout=subprocess.PIPE, text=True); c.stdout.readline(); "
-            "print('ready', flush=True); time.sleep(600)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    assert leader.stdout.readline().strip() == "ready"  # the child is up and ignores SIGTERM
-    stop_group(leader, ((signal.SIGTERM, 10),))
-    assert leader.returncode == -signal.SIGTERM
-    deadline = time.monotonic() + 10
-    while True:  # the child, reparented, is reaped once SIGKILL lands
-        try:
-            os.killpg(leader.pid, 0)
-        except ProcessLookupError:
-            break
-        assert time.monotonic() < deadline, "a process of the group outlived stop_group"
-        time.sleep(0.05)
-
-
 # ---- the replay's lmcache row ------------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.report import Case, paired_cases
+from dynamo_flexkv.core.procgroup import stop_group
 from dynamo_flexkv.core.sysutil import LOOPBACK, free_port
 
 PEER = "lmcache"
@@ -216,9 +215,11 @@ class LMCacheServer:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        """SIGTERM to its process group, SIGKILL after 15 s."""
+        """SIGTERM to its process group, SIGKILL to what is left after 15 s (core/procgroup.py)."""
         if self.proc is not None:
-            stop_group(self.proc, ((signal.SIGTERM, 15), (signal.SIGKILL, 10)))
+            done = stop_group(self.proc, grace_s=15)
+            if not done.clean:
+                print(f"lmcache server: stopping it {done.describe()}", file=sys.stderr, flush=True)
             self.proc = None
 
     def __enter__(self) -> "LMCacheServer":

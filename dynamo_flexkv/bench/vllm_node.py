@@ -22,8 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.report import Case, paired_cases
+from dynamo_flexkv.core.procgroup import stop_group
 
 # Ours embedded -> ours through the node cache (case-name stems, without the size label).
 SAME_CASE = (
@@ -100,7 +100,9 @@ class NodeCacheServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            stop_group(self.proc)
+            done = stop_group(self.proc, grace_s=20)
+            if not done.clean:
+                print(f"bench vllm --node: stopping the cache server {done.describe()}", file=sys.stderr, flush=True)
             self.proc = None
 
 

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -29,10 +28,10 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
-from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.vllm_engine import PROGRESS, READY, RESULT
 from dynamo_flexkv.bench.vllm_node import NodeCacheServer
 from dynamo_flexkv.bench.vllm_setup import engine_env, kv_transfer_config
+from dynamo_flexkv.core.procgroup import stop_group, wait_group
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -143,8 +142,11 @@ class ServedEngine:
             self.proc.stdin.close()
         except OSError:
             pass
-        # stdin closed: the engine exits by itself; signals only if it does not
-        stop_group(self.proc, ((None, 30), (signal.SIGTERM, 20), (signal.SIGKILL, 10)))
+        # stdin closed: the engine and its vLLM processes exit by themselves; signals only if not
+        wait_group(self.proc, time.monotonic() + 30)
+        done = stop_group(self.proc, grace_s=20)
+        if not done.clean:
+            print(f"bench vllm: stopping an engine {done.describe()}", file=sys.stderr, flush=True)
         self._log.close()
 
 

@@ -54,7 +54,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -65,15 +64,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.peer_lmcache import vs_lmcache_cases
-from dynamo_flexkv.bench.procs import stop_group
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.bench.vllm_node import new_server as new_node_server, vs_embedded_cases
 from dynamo_flexkv.bench.vllm_setup import BLOCK, FRACTION, ROLES, engine_env, kv_transfer_config, label, parse_sizes
+from dynamo_flexkv.core.procgroup import stop_group
 from dynamo_flexkv.core.sysutil import find_binary
 
 BENCH = "vllm"
 SIZES = (2048, 8192, 32768)
 QUICK_SIZES = (2048, 8192)
+STOP_GRACE_S = 20.0  # an engine (vLLM and its EngineCore) stops on SIGTERM within this, or is SIGKILLed
 REPEAT, QUICK_REPEAT = 3, 2
 OFFLOADING_SKIP = (
     "--compare-offloading-connector: skipped on this {platform} platform: vLLM's "
@@ -312,7 +312,7 @@ def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: st
             errors="replace",
             start_new_session=True,
         )
-        killer = threading.Timer(timeout_s, stop_group, (p,))  # past the timeout the run fails
+        killer = threading.Timer(timeout_s, stop_group, (p, STOP_GRACE_S))  # past the timeout the run fails
         killer.start()
         try:
             for line in p.stdout:
@@ -320,14 +320,13 @@ def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: st
                 if line.startswith("bench vllm |"):  # the engine's one line per timed request
                     print("  " + line[len("bench vllm |") :].strip(), flush=True)
             rc = p.wait()
-            try:  # vLLM processes the engine left behind, if any
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         finally:
             killer.cancel()
-            if p.poll() is None:
-                stop_group(p)
+            # The engine's own processes (vLLM's EngineCore), if it left any, or all of it on an
+            # error here: stopped with their resource tracker last, which unlinks vLLM's /dev/shm.
+            done = stop_group(p, STOP_GRACE_S)
+            if not done.clean:
+                print(f"bench vllm: stopping engine {role} {done.describe()}", file=sys.stderr, flush=True)
     if rc != 0 and time.perf_counter() - t0 >= timeout_s:
         rc = f"killed after the {timeout_s:.0f} s timeout"
     if rc != 0:

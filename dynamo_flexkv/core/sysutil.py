@@ -1,12 +1,16 @@
-"""Small host helpers shared by serve, the remote test servers, the benches and doctor: a free
-loopback port, whether a port is free, a binary on PATH. Standard library only (reading a config
-or rendering a plan imports this)."""
+"""Small host helpers shared by serve, the cache server, the remote test servers, the benches and
+doctor: a free loopback port, whether a port is free, a binary on PATH, an owner-only directory.
+Standard library only (reading a config or rendering a plan imports this)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import stat
 from typing import Optional
+
+from dynamo_flexkv.core.errors import FlexKVError
 
 LOOPBACK = "127.0.0.1"
 SBIN = "/usr/sbin:/usr/local/sbin"  # Debian installs some servers (nats) there, outside a user's PATH
@@ -41,4 +45,45 @@ def require_binary(name: str, fix: str = "install Debian's redis-server package 
     path = find_binary(name)
     if path is None:
         raise FileNotFoundError(f"{name} not found: {fix}")
+    return path
+
+
+class UnsafeDirectory(PermissionError, FlexKVError):
+    """A directory that must be private (a socket's, a run's) is another user's or writable by others."""
+
+
+def private_dir(path: str, what: str, tighten: bool = False) -> str:
+    """``path`` as a directory for this user's eyes: each missing component made 0700. One that
+    exists must be a directory of this user that group and others cannot write to (else another
+    user could put a socket or file of theirs in it): refused otherwise, naming the fix. With
+    ``tighten`` (a directory the caller owns by name, e.g. a run's logs/) an existing one of this
+    user also loses group and other access; without, one others may only read is used as it is."""
+    path = os.path.abspath(path)
+    missing = []
+    head = path
+    while not os.path.lexists(head):
+        missing.append(head)
+        head = os.path.dirname(head)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:  # made meanwhile: checked below like any existing one
+            continue
+        os.chmod(d, 0o700)  # whatever the umask
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory(f"{what} {path} is not a directory: remove it, or choose another path")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectory(
+            f"{what} {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): choose a directory "
+            "of your own, or a path that does not exist yet (it is made owner-only, 0700)"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if tighten and mode & 0o077:
+        os.chmod(path, mode & 0o700)
+    elif mode & 0o022:
+        raise UnsafeDirectory(
+            f"{what} {path} is writable by others (mode {mode:04o}): chmod 700 {path}, or choose a path "
+            "that does not exist yet (it is made owner-only, 0700)"
+        )
     return path

@@ -13,12 +13,12 @@ import fcntl
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from dynamo_flexkv.core.procgroup import stop_group
 from dynamo_flexkv.replay.client import RequestRecord, arrival_times
 from dynamo_flexkv.workload import Turn
 
@@ -158,11 +158,9 @@ def run_aiperf(
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # what is left of its session (or aiperf itself, overrun)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            done = stop_group(proc)  # what is left of its session (or aiperf itself, overrun)
+            if not done.clean:
+                print(f"aiperf: stopping it {done.describe()}", file=sys.stderr, flush=True)
     if code != 0:
         why = f"ran past {limit:.0f} s" if code is None else f"exited {code}"
         raise RuntimeError(f"aiperf {why}; its log {log_path} ends:\n{log_path.read_text()[-3000:]}")

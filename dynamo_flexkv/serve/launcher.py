@@ -28,6 +28,8 @@ from dynamo_flexkv.serve.options import OnDeath
 from dynamo_flexkv.serve.plan import LaunchPlan
 from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.procgroup import kill_group, signal_group, stop_group, wait_group
+from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
 
 
 STOP_TIMEOUT_S = 30.0  # what a component has to stop on serve's signal before SIGKILL (docs/SERVING.md)
@@ -93,8 +95,7 @@ def write_private(path: str, text: str) -> None:
     """Writes ``path`` readable by this user only (0600) from its first byte: a new file made with
     O_EXCL (mkstemp) in its directory, renamed over ``path``. Opening ``path`` itself would keep the
     mode of a file already there (a run directory used before) and follow a link planted in its place."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    directory = private_dir(os.path.dirname(os.path.abspath(path)), f"the directory of {path}")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
     try:
         with os.fdopen(fd, "w") as f:
@@ -111,6 +112,22 @@ def write_files(proc: Process) -> None:
     may show another user a secret, even one a later change puts there."""
     for path, text in proc.files.items():
         write_private(path, text)
+
+
+def run_dirs(plan: LaunchPlan) -> None:
+    """The directories serve makes for a run, owner-only (0700, docs/SERVING.md): the run directory
+    (the node cache's socket, the discovery store, configs), logs/, each process's own (a vLLM
+    worker's HOME). A run directory given that exists is used if it is yours and nobody else can
+    write to it (others may list it; nothing in it is theirs to read); the ones inside it that
+    serve names are made 0700. Anything else: GraphError naming the directory and the fix."""
+    try:
+        private_dir(str(plan.run_dir), "the run directory (--run-dir)")
+        private_dir(str(plan.run_dir / "logs"), "the run's log directory", tighten=True)
+        for proc in plan.processes:
+            for d in proc.dirs:
+                private_dir(d, f"{proc.name}'s directory", tighten=True)
+    except UnsafeDirectory as e:
+        raise GraphError(str(e)) from None
 
 
 class Launcher:
@@ -145,7 +162,7 @@ class Launcher:
     def start(self) -> None:
         from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset
 
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        run_dirs(self.plan)
         _unignore_sigint()
         if self.plan.write_model:
             write_preset(self.plan.model, self.plan.run_dir / "model", weights=self.plan.model_weights)
@@ -155,8 +172,6 @@ class Launcher:
                 self._spawn(proc)
                 self._wait_port(proc, timeout=30)
             for proc in self.plan.processes:
-                for d in proc.dirs:
-                    Path(d).mkdir(parents=True, exist_ok=True)
                 write_files(proc)
                 self._spawn(proc)
                 if proc.kind is Kind.CACHE:  # its workers attach at once (they would retry without it)
@@ -337,7 +352,7 @@ class Launcher:
                 if silent >= proc.restart.liveness_s:
                     p = self.running[name]
                     self._say(f"{name} did not answer /health for {silent:.0f} s: killing it (SIGKILL) as hung")
-                    _kill_group(p)
+                    kill_group(p)
                     self._died(proc, p.wait(), now)
                     return
         if live.thread is None and now >= live.due:
@@ -352,8 +367,7 @@ class Launcher:
     def _died(self, proc: Process, code: int, now: float) -> None:
         name, policy = proc.name, proc.restart
         p = self.running[name]
-        _stop_orphans(p)  # what its process group left behind (a port, the SSD lock, shared memory)
-        p.wait()
+        stop_group(p)  # what its process group left behind (a port, the SSD lock, shared memory)
         self._buried.add(p)
         self.starting.pop(name, None)
         self.ready.discard(name)
@@ -453,7 +467,7 @@ class Launcher:
                 if proc.kind is Kind.WORKER and proc.name not in self.ready and not self.probe(proc, 1):
                     _stop_starting(p, proc.stop_group)
                 elif proc.stop_group:
-                    _signal_group(p, signal.SIGINT)
+                    signal_group(p, signal.SIGINT)
                 else:  # it stops its children itself, in order, once it has drained
                     try:
                         p.send_signal(signal.SIGINT)
@@ -468,8 +482,8 @@ class Launcher:
                     pass
                 # Its children drain on their own signal (vLLM's EngineCore and Worker, which write
                 # their last tier stores) and may outlive it by moments: within the same deadline.
-                _wait_group(p, deadline)
-                _kill_group(p)  # stragglers of the group, or the process itself
+                wait_group(p, deadline)
+                kill_group(p)  # stragglers of the group, or the process itself
                 p.wait()
         self.pending.clear()  # a restart that was due never happens
         for t in self._readers:
@@ -483,77 +497,7 @@ class Launcher:
         self.shutdown()
 
 
-def _group_alive(p: subprocess.Popen) -> bool:
-    try:
-        os.killpg(p.pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def _wait_group(p: subprocess.Popen, deadline: float) -> None:
-    """Until nothing of ``p``'s process group is left, or ``deadline`` (monotonic)."""
-    while _group_alive(p) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-ORPHANS_STOP_S = 5.0  # how long a dead worker's processes get to stop on SIGTERM before SIGKILL
-TRACKER_EXIT_S = 5.0  # how long resource trackers get to unlink what the killed processes left
-
-
-def _stop_orphans(p: subprocess.Popen) -> None:
-    """Stops what a dead worker's process group left: SIGTERM, then SIGKILL after ORPHANS_STOP_S
-    (_kill_group). vLLM's engine processes stop on SIGTERM as they do when their parent dies."""
-    _signal_group(p, signal.SIGTERM)
-    _wait_group(p, time.monotonic() + ORPHANS_STOP_S)
-    _kill_group(p)
-
-
-def _kill_group(p: subprocess.Popen) -> None:
-    """SIGKILLs what is left of ``p``'s process group, Python's resource trackers last: a tracker
-    unlinks the shared memory its processes registered once they are all gone (vLLM's message
-    queues, 160-240 MiB each in /dev/shm), and ignores SIGTERM for that. Killed with the rest, it
-    left two such segments per dead vLLM worker."""
-    members = _group_members(p.pid)
-    trackers = [pid for pid in members if _is_resource_tracker(pid)]
-    for pid in members:
-        if pid not in trackers:
-            _kill(pid)
-    if trackers:
-        _wait_group(p, time.monotonic() + TRACKER_EXIT_S)
-    _signal_group(p, signal.SIGKILL)
-
-
-def _group_members(pgid: int) -> List[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
-                out.append(int(name))
-    return out
-
-
-def _is_resource_tracker(pid: int) -> bool:
-    try:
-        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stop_starting(p: subprocess.Popen, stop_group: bool) -> None:
+def _stop_starting(p: subprocess.Popen, as_group: bool) -> None:
     """Stops a worker that has not reported ready. Before Dynamo's Worker owns the signals, SIGTERM
     ends a process quietly (a SIGINT would raise KeyboardInterrupt in an import and log a
     traceback); a worker stopped as a group (the reference worker) gets just that. A vLLM worker's
@@ -561,22 +505,15 @@ def _stop_starting(p: subprocess.Popen, stop_group: bool) -> None:
     that would act on them for tens of seconds, and a signal to the engine's processes fails that
     startup with a traceback ("Engine core initialization failed ... Failed core proc(s): {}"). So
     its main process, which holds no request and nothing to drain, is SIGKILLed, and the rest of
-    its group gets SIGTERM, as after a death (_stop_orphans); the caller waits for the group."""
-    if stop_group:
-        _signal_group(p, signal.SIGTERM)
+    its group gets SIGTERM, as after a death (stop_group); the caller waits for the group."""
+    if as_group:
+        signal_group(p, signal.SIGTERM)
         return
     try:
         p.send_signal(signal.SIGKILL)
     except ProcessLookupError:
         pass
-    _signal_group(p, signal.SIGTERM)
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_group(p, signal.SIGTERM)
 
 
 def serve(plan: LaunchPlan, echo: IO[str], ready_timeout: float = 300) -> int:

@@ -101,10 +101,14 @@ def check_worker_cache(name: str, cache: Mapping[str, Any], source: str) -> None
 def socket_path(run_dir: Path, node: Optional[str], local: bool) -> str:
     if not local:
         return f"{RENDER_SOCKET_DIR}/node.sock"
-    path = str(run_dir / f"node-cache{'-' + node if node else ''}.sock")
+    name = f"node-cache{'-' + node if node else ''}.sock"
+    path = str(run_dir / name)
     if len(path) > SOCKET_MAX:
+        # A run directory too deep for a socket path: a directory of the run's own in the temp dir,
+        # made owner-only by the cache server (never the shared temp dir itself, where another
+        # user could take the name first).
         digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]
-        path = os.path.join(tempfile.gettempdir(), f"flexkv-node-{digest}{'-' + node if node else ''}.sock")
+        path = os.path.join(tempfile.gettempdir(), f"dynamo-flexkv-{os.getuid()}-{digest}", name)
     return path
 
 

@@ -28,7 +28,8 @@ Measured over ``--duration`` s after ``--warmup`` s:
   adds up to POLL_S);
 - dropped batches: events published (the relays' count) minus events the router applied
   (dynamo_component_kv_cache_events_applied, every status) once the publishers stopped, plus
-  applied events whose status is not ok and the router's own "dropping ..." warnings;
+  applied events whose status is not ok, and the router log's lines that report a lost or
+  unapplied event (orchestrate.LOST_EVENT_MESSAGES: Dynamo's own messages, not the word "dropped");
 - router CPU (cores: CPU seconds / wall seconds of the router process) and RSS;
 - decision latency: ``best_worker`` calls on trace prompts (query only) at DECISIONS_PER_S.
 

@@ -24,6 +24,7 @@ from dynamo_flexkv.core.node.engines import Fence
 from dynamo_flexkv.core.node.namespace import Namespace, ServerOptions
 from dynamo_flexkv.core.node.protocol import Attach, attach_key, describe_key, shard
 from dynamo_flexkv.core.node.session import Session
+from dynamo_flexkv.core.sysutil import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,10 @@ class NodeCacheServer:
     # ---- lifecycle -------------------------------------------------------------------------------------
     @staticmethod
     def _listen(path: str) -> socket.socket:
-        """Owner-only: the directory 0700 when we make it, the socket 0600 (engines of this user)."""
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        """Owner-only (engines of this user): the socket 0600 in a directory only this user may write
+        to, made 0700 when missing (sysutil.private_dir: another user's or a world-writable one,
+        such as /tmp itself, is refused: a socket of theirs could take the path)."""
+        private_dir(os.path.dirname(os.path.abspath(path)), "node_socket's directory")
         if os.path.exists(path):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
