@@ -106,3 +106,27 @@ def test_a_weight_change_cancels_the_copies_of_old_kv_in_flight(tmp_path):
         assert st.tasks.in_flight == 0
     finally:
         kv.shutdown()
+
+
+def test_every_block_that_leaves_a_tier_says_why(tmp_path):
+    """Evicted (no copy below), demoted (the disk keeps it), invalidated (the weights changed),
+    cleared (a reset): told apart in the stats the metrics are made of."""
+    kv = KVManager(MODEL, config(tmp_path, host_blocks=8, disk_blocks=64))
+    dev = device_tensors(L, 64)
+    kv.register_device_cache(dev, L)
+    try:
+        for k in range(4):  # 24 blocks through an 8-block host tier: the older ones move down
+            store(kv, dev, prompt(10 + k, 6), list(range(6)))
+        host = kv.stats().host.removed_blocks
+        assert host.get("demoted", 0) >= 16 and "evicted" not in host and "invalidated" not in host
+        before = kv.stats()
+        assert kv.weights_changed("B") == before.disk.ready_blocks + before.host.ready_blocks
+        st = kv.stats()
+        assert st.disk.removed_blocks == {"invalidated": before.disk.ready_blocks}
+        assert st.host.removed_blocks["invalidated"] == before.host.ready_blocks > 0
+        store(kv, dev, prompt(20, 6), list(range(6)))
+        assert kv.drain(20)
+        kv.reset()
+        assert kv.stats().disk.removed_blocks["cleared"] == 6 and kv.stats().host.removed_blocks["cleared"] == 6
+    finally:
+        kv.shutdown()

@@ -30,7 +30,7 @@ from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
 from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
 from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
-from dynamo_flexkv.core.index.cache_engine import IndexListener
+from dynamo_flexkv.core.index.cache_engine import IndexListener, RemovalReason
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.stats import LinkStats, ManagerStats, RemoteTierStats, RequestStats, TaskStats, TierStats
@@ -261,10 +261,10 @@ class KVManager:
         with self._lock:
             before = {t: len(idx) for t, idx in self.cache.tiers.items()}
             try:
-                self.cache.reset()
+                self.cache.reset(RemovalReason.INVALIDATED)
             except IndexInvariantError:  # an engine thread started a task meanwhile: drop what is not busy
                 for tier, idx in self.cache.tiers.items():
-                    self.cache.evict(tier, len(idx))
+                    self.cache.evict(tier, len(idx), RemovalReason.INVALIDATED)
             dropped = sum(before[t] - len(idx) for t, idx in self.cache.tiers.items())
             self.invalidated_blocks += dropped
             if self.ssd is not None:

@@ -26,6 +26,9 @@ class TierStats:
     hit_blocks: int  # blocks gets found here
     stored_blocks: int  # blocks that landed here
     rolled_back_blocks: int  # blocks whose copy into the tier failed or was cancelled
+    # Blocks that left the tier, by why (core/index/cache_engine.py RemovalReason): evicted,
+    # demoted (still on disk), invalidated (weights changed), cleared (reset), failed (bad bytes).
+    removed_blocks: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

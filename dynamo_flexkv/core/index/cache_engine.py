@@ -9,17 +9,21 @@ the task still holds: no lock or pool block can leak through a failed or cancell
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Dict, Hashable, Iterable, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError, TierIndex
+
+log = logging.getLogger(__name__)
 
 
 class Tier(str, Enum):
@@ -131,6 +135,18 @@ class TierCounters:
     hit_blocks: int = 0
     stored_blocks: int = 0
     rolled_back_blocks: int = 0
+    removed: Dict[str, int] = field(default_factory=dict)  # blocks that left the tier, by RemovalReason
+
+
+class RemovalReason(str, Enum):
+    """Why blocks left a tier. Counted per tier (TierStats.removed_blocks, the removed_blocks
+    metrics) and logged; Dynamo 1.6.1's BlockRemoved event has no field for it."""
+
+    EVICTED = "evicted"  # the policy made room, and no copy stays below
+    DEMOTED = "demoted"  # the policy made room on host; the block stays on disk
+    INVALIDATED = "invalidated"  # computed with weights the engine no longer runs (weights_changed)
+    CLEARED = "cleared"  # a reset (reset_prefix_cache with the connector, an operator's clear)
+    FAILED = "failed"  # its bytes proved bad (a checksum) after it was ready
 
 
 class CacheEngine:
@@ -168,6 +184,7 @@ class CacheEngine:
         self.miss_blocks = 0
         self.remote_hit_blocks = 0  # blocks planned from the remote tier (a read may verify fewer)
         self._tasks: Dict[Hashable, List[TierRun]] = {}
+        self._reason: Optional[RemovalReason] = None  # what removes blocks now, when not the policy
 
     # ---- queries -------------------------------------------------------------------------------
     def match(self, hashes: Sequence[int]) -> MatchResult:
@@ -397,26 +414,39 @@ class CacheEngine:
 
     def discard(self, tier: Tier, block_ids: Sequence[int]) -> List[int]:
         """Drops blocks whose bytes proved bad (and their descendants) from ``tier``."""
-        with self._lock:
+        with self._removing(RemovalReason.FAILED):
             return self.tiers[tier].discard_slots(block_ids)
 
-    def evict(self, tier: Tier, count: int) -> List[int]:
+    def evict(self, tier: Tier, count: int, reason: Optional[RemovalReason] = None) -> List[int]:
         """Evicts up to ``count`` ready, unlocked blocks of ``tier`` by its policy (leaves first,
-        so the tier stays prefix-closed); returns their hashes."""
-        with self._lock:
+        so the tier stays prefix-closed); returns their hashes. ``reason``: why, when not to make
+        room (then the policy's: evicted or demoted)."""
+        if reason is None:
+            with self._lock:
+                return self.tiers[tier].evict(count)
+        with self._removing(reason):
             return self.tiers[tier].evict(count)
 
-    def reset(self) -> None:
+    def reset(self, reason: RemovalReason = RemovalReason.CLEARED) -> None:
         """Drops every cached block; refuses while tasks are in flight."""
-        with self._lock:
+        with self._removing(reason):
             if self._tasks:
                 raise IndexInvariantError(f"reset with {len(self._tasks)} tasks in flight: wait or cancel them")
             for idx in self.tiers.values():
                 idx.clear()
 
-    def stats(self) -> Dict[str, Dict[str, int]]:
+    @contextlib.contextmanager
+    def _removing(self, reason: RemovalReason) -> Iterator[None]:
         with self._lock:
-            out: Dict[str, Dict[str, int]] = {}
+            before, self._reason = self._reason, reason
+            try:
+                yield
+            finally:
+                self._reason = before
+
+    def stats(self) -> Dict[str, Dict[str, Any]]:
+        with self._lock:
+            out: Dict[str, Dict[str, Any]] = {}
             for tier, idx in self.tiers.items():
                 c = self.counters[tier]
                 out[tier.value] = {
@@ -427,6 +457,7 @@ class CacheEngine:
                     "hit_blocks": c.hit_blocks,
                     "stored_blocks": c.stored_blocks,
                     "rolled_back_blocks": c.rolled_back_blocks,
+                    "removed_blocks": dict(c.removed),
                 }
             out["requests"] = {
                 "miss_blocks": self.miss_blocks,
@@ -474,6 +505,18 @@ class CacheEngine:
         run.done = True
 
     def _removed(self, tier_name: str, hashes: List[int], slots: List[int]) -> None:
+        tier = Tier(tier_name)
+        removed = self.counters[tier].removed
+        if self._reason is not None:
+            removed[self._reason.value] = removed.get(self._reason.value, 0) + len(hashes)
+            if self._reason is not RemovalReason.FAILED:
+                log.info("%d %s blocks %s", len(hashes), tier_name, self._reason.value)
+        else:  # the policy: demoted where the disk tier still holds the block
+            below = self.tiers.get(Tier.DISK) if tier is Tier.HOST else None
+            demoted = sum(1 for h in hashes if h in below) if below is not None else 0
+            for reason, n in ((RemovalReason.DEMOTED, demoted), (RemovalReason.EVICTED, len(hashes) - demoted)):
+                if n:
+                    removed[reason.value] = removed.get(reason.value, 0) + n
         if self.on_slots_freed is not None:
             self.on_slots_freed(Tier(tier_name), slots)
         if self.listener is not None:

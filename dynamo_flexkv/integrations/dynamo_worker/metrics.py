@@ -213,6 +213,16 @@ def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
         for tier, s in tiers.items():
             fam.add_metric([tier], getattr(s, key))
         yield fam
+    removed = CounterMetricFamily(
+        PREFIX + "removed_blocks",
+        "Blocks that left the tier, by why: evicted, demoted (still on disk), invalidated (the weights "
+        "changed), cleared (a reset), failed (bad bytes)",
+        labels=["tier", "reason"],
+    )
+    for tier, s in tiers.items():
+        for reason, n in sorted(s.removed_blocks.items()):
+            removed.add_metric([tier, reason], n)
+    yield removed
     pool = GaugeMetricFamily(PREFIX + "pool_blocks", "Offload tier slots", labels=["tier", "state"])
     for tier, s in tiers.items():
         for state in ("capacity", "used", "ready"):

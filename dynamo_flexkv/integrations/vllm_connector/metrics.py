@@ -39,6 +39,8 @@ COUNTERS = {
 # Cost-aware loading (core/cost.py): "prefix_tokens/<decision>/<tier>/<reason>" counter deltas, one
 # family labelled by decision, tier and reason (the lookup decides what vLLM loads: worker._lookup).
 PREFIX_TOKENS = "prefix_tokens"
+# Blocks that left a tier and why: "removed_blocks/<tier>/<reason>" counter deltas (one family).
+REMOVED = "removed_blocks"
 
 
 def prefix_token_totals(stats: Any) -> Dict[str, int]:
@@ -95,6 +97,12 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
             documentation="Prompt tokens the load policy loaded or had recomputed, by tier and reason "
             "(faster/slower than recomputing, cold_start, probe, always, never; tier none: not_cached)",
         )
+        self._removed = self._counter_cls(
+            name=f"vllm:flexkv_{REMOVED}",
+            labelnames=list(self._labelnames) + ["tier", "reason"],
+            documentation="Blocks that left an offload tier, by why: evicted, demoted (still on disk), "
+            "invalidated (the weights changed), cleared (a reset), failed (bad bytes)",
+        )
 
     def _family(self, key: str, cls: type, metric: str, doc: str, by_tier: bool) -> None:
         names = list(self._labelnames) + (["tier"] if by_tier else [])
@@ -111,6 +119,11 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
                 decision, tier, reason = k.split("/")[1:4]
                 labels = self._prefix.labels(*self.per_engine_labelvalues[engine_idx], decision, tier, reason)
                 labels.inc(v)  # type: ignore[union-attr]  # vLLM types _counter_cls as any PromMetric; it is a Counter
+                continue
+            if k.startswith(REMOVED + "/") and v and engine_idx in self.per_engine_labelvalues:
+                tier, reason = k.split("/")[1:3]
+                removed = self._removed.labels(*self.per_engine_labelvalues[engine_idx], tier, reason)
+                removed.inc(v)  # type: ignore[union-attr]  # as above
                 continue
             child = self._children.get(k, {}).get(engine_idx)
             if child is None:

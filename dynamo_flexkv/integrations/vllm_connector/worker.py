@@ -591,10 +591,13 @@ class WorkerSide:
                 out[f"gauge:used_blocks/{tier}"] = ts.used_blocks
                 out[f"gauge:capacity_blocks/{tier}"] = ts.capacity_blocks
                 totals[f"evicted_blocks/{tier}"] = ts.evicted_blocks
+                totals.update({f"removed_blocks/{tier}/{why}": n for why, n in ts.removed_blocks.items()})
             totals["disk_write_failures"] = st.tasks.disk_write_failures
             totals.update(prefix_token_totals(st))  # the load policy's decisions (cost-aware loading)
         for k, total in totals.items():
             delta = total - self._reported.get(k, 0)
+            if delta < 0:  # the totals started again (a restarted node service): all of it is new
+                delta = total
             if delta:
                 out[k] = delta
                 self._reported[k] = total
