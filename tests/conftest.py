@@ -108,6 +108,7 @@ MODULE_KINDS = {
     "test_procgroup": "integration",
     "test_remote_hostile_values": "integration",
     "test_remote_serve": "integration",
+    "test_remote_quota": "integration",
     "test_remote_store": "integration",
     "test_remote_tier": "integration",
     "test_render_k8s": "unit",
