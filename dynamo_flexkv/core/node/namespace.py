@@ -59,7 +59,9 @@ class Namespace:
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         self.tenant: str = d["tenant"]
         self.salt = f"{d['tenant']}" if d["tenant"] else ""
-        host_gb, disk_gb = (config.cpu_cache_gb, config.ssd_cache_gb) if quota is None else (quota.host_gb, quota.disk_gb)
+        host_gb, disk_gb = (
+            (config.cpu_cache_gb, config.ssd_cache_gb) if quota is None else (quota.host_gb, quota.disk_gb)
+        )
         # A tensor-parallel model's shards split its tiers: one model's memory and disk in all.
         # Each shard's bytes are its own in the remote tier too (its rank is in the key fingerprint).
         rank, _, of = (d["shard"] or "0/1").partition("/")

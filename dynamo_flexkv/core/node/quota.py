@@ -132,7 +132,7 @@ class TenantQuotas:
         if self.default is not None:
             every["(default)"] = self.default
         for name, quota in every.items():
-            flag = "--default-quota" if name == "(default)" else f"--tenant-quota {name}="
+            flag = "--default-quota " if name == "(default)" else f"--tenant-quota {name}="
             if quota.disk_gb > 0 and config.ssd_cache_gb <= 0:
                 raise ConfigError(
                     f"{flag}{quota}: DISK_GB={quota.disk_gb:g} but the server has no disk tier "
