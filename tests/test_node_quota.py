@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +146,40 @@ def test_cache_server_refuses_a_bad_quota_with_the_flag_and_names_the_options_in
     helped = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
     assert "--tenant-quota TENANT=HOST_GB[:DISK_GB[:REMOTE_GB]]" in helped.stdout
     assert "--default-quota HOST_GB[:DISK_GB[:REMOTE_GB]]" in helped.stdout
+
+
+def test_a_serve_graphs_node_cache_quotas_become_the_servers_flags_and_bad_ones_are_refused(tmp_path):
+    from dynamo_flexkv.serve import GraphError, load_graph
+    from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+
+    root = Path(__file__).resolve().parents[1]
+
+    def plan(quotas: str):
+        config = apply_overrides(
+            load_config(str(root / "configs" / "agg_router.yaml")),
+            [
+                "Common.model=tiny",
+                "FlexKVWorker.cache={mode: node}",
+                f"NodeCache.cache={{cpu_cache_gb: 0.02, ssd_cache_gb: 0.05, ssd_cache_dir: {tmp_path}/ssd}}",
+                f"NodeCache.quotas={quotas}",
+            ],
+        )
+        graph = load_graph(str(root / "graphs" / "agg_router.py"))
+        return build_plan(graph, config, run_dir=tmp_path / "run", source="agg_router.yaml")
+
+    p = plan("{default: {host_gb: 0.004}, tenants: {acme: {host_gb: 0.01, disk_gb: 0.02}}}")
+    argv = next(proc for proc in p.processes if proc.name == "NodeCache").argv
+    assert argv[argv.index("--default-quota") :] == [
+        "--default-quota",
+        "0.004:0:0",
+        "--tenant-quota",
+        "acme=0.01:0.02:0",
+    ]
+    for quotas, words in (
+        ("{tenants: {acme: 4:32}}", "tenants.acme=272: write a mapping, e.g. {host_gb: 4, disk_gb: 32, remote_gb: 0}"),
+        ("{tenants: {acme: {host_gb: 1}}}", "NodeCache.quotas: --tenant-quota acme=1:0:0: host 1 GB is more than"),
+        ("{defaults: {host_gb: 1}}", "unknown key(s) ['defaults']: use default and tenants"),
+    ):
+        with pytest.raises(GraphError) as e:
+            plan(quotas)
+        assert words in str(e.value), str(e.value)

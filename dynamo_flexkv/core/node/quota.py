@@ -66,7 +66,7 @@ class Quota:
         return {"host": self.host_gb, "disk": self.disk_gb, "remote": self.remote_gb}
 
     def __str__(self) -> str:
-        return f"{self.host_gb:g}:{self.disk_gb:g}:{self.remote_gb:g}"
+        return ":".join(f"{gb:.12g}" for gb in (self.host_gb, self.disk_gb, self.remote_gb))
 
 
 @dataclass(frozen=True)
@@ -100,21 +100,24 @@ class TenantQuotas:
         return cls(named, None if default is None else Quota.parse(default.strip(), "--default-quota"))
 
     @classmethod
-    def from_mapping(cls, data: object, source: str) -> Optional["TenantQuotas"]:
-        """From a config's ``quotas:`` mapping (``default: 2:16`` and ``tenants: {acme: 4:32}``)."""
+    def from_mapping(cls, data: object) -> Optional["TenantQuotas"]:
+        """From a serve graph's ``NodeCache.quotas``: ``{default: QUOTA, tenants: {NAME: QUOTA}}``,
+        each QUOTA a mapping ``{host_gb: 4, disk_gb: 32, remote_gb: 0}`` (a mapping, not "4:32":
+        YAML reads 4:32 unquoted as the base-60 number 272)."""
         if data is None:
             return None
         if not isinstance(data, dict):
-            raise ConfigError(f"{source}: quotas must be a mapping with default and tenants")
+            raise ConfigError("expected a mapping: {default: {host_gb: ...}, tenants: {NAME: {host_gb: ...}}}")
         unknown = sorted(set(data) - {"default", "tenants"})
         if unknown:
-            raise ConfigError(f"{source}: quotas has unknown key(s) {unknown}: use default and tenants")
+            raise ConfigError(f"unknown key(s) {unknown}: use default and tenants")
         tenants = data.get("tenants") or {}
         if not isinstance(tenants, dict):
-            raise ConfigError(f"{source}: quotas.tenants must map each tenant to {QUOTA_FORMAT}, e.g. acme: 4:32")
+            raise ConfigError("tenants must map each tenant to {host_gb: ..., disk_gb: ..., remote_gb: ...}")
         default = data.get("default")
         return cls.parse(
-            None if default is None else str(default), [f"{name}={value}" for name, value in tenants.items()]
+            None if default is None else _quota_text(default, "default"),
+            [f"{name}={_quota_text(value, f'tenants.{name}')}" for name, value in tenants.items()],
         )
 
     def argv(self) -> list:
@@ -173,3 +176,20 @@ class TenantQuotas:
         ``default_tenants`` (unnamed tenants that hold a namespace)."""
         quotas = list(self.tenants.values()) + [self.default for _ in default_tenants if self.default]
         return {"host": sum(q.host_gb for q in quotas), "disk": sum(q.disk_gb for q in quotas)}
+
+
+def _quota_text(value: object, where: str) -> str:
+    """A quota mapping as the flags write it (HOST:DISK:REMOTE), checked by Quota.parse after."""
+    keys = ("host_gb", "disk_gb", "remote_gb")
+    if not isinstance(value, dict) or "host_gb" not in value:
+        raise ConfigError(f"{where}={value!r}: write a mapping, e.g. {{host_gb: 4, disk_gb: 32, remote_gb: 0}}")
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise ConfigError(f"{where} has unknown key(s) {unknown}: use {', '.join(keys)}")
+    parts = []
+    for key in keys:
+        v = value.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{where}.{key}={v!r} must be a number of GB")
+        parts.append(repr(float(v)))
+    return ":".join(parts)
