@@ -183,3 +183,18 @@ def test_a_serve_graphs_node_cache_quotas_become_the_servers_flags_and_bad_ones_
         with pytest.raises(GraphError) as e:
             plan(quotas)
         assert words in str(e.value), str(e.value)
+
+
+def test_tensor_parallel_shards_split_their_tenants_quota_and_key_the_remote_tier_apart(tmp_path):
+    """Each shard of a TP=2 model gets half its tenant's quota, and its own tp_rank/tp_size: the
+    remote tier's key fingerprint covers them, so rank 1 never reads rank 0's bytes."""
+    with node_server(tmp_path, host_gb=0.02, quotas=quotas(acme="0.008")) as server:
+        path = server.options.socket_path
+        shards = [Engine(path, "E", tenant="acme", rank=r, ranks=2) for r in range(2)]
+        wait_until("both shards attached", lambda: len(server.namespaces()) == 2, timeout=30)
+        configs = sorted(
+            (ns.kv.config.tp_rank, ns.kv.config.tp_size, ns.kv.config.cpu_cache_gb) for ns in server.namespaces()
+        )
+        assert configs == [(0, 2, 0.004), (1, 2, 0.004)]
+        for e in shards:
+            e.offload.shutdown()
