@@ -48,7 +48,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-models",
         type=int,
         default=1,
-        help="models (namespaces) served at once, each with tiers of the configured sizes (default 1)",
+        help="models (namespaces: model + layout + tenant) served at once; without quotas each gets tiers of "
+        "the configured sizes (default 1)",
+    )
+    p.add_argument(
+        "--tenant-quota",
+        action="append",
+        default=[],
+        metavar="TENANT=HOST_GB[:DISK_GB[:REMOTE_GB]]",
+        help="quotas per tenant (repeatable): what this tenant's engines (their namespace) may hold on this "
+        "node's host and disk tiers and, shared with its engines elsewhere, in the remote tier (0 or left "
+        "out: no disk tier / no remote quota). With any quota, cpu_cache_gb and ssd_cache_gb are the node's "
+        "budget: each quota is reserved for its tenant (the named ones must fit it together), a tenant at "
+        "its quota evicts its own blocks, never another's, and a tenant without a quota is refused",
+    )
+    p.add_argument(
+        "--default-quota",
+        metavar="HOST_GB[:DISK_GB[:REMOTE_GB]]",
+        help="the quota of every tenant --tenant-quota does not name (engines without a tenant included); "
+        "one that no longer fits the budget beside the reserved quotas is refused at attach",
     )
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on METRICS_HOST:PORT (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics listen on (default 127.0.0.1)")
@@ -67,13 +85,17 @@ def load_config(path: Optional[str], sets: List[str]) -> CacheConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dynamo_flexkv.core.node.quota import TenantQuotas
     from dynamo_flexkv.core.node.server import NodeCacheServer, ServerOptions, default_socket_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, args.set)
         path = args.socket or config.node_socket or default_socket_path()
-        server = NodeCacheServer(config, ServerOptions(path, max_clients=args.max_clients, max_models=args.max_models))
+        quotas = TenantQuotas.parse(args.default_quota, args.tenant_quota)
+        server = NodeCacheServer(
+            config, ServerOptions(path, max_clients=args.max_clients, max_models=args.max_models, quotas=quotas)
+        )
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -87,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
             metrics = serve_metrics(server, args.metrics_host, args.metrics_port)
         print(
             f"{READY} {path} (pid {server.stats()['pid']}; host {config.cpu_cache_gb} GB, disk "
-            f"{config.ssd_cache_gb} GB{' in ' + ';'.join(config.ssd_cache_dir) if config.ssd_cache_dir else ''})",
+            f"{config.ssd_cache_gb} GB{' in ' + ';'.join(config.ssd_cache_dir) if config.ssd_cache_dir else ''}"
+            f"{'; quotas per tenant: ' + ' '.join(quotas.argv()) if quotas else ''})",
             flush=True,
         )
         stop.wait()
@@ -158,3 +181,18 @@ class _Collector:
         yield used
         yield cap
         yield hits
+        t_used = GaugeMetricFamily(
+            "flexkv_node_tenant_used_bytes",
+            "Bytes a tenant's blocks take per tier (remote: as Redis accounts it, with a remote quota)",
+            labels=["tenant", "tier"],
+        )
+        t_quota = GaugeMetricFamily(
+            "flexkv_node_tenant_quota_bytes", "A tenant's quota per tier (with quotas on)", labels=["tenant", "tier"]
+        )
+        for tenant, t in st["tenants"].items():
+            for tier, n in t["used"].items():
+                t_used.add_metric([tenant, tier], n)
+            for tier, n in t["quota"].items():
+                t_quota.add_metric([tenant, tier], n)
+        yield t_used
+        yield t_quota

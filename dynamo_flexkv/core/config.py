@@ -73,6 +73,10 @@ class CacheConfig:
     remote_key_prefix: str = "flexkv:"
     remote_admission_hits: int = 0  # host hits a block needs before it is written to remote; 0 = every put
     remote_required: bool = True  # an unreachable server at start is an error (false: start without it)
+    # GB of remote blocks the tenant remote_tenant may hold, accounted in Redis and shared by every
+    # worker that names the tenant; over it, that tenant's oldest blocks go (docs/REMOTE.md). 0: no quota.
+    remote_quota_gb: float = 0.0
+    remote_tenant: str = ""
     tp_rank: int = 0  # this worker's tensor-parallel rank: its KV shard's bytes are its own (keys the remote tier)
     tp_size: int = 1  # tensor-parallel ranks of one model instance
     # How much of a cached prefix a get loads (core/cost.py): cost_aware (what is measured faster than
@@ -157,6 +161,8 @@ class CacheConfig:
                 connect_timeout_s=self.remote_connect_timeout_s,
                 ttl_s=self.remote_ttl_s or None,
                 key_prefix=self.remote_key_prefix,
+                quota_bytes=int(self.remote_quota_gb * GiB),
+                tenant=self.remote_tenant,
             )
         except RemoteConfigError as e:
             raise ConfigError(str(e)) from None
@@ -206,6 +212,13 @@ class CacheConfig:
                     )
                 seen[real] = d
                 _check_writable_dir(d)
+        if self.remote_quota_gb < 0:
+            raise ConfigError(f"remote_quota_gb={self.remote_quota_gb} must be >= 0 (0 = no quota)")
+        if self.remote_quota_gb > 0 and not self.enable_remote:
+            raise ConfigError(
+                f"remote_quota_gb={self.remote_quota_gb} bounds the remote tier, which is off: "
+                "set enable_remote=true, or remote_quota_gb=0"
+            )
         if self.enable_remote:
             self.remote_config()  # a bad URL or setting fails here, naming remote_<key>
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:

@@ -3,7 +3,8 @@ cache says ``mode: node`` (docs/NODE_CACHE.md).
 
 The ``NodeCache`` section (beside Common, in any graph's config) holds the service's options: its
 ``cache`` (the node's tiers: cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, eviction, remote, ...),
-``max-clients``, ``max-models``, ``metrics-port`` and its restart policy. A worker in node mode
+``max-clients``, ``max-models``, ``quotas`` (per tenant: the cache-server's --tenant-quota and
+--default-quota), ``metrics-port`` and its restart policy. A worker in node mode
 keeps only ``mode: node`` in its own ``cache``: serve gives it the socket of its node's service.
 The service is supervised like a worker (restarted on death; the engines re-attach by themselves)
 and stopped after them."""
@@ -20,6 +21,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import yaml
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.node.quota import TenantQuotas
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.options import (
     OnDeath,
@@ -47,6 +49,7 @@ OPTIONS: Dict[str, Callable[[Any], Any]] = {
     "cache": mapping_option,
     "max-clients": int_option,
     "max-models": int_option,
+    "quotas": TenantQuotas.from_mapping,
     "metrics-port": int_option,
     "on-death": str_option,
     "max-restarts": int_option,
@@ -57,6 +60,7 @@ DEFAULTS: Dict[str, Any] = {
     "cache": {},
     "max-clients": 64,
     "max-models": 1,
+    "quotas": None,
     "metrics-port": 0,
     "on-death": "restart",
     "max-restarts": 5,
@@ -132,6 +136,12 @@ def process(
             cache.tier_blocks(spec)
     except ConfigError as e:
         raise GraphError(f"{source}: {SECTION}.cache: {e}") from None
+    quotas = o["quotas"]
+    if quotas is not None:
+        try:
+            quotas.check(cache)
+        except ConfigError as e:
+            raise GraphError(f"{source}: {SECTION}.quotas: {e}") from None
     if cache.ssd_cache_gb > 0 and local:
         claim_ssd_dirs(
             ctx,
@@ -162,6 +172,7 @@ def process(
         str(port),
         "--metrics-host",
         LOOPBACK,
+        *(quotas.argv() if quotas is not None else []),
     ]
     policy = RestartPolicy(
         OnDeath(o["on-death"]), o["max-restarts"], o["restart-window-s"], o["restart-backoff-s"], liveness_s=0.0

@@ -7,21 +7,25 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 from dynamo_flexkv.core.layout import ModelSpec
 from dynamo_flexkv.core.manager import KVManager
 from dynamo_flexkv.core.node.mirror import EventMirror
 from dynamo_flexkv.core.node.protocol import describe_key
+from dynamo_flexkv.core.node.quota import Quota, TenantQuotas
 
 
 @dataclass(frozen=True)
 class ServerOptions:
     socket_path: str
     max_clients: int = 64  # attached engines (ranks count one each); more are refused, the others served
-    max_models: int = 1  # namespaces: each holds its own tiers of the configured sizes
+    max_models: int = 1  # namespaces: each holds its own tiers of the configured sizes (quotas off)
     max_queued_mb: int = 256  # per engine: events and copies queued for an engine that does not read
+    # Quotas per tenant (quota.py): the configured sizes are the node's budget, each namespace's
+    # tiers its tenant's quota. None: off, every namespace gets tiers of the configured sizes.
+    quotas: Optional[TenantQuotas] = None
 
     def __post_init__(self) -> None:
         if not self.socket_path:
@@ -40,19 +44,38 @@ class Namespace:
     """The tiers shared by the engines of one attach_key."""
 
     def __init__(
-        self, key: Tuple[Any, ...], config: CacheConfig, ssd_root: Tuple[str, ...], index: int, ranks: int = 1
+        self,
+        key: Tuple[Any, ...],
+        config: CacheConfig,
+        ssd_root: Tuple[str, ...],
+        index: int,
+        ranks: int = 1,
+        quota: Optional[Quota] = None,
     ) -> None:
+        """``quota``: its tenant's (the tiers are that big, not the configured sizes); None: quotas off."""
         self.key = key
+        self.quota = quota
         d = describe_key(key)
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        self.tenant: str = d["tenant"]
         self.salt = f"{d['tenant']}" if d["tenant"] else ""
+        host_gb, disk_gb = (
+            (config.cpu_cache_gb, config.ssd_cache_gb) if quota is None else (quota.host_gb, quota.disk_gb)
+        )
         # A tensor-parallel model's shards split its tiers: one model's memory and disk in all.
+        # Each shard's bytes are its own in the remote tier too (its rank is in the key fingerprint).
+        rank, _, of = (d["shard"] or "0/1").partition("/")
         cfg = config.replace(
             tokens_per_block=d["tokens_per_block"],
-            cpu_cache_gb=config.cpu_cache_gb / ranks,
-            ssd_cache_gb=config.ssd_cache_gb / ranks,
+            cpu_cache_gb=host_gb / ranks,
+            ssd_cache_gb=disk_gb / ranks,
             ssd_cache_dir=tuple(os.path.join(r, f"ns-{digest}") for r in ssd_root),
+            tp_rank=int(rank),
+            tp_size=int(of),
         )
+        if quota is not None and quota.remote_gb > 0:
+            # One account per tenant in Redis, shared by its shards, models and every node's engines.
+            cfg = cfg.replace(remote_quota_gb=quota.remote_gb, remote_tenant=self.tenant)
         model = ModelSpec(
             num_layers=d["num_layers"],
             num_kv_heads=d["num_kv_heads"],

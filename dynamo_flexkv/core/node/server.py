@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 from dynamo_flexkv.core.node.engines import Fence
 from dynamo_flexkv.core.node.namespace import Namespace, ServerOptions
+from dynamo_flexkv.core.node.quota import Quota
 from dynamo_flexkv.core.node.protocol import Attach, attach_key, describe_key, shard
 from dynamo_flexkv.core.node.session import Session
 from dynamo_flexkv.core.sysutil import private_dir
@@ -35,6 +36,8 @@ class NodeCacheServer:
 
     def __init__(self, config: CacheConfig, options: ServerOptions) -> None:
         self.config, self.options = config, options
+        if options.quotas is not None:
+            options.quotas.check(config)  # each quota, and the named ones together, fit the node's budget
         self.incarnation = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._namespaces: Dict[Tuple[Any, ...], Namespace] = {}
@@ -176,26 +179,33 @@ class NodeCacheServer:
                         "needs tiers of its own: start the server with a higher --max-models (each "
                         "takes cpu_cache_gb and ssd_cache_gb) or run another server for it"
                     )
+                if self.options.quotas is not None:  # a quota covers one model of a tenant: its idle
+                    self._retire_idle(_split(key), tenant=attach.tenant)  # other models (old weights) give way
+                quota = self._quota_for(key, attach)
                 ns = Namespace(
                     key,
                     self.config,
                     self.config.ssd_cache_dir,
                     len(self._namespaces),
                     ranks=attach.ranks if shard(attach) else 1,
+                    quota=quota,
                 )
                 self._namespaces[key] = ns
             ns.sessions[session.id] = session
             return ns
 
-    def _retire_idle(self, needed: Any) -> None:  # self._lock held
+    def _retire_idle(self, needed: Any, tenant: Optional[str] = None) -> None:  # self._lock held
         """Makes room for another model: the namespaces of one idle model (no engine attached: an
         engine that changed its weights left them, or every engine of it went away) are shut down
-        and their disk files removed, oldest first. A namespace an engine uses is never touched."""
+        and their disk files removed, oldest first; with ``tenant``, every idle model of that
+        tenant. A namespace an engine uses is never touched."""
         idle: Dict[Any, List[Namespace]] = {}
         for k, ns in self._namespaces.items():
             idle.setdefault(_split(k), []).append(ns)
         for split, spaces in sorted(idle.items(), key=lambda kv: min(ns.created for ns in kv[1])):
             if split == needed or any(ns.sessions for ns in spaces):
+                continue
+            if tenant is not None and describe_key(spaces[0].key)["tenant"] != tenant:
                 continue
             for ns in spaces:
                 self._namespaces.pop(ns.key, None)
@@ -203,7 +213,45 @@ class NodeCacheServer:
                 for d in ns.kv.config.ssd_cache_dir:
                     shutil.rmtree(d, ignore_errors=True)
                 log.info("node cache: retired idle namespace %s to make room", describe_key(ns.key))
-            return
+            if tenant is None:
+                return
+
+    def _quota_for(self, key: Tuple[Any, ...], attach: Attach) -> Optional[Quota]:
+        """The quota a new namespace's tiers are sized to (None: quotas off). Each tenant's quota
+        is reserved for it: its model's namespaces (one per shard) split it, another model of the
+        tenant is refused while one holds it, and a tenant on the default quota is refused when
+        the budget left after every reserved quota cannot hold it. Called under the lock."""
+        quotas = self.options.quotas
+        if quotas is None:
+            return None
+        tenant = attach.tenant
+        quota = quotas.quota_for(tenant)
+        mine = [k for k in self._namespaces if describe_key(k)["tenant"] == tenant]
+        holder = next((k for k in mine if _split(k) != _split(key)), None)
+        if holder is not None:
+            held = describe_key(holder)
+            raise ConfigError(
+                f"tenant {tenant!r}'s quota ({quota} GB host:disk:remote) is held by its model "
+                f"{held['model_id']!r} ({held['shard'] or 'one rank'}): a quota covers one model of a "
+                f"tenant; give the engines of model_id={attach.model_id!r} a tenant of their own "
+                "(with --tenant-quota) or run another cache server for them"
+            )
+        if not mine and tenant not in quotas.tenants:
+            others = {describe_key(k)["tenant"] for k in self._namespaces} - set(quotas.tenants)
+            reserved = quotas.reserved(others | {tenant})
+            for tier, key_name, budget in (
+                ("host", "cpu_cache_gb", self.config.cpu_cache_gb),
+                ("disk", "ssd_cache_gb", self.config.ssd_cache_gb),
+            ):
+                if reserved[tier] > budget + 1e-9:
+                    taken = reserved[tier] - (quota.host_gb if tier == "host" else quota.disk_gb)
+                    raise ConfigError(
+                        f"tenant {tenant!r} would get --default-quota {quota}, but the node's {tier} "
+                        f"budget {key_name}={budget:g} holds {taken:g} "
+                        f"GB of reserved quotas already ({len(quotas.tenants)} named, {len(others)} on the "
+                        f"default): raise {key_name}, lower --default-quota, or run another cache server for it"
+                    )
+        return quota
 
     def leave(self, ns: Namespace, session: Session) -> None:
         with self._lock:
@@ -221,7 +269,28 @@ class NodeCacheServer:
             "engines": [s.describe() for s in sessions],
             "namespaces": [dict(ns.describe(), tiers=dataclasses.asdict(ns.kv.stats())) for ns in namespaces],
             "fenced_waiting": self.fence.waiting,
+            "tenants": self._tenants(namespaces),
         }
+
+    def _tenants(self, namespaces: List[Namespace]) -> Dict[str, Dict[str, Dict[str, int]]]:
+        """Per tenant: the bytes its blocks take per tier (``used``) and its quota (``quota``, with
+        quotas on; the remote's as Redis accounts it, shared with the tenant's engines elsewhere)."""
+        out: Dict[str, Dict[str, Dict[str, int]]] = {}
+        quotas = self.options.quotas
+        for ns in namespaces:
+            t = out.setdefault(ns.tenant, {"used": {"host": 0, "disk": 0}, "quota": {}})
+            stats = ns.kv.stats()
+            block = ns.kv.host.layout.block_bytes
+            t["used"]["host"] += stats.host.used_blocks * block
+            t["used"]["disk"] += stats.disk.used_blocks * block if stats.disk else 0
+            if ns.kv.remote is not None:
+                used = ns.kv.remote.quota_usage()
+                if used is not None:
+                    t["used"]["remote"] = used
+        if quotas is not None:
+            for tenant, t in out.items():
+                t["quota"] = {k: v for k, v in quotas.quota_for(tenant).bytes().items() if k != "remote" or v}
+        return out
 
     def namespaces(self) -> List[Namespace]:
         with self._lock:

@@ -184,6 +184,10 @@ class RemoteConfig:
     breaker_cooldown_s: float = 5.0  # how long an open breaker refuses ops before one trial
     tls_ca_file: Optional[str] = None  # CA bundle for rediss:// (default: the system's)
     tls_verify: bool = True
+    # Bytes the blocks of ``tenant`` may hold, accounted in Redis for every store naming the tenant;
+    # over it, that tenant's oldest blocks go (remote/quota.py). 0: no quota (maxmemory decides).
+    quota_bytes: int = 0
+    tenant: str = ""
     parsed: ParsedUrl = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -202,6 +206,10 @@ class RemoteConfig:
                 "a finite number of at least 0.001 seconds, or null (no expiry)",
                 inclusive=True,
             )
+        if isinstance(self.quota_bytes, bool) or not isinstance(self.quota_bytes, int) or self.quota_bytes < 0:
+            raise RemoteConfigError(f"remote_quota_gb must be >= 0 (0 = no quota), got {self.quota_bytes!r} bytes")
+        if not isinstance(self.tenant, str):
+            raise RemoteConfigError(f"remote_tenant must be a string, got {type(self.tenant).__name__}")
         if (
             not isinstance(self.key_prefix, str)
             or any(c.isspace() for c in self.key_prefix)

@@ -41,3 +41,8 @@ class RemoteStats:
     put_seconds: float = 0.0
     exists_seconds: float = 0.0
     breaker_state: str = BreakerState.CLOSED.value
+    # The tenant's quota (remote_quota_gb; 0: none), its bytes accounted in Redis as of this
+    # store's last put or delete, and the blocks of the tenant this store evicted to stay within it.
+    quota_bytes: int = 0
+    quota_used_bytes: int = 0
+    quota_evicted: int = 0

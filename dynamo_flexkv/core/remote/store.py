@@ -30,8 +30,9 @@ from dynamo_flexkv.core.remote.codec import (
 from dynamo_flexkv.core.remote.config import RemoteConfig
 from dynamo_flexkv.core.remote.connections import NodeConnections
 from dynamo_flexkv.core.remote.errors import RemoteAuthError, RemoteClosedError, RemoteError, RemoteUnavailableError
+from dynamo_flexkv.core.remote import quota
 from dynamo_flexkv.core.remote.stats import RemoteStats
-from dynamo_flexkv.core.remote.resp import ProtocolError, ReplyError, RespConnection, encode_command
+from dynamo_flexkv.core.remote.resp import ProtocolError, ReplyError, RespConnection, ServerError, encode_command
 
 __all__ = [
     "RemoteAuthError",
@@ -170,7 +171,9 @@ class RemoteStore:
             b"" if config.ttl_s is None else encode_command(b"PX", int(round(config.ttl_s * 1000)))[len(b"*2\r\n") :]
         )
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, clock)
-        self._stats = RemoteStats()
+        self._stats = RemoteStats(quota_bytes=config.quota_bytes)
+        # The tenant's account (remote/quota.py) when it has a quota: (blocks, bytes, clock) keys.
+        self._account = quota.account_keys(config.key_prefix, config.tenant) if config.quota_bytes else None
         self._stats_lock = threading.Lock()
         self._nodes = NodeConnections(config, self._count_connect)
         self._closed = False
@@ -641,13 +644,24 @@ class RemoteStore:
 
             self._nodes.windowed(conn, len(idx), parts, read, max((views[i].nbytes for i in idx), default=0))
 
-        def run() -> None:
-            keys = self._keys([seq[i] for i in todo])
-            groups = {node: [todo[k] for k in ks] for node, ks in self._nodes.route(keys).items()}
-            self._nodes.per_node(groups, work)
+        gone: List[int] = []  # blocks of this call the tenant's quota left out (or, if present, deleted)
 
-        if todo:
+        def run() -> None:
+            write = todo
+            if self._account is not None:
+                # Skipped blocks are accounted too: present, they become the tenant's youngest.
+                gone.extend(self._reserve(seq, views, list(range(len(seq)))))
+                write = [i for i in todo if i not in set(gone)]
+            keys = self._keys([seq[i] for i in write])
+            groups = {node: [write[k] for k in ks] for node, ks in self._nodes.route(keys).items()}
+            if groups:
+                self._nodes.per_node(groups, work)
+
+        if todo or (self._account is not None and seq):
             self._guard(run, "put_seconds")
+        for i in gone:  # never written (or deleted again): not in the store, and not a failure
+            answered[i] = True
+        skipped -= sum(1 for i in gone if i not in todo)
         n_stored = sum(stored)
         with self._stats_lock:
             s = self._stats
@@ -659,23 +673,86 @@ class RemoteStore:
         return n_stored + skipped
 
     def delete(self, seq_hashes: Hashes) -> int:
-        """Removes blocks (tests, tools); returns how many existed."""
+        """Removes blocks (tests, tools; their tenant's account forgets them); returns how many existed."""
         seq = _hash_list(seq_hashes)
         removed = [0]
 
         def run() -> None:
             keys = self._keys(seq)
-
-            def work(conn: RespConnection, idx: List[int]) -> None:
-                replies = conn.pipeline([encode_command(b"DEL", keys[i]) for i in idx])
-                removed[0] += sum(r for r in replies if isinstance(r, int))
-                self._note_reply_errors(r for r in replies if isinstance(r, ReplyError))
-
-            self._nodes.per_node(self._nodes.route(keys), work)
+            removed[0] = self._delete_keys(keys)
+            if self._account is not None:
+                used = self._eval(quota.FORGET, list(self._account[:3]), keys)
+                with self._stats_lock:
+                    self._stats.quota_used_bytes = int(used)
 
         if seq:
             self._guard(run, "exists_seconds")
         return removed[0]
+
+    def _delete_keys(self, keys: List[bytes]) -> int:
+        removed = [0]
+
+        def work(conn: RespConnection, idx: List[int]) -> None:
+            replies = conn.pipeline([encode_command(b"DEL", keys[i]) for i in idx])
+            removed[0] += sum(r for r in replies if isinstance(r, int))
+            self._note_reply_errors(r for r in replies if isinstance(r, ReplyError))
+
+        if keys:
+            self._nodes.per_node(self._nodes.route(keys), work)
+        return removed[0]
+
+    # ---- the tenant's quota (remote/quota.py) ----
+
+    def _eval(self, script: bytes, keys: List[bytes], args: List[bytes]) -> Any:
+        """Runs a quota script on the node of the tenant's account (its keys share one slot)."""
+        reply: List[Any] = [None]
+
+        def work(conn: RespConnection, _: List[int]) -> None:
+            try:
+                reply[0] = conn.call(b"EVAL", script, len(keys), *keys, *args)
+            except ServerError as e:  # MOVED (the slot moved), a script error: the op failed
+                self._note_reply_errors([str(e)])
+                raise RemoteError(f"redis at {self.config.redacted_url}: the quota script failed: {e}") from None
+
+        self._nodes.per_node({node: [0] for node in self._nodes.route(keys[:1])}, work)
+        return reply[0]
+
+    def _reserve(self, seq: List[int], views: List[memoryview], idx: List[int]) -> List[int]:
+        """Accounts blocks ``idx`` of a put to the tenant (in order: the batch's last blocks go
+        first when it alone passes the quota), deletes the tenant's blocks popped to make room, and
+        returns the positions of ``idx`` among those popped (not to be written)."""
+        assert self._account is not None
+        keys = {self._prefix + b"%016x" % seq[i]: i for i in idx}
+        args = [b"%d" % self.config.quota_bytes]
+        for key, i in keys.items():
+            args += [key, b"%d" % (HEADER_BYTES + views[i].nbytes)]
+        reply = self._eval(quota.RESERVE, list(self._account), args)
+        used, victims = int(reply[0]), list(reply[1:])
+        mine = [keys[v] for v in victims if v in keys]
+        self._delete_keys(victims)
+        with self._stats_lock:
+            self._stats.quota_used_bytes = used
+            self._stats.quota_evicted += len(victims)
+        return mine
+
+    def quota_usage(self) -> Optional[int]:
+        """The bytes the tenant's account holds now (read from Redis), or None: no quota, or the
+        server did not answer (the breaker counts it)."""
+        account = self._account
+        if account is None:
+            return None
+        got: List[Optional[int]] = [None]
+
+        def run() -> None:
+            def work(conn: RespConnection, _: List[int]) -> None:
+                got[0] = int(conn.call(b"GET", account[2]) or 0)  # type: ignore[call-overload]
+
+            self._nodes.per_node({node: [0] for node in self._nodes.route([account[2]])}, work)
+
+        if self._guard(run, "exists_seconds") and got[0] is not None:
+            with self._stats_lock:
+                self._stats.quota_used_bytes = got[0]
+        return got[0]
 
     def blocks_per_node(self, seq_hashes: Hashes) -> Dict[str, int]:
         """How many of these blocks each node serves now: "host:port" -> count, every node listed,
