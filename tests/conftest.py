@@ -101,6 +101,7 @@ MODULE_KINDS = {
     "test_native_copy": "unit",
     "test_nixl_progress_threads": "integration",
     "test_node_cache": "integration",
+    "test_node_late_reply": "integration",
     "test_node_quota": "integration",
     "test_node_serve": "unit",
     "test_nodes": "unit",

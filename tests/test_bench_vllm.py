@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from dynamo_flexkv.core.procgroup import members
 from dynamo_flexkv.bench import BENCHES, NOT_IN_ALL, build_parser
 from dynamo_flexkv.bench import vllm_setup as vs
 from dynamo_flexkv.bench import vllm_ttft as v
@@ -350,5 +351,4 @@ def test_the_node_engines_attach_to_a_real_cache_server_that_stops_with_its_grou
         pid = server.proc.pid
     finally:
         server.stop()
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pid, 0)
+    assert members(pid) == []  # no live process (zombies wait for init)

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from dynamo_flexkv.core.procgroup import members
 from dynamo_flexkv.serve import GraphError
 from dynamo_flexkv.serve import launcher as launcher_mod
 from dynamo_flexkv.serve.launcher import GraphStopped, Launcher
@@ -139,8 +140,7 @@ def test_a_worker_failing_its_probes_for_the_timeout_is_killed_as_hung_and_resta
         assert health.calls > calls  # readiness checks of the starting life, not liveness probes
     finally:
         launcher.shutdown()
-    with pytest.raises(ProcessLookupError):
-        os.killpg(first.pid, 0)
+    assert members(first.pid) == []  # no live process (zombies wait for init)
 
 
 @pytest.mark.integration

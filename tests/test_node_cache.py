@@ -226,8 +226,11 @@ def test_an_engine_whose_weights_changed_sees_no_old_block_and_the_old_namespace
         tokens = prompt(12, 6 * BS)
         a.store(tokens, list(range(6)))
         hashes = a.offload.block_hashes(tokens)
-        wait_until("A announced the blocks", lambda: held.prefix(("host",), hashes) == 6)
-        assert a.offload.weights_changed("step-2") == 6 + held.prefix(("disk",), hashes)
+        assert a.offload.drain(30)
+        wait_until(
+            "A announced the blocks", lambda: held.prefix(("host",), hashes) == held.prefix(("disk",), hashes) == 6
+        )
+        assert a.offload.weights_changed("step-2") == 12
         assert held.prefix(("host",), hashes) == 0 and held.prefix(("disk",), hashes) == 0
         assert a.offload.cached_tokens(tokens) == 0  # refused while B holds the old namespace: a miss
         assert b.offload.cached_tokens(tokens) == 6 * BS  # B still runs the weights before

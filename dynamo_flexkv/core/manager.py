@@ -30,10 +30,18 @@ from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
 from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
 from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
-from dynamo_flexkv.core.index.cache_engine import IndexListener, RemovalReason
+from dynamo_flexkv.core.index.cache_engine import IndexListener
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
-from dynamo_flexkv.core.stats import LinkStats, ManagerStats, RemoteTierStats, RequestStats, TaskStats, TierStats
+from dynamo_flexkv.core.stats import (
+    LinkStats,
+    ManagerStats,
+    RemoteTierStats,
+    RemovalReason,
+    RequestStats,
+    TaskStats,
+    TierStats,
+)
 from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
 from dynamo_flexkv.core.storage.ssd import SsdStore

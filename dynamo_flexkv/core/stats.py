@@ -8,11 +8,23 @@ for crossing a process boundary (vLLM's collective_rpc).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from dynamo_flexkv.core.cost import LinkCost
 from dynamo_flexkv.core.remote.stats import RemoteStats
+
+
+class RemovalReason(str, enum.Enum):
+    """Why blocks left a tier. Counted per tier (TierStats.removed_blocks, the removed_blocks
+    metrics) and logged; Dynamo 1.6.1's BlockRemoved event has no field for it."""
+
+    EVICTED = "evicted"  # the policy made room, and no copy stays below
+    DEMOTED = "demoted"  # the policy made room on host; the block stays on disk
+    INVALIDATED = "invalidated"  # computed with weights the engine no longer runs (weights_changed)
+    CLEARED = "cleared"  # a reset (reset_prefix_cache with the connector, an operator's clear)
+    FAILED = "failed"  # its bytes proved bad (a checksum) after it was ready
 
 
 @dataclass(frozen=True)
@@ -26,7 +38,7 @@ class TierStats:
     hit_blocks: int  # blocks gets found here
     stored_blocks: int  # blocks that landed here
     rolled_back_blocks: int  # blocks whose copy into the tier failed or was cancelled
-    # Blocks that left the tier, by why (core/index/cache_engine.py RemovalReason): evicted,
+    # Blocks that left the tier, by why (RemovalReason above): evicted,
     # demoted (still on disk), invalidated (weights changed), cleared (reset), failed (bad bytes).
     removed_blocks: Dict[str, int] = field(default_factory=dict)
 

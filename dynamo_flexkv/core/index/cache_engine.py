@@ -22,6 +22,7 @@ import numpy as np
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError, TierIndex
+from dynamo_flexkv.core.stats import RemovalReason
 
 log = logging.getLogger(__name__)
 
@@ -136,17 +137,6 @@ class TierCounters:
     stored_blocks: int = 0
     rolled_back_blocks: int = 0
     removed: Dict[str, int] = field(default_factory=dict)  # blocks that left the tier, by RemovalReason
-
-
-class RemovalReason(str, Enum):
-    """Why blocks left a tier. Counted per tier (TierStats.removed_blocks, the removed_blocks
-    metrics) and logged; Dynamo 1.6.1's BlockRemoved event has no field for it."""
-
-    EVICTED = "evicted"  # the policy made room, and no copy stays below
-    DEMOTED = "demoted"  # the policy made room on host; the block stays on disk
-    INVALIDATED = "invalidated"  # computed with weights the engine no longer runs (weights_changed)
-    CLEARED = "cleared"  # a reset (reset_prefix_cache with the connector, an operator's clear)
-    FAILED = "failed"  # its bytes proved bad (a checksum) after it was ready
 
 
 class CacheEngine:

@@ -83,6 +83,10 @@ class NodeUnavailable(ConnectionError, FlexKVError):
     """The node's cache service is not reachable now: nothing was loaded or stored (recompute)."""
 
 
+class NodeTimeout(NodeUnavailable):
+    """The service did not answer a request in time (stopped, or stuck): it may still run it."""
+
+
 class NodeRequestFailed(RuntimeError, FlexKVError):
     """The service answered a request with an error (e.g. it refused a request or ran out of
     tasks): that request did nothing (a lookup misses, a load or store does not start)."""
@@ -462,9 +466,17 @@ class NodeOffload(EngineOffload):
 
     # ---- requests ---------------------------------------------------------------------------------------
     def _request_task(self, make: Any) -> Tuple[_Task, Any]:
-        """A request that starts a task on the service: the task (under the engine's id) and the reply."""
+        """A request that starts a task on the service: the task (under the engine's id) and the reply.
+        One the service does not answer in time ends the connection: the service may still run it
+        later, and its copies must then find no engine (the engine reuses the blocks it got back),
+        so the late task fails there and commits nothing; the engine attaches again by itself."""
         conn = self._conn
-        value = self._request(make, conn=conn)
+        try:
+            value = self._request(make, conn=conn)
+        except NodeTimeout as e:
+            if conn is not None:
+                self._lost(conn, str(e))
+            raise
         assert conn is not None  # _request raised NodeUnavailable otherwise
         return self._task(conn.task_id(int(value["task"]))), value
 
@@ -488,7 +500,7 @@ class NodeOffload(EngineOffload):
         if not ev.wait(timeout):
             with conn.lock:
                 conn.replies.pop(rid, None)
-            raise NodeUnavailable(f"the node cache did not answer within {timeout} s")
+            raise NodeTimeout(f"the node cache did not answer within {timeout} s")
         took = time.monotonic() - t0
         if took > SLOW_CALL_S:  # the engine's step (or the scheduler's lookup) waited this long
             log.warning("node cache: a %s took %.0f ms to answer", type(msg).__name__, took * 1e3)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from dynamo_flexkv.core.stats import ManagerStats, RemoteTierStats
+from dynamo_flexkv.core.stats import ManagerStats, RemoteTierStats, RemovalReason
 
 if TYPE_CHECKING:  # the disagg roles import NIXL's agent lazily; the metrics only read their counters
     from dynamo_flexkv.integrations.disagg.leases import LeaseTable
@@ -219,9 +219,9 @@ def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
         "changed), cleared (a reset), failed (bad bytes)",
         labels=["tier", "reason"],
     )
-    for tier, s in tiers.items():
-        for reason, n in sorted(s.removed_blocks.items()):
-            removed.add_metric([tier, reason], n)
+    for tier, s in tiers.items():  # every reason, zero too: one dashboard query finds them all
+        for reason in RemovalReason:
+            removed.add_metric([tier, reason.value], s.removed_blocks.get(reason.value, 0))
     yield removed
     pool = GaugeMetricFamily(PREFIX + "pool_blocks", "Offload tier slots", labels=["tier", "state"])
     for tier, s in tiers.items():
