@@ -171,6 +171,11 @@ class _Collector:
         hits = CounterMetricFamily(
             "flexkv_node_tier_hit_blocks", "Blocks loads found per tier", labels=["model", "tier"]
         )
+        removed = CounterMetricFamily(
+            "flexkv_node_removed_blocks",
+            "Blocks that left a tier, by why (evicted, demoted, invalidated, cleared, failed)",
+            labels=["model", "tier", "reason"],
+        )
         for ns in st["namespaces"]:
             for tier in ("host", "disk"):
                 t = ns["tiers"].get(tier)
@@ -178,9 +183,12 @@ class _Collector:
                     used.add_metric([ns["model_id"], tier], t["used_blocks"])
                     cap.add_metric([ns["model_id"], tier], t["capacity_blocks"])
                     hits.add_metric([ns["model_id"], tier], t["hit_blocks"])
+                    for reason, n in sorted(t.get("removed_blocks", {}).items()):
+                        removed.add_metric([ns["model_id"], tier, reason], n)
         yield used
         yield cap
         yield hits
+        yield removed
         t_used = GaugeMetricFamily(
             "flexkv_node_tenant_used_bytes",
             "Bytes a tenant's blocks take per tier (remote: as Redis accounts it, with a remote quota)",
