@@ -29,7 +29,6 @@ PROMPT = list(range(4 * TPB))
 STORED = [0, 1, 2, 3]  # device blocks the prompt is stored from
 LOADED = [8, 9, 10, 11]  # device blocks the cancelled load copies into
 WAIT_S = 30.0  # bound on every wait for a condition (never reached when the code is right)
-CANCEL_BOUND_S = 2.0  # cancel -> blocks back, while the stalled copy is still held
 
 
 class Stall:
@@ -131,6 +130,15 @@ CASES = st.sampled_from(
 )
 
 
+def holds_back(off) -> list:
+    """The holds finished_holds() hands back, polled until some come (never more than WAIT_S)."""
+    deadline = time.monotonic() + WAIT_S
+    while not (got := off.finished_holds()):
+        assert time.monotonic() < deadline, "the cancelled load's blocks never came back"
+        time.sleep(0.001)
+    return got
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=CASES, layerwise=st.booleans(), layer=st.integers(0, MODEL.num_layers - 1), hand_back=st.booleans())
 def test_cancel_of_a_stalled_load_is_bounded_and_the_late_copy_writes_nothing(case, layerwise, layer, hand_back):
@@ -140,19 +148,17 @@ def test_cancel_of_a_stalled_load_is_bounded_and_the_late_copy_writes_nothing(ca
         kv = off.kv
         stored(off, from_disk)
         tid = started(off, stall)
-        t0 = time.monotonic()
         if hand_back:  # an aborted request: its blocks come back through finished_holds()
             off.cancel_load(tid, LOADED, key="req")
-            got = off.finished_holds()  # non-blocking: the blocks are back already
+            got = holds_back(off)  # a write of another layer running at the cancel may end first
         else:  # vLLM's layer timeout: the step collects the load with finish()
             off.cancel_load(tid, ())
             result = off.finish(tid)
             assert result.status is TaskStatus.CANCELLED
-        took = time.monotonic() - t0
-        assert took < CANCEL_BOUND_S, f"cancel took {took:.3f} s while the copy was stalled"
         if hand_back:
             assert [(h.key, h.blocks) for h in got] == [("req", LOADED)]
-        assert not stall.release.is_set()  # all of it while the copy is still held
+        # Bounded whatever the stall: all of it happened while the stalled copy is still held.
+        assert not stall.release.is_set()
         fill_pattern(kv, LOADED)
         stall.release.set()
         assert_idle(off)
@@ -219,11 +225,10 @@ def test_node_cache_cancel_of_a_stalled_load_is_bounded(tmp_path):
             stall.armed = True
             tid = off.load(tokens, loaded, 0)
             assert tid is not None and stall.stalled.wait(WAIT_S)
-            t0 = time.monotonic()
             off.cancel_load(tid, loaded, key="req")
-            got = off.finished_holds()
-            took = time.monotonic() - t0
-            assert [(h.key, h.blocks) for h in got] == [("req", loaded)] and took < CANCEL_BOUND_S
+            got = holds_back(off)
+            assert [(h.key, h.blocks) for h in got] == [("req", loaded)]
+            assert not stall.release.is_set()  # back while the stalled copy is still held
             for b in loaded:  # reused by the engine
                 for layer in engine.layers:
                     layer[b] = -1.0
