@@ -39,6 +39,7 @@ import functools
 import logging
 import sys
 import threading
+from types import FrameType
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -49,7 +50,7 @@ RUNNER_METHODS = ("reload_weights", "reset_lora_state")
 MODEL_METHODS = ("load_weights",)
 MAX_CALLER_FRAMES = 12  # register_kv_caches is called a few frames below the runner's initialize_kv_cache
 
-OnChange = Callable[[str], None]
+OnChange = Callable[[str], object]  # its result is ignored
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class WeightWatch:
         """Finds the model runner among the callers of this frame (vLLM calls register_kv_caches from
         the runner's initialize_kv_cache) and attaches to it. False, with a warning, where none is
         found: then no update is noticed."""
-        frame = sys._getframe(1)
+        frame: Optional[FrameType] = sys._getframe(1)
         for _ in range(MAX_CALLER_FRAMES):
             if frame is None:
                 break
