@@ -130,6 +130,7 @@ MODULE_KINDS = {
     "test_vllm_disagg": "served",
     "test_vllm_graph_e2e": "served",
     "test_vllm_groups": "unit",
+    "test_vllm_weight_update": "served",
     "test_vllm_weight_watch": "unit",
     "test_vllm_handover": "integration",
     "test_vllm_layouts": "served",
