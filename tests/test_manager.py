@@ -228,6 +228,7 @@ AFTER_SHUTDOWN = {
     "stats": lambda kv, p, t, dev: kv.stats(),
     "evict": lambda kv, p, t, dev: kv.evict("host"),
     "reset": lambda kv, p, t, dev: kv.reset(),
+    "weights_changed": lambda kv, p, t, dev: kv.weights_changed("v2"),
 }
 
 

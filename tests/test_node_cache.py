@@ -214,6 +214,33 @@ def test_engines_of_another_model_or_tenant_see_nothing_and_a_second_model_is_re
             e.offload.shutdown()
 
 
+def test_an_engine_whose_weights_changed_sees_no_old_block_and_the_old_namespace_gives_way(tmp_path):
+    """The attach key carries the weights: an engine that changed its weights leaves what it
+    announced (the router forgets it at once) and attaches to its new weights' namespace; an
+    engine still on the weights before keeps them; once nobody runs them, the next weights take
+    their place even with max_models=1."""
+    with node_server(tmp_path, host_gb=0.02, ssd_gb=0.05, max_models=1) as server:
+        path = server.options.socket_path
+        held = Held()
+        a, b = Engine(path, "A", listener=held), Engine(path, "B")
+        tokens = prompt(12, 6 * BS)
+        a.store(tokens, list(range(6)))
+        hashes = a.offload.block_hashes(tokens)
+        wait_until("A announced the blocks", lambda: held.prefix(("host",), hashes) == 6)
+        assert a.offload.weights_changed("step-2") == 6 + held.prefix(("disk",), hashes)
+        assert held.prefix(("host",), hashes) == 0 and held.prefix(("disk",), hashes) == 0
+        assert a.offload.cached_tokens(tokens) == 0  # refused while B holds the old namespace: a miss
+        assert b.offload.cached_tokens(tokens) == 6 * BS  # B still runs the weights before
+        b.offload.weights_changed("step-2")
+        wait_until("A attached to the new weights' namespace", lambda: a.offload.stats() is not None, timeout=30)
+        assert a.offload.cached_tokens(tokens) == 0 and b.offload.cached_tokens(tokens) == 0
+        a.store(tokens, list(range(6)))
+        assert b.load(tokens, list(range(10, 16))) == 6 and b.check(tokens, list(range(10, 16)), 0, 6) == []
+        assert len(server.namespaces()) == 1  # the old weights' namespace was retired
+        for e in (a, b):
+            e.offload.shutdown()
+
+
 def test_garbage_truncated_oversized_and_out_of_order_frames_end_that_connection_only(tmp_path):
     with node_server(tmp_path) as server:
         path = server.options.socket_path

@@ -7,11 +7,12 @@ import pytest
 from dynamo_flexkv.core.storage.ssd import JOURNAL, DiskEntry, SsdLayoutError, SsdStore
 
 BB = 4096
-FP = {"model": "m", "namespace": ""}
+FP = {"namespace": ""}
+WEIGHTS = {"model": "m"}
 
 
-def store(tmp_path, fp=FP, n=64):
-    return SsdStore([str(tmp_path / "a"), str(tmp_path / "b")], n, BB, fp)
+def store(tmp_path, fp=FP, n=64, lineage=WEIGHTS):
+    return SsdStore([str(tmp_path / "a"), str(tmp_path / "b")], n, BB, fp, lineage=lineage)
 
 
 def chain(start_block, hashes, parent=None):
@@ -36,18 +37,52 @@ def test_restart_adopts_valid_and_counts_the_rest(tmp_path):
     assert [e.seq_hash for e in report.adopted] == [1]
     assert report.torn == 2 and report.foreign == 1 + 2 and report.mismatched == 0
     s.close()
-    # Another model (or namespace) on the same directory is refused: those blocks are another
-    # tenant's cache. Nothing is dropped, and an explicit wipe (deleting the journal) frees the directory.
-    s = store(tmp_path, fp={"model": "other", "namespace": ""})
-    with pytest.raises(SsdLayoutError, match=r"model 'm' on disk vs 'other' here.*deleting .*flexkv-journal.log"):
+    # Another namespace on the same directory is refused: those blocks are another tenant's cache.
+    # Nothing is dropped, and an explicit wipe (deleting the journal) frees the directory.
+    s = store(tmp_path, fp={"namespace": "acme"})
+    with pytest.raises(SsdLayoutError, match=r"namespace '' on disk vs 'acme' here.*deleting .*flexkv-journal.log"):
         s.adopt(lambda entries: [e.checksum for e in entries])
     s.close()
     s = store(tmp_path)
     assert [e.seq_hash for e in s.adopt(lambda entries: [e.checksum for e in entries]).adopted] == [1]
     s.close()
     os.unlink(tmp_path / "a" / JOURNAL)
-    s = store(tmp_path, fp={"model": "other", "namespace": ""})
+    s = store(tmp_path, fp={"namespace": "acme"})
     assert s.adopt(lambda entries: [e.checksum for e in entries]).adopted == []
+    s.close()
+
+
+def test_blocks_of_other_weights_are_dropped_at_start_never_adopted(tmp_path):
+    """A worker restarted with other weights (another model_id, or a weight version set by
+    weights_changed) on the same directory starts, and adopts none of the old blocks."""
+    s = store(tmp_path)
+    s.record_stored(chain(0, [1, 2, 3]))
+    s.close()
+    s = store(tmp_path, lineage={"model": "m", "weights": "step-2"})
+    report = s.adopt(lambda entries: [e.checksum for e in entries])
+    assert report.adopted == [] and report.stale == 3 and report.mismatched == 0
+    s.record_stored(chain(5, [9]))
+    s.close()
+    s = store(tmp_path, lineage={"model": "m", "weights": "step-2"})  # the new weights' own blocks stay
+    assert [e.seq_hash for e in s.adopt(lambda entries: [e.checksum for e in entries]).adopted] == [9]
+    s.set_lineage({"model": "m", "weights": "step-3"})  # changed at run time: the header says so at once
+    s.close()
+    s = store(tmp_path, lineage={"model": "m", "weights": "step-2"})
+    assert s.adopt(lambda entries: [e.checksum for e in entries]).stale == 1
+    s.close()
+
+
+def test_a_journal_from_before_lineage_keeps_its_blocks(tmp_path):
+    """Journals written before the weights moved out of the fingerprint named the model there."""
+    s = SsdStore([str(tmp_path / "a"), str(tmp_path / "b")], 64, BB, {"namespace": "", "model": "m"})
+    s.record_stored(chain(0, [1, 2]))
+    s.close()
+    with open(tmp_path / "a" / JOURNAL) as f:
+        head, rest = f.readline(), f.read()
+    with open(tmp_path / "a" / JOURNAL, "w") as f:  # the old header: no lineage key
+        f.write(head.replace(', "lineage": {}', "").replace('"lineage": {}, ', "") + rest)
+    s = store(tmp_path)
+    assert [e.seq_hash for e in s.adopt(lambda entries: [e.checksum for e in entries]).adopted] == [1, 2]
     s.close()
 
 

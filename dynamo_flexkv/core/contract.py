@@ -230,6 +230,12 @@ class EngineOffload(ABC):
         (shared with other workers) keeps its copies."""
 
     @abstractmethod
+    def weights_changed(self, version: str) -> int:
+        """The engine's weights changed (a reload, an RL update, another adapter under the same
+        name), now named ``version``: no block computed before is ever returned again, on any tier;
+        the ones this engine announced leave the router's view at once. Returns the blocks dropped."""
+
+    @abstractmethod
     def describe(self) -> Dict[str, Any]:
         """Where the tiers are and how large (for logs and operators)."""
 

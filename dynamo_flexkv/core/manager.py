@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Union
@@ -30,6 +31,7 @@ from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
 from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
 from dynamo_flexkv.core.index.cache_engine import IndexListener
+from dynamo_flexkv.core.index.tier_index import IndexInvariantError
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.stats import LinkStats, ManagerStats, RemoteTierStats, RequestStats, TaskStats, TierStats
 from dynamo_flexkv.core.storage.device import DeviceCache
@@ -47,6 +49,8 @@ from dynamo_flexkv.core.transfer.runner import MoverHook, TransferRunner
 if TYPE_CHECKING:
     from dynamo_flexkv.core.remote import RemoteStore
 
+
+log = logging.getLogger(__name__)
 
 # Longest a put waits for host room held by running tasks before it stores what fits.
 MAX_PUT_DEFER_S = 10.0
@@ -73,16 +77,20 @@ class KVManager:
         model_id: str = "",
         mover_hook: Optional[MoverHook] = None,
         share_host: bool = False,
+        weights_version: str = "",
     ) -> None:
         """``mover_hook(link, mover)`` returns the mover each link's copies run on instead of the
         one built here (a public seam for fault injection and tracing; restart adoption reads
         the disk directly). ``share_host``: the host tier is a shared-memory segment (``host.fd``)
-        that engines of other processes map (the node cache, core/node/)."""
+        that engines of other processes map (the node cache, core/node/). ``weights_version``: the
+        version of the weights the engine runs, when it knows one (see weights_changed)."""
         self.model = model
         self._mover_hook = mover_hook
         self.config = config or CacheConfig.load()
         self.namespace = namespace or None
         self.model_id = model_id  # names the weights in the disk and remote fingerprints: same shape != same bytes
+        self.weights_version = weights_version  # salts every block's identity (weights_changed)
+        self.invalidated_blocks = 0  # host and disk blocks dropped because the weights changed
         self.tokens_per_block = self.config.tokens_per_block
         caps = self.config.tier_blocks(model)
         host_layout = self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST)
@@ -109,11 +117,8 @@ class KVManager:
                         self.config.ssd_cache_dir,
                         caps["disk"],
                         self.host.layout.block_bytes,
-                        dict(
-                            self.host.layout.fingerprint(),
-                            namespace=self.namespace or "",
-                            **({"model": self.model_id} if self.model_id else {}),
-                        ),
+                        dict(self.host.layout.fingerprint(), namespace=self.namespace or ""),
+                        lineage=self._lineage(),
                     )
                 except OSError as e:  # EFBIG / ENOSPC / EACCES: the files cannot be that large, or there
                     size = caps["disk"] * self.host.layout.block_bytes / GiB
@@ -220,7 +225,52 @@ class KVManager:
     # ---- queries -------------------------------------------------------------------------------
     def hashes(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None):
         self._check_open("hashes")
-        return namespaced_hashes(token_ids, self.tokens_per_block, self.namespace, lora_name, cache_salt)
+        return namespaced_hashes(token_ids, self.tokens_per_block, self._hash_namespace, lora_name, cache_salt)
+
+    @property
+    def _hash_namespace(self) -> Optional[str]:
+        """What salts every block hash: the namespace, and the weights once they changed."""
+        version = f"weights:{self.weights_version}" if self.weights_version else None
+        return "/".join(s for s in (self.namespace, version) if s) or None
+
+    def _lineage(self) -> Dict[str, str]:
+        """The weights the blocks are computed with, as the disk journal records them."""
+        return {k: v for k, v in (("model", self.model_id), ("weights", self.weights_version)) if v}
+
+    def weights_changed(self, version: str, timeout: Optional[float] = 60.0) -> int:
+        """The engine runs other weights now, named ``version`` (a revision, a digest of the new
+        weights, or the version an RL trainer gives them). From this call on every block's identity
+        carries ``version`` (its hash is salted with it), so a block computed with the weights before
+        never matches again on any tier, the remote one (shared with other workers) included. The
+        tasks in flight are cancelled (their copies of old KV commit nothing), then every host and
+        disk block is dropped (removal events: the router forgets them at once) and the disk
+        journal records the new weights, so a restart with them adopts none of the old blocks.
+        Returns the blocks dropped. The same ``version`` again changes nothing."""
+        if not isinstance(version, str) or not version.strip():
+            raise ValueError(f"weights_changed(version={version!r}): name the new weights with a non-empty string")
+        self._check_open("weights_changed")
+        with self._lock:
+            if version == self.weights_version:
+                return 0
+            self.weights_version = version  # hashes of anything planned from here on carry it
+            busy = [t for t in self.cache.task_ids() if isinstance(t, int)]  # the manager's task ids
+        if busy:
+            self.cancel(busy)
+        if not self.drain(timeout):
+            log.warning("weights_changed: tasks still running after %s s; their blocks are dropped when seen", timeout)
+        with self._lock:
+            before = {t: len(idx) for t, idx in self.cache.tiers.items()}
+            try:
+                self.cache.reset()
+            except IndexInvariantError:  # an engine thread started a task meanwhile: drop what is not busy
+                for tier, idx in self.cache.tiers.items():
+                    self.cache.evict(tier, len(idx))
+            dropped = sum(before[t] - len(idx) for t, idx in self.cache.tiers.items())
+            self.invalidated_blocks += dropped
+            if self.ssd is not None:
+                self.ssd.set_lineage(self._lineage())
+        log.info("weights changed to %r: %d blocks of the weights before dropped from host and disk", version, dropped)
+        return dropped
 
     def match(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> Dict[str, int]:
         """Cached prefix in tokens per tier (no side effects)."""

@@ -206,6 +206,9 @@ class EmbeddedOffload(EngineOffload):
         self._idle("reset_tiers", timeout).reset()
         return self.kv.remote is None
 
+    def weights_changed(self, version: str) -> int:
+        return self.kv.weights_changed(version)
+
     def describe(self) -> Dict[str, Any]:
         kv = self.kv
         return {

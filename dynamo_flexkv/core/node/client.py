@@ -169,6 +169,7 @@ class NodeOffload(EngineOffload):
         self._mover_hook = mover_hook  # wraps this engine's device copies (fault injection, tracing)
         self.socket_path = socket_path or config.node_socket or default_socket_path()
         self.failed_loads = 0
+        self.weights_version = ""  # weights_changed(): part of the attach key from then on
         self.device: Optional[DeviceCache] = None
         self._conn: Optional[_Connection] = None
         self._lock = threading.Lock()
@@ -223,7 +224,7 @@ class NodeOffload(EngineOffload):
                 Attach(
                     version=VERSION,
                     engine=self.engine,
-                    model_id=self.model_id,
+                    model_id=self.model_id + (f"|weights={self.weights_version}" if self.weights_version else ""),
                     num_layers=self.model.num_layers,
                     num_kv_heads=self.model.num_kv_heads,
                     head_size=self.model.head_size,
@@ -692,6 +693,33 @@ class NodeOffload(EngineOffload):
 
     def tier_files(self) -> List[str]:
         return []  # the service's: not this engine's to touch
+
+    def weights_changed(self, version: str) -> int:
+        """The attach key carries the weights: this engine leaves the namespace of the weights
+        before (its tasks there fail, the node blocks it announced leave its router view at once;
+        the blocks stay for the engines that still run those weights) and attaches to the
+        namespace of ``version``. Returns the blocks it had announced."""
+        if not isinstance(version, str) or not version.strip():
+            raise ValueError(f"weights_changed(version={version!r}): name the new weights with a non-empty string")
+        with self._lock:
+            if version == self.weights_version:
+                return 0
+            self.weights_version = version
+            conn = self._conn
+            announced = sum(len(seen) for seen in self._announced.values())
+        if conn is not None:
+            try:
+                conn.channel.send(Detach())
+            except ChannelClosed:
+                pass
+            self._lost(conn, "the engine's weights changed")
+            if not self._closed:
+                try:
+                    self._connect()  # at once (the retry thread _lost started stops once we are attached)
+                except NodeUnavailable as e:  # refused (its model budget is full): the retry thread tries again
+                    log.warning("%s", e)
+        log.info("node cache: weights changed to %r: left the namespace of the weights before", version)
+        return announced
 
     def announce_adopted(self) -> int:
         """The listener can publish now: the service sends it the node's blocks (what it re-adopted

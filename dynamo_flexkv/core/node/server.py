@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import socket
 import threading
 import uuid
@@ -164,6 +165,9 @@ class NodeCacheServer:
                 # of the same model (TP=4 beside TP=2, or unsharded) is budgeted as another model.
                 models = {_split(k) for k in self._namespaces}
                 if _split(key) not in models and len(models) >= self.options.max_models:
+                    self._retire_idle(_split(key))  # e.g. the weights before an RL update, detached
+                    models = {_split(k) for k in self._namespaces}
+                if _split(key) not in models and len(models) >= self.options.max_models:
                     have = [describe_key(k) for k in self._namespaces]
                     raise ConfigError(
                         f"this cache server holds {len(have)} model(s) already ({have}) and "
@@ -182,6 +186,24 @@ class NodeCacheServer:
                 self._namespaces[key] = ns
             ns.sessions[session.id] = session
             return ns
+
+    def _retire_idle(self, needed: Any) -> None:  # self._lock held
+        """Makes room for another model: the namespaces of one idle model (no engine attached: an
+        engine that changed its weights left them, or every engine of it went away) are shut down
+        and their disk files removed, oldest first. A namespace an engine uses is never touched."""
+        idle: Dict[Any, List[Namespace]] = {}
+        for k, ns in self._namespaces.items():
+            idle.setdefault(_split(k), []).append(ns)
+        for split, spaces in sorted(idle.items(), key=lambda kv: min(ns.created for ns in kv[1])):
+            if split == needed or any(ns.sessions for ns in spaces):
+                continue
+            for ns in spaces:
+                self._namespaces.pop(ns.key, None)
+                ns.kv.shutdown()
+                for d in ns.kv.config.ssd_cache_dir:
+                    shutil.rmtree(d, ignore_errors=True)
+                log.info("node cache: retired idle namespace %s to make room", describe_key(ns.key))
+            return
 
     def leave(self, ns: Namespace, session: Session) -> None:
         with self._lock:

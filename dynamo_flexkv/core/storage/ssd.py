@@ -87,11 +87,19 @@ class AdoptReport:
     torn: int = 0
     foreign: int = 0
     mismatched: int = 0
+    stale: int = 0  # blocks of other weights (another lineage): dropped, never adopted
 
 
 class SsdStore:
     def __init__(
-        self, dirs: Sequence[str], num_blocks: int, block_bytes: int, fingerprint: dict, *, direct: bool = True
+        self,
+        dirs: Sequence[str],
+        num_blocks: int,
+        block_bytes: int,
+        fingerprint: dict,
+        *,
+        direct: bool = True,
+        lineage: Optional[dict] = None,
     ) -> None:
         if not dirs:
             raise ValueError("the disk tier needs at least one ssd_cache_dir")
@@ -101,6 +109,10 @@ class SsdStore:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.fingerprint = dict(fingerprint, block_bytes=block_bytes, journal=JOURNAL_FORMAT)
+        # What weights the blocks were computed with (the model's identity and a weight version).
+        # Another layout or namespace is another tenant's cache (refused); other weights make the
+        # blocks stale (dropped at start: a worker restarted with new weights comes back empty).
+        self.lineage = dict(lineage or {})
         self.direct = direct
         per_file = -(-num_blocks // len(self.dirs))
         self.fds: List[int] = []
@@ -204,7 +216,7 @@ class SsdStore:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                header = json.dumps({"fingerprint": self.fingerprint}, sort_keys=True) + "\n"
+                header = json.dumps({"fingerprint": self.fingerprint, "lineage": self.lineage}, sort_keys=True) + "\n"
                 data = (header + "".join(_stored_line(e) for e in entries)).encode("ascii")
                 _write_all(fd, data)
                 os.fsync(fd)
@@ -277,11 +289,12 @@ class SsdStore:
                 log.warning("disk journal: cannot compact at start (%s); appending to the old one", e.strerror)
                 self._continue_journal()
         log.info(
-            "disk tier: adopted %d blocks, dropped %d torn, %d foreign, %d of another layout",
+            "disk tier: adopted %d blocks, dropped %d torn, %d foreign, %d of another layout, %d of other weights",
             len(report.adopted),
             report.torn,
             report.foreign,
             report.mismatched,
+            report.stale,
         )
         return report
 
@@ -293,9 +306,13 @@ class SsdStore:
         except FileNotFoundError:
             return []
         try:
-            fp = json.loads(header).get("fingerprint")
+            head = json.loads(header)
+            fp, lineage = head.get("fingerprint"), head.get("lineage")
         except (json.JSONDecodeError, AttributeError):
-            fp = None
+            fp = lineage = None
+        if isinstance(fp, dict) and lineage is None and "model" in fp:  # journals before lineage: the
+            fp = dict(fp)  # model's identity sat in the fingerprint
+            lineage = {"model": fp.pop("model")}
         live: Dict[int, DiskEntry] = {}
         for line in lines:
             body = _unsealed(line)
@@ -317,6 +334,16 @@ class SsdStore:
             if live and isinstance(fp, dict):
                 self._refuse_other_tenant(fp, len(live))
             report.mismatched = len(live)  # unreadable header or older journal format: nothing to keep
+            return []
+        if (lineage or {}) != self.lineage:
+            report.stale = len(live)
+            if live:
+                log.warning(
+                    "disk tier: dropping %d blocks computed with other weights (%s on disk, %s here)",
+                    len(live),
+                    lineage,
+                    self.lineage,
+                )
             return []
         out = []
         for e in live.values():
@@ -340,6 +367,13 @@ class SsdStore:
             f"opening it here would drop them: give this namespace/model its own ssd_cache_dir, or wipe "
             f"the old cache explicitly by deleting {', '.join(files)}"
         )
+
+    def set_lineage(self, lineage: dict) -> None:
+        """The weights changed: the journal's header says so at once (its blocks were dropped
+        first), so a restart with these weights adopts only what is stored from now on."""
+        with self._lock:
+            self.lineage = dict(lineage)
+            self._start_journal([e for e in self.entries.values()])
 
     def checksum_of(self, block_id: int) -> int:
         return self.entries[block_id].checksum
