@@ -26,7 +26,6 @@ import vllm_graph as vg
 from vllm_graph import VllmServe
 
 GRAPH = "agg_vllm"
-NAME = "VllmWorker-0"
 BS = 64
 P = vg.tokens(4801, 1500)  # 23 full blocks: 1,472 tokens the tiers can hold
 FILLERS = [vg.tokens(4900 + j, 1500) for j in range(3)]  # 72 blocks: P leaves the 56-block device cache
@@ -63,12 +62,18 @@ def sets(tmp: Path, model: Path, ssd: Path, offload: bool = True) -> List[str]:
 
 def engine(serve: VllmServe, route: str, body: dict, timeout: float = 300) -> dict:
     """POST /engine/<route> on the worker's system port (the host:port of its metrics URL)."""
-    base = serve.metrics[NAME].rsplit("/", 1)[0]
+    base = serve.metrics[worker(serve)].rsplit("/", 1)[0]
     req = urllib.request.Request(
         f"{base}/engine/{route}", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
     )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read() or b"{}")
+
+
+def worker(serve: VllmServe) -> str:
+    """The graph's one vLLM worker's name in serve's list."""
+    (name,) = [n for n in serve.metrics if n.startswith("VllmWorker")]
+    return name
 
 
 def ask(serve: VllmServe, prompt: List[int]) -> dict:
@@ -108,7 +113,7 @@ def test_a_weight_update_through_the_rl_routes_leaves_no_old_kv_in_the_tiers(tmp
     probe = None
     try:
         probe = vg.RouterProbe(frontend_pid(serve), tmp_path / "probe.log", block_size=BS)
-        wid = vg.worker_id(vg.scrape(serve.metrics[NAME]))
+        wid = vg.worker_id(vg.scrape(serve.metrics[worker(serve)]))
         first = ask(serve, P)
         push_off_device(serve)
         again = ask(serve, P)  # from the tiers, weights A
@@ -119,7 +124,8 @@ def test_a_weight_update_through_the_rl_routes_leaves_no_old_kv_in_the_tiers(tmp
         record["flush_cache"] = engine(serve, "flush_cache", {})
         push_off_device(serve)
         record["P after flush_cache (weights A)"] = ask(serve, P)["cached"]
-        # sleep + wake_up (the CPU worker ignores both)
+        # sleep + wake_up: the CPU worker ignores both, but vLLM's engine pauses with clear_cache, which
+        # resets the connector (reset_prefix_cache(reset_connector=True)): the tiers are dropped
         record["control/sleep"] = engine(serve, "control/sleep", {"level": 1})
         record["control/wake_up"] = engine(serve, "control/wake_up", {})
         push_off_device(serve)
@@ -132,15 +138,22 @@ def test_a_weight_update_through_the_rl_routes_leaves_no_old_kv_in_the_tiers(tmp
         )
         record["update seconds"] = round(time.monotonic() - t0, 2)
         record["resume_generation"] = engine(serve, "resume_generation", {})
+        # Before P is computed (and stored) again with B. The tiers' BlockRemoved events (and vLLM's
+        # own clear) are published at the engine's next step: a short other request makes one.
+        record["router view of P (device, host, disk) right after the update"] = probe.scores(P).get(wid, (0, 0, 0))
+        ask(serve, vg.tokens(4999, 40))
+        deadline = time.monotonic() + 15
+        while (view := probe.scores(P).get(wid, (0, 0, 0))) != (0, 0, 0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        record["router view of P after the next engine step"] = view
         after = ask(serve, P)
         record["P after the update: cached"] = after["cached"]
         record["P after the update: margin to fresh B"] = exactness.margin(after["gen"], oracle[tuple(P)])
-        view = probe.scores(P).get(wid, (0, 0, 0))
-        record["router view of P's blocks (device, host, disk) after the update"] = view
         print("\n" + "\n".join(f"{k}: {v}" for k, v in record.items()))
         assert record["update_weights_from_disk"]["status"] == "ok", record  # type: ignore[index]
         assert first["ids"] != after["ids"] or first["gen"].logprobs != after["gen"].logprobs  # B is other weights
         assert after["cached"] == 0, record
+        assert view == (0, 0, 0), record  # vLLM reset its prefix cache; the tiers' blocks left with BlockRemoved
         exactness.assert_exact({tuple(P): after["gen"]}, oracle, "P after the update to weights B")
     finally:
         if probe is not None:

@@ -601,13 +601,8 @@ class WorkerSide:
     def _tell_weights(self, version: str) -> bool:
         with self._weights_lock:
             if version != self._weights_told:
-                for off in self._offloads():
-                    changed = getattr(off, "weights_changed", None)
-                    if changed is not None:
-                        changed(version)
-                    # TEMPORARY until core's EngineOffload.weights_changed lands: drop host and disk
-                    elif not off.reset_tiers(self.settings.drain_timeout_s):
-                        log.warning("FlexKVConnector: weights changed; the remote tier keeps its old blocks")
+                dropped = sum(off.weights_changed(version) for off in self._offloads())
+                log.info("FlexKVConnector: tiers told of weights %r; %d old blocks dropped", version, dropped)
                 self._weights_told = version
         return True
 
