@@ -133,6 +133,8 @@ MODULE_KINDS = {
     "test_vllm_disagg": "served",
     "test_vllm_graph_e2e": "served",
     "test_vllm_groups": "unit",
+    "test_vllm_weight_update": "served",
+    "test_vllm_weight_watch": "unit",
     "test_vllm_handover": "integration",
     "test_vllm_layouts": "served",
     "test_vllm_node_cache": "served",

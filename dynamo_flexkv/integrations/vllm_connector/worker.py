@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
@@ -34,8 +35,9 @@ from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
 from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, lookup_endpoint
-from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings, load_mover_hook
+from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings, default_model_id, load_mover_hook
 from dynamo_flexkv.integrations.vllm_connector.step_clock import StepClock
+from dynamo_flexkv.integrations.vllm_connector.weights import WeightWatch
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,10 @@ class WorkerSide:
         self._ahead_failed: Set[str] = set()
         self._stored_groups: Dict[str, Dict[int, List[int]]] = {}  # for the store's TransferRecord
         self._release_after_load: Set[str] = set()
+        # The weights the tiers were told of (weights.py): "" is the weights the worker started with.
+        self.weights = WeightWatch(default_model_id)
+        self._weights_told = ""
+        self._weights_lock = threading.Lock()
 
     # ---- setup -----------------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
@@ -167,6 +173,7 @@ class WorkerSide:
                 self._register_aux(desc, cache, share, model_id, replicated, hook)
             self._layer = desc.layer_index(kv_caches)
             self.clock = StepClock(cuda=desc.tensors[0].is_cuda)
+            self._watch_weights()
             if self.settings.handover and not hybrid:
                 self._start_handover(desc)
             # Every rank answers for its own shard; the scheduler takes the smallest answer.
@@ -250,6 +257,8 @@ class WorkerSide:
             log.warning("FlexKVConnector: no handover agent (%s); the next connector hands requests over", e)
 
     def _lookup(self, tokens, lora: Optional[str], salt: Optional[str], prompt_tokens: int, local_blocks: int) -> int:
+        if not self._weights_current():  # KV of other weights: a miss until the tiers heard of the change
+            return 0
         if self.tiers is not None:
             return self.tiers.cached_tokens(tokens, lora, salt, prompt_tokens, local_blocks)
         return self._registered("lookup").cached_tokens(
@@ -326,6 +335,9 @@ class WorkerSide:
 
     def _start(self, spec: LoadSpec) -> None:
         offload = self._registered("load")
+        if not self._weights_current():  # looked up before a weight update: recomputed
+            self._fail(spec, 0)
+            return
         try:
             self._alias(spec.token_ids, spec.event_hashes, spec.lora_name, spec.cache_salt)
             tid = offload.load(
@@ -346,6 +358,10 @@ class WorkerSide:
         """A hybrid model's load: every group's part, ahead of the request's first step (vLLM
         waits for finished_loads); a part that cannot start fails the whole request, which vLLM
         then computes."""
+        if not self._weights_current():  # looked up before a weight update: computed
+            self._ahead_failed.add(spec.req_id)
+            self.counters.recomputed += spec.num_blocks * self.settings.block_size
+            return
         self._alias(spec.token_ids, spec.event_hashes, spec.lora_name, spec.cache_salt)
         try:
             parts = tiers.load(spec.token_ids, spec.groups, spec.skip_blocks, spec.lora_name, spec.cache_salt)
@@ -562,6 +578,32 @@ class WorkerSide:
             )
             return False
         log.info("FlexKVConnector: host and disk tiers reset (reset_prefix_cache)")
+        return True
+
+    # ---- weight updates (weights.py) ------------------------------------------------------------------
+    def _watch_weights(self) -> None:
+        """Notices the weight updates vLLM runs in this process and tells the tiers at once."""
+        self.weights.on_change(self._tell_weights)
+        self.weights.attach_from_caller()  # the runner calling register_kv_caches
+
+    def _weights_current(self) -> bool:
+        """Whether the tiers were told of the weights loaded now (tells them where not yet); False
+        where telling failed: nothing is looked up or loaded then, the next call tries again."""
+        version = self.weights.version()
+        if version == self._weights_told:
+            return True
+        try:
+            return self._tell_weights(version)
+        except Exception:  # noqa: BLE001 - a miss now, told at the next lookup or load
+            log.exception("FlexKVConnector: telling the tiers of the weight change failed; treated as a miss")
+            return False
+
+    def _tell_weights(self, version: str) -> bool:
+        with self._weights_lock:
+            if version != self._weights_told:
+                dropped = sum(off.weights_changed(version) for off in self._offloads())
+                log.info("FlexKVConnector: tiers told of weights %r; %d old blocks dropped", version, dropped)
+                self._weights_told = version
         return True
 
     def step_stats(self) -> Dict[str, Any]:

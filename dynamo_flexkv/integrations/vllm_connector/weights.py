@@ -1,0 +1,173 @@
+"""Which weights the worker's KV was computed with: ``WeightWatch`` notices, inside vLLM's worker
+process, every weight update that vLLM runs there, so the connector's tiers stop serving KV of the
+old weights without anyone telling them (Dynamo 1.6.1's RL routes call ``reset_prefix_cache()``
+without ``reset_connector=True``).
+
+Where the weights of a running vLLM 0.31 worker can change (read in vllm/v1/worker/gpu_worker.py,
+gpu_model_runner.py, distributed/weight_transfer/*): every path goes through one of three methods
+of the worker's model runner or model, and the watch wraps those three on the instances:
+
+* ``runner.reload_weights(...)``: ``collective_rpc("reload_weights")`` (Dynamo's
+  ``/engine/update_weights_from_disk``, vLLM's own ``/reload_weights``), from a path, from the
+  model's own directory or from an iterator, in checkpoint or in kernel format (the kernel format
+  path copies into the parameters directly, without ``load_weights``).
+* ``runner.reset_lora_state()``: vLLM calls it after every update it finishes, the last line of
+  ``reload_weights`` and of ``Worker.finish_weight_update`` (the weight transfer engines, NCCL /
+  IPC / m2n, including the m2n path that receives straight into the parameters' storage).
+* ``model.load_weights(...)``: the weight transfer engines' chunks and RL frameworks' worker
+  extensions (``--worker-extension-cls``, e.g. an ``update_weights_from_path`` of their own), which
+  call the model's ``load_weights``.
+
+A wrapped call that ends, normally or by an exception (the weights may be half written), gives
+the weights a new version at once, in the worker's thread, before the next step can look up or
+load anything; nested calls (``reload_weights`` calls the other two) count once. Not seen: code
+that writes the parameters by other means (a pickled function sent through ``collective_rpc``
+that copies into them): give such an update its own ``model_id`` or reset the tiers
+(``reset_prefix_cache(reset_connector=True)``). Sleep and wake-up keep the weights (level 2 drops
+them and a reload follows, which the watch sees); on the CPU platform both do nothing.
+
+The version names the weights, so that ranks and engines agree where they can: after a reload
+from a directory it is that directory's ``default_model_id`` (its weight files' names, sizes and
+modification times: the same checkpoint gives the same version everywhere); after any other
+update it is ``update:<engine>:<launch>:<n>``, the same on every tensor-parallel rank (collective
+calls run on all of them, in the same order) and never reused by another engine or launch. Before
+any update it is "" (the weights the worker started with, which ``model_id`` names)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+from types import FrameType
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+log = logging.getLogger(__name__)
+
+# The runner's and model's methods through which vLLM 0.31 changes a running worker's weights.
+RUNNER_METHODS = ("reload_weights", "reset_lora_state")
+MODEL_METHODS = ("load_weights",)
+MAX_CALLER_FRAMES = 12  # register_kv_caches is called a few frames below the runner's initialize_kv_cache
+
+OnChange = Callable[[str], object]  # its result is ignored
+
+
+@dataclass(frozen=True)
+class WeightChange:
+    """One update the watch saw: which call, and the version it gave the weights."""
+
+    method: str
+    version: str
+    failed: bool  # the call raised: the weights may be half written, still a new version
+
+
+class WeightWatch:
+    """A version of the worker's weights that changes with every update vLLM runs (module doc).
+
+    ``on_change(version)`` is called in the thread that ran the update, after it, once per
+    outermost update; the watch is thread-safe to read (``version()``) from the lookup thread."""
+
+    def __init__(self, model_id_of: Optional[Callable[[Any], str]] = None) -> None:
+        self.nonce = ""  # engine and launch (nonce_of): keeps the "update:..." versions of two engines apart
+        self._model_id_of = model_id_of  # the runner's vllm_config -> the id of the weights now loaded
+        self._version = ""
+        self._updates = 0
+        self._depth = 0
+        self._listeners: List[OnChange] = []
+        self._lock = threading.Lock()
+        self.attached = False
+        self.changes: List[WeightChange] = []
+
+    def version(self) -> str:
+        with self._lock:
+            return self._version
+
+    def on_change(self, listener: OnChange) -> None:
+        self._listeners.append(listener)
+
+    # ---- attaching ---------------------------------------------------------------------------------
+    def attach(self, runner: Any) -> None:
+        """Wraps the runner's and its model's update methods (module doc) on these instances."""
+        self.nonce = nonce_of(getattr(runner, "vllm_config", None))
+        for name in RUNNER_METHODS:
+            self._wrap(runner, name, runner)
+        self._wrap(runner.get_model(), "load_weights", runner)
+        self.attached = True
+
+    def attach_from_caller(self) -> bool:
+        """Finds the model runner among the callers of this frame (vLLM calls register_kv_caches from
+        the runner's initialize_kv_cache) and attaches to it. False, with a warning, where none is
+        found: then no update is noticed."""
+        frame: Optional[FrameType] = sys._getframe(1)
+        for _ in range(MAX_CALLER_FRAMES):
+            if frame is None:
+                break
+            runner = frame.f_locals.get("self")
+            if runner is not None and all(callable(getattr(runner, m, None)) for m in (*RUNNER_METHODS, "get_model")):
+                self.attach(runner)
+                return True
+            frame = frame.f_back
+        log.warning(
+            "FlexKVConnector: no vLLM model runner among register_kv_caches' callers: weight updates in this "
+            "worker are not noticed; after one, reset the tiers (reset_prefix_cache(reset_connector=True))"
+        )
+        return False
+
+    def _wrap(self, owner: Any, name: str, runner: Any) -> None:
+        inner = getattr(owner, name)
+        if getattr(inner, "__flexkv_weight_watch__", None) is self:
+            return  # attached twice (MultiConnector, a second registration): count each update once
+
+        @functools.wraps(inner)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self._depth += 1
+            failed = True
+            try:
+                out = inner(*args, **kwargs)
+                failed = False
+                return out
+            finally:
+                with self._lock:
+                    self._depth -= 1
+                    outermost = self._depth == 0
+                if outermost:
+                    self._changed(name, runner, failed, args, kwargs)
+
+        watched.__flexkv_weight_watch__ = self  # type: ignore[attr-defined]
+        setattr(owner, name, watched)
+
+    # ---- a change ----------------------------------------------------------------------------------
+    def _changed(self, method: str, runner: Any, failed: bool, args: tuple, kwargs: dict) -> None:
+        version = self._next_version(method, runner, failed, args, kwargs)
+        with self._lock:
+            self._version = version
+            self.changes.append(WeightChange(method, version, failed))
+        log.info("FlexKVConnector: weights changed (%s%s): version %r", method, ", failed" if failed else "", version)
+        for listener in self._listeners:
+            try:
+                listener(version)
+            except Exception:  # noqa: BLE001 - never fail the user's update; readers compare version()
+                log.exception("FlexKVConnector: acting on the weight change failed; retried at the next lookup")
+
+    def _next_version(self, method: str, runner: Any, failed: bool, args: tuple, kwargs: dict) -> str:
+        with self._lock:
+            self._updates += 1
+            n = self._updates
+        # A whole reload from a directory (reload_weights sets model_config.model to weights_path):
+        # the directory's files name the weights, wherever and however often they are loaded.
+        from_dir = method == "reload_weights" and not args and kwargs.get("weights_iterator") is None and not failed
+        if from_dir and self._model_id_of is not None:
+            try:
+                return "model:" + self._model_id_of(runner.vllm_config)
+            except Exception:  # noqa: BLE001 - no id of the directory: a version of this engine's own
+                log.exception("FlexKVConnector: naming the reloaded weights failed")
+        return f"update:{self.nonce}:{n}"
+
+
+def nonce_of(vllm_config: Any) -> str:
+    """This engine and launch: the KV transfer engine id (per engine) and vLLM's instance id (set
+    once in the engine process, the same in every worker it starts)."""
+    kt = getattr(vllm_config, "kv_transfer_config", None)
+    return f"{getattr(kt, 'engine_id', '')}:{getattr(vllm_config, 'instance_id', '')}"
