@@ -30,7 +30,7 @@ from dynamo_flexkv.core.remote.codec import (
 from dynamo_flexkv.core.remote.config import RemoteConfig
 from dynamo_flexkv.core.remote.connections import NodeConnections
 from dynamo_flexkv.core.remote.errors import RemoteAuthError, RemoteClosedError, RemoteError, RemoteUnavailableError
-from dynamo_flexkv.core.remote import quota
+import dynamo_flexkv.core.remote.quota as quota
 from dynamo_flexkv.core.remote.stats import RemoteStats
 from dynamo_flexkv.core.remote.resp import ProtocolError, ReplyError, RespConnection, ServerError, encode_command
 
