@@ -631,3 +631,29 @@ def test_two_threads_waiting_on_one_task_get_its_result_once(tmp_path):
         assert kv.stats().tasks.in_flight == 0
     finally:
         kv.shutdown()
+
+
+def test_a_restarts_announcement_can_be_repeated_for_a_subscriber_that_dropped_it(tmp_path):
+    """announce_adopted(repeat=True) sends the re-adopted blocks still held again (the router may
+    have dropped the first copy); blocks evicted since are not sent."""
+    kv, dev = open_manager(tmp_path)
+    store(kv, dev, prompt(7, 4), [0, 1, 2, 3])
+    kv.shutdown()
+    seen: list = []
+
+    class Listener:
+        def on_stored(self, tier, run) -> None:
+            seen.append(len(run.hashes))
+
+        def on_removed(self, tier, hashes) -> None:
+            pass
+
+    kv = KVManager(MODEL, config(tmp_path), listener=Listener())
+    try:
+        assert kv.announce_adopted(repeat=True) == 0  # nothing announced yet: nothing to repeat
+        assert kv.announce_adopted() == 4 and kv.announce_adopted() == 0  # once only
+        assert kv.announce_adopted(repeat=True) == 4 and seen == [4, 4]
+        kv.evict("disk")
+        assert kv.announce_adopted(repeat=True) == 0
+    finally:
+        kv.shutdown()

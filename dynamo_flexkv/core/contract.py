@@ -244,10 +244,12 @@ class EngineOffload(ABC):
         """The disk tier's data files this process owns (none in node mode: the service's)."""
 
     @abstractmethod
-    def announce_adopted(self) -> int:
+    def announce_adopted(self, repeat: bool = False) -> int:
         """The listener's events can reach the router now: call once, when the event subscriber is
         connected. Embedded: announces the disk blocks re-adopted at a restart. Node: the service
-        sends the node's blocks, then every change (before it, the listener hears nothing)."""
+        sends the node's blocks, then every change (before it, the listener hears nothing).
+        ``repeat``: the same again for a subscriber that may have dropped the first (embedded: the
+        re-adopted blocks still held; node: nothing, each attach sends the node's blocks)."""
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -99,6 +99,7 @@ class KVManager:
         self.model_id = model_id  # names the weights in the disk and remote fingerprints: same shape != same bytes
         self.weights_version = weights_version  # salts every block's identity (weights_changed)
         self.invalidated_blocks = 0  # host and disk blocks dropped because the weights changed
+        self._adopted_runs: List[Any] = []  # what announce_adopted() sent: announce_adopted(repeat=True) again
         self.tokens_per_block = self.config.tokens_per_block
         caps = self.config.tier_blocks(model)
         host_layout = self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST)
@@ -218,17 +219,22 @@ class KVManager:
             return NixlDiskMover(self.host, self.ssd, gds=self.config.enable_gds)
         return DiskMover(self.host, self.ssd, self.config.io_queue_depth)
 
-    def announce_adopted(self) -> int:
+    def announce_adopted(self, repeat: bool = False) -> int:
         """Sends the index listener (the router's events) a Stored event for every disk block
         re-adopted at start that is still held: the old process's announcements died with it. Call
-        once, when the event subscriber is connected. Returns the blocks announced; blocks
-        journaled without token ids (and their descendants) cannot be named and are skipped."""
+        once, when the event subscriber is connected; ``repeat``: the same blocks again (those
+        still held), for a subscriber that may have dropped the first. Returns the blocks
+        announced; blocks journaled without token ids (and their descendants) cannot be named and
+        are skipped."""
         self._check_open("announce_adopted")
+        if repeat:
+            return self.cache.announce(self._adopted_runs)
         report = getattr(self, "adopt_report", None)
         if report is None or not report.adopted:
             return 0
         self.adopt_report = dataclasses.replace(report, adopted=[])  # once only
-        return self.cache.announce(adopted_chains(report.adopted, self.tokens_per_block))
+        self._adopted_runs = adopted_chains(report.adopted, self.tokens_per_block)
+        return self.cache.announce(self._adopted_runs)
 
     # ---- queries -------------------------------------------------------------------------------
     def hashes(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None):

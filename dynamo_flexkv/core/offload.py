@@ -225,8 +225,8 @@ class EmbeddedOffload(EngineOffload):
 
         return [os.path.join(d, DATA) for d in self.kv.ssd.dirs] if self.kv.ssd else []
 
-    def announce_adopted(self) -> int:
-        return self.kv.announce_adopted()
+    def announce_adopted(self, repeat: bool = False) -> int:
+        return self.kv.announce_adopted(repeat)
 
     def shutdown(self) -> None:
         self.kv.shutdown()

@@ -47,9 +47,6 @@ MEDIUM: Dict[Optional[object], Optional[str]] = {
 }
 
 
-NUDGE_HASH = -0x0F1E_2D3C_4B5A_6978  # the block nudge() stores and removes: a fixed i64, not a chain of ours
-
-
 def signed_hash(h: int) -> int:
     """Dynamo's relay reads block hashes as i64; ours are u64."""
     return h - (1 << 64) if h >= (1 << 63) else h
@@ -202,28 +199,6 @@ class KvEventRelay:
             self._known.clear()
             self._enqueue({"type": "AllBlocksCleared"}, None)
             self._grew(1)
-
-    def nudge(self) -> None:
-        """Sends one frame the router applies and forgets (a device block stored and removed): a
-        later event id. Dynamo 1.6.1's router drops the events of a publisher it has not activated
-        yet; the next event of that publisher it sees after activating it shows a gap, which it
-        repairs from the worker's local indexer, where the dropped events are."""
-        tokens = [0] * self.block_size
-        with self._lock:
-            self._check_open()
-            self._enqueue(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [NUDGE_HASH],
-                    "parent_block_hash": None,
-                    "token_ids": tokens,
-                    "block_size": self.block_size,
-                    "lora_name": None,
-                },
-                None,
-            )
-            self._enqueue({"type": "BlockRemoved", "block_hashes": [NUDGE_HASH]}, None)
-            self._send_pending()
 
     def known_blocks(self, tier: Optional[Tier]) -> int:
         """Blocks of ``tier`` the router was told about and not told to remove."""

@@ -733,10 +733,10 @@ class NodeOffload(EngineOffload):
         log.info("node cache: weights changed to %r: left the namespace of the weights before", version)
         return announced
 
-    def announce_adopted(self) -> int:
+    def announce_adopted(self, repeat: bool = False) -> int:
         """The listener can publish now: the service sends it the node's blocks (what it re-adopted
         included), then every change; after a re-attach it does so at once. Returns the blocks sent."""
-        if self.listener is None or self._publishing:
+        if self.listener is None or self._publishing or repeat:
             return 0
         self._publishing = True
         try:

@@ -57,7 +57,7 @@ ENGINE_DATA_KEY = "flexkv"
 
 SUBSCRIBER_WAIT_S = 10.0  # on_endpoint_ready: the Worker's publisher subscribed already, unless KV routing is off
 LATE_SUBSCRIBER_WAIT_S = 120.0
-NUDGE_AFTER_S = (0.5, 1.5, 4.0, 10.0)  # _nudge_router: waits between the later events
+REPEAT_AFTER_S = (0.5, 1.5, 4.0, 10.0)  # _repeat_announcement: waits between the repeats
 
 engine_failed = False  # the engine thread died and the worker stopped itself: exit non-zero
 
@@ -371,20 +371,22 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self.relay.flush(force=True)  # out now, before the Worker attaches the model card
         if n:
             log.info("announced %d re-adopted disk blocks to the router", n)
-            threading.Thread(target=self._nudge_router, name="flexkv-nudge", daemon=True).start()
+            threading.Thread(target=self._repeat_announcement, name="flexkv-announce-again", daemon=True).start()
 
-    def _nudge_router(self) -> None:
+    def _repeat_announcement(self) -> None:
         """The announcement normally reaches the router in the recovery dump it reads from the
-        worker's local indexer when it activates this worker. Where the local indexer took the
-        announcement after that read (seen under heavy load: 1 of 20 runs), the live copy was
-        dropped as the event of an inactive publisher; a later event then shows the router a gap,
-        which it repairs from that indexer. So a few later events, after the model card is out."""
-        for delay in NUDGE_AFTER_S:
+        worker's local indexer when it activates this worker. Under heavy load the router read
+        that dump before the local indexer took the announcement (2 of 40 runs beside a full test
+        suite), and dropped the live copy as an inactive publisher's; later events did not bring it
+        back (the dump's event id had counted it). So the same blocks are announced again a few
+        times after the model card is out: a Stored of blocks the router holds changes nothing."""
+        for delay in REPEAT_AFTER_S:
             if self._stop.wait(delay):
                 return
             try:
-                self.relay.nudge()
-            except RuntimeError:  # the relay closed: the worker stops
+                self.offload.announce_adopted(repeat=True)
+                self.relay.flush(force=True)
+            except RuntimeError:  # the relay or the tiers closed: the worker stops
                 return
 
     # ---- the engine thread -------------------------------------------------------------------------
