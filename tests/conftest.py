@@ -94,6 +94,7 @@ MODULE_KINDS = {
     "test_import_cycles": "unit",
     "test_layers": "integration",
     "test_layout": "unit",
+    "test_lineage_and_quota_races": "integration",
     "test_liveness": "unit",
     "test_manager": "unit",
     "test_manager_misuse_and_restarts": "unit",

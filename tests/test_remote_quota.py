@@ -68,10 +68,10 @@ def test_a_flooding_tenant_evicts_only_its_own_blocks(redis_server: RedisServer)
             assert a.put(*(last[0], list(last[1]))) == 6
             used = a.quota_usage()
             assert used is not None and used <= quota_a
-            assert len(keys_of(redis_server, FP_A)) * VALUE <= quota_a
+            assert len(keys_of(redis_server, a.fingerprint)) * VALUE <= quota_a  # a tenant's own keys
         # acme holds its newest blocks, up to its quota; bolt every block it stored, bit-exact.
         assert loads_exactly(a, *last) == 6
-        assert a.quota_usage() == 10 * VALUE and len(keys_of(redis_server, FP_A)) == 10
+        assert a.quota_usage() == 10 * VALUE and len(keys_of(redis_server, a.fingerprint)) == 10
         assert a.stats().quota_evicted == 20 * 6 - 10
         assert loads_exactly(b, seq_b, data_b) == 30
         assert b.stats().quota_evicted == 0 and b.quota_usage() == 30 * VALUE
@@ -106,7 +106,7 @@ def test_workers_of_one_tenant_share_its_account(redis_server: RedisServer) -> N
         assert a1.put(seq1, list(data1)) == 6
         assert a2.put(seq2, list(data2)) == 6
         assert a1.quota_usage() == a2.quota_usage() == 8 * VALUE
-        assert len(keys_of(redis_server, FP_A)) + len(keys_of(redis_server, fp2)) == 8
+        assert len(keys_of(redis_server, a1.fingerprint)) + len(keys_of(redis_server, a2.fingerprint)) == 8
         assert loads_exactly(a2, seq2, data2) == 6  # the older model's blocks went first
 
 

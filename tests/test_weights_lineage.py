@@ -130,3 +130,16 @@ def test_every_block_that_leaves_a_tier_says_why(tmp_path):
         assert kv.stats().disk.removed_blocks["cleared"] == 6 and kv.stats().host.removed_blocks["cleared"] == 6
     finally:
         kv.shutdown()
+
+
+def test_a_namespace_cannot_spell_another_namespace_with_weights(tmp_path):
+    """The salt is a JSON pair once the weights changed: namespace "weights:v2" (or "a/weights:v2")
+    never hashes like namespace "" (or "a") at weights version "v2"."""
+    plain = KVManager(MODEL, config(tmp_path / "1", disk_blocks=0), namespace="weights:v2")
+    versioned = KVManager(MODEL, config(tmp_path / "2", disk_blocks=0), weights_version="v2")
+    try:
+        p = prompt(30, 2)
+        assert list(plain.hashes(p).sequence) != list(versioned.hashes(p).sequence)
+    finally:
+        plain.shutdown()
+        versioned.shutdown()

@@ -7,7 +7,7 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 
@@ -24,6 +24,7 @@ class DeferredPut:
     dev_ids: np.ndarray
     after: Any  # the CUDA event recorded at put_async: the copy waits for the engine's writes
     device: Any = None  # an attached engine's device (node cache), which copies its blocks itself
+    generation: Optional[int] = None  # the cache engine's generation its hashes belong to
     since: float = dataclasses.field(default_factory=time.monotonic)
 
 

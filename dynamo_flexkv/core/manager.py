@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import threading
 import time
@@ -241,11 +242,21 @@ class KVManager:
         self._check_open("hashes")
         return namespaced_hashes(token_ids, self.tokens_per_block, self._hash_namespace, lora_name, cache_salt)
 
+    def _task_hashes(self, token_ids, lora_name: Optional[str], cache_salt: Optional[str]):
+        """A task's hashes and the generation they belong to (the cache engine plans and commits
+        nothing of a task whose generation is no longer current: weights_changed)."""
+        self._check_open("hashes")
+        with self._lock:
+            generation, salt = self.cache.generation, self._hash_namespace
+        return generation, namespaced_hashes(token_ids, self.tokens_per_block, salt, lora_name, cache_salt)
+
     @property
     def _hash_namespace(self) -> Optional[str]:
-        """What salts every block hash: the namespace, and the weights once they changed."""
-        version = f"weights:{self.weights_version}" if self.weights_version else None
-        return "/".join(s for s in (self.namespace, version) if s) or None
+        """What salts every block hash: the namespace, and the weights once they changed (as a JSON
+        pair: no namespace string can spell a namespace with weights)."""
+        if not self.weights_version:
+            return self.namespace
+        return json.dumps([self.namespace or "", self.weights_version])
 
     def _lineage(self) -> Dict[str, str]:
         """The weights the blocks are computed with, as the disk journal records them."""
@@ -260,13 +271,14 @@ class KVManager:
         disk block is dropped (removal events: the router forgets them at once) and the disk
         journal records the new weights, so a restart with them adopts none of the old blocks.
         Returns the blocks dropped. The same ``version`` again changes nothing."""
+        self._check_open("weights_changed")
         if not isinstance(version, str) or not version.strip():
             raise ValueError(f"weights_changed(version={version!r}): name the new weights with a non-empty string")
-        self._check_open("weights_changed")
         with self._lock:
             if version == self.weights_version:
                 return 0
             self.weights_version = version  # hashes of anything planned from here on carry it
+            self.cache.bump_generation()  # a task hashed before plans and commits nothing
             busy = [t for t in self.cache.task_ids() if isinstance(t, int)]  # the manager's task ids
         if busy:
             self.cancel(busy)
@@ -318,7 +330,7 @@ class KVManager:
         ``device``: an attached engine's device, which copies its blocks itself (the node cache);
         ``on_done``: receives the result instead of wait() (called once, from any thread)."""
         self._need_device("get_async", device)
-        h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+        generation, h = self._task_hashes(token_ids, lora_name, cache_salt)
         skip_blocks = arguments.skip_blocks(skip_blocks, len(token_ids), self.tokens_per_block)
         dev_ids = self._device_ids(token_ids, device_block_ids, device)
         with self._issue(TaskKind.GET, on_done) as task:
@@ -329,7 +341,7 @@ class KVManager:
                 decision = self._decide(seq, start, probe, max(int(prompt_tokens), len(token_ids)), layerwise)
                 seq = seq[: max(decision.end, start)]  # the blocks past it are recomputed, not planned
                 probe = (probe[0], min(probe[1], len(seq))) if probe and min(probe[1], len(seq)) > probe[0] else None
-            plan = self.cache.plan_get(task.id, seq, start, probe)
+            plan = self.cache.plan_get(task.id, seq, start, probe, generation)
             if plan.num_blocks == 0:
                 self.cache.abort_task(task.id)
                 task.finish(TaskResult(task.id, TaskKind.GET, TaskStatus.NOT_FOUND))
@@ -399,10 +411,10 @@ class KVManager:
     ) -> int:
         """Brings the disk part of a cached prefix into host memory (no device copy)."""
         self._check_open("prefetch_async")
-        h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+        generation, h = self._task_hashes(token_ids, lora_name, cache_salt)
         with self._issue(TaskKind.PREFETCH, on_done) as task:
             seq = _int_list(h.sequence)
-            plan = self.cache.plan_get(task.id, seq, 0, self._remote_probe(seq, 0))
+            plan = self.cache.plan_get(task.id, seq, 0, self._remote_probe(seq, 0), generation)
             if plan.host_fill is None:
                 self.cache.abort_task(task.id)
                 status = TaskStatus.SUCCESS if plan.num_blocks else TaskStatus.NOT_FOUND
@@ -427,7 +439,7 @@ class KVManager:
         engine may reuse its blocks); the disk write continues in the background. ``device`` and
         ``on_done`` as for get_async."""
         self._need_device("put_async", device)
-        h = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+        generation, h = self._task_hashes(token_ids, lora_name, cache_salt)
         dev_ids = self._device_ids(token_ids, device_block_ids, device)
         with self._issue(TaskKind.PUT, on_done) as task:
             after = None
@@ -435,7 +447,7 @@ class KVManager:
             if local is not None and local.device.type == "cuda":  # the copy waits for the engine's writes
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(local.device))
-            self._put_now(DeferredPut(task, _int_list(h.sequence), token_ids, dev_ids, after, device))
+            self._put_now(DeferredPut(task, _int_list(h.sequence), token_ids, dev_ids, after, device, generation))
         return task.id
 
     def _put_now(self, put: DeferredPut) -> bool:
@@ -445,7 +457,7 @@ class KVManager:
         waited MAX_PUT_DEFER_S) is counted in stats().tasks.put_refused_blocks; the put
         stores the rest."""
         task, seq = put.task, put.seq
-        plan = self.cache.plan_put(task.id, seq, remote=self.remote is not None)
+        plan = self.cache.plan_put(task.id, seq, remote=self.remote is not None, generation=put.generation)
         short = len(seq) - plan.held - (len(plan.host) if plan.host is not None else 0)
         # Wait only for room that can come: the put fits the host tier, and not past the bound
         # (the engine cannot reuse its device blocks before the put finishes).
@@ -459,7 +471,7 @@ class KVManager:
                 if self._live_graphs:
                     self._deferred.add(put)
                     return False
-            plan = self.cache.plan_put(task.id, seq, remote=self.remote is not None)
+            plan = self.cache.plan_put(task.id, seq, remote=self.remote is not None, generation=put.generation)
             short = len(seq) - plan.held - (len(plan.host) if plan.host is not None else 0)
         if short > 0:
             with self._idle:

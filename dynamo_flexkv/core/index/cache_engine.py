@@ -175,6 +175,11 @@ class CacheEngine:
         self.remote_hit_blocks = 0  # blocks planned from the remote tier (a read may verify fewer)
         self._tasks: Dict[Hashable, List[TierRun]] = {}
         self._reason: Optional[RemovalReason] = None  # what removes blocks now, when not the policy
+        # Bumped when the blocks' identity changes (the weights did: KVManager.weights_changed). A
+        # task hashed under an older generation plans nothing and commits nothing: old KV never
+        # lands after the change, whatever thread raced it.
+        self.generation = 0
+        self._task_gen: Dict[Hashable, int] = {}
 
     # ---- queries -------------------------------------------------------------------------------
     def match(self, hashes: Sequence[int]) -> MatchResult:
@@ -186,8 +191,18 @@ class CacheEngine:
             return list(self._tasks)
 
     # ---- planning --------------------------------------------------------------------------------
+    def bump_generation(self) -> int:
+        with self._lock:
+            self.generation += 1
+            return self.generation
+
     def plan_get(
-        self, task_id: Hashable, hashes: Sequence[int], start: int = 0, remote: Optional[Tuple[int, int]] = None
+        self,
+        task_id: Hashable,
+        hashes: Sequence[int],
+        start: int = 0,
+        remote: Optional[Tuple[int, int]] = None,
+        generation: Optional[int] = None,
     ) -> GetPlan:
         """Locks what the get reads and stages disk blocks into new host blocks. The plan covers
         blocks [start, plan.end); it may be empty. ``remote=(lo, hi)``: the remote tier held
@@ -197,7 +212,8 @@ class CacheEngine:
         if not 0 <= start <= len(hashes):
             raise ValueError(f"get start={start} must be within the request's {len(hashes)} full blocks")
         with self._lock:
-            self._new_task(task_id)
+            if not self._new_task(task_id, generation):
+                return GetPlan(task_id, start, None, None, None)  # hashed before the identity changed
             host, disk = self.tiers[Tier.HOST], self.tiers.get(Tier.DISK)
             h = host.match_length(hashes)
             d = disk.match_length(hashes) if disk is not None else 0
@@ -236,14 +252,17 @@ class CacheEngine:
             self.miss_blocks += len(hashes) - max(end, start)
             return GetPlan(task_id, start, host_reads, disk_reads, staged, remote_staged)
 
-    def plan_put(self, task_id: Hashable, hashes: Sequence[int], remote: bool = False) -> PutPlan:
+    def plan_put(
+        self, task_id: Hashable, hashes: Sequence[int], remote: bool = False, generation: Optional[int] = None
+    ) -> PutPlan:
         """Inserts the blocks host and disk do not hold yet (disk subject to the admission filter)
         as unready blocks of ``task_id``, and locks the host blocks that feed disk writes."""
         # An array (its buffer is read) or a list goes to the native index as it is: it checks
         # every hash, and the blocks this put inserts come back as Python ints for the run.
         seq = hashes if isinstance(hashes, (np.ndarray, list)) else _as_ints(hashes)
         with self._lock:
-            self._new_task(task_id)
+            if not self._new_task(task_id, generation):
+                return PutPlan(task_id, None, None, None, 0)  # hashed before the identity changed
             # match (present), touch held, extend: one native call
             held, ids, inserted, parent = self.tiers[_HOST].put(seq, task_id)
             host_run = None
@@ -343,6 +362,9 @@ class CacheEngine:
         with self._lock:
             self._check_open(run, task_id)
             idx = self.tiers[run.tier]
+            if run.new and self._task_gen.get(task_id) != self.generation:
+                self._abort_run(run, task_id)  # planned before the identity changed: never visible
+                return
             if run.new:
                 idx.commit_slots(run.block_ids, run.hashes, task_id)
                 self.counters[run.tier].stored_blocks += len(run.hashes)
@@ -361,6 +383,9 @@ class CacheEngine:
             self._check_open(run, task_id)
             if not run.new:
                 raise IndexInvariantError("complete_prefix applies to new blocks only")
+            if self._task_gen.get(task_id) != self.generation:
+                self._abort_run(run, task_id)  # planned before the identity changed: never visible
+                return
             if count >= len(run):
                 self.complete(run, task_id)
                 return
@@ -393,11 +418,13 @@ class CacheEngine:
             if open_runs:
                 self._tasks[task_id] = runs
                 raise IndexInvariantError(f"task {task_id!r} still has {len(open_runs)} open runs")
+            self._task_gen.pop(task_id, None)
 
     def abort_task(self, task_id: Hashable, *, replan: bool = False) -> None:
         """Aborts every open run of the task (newest first) and forgets it. ``replan``: the task
         will be planned again (a deferred put), so its new blocks do not count as rolled back."""
         with self._lock:
+            self._task_gen.pop(task_id, None)
             for run in reversed(self._tasks.pop(task_id, [])):
                 if not run.done:
                     self._abort_run(run, task_id, counted=not replan)
@@ -457,10 +484,16 @@ class CacheEngine:
             return out
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _new_task(self, task_id: Hashable) -> None:
+    def _new_task(self, task_id: Hashable, generation: Optional[int] = None) -> bool:
+        """Registers the task; False (and nothing registered) when it was hashed under an older
+        generation than now."""
         if task_id in self._tasks:
             raise IndexInvariantError(f"task id {task_id!r} is already in flight: task ids must be unique")
+        if generation is not None and generation != self.generation:
+            return False
         self._tasks[task_id] = []
+        self._task_gen[task_id] = self.generation
+        return True
 
     def _track(self, task_id: Hashable, run: TierRun) -> TierRun:
         self._tasks[task_id].append(run)

@@ -23,6 +23,7 @@ from dynamo_flexkv.core.remote.codec import (
     Verdict,
     check_header,
     encode_header,
+    fingerprint_of,
     header_problem,
     key_prefix_bytes,
     payload_ok,
@@ -165,6 +166,9 @@ class RemoteStore:
     ) -> None:
         """``clock``: the monotonic clock of the breaker's cool-down and the bad-value log's rate limit."""
         self.config = config
+        if config.quota_bytes and config.tenant:  # a tenant's blocks are its own keys: another tenant's
+            # quota eviction (remote/quota.py) can never delete a block this one accounts for
+            fingerprint = fingerprint_of({"fingerprint": int(fingerprint) & _U64, "tenant": config.tenant})
         self.fingerprint = int(fingerprint) & _U64
         self._prefix = key_prefix_bytes(config.key_prefix, self.fingerprint)
         self._ttl_args = (
