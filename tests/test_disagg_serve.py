@@ -221,7 +221,10 @@ def test_prefill_killed_mid_handover_decode_recomputes_and_the_restarted_prefill
             reply = outcome["reply"]
             assert reply["nvext"]["engine_data"]["flexkv"].get("handover_tokens") == 0
             log = (plan.run_dir / "logs" / f"{decode.name}.log").read_text()
-            assert "KV handover from" in log and "failed, recomputing" in log
+            # Its pull failed (logged), or, on a loaded machine, the prefill worker died before the
+            # frontend had its handover and decode got the request without one: computed either way.
+            pulled = [ln for ln in log.splitlines() if "KV handover from" in ln]
+            assert all("failed, recomputing" in ln for ln in pulled), pulled
         else:
             assert isinstance(outcome["error"], urllib.error.HTTPError), outcome["error"]
         wait_until(
