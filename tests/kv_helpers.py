@@ -137,3 +137,16 @@ def prompts(rng: np.random.Generator, count: int, max_blocks: int, vocab: int = 
         p = p + rng.integers(0, vocab, extra).tolist()
         out.append(p[: max_blocks * TPB + TPB - 1])
     return out
+
+
+def store_and_drain(kv: KVManager, dev, tokens, ids, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
+    """Device blocks ``ids`` get content keyed by the prefix hashes, then a put, waited for with
+    its disk writes."""
+    from dynamo_flexkv import TaskStatus
+
+    hashes = kv.hashes(tokens).sequence
+    for i, b in enumerate(ids):
+        fill(dev, layout, b, hashes[i])
+    r = kv.wait([kv.put_async(tokens, ids)], timeout=20)
+    assert next(iter(r.values())).status is TaskStatus.SUCCESS
+    assert kv.drain(timeout=20)

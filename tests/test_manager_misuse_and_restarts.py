@@ -21,7 +21,7 @@ from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.storage.ssd import SsdInUseError, SsdLayoutError
 from dynamo_flexkv.core.tasks import TooManyTasks
 
-from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds
+from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds, store_and_drain
 
 L = KVLayoutType.LAYERBLOCK
 
@@ -38,14 +38,7 @@ def open_manager(path, num_device_blocks: int = 64, **kw):
     return kv, dev
 
 
-def store(kv, dev, tokens, ids) -> None:
-    """Device blocks hold content derived from the prefix hashes; put and wait for the disk too."""
-    hashes = kv.hashes(tokens).sequence
-    for i, b in enumerate(ids):
-        fill(dev, L, b, hashes[i])
-    r = kv.wait([kv.put_async(tokens, ids)], timeout=20)
-    assert next(iter(r.values())).status is TaskStatus.SUCCESS
-    assert kv.drain(timeout=20)
+store = store_and_drain  # device blocks keyed by the prefix hashes; put and wait for the disk too
 
 
 def load_checked(kv, dev, tokens, ids) -> int:

@@ -22,6 +22,7 @@ from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ("FlexKVWorker-0", "FlexKVWorker-1")
 NODE_SETS = [
     "Common.model=tiny",
     "Common.served-model-name=flexkv-tiny",
@@ -151,13 +152,11 @@ def node_metric(serve, name: str) -> float:
     return total(scrape(serve.metrics["NodeCache"]), name)
 
 
-@pytest.mark.served
-def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_credits_both(tmp_path):
-    pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
+def served_node_graph(tmp_path):
+    """The agg_router graph of two tiny reference workers on one node cache with a disk tier: the
+    Serve, each worker's Dynamo instance id, and a KvRouter probe of the frontend's view."""
     import vllm_graph as vg
-    from served import Serve, assert_all_gone, wait_until
-    from node_helpers import BS, Engine, Held, prompt
-    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+    from served import Serve
 
     serve = Serve(
         tmp_path,
@@ -165,12 +164,27 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
         graph="agg_router",
         base=[*NODE_SETS, f"NodeCache.cache={{cpu_cache_gb: 0.02, ssd_cache_gb: 0.05, ssd_cache_dir: {tmp_path}/ssd}}"],
     )
-    probe = None
     try:
-        names = ("FlexKVWorker-0", "FlexKVWorker-1")
-        ids = {n: vg.worker_id(vg.scrape(serve.metrics[n])) for n in names}
+        ids = {n: vg.worker_id(vg.scrape(serve.metrics[n])) for n in WORKERS}
         front = [p for p in serve.children if b"dynamo.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
         probe = vg.RouterProbe(front[0], tmp_path / "probe.log", endpoint="dynamo.flexkv.generate", block_size=16)
+    except BaseException:
+        serve.close()
+        raise
+    return serve, ids, probe
+
+
+@pytest.mark.served
+def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_credits_both(tmp_path):
+    pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
+    import vllm_graph as vg
+    from served import assert_all_gone, wait_until
+    from node_helpers import BS, Engine, Held, prompt
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+
+    serve, ids, probe = served_node_graph(tmp_path)
+    try:
+        names = WORKERS
         tokens = [t % 500 + 10 for t in prompt(21, 30 * BS + 5)]  # ids of the tiny model's vocabulary
         first = complete(serve.base_url, tokens, ids[names[0]])
         assert first["worker"] == ids[names[0]] and first["tiers"]["host"] == 0
@@ -265,8 +279,7 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
         assert_all_gone(serve.children, [])
         assert vg.event_trouble(serve.run) == []
     finally:
-        if probe is not None:
-            probe.close()
+        probe.close()
         serve.close()
 
 
@@ -316,22 +329,12 @@ def test_a_killed_node_cache_costs_no_request_and_its_disk_prefix_loads_again(tm
     import threading
     import time
 
-    import vllm_graph as vg
-    from served import Serve, wait_until
+    from served import wait_until
     from node_helpers import BS, prompt
 
-    serve = Serve(
-        tmp_path,
-        "node",
-        graph="agg_router",
-        base=[*NODE_SETS, f"NodeCache.cache={{cpu_cache_gb: 0.02, ssd_cache_gb: 0.05, ssd_cache_dir: {tmp_path}/ssd}}"],
-    )
-    probe = None
+    serve, ids, probe = served_node_graph(tmp_path)
     try:
-        names = ("FlexKVWorker-0", "FlexKVWorker-1")
-        ids = {n: vg.worker_id(vg.scrape(serve.metrics[n])) for n in names}
-        front = [p for p in serve.children if b"dynamo.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
-        probe = vg.RouterProbe(front[0], tmp_path / "probe.log", endpoint="dynamo.flexkv.generate", block_size=16)
+        names = WORKERS
         kept = [t % 500 + 10 for t in prompt(31, 20 * BS + 3)]  # on disk before the kill, loaded after
         n = len(kept) // BS
         traffic = [[t % 500 + 10 for t in prompt(200 + i, (4 + i % 9) * BS + i)] for i in range(12)]
@@ -392,6 +395,5 @@ def test_a_killed_node_cache_costs_no_request_and_its_disk_prefix_loads_again(tm
         assert serve.proc.wait(timeout=90) == 0, "\n".join(serve.lines[-40:])
         assert not [x for x in serve.lines if "engine thread failed" in x]
     finally:
-        if probe is not None:
-            probe.close()
+        probe.close()
         serve.close()

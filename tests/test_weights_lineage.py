@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
+from dynamo_flexkv import KVLayoutType, KVManager
 
-from kv_helpers import MODEL, TPB, config, device_tensors, fill, holds
+from kv_helpers import MODEL, TPB, config, device_tensors, fill, holds, store_and_drain
 from node_helpers import Held
 
 L = KVLayoutType.LAYERBLOCK
@@ -25,13 +25,7 @@ def manager(path, listener=None, **kw):
     return kv, dev
 
 
-def store(kv, dev, tokens, ids) -> None:
-    hashes = kv.hashes(tokens).sequence
-    for i, b in enumerate(ids):
-        fill(dev, L, b, hashes[i])
-    r = kv.wait([kv.put_async(tokens, ids)], timeout=20)
-    assert next(iter(r.values())).status is TaskStatus.SUCCESS
-    assert kv.drain(timeout=20)
+store = store_and_drain
 
 
 def loaded(kv, dev, tokens, ids) -> int:
