@@ -12,6 +12,9 @@ import socket
 import stat
 import struct
 
+import numpy as np
+import pytest
+
 
 from dynamo_flexkv.core.node.protocol import Attach, Load, VERSION, encode
 from node_helpers import BS, SPEC, Engine, Held, engine_process, node_server, prompt, read_line
@@ -374,3 +377,19 @@ def test_another_tensor_parallel_split_of_a_model_is_budgeted_as_another_model_a
         assert "refused this engine" in caplog.text and "--max-models" in caplog.text
         for off in (*tp2, tp4):
             off.shutdown()
+
+
+def test_token_ids_pack_the_same_from_a_list_an_array_or_a_tuple_and_bad_ids_are_named():
+    """The wire's token ids: a list (vLLM's), an int64 or uint32 array and a tuple give the same
+    bytes, which unpack to the ids; an id outside [0, 2**32) or not an integer is a ValueError."""
+    from dynamo_flexkv.core.node.protocol import pack_tokens, unpack_tokens
+
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 63, 8192):
+        ids = rng.integers(0, 2**32, n, dtype=np.uint64).tolist()
+        packed = pack_tokens(ids)
+        assert packed == pack_tokens(tuple(ids)) == pack_tokens(np.asarray(ids, dtype=np.uint32))
+        assert unpack_tokens(packed).tolist() == ids
+    for bad in ([-1], [2**32], [1.5], ["7"], [[1]], np.array([1.0]), np.array([[1]]), np.array([-1])):
+        with pytest.raises(ValueError, match=r"token ids must be a flat sequence of integers in \[0, 2\*\*32\)"):
+            pack_tokens(bad)

@@ -21,12 +21,14 @@ import msgspec
 import numpy as np
 import zmq
 
+from dynamo_flexkv.core.node.protocol import pack_tokens
+
 log = logging.getLogger(__name__)
 
 # (token ids, lora name, cache salt, the whole prompt's length, blocks vLLM holds already) -> end
 # of the prefix to load, in tokens (the load policy's decision: the cost model compares loading
 # the blocks beyond vLLM's with recomputing them, in a prompt that long)
-LookupFn = Callable[[Sequence[int], Optional[str], Optional[str], int, int], int]
+LookupFn = Callable[[np.ndarray, Optional[str], Optional[str], int, int], int]
 ResetFn = Callable[[], bool]  # drops what the tiers hold; False when it could not
 RESET_SEQ = -1  # the sequence number of a reset request (lookups count up from 1)
 
@@ -61,11 +63,9 @@ class LookupServer:
                 continue
             try:
                 lora, salt, prompt_tokens, local_blocks = msgspec.msgpack.decode(extra)
-                n = int(
-                    self._lookup(
-                        np.frombuffer(tokens, dtype="<u4").tolist(), lora, salt, int(prompt_tokens), int(local_blocks)
-                    )
-                )
+                # the ids stay a uint32 array: the tiers hash it and the node client sends it as is
+                ids = np.frombuffer(tokens, dtype="<u4")
+                n = int(self._lookup(ids, lora, salt, int(prompt_tokens), int(local_blocks)))
             except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
                 log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
                 self.failed += 1
@@ -139,7 +139,7 @@ class LookupClient:
             self._answers[req_id] = {}
             frames = [
                 struct.pack("<q", self._seq),
-                np.asarray(tokens, dtype="<u4").tobytes(),
+                pack_tokens(tokens),
                 msgspec.msgpack.encode([lora, salt, prompt_tokens or len(tokens) + 1, local_blocks]),
             ]
             for sock in self._socks:
