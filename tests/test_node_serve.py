@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -79,9 +80,15 @@ def test_the_plan_starts_one_node_cache_before_its_workers_and_hands_them_its_so
     "overrides, message",
     [
         (
-            ["FlexKVWorker.cache={mode: node, cpu_cache_gb: 1}"],
-            r"cache sets \['cpu_cache_gb'\] with mode: node.*"
-            r"NodeCache.cache",
+            ["FlexKVWorker.cache={node_socket: /run/x.sock}"],
+            r"FlexKVWorker.cache.node_socket='/run/x.sock' names a node cache server, but FlexKVWorker.cache.mode "
+            r"is not node: set --set FlexKVWorker.cache.mode=node",
+        ),
+        (
+            ["FlexKVWorker.cache.node_socket=/nonexistent/node.sock"],
+            r"FlexKVWorker.cache.node_socket='/nonexistent/node.sock': no cache server listens on "
+            r"/nonexistent/node.sock \(no socket there\): start it first \(dynamo-flexkv cache-server --socket "
+            r"/nonexistent/node.sock -f node-cache.yaml\), or remove FlexKVWorker.cache.node_socket",
         ),
         (["NodeCache.replicas=2"], r"NodeCache.replicas is not an option of the node cache"),
         (["NodeCache.max-clients=0"], r"NodeCache.max-clients=0 must be >= 1"),
@@ -93,6 +100,101 @@ def test_the_plan_starts_one_node_cache_before_its_workers_and_hands_them_its_so
 def test_bad_node_cache_configs_are_refused_naming_the_fix(tmp_path, overrides, message):
     with pytest.raises(GraphError, match=message):
         plan_for(tmp_path, *overrides)
+
+
+@pytest.mark.parametrize(
+    "graph, worker",
+    [
+        ("agg", "FlexKVWorker"),
+        ("agg_router", "FlexKVWorker"),
+        ("agg_vllm", "VllmWorker"),
+        ("agg_router_vllm", "VllmWorker"),
+    ],
+)
+def test_mode_node_alone_on_a_shipped_config_starts_its_node_cache_and_says_which_keys_it_ignores(
+    tmp_path, graph, worker
+):
+    """`--set <Worker>.cache.mode=node` on a shipped config (its workers' tier keys left in place):
+    serve plans the config's NodeCache, the workers' cache files hold only what node mode uses,
+    and a note names the tier keys the workers ignore and where their tiers are."""
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+        [
+            "Frontend.http-port=0",
+            f"{worker}.cache.mode=node",
+            f"NodeCache.cache.ssd_cache_dir={tmp_path}/node-ssd",
+            *(["VllmWorker.model=tiny"] if worker == "VllmWorker" else []),
+        ],
+    )
+    p = build_plan(
+        load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", source=f"{graph}.yaml"
+    )
+    caches = [proc for proc in p.processes if proc.kind is Kind.CACHE]
+    assert len(caches) == 1 and p.workers
+    sock = caches[0].argv[caches[0].argv.index("--socket") + 1]
+    for w in p.workers:
+        cfg = yaml.safe_load(w.files[w.env["FLEXKV_CONFIG_PATH"]])
+        assert cfg == {"mode": "node", "node_socket": sock, "tokens_per_block": w.block_size}
+    assert p.notes == [
+        f"{worker}.cache: mode: node ignores cpu_cache_gb, eviction_policy, ssd_cache_dir, ssd_cache_gb (the keys "
+        "of a worker's own, embedded tiers); its tiers are the node cache's: NodeCache.cache, which serve starts"
+    ]
+
+
+def test_workers_attach_to_a_running_cache_server_by_node_socket_and_serve_starts_none(tmp_path, monkeypatch):
+    """`<Worker>.cache.node_socket` naming a cache server already running (the operator's): no
+    NodeCache process is planned (the config's section is unused), every worker's cache file names
+    that socket as given (made absolute: the workers run in the run directory), a note says so; a
+    socket file nothing listens on is refused naming the key and the fix; render refuses it."""
+    from dynamo_flexkv.core.config import CacheConfig
+    from dynamo_flexkv.core.node.server import NodeCacheServer, ServerOptions
+
+    (tmp_path / "ops").mkdir(mode=0o700)
+    sock = tmp_path / "ops" / "node.sock"
+    monkeypatch.chdir(tmp_path)
+    with NodeCacheServer(CacheConfig(cpu_cache_gb=0.01), ServerOptions(str(sock))):
+        p = plan_for(tmp_path, "FlexKVWorker.cache.node_socket=ops/node.sock")
+        assert [proc.kind for proc in p.processes].count(Kind.CACHE) == 0
+        for w in p.workers:
+            assert yaml.safe_load(w.files[w.env["FLEXKV_CONFIG_PATH"]]) == {
+                "mode": "node",
+                "node_socket": str(sock),
+                "tokens_per_block": 16,
+            }
+        assert p.notes == [
+            f"FlexKVWorker: attaches to the cache server at {sock} (FlexKVWorker.cache.node_socket); "
+            "serve starts none for it"
+        ]
+        config = apply_overrides(
+            load_config(str(ROOT / "configs" / "agg_router.yaml")),
+            ["FlexKVWorker.cache.mode=node", f"FlexKVWorker.cache.node_socket={sock}"],
+        )
+        with pytest.raises(
+            GraphError, match=r"a rendered graph runs its node cache as a DaemonSet.*remove node_socket"
+        ):
+            build_plan(load_graph(str(ROOT / "graphs" / "agg_router.py")), config, run_dir=tmp_path / "r", local=False)
+    # The server stopped: its socket file is gone; a stale one (a SIGKILLed server's) is refused too.
+    with pytest.raises(
+        GraphError, match=r"node_socket='ops/node.sock': no cache server listens on .*\(no socket there\)"
+    ):
+        plan_for(tmp_path, "FlexKVWorker.cache.node_socket=ops/node.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(sock))
+    stale.close()
+    with pytest.raises(GraphError, match=r"\(a socket file, but nothing listens on it\): start it first"):
+        plan_for(tmp_path, f"FlexKVWorker.cache.node_socket={sock}")
+
+
+def test_serve_exits_2_naming_the_key_when_the_given_node_socket_is_not_there(tmp_path, capsys):
+    from dynamo_flexkv.cli import main
+
+    argv = ["serve", str(ROOT / "graphs" / "agg.py"), "-f", str(ROOT / "configs" / "agg.yaml")]
+    argv += ["--run-dir", str(tmp_path / "run"), "--set", "Frontend.http-port=0"]
+    argv += ["--set", "FlexKVWorker.cache.mode=node", "--set", f"FlexKVWorker.cache.node_socket={tmp_path}/no.sock"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"FlexKVWorker.cache.node_socket='{tmp_path}/no.sock': no cache server listens" in err, err
+    assert "dynamo-flexkv cache-server --socket" in err
 
 
 def test_render_runs_the_node_cache_as_a_daemonset_the_workers_reach_by_host_path(tmp_path):
