@@ -499,3 +499,67 @@ def test_a_killed_node_cache_costs_no_request_and_its_disk_prefix_loads_again(tm
     finally:
         probe.close()
         serve.close()
+
+
+@pytest.mark.served
+def test_a_reference_graph_attaches_to_a_cache_server_the_operator_started(tmp_path):
+    """The shipped agg graph, its worker's cache set to node mode with the socket of a cache server
+    started before it and apart from it (its own process, a private socket): serve starts no
+    service of its own, says where the worker attaches, and the worker attaches there (the service's
+    counters); a prompt sent twice, the device keeping none of it (no device prefix cache), is the
+    second time loaded from the service's host tier; serve's stop leaves that service running."""
+    pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
+    from node_helpers import BS, CacheServerProcess, prompt
+    from served import Serve, wait_until
+
+    ops = CacheServerProcess(tmp_path, "cpu_cache_gb=0.02")
+    try:
+        serve = Serve(
+            tmp_path,
+            "ext",
+            graph="agg",
+            base=[
+                "Common.model=tiny",
+                "Common.served-model-name=flexkv-tiny",
+                "Frontend.http-port=0",
+                "FlexKVWorker.num-device-blocks=64",
+                "FlexKVWorker.device-prefix-cache=false",  # every repeat comes from the tiers
+                "FlexKVWorker.cache.mode=node",
+                f"FlexKVWorker.cache.node_socket={ops.socket}",
+            ],
+        )
+        try:
+            assert f"note: FlexKVWorker: attaches to the cache server at {ops.socket}" in "\n".join(serve.lines)
+            assert "NodeCache" not in serve.metrics and "cache-server" not in "".join(
+                open(f"/proc/{p}/cmdline").read() for p in serve.children
+            )
+            wait_until("the worker attached", lambda: ops.metric("flexkv_node_engines") == 1, timeout=60)
+            assert ops.metric("flexkv_node_attached_total") == 1
+            tokens = [t % 500 + 10 for t in prompt(41, 12 * BS + 5)]
+            n = len(tokens) // BS
+            first = complete(serve.base_url, tokens)
+            assert first["tiers"]["host"] == 0
+            wait_until(
+                "the prompt stored in the service's host tier",
+                lambda: ops.metric("flexkv_node_tier_used_blocks", tier="host") >= n,
+            )
+            hits = ops.metric("flexkv_node_tier_hit_blocks_total", tier="host")
+            second = complete(serve.base_url, tokens)
+            got = ops.metric("flexkv_node_tier_hit_blocks_total", tier="host") - hits
+            print(
+                f"\nserve ready in {serve.ready_s:.1f} s; {len(tokens)} tokens: first {first['tiers']}, "
+                f"second {second['tiers']}; the service's host hits +{got:.0f} blocks, "
+                f"attached {ops.metric('flexkv_node_attached_total'):.0f}"
+            )
+            assert second["tiers"]["host"] == n * BS and second["ids"] == first["ids"], second
+            assert got >= n
+            serve.proc.send_signal(signal.SIGINT)
+            assert serve.proc.wait(timeout=90) == 0, "\n".join(serve.lines[-40:])
+        finally:
+            serve.close()
+        # The operator's service outlived the graph: the worker detached, the blocks stayed.
+        assert ops.proc.poll() is None
+        wait_until("the worker detached", lambda: ops.metric("flexkv_node_engines") == 0)
+        assert ops.metric("flexkv_node_tier_used_blocks", tier="host") >= n
+    finally:
+        assert ops.stop() == 0, ops.log.read_text()[-3000:]
