@@ -1,6 +1,9 @@
 """The node cache in serve graphs (serve/node_cache.py): the plan starts one cache server before the
-workers that say ``cache: {mode: node}`` and hands them its socket, refuses tier keys those
-workers would not use, renders a DaemonSet; and the served agg_router graph (two reference workers
+workers that say ``cache: {mode: node}`` and hands them its socket, notes the tier keys those
+workers ignore (``--set <Worker>.cache.mode=node`` works on the shipped configs), starts none for
+workers whose ``cache.node_socket`` names a running one (and refuses one where nothing listens),
+renders a DaemonSet; the served agg graph attaches to a cache server started apart from it; and
+the served agg_router graph (two reference workers
 on one node cache, the real KV router) serves a prompt one worker computed from the other's view of
 the shared host tier, credits both workers in the router, survives a worker's SIGKILL (its restart
 loads from the node's host tier) and stops with nothing left."""

@@ -10,6 +10,8 @@
   demand by the slow_kv seam): the other worker serves on, exact, the node cache's copies, tasks and
   fences return to zero, nothing half-written becomes visible, and the restarted worker's first
   request of an 8K prefix the other computed is a host hit (its TTFT against its cold TTFT);
+* the agg_vllm graph attached to a cache server started apart from it (``cache.node_socket``):
+  serve starts none, the worker attaches, a prompt pushed out of the device loads through it;
 * the node cache service SIGKILLed while requests flow: every request answered with the
   no-offload tokens and logprobs, the service restarted, both workers re-attached by themselves,
   and a prefix the restarted service re-adopted from disk loads on the worker that never computed it."""
