@@ -7,6 +7,8 @@ __version__ = "0.1.0"
 __all__ = [
     "FlexKVError",
     "KVManager",
+    "open_offload",
+    "EngineOffload",
     "CacheConfig",
     "ModelSpec",
     "KVLayoutType",
@@ -25,6 +27,10 @@ def __getattr__(name: str):
         from dynamo_flexkv.core.manager import KVManager
 
         return KVManager
+    if name in ("open_offload", "EngineOffload"):
+        from dynamo_flexkv.core import offload
+
+        return getattr(offload, name)
     if name == "CacheConfig":
         from dynamo_flexkv.core.config import CacheConfig
 

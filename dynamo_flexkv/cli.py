@@ -149,7 +149,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.command == "render":
                 from dynamo_flexkv.serve.render import render_k8s
 
-                text = render_k8s(_plan(args, "/run/dynamo-flexkv", local=False), args.image)
+                plan = _plan(args, "/run/dynamo-flexkv", local=False)
+                for note in plan.notes:
+                    print(f"note: {note}", file=sys.stderr)
+                text = render_k8s(plan, args.image)
                 if args.output:
                     Path(args.output).write_text(text)
                 else:

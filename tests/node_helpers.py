@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -172,3 +173,44 @@ class Held:
         while n < len(hashes) and any(int(hashes[n]) in self.blocks[t] for t in tiers):
             n += 1
         return n
+
+
+class CacheServerProcess:
+    """``dynamo-flexkv cache-server`` started as an operator starts it (a process of its own, before
+    and apart from any graph), on a private socket under ``tmp``, its metrics on a free port; its
+    log in ``tmp/cache-server.log`` (a file: no pipe that nobody reads)."""
+
+    def __init__(self, tmp: Path, *sets: str, timeout: float = 60) -> None:
+        from dynamo_flexkv.core.sysutil import free_port
+
+        self.socket = str(tmp / "ops" / "node.sock")  # ops/ is made 0700 by the server
+        self.metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
+        self.log = tmp / "cache-server.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXKV_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_flexkv.cli", "cache-server", "--socket", self.socket,
+             "--metrics-port", self.metrics_url.rsplit(":", 1)[1].split("/")[0],
+             *[a for s in sets for a in ("--set", s)]],
+            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while "cache server ready on" not in self.log.read_text():
+            assert self.proc.poll() is None, f"the cache server exited ({self.proc.returncode}): {self.log.read_text()}"
+            assert time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.05)
+
+    def metric(self, name: str, **labels: str) -> float:
+        from served import scrape, total
+
+        return total(scrape(self.metrics_url), name, **labels)
+
+    def stop(self, timeout: float = 60) -> int:
+        """Ctrl-C, as an operator stops it; its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -14,9 +14,14 @@ import struct
 
 import numpy as np
 import pytest
+import torch
+import yaml
 
-
+from dynamo_flexkv import CacheConfig, KVManager, open_offload
+from dynamo_flexkv.core.config import ConfigError
+from dynamo_flexkv.core.layout import KVLayout, KVLayoutType
 from dynamo_flexkv.core.node.protocol import Attach, Load, VERSION, encode
+from dynamo_flexkv.core.node.server import NodeCacheServer, ServerOptions
 from node_helpers import BS, SPEC, Engine, Held, engine_process, node_server, prompt, read_line
 from served import wait_until
 
@@ -393,3 +398,36 @@ def test_token_ids_pack_the_same_from_a_list_an_array_or_a_tuple_and_bad_ids_are
     for bad in ([-1], [2**32], [1.5], ["7"], [[1]], np.array([1.0]), np.array([[1]]), np.array([-1])):
         with pytest.raises(ValueError, match=r"token ids must be a flat sequence of integers in \[0, 2\*\*32\)"):
             pack_tokens(bad)
+
+
+def test_one_setting_attaches_every_entry_point_and_kvmanager_refuses_it_naming_open_offload(tmp_path):
+    """``mode: node`` + ``node_socket``, in one config file the service reads too (its tiers and its
+    socket) and, for the engine, from that file or the environment: open_offload attaches (the
+    service counts it); KVManager, which owns its tiers, refuses the setting instead of building a
+    private host tier, naming the factory that attaches."""
+    sock = str(tmp_path / "run" / "node.sock")
+    shared = tmp_path / "node-cache.yaml"
+    shared.write_text(yaml.safe_dump({"mode": "node", "node_socket": sock, "cpu_cache_gb": 0.02}))
+    server_cfg = CacheConfig.load(str(shared), env={})
+    with NodeCacheServer(server_cfg, ServerOptions(server_cfg.node_socket)) as server:
+        from_file = CacheConfig.load(str(shared), env={}).replace(tokens_per_block=BS)
+        from_env = CacheConfig.load(env={"FLEXKV_MODE": "node", "FLEXKV_NODE_SOCKET": sock}).replace(
+            tokens_per_block=BS
+        )
+        layout = KVLayout(KVLayoutType.LAYERBLOCK, SPEC, BS, 8)
+        tokens = prompt(7, 4 * BS)
+        for i, cfg in enumerate((from_file, from_env)):
+            with pytest.raises(ConfigError, match=r"mode='node'.*does not attach.*open_offload\(model, config"):
+                KVManager(SPEC, cfg)
+            off = open_offload(SPEC, cfg, model_id="m", engine=f"e{i}")
+            off.register([torch.zeros(layout.layer_shape()) for _ in range(SPEC.num_layers)])
+            assert off.describe()["mode"] == "node" and off.describe()["socket"] == sock
+            wait_until("the engine attached", lambda: server.stats()["attached"] == i + 1)
+            if i == 0:
+                off.store(tokens, [0, 1, 2, 3], key="k")
+                wait_until("the store's hold", lambda: any(h.key == "k" for h in off.finished_holds()))
+            else:  # the second engine finds what the first stored: one cache, through the service
+                wait_until("the first engine's blocks", lambda: off.cached_tokens(tokens) == 4 * BS)
+            off.shutdown()
+    with pytest.raises(ConfigError, match=r"node_socket=.* but mode='embedded': set mode=node"):
+        KVManager(SPEC, CacheConfig(tokens_per_block=BS, cpu_cache_gb=0.02, node_socket=sock))

@@ -1,6 +1,9 @@
 """The node cache in serve graphs (serve/node_cache.py): the plan starts one cache server before the
-workers that say ``cache: {mode: node}`` and hands them its socket, refuses tier keys those
-workers would not use, renders a DaemonSet; and the served agg_router graph (two reference workers
+workers that say ``cache: {mode: node}`` and hands them its socket, notes the tier keys those
+workers ignore (``--set <Worker>.cache.mode=node`` works on the shipped configs), starts none for
+workers whose ``cache.node_socket`` names a running one (and refuses one where nothing listens),
+renders a DaemonSet; the served agg graph attaches to a cache server started apart from it; and
+the served agg_router graph (two reference workers
 on one node cache, the real KV router) serves a prompt one worker computed from the other's view of
 the shared host tier, credits both workers in the router, survives a worker's SIGKILL (its restart
 loads from the node's host tier) and stops with nothing left."""
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -79,9 +83,15 @@ def test_the_plan_starts_one_node_cache_before_its_workers_and_hands_them_its_so
     "overrides, message",
     [
         (
-            ["FlexKVWorker.cache={mode: node, cpu_cache_gb: 1}"],
-            r"cache sets \['cpu_cache_gb'\] with mode: node.*"
-            r"NodeCache.cache",
+            ["FlexKVWorker.cache={node_socket: /run/x.sock}"],
+            r"FlexKVWorker.cache.node_socket='/run/x.sock' names a node cache server, but FlexKVWorker.cache.mode "
+            r"is not node: set --set FlexKVWorker.cache.mode=node",
+        ),
+        (
+            ["FlexKVWorker.cache.node_socket=/nonexistent/node.sock"],
+            r"FlexKVWorker.cache.node_socket='/nonexistent/node.sock': no cache server listens on "
+            r"/nonexistent/node.sock \(no socket there\): start it first \(dynamo-flexkv cache-server --socket "
+            r"/nonexistent/node.sock -f node-cache.yaml\), or remove FlexKVWorker.cache.node_socket",
         ),
         (["NodeCache.replicas=2"], r"NodeCache.replicas is not an option of the node cache"),
         (["NodeCache.max-clients=0"], r"NodeCache.max-clients=0 must be >= 1"),
@@ -93,6 +103,101 @@ def test_the_plan_starts_one_node_cache_before_its_workers_and_hands_them_its_so
 def test_bad_node_cache_configs_are_refused_naming_the_fix(tmp_path, overrides, message):
     with pytest.raises(GraphError, match=message):
         plan_for(tmp_path, *overrides)
+
+
+@pytest.mark.parametrize(
+    "graph, worker",
+    [
+        ("agg", "FlexKVWorker"),
+        ("agg_router", "FlexKVWorker"),
+        ("agg_vllm", "VllmWorker"),
+        ("agg_router_vllm", "VllmWorker"),
+    ],
+)
+def test_mode_node_alone_on_a_shipped_config_starts_its_node_cache_and_says_which_keys_it_ignores(
+    tmp_path, graph, worker
+):
+    """`--set <Worker>.cache.mode=node` on a shipped config (its workers' tier keys left in place):
+    serve plans the config's NodeCache, the workers' cache files hold only what node mode uses,
+    and a note names the tier keys the workers ignore and where their tiers are."""
+    config = apply_overrides(
+        load_config(str(ROOT / "configs" / f"{graph}.yaml")),
+        [
+            "Frontend.http-port=0",
+            f"{worker}.cache.mode=node",
+            f"NodeCache.cache.ssd_cache_dir={tmp_path}/node-ssd",
+            *(["VllmWorker.model=tiny"] if worker == "VllmWorker" else []),
+        ],
+    )
+    p = build_plan(
+        load_graph(str(ROOT / "graphs" / f"{graph}.py")), config, run_dir=tmp_path / "run", source=f"{graph}.yaml"
+    )
+    caches = [proc for proc in p.processes if proc.kind is Kind.CACHE]
+    assert len(caches) == 1 and p.workers
+    sock = caches[0].argv[caches[0].argv.index("--socket") + 1]
+    for w in p.workers:
+        cfg = yaml.safe_load(w.files[w.env["FLEXKV_CONFIG_PATH"]])
+        assert cfg == {"mode": "node", "node_socket": sock, "tokens_per_block": w.block_size}
+    assert p.notes == [
+        f"{worker}.cache: mode: node ignores cpu_cache_gb, eviction_policy, ssd_cache_dir, ssd_cache_gb (the keys "
+        "of a worker's own, embedded tiers); its tiers are the node cache's: NodeCache.cache, which serve starts"
+    ]
+
+
+def test_workers_attach_to_a_running_cache_server_by_node_socket_and_serve_starts_none(tmp_path, monkeypatch):
+    """`<Worker>.cache.node_socket` naming a cache server already running (the operator's): no
+    NodeCache process is planned (the config's section is unused), every worker's cache file names
+    that socket as given (made absolute: the workers run in the run directory), a note says so; a
+    socket file nothing listens on is refused naming the key and the fix; render refuses it."""
+    from dynamo_flexkv.core.config import CacheConfig
+    from dynamo_flexkv.core.node.server import NodeCacheServer, ServerOptions
+
+    (tmp_path / "ops").mkdir(mode=0o700)
+    sock = tmp_path / "ops" / "node.sock"
+    monkeypatch.chdir(tmp_path)
+    with NodeCacheServer(CacheConfig(cpu_cache_gb=0.01), ServerOptions(str(sock))):
+        p = plan_for(tmp_path, "FlexKVWorker.cache.node_socket=ops/node.sock")
+        assert [proc.kind for proc in p.processes].count(Kind.CACHE) == 0
+        for w in p.workers:
+            assert yaml.safe_load(w.files[w.env["FLEXKV_CONFIG_PATH"]]) == {
+                "mode": "node",
+                "node_socket": str(sock),
+                "tokens_per_block": 16,
+            }
+        assert p.notes == [
+            f"FlexKVWorker: attaches to the cache server at {sock} (FlexKVWorker.cache.node_socket); "
+            "serve starts none for it"
+        ]
+        config = apply_overrides(
+            load_config(str(ROOT / "configs" / "agg_router.yaml")),
+            ["FlexKVWorker.cache.mode=node", f"FlexKVWorker.cache.node_socket={sock}"],
+        )
+        with pytest.raises(
+            GraphError, match=r"a rendered graph runs its node cache as a DaemonSet.*remove node_socket"
+        ):
+            build_plan(load_graph(str(ROOT / "graphs" / "agg_router.py")), config, run_dir=tmp_path / "r", local=False)
+    # The server stopped: its socket file is gone; a stale one (a SIGKILLed server's) is refused too.
+    with pytest.raises(
+        GraphError, match=r"node_socket='ops/node.sock': no cache server listens on .*\(no socket there\)"
+    ):
+        plan_for(tmp_path, "FlexKVWorker.cache.node_socket=ops/node.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(sock))
+    stale.close()
+    with pytest.raises(GraphError, match=r"\(a socket file, but nothing listens on it\): start it first"):
+        plan_for(tmp_path, f"FlexKVWorker.cache.node_socket={sock}")
+
+
+def test_serve_exits_2_naming_the_key_when_the_given_node_socket_is_not_there(tmp_path, capsys):
+    from dynamo_flexkv.cli import main
+
+    argv = ["serve", str(ROOT / "graphs" / "agg.py"), "-f", str(ROOT / "configs" / "agg.yaml")]
+    argv += ["--run-dir", str(tmp_path / "run"), "--set", "Frontend.http-port=0"]
+    argv += ["--set", "FlexKVWorker.cache.mode=node", "--set", f"FlexKVWorker.cache.node_socket={tmp_path}/no.sock"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"FlexKVWorker.cache.node_socket='{tmp_path}/no.sock': no cache server listens" in err, err
+    assert "dynamo-flexkv cache-server --socket" in err
 
 
 def test_render_runs_the_node_cache_as_a_daemonset_the_workers_reach_by_host_path(tmp_path):
@@ -397,3 +502,67 @@ def test_a_killed_node_cache_costs_no_request_and_its_disk_prefix_loads_again(tm
     finally:
         probe.close()
         serve.close()
+
+
+@pytest.mark.served
+def test_a_reference_graph_attaches_to_a_cache_server_the_operator_started(tmp_path):
+    """The shipped agg graph, its worker's cache set to node mode with the socket of a cache server
+    started before it and apart from it (its own process, a private socket): serve starts no
+    service of its own, says where the worker attaches, and the worker attaches there (the service's
+    counters); a prompt sent twice, the device keeping none of it (no device prefix cache), is the
+    second time loaded from the service's host tier; serve's stop leaves that service running."""
+    pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
+    from node_helpers import BS, CacheServerProcess, prompt
+    from served import Serve, wait_until
+
+    ops = CacheServerProcess(tmp_path, "cpu_cache_gb=0.02")
+    try:
+        serve = Serve(
+            tmp_path,
+            "ext",
+            graph="agg",
+            base=[
+                "Common.model=tiny",
+                "Common.served-model-name=flexkv-tiny",
+                "Frontend.http-port=0",
+                "FlexKVWorker.num-device-blocks=64",
+                "FlexKVWorker.device-prefix-cache=false",  # every repeat comes from the tiers
+                "FlexKVWorker.cache.mode=node",
+                f"FlexKVWorker.cache.node_socket={ops.socket}",
+            ],
+        )
+        try:
+            assert f"note: FlexKVWorker: attaches to the cache server at {ops.socket}" in "\n".join(serve.lines)
+            assert "NodeCache" not in serve.metrics and "cache-server" not in "".join(
+                open(f"/proc/{p}/cmdline").read() for p in serve.children
+            )
+            wait_until("the worker attached", lambda: ops.metric("flexkv_node_engines") == 1, timeout=60)
+            assert ops.metric("flexkv_node_attached_total") == 1
+            tokens = [t % 500 + 10 for t in prompt(41, 12 * BS + 5)]
+            n = len(tokens) // BS
+            first = complete(serve.base_url, tokens)
+            assert first["tiers"]["host"] == 0
+            wait_until(
+                "the prompt stored in the service's host tier",
+                lambda: ops.metric("flexkv_node_tier_used_blocks", tier="host") >= n,
+            )
+            hits = ops.metric("flexkv_node_tier_hit_blocks_total", tier="host")
+            second = complete(serve.base_url, tokens)
+            got = ops.metric("flexkv_node_tier_hit_blocks_total", tier="host") - hits
+            print(
+                f"\nserve ready in {serve.ready_s:.1f} s; {len(tokens)} tokens: first {first['tiers']}, "
+                f"second {second['tiers']}; the service's host hits +{got:.0f} blocks, "
+                f"attached {ops.metric('flexkv_node_attached_total'):.0f}"
+            )
+            assert second["tiers"]["host"] == n * BS and second["ids"] == first["ids"], second
+            assert got >= n
+            serve.proc.send_signal(signal.SIGINT)
+            assert serve.proc.wait(timeout=90) == 0, "\n".join(serve.lines[-40:])
+        finally:
+            serve.close()
+        # The operator's service outlived the graph: the worker detached, the blocks stayed.
+        assert ops.proc.poll() is None
+        wait_until("the worker detached", lambda: ops.metric("flexkv_node_engines") == 0)
+        assert ops.metric("flexkv_node_tier_used_blocks", tier="host") >= n
+    finally:
+        assert ops.stop() == 0, ops.log.read_text()[-3000:]

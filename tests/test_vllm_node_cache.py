@@ -10,6 +10,8 @@
   demand by the slow_kv seam): the other worker serves on, exact, the node cache's copies, tasks and
   fences return to zero, nothing half-written becomes visible, and the restarted worker's first
   request of an 8K prefix the other computed is a host hit (its TTFT against its cold TTFT);
+* the agg_vllm graph attached to a cache server started apart from it (``cache.node_socket``):
+  serve starts none, the worker attaches, a prompt pushed out of the device loads through it;
 * the node cache service SIGKILLed while requests flow: every request answered with the
   no-offload tokens and logprobs, the service restarted, both workers re-attached by themselves,
   and a prefix the restarted service re-adopted from disk loads on the worker that never computed it."""
@@ -19,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -400,3 +403,68 @@ def test_a_killed_node_cache_costs_no_vllm_request_and_its_disk_prefix_loads_aga
     assert r["worker"] == ids[b] and r["cached"] == blocks * BS, r
     exactness.assert_exact({0: r["gen"]}, {0: baseline[tuple(ON_DISK)]}, "the re-adopted prefix on the other worker")
     assert vg.event_trouble(graph.serve.run) == []
+
+
+def test_a_vllm_graph_attaches_to_a_cache_server_the_operator_started(tmp_path):
+    """The shipped agg_vllm graph (one dynamo.vllm worker, the small preset, vLLM's CPU build), its
+    cache set to node mode with the socket of a cache server started before it and apart from it:
+    serve starts none, the worker attaches there (the service's counters), and a prompt sent again
+    after fillers pushed it out of vLLM's device cache is loaded through the service's host tier."""
+    from node_helpers import CacheServerProcess
+
+    ops = CacheServerProcess(tmp_path, "cpu_cache_gb=0.25")
+    try:
+        serve = VllmServe(
+            tmp_path,
+            "ext",
+            graph="agg_vllm",
+            base=[
+                "Frontend.http-port=0",
+                *exactness.serve_sets(),  # float32: the loaded prefix gives the computed tokens exactly
+                "VllmWorker.max-model-len=2048",
+                "VllmWorker.num-device-blocks=40",  # the fillers below push the prompt out of it
+                "VllmWorker.cache.mode=node",
+                f"VllmWorker.cache.node_socket={ops.socket}",
+            ],
+        )
+        try:
+            assert f"note: VllmWorker: attaches to the cache server at {ops.socket}" in "\n".join(serve.lines)
+            assert "NodeCache" not in serve.metrics
+            wait_until("the worker attached", lambda: ops.metric("flexkv_node_engines") == 1, timeout=120)
+            attached = ops.metric("flexkv_node_attached_total")
+            worker = next(n for n in serve.metrics if n.startswith("VllmWorker"))
+            doc = vg.tokens(6100, 1000)
+            full = (len(doc) - 1) // BS  # vLLM computes a prompt's last token: its block is never cached
+            first = complete(serve.base_url, doc)
+            for i in range(3):  # each fills most of the 40-block device cache with blocks of its own
+                complete(serve.base_url, vg.tokens(6200 + i, 1800))
+            wait_until(
+                "the prompt in the service's host tier, no copy in flight",
+                lambda: (
+                    ops.metric("flexkv_node_tier_used_blocks", tier="host") >= full + 3 * (1800 // BS)
+                    and ops.metric("flexkv_node_engine_tasks") == 0
+                ),
+            )
+            hits = ops.metric("flexkv_node_tier_hit_blocks_total", tier="host")
+            loaded = vg.loaded(vg.scrape(serve.metrics[worker]))["host"]
+            second = complete(serve.base_url, doc)
+            got = ops.metric("flexkv_node_tier_hit_blocks_total", tier="host") - hits
+            through = vg.loaded(vg.scrape(serve.metrics[worker]))["host"] - loaded
+            print(
+                f"\nserve ready in {serve.ready_s:.1f} s; {len(doc)} tokens: first cached {first['cached']} "
+                f"({first['seconds']:.2f} s), second cached {second['cached']} ({second['seconds']:.2f} s); "
+                f"the service's host hits +{got:.0f} blocks, the connector loaded {through:.0f} tokens from host; "
+                f"attached {attached:.0f}"
+            )
+            assert attached == 1 and first["cached"] == 0
+            assert second["cached"] == full * BS and through == full * BS, second
+            assert got >= full
+            assert second["gen"].ids == first["gen"].ids
+            serve.proc.send_signal(signal.SIGINT)
+            assert serve.proc.wait(timeout=120) == 0, "\n".join(serve.lines[-40:])
+        finally:
+            serve.close()
+        assert ops.proc.poll() is None  # the operator's service outlived the graph
+        wait_until("the worker detached", lambda: ops.metric("flexkv_node_engines") == 0)
+    finally:
+        assert ops.stop() == 0, ops.log.read_text()[-3000:]

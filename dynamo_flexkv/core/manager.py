@@ -74,6 +74,27 @@ class EngineDevice(Protocol):
     def start(self, op: Any, done: Callable[[Optional[BaseException], int], None]) -> None: ...
 
 
+def _refuse_node_mode(config: CacheConfig) -> None:
+    """A KVManager is the tiers themselves (the node's cache service runs one per namespace): it
+    cannot attach to a service. A config that asks for the node cache must not get a private tier
+    of its own instead (silently: the user believes the node's cache is used); the engine contract's
+    factory is what attaches."""
+    if config.mode == "node":
+        raise ConfigError(
+            "mode='node' (the config's mode key, or FLEXKV_MODE): a KVManager owns its tiers in "
+            "this process and does not attach to the node cache. Attach through the engine "
+            "contract: open_offload(model, config, model_id=..., engine=...) from dynamo_flexkv "
+            "returns an EngineOffload on the cache server at node_socket (docs/ENGINE_CONTRACT.md); "
+            "or set mode=embedded for tiers of this process"
+        )
+    if config.node_socket:
+        raise ConfigError(
+            f"node_socket={config.node_socket!r} names a node cache server, but mode='embedded': "
+            "set mode=node (FLEXKV_MODE=node) to attach to it through open_offload(...) from "
+            "dynamo_flexkv, or unset node_socket (FLEXKV_NODE_SOCKET) for tiers of this process"
+        )
+
+
 class KVManager:
     def __init__(
         self,
@@ -96,6 +117,7 @@ class KVManager:
         self.model = model
         self._mover_hook = mover_hook
         self.config = config or CacheConfig.load()
+        _refuse_node_mode(self.config)
         self.namespace = namespace or None
         self.model_id = model_id  # names the weights in the disk and remote fingerprints: same shape != same bytes
         self.weights_version = weights_version  # salts every block's identity (weights_changed)

@@ -1,6 +1,6 @@
 """Small host helpers shared by serve, the cache server, the remote test servers, the benches and
-doctor: a free loopback port, whether a port is free, a binary on PATH, an owner-only directory.
-Standard library only (reading a config or rendering a plan imports this)."""
+doctor: a free loopback port, whether a port is free, whether a Unix socket listens, a binary on
+PATH, an owner-only directory. Standard library only (reading a config or rendering a plan imports this)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,20 @@ def port_is_free(port: int, host: str = LOOPBACK) -> bool:
             return True
         except OSError:
             return False
+
+
+def listening(path: str) -> bool:
+    """Whether a server (a node cache server) accepts connections on the Unix socket ``path``: False
+    when nothing is there or the file is a dead server's socket; any other error (not a socket, no
+    permission, a path too long) raises OSError."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()
 
 
 def find_binary(name: str) -> Optional[str]:

@@ -523,6 +523,8 @@ def serve(plan: LaunchPlan, echo: IO[str], ready_timeout: float = 300) -> int:
     stop = launcher.interrupted
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
+    for note in plan.notes:
+        launcher.emit(f"note: {note}\n")
     try:
         launcher.start()
         launcher.wait_ready(ready_timeout)

@@ -4,10 +4,13 @@ cache says ``mode: node`` (docs/NODE_CACHE.md).
 The ``NodeCache`` section (beside Common, in any graph's config) holds the service's options: its
 ``cache`` (the node's tiers: cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, eviction, remote, ...),
 ``max-clients``, ``max-models``, ``quotas`` (per tenant: the cache-server's --tenant-quota and
---default-quota), ``metrics-port`` and its restart policy. A worker in node mode
-keeps only ``mode: node`` in its own ``cache``: serve gives it the socket of its node's service.
-The service is supervised like a worker (restarted on death; the engines re-attach by themselves)
-and stopped after them."""
+--default-quota), ``metrics-port`` and its restart policy. A worker in node mode uses only
+``mode`` and ``node_socket`` of its own ``cache`` (its tier keys, e.g. a shipped config's, are the
+embedded cache's: ignored, and serve says so). Without ``node_socket`` serve gives it the socket
+of its node's service, which it starts, supervises like a worker (restarted on death; the engines
+re-attach by themselves) and stops after them; with one, the worker attaches to the cache server
+already listening there (``dynamo-flexkv cache-server --socket PATH``, the operator's) and serve
+starts none for it."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import yaml
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 from dynamo_flexkv.core.node.quota import TenantQuotas
+from dynamo_flexkv.core.sysutil import listening
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.options import (
     OnDeath,
@@ -42,7 +46,8 @@ SECTION = "NodeCache"
 SOCKET_MAX = 100  # sun_path holds 107 bytes
 RENDER_SOCKET_DIR = "/run/dynamo-flexkv"  # a rendered DaemonSet's hostPath, mounted by the workers too
 RENDER_METRICS_PORT = 9400  # a rendered cache server's /metrics, on its pod's address
-# Worker cache keys that mean something in node mode (serve sets node_socket and tokens_per_block).
+# Worker cache keys that mean something in node mode (tokens_per_block: serve sets it; node_socket:
+# serve sets it to its own service's unless the user names a running one).
 NODE_WORKER_KEYS = ("mode", "node_socket", "tokens_per_block")
 
 OPTIONS: Dict[str, Callable[[Any], Any]] = {
@@ -87,19 +92,58 @@ def options(raw: Any, source: str) -> Dict[str, Any]:
     return out
 
 
-def in_node_mode(worker_options: Mapping[str, Any]) -> bool:
+def in_node_mode(name: str, worker_options: Mapping[str, Any], source: str) -> bool:
+    """Whether a worker attaches to a node cache (``cache.mode: node``, offload on). A
+    ``node_socket`` without ``mode: node`` would be unused: refused, naming both keys."""
     cache = worker_options.get("cache") or {}
-    return worker_options.get("offload", True) and str(cache.get("mode", "embedded")).strip() == "node"
-
-
-def check_worker_cache(name: str, cache: Mapping[str, Any], source: str) -> None:
-    """A node-mode worker's tiers are the service's: tier keys of its own would be silently unused."""
-    stray = sorted(k for k in cache if k not in NODE_WORKER_KEYS)
-    if stray:
+    node = str(cache.get("mode", "embedded")).strip() == "node"
+    if cache.get("node_socket") and not node and worker_options.get("offload", True):
         raise GraphError(
-            f"{source}: {name}.cache sets {stray} with mode: node: the node's tiers are the cache "
-            f"server's; move them to {SECTION}.cache (or use mode: embedded)"
+            f"{source}: {name}.cache.node_socket={cache['node_socket']!r} names a node cache server, but "
+            f"{name}.cache.mode is not node: set --set {name}.cache.mode=node to attach to it, or remove "
+            "node_socket for the worker's own tiers"
         )
+    return bool(worker_options.get("offload", True)) and node
+
+
+def node_worker_cache(name: str, cache: Mapping[str, Any], tiers: str) -> Tuple[Dict[str, Any], Optional[str]]:
+    """(the keys a node-mode worker uses, a note naming the ones it ignores or None). Its other keys
+    (a shipped config's tier sizes and directories, eviction, ...) are the embedded cache's: the
+    node's tiers are ``tiers`` (where they come from, for the note)."""
+    kept = {k: v for k, v in cache.items() if k in NODE_WORKER_KEYS}
+    ignored = sorted(k for k in cache if k not in NODE_WORKER_KEYS)
+    if not ignored:
+        return kept, None
+    return kept, (
+        f"{name}.cache: mode: node ignores {', '.join(ignored)} (the keys of a worker's own, embedded "
+        f"tiers); its tiers are the node cache's: {tiers}"
+    )
+
+
+def external_socket(name: str, path: str, replicas: int, source: str) -> str:
+    """A ``node_socket`` the user gave a worker: an absolute path (the workers run in the run
+    directory) where a cache server listens now (each replica's, ``{replica}`` filled in), or a
+    GraphError naming the key and the fix. Serve starts no service for such a worker and never
+    replaces the path."""
+    sock = os.path.abspath(os.path.expanduser(path))
+    key = f"{name}.cache.node_socket"
+    for i in range(replicas):
+        each = sock.replace("{replica}", str(i))
+        start = f"dynamo-flexkv cache-server --socket {each} -f node-cache.yaml"
+        try:
+            up = listening(each)
+        except OSError as e:
+            raise GraphError(
+                f"{source}: {key}={path!r}: cannot connect to {each} ({e.strerror or e}): name the socket "
+                f"of a running cache server ({start}), or remove {key} and let serve start one ({SECTION})"
+            ) from None
+        if not up:
+            what = "no socket there" if not os.path.exists(each) else "a socket file, but nothing listens on it"
+            raise GraphError(
+                f"{source}: {key}={path!r}: no cache server listens on {each} ({what}): start it first "
+                f"({start}), or remove {key} and let serve start one ({SECTION})"
+            )
+    return sock
 
 
 def socket_path(run_dir: Path, node: Optional[str], local: bool) -> str:

@@ -71,6 +71,7 @@ class LaunchPlan:
     # on its own Hugging Face directory needs none)
     model_weights: bool = False  # ... with the preset's seeded weights (a vLLM worker loads them)
     node_options: Dict[str, str] = field(default_factory=dict)  # component -> its ``node`` option (serve --nodes)
+    notes: List[str] = field(default_factory=list)  # what serve prints before it starts (e.g. keys it ignores)
 
     @property
     def base_url(self) -> str:
@@ -169,6 +170,7 @@ def build_plan(
     node_of: Dict[str, str] = {}  # process name -> the node its component names
     node_options: Dict[str, str] = {}
     caches: Dict[Optional[str], Process] = {}  # node (None: this machine) -> its node cache server
+    notes: List[str] = []
     if local and any(c.engine == _vllm.ENGINE for c in graph.components):
         _vllm.check_installed(source)
     for comp in graph.components:
@@ -184,8 +186,8 @@ def build_plan(
             source,
             comp.engine,
         )
-        if comp.kind is Kind.WORKER and _node_cache.in_node_mode(opts):
-            opts = _attach_to_node_cache(ctx, comp, opts, node_cache, caches, processes, node_of)
+        if comp.kind is Kind.WORKER and _node_cache.in_node_mode(comp.name, opts, source):
+            opts = _attach_to_node_cache(ctx, comp, opts, node_cache, caches, processes, node_of, notes)
         if comp.kind is Kind.FRONTEND:
             front_opts = opts
             http_port = ports.take(opts["http-port"], f"{comp.name}.http-port", source, any_port=True)
@@ -241,6 +243,7 @@ def build_plan(
         write_model,
         model_weights,
         node_options,
+        notes,
     )
 
 
@@ -285,11 +288,30 @@ def _attach_to_node_cache(
     caches: Dict[Optional[str], Process],
     processes: List[Process],
     node_of: Dict[str, str],
+    notes: List[str],
 ) -> Dict[str, Any]:
-    """A worker in node mode: its node's cache server is planned (once per node, before the
-    workers), and the worker's cache names that server's socket."""
+    """A worker in node mode: the worker's cache names the socket of the cache server it attaches
+    to, the one the user gave (``cache.node_socket``: serve starts none) or its node's, which is
+    planned here (once per node, before the workers)."""
     source = ctx.source
-    _node_cache.check_worker_cache(comp.name, opts["cache"], source)
+    given = opts["cache"].get("node_socket")
+    tiers = f"the cache server's at {given}" if given else f"{_node_cache.SECTION}.cache, which serve starts"
+    cache, note = _node_cache.node_worker_cache(comp.name, opts["cache"], tiers)
+    if note:
+        notes.append(note)
+    if given:
+        if not ctx.local:
+            raise GraphError(
+                f"{source}: {comp.name}.cache.node_socket={given!r}: a rendered graph runs its node cache as a "
+                f"DaemonSet whose socket the worker pods mount ({_node_cache.RENDER_SOCKET_DIR}): remove "
+                f"node_socket (the {_node_cache.SECTION} section sets its tiers)"
+            )
+        sock = _node_cache.external_socket(comp.name, str(given), int(opts.get("replicas", 1)), source)
+        notes.append(
+            f"{comp.name}: attaches to the cache server at {sock} ({comp.name}.cache.node_socket); "
+            "serve starts none for it"
+        )
+        return dict(opts, cache=dict(cache, mode="node", node_socket=sock))
     node = opts.get("node") or None
     spec, block_size = _kv_shape(comp, opts, ctx.run_dir, source, ctx.local)
     sock = _node_cache.socket_path(ctx.run_dir, node, ctx.local)
@@ -304,7 +326,7 @@ def _attach_to_node_cache(
             f"{source}: {comp.name}.block-size {block_size} differs from the other node-mode workers' "
             f"{caches[node].block_size}: one node cache holds one block size"
         )
-    return dict(opts, cache=dict(opts["cache"], mode="node", node_socket=sock))
+    return dict(opts, cache=dict(cache, mode="node", node_socket=sock))
 
 
 def _kv_shape(comp: Any, opts: Dict[str, Any], run_dir: Path, source: str, local: bool) -> Tuple[Any, int]:

@@ -66,6 +66,8 @@ class Namespace:
         # Each shard's bytes are its own in the remote tier too (its rank is in the key fingerprint).
         rank, _, of = (d["shard"] or "0/1").partition("/")
         cfg = config.replace(
+            mode="embedded",  # the service owns these tiers (its own config may say node: it is shared)
+            node_socket="",
             tokens_per_block=d["tokens_per_block"],
             cpu_cache_gb=host_gb / ranks,
             ssd_cache_gb=disk_gb / ranks,

@@ -26,7 +26,7 @@ from dynamo_flexkv.core.node.namespace import Namespace, ServerOptions
 from dynamo_flexkv.core.node.quota import Quota
 from dynamo_flexkv.core.node.protocol import Attach, attach_key, describe_key, shard
 from dynamo_flexkv.core.node.session import Session
-from dynamo_flexkv.core.sysutil import private_dir
+from dynamo_flexkv.core.sysutil import listening, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +64,12 @@ class NodeCacheServer:
         such as /tmp itself, is refused: a socket of theirs could take the path)."""
         private_dir(os.path.dirname(os.path.abspath(path)), "node_socket's directory")
         if os.path.exists(path):
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
+            if listening(path):
                 raise ConfigError(
                     f"node_socket {path}: another cache server is listening there: stop it first, "
                     "or give this one another node_socket"
                 )
-            except (ConnectionRefusedError, FileNotFoundError):
-                os.unlink(path)  # a dead server's socket file
-            finally:
-                probe.close()
+            os.unlink(path)  # a dead server's socket file
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -156,7 +151,8 @@ class NodeCacheServer:
     def session_ended(self, session: Session) -> None:
         with self._lock:
             self._sessions.pop(session.id, None)
-            self.counters["detached"] += 1
+            if session.attach is not None:  # an engine; not a connection that never attached (a probe)
+                self.counters["detached"] += 1
 
     def namespace_for(self, attach: Attach, session: Session) -> Namespace:
         """The namespace of this engine's attach key, made on first use (max_models of them)."""
