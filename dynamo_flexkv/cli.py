@@ -133,11 +133,12 @@ def _plan(args: argparse.Namespace, run_dir: str, **kw):
     from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
     from dynamo_flexkv.serve import load_graph
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+    from dynamo_flexkv.serve.sources import ConfigSource
 
-    config = apply_overrides(load_config(resolve(CONFIGS, args.config) if args.config else None), args.set)
-    return build_plan(
-        load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=args.config or "defaults", **kw
-    )
+    file_config = load_config(resolve(CONFIGS, args.config) if args.config else None)
+    config = apply_overrides(file_config, args.set)
+    source = ConfigSource(args.config or "defaults", file_config, args.set)  # errors name the file or the --set
+    return build_plan(load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=source, **kw)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

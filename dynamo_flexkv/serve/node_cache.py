@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import yaml
 
-from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.config import CacheConfig, ConfigError, cite_origins
 from dynamo_flexkv.core.node.quota import TenantQuotas
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.options import (
@@ -36,6 +36,7 @@ from dynamo_flexkv.serve.options import (
 )
 from dynamo_flexkv.serve.ports import LOOPBACK
 from dynamo_flexkv.serve.process import Process
+from dynamo_flexkv.serve.sources import origin_of
 from dynamo_flexkv.serve.replica_cache import PlanContext, claim_ssd_dirs
 
 SECTION = "NodeCache"
@@ -73,17 +74,19 @@ def options(raw: Any, source: str) -> Dict[str, Any]:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise GraphError(f"{source}: {SECTION} must be a mapping of options")
-    out = parse_section(DEFAULTS, raw, OPTIONS, f"{source}: {SECTION}", "the node cache")
+        raise GraphError(f"{origin_of(source, SECTION)}: {SECTION} must be a mapping of options")
+    out = parse_section(DEFAULTS, raw, OPTIONS, source, SECTION, "the node cache")
     for key in ("max-clients", "max-models"):
         if out[key] < 1:
-            raise GraphError(f"{source}: {SECTION}.{key}={out[key]} must be >= 1")
+            raise GraphError(f"{origin_of(source, SECTION, key)}: {SECTION}.{key}={out[key]} must be >= 1")
     if out["on-death"] not in {d.value for d in OnDeath}:
-        raise GraphError(f"{source}: {SECTION}.on-death={out['on-death']!r}: use restart or stop")
+        raise GraphError(
+            f"{origin_of(source, SECTION, 'on-death')}: {SECTION}.on-death={out['on-death']!r}: use restart or stop"
+        )
     for key in ("restart-window-s", "restart-backoff-s"):
         problem = seconds_problem(out[key], *SECONDS_OPTIONS[key])
         if problem is not None:
-            raise GraphError(f"{source}: {SECTION}.{key}={problem}")
+            raise GraphError(f"{origin_of(source, SECTION, key)}: {SECTION}.{key}={problem}")
     return out
 
 
@@ -97,7 +100,8 @@ def check_worker_cache(name: str, cache: Mapping[str, Any], source: str) -> None
     stray = sorted(k for k in cache if k not in NODE_WORKER_KEYS)
     if stray:
         raise GraphError(
-            f"{source}: {name}.cache sets {stray} with mode: node: the node's tiers are the cache "
+            f"{origin_of(source, name, 'cache', stray[0])}: "
+            f"{name}.cache sets {stray} with mode: node: the node's tiers are the cache "
             f"server's; move them to {SECTION}.cache (or use mode: embedded)"
         )
 
@@ -128,33 +132,44 @@ def process(
     values["tokens_per_block"] = block_size
     for key in ("mode", "node_socket"):
         if key in values:
-            raise GraphError(f"{source}: {SECTION}.cache.{key}: the server is the node cache; remove it")
+            raise GraphError(
+                f"{origin_of(source, SECTION, 'cache', key)}: "
+                f"{SECTION}.cache.{key}: the server is the node cache; remove it"
+            )
+    origins = {key: origin_of(source, SECTION, "cache", key) for key in o["cache"]}
     try:
         checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())
-        cache = CacheConfig.from_dict(checked, f"{source}: {SECTION}.cache")
+        cache = CacheConfig.from_dict(checked, source, origins)  # its errors name each value's origin
+    except ConfigError as e:
+        raise GraphError(f"{SECTION}.cache: {e}") from None
+    try:
         if spec is not None:
             cache.tier_blocks(spec)
     except ConfigError as e:
-        raise GraphError(f"{source}: {SECTION}.cache: {e}") from None
+        raise GraphError(f"{SECTION}.cache: {cite_origins(str(e), origins)}") from None
     quotas = o["quotas"]
     if quotas is not None:
         try:
             quotas.check(cache)
         except ConfigError as e:
-            raise GraphError(f"{source}: {SECTION}.quotas: {e}") from None
+            raise GraphError(
+                f"{origin_of(source, SECTION, 'quotas')}: {SECTION}.quotas: {cite_origins(str(e), origins)}"
+            ) from None
     if cache.ssd_cache_gb > 0 and local:
         claim_ssd_dirs(
             ctx,
-            f"{source}: {SECTION}.cache",
+            f"{origin_of(source, SECTION, 'cache')}: {SECTION}.cache",
             list(cache.ssd_cache_dir),
             name,
             lambda d, holder: (
-                f"{source}: {SECTION}.cache.ssd_cache_dir {d} is also "
+                f"{origin_of(source, SECTION, 'cache')}: {SECTION}.cache.ssd_cache_dir {d} is also "
                 f"{holder}'s: give the node cache a directory of its own"
             ),
         )
     cfg_path = str(ctx.run_dir / f"{name}.cache.yaml")
-    port = ctx.ports.take(o["metrics-port"], f"{SECTION}.metrics-port", source, any_port=True)
+    port = ctx.ports.take(
+        o["metrics-port"], f"{SECTION}.metrics-port", origin_of(source, SECTION, "metrics-port"), any_port=True
+    )
     argv = [
         sys.executable,
         "-m",
