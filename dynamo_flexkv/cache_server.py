@@ -68,7 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the quota of every tenant --tenant-quota does not name (engines without a tenant included); "
         "one that no longer fits the budget beside the reserved quotas is refused at attach",
     )
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on METRICS_HOST:PORT (0: off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics on METRICS_HOST:PORT (default 0: no metrics; serve's NodeCache section "
+        "always passes one, a free port unless its metrics-port names one)",
+    )
     p.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics listen on (default 127.0.0.1)")
 
 

@@ -286,3 +286,75 @@ def test_the_checks_refuse_what_they_cannot_vouch_for(tmp_path, monkeypatch):
     check_command(["dynamo-flexkv", "render", "graphs/agg.py", "-f", "configs/agg.yaml", "--k8s"], True, tmp_path)
     assert list(commands("a b \\\n  c # d\nx && y; z")) == [["a", "b", "c"], ["x"], ["y"], ["z"]]
     assert list(commands("p --j '{\"a\":\n 1}' x")) == [["p", "--j", '{"a":\n 1}', "x"]]
+
+
+# ---- lists the docs keep by hand: true to the code ----------------------------------------------------
+
+
+def documented_metrics(text: str) -> set:
+    """The metric names in ``text``'s code spans: ``{a,b}`` inside a name is each alternative,
+    ``{labels}`` at its end is dropped."""
+    names = set()
+    for span in re.findall(r"`([^`]+)`", text):
+        span = re.sub(r"\{[^{}]*\}$", "", span.strip())
+        alternatives = re.match(r"^(.*?)\{([^{}]*)\}(.*)$", span)
+        expanded = (
+            [alternatives.group(1) + a + alternatives.group(3) for a in alternatives.group(2).split(",")]
+            if alternatives
+            else [span]
+        )
+        names.update(n for n in expanded if re.fullmatch(r"flexkv_[a-z_]+", n))
+    return names
+
+
+def section(doc: Path, heading: str) -> str:
+    text = doc.read_text()
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def test_the_worker_metrics_serving_md_lists_are_the_ones_it_exports(tmp_path):
+    """SERVING.md's Metrics (and REMOTE.md's remote families) name every family the reference
+    worker exports on /metrics, and nothing else."""
+    import dataclasses
+
+    from dynamo_flexkv import CacheConfig, KVManager, ModelSpec
+    from dynamo_flexkv.core.stats import RemoteTierStats
+    from dynamo_flexkv.integrations.dynamo_worker.metrics import OffloadCollector, RequestTally
+
+    with KVManager(
+        ModelSpec(num_layers=2, num_kv_heads=2, head_size=8), CacheConfig.from_dict({"cpu_cache_gb": 0.01})
+    ) as kv:
+        stats = dataclasses.replace(kv.stats(), remote=RemoteTierStats())  # every family: remote ones too
+    engine = {"steps": 0, "step_requests": 0, "step_seconds": 0, "load_stall_seconds": 0}
+    collector = OffloadCollector(RequestTally(), lambda: (0, 8), lambda: stats, engine_stats=lambda: engine)
+    exported = {f.name + ("_total" if f.type == "counter" else "") for f in collector.collect()}
+    serving = documented_metrics(section(ROOT / "docs" / "SERVING.md", "## Metrics"))
+    remote = documented_metrics((ROOT / "docs" / "REMOTE.md").read_text())
+    documented = {n for n in serving if not n.startswith("flexkv_remote_")} | {
+        n for n in remote if n.startswith("flexkv_remote_")
+    }
+    assert sorted(exported - documented) == [], "exported, not in docs/SERVING.md (## Metrics) or docs/REMOTE.md"
+    assert sorted(documented - exported) == [], "in the docs, not exported"
+
+
+def test_the_model_presets_configuration_md_lists_are_the_shipped_ones():
+    from dynamo_flexkv.resources import presets_dir
+
+    shipped = {p.stem for p in presets_dir().glob("*.yaml")} | {
+        p.parent.name for p in presets_dir().glob("*/config.json")
+    }
+    text = (ROOT / "docs" / "CONFIGURATION.md").read_text()
+    engine_row = next(line for line in text.split("\n") if line.startswith("| model | small | a preset in"))
+    missing = sorted(n for n in shipped if n not in text)
+    assert not missing, f"presets docs/CONFIGURATION.md does not name: {missing}"
+    yaml_presets = {p.stem for p in presets_dir().glob("*.yaml")}
+    assert sorted(n for n in yaml_presets if n not in engine_row) == [], engine_row
+
+
+def test_every_command_says_what_it_does_in_its_help():
+    from dynamo_flexkv.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert [name for name, p in commands.items() if not p.description] == []

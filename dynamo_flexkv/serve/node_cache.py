@@ -4,7 +4,8 @@ cache says ``mode: node`` (docs/NODE_CACHE.md).
 The ``NodeCache`` section (beside Common, in any graph's config) holds the service's options: its
 ``cache`` (the node's tiers: cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, eviction, remote, ...),
 ``max-clients``, ``max-models``, ``quotas`` (per tenant: the cache-server's --tenant-quota and
---default-quota), ``metrics-port`` and its restart policy. A worker in node mode
+--default-quota), ``metrics-port`` (0: a free port; the service always serves metrics under serve,
+which waits for them) and its restart policy. A worker in node mode
 keeps only ``mode: node`` in its own ``cache``: serve gives it the socket of its node's service.
 The service is supervised like a worker (restarted on death; the engines re-attach by themselves)
 and stopped after them."""
