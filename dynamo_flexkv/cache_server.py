@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 
@@ -68,20 +68,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the quota of every tenant --tenant-quota does not name (engines without a tenant included); "
         "one that no longer fits the budget beside the reserved quotas is refused at attach",
     )
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on METRICS_HOST:PORT (0: off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics on METRICS_HOST:PORT (default 0: no metrics; serve's NodeCache section "
+        "always passes one, a free port unless its metrics-port names one)",
+    )
     p.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics listen on (default 127.0.0.1)")
 
 
 def load_config(path: Optional[str], sets: List[str]) -> CacheConfig:
-    """File (or FLEXKV_CONFIG_PATH) < environment < --set, as an engine loads its cache config."""
-    base = CacheConfig.load(path)
-    changes: Dict[str, Any] = {}
-    for item in sets:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set cpu_cache_gb=8")
-        changes[key.strip()] = value
-    return base.replace(**changes) if changes else base
+    """File (-f, else FLEXKV_CONFIG_PATH) < environment < --set, as an engine loads its cache config;
+    an error names where the bad value came from."""
+    return CacheConfig.load(path, sets=sets, path_flag="-f")
 
 
 def run(args: argparse.Namespace) -> int:

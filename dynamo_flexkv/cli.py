@@ -15,7 +15,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dynamo-flexkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    doctor = sub.add_parser("doctor", help="report native extension, io_uring, O_DIRECT, CUDA, NIXL, Dynamo")
+    doctor = sub.add_parser(
+        "doctor",
+        help="report native extension, io_uring, O_DIRECT, CUDA, NIXL, Dynamo",
+        description="Checks what this machine offers and what falls back: the cache configuration (FLEXKV_CONFIG_PATH "
+        "and FLEXKV_* variables), the native extension, the shipped graphs, configs and model presets, io_uring, "
+        "O_DIRECT on each cache directory, CUDA, NIXL's backends, the Dynamo runtime and the remote tier as "
+        "configured. Prints one line per check (ok, fallback, missing, invalid); exit 1 when one is missing or "
+        "invalid.",
+    )
     doctor.add_argument(
         "--cache-dir",
         action="append",
@@ -67,7 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--prefix", default="flexkv", help="namespace name prefix (default flexkv)")
     nodes.add_argument("--file", default="nodes.yaml", help="the nodes file to write (up) or read (default nodes.yaml)")
 
-    render = sub.add_parser("render", help="write a graph as a deployment manifest")
+    render = sub.add_parser(
+        "render",
+        help="write a graph as a deployment manifest",
+        description="Checks the graph and its config as serve does (without probing this machine's ports and "
+        "directories) and writes it as a Dynamo DynamoGraphDeployment (nvidia.com/v1alpha1) for the Dynamo "
+        "operator: one service per component, the cache options as FLEXKV_* variables, a node cache as a "
+        "DaemonSet.",
+    )
     _graph_args(render)
     render.add_argument(
         "--k8s", action="store_true", required=True, help="a Dynamo DynamoGraphDeployment (nvidia.com/v1alpha1)"
@@ -92,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
             "demo",
             help="the main job: the replay comparison with its defaults on vLLM workers (same options as "
             "replay; --engine reference: the reference engine's workers)",
+            description="replay with its defaults (what make demo runs): serves each configuration (no offload, "
+            "FlexKVConnector's host+SSD offload with tier-aware routing, host+SSD with device-only routing) on a fresh "
+            "graph of vLLM workers (--engine reference: the reference engine's), replays the shipped Mooncake "
+            "conversation trace against it with its arrival times, and writes report.md, results.jsonl and PNG "
+            "plots to the results folder.",
         )
     )
 
@@ -111,7 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from dynamo_flexkv.bench import build_parser as bench_parser
 
-    bench_parser(sub.add_parser("bench", help="run a benchmark against its same-run baseline"))
+    bench_parser(
+        sub.add_parser(
+            "bench",
+            help="run a benchmark against its same-run baseline",
+            description="Runs one benchmark (or all but vllm and events) and prints ours, the baseline measured in "
+            "the same run and their ratio (docs/BENCHMARKS.md).",
+        )
+    )
     return parser
 
 
@@ -133,11 +160,12 @@ def _plan(args: argparse.Namespace, run_dir: str, **kw):
     from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
     from dynamo_flexkv.serve import load_graph
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+    from dynamo_flexkv.serve.sources import ConfigSource
 
-    config = apply_overrides(load_config(resolve(CONFIGS, args.config) if args.config else None), args.set)
-    return build_plan(
-        load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=args.config or "defaults", **kw
-    )
+    file_config = load_config(resolve(CONFIGS, args.config) if args.config else None)
+    config = apply_overrides(file_config, args.set)
+    source = ConfigSource(args.config or "defaults", file_config, args.set)  # errors name the file or the --set
+    return build_plan(load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=source, **kw)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

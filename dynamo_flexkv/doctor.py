@@ -19,6 +19,7 @@ class Status(str, Enum):
     OK = "ok"
     FALLBACK = "fallback"  # works, through a slower path
     MISSING = "missing"  # required and absent: the package cannot run
+    INVALID = "invalid"  # configured wrong: the detail names the value, where it came from and the fix
 
 
 @dataclass(frozen=True)
@@ -193,17 +194,19 @@ def check_dynamo() -> Check:
 
 def check_config(config=None) -> "tuple[Check, Optional[object]]":
     """The configuration (file and FLEXKV_* environment) and the CacheConfig it makes (None when it
-    cannot be loaded: the check says why, naming the key and the fix)."""
-    from dynamo_flexkv.core.config import CONFIG_PATH_ENV, CacheConfig, ConfigError
+    cannot be loaded: the check, "invalid", says why, naming the key, where its value came from and
+    the fix)."""
+    from dynamo_flexkv.core.config import CONFIG_PATH_ENV, CacheConfig, ConfigError, env_settings
 
     if config is not None:
         return Check("config", Status.OK, "given"), config
     try:
         cfg = CacheConfig.load()
     except ConfigError as e:
-        return Check("config", Status.MISSING, str(e)), None
-    source = os.environ.get(CONFIG_PATH_ENV)
-    return Check("config", Status.OK, f"loaded ({source or 'defaults'} and FLEXKV_* environment)"), cfg
+        return Check("config", Status.INVALID, str(e)), None
+    path = os.environ.get(CONFIG_PATH_ENV)
+    sources = ["defaults", *([f"{path} ({CONFIG_PATH_ENV})"] if path else []), *env_settings(os.environ)]
+    return Check("config", Status.OK, f"loaded: {' < '.join(sources)}"), cfg
 
 
 def check_remote(config=None) -> Check:
@@ -216,7 +219,7 @@ def check_remote(config=None) -> Check:
     if config is None:
         found, config = check_config()
         if config is None:
-            return Check(name, Status.MISSING, f"not checked: the config is invalid ({found.detail})")
+            return Check(name, Status.INVALID, f"not checked: the config is invalid ({found.detail})")
     cfg = config
     if not cfg.enable_remote:
         return Check(name, Status.OK, f"disabled (enable_remote=false); {local} for `serve`'s own Redis")
@@ -228,7 +231,7 @@ def check_remote(config=None) -> Check:
     try:
         rc = cfg.remote_config()
     except ConfigError as e:
-        return Check(name, Status.MISSING, f"config: {e}")
+        return Check(name, Status.INVALID, f"config: {e}")
     try:
         store = RemoteStore(rc, 0, strict=True)
     except RemoteError as e:
@@ -265,7 +268,7 @@ def _run_checks(cache_dirs: Sequence[str], loaded: Check, cfg) -> List[Check]:
     checks.append(
         check_remote(cfg)
         if cfg is not None
-        else Check("remote tier (Redis)", Status.MISSING, "not checked: the config is invalid (see config)")
+        else Check("remote tier (Redis)", Status.INVALID, "not checked: the config is invalid (see config)")
     )
     return [Check(c.name, c.status, _scrub(c.detail)) for c in checks]
 
@@ -280,7 +283,7 @@ def _scrub(text: str) -> str:
 
 
 def main(cache_dirs: Optional[Sequence[str]] = None, as_json: bool = False) -> int:
-    """Prints every check; 1 when one is missing (an invalid config included: reported as the
+    """Prints every check; 1 when one is missing or invalid (an invalid config is reported as the
     "config" check, not raised)."""
     loaded, cfg = check_config()
     if not cache_dirs:
@@ -292,4 +295,4 @@ def main(cache_dirs: Optional[Sequence[str]] = None, as_json: bool = False) -> i
         width = max(len(c.name) for c in checks)
         for c in checks:
             print(f"{c.name:<{width}}  {c.status.value:<8}  {c.detail}")
-    return 1 if any(c.status is Status.MISSING for c in checks) else 0
+    return 1 if any(c.status in (Status.MISSING, Status.INVALID) for c in checks) else 0

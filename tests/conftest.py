@@ -83,6 +83,7 @@ MODULE_KINDS = {
     "test_disagg_role": "unit",
     "test_disagg_serve": "served",
     "test_disk_io": "unit",
+    "test_docs_examples": "unit",
     "test_dynamo_worker": "served",
     "test_engine": "unit",
     "test_errors": "unit",

@@ -214,3 +214,106 @@ def test_remote_keys_from_env_and_their_errors_name_the_key_and_fix():
     with pytest.raises(ConfigError, match="remote_admission_hits=-1 must be >= 0"):
         CacheConfig(remote_admission_hits=-1)
     CacheConfig(remote_cache_url="not a url")  # unused while the tier is off
+
+
+# ---- every error names where the bad value came from: the file, the variable, the --set ----------------
+
+
+def test_a_bad_value_names_its_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("cpu_cache_gb: lots\n")
+    with pytest.raises(ConfigError, match=rf"^cpu_cache_gb='lots' in {path} \(-f\) is invalid"):
+        CacheConfig.load(str(path), env={}, path_flag="-f")
+    with pytest.raises(ConfigError, match=rf"^cpu_cache_gb='lots' in {path} \(FLEXKV_CONFIG_PATH\) is invalid"):
+        CacheConfig.load(env={"FLEXKV_CONFIG_PATH": str(path)})
+
+
+def test_a_missing_file_names_the_option_or_the_variable_that_named_it(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError) as given:
+        CacheConfig.load(str(missing), env={}, path_flag="-f")
+    assert str(given.value) == f"cannot read config file {missing} (-f): No such file or directory"
+    with pytest.raises(ConfigError) as from_env:
+        CacheConfig.load(env={"FLEXKV_CONFIG_PATH": str(missing)})
+    assert str(from_env.value) == (
+        f"cannot read config file {missing} (FLEXKV_CONFIG_PATH): No such file or directory; "
+        "fix or unset FLEXKV_CONFIG_PATH"
+    )
+
+
+def test_a_bad_value_names_its_environment_variable():
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(env={"FLEXKV_CPU_CACHE_GB": "abc"})
+    assert str(info.value) == (
+        "cpu_cache_gb='abc' in environment variable FLEXKV_CPU_CACHE_GB is invalid: "
+        "could not convert string to float: 'abc'"
+    )
+    with pytest.raises(ConfigError, match="in environment variable DYN_KVBM_CPU_CACHE_GB is invalid"):
+        CacheConfig.load(env={"DYN_KVBM_CPU_CACHE_GB": "abc"})
+
+
+def test_a_bad_value_names_its_set():
+    with pytest.raises(ConfigError) as typo:
+        CacheConfig.load(env={}, sets=["cpu_cach_gb=1"])
+    assert str(typo.value) == "unknown config key 'cpu_cach_gb' in --set cpu_cach_gb=1; did you mean 'cpu_cache_gb'?"
+    with pytest.raises(ConfigError, match=r"^evict_ratio='x' in --set evict_ratio=x is invalid"):
+        CacheConfig.load(env={}, sets=["evict_ratio=x"])
+    with pytest.raises(ConfigError, match=r"--set 'cpu_cache_gb': expected KEY=VALUE"):
+        CacheConfig.load(env={}, sets=["cpu_cache_gb"])
+
+
+def test_set_wins_over_the_environment_which_wins_over_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("cpu_cache_gb: 1\nevict_ratio: 0.5\n")
+    env = {"FLEXKV_CONFIG_PATH": str(path), "FLEXKV_CPU_CACHE_GB": "abc", "FLEXKV_EVICT_RATIO": "0.25"}
+    cfg = CacheConfig.load(env=env, sets=["cpu_cache_gb=2"])  # the bad variable is replaced, never parsed
+    assert cfg.cpu_cache_gb == 2.0 and cfg.evict_ratio == 0.25
+
+
+def test_a_check_across_keys_cites_where_each_came_from(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("cpu_cache_gb: 4\n")
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(
+            env={"FLEXKV_CONFIG_PATH": str(path), "FLEXKV_SSD_CACHE_GB": "1"},
+            sets=[f"ssd_cache_dir={tmp_path / 'ssd'}"],
+        )
+    message = str(info.value)
+    assert message.startswith("ssd_cache_gb=1.0 is smaller than cpu_cache_gb=4.0")
+    assert message.endswith(
+        f"(ssd_cache_gb from environment variable FLEXKV_SSD_CACHE_GB; cpu_cache_gb from {path} (FLEXKV_CONFIG_PATH))"
+    )
+    with pytest.raises(ConfigError, match=r"needs ssd_cache_dir.* \(ssd_cache_gb from --set ssd_cache_gb=8\)$"):
+        CacheConfig.load(env={}, sets=["ssd_cache_gb=8"])
+
+
+def test_from_dict_names_each_keys_origin():
+    origins = {"cpu_cache_gb": "--set W.cache.cpu_cache_gb=x"}
+    with pytest.raises(ConfigError, match=r"^cpu_cache_gb='x' in --set W.cache.cpu_cache_gb=x is invalid"):
+        CacheConfig.from_dict({"cpu_cache_gb": "x", "evict_ratio": 0.5}, "c.yaml", origins)
+    with pytest.raises(ConfigError, match=r"^unknown config key 'evict_ration' in c.yaml;"):
+        CacheConfig.from_dict({"evict_ration": 0.5}, "c.yaml", origins)
+
+
+@pytest.mark.parametrize(
+    "argv, env, error",
+    [
+        (["-f", "{tmp}/no.yaml"], {}, "cannot read config file {tmp}/no.yaml (-f): No such file or directory"),
+        ([], {"FLEXKV_CPU_CACHE_GB": "abc"}, "cpu_cache_gb='abc' in environment variable FLEXKV_CPU_CACHE_GB"),
+        (["--set", "cpu_cach_gb=1"], {}, "unknown config key 'cpu_cach_gb' in --set cpu_cach_gb=1"),
+        (["--set", "cpu_cache_gb=1", "--set", "ssd_cache_gb=0.5"], {}, "(ssd_cache_gb from --set ssd_cache_gb=0.5"),
+    ],
+)
+def test_cache_server_refuses_naming_where_the_value_came_from(tmp_path, monkeypatch, capsys, argv, env, error):
+    """`dynamo-flexkv cache-server`'s config errors (exit 2, before anything starts) name the -f
+    file, the variable or the --set, as every engine's do."""
+    from dynamo_flexkv.cli import main
+
+    for var in [v for v in os.environ if v.startswith(("FLEXKV_", "DYN_KVBM_"))]:
+        monkeypatch.delenv(var)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["cache-server", "--socket", str(tmp_path / "s" / "node.sock"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and error.replace("{tmp}", str(tmp_path)) in err

@@ -311,11 +311,12 @@ def test_doctor_reports_the_remote_tier(tmp_path, redis_server):
             "percent-encoded",
         ),
         ({"FLEXKV_TOKENS_PER_BLOCK": "3"}, "tokens_per_block=3"),
+        ({"FLEXKV_CPU_CACHE_GB": "abc"}, "cpu_cache_gb='abc' in environment variable FLEXKV_CPU_CACHE_GB is invalid"),
     ],
 )
 def test_doctor_reports_an_invalid_config_as_a_failed_check(tmp_path, monkeypatch, capsys, env, words):
-    """A bad config key is the "config" check (missing, with the ConfigError's message) and the
-    remote check says it was not run: no exception, exit status 1, no password."""
+    """A bad config key is the "config" check (invalid, with the ConfigError's message, which names
+    the variable) and the remote check says it was not run: no exception, exit status 1, no password."""
     import dynamo_flexkv.doctor as doctor
 
     for k, v in env.items():
@@ -323,8 +324,8 @@ def test_doctor_reports_an_invalid_config_as_a_failed_check(tmp_path, monkeypatc
     monkeypatch.setattr(doctor, "check_nixl", lambda: [])  # its child process is not what is tested
     assert doctor.main([str(tmp_path)], as_json=True) == 1
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
-    assert checks["config"]["status"] == "missing" and words in checks["config"]["detail"]
-    assert checks["remote tier (Redis)"]["status"] == "missing"
+    assert checks["config"]["status"] == "invalid" and words in checks["config"]["detail"]
+    assert checks["remote tier (Redis)"]["status"] == "invalid"
     assert "w0rd" not in json.dumps(checks) and "p@ss" not in json.dumps(checks)
 
 

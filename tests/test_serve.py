@@ -421,3 +421,56 @@ def test_serve_exits_2_on_a_pipeline_parallel_vllm_worker(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "VllmWorker.extra-args sets --pipeline-parallel-size 2" in r.stderr, r.stderr
     assert not (tmp_path / "run" / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    "config, sets, error",
+    [
+        (None, ["FlexKVWorker.replica=1"], "--set FlexKVWorker.replica=1: FlexKVWorker.replica is not an option"),
+        (None, ["FlexKVWorker.replicas=abc"], "--set FlexKVWorker.replicas=abc: FlexKVWorker.replicas='abc': expected"),
+        (None, ["Common.replicas=0"], "--set Common.replicas=0: FlexKVWorker.replicas=0 must be >= 1"),
+        (None, ["Nope.x=1"], "--set Nope.x=1: unknown component 'Nope'"),
+        (
+            None,
+            ["FlexKVWorker.cache.cpu_cach_gb=1"],
+            "FlexKVWorker.cache: unknown config key 'cpu_cach_gb' in --set FlexKVWorker.cache.cpu_cach_gb=1; "
+            "did you mean 'cpu_cache_gb'?\n",
+        ),
+        (
+            None,
+            ["FlexKVWorker.cache={cpu_cach_gb: 1}"],
+            "unknown config key 'cpu_cach_gb' in --set FlexKVWorker.cache={cpu_cach_gb: 1}",
+        ),
+        (
+            None,
+            ["FlexKVWorker.cache.ssd_cache_gb=0.01"],
+            "(ssd_cache_gb from --set FlexKVWorker.cache.ssd_cache_gb=0.01; cpu_cache_gb from {config})",
+        ),
+        (
+            {"FlexKVWorker": {"replica": 1}},
+            [],
+            "{config}: FlexKVWorker.replica is not an option",
+        ),
+        (
+            {"FlexKVWorker": {"cache": {"cpu_cach_gb": 1}}},
+            ["FlexKVWorker.replicas=1"],
+            "FlexKVWorker.cache: unknown config key 'cpu_cach_gb' in {config}; did you mean 'cpu_cache_gb'?\n",
+        ),
+        ({"Common": {"replicas": 0}}, [], "{config}: FlexKVWorker.replicas=0 must be >= 1"),
+    ],
+)
+def test_a_bad_value_is_blamed_on_where_it_came_from_the_file_or_the_set(tmp_path, capsys, config, sets, error):
+    """Each refusal names the one place to fix, once: the --set that gave the value (a typo in a
+    --set is not the file's), or the config file."""
+    from dynamo_flexkv.cli import main
+
+    path = str(ROOT / "configs" / "agg.yaml")
+    if config is not None:
+        path = str(tmp_path / "c.yaml")
+        Path(path).write_text(yaml.safe_dump(config))
+    argv = ["render", str(ROOT / "graphs" / "agg.py"), "-f", path, "--k8s", "-o", str(tmp_path / "out.yaml")]
+    assert main([*argv, *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and error.replace("{config}", path) in err, err
+    if sets and config is None:
+        assert path not in err.split("(")[0], err  # the file is not blamed for the --set

@@ -71,7 +71,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         type=int,
         metavar="N",
         help="bench vllm: timed requests per case (default 3, --quick 2); bench disagg --vllm: timed handovers "
-        "per size (default 12, --quick 4)",
+        "per size (default 12, --quick 4); bench node: repeats per case (default 15, --quick 5)",
     )
     parser.add_argument(
         "--sizes",

@@ -1,7 +1,8 @@
-"""Cache configuration: defaults < YAML file (FLEXKV_CONFIG_PATH) < environment.
+"""Cache configuration: defaults < YAML file (FLEXKV_CONFIG_PATH) < environment < a command's --set.
 
 Keys keep FlexKV's names so its users can move over; Dynamo KVBM's DYN_KVBM_* variables are
-accepted as aliases. Every bad value or contradiction raises ConfigError naming the key and the fix.
+accepted as aliases. Every bad value or contradiction raises ConfigError naming the key, where its
+value came from (the file, the environment variable, the --set) and the fix.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
@@ -97,19 +99,41 @@ class CacheConfig:
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> "CacheConfig":
-        return cls(**_coerce_all(data, source))
+    def from_dict(
+        cls, data: Mapping[str, Any], source: str = "config", origins: Optional[Mapping[str, str]] = None
+    ) -> "CacheConfig":
+        """``data``'s values, from ``source``; ``origins`` names where single keys came from when
+        that differs (a --set over a file): an error names the origin of each value it concerns."""
+        return _build(cls, data, source, origins or {})
 
     @classmethod
-    def load(cls, path: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> "CacheConfig":
-        """Defaults, then the YAML file (``path`` or $FLEXKV_CONFIG_PATH), then the environment."""
+    def load(
+        cls,
+        path: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        sets: Sequence[str] = (),
+        path_flag: str = "",
+    ) -> "CacheConfig":
+        """Defaults, then the YAML file (``path``, else $FLEXKV_CONFIG_PATH), then the environment
+        (FLEXKV_<KEY> and the KVBM aliases), then ``sets`` (a command's ``--set KEY=VALUE`` items).
+        Only the value that wins is parsed (a bad variable a --set replaces is not an error), and
+        every error names where its value came from: the file (``path_flag``: the option that
+        named it, e.g. ``-f``), the variable or the --set."""
         env = os.environ if env is None else env
         values: Dict[str, Any] = {}
-        path = path or env.get(CONFIG_PATH_ENV)
+        origins: Dict[str, str] = {}
+        if not path and env.get(CONFIG_PATH_ENV):
+            path, path_flag = env[CONFIG_PATH_ENV], CONFIG_PATH_ENV
         if path:
-            values.update(_coerce_all(_read_yaml(path), path))
-        values.update(_coerce_all(_env_values(env), "environment"))
-        return cls(**values)
+            shown = f"{path} ({path_flag})" if path_flag else path
+            fix = f"; fix or unset {CONFIG_PATH_ENV}" if path_flag == CONFIG_PATH_ENV else ""
+            for key, value in read_yaml_mapping(path, fix, "keys to values", shown=shown).items():
+                values[key], origins[key] = value, shown
+        for key, (var, value) in _env_values(env).items():
+            values[key], origins[key] = value, env_origin(var)
+        for key, (item, value) in parse_sets(sets).items():
+            values[key], origins[key] = value, f"--set {item}"
+        return _build(cls, values, "config", origins)
 
     def replace(self, **changes: Any) -> "CacheConfig":
         return dataclasses.replace(self, **_coerce_all(changes, "replace()"))
@@ -242,24 +266,67 @@ class CacheConfig:
             )
 
 
-def _read_yaml(path: str) -> Mapping[str, Any]:
-    return read_yaml_mapping(path, f"; fix {CONFIG_PATH_ENV}", "keys to values")
-
-
-def read_yaml_mapping(path: str, fix: str = "", holds: str = "keys to values") -> Dict[str, Any]:
-    """A YAML file whose top level is a mapping; any other case is a ConfigError naming the file."""
+def read_yaml_mapping(
+    path: str, fix: str = "", holds: str = "keys to values", shown: Optional[str] = None
+) -> Dict[str, Any]:
+    """A YAML file whose top level is a mapping; any other case is a ConfigError naming the file
+    (as ``shown``, e.g. with the option or variable that named it)."""
+    shown = shown or path
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}{fix}") from None
+        raise ConfigError(f"cannot read config file {shown}: {e.strerror}{fix}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8{fix}") from None
+        raise ConfigError(f"config file {shown} is not UTF-8 text (byte {e.start}): save it as UTF-8{fix}") from None
     except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: e.g. a date like 2024-13-45
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {shown} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of {holds}")
+        raise ConfigError(f"config file {shown} must hold a mapping of {holds}")
     return data
+
+
+def env_origin(var: str) -> str:
+    """How an error names a value that came from environment variable ``var``."""
+    return f"environment variable {var}"
+
+
+def parse_sets(items: Sequence[str]) -> Dict[str, Tuple[str, str]]:
+    """A command's ``--set KEY=VALUE`` items: key -> (the item, its value); a later one wins."""
+    out: Dict[str, Tuple[str, str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set cpu_cache_gb=8")
+        out[key.strip()] = (item, value)
+    return out
+
+
+def cite_origins(message: str, origins: Mapping[str, str]) -> str:
+    """``message`` with where each key it names came from, e.g. "... (ssd_cache_gb from environment
+    variable FLEXKV_SSD_CACHE_GB)": a check of several keys cannot know which one the user typed."""
+    named = []  # (where the message first names the key, key): cited in the message's order
+    for key in origins:
+        found = re.search(rf"\b{re.escape(key)}\b", message)
+        if found:
+            named.append((found.start(), key))
+    by_origin: Dict[str, list] = {}
+    for _, key in sorted(named):
+        by_origin.setdefault(origins[key], []).append(key)
+    if not by_origin:
+        return message
+    cited = "; ".join(f"{', '.join(keys)} from {origin}" for origin, keys in by_origin.items())
+    return f"{message} ({cited})"
+
+
+def _build(cls: Any, data: Mapping[str, Any], source: str, origins: Mapping[str, str]) -> "CacheConfig":
+    """A CacheConfig of ``data``: each value parsed and named by its origin (``origins``, else
+    ``source``); a check across keys that fails cites the origins of the keys it names."""
+    values = _coerce_all(data, source, origins)
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        raise ConfigError(cite_origins(str(e), origins)) from None
 
 
 def env_settings(env: Mapping[str, str]) -> Dict[str, str]:
@@ -270,8 +337,9 @@ def env_settings(env: Mapping[str, str]) -> Dict[str, str]:
     return {var: names[var] for var in sorted(names) if var in env}
 
 
-def _env_values(env: Mapping[str, str]) -> Dict[str, str]:
-    """Collects FLEXKV_<KEY> and the KVBM aliases; two names for one key must agree."""
+def _env_values(env: Mapping[str, str]) -> Dict[str, Tuple[str, str]]:
+    """Collects FLEXKV_<KEY> and the KVBM aliases: key -> (variable, value); two names for one key
+    must agree."""
     fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
     found: Dict[str, Tuple[str, str]] = {}
     names = {f"FLEXKV_{k.upper()}": k for k in fields}
@@ -280,24 +348,27 @@ def _env_values(env: Mapping[str, str]) -> Dict[str, str]:
         if var not in env:
             continue
         # Compare parsed values: "2" and "2.0" agree.
-        if key in found and _coerce(key, fields[key].default, found[key][1], found[key][0]) != _coerce(
-            key, fields[key].default, env[var], var
+        if key in found and _coerce(key, fields[key].default, found[key][1], env_origin(found[key][0])) != _coerce(
+            key, fields[key].default, env[var], env_origin(var)
         ):
             other = found[key][0]
             raise ConfigError(f"{other}={found[key][1]!r} and {var}={env[var]!r} both set {key}: unset one")
         found[key] = (var, env[var])
-    return {k: v for k, (_, v) in found.items()}
+    return found
 
 
-def _coerce_all(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
+def _coerce_all(data: Mapping[str, Any], source: str, origins: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """Each value of ``data`` parsed for its key; errors name the key's origin (``origins``, else
+    ``source``)."""
     fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
     out: Dict[str, Any] = {}
     for key, value in data.items():
+        origin = (origins or {}).get(key, source)
         if key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(sorted(fields))}"
-            raise ConfigError(f"unknown config key {key!r} in {source}{hint}")
-        out[key] = _coerce(key, fields[key].default, value, source)
+            raise ConfigError(f"unknown config key {key!r} in {origin}{hint}")
+        out[key] = _coerce(key, fields[key].default, value, origin)
     return out
 
 

@@ -302,6 +302,7 @@ def serve_and_replay(
     from dynamo_flexkv.serve import load_graph
     from dynamo_flexkv.serve.launcher import Launcher
     from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
+    from dynamo_flexkv.serve.sources import ConfigSource
 
     engine = replay.engine
     worker = ENGINES[engine].worker
@@ -315,7 +316,8 @@ def serve_and_replay(
         *serve.extra_overrides,
         *config.overrides_for(worker),
     ]
-    cfg = apply_overrides(load_config(serve.config_file), overrides)
+    file_cfg = load_config(serve.config_file)
+    cfg = apply_overrides(file_cfg, overrides)
     if config.node:
         cfg = node_cache_config(cfg, worker, run_dir)
     server = None
@@ -323,7 +325,8 @@ def serve_and_replay(
         from dynamo_flexkv.replay.peers import lmcache_config
 
         cfg, server = lmcache_config(cfg, worker, run_dir)
-    plan = build_plan(load_graph(serve.graph), cfg, run_dir=run_dir, source=serve.config_file)
+    source = ConfigSource(serve.config_file, file_cfg, overrides)  # errors name the file or the --set
+    plan = build_plan(load_graph(serve.graph), cfg, run_dir=run_dir, source=source)
     if server is not None:
         from dynamo_flexkv.replay.peers import add_lmcache_server
 

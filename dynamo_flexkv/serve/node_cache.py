@@ -4,7 +4,8 @@ cache says ``mode: node`` (docs/NODE_CACHE.md).
 The ``NodeCache`` section (beside Common, in any graph's config) holds the service's options: its
 ``cache`` (the node's tiers: cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, eviction, remote, ...),
 ``max-clients``, ``max-models``, ``quotas`` (per tenant: the cache-server's --tenant-quota and
---default-quota), ``metrics-port`` and its restart policy. A worker in node mode uses only
+--default-quota), ``metrics-port`` (0: a free port; the service always
+serves metrics under serve, which waits for them) and its restart policy. A worker in node mode uses only
 ``mode`` and ``node_socket`` of its own ``cache`` (its tier keys, e.g. a shipped config's, are the
 embedded cache's: ignored, and serve says so). Without ``node_socket`` serve gives it the socket
 of its node's service, which it starts, supervises like a worker (restarted on death; the engines
@@ -23,7 +24,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import yaml
 
-from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.config import CacheConfig, ConfigError, cite_origins
 from dynamo_flexkv.core.node.quota import TenantQuotas
 from dynamo_flexkv.core.sysutil import listening
 from dynamo_flexkv.serve.graph import GraphError, Kind
@@ -40,6 +41,7 @@ from dynamo_flexkv.serve.options import (
 )
 from dynamo_flexkv.serve.ports import LOOPBACK
 from dynamo_flexkv.serve.process import Process
+from dynamo_flexkv.serve.sources import origin_of
 from dynamo_flexkv.serve.replica_cache import PlanContext, claim_ssd_dirs
 
 SECTION = "NodeCache"
@@ -78,17 +80,19 @@ def options(raw: Any, source: str) -> Dict[str, Any]:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise GraphError(f"{source}: {SECTION} must be a mapping of options")
-    out = parse_section(DEFAULTS, raw, OPTIONS, f"{source}: {SECTION}", "the node cache")
+        raise GraphError(f"{origin_of(source, SECTION)}: {SECTION} must be a mapping of options")
+    out = parse_section(DEFAULTS, raw, OPTIONS, source, SECTION, "the node cache")
     for key in ("max-clients", "max-models"):
         if out[key] < 1:
-            raise GraphError(f"{source}: {SECTION}.{key}={out[key]} must be >= 1")
+            raise GraphError(f"{origin_of(source, SECTION, key)}: {SECTION}.{key}={out[key]} must be >= 1")
     if out["on-death"] not in {d.value for d in OnDeath}:
-        raise GraphError(f"{source}: {SECTION}.on-death={out['on-death']!r}: use restart or stop")
+        raise GraphError(
+            f"{origin_of(source, SECTION, 'on-death')}: {SECTION}.on-death={out['on-death']!r}: use restart or stop"
+        )
     for key in ("restart-window-s", "restart-backoff-s"):
         problem = seconds_problem(out[key], *SECONDS_OPTIONS[key])
         if problem is not None:
-            raise GraphError(f"{source}: {SECTION}.{key}={problem}")
+            raise GraphError(f"{origin_of(source, SECTION, key)}: {SECTION}.{key}={problem}")
     return out
 
 
@@ -98,8 +102,9 @@ def in_node_mode(name: str, worker_options: Mapping[str, Any], source: str) -> b
     cache = worker_options.get("cache") or {}
     node = str(cache.get("mode", "embedded")).strip() == "node"
     if cache.get("node_socket") and not node and worker_options.get("offload", True):
+        where = origin_of(source, name, "cache", "node_socket")
         raise GraphError(
-            f"{source}: {name}.cache.node_socket={cache['node_socket']!r} names a node cache server, but "
+            f"{where}: {name}.cache.node_socket={cache['node_socket']!r} names a node cache server, but "
             f"{name}.cache.mode is not node: set --set {name}.cache.mode=node to attach to it, or remove "
             "node_socket for the worker's own tiers"
         )
@@ -127,6 +132,7 @@ def external_socket(name: str, path: str, replicas: int, source: str) -> str:
     replaces the path."""
     sock = os.path.abspath(os.path.expanduser(path))
     key = f"{name}.cache.node_socket"
+    where = origin_of(source, name, "cache", "node_socket")
     for i in range(replicas):
         each = sock.replace("{replica}", str(i))
         start = f"dynamo-flexkv cache-server --socket {each} -f node-cache.yaml"
@@ -134,13 +140,13 @@ def external_socket(name: str, path: str, replicas: int, source: str) -> str:
             up = listening(each)
         except OSError as e:
             raise GraphError(
-                f"{source}: {key}={path!r}: cannot connect to {each} ({e.strerror or e}): name the socket "
+                f"{where}: {key}={path!r}: cannot connect to {each} ({e.strerror or e}): name the socket "
                 f"of a running cache server ({start}), or remove {key} and let serve start one ({SECTION})"
             ) from None
         if not up:
             what = "no socket there" if not os.path.exists(each) else "a socket file, but nothing listens on it"
             raise GraphError(
-                f"{source}: {key}={path!r}: no cache server listens on {each} ({what}): start it first "
+                f"{where}: {key}={path!r}: no cache server listens on {each} ({what}): start it first "
                 f"({start}), or remove {key} and let serve start one ({SECTION})"
             )
     return sock
@@ -172,33 +178,44 @@ def process(
     values["tokens_per_block"] = block_size
     for key in ("mode", "node_socket"):
         if key in values:
-            raise GraphError(f"{source}: {SECTION}.cache.{key}: the server is the node cache; remove it")
+            raise GraphError(
+                f"{origin_of(source, SECTION, 'cache', key)}: "
+                f"{SECTION}.cache.{key}: the server is the node cache; remove it"
+            )
+    origins = {key: origin_of(source, SECTION, "cache", key) for key in o["cache"]}
     try:
         checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())
-        cache = CacheConfig.from_dict(checked, f"{source}: {SECTION}.cache")
+        cache = CacheConfig.from_dict(checked, source, origins)  # its errors name each value's origin
+    except ConfigError as e:
+        raise GraphError(f"{SECTION}.cache: {e}") from None
+    try:
         if spec is not None:
             cache.tier_blocks(spec)
     except ConfigError as e:
-        raise GraphError(f"{source}: {SECTION}.cache: {e}") from None
+        raise GraphError(f"{SECTION}.cache: {cite_origins(str(e), origins)}") from None
     quotas = o["quotas"]
     if quotas is not None:
         try:
             quotas.check(cache)
         except ConfigError as e:
-            raise GraphError(f"{source}: {SECTION}.quotas: {e}") from None
+            raise GraphError(
+                f"{origin_of(source, SECTION, 'quotas')}: {SECTION}.quotas: {cite_origins(str(e), origins)}"
+            ) from None
     if cache.ssd_cache_gb > 0 and local:
         claim_ssd_dirs(
             ctx,
-            f"{source}: {SECTION}.cache",
+            f"{origin_of(source, SECTION, 'cache')}: {SECTION}.cache",
             list(cache.ssd_cache_dir),
             name,
             lambda d, holder: (
-                f"{source}: {SECTION}.cache.ssd_cache_dir {d} is also "
+                f"{origin_of(source, SECTION, 'cache')}: {SECTION}.cache.ssd_cache_dir {d} is also "
                 f"{holder}'s: give the node cache a directory of its own"
             ),
         )
     cfg_path = str(ctx.run_dir / f"{name}.cache.yaml")
-    port = ctx.ports.take(o["metrics-port"], f"{SECTION}.metrics-port", source, any_port=True)
+    port = ctx.ports.take(
+        o["metrics-port"], f"{SECTION}.metrics-port", origin_of(source, SECTION, "metrics-port"), any_port=True
+    )
     argv = [
         sys.executable,
         "-m",

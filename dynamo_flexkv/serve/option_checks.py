@@ -20,6 +20,7 @@ from dynamo_flexkv.serve.options import (
     parse_section,
     seconds_problem,
 )
+from dynamo_flexkv.serve.sources import origin_of
 
 
 def allowed_options(kind: Kind, engine: str) -> Dict[str, Callable[[Any], Any]]:
@@ -32,34 +33,43 @@ def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, en
     vllm = kind is Kind.WORKER and engine == _vllm.ENGINE
     allowed = allowed_options(kind, engine)
     defaults = _vllm.defaults(DEFAULTS[kind]) if vllm else DEFAULTS[kind]
-    out = parse_section(defaults, raw, allowed, f"{source}: {name}", f"a {kind.value}")
+    out = parse_section(defaults, raw, allowed, source, name, f"a {kind.value}")
     if kind is Kind.FRONTEND:
         if out["router-mode"] not in ROUTER_MODES:
-            raise GraphError(f"{source}: {name}.router-mode={out['router-mode']!r}: use one of {list(ROUTER_MODES)}")
+            raise GraphError(
+                f"{origin_of(source, name, 'router-mode')}: "
+                f"{name}.router-mode={out['router-mode']!r}: use one of {list(ROUTER_MODES)}"
+            )
         if out["migration-limit"] < 0:
             raise GraphError(
-                f"{source}: {name}.migration-limit={out['migration-limit']} must be >= 0 "
+                f"{origin_of(source, name, 'migration-limit')}: "
+                f"{name}.migration-limit={out['migration-limit']} must be >= 0 "
                 "(0 turns migration off: a dead worker's requests fail with a 503)"
             )
         for flag in ("--migration-limit", "--kv-cache-block-size"):
             if any(a.split("=", 1)[0] == flag for a in out["extra-args"]):
-                raise GraphError(f"{source}: {name}.extra-args sets {flag}: use {name}.{flag[2:]}")
+                raise GraphError(
+                    f"{origin_of(source, name, 'extra-args')}: {name}.extra-args sets {flag}: use {name}.{flag[2:]}"
+                )
     if kind is Kind.WORKER:
         if out["replicas"] < 1:
-            raise GraphError(f"{source}: {name}.replicas={out['replicas']} must be >= 1")
+            raise GraphError(f"{origin_of(source, name, 'replicas')}: {name}.replicas={out['replicas']} must be >= 1")
         if not vllm and out["num-device-blocks"] < 1:
-            raise GraphError(f"{source}: {name}.num-device-blocks must be >= 1")
+            raise GraphError(f"{origin_of(source, name, 'num-device-blocks')}: {name}.num-device-blocks must be >= 1")
         if out["on-death"] not in {d.value for d in OnDeath}:
             raise GraphError(
-                f"{source}: {name}.on-death={out['on-death']!r}: use restart (start the worker "
+                f"{origin_of(source, name, 'on-death')}: "
+                f"{name}.on-death={out['on-death']!r}: use restart (start the worker "
                 "again) or stop (stop the whole graph)"
             )
         if out["max-restarts"] < 0:
-            raise GraphError(f"{source}: {name}.max-restarts={out['max-restarts']} must be >= 0")
+            raise GraphError(
+                f"{origin_of(source, name, 'max-restarts')}: {name}.max-restarts={out['max-restarts']} must be >= 0"
+            )
         for key, bounds in SECONDS_OPTIONS.items():
             problem = seconds_problem(out[key], *bounds)
             if problem is not None:
-                raise GraphError(f"{source}: {name}.{key}={problem}")
+                raise GraphError(f"{origin_of(source, name, key)}: {name}.{key}={problem}")
         if vllm:
             _vllm.check(name, out, source)
             if out["offload"]:
@@ -67,20 +77,23 @@ def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, en
             return out
         if out["disaggregation-mode"] not in DISAGG_MODES:
             raise GraphError(
-                f"{source}: {name}.disaggregation-mode={out['disaggregation-mode']!r}: use one of {list(DISAGG_MODES)}"
+                f"{origin_of(source, name, 'disaggregation-mode')}: "
+                f"{name}.disaggregation-mode={out['disaggregation-mode']!r}: use one of {list(DISAGG_MODES)}"
             )
         for key in ("handover-lease-s", "handover-timeout-s", "handover-renew-s"):
             problem = handover_seconds_problem(out[key])
             if problem is not None:
-                raise GraphError(f"{source}: {name}.{key}={problem}")
+                raise GraphError(f"{origin_of(source, name, key)}: {name}.{key}={problem}")
         if out["handover-renew-s"] < 2:  # as the worker's --handover-renew-s refuses it
             raise GraphError(
-                f"{source}: {name}.handover-renew-s={out['handover-renew-s']} must be at least 2 seconds: "
+                f"{origin_of(source, name, 'handover-renew-s')}: "
+                f"{name}.handover-renew-s={out['handover-renew-s']} must be at least 2 seconds: "
                 "the decode worker claims a lease with 1 s to spare"
             )
         if out["disaggregation-mode"] == "prefill" and not out["device-prefix-cache"]:
             raise GraphError(
-                f"{source}: {name}: a prefill worker hands its device prefix cache over; set device-prefix-cache: true"
+                f"{origin_of(source, name, 'disaggregation-mode')}: {name}: a prefill worker hands its device "
+                "prefix cache over; set device-prefix-cache: true"
             )
     return out
 
@@ -106,7 +119,8 @@ def _refuse_pipeline_parallel(name: str, extra_args: Sequence[Any], source: str)
     size = pipeline_parallel_size(extra_args)
     if size is not None and size.strip() != "1":
         raise GraphError(
-            f"{source}: {name}.extra-args sets {PIPELINE_FLAG} {size}, but {PIPELINE_PARALLEL_UNSUPPORTED}: "
+            f"{origin_of(source, name, 'extra-args')}: "
+            f"{name}.extra-args sets {PIPELINE_FLAG} {size}, but {PIPELINE_PARALLEL_UNSUPPORTED}: "
             f"remove it (or set offload: false to run vLLM without FlexKVConnector); scale with "
             f"{name}.tensor-parallel-size or {name}.replicas instead"
         )

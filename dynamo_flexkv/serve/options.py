@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from dynamo_flexkv.core.durations import is_duration
 from dynamo_flexkv.serve.graph import GraphError, Kind
+from dynamo_flexkv.serve.sources import origin_of
 
 
 def str_option(v: Any) -> str:
@@ -57,19 +58,24 @@ def parse_section(
     defaults: Mapping[str, Any],
     raw: Mapping[str, Any],
     allowed: Mapping[str, Callable[[Any], Any]],
-    where: str,
+    source: str,
+    section: str,
     owner: str,
 ) -> Dict[str, Any]:
     """``defaults`` with each of a config section's ``raw`` options, parsed by its ``allowed`` parser,
-    over them. ``where`` ("<source>: <section>") and ``owner`` ("a worker") name them in the errors."""
+    over them. Errors name the option's origin (``source``: the file, or the --set that gave it), the
+    ``section`` and the ``owner`` ("a worker")."""
     out = dict(defaults)
     for key, value in raw.items():
         if key not in allowed:
-            raise GraphError(f"{where}.{key} is not an option of {owner}; known: {sorted(allowed)}")
+            raise GraphError(
+                f"{origin_of(source, section, key)}: {section}.{key} is not an option of {owner}; "
+                f"known: {sorted(allowed)}"
+            )
         try:
             out[key] = allowed[key](value)
         except ValueError as e:
-            raise GraphError(f"{where}.{key}={value!r}: {e}") from None
+            raise GraphError(f"{origin_of(source, section, key)}: {section}.{key}={value!r}: {e}") from None
     return out
 
 

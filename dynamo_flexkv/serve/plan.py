@@ -33,6 +33,7 @@ from dynamo_flexkv.serve.options import OPTIONS, OnDeath, RestartPolicy, restart
 from dynamo_flexkv.serve.ports import LOOPBACK, PortBook, system_port
 from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.serve.replica_cache import PlanContext, per_replica, replica_cache
+from dynamo_flexkv.serve.sources import origin_of
 
 __all__ = [
     "LOOPBACK",
@@ -133,19 +134,22 @@ def build_plan(
     sections = dict(config)
     common = sections.pop("Common", None) or {}
     if not isinstance(common, dict):
-        raise GraphError(f"{source}: Common must be a mapping of options")
+        raise GraphError(f"{origin_of(source, 'Common')}: Common must be a mapping of options")
     node_cache = _node_cache.options(sections.pop(_node_cache.SECTION, None), source)
     known = [c.name for c in graph.components]
     for name in sections:
         if name not in known:
             raise GraphError(
-                f"{source}: unknown component {name!r}: graph {graph.name} has {known} "
+                f"{origin_of(source, name)}: unknown component {name!r}: graph {graph.name} has {known} "
                 f"(plus Common and {_node_cache.SECTION}); rename or remove that section"
             )
     all_keys = set().union(*OPTIONS.values(), _vllm.options(OPTIONS[Kind.WORKER]))
     for key in common:
         if key not in all_keys:
-            raise GraphError(f"{source}: Common.{key} is not an option of any component; known: {sorted(all_keys)}")
+            raise GraphError(
+                f"{origin_of(source, 'Common', key)}: Common.{key} is not an option of any component; "
+                f"known: {sorted(all_keys)}"
+            )
     if discovery_backend not in ("file", "etcd"):
         raise GraphError(f"--discovery-backend {discovery_backend!r}: use file (default) or etcd")
     if event_plane not in ("zmq", "nats"):
@@ -177,7 +181,7 @@ def build_plan(
         planned = {p.name for p in processes}
         own = sections.get(comp.name) or {}
         if not isinstance(own, dict):
-            raise GraphError(f"{source}: section {comp.name} must be a mapping of options")
+            raise GraphError(f"{origin_of(source, comp.name)}: section {comp.name} must be a mapping of options")
         allowed = allowed_options(comp.kind, comp.engine)
         opts = check_options(
             comp.kind,
@@ -190,7 +194,9 @@ def build_plan(
             opts = _attach_to_node_cache(ctx, comp, opts, node_cache, caches, processes, node_of, notes)
         if comp.kind is Kind.FRONTEND:
             front_opts = opts
-            http_port = ports.take(opts["http-port"], f"{comp.name}.http-port", source, any_port=True)
+            http_port = ports.take(
+                opts["http-port"], f"{comp.name}.http-port", origin_of(source, comp.name, "http-port"), any_port=True
+            )
             processes.insert(0, _frontend(ctx, comp.name, opts, http_port))
         elif comp.engine == _vllm.ENGINE:
             model, served = opts["model"], opts.get("served-model-name") or f"vllm-{Path(opts['model']).name}"
@@ -208,7 +214,8 @@ def build_plan(
         if opts.get("node") and local:  # a manifest for elsewhere places nothing here
             if nodes is None:
                 raise GraphError(
-                    f"{source}: {comp.name}.node={opts['node']!r} needs serve --nodes FILE "
+                    f"{origin_of(source, comp.name, 'node')}: "
+                    f"{comp.name}.node={opts['node']!r} needs serve --nodes FILE "
                     "(written by `dynamo-flexkv nodes up`); or remove the option"
                 )
             node_of.update({p.name: opts["node"] for p in processes if p.name not in planned})
@@ -323,7 +330,8 @@ def _attach_to_node_cache(
             node_of[proc.name] = node
     elif caches[node].block_size != block_size:
         raise GraphError(
-            f"{source}: {comp.name}.block-size {block_size} differs from the other node-mode workers' "
+            f"{origin_of(source, comp.name, 'block-size')}: "
+            f"{comp.name}.block-size {block_size} differs from the other node-mode workers' "
             f"{caches[node].block_size}: one node cache holds one block size"
         )
     return dict(opts, cache=dict(cache, mode="node", node_socket=sock))
@@ -338,7 +346,7 @@ def _kv_shape(comp: Any, opts: Dict[str, Any], run_dir: Path, source: str, local
     try:
         cfg = EngineModelConfig.load(opts["model"])
     except (ValueError, OSError, KeyError) as e:
-        raise GraphError(f"{source}: {comp.name}.model={opts['model']!r}: {e}") from None
+        raise GraphError(f"{origin_of(source, comp.name, 'model')}: {comp.name}.model={opts['model']!r}: {e}") from None
     return cfg.kv_spec(), cfg.block_size
 
 
@@ -362,7 +370,8 @@ def _check_block_size(processes: List[Process], front: Dict[str, Any], graph: Gr
     vllm = [p for p in workers if p.engine == _vllm.ENGINE]
     if given is not None and given != size:
         raise GraphError(
-            f"{source}: {name}.kv-cache-block-size={given} but the workers' KV blocks hold {size} tokens "
+            f"{origin_of(source, name, 'kv-cache-block-size')}: "
+            f"{name}.kv-cache-block-size={given} but the workers' KV blocks hold {size} tokens "
             f"({workers[0].name}): the router would hash other blocks than the workers report; set it "
             f"to {size}, or leave it out (serve sets it from the workers)"
         )
@@ -430,7 +439,7 @@ def _workers(ctx: PlanContext, name: str, o: Dict[str, Any], served: str) -> Lis
     try:
         model_cfg = EngineModelConfig.load(o["model"])
     except (ValueError, OSError, KeyError) as e:
-        raise GraphError(f"{source}: {name}.model={o['model']!r}: {e}") from None
+        raise GraphError(f"{origin_of(source, name, 'model')}: {name}.model={o['model']!r}: {e}") from None
     argv = [
         sys.executable,
         "-m",
@@ -466,7 +475,7 @@ def _workers(ctx: PlanContext, name: str, o: Dict[str, Any], served: str) -> Lis
         build_parser().parse_args(argv[3:])
     except SystemExit:
         raise GraphError(
-            f"{source}: {name}.extra-args {o['extra-args']} are not worker options "
+            f"{origin_of(source, name, 'extra-args')}: {name}.extra-args {o['extra-args']} are not worker options "
             "(see python -m dynamo_flexkv.integrations.dynamo_worker --help)"
         ) from None
     restart = restart_policy(o)

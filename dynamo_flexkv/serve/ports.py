@@ -8,6 +8,7 @@ from typing import Any, Dict, Mapping
 
 from dynamo_flexkv.core.sysutil import free_port, port_is_free
 from dynamo_flexkv.serve.graph import GraphError
+from dynamo_flexkv.serve.sources import origin_of
 
 LOOPBACK = "127.0.0.1"
 SYSTEM_PORT_MAX = 32767  # Dynamo reads DYN_SYSTEM_PORT as an i16: a worker's system port must stay below 32768
@@ -85,13 +86,16 @@ def system_port(name: str, o: Mapping[str, Any], replica: int, ports: "PortBook"
                 else ""
             )
             raise GraphError(
-                f"{source}: {name}.system-port={first}{gives} is out of range: Dynamo reads DYN_SYSTEM_PORT "
+                f"{origin_of(source, name, 'system-port')}: "
+                f"{name}.system-port={first}{gives} is out of range: Dynamo reads DYN_SYSTEM_PORT "
                 f"as a 16-bit signed number, so each worker's system port must be below 32768 (1..{SYSTEM_PORT_MAX}); "
                 f"set {name}.system-port to a port from 1 to {SYSTEM_PORT_MAX - count + 1}"
                 + (f" ({count} replicas take {count} consecutive ports)" if count > 1 else "")
                 + f", or leave it out and serve picks free ones in {SYSTEM_PORT_RANGE[0]}..{SYSTEM_PORT_RANGE[1]}"
             )
-    return ports.take(first + replica if first else 0, f"{name}.system-port", source, any_port=False)
+    return ports.take(
+        first + replica if first else 0, f"{name}.system-port", origin_of(source, name, "system-port"), any_port=False
+    )
 
 
 def port_free(port: int) -> bool:

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import yaml
 
-from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.config import CacheConfig, ConfigError, cite_origins
 from dynamo_flexkv.core.remote.config import split_password
 from dynamo_flexkv.core.storage.ssd import SsdInUseError, check_dir_free
 from dynamo_flexkv.serve.graph import GraphError
 from dynamo_flexkv.serve.infra import check_remote_reachable, use_local_redis
+from dynamo_flexkv.serve.sources import origin_of
 
 if TYPE_CHECKING:
     from dynamo_flexkv.serve.ports import PortBook
@@ -36,7 +37,7 @@ class PlanContext:
     event_plane: str  # serve --event-plane: zmq or nats
     env: Dict[str, str]  # the planes' environment every component starts with
     ports: "PortBook"
-    source: str  # the config file, as errors name it
+    source: str  # the config file, as errors name it (a ConfigSource: also where each --set put a value)
     local: bool  # False: rendering for elsewhere (no ports or SSD directories probed here)
     redis: Dict[str, Any]
     dirs: Dict[str, str]
@@ -64,24 +65,29 @@ def replica_cache(
     given_url = bool(values.get("remote_cache_url"))
     if _parse_flag(values.get("enable_remote")) and not given_url and local:
         use_local_redis(ctx.redis, ctx.ports, values, penv)
+    origins = {key: origin_of(source, name, "cache", key) for key in o["cache"]}
     try:
         checked = values if local else dict(values, ssd_cache_dir=tempfile.gettempdir())  # not our disks
         if not local and not given_url:  # Kubernetes: the URL comes from a Secret (render --k8s)
             checked["remote_cache_url"] = "redis://redis-from-secret:6379"
-        cache = CacheConfig.from_dict(checked, f"{source}: {name}.cache")
+        cache = CacheConfig.from_dict(checked, source, origins)  # its errors name each value's origin
+    except ConfigError as e:
+        raise GraphError(f"{name}.cache: {e}") from None
+    try:
         if spec is not None:
             cache.tier_blocks(spec)
     except ConfigError as e:
-        raise GraphError(f"{source}: {name}.cache: {e}") from None
+        raise GraphError(f"{name}.cache: {cite_origins(str(e), origins)}") from None
     if local and cache.enable_remote and given_url:
-        check_remote_reachable(cache, f"{source}: {name}.cache")
+        check_remote_reachable(cache, f"{origin_of(source, name, 'cache', 'remote_cache_url')}: {name}.cache")
+    dir_origin = origin_of(source, name, "cache", "ssd_cache_dir")
     claim_ssd_dirs(
         ctx,
-        f"{source}: {name}.cache",
+        f"{dir_origin}: {name}.cache",
         _dirs(values.get("ssd_cache_dir")) if cache.ssd_cache_gb > 0 else (),
         pname,
         lambda d, holder: (
-            f"{source}: {name}.cache.ssd_cache_dir {d} is shared by {holder} "
+            f"{dir_origin}: {name}.cache.ssd_cache_dir {d} is shared by {holder} "
             f"and {pname}: each worker needs its own; put {{replica}} in the path"
         ),
     )

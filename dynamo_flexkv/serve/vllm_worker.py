@@ -31,6 +31,7 @@ from dynamo_flexkv.serve.options import (
     restart_policy,
     str_option,
 )
+from dynamo_flexkv.serve.sources import origin_of
 
 if TYPE_CHECKING:
     from dynamo_flexkv.serve.replica_cache import PlanContext
@@ -230,45 +231,54 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
 
     if o["disaggregation-mode"] not in DISAGG_MODES:
         raise GraphError(
-            f"{source}: {name}.disaggregation-mode={o['disaggregation-mode']!r}: use one of {list(DISAGG_MODES)}"
+            f"{origin_of(source, name, 'disaggregation-mode')}: "
+            f"{name}.disaggregation-mode={o['disaggregation-mode']!r}: use one of {list(DISAGG_MODES)}"
         )
     if o["handover"] not in HANDOVERS:
         raise GraphError(
-            f"{source}: {name}.handover={o['handover']!r}: use one of {list(HANDOVERS)} (who carries the "
+            f"{origin_of(source, name, 'handover')}: "
+            f"{name}.handover={o['handover']!r}: use one of {list(HANDOVERS)} (who carries the "
             "prefill->decode handover: FlexKVConnector's verified NIXL read, or vLLM's NixlConnector)"
         )
     if o["handover"] != "auto" and o["disaggregation-mode"] == "agg":
         raise GraphError(
-            f"{source}: {name}.handover={o['handover']!r} applies to prefill and decode workers only "
+            f"{origin_of(source, name, 'handover')}: "
+            f"{name}.handover={o['handover']!r} applies to prefill and decode workers only "
             f"({name} is aggregated): remove it"
         )
     if o["handover"] == "flexkv" and not o["offload"]:
         raise GraphError(
-            f"{source}: {name}.handover=flexkv needs offload: true (FlexKVConnector carries it); set "
+            f"{origin_of(source, name, 'handover')}: "
+            f"{name}.handover=flexkv needs offload: true (FlexKVConnector carries it); set "
             "handover: nixl to run NixlConnector alone"
         )
     if not 6 <= o["handover-lease-s"] <= 3600:
         raise GraphError(
-            f"{source}: {name}.handover-lease-s={o['handover-lease-s']} must be between 6 and 3600 "
+            f"{origin_of(source, name, 'handover-lease-s')}: "
+            f"{name}.handover-lease-s={o['handover-lease-s']} must be between 6 and 3600 "
             "(seconds NixlConnector holds a prefill's blocks for decode; decode renews the lease every "
             "sixth of it while it pulls)"
         )
     if not 1 <= o["shutdown-timeout-s"] <= 300:
         raise GraphError(
-            f"{source}: {name}.shutdown-timeout-s={o['shutdown-timeout-s']} must be between 1 and 300 "
+            f"{origin_of(source, name, 'shutdown-timeout-s')}: "
+            f"{name}.shutdown-timeout-s={o['shutdown-timeout-s']} must be between 1 and 300 "
             "(seconds vLLM's engine takes to stop, its connector's last writes included)"
         )
     for key in ("block-size", "max-model-len", "kv-cache-memory-bytes"):
         if o[key] < 1:
-            raise GraphError(f"{source}: {name}.{key}={o[key]} must be >= 1")
+            raise GraphError(f"{origin_of(source, name, key)}: {name}.{key}={o[key]} must be >= 1")
     for key in ("tensor-parallel-size", "data-parallel-size"):
         if not 1 <= o[key] <= MAX_PARALLEL:
-            raise GraphError(f"{source}: {name}.{key}={o[key]} must be between 1 and {MAX_PARALLEL}")
+            raise GraphError(
+                f"{origin_of(source, name, key)}: {name}.{key}={o[key]} must be between 1 and {MAX_PARALLEL}"
+            )
     bind = o["cpu-threads-bind"]
     if bind is not None and bind not in ("auto", "nobind") and ranks(o) > 1:
         if bind.count("|") + 1 != ranks(o):
             raise GraphError(
-                f"{source}: {name}.cpu-threads-bind={bind!r}: a worker of {ranks(o)} ranks "
+                f"{origin_of(source, name, 'cpu-threads-bind')}: "
+                f"{name}.cpu-threads-bind={bind!r}: a worker of {ranks(o)} ranks "
                 f"(tensor-parallel-size x data-parallel-size) needs {ranks(o)} core lists joined by "
                 "'|', one per rank (e.g. \"0|1\"); or leave it out: serve gives each rank its share"
             )
@@ -280,30 +290,33 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
         )
     if o["num-device-blocks"] is not None and o["num-device-blocks"] < 1:
         raise GraphError(
-            f"{source}: {name}.num-device-blocks={o['num-device-blocks']} must be >= 1 "
+            f"{origin_of(source, name, 'num-device-blocks')}: "
+            f"{name}.num-device-blocks={o['num-device-blocks']} must be >= 1 "
             "(or leave it out: vLLM sizes its cache from kv-cache-memory-bytes)"
         )
     if o["max-model-len"] < o["block-size"]:
         raise GraphError(
-            f"{source}: {name}.max-model-len={o['max-model-len']} is shorter than one block "
+            f"{origin_of(source, name, 'max-model-len')}: "
+            f"{name}.max-model-len={o['max-model-len']} is shorter than one block "
             f"(block-size={o['block-size']})"
         )
     blocks, need = o["num-device-blocks"], -(-o["max-model-len"] // o["block-size"])
     if blocks is not None and need > blocks - 1:
         fits = (blocks - 1) * o["block-size"]
         raise GraphError(
-            f"{source}: {name}.num-device-blocks={blocks} cannot hold one request of max-model-len="
+            f"{origin_of(source, name, 'num-device-blocks')}: "
+            f"{name}.num-device-blocks={blocks} cannot hold one request of max-model-len="
             f"{o['max-model-len']} (vLLM keeps one block back: {blocks - 1} x {o['block-size']} = "
             f"{fits} tokens): set num-device-blocks >= {need + 1} or max-model-len <= {fits}"
         )
     if o["dtype"] not in DTYPES:
-        raise GraphError(f"{source}: {name}.dtype={o['dtype']!r}: use one of {list(DTYPES)}")
+        raise GraphError(f"{origin_of(source, name, 'dtype')}: {name}.dtype={o['dtype']!r}: use one of {list(DTYPES)}")
     for arg in o["extra-args"]:
         flag = managed_flag(str(arg).split("=", 1)[0])
         own_connector = flag == "--kv-transfer-config" and not o["offload"] and o["disaggregation-mode"] == "agg"
         if flag in MANAGED_FLAGS and not own_connector:
             raise GraphError(
-                f"{source}: {name}.extra-args sets {flag}: serve sets it from {name}."
+                f"{origin_of(source, name, 'extra-args')}: {name}.extra-args sets {flag}: serve sets it from {name}."
                 f"{MANAGED_FLAGS[flag]}"
                 + (" (your own connector: only with offload: false)" if flag == "--kv-transfer-config" else "")
             )
@@ -311,23 +324,25 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
     for key in o["connector"]:
         if key == "run_dir":
             raise GraphError(
-                f"{source}: {name}.connector.run_dir: serve puts the connector's lookup socket in "
+                f"{origin_of(source, name, 'connector', 'run_dir')}: "
+                f"{name}.connector.run_dir: serve puts the connector's lookup socket in "
                 "the worker's run directory; leave it out"
             )
         if key not in known:
             raise GraphError(
-                f"{source}: {name}.connector.{key} is not a FlexKVConnector option "
+                f"{origin_of(source, name, 'connector', key)}: {name}.connector.{key} is not a FlexKVConnector option "
                 f"(kv_connector_extra_config); known: {sorted(k for k in known if k != 'run_dir')}"
             )
     if o["connector"] and not o["offload"]:
         raise GraphError(
-            f"{source}: {name}.connector is set but offload is false (no connector runs): "
+            f"{origin_of(source, name, 'connector')}: "
+            f"{name}.connector is set but offload is false (no connector runs): "
             "remove connector or set offload: true"
         )
     try:  # the values, by the connector's own check: a bad one fails here, not in a started engine
         connector_settings(o["connector"])
     except ValueError as e:
-        raise GraphError(f"{source}: {name}.connector: {e}") from None
+        raise GraphError(f"{origin_of(source, name, 'connector')}: {name}.connector: {e}") from None
 
 
 def connector_keys() -> Sequence[str]:
@@ -434,26 +449,28 @@ def resolve_model(name: str, o: Mapping[str, Any], run_dir: Path, source: str, l
     if not local:
         if not path.is_absolute():
             raise GraphError(
-                f"{source}: {name}.model={model!r} is neither a preset "
+                f"{origin_of(source, name, 'model')}: {name}.model={model!r} is neither a preset "
                 f"({sorted(p.stem for p in presets_dir().glob('*.yaml'))}) nor an absolute path "
                 "to a model directory in the pod"
             )
         return model, None, None
     if not (path / "config.json").is_file():
         raise GraphError(
-            f"{source}: {name}.model={model!r} is neither a preset "
+            f"{origin_of(source, name, 'model')}: {name}.model={model!r} is neither a preset "
             f"({sorted(p.stem for p in presets_dir().glob('*.yaml'))}) nor a directory holding a "
             "config.json: pass a preset name or a local Hugging Face model directory"
         )
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise GraphError(
-            f"{source}: {name}.model={model!r} has no tokenizer (tokenizer.json, tokenizer.model or "
+            f"{origin_of(source, name, 'model')}: "
+            f"{name}.model={model!r} has no tokenizer (tokenizer.json, tokenizer.model or "
             "tokenizer_config.json): Dynamo's frontend and vLLM both need one"
         )
     dummy = o["load-format"] == "dummy"
     if not dummy and not any(any(path.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt", "*.gguf")):
         raise GraphError(
-            f"{source}: {name}.model={model!r} holds no weights (*.safetensors, *.bin): copy them "
+            f"{origin_of(source, name, 'model')}: "
+            f"{name}.model={model!r} holds no weights (*.safetensors, *.bin): copy them "
             "there, or set load-format: dummy to serve random weights"
         )
     try:
