@@ -498,6 +498,67 @@ def test_a_waiting_request_is_looked_up_once_with_vllms_own_hit(tmp_path):
         server.close()
 
 
+def test_a_lora_requests_lookup_and_store_name_its_adapters_files_when_made(tmp_path):
+    """The tiers key a LoRA request's blocks by its adapter's name, path and files (settings.adapter_id),
+    taken when the scheduler makes the key: once other files lie at the adapter's path, lookups and
+    stores name them, and nothing stored under the old files matches."""
+    import shutil
+    from types import SimpleNamespace as NS
+
+    from vllm.lora.request import LoRARequest
+
+    from dynamo_flexkv.integrations.vllm_connector.protocol import lookup_endpoint
+    from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
+    from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings, adapter_id
+
+    def adapter(path, seed):
+        path.mkdir()
+        (path / "adapter_model.safetensors").write_bytes(
+            torch.randn(64, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+        )
+        (path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "lora_alpha": 16}')
+        return path
+
+    served, y = adapter(tmp_path / "ad", 1), adapter(tmp_path / "y", 2)
+    asked = []
+    server = LookupServer(lookup_endpoint("e", str(tmp_path)), lambda tokens, lora, *_: asked.append(lora) or 0)
+    side = SchedulerSide(
+        ConnectorSettings(block_size=64, num_blocks=100, engine_id="e", run_dir=str(tmp_path), lookup_wait_ms=5000)
+    )
+
+    def request(rid, lora):
+        return NS(
+            request_id=rid,
+            num_tokens=1000,
+            all_token_ids=list(range(1000)),
+            lora_request=lora,
+            cache_salt=None,
+            prompt_embeds=None,
+            mm_features=None,
+            kv_transfer_params=None,
+            block_hashes=[],
+            num_computed_tokens=1000,
+            num_prompt_tokens=1000,
+        )
+
+    ad = LoRARequest("ad", 1, str(served))
+    try:
+        x_id = adapter_id("ad", str(served))
+        side.matched_tokens(request("r1", ad), 0)
+        side.request_finished(request("r1", ad), list(range(15)))
+        for f in y.iterdir():  # adapter Y written over X at the same path
+            shutil.copyfile(f, served / f.name)
+        y_id = adapter_id("ad", str(served))
+        side.matched_tokens(request("r2", ad), 0)
+        side.request_finished(request("r2", ad), list(range(15)))
+        side.matched_tokens(request("r3", None), 0)
+        assert asked == [x_id, y_id, None] and x_id != y_id and x_id.startswith(f"ad|{served}|files=")
+        assert [s.lora_name for s in side.build_meta().saves] == [x_id, y_id]
+    finally:
+        side.close()
+        server.close()
+
+
 def test_the_step_clock_times_what_it_was_told_to_and_nothing_else():
     from dynamo_flexkv.integrations.vllm_connector.step_clock import StepClock
 

@@ -8,7 +8,13 @@ the device; then, on the worker's system port, ``/engine/pause_generation``,
 must be computed (no cached token), give the tokens of a fresh engine with weights B, and the
 router's view of the worker must hold none of P's old blocks. A restart of the worker with weights
 B on the same disk directory must start and adopt no old block. Also records what
-``flush_cache`` and ``control/sleep`` + ``control/wake_up`` do to the tiers."""
+``flush_cache`` and ``control/sleep`` + ``control/wake_up`` do to the tiers.
+
+The same for a LoRA hot-swap under one name (dynamo.vllm's ``load_lora`` endpoint with
+``DYN_LORA_HOTSWAP_ENABLED``): adapter "ad" served from a directory, P cached under it, the
+directory's files overwritten with another adapter (requests still run with the loaded one and
+are stored), "ad" hot-swapped at the same path, and again to a third directory: P as "ad" must be
+computed each time and equal a fresh engine serving the adapter now loaded."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+import torch
 
 import exactness
 import vllm_graph as vg
@@ -31,6 +38,9 @@ P = vg.tokens(4801, 1500)  # 23 full blocks: 1,472 tokens the tiers can hold
 FILLERS = [vg.tokens(4900 + j, 1500) for j in range(3)]  # 72 blocks: P leaves the 56-block device cache
 MAX_TOKENS = 8
 RL = '["--enable-rl"]'
+LORA_RANK = 8
+LORA = f'["--enable-lora", "--max-lora-rank", "{LORA_RANK}", "--max-loras", "1"]'
+LOAD_LORA = "dynamo.backend.load_lora"  # dynamo.vllm's request-plane endpoint (namespace dynamo, component backend)
 
 
 def weights(path: Path, seed: int) -> Path:
@@ -41,6 +51,29 @@ def weights(path: Path, seed: int) -> Path:
     cfg = EngineModelConfig.load("small")
     write_model_dir(cfg, path, context_length=4096)
     write_seeded_weights(cfg, path, seed=seed)
+    return path
+
+
+def adapter(path: Path, seed: int) -> Path:
+    """A PEFT LoRA adapter (rank 8, q_proj and v_proj of every layer) for the small preset, seeded:
+    large enough that two seeds give other tokens than each other and the base model."""
+    from safetensors.torch import save_file
+
+    from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
+
+    cfg = EngineModelConfig.load("small")
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    out = {"q_proj": cfg.num_heads * cfg.head_dim, "v_proj": cfg.num_kv_heads * cfg.head_dim}
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for proj, rows in out.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(LORA_RANK, cfg.hidden_size, generator=g) * 0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(rows, LORA_RANK, generator=g) * 0.5
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": LORA_RANK, "lora_alpha": 16, "target_modules": sorted(out), "bias": "none"}
+    (path / "adapter_config.json").write_text(json.dumps(config))
     return path
 
 
@@ -76,8 +109,8 @@ def worker(serve: VllmServe) -> str:
     return name
 
 
-def ask(serve: VllmServe, prompt: List[int]) -> dict:
-    r = vg.complete(serve.base_url, prompt, MAX_TOKENS)
+def ask(serve: VllmServe, prompt: List[int], model: str = vg.MODEL) -> dict:
+    r = vg.complete(serve.base_url, prompt, MAX_TOKENS, model=model)
     assert len(r["ids"]) == MAX_TOKENS, r
     return r
 
@@ -170,3 +203,135 @@ def test_a_weight_update_through_the_rl_routes_leaves_no_old_kv_in_the_tiers(tmp
     finally:
         again_b.close()
         shutil.rmtree(ssd, ignore_errors=True)
+
+
+def load_lora(probe: vg.RouterProbe, serve: VllmServe, name: str, path: Path) -> dict:
+    """dynamo.vllm's load_lora (a hot-swap when ``name`` is loaded), then waits until the frontend
+    serves ``name`` as a model."""
+    (reply,) = probe.call(LOAD_LORA, {"lora_name": name, "source": {"uri": path.as_uri()}})
+    assert reply.get("status") == "success", reply
+    deadline = time.monotonic() + 60
+    while name not in served_models(serve):
+        assert time.monotonic() < deadline, f"the frontend does not list {name!r} after load_lora: {reply}"
+        time.sleep(0.2)
+    return reply
+
+
+def served_models(serve: VllmServe) -> List[str]:
+    with urllib.request.urlopen(f"{serve.base_url}/v1/models", timeout=10) as r:
+        return [m["id"] for m in json.loads(r.read())["data"]]
+
+
+def router_forgets(serve: VllmServe, probe: vg.RouterProbe, wid: int, prompt: List[int], lora: str) -> tuple:
+    """The router's view of ``prompt`` under adapter ``lora`` on the worker once it is empty (or
+    after 15 s): removals leave with the engine's next step, which a short request makes."""
+    ask(serve, vg.tokens(4999, 40))
+    deadline = time.monotonic() + 15
+    while (view := probe.scores(prompt, lora_name=lora).get(wid, (0, 0, 0))) != (
+        0,
+        0,
+        0,
+    ) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return view
+
+
+def invalidated(serve: VllmServe) -> float:
+    """Blocks the worker's tiers dropped because the weights changed, once some are counted (or
+    after 15 s): the counts travel with the engine's steps."""
+    deadline = time.monotonic() + 15
+    while True:
+        text = vg.scrape(serve.metrics[worker(serve)])
+        n = vg.metric(text, "vllm:flexkv_removed_blocks_total", reason="invalidated")
+        if n > 0 or time.monotonic() > deadline:
+            return n
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.served
+def test_a_lora_hot_swap_under_the_same_name_leaves_no_old_adapter_kv_in_the_tiers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
+    # dynamo.vllm's LoRA routes, and replacing a loaded name (serve's processes inherit the environment)
+    monkeypatch.setenv("DYN_LORA_ENABLED", "true")
+    monkeypatch.setenv("DYN_LORA_HOTSWAP_ENABLED", "true")
+    monkeypatch.setenv("DYN_LORA_PATH", str(tmp_path / "lora-cache"))
+    model = weights(tmp_path / "A", 0)
+    x, y = adapter(tmp_path / "X", 1), adapter(tmp_path / "Y", 2)
+    served = tmp_path / "ad"  # the directory "ad" is loaded from: X, then Y written over it
+    shutil.copytree(x, served)
+    elsewhere = shutil.copytree(x, tmp_path / "ad-elsewhere")  # X again, at another path
+    lora = [f"VllmWorker.extra-args={LORA}"]
+    record: Dict[str, object] = {}
+
+    # The oracle: a fresh engine without offload serving "ad" as Y, then as X.
+    fresh = VllmServe(
+        tmp_path, "fresh-lora", *lora, graph=GRAPH, base=sets(tmp_path, model, tmp_path / "ssd-fresh", offload=False)
+    )
+    fresh_probe = None
+    try:
+        fresh_probe = vg.RouterProbe(frontend_pid(fresh), tmp_path / "fresh-probe.log", block_size=BS)
+        load_lora(fresh_probe, fresh, "ad", y)
+        oracle_y = ask(fresh, P, "ad")["gen"]
+        load_lora(fresh_probe, fresh, "ad", x)
+        oracle_x = ask(fresh, P, "ad")["gen"]
+    finally:
+        if fresh_probe is not None:
+            fresh_probe.close()
+        fresh.close()
+    assert oracle_x != oracle_y, "adapters X and Y give the same generation: the test could not tell them apart"
+
+    serve = VllmServe(tmp_path, "lora", *lora, graph=GRAPH, base=sets(tmp_path, model, tmp_path / "ssd"))
+    probe = None
+    try:
+        probe = vg.RouterProbe(frontend_pid(serve), tmp_path / "probe.log", block_size=BS)
+        wid = vg.worker_id(vg.scrape(serve.metrics[worker(serve)]))
+        load_lora(probe, serve, "ad", served)
+        first = ask(serve, P, "ad")
+        push_off_device(serve)
+        again = ask(serve, P, "ad")  # from the tiers, adapter X
+        record["P as ad = X, again: cached"] = again["cached"]
+        record["router view of P as ad (device, host, disk)"] = probe.scores(P, lora_name="ad").get(wid)
+        exactness.assert_exact({tuple(P): again["gen"]}, {tuple(P): oracle_x}, "P as ad = X, from the tiers")
+        assert again["cached"] >= len(P) // BS * BS - BS, record  # the tiers serve the adapter's KV
+
+        # The hard case: Y written over the loaded adapter's files; requests still run with X (and are
+        # stored) until "ad" is hot-swapped at the same path.
+        for f in y.iterdir():
+            shutil.copyfile(f, served / f.name)
+        record["P as ad after the files changed, X still loaded: cached"] = ask(serve, P, "ad")["cached"]
+        push_off_device(serve)
+        t0 = time.monotonic()
+        record["hot-swap at the same path"] = load_lora(probe, serve, "ad", served)
+        record["hot-swap seconds"] = round(time.monotonic() - t0, 2)
+        record["router view of P as ad after the hot-swap"] = view = router_forgets(serve, probe, wid, P, "ad")
+        # The tiers dropped their blocks at the hot-swap (the worker's WeightWatch saw the adapter's
+        # files change under its name), KV stored with X under Y's files included.
+        record["blocks invalidated by the hot-swap"] = dropped = invalidated(serve)
+        swapped = ask(serve, P, "ad")
+        record["P as ad = Y: cached"] = swapped["cached"]
+        record["P as ad = Y: margin to a fresh Y"] = exactness.margin(swapped["gen"], oracle_y)
+
+        # A hot-swap to another directory (X again): P, cached as Y on host and disk, is computed.
+        push_off_device(serve)
+        record["hot-swap to another path"] = load_lora(probe, serve, "ad", elsewhere)
+        record["router view of P as ad after the second hot-swap"] = view2 = router_forgets(serve, probe, wid, P, "ad")
+        back = ask(serve, P, "ad")
+        record["P as ad = X elsewhere: cached"] = back["cached"]
+        record["P as ad = X elsewhere: margin to a fresh X"] = exactness.margin(back["gen"], oracle_x)
+        print("\n" + "\n".join(f"{k}: {v}" for k, v in record.items()))
+        exactness.assert_exact({tuple(P): first["gen"]}, {tuple(P): oracle_x}, "P as ad = X, computed")
+        assert swapped["cached"] == 0, record
+        assert view == (0, 0, 0), record
+        assert dropped > 0, record
+        exactness.assert_exact({tuple(P): swapped["gen"]}, {tuple(P): oracle_y}, "P as ad after the hot-swap to Y")
+        assert back["cached"] == 0, record
+        assert view2 == (0, 0, 0), record
+        exactness.assert_exact({tuple(P): back["gen"]}, {tuple(P): oracle_x}, "P as ad after the hot-swap to X")
+    finally:
+        if probe is not None:
+            probe.close()
+        serve.close()
+    assert vg.ours_left(serve.run) == []

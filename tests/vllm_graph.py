@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from exactness import Generation
 from sse import DONE, sse_data
@@ -342,10 +342,13 @@ class RouterProbe:
                 self._cond.wait(min(left, 0.5))
             return json.loads(self._lines.pop(0))
 
-    def scores(self, prompt: List[int], timeout: float = 30) -> Dict[int, Tuple[int, int, int]]:
+    def scores(
+        self, prompt: List[int], timeout: float = 30, lora_name: Optional[str] = None
+    ) -> Dict[int, Tuple[int, int, int]]:
         """worker id -> (device, host_pinned, disk) blocks of ``prompt``'s prefix the router counts
-        (each tier's count covers the faster tiers: disk >= host >= device)."""
-        self.proc.stdin.write(json.dumps({"tokens": prompt}) + "\n")
+        (each tier's count covers the faster tiers: disk >= host >= device), for the base model or
+        the LoRA adapter ``lora_name`` (the router hashes blocks with the adapter's name)."""
+        self.proc.stdin.write(json.dumps({"tokens": prompt, "lora_name": lora_name}) + "\n")
         self.proc.stdin.flush()
         out = self._next(timeout)
         assert "error" not in out, out
@@ -358,6 +361,15 @@ class RouterProbe:
         out = self._next(timeout)
         assert "error" not in out, out
         return {(r["worker_id"], r["dp_rank"]): (r["device"], r["host"], r["disk"]) for r in out["workers"]}
+
+    def call(self, endpoint: str, body: dict, timeout: float = 120) -> List[Any]:
+        """Each reply of one request-plane call of ``endpoint`` (NAMESPACE.COMPONENT.ENDPOINT), e.g.
+        dynamo.vllm's ``dynamo.backend.load_lora``: the calls a user's operator makes."""
+        self.proc.stdin.write(json.dumps({"call": endpoint, "body": body}) + "\n")
+        self.proc.stdin.flush()
+        out = self._next(timeout)
+        assert "error" not in out, out
+        return list(out["replies"])
 
     def close(self) -> None:
         if self.proc.poll() is None:

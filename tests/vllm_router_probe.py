@@ -4,7 +4,9 @@ KvRouter in its own process, on the graph's discovery directory (DYN_FILE_KV) an
 the workers' KV events (device blocks from vLLM, host/disk blocks from FlexKVConnector) and routes
 nothing. One JSON request per stdin line, one JSON answer per stdout line:
 
-    {"tokens": [...]}  ->  {"workers": [{"worker_id", "device", "host", "disk"}, ...]}
+    {"tokens": [...], "lora_name": NAME or absent}  ->  {"workers": [{"worker_id", "device", "host", "disk"}, ...]}
+    {"call": "NAMESPACE.COMPONENT.ENDPOINT", "body": {...}}  ->  {"replies": [...]}  (a request-plane
+        call, e.g. dynamo.vllm's load_lora; each streamed reply's data)
     {"quit": true}     ->  exits
 
 Run as ``vllm_router_probe.py NAMESPACE.COMPONENT.ENDPOINT BLOCK_SIZE`` with the graph's environment
@@ -32,7 +34,13 @@ async def main(endpoint: str, block_size: int) -> None:
         if req.get("quit"):
             break
         try:
-            scores = await router.get_overlap_scores(req["tokens"])
+            if "call" in req:
+                client = await rt.endpoint(req["call"]).client()
+                await client.wait_for_instances()
+                stream = await client.round_robin(req["body"])
+                print(json.dumps({"replies": [r.data() async for r in stream]}), flush=True)
+                continue
+            scores = await router.get_overlap_scores(req["tokens"], lora_name=req.get("lora_name"))
             rows = [
                 {
                     "worker_id": int(r["worker_id"]),

@@ -20,6 +20,7 @@ class LoadSpec:
     token_ids: List[int]  # the prompt prefix, whole blocks, up to the last block to load
     block_ids: List[int]  # vLLM block of each of those blocks
     skip_blocks: int  # leading blocks vLLM already holds (its own prefix cache)
+    # The LoRA adapter as the tiers key it (scheduler._lora: name, path, files); a handover's: its name
     lora_name: Optional[str] = None
     cache_salt: Optional[str] = None
     event_hashes: List[Any] = field(default_factory=list)  # as in SaveSpec
@@ -42,7 +43,7 @@ class SaveSpec:
     req_id: str
     token_ids: List[int]
     block_ids: List[int]
-    lora_name: Optional[str] = None
+    lora_name: Optional[str] = None  # as in LoadSpec
     cache_salt: Optional[str] = None
     # vLLM's external hash of each block, as its own device events name it: our tier events name
     # the same blocks the same way (Dynamo's router cuts lower tiers to the device prefix otherwise).

@@ -28,7 +28,7 @@ from dynamo_flexkv.integrations.vllm_connector.groups import FULL, is_hybrid
 from dynamo_flexkv.integrations.vllm_connector.handover import KEY, SourceInfo, VllmHandover, read_source
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, SaveSpec, lookup_endpoint
-from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings, adapter_id
 
 if TYPE_CHECKING:  # vLLM's types at the boundary (vllm_api.py checks the fields read at start-up)
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -39,6 +39,21 @@ log = logging.getLogger(__name__)
 
 
 def _lora(request: "Request") -> Optional[str]:
+    """The request's LoRA adapter as the tiers key it (its blocks' hashes take it as the adapter's
+    name): name, path and, for a local directory, its files (settings.adapter_id), taken now. An
+    adapter written over the old one at the same path and hot-swapped in under the same name gets
+    other keys; the worker's WeightWatch drops what was stored in between (weights.py)."""
+    lr = request.lora_request
+    if lr is None or not lr.lora_name:
+        return None
+    return adapter_id(lr.lora_name, lr.lora_path)
+
+
+def _lora_name(request: "Request") -> Optional[str]:
+    """The request's LoRA adapter by name only: what names a handed-over prompt's blocks between a
+    prefill and a decode worker of one request, which serve the same adapter at once, perhaps from
+    copies at other paths or with other modification times (the files' digest would refuse every
+    such handover)."""
     lr = request.lora_request
     return (lr.lora_name or None) if lr is not None else None
 
@@ -182,7 +197,7 @@ class SchedulerSide:
                 list(request.all_token_ids[: end * self.bs]),
                 block_ids,
                 local // self.bs,
-                _lora(request),
+                _lora(request) if handover is None else _lora_name(request),
                 request.cache_salt,
                 _event_hashes(request, end),
                 handover,
@@ -240,7 +255,7 @@ class SchedulerSide:
                 hashes = block_hashes(
                     request.prompt_token_ids[: n * self.bs],
                     self.bs,
-                    lora_name=_lora(request),
+                    lora_name=_lora_name(request),
                     cache_salt=request.cache_salt,
                 ).sequence.tolist()
                 self._digests.append((rid, ids[:n], hashes))

@@ -41,7 +41,7 @@ FIELDS: Dict[Tuple[str, str], Tuple[str, ...]] = {
         "num_output_tokens",
     ),
     ("vllm.v1.outputs", "KVConnectorOutput"): ("finished_recving", "kv_cache_events"),
-    ("vllm.lora.request", "LoRARequest"): ("lora_name",),
+    ("vllm.lora.request", "LoRARequest"): ("lora_name", "lora_path"),
     # settings.py: the parallel sizes it keys tiers and sockets by, and the one it refuses above 1
     ("vllm.config.parallel", "ParallelConfig"): (
         "tensor_parallel_size",

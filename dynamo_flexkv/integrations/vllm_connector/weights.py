@@ -18,6 +18,18 @@ of the worker's model runner or model, and the watch wraps those three on the in
   extensions (``--worker-extension-cls``, e.g. an ``update_weights_from_path`` of their own), which
   call the model's ``load_weights``.
 
+A LoRA adapter's weights change where vLLM loads one: ``runner.lora_manager.add_adapter`` (the
+``LRUCacheWorkerLoRAManager`` of a worker with ``--enable-lora``), which every load goes through
+(``add_lora``, as Dynamo's ``load_lora`` hot-swap calls it after ``remove_lora``, and the lazy
+load of a request's adapter); it reads the files only where the adapter's id is not loaded or the
+request says ``load_inplace``. The tiers key an adapter by name, path and files
+(``settings.adapter_id``, taken when the scheduler makes a key), so a hot-swap to other files
+misses by itself; but KV stored while new files already lay at the path and the old adapter was
+still loaded carries the new files' key. So a load whose ``adapter_id`` differs from the last one
+loaded under that name is a weight change too (every tier drops its blocks, base model's
+included: hot-swaps are rare). The first load of a name is not: nothing of it ran here before.
+Warm-up's dummy adapters go through the manager's own ``_adapter_manager`` and are not seen.
+
 A wrapped call that ends, normally or by an exception (the weights may be half written), gives
 the weights a new version at once, in the worker's thread, before the next step can look up or
 load anything; nested calls (``reload_weights`` calls the other two) count once. Not seen: code
@@ -41,13 +53,16 @@ import sys
 import threading
 from types import FrameType
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+from dynamo_flexkv.integrations.vllm_connector.settings import adapter_id
 
 log = logging.getLogger(__name__)
 
 # The runner's and model's methods through which vLLM 0.31 changes a running worker's weights.
 RUNNER_METHODS = ("reload_weights", "reset_lora_state")
 MODEL_METHODS = ("load_weights",)
+ADAPTER_METHODS = ("add_adapter", "list_adapters")  # of the runner's lora_manager, with --enable-lora
 MAX_CALLER_FRAMES = 12  # register_kv_caches is called a few frames below the runner's initialize_kv_cache
 
 OnChange = Callable[[str], object]  # its result is ignored
@@ -75,6 +90,7 @@ class WeightWatch:
         self._updates = 0
         self._depth = 0
         self._listeners: List[OnChange] = []
+        self._adapters: Dict[str, str] = {}  # LoRA name -> adapter_id of the adapter last loaded under it
         self._lock = threading.Lock()
         self.attached = False
         self.changes: List[WeightChange] = []
@@ -93,6 +109,18 @@ class WeightWatch:
         for name in RUNNER_METHODS:
             self._wrap(runner, name, runner)
         self._wrap(runner.get_model(), "load_weights", runner)
+        manager = getattr(runner, "lora_manager", None)  # set only with --enable-lora
+        if manager is not None:
+            if all(callable(getattr(manager, m, None)) for m in ADAPTER_METHODS):
+                self._wrap_adapters(manager, runner)
+            else:
+                log.warning(
+                    "FlexKVConnector: this vLLM's LoRA manager (%s) has no %s: an adapter hot-swapped "
+                    "under the same name from the same path is not noticed; after one, reset the tiers "
+                    "(reset_prefix_cache(reset_connector=True))",
+                    type(manager).__name__,
+                    " / ".join(ADAPTER_METHODS),
+                )
         self.attached = True
 
     def attach_from_caller(self) -> bool:
@@ -137,6 +165,32 @@ class WeightWatch:
 
         watched.__flexkv_weight_watch__ = self  # type: ignore[attr-defined]
         setattr(owner, name, watched)
+
+    def _wrap_adapters(self, manager: Any, runner: Any) -> None:
+        inner = manager.add_adapter
+        if getattr(inner, "__flexkv_weight_watch__", None) is self:
+            return
+
+        @functools.wraps(inner)
+        def watched(lora_request: Any, *args: Any, **kwargs: Any) -> Any:
+            # vLLM's own condition for reading the files (LRUCacheWorkerLoRAManager.add_adapter)
+            loads = lora_request.lora_int_id not in manager.list_adapters() or lora_request.load_inplace
+            out = inner(lora_request, *args, **kwargs)
+            if loads:  # a load that raised left the old adapter in place (vLLM reads before it evicts)
+                self._adapter_loaded(lora_request, runner)
+            return out
+
+        watched.__flexkv_weight_watch__ = self  # type: ignore[attr-defined]
+        manager.add_adapter = watched
+
+    def _adapter_loaded(self, lora_request: Any, runner: Any) -> None:
+        name = lora_request.lora_name
+        loaded = adapter_id(name, lora_request.lora_path)
+        before = self._adapters.get(name)
+        self._adapters[name] = loaded
+        if before is not None and before != loaded:
+            log.info("FlexKVConnector: LoRA adapter %r replaced (%s -> %s)", name, before, loaded)
+            self._changed("add_adapter", runner, False, (), {})
 
     # ---- a change ----------------------------------------------------------------------------------
     def _changed(self, method: str, runner: Any, failed: bool, args: tuple, kwargs: dict) -> None:
