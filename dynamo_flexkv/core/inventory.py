@@ -1,0 +1,184 @@
+"""What is cached and clearing it: the typed answers of ``dynamo-flexkv cache`` (docs/SERVING.md,
+"See and clear what is cached"), the same from an embedded engine's KVManager and from the node
+cache's namespaces.
+
+One request type (CacheRequest) and one answer type (CacheReport) cross every boundary: the
+worker's HTTP route, the node cache's socket (protocol.Admin) and its HTTP port. They are msgspec
+Structs, so a JSON body or a msgpack frame is checked field by field on the way in.
+
+A clear removes what is free, never what a task uses: every block it takes is a ready, unlocked
+leaf at that moment (the policy's own eviction path, under the cache engine's lock), so no load
+reads a block that a clear took, and a tier stays prefix-closed. What stays is counted by why
+(KeptReason). Removals carry RemovalReason.CLEARED: the removed_blocks metrics say so and the
+router hears a BlockRemoved for each block."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import msgspec
+
+from dynamo_flexkv.core.errors import FlexKVError
+
+# The tiers a request may name, fastest first. "device" is an engine's own KV memory (its prefix
+# cache): only a worker answers for it; "remote" is listed and probed, never cleared (below).
+TIERS = ("device", "host", "disk", "remote")
+OPS = ("contents", "prefix", "clear")
+DEFAULT_WAIT_S = 5.0  # a clear first waits this long for the tier writes in flight (then clears what is free)
+REMOTE_NOT_CLEARED = (
+    "the remote tier is not cleared: its blocks are shared with every worker and node that uses the same "
+    "store; delete them in Redis, or give the weights a new model_id"
+)
+
+
+class BadCacheRequest(ValueError, FlexKVError):
+    """A cache request that names an unknown op or tier, or lacks what its op needs."""
+
+
+class KeptReason(str, enum.Enum):
+    """Why a clear left a block in its tier."""
+
+    IN_USE = "in_use"  # a load or a tier write reads it now
+    FILLING = "filling"  # its bytes are still landing (a store or a disk read in flight)
+    PARENT = "parent"  # a prefix of a kept block: a tier stays prefix-closed
+
+
+class TierContents(msgspec.Struct, frozen=True):
+    """One tier of one namespace, now."""
+
+    tier: str
+    blocks: int  # held: ready and filling
+    ready: int  # landed: what a load can find
+    filling: int  # a copy into it is in flight
+    in_use: int  # ready and read by a load or a tier write now (a clear keeps them)
+    block_bytes: int
+    capacity_blocks: int
+    oldest_s: Optional[float] = None  # seconds since the least recently used ready block was used
+    newest_s: Optional[float] = None  # seconds since the most recently used one was
+
+    @property
+    def bytes(self) -> int:
+        return self.blocks * self.block_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_blocks * self.block_bytes
+
+
+class Contents(msgspec.Struct, frozen=True):
+    """The tiers of one namespace: an embedded engine's, or one model of one tenant on a node."""
+
+    model_id: str
+    tenant: str
+    tiers: List[TierContents]
+    remote: Optional[str] = None  # the remote tier's URL (no password): shared, so not counted here
+    engines: Optional[int] = None  # node: engines attached to this namespace now
+
+    def tier(self, name: str) -> Optional[TierContents]:
+        return next((t for t in self.tiers if t.tier == name), None)
+
+
+class PrefixBlocks(msgspec.Struct, frozen=True):
+    """Which of a prompt's full blocks each tier holds (ready). Each tier is prefix-closed, so it
+    holds a leading run of the prompt's blocks: ``held[tier]`` of them."""
+
+    model_id: str
+    tenant: str
+    tokens: int  # the prompt's length
+    tokens_per_block: int
+    hashes: List[int]  # each full block's sequence hash (the key every tier uses for it)
+    held: Dict[str, int]  # tier -> leading blocks held, ready
+    note: Optional[str] = None  # e.g. the remote tier could not be asked
+
+    def tiers_of(self, block: int) -> List[str]:
+        return [t for t in TIERS if self.held.get(t, 0) > block]
+
+    def runs(self) -> List[Tuple[int, int, List[str]]]:
+        """[start, end) block ranges whose blocks the same tiers hold, in order."""
+        out: List[Tuple[int, int, List[str]]] = []
+        for i in range(len(self.hashes)):
+            where = self.tiers_of(i)
+            if out and out[-1][2] == where:
+                out[-1] = (out[-1][0], i + 1, where)
+            else:
+                out.append((i, i + 1, where))
+        return out
+
+
+class TierCleared(msgspec.Struct, frozen=True):
+    tier: str
+    cleared: int
+    kept: Dict[str, int] = {}  # KeptReason value -> blocks left in the tier
+
+
+class Cleared(msgspec.Struct, frozen=True):
+    """What one clear did to one namespace's tiers."""
+
+    model_id: str
+    tenant: str
+    tiers: List[TierCleared]
+    note: Optional[str] = None
+
+
+class CacheRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``op``: contents (every tier's counts), prefix (which tiers hold which of ``tokens``'
+    blocks; ``text`` where the answering side has the model's tokenizer) or clear (``tiers``, all
+    by default). ``tenant`` and ``model`` select the namespaces on a node cache (default all)."""
+
+    op: str = "contents"
+    tiers: Optional[List[str]] = None
+    tenant: Optional[str] = None
+    model: Optional[str] = None
+    tokens: Optional[List[int]] = None
+    text: Optional[str] = None
+    lora: Optional[str] = None
+    salt: Optional[str] = None
+    wait_s: float = DEFAULT_WAIT_S
+
+    def check(self, have: Sequence[str]) -> "CacheRequest":
+        """Raises BadCacheRequest naming the fix; ``have``: the tiers the answering side holds."""
+        if self.op not in OPS:
+            raise BadCacheRequest(f"op {self.op!r} is not one of {', '.join(OPS)}")
+        for t in self.tiers or ():
+            if t not in TIERS:
+                raise BadCacheRequest(f"tier {t!r} is not a tier: name one of {', '.join(TIERS)}")
+            if t not in have:
+                raise BadCacheRequest(f"tier {t!r}: this target has no {t} tier (its tiers: {', '.join(have)})")
+        if self.op == "prefix" and self.tokens is None and self.text is None:
+            raise BadCacheRequest("op prefix needs the prompt: tokens (a list of token ids) or text")
+        if self.tokens is not None and any(not 0 <= t < 1 << 32 for t in self.tokens):
+            raise BadCacheRequest("tokens must be token ids in [0, 2**32)")
+        if not 0 <= self.wait_s <= 600:
+            raise BadCacheRequest(f"wait_s={self.wait_s}: wait 0 to 600 seconds for the writes in flight")
+        return self
+
+    def wants(self, tier: str) -> bool:
+        return self.tiers is None or tier in self.tiers
+
+
+class CacheReport(msgspec.Struct):
+    """The answer to one CacheRequest, from one target (a worker or a node cache)."""
+
+    target: str  # what answered: "worker (embedded)", "worker (node)", "cache server pid 123"
+    op: str
+    contents: List[Contents] = []
+    prefixes: List[PrefixBlocks] = []
+    cleared: List[Cleared] = []
+
+
+def parse_request(body: Any) -> CacheRequest:
+    """A CacheRequest from a JSON object (an HTTP body); BadCacheRequest names what is wrong."""
+    try:
+        return msgspec.convert(body if body else {}, CacheRequest)
+    except msgspec.ValidationError as e:
+        raise BadCacheRequest(f"not a cache request: {e}") from None
+
+
+def to_builtins(report: CacheReport) -> Dict[str, Any]:
+    out: Dict[str, Any] = msgspec.to_builtins(report)
+    return out
+
+
+def parse_report(data: Any) -> CacheReport:
+    return msgspec.convert(data, CacheReport)
