@@ -103,6 +103,7 @@ MODULE_KINDS = {
     "test_native_copy": "unit",
     "test_nixl_progress_threads": "integration",
     "test_node_cache": "integration",
+    "test_node_cache_admin": "unit",
     "test_node_late_reply": "integration",
     "test_node_quota": "integration",
     "test_node_serve": "unit",

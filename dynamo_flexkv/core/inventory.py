@@ -15,7 +15,7 @@ router hears a BlockRemoved for each block."""
 from __future__ import annotations
 
 import enum
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import msgspec
 
@@ -25,10 +25,19 @@ from dynamo_flexkv.core.errors import FlexKVError
 # cache): only a worker answers for it; "remote" is listed and probed, never cleared (below).
 TIERS = ("device", "host", "disk", "remote")
 OPS = ("contents", "prefix", "clear")
+# The HTTP route of every target: a worker's system port (Dynamo's engine control "flexkv_cache")
+# and a cache server's --metrics-port. POST a CacheRequest as JSON; GET is op contents.
+CONTROL = "flexkv_cache"
+HTTP_ROUTE = f"/engine/control/{CONTROL}"
 DEFAULT_WAIT_S = 5.0  # a clear first waits this long for the tier writes in flight (then clears what is free)
 REMOTE_NOT_CLEARED = (
     "the remote tier is not cleared: its blocks are shared with every worker and node that uses the same "
     "store; delete them in Redis, or give the weights a new model_id"
+)
+
+NO_TOKENIZER = (
+    "the cache server has no tokenizer: send token ids (dynamo-flexkv cache prefix --tokens ...), or tokenize "
+    "the text on your side (--text with --tokenizer MODEL_DIR)"
 )
 
 
@@ -74,6 +83,7 @@ class Contents(msgspec.Struct, frozen=True):
     tiers: List[TierContents]
     remote: Optional[str] = None  # the remote tier's URL (no password): shared, so not counted here
     engines: Optional[int] = None  # node: engines attached to this namespace now
+    shard: str = ""  # node: the tensor-parallel shard ("rank/ranks"), "" for one rank
 
     def tier(self, name: str) -> Optional[TierContents]:
         return next((t for t in self.tiers if t.tier == name), None)
@@ -90,6 +100,7 @@ class PrefixBlocks(msgspec.Struct, frozen=True):
     hashes: List[int]  # each full block's sequence hash (the key every tier uses for it)
     held: Dict[str, int]  # tier -> leading blocks held, ready
     note: Optional[str] = None  # e.g. the remote tier could not be asked
+    shard: str = ""
 
     def tiers_of(self, block: int) -> List[str]:
         return [t for t in TIERS if self.held.get(t, 0) > block]
@@ -119,6 +130,7 @@ class Cleared(msgspec.Struct, frozen=True):
     tenant: str
     tiers: List[TierCleared]
     note: Optional[str] = None
+    shard: str = ""
 
 
 class CacheRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -167,6 +179,51 @@ class CacheReport(msgspec.Struct):
     cleared: List[Cleared] = []
 
 
+class Inventoried(Protocol):
+    """What answers for one namespace's tiers (KVManager)."""
+
+    def contents(self) -> Contents: ...
+
+    def prefix_blocks(
+        self, token_ids: Any, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
+    ) -> PrefixBlocks: ...
+
+    def clear(self, tiers: Optional[Sequence[str]] = None, wait_s: float = 0.0) -> Cleared: ...
+
+
+def answer(
+    kv: Inventoried,
+    req: CacheRequest,
+    report: CacheReport,
+    *,
+    tenant: Optional[str] = None,
+    shard: str = "",
+    engines: Optional[int] = None,
+) -> None:
+    """Adds one namespace's answer to ``req`` (checked already) to ``report``: the tiers the request
+    names (all by default) of ``kv``; "device" is the caller's (an engine's own memory)."""
+    if req.op == "contents":
+        c = kv.contents()
+        tiers = [t for t in c.tiers if req.wants(t.tier)]
+        report.contents.append(
+            msgspec.structs.replace(c, tiers=tiers, shard=shard, engines=engines, tenant=_or(tenant, c.tenant))
+        )
+    elif req.op == "prefix":
+        p = kv.prefix_blocks(req.tokens or [], lora_name=req.lora, cache_salt=req.salt)
+        held = {t: n for t, n in p.held.items() if req.wants(t)}
+        report.prefixes.append(msgspec.structs.replace(p, held=held, shard=shard, tenant=_or(tenant, p.tenant)))
+    else:
+        names = None if req.tiers is None else [t for t in req.tiers if t != "device"]
+        if names == []:
+            return  # the device tier alone: the engine's, not these tiers'
+        done = kv.clear(names, wait_s=req.wait_s)
+        report.cleared.append(msgspec.structs.replace(done, shard=shard, tenant=_or(tenant, done.tenant)))
+
+
+def _or(value: Optional[str], default: str) -> str:
+    return default if value is None else value
+
+
 def parse_request(body: Any) -> CacheRequest:
     """A CacheRequest from a JSON object (an HTTP body); BadCacheRequest names what is wrong."""
     try:
@@ -182,3 +239,16 @@ def to_builtins(report: CacheReport) -> Dict[str, Any]:
 
 def parse_report(data: Any) -> CacheReport:
     return msgspec.convert(data, CacheReport)
+
+
+def tokenize(model_dir: str, text: str) -> List[int]:
+    """``text`` as the model's tokenizer (MODEL_DIR/tokenizer.json) encodes a completion's prompt."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise BadCacheRequest(f"no tokenizer.json in {model_dir}: name the model directory the workers serve")
+    ids: List[int] = Tokenizer.from_file(path).encode(text, add_special_tokens=True).ids
+    return ids
