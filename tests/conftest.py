@@ -63,6 +63,7 @@ MODULE_KINDS = {
     "test_argument_checks_and_waits": "unit",
     "test_bench_events": "bench",
     "test_bench_vllm": "unit",
+    "test_cache_serve": "served",
     "test_cache_engine": "unit",
     "test_cache_inventory": "unit",
     "test_cancel_fence": "unit",

@@ -182,6 +182,9 @@ class CacheReport(msgspec.Struct):
 class Inventoried(Protocol):
     """What answers for one namespace's tiers (KVManager)."""
 
+    namespace: Optional[str]
+    model_id: str
+
     def contents(self) -> Contents: ...
 
     def prefix_blocks(
@@ -201,7 +204,14 @@ def answer(
     engines: Optional[int] = None,
 ) -> None:
     """Adds one namespace's answer to ``req`` (checked already) to ``report``: the tiers the request
-    names (all by default) of ``kv``; "device" is the caller's (an engine's own memory)."""
+    names (all by default) of ``kv``; "device" is the caller's (an engine's own memory). A request
+    that selects another tenant or model than this namespace's is refused, naming what it holds."""
+    own_tenant, own_model = _or(tenant, kv.namespace or ""), kv.model_id
+    if (req.tenant is not None and req.tenant != own_tenant) or (req.model is not None and req.model != own_model):
+        raise BadCacheRequest(
+            f"this target holds no namespace of {describe_selection(req.tenant, req.model)}; it holds "
+            f"model {own_model!r} tenant {own_tenant!r}"
+        )
     if req.op == "contents":
         c = kv.contents()
         tiers = [t for t in c.tiers if req.wants(t.tier)]
@@ -218,6 +228,11 @@ def answer(
             return  # the device tier alone: the engine's, not these tiers'
         done = kv.clear(names, wait_s=req.wait_s)
         report.cleared.append(msgspec.structs.replace(done, shard=shard, tenant=_or(tenant, done.tenant)))
+
+
+def describe_selection(tenant: Optional[str], model: Optional[str]) -> str:
+    parts = [f"tenant {tenant!r}" if tenant is not None else "", f"model {model!r}" if model is not None else ""]
+    return " and ".join(p for p in parts if p)
 
 
 def _or(value: Optional[str], default: str) -> str:

@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
-from dynamo_flexkv.core.inventory import NO_TOKENIZER, BadCacheRequest, CacheReport, CacheRequest, answer
+from dynamo_flexkv.core.inventory import (
+    NO_TOKENIZER,
+    BadCacheRequest,
+    CacheReport,
+    CacheRequest,
+    answer,
+    describe_selection,
+)
 from dynamo_flexkv.core.node.engines import Fence
 from dynamo_flexkv.core.node.namespace import Namespace, ServerOptions
 from dynamo_flexkv.core.node.quota import Quota
@@ -339,12 +346,9 @@ class NodeCacheServer:
         if not chosen and (tenant is not None or model is not None):
             have = sorted({(describe_key(ns.key)["model_id"], ns.tenant) for ns in spaces})
             held = "; ".join(f"model {m!r} tenant {t!r}" for m, t in have) or "nothing: no engine attached yet"
-            asked = " and ".join(
-                x
-                for x in (f"tenant {tenant!r}" if tenant is not None else "", f"model {model!r}" if model else "")
-                if x
+            raise BadCacheRequest(
+                f"this cache server holds no namespace of {describe_selection(tenant, model)}; it holds {held}"
             )
-            raise BadCacheRequest(f"this cache server holds no namespace of {asked}; it holds {held}")
         return chosen
 
 
