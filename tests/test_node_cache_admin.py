@@ -13,6 +13,7 @@ import pytest
 from dynamo_flexkv.cache_server import serve_metrics
 from dynamo_flexkv.core.inventory import HTTP_ROUTE, CacheRequest
 from dynamo_flexkv.core.node.admin import AdminError, NodeAdmin
+from dynamo_flexkv.core.node.client import NodeRequestFailed
 from dynamo_flexkv.core.node.protocol import ADMIN_VERSION, Admin, Reply, decode_to_engine, encode, frame_length
 from dynamo_flexkv.core.sysutil import free_port
 from node_helpers import BS, Engine, Held, node_server, prompt
@@ -85,7 +86,9 @@ def test_a_clear_of_one_tenant_leaves_the_other_and_its_engine_misses_after(two_
 
 def test_an_attached_engine_clears_only_its_own_namespace(two_tenants):
     _, path, acme, bolt, a, b, _ = two_tenants
-    report = acme.offload.cache_admin(CacheRequest(op="clear", tiers=["host"], tenant="bolt"))
+    with pytest.raises(NodeRequestFailed, match="this target holds no namespace of tenant 'bolt'; it holds model 'm1'"):
+        acme.offload.cache_admin(CacheRequest(op="clear", tenant="bolt"))
+    report = acme.offload.cache_admin(CacheRequest(op="clear", tiers=["host"]))
     assert [(c.tenant, [(t.tier, t.cleared) for t in c.tiers]) for c in report.cleared] == [("acme", [("host", 6)])]
     with NodeAdmin(path) as admin:
         (p,) = admin.request(CacheRequest(op="prefix", tenant="acme", tokens=a)).prefixes
