@@ -198,7 +198,7 @@ def _ask_url(url: str, req: CacheRequest) -> CacheReport:
         with urllib.request.urlopen(http, timeout=req.wait_s + 30) as r:
             answer = json.loads(r.read() or b"{}")
     except urllib.error.HTTPError as e:
-        if e.code == 404:
+        if e.code in (404, 405, 501):  # no such route, or no POST: not one of ours
             raise TargetError(
                 f"{base} answers no {HTTP_ROUTE}: it is neither a dynamo-flexkv worker's system port nor a "
                 "cache-server's --metrics-port (a frontend's port? a vLLM worker? see docs/SERVING.md)"

@@ -64,6 +64,7 @@ MODULE_KINDS = {
     "test_bench_events": "bench",
     "test_bench_vllm": "unit",
     "test_cache_serve": "served",
+    "test_cache_cli": "unit",
     "test_cache_engine": "unit",
     "test_cache_inventory": "unit",
     "test_cancel_fence": "unit",
