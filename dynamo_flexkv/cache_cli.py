@@ -2,9 +2,10 @@
 
 One request (core/inventory.py CacheRequest) to each target named: a worker's system port or a
 cache-server's --metrics-port (``--url``: POST /engine/control/flexkv_cache, the same route and JSON
-body on both) or a cache-server's socket (``--socket``: the node protocol's Admin request). The
-answer is printed for people, or as JSON with ``--json``. Exit 0, 1 when a target failed or refused
-(its message says why), 2 for bad arguments."""
+body on both), a cache-server's socket (``--socket``: the node protocol's Admin request) or a vLLM
+worker's FlexKVConnector (``--vllm``: its lookup socket, the same JSON; dynamo.vllm's own HTTP
+server has no route of ours). The answer is printed for people, or as JSON with ``--json``. Exit 0;
+1 when a target failed or refused (its message says why); 2 for bad arguments."""
 
 from __future__ import annotations
 
@@ -98,6 +99,14 @@ def _target_arguments(p: argparse.ArgumentParser, default: Any) -> None:
         metavar="PATH",
         help="a cache-server's Unix socket (its ready line; RUN_DIR/node-cache.sock under serve) (repeatable)",
     )
+    p.add_argument(
+        "--vllm",
+        action="append",
+        default=default,
+        metavar="PATH",
+        help="a vLLM worker's FlexKVConnector: its lookup socket (flexkv-lookup-ENGINE.ipc) or the directory that "
+        "holds it (under serve RUN_DIR/VllmWorker-0; every rank's socket there is asked) (repeatable)",
+    )
     p.add_argument("--json", action="store_true", default=default, help="print the answers as JSON")
 
 
@@ -117,10 +126,12 @@ def _select_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     urls: List[str] = getattr(args, "url", None) or []
     sockets: List[str] = getattr(args, "socket", None) or []
-    if not urls and not sockets:
+    vllm: List[str] = getattr(args, "vllm", None) or []
+    if not urls and not sockets and not vllm:
         print(
             "error: name what to ask: --url http://127.0.0.1:PORT (a worker's system port, or a cache-server's "
-            "--metrics-port) or --socket PATH (a cache-server's socket)",
+            "--metrics-port), --socket PATH (a cache-server's socket) or --vllm PATH (a vLLM worker's run "
+            "directory or lookup socket)",
             file=sys.stderr,
         )
         return 2
@@ -130,10 +141,15 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     answers: List[Tuple[str, Optional[CacheReport], Optional[str]]] = []
-    for target in [*urls, *sockets]:
+    targets = [(_ask_url, u) for u in urls] + [(_ask_socket, s) for s in sockets]
+    for path in vllm:
         try:
-            report = _ask_url(target, req) if target in urls else _ask_socket(target, req)
-            answers.append((target, report, None))
+            targets += [(_ask_vllm, s) for s in vllm_sockets(path)]
+        except TargetError as e:
+            answers.append((path, None, str(e)))
+    for ask, target in targets:
+        try:
+            answers.append((target, ask(target, req), None))
         except (TargetError, BadCacheRequest) as e:
             answers.append((target, None, str(e)))
     if getattr(args, "json", False):
@@ -236,6 +252,54 @@ def _ask_socket(path: str, req: CacheRequest) -> CacheReport:
             return admin.request(req)
     except AdminError as e:
         raise TargetError(str(e)) from None
+
+
+def vllm_sockets(path: str) -> List[str]:
+    """A FlexKVConnector lookup socket, or every one in a directory (one per tensor-parallel rank)."""
+    import glob
+    import os
+
+    if os.path.isdir(path):
+        found = sorted(glob.glob(os.path.join(path, "flexkv-lookup-*.ipc")))
+        if not found:
+            raise TargetError(
+                f"no FlexKVConnector lookup socket (flexkv-lookup-*.ipc) in {path}: name a vLLM replica's "
+                "directory (under serve RUN_DIR/VllmWorker-0), or the socket itself (its worker logs "
+                "'FlexKVConnector worker rank 0' once its KV caches are registered)"
+            )
+        return found
+    if not os.path.exists(path):
+        raise TargetError(f"no such lookup socket or directory: {path}")
+    return [path]
+
+
+def _ask_vllm(path: str, req: CacheRequest) -> CacheReport:
+    import struct
+
+    import zmq
+
+    from dynamo_flexkv.integrations.vllm_connector.lookup import ADMIN_SEQ
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect("ipc://" + path)
+        body = json.dumps({k: v for k, v in to_builtins_request(req).items() if v is not None}).encode()
+        sock.send_multipart([struct.pack("<q", ADMIN_SEQ), b"", body])
+        if not sock.poll(int((req.wait_s + 30) * 1000)):
+            raise TargetError(f"the vLLM worker at {path} did not answer: is it running?")
+        frames = sock.recv_multipart()
+    finally:
+        sock.close()
+    try:
+        answer = json.loads(frames[-1])
+    except ValueError:
+        raise TargetError(
+            f"the vLLM worker at {path} answered no cache request: its dynamo-flexkv predates them; upgrade it"
+        ) from None
+    if not isinstance(answer, dict) or answer.get("status") != "ok":
+        raise TargetError(str(answer.get("message") if isinstance(answer, dict) else answer))
+    return parse_report(answer["report"])
 
 
 # ---- for people ------------------------------------------------------------------------------------

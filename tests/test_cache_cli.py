@@ -97,3 +97,43 @@ def test_token_lists():
     assert parse_tokens("1,2, 3") == [1, 2, 3] == parse_tokens("1 2 3") == parse_tokens("[1, 2, 3]")
     with pytest.raises(BadCacheRequest, match="--tokens is empty"):
         parse_tokens(" ")
+
+
+def test_a_vllm_workers_connector_answers_on_its_lookup_socket(tmp_path, capsys):
+    """FlexKVConnector's worker side (its tiers, a KVManager here) answers the same requests on
+    its lookup socket; `--vllm DIR` asks every rank's socket in a replica's directory."""
+    from dynamo_flexkv import KVLayoutType, KVManager
+    from dynamo_flexkv.core.offload import EmbeddedOffload
+    from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
+    from dynamo_flexkv.integrations.vllm_connector.protocol import lookup_endpoint
+    from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+    from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
+    from kv_helpers import MODEL, TPB, config, device_tensors, fill
+    from test_vllm_connector_settings import vllm_config
+
+    side = WorkerSide(ConnectorSettings.from_vllm(vllm_config(tmp_path), None), 0, 1)
+    side.offload = EmbeddedOffload(KVManager(MODEL, config(tmp_path), model_id="vllm-m"))
+    dev = device_tensors(KVLayoutType.LAYERBLOCK, 16)
+    side.offload.register(dev, KVLayoutType.LAYERBLOCK)
+    tokens = list(range(3 * TPB))
+    for i, h in enumerate(side.offload.block_hashes(tokens)):
+        fill(dev, KVLayoutType.LAYERBLOCK, i, h)
+    assert side.offload.store(tokens, [0, 1, 2]) is not None and side.offload.drain(30)
+    server = LookupServer(lookup_endpoint("e0", str(tmp_path)), lambda *a: 0, None, side.cache_admin)
+    try:
+        code, text = cli("--vllm", str(tmp_path))
+        assert code == 0 and "vLLM worker e0 rank 0 (embedded)" in text and "model vllm-m, no tenant" in text
+        code, text = cli("prefix", "--vllm", str(tmp_path), "--tokens", json.dumps(tokens))
+        assert code == 0 and "blocks 0-2     host, disk" in text
+        code, _ = cli("clear", "--vllm", str(tmp_path), "--tier", "device")
+        assert code == 1 and "device tier is vLLM's own prefix cache: clear it with Dynamo's clear_kv_blocks" in (
+            capsys.readouterr().err
+        )
+        code, text = cli("clear", "--vllm", str(tmp_path))
+        assert code == 0 and "host    3 block(s) cleared" in text and "disk    3 block(s) cleared" in text
+        assert side.offload.cached_tokens(tokens + [1]) == 0
+    finally:
+        server.close()
+        side.offload.shutdown()
+    code, _ = cli("--vllm", str(tmp_path))
+    assert code == 1 and "no FlexKVConnector lookup socket (flexkv-lookup-*.ipc) in" in capsys.readouterr().err
