@@ -703,6 +703,7 @@ class KVManager:
     ) -> PrefixBlocks:
         """Which tiers hold which of the prompt's full blocks (each tier a leading run of them; the
         remote tier as its store answers now). No side effects: nothing is touched or counted."""
+        self._check_open("prefix_blocks")
         seq = _int_list(self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence)
         with self._lock:
             held = {tier.value: idx.match_length(seq) for tier, idx in self.cache.tiers.items()}
@@ -721,6 +722,7 @@ class KVManager:
         each removal. Blocks a load or a tier write uses, blocks still landing and their prefixes
         stay and are counted by why (KeptReason). ``wait_s``: first wait up to this long for the
         tier writes in flight, so what they hold can go too. The remote tier is never cleared."""
+        self._check_open("clear")
         names = {"host": Tier.HOST, "disk": Tier.DISK}
         for t in tiers or ():
             if t not in names and t != "remote":
