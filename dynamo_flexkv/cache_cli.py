@@ -105,7 +105,8 @@ def _target_arguments(p: argparse.ArgumentParser, default: Any) -> None:
         default=default,
         metavar="PATH",
         help="a vLLM worker's FlexKVConnector: its lookup socket (flexkv-lookup-ENGINE.ipc) or the directory that "
-        "holds it (under serve RUN_DIR/VllmWorker-0; every rank's socket there is asked) (repeatable)",
+        "holds it (under serve RUN_DIR/VllmWorker, RUN_DIR/VllmWorker-0 with replicas; every rank's socket there "
+        "is asked) (repeatable)",
     )
     p.add_argument("--json", action="store_true", default=default, help="print the answers as JSON")
 
@@ -258,18 +259,28 @@ def vllm_sockets(path: str) -> List[str]:
     """A FlexKVConnector lookup socket, or every one in a directory (one per tensor-parallel rank)."""
     import glob
     import os
+    import tempfile
 
     if os.path.isdir(path):
         found = sorted(glob.glob(os.path.join(path, "flexkv-lookup-*.ipc")))
         if not found:
+            elsewhere = sorted(glob.glob(os.path.join(tempfile.gettempdir(), "flexkv-lookup-*.ipc")))
+            if elsewhere:  # a run directory too deep for a socket path (107 bytes): lookup_endpoint's fallback
+                raise TargetError(
+                    f"no FlexKVConnector lookup socket in {path}; a run directory too deep for a socket path puts "
+                    f"them in {tempfile.gettempdir()}: name one of {', '.join(elsewhere)}"
+                )
             raise TargetError(
                 f"no FlexKVConnector lookup socket (flexkv-lookup-*.ipc) in {path}: name a vLLM replica's "
-                "directory (under serve RUN_DIR/VllmWorker-0), or the socket itself (its worker logs "
-                "'FlexKVConnector worker rank 0' once its KV caches are registered)"
+                "directory (under serve RUN_DIR/VllmWorker, or VllmWorker-0 with replicas), or the socket "
+                "itself (there once its worker logs 'FlexKVConnector worker rank 0')"
             )
         return found
     if not os.path.exists(path):
-        raise TargetError(f"no such lookup socket or directory: {path}")
+        parent = os.path.dirname(os.path.abspath(path))
+        near = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(parent, "*", "flexkv-lookup-*.ipc"))})
+        hint = f": the vLLM replicas' directories there are {', '.join(near)}" if near else ""
+        raise TargetError(f"no such lookup socket or directory: {path}{hint}")
     return [path]
 
 

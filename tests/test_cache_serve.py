@@ -135,3 +135,56 @@ def test_the_same_against_a_node_cache_service(tmp_path):
             "--socket", sock, "show", "--tenant", "nobody", expect=1
         )
     assert_gone(launcher)
+
+
+@pytest.mark.slow  # a vLLM graph: minutes on 2 CPUs
+def test_a_vllm_workers_connector_tiers_are_seen_and_cleared(tmp_path):
+    """serve graphs/agg_vllm.py: `dynamo-flexkv cache --vllm RUN_DIR/VllmWorker` asks the
+    connector in vLLM's worker process on its lookup socket; vLLM's own device tier is refused,
+    naming Dynamo's clear_kv_blocks."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
+    from served import Serve
+
+    import shutil
+    import tempfile
+
+    short = Path(tempfile.mkdtemp(prefix="fkv-", dir="/tmp"))  # the lookup socket's path fits in the run dir
+    serve = Serve(
+        short,
+        "vllm",
+        graph="agg_vllm",
+        ready_timeout=400,
+        base=[
+            "Frontend.http-port=0",
+            f"VllmWorker.cache.ssd_cache_dir={tmp_path}/vllm/ssd{{replica}}",
+            "VllmWorker.num-device-blocks=64",
+            "VllmWorker.max-model-len=2048",
+            "VllmWorker.cache.cpu_cache_gb=0.05",
+            "VllmWorker.cache.ssd_cache_gb=0.1",
+        ],
+    )
+    try:
+        replica = str(serve.run / "VllmWorker")  # one replica: no -0
+        ids = [((i * 53) % 20000) + 300 for i in range(64 * 4 + 3)]  # 4 full blocks of 64
+        body = {"model": "vllm-small", "prompt": ids, "max_tokens": 2, "temperature": 0}
+        assert http_json("POST", f"{serve.base_url}/v1/completions", body)["usage"]["prompt_tokens"] == len(ids)
+
+        def held() -> dict:
+            (p,) = cache_json("prefix", "--vllm", replica, "--tokens", json.dumps(ids))[0]["report"]["prefixes"]
+            return p["held"] if p["held"].get("disk") == len(p["hashes"]) > 0 else {}
+
+        print(wait_until("the connector's disk copies", held, timeout=120))
+        shown = cache("--vllm", replica)
+        print(shown)
+        assert "vLLM worker" in shown and "\n    host " in shown and "\n    disk " in shown
+        cleared = cache("clear", "--vllm", replica)
+        print(cleared)
+        assert "cleared" in cleared
+        (p,) = cache_json("prefix", "--vllm", replica, "--tokens", json.dumps(ids))[0]["report"]["prefixes"]
+        assert p["held"] == {"host": 0, "disk": 0}
+        assert "clear it with Dynamo's clear_kv_blocks" in cache(
+            "clear", "--vllm", replica, "--tier", "device", expect=1
+        )
+    finally:
+        serve.close()
+        shutil.rmtree(short, ignore_errors=True)
