@@ -48,11 +48,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "show",
         help="per tier: blocks, bytes, capacity, blocks in use and filling, when the oldest and newest were "
         "last used (the default action)",
+        description="Lists each target's namespaces (a worker: its own; a cache server: one per model, tenant "
+        "and shard) and per tier the blocks held, in use (read by a load or a write now) and filling (still "
+        "landing), bytes, capacity and how long ago the least and most recently used block was used.",
     )
     _target_arguments(show, argparse.SUPPRESS)
     _select_arguments(show)
     prefix = actions.add_parser(
-        "prefix", help="which tiers hold which of a prompt's full blocks (by its token ids or its text)"
+        "prefix",
+        help="which tiers hold which of a prompt's full blocks (by its token ids or its text)",
+        description="Which tiers hold which of a prompt's full blocks: each tier holds a leading run of them. "
+        "Looking changes nothing (no hit counted, no eviction order touched).",
     )
     _target_arguments(prefix, argparse.SUPPRESS)
     _select_arguments(prefix)
@@ -70,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "clear",
         help="remove what no request uses from every tier (or --tier), per --tenant / --model on a cache server; "
         "blocks a load or a write uses stay and are counted",
+        description="Removes every block no request uses from every tier (or each --tier), as eviction would: "
+        "blocks a load or a tier write reads, blocks still landing and their prefixes stay, counted by why. "
+        "The removals count as cleared in the metrics and the router forgets the blocks. The remote tier "
+        "(shared with other workers) is never cleared.",
     )
     _target_arguments(clear, argparse.SUPPRESS)
     _select_arguments(clear)

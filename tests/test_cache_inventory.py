@@ -9,9 +9,10 @@ import pytest
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.inventory import BadCacheRequest, CacheReport, CacheRequest, parse_report, parse_request
-from dynamo_flexkv.core.inventory import to_builtins
+from dynamo_flexkv.core.inventory import REMOTE_NOT_CLEARED, to_builtins
 from dynamo_flexkv.core.transfer.graph import OpKind
 from kv_helpers import BLOCK_BYTES, MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
+from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixtures)
 
 LAYOUT = KVLayoutType.LAYERBLOCK
 DEVICE_BLOCKS = 64
@@ -194,3 +195,22 @@ def test_a_report_survives_json(gated):
     report = CacheReport("worker (embedded)", "contents", contents=[kv.contents()])
     back = parse_report(to_builtins(report))
     assert back == report and back.contents[0].tier("host").bytes == 3 * BLOCK_BYTES
+
+
+@needs_redis
+@pytest.mark.integration
+def test_the_remote_tier_is_probed_and_listed_never_cleared(tmp_path, redis_server):  # noqa: F811
+    from remote_helpers import Engine, manager
+
+    with manager(tmp_path, redis_server.url, namespace="acme") as kv:
+        engine = Engine(kv)
+        prompt = list(range(4 * TPB + 1))
+        engine.put(prompt)
+        c = kv.contents()
+        assert c.remote is not None and c.remote.startswith("redis://") and c.tenant == "acme"
+        assert kv.prefix_blocks(prompt).held == {"host": 4, "remote": 4}
+        done = kv.clear()
+        assert [(t.tier, t.cleared) for t in done.tiers] == [("host", 4)]
+        assert done.note == REMOTE_NOT_CLEARED
+        assert kv.prefix_blocks(prompt).held == {"host": 0, "remote": 4}  # a load would read them from remote
+        assert kv.clear(["remote"]).tiers == []  # named alone: nothing cleared, the note says why
