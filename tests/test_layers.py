@@ -159,6 +159,7 @@ APPS = (
     "dynamo_flexkv.doctor",
     "dynamo_flexkv.workload",
     "dynamo_flexkv.cache_server",
+    "dynamo_flexkv.cache_cli",
 )
 # beside them on top, for every layer: resources.py (where the shipped presets, graphs and configs
 # are; imports nothing of ours), data/ (the shipped trace), _native (the C++ extension)
