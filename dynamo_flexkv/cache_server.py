@@ -9,11 +9,12 @@ Ctrl-C or SIGTERM detaches the engines (their loads fail over to recompute) and 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 import threading
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 
@@ -72,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=int,
         default=0,
-        help="serve Prometheus metrics on METRICS_HOST:PORT (default 0: no metrics; serve's NodeCache section "
+        help="serve HTTP on METRICS_HOST:PORT: Prometheus metrics on /metrics, and what is cached on "
+        "/engine/control/flexkv_cache (dynamo-flexkv cache --url); default 0: none (serve's NodeCache section "
         "always passes one, a free port unless its metrics-port names one)",
     )
     p.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics listen on (default 127.0.0.1)")
@@ -122,13 +124,86 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_metrics(server: Any, host: str, port: int) -> Any:
-    """Prometheus text on ``host:port``: the service's counters and each model's tiers."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    """One HTTP server on ``host:port`` for operators: Prometheus text on ``/metrics`` (the service's
+    counters and each model's tiers) and what is cached on ``/engine/control/flexkv_cache`` (the
+    route and JSON body every worker answers too: core/inventory.py). ``shutdown()`` stops it."""
+    from http.server import ThreadingHTTPServer
+
+    from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
     registry.register(_Collector(server))
-    httpd, _ = start_http_server(port, addr=host, registry=registry)
-    return httpd
+    httpd = ThreadingHTTPServer((host, port), _handler(server, registry))
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, name="flexkv-node-http", daemon=True)
+    thread.start()
+    return _HttpServer(httpd, thread)
+
+
+class _HttpServer:
+    def __init__(self, httpd: Any, thread: threading.Thread) -> None:
+        self.httpd, self.thread = httpd, thread
+        self.port: int = httpd.server_address[1]
+
+    def shutdown(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def _handler(server: Any, registry: Any) -> Any:
+    from http.server import BaseHTTPRequestHandler
+    from urllib.parse import parse_qs, urlsplit
+
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+    from dynamo_flexkv.core.inventory import HTTP_ROUTE, BadCacheRequest, parse_request, to_builtins
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            url = urlsplit(self.path)
+            if url.path in ("/metrics", "/"):
+                self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+            elif url.path == HTTP_ROUTE:  # a look: the query names the selection (?tenant=acme&model=...)
+                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                self._cache(dict(query, op="contents"))
+            else:
+                self._json(404, {"status": "error", "message": f"no {url.path} here: GET /metrics or {HTTP_ROUTE}"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if urlsplit(self.path).path != HTTP_ROUTE:
+                self._json(404, {"status": "error", "message": f"POST {HTTP_ROUTE} only"})
+                return
+            raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+            try:
+                body = json.loads(raw or b"{}")
+            except ValueError as e:
+                self._json(400, {"status": "error", "message": f"the body is not JSON: {e}"})
+                return
+            self._cache(body)
+
+        def _cache(self, body: Any) -> None:
+            try:
+                report = server.admin(parse_request(body))
+            except (BadCacheRequest, ValueError, RuntimeError) as e:
+                self._json(400, {"status": "error", "message": str(e)})
+                return
+            self._json(200, {"status": "ok", "report": to_builtins(report)})
+
+        def _json(self, code: int, body: Dict[str, Any]) -> None:
+            self._send(code, json.dumps(body).encode(), "application/json")
+
+        def _send(self, code: int, data: bytes, content_type: str) -> None:
+            self.send_response(code)
+            self.send_header("content-type", content_type)
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
+            log.debug("http: " + format, *args)
+
+    return Handler
 
 
 class _Collector:

@@ -129,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
 
+    from dynamo_flexkv.cache_cli import add_arguments as cache_arguments
+
+    cache_arguments(
+        sub.add_parser(
+            "cache",
+            help="see and clear what is cached: per tier and tenant, a prompt's blocks, a clear (on a running worker "
+            "or cache-server)",
+            description="Asks running workers (--url: their system port) or node cache services (--url: their "
+            "--metrics-port; --socket) what their tiers hold: show (the default) lists each tier's blocks, bytes, "
+            "capacity, blocks in use and when the oldest and newest were last used, per model and tenant; prefix "
+            "says which tiers hold which of a prompt's blocks; clear removes what no request uses (blocks a load "
+            "or write uses stay, counted by why) and the router hears the removals. --json for scripts.",
+        )
+    )
+
     from dynamo_flexkv.bench import build_parser as bench_parser
 
     bench_parser(
@@ -215,6 +230,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from dynamo_flexkv.cache_server import run as cache_server_run
 
         return cache_server_run(args)
+    if args.command == "cache":
+        from dynamo_flexkv.cache_cli import run as cache_run
+
+        return cache_run(args)
     if args.command == "bench":
         from dynamo_flexkv.bench import run_command
 

@@ -95,6 +95,21 @@ def test_duplicate_prefix_pins_the_cached_copy():
     assert view.removed_batches == [[2, 1]]
 
 
+def test_clear_uncaches_what_nobody_references_leaves_first():
+    pool, view = make_pool(12)
+    pool.release(run_request(pool, [1, 2, 3], extra=0))
+    running = run_request(pool, [1, 2, 7], extra=1)  # a request still reads 1 -> 2 and its own 7
+    pool.release(run_request(pool, [4, 5], extra=0))
+    assert (pool.num_cached, pool.num_cached_in_use) == (6, 3)
+    assert pool.clear() == 3  # 3 (below 2, nobody reads it), 5 then 4
+    assert view.removed_batches == [[3, 5, 4]]  # least recently released leaf first, one event
+    assert (pool.num_cached, pool.num_cached_in_use) == (3, 3) and pool.peek([1, 2, 7]) == 3
+    assert pool.num_available == 12 - 4 and pool.evictions == 0  # a clear is not the policy's eviction
+    pool.release(running)
+    assert pool.clear() == 3 and pool.num_cached == 0 and pool.num_available == 12
+    assert view.parent == {}
+
+
 def test_uncached_parent_is_never_cached_below():
     pool, view = make_pool(4)
     t = pool.allocate(2)

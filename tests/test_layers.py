@@ -159,6 +159,7 @@ APPS = (
     "dynamo_flexkv.doctor",
     "dynamo_flexkv.workload",
     "dynamo_flexkv.cache_server",
+    "dynamo_flexkv.cache_cli",
 )
 # beside them on top, for every layer: resources.py (where the shipped presets, graphs and configs
 # are; imports nothing of ours), data/ (the shipped trace), _native (the C++ extension)
@@ -207,3 +208,12 @@ def test_the_top_level_holds_only_the_apps_and_the_layers():
     top -= {"data", "resources.py"}
     apps = {m.split(".")[1] + ("" if (PACKAGE / m.split(".")[1]).is_dir() else ".py") for m in APPS}
     assert top == apps | {"core", "integrations"}, top ^ (apps | {"core", "integrations"})
+
+
+def test_the_cache_command_stays_light(tmp_path):
+    """`dynamo-flexkv cache` is an operator's client: asking a cache server (here one that is not
+    there) loads neither torch, Dynamo, vLLM nor the native extension."""
+    argv = ["cache", "--socket", str(tmp_path / "missing.sock"), "--json"]
+    code = f"from dynamo_flexkv.cli import main\nassert main({argv!r}) == 1\n"
+    loaded = run_light(code)
+    assert not loaded, "dynamo-flexkv cache loaded (module <- importer:line <- ...):\n" + "\n".join(loaded.values())

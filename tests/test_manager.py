@@ -229,6 +229,9 @@ AFTER_SHUTDOWN = {
     "evict": lambda kv, p, t, dev: kv.evict("host"),
     "reset": lambda kv, p, t, dev: kv.reset(),
     "weights_changed": lambda kv, p, t, dev: kv.weights_changed("v2"),
+    "contents": lambda kv, p, t, dev: kv.contents(),
+    "prefix_blocks": lambda kv, p, t, dev: kv.prefix_blocks(p),
+    "clear": lambda kv, p, t, dev: kv.clear(),
 }
 
 

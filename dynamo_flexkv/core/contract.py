@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, cast
 
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.inventory import CacheReport, CacheRequest
 from dynamo_flexkv.core.layout import KVLayoutType
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskResult
@@ -234,6 +235,12 @@ class EngineOffload(ABC):
         """The engine's weights changed (a reload, an RL update, another adapter under the same
         name), now named ``version``: no block computed before is ever returned again, on any tier;
         the ones this engine announced leave the router's view at once. Returns the blocks dropped."""
+
+    @abstractmethod
+    def cache_admin(self, req: CacheRequest) -> CacheReport:
+        """An operator's request over these tiers (dynamo-flexkv cache, core/inventory.py): their
+        contents, which of them hold a prompt's blocks, or a clear of what no task uses. Node: the
+        service answers for this engine's namespace (shared with the engines of the same model)."""
 
     @abstractmethod
     def describe(self) -> Dict[str, Any]:

@@ -33,6 +33,15 @@ from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
 from dynamo_flexkv.core.index.cache_engine import IndexListener
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError
+from dynamo_flexkv.core.inventory import (
+    REMOTE_NOT_CLEARED,
+    Cleared,
+    Contents,
+    KeptReason,
+    PrefixBlocks,
+    TierCleared,
+    TierContents,
+)
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.stats import (
     LinkStats,
@@ -685,6 +694,81 @@ class KVManager:
             if busy:
                 raise RuntimeError(f"reset() with {len(busy)} tasks in flight: call drain() (or cancel them) first")
             self.cache.reset()
+
+    # ---- what is cached (core/inventory.py; dynamo-flexkv cache) -------------------------------
+    def contents(self) -> Contents:
+        """Each tier's blocks by state, bytes and last use, now (no side effects)."""
+        with self._lock:
+            self._check_open("contents")
+            block = self.host.layout.block_bytes
+            tiers = []
+            for tier, idx in self.cache.tiers.items():
+                c = idx.census()
+                tiers.append(
+                    TierContents(
+                        tier.value,
+                        c.ready + c.filling,
+                        c.ready,
+                        c.filling,
+                        c.in_use,
+                        block,
+                        idx.capacity,
+                        c.oldest_s,
+                        c.newest_s,
+                    )
+                )
+        remote = self.remote.config.redacted_url if self.remote is not None else None
+        return Contents(self.model_id, self.namespace or "", tiers, remote=remote)
+
+    def prefix_blocks(
+        self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
+    ) -> PrefixBlocks:
+        """Which tiers hold which of the prompt's full blocks (each tier a leading run of them; the
+        remote tier as its store answers now). No side effects: nothing is touched or counted."""
+        self._check_open("prefix_blocks")
+        seq = _int_list(self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence)
+        with self._lock:
+            held = {tier.value: idx.match_length(seq) for tier, idx in self.cache.tiers.items()}
+        note = None
+        if self.remote is not None:
+            try:
+                held["remote"] = self.remote.exists_prefix(seq) if seq else 0
+            except Exception as e:  # noqa: BLE001 - a store that cannot answer is reported, not raised
+                note = f"the remote tier did not answer: {type(e).__name__}: {e}"
+        return PrefixBlocks(self.model_id, self.namespace or "", len(token_ids), self.tokens_per_block, seq, held, note)
+
+    def clear(self, tiers: Optional[Sequence[str]] = None, wait_s: float = 0.0) -> Cleared:
+        """Removes every block of ``tiers`` ("host", "disk"; default both) that no task uses, as
+        the policy's eviction would (ready, unlocked leaves, until none is left), with
+        RemovalReason.CLEARED: metrics count them as cleared and the listener (the router) hears
+        each removal. Blocks a load or a tier write uses, blocks still landing and their prefixes
+        stay and are counted by why (KeptReason). ``wait_s``: first wait up to this long for the
+        tier writes in flight, so what they hold can go too. The remote tier is never cleared."""
+        self._check_open("clear")
+        names = {"host": Tier.HOST, "disk": Tier.DISK}
+        for t in tiers or ():
+            if t not in names and t != "remote":
+                raise ValueError(f"clear(tiers={list(tiers or ())}): this manager clears 'host' and 'disk'")
+        if wait_s > 0:
+            self.drain(wait_s)
+        out = []
+        with self._lock:
+            self._check_open("clear")
+            for name, tier in names.items():
+                idx = self.cache.tiers.get(tier)
+                if idx is None or (tiers is not None and name not in tiers):
+                    continue
+                gone = self.cache.evict(tier, len(idx), RemovalReason.CLEARED)
+                c = idx.census()
+                kept = {
+                    KeptReason.IN_USE.value: c.in_use,
+                    KeptReason.FILLING.value: c.filling,
+                    KeptReason.PARENT.value: c.parents,
+                }
+                out.append(TierCleared(name, len(gone), {k: n for k, n in kept.items() if n}))
+        asked_remote = self.remote is not None and (tiers is None or "remote" in tiers)
+        note = REMOTE_NOT_CLEARED if asked_remote else None
+        return Cleared(self.model_id, self.namespace or "", out, note)
 
     def shutdown(self) -> None:
         """Cancels what is in flight, waits for running copies to drain, frees memory and files.

@@ -22,7 +22,7 @@ calls follow one request's life:
 * ``prefetch(tokens)`` warms host memory from disk for a request that still waits;
 * ``observe_prefill(tokens, prompt_tokens, seconds)`` after each step that only prefilled: the
   cost-aware load policy compares loads with this measured prefill time (core/cost.py);
-* administration: ``stats``, ``drain``, ``evict_host``, ``reset_tiers``, ``describe``,
+* administration: ``stats``, ``drain``, ``evict_host``, ``reset_tiers``, ``cache_admin``, ``describe``,
   ``tier_files``, ``announce_adopted``, ``shutdown``.
 """
 
@@ -38,6 +38,7 @@ from dynamo_flexkv.core.contract import (
     no_task_on_tier_fault,
 )
 from dynamo_flexkv.core.index.cache_engine import IndexListener
+from dynamo_flexkv.core.inventory import CacheReport, CacheRequest, answer
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.manager import KVManager
 from dynamo_flexkv.core.stats import ManagerStats
@@ -208,6 +209,11 @@ class EmbeddedOffload(EngineOffload):
 
     def weights_changed(self, version: str) -> int:
         return self.kv.weights_changed(version)
+
+    def cache_admin(self, req: CacheRequest) -> CacheReport:
+        report = CacheReport("embedded", req.op)
+        answer(self.kv, req, report)
+        return report
 
     def describe(self) -> Dict[str, Any]:
         kv = self.kv

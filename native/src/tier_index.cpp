@@ -201,6 +201,27 @@ std::vector<uint64_t> TierIndexCore::hashes() const {
   return out;
 }
 
+Census TierIndexCore::census() const {
+  Census c;
+  for (const Block& b : blocks_) {
+    if (!b.live) continue;
+    if (!b.ready) {
+      ++c.filling;
+      continue;
+    }
+    ++c.ready;
+    if (b.locks != 0) {
+      ++c.in_use;
+    } else if (b.children != 0) {
+      ++c.parents;
+    }
+    if (!c.any || b.last_access < c.oldest) c.oldest = b.last_access;
+    if (!c.any || b.last_access > c.newest) c.newest = b.last_access;
+    c.any = true;
+  }
+  return c;
+}
+
 int64_t TierIndexCore::owned_by(int64_t owner) const {
   const auto it = owned_.find(owner);
   return it == owned_.end() ? 0 : it->second;

@@ -100,6 +100,17 @@ struct Removed {
   bool empty() const { return hashes.empty(); }
 };
 
+// What a tier holds now, by state (an operator's listing; what a clear leaves behind and why).
+struct Census {
+  uint64_t ready = 0;    // landed: what a get can find
+  uint64_t filling = 0;  // unready: a copy into it is in flight
+  uint64_t in_use = 0;   // ready and locked: a load or a tier write reads it
+  uint64_t parents = 0;  // ready, unlocked, with children: the prefix of blocks below it
+  bool any = false;      // a ready block exists (oldest / newest are set)
+  double oldest = 0.0;   // smallest last_access of a ready block
+  double newest = 0.0;   // largest
+};
+
 // A restart's ready block that already sits in its slot.
 struct AdoptEntry {
   uint64_t hash;
@@ -173,6 +184,7 @@ class TierIndexCore {
   uint64_t parent_of(const Block& b) const { return blocks_[b.parent_slot].hash; }  // has a parent
   bool can_extend(bool has_parent, uint64_t parent, int64_t owner) const;
   std::vector<uint64_t> hashes() const;  // by slot
+  Census census() const;  // one pass over the block table
   int64_t owned_by(int64_t owner) const;  // unready blocks `owner` holds
 
   // Longest prefix of get(0..n) held (ready, or present when !ready_only): a binary search,

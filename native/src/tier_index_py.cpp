@@ -160,6 +160,15 @@ class NativeTierIndex {
     return to_list(out);
   }
 
+  // (ready, filling, in_use, parents, oldest last access or None, newest or None).
+  py::tuple census() {
+    Census c;
+    locked(kReleaseGilFrom, [&] { c = core_.census(); });
+    py::object oldest = c.any ? py::object(py::float_(c.oldest)) : py::none();
+    py::object newest = c.any ? py::object(py::float_(c.newest)) : py::none();
+    return py::make_tuple(c.ready, c.filling, c.in_use, c.parents, oldest, newest);
+  }
+
   py::list block_ids(py::handle hashes) {
     const std::vector<uint64_t> hs = read_hashes(hashes);
     std::vector<uint32_t> out;
@@ -426,6 +435,7 @@ void bind_tier_index(py::module_& m) {
       .def("match_length", &NativeTierIndex::match_length, py::arg("hashes"), py::arg("ready_only") = true)
       .def("can_extend", &NativeTierIndex::can_extend, py::arg("parent"), py::arg("owner"))
       .def("hashes", &NativeTierIndex::hashes)
+      .def("census", &NativeTierIndex::census)
       .def("block_ids", &NativeTierIndex::block_ids, py::arg("hashes"))
       .def("insert", &NativeTierIndex::insert, py::arg("hashes"), py::arg("parent"), py::arg("owner"),
            py::arg("now"))

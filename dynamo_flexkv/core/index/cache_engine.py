@@ -137,6 +137,7 @@ class TierCounters:
     stored_blocks: int = 0
     rolled_back_blocks: int = 0
     removed: Dict[str, int] = field(default_factory=dict)  # blocks that left the tier, by RemovalReason
+    forced: int = 0  # of the index's evictions, those not the policy's (a clear, a weight change)
 
 
 class CacheEngine:
@@ -442,7 +443,9 @@ class CacheEngine:
             with self._lock:
                 return self.tiers[tier].evict(count)
         with self._removing(reason):
-            return self.tiers[tier].evict(count)
+            gone = self.tiers[tier].evict(count)
+            self.counters[tier].forced += len(gone)  # removed_blocks says why; evicted_blocks stays the policy's
+            return gone
 
     def reset(self, reason: RemovalReason = RemovalReason.CLEARED) -> None:
         """Drops every cached block; refuses while tasks are in flight."""
@@ -470,7 +473,7 @@ class CacheEngine:
                     "capacity_blocks": idx.capacity,
                     "used_blocks": idx.pool.num_used,
                     "ready_blocks": idx.num_ready,
-                    "evicted_blocks": idx.evictions,
+                    "evicted_blocks": idx.evictions - c.forced,
                     "hit_blocks": c.hit_blocks,
                     "stored_blocks": c.stored_blocks,
                     "rolled_back_blocks": c.rolled_back_blocks,

@@ -54,6 +54,18 @@ class BlockInfo:
     owner: Optional[Hashable]
 
 
+@dataclass(frozen=True)
+class Census:
+    """What a tier holds now, by state (TierIndex.census)."""
+
+    ready: int  # landed: what a get can find
+    filling: int  # unready: a copy into it is in flight
+    in_use: int  # ready and locked: a load or a tier write reads it
+    parents: int  # ready, unlocked, with children: a prefix of the blocks below it
+    oldest_s: Optional[float]  # seconds since the least recently used ready block was used (None: none)
+    newest_s: Optional[float]
+
+
 class TierIndex:
     def __init__(
         self,
@@ -142,6 +154,19 @@ class TierIndex:
     def hashes(self) -> List[int]:
         """Every block's sequence hash, by slot."""
         return self._native.hashes()
+
+    def census(self) -> Census:
+        """Blocks by state and the ready blocks' last use, in one pass (an operator's listing)."""
+        ready, filling, in_use, parents, oldest, newest = self._native.census()
+        now = self._clock()
+        return Census(
+            ready,
+            filling,
+            in_use,
+            parents,
+            None if oldest is None else max(0.0, now - oldest),
+            None if newest is None else max(0.0, now - newest),
+        )
 
     # ---- mutations ---------------------------------------------------------------------------
     def insert(self, hashes: Hashes, parent: Optional[int], owner: Hashable) -> List[int]:

@@ -31,8 +31,11 @@ from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index.cache_engine import IndexListener, Tier, TierRun
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
+from dynamo_flexkv.core.inventory import CacheReport, CacheRequest, parse_report
 from dynamo_flexkv.core.node.protocol import (
+    ADMIN_VERSION,
     VERSION,
+    Admin,
     Attach,
     Attached,
     Call,
@@ -695,6 +698,25 @@ class NodeOffload(EngineOffload):
 
     def reset_tiers(self, timeout: Optional[float] = None) -> bool:
         return bool(self._request(lambda rid: Call(id=rid, name="reset", timeout=timeout)))
+
+    def cache_admin(self, req: CacheRequest) -> CacheReport:
+        """The service answers for this engine's namespace (Admin on the engine's connection)."""
+        value = self._request(
+            lambda rid: Admin(
+                id=rid,
+                version=ADMIN_VERSION,
+                op=req.op,
+                tiers=req.tiers,
+                tenant=req.tenant,
+                model=req.model,
+                tokens=None if req.tokens is None else pack_tokens(req.tokens),
+                lora=req.lora,
+                salt=req.salt,
+                wait_s=req.wait_s,
+            ),
+            timeout=req.wait_s + CALL_TIMEOUT_S,
+        )
+        return parse_report(value)
 
     def describe(self) -> Dict[str, Any]:
         try:

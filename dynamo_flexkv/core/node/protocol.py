@@ -11,7 +11,14 @@ own (model fingerprint, layout, tenant): engines that agree share one namespace 
 tiers. It then asks (Lookup, Load, Store, ...) and the service answers (Reply) and drives the
 device copies of the tasks it planned (RunOp): the engine copies between its device blocks and the
 shared host segment itself and reports each copy (OpDone). Task results (TaskDone) and the tiers'
-KV events (Events) are pushed to it."""
+KV events (Events) are pushed to it.
+
+An operator's tool (``dynamo-flexkv cache``) connects without attaching and sends Admin requests
+only: what the namespaces hold, which tiers hold a prompt's blocks, a clear (core/inventory.py);
+an attached engine may send them too, for its own namespace. Versions: an engine's Attach carries
+VERSION and is refused unless it equals the service's; an Admin request carries ADMIN_VERSION and is
+refused the same way, so the two evolve apart (an engine never sends Admin, a tool never Attach).
+A service older than Admin answers one with a protocol error: the tool says to upgrade it."""
 
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import numpy as np
 from dynamo_flexkv.core.errors import FlexKVError
 
 VERSION = 2
+ADMIN_VERSION = 1  # Admin requests (operators' tools); apart from VERSION, which engines attach with
 MAX_FRAME = 64 << 20  # a frame longer than this is refused: no single message needs it
 _LEN = struct.Struct("<I")
 
@@ -121,6 +129,22 @@ class Detach(msgspec.Struct, tag="detach", forbid_unknown_fields=True):
     pass
 
 
+class Admin(msgspec.Struct, tag="admin", forbid_unknown_fields=True):
+    """An operator's request (inventory.CacheRequest: contents, prefix or clear), answered by a Reply
+    whose value is an inventory.CacheReport. ``tokens`` as in Lookup (uint32 bytes)."""
+
+    id: int
+    version: int
+    op: str
+    tiers: Optional[List[str]] = None
+    tenant: Optional[str] = None
+    model: Optional[str] = None
+    tokens: Optional[bytes] = None
+    lora: Optional[str] = None
+    salt: Optional[str] = None
+    wait_s: float = 5.0
+
+
 # ---- service -> engine ------------------------------------------------------------------------
 class Attached(msgspec.Struct, tag="attached", forbid_unknown_fields=True):
     """The host segment itself travels beside this frame (SCM_RIGHTS)."""
@@ -173,7 +197,7 @@ class Events(msgspec.Struct, tag="events", forbid_unknown_fields=True):
     resync: bool = False  # the engine forgets every tier block it announced before these
 
 
-ToService = Union[Attach, Lookup, Load, Store, Prefetch, Cancel, OpDone, Observe, Call, Detach]
+ToService = Union[Attach, Lookup, Load, Store, Prefetch, Cancel, OpDone, Observe, Call, Detach, Admin]
 ToEngine = Union[Attached, Reply, RunOp, TaskDone, Events]
 
 _encoder = msgspec.msgpack.Encoder()

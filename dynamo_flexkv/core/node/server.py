@@ -21,6 +21,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.inventory import (
+    NO_TOKENIZER,
+    BadCacheRequest,
+    CacheReport,
+    CacheRequest,
+    answer,
+    describe_selection,
+)
 from dynamo_flexkv.core.node.engines import Fence
 from dynamo_flexkv.core.node.namespace import Namespace, ServerOptions
 from dynamo_flexkv.core.node.quota import Quota
@@ -262,7 +270,7 @@ class NodeCacheServer:
             "incarnation": self.incarnation,
             "pid": os.getpid(),
             **self.counters,
-            "engines": [s.describe() for s in sessions],
+            "engines": [s.describe() for s in sessions if not s.admin],  # an operator's tool is no engine
             "namespaces": [dict(ns.describe(), tiers=dataclasses.asdict(ns.kv.stats())) for ns in namespaces],
             "fenced_waiting": self.fence.waiting,
             "tenants": self._tenants(namespaces),
@@ -291,6 +299,53 @@ class NodeCacheServer:
     def namespaces(self) -> List[Namespace]:
         with self._lock:
             return list(self._namespaces.values())
+
+    # ---- what is cached (dynamo-flexkv cache; core/inventory.py) ----------------------------------------
+    def tiers(self) -> List[str]:
+        """The tiers this service's namespaces have (each namespace is sized from the same config)."""
+        return (
+            ["host"]
+            + (["disk"] if self.config.ssd_cache_gb > 0 else [])
+            + (["remote"] if self.config.enable_remote else [])
+        )
+
+    def admin(self, req: CacheRequest, only: Optional[Namespace] = None) -> CacheReport:
+        """Answers an operator's request over the namespaces it selects (``tenant``, ``model``; all by
+        default), or over ``only`` (an attached engine's own namespace)."""
+        if req.op == "prefix" and req.tokens is None and req.text is not None:
+            raise BadCacheRequest(NO_TOKENIZER)
+        req.check(self.tiers())
+        spaces = [only] if only is not None else self._select(req.tenant, req.model)
+        report = CacheReport(f"cache server pid {os.getpid()}", req.op)
+        for ns in spaces:
+            d = describe_key(ns.key)
+            answer(ns.kv, req, report, tenant=ns.tenant, shard=d["shard"], engines=len(ns.sessions))
+            if req.op == "clear" and report.cleared:
+                log.info(
+                    "node cache: cleared model %s%s%s: %s",
+                    d["model_id"],
+                    f" tenant {ns.tenant}" if ns.tenant else "",
+                    f" shard {d['shard']}" if d["shard"] else "",
+                    ", ".join(
+                        f"{t.tier} {t.cleared} blocks (kept {t.kept or 'none'})" for t in report.cleared[-1].tiers
+                    ),
+                )
+        return report
+
+    def _select(self, tenant: Optional[str], model: Optional[str]) -> List[Namespace]:
+        spaces = self.namespaces()
+        chosen = [
+            ns
+            for ns in spaces
+            if (tenant is None or ns.tenant == tenant) and (model is None or describe_key(ns.key)["model_id"] == model)
+        ]
+        if not chosen and (tenant is not None or model is not None):
+            have = sorted({(describe_key(ns.key)["model_id"], ns.tenant) for ns in spaces})
+            held = "; ".join(f"model {m!r} tenant {t!r}" for m, t in have) or "nothing: no engine attached yet"
+            raise BadCacheRequest(
+                f"this cache server holds no namespace of {describe_selection(tenant, model)}; it holds {held}"
+            )
+        return chosen
 
 
 def _split(key: Tuple[Any, ...]) -> Tuple[Any, ...]:

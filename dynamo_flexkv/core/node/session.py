@@ -27,8 +27,11 @@ from dynamo_flexkv.core.layout import DTYPE_BYTES
 from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
 from dynamo_flexkv.core.node.engines import EngineDevice, Fence
 from dynamo_flexkv.core.node.namespace import Namespace, ServerOptions
+from dynamo_flexkv.core.inventory import CacheReport, CacheRequest, to_builtins
 from dynamo_flexkv.core.node.protocol import (
+    ADMIN_VERSION,
     VERSION,
+    Admin,
     Attach,
     Attached,
     Call,
@@ -58,6 +61,7 @@ SLOW_ANSWER_S = 0.1  # a request that took longer is logged
 _PEERCRED = struct.Struct("3i")
 MAX_TASKS_PER_ENGINE = 4096  # loads, stores and prefetches of one engine not finished yet
 ATTACH_TIMEOUT_S = 10.0  # a connection must attach within this long
+ADMIN_IDLE_S = 300.0  # an operator's connection that sends nothing this long is closed (it holds a max_clients place)
 
 
 class RequestRefused(ValueError, FlexKVError):
@@ -78,6 +82,8 @@ class SessionHost(Protocol):
 
     def session_ended(self, session: "Session") -> None: ...
 
+    def admin(self, req: CacheRequest, only: Optional[Namespace] = None) -> CacheReport: ...
+
 
 class Session:
     def __init__(self, server: SessionHost, sid: int, conn: socket.socket) -> None:
@@ -95,6 +101,7 @@ class Session:
         self._closed = False
         self._subscribed = False  # this engine receives the namespace's KV events
         self.requests = 0
+        self.admin = False  # an operator's tool (dynamo-flexkv cache): Admin requests only, never attaches
 
     def start(self) -> None:
         self._thread.start()
@@ -186,7 +193,12 @@ class Session:
 
     # ---- requests --------------------------------------------------------------------------------------
     def _handle(self, msg: Any) -> None:
+        if isinstance(msg, Admin):
+            self._admin(msg)
+            return
         if isinstance(msg, Attach):
+            if self.admin:
+                raise ProtocolError("Attach on an admin connection: an engine attaches on a connection of its own")
             self._attach(msg)
             return
         a, ns, device = self._attached(type(msg).__name__)
@@ -274,6 +286,56 @@ class Session:
         if a.events:
             self._subscribed = True
             ns.mirror.subscribe(self.id, self._send_events)
+
+    def _admin(self, msg: Admin) -> None:
+        """An operator's request: on a connection that never attached, over every namespace it
+        selects; from an attached engine, over its own namespace only. A clear runs on a thread of
+        its own, so an engine's copies (OpDone on this thread) finish while it waits for them."""
+        if self.attach is None and not self.admin:
+            self.admin = True
+            self.channel.sock.settimeout(ADMIN_IDLE_S)  # an operator may look again, not hold a place forever
+        if msg.version != ADMIN_VERSION:
+            self.channel.send(
+                Reply(
+                    id=msg.id,
+                    error=f"admin protocol version {msg.version}; this cache server speaks {ADMIN_VERSION}: "
+                    "run the same dynamo-flexkv version on both sides",
+                    kind="refused",
+                )
+            )
+            return
+        try:
+            req = CacheRequest(
+                op=msg.op,
+                tiers=msg.tiers,
+                tenant=msg.tenant,
+                model=msg.model,
+                tokens=None if msg.tokens is None else unpack_tokens(msg.tokens).tolist(),
+                lora=msg.lora,
+                salt=msg.salt,
+                wait_s=msg.wait_s,
+            )
+        except ProtocolError as e:
+            self.channel.send(Reply(id=msg.id, error=str(e), kind="bad_request"))
+            return
+        if req.op == "clear" and self.attach is not None:
+            threading.Thread(
+                target=self._answer_admin, args=(msg.id, req), name="flexkv-node-clear", daemon=True
+            ).start()
+        else:
+            self._answer_admin(msg.id, req)
+
+    def _answer_admin(self, rid: int, req: CacheRequest) -> None:
+        try:
+            report = self.server.admin(req, only=self.ns)
+        except (ValueError, RuntimeError, FlexKVError) as e:
+            reply = Reply(id=rid, error=str(e), kind="bad_request")
+        else:
+            reply = Reply(id=rid, value=to_builtins(report))
+        try:
+            self.channel.send(reply)
+        except ConnectionError:
+            pass  # the tool went away
 
     def _send_events(self, events: List[Event], resync: bool) -> None:
         self.channel.send(Events(events=events, resync=resync))

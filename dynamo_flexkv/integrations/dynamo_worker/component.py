@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -32,7 +33,25 @@ from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
 from dynamo.common.backend.run import run
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
 
+import msgspec
+
 from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.hashing import block_hashes
+from dynamo_flexkv.core.inventory import (
+    CONTROL,
+    CacheReport,
+    CacheRequest,
+    Cleared,
+    Contents,
+    KeptReason,
+    PrefixBlocks,
+    TierCleared,
+    TierContents,
+    parse_request,
+    to_builtins,
+    tokenize,
+)
 from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
 from dynamo_flexkv.integrations.dynamo_worker.metrics import PREFIX, OffloadCollector, RequestTally, offload_registry
 from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
@@ -188,6 +207,83 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             lambda: None if self.role.decode is None else self.role.decode.stats,
             lambda: None if self.role.prefill is None else self.role.prefill.leases,
         )
+
+    # ---- what is cached (dynamo-flexkv cache; core/inventory.py) --------------------------------------
+    def supported_controls(self) -> set:
+        return {CONTROL}  # POST /engine/control/flexkv_cache on the system port
+
+    async def engine_control(self, control: str, body: Dict[str, Any]) -> Dict[str, Any]:
+        if control != CONTROL:
+            return {"status": "error", "message": f"unsupported engine control: {control}"}
+        try:
+            report = await asyncio.to_thread(self.cache_admin, parse_request(body))
+        except (ValueError, RuntimeError, FlexKVError) as e:
+            return {"status": "error", "message": str(e)}
+        return {"status": "ok", "report": to_builtins(report)}
+
+    def cache_admin(self, req: CacheRequest) -> CacheReport:
+        """What this worker's tiers hold (its device prefix cache, then the offload tiers: its own, or
+        its namespace of the node cache), a prompt's blocks on them, or a clear of what no request
+        and no copy uses. The device part runs on the engine thread, which owns the device pool."""
+        described = self.offload.describe() if self.offload is not None else {}
+        if "unavailable" in described and any(req.wants(t) for t in ("host", "disk", "remote")):
+            raise RuntimeError(
+                f"this worker's node cache is not attached now ({described['unavailable']}): ask the cache "
+                "server itself (dynamo-flexkv cache --socket), or this worker's device tier alone (--tier device)"
+            )
+        have = ["device"] + [t for t, n in (described.get("tiers") or {}).items() if n]
+        have += ["remote"] if described.get("remote") else []
+        req.check(have)
+        if req.op == "prefix" and req.tokens is None:
+            req = msgspec.structs.replace(req, tokens=tokenize(str(self.model_dir), req.text or ""))
+        mode = described.get("mode", "no offload")
+        report = CacheReport(f"worker {self.args.served_model_name} ({mode})", req.op)
+        offload_tiers = [t for t in have if t != "device" and req.wants(t)]
+        if self.offload is not None and offload_tiers:
+            report = msgspec.structs.replace(self.offload.cache_admin(req), target=report.target)
+        if req.wants("device"):
+            self._device_admin(req, report)
+        if req.op == "clear":
+            self.relay.flush(force=True)  # the router hears the removals now, not at the next step
+        return report
+
+    def _device_admin(self, req: CacheRequest, report: CacheReport) -> None:
+        """Adds the device tier (this engine's prefix cache) to ``report``'s namespace."""
+        pool = self.engine.pool
+        replace = msgspec.structs.replace
+        model, tenant = f"{self.args.model}|{self.args.served_model_name}", ""
+        if req.op == "contents":
+            cached, in_use = self._on_engine_thread(lambda: (pool.num_cached, pool.num_cached_in_use))
+            block_bytes = self.cfg.kv_spec().token_bytes() * self.cfg.block_size
+            device = TierContents("device", cached, cached, 0, in_use, block_bytes, pool.num_blocks)
+            c = report.contents[0] if report.contents else Contents(model, tenant, [])
+            report.contents[:1] = [replace(c, tiers=[device, *c.tiers])]
+        elif req.op == "prefix":
+            hashes = block_hashes(req.tokens or [], self.cfg.block_size).sequence
+            held = self._on_engine_thread(lambda: pool.peek(hashes))
+            p = report.prefixes[0] if report.prefixes else None
+            if p is None:
+                p = PrefixBlocks(
+                    model, tenant, len(req.tokens or []), self.cfg.block_size, [int(h) for h in hashes], {}
+                )
+            report.prefixes[:1] = [replace(p, held={"device": held, **p.held})]
+        else:
+            cleared, kept = self._on_engine_thread(lambda: (pool.clear(), pool.num_cached))
+            device_cleared = TierCleared("device", cleared, {KeptReason.IN_USE.value: kept} if kept else {})
+            done = report.cleared[0] if report.cleared else Cleared(model, tenant, [])
+            report.cleared[:1] = [replace(done, tiers=[device_cleared, *done.tiers])]
+            log.info("cache clear: %d device blocks cleared, %d kept (in use)", cleared, kept)
+
+    def _on_engine_thread(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """``fn()`` run on the engine thread between its steps (it owns the device pool)."""
+        if self._failed or self._thread is None:
+            raise RuntimeError(self._failed or "the engine has not started")
+        done: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        self._inbox.put(("call", fn, done))
+        try:
+            return done.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"the engine thread did not get to it within {timeout:.0f} s") from None
 
     def component_metrics_dp_ranks(self) -> List[int]:
         return [0]
@@ -412,6 +508,8 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                     continue
                 if item[0] == "add":
                     item[4].send(EngineShutdown(self._failed))
+                elif item[0] == "call":
+                    item[2].set_exception(EngineShutdown(self._failed))
 
     def _serve(self) -> None:
         engine = self.engine
@@ -462,6 +560,12 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                 continue
             if item[0] == "release":
                 self.role.refused(item[1])
+                continue
+            if item[0] == "call":  # an operator's look at or clear of the device cache (cache_admin)
+                try:
+                    item[2].set_result(item[1]())
+                except Exception as e:  # noqa: BLE001 - the caller hears it; the engine goes on
+                    item[2].set_exception(e)
                 continue
             _, rid, tokens, params, stream = item
             try:

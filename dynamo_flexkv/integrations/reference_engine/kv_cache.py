@@ -171,6 +171,27 @@ class DeviceBlockPool:
         for b in blocks:
             self._ref_one(b)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a cached prefix (referenced or not)."""
+        return len(self.hash_of)
+
+    @property
+    def num_cached_in_use(self) -> int:
+        """Cached blocks a request or an offload copy references now."""
+        return len(self.hash_of) - self._num_evictable
+
+    def clear(self) -> int:
+        """Uncaches every cached block nobody references (leaves first, so every removal names a
+        leaf the router knows) and frees it; returns how many. Referenced ones stay: by the
+        invariant above, no unreferenced block is an ancestor of one."""
+        evicted: List[int] = []
+        while self._num_evictable and self._leaves:
+            self._free.append(self._evict_leaf(evicted))
+        if evicted and self.on_removed is not None:
+            self.on_removed(evicted)
+        return len(evicted)
+
     # ---- internals ---------------------------------------------------------------------------
     def _ref_one(self, b: int) -> None:
         if self.refs[b] == 0 and b in self.hash_of:

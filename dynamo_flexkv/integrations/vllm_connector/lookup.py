@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import struct
 import threading
 import time
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import msgspec
 import numpy as np
@@ -30,14 +31,21 @@ log = logging.getLogger(__name__)
 # the blocks beyond vLLM's with recomputing them, in a prompt that long)
 LookupFn = Callable[[np.ndarray, Optional[str], Optional[str], int, int], int]
 ResetFn = Callable[[], bool]  # drops what the tiers hold; False when it could not
+AdminFn = Callable[[bytes], bytes]  # an operator's cache request as JSON -> its answer as JSON
 RESET_SEQ = -1  # the sequence number of a reset request (lookups count up from 1)
+# An operator's request (dynamo-flexkv cache --vllm, core/inventory.py): frames [seq, b"", JSON],
+# answered [seq, JSON] from a thread of its own (a clear may wait for writes: lookups go on).
+ADMIN_SEQ = -2
 
 
 class LookupServer:
     """Answers lookups on ``endpoint`` from a thread of its own until close()."""
 
-    def __init__(self, endpoint: str, lookup: LookupFn, reset: Optional[ResetFn] = None) -> None:
-        self.endpoint, self._lookup, self._reset = endpoint, lookup, reset
+    def __init__(
+        self, endpoint: str, lookup: LookupFn, reset: Optional[ResetFn] = None, admin: Optional[AdminFn] = None
+    ) -> None:
+        self.endpoint, self._lookup, self._reset, self._admin = endpoint, lookup, reset, admin
+        self._answers: "queue.SimpleQueue[List[bytes]]" = queue.SimpleQueue()  # admin answers to send
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -51,7 +59,10 @@ class LookupServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            ready = poller.poll(100)
+            while not self._answers.empty():  # only this thread touches the socket
+                self._sock.send_multipart(self._answers.get())
+            if not ready:
                 continue
             frames = self._sock.recv_multipart()
             if len(frames) != 4:
@@ -60,6 +71,11 @@ class LookupServer:
             ident, seq, tokens, extra = frames
             if struct.unpack("<q", seq)[0] == RESET_SEQ:
                 self._sock.send_multipart([ident, seq, struct.pack("<q", int(self._answer_reset()))])
+                continue
+            if struct.unpack("<q", seq)[0] == ADMIN_SEQ:
+                threading.Thread(
+                    target=self._answer_admin, args=(ident, seq, extra), name="flexkv-cache-admin", daemon=True
+                ).start()
                 continue
             try:
                 lora, salt, prompt_tokens, local_blocks = msgspec.msgpack.decode(extra)
@@ -82,6 +98,17 @@ class LookupServer:
         except Exception:  # noqa: BLE001 - the scheduler hears "not reset", the worker goes on
             log.exception("flexkv: resetting the tiers failed")
             return False
+
+    def _answer_admin(self, ident: bytes, seq: bytes, body: bytes) -> None:
+        if self._admin is None:
+            answer = b'{"status": "error", "message": "this worker answers no cache requests"}'
+        else:
+            try:
+                answer = self._admin(body)
+            except Exception as e:  # noqa: BLE001 - the operator hears it, the worker goes on
+                log.exception("flexkv: a cache request failed")
+                answer = msgspec.json.encode({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        self._answers.put([ident, seq, answer])
 
     def close(self) -> None:
         """Stops answering and removes the socket file (an ipc:// endpoint is a file)."""

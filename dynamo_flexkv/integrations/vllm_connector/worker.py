@@ -20,9 +20,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
+import msgspec
 import torch
 
 from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.inventory import BadCacheRequest, parse_request, to_builtins
 from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.core.offload import EngineOffload, open_offload
 from dynamo_flexkv.core.stats import ManagerStats
@@ -87,6 +90,13 @@ class LoadCounters:
     handover_seconds: float = 0.0
     handover_failures: int = 0  # reads refused, failed, past their lease or corrupt: recomputed
     handover_corrupt: int = 0  # of those, read but not matching the prefill's digests
+
+
+# A vLLM worker's device tier is vLLM's own prefix cache, not the connector's to list or clear.
+VLLM_DEVICE = (
+    "a vLLM worker's device tier is vLLM's own prefix cache: clear it with Dynamo's clear_kv_blocks (which "
+    "resets FlexKV's tiers too, through the connector); ask this worker for host, disk or remote"
+)
 
 
 class WorkerSide:
@@ -181,6 +191,7 @@ class WorkerSide:
                 lookup_endpoint(self.settings.engine_id, self.settings.run_dir, self.tp_rank),
                 self._lookup,
                 self._reset_for_scheduler,
+                self.cache_admin,
             )
             if self.tp_rank == 0:
                 self.offload.announce_adopted()  # a restarted worker's disk blocks, for the router
@@ -579,6 +590,37 @@ class WorkerSide:
             return False
         log.info("FlexKVConnector: host and disk tiers reset (reset_prefix_cache)")
         return True
+
+    def cache_admin(self, body: bytes) -> bytes:
+        """An operator's request (dynamo-flexkv cache --vllm, core/inventory.py) over this rank's
+        tiers (a hybrid model's other groups' too), as JSON. vLLM's own device cache is vLLM's:
+        Dynamo's clear_kv_blocks clears it (and, through reset_cache, these tiers)."""
+        try:
+            req = parse_request(msgspec.json.decode(body or b"{}"))
+            if req.tiers and "device" in req.tiers:
+                raise BadCacheRequest(VLLM_DEVICE)
+            if req.op == "prefix" and req.tokens is None:
+                raise BadCacheRequest(
+                    "a vLLM worker tokenizes no text here: send token ids, or tokenize the text on your side "
+                    "(--text with --tokenizer MODEL_DIR)"
+                )
+            main = self._registered("cache")
+            described = main.describe()
+            have = [t for t, n in (described.get("tiers") or {}).items() if n]
+            req.check(have + (["remote"] if described.get("remote") else []))
+            mode = described.get("mode", "embedded")
+            report = main.cache_admin(req)
+            if self.aux is not None:  # a hybrid model's sliding-window groups: tiers of their own
+                more = self.aux.cache_admin(req)
+                report.contents += more.contents
+                report.prefixes += more.prefixes
+                report.cleared += more.cleared
+            report.target = f"vLLM worker {self.settings.engine_id} rank {self.tp_rank} ({mode})"
+            answer: Dict[str, Any] = {"status": "ok", "report": to_builtins(report)}
+        except (ValueError, RuntimeError, FlexKVError) as e:
+            answer = {"status": "error", "message": str(e)}
+        out: bytes = msgspec.json.encode(answer)
+        return out
 
     # ---- weight updates (weights.py) ------------------------------------------------------------------
     def _watch_weights(self) -> None:
