@@ -31,7 +31,7 @@ from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
 from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
 from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
-from dynamo_flexkv.core.index.cache_engine import IndexListener
+from dynamo_flexkv.core.index.cache_engine import IndexListener, TierRun
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.stats import (
@@ -63,6 +63,16 @@ log = logging.getLogger(__name__)
 
 # Longest a put waits for host room held by running tasks before it stores what fits.
 MAX_PUT_DEFER_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPin:
+    """Host blocks pinned for a peer's read (KVManager.pin_host): blocks [start, start + len(slots))
+    of the request, their host slots and the xxh3 of each slot's bytes."""
+
+    start: int
+    slots: List[int]
+    checksums: np.ndarray
 
 
 class EngineDevice(Protocol):
@@ -682,6 +692,53 @@ class KVManager:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    # ---- peers (core/peer/: another worker pulls host blocks over NIXL) --------------------------------
+    def pin_host(self, key: Any, hashes: Sequence[int], start: int, limit: int) -> Optional[HostPin]:
+        """Pins this tier's ready host blocks [start, end) of ``hashes`` (at most ``limit``) under
+        ``key`` for a peer's read: they are neither evicted nor reused until ``unpin(key)``.
+        Returns their slots and checksums (xxh3 of each slot, as host holds it), or None when host
+        holds nothing past ``start``. ``key``: any hashable the caller does not reuse while pinned."""
+        with self._lock:
+            self._check_open("pin_host")
+            run = self.cache.pin_host(key, hashes, start, limit)
+            if run is None:
+                return None
+        try:
+            sums = self.host.checksums(np.asarray(run.block_ids, dtype=np.int64))  # pinned: immutable
+        except BaseException:
+            self.unpin(key)
+            raise
+        return HostPin(run.start, list(run.block_ids), sums)
+
+    def unpin(self, key: Any) -> None:
+        """Releases what ``pin_host(key, ...)`` pinned (nothing if it holds nothing)."""
+        self.cache.abort_task(key)
+
+    def stage_host(self, key: Any, token_ids, hashes: Sequence[int], end: int, generation: int) -> Optional[TierRun]:
+        """New, invisible host blocks for [h, end) of ``hashes`` (h: host's ready prefix) that a
+        peer's bytes fill; ``commit_staged`` makes the verified ones visible. None when nothing can
+        be staged (host holds it, another task fills it, no room, or the weights changed since
+        ``generation``, ``self.cache.generation`` when the hashes were taken)."""
+        with self._lock:
+            self._check_open("stage_host")
+            run = self.cache.stage_host(key, hashes, end, generation)
+        if run is None:
+            return None
+        self.host.forget_checksums(run.block_ids)  # their bytes are about to change
+        self._attach_tokens(token_ids, run)
+        return run
+
+    def commit_staged(self, key: Any, run: TierRun, count: int, sums: Optional[np.ndarray] = None) -> None:
+        """The first ``count`` blocks of ``run`` (stage_host) hold verified bytes whose checksums
+        are ``sums``: they become visible (a Stored event each); the rest is rolled back."""
+        if count > 0 and sums is not None:
+            self.host.record_checksums(np.asarray(run.block_ids[:count], dtype=np.int64), sums[:count])
+        try:
+            if count > 0:
+                self.cache.complete_prefix(run, key, count)
+        finally:
+            self.cache.abort_task(key)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
