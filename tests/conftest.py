@@ -107,6 +107,7 @@ MODULE_KINDS = {
     "test_node_serve": "unit",
     "test_nodes": "unit",
     "test_peer_lmcache": "unit",
+    "test_peer_pull": "integration",
     "test_private_dirs": "integration",
     "test_procgroup": "integration",
     "test_remote_hostile_values": "integration",
