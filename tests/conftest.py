@@ -118,6 +118,7 @@ MODULE_KINDS = {
     "test_render_k8s": "unit",
     "test_replay": "unit",
     "test_resp_stream": "unit",
+    "test_router_hints": "unit",
     "test_router_burst": "served",
     "test_router_events": "integration",
     "test_serve": "unit",

@@ -243,7 +243,7 @@ def test_lookup_answers_and_never_blocks_the_scheduler(tmp_path):
     endpoint = f"ipc://{tmp_path}/lookup.ipc"
     calls = []
 
-    def lookup(tokens, lora, salt, prompt_tokens, local_blocks):
+    def lookup(tokens, lora, salt, prompt_tokens, local_blocks, hint=None):
         calls.append((len(tokens), lora, salt, prompt_tokens, local_blocks))
         return len(tokens) // 2
 
@@ -273,7 +273,7 @@ def test_a_reset_reaches_the_worker_and_says_whether_it_happened(tmp_path):
             raise outcome
         return outcome
 
-    server = LookupServer(endpoint, lambda tokens, lora, salt, prompt_tokens, local_blocks: 64, reset)
+    server = LookupServer(endpoint, lambda tokens, lora, salt, prompt_tokens, local_blocks, hint=None: 64, reset)
     client = LookupClient(endpoint, wait_s=0.0, give_up_s=10.0)
     try:
         assert client.query("r1", list(range(128))) is None  # asked; the answer comes during the reset
@@ -465,7 +465,7 @@ def test_a_waiting_request_is_looked_up_once_with_vllms_own_hit(tmp_path):
 
     calls = []
 
-    def lookup(tokens, lora, salt, prompt_tokens, local_blocks):
+    def lookup(tokens, lora, salt, prompt_tokens, local_blocks, hint=None):
         calls.append((len(tokens), prompt_tokens, local_blocks))
         return 640
 

@@ -28,7 +28,10 @@ log = logging.getLogger(__name__)
 # (token ids, lora name, cache salt, the whole prompt's length, blocks vLLM holds already) -> end
 # of the prefix to load, in tokens (the load policy's decision: the cost model compares loading
 # the blocks beyond vLLM's with recomputing them, in a prompt that long)
-LookupFn = Callable[[np.ndarray, Optional[str], Optional[str], int, int], int]
+# A router hint rides along as (source endpoint, leading blocks it names, why unusable or ""), or
+# None (hints.py): the worker pulls what it lacks of those blocks before it answers.
+Hint = Optional[Tuple[str, int, str]]
+LookupFn = Callable[[np.ndarray, Optional[str], Optional[str], int, int, Hint], int]
 ResetFn = Callable[[], bool]  # drops what the tiers hold; False when it could not
 RESET_SEQ = -1  # the sequence number of a reset request (lookups count up from 1)
 
@@ -62,10 +65,11 @@ class LookupServer:
                 self._sock.send_multipart([ident, seq, struct.pack("<q", int(self._answer_reset()))])
                 continue
             try:
-                lora, salt, prompt_tokens, local_blocks = msgspec.msgpack.decode(extra)
+                lora, salt, prompt_tokens, local_blocks, *rest = msgspec.msgpack.decode(extra)
+                hint = (str(rest[0][0]), int(rest[0][1]), str(rest[0][2])) if rest and rest[0] else None
                 # the ids stay a uint32 array: the tiers hash it and the node client sends it as is
                 ids = np.frombuffer(tokens, dtype="<u4")
-                n = int(self._lookup(ids, lora, salt, int(prompt_tokens), int(local_blocks)))
+                n = int(self._lookup(ids, lora, salt, int(prompt_tokens), int(local_blocks), hint))
             except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
                 log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
                 self.failed += 1
@@ -128,10 +132,12 @@ class LookupClient:
         salt: Optional[str] = None,
         prompt_tokens: Optional[int] = None,
         local_blocks: int = 0,
+        hint: Hint = None,
     ) -> Optional[int]:
         """End of ``tokens``' cached prefix to load, in tokens (``prompt_tokens``: the whole
         prompt's length, default one more than ``tokens``; ``local_blocks``: blocks vLLM holds
-        already); None while an answer is still on its way."""
+        already; ``hint``: a router hint, pulled from before the answer); None while an answer
+        is still on its way."""
         if req_id not in self._asked:
             self._seq += 1
             self._asked[req_id] = (self._seq, time.monotonic())
@@ -140,7 +146,10 @@ class LookupClient:
             frames = [
                 struct.pack("<q", self._seq),
                 pack_tokens(tokens),
-                msgspec.msgpack.encode([lora, salt, prompt_tokens or len(tokens) + 1, local_blocks]),
+                msgspec.msgpack.encode(
+                    [lora, salt, prompt_tokens or len(tokens) + 1, local_blocks]
+                    + ([list(hint)] if hint is not None else [])
+                ),
             ]
             for sock in self._socks:
                 sock.send_multipart(frames)
