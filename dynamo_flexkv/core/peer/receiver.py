@@ -39,17 +39,16 @@ from dynamo_flexkv.core.peer.protocol import (
     unpack_u64,
 )
 from dynamo_flexkv.core.peer.source import _recv_exact, kv_layout
+from dynamo_flexkv.core.transfer.nixl_agent import HandoverFailed, KVAgent
 
 log = logging.getLogger(__name__)
 
 LEASE_MARGIN_S = 0.2  # a read must end this long before the source's pin does
 
 
-def host_agent(kv: Any, name: str = "") -> Any:
+def host_agent(kv: Any, name: str = "") -> KVAgent:
     """One NIXL agent over ``kv``'s host tier (one registered region, one descriptor per block):
     what a source serves and a receiver reads into. One per worker, shared by both halves."""
-    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
-
     pool = torch.from_numpy(kv.host.array).view(kv.host.num_blocks, kv.host.layout.block_bytes)
     return KVAgent([pool], name=name or f"flexkv-peer-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
@@ -244,8 +243,6 @@ class PeerReceiver:
         budget = deadline - time.monotonic()
         if budget <= 0:
             raise PeerRefused("timeout", "no time left inside the pin's lease")
-        from dynamo_flexkv.integrations.disagg.nixl_kv import HandoverFailed
-
         try:
             nbytes = self.agent.pull(src, slots, local, budget)
         except HandoverFailed as e:
