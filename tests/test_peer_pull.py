@@ -337,6 +337,28 @@ def test_a_source_killed_mid_pull_is_a_miss_that_leaves_nothing_behind(tmp_path,
         b.close()
 
 
+def test_the_load_policy_decides_pull_versus_recompute_with_the_pulls_measured_speed(pair):
+    """Asked with the prompt's length, the receiver pulls while the peer link is unmeasured (and
+    the pull measures it: tier_costs' ``peer``); with the link measured slower than the engine's
+    prefill, it pulls nothing (decision ``slower``, counted as skipped), and the blocks stay a miss."""
+    a, b, source, receiver = pair
+    first, second = tokens_of(11, 8), tokens_of(12, 8)
+    a.store(first)
+    a.store(second)
+    r = receiver.pull(source.endpoint, first, prompt_tokens=len(first) + 1)
+    assert (r.ok, r.blocks, r.decision) == (True, 8, "cold_start")
+    assert "peer" in b.kv.stats().tier_costs
+    assert b.loads(first)  # measures the host link too
+    for n in (64, 512, 2048):  # a very fast engine: recomputing 8 blocks costs microseconds
+        b.kv.observe_prefill(n, 4096, n * 1e-9)
+    for blocks in (1, 4, 8):  # and a slow link: 1 MB/s after 50 ms
+        b.kv.cost.observe_link("peer", blocks * b.kv.host.layout.block_bytes, 0.05 + blocks * 24576 / 1e6)
+    r = receiver.pull(source.endpoint, second, prompt_tokens=len(second) + 1)
+    assert (r.ok, r.blocks, r.decision) == (True, 0, "slower")
+    assert receiver.stats.skipped == 1 and b.kv.match(second)["host"] == 0
+    assert no_pins(source, a)
+
+
 def test_a_source_needs_the_deployment_secret(tmp_path):
     a = Worker(tmp_path, "a")
     try:

@@ -368,8 +368,15 @@ class KVManager:
     ) -> LoadDecision:
         """The load policy's decision for blocks [start, ...) of ``seq``, counted in
         stats().prefix_tokens."""
+        decision = self.cost.decide(start, self._segments(seq, start, probe), prompt_tokens, len(seq), layerwise)
+        self.cost.record(decision)
+        return decision
+
+    def _segments(self, seq: List[int], start: int, probe: Optional[tuple]) -> List[Segment]:
+        """The cached prefix of ``seq`` past ``start`` by tier, fastest first."""
         per_tier = self.cache.match(seq).per_tier
-        segments, end = [], start
+        segments: List[Segment] = []
+        end = start
         for tier, n in (
             (Tier.HOST, per_tier.get(Tier.HOST, 0)),
             (Tier.DISK, per_tier.get(Tier.DISK, 0)),
@@ -378,9 +385,34 @@ class KVManager:
             if n > end:
                 segments.append(Segment(tier.value if tier is not None else "remote", end, n))
                 end = n
-        decision = self.cost.decide(start, segments, prompt_tokens, len(seq), layerwise)
-        self.cost.record(decision)
-        return decision
+        return segments
+
+    def pull_decision(
+        self,
+        token_ids,
+        peer_blocks: int,
+        *,
+        prompt_tokens: int,
+        skip_blocks: int = 0,
+        layerwise: bool = True,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+    ) -> LoadDecision:
+        """Whether pulling a peer's blocks up to ``peer_blocks`` (a router hint) beats recomputing
+        them, by the same cost model as a get (core/cost.py) with the pulls' measured link
+        (``peer``) as the segment past what this worker's tiers hold: pull when the decision's
+        ``end`` reaches ``peer_blocks``. Not counted in stats().prefix_tokens (the lookup after
+        the pull counts what is loaded)."""
+        self._check_open("pull_decision")
+        seq = _int_list(self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence)
+        start = min(arguments.skip_blocks(skip_blocks, len(token_ids), self.tokens_per_block), len(seq))
+        segments = self._segments(seq, start, self._remote_probe(seq, start))
+        own_end = segments[-1].end if segments else start
+        end = min(int(peer_blocks), len(seq))
+        if end > own_end:
+            segments.append(Segment("peer", own_end, end))
+        total = max(int(prompt_tokens), len(token_ids))
+        return self.cost.decide(start, segments, total, len(seq), layerwise)
 
     def loadable_tokens(
         self,

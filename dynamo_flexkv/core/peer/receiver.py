@@ -74,6 +74,7 @@ class PullResult:
     nbytes: int = 0
     seconds: float = 0.0
     why: str = ""  # "" or a failure reason (ReceiverStats.failed's keys)
+    decision: str = ""  # the cost model's reason when it was asked (core/cost.py): "slower" pulls nothing
 
 
 @dataclass
@@ -83,6 +84,7 @@ class ReceiverStats:
     blocks: int = 0
     nbytes: int = 0
     seconds: float = 0.0
+    skipped: int = 0  # pulls the cost model left out: recomputing was predicted faster
     failed: Dict[str, int] = field(default_factory=dict)  # reason -> pulls that ended in a recompute
 
 
@@ -147,10 +149,16 @@ class PeerReceiver:
         cache_salt: Optional[str] = None,
         blocks: Optional[int] = None,
         timeout: float = 5.0,
+        prompt_tokens: Optional[int] = None,
+        skip_blocks: int = 0,
     ) -> PullResult:
         """Pulls the first ``blocks`` full blocks of ``token_ids`` (default: all) that this worker's
         tiers lack from the source at ``endpoint``. Never raises for the source's sake: a failure
-        is a PullResult with ``why`` (and nothing of it visible)."""
+        is a PullResult with ``why`` (and nothing of it visible). With ``prompt_tokens`` (the whole
+        prompt's length; ``skip_blocks``: blocks the engine holds already) the load policy decides
+        first (KVManager.pull_decision, with the pulls' measured link): predicted slower than
+        recomputing, nothing is pulled (``decision`` "slower"). Every pull that lands feeds that
+        link's measurement."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         kv = self.kv
@@ -161,6 +169,20 @@ class PeerReceiver:
         held = kv.cache.match(hashes).num_blocks if n else 0
         if held >= n:
             return PullResult(True, 0, held)
+        decision = ""
+        if prompt_tokens is not None:
+            d = kv.pull_decision(
+                token_ids,
+                n,
+                prompt_tokens=prompt_tokens,
+                skip_blocks=skip_blocks,
+                lora_name=lora_name,
+                cache_salt=cache_salt,
+            )
+            decision = d.reason
+            if d.end < n:
+                self.stats.skipped += 1
+                return PullResult(True, 0, held, seconds=time.perf_counter() - t0, decision=decision)
         with self._lock:
             self._keys += 1
             key = ("peer-pull", os.getpid(), self._keys)
@@ -183,13 +205,14 @@ class PeerReceiver:
             kv.commit_staged(key, run, verified, sums)
         seconds = time.perf_counter() - t0
         if verified:
+            kv.cost.observe_link("peer", nbytes, seconds)  # what the next decision predicts with
             self.stats.used += 1
             self.stats.blocks += verified
             self.stats.nbytes += nbytes
             self.stats.seconds += seconds
         if why:
             self.stats.failed[why] = self.stats.failed.get(why, 0) + 1
-        return PullResult(not why, verified, held, nbytes, seconds, why)
+        return PullResult(not why, verified, held, nbytes, seconds, why, decision)
 
     def _failed(self, why: str, held: int, t0: float) -> PullResult:
         self.stats.failed[why] = self.stats.failed.get(why, 0) + 1

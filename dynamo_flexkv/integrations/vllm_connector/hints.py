@@ -182,6 +182,7 @@ def fetch_hint(kv_hints: Any, request_hashes: Sequence[Any]) -> Optional[FetchHi
 class HintCounters:
     seen: int = 0  # requests that came with a kv.fetch hint
     used: int = 0  # hints whose pull made blocks visible
+    skipped: int = 0  # hints the load policy left unpulled (recompute predicted faster)
     pulled_tokens: int = 0
     pulled_bytes: int = 0
     pull_seconds: float = 0.0
@@ -214,9 +215,20 @@ class WorkerHints:
             raise
         self.receiver = PeerReceiver(kv, self.agent, secret)
 
-    def pull(self, hint: FetchHint, token_ids: Sequence[int], lora: Optional[str], salt: Optional[str], bs: int) -> int:
-        """Pulls the hinted blocks this worker lacks; returns blocks that became visible (a failure
-        counts and returns 0: the tiers serve what they hold, the rest is recomputed)."""
+    def pull(
+        self,
+        hint: FetchHint,
+        token_ids: Sequence[int],
+        lora: Optional[str],
+        salt: Optional[str],
+        bs: int,
+        prompt_tokens: Optional[int] = None,
+        local_blocks: int = 0,
+    ) -> int:
+        """Pulls the hinted blocks this worker lacks, unless the load policy predicts recomputing
+        them faster (``prompt_tokens``: the whole prompt; ``local_blocks``: what the engine holds);
+        returns blocks that became visible (a failure counts and returns 0: the tiers serve what
+        they hold, the rest is recomputed)."""
         if hint.blocks <= 0:
             with self._lock:
                 self.counters.fail("foreign")
@@ -228,8 +240,12 @@ class WorkerHints:
             cache_salt=salt,
             blocks=hint.blocks,
             timeout=self.tier.pull_timeout_s,
+            prompt_tokens=prompt_tokens,
+            skip_blocks=local_blocks,
         )
         with self._lock:
+            if r.decision == "slower":
+                self.counters.skipped += 1
             if r.blocks:
                 self.counters.used += 1
                 self.counters.pulled_tokens += r.blocks * bs
@@ -245,6 +261,7 @@ class WorkerHints:
         out: Dict[str, float] = {
             "hints_seen": c.seen,
             "hints_used": c.used,
+            "hints_skipped": c.skipped,
             "hint_pulled_tokens": c.pulled_tokens,
             "hint_pulled_bytes": c.pulled_bytes,
             "hint_pull_seconds": c.pull_seconds,

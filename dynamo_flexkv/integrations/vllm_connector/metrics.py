@@ -37,6 +37,7 @@ COUNTERS = {
     "handover_corrupt": ("Handovers whose bytes did not match the prefill worker's digests (recomputed)", False),
     "hints_seen": ("Requests that came with a Dynamo router kv.fetch hint (docs/HINTS.md)", False),
     "hints_used": ("Router hints whose pull from the named worker made blocks visible here", False),
+    "hints_skipped": ("Router hints not pulled: the load policy predicted recomputing faster", False),
     "hint_pulled_tokens": ("Prompt tokens pulled from peer workers on router hints", False),
     "hint_pulled_bytes": ("Bytes pulled from peer workers on router hints", False),
     "hint_pull_seconds": ("Seconds spent pulling and verifying hinted blocks", False),

@@ -296,7 +296,15 @@ class WorkerSide:
             if refused:
                 self.hints.counters.fail(refused)
             else:
-                self.hints.pull(FetchHint(endpoint, blocks), tokens, lora, salt, self.settings.block_size)
+                self.hints.pull(
+                    FetchHint(endpoint, blocks),
+                    tokens,
+                    lora,
+                    salt,
+                    self.settings.block_size,
+                    prompt_tokens,
+                    local_blocks,
+                )
         if self.tiers is not None:
             return self.tiers.cached_tokens(tokens, lora, salt, prompt_tokens, local_blocks)
         return self._registered("lookup").cached_tokens(
