@@ -6,12 +6,19 @@ ipc:// socket of its own, and the scheduler takes the smallest answer (with tens
 block is cached only when every rank holds its shard). The scheduler never waits long:
 ``LookupClient.query`` waits ``wait_s`` for the answer and otherwise says "not yet" (None), and
 vLLM asks again at its next step; an answer that has
-not come after ``give_up_s`` counts as a miss (the request is computed, nothing hangs)."""
+not come after ``give_up_s`` counts as a miss (the request is computed, nothing hangs).
+
+A lookup with a usable router hint pulls the hinted blocks first (hints.py), which takes
+milliseconds to the pull's timeout: the worker answers it from a thread of its own once the pull
+is over, so a pull never holds up the other requests' lookups (their scheduler hears "not yet"
+for the hinted one meanwhile, and asks again next step)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import queue
 import struct
 import threading
 import time
@@ -47,14 +54,24 @@ class LookupServer:
         self._sock.bind(endpoint)
         self._stop = threading.Event()
         self.answered = self.failed = 0
+        # Hinted lookups run here, one at a time (pulls share the host agent and a link per source);
+        # their answers come back through ``_done`` and a byte on the pipe wakes the socket's thread.
+        self._pulls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flexkv-hint-pull")
+        self._done: "queue.SimpleQueue[Tuple[bytes, bytes, int]]" = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         self._thread = threading.Thread(target=self._serve, name="flexkv-lookup", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            ready = dict(poller.poll(100))
+            if self._wake_r in ready:
+                self._send_deferred()
+            if self._sock not in ready:
                 continue
             frames = self._sock.recv_multipart()
             if len(frames) != 4:
@@ -68,15 +85,47 @@ class LookupServer:
                 lora, salt, prompt_tokens, local_blocks, *rest = msgspec.msgpack.decode(extra)
                 hint = (str(rest[0][0]), int(rest[0][1]), str(rest[0][2])) if rest and rest[0] else None
                 # the ids stay a uint32 array: the tiers hash it and the node client sends it as is
-                ids = np.frombuffer(tokens, dtype="<u4")
-                n = int(self._lookup(ids, lora, salt, int(prompt_tokens), int(local_blocks), hint))
-            except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
-                log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
+                args = (np.frombuffer(tokens, dtype="<u4"), lora, salt, int(prompt_tokens), int(local_blocks), hint)
+            except Exception:  # noqa: BLE001 - a lookup that cannot be read is a miss
+                log.exception("flexkv lookup: a request that does not decode; answering 0 cached tokens")
                 self.failed += 1
-                n = 0
+                args = None
+            if args is not None and hint is not None and not hint[2]:  # a pull first: off this thread
+                self._pulls.submit(self._deferred, ident, seq, args)
+                continue
+            n = 0 if args is None else self._answer(args)
             self._sock.send_multipart([ident, seq, struct.pack("<q", n)])
             self.answered += 1
         self._sock.close()
+
+    def _answer(self, args: tuple) -> int:
+        try:
+            return int(self._lookup(*args))
+        except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
+            log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
+            self.failed += 1
+            return 0
+
+    def _deferred(self, ident: bytes, seq: bytes, args: tuple) -> None:
+        self._done.put((ident, seq, self._answer(args)))
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # closed: nobody is left to answer
+            pass
+
+    def _send_deferred(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                ident, seq, n = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._sock.send_multipart([ident, seq, struct.pack("<q", n)])
+            self.answered += 1
 
     def _answer_reset(self) -> bool:
         if self._reset is None:
@@ -91,6 +140,9 @@ class LookupServer:
         """Stops answering and removes the socket file (an ipc:// endpoint is a file)."""
         self._stop.set()
         self._thread.join(timeout=5)
+        self._pulls.shutdown(wait=True, cancel_futures=True)  # a running pull ends by its timeout
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
         if self.endpoint.startswith("ipc://"):
             try:
                 os.unlink(self.endpoint[len("ipc://") :])

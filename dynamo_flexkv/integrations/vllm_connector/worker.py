@@ -695,15 +695,15 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self.server is not None:  # first: a hinted lookup's pull still running ends with it
+            self.server.close()
+            self.server = None
         if self.hints is not None:  # before the tiers: its pins and agent are over their host memory
             self.hints.close()
             self.hints = None
         if self.handover is not None:
             self.handover.close()
             self.handover = None
-        if self.server is not None:
-            self.server.close()
-            self.server = None
         if self.offload is not None:
             if not self.drain(timeout=self.settings.drain_timeout_s):
                 log.warning(
