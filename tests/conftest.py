@@ -38,8 +38,8 @@ def pytest_unconfigure(config):
     """NIXL 1.5.1's UCX plugin bundles a libnl whose exit-time destructor crashes (SIGSEGV) in any
     process that created a UCX backend; the disaggregation tests create some in this process. Once
     the report is written, end with the run's own exit status instead of that crash (the same
-    rule the workers follow: dynamo_flexkv.integrations.disagg.nixl_kv.exit_past_libnl)."""
-    nixl_kv = sys.modules.get("dynamo_flexkv.integrations.disagg.nixl_kv")
+    rule the workers follow: dynamo_flexkv.core.transfer.nixl_agent.exit_past_libnl)."""
+    nixl_kv = sys.modules.get("dynamo_flexkv.core.transfer.nixl_agent")
     if nixl_kv is not None and nixl_kv.ucx_agents_created():
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -112,6 +112,7 @@ MODULE_KINDS = {
     "test_node_serve": "unit",
     "test_nodes": "unit",
     "test_peer_lmcache": "unit",
+    "test_peer_pull": "integration",
     "test_private_dirs": "integration",
     "test_procgroup": "integration",
     "test_remote_hostile_values": "integration",
@@ -122,6 +123,7 @@ MODULE_KINDS = {
     "test_render_k8s": "unit",
     "test_replay": "unit",
     "test_resp_stream": "unit",
+    "test_router_hints": "unit",
     "test_router_burst": "served",
     "test_router_events": "integration",
     "test_serve": "unit",

@@ -112,7 +112,7 @@ class Clock:
 def engine_pair(renew_s: Optional[float] = None, blocks: int = 48, secret: Optional[bytes] = None) -> Iterator[Tuple]:
     """(prefill engine, decode engine, PrefillSide, DecodeSide) with a 30 s lease, a 10 s pull
     timeout and ``secret`` signing the handovers (as serve gives both workers); closed (sides, then agents) on exit."""
-    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
     from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
 

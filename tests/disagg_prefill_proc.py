@@ -6,7 +6,7 @@ import json
 import sys
 import threading
 
-from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
 from dynamo_flexkv.integrations.disagg.roles import PrefillSide
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
 from dynamo_flexkv.integrations.reference_engine.request import SamplingParams

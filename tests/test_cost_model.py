@@ -101,6 +101,26 @@ def test_fast_disk_is_loaded():
     assert (d.end, d.reason) == (240, "faster")
 
 
+def test_a_peer_pull_is_decided_by_the_pulls_measured_link():
+    """A router hint's blocks past this worker's own tiers are one more segment (``peer``): pulled
+    while the link is unmeasured (cold start, which measures it), then only where pull + load is
+    predicted to beat recomputing them."""
+    m = model()
+    feed(m, host_bw=20e9)  # 0.1 ms per token of prefill: a 1 MiB block recomputes in 1.6 ms
+    segs = [Segment("host", 0, 10), Segment("peer", 10, 100)]
+    d = m.decide(0, segs, 100 * BS + 8, 100)
+    assert (d.end, d.reason) == (100, "cold_start")
+    for blocks in (4, 16, 64):  # a slow link: 20 MB/s, 2 ms per pull
+        m.observe_link("peer", blocks * BB, 0.002 + blocks * BB / 20e6)
+    d = m.decide(0, segs, 100 * BS + 8, 100)
+    assert (d.end, d.reason) == (10, "slower")  # host still loads; the peer's 90 blocks are recomputed
+    assert d.token_counts(BS)[("recomputed", "peer", "slower")] == 90 * BS
+    for blocks in (4, 16, 64) * 4:  # the link got fast: 5 GB/s (the fit follows it)
+        m.observe_link("peer", blocks * BB, 0.002 + blocks * BB / 5e9)
+    d = m.decide(0, segs, 100 * BS + 8, 100)
+    assert (d.end, d.reason) == (100, "faster")
+
+
 def test_slow_host_against_a_fast_engine_is_recomputed():
     m = model()
     feed(m, host_bw=1e6, per_token=1e-7)  # short prefix, fast GPU: even host loses

@@ -23,7 +23,7 @@ time.sleep(0.3)
 cpu0, wall0 = time.process_time(), time.monotonic()
 time.sleep(2.0)
 print((time.process_time() - cpu0) / (time.monotonic() - wall0), flush=True)
-os._exit(0)  # NIXL's bundled libnl crashes at exit (disagg/nixl_kv.exit_past_libnl)
+os._exit(0)  # NIXL's bundled libnl crashes at exit (core/transfer/nixl_agent.exit_past_libnl)
 """
 
 

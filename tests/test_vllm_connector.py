@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient, Looku
 
 from exactness import LOGPROB_TOLERANCE, WRONG_KV_ENV, Generation, assert_exact, margin  # noqa: E402
 from redis_fixtures import needs_redis  # noqa: E402
+from served import wait_until  # noqa: E402
 
 CHECK = Path(__file__).with_name("vllm_kv_check.py")
 
@@ -243,7 +245,7 @@ def test_lookup_answers_and_never_blocks_the_scheduler(tmp_path):
     endpoint = f"ipc://{tmp_path}/lookup.ipc"
     calls = []
 
-    def lookup(tokens, lora, salt, prompt_tokens, local_blocks):
+    def lookup(tokens, lora, salt, prompt_tokens, local_blocks, hint=None):
         calls.append((len(tokens), lora, salt, prompt_tokens, local_blocks))
         return len(tokens) // 2
 
@@ -256,6 +258,41 @@ def test_lookup_answers_and_never_blocks_the_scheduler(tmp_path):
         assert client.query("r2", list(range(64))) == 32
         assert calls == [(128, "lora-a", "salt", 1000, 1), (64, None, None, 65, 0)]
     finally:
+        server.close()
+        client.close()
+
+
+def test_a_hinted_lookups_pull_never_blocks_other_requests_lookups(tmp_path):
+    """A lookup with a usable router hint pulls first (the worker's _lookup): while its pull runs,
+    its scheduler hears "not yet" and other requests' lookups, hinted ones refused by the
+    scheduler included, are answered; its own answer comes once the pull is over."""
+    endpoint = f"ipc://{tmp_path}/lookup.ipc"
+    pulling, release = threading.Event(), threading.Event()
+
+    def lookup(tokens, lora, salt, prompt_tokens, local_blocks, hint=None):
+        if hint is not None and not hint[2]:  # the pull: held until the test lets it end
+            pulling.set()
+            assert release.wait(30)
+            return len(tokens)
+        return len(tokens) // 2
+
+    server = LookupServer(endpoint, lookup)
+    client = LookupClient(endpoint, wait_s=0.01, give_up_s=60.0)
+    try:
+        assert client.query("hinted", list(range(128)), hint=("tcp://127.0.0.1:7301", 8, "")) is None
+        assert pulling.wait(30)
+        fast = LookupClient(endpoint, wait_s=30.0, give_up_s=60.0)  # waits for its answer
+        try:
+            assert fast.query("plain", list(range(64))) == 32
+            assert fast.query("refused", list(range(32)), hint=("", 0, "foreign")) == 16
+        finally:
+            fast.close()
+        assert client.query("hinted", list(range(128))) is None  # still pulling: "not yet"
+        release.set()
+        wait_until("the hinted answer", lambda: client.query("hinted", list(range(128))), timeout=30)
+        assert server.answered == 3 and server.failed == 0
+    finally:
+        release.set()
         server.close()
         client.close()
 
@@ -273,7 +310,7 @@ def test_a_reset_reaches_the_worker_and_says_whether_it_happened(tmp_path):
             raise outcome
         return outcome
 
-    server = LookupServer(endpoint, lambda tokens, lora, salt, prompt_tokens, local_blocks: 64, reset)
+    server = LookupServer(endpoint, lambda tokens, lora, salt, prompt_tokens, local_blocks, hint=None: 64, reset)
     client = LookupClient(endpoint, wait_s=0.0, give_up_s=10.0)
     try:
         assert client.query("r1", list(range(128))) is None  # asked; the answer comes during the reset
@@ -465,7 +502,7 @@ def test_a_waiting_request_is_looked_up_once_with_vllms_own_hit(tmp_path):
 
     calls = []
 
-    def lookup(tokens, lora, salt, prompt_tokens, local_blocks):
+    def lookup(tokens, lora, salt, prompt_tokens, local_blocks, hint=None):
         calls.append((len(tokens), prompt_tokens, local_blocks))
         return 640
 

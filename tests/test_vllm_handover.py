@@ -422,7 +422,7 @@ def test_digests_in_a_transfer_of_their_own_verify_the_same(pair, monkeypatch):
 
 
 def test_a_notice_after_close_or_to_an_unknown_agent_is_false_not_raised(pair):
-    from dynamo_flexkv.integrations.disagg.nixl_kv import Notifier
+    from dynamo_flexkv.core.transfer.nixl_agent import Notifier
 
     prefill, decode, _, _, tmp = pair
     n = Notifier("test-notices")

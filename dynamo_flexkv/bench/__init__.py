@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> List[Case]:
 def run_command(args: argparse.Namespace) -> int:
     """The one entry point of ``python -m dynamo_flexkv.bench`` and ``dynamo-flexkv bench``: runs
     ``args`` (from build_parser) and returns the exit status."""
-    from dynamo_flexkv.integrations.disagg.nixl_kv import exit_past_libnl
+    from dynamo_flexkv.core.transfer.nixl_agent import exit_past_libnl
 
     with exit_past_libnl():  # bench disagg creates UCX agents in this process: exit 0, not libnl's exit-time SIGSEGV
         run(args)

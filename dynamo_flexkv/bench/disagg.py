@@ -57,7 +57,7 @@ MARK = "HANDOVER "
 
 def _child(lease_s: float, blocks: int) -> None:
     """The prefill process: one prompt per stdin line -> one handover per stdout line."""
-    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent, exit_past_libnl
+    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent, exit_past_libnl
     from dynamo_flexkv.integrations.disagg.roles import PrefillSide
 
     parent = os.getppid()
@@ -115,7 +115,7 @@ class RawRead:
     handover), index lists computed here (untimed); ``__call__`` is the timed part."""
 
     def __init__(self, agent, p: HandoverParams, local: Sequence[int], remote: Optional[Sequence[int]] = None) -> None:
-        from dynamo_flexkv.integrations.disagg.nixl_kv import _indices
+        from dynamo_flexkv.core.transfer.nixl_agent import _indices
 
         self.a = agent.agent
         peer = agent._connect(p)  # a no-op once the first handover added the prefill agent
@@ -318,7 +318,7 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
     import shutil
     import tempfile
 
-    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
     from dynamo_flexkv.core.sysutil import find_binary
 
     binary = find_binary("etcd")
@@ -334,8 +334,8 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
     try:
         # A 4K-token prompt's handover, with the metadata inline and without it.
         leased, expires = list(range((4096 - 1) // cfg.block_size)), time.time() + 30
-        inline = json.dumps(agent.describe("L", leased, 1, expires).to_dict())
-        bare = json.dumps(agent.describe("L", leased, 1, expires, with_metadata=False).to_dict())
+        inline = json.dumps(HandoverParams.of_agent(agent, "L", leased, 1, expires).to_dict())
+        bare = json.dumps(HandoverParams.of_agent(agent, "L", leased, 1, expires, with_metadata=False).to_dict())
 
         # What decode does per request (JSON -> checked params), in alternating 20-parse batches so
         # both forms see the same machine load; medians.
@@ -408,7 +408,7 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
 
 
 def _handover_cases(args: argparse.Namespace) -> List[Case]:
-    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
     from dynamo_flexkv.integrations.disagg.roles import DecodeSide
 
     cfg = EngineModelConfig.load(PRESET)

@@ -95,7 +95,7 @@ def rpc_handovers(worker) -> List[tuple]:
 
 
 def _raw_agent(layers, name: str):
-    from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
 
     if "agent" not in _held:
         _held["agent"] = KVAgent(layers, name=f"bench-raw-{name}-{os.getpid()}")
@@ -105,7 +105,9 @@ def _raw_agent(layers, name: str):
 def rpc_raw_source(worker, blocks: List[int]) -> Dict[str, Any]:
     """The prefill worker's raw agent over vLLM's own KV tensors; what a reader needs of ``blocks``."""
     agent = _raw_agent(worker.model_runner.kv_caches, "prefill")
-    return agent.describe("bench", list(blocks), None, time.time() + 3600).to_dict()
+    from dynamo_flexkv.integrations.disagg.params import HandoverParams
+
+    return HandoverParams.of_agent(agent, "bench", list(blocks), None, time.time() + 3600).to_dict()
 
 
 def _raw_reads(worker, source: Dict[str, Any], max_blocks: int, count: int):

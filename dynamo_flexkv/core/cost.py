@@ -8,14 +8,17 @@ Measured online, never configured:
   that read host only; ``disk`` = a get's or prefetch's disk reads and their verification;
   ``remote`` = a get's remote reads and their verification (wall time from the first op's start to
   the last op's end, so queueing and chained per-layer reads count as what they cost);
+  ``peer`` = a pull of another worker's host blocks into this one's host tier on a router hint
+  (core/peer/receiver.py: the request, the pin, the NIXL read and the verification, end to end);
 * the engine's prefill as ``seconds = overhead + tokens * per_token``, one fit per prompt-length
   bucket (powers of two: a longer context costs more per token), fed by the engine with the time
   of each step that only prefilled (time blocked on loads taken out).
 
 The rule (docs/POLICIES.md, "Cost-aware loading"). The cached prefix beyond the blocks the engine
 already holds, ``[start, end)``, is a sequence of tier segments, fastest first (host, then disk,
-then remote: a prefix must load in order). Loading blocks ``[start, k)`` and recomputing the rest
-of the prompt (``S`` tokens, ``B`` per block) is predicted to take
+then remote, then a peer's blocks past what this worker holds: a prefix must load in order).
+Loading blocks ``[start, k)`` and recomputing the rest of the prompt (``S`` tokens, ``B`` per
+block) is predicted to take
 
     load(k)    = sum over the segments' parts below k of (latency_T + bytes / bandwidth_T)
                  + host->device of all k - start blocks (every load ends with that copy)
@@ -48,7 +51,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from dynamo_flexkv.core.enums import LoadPolicy
 
-TIERS = ("host", "disk", "remote")  # fastest first: the order a prefix is served in
+TIERS = ("host", "disk", "remote", "peer")  # the order a prefix is served in (peer: KVManager.pull_decision)
 REPROBE_S = 120.0  # a tier unloaded this long since its newest measurement is loaded once again
 # Recompute replaces a load only for a predicted gain of at least this much (of ttft with the full
 # load): below, the difference is within what the measurements vary by on a busy machine.

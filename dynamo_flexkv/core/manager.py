@@ -31,7 +31,7 @@ from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
 from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
 from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
-from dynamo_flexkv.core.index.cache_engine import IndexListener
+from dynamo_flexkv.core.index.cache_engine import IndexListener, TierRun
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError
 from dynamo_flexkv.core.inventory import (
     REMOTE_NOT_CLEARED,
@@ -72,6 +72,16 @@ log = logging.getLogger(__name__)
 
 # Longest a put waits for host room held by running tasks before it stores what fits.
 MAX_PUT_DEFER_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPin:
+    """Host blocks pinned for a peer's read (KVManager.pin_host): blocks [start, start + len(slots))
+    of the request, their host slots and the xxh3 of each slot's bytes."""
+
+    start: int
+    slots: List[int]
+    checksums: np.ndarray
 
 
 class EngineDevice(Protocol):
@@ -389,8 +399,15 @@ class KVManager:
     ) -> LoadDecision:
         """The load policy's decision for blocks [start, ...) of ``seq``, counted in
         stats().prefix_tokens."""
+        decision = self.cost.decide(start, self._segments(seq, start, probe), prompt_tokens, len(seq), layerwise)
+        self.cost.record(decision)
+        return decision
+
+    def _segments(self, seq: List[int], start: int, probe: Optional[tuple]) -> List[Segment]:
+        """The cached prefix of ``seq`` past ``start`` by tier, fastest first."""
         per_tier = self.cache.match(seq).per_tier
-        segments, end = [], start
+        segments: List[Segment] = []
+        end = start
         for tier, n in (
             (Tier.HOST, per_tier.get(Tier.HOST, 0)),
             (Tier.DISK, per_tier.get(Tier.DISK, 0)),
@@ -399,9 +416,34 @@ class KVManager:
             if n > end:
                 segments.append(Segment(tier.value if tier is not None else "remote", end, n))
                 end = n
-        decision = self.cost.decide(start, segments, prompt_tokens, len(seq), layerwise)
-        self.cost.record(decision)
-        return decision
+        return segments
+
+    def pull_decision(
+        self,
+        token_ids,
+        peer_blocks: int,
+        *,
+        prompt_tokens: int,
+        skip_blocks: int = 0,
+        layerwise: bool = True,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+    ) -> LoadDecision:
+        """Whether pulling a peer's blocks up to ``peer_blocks`` (a router hint) beats recomputing
+        them, by the same cost model as a get (core/cost.py) with the pulls' measured link
+        (``peer``) as the segment past what this worker's tiers hold: pull when the decision's
+        ``end`` reaches ``peer_blocks``. Not counted in stats().prefix_tokens (the lookup after
+        the pull counts what is loaded)."""
+        self._check_open("pull_decision")
+        seq = _int_list(self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence)
+        start = min(arguments.skip_blocks(skip_blocks, len(token_ids), self.tokens_per_block), len(seq))
+        segments = self._segments(seq, start, self._remote_probe(seq, start))
+        own_end = segments[-1].end if segments else start
+        end = min(int(peer_blocks), len(seq))
+        if end > own_end:
+            segments.append(Segment("peer", own_end, end))
+        total = max(int(prompt_tokens), len(token_ids))
+        return self.cost.decide(start, segments, total, len(seq), layerwise)
 
     def loadable_tokens(
         self,
@@ -788,6 +830,53 @@ class KVManager:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    # ---- peers (core/peer/: another worker pulls host blocks over NIXL) --------------------------------
+    def pin_host(self, key: Any, hashes: Sequence[int], start: int, limit: int) -> Optional[HostPin]:
+        """Pins this tier's ready host blocks [start, end) of ``hashes`` (at most ``limit``) under
+        ``key`` for a peer's read: they are neither evicted nor reused until ``unpin(key)``.
+        Returns their slots and checksums (xxh3 of each slot, as host holds it), or None when host
+        holds nothing past ``start``. ``key``: any hashable the caller does not reuse while pinned."""
+        with self._lock:
+            self._check_open("pin_host")
+            run = self.cache.pin_host(key, hashes, start, limit)
+            if run is None:
+                return None
+        try:
+            sums = self.host.checksums(np.asarray(run.block_ids, dtype=np.int64))  # pinned: immutable
+        except BaseException:
+            self.unpin(key)
+            raise
+        return HostPin(run.start, list(run.block_ids), sums)
+
+    def unpin(self, key: Any) -> None:
+        """Releases what ``pin_host(key, ...)`` pinned (nothing if it holds nothing)."""
+        self.cache.abort_task(key)
+
+    def stage_host(self, key: Any, token_ids, hashes: Sequence[int], end: int, generation: int) -> Optional[TierRun]:
+        """New, invisible host blocks for [h, end) of ``hashes`` (h: host's ready prefix) that a
+        peer's bytes fill; ``commit_staged`` makes the verified ones visible. None when nothing can
+        be staged (host holds it, another task fills it, no room, or the weights changed since
+        ``generation``, ``self.cache.generation`` when the hashes were taken)."""
+        with self._lock:
+            self._check_open("stage_host")
+            run = self.cache.stage_host(key, hashes, end, generation)
+        if run is None:
+            return None
+        self.host.forget_checksums(run.block_ids)  # their bytes are about to change
+        self._attach_tokens(token_ids, run)
+        return run
+
+    def commit_staged(self, key: Any, run: TierRun, count: int, sums: Optional[np.ndarray] = None) -> None:
+        """The first ``count`` blocks of ``run`` (stage_host) hold verified bytes whose checksums
+        are ``sums``: they become visible (a Stored event each); the rest is rolled back."""
+        if count > 0 and sums is not None:
+            self.host.record_checksums(np.asarray(run.block_ids[:count], dtype=np.int64), sums[:count])
+        try:
+            if count > 0:
+                self.cache.complete_prefix(run, key, count)
+        finally:
+            self.cache.abort_task(key)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _check_open(self, call: str) -> None:

@@ -253,6 +253,46 @@ class CacheEngine:
             self.miss_blocks += len(hashes) - max(end, start)
             return GetPlan(task_id, start, host_reads, disk_reads, staged, remote_staged)
 
+    def pin_host(self, task_id: Hashable, hashes: Sequence[int], start: int, limit: int) -> Optional[TierRun]:
+        """Locks the ready host blocks [start, end) of ``hashes`` (end: host's ready prefix, at most
+        ``start + limit``) as a read run of ``task_id`` (a peer's pull, core/peer/): a locked block is
+        neither evicted nor reused until ``abort_task(task_id)`` releases it. None (and no task)
+        when host holds nothing past ``start``."""
+        hashes = _as_ints(hashes)
+        with self._lock:
+            end = min(self.tiers[_HOST].match_length(hashes), start + max(0, limit))
+            if end <= start:
+                return None
+            self._new_task(task_id)
+            return self._lock_run(task_id, _HOST, hashes, start, end, hit=False)
+
+    def stage_host(
+        self, task_id: Hashable, hashes: Sequence[int], end: int, generation: Optional[int] = None
+    ) -> Optional[TierRun]:
+        """New unready host blocks for [h, end) of ``hashes`` (h: host's ready prefix), which a
+        peer's bytes fill (core/peer/): invisible until ``complete_prefix`` commits what verified;
+        ``abort_task`` rolls back the rest. None (and no task) when there is nothing to stage: host
+        holds the prefix, another task is filling it, or the tier has no room."""
+        hashes = _as_ints(hashes)
+        with self._lock:
+            host = self.tiers[_HOST]
+            h = host.match_length(hashes)
+            parent = hashes[h - 1] if h else None
+            if end <= h or host.match_length(hashes, ready_only=False) != h:
+                return None
+            if not self._new_task(task_id, generation):
+                return None
+            if not host.can_extend(parent, task_id):
+                self._tasks.pop(task_id, None)
+                self._task_gen.pop(task_id, None)
+                return None
+            ids = host.insert(hashes[h:end], parent, task_id)
+            if not ids:
+                self._tasks.pop(task_id, None)
+                self._task_gen.pop(task_id, None)
+                return None
+            return self._track(task_id, TierRun(Tier.HOST, h, hashes[h : h + len(ids)], ids, parent, new=True))
+
     def plan_put(
         self, task_id: Hashable, hashes: Sequence[int], remote: bool = False, generation: Optional[int] = None
     ) -> PutPlan:

@@ -45,7 +45,7 @@ class Role:
         """After the engine exists: one NIXL agent over its KV tensors (prefill and decode only)."""
         if self.mode is DisaggregationMode.AGGREGATED:
             return
-        from dynamo_flexkv.integrations.disagg.nixl_kv import KVAgent
+        from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
         from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide
 
         self.agent = KVAgent(engine.kv_cache.layers)

@@ -9,13 +9,15 @@ import hmac
 import json
 import math
 import os
-import zlib
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.transfer.nixl_errors import HandoverRefused
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
 
 KEY = "flexkv_handover"
 # The graph's handover secret (hex), set by `dynamo-flexkv serve` for every worker of the graph and
@@ -25,11 +27,6 @@ SECRET_ENV = "FLEXKV_HANDOVER_SECRET"
 # 2: num_blocks (the decode worker prepares the prefill worker's KV descriptors once); 3: checksums;
 # 4: renew_by_unix, renew_s (the lease holds briefly unless the decode worker claims and renews it)
 VERSION = 4
-
-
-class HandoverRefused(ValueError, FlexKVError):
-    """The decode worker cannot use this handover (a different model layout, a malformed payload);
-    it recomputes the prompt instead."""
 
 
 @dataclass(frozen=True)
@@ -46,13 +43,45 @@ class HandoverParams:
     lease_expires_unix: float  # wall-clock end of the lease: a read must be over by then
     num_blocks: int  # blocks per layer tensor on the prefill worker (what its descriptors cover)
     sig: Optional[str] = None  # HMAC-SHA256 of the fields that say what to read (see ``signed``)
-    # xxh3_64 of each block's bytes over every layer (nixl_kv.block_checksums), as the prefill
+    # xxh3_64 of each block's bytes over every layer (core/transfer/nixl_agent.block_checksums), as the prefill
     # worker computed them: decode verifies what it read before using any of it.
     checksums: List[int] = field(default_factory=list)
     # The lease ends at renew_by_unix unless a decode worker's claim reaches the prefill worker
     # first; each claim or renewal holds it renew_s seconds more (never past lease_expires_unix).
     renew_by_unix: float = 0.0
     renew_s: float = 0.0
+
+    @classmethod
+    def of_agent(
+        cls,
+        agent: KVAgent,
+        lease: str,
+        blocks: List[int],
+        last_hash: Optional[int],
+        lease_expires_unix: float,
+        with_metadata: bool = True,
+        renew_by_unix: float = 0.0,
+        renew_s: float = 0.0,
+    ) -> "HandoverParams":
+        """What a decode worker needs to read ``blocks`` of ``agent``'s KV under ``lease``."""
+        from dynamo_flexkv.core.transfer.nixl_agent import block_checksums  # torch: not for a light reader
+
+        return cls(
+            agent=agent.name,
+            metadata=agent.metadata if with_metadata else None,
+            lease=lease,
+            blocks=list(blocks),
+            last_hash=last_hash,
+            layer_addrs=[x.data_ptr() for x in agent.layers],
+            block_bytes=agent.block_bytes,
+            mem=agent.mem,
+            dev=agent.dev,
+            lease_expires_unix=lease_expires_unix,
+            num_blocks=agent.num_blocks,
+            checksums=block_checksums(agent.layers, blocks),
+            renew_by_unix=renew_by_unix,
+            renew_s=renew_s,
+        )
 
     def _mac(self, secret: bytes) -> str:
         # Every field that names what is read, from where, for how long, and what it must hash to.
@@ -155,14 +184,3 @@ def handover_secret() -> Optional[bytes]:
     """This worker's graph secret from the environment; None when started by hand without one."""
     value = os.environ.get(SECRET_ENV)
     return value.encode() if value else None
-
-
-def pack_metadata(raw: bytes) -> str:
-    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
-
-
-def unpack_metadata(text: str) -> bytes:
-    try:
-        return zlib.decompress(base64.b64decode(text))
-    except (ValueError, zlib.error) as e:
-        raise HandoverRefused(f"NIXL agent metadata does not decode: {e}") from None

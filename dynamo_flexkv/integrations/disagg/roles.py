@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 from dynamo_flexkv.core.logutil import RateLimitedLog
 from dynamo_flexkv.integrations.disagg.leases import DEFAULT_RENEW_S, LeaseTable
-from dynamo_flexkv.integrations.disagg.nixl_kv import HandoverCorrupt, HandoverFailed, KVAgent
+from dynamo_flexkv.core.transfer.nixl_agent import HandoverCorrupt, HandoverFailed, KVAgent
 from dynamo_flexkv.integrations.disagg.params import HandoverParams, HandoverRefused
 from dynamo_flexkv.integrations.reference_engine.llm import LLMEngine
 from dynamo_flexkv.integrations.reference_engine.request import Request
@@ -59,7 +59,8 @@ class PrefillSide:
         if not blocks:
             return {}
         lease = self.leases.grant(blocks)
-        p = self.agent.describe(
+        p = HandoverParams.of_agent(
+            self.agent,
             lease.id,
             blocks,
             int(hashes[len(blocks) - 1]),

@@ -601,7 +601,7 @@ def main() -> None:
     # the handler installed before it: Python's default one would raise KeyboardInterrupt in the
     # middle of that drain. Set before the Worker starts, so its handler is installed on top.
     signal.signal(signal.SIGINT, on_sigint)
-    from dynamo_flexkv.integrations.disagg.nixl_kv import exit_past_libnl  # prefill/decode roles create a UCX agent
+    from dynamo_flexkv.core.transfer.nixl_agent import exit_past_libnl  # prefill/decode roles create a UCX agent
 
     with exit_past_libnl():
         run(FlexKVWorkerEngine)

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Uni
 
 import numpy as np
 
-from dynamo_flexkv.integrations.disagg.nixl_kv import HandoverFailed, KVAgent, Notifier, kv_block_checksums
+from dynamo_flexkv.core.transfer.nixl_agent import HandoverFailed, KVAgent, Notifier, kv_block_checksums
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
 from dynamo_flexkv.integrations.vllm_connector.settings import MAX_LEASE_S
 from dynamo_flexkv.integrations.vllm_connector.settings import run_dir_or_default

@@ -6,10 +6,16 @@ ipc:// socket of its own, and the scheduler takes the smallest answer (with tens
 block is cached only when every rank holds its shard). The scheduler never waits long:
 ``LookupClient.query`` waits ``wait_s`` for the answer and otherwise says "not yet" (None), and
 vLLM asks again at its next step; an answer that has
-not come after ``give_up_s`` counts as a miss (the request is computed, nothing hangs)."""
+not come after ``give_up_s`` counts as a miss (the request is computed, nothing hangs).
+
+A lookup with a usable router hint pulls the hinted blocks first (hints.py), which takes
+milliseconds to the pull's timeout: the worker answers it from a thread of its own once the pull
+is over, so a pull never holds up the other requests' lookups (their scheduler hears "not yet"
+for the hinted one meanwhile, and asks again next step)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import queue
@@ -29,7 +35,10 @@ log = logging.getLogger(__name__)
 # (token ids, lora name, cache salt, the whole prompt's length, blocks vLLM holds already) -> end
 # of the prefix to load, in tokens (the load policy's decision: the cost model compares loading
 # the blocks beyond vLLM's with recomputing them, in a prompt that long)
-LookupFn = Callable[[np.ndarray, Optional[str], Optional[str], int, int], int]
+# A router hint rides along as (source endpoint, leading blocks it names, why unusable or ""), or
+# None (hints.py): the worker pulls what it lacks of those blocks before it answers.
+Hint = Optional[Tuple[str, int, str]]
+LookupFn = Callable[[np.ndarray, Optional[str], Optional[str], int, int, Hint], int]
 ResetFn = Callable[[], bool]  # drops what the tiers hold; False when it could not
 AdminFn = Callable[[bytes], bytes]  # an operator's cache request as JSON -> its answer as JSON
 RESET_SEQ = -1  # the sequence number of a reset request (lookups count up from 1)
@@ -45,24 +54,31 @@ class LookupServer:
         self, endpoint: str, lookup: LookupFn, reset: Optional[ResetFn] = None, admin: Optional[AdminFn] = None
     ) -> None:
         self.endpoint, self._lookup, self._reset, self._admin = endpoint, lookup, reset, admin
-        self._answers: "queue.SimpleQueue[List[bytes]]" = queue.SimpleQueue()  # admin answers to send
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(endpoint)
         self._stop = threading.Event()
         self.answered = self.failed = 0
+        # Hinted lookups run here, one at a time (pulls share the host agent and a link per source);
+        # their answers, and operators' (admin), come back through ``_done`` (the frames to send,
+        # whether a lookup's) and a byte on the pipe wakes the socket's thread, the only one to send.
+        self._pulls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flexkv-hint-pull")
+        self._done: "queue.SimpleQueue[Tuple[List[bytes], bool]]" = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         self._thread = threading.Thread(target=self._serve, name="flexkv-lookup", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
-            ready = poller.poll(100)
-            while not self._answers.empty():  # only this thread touches the socket
-                self._sock.send_multipart(self._answers.get())
-            if not ready:
+            ready = dict(poller.poll(100))
+            if self._wake_r in ready:
+                self._send_deferred()
+            if self._sock not in ready:
                 continue
             frames = self._sock.recv_multipart()
             if len(frames) != 4:
@@ -78,17 +94,54 @@ class LookupServer:
                 ).start()
                 continue
             try:
-                lora, salt, prompt_tokens, local_blocks = msgspec.msgpack.decode(extra)
+                lora, salt, prompt_tokens, local_blocks, *rest = msgspec.msgpack.decode(extra)
+                hint = (str(rest[0][0]), int(rest[0][1]), str(rest[0][2])) if rest and rest[0] else None
                 # the ids stay a uint32 array: the tiers hash it and the node client sends it as is
-                ids = np.frombuffer(tokens, dtype="<u4")
-                n = int(self._lookup(ids, lora, salt, int(prompt_tokens), int(local_blocks)))
-            except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
-                log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
+                args = (np.frombuffer(tokens, dtype="<u4"), lora, salt, int(prompt_tokens), int(local_blocks), hint)
+            except Exception:  # noqa: BLE001 - a lookup that cannot be read is a miss
+                log.exception("flexkv lookup: a request that does not decode; answering 0 cached tokens")
                 self.failed += 1
-                n = 0
+                args = None
+            if args is not None and hint is not None and not hint[2]:  # a pull first: off this thread
+                self._pulls.submit(self._deferred, ident, seq, args)
+                continue
+            n = 0 if args is None else self._answer(args)
             self._sock.send_multipart([ident, seq, struct.pack("<q", n)])
             self.answered += 1
         self._sock.close()
+
+    def _answer(self, args: tuple) -> int:
+        try:
+            return int(self._lookup(*args))
+        except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
+            log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
+            self.failed += 1
+            return 0
+
+    def _deferred(self, ident: bytes, seq: bytes, args: tuple) -> None:
+        self._post([ident, seq, struct.pack("<q", self._answer(args))], lookup=True)
+
+    def _post(self, frames: List[bytes], lookup: bool) -> None:
+        """Hands an answer made on another thread to the socket's thread."""
+        self._done.put((frames, lookup))
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # closed: nobody is left to answer
+            pass
+
+    def _send_deferred(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                frames, lookup = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._sock.send_multipart(frames)
+            self.answered += int(lookup)
 
     def _answer_reset(self) -> bool:
         if self._reset is None:
@@ -108,12 +161,15 @@ class LookupServer:
             except Exception as e:  # noqa: BLE001 - the operator hears it, the worker goes on
                 log.exception("flexkv: a cache request failed")
                 answer = msgspec.json.encode({"status": "error", "message": f"{type(e).__name__}: {e}"})
-        self._answers.put([ident, seq, answer])
+        self._post([ident, seq, answer], lookup=False)
 
     def close(self) -> None:
         """Stops answering and removes the socket file (an ipc:// endpoint is a file)."""
         self._stop.set()
         self._thread.join(timeout=5)
+        self._pulls.shutdown(wait=True, cancel_futures=True)  # a running pull ends by its timeout
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
         if self.endpoint.startswith("ipc://"):
             try:
                 os.unlink(self.endpoint[len("ipc://") :])
@@ -155,10 +211,12 @@ class LookupClient:
         salt: Optional[str] = None,
         prompt_tokens: Optional[int] = None,
         local_blocks: int = 0,
+        hint: Hint = None,
     ) -> Optional[int]:
         """End of ``tokens``' cached prefix to load, in tokens (``prompt_tokens``: the whole
         prompt's length, default one more than ``tokens``; ``local_blocks``: blocks vLLM holds
-        already); None while an answer is still on its way."""
+        already; ``hint``: a router hint, pulled from before the answer); None while an answer
+        is still on its way."""
         if req_id not in self._asked:
             self._seq += 1
             self._asked[req_id] = (self._seq, time.monotonic())
@@ -167,7 +225,10 @@ class LookupClient:
             frames = [
                 struct.pack("<q", self._seq),
                 pack_tokens(tokens),
-                msgspec.msgpack.encode([lora, salt, prompt_tokens or len(tokens) + 1, local_blocks]),
+                msgspec.msgpack.encode(
+                    [lora, salt, prompt_tokens or len(tokens) + 1, local_blocks]
+                    + ([list(hint)] if hint is not None else [])
+                ),
             ]
             for sock in self._socks:
                 sock.send_multipart(frames)

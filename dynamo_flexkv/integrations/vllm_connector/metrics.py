@@ -35,7 +35,20 @@ COUNTERS = {
         False,
     ),
     "handover_corrupt": ("Handovers whose bytes did not match the prefill worker's digests (recomputed)", False),
+    "hints_seen": ("Requests that came with a Dynamo router kv.fetch hint (docs/HINTS.md)", False),
+    "hints_used": ("Router hints whose pull from the named worker made blocks visible here", False),
+    "hints_skipped": ("Router hints not pulled: the load policy predicted recomputing faster", False),
+    "hint_pulled_tokens": ("Prompt tokens pulled from peer workers on router hints", False),
+    "hint_pulled_bytes": ("Bytes pulled from peer workers on router hints", False),
+    "hint_pull_seconds": ("Seconds spent pulling and verifying hinted blocks", False),
+    "peer_pins": ("Pulls of peers this worker answered by pinning host blocks", False),
+    "peer_pins_expired": ("Pins of this worker's host blocks that ended with their lease (no release)", False),
 }
+# Router hints that ended in a recompute, by reason: "hints_failed/<reason>" (one family), and pulls
+# of peers this worker refused, by reason: "peer_refused/<reason>" (core/peer/protocol.Refusal).
+HINTS_FAILED = "hints_failed"
+PEER_REFUSED = "peer_refused"
+PINNED = "gauge:peer_pinned_blocks"  # host blocks pinned for peers' reads now
 # Cost-aware loading (core/cost.py): "prefix_tokens/<decision>/<tier>/<reason>" counter deltas, one
 # family labelled by decision, tier and reason (the lookup decides what vLLM loads: worker._lookup).
 PREFIX_TOKENS = "prefix_tokens"
@@ -97,6 +110,30 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
             documentation="Prompt tokens the load policy loaded or had recomputed, by tier and reason "
             "(faster/slower than recomputing, cold_start, probe, always, never; tier none: not_cached)",
         )
+        self._reasons = {
+            key: self._counter_cls(
+                name=f"vllm:flexkv_{key}", labelnames=list(self._labelnames) + ["reason"], documentation=doc
+            )
+            for key, doc in (
+                (
+                    HINTS_FAILED,
+                    "Router hints that ended in a recompute, by reason (version, malformed, foreign, "
+                    "source_gone, busy, not_held, namespace, forged, timeout, failed, corrupt, no_room, ...)",
+                ),
+                (
+                    PEER_REFUSED,
+                    "Peers' pulls this worker refused, by reason (unsigned, forged, stale, namespace, "
+                    "oversized, busy, not_held, malformed, version, closed)",
+                ),
+            )
+        }
+        self._family(
+            PINNED,
+            self._gauge_cls,
+            "vllm:flexkv_peer_pinned_blocks",
+            "Host blocks pinned now for peers' reads (router hints)",
+            False,
+        )
         self._removed = self._counter_cls(
             name=f"vllm:flexkv_{REMOVED}",
             labelnames=list(self._labelnames) + ["tier", "reason"],
@@ -119,6 +156,11 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
                 decision, tier, reason = k.split("/")[1:4]
                 labels = self._prefix.labels(*self.per_engine_labelvalues[engine_idx], decision, tier, reason)
                 labels.inc(v)  # type: ignore[union-attr]  # vLLM types _counter_cls as any PromMetric; it is a Counter
+                continue
+            family = k.partition("/")[0]
+            if family in self._reasons and "/" in k and v and engine_idx in self.per_engine_labelvalues:
+                by_reason = self._reasons[family].labels(*self.per_engine_labelvalues[engine_idx], k.split("/")[1])
+                by_reason.inc(v)  # type: ignore[union-attr]  # as above
                 continue
             if k.startswith(REMOVED + "/") and v and engine_idx in self.per_engine_labelvalues:
                 tier, reason = k.split("/")[1:3]

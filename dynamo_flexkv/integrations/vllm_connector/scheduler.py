@@ -26,6 +26,7 @@ from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
 from dynamo_flexkv.integrations.vllm_connector.groups import FULL, is_hybrid
 from dynamo_flexkv.integrations.vllm_connector.handover import KEY, SourceInfo, VllmHandover, read_source
+from dynamo_flexkv.integrations.vllm_connector.hints import HintRefused, fetch_hint
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, SaveSpec, lookup_endpoint
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings, adapter_id
@@ -120,6 +121,18 @@ class SchedulerSide:
             )
             return None
 
+    def _hint_of(self, request: "Request") -> Optional[Tuple[str, int, str]]:
+        """The request's router hint (hints.py) as the lookup carries it to the worker, which pulls
+        and counts it; None without one or where hints are off."""
+        if self.s.secondary_tiers is None or getattr(request, "kv_hints", None) is None:
+            return None
+        try:
+            hint = fetch_hint(request.kv_hints, request.block_hashes)
+        except HintRefused as e:
+            log.info("FlexKVConnector: request %s: router hint refused (%s)", request.request_id, e)
+            return ("", 0, e.reason)
+        return None if hint is None else (hint.endpoint, hint.blocks, "")
+
     def matched_tokens(self, request: "Request", num_computed: int) -> Tuple[Optional[int], bool]:
         if num_computed % self.bs or not offloadable(request):
             return 0, False
@@ -144,6 +157,7 @@ class SchedulerSide:
                 request.cache_salt,
                 request.num_tokens,
                 num_computed // self.bs,
+                self._hint_of(request),
             )
             if hit is None:
                 return None, False  # asked; vLLM asks again next step

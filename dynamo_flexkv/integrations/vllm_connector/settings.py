@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from dynamo_flexkv.integrations.vllm_connector.groups import KVGroup, read_groups
+from dynamo_flexkv.integrations.vllm_connector.hints import HintTier, parse_secondary_tiers
 
 MAX_LEASE_S = 3600.0  # handover_lease_s's ceiling (serve's handover-lease-s too)
 RUN_DIR_ENV = "FLEXKV_RUN_DIR"
@@ -54,6 +55,13 @@ EXTRA_KEYS: Dict[str, tuple] = {
         "returns the mover to use instead (fault injection and tracing, e.g. tests' "
         "wrong_kv:one_wrong_block; the module must be importable in vLLM's worker)",
     ),
+    "secondary_tiers": (
+        list,
+        None,
+        "Dynamo router hints (docs/HINTS.md): one entry with router_capabilities ['router_hint'], "
+        "control_ports (one per local DP rank) and control_advertise_host; this worker then serves "
+        "its host tier to peers there and pulls the prefixes the router's kv.fetch hints name",
+    ),
     "model_id": (
         str,
         None,
@@ -86,6 +94,8 @@ class ConnectorSettings:
     groups: Tuple[KVGroup, ...] = ()  # vLLM's KV cache groups (groups.py); () when vLLM gave no config
     dp_rank: Optional[int] = None  # this engine's data-parallel rank, when it is one of several
     max_model_len: int = 0
+    secondary_tiers: Optional[HintTier] = None  # router hints on (hints.py), else None
+    dp_rank_local: int = 0  # this engine's data-parallel rank on its node (its control port's index)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> "ConnectorSettings":
@@ -116,6 +126,7 @@ class ConnectorSettings:
             groups=groups,
             dp_rank=dp_rank,
             max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
+            dp_rank_local=int(getattr(pc, "data_parallel_rank_local", 0) or 0),
             **values,
         )
 
@@ -160,6 +171,9 @@ def checked_extra_config(extra: Mapping[str, Any]) -> Dict[str, Any]:
                     f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a finite positive number"
                 )
             value = float(value)
+        if key == "secondary_tiers":
+            values[key] = parse_secondary_tiers(value)
+            continue
         if typ is str and not isinstance(value, str):
             raise ValueError(f"FlexKVConnector: kv_connector_extra_config {key}={value!r} must be a string")
         if key == "handover_lease_s" and value > MAX_LEASE_S:

@@ -33,6 +33,7 @@ from dynamo_flexkv.core.tasks import TaskFailed
 from dynamo_flexkv.integrations.vllm_connector.events import FlexKVEvents, TierEventQueue
 from dynamo_flexkv.integrations.vllm_connector.handover import Handover
 from dynamo_flexkv.integrations.vllm_connector.groups import FULL, aux_share, is_hybrid, latent
+from dynamo_flexkv.integrations.vllm_connector.hints import FetchHint, WorkerHints
 from dynamo_flexkv.integrations.vllm_connector.hybrid import GroupTiers
 from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
@@ -106,6 +107,7 @@ class WorkerSide:
         self.events: Optional[TierEventQueue] = None
         self.server: Optional[LookupServer] = None
         self.handover: Optional[Handover] = None
+        self.hints: Optional[WorkerHints] = None  # router hints (hints.py), when secondary_tiers turns them on
         self._digest_after: List[Any] = []  # (request, blocks) to digest once this step's forward ends
         self._layer: Dict[str, int] = {}
         self._loads: Dict[str, _Load] = {}
@@ -186,6 +188,8 @@ class WorkerSide:
             self._watch_weights()
             if self.settings.handover and not hybrid:
                 self._start_handover(desc)
+            if self.settings.secondary_tiers is not None:
+                self._start_hints(hybrid)
             # Every rank answers for its own shard; the scheduler takes the smallest answer.
             self.server = LookupServer(
                 lookup_endpoint(self.settings.engine_id, self.settings.run_dir, self.tp_rank),
@@ -196,6 +200,9 @@ class WorkerSide:
             if self.tp_rank == 0:
                 self.offload.announce_adopted()  # a restarted worker's disk blocks, for the router
         except BaseException:
+            if self.hints is not None:
+                self.hints.close()
+                self.hints = None
             self._close_offloads()
             raise
         log.info(
@@ -267,9 +274,48 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 - NIXL's own types; the graph still serves through NixlConnector
             log.warning("FlexKVConnector: no handover agent (%s); the next connector hands requests over", e)
 
-    def _lookup(self, tokens, lora: Optional[str], salt: Optional[str], prompt_tokens: int, local_blocks: int) -> int:
+    def _start_hints(self, hybrid: bool) -> None:
+        """Router hints (hints.py): this worker's control endpoint and its pulls. Embedded tiers of
+        a single-rank, single-group engine only; elsewhere the worker serves without them."""
+        from dynamo_flexkv.core.offload import EmbeddedOffload
+        from dynamo_flexkv.integrations.disagg.params import handover_secret
+
+        tier = self.settings.secondary_tiers
+        assert tier is not None
+        if self.tp_size > 1 or hybrid or not isinstance(self.offload, EmbeddedOffload):
+            log.warning(
+                "FlexKVConnector: router hints need embedded tiers on one rank of a single-group model "
+                "(tensor parallel %d, hybrid %s, %s); this worker neither serves nor pulls hinted blocks",
+                self.tp_size,
+                hybrid,
+                type(self.offload).__name__,
+            )
+            return
+        self.hints = WorkerHints(self.offload.kv, tier, tier.port(self.settings.dp_rank_local), handover_secret())
+        log.info(
+            "FlexKVConnector: router hints on; peers pull this worker's host tier at %s", self.hints.source.endpoint
+        )
+
+    def _lookup(
+        self, tokens, lora: Optional[str], salt: Optional[str], prompt_tokens: int, local_blocks: int, hint=None
+    ) -> int:
         if not self._weights_current():  # KV of other weights: a miss until the tiers heard of the change
             return 0
+        if hint is not None and self.hints is not None:  # a router hint: pull what the tiers lack first
+            endpoint, blocks, refused = hint
+            self.hints.counters.seen += 1
+            if refused:
+                self.hints.counters.fail(refused)
+            else:
+                self.hints.pull(
+                    FetchHint(endpoint, blocks),
+                    tokens,
+                    lora,
+                    salt,
+                    self.settings.block_size,
+                    prompt_tokens,
+                    local_blocks,
+                )
         if self.tiers is not None:
             return self.tiers.cached_tokens(tokens, lora, salt, prompt_tokens, local_blocks)
         return self._registered("lookup").cached_tokens(
@@ -667,6 +713,9 @@ class WorkerSide:
         }
         totals.update({f"loaded_tokens/{t}": n for t, n in self.counters.loaded.items()})
         out: Dict[str, Any] = {}
+        if self.hints is not None:
+            totals.update(self.hints.totals())
+            out.update(self.hints.gauges())
         now = time.monotonic()
         st = self.offload.stats() if now - self._gauges_at >= 1.0 else None
         if st is not None:  # node mode: None while the service is away
@@ -688,12 +737,15 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self.server is not None:  # first: a hinted lookup's pull still running ends with it
+            self.server.close()
+            self.server = None
+        if self.hints is not None:  # before the tiers: its pins and agent are over their host memory
+            self.hints.close()
+            self.hints = None
         if self.handover is not None:
             self.handover.close()
             self.handover = None
-        if self.server is not None:
-            self.server.close()
-            self.server = None
         if self.offload is not None:
             if not self.drain(timeout=self.settings.drain_timeout_s):
                 log.warning(

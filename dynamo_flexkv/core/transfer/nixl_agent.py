@@ -1,5 +1,6 @@
-"""One NIXL agent per worker over the engine's paged KV tensors (one per layer, registered once).
-The decode worker READs blocks from the prefill worker's registered memory: UCX picks the fastest
+"""One NIXL agent per worker over KV tensors (one per layer, registered once): the engine's paged
+KV for the disaggregation handover (integrations/disagg), a worker's host tier for peer pulls
+(core/peer). A reader READs blocks from the other agent's registered memory: UCX picks the fastest
 transport the two processes share (shared memory or TCP here; RDMA, NVLink or CUDA IPC on GPU
 nodes), with the same descriptors. Both sides' KV is prepared once as a NIXL descriptor list with
 one descriptor per (layer, block) -- the local one at start, a peer's on its first handover -- so a
@@ -10,6 +11,7 @@ threads driving one agent, see transfer/nixl_mover.py)."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import os
@@ -18,6 +20,7 @@ import threading
 import time
 import traceback
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
@@ -25,8 +28,7 @@ import numpy as np
 import torch
 
 from dynamo_flexkv.core import native as _native
-from dynamo_flexkv.integrations.disagg.params import HandoverParams, HandoverRefused, pack_metadata, unpack_metadata
-from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.transfer.nixl_errors import HandoverCorrupt, HandoverFailed, HandoverRefused
 
 
 _ucx_agents = 0  # agents with a UCX backend this process created
@@ -84,12 +86,15 @@ def exit_past_libnl() -> Iterator[None]:
         os._exit(code)
 
 
-class HandoverFailed(IOError, FlexKVError):
-    """A pull did not complete (peer gone, transfer error, timeout): the decode worker recomputes."""
+def pack_metadata(raw: bytes) -> str:
+    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
 
 
-class HandoverCorrupt(HandoverFailed):
-    """A pull completed but a block's bytes do not hash to the prefill worker's checksum."""
+def unpack_metadata(text: str) -> bytes:
+    try:
+        return zlib.decompress(base64.b64decode(text))
+    except (ValueError, zlib.error) as e:
+        raise HandoverRefused(f"NIXL agent metadata does not decode: {e}") from None
 
 
 def block_checksums(layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> List[int]:
@@ -264,34 +269,7 @@ class KVAgent:
     def metadata(self) -> str:
         return self._metadata
 
-    def describe(
-        self,
-        lease: str,
-        blocks: List[int],
-        last_hash,
-        lease_expires_unix: float,
-        with_metadata: bool = True,
-        renew_by_unix: float = 0.0,
-        renew_s: float = 0.0,
-    ) -> HandoverParams:
-        return HandoverParams(
-            agent=self.name,
-            metadata=self._metadata if with_metadata else None,
-            lease=lease,
-            blocks=list(blocks),
-            last_hash=last_hash,
-            layer_addrs=[x.data_ptr() for x in self.layers],
-            block_bytes=self.block_bytes,
-            mem=self.mem,
-            dev=self.dev,
-            lease_expires_unix=lease_expires_unix,
-            num_blocks=self.num_blocks,
-            checksums=block_checksums(self.layers, blocks),
-            renew_by_unix=renew_by_unix,
-            renew_s=renew_s,
-        )
-
-    def verify(self, p: HandoverParams, first: int, local_blocks: Sequence[int]) -> None:
+    def verify(self, p: Any, first: int, local_blocks: Sequence[int]) -> None:
         """Raises HandoverCorrupt unless the local blocks (just read for ``p.blocks[first:]``) hash
         to the prefill worker's checksums."""
         want = p.checksums[first : first + len(local_blocks)]
@@ -333,7 +311,8 @@ class KVAgent:
                 self.agent.release_dlist_handle(peer.digest_dlist)
                 peer.digest_dlist = None
             rows = _block_rows(p.layer_addrs, p.block_bytes, p.num_blocks, p.dev)
-            digest_rows = _block_rows([p.digest_addr], 8, p.num_blocks, 0) if getattr(p, "digest_addr", 0) else None
+            digest_addr = int(getattr(p, "digest_addr", 0))  # a KVSource with a digest table has one
+            digest_rows = _block_rows([digest_addr], 8, p.num_blocks, 0) if digest_addr else None
             # Host KV: the digest table in the same list (a read of blocks and digests is then one
             # transfer: one post and one poll fewer per handover, ~5% of a 2 MiB read's CPU).
             peer.digest_base = (
@@ -408,6 +387,7 @@ class KVAgent:
                         _indices(peer.offsets, remote_blocks[a:b]),
                     )
                     if inline and i == 0:  # after the chunk's KV: over shared memory, read after it
+                        assert self._landed_base is not None and peer.digest_base is not None  # ``inline``
                         local += range(self._landed_base, self._landed_base + n)
                         remote += [peer.digest_base + x for x in remote_blocks]
                     handles.append(
@@ -555,7 +535,7 @@ class KVAgent:
             with contextlib.suppress(Exception):
                 self.agent.release_dlist_handle(self._local)
             with contextlib.suppress(Exception):
-                if self._landed_dlist is not None:
+                if self._landed_dlist is not None and self.digests is not None and self.landed is not None:
                     self.agent.release_dlist_handle(self._landed_dlist)
                     self.agent.deregister_memory(
                         self.agent.get_reg_descs(
