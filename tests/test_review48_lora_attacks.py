@@ -8,6 +8,9 @@ real embedded host tier, talking over their real lookup socket."""
 
 from __future__ import annotations
 
+import time
+
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace as NS
 from typing import Any, Iterator, List, Optional, Tuple
@@ -16,9 +19,10 @@ import pytest
 import torch
 
 from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
-from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings, adapter_id
+from dynamo_flexkv.integrations.vllm_connector.weights import WeightWatch
 from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
-from test_vllm_weight_watch import LoRARequest, LoRARunner, adapter_dir, overwrite, weights_dir
+from test_vllm_weight_watch import LoRAManager, LoRARequest, LoRARunner, adapter_dir, overwrite, weights_dir
 
 BS = 16
 BLOCKS = 8
@@ -156,3 +160,130 @@ def test_control_the_same_save_before_the_hot_swap_is_dropped_by_it(connector, t
     runner.remove_lora(ad.lora_int_id)
     runner.add_lora(ad)
     assert hit(side, "d", ad, prompt) == 0
+
+
+# ---- the adapter's key: what it reads ---------------------------------------------------------------
+
+
+def trainer_output(path: Path, checkpoints: int) -> Path:
+    """A PEFT trainer's output_dir served as the adapter: the final adapter at the top (what vLLM
+    reads: adapter_model.* and adapter_config.json there, nothing below), checkpoint-N/ below
+    with the trainer's own .pt / .pth / .bin files."""
+    adapter_dir(path, 1)
+    for k in range(checkpoints):
+        c = path / f"checkpoint-{(k + 1) * 100}"
+        c.mkdir()
+        for name in ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"):
+            (c / name).write_bytes(b"w" * 64)
+        for name in ("adapter_config.json", "trainer_state.json", "README.md", "tokenizer.json", "vocab.json"):
+            (c / name).write_text("{}")
+    return path
+
+
+def test_files_vllm_never_reads_do_not_change_the_adapters_key(tmp_path):
+    """vLLM 0.31 reads an adapter's adapter_model.{safetensors,bin,pt} and adapter_config.json at
+    the top of its directory (LoRAModel.from_local_checkpoint, PEFTHelper.from_local_dir).
+    files_digest walks every subdirectory and takes every .pt/.pth/.bin/.safetensors: a
+    trainer's new checkpoint below the served adapter changes the key (every block misses) and
+    makes the next reload a 'weight change' that drops every tier, the base model's included."""
+    served = trainer_output(tmp_path / "out", 3)
+    before = adapter_id("ad", str(served))
+    c = served / "checkpoint-400"  # training goes on: a new checkpoint below, the served adapter untouched
+    c.mkdir()
+    (c / "optimizer.pt").write_bytes(b"w" * 64)
+    (c / "adapter_model.safetensors").write_bytes(b"w" * 64)
+    assert adapter_id("ad", str(served)) == before
+
+
+def test_a_trainer_checkpoint_below_the_adapter_is_no_weight_change(tmp_path):
+    runner = LoRARunner(weights_dir(tmp_path / "model", 0))
+    watch = WeightWatch()
+    watch.attach(runner)
+    served = trainer_output(tmp_path / "out", 3)
+    ad = LoRARequest("ad", 7, str(served))
+    runner.step(ad)
+    runner.step(LoRARequest("other", 8, str(adapter_dir(tmp_path / "o", 3))))  # LRU: ad evicted
+    (served / "checkpoint-300" / "optimizer.pt").write_bytes(b"v" * 64)  # the trainer saves again
+    runner.step(ad)  # ad loaded again: the same files vLLM reads
+    assert runner.lora_manager.reads == 3
+    assert watch.changes == [], "every tier dropped for files vLLM never read"
+
+
+def test_the_adapters_key_costs_well_under_a_millisecond_for_a_trainers_output_dir(tmp_path):
+    """The scheduler makes the key at least twice per LoRA request (lookup, store) and again at
+    each step a request waits for its lookup; on the scheduler's thread."""
+    served = str(trainer_output(tmp_path / "out", 40))
+    n = 50
+    t0 = time.perf_counter()
+    for _ in range(n):
+        adapter_id("ad", served)
+    per_call = (time.perf_counter() - t0) / n
+    print(f"\nadapter_id of a trainer output dir with 40 checkpoints: {per_call * 1e6:.0f} us")
+    assert per_call < 0.001
+
+
+# ---- the watch ----------------------------------------------------------------------------------
+
+
+class ActivationFails(LoRARunner):
+    """LRUCacheWorkerLoRAManager.add_adapter registers the read adapter
+    (_adapter_manager.add_adapter) and then activates it (activate_adapter: copies it into a
+    slot on the device); an activation that raises (device memory) leaves the new adapter
+    registered, so the next add_adapter of its id only touches it and never reads files again."""
+
+    def __init__(self, model_dir: Path) -> None:
+        super().__init__(model_dir)
+        manager = self.lora_manager
+        read = manager.add_adapter
+        self.fail_next = False
+
+        def add_adapter(lora_request: LoRARequest) -> bool:
+            out = read(lora_request)  # read and registered
+            if self.fail_next:
+                self.fail_next = False
+                raise RuntimeError("CUDA out of memory (activate_adapter)")
+            return out
+
+        manager.add_adapter = add_adapter  # type: ignore[method-assign]
+
+
+def test_a_hot_swap_whose_activation_fails_after_the_new_adapter_is_registered_is_still_a_change(tmp_path):
+    runner = ActivationFails(weights_dir(tmp_path / "model", 0))
+    watch = WeightWatch()
+    watch.attach(runner)
+    served = adapter_dir(tmp_path / "ad", 1)
+    ad = LoRARequest("ad", 7, str(served))
+    runner.add_lora(ad)
+    overwrite(adapter_dir(tmp_path / "y", 2), served)  # X's KV stored under Y's key from here on
+    runner.remove_lora(7)
+    runner.fail_next = True
+    with pytest.raises(RuntimeError):
+        runner.add_lora(ad)  # Y read and registered, its activation failed
+    runner.step(ad)  # the next request's step activates Y (no read: its id is registered)
+    assert runner.lora_manager.loaded[7] == (served / "adapter_model.safetensors").read_bytes()  # Y runs
+    assert [c.method for c in watch.changes] == ["add_adapter"], "Y runs; X's KV under Y's key still served"
+
+
+def test_a_hub_id_reloaded_at_a_new_revision_is_a_weight_change(tmp_path):
+    """vLLM resolves a lora_path that is not a local directory as a hub repo (get_adapter_absolute_path:
+    snapshot_download of its default revision) at every load: an adapter evicted from the LRU and
+    loaded again after the repo got a new commit runs the new revision under the same name, path
+    and key ("ad|org/ad")."""
+    snapshot = {"org/ad": adapter_dir(tmp_path / "snapshots" / "rev1", 1)}
+
+    class HubManager(LoRAManager):
+        def add_adapter(self, lora_request: LoRARequest) -> bool:  # _load_adapter reads where the id resolves now
+            local = snapshot.get(lora_request.lora_path, Path(lora_request.lora_path))
+            return super().add_adapter(replace(lora_request, lora_path=str(local)))
+
+    runner = LoRARunner(weights_dir(tmp_path / "model", 0))
+    runner.lora_manager = HubManager()
+    watch = WeightWatch()
+    watch.attach(runner)
+    ad = LoRARequest("ad", 7, "org/ad")
+    runner.step(ad)
+    runner.step(LoRARequest("other", 8, str(adapter_dir(tmp_path / "o", 3))))  # LRU: ad evicted
+    snapshot["org/ad"] = adapter_dir(tmp_path / "snapshots" / "rev2", 2)  # a new commit on the hub
+    runner.step(ad)
+    assert runner.lora_manager.loaded[7] != (tmp_path / "snapshots" / "rev1" / "adapter_model.safetensors").read_bytes()
+    assert watch.changes != [], "rev2 runs under rev1's key: rev1's KV is served"
