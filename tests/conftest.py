@@ -143,7 +143,7 @@ MODULE_KINDS = {
     "test_vllm_groups": "unit",
     "test_vllm_weight_update": "served",
     "test_vllm_weight_watch": "unit",
-    "test_review48_lora_attacks": "unit",
+    "test_vllm_lora_lineage": "unit",
     "test_vllm_handover": "integration",
     "test_vllm_layouts": "served",
     "test_vllm_node_cache": "served",

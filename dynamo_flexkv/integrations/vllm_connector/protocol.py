@@ -50,6 +50,9 @@ class SaveSpec:
     event_hashes: List[Any] = field(default_factory=list)
     groups: Dict[int, List[int]] = field(default_factory=dict)  # as in LoadSpec
     after_load: bool = False  # nothing to store: release the blocks once this request's load ran ahead ended
+    # The scheduler step that first scheduled the request (FlexKVMetadata.step; -1: unknown, as old
+    # as any): a worker whose weights changed at a later step stores none of it (worker.py).
+    first_step: int = -1
 
 
 @dataclass
@@ -64,6 +67,7 @@ class FlexKVMetadata(KVConnectorMetadata):
     # (prompt tokens, longest prompt) when every request in the step is prefilling (no decode
     # token): the worker times such a step for the cost model (step_clock.py); else None.
     prefill: Optional[Tuple[int, int]] = None
+    step: int = 0  # the scheduler's count of the plans it built: this one's
 
 
 def lookup_endpoint(engine_id: str, run_dir: Optional[str] = None, rank: int = 0) -> str:

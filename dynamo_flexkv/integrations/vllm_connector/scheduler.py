@@ -101,6 +101,10 @@ class SchedulerSide:
         self.handovers_refused = 0
         self._loads: List[LoadSpec] = []
         self._saves: List[SaveSpec] = []
+        # Plans built so far, and the step that first scheduled each running request: a save names
+        # it, so the worker stores nothing computed before its weights changed (SaveSpec.first_step).
+        self._step = 0
+        self._first_step: Dict[str, int] = {}
         self._events: List[Any] = []
         self._prompt_len: Dict[str, int] = {}  # scheduled request -> its prompt's length (0: no token ids)
         # Waiting request -> the worker's answer (end of the prefix to load, in tokens): vLLM asks
@@ -172,6 +176,7 @@ class SchedulerSide:
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self._answers.pop(request.request_id, None)  # scheduled: a later wait (preemption) asks anew
+        self._first_step.setdefault(request.request_id, self._step + 1)  # the plan built next
         params = request.kv_transfer_params
         if (
             self.s.handover
@@ -224,7 +229,8 @@ class SchedulerSide:
         if self._prefills and scheduler_output is not None:
             self._plan_digests(scheduler_output)
         prefill = self._prefill_work(scheduler_output) if scheduler_output is not None else None
-        meta = FlexKVMetadata(self._loads, self._saves, self._digests, self._holds, prefill)
+        self._step += 1
+        meta = FlexKVMetadata(self._loads, self._saves, self._digests, self._holds, prefill, self._step)
         self._loads, self._saves, self._digests, self._holds = [], [], [], []
         return meta
 
@@ -291,6 +297,7 @@ class SchedulerSide:
         self._hits.pop(request.request_id, None)
         self._prompt_len.pop(request.request_id, None)
         self._answers.pop(request.request_id, None)
+        first_step = self._first_step.pop(request.request_id, -1)
         if request.request_id in self._loading:  # finished (aborted) while its load runs ahead
             return self._end_during_load(request.request_id)
         params = self._hand_over(request, block_ids) if request.request_id in self._prefills else None
@@ -311,6 +318,7 @@ class SchedulerSide:
                 request.cache_salt,
                 _event_hashes(request, n),
                 groups,
+                first_step=first_step,
             )
         )
         self.saved_requests += 1

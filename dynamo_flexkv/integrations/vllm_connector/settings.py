@@ -223,7 +223,9 @@ def load_mover_hook(entry: str) -> Any:
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # A LoRA adapter's: its weights, and its config (rank and alpha scale the weights' effect)
-ADAPTER_FILES = (*WEIGHT_FILES, "adapter_config.json")
+# What vLLM 0.31 reads of a LoRA adapter's directory (lora_model.py, peft_helper.py): these files
+# at its top, nothing below (a trainer's output_dir keeps its checkpoints there).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 
 
 def files_digest(directory: str, endings: Tuple[str, ...] = WEIGHT_FILES) -> Optional[str]:
@@ -266,11 +268,29 @@ def default_model_id(vllm_config: Any) -> str:
     return "|".join(parts)
 
 
+def adapter_files_digest(path: str) -> Optional[str]:
+    """16 hex digits naming the adapter files vLLM reads at the top of ``path`` (ADAPTER_FILES):
+    size, modification and change times and inode of each, so files written over the old ones (even
+    with their sizes and modification times restored, as ``cp -p`` does) give another digest; a few
+    stat calls, no walk. None where ``path`` is not a directory (a hub id)."""
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path):
+        return None
+    digest = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        try:
+            st = os.stat(os.path.join(path, name))
+        except OSError:
+            continue
+        digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def adapter_id(lora_name: str, lora_path: str) -> str:
     """What tells two LoRA adapters apart in the tiers' keys (their blocks' hashes take it as the
     adapter's name), as ``default_model_id`` does for the weights: the name, the path, and for a
     local directory the digest of its weights and config. vLLM's own prefix cache keys by name and
     path; the files' digest is what tells an adapter written over the old one at the same path
     (a hot-swap from the same ``file://`` URI) from the old one. A hub id gives name and path."""
-    digest = files_digest(os.path.expanduser(lora_path), ADAPTER_FILES)
+    digest = adapter_files_digest(lora_path)
     return f"{lora_name}|{lora_path}" if digest is None else f"{lora_name}|{lora_path}|files={digest}"

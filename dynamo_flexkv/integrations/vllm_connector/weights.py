@@ -55,7 +55,7 @@ from types import FrameType
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from dynamo_flexkv.integrations.vllm_connector.settings import adapter_id
+from dynamo_flexkv.integrations.vllm_connector.settings import adapter_files_digest, adapter_id
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +174,18 @@ class WeightWatch:
         @functools.wraps(inner)
         def watched(lora_request: Any, *args: Any, **kwargs: Any) -> Any:
             # vLLM's own condition for reading the files (LRUCacheWorkerLoRAManager.add_adapter)
-            loads = lora_request.lora_int_id not in manager.list_adapters() or lora_request.load_inplace
-            out = inner(lora_request, *args, **kwargs)
-            if loads:  # a load that raised left the old adapter in place (vLLM reads before it evicts)
+            absent = lora_request.lora_int_id not in manager.list_adapters()
+            loads = absent or lora_request.load_inplace
+            try:
+                out = inner(lora_request, *args, **kwargs)
+            except BaseException:
+                # vLLM reads before it evicts: a read that raised left the old adapter (or none); a
+                # raise after it (activating it) left the new one registered, to run next step.
+                # (An in-place reload that raised is taken as the read's: the old one stays.)
+                if absent and lora_request.lora_int_id in manager.list_adapters():
+                    self._adapter_loaded(lora_request, runner)
+                raise
+            if loads:
                 self._adapter_loaded(lora_request, runner)
             return out
 
@@ -188,7 +197,10 @@ class WeightWatch:
         loaded = adapter_id(name, lora_request.lora_path)
         before = self._adapters.get(name)
         self._adapters[name] = loaded
-        if before is not None and before != loaded:
+        # A hub id has no files to compare (vLLM downloads the repo's latest revision at each
+        # load): every load of one after the first may be other weights.
+        hub = adapter_files_digest(lora_request.lora_path) is None
+        if before is not None and (before != loaded or hub):
             log.info("FlexKVConnector: LoRA adapter %r replaced (%s -> %s)", name, before, loaded)
             self._changed("add_adapter", runner, False, (), {})
 

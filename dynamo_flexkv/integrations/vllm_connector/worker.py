@@ -134,6 +134,11 @@ class WorkerSide:
         self.weights = WeightWatch(default_model_id)
         self._weights_told = ""
         self._weights_lock = threading.Lock()
+        # The weights of the last step and the first step that ran with them: a save of a request
+        # first scheduled before that step holds KV (in part) of older weights (SaveSpec.first_step)
+        self._step_weights = ""
+        self._weights_since_step = 0  # 0: no change seen since the worker started
+        self.stale_saves = 0  # saves dropped for it
 
     # ---- setup -----------------------------------------------------------------------------------
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
@@ -333,9 +338,16 @@ class WorkerSide:
         for spec in meta.loads:
             if spec.handover is not None:
                 self._pull(spec)
+        self._note_weights(meta.step)
         for save in meta.saves:
             if save.after_load and save.req_id in self._ahead:  # released once its load ended
                 self._release_after_load.add(save.req_id)
+                continue
+            if save.block_ids and self._weights_since_step and save.first_step < self._weights_since_step:
+                # Computed (in part) before the weights changed, perhaps stored under the new key (an
+                # adapter's files written over before the hot-swap): only the blocks' release.
+                self.stale_saves += 1
+                self._saved.add(save.req_id)
                 continue
             if not save.block_ids or not self._stores:  # nothing to store (dropped by a reset, or another
                 # rank stores the shared copy): only the blocks' release
@@ -673,6 +685,14 @@ class WorkerSide:
         """Notices the weight updates vLLM runs in this process and tells the tiers at once."""
         self.weights.on_change(self._tell_weights)
         self.weights.attach_from_caller()  # the runner calling register_kv_caches
+
+    def _note_weights(self, step: int) -> None:
+        """Weight updates run between steps (vLLM's collective calls) or in a step's preparation (a
+        LoRA adapter loaded for it): the first step that sees new weights is where they start."""
+        version = self.weights.version()
+        if version != self._step_weights:
+            self._step_weights, self._weights_since_step = version, step
+            log.info("FlexKVConnector: weights %r from step %d: earlier requests' KV is not stored", version, step)
 
     def _weights_current(self) -> bool:
         """Whether the tiers were told of the weights loaded now (tells them where not yet); False

@@ -1,6 +1,6 @@
-"""Review of issue 48's LoRA hot-swap item: attacks on the adapter key (settings.adapter_id), the
-worker's WeightWatch over the LoRA manager's add_adapter, and how the two meet in the connector's
-scheduler and worker halves.
+"""A LoRA hot-swap and weight updates against the tiers (from the adversarial review of issue 48):
+the adapter key (settings.adapter_id), the worker's WeightWatch over the LoRA manager's
+add_adapter, and saves of KV computed before a change (SaveSpec.first_step).
 
 The runner and LoRA manager are test_vllm_weight_watch's (LRUCacheWorkerLoRAManager.add_adapter's
 logic over real files); the connector's halves are the real SchedulerSide and WorkerSide over a
