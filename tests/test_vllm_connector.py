@@ -290,7 +290,8 @@ def test_a_hinted_lookups_pull_never_blocks_other_requests_lookups(tmp_path):
         assert client.query("hinted", list(range(128))) is None  # still pulling: "not yet"
         release.set()
         wait_until("the hinted answer", lambda: client.query("hinted", list(range(128))), timeout=30)
-        assert server.answered == 3 and server.failed == 0
+        wait_until("the server counted its three answers", lambda: server.answered == 3, timeout=30)  # after sending
+        assert server.failed == 0
     finally:
         release.set()
         server.close()
