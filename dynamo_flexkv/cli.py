@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dynamo_flexkv import __version__
+from dynamo_flexkv.serve.logs import Console
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +46,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["zmq", "nats"],
         help="zmq (default) or nats (nats-server started on 127.0.0.1 unless NATS_SERVER is set)",
     )
-    serve.add_argument("--run-dir", help="discovery store, model directory, logs (default: a new temp dir)")
+    serve.add_argument(
+        "--run-dir",
+        help="discovery store, model directory, logs/ (default: a new temp directory, removed when serve "
+        "stops unless the graph failed; a --run-dir is kept)",
+    )
+    serve.add_argument(
+        "--keep-run-dir", action="store_true", help="keep the default temp run directory (and its logs) at exit"
+    )
+    serve.add_argument(
+        "--console",
+        choices=[c.value for c in Console],
+        default=Console.QUIET.value,
+        help="what the terminal shows of the components' logs: quiet (default: serve's own lines, this "
+        "package's lines, and every component's warnings and errors) or all; RUN_DIR/logs always has every line",
+    )
     serve.add_argument(
         "--nodes",
         metavar="FILE",
@@ -155,21 +170,29 @@ def main(argv: Optional[List[str]] = None) -> int:
                 else:
                     sys.stdout.write(text)
                 return 0
+            import shutil
             import tempfile
             from dynamo_flexkv.serve.launcher import serve
             from dynamo_flexkv.serve.nodes import Nodes
 
-            plan = _plan(
-                args,
-                args.run_dir or tempfile.mkdtemp(prefix="dynamo-flexkv-"),
-                discovery_backend=args.discovery_backend,
-                event_plane=args.event_plane,
-                nodes=Nodes.load(args.nodes) if args.nodes else None,
-            )
+            own = args.run_dir is None  # serve's own temp directory: it goes when serve stops
+            run_dir = args.run_dir or tempfile.mkdtemp(prefix="dynamo-flexkv-")
+            try:
+                plan = _plan(
+                    args,
+                    run_dir,
+                    discovery_backend=args.discovery_backend,
+                    event_plane=args.event_plane,
+                    nodes=Nodes.load(args.nodes) if args.nodes else None,
+                )
+            except BaseException:  # a refused start leaves nothing behind
+                if own:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                raise
         except GraphError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return serve(plan, sys.stdout)
+        return serve(plan, sys.stdout, console=Console(args.console), remove_run_dir=own and not args.keep_run_dir)
     if args.command == "nodes":
         return _nodes(args)
     if args.command in ("replay", "demo"):
