@@ -17,12 +17,12 @@ import pytest
 from served import Serve, assert_all_gone, post
 from vllm_graph import VllmServe
 
-# ERROR lines Dynamo's frontend itself may log when it drops a model (serve stops the workers
-# first, deletes their discovery entries, waits until the frontend no longer lists the model, then
-# stops it). Its client of the workers' endpoint and the discovery watch feeding it are torn down
-# in either order; in one (about one stop in three here) the client or the file-discovery watcher
-# logs the closed channel as an ERROR. Nothing is lost by then: every worker has drained and
-# exited. Stopping the frontend first (serve did until this test) logs the first one every time.
+# ERROR lines Dynamo's frontend itself logs when a worker's discovery entries go (at any worker's
+# stop; serve stops the workers first, then the frontend once it dropped their model): the client
+# watching the workers' endpoint, or file discovery's watcher, logs its closed channel as an ERROR,
+# in about one stop in three here. Dynamo's own: no stop order avoids it, and nothing is lost (the
+# worker drains and exits normally). Stopping the frontend first, as serve did before, logged the
+# first one at every stop.
 DYNAMO_STOP_NOISE = (
     "monitor_instance_source: The Sender is dropped: channel closed",
     "Failed to send file watch event error=channel closed",

@@ -40,7 +40,7 @@ PROBE_TIMEOUT_S = 2.0
 # Until a starting worker has registered in discovery its /health is not asked: Dynamo's system
 # server logs every 503 it answers as an ERROR line. Past this long without a registration serve
 # asks anyway, once a second (a worker kind that registers no model card still becomes ready).
-UNREGISTERED_PROBE_AFTER_S = 120.0
+UNREGISTERED_PROBE_AFTER_S = 600.0
 MODEL_GONE_TIMEOUT_S = 5.0  # at a stop: how long the frontend may take to drop the stopped workers' model
 
 
