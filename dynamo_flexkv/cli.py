@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from dynamo_flexkv import __version__
 from dynamo_flexkv.serve.logs import Console
@@ -87,7 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument(
         "--k8s", action="store_true", required=True, help="a Dynamo DynamoGraphDeployment (nvidia.com/v1alpha1)"
     )
-    render.add_argument("--image", default="dynamo-flexkv:latest", help="container image with dynamo_flexkv installed")
+    render.add_argument(
+        "--image",
+        default="dynamo-flexkv:latest",
+        help="container image with dynamo_flexkv installed (`make image` builds dynamo-flexkv:latest)",
+    )
+    render.add_argument(
+        "--ssd-volume",
+        choices=["hostpath", "emptydir"],
+        default="hostpath",
+        help="what backs a worker's SSD cache directory: hostpath (default: a directory of the node, kept across "
+        "pod restarts; one replica per node; needs a namespace that allows hostPath) or emptydir (the pod's own, "
+        "emptied at each restart)",
+    )
+    render.add_argument(
+        "--node-selector",
+        action="append",
+        metavar="KEY=VALUE",
+        help="node label the worker pods and the node cache need (repeatable; default dynamo-flexkv/node=true; "
+        "--node-selector '' for none)",
+    )
     render.add_argument("-o", "--output", help="file to write (default: stdout)")
 
     from dynamo_flexkv.replay.main import add_arguments as replay_arguments
@@ -155,6 +174,25 @@ def _plan(args: argparse.Namespace, run_dir: str, **kw):
     )
 
 
+def _node_selector(items: Optional[List[str]]) -> Optional[Dict[str, str]]:
+    """render --node-selector: None (the default label) when not given; '' alone: none."""
+    if items is None:
+        return None
+    from dynamo_flexkv.serve import GraphError
+
+    out: Dict[str, str] = {}
+    for item in items:
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise GraphError(
+                f"--node-selector {item!r}: expected KEY=VALUE, e.g. --node-selector nvidia.com/gpu.present=true"
+            )
+        out[key] = value
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "render"):
@@ -162,11 +200,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         try:
             if args.command == "render":
-                from dynamo_flexkv.serve.render import render_k8s
+                from dynamo_flexkv.serve.render import SsdVolume, render_k8s
 
-                text = render_k8s(_plan(args, "/run/dynamo-flexkv", local=False), args.image)
+                text = render_k8s(
+                    _plan(args, "/run/dynamo-flexkv", local=False),
+                    args.image,
+                    SsdVolume(args.ssd_volume),
+                    _node_selector(args.node_selector),
+                )
                 if args.output:
                     Path(args.output).write_text(text)
+                    warned = text.count("\n# WARNING: ")
+                    print(f"wrote {args.output}; its header has {warned} warning(s) to read first", file=sys.stderr)
                 else:
                     sys.stdout.write(text)
                 return 0
