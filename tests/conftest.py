@@ -117,6 +117,7 @@ MODULE_KINDS = {
     "test_remote_store": "integration",
     "test_remote_tier": "integration",
     "test_render_k8s": "unit",
+    "test_render_k8s_cluster": "unit",
     "test_replay": "unit",
     "test_resp_stream": "unit",
     "test_router_burst": "served",
