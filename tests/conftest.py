@@ -84,6 +84,7 @@ MODULE_KINDS = {
     "test_disagg_role": "unit",
     "test_disagg_serve": "served",
     "test_doctor_dirs": "unit",
+    "test_dockerfile": "integration",
     "test_disk_io": "unit",
     "test_dynamo_worker": "served",
     "test_engine": "unit",
