@@ -87,7 +87,7 @@ def start_and_stop(serve: Serve, temp: Path, model: str) -> None:
 def temp():
     """serve's temp folder: short (vLLM makes its IPC sockets there, 107 characters at most) and the
     test's own, so that whatever a run leaves there is seen."""
-    path = Path(tempfile.mkdtemp(prefix="flexkv-clean-"))
+    path = Path(tempfile.mkdtemp(prefix="fkc-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -167,8 +167,9 @@ class Launcher:
         self.events: List[str] = []  # what supervise() said, also written to echo
         self._buried: Set[subprocess.Popen] = set()  # dead, group killed, reaped: never signal again
         # The components' temp folder (TMPDIR): what they leave there (vLLM's IPC sockets, torch's
-        # caches) goes when serve stops. Made at start, in serve's own temp folder: short enough
-        # for the socket paths vLLM makes in it.
+        # caches) goes when serve stops. Made at start, in serve's own temp folder, with a short
+        # name: Unix socket paths in it (vLLM's, the connector's lookup socket when the run
+        # directory is too deep for one) must stay within 107 bytes.
         self.tmp_dir: Optional[str] = None
         self._unregistered_since: Dict[str, float] = {}  # starting worker -> when serve began waiting for it
 
@@ -178,7 +179,7 @@ class Launcher:
 
         run_dirs(self.plan)
         _unignore_sigint()
-        self.tmp_dir = tempfile.mkdtemp(prefix="dynamo-flexkv-tmp-")
+        self.tmp_dir = tempfile.mkdtemp(prefix="flexkv-tmp-")
         if self.plan.write_model:
             write_preset(self.plan.model, self.plan.run_dir / "model", weights=self.plan.model_weights)
         try:
