@@ -126,6 +126,7 @@ MODULE_KINDS = {
     "test_serve": "unit",
     "test_serve_faults": "served",
     "test_serve_clean_start_stop": "served",
+    "test_serve_logs": "unit",
     "test_serve_requests_and_shutdown": "served",
     "test_serve_restarts": "served",
     "test_serve_vllm": "unit",
