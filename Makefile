@@ -2,7 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-slow bench doctor peer-lmcache
+IMAGE ?= dynamo-flexkv:latest
+
+.PHONY: install demo test test-slow bench doctor peer-lmcache image lint-image
 
 install:
 	VENV=$(VENV) bash scripts/install.sh
@@ -37,3 +39,11 @@ test-slow: install
 
 doctor: install
 	$(PY) -m dynamo_flexkv.cli doctor
+
+# The image `render --k8s` names (Dockerfile: Dynamo's vLLM runtime with this checkout's wheel built
+# into it). Needs Docker with BuildKit and the network (the base image is nvcr.io's).
+image: lint-image
+	docker build -t $(IMAGE) .
+
+lint-image: install
+	$(VENV)/bin/hadolint Dockerfile

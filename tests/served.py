@@ -269,10 +269,16 @@ class Serve:
         ready_timeout: float = 120,
         command: Optional[List[str]] = None,
         config: Optional[str] = None,
+        console: str = "all",
+        own_run_dir: bool = False,
+        env: Optional[dict] = None,
     ) -> None:
         """``graph``: graphs/<graph>.py with configs/<config or graph>.yaml; ``base``: the --set values
         before ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run
-        dir); ``command``: what runs ``serve ...`` (default the CLI)."""
+        dir); ``command``: what runs ``serve ...`` (default the CLI); ``console``: serve --console
+        (all: tests read the components' lines); ``own_run_dir``: no --run-dir (serve makes and
+        removes its own temp one; ``run`` is then read from its ready lines); ``env``: serve's
+        environment (default this process's)."""
         self.run = run = tmp_path / name
         sets = [
             *(base if base is not None else [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}"]),
@@ -286,14 +292,16 @@ class Serve:
                 str(ROOT / "graphs" / f"{graph}.py"),
                 "-f",
                 str(ROOT / "configs" / f"{config or graph}.yaml"),
-                "--run-dir",
-                str(run),
+                *([] if own_run_dir else ["--run-dir", str(run)]),
+                "--console",
+                console,
                 *[a for s in sets for a in ("--set", s)],
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            env=env,
         )
         self.lines: List[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -305,6 +313,8 @@ class Serve:
             raise
         self.ready_s = time.monotonic() - self.started
         self.base_url = ready.group(1)
+        if own_run_dir:
+            self.run = Path(self.wait_for(r"^  run directory: (\S+) ", 5).group(1))
         self.metrics = {
             m.group(1): m.group(2) for m in (re.match(r"\s+(\S+) metrics: (http://\S+)", x) for x in self.lines) if m
         }

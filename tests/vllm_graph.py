@@ -50,7 +50,9 @@ class VllmServe(Serve):
         base: List[str],
         ready_timeout: float = 900,
         config: Optional[str] = None,
+        **kw: Any,
     ) -> None:
+        """``kw``: served.Serve's other options (console, own_run_dir, env)."""
         super().__init__(
             tmp_path,
             name,
@@ -60,6 +62,7 @@ class VllmServe(Serve):
             ready_timeout=ready_timeout + 30,
             command=[sys.executable, str(Path(__file__).with_name("vllm_serve.py")), str(ready_timeout)],
             config=config,
+            **kw,
         )
 
 

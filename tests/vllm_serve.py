@@ -11,5 +11,5 @@ from dynamo_flexkv.serve import launcher
 if __name__ == "__main__":
     timeout, argv = float(sys.argv[1]), sys.argv[2:]
     serve = launcher.serve
-    launcher.serve = lambda plan, echo, ready_timeout=timeout: serve(plan, echo, ready_timeout=timeout)
+    launcher.serve = lambda plan, echo, ready_timeout=timeout, **kw: serve(plan, echo, ready_timeout=timeout, **kw)
     sys.exit(cli.main(argv))

@@ -14,6 +14,7 @@ from dynamo_flexkv.core.remote.config import DEFAULT_PASSWORD_ENV
 from dynamo_flexkv.core.sysutil import find_binary
 from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
 from dynamo_flexkv.serve.graph import GraphError
+from dynamo_flexkv.serve.logs import COMPONENT_LOG_ENV
 from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.serve.ports import LOOPBACK, PortBook
 from dynamo_flexkv.serve.redis_server import local_redis_settings, redis_conf
@@ -53,7 +54,8 @@ def check_remote_reachable(cache: CacheConfig, where: str) -> None:
 
 def infra_processes(run_dir: Path, discovery: str, event_plane: str, ports: "PortBook"):
     """etcd and NATS for the non-default planes, on loopback, unless the environment names servers."""
-    env = dict(LOOPBACK_ENV, HF_HUB_OFFLINE="1")  # the model directory is local; never download
+    # The model directory is local: never download. Logs in plain text (serve.logs).
+    env = dict(LOOPBACK_ENV, HF_HUB_OFFLINE="1", **COMPONENT_LOG_ENV)
     if discovery == "file":
         env["DYN_FILE_KV"] = str(run_dir / "discovery")
     procs = []

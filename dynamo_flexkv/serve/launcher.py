@@ -12,6 +12,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,10 +21,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import IO, Callable, Dict, List, Optional, Set
 
+from dynamo_flexkv.serve.discovery import Discovery, owned_by, registered, worker_ids
 from dynamo_flexkv.serve.graph import GraphError, Kind
+from dynamo_flexkv.serve.logs import Console, ConsoleFilter, plain
 from dynamo_flexkv.serve.options import OnDeath
 from dynamo_flexkv.serve.plan import LaunchPlan
 from dynamo_flexkv.serve.process import Process
@@ -35,6 +37,11 @@ from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
 STOP_TIMEOUT_S = 30.0  # what a component has to stop on serve's signal before SIGKILL (docs/SERVING.md)
 PROBE_EVERY_S = 5.0  # a ready worker's /health is asked at most this often
 PROBE_TIMEOUT_S = 2.0
+# Until a starting worker has registered in discovery its /health is not asked: Dynamo's system
+# server logs every 503 it answers as an ERROR line. Past this long without a registration serve
+# asks anyway, once a second (a worker kind that registers no model card still becomes ready).
+UNREGISTERED_PROBE_AFTER_S = 600.0
+MODEL_GONE_TIMEOUT_S = 5.0  # at a stop: how long the frontend may take to drop the stopped workers' model
 
 
 class _Liveness:
@@ -136,9 +143,11 @@ class Launcher:
         plan: LaunchPlan,
         echo: Optional[IO[str]] = None,
         probe: Optional[Callable[[Process, float], bool]] = None,
+        console: Console = Console.ALL,
     ) -> None:
         self.plan = plan
         self.echo = echo  # where component logs are streamed (None: only to run_dir/logs)
+        self.console = console  # which component lines echo shows (the log files get every line)
         # probe(process, timeout_s): whether it answers ready (default: a worker's /health says so)
         self.probe: Callable[[Process, float], bool] = probe or self._worker_ready
         self.log_dir = plan.run_dir / "logs"
@@ -157,6 +166,12 @@ class Launcher:
         self.liveness: Dict[str, _Liveness] = {}  # ready workers' /health probes (liveness-timeout-s)
         self.events: List[str] = []  # what supervise() said, also written to echo
         self._buried: Set[subprocess.Popen] = set()  # dead, group killed, reaped: never signal again
+        # The components' temp folder (TMPDIR): what they leave there (vLLM's IPC sockets, torch's
+        # caches) goes when serve stops. Made at start, in serve's own temp folder, with a short
+        # name: Unix socket paths in it (vLLM's, the connector's lookup socket when the run
+        # directory is too deep for one) must stay within 107 bytes.
+        self.tmp_dir: Optional[str] = None
+        self._unregistered_since: Dict[str, float] = {}  # starting worker -> when serve began waiting for it
 
     # ---- start -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -164,6 +179,7 @@ class Launcher:
 
         run_dirs(self.plan)
         _unignore_sigint()
+        self.tmp_dir = tempfile.mkdtemp(prefix="flexkv-tmp-")
         if self.plan.write_model:
             write_preset(self.plan.model, self.plan.run_dir / "model", weights=self.plan.model_weights)
         try:
@@ -188,7 +204,7 @@ class Launcher:
             log_file.flush()
         p = subprocess.Popen(
             proc.argv,
-            env={**os.environ, **proc.env},
+            env={**os.environ, **proc.env, **({"TMPDIR": self.tmp_dir} if self.tmp_dir else {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -204,12 +220,14 @@ class Launcher:
         self._readers.append(t)
 
     def _pump(self, name: str, stream: IO[bytes], log_file: IO[str]) -> None:
+        shown = ConsoleFilter(self.console)
         with log_file:
             for raw in iter(stream.readline, b""):
-                line = raw.decode(errors="replace").rstrip("\n")
+                line = plain(raw.decode(errors="replace").rstrip("\n"))
                 log_file.write(line + "\n")
                 log_file.flush()
-                self.emit(f"{name:>{self._width}} | {line}\n")
+                if shown.show(line):
+                    self.emit(f"{name:>{self._width}} | {line}\n")
         stream.close()
 
     # ---- readiness ---------------------------------------------------------------------------
@@ -258,10 +276,23 @@ class Launcher:
                 return True
             except OSError:
                 return False
+        if not self._registered(proc):
+            return False
         try:
             return http_json("GET", f"http://{proc.host}:{proc.port}/health", timeout=timeout).get("status") == "ready"
         except (OSError, ValueError, http.client.HTTPException):  # not up yet, or cut off mid-answer
             return False
+
+    def _registered(self, proc: Process) -> bool:
+        """Whether a worker's /health may be asked: it registered in discovery (its model card and
+        endpoint), or serve cannot read discovery, or it has waited UNREGISTERED_PROBE_AFTER_S.
+        A starting worker answers 503 until then, and Dynamo logs each 503 as an ERROR line."""
+        entries = Discovery(proc.env).entries()
+        if entries is None or registered(entries, proc.host, int(proc.port or 0)):
+            self._unregistered_since.pop(proc.name, None)
+            return True
+        since = self._unregistered_since.setdefault(proc.name, time.monotonic())
+        return time.monotonic() - since > UNREGISTERED_PROBE_AFTER_S
 
     def _tick(self, deadline: float, waiting_for: str) -> None:
         if self.interrupted.is_set():
@@ -399,36 +430,15 @@ class Launcher:
         """File discovery: deletes a dead worker's registrations (its instances, model card and event
         sources), so the router drops it now rather than when they expire (Dynamo's 10 s TTL, which
         also applies to etcd leases). Its model card names its system port, which identifies it."""
-        root = proc.env.get("DYN_FILE_KV")
-        if not root:
+        store = Discovery(proc.env)
+        if not store.root:
             return 0
-        docs = {}
-        for path in (Path(root) / "v1").glob("*/*"):
-            if path.name.startswith("."):  # Dynamo's temp files
-                continue
-            try:
-                text = path.read_text()
-                docs[path] = (text, json.loads(text))
-            except (OSError, ValueError):
-                continue
-        marker = f"http://{proc.host}:{proc.port}/"
-        ids = {
-            doc.get("instance_id")
-            for text, doc in docs.values()
-            if isinstance(doc, dict) and doc.get("type") == "Model" and marker in text
-        } - {None}
-        removed = 0
-        for path, (_, doc) in docs.items():
-            if not isinstance(doc, dict):
-                continue
-            worker = (doc.get("metadata") or {}).get("worker") or {}
-            if doc.get("instance_id") in ids or worker.get("worker_id") in ids:
-                try:
-                    path.unlink()
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-        return removed
+        entries = store.entries() or []
+        ids = worker_ids(entries, proc.host, int(proc.port or 0))
+        # The model card last: once the frontend dropped the model (what a stop waits for), it has
+        # been sent every other deletion.
+        owned = sorted(owned_by(entries, ids), key=lambda e: e.doc.get("type") == "Model")
+        return sum(store.delete(e) for e in owned)
 
     def _say(self, line: str) -> None:
         self.events.append(line)
@@ -447,47 +457,74 @@ class Launcher:
                 self.echo = None
 
     def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """SIGINT to the frontend first (no new requests), then workers, then infrastructure; what
-        has not exited after ``timeout`` gets SIGKILL. Every process group is reaped. A worker that
-        has not reported ready (a restart still starting) has accepted nothing and its SSD journal
-        survives any stop: it is stopped at once (_stop_starting)."""
-        # The workers stop before the node cache they attach to (they detach cleanly), which stops
-        # before the infrastructure.
-        serving = [p for p in self._order if p.kind in (Kind.FRONTEND, Kind.WORKER)]
-        for group in (
-            serving,
-            [p for p in self._order if p.kind is Kind.CACHE],
-            [p for p in self._order if p.kind is None],
-        ):
-            # A worker whose death _died handled (restart pending) was group-killed and reaped then:
-            # its pid may belong to someone else by now.
-            group = [proc for proc in group if self.running[proc.name] not in self._buried]
-            for proc in group:
-                p = self.running[proc.name]
-                if proc.kind is Kind.WORKER and proc.name not in self.ready and not self.probe(proc, 1):
-                    _stop_starting(p, proc.stop_group)
-                elif proc.stop_group:
-                    signal_group(p, signal.SIGINT)
-                else:  # it stops its children itself, in order, once it has drained
-                    try:
-                        p.send_signal(signal.SIGINT)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + timeout
-            for proc in group:
-                p = self.running[proc.name]
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-                # Its children drain on their own signal (vLLM's EngineCore and Worker, which write
-                # their last tier stores) and may outlive it by moments: within the same deadline.
-                wait_group(p, deadline)
-                kill_group(p)  # stragglers of the group, or the process itself
-                p.wait()
+        """The workers first: each stops taking requests and drains what it accepted while the
+        frontend, still up, relays it. Then the frontend, once it has dropped the workers' model
+        (stopped while it still watched them, Dynamo's frontend logs an ERROR "channel closed"
+        per endpoint), then the node cache (its workers detached cleanly), then infrastructure.
+        Each group gets SIGINT and ``timeout`` to exit, then SIGKILL; every process group is
+        reaped. A worker that has not reported ready (a restart still starting) has accepted
+        nothing and its SSD journal survives any stop: it is stopped at once (_stop_starting)."""
+        for live in list(self.liveness.values()):  # a stopping worker answers /health 503: an ERROR line
+            if live.thread is not None:
+                live.thread.join(PROBE_TIMEOUT_S + 1)
+        workers = [p for p in self._order if p.kind is Kind.WORKER]
+        self._stop(workers, timeout)
+        for proc in workers:  # file discovery keeps a stopped worker's model card until its TTL
+            self._deregister(proc)
+        frontends = [p for p in self._order if p.kind is Kind.FRONTEND]
+        if workers and frontends and self.running[frontends[0].name].poll() is None:
+            self._wait_model_gone()
+        self._stop(frontends, timeout)
+        self._stop([p for p in self._order if p.kind is Kind.CACHE], timeout)
+        self._stop([p for p in self._order if p.kind is None], timeout)
         self.pending.clear()  # a restart that was due never happens
         for t in self._readers:
             t.join(timeout=5)
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
+
+    def _stop(self, group: List[Process], timeout: float) -> None:
+        # A worker whose death _died handled (restart pending) was group-killed and reaped then:
+        # its pid may belong to someone else by now.
+        group = [proc for proc in group if self.running[proc.name] not in self._buried]
+        for proc in group:
+            p = self.running[proc.name]
+            if proc.kind is Kind.WORKER and proc.name not in self.ready and not self.probe(proc, 1):
+                _stop_starting(p, proc.stop_group)
+            elif proc.stop_group:
+                signal_group(p, signal.SIGINT)
+            else:  # it stops its children itself, in order, once it has drained
+                try:
+                    p.send_signal(signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for proc in group:
+            p = self.running[proc.name]
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            # Its children drain on their own signal (vLLM's EngineCore and Worker, which write
+            # their last tier stores) and may outlive it by moments: within the same deadline.
+            wait_group(p, deadline)
+            kill_group(p)  # stragglers of the group, or the process itself
+            p.wait()
+
+    def _wait_model_gone(self) -> None:
+        """Until the frontend no longer lists the model (it dropped the stopped workers), at most
+        MODEL_GONE_TIMEOUT_S."""
+        url = f"{self.plan.base_url}/v1/models"
+        deadline = time.monotonic() + MODEL_GONE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                models = http_json("GET", url, timeout=2).get("data", [])
+            except (OSError, ValueError, http.client.HTTPException):
+                return  # not answering: nothing left to wait for
+            if not any(m.get("id") == self.plan.served_model_name for m in models):
+                return
+            time.sleep(0.1)
 
     def __enter__(self) -> "Launcher":
         self.start()
@@ -516,22 +553,35 @@ def _stop_starting(p: subprocess.Popen, as_group: bool) -> None:
     signal_group(p, signal.SIGTERM)
 
 
-def serve(plan: LaunchPlan, echo: IO[str], ready_timeout: float = 300) -> int:
+def serve(
+    plan: LaunchPlan,
+    echo: IO[str],
+    ready_timeout: float = 300,
+    console: Console = Console.QUIET,
+    remove_run_dir: bool = False,
+) -> int:
     """``dynamo-flexkv serve``: runs until Ctrl-C / SIGTERM (exit 0), or until a component dies and
-    its policy says stop, or a worker spends its restart budget (exit 1)."""
-    launcher = Launcher(plan, echo)
+    its policy says stop, or a worker spends its restart budget (exit 1). ``remove_run_dir``: the
+    run directory is serve's own (a temp one): removed once everything stopped, unless the graph
+    failed (exit 1: its logs are what tells why)."""
+    launcher = Launcher(plan, echo, console=console)
     stop = launcher.interrupted
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     for note in plan.notes:
         launcher.emit(f"note: {note}\n")
+    names = [p.name for p in plan.infra + plan.processes]
+    logs = f"{launcher.log_dir}/{names[0]}.log" if len(names) == 1 else f"{launcher.log_dir}/{{{','.join(names)}}}.log"
     try:
+        launcher.emit(f"graph {plan.graph.name}: starting {', '.join(p.name for p in plan.processes)}; logs: {logs}\n")
         launcher.start()
         launcher.wait_ready(ready_timeout)
+        kept = "removed when serve stops; --keep-run-dir keeps it" if remove_run_dir else "kept"
         launcher.emit(
             f"graph {plan.graph.name} ready: {plan.base_url}/v1 serves {plan.served_model_name} "
             f"({len(plan.workers)} worker(s)); Ctrl-C stops it\n"
-            + "".join(f"  {proc.name} metrics: {proc.metrics_url}\n" for proc in plan.processes)
+            f"  run directory: {plan.run_dir} ({kept})\n"
+            f"  logs: {logs}\n" + "".join(f"  {proc.name} metrics: {proc.metrics_url}\n" for proc in plan.processes)
         )
         code = launcher.supervise(stop)
     except (ComponentDied, TimeoutError, GraphError) as e:
@@ -544,4 +594,8 @@ def serve(plan: LaunchPlan, echo: IO[str], ready_timeout: float = 300) -> int:
         launcher.shutdown()
         for s, h in previous.items():
             signal.signal(s, h)
+    if remove_run_dir and code == 0:
+        shutil.rmtree(plan.run_dir, ignore_errors=True)
+    elif remove_run_dir:
+        launcher.emit(f"the run directory stays for its logs: {plan.run_dir} (remove it when done)\n")
     return code

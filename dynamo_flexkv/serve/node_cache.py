@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import yaml
 
@@ -252,11 +252,24 @@ def process(
     )
 
 
-def render_daemonset(proc: Process, name: str, image: str) -> Dict[str, Any]:
-    """How a Kubernetes user runs a per-node service: a DaemonSet (one pod per node) whose socket
-    directory is a hostPath the node's worker pods mount too. hostPID: the service fences a dead
-    engine's writes by its process id (pidfd), which it must see; its disk tier is a hostPath too,
-    so a restarted service re-adopts it."""
+def render_daemonset(
+    proc: Process,
+    name: str,
+    image: str,
+    *,
+    node_selector: Mapping[str, str],
+    host_dir: str,
+    pod_security: Dict[str, Any],
+    owner_init: Callable[[str, List[Dict[str, Any]]], Dict[str, Any]],
+    resources: Dict[str, Any],
+    annotations: Mapping[str, str],
+) -> Dict[str, Any]:
+    """How a Kubernetes user runs a per-node service: a DaemonSet (one pod per node, on the nodes
+    ``node_selector`` picks) whose socket directory is a hostPath the node's worker pods mount too.
+    hostPID: the service fences a dead engine's writes by its process id (pidfd), which it must
+    see; its disk tier is a hostPath too (under ``host_dir``), so a restarted service re-adopts it.
+    ``owner_init`` makes the init container that gives those directories to the pods' user;
+    ``annotations`` say why the pod needs the host (render.py)."""
     args = list(proc.argv[proc.argv.index("cache-server") + 1 :])
     for flag, value in (
         ("--socket", f"{RENDER_SOCKET_DIR}/node.sock"),
@@ -269,18 +282,40 @@ def render_daemonset(proc: Process, name: str, image: str) -> Dict[str, Any]:
     values = yaml.safe_load(config) or {}
     dirs = values.get("ssd_cache_dir") or [] if float(values.get("ssd_cache_gb") or 0) > 0 else []
     dirs = dirs.split(";") if isinstance(dirs, str) else list(dirs)
-    mounts = [{"name": "socket-dir", "mountPath": RENDER_SOCKET_DIR}, {"name": "config", "mountPath": "/etc/flexkv"}]
-    volumes = [
+    host_mounts = [{"name": "socket-dir", "mountPath": RENDER_SOCKET_DIR}]
+    volumes: List[Dict[str, Any]] = [
         {"name": "socket-dir", "hostPath": {"path": RENDER_SOCKET_DIR, "type": "DirectoryOrCreate"}},
         {"name": "config", "configMap": {"name": f"{name}-node-cache"}},
     ]
-    for i, d in enumerate(dirs):
-        mounts.append({"name": f"ssd-{i}", "mountPath": d})
-        volumes.append({"name": f"ssd-{i}", "hostPath": {"path": d, "type": "DirectoryOrCreate"}})
+    for i, d in enumerate(dirs):  # the node's directory, where the config says the tier is
+        host_mounts.append({"name": f"ssd-{i}", "mountPath": d})
+        volumes.append({"name": f"ssd-{i}", "hostPath": {"path": f"{host_dir}/ssd-{i}", "type": "DirectoryOrCreate"}})
+    mounts = host_mounts + [{"name": "config", "mountPath": "/etc/flexkv"}]
 
     def labels() -> Dict[str, str]:  # a fresh dict each time: the manifest carries no YAML aliases
         return {"app": f"{name}-node-cache"}
 
+    spec: Dict[str, Any] = {
+        "hostPID": True,
+        "securityContext": pod_security,
+        "initContainers": [owner_init(image, host_mounts)],
+        "volumes": volumes,
+        "containers": [
+            {
+                "name": "cache-server",
+                "image": image,
+                "command": ["python3", "-m", "dynamo_flexkv.cli", "cache-server"],
+                "args": args,
+                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                "resources": resources,
+                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                "volumeMounts": mounts,
+                "ports": [{"name": "metrics", "containerPort": RENDER_METRICS_PORT}],
+            }
+        ],
+    }
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
     return {
         "configMap": {
             "apiVersion": "v1",
@@ -291,27 +326,10 @@ def render_daemonset(proc: Process, name: str, image: str) -> Dict[str, Any]:
         "daemonSet": {
             "apiVersion": "apps/v1",
             "kind": "DaemonSet",
-            "metadata": {"name": f"{name}-node-cache"},
+            "metadata": {"name": f"{name}-node-cache", "annotations": dict(annotations)},
             "spec": {
                 "selector": {"matchLabels": labels()},
-                "template": {
-                    "metadata": {"labels": labels()},
-                    "spec": {
-                        "hostPID": True,
-                        "volumes": volumes,
-                        "containers": [
-                            {
-                                "name": "cache-server",
-                                "image": image,
-                                "command": ["python3", "-m", "dynamo_flexkv.cli", "cache-server"],
-                                "args": args,
-                                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                                "volumeMounts": mounts,
-                                "ports": [{"name": "metrics", "containerPort": RENDER_METRICS_PORT}],
-                            }
-                        ],
-                    },
-                },
+                "template": {"metadata": {"labels": labels(), "annotations": dict(annotations)}, "spec": spec},
             },
         },
     }

@@ -61,7 +61,12 @@ class NodeCacheServer:
             "requests": 0,
             "request_errors": 0,
         }
-        self._listener = self._listen(options.socket_path)
+        self._made_dirs = _missing_dirs(os.path.dirname(os.path.abspath(options.socket_path)))
+        try:
+            self._listener = self._listen(options.socket_path)
+        except BaseException:  # refused (another server there, an unsafe directory): leave nothing made
+            self._remove_made_dirs()
+            raise
         self._accept_thread: Optional[threading.Thread] = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------
@@ -87,6 +92,14 @@ class NodeCacheServer:
         os.chmod(path, 0o600)
         sock.listen(128)
         return sock
+
+    def _remove_made_dirs(self) -> None:
+        """The directories made for the socket (innermost first), while empty."""
+        for d in self._made_dirs:
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
 
     def start(self) -> "NodeCacheServer":
         self._accept_thread = threading.Thread(target=self._accept_loop, name="flexkv-node-accept", daemon=True)
@@ -117,6 +130,7 @@ class NodeCacheServer:
                 os.unlink(self.options.socket_path)
             except OSError:
                 pass
+            self._remove_made_dirs()
         with self._lock:
             sessions = list(self._sessions.values())
         for s in sessions:
@@ -352,6 +366,15 @@ def _split(key: Tuple[Any, ...]) -> Tuple[Any, ...]:
     """An attach key without the rank: the model and how many shards its engines split it into."""
     shard_of = key[-1]
     return (*key[:-1], shard_of.split("/")[1] if shard_of else "1")
+
+
+def _missing_dirs(path: str) -> List[str]:
+    """The directories of ``path`` that do not exist yet, innermost first: what _listen makes."""
+    out = []
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
 
 
 def default_socket_path() -> str:
