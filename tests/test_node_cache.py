@@ -33,6 +33,10 @@ def test_what_one_engine_stores_another_loads_bytes_exact_from_host_and_disk(tmp
         shared = prompt(1, 40 * BS)
         a.store(shared, list(range(40)))
         assert b.offload.cached_tokens(shared) == 40 * BS
+        # The same lookup, explained: the service's decision comes back with the answer.
+        answer, decision = b.offload.explain_lookup(shared, prompt_tokens=40 * BS + 1, skip_blocks=2)
+        assert answer == 40 * BS and decision is not None
+        assert (decision["start"], decision["end"], decision["found"]) == (2 * BS, 40 * BS, {"host": 38 * BS})
         assert b.load(shared, list(range(50, 90))) == 40
         assert b.check(shared, list(range(50, 90)), 0, 40) == []
         # A prompt that extends it: B holds the first 40 blocks already (skip), loads the rest.

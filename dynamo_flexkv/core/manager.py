@@ -388,12 +388,36 @@ class KVManager:
         default one more than token_ids). The decision counts in stats().prefix_tokens: for an
         engine that asks first and loads what it was told, passing no prompt_tokens to get_async
         (vLLM's scheduler)."""
+        return (
+            self.lookup_decision(
+                token_ids,
+                prompt_tokens=prompt_tokens,
+                layerwise=layerwise,
+                lora_name=lora_name,
+                cache_salt=cache_salt,
+                skip_blocks=skip_blocks,
+            ).end
+            * self.tokens_per_block
+        )
+
+    def lookup_decision(
+        self,
+        token_ids,
+        *,
+        prompt_tokens: Optional[int] = None,
+        layerwise: bool = True,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        skip_blocks: int = 0,
+    ) -> LoadDecision:
+        """loadable_tokens' decision itself (what each tier holds beyond ``skip_blocks``, how far
+        the policy loads and why), counted the same way."""
         self._check_open("loadable_tokens")
         seq = _int_list(self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence)
         start = arguments.skip_blocks(skip_blocks, len(token_ids), self.tokens_per_block)
         start = min(start, len(seq))
         total = len(token_ids) + 1 if prompt_tokens is None else max(int(prompt_tokens), len(token_ids))
-        return self._decide(seq, start, self._remote_probe(seq, start), total, layerwise).end * self.tokens_per_block
+        return self._decide(seq, start, self._remote_probe(seq, start), total, layerwise)
 
     def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
         """The engine's measurement for cost-aware loading: a step computed ``tokens`` prompt tokens
