@@ -116,6 +116,7 @@ MODULE_KINDS = {
     "test_remote_tier": "integration",
     "test_render_k8s": "unit",
     "test_replay": "unit",
+    "test_replay_accounting": "unit",
     "test_resp_stream": "unit",
     "test_router_burst": "served",
     "test_router_events": "integration",
