@@ -128,11 +128,11 @@ def test_the_load_policy_declined_with_its_estimate_against_the_measured_ttft():
         "load_all_ms": 31.0,
     }
     logs = {"A": [{"kind": "lookup", "t": 2.1, "key": key, "device": 4, "answer": 4, "decision": decision}]}
-    row = account([req(0, p0, 0, 1), req(1, p1, 2, 3, cached=4, ttft_ms=25.0)], B, events=[], logs=logs)
+    row = account([req(0, p0, 0, 1), req(1, p1, 2, 3, cached=4, ttft_ms=250.0)], B, events=[], logs=logs)
     assert causes(row, 1) == {"device": 4, "declined": 12, "new": 4, "tail": 1}
-    assert row.requests[1].decision == {**decision, "ttft_ms": 25.0}
+    assert row.requests[1].decision == {**decision, "ttft_ms": 250.0}
     assert row.lookups == 1
-    assert "load all 31 ms vs the chosen 20 ms; measured TTFT median 25 ms" in row.declined_summary()
+    assert "load all 31 ms vs the chosen 20 ms; measured TTFT median 250 ms" in row.declined_summary()
 
 
 def test_found_by_the_lookup_but_gone_when_loaded():
@@ -166,13 +166,24 @@ def test_held_on_its_own_worker_but_not_hit():
 
 
 def test_two_requests_with_the_same_prompt_each_get_their_own_records():
-    p0, p = prompt(1, 2), prompt(1, 2, 3)
+    """Two conversations opened with the same prompt, sent 0.5 s apart to one worker: the first
+    found nothing and was answered in 60 ms; the second loaded it. Each gets its own lookup, and
+    the load is the second's (it came after the first's first token)."""
+    p = prompt(1, 2, 3)
     key = prompt_key(p[: lookup_tokens(len(p), B)])
-    rec = {"kind": "load", "key": key, "device": 0, "planned": 8, "ok": True}
-    logs = {"A": [{**rec, "t": 5.1, "loaded": {"disk": 8}}, {**rec, "t": 2.1, "loaded": {"host": 8}}]}
-    reqs = [req(0, p0, 0, 1), req(1, p, 2, 3, cached=8), req(2, p, 5, 6, cached=8)]
+    lookup = {"kind": "lookup", "key": key, "device": 0, "decision": None}
+    logs = {
+        "A": [
+            {**lookup, "t": 2.01, "answer": 0},
+            {**lookup, "t": 2.51, "answer": 8},
+            {"kind": "load", "t": 2.52, "key": key, "device": 0, "planned": 8, "loaded": {"host": 8}, "ok": True},
+        ]
+    }
+    reqs = [req(0, p, 2.0, 2.1, ttft_ms=60.0), req(1, p, 2.5, 2.6, cached=8, ttft_ms=40.0)]
     row = account(reqs, B, events=[], logs=logs)
-    assert causes(row, 1)["host"] == 8 and causes(row, 2)["disk"] == 8
+    assert causes(row, 0) == {"new": 12, "tail": 1}
+    assert causes(row, 1) == {"host": 8, "untraced": 4, "tail": 1}
+    assert row.check == "exact" and row.lookups == 2
 
 
 def test_the_peer_row_splits_its_hit_by_the_device_events():

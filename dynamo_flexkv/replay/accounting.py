@@ -256,9 +256,11 @@ class ConnectorLog:
         return None
 
 
-# Records written a little before the client saw its request sent (clocks read in two processes)
-# or after its last byte (a load's record is written at the end of the step) still count.
-SLACK_S = 0.5
+# A request's lookup and load happen after the client sent it and before its first token left the
+# worker (the load's record is written at the end of the step that computes it), so a record
+# belongs to the request whose [sent, first token] holds it; this much more on either side
+# absorbs the clock reads of two processes (one clock: the machine's).
+SLACK_S = 0.05
 
 
 def account(
@@ -285,11 +287,12 @@ def account(
         if log is None:
             continue
         key = prompt_key(r.tokens[: lookup_tokens(len(r.tokens), bs)])
-        lk = log.take("lookup", key, r.sent - SLACK_S, r.done + SLACK_S)
+        first = r.sent + r.ttft_ms / 1000 if r.ttft_ms is not None else r.done
+        lk = log.take("lookup", key, r.sent - SLACK_S, first + SLACK_S)
         if lk is not None:
             lookups[r.index] = lk
             decide_at[r.index] = float(lk["t"])
-        ld = log.take("load", key, r.sent - SLACK_S, r.done + SLACK_S)
+        ld = log.take("load", key, decide_at[r.index] - SLACK_S, first + SLACK_S)
         if ld is not None:
             loads[r.index] = ld
     # Stores into a lower tier per key, in time order (the store_pending question looks ahead).

@@ -513,7 +513,12 @@ def accounting_tables(summaries: Sequence[Summary]) -> List[str]:
             ]
             out.append(f"| {LABELS[c]} | " + " | ".join(cells) + " |")
         out.append("| **prompt tokens** | " + " | ".join(f"{sum(s.account.values()):,}" for s in group) + " |")
-        out.append("| check | " + " | ".join(s.account_check for s in group) + " |")
+        out.append(
+            "| check | " + " | ".join("exact" if s.account_check == "exact" else "differs" for s in group) + " |"
+        )
+        differs = [f"- {s.config}: {s.account_check}" for s in group if s.account_check != "exact"]
+        if differs:
+            out += ["", "Checks that differ (the sums hold; what the records and counters disagree on):", *differs]
         declined = [f"- {s.config}: {s.account_declined}" for s in group if s.account_declined]
         if declined:
             out += ["", "Declined by the load policy:", *declined]
