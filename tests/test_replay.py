@@ -653,6 +653,8 @@ def test_main_job_compares_configurations_end_to_end(tmp_path):
             "64,128",
             "--sweep-configs",
             "host+ssd",
+            "--higher-rate",
+            "0",
             "--out",
             str(out),
             "--json",
@@ -674,6 +676,8 @@ def test_main_job_compares_configurations_end_to_end(tmp_path):
         ("host+ssd", 128),
     ]
     assert all(s["errors"] == 0 and s["accounting"] == "exact" for s in summaries)
+    # every prompt token accounted for (the reference engine's responses say their tiers)
+    assert all(sum(s["account"].values()) == s["prompt_tokens"] and s["account_check"] == "exact" for s in summaries)
     for png in ("ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png", "device_sweep.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
@@ -707,6 +711,8 @@ def test_the_vllm_demo_end_to_end(tmp_path):
             "1024",
             "--time-scale",
             "100",
+            "--higher-rate",
+            "0",
             "--out",
             str(out),
             "--json",
@@ -727,6 +733,9 @@ def test_the_vllm_demo_end_to_end(tmp_path):
         assert s["engine"] == "vllm" and s["errors"] == 0 and s["requests"] > 0, s
         assert s["accounting"] == "exact" and s["tier_source"] == "worker metrics", s
         assert sum(s["requests_per_worker"].values()) == s["requests"]
+        # every prompt token accounted for, from the workers' KV events and the connector's records
+        assert sum(s["account"].values()) == s["prompt_tokens"] and s["account_check"] == "exact", s
+        assert s["account"]["device"] == s["cached"]["device"], s
     assert summaries["no-offload"]["cached"]["host"] == summaries["no-offload"]["cached"]["disk"] == 0
     # At this size the router kept later turns where the device still held them (measured: host+ssd
     # cached 2,560 device tokens, none from the tiers); the default demo's host tier serves 23-27%.

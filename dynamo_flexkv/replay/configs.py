@@ -22,6 +22,7 @@ from dynamo_flexkv.replay.events import KvEvent
 from dynamo_flexkv.workload import Turn
 
 if TYPE_CHECKING:
+    from dynamo_flexkv.replay.accounting import RowAccount
     from dynamo_flexkv.serve.launcher import Launcher
 
 
@@ -252,6 +253,7 @@ class ConfigRun:
     connector_logs: Optional[Dict[str, List[Dict[str, Any]]]] = None
     time_scale: float = 0.0  # trace seconds per replay second this run was sent at
     repeat: int = 1  # which repetition of its row (--repeat)
+    account: Optional["RowAccount"] = None  # its accounting, once report.accounted computed it
 
     @property
     def label(self) -> str:

@@ -92,6 +92,16 @@ WINDOW_S = _number(float, 0, True, "a finite number of seconds >= 0 (0: no windo
 RATE = _number(float, 0, True, "a finite multiple >= 0 (0: none)")
 
 
+def _ttft_target(text: str):
+    """--ttft-target: refused by argparse (exit 2, naming it) before anything is served."""
+    from dynamo_flexkv.replay.report import TtftTarget
+
+    try:
+        return TtftTarget.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--ttft-target {text!r}: ")) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from dynamo_flexkv.replay.configs import ENGINES
 
@@ -233,6 +243,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--ttft-target",
+        type=_ttft_target,
         default="2x",
         metavar="MS|Kx",
         help="goodput counts the requests whose TTFT met this: milliseconds (e.g. 200) or K times the "
@@ -321,10 +332,9 @@ def _run(args: argparse.Namespace) -> int:
         serve_and_replay,
     )
     from dynamo_flexkv.replay.accounting import AccountingError
-    from dynamo_flexkv.replay.report import TtftTarget, apply_goodput, first_error, markdown, summarize, write_jsonl
+    from dynamo_flexkv.replay.report import apply_goodput, first_error, markdown, summarize, write_jsonl
 
     preset = FULL if args.full else DEFAULT
-    target = TtftTarget.parse(args.ttft_target)
     engine = ENGINES[args.engine]
     args.graph = args.graph or resolve(GRAPHS, engine.graph)
     args.config = args.config or resolve(CONFIGS, engine.config)
@@ -445,7 +455,7 @@ def _run(args: argparse.Namespace) -> int:
         print("error: no configuration ran: " + "; ".join(failed), file=sys.stderr)
         return 1
     summaries = [summarize(r, base.time_scale) for r in runs]
-    why = apply_goodput(summaries, runs, target)
+    why = apply_goodput(summaries, runs, args.ttft_target)
     (out / "results.jsonl").unlink(missing_ok=True)
     write_jsonl(out / "results.jsonl", summaries, runs, workload, setup, per_request=True)
     report = markdown(summaries, workload, setup, why)

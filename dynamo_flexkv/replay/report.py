@@ -76,9 +76,8 @@ class Summary:
 def accounted(run: ConfigRun) -> Optional[RowAccount]:
     """The run's accounting (accounting.py), computed once; None where the records cannot say
     (aiperf's name no worker; a run without its prompts or block size)."""
-    got = getattr(run, "_account", None)
-    if got is not None or run.client != "ours" or not run.turns or not run.block_size:
-        return got
+    if run.account is not None or run.client != "ours" or not run.turns or not run.block_size:
+        return run.account
     base = run.started_unix
     reqs = [
         Request(
@@ -96,7 +95,7 @@ def accounted(run: ConfigRun) -> Optional[RowAccount]:
     ]
     row = account(reqs, run.block_size, run.events, run.connector_logs, bool(run.config.peer), run.lost_frames)
     row.problems.extend(_against_counters(run, row))
-    setattr(run, "_account", row)
+    run.account = row
     return row
 
 
@@ -192,9 +191,6 @@ def _account_fields(run: ConfigRun) -> Dict[str, Any]:
 
 
 # ---- goodput -------------------------------------------------------------------------------------
-DEFAULT_TTFT_TARGET = "2x"
-
-
 @dataclass(frozen=True)
 class TtftTarget:
     """The TTFT a request must meet to count in goodput: ``ms`` fixed, or ``factor`` times the
