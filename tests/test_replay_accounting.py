@@ -55,7 +55,7 @@ def causes(row, index) -> dict:
 
 
 def test_a_first_request_is_new_but_its_last_block_and_token():
-    row = account([req(0, prompt(1, 2, 3, tail=2), 0, 1)], B, events=[])
+    row = account([req(0, prompt(1, 2, 3, tail=2), 0, 1)], B, events=None)
     # 14 tokens: 3 whole blocks leaving a token to compute -> 12 new, 2 tail
     assert causes(row, 0) == {"new": 12, "tail": 2}
     assert row.prompt_tokens == 14 and sum(row.totals.values()) == 14 and row.check == "exact"
@@ -145,7 +145,7 @@ def test_found_by_the_lookup_but_gone_when_loaded():
             {"kind": "load", "t": 2.2, "key": key, "device": 4, "planned": 4, "loaded": {"host": 4}, "ok": True},
         ]
     }
-    row = account([req(0, p0, 0, 1), req(1, p1, 2, 3, cached=8)], B, events=[], logs=logs)
+    row = account([req(0, p0, 0, 1), req(1, p1, 2, 3, cached=8)], B, events=None, logs=logs)
     assert causes(row, 1) == {"device": 4, "host": 4, "lost_before_load": 4, "untraced": 4, "new": 4, "tail": 1}
     assert row.check == "exact"
 
@@ -180,7 +180,7 @@ def test_two_requests_with_the_same_prompt_each_get_their_own_records():
         ]
     }
     reqs = [req(0, p, 2.0, 2.1, ttft_ms=60.0), req(1, p, 2.5, 2.6, cached=8, ttft_ms=40.0)]
-    row = account(reqs, B, events=[], logs=logs)
+    row = account(reqs, B, events=None, logs=logs)
     assert causes(row, 0) == {"new": 12, "tail": 1}
     assert causes(row, 1) == {"host": 8, "untraced": 4, "tail": 1}
     assert row.check == "exact" and row.lookups == 2
@@ -214,6 +214,17 @@ def test_every_cause_is_a_known_one_and_the_sums_hold_over_a_mixed_row():
     assert sum(row.totals.values()) == row.prompt_tokens == sum(len(p) for p in ps)
     for a in row.requests:
         assert sum(a.causes.values()) == a.prompt_tokens
+
+
+def test_lost_event_frames_are_named():
+    p = prompt(1, 2)
+    c = Chain(p)
+    row = account([req(0, p, 0, 1)], B, events=[c.stored(0.5, "A", "device", 0, 2)], lost_frames=3)
+    assert row.check == "3 KV event frames lost: the causes read from events may be off"
+    assert (
+        account([req(0, p, 0, 1)], B, events=[]).check
+        == "no KV events arrived: the causes read from events are missing"
+    )
 
 
 def test_causes_that_do_not_add_up_fail_loudly():

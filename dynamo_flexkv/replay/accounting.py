@@ -333,6 +333,10 @@ def account(
     prompt = sum(a.prompt_tokens for a in out)
     check_sums(out, totals, prompt)
     problems = [n for a in out for n in a.notes]
+    if lost_frames:
+        problems.append(f"{lost_frames} KV event frames lost: the causes read from events may be off")
+    if events is not None and not ordered and out:
+        problems.append("no KV events arrived: the causes read from events are missing")
     return RowAccount(out, totals, prompt, len(ordered), lost_frames, len(lookups), _dedupe(problems))
 
 
