@@ -140,8 +140,8 @@ class RowAccount:
         if not rows:
             return None
 
-        def med(xs: List[float]) -> str:
-            xs = [x for x in xs if x is not None and not math.isnan(x)]
+        def med(values: List[Any]) -> str:
+            xs = [float(x) for x in values if x is not None and not math.isnan(x)]
             return f"{float(np.median(xs)):.0f}" if xs else "-"
 
         d = [r.decision or {} for r in rows]

@@ -90,7 +90,7 @@ class EventTap:
     undecodable: int = 0
 
     def __post_init__(self) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socks: Dict[Any, str] = {}
         for name, ep in self.endpoints.items():
             sock = self._ctx.socket(zmq.SUB)
