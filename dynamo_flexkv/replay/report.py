@@ -406,7 +406,8 @@ def markdown(summaries: Sequence[Summary], workload: str, setup: str, target: Op
             f"| {_pct(s.kept_on_worker)} | {' / '.join(str(n) for n in s.requests_per_worker.values())} "
             f"| {_fmt(s.goodput_rpm, 1)} ({_ratio(s.goodput_ratio)}) | {s.errors} |"
         )
-    if max((s.repeat for s in summaries), default=1) > 1:
+    repeated = max((s.repeat for s in summaries), default=1) > 1
+    if repeated:
         lines += ["", *spread_table(summaries)]
     if target is not None:
         lines += ["", *goodput_table(summaries, target)]
@@ -417,7 +418,7 @@ def markdown(summaries: Sequence[Summary], workload: str, setup: str, target: Op
     lines += [
         "",
         f"Per-tier hits from: {', '.join(sources)}. Per-request accounting against the workers' "
-        "counters: " + "; ".join(f"{_label(s)}: {s.accounting}" for s in summaries),
+        "counters: " + "; ".join(f"{_label(s, repeated)}: {s.accounting}" for s in summaries),
         "",
         f"Worker counters read: {metric_note(sorted({s.engine for s in summaries}))}.",
     ]
@@ -432,11 +433,11 @@ def markdown(summaries: Sequence[Summary], workload: str, setup: str, target: Op
     return "\n".join(lines) + "\n"
 
 
-def _label(s: Summary) -> str:
+def _label(s: Summary, repeated: bool = False) -> str:
     return (
         f"{s.config} @{s.device_blocks}"
         + (f" {_rate(s.rate)}" if s.rate != 1.0 else "")
-        + (f" #{s.repeat}" if s.repeat > 1 else "")
+        + (f" #{s.repeat}" if repeated else "")
     )
 
 
