@@ -126,6 +126,7 @@ MODULE_KINDS = {
     "test_render_k8s": "unit",
     "test_render_k8s_cluster": "unit",
     "test_replay": "unit",
+    "test_replay_accounting": "unit",
     "test_resp_stream": "unit",
     "test_router_hints": "unit",
     "test_router_burst": "served",

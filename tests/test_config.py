@@ -24,7 +24,7 @@ def test_yaml_then_env_override(tmp_path):
     cfg = CacheConfig.load(env={"FLEXKV_CONFIG_PATH": str(path), "FLEXKV_CPU_CACHE_GB": "3"})
     assert cfg.cpu_cache_gb == 3.0 and cfg.ssd_cache_gb == 8.0
     assert cfg.ssd_cache_dir == (str(ssd),) and cfg.eviction_policy is EvictionPolicy.SLRU
-    assert ssd.is_dir()
+    assert not ssd.exists()  # reading a config creates nothing: the disk tier makes it when it starts
 
 
 def test_kvbm_aliases_and_dir_list(tmp_path):
@@ -132,10 +132,12 @@ def test_bad_model(kw, words):
 
 
 def test_constructor_takes_a_directory_string_like_the_loader(tmp_path, monkeypatch):
+    """One directory, not one per letter; a config's check of it creates nothing (a template such as
+    serve's ``w{replica}`` or a mistyped path is never made by reading a config)."""
     monkeypatch.chdir(tmp_path)
     cfg = CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir="some-dir")
     assert cfg.ssd_cache_dir == ("some-dir",)
-    assert sorted(os.listdir(tmp_path)) == ["some-dir"]  # not one directory per letter
+    assert os.listdir(tmp_path) == []  # checked in its parent, created by the disk tier, not here
     absolute = tmp_path / "a" / "b"
     cfg = CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=f"{absolute};{tmp_path / 'c'}")
     assert cfg.ssd_cache_dir == (str(absolute), str(tmp_path / "c"))
@@ -317,3 +319,15 @@ def test_cache_server_refuses_naming_where_the_value_came_from(tmp_path, monkeyp
     assert main(["cache-server", "--socket", str(tmp_path / "s" / "node.sock"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and error.replace("{tmp}", str(tmp_path)) in err
+
+
+def test_an_unwritable_parent_of_a_missing_ssd_dir_is_refused_naming_it(tmp_path):
+    """The check walks up to the nearest existing parent and writes there; a file on the way is
+    not a directory: both refused naming ssd_cache_dir and the fix, nothing created."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(
+        ConfigError, match=r"ssd_cache_dir .*a-file/sub.* nearest existing parent .* set ssd_cache_gb=0"
+    ):
+        CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=str(blocker / "sub"))
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]

@@ -278,6 +278,27 @@ def test_a_lookup_decides_only_about_the_blocks_the_engine_lacks(tmp_path):
             kv.loadable_tokens(full, skip_blocks=13)
 
 
+def test_an_explained_lookup_says_what_each_tier_held_and_why_the_rest_is_recomputed(tmp_path):
+    """What the vLLM connector's request_log records per lookup (the replay's accounting): the
+    answer cached_tokens gives, and the decision behind it in tokens and milliseconds."""
+    from dynamo_flexkv.core.offload import EmbeddedOffload
+
+    with tiny_kv(tmp_path) as kv:
+        prompt = host_6_disk_12(kv, seed=2)
+        full, B = prompt[: 12 * CFG.block_size], CFG.block_size
+        answer, d = EmbeddedOffload(kv).explain_lookup(full, prompt_tokens=len(prompt), skip_blocks=2)
+        assert answer == 6 * B == kv.loadable_tokens(full, prompt_tokens=len(prompt), skip_blocks=2)
+        assert d is not None
+        assert (d["reason"], d["start"], d["end"], d["found"]) == (
+            "slower",
+            2 * B,
+            6 * B,
+            {"host": 4 * B, "disk": 6 * B},
+        )
+        # the disk measured at 1 KB/s: loading everything was predicted far slower than what was chosen
+        assert d["load_all_ms"] > d["predicted_ms"] > 0 and d["recompute_ms"] >= d["predicted_ms"]
+
+
 def test_a_prefill_time_the_fit_refuses_does_not_end_the_cold_start():
     m = model()
     for bad in (float("nan"), float("inf"), float("-inf"), -0.5):

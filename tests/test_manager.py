@@ -232,6 +232,12 @@ AFTER_SHUTDOWN = {
     "contents": lambda kv, p, t, dev: kv.contents(),
     "prefix_blocks": lambda kv, p, t, dev: kv.prefix_blocks(p),
     "clear": lambda kv, p, t, dev: kv.clear(),
+    "lookup_decision": lambda kv, p, t, dev: kv.lookup_decision(p),
+    "pull_decision": lambda kv, p, t, dev: kv.pull_decision(p, 2, prompt_tokens=len(p) + 1),
+    "pin_host": lambda kv, p, t, dev: kv.pin_host("peer", [1, 2], 0, 2),
+    "unpin": lambda kv, p, t, dev: kv.unpin("peer"),
+    "stage_host": lambda kv, p, t, dev: kv.stage_host("peer", p, [1, 2], 2, 0),
+    "commit_staged": lambda kv, p, t, dev: kv.commit_staged("peer", None, 0),
 }
 
 

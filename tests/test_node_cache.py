@@ -41,6 +41,10 @@ def test_what_one_engine_stores_another_loads_bytes_exact_from_host_and_disk(tmp
         shared = prompt(1, 40 * BS)
         a.store(shared, list(range(40)))
         assert b.offload.cached_tokens(shared) == 40 * BS
+        # The same lookup, explained: the service's decision comes back with the answer.
+        answer, decision = b.offload.explain_lookup(shared, prompt_tokens=40 * BS + 1, skip_blocks=2)
+        assert answer == 40 * BS and decision is not None
+        assert (decision["start"], decision["end"], decision["found"]) == (2 * BS, 40 * BS, {"host": 38 * BS})
         assert b.load(shared, list(range(50, 90))) == 40
         assert b.check(shared, list(range(50, 90)), 0, 40) == []
         # A prompt that extends it: B holds the first 40 blocks already (skip), loads the rest.
@@ -431,3 +435,17 @@ def test_one_setting_attaches_every_entry_point_and_kvmanager_refuses_it_naming_
             off.shutdown()
     with pytest.raises(ConfigError, match=r"node_socket=.* but mode='embedded': set mode=node"):
         KVManager(SPEC, CacheConfig(tokens_per_block=BS, cpu_cache_gb=0.02, node_socket=sock))
+
+
+def test_a_socket_path_naming_a_file_or_directory_is_refused_and_left_alone(tmp_path):
+    """A node_socket that names something other than a socket (a config file given twice by mistake,
+    a directory) is refused naming the fix; the file is never removed."""
+    from node_helpers import server_config
+
+    config = tmp_path / "my-config.yaml"
+    config.write_text("cpu_cache_gb: 0.1\n")
+    (tmp_path / "adir").mkdir()
+    for path, what in ((config, "a file"), (tmp_path / "adir", "a directory")):
+        with pytest.raises(ConfigError, match=f"node_socket {path}: {what} that is not a socket is there"):
+            NodeCacheServer(server_config(tmp_path, 0.02, 0.0), ServerOptions(str(path)))
+    assert config.read_text() == "cpu_cache_gb: 0.1\n" and (tmp_path / "adir").is_dir()

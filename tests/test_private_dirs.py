@@ -54,6 +54,14 @@ def test_private_dir_refuses_a_directory_others_may_write_or_another_user_owns(t
         UnsafeDirectory, match=rf"the test directory {open_dir} is writable by others \(mode 0777\): chmod 700"
     ):
         private_dir(str(open_dir), "the test directory")
+    shared = tmp_path / "shared"  # as /tmp: sticky and world-writable, which must stay so
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    with pytest.raises(UnsafeDirectory) as refused:
+        private_dir(str(shared), "the test directory")
+    assert "chmod" not in str(refused.value) and f"choose a path that does not exist yet (e.g. {shared}/flexkv" in str(
+        refused.value
+    )
     with pytest.raises(UnsafeDirectory, match=rf"{someone_elses} belongs to uid \d+, not to you"):
         private_dir(str(someone_elses), "the test directory")
     listed = tmp_path / "listed"

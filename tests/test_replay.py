@@ -368,10 +368,77 @@ def test_findings_say_when_the_measurement_disagrees():
     good = findings([summary("host+ssd", 50, 100.0), summary("kv-device-only", 10, 300.0)])
     assert good == [
         "- 64 device blocks: tier-aware routing beats device-only routing: hit rate 60% vs 20%, "
-        "TTFT p50 100 vs 300 ms (later turns - vs - ms; on their previous turn's worker - vs -)."
+        "TTFT p50 100 vs 300 ms (later turns - vs - ms; on their previous turn's worker - vs -).",
+        "- One run per row: the spread is not known (--repeat 3 measures it).",
     ]
     bad = findings([summary("host+ssd", 50, 400.0), summary("kv-device-only", 10, 300.0)])
     assert "does NOT beat" in bad[0]
+    # Three runs each: medians, and whether each difference exceeds the rows' ranges.
+    runs = []
+    for rep, (ttft_tiered, ttft_device) in enumerate([(100.0, 300.0), (250.0, 200.0), (120.0, 320.0)], 1):
+        for s in (summary("host+ssd", 50, ttft_tiered), summary("kv-device-only", 10, ttft_device)):
+            s.repeat = rep
+            runs.append(s)
+    assert findings(runs) == [
+        "- 64 device blocks: tier-aware routing beats device-only routing: hit rate 60% vs 20% (beyond the "
+        "spread), TTFT p50 120 vs 300 ms (within the spread) (later turns - vs - ms; on their previous turn's "
+        "worker - vs -)."
+    ]
+
+
+def test_goodput_counts_requests_within_the_ttft_target_per_minute_against_no_offload():
+    from dynamo_flexkv.replay.report import TtftTarget, apply_goodput
+
+    def run(config: str, ttfts, rate: float = 1.0):
+        recs = [_record(i, 1, {"device": 10}) for i in range(len(ttfts))]
+        for r, t in zip(recs, ttfts):
+            r.ttft_ms = t
+        r = ConfigRun(CONFIGURATIONS[config], 40, recs, 30.0, {}, {1: "w1"}, time_scale=20 * rate)
+        return r, summarize(r, 20)
+
+    runs = [run("no-offload", [10, 20, 30, 50]), run("host+ssd", [5, 10, 15, 60]), run("host+ssd", [5, 45, 90, 95], 2)]
+    summaries = [s for _, s in runs]
+    why = apply_goodput(summaries, [r for r, _ in runs], TtftTarget.parse("2x"))
+    # 2x no-offload's p50 at the trace's rate (20 ms, nearest rank) = 40 ms; 30 s of replay
+    assert why.startswith("40 ms = 2x no-offload's TTFT p50 at the trace's rate")
+    assert [(s.rate, s.goodput_target_ms, s.goodput_rpm) for s in summaries] == [(1, 40, 6), (1, 40, 6), (2, 40, 2)]
+    assert summaries[1].goodput_ratio == 1.0 and math.isnan(summaries[2].goodput_ratio)  # no no-offload at x2
+    assert apply_goodput(summaries, [r for r, _ in runs], TtftTarget.parse("12ms")) == "12 ms, fixed (--ttft-target)"
+    assert [s.goodput_rpm for s in summaries] == [2, 4, 2]
+    assert summaries[0].to_json()["goodput_rpm"] == 2
+    for bad in ("fast", "0", "-2x", "nanms"):
+        with pytest.raises(ValueError, match="--ttft-target"):
+            TtftTarget.parse(bad)
+
+
+def test_a_rows_runs_give_median_and_range_and_differences_are_judged_against_them():
+    from dynamo_flexkv.replay.report import Spread, beyond
+
+    a, b = Spread.of([30.0, 10.0, 20.0]), Spread.of([35.0, 40.0, 50.0])
+    assert (a.median, a.low, a.high, a.n) == (20.0, 10.0, 30.0, 3)
+    assert a.fmt(lambda x: f"{x:.0f}") == "20 (10-30)"
+    assert beyond(a, b) == "beyond the spread" and beyond(a, Spread.of([25.0, 60.0])) == "within the spread"
+    assert beyond(a, Spread.of([99.0])) == "one run: spread unknown"
+    assert Spread.of([float("nan")]).n == 0
+
+
+def test_repeated_rows_run_interleaved_with_the_higher_rate_after_each_round():
+    from dynamo_flexkv.replay.main import interleaved
+
+    plan = [("a", 40), ("b", 40), ("a", 64)]
+    assert interleaved(plan, 2.0, 2) == [
+        ("a", 40, 1.0, 1),
+        ("b", 40, 1.0, 1),
+        ("a", 64, 1.0, 1),
+        ("a", 40, 2.0, 1),
+        ("b", 40, 2.0, 1),
+        ("a", 40, 1.0, 2),
+        ("b", 40, 1.0, 2),
+        ("a", 64, 1.0, 2),
+        ("a", 40, 2.0, 2),
+        ("b", 40, 2.0, 2),
+    ]
+    assert interleaved(plan, 0, 1) == [("a", 40, 1.0, 1), ("b", 40, 1.0, 1), ("a", 64, 1.0, 1)]
 
 
 def test_later_turns_kept_on_their_previous_worker():
@@ -586,6 +653,8 @@ def test_main_job_compares_configurations_end_to_end(tmp_path):
             "64,128",
             "--sweep-configs",
             "host+ssd",
+            "--higher-rate",
+            "0",
             "--out",
             str(out),
             "--json",
@@ -607,6 +676,8 @@ def test_main_job_compares_configurations_end_to_end(tmp_path):
         ("host+ssd", 128),
     ]
     assert all(s["errors"] == 0 and s["accounting"] == "exact" for s in summaries)
+    # every prompt token accounted for (the reference engine's responses say their tiers)
+    assert all(sum(s["account"].values()) == s["prompt_tokens"] and s["account_check"] == "exact" for s in summaries)
     for png in ("ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png", "device_sweep.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
@@ -640,6 +711,8 @@ def test_the_vllm_demo_end_to_end(tmp_path):
             "1024",
             "--time-scale",
             "100",
+            "--higher-rate",
+            "0",
             "--out",
             str(out),
             "--json",
@@ -660,6 +733,9 @@ def test_the_vllm_demo_end_to_end(tmp_path):
         assert s["engine"] == "vllm" and s["errors"] == 0 and s["requests"] > 0, s
         assert s["accounting"] == "exact" and s["tier_source"] == "worker metrics", s
         assert sum(s["requests_per_worker"].values()) == s["requests"]
+        # every prompt token accounted for, from the workers' KV events and the connector's records
+        assert sum(s["account"].values()) == s["prompt_tokens"] and s["account_check"] == "exact", s
+        assert s["account"]["device"] == s["cached"]["device"], s
     assert summaries["no-offload"]["cached"]["host"] == summaries["no-offload"]["cached"]["disk"] == 0
     # At this size the router kept later turns where the device still held them (measured: host+ssd
     # cached 2,560 device tokens, none from the tiers); the default demo's host tier serves 23-27%.

@@ -597,6 +597,50 @@ def test_a_lora_requests_lookup_and_store_name_its_adapters_files_when_made(tmp_
         server.close()
 
 
+def test_with_request_log_a_load_is_named_as_its_lookup(tmp_path):
+    """request_log (the replay's accounting): the scheduler names each load by the tokens its
+    lookup asked about, which is how the worker's records of both are joined to the request."""
+    from types import SimpleNamespace as NS
+    from dynamo_flexkv.integrations.request_log import prompt_key
+    from dynamo_flexkv.integrations.vllm_connector.protocol import lookup_endpoint
+    from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
+    from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+
+    asked = []
+
+    def lookup(tokens, lora, salt, prompt_tokens, local_blocks, hint=None):
+        asked.append(list(tokens))
+        return 640
+
+    server = LookupServer(lookup_endpoint("e", str(tmp_path)), lookup)
+    side = SchedulerSide(
+        ConnectorSettings(
+            block_size=64, num_blocks=100, engine_id="e", run_dir=str(tmp_path), lookup_wait_ms=5000, request_log=True
+        )
+    )
+    req = NS(
+        request_id="r",
+        num_tokens=1000,
+        all_token_ids=list(range(1000)),
+        lora_request=None,
+        cache_salt=None,
+        prompt_embeds=None,
+        mm_features=None,
+        kv_transfer_params=None,
+        block_hashes=[],
+        num_computed_tokens=0,
+        num_prompt_tokens=1000,
+    )
+    try:
+        assert side.matched_tokens(req, 128) == (512, False)
+        side.after_alloc(req, NS(get_block_ids=lambda: [list(range(16))]), 512)
+        (spec,) = side.build_meta().loads
+        assert spec.log_key == prompt_key(asked[0]) == prompt_key(list(range(960)))
+    finally:
+        side.close()
+        server.close()
+
+
 def test_the_step_clock_times_what_it_was_told_to_and_nothing_else():
     from dynamo_flexkv.integrations.vllm_connector.step_clock import StepClock
 

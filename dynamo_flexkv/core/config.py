@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import os
 import re
 import tempfile
@@ -414,12 +415,19 @@ def _parse_bool(value: Any) -> bool:
 
 
 def _check_writable_dir(directory: str) -> None:
+    """That the disk tier could use ``directory``: written to where it exists, else its nearest
+    existing parent (reading a config creates nothing; the disk tier makes it when it starts)."""
+    probe = os.path.abspath(directory)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".flexkv-probe-"):
+        if not os.path.isdir(probe):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".flexkv-probe-"):
             pass
     except OSError as e:
+        where = "" if probe == os.path.abspath(directory) else f" (its nearest existing parent {probe!r})"
         raise ConfigError(
-            f"ssd_cache_dir {directory!r} is not writable ({e.strerror}): point ssd_cache_dir at a "
+            f"ssd_cache_dir {directory!r}{where} is not writable ({e.strerror}): point ssd_cache_dir at a "
             "directory this user can write, or set ssd_cache_gb=0"
         ) from None

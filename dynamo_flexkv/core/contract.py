@@ -69,9 +69,14 @@ def _held_tokens(self: "EngineOffload", tokens: Sequence[int], *args: Any, skip_
     return skip_blocks * self.bs  # nothing beyond what the engine holds
 
 
+def _held_unexplained(self: "EngineOffload", *args: Any, **kw: Any) -> Tuple[int, None]:
+    return _held_tokens(self, *args, **kw), None
+
+
 # load / store / prefetch: no task (nothing held, the engine computes); cached_tokens: a miss.
 no_task_on_tier_fault = miss_on_tier_fault(_no_task)
 miss_lookup_on_tier_fault = miss_on_tier_fault(_held_tokens)
+miss_explained_on_tier_fault = miss_on_tier_fault(_held_unexplained)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,25 @@ class EngineOffload(ABC):
         ``prompt_tokens``: the whole prompt's length, default one more than ``tokens``;
         ``skip_blocks``: blocks the engine holds already, the decision is about the rest). May be
         called from another thread than the engine's."""
+
+    def explain_lookup(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+        skip_blocks: int = 0,
+    ) -> Tuple[int, Optional[Dict[str, Any]]]:
+        """cached_tokens' answer and the load policy's decision behind it (LoadDecision.explain:
+        what each tier holds, how far it loads and why, its predictions), or None where this
+        offload cannot say. Counts as one lookup: call it instead of cached_tokens, not beside it."""
+        return (
+            self.cached_tokens(
+                tokens, lora_name=lora_name, cache_salt=cache_salt, prompt_tokens=prompt_tokens, skip_blocks=skip_blocks
+            ),
+            None,
+        )
 
     @abstractmethod
     def block_hashes(

@@ -47,7 +47,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from dynamo_flexkv.core.enums import LoadPolicy
 
@@ -131,10 +131,31 @@ class LoadDecision:
     full_blocks: int  # full blocks of the prompt (what is not in a segment is not cached)
     predicted_s: Optional[float] = None  # ttft(end), the cost model's prediction (None: not predicted)
     recompute_s: Optional[float] = None  # ttft(start): recomputing everything from start
+    load_all_s: Optional[float] = None  # ttft of loading every cached block (what a decline gave up)
 
     @property
     def loads(self) -> bool:
         return self.end > self.start
+
+    def explain(self, tokens_per_block: int) -> Dict[str, Any]:
+        """The decision as JSON-ready values, in tokens from the prompt's start and milliseconds
+        (the vLLM connector's request_log: the replay's accounting reads why a prefix was not loaded)."""
+
+        def ms(s: Optional[float]) -> Optional[float]:
+            return None if s is None else round(s * 1e3, 3)
+
+        found: Dict[str, int] = {}
+        for s in self.segments:
+            found[s.tier] = found.get(s.tier, 0) + (s.end - s.start) * tokens_per_block
+        return {
+            "reason": self.reason,
+            "start": self.start * tokens_per_block,
+            "end": self.end * tokens_per_block,
+            "found": found,
+            "predicted_ms": ms(self.predicted_s),
+            "recompute_ms": ms(self.recompute_s),
+            "load_all_ms": ms(self.load_all_s),
+        }
 
     def token_counts(self, tokens_per_block: int) -> Dict[Tuple[str, str, str], int]:
         """Tokens by (decision, tier, reason) (full blocks from ``start`` on)."""
@@ -271,14 +292,14 @@ class CostModel:
                 best = end
             recompute = ttft(start)
             reason = "faster" if best == end else "slower"
-            decision = LoadDecision(start, best, segs, reason, full_blocks, ttft(best), recompute)
+            decision = LoadDecision(start, best, segs, reason, full_blocks, ttft(best), recompute, full)
             # A tier left out that nobody measured for reprobe_s: load it once to measure it again.
             for s in segs:
                 if best < s.end:
                     fit = self.links[s.tier]
                     if now - max(fit.updated, self._probed.get(s.tier, -math.inf)) >= self.reprobe_s:
                         self._probed[s.tier] = now
-                        return LoadDecision(start, s.end, segs, "probe", full_blocks, ttft(s.end), recompute)
+                        return LoadDecision(start, s.end, segs, "probe", full_blocks, ttft(s.end), recompute, full)
             return decision
 
     def record(self, decision: LoadDecision) -> None:

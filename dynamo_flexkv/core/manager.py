@@ -462,11 +462,36 @@ class KVManager:
         engine that asks first and loads what it was told, passing no prompt_tokens to get_async
         (vLLM's scheduler)."""
         self._check_open("loadable_tokens")
+        return (
+            self.lookup_decision(
+                token_ids,
+                prompt_tokens=prompt_tokens,
+                layerwise=layerwise,
+                lora_name=lora_name,
+                cache_salt=cache_salt,
+                skip_blocks=skip_blocks,
+            ).end
+            * self.tokens_per_block
+        )
+
+    def lookup_decision(
+        self,
+        token_ids,
+        *,
+        prompt_tokens: Optional[int] = None,
+        layerwise: bool = True,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        skip_blocks: int = 0,
+    ) -> LoadDecision:
+        """loadable_tokens' decision itself (what each tier holds beyond ``skip_blocks``, how far
+        the policy loads and why), counted the same way."""
+        self._check_open("lookup_decision")
         seq = _int_list(self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence)
         start = arguments.skip_blocks(skip_blocks, len(token_ids), self.tokens_per_block)
         start = min(start, len(seq))
         total = len(token_ids) + 1 if prompt_tokens is None else max(int(prompt_tokens), len(token_ids))
-        return self._decide(seq, start, self._remote_probe(seq, start), total, layerwise).end * self.tokens_per_block
+        return self._decide(seq, start, self._remote_probe(seq, start), total, layerwise)
 
     def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
         """The engine's measurement for cost-aware loading: a step computed ``tokens`` prompt tokens
@@ -850,7 +875,9 @@ class KVManager:
         return HostPin(run.start, list(run.block_ids), sums)
 
     def unpin(self, key: Any) -> None:
-        """Releases what ``pin_host(key, ...)`` pinned (nothing if it holds nothing)."""
+        """Releases what ``pin_host(key, ...)`` pinned (nothing if it holds nothing); after shutdown,
+        ManagerClosed (shutdown released every pin)."""
+        self._check_open("unpin")
         self.cache.abort_task(key)
 
     def stage_host(self, key: Any, token_ids, hashes: Sequence[int], end: int, generation: int) -> Optional[TierRun]:
@@ -870,6 +897,7 @@ class KVManager:
     def commit_staged(self, key: Any, run: TierRun, count: int, sums: Optional[np.ndarray] = None) -> None:
         """The first ``count`` blocks of ``run`` (stage_host) hold verified bytes whose checksums
         are ``sums``: they become visible (a Stored event each); the rest is rolled back."""
+        self._check_open("commit_staged")
         if count > 0 and sums is not None:
             self.host.record_checksums(np.asarray(run.block_ids[:count], dtype=np.int64), sums[:count])
         try:

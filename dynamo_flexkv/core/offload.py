@@ -28,12 +28,13 @@ calls follow one request's life:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.contract import (
     EngineOffload,
     Hold,
+    miss_explained_on_tier_fault,
     miss_lookup_on_tier_fault,
     no_task_on_tier_fault,
 )
@@ -83,6 +84,26 @@ class EmbeddedOffload(EngineOffload):
             prompt_tokens=prompt_tokens,
             skip_blocks=skip_blocks,
         )
+
+    @miss_explained_on_tier_fault
+    def explain_lookup(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+        skip_blocks: int = 0,
+    ) -> Tuple[int, Optional[Dict[str, Any]]]:
+        d = self.kv.lookup_decision(
+            tokens,
+            layerwise=self.layerwise,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            prompt_tokens=prompt_tokens,
+            skip_blocks=skip_blocks,
+        )
+        return d.end * self.bs, d.explain(self.bs)
 
     def block_hashes(
         self, tokens: Sequence[int], *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None

@@ -96,8 +96,10 @@ def private_dir(path: str, what: str, tighten: bool = False) -> str:
     if tighten and mode & 0o077:
         os.chmod(path, mode & 0o700)
     elif mode & 0o022:
+        # A shared directory such as /tmp (sticky, world-writable) must stay so: only a new path in it
+        fix = f"chmod 700 {path}, or choose" if not mode & stat.S_ISVTX else "choose"
         raise UnsafeDirectory(
-            f"{what} {path} is writable by others (mode {mode:04o}): chmod 700 {path}, or choose a path "
-            "that does not exist yet (it is made owner-only, 0700)"
+            f"{what} {path} is writable by others (mode {mode:04o}): {fix} a path that does not exist yet "
+            f"(e.g. {os.path.join(path, 'flexkv')}: it is made owner-only, 0700)"
         )
     return path

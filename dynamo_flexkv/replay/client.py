@@ -84,6 +84,7 @@ class Replayer:
             raise ValueError(f"request-timeout={request_timeout_s} must be > 0 seconds")
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model, self.concurrency, self.timeout = model, concurrency, request_timeout_s
+        self.started_unix = 0.0  # the replay's start, unix s (records' times are relative to it)
 
     def run(
         self, turns: Sequence[Turn], time_scale: float, on_done: Callable[[RequestRecord], None] = lambda r: None
@@ -99,6 +100,7 @@ class Replayer:
         answered: Dict[tuple, asyncio.Event] = {(t.conversation, t.turn): asyncio.Event() for t in turns}
         loop = asyncio.get_running_loop()
         start = loop.time()
+        self.started_unix = time.time()
         connector = aiohttp.TCPConnector(limit=self.concurrency)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout)) as s:
 

@@ -11,16 +11,18 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_flexkv.replay.client import TIERS, Replayer, RequestRecord
+from dynamo_flexkv.replay.events import KvEvent
 from dynamo_flexkv.workload import Turn
 
 if TYPE_CHECKING:
+    from dynamo_flexkv.replay.accounting import RowAccount
     from dynamo_flexkv.serve.launcher import Launcher
 
 
@@ -240,6 +242,18 @@ class ConfigRun:
     worker_names: Dict[int, str]  # instance id -> worker name
     engine: str = "reference"  # ENGINES key: whose metric mapping ``workers`` was read with
     client: str = "ours"  # who sent and timed the requests: ours (Replayer) or aiperf
+    # For the accounting (accounting.py): the prompts sent (by record index), the replay's start
+    # (unix s: record times are relative to it), the tokens of a KV block, the workers' KV events
+    # (None: not collected) and frames lost, and each worker's connector request_log (None: none).
+    turns: Sequence[Turn] = ()
+    started_unix: float = 0.0
+    block_size: int = 0
+    events: Optional[List[KvEvent]] = None
+    lost_frames: int = 0
+    connector_logs: Optional[Dict[str, List[Dict[str, Any]]]] = None
+    time_scale: float = 0.0  # trace seconds per replay second this run was sent at
+    repeat: int = 1  # which repetition of its row (--repeat)
+    account: Optional["RowAccount"] = None  # its accounting, once report.accounted computed it
 
     @property
     def label(self) -> str:
@@ -259,6 +273,7 @@ class ReplaySettings:
     request_timeout_s: float = 120
     engine: str = "reference"
     client: str = "ours"
+    block_size: int = 0  # tokens of a KV block (the accounting's unit; 0: the plan's workers say)
 
 
 @dataclass(frozen=True)
@@ -286,6 +301,8 @@ class ReplayTarget:
     ports: Dict[str, int]
     check_alive: Callable[[], None] = lambda: None
     model_dir: Optional[Path] = None
+    event_endpoints: Dict[str, str] = field(default_factory=dict)  # worker name -> its KV event socket
+    request_logs: Dict[str, Path] = field(default_factory=dict)  # worker name -> its connector's request_log
 
 
 def serve_and_replay(
@@ -316,6 +333,9 @@ def serve_and_replay(
         *serve.extra_overrides,
         *config.overrides_for(worker),
     ]
+    logged = engine == "vllm" and config.offload and not config.peer
+    if logged:  # each lookup's decision and each load's tiers, for the accounting
+        overrides.append(f"{worker}.connector.request_log=true")
     file_cfg = load_config(serve.config_file)
     cfg = apply_overrides(file_cfg, overrides)
     if config.node:
@@ -341,13 +361,20 @@ def serve_and_replay(
         launcher.wait_ready(serve.ready_timeout_s or ENGINES[engine].ready_timeout_s)
         on_ready()
         model_dir = plan.run_dir / "model" if plan.write_model else Path(plan.model)
+        from dynamo_flexkv.integrations.request_log import FILE
+        from dynamo_flexkv.replay.events import worker_endpoints
+
         target = ReplayTarget(
             plan.base_url,
             plan.served_model_name,
             {p.name: p.port for p in plan.workers},
             launcher.check_alive,
             model_dir,
+            worker_endpoints(plan.workers),
+            {p.name: plan.run_dir / p.name / FILE for p in plan.workers} if logged else {},
         )
+        if not replay.block_size:
+            replay = replace(replay, block_size=max((p.block_size for p in plan.workers), default=0))
         run = _measure(config, device_blocks, target, replay, on_done, run_dir / "aiperf")
     except BaseException:
         launcher.shutdown()
@@ -397,11 +424,17 @@ def _measure(
     on_done: Callable[[RequestRecord], None],
     workdir: Optional[Path] = None,
 ) -> ConfigRun:
+    from dynamo_flexkv.replay.events import EventTap
+
     engine = ENGINES[replay.engine]
     mapping = peer_mapping(engine.metrics) if config.peer else engine.metrics
     texts = {name: scrape(port) for name, port in target.ports.items()}
     names = {worker_id(text): name for name, text in texts.items()}
     before = {name: worker_totals(text, mapping) for name, text in texts.items()}
+    logs_before = {name: _line_count(path) for name, path in target.request_logs.items()}
+    tap = EventTap(target.event_endpoints) if target.event_endpoints and replay.client == "ours" else None
+    started_unix = time.time()
+    events: Optional[List[KvEvent]] = None
     t0 = time.perf_counter()
     wall: Optional[float] = None
     if replay.client == "aiperf":
@@ -422,9 +455,14 @@ def _measure(
         for r in records:
             on_done(r)
     elif replay.client == "ours":
-        records = Replayer(
+        replayer = Replayer(
             target.url, target.model, concurrency=replay.concurrency, request_timeout_s=replay.request_timeout_s
-        ).run(replay.turns, replay.time_scale, on_done)
+        )
+        try:
+            records = replayer.run(replay.turns, replay.time_scale, on_done)
+        finally:
+            events = tap.stop() if tap is not None else None
+        started_unix = replayer.started_unix
     else:
         raise ValueError(f"unknown client {replay.client!r}: ours or aiperf")
     wall = wall or time.perf_counter() - t0
@@ -434,7 +472,47 @@ def _measure(
         if r.worker_id is not None and r.worker_id not in names:
             names[r.worker_id] = f"worker-{r.worker_id:x}"
     workers = {n: after[n].minus(before[n]) for n in target.ports}
-    return ConfigRun(config, device_blocks, records, wall, workers, names, replay.engine, replay.client)
+    return ConfigRun(
+        config,
+        device_blocks,
+        records,
+        wall,
+        workers,
+        names,
+        replay.engine,
+        replay.client,
+        turns=replay.turns,
+        started_unix=started_unix,
+        block_size=replay.block_size,
+        events=events,
+        lost_frames=tap.lost if tap is not None else 0,
+        connector_logs={n: _read_lines(p, logs_before[n]) for n, p in target.request_logs.items()} or None,
+        time_scale=replay.time_scale,
+    )
+
+
+def _line_count(path: Path) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def _read_lines(path: Path, skip: int) -> List[Dict[str, Any]]:
+    """A request_log's records after its first ``skip`` lines (those of the graph's warm-up);
+    a line still being written when the replay ended is left out."""
+    import json
+
+    out = []
+    try:
+        with open(path) as f:
+            for i, line in enumerate(f):
+                if i >= skip and line.endswith("\n"):
+                    out.append(json.loads(line))
+    except FileNotFoundError:
+        pass
+    return out
 
 
 def attribute_workers(run: ConfigRun) -> Dict[str, List[RequestRecord]]:

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from dynamo_flexkv.core.durations import is_duration
 from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
@@ -38,6 +38,7 @@ class Preset:
     configs: str
     device_blocks: str
     sweep_configs: str
+    higher_rate: float  # the first size's configurations again at this multiple of the rate (0: not)
 
 
 # The main job (a few minutes on 2 cores): 32 conversations, every 4th of the first 128 (their first
@@ -45,6 +46,8 @@ class Preset:
 # (83 requests; the other 11 trickle in over the next 34 min of trace), at 20x. At 40 device
 # blocks a prompt leaves the device before its conversation's next turn; a 512-block host tier
 # holds what a worker serves, so a later turn's prefix is on the worker that served the turn before.
+# Then every configuration again at 2x the rate (40x), for goodput where queues form: about 10-12
+# min on a quiet 2-core machine (a graph's start and stop ~40 s, a replay 45 s / 23 s; issue 49).
 DEFAULT = Preset(
     conversations=32,
     sample_every=4,
@@ -53,6 +56,7 @@ DEFAULT = Preset(
     configs="no-offload,host+ssd,kv-device-only,node",
     device_blocks="40",
     sweep_configs="no-offload,host+ssd",
+    higher_rate=2.0,
 )
 FULL = Preset(
     conversations=192,
@@ -62,6 +66,7 @@ FULL = Preset(
     configs=ALL_CONFIGS,
     device_blocks="48,64,128,256",
     sweep_configs=ALL_CONFIGS,
+    higher_rate=0.0,
 )
 
 
@@ -86,6 +91,17 @@ POSITIVE_S = _number(float, 0, False, "a finite number of seconds > 0")
 FACTOR = _number(float, 0, False, "a finite number > 0")
 GB = _number(float, 0, True, "a finite number of GB >= 0")
 WINDOW_S = _number(float, 0, True, "a finite number of seconds >= 0 (0: no window)")
+RATE = _number(float, 0, True, "a finite multiple >= 0 (0: none)")
+
+
+def _ttft_target(text: str):
+    """--ttft-target: refused by argparse (exit 2, naming it) before anything is served."""
+    from dynamo_flexkv.replay.report import TtftTarget
+
+    try:
+        return TtftTarget.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--ttft-target {text!r}: ")) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -209,6 +225,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a longer replay: more conversations, every configuration at every device size of a wider sweep",
     )
+    m = p.add_argument_group("comparing runs")
+    m.add_argument(
+        "--repeat",
+        type=COUNT,
+        default=1,
+        metavar="N",
+        help="run every row N times, interleaved (all rows, then all again), so drift on the machine hits "
+        "every row alike; the report gives each row's median and range (min-max) of hit rate, TTFT p50/p90 "
+        "and goodput, and says which differences exceed them (default 1)",
+    )
+    m.add_argument(
+        "--higher-rate",
+        type=RATE,
+        metavar="X",
+        help="also replay the first device size's configurations with the arrivals X times as fast "
+        "(--time-scale times X), for goodput under more load than the trace's (default "
+        f"{DEFAULT.higher_rate:g}; --full {FULL.higher_rate:g}; 0: not)",
+    )
+    m.add_argument(
+        "--ttft-target",
+        type=_ttft_target,
+        default="2x",
+        metavar="MS|Kx",
+        help="goodput counts the requests whose TTFT met this: milliseconds (e.g. 200) or K times the "
+        "no-offload row's TTFT p50 at the trace's rate (default 2x: what the same graph without offload "
+        "gives in the trace's own load, with room for its spread; relative, so a slower machine is judged "
+        "by its own baseline)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", help="results folder (default replay-results/<UTC time>)")
     o.add_argument("--json", help="also append each configuration's summary to this JSONL file")
@@ -289,7 +333,8 @@ def _run(args: argparse.Namespace) -> int:
         replay_url,
         serve_and_replay,
     )
-    from dynamo_flexkv.replay.report import first_error, markdown, summarize, write_jsonl
+    from dynamo_flexkv.replay.accounting import AccountingError
+    from dynamo_flexkv.replay.report import apply_goodput, first_error, markdown, summarize, write_jsonl
 
     preset = FULL if args.full else DEFAULT
     engine = ENGINES[args.engine]
@@ -334,22 +379,36 @@ def _run(args: argparse.Namespace) -> int:
         _check_peers([*main, *sweep], args.engine)
         plan = [(c, sizes[0]) for c in main] + [(c, b) for b in sizes[1:] for c in sweep]
         _check_context(args, scale, min(sizes))
+    higher = args.higher_rate if args.higher_rate is not None else preset.higher_rate
+    if 0 < higher <= 1:
+        raise ValueError(f"--higher-rate {higher:g} must be > 1 (a faster rate than the trace's) or 0 (none)")
+    schedule = interleaved(plan, higher, args.repeat)
     out = Path(args.out or f"replay-results/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     out.mkdir(parents=True, exist_ok=True)
     setup = _setup(args, plan)
     sys.stderr.write(
-        f"replay: {workload}\nreplay: {len(plan)} runs: "
-        f"{', '.join(f'{c.name} @{b}' for c, b in plan)}; results in {out}\n"
+        f"replay: {workload}\nreplay: {len(schedule)} runs: "
+        f"{', '.join(_run_label(c.name, b, r, k, args.repeat) for c, b, r, k in schedule)}; results in {out}\n"
     )
-    replay = ReplaySettings(turns, args.time_scale, args.concurrency, args.request_timeout, args.engine, args.client)
+    base = ReplaySettings(
+        turns,
+        args.time_scale,
+        args.concurrency,
+        args.request_timeout,
+        args.engine,
+        args.client,
+        _block_size(args),
+    )
     serve = ServeSettings(args.graph, args.config, args.set, args.logs, args.ready_timeout)
     t_start = time.perf_counter()
     runs: List[ConfigRun] = []
     failed: List[str] = []
     stopping = Stopping()
     try:
-        for config, blocks in plan:
-            progress = Progress(len(turns), f"{config.name} @{blocks}")
+        for config, blocks, rate, rep in schedule:
+            label = _run_label(config.name, blocks, rate, rep, args.repeat)
+            replay = replace(base, time_scale=base.time_scale * rate)
+            progress = Progress(len(turns), label)
             try:
                 if args.url:
                     progress.start()
@@ -372,27 +431,36 @@ def _run(args: argparse.Namespace) -> int:
                     )
                     stopping.start(launcher)  # stops while the next graph starts
             except (ComponentDied, TimeoutError, RuntimeError, OSError) as e:  # this run only: the others count
-                failed.append(f"{config.name} @{blocks}: {e}")
+                failed.append(f"{label}: {e}")
                 sys.stderr.write(f"error: {failed[-1]}\n")
                 continue
             finally:
                 progress.close()
+            run.repeat = rep
+            try:
+                s = summarize(run, base.time_scale)
+            except AccountingError as e:  # a table that does not add up explains nothing: loudly
+                failed.append(f"{label}: the accounting does not add up: {e}")
+                sys.stderr.write(f"error: {failed[-1]}\n")
+                continue
             runs.append(run)
-            s = summarize(run)
-            # written now: kept if a later run fails
+            # written now: kept if a later run fails (rewritten with goodput at the end)
             write_jsonl(out / "results.jsonl", [s], [run], workload, setup, per_request=True)
             sys.stderr.write(
-                f"{config.name} @{blocks}: {s.requests} requests, {s.errors} errors, TTFT p50 "
+                f"{label}: {s.requests} requests, {s.errors} errors, TTFT p50 "
                 f"{s.ttft_p50_ms:.0f} ms, {s.hit_rate['all']:.0%} of prompt tokens cached, "
-                f"{run.wall_s:.0f} s\n"
+                f"{run.wall_s:.0f} s; accounting {s.account_check}\n"
             )
     finally:
         stopping.wait()
     if not runs:
         print("error: no configuration ran: " + "; ".join(failed), file=sys.stderr)
         return 1
-    summaries = [summarize(r) for r in runs]
-    report = markdown(summaries, workload, setup)
+    summaries = [summarize(r, base.time_scale) for r in runs]
+    why = apply_goodput(summaries, runs, args.ttft_target)
+    (out / "results.jsonl").unlink(missing_ok=True)
+    write_jsonl(out / "results.jsonl", summaries, runs, workload, setup, per_request=True)
+    report = markdown(summaries, workload, setup, why)
     if failed:
         report += "\nRuns that failed (not in the table): " + "; ".join(failed) + "\n"
     (out / "report.md").write_text(report)
@@ -400,7 +468,8 @@ def _run(args: argparse.Namespace) -> int:
         write_jsonl(Path(args.json), summaries, runs, workload, setup, per_request=False)
     from dynamo_flexkv.replay.plots import write_plots
 
-    pngs = write_plots(out, runs, summaries, runs[0].device_blocks)
+    first = [i for i, s in enumerate(summaries) if s.rate == 1.0 and s.repeat == 1]  # one curve per row
+    pngs = write_plots(out, [runs[i] for i in first], [summaries[i] for i in first], runs[0].device_blocks)
     print(report)
     print(
         f"Wall time {time.perf_counter() - t_start:.0f} s for {len(runs)} runs. Results in {out}/: report.md, "
@@ -412,6 +481,30 @@ def _run(args: argparse.Namespace) -> int:
     if err:
         print(f"error: {sum(s.errors for s in summaries)} requests failed; the first: {err}", file=sys.stderr)
     return 1 if err or failed else 0
+
+
+def interleaved(plan: List[Tuple[Any, int]], higher: float, repeats: int) -> List[Tuple[Any, int, float, int]]:
+    """(configuration, device blocks, rate, repetition) in the order they run: every row at the
+    trace's rate, then the first size's rows at the ``higher`` rate (0: none), then all of it again
+    for the next repetition, so drift on the machine hits every row alike."""
+    faster = [(c, b) for c, b in plan if b == plan[0][1]] if higher else []
+    out: List[Tuple[Any, int, float, int]] = []
+    for rep in range(1, repeats + 1):
+        out += [(c, b, 1.0, rep) for c, b in plan] + [(c, b, higher, rep) for c, b in faster]
+    return out
+
+
+def _run_label(config: str, blocks: int, rate: float, rep: int, repeats: int) -> str:
+    return f"{config} @{blocks}" + (f" x{rate:g}" if rate != 1.0 else "") + (f" #{rep}" if repeats > 1 else "")
+
+
+def _block_size(args: argparse.Namespace) -> int:
+    """Tokens per KV block of the engine's workers (the accounting's unit)."""
+    if args.engine == "vllm":
+        return _vllm_block_size(args)
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+
+    return EngineModelConfig.load(_worker_section(args).get("model") or "small").block_size
 
 
 class Stopping:

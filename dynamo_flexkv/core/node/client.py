@@ -61,6 +61,7 @@ from dynamo_flexkv.core.node.protocol import (
 from dynamo_flexkv.core.contract import (
     EngineOffload,
     Hold,
+    miss_explained_on_tier_fault,
     miss_lookup_on_tier_fault,
     no_task_on_tier_fault,
 )
@@ -538,6 +539,30 @@ class NodeOffload(EngineOffload):
                 )
             )
         )
+
+    @miss_explained_on_tier_fault
+    def explain_lookup(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prompt_tokens: Optional[int] = None,
+        skip_blocks: int = 0,
+    ) -> Tuple[int, Optional[Dict[str, Any]]]:
+        value = self._request(
+            lambda rid: Lookup(
+                id=rid,
+                tokens=pack_tokens(tokens),
+                lora=lora_name,
+                salt=cache_salt,
+                prompt_tokens=prompt_tokens,
+                skip_blocks=skip_blocks,
+                layerwise=self.layerwise,
+                explain=True,
+            )
+        )
+        return int(value["end"]), dict(value["decision"])
 
     def block_hashes(
         self, tokens: Sequence[int], *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None

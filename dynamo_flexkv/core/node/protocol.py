@@ -69,6 +69,7 @@ class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
     prompt_tokens: Optional[int] = None
     skip_blocks: int = 0
     layerwise: bool = True
+    explain: bool = False  # answer {"end": tokens, "decision": LoadDecision.explain} instead of the end alone
 
 
 class Load(msgspec.Struct, tag="load", forbid_unknown_fields=True):

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import threading
 import uuid
 from pathlib import Path
@@ -76,7 +77,12 @@ class NodeCacheServer:
         to, made 0700 when missing (sysutil.private_dir: another user's or a world-writable one,
         such as /tmp itself, is refused: a socket of theirs could take the path)."""
         private_dir(os.path.dirname(os.path.abspath(path)), "node_socket's directory")
-        if os.path.exists(path):
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):  # never remove a file that is not a socket
+                raise ConfigError(
+                    f"node_socket {path}: a {'directory' if os.path.isdir(path) else 'file'} that is not a "
+                    "socket is there: give the cache server a path of its own (e.g. DIR/node.sock)"
+                )
             if listening(path):
                 raise ConfigError(
                     f"node_socket {path}: another cache server is listening there: stop it first, "

@@ -344,7 +344,7 @@ class Session:
         a, ns, device = self._attached(type(msg).__name__)
         kv = ns.kv
         if isinstance(msg, Lookup):
-            return kv.loadable_tokens(
+            d = kv.lookup_decision(
                 unpack_tokens(msg.tokens),
                 prompt_tokens=msg.prompt_tokens,
                 layerwise=msg.layerwise,
@@ -352,6 +352,8 @@ class Session:
                 cache_salt=msg.salt,
                 skip_blocks=msg.skip_blocks,
             )
+            end = d.end * kv.tokens_per_block
+            return {"end": end, "decision": d.explain(kv.tokens_per_block)} if msg.explain else end
         if isinstance(msg, Load):
             self._room()
             tid = kv.get_async(

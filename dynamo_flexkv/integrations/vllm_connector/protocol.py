@@ -29,6 +29,7 @@ class LoadSpec:
     # block of token_ids, 0 where vLLM holds none: outside a sliding window); loaded asynchronously,
     # before the request's first step (vLLM recomputes a multi-group request only as a whole).
     groups: Dict[int, List[int]] = field(default_factory=dict)
+    log_key: Optional[str] = None  # request_log: the request's name there (request_log.prompt_key)
 
     @property
     def num_blocks(self) -> int:

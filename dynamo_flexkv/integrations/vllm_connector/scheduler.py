@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tupl
 
 from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
+from dynamo_flexkv.integrations.request_log import lookup_tokens, prompt_key
 from dynamo_flexkv.integrations.vllm_connector.groups import FULL, is_hybrid
 from dynamo_flexkv.integrations.vllm_connector.handover import KEY, SourceInfo, VllmHandover, read_source
 from dynamo_flexkv.integrations.vllm_connector.hints import HintRefused, fetch_hint
@@ -141,7 +142,7 @@ class SchedulerSide:
         if num_computed % self.bs or not offloadable(request):
             return 0, False
         # Whole blocks, and at least one token left for vLLM to compute (it needs the logits).
-        usable = (request.num_tokens - 1) // self.bs * self.bs
+        usable = lookup_tokens(request.num_tokens, self.bs)
         h = self._handover_of(request)
         if h is not None:  # the prefill worker holds the prompt: read it from there, not the tiers
             external = min(usable, len(h.blocks) * self.bs) - num_computed
@@ -210,6 +211,9 @@ class SchedulerSide:
         groups = self._group_ids(per_group, end) if self.hybrid and handover is None else {}
         if groups:
             self._loading.add(request.request_id)
+        log_key = None
+        if self.s.request_log:  # named as its lookup was (request_log.py)
+            log_key = prompt_key(request.all_token_ids[: lookup_tokens(request.num_tokens, self.bs)])
         self._loads.append(
             LoadSpec(
                 request.request_id,
@@ -221,6 +225,7 @@ class SchedulerSide:
                 _event_hashes(request, end),
                 handover,
                 groups,
+                log_key,
             )
         )
         self.hit_tokens += external

@@ -48,6 +48,12 @@ EXTRA_KEYS: Dict[str, tuple] = {
         "them on both roles); the same on both roles",
     ),
     "run_dir": (str, None, "directory of the lookup socket (default $FLEXKV_RUN_DIR or the temp dir)"),
+    "request_log": (
+        bool,
+        False,
+        "write each lookup's and load's decision to <run_dir>/flexkv-requests.jsonl (the replay's "
+        "per-request accounting reads it)",
+    ),
     "mover_hook": (
         str,
         None,
@@ -88,6 +94,7 @@ class ConnectorSettings:
     handover_lease_s: float = EXTRA_KEYS["handover_lease_s"][1]
     handover_verify: str = EXTRA_KEYS["handover_verify"][1]
     run_dir: Optional[str] = EXTRA_KEYS["run_dir"][1]
+    request_log: bool = EXTRA_KEYS["request_log"][1]
     model_id: str = ""
     mover_hook: Optional[str] = EXTRA_KEYS["mover_hook"][1]
     tp_size: int = 1  # tensor-parallel ranks: each has its own worker, tiers (or node shard) and lookup socket

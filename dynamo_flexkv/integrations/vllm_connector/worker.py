@@ -30,6 +30,7 @@ from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.core.offload import EngineOffload, open_offload
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskFailed
+from dynamo_flexkv.integrations.request_log import RequestLog
 from dynamo_flexkv.integrations.vllm_connector.events import FlexKVEvents, TierEventQueue
 from dynamo_flexkv.integrations.vllm_connector.handover import Handover
 from dynamo_flexkv.integrations.vllm_connector.groups import FULL, aux_share, is_hybrid, latent
@@ -39,7 +40,12 @@ from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
 from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, lookup_endpoint
-from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings, default_model_id, load_mover_hook
+from dynamo_flexkv.integrations.vllm_connector.settings import (
+    ConnectorSettings,
+    default_model_id,
+    load_mover_hook,
+    run_dir_or_default,
+)
 from dynamo_flexkv.integrations.vllm_connector.step_clock import StepClock
 from dynamo_flexkv.integrations.vllm_connector.weights import WeightWatch
 
@@ -121,6 +127,8 @@ class WorkerSide:
         self._reported: Dict[str, float] = {}  # counter totals already sent as deltas
         self._gauges_at = 0.0
         self.clock: Optional[StepClock] = None
+        # request_log (rank 0): each lookup's decision and each load's outcome, for the replay
+        self.request_log: Optional[RequestLog] = None
         self._stores = True  # False on the ranks whose replicated KV another rank stores
         # A hybrid model's other KV cache groups (hybrid.py), and its loads, which run ahead of
         # the request's first step: request -> (spec, (offload, task) per part).
@@ -195,6 +203,8 @@ class WorkerSide:
                 self._start_handover(desc)
             if self.settings.secondary_tiers is not None:
                 self._start_hints(hybrid)
+            if self.settings.request_log and self.tp_rank == 0 and not hybrid:
+                self.request_log = RequestLog(run_dir_or_default(self.settings.run_dir))
             # Every rank answers for its own shard; the scheduler takes the smallest answer.
             self.server = LookupServer(
                 lookup_endpoint(self.settings.engine_id, self.settings.run_dir, self.tp_rank),
@@ -323,9 +333,21 @@ class WorkerSide:
                 )
         if self.tiers is not None:
             return self.tiers.cached_tokens(tokens, lora, salt, prompt_tokens, local_blocks)
-        return self._registered("lookup").cached_tokens(
+        offload = self._registered("lookup")
+        if self.request_log is None:
+            return offload.cached_tokens(
+                tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens, skip_blocks=local_blocks
+            )
+        answer, decision = offload.explain_lookup(
             tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens, skip_blocks=local_blocks
         )
+        self.request_log.lookup(tokens, prompt_tokens, local_blocks * self.settings.block_size, answer, decision)
+        return answer
+
+    def _log_load(self, spec: LoadSpec, planned_blocks: int, by_tier: Dict[str, int], ok: bool) -> None:
+        if self.request_log is not None and spec.log_key is not None:
+            bs = self.settings.block_size
+            self.request_log.load(spec.log_key, spec.req_id, spec.skip_blocks * bs, planned_blocks * bs, by_tier, ok)
 
     # ---- one step --------------------------------------------------------------------------------
     def start_load(self, meta: FlexKVMetadata) -> None:
@@ -406,6 +428,7 @@ class WorkerSide:
         offload = self._registered("load")
         if not self._weights_current():  # looked up before a weight update: recomputed
             self._fail(spec, 0)
+            self._log_load(spec, 0, {}, False)
             return
         try:
             self._alias(spec.token_ids, spec.event_hashes, spec.lora_name, spec.cache_salt)
@@ -417,6 +440,7 @@ class WorkerSide:
             tid = None
         if tid is None:
             self._fail(spec, 0)
+            self._log_load(spec, 0, {}, False)
             return
         planned = offload.planned_tokens(tid) // self.settings.block_size
         if planned < spec.num_blocks:  # evicted since the lookup: the rest is recomputed
@@ -560,6 +584,7 @@ class WorkerSide:
             else:
                 for tier, n in ld.by_tier.items():
                     self.counters.loaded[tier] = self.counters.loaded.get(tier, 0) + n
+            self._log_load(spec, ld.planned_blocks, ld.by_tier, not ld.failed)
         self._loads.clear()
 
     def take_load_errors(self) -> Set[int]:
@@ -766,6 +791,9 @@ class WorkerSide:
         if self.handover is not None:
             self.handover.close()
             self.handover = None
+        if self.request_log is not None:
+            self.request_log.close()
+            self.request_log = None
         if self.offload is not None:
             if not self.drain(timeout=self.settings.drain_timeout_s):
                 log.warning(
