@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.inventory import (
     DEFAULT_WAIT_S,
     HTTP_ROUTE,
@@ -36,7 +37,7 @@ KEPT_WHY = {
 }
 
 
-class TargetError(RuntimeError):
+class TargetError(RuntimeError, FlexKVError):
     """A target that cannot be reached or refused the request (the message names the fix)."""
 
 

@@ -81,7 +81,9 @@ def test_render_k8s_names_the_node_placement_it_does_not_carry_over(tmp_path):
     text = render_k8s(plan(tmp_path, "disagg", "Frontend.node=A", "PrefillWorker.node=B", "DecodeWorker.node=C"), "img")
     note = next(line for line in text.splitlines() if line.startswith("# Not carried over"))
     assert "PrefillWorker.node=B" in note and "DecodeWorker.node=C" in note and "nodeSelector" in note
-    assert "node" not in str(yaml.safe_load(text)["spec"]["services"]["PrefillWorker"]["extraPodSpec"])
+    pod = yaml.safe_load(text)["spec"]["services"]["PrefillWorker"]["extraPodSpec"]
+    assert pod["nodeSelector"] == {"dynamo-flexkv/node": "true"}  # render's own label, not serve's node B
+    assert "'B'" not in str(pod) and "nodeName" not in str(pod)
     assert "Not carried over" not in render_k8s(plan(tmp_path, "disagg"), "img")
 
 

@@ -308,7 +308,9 @@ def test_render_k8s_of_the_vllm_graph_imports_neither_torch_nor_vllm(tmp_path):
     assert main["command"] == ["python3", "-m", "dynamo.vllm"] and worker["replicas"] == 2
     assert arg(main["args"], "--model") == "/model" and "--discovery-backend" not in main["args"]
     assert json.loads(arg(main["args"], "--kv-events-config"))["endpoint"].startswith("ipc:///tmp/")
-    init = worker["extraPodSpec"]["initContainers"][0]  # writes the preset's model directory
+    (init,) = [  # the one that writes the preset's model directory (another prepares the SSD directory)
+        c for c in worker["extraPodSpec"]["initContainers"] if "write_preset(" in c["command"][-1]
+    ]
     assert "write_preset('small'" in init["command"][-1] and init["volumeMounts"][0]["mountPath"] == "/model"
     assert "weights=True" in init["command"][-1]  # the seeded weights vLLM loads
     env = {e["name"]: e["value"] for e in worker["envs"]}

@@ -38,6 +38,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.integrations.request_log import lookup_tokens, prompt_key
 from dynamo_flexkv.replay.events import DEVICE, DISK, HOST, REMOTE, KvEvent
 
@@ -82,7 +83,7 @@ LABELS = {
 }
 
 
-class AccountingError(AssertionError):
+class AccountingError(AssertionError, FlexKVError):
     """The causes of a request or a row do not add up to its prompt tokens."""
 
 

@@ -22,6 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
+from dynamo_flexkv.core.errors import FlexKVError
+
 log = logging.getLogger(__name__)
 
 CAPABILITY = "router_hint"  # dynamo.common.constants.KV_HINT_TRANSFER_CAPABILITY_KEY
@@ -31,7 +33,7 @@ FETCH_VERSION = "1.0"
 MAX_HINT_BLOCKS = 1 << 16  # a hint naming more blocks than any prompt we serve is refused as oversized
 
 
-class HintRefused(ValueError):
+class HintRefused(ValueError, FlexKVError):
     """A hint this worker cannot use (``reason``): the request is served from its own tiers."""
 
     def __init__(self, reason: str, message: str) -> None:
