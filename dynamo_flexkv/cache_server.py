@@ -106,9 +106,17 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     metrics = None
     try:
-        server.start()
         if args.metrics_port:
-            metrics = serve_metrics(server, args.metrics_host, args.metrics_port)
+            try:
+                metrics = serve_metrics(server, args.metrics_host, args.metrics_port)
+            except (OSError, OverflowError) as e:  # in use, out of range, not this machine's address
+                print(
+                    f"error: --metrics-host/--metrics-port {args.metrics_host}:{args.metrics_port}: cannot listen "
+                    f"there ({e}): choose a free port in 1-65535 on an address of this machine, or 0 for none",
+                    file=sys.stderr,
+                )
+                return 2
+        server.start()
         print(
             f"{READY} {path} (pid {server.stats()['pid']}; host {config.cpu_cache_gb} GB, disk "
             f"{config.ssd_cache_gb} GB{' in ' + ';'.join(config.ssd_cache_dir) if config.ssd_cache_dir else ''}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -217,6 +218,11 @@ def _plan(args: argparse.Namespace, run_dir: str, **kw):
     return build_plan(load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=source, **kw)
 
 
+_LABEL_NAME = r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"([a-z0-9]([a-z0-9.-]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}")  # Kubernetes' label syntax
+_LABEL_VALUE = re.compile(rf"({_LABEL_NAME})?")
+
+
 def _node_selector(items: Optional[List[str]]) -> Optional[Dict[str, str]]:
     """render --node-selector: None (the default label) when not given; '' alone: none."""
     if items is None:
@@ -228,10 +234,14 @@ def _node_selector(items: Optional[List[str]]) -> Optional[Dict[str, str]]:
         if not item:
             continue
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not _LABEL_KEY.fullmatch(key) or not _LABEL_VALUE.fullmatch(value):
             raise GraphError(
-                f"--node-selector {item!r}: expected KEY=VALUE, e.g. --node-selector nvidia.com/gpu.present=true"
+                f"--node-selector {item!r}: expected KEY=VALUE with a Kubernetes label key ([prefix/]name, "
+                "name up to 63 of [A-Za-z0-9._-] starting and ending alphanumeric) and value (the same, or "
+                "empty), e.g. --node-selector nvidia.com/gpu.present=true"
             )
+        if key in out and out[key] != value:
+            raise GraphError(f"--node-selector {key}: given twice ({out[key]!r} and {value!r}): keep one")
         out[key] = value
     return out
 
@@ -250,7 +260,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                     print(f"note: {note}", file=sys.stderr)
                 text = render_k8s(plan, args.image, SsdVolume(args.ssd_volume), _node_selector(args.node_selector))
                 if args.output:
-                    Path(args.output).write_text(text)
+                    try:
+                        Path(args.output).write_text(text)
+                    except OSError as e:
+                        print(
+                            f"error: render -o {args.output}: {e.strerror}: name a file in a directory that exists",
+                            file=sys.stderr,
+                        )
+                        return 2
                     warned = text.count("\n# WARNING: ")
                     print(f"wrote {args.output}; its header has {warned} warning(s) to read first", file=sys.stderr)
                 else:

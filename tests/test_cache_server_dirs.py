@@ -40,3 +40,18 @@ def test_the_socket_directory_it_made_goes_when_it_stops(tmp_path):
             proc.kill()
             proc.wait()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_metrics_port_it_cannot_listen_on_is_refused_and_leaves_nothing(tmp_path):
+    """Out of range or not this machine's address: exit 2 naming the options and the fix, no
+    traceback, and the socket directory it made is gone."""
+    for port, host in (("70000", "127.0.0.1"), ("19999", "10.9.9.9")):
+        sock = tmp_path / "made" / "node.sock"
+        r = subprocess.run(
+            [sys.executable, "-m", "dynamo_flexkv.cli", "cache-server", "--socket", str(sock), "--set",
+             "cpu_cache_gb=0.01", "--metrics-port", port, "--metrics-host", host],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"--metrics-host/--metrics-port {host}:{port}: cannot listen there" in r.stderr
+        assert not (tmp_path / "made").exists()

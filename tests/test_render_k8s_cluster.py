@@ -287,6 +287,15 @@ def test_render_node_selector_and_its_mistakes_on_the_command_line(tmp_path, cap
     assert "warning(s) to read first" in capsys.readouterr().err
     assert cli.main([*args, "--node-selector", "gpu"]) == 2
     assert "--node-selector 'gpu': expected KEY=VALUE" in capsys.readouterr().err
+    for bad in ("Bad Key=v", "k=v w", "a=b=c", "a/b/c=v", "k=-v", "k=" + "v" * 64):  # the cluster would refuse them
+        assert cli.main([*args, "--node-selector", bad]) == 2
+        assert "a Kubernetes label key" in capsys.readouterr().err
+    assert cli.main([*args, "--node-selector", "k=v", "--node-selector", "k=w"]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert cli.main([*args, "--node-selector", "nvidia.com/gpu.present=true", "-o", str(out)]) == 0
+    for where in (tmp_path / "missing" / "m.yaml", tmp_path):  # no such directory; a directory
+        assert cli.main([*args, "-o", str(where)]) == 2
+        assert f"render -o {where}: " in capsys.readouterr().err
 
 
 def test_an_unvalidated_kind_would_be_seen(tmp_path):
