@@ -593,8 +593,11 @@ def test_replay_command_against_a_served_graph(graph, replayed, tmp_path):
     assert "requests flexkv_requests_total" in report
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert lines[0]["bench"] == "replay" and lines[0]["errors"] == 0 and lines[0]["tier_source"] == "responses"
-    assert len([x for x in lines if x["bench"] == "replay-request"]) == lines[0]["requests"]
-    assert [json.loads(x)["config"] for x in summaries.read_text().splitlines()] == ["served"]
+    runs = [x for x in lines if x["bench"] == "replay"]  # the trace's rate and --higher-rate's (default 2x)
+    assert len(runs) == 2 and len([x for x in lines if x["bench"] == "replay-request"]) == sum(
+        r["requests"] for r in runs
+    )
+    assert [json.loads(x)["config"] for x in summaries.read_text().splitlines()] == ["served", "served"]  # both rates
     for png in ("ttft_cdf.png", "cached_tokens.png", "requests_per_worker.png", "throughput.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
