@@ -10,14 +10,12 @@ from typing import Optional
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.inventory import NO_TOKENIZER, CacheReport, CacheRequest, parse_report
 from dynamo_flexkv.core.node.protocol import (
-    ADMIN_VERSION,
     HEADER_BYTES,
     Admin,
     Reply,
     decode_to_engine,
     encode,
     frame_length,
-    pack_tokens,
 )
 
 
@@ -51,18 +49,7 @@ class NodeAdmin:
         if req.op == "prefix" and req.tokens is None and req.text is not None:
             raise AdminError(NO_TOKENIZER)  # the protocol carries token ids only
         rid = next(self._ids)
-        msg = Admin(
-            id=rid,
-            version=ADMIN_VERSION,
-            op=req.op,
-            tiers=req.tiers,
-            tenant=req.tenant,
-            model=req.model,
-            tokens=None if req.tokens is None else pack_tokens(req.tokens),
-            lora=req.lora,
-            salt=req.salt,
-            wait_s=req.wait_s,
-        )
+        msg = Admin.of(rid, req)
         self.sock.settimeout(req.wait_s + 30.0)  # a clear first waits for the writes in flight
         try:
             self.sock.sendall(encode(msg))

@@ -33,7 +33,6 @@ from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
 from dynamo_flexkv.core.inventory import CacheReport, CacheRequest, parse_report
 from dynamo_flexkv.core.node.protocol import (
-    ADMIN_VERSION,
     VERSION,
     Admin,
     Attach,
@@ -727,18 +726,7 @@ class NodeOffload(EngineOffload):
     def cache_admin(self, req: CacheRequest) -> CacheReport:
         """The service answers for this engine's namespace (Admin on the engine's connection)."""
         value = self._request(
-            lambda rid: Admin(
-                id=rid,
-                version=ADMIN_VERSION,
-                op=req.op,
-                tiers=req.tiers,
-                tenant=req.tenant,
-                model=req.model,
-                tokens=None if req.tokens is None else pack_tokens(req.tokens),
-                lora=req.lora,
-                salt=req.salt,
-                wait_s=req.wait_s,
-            ),
+            lambda rid: Admin.of(rid, req),
             timeout=req.wait_s + CALL_TIMEOUT_S,
         )
         return parse_report(value)

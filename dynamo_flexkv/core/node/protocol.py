@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import struct
 from array import array
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import msgspec
 import numpy as np
 from dynamo_flexkv.core.errors import FlexKVError
+
+if TYPE_CHECKING:  # an operator's request (core/inventory.py), turned into Admin below
+    from dynamo_flexkv.core.inventory import CacheRequest
 
 VERSION = 2
 ADMIN_VERSION = 1  # Admin requests (operators' tools); apart from VERSION, which engines attach with
@@ -144,6 +147,22 @@ class Admin(msgspec.Struct, tag="admin", forbid_unknown_fields=True):
     lora: Optional[str] = None
     salt: Optional[str] = None
     wait_s: float = 5.0
+
+    @classmethod
+    def of(cls, rid: int, req: "CacheRequest") -> "Admin":
+        """The message for an operator's request (both an admin connection and an engine send it)."""
+        return cls(
+            id=rid,
+            version=ADMIN_VERSION,
+            op=req.op,
+            tiers=req.tiers,
+            tenant=req.tenant,
+            model=req.model,
+            tokens=None if req.tokens is None else pack_tokens(req.tokens),
+            lora=req.lora,
+            salt=req.salt,
+            wait_s=req.wait_s,
+        )
 
 
 # ---- service -> engine ------------------------------------------------------------------------
