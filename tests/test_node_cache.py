@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -449,3 +450,31 @@ def test_a_socket_path_naming_a_file_or_directory_is_refused_and_left_alone(tmp_
         with pytest.raises(ConfigError, match=f"node_socket {path}: {what} that is not a socket is there"):
             NodeCacheServer(server_config(tmp_path, 0.02, 0.0), ServerOptions(str(path)))
     assert config.read_text() == "cpu_cache_gb: 0.1\n" and (tmp_path / "adir").is_dir()
+
+
+def test_a_node_loads_link_is_timed_to_the_engines_copy_not_to_its_answers_way_back(tmp_path):
+    """Cost-aware loading fits the host link on the service's loads. An engine's copy lands in its
+    own memory and its forward goes on at once; the answer's trip back to the service (a busy
+    service thread, a loaded machine) is not what the load cost the engine, and a fit that counted
+    it declined loads that would have paid off (issue 49: estimated 120 ms against 46 ms)."""
+    from dynamo_flexkv.core.node.protocol import OpDone
+
+    with node_server(tmp_path, host_gb=0.02) as server:
+        a, b = Engine(server.options.socket_path, "A"), Engine(server.options.socket_path, "B")
+        shared = prompt(3, 16 * BS)
+        a.store(shared, list(range(16)))
+        conn = b.offload._conn
+        send = conn.channel.send
+
+        def slow_answers(msg, *args, **kwargs):
+            if isinstance(msg, OpDone):
+                time.sleep(0.2)  # the answer travels late; the copy itself ended before
+            return send(msg, *args, **kwargs)
+
+        conn.channel.send = slow_answers
+        assert b.load(shared, list(range(20, 36))) == 16
+        (ns,) = server.namespaces()
+        host = ns.kv.cost.links["host"]
+        wait_until("the service observed the load", lambda: host.count >= 1)
+        nbytes = 16 * ns.kv.host.layout.block_bytes
+        assert host.predict(nbytes) < 0.1, host

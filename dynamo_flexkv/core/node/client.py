@@ -353,11 +353,12 @@ class NodeOffload(EngineOffload):
                 nbytes = conn.movers[op.kind].run(op)
             except Exception as e:  # noqa: BLE001 - reported to the service, which fails the task
                 error = f"{type(e).__name__}: {e}"
+            ended = time.perf_counter()
             if error is None and msg.kind == OpKind.H2D.value:
                 for i in range(max(msg.lo, 0), msg.hi if msg.hi >= 0 else self.num_layers):
                     task.layers[i].set()
             try:
-                conn.channel.send(OpDone(op=msg.op, nbytes=nbytes, error=error))
+                conn.channel.send(OpDone(op=msg.op, nbytes=nbytes, error=error, ended=ended))
             except ChannelClosed:
                 pass
 

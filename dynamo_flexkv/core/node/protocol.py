@@ -33,7 +33,7 @@ from dynamo_flexkv.core.errors import FlexKVError
 if TYPE_CHECKING:  # an operator's request (core/inventory.py), turned into Admin below
     from dynamo_flexkv.core.inventory import CacheRequest
 
-VERSION = 2
+VERSION = 3  # 3: OpDone.ended
 ADMIN_VERSION = 1  # Admin requests (operators' tools); apart from VERSION, which engines attach with
 MAX_FRAME = 64 << 20  # a frame longer than this is refused: no single message needs it
 _LEN = struct.Struct("<I")
@@ -112,6 +112,7 @@ class OpDone(msgspec.Struct, tag="op_done", forbid_unknown_fields=True):
     op: int
     nbytes: int = 0
     error: Optional[str] = None
+    ended: float = 0.0  # the engine's time.perf_counter() when the copy ended (0: not measured)
 
 
 class Observe(msgspec.Struct, tag="observe", forbid_unknown_fields=True):

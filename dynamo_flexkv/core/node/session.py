@@ -203,7 +203,7 @@ class Session:
             return
         a, ns, device = self._attached(type(msg).__name__)
         if isinstance(msg, OpDone):
-            if not device.finish(msg.op, msg.nbytes, msg.error):
+            if not device.finish(msg.op, msg.nbytes, msg.error, msg.ended):
                 raise ProtocolError(f"OpDone for copy {msg.op}, which this engine was never asked to make")
             return
         if isinstance(msg, Cancel):

@@ -55,6 +55,9 @@ class TransferOp:
     nbytes: int = 0
     started: float = 0.0  # time.perf_counter() when a worker thread began the op
     seconds: float = 0.0
+    # When the copy ended, on time.perf_counter()'s clock (system-wide on Linux), where a mover
+    # that copies elsewhere says so (an attached engine: core/node/engines.py); 0: when it settled.
+    ended: float = 0.0
     error: Optional[BaseException] = None
     result: Any = None
 

@@ -139,7 +139,10 @@ class TransferRunner:
 
     def _settle(self, graph: TransferGraph, op: TransferOp, error: Optional[BaseException], nbytes: int) -> None:
         """An op landed (error None) or failed: commit it, dispatch what it unblocked, or fail the graph."""
-        op.seconds = time.perf_counter() - op.started
+        # An engine's copy is timed to its own end: the answer's way back to this process is not
+        # what the engine's forward waited for (cost-aware loading fits the link on these times).
+        now = time.perf_counter()
+        op.seconds = (op.ended if op.started <= op.ended <= now else now) - op.started
         ok = error is None
         if ok:
             op.nbytes = int(nbytes)
