@@ -514,3 +514,10 @@ def test_values_from_a_set_or_the_environment_are_blamed_on_it(tmp_path, capsys,
         agg_router_plan(tmp_path)
     assert str(refused.value).startswith("environment variable FLEXKV_CPU_CACHE_GB (cpu_cache_gb) in serve's")
     assert CONFIG not in str(refused.value)
+
+
+def test_a_misspelled_flexkv_variable_is_a_note_before_serve_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXKV_CPU_CACHE_G", "3")  # FLEXKV_CPU_CACHE_GB would be refused; this one does nothing
+    notes = agg_router_plan(tmp_path).notes
+    assert any(n.startswith("environment variable FLEXKV_CPU_CACHE_G is not one") for n in notes), notes
+    assert any("did you mean FLEXKV_CPU_CACHE_GB?" in n for n in notes), notes

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from dynamo_flexkv.core.config import ConfigError, env_settings, read_yaml_mapping
+from dynamo_flexkv.core.config import ConfigError, env_settings, read_yaml_mapping, unknown_env, unknown_env_message
 from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.serve import node_cache as _node_cache
 from dynamo_flexkv.serve import vllm_worker as _vllm
@@ -174,7 +174,8 @@ def build_plan(
     node_of: Dict[str, str] = {}  # process name -> the node its component names
     node_options: Dict[str, str] = {}
     caches: Dict[Optional[str], Process] = {}  # node (None: this machine) -> its node cache server
-    notes: List[str] = []
+    # A misspelled FLEXKV_* variable reaches every process and does nothing: said before serve starts
+    notes: List[str] = [unknown_env_message(v, near) for v, near in unknown_env(os.environ).items()] if local else []
     if local and any(c.engine == _vllm.ENGINE for c in graph.components):
         _vllm.check_installed(source)
     for comp in graph.components:
