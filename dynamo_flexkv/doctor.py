@@ -105,6 +105,13 @@ def probe_dir(directory: str) -> "tuple[str, str]":
 
 def check_o_direct(directory: str) -> Check:
     name = f"O_DIRECT on {directory}"
+    if os.path.exists(directory) and not os.path.isdir(directory):  # probe_dir would probe its parent
+        return Check(
+            name,
+            Status.INVALID,
+            f"{directory} is a file, not a directory: a disk tier needs a directory there (name one with "
+            "--cache-dir or ssd_cache_dir, or remove the file)",
+        )
     probe, note = probe_dir(directory)
     try:
         fd, path = tempfile.mkstemp(dir=probe, prefix=".flexkv-odirect-")

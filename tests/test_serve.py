@@ -521,3 +521,13 @@ def test_a_misspelled_flexkv_variable_is_a_note_before_serve_starts(tmp_path, mo
     notes = agg_router_plan(tmp_path).notes
     assert any(n.startswith("environment variable FLEXKV_CPU_CACHE_G is not one") for n in notes), notes
     assert any("did you mean FLEXKV_CPU_CACHE_GB?" in n for n in notes), notes
+
+
+def test_an_empty_config_file_and_a_node_socket_that_is_not_a_socket_are_named(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(GraphError, match=rf"config file {empty} is empty .*leave -f out"):
+        load_config(str(empty))
+    for what, path in (("a directory", tmp_path), ("a regular file", empty)):
+        with pytest.raises(GraphError, match=rf"{path} is {what}, not a socket: name the socket of a running"):
+            agg_router_plan(tmp_path, f"FlexKVWorker.cache={{mode: node, node_socket: {path}}}")

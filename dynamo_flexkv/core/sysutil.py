@@ -49,6 +49,22 @@ def listening(path: str) -> bool:
         probe.close()
 
 
+def not_a_socket(path: str) -> Optional[str]:
+    """What is at ``path`` when it is something other than a Unix socket ("a directory", "a regular
+    file", ...), for a message; None when it is a socket or nothing is there."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "a special file"
+
+
 def find_binary(name: str) -> Optional[str]:
     """``name`` on PATH, else in the sbin directories; None if neither has it."""
     return shutil.which(name) or shutil.which(name, path=SBIN)

@@ -87,9 +87,16 @@ def load_config(path: Optional[str]) -> Dict[str, Any]:
     if path is None:
         return {}
     try:
-        return read_yaml_mapping(path, holds="sections (Common, then one per component)")
+        config = read_yaml_mapping(path, holds="sections (Common, then one per component)")
     except ConfigError as e:
         raise GraphError(str(e)) from None
+    if not config:  # most likely the wrong file; running on the defaults would hide that
+        raise GraphError(
+            f"config file {path} is empty (nothing but comments or blank lines): it sets nothing. Give a "
+            "config with Common and a section per component (e.g. configs/agg_router.yaml), or leave -f "
+            "out to run the graph on its defaults"
+        )
+    return config
 
 
 def apply_overrides(config: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
