@@ -110,3 +110,20 @@ def test_a_killed_servers_socket_and_directories_go_with_the_next_one_that_stops
             second.kill()
             second.wait()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_host_tier_larger_than_the_machines_memory_is_refused(tmp_path):
+    """Exit 2 naming the key, where it was set, the machine's memory and the fix; nothing made."""
+    sock = tmp_path / "made" / "node.sock"
+    for argv, said in (
+        (["--set", "cpu_cache_gb=1000000"], "cpu_cache_gb=1e+06 (--set cpu_cache_gb=1000000): the host tier"),
+        (["--set", "cpu_cache_gb=1000", "--max-models", "1000"], "x --max-models 1000 (each model gets its own"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "dynamo_flexkv.cli", "cache-server", "--socket", str(sock), *argv],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert said in r.stderr and "is larger than this machine's memory (" in r.stderr, r.stderr
+        assert "set cpu_cache_gb to what the node can spare (e.g. --set cpu_cache_gb=" in r.stderr, r.stderr
+        assert not (tmp_path / "made").exists()
