@@ -104,8 +104,8 @@ def classify(line: str) -> Optional["tuple[int, bool]"]:
 
 
 # ERROR lines Dynamo's frontend logs while serve stops a healthy graph, each a benign race in Dynamo
-# 1.6.1 (measured: 2 of 4 stops of agg_router with serve's order, 4 of 4 with the frontend stopped
-# before its workers' model went). When the frontend drops a model (its workers' discovery entries
+# 1.6.1 (measured: 6 of 8 stops of agg_router with serve's order, each kind below seen; 4 of 4 with
+# the frontend stopped before its workers' model went). When the frontend drops a model (its workers' discovery entries
 # went) or shuts down, it cancels the tasks of the model's router together with what feeds them:
 #  - dynamo_runtime::component::client's monitor_instance_source waits in a tokio::select! on its
 #    cancellation token and on its discovery feed; both become ready at once and select! picks one
