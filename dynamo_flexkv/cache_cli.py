@@ -20,6 +20,7 @@ from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.inventory import (
     DEFAULT_WAIT_S,
     HTTP_ROUTE,
+    MAX_WAIT_S,
     TIERS,
     BadCacheRequest,
     CacheReport,
@@ -42,8 +43,11 @@ class TargetError(RuntimeError, FlexKVError):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``cache [show|prefix|clear] ...``; the target and --json go before or after the action."""
+    """``cache [show|prefix|clear] ...``; the target, --json, --tier, --tenant and --model go before
+    or after the action (all default to SUPPRESS, so that a subparser's default never replaces a
+    value given before the action)."""
     _target_arguments(p, argparse.SUPPRESS)
+    _select_arguments(p)
     actions = p.add_subparsers(dest="cache_action", metavar="{show,prefix,clear}")
     show = actions.add_parser(
         "show",
@@ -128,11 +132,20 @@ def _select_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         choices=TIERS,
         dest="tiers",
+        default=argparse.SUPPRESS,
         help="only this tier (repeatable; default all): device is a worker's own KV memory, remote is listed "
         "and probed, never cleared",
     )
-    p.add_argument("--tenant", help="a cache server's namespaces of this tenant only (default: every tenant)")
-    p.add_argument("--model", help="a cache server's namespaces of this model_id only (default: every model)")
+    p.add_argument(
+        "--tenant",
+        default=argparse.SUPPRESS,
+        help="a cache server's namespaces of this tenant only (default: every tenant)",
+    )
+    p.add_argument(
+        "--model",
+        default=argparse.SUPPRESS,
+        help="a cache server's namespaces of this model_id only (default: every model)",
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -148,6 +161,10 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         )
         return 2
     try:
+        for url in urls:
+            _check_url(url)
+        for path in sockets:
+            _check_socket(path)
         req = _request(args)
     except (BadCacheRequest, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -179,8 +196,50 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return 1 if any(e is not None for _, _, e in answers) else 0
 
 
+def _check_url(url: str) -> None:
+    """A --url that cannot name a server (a port out of range or not a number, no host, another
+    scheme): BadCacheRequest naming it and the form, before anything is asked."""
+    import urllib.parse
+
+    form = (
+        "http://HOST:PORT, e.g. --url http://127.0.0.1:8081 (a worker's system port or a cache-server's --metrics-port)"
+    )
+    parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+    try:
+        port = parts.port
+    except ValueError:  # "Port out of range 0-65535", "Port could not be cast to integer value as 'x'"
+        port = 0
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or port == 0
+        or (port is None and ":" in parts.netloc)
+    ):
+        why = (
+            f"the scheme {parts.scheme}:// is not http"
+            if parts.scheme not in ("http", "https")
+            else ("no host" if not parts.hostname else f"the port {parts.netloc.rpartition(':')[2]!r} is not 1-65535")
+        )
+        raise BadCacheRequest(f"--url {url}: {why}: write {form}")
+
+
+def _check_socket(path: str) -> None:
+    """A --socket that names something other than a socket: BadCacheRequest saying what is there."""
+    from dynamo_flexkv.core.sysutil import not_a_socket
+
+    what = not_a_socket(path)
+    if what:
+        raise BadCacheRequest(
+            f"--socket {path} is {what}, not a socket: name the cache-server's socket (its ready line prints it; "
+            "RUN_DIR/node-cache.sock under serve)"
+        )
+
+
 def _request(args: argparse.Namespace) -> CacheRequest:
     action = getattr(args, "cache_action", None) or "show"
+    wait = getattr(args, "wait", DEFAULT_WAIT_S)
+    if not 0 <= wait <= MAX_WAIT_S:  # CacheRequest.check would name its field, wait_s
+        raise BadCacheRequest(f"--wait {wait:g}: wait 0 to {MAX_WAIT_S:g} seconds for the tier writes in flight")
     op = {"show": "contents", "prefix": "prefix", "clear": "clear"}[action]
     tokens: Optional[List[int]] = None
     text = getattr(args, "text", None)
@@ -197,7 +256,7 @@ def _request(args: argparse.Namespace) -> CacheRequest:
         text=text,
         lora=getattr(args, "lora", None),
         salt=getattr(args, "salt", None),
-        wait_s=getattr(args, "wait", DEFAULT_WAIT_S),
+        wait_s=wait,
     ).check(TIERS)
 
 
@@ -349,6 +408,8 @@ def render(report: CacheReport, address: str) -> str:
             if c.remote:
                 lines.append(f"    remote   {c.remote} (shared with other workers: not counted here)")
     elif report.op == "prefix":
+        if not report.prefixes:
+            lines.append("  nothing attached yet: no namespace, so no block of this prompt is cached")
         for p in report.prefixes:
             lines.append(
                 f"  {_who(p.model_id, p.tenant, p.shard)}: a prompt of {p.tokens} tokens, "

@@ -86,6 +86,49 @@ def load_config(path: Optional[str], sets: List[str]) -> CacheConfig:
     return CacheConfig.load(path, sets=sets, path_flag="-f")
 
 
+def check_host_memory(config: CacheConfig, args: argparse.Namespace, quotas: bool) -> None:
+    """The host tiers the service may hold at once (cpu_cache_gb; without quotas once per model,
+    --max-models) must fit this machine's memory: past it the shared memory they fill would be
+    swapped or the service (and the engines mapping it) killed by the OOM killer once full, long
+    after a start that looked fine. ConfigError naming the key, where it was set, the memory and
+    the fix."""
+    from dynamo_flexkv.core.config import GiB
+    from dynamo_flexkv.core.sysutil import memory_limit
+
+    models = 1 if quotas else max(1, args.max_models)
+    need = config.cpu_cache_gb * GiB * models
+    have, where = memory_limit()
+    if need <= have:
+        return
+    times = f" x --max-models {models} (each model gets its own host tier without quotas)" if models > 1 else ""
+    fit = have / GiB / models * 0.75  # room left for the engines, the disk tier's buffers and the OS
+    raise ConfigError(
+        f"cpu_cache_gb={config.cpu_cache_gb:g} ({_origin('cpu_cache_gb', args)}){times}: the host tier "
+        f"({need / GiB:.1f} GiB) is larger than this machine's memory ({have / GiB:.1f} GiB, {where}): "
+        f"set cpu_cache_gb to what the node can spare (e.g. --set cpu_cache_gb={fit:.0f})"
+        + (" or lower --max-models, or give tenant quotas" if models > 1 else "")
+    )
+
+
+def _origin(key: str, args: argparse.Namespace) -> str:
+    """Where CacheConfig.load took ``key`` from for this command: a --set, else the environment, else
+    the file, else the default (the reverse of the order it applies them in)."""
+    import os
+
+    from dynamo_flexkv.core.config import CONFIG_PATH_ENV, env_origin, env_settings, parse_sets, read_yaml_mapping
+
+    sets = parse_sets(args.set)
+    if key in sets:
+        return f"--set {sets[key][0]}"
+    for var, named in env_settings(os.environ).items():
+        if named == key:
+            return env_origin(var)
+    path = args.config or os.environ.get(CONFIG_PATH_ENV)
+    if path and key in read_yaml_mapping(path):
+        return f"config file {path} ({'-f' if args.config else CONFIG_PATH_ENV})"
+    return "the default"
+
+
 def run(args: argparse.Namespace) -> int:
     from dynamo_flexkv.core.node.quota import TenantQuotas
     from dynamo_flexkv.core.node.server import NodeCacheServer, ServerOptions, default_socket_path
@@ -95,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.set)
         path = args.socket or config.node_socket or default_socket_path()
         quotas = TenantQuotas.parse(args.default_quota, args.tenant_quota)
+        check_host_memory(config, args, quotas is not None)
         server = NodeCacheServer(
             config, ServerOptions(path, max_clients=args.max_clients, max_models=args.max_models, quotas=quotas)
         )

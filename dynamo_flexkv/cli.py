@@ -218,6 +218,32 @@ def _plan(args: argparse.Namespace, run_dir: str, **kw):
     return build_plan(load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=source, **kw)
 
 
+def _run_dir(path: str) -> Optional[str]:
+    """serve --run-dir, checked before serve starts anything: made owner-only (0700) if missing, or an
+    existing directory of this user's that others cannot write to. Returns the topmost directory it
+    made (removed again if the start is refused), None if it existed. GraphError naming the flag and
+    the fix otherwise."""
+    import os
+
+    from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
+    from dynamo_flexkv.serve import GraphError
+
+    head = os.path.abspath(path)
+    made = None
+    while not os.path.lexists(head):
+        made, head = head, os.path.dirname(head)
+    try:
+        private_dir(path, "the run directory (--run-dir)")
+    except UnsafeDirectory as e:
+        raise GraphError(str(e)) from None
+    except OSError as e:
+        raise GraphError(
+            f"--run-dir {path}: cannot make it a directory ({e.strerror or e}): name a directory you can "
+            "write to, or leave --run-dir out (serve makes a temp one)"
+        ) from None
+    return made
+
+
 _LABEL_NAME = r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?"
 _LABEL_KEY = re.compile(rf"([a-z0-9]([a-z0-9.-]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}")  # Kubernetes' label syntax
 _LABEL_VALUE = re.compile(rf"({_LABEL_NAME})?")
@@ -279,6 +305,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             from dynamo_flexkv.serve.nodes import Nodes
 
             own = args.run_dir is None  # serve's own temp directory: it goes when serve stops
+            made = None if own else _run_dir(args.run_dir)  # checked before anything starts
             run_dir = args.run_dir or tempfile.mkdtemp(prefix="dynamo-flexkv-")
             try:
                 plan = _plan(
@@ -289,8 +316,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     nodes=Nodes.load(args.nodes) if args.nodes else None,
                 )
             except BaseException:  # a refused start leaves nothing behind
-                if own:
-                    shutil.rmtree(run_dir, ignore_errors=True)
+                if own or made:
+                    shutil.rmtree(made or run_dir, ignore_errors=True)
                 raise
         except GraphError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -105,6 +105,13 @@ def probe_dir(directory: str) -> "tuple[str, str]":
 
 def check_o_direct(directory: str) -> Check:
     name = f"O_DIRECT on {directory}"
+    if os.path.exists(directory) and not os.path.isdir(directory):  # probe_dir would probe its parent
+        return Check(
+            name,
+            Status.INVALID,
+            f"{directory} is a file, not a directory: a disk tier needs a directory there (name one with "
+            "--cache-dir or ssd_cache_dir, or remove the file)",
+        )
     probe, note = probe_dir(directory)
     try:
         fd, path = tempfile.mkstemp(dir=probe, prefix=".flexkv-odirect-")
@@ -218,14 +225,24 @@ def check_config(config=None) -> "tuple[Check, Optional[object]]":
     """The configuration (file and FLEXKV_* environment) and the CacheConfig it makes (None when it
     cannot be loaded: the check, "invalid", says why, naming the key, where its value came from and
     the fix)."""
-    from dynamo_flexkv.core.config import CONFIG_PATH_ENV, CacheConfig, ConfigError, env_settings
+    from dynamo_flexkv.core.config import (
+        CONFIG_PATH_ENV,
+        CacheConfig,
+        ConfigError,
+        env_settings,
+        unknown_env,
+        unknown_env_message,
+    )
 
     if config is not None:
         return Check("config", Status.OK, "given"), config
     try:
-        cfg = CacheConfig.load()
+        cfg = CacheConfig.load(warn_unknown_env=False)
     except ConfigError as e:
         return Check("config", Status.INVALID, str(e)), None
+    unknown = unknown_env(os.environ, cfg.remote_password_env)
+    if unknown:  # a misspelled variable: what the user meant to set is not what runs
+        return Check("config", Status.INVALID, "; ".join(unknown_env_message(v, n) for v, n in unknown.items())), cfg
     path = os.environ.get(CONFIG_PATH_ENV)
     sources = ["defaults", *([f"{path} ({CONFIG_PATH_ENV})"] if path else []), *env_settings(os.environ)]
     return Check("config", Status.OK, f"loaded: {' < '.join(sources)}"), cfg

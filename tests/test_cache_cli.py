@@ -137,3 +137,33 @@ def test_a_vllm_workers_connector_answers_on_its_lookup_socket(tmp_path, capsys)
         side.offload.shutdown()
     code, _ = cli("--vllm", str(tmp_path))
     assert code == 1 and "no FlexKVConnector lookup socket (flexkv-lookup-*.ipc) in" in capsys.readouterr().err
+
+
+def test_the_selection_goes_before_or_after_the_action(served):
+    path, _, _ = served
+    code, text = cli("--tier", "disk", "clear", "--socket", path, "--wait", "0")  # --tier before the action
+    assert code == 0 and "    disk    5 block(s) cleared" in text and "host" not in text.split("cleared\n", 1)[1]
+    code, text = cli("--tenant", "acme", "--socket", path)  # and with no action (show)
+    assert code == 0 and "    host  5" in text and "    disk  0" in text
+
+
+def test_bad_targets_and_values_exit_2_naming_the_flag(tmp_path, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for argv, said in (
+        (["--url", "http://127.0.0.1:99999"], "--url http://127.0.0.1:99999: the port '99999' is not 1-65535"),
+        (["--url", "127.0.0.1:x8"], "--url 127.0.0.1:x8: the port 'x8' is not 1-65535"),
+        (["--url", "ftp://127.0.0.1:21"], "the scheme ftp:// is not http"),
+        (["--socket", str(a_file)], f"--socket {a_file} is a regular file, not a socket"),
+        (["--socket", str(tmp_path)], f"--socket {tmp_path} is a directory, not a socket"),
+        (["clear", "--wait", "-3", "--socket", str(tmp_path / "x.sock")], "--wait -3: wait 0 to 600 seconds"),
+    ):
+        code, _ = cli(*argv)
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: ") and said in err and "wait_s" not in err, (argv, err)
+
+
+def test_a_prefix_on_an_empty_cache_server_says_nothing_is_cached(tmp_path):
+    with node_server(tmp_path, host_gb=0.02, ssd_gb=0.05) as server:
+        code, text = cli("prefix", "--socket", server.options.socket_path, "--tokens", "1,2,3")
+    assert code == 0 and "nothing attached yet: no namespace, so no block of this prompt is cached" in text, text

@@ -331,3 +331,60 @@ def test_an_unwritable_parent_of_a_missing_ssd_dir_is_refused_naming_it(tmp_path
     ):
         CacheConfig(cpu_cache_gb=1, ssd_cache_gb=2, ssd_cache_dir=str(blocker / "sub"))
     assert sorted(os.listdir(tmp_path)) == ["a-file"]
+
+
+def test_a_misspelled_flexkv_variable_is_named_with_the_closest_known_one(caplog, monkeypatch):
+    """A FLEXKV_* variable nothing reads is a misspelling until shown otherwise: loading a config
+    warns (once per process) naming it and the closest known variable, doctor reports the config as
+    invalid; the variables read elsewhere, a test seam and the remote password's variable are not
+    reported."""
+    import logging
+
+    from dynamo_flexkv.core import config as config_module
+    from dynamo_flexkv.core.config import OTHER_ENV, unknown_env
+    from dynamo_flexkv.doctor import Status, check_config
+
+    env = {
+        "FLEXKV_CPU_CACHE_G": "3",
+        "FLEXKV_SSD_CACHEDIR": "/x",
+        "FLEXKV_QWERTY": "1",
+        "FLEXKV_TEST_WRONG_KV": "1",
+        "FLEXKV_MY_PASSWORD": "pw",
+        **{var: "1" for var in OTHER_ENV},
+    }
+    assert unknown_env(env, "FLEXKV_MY_PASSWORD") == {
+        "FLEXKV_CPU_CACHE_G": "FLEXKV_CPU_CACHE_GB",
+        "FLEXKV_QWERTY": None,
+        "FLEXKV_SSD_CACHEDIR": "FLEXKV_SSD_CACHE_DIR",
+    }
+    monkeypatch.setattr(config_module, "_warned_env", set())
+    small = {"FLEXKV_CPU_CACHE_G": "3", "FLEXKV_CPU_CACHE_GB": "1"}
+    with caplog.at_level(logging.WARNING, logger="dynamo_flexkv.core.config"):
+        assert CacheConfig.load(env=small).cpu_cache_gb == 1
+        CacheConfig.load(env=small)
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [
+        "environment variable FLEXKV_CPU_CACHE_G is not one dynamo-flexkv reads (did you mean "
+        "FLEXKV_CPU_CACHE_GB?): it has no effect; rename or unset it"
+    ], warned
+    monkeypatch.setenv("FLEXKV_CPU_CACHE_G", "3")
+    check, cfg = check_config()
+    assert check.status is Status.INVALID and "FLEXKV_CPU_CACHE_G " in check.detail and cfg is not None
+
+
+def test_every_flexkv_variable_the_package_reads_is_known():
+    """unknown_env's list of the variables read outside the config keys stays true: every FLEXKV_*
+    name in the package's source is a config key's variable or in OTHER_ENV."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    import dynamo_flexkv
+    from dynamo_flexkv.core.config import OTHER_ENV, TEST_ENV_PREFIX
+
+    keys = {f"FLEXKV_{f.name.upper()}" for f in dataclasses.fields(CacheConfig)}
+    named = set()
+    for path in Path(dynamo_flexkv.__file__).parent.rglob("*.py"):
+        named |= set(re.findall(r"""["'](FLEXKV_[A-Z0-9_]+)["']""", path.read_text()))
+    assert named, "no FLEXKV_ name found: the pattern is wrong"
+    assert named - keys - set(OTHER_ENV) - {TEST_ENV_PREFIX} == set()

@@ -28,3 +28,10 @@ def test_an_existing_directory_is_probed_itself_and_left_as_it_was(tmp_path):
     check = check_o_direct(str(tmp_path))
     assert tree(tmp_path) == []
     assert "probed" not in check.detail, check.detail
+
+
+def test_a_regular_file_is_not_a_cache_directory(tmp_path):
+    a_file = tmp_path / "ssd"
+    a_file.write_text("")
+    check = check_o_direct(str(a_file))
+    assert check.status is Status.INVALID and f"{a_file} is a file, not a directory" in check.detail, check.detail

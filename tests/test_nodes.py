@@ -226,3 +226,17 @@ def test_a_disagg_graph_over_three_nodes_serves_exact_tokens_moves_kv_over_the_l
     assert {codes[n] for n in ("Frontend", "PrefillWorker", "DecodeWorker")} == {0}, codes
     assert all(codes[n] in (0, -signal.SIGINT) for n in ("etcd", "nats")), codes  # etcd re-raises the SIGINT it handled
     print(json.dumps({k: v for k, v in r.items() if k not in ("agg", "disagg", "after_link", "events")}))
+
+
+def test_an_unknown_node_is_blamed_on_the_set_that_named_it(tmp_path, capsys):
+    from dynamo_flexkv.cli import main
+
+    path = tmp_path / "nodes.yaml"
+    FAKE.save(path)
+    argv = ["serve", str(ROOT / "graphs" / "disagg.py"), "-f", str(ROOT / "configs" / "disagg.yaml"), "--nodes"]
+    argv += [str(path), "--discovery-backend", "etcd", "--event-plane", "nats"]
+    for item in ("Frontend.node=A", "PrefillWorker.node=B", "DecodeWorker.node=D"):
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --set DecodeWorker.node=D: node 'D' is not in the nodes file"), err

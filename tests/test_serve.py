@@ -363,9 +363,9 @@ def test_a_cache_variable_in_serves_environment_is_refused_not_silently_applied(
     monkeypatch.setenv("FLEXKV_REMOTE_CACHE_URL", "redis://:hunter2@127.0.0.1:6379")
     with pytest.raises(
         GraphError,
-        match=r"serve's environment sets DYN_KVBM_CPU_CACHE_GB \(cpu_cache_gb\), "
+        match=r"^environment variables DYN_KVBM_CPU_CACHE_GB \(cpu_cache_gb\), "
         r"FLEXKV_REMOTE_CACHE_URL \(remote_cache_url\), FLEXKV_SSD_CACHE_DIR "
-        r"\(ssd_cache_dir\).*--set",
+        r"\(ssd_cache_dir\) in serve's environment: .*--set",
     ) as refused:
         agg_router_plan(tmp_path)
     assert "hunter2" not in str(refused.value)  # values stay out of the message (a URL may hold a password)
@@ -474,3 +474,60 @@ def test_a_bad_value_is_blamed_on_where_it_came_from_the_file_or_the_set(tmp_pat
     assert err.startswith("error: ") and error.replace("{config}", path) in err, err
     if sets and config is None:
         assert path not in err.split("(")[0], err  # the file is not blamed for the --set
+
+
+def test_a_bad_run_dir_is_refused_before_anything_starts_naming_the_flag(tmp_path, capsys):
+    """serve --run-dir is checked first: a path that cannot be a directory exits 2 naming --run-dir
+    and the fix (not exit 1 with a traceback after "starting"); a --run-dir serve made for a start
+    it then refused is removed again."""
+    from dynamo_flexkv.cli import main
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    argv = ["serve", str(ROOT / "graphs" / "agg_router.py"), "-f", CONFIG, "--run-dir"]
+    for run_dir, said in (
+        (a_file / "run", f"--run-dir {a_file / 'run'}: cannot make it a directory (Not a directory): name a"),
+        (a_file, f"the run directory (--run-dir) {a_file} is not a directory: remove it, or choose another path"),
+    ):
+        assert main([*argv, str(run_dir)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith("error: ") and said in captured.err, captured.err
+        assert "starting" not in captured.out and "Traceback" not in captured.err
+    made = tmp_path / "new" / "run"
+    assert main([*argv, str(made), "--set", "Common.bogus=1"]) == 2
+    assert "--set Common.bogus=1" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # made for a refused start: removed again
+
+
+def test_values_from_a_set_or_the_environment_are_blamed_on_it(tmp_path, capsys, monkeypatch):
+    """A --set node_socket render refuses names the --set, not the config file; a FLEXKV_ variable
+    serve refuses names the variable, not the file."""
+    from dynamo_flexkv.cli import main
+
+    item = "FlexKVWorker.cache={mode: node, node_socket: /tmp/x.sock}"
+    argv = ["render", str(ROOT / "graphs" / "agg_router.py"), "-f", CONFIG, "--k8s", "-o", str(tmp_path / "o.yaml")]
+    assert main([*argv, "--set", item]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --set {item}: FlexKVWorker.cache.node_socket='/tmp/x.sock'"), err
+    monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "abc")
+    with pytest.raises(GraphError) as refused:
+        agg_router_plan(tmp_path)
+    assert str(refused.value).startswith("environment variable FLEXKV_CPU_CACHE_GB (cpu_cache_gb) in serve's")
+    assert CONFIG not in str(refused.value)
+
+
+def test_a_misspelled_flexkv_variable_is_a_note_before_serve_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXKV_CPU_CACHE_G", "3")  # FLEXKV_CPU_CACHE_GB would be refused; this one does nothing
+    notes = agg_router_plan(tmp_path).notes
+    assert any(n.startswith("environment variable FLEXKV_CPU_CACHE_G is not one") for n in notes), notes
+    assert any("did you mean FLEXKV_CPU_CACHE_GB?" in n for n in notes), notes
+
+
+def test_an_empty_config_file_and_a_node_socket_that_is_not_a_socket_are_named(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(GraphError, match=rf"config file {empty} is empty .*leave -f out"):
+        load_config(str(empty))
+    for what, path in (("a directory", tmp_path), ("a regular file", empty)):
+        with pytest.raises(GraphError, match=rf"{path} is {what}, not a socket: name the socket of a running"):
+            agg_router_plan(tmp_path, f"FlexKVWorker.cache={{mode: node, node_socket: {path}}}")

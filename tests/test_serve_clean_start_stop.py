@@ -17,18 +17,9 @@ import pytest
 from served import Serve, assert_all_gone, post
 from vllm_graph import VllmServe
 
-# ERROR lines Dynamo's frontend itself logs when the workers' discovery entries go (at any
-# worker's stop; serve stops the workers first, then the frontend once it dropped their model): the
-# client watching the workers' endpoint, file discovery's watcher, or (KV-router graphs of vLLM
-# workers) the router's brokered event membership task, each torn down in a race with what feeds
-# it, logs the closed channel as an ERROR. Dynamo's own: no stop order avoids them, and nothing is
-# lost (the workers drain and exit normally). Stopping the frontend first, as serve did before,
-# logged the first one at every stop.
-DYNAMO_STOP_NOISE = (
-    "monitor_instance_source: The Sender is dropped: channel closed",
-    "Failed to send file watch event error=channel closed",
-    "Brokered KV membership task ended unexpectedly",
-)
+# No ERROR line at all: Dynamo's frontend logs one of its benign races at about half of the stops
+# (serve/logs.py STOP_RACES), which serve's quiet console shows as INFO once it is stopping. A start
+# or a stop that shows any ERROR line fails.
 ERROR_LINE = re.compile(r"\bERROR\b")
 
 REFERENCE = {
@@ -78,7 +69,7 @@ def start_and_stop(serve: Serve, temp: Path, model: str) -> None:
     finally:
         serve.close()
     serve._reader.join(timeout=10)
-    errors = [ln for ln in serve.lines if ERROR_LINE.search(ln) and not any(n in ln for n in DYNAMO_STOP_NOISE)]
+    errors = [ln for ln in serve.lines if ERROR_LINE.search(ln)]
     assert not errors, "\n".join(errors)
     assert not run.exists(), f"serve left its run directory {run}"
     assert sorted(os.listdir(temp)) == [], f"left in the temp folder: {sorted(os.listdir(temp))}"

@@ -2,6 +2,8 @@
 as serve's components write them (Dynamo's Rust tracing and the Python records it bridges, vLLM,
 the cache server, etcd, NATS, redis-server), and the plain text the log files get."""
 
+import threading
+
 from dynamo_flexkv.serve.logs import ERROR, INFO, WARN, Console, ConsoleFilter, classify, plain
 
 RUST_INFO = "2026-12-07T12:58:53.313105Z  INFO dynamo_runtime::distributed: Initializing KV store discovery backend"
@@ -59,3 +61,37 @@ def test_log_lines_lose_their_terminal_escape_codes():
     assert plain(coloured) == "2026-12-07T12:58:53.313105Z  INFO dynamo_runtime::worker: hi"
     assert classify(plain(coloured)) == (INFO, False)
     assert plain("no codes") == "no codes"
+
+
+# Dynamo's benign ERROR races of a stop, as the frontend wrote them (serve/logs.py STOP_RACES).
+STOP_MONITOR = (
+    "2026-12-07T15:52:59.381690Z ERROR dynamo_runtime::component::client: monitor_instance_source: "
+    "The Sender is dropped: channel closed, endpoint=dynamo/flexkv/generate"
+)
+STOP_FILE_WATCH = (
+    "2026-12-07T11:50:55.869625Z ERROR dynamo_runtime::storage::kv::file: Failed to send file watch event "
+    "error=channel closed"
+)
+STOP_BROKER = (
+    "2026-12-07T15:52:42.592255Z ERROR dynamo_llm::kv_router::indexer::recovery::broker_zmq: Brokered KV "
+    "membership task ended unexpectedly kv_state_endpoint=dynamo/flexkv/generate"
+)
+OTHER_ERROR = (
+    "2026-12-07T15:52:59.381690Z ERROR dynamo_runtime::component::client: endpoint_watcher: discovery stream "
+    "error: broken; shutting down"
+)
+
+
+def test_dynamo_stop_races_are_hidden_only_while_serve_stops():
+    stopping = threading.Event()
+    quiet = ConsoleFilter(Console.QUIET, stopping)
+    races = (STOP_MONITOR, STOP_FILE_WATCH, STOP_BROKER)
+    assert all(quiet.show(ln) for ln in races)  # while the graph runs, an error like any other
+    stopping.set()
+    assert not any(quiet.show(ln) for ln in races)
+    assert not quiet.show("  a continuation of that record")
+    assert quiet.show(OTHER_ERROR)  # any other ERROR line stays shown at a stop
+    assert quiet.show(RUST_WARN)
+    assert quiet.show(STOP_MONITOR.replace(" ERROR ", "  WARN "))  # the exact ERROR line only
+    every = ConsoleFilter(Console.ALL, stopping)
+    assert all(every.show(ln) for ln in races)  # --console all shows every line

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import errno
+import logging
 import os
 import re
 import tempfile
@@ -28,6 +29,8 @@ from dynamo_flexkv.core.errors import FlexKVError
 if TYPE_CHECKING:
     from dynamo_flexkv.core.remote.config import RemoteConfig
 
+log = logging.getLogger(__name__)
+
 GiB = 1 << 30
 
 # Environment variable -> config key. FLEXKV_<KEY> works for every key; these are the extras.
@@ -37,6 +40,16 @@ ENV_ALIASES: Dict[str, str] = {
     "DYN_KVBM_DISK_CACHE_DIR": "ssd_cache_dir",
 }
 CONFIG_PATH_ENV = "FLEXKV_CONFIG_PATH"
+# The FLEXKV_* variables read elsewhere than as a config key (where): not misspellings.
+# tests/test_config.py checks that every FLEXKV_* name the package reads is a key's or here.
+OTHER_ENV: Dict[str, str] = {
+    CONFIG_PATH_ENV: "the cache config file",
+    DEFAULT_PASSWORD_ENV: "the remote tier's password (remote_password_env)",
+    "FLEXKV_RUN_DIR": "the vLLM connector's run directory",
+    "FLEXKV_HANDOVER_SECRET": "the disaggregated handover's shared secret",
+    "FLEXKV_NIXL_PROGRESS_DELAY_US": "NIXL's progress thread delay",
+}
+TEST_ENV_PREFIX = "FLEXKV_TEST_"  # the test suite's own seams
 MODES = ("embedded", "node")
 
 
@@ -114,12 +127,15 @@ class CacheConfig:
         env: Optional[Mapping[str, str]] = None,
         sets: Sequence[str] = (),
         path_flag: str = "",
+        warn_unknown_env: bool = True,
     ) -> "CacheConfig":
         """Defaults, then the YAML file (``path``, else $FLEXKV_CONFIG_PATH), then the environment
         (FLEXKV_<KEY> and the KVBM aliases), then ``sets`` (a command's ``--set KEY=VALUE`` items).
         Only the value that wins is parsed (a bad variable a --set replaces is not an error), and
         every error names where its value came from: the file (``path_flag``: the option that
-        named it, e.g. ``-f``), the variable or the --set."""
+        named it, e.g. ``-f``), the variable or the --set. A FLEXKV_* variable nothing reads (a
+        misspelling) is logged as a warning naming the closest one, unless ``warn_unknown_env`` is
+        False (doctor reports it as a check)."""
         env = os.environ if env is None else env
         values: Dict[str, Any] = {}
         origins: Dict[str, str] = {}
@@ -134,7 +150,10 @@ class CacheConfig:
             values[key], origins[key] = value, env_origin(var)
         for key, (item, value) in parse_sets(sets).items():
             values[key], origins[key] = value, f"--set {item}"
-        return _build(cls, values, "config", origins)
+        config = _build(cls, values, "config", origins)
+        if warn_unknown_env:
+            _warn_unknown_env(env, config.remote_password_env)
+        return config
 
     def replace(self, **changes: Any) -> "CacheConfig":
         return dataclasses.replace(self, **_coerce_all(changes, "replace()"))
@@ -336,6 +355,35 @@ def env_settings(env: Mapping[str, str]) -> Dict[str, str]:
     names = {f"FLEXKV_{f.name.upper()}": f.name for f in dataclasses.fields(CacheConfig)}
     names.update(ENV_ALIASES)
     return {var: names[var] for var in sorted(names) if var in env}
+
+
+def unknown_env(env: Mapping[str, str], password_env: str = DEFAULT_PASSWORD_ENV) -> Dict[str, Optional[str]]:
+    """The FLEXKV_* variables of ``env`` that nothing reads, each a misspelling until shown otherwise
+    (e.g. FLEXKV_CPU_CACHE_G): variable -> the closest name that is read, or None.
+    ``password_env``: the variable a config's remote_password_env names (read too)."""
+    known = [f"FLEXKV_{f.name.upper()}" for f in dataclasses.fields(CacheConfig)] + [*OTHER_ENV, password_env]
+    out: Dict[str, Optional[str]] = {}
+    for var in sorted(env):
+        if var.startswith("FLEXKV_") and var not in known and not var.startswith(TEST_ENV_PREFIX):
+            # Compared without the prefix all share: FLEXKV_FOO is nothing's misspelling
+            near = difflib.get_close_matches(var[7:], [k[7:] for k in known if k.startswith("FLEXKV_")], n=1)
+            out[var] = f"FLEXKV_{near[0]}" if near else None
+    return out
+
+
+def unknown_env_message(var: str, near: Optional[str]) -> str:
+    hint = f"did you mean {near}?" if near else "docs/CONFIGURATION.md lists the variables"
+    return f"environment variable {var} is not one dynamo-flexkv reads ({hint}): it has no effect; rename or unset it"
+
+
+_warned_env: set = set()  # each unknown variable is warned about once per process
+
+
+def _warn_unknown_env(env: Mapping[str, str], password_env: str) -> None:
+    for var, near in unknown_env(env, password_env).items():
+        if var not in _warned_env:
+            _warned_env.add(var)
+            log.warning("%s", unknown_env_message(var, near))
 
 
 def _env_values(env: Mapping[str, str]) -> Dict[str, Tuple[str, str]]:

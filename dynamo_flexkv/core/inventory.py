@@ -30,6 +30,7 @@ OPS = ("contents", "prefix", "clear")
 CONTROL = "flexkv_cache"
 HTTP_ROUTE = f"/engine/control/{CONTROL}"
 DEFAULT_WAIT_S = 5.0  # a clear first waits this long for the tier writes in flight (then clears what is free)
+MAX_WAIT_S = 600.0  # the longest wait a clear may ask for
 REMOTE_NOT_CLEARED = (
     "the remote tier is not cleared: its blocks are shared with every worker and node that uses the same "
     "store; delete them in Redis, or give the weights a new model_id"
@@ -161,8 +162,8 @@ class CacheRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise BadCacheRequest("op prefix needs the prompt: tokens (a list of token ids) or text")
         if self.tokens is not None and any(not 0 <= t < 1 << 32 for t in self.tokens):
             raise BadCacheRequest("tokens must be token ids in [0, 2**32)")
-        if not 0 <= self.wait_s <= 600:
-            raise BadCacheRequest(f"wait_s={self.wait_s}: wait 0 to 600 seconds for the writes in flight")
+        if not 0 <= self.wait_s <= MAX_WAIT_S:
+            raise BadCacheRequest(f"wait_s={self.wait_s}: wait 0 to {MAX_WAIT_S:g} seconds for the writes in flight")
         return self
 
     def wants(self, tier: str) -> bool:

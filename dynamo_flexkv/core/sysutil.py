@@ -49,6 +49,46 @@ def listening(path: str) -> bool:
         probe.close()
 
 
+def not_a_socket(path: str) -> Optional[str]:
+    """What is at ``path`` when it is something other than a Unix socket ("a directory", "a regular
+    file", ...), for a message; None when it is a socket or nothing is there."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "a special file"
+
+
+def memory_limit() -> "tuple[int, str]":
+    """(bytes of memory this process's machine or container has, where that number comes from): the
+    smaller of /proc/meminfo's MemTotal and a cgroup v2 memory.max (a container's limit)."""
+    total, where = 0, ""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total, where = int(line.split()[1]) * 1024, "MemTotal in /proc/meminfo"
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if not total:
+        total, where = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical pages"
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit() and int(limit) < total:
+            total, where = int(limit), "this container's cgroup memory.max"
+    except OSError:
+        pass
+    return total, where
+
+
 def find_binary(name: str) -> Optional[str]:
     """``name`` on PATH, else in the sbin directories; None if neither has it."""
     return shutil.which(name) or shutil.which(name, path=SBIN)

@@ -135,6 +135,8 @@ def run_dirs(plan: LaunchPlan) -> None:
                 private_dir(d, f"{proc.name}'s directory", tighten=True)
     except UnsafeDirectory as e:
         raise GraphError(str(e)) from None
+    except OSError as e:  # a path that cannot be made (a file in the way, no permission)
+        raise GraphError(f"cannot make {e.filename}: {e.strerror or e}: choose another --run-dir") from None
 
 
 class Launcher:
@@ -157,6 +159,7 @@ class Launcher:
         self._echo_lock = threading.Lock()
         self._width = max(len(p.name) for p in plan.infra + plan.processes)
         self.interrupted = threading.Event()  # set by a signal handler: stop waiting for readiness
+        self.stopping = threading.Event()  # set when shutdown() begins (logs.py STOP_RACES)
         self.spawned: List[subprocess.Popen] = []  # every process ever started, restarts included
         self.deaths: Dict[str, List[float]] = {}  # name -> monotonic times of its deaths in its window
         self.restarts: Dict[str, int] = {}  # name -> how often it was restarted
@@ -220,7 +223,7 @@ class Launcher:
         self._readers.append(t)
 
     def _pump(self, name: str, stream: IO[bytes], log_file: IO[str]) -> None:
-        shown = ConsoleFilter(self.console)
+        shown = ConsoleFilter(self.console, self.stopping)
         with log_file:
             for raw in iter(stream.readline, b""):
                 line = plain(raw.decode(errors="replace").rstrip("\n"))
@@ -460,10 +463,14 @@ class Launcher:
         """The workers first: each stops taking requests and drains what it accepted while the
         frontend, still up, relays it. Then the frontend, once it has dropped the workers' model
         (stopped while it still watched them, Dynamo's frontend logs an ERROR "channel closed"
-        per endpoint), then the node cache (its workers detached cleanly), then infrastructure.
+        at every stop; dropping the model, at about half of them), then the node cache (its
+        workers detached cleanly), then infrastructure.
         Each group gets SIGINT and ``timeout`` to exit, then SIGKILL; every process group is
         reaped. A worker that has not reported ready (a restart still starting) has accepted
-        nothing and its SSD journal survives any stop: it is stopped at once (_stop_starting)."""
+        nothing and its SSD journal survives any stop: it is stopped at once (_stop_starting).
+        The frontend may still log one of Dynamo's benign ERROR races as it drops the model or
+        stops (serve/logs.py STOP_RACES): from here on the quiet console shows them as INFO."""
+        self.stopping.set()
         for live in list(self.liveness.values()):  # a stopping worker answers /health 503: an ERROR line
             if live.thread is not None:
                 live.thread.join(PROBE_TIMEOUT_S + 1)

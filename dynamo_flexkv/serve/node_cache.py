@@ -26,7 +26,7 @@ import yaml
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError, cite_origins
 from dynamo_flexkv.core.node.quota import TenantQuotas
-from dynamo_flexkv.core.sysutil import listening
+from dynamo_flexkv.core.sysutil import listening, not_a_socket
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.options import (
     OnDeath,
@@ -136,6 +136,13 @@ def external_socket(name: str, path: str, replicas: int, source: str) -> str:
     for i in range(replicas):
         each = sock.replace("{replica}", str(i))
         start = f"dynamo-flexkv cache-server --socket {each} -f node-cache.yaml"
+        other = not_a_socket(each)
+        if other:
+            raise GraphError(
+                f"{where}: {key}={path!r}: {each} is {other}, not a socket: name the socket of a running "
+                f"cache server (its ready line prints it; {start}), or remove {key} and let serve start "
+                f"one ({SECTION})"
+            )
         try:
             up = listening(each)
         except OSError as e:

@@ -24,6 +24,7 @@ from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.ports import LOOPBACK
 from dynamo_flexkv.serve.process import Process
+from dynamo_flexkv.serve.sources import origin_of
 
 SUBNET = "169.254.77.0/24"  # link-local: never routed off a link, and no default route is set
 # UCX's TCP transport skips interfaces that have only link-local addresses (169.254/16, fe80::/10):
@@ -216,6 +217,12 @@ class Nodes:
         return {"rx": int(stats["rx"]["bytes"]), "tx": int(stats["tx"]["bytes"])}
 
 
+def _component(process: str) -> str:
+    """The component (config section) a process belongs to: a replica's name without ``-N``."""
+    base, _, replica = process.rpartition("-")
+    return base if base and replica.isdigit() else process
+
+
 def place(
     processes: List[Process], infra: List[Process], nodes: Nodes, node_of: Mapping[str, str], source: str
 ) -> None:
@@ -224,9 +231,13 @@ def place(
     on the frontend's node, and NIXL's UCX uses TCP over the node's link (shared memory would not
     cross machines). Refuses what other nodes could not reach (loopback etcd/NATS/Redis URLs) and
     a serve that does not run on the frontend's node."""
-    unknown = sorted({n for n in node_of.values() if n not in nodes.nodes})
+    unknown = sorted((n, name) for name, n in node_of.items() if n not in nodes.nodes)
     if unknown:
-        raise GraphError(f"{source}: node {unknown[0]!r} is not in the nodes file (it has {sorted(nodes.nodes)})")
+        node, name = unknown[0]
+        raise GraphError(
+            f"{origin_of(source, _component(name), 'node')}: node {node!r} is not in the nodes file "
+            f"(it has {sorted(nodes.nodes)})"
+        )
     unplaced = [p.name for p in processes if p.name not in node_of]
     if unplaced:
         raise GraphError(
@@ -242,7 +253,8 @@ def place(
     for p in processes:
         if p.cache is not None and p.cache.enable_remote and _loopback(p.cache.remote_cache_url or ""):
             raise GraphError(
-                f"{source}: {p.name}.cache.remote_cache_url {p.cache.remote_cache_url.split('@')[-1]} is a "
+                f"{origin_of(source, _component(p.name), 'cache', 'remote_cache_url')}: "
+                f"{p.name}.cache.remote_cache_url {p.cache.remote_cache_url.split('@')[-1]} is a "
                 "loopback address other nodes cannot reach: give a Redis on a node's address"
             )
     nodes.check_up(source)

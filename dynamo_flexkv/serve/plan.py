@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from dynamo_flexkv.core.config import ConfigError, env_settings, read_yaml_mapping
+from dynamo_flexkv.core.config import ConfigError, env_settings, read_yaml_mapping, unknown_env, unknown_env_message
 from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.serve import node_cache as _node_cache
 from dynamo_flexkv.serve import vllm_worker as _vllm
@@ -87,9 +87,16 @@ def load_config(path: Optional[str]) -> Dict[str, Any]:
     if path is None:
         return {}
     try:
-        return read_yaml_mapping(path, holds="sections (Common, then one per component)")
+        config = read_yaml_mapping(path, holds="sections (Common, then one per component)")
     except ConfigError as e:
         raise GraphError(str(e)) from None
+    if not config:  # most likely the wrong file; running on the defaults would hide that
+        raise GraphError(
+            f"config file {path} is empty (nothing but comments or blank lines): it sets nothing. Give a "
+            "config with Common and a section per component (e.g. configs/agg_router.yaml), or leave -f "
+            "out to run the graph on its defaults"
+        )
+    return config
 
 
 def apply_overrides(config: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
@@ -129,8 +136,8 @@ def build_plan(
     machine and no etcd/NATS is planned. ``nodes``: components with a ``node`` option run there
     (dynamo_flexkv.serve.nodes)."""
     if local:
-        _refuse_stray_cache_env(os.environ, source)
-        _refuse_operator_namespace_env(os.environ, source)
+        _refuse_stray_cache_env(os.environ)
+        _refuse_operator_namespace_env(os.environ)
     sections = dict(config)
     common = sections.pop("Common", None) or {}
     if not isinstance(common, dict):
@@ -174,7 +181,8 @@ def build_plan(
     node_of: Dict[str, str] = {}  # process name -> the node its component names
     node_options: Dict[str, str] = {}
     caches: Dict[Optional[str], Process] = {}  # node (None: this machine) -> its node cache server
-    notes: List[str] = []
+    # A misspelled FLEXKV_* variable reaches every process and does nothing: said before serve starts
+    notes: List[str] = [unknown_env_message(v, near) for v, near in unknown_env(os.environ).items()] if local else []
     if local and any(c.engine == _vllm.ENGINE for c in graph.components):
         _vllm.check_installed(source)
     for comp in graph.components:
@@ -254,15 +262,16 @@ def build_plan(
     )
 
 
-def _refuse_stray_cache_env(env: Mapping[str, str], source: str) -> None:
+def _refuse_stray_cache_env(env: Mapping[str, str]) -> None:
     """Every process serve starts inherits its environment, and a worker's cache config applies
     FLEXKV_* variables over the file serve checked and wrote (defaults < file < environment): one
     left in the shell would silently replace what serve checked, for every replica. Refused."""
     stray = env_settings(env)
     if stray:
         what = ", ".join(f"{var} ({key})" for var, key in stray.items())
-        raise GraphError(
-            f"{source}: serve's environment sets {what}: every worker and cache server it starts would "
+        raise GraphError(  # the variables are the origin, not the config file
+            f"environment variable{'s' if len(stray) > 1 else ''} {what} in serve's environment: "
+            "every worker and cache server it starts would "
             "apply it over the cache config serve checked (the environment wins over the file, "
             "docs/CONFIGURATION.md). Unset it, and put the key in the worker's cache section "
             "(NodeCache.cache for workers on a node cache) or pass it with --set <Worker>.cache.<key>=..."
@@ -276,11 +285,12 @@ def _refuse_stray_cache_env(env: Mapping[str, str], source: str) -> None:
 OPERATOR_NAMESPACE_ENV = ("DYN_NAMESPACE_WORKER_SUFFIX", "DYN_NAMESPACE_PREFIX")
 
 
-def _refuse_operator_namespace_env(env: Mapping[str, str], source: str) -> None:
+def _refuse_operator_namespace_env(env: Mapping[str, str]) -> None:
     stray = [f"{var}={env[var]!r}" for var in OPERATOR_NAMESPACE_ENV if env.get(var)]
     if stray:
         raise GraphError(
-            f"{source}: serve's environment sets {', '.join(stray)}: the Dynamo operator's variables "
+            f"environment variable{'s' if len(stray) > 1 else ''} {', '.join(stray)} in serve's environment: "
+            "the Dynamo operator's variables "
             "for pods (workers register in NAMESPACE-SUFFIX, the frontend looks by the prefix), so "
             "serve's frontend would not find its workers. Unset them; the namespace is the "
             "components' namespace option"
@@ -309,7 +319,8 @@ def _attach_to_node_cache(
     if given:
         if not ctx.local:
             raise GraphError(
-                f"{source}: {comp.name}.cache.node_socket={given!r}: a rendered graph runs its node cache as a "
+                f"{origin_of(source, comp.name, 'cache', 'node_socket')}: "
+                f"{comp.name}.cache.node_socket={given!r}: a rendered graph runs its node cache as a "
                 f"DaemonSet whose socket the worker pods mount ({_node_cache.RENDER_SOCKET_DIR}): remove "
                 f"node_socket (the {_node_cache.SECTION} section sets its tiers)"
             )

@@ -62,9 +62,14 @@ class NodeCacheServer:
             "requests": 0,
             "request_errors": 0,
         }
-        self._made_dirs = _missing_dirs(os.path.dirname(os.path.abspath(options.socket_path)))
+        sock_dir = os.path.dirname(os.path.abspath(options.socket_path))
+        self._made_dirs = _missing_dirs(sock_dir)
         try:
             self._listener = self._listen(options.socket_path)
+            if not self._made_dirs:  # the directories a server that did not stop made: this one's now
+                self._made_dirs = _adopt_made_dirs(sock_dir)
+            if self._made_dirs:  # so that a next server can clean them up if this one is SIGKILLed
+                _write_made_marker(self._made_dirs)
         except BaseException:  # refused (another server there, an unsafe directory): leave nothing made
             self._remove_made_dirs()
             raise
@@ -89,6 +94,10 @@ class NodeCacheServer:
                     "or give this one another node_socket"
                 )
             os.unlink(path)  # a dead server's socket file
+            log.warning(
+                "node_socket %s: removed the socket a cache server that did not stop left (nothing listened on it)",
+                path,
+            )
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -101,6 +110,11 @@ class NodeCacheServer:
 
     def _remove_made_dirs(self) -> None:
         """The directories made for the socket (innermost first), while empty."""
+        if self._made_dirs:
+            try:
+                os.unlink(os.path.join(self._made_dirs[0], MADE_DIRS_MARKER))
+            except OSError:
+                pass
         for d in self._made_dirs:
             try:
                 os.rmdir(d)
@@ -372,6 +386,40 @@ def _split(key: Tuple[Any, ...]) -> Tuple[Any, ...]:
     """An attach key without the rank: the model and how many shards its engines split it into."""
     shard_of = key[-1]
     return (*key[:-1], shard_of.split("/")[1] if shard_of else "1")
+
+
+# In the socket's directory when the server made it: the directories it made, innermost first, one
+# a line. A server killed before it removed them leaves this file; the next one on that directory
+# takes them over and removes them when it stops (only these, only while empty).
+MADE_DIRS_MARKER = ".flexkv-made-dirs"
+
+
+def _write_made_marker(made: List[str]) -> None:
+    path = os.path.join(made[0], MADE_DIRS_MARKER)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(d + "\n" for d in made))
+
+
+def _adopt_made_dirs(sock_dir: str) -> List[str]:
+    """The directories the marker in ``sock_dir`` names that are ``sock_dir`` or above it (nothing
+    else is ever taken over), innermost first; [] without a marker."""
+    try:
+        with open(os.path.join(sock_dir, MADE_DIRS_MARKER), encoding="utf-8") as f:
+            named = [line.strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError):
+        return []
+    made = [d for d in named if d == sock_dir or sock_dir.startswith(d.rstrip(os.sep) + os.sep)]
+    if sock_dir not in made:
+        return []
+    made.sort(key=len, reverse=True)
+    log.warning(
+        "node_socket's directory %s: made by a cache server that did not stop; this one removes it "
+        "(and %d directories above it it made) when it stops",
+        sock_dir,
+        len(made) - 1,
+    )
+    return made
 
 
 def _missing_dirs(path: str) -> List[str]:
