@@ -379,7 +379,7 @@ def test_another_tensor_parallel_split_of_a_model_is_budgeted_as_another_model_a
         path = server.options.socket_path
         tp2 = [Engine(path, "E", rank=r, ranks=2).offload for r in range(2)]
         wait_until("both shards attached", lambda: server.stats()["attached"] >= 2, timeout=30)
-        with caplog.at_level("WARNING", logger="dynamo_flexkv.core.node.client"):
+        with caplog.at_level("WARNING", logger="dynamo_flexkv.core.node"):
             tp4 = Engine(path, "F", rank=0, ranks=4).offload
             wait_until("the TP=4 engine refused", lambda: server.stats()["refused"] >= 1, timeout=30)
             wait_until("its log says why", lambda: "max_models=1" in caplog.text, timeout=30)
