@@ -243,9 +243,6 @@ class NodeOffload(EngineOffload):
         tid, value = self.link.request_task(make)
         return self._task(tid), value
 
-    def _request(self, make: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
-        return self.link.request(make, timeout)
-
     # ---- the contract -------------------------------------------------------------------------------
     @miss_lookup_on_tier_fault  # no service: what the engine holds
     def cached_tokens(
@@ -258,7 +255,7 @@ class NodeOffload(EngineOffload):
         skip_blocks: int = 0,
     ) -> int:
         return int(
-            self._request(
+            self.link.request(
                 lambda rid: Lookup(
                     id=rid,
                     tokens=pack_tokens(tokens),
@@ -281,7 +278,7 @@ class NodeOffload(EngineOffload):
         prompt_tokens: Optional[int] = None,
         skip_blocks: int = 0,
     ) -> Tuple[int, Optional[Dict[str, Any]]]:
-        value = self._request(
+        value = self.link.request(
             lambda rid: Lookup(
                 id=rid,
                 tokens=pack_tokens(tokens),
@@ -350,7 +347,7 @@ class NodeOffload(EngineOffload):
             t.hold = Hold(key, list(blocks))
             with self._lock:
                 self._holds[tid] = t.hold
-        self._send_task_quietly(Cancel, tid)
+        self.link.send_task_quietly(Cancel, tid)
         t.fence.close(lambda: t.finish(TaskResult(tid, TaskKind.GET, TaskStatus.CANCELLED)))
 
     def load_done(self, tid: int) -> bool:
@@ -366,7 +363,7 @@ class NodeOffload(EngineOffload):
         return t.result
 
     def observe_prefill(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
-        self._send_quietly(Observe(tokens=int(tokens), prompt_tokens=int(prompt_tokens), seconds=float(seconds)))
+        self.link.send_quietly(Observe(tokens=int(tokens), prompt_tokens=int(prompt_tokens), seconds=float(seconds)))
 
     @no_task_on_tier_fault
     def store(
@@ -406,7 +403,7 @@ class NodeOffload(EngineOffload):
 
     def cancel_prefetch(self, tid: int) -> None:
         if tid in self._prefetches:
-            self._send_task_quietly(Cancel, tid)
+            self.link.send_task_quietly(Cancel, tid)
 
     @property
     def tasks_pending(self) -> int:
@@ -435,29 +432,29 @@ class NodeOffload(EngineOffload):
     # ---- administration ----------------------------------------------------------------------------
     def stats(self) -> Optional[ManagerStats]:
         try:
-            return ManagerStats.from_dict(self._request(lambda rid: Call(id=rid, name="stats"))["tiers"])
+            return ManagerStats.from_dict(self.link.request(lambda rid: Call(id=rid, name="stats"))["tiers"])
         except NodeUnavailable:
             return None
 
     def service_stats(self) -> Dict[str, Any]:
-        return self._request(lambda rid: Call(id=rid, name="stats"))
+        return self.link.request(lambda rid: Call(id=rid, name="stats"))
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         wait = CALL_TIMEOUT_S if timeout is None else timeout + 5
         try:
-            return bool(self._request(lambda rid: Call(id=rid, name="drain", timeout=timeout), wait))
+            return bool(self.link.request(lambda rid: Call(id=rid, name="drain", timeout=timeout), wait))
         except NodeUnavailable:
             return True  # nothing of this engine's is being written anywhere
 
     def evict_host(self, timeout: Optional[float] = None) -> int:
-        return int(self._request(lambda rid: Call(id=rid, name="evict_host", timeout=timeout)))
+        return int(self.link.request(lambda rid: Call(id=rid, name="evict_host", timeout=timeout)))
 
     def reset_tiers(self, timeout: Optional[float] = None) -> bool:
-        return bool(self._request(lambda rid: Call(id=rid, name="reset", timeout=timeout)))
+        return bool(self.link.request(lambda rid: Call(id=rid, name="reset", timeout=timeout)))
 
     def cache_admin(self, req: CacheRequest) -> CacheReport:
         """The service answers for this engine's namespace (Admin on the engine's connection)."""
-        value = self._request(
+        value = self.link.request(
             lambda rid: Admin.of(rid, req),
             timeout=req.wait_s + CALL_TIMEOUT_S,
         )
@@ -465,7 +462,7 @@ class NodeOffload(EngineOffload):
 
     def describe(self) -> Dict[str, Any]:
         try:
-            out = dict(self._request(lambda rid: Call(id=rid, name="describe")))
+            out = dict(self.link.request(lambda rid: Call(id=rid, name="describe")))
         except NodeUnavailable as e:
             out = {"unavailable": str(e)}
         return {"mode": "node", "socket": self.socket_path, **out}
@@ -496,7 +493,7 @@ class NodeOffload(EngineOffload):
             return 0
         self._publishing = True
         try:
-            return int(self._request(lambda rid: Call(id=rid, name="subscribe")))
+            return int(self.link.request(lambda rid: Call(id=rid, name="subscribe")))
         except NodeUnavailable:
             return 0  # the next attach subscribes
 
@@ -519,9 +516,3 @@ class NodeOffload(EngineOffload):
         t = self._tasks.pop(tid, None)
         if t is not None and t.fence.closed and not t.service_done:  # copies of it may still come
             self._collected[tid] = t
-
-    def _send_task_quietly(self, make: Any, tid: int) -> None:
-        self.link.send_task_quietly(make, tid)
-
-    def _send_quietly(self, msg: Any) -> None:
-        self.link.send_quietly(msg)
