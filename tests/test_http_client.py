@@ -21,6 +21,9 @@ flexkv_pool_blocks{tier="disk",state="filling"} 1.0
 # TYPE vllm:flexkv_loaded_tokens counter
 vllm:flexkv_loaded_tokens_total{engine="0",tier="host"} 32.0
 vllm:flexkv_loaded_tokens_total{engine="1",tier="host"} 16.0
+# TYPE dynamo_component_kv_cache_events_applied counter
+dynamo_component_kv_cache_events_applied{event_type="stored",status="ok",model="a,b"} 4
+dynamo_component_kv_cache_events_applied{event_type="removed",status="ok",model="a,b"} 2
 """
 
 
@@ -66,6 +69,10 @@ def test_a_metrics_page_is_read_and_summed(server):
     assert total(text, "flexkv_pool_blocks", tier="device") == 0  # absent: 0, as a counter not incremented yet
     assert total(text, "vllm:flexkv_loaded_tokens_total", tier="host") == 48
     assert sums_by(text, "flexkv_pool_blocks", "tier") == {("host",): 3, ("disk",): 6}
+    # a counter whose name has no _total is read as written (Dynamo's router), a value may hold a comma
+    applied = "dynamo_component_kv_cache_events_applied"
+    assert sums_by(text, applied, "event_type", "status") == {("stored", "ok"): 4, ("removed", "ok"): 2}
+    assert total(text, applied, model="a,b") == 6
 
 
 def test_an_unreachable_page_names_its_url():

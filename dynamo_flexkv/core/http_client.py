@@ -1,16 +1,18 @@
 """The apps' HTTP client, one of each (serve, the replay, the benchmarks and the tests use these):
-a JSON request, and a Prometheus /metrics page read and summed. Standard library, plus
-prometheus_client's text parser (what Prometheus itself accepts, vLLM's ``vllm:`` names included)."""
+a JSON request, and a Prometheus /metrics page read and its samples summed (vLLM's ``vllm:``
+names included). Standard library only."""
 
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 from dynamo_flexkv.core.errors import FlexKVError
 
 LOOPBACK = "127.0.0.1"
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')  # name="value", a value may hold \" and commas
 
 
 class MetricsUnreachable(OSError, RuntimeError, FlexKVError):
@@ -44,14 +46,12 @@ def scrape(where: Union[int, str], timeout: float = 10.0) -> str:
 
 
 def samples(text: str, name: str) -> Iterator[Tuple[Dict[str, str], float]]:
-    """Each sample named ``name`` (a counter's ``..._total`` included) in a Prometheus text page, as
-    (labels, value)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name:
-                yield dict(s.labels), float(s.value)
+    """Each sample named exactly ``name`` in a Prometheus text page, as (labels, value). Names are
+    read as written (prometheus_client's parser would rename a counter's samples to ``..._total``,
+    which Dynamo's ``dynamo_component_kv_cache_events_applied`` is not)."""
+    line = re.compile(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)(?: -?\d+)?$", re.M)
+    for m in line.finditer(text):
+        yield dict(_LABEL.findall(m.group(1) or "")), float(m.group(2))
 
 
 def total(text: str, name: str, **labels: Any) -> float:
