@@ -59,6 +59,7 @@ KINDS = ("unit", "integration", "served", "bench")
 MODULE_KINDS = {
     "test_admission": "unit",
     "test_aiperf": "served",
+    "test_architecture_doors": "unit",
     "test_architecture_map": "unit",
     "test_argument_checks_and_waits": "unit",
     "test_bench_events": "bench",
@@ -98,6 +99,7 @@ MODULE_KINDS = {
     "test_fuzz": "unit",
     "test_hashing": "unit",
     "test_hostile_input": "served",
+    "test_http_client": "unit",
     "test_import_cycles": "unit",
     "test_layers": "integration",
     "test_layout": "unit",

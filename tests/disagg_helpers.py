@@ -14,7 +14,8 @@ from typing import Iterator, Optional, Tuple
 from served import ROOT
 
 from dynamo_flexkv.serve import load_graph
-from dynamo_flexkv.serve.launcher import Launcher, http_json
+from dynamo_flexkv.core.http_client import http_json
+from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
@@ -85,7 +86,6 @@ def clean_exit(launcher: Launcher) -> None:
 
 def complete(plan, prompt: str, max_tokens: int) -> dict:
     return http_json(
-        "POST",
         f"{plan.base_url}/v1/completions",
         {
             "model": plan.served_model_name,

@@ -30,6 +30,7 @@ from dynamo._core import (
 from dynamo_flexkv import CacheConfig, KVManager
 from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
+from dynamo_flexkv.core.offload import EmbeddedOffload
 from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
 from dynamo_flexkv.core.index import Tier
 from dynamo_flexkv.core.sysutil import free_port
@@ -97,7 +98,7 @@ async def tiers(workdir, relay, checker) -> None:
     """A prompt's blocks move through device, host and disk, then a restart re-announces disk."""
     cfg = cache_config(workdir, 64, 256)
     with KVManager(CFG.kv_spec(), cfg, listener=OffloadEvents(relay)) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=24, kv_manager=kv, **device_events(relay))
+        engine = LLMEngine(CFG, num_device_blocks=24, offload=EmbeddedOffload(kv), **device_events(relay))
         rng = np.random.default_rng(0)
         a = rng.integers(0, CFG.vocab_size, 6 * BS + 5).tolist()
 
@@ -123,7 +124,7 @@ async def tiers(workdir, relay, checker) -> None:
     # KVManager re-adopts the disk tier from its journal and announces it again.
     relay.cleared()
     with KVManager(CFG.kv_spec(), cfg, listener=OffloadEvents(relay)) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=24, kv_manager=kv)
+        engine = LLMEngine(CFG, num_device_blocks=24, offload=EmbeddedOffload(kv))
         announced = kv.announce_adopted()
         print(json.dumps({"announced": announced}), flush=True)
         await checker.check("restart-first-prompt", engine, kv, a)
@@ -135,7 +136,7 @@ async def bursts(workdir, relay, checker) -> None:
     stores hundreds of blocks per tier within a fraction of a second. After each, the router's
     view of every prompt sent so far equals what the worker holds, tier by tier."""
     with KVManager(CFG.kv_spec(), cache_config(workdir, 256, 768), listener=OffloadEvents(relay)) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=320, kv_manager=kv, **device_events(relay))
+        engine = LLMEngine(CFG, num_device_blocks=320, offload=EmbeddedOffload(kv), **device_events(relay))
         rng = np.random.default_rng(1)
         system = rng.integers(0, CFG.vocab_size, 40 * BS).tolist()  # a shared system prompt
         sent = []

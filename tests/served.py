@@ -14,12 +14,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple
 
 
 from dynamo_flexkv.core.procgroup import members
 from dynamo_flexkv.serve import load_graph
-from dynamo_flexkv.serve.launcher import Launcher, http_json
+from dynamo_flexkv.core.http_client import http_json, samples, scrape, sums_by, total  # noqa: F401 (served.scrape, ...)
+from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.plan import LaunchPlan, RestartPolicy, apply_overrides, build_plan, load_config
 from sse import DONE, sse_data
 
@@ -76,22 +77,6 @@ def post(target, body: dict, path: str = "/v1/completions", *, timeout: float = 
         return status, text
 
 
-def scrape(where: Union[int, str]) -> str:
-    """The /metrics page of a worker's system port on 127.0.0.1, or at a URL (``.../metrics``, or
-    a graph's base URL)."""
-    url = where if isinstance(where, str) else f"http://127.0.0.1:{where}/metrics"
-    if not url.endswith("/metrics"):
-        url += "/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
-
-def total(text: str, name: str, **labels) -> float:
-    """Sum of the samples of ``name`` in a /metrics page whose labels include ``labels`` (0 when
-    there is none: a counter not incremented yet)."""
-    return sum(v for have, v in samples(text, name) if all(have.get(k) == str(w) for k, w in labels.items()))
-
-
 def flexkv_metrics(port: int) -> dict:
     """A worker's flexkv_* samples, as ``name{label="v",...} -> value`` with only the tier, state
     and link labels (sorted); a missing key is a KeyError, never a 0."""
@@ -104,7 +89,6 @@ def flexkv_metrics(port: int) -> dict:
 
 def complete(plan, prompt, max_tokens=4) -> dict:
     return http_json(
-        "POST",
         f"{plan.base_url}/v1/completions",
         {"model": plan.served_model_name, "prompt": prompt, "max_tokens": max_tokens},
     )
@@ -116,29 +100,14 @@ def metric(port: int, name: str, **labels) -> float:
     return found[0]
 
 
-def samples(text: str, name: str):
-    """Each sample of ``name`` in a Prometheus text page, as (labels dict, value)."""
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        yield dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or "")), float(m.group(2))
-
-
-def _metric_sums(url: str, name: str, *by: str) -> dict:
-    """The samples of ``name`` at ``url`` summed per the values of the labels ``by``."""
-    out: dict = {}
-    for labels, value in samples(scrape(url), name):
-        key = tuple(labels.get(b, "") for b in by)
-        out[key] = out.get(key, 0.0) + value
-    return out
-
-
 def published_events(worker_metrics: List[str]) -> float:
     """KV events the workers published (each worker's counter, from its current life)."""
-    return sum(sum(_metric_sums(u, "flexkv_kv_events_published_total").values()) for u in worker_metrics)
+    return sum(sum(sums_by(scrape(u), "flexkv_kv_events_published_total").values()) for u in worker_metrics)
 
 
 def applied_events(frontend_metrics: str) -> float:
     """KV events the frontend's router applied (to its index, or refused with a status)."""
-    return sum(_metric_sums(frontend_metrics, "dynamo_component_kv_cache_events_applied").values())
+    return sum(sums_by(scrape(frontend_metrics), "dynamo_component_kv_cache_events_applied").values())
 
 
 def events_applied(frontend_metrics: str, worker_metrics: List[str], timeout: float = 60) -> dict:
@@ -148,7 +117,7 @@ def events_applied(frontend_metrics: str, worker_metrics: List[str], timeout: fl
     deadline = time.monotonic() + timeout
     while True:
         want = published_events(worker_metrics)
-        applied = _metric_sums(frontend_metrics, "dynamo_component_kv_cache_events_applied", "event_type", "status")
+        applied = sums_by(scrape(frontend_metrics), "dynamo_component_kv_cache_events_applied", "event_type", "status")
         if sum(applied.values()) >= want:
             return {k: v for k, v in applied.items() if v}
         assert time.monotonic() < deadline, f"the router applied {sum(applied.values())} of {want} KV events"

@@ -11,12 +11,12 @@ counts tokens per chunk (``chunk_tokens``), checked here too."""
 import json
 import math
 import os
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from dynamo_flexkv.core.procgroup import kill_group
 from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_hf_cache_entry
 from dynamo_flexkv.replay.aiperf import aiperf_exe
 from dynamo_flexkv.replay.client import chunk_tokens
@@ -138,11 +138,7 @@ def run_aiperf(plan, tmp: Path, timeout_s: float = 600) -> tuple:
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # stragglers of its session (or aiperf itself, timed out)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            kill_group(proc)  # stragglers of its session (or aiperf itself, timed out), trackers last
     tail = (tmp / "aiperf.log").read_text()[-4000:]
     assert code == 0, f"aiperf {'timed out' if code is None else f'exited {code}'}:\n{tail}"
     return out, requests

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from dynamo_flexkv.serve.graph import Kind
-from dynamo_flexkv.serve.launcher import Launcher, http_json
+from dynamo_flexkv.core.http_client import http_json
+from dynamo_flexkv.serve.launcher import Launcher
 from served import MODEL, assert_gone, make_plan, metric, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def cache_json(*args: str) -> list:
 
 
 def cached_tokens(plan, prompt) -> int:
-    r = http_json("POST", f"{plan.base_url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    r = http_json(f"{plan.base_url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
     return r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
@@ -167,7 +168,7 @@ def test_a_vllm_workers_connector_tiers_are_seen_and_cleared(tmp_path):
         replica = str(serve.run / "VllmWorker")  # one replica: no -0
         ids = [((i * 53) % 20000) + 300 for i in range(64 * 4 + 3)]  # 4 full blocks of 64
         body = {"model": "vllm-small", "prompt": ids, "max_tokens": 2, "temperature": 0}
-        assert http_json("POST", f"{serve.base_url}/v1/completions", body)["usage"]["prompt_tokens"] == len(ids)
+        assert http_json(f"{serve.base_url}/v1/completions", body)["usage"]["prompt_tokens"] == len(ids)
 
         def held() -> dict:
             (p,) = cache_json("prefix", "--vllm", replica, "--tokens", json.dumps(ids))[0]["report"]["prefixes"]

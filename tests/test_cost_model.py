@@ -12,6 +12,7 @@ from dynamo_flexkv import CacheConfig, KVManager
 from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.cost import MIN_GAIN_FRACTION, MIN_GAIN_S, CostModel, LinearFit, Segment
 from dynamo_flexkv.core.enums import LoadPolicy
+from dynamo_flexkv.core.offload import EmbeddedOffload
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
 
 BB = 1 << 20  # block bytes
@@ -235,7 +236,7 @@ def slow_disk(kv: KVManager) -> None:
 def host_6_disk_12(kv: KVManager, seed: int) -> list:
     """A 12-block prompt computed and stored, host then cut to its first 6 blocks (evicting leaves
     first; disk keeps all 12), and measurements of a disk slower than recompute."""
-    engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv)
+    engine = LLMEngine(CFG, num_device_blocks=64, offload=EmbeddedOffload(kv))
     prompt = np.random.default_rng(seed).integers(0, CFG.vocab_size, 12 * CFG.block_size + 5).tolist()
     engine.generate([prompt], SamplingParams(max_tokens=1))
     engine.flush()
@@ -281,7 +282,6 @@ def test_a_lookup_decides_only_about_the_blocks_the_engine_lacks(tmp_path):
 def test_an_explained_lookup_says_what_each_tier_held_and_why_the_rest_is_recomputed(tmp_path):
     """What the vLLM connector's request_log records per lookup (the replay's accounting): the
     answer cached_tokens gives, and the decision behind it in tokens and milliseconds."""
-    from dynamo_flexkv.core.offload import EmbeddedOffload
 
     with tiny_kv(tmp_path) as kv:
         prompt = host_6_disk_12(kv, seed=2)
@@ -318,13 +318,13 @@ def test_recompute_decision_gives_exact_tokens(tmp_path):
     weights = LLMEngine(CFG, num_device_blocks=8).model
     expected = [LLMEngine(CFG, num_device_blocks=64, model=weights).generate([p], params)[0] for p in prompts]
     with tiny_kv(tmp_path) as kv:
-        writer = LLMEngine(CFG, num_device_blocks=64, model=weights, kv_manager=kv)
+        writer = LLMEngine(CFG, num_device_blocks=64, model=weights, offload=EmbeddedOffload(kv))
         writer.generate(prompts, SamplingParams(max_tokens=1))
         writer.flush()
         assert kv.drain(60)
         kv.evict("host")
         slow_disk(kv)
-        engine = LLMEngine(CFG, num_device_blocks=64, model=weights, kv_manager=kv, offload_puts=False)
+        engine = LLMEngine(CFG, num_device_blocks=64, model=weights, offload=EmbeddedOffload(kv), offload_puts=False)
         got = [engine.generate([p], params)[0] for p in prompts]
         for e, g in zip(expected, got):
             assert g.output == e.output
@@ -335,7 +335,7 @@ def test_recompute_decision_gives_exact_tokens(tmp_path):
         assert not any(k.startswith("loaded/") for k in counts)
         # The same prompts under load_policy=always load the disk prefix: the switch is per manager.
         kv.cost.policy = LoadPolicy.ALWAYS
-        again = LLMEngine(CFG, num_device_blocks=64, model=weights, kv_manager=kv, offload_puts=False)
+        again = LLMEngine(CFG, num_device_blocks=64, model=weights, offload=EmbeddedOffload(kv), offload_puts=False)
         r = again.generate([prompts[2]], params)[0]
         assert r.cached_tokens["disk"] > 0 and r.output == expected[2].output
 

@@ -7,6 +7,7 @@ import torch
 from dynamo_flexkv import CacheConfig, KVManager
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
 from dynamo_flexkv.core.hashing import block_hashes
+from dynamo_flexkv.core.offload import EmbeddedOffload
 from dynamo_flexkv.core.transfer.graph import OpKind
 
 CFG = EngineModelConfig.preset("tiny")
@@ -70,7 +71,7 @@ def test_offload_serves_same_tokens_and_logits(tmp_path, layerwise, tiers):
         expected.append(e)
     host, disk = (512, 0) if tiers == "host" else (24, 1024)
     with KVManager(CFG.kv_spec(), offload_config(tmp_path, host, disk)) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=40, model=model, kv_manager=kv, layerwise=layerwise)
+        engine = LLMEngine(CFG, num_device_blocks=40, model=model, offload=EmbeddedOffload(kv, layerwise))
         got, prefix_as_reference = [], []
         for p in prompts:
             g = engine.generate([p], params)[0]
@@ -110,7 +111,7 @@ def test_restored_kv_bytes_equal_stored(tmp_path):
     prompts = workload(3, 40)
     params = SamplingParams(max_tokens=1)
     with KVManager(CFG.kv_spec(), offload_config(tmp_path, 256, 512)) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=4096, kv_manager=kv)
+        engine = LLMEngine(CFG, num_device_blocks=4096, offload=EmbeddedOffload(kv))
         reference = {}
         for p in prompts:  # compute everything once; remember each block's bytes by prefix hash
             r = engine.generate([p], params)[0]
@@ -119,7 +120,7 @@ def test_restored_kv_bytes_equal_stored(tmp_path):
                 b = r.block_table[i]
                 reference[int(h)] = [layer[b].clone() for layer in engine.kv_cache.layers]
         checked = 0
-        fresh = LLMEngine(CFG, num_device_blocks=4096, kv_manager=kv, model=engine.model)
+        fresh = LLMEngine(CFG, num_device_blocks=4096, offload=EmbeddedOffload(kv), model=engine.model)
         for p in prompts:  # a new engine has an empty device cache: every hit comes from offload
             r = fresh.generate([p], params)[0]
             for i in range(r.offload_hit_tokens // BS):
@@ -151,10 +152,10 @@ def test_failed_load_is_recomputed(tmp_path):
     prompt = list(range(5 * BS + 3))
     params = SamplingParams(max_tokens=3, record_logits=True)
     with KVManager(CFG.kv_spec(), offload_config(tmp_path, 256, 0)) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv)
+        engine = LLMEngine(CFG, num_device_blocks=64, offload=EmbeddedOffload(kv))
         first = engine.generate([prompt], params)[0]
         engine.flush()
-        fresh = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv, model=engine.model)
+        fresh = LLMEngine(CFG, num_device_blocks=64, offload=EmbeddedOffload(kv), model=engine.model)
         mover = kv.transfer.movers[OpKind.H2D]  # the one registered for `fresh`
         orig = mover.run
         mover.run = lambda op: (_ for _ in ()).throw(OSError(5, "injected H2D failure"))
@@ -173,7 +174,7 @@ def test_continuous_batching_and_queue_prefetch(tmp_path):
     ref = LLMEngine(CFG, num_device_blocks=4096)
     one_by_one = [ref.generate([p], params)[0].output for p in prompts]
     with KVManager(CFG.kv_spec(), offload_config(tmp_path, 64, 512)) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=48, model=ref.model, kv_manager=kv, max_running=4)
+        engine = LLMEngine(CFG, num_device_blocks=48, model=ref.model, offload=EmbeddedOffload(kv), max_running=4)
         batched = engine.generate(prompts, params)
         engine.flush()
         assert [r.output for r in batched] == one_by_one  # batching changes no request's tokens
@@ -264,7 +265,7 @@ def test_loads_hugging_face_directory(tmp_path):
 def test_without_device_prefix_cache_reuse_comes_from_offload(tmp_path):
     prompt = list(range(6 * BS + 2))
     with KVManager(CFG.kv_spec(), offload_config(tmp_path, 128, 0)) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv, device_prefix_cache=False)
+        engine = LLMEngine(CFG, num_device_blocks=64, offload=EmbeddedOffload(kv), device_prefix_cache=False)
         first = engine.generate([prompt], SamplingParams(max_tokens=2))[0]
         engine.flush()
         again = engine.generate([prompt], SamplingParams(max_tokens=2))[0]
@@ -336,7 +337,7 @@ def test_abort_cancels_an_inflight_load_and_returns_its_blocks(tmp_path):
     its blocks come back only after the copies drained, and no task stays in flight."""
     cached = list(range(1, 8 * BS + 1))
     with KVManager(CFG.kv_spec(), offload_config(tmp_path, 16, 64)) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=64, kv_manager=kv, device_prefix_cache=False)
+        engine = LLMEngine(CFG, num_device_blocks=64, offload=EmbeddedOffload(kv), device_prefix_cache=False)
         engine.generate([cached], SamplingParams(max_tokens=1))
         engine.flush()
         # A long uncached prefill takes the whole batch budget: the cached request is admitted
@@ -369,7 +370,9 @@ def test_abort_from_another_thread_while_stepping(tmp_path):
 
     prompts = workload(7, 40)
     with KVManager(CFG.kv_spec(), offload_config(tmp_path, 32, 256)) as kv:
-        engine = LLMEngine(CFG, num_device_blocks=96, kv_manager=kv, max_running=6, max_batch_tokens=3 * BS)
+        engine = LLMEngine(
+            CFG, num_device_blocks=96, offload=EmbeddedOffload(kv), max_running=6, max_batch_tokens=3 * BS
+        )
         ids = [engine.add_request(p, SamplingParams(max_tokens=1 + i % 9)) for i, p in enumerate(prompts)]
         rng = random.Random(7)
         victims = rng.sample(ids, 15)

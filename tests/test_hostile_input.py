@@ -26,7 +26,8 @@ aiohttp = pytest.importorskip("aiohttp")
 from sse import DONE, sse_data  # noqa: E402
 from served import MODEL, TIMEOUT, flexkv_metrics, make_plan, post, send  # noqa: E402
 
-from dynamo_flexkv.serve.launcher import Launcher, http_json  # noqa: E402
+from dynamo_flexkv.core.http_client import http_json  # noqa: E402
+from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 
 BLOCK = 16  # tokens per block of the tiny preset
 DEVICE_BLOCKS = 64  # context window 64 x 16 = 1,024 tokens
@@ -472,7 +473,7 @@ def assert_alive_and_idle(plan, launcher) -> None:
     assert not launcher.deaths and not launcher.restarts, (launcher.deaths, launcher.restarts)
     for w in plan.workers:
         assert launcher.running[w.name].poll() is None, w.name
-        assert http_json("GET", f"http://127.0.0.1:{w.port}/health", timeout=10).get("status") == "ready", w.name
+        assert http_json(f"http://127.0.0.1:{w.port}/health", timeout=10).get("status") == "ready", w.name
     deadline = time.monotonic() + 5
     for w in plan.workers:
         while True:

@@ -380,7 +380,7 @@ def test_another_tensor_parallel_split_of_a_model_is_budgeted_as_another_model_a
         path = server.options.socket_path
         tp2 = [Engine(path, "E", rank=r, ranks=2).offload for r in range(2)]
         wait_until("both shards attached", lambda: server.stats()["attached"] >= 2, timeout=30)
-        with caplog.at_level("WARNING", logger="dynamo_flexkv.core.node.client"):
+        with caplog.at_level("WARNING", logger="dynamo_flexkv.core.node"):
             tp4 = Engine(path, "F", rank=0, ranks=4).offload
             wait_until("the TP=4 engine refused", lambda: server.stats()["refused"] >= 1, timeout=30)
             wait_until("its log says why", lambda: "max_models=1" in caplog.text, timeout=30)
@@ -463,7 +463,7 @@ def test_a_node_loads_link_is_timed_to_the_engines_copy_not_to_its_answers_way_b
         a, b = Engine(server.options.socket_path, "A"), Engine(server.options.socket_path, "B")
         shared = prompt(3, 16 * BS)
         a.store(shared, list(range(16)))
-        conn = b.offload._conn
+        conn = b.offload.link.current
         send = conn.channel.send
 
         def slow_answers(msg, *args, **kwargs):

@@ -13,7 +13,7 @@ import pytest
 from dynamo_flexkv.cache_server import serve_metrics
 from dynamo_flexkv.core.inventory import HTTP_ROUTE, CacheRequest
 from dynamo_flexkv.core.node.admin import AdminError, NodeAdmin
-from dynamo_flexkv.core.node.client import NodeRequestFailed
+from dynamo_flexkv.core.node.connection import NodeRequestFailed
 from dynamo_flexkv.core.node.protocol import ADMIN_VERSION, Admin, Reply, decode_to_engine, encode, frame_length
 from dynamo_flexkv.core.sysutil import free_port
 from node_helpers import BS, Engine, Held, node_server, prompt

@@ -13,7 +13,7 @@ from typing import Tuple
 
 import pytest
 
-from dynamo_flexkv.core.procgroup import GroupStop, kill_group, members, stop_group
+from dynamo_flexkv.core.procgroup import GroupStop, kill_group, members, stop_group, stop_process
 
 # The leader creates a segment and does not unlink it (it dies by a signal, as a killed vLLM process
 # does): only its resource tracker can unlink it. Its forked child ignores SIGTERM and holds the
@@ -110,3 +110,22 @@ def test_the_first_signal_is_the_callers(sig):
     assert p.stdout.readline().strip() == "up"
     assert stop_group(p, sig=sig).clean
     assert p.returncode == 7
+
+
+def test_stop_process_stops_one_process_and_kills_one_that_ignores_its_signal():
+    """stop_process: one process without a group of its own (a redis-server, an etcd): it exits on
+    SIGTERM, or is SIGKILLed after the grace; reaped either way, and a second stop does nothing."""
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    assert stop_process(polite, grace_s=30) and polite.returncode == -signal.SIGTERM
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    assert stubborn.stdout is not None and stubborn.stdout.readline()  # it ignores SIGTERM now
+    assert not stop_process(stubborn, grace_s=0.5) and stubborn.returncode == -signal.SIGKILL
+    assert stop_process(stubborn)  # gone: nothing to do
+    stubborn.stdout.close()

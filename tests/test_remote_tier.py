@@ -377,6 +377,7 @@ def test_engine_reports_remote_cached_tokens_and_same_tokens(tmp_path, redis_ser
     """The reference engine on a manager whose own tiers are empty: the prefix comes from Redis,
     the tokens equal a recompute's, and the response names the tier it came from."""
     from dynamo_flexkv.core.config import CacheConfig
+    from dynamo_flexkv.core.offload import EmbeddedOffload
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
 
     cfg = EngineModelConfig.preset("tiny")
@@ -388,12 +389,12 @@ def test_engine_reports_remote_cached_tokens_and_same_tokens(tmp_path, redis_ser
     model = LLMEngine(cfg, num_device_blocks=64).model
     want = LLMEngine(cfg, num_device_blocks=64, model=model).generate([prompt], params)[0].output
     with KVManager(cfg.kv_spec(), cache) as writer, KVManager(cfg.kv_spec(), cache) as reader:
-        e = LLMEngine(cfg, num_device_blocks=64, model=model, kv_manager=writer)
+        e = LLMEngine(cfg, num_device_blocks=64, model=model, offload=EmbeddedOffload(writer))
         e.generate([prompt], params)
         e.flush()
         assert writer.drain(30) and writer.stats().remote.puts == 6
         e = LLMEngine(
-            cfg, num_device_blocks=64, model=model, kv_manager=reader, layerwise=layerwise, offload_puts=False
+            cfg, num_device_blocks=64, model=model, offload=EmbeddedOffload(reader, layerwise), offload_puts=False
         )
         r = e.generate([prompt], params)[0]
         e.flush()

@@ -260,7 +260,8 @@ def serve_rendered(tmp_path: Path, graph: str, worker: str, *overrides: str) -> 
     NAMESPACE-SUFFIX only, and the frontend's router applies the worker's KV events."""
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
     from dynamo_flexkv.serve.infra import infra_processes
-    from dynamo_flexkv.serve.launcher import Launcher, http_json
+    from dynamo_flexkv.core.http_client import http_json
+    from dynamo_flexkv.serve.launcher import Launcher
     from dynamo_flexkv.serve.ports import PortBook
 
     svc = services(render(tmp_path, graph, graph, *overrides, f"{worker}.replicas=1"))
@@ -300,7 +301,7 @@ def serve_rendered(tmp_path: Path, graph: str, worker: str, *overrides: str) -> 
     base = f"http://127.0.0.1:{http_port}"
     with Launcher(plan) as launcher:
         launcher.wait_ready(400)  # the worker's /health, then the frontend lists the model
-        models = http_json("GET", f"{base}/v1/models")
+        models = http_json(f"{base}/v1/models")
         assert [m["id"] for m in models["data"]] == [served]
         status, body = post(base, {"model": served, "prompt": "The operator supplies discovery. " * 4, "max_tokens": 4})
         assert status == 200, body

@@ -50,6 +50,7 @@ from dynamo_flexkv.integrations.disagg.params import HandoverParams
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
 from dynamo_flexkv.integrations.reference_engine.request import Request, SamplingParams
 from dynamo_flexkv.core.hashing import block_hashes
+from dynamo_flexkv.core.procgroup import stop_process
 
 PRESET = "small"
 MARK = "HANDOVER "
@@ -304,12 +305,7 @@ class _Etcd:
 
     def close(self) -> None:
         self.conn.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 10)
         self.log.close()
 
 

@@ -33,6 +33,7 @@ from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.core.offload import EngineOffload, open_offload
+from dynamo_flexkv.core.procgroup import stop_process
 
 BENCH = "node"
 SPEC = ModelSpec(num_layers=4, num_kv_heads=2, head_size=64, dtype="float32")
@@ -167,8 +168,7 @@ def run(args) -> List[Case]:
             node.shutdown()
             embedded.shutdown()
         finally:
-            server.terminate()
-            server.wait(30)
+            stop_process(server, 30)
     from dynamo_flexkv.bench.node_datapath import compare
 
     cases += compare(SPEC, BS, sizes[0], repeat)

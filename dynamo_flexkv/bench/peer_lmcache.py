@@ -15,13 +15,12 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from dynamo_flexkv.bench.report import Case, paired_cases
+from dynamo_flexkv.core.http_client import http_json
 from dynamo_flexkv.core.procgroup import stop_group
 from dynamo_flexkv.core.sysutil import LOOPBACK, free_port
 
@@ -91,18 +90,9 @@ def kv_transfer_config(port: int) -> Dict[str, Any]:
 
 
 # ---- the server's HTTP admin API (also called inside engine processes) ------------------------------
-def http_json(url: str, body: Optional[Dict[str, Any]] = None, timeout_s: float = 10.0) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data=data, method="GET" if body is None else "POST", headers={"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        return json.loads(r.read())
-
-
 def l1_state(http: str) -> Dict[str, int]:
     """L1 object count and what the store controller still has to write to L2."""
-    sm = http_json(f"{http}/status")["storage_manager"]
+    sm = http_json(f"{http}/status", timeout=10)["storage_manager"]
     l1 = sm["l1_managers"]["_default"]
     store = sm["store_controllers"]["_default"]
     return {
@@ -123,7 +113,7 @@ def wait_l2_written(http: str, timeout_s: float) -> None:
 
 def clear_l1(http: str) -> None:
     """Empties the CPU tier (the disk tier keeps its copies): the next lookup reads L2."""
-    http_json(f"{http}/cache/clear", {"tier": "l1", "force": False})
+    http_json(f"{http}/cache/clear", {"tier": "l1", "force": False}, timeout=10)
     left = l1_state(http)
     if left["objects"]:
         raise RuntimeError(f"LMCache /cache/clear left {left['objects']} L1 objects ({left})")
@@ -205,7 +195,7 @@ class LMCacheServer:
                 tail = Path(log_path).read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"lmcache server exited with {self.proc.returncode}; its log ends:\n{tail}")
             try:
-                if http_json(f"{self.http}/healthcheck", timeout_s=2).get("status") == "healthy":
+                if http_json(f"{self.http}/healthcheck", timeout=2).get("status") == "healthy":
                     return self
             except (OSError, ValueError):
                 pass

@@ -330,6 +330,7 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
     from dynamo_flexkv.core.config import CacheConfig
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, LlamaModel
     from dynamo_flexkv.core.manager import KVManager
+    from dynamo_flexkv.core.offload import EmbeddedOffload
 
     cfg = EngineModelConfig.preset("small")
     model = LlamaModel(cfg)
@@ -344,7 +345,13 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
         with KVManager(cfg.kv_spec(), cache) as writer, KVManager(cfg.kv_spec(), cache) as reader:
 
             def first_token(kv, prompt, puts=False):
-                engine = LLMEngine(cfg, num_device_blocks=blocks, model=model, kv_manager=kv, offload_puts=puts)
+                engine = LLMEngine(
+                    cfg,
+                    num_device_blocks=blocks,
+                    model=model,
+                    offload=None if kv is None else EmbeddedOffload(kv),
+                    offload_puts=puts,
+                )
                 r = engine.generate([prompt], ONE)[0]
                 engine.flush()
                 return r.ttft, r.output[0]

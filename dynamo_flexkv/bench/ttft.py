@@ -24,15 +24,17 @@ import numpy as np
 
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core.config import CacheConfig
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, LlamaModel, SamplingParams
-from dynamo_flexkv.core.index import Tier
+from dynamo_flexkv.core.contract import EngineOffload
 from dynamo_flexkv.core.manager import KVManager
+from dynamo_flexkv.core.offload import EmbeddedOffload
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, LlamaModel, SamplingParams
 
 ONE = SamplingParams(max_tokens=1)
 
 
 class Rig:
-    """One model, one KVManager (host + disk), fresh engines per measurement."""
+    """One model, one KVManager (host + disk), fresh engines per measurement. The engines reach
+    the tiers only through the engine contract: one offload per load mode over the same tiers."""
 
     def __init__(self, cfg: EngineModelConfig, max_tokens: int, directory: str) -> None:
         self.cfg = cfg
@@ -46,6 +48,8 @@ class Rig:
                 dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, ssd_cache_gb=2 * gb, ssd_cache_dir=directory)
             ),
         )
+        self.offloads: Dict[bool, EngineOffload] = {lw: EmbeddedOffload(self.kv, lw) for lw in (True, False)}
+        self.offload = self.offloads[True]  # administration (drain, evict, reset) is the same on either
 
     def engine(self, offload: bool, layerwise: bool = True, puts: bool = True) -> LLMEngine:
         """``puts=False``: the measured request loads but stores nothing, so one measurement does
@@ -54,8 +58,7 @@ class Rig:
             self.cfg,
             num_device_blocks=self.blocks,
             model=self.model,
-            kv_manager=self.kv if offload else None,
-            layerwise=layerwise,
+            offload=self.offloads[layerwise] if offload else None,
             offload_puts=puts,
         )
 
@@ -71,16 +74,17 @@ class Rig:
         self.idle()
 
     def idle(self) -> None:
-        if not self.kv.drain(60):
+        if not self.offload.drain(60):
             raise RuntimeError("offload tasks still running after 60 s")
 
     def drop_host(self) -> None:
-        self.idle()
-        host = self.kv.cache.tiers[Tier.HOST]
-        host.evict(len(host))
+        self.offload.evict_host(60)
+
+    def reset(self) -> None:
+        self.offload.reset_tiers(60)
 
     def close(self) -> None:
-        self.kv.shutdown()
+        self.offload.shutdown()
 
 
 def run(args: argparse.Namespace) -> List[Case]:
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> List[Case]:
                 base.append(rig.ttft(rig.engine(False), prompt))
                 add("miss", rig.ttft(rig.engine(True), prompt))  # offload on, nothing cached
                 rig.idle()
-                rig.kv.reset()
+                rig.reset()
                 for f in fractions:
                     prompt = rng.integers(0, cfg.vocab_size, size).tolist()
                     rig.store(prompt[: int(size * f)])
@@ -122,7 +126,7 @@ def run(args: argparse.Namespace) -> List[Case]:
                         rig.ttft(dev, prompt[: int(size * f)])
                         add("device-90", rig.ttft(dev, prompt))
                     rig.idle()
-                    rig.kv.reset()
+                    rig.reset()
             b = statistics.median(base) * 1e3
             for name, ts in times.items():
                 if name == "device-90" or name.endswith("-stall"):

@@ -1,5 +1,6 @@
 """The engine contract of dynamo_flexkv (docs/ENGINE_CONTRACT.md): ``EngineOffload``, the one
-class an engine's KV connector reaches the offload tiers through, and ``Hold``. Its
+class an engine's KV connector reaches the offload tiers through, ``Hold``, and the types of its
+events (``Tier``, ``TierRun``, ``IndexListener``; the control plane, core/index/, uses the same). Its
 implementations: ``EmbeddedOffload`` (core/offload.py, the engine process owns its tiers) and
 ``NodeOffload`` (core/node/client.py, the node's cache service owns them); ``open_offload``
 (core/offload.py) picks one. What each call means, in a request's order: core/offload.py."""
@@ -11,7 +12,8 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, cast
+from enum import Enum
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Type, TypeVar, cast
 
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.inventory import CacheReport, CacheRequest
@@ -79,6 +81,45 @@ miss_lookup_on_tier_fault = miss_on_tier_fault(_held_tokens)
 miss_explained_on_tier_fault = miss_on_tier_fault(_held_unexplained)
 
 
+class Tier(str, Enum):
+    """The offload tiers the cache engine (core/index/) indexes, fastest first. The remote tier is not one of
+    them: ``plan_get(remote=(lo, hi))`` takes the prefix the remote store reported and plans it
+    into new host blocks."""
+
+    HOST = "host"
+    DISK = "disk"
+
+
+@dataclass
+class TierRun:
+    """Blocks ``[start, start + len(hashes))`` of one request in one tier."""
+
+    tier: Tier
+    start: int
+    hashes: List[int]
+    block_ids: List[int]
+    parent: Optional[int]  # sequence hash before hashes[0]; None at the root
+    new: bool  # True: unready blocks this task fills; False: locked blocks this task reads
+    hit: bool = True  # a completed read counts as reuse (get), not as a copy source (put)
+    done: bool = False
+    token_ids: Optional[List[int]] = None  # the blocks' tokens, for router events (set by KVManager)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.hashes)
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+class IndexListener(Protocol):
+    """What an engine passes as ``listener``: every commit and removal of the offload tiers, in
+    commit order (its KV events for the router)."""
+
+    def on_stored(self, tier: Tier, run: TierRun) -> None: ...
+    def on_removed(self, tier: Tier, hashes: List[int]) -> None: ...
+
+
 @dataclass(frozen=True)
 class Hold:
     """Device blocks an offload copy no longer touches: the engine may release or reuse them."""
@@ -144,9 +185,6 @@ class EngineOffload(ABC):
     ) -> List[int]:
         """The sequence hash of each full block of ``tokens``: how the tiers (and their events) name
         the blocks, in this engine's namespace."""
-
-    def cached_blocks(self, tokens: Sequence[int]) -> int:
-        return self.cached_tokens(tokens) // self.bs
 
     @abstractmethod
     def load(

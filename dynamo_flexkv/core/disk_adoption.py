@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from dynamo_flexkv.core.index import CacheEngine, Tier
-from dynamo_flexkv.core.index.cache_engine import TierRun
+from dynamo_flexkv.core.contract import TierRun
 from dynamo_flexkv.core.storage.ssd import AdoptReport, DiskEntry, SsdStore
 from dynamo_flexkv.core.transfer.movers import DiskMover
 

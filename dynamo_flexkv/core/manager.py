@@ -31,7 +31,7 @@ from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
 from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
 from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
-from dynamo_flexkv.core.index.cache_engine import IndexListener, TierRun
+from dynamo_flexkv.core.contract import IndexListener, TierRun
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError
 from dynamo_flexkv.core.inventory import (
     REMOTE_NOT_CLEARED,

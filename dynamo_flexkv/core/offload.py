@@ -34,11 +34,11 @@ from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.contract import (
     EngineOffload,
     Hold,
+    IndexListener,
     miss_explained_on_tier_fault,
     miss_lookup_on_tier_fault,
     no_task_on_tier_fault,
 )
-from dynamo_flexkv.core.index.cache_engine import IndexListener
 from dynamo_flexkv.core.inventory import CacheReport, CacheRequest, answer
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.manager import KVManager

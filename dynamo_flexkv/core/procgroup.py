@@ -2,7 +2,7 @@
 (start_new_session) with the processes it spawned (vLLM's EngineCore and Worker, a cache server's
 helpers, multiprocessing's resource tracker). One way to stop one, used everywhere: a signal to
 the group (SIGTERM), a bounded wait until every process of it has exited, then SIGKILL to what is
-left, Python's resource trackers last.
+left, Python's resource trackers last. (stop_process: the same for one process without a group.)
 
 Why trackers last: a resource tracker unlinks the shared memory its processes registered once they
 are all gone (vLLM's message queues, 160-240 MiB each in /dev/shm) and ignores SIGTERM for that.
@@ -126,6 +126,22 @@ def stop_group(p: subprocess.Popen, grace_s: float = GRACE_S, sig: int = signal.
         p.wait()
         return GroupStop()
     return kill_group(p)
+
+
+def stop_process(p: subprocess.Popen, grace_s: float = GRACE_S, sig: int = signal.SIGTERM) -> bool:
+    """Stops one process that has no group of its own (a redis-server, an etcd, a cache server a
+    benchmark started): ``sig``, a wait of up to ``grace_s``, then SIGKILL. Reaps it; True when it
+    exited on ``sig``."""
+    if p.poll() is not None:
+        return True
+    p.send_signal(sig)
+    try:
+        p.wait(grace_s)
+        return True
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        return False
 
 
 def _command(pid: int) -> str:

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 import msgspec
 import zmq
 
-from dynamo_flexkv.core.index.cache_engine import Tier, TierRun
+from dynamo_flexkv.core.contract import Tier, TierRun
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,12 @@ import re
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from prometheus_client.parser import text_string_to_metric_families
 
+from dynamo_flexkv.core.http_client import scrape, total
 from dynamo_flexkv.replay.client import TIERS, Replayer, RequestRecord
 from dynamo_flexkv.replay.events import KvEvent
 from dynamo_flexkv.workload import Turn
@@ -47,9 +46,6 @@ class Counter:
 
     name: str  # the sample name, e.g. flexkv_requests_total
     labels: Tuple[Tuple[str, str], ...] = ()
-
-    def matches(self, sample) -> bool:
-        return sample.name == self.name and all(sample.labels.get(k) == v for k, v in self.labels)
 
     def __str__(self) -> str:
         return self.name + ("{" + ",".join(f'{k}="{v}"' for k, v in self.labels) + "}" if self.labels else "")
@@ -192,14 +188,6 @@ class WorkerTotals:
         )
 
 
-def scrape(port: int) -> str:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            return r.read().decode()
-    except OSError as e:
-        raise RuntimeError(f"cannot read the worker metrics at http://127.0.0.1:{port}/metrics: {e}") from None
-
-
 def worker_totals(metrics_text: str, mapping: Optional[MetricMapping] = None) -> WorkerTotals:
     """The totals ``mapping`` (default: the reference engine's flexkv_* counters) reads from a
     worker's /metrics text; each counter is the sum of its matching samples (0 when absent)."""
@@ -210,12 +198,7 @@ def worker_totals(metrics_text: str, mapping: Optional[MetricMapping] = None) ->
         ("prompt_tokens", mapping.prompt_tokens),
         *((t, c) for t, c in mapping.cached.items()),
     ]
-    sums = {key: 0.0 for key, _ in wanted}
-    for fam in text_string_to_metric_families(metrics_text):
-        for s in fam.samples:
-            for key, counter in wanted:
-                if counter.matches(s):
-                    sums[key] += s.value
+    sums = {key: total(metrics_text, counter.name, **dict(counter.labels)) for key, counter in wanted}
     out.requests, out.prompt_tokens = int(sums.pop("requests")), int(sums.pop("prompt_tokens"))
     for tier, value in sums.items():
         out.cached[tier] = int(value)

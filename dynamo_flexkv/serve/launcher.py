@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import os
 import shutil
 import signal
@@ -19,8 +18,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import IO, Callable, Dict, List, Optional, Set
 
 from dynamo_flexkv.serve.discovery import Discovery, owned_by, registered, worker_ids
@@ -30,6 +27,7 @@ from dynamo_flexkv.serve.options import OnDeath
 from dynamo_flexkv.serve.plan import LaunchPlan
 from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.http_client import http_json
 from dynamo_flexkv.core.procgroup import kill_group, signal_group, stop_group, wait_group
 from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
 
@@ -81,13 +79,6 @@ def exit_status(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"code {code}"
-
-
-def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float = 30) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
 
 
 def _unignore_sigint() -> None:
@@ -256,8 +247,7 @@ class Launcher:
             self.check_alive()
             try:
                 if any(
-                    m.get("id") == self.plan.served_model_name
-                    for m in http_json("GET", models_url, timeout=2).get("data", [])
+                    m.get("id") == self.plan.served_model_name for m in http_json(models_url, timeout=2).get("data", [])
                 ):
                     break
             except (OSError, ValueError, http.client.HTTPException):
@@ -282,7 +272,7 @@ class Launcher:
         if not self._registered(proc):
             return False
         try:
-            return http_json("GET", f"http://{proc.host}:{proc.port}/health", timeout=timeout).get("status") == "ready"
+            return http_json(f"http://{proc.host}:{proc.port}/health", timeout=timeout).get("status") == "ready"
         except (OSError, ValueError, http.client.HTTPException):  # not up yet, or cut off mid-answer
             return False
 
@@ -526,7 +516,7 @@ class Launcher:
         deadline = time.monotonic() + MODEL_GONE_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                models = http_json("GET", url, timeout=2).get("data", [])
+                models = http_json(url, timeout=2).get("data", [])
             except (OSError, ValueError, http.client.HTTPException):
                 return  # not answering: nothing left to wait for
             if not any(m.get("id") == self.plan.served_model_name for m in models):

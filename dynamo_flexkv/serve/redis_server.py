@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+from dynamo_flexkv.core.procgroup import stop_process
 from dynamo_flexkv.core.sysutil import free_port, require_binary
 
 __all__ = [
@@ -165,13 +166,8 @@ class RedisServer:
             self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        if self.proc is not None:
+            stop_process(self.proc, 10)
         self.proc = None
 
     def cleanup(self) -> None:

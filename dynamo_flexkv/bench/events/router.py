@@ -10,9 +10,9 @@ import os
 import random
 import threading
 import time
-import urllib.request
 from typing import Any, Dict, List, Sequence
 
+from dynamo_flexkv.core.http_client import scrape, sums_by
 from dynamo_flexkv.bench.events.plumbing import ENDPOINT, cpu_seconds, emit, read_cmd, rss_mib, worker_ids
 from dynamo_flexkv.bench.events.workload import (
     BLOCK_TOKENS,
@@ -225,12 +225,5 @@ async def router_main(cfg: Dict[str, Any]) -> None:
 
 def scrape_applied(port: int) -> Dict[str, float]:
     """dynamo_component_kv_cache_events_applied summed by (event_type, status)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: Dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("dynamo_component_kv_cache_events_applied{"):
-            labels, value = line.rsplit(" ", 1)
-            kv = dict(p.split("=", 1) for p in labels[labels.index("{") + 1 : -1].split(","))
-            key = f"{kv['event_type'].strip(chr(34))}/{kv['status'].strip(chr(34))}"
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
+    sums = sums_by(scrape(port, timeout=5), "dynamo_component_kv_cache_events_applied", "event_type", "status")
+    return {f"{event_type}/{status}": value for (event_type, status), value in sums.items()}

@@ -15,52 +15,21 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.contract import IndexListener, Tier, TierRun
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError, TierIndex
 from dynamo_flexkv.core.stats import RemovalReason
 
 log = logging.getLogger(__name__)
 
 
-class Tier(str, Enum):
-    """The offload tiers the cache engine indexes, fastest first. The remote tier is not one of
-    them: ``plan_get(remote=(lo, hi))`` takes the prefix the remote store reported and plans it
-    into new host blocks."""
-
-    HOST = "host"
-    DISK = "disk"
-
-
 # Per-call paths use these: reading an Enum member off its class costs about as much as a
 # native index call does.
 _HOST, _DISK = Tier.HOST, Tier.DISK
-
-
-@dataclass
-class TierRun:
-    """Blocks ``[start, start + len(hashes))`` of one request in one tier."""
-
-    tier: Tier
-    start: int
-    hashes: List[int]
-    block_ids: List[int]
-    parent: Optional[int]  # sequence hash before hashes[0]; None at the root
-    new: bool  # True: unready blocks this task fills; False: locked blocks this task reads
-    hit: bool = True  # a completed read counts as reuse (get), not as a copy source (put)
-    done: bool = False
-    token_ids: Optional[List[int]] = None  # the blocks' tokens, for router events (set by KVManager)
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.hashes)
-
-    def __len__(self) -> int:
-        return len(self.hashes)
 
 
 @dataclass(frozen=True)
@@ -124,11 +93,6 @@ class PutPlan:
     @property
     def runs(self) -> List[TierRun]:
         return [r for r in (self.host, self.host_sources, self.disk, self.remote_sources) if r is not None]
-
-
-class IndexListener(Protocol):
-    def on_stored(self, tier: Tier, run: TierRun) -> None: ...
-    def on_removed(self, tier: Tier, hashes: List[int]) -> None: ...
 
 
 @dataclass

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Union
 
-from dynamo_flexkv.core.index.cache_engine import Tier, TierRun
+from dynamo_flexkv.core.contract import Tier, TierRun
 from dynamo_flexkv.core.node.protocol import Event, pack_tokens
 
 SNAPSHOT_EVENTS_PER_FRAME = 4096

@@ -169,7 +169,6 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             self.cfg,
             num_device_blocks=self.args.num_device_blocks,
             offload=self.offload,
-            layerwise=not self.args.bulk_load,
             device_prefix_cache=not self.args.no_device_prefix_cache,
             on_device_stored=lambda h, p, t: self.relay.stored(None, h, p, t),
             on_device_removed=lambda h: self.relay.removed(None, h),

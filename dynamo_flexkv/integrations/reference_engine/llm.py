@@ -21,8 +21,7 @@ from dynamo_flexkv.integrations.reference_engine.request import (
     sample,
 )
 from dynamo_flexkv.core.hashing import block_hashes
-from dynamo_flexkv.core.manager import KVManager
-from dynamo_flexkv.core.offload import EmbeddedOffload, EngineOffload
+from dynamo_flexkv.core.contract import EngineOffload
 from dynamo_flexkv.core.tasks import TaskFailed, TaskStatus
 
 
@@ -34,9 +33,7 @@ class LLMEngine:
         num_device_blocks: int,
         model: Optional[LlamaModel] = None,
         device: str = "cpu",
-        kv_manager: Optional[KVManager] = None,
         offload: Optional[EngineOffload] = None,
-        layerwise: bool = True,
         offload_puts: bool = True,
         device_prefix_cache: bool = True,
         max_batch_tokens: int = 16384,
@@ -51,13 +48,9 @@ class LLMEngine:
         self.model = model or LlamaModel(cfg, device, seed)
         self.kv_cache = PagedKVCache(cfg, num_device_blocks, device)
         self.pool = DeviceBlockPool(num_device_blocks, on_device_stored, on_device_removed)
-        # The offload tiers, through the engine contract: ``offload`` (open_offload: embedded or the
-        # node's cache service), or a KVManager of this engine's own.
-        if kv_manager is not None and offload is not None:
-            raise ValueError("pass kv_manager or offload, not both")
+        # The offload tiers, only through the engine contract (open_offload: embedded or the node's
+        # cache service); its ``layerwise`` says whether a step waits per layer or for the whole load.
         self.connector: Optional[EngineOffload] = offload
-        if kv_manager is not None:
-            self.connector = EmbeddedOffload(kv_manager, layerwise)
         if self.connector is not None:
             if self.connector.bs != cfg.block_size:
                 raise ValueError(
@@ -65,7 +58,7 @@ class LLMEngine:
                     f"engine's block_size={cfg.block_size}: set tokens_per_block={cfg.block_size}"
                 )
             self.connector.register(self.kv_cache.layers)
-        self.layerwise = layerwise
+        self.layerwise = offload.layerwise if offload is not None else True
         self.offload_puts = offload_puts  # False: load from offload tiers but never store (benchmarks)
         self.device_prefix_cache = device_prefix_cache  # False: blocks are freed when a request ends
         # Disaggregated decode (dynamo_flexkv.integrations.disagg): fills prompt blocks [first, cap) that the local

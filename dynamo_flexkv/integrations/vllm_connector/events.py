@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
 
 from dynamo_flexkv.integrations.events import MEDIUM, signed_hash
-from dynamo_flexkv.core.index.cache_engine import Tier, TierRun
+from dynamo_flexkv.core.contract import Tier, TierRun
 
 
 class FlexKVEvents(KVConnectorKVEvents):

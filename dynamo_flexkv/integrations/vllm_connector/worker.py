@@ -1,4 +1,5 @@
-"""The connector's worker half: owns the KVManager of this rank and moves the bytes.
+"""The connector's worker half: this rank's offload (the engine contract, core/contract.py:
+embedded tiers or the node's cache service, as the cache config's mode says) and its calls.
 
 Per step (vLLM calls these in this order): ``start_load`` before the forward issues this step's
 stores (finished requests, whose blocks vLLM keeps until we report them) and loads (layerwise:
