@@ -121,13 +121,13 @@ vllm:prefix_cache_hits_total{engine="0",model_name="vllm-small"} 1408.0
 # HELP vllm:external_prefix_cache_hits_total External prefix cache hits from KV connector.
 # TYPE vllm:external_prefix_cache_hits_total counter
 vllm:external_prefix_cache_hits_total{engine="0",model_name="vllm-small"} 3200.0
-# HELP vllm:flexkv_loaded_tokens_total Tokens loaded from an offload tier into vLLM's KV cache
-# TYPE vllm:flexkv_loaded_tokens_total counter
-vllm:flexkv_loaded_tokens_total{engine="0",model_name="vllm-small",tier="host"} 2560.0
-vllm:flexkv_loaded_tokens_total{engine="0",model_name="vllm-small",tier="disk"} 640.0
+# HELP vllm:flexkv_prompt_tokens_cached_total Prompt tokens not recomputed, by the offload tier
+# TYPE vllm:flexkv_prompt_tokens_cached_total counter
+vllm:flexkv_prompt_tokens_cached_total{engine="0",model_name="vllm-small",source="vllm",tier="host"} 2560.0
+vllm:flexkv_prompt_tokens_cached_total{engine="0",model_name="vllm-small",source="vllm",tier="disk"} 640.0
 # HELP vllm:flexkv_recomputed_tokens_total Tokens recomputed
 # TYPE vllm:flexkv_recomputed_tokens_total counter
-vllm:flexkv_recomputed_tokens_total{engine="0",model_name="vllm-small"} 0.0
+vllm:flexkv_recomputed_tokens_total{engine="0",model_name="vllm-small",source="vllm"} 0.0
 """
 
 
