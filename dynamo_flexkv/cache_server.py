@@ -218,7 +218,7 @@ class _Collector:
     """The service's families in the one metric schema (core/metric_schema.py): the quantities an
     engine exports too under the engine's names (flexkv_pool_blocks, flexkv_hit_blocks_total,
     flexkv_removed_blocks_total, flexkv_tasks_in_flight), the service's own as flexkv_node_*; every
-    sample labelled source="node". The 0.1 names (metric_schema.ALIASES) follow for one release."""
+    sample labelled source="node". The old names (metric_schema.ALIASES) follow for one release."""
 
     def __init__(self, server: Any) -> None:
         self.server = server
@@ -294,7 +294,7 @@ class _Collector:
 
     @staticmethod
     def _aliases(st: Dict[str, Any]) -> Iterator[Any]:
-        """The 0.1 names, unchanged in shape (deprecated: removed in the release after 0.2)."""
+        """The names before the one schema, unchanged in shape (deprecated: removed in the next release)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         tasks = GaugeMetricFamily("flexkv_node_engine_tasks", "Deprecated: flexkv_tasks_in_flight{source=node}")

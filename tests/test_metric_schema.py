@@ -156,6 +156,14 @@ def test_the_old_names_follow_for_one_release(reference, vllm, node):
     assert node_samples["flexkv_node_engine_tasks"].value == node_samples["flexkv_tasks_in_flight"].value
 
 
+def test_serving_md_names_the_node_services_own_families(node):
+    from test_docs_examples import ROOT, documented_metrics, section
+
+    documented = {n for n in documented_metrics(section(ROOT / "docs" / "SERVING.md", "## Metrics"))}
+    exported = {n for n in _samples(node) if n.startswith("flexkv_node_") and n not in ALIASES}
+    assert exported == {n for n in documented if n.startswith("flexkv_node_") and n not in ALIASES}
+
+
 def test_every_dashboard_query_names_a_metric_a_source_exports(reference, vllm, node):
     exported: Set[str] = set()
     for families in (reference, vllm, node):

@@ -54,8 +54,8 @@ SHARED: Dict[str, Tuple[FrozenSet[Source], Tuple[str, ...]]] = {
     "flexkv_handover_corrupt_total": (_ENGINES, ()),
 }
 
-# Old names still exported beside the new ones for one release (0.2.x; removed in the next), in
-# their old shape (no ``source`` label): old sample name -> new sample name.
+# Names before the one schema, still exported beside the new ones for one release (removed in the
+# next), in their old shape (no ``source`` label): old sample name -> new sample name.
 ALIASES: Dict[str, str] = {
     "vllm:flexkv_loaded_tokens_total": "vllm:flexkv_prompt_tokens_cached_total",
     "vllm:flexkv_used_blocks": 'vllm:flexkv_pool_blocks{state="used"}',

@@ -79,7 +79,7 @@ GAUGES: Dict[str, Tuple[str, Labels]] = {
     "pool_blocks": ("Offload tier slots", (("tier", TIERS), ("state", POOL_STATES))),
     "tasks_in_flight": ("Offload tasks not yet finished", ()),
 }
-# The 0.1 names, exported beside the new ones for one release in their old shape (no source label;
+# The old names, exported beside the new ones for one release in their old shape (no source label;
 # core/metric_schema.ALIASES): old family -> (gauge?, help, its label, {data key: label value}).
 ALIASES: Dict[str, Tuple[bool, str, Optional[str], Dict[str, str]]] = {
     "loaded_tokens": (
