@@ -399,7 +399,7 @@ def test_step_stats_become_vllm_flexkv_metrics():
     m = 'engine="0",model_name="m",source="vllm"'
     assert f'vllm:flexkv_prompt_tokens_cached_total{{{m},tier="host"}} 704.0' in text
     assert f'vllm:flexkv_prompt_tokens_cached_total{{{m},tier="disk"}} 128.0' in text
-    assert f'vllm:flexkv_recomputed_tokens_total{{{m}}} 64.0' in text
+    assert f"vllm:flexkv_recomputed_tokens_total{{{m}}} 64.0" in text
     assert f'vllm:flexkv_pool_blocks{{{m},state="used",tier="host"}} 5.0' in text
     assert 'vllm:flexkv_handovers_total{engine="0",model_name="m",result="ok",source="vllm"} 1.0' in text
     # The 0.1 names follow for one release, in their old shape (core/metric_schema.ALIASES).

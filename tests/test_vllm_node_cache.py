@@ -170,8 +170,8 @@ class NodeGraph:
             config="agg_router_vllm_node",
         )
 
-    def node(self, name: str) -> float:
-        return total(scrape(self.serve.metrics["NodeCache"]), name)
+    def node(self, name: str, **labels: str) -> float:
+        return total(scrape(self.serve.metrics["NodeCache"]), name, **labels)
 
     def ids(self) -> Dict[str, int]:
         """Dynamo instance ids (a restarted worker has a new one, on its metrics before its first request)."""
@@ -361,7 +361,7 @@ def test_a_killed_node_cache_costs_no_vllm_request_and_its_disk_prefix_loads_aga
     blocks = (len(ON_DISK) - 1) // BS
     wait_until(
         "the prompt on the node's disk",
-        lambda: total(scrape(graph.serve.metrics["NodeCache"]), "flexkv_pool_blocks", state="used", tier="disk") >= blocks,
+        lambda: graph.node("flexkv_pool_blocks", state="used", tier="disk") >= blocks,
         timeout=120,
     )
     answers: list = []  # (prompt, generation or the error)
