@@ -285,7 +285,11 @@ class WorkerSide:
         )
         try:
             self.handover = Handover(
-                layers, self.settings.engine_id, self.settings.run_dir, self.settings.handover_verify
+                layers,
+                self.settings.engine_id,
+                self.settings.run_dir,
+                self.settings.handover_verify,
+                self.settings.handover_orphan_s,
             )
         except Exception as e:  # noqa: BLE001 - NIXL's own types; the graph still serves through NixlConnector
             log.warning("FlexKVConnector: no handover agent (%s); the next connector hands requests over", e)
