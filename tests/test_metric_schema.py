@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dashboard_queries import load_dashboard, queried_metrics
+from dashboard_queries import VLLM_ONLY, load_dashboard, queried_metrics
 from dynamo_flexkv.cache_cli import run
 from dynamo_flexkv.cli import build_parser
 from dynamo_flexkv.core.metric_schema import ALIASES, SHARED, SOURCE_LABEL, Source, exported_name, schema_name
@@ -174,7 +174,8 @@ def test_every_dashboard_query_names_a_metric_a_source_exports(reference, vllm, 
     # and of a vLLM worker's the shared ones and its own loads (its router-hint and peer families,
     # docs/HINTS.md, are not), aliases aside
     shown = {schema_name(n) for n in _samples(reference)} | {schema_name(n) for n in _samples(node)}
-    shown |= {n for n in SHARED} | {"flexkv_recomputed_tokens_total", "flexkv_failed_loads_total"}
-    shown |= {"flexkv_stored_tokens_total"}
+    assert {exported_name(n, Source.VLLM) for n in VLLM_ONLY} <= set(_samples(vllm))
+    assert not VLLM_ONLY & {schema_name(n) for n in _samples(reference)}
+    shown |= set(SHARED) | VLLM_ONLY
     unshown = {n for n in shown - {schema_name(a) for a in ALIASES} if n not in queried}
     assert sorted(unshown) == [], "exported, on no dashboard panel"
