@@ -14,7 +14,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 
@@ -259,13 +259,24 @@ def _handler(server: Any, registry: Any) -> Any:
 
 
 class _Collector:
+    """The service's families in the one metric schema (core/metric_schema.py): the quantities an
+    engine exports too under the engine's names (flexkv_pool_blocks, flexkv_hit_blocks_total,
+    flexkv_removed_blocks_total, flexkv_tasks_in_flight), the service's own as flexkv_node_*; every
+    sample labelled source="node". The old names (metric_schema.ALIASES) follow for one release."""
+
     def __init__(self, server: Any) -> None:
         self.server = server
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from dynamo_flexkv.core.metric_schema import Source, with_source
 
         st = self.server.stats()
+        yield from with_source(self._families(st), Source.NODE)
+        yield from self._aliases(st)
+
+    def _families(self, st: Dict[str, Any]) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         engines = GaugeMetricFamily("flexkv_node_engines", "Engines (ranks) attached now")
         engines.add_metric([], len(st["engines"]))
         yield engines
@@ -273,7 +284,7 @@ class _Collector:
         copies.add_metric([], sum(e["copies_in_flight"] for e in st["engines"]))
         yield copies
         tasks = GaugeMetricFamily(
-            "flexkv_node_engine_tasks", "Loads, stores and prefetches of attached engines not finished"
+            "flexkv_tasks_in_flight", "Loads, stores and prefetches of attached engines not finished"
         )
         tasks.add_metric([], sum(e["tasks"] for e in st["engines"]))
         yield tasks
@@ -293,27 +304,20 @@ class _Collector:
             c = CounterMetricFamily(f"flexkv_node_{key}", doc)
             c.add_metric([], st[key])
             yield c
-        used = GaugeMetricFamily("flexkv_node_tier_used_blocks", "Blocks held per tier", labels=["model", "tier"])
-        cap = GaugeMetricFamily("flexkv_node_tier_capacity_blocks", "Tier capacity in blocks", labels=["model", "tier"])
-        hits = CounterMetricFamily(
-            "flexkv_node_tier_hit_blocks", "Blocks loads found per tier", labels=["model", "tier"]
-        )
+        pool = GaugeMetricFamily("flexkv_pool_blocks", "Offload tier slots", labels=["model", "tier", "state"])
+        hits = CounterMetricFamily("flexkv_hit_blocks", "Blocks loads found per tier", labels=["model", "tier"])
         removed = CounterMetricFamily(
-            "flexkv_node_removed_blocks",
+            "flexkv_removed_blocks",
             "Blocks that left a tier, by why (evicted, demoted, invalidated, cleared, failed)",
             labels=["model", "tier", "reason"],
         )
-        for ns in st["namespaces"]:
-            for tier in ("host", "disk"):
-                t = ns["tiers"].get(tier)
-                if t:
-                    used.add_metric([ns["model_id"], tier], t["used_blocks"])
-                    cap.add_metric([ns["model_id"], tier], t["capacity_blocks"])
-                    hits.add_metric([ns["model_id"], tier], t["hit_blocks"])
-                    for reason, n in sorted(t.get("removed_blocks", {}).items()):
-                        removed.add_metric([ns["model_id"], tier, reason], n)
-        yield used
-        yield cap
+        for model, tier, t in _tiers(st):
+            for state in ("capacity", "used"):
+                pool.add_metric([model, tier, state], t[f"{state}_blocks"])
+            hits.add_metric([model, tier], t["hit_blocks"])
+            for reason, n in sorted(t.get("removed_blocks", {}).items()):
+                removed.add_metric([model, tier, reason], n)
+        yield pool
         yield hits
         yield removed
         t_used = GaugeMetricFamily(
@@ -331,3 +335,39 @@ class _Collector:
                 t_quota.add_metric([tenant, tier], n)
         yield t_used
         yield t_quota
+
+    @staticmethod
+    def _aliases(st: Dict[str, Any]) -> Iterator[Any]:
+        """The names before the one schema, unchanged in shape (deprecated: removed in the next release)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        tasks = GaugeMetricFamily("flexkv_node_engine_tasks", "Deprecated: flexkv_tasks_in_flight{source=node}")
+        tasks.add_metric([], sum(e["tasks"] for e in st["engines"]))
+        yield tasks
+        labels = ["model", "tier"]
+        used = GaugeMetricFamily(
+            "flexkv_node_tier_used_blocks", "Deprecated: flexkv_pool_blocks{state=used}", labels=labels
+        )
+        cap = GaugeMetricFamily(
+            "flexkv_node_tier_capacity_blocks", "Deprecated: flexkv_pool_blocks{state=capacity}", labels=labels
+        )
+        hits = CounterMetricFamily("flexkv_node_tier_hit_blocks", "Deprecated: flexkv_hit_blocks_total", labels=labels)
+        removed = CounterMetricFamily(
+            "flexkv_node_removed_blocks", "Deprecated: flexkv_removed_blocks_total", labels=[*labels, "reason"]
+        )
+        for model, tier, t in _tiers(st):
+            used.add_metric([model, tier], t["used_blocks"])
+            cap.add_metric([model, tier], t["capacity_blocks"])
+            hits.add_metric([model, tier], t["hit_blocks"])
+            for reason, n in sorted(t.get("removed_blocks", {}).items()):
+                removed.add_metric([model, tier, reason], n)
+        yield from (used, cap, hits, removed)
+
+
+def _tiers(st: Dict[str, Any]) -> Iterator[Tuple[str, str, Dict[str, Any]]]:
+    """(model, tier, that tier's stats) of every namespace's host and disk tiers."""
+    for ns in st["namespaces"]:
+        for tier in ("host", "disk"):
+            t = ns["tiers"].get(tier)
+            if t:
+                yield ns["model_id"], tier, t

@@ -107,6 +107,7 @@ MODULE_KINDS = {
     "test_liveness": "unit",
     "test_manager": "unit",
     "test_manager_misuse_and_restarts": "unit",
+    "test_metric_schema": "integration",
     "test_model_dir": "unit",
     "test_native_copy": "unit",
     "test_nixl_progress_threads": "integration",

@@ -9,6 +9,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "configs" / "grafana" / "flexkv.json"
 PROMETHEUS = ROOT / "configs" / "prometheus.yml"
 METRIC = re.compile(r"\b((?:flexkv|dynamo)_[a-z0-9_]+)\b")
+# Panels of the other sources (tests/test_metric_schema.py checks they export them): the node
+# service's own families, and a vLLM worker's that a reference worker has no counterpart of.
+VLLM_ONLY = frozenset({"flexkv_recomputed_tokens_total", "flexkv_failed_loads_total", "flexkv_stored_tokens_total"})
+
+
+def reference_worker_metric(name: str) -> bool:
+    """Whether a reference worker (or the frontend) is where the dashboard's ``name`` comes from."""
+    return not name.startswith("flexkv_node_") and name not in VLLM_ONLY
 
 
 def load_dashboard() -> dict:

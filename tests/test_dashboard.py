@@ -115,8 +115,14 @@ def test_schema_check_catches_broken_dashboards():
 def test_prometheus_config_scrapes_frontend_and_workers():
     cfg = yaml.safe_load(PROMETHEUS.read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
-    assert set(jobs) == {"dynamo-frontend", "flexkv-workers"}
+    assert set(jobs) == {"dynamo-frontend", "flexkv-workers", "flexkv-node"}
     for job in jobs.values():
         for sc in job["static_configs"]:
             assert sc["targets"] and all(re.fullmatch(r"127\.0\.0\.1:\d+", t) for t in sc["targets"])
     assert re.fullmatch(r"\d+s", cfg["global"]["scrape_interval"])
+    # a vLLM worker's vllm:flexkv_* families are stored under the schema's flexkv_* names
+    (rule,) = jobs["flexkv-workers"]["metric_relabel_configs"]
+    assert rule["source_labels"] == ["__name__"] and rule["target_label"] == "__name__"
+    m = re.fullmatch(rule["regex"], "vllm:flexkv_pool_blocks")
+    assert m and m.expand(rule["replacement"].replace("$1", "\\1")) == "flexkv_pool_blocks"
+    assert not re.fullmatch(rule["regex"], "vllm:prompt_tokens_total")

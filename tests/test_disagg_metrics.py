@@ -36,7 +36,8 @@ def samples(worker: FlexKVWorkerEngine) -> Dict[str, float]:
     out = {}
     for family in worker.collector().collect():
         for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            assert s.labels.get("source") == "reference", s  # the one schema's source label (core/metric_schema.py)
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "source")
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
 

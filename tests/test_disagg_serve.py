@@ -166,7 +166,6 @@ def test_prefill_killed_mid_handover_decode_recomputes_and_the_restarted_prefill
     import os
     import signal
     import threading
-    import time
     import urllib.error
 
     from served import assert_all_gone, inflight
@@ -204,7 +203,13 @@ def test_prefill_killed_mid_handover_decode_recomputes_and_the_restarted_prefill
             lambda: metric(prefill.port, "flexkv_device_blocks", state="used") > 0,
             every=0.05,
         )
-        time.sleep(0.5)  # the prefill stream ends; the frontend sends the request on to the stopped decode worker
+        # The prefill worker answered (its lease granted, its stream ended): the frontend sends the
+        # request on to the stopped decode worker.
+        wait_until(
+            "the prefill worker's answer sent",
+            lambda: metric(prefill.port, "flexkv_handover_leases") == 1 and inflight(prefill.port) == 0,
+            every=0.05,
+        )
         os.kill(first_prefill, signal.SIGKILL)
         wait_until(
             "the prefill worker reaped",

@@ -7,6 +7,7 @@ from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.tasks import ManagerClosed, TaskFailed
 from dynamo_flexkv.core.transfer.graph import OpKind
 from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, open_fds, prompts
+from served import wait_until
 
 DEVICE_BLOCKS = 64
 
@@ -405,7 +406,6 @@ def test_planned_tokens_by_tier_when_skip_covers_part_of_the_disk_run(tmp_path):
 
 
 def test_results_nobody_collects_expire(tmp_path):
-    import time
 
     rng = np.random.default_rng(0)
     with KVManager(MODEL, config(tmp_path, disk_blocks=0, task_result_ttl_seconds=0.3)) as kv:
@@ -418,7 +418,7 @@ def test_results_nobody_collects_expire(tmp_path):
         assert kv.wait([collected])[collected].ok
         st = kv.stats().tasks
         assert (st.in_flight, st.uncollected_results) == (0, 1)  # the forgotten put's result waits for its TTL
-        time.sleep(0.4)
+        wait_until("the put's result expired", lambda: kv.stats().tasks.expired_results == 1, timeout=10, every=0.02)
         st = kv.stats().tasks
         assert (st.in_flight, st.uncollected_results, st.expired_results) == (0, 0, 1)
         with pytest.raises(KeyError, match="nobody collected it within task_result_ttl_seconds"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from dynamo_flexkv.core.storage.ssd import SsdInUseError, SsdLayoutError
 from dynamo_flexkv.core.tasks import TooManyTasks
 
 from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds, store_and_drain
+from served import wait_until
 
 L = KVLayoutType.LAYERBLOCK
 
@@ -456,8 +456,7 @@ def test_result_expiry_and_flood_limit(tmp_path):
     try:
         t = kv.put_async(prompt(1, 1), [0])
         assert kv.drain(timeout=10)
-        time.sleep(0.4)
-        assert kv.stats().tasks.expired_results >= 1
+        wait_until("a result expired", lambda: kv.stats().tasks.expired_results >= 1, timeout=10, every=0.02)
         with pytest.raises(KeyError):
             kv.wait([t])
         accepted = []

@@ -144,6 +144,7 @@ def test_the_same_over_http_on_the_metrics_port(two_tenants):
             urllib.request.urlopen(bad, timeout=10)
         assert e.value.code == 400 and "op 'wipe' is not one of contents, prefix, clear" in e.value.read().decode()
         with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:  # the metrics stay where they were
-            assert 'flexkv_node_removed_blocks_total{model="m1",reason="cleared",tier="disk"} 6.0' in r.read().decode()
+            page = r.read().decode()
+        assert 'flexkv_removed_blocks_total{model="m1",reason="cleared",source="node",tier="disk"} 6.0' in page
     finally:
         http.shutdown()

@@ -309,7 +309,7 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
         other = complete(serve.base_url, tokens, ids[names[1]])
         assert other["worker"] == ids[names[1]] and other["tiers"]["host"] == n * BS, other
         assert other["ids"] == first["ids"]
-        assert node_metric(serve, "flexkv_node_tier_hit_blocks_total") >= n
+        assert node_metric(serve, "flexkv_hit_blocks_total") >= n
 
         # The router's view of every worker against the node cache's contents. An engine of the same
         # model attached from here (the service's public interface; it hears the same events) stores a
@@ -375,7 +375,7 @@ def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_
         admin.offload.shutdown()
         again = complete(serve.base_url, tokens, new_id)
         assert again["tiers"]["disk"] + again["tiers"]["host"] == n * BS and again["ids"] == first["ids"], again
-        wait_until("no task left in flight", lambda: node_metric(serve, "flexkv_node_engine_tasks") == 0)
+        wait_until("no task left in flight", lambda: node_metric(serve, "flexkv_tasks_in_flight") == 0)
         serve.children += [
             int(x) for x in os.popen(f"pgrep -P {serve.proc.pid}").read().split() if int(x) not in serve.children
         ]
@@ -544,11 +544,11 @@ def test_a_reference_graph_attaches_to_a_cache_server_the_operator_started(tmp_p
             assert first["tiers"]["host"] == 0
             wait_until(
                 "the prompt stored in the service's host tier",
-                lambda: ops.metric("flexkv_node_tier_used_blocks", tier="host") >= n,
+                lambda: ops.metric("flexkv_pool_blocks", state="used", tier="host") >= n,
             )
-            hits = ops.metric("flexkv_node_tier_hit_blocks_total", tier="host")
+            hits = ops.metric("flexkv_hit_blocks_total", tier="host")
             second = complete(serve.base_url, tokens)
-            got = ops.metric("flexkv_node_tier_hit_blocks_total", tier="host") - hits
+            got = ops.metric("flexkv_hit_blocks_total", tier="host") - hits
             print(
                 f"\nserve ready in {serve.ready_s:.1f} s; {len(tokens)} tokens: first {first['tiers']}, "
                 f"second {second['tiers']}; the service's host hits +{got:.0f} blocks, "
@@ -563,6 +563,6 @@ def test_a_reference_graph_attaches_to_a_cache_server_the_operator_started(tmp_p
         # The operator's service outlived the graph: the worker detached, the blocks stayed.
         assert ops.proc.poll() is None
         wait_until("the worker detached", lambda: ops.metric("flexkv_node_engines") == 0)
-        assert ops.metric("flexkv_node_tier_used_blocks", tier="host") >= n
+        assert ops.metric("flexkv_pool_blocks", state="used", tier="host") >= n
     finally:
         assert ops.stop() == 0, ops.log.read_text()[-3000:]

@@ -35,6 +35,7 @@ from dynamo_flexkv.serve.redis_server import RedisServer
 from kv_helpers import MODEL, TPB, config, holds
 from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixture)
 from remote_helpers import LAYOUT, REMOTE, Engine, check_clean, manager, prompt_of
+from served import wait_until
 
 pytestmark = needs_redis
 HDR = struct.Struct("<4sHHQQQQQ")
@@ -236,7 +237,8 @@ def test_ttl_expiry_is_a_clean_miss(tmp_path, redis_server):
         manager(tmp_path / "r", redis_server.url) as kv1,
     ):
         Engine(kv0).put(p)
-        time.sleep(0.6)
+        assert int(redis_server.cli("DBSIZE")) > 0
+        wait_until("the values expired in Redis", lambda: int(redis_server.cli("DBSIZE")) == 0, timeout=10, every=0.05)
         assert kv1.match(p) == {"host": 0, "remote": 0}
         r, ok = load(kv1, Engine(kv1, 1), p)
         assert r.status is TaskStatus.NOT_FOUND

@@ -34,6 +34,7 @@ from dynamo_flexkv.serve.redis_server import RedisServer, free_port
 from dynamo_flexkv.core.sysutil import find_binary
 from remote_helpers import make_test_certs
 from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
+from served import wait_until
 
 FP = fingerprint_of({"model": "test", "dtype": "bfloat16", "tokens_per_block": 16})
 SECRET = "s3cr3t-pw"
@@ -526,8 +527,9 @@ def test_ttl_expires_values(redis_server: RedisServer) -> None:
     seq, data = blocks(4, 100)
     with RemoteStore.open(redis_server.url, FP, ttl_s=0.3) as store:
         store.put(seq, list(data))
-        assert 0 < int(redis_server.cli("PTTL", block_key(b"flexkv:", FP, int(seq[0])).decode())) <= 300
-        time.sleep(0.5)
+        key = block_key(b"flexkv:", FP, int(seq[0])).decode()
+        assert 0 < int(redis_server.cli("PTTL", key)) <= 300
+        wait_until("the value expired", lambda: int(redis_server.cli("EXISTS", key)) == 0, timeout=10, every=0.05)
         assert store.get_into(seq, list(np.zeros_like(data))) == 0
 
 

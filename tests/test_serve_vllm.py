@@ -386,7 +386,7 @@ def tier_loads(metrics_url: str):
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("vllm:flexkv_loaded_tokens_total")
+        if line.startswith("vllm:flexkv_prompt_tokens_cached_total")
     ]
     return sum(values) if values else None
 

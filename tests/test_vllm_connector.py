@@ -380,20 +380,30 @@ def test_step_stats_become_vllm_flexkv_metrics():
         kv_transfer_config = None
 
     prom = FlexKVPromMetrics(Config(), types, ["model_name", "engine"], {0: ["m", "0"]})
-    a = FlexKVStats({"loaded_tokens/host": 640, "recomputed_tokens": 64, "gauge:used_blocks/host": 3})
-    b = FlexKVStats({"loaded_tokens/host": 64, "loaded_tokens/disk": 128, "gauge:used_blocks/host": 5})
+    a = FlexKVStats(
+        {"prompt_tokens_cached/host": 640, "recomputed_tokens": 64, "gauge:pool_blocks/host/used": 3, "handovers/ok": 1}
+    )
+    b = FlexKVStats(
+        {"prompt_tokens_cached/host": 64, "prompt_tokens_cached/disk": 128, "gauge:pool_blocks/host/used": 5}
+    )
     total = a.aggregate(b)
     assert total.reduce() == {
-        "loaded_tokens/host": 704,
+        "prompt_tokens_cached/host": 704,
         "recomputed_tokens": 64,
-        "gauge:used_blocks/host": 5,
-        "loaded_tokens/disk": 128,
+        "gauge:pool_blocks/host/used": 5,
+        "prompt_tokens_cached/disk": 128,
+        "handovers/ok": 1,
     }
     prom.observe(total.reduce(), 0)
     text = generate_latest(reg).decode()
+    m = 'engine="0",model_name="m",source="vllm"'
+    assert f'vllm:flexkv_prompt_tokens_cached_total{{{m},tier="host"}} 704.0' in text
+    assert f'vllm:flexkv_prompt_tokens_cached_total{{{m},tier="disk"}} 128.0' in text
+    assert f"vllm:flexkv_recomputed_tokens_total{{{m}}} 64.0" in text
+    assert f'vllm:flexkv_pool_blocks{{{m},state="used",tier="host"}} 5.0' in text
+    assert 'vllm:flexkv_handovers_total{engine="0",model_name="m",result="ok",source="vllm"} 1.0' in text
+    # The 0.1 names follow for one release, in their old shape (core/metric_schema.ALIASES).
     assert 'vllm:flexkv_loaded_tokens_total{engine="0",model_name="m",tier="host"} 704.0' in text
-    assert 'vllm:flexkv_loaded_tokens_total{engine="0",model_name="m",tier="disk"} 128.0' in text
-    assert 'vllm:flexkv_recomputed_tokens_total{engine="0",model_name="m"} 64.0' in text
     assert 'vllm:flexkv_used_blocks{engine="0",model_name="m",tier="host"} 5.0' in text
     assert FlexKVStats({}).is_empty() and not total.is_empty()
     # Cost-aware loading's decisions: one family labelled by decision, tier and reason.
@@ -404,11 +414,12 @@ def test_step_stats_become_vllm_flexkv_metrics():
     prom.observe(FlexKVStats(dict(keys)).aggregate(FlexKVStats({"prefix_tokens/loaded/host/faster": 16})).reduce(), 0)
     text = generate_latest(reg).decode()
     assert (
-        'vllm:flexkv_prefix_tokens_total{decision="loaded",engine="0",model_name="m",reason="faster",tier="host"} 336.0'
+        'vllm:flexkv_prefix_tokens_total{decision="loaded",engine="0",model_name="m",reason="faster",source="vllm",'
+        'tier="host"} 336.0'
     ) in text
     assert (
         'vllm:flexkv_prefix_tokens_total{decision="recomputed",engine="0",model_name="m",reason="slower",'
-        'tier="disk"} 96.0'
+        'source="vllm",tier="disk"} 96.0'
     ) in text
 
 

@@ -111,7 +111,7 @@ def test_disaggregated_vllm_gives_the_aggregated_tokens_and_decode_pulls_the_kv_
     # NixlConnector only frees its own hold. Whatever decode's own prefix cache held is not read.
     handed = vg.metric(decode, "vllm:flexkv_handover_tokens_total")
     pulled = vg.metric(decode, "vllm:flexkv_handover_bytes_total")
-    failed = vg.metric(decode, "vllm:flexkv_handover_failures_total")
+    failed = vg.metric(decode, "vllm:flexkv_handovers_total", result="failed")
     nixl_reads = vg.metric(decode, "vllm:nixl_xfer_time_seconds_count")
     full = sum((len(p) - 1) // BS * BS for p in PROMPTS)
     print(

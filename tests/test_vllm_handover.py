@@ -15,6 +15,7 @@ pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 from served import wait_until  # noqa: E402
 
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused  # noqa: E402
+from dynamo_flexkv.integrations.vllm_connector.settings import DEFAULT_HANDOVER_ORPHAN_S
 from dynamo_flexkv.integrations.vllm_connector.handover import (
     KEY,
     Handover,
@@ -166,9 +167,34 @@ def test_a_release_that_arrives_before_its_hold_still_ends_it(pair):
     prefill.digest("r7", [2], P["r7"][: len([2])])
     assert decode.pull(handed(tmp, "r7", [2]), 0, [2], timeout=30, hashes=P["r7"]).ok
     decode.send_releases()
-    wait_until("r7 seen", lambda: (prefill.finished() or True) and "r7" in prefill._early, timeout=30, every=0.01)
+
+    def release_seen() -> bool:
+        assert prefill.finished() == set()  # a release of a request not held yet ends nothing
+        return "r7" in prefill._early
+
+    wait_until("r7's early release seen", release_seen, timeout=30, every=0.01)
     prefill.hold("r7", time.time() + 30)
-    assert "r7" in prefill.finished()
+    assert prefill.finished() == {"r7"} and prefill.released == 1 and prefill.expired == 0
+
+
+def test_what_a_request_left_without_a_hold_is_dropped_after_handover_orphan_s(pair):
+    """A release whose hold never came and the digests of a request never held (an aborted
+    request) are kept handover_orphan_s (600 s by default), then dropped: a hold that comes later
+    waits out its lease, and a read of the dropped digests fails its check."""
+    prefill, decode, _, _, tmp = pair
+    assert prefill.orphan_s == DEFAULT_HANDOVER_ORPHAN_S == 600.0
+    prefill.orphan_s = 0.2
+    prefill.digest("r8", [2], P["r8"][:1])
+    assert decode.pull(handed(tmp, "r8", [2]), 0, [2], timeout=30, hashes=P["r8"]).ok
+    decode.send_releases()
+    wait_until("r8's early release seen", lambda: prefill.finished() == set() and "r8" in prefill._early, every=0.01)
+    prefill.digest("r9", [3], P["r9"][:1])  # never held
+    wait_until("both dropped", lambda: not prefill.finished() and not prefill._early and not prefill._stamped)
+    r = decode.pull(handed(tmp, "r9", [3]), 0, [4], timeout=30, hashes=P["r9"])
+    assert not r.ok and r.why == "corrupt"
+    prefill.hold("r8", time.time() + 0.3)  # its release is forgotten: it ends with its lease
+    wait_until("r8 expired", lambda: "r8" in prefill.finished(), timeout=30, every=0.01)
+    assert prefill.expired == 1
 
 
 @BOTH_MODES

@@ -170,8 +170,8 @@ class NodeGraph:
             config="agg_router_vllm_node",
         )
 
-    def node(self, name: str) -> float:
-        return total(scrape(self.serve.metrics["NodeCache"]), name)
+    def node(self, name: str, **labels: str) -> float:
+        return total(scrape(self.serve.metrics["NodeCache"]), name, **labels)
 
     def ids(self) -> Dict[str, int]:
         """Dynamo instance ids (a restarted worker has a new one, on its metrics before its first request)."""
@@ -188,12 +188,12 @@ class NodeGraph:
     def idle(self) -> bool:
         return (
             self.node("flexkv_node_copies_in_flight") == 0
-            and self.node("flexkv_node_engine_tasks") == 0
+            and self.node("flexkv_tasks_in_flight") == 0
             and self.node("flexkv_node_fenced_copies") == 0
         )
 
     def host_blocks(self) -> float:
-        return total(scrape(self.serve.metrics["NodeCache"]), "flexkv_node_tier_used_blocks", tier="host")
+        return total(scrape(self.serve.metrics["NodeCache"]), "flexkv_pool_blocks", state="used", tier="host")
 
     def crash(self, name: str) -> int:
         """SIGKILLs ``name``'s processes (vg.crash) and waits for serve to see it; returns the log
@@ -267,7 +267,7 @@ def test_a_prompt_one_vllm_worker_computed_is_served_by_the_other_from_the_node_
             {0: baseline[tuple(doc)], 1: baseline[tuple(doc)]},
             f"{len(doc)} tokens on both workers",
         )
-    assert graph.node("flexkv_node_tier_hit_blocks_total") >= sum((len(d) - 1) // BS for d in DOCS)
+    assert graph.node("flexkv_hit_blocks_total") >= sum((len(d) - 1) // BS for d in DOCS)
     assert vg.event_trouble(graph.serve.run) == []
 
 
@@ -324,12 +324,12 @@ def test_a_worker_killed_inside_a_load_and_a_store_leaves_the_node_cache_clean_a
     ids = graph.back(a, ended["mark"])
 
     # Inside a store: a fresh prompt on A, whose device->host copy of it is slowed after it answered.
-    hits = graph.node("flexkv_node_tier_hit_blocks_total")
+    hits = graph.node("flexkv_hit_blocks_total")
     ended = kill_inside_a_copy(graph, a, KILL_STORE, ids[a])
     print(f"killed inside a store: {ended.get('error') or 'answered before the kill'}")
     probe = complete(graph.serve.base_url, KILL_STORE, ids[b])
     assert probe["cached"] == 0, "a half-stored prompt became visible"  # recomputed by B, nothing loaded
-    assert graph.node("flexkv_node_tier_hit_blocks_total") == hits
+    assert graph.node("flexkv_hit_blocks_total") == hits
     graph.back(a, ended["mark"])
 
     # The restarted worker's first request: an 8K prefix B computed is a host hit. Against what? The
@@ -361,7 +361,7 @@ def test_a_killed_node_cache_costs_no_vllm_request_and_its_disk_prefix_loads_aga
     blocks = (len(ON_DISK) - 1) // BS
     wait_until(
         "the prompt on the node's disk",
-        lambda: total(scrape(graph.serve.metrics["NodeCache"]), "flexkv_node_tier_used_blocks", tier="disk") >= blocks,
+        lambda: graph.node("flexkv_pool_blocks", state="used", tier="disk") >= blocks,
         timeout=120,
     )
     answers: list = []  # (prompt, generation or the error)
@@ -441,14 +441,14 @@ def test_a_vllm_graph_attaches_to_a_cache_server_the_operator_started(tmp_path):
             wait_until(
                 "the prompt in the service's host tier, no copy in flight",
                 lambda: (
-                    ops.metric("flexkv_node_tier_used_blocks", tier="host") >= full + 3 * (1800 // BS)
-                    and ops.metric("flexkv_node_engine_tasks") == 0
+                    ops.metric("flexkv_pool_blocks", state="used", tier="host") >= full + 3 * (1800 // BS)
+                    and ops.metric("flexkv_tasks_in_flight") == 0
                 ),
             )
-            hits = ops.metric("flexkv_node_tier_hit_blocks_total", tier="host")
+            hits = ops.metric("flexkv_hit_blocks_total", tier="host")
             loaded = vg.loaded(vg.scrape(serve.metrics[worker]))["host"]
             second = complete(serve.base_url, doc)
-            got = ops.metric("flexkv_node_tier_hit_blocks_total", tier="host") - hits
+            got = ops.metric("flexkv_hit_blocks_total", tier="host") - hits
             through = vg.loaded(vg.scrape(serve.metrics[worker]))["host"] - loaded
             print(
                 f"\nserve ready in {serve.ready_s:.1f} s; {len(doc)} tokens: first cached {first['cached']} "

@@ -207,8 +207,8 @@ def send_and_hang_up(base_url: str, prompt: List[int], max_tokens: int, until, t
 
 
 def loaded(text: str) -> Dict[str, float]:
-    """FlexKVConnector's loaded tokens by tier (vllm:flexkv_loaded_tokens_total{tier})."""
-    return {t: metric(text, "vllm:flexkv_loaded_tokens_total", tier=t) for t in ("host", "disk")}
+    """FlexKVConnector's loaded tokens by tier (vllm:flexkv_prompt_tokens_cached_total{tier})."""
+    return {t: metric(text, "vllm:flexkv_prompt_tokens_cached_total", tier=t) for t in ("host", "disk")}
 
 
 def worker_id(text: str) -> int:

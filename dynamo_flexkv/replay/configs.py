@@ -66,7 +66,7 @@ def _flexkv_tier(tier: str) -> Counter:
 
 
 def _vllm_tier(tier: str) -> Counter:
-    return Counter("vllm:flexkv_loaded_tokens_total", (("tier", tier),))
+    return Counter("vllm:flexkv_prompt_tokens_cached_total", (("tier", tier),))
 
 
 def peer_mapping(mapping: MetricMapping) -> MetricMapping:

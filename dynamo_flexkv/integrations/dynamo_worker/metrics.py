@@ -1,5 +1,5 @@
-"""The worker's offload metrics on Dynamo's ``/metrics`` (Prometheus, prefix ``flexkv_``) and the
-load snapshot the router reads.
+"""The worker's offload metrics on Dynamo's ``/metrics`` (Prometheus, prefix ``flexkv_``, every
+sample labelled ``source="reference"``: core/metric_schema.py) and the load snapshot the router reads.
 
 Counters are read at scrape time from what already counts them (KVManager.stats(), the device
 pool, the per-request tallies below): nothing is double-booked and an idle worker costs nothing.
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from dynamo_flexkv.core.metric_schema import Source, with_source
 from dynamo_flexkv.core.stats import ManagerStats, RemoteTierStats, RemovalReason
 
 if TYPE_CHECKING:  # the disagg roles import NIXL's agent lazily; the metrics only read their counters
@@ -85,6 +86,9 @@ class OffloadCollector(Collector):
         self.lease_stats = lease_stats  # prefill workers' leases (None elsewhere: zeros)
 
     def collect(self) -> Iterator[Metric]:
+        return with_source(self._families(), Source.REFERENCE)
+
+    def _families(self) -> Iterator[Metric]:
         t = self.tally.snapshot()
         yield _counter("requests", "Requests finished by this worker", t.requests)
         yield _counter("prompt_tokens", "Prompt tokens of finished requests", t.prompt_tokens)

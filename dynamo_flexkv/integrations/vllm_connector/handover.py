@@ -33,7 +33,7 @@ import numpy as np
 
 from dynamo_flexkv.core.transfer.nixl_agent import HandoverFailed, KVAgent, Notifier, kv_block_checksums
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
-from dynamo_flexkv.integrations.vllm_connector.settings import MAX_LEASE_S
+from dynamo_flexkv.integrations.vllm_connector.settings import DEFAULT_HANDOVER_ORPHAN_S, MAX_LEASE_S
 from dynamo_flexkv.integrations.vllm_connector.settings import run_dir_or_default
 
 log = logging.getLogger(__name__)
@@ -212,13 +212,19 @@ class Handover:
     the decode half (pull, verify); a worker uses the half of its role."""
 
     def __init__(
-        self, layers: Sequence[Any], engine_id: str, run_dir: Optional[str], verify: str = Verify.OWNER
+        self,
+        layers: Sequence[Any],
+        engine_id: str,
+        run_dir: Optional[str],
+        verify: str = Verify.OWNER,
+        orphan_s: float = DEFAULT_HANDOVER_ORPHAN_S,
     ) -> None:
         import uuid
 
         if verify not in Verify.ALL:
             raise ValueError(f"handover_verify={verify!r}: expected one of {Verify.ALL}")
         self.verify = verify
+        self.orphan_s = orphan_s  # the handover_orphan_s setting
         self.agent = KVAgent(layers, name=f"flexkv-vllm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self._notices = Notifier(f"{self.agent.name}-notices")  # decode's releases: not on the reading agent
         self.agent.enable_digests()
@@ -337,10 +343,10 @@ class Handover:
                     rid,
                 )
         for rid, seen in list(self._early.items()):  # a release whose hold never came (aborted request)
-            if now - seen > 600:
+            if now - seen > self.orphan_s:
                 del self._early[rid]
         for rid, (_, _, when) in list(self._stamped.items()):  # digested, never held (aborted): no payload
-            if rid not in self._holds and now - when > 600:
+            if rid not in self._holds and now - when > self.orphan_s:
                 self._unstamp(rid)
         out, self._done = self._done, set()
         return out

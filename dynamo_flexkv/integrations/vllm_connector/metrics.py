@@ -4,45 +4,58 @@ Each worker step returns a FlexKVStats (counter deltas since the last step, tier
 once a second); vLLM sums them across workers and steps and hands them to the Prometheus logger
 of the API process, where FlexKVPromMetrics records them. Dynamo 1.6.1's vLLM worker forwards
 only engine metrics whose names start with ``vllm:`` (or ``lmcache:``) to its /metrics, so the
-families are ``vllm:flexkv_*`` (docs/VLLM.md lists them). vLLM's own
+families are ``vllm:flexkv_*`` (docs/VLLM.md lists them), named and labelled as the reference
+worker's and the node service's are (core/metric_schema.py), each sample with source="vllm". vLLM's own
 ``vllm:external_prefix_cache_{queries,hits}`` count the tokens asked of / found by the connector."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from dynamo_flexkv.core.metric_schema import SOURCE_LABEL, Source
+
 TIERS = ("host", "disk", "remote")
-# data keys: counters are "<name>" or "<name>/<tier>" deltas; gauges start with "gauge:".
-COUNTERS = {
-    "loaded_tokens": ("Tokens loaded from an offload tier into vLLM's KV cache", True),
-    "recomputed_tokens": ("Tokens a lookup promised that were recomputed instead (evicted, failed or corrupt)", False),
-    "failed_loads": ("Loads that failed or timed out (their blocks were recomputed)", False),
-    "tier_faults": ("Lookups, loads, stores and prefetches a tier fault turned into a miss (computed)", False),
-    "stored_tokens": ("Tokens of finished requests copied into the host tier", False),
-    "evicted_blocks": ("Blocks evicted from an offload tier", True),
-    "disk_write_failures": ("Background disk writes that failed (the blocks stayed on host)", False),
+POOL_STATES = ("capacity", "used", "ready")
+HANDOVER_RESULTS = ("ok", "failed")
+Labels = Tuple[Tuple[str, Tuple[str, ...]], ...]  # (label name, its values), in key order
+BY_TIER: Labels = (("tier", TIERS),)
+# data keys: counters are "<name>" or "<name>/<label value>/..." deltas (label values in the order
+# the family lists its labels); gauges start with "gauge:". Names and labels follow the schema the
+# reference worker and the node service share (core/metric_schema.py).
+COUNTERS: Dict[str, Tuple[str, Labels]] = {
+    "prompt_tokens_cached": ("Prompt tokens not recomputed, by the offload tier they were loaded from", BY_TIER),
+    "recomputed_tokens": ("Tokens a lookup promised that were recomputed instead (evicted, failed or corrupt)", ()),
+    "failed_loads": ("Loads that failed or timed out (their blocks were recomputed)", ()),
+    "tier_faults": ("Lookups, loads, stores and prefetches a tier fault turned into a miss (computed)", ()),
+    "stored_tokens": ("Tokens of finished requests copied into the host tier", ()),
+    "hit_blocks": ("Blocks found in the tier by a get", BY_TIER),
+    "stored_blocks": ("Blocks that landed in the tier", BY_TIER),
+    "evicted_blocks": ("Blocks evicted from an offload tier", BY_TIER),
+    "disk_write_failures": ("Background disk writes that failed (the blocks stayed on host)", ()),
     "handover_tokens": (
         "Prompt tokens read from a prefill worker (FlexKVConnector handover), not computed here",
-        False,
+        (),
     ),
-    "handover_bytes": ("Bytes read from prefill workers by the handover", False),
-    "handover_seconds": ("Seconds spent reading and verifying handovers", False),
-    "handover_failures": (
-        "Handovers refused, failed, past their lease or corrupt (their tokens were recomputed)",
-        False,
+    "handover_bytes": ("Bytes read from prefill workers by the handover", ()),
+    "handover_seconds": ("Seconds spent reading and verifying handovers", ()),
+    "handovers": (
+        "Handovers a decode worker took: ok (read and verified), failed (refused, failed, past their "
+        "lease or corrupt: recomputed)",
+        (("result", HANDOVER_RESULTS),),
     ),
-    "handover_corrupt": ("Handovers whose bytes did not match the prefill worker's digests (recomputed)", False),
-    "hints_seen": ("Requests that came with a Dynamo router kv.fetch hint (docs/HINTS.md)", False),
-    "hints_used": ("Router hints whose pull from the named worker made blocks visible here", False),
-    "hints_skipped": ("Router hints not pulled: the load policy predicted recomputing faster", False),
-    "hint_pulled_tokens": ("Prompt tokens pulled from peer workers on router hints", False),
-    "hint_pulled_bytes": ("Bytes pulled from peer workers on router hints", False),
-    "hint_pull_seconds": ("Seconds spent pulling and verifying hinted blocks", False),
-    "peer_pins": ("Pulls of peers this worker answered by pinning host blocks", False),
-    "peer_pins_expired": ("Pins of this worker's host blocks that ended with their lease (no release)", False),
+    "handover_corrupt": ("Handovers whose bytes did not match the prefill worker's digests (recomputed)", ()),
+    "hints_seen": ("Requests that came with a Dynamo router kv.fetch hint (docs/HINTS.md)", ()),
+    "hints_used": ("Router hints whose pull from the named worker made blocks visible here", ()),
+    "hints_skipped": ("Router hints not pulled: the load policy predicted recomputing faster", ()),
+    "hint_pulled_tokens": ("Prompt tokens pulled from peer workers on router hints", ()),
+    "hint_pulled_bytes": ("Bytes pulled from peer workers on router hints", ()),
+    "hint_pull_seconds": ("Seconds spent pulling and verifying hinted blocks", ()),
+    "peer_pins": ("Pulls of peers this worker answered by pinning host blocks", ()),
+    "peer_pins_expired": ("Pins of this worker's host blocks that ended with their lease (no release)", ()),
 }
 # Router hints that ended in a recompute, by reason: "hints_failed/<reason>" (one family), and pulls
 # of peers this worker refused, by reason: "peer_refused/<reason>" (core/peer/protocol.Refusal).
@@ -62,9 +75,37 @@ def prefix_token_totals(stats: Any) -> Dict[str, int]:
     return {f"{PREFIX_TOKENS}/{key}": n for key, n in getattr(stats, "prefix_tokens", {}).items()}
 
 
-GAUGES = {
-    "used_blocks": "Blocks held in an offload tier",
-    "capacity_blocks": "Capacity of an offload tier in blocks",
+GAUGES: Dict[str, Tuple[str, Labels]] = {
+    "pool_blocks": ("Offload tier slots", (("tier", TIERS), ("state", POOL_STATES))),
+    "tasks_in_flight": ("Offload tasks not yet finished", ()),
+}
+# The old names, exported beside the new ones for one release in their old shape (no source label;
+# core/metric_schema.ALIASES): old family -> (gauge?, help, its label, {data key: label value}).
+ALIASES: Dict[str, Tuple[bool, str, Optional[str], Dict[str, str]]] = {
+    "loaded_tokens": (
+        False,
+        "Deprecated: vllm:flexkv_prompt_tokens_cached_total",
+        "tier",
+        {f"prompt_tokens_cached/{t}": t for t in TIERS},
+    ),
+    "used_blocks": (
+        True,
+        "Deprecated: vllm:flexkv_pool_blocks{state=used}",
+        "tier",
+        {f"gauge:pool_blocks/{t}/used": t for t in TIERS},
+    ),
+    "capacity_blocks": (
+        True,
+        "Deprecated: vllm:flexkv_pool_blocks{state=capacity}",
+        "tier",
+        {f"gauge:pool_blocks/{t}/capacity": t for t in TIERS},
+    ),
+    "handover_failures": (
+        False,
+        "Deprecated: vllm:flexkv_handovers_total{result=failed}",
+        None,
+        {"handovers/failed": ""},
+    ),
 }
 
 
@@ -99,20 +140,35 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: Dict[int, List[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._children: Dict[str, Dict[int, Any]] = {}
-        for name, (doc, by_tier) in COUNTERS.items():
-            self._family(name, self._counter_cls, f"vllm:flexkv_{name}", doc, by_tier)
-        for name, doc in GAUGES.items():
-            self._family("gauge:" + name, self._gauge_cls, f"vllm:flexkv_{name}", doc, True)
+        self._children: Dict[str, List[Dict[int, Any]]] = {}  # data key -> its children (alias too)
+        source = [SOURCE_LABEL]  # every family's samples say source="vllm" (core/metric_schema.py)
+        self._sourced = {idx: [*values, Source.VLLM.value] for idx, values in self.per_engine_labelvalues.items()}
+        for name, (doc, labels) in COUNTERS.items():
+            self._family(name, self._counter_cls, f"vllm:flexkv_{name}", doc, labels)
+        for name, (doc, labels) in GAUGES.items():
+            self._family("gauge:" + name, self._gauge_cls, f"vllm:flexkv_{name}", doc, labels)
+        for old, (gauge, doc, label, keys) in ALIASES.items():
+            m = (self._gauge_cls if gauge else self._counter_cls)(
+                name=f"vllm:flexkv_{old}",
+                documentation=doc,
+                labelnames=list(self._labelnames) + ([label] if label else []),
+            )
+            for key, value in keys.items():
+                self._children.setdefault(key, []).append(
+                    {
+                        idx: m.labels(*vals, *([value] if label else []))
+                        for idx, vals in self.per_engine_labelvalues.items()
+                    }
+                )
         self._prefix = self._counter_cls(
             name=f"vllm:flexkv_{PREFIX_TOKENS}",
-            labelnames=list(self._labelnames) + ["decision", "tier", "reason"],
+            labelnames=list(self._labelnames) + source + ["decision", "tier", "reason"],
             documentation="Prompt tokens the load policy loaded or had recomputed, by tier and reason "
             "(faster/slower than recomputing, cold_start, probe, always, never; tier none: not_cached)",
         )
         self._reasons = {
             key: self._counter_cls(
-                name=f"vllm:flexkv_{key}", labelnames=list(self._labelnames) + ["reason"], documentation=doc
+                name=f"vllm:flexkv_{key}", labelnames=list(self._labelnames) + source + ["reason"], documentation=doc
             )
             for key, doc in (
                 (
@@ -132,45 +188,47 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
             self._gauge_cls,
             "vllm:flexkv_peer_pinned_blocks",
             "Host blocks pinned now for peers' reads (router hints)",
-            False,
+            (),
         )
         self._removed = self._counter_cls(
             name=f"vllm:flexkv_{REMOVED}",
-            labelnames=list(self._labelnames) + ["tier", "reason"],
+            labelnames=list(self._labelnames) + source + ["tier", "reason"],
             documentation="Blocks that left an offload tier, by why: evicted, demoted (still on disk), "
             "invalidated (the weights changed), cleared (a reset), failed (bad bytes)",
         )
 
-    def _family(self, key: str, cls: type, metric: str, doc: str, by_tier: bool) -> None:
-        names = list(self._labelnames) + (["tier"] if by_tier else [])
-        m = cls(name=metric, documentation=doc, labelnames=names)
-        for tier in TIERS if by_tier else (None,):
-            k = f"{key}/{tier}" if tier else key
-            self._children[k] = {
-                idx: m.labels(*values, *([tier] if tier else [])) for idx, values in self.per_engine_labelvalues.items()
-            }
+    def _family(self, key: str, cls: type, metric: str, doc: str, labels: Labels) -> None:
+        m = cls(
+            name=metric, documentation=doc, labelnames=list(self._labelnames) + [SOURCE_LABEL] + [n for n, _ in labels]
+        )
+        for values in itertools.product(*(vals for _, vals in labels)):
+            k = "/".join((key, *values))
+            self._children.setdefault(k, []).append(
+                {idx: m.labels(*sourced, *values) for idx, sourced in self._sourced.items()}
+            )
 
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in transfer_stats_data.items():
             if k.startswith(PREFIX_TOKENS + "/") and v and engine_idx in self.per_engine_labelvalues:
                 decision, tier, reason = k.split("/")[1:4]
-                labels = self._prefix.labels(*self.per_engine_labelvalues[engine_idx], decision, tier, reason)
+                labels = self._prefix.labels(*self._sourced[engine_idx], decision, tier, reason)
                 labels.inc(v)  # type: ignore[union-attr]  # vLLM types _counter_cls as any PromMetric; it is a Counter
                 continue
             family = k.partition("/")[0]
             if family in self._reasons and "/" in k and v and engine_idx in self.per_engine_labelvalues:
-                by_reason = self._reasons[family].labels(*self.per_engine_labelvalues[engine_idx], k.split("/")[1])
+                by_reason = self._reasons[family].labels(*self._sourced[engine_idx], k.split("/")[1])
                 by_reason.inc(v)  # type: ignore[union-attr]  # as above
                 continue
             if k.startswith(REMOVED + "/") and v and engine_idx in self.per_engine_labelvalues:
                 tier, reason = k.split("/")[1:3]
-                removed = self._removed.labels(*self.per_engine_labelvalues[engine_idx], tier, reason)
+                removed = self._removed.labels(*self._sourced[engine_idx], tier, reason)
                 removed.inc(v)  # type: ignore[union-attr]  # as above
                 continue
-            child = self._children.get(k, {}).get(engine_idx)
-            if child is None:
-                continue
-            if k.startswith("gauge:"):
-                child.set(v)
-            elif v:
-                child.inc(v)
+            for children in self._children.get(k, []):
+                child = children.get(engine_idx)
+                if child is None:
+                    continue
+                if k.startswith("gauge:"):
+                    child.set(v)
+                elif v:
+                    child.inc(v)

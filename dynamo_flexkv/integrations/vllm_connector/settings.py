@@ -14,6 +14,10 @@ from dynamo_flexkv.integrations.vllm_connector.groups import KVGroup, read_group
 from dynamo_flexkv.integrations.vllm_connector.hints import HintTier, parse_secondary_tiers
 
 MAX_LEASE_S = 3600.0  # handover_lease_s's ceiling (serve's handover-lease-s too)
+# handover_orphan_s's default: how long a prefill keeps what a request left without a hold (a
+# release notice that came before a hold that never came, the digests of a request never held:
+# aborted). Far above any lease, so a hold that comes late still finds both.
+DEFAULT_HANDOVER_ORPHAN_S = 600.0
 RUN_DIR_ENV = "FLEXKV_RUN_DIR"
 
 
@@ -39,6 +43,12 @@ EXTRA_KEYS: Dict[str, tuple] = {
         "blocks, verified by digest) instead of the next connector (docs/VLLM.md)",
     ),
     "handover_lease_s": (float, 30.0, "prefill side: how long a finished request's blocks wait for decode's read"),
+    "handover_orphan_s": (
+        float,
+        DEFAULT_HANDOVER_ORPHAN_S,
+        "prefill side: how long a release notice whose hold never came, and the digests of a request "
+        "never held (aborted), are kept before they are dropped",
+    ),
     "handover_verify": (
         str,
         "owner",
@@ -92,6 +102,7 @@ class ConnectorSettings:
     drain_timeout_s: float = EXTRA_KEYS["drain_timeout_s"][1]
     handover: bool = EXTRA_KEYS["handover"][1]
     handover_lease_s: float = EXTRA_KEYS["handover_lease_s"][1]
+    handover_orphan_s: float = EXTRA_KEYS["handover_orphan_s"][1]
     handover_verify: str = EXTRA_KEYS["handover_verify"][1]
     run_dir: Optional[str] = EXTRA_KEYS["run_dir"][1]
     request_log: bool = EXTRA_KEYS["request_log"][1]

@@ -96,6 +96,7 @@ class LoadCounters:
     handover_tokens: int = 0  # read from a prefill worker (handover.py), not computed here
     handover_bytes: int = 0
     handover_seconds: float = 0.0
+    handovers_ok: int = 0  # reads that landed and verified
     handover_failures: int = 0  # reads refused, failed, past their lease or corrupt: recomputed
     handover_corrupt: int = 0  # of those, read but not matching the prefill's digests
 
@@ -285,7 +286,11 @@ class WorkerSide:
         )
         try:
             self.handover = Handover(
-                layers, self.settings.engine_id, self.settings.run_dir, self.settings.handover_verify
+                layers,
+                self.settings.engine_id,
+                self.settings.run_dir,
+                self.settings.handover_verify,
+                self.settings.handover_orphan_s,
             )
         except Exception as e:  # noqa: BLE001 - NIXL's own types; the graph still serves through NixlConnector
             log.warning("FlexKVConnector: no handover agent (%s); the next connector hands requests over", e)
@@ -509,6 +514,7 @@ class WorkerSide:
         self.counters.handover_bytes += r.nbytes
         self.counters.handover_seconds += r.seconds
         if r.ok:
+            self.counters.handovers_ok += 1
             self.counters.handover_tokens += len(local) * self.settings.block_size
         else:
             self.counters.handover_failures += 1
@@ -754,10 +760,11 @@ class WorkerSide:
             "handover_tokens": c.handover_tokens,
             "handover_bytes": c.handover_bytes,
             "handover_seconds": c.handover_seconds,
-            "handover_failures": c.handover_failures,
+            "handovers/ok": c.handovers_ok,
+            "handovers/failed": c.handover_failures,
             "handover_corrupt": c.handover_corrupt,
         }
-        totals.update({f"loaded_tokens/{t}": n for t, n in self.counters.loaded.items()})
+        totals.update({f"prompt_tokens_cached/{t}": n for t, n in self.counters.loaded.items()})
         out: Dict[str, Any] = {}
         if self.hints is not None:
             totals.update(self.hints.totals())
@@ -767,11 +774,14 @@ class WorkerSide:
         if st is not None:  # node mode: None while the service is away
             self._gauges_at = now
             for tier, ts in st.tiers.items():
-                out[f"gauge:used_blocks/{tier}"] = ts.used_blocks
-                out[f"gauge:capacity_blocks/{tier}"] = ts.capacity_blocks
+                for state in ("capacity", "used", "ready"):
+                    out[f"gauge:pool_blocks/{tier}/{state}"] = getattr(ts, f"{state}_blocks")
+                totals[f"hit_blocks/{tier}"] = ts.hit_blocks
+                totals[f"stored_blocks/{tier}"] = ts.stored_blocks
                 totals[f"evicted_blocks/{tier}"] = ts.evicted_blocks
                 totals.update({f"removed_blocks/{tier}/{why}": n for why, n in ts.removed_blocks.items()})
             totals["disk_write_failures"] = st.tasks.disk_write_failures
+            out["gauge:tasks_in_flight"] = st.tasks.in_flight
             totals.update(prefix_token_totals(st))  # the load policy's decisions (cost-aware loading)
         for k, total in totals.items():
             delta = total - self._reported.get(k, 0)
