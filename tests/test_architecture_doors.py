@@ -32,6 +32,7 @@ DOORS: Dict[str, Optional[FrozenSet[str]]] = {
     # stateless helpers
     "dynamo_flexkv.core.durations": ANY,
     "dynamo_flexkv.core.logutil": ANY,
+    "dynamo_flexkv.core.metric_schema": ANY,  # one metric schema: the names and the source label every exporter uses
     # the lookup socket sends token ids packed as the node protocol does (one format on the wire)
     "dynamo_flexkv.core.node.protocol": frozenset({"pack_tokens"}),
     # engine-to-engine transports beside the offload (not through its tiers): the disaggregated
