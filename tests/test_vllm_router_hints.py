@@ -83,6 +83,7 @@ class HintGraph:
             graph="agg_router_vllm",
             base=sets() + [f"VllmWorker.cache.ssd_cache_dir={tmp}/ssd{{replica}}"],
         )
+        self.nudges = 0
 
     def text(self, name: str) -> str:
         return scrape(self.serve.metrics[name])
@@ -112,8 +113,16 @@ class HintGraph:
             timeout=60,
         )
 
+    def stepped(self, name: str) -> str:
+        """``name``'s metrics after one more engine step: vLLM reports a connector's counters and
+        gauges with each step's output, so what its control endpoint did while the engine was idle
+        (pins, refusals) shows only after its next request."""
+        self.nudges += 1
+        vg.complete(self.serve.base_url, vg.tokens(7900 + self.nudges, 8), 1, worker=self.ids()[name])
+        return self.text(name)
+
     def pinned(self, name: str) -> float:
-        return m(self.text(name), "peer_pinned_blocks")
+        return m(self.stepped(name), "peer_pinned_blocks")
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +165,7 @@ def test_a_prefix_computed_on_one_worker_is_pulled_by_the_worker_the_router_book
     exactness.assert_exact({"pulled": second["gen"]}, {"pulled": baseline[tuple(PULLED)]}, "hinted pull")
     assert seen == 1 and used == 1, f"hints: seen {seen}, used {used}; failed: {_failed(after_b)}"
     assert pulled == full and host >= full and second["cached"] >= full
-    wait_until(f"{a}'s pins of {b}'s pull released", lambda: graph.pinned(a) == 0, timeout=30)
+    assert graph.pinned(a) == 0  # released by B's Release before B's answer came
     after_a = graph.text(a)
     assert m(after_a, "peer_pins_total") - m(before_a, "peer_pins_total") == 1
     assert m(after_a, "peer_pins_expired_total") == m(before_a, "peer_pins_expired_total")  # released, not expired
@@ -198,9 +207,7 @@ def _read(s: socket.socket, n: int) -> bytes:
     return data
 
 
-def test_pulls_without_the_secret_or_of_another_tenant_and_a_dead_or_hung_source_end_in_a_recompute(
-    graph, baseline
-):
+def test_pulls_without_the_secret_or_of_another_tenant_and_a_dead_or_hung_source_end_in_a_recompute(graph, baseline):
     from dynamo_flexkv.core.peer import protocol
 
     a, b = NAMES
@@ -225,7 +232,7 @@ def test_pulls_without_the_secret_or_of_another_tenant_and_a_dead_or_hung_source
             p.mac = protocol.mac_of(p, key)
         return p
 
-    before = _refused(graph.text(a))
+    before = _refused(graph.stepped(a))
     answers = {
         "unsigned": _ask(endpoint, pull()),
         "forged": _ask(endpoint, pull(key=b"not the graph's secret")),
@@ -233,7 +240,7 @@ def test_pulls_without_the_secret_or_of_another_tenant_and_a_dead_or_hung_source
     }
     for why, answer in answers.items():
         assert isinstance(answer, protocol.Refused) and answer.reason == why, (why, answer)
-    after = _refused(graph.text(a))
+    after = _refused(graph.stepped(a))
     assert {k: after.get(k, 0) - before.get(k, 0) for k in answers} == {k: 1 for k in answers}
     assert graph.pinned(a) == 0
 
@@ -256,8 +263,8 @@ def test_pulls_without_the_secret_or_of_another_tenant_and_a_dead_or_hung_source
     print(f"\nsource stopped: B answered in {took:.2f} s, hint failures {failed}, cached {hung['cached']}")
     exactness.assert_exact({"stopped": hung["gen"]}, {"stopped": baseline[tuple(STOPPED)]}, "source stopped")
     assert m(after_b, "hints_seen_total") - m(before_b, "hints_seen_total") == 1
-    assert failed.get("timeout", 0) == 1 and hung["cached"] == 0, failed
-    wait_until(f"{a}'s pins released after it resumed", lambda: graph.pinned(a) == 0, timeout=30)
+    assert failed.get("timeout", 0) + failed.get("source_gone", 0) == 1 and hung["cached"] == 0, failed
+    wait_until(f"{a}'s pin released after it resumed", lambda: graph.pinned(a) == 0, timeout=30)
 
     # The source SIGKILLed before B's request: B computes (the hint's source is gone, or the router
     # no longer names it), and A comes back.
