@@ -171,22 +171,22 @@ def test_a_prefix_computed_on_one_worker_is_pulled_by_the_worker_the_router_book
     assert m(after_a, "peer_pins_expired_total") == m(before_a, "peer_pins_expired_total")  # released, not expired
 
 
-def _failed(text: str) -> Dict[str, float]:
+def _by_reason(text: str, counter: str) -> Dict[str, float]:
+    """A counter family's totals by its reason label (vllm:flexkv_<counter>_total{reason=...})."""
     out: Dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("vllm:flexkv_hints_failed") and 'reason="' in line:
+        if line.startswith(f"vllm:flexkv_{counter}_total{{") and 'reason="' in line:
             why = line.split('reason="', 1)[1].split('"', 1)[0]
             out[why] = out.get(why, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _failed(text: str) -> Dict[str, float]:
+    return _by_reason(text, "hints_failed")
 
 
 def _refused(text: str) -> Dict[str, float]:
-    out: Dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:flexkv_peer_refused") and 'reason="' in line:
-            why = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[why] = out.get(why, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    return _by_reason(text, "peer_refused")
 
 
 def _ask(endpoint: Tuple[str, int], pull) -> object:
