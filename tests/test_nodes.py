@@ -142,6 +142,35 @@ def test_each_component_binds_and_advertises_its_nodes_address_and_reaches_etcd_
         assert "127.0.0.1" not in " ".join(procs[name]["argv"])
 
 
+HINT_PLAN_IN_A = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from served import vplan
+from dynamo_flexkv.serve.nodes import Nodes
+plan = vplan(Path({tmp!r}), "Frontend.node=A", "VllmWorker.node=B", "VllmWorker.router-hints=true",
+             discovery_backend="etcd", event_plane="nats", nodes=Nodes.load({file!r}))
+print(json.dumps([p.argv for p in plan.workers]))
+"""
+
+
+@needs_root
+@pytest.mark.integration
+def test_router_hint_peers_reach_a_vllm_worker_at_its_nodes_address(nodes, tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
+    code = HINT_PLAN_IN_A.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), file=str(tmp_path / "nodes.yaml"))
+    p = subprocess.run(
+        ["ip", "netns", "exec", nodes["A"].netns, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    for argv in json.loads(p.stdout.splitlines()[-1]):
+        extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        assert extra["secondary_tiers"][0]["control_advertise_host"] == nodes["B"].address
+
+
 @needs_root
 @pytest.mark.integration
 def test_nodes_up_refuses_names_it_could_not_keep_apart_and_leaves_nothing_behind(tmp_path):

@@ -411,3 +411,20 @@ def test_pull_of_an_8k_prefix_against_the_receivers_own_host_tier(tmp_path, caps
         source.close()
         b.close()
         a.close()
+
+
+def test_a_source_that_never_answers_is_a_timeout_within_the_pulls_time(tmp_path):
+    """A hung source (it accepts, as the kernel does for a stopped process, and never answers) costs
+    the pull's timeout and is counted as one, not as a source that is gone."""
+    b = Worker(tmp_path, "b")
+    receiver = PeerReceiver(b.kv, b.agent, SECRET)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        t0 = time.monotonic()
+        r = receiver.pull(f"tcp://127.0.0.1:{silent.getsockname()[1]}", list(range(16 * 4)), timeout=0.5)
+        took = time.monotonic() - t0
+    assert not r.ok and r.why == "timeout" and r.blocks == 0, r
+    assert took < 2.0
+    assert receiver.stats.failed == {"timeout": 1}
+    assert_no_leaks(b.kv)

@@ -148,3 +148,83 @@ def test_a_workers_hinted_pull_counts_seen_used_failed_and_pinned(tmp_path, monk
             h.close()
         for kv in kvs:
             kv.shutdown()
+
+
+# ---- serve's configuration: VllmWorker.router-hints ---------------------------------------------------
+
+
+def _tiers(worker) -> list:
+    import json
+
+    argv = worker.argv
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"].get(
+        "secondary_tiers", []
+    )
+
+
+@pytest.mark.unit
+def test_serve_turns_router_hints_on_with_a_control_port_each_and_one_graph_secret(tmp_path):
+    from served import vplan
+
+    from dynamo_flexkv.integrations.disagg.params import SECRET_ENV
+
+    p = vplan(tmp_path, "VllmWorker.router-hints=true")
+    w0, w1 = p.workers
+    t0, t1 = _tiers(w0), _tiers(w1)
+    # As the connector and dynamo.vllm read it: one tier, loopback, one port per local DP rank.
+    assert checked_extra_config({"secondary_tiers": t0})["secondary_tiers"].advertise_host == "127.0.0.1"
+    assert len(t0[0]["control_ports"]) == len(t1[0]["control_ports"]) == 1
+    assert t0[0]["control_ports"] != t1[0]["control_ports"]
+    assert w0.env[SECRET_ENV] == w1.env[SECRET_ENV] and len(w0.env[SECRET_ENV]) == 64
+    assert SECRET_ENV not in p.processes[0].env  # the frontend does not pull
+
+    dp = vplan(tmp_path, "VllmWorker.router-hints=true", "VllmWorker.data-parallel-size=2", "VllmWorker.replicas=1")
+    ports = _tiers(dp.workers[0])[0]["control_ports"]
+    assert len(ports) == 2 and ports[1] == ports[0] + 1
+
+    off = vplan(tmp_path)  # the default: no tier, no secret
+    assert all(_tiers(w) == [] and SECRET_ENV not in w.env for w in off.workers)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "sets, why",
+    [
+        (["VllmWorker.offload=false"], "offload is false"),
+        (["VllmWorker.tensor-parallel-size=2"], "tensor-parallel-size=2"),
+        (["VllmWorker.disaggregation-mode=prefill"], "disaggregation-mode='prefill'"),
+        (["VllmWorker.connector={secondary_tiers: []}"], "set VllmWorker.router-hints: true instead"),
+    ],
+)
+def test_serve_refuses_router_hints_where_they_cannot_run(tmp_path, sets, why):
+    from served import vplan
+
+    from dynamo_flexkv.serve import GraphError
+
+    with pytest.raises(GraphError, match=why):
+        vplan(tmp_path, "VllmWorker.router-hints=true", *sets)
+
+
+@pytest.mark.unit
+def test_render_k8s_advertises_the_pod_address_and_takes_the_secret_from_a_secret(tmp_path):
+    import yaml
+    from served import vplan
+
+    from dynamo_flexkv.integrations.disagg.params import SECRET_ENV
+    from dynamo_flexkv.serve.render import render_k8s
+
+    text = render_k8s(vplan(tmp_path, "VllmWorker.router-hints=true", local=False), "img")
+    doc = yaml.safe_load(text)
+    svc = doc["spec"]["services"]["VllmWorker"]
+    args = svc["extraPodSpec"]["mainContainer"]["args"]
+    import json
+
+    tier = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["secondary_tiers"]
+    assert tier == [
+        {"router_capabilities": ["router_hint"], "control_ports": [7301], "control_advertise_host": "$(POD_IP)"}
+    ]
+    env = {e["name"]: e for e in svc["envs"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # Kubernetes expands $(POD_IP)
+    name = doc["metadata"]["name"]
+    assert env[SECRET_ENV]["valueFrom"] == {"secretKeyRef": {"name": f"{name}-handover", "key": "secret"}}
+    assert f"kubectl create secret generic {name}-handover" in text

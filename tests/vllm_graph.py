@@ -69,10 +69,13 @@ class VllmServe(Serve):
 # ---- requests ----------------------------------------------------------------------------------
 
 
-def complete(base_url: str, prompt: List[int], max_tokens: int = 8, timeout: float = 120, model: str = MODEL) -> dict:
-    """One greedy completion of a token-id prompt. Returns ids (the generated token ids), gen (ids
-    and their logprobs: exactness.Generation), worker (the frontend's decode worker id), cached
-    (usage cached_tokens), rid (the router's request id)."""
+def complete(
+    base_url: str, prompt: List[int], max_tokens: int = 8, timeout: float = 120, model: str = MODEL, worker: int = 0
+) -> dict:
+    """One greedy completion of a token-id prompt (``worker``: a Dynamo instance id the router
+    books it on, nvext.backend_instance_id). Returns ids (the generated token ids), gen (ids and
+    their logprobs: exactness.Generation), worker (the frontend's decode worker id), cached (usage
+    cached_tokens), rid (the router's request id)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -81,6 +84,8 @@ def complete(base_url: str, prompt: List[int], max_tokens: int = 8, timeout: flo
         "logprobs": 1,
         "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]},
     }
+    if worker:
+        body["nvext"]["backend_instance_id"] = worker
     req = urllib.request.Request(
         f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
     )

@@ -25,6 +25,7 @@ from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.ports import LOOPBACK
 from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.serve.sources import origin_of
+from dynamo_flexkv.serve.vllm_worker import advertise_hints_at
 
 SUBNET = "169.254.77.0/24"  # link-local: never routed off a link, and no default route is set
 # UCX's TCP transport skips interfaces that have only link-local addresses (169.254/16, fe80::/10):
@@ -286,6 +287,7 @@ def place(
         for flag in ("--http-host", "--metrics-host"):
             if flag in proc.argv:
                 proc.argv[proc.argv.index(flag) + 1] = node.address
+        advertise_hints_at(proc, node.address)  # router-hint peers reach it on the link
         proc.argv = node.argv(proc.argv)
 
 

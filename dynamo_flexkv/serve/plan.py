@@ -227,10 +227,10 @@ def build_plan(
                     "(written by `dynamo-flexkv nodes up`); or remove the option"
                 )
             node_of.update({p.name: opts["node"] for p in processes if p.name not in planned})
-    if local:  # one secret per graph: prefill workers sign handovers, decode workers check them
+    if local:  # one secret per graph: prefill workers sign handovers, decode workers check them; hinted pulls too
         secret = secrets.token_hex(32)
         for proc in processes:
-            if proc.kind is Kind.WORKER and proc.engine == "flexkv":
+            if proc.kind is Kind.WORKER and (proc.engine == "flexkv" or _vllm.has_hints(proc)):
                 proc.env[HANDOVER_SECRET_ENV] = secret
         _vllm.pin_cpus(processes)
     _check_roles(processes, source)

@@ -131,7 +131,11 @@ def render_k8s(
                 service["subComponentType"] = mode
             if first.engine == "flexkv":
                 service["envs"] += _pod_hosts()
-            if mode != "agg" and first.engine == "flexkv":
+            if vllm_worker.has_hints(first):
+                # Router hints: the pod advertises its own address (args say $(POD_IP), which
+                # Kubernetes expands from this variable) and proves membership with the graph secret.
+                service["envs"].append({"name": "POD_IP", **copy.deepcopy(POD_IP)})
+            if (mode != "agg" and first.engine == "flexkv") or vllm_worker.has_hints(first):
                 # Every prefill and decode pod signs and checks handovers with one graph secret,
                 # from a Secret (serve makes one per graph; a manifest must not carry it). vLLM's
                 # NixlConnector has no such secret: its handshake port is the pod network's to guard.
@@ -206,7 +210,7 @@ def render_k8s(
         )
     if handover_secret:
         header += (
-            f"# Disaggregation: prefill and decode workers sign and check handovers with one secret; create it "
+            f"# Disaggregation handovers and router-hint pulls are signed and checked with one secret; create it "
             f"first, e.g. kubectl create secret generic {handover_secret} "
             "--from-literal=secret=$(openssl rand -hex 32).\n"
         )

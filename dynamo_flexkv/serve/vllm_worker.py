@@ -51,6 +51,40 @@ NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 HANDOVERS = ("auto", "flexkv", "nixl")
 
 
+# Router hints (docs/HINTS.md): the control port of each local DP rank in a rendered pod (serve
+# picks free ones here), and the address a pod advertises: its own, which Kubernetes expands in args
+# from the POD_IP variable render sets (fieldRef status.podIP).
+RENDER_HINT_PORT = 7301
+RENDER_HINT_HOST = "$(POD_IP)"
+
+
+def hint_tier(ports: Sequence[int], host: str) -> List[Dict[str, Any]]:
+    """``kv_connector_extra_config.secondary_tiers`` that turns router hints on (hints.py reads it,
+    dynamo.vllm publishes it to the router)."""
+    return [{"router_capabilities": ["router_hint"], "control_ports": list(ports), "control_advertise_host": host}]
+
+
+def has_hints(proc: Any) -> bool:
+    """Whether a planned vLLM worker serves and pulls router-hinted blocks (from its command line)."""
+    argv = list(getattr(proc, "argv", ()))
+    if getattr(proc, "engine", None) != ENGINE or "--kv-transfer-config" not in argv[:-1]:
+        return False
+    cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    return bool((cfg.get("kv_connector_extra_config") or {}).get("secondary_tiers"))
+
+
+def advertise_hints_at(proc: Any, host: str) -> None:
+    """A worker placed on another address (a ``nodes`` namespace) advertises and binds its
+    control endpoint there."""
+    if not has_hints(proc):
+        return
+    i = proc.argv.index("--kv-transfer-config") + 1
+    cfg = json.loads(proc.argv[i])
+    for tier in cfg["kv_connector_extra_config"]["secondary_tiers"]:
+        tier["control_advertise_host"] = host
+    proc.argv[i] = json.dumps(cfg)
+
+
 def handover_of(o: Mapping[str, Any]) -> str:
     return ("flexkv" if o["offload"] else "nixl") if o["handover"] == "auto" else o["handover"]
 
@@ -184,6 +218,7 @@ def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Cal
         "handover": str_option,
         "tensor-parallel-size": int_option,
         "data-parallel-size": int_option,
+        "router-hints": bool_option,
     }
 
 
@@ -222,6 +257,7 @@ def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
         "handover": "auto",
         "tensor-parallel-size": 1,
         "data-parallel-size": 1,
+        "router-hints": False,
     }
 
 
@@ -332,6 +368,27 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
             raise GraphError(
                 f"{origin_of(source, name, 'connector', key)}: {name}.connector.{key} is not a FlexKVConnector option "
                 f"(kv_connector_extra_config); known: {sorted(k for k in known if k != 'run_dir')}"
+            )
+    if "secondary_tiers" in o["connector"]:
+        raise GraphError(
+            f"{origin_of(source, name, 'connector', 'secondary_tiers')}: {name}.connector.secondary_tiers: "
+            f"serve fills it (control ports, address); set {name}.router-hints: true instead"
+        )
+    if o["router-hints"]:
+        why = (
+            "offload is false (FlexKVConnector serves and pulls the hinted blocks)"
+            if not o["offload"]
+            else f"disaggregation-mode={o['disaggregation-mode']!r} (dynamo.vllm reads the capability of "
+            "aggregated workers' own connector only)"
+            if o["disaggregation-mode"] != "agg"
+            else f"tensor-parallel-size={o['tensor-parallel-size']} (hints serve one rank's host tier)"
+            if o["tensor-parallel-size"] > 1
+            else ""
+        )
+        if why:
+            raise GraphError(
+                f"{origin_of(source, name, 'router-hints')}: {name}.router-hints needs an aggregated worker with "
+                f"offload on one tensor-parallel rank; here {why}: remove router-hints or change that"
             )
     if o["connector"] and not o["offload"]:
         raise GraphError(
@@ -611,6 +668,16 @@ def workers(ctx: PlanContext, name: str, o: Dict[str, Any], served: str) -> list
             extra = {**o["connector"], "run_dir": str(run_dir / pname) if local else "/tmp"}
             if o["disaggregation-mode"] != "agg" and handover_of(o) == "flexkv":
                 extra.update(handover=True, handover_lease_s=float(o["handover-lease-s"]))
+            if o["router-hints"]:  # one control port per local DP rank, on loopback here (nodes: re-addressed)
+                dp = o["data-parallel-size"]
+                first = (
+                    ports.take_range(dp, f"{pname} router-hint control ports", VLLM_PORT_BAND)
+                    if local
+                    else RENDER_HINT_PORT
+                )
+                extra["secondary_tiers"] = hint_tier(
+                    range(first, first + dp), "127.0.0.1" if local else RENDER_HINT_HOST
+                )
             connectors.append({**CONNECTOR, "kv_connector_extra_config": extra})
         if o["disaggregation-mode"] != "agg":
             argv += ["--disaggregation-mode", o["disaggregation-mode"]]

@@ -238,6 +238,9 @@ class PeerReceiver:
                 pull.mac = mac_of(pull, self.secret)
             try:
                 reply = link.ask(pull, deadline - time.monotonic())
+            except TimeoutError as e:  # it took the Pull and did not answer in time (hung, overloaded)
+                self._forget(endpoint)  # a late answer would be read as the next Pull's
+                raise PeerRefused("timeout", f"no answer from {endpoint} in time ({e})") from None
             except (OSError, ProtocolError) as e:
                 self._forget(endpoint)
                 raise PeerRefused("source_gone", f"no answer from {endpoint} ({type(e).__name__}: {e})") from None
