@@ -14,7 +14,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
-from typing import Any, Dict, List, Optional, TextIO, Tuple
+from typing import Any, TextIO
 
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.inventory import (
@@ -136,9 +136,9 @@ def _select_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    urls: List[str] = getattr(args, "url", None) or []
-    sockets: List[str] = getattr(args, "socket", None) or []
-    vllm: List[str] = getattr(args, "vllm", None) or []
+    urls: list[str] = getattr(args, "url", None) or []
+    sockets: list[str] = getattr(args, "socket", None) or []
+    vllm: list[str] = getattr(args, "vllm", None) or []
     if not urls and not sockets and not vllm:
         print(
             "error: name what to ask: --url http://127.0.0.1:PORT (a worker's system port, or a cache-server's "
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     except (BadCacheRequest, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    answers: List[Tuple[str, Optional[CacheReport], Optional[str]]] = []
+    answers: list[tuple[str, CacheReport | None, str | None]] = []
     targets = [(_ask_url, u) for u in urls] + [(_ask_socket, s) for s in sockets]
     for path in vllm:
         try:
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 def _request(args: argparse.Namespace) -> CacheRequest:
     action = getattr(args, "cache_action", None) or "show"
     op = {"show": "contents", "prefix": "prefix", "clear": "clear"}[action]
-    tokens: Optional[List[int]] = None
+    tokens: list[int] | None = None
     text = getattr(args, "text", None)
     if getattr(args, "tokens", None) is not None:
         tokens = parse_tokens(args.tokens)
@@ -201,7 +201,7 @@ def _request(args: argparse.Namespace) -> CacheRequest:
     ).check(TIERS)
 
 
-def parse_tokens(text: str) -> List[int]:
+def parse_tokens(text: str) -> list[int]:
     """``1,2,3``, ``1 2 3`` or a JSON list of token ids."""
     stripped = text.strip()
     try:
@@ -249,10 +249,10 @@ def _ask_url(url: str, req: CacheRequest) -> CacheReport:
     return parse_report(answer["report"])
 
 
-def to_builtins_request(req: CacheRequest) -> Dict[str, Any]:
+def to_builtins_request(req: CacheRequest) -> dict[str, Any]:
     import msgspec
 
-    out: Dict[str, Any] = msgspec.to_builtins(req)
+    out: dict[str, Any] = msgspec.to_builtins(req)
     return out
 
 
@@ -266,7 +266,7 @@ def _ask_socket(path: str, req: CacheRequest) -> CacheReport:
         raise TargetError(str(e)) from None
 
 
-def vllm_sockets(path: str) -> List[str]:
+def vllm_sockets(path: str) -> list[str]:
     """A FlexKVConnector lookup socket, or every one in a directory (one per tensor-parallel rank)."""
     import glob
     import os
@@ -382,7 +382,7 @@ def _who(model: str, tenant: str, shard: str) -> str:
     )
 
 
-def _table(rows: List[Tuple[str, ...]]) -> List[str]:
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["    " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -394,7 +394,7 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _ages(oldest: Optional[float], newest: Optional[float]) -> str:
+def _ages(oldest: float | None, newest: float | None) -> str:
     if oldest is None or newest is None:
         return "-"
     return f"{_age(oldest)} / {_age(newest)} ago"

@@ -14,7 +14,8 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Dict, Iterator, List, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 
@@ -80,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics listen on (default 127.0.0.1)")
 
 
-def load_config(path: Optional[str], sets: List[str]) -> CacheConfig:
+def load_config(path: str | None, sets: list[str]) -> CacheConfig:
     """File (-f, else FLEXKV_CONFIG_PATH) < environment < --set, as an engine loads its cache config;
     an error names where the bad value came from."""
     return CacheConfig.load(path, sets=sets, path_flag="-f")
@@ -198,7 +199,7 @@ def _handler(server: Any, registry: Any) -> Any:
                 return
             self._json(200, {"status": "ok", "report": to_builtins(report)})
 
-        def _json(self, code: int, body: Dict[str, Any]) -> None:
+        def _json(self, code: int, body: dict[str, Any]) -> None:
             self._send(code, json.dumps(body).encode(), "application/json")
 
         def _send(self, code: int, data: bytes, content_type: str) -> None:

@@ -8,10 +8,10 @@ import random
 import threading
 
 import pytest
+from index_model import random_chains
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.index import CacheEngine, IndexInvariantError, Tier
-from index_model import random_chains
 
 
 def make_engine(tmp_path, host=16, disk=48, **kw):

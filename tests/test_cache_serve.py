@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from served import MODEL, assert_gone, make_plan, metric, wait_until
 
 from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.serve.launcher import Launcher, http_json
-from served import MODEL, assert_gone, make_plan, metric, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [((i * 37) % 250) + 1 for i in range(16 * 8 + 5)]  # 8 full blocks of 16 tokens (the tiny preset's)
@@ -95,9 +95,10 @@ NODE_SETS = [
 
 @pytest.mark.slow  # ~56 s on 2 CPUs; tests/test_node_cache_admin.py covers the service in-process
 def test_the_same_against_a_node_cache_service(tmp_path):
-    from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
-    from dynamo_flexkv.serve import load_graph
     from served import TINY
+
+    from dynamo_flexkv.serve import load_graph
+    from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
     config = apply_overrides(
         load_config(str(ROOT / "configs" / "agg.yaml")),
@@ -143,10 +144,10 @@ def test_a_vllm_workers_connector_tiers_are_seen_and_cleared(tmp_path):
     connector in vLLM's worker process on its lookup socket; vLLM's own device tier is refused,
     naming Dynamo's clear_kv_blocks."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
-    from served import Serve
-
     import shutil
     import tempfile
+
+    from served import Serve
 
     short = Path(tempfile.mkdtemp(prefix="fkv-", dir="/tmp"))  # the lookup socket's path fits in the run dir
     serve = Serve(

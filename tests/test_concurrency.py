@@ -3,9 +3,9 @@
 import threading
 
 import numpy as np
+from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, prompts
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, prompts
 
 THREADS, OPS, SLICE = 4, 500, 16  # each thread owns device blocks [t*SLICE, (t+1)*SLICE)
 

@@ -5,7 +5,6 @@ the prefill worker are counted as handed over, not as computed, and every handov
 
 import asyncio
 import time
-from typing import Dict
 
 import pytest
 
@@ -31,7 +30,7 @@ class Context:
         return self._id
 
 
-def samples(worker: FlexKVWorkerEngine) -> Dict[str, float]:
+def samples(worker: FlexKVWorkerEngine) -> dict[str, float]:
     """Every flexkv_* sample of the worker's collector, keyed like /metrics shows it."""
     out = {}
     for family in worker.collector().collect():

@@ -9,8 +9,11 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
 from disagg_helpers import agg_plan, clean_exit, complete, disagg_plan, prompts, serve_all  # noqa: E402
-from served import assert_gone, metric  # noqa: E402
-from served import wait_until  # noqa: E402
+from served import (  # noqa: E402
+    assert_gone,
+    metric,
+    wait_until,  # noqa: E402
+)
 
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import threading
 
-from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-
 from kv_helpers import MODEL, TPB, config, device_tensors, fill
 from node_helpers import Held
+
+from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 
 L = KVLayoutType.LAYERBLOCK
 
@@ -106,9 +106,9 @@ def test_a_put_hashed_before_the_change_commits_old_kv_after_it(tmp_path):
 
 # ---- remote tier quota ---------------------------------------------------------------------------
 import numpy as np  # noqa: E402
+from redis_fixtures import needs_redis, redis_server  # noqa: E402,F401
 
 from dynamo_flexkv.core.remote import HEADER_BYTES, RemoteStore, fingerprint_of  # noqa: E402
-from redis_fixtures import needs_redis, redis_server  # noqa: E402,F401
 
 SIZE = 32 << 10
 VALUE = HEADER_BYTES + SIZE

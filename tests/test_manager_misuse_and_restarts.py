@@ -15,13 +15,12 @@ import time
 import numpy as np
 import pytest
 import torch
+from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds, store_and_drain
 
 from dynamo_flexkv import CacheConfig, KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.storage.ssd import SsdInUseError, SsdLayoutError
 from dynamo_flexkv.core.tasks import TooManyTasks
-
-from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds, store_and_drain
 
 L = KVLayoutType.LAYERBLOCK
 

@@ -9,15 +9,15 @@ import time
 
 import numpy as np
 import pytest
+from kv_helpers import TPB, config, holds
+from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
+from remote_helpers import DEVICE_BLOCKS, LAYOUT, Engine, check_clean, manager, prompt_of  # noqa: F401
 
 from dynamo_flexkv import KVManager, TaskStatus
 from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.remote import RemoteAuthError, RemoteUnavailableError
 from dynamo_flexkv.core.remote.resp import RespConnection
 from dynamo_flexkv.serve.redis_server import RedisServer, free_port
-from kv_helpers import TPB, config, holds
-from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
-from remote_helpers import DEVICE_BLOCKS, LAYOUT, Engine, check_clean, manager, prompt_of  # noqa: F401
 
 pytestmark = needs_redis
 

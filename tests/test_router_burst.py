@@ -6,16 +6,20 @@ import concurrent.futures
 import itertools
 import random
 import time
-from typing import Optional
 
 import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
-from served import assert_gone, complete, make_plan  # noqa: E402
-from served import CONTRADICTIONS  # noqa: E402
+from served import (  # noqa: E402
+    CONTRADICTIONS,  # noqa: E402
+    assert_gone,
+    complete,
+    make_plan,
+)
 from vllm_graph import RouterProbe  # noqa: E402
+
+from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
 
 BS = 16  # the tiny preset's block
 
@@ -35,7 +39,7 @@ def words(rng: random.Random, n: int) -> str:
     )
 
 
-def seen(probe: RouterProbe, ids, timeout: float) -> Optional[float]:
+def seen(probe: RouterProbe, ids, timeout: float) -> float | None:
     """Seconds until the probe router counted every full block of ``ids`` on one worker, in any
     tier (their KV events reached it); None if it did not within ``timeout`` seconds."""
     t0 = time.monotonic()

@@ -14,8 +14,8 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 
 from served import (
     Serve,
-    assert_all_gone,
     applied_events,
+    assert_all_gone,
     assert_gone,
     complete,
     holder_of,  # noqa: E402

@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 import pytest
+from kv_helpers import MODEL, TPB, config, device_tensors, fill, prompts
 
 from dynamo_flexkv import KVLayoutType, KVManager
 from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
-from kv_helpers import MODEL, TPB, config, device_tensors, fill, prompts
 
 SECONDS, THREADS, SLICE, TTL = 60.0, 4, 16, 0.5
 

@@ -4,11 +4,10 @@ import random
 
 import numpy as np
 import pytest
+from index_model import ModelTier, random_chains
 
 from dynamo_flexkv.core.index.policies import EvictionPolicy
-from dynamo_flexkv.core.index.tier_index import PoolError
-from dynamo_flexkv.core.index.tier_index import IndexInvariantError, TierIndex
-from index_model import ModelTier, random_chains
+from dynamo_flexkv.core.index.tier_index import IndexInvariantError, PoolError, TierIndex
 
 POLICIES = [p.value for p in EvictionPolicy]
 

@@ -13,8 +13,8 @@ pytest.importorskip("dynamo.common.backend", reason="ai-dynamo is installed by m
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument  # noqa: E402
 
 from dynamo_flexkv.integrations.dynamo_worker import component  # noqa: E402
-from dynamo_flexkv.integrations.dynamo_worker.component import FlexKVWorkerEngine  # noqa: E402
 from dynamo_flexkv.integrations.dynamo_worker.args import build_parser  # noqa: E402
+from dynamo_flexkv.integrations.dynamo_worker.component import FlexKVWorkerEngine  # noqa: E402
 
 
 class Context:

@@ -41,15 +41,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 
 from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.integrations.disagg.params import HandoverParams
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
 from dynamo_flexkv.integrations.reference_engine.request import Request, SamplingParams
-from dynamo_flexkv.core.hashing import block_hashes
 
 PRESET = "small"
 MARK = "HANDOVER "
@@ -90,7 +90,7 @@ class _Prefill:
             text=True,
         )
 
-    def hand_over(self, prompt: List[int]) -> HandoverParams:
+    def hand_over(self, prompt: list[int]) -> HandoverParams:
         self.proc.stdin.write(json.dumps(prompt) + "\n")
         self.proc.stdin.flush()
         while True:
@@ -114,7 +114,7 @@ class RawRead:
     prepared descriptor lists the agent holds (its own KV; the peer's, prepared on the first
     handover), index lists computed here (untimed); ``__call__`` is the timed part."""
 
-    def __init__(self, agent, p: HandoverParams, local: Sequence[int], remote: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, agent, p: HandoverParams, local: Sequence[int], remote: Sequence[int] | None = None) -> None:
         from dynamo_flexkv.core.transfer.nixl_agent import _indices
 
         self.a = agent.agent
@@ -137,13 +137,13 @@ class RawRead:
             a.release_xfer_handle(handle)
 
 
-def _timed(fn, *args) -> Tuple[float, object]:
+def _timed(fn, *args) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(*args)
     return time.perf_counter() - t0, out
 
 
-def _stream(base_url: str, model: str, prompt: List[int], max_tokens: int) -> Tuple[List[float], int]:
+def _stream(base_url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[float], int]:
     """Arrival times (perf_counter: the request, then each streamed chunk) of one greedy
     completion, and how many tokens it generated (the usage chunk)."""
     import http.client
@@ -226,11 +226,11 @@ def _serve_workload(graph: str, quick: bool, tmp: str) -> dict:
     return {"ttft": ttft, "itl": itl}
 
 
-def _pct(xs: List[float], q: float) -> float:
+def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs) * 1e3, q))
 
 
-def serving_cases(args: argparse.Namespace, engine: str = "") -> List[Case]:
+def serving_cases(args: argparse.Namespace, engine: str = "") -> list[Case]:
     """``engine`` "vllm": graphs/disagg_vllm.py against graphs/agg_vllm.py."""
     import tempfile
 
@@ -256,7 +256,7 @@ def serving_cases(args: argparse.Namespace, engine: str = "") -> List[Case]:
     return cases
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     """The reference engine's cases (``--vllm``: bench/vllm_disagg.py runs instead, the dispatch in
     bench/__init__.py)."""
     cases = _handover_cases(args)
@@ -313,13 +313,13 @@ class _Etcd:
         self.log.close()
 
 
-def _etcd_cases(args: argparse.Namespace) -> List[Case]:
+def _etcd_cases(args: argparse.Namespace) -> list[Case]:
     import base64
     import shutil
     import tempfile
 
-    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
     from dynamo_flexkv.core.sysutil import find_binary
+    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
 
     binary = find_binary("etcd")
     if binary is None:
@@ -339,7 +339,7 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
 
         # What decode does per request (JSON -> checked params), in alternating 20-parse batches so
         # both forms see the same machine load; medians.
-        batches: Tuple[List[float], List[float]] = ([], [])
+        batches: tuple[list[float], list[float]] = ([], [])
         for _ in range(40 if args.quick else 200):
             for side, text in enumerate((inline, bare)):
                 t0 = time.perf_counter()
@@ -407,7 +407,7 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
     return cases
 
 
-def _handover_cases(args: argparse.Namespace) -> List[Case]:
+def _handover_cases(args: argparse.Namespace) -> list[Case]:
     from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
     from dynamo_flexkv.integrations.disagg.roles import DecodeSide
 
@@ -420,7 +420,7 @@ def _handover_cases(args: argparse.Namespace) -> List[Case]:
     agent = KVAgent(decode.kv_cache.layers)
     side = DecodeSide(decode, agent, pull_timeout=60)
     prefill = _Prefill(sum(s // cfg.block_size + 2 for s in sizes) + 8)
-    cases: List[Case] = []
+    cases: list[Case] = []
     try:
         for size in sizes:
             prompt = rng.integers(0, cfg.vocab_size, size).tolist()

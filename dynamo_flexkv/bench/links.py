@@ -31,13 +31,13 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Callable, List, Optional, Tuple
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
@@ -62,13 +62,13 @@ def best_of(fn: Callable[[], None], repeat: int) -> float:
     return paired(fn, None, repeat)[0]
 
 
-def paired(ours: Callable[[], None], base: Optional[Callable[[], None]], repeat: int) -> Tuple[float, float]:
+def paired(ours: Callable[[], None], base: Callable[[], None] | None, repeat: int) -> tuple[float, float]:
     """Median seconds of ``ours`` and ``base``, run alternately so drift on a shared machine hits
     both sides alike; one warm-up each (first-touch page faults are not the link)."""
     fns = [f for f in (ours, base) if f is not None]
     for f in fns:
         f()
-    times: List[List[float]] = [[] for _ in fns]
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
         for f, ts in zip(fns, times):
             t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def paired(ours: Callable[[], None], base: Optional[Callable[[], None]], repeat:
     return meds[0], (meds[1] if base is not None else float("nan"))
 
 
-def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> List[Case]:
+def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> list[Case]:
     rng = np.random.default_rng(0)
     host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, TPB, n))  # pinned when CUDA exists
     layers = [
@@ -166,7 +166,7 @@ def native_seq(directory: str, host: HostPool, n: int, write: bool, depth: int) 
     return n * bb / seconds
 
 
-def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
+def disk_cases(directory: str, n: int, repeat: int, depth: int) -> list[Case]:
     model = SHAPES["8b"]
     host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, TPB, n), pin=False)
     host.array[:] = np.random.default_rng(1).integers(0, 256, host.nbytes, dtype=np.uint8)
@@ -175,7 +175,7 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
     rng = np.random.default_rng(2)
     host_ids, disk_ids = rng.permutation(n), rng.permutation(n)
     nbytes = n * bb
-    movers: List[Tuple[str, DiskMover]] = [("disk", DiskMover(host, ssd, depth))]
+    movers: list[tuple[str, DiskMover]] = [("disk", DiskMover(host, ssd, depth))]
     try:
         from dynamo_flexkv.core.transfer.nixl_mover import NixlDiskMover
 
@@ -231,10 +231,10 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
     return cases
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     quick = args.quick
     repeat = 3 if quick else 9
-    cases: List[Case] = []
+    cases: list[Case] = []
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     for name, model in SHAPES.items():
         block = model.token_bytes() * TPB

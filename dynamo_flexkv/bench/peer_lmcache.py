@@ -17,9 +17,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from dynamo_flexkv.bench.report import Case, paired_cases
 from dynamo_flexkv.core.procgroup import stop_group
@@ -49,7 +50,7 @@ def prefix_dir() -> Path:
     return Path(__file__).resolve().parents[2] / ".peers" / PEER
 
 
-def missing_reason(prefix: Path) -> Optional[str]:
+def missing_reason(prefix: Path) -> str | None:
     """None when LMCache ``VERSION`` is installed in ``prefix``, else what is missing."""
     dist = prefix / f"lmcache-{VERSION}.dist-info"
     if not dist.is_dir():
@@ -68,14 +69,14 @@ def require_installed() -> Path:
     return prefix
 
 
-def peer_env(env: Dict[str, str], prefix: Path) -> Dict[str, str]:
+def peer_env(env: dict[str, str], prefix: Path) -> dict[str, str]:
     """``env`` with the prefix first on PYTHONPATH (vLLM then resolves LMCache's connector)."""
     out = dict(env)
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(prefix), env.get("PYTHONPATH", "")) if p)
     return out
 
 
-def kv_transfer_config(port: int) -> Dict[str, Any]:
+def kv_transfer_config(port: int) -> dict[str, Any]:
     return {
         "kv_connector": "LMCacheMPConnector",
         "kv_role": "kv_both",
@@ -91,7 +92,7 @@ def kv_transfer_config(port: int) -> Dict[str, Any]:
 
 
 # ---- the server's HTTP admin API (also called inside engine processes) ------------------------------
-def http_json(url: str, body: Optional[Dict[str, Any]] = None, timeout_s: float = 10.0) -> Any:
+def http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 10.0) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
         url, data=data, method="GET" if body is None else "POST", headers={"content-type": "application/json"}
@@ -100,7 +101,7 @@ def http_json(url: str, body: Optional[Dict[str, Any]] = None, timeout_s: float 
         return json.loads(r.read())
 
 
-def l1_state(http: str) -> Dict[str, int]:
+def l1_state(http: str) -> dict[str, int]:
     """L1 object count and what the store controller still has to write to L2."""
     sm = http_json(f"{http}/status")["storage_manager"]
     l1 = sm["l1_managers"]["_default"]
@@ -149,7 +150,7 @@ class LMCacheServer:
     chunk_tokens: int
     port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
-    proc: Optional[subprocess.Popen] = None
+    proc: subprocess.Popen | None = None
 
     @property
     def http(self) -> str:
@@ -159,7 +160,7 @@ class LMCacheServer:
     def l2_dir(self) -> str:
         return os.path.join(self.workdir, "l2")
 
-    def args(self) -> List[str]:
+    def args(self) -> list[str]:
         # O_DIRECT as our disk tier reads: both disk cases come from the device, not the page cache.
         l2 = {"type": "fs", "base_path": self.l2_dir, "use_odirect": True}
         return [
@@ -187,7 +188,7 @@ class LMCacheServer:
             "--disable-observability",
         ]
 
-    def start(self, timeout_s: float = 120.0) -> "LMCacheServer":
+    def start(self, timeout_s: float = 120.0) -> LMCacheServer:
         os.makedirs(self.l2_dir, exist_ok=True)
         log_path = os.path.join(self.workdir, "lmcache-server.log")
         with open(log_path, "ab") as log:
@@ -222,21 +223,21 @@ class LMCacheServer:
                 print(f"lmcache server: stopping it {done.describe()}", file=sys.stderr, flush=True)
             self.proc = None
 
-    def __enter__(self) -> "LMCacheServer":
+    def __enter__(self) -> LMCacheServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-def shm_segments(shm_dir: str = "/dev/shm") -> List[str]:
+def shm_segments(shm_dir: str = "/dev/shm") -> list[str]:
     try:
         return sorted(n for n in os.listdir(shm_dir) if n.startswith(SHM_PREFIX))
     except FileNotFoundError:
         return []
 
 
-def remove_orphan_shm(before: Sequence[str], shm_dir: str = "/dev/shm") -> List[str]:
+def remove_orphan_shm(before: Sequence[str], shm_dir: str = "/dev/shm") -> list[str]:
     """Removes the LMCache KV segments that appeared since ``before`` and whose creating process
     (the pid in the name) is gone: a vLLM worker that was killed never unlinks them."""
     removed = []
@@ -253,7 +254,7 @@ def remove_orphan_shm(before: Sequence[str], shm_dir: str = "/dev/shm") -> List[
 
 
 # ---- results -> the comparison rows ------------------------------------------------------------------
-def vs_lmcache_cases(cases: Sequence[Case], labels: Sequence[str]) -> List[Case]:
+def vs_lmcache_cases(cases: Sequence[Case], labels: Sequence[str]) -> list[Case]:
     """One row per size and case both sides measured: ``<ours>-vs-lmcache-<size>``, ratio = our
     TTFT / LMCache's in its same case (lower: we are faster)."""
     return [

@@ -40,12 +40,12 @@ import re
 import statistics
 import subprocess
 import time
-from typing import Callable, Dict, List
+from collections.abc import Callable
 
 import numpy as np
 
-from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.core.remote import HEADER_BYTES, RemoteStore, fingerprint_of
 from dynamo_flexkv.core.remote.resp import RespConnection, encode_command
 from dynamo_flexkv.serve.redis_server import RedisCluster, RedisServer, require_binary
@@ -126,7 +126,7 @@ def redis_benchmark(
     return _redis_benchmark_seconds(port, test, value_bytes, requests, n, depth, conns, cluster) * n / requests
 
 
-def _benchmark_keys(ports: List[int], n: int) -> Dict[int, List[bytes]]:
+def _benchmark_keys(ports: list[int], n: int) -> dict[int, list[bytes]]:
     """The keys redis-benchmark's GETs ask each node for: ``key:%012d`` on one server; in cluster
     mode each connection is bound to one node and tags its keys (``key:{tag}:%012d``) so they
     hash there, so one probe SET per node shows each node's tag."""
@@ -158,7 +158,7 @@ def _benchmark_keys(ports: List[int], n: int) -> Dict[int, List[bytes]]:
         timeout=120,
         check=True,
     )
-    out: Dict[int, List[bytes]] = {}
+    out: dict[int, list[bytes]] = {}
     for port in ports:
         conn = RespConnection("127.0.0.1", port, timeout_s=30, connect_timeout_s=5)
         try:
@@ -172,7 +172,7 @@ def _benchmark_keys(ports: List[int], n: int) -> Dict[int, List[bytes]]:
     return out
 
 
-def _populate(ports: List[int], value_bytes: int, n: int, depth: int) -> None:
+def _populate(ports: list[int], value_bytes: int, n: int, depth: int) -> None:
     """Writes every key redis-benchmark's GETs will ask for, so each of its GETs is a hit."""
     value = b"x" * value_bytes
     for port, keys in _benchmark_keys(ports, n).items():
@@ -186,7 +186,7 @@ def _populate(ports: List[int], value_bytes: int, n: int, depth: int) -> None:
             conn.close()
 
 
-def _keyspace_misses(ports: List[int]) -> int:
+def _keyspace_misses(ports: list[int]) -> int:
     total = 0
     for port in ports:
         conn = RespConnection("127.0.0.1", port, timeout_s=30, connect_timeout_s=5)
@@ -198,11 +198,11 @@ def _keyspace_misses(ports: List[int]) -> int:
     return total
 
 
-def _alternate(fns: List[Callable[[], float]], repeat: int) -> List[float]:
+def _alternate(fns: list[Callable[[], float]], repeat: int) -> list[float]:
     """Median of each timing function, run alternately (drift hits every side alike), one warm-up."""
     for f in fns:
         f()
-    runs: List[List[float]] = [[] for _ in fns]
+    runs: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
         for f, r in zip(fns, runs):
             r.append(f())
@@ -212,13 +212,13 @@ def _alternate(fns: List[Callable[[], float]], repeat: int) -> List[float]:
 def link_cases(
     prefix: str,
     url: str,
-    ports: List[int],
+    ports: list[int],
     cluster: bool,
     total_bytes: int,
     repeat: int,
     cluster_bytes: int = CLUSTER_BASELINE_BYTES,
-) -> List[Case]:
-    cases: List[Case] = []
+) -> list[Case]:
+    cases: list[Case] = []
     rng = np.random.default_rng(0)
     store = None
     try:
@@ -313,7 +313,7 @@ def link_cases(
     return cases
 
 
-def ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
+def ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
     """Both sides with one torch intra-op thread (see the module docstring)."""
     import torch
 
@@ -325,18 +325,18 @@ def ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
         torch.set_num_threads(threads)
 
 
-def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
+def _ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
     from dynamo_flexkv.bench.ttft import ONE
     from dynamo_flexkv.core.config import CacheConfig
-    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, LlamaModel
     from dynamo_flexkv.core.manager import KVManager
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LlamaModel, LLMEngine
 
     cfg = EngineModelConfig.preset("small")
     model = LlamaModel(cfg)
     blocks = max(sizes) // cfg.block_size + 8
     gb = 2 * blocks * cfg.kv_spec().token_bytes() * cfg.block_size / (1 << 30)
     rng = np.random.default_rng(0)
-    cases: List[Case] = []
+    cases: list[Case] = []
     with RedisServer(maxmemory="2gb") as server:
         cache = CacheConfig.from_dict(
             dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, enable_remote=True, remote_cache_url=server.url)
@@ -401,10 +401,10 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
     return cases
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     total = (32 << 20) if args.quick else (64 << 20)
     repeat = 3 if args.quick else 5
-    cases: List[Case] = ttft_cases([2048] if args.quick else [2048, 8192], repeat)
+    cases: list[Case] = ttft_cases([2048] if args.quick else [2048, 8192], repeat)
     with RedisServer(maxmemory="2gb") as server:
         cases += link_cases("remote-", server.url, [server.port], False, total, repeat if args.quick else LINK_REPEAT)
     with RedisCluster(maxmemory="1gb") as cluster:

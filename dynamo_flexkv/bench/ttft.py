@@ -18,15 +18,14 @@ import argparse
 import shutil
 import statistics
 import tempfile
-from typing import Dict, List
 
 import numpy as np
 
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core.config import CacheConfig
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, LlamaModel, SamplingParams
 from dynamo_flexkv.core.index import Tier
 from dynamo_flexkv.core.manager import KVManager
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LlamaModel, LLMEngine, SamplingParams
 
 ONE = SamplingParams(max_tokens=1)
 
@@ -59,13 +58,13 @@ class Rig:
             offload_puts=puts,
         )
 
-    def ttft(self, engine: LLMEngine, prompt: List[int]) -> float:
+    def ttft(self, engine: LLMEngine, prompt: list[int]) -> float:
         r = engine.generate([prompt], ONE)[0]
         engine.flush()
         self.last_stall = engine.load_stall_seconds
         return r.ttft
 
-    def store(self, tokens: List[int]) -> None:
+    def store(self, tokens: list[int]) -> None:
         """Puts ``tokens``' full blocks into host and disk (computing them once)."""
         self.ttft(self.engine(True), tokens)
         self.idle()
@@ -83,7 +82,7 @@ class Rig:
         self.kv.shutdown()
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     cfg = EngineModelConfig.preset("small")
     sizes = [2048] if args.quick else [2048, 4096, 8192]
     fractions = [0.5, 0.9, 1.0]
@@ -91,13 +90,13 @@ def run(args: argparse.Namespace) -> List[Case]:
     rng = np.random.default_rng(0)
     directory = tempfile.mkdtemp(prefix="flexkv-ttft-", dir=getattr(args, "dir", None))
     rig = Rig(cfg, max(sizes), directory)
-    cases: List[Case] = []
+    cases: list[Case] = []
     try:
         rig.ttft(rig.engine(False), rng.integers(0, cfg.vocab_size, 512).tolist())  # warm-up
         for size in sizes:
             label = f"{size // 1024}K"
-            times: Dict[str, List[float]] = {}
-            base: List[float] = []
+            times: dict[str, list[float]] = {}
+            base: list[float] = []
 
             def add(name: str, t: float) -> None:
                 times.setdefault(name, []).append(t)

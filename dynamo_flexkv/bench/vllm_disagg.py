@@ -45,7 +45,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.bench.vllm_engine import READY, RESULT
@@ -60,10 +61,10 @@ BLOCK_SIZE = 64
 MODEL = "kv-llama-1b"
 SIZES = {"kv-llama-1b": (256, 1024, 2048), "small": (1024, 4096, 8000)}
 SIDE_PORTS = {"prefill": 5631, "decode": 5632}  # NixlConnector's handshake listeners
-_held: Dict[str, Any] = {}  # in a worker process: its raw agent, the handover log
+_held: dict[str, Any] = {}  # in a worker process: its raw agent, the handover log
 
 
-def disagg_transfer_config(run_dir: str, lease_s: float = 30.0, verify: str = "owner") -> Dict[str, Any]:
+def disagg_transfer_config(run_dir: str, lease_s: float = 30.0, verify: str = "owner") -> dict[str, Any]:
     """The disagg_vllm graph's kv_transfer_config, built as serve/vllm_worker.py builds it:
     FlexKVConnector first, carrying the handover; NixlConnector after it, as Dynamo requires."""
     from dynamo_flexkv.serve.vllm_worker import CONNECTOR, kv_transfer_config, nixl_connector
@@ -85,7 +86,7 @@ def _flexkv_worker():
     raise RuntimeError("bench disagg --vllm: no FlexKVConnector in this worker's kv_transfer_config")
 
 
-def rpc_handovers(worker) -> List[tuple]:
+def rpc_handovers(worker) -> list[tuple]:
     """Decode's handovers so far: (seconds to read and verify, blocks, bytes, verify seconds, ok)."""
     return [
         (r.seconds, len(r.block_ids), r.nbytes, r.verify_seconds, r.ok)
@@ -102,7 +103,7 @@ def _raw_agent(layers, name: str):
     return _held["agent"]
 
 
-def rpc_raw_source(worker, blocks: List[int]) -> Dict[str, Any]:
+def rpc_raw_source(worker, blocks: list[int]) -> dict[str, Any]:
     """The prefill worker's raw agent over vLLM's own KV tensors; what a reader needs of ``blocks``."""
     agent = _raw_agent(worker.model_runner.kv_caches, "prefill")
     from dynamo_flexkv.integrations.disagg.params import HandoverParams
@@ -110,7 +111,7 @@ def rpc_raw_source(worker, blocks: List[int]) -> Dict[str, Any]:
     return HandoverParams.of_agent(agent, "bench", list(blocks), None, time.time() + 3600).to_dict()
 
 
-def _raw_reads(worker, source: Dict[str, Any], max_blocks: int, count: int):
+def _raw_reads(worker, source: dict[str, Any], max_blocks: int, count: int):
     """(warm, timed): reads of the source's first ``count`` blocks into two zeroed regions of the
     decode worker's raw agent (never into vLLM's own blocks)."""
     import torch
@@ -133,7 +134,7 @@ def _raw_reads(worker, source: Dict[str, Any], max_blocks: int, count: int):
     return RawRead(agent, p, range(n)), RawRead(agent, p, range(max_blocks, max_blocks + n))
 
 
-def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int, count: int) -> float:
+def rpc_raw_read(worker, source: dict[str, Any], max_blocks: int, count: int) -> float:
     """The raw read between steps: one untimed read, then the timed one; returns its seconds."""
     warm, read = _raw_reads(worker, source, max_blocks, count)
     warm()
@@ -174,7 +175,7 @@ def rpc_raw_in_step(worker) -> float:
 
 
 # ---- the engine process --------------------------------------------------------------------------------
-def serve(spec: Dict[str, Any]) -> None:
+def serve(spec: dict[str, Any]) -> None:
     """One engine; per stdin line ``{"op": ...}`` one RESULT line:
     prefill ``{"prompt"}`` -> ``{"params", "raw"}``; decode ``{"op": "handover", "prompt", "params"}``
     -> ``{"seconds", "blocks", "bytes"}`` and ``{"op": "raw", "raw"}`` -> ``{"seconds"}``."""
@@ -243,7 +244,7 @@ def serve(spec: Dict[str, Any]) -> None:
 
 
 # ---- this process ----------------------------------------------------------------------------------------
-def _placements(notes: List[str]):
+def _placements(notes: list[str]):
     """(name, the nodes or None, (prefill's node, decode's node) or None), loopback first; the
     nodes are removed when the caller moves on."""
     yield "loopback", None, None
@@ -279,7 +280,7 @@ def _off_decode_cores() -> Iterator[None]:
         pin(cores)
 
 
-def _engines(workdir: str, model_dir: str, where: str, nodes, verify: str = "owner") -> List[Any]:
+def _engines(workdir: str, model_dir: str, where: str, nodes, verify: str = "owner") -> list[Any]:
     from dynamo_flexkv.bench.vllm_pair import ServedEngine
     from dynamo_flexkv.bench.vllm_setup import engine_env
 
@@ -325,10 +326,10 @@ def _handover_cases(
     sizes: Sequence[int],
     repeat: int,
     seed: int,
-    link: Optional[tuple],
+    link: tuple | None,
     verify: str = "owner",
     model: str = MODEL,
-) -> List[Case]:
+) -> list[Case]:
     import random
 
     rng = random.Random(seed)
@@ -399,11 +400,10 @@ def _handover_cases(
     return cases
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
+    from dynamo_flexkv.bench.vllm_setup import parse_sizes
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
-
-    from dynamo_flexkv.bench.vllm_setup import parse_sizes
 
     # Every argument checked before anything starts (or a temp dir is made).
     model = getattr(args, "model", None)
@@ -438,8 +438,8 @@ def run(args: argparse.Namespace) -> List[Case]:
         )
     workdir = tempfile.mkdtemp(prefix="flexkv-bench-disagg-vllm-", dir=getattr(args, "dir", None))
     model_dir = write_model_dir(preset, os.path.join(workdir, "model"), context_length=MAX_MODEL_LEN)
-    notes: List[str] = []
-    cases: List[Case] = []
+    notes: list[str] = []
+    cases: list[Case] = []
     for where, nodes, pair in _placements(notes):
         for verify in modes:
             engines = _engines(workdir, model_dir, where, pair, verify)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, List, NoReturn, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ def layer_index(value: Any, num_layers: int) -> int:
     return int(value)
 
 
-def task_id_list(task_ids: Any, call: str) -> List[Any]:
+def task_id_list(task_ids: Any, call: str) -> list[Any]:
     """The ids a wait/cancel call takes: an iterable of task ids (one id alone is refused, naming
     the fix, rather than read as characters or failing as 'not iterable')."""
     if isinstance(task_ids, (str, bytes, int, np.integer)) or task_ids is None:
@@ -120,7 +121,7 @@ def out_of_range(block_id: int, pos: int, num_blocks: int) -> NoReturn:
     )
 
 
-def deadline(timeout: Any, call: str) -> Optional[float]:
+def deadline(timeout: Any, call: str) -> float | None:
     """time.monotonic() deadline of a public call's ``timeout`` seconds; None (no limit) for None,
     inf, or past what threads can wait. A negative timeout polls once."""
     if timeout is None:
@@ -137,9 +138,9 @@ def deadline(timeout: Any, call: str) -> Optional[float]:
     return time.monotonic() + float(timeout)
 
 
-def left(deadline: Optional[float]) -> Optional[float]:
+def left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def int_list(hashes) -> List[int]:
+def int_list(hashes) -> list[int]:
     return hashes.tolist() if isinstance(hashes, np.ndarray) else [int(x) for x in hashes]

@@ -18,13 +18,16 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Union
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from dynamo_flexkv.core import arguments
-from dynamo_flexkv.core.arguments import deadline as _deadline, int_list as _int_list, left as _left
+from dynamo_flexkv.core.arguments import deadline as _deadline
+from dynamo_flexkv.core.arguments import int_list as _int_list
+from dynamo_flexkv.core.arguments import left as _left
 from dynamo_flexkv.core.config import CacheConfig, ConfigError, GiB
 from dynamo_flexkv.core.cost import CostModel, LoadDecision, Segment
 from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
@@ -55,8 +58,8 @@ from dynamo_flexkv.core.stats import (
 from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
 from dynamo_flexkv.core.storage.ssd import SsdStore
-from dynamo_flexkv.core.task_table import TaskTable
 from dynamo_flexkv.core.task_graphs import GraphBuilder
+from dynamo_flexkv.core.task_table import TaskTable
 from dynamo_flexkv.core.tasks import ManagerClosed, Task, TaskFailed, TaskKind, TaskResult, TaskStatus, TooManyTasks
 from dynamo_flexkv.core.transfer.fence import DeviceFence
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferGraph
@@ -80,7 +83,7 @@ class HostPin:
     of the request, their host slots and the xxh3 of each slot's bytes."""
 
     start: int
-    slots: List[int]
+    slots: list[int]
     checksums: np.ndarray
 
 
@@ -90,7 +93,7 @@ class EngineDevice(Protocol):
 
     num_blocks: int
 
-    def start(self, op: Any, done: Callable[[Optional[BaseException], int], None]) -> None: ...
+    def start(self, op: Any, done: Callable[[BaseException | None, int], None]) -> None: ...
 
 
 def _refuse_node_mode(config: CacheConfig) -> None:
@@ -118,13 +121,13 @@ class KVManager:
     def __init__(
         self,
         model: ModelSpec,
-        config: Optional[CacheConfig] = None,
+        config: CacheConfig | None = None,
         *,
-        namespace: Optional[str] = None,
-        listener: Optional[IndexListener] = None,
+        namespace: str | None = None,
+        listener: IndexListener | None = None,
         workers: int = 4,
         model_id: str = "",
-        mover_hook: Optional[MoverHook] = None,
+        mover_hook: MoverHook | None = None,
         share_host: bool = False,
         weights_version: str = "",
     ) -> None:
@@ -141,7 +144,7 @@ class KVManager:
         self.model_id = model_id  # names the weights in the disk and remote fingerprints: same shape != same bytes
         self.weights_version = weights_version  # salts every block's identity (weights_changed)
         self.invalidated_blocks = 0  # host and disk blocks dropped because the weights changed
-        self._adopted_runs: List[Any] = []  # what announce_adopted() sent: announce_adopted(repeat=True) again
+        self._adopted_runs: list[Any] = []  # what announce_adopted() sent: announce_adopted(repeat=True) again
         self.tokens_per_block = self.config.tokens_per_block
         caps = self.config.tier_blocks(model)
         host_layout = self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST)
@@ -153,9 +156,9 @@ class KVManager:
                 f"{host_layout.total_bytes / GiB:.2f} GiB ({e.strerror or e}): set cpu_cache_gb "
                 "(FLEXKV_CPU_CACHE_GB) to what this machine can hold"
             ) from None
-        self.ssd: Optional[SsdStore] = None
-        self.remote: Optional["RemoteStore"] = None
-        movers: Dict[OpKind, Any] = {OpKind.HASH: HostHasher(self.host)}
+        self.ssd: SsdStore | None = None
+        self.remote: RemoteStore | None = None
+        movers: dict[OpKind, Any] = {OpKind.HASH: HostHasher(self.host)}
         try:
             if self.config.enable_remote:
                 self.remote = self._open_remote()
@@ -203,7 +206,7 @@ class KVManager:
             self.config.load_policy, self.tokens_per_block, self.host.layout.block_bytes, model.num_layers
         )
         self.graphs.observe_link = self.cost.observe_link
-        self.device: Optional[DeviceCache] = None
+        self.device: DeviceCache | None = None
         self._table = TaskTable(self.config.task_result_ttl_seconds)
         self._lock = self._table.lock  # also guards _closed: a call checks it and issues atomically
         self._closed = False
@@ -214,7 +217,7 @@ class KVManager:
 
     # ---- setup ---------------------------------------------------------------------------------
     def register_device_cache(
-        self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]], layout: KVLayoutType = KVLayoutType.LAYERBLOCK
+        self, tensors: torch.Tensor | Sequence[torch.Tensor], layout: KVLayoutType = KVLayoutType.LAYERBLOCK
     ) -> None:
         """Registers the engine's KV tensors (one per layer, or one for all layers)."""
         self._check_open("register_device_cache")
@@ -222,12 +225,12 @@ class KVManager:
         mover = HostDeviceMover(self.host, self.device)
         self.transfer.movers.update(self._hooked({OpKind.D2H: mover, OpKind.H2D: mover}))
 
-    def _hooked(self, movers: Dict[OpKind, Any]) -> Dict[OpKind, Any]:
+    def _hooked(self, movers: dict[OpKind, Any]) -> dict[OpKind, Any]:
         if self._mover_hook is None:
             return movers
         return {kind: self._mover_hook(kind, mover) for kind, mover in movers.items()}
 
-    def _open_remote(self) -> "RemoteStore":
+    def _open_remote(self) -> RemoteStore:
         """Opens the remote tier: an unreachable server or a wrong password raises (naming the fix)
         unless remote_required=false, which starts with the tier off and retries it periodically."""
         from dynamo_flexkv.core.remote import RemoteStore, fingerprint_of
@@ -241,7 +244,7 @@ class KVManager:
         )  # each rank holds another shard
         return RemoteStore(self.config.remote_config(), fingerprint_of(parts), strict=self.config.remote_required)
 
-    def _remote_probe(self, hashes: List[int], start: int) -> Optional[tuple]:
+    def _remote_probe(self, hashes: list[int], start: int) -> tuple | None:
         """(lo, hi): blocks [lo, hi) beyond the local prefix that the remote tier holds now (one
         batched existence check per exists_chunk keys); None without a remote tier or a remote hit."""
         if self.remote is None:
@@ -279,11 +282,11 @@ class KVManager:
         return self.cache.announce(self._adopted_runs)
 
     # ---- queries -------------------------------------------------------------------------------
-    def hashes(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None):
+    def hashes(self, token_ids, *, lora_name: str | None = None, cache_salt: str | None = None):
         self._check_open("hashes")
         return namespaced_hashes(token_ids, self.tokens_per_block, self._hash_namespace, lora_name, cache_salt)
 
-    def _task_hashes(self, token_ids, lora_name: Optional[str], cache_salt: Optional[str]):
+    def _task_hashes(self, token_ids, lora_name: str | None, cache_salt: str | None):
         """A task's hashes and the generation they belong to (the cache engine plans and commits
         nothing of a task whose generation is no longer current: weights_changed)."""
         self._check_open("hashes")
@@ -292,18 +295,18 @@ class KVManager:
         return generation, namespaced_hashes(token_ids, self.tokens_per_block, salt, lora_name, cache_salt)
 
     @property
-    def _hash_namespace(self) -> Optional[str]:
+    def _hash_namespace(self) -> str | None:
         """What salts every block hash: the namespace, and the weights once they changed (as a JSON
         pair: no namespace string can spell a namespace with weights)."""
         if not self.weights_version:
             return self.namespace
         return json.dumps([self.namespace or "", self.weights_version])
 
-    def _lineage(self) -> Dict[str, str]:
+    def _lineage(self) -> dict[str, str]:
         """The weights the blocks are computed with, as the disk journal records them."""
         return {k: v for k, v in (("model", self.model_id), ("weights", self.weights_version)) if v}
 
-    def weights_changed(self, version: str, timeout: Optional[float] = 60.0) -> int:
+    def weights_changed(self, version: str, timeout: float | None = 60.0) -> int:
         """The engine runs other weights now, named ``version`` (a revision, a digest of the new
         weights, or the version an RL trainer gives them). From this call on every block's identity
         carries ``version`` (its hash is salted with it), so a block computed with the weights before
@@ -339,7 +342,7 @@ class KVManager:
         log.info("weights changed to %r: %d blocks of the weights before dropped from host and disk", version, dropped)
         return dropped
 
-    def match(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> Dict[str, int]:
+    def match(self, token_ids, *, lora_name: str | None = None, cache_salt: str | None = None) -> dict[str, int]:
         """Cached prefix in tokens per tier (no side effects)."""
         self._check_open("match")
         seq = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence
@@ -358,11 +361,11 @@ class KVManager:
         *,
         skip_blocks: int = 0,
         layerwise: bool = False,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
-        device: Optional[EngineDevice] = None,
-        on_done: Optional[Callable[[TaskResult], None]] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
+        device: EngineDevice | None = None,
+        on_done: Callable[[TaskResult], None] | None = None,
     ) -> int:
         """Loads the cached prefix beyond the first ``skip_blocks`` blocks (which the engine already
         holds) into ``device_block_ids[i]`` for block i. With ``prompt_tokens`` (the whole prompt's
@@ -395,7 +398,7 @@ class KVManager:
         return task.id
 
     def _decide(
-        self, seq: List[int], start: int, probe: Optional[tuple], prompt_tokens: int, layerwise: bool
+        self, seq: list[int], start: int, probe: tuple | None, prompt_tokens: int, layerwise: bool
     ) -> LoadDecision:
         """The load policy's decision for blocks [start, ...) of ``seq``, counted in
         stats().prefix_tokens."""
@@ -403,10 +406,10 @@ class KVManager:
         self.cost.record(decision)
         return decision
 
-    def _segments(self, seq: List[int], start: int, probe: Optional[tuple]) -> List[Segment]:
+    def _segments(self, seq: list[int], start: int, probe: tuple | None) -> list[Segment]:
         """The cached prefix of ``seq`` past ``start`` by tier, fastest first."""
         per_tier = self.cache.match(seq).per_tier
-        segments: List[Segment] = []
+        segments: list[Segment] = []
         end = start
         for tier, n in (
             (Tier.HOST, per_tier.get(Tier.HOST, 0)),
@@ -426,8 +429,8 @@ class KVManager:
         prompt_tokens: int,
         skip_blocks: int = 0,
         layerwise: bool = True,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> LoadDecision:
         """Whether pulling a peer's blocks up to ``peer_blocks`` (a router hint) beats recomputing
         them, by the same cost model as a get (core/cost.py) with the pulls' measured link
@@ -449,10 +452,10 @@ class KVManager:
         self,
         token_ids,
         *,
-        prompt_tokens: Optional[int] = None,
+        prompt_tokens: int | None = None,
         layerwise: bool = True,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
         skip_blocks: int = 0,
     ) -> int:
         """End of the prefix of ``token_ids`` a get would have loaded under the load policy, in
@@ -478,10 +481,10 @@ class KVManager:
         self,
         token_ids,
         *,
-        prompt_tokens: Optional[int] = None,
+        prompt_tokens: int | None = None,
         layerwise: bool = True,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
         skip_blocks: int = 0,
     ) -> LoadDecision:
         """loadable_tokens' decision itself (what each tier holds beyond ``skip_blocks``, how far
@@ -503,9 +506,9 @@ class KVManager:
         self,
         token_ids,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        on_done: Optional[Callable[[TaskResult], None]] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        on_done: Callable[[TaskResult], None] | None = None,
     ) -> int:
         """Brings the disk part of a cached prefix into host memory (no device copy)."""
         self._check_open("prefetch_async")
@@ -528,10 +531,10 @@ class KVManager:
         token_ids,
         device_block_ids,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        device: Optional[EngineDevice] = None,
-        on_done: Optional[Callable[[TaskResult], None]] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        device: EngineDevice | None = None,
+        on_done: Callable[[TaskResult], None] | None = None,
     ) -> int:
         """Stores the full blocks not held yet. The task finishes once the device copy is done (the
         engine may reuse its blocks); the disk write continues in the background. ``device`` and
@@ -599,13 +602,13 @@ class KVManager:
             )
         )
 
-    def wait(self, task_ids: Iterable[int], timeout: Optional[float] = None) -> Dict[int, TaskResult]:
+    def wait(self, task_ids: Iterable[int], timeout: float | None = None) -> dict[int, TaskResult]:
         """Results of the tasks; unfinished ones after ``timeout`` seconds report TIMEOUT and can be
         waited on again. A finished result is handed out once; results a wait() is blocked on never
         expire. ``timeout``: seconds (None or inf: no limit)."""
         deadline = _deadline(timeout, "wait")
         with self._awaited(arguments.task_id_list(task_ids, "wait"), "wait") as tasks:
-            out: Dict[int, TaskResult] = {}
+            out: dict[int, TaskResult] = {}
             finished = []
             for task in tasks:
                 if task.done.wait(_left(deadline)):
@@ -622,7 +625,7 @@ class KVManager:
         expires). For an engine that polls a put's device copy and collects later."""
         return self._task(task_id, "done").done.is_set()
 
-    def try_wait(self, task_ids: Iterable[int]) -> Dict[int, TaskResult]:
+    def try_wait(self, task_ids: Iterable[int]) -> dict[int, TaskResult]:
         """Results of the tasks that already finished; the others are left running."""
         finished = [t for t in arguments.task_id_list(task_ids, "try_wait") if self._task(t, "try_wait").done.is_set()]
         return self.wait(finished, 0)
@@ -653,7 +656,7 @@ class KVManager:
         """A cancelled load's device writes are over: the engine may reuse its blocks."""
         task.finish(TaskResult(task.id, task.kind, TaskStatus.CANCELLED))
 
-    def drain(self, timeout: Optional[float] = None) -> bool:
+    def drain(self, timeout: float | None = None) -> bool:
         """Waits until every task has finished, the background disk writes of puts included.
         False if some still run after ``timeout`` seconds (None or inf: no limit)."""
         self._check_open("drain")
@@ -671,7 +674,7 @@ class KVManager:
         its compute while the load runs)."""
         return self._task(task_id, "planned_tokens").planned_tokens
 
-    def planned_tokens_by_tier(self, task_id: int) -> Dict[str, int]:
+    def planned_tokens_by_tier(self, task_id: int) -> dict[str, int]:
         """planned_tokens split by the tier each block is read from: ``{"host": n, "disk": m}``, plus
         ``"remote"`` with a remote tier (they sum to planned_tokens)."""
         task = self._task(task_id, "planned_tokens_by_tier")
@@ -681,7 +684,7 @@ class KVManager:
             out["remote"] = task.planned_remote_tokens
         return out
 
-    def wait_for_layer(self, task_id: int, layer: int, timeout: Optional[float] = None) -> bool:
+    def wait_for_layer(self, task_id: int, layer: int, timeout: float | None = None) -> bool:
         """Blocks until layer ``layer`` of a get is on the device. False on timeout; raises
         TaskFailed when the task failed, was cancelled or found nothing (recompute instead).
         ``timeout``: seconds (None or inf: no limit)."""
@@ -737,7 +740,7 @@ class KVManager:
             tier_costs=self.cost.link_costs(),
         )
 
-    def evict(self, tier: str, count: Optional[int] = None) -> int:
+    def evict(self, tier: str, count: int | None = None) -> int:
         """Evicts up to ``count`` (default: all) ready, unpinned blocks of the ``"host"`` or
         ``"disk"`` tier, the policy's victims first; the tiers below keep their copies. Returns
         how many went (removal events are published as for any eviction)."""
@@ -787,9 +790,7 @@ class KVManager:
         remote = self.remote.config.redacted_url if self.remote is not None else None
         return Contents(self.model_id, self.namespace or "", tiers, remote=remote)
 
-    def prefix_blocks(
-        self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
-    ) -> PrefixBlocks:
+    def prefix_blocks(self, token_ids, *, lora_name: str | None = None, cache_salt: str | None = None) -> PrefixBlocks:
         """Which tiers hold which of the prompt's full blocks (each tier a leading run of them; the
         remote tier as its store answers now). No side effects: nothing is touched or counted."""
         self._check_open("prefix_blocks")
@@ -804,7 +805,7 @@ class KVManager:
                 note = f"the remote tier did not answer: {type(e).__name__}: {e}"
         return PrefixBlocks(self.model_id, self.namespace or "", len(token_ids), self.tokens_per_block, seq, held, note)
 
-    def clear(self, tiers: Optional[Sequence[str]] = None, wait_s: float = 0.0) -> Cleared:
+    def clear(self, tiers: Sequence[str] | None = None, wait_s: float = 0.0) -> Cleared:
         """Removes every block of ``tiers`` ("host", "disk"; default both) that no task uses, as
         the policy's eviction would (ready, unlocked leaves, until none is left), with
         RemovalReason.CLEARED: metrics count them as cleared and the listener (the router) hears
@@ -849,7 +850,7 @@ class KVManager:
             put.task.finish(TaskResult(put.task.id, TaskKind.PUT, TaskStatus.CANCELLED))
         self._close_storage()
 
-    def __enter__(self) -> "KVManager":
+    def __enter__(self) -> KVManager:
         self._check_open("__enter__")
         return self
 
@@ -857,7 +858,7 @@ class KVManager:
         self.shutdown()
 
     # ---- peers (core/peer/: another worker pulls host blocks over NIXL) --------------------------------
-    def pin_host(self, key: Any, hashes: Sequence[int], start: int, limit: int) -> Optional[HostPin]:
+    def pin_host(self, key: Any, hashes: Sequence[int], start: int, limit: int) -> HostPin | None:
         """Pins this tier's ready host blocks [start, end) of ``hashes`` (at most ``limit``) under
         ``key`` for a peer's read: they are neither evicted nor reused until ``unpin(key)``.
         Returns their slots and checksums (xxh3 of each slot, as host holds it), or None when host
@@ -880,7 +881,7 @@ class KVManager:
         self._check_open("unpin")
         self.cache.abort_task(key)
 
-    def stage_host(self, key: Any, token_ids, hashes: Sequence[int], end: int, generation: int) -> Optional[TierRun]:
+    def stage_host(self, key: Any, token_ids, hashes: Sequence[int], end: int, generation: int) -> TierRun | None:
         """New, invisible host blocks for [h, end) of ``hashes`` (h: host's ready prefix) that a
         peer's bytes fill; ``commit_staged`` makes the verified ones visible. None when nothing can
         be staged (host holds it, another task fills it, no room, or the weights changed since
@@ -894,7 +895,7 @@ class KVManager:
         self._attach_tokens(token_ids, run)
         return run
 
-    def commit_staged(self, key: Any, run: TierRun, count: int, sums: Optional[np.ndarray] = None) -> None:
+    def commit_staged(self, key: Any, run: TierRun, count: int, sums: np.ndarray | None = None) -> None:
         """The first ``count`` blocks of ``run`` (stage_host) hold verified bytes whose checksums
         are ``sums``: they become visible (a Stored event each); the rest is rolled back."""
         self._check_open("commit_staged")
@@ -914,7 +915,7 @@ class KVManager:
                 "released: create a new KVManager (it re-adopts the disk tier)"
             )
 
-    def _need_device(self, call: str, device: Optional[EngineDevice] = None) -> None:
+    def _need_device(self, call: str, device: EngineDevice | None = None) -> None:
         self._check_open(call)
         if self.device is None and device is None:
             raise RuntimeError(f"{call} before register_device_cache(): register the engine's KV tensors first")
@@ -927,7 +928,7 @@ class KVManager:
         return self.device
 
     @contextlib.contextmanager
-    def _issue(self, kind: TaskKind, on_done: Optional[Callable[[TaskResult], None]] = None) -> Iterator[Task]:
+    def _issue(self, kind: TaskKind, on_done: Callable[[TaskResult], None] | None = None) -> Iterator[Task]:
         """A new task; if issuing it fails, it leaves nothing behind (no record, no index state)."""
         with self._lock:
             self._check_open(f"{kind.value}_async")
@@ -993,12 +994,12 @@ class KVManager:
         return self._table.get(task_id)
 
     @contextlib.contextmanager
-    def _awaited(self, task_ids: List[Any], call: str) -> Iterator[List[Task]]:
+    def _awaited(self, task_ids: list[Any], call: str) -> Iterator[list[Task]]:
         self._check_open(call)
         with self._table.awaited(task_ids) as tasks:
             yield tasks
 
-    def _device_ids(self, token_ids, device_block_ids, device: Optional[EngineDevice] = None) -> np.ndarray:
+    def _device_ids(self, token_ids, device_block_ids, device: EngineDevice | None = None) -> np.ndarray:
         num_blocks = device.num_blocks if device is not None else self._registered_device().num_blocks
         return arguments.device_ids(token_ids, device_block_ids, self.tokens_per_block, num_blocks)
 
@@ -1011,7 +1012,7 @@ class KVManager:
             if run is not None:
                 run.token_ids = [int(t) for t in token_ids[run.start * b : run.end * b]]
 
-    def _slots_freed(self, tier: Tier, slots: List[int]) -> None:
+    def _slots_freed(self, tier: Tier, slots: list[int]) -> None:
         if tier is Tier.DISK and self.ssd is not None:
             self.ssd.record_removed(slots)
         elif tier is Tier.HOST:
@@ -1019,10 +1020,10 @@ class KVManager:
 
     def _close_storage(self) -> None:
         # getattr: __init__ may fail before it set them.
-        remote: Optional[RemoteStore] = getattr(self, "remote", None)
+        remote: RemoteStore | None = getattr(self, "remote", None)
         if remote is not None:
             remote.close()
-        ssd: Optional[SsdStore] = getattr(self, "ssd", None)
+        ssd: SsdStore | None = getattr(self, "ssd", None)
         if ssd is not None:
             ssd.close()
         if getattr(self, "host", None) is not None:

@@ -8,7 +8,6 @@ import os
 import shutil
 import socket
 import stat
-from typing import Optional
 
 from dynamo_flexkv.core.errors import FlexKVError
 
@@ -49,7 +48,7 @@ def listening(path: str) -> bool:
         probe.close()
 
 
-def find_binary(name: str) -> Optional[str]:
+def find_binary(name: str) -> str | None:
     """``name`` on PATH, else in the sbin directories; None if neither has it."""
     return shutil.which(name) or shutil.which(name, path=SBIN)
 

@@ -24,7 +24,8 @@ import json
 import os
 import threading
 import time
-from typing import Any, Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class RequestLog:
         prompt_tokens: int,
         device: int,
         answer: int,
-        decision: Optional[Dict[str, Any]],
+        decision: dict[str, Any] | None,
     ) -> None:
         self._write(
             {
@@ -71,7 +72,7 @@ class RequestLog:
             }
         )
 
-    def load(self, key: str, req: str, device: int, planned: int, loaded: Dict[str, int], ok: bool) -> None:
+    def load(self, key: str, req: str, device: int, planned: int, loaded: dict[str, int], ok: bool) -> None:
         self._write(
             {
                 "kind": "load",
@@ -84,7 +85,7 @@ class RequestLog:
             }
         )
 
-    def _write(self, record: Dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any]) -> None:
         line = json.dumps({"t": round(time.time(), 6), **record}) + "\n"
         with self._lock:
             if not self._f.closed:

@@ -21,18 +21,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import IO, Callable, Dict, List, Optional, Set
+from collections.abc import Callable
+from typing import IO
 
+from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.procgroup import kill_group, signal_group, stop_group, wait_group
+from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
 from dynamo_flexkv.serve.discovery import Discovery, owned_by, registered, worker_ids
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.logs import Console, ConsoleFilter, plain
 from dynamo_flexkv.serve.options import OnDeath
 from dynamo_flexkv.serve.plan import LaunchPlan
 from dynamo_flexkv.serve.process import Process
-from dynamo_flexkv.core.errors import FlexKVError
-from dynamo_flexkv.core.procgroup import kill_group, signal_group, stop_group, wait_group
-from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
-
 
 STOP_TIMEOUT_S = 30.0  # what a component has to stop on serve's signal before SIGKILL (docs/SERVING.md)
 PROBE_EVERY_S = 5.0  # a ready worker's /health is asked at most this often
@@ -52,10 +52,10 @@ class _Liveness:
 
     def __init__(self, now: float) -> None:
         self.due = now + PROBE_EVERY_S
-        self.failing_since: Optional[float] = None
-        self.thread: Optional[threading.Thread] = None
+        self.failing_since: float | None = None
+        self.thread: threading.Thread | None = None
         self.sent = 0.0
-        self.ok: Optional[bool] = None  # the running probe's answer, once it has one
+        self.ok: bool | None = None  # the running probe's answer, once it has one
 
 
 class Interrupted(RuntimeError, FlexKVError):
@@ -83,7 +83,7 @@ def exit_status(code: int) -> str:
     return f"code {code}"
 
 
-def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float = 30) -> dict:
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 30) -> dict:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -141,8 +141,8 @@ class Launcher:
     def __init__(
         self,
         plan: LaunchPlan,
-        echo: Optional[IO[str]] = None,
-        probe: Optional[Callable[[Process, float], bool]] = None,
+        echo: IO[str] | None = None,
+        probe: Callable[[Process, float], bool] | None = None,
         console: Console = Console.ALL,
     ) -> None:
         self.plan = plan
@@ -151,27 +151,27 @@ class Launcher:
         # probe(process, timeout_s): whether it answers ready (default: a worker's /health says so)
         self.probe: Callable[[Process, float], bool] = probe or self._worker_ready
         self.log_dir = plan.run_dir / "logs"
-        self.running: Dict[str, subprocess.Popen] = {}
-        self._order: List[Process] = []
-        self._readers: List[threading.Thread] = []
+        self.running: dict[str, subprocess.Popen] = {}
+        self._order: list[Process] = []
+        self._readers: list[threading.Thread] = []
         self._echo_lock = threading.Lock()
         self._width = max(len(p.name) for p in plan.infra + plan.processes)
         self.interrupted = threading.Event()  # set by a signal handler: stop waiting for readiness
-        self.spawned: List[subprocess.Popen] = []  # every process ever started, restarts included
-        self.deaths: Dict[str, List[float]] = {}  # name -> monotonic times of its deaths in its window
-        self.restarts: Dict[str, int] = {}  # name -> how often it was restarted
-        self.pending: Dict[str, float] = {}  # name -> when its restart is due (monotonic)
-        self.starting: Dict[str, float] = {}  # restarted, /health not ready yet -> when it was spawned
-        self.ready: Set[str] = set()  # workers whose current life reported ready
-        self.liveness: Dict[str, _Liveness] = {}  # ready workers' /health probes (liveness-timeout-s)
-        self.events: List[str] = []  # what supervise() said, also written to echo
-        self._buried: Set[subprocess.Popen] = set()  # dead, group killed, reaped: never signal again
+        self.spawned: list[subprocess.Popen] = []  # every process ever started, restarts included
+        self.deaths: dict[str, list[float]] = {}  # name -> monotonic times of its deaths in its window
+        self.restarts: dict[str, int] = {}  # name -> how often it was restarted
+        self.pending: dict[str, float] = {}  # name -> when its restart is due (monotonic)
+        self.starting: dict[str, float] = {}  # restarted, /health not ready yet -> when it was spawned
+        self.ready: set[str] = set()  # workers whose current life reported ready
+        self.liveness: dict[str, _Liveness] = {}  # ready workers' /health probes (liveness-timeout-s)
+        self.events: list[str] = []  # what supervise() said, also written to echo
+        self._buried: set[subprocess.Popen] = set()  # dead, group killed, reaped: never signal again
         # The components' temp folder (TMPDIR): what they leave there (vLLM's IPC sockets, torch's
         # caches) goes when serve stops. Made at start, in serve's own temp folder, with a short
         # name: Unix socket paths in it (vLLM's, the connector's lookup socket when the run
         # directory is too deep for one) must stay within 107 bytes.
-        self.tmp_dir: Optional[str] = None
-        self._unregistered_since: Dict[str, float] = {}  # starting worker -> when serve began waiting for it
+        self.tmp_dir: str | None = None
+        self._unregistered_since: dict[str, float] = {}  # starting worker -> when serve began waiting for it
 
     # ---- start -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -236,7 +236,7 @@ class Launcher:
         started = time.monotonic()
         deadline = started + timeout
         pending = [p for p in self.plan.processes if p.kind is Kind.WORKER]
-        due: Dict[str, float] = {}
+        due: dict[str, float] = {}
         while pending:
             self.check_alive()
             now = time.monotonic()
@@ -312,7 +312,7 @@ class Launcher:
                 self._tick(deadline, f"{proc.name} not listening on {proc.port}")
 
     # ---- liveness and shutdown ---------------------------------------------------------------
-    def dead(self) -> Optional[tuple]:
+    def dead(self) -> tuple | None:
         for proc in self._order:
             code = self.running[proc.name].poll()
             if code is not None:
@@ -484,7 +484,7 @@ class Launcher:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             self.tmp_dir = None
 
-    def _stop(self, group: List[Process], timeout: float) -> None:
+    def _stop(self, group: list[Process], timeout: float) -> None:
         # A worker whose death _died handled (restart pending) was group-killed and reaped then:
         # its pid may belong to someone else by now.
         group = [proc for proc in group if self.running[proc.name] not in self._buried]
@@ -526,7 +526,7 @@ class Launcher:
                 return
             time.sleep(0.1)
 
-    def __enter__(self) -> "Launcher":
+    def __enter__(self) -> Launcher:
         self.start()
         return self
 

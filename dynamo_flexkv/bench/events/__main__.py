@@ -7,7 +7,7 @@ import json
 import os
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from dynamo_flexkv.bench.events.publisher import publisher_main
 from dynamo_flexkv.bench.events.router import router_main

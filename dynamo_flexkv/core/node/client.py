@@ -21,17 +21,24 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
-
+from typing import Any
 
 from dynamo_flexkv.core.config import CacheConfig
+from dynamo_flexkv.core.contract import (
+    EngineOffload,
+    Hold,
+    miss_explained_on_tier_fault,
+    miss_lookup_on_tier_fault,
+    no_task_on_tier_fault,
+)
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.hashing import namespaced_hashes
 from dynamo_flexkv.core.index.cache_engine import IndexListener, Tier, TierRun
+from dynamo_flexkv.core.inventory import CacheReport, CacheRequest, parse_report
 from dynamo_flexkv.core.layout import KVLayoutType, ModelSpec
 from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
-from dynamo_flexkv.core.inventory import CacheReport, CacheRequest, parse_report
 from dynamo_flexkv.core.node.protocol import (
     VERSION,
     Admin,
@@ -56,13 +63,6 @@ from dynamo_flexkv.core.node.protocol import (
     pack_tokens,
     unpack_ids,
     unpack_tokens,
-)
-from dynamo_flexkv.core.contract import (
-    EngineOffload,
-    Hold,
-    miss_explained_on_tier_fault,
-    miss_lookup_on_tier_fault,
-    no_task_on_tier_fault,
 )
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.storage.device import DeviceCache
@@ -99,13 +99,13 @@ class NodeRequestFailed(RuntimeError, FlexKVError):
 class _Task:
     id: int
     num_layers: int
-    kind: Optional[TaskKind] = None
+    kind: TaskKind | None = None
     planned: int = 0
-    by_tier: Dict[str, int] = field(default_factory=dict)
-    hold: Optional[Hold] = None
-    result: Optional[TaskResult] = None
+    by_tier: dict[str, int] = field(default_factory=dict)
+    hold: Hold | None = None
+    result: TaskResult | None = None
     done: threading.Event = field(default_factory=threading.Event)
-    layers: List[threading.Event] = field(default_factory=list)
+    layers: list[threading.Event] = field(default_factory=list)
     # This engine's device writes for the task pass it: cancel_load finishes a load once none can
     # land (core/transfer/fence.py), without waiting for a stalled copy or the service's answer.
     fence: DeviceFence = field(default_factory=DeviceFence)
@@ -130,11 +130,11 @@ class _Connection:
     can never be taken for a task of its successor."""
 
     def __init__(
-        self, channel: Channel, attached: Attached, host: HostPool, movers: Dict[OpKind, Any], gen: int
+        self, channel: Channel, attached: Attached, host: HostPool, movers: dict[OpKind, Any], gen: int
     ) -> None:
         self.channel, self.attached, self.host, self.movers = channel, attached, host, movers
         self.gen = gen
-        self.replies: Dict[int, Tuple[threading.Event, List[Reply]]] = {}
+        self.replies: dict[int, tuple[threading.Event, list[Reply]]] = {}
         self.lock = threading.Lock()
         self.gone = threading.Event()  # _lost finished cleaning up after it
 
@@ -144,7 +144,7 @@ class _Connection:
             raise ProtocolError(f"the node cache sent task id {service_task}, outside [0, 2**32)")
         return self.gen * TASK_ID_SPAN + service_task
 
-    def service_task(self, tid: int) -> Optional[int]:
+    def service_task(self, tid: int) -> int | None:
         """The service's id of the engine's task ``tid``; None if it is a task of another attach."""
         gen, service_task = divmod(tid, TASK_ID_SPAN)
         return service_task if gen == self.gen else None
@@ -157,15 +157,15 @@ class NodeOffload(EngineOffload):
         config: CacheConfig,
         *,
         layerwise: bool = True,
-        listener: Optional[IndexListener] = None,
+        listener: IndexListener | None = None,
         model_id: str,
         engine: str,
         tenant: str = "",
         rank: int = 0,
         ranks: int = 1,
         replicated: bool = False,
-        socket_path: Optional[str] = None,
-        mover_hook: Optional[MoverHook] = None,
+        socket_path: str | None = None,
+        mover_hook: MoverHook | None = None,
     ) -> None:
         from dynamo_flexkv.core.node.server import default_socket_path
 
@@ -177,18 +177,18 @@ class NodeOffload(EngineOffload):
         self.socket_path = socket_path or config.node_socket or default_socket_path()
         self.failed_loads = 0
         self.weights_version = ""  # weights_changed(): part of the attach key from then on
-        self.device: Optional[DeviceCache] = None
-        self._conn: Optional[_Connection] = None
+        self.device: DeviceCache | None = None
+        self._conn: _Connection | None = None
         self._lock = threading.Lock()
-        self._tasks: Dict[int, _Task] = {}
-        self._holds: Dict[int, Hold] = {}
+        self._tasks: dict[int, _Task] = {}
+        self._holds: dict[int, Hold] = {}
         # Cancelled loads collected before the service finished them: a late copy finds their
         # closed fence here (and writes nothing) until their TaskDone comes.
-        self._collected: Dict[int, _Task] = {}
-        self._prefetches: List[int] = []
+        self._collected: dict[int, _Task] = {}
+        self._prefetches: list[int] = []
         self._ids = itertools.count(1)
-        self._ops: "queue.Queue[Optional[Tuple[Any, Any]]]" = queue.Queue()  # (connection, RunOp) to copy
-        self._announced: Dict[str, Dict[int, None]] = {"host": {}, "disk": {}}  # what the listener was told
+        self._ops: queue.Queue[tuple[Any, Any] | None] = queue.Queue()  # (connection, RunOp) to copy
+        self._announced: dict[str, dict[int, None]] = {"host": {}, "disk": {}}  # what the listener was told
         self._closed = False
         # As many copier threads as an embedded KVManager has transfer workers: the service sends a
         # load's layers at once, and one thread copying them in turn took 1.7x the embedded load.
@@ -196,7 +196,7 @@ class NodeOffload(EngineOffload):
         self._copiers = [
             threading.Thread(target=self._copy_loop, name=f"flexkv-node-copy-{i}", daemon=True) for i in range(COPIERS)
         ]
-        self._retry: Optional[threading.Thread] = None
+        self._retry: threading.Thread | None = None
         self.namespace = ""
         self.attaches = 0
         # The node's blocks go to the listener once its publisher can deliver them (announce_adopted:
@@ -468,7 +468,7 @@ class NodeOffload(EngineOffload):
                 seen.clear()
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def _request_task(self, make: Any) -> Tuple[_Task, Any]:
+    def _request_task(self, make: Any) -> tuple[_Task, Any]:
         """A request that starts a task on the service: the task (under the engine's id) and the reply.
         One the service does not answer in time ends the connection: the service may still run it
         later, and its copies must then find no engine (the engine reuses the blocks it got back),
@@ -483,13 +483,13 @@ class NodeOffload(EngineOffload):
         assert conn is not None  # _request raised NodeUnavailable otherwise
         return self._task(conn.task_id(int(value["task"]))), value
 
-    def _request(self, make: Any, timeout: float = CALL_TIMEOUT_S, conn: Optional[_Connection] = None) -> Any:
+    def _request(self, make: Any, timeout: float = CALL_TIMEOUT_S, conn: _Connection | None = None) -> Any:
         conn = conn or self._conn
         if conn is None:
             raise NodeUnavailable(f"the node cache at {self.socket_path} is not attached")
         rid = next(self._ids)
         ev = threading.Event()
-        box: List[Reply] = []
+        box: list[Reply] = []
         with conn.lock:
             conn.replies[rid] = (ev, box)
         t0 = time.monotonic()
@@ -520,9 +520,9 @@ class NodeOffload(EngineOffload):
         self,
         tokens: Sequence[int],
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
         skip_blocks: int = 0,
     ) -> int:
         return int(
@@ -544,11 +544,11 @@ class NodeOffload(EngineOffload):
         self,
         tokens: Sequence[int],
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
         skip_blocks: int = 0,
-    ) -> Tuple[int, Optional[Dict[str, Any]]]:
+    ) -> tuple[int, dict[str, Any] | None]:
         value = self._request(
             lambda rid: Lookup(
                 id=rid,
@@ -564,8 +564,8 @@ class NodeOffload(EngineOffload):
         return int(value["end"]), dict(value["decision"])
 
     def block_hashes(
-        self, tokens: Sequence[int], *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
-    ) -> List[int]:
+        self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> list[int]:
         return [int(h) for h in namespaced_hashes(tokens, self.bs, self.namespace, lora_name, cache_salt).sequence]
 
     @no_task_on_tier_fault
@@ -575,10 +575,10 @@ class NodeOffload(EngineOffload):
         block_table: Sequence[int],
         skip_blocks: int,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
-    ) -> Optional[int]:
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
+    ) -> int | None:
         t, value = self._request_task(
             lambda rid: Load(
                 id=rid,
@@ -601,10 +601,10 @@ class NodeOffload(EngineOffload):
     def planned_tokens(self, tid: int) -> int:
         return self._known(tid).planned
 
-    def planned_tokens_by_tier(self, tid: int) -> Dict[str, int]:
+    def planned_tokens_by_tier(self, tid: int) -> dict[str, int]:
         return dict(self._known(tid).by_tier)
 
-    def wait_layer(self, tid: int, layer: int, timeout: Optional[float] = None) -> bool:
+    def wait_layer(self, tid: int, layer: int, timeout: float | None = None) -> bool:
         t = self._known(tid)
         if not t.layers[layer].wait(timeout):
             return False
@@ -643,10 +643,10 @@ class NodeOffload(EngineOffload):
         block_table: Sequence[int],
         key: Any = None,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        names: Optional[Sequence[int]] = None,
-    ) -> Optional[int]:
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        names: Sequence[int] | None = None,
+    ) -> int | None:
         n = len(tokens) // self.bs
         blocks = list(block_table[:n])
         t, _ = self._request_task(
@@ -665,7 +665,7 @@ class NodeOffload(EngineOffload):
         return t.id
 
     @no_task_on_tier_fault
-    def prefetch(self, tokens: Sequence[int]) -> Optional[int]:
+    def prefetch(self, tokens: Sequence[int]) -> int | None:
         t, _ = self._request_task(lambda rid: Prefetch(id=rid, tokens=pack_tokens(tokens)))
         t.kind = TaskKind.PREFETCH
         with self._lock:
@@ -681,7 +681,7 @@ class NodeOffload(EngineOffload):
         with self._lock:
             return len(self._holds) + len(self._prefetches)
 
-    def finished_holds(self) -> List[Hold]:
+    def finished_holds(self) -> list[Hold]:
         """Holds of stores and cancelled loads whose task finished (the service answered every copy
         it asked of this engine first); finished prefetches are collected too."""
         with self._lock:
@@ -693,7 +693,7 @@ class NodeOffload(EngineOffload):
                 self._forget_locked(tid)
         return out
 
-    def drain_holds(self) -> List[Hold]:
+    def drain_holds(self) -> list[Hold]:
         with self._lock:
             waits = [self._tasks[t] for t in list(self._holds) + self._prefetches]
         for t in waits:
@@ -701,26 +701,26 @@ class NodeOffload(EngineOffload):
         return self.finished_holds()
 
     # ---- administration ----------------------------------------------------------------------------
-    def stats(self) -> Optional[ManagerStats]:
+    def stats(self) -> ManagerStats | None:
         try:
             return ManagerStats.from_dict(self._request(lambda rid: Call(id=rid, name="stats"))["tiers"])
         except NodeUnavailable:
             return None
 
-    def service_stats(self) -> Dict[str, Any]:
+    def service_stats(self) -> dict[str, Any]:
         return self._request(lambda rid: Call(id=rid, name="stats"))
 
-    def drain(self, timeout: Optional[float] = None) -> bool:
+    def drain(self, timeout: float | None = None) -> bool:
         wait = CALL_TIMEOUT_S if timeout is None else timeout + 5
         try:
             return bool(self._request(lambda rid: Call(id=rid, name="drain", timeout=timeout), wait))
         except NodeUnavailable:
             return True  # nothing of this engine's is being written anywhere
 
-    def evict_host(self, timeout: Optional[float] = None) -> int:
+    def evict_host(self, timeout: float | None = None) -> int:
         return int(self._request(lambda rid: Call(id=rid, name="evict_host", timeout=timeout)))
 
-    def reset_tiers(self, timeout: Optional[float] = None) -> bool:
+    def reset_tiers(self, timeout: float | None = None) -> bool:
         return bool(self._request(lambda rid: Call(id=rid, name="reset", timeout=timeout)))
 
     def cache_admin(self, req: CacheRequest) -> CacheReport:
@@ -731,14 +731,14 @@ class NodeOffload(EngineOffload):
         )
         return parse_report(value)
 
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         try:
             out = dict(self._request(lambda rid: Call(id=rid, name="describe")))
         except NodeUnavailable as e:
             out = {"unavailable": str(e)}
         return {"mode": "node", "socket": self.socket_path, **out}
 
-    def tier_files(self) -> List[str]:
+    def tier_files(self) -> list[str]:
         return []  # the service's: not this engine's to touch
 
     def weights_changed(self, version: str) -> int:

@@ -19,17 +19,18 @@ import logging
 import os
 import select
 import threading
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.node.protocol import RunOp, pack_ids
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
-from dynamo_flexkv.core.errors import FlexKVError
 
 log = logging.getLogger(__name__)
 
-Done = Callable[[Optional[BaseException], int], None]
+Done = Callable[[BaseException | None, int], None]
 
 
 class EngineGone(ConnectionError, FlexKVError):
@@ -60,8 +61,8 @@ class EngineDevice:
         self._send = send
         self._forget = forget_host_checksums
         self._lock = threading.Lock()
-        self._pending: Dict[int, Tuple[TransferOp, Done]] = {}
-        self._gone: Optional[str] = None
+        self._pending: dict[int, tuple[TransferOp, Done]] = {}
+        self._gone: str | None = None
         self.ops_sent = 0
         self.fenced = 0  # device-to-host copies failed only after their engine's process exited
 
@@ -95,7 +96,7 @@ class EngineDevice:
         except ConnectionError as e:
             self.finish(op_id, 0, f"cannot reach the engine: {e}")
 
-    def finish(self, op_id: int, nbytes: int, error: Optional[str]) -> bool:
+    def finish(self, op_id: int, nbytes: int, error: str | None) -> bool:
         """The engine's answer for one op; False for an op it was never sent (a bad answer)."""
         with self._lock:
             entry = self._pending.pop(op_id, None)
@@ -111,7 +112,7 @@ class EngineDevice:
         with self._lock:
             self._gone = why
             pending, self._pending = list(self._pending.values()), {}
-        writes: List[Tuple[TransferOp, Done]] = []
+        writes: list[tuple[TransferOp, Done]] = []
         for op, done in pending:
             if op.kind is OpKind.D2H:
                 writes.append((op, done))
@@ -133,7 +134,7 @@ class Fence:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: Dict[int, List[Callable[[], None]]] = {}  # pidfd -> callbacks
+        self._waiting: dict[int, list[Callable[[], None]]] = {}  # pidfd -> callbacks
         self._wake_r, self._wake_w = os.pipe()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="flexkv-node-fence", daemon=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from dynamo.common.backend.disagg import enforce_prefill_max_tokens, require_prefill_result
 from dynamo.common.backend.health_check import is_probe
@@ -68,7 +68,7 @@ class Role:
         )
 
     # ---- event loop side ---------------------------------------------------------------------------
-    def prepare(self, request: Dict[str, Any]) -> Optional[HandoverParams]:
+    def prepare(self, request: dict[str, Any]) -> HandoverParams | None:
         """Before the request's limits are checked: prefill clamps max_tokens to 1; decode returns
         the handover to pull (None: prefill locally)."""
         if self.mode is DisaggregationMode.PREFILL:
@@ -89,11 +89,11 @@ class Role:
             return None
 
     # ---- engine thread side ------------------------------------------------------------------------
-    def added(self, request_id: str, handover: Optional[HandoverParams]) -> None:
+    def added(self, request_id: str, handover: HandoverParams | None) -> None:
         if self.decode is not None:
             self.decode.expect(request_id, handover)
 
-    def finished(self, request_id: str, prompt: List[int]) -> Optional[Dict[str, Any]]:
+    def finished(self, request_id: str, prompt: list[int]) -> dict[str, Any] | None:
         """What the final chunk carries besides the token. Prefill: the ``disaggregated_params`` of
         the prompt just computed ({} is valid: nothing held). Decode: the prompt tokens it pulled
         (``handover_tokens`` in engine_data), for requests that came with a handover."""
@@ -103,7 +103,7 @@ class Role:
             return {"handover_tokens": self.decode.pulled.pop(request_id)}
         return None
 
-    def refused(self, handover: Optional[HandoverParams]) -> None:
+    def refused(self, handover: HandoverParams | None) -> None:
         """A request refused before the engine took it: it will not pull, so its lease goes back
         to the prefill worker now rather than at expiry (engine thread)."""
         if self.decode is not None and handover is not None:
@@ -119,7 +119,7 @@ class Role:
         if self.decode is not None:
             self.decode.service()  # renews the leases of requests still waiting here
 
-    def is_quiescent(self) -> Optional[bool]:
+    def is_quiescent(self) -> bool | None:
         return None if self.prefill is None else len(self.prefill.leases) == 0
 
     def close(self) -> None:

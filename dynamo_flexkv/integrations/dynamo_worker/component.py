@@ -24,16 +24,17 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Callable, Dict, List, Optional
+from typing import Any
 
-from dynamo.common.backend import EngineConfig, LLMEngine as DynamoLLMEngine, LlmRegistration, WorkerConfig
+import msgspec
+from dynamo.common.backend import EngineConfig, LlmRegistration, WorkerConfig
+from dynamo.common.backend import LLMEngine as DynamoLLMEngine
 from dynamo.common.backend.metrics import register_engine_registry
 from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
 from dynamo.common.backend.run import run
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
-
-import msgspec
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.errors import FlexKVError
@@ -52,20 +53,20 @@ from dynamo_flexkv.core.inventory import (
     to_builtins,
     tokenize,
 )
-from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
-from dynamo_flexkv.integrations.dynamo_worker.metrics import PREFIX, OffloadCollector, RequestTally, offload_registry
-from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
-from dynamo_flexkv.integrations.dynamo_worker.request_limits import RequestLimits, RequestRefused
+from dynamo_flexkv.core.offload import EngineOffload, open_offload
 from dynamo_flexkv.integrations.disagg.dynamo_handlers import Role
+from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
 from dynamo_flexkv.integrations.dynamo_worker.args import (
     build_parser,
     check_event_plane_binds_loopback,
     mark_serving,
     on_sigint,
 )
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
+from dynamo_flexkv.integrations.dynamo_worker.metrics import PREFIX, OffloadCollector, RequestTally, offload_registry
+from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+from dynamo_flexkv.integrations.dynamo_worker.request_limits import RequestLimits, RequestRefused
 from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
-from dynamo_flexkv.core.offload import EngineOffload, open_offload
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,9 @@ class _Stream:
     """One request's way back to its generate() coroutine."""
 
     loop: asyncio.AbstractEventLoop
-    out: "asyncio.Queue[Any]"
+    out: asyncio.Queue[Any]
     prompt_len: int
-    prompt: List[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
     handover: Any = None  # decode: the prefill worker's HandoverParams
 
     def send(self, item: Any) -> None:
@@ -111,31 +112,31 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             context_length=self.limits.context_window,
         )
         self.relay = KvEventRelay(self.cfg.block_size)
-        self.offload: Optional[EngineOffload] = None  # the tiers, embedded or the node's cache service
-        self.engine: Optional[LLMEngine] = None
+        self.offload: EngineOffload | None = None  # the tiers, embedded or the node's cache service
+        self.engine: LLMEngine | None = None
         # ("add", rid, tokens, params, stream) or ("abort", rid), in arrival order: an abort never
         # overtakes its request.
-        self._inbox: "queue.Queue[tuple]" = queue.Queue()
-        self._streams: Dict[str, _Stream] = {}  # engine thread only
-        self._live: Dict[str, str] = {}  # Dynamo context id -> our request id, requests not yet ended
+        self._inbox: queue.Queue[tuple] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._live: dict[str, str] = {}  # Dynamo context id -> our request id, requests not yet ended
         self._closing = False  # cleanup() started: refuse new requests
-        self._failed: Optional[str] = None  # the engine thread died: why
+        self._failed: str | None = None  # the engine thread died: why
         # What a dead engine thread does to its worker: SIGTERM, Dynamo's graceful stop (tests that
         # drive the class in their own process replace it).
         self.stop_worker: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.tally = RequestTally()
         self._snapshots: Any = None  # the framework's SnapshotPublisher (router load signal)
-        self._last_load: Optional[int] = None
+        self._last_load: int | None = None
         self._cleaned = False
         self.role = Role(
             args
         )  # disaggregation: agg, prefill or decode (dynamo_flexkv.integrations.disagg.dynamo_handlers)
 
     @classmethod
-    async def from_args(cls, argv: Optional[List[str]] = None):
+    async def from_args(cls, argv: list[str] | None = None):
         args = build_parser().parse_args(argv)
         engine = cls(args)
         wc = WorkerConfig(
@@ -212,7 +213,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     def supported_controls(self) -> set:
         return {CONTROL}  # POST /engine/control/flexkv_cache on the system port
 
-    async def engine_control(self, control: str, body: Dict[str, Any]) -> Dict[str, Any]:
+    async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
         if control != CONTROL:
             return {"status": "error", "message": f"unsupported engine control: {control}"}
         try:
@@ -278,14 +279,14 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         """``fn()`` run on the engine thread between its steps (it owns the device pool)."""
         if self._failed or self._thread is None:
             raise RuntimeError(self._failed or "the engine has not started")
-        done: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._inbox.put(("call", fn, done))
         try:
             return done.result(timeout)
         except concurrent.futures.TimeoutError:
             raise RuntimeError(f"the engine thread did not get to it within {timeout:.0f} s") from None
 
-    def component_metrics_dp_ranks(self) -> List[int]:
+    def component_metrics_dp_ranks(self) -> list[int]:
         return [0]
 
     def attach_snapshot_publisher(self, publisher: Any) -> None:
@@ -300,7 +301,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         """Requests accepted and not ended yet (what cleanup() drains before it stops)."""
         return len(self._live)
 
-    def _engine_stats(self) -> Dict[str, float]:
+    def _engine_stats(self) -> dict[str, float]:
         e = self.engine  # plain counters written by the engine thread: a scrape reads them as they are
         return {
             "steps": e.steps,
@@ -333,7 +334,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         return [ZmqSource(endpoint=self.relay.endpoint)]
 
     # ---- requests ----------------------------------------------------------------------------------
-    async def generate(self, request, context) -> AsyncGenerator[Dict[str, Any], None]:
+    async def generate(self, request, context) -> AsyncGenerator[dict[str, Any], None]:
         if self._closing or self._failed:
             raise EngineShutdown(self._failed or "this worker is shutting down; retry on another worker")
         handover = self.role.prepare(request)
@@ -351,7 +352,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self._live[cid] = rid
         self._inbox.put(("add", rid, tokens, params, _Stream(loop, out, len(tokens), list(tokens), handover)))
         ended, n = False, 0
-        extra: Dict[str, Any] = {}  # disaggregation: what the final chunk carries (see Role.finished)
+        extra: dict[str, Any] = {}  # disaggregation: what the final chunk carries (see Role.finished)
         try:
             while True:
                 item = await out.get()
@@ -372,7 +373,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                     }
                     return
                 n += 1
-                chunk: Dict[str, Any] = {"token_ids": [token], "index": 0}
+                chunk: dict[str, Any] = {"token_ids": [token], "index": 0}
                 if reason is not None:
                     ended = True
                     chunk["finish_reason"] = reason
@@ -432,7 +433,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self.relay.close()
         log.info("flexkv worker stopped")
 
-    async def is_quiescent(self) -> Optional[bool]:
+    async def is_quiescent(self) -> bool | None:
         """Prefill: no handed-over blocks are still leased to a decode worker."""
         return self.role.is_quiescent()
 
@@ -547,7 +548,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         """New requests and aborts. Blocks briefly when the engine has nothing to compute; while
         offload copies still hold device blocks it polls so they are released promptly."""
         engine = self.engine
-        timeout: Optional[float] = None if engine.has_unfinished() else (0.005 if engine.busy else 0.1)
+        timeout: float | None = None if engine.has_unfinished() else (0.005 if engine.busy else 0.1)
         while True:
             try:
                 item = self._inbox.get(block=timeout is not None, timeout=timeout)
@@ -584,7 +585,7 @@ def _context_id(context) -> str:
         return f"ctx-{id(context)}"
 
 
-def _usage(prompt_len: int, completion: int, cached: Dict[str, int]) -> Dict[str, Any]:
+def _usage(prompt_len: int, completion: int, cached: dict[str, int]) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_len,
         "completion_tokens": completion,

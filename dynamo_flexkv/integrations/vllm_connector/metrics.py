@@ -10,7 +10,7 @@ families are ``vllm:flexkv_*`` (docs/VLLM.md lists them). vLLM's own
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -56,7 +56,7 @@ PREFIX_TOKENS = "prefix_tokens"
 REMOVED = "removed_blocks"
 
 
-def prefix_token_totals(stats: Any) -> Dict[str, int]:
+def prefix_token_totals(stats: Any) -> dict[str, int]:
     """A worker's running totals of the load policy's decisions (KVManager.stats().prefix_tokens)
     as step-stats keys; the worker reports their deltas like every other counter."""
     return {f"{PREFIX_TOKENS}/{key}": n for key, n in getattr(stats, "prefix_tokens", {}).items()}
@@ -70,12 +70,12 @@ GAUGES = {
 
 @dataclass
 class FlexKVStats(KVConnectorStats):
-    data: Dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.data = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "FlexKVStats":
+    def aggregate(self, other: KVConnectorStats) -> FlexKVStats:
         for k, v in other.data.items():
             if k.startswith("gauge:"):
                 self.data[k] = v  # the newest reading
@@ -83,7 +83,7 @@ class FlexKVStats(KVConnectorStats):
                 self.data[k] = self.data.get(k, 0) + v
         return self
 
-    def reduce(self) -> Dict[str, int | float]:
+    def reduce(self) -> dict[str, int | float]:
         return dict(self.data)
 
     def is_empty(self) -> bool:
@@ -94,12 +94,12 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
     def __init__(
         self,
         vllm_config: Any,
-        metric_types: Dict[type, type],
-        labelnames: List[str],
-        per_engine_labelvalues: Dict[int, List[object]],
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._children: Dict[str, Dict[int, Any]] = {}
+        self._children: dict[str, dict[int, Any]] = {}
         for name, (doc, by_tier) in COUNTERS.items():
             self._family(name, self._counter_cls, f"vllm:flexkv_{name}", doc, by_tier)
         for name, doc in GAUGES.items():
@@ -150,7 +150,7 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
                 idx: m.labels(*values, *([tier] if tier else [])) for idx, values in self.per_engine_labelvalues.items()
             }
 
-    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in transfer_stats_data.items():
             if k.startswith(PREFIX_TOKENS + "/") and v and engine_idx in self.per_engine_labelvalues:
                 decision, tier, reason = k.split("/")[1:4]
