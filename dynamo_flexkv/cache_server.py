@@ -169,7 +169,7 @@ def _handler(server: Any, registry: Any) -> Any:
     from dynamo_flexkv.core.inventory import HTTP_ROUTE, BadCacheRequest, parse_request, to_builtins
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             url = urlsplit(self.path)
             if url.path in ("/metrics", "/"):
                 self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
@@ -179,7 +179,7 @@ def _handler(server: Any, registry: Any) -> Any:
             else:
                 self._json(404, {"status": "error", "message": f"no {url.path} here: GET /metrics or {HTTP_ROUTE}"})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             if urlsplit(self.path).path != HTTP_ROUTE:
                 self._json(404, {"status": "error", "message": f"POST {HTTP_ROUTE} only"})
                 return
@@ -209,7 +209,7 @@ def _handler(server: Any, registry: Any) -> Any:
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
+        def log_message(self, format: str, *args: Any) -> None:
             log.debug("http: " + format, *args)
 
     return Handler

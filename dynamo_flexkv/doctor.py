@@ -172,7 +172,7 @@ def _nixl_checks() -> list[Check]:
     try:
         agent = new_agent(f"flexkv-doctor-{os.getpid()}", [])
         plugins = set(agent.get_plugin_list())
-    except Exception as e:  # NIXL raises its own error types; report them as they are
+    except Exception as e:  # noqa: BLE001 - NIXL raises its own error types; report them as they are
         return [Check("NIXL", Status.FALLBACK, f"agent creation failed: {e}")]
     out = []
     for backend, use in (
@@ -187,7 +187,7 @@ def _nixl_checks() -> list[Check]:
         try:
             agent.create_backend(backend)
             out.append(Check(f"NIXL {backend}", Status.OK, f"backend created: {use}"))
-        except Exception as e:  # e.g. GDS without cuFile / a GPU
+        except Exception as e:  # noqa: BLE001 - NIXL's own types, e.g. GDS without cuFile / a GPU
             out.append(
                 Check(
                     f"NIXL {backend}",
@@ -202,7 +202,7 @@ def check_dynamo() -> Check:
     try:
         from importlib.metadata import version
 
-        import dynamo._core  # noqa: F401
+        import dynamo._core
     except ImportError as e:
         return Check(
             "Dynamo runtime", Status.FALLBACK, f"not importable ({e}): the library works, the Dynamo component does not"

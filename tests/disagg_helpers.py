@@ -17,7 +17,25 @@ from dynamo_flexkv.serve import load_graph
 from dynamo_flexkv.serve.launcher import Launcher, http_json
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+]
 
 
 def tiny(section: str, tmp_path) -> list:

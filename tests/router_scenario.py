@@ -106,7 +106,7 @@ async def tiers(workdir, relay, checker) -> None:
         engine.generate([a], SamplingParams(max_tokens=1))
         engine.flush()
         await check("after-first-request", a)  # device, host and disk hold a's 6 full blocks
-        for i in range(3):  # other prompts push a's tail out of the 24-block device cache (not host's 64);
+        for _i in range(3):  # other prompts push a's tail out of the 24-block device cache (not host's 64);
             # its first 2 blocks stay: eviction takes tails first, so what stays is a usable prefix
             engine.generate([rng.integers(0, CFG.vocab_size, 7 * BS).tolist()], SamplingParams(max_tokens=1))
             engine.flush()

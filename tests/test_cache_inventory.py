@@ -206,7 +206,7 @@ def test_a_report_survives_json(gated):
 
 @needs_redis
 @pytest.mark.integration
-def test_the_remote_tier_is_probed_and_listed_never_cleared(tmp_path, redis_server):  # noqa: F811
+def test_the_remote_tier_is_probed_and_listed_never_cleared(tmp_path, redis_server):
     from remote_helpers import Engine, manager
 
     with manager(tmp_path, redis_server.url, namespace="acme") as kv:

@@ -216,7 +216,7 @@ def test_every_slot_rewritten_in_random_order_keeps_checksums_true(rig):
 
 @needs_redis
 @pytest.mark.integration
-def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server, monkeypatch):  # noqa: F811
+def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server, monkeypatch):
     rig = Rig(tmp_path, redis_server.url)
     try:
         for d in range(4):
@@ -272,7 +272,7 @@ def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server,
 
 @needs_redis
 @pytest.mark.integration
-def test_a_wrong_checksum_handed_to_put_is_refused_by_every_read(redis_server):  # noqa: F811
+def test_a_wrong_checksum_handed_to_put_is_refused_by_every_read(redis_server):
     """The guarantee does not rest on the reused checksum being right: a reader verifies every
     payload, so a wrong one costs a miss (recompute), never wrong bytes."""
     fp = fingerprint_of({"test": "checksum_once"})

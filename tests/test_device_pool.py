@@ -128,7 +128,7 @@ def test_random_workload_keeps_router_view_exact(seed):
     roots = [[rng.randrange(1, 1 << 62) for _ in range(rng.randint(1, 6))] for _ in range(5)]
     running: list[list] = []  # [chain, block table, blocks computed]
     pins = 0
-    for step in range(600):
+    for _step in range(600):
         op = rng.random()
         if running and (op < 0.25 or pool.num_available < 12):
             pool.release(running.pop(rng.randrange(len(running)))[1])

@@ -120,7 +120,7 @@ def rblocks(n: int, seed: int):
 
 
 @needs_redis
-def test_a_tenant_flood_never_deletes_a_block_another_tenant_stored_under_the_same_key(redis_server):  # noqa: F811
+def test_a_tenant_flood_never_deletes_a_block_another_tenant_stored_under_the_same_key(redis_server):
     """Two tenants whose stores share a fingerprint (same model, same or no namespace: the
     fingerprint does not carry remote_tenant) write the same block keys. bolt's flood must not
     delete a block acme accounts for."""
@@ -151,7 +151,7 @@ def _remote_manager(path, url, **kw):
 
 
 @needs_redis
-def test_two_managers_share_redis_one_switches_weights(tmp_path, redis_server):  # noqa: F811
+def test_two_managers_share_redis_one_switches_weights(tmp_path, redis_server):
     a, dev_a = _remote_manager(tmp_path / "a", redis_server.url)
     b, dev_b = _remote_manager(tmp_path / "b", redis_server.url)
     try:

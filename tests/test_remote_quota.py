@@ -50,7 +50,7 @@ def loads_exactly(store: RemoteStore, seq: np.ndarray, data: np.ndarray) -> int:
 
 
 @needs_redis
-def test_a_flooding_tenant_evicts_only_its_own_blocks(redis_server: RedisServer) -> None:  # noqa: F811
+def test_a_flooding_tenant_evicts_only_its_own_blocks(redis_server: RedisServer) -> None:
     quota_a, quota_b = 10 * VALUE, 40 * VALUE
     url = redis_server.url
     with (
@@ -76,7 +76,7 @@ def test_a_flooding_tenant_evicts_only_its_own_blocks(redis_server: RedisServer)
 
 
 @needs_redis
-def test_a_batch_larger_than_the_quota_keeps_its_prefix(redis_server: RedisServer) -> None:  # noqa: F811
+def test_a_batch_larger_than_the_quota_keeps_its_prefix(redis_server: RedisServer) -> None:
     with RemoteStore.open(redis_server.url, FP_A, quota_bytes=4 * VALUE, tenant="acme") as a:
         seq, data = blocks(10, seed=2)
         assert a.put(seq, list(data)) == 4  # the first 4: a prefix a later get can use
@@ -92,7 +92,7 @@ def test_a_batch_larger_than_the_quota_keeps_its_prefix(redis_server: RedisServe
 
 
 @needs_redis
-def test_workers_of_one_tenant_share_its_account(redis_server: RedisServer) -> None:  # noqa: F811
+def test_workers_of_one_tenant_share_its_account(redis_server: RedisServer) -> None:
     """Two stores naming one tenant (two workers, or a tenant's two models) draw on one quota."""
     fp2 = fingerprint_of({"model": "other", "namespace": "acme"})
     with (
@@ -109,7 +109,7 @@ def test_workers_of_one_tenant_share_its_account(redis_server: RedisServer) -> N
 
 
 @needs_redis
-def test_quota_on_a_cluster_keeps_each_tenant_to_its_quota(redis_cluster) -> None:  # noqa: F811
+def test_quota_on_a_cluster_keeps_each_tenant_to_its_quota(redis_cluster) -> None:
     """The account's keys share one slot (a hash tag of the tenant); the blocks stay spread."""
     url = redis_cluster.url
     with (

@@ -12,18 +12,18 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from redis_fixtures import needs_redis  # noqa: E402
-from remote_helpers import REMOTE  # noqa: E402
-from served import (  # noqa: E402
+from redis_fixtures import needs_redis
+from remote_helpers import REMOTE
+from served import (
     complete,
     make_plan,
     metric,
-    wait_until,  # noqa: E402
+    wait_until,
 )
 
-from dynamo_flexkv.serve import GraphError  # noqa: E402
-from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
-from dynamo_flexkv.serve.redis_server import RedisCluster, free_port  # noqa: E402
+from dynamo_flexkv.serve import GraphError
+from dynamo_flexkv.serve.launcher import Launcher
+from dynamo_flexkv.serve.redis_server import RedisCluster, free_port
 
 pytestmark = needs_redis
 

@@ -575,9 +575,9 @@ def test_password(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not isinstance(e.value, RemoteAuthError) and "password" not in str(e.value)
         with RemoteStore.open(server.url + "/15", FP) as store:  # the last one it has
             assert store.exists_prefix(seq) == 0
-    with RedisServer(maxmemory="16mb") as server:  # a password given to a server that has none
-        with pytest.raises(RemoteAuthError, match="has no password"):
-            RemoteStore.open(server.url, FP)
+    # a password given to a server that has none
+    with RedisServer(maxmemory="16mb") as server, pytest.raises(RemoteAuthError, match="has no password"):
+        RemoteStore.open(server.url, FP)
 
 
 @needs_redis
@@ -852,14 +852,14 @@ def test_blocks_per_node_refuses_fast_while_the_breaker_pauses_the_tier() -> Non
 
 
 @needs_redis
-def test_standalone_url_on_a_cluster_node_says_use_cluster(redis_cluster) -> None:  # noqa: F811
+def test_standalone_url_on_a_cluster_node_says_use_cluster(redis_cluster) -> None:
     port = redis_cluster.servers[0].port
     with pytest.raises(RemoteError, match=rf"redis\+cluster://127.0.0.1:{port}"):
         RemoteStore.open(f"redis://127.0.0.1:{port}", FP)
 
 
 @needs_redis
-def test_cluster_round_trip_spreads_keys(redis_cluster) -> None:  # noqa: F811
+def test_cluster_round_trip_spreads_keys(redis_cluster) -> None:
     seq, data = blocks(120, 30_000, seed=7)
     with RemoteStore.open(redis_cluster.url, FP) as store:
         assert store.put(seq, list(data)) == 120
@@ -908,7 +908,7 @@ def test_tls_round_trip_and_untrusted_certificate(tmp_path) -> None:
 
 
 @needs_redis
-def test_cluster_stale_slot_map_ends_prefix_then_refreshes(redis_cluster) -> None:  # noqa: F811
+def test_cluster_stale_slot_map_ends_prefix_then_refreshes(redis_cluster) -> None:
     """As after a resharding: nodes answer MOVED for keys the map sends to the wrong node."""
     seq, data = blocks(60, 2000, seed=9)
     with RemoteStore.open(redis_cluster.url, FP) as store:

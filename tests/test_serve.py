@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from served import AGG_ROUTER, CONFIG, agg_router_plan, sleeper_plan, vplan  # noqa: F401
+from served import AGG_ROUTER, CONFIG, agg_router_plan, sleeper_plan, vplan
 
 from dynamo_flexkv.core.procgroup import members
 from dynamo_flexkv.serve import GraphError, Kind, load_graph

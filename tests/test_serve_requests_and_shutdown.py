@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import (  # noqa: E402
+from served import (
     MODEL,
     TIMEOUT,
     Serve,

@@ -30,7 +30,7 @@ from dynamo_flexkv.core.procgroup import members
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import MODEL, Serve, Streamed, inflight, post, routed_workers, scrape, stream, total, wait_until  # noqa: E402
+from served import MODEL, Serve, Streamed, inflight, post, routed_workers, scrape, stream, total, wait_until
 
 WORKERS = ("FlexKVWorker-0", "FlexKVWorker-1")
 TRACEBACK = "Traceback (most recent call last)"
@@ -120,21 +120,19 @@ class Graph(Serve):
 
     def close(self) -> None:
         super().close()
-        try:  # after a failure: whatever a broken shutdown left is stopped too (these are ours)
-            for pid in self.pids:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        except Exception:
-            pass
+        # after a failure: whatever a broken shutdown left is stopped too (these are ours)
+        for pid in self.pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def exit_code(graph: Graph, timeout: float) -> int:
     try:
         return graph.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"serve still running {timeout} s later:\n" + "\n".join(graph.lines[-40:]))
+        raise AssertionError(f"serve still running {timeout} s later:\n" + "\n".join(graph.lines[-40:])) from None
 
 
 def streams(graph: Graph, n: int, max_tokens: int = 300, tag: str = "s") -> list:

@@ -58,7 +58,7 @@ MLA_BACKEND = "CPU_MLA"  # vLLM's reference CPU MLA, named: on a host with AMX v
 # runs the same float32 backend with the same tolerance
 
 
-def _check(tmp: Path, model: str, *args: str, env: dict[str, str] = {}) -> dict:
+def _check(tmp: Path, model: str, *args: str, env: dict[str, str] | None = None) -> dict:
     model_dir = write_preset(model, tmp / model, context_length=8192, weights=True)
     out = tmp / "out.json"
     run_env = dict(
@@ -67,7 +67,7 @@ def _check(tmp: Path, model: str, *args: str, env: dict[str, str] = {}) -> dict:
         FLEXKV_CPU_CACHE_GB="0.25",
         FLEXKV_SSD_CACHE_GB="0.5",
         FLEXKV_SSD_CACHE_DIR=str(tmp / "ssd"),
-        **env,
+        **(env or {}),
     )
     r = subprocess.run(
         [

@@ -90,7 +90,7 @@ def watched(tmp_path: Path) -> tuple[Runner, WeightWatch, list[str]]:
     told: list[str] = []
     watch.on_change(told.append)
 
-    def initialize_kv_cache(self: Any) -> None:  # noqa: ARG001 - the frame whose ``self`` is the runner
+    def initialize_kv_cache(self: Any) -> None:
         assert watch.attach_from_caller()
 
     initialize_kv_cache(runner)

@@ -275,7 +275,7 @@ class _Etcd:
         from dynamo_flexkv.serve.infra import etcd_argv
 
         client, peer = free_port(), free_port()
-        self.log = open(os.path.join(tmp, "etcd.log"), "wb")
+        self.log = open(os.path.join(tmp, "etcd.log"), "wb")  # noqa: SIM115 - etcd's, closed in close()
         self.proc = subprocess.Popen(
             etcd_argv(binary, "bench", os.path.join(tmp, "data"), client, peer),
             stdout=self.log,

@@ -90,7 +90,7 @@ class ServedEngine:
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump(dict(spec, role=role), f)
         self.log_path = os.path.join(workdir, f"engine-{role}.log")
-        self._log = open(self.log_path, "w", encoding="utf-8")
+        self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 - the engine's, closed in close()
         self._lines: queue.Queue[str | None] = queue.Queue()
         self.proc = subprocess.Popen(
             [*wrap, sys.executable, "-m", module, "--serve", spec_path],

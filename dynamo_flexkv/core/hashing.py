@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -26,7 +26,7 @@ TOKENS_HASH_SEED: int = _native.TOKENS_HASH_SEED
 _U64 = (1 << 64) - 1
 _MAX_TOKEN = (1 << 32) - 1
 
-TokenIds = Union[Sequence[int], np.ndarray, Any]  # Any: a torch tensor (torch is optional here)
+TokenIds = Sequence[int] | np.ndarray | Any  # Any: a torch tensor (torch is optional here)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ class RequestLog:
     def __init__(self, run_dir: str) -> None:
         self.path = os.path.join(run_dir, FILE)
         self._lock = threading.Lock()
-        self._f = open(self.path, "a", buffering=1)  # line-buffered: whole lines for a reader meanwhile
+        # line-buffered: whole lines for a reader meanwhile; open as long as the log, closed in close()
+        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115
 
     def lookup(
         self,

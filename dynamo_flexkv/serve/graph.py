@@ -83,7 +83,7 @@ def load_graph(path: str) -> Graph:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the user's file may raise anything: one GraphError naming it
         raise GraphError(f"graph file {path} failed to load: {type(e).__name__}: {e}") from None
     graph = getattr(module, "graph", None)
     if not isinstance(graph, Graph):

@@ -198,7 +198,8 @@ class Launcher:
 
     def _spawn(self, proc: Process) -> None:
         restart = proc.name in self.running
-        log_file = open(self.log_dir / f"{proc.name}.log", "a" if restart else "w")  # a restart keeps the old log
+        # a restart keeps the old log; _pump closes it when the process's output ends
+        log_file = open(self.log_dir / f"{proc.name}.log", "a" if restart else "w")  # noqa: SIM115
         if restart:
             log_file.write(f"---- restart {self.restarts[proc.name]} of {proc.name} ----\n")
             log_file.flush()

@@ -167,10 +167,7 @@ def seconds_problem(value: float, low: float, high: float | None, low_ok: bool, 
         return None
     if is_duration(value, low, high, low_ok):
         return None
-    if high is None:
-        want = f"> {low:g} seconds"
-    else:
-        want = f"between {low:g} and {high:g} seconds"
+    want = f"> {low:g} seconds" if high is None else f"between {low:g} and {high:g} seconds"
     return f"{value} must be {'0 (off) or ' if zero_off else ''}{want} (a finite number)"
 
 

@@ -80,7 +80,7 @@ def system_port(name: str, o: Mapping[str, Any], replica: int, ports: PortBook, 
     if first:
         count = o.get("replicas", 1)
         last = first + count - 1
-        if not 0 < first or last > SYSTEM_PORT_MAX:
+        if not first > 0 or last > SYSTEM_PORT_MAX:
             gives = (
                 f" with replicas={count} gives replica {count - 1} port {last}, which"
                 if count > 1 and 0 < first <= SYSTEM_PORT_MAX

@@ -123,9 +123,8 @@ class RedisServer:
         return args + list(self.extra)
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        log = open(os.path.join(self.workdir, "redis.log"), "ab")
-        self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(os.path.join(self.workdir, "redis.log"), "ab") as log:
+            self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

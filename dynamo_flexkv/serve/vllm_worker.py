@@ -275,14 +275,13 @@ def check(name: str, o: dict[str, Any], source: str) -> None:
                 f"{origin_of(source, name, key)}: {name}.{key}={o[key]} must be between 1 and {MAX_PARALLEL}"
             )
     bind = o["cpu-threads-bind"]
-    if bind is not None and bind not in ("auto", "nobind") and ranks(o) > 1:
-        if bind.count("|") + 1 != ranks(o):
-            raise GraphError(
-                f"{origin_of(source, name, 'cpu-threads-bind')}: "
-                f"{name}.cpu-threads-bind={bind!r}: a worker of {ranks(o)} ranks "
-                f"(tensor-parallel-size x data-parallel-size) needs {ranks(o)} core lists joined by "
-                "'|', one per rank (e.g. \"0|1\"); or leave it out: serve gives each rank its share"
-            )
+    if bind is not None and bind not in ("auto", "nobind") and ranks(o) > 1 and bind.count("|") + 1 != ranks(o):
+        raise GraphError(
+            f"{origin_of(source, name, 'cpu-threads-bind')}: "
+            f"{name}.cpu-threads-bind={bind!r}: a worker of {ranks(o)} ranks "
+            f"(tensor-parallel-size x data-parallel-size) needs {ranks(o)} core lists joined by "
+            "'|', one per rank (e.g. \"0|1\"); or leave it out: serve gives each rank its share"
+        )
     if ranks(o) > 1 and o["disaggregation-mode"] != "agg":
         raise GraphError(
             f"{source}: {name}: tensor-parallel-size / data-parallel-size above 1 run aggregated workers "

@@ -20,7 +20,7 @@ def main_child(argv: Sequence[str]) -> None:
     code = 0
     try:
         asyncio.run(coro)
-    except BaseException:  # the orchestrator shows this log's tail
+    except BaseException:  # noqa: BLE001 - printed with its traceback; the orchestrator shows this log's tail
         import traceback
 
         traceback.print_exc()

@@ -107,7 +107,7 @@ class Infra:
                     break
                 except OSError:
                     if time.monotonic() > deadline:
-                        raise RuntimeError("nats-server did not listen within 10 s")
+                        raise RuntimeError("nats-server did not listen within 10 s") from None
                     time.sleep(0.05)
         else:
             raise ValueError(f"unknown transport {transport!r}: zmq or nats")

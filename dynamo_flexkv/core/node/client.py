@@ -320,7 +320,7 @@ class NodeOffload(EngineOffload):
                     self._events(msg)
         except (ProtocolError, ChannelClosed) as e:
             why = str(e)
-        except Exception as e:  # noqa: BLE001 - whatever broke, the engine goes on without the service
+        except Exception as e:  # whatever broke, the engine goes on without the service
             why = f"{type(e).__name__}: {e}"
             log.exception("node cache: reading from the service failed")
         self._lost(conn, why)

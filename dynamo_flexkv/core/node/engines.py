@@ -176,7 +176,7 @@ class Fence:
                 for cb in callbacks:
                     try:
                         cb()
-                    except Exception:  # noqa: BLE001 - a callback bug must not stop the fence
+                    except Exception:  # a callback bug must not stop the fence
                         log.exception("node cache: fence callback failed")
 
     def close(self) -> None:

@@ -17,7 +17,6 @@ import collections
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
 
 from dynamo_flexkv.core.index.cache_engine import Tier, TierRun
 from dynamo_flexkv.core.node.protocol import Event, pack_tokens
@@ -25,7 +24,7 @@ from dynamo_flexkv.core.node.protocol import Event, pack_tokens
 SNAPSHOT_EVENTS_PER_FRAME = 4096
 MAX_PENDING_NAMES = 1 << 20
 
-BlockName = Union[int, bytes]  # the engine's name of a block (vLLM's block hash: an int or bytes)
+BlockName = int | bytes  # the engine's name of a block (vLLM's block hash: an int or bytes)
 
 
 @dataclass

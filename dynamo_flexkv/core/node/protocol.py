@@ -25,7 +25,7 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -215,8 +215,8 @@ class Events(msgspec.Struct, tag="events", forbid_unknown_fields=True):
     resync: bool = False  # the engine forgets every tier block it announced before these
 
 
-ToService = Union[Attach, Lookup, Load, Store, Prefetch, Cancel, OpDone, Observe, Call, Detach, Admin]
-ToEngine = Union[Attached, Reply, RunOp, TaskDone, Events]
+ToService = Attach | Lookup | Load | Store | Prefetch | Cancel | OpDone | Observe | Call | Detach | Admin
+ToEngine = Attached | Reply | RunOp | TaskDone | Events
 
 _encoder = msgspec.msgpack.Encoder()
 _to_service = msgspec.msgpack.Decoder(ToService)

@@ -155,7 +155,7 @@ class Session:
                 pass
         except ChannelClosed as e:
             why = str(e)
-        except Exception as e:  # noqa: BLE001 - a bug here must end this engine's session only
+        except Exception as e:  # a bug here must end this engine's session only
             why = f"service error: {type(e).__name__}: {e}"
             log.exception("node cache: engine pid %d: session failed", self.pid)
         self.close(why)

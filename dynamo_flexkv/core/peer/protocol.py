@@ -17,7 +17,7 @@ import enum
 import hashlib
 import hmac
 import json
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -93,8 +93,8 @@ class Refused(msgspec.Struct, tag="refused", forbid_unknown_fields=True):
     message: str
 
 
-ToSource = Union[Pull, Release]
-ToReceiver = Union[Pinned, Refused]
+ToSource = Pull | Release
+ToReceiver = Pinned | Refused
 _encoder = msgspec.msgpack.Encoder()
 _to_source = msgspec.msgpack.Decoder(ToSource)
 _to_receiver = msgspec.msgpack.Decoder(ToReceiver)

@@ -307,7 +307,7 @@ class PeerSource:
         self.stats.pinned_blocks -= pin.blocks
         try:
             self.kv.unpin(pin.key)
-        except Exception:  # noqa: BLE001 - a closed manager released everything already
+        except Exception:  # a closed manager released everything already
             log.debug("peer source: unpin of %s failed", pin.key, exc_info=True)
 
     # ---- leases --------------------------------------------------------------------------------------

@@ -15,13 +15,12 @@ import os
 import socket
 import ssl
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import xxhash
 
 from dynamo_flexkv.core.errors import FlexKVError
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 _IOV_MAX = 1024  # Linux UIO_MAXIOV
 _RX_BYTES = 64 << 10

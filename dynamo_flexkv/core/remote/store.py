@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +47,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Hashes = Union[Sequence[int], Any]  # a list of ints or a numpy uint64 array
+Hashes = Sequence[int] | Any  # a list of ints or a numpy uint64 array
 _U64 = (1 << 64) - 1
 
 

@@ -134,7 +134,7 @@ class TransferRunner:
             try:
                 nbytes = int(mover.run(op))
                 error = None
-            except BaseException as e:  # any failure of a copy fails its graph, never the worker
+            except BaseException as e:  # noqa: BLE001 - any failure of a copy fails its graph, never the worker
                 nbytes, error = 0, e
             self._settle(graph, op, error, nbytes)
 

@@ -581,7 +581,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
 def _context_id(context) -> str:
     try:
         return str(context.id())
-    except Exception:  # a context without an id (direct calls in tests)
+    except (AttributeError, TypeError):  # a context without an id (direct calls in tests)
         return f"ctx-{id(context)}"
 
 

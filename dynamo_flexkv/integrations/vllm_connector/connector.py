@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -123,7 +124,7 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
         remote tier keeps its copies."""
         self._worker_side().reset_tiers(timeout)
 
-    def _cpu_binding(self) -> ContextManager[None]:
+    def _cpu_binding(self) -> AbstractContextManager[None]:
         """On a CPU platform, the threads started inside share the worker's bind cores and this
         thread, the model's, ends on its own core (cpu_affinity.py): once when created
         (NixlConnector before us) and once when the caches arrive (NixlConnector after us)."""

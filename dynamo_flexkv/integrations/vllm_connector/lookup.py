@@ -23,7 +23,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Optional
 
 import msgspec
 import numpy as np
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 # the blocks beyond vLLM's with recomputing them, in a prompt that long)
 # A router hint rides along as (source endpoint, leading blocks it names, why unusable or ""), or
 # None (hints.py): the worker pulls what it lacks of those blocks before it answers.
-Hint = Optional[tuple[str, int, str]]
+Hint = tuple[str, int, str] | None
 LookupFn = Callable[[np.ndarray, str | None, str | None, int, int, Hint], int]
 ResetFn = Callable[[], bool]  # drops what the tiers hold; False when it could not
 AdminFn = Callable[[bytes], bytes]  # an operator's cache request as JSON -> its answer as JSON
@@ -99,7 +98,7 @@ class LookupServer:
                 hint = (str(rest[0][0]), int(rest[0][1]), str(rest[0][2])) if rest and rest[0] else None
                 # the ids stay a uint32 array: the tiers hash it and the node client sends it as is
                 args = (np.frombuffer(tokens, dtype="<u4"), lora, salt, int(prompt_tokens), int(local_blocks), hint)
-            except Exception:  # noqa: BLE001 - a lookup that cannot be read is a miss
+            except Exception:  # a lookup that cannot be read is a miss
                 log.exception("flexkv lookup: a request that does not decode; answering 0 cached tokens")
                 self.failed += 1
                 args = None
@@ -114,7 +113,7 @@ class LookupServer:
     def _answer(self, args: tuple) -> int:
         try:
             return int(self._lookup(*args))
-        except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
+        except Exception:  # a lookup that fails is a miss, the worker goes on
             log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
             self.failed += 1
             return 0
@@ -149,7 +148,7 @@ class LookupServer:
             return False
         try:
             return bool(self._reset())
-        except Exception:  # noqa: BLE001 - the scheduler hears "not reset", the worker goes on
+        except Exception:  # the scheduler hears "not reset", the worker goes on
             log.exception("flexkv: resetting the tiers failed")
             return False
 
@@ -159,7 +158,7 @@ class LookupServer:
         else:
             try:
                 answer = self._admin(body)
-            except Exception as e:  # noqa: BLE001 - the operator hears it, the worker goes on
+            except Exception as e:  # the operator hears it, the worker goes on
                 log.exception("flexkv: a cache request failed")
                 answer = msgspec.json.encode({"status": "error", "message": f"{type(e).__name__}: {e}"})
         self._post([ident, seq, answer], lookup=False)

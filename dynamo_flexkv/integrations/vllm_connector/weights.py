@@ -215,7 +215,7 @@ class WeightWatch:
         for listener in self._listeners:
             try:
                 listener(version)
-            except Exception:  # noqa: BLE001 - never fail the user's update; readers compare version()
+            except Exception:  # never fail the user's update; readers compare version()
                 log.exception("FlexKVConnector: acting on the weight change failed; retried at the next lookup")
 
     def _next_version(self, method: str, runner: Any, failed: bool, args: tuple, kwargs: dict) -> str:
@@ -228,7 +228,7 @@ class WeightWatch:
         if from_dir and self._model_id_of is not None:
             try:
                 return "model:" + self._model_id_of(runner.vllm_config)
-            except Exception:  # noqa: BLE001 - no id of the directory: a version of this engine's own
+            except Exception:  # no id of the directory: a version of this engine's own
                 log.exception("FlexKVConnector: naming the reloaded weights failed")
         return f"update:{self.nonce}:{n}"
 

@@ -401,7 +401,7 @@ class WorkerSide:
                     self._saving[save.req_id] = self._saving.get(save.req_id, 0) + started
                 else:
                     self._saved.add(save.req_id)
-            except Exception:  # noqa: BLE001 - a store that cannot start frees its blocks at once
+            except Exception:  # a store that cannot start frees its blocks at once
                 log.exception("FlexKVConnector: storing request %s failed; its blocks are released", save.req_id)
                 self._saved.add(save.req_id)
         if self.handover is not None:
@@ -727,7 +727,7 @@ class WorkerSide:
             return True
         try:
             return self._tell_weights(version)
-        except Exception:  # noqa: BLE001 - a miss now, told at the next lookup or load
+        except Exception:  # a miss now, told at the next lookup or load
             log.exception("FlexKVConnector: telling the tiers of the weight change failed; treated as a miss")
             return False
 
