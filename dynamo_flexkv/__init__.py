@@ -2,7 +2,8 @@
 
 from dynamo_flexkv.core.errors import FlexKVError
 
-__version__ = "0.1.0"
+# The one place the version is written (pyproject.toml reads it from here); CHANGELOG.md says what it brought.
+__version__ = "0.2.0"
 
 __all__ = [
     "FlexKVError",
