@@ -1,5 +1,7 @@
 """dynamo_flexkv: multi-tier KV-cache offload for NVIDIA Dynamo."""
 
+from typing import Any
+
 from dynamo_flexkv.core.errors import FlexKVError
 
 # The one place the version is written (pyproject.toml reads it from here); CHANGELOG.md says what it brought.
@@ -22,7 +24,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Lazy: `import dynamo_flexkv.core.hashing` must not pull in torch and the data plane.
     if name == "KVManager":
         from dynamo_flexkv.core.manager import KVManager

@@ -14,6 +14,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 from dynamo_flexkv.core.errors import FlexKVError
@@ -302,7 +303,7 @@ def _ask_vllm(path: str, req: CacheRequest) -> CacheReport:
 
     from dynamo_flexkv.integrations.vllm_connector.lookup import ADMIN_SEQ
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect("ipc://" + path)
@@ -366,9 +367,9 @@ def render(report: CacheReport, address: str) -> str:
             lines.append("  nothing to clear: no namespace")
         for done in report.cleared:
             lines.append(f"  {_who(done.model_id, done.tenant, done.shard)}: cleared")
-            for t in done.tiers:
-                kept = "; ".join(f"{n} {KEPT_WHY.get(why, why)}" for why, n in t.kept.items())
-                lines.append(f"    {t.tier:<7} {t.cleared} block(s) cleared" + (f", kept {kept}" if kept else ""))
+            for tier in done.tiers:
+                kept = "; ".join(f"{n} {KEPT_WHY.get(why, why)}" for why, n in tier.kept.items())
+                lines.append(f"    {tier.tier:<7} {tier.cleared} block(s) cleared" + (f", kept {kept}" if kept else ""))
             if done.note:
                 lines.append(f"    note: {done.note}")
     return "\n".join(lines) + "\n"
@@ -382,7 +383,7 @@ def _who(model: str, tenant: str, shard: str) -> str:
     )
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["    " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
 

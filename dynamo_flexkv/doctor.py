@@ -13,6 +13,10 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.core.config import CacheConfig
 
 
 class Status(str, Enum):
@@ -216,7 +220,7 @@ def check_dynamo() -> Check:
     return Check("Dynamo runtime", Status.OK, f"ai-dynamo-runtime {version('ai-dynamo-runtime')}; {backend}")
 
 
-def check_config(config=None) -> tuple[Check, object | None]:
+def check_config(config: CacheConfig | None = None) -> tuple[Check, CacheConfig | None]:
     """The configuration (file and FLEXKV_* environment) and the CacheConfig it makes (None when it
     cannot be loaded: the check, "invalid", says why, naming the key, where its value came from and
     the fix)."""

@@ -89,19 +89,24 @@ class _Prefill:
             stdout=subprocess.PIPE,
             text=True,
         )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
 
     def hand_over(self, prompt: list[int]) -> HandoverParams:
-        self.proc.stdin.write(json.dumps(prompt) + "\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps(prompt) + "\n")
+        self.stdin.flush()
         while True:
-            line = self.proc.stdout.readline()
+            line = self.stdout.readline()
             if not line:
                 raise RuntimeError(f"the prefill process exited ({self.proc.wait()})")
             if line.startswith(MARK):  # NIXL logs to stdout too
-                return HandoverParams.from_dict(json.loads(line[len(MARK) :]))
+                params = HandoverParams.from_dict(json.loads(line[len(MARK) :]))
+                if params is None:
+                    raise RuntimeError("the prefill process handed over nothing (no handover in its params)")
+                return params
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        self.stdin.close()
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -150,6 +155,8 @@ def _stream(base_url: str, model: str, prompt: list[int], max_tokens: int) -> tu
     from urllib.parse import urlparse
 
     u = urlparse(base_url)
+    if u.hostname is None:
+        raise ValueError(f"{base_url!r}: not an http://host:port URL")
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
     body = json.dumps(
         {

@@ -18,6 +18,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -157,7 +158,8 @@ def run(args: argparse.Namespace) -> list[Case]:
         queries = make_queries(spec, all_prompts[spec.label], rng, 8)
         for q in queries:  # both indexes must agree before we time them
             ours_len = engine.match(block_hashes(q, BLOCK).sequence).num_blocks
-            scores = tree.find_matches(compute_block_hash_for_seq(q, BLOCK)).scores
+            # Dynamo's stub says dict[int, int]; its keys are (worker_id, dp_rank)
+            scores: dict[Any, int] = tree.find_matches(compute_block_hash_for_seq(q, BLOCK)).scores
             if ours_len != scores.get((WORKER, 0), 0):
                 raise RuntimeError(f"match disagrees at {spec.label}: ours {ours_len}, Dynamo {scores}")
         per_ours, per_dyn = [], []

@@ -62,7 +62,7 @@ def best_of(fn: Callable[[], None], repeat: int) -> float:
     return paired(fn, None, repeat)[0]
 
 
-def paired(ours: Callable[[], None], base: Callable[[], None] | None, repeat: int) -> tuple[float, float]:
+def paired(ours: Callable[[], object], base: Callable[[], object] | None, repeat: int) -> tuple[float, float]:
     """Median seconds of ``ours`` and ``base``, run alternately so drift on a shared machine hits
     both sides alike; one warm-up each (first-touch page faults are not the link)."""
     fns = [f for f in (ours, base) if f is not None]
@@ -101,9 +101,11 @@ def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> 
         if where == "cuda":  # baseline: one pinned<->device DMA of the same bytes
             a, b = (host_bytes, scratch) if kind is OpKind.D2H else (scratch, host_bytes)
 
-            def base_fn(a=a, b=b) -> None:
+            def dma(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
                 a.copy_(b, non_blocking=True)
                 torch.cuda.synchronize()
+
+            base_fn: Callable[[], None] = dma
 
             base_name, note = "contiguous pinned<->device copy", f"{n} random blocks, CUDA"
         else:
@@ -111,8 +113,10 @@ def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> 
                 (host.base, scratch.data_ptr()) if kind is OpKind.D2H else (scratch.data_ptr(), host.base)
             )
 
-            def base_fn(base_dst=base_dst, base_src=base_src) -> None:
+            def contiguous(base_dst: int = base_dst, base_src: int = base_src) -> None:
                 _native.copy_chunks(one(base_dst), one(base_src), one(nbytes), THREADS)
+
+            base_fn = contiguous
 
             base_name, note = "contiguous copy, same bytes and threads", f"{THREADS} threads"
         ours, base = paired(lambda: mover.run(TransferOp(kind, src, dst)), base_fn, repeat)

@@ -103,6 +103,7 @@ def run(args) -> list[Case]:
             stderr=subprocess.STDOUT,
             text=True,
         )
+        assert server.stdout is not None  # PIPE
         try:
             for line in server.stdout:
                 if "cache server ready on" in line:

@@ -128,7 +128,7 @@ def compare(spec: ModelSpec, bs: int, tokens: int, repeat: int) -> list[Case]:
                         first = time.perf_counter() - t0
                 return first, time.perf_counter() - t0
 
-            rows = {"engine": [], "service": []}
+            rows: dict[str, list[tuple[float, float]]] = {"engine": [], "service": []}
             for i in range(repeat + 1):
                 for name, fn in (("engine", engine_driven), ("service", service_driven)):  # alternated
                     got = fn()

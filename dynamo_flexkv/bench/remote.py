@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -165,7 +166,7 @@ def _benchmark_keys(ports: list[int], n: int) -> dict[int, list[bytes]]:
             probes = conn.call(b"KEYS", b"key:*:000000000000")
         finally:
             conn.close()
-        if len(probes) != 1:
+        if not isinstance(probes, list) or len(probes) != 1:
             raise RuntimeError(f"expected one redis-benchmark probe key on node {port}, found {probes}")
         tag = probes[0][: -len(b"000000000000")]
         out[port] = [tag + b"%012d" % i for i in range(n)]
@@ -186,15 +187,26 @@ def _populate(ports: list[int], value_bytes: int, n: int, depth: int) -> None:
             conn.close()
 
 
+def _remote_hits(kv: Any) -> int:
+    """The remote tier's hits so far (the managers here are opened with one)."""
+    remote = kv.stats().remote
+    if remote is None:
+        raise RuntimeError("bench remote: a manager without its remote tier")
+    return int(remote.hits)
+
+
 def _keyspace_misses(ports: list[int]) -> int:
     total = 0
     for port in ports:
         conn = RespConnection("127.0.0.1", port, timeout_s=30, connect_timeout_s=5)
         try:
-            info = conn.call(b"INFO", b"stats").decode()
+            reply = conn.call(b"INFO", b"stats")
         finally:
             conn.close()
-        total += int(re.search(r"keyspace_misses:(\d+)", info).group(1))
+        found = re.search(r"keyspace_misses:(\d+)", reply.decode() if isinstance(reply, bytes) else "")
+        if found is None:
+            raise RuntimeError(f"node {port}: INFO stats has no keyspace_misses: {reply!r:.200}")
+        total += int(found.group(1))
     return total
 
 
@@ -306,7 +318,10 @@ def link_cases(
                 )
             store.delete(seq)
             store.close()
-            src = dst = src_rows = dst_rows = None  # this size's buffers go before the next one's
+            # this size's buffers go before the next one's
+            src_rows.clear()
+            dst_rows.clear()
+            src = dst = np.empty((0, block), dtype=np.uint8)
     finally:
         if store is not None:
             store.close()
@@ -359,7 +374,7 @@ def _ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
                     if not writer.drain(120):
                         raise RuntimeError("remote writes still running after 120 s")
                     reader.reset()  # the reader's own tiers hold nothing: only Redis has the prefix
-                    hits = reader.stats().remote.hits
+                    hits = _remote_hits(reader)
 
                     def recompute() -> int:
                         t, tok = first_token(None, prompt)
@@ -378,13 +393,13 @@ def _ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
                     else:
                         got = from_remote()
                         want = recompute()
-                    if reader.stats().remote.hits < hits + int(size * 0.9) // cfg.block_size:
+                    if _remote_hits(reader) < hits + int(size * 0.9) // cfg.block_size:
                         raise RuntimeError("the measured request did not load its prefix from Redis")
                     if got != want:
                         raise RuntimeError(f"remote-loaded first token {got} != recomputed {want}")
                     if not reader.drain(120):
                         raise RuntimeError("reader tasks still running after 120 s")
-                hits = reader.stats().remote.hits
+                hits = _remote_hits(reader)
                 cases.append(
                     Case(
                         "remote",

@@ -128,6 +128,8 @@ def _raw_reads(worker, source: dict[str, Any], max_blocks: int, count: int):
         "decode",
     )
     p = HandoverParams.from_dict(source)
+    if p is None:
+        raise ValueError("bench disagg --vllm: the prefill's kv_transfer_params carry no handover")
     n = min(count, len(p.blocks))
     if n > max_blocks:
         raise ValueError(f"bench disagg --vllm: {n} blocks exceed the raw agent's {max_blocks}")
@@ -180,6 +182,7 @@ def serve(spec: dict[str, Any]) -> None:
     prefill ``{"prompt"}`` -> ``{"params", "raw"}``; decode ``{"op": "handover", "prompt", "params"}``
     -> ``{"seconds", "blocks", "bytes"}`` and ``{"op": "raw", "raw"}`` -> ``{"seconds"}``."""
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc pickles this module's rpc_*
     if spec.get("engine_core_cpus"):  # this process and its engine core; the worker binds its own (below)
@@ -201,7 +204,7 @@ def serve(spec: dict[str, Any]) -> None:
         if not line.strip():
             continue
         cmd = json.loads(line)
-        prompt = [{"prompt_token_ids": cmd.get("prompt", [])}]
+        prompt = [TokensPrompt(prompt_token_ids=cmd.get("prompt", []))]
         if cmd["op"] == "handover" and cmd.get("raw"):  # the baseline read, inside the same step
             llm.collective_rpc(rpc_raw_in_next_handover, args=(bool(cmd["raw_first"]),))
         if cmd["op"] == "prefill":
@@ -212,9 +215,11 @@ def serve(spec: dict[str, Any]) -> None:
                 ),
                 use_tqdm=False,
             )[0]
+            if out.kv_transfer_params is None:
+                raise RuntimeError("bench disagg --vllm: the prefill returned no kv_transfer_params")
             params = dict(out.kv_transfer_params)
             blocks = params[HANDOVER_KEY]["blocks"]
-            rec = {"params": params, "raw": llm.collective_rpc(rpc_raw_source, args=(list(blocks),))[0]}
+            rec: dict[str, Any] = {"params": params, "raw": llm.collective_rpc(rpc_raw_source, args=(list(blocks),))[0]}
         elif cmd["op"] == "handover":
             seen = len(llm.collective_rpc(rpc_handovers)[0])
             llm.generate(
@@ -280,7 +285,7 @@ def _off_decode_cores() -> Iterator[None]:
         pin(cores)
 
 
-def _engines(workdir: str, model_dir: str, where: str, nodes, verify: str = "owner") -> list[Any]:
+def _engines(workdir: str, model_dir: str | os.PathLike[str], where: str, nodes, verify: str = "owner") -> list[Any]:
     from dynamo_flexkv.bench.vllm_pair import ServedEngine
     from dynamo_flexkv.bench.vllm_setup import engine_env
 
@@ -381,7 +386,7 @@ def _handover_cases(
             f"ratios {statistics.median(r / o for r, o in zip(raw, ours)):.2f}, their range "
             f"{min(r / o for r, o in zip(raw, ours)):.2f}-{max(r / o for r, o in zip(raw, ours)):.2f}"
         )
-        if link:
+        if link and link_before is not None:
             after = link[0].link_bytes(link[1].name)
             note += f"; node C's link received {after['rx'] - link_before['rx']:,} B"
         mode = f"{verify}-"
@@ -444,16 +449,17 @@ def run(args: argparse.Namespace) -> list[Case]:
         for verify in modes:
             engines = _engines(workdir, model_dir, where, pair, verify)
             try:
-                for e in engines:
-                    e.wait_ready(600)
+                for eng in engines:
+                    eng.wait_ready(600)
                 link = (nodes, pair[1]) if nodes else None
+                prefill, decode = engines
                 with _off_decode_cores():
                     cases += _handover_cases(
-                        where, *engines, sizes, repeat, seed=11, link=link, verify=verify, model=model
+                        where, prefill, decode, sizes, repeat, seed=11, link=link, verify=verify, model=model
                     )
             finally:
-                for e in engines:
-                    e.stop()
+                for eng in engines:
+                    eng.stop()
     for n in notes:
         print(f"bench disagg --vllm: {n}")
     from dynamo_flexkv.bench.disagg import serving_cases

@@ -23,10 +23,13 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.vllm_setup import ROLES, cached_tokens, fresh_prompt, prefix_prompt, suffix
+
+if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
 
 TINY = [5, 6, 7]  # a step that computes nothing worth storing (less than one block)
 PROGRESS = "bench vllm |"  # lines the parent echoes
@@ -88,7 +91,7 @@ class Engine:
         self.info: dict[str, Any] = {"platform": _platform()}
 
     def generate(self, prompt: list[int]):
-        return self.llm.generate([{"prompt_token_ids": prompt}], self.sp, use_tqdm=False)[0]
+        return self.llm.generate([_tokens_prompt(prompt)], self.sp, use_tqdm=False)[0]
 
     def timed(self, case: str, prompt: list[int]) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -119,7 +122,7 @@ class Engine:
         while not self.llm.reset_prefix_cache():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM's blocks still held after {timeout} s (stores not finished)")
-            self.llm.generate([{"prompt_token_ids": TINY}], self.tiny_sp, use_tqdm=False)
+            self.llm.generate([_tokens_prompt(TINY)], self.tiny_sp, use_tqdm=False)
             time.sleep(0.01)
         if self.ours and not self.rpc(rpc_drain, timeout):
             raise RuntimeError(f"FlexKVConnector writes still running after {timeout} s")
@@ -133,6 +136,12 @@ class Engine:
         return self.rpc(rpc_tier_stats) if self.ours else {}
 
 
+def _tokens_prompt(ids: list[int]) -> TokensPrompt:
+    from vllm.inputs import TokensPrompt  # vLLM is imported only where an engine runs
+
+    return TokensPrompt(prompt_token_ids=ids)
+
+
 def _platform() -> str:
     from vllm.platforms import current_platform
 
@@ -140,7 +149,8 @@ def _platform() -> str:
 
 
 def _delta(after: dict[str, Any], before: dict[str, Any], *path: str) -> int:
-    a, b = after, before
+    a: Any = after
+    b: Any = before
     for p in path:
         a, b = a.get(p, {}), b.get(p, {})
     return int(a or 0) - int(b or 0)

@@ -72,16 +72,18 @@ class NodeCacheServer:
             *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")),
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXKV_")}  # the sets above, nothing else
-        log = open(os.path.join(self.workdir, "cache-server.log"), "w", encoding="utf-8")  # noqa: SIM115 - pump() closes it
-        self.proc = subprocess.Popen(
+        log = open(os.path.join(self.workdir, "cache-server.log"), "w", encoding="utf-8")  # noqa: SIM115 - pump closes it
+        self.proc = proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
+        stdout = proc.stdout
+        assert stdout is not None  # PIPE
         import threading
 
         ready = threading.Event()
 
         def pump() -> None:
-            for line in self.proc.stdout:
+            for line in stdout:
                 log.write(line)
                 log.flush()
                 if READY in line:

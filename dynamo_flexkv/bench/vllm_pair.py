@@ -102,10 +102,12 @@ class ServedEngine:
             errors="replace",
             start_new_session=True,
         )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
-        for line in self.proc.stdout:
+        for line in self.stdout:
             self._log.write(line)
             self._log.flush()
             if line.startswith(PROGRESS):
@@ -131,8 +133,8 @@ class ServedEngine:
 
     def call(self, cmd: dict[str, Any], timeout_s: float, waiting_for: str) -> dict[str, Any]:
         """Sends one command line and returns its RESULT."""
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps(cmd) + "\n")
+        self.stdin.flush()
         return json.loads(self._next(timeout_s, waiting_for)[len(RESULT) :])
 
     def request(self, case: str, size: int, index: int, timeout_s: float) -> dict[str, Any]:
@@ -140,7 +142,7 @@ class ServedEngine:
 
     def stop(self) -> None:
         try:
-            self.proc.stdin.close()
+            self.stdin.close()
         except OSError:
             pass
         # stdin closed: the engine and its vLLM processes exit by themselves; signals only if not

@@ -316,6 +316,8 @@ def run_engine(role: str, spec: dict[str, Any], env: dict[str, str], workdir: st
         )
         killer = threading.Timer(timeout_s, stop_group, (p, STOP_GRACE_S))  # past the timeout the run fails
         killer.start()
+        assert p.stdout is not None  # PIPE
+        rc: int | str
         try:
             for line in p.stdout:
                 log.write(line)

@@ -12,8 +12,13 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from dynamo_flexkv.core.hashing import TokenIds
 
-def device_ids(token_ids: Sequence[int], device_block_ids: Any, tokens_per_block: int, num_blocks: int) -> np.ndarray:
+# Device block ids as callers pass them: a list or tuple, a numpy array or a tensor of integers.
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def device_ids(token_ids: TokenIds, device_block_ids: BlockIds, tokens_per_block: int, num_blocks: int) -> np.ndarray:
     """The ids of the full blocks, as int64; refuses non-integers and repeated ids (one device
     block cannot hold two blocks: a put would store its bytes under both hashes, a get would
     scatter both blocks into it)."""
@@ -76,7 +81,7 @@ def skip_blocks(value: Any, n_tokens: int, tokens_per_block: int) -> int:
     return int(value)
 
 
-def integer_array(device_block_ids, num_blocks: int) -> np.ndarray:
+def integer_array(device_block_ids: BlockIds, num_blocks: int) -> np.ndarray:
     """device_block_ids (list, tuple, numpy array or tensor of integers, each in [0, num_blocks))
     as a flat int64 array."""
     if isinstance(device_block_ids, torch.Tensor):
@@ -142,5 +147,5 @@ def left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def int_list(hashes) -> list[int]:
+def int_list(hashes: Sequence[int] | np.ndarray) -> list[int]:
     return hashes.tolist() if isinstance(hashes, np.ndarray) else [int(x) for x in hashes]

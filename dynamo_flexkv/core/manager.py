@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dynamo_flexkv.core import arguments
+from dynamo_flexkv.core.arguments import BlockIds
 from dynamo_flexkv.core.arguments import deadline as _deadline
 from dynamo_flexkv.core.arguments import int_list as _int_list
 from dynamo_flexkv.core.arguments import left as _left
@@ -32,9 +33,9 @@ from dynamo_flexkv.core.config import CacheConfig, ConfigError, GiB
 from dynamo_flexkv.core.cost import CostModel, LoadDecision, Segment
 from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
 from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
-from dynamo_flexkv.core.hashing import namespaced_hashes
+from dynamo_flexkv.core.hashing import BlockHashes, TokenIds, namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
-from dynamo_flexkv.core.index.cache_engine import IndexListener, TierRun
+from dynamo_flexkv.core.index.cache_engine import GetPlan, IndexListener, TierRun
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError
 from dynamo_flexkv.core.inventory import (
     REMOTE_NOT_CLEARED,
@@ -257,7 +258,9 @@ class KVManager:
         n = self.remote.exists_prefix(hashes[lo:])
         return (lo, lo + n) if n else None
 
-    def _make_disk_mover(self):
+    def _make_disk_mover(self) -> DiskMover:
+        if self.ssd is None:
+            raise RuntimeError("KVManager: a disk mover without a disk tier")
         if self.config.enable_nixl:
             from dynamo_flexkv.core.transfer.nixl_mover import NixlDiskMover
 
@@ -282,11 +285,15 @@ class KVManager:
         return self.cache.announce(self._adopted_runs)
 
     # ---- queries -------------------------------------------------------------------------------
-    def hashes(self, token_ids, *, lora_name: str | None = None, cache_salt: str | None = None):
+    def hashes(
+        self, token_ids: TokenIds, *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> BlockHashes:
         self._check_open("hashes")
         return namespaced_hashes(token_ids, self.tokens_per_block, self._hash_namespace, lora_name, cache_salt)
 
-    def _task_hashes(self, token_ids, lora_name: str | None, cache_salt: str | None):
+    def _task_hashes(
+        self, token_ids: TokenIds, lora_name: str | None, cache_salt: str | None
+    ) -> tuple[int, BlockHashes]:
         """A task's hashes and the generation they belong to (the cache engine plans and commits
         nothing of a task whose generation is no longer current: weights_changed)."""
         self._check_open("hashes")
@@ -342,7 +349,9 @@ class KVManager:
         log.info("weights changed to %r: %d blocks of the weights before dropped from host and disk", version, dropped)
         return dropped
 
-    def match(self, token_ids, *, lora_name: str | None = None, cache_salt: str | None = None) -> dict[str, int]:
+    def match(
+        self, token_ids: TokenIds, *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> dict[str, int]:
         """Cached prefix in tokens per tier (no side effects)."""
         self._check_open("match")
         seq = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence
@@ -356,8 +365,8 @@ class KVManager:
     # ---- tasks ---------------------------------------------------------------------------------
     def get_async(
         self,
-        token_ids,
-        device_block_ids,
+        token_ids: TokenIds,
+        device_block_ids: BlockIds,
         *,
         skip_blocks: int = 0,
         layerwise: bool = False,
@@ -423,7 +432,7 @@ class KVManager:
 
     def pull_decision(
         self,
-        token_ids,
+        token_ids: TokenIds,
         peer_blocks: int,
         *,
         prompt_tokens: int,
@@ -450,7 +459,7 @@ class KVManager:
 
     def loadable_tokens(
         self,
-        token_ids,
+        token_ids: TokenIds,
         *,
         prompt_tokens: int | None = None,
         layerwise: bool = True,
@@ -479,7 +488,7 @@ class KVManager:
 
     def lookup_decision(
         self,
-        token_ids,
+        token_ids: TokenIds,
         *,
         prompt_tokens: int | None = None,
         layerwise: bool = True,
@@ -504,7 +513,7 @@ class KVManager:
 
     def prefetch_async(
         self,
-        token_ids,
+        token_ids: TokenIds,
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
@@ -528,8 +537,8 @@ class KVManager:
 
     def put_async(
         self,
-        token_ids,
-        device_block_ids,
+        token_ids: TokenIds,
+        device_block_ids: BlockIds,
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
@@ -790,7 +799,9 @@ class KVManager:
         remote = self.remote.config.redacted_url if self.remote is not None else None
         return Contents(self.model_id, self.namespace or "", tiers, remote=remote)
 
-    def prefix_blocks(self, token_ids, *, lora_name: str | None = None, cache_salt: str | None = None) -> PrefixBlocks:
+    def prefix_blocks(
+        self, token_ids: TokenIds, *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> PrefixBlocks:
         """Which tiers hold which of the prompt's full blocks (each tier a leading run of them; the
         remote tier as its store answers now). No side effects: nothing is touched or counted."""
         self._check_open("prefix_blocks")
@@ -854,7 +865,7 @@ class KVManager:
         self._check_open("__enter__")
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     # ---- peers (core/peer/: another worker pulls host blocks over NIXL) --------------------------------
@@ -881,7 +892,9 @@ class KVManager:
         self._check_open("unpin")
         self.cache.abort_task(key)
 
-    def stage_host(self, key: Any, token_ids, hashes: Sequence[int], end: int, generation: int) -> TierRun | None:
+    def stage_host(
+        self, key: Any, token_ids: TokenIds, hashes: Sequence[int], end: int, generation: int
+    ) -> TierRun | None:
         """New, invisible host blocks for [h, end) of ``hashes`` (h: host's ready prefix) that a
         peer's bytes fill; ``commit_staged`` makes the verified ones visible. None when nothing can
         be staged (host holds it, another task fills it, no room, or the weights changed since
@@ -951,7 +964,7 @@ class KVManager:
             task.finish(TaskResult(task.id, kind, TaskStatus.FAILED, error=f"refused: {e}"))  # wakes no one
             raise
 
-    def _plan_tokens(self, task: Task, plan) -> None:
+    def _plan_tokens(self, task: Task, plan: GetPlan) -> None:
         tpb = self.tokens_per_block
         task.planned_tokens = plan.num_blocks * tpb
         if plan.disk_reads is not None:  # blocks the caller skips are not read
@@ -999,11 +1012,13 @@ class KVManager:
         with self._table.awaited(task_ids) as tasks:
             yield tasks
 
-    def _device_ids(self, token_ids, device_block_ids, device: EngineDevice | None = None) -> np.ndarray:
+    def _device_ids(
+        self, token_ids: TokenIds, device_block_ids: BlockIds, device: EngineDevice | None = None
+    ) -> np.ndarray:
         num_blocks = device.num_blocks if device is not None else self._registered_device().num_blocks
         return arguments.device_ids(token_ids, device_block_ids, self.tokens_per_block, num_blocks)
 
-    def _attach_tokens(self, token_ids, *runs, always: bool = False) -> None:
+    def _attach_tokens(self, token_ids: TokenIds, *runs: TierRun | None, always: bool = False) -> None:
         """New runs carry their tokens so the events they cause can name them."""
         if self.cache.listener is None and not always:
             return

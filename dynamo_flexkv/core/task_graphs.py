@@ -114,7 +114,7 @@ class GraphBuilder:
             dst = dev_ids[reads_h.start : reads_h.end]
             for lo, hi in layers:
 
-                def layer_landed(op: TransferOp, lo=lo, hi=hi) -> None:
+                def layer_landed(op: TransferOp, lo: int = lo, hi: int = hi) -> None:
                     for i in range(lo, hi):
                         task.layer_ready[i].set()
 

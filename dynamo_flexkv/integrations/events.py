@@ -74,7 +74,7 @@ class KvEventRelay:
             raise ValueError(f"max_pending_blocks={max_pending_blocks} must be >= 1")
         self.block_size, self.dp_rank, self.topic = block_size, dp_rank, topic.encode()
         self.flush_interval, self.max_pending_blocks = flush_interval, max_pending_blocks
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.XPUB)  # a PUB that also tells us when someone subscribed
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.bind(endpoint)

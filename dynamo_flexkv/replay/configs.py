@@ -368,7 +368,7 @@ def serve_and_replay(
         target = ReplayTarget(
             plan.base_url,
             plan.served_model_name,
-            {p.name: p.port for p in plan.workers},
+            {p.name: p.port for p in plan.workers if p.port is not None},
             launcher.check_alive,
             model_dir,
             worker_endpoints(plan.workers),
@@ -521,7 +521,8 @@ def attribute_workers(run: ConfigRun) -> dict[str, list[RequestRecord]]:
     out: dict[str, list[RequestRecord]] = {name: [] for name in run.workers}
     for r in run.records:
         if r.error is None:
-            out.setdefault(run.worker_names.get(r.worker_id, f"unknown-{r.worker_id}"), []).append(r)
+            name = run.worker_names.get(r.worker_id) if r.worker_id is not None else None
+            out.setdefault(name or f"unknown-{r.worker_id}", []).append(r)
     return out
 
 

@@ -129,9 +129,10 @@ def summarize(run: ConfigRun, base_time_scale: float | None = None) -> Summary:
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     itl = [x for r in ok for x in r.itl_ms]
     prompt = sum(r.prompt_tokens for r in ok)
-    per_request = all(r.cached_by_tier is not None for r in ok) and bool(ok)
+    by_tier = [r.cached_by_tier for r in ok if r.cached_by_tier is not None]
+    per_request = len(by_tier) == len(ok) and bool(ok)
     if per_request:
-        cached = {t: sum(r.cached_by_tier.get(t, 0) for r in ok) for t in TIERS}  # a tier a record lacks: 0
+        cached = {t: sum(c.get(t, 0) for c in by_tier) for t in TIERS}  # a tier a record lacks: 0
     else:  # the responses carry only a total: per tier from the workers' counters
         cached = {t: sum(w.cached[t] for w in run.workers.values()) for t in TIERS}
     # aiperf's records carry no usage details or worker: the totals come from the workers' counters
@@ -344,11 +345,12 @@ def check_accounting(run: ConfigRun) -> str:
             problems.append(f"{name}: {len(recs)} responses, {m.requests} +{w.requests}")
         if w.prompt_tokens != sum(r.prompt_tokens for r in recs):
             problems.append(f"{name}: prompt tokens {sum(r.prompt_tokens for r in recs)} vs metrics {w.prompt_tokens}")
-        if all(r.cached_by_tier is not None for r in recs):
+        rec_tiers = [r.cached_by_tier for r in recs if r.cached_by_tier is not None]
+        if len(rec_tiers) == len(recs):
             for t in TIERS:
-                got, want = sum(r.cached_by_tier.get(t, 0) for r in recs), w.cached.get(t, 0)
-                if got != want:
-                    problems.append(f"{name}: {t} cached {got} in responses vs {want} in metrics")
+                in_responses, in_metrics = sum(c.get(t, 0) for c in rec_tiers), w.cached.get(t, 0)
+                if in_responses != in_metrics:
+                    problems.append(f"{name}: {t} cached {in_responses} in responses vs {in_metrics} in metrics")
         elif sum(r.cached_tokens for r in recs) != sum(w.cached.values()):
             problems.append(
                 f"{name}: cached {sum(r.cached_tokens for r in recs)} in responses vs "
@@ -620,7 +622,7 @@ def write_jsonl(
                                 "bench": "replay-request",
                                 "config": s.config,
                                 "device_blocks": s.device_blocks,
-                                "worker": run.worker_names.get(r.worker_id),
+                                "worker": run.worker_names.get(r.worker_id) if r.worker_id is not None else None,
                                 "rate": s.rate,
                                 "repeat": s.repeat,
                                 **r.to_json(),

@@ -80,6 +80,8 @@ def load_graph(path: str) -> Graph:
     if not p.is_file():
         raise GraphError(f"graph file {path} does not exist: pass one of graphs/*.py (e.g. graphs/agg_router.py)")
     spec = importlib.util.spec_from_file_location(f"flexkv_graph_{p.stem}", p)
+    if spec is None or spec.loader is None:
+        raise GraphError(f"graph file {path} cannot be imported as Python: pass a .py file (e.g. graphs/agg_router.py)")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

@@ -145,7 +145,7 @@ class Nodes:
             raise NodesError(
                 f"subnet {subnet}: use a link-local range (in 169.254.0.0/16): nothing routes it off the link"
             )
-        if not net6.subnet_of(ipaddress.ip_network("fc00::/7")):
+        if not isinstance(net6, ipaddress.IPv6Network) or not net6.subnet_of(ipaddress.IPv6Network("fc00::/7")):
             raise NodesError(f"subnet6 {subnet6}: use a unique-local range (in fc00::/7)")
         hosts = list(net.hosts())
         if len(names) > len(hosts):

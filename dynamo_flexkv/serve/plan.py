@@ -229,6 +229,8 @@ def build_plan(
     _check_roles(processes, source)
     _vllm.check_handovers(processes, source)
     _check_block_size(processes, front_opts, graph, source)
+    if model is None or served is None:  # Graph() refuses a graph without a worker
+        raise GraphError(f"{source}: the graph has no worker component")
     if ctx.redis:
         if nodes is not None:
             raise GraphError(

@@ -20,7 +20,9 @@ class ConfigSource(str):
     file_config: Mapping[str, Any]
     sets: list[tuple[tuple[str, ...], str]]  # (the path a --set names, the item as given)
 
-    def __new__(cls, label: str, file_config: Mapping[str, Any] | None = None, sets: Sequence[str] = ()):
+    def __new__(
+        cls, label: str, file_config: Mapping[str, Any] | None = None, sets: Sequence[str] = ()
+    ) -> ConfigSource:
         self = super().__new__(cls, label)
         self.file_config = file_config or {}
         self.sets = [(tuple(item.partition("=")[0].split(".")), item) for item in sets]

@@ -120,7 +120,8 @@ def stop(procs: Sequence[subprocess.Popen]) -> None:
     """Each process's group its signal at once (the ZMQ broker stops on SIGINT), 10 s for all to
     exit, then SIGKILL to what is left (core/procgroup.py)."""
     for p in procs:
-        signal_group(p, signal.SIGINT if "zmq_broker" in " ".join(map(str, p.args)) else signal.SIGTERM)
+        args = p.args if isinstance(p.args, (list, tuple)) else [p.args]
+        signal_group(p, signal.SIGINT if "zmq_broker" in " ".join(map(str, args)) else signal.SIGTERM)
     deadline = time.monotonic() + 10
     for p in procs:
         wait_group(p, deadline)
@@ -142,9 +143,12 @@ def _child(role: str, cfg: dict[str, Any], env: dict[str, str], log: str) -> sub
 def _read(proc: subprocess.Popen, what: str, timeout: float, log: str) -> dict[str, Any]:
     result: list[Any] = []
 
-    def reader():
+    stdout = proc.stdout
+    assert stdout is not None  # PIPE (_child)
+
+    def reader() -> None:
         while True:
-            line = proc.stdout.readline()
+            line = stdout.readline()
             if not line:
                 return
             if line.startswith("{"):
@@ -161,6 +165,7 @@ def _read(proc: subprocess.Popen, what: str, timeout: float, log: str) -> dict[s
 
 
 def _send(proc: subprocess.Popen, obj: dict[str, Any]) -> None:
+    assert proc.stdin is not None  # PIPE (_child)
     proc.stdin.write(json.dumps(obj) + "\n")
     proc.stdin.flush()
 

@@ -71,7 +71,8 @@ class SimWorker:
         from dynamo_flexkv.integrations.events import REMOTE
 
         self.relay = relay
-        self.tiers = [
+        # (name, the tier its events name: None for the device, its LRU of sequence hashes, capacity)
+        self.tiers: list[tuple[str, Tier | str | None, OrderedDict[int, None], int]] = [
             (t, {"device": None, "host": Tier.HOST, "disk": Tier.DISK, "remote": REMOTE}[t], OrderedDict(), CAPACITY[t])
             for t in tiers
         ]

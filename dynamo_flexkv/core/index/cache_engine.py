@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dynamo_flexkv.core.config import CacheConfig
-from dynamo_flexkv.core.index.tier_index import IndexInvariantError, TierIndex
+from dynamo_flexkv.core.index.tier_index import Hashes, IndexInvariantError, TierIndex
 from dynamo_flexkv.core.stats import RemovalReason
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class CacheEngine:
         self._task_gen: dict[Hashable, int] = {}
 
     # ---- queries -------------------------------------------------------------------------------
-    def match(self, hashes: Sequence[int]) -> MatchResult:
+    def match(self, hashes: Hashes) -> MatchResult:
         with self._lock:
             return MatchResult({t: idx.match_length(hashes) for t, idx in self.tiers.items()})
 
@@ -295,7 +295,7 @@ class CacheEngine:
             return self._track(task_id, TierRun(Tier.HOST, h, hashes[h : h + len(ids)], ids, parent, new=True))
 
     def plan_put(
-        self, task_id: Hashable, hashes: Sequence[int], remote: bool = False, generation: int | None = None
+        self, task_id: Hashable, hashes: Hashes, remote: bool = False, generation: int | None = None
     ) -> PutPlan:
         """Inserts the blocks host and disk do not hold yet (disk subject to the admission filter)
         as unready blocks of ``task_id``, and locks the host blocks that feed disk writes."""
@@ -590,6 +590,6 @@ class CacheEngine:
             self.listener.on_removed(Tier(tier_name), hashes)
 
 
-def _as_ints(hashes: Sequence[int]) -> list[int]:
+def _as_ints(hashes: Hashes) -> list[int]:
     """Python ints: dict lookups with numpy scalars cost several times more."""
     return hashes.tolist() if isinstance(hashes, np.ndarray) else [int(h) for h in hashes]

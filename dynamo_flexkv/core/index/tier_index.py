@@ -24,12 +24,14 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.core.enums import EvictionPolicy
 from dynamo_flexkv.core.errors import FlexKVError
 
 RemovedCallback = Callable[[str, list[int], list[int]], None]  # (tier, hashes, slots)
-Hashes = Sequence[int]  # a list/tuple of ints or an integer numpy array
+Hashes = Sequence[int] | np.ndarray  # a list/tuple of ints or an integer numpy array
 
 
 class IndexInvariantError(RuntimeError, FlexKVError):

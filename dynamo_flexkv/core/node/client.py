@@ -404,7 +404,7 @@ class NodeOffload(EngineOffload):
                 return
             barrier = threading.Barrier(len(alive) + 1)
             for _ in alive:
-                self._ops.put((None, barrier))  # type: ignore[arg-type]
+                self._ops.put((None, barrier))
             try:
                 barrier.wait(CALL_TIMEOUT_S)
             except threading.BrokenBarrierError:

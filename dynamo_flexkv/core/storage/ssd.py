@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -246,7 +246,7 @@ class SsdStore:
         self._journal, self._journal_bytes, self._journal_lines = fd, cut, 0
 
     # ---- restart ----------------------------------------------------------------------------------
-    def adopt(self, read_block) -> AdoptReport:
+    def adopt(self, read_block: Callable[[list[DiskEntry]], np.ndarray]) -> AdoptReport:
         """Replays the journal and verifies each surviving block with ``read_block(entries) ->
         checksums`` (the caller reads through its mover). Compacts the journal to what is adopted."""
         report = AdoptReport()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -126,7 +127,9 @@ class HostDeviceMover:
             threads=self.threads,
         )
 
-    def _cuda_copy(self, dev_ids, host_ids, lo, hi, to_host, after) -> None:
+    def _cuda_copy(
+        self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int, to_host: bool, after: Any
+    ) -> None:
         dev = self.device.device
         dev_idx = torch.as_tensor(dev_ids, device=dev)
         host_idx = torch.as_tensor(host_ids)
@@ -195,7 +198,7 @@ class DiskMover:
             self._transfer(host_ids, disk_ids, False, offset, length)
         return int(host_ids.size) * length
 
-    def span(self, layers) -> tuple:
+    def span(self, layers: tuple[int, int] | None) -> tuple[int, int]:
         """(offset, length) inside a BLOCKFIRST block of a layer range; whole block for None."""
         layout = self.host.layout
         if layers is None:

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 from dynamo.common.backend import EngineConfig, LlmRegistration, WorkerConfig
 from dynamo.common.backend import LLMEngine as DynamoLLMEngine
+from dynamo.common.backend.engine import GenerateChunk
 from dynamo.common.backend.metrics import register_engine_registry
 from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
 from dynamo.common.backend.run import run
@@ -248,9 +249,21 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             self.relay.flush(force=True)  # the router hears the removals now, not at the next step
         return report
 
+    def _started(self) -> LLMEngine:
+        """The engine start() made (every caller runs after it)."""
+        if self.engine is None:
+            raise RuntimeError("FlexKVWorkerEngine: the engine is used before start() made it")
+        return self.engine
+
+    def _tiers(self) -> EngineOffload:
+        """The tiers start() opened (callers run only where offload is configured)."""
+        if self.offload is None:
+            raise RuntimeError("FlexKVWorkerEngine: the tiers are used, but none were opened")
+        return self.offload
+
     def _device_admin(self, req: CacheRequest, report: CacheReport) -> None:
         """Adds the device tier (this engine's prefix cache) to ``report``'s namespace."""
-        pool = self.engine.pool
+        pool = self._started().pool
         replace = msgspec.structs.replace
         model, tenant = f"{self.args.model}|{self.args.served_model_name}", ""
         if req.op == "contents":
@@ -293,7 +306,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self._snapshots = publisher
 
     def _device_blocks(self) -> tuple:
-        pool = self.engine.pool
+        pool = self._started().pool
         return pool.num_blocks - pool.num_available, pool.num_blocks
 
     @property
@@ -302,7 +315,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         return len(self._live)
 
     def _engine_stats(self) -> dict[str, float]:
-        e = self.engine  # plain counters written by the engine thread: a scrape reads them as they are
+        e = self._started()  # plain counters written by the engine thread: a scrape reads them as they are
         return {
             "steps": e.steps,
             "step_requests": e.step_requests,
@@ -334,7 +347,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         return [ZmqSource(endpoint=self.relay.endpoint)]
 
     # ---- requests ----------------------------------------------------------------------------------
-    async def generate(self, request, context) -> AsyncGenerator[dict[str, Any], None]:
+    async def generate(self, request, context) -> AsyncGenerator[GenerateChunk, None]:
         if self._closing or self._failed:
             raise EngineShutdown(self._failed or "this worker is shutting down; retry on another worker")
         handover = self.role.prepare(request)
@@ -347,7 +360,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         except BaseException:
             self._release(handover)
             raise
-        loop, out = asyncio.get_running_loop(), asyncio.Queue()
+        loop, out = asyncio.get_running_loop(), asyncio.Queue[Any]()
         rid, cid = f"dyn-{next(self._ids)}", _context_id(context)
         self._live[cid] = rid
         self._inbox.put(("add", rid, tokens, params, _Stream(loop, out, len(tokens), list(tokens), handover)))
@@ -373,7 +386,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                     }
                     return
                 n += 1
-                chunk: dict[str, Any] = {"token_ids": [token], "index": 0}
+                chunk: GenerateChunk = {"token_ids": [token], "index": 0}
                 if reason is not None:
                     ended = True
                     chunk["finish_reason"] = reason
@@ -440,9 +453,10 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     def _flush_offload(self) -> None:
         if self.engine is not None:
             self.engine.flush()  # collects the engine's own offload tasks
-        if not self.offload.drain(timeout=60):
+        offload = self._tiers()
+        if not offload.drain(timeout=60):
             log.error("shutdown: offload writes still running after 60 s; they are cancelled")
-        self.offload.shutdown()
+        offload.shutdown()
 
     async def on_endpoint_ready(self, endpoint: Any) -> None:
         """Dynamo's Worker calls this once its KV event publisher subscribed to our relay and before
@@ -464,7 +478,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             else:
                 log.warning("no KV event subscriber after %.0f s: re-adopted disk blocks stay unannounced", wait_s)
             return
-        n = self.offload.announce_adopted()
+        n = self._tiers().announce_adopted()
         self.relay.flush(force=True)  # out now, before the Worker attaches the model card
         if n:
             log.info("announced %d re-adopted disk blocks to the router", n)
@@ -481,7 +495,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             if self._stop.wait(delay):
                 return
             try:
-                self.offload.announce_adopted(repeat=True)
+                self._tiers().announce_adopted(repeat=True)
                 self.relay.flush(force=True)
             except RuntimeError:  # the relay or the tiers closed: the worker stops
                 return
@@ -513,7 +527,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                     item[2].set_exception(EngineShutdown(self._failed))
 
     def _serve(self) -> None:
-        engine = self.engine
+        engine = self._started()
         while True:
             self._take_inbox()
             self.role.service()  # prefill: leases end on release notices or timeout
@@ -538,16 +552,16 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                 if r.finish_reason == "abort":
                     self.role.aborted(r.id)
                     self.tally.add_aborted()
-                    stream = self._streams.pop(r.id, None)
-                    if stream is not None:
-                        stream.send((None, "cancelled", r.cached_tokens))
+                    aborted = self._streams.pop(r.id, None)
+                    if aborted is not None:
+                        aborted.send((None, "cancelled", r.cached_tokens))
             self.relay.flush()  # this step's KV events leave as one frame
             self._publish_load()
 
     def _take_inbox(self) -> None:
         """New requests and aborts. Blocks briefly when the engine has nothing to compute; while
         offload copies still hold device blocks it polls so they are released promptly."""
-        engine = self.engine
+        engine = self._started()
         timeout: float | None = None if engine.has_unfinished() else (0.005 if engine.busy else 0.1)
         while True:
             try:

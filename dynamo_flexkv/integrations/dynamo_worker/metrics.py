@@ -237,10 +237,10 @@ def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
         labels=["link"],
     )
     link_ops = CounterMetricFamily(PREFIX + "link_ops", "Copies finished per link", labels=["link"])
-    for link, s in stats.links.items():
-        link_bytes.add_metric([link], s.bytes)
-        link_secs.add_metric([link], s.seconds)
-        link_ops.add_metric([link], s.ops)
+    for link, moved in stats.links.items():
+        link_bytes.add_metric([link], moved.bytes)
+        link_secs.add_metric([link], moved.seconds)
+        link_ops.add_metric([link], moved.ops)
     yield from (link_bytes, link_secs, link_ops)
     yield from _load_decision_families(stats)
     tasks = stats.tasks

@@ -110,7 +110,10 @@ def _write_tokenizer(path: Path, vocab_size: int, context_length: int) -> tuple[
             indent=2,
         ),
     )
-    return tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
+    bos, eos = tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
+    if bos is None or eos is None:
+        raise RuntimeError(f"the tokenizer written to {path} lacks its special tokens {SPECIALS[:2]}")
+    return bos, eos
 
 
 def write_preset(model: str, path: str | Path, context_length: int = 131072, weights: bool = False) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from dynamo_flexkv.core.errors import FlexKVError
@@ -96,7 +97,7 @@ class DeviceBlockPool:
     def num_available(self) -> int:
         return len(self._free) + self._num_evictable
 
-    def match(self, hashes: Sequence[int]) -> list[int]:
+    def match(self, hashes: Sequence[int] | np.ndarray) -> list[int]:
         """Cached blocks of the longest cached prefix, each now referenced by the caller."""
         out = []
         for h in hashes:

@@ -134,7 +134,7 @@ class LLMEngine:
             for r in list(self._finished):
                 done[r.id] = r
             self._finished.clear()
-        return [done[rid] for rid in sorted(reqs, key=reqs.get)]
+        return [done[rid] for rid in sorted(reqs, key=lambda rid: reqs[rid])]
 
     def take_finished(self) -> list[Request]:
         """Requests that finished or were aborted since the last call."""
@@ -174,7 +174,7 @@ class LLMEngine:
         in it), its compute time without the time it waited for loads."""
         if not all(ch.start < len(r.prompt) for ch, r in zip(chunks, reqs)):
             return
-        self.connector.observe_prefill(sum(len(ch.tokens) for ch in chunks), max(len(r.prompt) for r in reqs), seconds)
+        self._offload().observe_prefill(sum(len(ch.tokens) for ch in chunks), max(len(r.prompt) for r in reqs), seconds)
 
     def _run_batch(self, chunks: list[SeqChunk], reqs: list[Request]) -> list[RequestOutput]:
         loading = [r for r in reqs if r.load_task is not None]
@@ -214,7 +214,7 @@ class LLMEngine:
                 self.running.remove(req)
                 if req.load_task is not None:
                     # Its copies may still be writing the blocks: they come back once drained.
-                    self.connector.cancel_load(req.load_task, req.block_table)
+                    self._offload().cancel_load(req.load_task, req.block_table)
                     req.load_task = None
                 else:
                     self.pool.release(req.block_table)
@@ -298,11 +298,11 @@ class LLMEngine:
 
         def wait(layer: int) -> None:
             for r in loading:
-                if r.id in failed:
+                if r.id in failed or r.load_task is None:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    self.connector.wait_layer(r.load_task, layer)
+                    self._offload().wait_layer(r.load_task, layer)
                 except TaskFailed:
                     failed.add(r.id)  # computed on garbage; _settle_load sends it back
                 finally:
@@ -310,10 +310,18 @@ class LLMEngine:
 
         return wait
 
+    def _offload(self) -> EngineOffload:
+        """The tiers, where a caller runs only with offload configured (a request has a load task)."""
+        if self.connector is None:
+            raise RuntimeError("LLMEngine: an offload call without offload configured")
+        return self.connector
+
     def _settle_load(self, r: Request) -> bool:
         """Finishes a request's load; on failure its loaded range is recomputed instead."""
+        if r.load_task is None:
+            raise RuntimeError(f"request {r.id}: settling a load it does not have")
         t0 = time.perf_counter()
-        result = self.connector.finish(r.load_task)
+        result = self._offload().finish(r.load_task)
         self.load_stall_seconds += time.perf_counter() - t0
         r.load_task = None
         if result.status is TaskStatus.SUCCESS:

@@ -188,8 +188,11 @@ def _suffix_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
     """Attention of queries at positions [start, end) over keys [0, end): the cached prefix
     [0, start) is fully visible and the new part is plain causal, so run the fused kernel on each
     and merge by log-sum-exp. An explicit mask would make the CPU kernel visit every tile."""
-    o1, l1 = _CPU_FLASH(q, k[:, :, :start], v[:, :, :start])
-    o2, l2 = _CPU_FLASH(q, k[:, :, start:], v[:, :, start:], is_causal=True)
+    flash = _CPU_FLASH
+    if flash is None:  # the caller checked: this torch has it
+        raise RuntimeError("torch lacks aten._scaled_dot_product_flash_attention_for_cpu")
+    o1, l1 = flash(q, k[:, :, :start], v[:, :, :start])
+    o2, l2 = flash(q, k[:, :, start:], v[:, :, start:], is_causal=True)
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
     return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)
