@@ -1,10 +1,13 @@
-# The two entry points of the README. Each installs what it needs first (idempotent).
+# The two entry points of the README (`make demo`, `make test`) install what they need first
+# (idempotent). lint, typecheck and test-unit only use the venv that `make install` made.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Fails with the fix when the venv is missing (no install: these targets are the quick ones).
+NEED_VENV = @test -x $(PY) || { echo "make: no $(PY): run 'make install' first (or set VENV=path)" >&2; exit 2; }
 
 IMAGE ?= dynamo-flexkv:latest
 
-.PHONY: install demo test test-slow bench doctor peer-lmcache image lint-image
+.PHONY: install demo test test-unit test-slow lint typecheck bench doctor peer-lmcache image lint-image
 
 install:
 	VENV=$(VENV) bash scripts/install.sh
@@ -27,11 +30,27 @@ bench: install
 peer-lmcache: install
 	VENV=$(VENV) bash scripts/install_peer_lmcache.sh
 
+# Everything CI runs (.ci/run): install, then lint, types, the default suite (not slow).
 test: install
+	@$(MAKE) --no-print-directory lint typecheck
+	$(PY) -m pytest -q --durations=15
+
+# ruff's rules and the layout `ruff format` owns (pyproject.toml [tool.ruff]).
+lint:
+	$(NEED_VENV)
 	$(PY) -m ruff check --output-format concise .
 	$(PY) -m ruff format --check .
+
+# mypy over the whole package (pyproject.toml [tool.mypy]).
+typecheck:
+	$(NEED_VENV)
 	$(PY) -m mypy
-	$(PY) -m pytest -q --durations=15
+
+# The unit tests of the default suite: in the test process only, no server, no subprocess
+# (each module's kind: MODULE_KINDS in tests/conftest.py).
+test-unit:
+	$(NEED_VENV)
+	$(PY) -m pytest -q -m "unit and not slow"
 
 # The slow tests: long randomized runs, vLLM graphs, graphs over network-namespace nodes, benchmark smokes.
 test-slow: install

@@ -1,8 +1,11 @@
 """dynamo_flexkv: multi-tier KV-cache offload for NVIDIA Dynamo."""
 
+from typing import Any
+
 from dynamo_flexkv.core.errors import FlexKVError
 
-__version__ = "0.1.0"
+# The one place the version is written (pyproject.toml reads it from here); CHANGELOG.md says what it brought.
+__version__ = "0.2.0"
 
 __all__ = [
     "FlexKVError",
@@ -21,7 +24,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Lazy: `import dynamo_flexkv.core.hashing` must not pull in torch and the data plane.
     if name == "KVManager":
         from dynamo_flexkv.core.manager import KVManager

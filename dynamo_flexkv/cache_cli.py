@@ -14,7 +14,8 @@ import json
 import sys
 import urllib.error
 import urllib.request
-from typing import Any, Dict, List, Optional, TextIO, Tuple
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.inventory import (
@@ -149,9 +150,9 @@ def _select_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    urls: List[str] = getattr(args, "url", None) or []
-    sockets: List[str] = getattr(args, "socket", None) or []
-    vllm: List[str] = getattr(args, "vllm", None) or []
+    urls: list[str] = getattr(args, "url", None) or []
+    sockets: list[str] = getattr(args, "socket", None) or []
+    vllm: list[str] = getattr(args, "vllm", None) or []
     if not urls and not sockets and not vllm:
         print(
             "error: name what to ask: --url http://127.0.0.1:PORT (a worker's system port, or a cache-server's "
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     except (BadCacheRequest, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    answers: List[Tuple[str, Optional[CacheReport], Optional[str]]] = []
+    answers: list[tuple[str, CacheReport | None, str | None]] = []
     targets = [(_ask_url, u) for u in urls] + [(_ask_socket, s) for s in sockets]
     for path in vllm:
         try:
@@ -241,7 +242,7 @@ def _request(args: argparse.Namespace) -> CacheRequest:
     if not 0 <= wait <= MAX_WAIT_S:  # CacheRequest.check would name its field, wait_s
         raise BadCacheRequest(f"--wait {wait:g}: wait 0 to {MAX_WAIT_S:g} seconds for the tier writes in flight")
     op = {"show": "contents", "prefix": "prefix", "clear": "clear"}[action]
-    tokens: Optional[List[int]] = None
+    tokens: list[int] | None = None
     text = getattr(args, "text", None)
     if getattr(args, "tokens", None) is not None:
         tokens = parse_tokens(args.tokens)
@@ -260,7 +261,7 @@ def _request(args: argparse.Namespace) -> CacheRequest:
     ).check(TIERS)
 
 
-def parse_tokens(text: str) -> List[int]:
+def parse_tokens(text: str) -> list[int]:
     """``1,2,3``, ``1 2 3`` or a JSON list of token ids."""
     stripped = text.strip()
     try:
@@ -308,10 +309,10 @@ def _ask_url(url: str, req: CacheRequest) -> CacheReport:
     return parse_report(answer["report"])
 
 
-def to_builtins_request(req: CacheRequest) -> Dict[str, Any]:
+def to_builtins_request(req: CacheRequest) -> dict[str, Any]:
     import msgspec
 
-    out: Dict[str, Any] = msgspec.to_builtins(req)
+    out: dict[str, Any] = msgspec.to_builtins(req)
     return out
 
 
@@ -325,7 +326,7 @@ def _ask_socket(path: str, req: CacheRequest) -> CacheReport:
         raise TargetError(str(e)) from None
 
 
-def vllm_sockets(path: str) -> List[str]:
+def vllm_sockets(path: str) -> list[str]:
     """A FlexKVConnector lookup socket, or every one in a directory (one per tensor-parallel rank)."""
     import glob
     import os
@@ -361,7 +362,7 @@ def _ask_vllm(path: str, req: CacheRequest) -> CacheReport:
 
     from dynamo_flexkv.integrations.vllm_connector.lookup import ADMIN_SEQ
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect("ipc://" + path)
@@ -427,9 +428,9 @@ def render(report: CacheReport, address: str) -> str:
             lines.append("  nothing to clear: no namespace")
         for done in report.cleared:
             lines.append(f"  {_who(done.model_id, done.tenant, done.shard)}: cleared")
-            for t in done.tiers:
-                kept = "; ".join(f"{n} {KEPT_WHY.get(why, why)}" for why, n in t.kept.items())
-                lines.append(f"    {t.tier:<7} {t.cleared} block(s) cleared" + (f", kept {kept}" if kept else ""))
+            for tier in done.tiers:
+                kept = "; ".join(f"{n} {KEPT_WHY.get(why, why)}" for why, n in tier.kept.items())
+                lines.append(f"    {tier.tier:<7} {tier.cleared} block(s) cleared" + (f", kept {kept}" if kept else ""))
             if done.note:
                 lines.append(f"    note: {done.note}")
     return "\n".join(lines) + "\n"
@@ -443,7 +444,7 @@ def _who(model: str, tenant: str, shard: str) -> str:
     )
 
 
-def _table(rows: List[Tuple[str, ...]]) -> List[str]:
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["    " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -455,7 +456,7 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _ages(oldest: Optional[float], newest: Optional[float]) -> str:
+def _ages(oldest: float | None, newest: float | None) -> str:
     if oldest is None or newest is None:
         return "-"
     return f"{_age(oldest)} / {_age(newest)} ago"

@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics listen on (default 127.0.0.1)")
 
 
-def load_config(path: Optional[str], sets: List[str]) -> CacheConfig:
+def load_config(path: str | None, sets: list[str]) -> CacheConfig:
     """File (-f, else FLEXKV_CONFIG_PATH) < environment < --set, as an engine loads its cache config;
     an error names where the bad value came from."""
     return CacheConfig.load(path, sets=sets, path_flag="-f")
@@ -212,7 +212,7 @@ def _handler(server: Any, registry: Any) -> Any:
     from dynamo_flexkv.core.inventory import HTTP_ROUTE, BadCacheRequest, parse_request, to_builtins
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             url = urlsplit(self.path)
             if url.path in ("/metrics", "/"):
                 self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
@@ -222,7 +222,7 @@ def _handler(server: Any, registry: Any) -> Any:
             else:
                 self._json(404, {"status": "error", "message": f"no {url.path} here: GET /metrics or {HTTP_ROUTE}"})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             if urlsplit(self.path).path != HTTP_ROUTE:
                 self._json(404, {"status": "error", "message": f"POST {HTTP_ROUTE} only"})
                 return
@@ -242,7 +242,7 @@ def _handler(server: Any, registry: Any) -> Any:
                 return
             self._json(200, {"status": "ok", "report": to_builtins(report)})
 
-        def _json(self, code: int, body: Dict[str, Any]) -> None:
+        def _json(self, code: int, body: dict[str, Any]) -> None:
             self._send(code, json.dumps(body).encode(), "application/json")
 
         def _send(self, code: int, data: bytes, content_type: str) -> None:
@@ -252,7 +252,7 @@ def _handler(server: Any, registry: Any) -> Any:
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
+        def log_message(self, format: str, *args: Any) -> None:
             log.debug("http: " + format, *args)
 
     return Handler

@@ -6,7 +6,6 @@ import argparse
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from dynamo_flexkv import __version__
 from dynamo_flexkv.serve.logs import Console
@@ -249,13 +248,13 @@ _LABEL_KEY = re.compile(rf"([a-z0-9]([a-z0-9.-]{{0,251}}[a-z0-9])?/)?{_LABEL_NAM
 _LABEL_VALUE = re.compile(rf"({_LABEL_NAME})?")
 
 
-def _node_selector(items: Optional[List[str]]) -> Optional[Dict[str, str]]:
+def _node_selector(items: list[str] | None) -> dict[str, str] | None:
     """render --node-selector: None (the default label) when not given; '' alone: none."""
     if items is None:
         return None
     from dynamo_flexkv.serve import GraphError
 
-    out: Dict[str, str] = {}
+    out: dict[str, str] = {}
     for item in items:
         if not item:
             continue
@@ -272,7 +271,7 @@ def _node_selector(items: Optional[List[str]]) -> Optional[Dict[str, str]]:
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "render"):
         from dynamo_flexkv.serve import GraphError
@@ -301,6 +300,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return 0
             import shutil
             import tempfile
+
             from dynamo_flexkv.serve.launcher import serve
             from dynamo_flexkv.serve.nodes import Nodes
 

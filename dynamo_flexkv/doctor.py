@@ -10,9 +10,13 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.core.config import CacheConfig
 
 
 class Status(str, Enum):
@@ -84,7 +88,7 @@ def check_io_uring() -> Check:
 REPLICA = "{replica}"  # serve's per-replica template in an ssd_cache_dir
 
 
-def probe_dir(directory: str) -> "tuple[str, str]":
+def probe_dir(directory: str) -> tuple[str, str]:
     """(the existing directory to probe, what the check says about it). doctor creates nothing: a
     directory that does not exist yet is probed where it would be made (its nearest existing
     parent: the same filesystem), and a serve template (``{replica}``, each replica's number) is a
@@ -147,7 +151,7 @@ def check_cuda() -> Check:
     )
 
 
-def check_nixl() -> List[Check]:
+def check_nixl() -> list[Check]:
     """Probes NIXL in a child process: the UCX plugin's bundled libnl crashes in its exit-time
     destructor (SIGSEGV in rtnl_tc_unregister, NIXL 1.5.1), which must not take doctor down."""
     proc = subprocess.run(
@@ -169,16 +173,17 @@ def _nixl_probe() -> None:
     os._exit(0)
 
 
-def _nixl_checks() -> List[Check]:
+def _nixl_checks() -> list[Check]:
     try:
-        from dynamo_flexkv.core.transfer.nixl_agents import new_agent
         import nixl._api  # noqa: F401
+
+        from dynamo_flexkv.core.transfer.nixl_agents import new_agent
     except ImportError as e:
         return [Check("NIXL", Status.FALLBACK, f"not importable ({e}): our own movers are used")]
     try:
         agent = new_agent(f"flexkv-doctor-{os.getpid()}", [])
         plugins = set(agent.get_plugin_list())
-    except Exception as e:  # NIXL raises its own error types; report them as they are
+    except Exception as e:  # noqa: BLE001 - NIXL raises its own error types; report them as they are
         return [Check("NIXL", Status.FALLBACK, f"agent creation failed: {e}")]
     out = []
     for backend, use in (
@@ -193,7 +198,7 @@ def _nixl_checks() -> List[Check]:
         try:
             agent.create_backend(backend)
             out.append(Check(f"NIXL {backend}", Status.OK, f"backend created: {use}"))
-        except Exception as e:  # e.g. GDS without cuFile / a GPU
+        except Exception as e:  # noqa: BLE001 - NIXL's own types, e.g. GDS without cuFile / a GPU
             out.append(
                 Check(
                     f"NIXL {backend}",
@@ -206,8 +211,9 @@ def _nixl_checks() -> List[Check]:
 
 def check_dynamo() -> Check:
     try:
-        import dynamo._core  # noqa: F401
         from importlib.metadata import version
+
+        import dynamo._core
     except ImportError as e:
         return Check(
             "Dynamo runtime", Status.FALLBACK, f"not importable ({e}): the library works, the Dynamo component does not"
@@ -221,7 +227,7 @@ def check_dynamo() -> Check:
     return Check("Dynamo runtime", Status.OK, f"ai-dynamo-runtime {version('ai-dynamo-runtime')}; {backend}")
 
 
-def check_config(config=None) -> "tuple[Check, Optional[object]]":
+def check_config(config: CacheConfig | None = None) -> tuple[Check, CacheConfig | None]:
     """The configuration (file and FLEXKV_* environment) and the CacheConfig it makes (None when it
     cannot be loaded: the check, "invalid", says why, naming the key, where its value came from and
     the fix)."""
@@ -300,7 +306,7 @@ def check_remote(config=None) -> Check:
     )
 
 
-def _run_checks(cache_dirs: Sequence[str], loaded: Check, cfg) -> List[Check]:
+def _run_checks(cache_dirs: Sequence[str], loaded: Check, cfg) -> list[Check]:
     checks = [loaded, check_native(), check_package_data(), check_io_uring()]
     checks += [check_o_direct(d) for d in cache_dirs]
     checks += [check_cuda(), *check_nixl(), check_dynamo()]
@@ -321,7 +327,7 @@ def _scrub(text: str) -> str:
     return _USERINFO_IN_TEXT.sub(r"\1***@", text)
 
 
-def main(cache_dirs: Optional[Sequence[str]] = None, as_json: bool = False) -> int:
+def main(cache_dirs: Sequence[str] | None = None, as_json: bool = False) -> int:
     """Prints every check; 1 when one is missing or invalid (an invalid config is reported as the
     "config" check, not raised)."""
     loaded, cfg = check_config()

@@ -9,7 +9,6 @@ finds them without the source tree; an editable install (no ``_data``) uses the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 _PACKAGE = Path(__file__).resolve().parent
 _SEARCH = (_PACKAGE / "_data", _PACKAGE.parent)  # wheel first, then the source checkout
@@ -35,14 +34,14 @@ def presets_dir() -> Path:
     return shipped_dir(CONFIGS) / "models"
 
 
-def hf_preset(name: str) -> Optional[Path]:
+def hf_preset(name: str) -> Path | None:
     """configs/models/<name>/ when it holds a config.json: a preset of a Hugging Face architecture
     vLLM serves (a hybrid sliding-window model, MLA), not one the reference engine computes."""
     path = presets_dir() / name
     return path if name and "/" not in name and (path / "config.json").is_file() else None
 
 
-def shipped_names(kind: str) -> List[str]:
+def shipped_names(kind: str) -> list[str]:
     """Names of the shipped graphs or configs, e.g. ``["agg", "agg_router"]``."""
     return sorted(p.stem for p in shipped_dir(kind).glob(f"*{_SUFFIX[kind]}"))
 

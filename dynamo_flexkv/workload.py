@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import lzma
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, IO, List, Optional, Sequence
+from typing import IO
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class Turn:
     conversation: int  # rank of the conversation in the selection
     turn: int  # 0 for its first request
     timestamp_ms: int  # arrival in the trace, from its start
-    tokens: List[int]
+    tokens: list[int]
     output_tokens: int
 
 
@@ -80,7 +81,7 @@ def _open(path: Path) -> IO[str]:
     return lzma.open(path, "rt") if path.suffix == ".xz" else open(path)
 
 
-def load_trace(path: Optional[Path] = None) -> List[TraceRequest]:
+def load_trace(path: Path | None = None) -> list[TraceRequest]:
     """The trace at ``path`` (``.jsonl`` or ``.jsonl.xz``), by default the shipped one."""
     path = Path(path) if path is not None else SHIPPED_TRACE
     if not path.is_file():
@@ -105,10 +106,10 @@ def load_trace(path: Optional[Path] = None) -> List[TraceRequest]:
     return out
 
 
-def conversation_ids(trace: Sequence[TraceRequest]) -> List[int]:
+def conversation_ids(trace: Sequence[TraceRequest]) -> list[int]:
     """Conversation of each request: the one of the latest earlier request it extends, else new."""
-    owner: Dict[tuple, int] = {}  # hash_ids prefix -> latest request holding it
-    conv: List[int] = []
+    owner: dict[tuple, int] = {}  # hash_ids prefix -> latest request holding it
+    conv: list[int] = []
     count = 0
     for i, r in enumerate(trace):
         h, parent = r.hash_ids, None
@@ -126,13 +127,13 @@ def conversation_ids(trace: Sequence[TraceRequest]) -> List[int]:
     return conv
 
 
-def trace_turns(scale: Scale = Scale(), path: Optional[Path] = None) -> List[Turn]:
+def trace_turns(scale: Scale = Scale(), path: Path | None = None) -> list[Turn]:
     """The first ``scale.conversations`` conversations that have at least ``min_turns`` turns
     within the prompt cap, as turns in arrival order (conversations interleave as they did)."""
     trace = load_trace(path)
     conv = conversation_ids(trace)
     ratio = scale.tokens_per_hash_block / TRACE_BLOCK
-    members: Dict[int, List[int]] = {}
+    members: dict[int, list[int]] = {}
     for i, c in enumerate(conv):
         if int(trace[i].input_length * ratio) <= scale.max_prompt_tokens:
             members.setdefault(c, []).append(i)
@@ -142,7 +143,7 @@ def trace_turns(scale: Scale = Scale(), path: Optional[Path] = None) -> List[Tur
             f"the trace has only {len(chosen)} conversations of >= {scale.min_turns} turns under "
             f"{scale.max_prompt_tokens} tokens; lower --conversations or raise the prompt cap"
         )
-    block_cache: Dict[int, np.ndarray] = {}
+    block_cache: dict[int, np.ndarray] = {}
 
     def block(h: int) -> np.ndarray:
         if h not in block_cache:

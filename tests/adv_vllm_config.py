@@ -32,9 +32,9 @@ def build(model_dir, kt):
 
 
 def make(vc, role):
+    import torch
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     r = KVConnectorRole.SCHEDULER if role == "scheduler" else KVConnectorRole.WORKER

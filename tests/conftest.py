@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # Dynamo processes bind and advertise loopback only.
-from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV  # noqa: E402
+from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
 
 for var, value in LOOPBACK_ENV.items():
     os.environ.setdefault(var, value)

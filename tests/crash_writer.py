@@ -5,9 +5,9 @@ block's sequence hash (kv_helpers.content), so whoever re-adopts the blocks can 
 from __future__ import annotations
 
 import numpy as np
+from kv_helpers import MODEL, TPB, device_tensors, fill
 
 from dynamo_flexkv import KVLayoutType, KVManager
-from kv_helpers import MODEL, TPB, device_tensors, fill
 
 FAMILIES, MAX_BLOCKS, DEVICE_BLOCKS = 40, 8, 32
 

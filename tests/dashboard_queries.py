@@ -2,8 +2,8 @@
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Dict, Iterator, List, Set
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "configs" / "grafana" / "flexkv.json"
@@ -23,15 +23,15 @@ def load_dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
 
 
-def all_panels(panels: List[dict]) -> Iterator[dict]:
+def all_panels(panels: list[dict]) -> Iterator[dict]:
     for p in panels:
         yield p
         yield from all_panels(p.get("panels", []))
 
 
-def queried_metrics(dashboard: dict) -> Dict[str, Set[str]]:
+def queried_metrics(dashboard: dict) -> dict[str, set[str]]:
     """Metric name -> titles of the panels that query it."""
-    out: Dict[str, Set[str]] = {}
+    out: dict[str, set[str]] = {}
     for p in all_panels(dashboard["panels"]):
         for t in p.get("targets", []):
             for name in METRIC.findall(t["expr"]):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Iterator, Optional, Tuple
 
 from served import ROOT
 
@@ -18,7 +18,25 @@ from dynamo_flexkv.core.http_client import http_json
 from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+]
 
 
 def tiny(section: str, tmp_path) -> list:
@@ -109,7 +127,7 @@ class Clock:
 
 
 @contextmanager
-def engine_pair(renew_s: Optional[float] = None, blocks: int = 48, secret: Optional[bytes] = None) -> Iterator[Tuple]:
+def engine_pair(renew_s: float | None = None, blocks: int = 48, secret: bytes | None = None) -> Iterator[tuple]:
     """(prefill engine, decode engine, PrefillSide, DecodeSide) with a 30 s lease, a 10 s pull
     timeout and ``secret`` signing the handovers (as serve gives both workers); closed (sides, then agents) on exit."""
     from dynamo_flexkv.core.transfer.nixl_agent import KVAgent

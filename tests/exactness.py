@@ -16,8 +16,8 @@ fail. tests/test_exactness_oracle.py shows the same on one engine in the default
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Mapping, Sequence
 
 from wrong_kv import HOOK
 
@@ -28,16 +28,16 @@ WRONG_KV_ENV = "FLEXKV_TEST_WRONG_KV"
 
 @dataclass(frozen=True)
 class Generation:
-    ids: List[int]
-    logprobs: List[float]  # of each generated token
+    ids: list[int]
+    logprobs: list[float]  # of each generated token
 
     @classmethod
-    def of_vllm(cls, output) -> "Generation":
+    def of_vllm(cls, output) -> Generation:
         """From a vLLM ``CompletionOutput`` generated with ``SamplingParams(logprobs=0)``."""
         return cls(list(output.token_ids), [d[t].logprob for d, t in zip(output.logprobs, output.token_ids)])
 
     @classmethod
-    def of_completion(cls, doc: dict, ids: Sequence[int]) -> "Generation":
+    def of_completion(cls, doc: dict, ids: Sequence[int]) -> Generation:
         """From an OpenAI completions response (``"logprobs": 1`` in the request) and its token ids."""
         lp = (doc.get("choices") or [{}])[0].get("logprobs") or {}
         return cls(list(ids), [float(x) for x in lp.get("token_logprobs") or []])
@@ -46,7 +46,7 @@ class Generation:
         return {"ids": self.ids, "logprobs": self.logprobs}
 
     @classmethod
-    def from_json(cls, doc: dict) -> "Generation":
+    def from_json(cls, doc: dict) -> Generation:
         return cls(list(doc["ids"]), list(doc["logprobs"]))
 
 
@@ -55,18 +55,18 @@ def wrong_kv() -> bool:
     return os.environ.get(WRONG_KV_ENV, "") not in ("", "0")
 
 
-def connector_extra() -> Dict[str, str]:
+def connector_extra() -> dict[str, str]:
     """FlexKVConnector settings every offload run of an exactness test adds."""
     return {"mover_hook": HOOK} if wrong_kv() else {}
 
 
-def serve_sets(section: str = "VllmWorker") -> List[str]:
+def serve_sets(section: str = "VllmWorker") -> list[str]:
     """``--set`` values of an exactness test's served graphs (with offload or without): float32,
     and the seam on offload runs when FLEXKV_TEST_WRONG_KV is set."""
     return [f"{section}.dtype={EXACT_DTYPE}"]
 
 
-def offload_sets(section: str = "VllmWorker") -> List[str]:
+def offload_sets(section: str = "VllmWorker") -> list[str]:
     return [f"{section}.connector.{k}={v}" for k, v in connector_extra().items()]
 
 
@@ -79,7 +79,7 @@ def margin(ours: Generation, base: Generation) -> float:
 
 def differences(
     ours: Mapping[Hashable, Generation], base: Mapping[Hashable, Generation], tolerance: float = LOGPROB_TOLERANCE
-) -> List[str]:
+) -> list[str]:
     out = []
     for key, g in ours.items():
         b = base[key]

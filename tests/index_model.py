@@ -8,8 +8,8 @@ Python BlockPool (a stack: freed slots are reused last-freed first, fresh ones l
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -24,7 +24,7 @@ class BlockPool:
             raise ValueError(f"pool capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         # Pop from the end: low ids first, so a fresh tier fills its files front to back.
-        self._free: List[int] = list(range(capacity - 1, -1, -1))
+        self._free: list[int] = list(range(capacity - 1, -1, -1))
         self._in_use = np.zeros(capacity, dtype=bool)
 
     @property
@@ -35,7 +35,7 @@ class BlockPool:
     def num_used(self) -> int:
         return self.capacity - len(self._free)
 
-    def allocate(self, n: int) -> List[int]:
+    def allocate(self, n: int) -> list[int]:
         """Up to ``n`` ids (fewer when the pool runs short)."""
         take = min(n, len(self._free))
         if take <= 0:
@@ -76,7 +76,7 @@ class BlockPool:
 
 @dataclass
 class MBlock:
-    parent: Optional[int]
+    parent: int | None
     owner: object
     slot: int
     ready: bool = False
@@ -91,11 +91,11 @@ class ModelTier:
     def __init__(self, capacity, policy, reward=0.0, protected=2, threshold=1.0, ratio=0.05):
         self.capacity, self.policy = capacity, policy
         self.reward, self.protected, self.threshold, self.ratio = reward, protected, threshold, ratio
-        self.blocks: Dict[int, MBlock] = {}
+        self.blocks: dict[int, MBlock] = {}
         self.pool = BlockPool(capacity)
         self.tick = 0
-        self.evicted: List[int] = []  # every removal the index reports, in its order
-        self.evicted_slots: List[int] = []  # and the slots they held
+        self.evicted: list[int] = []  # every removal the index reports, in its order
+        self.evicted_slots: list[int] = []  # and the slots they held
         self.evictions = 0  # by evict() and inserts making room (not discard or clear)
 
     def key(self, b: MBlock):
@@ -119,7 +119,7 @@ class ModelTier:
         return sum(1 for b in self.blocks.values() if b.parent == h)
 
     def children_counts(self):
-        out: Dict[int, int] = {}
+        out: dict[int, int] = {}
         for b in self.blocks.values():
             if b.parent is not None:
                 out[b.parent] = out.get(b.parent, 0) + 1
@@ -162,7 +162,7 @@ class ModelTier:
         self.evictions += len(out)
         return out
 
-    def discard(self, roots: Set[int]) -> Set[int]:
+    def discard(self, roots: set[int]) -> set[int]:
         """What discarding ``roots`` removes: them and their descendants, sparing locked or
         unready ones (and so their ancestors)."""
         doomed, grew = set(roots), True
@@ -193,7 +193,7 @@ class ModelTier:
             self.evicted_slots.append(self._remove(h))
         self.evicted.extend(order)
 
-    def insert(self, hashes, parent, owner, now) -> List[int]:
+    def insert(self, hashes, parent, owner, now) -> list[int]:
         n = len(hashes)
         limit = math.floor(self.threshold * self.capacity)
         if len(self.blocks) + n > limit:
@@ -228,7 +228,7 @@ class ModelTier:
             b.last, b.tick = now, self.tick
             b.hits += hit
 
-    def adopt(self, entries: Sequence[Tuple[int, Optional[int], int]], now) -> None:
+    def adopt(self, entries: Sequence[tuple[int, int | None, int]], now) -> None:
         self.pool.take(slot for _, _, slot in entries)
         for h, parent, slot in entries:
             self.tick += 1

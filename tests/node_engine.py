@@ -9,8 +9,9 @@
 import sys
 import threading
 
-from dynamo_flexkv.core.transfer.graph import OpKind
 from node_helpers import Engine, prompt
+
+from dynamo_flexkv.core.transfer.graph import OpKind
 
 
 class Hang:

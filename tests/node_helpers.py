@@ -12,8 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -81,7 +81,7 @@ class Engine:
             for layer, t in enumerate(self.layers):
                 t[b] = expected_block(tokens, i, layer, t.shape[1:])
 
-    def check(self, tokens: Sequence[int], blocks: Sequence[int], first: int, count: int) -> List[int]:
+    def check(self, tokens: Sequence[int], blocks: Sequence[int], first: int, count: int) -> list[int]:
         """Blocks [first, first + count) of ``tokens`` in ``blocks`` whose bytes are wrong."""
         wrong = []
         for i in range(first, first + count):
@@ -100,7 +100,7 @@ class Engine:
             assert time.monotonic() < deadline, "the store's hold never came back"
             time.sleep(0.005)
 
-    def load(self, tokens: Sequence[int], blocks: Sequence[int], skip: int = 0) -> Optional[int]:
+    def load(self, tokens: Sequence[int], blocks: Sequence[int], skip: int = 0) -> int | None:
         """Loads and waits; returns the blocks loaded (None: nothing was)."""
         for t in self.layers:
             t[list(blocks)] = 0
@@ -121,7 +121,7 @@ def expected_block(tokens: Sequence[int], i: int, layer: int, shape) -> torch.Te
     return torch.randn(tuple(shape), generator=g)
 
 
-def prompt(seed: int, n: int) -> List[int]:
+def prompt(seed: int, n: int) -> list[int]:
     r = np.random.default_rng(seed)
     return [int(x) for x in r.integers(10, 50000, n)]
 

@@ -25,12 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from disagg_helpers import agg_plan, complete, disagg_plan, prompts  # noqa: E402
-from served import assert_gone, scrape, total, wait_until  # noqa: E402
+from disagg_helpers import agg_plan, complete, disagg_plan, prompts
+from served import assert_gone, scrape, total, wait_until
 
-from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
-from dynamo_flexkv.serve.nodes import Nodes  # noqa: E402
-from dynamo_flexkv.serve.redis_server import RedisCluster  # noqa: E402
+from dynamo_flexkv.serve.launcher import Launcher
+from dynamo_flexkv.serve.nodes import Nodes
+from dynamo_flexkv.serve.redis_server import RedisCluster
 
 TOKENS = 4
 OUTAGE_S = 30.0  # long enough for C's worker to lose its etcd lease (10 s) and stop

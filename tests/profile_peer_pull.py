@@ -21,8 +21,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any
 
 import numpy as np
 from kv_helpers import MODEL, config, device_tensors, fill
@@ -35,7 +36,7 @@ from dynamo_flexkv.core.transfer.nixl_agent import exit_past_libnl
 
 TPB, LAYOUT, SECRET = 16, KVLayoutType.LAYERBLOCK, b"profile"
 BLOCKS = 8192 // TPB
-PHASES: Dict[str, List[float]] = collections.defaultdict(list)
+PHASES: dict[str, list[float]] = collections.defaultdict(list)
 
 
 def timed(name: str, fn: Callable) -> Callable:
@@ -56,25 +57,25 @@ class Worker:
         self.kv.register_device_cache(self.dev, LAYOUT)
         self.agent = host_agent(self.kv)
 
-    def store(self, tokens: List[int]) -> None:
+    def store(self, tokens: list[int]) -> None:
         for i, h in enumerate(int(h) for h in self.kv.hashes(tokens).sequence):
             fill(self.dev, LAYOUT, i, h)
         tid = self.kv.put_async(tokens, list(range(BLOCKS)))
         assert self.kv.wait([tid])[tid].ok
 
-    def load(self, tokens: List[int]) -> float:
+    def load(self, tokens: list[int]) -> float:
         t0 = time.perf_counter()
         tid = self.kv.get_async(tokens, list(range(BLOCKS)))
         assert self.kv.wait([tid])[tid].num_tokens == BLOCKS * TPB
         return time.perf_counter() - t0
 
 
-def tokens_of(seed: int) -> List[int]:
+def tokens_of(seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(32000) for _ in range(BLOCKS * TPB)]
 
 
-def ms(xs: List[float]) -> str:
+def ms(xs: list[float]) -> str:
     return f"median {statistics.median(xs) * 1e3:.2f} min {min(xs) * 1e3:.2f} ms"
 
 
@@ -99,7 +100,7 @@ def main(rows: int) -> None:
     )
     link.tell = timed("receiver: release", link.tell)  # type: ignore[method-assign]
     b.kv.commit_staged = timed("receiver: commit", b.kv.commit_staged)  # type: ignore[method-assign]
-    per: Dict[str, List[float]] = collections.defaultdict(list)
+    per: dict[str, list[float]] = collections.defaultdict(list)
     try:
         warm = tokens_of(1)
         a.store(warm)

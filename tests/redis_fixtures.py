@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from dynamo_flexkv.serve.redis_server import RedisCluster, RedisServer
 from dynamo_flexkv.core.sysutil import find_binary
+from dynamo_flexkv.serve.redis_server import RedisCluster, RedisServer
 
 needs_redis = pytest.mark.skipif(
     find_binary("redis-server") is None or find_binary("redis-cli") is None,

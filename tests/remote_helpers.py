@@ -4,9 +4,9 @@ checks exact bytes, and the serve overrides of a remote-only graph."""
 from __future__ import annotations
 
 import numpy as np
+from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
 LAYOUT = KVLayoutType.LAYERBLOCK
 DEVICE_BLOCKS = 64

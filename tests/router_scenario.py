@@ -15,7 +15,6 @@ import tempfile
 import time
 
 import numpy as np
-
 from dynamo._core import (
     DistributedRuntime,
     KvEventPublisher,
@@ -34,6 +33,9 @@ from dynamo_flexkv.core.offload import EmbeddedOffload
 from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
 from dynamo_flexkv.core.index import Tier
 from dynamo_flexkv.core.sysutil import free_port
+from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
 
 CFG = EngineModelConfig.preset("tiny")
 BS = CFG.block_size
@@ -108,7 +110,7 @@ async def tiers(workdir, relay, checker) -> None:
         engine.generate([a], SamplingParams(max_tokens=1))
         engine.flush()
         await check("after-first-request", a)  # device, host and disk hold a's 6 full blocks
-        for i in range(3):  # other prompts push a's tail out of the 24-block device cache (not host's 64);
+        for _i in range(3):  # other prompts push a's tail out of the 24-block device cache (not host's 64);
             # its first 2 blocks stay: eviction takes tails first, so what stays is a usable prefix
             engine.generate([rng.integers(0, CFG.vocab_size, 7 * BS).tolist()], SamplingParams(max_tokens=1))
             engine.flush()

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
+from sse import DONE, sse_data
 
 from dynamo_flexkv.core.procgroup import members
 from dynamo_flexkv.serve import load_graph
 from dynamo_flexkv.core.http_client import http_json, samples, scrape, sums_by, total  # noqa: F401 (served.scrape, ...)
 from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.plan import LaunchPlan, RestartPolicy, apply_overrides, build_plan, load_config
-from sse import DONE, sse_data
 
 ROOT = Path(__file__).resolve().parents[1]
 AGG_ROUTER = str(ROOT / "graphs" / "agg_router.py")
@@ -55,7 +55,7 @@ def _base_url(target) -> str:
     return target if isinstance(target, str) else target.base_url
 
 
-def send(target, path: str, raw: bytes, content_type: Optional[str] = "application/json", *, timeout: float = TIMEOUT):
+def send(target, path: str, raw: bytes, content_type: str | None = "application/json", *, timeout: float = TIMEOUT):
     """(status, body text) of one POST of ``raw`` to a graph (a base URL, or a plan, Serve or
     launcher's plan: anything with ``base_url``); HTTP errors are returned, not raised."""
     headers = {"content-type": content_type} if content_type else {}
@@ -67,7 +67,7 @@ def send(target, path: str, raw: bytes, content_type: Optional[str] = "applicati
         return e.code, e.read().decode(errors="replace")
 
 
-def post(target, body: dict, path: str = "/v1/completions", *, timeout: float = TIMEOUT) -> Tuple[int, Any]:
+def post(target, body: dict, path: str = "/v1/completions", *, timeout: float = TIMEOUT) -> tuple[int, Any]:
     """(status, parsed JSON body, or its text when it is not JSON) of one POST of
     ``{"model": MODEL, **body}``; HTTP errors are returned, not raised."""
     status, text = send(target, path, json.dumps({"model": MODEL, **body}).encode(), timeout=timeout)
@@ -110,7 +110,7 @@ def applied_events(frontend_metrics: str) -> float:
     return sum(sums_by(scrape(frontend_metrics), "dynamo_component_kv_cache_events_applied").values())
 
 
-def events_applied(frontend_metrics: str, worker_metrics: List[str], timeout: float = 60) -> dict:
+def events_applied(frontend_metrics: str, worker_metrics: list[str], timeout: float = 60) -> dict:
     """Waits until the frontend's router applied as many KV events as the workers published
     (every one arrived), then returns the applied events by (event_type, status): a status other
     than "ok" is an event the router could not apply (a parent or block it did not know)."""
@@ -141,14 +141,14 @@ STREAM_TOKENS = 300  # long enough that a kill lands mid-stream on this slow mac
 class Streamed:
     status: int = 0
     chunks: int = 0
-    error: Optional[dict] = None  # the SSE error event, if the stream ended with one
-    usage: Optional[dict] = None
+    error: dict | None = None  # the SSE error event, if the stream ended with one
+    usage: dict | None = None
     done: bool = False  # saw data: [DONE]
     seconds: float = 0.0
 
 
 def stream(
-    base_url: str, model: str, prompt, max_tokens: int = STREAM_TOKENS, out: Optional[Streamed] = None, **extra
+    base_url: str, model: str, prompt, max_tokens: int = STREAM_TOKENS, out: Streamed | None = None, **extra
 ) -> Streamed:
     """One streamed completion, read to its end. ``out`` is filled as chunks arrive (another
     thread may watch it); ``extra`` goes into the request body."""
@@ -215,7 +215,7 @@ def holder_of(plan, prompt: str):
     return served[0]
 
 
-def assert_all_gone(pids: List[int], ports: List[int]) -> None:
+def assert_all_gone(pids: list[int], ports: list[int]) -> None:
     for pid in pids:  # every process group ever started, restarted workers' earlier lives included
         assert members(pid) == []  # no live process (zombies wait for init)
     for port in ports:
@@ -234,13 +234,13 @@ class Serve:
         name: str,
         *overrides: str,
         graph: str = "agg_router",
-        base: Optional[List[str]] = None,
+        base: list[str] | None = None,
         ready_timeout: float = 120,
-        command: Optional[List[str]] = None,
-        config: Optional[str] = None,
+        command: list[str] | None = None,
+        config: str | None = None,
         console: str = "all",
         own_run_dir: bool = False,
-        env: Optional[dict] = None,
+        env: dict | None = None,
     ) -> None:
         """``graph``: graphs/<graph>.py with configs/<config or graph>.yaml; ``base``: the --set values
         before ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run
@@ -272,7 +272,7 @@ class Serve:
             start_new_session=True,
             env=env,
         )
-        self.lines: List[str] = []
+        self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         try:

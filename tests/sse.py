@@ -2,12 +2,13 @@
 streamed completion as its JSON document, and ``DONE`` for the closing ``data: [DONE]``."""
 
 import json
-from typing import Any, Dict, Iterable, Iterator, Union
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 DONE = None  # what sse_data yields for ``data: [DONE]``
 
 
-def sse_data(lines: Iterable[Union[bytes, str]]) -> Iterator[Union[Dict[str, Any], None]]:
+def sse_data(lines: Iterable[bytes | str]) -> Iterator[dict[str, Any] | None]:
     """The documents of a stream's ``data:`` lines in order (other lines, e.g. comments and blank
     separators, are skipped); ``DONE`` for ``[DONE]``."""
     for raw in lines:

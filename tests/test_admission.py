@@ -2,8 +2,6 @@
 does not hold up shorter requests behind it, and it is overtaken only a bounded number of times
 before admission waits for it."""
 
-from typing import List
-
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
 from dynamo_flexkv.integrations.reference_engine.request import Request
 
@@ -11,14 +9,14 @@ CFG = EngineModelConfig.preset("tiny")
 BS = CFG.block_size
 
 
-def prompt(blocks: int, seed: int) -> List[int]:
+def prompt(blocks: int, seed: int) -> list[int]:
     """A prompt of ``blocks`` full blocks, distinct per seed (no shared prefix)."""
     return [(seed * 131 + i) % CFG.vocab_size for i in range(blocks * BS)]
 
 
-def step_until(engine: LLMEngine, done, limit: int = 10_000) -> List[Request]:
+def step_until(engine: LLMEngine, done, limit: int = 10_000) -> list[Request]:
     """Steps until ``done(finished so far)``; the step bound turns a livelock into a failure."""
-    finished: List[Request] = []
+    finished: list[Request] = []
     for _ in range(limit):
         if done(finished):
             return finished

@@ -3,8 +3,8 @@ fails here (the map is how a reader finds where things live). A module counts as
 under its own folder in the map's tree, so a new serve/hashing.py is not taken for core/hashing.py."""
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Set
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dynamo_flexkv"
@@ -18,12 +18,12 @@ def modules() -> Iterator[str]:
         yield rel.as_posix()
 
 
-def mapped(doc: str) -> Set[str]:
+def mapped(doc: str) -> set[str]:
     """The module paths (relative to the package) the source-layout tree names: each line's
     folder is the nearest less-indented ``name/`` line above it; a line may name several files."""
     lines = doc.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.strip() == "dynamo_flexkv/")
-    out: Set[str] = set()
+    out: set[str] = set()
     stack = []  # (indent, folder)
     for line in lines[start + 1 :]:
         if line.strip().startswith("```"):

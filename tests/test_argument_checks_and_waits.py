@@ -14,12 +14,11 @@ import time
 
 import numpy as np
 import pytest
+from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.index.tier_index import TierIndex
 from dynamo_flexkv.core.transfer.graph import TransferGraph
-
-from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
 L = KVLayoutType.LAYERBLOCK
 
@@ -310,8 +309,9 @@ def test_shutdown_during_deferred_puts_cancels_them_never_fails_them(tmp_path):
 def test_layer_ids_and_id_lists_of_the_wrong_type_are_refused_naming_the_argument(tmp_path):
     """Found by an outside review: a float/str/bool layer, a bool among device ids, ragged or 2-D
     ids and a bare task id passed to wait() were accepted or failed with numpy/Python internals."""
-    from dynamo_flexkv import KVLayoutType, KVManager
     from kv_helpers import MODEL, TPB, config, device_tensors
+
+    from dynamo_flexkv import KVLayoutType, KVManager
 
     with KVManager(MODEL, config(tmp_path, disk_blocks=0)) as kv:
         kv.register_device_cache(device_tensors(KVLayoutType.LAYERBLOCK, 16))

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+
 from dynamo_flexkv.core.sysutil import find_binary
 
 pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is installed by make test")

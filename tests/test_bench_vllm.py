@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from dynamo_flexkv.core.procgroup import members
 from dynamo_flexkv.bench import BENCHES, NOT_IN_ALL, build_parser
 from dynamo_flexkv.bench import vllm_setup as vs
 from dynamo_flexkv.bench import vllm_ttft as v
+from dynamo_flexkv.core.procgroup import members
 
 
 def test_registered_and_left_out_of_all():

@@ -7,13 +7,13 @@ import io
 import json
 
 import pytest
+from node_helpers import BS, Engine, node_server, prompt
 
 from dynamo_flexkv.cache_cli import parse_tokens, run
 from dynamo_flexkv.cache_server import serve_metrics
 from dynamo_flexkv.cli import build_parser
 from dynamo_flexkv.core.inventory import BadCacheRequest
 from dynamo_flexkv.core.sysutil import free_port
-from node_helpers import BS, Engine, node_server, prompt
 
 
 def cli(*argv: str):
@@ -102,14 +102,15 @@ def test_token_lists():
 def test_a_vllm_workers_connector_answers_on_its_lookup_socket(tmp_path, capsys):
     """FlexKVConnector's worker side (its tiers, a KVManager here) answers the same requests on
     its lookup socket; `--vllm DIR` asks every rank's socket in a replica's directory."""
+    from kv_helpers import MODEL, TPB, config, device_tensors, fill
+    from test_vllm_connector_settings import vllm_config
+
     from dynamo_flexkv import KVLayoutType, KVManager
     from dynamo_flexkv.core.offload import EmbeddedOffload
     from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
     from dynamo_flexkv.integrations.vllm_connector.protocol import lookup_endpoint
     from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
     from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
-    from kv_helpers import MODEL, TPB, config, device_tensors, fill
-    from test_vllm_connector_settings import vllm_config
 
     side = WorkerSide(ConnectorSettings.from_vllm(vllm_config(tmp_path), None), 0, 1)
     side.offload = EmbeddedOffload(KVManager(MODEL, config(tmp_path), model_id="vllm-m"))

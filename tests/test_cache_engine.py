@@ -8,10 +8,10 @@ import random
 import threading
 
 import pytest
+from index_model import random_chains
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.index import CacheEngine, IndexInvariantError, Tier
-from index_model import random_chains
 
 
 def make_engine(tmp_path, host=16, disk=48, **kw):
@@ -248,7 +248,7 @@ def test_threads_share_one_engine(tmp_path):
                 for _ in gen:
                     with lock:
                         check_ready_blocks_hold_their_bytes(ce, dp)
-        except Exception as e:  # surfaced below with the thread's id
+        except Exception as e:  # noqa: BLE001 - a worker thread's failure, surfaced below with the thread's id
             errors.append((wid, repr(e)))
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
@@ -303,6 +303,6 @@ def test_remote_write_behind_never_reads_host_blocks_another_put_still_fills(tmp
     assert (first.remote_sources.start, first.remote_sources.end) == (0, 3)
     second = eng.plan_put("b", hashes, remote=True)  # extends past a's unready blocks
     assert second.remote_sources is None or second.remote_sources.end == 0
-    for t, p in (("a", first), ("b", second)):
+    for t, _p in (("a", first), ("b", second)):
         eng.abort_task(t)
     assert len(eng.tiers[Tier.HOST]) == 0

@@ -6,13 +6,20 @@ import threading
 
 import numpy as np
 import pytest
-
-from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-from dynamo_flexkv.core.inventory import BadCacheRequest, CacheReport, CacheRequest, parse_report, parse_request
-from dynamo_flexkv.core.inventory import REMOTE_NOT_CLEARED, to_builtins
-from dynamo_flexkv.core.transfer.graph import OpKind
 from kv_helpers import BLOCK_BYTES, MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixtures)
+
+from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
+from dynamo_flexkv.core.inventory import (
+    REMOTE_NOT_CLEARED,
+    BadCacheRequest,
+    CacheReport,
+    CacheRequest,
+    parse_report,
+    parse_request,
+    to_builtins,
+)
+from dynamo_flexkv.core.transfer.graph import OpKind
 
 LAYOUT = KVLayoutType.LAYERBLOCK
 DEVICE_BLOCKS = 64
@@ -199,7 +206,7 @@ def test_a_report_survives_json(gated):
 
 @needs_redis
 @pytest.mark.integration
-def test_the_remote_tier_is_probed_and_listed_never_cleared(tmp_path, redis_server):  # noqa: F811
+def test_the_remote_tier_is_probed_and_listed_never_cleared(tmp_path, redis_server):
     from remote_helpers import Engine, manager
 
     with manager(tmp_path, redis_server.url, namespace="acme") as kv:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from served import MODEL, assert_gone, make_plan, metric, wait_until
 
 from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.core.http_client import http_json
@@ -96,9 +97,10 @@ NODE_SETS = [
 
 @pytest.mark.slow  # ~56 s on 2 CPUs; tests/test_node_cache_admin.py covers the service in-process
 def test_the_same_against_a_node_cache_service(tmp_path):
-    from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
-    from dynamo_flexkv.serve import load_graph
     from served import TINY
+
+    from dynamo_flexkv.serve import load_graph
+    from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 
     config = apply_overrides(
         load_config(str(ROOT / "configs" / "agg.yaml")),
@@ -144,10 +146,10 @@ def test_a_vllm_workers_connector_tiers_are_seen_and_cleared(tmp_path):
     connector in vLLM's worker process on its lookup socket; vLLM's own device tier is refused,
     naming Dynamo's clear_kv_blocks."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
-    from served import Serve
-
     import shutil
     import tempfile
+
+    from served import Serve
 
     short = Path(tempfile.mkdtemp(prefix="fkv-", dir="/tmp"))  # the lookup socket's path fits in the run dir
     serve = Serve(

@@ -12,16 +12,16 @@ import contextlib
 import tempfile
 import threading
 import time
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.offload import EmbeddedOffload
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
-from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
 LAYOUT = KVLayoutType.LAYERBLOCK
 DEV = 16
@@ -36,7 +36,7 @@ class Stall:
     by layer) waits for ``release``. ``in_write``: it stalls inside the load's device fence, as a
     copy stuck in the middle of its write would."""
 
-    def __init__(self, link: OpKind, layer: Optional[int] = None, in_write: bool = False) -> None:
+    def __init__(self, link: OpKind, layer: int | None = None, in_write: bool = False) -> None:
         self.link, self.layer, self.in_write = link, layer, in_write
         self.armed = False
         self.stalled = threading.Event()

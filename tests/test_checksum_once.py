@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixture)
 
 from dynamo_flexkv.core import native as _native  # the access point the code calls through
 from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
@@ -22,7 +23,6 @@ from dynamo_flexkv.core.storage.ssd import DiskEntry, SsdStore
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
 from dynamo_flexkv.core.transfer.movers import ChecksumError, DiskMover, HostDeviceMover, HostHasher
 from dynamo_flexkv.core.transfer.remote_mover import RemoteMover, RemoteShortRead
-from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixture)
 
 MODEL = ModelSpec(num_layers=4, num_kv_heads=2, head_size=64, dtype="bfloat16")  # 32 KiB blocks
 TPB = 16
@@ -216,7 +216,7 @@ def test_every_slot_rewritten_in_random_order_keeps_checksums_true(rig):
 
 @needs_redis
 @pytest.mark.integration
-def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server, monkeypatch):  # noqa: F811
+def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server, monkeypatch):
     rig = Rig(tmp_path, redis_server.url)
     try:
         for d in range(4):
@@ -272,7 +272,7 @@ def test_remote_puts_reuse_it_and_remote_reads_record_it(tmp_path, redis_server,
 
 @needs_redis
 @pytest.mark.integration
-def test_a_wrong_checksum_handed_to_put_is_refused_by_every_read(redis_server):  # noqa: F811
+def test_a_wrong_checksum_handed_to_put_is_refused_by_every_read(redis_server):
     """The guarantee does not rest on the reused checksum being right: a reader verifies every
     payload, so a wrong one costs a miss (recompute), never wrong bytes."""
     fp = fingerprint_of({"test": "checksum_once"})
@@ -287,8 +287,10 @@ def test_a_wrong_checksum_handed_to_put_is_refused_by_every_read(redis_server): 
 def test_a_freed_host_slot_forgets_its_checksum(tmp_path):
     """The manager's free hook: a host block evicted or removed from the index drops its slot's
     checksum, whatever writes the slot next."""
+    from kv_helpers import MODEL as KMODEL
+    from kv_helpers import config, device_tensors, fill
+
     from dynamo_flexkv import KVLayoutType, KVManager
-    from kv_helpers import MODEL as KMODEL, config, device_tensors, fill
 
     with KVManager(KMODEL, config(tmp_path, host_blocks=4, disk_blocks=8)) as kv:
         dev = device_tensors(KVLayoutType.LAYERBLOCK, 8)

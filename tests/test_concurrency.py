@@ -3,9 +3,9 @@
 import threading
 
 import numpy as np
+from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, prompts
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, prompts
 
 THREADS, OPS, SLICE = 4, 500, 16  # each thread owns device blocks [t*SLICE, (t+1)*SLICE)
 
@@ -23,7 +23,7 @@ def test_threads_interleave_tasks(tmp_path):
             rng = np.random.default_rng(w)
             mine = np.arange(w * SLICE, (w + 1) * SLICE)
             try:
-                for i in range(OPS):
+                for _i in range(OPS):
                     p = shared[int(rng.integers(len(shared)))]
                     h = kv.hashes(p).sequence
                     ids = rng.choice(mine, size=len(h), replace=False)
@@ -45,7 +45,7 @@ def test_threads_interleave_tasks(tmp_path):
                     if op >= 0.4 and op < 0.8 and r.status is TaskStatus.SUCCESS:
                         for j in range(r.num_tokens // TPB):
                             assert holds(dev, layout, int(ids[j]), int(h[j])), "wrong bytes restored"
-            except Exception as e:  # reported with the thread id below
+            except Exception as e:  # noqa: BLE001 - a worker thread's failure, reported with the thread id below
                 errors.append((w, repr(e)))
 
         threads = [threading.Thread(target=worker, args=(w,)) for w in range(THREADS)]

@@ -161,6 +161,7 @@ def test_constructor_parses_the_policy_and_rejects_unknown_ones():
 
 def test_a_constructed_config_drives_a_manager(tmp_path):
     from kv_helpers import BLOCK_BYTES, MODEL
+
     from dynamo_flexkv import KVManager
 
     gb = BLOCK_BYTES / (1 << 30)

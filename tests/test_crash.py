@@ -8,9 +8,9 @@ import signal
 import time
 
 import numpy as np
+from kv_helpers import TPB, config, device_tensors, holds
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-from kv_helpers import TPB, config, device_tensors, holds
 
 ROUNDS = int(os.environ.get("FLEXKV_CRASH_ROUNDS", "8"))
 

@@ -6,9 +6,9 @@ Runs where torch sees a GPU (scripts/device_check.sh on a lent GPU machine); ski
 import numpy as np
 import pytest
 import torch
+from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA; runs on GPU machines via scripts/device_check.sh"

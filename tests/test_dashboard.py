@@ -6,14 +6,12 @@ frontend's) /metrics is checked against a served graph in tests/test_replay.py."
 
 import json
 import re
-from typing import List
 
 import yaml
-
 from dashboard_queries import METRIC, PROMETHEUS, all_panels, load_dashboard
 
 
-def schema_problems(d: dict) -> List[str]:
+def schema_problems(d: dict) -> list[str]:
     """What Grafana's classic dashboard schema requires, and what an import needs to work."""
     problems = []
     for key, kind in (

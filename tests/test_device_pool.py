@@ -3,7 +3,6 @@ it reports are ones the router's radix tree can apply in order: a Stored always 
 parent, a Removed always names a known leaf."""
 
 import random
-from typing import Dict, List, Optional
 
 import pytest
 
@@ -14,11 +13,11 @@ class RouterView:
     """What a router learns from the pool's events; fails on any event it could not apply."""
 
     def __init__(self) -> None:
-        self.parent: Dict[int, Optional[int]] = {}
-        self.children: Dict[int, int] = {}
-        self.removed_batches: List[List[int]] = []
+        self.parent: dict[int, int | None] = {}
+        self.children: dict[int, int] = {}
+        self.removed_batches: list[list[int]] = []
 
-    def stored(self, hashes: List[int], parent: Optional[int], tokens: List[int]) -> None:
+    def stored(self, hashes: list[int], parent: int | None, tokens: list[int]) -> None:
         assert len(hashes) == 1 and len(tokens) == 4
         assert parent is None or parent in self.parent, f"Stored {hashes} after unknown parent {parent}"
         for h in hashes:
@@ -28,7 +27,7 @@ class RouterView:
                 self.children[parent] = self.children.get(parent, 0) + 1
             parent = h
 
-    def removed(self, hashes: List[int]) -> None:
+    def removed(self, hashes: list[int]) -> None:
         self.removed_batches.append(list(hashes))
         for h in hashes:
             assert h in self.parent, f"Removed {h} which was never stored"
@@ -43,7 +42,7 @@ def make_pool(n: int):
     return DeviceBlockPool(n, view.stored, view.removed), view
 
 
-def run_request(pool: DeviceBlockPool, chain: List[int], extra: int = 1) -> List[int]:
+def run_request(pool: DeviceBlockPool, chain: list[int], extra: int = 1) -> list[int]:
     """Admits a request for ``chain`` (+ ``extra`` decode blocks), caches its blocks in order."""
     hit = pool.match(chain)
     table = hit + pool.allocate(len(chain) + extra - len(hit))
@@ -127,9 +126,9 @@ def test_random_workload_keeps_router_view_exact(seed):
     rng = random.Random(seed)
     pool, view = make_pool(40)
     roots = [[rng.randrange(1, 1 << 62) for _ in range(rng.randint(1, 6))] for _ in range(5)]
-    running: List[list] = []  # [chain, block table, blocks computed]
+    running: list[list] = []  # [chain, block table, blocks computed]
     pins = 0
-    for step in range(600):
+    for _step in range(600):
         op = rng.random()
         if running and (op < 0.25 or pool.num_available < 12):
             pool.release(running.pop(rng.randrange(len(running)))[1])

@@ -6,17 +6,16 @@ import random
 
 import pytest
 import torch
-
 from disagg_helpers import Clock, decode_one, engine_pair, serve_releases
 
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
-from dynamo_flexkv.integrations.disagg import HandoverParams, HandoverRefused, LeaseTable  # noqa: E402
-from dynamo_flexkv.core.transfer.nixl_agent import KVAgent, _indices, _layer_offsets  # noqa: E402
-from dynamo_flexkv.integrations.disagg.params import KEY  # noqa: E402
-from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide  # noqa: E402
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine  # noqa: E402
-from dynamo_flexkv.integrations.reference_engine.request import SamplingParams  # noqa: E402
+from dynamo_flexkv.core.transfer.nixl_agent import KVAgent, _indices, _layer_offsets
+from dynamo_flexkv.integrations.disagg import HandoverParams, HandoverRefused, LeaseTable
+from dynamo_flexkv.integrations.disagg.params import KEY
+from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
+from dynamo_flexkv.integrations.reference_engine.request import SamplingParams
 
 CFG = EngineModelConfig.load("tiny")
 

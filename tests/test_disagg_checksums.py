@@ -8,16 +8,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from disagg_helpers import decode_one, engine_pair, serve_releases
 
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
-from dynamo_flexkv.integrations.disagg import HandoverParams, HandoverRefused  # noqa: E402
-from dynamo_flexkv.core.transfer.nixl_agent import block_checksums  # noqa: E402
-from dynamo_flexkv.integrations.disagg.params import KEY  # noqa: E402
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine  # noqa: E402
-from dynamo_flexkv.integrations.reference_engine.request import SamplingParams  # noqa: E402
+from dynamo_flexkv.core.transfer.nixl_agent import block_checksums
+from dynamo_flexkv.integrations.disagg import HandoverParams, HandoverRefused
+from dynamo_flexkv.integrations.disagg.params import KEY
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
+from dynamo_flexkv.integrations.reference_engine.request import SamplingParams
 
 CFG = EngineModelConfig.load("tiny")
 

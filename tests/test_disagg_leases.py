@@ -7,7 +7,6 @@ import logging
 import time
 
 import pytest
-
 from disagg_helpers import Clock, engine_pair
 
 from dynamo_flexkv.integrations.disagg import LeaseTable
@@ -129,9 +128,8 @@ def test_a_handover_that_reaches_decode_too_late_to_claim_is_recomputed_and_rele
 
 @pytest.mark.unit
 def test_the_worker_refuses_a_renewal_window_too_short_to_claim_in():
-    from dynamo_flexkv.integrations.dynamo_worker.args import build_parser
-
     from dynamo_flexkv.integrations.disagg.leases import DEFAULT_RENEW_S
+    from dynamo_flexkv.integrations.dynamo_worker.args import build_parser
 
     assert build_parser().parse_args([]).handover_renew_s == DEFAULT_RENEW_S
     assert build_parser().parse_args(["--handover-renew-s", "2"]).handover_renew_s == 2.0

@@ -5,19 +5,18 @@ the prefill worker are counted as handed over, not as computed, and every handov
 
 import asyncio
 import time
-from typing import Dict
 
 import pytest
 
 pytest.importorskip("dynamo.common.backend", reason="ai-dynamo is installed by make test")
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
-from dynamo_flexkv.core.transfer.nixl_agent import KVAgent  # noqa: E402
-from dynamo_flexkv.integrations.disagg.params import KEY  # noqa: E402
-from dynamo_flexkv.integrations.disagg.roles import PrefillSide  # noqa: E402
-from dynamo_flexkv.integrations.dynamo_worker.args import build_parser  # noqa: E402
-from dynamo_flexkv.integrations.dynamo_worker.component import FlexKVWorkerEngine  # noqa: E402
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams  # noqa: E402
+from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
+from dynamo_flexkv.integrations.disagg.params import KEY
+from dynamo_flexkv.integrations.disagg.roles import PrefillSide
+from dynamo_flexkv.integrations.dynamo_worker.args import build_parser
+from dynamo_flexkv.integrations.dynamo_worker.component import FlexKVWorkerEngine
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
 
 CFG = EngineModelConfig.load("tiny")
 BS = CFG.block_size
@@ -31,7 +30,7 @@ class Context:
         return self._id
 
 
-def samples(worker: FlexKVWorkerEngine) -> Dict[str, float]:
+def samples(worker: FlexKVWorkerEngine) -> dict[str, float]:
     """Every flexkv_* sample of the worker's collector, keyed like /metrics shows it."""
     out = {}
     for family in worker.collector().collect():

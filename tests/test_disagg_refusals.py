@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Tuple
 
 import pytest
 
@@ -76,7 +75,7 @@ def test_worker_cli_refuses_a_bad_handover_lease_before_starting(value):
     assert r.returncode == 2 and "--handover-lease-s" in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]
 
 
-def replay_until_start(tmp_path, *args: str, timeout: float = 50) -> Tuple[int, str, bool]:
+def replay_until_start(tmp_path, *args: str, timeout: float = 50) -> tuple[int, str, bool]:
     """Runs `dynamo-flexkv replay ARGS`; if it starts a graph, interrupts it (Ctrl-C) and stops every
     process of that graph. Returns (exit code, stderr, whether a graph was started)."""
     p = subprocess.Popen(
@@ -86,7 +85,7 @@ def replay_until_start(tmp_path, *args: str, timeout: float = 50) -> Tuple[int, 
         text=True,
         cwd=ROOT,
     )
-    lines: List[str] = []
+    lines: list[str] = []
     started = False
     deadline = time.monotonic() + timeout
     for line in p.stderr:
@@ -158,7 +157,7 @@ def test_replay_with_every_request_failed_reports_the_request_error(tmp_path):
     assert rc != 0 and "number sections" not in err and "127.0.0.1:9" in err.splitlines()[-1], err[-800:]
 
 
-def marked_pids(mark: str) -> List[int]:
+def marked_pids(mark: str) -> list[int]:
     """Pids of this user's processes whose environment carries ADV_MARK=mark."""
     found = []
     for d in Path("/proc").iterdir():

@@ -4,12 +4,12 @@ import pytest
 
 pytest.importorskip("dynamo.common.backend", reason="ai-dynamo is installed by make test")
 
-from dynamo.health_check import HEALTH_CHECK_KEY  # noqa: E402
-from dynamo.llm.exceptions import InvalidArgument  # noqa: E402
+from dynamo.health_check import HEALTH_CHECK_KEY
+from dynamo.llm.exceptions import InvalidArgument
 
-from dynamo_flexkv.integrations.disagg.params import KEY, HandoverParams  # noqa: E402
-from dynamo_flexkv.integrations.disagg.dynamo_handlers import BYPASS_REMOTE_PREFILL, Role  # noqa: E402
-from dynamo_flexkv.integrations.dynamo_worker.args import build_parser  # noqa: E402
+from dynamo_flexkv.integrations.disagg.dynamo_handlers import BYPASS_REMOTE_PREFILL, Role
+from dynamo_flexkv.integrations.disagg.params import KEY, HandoverParams
+from dynamo_flexkv.integrations.dynamo_worker.args import build_parser
 
 HANDOVER = HandoverParams("a", None, "L", [1, 2], 9, [100], 64, "DRAM", 0, 1e12, 4, checksums=[5, 6]).to_dict()
 

@@ -8,11 +8,14 @@ import pytest
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
-from disagg_helpers import agg_plan, clean_exit, complete, disagg_plan, prompts, serve_all  # noqa: E402
-from served import assert_gone, metric  # noqa: E402
-from served import wait_until  # noqa: E402
+from disagg_helpers import agg_plan, clean_exit, complete, disagg_plan, prompts, serve_all
+from served import (
+    assert_gone,
+    metric,
+    wait_until,
+)
 
-from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
+from dynamo_flexkv.serve.launcher import Launcher
 
 
 @pytest.fixture(scope="module")

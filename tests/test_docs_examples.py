@@ -26,9 +26,9 @@ import argparse
 import os
 import re
 import shlex
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
 
 import pytest
 import yaml
@@ -46,7 +46,7 @@ class Block:
     line: int  # the fence's line, 1-based
     language: str
     code: str
-    mark: Optional[str]  # not-run, parse-only or None
+    mark: str | None  # not-run, parse-only or None
     reason: str
 
     @property
@@ -73,7 +73,7 @@ def fenced_blocks(doc: Path) -> Iterator[Block]:
         i = end + 1
 
 
-def indented_code_blocks(doc: Path) -> List[int]:
+def indented_code_blocks(doc: Path) -> list[int]:
     """Lines that open a Markdown indented code block (four spaces after a blank line, outside a
     fence and not inside a list item)."""
     found, in_fence, in_list = [], False, False
@@ -96,7 +96,7 @@ def indented_code_blocks(doc: Path) -> List[int]:
 BLOCKS = [b for doc in DOCS for b in fenced_blocks(doc)]
 
 
-def blocks(language: str) -> List[pytest.param]:
+def blocks(language: str) -> list[pytest.param]:
     out = []
     for b in BLOCKS:
         if b.language != language or b.mark == "not-run":
@@ -149,7 +149,7 @@ def test_python_example_runs_as_written(block: Block, example_env, request):
 # ---- bash: every command checked ----------------------------------------------------------------------
 
 
-def commands(code: str) -> Iterator[List[str]]:
+def commands(code: str) -> Iterator[list[str]]:
     """The block's commands as argument lists, as a shell reads them: continuation lines joined
     (and a quote left open goes on over the next line), comments dropped, split at ``&&``, ``||``,
     ``;`` and ``|``."""
@@ -163,7 +163,7 @@ def commands(code: str) -> Iterator[List[str]]:
         except ValueError:  # no closing quotation: the string goes on
             continue
         pending = ""
-        argv: List[str] = []
+        argv: list[str] = []
         for word in words:
             if word in ("&&", "||", ";", "|"):
                 if argv:
@@ -176,7 +176,7 @@ def commands(code: str) -> Iterator[List[str]]:
     assert not pending, f"an unclosed quote: {pending!r}"
 
 
-def unwrap(argv: List[str]) -> List[str]:
+def unwrap(argv: list[str]) -> list[str]:
     """The command a line runs: without ``VAR=value`` prefixes and ``ip netns exec NAME``."""
     while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
         argv = argv[1:]
@@ -185,7 +185,7 @@ def unwrap(argv: List[str]) -> List[str]:
     return argv
 
 
-def parse(parser: argparse.ArgumentParser, args: Sequence[str]) -> Optional[argparse.Namespace]:
+def parse(parser: argparse.ArgumentParser, args: Sequence[str]) -> argparse.Namespace | None:
     """``args`` as the command's own parser reads them (argparse's errors: exit 2); None for --help."""
     try:
         return parser.parse_args(list(args))
@@ -195,7 +195,7 @@ def parse(parser: argparse.ArgumentParser, args: Sequence[str]) -> Optional[argp
         raise AssertionError(f"the parser refuses {shlex.join(args)} (exit {e.code}): see stderr above") from None
 
 
-def check_cli(args: List[str], plan: bool, tmp_path: Path) -> None:
+def check_cli(args: list[str], plan: bool, tmp_path: Path) -> None:
     from dynamo_flexkv import cli
     from dynamo_flexkv.serve.graph import GraphError
 
@@ -209,7 +209,7 @@ def check_cli(args: List[str], plan: bool, tmp_path: Path) -> None:
         raise AssertionError(f"dynamo-flexkv {shlex.join(args)}: {e}") from None
 
 
-def check_pytest(args: List[str]) -> None:
+def check_pytest(args: list[str]) -> None:
     kinds = {"unit", "integration", "served", "bench", "slow"}
     it = iter(args)
     for arg in it:
@@ -224,7 +224,7 @@ def makefile_targets() -> set:
     return set(re.findall(r"^([A-Za-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M))
 
 
-def check_command(argv: List[str], plan: bool, tmp_path: Path) -> None:
+def check_command(argv: list[str], plan: bool, tmp_path: Path) -> None:
     argv = unwrap(argv)
     program, args = argv[0], argv[1:]
     if program == "dynamo-flexkv":

@@ -14,8 +14,9 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
-from served import ROOT, TINY, assert_gone, complete, make_plan, metric  # noqa: E402,F401
+from served import ROOT, TINY, assert_gone, complete, make_plan, metric
+
+from dynamo_flexkv.serve.launcher import Launcher
 
 
 def test_agg_graph_serves_completions_and_reports_offload_metrics(tmp_path):

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from dynamo_flexkv import CacheConfig, KVManager
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
 from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.core.offload import EmbeddedOffload
 from dynamo_flexkv.core.transfer.graph import OpKind
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
 
 CFG = EngineModelConfig.preset("tiny")
 BS = CFG.block_size

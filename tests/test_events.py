@@ -2,14 +2,14 @@
 many events per frame, chains and removal passes merged, order kept, frames and queue bounded."""
 
 import threading
-from typing import Dict, List, Optional
 
 import msgspec
 import pytest
 import zmq
 
-from dynamo_flexkv.integrations.events import KvEventRelay, signed_hash as _signed
 from dynamo_flexkv.core.index import Tier
+from dynamo_flexkv.integrations.events import KvEventRelay
+from dynamo_flexkv.integrations.events import signed_hash as _signed
 
 
 class Subscriber:
@@ -19,7 +19,7 @@ class Subscriber:
         self.sock.connect(relay.endpoint)
         assert relay.wait_for_subscriber(10)
 
-    def frames(self, timeout_ms: int = 300) -> List[list]:
+    def frames(self, timeout_ms: int = 300) -> list[list]:
         """Every frame that arrives until none came for ``timeout_ms``."""
         out = []
         while self.sock.poll(timeout_ms):
@@ -40,7 +40,7 @@ def relay_and_sub(request):
     relay.close()
 
 
-def events_of(frames) -> List[dict]:
+def events_of(frames) -> list[dict]:
     return [e for f in frames for e in msgspec.msgpack.decode(f[2])[1]]
 
 
@@ -182,7 +182,7 @@ def test_threads_keep_their_order(relay_and_sub):
     chains = {t: [(t << 32) + i for i in range(400)] for t in range(4)}
 
     def publish(t: int) -> None:
-        prev: Optional[int] = None
+        prev: int | None = None
         for h in chains[t]:
             relay.stored(Tier.HOST if t % 2 else None, [h], prev, [t] * 4)
             prev = h
@@ -193,7 +193,7 @@ def test_threads_keep_their_order(relay_and_sub):
     for th in threads:
         th.join()
     relay.flush()
-    seen: Dict[Optional[str], List[int]] = {}
+    seen: dict[str | None, list[int]] = {}
     known = set()
     for e in events_of(sub.frames(1000)):
         assert e["parent_block_hash"] is None or e["parent_block_hash"] in known

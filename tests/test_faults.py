@@ -8,12 +8,12 @@ import threading
 import numpy as np
 import pytest
 import torch
+from kv_helpers import MODEL, TPB, Delivered, assert_no_leaks, config, device_tensors, fill, holds
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.index import Tier
 from dynamo_flexkv.core.tasks import TaskFailed
 from dynamo_flexkv.core.transfer.graph import OpKind
-from kv_helpers import MODEL, TPB, Delivered, assert_no_leaks, config, device_tensors, fill, holds
 
 DEV = 32
 

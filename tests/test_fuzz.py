@@ -201,8 +201,8 @@ def _signed(h):
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_event_frames_decode_to_what_was_published(data):
-    from dynamo_flexkv.integrations.events import KvEventRelay
     from dynamo_flexkv.core.index import Tier
+    from dynamo_flexkv.integrations.events import KvEventRelay
 
     bs = data.draw(st.sampled_from([1, 4, 16]), label="block size")
     relay = KvEventRelay(bs, flush_interval=0.001)

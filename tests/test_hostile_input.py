@@ -16,15 +16,14 @@ import json
 import re
 import socket
 import time
-from typing import Tuple
 
 import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 aiohttp = pytest.importorskip("aiohttp")
 
-from sse import DONE, sse_data  # noqa: E402
 from served import MODEL, TIMEOUT, flexkv_metrics, make_plan, post, send  # noqa: E402
+from sse import DONE, sse_data  # noqa: E402
 
 from dynamo_flexkv.core.http_client import http_json  # noqa: E402
 from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
@@ -58,7 +57,7 @@ def graph(tmp_path_factory):
         launcher.shutdown()
 
 
-def stream(plan, body: dict, path: str = "/v1/completions") -> Tuple[int, list]:
+def stream(plan, body: dict, path: str = "/v1/completions") -> tuple[int, list]:
     """(status, the parsed `data:` events before [DONE]) of a streaming request."""
     code, text = send(plan, path, json.dumps({"model": MODEL, **body, "stream": True}).encode())
     if code != 200:
@@ -68,7 +67,7 @@ def stream(plan, body: dict, path: str = "/v1/completions") -> Tuple[int, list]:
     return code, events[:-1]
 
 
-def answer(plan, prompt, max_tokens: int, chat: bool = False, streaming: bool = False) -> Tuple[str, str]:
+def answer(plan, prompt, max_tokens: int, chat: bool = False, streaming: bool = False) -> tuple[str, str]:
     """(text, finish_reason) of a greedy request that must succeed."""
     if chat:
         path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
@@ -420,14 +419,14 @@ async def _hang_up_after_first_chunk(session, url: str, i: int) -> bool:
     return False  # the stream ended before a chunk came: fails below
 
 
-async def _complete(session, url: str, prompt: list) -> Tuple[str, str]:
+async def _complete(session, url: str, prompt: list) -> tuple[str, str]:
     async with session.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}) as resp:
         assert resp.status == 200, await resp.text()
         choice = (await resp.json())["choices"][0]
         return choice["text"], choice["finish_reason"]
 
 
-async def _storm(plan, normal_prompts: list) -> Tuple[list, list]:
+async def _storm(plan, normal_prompts: list) -> tuple[list, list]:
     url = plan.base_url + "/v1/completions"
     timeout = aiohttp.ClientTimeout(total=TIMEOUT)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -437,7 +436,7 @@ async def _storm(plan, normal_prompts: list) -> Tuple[list, list]:
     return list(results[:HANGUPS]), list(results[HANGUPS:])
 
 
-def _finished(plan) -> Tuple[float, float]:
+def _finished(plan) -> tuple[float, float]:
     """(aborted, completed) requests over all workers."""
     ms = [flexkv_metrics(w.port) for w in plan.workers]
     return (sum(m["flexkv_requests_aborted_total"] for m in ms), sum(m["flexkv_requests_total"] for m in ms))

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, List, Set
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "dynamo_flexkv"
 EXTENSION = f"{PACKAGE}.core._native"
 
 
-def _modules() -> Dict[str, Path]:
+def _modules() -> dict[str, Path]:
     out = {}
     for path in (ROOT / PACKAGE).rglob("*.py"):
         rel = path.relative_to(ROOT)
@@ -27,10 +26,10 @@ def _modules() -> Dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     tree = ast.parse(path.read_text())
     here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    named: Set[str] = set()
+    named: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             named.update(a.name for a in node.names)
@@ -40,7 +39,7 @@ def _imports(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
                 base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
             named.add(base)
             named.update(f"{base}.{a.name}" for a in node.names)
-    out: Set[str] = set()
+    out: set[str] = set()
     for t in named:
         if t == EXTENSION:
             out.add(t)
@@ -52,13 +51,13 @@ def _imports(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
     return out
 
 
-def _cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's strongly connected components of more than one module."""
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    stack: List[str] = []
-    on: Set[str] = set()
-    found: List[List[str]] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
 
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)

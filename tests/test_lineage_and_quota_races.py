@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import threading
 
-from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
-
 from kv_helpers import MODEL, TPB, config, device_tensors, fill
 from node_helpers import Held
+
+from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 
 L = KVLayoutType.LAYERBLOCK
 
@@ -106,9 +106,9 @@ def test_a_put_hashed_before_the_change_commits_old_kv_after_it(tmp_path):
 
 # ---- remote tier quota ---------------------------------------------------------------------------
 import numpy as np  # noqa: E402
+from redis_fixtures import needs_redis, redis_server  # noqa: E402,F401
 
 from dynamo_flexkv.core.remote import HEADER_BYTES, RemoteStore, fingerprint_of  # noqa: E402
-from redis_fixtures import needs_redis, redis_server  # noqa: E402,F401
 
 SIZE = 32 << 10
 VALUE = HEADER_BYTES + SIZE
@@ -120,7 +120,7 @@ def rblocks(n: int, seed: int):
 
 
 @needs_redis
-def test_a_tenant_flood_never_deletes_a_block_another_tenant_stored_under_the_same_key(redis_server):  # noqa: F811
+def test_a_tenant_flood_never_deletes_a_block_another_tenant_stored_under_the_same_key(redis_server):
     """Two tenants whose stores share a fingerprint (same model, same or no namespace: the
     fingerprint does not carry remote_tenant) write the same block keys. bolt's flood must not
     delete a block acme accounts for."""
@@ -151,7 +151,7 @@ def _remote_manager(path, url, **kw):
 
 
 @needs_redis
-def test_two_managers_share_redis_one_switches_weights(tmp_path, redis_server):  # noqa: F811
+def test_two_managers_share_redis_one_switches_weights(tmp_path, redis_server):
     a, dev_a = _remote_manager(tmp_path / "a", redis_server.url)
     b, dev_b = _remote_manager(tmp_path / "b", redis_server.url)
     try:

@@ -9,15 +9,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from served import agg_router_plan, sleeper_plan
 
 from dynamo_flexkv.core.procgroup import members
 from dynamo_flexkv.serve import GraphError
 from dynamo_flexkv.serve import launcher as launcher_mod
 from dynamo_flexkv.serve.launcher import GraphStopped, Launcher
 from dynamo_flexkv.serve.options import OnDeath, RestartPolicy
-
-from served import agg_router_plan, sleeper_plan
-
 
 # --- the option -------------------------------------------------------------------------------------
 

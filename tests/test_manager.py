@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, open_fds, prompts
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.tasks import ManagerClosed, TaskFailed

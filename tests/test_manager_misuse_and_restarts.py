@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds, store_and_drain
 
 from dynamo_flexkv import CacheConfig, KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.config import ConfigError

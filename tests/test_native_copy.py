@@ -117,6 +117,7 @@ def test_the_copies_take_only_unsigned_64_bit_arrays(bad):
 @pytest.mark.parametrize("heads", [1, 8])  # 2 KiB (device order both ways) and 64 KiB (host order for H2D) runs
 def test_the_cpu_mover_round_trips_random_blocks_in_either_copy_order(heads):
     import torch
+
     from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
     from dynamo_flexkv.core.storage.device import DeviceCache
     from dynamo_flexkv.core.storage.host import HostPool

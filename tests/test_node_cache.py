@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from node_helpers import BS, SPEC, Engine, Held, engine_process, node_server, prompt, read_line
+from served import wait_until
 
 from dynamo_flexkv import CacheConfig, KVManager, open_offload
 from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.layout import KVLayout, KVLayoutType
-from dynamo_flexkv.core.node.protocol import Attach, Load, VERSION, encode
+from dynamo_flexkv.core.node.protocol import VERSION, Attach, Load, encode
 from dynamo_flexkv.core.node.server import NodeCacheServer, ServerOptions
-from node_helpers import BS, SPEC, Engine, Held, engine_process, node_server, prompt, read_line
-from served import wait_until
 
 
 def stats(server) -> dict:
@@ -145,7 +145,9 @@ def test_a_dropped_connection_fences_host_writes_until_the_process_exits(tmp_pat
     but whose process lives fails only once that process exited, so its slots cannot be reused
     under a write still landing."""
     import subprocess
+
     import numpy as np
+
     from dynamo_flexkv.core.node.engines import EngineDevice, EngineGone, Fence
     from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
 

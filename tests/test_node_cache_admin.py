@@ -9,6 +9,7 @@ import socket
 import urllib.request
 
 import pytest
+from node_helpers import BS, Engine, Held, node_server, prompt
 
 from dynamo_flexkv.cache_server import serve_metrics
 from dynamo_flexkv.core.inventory import HTTP_ROUTE, CacheRequest
@@ -16,7 +17,6 @@ from dynamo_flexkv.core.node.admin import AdminError, NodeAdmin
 from dynamo_flexkv.core.node.connection import NodeRequestFailed
 from dynamo_flexkv.core.node.protocol import ADMIN_VERSION, Admin, Reply, decode_to_engine, encode, frame_length
 from dynamo_flexkv.core.sysutil import free_port
-from node_helpers import BS, Engine, Held, node_server, prompt
 
 BLOCKS = list(range(40))
 

@@ -14,7 +14,6 @@ import sys
 import time
 
 import pytest
-
 from node_helpers import Engine, prompt
 
 

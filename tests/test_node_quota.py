@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from node_helpers import BS, SPEC, Engine, node_server, prompt, server_config
+from served import scrape, total, wait_until
 
 from dynamo_flexkv.cache_server import serve_metrics
 from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.node.quota import Quota, TenantQuotas
 from dynamo_flexkv.core.sysutil import free_port
-from node_helpers import BS, SPEC, Engine, node_server, prompt, server_config
-from served import scrape, total, wait_until
 
 GiB = 1 << 30
 BLOCK = SPEC.num_layers * 2 * SPEC.num_kv_heads * SPEC.head_size * BS * 4  # float32 K and V of one block

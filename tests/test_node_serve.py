@@ -283,8 +283,9 @@ def served_node_graph(tmp_path):
 def test_two_workers_on_one_node_cache_load_each_others_prefixes_and_the_router_credits_both(tmp_path):
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
     import vllm_graph as vg
-    from served import assert_all_gone, wait_until
     from node_helpers import BS, Engine, Held, prompt
+    from served import assert_all_gone, wait_until
+
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
     serve, ids, probe = served_node_graph(tmp_path)
@@ -434,8 +435,8 @@ def test_a_killed_node_cache_costs_no_request_and_its_disk_prefix_loads_again(tm
     import threading
     import time
 
-    from served import wait_until
     from node_helpers import BS, prompt
+    from served import wait_until
 
     serve, ids, probe = served_node_graph(tmp_path)
     try:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from disagg_helpers import disagg_plan
 from served import ROOT
 

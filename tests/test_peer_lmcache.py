@@ -306,6 +306,7 @@ def test_the_replays_lmcache_row_serves_the_same_graph_on_one_lmcache_server_for
     server for the node planned before the workers (the launcher waits for it and stops it after
     them), its CPU tier the workers' host tiers together, its chunks the workers' blocks."""
     import json
+
     from dynamo_flexkv.replay.configs import CONFIGURATIONS
     from dynamo_flexkv.replay.peers import SERVER, add_lmcache_server, lmcache_config
     from dynamo_flexkv.serve import load_graph
@@ -336,7 +337,9 @@ def test_the_replays_lmcache_row_is_refused_before_anything_is_served_without_lm
     tmp_path, monkeypatch, capsys
 ):
     import argparse
-    from dynamo_flexkv.replay.main import add_arguments, run as replay_run
+
+    from dynamo_flexkv.replay.main import add_arguments
+    from dynamo_flexkv.replay.main import run as replay_run
 
     monkeypatch.setenv(lmc.PREFIX_ENV, str(tmp_path / "nope"))
     for argv, message in (

@@ -21,13 +21,13 @@ import pytest
 
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
-from kv_helpers import MODEL, assert_no_leaks, config, device_tensors, fill, holds  # noqa: E402
-from served import wait_until  # noqa: E402
+from kv_helpers import MODEL, assert_no_leaks, config, device_tensors, fill, holds
+from served import wait_until
 
-from dynamo_flexkv import KVLayoutType, KVManager  # noqa: E402
-from dynamo_flexkv.core.peer import PeerReceiver, PeerSource, SourceLimits, host_agent  # noqa: E402
-from dynamo_flexkv.core.peer import protocol as wire  # noqa: E402
-from dynamo_flexkv.core.peer.source import kv_layout  # noqa: E402
+from dynamo_flexkv import KVLayoutType, KVManager
+from dynamo_flexkv.core.peer import PeerReceiver, PeerSource, SourceLimits, host_agent
+from dynamo_flexkv.core.peer import protocol as wire
+from dynamo_flexkv.core.peer.source import kv_layout
 
 LAYOUT = KVLayoutType.LAYERBLOCK
 SECRET = b"deployment-secret"

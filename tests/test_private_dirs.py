@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from node_helpers import server_config
+from served import sleeper_plan
 
 from dynamo_flexkv.core.node.server import NodeCacheServer, ServerOptions
 from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
@@ -17,8 +19,6 @@ from dynamo_flexkv.serve import GraphError
 from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.node_cache import SOCKET_MAX, socket_path
 from dynamo_flexkv.serve.plan import RestartPolicy
-from node_helpers import server_config
-from served import sleeper_plan
 
 
 def mode(path) -> int:

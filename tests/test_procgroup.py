@@ -9,7 +9,6 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Tuple
 
 import pytest
 
@@ -36,7 +35,7 @@ if __name__ == "__main__":
 """
 
 
-def _start(tmp_path: Path) -> Tuple[subprocess.Popen, str, int]:
+def _start(tmp_path: Path) -> tuple[subprocess.Popen, str, int]:
     name = f"dfkv-test-{uuid.uuid4().hex[:12]}"
     script = tmp_path / "leader.py"
     script.write_text(LEADER)

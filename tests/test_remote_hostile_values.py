@@ -17,6 +17,9 @@ import zlib
 import numpy as np
 import pytest
 import xxhash
+from kv_helpers import MODEL, TPB, config, holds
+from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixture)
+from remote_helpers import LAYOUT, REMOTE, Engine, check_clean, manager, prompt_of
 
 from dynamo_flexkv import TaskStatus
 from dynamo_flexkv.core.config import ConfigError
@@ -364,16 +367,15 @@ def test_noeviction_warning_names_the_fix_and_no_password_anywhere(tmp_path, cap
     secret = "Sup3r$ecret-XYZ"
     with RedisServer(maxmemory="16mb", policy="noeviction", password=secret) as s:
         url = f"redis://:{urllib.parse.quote(secret, safe='')}@127.0.0.1:{s.port}"
-        with caplog.at_level(logging.DEBUG):
-            with manager(tmp_path, url) as kv:
-                e = Engine(kv)
-                e.put(prompt_of(np.random.default_rng(19), 3))
-                assert secret not in repr(kv.config) and secret not in str(kv.stats())
-                os.kill(s.proc.pid, signal.SIGSTOP)  # make it fail and log
-                try:
-                    kv.match(prompt_of(np.random.default_rng(20), 3))
-                finally:
-                    os.kill(s.proc.pid, signal.SIGCONT)
+        with caplog.at_level(logging.DEBUG), manager(tmp_path, url) as kv:
+            e = Engine(kv)
+            e.put(prompt_of(np.random.default_rng(19), 3))
+            assert secret not in repr(kv.config) and secret not in str(kv.stats())
+            os.kill(s.proc.pid, signal.SIGSTOP)  # make it fail and log
+            try:
+                kv.match(prompt_of(np.random.default_rng(20), 3))
+            finally:
+                os.kill(s.proc.pid, signal.SIGCONT)
         assert "allkeys-lru" in caplog.text and "noeviction" in caplog.text
         assert secret not in caplog.text and urllib.parse.quote(secret, safe="") not in caplog.text
 

@@ -4,17 +4,15 @@ blocks all stay and load bit-exact (core/remote/quota.py)."""
 
 from __future__ import annotations
 
-from typing import List, Tuple
-
 import numpy as np
 import pytest
+from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 from dynamo_flexkv.core.remote import HEADER_BYTES, RemoteStore, fingerprint_of
 from dynamo_flexkv.core.remote.codec import key_prefix_bytes
 from dynamo_flexkv.core.remote.resp import RespConnection
 from dynamo_flexkv.serve.redis_server import RedisServer
-from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
 
 SIZE = 32 << 10  # payload bytes per block
 VALUE = HEADER_BYTES + SIZE
@@ -22,12 +20,12 @@ FP_A = fingerprint_of({"model": "m", "namespace": "acme"})
 FP_B = fingerprint_of({"model": "m", "namespace": "bolt"})
 
 
-def blocks(n: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+def blocks(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     return rng.integers(1, 2**63, size=n, dtype=np.uint64), rng.integers(0, 256, size=(n, SIZE), dtype=np.uint8)
 
 
-def keys_of(server: RedisServer, fp: int) -> List[bytes]:
+def keys_of(server: RedisServer, fp: int) -> list[bytes]:
     """The block keys of one fingerprint the server holds now (SCAN, as an operator would)."""
     conn = RespConnection("127.0.0.1", server.port, timeout_s=5, connect_timeout_s=5)
     try:
@@ -52,7 +50,7 @@ def loads_exactly(store: RemoteStore, seq: np.ndarray, data: np.ndarray) -> int:
 
 
 @needs_redis
-def test_a_flooding_tenant_evicts_only_its_own_blocks(redis_server: RedisServer) -> None:  # noqa: F811
+def test_a_flooding_tenant_evicts_only_its_own_blocks(redis_server: RedisServer) -> None:
     quota_a, quota_b = 10 * VALUE, 40 * VALUE
     url = redis_server.url
     with (
@@ -62,7 +60,7 @@ def test_a_flooding_tenant_evicts_only_its_own_blocks(redis_server: RedisServer)
         seq_b, data_b = blocks(30, seed=1)
         assert b.put(seq_b, list(data_b)) == 30
         assert b.quota_usage() == 30 * VALUE
-        last: Tuple[np.ndarray, np.ndarray] = blocks(0, 0)
+        last: tuple[np.ndarray, np.ndarray] = blocks(0, 0)
         for batch in range(20):  # 20 x 6 blocks: 12 times acme's quota
             last = blocks(6, seed=100 + batch)
             assert a.put(*(last[0], list(last[1]))) == 6
@@ -78,7 +76,7 @@ def test_a_flooding_tenant_evicts_only_its_own_blocks(redis_server: RedisServer)
 
 
 @needs_redis
-def test_a_batch_larger_than_the_quota_keeps_its_prefix(redis_server: RedisServer) -> None:  # noqa: F811
+def test_a_batch_larger_than_the_quota_keeps_its_prefix(redis_server: RedisServer) -> None:
     with RemoteStore.open(redis_server.url, FP_A, quota_bytes=4 * VALUE, tenant="acme") as a:
         seq, data = blocks(10, seed=2)
         assert a.put(seq, list(data)) == 4  # the first 4: a prefix a later get can use
@@ -94,7 +92,7 @@ def test_a_batch_larger_than_the_quota_keeps_its_prefix(redis_server: RedisServe
 
 
 @needs_redis
-def test_workers_of_one_tenant_share_its_account(redis_server: RedisServer) -> None:  # noqa: F811
+def test_workers_of_one_tenant_share_its_account(redis_server: RedisServer) -> None:
     """Two stores naming one tenant (two workers, or a tenant's two models) draw on one quota."""
     fp2 = fingerprint_of({"model": "other", "namespace": "acme"})
     with (
@@ -111,7 +109,7 @@ def test_workers_of_one_tenant_share_its_account(redis_server: RedisServer) -> N
 
 
 @needs_redis
-def test_quota_on_a_cluster_keeps_each_tenant_to_its_quota(redis_cluster) -> None:  # noqa: F811
+def test_quota_on_a_cluster_keeps_each_tenant_to_its_quota(redis_cluster) -> None:
     """The account's keys share one slot (a hash tag of the tenant); the blocks stay spread."""
     url = redis_cluster.url
     with (

@@ -12,14 +12,18 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import complete, make_plan, metric  # noqa: E402
-from served import wait_until  # noqa: E402
+from redis_fixtures import needs_redis
+from remote_helpers import REMOTE
+from served import (
+    complete,
+    make_plan,
+    metric,
+    wait_until,
+)
 
-from dynamo_flexkv.serve.redis_server import RedisCluster, free_port  # noqa: E402
-from dynamo_flexkv.serve import GraphError  # noqa: E402
-from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
-from redis_fixtures import needs_redis  # noqa: E402
-from remote_helpers import REMOTE  # noqa: E402
+from dynamo_flexkv.serve import GraphError
+from dynamo_flexkv.serve.launcher import Launcher
+from dynamo_flexkv.serve.redis_server import RedisCluster, free_port
 
 pytestmark = needs_redis
 
@@ -129,11 +133,11 @@ def test_a_password_in_the_url_reaches_the_workers_by_environment_never_in_a_fil
     import yaml
 
     from dynamo_flexkv.core.config import CacheConfig
-    from dynamo_flexkv.integrations.disagg.params import SECRET_ENV
     from dynamo_flexkv.core.remote import RemoteStore
     from dynamo_flexkv.core.remote.config import DEFAULT_PASSWORD_ENV
-    from dynamo_flexkv.serve.redis_server import RedisServer
+    from dynamo_flexkv.integrations.disagg.params import SECRET_ENV
     from dynamo_flexkv.serve.launcher import write_files
+    from dynamo_flexkv.serve.redis_server import RedisServer
     from dynamo_flexkv.serve.render import render_k8s
 
     encoded = quote(PASSWORD, safe="")

@@ -7,10 +7,11 @@ import os
 import signal
 import threading
 import time
-from typing import List, Tuple
 
 import numpy as np
 import pytest
+from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
+from remote_helpers import make_test_certs
 
 from dynamo_flexkv.core.remote import (
     HEADER_BYTES,
@@ -30,7 +31,6 @@ from dynamo_flexkv.core.remote import (
 from dynamo_flexkv.core.remote.cluster import key_slot
 from dynamo_flexkv.core.remote.codec import block_key, check_header, encode_header
 from dynamo_flexkv.core.remote.resp import RespConnection, encode_command
-from dynamo_flexkv.serve.redis_server import RedisServer, free_port
 from dynamo_flexkv.core.sysutil import find_binary
 from remote_helpers import make_test_certs
 from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
@@ -40,7 +40,7 @@ FP = fingerprint_of({"model": "test", "dtype": "bfloat16", "tokens_per_block": 1
 SECRET = "s3cr3t-pw"
 
 
-def blocks(n: int, size: int, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+def blocks(n: int, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     return rng.integers(1, 2**63, size=n, dtype=np.uint64), rng.integers(0, 256, size=(n, size), dtype=np.uint8)
 
@@ -383,7 +383,7 @@ def test_ranged_reads_tell_a_bad_value_from_a_missing_one(
         assert n1 == n2 == 8 and store.verify_landed(list(dst), sums) == 8 and np.array_equal(dst, data)
 
 
-def _dropped_lines(caplog: pytest.LogCaptureFixture) -> List[logging.LogRecord]:
+def _dropped_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == "dynamo_flexkv.core.remote.store" and "bad value" in r.getMessage()]
 
 
@@ -578,9 +578,9 @@ def test_password(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not isinstance(e.value, RemoteAuthError) and "password" not in str(e.value)
         with RemoteStore.open(server.url + "/15", FP) as store:  # the last one it has
             assert store.exists_prefix(seq) == 0
-    with RedisServer(maxmemory="16mb") as server:  # a password given to a server that has none
-        with pytest.raises(RemoteAuthError, match="has no password"):
-            RemoteStore.open(server.url, FP)
+    # a password given to a server that has none
+    with RedisServer(maxmemory="16mb") as server, pytest.raises(RemoteAuthError, match="has no password"):
+        RemoteStore.open(server.url, FP)
 
 
 @needs_redis
@@ -649,7 +649,7 @@ def test_server_killed_during_a_read(redis_server: RedisServer) -> None:
             seq, data = blocks(n, 128 << 10, seed=attempt)
             assert store.put(seq, list(data)) == n
             dst = np.zeros_like(data)
-            got: List[int] = []
+            got: list[int] = []
             reader = threading.Thread(target=lambda: got.append(store.get_into(seq, list(dst))))
             reader.start()
             while reader.is_alive() and not np.array_equal(dst[0, :64], data[0, :64]):
@@ -710,7 +710,7 @@ def open_fds() -> int:
 def test_threads_share_one_store(redis_server: RedisServer) -> None:
     fds = open_fds()
     with RemoteStore.open(redis_server.url, FP) as store:
-        errors: List[str] = []
+        errors: list[str] = []
 
         def worker(k: int) -> None:
             seq, data = blocks(30, 20_000, seed=100 + k)
@@ -855,14 +855,14 @@ def test_blocks_per_node_refuses_fast_while_the_breaker_pauses_the_tier() -> Non
 
 
 @needs_redis
-def test_standalone_url_on_a_cluster_node_says_use_cluster(redis_cluster) -> None:  # noqa: F811
+def test_standalone_url_on_a_cluster_node_says_use_cluster(redis_cluster) -> None:
     port = redis_cluster.servers[0].port
     with pytest.raises(RemoteError, match=rf"redis\+cluster://127.0.0.1:{port}"):
         RemoteStore.open(f"redis://127.0.0.1:{port}", FP)
 
 
 @needs_redis
-def test_cluster_round_trip_spreads_keys(redis_cluster) -> None:  # noqa: F811
+def test_cluster_round_trip_spreads_keys(redis_cluster) -> None:
     seq, data = blocks(120, 30_000, seed=7)
     with RemoteStore.open(redis_cluster.url, FP) as store:
         assert store.put(seq, list(data)) == 120
@@ -911,7 +911,7 @@ def test_tls_round_trip_and_untrusted_certificate(tmp_path) -> None:
 
 
 @needs_redis
-def test_cluster_stale_slot_map_ends_prefix_then_refreshes(redis_cluster) -> None:  # noqa: F811
+def test_cluster_stale_slot_map_ends_prefix_then_refreshes(redis_cluster) -> None:
     """As after a resharding: nodes answer MOVED for keys the map sends to the wrong node."""
     seq, data = blocks(60, 2000, seed=9)
     with RemoteStore.open(redis_cluster.url, FP) as store:
@@ -947,7 +947,7 @@ def test_soak_kill_restart_cycles_never_return_wrong_bytes(redis_server: RedisSe
     read is exact bytes or a shorter prefix, nothing raises, and the tier recovers each time."""
     store = RemoteStore.open(redis_server.url, FP, timeout_s=0.5, breaker_failures=2, breaker_cooldown_s=0.2)
     stop = threading.Event()
-    errors: List[str] = []
+    errors: list[str] = []
     counts = {"full": 0, "short": 0}
 
     def worker(k: int) -> None:

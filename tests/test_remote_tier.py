@@ -9,15 +9,15 @@ import time
 
 import numpy as np
 import pytest
+from kv_helpers import TPB, config, holds
+from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
+from remote_helpers import DEVICE_BLOCKS, LAYOUT, Engine, check_clean, manager, prompt_of
 
 from dynamo_flexkv import KVManager, TaskStatus
 from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.remote import RemoteAuthError, RemoteUnavailableError
 from dynamo_flexkv.core.remote.resp import RespConnection
 from dynamo_flexkv.serve.redis_server import RedisServer, free_port
-from kv_helpers import TPB, config, holds
-from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
-from remote_helpers import DEVICE_BLOCKS, LAYOUT, Engine, check_clean, manager, prompt_of  # noqa: F401
 
 pytestmark = needs_redis
 
@@ -275,18 +275,20 @@ def test_bad_value_ends_the_prefix_and_the_get_recomputes(tmp_path, redis_server
 
 def test_full_redis_refuses_writes_and_nothing_else_breaks(tmp_path):
     rng = np.random.default_rng(7)
-    with RedisServer(maxmemory="2mb", policy="noeviction") as server:
-        with manager(tmp_path / "a", server.url, host_blocks=256) as kv0:
-            e0 = Engine(kv0)
-            prompts = [prompt_of(rng, 8) for _ in range(20)]  # 20 x 8 x 24 KiB = 3.8 MB > 2 MB
-            for p in prompts:
-                e0.put(p)
-            s = kv0.stats().remote
-            assert s.put_refused > 0 and s.puts > 0 and s.breaker_state == "closed"
-            for p in prompts[:3]:
-                r, planned = e0.get(p)
-                assert planned["host"] == 8 * TPB
-            check_clean(kv0)
+    with (
+        RedisServer(maxmemory="2mb", policy="noeviction") as server,
+        manager(tmp_path / "a", server.url, host_blocks=256) as kv0,
+    ):
+        e0 = Engine(kv0)
+        prompts = [prompt_of(rng, 8) for _ in range(20)]  # 20 x 8 x 24 KiB = 3.8 MB > 2 MB
+        for p in prompts:
+            e0.put(p)
+        s = kv0.stats().remote
+        assert s.put_refused > 0 and s.puts > 0 and s.breaker_state == "closed"
+        for p in prompts[:3]:
+            r, planned = e0.get(p)
+            assert planned["host"] == 8 * TPB
+        check_clean(kv0)
 
 
 def test_doctor_reports_the_remote_tier(tmp_path, redis_server):

@@ -10,10 +10,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 import yaml
+from served import ROOT, TINY, assert_gone, events_applied, post
 
 from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
 from dynamo_flexkv.integrations.dynamo_worker.args import build_parser
@@ -22,7 +23,6 @@ from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.serve.plan import LaunchPlan, apply_overrides, build_plan, load_config
 from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.serve.render import render_k8s
-from served import ROOT, TINY, assert_gone, events_applied, post
 
 # What an operator's pods hold (its DYN_NAMESPACE is "<k8s namespace>-<graph name>").
 NAMESPACE = "team-a-flexkv-agg-router"
@@ -61,17 +61,17 @@ SHIPPED = [(p.stem, p.stem, ()) for p in sorted((ROOT / "graphs").glob("*.py"))]
 ]
 
 
-def render(tmp_path, graph: str, config: str, *overrides: str) -> List[Dict[str, Any]]:
+def render(tmp_path, graph: str, config: str, *overrides: str) -> list[dict[str, Any]]:
     cfg = apply_overrides(load_config(str(ROOT / "configs" / f"{config}.yaml")), list(overrides))
     plan = build_plan(load_graph(str(ROOT / "graphs" / f"{graph}.py")), cfg, run_dir=tmp_path / "run", local=False)
     return list(yaml.safe_load_all(render_k8s(plan, "img")))
 
 
-def services(docs) -> Dict[str, Dict[str, Any]]:
+def services(docs) -> dict[str, dict[str, Any]]:
     return docs[0]["spec"]["services"]
 
 
-def main_args(service) -> List[str]:
+def main_args(service) -> list[str]:
     return service["extraPodSpec"]["mainContainer"]["args"]
 
 
@@ -189,7 +189,7 @@ def test_serve_refuses_the_operators_namespace_variables_in_its_environment(tmp_
 # ---- the rendered agg_router graph, started with an operator's environment on 127.0.0.1 ----------
 
 
-def etcd_keys(endpoint: str) -> List[str]:
+def etcd_keys(endpoint: str) -> list[str]:
     """Every key in etcd (its v3 JSON gateway: no etcdctl needed)."""
     import urllib.request
 
@@ -198,7 +198,7 @@ def etcd_keys(endpoint: str) -> List[str]:
         return [base64.b64decode(kv["key"]).decode() for kv in json.load(r).get("kvs", [])]
 
 
-def pod_env(service, operator: Dict[str, str], **pod: str) -> Dict[str, str]:
+def pod_env(service, operator: dict[str, str], **pod: str) -> dict[str, str]:
     """A pod's environment: the service's envs (the pod's address where they ask for it), then the
     operator's, then what this machine needs (``pod``)."""
     env = {}
@@ -212,7 +212,7 @@ def pod_env(service, operator: Dict[str, str], **pod: str) -> Dict[str, str]:
     return {**env, **operator, **pod}
 
 
-def command(service) -> List[str]:
+def command(service) -> list[str]:
     container = service["extraPodSpec"]["mainContainer"]
     assert container["command"][0] == "python3"
     return [sys.executable, *container["command"][1:], *container["args"]]
@@ -224,7 +224,7 @@ ETCD_AND_NATS = pytest.mark.skipif(
 )
 
 
-def pod_process(tmp_path: Path, name: str, service, ports, operator: Dict[str, str]) -> Process:
+def pod_process(tmp_path: Path, name: str, service, ports, operator: dict[str, str]) -> Process:
     """A rendered worker service's pod on this machine: its command, the operator's environment,
     and in place of the pod's own filesystem and network paths, ones under ``tmp_path``."""
     from dynamo_flexkv.serve.vllm_worker import LOCAL_ENV, RENDER_MODEL_DIR, VLLM_PORT_BAND, VLLM_PORTS_PER_WORKER

@@ -11,16 +11,16 @@ import importlib.resources
 import json
 import re
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 import yaml
+from served import ROOT
 
 from dynamo_flexkv import cli
 from dynamo_flexkv.serve import load_graph
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 from dynamo_flexkv.serve.render import HOST_DATA_DIR, SsdVolume, render_k8s
-from served import ROOT
 
 K8S_VERSION = "1.33.0"  # a release the Dynamo 1.6 operator runs on
 DEFS_ID = "https://kubernetes.io/api/_definitions.json"
@@ -69,7 +69,7 @@ def render_text(tmp_path, graph: str, config: str, **kw) -> str:
     return render_k8s(plan, "registry.example/dynamo-flexkv:1", **kw)
 
 
-def docs_of(text: str) -> List[Dict[str, Any]]:
+def docs_of(text: str) -> list[dict[str, Any]]:
     return list(yaml.safe_load_all(text))
 
 
@@ -149,7 +149,7 @@ def dgd_validator():
 DGD = None
 
 
-def problems(doc: Dict[str, Any]) -> List[str]:
+def problems(doc: dict[str, Any]) -> list[str]:
     """Why ``doc`` is not what the cluster accepts (empty: it is)."""
     global DGD
     if doc["kind"] == "DynamoGraphDeployment":
@@ -163,7 +163,7 @@ def problems(doc: Dict[str, Any]) -> List[str]:
     return [f"{path}: {q!r} is not a quantity" for path, q in quantities(doc) if not re.match(QUANTITY, q)]
 
 
-def quantities(node, path="") -> List:
+def quantities(node, path="") -> list:
     out = []
     if isinstance(node, dict):
         for k, v in node.items():

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 
 import pytest
+from dashboard_queries import load_dashboard, queried_metrics
+from served import scrape
 
 from dynamo_flexkv.replay.client import RequestRecord, arrival_times, tier_split
 from dynamo_flexkv.replay.configs import (

@@ -12,7 +12,6 @@ import random
 import socket
 import threading
 import time
-from typing import List, Optional, Tuple
 
 import pytest
 import xxhash
@@ -27,7 +26,7 @@ class ScriptedPeer:
     between them lets each arrive alone), then closes or holds the connection open."""
 
     def __init__(
-        self, pieces: List[bytes], pause_s: float = 0.0, hold_open: bool = False, gate: Optional[threading.Event] = None
+        self, pieces: list[bytes], pause_s: float = 0.0, hold_open: bool = False, gate: threading.Event | None = None
     ) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -59,7 +58,7 @@ def connect(peer: ScriptedPeer, timeout_s: float = 10, native: bool = True) -> R
     return RespConnection("127.0.0.1", peer.port, timeout_s=timeout_s, connect_timeout_s=5, native_reads=native)
 
 
-def split(data: bytes, rng: random.Random) -> List[bytes]:
+def split(data: bytes, rng: random.Random) -> list[bytes]:
     """``data`` in pieces of 1 byte to 20 KiB, cut anywhere."""
     out, i = [], 0
     while i < len(data):
@@ -73,10 +72,10 @@ def bulk(payload: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(payload), payload)
 
 
-Expected = Tuple[str, object]
+Expected = tuple[str, object]
 
 
-def script(rng: random.Random, size: int, count: int) -> Tuple[bytes, List[Expected]]:
+def script(rng: random.Random, size: int, count: int) -> tuple[bytes, list[Expected]]:
     """A pipeline's replies: mostly values of the expected size, and every other kind."""
     data, want = [], []
     for _ in range(count):
@@ -104,12 +103,12 @@ def script(rng: random.Random, size: int, count: int) -> Tuple[bytes, List[Expec
     return b"".join(data), want
 
 
-def read_script(conn: RespConnection, size: int, want: List[Expected]) -> int:
+def read_script(conn: RespConnection, size: int, want: list[Expected]) -> int:
     """Reads the replies as the store does; returns how many values the one-call path took."""
     header, dest = memoryview(bytearray(HEADER)), memoryview(bytearray(size))
     whole = 0
     for i, (kind, value) in enumerate(want):
-        got: Optional[int] = conn.read_bulk(header, dest)
+        got: int | None = conn.read_bulk(header, dest)
         whole += got is not None
         if got is None:  # another reply, or a value whose line has not all arrived
             if kind == "value":
@@ -238,7 +237,7 @@ def test_close_wakes_a_reader_waiting_in_another_thread():
     peer = ScriptedPeer([b"+OK\r\n$%d\r\n" % (HEADER + 100000) + bytes(500)], hold_open=True)
     conn = connect(peer, timeout_s=60)
     assert conn.read_reply() == "OK"
-    errors: List[BaseException] = []
+    errors: list[BaseException] = []
 
     def read() -> None:
         try:

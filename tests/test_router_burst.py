@@ -6,16 +6,20 @@ import concurrent.futures
 import itertools
 import random
 import time
-from typing import Optional
 
 import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
-from served import assert_gone, complete, make_plan  # noqa: E402
-from served import CONTRADICTIONS  # noqa: E402
-from vllm_graph import RouterProbe  # noqa: E402
+from served import (
+    CONTRADICTIONS,
+    assert_gone,
+    complete,
+    make_plan,
+)
+from vllm_graph import RouterProbe
+
+from dynamo_flexkv.serve.launcher import Launcher
 
 BS = 16  # the tiny preset's block
 
@@ -35,7 +39,7 @@ def words(rng: random.Random, n: int) -> str:
     )
 
 
-def seen(probe: RouterProbe, ids, timeout: float) -> Optional[float]:
+def seen(probe: RouterProbe, ids, timeout: float) -> float | None:
     """Seconds until the probe router counted every full block of ``ids`` on one worker, in any
     tier (their KV events reached it); None if it did not within ``timeout`` seconds."""
     t0 = time.monotonic()
@@ -77,7 +81,7 @@ def test_bursts_of_long_prompts_leave_no_contradiction_in_any_log(tmp_path):
                 assert i < 30, "the probe router sees no KV event of the graph"
             sent, tokens = [], 0
             with concurrent.futures.ThreadPoolExecutor(6) as pool:
-                for burst in range(2):  # each burst overfills both workers' 192-block device caches
+                for _burst in range(2):  # each burst overfills both workers' 192-block device caches
                     prompts = [system + " " + words(rng, 180) for _ in range(4)] + [words(rng, 260) for _ in range(2)]
                     replies = list(pool.map(lambda p: complete(plan, p, 2), prompts))
                     assert min(r["usage"]["prompt_tokens"] for r in replies) > 1500  # thousands of tokens each

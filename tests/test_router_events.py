@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from served import CONTRADICTIONS
 
 pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is installed by make test")

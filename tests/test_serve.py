@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from served import AGG_ROUTER, CONFIG, agg_router_plan, sleeper_plan, vplan
 
 from dynamo_flexkv.core.procgroup import members
 from dynamo_flexkv.serve import GraphError, Kind, load_graph
 from dynamo_flexkv.serve.launcher import GraphStopped, Launcher
 from dynamo_flexkv.serve.plan import OnDeath, RestartPolicy, build_plan, load_config
 from dynamo_flexkv.serve.render import render_k8s
-from served import AGG_ROUTER, CONFIG, agg_router_plan, sleeper_plan, vplan  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from served import Serve, assert_all_gone, post
 from vllm_graph import VllmServe
 

@@ -14,11 +14,11 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 
 from served import (
     Serve,
-    assert_all_gone,
     applied_events,
+    assert_all_gone,
     assert_gone,
     complete,
-    holder_of,  # noqa: E402
+    holder_of,
     inflight,
     make_plan,
     metric,
@@ -28,7 +28,7 @@ from served import (
     wait_until,
 )
 
-from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
+from dynamo_flexkv.serve.launcher import Launcher
 
 
 def test_a_killed_worker_is_restarted_its_requests_migrate_and_a_second_death_spends_its_budget(tmp_path):

@@ -21,13 +21,12 @@ import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List
 
 import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import (  # noqa: E402
+from served import (
     MODEL,
     TIMEOUT,
     Serve,
@@ -52,7 +51,7 @@ EVENT_DROPS = re.compile(
 )
 
 
-def ids(n: int, seed: int) -> List[int]:
+def ids(n: int, seed: int) -> list[int]:
     return [(seed * 37 + k * 7) % (VOCAB - 12) + 1 for k in range(n)]
 
 
@@ -100,7 +99,7 @@ def counts(port: int) -> dict:
     }
 
 
-def all_workers(serve) -> List[dict]:
+def all_workers(serve) -> list[dict]:
     return [counts(serve.worker_port(w)) for w in WORKERS]
 
 
@@ -137,7 +136,7 @@ def hang_up(serve, body: dict, after_events: int, delay: float = 0.0, path: str 
     return buf
 
 
-def wait_idle(serve, before: List[dict], n: int, timeout: float = 15.0):
+def wait_idle(serve, before: list[dict], n: int, timeout: float = 15.0):
     """Until both workers hold no device block and no offload task and all ``n`` requests ended
     (aborted, or finished by themselves). Returns (seconds, aborted, finished)."""
     t0 = time.monotonic()

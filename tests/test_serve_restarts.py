@@ -23,15 +23,14 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List, Set
-
-from dynamo_flexkv.core.procgroup import members
 
 import pytest
 
+from dynamo_flexkv.core.procgroup import members
+
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import MODEL, Serve, Streamed, inflight, post, routed_workers, scrape, stream, total, wait_until  # noqa: E402
+from served import MODEL, Serve, Streamed, inflight, post, routed_workers, scrape, stream, total, wait_until
 
 WORKERS = ("FlexKVWorker-0", "FlexKVWorker-1")
 TRACEBACK = "Traceback (most recent call last)"
@@ -44,8 +43,8 @@ class Graph(Serve):
     def __init__(self, tmp_path, name: str, *overrides: str) -> None:
         super().__init__(tmp_path, name, *overrides)
         self.run_dir = tmp_path / name
-        self.pids: Set[int] = set(self.children)
-        self.ports: Set[int] = {int(self.base_url.rsplit(":", 1)[1])} | {
+        self.pids: set[int] = set(self.children)
+        self.ports: set[int] = {int(self.base_url.rsplit(":", 1)[1])} | {
             self.worker_port(w) for w in self.metrics if w != "Frontend"
         }
         for pid in self.children:  # the event broker's two ports, say
@@ -83,7 +82,7 @@ class Graph(Serve):
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def leftovers(self) -> List[str]:
+    def leftovers(self) -> list[str]:
         """Processes whose command line or environment names this graph's run directory."""
         found, mark = [], str(self.run_dir).encode()
         for d in Path("/proc").iterdir():
@@ -121,21 +120,19 @@ class Graph(Serve):
 
     def close(self) -> None:
         super().close()
-        try:  # after a failure: whatever a broken shutdown left is stopped too (these are ours)
-            for pid in self.pids:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        except Exception:
-            pass
+        # after a failure: whatever a broken shutdown left is stopped too (these are ours)
+        for pid in self.pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def exit_code(graph: Graph, timeout: float) -> int:
     try:
         return graph.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"serve still running {timeout} s later:\n" + "\n".join(graph.lines[-40:]))
+        raise AssertionError(f"serve still running {timeout} s later:\n" + "\n".join(graph.lines[-40:])) from None
 
 
 def streams(graph: Graph, n: int, max_tokens: int = 300, tag: str = "s") -> list:
@@ -468,7 +465,7 @@ def test_the_frontends_death_stops_the_graph_with_exit_1_and_leaves_nothing(tmp_
 # --- SSD tier full, worker SIGKILLed during heavy offload writes ----------------------------------
 
 
-def _greedy_texts(g: Graph, prompts) -> List[str]:
+def _greedy_texts(g: Graph, prompts) -> list[str]:
     texts = []
     for p in prompts:
         status, body = post(g, {"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})

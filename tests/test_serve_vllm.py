@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from served import scrape, vplan
 
 from dynamo_flexkv.core.procgroup import members
 from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
@@ -24,7 +25,6 @@ from dynamo_flexkv.serve import GraphError, load_graph
 from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 from dynamo_flexkv.serve.vllm_worker import cpu_binds
-from served import scrape, vplan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -503,8 +503,9 @@ def test_ctrl_c_while_a_vllm_worker_restarts_stops_quietly_and_leaks_nothing(tmp
     and neither the dead life nor the stopped one leaves vLLM's shared memory in /dev/shm (a
     SIGKILLed group left two segments, 400 MB, per death)."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
-    from dynamo_flexkv.serve.launcher import STOP_TIMEOUT_S
     from served import Serve, wait_until
+
+    from dynamo_flexkv.serve.launcher import STOP_TIMEOUT_S
 
     before = shm_entries()
     serve = Serve(

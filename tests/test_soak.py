@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 import pytest
+from kv_helpers import MODEL, TPB, config, device_tensors, fill, prompts
 
 from dynamo_flexkv import KVLayoutType, KVManager
 from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
-from kv_helpers import MODEL, TPB, config, device_tensors, fill, prompts
 
 SECONDS, THREADS, SLICE, TTL = 60.0, 4, 16, 0.5
 
@@ -56,7 +56,7 @@ def test_request_flood_levels_off(tmp_path):
                     else:  # the device blocks may be reused only once the copy is done
                         while not kv.done(t):
                             time.sleep(0.001)
-            except Exception as e:  # reported below
+            except Exception as e:  # noqa: BLE001 - a worker thread's failure, reported below
                 errors.append(repr(e))
 
         threads = [threading.Thread(target=flood, args=(w,), daemon=True) for w in range(THREADS)]
@@ -83,7 +83,7 @@ def test_request_flood_levels_off(tmp_path):
         assert errors == []
         assert kv.drain(60)
         for s in samples:
-            print("t=%5.1fs rss=%7.1f MiB fds=%3d tasks=%4d queued_ops=%3d expired=%d" % s)
+            print("t={:5.1f}s rss={:7.1f} MiB fds={:3d} tasks={:4d} queued_ops={:3d} expired={:d}".format(*s))
         half = len(samples) // 2
         first, second = samples[:half], samples[half:]
         rate = sum(issued) / SECONDS

@@ -158,7 +158,7 @@ def test_concurrent_appends_evictions_and_compactions_replay_exactly(tmp_path):
                     h = (w << 32) | i  # unique hash, its own root
                     s.record_stored([DiskEntry(b, h, None, 1000 + h)])
                     live[w][b] = h
-        except Exception as e:  # reported below
+        except Exception as e:  # noqa: BLE001 - a worker thread's failure, reported below
             errors.append(repr(e))
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(n_threads)]

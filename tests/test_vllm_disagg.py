@@ -22,7 +22,6 @@ import subprocess
 import time
 import urllib.error
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 
@@ -45,7 +44,7 @@ DOCS = [vg.tokens(3000 + d, n) for d, n in enumerate(DOC_LENS)]
 PROMPTS = [DOCS[d] + vg.tokens(4000 + 10 * r + d, 5 + (3 * r + 7 * d) % 20) for r in range(5) for d in range(len(DOCS))]
 
 
-def common(tmp: Path, name: str, workers: List[str], offload: bool = True) -> List[str]:
+def common(tmp: Path, name: str, workers: list[str], offload: bool = True) -> list[str]:
     out = ["Frontend.http-port=0"]
     for w in workers:
         out += [
@@ -61,7 +60,7 @@ def common(tmp: Path, name: str, workers: List[str], offload: bool = True) -> Li
     return out
 
 
-def run(serve: VllmServe) -> Dict[int, Generation]:
+def run(serve: VllmServe) -> dict[int, Generation]:
     out = {}
     for i, p in enumerate(PROMPTS):
         r = vg.complete(serve.base_url, p, MAX_TOKENS, timeout=300)
@@ -76,7 +75,7 @@ def tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def aggregated(tmp) -> Dict[int, Generation]:
+def aggregated(tmp) -> dict[int, Generation]:
     """Token ids and logprobs of every prompt from one aggregated vLLM worker without offload."""
     serve = VllmServe(tmp, "agg", graph="agg_vllm", base=common(tmp, "agg", ["VllmWorker"], offload=False))
     try:

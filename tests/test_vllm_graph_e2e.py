@@ -27,7 +27,6 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import pytest
 
@@ -60,7 +59,7 @@ DOCS = [vg.tokens(1000 + d, n) for d, n in enumerate(DOC_LENS)]
 ROUNDS = 5
 
 
-def _e2e() -> List[Tuple[int, int, List[int]]]:
+def _e2e() -> list[tuple[int, int, list[int]]]:
     """(round, document, prompt): round 0 asks each document once, later rounds in a shuffled order,
     each prompt the document plus a suffix of its own (8-40 tokens)."""
     out = []
@@ -84,7 +83,7 @@ AFTER = [vg.tokens(3300 + j, 300) for j in range(12)]  # fresh prompts for a res
 CHECKED = [p for _, _, p in E2E] + [HANG_DOC, HANG_PROMPT, KILL_DOC, KILL_PROMPT] + AFTER
 
 
-def sets(tmp: Path, name: str) -> List[str]:
+def sets(tmp: Path, name: str) -> list[str]:
     return [
         "Frontend.http-port=0",
         *exactness.serve_sets(),
@@ -97,7 +96,7 @@ def sets(tmp: Path, name: str) -> List[str]:
     ]  # time to look for the dead worker's leftovers
 
 
-def children(serve: Serve) -> List[int]:
+def children(serve: Serve) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(serve.proc.pid)], capture_output=True, text=True).stdout.split()
     return [int(x) for x in out]
 
@@ -108,11 +107,11 @@ def tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp) -> Dict[tuple, Generation]:
+def baseline(tmp) -> dict[tuple, Generation]:
     """Token ids and logprobs of every prompt these tests check, from the same graph without offload."""
     t0 = time.monotonic()
     serve = VllmServe(tmp, "baseline", "VllmWorker.offload=false", graph=GRAPH, base=sets(tmp, "baseline"))
-    out: Dict[tuple, Generation] = {}
+    out: dict[tuple, Generation] = {}
     try:
         ready = time.monotonic() - t0
         for p in CHECKED:
@@ -137,11 +136,11 @@ class Graph:
     def text(self, name: str) -> str:
         return vg.scrape(self.serve.metrics[name])
 
-    def ids(self) -> Dict[int, str]:
+    def ids(self) -> dict[int, str]:
         """Dynamo worker id -> worker name (a restarted worker has a new id)."""
         return {vg.worker_id(self.text(n)): n for n in NAMES}
 
-    def loads(self) -> Dict[str, Dict[str, float]]:
+    def loads(self) -> dict[str, dict[str, float]]:
         return {n: vg.loaded(self.text(n)) for n in NAMES}
 
     def pid(self, name: str) -> int:
@@ -154,12 +153,12 @@ class Graph:
                 continue
         raise AssertionError(f"no child of serve runs {name}")
 
-    def view(self, prompt: List[int]) -> Dict[str, Tuple[int, int, int]]:
+    def view(self, prompt: list[int]) -> dict[str, tuple[int, int, int]]:
         """The probe router's (device, host, disk) blocks of ``prompt`` per worker name."""
         names = self.ids()
         return {names[w]: v for w, v in self.probe.scores(prompt).items() if w in names}
 
-    def settle(self, prompt: List[int], name: str, blocks: int, timeout: float = 15) -> bool:
+    def settle(self, prompt: list[int], name: str, blocks: int, timeout: float = 15) -> bool:
         """Waits until the probe counts ``blocks`` of ``prompt`` on ``name`` (its events arrived)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -192,7 +191,7 @@ def graph(tmp, baseline):
     assert vg.ours_left(serve.run) == []
 
 
-def doc_blocks(tokens: List[int]) -> int:
+def doc_blocks(tokens: list[int]) -> int:
     return len(tokens) // BS
 
 
@@ -296,7 +295,7 @@ def test_served_vllm_graph_offloads_routes_by_tier_and_gives_the_no_offload_toke
     assert vg.event_trouble(s.run) == []
 
 
-def prepare_lower_tier(g: Graph, baseline, doc: List[int], prompt: List[int], seed: int) -> str:
+def prepare_lower_tier(g: Graph, baseline, doc: list[int], prompt: list[int], seed: int) -> str:
     """Sends ``doc`` (cached on the worker that serves it), then fresh fillers (the router ties them
     between the workers) until the router sees none of ``prompt``'s prefix on that worker's device
     and all of it in its host/disk tiers. Returns the worker.
@@ -330,7 +329,7 @@ def inflight(g: Graph, name: str) -> bool:
     return vg.metric(text, "dynamo_component_inflight_requests", dynamo_endpoint="generate") >= 1
 
 
-def inflight_on(g: Graph) -> List[str]:
+def inflight_on(g: Graph) -> list[str]:
     """The workers that have a request in flight."""
     return [n for n in NAMES if inflight(g, n)]
 

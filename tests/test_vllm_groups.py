@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Dict, List
 
 import pytest
 import torch
@@ -46,19 +45,19 @@ def tiers():
     aux.shutdown()
 
 
-def _tokens(seed: int, blocks: int) -> List[int]:
+def _tokens(seed: int, blocks: int) -> list[int]:
     rnd = random.Random(seed)
     return [rnd.randrange(1, 30000) for _ in range(blocks * BS)]
 
 
-def _tables(first: int, blocks: int, window_held: int = 3) -> Dict[int, List[int]]:
+def _tables(first: int, blocks: int, window_held: int = 3) -> dict[int, list[int]]:
     """vLLM's block ids per group for a request of ``blocks`` full blocks: the window group holds
     only its last ``window_held`` (the rest are the null block, id 0)."""
     full = list(range(first, first + blocks))
     return {0: [0] * (blocks - window_held) + [first + 40 + i for i in range(window_held)], 1: full}
 
 
-def _fill(t: GroupTiers, ids: List[int]) -> None:
+def _fill(t: GroupTiers, ids: list[int]) -> None:
     for layer in t.layers:
         for b in ids:
             if b:
@@ -73,7 +72,7 @@ def _wait_holds(t: GroupTiers, key: str, count: int) -> None:
         time.sleep(0.005)
 
 
-def _store(t: GroupTiers, tokens: List[int], tables: Dict[int, List[int]], key: str) -> int:
+def _store(t: GroupTiers, tokens: list[int], tables: dict[int, list[int]], key: str) -> int:
     for ids in tables.values():
         _fill(t, ids)
     started = t.store(tokens, tables, key, None, None, None)
@@ -81,7 +80,7 @@ def _store(t: GroupTiers, tokens: List[int], tables: Dict[int, List[int]], key: 
     return started
 
 
-def _load(t: GroupTiers, tokens: List[int], tables: Dict[int, List[int]], local: int = 0) -> bool:
+def _load(t: GroupTiers, tokens: list[int], tables: dict[int, list[int]], local: int = 0) -> bool:
     parts = t.load(tokens, tables, local, None, None)
     if parts is None:
         return False

@@ -12,14 +12,14 @@ import torch
 
 pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
-from served import wait_until  # noqa: E402
+from served import wait_until
 
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused  # noqa: E402
 from dynamo_flexkv.integrations.vllm_connector.settings import DEFAULT_HANDOVER_ORPHAN_S
 from dynamo_flexkv.integrations.vllm_connector.handover import (
     KEY,
     Handover,
-    Verify,  # noqa: E402
+    Verify,
     VllmHandover,
     read_source,
     source_file,

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 
@@ -59,7 +58,7 @@ MLA_BACKEND = "CPU_MLA"  # vLLM's reference CPU MLA, named: on a host with AMX v
 # runs the same float32 backend with the same tolerance
 
 
-def _check(tmp: Path, model: str, *args: str, env: Dict[str, str] = {}) -> dict:
+def _check(tmp: Path, model: str, *args: str, env: dict[str, str] | None = None) -> dict:
     model_dir = write_preset(model, tmp / model, context_length=8192, weights=True)
     out = tmp / "out.json"
     run_env = dict(
@@ -68,7 +67,7 @@ def _check(tmp: Path, model: str, *args: str, env: Dict[str, str] = {}) -> dict:
         FLEXKV_CPU_CACHE_GB="0.25",
         FLEXKV_SSD_CACHE_GB="0.5",
         FLEXKV_SSD_CACHE_DIR=str(tmp / "ssd"),
-        **env,
+        **(env or {}),
     )
     r = subprocess.run(
         [
@@ -195,7 +194,7 @@ LAYOUTS = {  # name: (preset, worker options, bytes per token of one rank's KV, 
 }
 
 
-def _sets(tmp: Path, name: str, layout: str) -> List[str]:
+def _sets(tmp: Path, name: str, layout: str) -> list[str]:
     model, extra, per_token, main_share, device = LAYOUTS[layout]
     host_gb = HOST_TOKENS * per_token / main_share / 2**30
     return [
@@ -227,7 +226,7 @@ def _run(tmp: Path, layout: str, offload: bool) -> dict:
             front = [p for p in vg_children(serve) if b"dynamo.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
             probe = vg.RouterProbe(front[0], tmp / f"{name}-probe.log")
 
-        def send(key: str, prompt: List[int]) -> dict:
+        def send(key: str, prompt: list[int]) -> dict:
             r = vg.complete(serve.base_url, prompt, MAX_TOKENS, timeout=600)
             out["gens"][key], out["cached"][key] = r["gen"], r["cached"]
             if offload:
@@ -257,12 +256,12 @@ def _run(tmp: Path, layout: str, offload: bool) -> dict:
     return out
 
 
-def vg_children(serve: Serve) -> List[int]:
+def vg_children(serve: Serve) -> list[int]:
     r = subprocess.run(["pgrep", "-P", str(serve.proc.pid)], capture_output=True, text=True)
     return [int(x) for x in r.stdout.split()]
 
 
-def wait_rank(probe: "vg.RouterProbe", prompt: List[int], timeout: float = 20) -> tuple:
+def wait_rank(probe: vg.RouterProbe, prompt: list[int], timeout: float = 20) -> tuple:
     """(the (worker id, dp rank) the router's view holds most of ``prompt`` on, once it holds
     some, with its (device, host, disk) blocks; the whole view)."""
     deadline = time.monotonic() + timeout

@@ -9,26 +9,26 @@ real embedded host tier, talking over their real lookup socket."""
 from __future__ import annotations
 
 import time
-
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace as NS
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any
 
 import pytest
 import torch
+from test_vllm_weight_watch import LoRAManager, LoRARequest, LoRARunner, adapter_dir, overwrite, weights_dir
 
 from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings, adapter_id
 from dynamo_flexkv.integrations.vllm_connector.weights import WeightWatch
 from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
-from test_vllm_weight_watch import LoRAManager, LoRARequest, LoRARunner, adapter_dir, overwrite, weights_dir
 
 BS = 16
 BLOCKS = 8
 
 
-def request(rid: str, lora: Optional[LoRARequest], tokens: List[int]) -> Any:
+def request(rid: str, lora: LoRARequest | None, tokens: list[int]) -> Any:
     """The vllm.v1.request.Request fields the scheduler half reads."""
     return NS(
         request_id=rid,
@@ -48,7 +48,7 @@ def request(rid: str, lora: Optional[LoRARequest], tokens: List[int]) -> Any:
 @pytest.fixture
 def connector(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Tuple[LoRARunner, WorkerSide, SchedulerSide]]:
+) -> Iterator[tuple[LoRARunner, WorkerSide, SchedulerSide]]:
     """A LoRA worker's runner, the connector's worker half registered from the runner's frame (as
     vLLM's initialize_kv_cache calls register_kv_caches) and its scheduler half."""
     monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "0.01")
@@ -59,7 +59,7 @@ def connector(
     worker = WorkerSide(settings, 0, 1)
     caches = {"model.layers.0.self_attn.attn": torch.zeros(BLOCKS, 2, BS, 64)}
 
-    def initialize_kv_cache(self: Any) -> None:  # noqa: ARG001 - the frame whose ``self`` is the runner
+    def initialize_kv_cache(self: Any) -> None:
         worker.register(caches)
 
     initialize_kv_cache(runner)
@@ -72,7 +72,7 @@ def connector(
         worker.shutdown()
 
 
-def hit(side: SchedulerSide, rid: str, lora: Optional[LoRARequest], tokens: List[int]) -> int:
+def hit(side: SchedulerSide, rid: str, lora: LoRARequest | None, tokens: list[int]) -> int:
     external, _ = side.matched_tokens(request(rid, lora, tokens), 0)
     assert external is not None
     return external

@@ -28,7 +28,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 
@@ -105,7 +104,7 @@ def test_what_one_vllm_engine_computed_another_loads_from_the_node_cache_bit_for
 # ---- the served graph --------------------------------------------------------------------------------------
 
 
-def sets(tmp: Path, name: str) -> List[str]:
+def sets(tmp: Path, name: str) -> list[str]:
     return [
         "Frontend.http-port=0",
         *exactness.serve_sets(),
@@ -116,7 +115,7 @@ def sets(tmp: Path, name: str) -> List[str]:
     ]
 
 
-def complete(base_url: str, prompt: List[int], worker: int = 0) -> dict:
+def complete(base_url: str, prompt: list[int], worker: int = 0) -> dict:
     body = {
         "model": vg.MODEL,
         "prompt": prompt,
@@ -149,7 +148,7 @@ def tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp) -> Dict[tuple, Generation]:
+def baseline(tmp) -> dict[tuple, Generation]:
     serve = VllmServe(tmp, "baseline", "VllmWorker.offload=false", graph="agg_router_vllm", base=sets(tmp, "baseline"))
     try:
         return {tuple(p): complete(serve.base_url, p)["gen"] for p in CHECKED}
@@ -173,7 +172,7 @@ class NodeGraph:
     def node(self, name: str, **labels: str) -> float:
         return total(scrape(self.serve.metrics["NodeCache"]), name, **labels)
 
-    def ids(self) -> Dict[str, int]:
+    def ids(self) -> dict[str, int]:
         """Dynamo instance ids (a restarted worker has a new one, on its metrics before its first request)."""
         from dynamo_flexkv.replay.configs import worker_id
 
@@ -203,7 +202,7 @@ class NodeGraph:
         self.serve.wait_for(rf"{name} exited with signal SIGKILL", 60, since=mark)
         return mark
 
-    def back(self, name: str, mark: int) -> Dict[str, int]:
+    def back(self, name: str, mark: int) -> dict[str, int]:
         """Waits for ``name``'s restart after ``mark``: ready, attached to the node cache, and known
         to the frontend's router (a request naming its new instance id earlier gets a 400)."""
         self.serve.wait_for(rf"{name} is ready again after \S+ s", 600, since=mark)
@@ -215,7 +214,7 @@ class NodeGraph:
         )
         return self.ids()
 
-    def complete_and_store(self, prompt: List[int], worker: int) -> dict:
+    def complete_and_store(self, prompt: list[int], worker: int) -> dict:
         """A completion whose prompt is then in the node's host tier: vLLM stores a finished request
         at its next step, so the answer comes before the store; wait for the blocks, not for time."""
         before = self.host_blocks()
@@ -271,7 +270,7 @@ def test_a_prompt_one_vllm_worker_computed_is_served_by_the_other_from_the_node_
     assert vg.event_trouble(graph.serve.run) == []
 
 
-def kill_inside_a_copy(graph: NodeGraph, name: str, prompt: List[int], worker: int) -> dict:
+def kill_inside_a_copy(graph: NodeGraph, name: str, prompt: list[int], worker: int) -> dict:
     """Sends ``prompt`` to ``worker`` with its device copies slowed, SIGKILLs the worker's processes
     (vg.crash) while the node cache has one of its copies in flight (the vLLM Worker process
     making the copy dies in it; a SIGKILL of dynamo.vllm alone lets that process finish the copy

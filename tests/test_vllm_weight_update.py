@@ -23,12 +23,10 @@ import shutil
 import time
 import urllib.request
 from pathlib import Path
-from typing import Dict, List
-
-import pytest
-import torch
 
 import exactness
+import pytest
+import torch
 import vllm_graph as vg
 from vllm_graph import VllmServe
 
@@ -45,8 +43,8 @@ LOAD_LORA = "dynamo.backend.load_lora"  # dynamo.vllm's request-plane endpoint (
 
 def weights(path: Path, seed: int) -> Path:
     """The small preset's model directory with its seeded weights of ``seed``."""
-    from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir, write_seeded_weights
+    from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
 
     cfg = EngineModelConfig.load("small")
     write_model_dir(cfg, path, context_length=4096)
@@ -77,7 +75,7 @@ def adapter(path: Path, seed: int) -> Path:
     return path
 
 
-def sets(tmp: Path, model: Path, ssd: Path, offload: bool = True) -> List[str]:
+def sets(tmp: Path, model: Path, ssd: Path, offload: bool = True) -> list[str]:
     return [
         "Frontend.http-port=0",
         f"Common.model={model}",
@@ -109,7 +107,7 @@ def worker(serve: VllmServe) -> str:
     return name
 
 
-def ask(serve: VllmServe, prompt: List[int], model: str = vg.MODEL) -> dict:
+def ask(serve: VllmServe, prompt: list[int], model: str = vg.MODEL) -> dict:
     r = vg.complete(serve.base_url, prompt, MAX_TOKENS, model=model)
     assert len(r["ids"]) == MAX_TOKENS, r
     return r
@@ -133,7 +131,7 @@ def test_a_weight_update_through_the_rl_routes_leaves_no_old_kv_in_the_tiers(tmp
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
     a, b = weights(tmp_path / "A", 0), weights(tmp_path / "B", 1)
     ssd = tmp_path / "ssd"
-    record: Dict[str, object] = {}
+    record: dict[str, object] = {}
 
     # The oracle: a fresh engine with weights B, no offload.
     fresh = VllmServe(tmp_path, "fresh-b", graph=GRAPH, base=sets(tmp_path, b, tmp_path / "ssd-fresh", offload=False))
@@ -217,12 +215,12 @@ def load_lora(probe: vg.RouterProbe, serve: VllmServe, name: str, path: Path) ->
     return reply
 
 
-def served_models(serve: VllmServe) -> List[str]:
+def served_models(serve: VllmServe) -> list[str]:
     with urllib.request.urlopen(f"{serve.base_url}/v1/models", timeout=10) as r:
         return [m["id"] for m in json.loads(r.read())["data"]]
 
 
-def router_forgets(serve: VllmServe, probe: vg.RouterProbe, wid: int, prompt: List[int], lora: str) -> tuple:
+def router_forgets(serve: VllmServe, probe: vg.RouterProbe, wid: int, prompt: list[int], lora: str) -> tuple:
     """The router's view of ``prompt`` under adapter ``lora`` on the worker once it is empty (or
     after 15 s): removals leave with the engine's next step, which a short request makes."""
     ask(serve, vg.tokens(4999, 40))
@@ -264,7 +262,7 @@ def test_a_lora_hot_swap_under_the_same_name_leaves_no_old_adapter_kv_in_the_tie
     shutil.copytree(x, served)
     elsewhere = shutil.copytree(x, tmp_path / "ad-elsewhere")  # X again, at another path
     lora = [f"VllmWorker.extra-args={LORA}"]
-    record: Dict[str, object] = {}
+    record: dict[str, object] = {}
 
     # The oracle: a fresh engine without offload serving "ad" as Y, then as X.
     fresh = VllmServe(

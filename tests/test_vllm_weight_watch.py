@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ class Model(torch.nn.Module):
         super().__init__()
         self.proj = torch.nn.Linear(8, 8).requires_grad_(False)  # as vLLM: inference only
 
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> set:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set:
         params = dict(self.named_parameters())
         done = set()
         for name, w in weights:
@@ -57,8 +58,8 @@ class Runner:
 
     def reload_weights(
         self,
-        weights_iterator: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
-        weights_path: Optional[str] = None,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
+        weights_path: str | None = None,
         is_checkpoint_format: bool = True,
     ) -> None:
         if weights_iterator is None:
@@ -83,13 +84,13 @@ def weights_dir(path: Path, seed: int) -> Path:
     return path
 
 
-def watched(tmp_path: Path) -> Tuple[Runner, WeightWatch, List[str]]:
+def watched(tmp_path: Path) -> tuple[Runner, WeightWatch, list[str]]:
     runner = Runner(weights_dir(tmp_path / "A", 0))
     watch = WeightWatch(default_model_id)
-    told: List[str] = []
+    told: list[str] = []
     watch.on_change(told.append)
 
-    def initialize_kv_cache(self: Any) -> None:  # noqa: ARG001 - the frame whose ``self`` is the runner
+    def initialize_kv_cache(self: Any) -> None:
         assert watch.attach_from_caller()
 
     initialize_kv_cache(runner)
@@ -126,7 +127,7 @@ def test_every_other_update_path_is_a_new_version(tmp_path: Path) -> None:
 def test_an_update_that_fails_still_changes_the_version(tmp_path: Path) -> None:
     runner, watch, told = watched(tmp_path)
 
-    def broken() -> Iterable[Tuple[str, torch.Tensor]]:
+    def broken() -> Iterable[tuple[str, torch.Tensor]]:
         yield "proj.bias", torch.ones(8)  # written before the failure: the weights are half new
         raise OSError("checkpoint truncated")
 
@@ -201,7 +202,7 @@ class LoRAManager:
 
     def __init__(self, slots: int = 1) -> None:
         self.slots = slots
-        self.loaded: Dict[int, bytes] = {}  # id -> the adapter's weights as read
+        self.loaded: dict[int, bytes] = {}  # id -> the adapter's weights as read
         self.reads = 0
 
     def list_adapters(self) -> set:
@@ -255,10 +256,10 @@ def overwrite(src: Path, dst: Path) -> None:
         shutil.copyfile(f, dst / f.name)
 
 
-def watched_lora(tmp_path: Path) -> Tuple[LoRARunner, WeightWatch, List[str]]:
+def watched_lora(tmp_path: Path) -> tuple[LoRARunner, WeightWatch, list[str]]:
     runner = LoRARunner(weights_dir(tmp_path / "A", 0))
     watch = WeightWatch(default_model_id)
-    told: List[str] = []
+    told: list[str] = []
     watch.on_change(told.append)
     watch.attach(runner)
     return runner, watch, told

@@ -5,11 +5,10 @@ router is told they are gone at once; a restart with the new weights adopts none
 from __future__ import annotations
 
 import pytest
-
-from dynamo_flexkv import KVLayoutType, KVManager
-
 from kv_helpers import MODEL, TPB, config, device_tensors, fill, holds, store_and_drain
 from node_helpers import Held
+
+from dynamo_flexkv import KVLayoutType, KVManager
 
 L = KVLayoutType.LAYERBLOCK
 

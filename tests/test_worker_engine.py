@@ -10,11 +10,11 @@ import pytest
 
 pytest.importorskip("dynamo.common.backend", reason="ai-dynamo is installed by make test")
 
-from dynamo.llm.exceptions import EngineShutdown, InvalidArgument  # noqa: E402
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
 
-from dynamo_flexkv.integrations.dynamo_worker import component  # noqa: E402
-from dynamo_flexkv.integrations.dynamo_worker.component import FlexKVWorkerEngine  # noqa: E402
-from dynamo_flexkv.integrations.dynamo_worker.args import build_parser  # noqa: E402
+from dynamo_flexkv.integrations.dynamo_worker import component
+from dynamo_flexkv.integrations.dynamo_worker.args import build_parser
+from dynamo_flexkv.integrations.dynamo_worker.component import FlexKVWorkerEngine
 
 
 class Context:

@@ -20,11 +20,11 @@ import pytest
 
 pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
 
-from served import MODEL, flexkv_metrics, make_plan, post, wait_until  # noqa: E402
+from served import MODEL, flexkv_metrics, make_plan, post, wait_until
 
-from dynamo_flexkv import CacheConfig, KVManager  # noqa: E402
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig  # noqa: E402
-from dynamo_flexkv.serve.launcher import Launcher  # noqa: E402
+from dynamo_flexkv import CacheConfig, KVManager
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
+from dynamo_flexkv.serve.launcher import Launcher
 
 BLOCKS = 512  # device blocks of the worker: context window 512 x 16 = 8,192 tokens
 WINDOW = BLOCKS * 16

@@ -19,11 +19,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from exactness import Generation
+from served import Serve, scrape  # noqa: F401 (vg.scrape, vg.metric: the shared /metrics helpers)
+from served import total as metric
 from sse import DONE, sse_data
-from served import Serve, scrape, total as metric  # noqa: F401 (vg.scrape, vg.metric: the shared /metrics helpers)
 
 MODEL = "vllm-small"
 VOCAB = (100, 31000)  # token ids drawn from here: the small preset's vocabulary is 32000
@@ -32,7 +33,7 @@ EVENT_TROUBLE = re.compile(r"Failed to find block|dropping the newest batch|lane
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def tokens(seed: int, n: int) -> List[int]:
+def tokens(seed: int, n: int) -> list[int]:
     r = random.Random(seed)
     return [r.randrange(*VOCAB) for _ in range(n)]
 
@@ -47,9 +48,9 @@ class VllmServe(Serve):
         name: str,
         *overrides: str,
         graph: str,
-        base: List[str],
+        base: list[str],
         ready_timeout: float = 900,
-        config: Optional[str] = None,
+        config: str | None = None,
         **kw: Any,
     ) -> None:
         """``kw``: served.Serve's other options (console, own_run_dir, env)."""
@@ -112,15 +113,15 @@ class Stream:
     """A streamed completion read on a thread; its fields fill in as chunks arrive."""
 
     status: int = 0
-    ids: List[int] = field(default_factory=list)
-    logprobs: List[float] = field(default_factory=list)
-    workers: List[int] = field(default_factory=list)  # decode worker of each chunk, in order
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    workers: list[int] = field(default_factory=list)  # decode worker of each chunk, in order
     rid: str = ""  # the router's request id (the chunks' id without "cmpl-")
-    error: Optional[dict] = None  # an SSE error event or an HTTP error body
+    error: dict | None = None  # an SSE error event or an HTTP error body
     cached: int = 0
     done: bool = False  # saw data: [DONE]
     finished: bool = False  # the thread is over
-    exception: Optional[str] = None
+    exception: str | None = None
     seconds: float = 0.0
 
     @property
@@ -129,7 +130,7 @@ class Stream:
 
 
 def stream(
-    base_url: str, prompt: List[int], max_tokens: int, out: Stream, timeout: float = 120, model: str = MODEL
+    base_url: str, prompt: list[int], max_tokens: int, out: Stream, timeout: float = 120, model: str = MODEL
 ) -> None:
     body = {
         "model": model,
@@ -182,14 +183,14 @@ def stream(
         out.finished = True
 
 
-def stream_in_thread(base_url: str, prompt: List[int], max_tokens: int) -> Tuple[Stream, threading.Thread]:
+def stream_in_thread(base_url: str, prompt: list[int], max_tokens: int) -> tuple[Stream, threading.Thread]:
     out = Stream()
     t = threading.Thread(target=stream, args=(base_url, prompt, max_tokens, out), daemon=True)
     t.start()
     return out, t
 
 
-def send_and_hang_up(base_url: str, prompt: List[int], max_tokens: int, until, timeout: float = 60) -> float:
+def send_and_hang_up(base_url: str, prompt: list[int], max_tokens: int, until, timeout: float = 60) -> float:
     """Sends a streamed completion on a raw connection and closes it as soon as ``until()`` is true
     (e.g. the worker has the request in flight). Returns the seconds from sending to the hang-up."""
     host, port = base_url.split("//", 1)[1].rsplit(":", 1)
@@ -234,11 +235,11 @@ def healthy(metrics_url: str) -> bool:
 # ---- the frontend's routing log ----------------------------------------------------------------
 
 
-def routing_log(log: Path) -> Dict[str, dict]:
+def routing_log(log: Path) -> dict[str, dict]:
     """The frontend's KV router decisions by request id: the worker it selected and the host/disk
     blocks it counted for that worker ("Selected worker" lines), and the overlap (device) blocks of
     the routed request ("route request completed")."""
-    out: Dict[str, dict] = {}
+    out: dict[str, dict] = {}
     for line in ANSI.sub("", log.read_text(errors="replace")).splitlines():
         m = re.search(
             r'Selected worker .*request_id="([^"]+)" worker_id=(\d+) .*host_pinned_blocks=(\d+) '
@@ -254,7 +255,7 @@ def routing_log(log: Path) -> Dict[str, dict]:
     return out
 
 
-def attempts(log: Path, rid: str) -> List[dict]:
+def attempts(log: Path, rid: str) -> list[dict]:
     """The frontend's routing attempts of request ``rid`` (a migrated request has several): the
     worker, the attempt number and how it ended. (nvext.worker_id keeps naming the first worker.)"""
     out = []
@@ -269,7 +270,7 @@ def attempts(log: Path, rid: str) -> List[dict]:
     return out
 
 
-def event_trouble(*dirs: Path) -> List[str]:
+def event_trouble(*dirs: Path) -> list[str]:
     """Lines of any log under ``dirs`` that say KV events were dropped or could not be applied."""
     bad = []
     for d in dirs:
@@ -283,7 +284,7 @@ def event_trouble(*dirs: Path) -> List[str]:
 # ---- a second router on the served graph -------------------------------------------------------
 
 
-def environ(pid: int) -> Dict[str, str]:
+def environ(pid: int) -> dict[str, str]:
     raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
     return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
 
@@ -326,7 +327,7 @@ class RouterProbe:
             env=env,
             cwd=str(script.parent),
         )
-        self._lines: List[str] = []
+        self._lines: list[str] = []
         self._cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
         assert self._next(timeout).get("ready"), "the router probe did not start"
@@ -351,8 +352,8 @@ class RouterProbe:
             return json.loads(self._lines.pop(0))
 
     def scores(
-        self, prompt: List[int], timeout: float = 30, lora_name: Optional[str] = None
-    ) -> Dict[int, Tuple[int, int, int]]:
+        self, prompt: list[int], timeout: float = 30, lora_name: str | None = None
+    ) -> dict[int, tuple[int, int, int]]:
         """worker id -> (device, host_pinned, disk) blocks of ``prompt``'s prefix the router counts
         (each tier's count covers the faster tiers: disk >= host >= device), for the base model or
         the LoRA adapter ``lora_name`` (the router hashes blocks with the adapter's name)."""
@@ -362,7 +363,7 @@ class RouterProbe:
         assert "error" not in out, out
         return {r["worker_id"]: (r["device"], r["host"], r["disk"]) for r in out["workers"]}
 
-    def rank_scores(self, prompt: List[int], timeout: float = 30) -> Dict[Tuple[int, int], Tuple[int, int, int]]:
+    def rank_scores(self, prompt: list[int], timeout: float = 30) -> dict[tuple[int, int], tuple[int, int, int]]:
         """As ``scores``, per (worker id, data-parallel rank)."""
         self.proc.stdin.write(json.dumps({"tokens": prompt}) + "\n")
         self.proc.stdin.flush()
@@ -370,7 +371,7 @@ class RouterProbe:
         assert "error" not in out, out
         return {(r["worker_id"], r["dp_rank"]): (r["device"], r["host"], r["disk"]) for r in out["workers"]}
 
-    def call(self, endpoint: str, body: dict, timeout: float = 120) -> List[Any]:
+    def call(self, endpoint: str, body: dict, timeout: float = 120) -> list[Any]:
         """Each reply of one request-plane call of ``endpoint`` (NAMESPACE.COMPONENT.ENDPOINT), e.g.
         dynamo.vllm's ``dynamo.backend.load_lora``: the calls a user's operator makes."""
         self.proc.stdin.write(json.dumps({"call": endpoint, "body": body}) + "\n")

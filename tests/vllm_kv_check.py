@@ -58,6 +58,7 @@ def _throttle_disk(worker, factor: float, prompt_tokens: int, prefix_bytes: int)
     """Stretches every disk read so that reading ``prefix_bytes`` takes ``factor`` times the
     prefill of a ``prompt_tokens`` prompt, as the connector measured it; the cost model's view."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     from dynamo_flexkv.bench.throttled import ThrottledDisk
     from dynamo_flexkv.core.transfer.graph import OpKind
 

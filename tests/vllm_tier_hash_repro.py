@@ -30,9 +30,9 @@ import sys
 import tempfile
 
 import numpy as np
+from router_scenario import BS, CFG, relay_and_router, run_with_broker
 
 from dynamo_flexkv.core.index import Tier
-from router_scenario import BS, CFG, relay_and_router, run_with_broker
 
 
 async def main(work: str, same: bool) -> int:

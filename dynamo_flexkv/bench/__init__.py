@@ -8,12 +8,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Dict, List, Optional
 
 from dynamo_flexkv.bench.report import Case, print_table, write_json
 
 # name -> (module, one-line description).
-BENCHES: Dict[str, tuple] = {
+BENCHES: dict[str, tuple] = {
     "index": ("dynamo_flexkv.bench.index", "hash + longest-prefix match, insert, evict vs Dynamo's RadixTree"),
     "links": (
         "dynamo_flexkv.bench.links",
@@ -50,7 +49,7 @@ NOT_IN_ALL = {"vllm", "events"}
 HIGHER_IS_BETTER = {"links", "remote", "disagg"}
 
 
-def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="python -m dynamo_flexkv.bench", description=__doc__)
     parser.add_argument(
         "name",
@@ -142,7 +141,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     return parser
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     if getattr(args, "peer", None) and args.name != "vllm":
         print(
             f"bench {args.name}: --peer {args.peer} is bench vllm's (run: bench vllm --peer {args.peer})",
@@ -158,7 +157,7 @@ def run(args: argparse.Namespace) -> List[Case]:
         )
         raise SystemExit(2)
     names = [n for n in BENCHES if n not in NOT_IN_ALL] if args.name == "all" else [args.name]
-    cases: List[Case] = []
+    cases: list[Case] = []
     for name in names:
         module_name = BENCHES[name][0]
         if name == "disagg" and getattr(args, "vllm", False):  # the vLLM engines' handover instead
@@ -182,5 +181,5 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     return run_command(build_parser().parse_args(argv))

@@ -41,11 +41,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 
 from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.integrations.disagg.params import HandoverParams
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
 from dynamo_flexkv.integrations.reference_engine.request import Request, SamplingParams
@@ -90,19 +91,24 @@ class _Prefill:
             stdout=subprocess.PIPE,
             text=True,
         )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
 
-    def hand_over(self, prompt: List[int]) -> HandoverParams:
-        self.proc.stdin.write(json.dumps(prompt) + "\n")
-        self.proc.stdin.flush()
+    def hand_over(self, prompt: list[int]) -> HandoverParams:
+        self.stdin.write(json.dumps(prompt) + "\n")
+        self.stdin.flush()
         while True:
-            line = self.proc.stdout.readline()
+            line = self.stdout.readline()
             if not line:
                 raise RuntimeError(f"the prefill process exited ({self.proc.wait()})")
             if line.startswith(MARK):  # NIXL logs to stdout too
-                return HandoverParams.from_dict(json.loads(line[len(MARK) :]))
+                params = HandoverParams.from_dict(json.loads(line[len(MARK) :]))
+                if params is None:
+                    raise RuntimeError("the prefill process handed over nothing (no handover in its params)")
+                return params
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        self.stdin.close()
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -115,7 +121,7 @@ class RawRead:
     prepared descriptor lists the agent holds (its own KV; the peer's, prepared on the first
     handover), index lists computed here (untimed); ``__call__`` is the timed part."""
 
-    def __init__(self, agent, p: HandoverParams, local: Sequence[int], remote: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, agent, p: HandoverParams, local: Sequence[int], remote: Sequence[int] | None = None) -> None:
         from dynamo_flexkv.core.transfer.nixl_agent import _indices
 
         self.a = agent.agent
@@ -138,19 +144,21 @@ class RawRead:
             a.release_xfer_handle(handle)
 
 
-def _timed(fn, *args) -> Tuple[float, object]:
+def _timed(fn, *args) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(*args)
     return time.perf_counter() - t0, out
 
 
-def _stream(base_url: str, model: str, prompt: List[int], max_tokens: int) -> Tuple[List[float], int]:
+def _stream(base_url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[float], int]:
     """Arrival times (perf_counter: the request, then each streamed chunk) of one greedy
     completion, and how many tokens it generated (the usage chunk)."""
     import http.client
     from urllib.parse import urlparse
 
     u = urlparse(base_url)
+    if u.hostname is None:
+        raise ValueError(f"{base_url!r}: not an http://host:port URL")
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
     body = json.dumps(
         {
@@ -227,11 +235,11 @@ def _serve_workload(graph: str, quick: bool, tmp: str) -> dict:
     return {"ttft": ttft, "itl": itl}
 
 
-def _pct(xs: List[float], q: float) -> float:
+def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs) * 1e3, q))
 
 
-def serving_cases(args: argparse.Namespace, engine: str = "") -> List[Case]:
+def serving_cases(args: argparse.Namespace, engine: str = "") -> list[Case]:
     """``engine`` "vllm": graphs/disagg_vllm.py against graphs/agg_vllm.py."""
     import tempfile
 
@@ -257,7 +265,7 @@ def serving_cases(args: argparse.Namespace, engine: str = "") -> List[Case]:
     return cases
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     """The reference engine's cases (``--vllm``: bench/vllm_disagg.py runs instead, the dispatch in
     bench/__init__.py)."""
     cases = _handover_cases(args)
@@ -276,7 +284,7 @@ class _Etcd:
         from dynamo_flexkv.serve.infra import etcd_argv
 
         client, peer = free_port(), free_port()
-        self.log = open(os.path.join(tmp, "etcd.log"), "wb")
+        self.log = open(os.path.join(tmp, "etcd.log"), "wb")  # noqa: SIM115 - etcd's, closed in close()
         self.proc = subprocess.Popen(
             etcd_argv(binary, "bench", os.path.join(tmp, "data"), client, peer),
             stdout=self.log,
@@ -309,13 +317,13 @@ class _Etcd:
         self.log.close()
 
 
-def _etcd_cases(args: argparse.Namespace) -> List[Case]:
+def _etcd_cases(args: argparse.Namespace) -> list[Case]:
     import base64
     import shutil
     import tempfile
 
-    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
     from dynamo_flexkv.core.sysutil import find_binary
+    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
 
     binary = find_binary("etcd")
     if binary is None:
@@ -335,7 +343,7 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
 
         # What decode does per request (JSON -> checked params), in alternating 20-parse batches so
         # both forms see the same machine load; medians.
-        batches: Tuple[List[float], List[float]] = ([], [])
+        batches: tuple[list[float], list[float]] = ([], [])
         for _ in range(40 if args.quick else 200):
             for side, text in enumerate((inline, bare)):
                 t0 = time.perf_counter()
@@ -403,7 +411,7 @@ def _etcd_cases(args: argparse.Namespace) -> List[Case]:
     return cases
 
 
-def _handover_cases(args: argparse.Namespace) -> List[Case]:
+def _handover_cases(args: argparse.Namespace) -> list[Case]:
     from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
     from dynamo_flexkv.integrations.disagg.roles import DecodeSide
 
@@ -416,7 +424,7 @@ def _handover_cases(args: argparse.Namespace) -> List[Case]:
     agent = KVAgent(decode.kv_cache.layers)
     side = DecodeSide(decode, agent, pull_timeout=60)
     prefill = _Prefill(sum(s // cfg.block_size + 2 for s in sizes) + 8)
-    cases: List[Case] = []
+    cases: list[Case] = []
     try:
         for size in sizes:
             prompt = rng.integers(0, cfg.vocab_size, size).tolist()

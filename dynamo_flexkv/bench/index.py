@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,7 @@ FULL = [SizeSpec("1K", 1024, 3000, 100), SizeSpec("16K", 16384, 400, 40), SizeSp
 QUICK = [SizeSpec("1K", 1024, 300, 20), SizeSpec("16K", 16384, 40, 8), SizeSpec("128K", 131072, 6, 2)]
 
 
-def make_prompts(spec: SizeSpec, rng: np.random.Generator, vocab: int = 128256) -> List[np.ndarray]:
+def make_prompts(spec: SizeSpec, rng: np.random.Generator, vocab: int = 128256) -> list[np.ndarray]:
     half = spec.tokens // 2
     shared = [rng.integers(0, vocab, half, dtype=np.int64) for _ in range(spec.groups)]
     return [
@@ -51,7 +52,7 @@ def make_prompts(spec: SizeSpec, rng: np.random.Generator, vocab: int = 128256) 
     ]
 
 
-def make_queries(spec: SizeSpec, prompts: Sequence[np.ndarray], rng: np.random.Generator, n: int) -> List[list]:
+def make_queries(spec: SizeSpec, prompts: Sequence[np.ndarray], rng: np.random.Generator, n: int) -> list[list]:
     """A cached prompt's first 90% followed by new tokens: a multi-turn follow-up."""
     out = []
     for _ in range(n):
@@ -70,13 +71,13 @@ def removed_event(event_id: int, seq: Sequence[int]) -> bytes:
     return json.dumps({"event_id": event_id, "data": {"removed": {"block_hashes": [int(s) for s in seq]}}}).encode()
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     from dynamo._core import RadixTree, compute_block_hash_for_seq
 
     rng = np.random.default_rng(0)
     specs = QUICK if args.quick else FULL
     repeat = 5 if args.quick else 25
-    all_prompts: Dict[str, List[np.ndarray]] = {s.label: make_prompts(s, rng) for s in specs}
+    all_prompts: dict[str, list[np.ndarray]] = {s.label: make_prompts(s, rng) for s in specs}
     hashed = {label: [block_hashes(p, BLOCK) for p in ps] for label, ps in all_prompts.items()}
     total_blocks = sum(len(h) for hs in hashed.values() for h in hs)
 
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> List[Case]:
             tree.apply_event(WORKER, ev)
         tree.find_matches([0])  # the tree applies events on its own thread: wait for them
 
-    def evict_ours(engine: CacheEngine, removals: List[int]) -> None:
+    def evict_ours(engine: CacheEngine, removals: list[int]) -> None:
         # The same batches as Dynamo's removed events: one call per `chunk` blocks, not one for all.
         host = engine.tiers[Tier.HOST]
         while True:
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> List[Case]:
                 break
             removals.extend(got)
 
-    def evict_dynamo(tree: RadixTree, rm_events: List[bytes]) -> None:
+    def evict_dynamo(tree: RadixTree, rm_events: list[bytes]) -> None:
         for ev in rm_events:
             tree.apply_event(WORKER, ev)
         tree.find_matches([0])
@@ -130,13 +131,13 @@ def run(args: argparse.Namespace) -> List[Case]:
     # (wall, process CPU) seconds per round. CPU time counts every thread of the process (Dynamo
     # applies events on its own thread) and is what stays comparable on a loaded machine, where
     # wall time mostly measures waiting for a core.
-    t_insert: Dict[str, List[Tuple[float, float]]] = {"ours": [], "dynamo": []}
-    t_evict: Dict[str, List[Tuple[float, float]]] = {"ours": [], "dynamo": []}
+    t_insert: dict[str, list[tuple[float, float]]] = {"ours": [], "dynamo": []}
+    t_evict: dict[str, list[tuple[float, float]]] = {"ours": [], "dynamo": []}
     evicted = 0
 
     def evict_both(engine: CacheEngine, tree: RadixTree) -> None:
         nonlocal evicted
-        removals: List[int] = []
+        removals: list[int] = []
         t_evict["ours"].append(wall_and_cpu(lambda: evict_ours(engine, removals)))
         evicted = len(removals)
         rm_events = [removed_event(i, removals[j : j + chunk]) for i, j in enumerate(range(0, evicted, chunk))]
@@ -157,7 +158,8 @@ def run(args: argparse.Namespace) -> List[Case]:
         queries = make_queries(spec, all_prompts[spec.label], rng, 8)
         for q in queries:  # both indexes must agree before we time them
             ours_len = engine.match(block_hashes(q, BLOCK).sequence).num_blocks
-            scores = tree.find_matches(compute_block_hash_for_seq(q, BLOCK)).scores
+            # Dynamo's stub says dict[int, int]; its keys are (worker_id, dp_rank)
+            scores: dict[Any, int] = tree.find_matches(compute_block_hash_for_seq(q, BLOCK)).scores
             if ours_len != scores.get((WORKER, 0), 0):
                 raise RuntimeError(f"match disagrees at {spec.label}: ours {ours_len}, Dynamo {scores}")
         per_ours, per_dyn = [], []
@@ -221,15 +223,15 @@ def run(args: argparse.Namespace) -> List[Case]:
     return cases
 
 
-def wall_and_cpu(fn: Callable[[], object]) -> Tuple[float, float]:
+def wall_and_cpu(fn: Callable[[], object]) -> tuple[float, float]:
     w0, c0 = time.perf_counter(), time.process_time()
     fn()
     return time.perf_counter() - w0, time.process_time() - c0
 
 
 def per_block_cases(
-    name: str, times: Dict[str, List[Tuple[float, float]]], blocks: int, baseline: str, note: str
-) -> List[Case]:
+    name: str, times: dict[str, list[tuple[float, float]]], blocks: int, baseline: str, note: str
+) -> list[Case]:
     """Median wall and CPU microseconds per block, ours against Dynamo's."""
 
     def per_block(side: str, which: int) -> float:

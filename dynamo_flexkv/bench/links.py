@@ -31,13 +31,13 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Callable, List, Optional, Tuple
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
@@ -62,13 +62,13 @@ def best_of(fn: Callable[[], None], repeat: int) -> float:
     return paired(fn, None, repeat)[0]
 
 
-def paired(ours: Callable[[], None], base: Optional[Callable[[], None]], repeat: int) -> Tuple[float, float]:
+def paired(ours: Callable[[], object], base: Callable[[], object] | None, repeat: int) -> tuple[float, float]:
     """Median seconds of ``ours`` and ``base``, run alternately so drift on a shared machine hits
     both sides alike; one warm-up each (first-touch page faults are not the link)."""
     fns = [f for f in (ours, base) if f is not None]
     for f in fns:
         f()
-    times: List[List[float]] = [[] for _ in fns]
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
         for f, ts in zip(fns, times):
             t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def paired(ours: Callable[[], None], base: Optional[Callable[[], None]], repeat:
     return meds[0], (meds[1] if base is not None else float("nan"))
 
 
-def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> List[Case]:
+def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> list[Case]:
     rng = np.random.default_rng(0)
     host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, TPB, n))  # pinned when CUDA exists
     layers = [
@@ -101,9 +101,11 @@ def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> 
         if where == "cuda":  # baseline: one pinned<->device DMA of the same bytes
             a, b = (host_bytes, scratch) if kind is OpKind.D2H else (scratch, host_bytes)
 
-            def base_fn(a=a, b=b) -> None:
+            def dma(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
                 a.copy_(b, non_blocking=True)
                 torch.cuda.synchronize()
+
+            base_fn: Callable[[], None] = dma
 
             base_name, note = "contiguous pinned<->device copy", f"{n} random blocks, CUDA"
         else:
@@ -111,8 +113,10 @@ def host_cases(name: str, model: ModelSpec, n: int, repeat: int, where: str) -> 
                 (host.base, scratch.data_ptr()) if kind is OpKind.D2H else (scratch.data_ptr(), host.base)
             )
 
-            def base_fn(base_dst=base_dst, base_src=base_src) -> None:
+            def contiguous(base_dst: int = base_dst, base_src: int = base_src) -> None:
                 _native.copy_chunks(one(base_dst), one(base_src), one(nbytes), THREADS)
+
+            base_fn = contiguous
 
             base_name, note = "contiguous copy, same bytes and threads", f"{THREADS} threads"
         ours, base = paired(lambda: mover.run(TransferOp(kind, src, dst)), base_fn, repeat)
@@ -166,7 +170,7 @@ def native_seq(directory: str, host: HostPool, n: int, write: bool, depth: int) 
     return n * bb / seconds
 
 
-def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
+def disk_cases(directory: str, n: int, repeat: int, depth: int) -> list[Case]:
     model = SHAPES["8b"]
     host = HostPool(KVLayout(KVLayoutType.BLOCKFIRST, model, TPB, n), pin=False)
     host.array[:] = np.random.default_rng(1).integers(0, 256, host.nbytes, dtype=np.uint8)
@@ -175,12 +179,12 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
     rng = np.random.default_rng(2)
     host_ids, disk_ids = rng.permutation(n), rng.permutation(n)
     nbytes = n * bb
-    movers: List[Tuple[str, DiskMover]] = [("disk", DiskMover(host, ssd, depth))]
+    movers: list[tuple[str, DiskMover]] = [("disk", DiskMover(host, ssd, depth))]
     try:
         from dynamo_flexkv.core.transfer.nixl_mover import NixlDiskMover
 
         movers.append(("nixl-disk", NixlDiskMover(host, ssd)))
-    except Exception as e:  # no NIXL here: report ours alone
+    except Exception as e:  # noqa: BLE001 - no NIXL here (import or NIXL's own errors): report ours alone
         print(f"(NIXL POSIX mover unavailable: {e})")
     cases = []
     base_name = f"native seq O_DIRECT io_uring batch, qd {min(n, depth)}"
@@ -231,10 +235,10 @@ def disk_cases(directory: str, n: int, repeat: int, depth: int) -> List[Case]:
     return cases
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     quick = args.quick
     repeat = 3 if quick else 9
-    cases: List[Case] = []
+    cases: list[Case] = []
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     for name, model in SHAPES.items():
         block = model.token_bytes() * TPB

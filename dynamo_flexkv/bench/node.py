@@ -25,8 +25,6 @@ import sys
 import tempfile
 import time
 
-from typing import List, Tuple
-
 import torch
 
 from dynamo_flexkv.bench.report import Case
@@ -42,12 +40,12 @@ SIZES = (8192, 32768)
 FRACTION = 0.9
 
 
-def _tensors(blocks: int) -> List[torch.Tensor]:
+def _tensors(blocks: int) -> list[torch.Tensor]:
     layout = KVLayout(KVLayoutType.LAYERBLOCK, SPEC, BS, blocks)
     return [torch.randn(layout.layer_shape()) for _ in range(SPEC.num_layers)]
 
 
-def _load_seconds(off: EngineOffload, tokens: List[int], blocks: List[int], repeat: int) -> float:
+def _load_seconds(off: EngineOffload, tokens: list[int], blocks: list[int], repeat: int) -> float:
     """Median seconds of a layerwise load of ``tokens``' cached prefix into ``blocks``."""
     times = []
     for i in range(repeat + 1):
@@ -63,7 +61,7 @@ def _load_seconds(off: EngineOffload, tokens: List[int], blocks: List[int], repe
     return statistics.median(times)
 
 
-def _lookups(off: EngineOffload, tokens: List[int], n: int) -> Tuple[float, float]:
+def _lookups(off: EngineOffload, tokens: list[int], n: int) -> tuple[float, float]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -73,20 +71,20 @@ def _lookups(off: EngineOffload, tokens: List[int], n: int) -> Tuple[float, floa
     return times[len(times) // 2], times[int(len(times) * 0.99)]
 
 
-def _store(off: EngineOffload, tokens: List[int], blocks: List[int]) -> None:
+def _store(off: EngineOffload, tokens: list[int], blocks: list[int]) -> None:
     off.store(tokens, blocks, key="bench")
     while not off.finished_holds():
         time.sleep(0.001)
     assert off.drain(60)
 
 
-def run(args) -> List[Case]:
+def run(args) -> list[Case]:
     quick = bool(getattr(args, "quick", False))
     sizes = (8192,) if quick else SIZES
     repeat = getattr(args, "repeat", None) or (5 if quick else 15)
     host_gb = 1.1 * max(sizes) * FRACTION / BS * KVLayout(KVLayoutType.BLOCKFIRST, SPEC, BS, 1).block_bytes / (1 << 30)
     device_blocks = max(sizes) // BS + 2
-    cases: List[Case] = []
+    cases: list[Case] = []
     with tempfile.TemporaryDirectory(prefix="flexkv-bench-node-") as work:
         sock = os.path.join(work, "node.sock")
         server = subprocess.Popen(
@@ -106,6 +104,7 @@ def run(args) -> List[Case]:
             stderr=subprocess.STDOUT,
             text=True,
         )
+        assert server.stdout is not None  # PIPE
         try:
             for line in server.stdout:
                 if "cache server ready on" in line:

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Tuple
 
 import msgspec
 import numpy as np
@@ -49,7 +48,7 @@ def _send(sock: socket.socket, obj, fds=()) -> None:
 
 
 def _recv(sock: socket.socket, want_fds: int = 0):
-    fds: List[int] = []
+    fds: list[int] = []
     if want_fds:
         head, fds, _, _ = socket.recv_fds(sock, _LEN.size, want_fds)
     else:
@@ -63,7 +62,7 @@ def _recv(sock: socket.socket, want_fds: int = 0):
     return msgspec.msgpack.decode(body), fds
 
 
-def _shared_tensors(spec: ModelSpec, bs: int, blocks: int, fd: int = -1) -> Tuple[List[torch.Tensor], int, mmap.mmap]:
+def _shared_tensors(spec: ModelSpec, bs: int, blocks: int, fd: int = -1) -> tuple[list[torch.Tensor], int, mmap.mmap]:
     """Per-layer LAYERBLOCK tensors over one memfd (made here when ``fd`` is -1)."""
     layout = KVLayout(KVLayoutType.LAYERBLOCK, spec, bs, blocks)
     per_layer = int(np.prod(layout.layer_shape())) * layout.model.dtype_bytes
@@ -77,7 +76,7 @@ def _shared_tensors(spec: ModelSpec, bs: int, blocks: int, fd: int = -1) -> Tupl
     return [flat[i * n : (i + 1) * n].view(layout.layer_shape()) for i in range(spec.num_layers)], fd, mm
 
 
-def compare(spec: ModelSpec, bs: int, tokens: int, repeat: int) -> List[Case]:
+def compare(spec: ModelSpec, bs: int, tokens: int, repeat: int) -> list[Case]:
     blocks = tokens // bs
     host_blocks, dev_blocks = blocks + 2, blocks + 2
     with tempfile.TemporaryDirectory(prefix="flexkv-bench-datapath-") as work:
@@ -107,7 +106,7 @@ def compare(spec: ModelSpec, bs: int, tokens: int, repeat: int) -> List[Case]:
             mover = HostDeviceMover(host, device)
             ids = list(range(blocks))
 
-            def engine_driven() -> Tuple[float, float]:
+            def engine_driven() -> tuple[float, float]:
                 t0 = time.perf_counter()
                 _send(sock, ["plan", blocks])
                 (_, src), _ = _recv(sock)
@@ -118,7 +117,7 @@ def compare(spec: ModelSpec, bs: int, tokens: int, repeat: int) -> List[Case]:
                         first = time.perf_counter() - t0
                 return first, time.perf_counter() - t0
 
-            def service_driven() -> Tuple[float, float]:
+            def service_driven() -> tuple[float, float]:
                 t0 = time.perf_counter()
                 _send(sock, ["load", blocks])
                 first = 0.0
@@ -129,7 +128,7 @@ def compare(spec: ModelSpec, bs: int, tokens: int, repeat: int) -> List[Case]:
                         first = time.perf_counter() - t0
                 return first, time.perf_counter() - t0
 
-            rows = {"engine": [], "service": []}
+            rows: dict[str, list[tuple[float, float]]] = {"engine": [], "service": []}
             for i in range(repeat + 1):
                 for name, fn in (("engine", engine_driven), ("service", service_driven)):  # alternated
                     got = fn()

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from dynamo_flexkv.bench.report import Case, paired_cases
 from dynamo_flexkv.core.http_client import http_json
@@ -48,7 +48,7 @@ def prefix_dir() -> Path:
     return Path(__file__).resolve().parents[2] / ".peers" / PEER
 
 
-def missing_reason(prefix: Path) -> Optional[str]:
+def missing_reason(prefix: Path) -> str | None:
     """None when LMCache ``VERSION`` is installed in ``prefix``, else what is missing."""
     dist = prefix / f"lmcache-{VERSION}.dist-info"
     if not dist.is_dir():
@@ -67,14 +67,14 @@ def require_installed() -> Path:
     return prefix
 
 
-def peer_env(env: Dict[str, str], prefix: Path) -> Dict[str, str]:
+def peer_env(env: dict[str, str], prefix: Path) -> dict[str, str]:
     """``env`` with the prefix first on PYTHONPATH (vLLM then resolves LMCache's connector)."""
     out = dict(env)
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(prefix), env.get("PYTHONPATH", "")) if p)
     return out
 
 
-def kv_transfer_config(port: int) -> Dict[str, Any]:
+def kv_transfer_config(port: int) -> dict[str, Any]:
     return {
         "kv_connector": "LMCacheMPConnector",
         "kv_role": "kv_both",
@@ -139,7 +139,7 @@ class LMCacheServer:
     chunk_tokens: int
     port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
-    proc: Optional[subprocess.Popen] = None
+    proc: subprocess.Popen | None = None
 
     @property
     def http(self) -> str:
@@ -149,7 +149,7 @@ class LMCacheServer:
     def l2_dir(self) -> str:
         return os.path.join(self.workdir, "l2")
 
-    def args(self) -> List[str]:
+    def args(self) -> list[str]:
         # O_DIRECT as our disk tier reads: both disk cases come from the device, not the page cache.
         l2 = {"type": "fs", "base_path": self.l2_dir, "use_odirect": True}
         return [
@@ -177,7 +177,7 @@ class LMCacheServer:
             "--disable-observability",
         ]
 
-    def start(self, timeout_s: float = 120.0) -> "LMCacheServer":
+    def start(self, timeout_s: float = 120.0) -> LMCacheServer:
         os.makedirs(self.l2_dir, exist_ok=True)
         log_path = os.path.join(self.workdir, "lmcache-server.log")
         with open(log_path, "ab") as log:
@@ -212,21 +212,21 @@ class LMCacheServer:
                 print(f"lmcache server: stopping it {done.describe()}", file=sys.stderr, flush=True)
             self.proc = None
 
-    def __enter__(self) -> "LMCacheServer":
+    def __enter__(self) -> LMCacheServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-def shm_segments(shm_dir: str = "/dev/shm") -> List[str]:
+def shm_segments(shm_dir: str = "/dev/shm") -> list[str]:
     try:
         return sorted(n for n in os.listdir(shm_dir) if n.startswith(SHM_PREFIX))
     except FileNotFoundError:
         return []
 
 
-def remove_orphan_shm(before: Sequence[str], shm_dir: str = "/dev/shm") -> List[str]:
+def remove_orphan_shm(before: Sequence[str], shm_dir: str = "/dev/shm") -> list[str]:
     """Removes the LMCache KV segments that appeared since ``before`` and whose creating process
     (the pid in the name) is gone: a vLLM worker that was killed never unlinks them."""
     removed = []
@@ -243,7 +243,7 @@ def remove_orphan_shm(before: Sequence[str], shm_dir: str = "/dev/shm") -> List[
 
 
 # ---- results -> the comparison rows ------------------------------------------------------------------
-def vs_lmcache_cases(cases: Sequence[Case], labels: Sequence[str]) -> List[Case]:
+def vs_lmcache_cases(cases: Sequence[Case], labels: Sequence[str]) -> list[Case]:
     """One row per size and case both sides measured: ``<ours>-vs-lmcache-<size>``, ratio = our
     TTFT / LMCache's in its same case (lower: we are faster)."""
     return [

@@ -40,12 +40,13 @@ import re
 import statistics
 import subprocess
 import time
-from typing import Callable, Dict, List
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.bench.report import Case
+from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.core.remote import HEADER_BYTES, RemoteStore, fingerprint_of
 from dynamo_flexkv.core.remote.resp import RespConnection, encode_command
 from dynamo_flexkv.serve.redis_server import RedisCluster, RedisServer, require_binary
@@ -126,7 +127,7 @@ def redis_benchmark(
     return _redis_benchmark_seconds(port, test, value_bytes, requests, n, depth, conns, cluster) * n / requests
 
 
-def _benchmark_keys(ports: List[int], n: int) -> Dict[int, List[bytes]]:
+def _benchmark_keys(ports: list[int], n: int) -> dict[int, list[bytes]]:
     """The keys redis-benchmark's GETs ask each node for: ``key:%012d`` on one server; in cluster
     mode each connection is bound to one node and tags its keys (``key:{tag}:%012d``) so they
     hash there, so one probe SET per node shows each node's tag."""
@@ -158,21 +159,21 @@ def _benchmark_keys(ports: List[int], n: int) -> Dict[int, List[bytes]]:
         timeout=120,
         check=True,
     )
-    out: Dict[int, List[bytes]] = {}
+    out: dict[int, list[bytes]] = {}
     for port in ports:
         conn = RespConnection("127.0.0.1", port, timeout_s=30, connect_timeout_s=5)
         try:
             probes = conn.call(b"KEYS", b"key:*:000000000000")
         finally:
             conn.close()
-        if len(probes) != 1:
+        if not isinstance(probes, list) or len(probes) != 1:
             raise RuntimeError(f"expected one redis-benchmark probe key on node {port}, found {probes}")
         tag = probes[0][: -len(b"000000000000")]
         out[port] = [tag + b"%012d" % i for i in range(n)]
     return out
 
 
-def _populate(ports: List[int], value_bytes: int, n: int, depth: int) -> None:
+def _populate(ports: list[int], value_bytes: int, n: int, depth: int) -> None:
     """Writes every key redis-benchmark's GETs will ask for, so each of its GETs is a hit."""
     value = b"x" * value_bytes
     for port, keys in _benchmark_keys(ports, n).items():
@@ -186,23 +187,34 @@ def _populate(ports: List[int], value_bytes: int, n: int, depth: int) -> None:
             conn.close()
 
 
-def _keyspace_misses(ports: List[int]) -> int:
+def _remote_hits(kv: Any) -> int:
+    """The remote tier's hits so far (the managers here are opened with one)."""
+    remote = kv.stats().remote
+    if remote is None:
+        raise RuntimeError("bench remote: a manager without its remote tier")
+    return int(remote.hits)
+
+
+def _keyspace_misses(ports: list[int]) -> int:
     total = 0
     for port in ports:
         conn = RespConnection("127.0.0.1", port, timeout_s=30, connect_timeout_s=5)
         try:
-            info = conn.call(b"INFO", b"stats").decode()
+            reply = conn.call(b"INFO", b"stats")
         finally:
             conn.close()
-        total += int(re.search(r"keyspace_misses:(\d+)", info).group(1))
+        found = re.search(r"keyspace_misses:(\d+)", reply.decode() if isinstance(reply, bytes) else "")
+        if found is None:
+            raise RuntimeError(f"node {port}: INFO stats has no keyspace_misses: {reply!r:.200}")
+        total += int(found.group(1))
     return total
 
 
-def _alternate(fns: List[Callable[[], float]], repeat: int) -> List[float]:
+def _alternate(fns: list[Callable[[], float]], repeat: int) -> list[float]:
     """Median of each timing function, run alternately (drift hits every side alike), one warm-up."""
     for f in fns:
         f()
-    runs: List[List[float]] = [[] for _ in fns]
+    runs: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
         for f, r in zip(fns, runs):
             r.append(f())
@@ -212,13 +224,13 @@ def _alternate(fns: List[Callable[[], float]], repeat: int) -> List[float]:
 def link_cases(
     prefix: str,
     url: str,
-    ports: List[int],
+    ports: list[int],
     cluster: bool,
     total_bytes: int,
     repeat: int,
     cluster_bytes: int = CLUSTER_BASELINE_BYTES,
-) -> List[Case]:
-    cases: List[Case] = []
+) -> list[Case]:
+    cases: list[Case] = []
     rng = np.random.default_rng(0)
     store = None
     try:
@@ -306,14 +318,17 @@ def link_cases(
                 )
             store.delete(seq)
             store.close()
-            src = dst = src_rows = dst_rows = None  # this size's buffers go before the next one's
+            # this size's buffers go before the next one's
+            src_rows.clear()
+            dst_rows.clear()
+            src = dst = np.empty((0, block), dtype=np.uint8)
     finally:
         if store is not None:
             store.close()
     return cases
 
 
-def ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
+def ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
     """Both sides with one torch intra-op thread (see the module docstring)."""
     import torch
 
@@ -325,10 +340,9 @@ def ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
         torch.set_num_threads(threads)
 
 
-def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
+def _ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
     from dynamo_flexkv.bench.ttft import ONE
     from dynamo_flexkv.core.config import CacheConfig
-    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, LlamaModel
     from dynamo_flexkv.core.manager import KVManager
     from dynamo_flexkv.core.offload import EmbeddedOffload
 
@@ -337,7 +351,7 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
     blocks = max(sizes) // cfg.block_size + 8
     gb = 2 * blocks * cfg.kv_spec().token_bytes() * cfg.block_size / (1 << 30)
     rng = np.random.default_rng(0)
-    cases: List[Case] = []
+    cases: list[Case] = []
     with RedisServer(maxmemory="2gb") as server:
         cache = CacheConfig.from_dict(
             dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, enable_remote=True, remote_cache_url=server.url)
@@ -366,7 +380,7 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
                     if not writer.drain(120):
                         raise RuntimeError("remote writes still running after 120 s")
                     reader.reset()  # the reader's own tiers hold nothing: only Redis has the prefix
-                    hits = reader.stats().remote.hits
+                    hits = _remote_hits(reader)
 
                     def recompute() -> int:
                         t, tok = first_token(None, prompt)
@@ -385,13 +399,13 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
                     else:
                         got = from_remote()
                         want = recompute()
-                    if reader.stats().remote.hits < hits + int(size * 0.9) // cfg.block_size:
+                    if _remote_hits(reader) < hits + int(size * 0.9) // cfg.block_size:
                         raise RuntimeError("the measured request did not load its prefix from Redis")
                     if got != want:
                         raise RuntimeError(f"remote-loaded first token {got} != recomputed {want}")
                     if not reader.drain(120):
                         raise RuntimeError("reader tasks still running after 120 s")
-                hits = reader.stats().remote.hits
+                hits = _remote_hits(reader)
                 cases.append(
                     Case(
                         "remote",
@@ -408,10 +422,10 @@ def _ttft_cases(sizes: List[int], repeat: int) -> List[Case]:
     return cases
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     total = (32 << 20) if args.quick else (64 << 20)
     repeat = 3 if args.quick else 5
-    cases: List[Case] = ttft_cases([2048] if args.quick else [2048, 8192], repeat)
+    cases: list[Case] = ttft_cases([2048] if args.quick else [2048, 8192], repeat)
     with RedisServer(maxmemory="2gb") as server:
         cases += link_cases("remote-", server.url, [server.port], False, total, repeat if args.quick else LINK_REPEAT)
     with RedisCluster(maxmemory="1gb") as cluster:

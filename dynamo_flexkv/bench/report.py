@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import TextIO
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,8 @@ class Case:
 
 
 def paired_cases(
-    cases: Sequence[Case], labels: Sequence[str], same_case: Sequence[Tuple[str, str, str]]
-) -> Iterator[Tuple[str, str, str, Case, Case]]:
+    cases: Sequence[Case], labels: Sequence[str], same_case: Sequence[tuple[str, str, str]]
+) -> Iterator[tuple[str, str, str, Case, Case]]:
     """The cases both sides of a comparison measured: for each size label, then each ``(ours, other,
     what)`` of ``same_case`` (case-name stems, without the size label), ``(label, ours, what, our case,
     the other's case)`` where both ``<ours>-<label>`` and ``<other>-<label>`` are among ``cases``."""
@@ -59,8 +60,8 @@ def median_seconds(fn: Callable[[], object], repeat: int, warmup: int = 1) -> fl
     return statistics.median(times)
 
 
-def print_table(cases: Iterable[Case], out: Optional[TextIO] = None, lower_is_better: bool = True) -> None:
-    rows: List[Case] = list(cases)
+def print_table(cases: Iterable[Case], out: TextIO | None = None, lower_is_better: bool = True) -> None:
+    rows: list[Case] = list(cases)
     if not rows:
         return
     better = "lower is better" if lower_is_better else "higher is better"

@@ -28,7 +28,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Dict, List
 
 import numpy as np
 
@@ -61,7 +60,7 @@ class ThrottledDisk:
         return getattr(self.inner, name)
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     cfg = EngineModelConfig.preset("small")
     sizes = [2048] if args.quick else [4096, 8192]
     repeat = 2 if args.quick else 5
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> List[Case]:
     kv = rig.kv
     disk = kv.transfer.movers[OpKind.DISK2H]
     block_bytes = kv.host.layout.block_bytes
-    cases: List[Case] = []
+    cases: list[Case] = []
 
     def ttft(policy, prompt) -> float:
         kv.cost.policy = policy
@@ -87,7 +86,7 @@ def run(args: argparse.Namespace) -> List[Case]:
             base = [rig.ttft(rig.engine(False), rng.integers(0, cfg.vocab_size, size).tolist()) for _ in range(4)][1:]
             rate = (cached // cfg.block_size) * block_bytes / (SLOW_FACTOR * statistics.median(base))
             kv.transfer.movers[OpKind.DISK2H] = ThrottledDisk(disk, rate)
-            times: Dict[str, List[float]] = {}
+            times: dict[str, list[float]] = {}
             for i in range(repeat + 1):  # the first round is the untimed warm-up of the cost model
                 prompt = rng.integers(0, cfg.vocab_size, size).tolist()
                 rig.store(prompt[:cached])

@@ -18,7 +18,6 @@ import argparse
 import shutil
 import statistics
 import tempfile
-from typing import Dict, List
 
 import numpy as np
 
@@ -62,13 +61,13 @@ class Rig:
             offload_puts=puts,
         )
 
-    def ttft(self, engine: LLMEngine, prompt: List[int]) -> float:
+    def ttft(self, engine: LLMEngine, prompt: list[int]) -> float:
         r = engine.generate([prompt], ONE)[0]
         engine.flush()
         self.last_stall = engine.load_stall_seconds
         return r.ttft
 
-    def store(self, tokens: List[int]) -> None:
+    def store(self, tokens: list[int]) -> None:
         """Puts ``tokens``' full blocks into host and disk (computing them once)."""
         self.ttft(self.engine(True), tokens)
         self.idle()
@@ -87,7 +86,7 @@ class Rig:
         self.offload.shutdown()
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     cfg = EngineModelConfig.preset("small")
     sizes = [2048] if args.quick else [2048, 4096, 8192]
     fractions = [0.5, 0.9, 1.0]
@@ -95,13 +94,13 @@ def run(args: argparse.Namespace) -> List[Case]:
     rng = np.random.default_rng(0)
     directory = tempfile.mkdtemp(prefix="flexkv-ttft-", dir=getattr(args, "dir", None))
     rig = Rig(cfg, max(sizes), directory)
-    cases: List[Case] = []
+    cases: list[Case] = []
     try:
         rig.ttft(rig.engine(False), rng.integers(0, cfg.vocab_size, 512).tolist())  # warm-up
         for size in sizes:
             label = f"{size // 1024}K"
-            times: Dict[str, List[float]] = {}
-            base: List[float] = []
+            times: dict[str, list[float]] = {}
+            base: list[float] = []
 
             def add(name: str, t: float) -> None:
                 times.setdefault(name, []).append(t)

@@ -45,7 +45,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.bench.vllm_engine import READY, RESULT
@@ -60,10 +61,10 @@ BLOCK_SIZE = 64
 MODEL = "kv-llama-1b"
 SIZES = {"kv-llama-1b": (256, 1024, 2048), "small": (1024, 4096, 8000)}
 SIDE_PORTS = {"prefill": 5631, "decode": 5632}  # NixlConnector's handshake listeners
-_held: Dict[str, Any] = {}  # in a worker process: its raw agent, the handover log
+_held: dict[str, Any] = {}  # in a worker process: its raw agent, the handover log
 
 
-def disagg_transfer_config(run_dir: str, lease_s: float = 30.0, verify: str = "owner") -> Dict[str, Any]:
+def disagg_transfer_config(run_dir: str, lease_s: float = 30.0, verify: str = "owner") -> dict[str, Any]:
     """The disagg_vllm graph's kv_transfer_config, built as serve/vllm_worker.py builds it:
     FlexKVConnector first, carrying the handover; NixlConnector after it, as Dynamo requires."""
     from dynamo_flexkv.serve.vllm_worker import CONNECTOR, kv_transfer_config, nixl_connector
@@ -85,7 +86,7 @@ def _flexkv_worker():
     raise RuntimeError("bench disagg --vllm: no FlexKVConnector in this worker's kv_transfer_config")
 
 
-def rpc_handovers(worker) -> List[tuple]:
+def rpc_handovers(worker) -> list[tuple]:
     """Decode's handovers so far: (seconds to read and verify, blocks, bytes, verify seconds, ok)."""
     return [
         (r.seconds, len(r.block_ids), r.nbytes, r.verify_seconds, r.ok)
@@ -102,7 +103,7 @@ def _raw_agent(layers, name: str):
     return _held["agent"]
 
 
-def rpc_raw_source(worker, blocks: List[int]) -> Dict[str, Any]:
+def rpc_raw_source(worker, blocks: list[int]) -> dict[str, Any]:
     """The prefill worker's raw agent over vLLM's own KV tensors; what a reader needs of ``blocks``."""
     agent = _raw_agent(worker.model_runner.kv_caches, "prefill")
     from dynamo_flexkv.integrations.disagg.params import HandoverParams
@@ -110,7 +111,7 @@ def rpc_raw_source(worker, blocks: List[int]) -> Dict[str, Any]:
     return HandoverParams.of_agent(agent, "bench", list(blocks), None, time.time() + 3600).to_dict()
 
 
-def _raw_reads(worker, source: Dict[str, Any], max_blocks: int, count: int):
+def _raw_reads(worker, source: dict[str, Any], max_blocks: int, count: int):
     """(warm, timed): reads of the source's first ``count`` blocks into two zeroed regions of the
     decode worker's raw agent (never into vLLM's own blocks)."""
     import torch
@@ -127,13 +128,15 @@ def _raw_reads(worker, source: Dict[str, Any], max_blocks: int, count: int):
         "decode",
     )
     p = HandoverParams.from_dict(source)
+    if p is None:
+        raise ValueError("bench disagg --vllm: the prefill's kv_transfer_params carry no handover")
     n = min(count, len(p.blocks))
     if n > max_blocks:
         raise ValueError(f"bench disagg --vllm: {n} blocks exceed the raw agent's {max_blocks}")
     return RawRead(agent, p, range(n)), RawRead(agent, p, range(max_blocks, max_blocks + n))
 
 
-def rpc_raw_read(worker, source: Dict[str, Any], max_blocks: int, count: int) -> float:
+def rpc_raw_read(worker, source: dict[str, Any], max_blocks: int, count: int) -> float:
     """The raw read between steps: one untimed read, then the timed one; returns its seconds."""
     warm, read = _raw_reads(worker, source, max_blocks, count)
     warm()
@@ -174,11 +177,12 @@ def rpc_raw_in_step(worker) -> float:
 
 
 # ---- the engine process --------------------------------------------------------------------------------
-def serve(spec: Dict[str, Any]) -> None:
+def serve(spec: dict[str, Any]) -> None:
     """One engine; per stdin line ``{"op": ...}`` one RESULT line:
     prefill ``{"prompt"}`` -> ``{"params", "raw"}``; decode ``{"op": "handover", "prompt", "params"}``
     -> ``{"seconds", "blocks", "bytes"}`` and ``{"op": "raw", "raw"}`` -> ``{"seconds"}``."""
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc pickles this module's rpc_*
     if spec.get("engine_core_cpus"):  # this process and its engine core; the worker binds its own (below)
@@ -200,7 +204,7 @@ def serve(spec: Dict[str, Any]) -> None:
         if not line.strip():
             continue
         cmd = json.loads(line)
-        prompt = [{"prompt_token_ids": cmd.get("prompt", [])}]
+        prompt = [TokensPrompt(prompt_token_ids=cmd.get("prompt", []))]
         if cmd["op"] == "handover" and cmd.get("raw"):  # the baseline read, inside the same step
             llm.collective_rpc(rpc_raw_in_next_handover, args=(bool(cmd["raw_first"]),))
         if cmd["op"] == "prefill":
@@ -211,9 +215,11 @@ def serve(spec: Dict[str, Any]) -> None:
                 ),
                 use_tqdm=False,
             )[0]
+            if out.kv_transfer_params is None:
+                raise RuntimeError("bench disagg --vllm: the prefill returned no kv_transfer_params")
             params = dict(out.kv_transfer_params)
             blocks = params[HANDOVER_KEY]["blocks"]
-            rec = {"params": params, "raw": llm.collective_rpc(rpc_raw_source, args=(list(blocks),))[0]}
+            rec: dict[str, Any] = {"params": params, "raw": llm.collective_rpc(rpc_raw_source, args=(list(blocks),))[0]}
         elif cmd["op"] == "handover":
             seen = len(llm.collective_rpc(rpc_handovers)[0])
             llm.generate(
@@ -243,7 +249,7 @@ def serve(spec: Dict[str, Any]) -> None:
 
 
 # ---- this process ----------------------------------------------------------------------------------------
-def _placements(notes: List[str]):
+def _placements(notes: list[str]):
     """(name, the nodes or None, (prefill's node, decode's node) or None), loopback first; the
     nodes are removed when the caller moves on."""
     yield "loopback", None, None
@@ -279,7 +285,7 @@ def _off_decode_cores() -> Iterator[None]:
         pin(cores)
 
 
-def _engines(workdir: str, model_dir: str, where: str, nodes, verify: str = "owner") -> List[Any]:
+def _engines(workdir: str, model_dir: str | os.PathLike[str], where: str, nodes, verify: str = "owner") -> list[Any]:
     from dynamo_flexkv.bench.vllm_pair import ServedEngine
     from dynamo_flexkv.bench.vllm_setup import engine_env
 
@@ -325,10 +331,10 @@ def _handover_cases(
     sizes: Sequence[int],
     repeat: int,
     seed: int,
-    link: Optional[tuple],
+    link: tuple | None,
     verify: str = "owner",
     model: str = MODEL,
-) -> List[Case]:
+) -> list[Case]:
     import random
 
     rng = random.Random(seed)
@@ -380,7 +386,7 @@ def _handover_cases(
             f"ratios {statistics.median(r / o for r, o in zip(raw, ours)):.2f}, their range "
             f"{min(r / o for r, o in zip(raw, ours)):.2f}-{max(r / o for r, o in zip(raw, ours)):.2f}"
         )
-        if link:
+        if link and link_before is not None:
             after = link[0].link_bytes(link[1].name)
             note += f"; node C's link received {after['rx'] - link_before['rx']:,} B"
         mode = f"{verify}-"
@@ -399,11 +405,10 @@ def _handover_cases(
     return cases
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
+    from dynamo_flexkv.bench.vllm_setup import parse_sizes
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
-
-    from dynamo_flexkv.bench.vllm_setup import parse_sizes
 
     # Every argument checked before anything starts (or a temp dir is made).
     model = getattr(args, "model", None)
@@ -438,22 +443,23 @@ def run(args: argparse.Namespace) -> List[Case]:
         )
     workdir = tempfile.mkdtemp(prefix="flexkv-bench-disagg-vllm-", dir=getattr(args, "dir", None))
     model_dir = write_model_dir(preset, os.path.join(workdir, "model"), context_length=MAX_MODEL_LEN)
-    notes: List[str] = []
-    cases: List[Case] = []
+    notes: list[str] = []
+    cases: list[Case] = []
     for where, nodes, pair in _placements(notes):
         for verify in modes:
             engines = _engines(workdir, model_dir, where, pair, verify)
             try:
-                for e in engines:
-                    e.wait_ready(600)
+                for eng in engines:
+                    eng.wait_ready(600)
                 link = (nodes, pair[1]) if nodes else None
+                prefill, decode = engines
                 with _off_decode_cores():
                     cases += _handover_cases(
-                        where, *engines, sizes, repeat, seed=11, link=link, verify=verify, model=model
+                        where, prefill, decode, sizes, repeat, seed=11, link=link, verify=verify, model=model
                     )
             finally:
-                for e in engines:
-                    e.stop()
+                for eng in engines:
+                    eng.stop()
     for n in notes:
         print(f"bench disagg --vllm: {n}")
     from dynamo_flexkv.bench.disagg import serving_cases

@@ -22,10 +22,14 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.vllm_setup import ROLES, cached_tokens, fresh_prompt, prefix_prompt, suffix
+
+if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
 
 TINY = [5, 6, 7]  # a step that computes nothing worth storing (less than one block)
 PROGRESS = "bench vllm |"  # lines the parent echoes
@@ -43,7 +47,7 @@ def rpc_drain(worker, timeout: float) -> bool:
     return bool(_conn().drain(timeout))
 
 
-def rpc_tier_stats(worker) -> Dict[str, Any]:
+def rpc_tier_stats(worker) -> dict[str, Any]:
     s = _conn().tier_stats()  # plain dicts cross collective_rpc
     return s.as_dict() if s is not None else {}
 
@@ -60,14 +64,14 @@ def rpc_drop_local(worker, timeout: float) -> None:
 
 # ---- the engine process --------------------------------------------------------------------------------
 class Engine:
-    def __init__(self, spec: Dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any]) -> None:
         from vllm import LLM, SamplingParams
 
         self.spec = spec
         self.block = int(spec["block_size"])
         self.connector = spec["kv_transfer_config"] is not None
         self.ours = self.connector and spec["kv_transfer_config"]["kv_connector"] == "FlexKVConnector"
-        self.lmcache_http: Optional[str] = spec.get("lmcache_http")  # the LMCache server's admin API
+        self.lmcache_http: str | None = spec.get("lmcache_http")  # the LMCache server's admin API
         self.sp = SamplingParams(max_tokens=1, temperature=0)
         self.tiny_sp = SamplingParams(max_tokens=1, temperature=0)
         self.llm = LLM(
@@ -82,14 +86,14 @@ class Engine:
             seed=0,
             disable_log_stats=False,
         )  # RequestOutput.metrics carries vLLM's first-token latency
-        self.results: Dict[str, List[Dict[str, Any]]] = {}
+        self.results: dict[str, list[dict[str, Any]]] = {}
         self.stored: set = set()  # sizes whose prefix this engine computed and stored (tier_request)
-        self.info: Dict[str, Any] = {"platform": _platform()}
+        self.info: dict[str, Any] = {"platform": _platform()}
 
-    def generate(self, prompt: List[int]):
-        return self.llm.generate([{"prompt_token_ids": prompt}], self.sp, use_tqdm=False)[0]
+    def generate(self, prompt: list[int]):
+        return self.llm.generate([_tokens_prompt(prompt)], self.sp, use_tqdm=False)[0]
 
-    def timed(self, case: str, prompt: List[int]) -> Dict[str, Any]:
+    def timed(self, case: str, prompt: list[int]) -> dict[str, Any]:
         t0 = time.perf_counter()
         out = self.generate(prompt)
         wall = time.perf_counter() - t0
@@ -118,7 +122,7 @@ class Engine:
         while not self.llm.reset_prefix_cache():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM's blocks still held after {timeout} s (stores not finished)")
-            self.llm.generate([{"prompt_token_ids": TINY}], self.tiny_sp, use_tqdm=False)
+            self.llm.generate([_tokens_prompt(TINY)], self.tiny_sp, use_tqdm=False)
             time.sleep(0.01)
         if self.ours and not self.rpc(rpc_drain, timeout):
             raise RuntimeError(f"FlexKVConnector writes still running after {timeout} s")
@@ -128,8 +132,14 @@ class Engine:
     def rpc(self, fn: Callable, *args):
         return self.llm.collective_rpc(fn, args=args)[0]
 
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         return self.rpc(rpc_tier_stats) if self.ours else {}
+
+
+def _tokens_prompt(ids: list[int]) -> TokensPrompt:
+    from vllm.inputs import TokensPrompt  # vLLM is imported only where an engine runs
+
+    return TokensPrompt(prompt_token_ids=ids)
 
 
 def _platform() -> str:
@@ -138,8 +148,9 @@ def _platform() -> str:
     return str(getattr(current_platform, "device_name", "") or current_platform.device_type)
 
 
-def _delta(after: Dict[str, Any], before: Dict[str, Any], *path: str) -> int:
-    a, b = after, before
+def _delta(after: dict[str, Any], before: dict[str, Any], *path: str) -> int:
+    a: Any = after
+    b: Any = before
     for p in path:
         a, b = a.get(p, {}), b.get(p, {})
     return int(a or 0) - int(b or 0)
@@ -148,7 +159,7 @@ def _delta(after: Dict[str, Any], before: Dict[str, Any], *path: str) -> int:
 # Loaded cases: suffix kind of their prompts, what is dropped before each request, and where the
 # blocks that came from the tier are counted (a tier_stats path; None: vLLM's count of cached
 # tokens, for connectors without our counters).
-TIER_CASES: Dict[str, Tuple[str, Optional[str], Optional[Tuple[str, str]]]] = {
+TIER_CASES: dict[str, tuple[str, str | None, tuple[str, str] | None]] = {
     "host": ("device", None, ("host", "hit_blocks")),
     "disk": ("disk", "host", ("disk", "hit_blocks")),
     "remote": ("device", "local", ("requests", "remote_hit_blocks")),
@@ -172,7 +183,7 @@ STORED_BY_ANOTHER_ENGINE = {"restart", "lmcache-restart", "node-restart"}
 ROLE_CASES = {"flexkv": ("host", "disk"), "flexkv-remote": ("remote",), "offloading": ("offloading-host",)}
 
 
-def _drop(e: Engine, what: Optional[str], blocks: int) -> Optional[int]:
+def _drop(e: Engine, what: str | None, blocks: int) -> int | None:
     """Returns LMCache's L1 object count for ``l1-holds``."""
     if what == "host":  # every host block; the disk copies stay
         e.rpc(rpc_drop_host, 120.0)
@@ -185,7 +196,7 @@ def _drop(e: Engine, what: Optional[str], blocks: int) -> Optional[int]:
     return None
 
 
-def tier_request(e: Engine, case: str, size: int, i: int) -> Dict[str, Any]:
+def tier_request(e: Engine, case: str, size: int, i: int) -> dict[str, Any]:
     """Request ``i`` of a loaded case: the 90% prefix + a suffix of the case's kind, from a settled
     engine after the case's drop; fails unless the prefix's blocks came from the case's tier. The
     first request of a size stores the prefix first (computed once; the connector stores it)."""
@@ -225,7 +236,7 @@ def run_role(e: Engine) -> None:
     if role not in ROLES:
         raise SystemExit(f"unknown role {role!r}; known: {sorted(ROLES)}")
     warm_up(e)
-    checks: Dict[str, Any] = {}
+    checks: dict[str, Any] = {}
     for size in spec["sizes"]:
         hit = cached_tokens(size, bs)
         prefix = prefix_prompt(seed, size, bs)
@@ -292,7 +303,7 @@ def serve(e: Engine) -> None:
         print(RESULT + json.dumps(rec), flush=True)
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
         with open(argv[1], encoding="utf-8") as f:
             spec = json.load(f)

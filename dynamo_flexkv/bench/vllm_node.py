@@ -19,8 +19,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
 
 from dynamo_flexkv.bench.report import Case, paired_cases
 from dynamo_flexkv.core.procgroup import stop_group
@@ -47,13 +47,13 @@ class NodeCacheServer:
     host_bytes: int
     disk_bytes: int
     block: int
-    proc: Optional[subprocess.Popen] = None
+    proc: subprocess.Popen | None = None
 
     @property
     def socket(self) -> str:
         return os.path.join(self.workdir, "node.sock")
 
-    def start(self, timeout_s: float = 120.0) -> "NodeCacheServer":
+    def start(self, timeout_s: float = 120.0) -> NodeCacheServer:
         ssd = os.path.join(self.workdir, "ssd")
         os.makedirs(ssd, exist_ok=True)
         sets = {
@@ -72,16 +72,18 @@ class NodeCacheServer:
             *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")),
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXKV_")}  # the sets above, nothing else
-        log = open(os.path.join(self.workdir, "cache-server.log"), "w", encoding="utf-8")
-        self.proc = subprocess.Popen(
+        log = open(os.path.join(self.workdir, "cache-server.log"), "w", encoding="utf-8")  # noqa: SIM115 - pump closes it
+        self.proc = proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
+        stdout = proc.stdout
+        assert stdout is not None  # PIPE
         import threading
 
         ready = threading.Event()
 
         def pump() -> None:
-            for line in self.proc.stdout:
+            for line in stdout:
                 log.write(line)
                 log.flush()
                 if READY in line:
@@ -110,7 +112,7 @@ def new_server(workdir: str, host_bytes: int, disk_bytes: int, block: int) -> No
     return NodeCacheServer(tempfile.mkdtemp(prefix="node-", dir=workdir), host_bytes, disk_bytes, block).start()
 
 
-def vs_embedded_cases(cases: Sequence[Case], labels: Sequence[str]) -> List[Case]:
+def vs_embedded_cases(cases: Sequence[Case], labels: Sequence[str]) -> list[Case]:
     """One row per size and case both modes measured: ``<case>-node-vs-embedded-<size>``, ratio =
     TTFT through the node cache / embedded (the goal: at most 1.1; the miss path within 3%)."""
     return [

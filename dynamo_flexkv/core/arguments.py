@@ -6,13 +6,19 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, List, NoReturn, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
+from dynamo_flexkv.core.hashing import TokenIds
 
-def device_ids(token_ids: Sequence[int], device_block_ids: Any, tokens_per_block: int, num_blocks: int) -> np.ndarray:
+# Device block ids as callers pass them: a list or tuple, a numpy array or a tensor of integers.
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def device_ids(token_ids: TokenIds, device_block_ids: BlockIds, tokens_per_block: int, num_blocks: int) -> np.ndarray:
     """The ids of the full blocks, as int64; refuses non-integers and repeated ids (one device
     block cannot hold two blocks: a put would store its bytes under both hashes, a get would
     scatter both blocks into it)."""
@@ -46,7 +52,7 @@ def layer_index(value: Any, num_layers: int) -> int:
     return int(value)
 
 
-def task_id_list(task_ids: Any, call: str) -> List[Any]:
+def task_id_list(task_ids: Any, call: str) -> list[Any]:
     """The ids a wait/cancel call takes: an iterable of task ids (one id alone is refused, naming
     the fix, rather than read as characters or failing as 'not iterable')."""
     if isinstance(task_ids, (str, bytes, int, np.integer)) or task_ids is None:
@@ -75,7 +81,7 @@ def skip_blocks(value: Any, n_tokens: int, tokens_per_block: int) -> int:
     return int(value)
 
 
-def integer_array(device_block_ids, num_blocks: int) -> np.ndarray:
+def integer_array(device_block_ids: BlockIds, num_blocks: int) -> np.ndarray:
     """device_block_ids (list, tuple, numpy array or tensor of integers, each in [0, num_blocks))
     as a flat int64 array."""
     if isinstance(device_block_ids, torch.Tensor):
@@ -120,7 +126,7 @@ def out_of_range(block_id: int, pos: int, num_blocks: int) -> NoReturn:
     )
 
 
-def deadline(timeout: Any, call: str) -> Optional[float]:
+def deadline(timeout: Any, call: str) -> float | None:
     """time.monotonic() deadline of a public call's ``timeout`` seconds; None (no limit) for None,
     inf, or past what threads can wait. A negative timeout polls once."""
     if timeout is None:
@@ -137,9 +143,9 @@ def deadline(timeout: Any, call: str) -> Optional[float]:
     return time.monotonic() + float(timeout)
 
 
-def left(deadline: Optional[float]) -> Optional[float]:
+def left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def int_list(hashes) -> List[int]:
+def int_list(hashes: Sequence[int] | np.ndarray) -> list[int]:
     return hashes.tolist() if isinstance(hashes, np.ndarray) else [int(x) for x in hashes]

@@ -14,17 +14,18 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from dynamo_flexkv.core.durations import is_duration
 from dynamo_flexkv.core.enums import EvictionPolicy, LoadPolicy
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.layout import KVLayout, KVLayoutType, ModelSpec
 from dynamo_flexkv.core.remote.config import DEFAULT_PASSWORD_ENV
-from dynamo_flexkv.core.errors import FlexKVError
 
 if TYPE_CHECKING:
     from dynamo_flexkv.core.remote.config import RemoteConfig
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 
 # Environment variable -> config key. FLEXKV_<KEY> works for every key; these are the extras.
-ENV_ALIASES: Dict[str, str] = {
+ENV_ALIASES: dict[str, str] = {
     "DYN_KVBM_CPU_CACHE_GB": "cpu_cache_gb",
     "DYN_KVBM_DISK_CACHE_GB": "ssd_cache_gb",
     "DYN_KVBM_DISK_CACHE_DIR": "ssd_cache_dir",
@@ -62,7 +63,7 @@ class CacheConfig:
     tokens_per_block: int = 16
     cpu_cache_gb: float = 4.0
     ssd_cache_gb: float = 0.0
-    ssd_cache_dir: Tuple[str, ...] = ()  # blocks are striped across these directories
+    ssd_cache_dir: tuple[str, ...] = ()  # blocks are striped across these directories
     # host<->disk through NIXL's GDS_MT backend, not POSIX (needs enable_nixl, CUDA, cuFile); still
     # staged in host, never disk<->device
     enable_gds: bool = False
@@ -114,8 +115,8 @@ class CacheConfig:
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
     def from_dict(
-        cls, data: Mapping[str, Any], source: str = "config", origins: Optional[Mapping[str, str]] = None
-    ) -> "CacheConfig":
+        cls, data: Mapping[str, Any], source: str = "config", origins: Mapping[str, str] | None = None
+    ) -> CacheConfig:
         """``data``'s values, from ``source``; ``origins`` names where single keys came from when
         that differs (a --set over a file): an error names the origin of each value it concerns."""
         return _build(cls, data, source, origins or {})
@@ -123,8 +124,8 @@ class CacheConfig:
     @classmethod
     def load(
         cls,
-        path: Optional[str] = None,
-        env: Optional[Mapping[str, str]] = None,
+        path: str | None = None,
+        env: Mapping[str, str] | None = None,
         sets: Sequence[str] = (),
         path_flag: str = "",
         warn_unknown_env: bool = True,
@@ -137,8 +138,8 @@ class CacheConfig:
         misspelling) is logged as a warning naming the closest one, unless ``warn_unknown_env`` is
         False (doctor reports it as a check)."""
         env = os.environ if env is None else env
-        values: Dict[str, Any] = {}
-        origins: Dict[str, str] = {}
+        values: dict[str, Any] = {}
+        origins: dict[str, str] = {}
         if not path and env.get(CONFIG_PATH_ENV):
             path, path_flag = env[CONFIG_PATH_ENV], CONFIG_PATH_ENV
         if path:
@@ -155,7 +156,7 @@ class CacheConfig:
             _warn_unknown_env(env, config.remote_password_env)
         return config
 
-    def replace(self, **changes: Any) -> "CacheConfig":
+    def replace(self, **changes: Any) -> CacheConfig:
         return dataclasses.replace(self, **_coerce_all(changes, "replace()"))
 
     # ---- derived ---------------------------------------------------------------------------
@@ -164,10 +165,10 @@ class CacheConfig:
         one span: one disk I/O, one checksum)."""
         return KVLayout(type, model, self.tokens_per_block, num_blocks)
 
-    def tier_blocks(self, model: ModelSpec) -> Dict[str, int]:
+    def tier_blocks(self, model: ModelSpec) -> dict[str, int]:
         """Capacities in blocks of ``model``; a tier configured > 0 GB that holds no block errs."""
         block_bytes = self.layout(model, 1).block_bytes
-        out: Dict[str, int] = {}
+        out: dict[str, int] = {}
         for tier, key in (("host", "cpu_cache_gb"), ("disk", "ssd_cache_gb")):
             gb = getattr(self, key)
             blocks = int(gb * GiB) // block_bytes
@@ -185,7 +186,7 @@ class CacheConfig:
             )
         return out
 
-    def remote_config(self) -> "RemoteConfig":
+    def remote_config(self) -> RemoteConfig:
         """The remote tier's settings; ConfigError naming the key and the fix when they cannot work."""
         from dynamo_flexkv.core.remote.config import RemoteConfig, RemoteConfigError
 
@@ -247,7 +248,7 @@ class CacheConfig:
                     f"{self.cpu_cache_gb}: the disk tier would hold less than host memory; "
                     "raise ssd_cache_gb or set it to 0 to disable the disk tier"
                 )
-            seen: Dict[str, str] = {}
+            seen: dict[str, str] = {}
             for d in self.ssd_cache_dir:
                 real = os.path.realpath(d)
                 if real in seen:  # two stripes in one directory would share (and fight over) its files
@@ -287,8 +288,8 @@ class CacheConfig:
 
 
 def read_yaml_mapping(
-    path: str, fix: str = "", holds: str = "keys to values", shown: Optional[str] = None
-) -> Dict[str, Any]:
+    path: str, fix: str = "", holds: str = "keys to values", shown: str | None = None
+) -> dict[str, Any]:
     """A YAML file whose top level is a mapping; any other case is a ConfigError naming the file
     (as ``shown``, e.g. with the option or variable that named it)."""
     shown = shown or path
@@ -311,9 +312,9 @@ def env_origin(var: str) -> str:
     return f"environment variable {var}"
 
 
-def parse_sets(items: Sequence[str]) -> Dict[str, Tuple[str, str]]:
+def parse_sets(items: Sequence[str]) -> dict[str, tuple[str, str]]:
     """A command's ``--set KEY=VALUE`` items: key -> (the item, its value); a later one wins."""
-    out: Dict[str, Tuple[str, str]] = {}
+    out: dict[str, tuple[str, str]] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -330,7 +331,7 @@ def cite_origins(message: str, origins: Mapping[str, str]) -> str:
         found = re.search(rf"\b{re.escape(key)}\b", message)
         if found:
             named.append((found.start(), key))
-    by_origin: Dict[str, list] = {}
+    by_origin: dict[str, list] = {}
     for _, key in sorted(named):
         by_origin.setdefault(origins[key], []).append(key)
     if not by_origin:
@@ -339,7 +340,7 @@ def cite_origins(message: str, origins: Mapping[str, str]) -> str:
     return f"{message} ({cited})"
 
 
-def _build(cls: Any, data: Mapping[str, Any], source: str, origins: Mapping[str, str]) -> "CacheConfig":
+def _build(cls: Any, data: Mapping[str, Any], source: str, origins: Mapping[str, str]) -> CacheConfig:
     """A CacheConfig of ``data``: each value parsed and named by its origin (``origins``, else
     ``source``); a check across keys that fails cites the origins of the keys it names."""
     values = _coerce_all(data, source, origins)
@@ -349,7 +350,7 @@ def _build(cls: Any, data: Mapping[str, Any], source: str, origins: Mapping[str,
         raise ConfigError(cite_origins(str(e), origins)) from None
 
 
-def env_settings(env: Mapping[str, str]) -> Dict[str, str]:
+def env_settings(env: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``env`` that CacheConfig.load applies over the file: variable -> the
     config key it sets (values are left out: one may hold a password)."""
     names = {f"FLEXKV_{f.name.upper()}": f.name for f in dataclasses.fields(CacheConfig)}
@@ -390,7 +391,7 @@ def _env_values(env: Mapping[str, str]) -> Dict[str, Tuple[str, str]]:
     """Collects FLEXKV_<KEY> and the KVBM aliases: key -> (variable, value); two names for one key
     must agree."""
     fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
-    found: Dict[str, Tuple[str, str]] = {}
+    found: dict[str, tuple[str, str]] = {}
     names = {f"FLEXKV_{k.upper()}": k for k in fields}
     names.update(ENV_ALIASES)
     for var, key in names.items():
@@ -406,11 +407,11 @@ def _env_values(env: Mapping[str, str]) -> Dict[str, Tuple[str, str]]:
     return found
 
 
-def _coerce_all(data: Mapping[str, Any], source: str, origins: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+def _coerce_all(data: Mapping[str, Any], source: str, origins: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Each value of ``data`` parsed for its key; errors name the key's origin (``origins``, else
     ``source``)."""
     fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for key, value in data.items():
         origin = (origins or {}).get(key, source)
         if key not in fields:

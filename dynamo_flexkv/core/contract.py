@@ -11,6 +11,7 @@ import functools
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Type, TypeVar, cast
@@ -21,13 +22,12 @@ from dynamo_flexkv.core.layout import KVLayoutType
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskResult
 
-
 log = logging.getLogger(__name__)
 
 # What a tier may raise when a per-request call starts: the node service gone or refusing
 # (NodeUnavailable), too many tasks, a remote or disk error. Every error this package defines, and
 # I/O errors: the engine serves on, recomputing (a caller's TypeError or KeyError still raises).
-TIER_FAULTS: Tuple[Type[BaseException], ...] = (FlexKVError, OSError)
+TIER_FAULTS: tuple[type[BaseException], ...] = (FlexKVError, OSError)
 FAULT_LOG_EVERY_S = 10.0  # a tier that stays down logs its faults at most this often
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -41,7 +41,7 @@ def miss_on_tier_fault(miss: Callable[..., Any]) -> Callable[[F], F]:
 
     def wrap(call: F) -> F:
         @functools.wraps(call)
-        def guarded(self: "EngineOffload", *args: Any, **kwargs: Any) -> Any:
+        def guarded(self: EngineOffload, *args: Any, **kwargs: Any) -> Any:
             try:
                 return call(self, *args, **kwargs)
             except TIER_FAULTS as e:
@@ -63,15 +63,15 @@ def miss_on_tier_fault(miss: Callable[..., Any]) -> Callable[[F], F]:
     return wrap
 
 
-def _no_task(self: "EngineOffload", *args: Any, **kwargs: Any) -> None:
+def _no_task(self: EngineOffload, *args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _held_tokens(self: "EngineOffload", tokens: Sequence[int], *args: Any, skip_blocks: int = 0, **kw: Any) -> int:
+def _held_tokens(self: EngineOffload, tokens: Sequence[int], *args: Any, skip_blocks: int = 0, **kw: Any) -> int:
     return skip_blocks * self.bs  # nothing beyond what the engine holds
 
 
-def _held_unexplained(self: "EngineOffload", *args: Any, **kw: Any) -> Tuple[int, None]:
+def _held_unexplained(self: EngineOffload, *args: Any, **kw: Any) -> tuple[int, None]:
     return _held_tokens(self, *args, **kw), None
 
 
@@ -125,7 +125,7 @@ class Hold:
     """Device blocks an offload copy no longer touches: the engine may release or reuse them."""
 
     key: Any  # what the engine passed to store() / cancel_load(), e.g. its request id
-    blocks: List[int]
+    blocks: list[int]
 
 
 class EngineOffload(ABC):
@@ -149,9 +149,9 @@ class EngineOffload(ABC):
         self,
         tokens: Sequence[int],
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
         skip_blocks: int = 0,
     ) -> int:
         """End of the cached prefix of ``tokens`` a load would bring back (whole blocks): what the
@@ -164,11 +164,11 @@ class EngineOffload(ABC):
         self,
         tokens: Sequence[int],
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
         skip_blocks: int = 0,
-    ) -> Tuple[int, Optional[Dict[str, Any]]]:
+    ) -> tuple[int, dict[str, Any] | None]:
         """cached_tokens' answer and the load policy's decision behind it (LoadDecision.explain:
         what each tier holds, how far it loads and why, its predictions), or None where this
         offload cannot say. Counts as one lookup: call it instead of cached_tokens, not beside it."""
@@ -181,8 +181,8 @@ class EngineOffload(ABC):
 
     @abstractmethod
     def block_hashes(
-        self, tokens: Sequence[int], *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
-    ) -> List[int]:
+        self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> list[int]:
         """The sequence hash of each full block of ``tokens``: how the tiers (and their events) name
         the blocks, in this engine's namespace."""
 
@@ -193,10 +193,10 @@ class EngineOffload(ABC):
         block_table: Sequence[int],
         skip_blocks: int,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
-    ) -> Optional[int]:
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
+    ) -> int | None:
         """Starts loading blocks [skip_blocks, ...) of ``tokens`` (full blocks only). Returns the
         task, or None when nothing beyond skip_blocks is cached or worth loading, or a tier fault
         kept the load from starting (never raises for one: the engine computes). With
@@ -208,11 +208,11 @@ class EngineOffload(ABC):
         """Tokens the load brings if it succeeds (beyond skip_blocks), known when it starts."""
 
     @abstractmethod
-    def planned_tokens_by_tier(self, tid: int) -> Dict[str, int]:
+    def planned_tokens_by_tier(self, tid: int) -> dict[str, int]:
         """planned_tokens by the tier each block is read from."""
 
     @abstractmethod
-    def wait_layer(self, tid: int, layer: int, timeout: Optional[float] = None) -> bool:
+    def wait_layer(self, tid: int, layer: int, timeout: float | None = None) -> bool:
         """Waits for layer ``layer`` of a load; False after ``timeout`` seconds. Raises TaskFailed
         when the load failed (the step recomputes what it would have loaded)."""
 
@@ -243,17 +243,17 @@ class EngineOffload(ABC):
         block_table: Sequence[int],
         key: Any = None,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        names: Optional[Sequence[int]] = None,
-    ) -> Optional[int]:
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        names: Sequence[int] | None = None,
+    ) -> int | None:
         """Stores the full blocks of ``tokens`` from ``block_table``; the blocks are held until
         finished_holds() returns them with ``key``. None: a tier fault kept the store from starting,
         nothing is held (the blocks are the engine's at once). ``names``: the engine's own name of each block
         (vLLM's block hashes), for the KV events of engines that share the tiers."""
 
     @abstractmethod
-    def prefetch(self, tokens: Sequence[int]) -> Optional[int]:
+    def prefetch(self, tokens: Sequence[int]) -> int | None:
         """Warms host memory from disk for a request that waits; collected by finished_holds().
         None: not started (a tier fault)."""
 
@@ -266,29 +266,29 @@ class EngineOffload(ABC):
         """Tasks whose results the connector still has to collect."""
 
     @abstractmethod
-    def finished_holds(self) -> List[Hold]:
+    def finished_holds(self) -> list[Hold]:
         """Holds of stores whose device copy is done and of cancelled loads that drained
         (non-blocking). Also collects finished prefetches, whose results nobody waits for."""
 
     @abstractmethod
-    def drain_holds(self) -> List[Hold]:
+    def drain_holds(self) -> list[Hold]:
         """Every hold, once its copies are done (blocking: at shutdown)."""
 
     # ---- administration -------------------------------------------------------------------------------
     @abstractmethod
-    def stats(self) -> Optional[ManagerStats]:
+    def stats(self) -> ManagerStats | None:
         """The tiers' snapshot (None where it cannot be read now)."""
 
     @abstractmethod
-    def drain(self, timeout: Optional[float] = None) -> bool:
+    def drain(self, timeout: float | None = None) -> bool:
         """Waits for background tier writes; False if some still run after ``timeout``."""
 
     @abstractmethod
-    def evict_host(self, timeout: Optional[float] = None) -> int:
+    def evict_host(self, timeout: float | None = None) -> int:
         """Evicts every host block once the writes below finished (disk and remote keep theirs)."""
 
     @abstractmethod
-    def reset_tiers(self, timeout: Optional[float] = None) -> bool:
+    def reset_tiers(self, timeout: float | None = None) -> bool:
         """Drops every host and disk block once the writes finished; False when a remote tier
         (shared with other workers) keeps its copies."""
 
@@ -305,11 +305,11 @@ class EngineOffload(ABC):
         service answers for this engine's namespace (shared with the engines of the same model)."""
 
     @abstractmethod
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         """Where the tiers are and how large (for logs and operators)."""
 
     @abstractmethod
-    def tier_files(self) -> List[str]:
+    def tier_files(self) -> list[str]:
         """The disk tier's data files this process owns (none in node mode: the service's)."""
 
     @abstractmethod

@@ -46,8 +46,9 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any
 
 from dynamo_flexkv.core.enums import LoadPolicy
 
@@ -87,7 +88,7 @@ class LinearFit:
         self.updated = now
         return True
 
-    def coefficients(self) -> Tuple[float, float]:
+    def coefficients(self) -> tuple[float, float]:
         """(intercept, slope), both >= 0."""
         if not self.count:
             return 0.0, 0.0
@@ -126,25 +127,25 @@ class Segment:
 class LoadDecision:
     start: int  # blocks the engine holds already
     end: int  # load blocks [start, end); recompute the rest
-    segments: Tuple[Segment, ...]
+    segments: tuple[Segment, ...]
     reason: str  # faster/slower (the cost model), cold_start, probe, always, never
     full_blocks: int  # full blocks of the prompt (what is not in a segment is not cached)
-    predicted_s: Optional[float] = None  # ttft(end), the cost model's prediction (None: not predicted)
-    recompute_s: Optional[float] = None  # ttft(start): recomputing everything from start
-    load_all_s: Optional[float] = None  # ttft of loading every cached block (what a decline gave up)
+    predicted_s: float | None = None  # ttft(end), the cost model's prediction (None: not predicted)
+    recompute_s: float | None = None  # ttft(start): recomputing everything from start
+    load_all_s: float | None = None  # ttft of loading every cached block (what a decline gave up)
 
     @property
     def loads(self) -> bool:
         return self.end > self.start
 
-    def explain(self, tokens_per_block: int) -> Dict[str, Any]:
+    def explain(self, tokens_per_block: int) -> dict[str, Any]:
         """The decision as JSON-ready values, in tokens from the prompt's start and milliseconds
         (the vLLM connector's request_log: the replay's accounting reads why a prefix was not loaded)."""
 
-        def ms(s: Optional[float]) -> Optional[float]:
+        def ms(s: float | None) -> float | None:
             return None if s is None else round(s * 1e3, 3)
 
-        found: Dict[str, int] = {}
+        found: dict[str, int] = {}
         for s in self.segments:
             found[s.tier] = found.get(s.tier, 0) + (s.end - s.start) * tokens_per_block
         return {
@@ -157,9 +158,9 @@ class LoadDecision:
             "load_all_ms": ms(self.load_all_s),
         }
 
-    def token_counts(self, tokens_per_block: int) -> Dict[Tuple[str, str, str], int]:
+    def token_counts(self, tokens_per_block: int) -> dict[tuple[str, str, str], int]:
         """Tokens by (decision, tier, reason) (full blocks from ``start`` on)."""
-        out: Dict[Tuple[str, str, str], int] = {}
+        out: dict[tuple[str, str, str], int] = {}
         by_cost = self.reason in ("faster", "slower")  # the cost model chose: loaded parts were faster
         loaded_why, skipped_why = ("faster", "slower") if by_cost else (self.reason, self.reason)
         if self.reason == "probe":  # what a probe leaves out is left out for its cost
@@ -196,10 +197,10 @@ class CostModel:
         self.tokens_per_block, self.block_bytes = tokens_per_block, block_bytes
         self.num_layers = max(1, num_layers)
         self.clock, self.reprobe_s = clock, reprobe_s
-        self.links: Dict[str, LinearFit] = {t: LinearFit() for t in TIERS}
-        self.prefill: Dict[int, LinearFit] = {}  # prompt-length bucket (ceil log2) -> seconds by tokens
-        self._probed: Dict[str, float] = {}  # tier -> clock of its last probe
-        self._counts: Dict[Tuple[str, str, str], int] = {}
+        self.links: dict[str, LinearFit] = {t: LinearFit() for t in TIERS}
+        self.prefill: dict[int, LinearFit] = {}  # prompt-length bucket (ceil log2) -> seconds by tokens
+        self._probed: dict[str, float] = {}  # tier -> clock of its last probe
+        self._counts: dict[tuple[str, str, str], int] = {}
         self._lock = threading.Lock()
 
     # ---- measurements ----------------------------------------------------------------------------
@@ -217,7 +218,7 @@ class CostModel:
                 float(tokens), float(seconds), self.clock()
             )
 
-    def link_costs(self) -> Dict[str, LinkCost]:
+    def link_costs(self) -> dict[str, LinkCost]:
         """The tiers measured so far."""
         with self._lock:
             out = {}
@@ -227,13 +228,13 @@ class CostModel:
                     out[tier] = LinkCost(c, 1.0 / m if m > 0 else math.inf, fit.count)
             return out
 
-    def prefill_seconds(self, tokens: int, prompt_tokens: int) -> Optional[float]:
+    def prefill_seconds(self, tokens: int, prompt_tokens: int) -> float | None:
         """Predicted time to prefill ``tokens`` of a ``prompt_tokens`` prompt; None before any
         measurement. An unmeasured length uses the nearest measured bucket."""
         with self._lock:
             return self._prefill_locked(tokens, prompt_tokens)
 
-    def _prefill_locked(self, tokens: int, prompt_tokens: int) -> Optional[float]:
+    def _prefill_locked(self, tokens: int, prompt_tokens: int) -> float | None:
         if tokens <= 0:
             return 0.0
         if not self.prefill:
@@ -250,7 +251,7 @@ class CostModel:
         prompt_tokens: int,
         full_blocks: int,
         layerwise: bool = True,
-        policy: Optional[LoadPolicy] = None,
+        policy: LoadPolicy | None = None,
     ) -> LoadDecision:
         """How far to load (see the module doc). ``segments``: the cached prefix beyond ``start``
         by tier, contiguous and fastest first; ``prompt_tokens``: the whole prompt's length."""
@@ -307,7 +308,7 @@ class CostModel:
             for key, n in decision.token_counts(self.tokens_per_block).items():
                 self._counts[key] = self._counts.get(key, 0) + n
 
-    def token_counts(self) -> Dict[Tuple[str, str, str], int]:
+    def token_counts(self) -> dict[tuple[str, str, str], int]:
         """Tokens by (decision, tier, reason) since the start."""
         with self._lock:
             return dict(self._counts)

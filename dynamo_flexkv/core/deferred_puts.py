@@ -7,7 +7,8 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -19,12 +20,12 @@ class DeferredPut:
     """What a put needs to be planned later (its task is issued, its device blocks are the caller's)."""
 
     task: Task
-    seq: List[int]
+    seq: list[int]
     token_ids: Any
     dev_ids: np.ndarray
     after: Any  # the CUDA event recorded at put_async: the copy waits for the engine's writes
     device: Any = None  # an attached engine's device (node cache), which copies its blocks itself
-    generation: Optional[int] = None  # the cache engine's generation its hashes belong to
+    generation: int | None = None  # the cache engine's generation its hashes belong to
     since: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -43,7 +44,7 @@ class DeferredPuts:
         self._cond = cond
         self._put_now = put_now
         self._fail = fail
-        self._queue: "collections.deque[DeferredPut]" = collections.deque()
+        self._queue: collections.deque[DeferredPut] = collections.deque()
         self._retrying = self._again = False
 
     def __len__(self) -> int:
@@ -57,7 +58,7 @@ class DeferredPuts:
         """(Under ``cond``.) Queues a put last."""
         self._queue.append(put)
 
-    def drop(self, which: Callable[[DeferredPut], bool]) -> List[DeferredPut]:
+    def drop(self, which: Callable[[DeferredPut], bool]) -> list[DeferredPut]:
         """Takes the puts ``which(put)`` selects out of the queue (they were never planned)."""
         with self._cond:
             out = [p for p in self._queue if which(p)]

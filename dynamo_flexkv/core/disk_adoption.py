@@ -3,8 +3,6 @@ router events once the event subscriber is connected (the old process's announce
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
-
 import numpy as np
 
 from dynamo_flexkv.core.index import CacheEngine, Tier
@@ -17,7 +15,7 @@ def adopt_disk(ssd: SsdStore, cache: CacheEngine, mover: DiskMover, scratch_bloc
     """Verifies what the journal says is on disk, reading through ``scratch_blocks`` host slots
     at a time (the host tier is empty at start), and indexes what verified."""
 
-    def read(entries: List[DiskEntry]) -> np.ndarray:
+    def read(entries: list[DiskEntry]) -> np.ndarray:
         out = []
         for i in range(0, len(entries), scratch_blocks):
             part = entries[i : i + scratch_blocks]
@@ -30,19 +28,19 @@ def adopt_disk(ssd: SsdStore, cache: CacheEngine, mover: DiskMover, scratch_bloc
     return report
 
 
-def adopted_chains(entries: List[DiskEntry], tokens_per_block: int) -> List[TierRun]:
+def adopted_chains(entries: list[DiskEntry], tokens_per_block: int) -> list[TierRun]:
     """Adopted entries (parents first) as chains, depth first: one event per chain, not per block."""
-    children: Dict[Optional[int], List[DiskEntry]] = {}
+    children: dict[int | None, list[DiskEntry]] = {}
     for entry in entries:
         children.setdefault(entry.parent, []).append(entry)
-    runs: List[TierRun] = []
+    runs: list[TierRun] = []
     stack = list(reversed(children.get(None, [])))
     while stack:
         top = stack.pop()
         parent = top.parent
-        e: Optional[DiskEntry] = top
-        chain: List[DiskEntry] = []
-        tokens: List[bytes] = []  # the chain's token ids, collected where ``e.tokens`` is known set
+        e: DiskEntry | None = top
+        chain: list[DiskEntry] = []
+        tokens: list[bytes] = []  # the chain's token ids, collected where ``e.tokens`` is known set
         while e is not None and e.tokens is not None and len(e.tokens) == 4 * tokens_per_block:
             chain.append(e)
             tokens.append(e.tokens)

@@ -5,10 +5,9 @@ each words its own message, naming its key, from this one answer. Standard libra
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 
-def is_duration(value: object, low: float = 0.0, high: Optional[float] = None, low_ok: bool = False) -> bool:
+def is_duration(value: object, low: float = 0.0, high: float | None = None, low_ok: bool = False) -> bool:
     """``value`` is a real number (not a bool), finite (inf would overflow timeouts, NaN compares
     false to everything), above ``low`` (or equal to it with ``low_ok``) and at most ``high``."""
     return (

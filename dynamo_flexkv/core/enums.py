@@ -21,7 +21,7 @@ class EvictionPolicy(str, Enum):
     MRU = "mru"  # most recently used
 
     @classmethod
-    def parse(cls, value: Any) -> "EvictionPolicy":
+    def parse(cls, value: Any) -> EvictionPolicy:
         if isinstance(value, cls):
             return value
         try:
@@ -39,7 +39,7 @@ class LoadPolicy(str, Enum):
     NEVER = "never"  # load nothing: recompute every prompt (the tiers still store)
 
     @classmethod
-    def parse(cls, value: Any) -> "LoadPolicy":
+    def parse(cls, value: Any) -> LoadPolicy:
         if isinstance(value, cls):
             return value
         try:

@@ -12,9 +12,10 @@ the GIL released.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -25,7 +26,7 @@ TOKENS_HASH_SEED: int = _native.TOKENS_HASH_SEED
 _U64 = (1 << 64) - 1
 _MAX_TOKEN = (1 << 32) - 1
 
-TokenIds = Union[Sequence[int], np.ndarray, Any]  # Any: a torch tensor (torch is optional here)
+TokenIds = Sequence[int] | np.ndarray | Any  # Any: a torch tensor (torch is optional here)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class BlockHashes:
 
 
 @lru_cache(maxsize=1024)
-def tokens_hash_seed(lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
+def tokens_hash_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
     """Seed of the tokens hash for an adapter and a tenant salt, as Dynamo computes it."""
     seed = TOKENS_HASH_SEED
     if lora_name:
@@ -60,8 +61,8 @@ def block_hashes(
     token_ids: TokenIds,
     block_size: int,
     *,
-    lora_name: Optional[str] = None,
-    cache_salt: Optional[str] = None,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> BlockHashes:
     """Tokens and sequence hashes of every full block of ``token_ids``.
 
@@ -78,9 +79,9 @@ def block_hashes(
 def namespaced_hashes(
     token_ids: TokenIds,
     block_size: int,
-    namespace: Optional[str] = None,
-    lora_name: Optional[str] = None,
-    cache_salt: Optional[str] = None,
+    namespace: str | None = None,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> BlockHashes:
     """block_hashes of a namespace's tiers: the namespace (a KVManager's, the node cache's tenant)
     salts every hash together with the request's own cache_salt."""
@@ -88,13 +89,13 @@ def namespaced_hashes(
     return block_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=salt)
 
 
-def chain_hashes(tokens_hashes: np.ndarray, parent: Optional[int] = None) -> np.ndarray:
+def chain_hashes(tokens_hashes: np.ndarray, parent: int | None = None) -> np.ndarray:
     """Sequence hashes for tokens hashes, continuing the chain after ``parent`` when given."""
     arr = np.ascontiguousarray(tokens_hashes, dtype=np.uint64)
     return _native.chain_hashes(arr, parent)
 
 
-def _as_native_tokens(token_ids: TokenIds) -> Union[list, tuple, np.ndarray]:
+def _as_native_tokens(token_ids: TokenIds) -> list | tuple | np.ndarray:
     """Lists and tuples go to native code as they are (it checks each item); arrays and tensors
     are range-checked here, vectorized, and passed as a contiguous uint32 buffer."""
     if isinstance(token_ids, (list, tuple)):

@@ -15,7 +15,8 @@ router hears a BlockRemoved for each block."""
 from __future__ import annotations
 
 import enum
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import msgspec
 
@@ -64,8 +65,8 @@ class TierContents(msgspec.Struct, frozen=True):
     in_use: int  # ready and read by a load or a tier write now (a clear keeps them)
     block_bytes: int
     capacity_blocks: int
-    oldest_s: Optional[float] = None  # seconds since the least recently used ready block was used
-    newest_s: Optional[float] = None  # seconds since the most recently used one was
+    oldest_s: float | None = None  # seconds since the least recently used ready block was used
+    newest_s: float | None = None  # seconds since the most recently used one was
 
     @property
     def bytes(self) -> int:
@@ -81,12 +82,12 @@ class Contents(msgspec.Struct, frozen=True):
 
     model_id: str
     tenant: str
-    tiers: List[TierContents]
-    remote: Optional[str] = None  # the remote tier's URL (no password): shared, so not counted here
-    engines: Optional[int] = None  # node: engines attached to this namespace now
+    tiers: list[TierContents]
+    remote: str | None = None  # the remote tier's URL (no password): shared, so not counted here
+    engines: int | None = None  # node: engines attached to this namespace now
     shard: str = ""  # node: the tensor-parallel shard ("rank/ranks"), "" for one rank
 
-    def tier(self, name: str) -> Optional[TierContents]:
+    def tier(self, name: str) -> TierContents | None:
         return next((t for t in self.tiers if t.tier == name), None)
 
 
@@ -98,17 +99,17 @@ class PrefixBlocks(msgspec.Struct, frozen=True):
     tenant: str
     tokens: int  # the prompt's length
     tokens_per_block: int
-    hashes: List[int]  # each full block's sequence hash (the key every tier uses for it)
-    held: Dict[str, int]  # tier -> leading blocks held, ready
-    note: Optional[str] = None  # e.g. the remote tier could not be asked
+    hashes: list[int]  # each full block's sequence hash (the key every tier uses for it)
+    held: dict[str, int]  # tier -> leading blocks held, ready
+    note: str | None = None  # e.g. the remote tier could not be asked
     shard: str = ""
 
-    def tiers_of(self, block: int) -> List[str]:
+    def tiers_of(self, block: int) -> list[str]:
         return [t for t in TIERS if self.held.get(t, 0) > block]
 
-    def runs(self) -> List[Tuple[int, int, List[str]]]:
+    def runs(self) -> list[tuple[int, int, list[str]]]:
         """[start, end) block ranges whose blocks the same tiers hold, in order."""
-        out: List[Tuple[int, int, List[str]]] = []
+        out: list[tuple[int, int, list[str]]] = []
         for i in range(len(self.hashes)):
             where = self.tiers_of(i)
             if out and out[-1][2] == where:
@@ -121,7 +122,7 @@ class PrefixBlocks(msgspec.Struct, frozen=True):
 class TierCleared(msgspec.Struct, frozen=True):
     tier: str
     cleared: int
-    kept: Dict[str, int] = {}  # KeptReason value -> blocks left in the tier
+    kept: dict[str, int] = {}  # KeptReason value -> blocks left in the tier
 
 
 class Cleared(msgspec.Struct, frozen=True):
@@ -129,8 +130,8 @@ class Cleared(msgspec.Struct, frozen=True):
 
     model_id: str
     tenant: str
-    tiers: List[TierCleared]
-    note: Optional[str] = None
+    tiers: list[TierCleared]
+    note: str | None = None
     shard: str = ""
 
 
@@ -140,16 +141,16 @@ class CacheRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     by default). ``tenant`` and ``model`` select the namespaces on a node cache (default all)."""
 
     op: str = "contents"
-    tiers: Optional[List[str]] = None
-    tenant: Optional[str] = None
-    model: Optional[str] = None
-    tokens: Optional[List[int]] = None
-    text: Optional[str] = None
-    lora: Optional[str] = None
-    salt: Optional[str] = None
+    tiers: list[str] | None = None
+    tenant: str | None = None
+    model: str | None = None
+    tokens: list[int] | None = None
+    text: str | None = None
+    lora: str | None = None
+    salt: str | None = None
     wait_s: float = DEFAULT_WAIT_S
 
-    def check(self, have: Sequence[str]) -> "CacheRequest":
+    def check(self, have: Sequence[str]) -> CacheRequest:
         """Raises BadCacheRequest naming the fix; ``have``: the tiers the answering side holds."""
         if self.op not in OPS:
             raise BadCacheRequest(f"op {self.op!r} is not one of {', '.join(OPS)}")
@@ -175,24 +176,24 @@ class CacheReport(msgspec.Struct):
 
     target: str  # what answered: "worker (embedded)", "worker (node)", "cache server pid 123"
     op: str
-    contents: List[Contents] = []
-    prefixes: List[PrefixBlocks] = []
-    cleared: List[Cleared] = []
+    contents: list[Contents] = []
+    prefixes: list[PrefixBlocks] = []
+    cleared: list[Cleared] = []
 
 
 class Inventoried(Protocol):
     """What answers for one namespace's tiers (KVManager)."""
 
-    namespace: Optional[str]
+    namespace: str | None
     model_id: str
 
     def contents(self) -> Contents: ...
 
     def prefix_blocks(
-        self, token_ids: Any, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
+        self, token_ids: Any, *, lora_name: str | None = None, cache_salt: str | None = None
     ) -> PrefixBlocks: ...
 
-    def clear(self, tiers: Optional[Sequence[str]] = None, wait_s: float = 0.0) -> Cleared: ...
+    def clear(self, tiers: Sequence[str] | None = None, wait_s: float = 0.0) -> Cleared: ...
 
 
 def answer(
@@ -200,9 +201,9 @@ def answer(
     req: CacheRequest,
     report: CacheReport,
     *,
-    tenant: Optional[str] = None,
+    tenant: str | None = None,
     shard: str = "",
-    engines: Optional[int] = None,
+    engines: int | None = None,
 ) -> None:
     """Adds one namespace's answer to ``req`` (checked already) to ``report``: the tiers the request
     names (all by default) of ``kv``; "device" is the caller's (an engine's own memory). A request
@@ -231,12 +232,12 @@ def answer(
         report.cleared.append(msgspec.structs.replace(done, shard=shard, tenant=_or(tenant, done.tenant)))
 
 
-def describe_selection(tenant: Optional[str], model: Optional[str]) -> str:
+def describe_selection(tenant: str | None, model: str | None) -> str:
     parts = [f"tenant {tenant!r}" if tenant is not None else "", f"model {model!r}" if model is not None else ""]
     return " and ".join(p for p in parts if p)
 
 
-def _or(value: Optional[str], default: str) -> str:
+def _or(value: str | None, default: str) -> str:
     return default if value is None else value
 
 
@@ -248,8 +249,8 @@ def parse_request(body: Any) -> CacheRequest:
         raise BadCacheRequest(f"not a cache request: {e}") from None
 
 
-def to_builtins(report: CacheReport) -> Dict[str, Any]:
-    out: Dict[str, Any] = msgspec.to_builtins(report)
+def to_builtins(report: CacheReport) -> dict[str, Any]:
+    out: dict[str, Any] = msgspec.to_builtins(report)
     return out
 
 
@@ -257,7 +258,7 @@ def parse_report(data: Any) -> CacheReport:
     return msgspec.convert(data, CacheReport)
 
 
-def tokenize(model_dir: str, text: str) -> List[int]:
+def tokenize(model_dir: str, text: str) -> list[int]:
     """``text`` as the model's tokenizer (MODEL_DIR/tokenizer.json) encodes a completion's prompt."""
     import os
 
@@ -266,5 +267,5 @@ def tokenize(model_dir: str, text: str) -> List[int]:
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise BadCacheRequest(f"no tokenizer.json in {model_dir}: name the model directory the workers serve")
-    ids: List[int] = Tokenizer.from_file(path).encode(text, add_special_tokens=True).ids
+    ids: list[int] = Tokenizer.from_file(path).encode(text, add_special_tokens=True).ids
     return ids

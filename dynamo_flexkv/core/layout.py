@@ -11,13 +11,14 @@ elements, always contiguous. Layouts differ in how chunks are ordered:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any
 
 import numpy as np
 
-DTYPE_BYTES: Dict[str, int] = {
+DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
     "float16": 2,
     "bfloat16": 2,
@@ -34,7 +35,7 @@ class KVLayoutType(str, Enum):
     LAYERBLOCK = "LAYERBLOCK"
 
     @classmethod
-    def parse(cls, value: Any) -> "KVLayoutType":
+    def parse(cls, value: Any) -> KVLayoutType:
         if isinstance(value, cls):
             return value
         try:
@@ -65,7 +66,7 @@ class ModelSpec:
             raise ValueError(f"model dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPE_BYTES)}")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ModelSpec":
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
@@ -119,7 +120,7 @@ class KVLayout:
     def total_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
-    def shape(self) -> Tuple[int, ...]:
+    def shape(self) -> tuple[int, ...]:
         m, t = self.model, self.tokens_per_block
         tail = (t, m.num_kv_heads, m.head_size)
         if self.type is KVLayoutType.LAYERFIRST:
@@ -128,13 +129,13 @@ class KVLayout:
             return (self.num_blocks, m.num_layers, m.kv_dim, *tail)
         return (m.num_layers, self.num_blocks, m.kv_dim, *tail)
 
-    def layer_shape(self) -> Tuple[int, ...]:
+    def layer_shape(self) -> tuple[int, ...]:
         """Shape of one layer's tensor when the engine keeps one tensor per layer."""
         if self.type is KVLayoutType.BLOCKFIRST:
             raise ValueError("BLOCKFIRST has no per-layer tensors: register one tensor instead")
         return self.shape()[1:]
 
-    def strides(self) -> Tuple[int, int, int]:
+    def strides(self) -> tuple[int, int, int]:
         """Byte strides (block, layer, kv) of chunks: every layout is affine in the three, so
         offset = block * sb + layer * sl + kv * sk."""
         m, c, n = self.model, self.chunk_bytes, self.num_blocks
@@ -155,7 +156,7 @@ class KVLayout:
             return ((blocks * m.num_layers + layer) * m.kv_dim + kv) * c
         return ((layer * self.num_blocks + blocks) * m.kv_dim + kv) * c
 
-    def fingerprint(self) -> Dict[str, Any]:
+    def fingerprint(self) -> dict[str, Any]:
         """What must match for stored blocks to be readable by another process."""
         m = self.model
         return {

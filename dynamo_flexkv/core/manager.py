@@ -18,18 +18,22 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Union
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from dynamo_flexkv.core import arguments
-from dynamo_flexkv.core.arguments import deadline as _deadline, int_list as _int_list, left as _left
+from dynamo_flexkv.core.arguments import BlockIds
+from dynamo_flexkv.core.arguments import deadline as _deadline
+from dynamo_flexkv.core.arguments import int_list as _int_list
+from dynamo_flexkv.core.arguments import left as _left
 from dynamo_flexkv.core.config import CacheConfig, ConfigError, GiB
 from dynamo_flexkv.core.cost import CostModel, LoadDecision, Segment
 from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
 from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
-from dynamo_flexkv.core.hashing import namespaced_hashes
+from dynamo_flexkv.core.hashing import BlockHashes, TokenIds, namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
 from dynamo_flexkv.core.contract import IndexListener, TierRun
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError
@@ -55,8 +59,8 @@ from dynamo_flexkv.core.stats import (
 from dynamo_flexkv.core.storage.device import DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
 from dynamo_flexkv.core.storage.ssd import SsdStore
-from dynamo_flexkv.core.task_table import TaskTable
 from dynamo_flexkv.core.task_graphs import GraphBuilder
+from dynamo_flexkv.core.task_table import TaskTable
 from dynamo_flexkv.core.tasks import ManagerClosed, Task, TaskFailed, TaskKind, TaskResult, TaskStatus, TooManyTasks
 from dynamo_flexkv.core.transfer.fence import DeviceFence
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferGraph
@@ -80,7 +84,7 @@ class HostPin:
     of the request, their host slots and the xxh3 of each slot's bytes."""
 
     start: int
-    slots: List[int]
+    slots: list[int]
     checksums: np.ndarray
 
 
@@ -90,7 +94,7 @@ class EngineDevice(Protocol):
 
     num_blocks: int
 
-    def start(self, op: Any, done: Callable[[Optional[BaseException], int], None]) -> None: ...
+    def start(self, op: Any, done: Callable[[BaseException | None, int], None]) -> None: ...
 
 
 def _refuse_node_mode(config: CacheConfig) -> None:
@@ -118,13 +122,13 @@ class KVManager:
     def __init__(
         self,
         model: ModelSpec,
-        config: Optional[CacheConfig] = None,
+        config: CacheConfig | None = None,
         *,
-        namespace: Optional[str] = None,
-        listener: Optional[IndexListener] = None,
+        namespace: str | None = None,
+        listener: IndexListener | None = None,
         workers: int = 4,
         model_id: str = "",
-        mover_hook: Optional[MoverHook] = None,
+        mover_hook: MoverHook | None = None,
         share_host: bool = False,
         weights_version: str = "",
     ) -> None:
@@ -141,7 +145,7 @@ class KVManager:
         self.model_id = model_id  # names the weights in the disk and remote fingerprints: same shape != same bytes
         self.weights_version = weights_version  # salts every block's identity (weights_changed)
         self.invalidated_blocks = 0  # host and disk blocks dropped because the weights changed
-        self._adopted_runs: List[Any] = []  # what announce_adopted() sent: announce_adopted(repeat=True) again
+        self._adopted_runs: list[Any] = []  # what announce_adopted() sent: announce_adopted(repeat=True) again
         self.tokens_per_block = self.config.tokens_per_block
         caps = self.config.tier_blocks(model)
         host_layout = self.config.layout(model, caps["host"], KVLayoutType.BLOCKFIRST)
@@ -153,9 +157,9 @@ class KVManager:
                 f"{host_layout.total_bytes / GiB:.2f} GiB ({e.strerror or e}): set cpu_cache_gb "
                 "(FLEXKV_CPU_CACHE_GB) to what this machine can hold"
             ) from None
-        self.ssd: Optional[SsdStore] = None
-        self.remote: Optional["RemoteStore"] = None
-        movers: Dict[OpKind, Any] = {OpKind.HASH: HostHasher(self.host)}
+        self.ssd: SsdStore | None = None
+        self.remote: RemoteStore | None = None
+        movers: dict[OpKind, Any] = {OpKind.HASH: HostHasher(self.host)}
         try:
             if self.config.enable_remote:
                 self.remote = self._open_remote()
@@ -203,7 +207,7 @@ class KVManager:
             self.config.load_policy, self.tokens_per_block, self.host.layout.block_bytes, model.num_layers
         )
         self.graphs.observe_link = self.cost.observe_link
-        self.device: Optional[DeviceCache] = None
+        self.device: DeviceCache | None = None
         self._table = TaskTable(self.config.task_result_ttl_seconds)
         self._lock = self._table.lock  # also guards _closed: a call checks it and issues atomically
         self._closed = False
@@ -214,7 +218,7 @@ class KVManager:
 
     # ---- setup ---------------------------------------------------------------------------------
     def register_device_cache(
-        self, tensors: Union[torch.Tensor, Sequence[torch.Tensor]], layout: KVLayoutType = KVLayoutType.LAYERBLOCK
+        self, tensors: torch.Tensor | Sequence[torch.Tensor], layout: KVLayoutType = KVLayoutType.LAYERBLOCK
     ) -> None:
         """Registers the engine's KV tensors (one per layer, or one for all layers)."""
         self._check_open("register_device_cache")
@@ -222,12 +226,12 @@ class KVManager:
         mover = HostDeviceMover(self.host, self.device)
         self.transfer.movers.update(self._hooked({OpKind.D2H: mover, OpKind.H2D: mover}))
 
-    def _hooked(self, movers: Dict[OpKind, Any]) -> Dict[OpKind, Any]:
+    def _hooked(self, movers: dict[OpKind, Any]) -> dict[OpKind, Any]:
         if self._mover_hook is None:
             return movers
         return {kind: self._mover_hook(kind, mover) for kind, mover in movers.items()}
 
-    def _open_remote(self) -> "RemoteStore":
+    def _open_remote(self) -> RemoteStore:
         """Opens the remote tier: an unreachable server or a wrong password raises (naming the fix)
         unless remote_required=false, which starts with the tier off and retries it periodically."""
         from dynamo_flexkv.core.remote import RemoteStore, fingerprint_of
@@ -241,7 +245,7 @@ class KVManager:
         )  # each rank holds another shard
         return RemoteStore(self.config.remote_config(), fingerprint_of(parts), strict=self.config.remote_required)
 
-    def _remote_probe(self, hashes: List[int], start: int) -> Optional[tuple]:
+    def _remote_probe(self, hashes: list[int], start: int) -> tuple | None:
         """(lo, hi): blocks [lo, hi) beyond the local prefix that the remote tier holds now (one
         batched existence check per exists_chunk keys); None without a remote tier or a remote hit."""
         if self.remote is None:
@@ -254,7 +258,9 @@ class KVManager:
         n = self.remote.exists_prefix(hashes[lo:])
         return (lo, lo + n) if n else None
 
-    def _make_disk_mover(self):
+    def _make_disk_mover(self) -> DiskMover:
+        if self.ssd is None:
+            raise RuntimeError("KVManager: a disk mover without a disk tier")
         if self.config.enable_nixl:
             from dynamo_flexkv.core.transfer.nixl_mover import NixlDiskMover
 
@@ -279,11 +285,15 @@ class KVManager:
         return self.cache.announce(self._adopted_runs)
 
     # ---- queries -------------------------------------------------------------------------------
-    def hashes(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None):
+    def hashes(
+        self, token_ids: TokenIds, *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> BlockHashes:
         self._check_open("hashes")
         return namespaced_hashes(token_ids, self.tokens_per_block, self._hash_namespace, lora_name, cache_salt)
 
-    def _task_hashes(self, token_ids, lora_name: Optional[str], cache_salt: Optional[str]):
+    def _task_hashes(
+        self, token_ids: TokenIds, lora_name: str | None, cache_salt: str | None
+    ) -> tuple[int, BlockHashes]:
         """A task's hashes and the generation they belong to (the cache engine plans and commits
         nothing of a task whose generation is no longer current: weights_changed)."""
         self._check_open("hashes")
@@ -292,18 +302,18 @@ class KVManager:
         return generation, namespaced_hashes(token_ids, self.tokens_per_block, salt, lora_name, cache_salt)
 
     @property
-    def _hash_namespace(self) -> Optional[str]:
+    def _hash_namespace(self) -> str | None:
         """What salts every block hash: the namespace, and the weights once they changed (as a JSON
         pair: no namespace string can spell a namespace with weights)."""
         if not self.weights_version:
             return self.namespace
         return json.dumps([self.namespace or "", self.weights_version])
 
-    def _lineage(self) -> Dict[str, str]:
+    def _lineage(self) -> dict[str, str]:
         """The weights the blocks are computed with, as the disk journal records them."""
         return {k: v for k, v in (("model", self.model_id), ("weights", self.weights_version)) if v}
 
-    def weights_changed(self, version: str, timeout: Optional[float] = 60.0) -> int:
+    def weights_changed(self, version: str, timeout: float | None = 60.0) -> int:
         """The engine runs other weights now, named ``version`` (a revision, a digest of the new
         weights, or the version an RL trainer gives them). From this call on every block's identity
         carries ``version`` (its hash is salted with it), so a block computed with the weights before
@@ -339,7 +349,9 @@ class KVManager:
         log.info("weights changed to %r: %d blocks of the weights before dropped from host and disk", version, dropped)
         return dropped
 
-    def match(self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> Dict[str, int]:
+    def match(
+        self, token_ids: TokenIds, *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> dict[str, int]:
         """Cached prefix in tokens per tier (no side effects)."""
         self._check_open("match")
         seq = self.hashes(token_ids, lora_name=lora_name, cache_salt=cache_salt).sequence
@@ -353,16 +365,16 @@ class KVManager:
     # ---- tasks ---------------------------------------------------------------------------------
     def get_async(
         self,
-        token_ids,
-        device_block_ids,
+        token_ids: TokenIds,
+        device_block_ids: BlockIds,
         *,
         skip_blocks: int = 0,
         layerwise: bool = False,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
-        device: Optional[EngineDevice] = None,
-        on_done: Optional[Callable[[TaskResult], None]] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
+        device: EngineDevice | None = None,
+        on_done: Callable[[TaskResult], None] | None = None,
     ) -> int:
         """Loads the cached prefix beyond the first ``skip_blocks`` blocks (which the engine already
         holds) into ``device_block_ids[i]`` for block i. With ``prompt_tokens`` (the whole prompt's
@@ -395,7 +407,7 @@ class KVManager:
         return task.id
 
     def _decide(
-        self, seq: List[int], start: int, probe: Optional[tuple], prompt_tokens: int, layerwise: bool
+        self, seq: list[int], start: int, probe: tuple | None, prompt_tokens: int, layerwise: bool
     ) -> LoadDecision:
         """The load policy's decision for blocks [start, ...) of ``seq``, counted in
         stats().prefix_tokens."""
@@ -403,10 +415,10 @@ class KVManager:
         self.cost.record(decision)
         return decision
 
-    def _segments(self, seq: List[int], start: int, probe: Optional[tuple]) -> List[Segment]:
+    def _segments(self, seq: list[int], start: int, probe: tuple | None) -> list[Segment]:
         """The cached prefix of ``seq`` past ``start`` by tier, fastest first."""
         per_tier = self.cache.match(seq).per_tier
-        segments: List[Segment] = []
+        segments: list[Segment] = []
         end = start
         for tier, n in (
             (Tier.HOST, per_tier.get(Tier.HOST, 0)),
@@ -420,14 +432,14 @@ class KVManager:
 
     def pull_decision(
         self,
-        token_ids,
+        token_ids: TokenIds,
         peer_blocks: int,
         *,
         prompt_tokens: int,
         skip_blocks: int = 0,
         layerwise: bool = True,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> LoadDecision:
         """Whether pulling a peer's blocks up to ``peer_blocks`` (a router hint) beats recomputing
         them, by the same cost model as a get (core/cost.py) with the pulls' measured link
@@ -447,12 +459,12 @@ class KVManager:
 
     def loadable_tokens(
         self,
-        token_ids,
+        token_ids: TokenIds,
         *,
-        prompt_tokens: Optional[int] = None,
+        prompt_tokens: int | None = None,
         layerwise: bool = True,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
         skip_blocks: int = 0,
     ) -> int:
         """End of the prefix of ``token_ids`` a get would have loaded under the load policy, in
@@ -476,12 +488,12 @@ class KVManager:
 
     def lookup_decision(
         self,
-        token_ids,
+        token_ids: TokenIds,
         *,
-        prompt_tokens: Optional[int] = None,
+        prompt_tokens: int | None = None,
         layerwise: bool = True,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
         skip_blocks: int = 0,
     ) -> LoadDecision:
         """loadable_tokens' decision itself (what each tier holds beyond ``skip_blocks``, how far
@@ -501,11 +513,11 @@ class KVManager:
 
     def prefetch_async(
         self,
-        token_ids,
+        token_ids: TokenIds,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        on_done: Optional[Callable[[TaskResult], None]] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        on_done: Callable[[TaskResult], None] | None = None,
     ) -> int:
         """Brings the disk part of a cached prefix into host memory (no device copy)."""
         self._check_open("prefetch_async")
@@ -525,13 +537,13 @@ class KVManager:
 
     def put_async(
         self,
-        token_ids,
-        device_block_ids,
+        token_ids: TokenIds,
+        device_block_ids: BlockIds,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        device: Optional[EngineDevice] = None,
-        on_done: Optional[Callable[[TaskResult], None]] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        device: EngineDevice | None = None,
+        on_done: Callable[[TaskResult], None] | None = None,
     ) -> int:
         """Stores the full blocks not held yet. The task finishes once the device copy is done (the
         engine may reuse its blocks); the disk write continues in the background. ``device`` and
@@ -599,13 +611,13 @@ class KVManager:
             )
         )
 
-    def wait(self, task_ids: Iterable[int], timeout: Optional[float] = None) -> Dict[int, TaskResult]:
+    def wait(self, task_ids: Iterable[int], timeout: float | None = None) -> dict[int, TaskResult]:
         """Results of the tasks; unfinished ones after ``timeout`` seconds report TIMEOUT and can be
         waited on again. A finished result is handed out once; results a wait() is blocked on never
         expire. ``timeout``: seconds (None or inf: no limit)."""
         deadline = _deadline(timeout, "wait")
         with self._awaited(arguments.task_id_list(task_ids, "wait"), "wait") as tasks:
-            out: Dict[int, TaskResult] = {}
+            out: dict[int, TaskResult] = {}
             finished = []
             for task in tasks:
                 if task.done.wait(_left(deadline)):
@@ -622,7 +634,7 @@ class KVManager:
         expires). For an engine that polls a put's device copy and collects later."""
         return self._task(task_id, "done").done.is_set()
 
-    def try_wait(self, task_ids: Iterable[int]) -> Dict[int, TaskResult]:
+    def try_wait(self, task_ids: Iterable[int]) -> dict[int, TaskResult]:
         """Results of the tasks that already finished; the others are left running."""
         finished = [t for t in arguments.task_id_list(task_ids, "try_wait") if self._task(t, "try_wait").done.is_set()]
         return self.wait(finished, 0)
@@ -653,7 +665,7 @@ class KVManager:
         """A cancelled load's device writes are over: the engine may reuse its blocks."""
         task.finish(TaskResult(task.id, task.kind, TaskStatus.CANCELLED))
 
-    def drain(self, timeout: Optional[float] = None) -> bool:
+    def drain(self, timeout: float | None = None) -> bool:
         """Waits until every task has finished, the background disk writes of puts included.
         False if some still run after ``timeout`` seconds (None or inf: no limit)."""
         self._check_open("drain")
@@ -671,7 +683,7 @@ class KVManager:
         its compute while the load runs)."""
         return self._task(task_id, "planned_tokens").planned_tokens
 
-    def planned_tokens_by_tier(self, task_id: int) -> Dict[str, int]:
+    def planned_tokens_by_tier(self, task_id: int) -> dict[str, int]:
         """planned_tokens split by the tier each block is read from: ``{"host": n, "disk": m}``, plus
         ``"remote"`` with a remote tier (they sum to planned_tokens)."""
         task = self._task(task_id, "planned_tokens_by_tier")
@@ -681,7 +693,7 @@ class KVManager:
             out["remote"] = task.planned_remote_tokens
         return out
 
-    def wait_for_layer(self, task_id: int, layer: int, timeout: Optional[float] = None) -> bool:
+    def wait_for_layer(self, task_id: int, layer: int, timeout: float | None = None) -> bool:
         """Blocks until layer ``layer`` of a get is on the device. False on timeout; raises
         TaskFailed when the task failed, was cancelled or found nothing (recompute instead).
         ``timeout``: seconds (None or inf: no limit)."""
@@ -737,7 +749,7 @@ class KVManager:
             tier_costs=self.cost.link_costs(),
         )
 
-    def evict(self, tier: str, count: Optional[int] = None) -> int:
+    def evict(self, tier: str, count: int | None = None) -> int:
         """Evicts up to ``count`` (default: all) ready, unpinned blocks of the ``"host"`` or
         ``"disk"`` tier, the policy's victims first; the tiers below keep their copies. Returns
         how many went (removal events are published as for any eviction)."""
@@ -788,7 +800,7 @@ class KVManager:
         return Contents(self.model_id, self.namespace or "", tiers, remote=remote)
 
     def prefix_blocks(
-        self, token_ids, *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
+        self, token_ids: TokenIds, *, lora_name: str | None = None, cache_salt: str | None = None
     ) -> PrefixBlocks:
         """Which tiers hold which of the prompt's full blocks (each tier a leading run of them; the
         remote tier as its store answers now). No side effects: nothing is touched or counted."""
@@ -804,7 +816,7 @@ class KVManager:
                 note = f"the remote tier did not answer: {type(e).__name__}: {e}"
         return PrefixBlocks(self.model_id, self.namespace or "", len(token_ids), self.tokens_per_block, seq, held, note)
 
-    def clear(self, tiers: Optional[Sequence[str]] = None, wait_s: float = 0.0) -> Cleared:
+    def clear(self, tiers: Sequence[str] | None = None, wait_s: float = 0.0) -> Cleared:
         """Removes every block of ``tiers`` ("host", "disk"; default both) that no task uses, as
         the policy's eviction would (ready, unlocked leaves, until none is left), with
         RemovalReason.CLEARED: metrics count them as cleared and the listener (the router) hears
@@ -849,15 +861,15 @@ class KVManager:
             put.task.finish(TaskResult(put.task.id, TaskKind.PUT, TaskStatus.CANCELLED))
         self._close_storage()
 
-    def __enter__(self) -> "KVManager":
+    def __enter__(self) -> KVManager:
         self._check_open("__enter__")
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     # ---- peers (core/peer/: another worker pulls host blocks over NIXL) --------------------------------
-    def pin_host(self, key: Any, hashes: Sequence[int], start: int, limit: int) -> Optional[HostPin]:
+    def pin_host(self, key: Any, hashes: Sequence[int], start: int, limit: int) -> HostPin | None:
         """Pins this tier's ready host blocks [start, end) of ``hashes`` (at most ``limit``) under
         ``key`` for a peer's read: they are neither evicted nor reused until ``unpin(key)``.
         Returns their slots and checksums (xxh3 of each slot, as host holds it), or None when host
@@ -880,7 +892,9 @@ class KVManager:
         self._check_open("unpin")
         self.cache.abort_task(key)
 
-    def stage_host(self, key: Any, token_ids, hashes: Sequence[int], end: int, generation: int) -> Optional[TierRun]:
+    def stage_host(
+        self, key: Any, token_ids: TokenIds, hashes: Sequence[int], end: int, generation: int
+    ) -> TierRun | None:
         """New, invisible host blocks for [h, end) of ``hashes`` (h: host's ready prefix) that a
         peer's bytes fill; ``commit_staged`` makes the verified ones visible. None when nothing can
         be staged (host holds it, another task fills it, no room, or the weights changed since
@@ -894,7 +908,7 @@ class KVManager:
         self._attach_tokens(token_ids, run)
         return run
 
-    def commit_staged(self, key: Any, run: TierRun, count: int, sums: Optional[np.ndarray] = None) -> None:
+    def commit_staged(self, key: Any, run: TierRun, count: int, sums: np.ndarray | None = None) -> None:
         """The first ``count`` blocks of ``run`` (stage_host) hold verified bytes whose checksums
         are ``sums``: they become visible (a Stored event each); the rest is rolled back."""
         self._check_open("commit_staged")
@@ -914,7 +928,7 @@ class KVManager:
                 "released: create a new KVManager (it re-adopts the disk tier)"
             )
 
-    def _need_device(self, call: str, device: Optional[EngineDevice] = None) -> None:
+    def _need_device(self, call: str, device: EngineDevice | None = None) -> None:
         self._check_open(call)
         if self.device is None and device is None:
             raise RuntimeError(f"{call} before register_device_cache(): register the engine's KV tensors first")
@@ -927,7 +941,7 @@ class KVManager:
         return self.device
 
     @contextlib.contextmanager
-    def _issue(self, kind: TaskKind, on_done: Optional[Callable[[TaskResult], None]] = None) -> Iterator[Task]:
+    def _issue(self, kind: TaskKind, on_done: Callable[[TaskResult], None] | None = None) -> Iterator[Task]:
         """A new task; if issuing it fails, it leaves nothing behind (no record, no index state)."""
         with self._lock:
             self._check_open(f"{kind.value}_async")
@@ -950,7 +964,7 @@ class KVManager:
             task.finish(TaskResult(task.id, kind, TaskStatus.FAILED, error=f"refused: {e}"))  # wakes no one
             raise
 
-    def _plan_tokens(self, task: Task, plan) -> None:
+    def _plan_tokens(self, task: Task, plan: GetPlan) -> None:
         tpb = self.tokens_per_block
         task.planned_tokens = plan.num_blocks * tpb
         if plan.disk_reads is not None:  # blocks the caller skips are not read
@@ -993,16 +1007,18 @@ class KVManager:
         return self._table.get(task_id)
 
     @contextlib.contextmanager
-    def _awaited(self, task_ids: List[Any], call: str) -> Iterator[List[Task]]:
+    def _awaited(self, task_ids: list[Any], call: str) -> Iterator[list[Task]]:
         self._check_open(call)
         with self._table.awaited(task_ids) as tasks:
             yield tasks
 
-    def _device_ids(self, token_ids, device_block_ids, device: Optional[EngineDevice] = None) -> np.ndarray:
+    def _device_ids(
+        self, token_ids: TokenIds, device_block_ids: BlockIds, device: EngineDevice | None = None
+    ) -> np.ndarray:
         num_blocks = device.num_blocks if device is not None else self._registered_device().num_blocks
         return arguments.device_ids(token_ids, device_block_ids, self.tokens_per_block, num_blocks)
 
-    def _attach_tokens(self, token_ids, *runs, always: bool = False) -> None:
+    def _attach_tokens(self, token_ids: TokenIds, *runs: TierRun | None, always: bool = False) -> None:
         """New runs carry their tokens so the events they cause can name them."""
         if self.cache.listener is None and not always:
             return
@@ -1011,7 +1027,7 @@ class KVManager:
             if run is not None:
                 run.token_ids = [int(t) for t in token_ids[run.start * b : run.end * b]]
 
-    def _slots_freed(self, tier: Tier, slots: List[int]) -> None:
+    def _slots_freed(self, tier: Tier, slots: list[int]) -> None:
         if tier is Tier.DISK and self.ssd is not None:
             self.ssd.record_removed(slots)
         elif tier is Tier.HOST:
@@ -1019,10 +1035,10 @@ class KVManager:
 
     def _close_storage(self) -> None:
         # getattr: __init__ may fail before it set them.
-        remote: Optional[RemoteStore] = getattr(self, "remote", None)
+        remote: RemoteStore | None = getattr(self, "remote", None)
         if remote is not None:
             remote.close()
-        ssd: Optional[SsdStore] = getattr(self, "ssd", None)
+        ssd: SsdStore | None = getattr(self, "ssd", None)
         if ssd is not None:
             ssd.close()
         if getattr(self, "host", None) is not None:

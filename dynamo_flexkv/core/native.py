@@ -5,6 +5,7 @@ calls the names bound here: a test that replaces one patches it on this module."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import dynamo_flexkv.core._native as extension
@@ -12,6 +13,11 @@ import dynamo_flexkv.core._native as extension
 PATH = extension.__file__  # where the loaded extension lives (dynamo-flexkv doctor reports it)
 # Its functions and constants as this module's own names (a plain lookup on the hot paths).
 globals().update({name: getattr(extension, name) for name in dir(extension) if not name.startswith("__")})
+
+
+# Declared for type checkers (bound by the update above): a module that calls it at import time
+# (core/index/tier_index.py) is checked before __getattr__ below is, inside an import cycle.
+set_index_error_types: Callable[[type[BaseException], type[BaseException]], None]
 
 
 def __getattr__(name: str) -> Any:  # what type checkers see: the names come from the extension

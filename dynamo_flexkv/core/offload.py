@@ -28,7 +28,8 @@ calls follow one request's life:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.contract import (
@@ -59,8 +60,8 @@ class EmbeddedOffload(EngineOffload):
         self.num_layers = kv.model.num_layers
         # Task -> (key, device blocks it still touches): a put reads them until its device copy is
         # done, a cancelled load may still write them until its copies in flight drained.
-        self._holds: Dict[int, Hold] = {}
-        self._prefetches: List[int] = []
+        self._holds: dict[int, Hold] = {}
+        self._prefetches: list[int] = []
         self.failed_loads = 0
 
     def register(self, layers: Any, layout: KVLayoutType = KVLayoutType.LAYERBLOCK) -> None:
@@ -71,9 +72,9 @@ class EmbeddedOffload(EngineOffload):
         self,
         tokens: Sequence[int],
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
         skip_blocks: int = 0,
     ) -> int:
         return self.kv.loadable_tokens(
@@ -90,11 +91,11 @@ class EmbeddedOffload(EngineOffload):
         self,
         tokens: Sequence[int],
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
         skip_blocks: int = 0,
-    ) -> Tuple[int, Optional[Dict[str, Any]]]:
+    ) -> tuple[int, dict[str, Any] | None]:
         d = self.kv.lookup_decision(
             tokens,
             layerwise=self.layerwise,
@@ -106,8 +107,8 @@ class EmbeddedOffload(EngineOffload):
         return d.end * self.bs, d.explain(self.bs)
 
     def block_hashes(
-        self, tokens: Sequence[int], *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
-    ) -> List[int]:
+        self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> list[int]:
         return [int(h) for h in self.kv.hashes(tokens, lora_name=lora_name, cache_salt=cache_salt).sequence]
 
     @no_task_on_tier_fault
@@ -117,10 +118,10 @@ class EmbeddedOffload(EngineOffload):
         block_table: Sequence[int],
         skip_blocks: int,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
-    ) -> Optional[int]:
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
+    ) -> int | None:
         tid = self.kv.get_async(
             list(tokens),
             list(block_table),
@@ -141,10 +142,10 @@ class EmbeddedOffload(EngineOffload):
     def planned_tokens(self, tid: int) -> int:
         return self.kv.planned_tokens(tid)
 
-    def planned_tokens_by_tier(self, tid: int) -> Dict[str, int]:
+    def planned_tokens_by_tier(self, tid: int) -> dict[str, int]:
         return self.kv.planned_tokens_by_tier(tid)
 
-    def wait_layer(self, tid: int, layer: int, timeout: Optional[float] = None) -> bool:
+    def wait_layer(self, tid: int, layer: int, timeout: float | None = None) -> bool:
         return self.kv.wait_for_layer(tid, layer, timeout)
 
     def cancel_load(self, tid: int, blocks: Sequence[int], key: Any = None) -> None:
@@ -162,7 +163,7 @@ class EmbeddedOffload(EngineOffload):
         return r
 
     @no_task_on_tier_fault
-    def prefetch(self, tokens: Sequence[int]) -> Optional[int]:
+    def prefetch(self, tokens: Sequence[int]) -> int | None:
         tid = self.kv.prefetch_async(list(tokens))
         self._prefetches.append(tid)
         return tid
@@ -178,10 +179,10 @@ class EmbeddedOffload(EngineOffload):
         block_table: Sequence[int],
         key: Any = None,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        names: Optional[Sequence[int]] = None,
-    ) -> Optional[int]:
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        names: Sequence[int] | None = None,
+    ) -> int | None:
         n = len(tokens) // self.bs
         tid = self.kv.put_async(
             list(tokens[: n * self.bs]), list(block_table[:n]), lora_name=lora_name, cache_salt=cache_salt
@@ -193,7 +194,7 @@ class EmbeddedOffload(EngineOffload):
     def tasks_pending(self) -> int:
         return len(self._holds) + len(self._prefetches)
 
-    def finished_holds(self) -> List[Hold]:
+    def finished_holds(self) -> list[Hold]:
         if self._prefetches:
             done = self.kv.try_wait(self._prefetches)
             self._prefetches = [t for t in self._prefetches if t not in done]
@@ -202,29 +203,29 @@ class EmbeddedOffload(EngineOffload):
         done = self.kv.try_wait(list(self._holds))
         return [self._holds.pop(t) for t in done]
 
-    def drain_holds(self) -> List[Hold]:
+    def drain_holds(self) -> list[Hold]:
         self.kv.wait(self._prefetches)
         self._prefetches = []
         done = self.kv.wait(list(self._holds))
         return [self._holds.pop(t) for t in done]
 
-    def stats(self) -> Optional[ManagerStats]:
+    def stats(self) -> ManagerStats | None:
         return self.kv.stats()
 
-    def drain(self, timeout: Optional[float] = None) -> bool:
+    def drain(self, timeout: float | None = None) -> bool:
         return self.kv.drain(timeout)
 
-    def _idle(self, what: str, timeout: Optional[float]) -> KVManager:
+    def _idle(self, what: str, timeout: float | None) -> KVManager:
         if not self.kv.drain(timeout):
             raise RuntimeError(
                 f"{what}: tier writes still running after {timeout} s; call it again when the engine is idle"
             )
         return self.kv
 
-    def evict_host(self, timeout: Optional[float] = None) -> int:
+    def evict_host(self, timeout: float | None = None) -> int:
         return self._idle("evict_host", timeout).evict("host")
 
-    def reset_tiers(self, timeout: Optional[float] = None) -> bool:
+    def reset_tiers(self, timeout: float | None = None) -> bool:
         self._idle("reset_tiers", timeout).reset()
         return self.kv.remote is None
 
@@ -236,7 +237,7 @@ class EmbeddedOffload(EngineOffload):
         answer(self.kv, req, report)
         return report
 
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         kv = self.kv
         return {
             "mode": "embedded",
@@ -246,9 +247,10 @@ class EmbeddedOffload(EngineOffload):
             "remote": kv.remote.config.redacted_url if kv.remote else None,
         }
 
-    def tier_files(self) -> List[str]:
-        from dynamo_flexkv.core.storage.ssd import DATA
+    def tier_files(self) -> list[str]:
         import os
+
+        from dynamo_flexkv.core.storage.ssd import DATA
 
         return [os.path.join(d, DATA) for d in self.kv.ssd.dirs] if self.kv.ssd else []
 
@@ -264,14 +266,14 @@ def open_offload(
     config: CacheConfig,
     *,
     layerwise: bool = True,
-    listener: Optional[IndexListener] = None,
+    listener: IndexListener | None = None,
     model_id: str = "",
     engine: str = "",
-    namespace: Optional[str] = None,
+    namespace: str | None = None,
     rank: int = 0,
     ranks: int = 1,
     replicated: bool = False,
-    mover_hook: Optional[MoverHook] = None,
+    mover_hook: MoverHook | None = None,
 ) -> EngineOffload:
     """The engine's offload, as the config's ``mode`` says: ``embedded``, tiers of this process
     (``model_id`` keys its disk and remote tiers, ``mover_hook`` wraps its copy links); ``node``,

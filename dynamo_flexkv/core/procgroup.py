@@ -17,7 +17,6 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
 
 GRACE_S = 5.0  # how long a group gets to exit on its signal before SIGKILL (stop_group's default)
 TRACKER_EXIT_S = 5.0  # how long resource trackers get to unlink what the killed processes left
@@ -37,8 +36,8 @@ class GroupStop:
     """What stopping a group took: the processes SIGKILLed because they outlived the grace, and
     the resource trackers still alive TRACKER_EXIT_S after them (their shared memory may be left)."""
 
-    killed: Tuple[Killed, ...] = ()
-    trackers_killed: Tuple[Killed, ...] = ()
+    killed: tuple[Killed, ...] = ()
+    trackers_killed: tuple[Killed, ...] = ()
 
     @property
     def clean(self) -> bool:
@@ -55,7 +54,7 @@ class GroupStop:
         return "SIGKILLed " + ", ".join(parts)
 
 
-def members(pgid: int) -> List[int]:
+def members(pgid: int) -> list[int]:
     """The live processes of group ``pgid`` (zombies are dead: a reparented one waits for init)."""
     out = []
     for name in os.listdir("/proc"):
@@ -108,7 +107,7 @@ def kill_group(p: subprocess.Popen) -> GroupStop:
     alive = members(pgid)
     trackers = [pid for pid in alive if _is_resource_tracker(pid)]
     killed = [k for k in (_sigkill(pid) for pid in alive if pid not in trackers) if k is not None]
-    trackers_killed: List[Killed] = []
+    trackers_killed: list[Killed] = []
     if trackers and not wait_group(p, time.monotonic() + TRACKER_EXIT_S):
         for k in (_sigkill(pid) for pid in members(pgid)):
             if k is not None:
@@ -160,7 +159,7 @@ def _is_resource_tracker(pid: int) -> bool:
         return False
 
 
-def _sigkill(pid: int) -> Optional[Killed]:
+def _sigkill(pid: int) -> Killed | None:
     command = _command(pid)  # before it is gone
     try:
         os.kill(pid, signal.SIGKILL)

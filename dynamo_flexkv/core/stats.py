@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
 from dynamo_flexkv.core.cost import LinkCost
 from dynamo_flexkv.core.remote.stats import RemoteStats
@@ -40,7 +40,7 @@ class TierStats:
     rolled_back_blocks: int  # blocks whose copy into the tier failed or was cancelled
     # Blocks that left the tier, by why (RemovalReason above): evicted,
     # demoted (still on disk), invalidated (weights changed), cleared (reset), failed (bad bytes).
-    removed_blocks: Dict[str, int] = field(default_factory=dict)
+    removed_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -89,25 +89,25 @@ class ManagerStats:
     host: TierStats
     requests: RequestStats
     tasks: TaskStats
-    disk: Optional[TierStats] = None  # None without a disk tier
-    remote: Optional[RemoteTierStats] = None  # None without a remote tier
-    links: Dict[str, LinkStats] = field(default_factory=dict)  # only links that moved something
+    disk: TierStats | None = None  # None without a disk tier
+    remote: RemoteTierStats | None = None  # None without a remote tier
+    links: dict[str, LinkStats] = field(default_factory=dict)  # only links that moved something
     # Cost-aware loading (core/cost.py): prompt tokens by "decision/tier/reason" (loaded/disk/faster,
     # recomputed/remote/slower, recomputed/none/not_cached, ...), and each measured tier's read cost.
-    prefix_tokens: Dict[str, int] = field(default_factory=dict)
-    tier_costs: Dict[str, LinkCost] = field(default_factory=dict)
+    prefix_tokens: dict[str, int] = field(default_factory=dict)
+    tier_costs: dict[str, LinkCost] = field(default_factory=dict)
 
     @property
-    def tiers(self) -> Dict[str, TierStats]:
+    def tiers(self) -> dict[str, TierStats]:
         """The local tiers this manager has, by name: ``{"host": ..., "disk": ...}``."""
         return {name: s for name, s in (("host", self.host), ("disk", self.disk)) if s is not None}
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "ManagerStats":
+    def from_dict(cls, d: dict[str, Any]) -> ManagerStats:
         """The inverse of ``dataclasses.asdict`` of a ManagerStats (a snapshot that crossed a process
         boundary: the node cache's stats)."""
 
-        def tier(x: Optional[Dict[str, Any]]) -> Optional[TierStats]:
+        def tier(x: dict[str, Any] | None) -> TierStats | None:
             return TierStats(**x) if x is not None else None
 
         return cls(
@@ -121,9 +121,9 @@ class ManagerStats:
             tier_costs={k: LinkCost(**v) for k, v in (d.get("tier_costs") or {}).items()},
         )
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         """Plain nested dicts (tiers by name, then requests, links, tasks, remote where present)."""
-        out: Dict[str, Any] = {name: dataclasses.asdict(s) for name, s in self.tiers.items()}
+        out: dict[str, Any] = {name: dataclasses.asdict(s) for name, s in self.tiers.items()}
         out["requests"] = dataclasses.asdict(self.requests)
         out["links"] = {name: dataclasses.asdict(s) for name, s in self.links.items()}
         out["tasks"] = dataclasses.asdict(self.tasks)

@@ -8,7 +8,6 @@ import os
 import shutil
 import socket
 import stat
-from typing import Optional
 
 from dynamo_flexkv.core.errors import FlexKVError
 

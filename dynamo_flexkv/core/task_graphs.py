@@ -4,7 +4,8 @@ order, and what the index commits when each op has landed (never before)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ class GraphBuilder:
     def __init__(
         self,
         cache: CacheEngine,
-        ssd: Optional[SsdStore],
+        ssd: SsdStore | None,
         layer_block_bytes: int,
         tokens_per_block: int,
         num_layers: int,
@@ -39,10 +40,10 @@ class GraphBuilder:
         self.remote_write_failures = 0  # write-behind ops that raised (stats() of the store counts refusals)
         self.remote_short_reads = 0  # gets whose remote part verified fewer blocks than planned
         # (tier, bytes, seconds) of each finished get's and prefetch's reads: the cost model's input
-        self.observe_link: Optional[Callable[[str, int, float], None]] = None
+        self.observe_link: Callable[[str, int, float], None] | None = None
 
     def get(
-        self, task: Task, plan: GetPlan, dev_ids: Optional[np.ndarray], layerwise: bool, device: Any = None
+        self, task: Task, plan: GetPlan, dev_ids: np.ndarray | None, layerwise: bool, device: Any = None
     ) -> TransferGraph:
         """A get (``dev_ids`` given) or a prefetch (None): DISK2H into staged host blocks, then
         H2D per layer or at once. Staged blocks commit after their bytes are verified. ``device``:
@@ -53,8 +54,8 @@ class GraphBuilder:
         # Disk reads feed each layer's device copy. Layerwise with disk: read layer by layer too
         # (when a layer's span keeps O_DIRECT alignment), so layer 0 computes while later layers
         # are still on their way; one VERIFY then checks whole blocks before anything commits.
-        disk_for: Dict[tuple, TransferOp] = {}
-        staged_op: Optional[TransferOp] = None  # the op that commits the disk-staged blocks
+        disk_for: dict[tuple, TransferOp] = {}
+        staged_op: TransferOp | None = None  # the op that commits the disk-staged blocks
         if plan.staged is not None:
             staged, disk_reads = plan.staged, plan.disk_reads
             if disk_reads is None:  # plan_get stages host blocks only together with the disk reads filling them
@@ -69,7 +70,7 @@ class GraphBuilder:
             if split:
                 # Chained, so each layer's read gets the whole disk in turn: layer 0 lands after
                 # 1/L of the read time instead of all layers landing together at the end.
-                reads: List[TransferOp] = []
+                reads: list[TransferOp] = []
                 for span in layers:
                     reads.append(
                         TransferOp(OpKind.DISK2H, src, dst_host, layers=span, deps=(reads[-1],) if reads else ())
@@ -88,7 +89,7 @@ class GraphBuilder:
             # Layerwise: one chained read per layer span (RemoteMover), the last verifying and
             # committing whole blocks, so layer 0 computes while later layers are on their way.
             run = plan.remote_staged
-            spans: List[Optional[Tuple[int, int]]] = list(layers) if layerwise and load_device else [None]
+            spans: list[tuple[int, int] | None] = list(layers) if layerwise and load_device else [None]
             reads = []
             for remote_span in spans:
                 dep = reads[-1] if reads else staged_op
@@ -113,7 +114,7 @@ class GraphBuilder:
             dst = dev_ids[reads_h.start : reads_h.end]
             for lo, hi in layers:
 
-                def layer_landed(op: TransferOp, lo=lo, hi=hi) -> None:
+                def layer_landed(op: TransferOp, lo: int = lo, hi: int = hi) -> None:
                     for i in range(lo, hi):
                         task.layer_ready[i].set()
 
@@ -260,7 +261,7 @@ class GraphBuilder:
             return TaskResult(task.id, task.kind, TaskStatus.CANCELLED)
         return TaskResult(task.id, task.kind, TaskStatus.FAILED, error=f"{type(graph.error).__name__}: {graph.error}")
 
-    def _drop_corrupt(self, disk_ids: List[int]) -> None:
+    def _drop_corrupt(self, disk_ids: list[int]) -> None:
         log.error("disk blocks %s failed their checksum; dropping them", disk_ids[:8])
         self.cache.discard(Tier.DISK, disk_ids)
 
@@ -273,7 +274,7 @@ def observe_reads(graph: TransferGraph, observe: Callable[[str, int, float], Non
     """Reports each tier a finished get read: its bytes and the wall time from its first op's start
     to its last op's end. Host->device only for gets that read host alone (behind a disk or remote
     read its copies wait for those)."""
-    spans: Dict[str, List[float]] = {}
+    spans: dict[str, list[float]] = {}
     for op in graph.ops:
         tier = _READ_TIER.get(op.kind)
         if tier is None or op.state is not OpState.DONE:

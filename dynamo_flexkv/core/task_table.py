@@ -7,7 +7,8 @@ import collections
 import contextlib
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, overload
+from collections.abc import Iterator
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -18,11 +19,11 @@ class TaskTable:
     def __init__(self, result_ttl_s: float) -> None:
         self.result_ttl_s = result_ttl_s
         self.lock = threading.Lock()
-        self._tasks: Dict[int, Task] = {}
+        self._tasks: dict[int, Task] = {}
         self._next_id = 1  # ids are issued in order: an id below it that is not in _tasks has finished
-        self._waiters: Dict[int, int] = {}  # task id -> wait()/wait_for_layer() calls blocked on it
+        self._waiters: dict[int, int] = {}  # task id -> wait()/wait_for_layer() calls blocked on it
         # Finished results nobody has collected yet, oldest first: id -> finish time (for expiry).
-        self._uncollected: "collections.OrderedDict[int, float]" = collections.OrderedDict()
+        self._uncollected: collections.OrderedDict[int, float] = collections.OrderedDict()
         self.expired_results = 0
 
     def issue(self, kind: TaskKind, num_layers: int) -> Task:
@@ -36,7 +37,7 @@ class TaskTable:
         with self.lock:
             self._tasks.pop(task_id, None)
 
-    def counts(self) -> Tuple[int, int]:
+    def counts(self) -> tuple[int, int]:
         """(in flight, finished and not collected)."""
         with self.lock:
             uncollected = len(self._uncollected)
@@ -48,7 +49,7 @@ class TaskTable:
         with self.lock:
             return self._lookup(task_id)
 
-    def get_all(self, task_ids: List[Any]) -> List[Optional[Task]]:
+    def get_all(self, task_ids: list[Any]) -> list[Task | None]:
         """Every id checked before any is returned: None for one issued whose result is gone, a
         KeyError (and nothing returned) for one never issued."""
         self.expire()
@@ -56,7 +57,7 @@ class TaskTable:
             return [self._lookup(t, finished_ok=True) for t in task_ids]
 
     @contextlib.contextmanager
-    def awaited(self, task_ids: List[Any]) -> Iterator[List[Task]]:
+    def awaited(self, task_ids: list[Any]) -> Iterator[list[Task]]:
         """The tasks, marked as waited for while the block runs: their results do not expire."""
         self.expire()
         with self.lock:
@@ -72,7 +73,7 @@ class TaskTable:
                     if left:
                         self._waiters[t.id] = left
 
-    def collect(self, finished: List[Task]) -> None:
+    def collect(self, finished: list[Task]) -> None:
         """Hands out the results of finished tasks, all at once: two threads waiting on one task get
         it once and lose nothing else."""
         with self.lock:
@@ -117,9 +118,9 @@ class TaskTable:
     def _lookup(self, task_id: Any, finished_ok: Literal[False] = False) -> Task: ...
 
     @overload
-    def _lookup(self, task_id: Any, finished_ok: bool) -> Optional[Task]: ...
+    def _lookup(self, task_id: Any, finished_ok: bool) -> Task | None: ...
 
-    def _lookup(self, task_id: Any, finished_ok: bool = False) -> Optional[Task]:
+    def _lookup(self, task_id: Any, finished_ok: bool = False) -> Task | None:
         """(Under ``lock``.) One issued but gone (its result collected or expired) is None with
         ``finished_ok``, else KeyError; one never issued is a KeyError."""
         issued = (

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING
+
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.transfer.fence import DeviceFence
 
@@ -34,7 +36,7 @@ class TaskResult:
     kind: TaskKind
     status: TaskStatus
     num_tokens: int = 0  # get/prefetch: tokens loaded; put: tokens newly stored on host
-    error: Optional[str] = None
+    error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -72,20 +74,20 @@ class Task:
     id: int
     kind: TaskKind
     num_layers: int
-    graph: Optional[TransferGraph] = None
+    graph: TransferGraph | None = None
     planned_tokens: int = 0  # what a get or prefetch will load if it succeeds
     planned_disk_tokens: int = 0  # the part of planned_tokens read from the disk tier
     planned_remote_tokens: int = 0  # the part of planned_tokens read from the remote tier
-    result: Optional[TaskResult] = None
+    result: TaskResult | None = None
     done: threading.Event = field(default_factory=threading.Event)  # the caller may proceed
-    layer_ready: List[threading.Event] = field(default_factory=list)
-    on_finish: Optional[Callable[["Task"], None]] = None  # called once, when the result is set
+    layer_ready: list[threading.Event] = field(default_factory=list)
+    on_finish: Callable[[Task], None] | None = None  # called once, when the result is set
     # The result's receiver, instead of wait(): called once with it (the result is not kept).
-    deliver: Optional[Callable[[TaskResult], None]] = None
+    deliver: Callable[[TaskResult], None] | None = None
     finished_at: float = 0.0  # time.monotonic() of the result
     # A load into the registered device: its device writes pass this fence, so a cancel finishes
     # the task once none can land (the graph's host side drains later, on its own).
-    fence: Optional[DeviceFence] = None
+    fence: DeviceFence | None = None
     _finish_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:

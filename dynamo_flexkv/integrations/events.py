@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Set
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import zmq
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 # The remote store is not one of the cache engine's tiers (see Tier); a publisher that announces
 # its blocks passes REMOTE as the tier (bench events simulates such workers).
 REMOTE = "remote"
-MEDIUM: Dict[Optional[object], Optional[str]] = {
+MEDIUM: dict[object | None, str | None] = {
     None: None,  # the engine's own (device) cache
     Tier.HOST: "CPU_PINNED",
     Tier.DISK: "DISK",
@@ -73,7 +74,7 @@ class KvEventRelay:
             raise ValueError(f"max_pending_blocks={max_pending_blocks} must be >= 1")
         self.block_size, self.dp_rank, self.topic = block_size, dp_rank, topic.encode()
         self.flush_interval, self.max_pending_blocks = flush_interval, max_pending_blocks
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.XPUB)  # a PUB that also tells us when someone subscribed
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.bind(endpoint)
@@ -83,10 +84,10 @@ class KvEventRelay:
         # and from transfer threads (under the CacheEngine's lock), and leave in that order.
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._pending: List[Dict[str, Any]] = []
+        self._pending: list[dict[str, Any]] = []
         self._pending_blocks = 0
         self._last_frame_at = 0.0
-        self._known: Dict[Optional[str], Set[int]] = {}  # medium -> blocks the router was told about
+        self._known: dict[str | None, set[int]] = {}  # medium -> blocks the router was told about
         self._closed = False
         self.sent = 0  # frames
         self.events_sent = 0
@@ -122,9 +123,7 @@ class KvEventRelay:
                 break
         return self.subscribed
 
-    def stored(
-        self, tier: Optional[Tier], hashes: Sequence[int], parent: Optional[int], token_ids: Sequence[int]
-    ) -> None:
+    def stored(self, tier: Tier | None, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int]) -> None:
         """Blocks ``hashes`` (a chain after ``parent``) landed in ``tier`` (None: device)."""
         if len(token_ids) != len(hashes) * self.block_size:
             raise ValueError(
@@ -154,7 +153,7 @@ class KvEventRelay:
                 last["block_hashes"] += signed  # the same chain, continued: one event
                 last["token_ids"] += tokens
             else:
-                event: Dict[str, Any] = {
+                event: dict[str, Any] = {
                     "type": "BlockStored",
                     "block_hashes": signed,
                     "parent_block_hash": parent_signed,
@@ -165,7 +164,7 @@ class KvEventRelay:
                 self._enqueue(event, medium)
             self._grew(len(signed))
 
-    def removed(self, tier: Optional[Tier], hashes: Sequence[int]) -> None:
+    def removed(self, tier: Tier | None, hashes: Sequence[int]) -> None:
         """Blocks ``hashes`` left ``tier``; callers remove leaves first (a chain's tail before its
         head), as the router's tree applies removals."""
         medium = MEDIUM[tier]
@@ -200,7 +199,7 @@ class KvEventRelay:
             self._enqueue({"type": "AllBlocksCleared"}, None)
             self._grew(1)
 
-    def known_blocks(self, tier: Optional[Tier]) -> int:
+    def known_blocks(self, tier: Tier | None) -> int:
         """Blocks of ``tier`` the router was told about and not told to remove."""
         with self._lock:
             return len(self._known.get(MEDIUM[tier], ()))
@@ -236,7 +235,7 @@ class KvEventRelay:
         if self._closed:
             raise RuntimeError("KvEventRelay is closed: publish KV events before close()")
 
-    def _enqueue(self, event: Dict[str, Any], medium: Optional[str]) -> None:
+    def _enqueue(self, event: dict[str, Any], medium: str | None) -> None:
         if medium is not None:
             event["medium"] = medium
         self._pending.append(event)
@@ -302,5 +301,5 @@ class OffloadEvents:
             return  # e.g. re-adopted disk blocks: their tokens are not known here
         self.relay.stored(tier, run.hashes, run.parent, run.token_ids)
 
-    def on_removed(self, tier: Tier, hashes: List[int]) -> None:
+    def on_removed(self, tier: Tier, hashes: list[int]) -> None:
         self.relay.removed(tier, hashes)

@@ -24,7 +24,8 @@ import json
 import os
 import threading
 import time
-from typing import Any, Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,8 @@ class RequestLog:
     def __init__(self, run_dir: str) -> None:
         self.path = os.path.join(run_dir, FILE)
         self._lock = threading.Lock()
-        self._f = open(self.path, "a", buffering=1)  # line-buffered: whole lines for a reader meanwhile
+        # line-buffered: whole lines for a reader meanwhile; open as long as the log, closed in close()
+        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115
 
     def lookup(
         self,
@@ -57,7 +59,7 @@ class RequestLog:
         prompt_tokens: int,
         device: int,
         answer: int,
-        decision: Optional[Dict[str, Any]],
+        decision: dict[str, Any] | None,
     ) -> None:
         self._write(
             {
@@ -71,7 +73,7 @@ class RequestLog:
             }
         )
 
-    def load(self, key: str, req: str, device: int, planned: int, loaded: Dict[str, int], ok: bool) -> None:
+    def load(self, key: str, req: str, device: int, planned: int, loaded: dict[str, int], ok: bool) -> None:
         self._write(
             {
                 "kind": "load",
@@ -84,7 +86,7 @@ class RequestLog:
             }
         )
 
-    def _write(self, record: Dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any]) -> None:
         line = json.dumps({"t": round(time.time(), 6), **record}) + "\n"
         with self._lock:
             if not self._f.closed:

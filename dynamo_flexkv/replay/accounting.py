@@ -33,8 +33,9 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -95,23 +96,23 @@ class Request:
     tokens: Sequence[int]
     sent: float
     done: float
-    worker: Optional[str]
+    worker: str | None
     cached: int  # cached prompt tokens, all tiers (the response's usage)
-    by_tier: Optional[Mapping[str, int]] = None  # per tier, when the response says (reference engine)
-    ttft_ms: Optional[float] = None
+    by_tier: Mapping[str, int] | None = None  # per tier, when the response says (reference engine)
+    ttft_ms: float | None = None
 
 
 @dataclass
 class RequestAccount:
     index: int
-    worker: Optional[str]
+    worker: str | None
     prompt_tokens: int
-    causes: Dict[str, int]
-    decision: Optional[Dict[str, Any]] = None  # the lookup's, when the policy declined part of it
-    notes: List[str] = field(default_factory=list)
+    causes: dict[str, int]
+    decision: dict[str, Any] | None = None  # the lookup's, when the policy declined part of it
+    notes: list[str] = field(default_factory=list)
 
-    def to_json(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {"causes": {k: v for k, v in self.causes.items() if v}}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"causes": {k: v for k, v in self.causes.items() if v}}
         if self.decision is not None:
             out["decision"] = self.decision
         if self.notes:
@@ -123,25 +124,25 @@ class RequestAccount:
 class RowAccount:
     """One run's accounting: per request, the totals, and what the checks found."""
 
-    requests: List[RequestAccount]
-    totals: Dict[str, int]
+    requests: list[RequestAccount]
+    totals: dict[str, int]
     prompt_tokens: int
     events: int  # KV events seen
     lost_frames: int
     lookups: int  # connector records matched to requests
-    problems: List[str]  # cross-checks that differ (not the sums: those raise)
+    problems: list[str]  # cross-checks that differ (not the sums: those raise)
 
     @property
     def check(self) -> str:
         return "exact" if not self.problems else "; ".join(self.problems)
 
-    def declined_summary(self) -> Optional[str]:
+    def declined_summary(self) -> str | None:
         """The declines with the policy's estimates against the requests' measured TTFT."""
         rows = [r for r in self.requests if r.causes.get("declined") and r.decision]
         if not rows:
             return None
 
-        def med(values: List[Any]) -> str:
+        def med(values: list[Any]) -> str:
             xs = [float(x) for x in values if x is not None and not math.isnan(x)]
             return f"{float(np.median(xs)):.0f}" if xs else "-"
 
@@ -155,10 +156,10 @@ class RowAccount:
         )
 
 
-def chain_keys(tokens: Sequence[int], block_size: int) -> List[bytes]:
+def chain_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
     """A name per whole block of ``tokens`` that says the whole prefix up to it (as the engines'
     chained block hashes do, but computable here from tokens alone)."""
-    out: List[bytes] = []
+    out: list[bytes] = []
     parent = b""
     arr = np.asarray(tokens, dtype="<u4")
     for i in range(len(tokens) // block_size):
@@ -176,10 +177,10 @@ class _Holdings:
     """The workers' blocks by tier, replayed from the events in time order."""
 
     block_size: int
-    names: Dict[Any, bytes] = field(default_factory=dict)  # an event's block hash -> chain key
-    held: Dict[str, Dict[str, set]] = field(default_factory=dict)  # worker -> tier -> chain keys
-    stored_ever: Dict[bytes, float] = field(default_factory=dict)  # key -> first store
-    last_removed: Dict[bytes, Tuple[float, str]] = field(default_factory=dict)  # key -> (t, tier)
+    names: dict[Any, bytes] = field(default_factory=dict)  # an event's block hash -> chain key
+    held: dict[str, dict[str, set]] = field(default_factory=dict)  # worker -> tier -> chain keys
+    stored_ever: dict[bytes, float] = field(default_factory=dict)  # key -> first store
+    last_removed: dict[bytes, tuple[float, str]] = field(default_factory=dict)  # key -> (t, tier)
 
     def apply(self, e: KvEvent) -> None:
         tiers = self.held.setdefault(e.worker, {})
@@ -211,11 +212,11 @@ class _Holdings:
                 keys.discard(k)
                 self.last_removed[k] = (e.t, e.tier)
 
-    def tier_on(self, worker: Optional[str], key: bytes) -> Optional[str]:
+    def tier_on(self, worker: str | None, key: bytes) -> str | None:
         tiers = self.held.get(worker or "", {})
         return next((t for t in TIER_ORDER if key in tiers.get(t, ())), None)
 
-    def other_holder(self, worker: Optional[str], key: bytes) -> Optional[Tuple[str, str]]:
+    def other_holder(self, worker: str | None, key: bytes) -> tuple[str, str] | None:
         for w, tiers in self.held.items():
             if w != worker:
                 t = next((t for t in TIER_ORDER if key in tiers.get(t, ())), None)
@@ -231,14 +232,14 @@ class _Holdings:
 class ConnectorLog:
     """A worker's request_log lines, split by kind and named by key."""
 
-    lookups: Dict[str, List[Dict[str, Any]]]
-    loads: Dict[str, List[Dict[str, Any]]]
+    lookups: dict[str, list[dict[str, Any]]]
+    loads: dict[str, list[dict[str, Any]]]
 
     @classmethod
-    def parse(cls, lines: Iterable[Dict[str, Any]]) -> "ConnectorLog":
+    def parse(cls, lines: Iterable[dict[str, Any]]) -> ConnectorLog:
         """Records in time order by key; ``take`` claims them, so parse anew for each use."""
-        lookups: Dict[str, List[Dict[str, Any]]] = {}
-        loads: Dict[str, List[Dict[str, Any]]] = {}
+        lookups: dict[str, list[dict[str, Any]]] = {}
+        loads: dict[str, list[dict[str, Any]]] = {}
         for rec in lines:
             into = lookups if rec.get("kind") == "lookup" else loads if rec.get("kind") == "load" else None
             if into is not None:
@@ -247,7 +248,7 @@ class ConnectorLog:
             recs.sort(key=lambda rec: float(rec["t"]))
         return cls(lookups, loads)
 
-    def take(self, which: str, key: str, start: float, end: float) -> Optional[Dict[str, Any]]:
+    def take(self, which: str, key: str, start: float, end: float) -> dict[str, Any] | None:
         """The first unclaimed record of ``key`` within [start, end] (and claims it): a request's
         own, when two requests had the same prompt."""
         recs = (self.lookups if which == "lookup" else self.loads).get(key, [])
@@ -267,8 +268,8 @@ SLACK_S = 0.05
 def account(
     requests: Sequence[Request],
     block_size: int,
-    events: Optional[Sequence[KvEvent]] = None,
-    logs: Optional[Mapping[str, Sequence[Dict[str, Any]]]] = None,
+    events: Sequence[KvEvent] | None = None,
+    logs: Mapping[str, Sequence[dict[str, Any]]] | None = None,
     peer: bool = False,
     lost_frames: int = 0,
 ) -> RowAccount:
@@ -279,9 +280,9 @@ def account(
     parsed = {w: ConnectorLog.parse(lines) for w, lines in (logs or {}).items()}
     reqs = sorted(requests, key=lambda r: (r.sent, r.index))
     keys = {r.index: chain_keys(r.tokens, bs) for r in reqs}
-    decide_at: Dict[int, float] = {}
-    lookups: Dict[int, Dict[str, Any]] = {}
-    loads: Dict[int, Dict[str, Any]] = {}
+    decide_at: dict[int, float] = {}
+    lookups: dict[int, dict[str, Any]] = {}
+    loads: dict[int, dict[str, Any]] = {}
     for r in reqs:
         log = parsed.get(r.worker or "")
         decide_at[r.index] = r.sent
@@ -301,8 +302,8 @@ def account(
     later_stores = _lower_tier_stores(ordered, bs)
     # What was sent before each request: its "seen" prefix, and the earlier requests carrying each block.
     seen: set = set()
-    carriers: Dict[bytes, List[Request]] = {}
-    before: Dict[int, Tuple[set, Dict[bytes, List[Request]]]] = {}
+    carriers: dict[bytes, list[Request]] = {}
+    before: dict[int, tuple[set, dict[bytes, list[Request]]]] = {}
     for r in reqs:
         before[r.index] = (set(seen), {k: list(v) for k, v in carriers.items() if k in keys[r.index]})
         for k in keys[r.index]:
@@ -311,7 +312,7 @@ def account(
     # The events replayed in time order up to each request's lookup (or its sending).
     state = _Holdings(bs)
     applied = 0
-    out: List[RequestAccount] = []
+    out: list[RequestAccount] = []
     for r in sorted(reqs, key=lambda r: (decide_at[r.index], r.index)):
         t = decide_at[r.index]
         while applied < len(ordered) and ordered[applied].t <= t:
@@ -341,16 +342,16 @@ def account(
     return RowAccount(out, totals, prompt, len(ordered), lost_frames, len(lookups), _dedupe(problems))
 
 
-def _dedupe(notes: List[str], keep: int = 5) -> List[str]:
+def _dedupe(notes: list[str], keep: int = 5) -> list[str]:
     if len(notes) <= keep:
         return notes
     return notes[:keep] + [f"... and {len(notes) - keep} more"]
 
 
-def _lower_tier_stores(events: Sequence[KvEvent], bs: int) -> Dict[bytes, List[float]]:
+def _lower_tier_stores(events: Sequence[KvEvent], bs: int) -> dict[bytes, list[float]]:
     """Chain key -> times it was stored into host, disk or remote on any worker."""
-    names: Dict[Any, bytes] = {}
-    out: Dict[bytes, List[float]] = {}
+    names: dict[Any, bytes] = {}
+    out: dict[bytes, list[float]] = {}
     for e in events:
         if e.kind != "stored":
             continue
@@ -374,18 +375,18 @@ class _Context:
     bs: int
     t: float
     seen: set  # chain keys of the prompts sent before it
-    carriers: Dict[bytes, List[Request]]  # its blocks -> the earlier requests whose prompt had them
-    state: Optional[_Holdings]  # None: no events were collected
-    later_stores: Dict[bytes, List[float]]
-    lookup: Optional[Dict[str, Any]]
+    carriers: dict[bytes, list[Request]]  # its blocks -> the earlier requests whose prompt had them
+    state: _Holdings | None  # None: no events were collected
+    later_stores: dict[bytes, list[float]]
+    lookup: dict[str, Any] | None
     has_connector: bool
     peer: bool
 
-    def account(self, keys: List[bytes], load: Optional[Dict[str, Any]]) -> RequestAccount:
+    def account(self, keys: list[bytes], load: dict[str, Any] | None) -> RequestAccount:
         r, bs = self.r, self.bs
         P = len(r.tokens)
         causes = {c: 0 for c in CAUSES}
-        notes: List[str] = []
+        notes: list[str] = []
         # ---- what was loaded, from which tier ----------------------------------------------------
         if r.by_tier is not None:  # the response says (reference engine)
             for tier in LOADED:
@@ -415,7 +416,7 @@ class _Context:
             raise AccountingError(f"request {r.index}: {hit} tokens loaded of a {P}-token prompt")
         # ---- why the rest was computed -----------------------------------------------------------
         decision = (self.lookup or {}).get("decision")
-        declined: Optional[Dict[str, Any]] = None
+        declined: dict[str, Any] | None = None
         for i in range(-(-hit // bs), lookup_tokens(P, bs) // bs):
             cause = self.why(i, keys[i])
             causes[cause] += bs

@@ -15,8 +15,9 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from dynamo_flexkv.core.procgroup import stop_group
 from dynamo_flexkv.replay.client import RequestRecord, arrival_times
@@ -90,8 +91,8 @@ def run_aiperf(
     concurrency: int,
     workdir: Path,
     request_timeout_s: float = 120,
-    timeout_s: Optional[float] = None,
-) -> Tuple[List[RequestRecord], float]:
+    timeout_s: float | None = None,
+) -> tuple[list[RequestRecord], float]:
     """``aiperf profile`` of the turns against ``url``: one record per turn (in ``turns``' order)
     with no cap on requests in flight: aiperf's --concurrency caps *sessions* (a conversation holds
     its slot until its last turn), which measured delayed later conversations' first turns by up
@@ -154,7 +155,7 @@ def run_aiperf(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True
         )
         try:
-            code: Optional[int] = proc.wait(timeout=limit)
+            code: int | None = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             code = None
         finally:
@@ -181,12 +182,12 @@ def replay_seconds(lines: Sequence[str]) -> float:
     return (max(ends) - min(starts)) / 1e9 if starts and ends else 0.0
 
 
-def _value(metrics: Dict[str, Any], name: str) -> Any:
+def _value(metrics: dict[str, Any], name: str) -> Any:
     m = metrics.get(name)
     return m.get("value") if isinstance(m, dict) else None
 
 
-def records_from_export(lines: Sequence[str], turns: Sequence[Turn], time_scale: float = 1.0) -> List[RequestRecord]:
+def records_from_export(lines: Sequence[str], turns: Sequence[Turn], time_scale: float = 1.0) -> list[RequestRecord]:
     """aiperf's per-request export as our records, matched to the turns by session and turn index
     (the k-th line of a session in the trace is its turn k); a turn aiperf has no record of is an
     error."""
@@ -202,8 +203,8 @@ def records_from_export(lines: Sequence[str], turns: Sequence[Turn], time_scale:
         )
         for i, t in enumerate(turns)
     ]
-    slot: Dict[tuple, int] = {}
-    seen: Dict[str, int] = {}
+    slot: dict[tuple, int] = {}
+    seen: dict[str, int] = {}
     for i, t in enumerate(turns):
         sid = session_id(t)
         slot[(sid, seen.get(sid, 0))] = i

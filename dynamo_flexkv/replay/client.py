@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import aiohttp
 
@@ -34,21 +35,21 @@ class RequestRecord:
     sent_s: float = 0.0  # when it went out (later than arrival when a slot or its previous turn held it)
     prompt_tokens: int = 0
     output_tokens: int = 0
-    ttft_ms: Optional[float] = None  # from sending to the first token
-    itl_ms: List[float] = field(default_factory=list)  # gaps between streamed tokens
-    e2e_ms: Optional[float] = None
-    worker_id: Optional[int] = None  # the frontend's nvext.worker_id.decode_worker_id
+    ttft_ms: float | None = None  # from sending to the first token
+    itl_ms: list[float] = field(default_factory=list)  # gaps between streamed tokens
+    e2e_ms: float | None = None
+    worker_id: int | None = None  # the frontend's nvext.worker_id.decode_worker_id
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (all tiers)
-    cached_by_tier: Optional[Dict[str, int]] = None  # per tier, when the response reports it
-    error: Optional[str] = None
+    cached_by_tier: dict[str, int] | None = None  # per tier, when the response reports it
+    error: str | None = None
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["itl_ms"] = [round(x, 2) for x in self.itl_ms]
         return d
 
 
-def tier_split(nvext: Dict[str, Any]) -> Optional[Dict[str, int]]:
+def tier_split(nvext: dict[str, Any]) -> dict[str, int] | None:
     """Cached prompt tokens per tier from a chunk's ``nvext``: the worker puts them in its final
     chunk's engine_data (``{"flexkv": {"cached_tokens": {tier: n}}}``), which the frontend returns as
     ``nvext.engine_data`` when the request lists "engine_data" in ``nvext.extra_fields``."""
@@ -58,7 +59,7 @@ def tier_split(nvext: Dict[str, Any]) -> Optional[Dict[str, int]]:
     return {t: int(by.get(t) or 0) for t in TIERS}
 
 
-def chunk_tokens(chunk: Dict[str, Any], nvext: Dict[str, Any]) -> int:
+def chunk_tokens(chunk: dict[str, Any], nvext: dict[str, Any]) -> int:
     """How many generated tokens a stream chunk carries: ``nvext.completion_token_ids`` when the
     frontend sends it (Dynamo does when the request lists it in ``nvext.extra_fields``), else one
     per chunk with a choice (the usage-only last chunk has none)."""
@@ -68,7 +69,7 @@ def chunk_tokens(chunk: Dict[str, Any], nvext: Dict[str, Any]) -> int:
     return 1 if chunk.get("choices") else 0
 
 
-def arrival_times(turns: Sequence[Turn], time_scale: float) -> List[float]:
+def arrival_times(turns: Sequence[Turn], time_scale: float) -> list[float]:
     """Seconds from the replay's start: trace time divided by ``time_scale``."""
     if time_scale <= 0:
         raise ValueError(f"time-scale={time_scale} must be > 0 (trace seconds per replay second)")
@@ -88,16 +89,16 @@ class Replayer:
 
     def run(
         self, turns: Sequence[Turn], time_scale: float, on_done: Callable[[RequestRecord], None] = lambda r: None
-    ) -> List[RequestRecord]:
+    ) -> list[RequestRecord]:
         return asyncio.run(self.replay(turns, time_scale, on_done))
 
     async def replay(
         self, turns: Sequence[Turn], time_scale: float, on_done: Callable[[RequestRecord], None]
-    ) -> List[RequestRecord]:
+    ) -> list[RequestRecord]:
         arrivals = arrival_times(turns, time_scale)
         records = [RequestRecord(i, t.conversation, t.turn, a) for i, (t, a) in enumerate(zip(turns, arrivals))]
         slots = asyncio.Semaphore(self.concurrency)
-        answered: Dict[tuple, asyncio.Event] = {(t.conversation, t.turn): asyncio.Event() for t in turns}
+        answered: dict[tuple, asyncio.Event] = {(t.conversation, t.turn): asyncio.Event() for t in turns}
         loop = asyncio.get_running_loop()
         start = loop.time()
         self.started_unix = time.time()
@@ -132,7 +133,7 @@ class Replayer:
         }
         rec.prompt_tokens = len(turn.tokens)
         t0 = time.perf_counter()
-        last: Optional[float] = None
+        last: float | None = None
         try:
             async with session.post(self.url, json=body) as resp:
                 if resp.status != 200:

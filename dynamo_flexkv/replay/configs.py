@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 
 from dynamo_flexkv.core.http_client import scrape, total
@@ -29,12 +29,12 @@ if TYPE_CHECKING:
 class Configuration:
     name: str
     description: str
-    overrides: Tuple[str, ...]  # --set style, on top of the graph's config; {worker}: the worker section
+    overrides: tuple[str, ...]  # --set style, on top of the graph's config; {worker}: the worker section
     offload: bool = True
     node: bool = False  # the workers' tiers become one node cache they share (node_cache_config)
-    peer: Optional[str] = None  # another offload system in the workers instead of ours (replay/peers.py)
+    peer: str | None = None  # another offload system in the workers instead of ours (replay/peers.py)
 
-    def overrides_for(self, worker: str) -> List[str]:
+    def overrides_for(self, worker: str) -> list[str]:
         """The overrides with ``{worker}`` replaced by the engine's worker section (FlexKVWorker, VllmWorker)."""
         return [o.replace("{worker}", worker) for o in self.overrides]
 
@@ -45,7 +45,7 @@ class Counter:
     ``labels`` (a vLLM worker labels each sample with its model and engine index)."""
 
     name: str  # the sample name, e.g. flexkv_requests_total
-    labels: Tuple[Tuple[str, str], ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         return self.name + ("{" + ",".join(f'{k}="{v}"' for k, v in self.labels) + "}" if self.labels else "")
@@ -58,7 +58,7 @@ class MetricMapping:
 
     requests: Counter
     prompt_tokens: Counter
-    cached: Dict[str, Counter]
+    cached: dict[str, Counter]
 
 
 def _flexkv_tier(tier: str) -> Counter:
@@ -93,7 +93,7 @@ class Engine:
     ready_timeout_s: float  # how long a freshly served graph may take to answer (--ready-timeout)
 
 
-ENGINES: Dict[str, Engine] = {
+ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
         Engine(
@@ -130,7 +130,7 @@ ENGINES: Dict[str, Engine] = {
 
 
 DEVICE_ONLY = ("Frontend.router-host-cache-hit-weight=0", "Frontend.router-disk-cache-hit-weight=0")
-CONFIGURATIONS: Dict[str, Configuration] = {
+CONFIGURATIONS: dict[str, Configuration] = {
     c.name: c
     for c in (
         Configuration("no-offload", "device prefix cache only, KV routing", ("{worker}.offload=false",), offload=False),
@@ -161,7 +161,7 @@ CONFIGURATIONS: Dict[str, Configuration] = {
 # Remote (peer) tiers do not exist yet; the comparison gains "host+ssd+remote" when they do.
 
 
-def parse_configs(text: str) -> List[Configuration]:
+def parse_configs(text: str) -> list[Configuration]:
     out = []
     for name in (n.strip() for n in text.split(",") if n.strip()):
         if name not in CONFIGURATIONS:
@@ -178,9 +178,9 @@ class WorkerTotals:
 
     requests: int = 0
     prompt_tokens: int = 0
-    cached: Dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+    cached: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
 
-    def minus(self, other: "WorkerTotals") -> "WorkerTotals":
+    def minus(self, other: WorkerTotals) -> WorkerTotals:
         return WorkerTotals(
             self.requests - other.requests,
             self.prompt_tokens - other.prompt_tokens,
@@ -219,10 +219,10 @@ class ConfigRun:
 
     config: Configuration
     device_blocks: int
-    records: List[RequestRecord]
+    records: list[RequestRecord]
     wall_s: float
-    workers: Dict[str, WorkerTotals]  # worker name -> its counters' change across the replay
-    worker_names: Dict[int, str]  # instance id -> worker name
+    workers: dict[str, WorkerTotals]  # worker name -> its counters' change across the replay
+    worker_names: dict[int, str]  # instance id -> worker name
     engine: str = "reference"  # ENGINES key: whose metric mapping ``workers`` was read with
     client: str = "ours"  # who sent and timed the requests: ours (Replayer) or aiperf
     # For the accounting (accounting.py): the prompts sent (by record index), the replay's start
@@ -231,12 +231,12 @@ class ConfigRun:
     turns: Sequence[Turn] = ()
     started_unix: float = 0.0
     block_size: int = 0
-    events: Optional[List[KvEvent]] = None
+    events: list[KvEvent] | None = None
     lost_frames: int = 0
-    connector_logs: Optional[Dict[str, List[Dict[str, Any]]]] = None
+    connector_logs: dict[str, list[dict[str, Any]]] | None = None
     time_scale: float = 0.0  # trace seconds per replay second this run was sent at
     repeat: int = 1  # which repetition of its row (--repeat)
-    account: Optional["RowAccount"] = None  # its accounting, once report.accounted computed it
+    account: RowAccount | None = None  # its accounting, once report.accounted computed it
 
     @property
     def label(self) -> str:
@@ -270,7 +270,7 @@ class ServeSettings:
     config_file: str
     extra_overrides: Sequence[str] = ()
     logs: bool = False
-    ready_timeout_s: Optional[float] = None
+    ready_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -281,11 +281,11 @@ class ReplayTarget:
 
     url: str
     model: str
-    ports: Dict[str, int]
+    ports: dict[str, int]
     check_alive: Callable[[], None] = lambda: None
-    model_dir: Optional[Path] = None
-    event_endpoints: Dict[str, str] = field(default_factory=dict)  # worker name -> its KV event socket
-    request_logs: Dict[str, Path] = field(default_factory=dict)  # worker name -> its connector's request_log
+    model_dir: Path | None = None
+    event_endpoints: dict[str, str] = field(default_factory=dict)  # worker name -> its KV event socket
+    request_logs: dict[str, Path] = field(default_factory=dict)  # worker name -> its connector's request_log
 
 
 def serve_and_replay(
@@ -295,7 +295,7 @@ def serve_and_replay(
     serve: ServeSettings,
     on_done: Callable[[RequestRecord], None],
     on_ready: Callable[[], None] = lambda: None,
-) -> Tuple[ConfigRun, "Launcher"]:
+) -> tuple[ConfigRun, Launcher]:
     """Serves ``config`` on a fresh graph of ``replay.engine``'s workers and replays
     ``replay.turns`` against it. The graph is returned still running: the caller stops it
     (``Launcher.shutdown``), e.g. while the next one starts."""
@@ -350,7 +350,7 @@ def serve_and_replay(
         target = ReplayTarget(
             plan.base_url,
             plan.served_model_name,
-            {p.name: p.port for p in plan.workers},
+            {p.name: p.port for p in plan.workers if p.port is not None},
             launcher.check_alive,
             model_dir,
             worker_endpoints(plan.workers),
@@ -365,7 +365,7 @@ def serve_and_replay(
     return run, launcher
 
 
-def node_cache_config(cfg: Dict[str, Any], worker: str, run_dir: Path) -> Dict[str, Any]:
+def node_cache_config(cfg: dict[str, Any], worker: str, run_dir: Path) -> dict[str, Any]:
     """The same graph with its workers' tiers pooled into one node cache (docs/NODE_CACHE.md): the
     node cache gets the workers' cache keys with their host and disk sizes added up (the same memory
     and disk as every worker's own tiers together), a fresh disk directory, and each worker only
@@ -389,7 +389,7 @@ def replay_url(
     *,
     ports: Sequence[int],
     on_done: Callable[[RequestRecord], None],
-    model_dir: Optional[Path] = None,
+    model_dir: Path | None = None,
 ) -> ConfigRun:
     """The replay against a graph served elsewhere; ``ports``: its workers' system ports (may be
     empty), read with ``replay.engine``'s metric mapping; ``model_dir``: the tokenizer aiperf loads
@@ -405,7 +405,7 @@ def _measure(
     target: ReplayTarget,
     replay: ReplaySettings,
     on_done: Callable[[RequestRecord], None],
-    workdir: Optional[Path] = None,
+    workdir: Path | None = None,
 ) -> ConfigRun:
     from dynamo_flexkv.replay.events import EventTap
 
@@ -417,9 +417,9 @@ def _measure(
     logs_before = {name: _line_count(path) for name, path in target.request_logs.items()}
     tap = EventTap(target.event_endpoints) if target.event_endpoints and replay.client == "ours" else None
     started_unix = time.time()
-    events: Optional[List[KvEvent]] = None
+    events: list[KvEvent] | None = None
     t0 = time.perf_counter()
-    wall: Optional[float] = None
+    wall: float | None = None
     if replay.client == "aiperf":
         from dynamo_flexkv.replay.aiperf import run_aiperf
 
@@ -482,7 +482,7 @@ def _line_count(path: Path) -> int:
         return 0
 
 
-def _read_lines(path: Path, skip: int) -> List[Dict[str, Any]]:
+def _read_lines(path: Path, skip: int) -> list[dict[str, Any]]:
     """A request_log's records after its first ``skip`` lines (those of the graph's warm-up);
     a line still being written when the replay ended is left out."""
     import json
@@ -498,16 +498,17 @@ def _read_lines(path: Path, skip: int) -> List[Dict[str, Any]]:
     return out
 
 
-def attribute_workers(run: ConfigRun) -> Dict[str, List[RequestRecord]]:
+def attribute_workers(run: ConfigRun) -> dict[str, list[RequestRecord]]:
     """Successful records by the worker that served them."""
-    out: Dict[str, List[RequestRecord]] = {name: [] for name in run.workers}
+    out: dict[str, list[RequestRecord]] = {name: [] for name in run.workers}
     for r in run.records:
         if r.error is None:
-            out.setdefault(run.worker_names.get(r.worker_id, f"unknown-{r.worker_id}"), []).append(r)
+            name = run.worker_names.get(r.worker_id) if r.worker_id is not None else None
+            out.setdefault(name or f"unknown-{r.worker_id}", []).append(r)
     return out
 
 
-def device_block_list(text: str) -> List[int]:
+def device_block_list(text: str) -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:

@@ -11,8 +11,9 @@ heard of."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any
 
 import msgspec
 import zmq
@@ -38,12 +39,12 @@ class KvEvent:
     worker: str
     kind: str
     tier: str
-    hashes: Tuple[Any, ...] = ()
+    hashes: tuple[Any, ...] = ()
     parent: Any = None
-    token_ids: Tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
 
 
-def decode_frame(worker: str, payload: bytes) -> List[KvEvent]:
+def decode_frame(worker: str, payload: bytes) -> list[KvEvent]:
     """A publisher frame's payload (msgpack ``[ts, [events...], dp_rank]``, each event a map with
     its ``type``) as KvEvents; events of other kinds are skipped."""
     batch = msgspec.msgpack.decode(payload)
@@ -84,14 +85,14 @@ class EventTap:
     """Subscribes to ``endpoints`` (worker name -> ZMQ endpoint) from a thread of its own until
     ``stop``; ``events`` in arrival order, ``lost`` frames the sequence numbers skipped."""
 
-    endpoints: Dict[str, str]
-    events: List[KvEvent] = field(default_factory=list)
+    endpoints: dict[str, str]
+    events: list[KvEvent] = field(default_factory=list)
     lost: int = 0
     undecodable: int = 0
 
     def __post_init__(self) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._socks: Dict[Any, str] = {}
+        self._socks: dict[Any, str] = {}
         for name, ep in self.endpoints.items():
             sock = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
@@ -99,7 +100,7 @@ class EventTap:
             sock.connect(ep)
             self._socks[sock] = name
         self._stop = threading.Event()
-        self._seq: Dict[str, int] = {}
+        self._seq: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="replay-kv-events", daemon=True)
         self._thread.start()
 
@@ -134,7 +135,7 @@ class EventTap:
             except (msgspec.DecodeError, TypeError, ValueError, IndexError, AttributeError):
                 self.undecodable += 1
 
-    def stop(self) -> List[KvEvent]:
+    def stop(self) -> list[KvEvent]:
         """Stops (what arrived is read first) and returns the events. Those of the last steps may
         still be on their way: no request of the replay is judged by them."""
         self._stop.set()
@@ -142,7 +143,7 @@ class EventTap:
         return self.events
 
 
-def worker_endpoints(workers: Sequence[Any]) -> Dict[str, str]:
+def worker_endpoints(workers: Sequence[Any]) -> dict[str, str]:
     """Each vLLM worker's KV event endpoint, from its ``--kv-events-config`` argument (serve's
     plan: an ipc:// socket in the worker's run directory); workers without one are left out."""
     import json

@@ -11,14 +11,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any
 
 from dynamo_flexkv.core.durations import is_duration
 from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
 from dynamo_flexkv.workload import TRACE_BLOCK, Scale, Turn, trace_turns
-
 
 ALL_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only,node"
 # Host tier per worker, in blocks of the small preset: the reference engine 512 (float32, 256 KiB a
@@ -33,7 +33,7 @@ class Preset:
 
     conversations: int
     sample_every: int  # every K-th conversation: new conversations spread over the trace, not one burst
-    trace_window_s: Optional[float]  # turns later than this into the trace are dropped
+    trace_window_s: float | None  # turns later than this into the trace are dropped
     time_scale: float
     configs: str
     device_blocks: str
@@ -321,7 +321,7 @@ def _on_sigterm_interrupt():
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dynamo_flexkv.serve.launcher import ComponentDied
+    from dynamo_flexkv.replay.accounting import AccountingError
     from dynamo_flexkv.replay.configs import (
         ENGINES,
         ConfigRun,
@@ -333,8 +333,8 @@ def _run(args: argparse.Namespace) -> int:
         replay_url,
         serve_and_replay,
     )
-    from dynamo_flexkv.replay.accounting import AccountingError
     from dynamo_flexkv.replay.report import apply_goodput, first_error, markdown, summarize, write_jsonl
+    from dynamo_flexkv.serve.launcher import ComponentDied
 
     preset = FULL if args.full else DEFAULT
     engine = ENGINES[args.engine]
@@ -401,8 +401,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     serve = ServeSettings(args.graph, args.config, args.set, args.logs, args.ready_timeout)
     t_start = time.perf_counter()
-    runs: List[ConfigRun] = []
-    failed: List[str] = []
+    runs: list[ConfigRun] = []
+    failed: list[str] = []
     stopping = Stopping()
     try:
         for config, blocks, rate, rep in schedule:
@@ -483,12 +483,12 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if err or failed else 0
 
 
-def interleaved(plan: List[Tuple[Any, int]], higher: float, repeats: int) -> List[Tuple[Any, int, float, int]]:
+def interleaved(plan: list[tuple[Any, int]], higher: float, repeats: int) -> list[tuple[Any, int, float, int]]:
     """(configuration, device blocks, rate, repetition) in the order they run: every row at the
     trace's rate, then the first size's rows at the ``higher`` rate (0: none), then all of it again
     for the next repetition, so drift on the machine hits every row alike."""
     faster = [(c, b) for c, b in plan if b == plan[0][1]] if higher else []
-    out: List[Tuple[Any, int, float, int]] = []
+    out: list[tuple[Any, int, float, int]] = []
     for rep in range(1, repeats + 1):
         out += [(c, b, 1.0, rep) for c, b in plan] + [(c, b, higher, rep) for c, b in faster]
     return out
@@ -512,7 +512,7 @@ class Stopping:
     graph starts meanwhile; ``wait`` before measuring anything."""
 
     def __init__(self) -> None:
-        self.thread: Optional[threading.Thread] = None
+        self.thread: threading.Thread | None = None
 
     def start(self, launcher) -> None:
         self.wait()
@@ -547,7 +547,7 @@ class Progress:
             self.bar.close()
 
 
-def engine_overrides(engine, args: argparse.Namespace, scale: Scale) -> List[str]:
+def engine_overrides(engine, args: argparse.Namespace, scale: Scale) -> list[str]:
     """What the replay sets on the engine's workers before the user's --set: the host tier size,
     and for vLLM a --max-model-len of the longest prompt plus output, in whole blocks (vLLM's
     device cache must hold one such request besides the block it keeps back, so a small device
@@ -561,7 +561,7 @@ def engine_overrides(engine, args: argparse.Namespace, scale: Scale) -> List[str
     return out
 
 
-def _worker_section(args: argparse.Namespace, overrides: Optional[List[str]] = None) -> dict:
+def _worker_section(args: argparse.Namespace, overrides: list[str] | None = None) -> dict:
     from dynamo_flexkv.replay.configs import ENGINES
     from dynamo_flexkv.serve.plan import apply_overrides, load_config
 
@@ -624,12 +624,12 @@ def _check_context(args: argparse.Namespace, scale: Scale, device_blocks: int) -
         )
 
 
-def sampled(turns: List[Turn], every: int) -> List[Turn]:
+def sampled(turns: list[Turn], every: int) -> list[Turn]:
     """Every ``every``-th conversation, renumbered 0, 1, ..."""
     return [replace(t, conversation=t.conversation // every) for t in turns if t.conversation % every == 0]
 
 
-def within_window(turns: List[Turn], window_s: Optional[float]) -> List[Turn]:
+def within_window(turns: list[Turn], window_s: float | None) -> list[Turn]:
     """The turns that arrive within the trace's first ``window_s`` seconds (all when None)."""
     if window_s is None:
         return turns
@@ -639,7 +639,7 @@ def within_window(turns: List[Turn], window_s: Optional[float]) -> List[Turn]:
     return [t for t in turns if t.timestamp_ms - t0 <= window_s * 1000]
 
 
-def _ports(text: str) -> List[int]:
+def _ports(text: str) -> list[int]:
     try:
         return [int(p) for p in text.split(",") if p.strip()]
     except ValueError:

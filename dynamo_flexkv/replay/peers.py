@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any
 
 from dynamo_flexkv.bench.peer_lmcache import INSTALL, LMCacheServer, kv_transfer_config, missing_reason, prefix_dir
 from dynamo_flexkv.serve.graph import Kind
@@ -24,7 +24,7 @@ from dynamo_flexkv.serve.process import Process
 SERVER = "LMCacheServer"
 
 
-def lmcache_config(cfg: Dict[str, Any], worker: str, run_dir: Path) -> Tuple[Dict[str, Any], LMCacheServer]:
+def lmcache_config(cfg: dict[str, Any], worker: str, run_dir: Path) -> tuple[dict[str, Any], LMCacheServer]:
     """``cfg`` with ``worker``'s replicas on LMCacheMPConnector (our offload off), and the node's
     server they use: its CPU tier the size of the workers' host tiers together, 64-token chunks
     (the workers' block size), its disk tier under ``run_dir``."""

@@ -3,8 +3,8 @@ from, requests per worker, throughput, and the device-size sweep."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Sequence
 
 from dynamo_flexkv.replay.client import TIERS
 from dynamo_flexkv.replay.configs import ConfigRun
@@ -22,7 +22,7 @@ def _pyplot():
     return plt
 
 
-def write_plots(out: Path, runs: Sequence[ConfigRun], summaries: Sequence[Summary], main_blocks: int) -> List[Path]:
+def write_plots(out: Path, runs: Sequence[ConfigRun], summaries: Sequence[Summary], main_blocks: int) -> list[Path]:
     """Writes the PNGs into ``out``; the per-configuration plots show the runs at ``main_blocks``."""
     main = [(r, s) for r, s in zip(runs, summaries) if s.device_blocks == main_blocks]
     if not any(r.error is None for run, _ in main for r in run.records):
@@ -65,7 +65,7 @@ def _cached(plt, path: Path, summaries: Sequence[Summary], blocks: int) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     x = range(len(summaries))
     bottom = [0.0] * len(summaries)
-    parts: Dict[str, List[float]] = {t: [s.cached[t] / 1000 for s in summaries] for t in TIERS}
+    parts: dict[str, list[float]] = {t: [s.cached[t] / 1000 for s in summaries] for t in TIERS}
     parts["computed"] = [s.computed_tokens / 1000 for s in summaries]
     for name, values in parts.items():
         ax.bar(x, values, bottom=bottom, label=name, color=TIER_COLORS[name])

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
 from dynamo_flexkv.replay.accounting import CAUSES, LABELS, Request, RowAccount, account
 from dynamo_flexkv.replay.client import TIERS, RequestRecord
 from dynamo_flexkv.replay.configs import ENGINES, ConfigRun, attribute_workers, peer_mapping
-
 
 CLIENTS = {
     "ours": "our replay client (TTFT: the first chunk carrying a token, by nvext.completion_token_ids)",
@@ -47,10 +47,10 @@ class Summary:
     output_tokens_per_s: float
     prompt_tokens: int
     computed_tokens: int
-    cached: Dict[str, int]  # prompt tokens served per tier
+    cached: dict[str, int]  # prompt tokens served per tier
     tier_source: str  # "responses" (per request) or "worker metrics" (per worker totals)
-    hit_rate: Dict[str, float]  # cached / prompt tokens, per tier and "all"
-    requests_per_worker: Dict[str, int]
+    hit_rate: dict[str, float]  # cached / prompt tokens, per tier and "all"
+    requests_per_worker: dict[str, int]
     accounting: str  # per-request cached tokens vs the workers' counters
     ttft_p50_later_ms: float = math.nan  # turns after a conversation's first: where routing decides the hits
     kept_on_worker: float = math.nan  # later turns served by the worker that served the turn before
@@ -60,9 +60,9 @@ class Summary:
     rate: float = 1.0  # the arrival rate as a multiple of the replay's --time-scale (--higher-rate)
     repeat: int = 1  # which run of its row (--repeat)
     # Where every prompt token went (accounting.py): tokens by cause, the checks, the declines
-    account: Dict[str, int] = field(default_factory=dict)
+    account: dict[str, int] = field(default_factory=dict)
     account_check: str = "not accounted"
-    account_declined: Optional[str] = None
+    account_declined: str | None = None
     # Requests per minute whose TTFT met the target (set once every run finished: the target may
     # be relative to no-offload's), and that against no-offload's at the same rate and repetition
     goodput_target_ms: float = math.nan
@@ -73,7 +73,7 @@ class Summary:
         return {"bench": "replay", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in vars(self).items()}}
 
 
-def accounted(run: ConfigRun) -> Optional[RowAccount]:
+def accounted(run: ConfigRun) -> RowAccount | None:
     """The run's accounting (accounting.py), computed once; None where the records cannot say
     (aiperf's name no worker; a run without its prompts or block size)."""
     if run.account is not None or run.client != "ours" or not run.turns or not run.block_size:
@@ -99,12 +99,12 @@ def accounted(run: ConfigRun) -> Optional[RowAccount]:
     return row
 
 
-def _against_counters(run: ConfigRun, row: RowAccount) -> List[str]:
+def _against_counters(run: ConfigRun, row: RowAccount) -> list[str]:
     """The accounting's loaded tokens per worker and tier against the workers' counters (a peer
     row's device part per request is read from vLLM's device events: the check says whether that
     reading adds up to vLLM's own count)."""
     out = []
-    got: Dict[str, Dict[str, int]] = {}
+    got: dict[str, dict[str, int]] = {}
     for a in row.requests:
         w = got.setdefault(a.worker or "", {t: 0 for t in TIERS})
         for t in TIERS:
@@ -124,14 +124,15 @@ def _against_counters(run: ConfigRun, row: RowAccount) -> List[str]:
     return out
 
 
-def summarize(run: ConfigRun, base_time_scale: Optional[float] = None) -> Summary:
+def summarize(run: ConfigRun, base_time_scale: float | None = None) -> Summary:
     ok = [r for r in run.records if r.error is None]
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     itl = [x for r in ok for x in r.itl_ms]
     prompt = sum(r.prompt_tokens for r in ok)
-    per_request = all(r.cached_by_tier is not None for r in ok) and bool(ok)
+    by_tier = [r.cached_by_tier for r in ok if r.cached_by_tier is not None]
+    per_request = len(by_tier) == len(ok) and bool(ok)
     if per_request:
-        cached = {t: sum(r.cached_by_tier.get(t, 0) for r in ok) for t in TIERS}  # a tier a record lacks: 0
+        cached = {t: sum(c.get(t, 0) for c in by_tier) for t in TIERS}  # a tier a record lacks: 0
     else:  # the responses carry only a total: per tier from the workers' counters
         cached = {t: sum(w.cached[t] for w in run.workers.values()) for t in TIERS}
     # aiperf's records carry no usage details or worker: the totals come from the workers' counters
@@ -177,7 +178,7 @@ def summarize(run: ConfigRun, base_time_scale: Optional[float] = None) -> Summar
     )
 
 
-def _account_fields(run: ConfigRun) -> Dict[str, Any]:
+def _account_fields(run: ConfigRun) -> dict[str, Any]:
     row = accounted(run)
     if row is None:
         why = "aiperf's records name no worker" if run.client == "aiperf" else "no prompts or block size"
@@ -195,11 +196,11 @@ class TtftTarget:
     """The TTFT a request must meet to count in goodput: ``ms`` fixed, or ``factor`` times the
     no-offload row's TTFT p50 at the trace's rate (its median over the runs)."""
 
-    ms: Optional[float] = None
-    factor: Optional[float] = None
+    ms: float | None = None
+    factor: float | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "TtftTarget":
+    def parse(cls, text: str) -> TtftTarget:
         t = text.strip().lower()
         try:
             if t.endswith("x"):
@@ -217,7 +218,7 @@ class TtftTarget:
             "TTFT p50 at the trace's rate (e.g. 2x)"
         )
 
-    def resolve(self, summaries: Sequence[Summary]) -> Tuple[float, str]:
+    def resolve(self, summaries: Sequence[Summary]) -> tuple[float, str]:
         """(the target in ms, why that one)."""
         if self.ms is not None:
             return self.ms, f"{self.ms:g} ms, fixed (--ttft-target)"
@@ -261,7 +262,7 @@ class Spread:
     n: int
 
     @classmethod
-    def of(cls, xs: Sequence[float]) -> "Spread":
+    def of(cls, xs: Sequence[float]) -> Spread:
         xs = [x for x in xs if not math.isnan(x)]
         if not xs:
             return cls(math.nan, math.nan, math.nan, 0)
@@ -271,7 +272,7 @@ class Spread:
         return f(self.median) + (f" ({f(self.low)}-{f(self.high)})" if self.n > 1 else "")
 
 
-MEASURES: Dict[str, Callable[[Summary], float]] = {
+MEASURES: dict[str, Callable[[Summary], float]] = {
     "hit rate": lambda s: s.hit_rate["all"],
     "TTFT p50": lambda s: s.ttft_p50_ms,
     "TTFT p90": lambda s: s.ttft_p90_ms,
@@ -286,14 +287,14 @@ class Row:
     config: str
     device_blocks: int
     rate: float
-    runs: List[Summary]
+    runs: list[Summary]
 
     def stat(self, measure: str) -> Spread:
         return Spread.of([MEASURES[measure](s) for s in self.runs])
 
 
-def rows(summaries: Sequence[Summary]) -> List[Row]:
-    out: Dict[Tuple[str, int, float], Row] = {}
+def rows(summaries: Sequence[Summary]) -> list[Row]:
+    out: dict[tuple[str, int, float], Row] = {}
     for s in summaries:
         out.setdefault((s.config, s.device_blocks, s.rate), Row(s.config, s.device_blocks, s.rate, [])).runs.append(s)
     return list(out.values())
@@ -344,11 +345,12 @@ def check_accounting(run: ConfigRun) -> str:
             problems.append(f"{name}: {len(recs)} responses, {m.requests} +{w.requests}")
         if w.prompt_tokens != sum(r.prompt_tokens for r in recs):
             problems.append(f"{name}: prompt tokens {sum(r.prompt_tokens for r in recs)} vs metrics {w.prompt_tokens}")
-        if all(r.cached_by_tier is not None for r in recs):
+        rec_tiers = [r.cached_by_tier for r in recs if r.cached_by_tier is not None]
+        if len(rec_tiers) == len(recs):
             for t in TIERS:
-                got, want = sum(r.cached_by_tier.get(t, 0) for r in recs), w.cached.get(t, 0)
-                if got != want:
-                    problems.append(f"{name}: {t} cached {got} in responses vs {want} in metrics")
+                in_responses, in_metrics = sum(c.get(t, 0) for c in rec_tiers), w.cached.get(t, 0)
+                if in_responses != in_metrics:
+                    problems.append(f"{name}: {t} cached {in_responses} in responses vs {in_metrics} in metrics")
         elif sum(r.cached_tokens for r in recs) != sum(w.cached.values()):
             problems.append(
                 f"{name}: cached {sum(r.cached_tokens for r in recs)} in responses vs "
@@ -379,7 +381,7 @@ def _rate(x: float) -> str:
     return f"x{x:g}"
 
 
-def markdown(summaries: Sequence[Summary], workload: str, setup: str, target: Optional[str] = None) -> str:
+def markdown(summaries: Sequence[Summary], workload: str, setup: str, target: str | None = None) -> str:
     """The report: every run's table, the rows' medians and spread (more than one run each),
     goodput, where every prompt token went, the checks and the findings."""
     lines = [
@@ -444,7 +446,7 @@ def _ratio(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.2f}x"
 
 
-def spread_table(summaries: Sequence[Summary]) -> List[str]:
+def spread_table(summaries: Sequence[Summary]) -> list[str]:
     """Each row's median over its runs, with the range (min-max) in brackets."""
     out = [
         "Median (min-max) over each row's runs:",
@@ -461,7 +463,7 @@ def spread_table(summaries: Sequence[Summary]) -> List[str]:
     return out
 
 
-def goodput_table(summaries: Sequence[Summary], target: str) -> List[str]:
+def goodput_table(summaries: Sequence[Summary], target: str) -> list[str]:
     """Goodput per row at each rate (medians over the runs) and against no-offload."""
     rates = sorted({s.rate for s in summaries})
     out = [
@@ -484,14 +486,14 @@ def goodput_table(summaries: Sequence[Summary], target: str) -> List[str]:
     return out
 
 
-def accounting_tables(summaries: Sequence[Summary]) -> List[str]:
+def accounting_tables(summaries: Sequence[Summary]) -> list[str]:
     """Per device size, rate and run: every row's prompt tokens by where they came from or why
     they were computed (accounting.py), tokens and share of the row's prompt tokens."""
-    groups: Dict[Tuple[int, float, int], List[Summary]] = {}
+    groups: dict[tuple[int, float, int], list[Summary]] = {}
     for s in summaries:
         if s.account:
             groups.setdefault((s.device_blocks, s.rate, s.repeat), []).append(s)
-    out: List[str] = []
+    out: list[str] = []
     for (blocks, rate, rep), group in groups.items():
         causes = [c for c in CAUSES if any(s.account.get(c) for s in group)]
         out += [
@@ -521,7 +523,7 @@ def accounting_tables(summaries: Sequence[Summary]) -> List[str]:
     return out
 
 
-def findings(summaries: Sequence[Summary]) -> List[str]:
+def findings(summaries: Sequence[Summary]) -> list[str]:
     """What the run shows about the questions the comparison asks, at every device size, at the
     trace's rate: medians over each row's runs, and with more than one run each, whether a
     difference exceeds the rows' spread (their ranges do not overlap)."""
@@ -620,7 +622,7 @@ def write_jsonl(
                                 "bench": "replay-request",
                                 "config": s.config,
                                 "device_blocks": s.device_blocks,
-                                "worker": run.worker_names.get(r.worker_id),
+                                "worker": run.worker_names.get(r.worker_id) if r.worker_id is not None else None,
                                 "rate": s.rate,
                                 "repeat": s.repeat,
                                 **r.to_json(),
@@ -631,7 +633,7 @@ def write_jsonl(
                     )
 
 
-def first_error(runs: Sequence[ConfigRun]) -> Optional[str]:
+def first_error(runs: Sequence[ConfigRun]) -> str | None:
     for run in runs:
         for r in run.records:
             if r.error:

@@ -13,16 +13,17 @@ import base64
 import json
 import os
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any
 
 
 @dataclass
 class Entry:
     key: str  # the file's path (file discovery) or the etcd key
     text: str
-    doc: Dict[str, Any]
+    doc: dict[str, Any]
 
 
 class Discovery:
@@ -38,14 +39,14 @@ class Discovery:
     def readable(self) -> bool:
         return bool(self.root or self.etcd)
 
-    def entries(self) -> Optional[List[Entry]]:
+    def entries(self) -> list[Entry] | None:
         """Every registered document, or None when the store cannot be read now."""
         try:
             return self._files() if self.root else self._etcd() if self.etcd else None
         except (OSError, ValueError):
             return None
 
-    def _files(self) -> List[Entry]:
+    def _files(self) -> list[Entry]:
         out = []
         for path in (Path(str(self.root)) / "v1").glob("*/*"):
             if path.name.startswith("."):  # Dynamo's temp files
@@ -59,7 +60,7 @@ class Discovery:
                 out.append(Entry(str(path), text, doc))
         return out
 
-    def _etcd(self) -> List[Entry]:
+    def _etcd(self) -> list[Entry]:
         def b64(s: bytes) -> str:
             return base64.b64encode(s).decode()
 
@@ -90,14 +91,14 @@ class Discovery:
         return False  # etcd: the entries go with the worker's lease (Dynamo's 10 s TTL)
 
 
-def worker_ids(entries: List[Entry], host: str, port: int) -> set:
+def worker_ids(entries: list[Entry], host: str, port: int) -> set:
     """The instance ids of the worker whose system server is ``host:port``: its model card names
     that address (the card's files are served from it)."""
     marker = f"http://{host}:{port}/"
     return {e.doc.get("instance_id") for e in entries if e.doc.get("type") == "Model" and marker in e.text} - {None}
 
 
-def registered(entries: List[Entry], host: str, port: int) -> bool:
+def registered(entries: list[Entry], host: str, port: int) -> bool:
     """The worker on ``host:port`` published its model card and the endpoint the card serves:
     the frontend can route to it (what Dynamo's /health then reports ready)."""
     marker = f"http://{host}:{port}/"
@@ -116,7 +117,7 @@ def registered(entries: List[Entry], host: str, port: int) -> bool:
     return False
 
 
-def owned_by(entries: List[Entry], ids: set) -> List[Entry]:
+def owned_by(entries: list[Entry], ids: set) -> list[Entry]:
     """The entries of these instances: their cards and endpoints, and the event sources whose
     worker they are."""
     out = []

@@ -5,10 +5,12 @@ options; see dynamo_flexkv.serve.plan."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any
+
 from dynamo_flexkv.core.errors import FlexKVError
 
 
@@ -45,7 +47,7 @@ def VllmWorker(name: str = "VllmWorker", **defaults: Any) -> Component:
     return Component(name, Kind.WORKER, _keys(defaults), engine="vllm")
 
 
-def _keys(options: Mapping[str, Any]) -> Dict[str, Any]:
+def _keys(options: Mapping[str, Any]) -> dict[str, Any]:
     """Python keyword names (router_mode) as config keys (router-mode)."""
     return {k.replace("_", "-"): v for k, v in options.items()}
 
@@ -53,7 +55,7 @@ def _keys(options: Mapping[str, Any]) -> Dict[str, Any]:
 @dataclass(frozen=True)
 class Graph:
     name: str
-    components: Tuple[Component, ...]
+    components: tuple[Component, ...]
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -78,10 +80,12 @@ def load_graph(path: str) -> Graph:
     if not p.is_file():
         raise GraphError(f"graph file {path} does not exist: pass one of graphs/*.py (e.g. graphs/agg_router.py)")
     spec = importlib.util.spec_from_file_location(f"flexkv_graph_{p.stem}", p)
+    if spec is None or spec.loader is None:
+        raise GraphError(f"graph file {path} cannot be imported as Python: pass a .py file (e.g. graphs/agg_router.py)")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the user's file may raise anything: one GraphError naming it
         raise GraphError(f"graph file {path} failed to load: {type(e).__name__}: {e}") from None
     graph = getattr(module, "graph", None)
     if not isinstance(graph, Graph):

@@ -7,7 +7,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.remote.config import DEFAULT_PASSWORD_ENV
@@ -15,12 +15,12 @@ from dynamo_flexkv.core.sysutil import find_binary
 from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
 from dynamo_flexkv.serve.graph import GraphError
 from dynamo_flexkv.serve.logs import COMPONENT_LOG_ENV
-from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.serve.ports import LOOPBACK, PortBook
+from dynamo_flexkv.serve.process import Process
 from dynamo_flexkv.serve.redis_server import local_redis_settings, redis_conf
 
 
-def use_local_redis(redis: Dict[str, Any], ports: "PortBook", values: Dict[str, Any], penv: Dict[str, str]) -> None:
+def use_local_redis(redis: dict[str, Any], ports: PortBook, values: dict[str, Any], penv: dict[str, str]) -> None:
     """Points a worker at the graph's own redis-server (one for every worker: they share remote
     blocks). Its password is generated and reaches workers by environment only, never a file
     they log or a command line."""
@@ -31,7 +31,7 @@ def use_local_redis(redis: Dict[str, Any], ports: "PortBook", values: Dict[str, 
     penv[env_var] = redis["password"]
 
 
-def redis_process(run_dir: Path, redis: Dict[str, Any], maxmemory: str = "1gb") -> Process:
+def redis_process(run_dir: Path, redis: dict[str, Any], maxmemory: str = "1gb") -> Process:
     """redis-server for the graph: loopback, no persistence, allkeys-lru within maxmemory; the
     password sits in a 0600 config file (not on the command line, where ps would show it)."""
     exe = need_binary("redis-server", "redis-server")
@@ -52,7 +52,7 @@ def check_remote_reachable(cache: CacheConfig, where: str) -> None:
         raise GraphError(f"{where}: {e}") from None
 
 
-def infra_processes(run_dir: Path, discovery: str, event_plane: str, ports: "PortBook"):
+def infra_processes(run_dir: Path, discovery: str, event_plane: str, ports: PortBook):
     """etcd and NATS for the non-default planes, on loopback, unless the environment names servers."""
     # The model directory is local: never download. Logs in plain text (serve.logs).
     env = dict(LOOPBACK_ENV, HF_HUB_OFFLINE="1", **COMPONENT_LOG_ENV)
@@ -86,7 +86,7 @@ def infra_processes(run_dir: Path, discovery: str, event_plane: str, ports: "Por
     return procs, env
 
 
-def etcd_argv(exe: str, name: str, data_dir: str, client: int, peer: int) -> List[str]:
+def etcd_argv(exe: str, name: str, data_dir: str, client: int, peer: int) -> list[str]:
     """A single-node etcd on loopback: clients on ``client``, its peer URL on ``peer``."""
     url, purl = f"http://{LOOPBACK}:{client}", f"http://{LOOPBACK}:{peer}"
     return [

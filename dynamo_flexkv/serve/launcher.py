@@ -20,6 +20,9 @@ import threading
 import time
 from typing import IO, Callable, Dict, List, Optional, Set
 
+from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.procgroup import kill_group, signal_group, stop_group, wait_group
+from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
 from dynamo_flexkv.serve.discovery import Discovery, owned_by, registered, worker_ids
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.logs import Console, ConsoleFilter, plain
@@ -50,10 +53,10 @@ class _Liveness:
 
     def __init__(self, now: float) -> None:
         self.due = now + PROBE_EVERY_S
-        self.failing_since: Optional[float] = None
-        self.thread: Optional[threading.Thread] = None
+        self.failing_since: float | None = None
+        self.thread: threading.Thread | None = None
         self.sent = 0.0
-        self.ok: Optional[bool] = None  # the running probe's answer, once it has one
+        self.ok: bool | None = None  # the running probe's answer, once it has one
 
 
 class Interrupted(RuntimeError, FlexKVError):
@@ -134,8 +137,8 @@ class Launcher:
     def __init__(
         self,
         plan: LaunchPlan,
-        echo: Optional[IO[str]] = None,
-        probe: Optional[Callable[[Process, float], bool]] = None,
+        echo: IO[str] | None = None,
+        probe: Callable[[Process, float], bool] | None = None,
         console: Console = Console.ALL,
     ) -> None:
         self.plan = plan
@@ -144,9 +147,9 @@ class Launcher:
         # probe(process, timeout_s): whether it answers ready (default: a worker's /health says so)
         self.probe: Callable[[Process, float], bool] = probe or self._worker_ready
         self.log_dir = plan.run_dir / "logs"
-        self.running: Dict[str, subprocess.Popen] = {}
-        self._order: List[Process] = []
-        self._readers: List[threading.Thread] = []
+        self.running: dict[str, subprocess.Popen] = {}
+        self._order: list[Process] = []
+        self._readers: list[threading.Thread] = []
         self._echo_lock = threading.Lock()
         self._width = max(len(p.name) for p in plan.infra + plan.processes)
         self.interrupted = threading.Event()  # set by a signal handler: stop waiting for readiness
@@ -164,8 +167,8 @@ class Launcher:
         # caches) goes when serve stops. Made at start, in serve's own temp folder, with a short
         # name: Unix socket paths in it (vLLM's, the connector's lookup socket when the run
         # directory is too deep for one) must stay within 107 bytes.
-        self.tmp_dir: Optional[str] = None
-        self._unregistered_since: Dict[str, float] = {}  # starting worker -> when serve began waiting for it
+        self.tmp_dir: str | None = None
+        self._unregistered_since: dict[str, float] = {}  # starting worker -> when serve began waiting for it
 
     # ---- start -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -192,7 +195,8 @@ class Launcher:
 
     def _spawn(self, proc: Process) -> None:
         restart = proc.name in self.running
-        log_file = open(self.log_dir / f"{proc.name}.log", "a" if restart else "w")  # a restart keeps the old log
+        # a restart keeps the old log; _pump closes it when the process's output ends
+        log_file = open(self.log_dir / f"{proc.name}.log", "a" if restart else "w")  # noqa: SIM115
         if restart:
             log_file.write(f"---- restart {self.restarts[proc.name]} of {proc.name} ----\n")
             log_file.flush()
@@ -230,7 +234,7 @@ class Launcher:
         started = time.monotonic()
         deadline = started + timeout
         pending = [p for p in self.plan.processes if p.kind is Kind.WORKER]
-        due: Dict[str, float] = {}
+        due: dict[str, float] = {}
         while pending:
             self.check_alive()
             now = time.monotonic()
@@ -305,7 +309,7 @@ class Launcher:
                 self._tick(deadline, f"{proc.name} not listening on {proc.port}")
 
     # ---- liveness and shutdown ---------------------------------------------------------------
-    def dead(self) -> Optional[tuple]:
+    def dead(self) -> tuple | None:
         for proc in self._order:
             code = self.running[proc.name].poll()
             if code is not None:
@@ -481,7 +485,7 @@ class Launcher:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             self.tmp_dir = None
 
-    def _stop(self, group: List[Process], timeout: float) -> None:
+    def _stop(self, group: list[Process], timeout: float) -> None:
         # A worker whose death _died handled (restart pending) was group-killed and reaped then:
         # its pid may belong to someone else by now.
         group = [proc for proc in group if self.running[proc.name] not in self._buried]
@@ -523,11 +527,11 @@ class Launcher:
                 return
             time.sleep(0.1)
 
-    def __enter__(self) -> "Launcher":
+    def __enter__(self) -> Launcher:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 import threading
 from enum import Enum
-from typing import Optional
 
 # Set for every component serve starts (and every rendered Dynamo pod). DYN_SDK_DISABLE_ANSI_LOGGING:
 # Dynamo's Rust tracing writes colour codes into a pipe unless told not to (NO_COLOR is not read).
@@ -82,7 +81,7 @@ _TRACEBACK = re.compile(r"^Traceback \(most recent call last\):|^\w+(?:\.\w+)*(?
 _PY_WARNING = re.compile(r"\b[A-Z]\w*Warning: ")
 
 
-def classify(line: str) -> Optional["tuple[int, bool]"]:
+def classify(line: str) -> tuple[int, bool] | None:
     """(level, ours) of a line that starts a record, None for a continuation line."""
     for pattern in _FORMATS:
         m = pattern.match(line)

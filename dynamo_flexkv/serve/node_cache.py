@@ -19,8 +19,9 @@ import hashlib
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any
 
 import yaml
 
@@ -29,9 +30,9 @@ from dynamo_flexkv.core.node.quota import TenantQuotas
 from dynamo_flexkv.core.sysutil import listening, not_a_socket
 from dynamo_flexkv.serve.graph import GraphError, Kind
 from dynamo_flexkv.serve.options import (
+    SECONDS_OPTIONS,
     OnDeath,
     RestartPolicy,
-    SECONDS_OPTIONS,
     float_option,
     int_option,
     mapping_option,
@@ -41,8 +42,8 @@ from dynamo_flexkv.serve.options import (
 )
 from dynamo_flexkv.serve.ports import LOOPBACK
 from dynamo_flexkv.serve.process import Process
-from dynamo_flexkv.serve.sources import origin_of
 from dynamo_flexkv.serve.replica_cache import PlanContext, claim_ssd_dirs
+from dynamo_flexkv.serve.sources import origin_of
 
 SECTION = "NodeCache"
 SOCKET_MAX = 100  # sun_path holds 107 bytes
@@ -52,7 +53,7 @@ RENDER_METRICS_PORT = 9400  # a rendered cache server's /metrics, on its pod's a
 # serve sets it to its own service's unless the user names a running one).
 NODE_WORKER_KEYS = ("mode", "node_socket", "tokens_per_block")
 
-OPTIONS: Dict[str, Callable[[Any], Any]] = {
+OPTIONS: dict[str, Callable[[Any], Any]] = {
     "cache": mapping_option,
     "max-clients": int_option,
     "max-models": int_option,
@@ -63,7 +64,7 @@ OPTIONS: Dict[str, Callable[[Any], Any]] = {
     "restart-window-s": float_option,
     "restart-backoff-s": float_option,
 }
-DEFAULTS: Dict[str, Any] = {
+DEFAULTS: dict[str, Any] = {
     "cache": {},
     "max-clients": 64,
     "max-models": 1,
@@ -76,7 +77,7 @@ DEFAULTS: Dict[str, Any] = {
 }
 
 
-def options(raw: Any, source: str) -> Dict[str, Any]:
+def options(raw: Any, source: str) -> dict[str, Any]:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -111,7 +112,7 @@ def in_node_mode(name: str, worker_options: Mapping[str, Any], source: str) -> b
     return bool(worker_options.get("offload", True)) and node
 
 
-def node_worker_cache(name: str, cache: Mapping[str, Any], tiers: str) -> Tuple[Dict[str, Any], Optional[str]]:
+def node_worker_cache(name: str, cache: Mapping[str, Any], tiers: str) -> tuple[dict[str, Any], str | None]:
     """(the keys a node-mode worker uses, a note naming the ones it ignores or None). Its other keys
     (a shipped config's tier sizes and directories, eviction, ...) are the embedded cache's: the
     node's tiers are ``tiers`` (where they come from, for the note)."""
@@ -159,7 +160,7 @@ def external_socket(name: str, path: str, replicas: int, source: str) -> str:
     return sock
 
 
-def socket_path(run_dir: Path, node: Optional[str], local: bool) -> str:
+def socket_path(run_dir: Path, node: str | None, local: bool) -> str:
     if not local:
         return f"{RENDER_SOCKET_DIR}/node.sock"
     name = f"node-cache{'-' + node if node else ''}.sock"
@@ -174,7 +175,7 @@ def socket_path(run_dir: Path, node: Optional[str], local: bool) -> str:
 
 
 def process(
-    ctx: PlanContext, o: Mapping[str, Any], node: Optional[str], sock: str, spec: Optional[Any], block_size: int
+    ctx: PlanContext, o: Mapping[str, Any], node: str | None, sock: str, spec: Any | None, block_size: int
 ) -> Process:
     """One node's cache server: its tiers checked (sizes against the workers' KV shape; its SSD
     directories free and no worker's), its config written for it, a metrics port of its own (serve
@@ -266,11 +267,11 @@ def render_daemonset(
     *,
     node_selector: Mapping[str, str],
     host_dir: str,
-    pod_security: Dict[str, Any],
-    owner_init: Callable[[str, List[Dict[str, Any]]], Dict[str, Any]],
-    resources: Dict[str, Any],
+    pod_security: dict[str, Any],
+    owner_init: Callable[[str, list[dict[str, Any]]], dict[str, Any]],
+    resources: dict[str, Any],
     annotations: Mapping[str, str],
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """How a Kubernetes user runs a per-node service: a DaemonSet (one pod per node, on the nodes
     ``node_selector`` picks) whose socket directory is a hostPath the node's worker pods mount too.
     hostPID: the service fences a dead engine's writes by its process id (pidfd), which it must
@@ -290,7 +291,7 @@ def render_daemonset(
     dirs = values.get("ssd_cache_dir") or [] if float(values.get("ssd_cache_gb") or 0) > 0 else []
     dirs = dirs.split(";") if isinstance(dirs, str) else list(dirs)
     host_mounts = [{"name": "socket-dir", "mountPath": RENDER_SOCKET_DIR}]
-    volumes: List[Dict[str, Any]] = [
+    volumes: list[dict[str, Any]] = [
         {"name": "socket-dir", "hostPath": {"path": RENDER_SOCKET_DIR, "type": "DirectoryOrCreate"}},
         {"name": "config", "configMap": {"name": f"{name}-node-cache"}},
     ]
@@ -299,10 +300,10 @@ def render_daemonset(
         volumes.append({"name": f"ssd-{i}", "hostPath": {"path": f"{host_dir}/ssd-{i}", "type": "DirectoryOrCreate"}})
     mounts = host_mounts + [{"name": "config", "mountPath": "/etc/flexkv"}]
 
-    def labels() -> Dict[str, str]:  # a fresh dict each time: the manifest carries no YAML aliases
+    def labels() -> dict[str, str]:  # a fresh dict each time: the manifest carries no YAML aliases
         return {"app": f"{name}-node-cache"}
 
-    spec: Dict[str, Any] = {
+    spec: dict[str, Any] = {
         "hostPID": True,
         "securityContext": pod_security,
         "initContainers": [owner_init(image, host_mounts)],
@@ -342,7 +343,7 @@ def render_daemonset(
     }
 
 
-def worker_mounts() -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def worker_mounts() -> tuple[dict[str, Any], dict[str, Any]]:
     """(volume, mount) a node-mode worker pod needs: its node's cache socket directory."""
     return (
         {"name": "node-cache", "hostPath": {"path": RENDER_SOCKET_DIR, "type": "Directory"}},

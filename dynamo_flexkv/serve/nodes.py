@@ -14,9 +14,9 @@ import os
 import re
 import socket
 import subprocess
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
 
 import yaml
 
@@ -58,11 +58,11 @@ class Node:
     device: str = DEVICE
     port: str = ""  # the switch's end of its veth pair (what `set_link` takes down)
 
-    def argv(self, argv: Sequence[str]) -> List[str]:
+    def argv(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this node (``ip netns exec`` execs it: the pid is the command's)."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
-    def ucx_env(self) -> Dict[str, str]:
+    def ucx_env(self) -> dict[str, str]:
         """What NIXL's UCX needs on this node to reach the others: TCP over its link (no shared
         memory between nodes)."""
         return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.device}
@@ -74,7 +74,7 @@ NAME = re.compile(r"[A-Za-z0-9]{1,8}")
 @dataclass(frozen=True)
 class Nodes:
     switch: str  # the namespace holding the bridge every node's veth pair plugs into
-    nodes: Dict[str, Node]
+    nodes: dict[str, Node]
     prefix: str = ""  # every namespace here is named <prefix>-...: `down` removes no other
 
     def __getitem__(self, name: str) -> Node:
@@ -89,7 +89,7 @@ class Nodes:
         )
 
     @staticmethod
-    def load(path: str, flag: str = "--nodes") -> "Nodes":
+    def load(path: str, flag: str = "--nodes") -> Nodes:
         try:
             data = yaml.safe_load(Path(path).read_text())
             nodes = {str(n): Node(**v) for n, v in data["nodes"].items()}
@@ -104,7 +104,7 @@ class Nodes:
             )
         return made
 
-    def namespaces(self) -> List[str]:
+    def namespaces(self) -> list[str]:
         return [v.netns for v in self.nodes.values()] + [self.switch]
 
     def check_up(self, where: str) -> None:
@@ -120,8 +120,8 @@ class Nodes:
         names: Sequence[str] = ("A", "B", "C"),
         subnet: str = SUBNET,
         subnet6: str = SUBNET6,
-        path: Optional[Path] = None,
-    ) -> "Nodes":
+        path: Path | None = None,
+    ) -> Nodes:
         """Creates ``<prefix>-sw`` (a bridge) and one namespace ``<prefix>-<name>`` per node, each
         with a veth pair into the bridge, its address from ``subnet`` and its loopback up, and
         writes the nodes file to ``path``. Refuses when one of them exists already; a failure
@@ -147,7 +147,7 @@ class Nodes:
             raise NodesError(
                 f"subnet {subnet}: use a link-local range (in 169.254.0.0/16): nothing routes it off the link"
             )
-        if not net6.subnet_of(ipaddress.ip_network("fc00::/7")):
+        if not isinstance(net6, ipaddress.IPv6Network) or not net6.subnet_of(ipaddress.IPv6Network("fc00::/7")):
             raise NodesError(f"subnet6 {subnet6}: use a unique-local range (in fc00::/7)")
         hosts = list(net.hosts())
         if len(names) > len(hosts):
@@ -211,7 +211,7 @@ class Nodes:
             raise NodesError(f"network namespace {self.switch} does not exist: run `dynamo-flexkv nodes up` first")
         _ip("-n", self.switch, "link", "set", self[name].port, "up" if up else "down")
 
-    def link_bytes(self, name: str) -> Dict[str, int]:
+    def link_bytes(self, name: str) -> dict[str, int]:
         """Bytes node ``name`` sent and received on its link (its veth end's counters)."""
         out = _ip("-n", self[name].netns, "-s", "-j", "link", "show", "dev", self[name].device)
         stats = json.loads(out)[0]["stats64"]
@@ -225,7 +225,7 @@ def _component(process: str) -> str:
 
 
 def place(
-    processes: List[Process], infra: List[Process], nodes: Nodes, node_of: Mapping[str, str], source: str
+    processes: list[Process], infra: list[Process], nodes: Nodes, node_of: Mapping[str, str], source: str
 ) -> None:
     """Puts each process on its node (``node_of``: process name -> node name, every one named): it
     runs inside the node's namespace, binds and advertises the node's address, reaches etcd/NATS
@@ -307,6 +307,6 @@ def _ip(*args: str) -> str:
     return p.stdout
 
 
-def _netns_list() -> List[str]:
+def _netns_list() -> list[str]:
     # "NAME (id: N)" per line; names made here hold no space
     return [line.split(" (id:")[0].strip() for line in _ip("netns", "list").splitlines() if line.strip()]

@@ -4,7 +4,8 @@ the fix."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from dynamo_flexkv.integrations.disagg.leases import handover_seconds_problem
 from dynamo_flexkv.integrations.vllm_connector.settings import PIPELINE_PARALLEL_UNSUPPORTED
@@ -23,13 +24,13 @@ from dynamo_flexkv.serve.options import (
 from dynamo_flexkv.serve.sources import origin_of
 
 
-def allowed_options(kind: Kind, engine: str) -> Dict[str, Callable[[Any], Any]]:
+def allowed_options(kind: Kind, engine: str) -> dict[str, Callable[[Any], Any]]:
     if kind is Kind.WORKER and engine == _vllm.ENGINE:
         return _vllm.options(OPTIONS[Kind.WORKER])
     return OPTIONS[kind]
 
 
-def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, engine: str = "flexkv") -> Dict[str, Any]:
+def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, engine: str = "flexkv") -> dict[str, Any]:
     vllm = kind is Kind.WORKER and engine == _vllm.ENGINE
     allowed = allowed_options(kind, engine)
     defaults = _vllm.defaults(DEFAULTS[kind]) if vllm else DEFAULTS[kind]
@@ -101,11 +102,11 @@ def check_options(kind: Kind, name: str, raw: Mapping[str, Any], source: str, en
 PIPELINE_FLAG = "--pipeline-parallel-size"
 
 
-def pipeline_parallel_size(args: Sequence[Any]) -> Optional[str]:
+def pipeline_parallel_size(args: Sequence[Any]) -> str | None:
     """The pipeline-parallel size a vLLM command line's extra arguments set (None: not set), read
     as vLLM's argparse reads it: ``-pp``, underscores for dashes, ``=value`` or the next argument,
     an abbreviation; the last one wins."""
-    size: Optional[str] = None
+    size: str | None = None
     args = [str(a) for a in args]
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")

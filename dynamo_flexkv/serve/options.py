@@ -3,9 +3,10 @@ name the section, the key and the fix, and the restart policy a worker's options
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any
 
 from dynamo_flexkv.core.durations import is_duration
 from dynamo_flexkv.serve.graph import GraphError, Kind
@@ -42,13 +43,13 @@ def bool_option(v: Any) -> bool:
     return v
 
 
-def args_option(v: Any) -> List[str]:
+def args_option(v: Any) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
         raise ValueError("expected a list of strings")
     return list(v)
 
 
-def mapping_option(v: Any) -> Dict[str, Any]:
+def mapping_option(v: Any) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise ValueError("expected a mapping of CacheConfig keys")
     return dict(v)
@@ -61,7 +62,7 @@ def parse_section(
     source: str,
     section: str,
     owner: str,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """``defaults`` with each of a config section's ``raw`` options, parsed by its ``allowed`` parser,
     over them. Errors name the option's origin (``source``: the file, or the --set that gave it), the
     ``section`` and the ``owner`` ("a worker")."""
@@ -80,7 +81,7 @@ def parse_section(
 
 
 ROUTER_MODES = ("round-robin", "random", "power-of-two", "kv", "least-loaded")
-OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
+OPTIONS: dict[Kind, dict[str, Callable[[Any], Any]]] = {
     Kind.FRONTEND: {
         "namespace": str_option,
         "http-port": int_option,
@@ -117,7 +118,7 @@ OPTIONS: Dict[Kind, Dict[str, Callable[[Any], Any]]] = {
     },
 }
 DISAGG_MODES = ("agg", "prefill", "decode")
-DEFAULTS: Dict[Kind, Dict[str, Any]] = {
+DEFAULTS: dict[Kind, dict[str, Any]] = {
     # migration-limit: how often the frontend may move an in-flight request to another worker when
     # its worker dies (Dynamo's default, 0, fails those requests with a 503).
     Kind.FRONTEND: {
@@ -153,23 +154,20 @@ DEFAULTS: Dict[Kind, Dict[str, Any]] = {
 # Worker options in seconds: (lowest, highest or None, whether the lowest itself is allowed, whether
 # 0 turns the option off). One check for all of them, so each refuses NaN, inf and out-of-range
 # values with a message naming the option.
-SECONDS_OPTIONS: Dict[str, tuple] = {
+SECONDS_OPTIONS: dict[str, tuple] = {
     "restart-window-s": (0.0, None, False, False),
     "restart-backoff-s": (0.0, 30.0, True, False),
     "liveness-timeout-s": (5.0, 3600.0, True, True),
 }
 
 
-def seconds_problem(value: float, low: float, high: Optional[float], low_ok: bool, zero_off: bool) -> Optional[str]:
+def seconds_problem(value: float, low: float, high: float | None, low_ok: bool, zero_off: bool) -> str | None:
     """Why ``value`` cannot be this option's number of seconds; None if it can."""
     if zero_off and value == 0:
         return None
     if is_duration(value, low, high, low_ok):
         return None
-    if high is None:
-        want = f"> {low:g} seconds"
-    else:
-        want = f"between {low:g} and {high:g} seconds"
+    want = f"> {low:g} seconds" if high is None else f"between {low:g} and {high:g} seconds"
     return f"{value} must be {'0 (off) or ' if zero_off else ''}{want} (a finite number)"
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
 import yaml
 
@@ -26,8 +27,8 @@ from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECR
 from dynamo_flexkv.serve import node_cache as _node_cache
 from dynamo_flexkv.serve import vllm_worker as _vllm
 from dynamo_flexkv.serve.graph import Graph, GraphError, Kind
-from dynamo_flexkv.serve.nodes import Nodes, place
 from dynamo_flexkv.serve.infra import infra_processes, redis_process
+from dynamo_flexkv.serve.nodes import Nodes, place
 from dynamo_flexkv.serve.option_checks import allowed_options, check_options
 from dynamo_flexkv.serve.options import OPTIONS, OnDeath, RestartPolicy, restart_policy
 from dynamo_flexkv.serve.ports import LOOPBACK, PortBook, system_port
@@ -66,24 +67,24 @@ class LaunchPlan:
     http_port: int
     discovery_backend: str
     event_plane: str
-    infra: List[Process]
-    processes: List[Process]  # frontend first, then the workers
+    infra: list[Process]
+    processes: list[Process]  # frontend first, then the workers
     write_model: bool = True  # the launcher writes run_dir/model from the preset ``model`` (a vLLM worker
     # on its own Hugging Face directory needs none)
     model_weights: bool = False  # ... with the preset's seeded weights (a vLLM worker loads them)
-    node_options: Dict[str, str] = field(default_factory=dict)  # component -> its ``node`` option (serve --nodes)
-    notes: List[str] = field(default_factory=list)  # what serve prints before it starts (e.g. keys it ignores)
+    node_options: dict[str, str] = field(default_factory=dict)  # component -> its ``node`` option (serve --nodes)
+    notes: list[str] = field(default_factory=list)  # what serve prints before it starts (e.g. keys it ignores)
 
     @property
     def base_url(self) -> str:
         return f"http://{self.processes[0].host}:{self.http_port}"
 
     @property
-    def workers(self) -> List[Process]:
+    def workers(self) -> list[Process]:
         return [p for p in self.processes if p.kind is Kind.WORKER]
 
 
-def load_config(path: Optional[str]) -> Dict[str, Any]:
+def load_config(path: str | None) -> dict[str, Any]:
     if path is None:
         return {}
     try:
@@ -99,7 +100,7 @@ def load_config(path: Optional[str]) -> Dict[str, Any]:
     return config
 
 
-def apply_overrides(config: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """``Section.key=value`` (value parsed as YAML; ``Section.cache.key=value`` reaches into cache)."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
     for item in overrides:
@@ -130,7 +131,7 @@ def build_plan(
     event_plane: str = "zmq",
     source: str = "config",
     local: bool = True,
-    nodes: Optional[Nodes] = None,
+    nodes: Nodes | None = None,
 ) -> LaunchPlan:
     """``local=False`` (rendering for elsewhere): ports and SSD directories are not probed on this
     machine and no etcd/NATS is planned. ``nodes``: components with a ``node`` option run there
@@ -173,10 +174,10 @@ def build_plan(
     # redis: the graph's own redis-server, when a worker enables remote without a URL;
     # dirs: every worker's SSD directories (no two may share one)
     ctx = PlanContext(run_dir, discovery_backend, event_plane, env, ports, source, local, redis={}, dirs={})
-    processes: List[Process] = []
+    processes: list[Process] = []
     model = served = None
     http_port = 0
-    front_opts: Dict[str, Any] = {}
+    front_opts: dict[str, Any] = {}
     write_model = model_weights = False
     node_of: Dict[str, str] = {}  # process name -> the node its component names
     node_options: Dict[str, str] = {}
@@ -236,6 +237,8 @@ def build_plan(
     _check_roles(processes, source)
     _vllm.check_handovers(processes, source)
     _check_block_size(processes, front_opts, graph, source)
+    if model is None or served is None:  # Graph() refuses a graph without a worker
+        raise GraphError(f"{source}: the graph has no worker component")
     if ctx.redis:
         if nodes is not None:
             raise GraphError(
@@ -300,13 +303,13 @@ def _refuse_operator_namespace_env(env: Mapping[str, str]) -> None:
 def _attach_to_node_cache(
     ctx: PlanContext,
     comp: Any,
-    opts: Dict[str, Any],
-    node_cache: Dict[str, Any],
-    caches: Dict[Optional[str], Process],
-    processes: List[Process],
-    node_of: Dict[str, str],
-    notes: List[str],
-) -> Dict[str, Any]:
+    opts: dict[str, Any],
+    node_cache: dict[str, Any],
+    caches: dict[str | None, Process],
+    processes: list[Process],
+    node_of: dict[str, str],
+    notes: list[str],
+) -> dict[str, Any]:
     """A worker in node mode: the worker's cache names the socket of the cache server it attaches
     to, the one the user gave (``cache.node_socket``: serve starts none) or its node's, which is
     planned here (once per node, before the workers)."""
@@ -348,7 +351,7 @@ def _attach_to_node_cache(
     return dict(opts, cache=dict(cache, mode="node", node_socket=sock))
 
 
-def _kv_shape(comp: Any, opts: Dict[str, Any], run_dir: Path, source: str, local: bool) -> Tuple[Any, int]:
+def _kv_shape(comp: Any, opts: dict[str, Any], run_dir: Path, source: str, local: bool) -> tuple[Any, int]:
     """(KV shape for checking tier sizes or None, tokens per block) of a worker component's model."""
     if comp.engine == _vllm.ENGINE:
         return _vllm.resolve_model(comp.name, opts, run_dir, source, local)[2], opts["block-size"]
@@ -361,7 +364,7 @@ def _kv_shape(comp: Any, opts: Dict[str, Any], run_dir: Path, source: str, local
     return cfg.kv_spec(), cfg.block_size
 
 
-def _check_block_size(processes: List[Process], front: Dict[str, Any], graph: Graph, source: str) -> None:
+def _check_block_size(processes: list[Process], front: dict[str, Any], graph: Graph, source: str) -> None:
     """Dynamo's KV router hashes prompts in blocks of one size; every worker's KV events count in
     blocks of its own: they must agree. A vLLM worker's model card does not carry its block size,
     so the frontend is told (--kv-cache-block-size) whenever the graph has one."""
@@ -391,7 +394,7 @@ def _check_block_size(processes: List[Process], front: Dict[str, Any], graph: Gr
         frontend.argv[at:at] = ["--kv-cache-block-size", str(size)]
 
 
-def _check_roles(processes: List[Process], source: str) -> None:
+def _check_roles(processes: list[Process], source: str) -> None:
     """Dynamo's frontend routes to prefill workers only in front of decode workers of the same
     model; either role alone would serve nothing (prefill) or fail every request (decode)."""
     modes = {
@@ -412,7 +415,7 @@ def _check_roles(processes: List[Process], source: str) -> None:
         )
 
 
-def _frontend(ctx: PlanContext, name: str, o: Dict[str, Any], port: int) -> Process:
+def _frontend(ctx: PlanContext, name: str, o: dict[str, Any], port: int) -> Process:
     argv = [
         sys.executable,
         "-m",
@@ -441,7 +444,7 @@ def _frontend(ctx: PlanContext, name: str, o: Dict[str, Any], port: int) -> Proc
     return Process(name, argv + o["extra-args"], fenv, Kind.FRONTEND, port)
 
 
-def _workers(ctx: PlanContext, name: str, o: Dict[str, Any], served: str) -> List[Process]:
+def _workers(ctx: PlanContext, name: str, o: dict[str, Any], served: str) -> list[Process]:
     # The worker's option schema and model presets only: rendering and planning load no runtime.
     from dynamo_flexkv.integrations.dynamo_worker.args import build_parser
     from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig

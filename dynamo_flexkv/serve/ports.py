@@ -4,7 +4,8 @@ free ones picked otherwise, and Dynamo's limit on a worker's system port."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from dynamo_flexkv.core.sysutil import free_port, port_is_free
 from dynamo_flexkv.serve.graph import GraphError
@@ -21,7 +22,7 @@ class PortBook:
 
     def __init__(self, probe: bool = True) -> None:
         self.probe = probe
-        self.taken: Dict[int, str] = {}
+        self.taken: dict[int, str] = {}
         self._next_system = SYSTEM_PORT_RANGE[0] + os.getpid() % 2000
 
     def take(self, port: int, what: str, source: str, any_port: bool) -> int:
@@ -71,7 +72,7 @@ class PortBook:
         raise GraphError(f"no {count} consecutive free ports for {what} in {band}")
 
 
-def system_port(name: str, o: Mapping[str, Any], replica: int, ports: "PortBook", source: str) -> int:
+def system_port(name: str, o: Mapping[str, Any], replica: int, ports: PortBook, source: str) -> int:
     """Replica ``replica``'s Dynamo system port (/health, /metrics): system-port + replica, or a free
     one (system-port unset or 0). Every replica's must be below 32768: Dynamo reads DYN_SYSTEM_PORT
     as an i16 and refuses the worker otherwise."""
@@ -79,7 +80,7 @@ def system_port(name: str, o: Mapping[str, Any], replica: int, ports: "PortBook"
     if first:
         count = o.get("replicas", 1)
         last = first + count - 1
-        if not 0 < first or last > SYSTEM_PORT_MAX:
+        if not first > 0 or last > SYSTEM_PORT_MAX:
             gives = (
                 f" with replicas={count} gives replica {count - 1} port {last}, which"
                 if count > 1 and 0 < first <= SYSTEM_PORT_MAX

@@ -10,8 +10,8 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
 
 from dynamo_flexkv.core.procgroup import stop_process
 from dynamo_flexkv.core.sysutil import free_port, require_binary
@@ -32,9 +32,9 @@ def local_redis_settings(
     workdir: str,
     maxmemory: str,
     policy: str = "allkeys-lru",
-    password: Optional[str] = None,
+    password: str | None = None,
     host: str = "127.0.0.1",
-) -> List[Tuple[str, str]]:
+) -> list[tuple[str, str]]:
     """The one definition of a local redis-server, for RedisServer's command line (tests, benches)
     and serve's redis.conf: loopback only, protected mode, no persistence (no RDB snapshot, no
     AOF), evicting by ``policy`` within ``maxmemory``. ``host``: a node's own address (serve.nodes)."""
@@ -56,12 +56,12 @@ def local_redis_settings(
     return out
 
 
-def redis_args(settings: Sequence[Tuple[str, str]]) -> List[str]:
+def redis_args(settings: Sequence[tuple[str, str]]) -> list[str]:
     """``settings`` as redis-server command-line options (``--save ""`` turns snapshots off)."""
     return [word for key, value in settings for word in (f"--{key}", value)]
 
 
-def redis_conf(settings: Sequence[Tuple[str, str]]) -> str:
+def redis_conf(settings: Sequence[tuple[str, str]]) -> str:
     """``settings`` as a redis.conf (a password there stays off the command line, out of ps)."""
     empty = '""'  # redis.conf's spelling of an empty value (save "": no snapshots)
     return "".join(f"{key} {value or empty}\n" for key, value in settings)
@@ -74,22 +74,22 @@ class RedisServer:
 
     maxmemory: str = "512mb"
     policy: str = "allkeys-lru"
-    password: Optional[str] = None
+    password: str | None = None
     cluster: bool = False
-    tls_dir: Optional[str] = None  # serve TLS only, with ca.crt / server.crt / server.key in it
+    tls_dir: str | None = None  # serve TLS only, with ca.crt / server.crt / server.key in it
     extra: Sequence[str] = ()
     port: int = field(default_factory=free_port)
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="flexkv-redis-"))
-    proc: Optional[subprocess.Popen] = None
+    proc: subprocess.Popen | None = None
     host: str = "127.0.0.1"
-    netns: Optional[str] = None
+    netns: str | None = None
 
     @property
     def url(self) -> str:
         return f"{'rediss' if self.tls_dir else 'redis'}://{self.host}:{self.port}"
 
-    def args(self) -> List[str]:
-        tls: List[str] = []
+    def args(self) -> list[str]:
+        tls: list[str] = []
         if self.tls_dir:  # TLS only: the plain port off, the TLS one on self.port
             tls = [
                 "--tls-port",
@@ -123,10 +123,9 @@ class RedisServer:
             ]
         return args + list(self.extra)
 
-    def start(self, timeout_s: float = 10.0) -> "RedisServer":
-        log = open(os.path.join(self.workdir, "redis.log"), "ab")
-        self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        with open(os.path.join(self.workdir, "redis.log"), "ab") as log:
+            self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -174,7 +173,7 @@ class RedisServer:
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -185,7 +184,7 @@ class RedisCluster:
     """Three (by default) master-only cluster nodes on loopback, slots spread by redis-cli; or one
     master per (address, network namespace) in ``on``: masters on different nodes."""
 
-    def __init__(self, nodes: int = 3, maxmemory: str = "256mb", on: Sequence[Tuple[str, Optional[str]]] = ()) -> None:
+    def __init__(self, nodes: int = 3, maxmemory: str = "256mb", on: Sequence[tuple[str, str | None]] = ()) -> None:
         self.servers = [
             RedisServer(maxmemory=maxmemory, cluster=True, host=host, netns=netns)
             for host, netns in (on or [("127.0.0.1", None)] * nodes)
@@ -195,7 +194,7 @@ class RedisCluster:
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"{s.host}:{s.port}" for s in self.servers)
 
-    def start(self, timeout_s: float = 20.0) -> "RedisCluster":
+    def start(self, timeout_s: float = 20.0) -> RedisCluster:
         try:
             for s in self.servers:
                 s.start()
@@ -229,7 +228,7 @@ class RedisCluster:
         for s in self.servers:
             s.cleanup()
 
-    def __enter__(self) -> "RedisCluster":
+    def __enter__(self) -> RedisCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

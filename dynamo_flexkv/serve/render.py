@@ -21,15 +21,16 @@ from __future__ import annotations
 import copy
 import math
 import re
+from collections.abc import Mapping
 from enum import Enum
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any
 
 import yaml
 
 from dynamo_flexkv.integrations.disagg.params import SECRET_ENV as HANDOVER_SECRET_ENV
 from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
-from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.serve import node_cache, vllm_worker
+from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.serve.logs import COMPONENT_LOG_ENV
 from dynamo_flexkv.serve.plan import PRE_COMMIT_PEEK_ENV, LaunchPlan
 from dynamo_flexkv.serve.process import Process
@@ -82,24 +83,24 @@ def render_k8s(
     plan: LaunchPlan,
     image: str = DEFAULT_IMAGE,
     ssd_volume: SsdVolume = SsdVolume.HOSTPATH,
-    node_selector: Optional[Mapping[str, str]] = None,
+    node_selector: Mapping[str, str] | None = None,
 ) -> str:
     name = re.sub(r"[^a-z0-9-]", "-", f"flexkv-{plan.graph.name}".lower())
     selector = dict(DEFAULT_NODE_SELECTOR if node_selector is None else node_selector)
-    services: Dict[str, Any] = {}
+    services: dict[str, Any] = {}
     remote_secret = handover_secret = None
     own_model_dirs = []  # vLLM workers on a model directory the pods must provide
-    warnings: List[str] = []
-    per_node: List[str] = []  # worker services held to one replica per node (hostPath SSD directories)
+    warnings: list[str] = []
+    per_node: list[str] = []  # worker services held to one replica per node (hostPath SSD directories)
     for comp in plan.graph.components:
         procs = [p for p in plan.processes if p.name == comp.name or p.name.startswith(comp.name + "-")]
         first = procs[0]
-        container: Dict[str, Any] = {
+        container: dict[str, Any] = {
             "image": image,
             "command": ["python3"] + first.argv[1:3],
             "args": _portable_args(first.argv[3:]),
         }
-        service: Dict[str, Any] = {
+        service: dict[str, Any] = {
             "dynamoNamespace": name,
             "componentType": comp.kind.value,
             "replicas": len(procs),
@@ -240,8 +241,8 @@ def render_k8s(
 
 
 def _warnings(
-    plan: LaunchPlan, image: str, selector: Mapping[str, str], ssd_volume: SsdVolume, per_node: List[str], cache: bool
-) -> List[str]:
+    plan: LaunchPlan, image: str, selector: Mapping[str, str], ssd_volume: SsdVolume, per_node: list[str], cache: bool
+) -> list[str]:
     """What render cannot decide for the cluster, said where the admin reads it."""
     out = [
         "resources are estimates from the config: memory = the host tier (cpu_cache_gb) plus "
@@ -289,18 +290,18 @@ def _warnings(
     return out
 
 
-def _resources(proc: Process) -> Dict[str, Any]:
+def _resources(proc: Process) -> dict[str, Any]:
     """A DynamoGraphDeployment service's resources (the operator's cpu / memory / gpu items)."""
     kind = "frontend" if proc.kind is Kind.FRONTEND else proc.engine
     memory = _memory_gib(proc, kind)
-    requests: Dict[str, str] = {"cpu": CPU_REQUEST[kind], "memory": f"{memory}Gi"}
-    limits: Dict[str, str] = {"memory": f"{math.ceil(memory * 1.25)}Gi"}
+    requests: dict[str, str] = {"cpu": CPU_REQUEST[kind], "memory": f"{memory}Gi"}
+    limits: dict[str, str] = {"memory": f"{math.ceil(memory * 1.25)}Gi"}
     if proc.engine == vllm_worker.ENGINE and proc.kind is Kind.WORKER:
         requests["gpu"] = limits["gpu"] = str(_flag(proc.argv, "--tensor-parallel-size", 1))
     return {"requests": requests, "limits": limits}
 
 
-def _container_resources(proc: Process) -> Dict[str, Any]:
+def _container_resources(proc: Process) -> dict[str, Any]:
     """A plain container's resources (the node cache's DaemonSet)."""
     memory = _memory_gib(proc, "cache")
     return {
@@ -318,11 +319,11 @@ def _memory_gib(proc: Process, kind: str) -> int:
     return math.ceil(host + BASE_MEMORY_GIB[kind])
 
 
-def _flag(argv: List[str], flag: str, default: int) -> int:
+def _flag(argv: list[str], flag: str, default: int) -> int:
     return int(argv[argv.index(flag) + 1]) if flag in argv else default
 
 
-def _pod_security() -> Dict[str, Any]:
+def _pod_security() -> dict[str, Any]:
     return {
         "runAsUser": RUN_AS,
         "runAsGroup": RUN_AS,
@@ -331,7 +332,7 @@ def _pod_security() -> Dict[str, Any]:
     }
 
 
-def _owner_init(image: str, mounts: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _owner_init(image: str, mounts: list[dict[str, Any]]) -> dict[str, Any]:
     """An init container that gives hostPath directories (made root's by the kubelet) to RUN_AS,
     owner-only: the workers write their SSD tier there, the cache server its socket."""
     paths = " ".join(m["mountPath"] for m in mounts)
@@ -349,7 +350,7 @@ def _owner_init(image: str, mounts: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
-def _one_per_node(name: str, component: str) -> Dict[str, Any]:
+def _one_per_node(name: str, component: str) -> dict[str, Any]:
     """No two pods of this worker service on one node: they would share its SSD hostPath."""
     return {
         "podAntiAffinity": {
@@ -368,13 +369,13 @@ def _one_per_node(name: str, component: str) -> Dict[str, Any]:
     }
 
 
-def _ssd_volumes(proc: Process, dirs: List[str], how: SsdVolume, host_base: str):
+def _ssd_volumes(proc: Process, dirs: list[str], how: SsdVolume, host_base: str):
     """(volumes, mounts) for a worker's SSD cache directories."""
-    vols: List[Dict[str, Any]] = []
-    mounts: List[Dict[str, Any]] = []
+    vols: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
     per_dir_gb = proc.cache.ssd_cache_gb / len(dirs) if proc.cache is not None and dirs else 0.0
     for i, d in enumerate(dirs):
-        vol: Dict[str, Any] = {"name": f"ssd-cache-{i}"}
+        vol: dict[str, Any] = {"name": f"ssd-cache-{i}"}
         if how is SsdVolume.HOSTPATH:
             vol["hostPath"] = {"path": f"{host_base}/ssd-{i}", "type": "DirectoryOrCreate"}
         else:  # the tier's files, and a little room for its journal
@@ -393,7 +394,7 @@ def _write_model_dir(plan: LaunchPlan, path: str, weights: bool) -> str:
     )
 
 
-def _portable_args(args: List[str]) -> List[str]:
+def _portable_args(args: list[str]) -> list[str]:
     """Drops what only makes sense on this machine (loopback binding, file discovery, run dir)."""
     out, skip = [], False
     for a in args:
@@ -407,7 +408,7 @@ def _portable_args(args: List[str]) -> List[str]:
     return out
 
 
-def _pod_hosts() -> List[Dict[str, Any]]:
+def _pod_hosts() -> list[dict[str, Any]]:
     """The reference worker's request, response, event and system servers on the pod's network
     (in place of its loopback defaults, which would register an address no other pod reaches)."""
     return [
@@ -416,14 +417,14 @@ def _pod_hosts() -> List[Dict[str, Any]]:
     ]  # each its own dict: a shared one is written as a YAML alias (&id001)
 
 
-def _replace_arg(args: List[str], flag: str, value: str) -> List[str]:
+def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
     out = list(args)
     if flag in out:
         out[out.index(flag) + 1] = value
     return out
 
 
-def _cache_env(proc: Process) -> List[Dict[str, str]]:
+def _cache_env(proc: Process) -> list[dict[str, str]]:
     path = proc.env.get("FLEXKV_CONFIG_PATH")
     if path is None or path not in proc.files:
         return []
@@ -434,7 +435,7 @@ def _cache_env(proc: Process) -> List[Dict[str, str]]:
     ]
 
 
-def _ssd_dirs(proc: Process) -> List[str]:
+def _ssd_dirs(proc: Process) -> list[str]:
     if proc.cache is None or proc.cache.ssd_cache_gb <= 0:
         return []
     for e in _cache_env(proc):

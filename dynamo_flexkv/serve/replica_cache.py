@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -35,12 +36,12 @@ class PlanContext:
     run_dir: Path
     discovery: str  # serve --discovery-backend: file or etcd
     event_plane: str  # serve --event-plane: zmq or nats
-    env: Dict[str, str]  # the planes' environment every component starts with
-    ports: "PortBook"
+    env: dict[str, str]  # the planes' environment every component starts with
+    ports: PortBook
     source: str  # the config file, as errors name it (a ConfigSource: also where each --set put a value)
     local: bool  # False: rendering for elsewhere (no ports or SSD directories probed here)
-    redis: Dict[str, Any]
-    dirs: Dict[str, str]
+    redis: dict[str, Any]
+    dirs: dict[str, str]
 
 
 def replica_cache(
@@ -49,9 +50,9 @@ def replica_cache(
     pname: str,
     i: int,
     o: Mapping[str, Any],
-    spec: Optional[Any],
+    spec: Any | None,
     block_size: int,
-    penv: Dict[str, str],
+    penv: dict[str, str],
 ):
     """One replica's tiers from the worker's ``cache`` section: checked (sizes against ``spec``, the
     KV shape, unless None; SSD directories free and not shared; a given Redis reachable), written to
@@ -131,7 +132,7 @@ def per_replica(value: Any, replica: int) -> Any:
     return value
 
 
-def _dirs(value: Any) -> List[str]:
+def _dirs(value: Any) -> list[str]:
     """ssd_cache_dir as CacheConfig reads it: a list, or one string with ';' between directories."""
     if value is None:
         return []

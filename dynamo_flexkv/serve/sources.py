@@ -6,7 +6,8 @@ the file: ``origin_of(source, "FlexKVWorker", "cache", "cpu_cache_gb")``.
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 COMMON = "Common"
 
@@ -17,9 +18,11 @@ class ConfigSource(str):
     apply_overrides)."""
 
     file_config: Mapping[str, Any]
-    sets: List[Tuple[Tuple[str, ...], str]]  # (the path a --set names, the item as given)
+    sets: list[tuple[tuple[str, ...], str]]  # (the path a --set names, the item as given)
 
-    def __new__(cls, label: str, file_config: Optional[Mapping[str, Any]] = None, sets: Sequence[str] = ()):
+    def __new__(
+        cls, label: str, file_config: Mapping[str, Any] | None = None, sets: Sequence[str] = ()
+    ) -> ConfigSource:
         self = super().__new__(cls, label)
         self.file_config = file_config or {}
         self.sets = [(tuple(item.partition("=")[0].split(".")), item) for item in sets]
@@ -34,7 +37,7 @@ class ConfigSource(str):
             found = self._find((COMMON, *keys))
         return found or str(self)
 
-    def _find(self, path: Tuple[str, ...]) -> Optional[str]:
+    def _find(self, path: tuple[str, ...]) -> str | None:
         for named, item in reversed(self.sets):  # the last --set wins, as apply_overrides applies them
             if path[: len(named)] == named:  # it set this value, or the mapping around it
                 return f"--set {item}"

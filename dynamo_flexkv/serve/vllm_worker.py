@@ -18,8 +18,9 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 from dynamo_flexkv.core.layout import ModelSpec
 from dynamo_flexkv.resources import hf_preset, presets_dir
@@ -144,7 +145,7 @@ MANAGED_FLAGS = {
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 
 
-def nixl_connector(lease_s: float) -> Dict[str, Any]:
+def nixl_connector(lease_s: float) -> dict[str, Any]:
     """NixlConnector as the disagg graphs hand over with it: its lease (a prefill's blocks wait
     this long for decode's read) and its buffer on the platform's device."""
     return {
@@ -154,7 +155,7 @@ def nixl_connector(lease_s: float) -> Dict[str, Any]:
     }
 
 
-def kv_transfer_config(connectors: List[Dict[str, Any]]) -> Dict[str, Any]:
+def kv_transfer_config(connectors: list[dict[str, Any]]) -> dict[str, Any]:
     """One connector as it is, several under MultiConnector (the first with a prefix loads it)."""
     if len(connectors) == 1:
         return {**connectors[0], "kv_load_failure_policy": "recompute"}
@@ -166,7 +167,7 @@ def kv_transfer_config(connectors: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
-def _nonneg_int_or_none(v: Any) -> Optional[int]:
+def _nonneg_int_or_none(v: Any) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
@@ -174,7 +175,7 @@ def _nonneg_int_or_none(v: Any) -> Optional[int]:
     return v
 
 
-def _str_or_none(v: Any) -> Optional[str]:
+def _str_or_none(v: Any) -> str | None:
     if v is None:
         return None
     if not isinstance(v, (str, int)) or isinstance(v, bool):
@@ -182,7 +183,7 @@ def _str_or_none(v: Any) -> Optional[str]:
     return str(v)
 
 
-def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Callable[[Any], Any]]:
+def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> dict[str, Callable[[Any], Any]]:
     """A VllmWorker's options: the worker options that mean the same for both engines (reusing
     their checks: replicas, cache, restart and liveness), then vLLM's own."""
     shared = (
@@ -222,7 +223,7 @@ def options(worker_options: Mapping[str, Callable[[Any], Any]]) -> Dict[str, Cal
     }
 
 
-def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
+def defaults(worker_defaults: Mapping[str, Any]) -> dict[str, Any]:
     return {
         **{
             k: v
@@ -261,7 +262,7 @@ def defaults(worker_defaults: Mapping[str, Any]) -> Dict[str, Any]:
     }
 
 
-def check(name: str, o: Dict[str, Any], source: str) -> None:
+def check(name: str, o: dict[str, Any], source: str) -> None:
     """The vLLM-specific option checks (the shared ones ran already)."""
     from dynamo_flexkv.serve.graph import GraphError
 
@@ -310,14 +311,13 @@ def check(name: str, o: Dict[str, Any], source: str) -> None:
                 f"{origin_of(source, name, key)}: {name}.{key}={o[key]} must be between 1 and {MAX_PARALLEL}"
             )
     bind = o["cpu-threads-bind"]
-    if bind is not None and bind not in ("auto", "nobind") and ranks(o) > 1:
-        if bind.count("|") + 1 != ranks(o):
-            raise GraphError(
-                f"{origin_of(source, name, 'cpu-threads-bind')}: "
-                f"{name}.cpu-threads-bind={bind!r}: a worker of {ranks(o)} ranks "
-                f"(tensor-parallel-size x data-parallel-size) needs {ranks(o)} core lists joined by "
-                "'|', one per rank (e.g. \"0|1\"); or leave it out: serve gives each rank its share"
-            )
+    if bind is not None and bind not in ("auto", "nobind") and ranks(o) > 1 and bind.count("|") + 1 != ranks(o):
+        raise GraphError(
+            f"{origin_of(source, name, 'cpu-threads-bind')}: "
+            f"{name}.cpu-threads-bind={bind!r}: a worker of {ranks(o)} ranks "
+            f"(tensor-parallel-size x data-parallel-size) needs {ranks(o)} core lists joined by "
+            "'|', one per rank (e.g. \"0|1\"); or leave it out: serve gives each rank its share"
+        )
     if ranks(o) > 1 and o["disaggregation-mode"] != "agg":
         raise GraphError(
             f"{source}: {name}: tensor-parallel-size / data-parallel-size above 1 run aggregated workers "
@@ -409,7 +409,7 @@ def connector_keys() -> Sequence[str]:
     return tuple(EXTRA_KEYS)
 
 
-def connector_settings(connector: Mapping[str, Any]) -> Dict[str, Any]:
+def connector_settings(connector: Mapping[str, Any]) -> dict[str, Any]:
     """A worker's connector section as FlexKVConnector will read it (its defaults filled in)."""
     from dynamo_flexkv.integrations.vllm_connector.settings import checked_extra_config
 
@@ -465,7 +465,7 @@ def ranks(o: Mapping[str, Any]) -> int:
     return int(o.get("tensor-parallel-size", 1)) * int(o.get("data-parallel-size", 1))
 
 
-def cpu_binds(count: int, cpus: Optional[Sequence[int]] = None) -> List[str]:
+def cpu_binds(count: int, cpus: Sequence[int] | None = None) -> list[str]:
     """VLLM_CPU_OMP_THREADS_BIND for ``count`` CPU vLLM workers on one machine: each its own
     contiguous share of the CPUs this process may use (2 workers on 2 cores: "0" and "1"); with
     more workers than CPUs they take turns (worker i gets CPU i mod n). One worker: "auto"."""
@@ -486,9 +486,9 @@ def resolve_model(name: str, o: Mapping[str, Any], run_dir: Path, source: str, l
     launcher writes (config.json + tokenizer, and with ``weights: seeded`` the seeded weights, which
     vLLM loads; ``weights: dummy``: none, load-format dummy); anything else is a local Hugging Face
     model directory, served as it is (its own weights)."""
-    from dynamo_flexkv.serve.graph import GraphError
-
     import yaml
+
+    from dynamo_flexkv.serve.graph import GraphError
 
     model = o["model"]
     preset = presets_dir() / f"{model}.yaml"
@@ -552,7 +552,7 @@ def loads_dummy(argv: Sequence[str]) -> bool:
     return "--load-format" in argv[:-1] and argv[argv.index("--load-format") + 1] == "dummy"
 
 
-def _spec(cfg: Mapping[str, Any], model_dtype: Optional[str], dtype: str) -> Optional[ModelSpec]:
+def _spec(cfg: Mapping[str, Any], model_dtype: str | None, dtype: str) -> ModelSpec | None:
     chosen = model_dtype if dtype == "auto" else dtype
     try:
         return ModelSpec(
@@ -565,7 +565,7 @@ def _spec(cfg: Mapping[str, Any], model_dtype: Optional[str], dtype: str) -> Opt
         return None
 
 
-def events_endpoint(run_dir: Path, pname: str, port: int, local: bool, dp_port: Optional[int] = None) -> str:
+def events_endpoint(run_dir: Path, pname: str, port: int, local: bool, dp_port: int | None = None) -> str:
     """Where vLLM publishes its KV events and dynamo.vllm subscribes: an ipc:// socket (vLLM and
     Dynamo both connect to a tcp:// one, so nothing binds it), in the replica's run directory.
     ``dp_port``: a data-parallel engine's ranks publish on consecutive tcp ports from it (vLLM
@@ -581,11 +581,11 @@ def events_endpoint(run_dir: Path, pname: str, port: int, local: bool, dp_port: 
     return "ipc://" + path
 
 
-def workers(ctx: PlanContext, name: str, o: Dict[str, Any], served: str) -> list:
+def workers(ctx: PlanContext, name: str, o: dict[str, Any], served: str) -> list:
+    from dynamo_flexkv.serve.graph import Kind
+    from dynamo_flexkv.serve.ports import system_port
     from dynamo_flexkv.serve.process import Process
     from dynamo_flexkv.serve.replica_cache import per_replica, replica_cache
-    from dynamo_flexkv.serve.ports import system_port
-    from dynamo_flexkv.serve.graph import Kind
 
     run_dir, ports, source, local = ctx.run_dir, ctx.ports, ctx.source, ctx.local
     model_path, preset_format, spec = resolve_model(name, o, run_dir, source, local)
@@ -695,7 +695,7 @@ def workers(ctx: PlanContext, name: str, o: Dict[str, Any], served: str) -> list
         # is recomputed, not failed (vLLM's default).
         if connectors:
             argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(connectors))]
-        proc_dirs: List[str] = []
+        proc_dirs: list[str] = []
         penv.update(PORTABLE_ENV, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=worker_s)
         if local:
             home = run_dir / pname / "home"
@@ -728,7 +728,7 @@ def workers(ctx: PlanContext, name: str, o: Dict[str, Any], served: str) -> list
     return out
 
 
-def pin_cpus(processes: list, cpus: Optional[Sequence[int]] = None) -> None:
+def pin_cpus(processes: list, cpus: Sequence[int] | None = None) -> None:
     """On a CPU-only machine, gives the vLLM workers without a cpu-threads-bind of their own each
     its own share of the cores (an operator's VLLM_CPU_OMP_THREADS_BIND in serve's environment wins)."""
     if BIND_ENV in os.environ or not on_cpu():

@@ -16,7 +16,7 @@ def main(xsub: str, xpub: str) -> None:
     # Started from a background job (`make demo &`), a process inherits SIGINT ignored; the launcher
     # stops infrastructure with SIGINT, and would otherwise wait 30 s and SIGKILL the broker.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     front, back = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
     front.bind(xsub)
     back.bind(xpub)

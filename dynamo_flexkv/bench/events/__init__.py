@@ -51,7 +51,6 @@ import os
 import signal
 import sys
 import threading
-from typing import List
 
 from dynamo_flexkv.bench.events.orchestrate import cases, check_plan, measure, plot
 from dynamo_flexkv.bench.events.workload import TRACE_RATE_NOTE
@@ -60,7 +59,7 @@ from dynamo_flexkv.bench.report import Case
 __all__ = ["DEFAULT_RATE", "cases", "measure", "plot", "run"]
 
 
-def run(args: argparse.Namespace) -> List[Case]:
+def run(args: argparse.Namespace) -> list[Case]:
     workers = args.workers if args.workers is not None else ("20" if args.quick else "100,300,1000")
     try:
         sizes = [int(x) for x in workers.split(",")]

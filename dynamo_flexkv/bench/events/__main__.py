@@ -7,7 +7,7 @@ import json
 import os
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from dynamo_flexkv.bench.events.publisher import publisher_main
 from dynamo_flexkv.bench.events.router import router_main
@@ -20,7 +20,7 @@ def main_child(argv: Sequence[str]) -> None:
     code = 0
     try:
         asyncio.run(coro)
-    except BaseException:  # the orchestrator shows this log's tail
+    except BaseException:  # noqa: BLE001 - printed with its traceback; the orchestrator shows this log's tail
         import traceback
 
         traceback.print_exc()

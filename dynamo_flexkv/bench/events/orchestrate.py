@@ -15,8 +15,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from dynamo_flexkv.bench.events.plumbing import low_port, percentile, worker_ids
 from dynamo_flexkv.bench.events.router import LIVE_TIMEOUT
@@ -56,7 +57,7 @@ LOST_EVENT_MESSAGES = (
 )
 
 
-def lost_event_lines(log: str) -> List[str]:
+def lost_event_lines(log: str) -> list[str]:
     """The lines of a router's or publisher's log that report a lost or unapplied KV event."""
     return [ln for ln in log.splitlines() if any(m in ln for m in LOST_EVENT_MESSAGES)]
 
@@ -68,7 +69,7 @@ class Infra:
         from dynamo_flexkv.core.sysutil import free_port
         from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
 
-        self.procs: List[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []
         self.env = dict(os.environ, **LOOPBACK_ENV, DYN_LOG=os.environ.get("DYN_LOG", "warn"))
         for k in ("DYN_ZMQ_BROKER_URL", "NATS_SERVER", "DYN_SYSTEM_PORT"):
             self.env.pop(k, None)
@@ -106,7 +107,7 @@ class Infra:
                     break
                 except OSError:
                     if time.monotonic() > deadline:
-                        raise RuntimeError("nats-server did not listen within 10 s")
+                        raise RuntimeError("nats-server did not listen within 10 s") from None
                     time.sleep(0.05)
         else:
             raise ValueError(f"unknown transport {transport!r}: zmq or nats")
@@ -119,14 +120,15 @@ def stop(procs: Sequence[subprocess.Popen]) -> None:
     """Each process's group its signal at once (the ZMQ broker stops on SIGINT), 10 s for all to
     exit, then SIGKILL to what is left (core/procgroup.py)."""
     for p in procs:
-        signal_group(p, signal.SIGINT if "zmq_broker" in " ".join(map(str, p.args)) else signal.SIGTERM)
+        args = p.args if isinstance(p.args, (list, tuple)) else [p.args]
+        signal_group(p, signal.SIGINT if "zmq_broker" in " ".join(map(str, args)) else signal.SIGTERM)
     deadline = time.monotonic() + 10
     for p in procs:
         wait_group(p, deadline)
         kill_group(p)
 
 
-def _child(role: str, cfg: Dict[str, Any], env: Dict[str, str], log: str) -> subprocess.Popen:
+def _child(role: str, cfg: dict[str, Any], env: dict[str, str], log: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "dynamo_flexkv.bench.events", role, json.dumps(cfg)],
         stdin=subprocess.PIPE,
@@ -138,12 +140,15 @@ def _child(role: str, cfg: Dict[str, Any], env: Dict[str, str], log: str) -> sub
     )
 
 
-def _read(proc: subprocess.Popen, what: str, timeout: float, log: str) -> Dict[str, Any]:
-    result: List[Any] = []
+def _read(proc: subprocess.Popen, what: str, timeout: float, log: str) -> dict[str, Any]:
+    result: list[Any] = []
 
-    def reader():
+    stdout = proc.stdout
+    assert stdout is not None  # PIPE (_child)
+
+    def reader() -> None:
         while True:
-            line = proc.stdout.readline()
+            line = stdout.readline()
             if not line:
                 return
             if line.startswith("{"):
@@ -159,7 +164,8 @@ def _read(proc: subprocess.Popen, what: str, timeout: float, log: str) -> Dict[s
     return result[0]
 
 
-def _send(proc: subprocess.Popen, obj: Dict[str, Any]) -> None:
+def _send(proc: subprocess.Popen, obj: dict[str, Any]) -> None:
+    assert proc.stdin is not None  # PIPE (_child)
     proc.stdin.write(json.dumps(obj) + "\n")
     proc.stdin.flush()
 
@@ -176,8 +182,8 @@ def run_case(
     warmup: float,
     duration: float,
     flush_interval: float,
-    keep: Optional[str] = None,
-) -> Dict[str, Any]:
+    keep: str | None = None,
+) -> dict[str, Any]:
     """run_once, started again (fresh processes) when some workers' events never reached the router
     before the run: seen in 2 of about 10 starts at 1,000 workers, a few workers of one publisher
     process, listed by the router as workers; the cause was not found. The row says how many
@@ -202,8 +208,8 @@ def run_once(
     warmup: float,
     duration: float,
     flush_interval: float,
-    keep: Optional[str] = None,
-) -> Dict[str, Any]:
+    keep: str | None = None,
+) -> dict[str, Any]:
     """One measurement: a fresh event plane, router and publishers; every process is stopped
     before it returns."""
     workdir = tempfile.mkdtemp(prefix=f"bench-events-{transport}-{n}-{fmt}-")
@@ -212,7 +218,7 @@ def run_once(
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)  # nothing ran: no logs to keep
         raise
-    procs: List[subprocess.Popen] = []
+    procs: list[subprocess.Popen] = []
     failed = False
     try:
         env = dict(infra.env, DYN_FILE_KV=os.path.join(workdir, "discovery"))
@@ -273,7 +279,7 @@ def run_once(
         stop([router])
         stop(pubs)
         warnings = lost_event_lines(stderr)
-        probes: Dict[int, float] = {}
+        probes: dict[int, float] = {}
         for r in pres:
             probes.update({int(k): v for k, v in r["probes"].items()})
         seen = {int(k): v for k, v in rres["probe_seen"].items()}
@@ -282,7 +288,7 @@ def run_once(
         applied = rres["applied"]
         applied_total = sum(applied.values())
         not_ok = sum(v for k, v in applied.items() if not k.endswith("/ok"))
-        blocks: Dict[str, List[int]] = {}
+        blocks: dict[str, list[int]] = {}
         for r in pres:
             for t, (a, b) in r["blocks"].items():
                 v = blocks.setdefault(t, [0, 0])
@@ -366,10 +372,10 @@ def measure(
     warmup: float,
     duration: float,
     flush_interval: float = 0.005,
-    keep: Optional[str] = None,
+    keep: str | None = None,
     log=print,
-    rows_path: Optional[str] = None,
-) -> List[Dict[str, Any]]:
+    rows_path: str | None = None,
+) -> list[dict[str, Any]]:
     """Every (transport, size): device-only then ours, each on a fresh router. Returns raw rows
     (also appended to ``rows_path`` as JSON lines as they are measured)."""
     check_plan(transports, sizes, rate, warmup, duration)
@@ -391,8 +397,8 @@ def measure(
     return rows
 
 
-def cases(rows: Sequence[Dict[str, Any]]) -> List[Case]:
-    out: List[Case] = []
+def cases(rows: Sequence[dict[str, Any]]) -> list[Case]:
+    out: list[Case] = []
     by = {(r["transport"], r["workers"], r["format"]): r for r in rows}
     for (transport, n, fmt), ours in by.items():
         if fmt != "ours" or (transport, n, "device") not in by:
@@ -415,7 +421,7 @@ def cases(rows: Sequence[Dict[str, Any]]) -> List[Case]:
     return out
 
 
-def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
+def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     """Lag p50/p99, router CPU and decision latency over the worker counts: ours solid, device-only
     dashed, one colour per event plane; the 1 s lag goal as a line."""
     if not rows:

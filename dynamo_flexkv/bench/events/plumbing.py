@@ -9,8 +9,8 @@ import os
 import random
 import socket
 import sys
-from typing import Any, Dict, List, Sequence, Tuple
-
+from collections.abc import Sequence
+from typing import Any
 
 ENDPOINT = "bench.worker.generate"
 WORKER_BASE = 0x10000000  # simulated worker ids
@@ -35,7 +35,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def rss_mib(pid: int) -> Tuple[float, float]:
+def rss_mib(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) in MiB."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
@@ -45,19 +45,19 @@ def rss_mib(pid: int) -> Tuple[float, float]:
     return out.get("VmRSS", 0.0), out.get("VmHWM", 0.0)
 
 
-def emit(obj: Dict[str, Any]) -> None:
+def emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
 
 
-def read_cmd() -> Dict[str, Any]:
+def read_cmd() -> dict[str, Any]:
     line = sys.stdin.readline()
     if not line:
         os._exit(3)  # the orchestrator went away
     return json.loads(line)
 
 
-def worker_ids(n: int) -> List[int]:
+def worker_ids(n: int) -> list[int]:
     return [WORKER_BASE + i for i in range(n)]
 
 

@@ -9,7 +9,7 @@ import os
 import random
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from dynamo_flexkv.bench.events.plumbing import ENDPOINT, WORKER_BASE, cpu_seconds, emit, percentile, read_cmd
 from dynamo_flexkv.bench.events.workload import (
@@ -28,14 +28,15 @@ from dynamo_flexkv.bench.events.workload import (
 )
 
 
-async def publisher_main(cfg: Dict[str, Any]) -> None:
+async def publisher_main(cfg: dict[str, Any]) -> None:
     from dynamo._core import DistributedRuntime, KvEventPublisher
+
     from dynamo_flexkv.integrations.events import KvEventRelay
 
     loop = asyncio.get_running_loop()
     rt = DistributedRuntime(loop, "file", "tcp", event_plane=cfg["transport"])
     ep = rt.endpoint(ENDPOINT)
-    ids: List[int] = cfg["ids"]
+    ids: list[int] = cfg["ids"]
     all_n = cfg["workers"]
     tiers = OURS_TIERS if cfg["format"] == "ours" else DEVICE_TIERS
     relays, publishers, sims = [], [], []
@@ -48,9 +49,9 @@ async def publisher_main(cfg: Dict[str, Any]) -> None:
         if not await asyncio.to_thread(r.wait_for_subscriber, 60):
             raise RuntimeError("a KvEventPublisher never subscribed to its relay")
     prompts = load_prompts()
-    seqs_cache: Dict[int, List[int]] = {}
+    seqs_cache: dict[int, list[int]] = {}
     emit({"ready": True, "pid": os.getpid()})
-    got: List[Dict[str, Any]] = []
+    got: list[dict[str, Any]] = []
     reader = threading.Thread(target=lambda: got.append(read_cmd()), daemon=True)
     reader.start()
     while not got:  # hello from every worker until the run starts (see HELLO_TOKENS)
@@ -72,14 +73,14 @@ async def publisher_main(cfg: Dict[str, Any]) -> None:
     rt.shutdown()
 
 
-def drive(cfg, go, ids, all_n, sims, relays, prompts, seqs_cache) -> Dict[str, Any]:
+def drive(cfg, go, ids, all_n, sims, relays, prompts, seqs_cache) -> dict[str, Any]:
     """Runs the schedule: each worker's requests at go['rate'] per second (a random phase each),
     and the probes this process owns (probe k belongs to worker k mod N)."""
     rate, t0 = go["rate"], go["t0"]
     start, end = t0 + go["warmup"], t0 + go["warmup"] + go["duration"]
     warm_rate = max(rate, PREROLL / max(1e-3, 0.75 * go["warmup"]))  # the last quarter of the warm-up at rate
     rng = random.Random(cfg["seed"])
-    heap: List[Tuple[float, int, int]] = []  # (time, kind 0 request / 1 probe, worker index or probe k)
+    heap: list[tuple[float, int, int]] = []  # (time, kind 0 request / 1 probe, worker index or probe k)
     offsets = []
     for i, wid in enumerate(ids):
         heapq.heappush(heap, (t0 + rng.random() / warm_rate, 0, i))
@@ -90,8 +91,8 @@ def drive(cfg, go, ids, all_n, sims, relays, prompts, seqs_cache) -> Dict[str, A
         owner = WORKER_BASE + k % all_n
         if owner in index_of:
             heapq.heappush(heap, (start + k * PROBE_INTERVAL, 1, k))
-    probes: Dict[int, float] = {}
-    late: List[float] = []
+    probes: dict[int, float] = {}
+    late: list[float] = []
     requests = 0
     blocks0 = None
     cpu0 = None
@@ -143,8 +144,8 @@ def drive(cfg, go, ids, all_n, sims, relays, prompts, seqs_cache) -> Dict[str, A
     }
 
 
-def _sum_blocks(sims) -> Dict[str, List[int]]:
-    out: Dict[str, List[int]] = {}
+def _sum_blocks(sims) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
     for s in sims:
         for t, (a, b) in s.blocks.items():
             v = out.setdefault(t, [0, 0])

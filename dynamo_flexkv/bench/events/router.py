@@ -28,7 +28,7 @@ DECISIONS_PER_S = 20
 LIVE_TIMEOUT = 90.0  # for every simulated worker's hello to reach the router
 
 
-def register_fake_workers(discovery: str, ids: Sequence[int], timeout: float = 30.0) -> List[str]:
+def register_fake_workers(discovery: str, ids: Sequence[int], timeout: float = 30.0) -> list[str]:
     """Copies this process's own instance record and model card once per simulated worker id:
     file discovery then lists N workers of the model (nobody serves their requests: none is sent)."""
     deadline = time.monotonic() + timeout
@@ -45,7 +45,7 @@ def register_fake_workers(discovery: str, ids: Sequence[int], timeout: float = 3
     with open(mdc[0]) as f:
         card = json.load(f)
     tcp = instance["transport"]["tcp"].split("/", 1)[0]
-    written: List[str] = []
+    written: list[str] = []
     for wid in ids:
         h = format(wid, "x")
         rec = dict(instance, instance_id=wid, transport={"tcp": f"{tcp}/{h}/bench/worker/generate"})
@@ -69,7 +69,7 @@ def keep_alive(paths: Sequence[str], stop: threading.Event, every: float = 2.0) 
                 pass
 
 
-async def router_main(cfg: Dict[str, Any]) -> None:
+async def router_main(cfg: dict[str, Any]) -> None:
     from dynamo._core import (
         DistributedRuntime,
         KvRouter,
@@ -79,6 +79,7 @@ async def router_main(cfg: Dict[str, Any]) -> None:
         WorkerType,
         register_model,
     )
+
     from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig
 
@@ -128,7 +129,7 @@ async def router_main(cfg: Dict[str, Any]) -> None:
     listed = {r["worker_id"] for r in rows}
     emit({"live": live, "missing": missing[:20], "missing_unlisted": sorted(set(missing) - listed)[:20]})
     await asyncio.to_thread(read_cmd)  # the publishers stopped saying hello
-    before: Dict[str, float] = {}
+    before: dict[str, float] = {}
     for _ in range(50):  # what the router applied before the run, once it stops changing
         await asyncio.sleep(0.2)
         now = scrape_applied(cfg["system_port"])
@@ -140,9 +141,9 @@ async def router_main(cfg: Dict[str, Any]) -> None:
     prompts = load_prompts()
     start, end = go["t0"] + go["warmup"], go["t0"] + go["warmup"] + go["duration"]
     rng = random.Random(7)
-    decisions: List[float] = []
-    probe_seen: Dict[int, float] = {}
-    probe_polls: List[float] = []
+    decisions: list[float] = []
+    probe_seen: dict[int, float] = {}
+    probe_polls: list[float] = []
 
     async def sleep_until(t: float) -> None:
         d = t - time.time()
@@ -175,7 +176,7 @@ async def router_main(cfg: Dict[str, Any]) -> None:
                 return
             await asyncio.sleep(POLL_S)
 
-    loop_stalls: List[float] = []
+    loop_stalls: list[float] = []
 
     async def heartbeat() -> None:
         """How late this process's event loop wakes up: a late probe poll inflates the lag."""
@@ -197,7 +198,7 @@ async def router_main(cfg: Dict[str, Any]) -> None:
     emit({"measured": True})
     cmd = await asyncio.to_thread(read_cmd)  # {"published": events the relays sent}
     await asyncio.wait(tasks, timeout=35)
-    applied: Dict[str, float] = {}
+    applied: dict[str, float] = {}
     deadline = time.monotonic() + cmd.get("settle", 20)
     while True:  # the router catches up with everything the publishers sent, or time is up
         applied = scrape_applied(cfg["system_port"])
@@ -223,7 +224,7 @@ async def router_main(cfg: Dict[str, Any]) -> None:
     rt.shutdown()
 
 
-def scrape_applied(port: int) -> Dict[str, float]:
+def scrape_applied(port: int) -> dict[str, float]:
     """dynamo_component_kv_cache_events_applied summed by (event_type, status)."""
     sums = sums_by(scrape(port, timeout=5), "dynamo_component_kv_cache_events_applied", "event_type", "status")
     return {f"{event_type}/{status}": value for (event_type, status), value in sums.items()}

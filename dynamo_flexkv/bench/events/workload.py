@@ -4,8 +4,7 @@ worker's tiers as LRU sets that publish every tier's Stored/Removed events."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Sequence, Tuple
-
+from collections.abc import Sequence
 
 BLOCK_TOKENS = 64  # one trace block (512 tokens) -> one 64-token KV block, workload.Scale's x1/8
 MAX_BLOCKS = 64  # prompts cut at 64 blocks (4,096 scaled tokens)
@@ -28,7 +27,7 @@ def splitmix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def chain(hash_ids: Sequence[int]) -> List[int]:
+def chain(hash_ids: Sequence[int]) -> list[int]:
     """Sequence hashes of a trace prompt's blocks: unique per prefix, the same in every process."""
     out, prev = [], 0
     for h in hash_ids:
@@ -37,12 +36,12 @@ def chain(hash_ids: Sequence[int]) -> List[int]:
     return out
 
 
-def block_tokens(hash_ids: Sequence[int]) -> List[int]:
+def block_tokens(hash_ids: Sequence[int]) -> list[int]:
     """BLOCK_TOKENS token ids per trace block, distinct per hash_id."""
     return [h * BLOCK_TOKENS + j for h in hash_ids for j in range(BLOCK_TOKENS)]
 
 
-def probe_tokens(k: int) -> List[int]:
+def probe_tokens(k: int) -> list[int]:
     return [(1 << 30) + k * BLOCK_TOKENS + j for j in range(BLOCK_TOKENS)]
 
 
@@ -57,7 +56,7 @@ HELLO_TOKENS = [(1 << 29) + j for j in range(BLOCK_TOKENS)]
 HELLO_HASH = splitmix(1 << 61)
 
 
-def load_prompts() -> List[Tuple[int, ...]]:
+def load_prompts() -> list[tuple[int, ...]]:
     from dynamo_flexkv.workload import load_trace
 
     return [tuple(r.hash_ids[:MAX_BLOCKS]) for r in load_trace()]
@@ -72,7 +71,8 @@ class SimWorker:
         from dynamo_flexkv.integrations.events import REMOTE
 
         self.relay = relay
-        self.tiers = [
+        # (name, the tier its events name: None for the device, its LRU of sequence hashes, capacity)
+        self.tiers: list[tuple[str, Tier | str | None, OrderedDict[int, None], int]] = [
             (t, {"device": None, "host": Tier.HOST, "disk": Tier.DISK, "remote": REMOTE}[t], OrderedDict(), CAPACITY[t])
             for t in tiers
         ]

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -36,13 +37,13 @@ _HOST, _DISK = Tier.HOST, Tier.DISK
 class MatchResult:
     """Ready prefix length (in blocks) per tier; no locks were taken."""
 
-    per_tier: Dict[Tier, int]
+    per_tier: dict[Tier, int]
 
     @property
     def num_blocks(self) -> int:
         return max(self.per_tier.values(), default=0)
 
-    def sources(self) -> List[Tuple[Tier, int, int]]:
+    def sources(self) -> list[tuple[Tier, int, int]]:
         """Which tier serves which blocks, fastest first: [(tier, start, end), ...]."""
         out, covered = [], 0
         for tier in Tier:
@@ -57,17 +58,17 @@ class MatchResult:
 class GetPlan:
     task_id: Hashable
     start: int  # first block the caller wants (it holds [0, start) already)
-    host_reads: Optional[TierRun]  # host blocks [start, end) copied to the device (incl. staged)
-    disk_reads: Optional[TierRun]  # ready disk blocks read into `staged`
-    staged: Optional[TierRun]  # new host blocks that receive disk_reads before the device copy
-    remote_staged: Optional[TierRun] = None  # new host blocks that receive remote blocks (after staged)
+    host_reads: TierRun | None  # host blocks [start, end) copied to the device (incl. staged)
+    disk_reads: TierRun | None  # ready disk blocks read into `staged`
+    staged: TierRun | None  # new host blocks that receive disk_reads before the device copy
+    remote_staged: TierRun | None = None  # new host blocks that receive remote blocks (after staged)
 
     @property
     def end(self) -> int:
         return self.host_reads.end if self.host_reads is not None else self.start
 
     @property
-    def host_fill(self) -> Optional[TierRun]:
+    def host_fill(self) -> TierRun | None:
         """Host blocks this get fills (disk and remote parts); None when it only reads host."""
         return self.remote_staged if self.remote_staged is not None else self.staged
 
@@ -76,22 +77,22 @@ class GetPlan:
         return max(0, self.end - self.start)
 
     @property
-    def runs(self) -> List[TierRun]:
+    def runs(self) -> list[TierRun]:
         return [r for r in (self.staged, self.disk_reads, self.remote_staged, self.host_reads) if r is not None]
 
 
 @dataclass
 class PutPlan:
     task_id: Hashable
-    host: Optional[TierRun]  # new host blocks filled from the device
-    host_sources: Optional[TierRun]  # host blocks (held, or filled by `host`) feeding `disk`,
+    host: TierRun | None  # new host blocks filled from the device
+    host_sources: TierRun | None  # host blocks (held, or filled by `host`) feeding `disk`,
     #                                  locked until the disk write finished; aligned with `disk`
-    disk: Optional[TierRun]  # new disk blocks written from host
+    disk: TierRun | None  # new disk blocks written from host
     held: int  # blocks of the request already on host before this put
-    remote_sources: Optional[TierRun] = None  # host blocks [0, end) written behind to remote, locked meanwhile
+    remote_sources: TierRun | None = None  # host blocks [0, end) written behind to remote, locked meanwhile
 
     @property
-    def runs(self) -> List[TierRun]:
+    def runs(self) -> list[TierRun]:
         return [r for r in (self.host, self.host_sources, self.disk, self.remote_sources) if r is not None]
 
 
@@ -100,7 +101,7 @@ class TierCounters:
     hit_blocks: int = 0
     stored_blocks: int = 0
     rolled_back_blocks: int = 0
-    removed: Dict[str, int] = field(default_factory=dict)  # blocks that left the tier, by RemovalReason
+    removed: dict[str, int] = field(default_factory=dict)  # blocks that left the tier, by RemovalReason
     forced: int = 0  # of the index's evictions, those not the policy's (a clear, a weight change)
 
 
@@ -108,17 +109,17 @@ class CacheEngine:
     def __init__(
         self,
         config: CacheConfig,
-        capacities: Dict[Tier, int],
+        capacities: dict[Tier, int],
         *,
-        listener: Optional[IndexListener] = None,
-        on_slots_freed: Optional[Callable[[Tier, List[int]], None]] = None,
+        listener: IndexListener | None = None,
+        on_slots_freed: Callable[[Tier, list[int]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.listener = listener
         self.on_slots_freed = on_slots_freed  # storage hook: a ready block's slot left the index
         self._lock = threading.RLock()
-        self.tiers: Dict[Tier, TierIndex] = {}
+        self.tiers: dict[Tier, TierIndex] = {}
         for tier, capacity in capacities.items():
             if capacity <= 0:
                 continue
@@ -135,23 +136,23 @@ class CacheEngine:
             )
         if Tier.HOST not in self.tiers:
             raise ValueError("the host tier needs capacity: every transfer is staged through it")
-        self.counters: Dict[Tier, TierCounters] = {t: TierCounters() for t in self.tiers}
+        self.counters: dict[Tier, TierCounters] = {t: TierCounters() for t in self.tiers}
         self.miss_blocks = 0
         self.remote_hit_blocks = 0  # blocks planned from the remote tier (a read may verify fewer)
-        self._tasks: Dict[Hashable, List[TierRun]] = {}
-        self._reason: Optional[RemovalReason] = None  # what removes blocks now, when not the policy
+        self._tasks: dict[Hashable, list[TierRun]] = {}
+        self._reason: RemovalReason | None = None  # what removes blocks now, when not the policy
         # Bumped when the blocks' identity changes (the weights did: KVManager.weights_changed). A
         # task hashed under an older generation plans nothing and commits nothing: old KV never
         # lands after the change, whatever thread raced it.
         self.generation = 0
-        self._task_gen: Dict[Hashable, int] = {}
+        self._task_gen: dict[Hashable, int] = {}
 
     # ---- queries -------------------------------------------------------------------------------
-    def match(self, hashes: Sequence[int]) -> MatchResult:
+    def match(self, hashes: Hashes) -> MatchResult:
         with self._lock:
             return MatchResult({t: idx.match_length(hashes) for t, idx in self.tiers.items()})
 
-    def task_ids(self) -> List[Hashable]:
+    def task_ids(self) -> list[Hashable]:
         with self._lock:
             return list(self._tasks)
 
@@ -166,8 +167,8 @@ class CacheEngine:
         task_id: Hashable,
         hashes: Sequence[int],
         start: int = 0,
-        remote: Optional[Tuple[int, int]] = None,
-        generation: Optional[int] = None,
+        remote: tuple[int, int] | None = None,
+        generation: int | None = None,
     ) -> GetPlan:
         """Locks what the get reads and stages disk blocks into new host blocks. The plan covers
         blocks [start, plan.end); it may be empty. ``remote=(lo, hi)``: the remote tier held
@@ -217,7 +218,7 @@ class CacheEngine:
             self.miss_blocks += len(hashes) - max(end, start)
             return GetPlan(task_id, start, host_reads, disk_reads, staged, remote_staged)
 
-    def pin_host(self, task_id: Hashable, hashes: Sequence[int], start: int, limit: int) -> Optional[TierRun]:
+    def pin_host(self, task_id: Hashable, hashes: Sequence[int], start: int, limit: int) -> TierRun | None:
         """Locks the ready host blocks [start, end) of ``hashes`` (end: host's ready prefix, at most
         ``start + limit``) as a read run of ``task_id`` (a peer's pull, core/peer/): a locked block is
         neither evicted nor reused until ``abort_task(task_id)`` releases it. None (and no task)
@@ -231,8 +232,8 @@ class CacheEngine:
             return self._lock_run(task_id, _HOST, hashes, start, end, hit=False)
 
     def stage_host(
-        self, task_id: Hashable, hashes: Sequence[int], end: int, generation: Optional[int] = None
-    ) -> Optional[TierRun]:
+        self, task_id: Hashable, hashes: Sequence[int], end: int, generation: int | None = None
+    ) -> TierRun | None:
         """New unready host blocks for [h, end) of ``hashes`` (h: host's ready prefix), which a
         peer's bytes fill (core/peer/): invisible until ``complete_prefix`` commits what verified;
         ``abort_task`` rolls back the rest. None (and no task) when there is nothing to stage: host
@@ -258,7 +259,7 @@ class CacheEngine:
             return self._track(task_id, TierRun(Tier.HOST, h, hashes[h : h + len(ids)], ids, parent, new=True))
 
     def plan_put(
-        self, task_id: Hashable, hashes: Sequence[int], remote: bool = False, generation: Optional[int] = None
+        self, task_id: Hashable, hashes: Hashes, remote: bool = False, generation: int | None = None
     ) -> PutPlan:
         """Inserts the blocks host and disk do not hold yet (disk subject to the admission filter)
         as unready blocks of ``task_id``, and locks the host blocks that feed disk writes."""
@@ -298,7 +299,7 @@ class CacheEngine:
                     remote_sources = self._lock_run(task_id, Tier.HOST, hashes, 0, r_end, hit=False)
             return PutPlan(task_id, host_run, sources, disk_run, held, remote_sources)
 
-    def _remote_admitted_end(self, hashes: List[int], held: int, host_run: Optional[TierRun]) -> int:
+    def _remote_admitted_end(self, hashes: list[int], held: int, host_run: TierRun | None) -> int:
         """End of the prefix [0, end) written behind to remote. With remote_admission_hits = 0:
         the whole host prefix, when this put brought new blocks (an earlier put wrote the held
         ones; the write skips what remote already has). With N > 0: the held blocks with N hits."""
@@ -317,7 +318,7 @@ class CacheEngine:
             j += 1
         return j
 
-    def _admitted_end(self, hashes: List[int], d0: int, held: int, host_run: Optional[TierRun]) -> int:
+    def _admitted_end(self, hashes: list[int], d0: int, held: int, host_run: TierRun | None) -> int:
         """End of the run [d0, end) that may go to disk: each block needs a ready host copy (or
         one this put is filling) and, with disk_admission_hits = N > 0, at least N hits on host.
         Hits only fall along a chain, so admitted blocks form a prefix."""
@@ -434,12 +435,12 @@ class CacheEngine:
                 if not run.done:
                     self._abort_run(run, task_id, counted=not replan)
 
-    def discard(self, tier: Tier, block_ids: Sequence[int]) -> List[int]:
+    def discard(self, tier: Tier, block_ids: Sequence[int]) -> list[int]:
         """Drops blocks whose bytes proved bad (and their descendants) from ``tier``."""
         with self._removing(RemovalReason.FAILED):
             return self.tiers[tier].discard_slots(block_ids)
 
-    def evict(self, tier: Tier, count: int, reason: Optional[RemovalReason] = None) -> List[int]:
+    def evict(self, tier: Tier, count: int, reason: RemovalReason | None = None) -> list[int]:
         """Evicts up to ``count`` ready, unlocked blocks of ``tier`` by its policy (leaves first,
         so the tier stays prefix-closed); returns their hashes. ``reason``: why, when not to make
         room (then the policy's: evicted or demoted)."""
@@ -468,9 +469,9 @@ class CacheEngine:
             finally:
                 self._reason = before
 
-    def stats(self) -> Dict[str, Dict[str, Any]]:
+    def stats(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            out: Dict[str, Dict[str, Any]] = {}
+            out: dict[str, dict[str, Any]] = {}
             for tier, idx in self.tiers.items():
                 c = self.counters[tier]
                 out[tier.value] = {
@@ -491,7 +492,7 @@ class CacheEngine:
             return out
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _new_task(self, task_id: Hashable, generation: Optional[int] = None) -> bool:
+    def _new_task(self, task_id: Hashable, generation: int | None = None) -> bool:
         """Registers the task; False (and nothing registered) when it was hashed under an older
         generation than now."""
         if task_id in self._tasks:
@@ -507,7 +508,7 @@ class CacheEngine:
         return run
 
     def _lock_run(
-        self, task_id: Hashable, tier: Tier, hashes: List[int], start: int, end: int, hit: bool = True
+        self, task_id: Hashable, tier: Tier, hashes: list[int], start: int, end: int, hit: bool = True
     ) -> TierRun:
         idx = self.tiers[tier]
         part = hashes[start:end]
@@ -534,7 +535,7 @@ class CacheEngine:
             idx.unlock(run.hashes)
         run.done = True
 
-    def _removed(self, tier_name: str, hashes: List[int], slots: List[int]) -> None:
+    def _removed(self, tier_name: str, hashes: list[int], slots: list[int]) -> None:
         tier = Tier(tier_name)
         removed = self.counters[tier].removed
         if self._reason is not None:
@@ -553,6 +554,6 @@ class CacheEngine:
             self.listener.on_removed(Tier(tier_name), hashes)
 
 
-def _as_ints(hashes: Sequence[int]) -> List[int]:
+def _as_ints(hashes: Hashes) -> list[int]:
     """Python ints: dict lookups with numpy scalars cost several times more."""
     return hashes.tolist() if isinstance(hashes, np.ndarray) else [int(h) for h in hashes]

@@ -21,15 +21,17 @@ batches run there without the GIL. This class keeps the typed API, the clock and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.core.enums import EvictionPolicy
 from dynamo_flexkv.core.errors import FlexKVError
 
-RemovedCallback = Callable[[str, List[int], List[int]], None]  # (tier, hashes, slots)
-Hashes = Sequence[int]  # a list/tuple of ints or an integer numpy array
+RemovedCallback = Callable[[str, list[int], list[int]], None]  # (tier, hashes, slots)
+Hashes = Sequence[int] | np.ndarray  # a list/tuple of ints or an integer numpy array
 
 
 class IndexInvariantError(RuntimeError, FlexKVError):
@@ -46,12 +48,12 @@ _native.set_index_error_types(IndexInvariantError, PoolError)
 @dataclass(frozen=True)
 class BlockInfo:
     block_id: int
-    parent: Optional[int]
+    parent: int | None
     ready: bool
     locks: int
     children: int
     hits: int
-    owner: Optional[Hashable]
+    owner: Hashable | None
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,8 @@ class Census:
     filling: int  # unready: a copy into it is in flight
     in_use: int  # ready and locked: a load or a tier write reads it
     parents: int  # ready, unlocked, with children: a prefix of the blocks below it
-    oldest_s: Optional[float]  # seconds since the least recently used ready block was used (None: none)
-    newest_s: Optional[float]
+    oldest_s: float | None  # seconds since the least recently used ready block was used (None: none)
+    newest_s: float | None
 
 
 class TierIndex:
@@ -78,7 +80,7 @@ class TierIndex:
         evict_start_threshold: float = 1.0,
         evict_ratio: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
-        on_removed: Optional[RemovedCallback] = None,
+        on_removed: RemovedCallback | None = None,
     ) -> None:
         policy = EvictionPolicy.parse(policy)
         for key, value in (("evict_start_threshold", evict_start_threshold), ("evict_ratio", evict_ratio)):
@@ -140,18 +142,18 @@ class TierIndex:
         ``ready_only=False``). Binary search: valid because the index is prefix-closed."""
         return self._native.match_length(hashes, ready_only)
 
-    def block_ids(self, hashes: Hashes) -> List[int]:
+    def block_ids(self, hashes: Hashes) -> list[int]:
         return self._native.block_ids(hashes)
 
-    def info(self, seq_hash: int) -> Optional[BlockInfo]:
+    def info(self, seq_hash: int) -> BlockInfo | None:
         got = self._native.info(seq_hash)
         return None if got is None else BlockInfo(*got)
 
-    def can_extend(self, parent: Optional[int], owner: Hashable) -> bool:
+    def can_extend(self, parent: int | None, owner: Hashable) -> bool:
         """Whether ``owner`` may insert a child of ``parent`` (root, ready, or its own unready)."""
         return self._native.can_extend(parent, owner)
 
-    def hashes(self) -> List[int]:
+    def hashes(self) -> list[int]:
         """Every block's sequence hash, by slot."""
         return self._native.hashes()
 
@@ -169,7 +171,7 @@ class TierIndex:
         )
 
     # ---- mutations ---------------------------------------------------------------------------
-    def insert(self, hashes: Hashes, parent: Optional[int], owner: Hashable) -> List[int]:
+    def insert(self, hashes: Hashes, parent: int | None, owner: Hashable) -> list[int]:
         """Inserts the chain ``hashes`` (continuing after ``parent``) as unready blocks owned by
         ``owner``, evicting to make room. Returns the slots of those that fit: a prefix."""
         slots, evicted = self._native.insert(hashes, parent, owner, self._clock())
@@ -177,7 +179,7 @@ class TierIndex:
             self._report(*evicted)
         return slots
 
-    def put(self, hashes: Hashes, owner: Hashable) -> Tuple[int, List[int], List[int], Optional[int]]:
+    def put(self, hashes: Hashes, owner: Hashable) -> tuple[int, list[int], list[int], int | None]:
         """A put's plan in one native call: ``held``, the longest present prefix, is touched (no
         hit); the rest is inserted after it as unready blocks of ``owner`` when the owner may extend
         it (``can_extend``). Returns (held, slots of the inserted prefix that fit, their hashes,
@@ -211,7 +213,7 @@ class TierIndex:
         """Records an access (and a reuse when ``hit``) to ready blocks, for the policy."""
         self._native.touch(hashes, hit, self._clock())
 
-    def evict(self, count: int) -> List[int]:
+    def evict(self, count: int) -> list[int]:
         """Evicts up to ``count`` ready, unlocked leaves by policy; returns their hashes."""
         if count < 0:
             raise ValueError(f"evict(count={count}): count is how many blocks to evict, pass a number >= 0")
@@ -219,25 +221,25 @@ class TierIndex:
         self._report(hashes, slots)
         return hashes
 
-    def clear(self) -> List[int]:
+    def clear(self) -> list[int]:
         """Drops every block; refuses while any block is locked or unready (tasks in flight)."""
         hashes, slots = self._native.clear()
         self._report(hashes, slots)
         return hashes
 
-    def discard_slots(self, block_ids: Sequence[int]) -> List[int]:
+    def discard_slots(self, block_ids: Sequence[int]) -> list[int]:
         """Removes the blocks in these slots and everything below them (their bytes are bad),
         leaves first; blocks a task still locks stay until a later call. Returns removed hashes."""
         hashes, slots = self._native.discard_slots(block_ids)
         self._report(hashes, slots)
         return hashes
 
-    def adopt(self, entries: Sequence[Tuple[int, Optional[int], int]]) -> None:
+    def adopt(self, entries: Sequence[tuple[int, int | None, int]]) -> None:
         """Re-inserts ready blocks that already sit in their slots (restart), given as
         (seq_hash, parent, block_id) with parents first."""
         self._native.adopt(entries, self._clock())
 
     # ---- internals ---------------------------------------------------------------------------
-    def _report(self, hashes: List[int], slots: List[int]) -> None:
+    def _report(self, hashes: list[int], slots: list[int]) -> None:
         if hashes and self.on_removed is not None:
             self.on_removed(self.name, hashes, slots)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import socket
-from typing import Optional
 
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.inventory import NO_TOKENIZER, CacheReport, CacheRequest, parse_report
@@ -57,7 +56,7 @@ class NodeAdmin:
                 reply = decode_to_engine(self._frame())
                 if isinstance(reply, Reply) and reply.id in (rid, 0):
                     break
-        except (ConnectionError, socket.timeout) as e:
+        except (TimeoutError, ConnectionError) as e:
             raise AdminError(f"the cache server at {self.path} did not answer: {e}") from None
         if reply.error is not None:
             if reply.kind == "protocol":  # a service from before Admin requests
@@ -84,8 +83,8 @@ class NodeAdmin:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "NodeAdmin":
+    def __enter__(self) -> NodeAdmin:
         return self
 
-    def __exit__(self, *exc: Optional[BaseException]) -> None:
+    def __exit__(self, *exc: BaseException | None) -> None:
         self.close()

@@ -11,12 +11,12 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Deque, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterator, Sequence
 
 import msgspec
 
-from dynamo_flexkv.core.node.protocol import HEADER_BYTES, ProtocolError, encode, frame_length
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.node.protocol import HEADER_BYTES, ProtocolError, encode, frame_length
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +33,14 @@ class Channel:
         sock: socket.socket,
         name: str,
         max_queued: int = MAX_QUEUED_BYTES,
-        on_close: Optional[Callable[[str], None]] = None,
+        on_close: Callable[[str], None] | None = None,
     ) -> None:
         self.sock, self.name = sock, name
         self._max_queued = max_queued
-        self._queue: Deque[Tuple[bytes, Sequence[int]]] = collections.deque()
+        self._queue: collections.deque[tuple[bytes, Sequence[int]]] = collections.deque()
         self._queued = 0
         self._cond = threading.Condition()
-        self._closed: Optional[str] = None
+        self._closed: str | None = None
         self._on_close = on_close
         self._rbuf = bytearray()
         self._sending = False  # the writer holds a frame it took off the queue
@@ -48,7 +48,7 @@ class Channel:
         self._writer.start()
 
     @property
-    def closed(self) -> Optional[str]:
+    def closed(self) -> str | None:
         """Why the channel closed, or None while it is open."""
         return self._closed
 
@@ -74,7 +74,7 @@ class Channel:
         self.close(why)
         raise ChannelClosed(f"{self.name}: {why}")
 
-    def _send_now(self, frame: bytes, fds: Sequence[int]) -> Tuple[bytes, Sequence[int]]:
+    def _send_now(self, frame: bytes, fds: Sequence[int]) -> tuple[bytes, Sequence[int]]:
         """With nothing queued ahead (lock held): as much of ``frame`` as the socket takes without
         waiting, straight from this thread (a load's request and per-layer messages save the
         writer thread's wake-up, ~0.1 ms each way); returns what is left for the writer."""
@@ -89,10 +89,10 @@ class Channel:
             return frame, fds
         return frame[sent:], (fds if sent == 0 else ())
 
-    def frames(self) -> Iterator[Tuple[bytes, List[int]]]:
+    def frames(self) -> Iterator[tuple[bytes, list[int]]]:
         """Each received frame's body and the descriptors that came with its bytes; ends when the
         peer closes; ProtocolError on a frame this protocol refuses (oversized, cut off)."""
-        fds: List[int] = []
+        fds: list[int] = []
         while True:
             while len(self._rbuf) < HEADER_BYTES:
                 if not self._fill(fds):
@@ -108,11 +108,11 @@ class Channel:
             got, fds = fds, []
             yield body, got
 
-    def _fill(self, fds: List[int]) -> bool:
+    def _fill(self, fds: list[int]) -> bool:
         anc = socket.CMSG_SPACE(4 * array.array("i").itemsize)
         try:
             data, ancdata, _, _ = self.sock.recvmsg(1 << 20, anc)
-        except socket.timeout:
+        except TimeoutError:
             raise ChannelClosed(f"{self.name}: nothing received within {self.sock.gettimeout()} s") from None
         except OSError as e:
             if self._closed is not None:

@@ -75,13 +75,13 @@ __all__ = ["NodeOffload", "NodeRequestFailed", "NodeTimeout", "NodeUnavailable"]
 class _Task:
     id: int
     num_layers: int
-    kind: Optional[TaskKind] = None
+    kind: TaskKind | None = None
     planned: int = 0
-    by_tier: Dict[str, int] = field(default_factory=dict)
-    hold: Optional[Hold] = None
-    result: Optional[TaskResult] = None
+    by_tier: dict[str, int] = field(default_factory=dict)
+    hold: Hold | None = None
+    result: TaskResult | None = None
     done: threading.Event = field(default_factory=threading.Event)
-    layers: List[threading.Event] = field(default_factory=list)
+    layers: list[threading.Event] = field(default_factory=list)
     # This engine's device writes for the task pass it: cancel_load finishes a load once none can
     # land (core/transfer/fence.py), without waiting for a stalled copy or the service's answer.
     fence: DeviceFence = field(default_factory=DeviceFence)
@@ -108,15 +108,15 @@ class NodeOffload(EngineOffload):
         config: CacheConfig,
         *,
         layerwise: bool = True,
-        listener: Optional[IndexListener] = None,
+        listener: IndexListener | None = None,
         model_id: str,
         engine: str,
         tenant: str = "",
         rank: int = 0,
         ranks: int = 1,
         replicated: bool = False,
-        socket_path: Optional[str] = None,
-        mover_hook: Optional[MoverHook] = None,
+        socket_path: str | None = None,
+        mover_hook: MoverHook | None = None,
     ) -> None:
         from dynamo_flexkv.core.node.server import default_socket_path
 
@@ -130,8 +130,8 @@ class NodeOffload(EngineOffload):
         self.weights_version = ""  # weights_changed(): part of the attach key from then on
         self.device: Optional[DeviceCache] = None
         self._lock = threading.Lock()
-        self._tasks: Dict[int, _Task] = {}
-        self._holds: Dict[int, Hold] = {}
+        self._tasks: dict[int, _Task] = {}
+        self._holds: dict[int, Hold] = {}
         # Cancelled loads collected before the service finished them: a late copy finds their
         # closed fence here (and writes nothing) until their TaskDone comes.
         self._collected: Dict[int, _Task] = {}
@@ -249,9 +249,9 @@ class NodeOffload(EngineOffload):
         self,
         tokens: Sequence[int],
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
         skip_blocks: int = 0,
     ) -> int:
         return int(
@@ -273,9 +273,9 @@ class NodeOffload(EngineOffload):
         self,
         tokens: Sequence[int],
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
         skip_blocks: int = 0,
     ) -> Tuple[int, Optional[Dict[str, Any]]]:
         value = self.link.request(
@@ -293,8 +293,8 @@ class NodeOffload(EngineOffload):
         return int(value["end"]), dict(value["decision"])
 
     def block_hashes(
-        self, tokens: Sequence[int], *, lora_name: Optional[str] = None, cache_salt: Optional[str] = None
-    ) -> List[int]:
+        self, tokens: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> list[int]:
         return [int(h) for h in namespaced_hashes(tokens, self.bs, self.namespace, lora_name, cache_salt).sequence]
 
     @no_task_on_tier_fault
@@ -304,10 +304,10 @@ class NodeOffload(EngineOffload):
         block_table: Sequence[int],
         skip_blocks: int,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
-    ) -> Optional[int]:
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        prompt_tokens: int | None = None,
+    ) -> int | None:
         t, value = self._request_task(
             lambda rid: Load(
                 id=rid,
@@ -330,10 +330,10 @@ class NodeOffload(EngineOffload):
     def planned_tokens(self, tid: int) -> int:
         return self._known(tid).planned
 
-    def planned_tokens_by_tier(self, tid: int) -> Dict[str, int]:
+    def planned_tokens_by_tier(self, tid: int) -> dict[str, int]:
         return dict(self._known(tid).by_tier)
 
-    def wait_layer(self, tid: int, layer: int, timeout: Optional[float] = None) -> bool:
+    def wait_layer(self, tid: int, layer: int, timeout: float | None = None) -> bool:
         t = self._known(tid)
         if not t.layers[layer].wait(timeout):
             return False
@@ -372,10 +372,10 @@ class NodeOffload(EngineOffload):
         block_table: Sequence[int],
         key: Any = None,
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        names: Optional[Sequence[int]] = None,
-    ) -> Optional[int]:
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        names: Sequence[int] | None = None,
+    ) -> int | None:
         n = len(tokens) // self.bs
         blocks = list(block_table[:n])
         t, _ = self._request_task(
@@ -394,7 +394,7 @@ class NodeOffload(EngineOffload):
         return t.id
 
     @no_task_on_tier_fault
-    def prefetch(self, tokens: Sequence[int]) -> Optional[int]:
+    def prefetch(self, tokens: Sequence[int]) -> int | None:
         t, _ = self._request_task(lambda rid: Prefetch(id=rid, tokens=pack_tokens(tokens)))
         t.kind = TaskKind.PREFETCH
         with self._lock:
@@ -410,7 +410,7 @@ class NodeOffload(EngineOffload):
         with self._lock:
             return len(self._holds) + len(self._prefetches)
 
-    def finished_holds(self) -> List[Hold]:
+    def finished_holds(self) -> list[Hold]:
         """Holds of stores and cancelled loads whose task finished (the service answered every copy
         it asked of this engine first); finished prefetches are collected too."""
         with self._lock:
@@ -422,7 +422,7 @@ class NodeOffload(EngineOffload):
                 self._forget_locked(tid)
         return out
 
-    def drain_holds(self) -> List[Hold]:
+    def drain_holds(self) -> list[Hold]:
         with self._lock:
             waits = [self._tasks[t] for t in list(self._holds) + self._prefetches]
         for t in waits:
@@ -430,7 +430,7 @@ class NodeOffload(EngineOffload):
         return self.finished_holds()
 
     # ---- administration ----------------------------------------------------------------------------
-    def stats(self) -> Optional[ManagerStats]:
+    def stats(self) -> ManagerStats | None:
         try:
             return ManagerStats.from_dict(self.link.request(lambda rid: Call(id=rid, name="stats"))["tiers"])
         except NodeUnavailable:
@@ -439,7 +439,7 @@ class NodeOffload(EngineOffload):
     def service_stats(self) -> Dict[str, Any]:
         return self.link.request(lambda rid: Call(id=rid, name="stats"))
 
-    def drain(self, timeout: Optional[float] = None) -> bool:
+    def drain(self, timeout: float | None = None) -> bool:
         wait = CALL_TIMEOUT_S if timeout is None else timeout + 5
         try:
             return bool(self.link.request(lambda rid: Call(id=rid, name="drain", timeout=timeout), wait))
@@ -460,14 +460,14 @@ class NodeOffload(EngineOffload):
         )
         return parse_report(value)
 
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         try:
             out = dict(self.link.request(lambda rid: Call(id=rid, name="describe")))
         except NodeUnavailable as e:
             out = {"unavailable": str(e)}
         return {"mode": "node", "socket": self.socket_path, **out}
 
-    def tier_files(self) -> List[str]:
+    def tier_files(self) -> list[str]:
         return []  # the service's: not this engine's to touch
 
     def weights_changed(self, version: str) -> int:

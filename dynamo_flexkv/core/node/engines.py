@@ -19,17 +19,18 @@ import logging
 import os
 import select
 import threading
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.node.protocol import RunOp, pack_ids
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
-from dynamo_flexkv.core.errors import FlexKVError
 
 log = logging.getLogger(__name__)
 
-Done = Callable[[Optional[BaseException], int], None]
+Done = Callable[[BaseException | None, int], None]
 
 
 class EngineGone(ConnectionError, FlexKVError):
@@ -60,8 +61,8 @@ class EngineDevice:
         self._send = send
         self._forget = forget_host_checksums
         self._lock = threading.Lock()
-        self._pending: Dict[int, Tuple[TransferOp, Done]] = {}
-        self._gone: Optional[str] = None
+        self._pending: dict[int, tuple[TransferOp, Done]] = {}
+        self._gone: str | None = None
         self.ops_sent = 0
         self.fenced = 0  # device-to-host copies failed only after their engine's process exited
 
@@ -113,7 +114,7 @@ class EngineDevice:
         with self._lock:
             self._gone = why
             pending, self._pending = list(self._pending.values()), {}
-        writes: List[Tuple[TransferOp, Done]] = []
+        writes: list[tuple[TransferOp, Done]] = []
         for op, done in pending:
             if op.kind is OpKind.D2H:
                 writes.append((op, done))
@@ -135,7 +136,7 @@ class Fence:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: Dict[int, List[Callable[[], None]]] = {}  # pidfd -> callbacks
+        self._waiting: dict[int, list[Callable[[], None]]] = {}  # pidfd -> callbacks
         self._wake_r, self._wake_w = os.pipe()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="flexkv-node-fence", daemon=True)
@@ -177,7 +178,7 @@ class Fence:
                 for cb in callbacks:
                     try:
                         cb()
-                    except Exception:  # noqa: BLE001 - a callback bug must not stop the fence
+                    except Exception:  # a callback bug must not stop the fence
                         log.exception("node cache: fence callback failed")
 
     def close(self) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Union
 
 from dynamo_flexkv.core.contract import Tier, TierRun
 from dynamo_flexkv.core.node.protocol import Event, pack_tokens
@@ -24,31 +24,31 @@ from dynamo_flexkv.core.node.protocol import Event, pack_tokens
 SNAPSHOT_EVENTS_PER_FRAME = 4096
 MAX_PENDING_NAMES = 1 << 20
 
-BlockName = Union[int, bytes]  # the engine's name of a block (vLLM's block hash: an int or bytes)
+BlockName = int | bytes  # the engine's name of a block (vLLM's block hash: an int or bytes)
 
 
 @dataclass
 class _Block:
-    parent: Optional[int]
+    parent: int | None
     tokens: bytes
-    name: Optional[BlockName]
-    tiers: Set[str] = field(default_factory=set)
+    name: BlockName | None
+    tiers: set[str] = field(default_factory=set)
 
 
-Subscriber = Callable[[List[Event], bool], None]  # (events, resync) -> queued for one engine
+Subscriber = Callable[[list[Event], bool], None]  # (events, resync) -> queued for one engine
 
 
 class EventMirror:
     def __init__(self, tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
         self._lock = threading.Lock()
-        self._blocks: "collections.OrderedDict[int, _Block]" = collections.OrderedDict()
-        self._names: "collections.OrderedDict[int, BlockName]" = collections.OrderedDict()  # named, not stored yet
-        self._subscribers: Dict[int, Subscriber] = {}
+        self._blocks: collections.OrderedDict[int, _Block] = collections.OrderedDict()
+        self._names: collections.OrderedDict[int, BlockName] = collections.OrderedDict()  # named, not stored yet
+        self._subscribers: dict[int, Subscriber] = {}
         self.dropped_subscribers = 0
 
     # ---- from the engines -------------------------------------------------------------------------
-    def name(self, hashes: List[int], names: Optional[List[BlockName]]) -> None:
+    def name(self, hashes: list[int], names: list[BlockName] | None) -> None:
         """The storing engine's name for each of these blocks; kept for the first Stored of each."""
         if not names or len(names) != len(hashes):
             return
@@ -82,7 +82,7 @@ class EventMirror:
         with self._lock:
             return len(self._blocks)
 
-    def held(self, tier: str) -> List[int]:
+    def held(self, tier: str) -> list[int]:
         """The sequence hashes this tier holds (tests compare it with the router's view)."""
         with self._lock:
             return [h for h, b in self._blocks.items() if tier in b.tiers]
@@ -93,7 +93,7 @@ class EventMirror:
             return  # a re-adopted block journaled without tokens: it cannot be named
         b = self.tokens_per_block
         with self._lock:
-            names: List[Optional[BlockName]] = []
+            names: list[BlockName | None] = []
             for i, h in enumerate(run.hashes):
                 h = int(h)
                 blk = self._blocks.get(h)
@@ -116,7 +116,7 @@ class EventMirror:
             )
             self._fan_out([event])
 
-    def on_removed(self, tier: Tier, hashes: List[int]) -> None:
+    def on_removed(self, tier: Tier, hashes: list[int]) -> None:
         with self._lock:
             for h in hashes:
                 blk = self._blocks.get(int(h))
@@ -126,7 +126,7 @@ class EventMirror:
                         del self._blocks[int(h)]
             self._fan_out([Event(False, tier.value, [int(h) for h in hashes])])
 
-    def _fan_out(self, events: List[Event]) -> None:  # lock held: events leave in commit order
+    def _fan_out(self, events: list[Event]) -> None:  # lock held: events leave in commit order
         for key, send in list(self._subscribers.items()):
             try:
                 send(events, False)

@@ -7,7 +7,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 from dynamo_flexkv.core.layout import ModelSpec
@@ -25,7 +25,7 @@ class ServerOptions:
     max_queued_mb: int = 256  # per engine: events and copies queued for an engine that does not read
     # Quotas per tenant (quota.py): the configured sizes are the node's budget, each namespace's
     # tiers its tenant's quota. None: off, every namespace gets tiers of the configured sizes.
-    quotas: Optional[TenantQuotas] = None
+    quotas: TenantQuotas | None = None
 
     def __post_init__(self) -> None:
         if not self.socket_path:
@@ -45,12 +45,12 @@ class Namespace:
 
     def __init__(
         self,
-        key: Tuple[Any, ...],
+        key: tuple[Any, ...],
         config: CacheConfig,
-        ssd_root: Tuple[str, ...],
+        ssd_root: tuple[str, ...],
         index: int,
         ranks: int = 1,
-        quota: Optional[Quota] = None,
+        quota: Quota | None = None,
     ) -> None:
         """``quota``: its tenant's (the tiers are that big, not the configured sizes); None: quotas off."""
         self.key = key
@@ -93,8 +93,8 @@ class Namespace:
         # (no network, nothing to wait for) holds them now, so each engine's subscribe sends them.
         self.kv.announce_adopted()
         self.index = index
-        self.sessions: Dict[int, Any] = {}
+        self.sessions: dict[int, Any] = {}
         self.created = time.monotonic()
 
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         return {**describe_key(self.key), "engines": len(self.sessions), "blocks": self.mirror.blocks}

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Optional, Sequence
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 
@@ -34,7 +34,7 @@ class Quota:
     remote_gb: float = 0.0
 
     @classmethod
-    def parse(cls, text: str, flag: str) -> "Quota":
+    def parse(cls, text: str, flag: str) -> Quota:
         parts = text.split(":")
         if not 1 <= len(parts) <= 3 or not all(p.strip() for p in parts):
             raise ConfigError(f"{flag} {text!r}: expected {QUOTA_FORMAT} in GB, e.g. 4:32 (4 GB host, 32 GB disk)")
@@ -59,10 +59,10 @@ class Quota:
             )
         return quota
 
-    def bytes(self) -> Dict[str, int]:
+    def bytes(self) -> dict[str, int]:
         return {tier: int(gb * (1 << 30)) for tier, gb in self._tiers().items()}
 
-    def _tiers(self) -> Dict[str, float]:
+    def _tiers(self) -> dict[str, float]:
         return {"host": self.host_gb, "disk": self.disk_gb, "remote": self.remote_gb}
 
     def __str__(self) -> str:
@@ -74,16 +74,16 @@ class TenantQuotas:
     """The quotas a service enforces: ``tenants`` by name, ``default`` for every other tenant
     (engines that send no tenant included); without a default, an unnamed tenant is refused."""
 
-    tenants: Dict[str, Quota] = field(default_factory=dict)
-    default: Optional[Quota] = None
+    tenants: dict[str, Quota] = field(default_factory=dict)
+    default: Quota | None = None
 
     @classmethod
-    def parse(cls, default: Optional[str], tenants: Sequence[str]) -> Optional["TenantQuotas"]:
+    def parse(cls, default: str | None, tenants: Sequence[str]) -> TenantQuotas | None:
         """From ``--default-quota`` and the ``--tenant-quota`` flags; None when neither is given
         (quotas off: every namespace gets tiers of the configured sizes, as before)."""
         if default is None and not tenants:
             return None
-        named: Dict[str, Quota] = {}
+        named: dict[str, Quota] = {}
         for item in tenants:
             name, sep, value = item.partition("=")
             if not sep:
@@ -100,7 +100,7 @@ class TenantQuotas:
         return cls(named, None if default is None else Quota.parse(default.strip(), "--default-quota"))
 
     @classmethod
-    def from_mapping(cls, data: object) -> Optional["TenantQuotas"]:
+    def from_mapping(cls, data: object) -> TenantQuotas | None:
         """From a serve graph's ``NodeCache.quotas``: ``{default: QUOTA, tenants: {NAME: QUOTA}}``,
         each QUOTA a mapping ``{host_gb: 4, disk_gb: 32, remote_gb: 0}`` (a mapping, not "4:32":
         YAML reads 4:32 unquoted as the base-60 number 272)."""
@@ -171,7 +171,7 @@ class TenantQuotas:
             )
         return quota
 
-    def reserved(self, default_tenants: Iterable[str]) -> Dict[str, float]:
+    def reserved(self, default_tenants: Iterable[str]) -> dict[str, float]:
         """GB of each tier promised: every explicit quota, and the default quota of each tenant in
         ``default_tenants`` (unnamed tenants that hold a namespace)."""
         quotas = list(self.tenants.values()) + [self.default for _ in default_tenants if self.default]

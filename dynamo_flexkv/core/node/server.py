@@ -19,7 +19,7 @@ import stat
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 from dynamo_flexkv.core.inventory import (
@@ -32,8 +32,8 @@ from dynamo_flexkv.core.inventory import (
 )
 from dynamo_flexkv.core.node.engines import Fence
 from dynamo_flexkv.core.node.namespace import Namespace, ServerOptions
-from dynamo_flexkv.core.node.quota import Quota
 from dynamo_flexkv.core.node.protocol import Attach, attach_key, describe_key, shard
+from dynamo_flexkv.core.node.quota import Quota
 from dynamo_flexkv.core.node.session import Session
 from dynamo_flexkv.core.sysutil import listening, private_dir
 
@@ -49,12 +49,12 @@ class NodeCacheServer:
             options.quotas.check(config)  # each quota, and the named ones together, fit the node's budget
         self.incarnation = uuid.uuid4().hex
         self._lock = threading.Lock()
-        self._namespaces: Dict[Tuple[Any, ...], Namespace] = {}
-        self._sessions: Dict[int, Session] = {}
+        self._namespaces: dict[tuple[Any, ...], Namespace] = {}
+        self._sessions: dict[int, Session] = {}
         self._next_session = 1
         self._closed = threading.Event()
         self.fence = Fence()
-        self.counters: Dict[str, int] = {
+        self.counters: dict[str, int] = {
             "attached": 0,
             "detached": 0,
             "refused": 0,
@@ -73,7 +73,7 @@ class NodeCacheServer:
         except BaseException:  # refused (another server there, an unsafe directory): leave nothing made
             self._remove_made_dirs()
             raise
-        self._accept_thread: Optional[threading.Thread] = None
+        self._accept_thread: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     @staticmethod
@@ -121,7 +121,7 @@ class NodeCacheServer:
             except OSError:
                 break
 
-    def start(self) -> "NodeCacheServer":
+    def start(self) -> NodeCacheServer:
         self._accept_thread = threading.Thread(target=self._accept_loop, name="flexkv-node-accept", daemon=True)
         self._accept_thread.start()
         log.info(
@@ -161,7 +161,7 @@ class NodeCacheServer:
             ns.kv.shutdown()
         self.fence.close()
 
-    def __enter__(self) -> "NodeCacheServer":
+    def __enter__(self) -> NodeCacheServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -232,12 +232,12 @@ class NodeCacheServer:
             ns.sessions[session.id] = session
             return ns
 
-    def _retire_idle(self, needed: Any, tenant: Optional[str] = None) -> None:  # self._lock held
+    def _retire_idle(self, needed: Any, tenant: str | None = None) -> None:  # self._lock held
         """Makes room for another model: the namespaces of one idle model (no engine attached: an
         engine that changed its weights left them, or every engine of it went away) are shut down
         and their disk files removed, oldest first; with ``tenant``, every idle model of that
         tenant. A namespace an engine uses is never touched."""
-        idle: Dict[Any, List[Namespace]] = {}
+        idle: dict[Any, list[Namespace]] = {}
         for k, ns in self._namespaces.items():
             idle.setdefault(_split(k), []).append(ns)
         for split, spaces in sorted(idle.items(), key=lambda kv: min(ns.created for ns in kv[1])):
@@ -254,7 +254,7 @@ class NodeCacheServer:
             if tenant is None:
                 return
 
-    def _quota_for(self, key: Tuple[Any, ...], attach: Attach) -> Optional[Quota]:
+    def _quota_for(self, key: tuple[Any, ...], attach: Attach) -> Quota | None:
         """The quota a new namespace's tiers are sized to (None: quotas off). Each tenant's quota
         is reserved for it: its model's namespaces (one per shard) split it, another model of the
         tenant is refused while one holds it, and a tenant on the default quota is refused when
@@ -296,7 +296,7 @@ class NodeCacheServer:
             ns.sessions.pop(session.id, None)
 
     # ---- reporting -----------------------------------------------------------------------------------------
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
             sessions = list(self._sessions.values())
             namespaces = list(self._namespaces.values())
@@ -310,10 +310,10 @@ class NodeCacheServer:
             "tenants": self._tenants(namespaces),
         }
 
-    def _tenants(self, namespaces: List[Namespace]) -> Dict[str, Dict[str, Dict[str, int]]]:
+    def _tenants(self, namespaces: list[Namespace]) -> dict[str, dict[str, dict[str, int]]]:
         """Per tenant: the bytes its blocks take per tier (``used``) and its quota (``quota``, with
         quotas on; the remote's as Redis accounts it, shared with the tenant's engines elsewhere)."""
-        out: Dict[str, Dict[str, Dict[str, int]]] = {}
+        out: dict[str, dict[str, dict[str, int]]] = {}
         quotas = self.options.quotas
         for ns in namespaces:
             t = out.setdefault(ns.tenant, {"used": {"host": 0, "disk": 0}, "quota": {}})
@@ -330,12 +330,12 @@ class NodeCacheServer:
                 t["quota"] = {k: v for k, v in quotas.quota_for(tenant).bytes().items() if k != "remote" or v}
         return out
 
-    def namespaces(self) -> List[Namespace]:
+    def namespaces(self) -> list[Namespace]:
         with self._lock:
             return list(self._namespaces.values())
 
     # ---- what is cached (dynamo-flexkv cache; core/inventory.py) ----------------------------------------
-    def tiers(self) -> List[str]:
+    def tiers(self) -> list[str]:
         """The tiers this service's namespaces have (each namespace is sized from the same config)."""
         return (
             ["host"]
@@ -343,7 +343,7 @@ class NodeCacheServer:
             + (["remote"] if self.config.enable_remote else [])
         )
 
-    def admin(self, req: CacheRequest, only: Optional[Namespace] = None) -> CacheReport:
+    def admin(self, req: CacheRequest, only: Namespace | None = None) -> CacheReport:
         """Answers an operator's request over the namespaces it selects (``tenant``, ``model``; all by
         default), or over ``only`` (an attached engine's own namespace)."""
         if req.op == "prefix" and req.tokens is None and req.text is not None:
@@ -366,7 +366,7 @@ class NodeCacheServer:
                 )
         return report
 
-    def _select(self, tenant: Optional[str], model: Optional[str]) -> List[Namespace]:
+    def _select(self, tenant: str | None, model: str | None) -> list[Namespace]:
         spaces = self.namespaces()
         chosen = [
             ns
@@ -382,7 +382,7 @@ class NodeCacheServer:
         return chosen
 
 
-def _split(key: Tuple[Any, ...]) -> Tuple[Any, ...]:
+def _split(key: tuple[Any, ...]) -> tuple[Any, ...]:
     """An attach key without the rank: the model and how many shards its engines split it into."""
     shard_of = key[-1]
     return (*key[:-1], shard_of.split("/")[1] if shard_of else "1")

@@ -17,17 +17,18 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
 from dynamo_flexkv.core.config import ConfigError
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.inventory import CacheReport, CacheRequest, to_builtins
 from dynamo_flexkv.core.layout import DTYPE_BYTES
 from dynamo_flexkv.core.node.channel import Channel, ChannelClosed
 from dynamo_flexkv.core.node.engines import EngineDevice, Fence
 from dynamo_flexkv.core.node.namespace import Namespace, ServerOptions
-from dynamo_flexkv.core.inventory import CacheReport, CacheRequest, to_builtins
 from dynamo_flexkv.core.node.protocol import (
     ADMIN_VERSION,
     VERSION,
@@ -73,16 +74,16 @@ class SessionHost(Protocol):
 
     options: ServerOptions
     incarnation: str
-    counters: Dict[str, int]
+    counters: dict[str, int]
     fence: Fence
 
-    def namespace_for(self, attach: Attach, session: "Session") -> Namespace: ...
+    def namespace_for(self, attach: Attach, session: Session) -> Namespace: ...
 
-    def leave(self, ns: Namespace, session: "Session") -> None: ...
+    def leave(self, ns: Namespace, session: Session) -> None: ...
 
-    def session_ended(self, session: "Session") -> None: ...
+    def session_ended(self, session: Session) -> None: ...
 
-    def admin(self, req: CacheRequest, only: Optional[Namespace] = None) -> CacheReport: ...
+    def admin(self, req: CacheRequest, only: Namespace | None = None) -> CacheReport: ...
 
 
 class Session:
@@ -91,11 +92,11 @@ class Session:
         pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         self.pid, self.uid = pid, uid
         self.channel = Channel(conn, f"engine-{sid}-pid{pid}", server.options.max_queued_mb << 20)
-        self.attach: Optional[Attach] = None
-        self.ns: Optional[Namespace] = None
-        self.device: Optional[EngineDevice] = None
-        self._tasks: Set[int] = set()  # issued, not finished
-        self._finished_early: Set[int] = set()  # finished inside the call that issued them
+        self.attach: Attach | None = None
+        self.ns: Namespace | None = None
+        self.device: EngineDevice | None = None
+        self._tasks: set[int] = set()  # issued, not finished
+        self._finished_early: set[int] = set()  # finished inside the call that issued them
         self._tasks_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"flexkv-node-engine-{sid}", daemon=True)
         self._closed = False
@@ -118,7 +119,7 @@ class Session:
         self.channel.close(why)
         self.channel.release()
 
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         a = self.attach
         return {
             "session": self.id,
@@ -154,7 +155,7 @@ class Session:
                 pass
         except ChannelClosed as e:
             why = str(e)
-        except Exception as e:  # noqa: BLE001 - a bug here must end this engine's session only
+        except Exception as e:  # a bug here must end this engine's session only
             why = f"service error: {type(e).__name__}: {e}"
             log.exception("node cache: engine pid %d: session failed", self.pid)
         self.close(why)
@@ -235,7 +236,7 @@ class Session:
             return
         self.channel.send(Reply(id=msg.id, value=value))
 
-    def _attached(self, what: str) -> Tuple[Attach, Namespace, EngineDevice]:
+    def _attached(self, what: str) -> tuple[Attach, Namespace, EngineDevice]:
         """What _attach set (all three, together), for a request past Attach."""
         if self.attach is None or self.ns is None or self.device is None:
             raise ProtocolError(f"{what} before Attach: attach first")
@@ -337,7 +338,7 @@ class Session:
         except ConnectionError:
             pass  # the tool went away
 
-    def _send_events(self, events: List[Event], resync: bool) -> None:
+    def _send_events(self, events: list[Event], resync: bool) -> None:
         self.channel.send(Events(events=events, resync=resync))
 
     def _answer(self, msg: Any) -> Any:
@@ -472,7 +473,7 @@ class Session:
             pass  # the engine is gone: nothing waits for it
 
 
-def _check_attach(a: Attach) -> Optional[str]:
+def _check_attach(a: Attach) -> str | None:
     if a.version != VERSION:
         return f"protocol version {a.version}; this cache server speaks {VERSION}: upgrade the engine or the server"
     if a.dtype not in DTYPE_BYTES:

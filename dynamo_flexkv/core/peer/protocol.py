@@ -17,7 +17,7 @@ import enum
 import hashlib
 import hmac
 import json
-from typing import Any, List, Optional, Union
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -93,8 +93,8 @@ class Refused(msgspec.Struct, tag="refused", forbid_unknown_fields=True):
     message: str
 
 
-ToSource = Union[Pull, Release]
-ToReceiver = Union[Pinned, Refused]
+ToSource = Pull | Release
+ToReceiver = Pinned | Refused
 _encoder = msgspec.msgpack.Encoder()
 _to_source = msgspec.msgpack.Decoder(ToSource)
 _to_receiver = msgspec.msgpack.Decoder(ToReceiver)
@@ -128,7 +128,7 @@ def decode_to_receiver(body: bytes) -> Any:
         raise ProtocolError(f"not a message of the peer pull protocol: {e}") from None
 
 
-def pack_u64(values: Union[np.ndarray, List[int]]) -> bytes:
+def pack_u64(values: np.ndarray | list[int]) -> bytes:
     return np.asarray(values, dtype=np.uint64).astype("<u8", copy=False).tobytes()
 
 
@@ -154,7 +154,7 @@ def mac_of(p: Pull, secret: bytes) -> str:
     return hmac.new(secret, json.dumps(fields).encode(), hashlib.sha256).hexdigest()
 
 
-def proof_refusal(p: Pull, secret: Optional[bytes]) -> Optional[Refusal]:
+def proof_refusal(p: Pull, secret: bytes | None) -> Refusal | None:
     """None when ``p`` carries a valid proof under ``secret``; else why not."""
     if secret is None:  # a source never serves without a secret (PeerSource refuses to start)
         return Refusal.UNSIGNED

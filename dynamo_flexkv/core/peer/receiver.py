@@ -15,8 +15,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ class _Remote:
 
     agent: str
     metadata: str
-    layer_addrs: List[int]
+    layer_addrs: list[int]
     block_bytes: int
     num_blocks: int
     mem: str = "DRAM"
@@ -85,7 +86,7 @@ class ReceiverStats:
     nbytes: int = 0
     seconds: float = 0.0
     skipped: int = 0  # pulls the cost model left out: recomputing was predicted faster
-    failed: Dict[str, int] = field(default_factory=dict)  # reason -> pulls that ended in a recompute
+    failed: dict[str, int] = field(default_factory=dict)  # reason -> pulls that ended in a recompute
 
 
 class _Link:
@@ -131,11 +132,11 @@ class PeerReceiver:
     """Pulls blocks into ``kv``'s host tier through ``agent`` (host_agent), proving membership
     with ``secret`` (the deployment's)."""
 
-    def __init__(self, kv: Any, agent: Any, secret: Optional[bytes], connect_timeout: float = 1.0) -> None:
+    def __init__(self, kv: Any, agent: Any, secret: bytes | None, connect_timeout: float = 1.0) -> None:
         self.kv, self.agent, self.secret = kv, agent, secret
         self.connect_timeout = connect_timeout
         self.stats = ReceiverStats()
-        self._links: Dict[str, _Link] = {}
+        self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
         self._layout = kv_layout(kv)
         self._keys = 0
@@ -145,11 +146,11 @@ class PeerReceiver:
         endpoint: str,
         token_ids: Sequence[int],
         *,
-        lora_name: Optional[str] = None,
-        cache_salt: Optional[str] = None,
-        blocks: Optional[int] = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        blocks: int | None = None,
         timeout: float = 5.0,
-        prompt_tokens: Optional[int] = None,
+        prompt_tokens: int | None = None,
         skip_blocks: int = 0,
     ) -> PullResult:
         """Pulls the first ``blocks`` full blocks of ``token_ids`` (default: all) that this worker's
@@ -218,7 +219,7 @@ class PeerReceiver:
         self.stats.failed[why] = self.stats.failed.get(why, 0) + 1
         return PullResult(False, 0, held, 0, time.perf_counter() - t0, why)
 
-    def _read(self, endpoint: str, hashes: List[int], run: Any, deadline: float) -> tuple:
+    def _read(self, endpoint: str, hashes: list[int], run: Any, deadline: float) -> tuple:
         """(verified blocks, their checksums, bytes read) of ``run``'s blocks from the source."""
         link = self._link(endpoint, deadline)
         with link.lock:

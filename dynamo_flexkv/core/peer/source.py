@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any
 
 from dynamo_flexkv.core.peer.protocol import (
     HEADER_BYTES,
@@ -67,13 +67,13 @@ class SourceStats:
     expired: int = 0  # pins ended by their lease
     dropped: int = 0  # pins ended because their connection closed
     blocks_served: int = 0
-    refused: Dict[str, int] = field(default_factory=dict)  # Refusal value -> pulls refused
+    refused: dict[str, int] = field(default_factory=dict)  # Refusal value -> pulls refused
 
 
 @dataclass
 class _Pin:
-    key: Tuple[str, int]
-    conn: "_Conn"
+    key: tuple[str, int]
+    conn: _Conn
     pull_id: int
     blocks: int
     deadline: float  # monotonic
@@ -82,7 +82,7 @@ class _Pin:
 class _Conn:
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock, self.peer = sock, peer
-        self.pins: Dict[int, _Pin] = {}  # pull id -> pin
+        self.pins: dict[int, _Pin] = {}  # pull id -> pin
         self.send_lock = threading.Lock()
 
     def send(self, message: Any) -> None:
@@ -90,7 +90,7 @@ class _Conn:
             self.sock.sendall(encode(message))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
@@ -109,7 +109,7 @@ class PeerSource:
         self,
         kv: Any,
         agent: Any,
-        secret: Optional[bytes],
+        secret: bytes | None,
         host: str = "127.0.0.1",
         port: int = 0,
         limits: SourceLimits = SourceLimits(),
@@ -126,11 +126,11 @@ class PeerSource:
         self._layout = kv_layout(kv)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._conns: List[_Conn] = []
-        self._pins: Dict[Tuple[str, int], _Pin] = {}
+        self._conns: list[_Conn] = []
+        self._pins: dict[tuple[str, int], _Pin] = {}
         self._seq = itertools.count(1)
-        self._nonces: Dict[str, float] = {}  # nonce -> when seen (replays inside the skew window)
-        self._nonce_order: Deque[Tuple[float, str]] = collections.deque()
+        self._nonces: dict[str, float] = {}  # nonce -> when seen (replays inside the skew window)
+        self._nonce_order: collections.deque[tuple[float, str]] = collections.deque()
         self._closed = False
         self._listener = socket.create_server((host, port), backlog=limits.max_peers)
         self.host, self.port = self._listener.getsockname()[:2]
@@ -307,7 +307,7 @@ class PeerSource:
         self.stats.pinned_blocks -= pin.blocks
         try:
             self.kv.unpin(pin.key)
-        except Exception:  # noqa: BLE001 - a closed manager released everything already
+        except Exception:  # a closed manager released everything already
             log.debug("peer source: unpin of %s failed", pin.key, exc_info=True)
 
     # ---- leases --------------------------------------------------------------------------------------

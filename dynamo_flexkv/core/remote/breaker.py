@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class BreakerState(enum.Enum):

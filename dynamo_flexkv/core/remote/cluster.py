@@ -7,10 +7,10 @@ batch is split per node and pipelined to each node instead.
 from __future__ import annotations
 
 import binascii
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 NUM_SLOTS = 16384
-Node = Tuple[str, int]
+Node = tuple[str, int]
 
 
 def key_slot(key: bytes) -> int:
@@ -27,9 +27,9 @@ class SlotMap:
     """Which node serves each of the 16384 slots (masters only)."""
 
     def __init__(self, slots_reply: Sequence, default_host: str) -> None:
-        self.owner: List[int] = [-1] * NUM_SLOTS
-        self.nodes: List[Node] = []
-        index: Dict[Node, int] = {}
+        self.owner: list[int] = [-1] * NUM_SLOTS
+        self.nodes: list[Node] = []
+        index: dict[Node, int] = {}
         for entry in slots_reply:
             start, end, master = int(entry[0]), int(entry[1]), entry[2]
             host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
@@ -45,9 +45,9 @@ class SlotMap:
                 f"fix the cluster (redis-cli --cluster fix HOST:PORT)"
             )
 
-    def group(self, keys: Sequence[bytes]) -> Dict[int, List[int]]:
+    def group(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
         """Positions of ``keys`` per node index, each list in key order."""
-        out: Dict[int, List[int]] = {}
+        out: dict[int, list[int]] = {}
         owner = self.owner
         for i, k in enumerate(keys):
             out.setdefault(owner[key_slot(k)], []).append(i)

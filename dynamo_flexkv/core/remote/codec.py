@@ -15,7 +15,8 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import xxhash
 
@@ -56,7 +57,7 @@ def key_prefix_bytes(key_prefix: str, fingerprint: int) -> bytes:
 
 
 def encode_header(
-    fingerprint: int, seq_hash: int, parent: Optional[int], payload: memoryview, checksum: Optional[int] = None
+    fingerprint: int, seq_hash: int, parent: int | None, payload: memoryview, checksum: int | None = None
 ) -> bytes:
     """``checksum``: xxh3_64(payload) when the caller already has it (the host pool records it
     when a block's bytes land); hashed here otherwise. A wrong one makes every read refuse the
@@ -75,8 +76,8 @@ def encode_header(
 
 
 def check_header(
-    header: memoryview, fingerprint: int, seq_hash: int, parent: Optional[int], payload_bytes: int
-) -> "tuple[Verdict, int]":
+    header: memoryview, fingerprint: int, seq_hash: int, parent: int | None, payload_bytes: int
+) -> tuple[Verdict, int]:
     """Verdict for a header before its payload is read, and the checksum the payload must have."""
     magic, version, flags, fp, seq, par, length, checksum = HEADER.unpack(header)
     if magic != MAGIC or version != VERSION:
@@ -98,9 +99,7 @@ def payload_ok(payload: memoryview, checksum: int) -> bool:
     return xxhash.xxh3_64_intdigest(payload) == checksum
 
 
-def header_problem(
-    header: memoryview, fingerprint: int, seq_hash: int, parent: Optional[int], payload_bytes: int
-) -> str:
+def header_problem(header: memoryview, fingerprint: int, seq_hash: int, parent: int | None, payload_bytes: int) -> str:
     """Why ``check_header`` refused ``header`` (for the log line of a dropped value; hashes in hex,
     never the value's bytes). Only called for a header it refused."""
     magic, version, flags, fp, seq, par, length, _ = HEADER.unpack(header)

@@ -18,8 +18,8 @@ import os
 import re
 import ssl
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
 from urllib.parse import unquote
+
 from dynamo_flexkv.core.durations import is_duration
 from dynamo_flexkv.core.errors import FlexKVError
 
@@ -45,10 +45,10 @@ class RemoteConfigError(ValueError, FlexKVError):
 class ParsedUrl:
     tls: bool
     cluster: bool
-    nodes: Tuple[Tuple[str, int], ...]
+    nodes: tuple[tuple[str, int], ...]
     db: int
-    username: Optional[str]
-    password: Optional[str] = field(repr=False, compare=False)
+    username: str | None
+    password: str | None = field(repr=False, compare=False)
 
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*\Z")
@@ -74,7 +74,7 @@ def _redact(url: str) -> str:
     return f"{scheme}{sep}***@{after}"
 
 
-def split_password(url: str) -> Tuple[str, Optional[str]]:
+def split_password(url: str) -> tuple[str, str | None]:
     """``(url without its password, the password or None)``, for handing the password over by
     environment (``password_env``) while the URL goes into a file: ``redis://user:pw@h:p/1`` gives
     ``redis://user@h:p/1`` and ``pw`` (percent-decoded), ``redis://:pw@h`` gives ``redis://h``.
@@ -94,7 +94,7 @@ def split_password(url: str) -> Tuple[str, Optional[str]]:
     return f"{scheme}{sep}{user + '@' if user else ''}{after}", password
 
 
-def _host_port(text: str, url_shown: str) -> Tuple[str, int]:
+def _host_port(text: str, url_shown: str) -> tuple[str, int]:
     if text.startswith("["):  # [ipv6]:port
         host, _, rest = text[1:].partition("]")
         port_text = rest[1:] if rest.startswith(":") else ""
@@ -175,14 +175,14 @@ class RemoteConfig:
     password_env: str = DEFAULT_PASSWORD_ENV
     timeout_s: float = 2.0  # bound on each socket wait; a dead server fails an op within this
     connect_timeout_s: float = 1.0
-    ttl_s: Optional[float] = None  # expire values after this long (None: leave it to maxmemory eviction)
+    ttl_s: float | None = None  # expire values after this long (None: leave it to maxmemory eviction)
     key_prefix: str = "flexkv:"
     pipeline_depth: int = 16  # commands in flight per connection
     pipeline_bytes: int = 4 << 20  # and at most this many value bytes in flight (2 MiB blocks: 2)
     exists_chunk: int = 128  # keys per existence round trip in exists_prefix
     breaker_failures: int = 3  # consecutive failed ops that open the circuit breaker
     breaker_cooldown_s: float = 5.0  # how long an open breaker refuses ops before one trial
-    tls_ca_file: Optional[str] = None  # CA bundle for rediss:// (default: the system's)
+    tls_ca_file: str | None = None  # CA bundle for rediss:// (default: the system's)
     tls_verify: bool = True
     # Bytes the blocks of ``tenant`` may hold, accounted in Redis for every store naming the tenant;
     # over it, that tenant's oldest blocks go (remote/quota.py). 0: no quota (maxmemory decides).
@@ -237,14 +237,14 @@ class RemoteConfig:
         return _redact(self.url)
 
     @property
-    def password(self) -> Optional[str]:
+    def password(self) -> str | None:
         return self.parsed.password if self.parsed.password is not None else (os.environ.get(self.password_env) or None)
 
     @property
-    def nodes(self) -> List[Tuple[str, int]]:
+    def nodes(self) -> list[tuple[str, int]]:
         return list(self.parsed.nodes)
 
-    def ssl_context(self) -> Optional[ssl.SSLContext]:
+    def ssl_context(self) -> ssl.SSLContext | None:
         if not self.parsed.tls:
             return None
         ctx = ssl.create_default_context(cafile=self.tls_ca_file)

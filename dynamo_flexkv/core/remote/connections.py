@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 from dynamo_flexkv.core.remote.cluster import Node, SlotMap
 from dynamo_flexkv.core.remote.config import RemoteConfig
@@ -23,7 +24,7 @@ class _Pool:
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        self.idle: List[RespConnection] = []
+        self.idle: list[RespConnection] = []
         self.lock = threading.Lock()
 
 
@@ -35,13 +36,13 @@ class NodeConnections:
         self.config = config
         self._ssl = config.ssl_context()
         self._on_connect = on_connect
-        self._pools: Dict[Node, _Pool] = {}
+        self._pools: dict[Node, _Pool] = {}
         self._pools_lock = threading.Lock()
-        self.slots: Optional[SlotMap] = None
+        self.slots: SlotMap | None = None
         self.slots_stale = False  # set after a failed op on a cluster: the next op refetches the map
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._executor: ThreadPoolExecutor | None = None
         self.closed = False
-        self.policy_warning: Optional[str] = None  # "noeviction" when the server would refuse writes when full
+        self.policy_warning: str | None = None  # "noeviction" when the server would refuse writes when full
 
     def connect(self, node: Node) -> RespConnection:
         cfg = self.config
@@ -113,7 +114,7 @@ class NodeConnections:
                 pool = self._pools[node] = _Pool(node)
             return pool
 
-    def acquire(self, pool: _Pool) -> "tuple[RespConnection, bool]":
+    def acquire(self, pool: _Pool) -> tuple[RespConnection, bool]:
         """A connection and whether it was pooled (it may have died while idle)."""
         with pool.lock:
             if pool.idle:
@@ -138,7 +139,7 @@ class NodeConnections:
     def check_server(self) -> None:
         """Connects once: login errors and an unreachable server surface here, with their fix."""
         cfg = self.config
-        last: Optional[RemoteUnavailableError] = None
+        last: RemoteUnavailableError | None = None
         for node in cfg.nodes:
             try:
                 conn = self.connect(node)
@@ -214,7 +215,7 @@ class NodeConnections:
             return
         raise RemoteUnavailableError(f"no node of {self.config.redacted_url} answered CLUSTER SLOTS")
 
-    def route(self, keys: List[bytes]) -> Dict[Node, List[int]]:
+    def route(self, keys: list[bytes]) -> dict[Node, list[int]]:
         """Positions of ``keys`` per node (in key order)."""
         if not self.config.parsed.cluster:
             return {self.config.nodes[0]: list(range(len(keys)))}
@@ -224,11 +225,11 @@ class NodeConnections:
         assert slots is not None  # refresh_slots() set it or raised; nothing sets it back to None
         return {slots.nodes[n]: idx for n, idx in slots.group(keys).items()}
 
-    def per_node(self, groups: Dict[Node, List[int]], work: Callable[[RespConnection, List[int]], None]) -> None:
+    def per_node(self, groups: dict[Node, list[int]], work: Callable[[RespConnection, list[int]], None]) -> None:
         """Runs ``work(conn, positions)`` for each node, nodes in parallel; re-raises the first error
         after every node finished (so no connection is left mid-reply)."""
 
-        def one(node: Node, idx: List[int]) -> None:
+        def one(node: Node, idx: list[int]) -> None:
             pool = self.pool(node)
             conn, pooled = self.acquire(pool)
             try:
@@ -268,7 +269,7 @@ class NodeConnections:
         self,
         conn: RespConnection,
         n: int,
-        parts_of: Callable[[int], List[Any]],
+        parts_of: Callable[[int], list[Any]],
         on_reply: Callable[[int], bool],
         value_bytes: int = 0,
     ) -> None:
@@ -287,13 +288,13 @@ class NodeConnections:
         # checksums a whole block when the caller has no checksum for it (~0.2 ms for 2 MiB read
         # from memory; RemoteMover passes the host pool's), which then overlaps the server's work
         # on the blocks in flight instead of delaying the next send.
-        ready: List[List[Any]] = []
+        ready: list[list[Any]] = []
         while done < n:
             if not stop and sent < n and sent - done <= refill_at:
                 hi = min(n, done + depth)
                 while sent + len(ready) < hi:
                     ready.append(parts_of(sent + len(ready)))
-                parts: List[Any] = []
+                parts: list[Any] = []
                 for p in ready[: hi - sent]:
                     parts.extend(p)
                 del ready[: hi - sent]

@@ -27,7 +27,6 @@ blind to tenants: give the server a ``maxmemory`` above the sum of the quotas so
 from __future__ import annotations
 
 import hashlib
-from typing import Tuple
 
 # KEYS: blocks, sizes, bytes, clock. ARGV: quota bytes, then each block's key and value bytes, in
 # the batch's order. A batch's blocks are scored each a little older than the one before it, so
@@ -77,7 +76,7 @@ return used
 """
 
 
-def account_keys(key_prefix: str, tenant: str) -> Tuple[bytes, bytes, bytes, bytes]:
+def account_keys(key_prefix: str, tenant: str) -> tuple[bytes, bytes, bytes, bytes]:
     """(blocks, sizes, bytes, clock) keys of ``tenant``'s account: one hash tag, so one cluster
     slot. The tag is a digest of the name: any name (braces, empty) gives a tag of its own."""
     digest = hashlib.sha256(tenant.encode("utf-8")).hexdigest()[:16]

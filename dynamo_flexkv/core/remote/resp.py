@@ -14,13 +14,13 @@ import math
 import os
 import socket
 import ssl
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
 
 import xxhash
 
 from dynamo_flexkv.core.errors import FlexKVError
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 _IOV_MAX = 1024  # Linux UIO_MAXIOV
 _RX_BYTES = 64 << 10
@@ -52,7 +52,7 @@ class ServerError(FlexKVError):
     """A server error reply to a single command (see ``call``)."""
 
 
-def encode_command(*args: Union[bytes, str, int]) -> bytes:
+def encode_command(*args: bytes | str | int) -> bytes:
     out = [b"*%d\r\n" % len(args)]
     for a in args:
         b = a if isinstance(a, bytes) else str(a).encode("utf-8")
@@ -68,9 +68,9 @@ class RespConnection:
         host: str,
         port: int,
         *,
-        timeout_s: Optional[float],
+        timeout_s: float | None,
         connect_timeout_s: float,
-        ssl_context: Optional[ssl.SSLContext] = None,
+        ssl_context: ssl.SSLContext | None = None,
         native_reads: bool = True,
     ) -> None:
         """``native_reads=False`` reads through Python's socket calls, the path TLS connections take."""
@@ -117,7 +117,7 @@ class RespConnection:
 
     # ---- sending ----
 
-    def send(self, parts: List[Buffer]) -> None:
+    def send(self, parts: list[Buffer]) -> None:
         """Sends every part in order (the list is consumed). Scatter-gather without copies."""
         if not self._scatter:
             for p in parts:
@@ -183,7 +183,7 @@ class RespConnection:
             pos += got
         return xxhash.xxh3_64_intdigest(dest) if checksum else 0
 
-    def read_bulk(self, header: memoryview, dest: memoryview) -> Optional[int]:
+    def read_bulk(self, header: memoryview, dest: memoryview) -> int | None:
         """Reads the next reply when it is a bulk string of exactly ``header`` + ``dest`` bytes:
         fills both and returns the payload's xxh3_64. None when the reply is anything else (nil,
         an error, another length), with nothing consumed: read it with ``readline`` and co."""
@@ -191,7 +191,7 @@ class RespConnection:
             return None  # TLS: the general path
         return self._recv_natively(self._recv_bulk, header, dest)
 
-    def _recv_natively(self, call: Callable[..., Tuple[int, int, int, int, int]], *args: object) -> Optional[int]:
+    def _recv_natively(self, call: Callable[..., tuple[int, int, int, int, int]], *args: object) -> int | None:
         """Runs a native receive on the socket and this buffer. A signal does not cut its waits
         short (each ends within the timeout); the handler's exception follows it."""
         code, err, self._r, self._w, digest = call(
@@ -206,7 +206,7 @@ class RespConnection:
         if status is _Recv.CLOSED:
             raise ConnectionError(f"{where} closed the connection mid-reply")
         if status is _Recv.TIMEOUT:
-            raise socket.timeout(f"{where}: no reply data for {self._timeout_ms} ms")
+            raise TimeoutError(f"{where}: no reply data for {self._timeout_ms} ms")
         if status is _Recv.BAD_END:
             raise ProtocolError(f"{where}: bulk reply not followed by CRLF")
         raise OSError(err, f"{where}: recv failed mid-reply: {os.strerror(err)}")
@@ -264,7 +264,7 @@ class RespConnection:
                 f"not a number ({len(line)}-byte line)"
             ) from None
 
-    def call(self, *args: Union[bytes, str, int]) -> object:
+    def call(self, *args: bytes | str | int) -> object:
         """Sends one command and returns its reply; an error reply raises ServerError."""
         self.send([encode_command(*args)])
         reply = self.read_reply()

@@ -11,13 +11,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any
 
 import numpy as np
 
-from dynamo_flexkv.core.remote.breaker import BreakerState, CircuitBreaker
+import dynamo_flexkv.core.remote.quota as quota
 from dynamo_flexkv.core.logutil import RateLimitedLog
+from dynamo_flexkv.core.remote.breaker import BreakerState, CircuitBreaker
 from dynamo_flexkv.core.remote.codec import (
     HEADER_BYTES,
     Verdict,
@@ -31,9 +33,8 @@ from dynamo_flexkv.core.remote.codec import (
 from dynamo_flexkv.core.remote.config import RemoteConfig
 from dynamo_flexkv.core.remote.connections import NodeConnections
 from dynamo_flexkv.core.remote.errors import RemoteAuthError, RemoteClosedError, RemoteError, RemoteUnavailableError
-import dynamo_flexkv.core.remote.quota as quota
-from dynamo_flexkv.core.remote.stats import RemoteStats
 from dynamo_flexkv.core.remote.resp import ProtocolError, ReplyError, RespConnection, ServerError, encode_command
+from dynamo_flexkv.core.remote.stats import RemoteStats
 
 __all__ = [
     "RemoteAuthError",
@@ -46,7 +47,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Hashes = Union[Sequence[int], Any]  # a list of ints or a numpy uint64 array
+Hashes = Sequence[int] | Any  # a list of ints or a numpy uint64 array
 _U64 = (1 << 64) - 1
 
 
@@ -61,7 +62,7 @@ def _byte_view(buf: Any, writable: bool) -> memoryview:
     return mv
 
 
-def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> List[int]:
+def _hash_list(hashes: Hashes, what: str = "seq_hashes") -> list[int]:
     """``hashes`` as Python ints, each checked to be a u64: one outside [0, 2**64) would otherwise
     wrap onto another block's key, and a float would be truncated onto one. numpy integer arrays
     need at most one vectorized min; lists get one type test per element and a min/max."""
@@ -108,7 +109,7 @@ def _out_of_range(value: int, what: str) -> None:
     )
 
 
-def _node_name(node: "tuple[str, int]") -> str:
+def _node_name(node: tuple[str, int]) -> str:
     host, port = node
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -127,18 +128,18 @@ class RefusedValue:
     why: str
 
 
-def _ok_prefix(verdicts: List[Verdict]) -> int:
+def _ok_prefix(verdicts: list[Verdict]) -> int:
     return next((i for i, v in enumerate(verdicts) if v is not Verdict.OK), len(verdicts))
 
 
 def _note_refused(
-    refused: Optional[List[RefusedValue]], seq: List[int], verdicts: List[Verdict], n: int, why: Dict[int, str]
+    refused: list[RefusedValue] | None, seq: list[int], verdicts: list[Verdict], n: int, why: dict[int, str]
 ) -> None:
     if refused is not None and n < len(seq) and verdicts[n] in REFUSED:
         refused.append(RefusedValue(seq[n], verdicts[n], why.get(n, verdicts[n].value)))
 
 
-def _parent_list(seq: List[int], parents: Optional[Sequence[Optional[int]]]) -> List[Optional[int]]:
+def _parent_list(seq: list[int], parents: Sequence[int | None] | None) -> list[int | None]:
     """Parents as given, or the chain: block 0 has none, block i has seq[i-1]."""
     if parents is None:
         return [None] + seq[:-1]
@@ -191,7 +192,7 @@ class RemoteStore:
             self._breaker.trip()
 
     @property
-    def policy_warning(self) -> Optional[str]:
+    def policy_warning(self) -> str | None:
         """ "noeviction" when the server would refuse writes once full (checked at open)."""
         return self._nodes.policy_warning
 
@@ -208,14 +209,14 @@ class RemoteStore:
         strict: bool = True,
         clock: Callable[[], float] = time.monotonic,
         **settings: Any,
-    ) -> "RemoteStore":
+    ) -> RemoteStore:
         """``RemoteStore.open("redis://127.0.0.1:6379", fp, timeout_s=1.0, ttl_s=3600)``; settings are
         RemoteConfig fields. ``strict=False`` starts with the breaker open when the server is down."""
         return cls(RemoteConfig(url=url, **settings), fingerprint, strict=strict, clock=clock)
 
     # ---- connections ----
 
-    def _keys(self, seq: List[int]) -> List[bytes]:
+    def _keys(self, seq: list[int]) -> list[bytes]:
         p = self._prefix
         return [b"%s%016x" % (p, h) for h in seq]
 
@@ -266,7 +267,7 @@ class RemoteStore:
 
     # ---- public API ----
 
-    def exists(self, seq_hashes: Hashes) -> List[bool]:
+    def exists(self, seq_hashes: Hashes) -> list[bool]:
         """Which blocks the store has now (one pipelined EXISTS per key, per node)."""
         seq = _hash_list(seq_hashes)
         found = [False] * len(seq)
@@ -274,7 +275,7 @@ class RemoteStore:
         def run() -> None:
             keys = self._keys(seq)
 
-            def work(conn: RespConnection, idx: List[int]) -> None:
+            def work(conn: RespConnection, idx: list[int]) -> None:
                 replies = conn.pipeline([encode_command(b"EXISTS", keys[i]) for i in idx])
                 for i, r in zip(idx, replies):
                     found[i] = r == 1
@@ -302,10 +303,10 @@ class RemoteStore:
         self,
         seq_hashes: Hashes,
         dests: Sequence[Any],
-        parents: Optional[Sequence[Optional[int]]] = None,
+        parents: Sequence[int | None] | None = None,
         *,
-        refused: Optional[List[RefusedValue]] = None,
-        checksums: Optional[List[int]] = None,
+        refused: list[RefusedValue] | None = None,
+        checksums: list[int] | None = None,
     ) -> int:
         """Reads blocks straight into ``dests`` (writable buffers of each block's size) and returns
         how many leading blocks are present and verified. ``parents`` defaults to the chain
@@ -314,7 +315,7 @@ class RemoteStore:
         ``checksums`` (if given) gets the verified blocks' payload checksums, one per block."""
         seq, par, views = self._read_args(seq_hashes, dests, parents)
         fp = self.fingerprint
-        why: Dict[int, str] = {}
+        why: dict[int, str] = {}
         sums = [0] * len(seq)
 
         def read(conn: RespConnection, header: memoryview, i: int) -> Verdict:
@@ -336,10 +337,10 @@ class RemoteStore:
         dests: Sequence[Any],
         offset: int,
         block_bytes: int,
-        parents: Optional[Sequence[Optional[int]]] = None,
+        parents: Sequence[int | None] | None = None,
         *,
-        refused: Optional[List[RefusedValue]] = None,
-    ) -> "tuple[int, List[int]]":
+        refused: list[RefusedValue] | None = None,
+    ) -> tuple[int, list[int]]:
         """Reads bytes ``[offset, offset + len(dest))`` of each block's payload into ``dests``
         (pipelined GETRANGE), for layerwise loads: the first layers land while later ones are on
         their way. Returns how many leading blocks landed and, when ``offset`` is 0 (the header is
@@ -362,7 +363,7 @@ class RemoteStore:
         end = HEADER_BYTES + offset + span - 1 + (1 if last else 0)
         want = span + (HEADER_BYTES if first else 0)
         empty = [False] * len(seq)
-        why: Dict[int, str] = {}
+        why: dict[int, str] = {}
 
         def cmd(key: bytes) -> bytes:
             return encode_command(b"GETRANGE", key, start, end)
@@ -418,8 +419,8 @@ class RemoteStore:
         blocks: Sequence[Any],
         checksums: Sequence[int],
         *,
-        seq_hashes: Optional[Hashes] = None,
-        refused: Optional[List[RefusedValue]] = None,
+        seq_hashes: Hashes | None = None,
+        refused: list[RefusedValue] | None = None,
     ) -> int:
         """Checks whole blocks that ``get_range_into`` filled range by range against the
         checksums its first range returned; counts and returns the verified leading blocks. With
@@ -459,8 +460,8 @@ class RemoteStore:
         return deleted
 
     def _read_args(
-        self, seq_hashes: Hashes, dests: Sequence[Any], parents: Optional[Sequence[Optional[int]]]
-    ) -> "tuple[List[int], list, List[memoryview]]":
+        self, seq_hashes: Hashes, dests: Sequence[Any], parents: Sequence[int | None] | None
+    ) -> tuple[list[int], list, list[memoryview]]:
         seq = _hash_list(seq_hashes)
         if len(dests) != len(seq):
             raise ValueError(f"got {len(dests)} destination buffers for {len(seq)} sequence hashes")
@@ -468,16 +469,16 @@ class RemoteStore:
 
     def _read_pipelined(
         self,
-        seq: List[int],
+        seq: list[int],
         command: Callable[[bytes], bytes],
         read: Callable[[RespConnection, memoryview, int], Verdict],
         value_bytes: int,
-    ) -> List[Verdict]:
+    ) -> list[Verdict]:
         """Sends ``command(key)`` per block, pipelined per node, and ``read``s each reply until the
         first one that is not OK on each node. Verdicts of blocks never read stay ERROR."""
-        verdicts: List[Verdict] = [Verdict.ERROR] * len(seq)
+        verdicts: list[Verdict] = [Verdict.ERROR] * len(seq)
 
-        def work(conn: RespConnection, idx: List[int]) -> None:
+        def work(conn: RespConnection, idx: list[int]) -> None:
             cmds = [command(self._prefix + b"%016x" % seq[i]) for i in idx]
             header = memoryview(bytearray(HEADER_BYTES))
 
@@ -495,7 +496,7 @@ class RemoteStore:
             self._guard(run, "get_seconds")
         return verdicts
 
-    def _count_read(self, hits: int, nbytes: int, end: Optional[Verdict]) -> None:
+    def _count_read(self, hits: int, nbytes: int, end: Verdict | None) -> None:
         """Counts a read's verified blocks and what ended its prefix (when something did)."""
         with self._stats_lock:
             s = self._stats
@@ -510,7 +511,7 @@ class RemoteStore:
             elif end is Verdict.CORRUPT:
                 s.corrupt += 1
 
-    def _note_reply_errors(self, errors: Iterable[Union[bytes, str]]) -> None:
+    def _note_reply_errors(self, errors: Iterable[bytes | str]) -> None:
         """Counts error replies; a MOVED or ASK (the cluster moved a slot since the map was read)
         makes the next op fetch the slot map again."""
         n = 0
@@ -523,7 +524,7 @@ class RemoteStore:
             with self._stats_lock:
                 self._stats.server_errors += n
 
-    def _bulk_size(self, conn: RespConnection, command: str) -> Optional[int]:
+    def _bulk_size(self, conn: RespConnection, command: str) -> int | None:
         """Length of the next bulk reply (-1: nil), or None for an error reply (counted)."""
         line = conn.readline()
         if line[:1] == b"-":
@@ -539,11 +540,11 @@ class RemoteStore:
         header: memoryview,
         fp: int,
         seq: int,
-        parent: Optional[int],
+        parent: int | None,
         dest: memoryview,
-        why: Dict[int, str],
+        why: dict[int, str],
         i: int,
-        sums: List[int],
+        sums: list[int],
     ) -> Verdict:
         """One GET reply into ``dest``; a refused value's reason goes to ``why[i]``."""
         got = conn.read_bulk(header, dest)  # the usual reply, a value of the right size: one call
@@ -590,10 +591,10 @@ class RemoteStore:
         self,
         seq_hashes: Hashes,
         srcs: Sequence[Any],
-        parents: Optional[Sequence[Optional[int]]] = None,
+        parents: Sequence[int | None] | None = None,
         *,
         skip_existing: bool = False,
-        checksums: Optional[Sequence[int]] = None,
+        checksums: Sequence[int] | None = None,
     ) -> int:
         """Stores blocks (pipelined SET, with PX when ttl_s is set); idempotent, since a key names
         its content. Returns how many are in the store afterwards as far as this call knows
@@ -620,8 +621,8 @@ class RemoteStore:
         fp, ttl = self.fingerprint, self._ttl_args
         ttl_argc = 2 if ttl else 0
 
-        def work(conn: RespConnection, idx: List[int]) -> None:
-            def parts(j: int) -> List[Any]:
+        def work(conn: RespConnection, idx: list[int]) -> None:
+            def parts(j: int) -> list[Any]:
                 i = idx[j]
                 key = self._prefix + b"%016x" % seq[i]
                 view = views[i]
@@ -648,7 +649,7 @@ class RemoteStore:
 
             self._nodes.windowed(conn, len(idx), parts, read, max((views[i].nbytes for i in idx), default=0))
 
-        gone: List[int] = []  # blocks of this call the tenant's quota left out (or, if present, deleted)
+        gone: list[int] = []  # blocks of this call the tenant's quota left out (or, if present, deleted)
 
         def run() -> None:
             write = todo
@@ -693,10 +694,10 @@ class RemoteStore:
             self._guard(run, "exists_seconds")
         return removed[0]
 
-    def _delete_keys(self, keys: List[bytes]) -> int:
+    def _delete_keys(self, keys: list[bytes]) -> int:
         removed = [0]
 
-        def work(conn: RespConnection, idx: List[int]) -> None:
+        def work(conn: RespConnection, idx: list[int]) -> None:
             replies = conn.pipeline([encode_command(b"DEL", keys[i]) for i in idx])
             removed[0] += sum(r for r in replies if isinstance(r, int))
             self._note_reply_errors(r for r in replies if isinstance(r, ReplyError))
@@ -707,11 +708,11 @@ class RemoteStore:
 
     # ---- the tenant's quota (remote/quota.py) ----
 
-    def _eval(self, script: bytes, keys: List[bytes], args: List[bytes]) -> Any:
+    def _eval(self, script: bytes, keys: list[bytes], args: list[bytes]) -> Any:
         """Runs a quota script on the node of the tenant's account (its keys share one slot)."""
-        reply: List[Any] = [None]
+        reply: list[Any] = [None]
 
-        def work(conn: RespConnection, _: List[int]) -> None:
+        def work(conn: RespConnection, _: list[int]) -> None:
             try:
                 reply[0] = conn.call(b"EVAL", script, len(keys), *keys, *args)
             except ServerError as e:  # MOVED (the slot moved), a script error: the op failed
@@ -721,7 +722,7 @@ class RemoteStore:
         self._nodes.per_node({node: [0] for node in self._nodes.route(keys[:1])}, work)
         return reply[0]
 
-    def _reserve(self, seq: List[int], views: List[memoryview], idx: List[int]) -> List[int]:
+    def _reserve(self, seq: list[int], views: list[memoryview], idx: list[int]) -> list[int]:
         """Accounts blocks ``idx`` of a put to the tenant (in order: the batch's last blocks go
         first when it alone passes the quota), deletes the tenant's blocks popped to make room, and
         returns the positions of ``idx`` among those popped (not to be written)."""
@@ -739,16 +740,16 @@ class RemoteStore:
             self._stats.quota_evicted += len(victims)
         return mine
 
-    def quota_usage(self) -> Optional[int]:
+    def quota_usage(self) -> int | None:
         """The bytes the tenant's account holds now (read from Redis), or None: no quota, or the
         server did not answer (the breaker counts it)."""
         account = self._account
         if account is None:
             return None
-        got: List[Optional[int]] = [None]
+        got: list[int | None] = [None]
 
         def run() -> None:
-            def work(conn: RespConnection, _: List[int]) -> None:
+            def work(conn: RespConnection, _: list[int]) -> None:
                 got[0] = int(conn.call(b"GET", account[2]) or 0)  # type: ignore[call-overload]
 
             self._nodes.per_node({node: [0] for node in self._nodes.route([account[2]])}, work)
@@ -758,7 +759,7 @@ class RemoteStore:
                 self._stats.quota_used_bytes = got[0]
         return got[0]
 
-    def blocks_per_node(self, seq_hashes: Hashes) -> Dict[str, int]:
+    def blocks_per_node(self, seq_hashes: Hashes) -> dict[str, int]:
         """How many of these blocks each node serves now: "host:port" -> count, every node listed,
         0 included (one entry on a single server; a cluster's slot map is fetched again first).
         A get or put of them returns when its fullest node is done: on a cluster, a batch whose
@@ -766,7 +767,7 @@ class RemoteStore:
         RemoteUnavailableError when no node answers for the slot map, or while the circuit
         breaker pauses the tier after failures."""
         seq = _hash_list(seq_hashes)
-        counts: Dict[str, int] = {}
+        counts: dict[str, int] = {}
 
         def run() -> None:
             if self.config.parsed.cluster:
@@ -800,7 +801,7 @@ class RemoteStore:
         self._closed = True
         self._nodes.close()
 
-    def __enter__(self) -> "RemoteStore":
+    def __enter__(self) -> RemoteStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

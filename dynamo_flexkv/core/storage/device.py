@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -16,16 +16,16 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}  # each a to
 @dataclass
 class DeviceCache:
     layout: KVLayout
-    tensors: List[torch.Tensor]  # one per layer, or a single tensor holding every layer
+    tensors: list[torch.Tensor]  # one per layer, or a single tensor holding every layer
 
     @classmethod
     def register(
         cls,
-        tensors: Union[torch.Tensor, Sequence[torch.Tensor]],
+        tensors: torch.Tensor | Sequence[torch.Tensor],
         model: ModelSpec,
         layout_type: KVLayoutType,
         tokens_per_block: int,
-    ) -> "DeviceCache":
+    ) -> DeviceCache:
         """Validates the engine's tensors against the model and layout; errors say what differs."""
         layout_type = KVLayoutType.parse(layout_type)
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -88,7 +88,7 @@ class DeviceCache:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise IndexError(f"device block id out of range [0, {self.num_blocks}): got {ids.min()}..{ids.max()}")
 
-    def chunk_grid(self, lo: int, hi: int) -> Tuple[np.ndarray, int, int]:
+    def chunk_grid(self, lo: int, hi: int) -> tuple[np.ndarray, int, int]:
         """Where the chunks of layers [lo, hi) lie: (each layer's base address, block stride, kv
         stride); chunk (layer l, block b, kv k) is at ``base[l - lo] + b * block + k * kv``."""
         sb, sl, sk = self.layout.strides()

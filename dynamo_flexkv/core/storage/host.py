@@ -7,7 +7,7 @@ import ctypes
 import logging
 import mmap
 import os
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -33,16 +33,16 @@ class HostPool:
         layout: KVLayout,
         *,
         use_huge_pages: bool = False,
-        pin: Optional[bool] = None,
+        pin: bool | None = None,
         share: bool = False,
-        shared_fd: Optional[int] = None,
+        shared_fd: int | None = None,
     ) -> None:
         """``share``: a shared-memory segment (memfd) whose descriptor ``fd`` other processes map
         with ``shared_fd`` (the node cache's engines); the segment lives while any mapping does."""
         self.layout = layout
         self.nbytes = layout.total_bytes
         self.huge_pages = False
-        self.fd: Optional[int] = None
+        self.fd: int | None = None
         self._mm = None
         if share or shared_fd is not None:
             self._mm = self._map_shared(share, shared_fd)
@@ -76,7 +76,7 @@ class HostPool:
             if not self.pinned:
                 log.warning("host pool: cudaHostRegister failed (%s); copies will be synchronous", err)
 
-    def _map_shared(self, create: bool, fd: Optional[int]) -> mmap.mmap:
+    def _map_shared(self, create: bool, fd: int | None) -> mmap.mmap:
         if create:
             fd = os.memfd_create("flexkv-host-tier", os.MFD_CLOEXEC)
             try:
@@ -106,18 +106,18 @@ class HostPool:
             np.uint64
         )
 
-    def forget_checksums(self, block_ids: Union[np.ndarray, Sequence[int]]) -> None:
+    def forget_checksums(self, block_ids: np.ndarray | Sequence[int]) -> None:
         """Called before anything writes these slots: their bytes are about to change."""
         self._sum_known[np.asarray(block_ids, dtype=np.int64)] = False
 
-    def record_checksums(self, block_ids: np.ndarray, sums: Union[np.ndarray, Sequence[int]]) -> None:
+    def record_checksums(self, block_ids: np.ndarray, sums: np.ndarray | Sequence[int]) -> None:
         """The xxh3_64 of the bytes that just landed in these slots (hashed or verified by the
         path that wrote them, after its last byte landed)."""
         ids = np.asarray(block_ids, dtype=np.int64)
         self._sums[ids] = np.asarray(sums, dtype=np.uint64)
         self._sum_known[ids] = True
 
-    def known_checksums(self, block_ids: np.ndarray) -> "tuple[np.ndarray, np.ndarray]":
+    def known_checksums(self, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(checksums, known) of these slots; a checksum is meaningful only where known."""
         ids = np.asarray(block_ids, dtype=np.int64)
         return self._sums[ids], self._sum_known[ids]

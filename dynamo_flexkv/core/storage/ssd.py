@@ -25,12 +25,12 @@ import logging
 import os
 import threading
 import zlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
-from dynamo_flexkv.core.errors import FlexKVError
 
+from dynamo_flexkv.core.errors import FlexKVError
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +76,14 @@ def check_dir_free(directory: str) -> None:
 class DiskEntry:
     block_id: int
     seq_hash: int
-    parent: Optional[int]
+    parent: int | None
     checksum: int
-    tokens: Optional[bytes] = None  # the block's token ids (u32 LE): a restart can announce it again
+    tokens: bytes | None = None  # the block's token ids (u32 LE): a restart can announce it again
 
 
 @dataclass
 class AdoptReport:
-    adopted: List[DiskEntry] = field(default_factory=list)  # parents before children
+    adopted: list[DiskEntry] = field(default_factory=list)  # parents before children
     torn: int = 0
     foreign: int = 0
     mismatched: int = 0
@@ -99,7 +99,7 @@ class SsdStore:
         fingerprint: dict,
         *,
         direct: bool = True,
-        lineage: Optional[dict] = None,
+        lineage: dict | None = None,
     ) -> None:
         if not dirs:
             raise ValueError("the disk tier needs at least one ssd_cache_dir")
@@ -115,9 +115,9 @@ class SsdStore:
         self.lineage = dict(lineage or {})
         self.direct = direct
         per_file = -(-num_blocks // len(self.dirs))
-        self.fds: List[int] = []
-        self._locks: List[int] = []
-        self._journal: Optional[int] = None  # O_APPEND descriptor
+        self.fds: list[int] = []
+        self._locks: list[int] = []
+        self._journal: int | None = None  # O_APPEND descriptor
         self._lock = threading.Lock()  # journal appends come from transfer threads and evictions
         self._closed = False
         try:
@@ -132,7 +132,7 @@ class SsdStore:
         except BaseException:
             self.close()  # nothing opened so far may leak, whatever failed
             raise
-        self.entries: Dict[int, DiskEntry] = {}  # what the journal says each live slot holds
+        self.entries: dict[int, DiskEntry] = {}  # what the journal says each live slot holds
         self._journal_path = os.path.join(self.dirs[0], JOURNAL)
         self._journal_lines = self._journal_bytes = 0
         self._rewrite_pending = self._header_matched = False
@@ -143,7 +143,7 @@ class SsdStore:
         self._locks.append(lock_dir(directory))
 
     # ---- addressing ------------------------------------------------------------------------------
-    def locate(self, block_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def locate(self, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(fd, byte offset) of each block."""
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
@@ -181,7 +181,7 @@ class SsdStore:
             except OSError as e:
                 log.warning("disk journal: cannot record %d removals (%s)", len(lines), e.strerror)
 
-    def _append(self, lines: List[str]) -> None:  # self._lock held; self.entries already updated
+    def _append(self, lines: list[str]) -> None:  # self._lock held; self.entries already updated
         if not lines:
             return
         if self._closed:
@@ -210,7 +210,7 @@ class SsdStore:
                 self._rewrite_pending = False
                 self._journal_lines = 0
 
-    def _start_journal(self, entries: List[DiskEntry]) -> None:  # self._lock held (or constructing)
+    def _start_journal(self, entries: list[DiskEntry]) -> None:  # self._lock held (or constructing)
         """Writes a fresh journal (header + ``entries``) beside the old one, then renames it in."""
         tmp = self._journal_path + ".tmp"
         try:
@@ -246,7 +246,7 @@ class SsdStore:
         self._journal, self._journal_bytes, self._journal_lines = fd, cut, 0
 
     # ---- restart ----------------------------------------------------------------------------------
-    def adopt(self, read_block) -> AdoptReport:
+    def adopt(self, read_block: Callable[[list[DiskEntry]], np.ndarray]) -> AdoptReport:
         """Replays the journal and verifies each surviving block with ``read_block(entries) ->
         checksums`` (the caller reads through its mover). Compacts the journal to what is adopted."""
         report = AdoptReport()
@@ -298,7 +298,7 @@ class SsdStore:
         )
         return report
 
-    def _replay(self, report: AdoptReport) -> List[DiskEntry]:
+    def _replay(self, report: AdoptReport) -> list[DiskEntry]:
         try:
             with open(self._journal_path, encoding="ascii", errors="replace") as f:
                 header = f.readline()
@@ -313,7 +313,7 @@ class SsdStore:
         if isinstance(fp, dict) and lineage is None and "model" in fp:  # journals before lineage: the
             fp = dict(fp)  # model's identity sat in the fingerprint
             lineage = {"model": fp.pop("model")}
-        live: Dict[int, DiskEntry] = {}
+        live: dict[int, DiskEntry] = {}
         for line in lines:
             body = _unsealed(line)
             parts = body.split() if body is not None else []
@@ -407,7 +407,7 @@ def _sealed(body: str) -> str:
     return f"{body} {zlib.crc32(body.encode('ascii')):08x}\n"
 
 
-def _unsealed(line: str) -> Optional[str]:
+def _unsealed(line: str) -> str | None:
     """The body of an intact line; None for a torn or damaged one."""
     body, _, crc = line.rstrip("\n").rpartition(" ")
     try:

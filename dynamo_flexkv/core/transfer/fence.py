@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator, List
+from collections.abc import Callable, Iterator
 
 from dynamo_flexkv.core.errors import FlexKVError
 
@@ -27,7 +27,7 @@ class DeviceFence:
         self._lock = threading.Lock()
         self._closed = False
         self._writing = 0  # writes inside the fence now
-        self._on_drained: List[Callable[[], None]] = []
+        self._on_drained: list[Callable[[], None]] = []
         self.drained = threading.Event()  # closed, and no write inside
 
     @property

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -38,18 +39,18 @@ class TransferOp:
     kind: OpKind
     src: np.ndarray
     dst: np.ndarray
-    deps: Tuple["TransferOp", ...] = ()
-    layers: Optional[Tuple[int, int]] = None  # [lo, hi) for device copies; None = all layers
-    on_done: Optional[Callable[["TransferOp"], None]] = None  # runs on the worker after success
+    deps: tuple[TransferOp, ...] = ()
+    layers: tuple[int, int] | None = None  # [lo, hi) for device copies; None = all layers
+    on_done: Callable[[TransferOp], None] | None = None  # runs on the worker after success
     after: Any = None  # CUDA event the copy waits for: the engine's writes to these blocks
-    seq_hashes: Optional[List[int]] = None  # remote ops: the blocks' sequence hashes (their keys)
-    parent: Optional[int] = None  # remote ops: sequence hash before seq_hashes[0] (None at the root)
+    seq_hashes: list[int] | None = None  # remote ops: the blocks' sequence hashes (their keys)
+    parent: int | None = None  # remote ops: sequence hash before seq_hashes[0] (None at the root)
     # Device copies (H2D, D2H) of an engine attached to the node cache: the engine's device, which
     # copies them itself (core/node/engines.py); None: the manager's own registered device.
     device: Any = None
-    task_id: Optional[int] = None  # the task whose graph this op belongs to
+    task_id: int | None = None  # the task whose graph this op belongs to
     # H2D: the load's fence (fence.py); the device write runs inside it, so none lands after a cancel.
-    fence: Optional[DeviceFence] = None
+    fence: DeviceFence | None = None
     # Filled in by the engine and the mover.
     state: OpState = OpState.PENDING
     nbytes: int = 0
@@ -77,10 +78,10 @@ class GraphState(str, Enum):
 
 @dataclass(eq=False)
 class TransferGraph:
-    ops: List[TransferOp]
-    on_finish: Optional[Callable[["TransferGraph"], None]] = None  # runs once, after every op settled
+    ops: list[TransferOp]
+    on_finish: Callable[[TransferGraph], None] | None = None  # runs once, after every op settled
     state: GraphState = GraphState.RUNNING
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     cancel_requested: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
 

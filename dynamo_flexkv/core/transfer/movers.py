@@ -26,18 +26,18 @@ from __future__ import annotations
 import contextlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
 from dynamo_flexkv.core import native as _native
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.layout import KVLayoutType
 from dynamo_flexkv.core.storage.device import TORCH_DTYPES, DeviceCache
 from dynamo_flexkv.core.storage.host import HostPool
 from dynamo_flexkv.core.storage.ssd import SsdStore
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
-from dynamo_flexkv.core.errors import FlexKVError
 
 
 class ChecksumError(IOError, FlexKVError):
@@ -64,7 +64,7 @@ SHORT_RUN_BYTES = 64 << 10  # a block's K and V in one layer below this: copied 
 
 
 class HostDeviceMover:
-    def __init__(self, host: HostPool, device: DeviceCache, threads: Optional[int] = None) -> None:
+    def __init__(self, host: HostPool, device: DeviceCache, threads: int | None = None) -> None:
         if host.layout.type is not KVLayoutType.BLOCKFIRST:
             raise ValueError("the host pool must be BLOCKFIRST for device copies")
         self.host, self.device = host, device
@@ -127,7 +127,9 @@ class HostDeviceMover:
             threads=self.threads,
         )
 
-    def _cuda_copy(self, dev_ids, host_ids, lo, hi, to_host, after) -> None:
+    def _cuda_copy(
+        self, dev_ids: np.ndarray, host_ids: np.ndarray, lo: int, hi: int, to_host: bool, after: Any
+    ) -> None:
         dev = self.device.device
         dev_idx = torch.as_tensor(dev_ids, device=dev)
         host_idx = torch.as_tensor(host_ids)
@@ -167,7 +169,7 @@ class DiskMover:
     MAX_READ_PARTS = 8
 
     def __init__(
-        self, host: HostPool, ssd: SsdStore, depth: int = 512, use_uring: Optional[bool] = None, threads: int = 8
+        self, host: HostPool, ssd: SsdStore, depth: int = 512, use_uring: bool | None = None, threads: int = 8
     ) -> None:
         if host.layout.block_bytes != ssd.block_bytes:
             raise ValueError("host and disk blocks differ in size")
@@ -196,7 +198,7 @@ class DiskMover:
             self._transfer(host_ids, disk_ids, False, offset, length)
         return int(host_ids.size) * length
 
-    def span(self, layers) -> tuple:
+    def span(self, layers: tuple[int, int] | None) -> tuple[int, int]:
         """(offset, length) inside a BLOCKFIRST block of a layer range; whole block for None."""
         layout = self.host.layout
         if layers is None:
@@ -210,7 +212,7 @@ class DiskMover:
             raise ChecksumError(bad)
 
     def _mismatches(
-        self, disk_ids: np.ndarray, host_ids: np.ndarray, got: Optional[np.ndarray] = None, record: bool = False
+        self, disk_ids: np.ndarray, host_ids: np.ndarray, got: np.ndarray | None = None, record: bool = False
     ) -> np.ndarray:
         """Disk ids whose bytes now in their host slots differ from what was written (``got``:
         those slots' checksums when already taken). ``record``: when all match, the host pool
@@ -260,7 +262,7 @@ class DiskMover:
             return
         total = int(host_ids.size) * self.host.layout.block_bytes
         parts = max(1, min(self.MAX_READ_PARTS, total // self.READ_PART_BYTES, int(host_ids.size)))
-        pending: List[Future] = []
+        pending: list[Future] = []
         try:
             for part in np.array_split(np.arange(host_ids.size), parts):
                 self._transfer(host_ids[part], disk_ids[part], write=False)
@@ -277,9 +279,9 @@ class DiskMover:
         disk_ids: np.ndarray,
         write: bool,
         offset: int = 0,
-        length: Optional[int] = None,
+        length: int | None = None,
         checksums: bool = False,
-    ) -> Optional[np.ndarray]:
+    ) -> np.ndarray | None:
         """Moves [offset, offset + length) of each block between host and disk slots: one batch.
         ``checksums``: also returns each moved span's xxh3_64, hashed as its I/O completes."""
         length = self.host.layout.block_bytes if length is None else length

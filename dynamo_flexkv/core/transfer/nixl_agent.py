@@ -21,15 +21,15 @@ import time
 import traceback
 import uuid
 import zlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from dynamo_flexkv.core import native as _native
 from dynamo_flexkv.core.transfer.nixl_errors import HandoverCorrupt, HandoverFailed, HandoverRefused
-
 
 _ucx_agents = 0  # agents with a UCX backend this process created
 
@@ -47,9 +47,9 @@ class KVSource(Protocol):
     @property
     def agent(self) -> str: ...
     @property
-    def metadata(self) -> Optional[str]: ...
+    def metadata(self) -> str | None: ...
     @property
-    def layer_addrs(self) -> List[int]: ...
+    def layer_addrs(self) -> list[int]: ...
     @property
     def block_bytes(self) -> int: ...
     @property
@@ -97,7 +97,7 @@ def unpack_metadata(text: str) -> bytes:
         raise HandoverRefused(f"NIXL agent metadata does not decode: {e}") from None
 
 
-def block_checksums(layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> List[int]:
+def block_checksums(layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> list[int]:
     """One xxh3_64 per block over all its layers: the native xxh3 the SSD tier checks its blocks
     with, over each (layer, block) span, then over those per-layer digests (LE u64, layer order).
     Device tensors are gathered to host first."""
@@ -137,11 +137,11 @@ def kv_block_checksums(layers: Sequence[torch.Tensor], blocks: Sequence[int]) ->
 @dataclass
 class _Peer:
     metadata: str  # the agent metadata it was added with
-    layout: Optional[Tuple[Any, ...]] = None  # what ``dlist`` describes: layer addresses, block bytes, blocks, mem, dev
+    layout: tuple[Any, ...] | None = None  # what ``dlist`` describes: layer addresses, block bytes, blocks, mem, dev
     dlist: Any = None  # its KV prepared as one descriptor per (layer, block)
-    offsets: List[int] = field(default_factory=list)  # _layer_offsets of ``dlist``
+    offsets: list[int] = field(default_factory=list)  # _layer_offsets of ``dlist``
     digest_dlist: Any = None  # its digest table, one 8-byte descriptor per block (enable_digests)
-    digest_base: Optional[int] = None  # host KV: the same rows at the end of ``dlist`` too, from here
+    digest_base: int | None = None  # host KV: the same rows at the end of ``dlist`` too, from here
 
 
 def _block_rows(addrs: Sequence[int], block_bytes: int, num_blocks: int, dev: int) -> np.ndarray:
@@ -150,7 +150,7 @@ def _block_rows(addrs: Sequence[int], block_bytes: int, num_blocks: int, dev: in
     return np.array([(a, block_bytes, dev, block_bytes, num_blocks) for a in addrs], dtype=np.uint64)
 
 
-def _layer_offsets(layers: int, num_blocks: int) -> List[int]:
+def _layer_offsets(layers: int, num_blocks: int) -> list[int]:
     """Index of each layer's first descriptor in a prepared list (layer-major: block b of layer l
     is descriptor l * num_blocks + b; a digest table's rows may follow the last layer's); adding
     block ids gives a pull's indices, and local index i pairs with remote index i, so NIXL merges
@@ -160,7 +160,7 @@ def _layer_offsets(layers: int, num_blocks: int) -> List[int]:
     return [layer * num_blocks for layer in range(layers)]
 
 
-def _indices(offsets: List[int], blocks: Sequence[int]) -> List[int]:
+def _indices(offsets: list[int], blocks: Sequence[int]) -> list[int]:
     # A list, not numpy: measured here, building two small arrays right after a multi-MB read cost
     # ~0.1 ms per pull, the list ~0.02 ms (a short prompt's whole read is ~1 ms).
     return [o + b for o in offsets for b in blocks]
@@ -176,7 +176,7 @@ class Notifier:
     def __init__(self, name: str, backend: str = "UCX") -> None:
         self.name, self.backend = name, backend
         self.agent: Any = None
-        self._peers: Dict[str, str] = {}  # remote agent name -> the metadata it was added with
+        self._peers: dict[str, str] = {}  # remote agent name -> the metadata it was added with
         self._lock = threading.Lock()
         self._closed = False
 
@@ -206,7 +206,7 @@ class Notifier:
                 return True
             except HandoverRefused:
                 return False
-            except Exception:  # NIXL's own types: unknown or unreachable agent
+            except Exception:  # noqa: BLE001 - NIXL's own types: unknown or unreachable agent
                 self._drop(p.agent)
                 return False
 
@@ -257,11 +257,11 @@ class KVAgent:
         )
         self._lock = threading.Lock()
         self._metadata = pack_metadata(self.agent.get_agent_metadata())
-        self._peers: Dict[str, _Peer] = {}  # remote agent name -> what this agent holds of it
-        self.digests: Optional[torch.Tensor] = None  # enable_digests
-        self.landed: Optional[torch.Tensor] = None
+        self._peers: dict[str, _Peer] = {}  # remote agent name -> what this agent holds of it
+        self.digests: torch.Tensor | None = None  # enable_digests
+        self.landed: torch.Tensor | None = None
         self._landed_dlist: Any = None
-        self._landed_base: Optional[int] = None  # host KV: ``landed``'s rows at the end of ``_local``
+        self._landed_base: int | None = None  # host KV: ``landed``'s rows at the end of ``_local``
         self.bytes_pulled = 0
         self.pulls = 0
 
@@ -334,7 +334,7 @@ class KVAgent:
         timeout: float,
         notif: bytes = b"",
         digests: bool = False,
-        landed: Optional[Callable[[int, int], None]] = None,
+        landed: Callable[[int, int], None] | None = None,
         chunks: int = 1,
     ) -> int:
         """READs the remote blocks into the local ones, every layer; returns bytes moved. ``notif``
@@ -402,7 +402,7 @@ class KVAgent:
                 self._release(handles)
                 self._forget(p.agent)
                 raise HandoverFailed(f"NIXL could not start a read from {p.agent}: {e}") from e
-            raised: Optional[BaseException] = None
+            raised: BaseException | None = None
             try:
                 # The digests' read goes last unless the notice rides the last KV chunk: posted after
                 # the KV (copied inline over shared memory) it too completed inline, where posted
@@ -453,11 +453,11 @@ class KVAgent:
         self.pulls += 1
         return nbytes
 
-    def _release(self, handles: List[Any]) -> None:
+    def _release(self, handles: list[Any]) -> None:
         for h in handles:
             try:
                 self.agent.release_xfer_handle(h)
-            except Exception:  # a transfer that could not be aborted: its handle is gone with the peer
+            except Exception:  # noqa: BLE001 - NIXL's own types: a transfer that could not be aborted is gone with its peer
                 pass
 
     def enable_digests(self) -> None:
@@ -505,11 +505,11 @@ class KVAgent:
                 return True
             except HandoverRefused:
                 return False
-            except Exception:  # NIXL's own types: unknown or unreachable agent
+            except Exception:  # noqa: BLE001 - NIXL's own types: unknown or unreachable agent
                 self._forget(p.agent)
                 return False
 
-    def notifications(self) -> List[bytes]:
+    def notifications(self) -> list[bytes]:
         with self._lock:
             got = self.agent.get_new_notifs()
         return [m for msgs in got.values() for m in msgs]
@@ -546,5 +546,5 @@ class KVAgent:
                 self.agent.deregister_memory(
                     self.agent.get_reg_descs([(x.data_ptr(), x.nbytes, self.dev, "") for x in self.layers], self.mem)
                 )
-            except Exception:
+            except Exception:  # noqa: BLE001 - closing: NIXL's own types; memory never registered, or the agent gone
                 pass

@@ -19,14 +19,14 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any, List
+from typing import Any
 
 from dynamo_flexkv.core.errors import FlexKVError
 
 DEFAULT_DELAY_US = 100
 MAX_DELAY_US = 1_000_000  # NIXL keeps the delay in 32 bits; larger values wrapped back to polling
 _lock = threading.Lock()
-_installed: List[int] = []  # the delay installed in this process, once
+_installed: list[int] = []  # the delay installed in this process, once
 
 
 class ProgressDelayError(ValueError, FlexKVError):
@@ -74,7 +74,7 @@ def quiet_progress_threads() -> int:
         return delay
 
 
-def new_agent(name: str, backends: List[str]) -> Any:
+def new_agent(name: str, backends: list[str]) -> Any:
     """A NIXL agent with these backends (NIXL's own exceptions propagate)."""
     from nixl._api import nixl_agent, nixl_agent_config
 

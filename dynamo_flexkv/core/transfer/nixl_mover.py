@@ -12,14 +12,13 @@ import itertools
 import os
 import threading
 import time
-from typing import Optional
 
 import numpy as np
 
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.storage.host import HostPool
 from dynamo_flexkv.core.storage.ssd import SsdStore
 from dynamo_flexkv.core.transfer.movers import DiskMover
-from dynamo_flexkv.core.errors import FlexKVError
 
 _names = itertools.count()
 
@@ -60,7 +59,7 @@ class NixlDiskMover(DiskMover):
         disk_ids: np.ndarray,
         write: bool,
         offset: int = 0,
-        length: Optional[int] = None,
+        length: int | None = None,
         checksums: bool = False,
     ) -> None:
         """As DiskMover's, without ``checksums``: this mover's bytes are hashed on the hasher thread

@@ -14,14 +14,13 @@ disk tier's per-layer reads end in a VERIFY).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
 
 import numpy as np
 
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.remote.store import RefusedValue, RemoteStore
 from dynamo_flexkv.core.storage.host import HostPool
 from dynamo_flexkv.core.transfer.graph import OpKind, TransferOp
-from dynamo_flexkv.core.errors import FlexKVError
 
 
 class RemoteShortRead(IOError, FlexKVError):
@@ -40,7 +39,7 @@ class RemoteShortRead(IOError, FlexKVError):
 class _LayeredRead:
     """What the ops of one layerwise remote read pass along the chain."""
 
-    checksums: List[int]  # of the blocks whose every span so far landed (a prefix)
+    checksums: list[int]  # of the blocks whose every span so far landed (a prefix)
 
 
 class RemoteMover:
@@ -50,7 +49,7 @@ class RemoteMover:
         self.layer_bytes = host.layout.layer_block_bytes
         self.num_layers = host.layout.model.num_layers
 
-    def _views(self, host_ids: np.ndarray) -> List[np.ndarray]:
+    def _views(self, host_ids: np.ndarray) -> list[np.ndarray]:
         self.host.check_ids(host_ids)
         bb, arr = self.block_bytes, self.host.array
         return [arr[int(b) * bb : (int(b) + 1) * bb] for b in host_ids]
@@ -66,9 +65,9 @@ class RemoteMover:
         if op.kind is OpKind.REMOTE2H:
             views = self._views(op.dst)
             self.host.forget_checksums(op.dst)
-            refused: List[RefusedValue] = []
+            refused: list[RefusedValue] = []
             if op.layers is None or tuple(op.layers) == (0, self.num_layers):
-                sums: List[int] = []
+                sums: list[int] = []
                 n = self.store.get_into(seq, views, self._parents(op), refused=refused, checksums=sums)
                 self.host.record_checksums(op.dst[:n], sums[:n])  # verified: the bytes that landed
                 op.result = n
@@ -99,10 +98,10 @@ class RemoteMover:
     def _read_span(
         self,
         op: TransferOp,
-        seq: List[int],
-        layers: Tuple[int, int],
-        views: List[np.ndarray],
-        refused: List[RefusedValue],
+        seq: list[int],
+        layers: tuple[int, int],
+        views: list[np.ndarray],
+        refused: list[RefusedValue],
     ) -> int:
         """One layer span of a layerwise read; returns the blocks landed so far (verified, for
         the last span). A short span reads the rest of the landed blocks' layers at once and
@@ -116,7 +115,7 @@ class RemoteMover:
                 seq, [v[: hi * lb] for v in views], 0, self.block_bytes, self._parents(op), refused=refused
             )
         else:
-            prev: Optional[TransferOp] = next((d for d in op.deps if d.kind is OpKind.REMOTE2H), None)
+            prev: TransferOp | None = next((d for d in op.deps if d.kind is OpKind.REMOTE2H), None)
             if prev is None or not isinstance(prev.result, _LayeredRead):
                 raise ValueError(f"remote2h layers {lo}..{hi} must follow the read of layers 0..{lo}")
             state = prev.result

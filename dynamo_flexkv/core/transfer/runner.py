@@ -13,7 +13,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Dict, Optional, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from dynamo_flexkv.core.transfer.fence import CopyFenced
 from dynamo_flexkv.core.transfer.graph import GraphState, OpKind, OpState, TransferGraph, TransferOp
@@ -37,26 +38,26 @@ class AsyncMover(Protocol):
     ``start`` returns at once, and ``done(error, nbytes)`` is called once, from any thread, when
     the op landed (error None) or failed. No transfer thread waits for it meanwhile."""
 
-    def start(self, op: TransferOp, done: Callable[[Optional[BaseException], int], None]) -> None: ...
+    def start(self, op: TransferOp, done: Callable[[BaseException | None, int], None]) -> None: ...
 
 
 class TransferRunner:
-    def __init__(self, movers: Dict[OpKind, Mover], workers: int = 4) -> None:
+    def __init__(self, movers: dict[OpKind, Mover], workers: int = 4) -> None:
         self.num_threads = workers
         self.movers = dict(movers)
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._queue: queue.Queue[tuple | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._running: Dict[int, int] = {}  # id(graph) -> ops in flight
-        self._graphs: Dict[int, TransferGraph] = {}
+        self._running: dict[int, int] = {}  # id(graph) -> ops in flight
+        self._graphs: dict[int, TransferGraph] = {}
         self._closed = False
         self._threads = [
             threading.Thread(target=self._work, name=f"flexkv-transfer-{i}", daemon=True) for i in range(workers)
         ]
         for t in self._threads:
             t.start()
-        self.link_bytes: Dict[OpKind, int] = {k: 0 for k in OpKind}
-        self.link_seconds: Dict[OpKind, float] = {k: 0.0 for k in OpKind}
-        self.link_ops: Dict[OpKind, int] = {k: 0 for k in OpKind}
+        self.link_bytes: dict[OpKind, int] = {k: 0 for k in OpKind}
+        self.link_seconds: dict[OpKind, float] = {k: 0.0 for k in OpKind}
+        self.link_ops: dict[OpKind, int] = {k: 0 for k in OpKind}
         self.failed_ops = 0
 
     def submit(self, graph: TransferGraph) -> TransferGraph:
@@ -83,7 +84,7 @@ class TransferRunner:
         if finished:
             self._finish(graph)
 
-    def shutdown(self, timeout: Optional[float] = None) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Cancels every graph, lets running ops drain, stops the workers."""
         with self._lock:
             self._closed = True
@@ -133,11 +134,11 @@ class TransferRunner:
             try:
                 nbytes = int(mover.run(op))
                 error = None
-            except BaseException as e:  # any failure of a copy fails its graph, never the worker
+            except BaseException as e:  # noqa: BLE001 - any failure of a copy fails its graph, never the worker
                 nbytes, error = 0, e
             self._settle(graph, op, error, nbytes)
 
-    def _settle(self, graph: TransferGraph, op: TransferOp, error: Optional[BaseException], nbytes: int) -> None:
+    def _settle(self, graph: TransferGraph, op: TransferOp, error: BaseException | None, nbytes: int) -> None:
         """An op landed (error None) or failed: commit it, dispatch what it unblocked, or fail the graph."""
         # An engine's copy is timed to its own end: the answer's way back to this process is not
         # what the engine's forward waited for (cost-aware loading fits the link on these times).

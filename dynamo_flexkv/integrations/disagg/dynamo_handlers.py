@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any
 
 from dynamo.common.backend.disagg import enforce_prefill_max_tokens, require_prefill_result
+from dynamo.common.backend.engine import GenerateRequest
 from dynamo.common.backend.health_check import is_probe
 from dynamo.common.constants import DisaggregationMode
 from dynamo.llm.exceptions import InvalidArgument
 
 from dynamo_flexkv.integrations.disagg.params import HandoverParams, HandoverRefused, handover_secret
 from dynamo_flexkv.integrations.reference_engine import LLMEngine
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
+    from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide
 
 log = logging.getLogger(__name__)
 BYPASS_REMOTE_PREFILL = "x-bypass-remote-prefill"
@@ -34,8 +39,9 @@ class Role:
     def __init__(self, args: argparse.Namespace) -> None:
         self.mode = MODES[args.disaggregation_mode]
         self.args = args
-        self.prefill = self.decode = None
-        self.agent = None
+        self.prefill: PrefillSide | None = None
+        self.decode: DecodeSide | None = None
+        self.agent: KVAgent | None = None
 
     @property
     def dynamo_mode(self) -> DisaggregationMode:
@@ -48,27 +54,27 @@ class Role:
         from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
         from dynamo_flexkv.integrations.disagg.roles import DecodeSide, PrefillSide
 
-        self.agent = KVAgent(engine.kv_cache.layers)
+        self.agent = agent = KVAgent(engine.kv_cache.layers)
         if self.mode is DisaggregationMode.PREFILL:
             if not engine.device_prefix_cache:
                 raise InvalidArgument(
                     "a prefill worker hands over its device prefix cache: drop --no-device-prefix-cache"
                 )
             self.prefill = PrefillSide(
-                engine, self.agent, self.args.handover_lease_s, handover_secret(), renew_s=self.args.handover_renew_s
+                engine, agent, self.args.handover_lease_s, handover_secret(), renew_s=self.args.handover_renew_s
             )
         else:
-            self.decode = DecodeSide(engine, self.agent, self.args.handover_timeout_s, handover_secret())
-            engine.remote_fill = self.decode.fill
+            self.decode = decode = DecodeSide(engine, agent, self.args.handover_timeout_s, handover_secret())
+            engine.remote_fill = decode.fill
         log.info(
             "%s worker: NIXL agent %s over %d KV layers",
             self.args.disaggregation_mode,
-            self.agent.name,
+            agent.name,
             len(engine.kv_cache.layers),
         )
 
     # ---- event loop side ---------------------------------------------------------------------------
-    def prepare(self, request: Dict[str, Any]) -> Optional[HandoverParams]:
+    def prepare(self, request: GenerateRequest) -> HandoverParams | None:
         """Before the request's limits are checked: prefill clamps max_tokens to 1; decode returns
         the handover to pull (None: prefill locally)."""
         if self.mode is DisaggregationMode.PREFILL:
@@ -76,7 +82,8 @@ class Role:
             return None
         if self.mode is not DisaggregationMode.DECODE or is_probe(request):
             return None
-        if BYPASS_REMOTE_PREFILL in (request.get("annotations") or []):
+        annotations = request.get("annotations")
+        if isinstance(annotations, (list, tuple)) and BYPASS_REMOTE_PREFILL in annotations:
             return None
         try:
             result = require_prefill_result(request, self.mode)
@@ -89,11 +96,11 @@ class Role:
             return None
 
     # ---- engine thread side ------------------------------------------------------------------------
-    def added(self, request_id: str, handover: Optional[HandoverParams]) -> None:
+    def added(self, request_id: str, handover: HandoverParams | None) -> None:
         if self.decode is not None:
             self.decode.expect(request_id, handover)
 
-    def finished(self, request_id: str, prompt: List[int]) -> Optional[Dict[str, Any]]:
+    def finished(self, request_id: str, prompt: list[int]) -> dict[str, Any] | None:
         """What the final chunk carries besides the token. Prefill: the ``disaggregated_params`` of
         the prompt just computed ({} is valid: nothing held). Decode: the prompt tokens it pulled
         (``handover_tokens`` in engine_data), for requests that came with a handover."""
@@ -103,7 +110,7 @@ class Role:
             return {"handover_tokens": self.decode.pulled.pop(request_id)}
         return None
 
-    def refused(self, handover: Optional[HandoverParams]) -> None:
+    def refused(self, handover: HandoverParams | None) -> None:
         """A request refused before the engine took it: it will not pull, so its lease goes back
         to the prefill worker now rather than at expiry (engine thread)."""
         if self.decode is not None and handover is not None:
@@ -119,7 +126,7 @@ class Role:
         if self.decode is not None:
             self.decode.service()  # renews the leases of requests still waiting here
 
-    def is_quiescent(self) -> Optional[bool]:
+    def is_quiescent(self) -> bool | None:
         return None if self.prefill is None else len(self.prefill.leases) == 0
 
     def close(self) -> None:

@@ -12,17 +12,16 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
 
 from dynamo_flexkv.core.durations import is_duration
-
 
 # A handover lease or pull timeout past a day is a typo (or inf): blocks held that long are lost.
 MAX_HANDOVER_S = 86400.0
 
 
-def handover_seconds_problem(value: float) -> Optional[str]:
+def handover_seconds_problem(value: float) -> str | None:
     """Why ``value`` cannot be a handover lease or pull timeout in seconds; None if it can. Shared
     by the worker's argparse and serve's plan check, so both refuse the same values."""
     if not is_duration(value):
@@ -40,7 +39,7 @@ DEFAULT_RENEW_S = 5.0
 @dataclass
 class Lease:
     id: str
-    blocks: List[int]
+    blocks: list[int]
     expires_at: float  # monotonic clock: now + renew_s at grant and at each renewal, at most hard_at
     hard_at: float  # monotonic clock: grant + ttl, whatever is renewed
     expires_unix: float  # hard_at on the wall clock, for the decode worker
@@ -58,7 +57,7 @@ class LeaseTable:
                 raise ValueError(f"{what}: {problem}")
         self.ttl, self._clock = ttl, clock
         self.renew_s = min(renew_s, ttl)
-        self._leases: Dict[str, Lease] = {}
+        self._leases: dict[str, Lease] = {}
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-{int(time.time() * 1000) % 10**9}"  # unique across restarts
         self.granted = self.released = self.expired_count = 0
@@ -67,11 +66,11 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def get(self, lease_id: str) -> Optional[Lease]:
+    def get(self, lease_id: str) -> Lease | None:
         """The lease while it holds (its renewals, when it ends); None once released or expired."""
         return self._leases.get(lease_id)
 
-    def grant(self, blocks: List[int]) -> Lease:
+    def grant(self, blocks: list[int]) -> Lease:
         now, unix = self._clock(), time.time()
         lease = Lease(
             f"{self._prefix}-{next(self._ids)}",
@@ -95,7 +94,7 @@ class LeaseTable:
         lease.renewals += 1
         return True
 
-    def release(self, lease_id: str) -> Optional[Lease]:
+    def release(self, lease_id: str) -> Lease | None:
         """The lease's blocks for the caller to unreference; None for an unknown or expired lease
         (a late notice after expiry must not release the blocks twice)."""
         lease = self._leases.pop(lease_id, None)
@@ -103,7 +102,7 @@ class LeaseTable:
             self.released += 1
         return lease
 
-    def expire(self) -> List[Lease]:
+    def expire(self) -> list[Lease]:
         now = self._clock()
         gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
         for lease in gone:
@@ -112,7 +111,7 @@ class LeaseTable:
         self.unclaimed_count += sum(1 for lease in gone if not lease.renewals)
         return gone
 
-    def drain(self) -> List[Lease]:
+    def drain(self) -> list[Lease]:
         """Every lease still held (shutdown)."""
         out, self._leases = list(self._leases.values()), {}
         return out

@@ -9,8 +9,9 @@ import hmac
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,20 +33,20 @@ VERSION = 4
 @dataclass(frozen=True)
 class HandoverParams:
     agent: str  # the prefill worker's NIXL agent name
-    metadata: Optional[str]  # its agent metadata, zlib + base64 (None: the decode worker knows it already)
+    metadata: str | None  # its agent metadata, zlib + base64 (None: the decode worker knows it already)
     lease: str
-    blocks: List[int]  # device block ids of the prompt's first len(blocks) full blocks, in order
-    last_hash: Optional[int]  # sequence hash of the last leased block: same prompt, same model
-    layer_addrs: List[int]  # base address of each layer's KV tensor on the prefill worker
+    blocks: list[int]  # device block ids of the prompt's first len(blocks) full blocks, in order
+    last_hash: int | None  # sequence hash of the last leased block: same prompt, same model
+    layer_addrs: list[int]  # base address of each layer's KV tensor on the prefill worker
     block_bytes: int  # bytes of one block of one layer
     mem: str  # "DRAM" or "VRAM"
     dev: int  # device id of those tensors
     lease_expires_unix: float  # wall-clock end of the lease: a read must be over by then
     num_blocks: int  # blocks per layer tensor on the prefill worker (what its descriptors cover)
-    sig: Optional[str] = None  # HMAC-SHA256 of the fields that say what to read (see ``signed``)
+    sig: str | None = None  # HMAC-SHA256 of the fields that say what to read (see ``signed``)
     # xxh3_64 of each block's bytes over every layer (core/transfer/nixl_agent.block_checksums), as the prefill
     # worker computed them: decode verifies what it read before using any of it.
-    checksums: List[int] = field(default_factory=list)
+    checksums: list[int] = field(default_factory=list)
     # The lease ends at renew_by_unix unless a decode worker's claim reaches the prefill worker
     # first; each claim or renewal holds it renew_s seconds more (never past lease_expires_unix).
     renew_by_unix: float = 0.0
@@ -56,13 +57,13 @@ class HandoverParams:
         cls,
         agent: KVAgent,
         lease: str,
-        blocks: List[int],
-        last_hash: Optional[int],
+        blocks: list[int],
+        last_hash: int | None,
         lease_expires_unix: float,
         with_metadata: bool = True,
         renew_by_unix: float = 0.0,
         renew_s: float = 0.0,
-    ) -> "HandoverParams":
+    ) -> HandoverParams:
         """What a decode worker needs to read ``blocks`` of ``agent``'s KV under ``lease``."""
         from dynamo_flexkv.core.transfer.nixl_agent import block_checksums  # torch: not for a light reader
 
@@ -102,10 +103,10 @@ class HandoverParams:
         ]
         return hmac.new(secret, json.dumps(fields).encode(), hashlib.sha256).hexdigest()
 
-    def signed(self, secret: Optional[bytes]) -> "HandoverParams":
+    def signed(self, secret: bytes | None) -> HandoverParams:
         return self if secret is None else replace(self, sig=self._mac(secret))
 
-    def verify(self, secret: Optional[bytes]) -> None:
+    def verify(self, secret: bytes | None) -> None:
         """Raises HandoverRefused unless signed with ``secret`` (None: nothing to check)."""
         if secret is None:
             return
@@ -115,11 +116,11 @@ class HandoverParams:
                 f"its signature does not match this graph's {SECRET_ENV}"
             )
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {KEY: dict(asdict(self), version=VERSION, checksums=pack_checksums(self.checksums))}
 
     @classmethod
-    def from_dict(cls, payload: Optional[Mapping[str, Any]]) -> Optional["HandoverParams"]:
+    def from_dict(cls, payload: Mapping[str, Any] | None) -> HandoverParams | None:
         """None when the payload carries no handover (a prefill worker that held nothing)."""
         if not isinstance(payload, Mapping) or payload.get(KEY) is None:
             return None
@@ -166,12 +167,12 @@ class HandoverParams:
         return p
 
 
-def pack_checksums(values: List[int]) -> str:
+def pack_checksums(values: list[int]) -> str:
     """Little-endian u64 per block, base64: 11 characters a block, and no JSON number past 2^53."""
     return base64.b64encode(np.asarray(values, dtype="<u8").tobytes()).decode("ascii")
 
 
-def unpack_checksums(text: Any) -> List[int]:
+def unpack_checksums(text: Any) -> list[int]:
     if not isinstance(text, str):
         raise TypeError(f"checksums must be a base64 string, not {type(text).__name__}")
     raw = base64.b64decode(text, validate=True)  # binascii.Error is a ValueError
@@ -180,7 +181,7 @@ def unpack_checksums(text: Any) -> List[int]:
     return [int(x) for x in np.frombuffer(raw, dtype="<u8")]
 
 
-def handover_secret() -> Optional[bytes]:
+def handover_secret() -> bytes | None:
     """This worker's graph secret from the environment; None when started by hand without one."""
     value = os.environ.get(SECRET_ENV)
     return value.encode() if value else None

@@ -18,15 +18,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
+from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.core.logutil import RateLimitedLog
-from dynamo_flexkv.integrations.disagg.leases import DEFAULT_RENEW_S, LeaseTable
 from dynamo_flexkv.core.transfer.nixl_agent import HandoverCorrupt, HandoverFailed, KVAgent
+from dynamo_flexkv.integrations.disagg.leases import DEFAULT_RENEW_S, LeaseTable
 from dynamo_flexkv.integrations.disagg.params import HandoverParams, HandoverRefused
 from dynamo_flexkv.integrations.reference_engine.llm import LLMEngine
 from dynamo_flexkv.integrations.reference_engine.request import Request
-from dynamo_flexkv.core.hashing import block_hashes
 
 log = logging.getLogger(__name__)
 RELEASE = b"flexkv-release:"
@@ -42,14 +41,14 @@ class PrefillSide:
         engine: LLMEngine,
         agent: KVAgent,
         lease_ttl: float,
-        secret: Optional[bytes] = None,
+        secret: bytes | None = None,
         renew_s: float = DEFAULT_RENEW_S,
     ) -> None:
         self.engine, self.agent, self.secret = engine, agent, secret
         self.leases = LeaseTable(lease_ttl, renew_s=renew_s)
         self._expired_log = RateLimitedLog(log, 5.0)  # a decode outage expires one lease per request
 
-    def hand_over(self, prompt: List[int]) -> Dict[str, object]:
+    def hand_over(self, prompt: list[int]) -> dict[str, object]:
         """Right after the prompt's request finished, before the engine allocates again (so its
         released blocks are still cached). ``{}``: nothing to hand over (decode computes all)."""
         bs = self.engine.cfg.block_size
@@ -139,11 +138,11 @@ class _Pending:
 
 
 class DecodeSide:
-    def __init__(self, engine: LLMEngine, agent: KVAgent, pull_timeout: float, secret: Optional[bytes] = None) -> None:
+    def __init__(self, engine: LLMEngine, agent: KVAgent, pull_timeout: float, secret: bytes | None = None) -> None:
         self.engine, self.agent, self.pull_timeout = engine, agent, pull_timeout
         self.secret = secret  # the graph's: handovers not signed with it are recomputed
-        self._pending: Dict[str, _Pending] = {}
-        self.pulled: Dict[str, int] = {}  # request id -> prompt tokens pulled, until the request ends
+        self._pending: dict[str, _Pending] = {}
+        self.pulled: dict[str, int] = {}  # request id -> prompt tokens pulled, until the request ends
         self.stats = DecodeStats()
 
     @property
@@ -151,7 +150,7 @@ class DecodeSide:
         """Handovers filed for requests not allocated here yet (their leases renewed while they wait)."""
         return len(self._pending)
 
-    def expect(self, request_id: str, params: Optional[HandoverParams]) -> None:
+    def expect(self, request_id: str, params: HandoverParams | None) -> None:
         """Files the request's handover and claims its lease at once: an unclaimed lease ends
         ``renew_s`` after the prefill worker granted it."""
         if params is not None and self._trusted(request_id, params):

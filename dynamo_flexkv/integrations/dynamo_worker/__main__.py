@@ -3,6 +3,7 @@
 
 import logging
 import signal
+from typing import Any
 
 from dynamo_flexkv.integrations.dynamo_worker.args import build_parser, check_event_plane_binds_loopback, on_sigint
 
@@ -14,7 +15,7 @@ def name_our_records() -> None:
     console (dynamo_flexkv.serve.logs), can tell our lines from Dynamo's."""
     make = logging.getLogRecordFactory()
 
-    def factory(*args, **kwargs) -> logging.LogRecord:
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = make(*args, **kwargs)
         if record.name.startswith("dynamo_flexkv"):
             record.module = record.name

@@ -6,8 +6,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable, List
-
+from collections.abc import Callable
 
 _serving = False  # the engine started: Dynamo's Worker owns SIGINT from here on
 
@@ -70,7 +69,7 @@ def worker_namespace(text: str) -> str:
     return f"{text}-{suffix}" if suffix else text
 
 
-def one_of(flag: str, choices: List[str]) -> Callable[[str], str]:
+def one_of(flag: str, choices: list[str]) -> Callable[[str], str]:
     """argparse type of a runtime option: argparse checks ``choices`` against a flag's value but
     not against a default, which here may come from the environment."""
 

@@ -24,16 +24,18 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Callable, Dict, List, Optional
+from typing import Any
 
-from dynamo.common.backend import EngineConfig, LLMEngine as DynamoLLMEngine, LlmRegistration, WorkerConfig
+import msgspec
+from dynamo.common.backend import EngineConfig, LlmRegistration, WorkerConfig
+from dynamo.common.backend import LLMEngine as DynamoLLMEngine
+from dynamo.common.backend.engine import GenerateChunk
 from dynamo.common.backend.metrics import register_engine_registry
 from dynamo.common.backend.publisher import ComponentSnapshot, ZmqSource
 from dynamo.common.backend.run import run
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
-
-import msgspec
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.errors import FlexKVError
@@ -52,20 +54,20 @@ from dynamo_flexkv.core.inventory import (
     to_builtins,
     tokenize,
 )
-from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
-from dynamo_flexkv.integrations.dynamo_worker.metrics import PREFIX, OffloadCollector, RequestTally, offload_registry
-from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
-from dynamo_flexkv.integrations.dynamo_worker.request_limits import RequestLimits, RequestRefused
+from dynamo_flexkv.core.offload import EngineOffload, open_offload
 from dynamo_flexkv.integrations.disagg.dynamo_handlers import Role
+from dynamo_flexkv.integrations.dynamo_worker import LOOPBACK_ENV
 from dynamo_flexkv.integrations.dynamo_worker.args import (
     build_parser,
     check_event_plane_binds_loopback,
     mark_serving,
     on_sigint,
 )
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
+from dynamo_flexkv.integrations.dynamo_worker.metrics import PREFIX, OffloadCollector, RequestTally, offload_registry
+from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
+from dynamo_flexkv.integrations.dynamo_worker.request_limits import RequestLimits, RequestRefused
 from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
-from dynamo_flexkv.core.offload import EngineOffload, open_offload
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +88,9 @@ class _Stream:
     """One request's way back to its generate() coroutine."""
 
     loop: asyncio.AbstractEventLoop
-    out: "asyncio.Queue[Any]"
+    out: asyncio.Queue[Any]
     prompt_len: int
-    prompt: List[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
     handover: Any = None  # decode: the prefill worker's HandoverParams
 
     def send(self, item: Any) -> None:
@@ -111,31 +113,31 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             context_length=self.limits.context_window,
         )
         self.relay = KvEventRelay(self.cfg.block_size)
-        self.offload: Optional[EngineOffload] = None  # the tiers, embedded or the node's cache service
-        self.engine: Optional[LLMEngine] = None
+        self.offload: EngineOffload | None = None  # the tiers, embedded or the node's cache service
+        self.engine: LLMEngine | None = None
         # ("add", rid, tokens, params, stream) or ("abort", rid), in arrival order: an abort never
         # overtakes its request.
-        self._inbox: "queue.Queue[tuple]" = queue.Queue()
-        self._streams: Dict[str, _Stream] = {}  # engine thread only
-        self._live: Dict[str, str] = {}  # Dynamo context id -> our request id, requests not yet ended
+        self._inbox: queue.Queue[tuple] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._live: dict[str, str] = {}  # Dynamo context id -> our request id, requests not yet ended
         self._closing = False  # cleanup() started: refuse new requests
-        self._failed: Optional[str] = None  # the engine thread died: why
+        self._failed: str | None = None  # the engine thread died: why
         # What a dead engine thread does to its worker: SIGTERM, Dynamo's graceful stop (tests that
         # drive the class in their own process replace it).
         self.stop_worker: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.tally = RequestTally()
         self._snapshots: Any = None  # the framework's SnapshotPublisher (router load signal)
-        self._last_load: Optional[int] = None
+        self._last_load: int | None = None
         self._cleaned = False
         self.role = Role(
             args
         )  # disaggregation: agg, prefill or decode (dynamo_flexkv.integrations.disagg.dynamo_handlers)
 
     @classmethod
-    async def from_args(cls, argv: Optional[List[str]] = None):
+    async def from_args(cls, argv: list[str] | None = None):
         args = build_parser().parse_args(argv)
         engine = cls(args)
         wc = WorkerConfig(
@@ -211,7 +213,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
     def supported_controls(self) -> set:
         return {CONTROL}  # POST /engine/control/flexkv_cache on the system port
 
-    async def engine_control(self, control: str, body: Dict[str, Any]) -> Dict[str, Any]:
+    async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
         if control != CONTROL:
             return {"status": "error", "message": f"unsupported engine control: {control}"}
         try:
@@ -246,9 +248,21 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             self.relay.flush(force=True)  # the router hears the removals now, not at the next step
         return report
 
+    def _started(self) -> LLMEngine:
+        """The engine start() made (every caller runs after it)."""
+        if self.engine is None:
+            raise RuntimeError("FlexKVWorkerEngine: the engine is used before start() made it")
+        return self.engine
+
+    def _tiers(self) -> EngineOffload:
+        """The tiers start() opened (callers run only where offload is configured)."""
+        if self.offload is None:
+            raise RuntimeError("FlexKVWorkerEngine: the tiers are used, but none were opened")
+        return self.offload
+
     def _device_admin(self, req: CacheRequest, report: CacheReport) -> None:
         """Adds the device tier (this engine's prefix cache) to ``report``'s namespace."""
-        pool = self.engine.pool
+        pool = self._started().pool
         replace = msgspec.structs.replace
         model, tenant = f"{self.args.model}|{self.args.served_model_name}", ""
         if req.op == "contents":
@@ -277,21 +291,21 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         """``fn()`` run on the engine thread between its steps (it owns the device pool)."""
         if self._failed or self._thread is None:
             raise RuntimeError(self._failed or "the engine has not started")
-        done: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._inbox.put(("call", fn, done))
         try:
             return done.result(timeout)
         except concurrent.futures.TimeoutError:
             raise RuntimeError(f"the engine thread did not get to it within {timeout:.0f} s") from None
 
-    def component_metrics_dp_ranks(self) -> List[int]:
+    def component_metrics_dp_ranks(self) -> list[int]:
         return [0]
 
     def attach_snapshot_publisher(self, publisher: Any) -> None:
         self._snapshots = publisher
 
     def _device_blocks(self) -> tuple:
-        pool = self.engine.pool
+        pool = self._started().pool
         return pool.num_blocks - pool.num_available, pool.num_blocks
 
     @property
@@ -299,8 +313,8 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         """Requests accepted and not ended yet (what cleanup() drains before it stops)."""
         return len(self._live)
 
-    def _engine_stats(self) -> Dict[str, float]:
-        e = self.engine  # plain counters written by the engine thread: a scrape reads them as they are
+    def _engine_stats(self) -> dict[str, float]:
+        e = self._started()  # plain counters written by the engine thread: a scrape reads them as they are
         return {
             "steps": e.steps,
             "step_requests": e.step_requests,
@@ -332,7 +346,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         return [ZmqSource(endpoint=self.relay.endpoint)]
 
     # ---- requests ----------------------------------------------------------------------------------
-    async def generate(self, request, context) -> AsyncGenerator[Dict[str, Any], None]:
+    async def generate(self, request, context) -> AsyncGenerator[GenerateChunk, None]:
         if self._closing or self._failed:
             raise EngineShutdown(self._failed or "this worker is shutting down; retry on another worker")
         handover = self.role.prepare(request)
@@ -345,12 +359,12 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         except BaseException:
             self._release(handover)
             raise
-        loop, out = asyncio.get_running_loop(), asyncio.Queue()
+        loop, out = asyncio.get_running_loop(), asyncio.Queue[Any]()
         rid, cid = f"dyn-{next(self._ids)}", _context_id(context)
         self._live[cid] = rid
         self._inbox.put(("add", rid, tokens, params, _Stream(loop, out, len(tokens), list(tokens), handover)))
         ended, n = False, 0
-        extra: Dict[str, Any] = {}  # disaggregation: what the final chunk carries (see Role.finished)
+        extra: dict[str, Any] = {}  # disaggregation: what the final chunk carries (see Role.finished)
         try:
             while True:
                 item = await out.get()
@@ -371,7 +385,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                     }
                     return
                 n += 1
-                chunk: Dict[str, Any] = {"token_ids": [token], "index": 0}
+                chunk: GenerateChunk = {"token_ids": [token], "index": 0}
                 if reason is not None:
                     ended = True
                     chunk["finish_reason"] = reason
@@ -431,16 +445,17 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
         self.relay.close()
         log.info("flexkv worker stopped")
 
-    async def is_quiescent(self) -> Optional[bool]:
+    async def is_quiescent(self) -> bool | None:
         """Prefill: no handed-over blocks are still leased to a decode worker."""
         return self.role.is_quiescent()
 
     def _flush_offload(self) -> None:
         if self.engine is not None:
             self.engine.flush()  # collects the engine's own offload tasks
-        if not self.offload.drain(timeout=60):
+        offload = self._tiers()
+        if not offload.drain(timeout=60):
             log.error("shutdown: offload writes still running after 60 s; they are cancelled")
-        self.offload.shutdown()
+        offload.shutdown()
 
     async def on_endpoint_ready(self, endpoint: Any) -> None:
         """Dynamo's Worker calls this once its KV event publisher subscribed to our relay and before
@@ -462,7 +477,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             else:
                 log.warning("no KV event subscriber after %.0f s: re-adopted disk blocks stay unannounced", wait_s)
             return
-        n = self.offload.announce_adopted()
+        n = self._tiers().announce_adopted()
         self.relay.flush(force=True)  # out now, before the Worker attaches the model card
         if n:
             log.info("announced %d re-adopted disk blocks to the router", n)
@@ -479,7 +494,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
             if self._stop.wait(delay):
                 return
             try:
-                self.offload.announce_adopted(repeat=True)
+                self._tiers().announce_adopted(repeat=True)
                 self.relay.flush(force=True)
             except RuntimeError:  # the relay or the tiers closed: the worker stops
                 return
@@ -511,7 +526,7 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                     item[2].set_exception(EngineShutdown(self._failed))
 
     def _serve(self) -> None:
-        engine = self.engine
+        engine = self._started()
         while True:
             self._take_inbox()
             self.role.service()  # prefill: leases end on release notices or timeout
@@ -536,17 +551,17 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
                 if r.finish_reason == "abort":
                     self.role.aborted(r.id)
                     self.tally.add_aborted()
-                    stream = self._streams.pop(r.id, None)
-                    if stream is not None:
-                        stream.send((None, "cancelled", r.cached_tokens))
+                    aborted = self._streams.pop(r.id, None)
+                    if aborted is not None:
+                        aborted.send((None, "cancelled", r.cached_tokens))
             self.relay.flush()  # this step's KV events leave as one frame
             self._publish_load()
 
     def _take_inbox(self) -> None:
         """New requests and aborts. Blocks briefly when the engine has nothing to compute; while
         offload copies still hold device blocks it polls so they are released promptly."""
-        engine = self.engine
-        timeout: Optional[float] = None if engine.has_unfinished() else (0.005 if engine.busy else 0.1)
+        engine = self._started()
+        timeout: float | None = None if engine.has_unfinished() else (0.005 if engine.busy else 0.1)
         while True:
             try:
                 item = self._inbox.get(block=timeout is not None, timeout=timeout)
@@ -579,11 +594,11 @@ class FlexKVWorkerEngine(DynamoLLMEngine):
 def _context_id(context) -> str:
     try:
         return str(context.id())
-    except Exception:  # a context without an id (direct calls in tests)
+    except (AttributeError, TypeError):  # a context without an id (direct calls in tests)
         return f"ctx-{id(context)}"
 
 
-def _usage(prompt_len: int, completion: int, cached: Dict[str, int]) -> Dict[str, Any]:
+def _usage(prompt_len: int, completion: int, cached: dict[str, int]) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_len,
         "completion_tokens": completion,

@@ -8,8 +8,9 @@ pool, the per-request tallies below): nothing is double-booked and an idle worke
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -33,13 +34,13 @@ class RequestTally:
     requests: int = 0
     prompt_tokens: int = 0
     aborted: int = 0  # requests stopped by a disconnect, a cancel or shutdown (not in the counts above)
-    cached_tokens: Dict[str, int] = field(default_factory=lambda: {t: 0 for t in REQUEST_TIERS})
+    cached_tokens: dict[str, int] = field(default_factory=lambda: {t: 0 for t in REQUEST_TIERS})
     # Decode: prompt tokens pulled from the prefill worker. Neither cached here (the prefill worker
     # computed them, its own counters say from where) nor computed here.
     handover_tokens: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, prompt_tokens: int, cached: Dict[str, int], handover_tokens: int = 0) -> None:
+    def add(self, prompt_tokens: int, cached: dict[str, int], handover_tokens: int = 0) -> None:
         with self._lock:
             self.requests += 1
             self.prompt_tokens += prompt_tokens
@@ -51,7 +52,7 @@ class RequestTally:
         with self._lock:
             self.aborted += 1
 
-    def snapshot(self) -> "RequestTally":
+    def snapshot(self) -> RequestTally:
         with self._lock:
             return RequestTally(
                 self.requests, self.prompt_tokens, self.aborted, dict(self.cached_tokens), self.handover_tokens
@@ -63,7 +64,7 @@ class RequestTally:
         return self.prompt_tokens - sum(self.cached_tokens.values()) - self.handover_tokens
 
     @property
-    def hit_rate(self) -> Optional[float]:
+    def hit_rate(self) -> float | None:
         """Share of prompt tokens served from any cache; None before the first request."""
         return sum(self.cached_tokens.values()) / self.prompt_tokens if self.prompt_tokens else None
 
@@ -75,10 +76,10 @@ class OffloadCollector(Collector):
         self,
         tally: RequestTally,
         device_blocks: Callable[[], tuple],
-        offload_stats: Callable[[], Optional[ManagerStats]],
-        engine_stats: Callable[[], Dict[str, float]] = dict,
-        handover_stats: Callable[[], Optional["DecodeStats"]] = lambda: None,
-        lease_stats: Callable[[], Optional["LeaseTable"]] = lambda: None,
+        offload_stats: Callable[[], ManagerStats | None],
+        engine_stats: Callable[[], dict[str, float]] = dict,
+        handover_stats: Callable[[], DecodeStats | None] = lambda: None,
+        lease_stats: Callable[[], LeaseTable | None] = lambda: None,
     ) -> None:
         self.tally, self.device_blocks, self.offload_stats = tally, device_blocks, offload_stats
         self.engine_stats = engine_stats
@@ -150,7 +151,7 @@ class OffloadCollector(Collector):
             yield from _offload_families(stats)
 
 
-def _handover_families(h: Optional["DecodeStats"]) -> Iterator[Metric]:
+def _handover_families(h: DecodeStats | None) -> Iterator[Metric]:
     """Decode's KV handovers (zeros on other workers, so every worker exports the same families)."""
     results = CounterMetricFamily(
         PREFIX + "handovers",
@@ -180,7 +181,7 @@ def _handover_families(h: Optional["DecodeStats"]) -> Iterator[Metric]:
     )
 
 
-def _lease_families(leases: Optional["LeaseTable"]) -> Iterator[Metric]:
+def _lease_families(leases: LeaseTable | None) -> Iterator[Metric]:
     """Prefill's handover leases (zeros on other workers)."""
     yield _gauge(
         "handover_leases",
@@ -240,10 +241,10 @@ def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
         labels=["link"],
     )
     link_ops = CounterMetricFamily(PREFIX + "link_ops", "Copies finished per link", labels=["link"])
-    for link, s in stats.links.items():
-        link_bytes.add_metric([link], s.bytes)
-        link_secs.add_metric([link], s.seconds)
-        link_ops.add_metric([link], s.ops)
+    for link, moved in stats.links.items():
+        link_bytes.add_metric([link], moved.bytes)
+        link_secs.add_metric([link], moved.seconds)
+        link_ops.add_metric([link], moved.ops)
     yield from (link_bytes, link_secs, link_ops)
     yield from _load_decision_families(stats)
     tasks = stats.tasks

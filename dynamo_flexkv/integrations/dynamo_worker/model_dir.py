@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Tuple, Union
+from typing import Any
 
 from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
 from dynamo_flexkv.resources import hf_preset
@@ -33,7 +33,7 @@ CHAT_TEMPLATE = (
 
 def write_model_dir(
     cfg: EngineModelConfig,
-    path: Union[str, Path],
+    path: str | Path,
     name: str = "flexkv-reference",
     context_length: int = 131072,
     weights: bool = False,
@@ -75,7 +75,7 @@ def write_model_dir(
     return path
 
 
-def _write_tokenizer(path: Path, vocab_size: int, context_length: int) -> Tuple[int, int]:
+def _write_tokenizer(path: Path, vocab_size: int, context_length: int) -> tuple[int, int]:
     """tokenizer.json and tokenizer_config.json for ``vocab_size`` ids; returns (bos, eos)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -110,10 +110,13 @@ def _write_tokenizer(path: Path, vocab_size: int, context_length: int) -> Tuple[
             indent=2,
         ),
     )
-    return tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
+    bos, eos = tok.token_to_id(SPECIALS[0]), tok.token_to_id(SPECIALS[1])
+    if bos is None or eos is None:
+        raise RuntimeError(f"the tokenizer written to {path} lacks its special tokens {SPECIALS[:2]}")
+    return bos, eos
 
 
-def write_preset(model: str, path: Union[str, Path], context_length: int = 131072, weights: bool = False) -> Path:
+def write_preset(model: str, path: str | Path, context_length: int = 131072, weights: bool = False) -> Path:
     """The model directory of preset ``model``: a reference-engine preset (configs/models/<model>.yaml,
     write_model_dir) or a Hugging Face architecture's (configs/models/<model>/config.json): that
     config, the byte-level tokenizer and, with ``weights``, seeded weights (seeded_hf_weights)."""
@@ -141,7 +144,7 @@ def write_preset(model: str, path: Union[str, Path], context_length: int = 13107
     return path
 
 
-def seeded_hf_weights(config: Dict[str, Any], seed: int = 0) -> Dict[str, Any]:
+def seeded_hf_weights(config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     """Deterministic random weights for any Hugging Face causal-LM architecture ``config`` names,
     at a trained model's scale as the reference engine's (reference_engine/model.py): matrices
     N(0, 1/fan_in) (MoE experts and routers too), embeddings N(0, 1) (N(0, 1/hidden) when tied to
@@ -177,7 +180,7 @@ def seeded_hf_weights(config: Dict[str, Any], seed: int = 0) -> Dict[str, Any]:
     return out
 
 
-def write_seeded_weights(cfg: EngineModelConfig, path: Union[str, Path], seed: int = 0) -> Path:
+def write_seeded_weights(cfg: EngineModelConfig, path: str | Path, seed: int = 0) -> Path:
     """model.safetensors in ``path``: the reference engine's seeded weights for ``cfg`` (float32
     for the small presets: ~80 MB for ``small``), written atomically."""
     from safetensors.torch import save_file
@@ -191,7 +194,7 @@ def write_seeded_weights(cfg: EngineModelConfig, path: Union[str, Path], seed: i
     return target
 
 
-def write_hf_cache_entry(model_dir: Union[str, Path], hub_cache: Union[str, Path], repo_id: str) -> Path:
+def write_hf_cache_entry(model_dir: str | Path, hub_cache: str | Path, repo_id: str) -> Path:
     """Copies ``model_dir``'s files into a Hugging Face hub cache as the repo ``repo_id`` ("ORG/NAME"):
     ``hub_cache/models--ORG--NAME/snapshots/<revision>/`` and ``refs/main`` naming that revision (a
     hash of the files, so rewriting the same directory is a no-op). With ``HF_HUB_CACHE=hub_cache``
@@ -228,7 +231,7 @@ def filler_word(n: int) -> str:
             return word
 
 
-def _replace(target: Path, content: Union[str, bytes]) -> None:
+def _replace(target: Path, content: str | bytes) -> None:
     """Atomic rewrite: several workers may write one directory while the frontend reads it."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     if isinstance(content, bytes):

@@ -7,11 +7,12 @@ refused, not dropped."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, NamedTuple
 
-from dynamo_flexkv.integrations.reference_engine import SamplingParams
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.integrations.reference_engine import SamplingParams
 
 
 class RequestRefused(ValueError, FlexKVError):
@@ -23,12 +24,12 @@ class _Unsupported(NamedTuple):
 
     section: str  # where in the request: sampling_options, stop_conditions, output_options
     name: str
-    off: Tuple[Any, ...]  # the values that mean "not asked for" (the frontend sends None by default)
+    off: tuple[Any, ...]  # the values that mean "not asked for" (the frontend sends None by default)
     asked_by: str = ""  # what the client sent to ask for it, when that is not the option itself
     leave: str = ""  # the client's field to leave out (default: name)
 
 
-_UNSUPPORTED: Tuple[_Unsupported, ...] = (
+_UNSUPPORTED: tuple[_Unsupported, ...] = (
     _Unsupported("sampling_options", "top_p", (None, 1, 1.0)),
     _Unsupported("sampling_options", "top_k", (None, 0, -1)),
     _Unsupported("sampling_options", "min_p", (None, 0, 0.0)),
@@ -53,7 +54,7 @@ _UNSUPPORTED: Tuple[_Unsupported, ...] = (
 )
 
 
-def _is_off(value: Any, off: Tuple[Any, ...]) -> bool:
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
     """Compared by type too: in Python 0 == False and True == 1, but logprobs=0 asks for something
     and use_beam_search=True is not top_p=1."""
     return any(value is o or (type(value) in (int, float) and type(o) in (int, float) and value == o) for o in off)
@@ -65,7 +66,7 @@ class RequestLimits:
     vocab_size: int
     default_max_tokens: int = 16  # OpenAI completions' default when max_tokens is not given
 
-    def check(self, request: Mapping[str, Any]) -> Tuple[List[int], SamplingParams]:
+    def check(self, request: Mapping[str, Any]) -> tuple[list[int], SamplingParams]:
         """The prompt and sampling parameters of a request, or RequestRefused naming the limit."""
         tokens = self._prompt(request.get("token_ids"))
         so = request.get("sampling_options") or {}
@@ -99,7 +100,7 @@ class RequestLimits:
             stop_token_ids=stop,
         )
 
-    def _prompt(self, token_ids: Optional[Sequence[int]]) -> List[int]:
+    def _prompt(self, token_ids: Sequence[int] | None) -> list[int]:
         tokens = [int(t) for t in token_ids or ()]
         if not tokens:
             raise RequestRefused("the prompt is empty: send at least one token")

@@ -5,6 +5,8 @@ Lazy: ``from dynamo_flexkv.integrations.reference_engine import EngineModelConfi
 presets, read when a graph is planned or rendered) must not load torch and the data plane that the
 engine itself needs."""
 
+from typing import Any
+
 __all__ = ["EngineModelConfig", "LLMEngine", "LlamaModel", "Request", "RequestOutput", "SamplingParams"]
 
 _HOMES = {
@@ -17,7 +19,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -28,5 +30,5 @@ def __getattr__(name: str):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any
 
 import yaml
 
 from dynamo_flexkv.core.layout import ModelSpec
 from dynamo_flexkv.resources import presets_dir
-
 
 WEIGHTS = ("seeded", "dummy")
 
@@ -50,7 +49,7 @@ class EngineModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
     @classmethod
-    def from_dict(cls, data: Dict[str, Any]) -> "EngineModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> EngineModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -58,7 +57,7 @@ class EngineModelConfig:
         return cls(**data)
 
     @classmethod
-    def preset(cls, name: str) -> "EngineModelConfig":
+    def preset(cls, name: str) -> EngineModelConfig:
         presets = presets_dir()
         path = presets / f"{name}.yaml"
         if not path.is_file():
@@ -70,7 +69,7 @@ class EngineModelConfig:
         return cls.from_dict(yaml.safe_load(path.read_text()))
 
     @classmethod
-    def from_hf_dir(cls, path: Union[str, Path], block_size: int = 16) -> "EngineModelConfig":
+    def from_hf_dir(cls, path: str | Path, block_size: int = 16) -> EngineModelConfig:
         """Reads a Llama-style config.json (the architecture the reference engine computes)."""
         cfg = json.loads((Path(path) / "config.json").read_text())
         heads = cfg["num_attention_heads"]
@@ -89,7 +88,7 @@ class EngineModelConfig:
         )
 
     @classmethod
-    def load(cls, name_or_path: str) -> "EngineModelConfig":
+    def load(cls, name_or_path: str) -> EngineModelConfig:
         p = Path(name_or_path)
         return cls.from_hf_dir(p) if (p / "config.json").is_file() else cls.preset(name_or_path)
 

@@ -6,13 +6,14 @@ exactly when offload pays."""
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
-from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
-from dynamo_flexkv.core.layout import DTYPE_BYTES
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.layout import DTYPE_BYTES
+from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -26,7 +27,7 @@ def torch_dtype(name: str) -> torch.dtype:
 class PagedKVCache:
     """One LAYERBLOCK tensor per layer: [num_blocks, 2 (K, V), block_size, kv_heads, head_dim]."""
 
-    def __init__(self, cfg: EngineModelConfig, num_blocks: int, device: Union[str, torch.device] = "cpu") -> None:
+    def __init__(self, cfg: EngineModelConfig, num_blocks: int, device: str | torch.device = "cpu") -> None:
         self.cfg, self.num_blocks = cfg, num_blocks
         shape = (num_blocks, 2, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.layers = [torch.zeros(shape, dtype=torch_dtype(cfg.dtype), device=device) for _ in range(cfg.num_layers)]
@@ -74,20 +75,20 @@ class DeviceBlockPool:
     def __init__(
         self,
         num_blocks: int,
-        on_stored: Optional[Callable[[List[int], Optional[int], List[int]], None]] = None,
-        on_removed: Optional[Callable[[List[int]], None]] = None,
+        on_stored: Callable[[list[int], int | None, list[int]], None] | None = None,
+        on_removed: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
-        self._free: List[int] = list(range(num_blocks - 1, -1, -1))
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.refs = [0] * num_blocks
-        self.by_hash: Dict[int, int] = {}
-        self.hash_of: Dict[int, int] = {}
-        self._parent: Dict[int, Optional[int]] = {}  # cached block -> its parent's block
+        self.by_hash: dict[int, int] = {}
+        self.hash_of: dict[int, int] = {}
+        self._parent: dict[int, int | None] = {}  # cached block -> its parent's block
         self._children = [0] * num_blocks  # cached children of each cached block
-        self._pins: Dict[int, int] = {}  # uncached duplicate block -> the cached block it pins
+        self._pins: dict[int, int] = {}  # uncached duplicate block -> the cached block it pins
         self._released_at = [0] * num_blocks  # tick of the release that made a block unreferenced
         self._tick = 0
-        self._leaves: List[Tuple[int, int]] = []  # heap of (released_at, block); stale entries skipped
+        self._leaves: list[tuple[int, int]] = []  # heap of (released_at, block); stale entries skipped
         self._num_evictable = 0  # unreferenced cached blocks
         self.on_stored, self.on_removed = on_stored, on_removed
         self.evictions = 0
@@ -96,7 +97,7 @@ class DeviceBlockPool:
     def num_available(self) -> int:
         return len(self._free) + self._num_evictable
 
-    def match(self, hashes: Sequence[int]) -> List[int]:
+    def match(self, hashes: Sequence[int] | np.ndarray) -> list[int]:
         """Cached blocks of the longest cached prefix, each now referenced by the caller."""
         out = []
         for h in hashes:
@@ -115,13 +116,13 @@ class DeviceBlockPool:
             n += 1
         return n
 
-    def allocate(self, n: int) -> List[int]:
+    def allocate(self, n: int) -> list[int]:
         """``n`` blocks, each referenced once; evicts cached leaves when the free list runs out
         and reports all of this call's evictions as one removal, leaves first."""
         if n > self.num_available:
             raise NoFreeBlocks(f"need {n} device blocks, {self.num_available} available")
-        out: List[int] = []
-        evicted: List[int] = []
+        out: list[int] = []
+        evicted: list[int] = []
         for _ in range(n):
             b = self._free.pop() if self._free else self._evict_leaf(evicted)
             self.refs[b] = 1
@@ -132,7 +133,7 @@ class DeviceBlockPool:
                 self.on_removed(evicted)
         return out
 
-    def cache(self, block: int, seq_hash: int, parent: Optional[int], tokens: List[int]) -> None:
+    def cache(self, block: int, seq_hash: int, parent: int | None, tokens: list[int]) -> None:
         """Marks a referenced block as holding the computed KV of the prefix ``seq_hash``
         (``parent``: the previous block's hash, None for a prompt's first block)."""
         seq_hash = int(seq_hash)
@@ -185,7 +186,7 @@ class DeviceBlockPool:
         """Uncaches every cached block nobody references (leaves first, so every removal names a
         leaf the router knows) and frees it; returns how many. Referenced ones stay: by the
         invariant above, no unreferenced block is an ancestor of one."""
-        evicted: List[int] = []
+        evicted: list[int] = []
         while self._num_evictable and self._leaves:
             self._free.append(self._evict_leaf(evicted))
         if evicted and self.on_removed is not None:
@@ -225,7 +226,7 @@ class DeviceBlockPool:
             self.refs[b] == 0 and b in self.hash_of and self._children[b] == 0 and self._released_at[b] == released_at
         )
 
-    def _evict_leaf(self, evicted: List[int]) -> int:
+    def _evict_leaf(self, evicted: list[int]) -> int:
         """Uncaches the least recently released unreferenced leaf and returns its block; its
         parent becomes a candidate once it has no cached child left."""
         while True:

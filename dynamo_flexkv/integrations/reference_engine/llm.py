@@ -6,10 +6,14 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Set
+from collections.abc import Callable, Sequence
 
 import torch
 
+from dynamo_flexkv.core.hashing import block_hashes
+from dynamo_flexkv.core.manager import KVManager
+from dynamo_flexkv.core.offload import EmbeddedOffload, EngineOffload
+from dynamo_flexkv.core.tasks import TaskFailed, TaskStatus
 from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
 from dynamo_flexkv.integrations.reference_engine.kv_cache import DeviceBlockPool, NoFreeBlocks, PagedKVCache
 from dynamo_flexkv.integrations.reference_engine.model import LlamaModel, SeqChunk
@@ -31,7 +35,7 @@ class LLMEngine:
         cfg: EngineModelConfig,
         *,
         num_device_blocks: int,
-        model: Optional[LlamaModel] = None,
+        model: LlamaModel | None = None,
         device: str = "cpu",
         offload: Optional[EngineOffload] = None,
         offload_puts: bool = True,
@@ -40,9 +44,9 @@ class LLMEngine:
         max_running: int = 16,
         max_overtakes: int = 16,
         seed: int = 0,
-        on_device_stored: Optional[Callable[[List[int], Optional[int], List[int]], None]] = None,
-        on_device_removed: Optional[Callable[[List[int]], None]] = None,
-        remote_fill: Optional[Callable[[Request, int, int], int]] = None,
+        on_device_stored: Callable[[list[int], int | None, list[int]], None] | None = None,
+        on_device_removed: Callable[[list[int]], None] | None = None,
+        remote_fill: Callable[[Request, int, int], int] | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model or LlamaModel(cfg, device, seed)
@@ -70,12 +74,12 @@ class LLMEngine:
         # A waiting request that does not fit the free blocks lets later ones that fit go first,
         # at most this many times; then admission waits for it (bounded starvation).
         self.max_overtakes = max_overtakes
-        self.waiting: Deque[Request] = deque()
-        self.running: List[Request] = []
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self._ids = itertools.count()
-        self._finished: List[Request] = []  # since the last generate() collected them
+        self._finished: list[Request] = []  # since the last generate() collected them
         self._abort_lock = threading.Lock()
-        self._abort_pending: Set[str] = set()  # abort() from any thread; applied at a step boundary
+        self._abort_pending: set[str] = set()  # abort() from any thread; applied at a step boundary
         self.aborted = 0
         self.recomputed_loads = 0
         self.load_stall_seconds = 0.0  # time steps spent blocked on offload loads
@@ -85,7 +89,7 @@ class LLMEngine:
 
     # ---- API -------------------------------------------------------------------------------------
     def add_request(
-        self, prompt: Sequence[int], params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+        self, prompt: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -119,17 +123,17 @@ class LLMEngine:
         pending = self.connector is not None and self.connector.tasks_pending > 0
         return self.has_unfinished() or pending or bool(self._abort_pending)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None) -> List[Request]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[Request]:
         reqs = {self.add_request(p, params): i for i, p in enumerate(prompts)}
-        done: Dict[str, Request] = {}
+        done: dict[str, Request] = {}
         while self.has_unfinished():
             self.step()
             for r in list(self._finished):
                 done[r.id] = r
             self._finished.clear()
-        return [done[rid] for rid in sorted(reqs, key=reqs.get)]
+        return [done[rid] for rid in sorted(reqs, key=lambda rid: reqs[rid])]
 
-    def take_finished(self) -> List[Request]:
+    def take_finished(self) -> list[Request]:
         """Requests that finished or were aborted since the last call."""
         out, self._finished = self._finished, []
         return out
@@ -141,7 +145,7 @@ class LLMEngine:
                 self.pool.release(hold.blocks)
 
     # ---- one scheduler step ---------------------------------------------------------------------
-    def step(self) -> List[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         self._apply_aborts()
         if self.connector is not None:
             for hold in self.connector.finished_holds():
@@ -162,14 +166,14 @@ class LLMEngine:
             if self.connector is not None:
                 self._observe_prefill(chunks, reqs, dt - (self.load_stall_seconds - stall0))
 
-    def _observe_prefill(self, chunks: List[SeqChunk], reqs: List[Request], seconds: float) -> None:
+    def _observe_prefill(self, chunks: list[SeqChunk], reqs: list[Request], seconds: float) -> None:
         """Cost-aware loading's measure of recompute: a step that only prefilled (no decode token
         in it), its compute time without the time it waited for loads."""
         if not all(ch.start < len(r.prompt) for ch, r in zip(chunks, reqs)):
             return
-        self.connector.observe_prefill(sum(len(ch.tokens) for ch in chunks), max(len(r.prompt) for r in reqs), seconds)
+        self._offload().observe_prefill(sum(len(ch.tokens) for ch in chunks), max(len(r.prompt) for r in reqs), seconds)
 
-    def _run_batch(self, chunks: List[SeqChunk], reqs: List[Request]) -> List[RequestOutput]:
+    def _run_batch(self, chunks: list[SeqChunk], reqs: list[Request]) -> list[RequestOutput]:
         loading = [r for r in reqs if r.load_task is not None]
         if loading and not self.layerwise:
             for r in loading:  # bulk: the whole prefix lands before any compute
@@ -207,7 +211,7 @@ class LLMEngine:
                 self.running.remove(req)
                 if req.load_task is not None:
                     # Its copies may still be writing the blocks: they come back once drained.
-                    self.connector.cancel_load(req.load_task, req.block_table)
+                    self._offload().cancel_load(req.load_task, req.block_table)
                     req.load_task = None
                 else:
                     self.pool.release(req.block_table)
@@ -219,7 +223,7 @@ class LLMEngine:
         """In arrival order; a request that does not fit is skipped (no head-of-line blocking)
         until ``max_overtakes`` later requests went past it, then nothing is admitted past it
         until running requests free enough blocks for it."""
-        skipped: List[Request] = []
+        skipped: list[Request] = []
         for req in list(self.waiting):
             if len(self.running) >= self.max_running:
                 break
@@ -286,16 +290,16 @@ class LLMEngine:
             reqs.append(r)
         return chunks, reqs
 
-    def _layer_waiter(self, loading: List[Request]):
+    def _layer_waiter(self, loading: list[Request]):
         failed = set()
 
         def wait(layer: int) -> None:
             for r in loading:
-                if r.id in failed:
+                if r.id in failed or r.load_task is None:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    self.connector.wait_layer(r.load_task, layer)
+                    self._offload().wait_layer(r.load_task, layer)
                 except TaskFailed:
                     failed.add(r.id)  # computed on garbage; _settle_load sends it back
                 finally:
@@ -303,10 +307,18 @@ class LLMEngine:
 
         return wait
 
+    def _offload(self) -> EngineOffload:
+        """The tiers, where a caller runs only with offload configured (a request has a load task)."""
+        if self.connector is None:
+            raise RuntimeError("LLMEngine: an offload call without offload configured")
+        return self.connector
+
     def _settle_load(self, r: Request) -> bool:
         """Finishes a request's load; on failure its loaded range is recomputed instead."""
+        if r.load_task is None:
+            raise RuntimeError(f"request {r.id}: settling a load it does not have")
         t0 = time.perf_counter()
-        result = self.connector.finish(r.load_task)
+        result = self._offload().finish(r.load_task)
         self.load_stall_seconds += time.perf_counter() - t0
         r.load_task = None
         if result.status is TaskStatus.SUCCESS:

@@ -4,16 +4,15 @@ Hugging Face directory (config.json + *.safetensors)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
 from dynamo_flexkv.integrations.reference_engine.kv_cache import PagedKVCache, torch_dtype
-
 
 # Our weight names -> Hugging Face Llama's (the per-layer ones with "{i}.").
 _HF_LAYER = {
@@ -29,7 +28,7 @@ _HF_LAYER = {
 }
 
 
-def hf_names(num_layers: int) -> Dict[str, str]:
+def hf_names(num_layers: int) -> dict[str, str]:
     """Each weight's name here -> its name in a Hugging Face Llama checkpoint."""
     names = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
     for i in range(num_layers):
@@ -37,7 +36,7 @@ def hf_names(num_layers: int) -> Dict[str, str]:
     return names
 
 
-def seeded_weights(cfg: EngineModelConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
+def seeded_weights(cfg: EngineModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Deterministic random weights at a trained model's scale (projections N(0, 1/fan_in), norms
     near 1), float32: attention is peaked enough that the output depends on the whole prompt (with
     vLLM's ``--load-format dummy``, uniform weights of +-1e-3, greedy tokens follow the last prompt
@@ -65,7 +64,7 @@ def seeded_weights(cfg: EngineModelConfig, seed: int = 0) -> Dict[str, torch.Ten
     return w
 
 
-def seeded_checkpoint(cfg: EngineModelConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
+def seeded_checkpoint(cfg: EngineModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """``seeded_weights`` named as a Hugging Face Llama checkpoint, in the model's dtype: what
     vLLM (or ``LlamaModel.from_pretrained``) loads to compute this very model."""
     dtype = torch_dtype(cfg.dtype)
@@ -77,9 +76,9 @@ def seeded_checkpoint(cfg: EngineModelConfig, seed: int = 0) -> Dict[str, torch.
 class SeqChunk:
     """New tokens of one sequence in a forward pass: positions [start, start + len(tokens))."""
 
-    tokens: List[int]
+    tokens: list[int]
     start: int
-    block_table: List[int]
+    block_table: list[int]
     want_logits: bool = True
 
 
@@ -87,9 +86,9 @@ class LlamaModel:
     def __init__(
         self,
         cfg: EngineModelConfig,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
         seed: int = 0,
-        weights: Optional[Dict[str, torch.Tensor]] = None,
+        weights: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
@@ -100,26 +99,26 @@ class LlamaModel:
         self.inv_freq = inv.to(self.device, torch.float32)
 
     @classmethod
-    def from_pretrained(cls, path: Union[str, Path], device: Union[str, torch.device] = "cpu") -> "LlamaModel":
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> LlamaModel:
         from safetensors.torch import load_file
 
         cfg = EngineModelConfig.from_hf_dir(path)
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
-        raw: Dict[str, torch.Tensor] = {}
+        raw: dict[str, torch.Tensor] = {}
         for f in files:
             raw.update(load_file(str(f)))
         raw.setdefault("lm_head.weight", raw["model.embed_tokens.weight"])  # tied embeddings
         return cls(cfg, device, weights={ours: raw[hf] for ours, hf in hf_names(cfg.num_layers).items()})
 
-    def _random_weights(self, seed: int) -> Dict[str, torch.Tensor]:
+    def _random_weights(self, seed: int) -> dict[str, torch.Tensor]:
         return seeded_weights(self.cfg, seed)
 
     # ---- forward ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
-        self, chunks: List[SeqChunk], kv: PagedKVCache, before_attention: Optional[Callable[[int], None]] = None
+        self, chunks: list[SeqChunk], kv: PagedKVCache, before_attention: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """Computes the chunks' new tokens, writing their K/V into ``kv``; returns the logits of the
         last new token of each chunk with ``want_logits`` ([n, vocab], float32).
@@ -189,8 +188,11 @@ def _suffix_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
     """Attention of queries at positions [start, end) over keys [0, end): the cached prefix
     [0, start) is fully visible and the new part is plain causal, so run the fused kernel on each
     and merge by log-sum-exp. An explicit mask would make the CPU kernel visit every tile."""
-    o1, l1 = _CPU_FLASH(q, k[:, :, :start], v[:, :, :start])
-    o2, l2 = _CPU_FLASH(q, k[:, :, start:], v[:, :, start:], is_causal=True)
+    flash = _CPU_FLASH
+    if flash is None:  # the caller checked: this torch has it
+        raise RuntimeError("torch lacks aten._scaled_dot_product_flash_attention_for_cpu")
+    o1, l1 = flash(q, k[:, :, :start], v[:, :, :start])
+    o2, l2 = flash(q, k[:, :, start:], v[:, :, start:], is_causal=True)
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
     return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from dynamo_flexkv.core.hashing import BlockHashes
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
-    seed: Optional[int] = None  # seeded sampling is reproducible per request
+    seed: int | None = None  # seeded sampling is reproducible per request
     stop_token_ids: Sequence[int] = ()
     record_logits: bool = False  # keep each step's logits (exactness tests)
 
@@ -36,34 +36,34 @@ class RequestState(str, Enum):
 @dataclass(eq=False)
 class Request:
     id: str
-    prompt: List[int]
+    prompt: list[int]
     params: SamplingParams
     hashes: BlockHashes
     arrival: float = field(default_factory=time.perf_counter)
     state: RequestState = RequestState.WAITING
-    output: List[int] = field(default_factory=list)
-    logits: List[torch.Tensor] = field(default_factory=list)
-    block_table: List[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the device cache (or being loaded into it)
     cached_blocks: int = 0  # prompt blocks already entered in the device prefix cache
     device_hit_tokens: int = 0
     offload_hit_tokens: int = 0
     disk_hit_tokens: int = 0  # the part of offload_hit_tokens read from the disk tier
     remote_hit_tokens: int = 0  # the part of offload_hit_tokens read from the remote tier (Redis)
-    load_task: Optional[int] = None
-    prefetch_task: Optional[int] = None
+    load_task: int | None = None
+    prefetch_task: int | None = None
     prefetch_tried: bool = False
     overtaken: int = 0  # later requests admitted while this one waited for free blocks
-    first_token_at: Optional[float] = None
-    finish_reason: Optional[str] = None
-    generator: Optional[torch.Generator] = None
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
 
     @property
-    def ttft(self) -> Optional[float]:
+    def ttft(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.arrival
 
     @property
-    def cached_tokens(self) -> Dict[str, int]:
+    def cached_tokens(self) -> dict[str, int]:
         """Prompt tokens not computed, by the tier they came from (device: the prefix cache);
         ``remote`` only for a request that loaded from the remote tier."""
         out = {
@@ -83,12 +83,12 @@ class Request:
 @dataclass(frozen=True)
 class RequestOutput:
     request_id: str
-    new_token: Optional[int]
-    output: List[int]
+    new_token: int | None
+    output: list[int]
     finished: bool
-    finish_reason: Optional[str]
-    ttft: Optional[float]
-    cached_tokens: Dict[str, int]
+    finish_reason: str | None
+    ttft: float | None
+    cached_tokens: dict[str, int]
 
 
 def sample(logits: torch.Tensor, req: Request) -> int:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, Optional, Set, Tuple
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,9 +22,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from dynamo_flexkv.core.stats import ManagerStats
-from dynamo_flexkv.integrations.vllm_connector.vllm_api import check as check_vllm_api
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata
 from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+from dynamo_flexkv.integrations.vllm_connector.vllm_api import check as check_vllm_api
 
 if TYPE_CHECKING:  # vLLM's types at the boundary (vllm_api.check verifies the fields read)
     from vllm.config import VllmConfig
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 
 class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
-        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Optional["KVCacheConfig"] = None
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         # vLLM's base annotates kv_cache_config as required but only stores it; our settings read None as unknown.
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # vLLM: not Optional there
@@ -56,14 +58,15 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
                 "instead of failing the request"
             )
         settings = ConnectorSettings.from_vllm(vllm_config, kv_cache_config)
-        self._sched: Optional["SchedulerSide"] = None
-        self._worker: Optional["WorkerSide"] = None
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
 
             self._sched = SchedulerSide(settings)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
             from dynamo_flexkv.core.transfer.nixl_agents import quiet_progress_threads
             from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
 
@@ -80,13 +83,13 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped store is a later miss, never a wrong token
 
-    def _worker_side(self) -> "WorkerSide":
+    def _worker_side(self) -> WorkerSide:
         """The worker half: vLLM calls the worker hooks on a worker's connector only."""
         if self._worker is None:
             raise RuntimeError("FlexKVConnector: a worker hook called on the scheduler's connector")
         return self._worker
 
-    def _sched_side(self) -> "SchedulerSide":
+    def _sched_side(self) -> SchedulerSide:
         """The scheduler half: vLLM calls the scheduler hooks on the scheduler's connector only."""
         if self._sched is None:
             raise RuntimeError("FlexKVConnector: a scheduler hook called on a worker's connector")
@@ -102,26 +105,26 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
         """This worker's disk tier data files."""
         return self._worker_side().tier_files()
 
-    def drain(self, timeout: Optional[float] = None) -> bool:
+    def drain(self, timeout: float | None = None) -> bool:
         """Waits for this worker's background tier writes; False if some still run after ``timeout``."""
         return self._worker_side().drain(timeout)
 
-    def tier_stats(self) -> Optional[ManagerStats]:
+    def tier_stats(self) -> ManagerStats | None:
         """This worker's KVManager stats (tiers, requests, links, tasks); None before vLLM
         registered the KV caches."""
         return self._worker_side().stats()
 
-    def evict_host(self, timeout: Optional[float] = None) -> int:
+    def evict_host(self, timeout: float | None = None) -> int:
         """Evicts this worker's host blocks once its tier writes finished (disk and remote copies
         stay): the next loads read the tiers below. Returns how many blocks went."""
         return self._worker_side().evict_host(timeout)
 
-    def reset_tiers(self, timeout: Optional[float] = None) -> None:
+    def reset_tiers(self, timeout: float | None = None) -> None:
         """Drops this worker's host and disk blocks once its tier writes finished; the shared
         remote tier keeps its copies."""
         self._worker_side().reset_tiers(timeout)
 
-    def _cpu_binding(self) -> ContextManager[None]:
+    def _cpu_binding(self) -> AbstractContextManager[None]:
         """On a CPU platform, the threads started inside share the worker's bind cores and this
         thread, the model's, ends on its own core (cpu_affinity.py): once when created
         (NixlConnector before us) and once when the caches arrive (NixlConnector after us)."""
@@ -131,7 +134,7 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         return helpers_on_bind_cores()
 
-    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         with self._cpu_binding():
             self._worker_side().register(kv_caches)
 
@@ -155,11 +158,11 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         self._worker_side().end_step(meta if isinstance(meta, FlexKVMetadata) else None)
 
-    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
 
-    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Stores whose blocks vLLM may free; a hybrid model's loads that ran ahead, and those that
         failed (vLLM computes them from their first token)."""
         loaded, failed = self._worker_side().finished_loads()
@@ -169,7 +172,7 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
             failed_recving=failed,
         )
 
-    def get_block_ids_with_load_errors(self) -> Set[int]:
+    def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
 
     def get_kv_connector_kv_cache_events(self) -> Any:
@@ -184,45 +187,45 @@ class FlexKVConnector(KVConnectorBase_V1, SupportsHMA):
         return FlexKVStats(data) if data else None
 
     @classmethod
-    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> Any:
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVStats
 
         return FlexKVStats(dict(data or {}))
 
     @classmethod
     def build_prom_metrics(
-        cls, vllm_config: Any, metric_types: Dict[type, type], labelnames: list, per_engine_labelvalues: Dict[int, list]
+        cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list, per_engine_labelvalues: dict[int, list]
     ) -> Any:
         from dynamo_flexkv.integrations.vllm_connector.metrics import FlexKVPromMetrics
 
         return FlexKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side ----------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched_side().matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._sched_side().after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._sched_side().build_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched_side().add_events(connector_output.kv_cache_events)
         self._sched_side().loads_ended(connector_output.finished_recving or ())
 
-    def request_finished(self, request: "Request", block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished(self, request: Request, block_ids: list) -> tuple[bool, dict[str, Any] | None]:
         return self._sched_side().request_finished(request, block_ids)
 
     def request_finished_all_groups(
-        self, request: "Request", block_ids: Tuple[list, ...]
-    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        self, request: Request, block_ids: tuple[list, ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched_side().request_finished_all(request, block_ids)
 
     def take_events(self) -> Iterable[Any]:
         return self._sched_side().take_events()
 
-    def reset_cache(self) -> Optional[bool]:
+    def reset_cache(self) -> bool | None:
         """vLLM's reset_prefix_cache(reset_connector=True): the tiers drop what they hold (see
         SchedulerSide.reset); False when they could not, so no stale KV is served unnoticed."""
         if self._sched is None:

@@ -30,8 +30,8 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, List, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,11 @@ MAX_CORE = 1 << 16  # beyond any Linux CPU set: a larger id is not a core vLLM w
 _ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")  # ASCII digits only, as the OpenMP runtimes read them
 
 
-def _ids(text: str, sep: str) -> Optional[List[int]]:
+def _ids(text: str, sep: str) -> list[int] | None:
     """Cores of a list such as "0 1 2" or "0,2-3" in its order, duplicates dropped; None when
     anything in it is not a core id or an ascending range of them (strides and the like, which
     vLLM does not write, included)."""
-    out: List[int] = []
+    out: list[int] = []
     for item in filter(None, (s.strip() for s in re.split(sep, text))):
         m = _ITEM.fullmatch(item)
         if m is None:
@@ -63,16 +63,16 @@ class OmpBinding:
     thread has its own core (GNU and Intel OpenMP lists) or all share them (OMP_PLACES with one
     place)."""
 
-    cores: List[int]
+    cores: list[int]
     one_per_thread: bool
 
     @property
-    def model_cores(self) -> List[int]:
+    def model_cores(self) -> list[int]:
         """Where OpenMP's thread 0, the model's, belongs."""
         return self.cores[:1] if self.one_per_thread else self.cores
 
 
-def omp_binding(environ: Optional[Mapping[str, str]] = None) -> Optional[OmpBinding]:
+def omp_binding(environ: Mapping[str, str] | None = None) -> OmpBinding | None:
     """The binding vLLM set for the OpenMP runtime it found, chosen as vLLM chooses it (by the
     runtime in LD_PRELOAD): KMP_AFFINITY's proclist for Intel's, GOMP_CPU_AFFINITY for GNU's,
     OMP_PLACES (one place, OMP_PROC_BIND=true) otherwise; None when it bound nothing we can read."""
@@ -91,7 +91,7 @@ def omp_binding(environ: Optional[Mapping[str, str]] = None) -> Optional[OmpBind
     return None if cores is None else OmpBinding(cores, per_thread)
 
 
-def _move(cpus: List[int], why: str) -> bool:
+def _move(cpus: list[int], why: str) -> bool:
     try:
         os.sched_setaffinity(0, cpus)
     except (OSError, ValueError, OverflowError) as e:  # cores outside this process's cgroup: leave it as vLLM set it

@@ -11,7 +11,7 @@ Removed of a block it does not know are not sent (``skipped``)."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Set
+from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
 
@@ -22,21 +22,21 @@ from dynamo_flexkv.core.contract import Tier, TierRun
 class FlexKVEvents(KVConnectorKVEvents):
     """One step's events of one worker (vLLM merges the workers' ones)."""
 
-    def __init__(self, events: Optional[List[KVCacheEvent]] = None, num_workers: int = 1) -> None:
+    def __init__(self, events: list[KVCacheEvent] | None = None, num_workers: int = 1) -> None:
         self._agg = KVEventAggregator(num_workers)
         if events:
             self._agg.add_events(events)
 
-    def add_events(self, events: List[KVCacheEvent]) -> None:
+    def add_events(self, events: list[KVCacheEvent]) -> None:
         self._agg.add_events(events)
 
-    def aggregate(self) -> "FlexKVEvents":
+    def aggregate(self) -> FlexKVEvents:
         return self  # only rank 0 publishes: every event counts once
 
     def increment_workers(self, count: int = 1) -> None:
         self._agg.increment_workers(count)
 
-    def get_all_events(self) -> List[KVCacheEvent]:
+    def get_all_events(self) -> list[KVCacheEvent]:
         return self._agg.get_all_events()
 
     def get_number_of_workers(self) -> int:
@@ -50,20 +50,20 @@ class TierEventQueue:
     """IndexListener: queues the tiers' commits and removals as vLLM events (thread-safe: the
     transfer threads commit)."""
 
-    def __init__(self, block_size: int, group_idx: Optional[int] = None, kind: Optional[str] = None) -> None:
+    def __init__(self, block_size: int, group_idx: int | None = None, kind: str | None = None) -> None:
         self.block_size = block_size
         # A hybrid model's events are its main group's (hybrid.py): named so, as vLLM names its own,
         # for Dynamo's router, which reads the main attention group only.
         self.group_idx, self.kind = group_idx, kind
         self._lock = threading.Lock()
-        self._events: List[KVCacheEvent] = []
-        self._known: Dict[Optional[str], Set[Any]] = {}  # medium (MEDIUM's) -> blocks announced and not removed
+        self._events: list[KVCacheEvent] = []
+        self._known: dict[str | None, set[Any]] = {}  # medium (MEDIUM's) -> blocks announced and not removed
         # Our sequence hash -> vLLM's external hash of the same block (alias()): the router must see
         # one name per block across tiers. Blocks without one (re-adopted after a restart) keep ours.
-        self._alias: Dict[int, Any] = {}
+        self._alias: dict[int, Any] = {}
         self.skipped = 0
 
-    def alias(self, ours: List[int], vllm_hashes: List[Any]) -> None:
+    def alias(self, ours: list[int], vllm_hashes: list[Any]) -> None:
         """Names blocks ``ours`` (our sequence hashes) by vLLM's hashes in later events."""
         if len(ours) != len(vllm_hashes):
             return
@@ -104,7 +104,7 @@ class TierEventQueue:
                 )
             )
 
-    def on_removed(self, tier: Tier, hashes: List[int]) -> None:
+    def on_removed(self, tier: Tier, hashes: list[int]) -> None:
         medium = MEDIUM[tier]
         with self._lock:
             known = self._known.setdefault(medium, set())
@@ -127,7 +127,7 @@ class TierEventQueue:
         with self._lock:
             return len(self._known.get(MEDIUM[tier], ()))
 
-    def take(self) -> Optional[FlexKVEvents]:
+    def take(self) -> FlexKVEvents | None:
         with self._lock:
             events, self._events = self._events, []
         return FlexKVEvents(events) if events else None

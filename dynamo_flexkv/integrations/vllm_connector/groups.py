@@ -15,8 +15,9 @@ attention state, chunked local attention, encoder-decoder cross attention, and a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any
 
 FULL = ("full_attention", "mla_attention")
 WINDOW = ("sliding_window",)
@@ -28,7 +29,7 @@ class KVGroup:
     kind: str  # vLLM's KVCacheSpecKind value
     block_size: int
     window: int  # sliding window in tokens; 0 for full attention
-    layer_names: Tuple[str, ...]
+    layer_names: tuple[str, ...]
 
     @property
     def sliding(self) -> bool:
@@ -42,7 +43,7 @@ class KVGroup:
         return -(-(self.window - 1) // self.block_size) if self.sliding else 0
 
 
-def read_groups(kv_cache_config: Any) -> List[KVGroup]:
+def read_groups(kv_cache_config: Any) -> list[KVGroup]:
     """vLLM's KV cache groups (vllm.v1.kv_cache_interface.KVCacheConfig); a clear error for a
     group the connector cannot offload. No config (vLLM's scheduler before 0.11): one full group."""
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window

@@ -26,8 +26,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +75,7 @@ def _owner_stamps(tags: np.ndarray) -> np.ndarray:
     return (tags * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0xC2B2AE3D27D4EB4F)) | np.uint64(1)
 
 
-def _content_tags(hashes: Union[np.ndarray, Sequence[int]]) -> np.ndarray:
+def _content_tags(hashes: np.ndarray | Sequence[int]) -> np.ndarray:
     """What each block's digest is mixed with: the sequence hash of the prompt up to and including
     the block (core/hashing.py: token ids, block size, adapter and salt, chained), which both roles
     compute from the prompt. A block's digest then says which prefix it holds the KV of: a block
@@ -89,13 +90,13 @@ class SourceInfo:
 
     agent: str
     metadata: str  # packed NIXL agent metadata (disagg/params.pack_metadata)
-    layer_addrs: List[int]
+    layer_addrs: list[int]
     block_bytes: int
     num_blocks: int
     mem: str
     dev: int
     digest_addr: int
-    block_shape: List[int]  # one block of one layer, e.g. [kv_heads, block_size, 2*head_size]
+    block_shape: list[int]  # one block of one layer, e.g. [kv_heads, block_size, 2*head_size]
     dtype: str  # torch dtype of the KV, e.g. "torch.bfloat16"
     verify: str = Verify.BYTES  # what the digest table holds (Verify)
 
@@ -105,14 +106,14 @@ class VllmHandover(SourceInfo):
     """One request's handover, as the decode worker gets it."""
 
     req: str = ""  # the prefill engine's request id (the release names it)
-    blocks: List[int] = ()  # type: ignore[assignment]  # prefill block of each full prompt block, in order
+    blocks: list[int] = ()  # type: ignore[assignment]  # prefill block of each full prompt block, in order
     lease_expires_unix: float = 0.0
 
-    def to_params(self) -> Dict[str, Any]:
+    def to_params(self) -> dict[str, Any]:
         return {KEY: dict(asdict(self), version=VERSION)}
 
     @classmethod
-    def from_params(cls, params: Optional[Mapping[str, Any]]) -> Optional["VllmHandover"]:
+    def from_params(cls, params: Mapping[str, Any] | None) -> VllmHandover | None:
         """None when ``params`` carries no handover of ours; HandoverRefused when it is malformed."""
         if not isinstance(params, Mapping) or params.get(KEY) is None:
             return None
@@ -174,14 +175,14 @@ def _field(name: str, d: Mapping[str, Any]) -> Any:
     raise KeyError(name)
 
 
-def source_file(engine_id: str, run_dir: Optional[str]) -> str:
+def source_file(engine_id: str, run_dir: str | None) -> str:
     """Where a prefill engine's worker leaves its SourceInfo for its scheduler (same machine)."""
     base = run_dir_or_default(run_dir)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id).lstrip(".")
     return os.path.join(base, f"flexkv-handover-{safe}.json")
 
 
-def read_source(engine_id: str, run_dir: Optional[str]) -> Optional[SourceInfo]:
+def read_source(engine_id: str, run_dir: str | None) -> SourceInfo | None:
     try:
         with open(source_file(engine_id, run_dir)) as f:
             d = json.load(f)
@@ -232,14 +233,14 @@ class Handover:
         assert digests is not None and landed is not None  # enable_digests() just made both tables
         self._table = digests.numpy().view(np.uint64)
         self._landed = landed.numpy().view(np.uint64)
-        self._holds: Dict[str, float] = {}  # request -> monotonic end of its lease
-        self._early: Dict[str, float] = {}  # released before its hold arrived -> when seen
+        self._holds: dict[str, float] = {}  # request -> monotonic end of its lease
+        self._early: dict[str, float] = {}  # released before its hold arrived -> when seen
         # request -> (its stamped blocks, the digests written, when): cleared when its hold ends
-        self._stamped: Dict[str, tuple] = {}
+        self._stamped: dict[str, tuple] = {}
         # (block, digest) -> requests that wrote it and whose hold has not ended (shared prefixes)
-        self._stampers: Dict[Tuple[int, int], int] = {}
-        self._done: Set[str] = set()
-        self._releases: List[VllmHandover] = []  # decode: read (or given up), not yet released
+        self._stampers: dict[tuple[int, int], int] = {}
+        self._done: set[str] = set()
+        self._releases: list[VllmHandover] = []  # decode: read (or given up), not yet released
         self._polled = 0.0
         self.released = self.expired = 0
         info = SourceInfo(
@@ -311,7 +312,7 @@ class Handover:
         left = lease_expires_unix - time.time()
         self._holds[req_id] = time.monotonic() + (min(max(0.0, left), MAX_HOLD_S) if math.isfinite(left) else 0.0)
 
-    def finished(self) -> Set[str]:
+    def finished(self) -> set[str]:
         """Requests whose blocks decode released, or whose lease ended, since the last call."""
         now = time.monotonic()
         # An engine holding blocks steps in a tight loop; asking NIXL for notices at every step
@@ -357,7 +358,7 @@ class Handover:
         first: int,
         local_blocks: Sequence[int],
         timeout: float,
-        hashes: Union[np.ndarray, Sequence[int]],
+        hashes: np.ndarray | Sequence[int],
     ) -> PullResult:
         """Reads prompt blocks [first, first + len(local_blocks)) of ``h`` into ``local_blocks``;
         ``hashes``: the sequence hash of each full block of decode's own prompt, from block 0.
@@ -427,7 +428,7 @@ class Handover:
         want = _owner_stamps(tags) if owner else tags
         want_b = want.tobytes()
         t0 = time.perf_counter()
-        bad: List[int] = []
+        bad: list[int] = []
         verify_s = [0.0]
 
         def verify(a: int, b: int) -> None:  # one chunk, while the next ones still move

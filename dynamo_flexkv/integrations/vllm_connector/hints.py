@@ -19,8 +19,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
 from dynamo_flexkv.core.errors import FlexKVError
 
@@ -45,7 +46,7 @@ class HintRefused(ValueError, FlexKVError):
 class HintTier:
     """The ``secondary_tiers`` entry that turns router hints on, checked."""
 
-    control_ports: Tuple[int, ...]
+    control_ports: tuple[int, ...]
     advertise_host: str
     bind_host: str
     lease_s: float = 2.0
@@ -70,7 +71,7 @@ _TIER_KEYS = {
 }
 
 
-def parse_secondary_tiers(value: Any) -> Optional[HintTier]:
+def parse_secondary_tiers(value: Any) -> HintTier | None:
     """``kv_connector_extra_config.secondary_tiers`` checked: None for an empty list, else the
     one router-hint tier; ValueError naming what is wrong otherwise."""
     where = "FlexKVConnector: kv_connector_extra_config secondary_tiers"
@@ -135,7 +136,7 @@ def router_hash(block_hash: Any) -> int:
     return int.from_bytes(bytes(block_hash), "big") & ((1 << 64) - 1)
 
 
-def fetch_hint(kv_hints: Any, request_hashes: Sequence[Any]) -> Optional[FetchHint]:
+def fetch_hint(kv_hints: Any, request_hashes: Sequence[Any]) -> FetchHint | None:
     """The ``kv.fetch`` hint of a request (vLLM's KvHintsEnvelope, or its JSON form), checked
     against the request's own vLLM block hashes; None when the request carries no hint.
     HintRefused (version, malformed, oversized, foreign) for one it cannot use."""
@@ -188,7 +189,7 @@ class HintCounters:
     pulled_tokens: int = 0
     pulled_bytes: int = 0
     pull_seconds: float = 0.0
-    failed: Dict[str, int] = field(default_factory=dict)  # reason -> hints that ended in a recompute
+    failed: dict[str, int] = field(default_factory=dict)  # reason -> hints that ended in a recompute
 
     def fail(self, reason: str) -> None:
         self.failed[reason] = self.failed.get(reason, 0) + 1
@@ -198,7 +199,7 @@ class WorkerHints:
     """A worker's half of router hints: its PeerSource on the advertised control port and its
     PeerReceiver, over one NIXL agent on its host tier (core/peer/)."""
 
-    def __init__(self, kv: Any, tier: HintTier, port: int, secret: Optional[bytes]) -> None:
+    def __init__(self, kv: Any, tier: HintTier, port: int, secret: bytes | None) -> None:
         from dynamo_flexkv.core.peer import PeerReceiver, PeerSource, SourceLimits, host_agent
 
         if not secret:
@@ -221,10 +222,10 @@ class WorkerHints:
         self,
         hint: FetchHint,
         token_ids: Sequence[int],
-        lora: Optional[str],
-        salt: Optional[str],
+        lora: str | None,
+        salt: str | None,
         bs: int,
-        prompt_tokens: Optional[int] = None,
+        prompt_tokens: int | None = None,
         local_blocks: int = 0,
     ) -> int:
         """Pulls the hinted blocks this worker lacks, unless the load policy predicts recomputing
@@ -257,10 +258,10 @@ class WorkerHints:
                 self.counters.fail(r.why)
         return r.blocks
 
-    def totals(self) -> Dict[str, float]:
+    def totals(self) -> dict[str, float]:
         """Running totals as the worker's step-stats keys (metrics.py)."""
         c, s = self.counters, self.source.stats
-        out: Dict[str, float] = {
+        out: dict[str, float] = {
             "hints_seen": c.seen,
             "hints_used": c.used,
             "hints_skipped": c.skipped,
@@ -274,7 +275,7 @@ class WorkerHints:
         out.update({f"peer_refused/{why}": n for why, n in s.refused.items()})
         return out
 
-    def gauges(self) -> Dict[str, float]:
+    def gauges(self) -> dict[str, float]:
         return {"gauge:peer_pinned_blocks": self.source.stats.pinned_blocks}
 
     def close(self) -> None:

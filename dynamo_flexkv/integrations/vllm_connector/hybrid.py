@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 from dynamo_flexkv.core.offload import EngineOffload
 from dynamo_flexkv.integrations.vllm_connector.groups import FULL, KVGroup
@@ -33,19 +33,19 @@ class GroupTiers:
     def __init__(self, groups: Sequence[KVGroup], main: EngineOffload, aux: EngineOffload, block_size: int) -> None:
         self.main, self.aux, self.bs = main, aux, block_size
         full = [g for g in groups if g.kind in FULL]
-        self.main_group: Optional[KVGroup] = full[0] if full else None
+        self.main_group: KVGroup | None = full[0] if full else None
         self.chains = full[1:]  # extra full-attention groups: chains of their own in aux
         self.windows = [g for g in groups if g.sliding]
-        self._ends: "collections.OrderedDict[int, None]" = collections.OrderedDict()  # anchors of stored windows
+        self._ends: collections.OrderedDict[int, None] = collections.OrderedDict()  # anchors of stored windows
         self.windows_skipped = 0  # finished requests whose window vLLM no longer held whole
 
     # ---- names ---------------------------------------------------------------------------------------
     @staticmethod
-    def _salt(salt: Optional[str], group: KVGroup, anchor: Optional[int] = None) -> str:
+    def _salt(salt: str | None, group: KVGroup, anchor: int | None = None) -> str:
         base = f"{salt or ''}|g{group.index}"
         return base if anchor is None else f"{base}|w{anchor & 0xFFFFFFFFFFFFFFFF:016x}"
 
-    def anchors(self, tokens: Sequence[int], lora: Optional[str], salt: Optional[str]) -> List[int]:
+    def anchors(self, tokens: Sequence[int], lora: str | None, salt: str | None) -> list[int]:
         """The chain hash of each full block of ``tokens``: what names the prefix a window ends."""
         return (self.main if self.main_group is not None else self.aux).block_hashes(
             tokens, lora_name=lora, cache_salt=salt
@@ -56,7 +56,7 @@ class GroupTiers:
 
     # ---- lookup --------------------------------------------------------------------------------------
     def cached_tokens(
-        self, tokens: Sequence[int], lora: Optional[str], salt: Optional[str], prompt_tokens: int, local_blocks: int
+        self, tokens: Sequence[int], lora: str | None, salt: str | None, prompt_tokens: int, local_blocks: int
     ) -> int:
         """End of the prefix every group can load, in tokens (0: nothing beyond vLLM's own blocks)."""
         bs = self.bs
@@ -91,7 +91,7 @@ class GroupTiers:
         return 0
 
     def _window_cached(
-        self, tokens: Sequence[int], anchor: int, p: int, g: KVGroup, lora: Optional[str], salt: Optional[str]
+        self, tokens: Sequence[int], anchor: int, p: int, g: KVGroup, lora: str | None, salt: str | None
     ) -> bool:
         w = self._window(p, g)
         part = tokens[w.start * self.bs : p * self.bs]
@@ -101,11 +101,11 @@ class GroupTiers:
     def store(
         self,
         tokens: Sequence[int],
-        groups: Dict[int, List[int]],
+        groups: dict[int, list[int]],
         key: str,
-        lora: Optional[str],
-        salt: Optional[str],
-        names: Optional[Sequence[int]],
+        lora: str | None,
+        salt: str | None,
+        names: Sequence[int] | None,
     ) -> int:
         """Stores a finished request's full blocks (``tokens``: whole blocks); returns the stores
         started (each hands ``key`` back from finished_holds). A part that a tier fault kept from
@@ -148,11 +148,11 @@ class GroupTiers:
     def load(
         self,
         tokens: Sequence[int],
-        groups: Dict[int, List[int]],
+        groups: dict[int, list[int]],
         local_blocks: int,
-        lora: Optional[str],
-        salt: Optional[str],
-    ) -> Optional[List[tuple]]:
+        lora: str | None,
+        salt: str | None,
+    ) -> list[tuple] | None:
         """Starts loading blocks [local_blocks, P) of every group, P = len(tokens) // block size:
         (offload, task) per load started; None when a group's part is not there whole (then
         nothing is loaded: the request is computed)."""
@@ -173,7 +173,7 @@ class GroupTiers:
                 log.warning("FlexKVConnector: group %d has no block for part of the window before block %d", g.index, p)
                 return None
             parts.append((self.aux, tokens[w.start * bs : p * bs], ids, skip, self._salt(salt, g, anchor)))
-        started: List[tuple] = []
+        started: list[tuple] = []
 
         def cancel() -> None:
             for o, t in started:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,11 +35,11 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 class VllmKV:
     model: ModelSpec
     layout: KVLayoutType
-    tensors: List[torch.Tensor]  # views in the layout KVManager expects, one per layer, in layer order
-    layer_names: List[str]  # vLLM's layer name of each
+    tensors: list[torch.Tensor]  # views in the layout KVManager expects, one per layer, in layer order
+    layer_names: list[str]  # vLLM's layer name of each
     layout_tag: str  # what makes these bytes incompatible with another engine's (fingerprint)
 
-    def layer_index(self, kv_caches: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, int]:
+    def layer_index(self, kv_caches: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
         """vLLM's layer name -> the index of its tensor here (every layer sharing a tensor: its index)."""
         out = {name: i for i, name in enumerate(self.layer_names)}
         if kv_caches:
@@ -49,15 +48,15 @@ class VllmKV:
         return out
 
 
-def _layer_order(names: List[str]) -> List[str]:
-    def key(name: str) -> Tuple[int, str]:
+def _layer_order(names: list[str]) -> list[str]:
+    def key(name: str) -> tuple[int, str]:
         m = _LAYER_INDEX.findall(name)
         return (int(m[0]) if m else 1 << 30, name)
 
     return sorted(names, key=key)
 
 
-def _unique_storage(kv_caches: Dict[str, torch.Tensor], names: List[str]) -> List[str]:
+def _unique_storage(kv_caches: dict[str, torch.Tensor], names: list[str]) -> list[str]:
     """The first layer of each tensor: a hybrid model's KV cache groups pack one layer of each
     group into the same tensor (a block id belongs to one group at a time), so copying a block of
     each distinct tensor moves a block of any group."""
@@ -71,7 +70,7 @@ def _unique_storage(kv_caches: Dict[str, torch.Tensor], names: List[str]) -> Lis
     return out
 
 
-def describe(kv_caches: Dict[str, torch.Tensor], num_blocks: int, block_size: int, latent: bool = False) -> VllmKV:
+def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, latent: bool = False) -> VllmKV:
     """Checks vLLM's tensors and returns them as KVManager views; the errors name what differs.
     ``latent``: MLA, one latent vector per token (K and V together), not two halves."""
     if not kv_caches:

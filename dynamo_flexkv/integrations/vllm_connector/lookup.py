@@ -22,7 +22,7 @@ import queue
 import struct
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 # the blocks beyond vLLM's with recomputing them, in a prompt that long)
 # A router hint rides along as (source endpoint, leading blocks it names, why unusable or ""), or
 # None (hints.py): the worker pulls what it lacks of those blocks before it answers.
-Hint = Optional[Tuple[str, int, str]]
-LookupFn = Callable[[np.ndarray, Optional[str], Optional[str], int, int, Hint], int]
+Hint = tuple[str, int, str] | None
+LookupFn = Callable[[np.ndarray, str | None, str | None, int, int, Hint], int]
 ResetFn = Callable[[], bool]  # drops what the tiers hold; False when it could not
 AdminFn = Callable[[bytes], bytes]  # an operator's cache request as JSON -> its answer as JSON
 RESET_SEQ = -1  # the sequence number of a reset request (lookups count up from 1)
@@ -51,7 +51,7 @@ class LookupServer:
     """Answers lookups on ``endpoint`` from a thread of its own until close()."""
 
     def __init__(
-        self, endpoint: str, lookup: LookupFn, reset: Optional[ResetFn] = None, admin: Optional[AdminFn] = None
+        self, endpoint: str, lookup: LookupFn, reset: ResetFn | None = None, admin: AdminFn | None = None
     ) -> None:
         self.endpoint, self._lookup, self._reset, self._admin = endpoint, lookup, reset, admin
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -64,7 +64,7 @@ class LookupServer:
         # their answers, and operators' (admin), come back through ``_done`` (the frames to send,
         # whether a lookup's) and a byte on the pipe wakes the socket's thread, the only one to send.
         self._pulls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flexkv-hint-pull")
-        self._done: "queue.SimpleQueue[Tuple[List[bytes], bool]]" = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[list[bytes], bool]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._thread = threading.Thread(target=self._serve, name="flexkv-lookup", daemon=True)
@@ -98,7 +98,7 @@ class LookupServer:
                 hint = (str(rest[0][0]), int(rest[0][1]), str(rest[0][2])) if rest and rest[0] else None
                 # the ids stay a uint32 array: the tiers hash it and the node client sends it as is
                 args = (np.frombuffer(tokens, dtype="<u4"), lora, salt, int(prompt_tokens), int(local_blocks), hint)
-            except Exception:  # noqa: BLE001 - a lookup that cannot be read is a miss
+            except Exception:  # a lookup that cannot be read is a miss
                 log.exception("flexkv lookup: a request that does not decode; answering 0 cached tokens")
                 self.failed += 1
                 args = None
@@ -113,7 +113,7 @@ class LookupServer:
     def _answer(self, args: tuple) -> int:
         try:
             return int(self._lookup(*args))
-        except Exception:  # noqa: BLE001 - a lookup that fails is a miss, the worker goes on
+        except Exception:  # a lookup that fails is a miss, the worker goes on
             log.exception("flexkv lookup failed; answering 0 cached tokens (the request is computed)")
             self.failed += 1
             return 0
@@ -121,7 +121,7 @@ class LookupServer:
     def _deferred(self, ident: bytes, seq: bytes, args: tuple) -> None:
         self._post([ident, seq, struct.pack("<q", self._answer(args))], lookup=True)
 
-    def _post(self, frames: List[bytes], lookup: bool) -> None:
+    def _post(self, frames: list[bytes], lookup: bool) -> None:
         """Hands an answer made on another thread to the socket's thread."""
         self._done.put((frames, lookup))
         try:
@@ -148,7 +148,7 @@ class LookupServer:
             return False
         try:
             return bool(self._reset())
-        except Exception:  # noqa: BLE001 - the scheduler hears "not reset", the worker goes on
+        except Exception:  # the scheduler hears "not reset", the worker goes on
             log.exception("flexkv: resetting the tiers failed")
             return False
 
@@ -158,7 +158,7 @@ class LookupServer:
         else:
             try:
                 answer = self._admin(body)
-            except Exception as e:  # noqa: BLE001 - the operator hears it, the worker goes on
+            except Exception as e:  # the operator hears it, the worker goes on
                 log.exception("flexkv: a cache request failed")
                 answer = msgspec.json.encode({"status": "error", "message": f"{type(e).__name__}: {e}"})
         self._post([ident, seq, answer], lookup=False)
@@ -182,7 +182,7 @@ class LookupClient:
     (``endpoints``: one per tensor-parallel rank). The answer is the smallest: a block counts as
     cached only when every rank holds its shard of it."""
 
-    def __init__(self, endpoints: Union[str, Sequence[str]], wait_s: float = 0.005, give_up_s: float = 2.0) -> None:
+    def __init__(self, endpoints: str | Sequence[str], wait_s: float = 0.005, give_up_s: float = 2.0) -> None:
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self.endpoint = self.endpoints[0]
         self.wait_s, self.give_up_s = wait_s, give_up_s
@@ -197,22 +197,22 @@ class LookupClient:
         for sock in self._socks:
             self._poller.register(sock, zmq.POLLIN)
         self._seq = 0
-        self._asked: Dict[str, Tuple[int, float]] = {}  # request id -> (seq, when asked)
-        self._by_seq: Dict[int, str] = {}
-        self._answers: Dict[str, Dict[int, int]] = {}  # request id -> rank -> its answer
-        self._reset_answers: Dict[int, int] = {}
+        self._asked: dict[str, tuple[int, float]] = {}  # request id -> (seq, when asked)
+        self._by_seq: dict[int, str] = {}
+        self._answers: dict[str, dict[int, int]] = {}  # request id -> rank -> its answer
+        self._reset_answers: dict[int, int] = {}
         self.timeouts = 0
 
     def query(
         self,
         req_id: str,
         tokens: Sequence[int],
-        lora: Optional[str] = None,
-        salt: Optional[str] = None,
-        prompt_tokens: Optional[int] = None,
+        lora: str | None = None,
+        salt: str | None = None,
+        prompt_tokens: int | None = None,
         local_blocks: int = 0,
         hint: Hint = None,
-    ) -> Optional[int]:
+    ) -> int | None:
         """End of ``tokens``' cached prefix to load, in tokens (``prompt_tokens``: the whole
         prompt's length, default one more than ``tokens``; ``local_blocks``: blocks vLLM holds
         already; ``hint``: a router hint, pulled from before the answer); None while an answer

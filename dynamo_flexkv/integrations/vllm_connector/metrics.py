@@ -69,7 +69,7 @@ PREFIX_TOKENS = "prefix_tokens"
 REMOVED = "removed_blocks"
 
 
-def prefix_token_totals(stats: Any) -> Dict[str, int]:
+def prefix_token_totals(stats: Any) -> dict[str, int]:
     """A worker's running totals of the load policy's decisions (KVManager.stats().prefix_tokens)
     as step-stats keys; the worker reports their deltas like every other counter."""
     return {f"{PREFIX_TOKENS}/{key}": n for key, n in getattr(stats, "prefix_tokens", {}).items()}
@@ -111,12 +111,12 @@ ALIASES: Dict[str, Tuple[bool, str, Optional[str], Dict[str, str]]] = {
 
 @dataclass
 class FlexKVStats(KVConnectorStats):
-    data: Dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.data = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "FlexKVStats":
+    def aggregate(self, other: KVConnectorStats) -> FlexKVStats:
         for k, v in other.data.items():
             if k.startswith("gauge:"):
                 self.data[k] = v  # the newest reading
@@ -124,7 +124,7 @@ class FlexKVStats(KVConnectorStats):
                 self.data[k] = self.data.get(k, 0) + v
         return self
 
-    def reduce(self) -> Dict[str, int | float]:
+    def reduce(self) -> dict[str, int | float]:
         return dict(self.data)
 
     def is_empty(self) -> bool:
@@ -135,9 +135,9 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
     def __init__(
         self,
         vllm_config: Any,
-        metric_types: Dict[type, type],
-        labelnames: List[str],
-        per_engine_labelvalues: Dict[int, List[object]],
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._children: Dict[str, List[Dict[int, Any]]] = {}  # data key -> its children (alias too)
@@ -207,7 +207,7 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
                 {idx: m.labels(*sourced, *values) for idx, sourced in self._sourced.items()}
             )
 
-    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in transfer_stats_data.items():
             if k.startswith(PREFIX_TOKENS + "/") and v and engine_idx in self.per_engine_labelvalues:
                 decision, tier, reason = k.split("/")[1:4]

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any
 
 from dynamo_flexkv.core.hashing import block_hashes
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # vLLM's types at the boundary (vllm_api.py checks the fields
 log = logging.getLogger(__name__)
 
 
-def _lora(request: "Request") -> Optional[str]:
+def _lora(request: Request) -> str | None:
     """The request's LoRA adapter as the tiers key it (its blocks' hashes take it as the adapter's
     name): name, path and, for a local directory, its files (settings.adapter_id), taken now. An
     adapter written over the old one at the same path and hot-swapped in under the same name gets
@@ -51,7 +52,7 @@ def _lora(request: "Request") -> Optional[str]:
     return adapter_id(lr.lora_name, lr.lora_path)
 
 
-def _lora_name(request: "Request") -> Optional[str]:
+def _lora_name(request: Request) -> str | None:
     """The request's LoRA adapter by name only: what names a handed-over prompt's blocks between a
     prefill and a decode worker of one request, which serve the same adapter at once, perhaps from
     copies at other paths or with other modification times (the files' digest would refuse every
@@ -60,7 +61,7 @@ def _lora_name(request: "Request") -> Optional[str]:
     return (lr.lora_name or None) if lr is not None else None
 
 
-def offloadable(request: "Request") -> bool:
+def offloadable(request: Request) -> bool:
     """Whether the request's KV is named by its token ids alone, which our block hashes cover.
     Not so for prompt embeddings (vLLM's token ids are then zeros: two prompts of one length would
     share blocks) or multimodal inputs (placeholder tokens stand for the images): such requests
@@ -69,7 +70,7 @@ def offloadable(request: "Request") -> bool:
     return request.prompt_embeds is None and not request.mm_features
 
 
-def _event_hashes(request: "Request", n: int) -> List[Any]:
+def _event_hashes(request: Request, n: int) -> list[Any]:
     """vLLM's external hashes of the request's first ``n`` blocks (what its device events carry)."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
@@ -85,36 +86,36 @@ class SchedulerSide:
         # request's first step (vLLM recomputes a multi-group request only as a whole: a failed
         # load must be reported per request, which only an asynchronous load can).
         self.hybrid = is_hybrid(settings.groups)
-        self._loading: Set[str] = set()  # loads run ahead whose end vLLM has not seen yet
+        self._loading: set[str] = set()  # loads run ahead whose end vLLM has not seen yet
         self._main = next((k for k, g in enumerate(settings.groups) if g.kind in FULL), 0)
         self.client = LookupClient(
             [lookup_endpoint(settings.engine_id, settings.run_dir, r) for r in range(settings.tp_size)],
             wait_s=settings.lookup_wait_ms / 1000.0,
             give_up_s=settings.lookup_give_up_s,
         )
-        self._hits: Dict[str, Tuple[int, int, Optional[VllmHandover]]] = {}  # request -> (vLLM's computed
+        self._hits: dict[str, tuple[int, int, VllmHandover | None]] = {}  # request -> (vLLM's computed
         # tokens, tokens we load, the handover they come from or None for the tiers)
-        self._prefills: Dict[str, Tuple[Any, List[int]]] = {}  # handover prefill side: request, its blocks so far
-        self._digests: List[Tuple[str, List[int], List[int]]] = []  # (request, block ids, their sequence hashes)
-        self._holds: List[Tuple[str, float]] = []
-        self._source: Optional[SourceInfo] = None
+        self._prefills: dict[str, tuple[Any, list[int]]] = {}  # handover prefill side: request, its blocks so far
+        self._digests: list[tuple[str, list[int], list[int]]] = []  # (request, block ids, their sequence hashes)
+        self._holds: list[tuple[str, float]] = []
+        self._source: SourceInfo | None = None
         self._source_read = False
         self.handovers_refused = 0
-        self._loads: List[LoadSpec] = []
-        self._saves: List[SaveSpec] = []
+        self._loads: list[LoadSpec] = []
+        self._saves: list[SaveSpec] = []
         # Plans built so far, and the step that first scheduled each running request: a save names
         # it, so the worker stores nothing computed before its weights changed (SaveSpec.first_step).
         self._step = 0
-        self._first_step: Dict[str, int] = {}
-        self._events: List[Any] = []
-        self._prompt_len: Dict[str, int] = {}  # scheduled request -> its prompt's length (0: no token ids)
+        self._first_step: dict[str, int] = {}
+        self._events: list[Any] = []
+        self._prompt_len: dict[str, int] = {}  # scheduled request -> its prompt's length (0: no token ids)
         # Waiting request -> the worker's answer (end of the prefix to load, in tokens): vLLM asks
         # again at every step a request waits, and one decision per request is what the cost
         # model counts; the answer is dropped once vLLM allocates the request (or it finishes).
-        self._answers: Dict[str, int] = {}
+        self._answers: dict[str, int] = {}
         self.lookups = self.hit_tokens = self.saved_requests = 0
 
-    def _handover_of(self, request: "Request") -> Optional[VllmHandover]:
+    def _handover_of(self, request: Request) -> VllmHandover | None:
         if not self.s.handover:
             return None
         try:
@@ -126,7 +127,7 @@ class SchedulerSide:
             )
             return None
 
-    def _hint_of(self, request: "Request") -> Optional[Tuple[str, int, str]]:
+    def _hint_of(self, request: Request) -> tuple[str, int, str] | None:
         """The request's router hint (hints.py) as the lookup carries it to the worker, which pulls
         and counts it; None without one or where hints are off."""
         if self.s.secondary_tiers is None or getattr(request, "kv_hints", None) is None:
@@ -138,7 +139,7 @@ class SchedulerSide:
             return ("", 0, e.reason)
         return None if hint is None else (hint.endpoint, hint.blocks, "")
 
-    def matched_tokens(self, request: "Request", num_computed: int) -> Tuple[Optional[int], bool]:
+    def matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         if num_computed % self.bs or not offloadable(request):
             return 0, False
         # Whole blocks, and at least one token left for vLLM to compute (it needs the logits).
@@ -175,7 +176,7 @@ class SchedulerSide:
         self._hits[request.request_id] = (num_computed, external, None)
         return external, self.hybrid
 
-    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._answers.pop(request.request_id, None)  # scheduled: a later wait (preemption) asks anew
         self._first_step.setdefault(request.request_id, self._step + 1)  # the plan built next
         params = request.kv_transfer_params
@@ -230,7 +231,7 @@ class SchedulerSide:
         )
         self.hit_tokens += external
 
-    def build_meta(self, scheduler_output: Optional["SchedulerOutput"] = None) -> FlexKVMetadata:
+    def build_meta(self, scheduler_output: SchedulerOutput | None = None) -> FlexKVMetadata:
         if self._prefills and scheduler_output is not None:
             self._plan_digests(scheduler_output)
         prefill = self._prefill_work(scheduler_output) if scheduler_output is not None else None
@@ -239,7 +240,7 @@ class SchedulerSide:
         self._loads, self._saves, self._digests, self._holds = [], [], [], []
         return meta
 
-    def _prefill_work(self, out: "SchedulerOutput") -> Optional[Tuple[int, int]]:
+    def _prefill_work(self, out: SchedulerOutput) -> tuple[int, int] | None:
         """(tokens, longest prompt) of a step in which every request computes prompt tokens; None
         when one of them decodes (its output tokens so far > 0) or has no token ids."""
         longest, timed = 0, True
@@ -254,7 +255,7 @@ class SchedulerSide:
         tokens = int(out.total_num_scheduled_tokens)
         return (tokens, longest) if timed and tokens > 0 and longest > 0 else None
 
-    def _plan_digests(self, out: "SchedulerOutput") -> None:
+    def _plan_digests(self, out: SchedulerOutput) -> None:
         """Follows the handover prefills' block ids through the step's output; a step that computes
         a prompt's last token has its full blocks digested by the worker right after its forward."""
         for new in out.scheduled_new_reqs:
@@ -285,19 +286,19 @@ class SchedulerSide:
                 ).sequence.tolist()
                 self._digests.append((rid, ids[:n], hashes))
 
-    def _group_ids(self, per_group: Any, n: int) -> Dict[int, List[int]]:
+    def _group_ids(self, per_group: Any, n: int) -> dict[int, list[int]]:
         """Each group's first ``n`` block ids (0 where vLLM holds none), by vLLM's group index."""
         return {g.index: list(per_group[k][:n]) for k, g in enumerate(self.s.groups)}
 
-    def request_finished_all(self, request: "Request", per_group: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished_all(self, request: Request, per_group: Any) -> tuple[bool, dict[str, Any] | None]:
         """A finished request's blocks of every group (vLLM's SupportsHMA call)."""
         if not self.hybrid:
             return self.request_finished(request, list(per_group[0]))
         return self.request_finished(request, list(per_group[self._main]), per_group)
 
     def request_finished(
-        self, request: "Request", block_ids: List[int], per_group: Any = None
-    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        self, request: Request, block_ids: list[int], per_group: Any = None
+    ) -> tuple[bool, dict[str, Any] | None]:
         self.client.forget(request.request_id)
         self._hits.pop(request.request_id, None)
         self._prompt_len.pop(request.request_id, None)
@@ -329,7 +330,7 @@ class SchedulerSide:
         self.saved_requests += 1
         return True, params  # vLLM frees the blocks once a worker lists the request as finished sending
 
-    def _end_during_load(self, rid: str) -> Tuple[bool, None]:
+    def _end_during_load(self, rid: str) -> tuple[bool, None]:
         """A request that ends before its load ran ahead: never sent, the load is dropped; sent,
         its blocks stay with vLLM until the load let go of them (the worker reports it then).
         Nothing is stored: its blocks may hold part of a load."""
@@ -345,14 +346,14 @@ class SchedulerSide:
         """vLLM's finished_recving: loads run ahead that ended (landed or failed)."""
         self._loading.difference_update(req_ids)
 
-    def _source_info(self) -> Optional[SourceInfo]:
+    def _source_info(self) -> SourceInfo | None:
         """This engine's worker agent (read once; a worker without one hands nothing over)."""
         if not self._source_read:
             self._source_read = True
             self._source = read_source(self.s.engine_id, self.s.run_dir)
         return self._source
 
-    def _hand_over(self, request: "Request", block_ids: List[int]) -> Optional[Dict[str, Any]]:
+    def _hand_over(self, request: Request, block_ids: list[int]) -> dict[str, Any] | None:
         """A finished prefill: its full prompt blocks (digested in their last step) held for decode."""
         self._prefills.pop(request.request_id, None)
         n = min(request.num_prompt_tokens, request.num_computed_tokens) // self.bs

@@ -7,8 +7,9 @@ import hashlib
 import math
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any
 
 from dynamo_flexkv.integrations.vllm_connector.groups import KVGroup, read_groups
 from dynamo_flexkv.integrations.vllm_connector.hints import HintTier, parse_secondary_tiers
@@ -21,14 +22,14 @@ DEFAULT_HANDOVER_ORPHAN_S = 600.0
 RUN_DIR_ENV = "FLEXKV_RUN_DIR"
 
 
-def run_dir_or_default(run_dir: Optional[str]) -> str:
+def run_dir_or_default(run_dir: str | None) -> str:
     """Where the connector's sockets and files live: the run_dir setting, else $FLEXKV_RUN_DIR,
     else the temp directory."""
     return run_dir or os.environ.get(RUN_DIR_ENV) or tempfile.gettempdir()
 
 
 # kv_connector_extra_config keys -> (field, type, default, what it does)
-EXTRA_KEYS: Dict[str, tuple] = {
+EXTRA_KEYS: dict[str, tuple] = {
     "layerwise": (bool, True, "load layer by layer, each attention layer waits only for its own layer"),
     "load": (bool, True, "load cached prefixes from the tiers"),
     "store": (bool, True, "store finished requests' computed blocks in the tiers"),
@@ -104,19 +105,19 @@ class ConnectorSettings:
     handover_lease_s: float = EXTRA_KEYS["handover_lease_s"][1]
     handover_orphan_s: float = EXTRA_KEYS["handover_orphan_s"][1]
     handover_verify: str = EXTRA_KEYS["handover_verify"][1]
-    run_dir: Optional[str] = EXTRA_KEYS["run_dir"][1]
+    run_dir: str | None = EXTRA_KEYS["run_dir"][1]
     request_log: bool = EXTRA_KEYS["request_log"][1]
     model_id: str = ""
-    mover_hook: Optional[str] = EXTRA_KEYS["mover_hook"][1]
+    mover_hook: str | None = EXTRA_KEYS["mover_hook"][1]
     tp_size: int = 1  # tensor-parallel ranks: each has its own worker, tiers (or node shard) and lookup socket
-    groups: Tuple[KVGroup, ...] = ()  # vLLM's KV cache groups (groups.py); () when vLLM gave no config
-    dp_rank: Optional[int] = None  # this engine's data-parallel rank, when it is one of several
+    groups: tuple[KVGroup, ...] = ()  # vLLM's KV cache groups (groups.py); () when vLLM gave no config
+    dp_rank: int | None = None  # this engine's data-parallel rank, when it is one of several
     max_model_len: int = 0
-    secondary_tiers: Optional[HintTier] = None  # router hints on (hints.py), else None
+    secondary_tiers: HintTier | None = None  # router hints on (hints.py), else None
     dp_rank_local: int = 0  # this engine's data-parallel rank on its node (its control port's index)
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> "ConnectorSettings":
+    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
         pc = vllm_config.parallel_config
         refuse_pipeline_parallel(int(pc.pipeline_parallel_size))
         kt = vllm_config.kv_transfer_config
@@ -166,7 +167,7 @@ def refuse_pipeline_parallel(size: int) -> None:
         )
 
 
-def checked_extra_config(extra: Mapping[str, Any]) -> Dict[str, Any]:
+def checked_extra_config(extra: Mapping[str, Any]) -> dict[str, Any]:
     """The kv_connector_extra_config values, each checked (the one check: the connector at start,
     serve before it starts a worker); the defaults for keys left out, None ones dropped. Raises
     ValueError naming the key and what it must be."""
@@ -176,7 +177,7 @@ def checked_extra_config(extra: Mapping[str, Any]) -> Dict[str, Any]:
             f"FlexKVConnector: unknown kv_connector_extra_config key(s) {unknown}; known: "
             + ", ".join(f"{k} ({v[2]})" for k, v in EXTRA_KEYS.items())
         )
-    values: Dict[str, Any] = {}
+    values: dict[str, Any] = {}
     for key, (typ, default, _) in EXTRA_KEYS.items():
         value = extra.get(key, default)
         if value is None:
@@ -246,7 +247,7 @@ WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 
 
-def files_digest(directory: str, endings: Tuple[str, ...] = WEIGHT_FILES) -> Optional[str]:
+def files_digest(directory: str, endings: tuple[str, ...] = WEIGHT_FILES) -> str | None:
     """16 hex digits naming the files under ``directory`` whose names end with one of ``endings``:
     their relative names, sizes and modification times (not their bytes: cheap enough to take per
     request, ~20 us for an adapter's two files). New files written over old ones at the same path
@@ -286,7 +287,7 @@ def default_model_id(vllm_config: Any) -> str:
     return "|".join(parts)
 
 
-def adapter_files_digest(path: str) -> Optional[str]:
+def adapter_files_digest(path: str) -> str | None:
     """16 hex digits naming the adapter files vLLM reads at the top of ``path`` (ADAPTER_FILES):
     size, modification and change times and inode of each, so files written over the old ones (even
     with their sizes and modification times restored, as ``cp -p`` does) give another digest; a few

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -31,9 +31,9 @@ class PrefillStep:
 class StepClock:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda and torch.cuda.is_available()
-        self._began: Optional[Any] = None  # perf_counter or a recorded CUDA event
-        self._pending: Deque[Tuple[Any, Any, Tuple[int, int]]] = deque(maxlen=MAX_PENDING)
-        self._done: List[PrefillStep] = []
+        self._began: Any | None = None  # perf_counter or a recorded CUDA event
+        self._pending: deque[tuple[Any, Any, tuple[int, int]]] = deque(maxlen=MAX_PENDING)
+        self._done: list[PrefillStep] = []
 
     def begin(self) -> None:
         """The step's forward is about to start."""
@@ -43,7 +43,7 @@ class StepClock:
         else:
             self._began = time.perf_counter()
 
-    def end(self, work: Optional[Tuple[int, int]]) -> None:
+    def end(self, work: tuple[int, int] | None) -> None:
         """The forward ended (CPU) or was queued (GPU). ``work``: (prompt tokens, longest prompt)
         of a step that only prefilled and loaded nothing; None for any other step."""
         began, self._began = self._began, None
@@ -56,7 +56,7 @@ class StepClock:
         else:
             self._done.append(PrefillStep(work[0], work[1], time.perf_counter() - began))
 
-    def take(self) -> List[PrefillStep]:
+    def take(self) -> list[PrefillStep]:
         """The timed steps not taken yet (on a GPU, those the GPU finished)."""
         while self._pending and self._pending[0][1].query():
             began, ended, work = self._pending.popleft()

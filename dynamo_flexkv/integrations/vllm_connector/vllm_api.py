@@ -6,7 +6,7 @@ differs fails here, naming what it lacks. Pinned: vLLM 0.31."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Set, Tuple
+from collections.abc import Iterable
 
 PINNED = "0.31"
 
@@ -26,7 +26,7 @@ REQUEST = (
     "num_tokens",
 )
 # Dataclass fields: (module, class) -> fields.
-FIELDS: Dict[Tuple[str, str], Tuple[str, ...]] = {
+FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
     ("vllm.v1.core.sched.output", "SchedulerOutput"): (
         "scheduled_new_reqs",
         "scheduled_cached_reqs",
@@ -51,7 +51,7 @@ FIELDS: Dict[Tuple[str, str], Tuple[str, ...]] = {
 }
 
 
-def _missing_fields(module: str, name: str, fields: Iterable[str]) -> List[str]:
+def _missing_fields(module: str, name: str, fields: Iterable[str]) -> list[str]:
     import importlib
 
     cls = getattr(importlib.import_module(module), name, None)
@@ -62,14 +62,14 @@ def _missing_fields(module: str, name: str, fields: Iterable[str]) -> List[str]:
     return [f"{name}.{f}" for f in fields if f not in have]
 
 
-def _instance_attributes(cls: type) -> Set[str]:
+def _instance_attributes(cls: type) -> set[str]:
     """Names a class and its bases assign on ``self`` (``self.x = ...``, ``self.x: T = ...``), read
     from their source's syntax tree (comments, strings and comparisons do not count)."""
     import ast
     import inspect
     import textwrap
 
-    names: Set[str] = set()
+    names: set[str] = set()
     for klass in cls.__mro__[:-1]:
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
@@ -88,7 +88,7 @@ def _instance_attributes(cls: type) -> Set[str]:
     return names
 
 
-def missing() -> List[str]:
+def missing() -> list[str]:
     """What the installed vLLM lacks of what the connector reads ([] on the pinned one)."""
     from vllm.v1.request import Request
 

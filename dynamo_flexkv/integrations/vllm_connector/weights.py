@@ -51,9 +51,10 @@ import functools
 import logging
 import sys
 import threading
-from types import FrameType
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from types import FrameType
+from typing import Any
 
 from dynamo_flexkv.integrations.vllm_connector.settings import adapter_files_digest, adapter_id
 
@@ -83,17 +84,17 @@ class WeightWatch:
     ``on_change(version)`` is called in the thread that ran the update, after it, once per
     outermost update; the watch is thread-safe to read (``version()``) from the lookup thread."""
 
-    def __init__(self, model_id_of: Optional[Callable[[Any], str]] = None) -> None:
+    def __init__(self, model_id_of: Callable[[Any], str] | None = None) -> None:
         self.nonce = ""  # engine and launch (nonce_of): keeps the "update:..." versions of two engines apart
         self._model_id_of = model_id_of  # the runner's vllm_config -> the id of the weights now loaded
         self._version = ""
         self._updates = 0
         self._depth = 0
-        self._listeners: List[OnChange] = []
-        self._adapters: Dict[str, str] = {}  # LoRA name -> adapter_id of the adapter last loaded under it
+        self._listeners: list[OnChange] = []
+        self._adapters: dict[str, str] = {}  # LoRA name -> adapter_id of the adapter last loaded under it
         self._lock = threading.Lock()
         self.attached = False
-        self.changes: List[WeightChange] = []
+        self.changes: list[WeightChange] = []
 
     def version(self) -> str:
         with self._lock:
@@ -127,7 +128,7 @@ class WeightWatch:
         """Finds the model runner among the callers of this frame (vLLM calls register_kv_caches from
         the runner's initialize_kv_cache) and attaches to it. False, with a warning, where none is
         found: then no update is noticed."""
-        frame: Optional[FrameType] = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         for _ in range(MAX_CALLER_FRAMES):
             if frame is None:
                 break
@@ -214,7 +215,7 @@ class WeightWatch:
         for listener in self._listeners:
             try:
                 listener(version)
-            except Exception:  # noqa: BLE001 - never fail the user's update; readers compare version()
+            except Exception:  # never fail the user's update; readers compare version()
                 log.exception("FlexKVConnector: acting on the weight change failed; retried at the next lookup")
 
     def _next_version(self, method: str, runner: Any, failed: bool, args: tuple, kwargs: dict) -> str:
@@ -227,7 +228,7 @@ class WeightWatch:
         if from_dir and self._model_id_of is not None:
             try:
                 return "model:" + self._model_id_of(runner.vllm_config)
-            except Exception:  # noqa: BLE001 - no id of the directory: a version of this engine's own
+            except Exception:  # no id of the directory: a version of this engine's own
                 log.exception("FlexKVConnector: naming the reloaded weights failed")
         return f"update:{self.nonce}:{n}"
 

@@ -19,22 +19,22 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any
 
 import msgspec
 import torch
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.errors import FlexKVError
-from dynamo_flexkv.core.inventory import BadCacheRequest, parse_request, to_builtins
 from dynamo_flexkv.core.hashing import block_hashes
+from dynamo_flexkv.core.inventory import BadCacheRequest, parse_request, to_builtins
 from dynamo_flexkv.core.offload import EngineOffload, open_offload
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskFailed
 from dynamo_flexkv.integrations.request_log import RequestLog
 from dynamo_flexkv.integrations.vllm_connector.events import FlexKVEvents, TierEventQueue
-from dynamo_flexkv.integrations.vllm_connector.handover import Handover
 from dynamo_flexkv.integrations.vllm_connector.groups import FULL, aux_share, is_hybrid, latent
+from dynamo_flexkv.integrations.vllm_connector.handover import Handover
 from dynamo_flexkv.integrations.vllm_connector.hints import FetchHint, WorkerHints
 from dynamo_flexkv.integrations.vllm_connector.hybrid import GroupTiers
 from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
@@ -66,7 +66,7 @@ class _Load:
     tid: int
     spec: LoadSpec
     planned_blocks: int
-    by_tier: Dict[str, int]
+    by_tier: dict[str, int]
     failed: bool = False
 
 
@@ -76,21 +76,21 @@ class TransferRecord:
 
     kind: str  # "load", "store" or "handover" (a read from a prefill worker)
     req_id: str
-    block_ids: List[int]  # load/handover: the blocks it filled; store: the blocks it copied out
+    block_ids: list[int]  # load/handover: the blocks it filled; store: the blocks it copied out
     ok: bool
     seconds: float = 0.0  # handover: read and verify
     nbytes: int = 0  # handover: bytes read
     verify_seconds: float = 0.0  # handover: of ``seconds``, hashing what landed
     # A hybrid model's load or store: each group's block ids by block position (from the request's
     # first block), 0 where it has none
-    groups: Dict[int, List[int]] = field(default_factory=dict)
+    groups: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
 class LoadCounters:
     """Tokens this worker loaded, by tier, and tokens it had to hand back for recompute."""
 
-    loaded: Dict[str, int]
+    loaded: dict[str, int]
     recomputed: int = 0
     failed_loads: int = 0
     handover_tokens: int = 0  # read from a prefill worker (handover.py), not computed here
@@ -111,35 +111,35 @@ VLLM_DEVICE = (
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, tp_rank: int, tp_size: int) -> None:
         self.settings, self.tp_rank, self.tp_size = settings, tp_rank, tp_size
-        self.offload: Optional[EngineOffload] = None
-        self.events: Optional[TierEventQueue] = None
-        self.server: Optional[LookupServer] = None
-        self.handover: Optional[Handover] = None
-        self.hints: Optional[WorkerHints] = None  # router hints (hints.py), when secondary_tiers turns them on
-        self._digest_after: List[Any] = []  # (request, blocks) to digest once this step's forward ends
-        self._layer: Dict[str, int] = {}
-        self._loads: Dict[str, _Load] = {}
-        self._errors: Set[int] = set()
-        self._saving: Dict[str, int] = {}  # request -> store tasks still holding its blocks
-        self._saved: Set[str] = set()  # stores done, waiting for vLLM to list the request as finished
-        self._finished_seen: Set[str] = set()
+        self.offload: EngineOffload | None = None
+        self.events: TierEventQueue | None = None
+        self.server: LookupServer | None = None
+        self.handover: Handover | None = None
+        self.hints: WorkerHints | None = None  # router hints (hints.py), when secondary_tiers turns them on
+        self._digest_after: list[Any] = []  # (request, blocks) to digest once this step's forward ends
+        self._layer: dict[str, int] = {}
+        self._loads: dict[str, _Load] = {}
+        self._errors: set[int] = set()
+        self._saving: dict[str, int] = {}  # request -> store tasks still holding its blocks
+        self._saved: set[str] = set()  # stores done, waiting for vLLM to list the request as finished
+        self._finished_seen: set[str] = set()
         self.counters = LoadCounters(loaded={})
-        self.transfer_log: Deque[TransferRecord] = collections.deque(maxlen=1024)  # newest last
+        self.transfer_log: collections.deque[TransferRecord] = collections.deque(maxlen=1024)  # newest last
         self.stored_tokens = 0
-        self._reported: Dict[str, float] = {}  # counter totals already sent as deltas
+        self._reported: dict[str, float] = {}  # counter totals already sent as deltas
         self._gauges_at = 0.0
-        self.clock: Optional[StepClock] = None
+        self.clock: StepClock | None = None
         # request_log (rank 0): each lookup's decision and each load's outcome, for the replay
-        self.request_log: Optional[RequestLog] = None
+        self.request_log: RequestLog | None = None
         self._stores = True  # False on the ranks whose replicated KV another rank stores
         # A hybrid model's other KV cache groups (hybrid.py), and its loads, which run ahead of
         # the request's first step: request -> (spec, (offload, task) per part).
-        self.aux: Optional[EngineOffload] = None
-        self.tiers: Optional[GroupTiers] = None
-        self._ahead: Dict[str, Tuple[LoadSpec, List[Tuple[EngineOffload, int]], Dict[str, int]]] = {}
-        self._ahead_failed: Set[str] = set()
-        self._stored_groups: Dict[str, Dict[int, List[int]]] = {}  # for the store's TransferRecord
-        self._release_after_load: Set[str] = set()
+        self.aux: EngineOffload | None = None
+        self.tiers: GroupTiers | None = None
+        self._ahead: dict[str, tuple[LoadSpec, list[tuple[EngineOffload, int]], dict[str, int]]] = {}
+        self._ahead_failed: set[str] = set()
+        self._stored_groups: dict[str, dict[int, list[int]]] = {}  # for the store's TransferRecord
+        self._release_after_load: set[str] = set()
         # The weights the tiers were told of (weights.py): "" is the weights the worker started with.
         self.weights = WeightWatch(default_model_id)
         self._weights_told = ""
@@ -151,7 +151,7 @@ class WorkerSide:
         self.stale_saves = 0  # saves dropped for it
 
     # ---- setup -----------------------------------------------------------------------------------
-    def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         mla = latent(self.settings.groups)
         desc = describe(kv_caches, self.settings.num_blocks, self.settings.block_size, latent=mla)
         cache = CacheConfig.load().replace(
@@ -318,7 +318,7 @@ class WorkerSide:
         )
 
     def _lookup(
-        self, tokens, lora: Optional[str], salt: Optional[str], prompt_tokens: int, local_blocks: int, hint=None
+        self, tokens, lora: str | None, salt: str | None, prompt_tokens: int, local_blocks: int, hint=None
     ) -> int:
         if not self._weights_current():  # KV of other weights: a miss until the tiers heard of the change
             return 0
@@ -350,7 +350,7 @@ class WorkerSide:
         self.request_log.lookup(tokens, prompt_tokens, local_blocks * self.settings.block_size, answer, decision)
         return answer
 
-    def _log_load(self, spec: LoadSpec, planned_blocks: int, by_tier: Dict[str, int], ok: bool) -> None:
+    def _log_load(self, spec: LoadSpec, planned_blocks: int, by_tier: dict[str, int], ok: bool) -> None:
         if self.request_log is not None and spec.log_key is not None:
             bs = self.settings.block_size
             self.request_log.load(spec.log_key, spec.req_id, spec.skip_blocks * bs, planned_blocks * bs, by_tier, ok)
@@ -407,7 +407,7 @@ class WorkerSide:
                     self._saving[save.req_id] = self._saving.get(save.req_id, 0) + started
                 else:
                     self._saved.add(save.req_id)
-            except Exception:  # noqa: BLE001 - a store that cannot start frees its blocks at once
+            except Exception:  # a store that cannot start frees its blocks at once
                 log.exception("FlexKVConnector: storing request %s failed; its blocks are released", save.req_id)
                 self._saved.add(save.req_id)
         if self.handover is not None:
@@ -424,7 +424,7 @@ class WorkerSide:
             for ld in self._loads.values():  # bulk: the whole load lands before the forward
                 self._wait(ld, None)
 
-    def _alias(self, tokens, event_hashes, lora: Optional[str], salt: Optional[str]) -> None:
+    def _alias(self, tokens, event_hashes, lora: str | None, salt: str | None) -> None:
         """Our tier events name these blocks as vLLM's device events do."""
         if self.events is not None and event_hashes:
             hashes = self._registered("alias").block_hashes(tokens, lora_name=lora, cache_salt=salt)
@@ -474,7 +474,7 @@ class WorkerSide:
         off, tid = parts[0]  # the main group's (or the first part's) tiers say where the prefix came from
         self._ahead[spec.req_id] = (spec, parts, off.planned_tokens_by_tier(tid))
 
-    def finished_loads(self) -> Tuple[Set[str], Set[str]]:
+    def finished_loads(self) -> tuple[set[str], set[str]]:
         """Loads run ahead (hybrid models) that ended since the last call: (every part landed,
         some part failed). A failed one is computed from its first token by vLLM."""
         done, failed = set(), self._ahead_failed
@@ -537,7 +537,7 @@ class WorkerSide:
         for ld in self._loads.values():
             self._wait(ld, layer)
 
-    def _wait(self, ld: _Load, layer: Optional[int]) -> None:
+    def _wait(self, ld: _Load, layer: int | None) -> None:
         """Waits for one layer of a load (None: every layer)."""
         if ld.failed:
             return
@@ -561,7 +561,7 @@ class WorkerSide:
         if self.clock is not None:
             self.clock.begin()
 
-    def end_step(self, meta: Optional[FlexKVMetadata] = None) -> None:
+    def end_step(self, meta: FlexKVMetadata | None = None) -> None:
         """Collects this step's loads: after this no copy writes vLLM's blocks. Digests the
         handover blocks whose last bytes this step's forward wrote. Times a step that only
         prefilled and loaded nothing, for the cost model."""
@@ -594,11 +594,11 @@ class WorkerSide:
             self._log_load(spec, ld.planned_blocks, ld.by_tier, not ld.failed)
         self._loads.clear()
 
-    def take_load_errors(self) -> Set[int]:
+    def take_load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
         return out
 
-    def finished_saves(self, finished_req_ids: Set[str]) -> Set[str]:
+    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose stored blocks vLLM may free now. vLLM accepts only ids it already listed
         as finished, so a store that ends earlier waits for that."""
         if self.handover is not None:
@@ -634,21 +634,21 @@ class WorkerSide:
             self._stored_groups.pop(rid, None)
         return done
 
-    def _offloads(self) -> List[EngineOffload]:
+    def _offloads(self) -> list[EngineOffload]:
         return [off for off in (self.offload, self.aux) if off is not None]
 
-    def take_events(self) -> Optional[FlexKVEvents]:
+    def take_events(self) -> FlexKVEvents | None:
         return self.events.take() if self.events is not None else None
 
-    def tier_files(self) -> List[str]:
+    def tier_files(self) -> list[str]:
         """The disk tier's data files this process owns (for operators and fault tests)."""
         return [f for off in self._offloads() for f in off.tier_files()]
 
-    def drain(self, timeout: Optional[float] = None) -> bool:
+    def drain(self, timeout: float | None = None) -> bool:
         """Waits for the stores' background writes (disk, remote); False if some still run."""
         return all([off.drain(timeout) for off in self._offloads()])
 
-    def stats(self) -> Optional[ManagerStats]:
+    def stats(self) -> ManagerStats | None:
         return self.offload.stats() if self.offload is not None else None
 
     def _registered(self, what: str) -> EngineOffload:
@@ -656,13 +656,13 @@ class WorkerSide:
             raise RuntimeError(f"{what}: this worker registered no KV caches yet (vLLM calls register_kv_caches first)")
         return self.offload
 
-    def evict_host(self, timeout: Optional[float] = None) -> int:
+    def evict_host(self, timeout: float | None = None) -> int:
         """Evicts every host block once the writes below finished (the disk and remote copies
         stay); returns how many went (a hybrid model's other groups' too)."""
         self._registered("evict_host")
         return sum(off.evict_host(timeout) for off in self._offloads())
 
-    def reset_tiers(self, timeout: Optional[float] = None) -> bool:
+    def reset_tiers(self, timeout: float | None = None) -> bool:
         """Drops every host and disk block once the writes finished; False when a remote tier,
         shared with other workers, keeps its copies."""
         self._registered("reset_tiers")
@@ -706,7 +706,7 @@ class WorkerSide:
                 report.prefixes += more.prefixes
                 report.cleared += more.cleared
             report.target = f"vLLM worker {self.settings.engine_id} rank {self.tp_rank} ({mode})"
-            answer: Dict[str, Any] = {"status": "ok", "report": to_builtins(report)}
+            answer: dict[str, Any] = {"status": "ok", "report": to_builtins(report)}
         except (ValueError, RuntimeError, FlexKVError) as e:
             answer = {"status": "error", "message": str(e)}
         out: bytes = msgspec.json.encode(answer)
@@ -734,7 +734,7 @@ class WorkerSide:
             return True
         try:
             return self._tell_weights(version)
-        except Exception:  # noqa: BLE001 - a miss now, told at the next lookup or load
+        except Exception:  # a miss now, told at the next lookup or load
             log.exception("FlexKVConnector: telling the tiers of the weight change failed; treated as a miss")
             return False
 
@@ -746,13 +746,13 @@ class WorkerSide:
                 self._weights_told = version
         return True
 
-    def step_stats(self) -> Dict[str, Any]:
+    def step_stats(self) -> dict[str, Any]:
         """Counter deltas since the last call, and the tiers' gauges at most once a second
         (vllm_connector/metrics.py names them)."""
         if self.offload is None:
             return {}
         c = self.counters
-        totals: Dict[str, float] = {
+        totals: dict[str, float] = {
             "recomputed_tokens": c.recomputed,
             "failed_loads": c.failed_loads,
             "tier_faults": self.offload.tier_faults,
