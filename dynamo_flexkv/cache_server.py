@@ -14,7 +14,8 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
 
@@ -274,7 +275,7 @@ class _Collector:
         yield from with_source(self._families(st), Source.NODE)
         yield from self._aliases(st)
 
-    def _families(self, st: Dict[str, Any]) -> Iterator[Any]:
+    def _families(self, st: dict[str, Any]) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         engines = GaugeMetricFamily("flexkv_node_engines", "Engines (ranks) attached now")
@@ -337,7 +338,7 @@ class _Collector:
         yield t_quota
 
     @staticmethod
-    def _aliases(st: Dict[str, Any]) -> Iterator[Any]:
+    def _aliases(st: dict[str, Any]) -> Iterator[Any]:
         """The names before the one schema, unchanged in shape (deprecated: removed in the next release)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -364,7 +365,7 @@ class _Collector:
         yield from (used, cap, hits, removed)
 
 
-def _tiers(st: Dict[str, Any]) -> Iterator[Tuple[str, str, Dict[str, Any]]]:
+def _tiers(st: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """(model, tier, that tier's stats) of every namespace's host and disk tiers."""
     for ns in st["namespaces"]:
         for tier in ("host", "disk"):

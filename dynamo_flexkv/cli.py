@@ -217,7 +217,7 @@ def _plan(args: argparse.Namespace, run_dir: str, **kw):
     return build_plan(load_graph(resolve(GRAPHS, args.graph)), config, run_dir=Path(run_dir), source=source, **kw)
 
 
-def _run_dir(path: str) -> Optional[str]:
+def _run_dir(path: str) -> str | None:
     """serve --run-dir, checked before serve starts anything: made owner-only (0700) if missing, or an
     existing directory of this user's that others cannot write to. Returns the topmost directory it
     made (removed again if the start is refused), None if it existed. GraphError naming the flag and

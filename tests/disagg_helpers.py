@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 from served import ROOT
 
-from dynamo_flexkv.serve import load_graph
 from dynamo_flexkv.core.http_client import http_json
+from dynamo_flexkv.serve import load_graph
 from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.plan import apply_overrides, build_plan, load_config
 

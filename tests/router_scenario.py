@@ -27,11 +27,8 @@ from dynamo._core import (
 )
 
 from dynamo_flexkv import CacheConfig, KVManager
-from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, SamplingParams
-from dynamo_flexkv.core.offload import EmbeddedOffload
-from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents
 from dynamo_flexkv.core.index import Tier
+from dynamo_flexkv.core.offload import EmbeddedOffload
 from dynamo_flexkv.core.sysutil import free_port
 from dynamo_flexkv.integrations.dynamo_worker.model_dir import write_model_dir
 from dynamo_flexkv.integrations.events import KvEventRelay, OffloadEvents

@@ -14,13 +14,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 from sse import DONE, sse_data
 
+from dynamo_flexkv.core.http_client import http_json, samples, scrape, sums_by, total
 from dynamo_flexkv.core.procgroup import members
 from dynamo_flexkv.serve import load_graph
-from dynamo_flexkv.core.http_client import http_json, samples, scrape, sums_by, total  # noqa: F401 (served.scrape, ...)
 from dynamo_flexkv.serve.launcher import Launcher
 from dynamo_flexkv.serve.plan import LaunchPlan, RestartPolicy, apply_overrides, build_plan, load_config
 
@@ -100,7 +100,7 @@ def metric(port: int, name: str, **labels) -> float:
     return found[0]
 
 
-def published_events(worker_metrics: List[str]) -> float:
+def published_events(worker_metrics: list[str]) -> float:
     """KV events the workers published (each worker's counter, from its current life)."""
     return sum(sum(sums_by(scrape(u), "flexkv_kv_events_published_total").values()) for u in worker_metrics)
 

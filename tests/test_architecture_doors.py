@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, FrozenSet, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 INTEGRATIONS = ROOT / "dynamo_flexkv" / "integrations"
 
-ANY: Optional[FrozenSet[str]] = None  # every name of the module
+ANY: frozenset[str] | None = None  # every name of the module
 # module -> the names integrations/ may import from it (ANY: all); a reason for each.
-DOORS: Dict[str, Optional[FrozenSet[str]]] = {
+DOORS: dict[str, frozenset[str] | None] = {
     # the contract: EngineOffload, Hold, the listener's Tier / TierRun / IndexListener; open_offload
     "dynamo_flexkv.core.contract": ANY,
     "dynamo_flexkv.core.offload": ANY,
@@ -49,10 +48,10 @@ OURS = "dynamo_flexkv"
 SELF = ("dynamo_flexkv.integrations", "dynamo_flexkv.resources")  # its own modules; the shipped presets
 
 
-def imports(path: Path) -> List[Tuple[int, str, Optional[str]]]:
+def imports(path: Path) -> list[tuple[int, str, str | None]]:
     """(line, module, name or None for ``import module``) of every import of dynamo_flexkv in a
     file, inside functions and under TYPE_CHECKING too."""
-    out: List[Tuple[int, str, Optional[str]]] = []
+    out: list[tuple[int, str, str | None]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] == OURS]
@@ -63,7 +62,7 @@ def imports(path: Path) -> List[Tuple[int, str, Optional[str]]]:
     return out
 
 
-def side_doors(files: List[Path]) -> List[str]:
+def side_doors(files: list[Path]) -> list[str]:
     bad = []
     for f in files:
         where = f.relative_to(ROOT) if f.is_relative_to(ROOT) else f

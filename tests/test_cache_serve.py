@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 from served import MODEL, assert_gone, make_plan, metric, wait_until
 
-from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.core.http_client import http_json
+from dynamo_flexkv.serve.graph import Kind
 from dynamo_flexkv.serve.launcher import Launcher
-from served import MODEL, assert_gone, make_plan, metric, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [((i * 37) % 250) + 1 for i in range(16 * 8 + 5)]  # 8 full blocks of 16 tokens (the tiny preset's)

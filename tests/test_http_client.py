@@ -28,13 +28,13 @@ dynamo_component_kv_cache_events_applied{event_type="removed",status="ok",model=
 
 
 class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         body = PAGE.encode() if self.path == "/metrics" else json.dumps({"path": self.path}).encode()
         self.send_response(200)
         self.end_headers()
         self.wfile.write(body)
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         got = json.loads(self.rfile.read(int(self.headers["content-length"])))
         body = json.dumps({"method": "POST", "got": got}).encode()
         self.send_response(200)

@@ -3,12 +3,11 @@
 import numpy as np
 import pytest
 from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, open_fds, prompts
+from served import wait_until
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
 from dynamo_flexkv.core.tasks import ManagerClosed, TaskFailed
 from dynamo_flexkv.core.transfer.graph import OpKind
-from kv_helpers import MODEL, TPB, assert_no_leaks, config, device_tensors, fill, holds, open_fds, prompts
-from served import wait_until
 
 DEVICE_BLOCKS = 64
 

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Dict, Set
 
 import pytest
+from dashboard_queries import VLLM_ONLY, load_dashboard, queried_metrics
+from node_helpers import BS, Engine, node_server, prompt
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dashboard_queries import VLLM_ONLY, load_dashboard, queried_metrics
 from dynamo_flexkv.cache_cli import run
 from dynamo_flexkv.cli import build_parser
 from dynamo_flexkv.core.metric_schema import ALIASES, SHARED, SOURCE_LABEL, Source, exported_name, schema_name
-from node_helpers import BS, Engine, node_server, prompt
 
-Exported = Dict[str, Set[str]]  # sample name -> label names seen on it
+Exported = dict[str, set[str]]  # sample name -> label names seen on it
 
 
 def _samples(families) -> Exported:
@@ -35,8 +34,8 @@ def _samples(families) -> Exported:
     return out
 
 
-def _sources(families) -> Dict[str, Set[str]]:
-    out: Dict[str, Set[str]] = {}
+def _sources(families) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
     for f in families:  # (the text parser makes a counter's _created samples a family of their own)
         for s in f.samples:
             out.setdefault(f.name.removesuffix("_created"), set()).add(s.labels.get(SOURCE_LABEL, ""))
@@ -107,7 +106,7 @@ def node(tmp_path_factory):
             engine.offload.shutdown()
 
 
-def _by_source(reference, vllm, node) -> Dict[Source, list]:
+def _by_source(reference, vllm, node) -> dict[Source, list]:
     return {Source.REFERENCE: reference, Source.VLLM: vllm, Source.NODE: node}
 
 
@@ -165,7 +164,7 @@ def test_serving_md_names_the_node_services_own_families(node):
 
 
 def test_every_dashboard_query_names_a_metric_a_source_exports(reference, vllm, node):
-    exported: Set[str] = set()
+    exported: set[str] = set()
     for families in (reference, vllm, node):
         exported |= {schema_name(n) for n in _samples(families)}
     queried = {m: panels for m, panels in queried_metrics(load_dashboard()).items() if m.startswith("flexkv_")}

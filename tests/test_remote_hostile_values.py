@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import xxhash
 from kv_helpers import MODEL, TPB, config, holds
-from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixture)
+from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixture)  # noqa: F401 (fixture)
 from remote_helpers import LAYOUT, REMOTE, Engine, check_clean, manager, prompt_of
+from served import wait_until
 
 from dynamo_flexkv import TaskStatus
 from dynamo_flexkv.core.config import ConfigError
@@ -35,10 +36,6 @@ from dynamo_flexkv.core.remote import (
 )
 from dynamo_flexkv.core.remote.resp import RespConnection
 from dynamo_flexkv.serve.redis_server import RedisServer
-from kv_helpers import MODEL, TPB, config, holds
-from redis_fixtures import needs_redis, redis_server  # noqa: F401 (fixture)
-from remote_helpers import LAYOUT, REMOTE, Engine, check_clean, manager, prompt_of
-from served import wait_until
 
 pytestmark = needs_redis
 HDR = struct.Struct("<4sHHQQQQQ")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
 from remote_helpers import make_test_certs
+from served import wait_until
 
 from dynamo_flexkv.core.remote import (
     HEADER_BYTES,
@@ -32,9 +33,7 @@ from dynamo_flexkv.core.remote.cluster import key_slot
 from dynamo_flexkv.core.remote.codec import block_key, check_header, encode_header
 from dynamo_flexkv.core.remote.resp import RespConnection, encode_command
 from dynamo_flexkv.core.sysutil import find_binary
-from remote_helpers import make_test_certs
-from redis_fixtures import needs_redis, redis_cluster, redis_server  # noqa: F401 (fixtures)
-from served import wait_until
+from dynamo_flexkv.serve.redis_server import RedisServer, free_port
 
 FP = fingerprint_of({"model": "test", "dtype": "bfloat16", "tokens_per_block": 16})
 SECRET = "s3cr3t-pw"

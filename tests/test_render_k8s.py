@@ -259,8 +259,8 @@ def serve_rendered(tmp_path: Path, graph: str, worker: str, *overrides: str) -> 
     suffix): the frontend lists the model, a completion is answered, etcd holds the worker under
     NAMESPACE-SUFFIX only, and the frontend's router applies the worker's KV events."""
     pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make test")
-    from dynamo_flexkv.serve.infra import infra_processes
     from dynamo_flexkv.core.http_client import http_json
+    from dynamo_flexkv.serve.infra import infra_processes
     from dynamo_flexkv.serve.launcher import Launcher
     from dynamo_flexkv.serve.ports import PortBook
 

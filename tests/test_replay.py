@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
-from dashboard_queries import load_dashboard, queried_metrics
+from dashboard_queries import load_dashboard, queried_metrics, reference_worker_metric
 from served import scrape
 
 from dynamo_flexkv.replay.client import RequestRecord, arrival_times, tier_split
@@ -32,8 +32,6 @@ from dynamo_flexkv.replay.configs import (
 from dynamo_flexkv.replay.main import sampled, within_window
 from dynamo_flexkv.replay.report import check_accounting, findings, kept_on_worker, percentile, summarize
 from dynamo_flexkv.workload import Scale, Turn, trace_turns
-from dashboard_queries import load_dashboard, queried_metrics, reference_worker_metric
-from served import scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,8 +14,7 @@ pytest.importorskip("nixl._api", reason="NIXL is installed by make install")
 
 from served import wait_until
 
-from dynamo_flexkv.integrations.disagg.params import HandoverRefused  # noqa: E402
-from dynamo_flexkv.integrations.vllm_connector.settings import DEFAULT_HANDOVER_ORPHAN_S
+from dynamo_flexkv.integrations.disagg.params import HandoverRefused
 from dynamo_flexkv.integrations.vllm_connector.handover import (
     KEY,
     Handover,
@@ -24,6 +23,7 @@ from dynamo_flexkv.integrations.vllm_connector.handover import (
     read_source,
     source_file,
 )
+from dynamo_flexkv.integrations.vllm_connector.settings import DEFAULT_HANDOVER_ORPHAN_S
 
 LAYERS, BLOCKS, HEADS, BS, WIDTH = 4, 32, 2, 16, 64
 

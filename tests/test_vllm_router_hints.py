@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import pytest
 
@@ -48,7 +47,7 @@ KILLED = vg.tokens(7002, 1500)  # A SIGKILLed before B's request
 CHECKED = [PULLED, STOPPED, KILLED]
 
 
-def sets() -> List[str]:
+def sets() -> list[str]:
     return [
         "Frontend.http-port=0",
         *exactness.serve_sets(),
@@ -67,7 +66,7 @@ def tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp) -> Dict[tuple, Generation]:
+def baseline(tmp) -> dict[tuple, Generation]:
     serve = VllmServe(tmp, "baseline", "VllmWorker.offload=false", graph="agg_router_vllm", base=sets())
     try:
         return {tuple(p): vg.complete(serve.base_url, p, MAX_TOKENS)["gen"] for p in CHECKED}
@@ -90,7 +89,7 @@ class HintGraph:
     def text(self, name: str) -> str:
         return scrape(self.serve.metrics[name])
 
-    def ids(self) -> Dict[str, int]:
+    def ids(self) -> dict[str, int]:
         def read(n: str):
             try:
                 return vg.worker_id(self.text(n))
@@ -99,14 +98,14 @@ class HintGraph:
 
         return {n: wait_until(f"{n}'s instance id", lambda n=n: read(n), timeout=120) for n in NAMES}
 
-    def endpoint(self, name: str) -> Tuple[str, int]:
+    def endpoint(self, name: str) -> tuple[str, int]:
         """The worker's control endpoint, from the command line serve started it with."""
         argv = open(f"/proc/{self.serve.worker_pid(name)}/cmdline", "rb").read().decode().split("\0")
         tier = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
         t = tier["secondary_tiers"][0]
         return t["control_advertise_host"], t["control_ports"][0]
 
-    def stored(self, name: str, prompt: List[int], before: float) -> None:
+    def stored(self, name: str, prompt: list[int], before: float) -> None:
         """Waits until ``name`` copied the prompt's full blocks into its host tier (what it serves peers)."""
         full = (len(prompt) - 1) // BS * BS
         wait_until(
@@ -138,7 +137,7 @@ def graph(tmp, baseline):
     assert vg.ours_left(g.serve.run) == []
 
 
-def compute_on(graph: HintGraph, name: str, prompt: List[int], ids: Dict[str, int]) -> dict:
+def compute_on(graph: HintGraph, name: str, prompt: list[int], ids: dict[str, int]) -> dict:
     before = m(graph.text(name), "stored_tokens_total")
     r = vg.complete(graph.serve.base_url, prompt, MAX_TOKENS, worker=ids[name])
     assert r["worker"] == ids[name] and r["cached"] == 0
@@ -173,9 +172,9 @@ def test_a_prefix_computed_on_one_worker_is_pulled_by_the_worker_the_router_book
     assert m(after_a, "peer_pins_expired_total") == m(before_a, "peer_pins_expired_total")  # released, not expired
 
 
-def _by_reason(text: str, counter: str) -> Dict[str, float]:
+def _by_reason(text: str, counter: str) -> dict[str, float]:
     """A counter family's totals by its reason label (vllm:flexkv_<counter>_total{reason=...})."""
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(f"vllm:flexkv_{counter}_total{{") and 'reason="' in line:
             why = line.split('reason="', 1)[1].split('"', 1)[0]
@@ -183,15 +182,15 @@ def _by_reason(text: str, counter: str) -> Dict[str, float]:
     return out
 
 
-def _failed(text: str) -> Dict[str, float]:
+def _failed(text: str) -> dict[str, float]:
     return _by_reason(text, "hints_failed")
 
 
-def _refused(text: str) -> Dict[str, float]:
+def _refused(text: str) -> dict[str, float]:
     return _by_reason(text, "peer_refused")
 
 
-def _ask(endpoint: Tuple[str, int], pull) -> object:
+def _ask(endpoint: tuple[str, int], pull) -> object:
     from dynamo_flexkv.core.peer import protocol
 
     with socket.create_connection(endpoint, timeout=30) as s:
@@ -278,7 +277,7 @@ def test_pulls_without_the_secret_or_of_another_tenant_and_a_dead_or_hung_source
     group = [p for p, _ in vg.group(pid)]
     for p in group:
         os.kill(p, signal.SIGSTOP)
-    got: Dict[str, dict] = {}
+    got: dict[str, dict] = {}
     try:
         asked = threading.Thread(
             target=lambda: got.update(r=vg.complete(graph.serve.base_url, KILLED, MAX_TOKENS, worker=ids[b]))

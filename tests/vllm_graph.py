@@ -71,7 +71,7 @@ class VllmServe(Serve):
 
 
 def complete(
-    base_url: str, prompt: List[int], max_tokens: int = 8, timeout: float = 120, model: str = MODEL, worker: int = 0
+    base_url: str, prompt: list[int], max_tokens: int = 8, timeout: float = 120, model: str = MODEL, worker: int = 0
 ) -> dict:
     """One greedy completion of a token-id prompt (``worker``: a Dynamo instance id the router
     books it on, nvext.backend_instance_id). Returns ids (the generated token ids), gen (ids and
@@ -212,7 +212,7 @@ def send_and_hang_up(base_url: str, prompt: list[int], max_tokens: int, until, t
 # ---- metrics -----------------------------------------------------------------------------------
 
 
-def loaded(text: str) -> Dict[str, float]:
+def loaded(text: str) -> dict[str, float]:
     """FlexKVConnector's loaded tokens by tier (vllm:flexkv_prompt_tokens_cached_total{tier})."""
     return {t: metric(text, "vllm:flexkv_prompt_tokens_cached_total", tier=t) for t in ("host", "disk")}
 

@@ -47,11 +47,10 @@ import numpy as np
 
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core.hashing import block_hashes
+from dynamo_flexkv.core.procgroup import stop_process
 from dynamo_flexkv.integrations.disagg.params import HandoverParams
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine
 from dynamo_flexkv.integrations.reference_engine.request import Request, SamplingParams
-from dynamo_flexkv.core.hashing import block_hashes
-from dynamo_flexkv.core.procgroup import stop_process
 
 PRESET = "small"
 MARK = "HANDOVER "

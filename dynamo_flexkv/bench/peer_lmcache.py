@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def kv_transfer_config(port: int) -> dict[str, Any]:
 
 
 # ---- the server's HTTP admin API (also called inside engine processes) ------------------------------
-def l1_state(http: str) -> Dict[str, int]:
+def l1_state(http: str) -> dict[str, int]:
     """L1 object count and what the store controller still has to write to L2."""
     sm = http_json(f"{http}/status", timeout=10)["storage_manager"]
     l1 = sm["l1_managers"]["_default"]

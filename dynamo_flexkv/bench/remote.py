@@ -345,6 +345,7 @@ def _ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
     from dynamo_flexkv.core.config import CacheConfig
     from dynamo_flexkv.core.manager import KVManager
     from dynamo_flexkv.core.offload import EmbeddedOffload
+    from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LlamaModel, LLMEngine
 
     cfg = EngineModelConfig.preset("small")
     model = LlamaModel(cfg)

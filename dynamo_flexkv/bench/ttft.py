@@ -26,7 +26,7 @@ from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.contract import EngineOffload
 from dynamo_flexkv.core.manager import KVManager
 from dynamo_flexkv.core.offload import EmbeddedOffload
-from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LLMEngine, LlamaModel, SamplingParams
+from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LlamaModel, LLMEngine, SamplingParams
 
 ONE = SamplingParams(max_tokens=1)
 
@@ -47,7 +47,7 @@ class Rig:
                 dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, ssd_cache_gb=2 * gb, ssd_cache_dir=directory)
             ),
         )
-        self.offloads: Dict[bool, EngineOffload] = {lw: EmbeddedOffload(self.kv, lw) for lw in (True, False)}
+        self.offloads: dict[bool, EngineOffload] = {lw: EmbeddedOffload(self.kv, lw) for lw in (True, False)}
         self.offload = self.offloads[True]  # administration (drain, evict, reset) is the same on either
 
     def engine(self, offload: bool, layerwise: bool = True, puts: bool = True) -> LLMEngine:

@@ -43,7 +43,7 @@ ENV_ALIASES: dict[str, str] = {
 CONFIG_PATH_ENV = "FLEXKV_CONFIG_PATH"
 # The FLEXKV_* variables read elsewhere than as a config key (where): not misspellings.
 # tests/test_config.py checks that every FLEXKV_* name the package reads is a key's or here.
-OTHER_ENV: Dict[str, str] = {
+OTHER_ENV: dict[str, str] = {
     CONFIG_PATH_ENV: "the cache config file",
     DEFAULT_PASSWORD_ENV: "the remote tier's password (remote_password_env)",
     "FLEXKV_RUN_DIR": "the vLLM connector's run directory",
@@ -129,7 +129,7 @@ class CacheConfig:
         sets: Sequence[str] = (),
         path_flag: str = "",
         warn_unknown_env: bool = True,
-    ) -> "CacheConfig":
+    ) -> CacheConfig:
         """Defaults, then the YAML file (``path``, else $FLEXKV_CONFIG_PATH), then the environment
         (FLEXKV_<KEY> and the KVBM aliases), then ``sets`` (a command's ``--set KEY=VALUE`` items).
         Only the value that wins is parsed (a bad variable a --set replaces is not an error), and
@@ -358,12 +358,12 @@ def env_settings(env: Mapping[str, str]) -> dict[str, str]:
     return {var: names[var] for var in sorted(names) if var in env}
 
 
-def unknown_env(env: Mapping[str, str], password_env: str = DEFAULT_PASSWORD_ENV) -> Dict[str, Optional[str]]:
+def unknown_env(env: Mapping[str, str], password_env: str = DEFAULT_PASSWORD_ENV) -> dict[str, str | None]:
     """The FLEXKV_* variables of ``env`` that nothing reads, each a misspelling until shown otherwise
     (e.g. FLEXKV_CPU_CACHE_G): variable -> the closest name that is read, or None.
     ``password_env``: the variable a config's remote_password_env names (read too)."""
     known = [f"FLEXKV_{f.name.upper()}" for f in dataclasses.fields(CacheConfig)] + [*OTHER_ENV, password_env]
-    out: Dict[str, Optional[str]] = {}
+    out: dict[str, str | None] = {}
     for var in sorted(env):
         if var.startswith("FLEXKV_") and var not in known and not var.startswith(TEST_ENV_PREFIX):
             # Compared without the prefix all share: FLEXKV_FOO is nothing's misspelling
@@ -372,7 +372,7 @@ def unknown_env(env: Mapping[str, str], password_env: str = DEFAULT_PASSWORD_ENV
     return out
 
 
-def unknown_env_message(var: str, near: Optional[str]) -> str:
+def unknown_env_message(var: str, near: str | None) -> str:
     hint = f"did you mean {near}?" if near else "docs/CONFIGURATION.md lists the variables"
     return f"environment variable {var} is not one dynamo-flexkv reads ({hint}): it has no effect; rename or unset it"
 
@@ -387,7 +387,7 @@ def _warn_unknown_env(env: Mapping[str, str], password_env: str) -> None:
             log.warning("%s", unknown_env_message(var, near))
 
 
-def _env_values(env: Mapping[str, str]) -> Dict[str, Tuple[str, str]]:
+def _env_values(env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """Collects FLEXKV_<KEY> and the KVBM aliases: key -> (variable, value); two names for one key
     must agree."""
     fields = {f.name: f for f in dataclasses.fields(CacheConfig)}

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Type, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.inventory import CacheReport, CacheRequest
@@ -96,13 +96,13 @@ class TierRun:
 
     tier: Tier
     start: int
-    hashes: List[int]
-    block_ids: List[int]
-    parent: Optional[int]  # sequence hash before hashes[0]; None at the root
+    hashes: list[int]
+    block_ids: list[int]
+    parent: int | None  # sequence hash before hashes[0]; None at the root
     new: bool  # True: unready blocks this task fills; False: locked blocks this task reads
     hit: bool = True  # a completed read counts as reuse (get), not as a copy source (put)
     done: bool = False
-    token_ids: Optional[List[int]] = None  # the blocks' tokens, for router events (set by KVManager)
+    token_ids: list[int] | None = None  # the blocks' tokens, for router events (set by KVManager)
 
     @property
     def end(self) -> int:
@@ -117,7 +117,7 @@ class IndexListener(Protocol):
     commit order (its KV events for the router)."""
 
     def on_stored(self, tier: Tier, run: TierRun) -> None: ...
-    def on_removed(self, tier: Tier, hashes: List[int]) -> None: ...
+    def on_removed(self, tier: Tier, hashes: list[int]) -> None: ...
 
 
 @dataclass(frozen=True)

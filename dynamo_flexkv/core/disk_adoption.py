@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dynamo_flexkv.core.index import CacheEngine, Tier
 from dynamo_flexkv.core.contract import TierRun
+from dynamo_flexkv.core.index import CacheEngine, Tier
 from dynamo_flexkv.core.storage.ssd import AdoptReport, DiskEntry, SsdStore
 from dynamo_flexkv.core.transfer.movers import DiskMover
 

@@ -30,12 +30,13 @@ from dynamo_flexkv.core.arguments import deadline as _deadline
 from dynamo_flexkv.core.arguments import int_list as _int_list
 from dynamo_flexkv.core.arguments import left as _left
 from dynamo_flexkv.core.config import CacheConfig, ConfigError, GiB
+from dynamo_flexkv.core.contract import IndexListener, TierRun
 from dynamo_flexkv.core.cost import CostModel, LoadDecision, Segment
 from dynamo_flexkv.core.deferred_puts import DeferredPut, DeferredPuts
 from dynamo_flexkv.core.disk_adoption import adopt_disk, adopted_chains
 from dynamo_flexkv.core.hashing import BlockHashes, TokenIds, namespaced_hashes
 from dynamo_flexkv.core.index import CacheEngine, Tier
-from dynamo_flexkv.core.contract import IndexListener, TierRun
+from dynamo_flexkv.core.index.cache_engine import GetPlan
 from dynamo_flexkv.core.index.tier_index import IndexInvariantError
 from dynamo_flexkv.core.inventory import (
     REMOTE_NOT_CLEARED,

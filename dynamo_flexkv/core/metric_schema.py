@@ -14,8 +14,9 @@ sources export :data:`SHARED` under the same names and labels.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from enum import Enum
-from typing import TYPE_CHECKING, Dict, FrozenSet, Iterable, Iterator, Tuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -30,13 +31,13 @@ class Source(str, Enum):
     NODE = "node"
 
 
-_ALL: FrozenSet[Source] = frozenset(Source)
-_ENGINES: FrozenSet[Source] = frozenset({Source.REFERENCE, Source.VLLM})
+_ALL: frozenset[Source] = frozenset(Source)
+_ENGINES: frozenset[Source] = frozenset({Source.REFERENCE, Source.VLLM})
 
 # The quantities more than one source exports: sample name (a counter's with _total) -> the
 # sources that export it and the labels each gives it (beside ``source`` and whatever the host
 # process adds: Dynamo's hierarchy labels, vLLM's model_name and engine, the node's model).
-SHARED: Dict[str, Tuple[FrozenSet[Source], Tuple[str, ...]]] = {
+SHARED: dict[str, tuple[frozenset[Source], tuple[str, ...]]] = {
     "flexkv_pool_blocks": (_ALL, ("tier", "state")),
     "flexkv_hit_blocks_total": (_ALL, ("tier",)),
     "flexkv_removed_blocks_total": (_ALL, ("tier", "reason")),
@@ -56,7 +57,7 @@ SHARED: Dict[str, Tuple[FrozenSet[Source], Tuple[str, ...]]] = {
 
 # Names before the one schema, still exported beside the new ones for one release (removed in the
 # next), in their old shape (no ``source`` label): old sample name -> new sample name.
-ALIASES: Dict[str, str] = {
+ALIASES: dict[str, str] = {
     "vllm:flexkv_loaded_tokens_total": "vllm:flexkv_prompt_tokens_cached_total",
     "vllm:flexkv_used_blocks": 'vllm:flexkv_pool_blocks{state="used"}',
     "vllm:flexkv_capacity_blocks": 'vllm:flexkv_pool_blocks{state="capacity"}',
@@ -80,7 +81,7 @@ def schema_name(exported: str) -> str:
     return exported[len(VLLM_PREFIX) :] if exported.startswith(VLLM_PREFIX + "flexkv_") else exported
 
 
-def with_source(families: Iterable["Metric"], source: Source) -> Iterator["Metric"]:
+def with_source(families: Iterable[Metric], source: Source) -> Iterator[Metric]:
     """Each family with ``source`` added to every sample's labels (for collectors that build
     prometheus_client families at scrape time)."""
     for fam in families:

@@ -48,7 +48,7 @@ def listening(path: str) -> bool:
         probe.close()
 
 
-def not_a_socket(path: str) -> Optional[str]:
+def not_a_socket(path: str) -> str | None:
     """What is at ``path`` when it is something other than a Unix socket ("a directory", "a regular
     file", ...), for a message; None when it is a socket or nothing is there."""
     try:
@@ -64,7 +64,7 @@ def not_a_socket(path: str) -> Optional[str]:
     return "a special file"
 
 
-def memory_limit() -> "tuple[int, str]":
+def memory_limit() -> tuple[int, str]:
     """(bytes of memory this process's machine or container has, where that number comes from): the
     smaller of /proc/meminfo's MemTotal and a cgroup v2 memory.max (a container's limit)."""
     total, where = 0, ""
@@ -88,7 +88,7 @@ def memory_limit() -> "tuple[int, str]":
     return total, where
 
 
-def find_binary(name: str) -> Optional[str]:
+def find_binary(name: str) -> str | None:
     """``name`` on PATH, else in the sbin directories; None if neither has it."""
     return shutil.which(name) or shutil.which(name, path=SBIN)
 

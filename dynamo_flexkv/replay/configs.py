@@ -10,10 +10,10 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
 
 from dynamo_flexkv.core.http_client import scrape, total
 from dynamo_flexkv.replay.client import TIERS, Replayer, RequestRecord
@@ -188,7 +188,7 @@ class WorkerTotals:
         )
 
 
-def worker_totals(metrics_text: str, mapping: Optional[MetricMapping] = None) -> WorkerTotals:
+def worker_totals(metrics_text: str, mapping: MetricMapping | None = None) -> WorkerTotals:
     """The totals ``mapping`` (default: the reference engine's flexkv_* counters) reads from a
     worker's /metrics text; each counter is the sum of its matching samples (0 when absent)."""
     mapping = mapping or ENGINES["reference"].metrics

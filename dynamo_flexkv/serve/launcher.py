@@ -18,9 +18,11 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import IO, Callable, Dict, List, Optional, Set
+from collections.abc import Callable
+from typing import IO
 
 from dynamo_flexkv.core.errors import FlexKVError
+from dynamo_flexkv.core.http_client import http_json
 from dynamo_flexkv.core.procgroup import kill_group, signal_group, stop_group, wait_group
 from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
 from dynamo_flexkv.serve.discovery import Discovery, owned_by, registered, worker_ids
@@ -29,11 +31,6 @@ from dynamo_flexkv.serve.logs import Console, ConsoleFilter, plain
 from dynamo_flexkv.serve.options import OnDeath
 from dynamo_flexkv.serve.plan import LaunchPlan
 from dynamo_flexkv.serve.process import Process
-from dynamo_flexkv.core.errors import FlexKVError
-from dynamo_flexkv.core.http_client import http_json
-from dynamo_flexkv.core.procgroup import kill_group, signal_group, stop_group, wait_group
-from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
-
 
 STOP_TIMEOUT_S = 30.0  # what a component has to stop on serve's signal before SIGKILL (docs/SERVING.md)
 PROBE_EVERY_S = 5.0  # a ready worker's /health is asked at most this often
@@ -154,15 +151,15 @@ class Launcher:
         self._width = max(len(p.name) for p in plan.infra + plan.processes)
         self.interrupted = threading.Event()  # set by a signal handler: stop waiting for readiness
         self.stopping = threading.Event()  # set when shutdown() begins (logs.py STOP_RACES)
-        self.spawned: List[subprocess.Popen] = []  # every process ever started, restarts included
-        self.deaths: Dict[str, List[float]] = {}  # name -> monotonic times of its deaths in its window
-        self.restarts: Dict[str, int] = {}  # name -> how often it was restarted
-        self.pending: Dict[str, float] = {}  # name -> when its restart is due (monotonic)
-        self.starting: Dict[str, float] = {}  # restarted, /health not ready yet -> when it was spawned
-        self.ready: Set[str] = set()  # workers whose current life reported ready
-        self.liveness: Dict[str, _Liveness] = {}  # ready workers' /health probes (liveness-timeout-s)
-        self.events: List[str] = []  # what supervise() said, also written to echo
-        self._buried: Set[subprocess.Popen] = set()  # dead, group killed, reaped: never signal again
+        self.spawned: list[subprocess.Popen] = []  # every process ever started, restarts included
+        self.deaths: dict[str, list[float]] = {}  # name -> monotonic times of its deaths in its window
+        self.restarts: dict[str, int] = {}  # name -> how often it was restarted
+        self.pending: dict[str, float] = {}  # name -> when its restart is due (monotonic)
+        self.starting: dict[str, float] = {}  # restarted, /health not ready yet -> when it was spawned
+        self.ready: set[str] = set()  # workers whose current life reported ready
+        self.liveness: dict[str, _Liveness] = {}  # ready workers' /health probes (liveness-timeout-s)
+        self.events: list[str] = []  # what supervise() said, also written to echo
+        self._buried: set[subprocess.Popen] = set()  # dead, group killed, reaped: never signal again
         # The components' temp folder (TMPDIR): what they leave there (vLLM's IPC sockets, torch's
         # caches) goes when serve stops. Made at start, in serve's own temp folder, with a short
         # name: Unix socket paths in it (vLLM's, the connector's lookup socket when the run

@@ -134,7 +134,7 @@ class ConsoleFilter:
     continuation line follows the record of its own component). ``stopping``: set once serve
     began to stop the graph; from then on the lines of STOP_RACES count as INFO."""
 
-    def __init__(self, console: Console, stopping: Optional[threading.Event] = None) -> None:
+    def __init__(self, console: Console, stopping: threading.Event | None = None) -> None:
         self.console = console
         self.stopping = stopping
         self._showing = True  # lines before the first record are shown

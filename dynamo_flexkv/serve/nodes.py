@@ -234,9 +234,9 @@ def place(
     a serve that does not run on the frontend's node."""
     unknown = sorted((n, name) for name, n in node_of.items() if n not in nodes.nodes)
     if unknown:
-        node, name = unknown[0]
+        wanted, name = unknown[0]
         raise GraphError(
-            f"{origin_of(source, _component(name), 'node')}: node {node!r} is not in the nodes file "
+            f"{origin_of(source, _component(name), 'node')}: node {wanted!r} is not in the nodes file "
             f"(it has {sorted(nodes.nodes)})"
         )
     unplaced = [p.name for p in processes if p.name not in node_of]

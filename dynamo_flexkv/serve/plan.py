@@ -179,11 +179,11 @@ def build_plan(
     http_port = 0
     front_opts: dict[str, Any] = {}
     write_model = model_weights = False
-    node_of: Dict[str, str] = {}  # process name -> the node its component names
-    node_options: Dict[str, str] = {}
-    caches: Dict[Optional[str], Process] = {}  # node (None: this machine) -> its node cache server
+    node_of: dict[str, str] = {}  # process name -> the node its component names
+    node_options: dict[str, str] = {}
+    caches: dict[str | None, Process] = {}  # node (None: this machine) -> its node cache server
     # A misspelled FLEXKV_* variable reaches every process and does nothing: said before serve starts
-    notes: List[str] = [unknown_env_message(v, near) for v, near in unknown_env(os.environ).items()] if local else []
+    notes: list[str] = [unknown_env_message(v, near) for v, near in unknown_env(os.environ).items()] if local else []
     if local and any(c.engine == _vllm.ENGINE for c in graph.components):
         _vllm.check_installed(source)
     for comp in graph.components:

@@ -59,7 +59,7 @@ RENDER_HINT_PORT = 7301
 RENDER_HINT_HOST = "$(POD_IP)"
 
 
-def hint_tier(ports: Sequence[int], host: str) -> List[Dict[str, Any]]:
+def hint_tier(ports: Sequence[int], host: str) -> list[dict[str, Any]]:
     """``kv_connector_extra_config.secondary_tiers`` that turns router hints on (hints.py reads it,
     dynamo.vllm publishes it to the router)."""
     return [{"router_capabilities": ["router_hint"], "control_ports": list(ports), "control_advertise_host": host}]

@@ -10,9 +10,9 @@ import os
 import random
 import threading
 import time
-from typing import Any, Dict, List, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from dynamo_flexkv.core.http_client import scrape, sums_by
 from dynamo_flexkv.bench.events.plumbing import ENDPOINT, cpu_seconds, emit, read_cmd, rss_mib, worker_ids
 from dynamo_flexkv.bench.events.workload import (
     BLOCK_TOKENS,
@@ -22,6 +22,7 @@ from dynamo_flexkv.bench.events.workload import (
     load_prompts,
     probe_tokens,
 )
+from dynamo_flexkv.core.http_client import scrape, sums_by
 
 POLL_S = 0.005  # how often the router polls best_worker for a probe
 DECISIONS_PER_S = 20

@@ -16,13 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.contract import IndexListener, Tier, TierRun
-from dynamo_flexkv.core.index.tier_index import IndexInvariantError, TierIndex
+from dynamo_flexkv.core.index.tier_index import Hashes, IndexInvariantError, TierIndex
 from dynamo_flexkv.core.stats import RemovalReason
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.contract import (
@@ -128,15 +129,15 @@ class NodeOffload(EngineOffload):
         self.link = NodeConnection(self.socket_path, engine, self, mover_hook)
         self.failed_loads = 0
         self.weights_version = ""  # weights_changed(): part of the attach key from then on
-        self.device: Optional[DeviceCache] = None
+        self.device: DeviceCache | None = None
         self._lock = threading.Lock()
         self._tasks: dict[int, _Task] = {}
         self._holds: dict[int, Hold] = {}
         # Cancelled loads collected before the service finished them: a late copy finds their
         # closed fence here (and writes nothing) until their TaskDone comes.
-        self._collected: Dict[int, _Task] = {}
-        self._prefetches: List[int] = []
-        self._announced: Dict[str, Dict[int, None]] = {"host": {}, "disk": {}}  # what the listener was told
+        self._collected: dict[int, _Task] = {}
+        self._prefetches: list[int] = []
+        self._announced: dict[str, dict[int, None]] = {"host": {}, "disk": {}}  # what the listener was told
         self.namespace = ""
         # The node's blocks go to the listener once its publisher can deliver them (announce_adopted:
         # a PUB socket drops what it sends before a subscriber joins); re-attaches send them at once.
@@ -239,7 +240,7 @@ class NodeOffload(EngineOffload):
                 t = self._tasks[tid] = _Task(tid, self.num_layers)
             return t
 
-    def _request_task(self, make: Any) -> Tuple[_Task, Any]:
+    def _request_task(self, make: Any) -> tuple[_Task, Any]:
         tid, value = self.link.request_task(make)
         return self._task(tid), value
 
@@ -277,7 +278,7 @@ class NodeOffload(EngineOffload):
         cache_salt: str | None = None,
         prompt_tokens: int | None = None,
         skip_blocks: int = 0,
-    ) -> Tuple[int, Optional[Dict[str, Any]]]:
+    ) -> tuple[int, dict[str, Any] | None]:
         value = self.link.request(
             lambda rid: Lookup(
                 id=rid,
@@ -436,7 +437,7 @@ class NodeOffload(EngineOffload):
         except NodeUnavailable:
             return None
 
-    def service_stats(self) -> Dict[str, Any]:
+    def service_stats(self) -> dict[str, Any]:
         return self.link.request(lambda rid: Call(id=rid, name="stats"))
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -446,10 +447,10 @@ class NodeOffload(EngineOffload):
         except NodeUnavailable:
             return True  # nothing of this engine's is being written anywhere
 
-    def evict_host(self, timeout: Optional[float] = None) -> int:
+    def evict_host(self, timeout: float | None = None) -> int:
         return int(self.link.request(lambda rid: Call(id=rid, name="evict_host", timeout=timeout)))
 
-    def reset_tiers(self, timeout: Optional[float] = None) -> bool:
+    def reset_tiers(self, timeout: float | None = None) -> bool:
         return bool(self.link.request(lambda rid: Call(id=rid, name="reset", timeout=timeout)))
 
     def cache_admin(self, req: CacheRequest) -> CacheReport:

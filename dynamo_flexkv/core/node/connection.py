@@ -19,7 +19,8 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.layout import KVLayout
@@ -70,7 +71,7 @@ class CopyTarget(Protocol):
     """The task a device copy belongs to: its fence (a load's writes pass it) and its layers' events."""
 
     fence: DeviceFence
-    layers: List[threading.Event]
+    layers: list[threading.Event]
 
 
 class OffloadSide(Protocol):
@@ -105,11 +106,11 @@ class Attachment:
     can never be taken for a task of its successor."""
 
     def __init__(
-        self, channel: Channel, attached: Attached, host: HostPool, movers: Dict[OpKind, Any], gen: int
+        self, channel: Channel, attached: Attached, host: HostPool, movers: dict[OpKind, Any], gen: int
     ) -> None:
         self.channel, self.attached, self.host, self.movers = channel, attached, host, movers
         self.gen = gen
-        self.replies: Dict[int, Tuple[threading.Event, List[Reply]]] = {}
+        self.replies: dict[int, tuple[threading.Event, list[Reply]]] = {}
         self.lock = threading.Lock()
         self.gone = threading.Event()  # lost() finished cleaning up after it
 
@@ -119,7 +120,7 @@ class Attachment:
             raise ProtocolError(f"the node cache sent task id {service_task}, outside [0, 2**32)")
         return self.gen * TASK_ID_SPAN + service_task
 
-    def service_task(self, tid: int) -> Optional[int]:
+    def service_task(self, tid: int) -> int | None:
         """The service's id of the engine's task ``tid``; None if it is a task of another attach."""
         gen, service_task = divmod(tid, TASK_ID_SPAN)
         return service_task if gen == self.gen else None
@@ -128,25 +129,23 @@ class Attachment:
 class NodeConnection:
     """The engine's connection to the service at ``socket_path`` (attached or retrying)."""
 
-    def __init__(
-        self, socket_path: str, engine: str, side: OffloadSide, mover_hook: Optional[MoverHook] = None
-    ) -> None:
+    def __init__(self, socket_path: str, engine: str, side: OffloadSide, mover_hook: MoverHook | None = None) -> None:
         self.socket_path, self.engine, self.side = socket_path, engine, side
         self._mover_hook = mover_hook  # wraps this engine's device copies (fault injection, tracing)
-        self.device: Optional[DeviceCache] = None
-        self.current: Optional[Attachment] = None
+        self.device: DeviceCache | None = None
+        self.current: Attachment | None = None
         self.attaches = 0
         self.closed = False
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._ops: "queue.Queue[Optional[Tuple[Any, Any]]]" = queue.Queue()  # (attachment, RunOp) to copy
+        self._ops: queue.Queue[tuple[Any, Any] | None] = queue.Queue()  # (attachment, RunOp) to copy
         # As many copier threads as an embedded KVManager has transfer workers: the service sends a
         # load's layers at once, and one thread copying them in turn took 1.7x the embedded load.
         self._drain_lock = threading.Lock()
         self._copiers = [
             threading.Thread(target=self._copy_loop, name=f"flexkv-node-copy-{i}", daemon=True) for i in range(COPIERS)
         ]
-        self._retry: Optional[threading.Thread] = None
+        self._retry: threading.Thread | None = None
 
     def start(self, device: DeviceCache) -> None:
         """Starts the copiers and attaches; a service not up yet is not an error: the engine
@@ -282,7 +281,7 @@ class NodeConnection:
                     self.side.events(msg)
         except (ProtocolError, ChannelClosed) as e:
             why = str(e)
-        except Exception as e:  # noqa: BLE001 - whatever broke, the engine goes on without the service
+        except Exception as e:  # whatever broke, the engine goes on without the service (logged below)
             why = f"{type(e).__name__}: {e}"
             log.exception("node cache: reading from the service failed")
         self.lost(conn, why)
@@ -374,7 +373,7 @@ class NodeConnection:
         elif msg.error:
             log.warning("node cache: %s", msg.error)
 
-    def request_task(self, make: Callable[[int], Any]) -> Tuple[int, Any]:
+    def request_task(self, make: Callable[[int], Any]) -> tuple[int, Any]:
         """A request that starts a task on the service: the task's engine id and the reply's value.
         One the service does not answer in time ends the connection: the service may still run it
         later, and its copies must then find no engine (the engine reuses the blocks it got back),
@@ -390,7 +389,7 @@ class NodeConnection:
         return conn.task_id(int(value["task"])), value
 
     def request(
-        self, make: Callable[[int], Any], timeout: float = CALL_TIMEOUT_S, conn: Optional[Attachment] = None
+        self, make: Callable[[int], Any], timeout: float = CALL_TIMEOUT_S, conn: Attachment | None = None
     ) -> Any:
         """Sends ``make(request id)`` and returns its reply's value; NodeUnavailable when not
         attached or the service went away, NodeTimeout, NodeRequestFailed when it answered an error."""
@@ -399,7 +398,7 @@ class NodeConnection:
             raise NodeUnavailable(f"the node cache at {self.socket_path} is not attached")
         rid = next(self._ids)
         ev = threading.Event()
-        box: List[Reply] = []
+        box: list[Reply] = []
         with conn.lock:
             conn.replies[rid] = (ev, box)
         t0 = time.monotonic()

@@ -96,7 +96,7 @@ class EngineDevice:
         except ConnectionError as e:
             self.finish(op_id, 0, f"cannot reach the engine: {e}")
 
-    def finish(self, op_id: int, nbytes: int, error: Optional[str], ended: float = 0.0) -> bool:
+    def finish(self, op_id: int, nbytes: int, error: str | None, ended: float = 0.0) -> bool:
         """The engine's answer for one op (``ended``: when its copy ended, on the engine's
         time.perf_counter(), the same clock here); False for an op it was never sent (a bad answer)."""
         with self._lock:

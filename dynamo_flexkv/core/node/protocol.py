@@ -111,7 +111,7 @@ class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):
 class OpDone(msgspec.Struct, tag="op_done", forbid_unknown_fields=True):
     op: int
     nbytes: int = 0
-    error: Optional[str] = None
+    error: str | None = None
     ended: float = 0.0  # the engine's time.perf_counter() when the copy ended (0: not measured)
 
 

@@ -394,14 +394,14 @@ def _split(key: tuple[Any, ...]) -> tuple[Any, ...]:
 MADE_DIRS_MARKER = ".flexkv-made-dirs"
 
 
-def _write_made_marker(made: List[str]) -> None:
+def _write_made_marker(made: list[str]) -> None:
     path = os.path.join(made[0], MADE_DIRS_MARKER)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write("".join(d + "\n" for d in made))
 
 
-def _adopt_made_dirs(sock_dir: str) -> List[str]:
+def _adopt_made_dirs(sock_dir: str) -> list[str]:
     """The directories the marker in ``sock_dir`` names that are ``sock_dir`` or above it (nothing
     else is ever taken over), innermost first; [] without a marker."""
     try:
@@ -422,7 +422,7 @@ def _adopt_made_dirs(sock_dir: str) -> List[str]:
     return made
 
 
-def _missing_dirs(path: str) -> List[str]:
+def _missing_dirs(path: str) -> list[str]:
     """The directories of ``path`` that do not exist yet, innermost first: what _listen makes."""
     out = []
     while not os.path.lexists(path) and os.path.dirname(path) != path:

@@ -59,7 +59,7 @@ class TransferOp:
     # When the copy ended, on time.perf_counter()'s clock (system-wide on Linux), where a mover
     # that copies elsewhere says so (an attached engine: core/node/engines.py); 0: when it settled.
     ended: float = 0.0
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     result: Any = None
 
     def __post_init__(self) -> None:

@@ -10,9 +10,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from dynamo_flexkv.core.contract import EngineOffload
 from dynamo_flexkv.core.hashing import block_hashes
-from dynamo_flexkv.core.manager import KVManager
-from dynamo_flexkv.core.offload import EmbeddedOffload, EngineOffload
 from dynamo_flexkv.core.tasks import TaskFailed, TaskStatus
 from dynamo_flexkv.integrations.reference_engine.config import EngineModelConfig
 from dynamo_flexkv.integrations.reference_engine.kv_cache import DeviceBlockPool, NoFreeBlocks, PagedKVCache
@@ -24,9 +23,6 @@ from dynamo_flexkv.integrations.reference_engine.request import (
     SamplingParams,
     sample,
 )
-from dynamo_flexkv.core.hashing import block_hashes
-from dynamo_flexkv.core.contract import EngineOffload
-from dynamo_flexkv.core.tasks import TaskFailed, TaskStatus
 
 
 class LLMEngine:
@@ -37,7 +33,7 @@ class LLMEngine:
         num_device_blocks: int,
         model: LlamaModel | None = None,
         device: str = "cpu",
-        offload: Optional[EngineOffload] = None,
+        offload: EngineOffload | None = None,
         offload_puts: bool = True,
         device_prefix_cache: bool = True,
         max_batch_tokens: int = 16384,
@@ -54,7 +50,7 @@ class LLMEngine:
         self.pool = DeviceBlockPool(num_device_blocks, on_device_stored, on_device_removed)
         # The offload tiers, only through the engine contract (open_offload: embedded or the node's
         # cache service); its ``layerwise`` says whether a step waits per layer or for the whole load.
-        self.connector: Optional[EngineOffload] = offload
+        self.connector: EngineOffload | None = offload
         if self.connector is not None:
             if self.connector.bs != cfg.block_size:
                 raise ValueError(

@@ -15,8 +15,8 @@ from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
 
-from dynamo_flexkv.integrations.events import MEDIUM, signed_hash
 from dynamo_flexkv.core.contract import Tier, TierRun
+from dynamo_flexkv.integrations.events import MEDIUM, signed_hash
 
 
 class FlexKVEvents(KVConnectorKVEvents):

@@ -34,8 +34,11 @@ import numpy as np
 
 from dynamo_flexkv.core.transfer.nixl_agent import HandoverFailed, KVAgent, Notifier, kv_block_checksums
 from dynamo_flexkv.integrations.disagg.params import HandoverRefused
-from dynamo_flexkv.integrations.vllm_connector.settings import DEFAULT_HANDOVER_ORPHAN_S, MAX_LEASE_S
-from dynamo_flexkv.integrations.vllm_connector.settings import run_dir_or_default
+from dynamo_flexkv.integrations.vllm_connector.settings import (
+    DEFAULT_HANDOVER_ORPHAN_S,
+    MAX_LEASE_S,
+    run_dir_or_default,
+)
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +219,7 @@ class Handover:
         self,
         layers: Sequence[Any],
         engine_id: str,
-        run_dir: Optional[str],
+        run_dir: str | None,
         verify: str = Verify.OWNER,
         orphan_s: float = DEFAULT_HANDOVER_ORPHAN_S,
     ) -> None:

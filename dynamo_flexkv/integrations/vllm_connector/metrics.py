@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -21,12 +21,12 @@ from dynamo_flexkv.core.metric_schema import SOURCE_LABEL, Source
 TIERS = ("host", "disk", "remote")
 POOL_STATES = ("capacity", "used", "ready")
 HANDOVER_RESULTS = ("ok", "failed")
-Labels = Tuple[Tuple[str, Tuple[str, ...]], ...]  # (label name, its values), in key order
+Labels = tuple[tuple[str, tuple[str, ...]], ...]  # (label name, its values), in key order
 BY_TIER: Labels = (("tier", TIERS),)
 # data keys: counters are "<name>" or "<name>/<label value>/..." deltas (label values in the order
 # the family lists its labels); gauges start with "gauge:". Names and labels follow the schema the
 # reference worker and the node service share (core/metric_schema.py).
-COUNTERS: Dict[str, Tuple[str, Labels]] = {
+COUNTERS: dict[str, tuple[str, Labels]] = {
     "prompt_tokens_cached": ("Prompt tokens not recomputed, by the offload tier they were loaded from", BY_TIER),
     "recomputed_tokens": ("Tokens a lookup promised that were recomputed instead (evicted, failed or corrupt)", ()),
     "failed_loads": ("Loads that failed or timed out (their blocks were recomputed)", ()),
@@ -75,13 +75,13 @@ def prefix_token_totals(stats: Any) -> dict[str, int]:
     return {f"{PREFIX_TOKENS}/{key}": n for key, n in getattr(stats, "prefix_tokens", {}).items()}
 
 
-GAUGES: Dict[str, Tuple[str, Labels]] = {
+GAUGES: dict[str, tuple[str, Labels]] = {
     "pool_blocks": ("Offload tier slots", (("tier", TIERS), ("state", POOL_STATES))),
     "tasks_in_flight": ("Offload tasks not yet finished", ()),
 }
 # The old names, exported beside the new ones for one release in their old shape (no source label;
 # core/metric_schema.ALIASES): old family -> (gauge?, help, its label, {data key: label value}).
-ALIASES: Dict[str, Tuple[bool, str, Optional[str], Dict[str, str]]] = {
+ALIASES: dict[str, tuple[bool, str, str | None, dict[str, str]]] = {
     "loaded_tokens": (
         False,
         "Deprecated: vllm:flexkv_prompt_tokens_cached_total",
@@ -140,7 +140,7 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._children: Dict[str, List[Dict[int, Any]]] = {}  # data key -> its children (alias too)
+        self._children: dict[str, list[dict[int, Any]]] = {}  # data key -> its children (alias too)
         source = [SOURCE_LABEL]  # every family's samples say source="vllm" (core/metric_schema.py)
         self._sourced = {idx: [*values, Source.VLLM.value] for idx, values in self.per_engine_labelvalues.items()}
         for name, (doc, labels) in COUNTERS.items():

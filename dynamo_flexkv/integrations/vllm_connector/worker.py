@@ -765,7 +765,7 @@ class WorkerSide:
             "handover_corrupt": c.handover_corrupt,
         }
         totals.update({f"prompt_tokens_cached/{t}": n for t, n in self.counters.loaded.items()})
-        out: Dict[str, Any] = {}
+        out: dict[str, Any] = {}
         if self.hints is not None:
             totals.update(self.hints.totals())
             out.update(self.hints.gauges())
