@@ -21,9 +21,18 @@ from vllm_graph import VllmServe
 # or a stop that shows any ERROR line fails.
 ERROR_LINE = re.compile(r"\bERROR\b")
 
+# Every shipped graph (graphs/), by its worker sections: agg_router in the default suite, the others slow.
 REFERENCE = {
+    "agg": ["FlexKVWorker"],
     "agg_router": ["FlexKVWorker"],
     "disagg": ["PrefillWorker", "DecodeWorker"],
+    "disagg_router": ["PrefillWorker", "DecodeWorker"],
+}
+VLLM = {
+    "agg_vllm": ["VllmWorker"],
+    "agg_router_vllm": ["VllmWorker"],
+    "disagg_vllm": ["PrefillWorker", "DecodeWorker"],
+    "disagg_router_vllm": ["PrefillWorker", "DecodeWorker"],
 }
 
 
@@ -39,16 +48,17 @@ def reference_sets(tmp_path: Path, workers) -> list:
     return out
 
 
-def vllm_sets(tmp_path: Path) -> list:
-    w = "VllmWorker"
-    return [
-        "Frontend.http-port=0",
-        f"{w}.cache.ssd_cache_dir={tmp_path}/ssd-{w}{{replica}}",
-        f"{w}.max-model-len=2560",
-        f"{w}.num-device-blocks=64",
-        f"{w}.cache.cpu_cache_gb=0.0625",
-        f"{w}.cache.ssd_cache_gb=0.1",
-    ]
+def vllm_sets(tmp_path: Path, workers=("VllmWorker",)) -> list:
+    out = ["Frontend.http-port=0"]
+    for w in workers:
+        out += [
+            f"{w}.cache.ssd_cache_dir={tmp_path}/ssd-{w}{{replica}}",
+            f"{w}.max-model-len=2560",
+            f"{w}.num-device-blocks=64",
+            f"{w}.cache.cpu_cache_gb=0.0625",
+            f"{w}.cache.ssd_cache_gb=0.1",
+        ]
+    return out
 
 
 def start_and_stop(serve: Serve, temp: Path, model: str) -> None:
@@ -88,7 +98,7 @@ def temp():
     "graph", [pytest.param(g, marks=[pytest.mark.slow] if g != "agg_router" else []) for g in sorted(REFERENCE)]
 )
 def test_a_reference_graph_starts_and_stops_clean(tmp_path, temp, graph):
-    """agg_router in the default suite; disagg (prefill and decode workers) with -m slow."""
+    """agg_router in the default suite; the other reference graphs with -m slow."""
     serve = Serve(
         tmp_path,
         graph,
@@ -102,12 +112,13 @@ def test_a_reference_graph_starts_and_stops_clean(tmp_path, temp, graph):
 
 
 @pytest.mark.slow
-def test_a_vllm_graph_starts_and_stops_clean(tmp_path, temp):
+@pytest.mark.parametrize("graph", sorted(VLLM))
+def test_a_vllm_graph_starts_and_stops_clean(tmp_path, temp, graph):
     serve = VllmServe(
         tmp_path,
-        "agg_vllm",
-        graph="agg_vllm",
-        base=vllm_sets(tmp_path),
+        graph,
+        graph=graph,
+        base=vllm_sets(tmp_path, VLLM[graph]),
         console="quiet",
         own_run_dir=True,
         env={**os.environ, "TMPDIR": str(temp)},
