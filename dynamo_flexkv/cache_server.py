@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.errors import FlexKVError
 
 log = logging.getLogger(__name__)
 READY = "cache server ready on"  # serve waits for this line
@@ -139,10 +140,19 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.set)
         path = args.socket or config.node_socket or default_socket_path()
         quotas = TenantQuotas.parse(args.default_quota, args.tenant_quota)
+        config.require_host_tier(_origin("cpu_cache_gb", args))
         check_host_memory(config, args, quotas is not None)
-        server = NodeCacheServer(
-            config, ServerOptions(path, max_clients=args.max_clients, max_models=args.max_models, quotas=quotas)
-        )
+        options = ServerOptions(path, max_clients=args.max_clients, max_models=args.max_models, quotas=quotas)
+        try:
+            server = NodeCacheServer(config, options)
+        except OSError as e:
+            if isinstance(e, FlexKVError):  # its message already names the path and the fix
+                raise
+            flag = "--socket" if args.socket else _origin("node_socket", args) if config.node_socket else "the default"
+            raise ConfigError(
+                f"node_socket {path} ({flag}): cannot listen there ({e.strerror or e}): choose a path in a "
+                "directory of yours that you can write to (e.g. --socket /tmp/flexkv/node.sock)"
+            ) from None
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -181,10 +181,18 @@ class CacheConfig:
                 )
             out[tier] = blocks
         if out["host"] == 0:
-            raise ConfigError(
-                "cpu_cache_gb=0: the host tier stages every transfer, so it needs room: set cpu_cache_gb > 0"
-            )
+            self.require_host_tier()
         return out
+
+    def require_host_tier(self, origin: str = "") -> None:
+        """ConfigError unless cpu_cache_gb > 0: the host tier stages every transfer. ``origin``
+        (e.g. "--set cpu_cache_gb=0") says where the value came from."""
+        if self.cpu_cache_gb <= 0:
+            where = f" ({origin})" if origin else ""
+            raise ConfigError(
+                f"cpu_cache_gb={self.cpu_cache_gb:g}{where}: the host tier stages every transfer, so it needs "
+                "room: set cpu_cache_gb > 0"
+            )
 
     def remote_config(self) -> RemoteConfig:
         """The remote tier's settings; ConfigError naming the key and the fix when they cannot work."""
