@@ -375,7 +375,8 @@ def unknown_env(env: Mapping[str, str], password_env: str = DEFAULT_PASSWORD_ENV
     for var in sorted(env):
         if var.startswith("FLEXKV_") and var not in known and not var.startswith(TEST_ENV_PREFIX):
             # Compared without the prefix all share: FLEXKV_FOO is nothing's misspelling
-            near = difflib.get_close_matches(var[7:], [k[7:] for k in known if k.startswith("FLEXKV_")], n=1)
+            # and case aside (FLEXKV_cpu_cache_gb means FLEXKV_CPU_CACHE_GB)
+            near = difflib.get_close_matches(var[7:].upper(), [k[7:] for k in known if k.startswith("FLEXKV_")], n=1)
             out[var] = f"FLEXKV_{near[0]}" if near else None
     return out
 
