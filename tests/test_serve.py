@@ -484,10 +484,17 @@ def test_a_bad_run_dir_is_refused_before_anything_starts_naming_the_flag(tmp_pat
 
     a_file = tmp_path / "a-file"
     a_file.write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir(0o500)
+    unwritable = Path("/sys/kernel") if os.geteuid() == 0 else locked
     argv = ["serve", str(ROOT / "graphs" / "agg_router.py"), "-f", CONFIG, "--run-dir"]
     for run_dir, said in (
         (a_file / "run", f"--run-dir {a_file / 'run'}: cannot make it a directory (Not a directory): name a"),
         (a_file, f"the run directory (--run-dir) {a_file} is not a directory: remove it, or choose another path"),
+        ("", "--run-dir is empty: name a directory you can write to, or leave --run-dir out"),
+        # a directory of this user's that no directory can be made in: /sys/kernel for root (who ignores
+        # modes), else one made 0500
+        (unwritable, f"--run-dir {unwritable}: cannot make a directory in it ("),
     ):
         assert main([*argv, str(run_dir)]) == 2
         captured = capsys.readouterr()
