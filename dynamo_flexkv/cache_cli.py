@@ -46,8 +46,9 @@ class TargetError(RuntimeError, FlexKVError):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``cache [show|prefix|clear] ...``; the target, --json, --tier, --tenant and --model go before
     or after the action (all default to SUPPRESS, so that a subparser's default never replaces a
-    value given before the action)."""
-    _target_arguments(p, argparse.SUPPRESS)
+    value given before the action; the repeatable ones after it land in AFTER + dest, so that
+    ``_repeated`` joins both sides: argparse would replace the list given before with the one after)."""
+    _target_arguments(p)
     _select_arguments(p)
     actions = p.add_subparsers(dest="cache_action", metavar="{show,prefix,clear}")
     show = actions.add_parser(
@@ -58,16 +59,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "and shard) and per tier the blocks held, in use (read by a load or a write now) and filling (still "
         "landing), bytes, capacity and how long ago the least and most recently used block was used.",
     )
-    _target_arguments(show, argparse.SUPPRESS)
-    _select_arguments(show)
+    _target_arguments(show, AFTER)
+    _select_arguments(show, AFTER)
     prefix = actions.add_parser(
         "prefix",
         help="which tiers hold which of a prompt's full blocks (by its token ids or its text)",
         description="Which tiers hold which of a prompt's full blocks: each tier holds a leading run of them. "
         "Looking changes nothing (no hit counted, no eviction order touched).",
     )
-    _target_arguments(prefix, argparse.SUPPRESS)
-    _select_arguments(prefix)
+    _target_arguments(prefix, AFTER)
+    _select_arguments(prefix, AFTER)
     prompt = prefix.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--tokens", help="the prompt's token ids: 1,2,3 or '1 2 3' or a JSON list")
     prompt.add_argument(
@@ -87,8 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "The removals count as cleared in the metrics and the router forgets the blocks. The remote tier "
         "(shared with other workers) is never cleared.",
     )
-    _target_arguments(clear, argparse.SUPPRESS)
-    _select_arguments(clear)
+    _target_arguments(clear, AFTER)
+    _select_arguments(clear, AFTER)
     clear.add_argument(
         "--wait",
         type=float,
@@ -99,10 +100,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _target_arguments(p: argparse.ArgumentParser, default: Any) -> None:
+AFTER = "after_action_"  # the dest prefix of a repeatable flag given after the action
+
+
+def _repeated(args: argparse.Namespace, dest: str) -> list[str]:
+    """A repeatable flag's values from before and after the action, in order, each once."""
+    values = (getattr(args, dest, None) or []) + (getattr(args, AFTER + dest, None) or [])
+    return list(dict.fromkeys(values))
+
+
+def _target_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    default = argparse.SUPPRESS
     p.add_argument(
         "--url",
         action="append",
+        dest=prefix + "url",
         default=default,
         metavar="URL",
         help="a worker's system port (serve prints each worker's /metrics address: use it without /metrics) or a "
@@ -111,6 +123,7 @@ def _target_arguments(p: argparse.ArgumentParser, default: Any) -> None:
     p.add_argument(
         "--socket",
         action="append",
+        dest=prefix + "socket",
         default=default,
         metavar="PATH",
         help="a cache-server's Unix socket (its ready line; RUN_DIR/node-cache.sock under serve) (repeatable)",
@@ -118,6 +131,7 @@ def _target_arguments(p: argparse.ArgumentParser, default: Any) -> None:
     p.add_argument(
         "--vllm",
         action="append",
+        dest=prefix + "vllm",
         default=default,
         metavar="PATH",
         help="a vLLM worker's FlexKVConnector: its lookup socket (flexkv-lookup-ENGINE.ipc) or the directory that "
@@ -127,12 +141,12 @@ def _target_arguments(p: argparse.ArgumentParser, default: Any) -> None:
     p.add_argument("--json", action="store_true", default=default, help="print the answers as JSON")
 
 
-def _select_arguments(p: argparse.ArgumentParser) -> None:
+def _select_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument(
         "--tier",
         action="append",
         choices=TIERS,
-        dest="tiers",
+        dest=prefix + "tiers",
         default=argparse.SUPPRESS,
         help="only this tier (repeatable; default all): device is a worker's own KV memory, remote is listed "
         "and probed, never cleared",
@@ -150,9 +164,7 @@ def _select_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    urls: list[str] = getattr(args, "url", None) or []
-    sockets: list[str] = getattr(args, "socket", None) or []
-    vllm: list[str] = getattr(args, "vllm", None) or []
+    urls, sockets, vllm = (_repeated(args, dest) for dest in ("url", "socket", "vllm"))
     if not urls and not sockets and not vllm:
         print(
             "error: name what to ask: --url http://127.0.0.1:PORT (a worker's system port, or a cache-server's "
@@ -205,7 +217,10 @@ def _check_url(url: str) -> None:
     form = (
         "http://HOST:PORT, e.g. --url http://127.0.0.1:8081 (a worker's system port or a cache-server's --metrics-port)"
     )
-    parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+    try:
+        parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+    except ValueError as e:  # "Invalid IPv6 URL": an unclosed [
+        raise BadCacheRequest(f"--url {url}: {e}: write {form}") from None
     try:
         port = parts.port
     except ValueError:  # "Port out of range 0-65535", "Port could not be cast to integer value as 'x'"
@@ -250,7 +265,7 @@ def _request(args: argparse.Namespace) -> CacheRequest:
         tokens, text = tokenize(args.tokenizer, text), None
     return CacheRequest(
         op=op,
-        tiers=getattr(args, "tiers", None),
+        tiers=_repeated(args, "tiers") or None,
         tenant=getattr(args, "tenant", None),
         model=getattr(args, "model", None),
         tokens=tokens,

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dynamo_flexkv.core.config import CacheConfig, ConfigError
+from dynamo_flexkv.core.errors import FlexKVError
 
 log = logging.getLogger(__name__)
 READY = "cache server ready on"  # serve waits for this line
@@ -93,20 +94,16 @@ def check_host_memory(config: CacheConfig, args: argparse.Namespace, quotas: boo
     swapped or the service (and the engines mapping it) killed by the OOM killer once full, long
     after a start that looked fine. ConfigError naming the key, where it was set, the memory and
     the fix."""
-    from dynamo_flexkv.core.config import GiB
-    from dynamo_flexkv.core.sysutil import memory_limit
+    from dynamo_flexkv.core.sysutil import host_memory_shortfall
 
     models = 1 if quotas else max(1, args.max_models)
-    need = config.cpu_cache_gb * GiB * models
-    have, where = memory_limit()
-    if need <= have:
+    short = host_memory_shortfall(config.cpu_cache_gb, models)
+    if short is None:
         return
     times = f" x --max-models {models} (each model gets its own host tier without quotas)" if models > 1 else ""
-    fit = have / GiB / models * 0.75  # room left for the engines, the disk tier's buffers and the OS
     raise ConfigError(
         f"cpu_cache_gb={config.cpu_cache_gb:g} ({_origin('cpu_cache_gb', args)}){times}: the host tier "
-        f"({need / GiB:.1f} GiB) is larger than this machine's memory ({have / GiB:.1f} GiB, {where}): "
-        f"set cpu_cache_gb to what the node can spare (e.g. --set cpu_cache_gb={fit:.0f})"
+        f"{short[0]}: set cpu_cache_gb to what the node can spare (e.g. --set cpu_cache_gb={short[1]:.0f})"
         + (" or lower --max-models, or give tenant quotas" if models > 1 else "")
     )
 
@@ -139,10 +136,19 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.set)
         path = args.socket or config.node_socket or default_socket_path()
         quotas = TenantQuotas.parse(args.default_quota, args.tenant_quota)
+        config.require_host_tier(_origin("cpu_cache_gb", args))
         check_host_memory(config, args, quotas is not None)
-        server = NodeCacheServer(
-            config, ServerOptions(path, max_clients=args.max_clients, max_models=args.max_models, quotas=quotas)
-        )
+        options = ServerOptions(path, max_clients=args.max_clients, max_models=args.max_models, quotas=quotas)
+        try:
+            server = NodeCacheServer(config, options)
+        except OSError as e:
+            if isinstance(e, FlexKVError):  # its message already names the path and the fix
+                raise
+            flag = "--socket" if args.socket else _origin("node_socket", args) if config.node_socket else "the default"
+            raise ConfigError(
+                f"node_socket {path} ({flag}): cannot listen there ({e.strerror or e}): choose a path in a "
+                "directory of yours that you can write to (e.g. --socket /tmp/flexkv/node.sock)"
+            ) from None
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

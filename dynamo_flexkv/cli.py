@@ -223,10 +223,14 @@ def _run_dir(path: str) -> str | None:
     made (removed again if the start is refused), None if it existed. GraphError naming the flag and
     the fix otherwise."""
     import os
+    import tempfile
 
     from dynamo_flexkv.core.sysutil import UnsafeDirectory, private_dir
     from dynamo_flexkv.serve import GraphError
 
+    fix = "name a directory you can write to, or leave --run-dir out (serve makes a temp one)"
+    if not path:  # "" would fall back to a temp directory, and then keep it as a named one
+        raise GraphError(f"--run-dir is empty: {fix}")
     head = os.path.abspath(path)
     made = None
     while not os.path.lexists(head):
@@ -236,10 +240,15 @@ def _run_dir(path: str) -> str | None:
     except UnsafeDirectory as e:
         raise GraphError(str(e)) from None
     except OSError as e:
-        raise GraphError(
-            f"--run-dir {path}: cannot make it a directory ({e.strerror or e}): name a directory you can "
-            "write to, or leave --run-dir out (serve makes a temp one)"
-        ) from None
+        raise GraphError(f"--run-dir {path}: cannot make it a directory ({e.strerror or e}): {fix}") from None
+    try:  # serve makes its logs/ and each component's directory in it: one it may not write to fails late
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=path))
+    except OSError as e:
+        if made:
+            import shutil
+
+            shutil.rmtree(made, ignore_errors=True)
+        raise GraphError(f"--run-dir {path}: cannot make a directory in it ({e.strerror or e}): {fix}") from None
     return made
 
 
@@ -306,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
             own = args.run_dir is None  # serve's own temp directory: it goes when serve stops
             made = None if own else _run_dir(args.run_dir)  # checked before anything starts
-            run_dir = args.run_dir or tempfile.mkdtemp(prefix="dynamo-flexkv-")
+            run_dir = tempfile.mkdtemp(prefix="dynamo-flexkv-") if own else args.run_dir
             try:
                 plan = _plan(
                     args,

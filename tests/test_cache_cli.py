@@ -9,6 +9,7 @@ import json
 import pytest
 from node_helpers import BS, Engine, node_server, prompt
 
+from dynamo_flexkv import cache_cli
 from dynamo_flexkv.cache_cli import parse_tokens, run
 from dynamo_flexkv.cache_server import serve_metrics
 from dynamo_flexkv.cli import build_parser
@@ -148,6 +149,19 @@ def test_the_selection_goes_before_or_after_the_action(served):
     assert code == 0 and "    host  5" in text and "    disk  0" in text
 
 
+def test_a_repeatable_flag_on_both_sides_of_the_action_keeps_every_value(served, tmp_path, capsys):
+    path, _, _ = served
+    code, text = cli("--tier", "disk", "show", "--tier", "host", "--socket", path)
+    assert code == 0 and "    host  " in text and "    disk  " in text, text
+    args = build_parser().parse_args(
+        ["cache", "--socket", "a", "--tier", "disk", "show", "--socket", "b", "--socket", "a"]
+    )
+    assert cache_cli._repeated(args, "socket") == ["a", "b"] and cache_cli._repeated(args, "tiers") == ["disk"]
+    missing = str(tmp_path / "gone.sock")
+    code, text = cli("--socket", path, "show", "--socket", missing)  # both asked: the missing one errs
+    assert code == 1 and path in text and f"{missing}: error: " in capsys.readouterr().err, text
+
+
 def test_bad_targets_and_values_exit_2_naming_the_flag(tmp_path, capsys):
     a_file = tmp_path / "a-file"
     a_file.write_text("")
@@ -155,6 +169,7 @@ def test_bad_targets_and_values_exit_2_naming_the_flag(tmp_path, capsys):
         (["--url", "http://127.0.0.1:99999"], "--url http://127.0.0.1:99999: the port '99999' is not 1-65535"),
         (["--url", "127.0.0.1:x8"], "--url 127.0.0.1:x8: the port 'x8' is not 1-65535"),
         (["--url", "ftp://127.0.0.1:21"], "the scheme ftp:// is not http"),
+        (["--url", "http://[::1"], "--url http://[::1: Invalid IPv6 URL: write http://HOST:PORT"),
         (["--socket", str(a_file)], f"--socket {a_file} is a regular file, not a socket"),
         (["--socket", str(tmp_path)], f"--socket {tmp_path} is a directory, not a socket"),
         (["clear", "--wait", "-3", "--socket", str(tmp_path / "x.sock")], "--wait -3: wait 0 to 600 seconds"),

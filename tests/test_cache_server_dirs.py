@@ -2,6 +2,7 @@
 directory (made 0700 when missing, e.g. under the temp folder when no XDG_RUNTIME_DIR is set, or
 the directory of its own serve gives a run too deep for a socket path) goes when the server stops."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -126,4 +127,26 @@ def test_a_host_tier_larger_than_the_machines_memory_is_refused(tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert said in r.stderr and "is larger than this machine's memory (" in r.stderr, r.stderr
         assert "set cpu_cache_gb to what the node can spare (e.g. --set cpu_cache_gb=" in r.stderr, r.stderr
+        assert not (tmp_path / "made").exists()
+
+
+def test_a_socket_it_cannot_listen_on_or_a_host_tier_of_0_is_refused_naming_it(tmp_path):
+    """Exit 2 naming the path and the flag (not a bare errno), or the key and where it was set."""
+    sock = tmp_path / "made" / "node.sock"
+    # a directory of this user that bind cannot write to: /proc for root (who ignores modes), else 0500
+    locked = tmp_path / "locked"
+    locked.mkdir(0o500)
+    bad = "/proc/x.sock" if os.geteuid() == 0 else str(locked / "x.sock")
+    for argv, said in (
+        (["--socket", bad], f"node_socket {bad} (--socket): cannot listen there ("),
+        (["--socket", str(sock), "--set", "cpu_cache_gb=0"], "cpu_cache_gb=0 (--set cpu_cache_gb=0): the host tier"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "dynamo_flexkv.cli", "cache-server", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert said in r.stderr, r.stderr
         assert not (tmp_path / "made").exists()

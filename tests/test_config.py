@@ -348,6 +348,7 @@ def test_a_misspelled_flexkv_variable_is_named_with_the_closest_known_one(caplog
     env = {
         "FLEXKV_CPU_CACHE_G": "3",
         "FLEXKV_SSD_CACHEDIR": "/x",
+        "FLEXKV_cpu_cache_gb": "1",  # the right name in the wrong case: matched case aside
         "FLEXKV_QWERTY": "1",
         "FLEXKV_TEST_WRONG_KV": "1",
         "FLEXKV_MY_PASSWORD": "pw",
@@ -357,6 +358,7 @@ def test_a_misspelled_flexkv_variable_is_named_with_the_closest_known_one(caplog
         "FLEXKV_CPU_CACHE_G": "FLEXKV_CPU_CACHE_GB",
         "FLEXKV_QWERTY": None,
         "FLEXKV_SSD_CACHEDIR": "FLEXKV_SSD_CACHE_DIR",
+        "FLEXKV_cpu_cache_gb": "FLEXKV_CPU_CACHE_GB",
     }
     monkeypatch.setattr(config_module, "_warned_env", set())
     small = {"FLEXKV_CPU_CACHE_G": "3", "FLEXKV_CPU_CACHE_GB": "1"}

@@ -484,10 +484,17 @@ def test_a_bad_run_dir_is_refused_before_anything_starts_naming_the_flag(tmp_pat
 
     a_file = tmp_path / "a-file"
     a_file.write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir(0o500)
+    unwritable = Path("/sys/kernel") if os.geteuid() == 0 else locked
     argv = ["serve", str(ROOT / "graphs" / "agg_router.py"), "-f", CONFIG, "--run-dir"]
     for run_dir, said in (
         (a_file / "run", f"--run-dir {a_file / 'run'}: cannot make it a directory (Not a directory): name a"),
         (a_file, f"the run directory (--run-dir) {a_file} is not a directory: remove it, or choose another path"),
+        ("", "--run-dir is empty: name a directory you can write to, or leave --run-dir out"),
+        # a directory of this user's that no directory can be made in: /sys/kernel for root (who ignores
+        # modes), else one made 0500
+        (unwritable, f"--run-dir {unwritable}: cannot make a directory in it ("),
     ):
         assert main([*argv, str(run_dir)]) == 2
         captured = capsys.readouterr()
@@ -531,3 +538,32 @@ def test_an_empty_config_file_and_a_node_socket_that_is_not_a_socket_are_named(t
     for what, path in (("a directory", tmp_path), ("a regular file", empty)):
         with pytest.raises(GraphError, match=rf"{path} is {what}, not a socket: name the socket of a running"):
             agg_router_plan(tmp_path, f"FlexKVWorker.cache={{mode: node, node_socket: {path}}}")
+
+
+@pytest.mark.parametrize(
+    "sets, said",
+    [
+        (
+            ["FlexKVWorker.cache.cpu_cache_gb=100000", "FlexKVWorker.cache.ssd_cache_gb=0"],
+            "--set FlexKVWorker.cache.cpu_cache_gb=100000: FlexKVWorker.cache.cpu_cache_gb=100000 x "
+            "FlexKVWorker.replicas 2: the host tiers (200000.0 GiB) are larger than this machine's memory (",
+        ),
+        (
+            ["NodeCache.cache.cpu_cache_gb=100000", "NodeCache.cache.ssd_cache_gb=0", "FlexKVWorker.cache.mode=node"],
+            "--set NodeCache.cache.cpu_cache_gb=100000: NodeCache.cache.cpu_cache_gb=100000: the host tier "
+            "(100000.0 GiB) is larger than this machine's memory (",
+        ),
+    ],
+)
+def test_a_host_tier_larger_than_the_machines_memory_is_refused_before_serve_starts(tmp_path, sets, said):
+    """As cache-server refuses it: the --set it came from, the machine's memory and a size that fits
+    (as a --set), counting each replica's tier; not a worker's traceback after the start."""
+    from dynamo_flexkv.cli import _plan, build_parser
+
+    argv = ["serve", str(ROOT / "graphs" / "agg_router.py"), "-f", CONFIG, "--set", "Common.model=tiny"]
+    args = build_parser().parse_args(
+        [*argv, "--set", "FlexKVWorker.replicas=2", *(a for s in sets for a in ("--set", s))]
+    )
+    with pytest.raises(GraphError) as refused:
+        _plan(args, str(tmp_path / "run"))
+    assert said in str(refused.value) and ".cache.cpu_cache_gb=" in str(refused.value).split(": set ")[1], refused.value

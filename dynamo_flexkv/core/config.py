@@ -181,10 +181,18 @@ class CacheConfig:
                 )
             out[tier] = blocks
         if out["host"] == 0:
-            raise ConfigError(
-                "cpu_cache_gb=0: the host tier stages every transfer, so it needs room: set cpu_cache_gb > 0"
-            )
+            self.require_host_tier()
         return out
+
+    def require_host_tier(self, origin: str = "") -> None:
+        """ConfigError unless cpu_cache_gb > 0: the host tier stages every transfer. ``origin``
+        (e.g. "--set cpu_cache_gb=0") says where the value came from."""
+        if self.cpu_cache_gb <= 0:
+            where = f" ({origin})" if origin else ""
+            raise ConfigError(
+                f"cpu_cache_gb={self.cpu_cache_gb:g}{where}: the host tier stages every transfer, so it needs "
+                "room: set cpu_cache_gb > 0"
+            )
 
     def remote_config(self) -> RemoteConfig:
         """The remote tier's settings; ConfigError naming the key and the fix when they cannot work."""
@@ -367,7 +375,8 @@ def unknown_env(env: Mapping[str, str], password_env: str = DEFAULT_PASSWORD_ENV
     for var in sorted(env):
         if var.startswith("FLEXKV_") and var not in known and not var.startswith(TEST_ENV_PREFIX):
             # Compared without the prefix all share: FLEXKV_FOO is nothing's misspelling
-            near = difflib.get_close_matches(var[7:], [k[7:] for k in known if k.startswith("FLEXKV_")], n=1)
+            # and case aside (FLEXKV_cpu_cache_gb means FLEXKV_CPU_CACHE_GB)
+            near = difflib.get_close_matches(var[7:].upper(), [k[7:] for k in known if k.startswith("FLEXKV_")], n=1)
             out[var] = f"FLEXKV_{near[0]}" if near else None
     return out
 

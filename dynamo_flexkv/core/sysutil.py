@@ -88,6 +88,19 @@ def memory_limit() -> tuple[int, str]:
     return total, where
 
 
+def host_memory_shortfall(gb: float, times: int = 1) -> tuple[str, float] | None:
+    """None when ``times`` host tiers of ``gb`` GB each fit this machine's memory, else (what is
+    short, for a message: "(N GiB) is larger than this machine's memory (M GiB, where)", a size each
+    could have that leaves room for the engines, the disk tier's buffers and the OS)."""
+    gib = 1 << 30
+    need = gb * gib * max(1, times)
+    have, where = memory_limit()
+    if need <= have:
+        return None
+    fit = have / gib / max(1, times) * 0.75
+    return f"({need / gib:.1f} GiB) is larger than this machine's memory ({have / gib:.1f} GiB, {where})", fit
+
+
 def find_binary(name: str) -> str | None:
     """``name`` on PATH, else in the sbin directories; None if neither has it."""
     return shutil.which(name) or shutil.which(name, path=SBIN)

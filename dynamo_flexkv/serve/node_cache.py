@@ -209,6 +209,18 @@ def process(
             raise GraphError(
                 f"{origin_of(source, SECTION, 'quotas')}: {SECTION}.quotas: {cite_origins(str(e), origins)}"
             ) from None
+    if local:  # as cache-server checks it: without quotas each model gets its own host tier
+        from dynamo_flexkv.core.sysutil import host_memory_shortfall
+
+        models = 1 if quotas is not None else o["max-models"]
+        short = host_memory_shortfall(cache.cpu_cache_gb, models)
+        if short is not None:
+            times = f" x {SECTION}.max-models {models} (each model its own host tier without quotas)" * (models > 1)
+            raise GraphError(
+                f"{origin_of(source, SECTION, 'cache', 'cpu_cache_gb')}: {SECTION}.cache.cpu_cache_gb="
+                f"{cache.cpu_cache_gb:g}{times}: the host tier {short[0]}: set --set {SECTION}.cache.cpu_cache_gb="
+                f"{short[1]:.0f} or less" + (f" or lower {SECTION}.max-models" if models > 1 else "")
+            )
     if cache.ssd_cache_gb > 0 and local:
         claim_ssd_dirs(
             ctx,

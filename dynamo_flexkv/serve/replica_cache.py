@@ -79,6 +79,8 @@ def replica_cache(
             cache.tier_blocks(spec)
     except ConfigError as e:
         raise GraphError(f"{name}.cache: {cite_origins(str(e), origins)}") from None
+    if local and i == 0:  # every replica's host tier is this machine's memory
+        _check_host_memory(name, cache.cpu_cache_gb, o["replicas"], origins.get("cpu_cache_gb", str(source)))
     if local and cache.enable_remote and given_url:
         check_remote_reachable(cache, f"{origin_of(source, name, 'cache', 'remote_cache_url')}: {name}.cache")
     dir_origin = origin_of(source, name, "cache", "ssd_cache_dir")
@@ -137,3 +139,20 @@ def _dirs(value: Any) -> list[str]:
     if value is None:
         return []
     return [d for d in value.split(";") if d] if isinstance(value, str) else [str(d) for d in value]
+
+
+def _check_host_memory(section: str, gb: float, replicas: int, origin: str) -> None:
+    """GraphError when ``replicas`` host tiers of ``gb`` GB do not fit this machine's memory (they
+    would be swapped, or a worker killed by the OOM killer once they fill), naming where the size
+    came from and one that fits."""
+    from dynamo_flexkv.core.sysutil import host_memory_shortfall
+
+    short = host_memory_shortfall(gb, replicas)
+    if short is not None:
+        times = f" x {section}.replicas {replicas}" if replicas > 1 else ""
+        what = short[0].replace(" is ", " are ", 1)
+        raise GraphError(
+            f"{origin}: {section}.cache.cpu_cache_gb={gb:g}{times}: the host tiers {what}: set "
+            f"--set {section}.cache.cpu_cache_gb={short[1]:.0f} or less"
+            + (f" or lower {section}.replicas" if replicas > 1 else "")
+        )
