@@ -34,15 +34,15 @@ DOORS: dict[str, frozenset[str] | None] = {
     "dynamo_flexkv.core.metric_schema": ANY,  # one metric schema: the names and the source label every exporter uses
     # the lookup socket sends token ids packed as the node protocol does (one format on the wire)
     "dynamo_flexkv.core.node.protocol": frozenset({"pack_tokens"}),
-    # engine-to-engine transports beside the offload (not through its tiers): the disaggregated
-    # prefill -> decode handover of the engine's own KV (NIXL), and peer pulls on router hints
+    # an engine-to-engine transport beside the offload (not through its tiers): the disaggregated
+    # prefill -> decode handover of the engine's own KV (NIXL); peer pulls on router hints go
+    # through the contract (EngineOffload.open_peer_link)
     "dynamo_flexkv.core.transfer.nixl_agent": frozenset(
         {"KVAgent", "HandoverFailed", "HandoverCorrupt", "Notifier", "kv_block_checksums", "block_checksums"}
         | {"exit_past_libnl"}
     ),
     "dynamo_flexkv.core.transfer.nixl_agents": frozenset({"quiet_progress_threads"}),
     "dynamo_flexkv.core.transfer.nixl_errors": frozenset({"HandoverRefused"}),
-    "dynamo_flexkv.core.peer": frozenset({"PeerReceiver", "PeerSource", "SourceLimits", "host_agent"}),
 }
 OURS = "dynamo_flexkv"
 SELF = ("dynamo_flexkv.integrations", "dynamo_flexkv.resources")  # its own modules; the shipped presets

@@ -117,6 +117,7 @@ def test_a_workers_hinted_pull_counts_seen_used_failed_and_pinned(tmp_path, monk
     from served import wait_until
 
     from dynamo_flexkv import KVLayoutType, KVManager
+    from dynamo_flexkv.core.offload import EmbeddedOffload
     from dynamo_flexkv.integrations.vllm_connector.hints import FetchHint, WorkerHints
 
     tier = parse_secondary_tiers([TIER])  # bound to any free port below (port 0)
@@ -132,9 +133,9 @@ def test_a_workers_hinted_pull_counts_seen_used_failed_and_pinned(tmp_path, monk
         for i, h in enumerate(kvs[0].hashes(tokens).sequence):
             fill(dev, layout, i, int(h))
         kvs[0].wait([kvs[0].put_async(tokens, list(range(12)))])
-        hints = [WorkerHints(kv, tier, 0, b"s") for kv in kvs]
+        hints = [WorkerHints(EmbeddedOffload(kv), tier, 0, b"s") for kv in kvs]
         src, dst = hints
-        assert dst.pull(FetchHint(src.source.endpoint, 8), tokens, None, None, 16) == 8
+        assert dst.pull(FetchHint(src.link.endpoint, 8), tokens, None, None, 16) == 8
         assert kvs[1].match(tokens)["host"] == 8 * 16
         assert dst.pull(FetchHint("tcp://127.0.0.1:1", 12), tokens, None, None, 16) == 0  # nobody there
         totals = dst.totals()

@@ -14,13 +14,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.inventory import CacheReport, CacheRequest
 from dynamo_flexkv.core.layout import KVLayoutType
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskResult
+
+if TYPE_CHECKING:  # NIXL behind it: imported only where an engine opens a link
+    from dynamo_flexkv.core.peer.link import PeerLink
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +322,16 @@ class EngineOffload(ABC):
         sends the node's blocks, then every change (before it, the listener hears nothing).
         ``repeat``: the same again for a subscriber that may have dropped the first (embedded: the
         re-adopted blocks still held; node: nothing, each attach sends the node's blocks)."""
+
+    def open_peer_link(self, secret: bytes | None, host: str, port: int, lease_s: float) -> PeerLink:
+        """Router hints (core/peer/, docs/HINTS.md): serves this engine's host tier to peers that
+        prove membership with ``secret`` on ``host:port`` (0: any free port; pins held at most
+        ``lease_s``) and pulls their blocks into it. Close the link before ``shutdown``. Embedded
+        tiers only: the node cache's host tier belongs to the service."""
+        raise FlexKVError(
+            f"peer pulls need embedded tiers: this engine's tiers are {type(self).__name__}'s "
+            "(set mode: embedded, or turn router hints off)"
+        )
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -22,6 +22,7 @@ calls follow one request's life:
 * ``prefetch(tokens)`` warms host memory from disk for a request that still waits;
 * ``observe_prefill(tokens, prompt_tokens, seconds)`` after each step that only prefilled: the
   cost-aware load policy compares loads with this measured prefill time (core/cost.py);
+* ``open_peer_link(secret, host, port, lease_s)``: router hints' pulls between engines (embedded);
 * administration: ``stats``, ``drain``, ``evict_host``, ``reset_tiers``, ``cache_admin``, ``describe``,
   ``tier_files``, ``announce_adopted``, ``shutdown``.
 """
@@ -29,7 +30,7 @@ calls follow one request's life:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo_flexkv.core.config import CacheConfig
 from dynamo_flexkv.core.contract import (
@@ -46,6 +47,9 @@ from dynamo_flexkv.core.manager import KVManager
 from dynamo_flexkv.core.stats import ManagerStats
 from dynamo_flexkv.core.tasks import TaskResult, TaskStatus
 from dynamo_flexkv.core.transfer.runner import MoverHook
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.core.peer.link import PeerLink
 
 __all__ = ["EngineOffload", "Hold", "EmbeddedOffload", "open_offload"]
 
@@ -256,6 +260,11 @@ class EmbeddedOffload(EngineOffload):
 
     def announce_adopted(self, repeat: bool = False) -> int:
         return self.kv.announce_adopted(repeat)
+
+    def open_peer_link(self, secret: bytes | None, host: str, port: int, lease_s: float) -> PeerLink:
+        from dynamo_flexkv.core.peer import PeerLink, SourceLimits  # NIXL: only a worker with hints loads it
+
+        return PeerLink(self.kv, secret, host, port, SourceLimits(lease_s=lease_s))
 
     def shutdown(self) -> None:
         self.kv.shutdown()

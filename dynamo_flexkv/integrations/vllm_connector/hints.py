@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynamo_flexkv.core.contract import EngineOffload
 from dynamo_flexkv.core.errors import FlexKVError
 
 log = logging.getLogger(__name__)
@@ -196,12 +197,10 @@ class HintCounters:
 
 
 class WorkerHints:
-    """A worker's half of router hints: its PeerSource on the advertised control port and its
-    PeerReceiver, over one NIXL agent on its host tier (core/peer/)."""
+    """A worker's half of router hints over its offload's peer link (EngineOffload.open_peer_link):
+    its host tier served on the advertised control port, and its pulls from the hinted sources."""
 
-    def __init__(self, kv: Any, tier: HintTier, port: int, secret: bytes | None) -> None:
-        from dynamo_flexkv.core.peer import PeerReceiver, PeerSource, SourceLimits, host_agent
-
+    def __init__(self, offload: EngineOffload, tier: HintTier, port: int, secret: bytes | None) -> None:
         if not secret:
             raise ValueError(
                 "FlexKVConnector: secondary_tiers router_hint needs the deployment's shared secret in "
@@ -210,13 +209,7 @@ class WorkerHints:
         self.tier = tier
         self.counters = HintCounters()
         self._lock = threading.Lock()
-        self.agent = host_agent(kv)
-        try:
-            self.source = PeerSource(kv, self.agent, secret, tier.bind_host, port, SourceLimits(lease_s=tier.lease_s))
-        except BaseException:
-            self.agent.close()
-            raise
-        self.receiver = PeerReceiver(kv, self.agent, secret)
+        self.link = offload.open_peer_link(secret, tier.bind_host, port, tier.lease_s)
 
     def pull(
         self,
@@ -236,7 +229,7 @@ class WorkerHints:
             with self._lock:
                 self.counters.fail("foreign")
             return 0
-        r = self.receiver.pull(
+        r = self.link.pull(
             hint.endpoint,
             token_ids,
             lora_name=lora,
@@ -260,7 +253,7 @@ class WorkerHints:
 
     def totals(self) -> dict[str, float]:
         """Running totals as the worker's step-stats keys (metrics.py)."""
-        c, s = self.counters, self.source.stats
+        c, s = self.counters, self.link.source_stats
         out: dict[str, float] = {
             "hints_seen": c.seen,
             "hints_used": c.used,
@@ -276,9 +269,7 @@ class WorkerHints:
         return out
 
     def gauges(self) -> dict[str, float]:
-        return {"gauge:peer_pinned_blocks": self.source.stats.pinned_blocks}
+        return {"gauge:peer_pinned_blocks": self.link.source_stats.pinned_blocks}
 
     def close(self) -> None:
-        self.receiver.close()
-        self.source.close()
-        self.agent.close()
+        self.link.close()

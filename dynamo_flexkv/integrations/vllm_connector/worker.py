@@ -312,10 +312,8 @@ class WorkerSide:
                 type(self.offload).__name__,
             )
             return
-        self.hints = WorkerHints(self.offload.kv, tier, tier.port(self.settings.dp_rank_local), handover_secret())
-        log.info(
-            "FlexKVConnector: router hints on; peers pull this worker's host tier at %s", self.hints.source.endpoint
-        )
+        self.hints = WorkerHints(self.offload, tier, tier.port(self.settings.dp_rank_local), handover_secret())
+        log.info("FlexKVConnector: router hints on; peers pull this worker's host tier at %s", self.hints.link.endpoint)
 
     def _lookup(
         self, tokens, lora: str | None, salt: str | None, prompt_tokens: int, local_blocks: int, hint=None
