@@ -22,7 +22,7 @@ mode's timing includes ~0.25 s of start-up and ends on a 0.25 s tick, both count
 
 ``ttft-remote-90-*``: time to first token of the reference engine (``small`` preset) on a worker
 whose own tiers are empty while 90% of the prompt's prefix sits in Redis (written behind by
-another KVManager), against recompute of the same prompt (offload off) in the same run. For
+another worker's offload), against recompute of the same prompt (offload off) in the same run. For
 this case lower is better (the ratio is a fraction of the recompute time); the first token
 must equal the recomputed one or the run fails. The two run back to back, in alternating order,
 and each is the median of its runs (prompts of 4K tokens or fewer get twice the runs: their
