@@ -3,7 +3,11 @@ vLLM connector, the Dynamo worker, the events, disagg) imports from dynamo_flexk
 modules listed here (docs/ENGINE_CONTRACT.md), and from a few of them only the names listed. A new
 import of the control plane (core.index), the manager, the storage or the movers fails here, naming
 the file and line: reach it through EngineOffload (core/contract.py) instead, or add a door here
-with the reason it needs one."""
+with the reason it needs one.
+
+bench/ and replay/ are held to the same doors (BENCH_DOORS: the contract's, plus stateless
+utilities and the values open_offload's mover_hook takes), except the micro-benchmarks of the data
+plane itself, which import what they measure (MICRO_BENCHES, by file, with the reason)."""
 
 from __future__ import annotations
 
@@ -47,6 +51,56 @@ DOORS: dict[str, frozenset[str] | None] = {
 OURS = "dynamo_flexkv"
 SELF = ("dynamo_flexkv.integrations", "dynamo_flexkv.resources")  # its own modules; the shipped presets
 
+BENCH = [ROOT / "dynamo_flexkv" / "bench", ROOT / "dynamo_flexkv" / "replay"]
+# bench/ and replay/ drive engines, served graphs and the CLI: only dynamo_flexkv.core is checked
+# (the engines, serve and the workload are theirs to use through their public modules).
+BENCH_CHECKED = ("dynamo_flexkv.core",)
+BENCH_DOORS: dict[str, frozenset[str] | None] = {
+    **DOORS,
+    # stateless utilities: process groups, ports and binaries, one HTTP client and metric scraper
+    "dynamo_flexkv.core.procgroup": ANY,
+    "dynamo_flexkv.core.sysutil": ANY,
+    "dynamo_flexkv.core.http_client": ANY,
+    # what open_offload's mover_hook takes and returns (bench throttled slows the disk link with one)
+    "dynamo_flexkv.core.transfer.runner": frozenset({"Mover", "MoverHook"}),
+    "dynamo_flexkv.core.transfer.graph": frozenset({"OpKind", "TransferOp"}),
+}
+# file (relative to the repository) -> the core modules it may import beyond BENCH_DOORS (every name
+# of each, and their submodules), and why: each measures that part of the data plane itself.
+MICRO_BENCHES: dict[str, tuple[frozenset[str], str]] = {
+    "dynamo_flexkv/bench/links.py": (
+        frozenset(
+            {
+                "dynamo_flexkv.core.native",
+                "dynamo_flexkv.core.storage",
+                "dynamo_flexkv.core.transfer.graph",
+                "dynamo_flexkv.core.transfer.movers",
+                "dynamo_flexkv.core.transfer.nixl_mover",
+            }
+        ),
+        "the copy links: each mover over its storage tier against memcpy / fio / raw NIXL",
+    ),
+    "dynamo_flexkv/bench/node_datapath.py": (
+        frozenset(
+            {"dynamo_flexkv.core.storage", "dynamo_flexkv.core.transfer.graph", "dynamo_flexkv.core.transfer.movers"}
+        ),
+        "the node cache's two data paths, built from the movers and pools they differ in",
+    ),
+    "dynamo_flexkv/bench/index.py": (
+        frozenset({"dynamo_flexkv.core.index"}),
+        "the control plane's index (CacheEngine.match) against Dynamo's radix tree",
+    ),
+    "dynamo_flexkv/bench/remote.py": (
+        frozenset({"dynamo_flexkv.core.remote", "dynamo_flexkv.core.native"}),
+        "the remote link: RemoteStore's pipelined puts and gets against redis-benchmark "
+        "(its TTFT cases use the contract)",
+    ),
+    "dynamo_flexkv/bench/disagg.py": (
+        frozenset({"dynamo_flexkv.core.transfer.nixl_agent"}),
+        "the handover's NIXL read against a raw NIXL read on the same agent's prepared descriptor lists",
+    ),
+}
+
 
 def imports(path: Path) -> list[tuple[int, str, str | None]]:
     """(line, module, name or None for ``import module``) of every import of dynamo_flexkv in a
@@ -62,19 +116,34 @@ def imports(path: Path) -> list[tuple[int, str, str | None]]:
     return out
 
 
-def side_doors(files: list[Path]) -> list[str]:
+def _within(module: str, prefixes: tuple[str, ...] | frozenset[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def side_doors(
+    files: list[Path],
+    doors: dict[str, frozenset[str] | None] = DOORS,
+    unchecked: tuple[str, ...] = SELF,
+    checked: tuple[str, ...] = (OURS,),
+    extra: dict[str, tuple[frozenset[str], str]] | None = None,
+) -> list[str]:
+    """``file:line imports module.name`` of each import of a ``checked`` module that neither
+    ``doors`` nor the file's own ``extra`` entry allows (``unchecked``: a caller's own packages)."""
     bad = []
     for f in files:
         where = f.relative_to(ROOT) if f.is_relative_to(ROOT) else f
+        own = (extra or {}).get(str(where), (frozenset(), ""))[0]
         for line, module, name in sorted(imports(f), key=lambda t: t[0]):
             if module == OURS and name is not None:  # from dynamo_flexkv import X: the package's lazy names
                 module, name = f"{OURS}.core", name
-            if any(module == s or module.startswith(s + ".") for s in SELF):
+            if _within(module, unchecked) or not _within(module, checked):
                 continue
-            if name is not None and f"{module}.{name}" in DOORS:  # from dynamo_flexkv.core import offload
+            if name is not None and f"{module}.{name}" in doors:  # from dynamo_flexkv.core import offload
                 continue
-            names = DOORS.get(module, frozenset())
-            if module in DOORS and (names is ANY or (name is not None and name in names)):
+            names = doors.get(module, frozenset())
+            if module in doors and (names is ANY or (name is not None and name in names)):
+                continue
+            if _within(module, own) or (name is not None and _within(f"{module}.{name}", own)):
                 continue
             what = f"{module}.{name}" if name else module
             bad.append(f"{where}:{line} imports {what}")
@@ -108,6 +177,58 @@ def test_a_side_door_into_the_control_plane_is_named(tmp_path):
         "dynamo_flexkv.core.transfer.movers",
         "dynamo_flexkv.core.node.protocol.Load",
     ], got
+
+
+def bench_side_doors(files: list[Path]) -> list[str]:
+    return side_doors(files, BENCH_DOORS, (), BENCH_CHECKED, MICRO_BENCHES)
+
+
+def test_bench_and_replay_reach_the_core_only_through_its_doors():
+    files = sorted(f for d in BENCH for f in d.rglob("*.py"))
+    assert files
+    bad = bench_side_doors(files)
+    assert not bad, (
+        "bench/ or replay/ reaches past the engine contract (tests/test_architecture_doors.py: BENCH_DOORS, and "
+        "MICRO_BENCHES for the data plane's own micro-benchmarks): open the tiers with open_offload and use "
+        "EngineOffload's calls (stats, drain, evict_host, reset_tiers, cache_admin) instead:\n  " + "\n  ".join(bad)
+    )
+
+
+def test_every_micro_bench_exception_names_a_file_that_uses_it():
+    """An exception outlives its reason unnoticed: each listed file exists and imports each module
+    it is allowed."""
+    for rel, (modules, why) in MICRO_BENCHES.items():
+        assert why and (ROOT / rel).is_file(), rel
+        used = {m if n is None else f"{m}.{n}" for _, m, n in imports(ROOT / rel)}
+        unused = {m for m in modules if not any(_within(u, frozenset({m})) for u in used)}
+        assert not unused, f"{rel} no longer imports {sorted(unused)}: drop them from MICRO_BENCHES"
+
+
+def test_a_side_door_in_a_bench_module_is_named(tmp_path):
+    """The check itself on a bench module: a reach into the manager's tiers is named by file and
+    line; the contract, utilities and the rest of the package pass; a micro-benchmark's exception
+    holds for its own file only."""
+    bench = tmp_path / "dynamo_flexkv" / "bench"
+    bench.mkdir(parents=True)
+    src = bench / "ttft_like.py"
+    src.write_text(
+        "from dynamo_flexkv.core.offload import open_offload\n"
+        "from dynamo_flexkv.core.procgroup import stop_group\n"
+        "from dynamo_flexkv.integrations.reference_engine import LLMEngine\n"
+        "from dynamo_flexkv.core.manager import KVManager\n"
+        "def f():\n    from dynamo_flexkv.core.storage.host import HostPool\n"
+        "from dynamo_flexkv.core.transfer.graph import OpKind, TransferGraph\n"
+    )
+    got = bench_side_doors([src])
+    assert got == [
+        f"{src}:4 imports dynamo_flexkv.core.manager.KVManager",
+        f"{src}:6 imports dynamo_flexkv.core.storage.host.HostPool",
+        f"{src}:7 imports dynamo_flexkv.core.transfer.graph.TransferGraph",
+    ], got
+    # as links.py, it may import the storage and the transfer graph it measures; the manager still not
+    assert side_doors(
+        [src], BENCH_DOORS, (), BENCH_CHECKED, {str(src): MICRO_BENCHES["dynamo_flexkv/bench/links.py"]}
+    ) == [f"{src}:4 imports dynamo_flexkv.core.manager.KVManager"]
 
 
 def test_the_contract_doc_lists_every_call_and_nothing_else():

@@ -22,7 +22,7 @@ mode's timing includes ~0.25 s of start-up and ends on a 0.25 s tick, both count
 
 ``ttft-remote-90-*``: time to first token of the reference engine (``small`` preset) on a worker
 whose own tiers are empty while 90% of the prompt's prefix sits in Redis (written behind by
-another KVManager), against recompute of the same prompt (offload off) in the same run. For
+another worker's offload), against recompute of the same prompt (offload off) in the same run. For
 this case lower is better (the ratio is a fraction of the recompute time); the first token
 must equal the recomputed one or the run fails. The two run back to back, in alternating order,
 and each is the median of its runs (prompts of 4K tokens or fewer get twice the runs: their
@@ -41,12 +41,12 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core import native as _native
+from dynamo_flexkv.core.offload import EngineOffload
 from dynamo_flexkv.core.remote import HEADER_BYTES, RemoteStore, fingerprint_of
 from dynamo_flexkv.core.remote.resp import RespConnection, encode_command
 from dynamo_flexkv.serve.redis_server import RedisCluster, RedisServer, require_binary
@@ -187,11 +187,12 @@ def _populate(ports: list[int], value_bytes: int, n: int, depth: int) -> None:
             conn.close()
 
 
-def _remote_hits(kv: Any) -> int:
-    """The remote tier's hits so far (the managers here are opened with one)."""
-    remote = kv.stats().remote
+def _remote_hits(offload: EngineOffload) -> int:
+    """The remote tier's hits so far (the offloads here are opened with one)."""
+    stats = offload.stats()
+    remote = stats.remote if stats is not None else None
     if remote is None:
-        raise RuntimeError("bench remote: a manager without its remote tier")
+        raise RuntimeError("bench remote: an offload without its remote tier")
     return int(remote.hits)
 
 
@@ -343,8 +344,7 @@ def ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
 def _ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
     from dynamo_flexkv.bench.ttft import ONE
     from dynamo_flexkv.core.config import CacheConfig
-    from dynamo_flexkv.core.manager import KVManager
-    from dynamo_flexkv.core.offload import EmbeddedOffload
+    from dynamo_flexkv.core.offload import open_offload
     from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LlamaModel, LLMEngine
 
     cfg = EngineModelConfig.preset("small")
@@ -357,14 +357,17 @@ def _ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
         cache = CacheConfig.from_dict(
             dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, enable_remote=True, remote_cache_url=server.url)
         )
-        with KVManager(cfg.kv_spec(), cache) as writer, KVManager(cfg.kv_spec(), cache) as reader:
+        # Two workers' offloads, opened as an engine opens them, over one Redis.
+        writer = open_offload(cfg.kv_spec(), cache)
+        reader = open_offload(cfg.kv_spec(), cache)
+        try:
 
-            def first_token(kv, prompt, puts=False):
+            def first_token(offload: EngineOffload | None, prompt: list[int], puts: bool = False) -> tuple[float, int]:
                 engine = LLMEngine(
                     cfg,
                     num_device_blocks=blocks,
                     model=model,
-                    offload=None if kv is None else EmbeddedOffload(kv),
+                    offload=offload,
                     offload_puts=puts,
                 )
                 r = engine.generate([prompt], ONE)[0]
@@ -380,7 +383,7 @@ def _ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
                     first_token(writer, prompt[: int(size * 0.9)], puts=True)  # computed once, written to Redis
                     if not writer.drain(120):
                         raise RuntimeError("remote writes still running after 120 s")
-                    reader.reset()  # the reader's own tiers hold nothing: only Redis has the prefix
+                    reader.reset_tiers(120)  # the reader's own tiers hold nothing: only Redis has the prefix
                     hits = _remote_hits(reader)
 
                     def recompute() -> int:
@@ -420,6 +423,9 @@ def _ttft_cases(sizes: list[int], repeat: int) -> list[Case]:
                         f"lower is better; {hits} remote blocks read so far",
                     )
                 )
+        finally:
+            writer.shutdown()
+            reader.shutdown()
     return cases
 
 

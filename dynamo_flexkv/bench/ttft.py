@@ -23,41 +23,50 @@ import numpy as np
 
 from dynamo_flexkv.bench.report import Case
 from dynamo_flexkv.core.config import CacheConfig
-from dynamo_flexkv.core.contract import EngineOffload
-from dynamo_flexkv.core.manager import KVManager
-from dynamo_flexkv.core.offload import EmbeddedOffload
+from dynamo_flexkv.core.enums import LoadPolicy
+from dynamo_flexkv.core.offload import open_offload
+from dynamo_flexkv.core.transfer.runner import MoverHook
 from dynamo_flexkv.integrations.reference_engine import EngineModelConfig, LlamaModel, LLMEngine, SamplingParams
 
 ONE = SamplingParams(max_tokens=1)
 
 
 class Rig:
-    """One model, one KVManager (host + disk), fresh engines per measurement. The engines reach
-    the tiers only through the engine contract: one offload per load mode over the same tiers."""
+    """One model, one offload (host + disk tiers, opened as an engine opens them: open_offload),
+    fresh engines per measurement. The engines and the bench reach the tiers only through the
+    engine contract. ``load_policy`` and ``mover_hook``: open_offload's (bench throttled's)."""
 
-    def __init__(self, cfg: EngineModelConfig, max_tokens: int, directory: str) -> None:
+    def __init__(
+        self,
+        cfg: EngineModelConfig,
+        max_tokens: int,
+        directory: str,
+        load_policy: LoadPolicy = LoadPolicy.COST_AWARE,
+        mover_hook: MoverHook | None = None,
+        model: LlamaModel | None = None,
+    ) -> None:
         self.cfg = cfg
-        self.model = LlamaModel(cfg)
+        self.model = model or LlamaModel(cfg)
         self.blocks = max_tokens // cfg.block_size + 8
         block_bytes = cfg.kv_spec().token_bytes() * cfg.block_size
         gb = 2 * self.blocks * block_bytes / (1 << 30)
-        self.kv = KVManager(
-            cfg.kv_spec(),
-            CacheConfig.from_dict(
-                dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, ssd_cache_gb=2 * gb, ssd_cache_dir=directory)
-            ),
+        config = dict(tokens_per_block=cfg.block_size, cpu_cache_gb=gb, ssd_cache_gb=2 * gb, ssd_cache_dir=directory)
+        self.offload = open_offload(
+            cfg.kv_spec(), CacheConfig.from_dict({**config, "load_policy": load_policy.value}), mover_hook=mover_hook
         )
-        self.offloads: dict[bool, EngineOffload] = {lw: EmbeddedOffload(self.kv, lw) for lw in (True, False)}
-        self.offload = self.offloads[True]  # administration (drain, evict, reset) is the same on either
 
     def engine(self, offload: bool, layerwise: bool = True, puts: bool = True) -> LLMEngine:
         """``puts=False``: the measured request loads but stores nothing, so one measurement does
-        not change what the next one finds cached."""
+        not change what the next one finds cached. ``layerwise``: the offload's, which it reads at
+        each lookup and load (docs/ENGINE_CONTRACT.md), so bulk and layerwise loads measure the
+        same tiers; one engine runs at a time."""
+        if offload:
+            self.offload.layerwise = layerwise
         return LLMEngine(
             self.cfg,
             num_device_blocks=self.blocks,
             model=self.model,
-            offload=self.offloads[layerwise] if offload else None,
+            offload=self.offload if offload else None,
             offload_puts=puts,
         )
 

@@ -67,7 +67,7 @@ class SimWorker:
     and evicts leaves first (blocks are touched leaf to root, so a chain's tail is older)."""
 
     def __init__(self, relay, tiers: Sequence[str]) -> None:
-        from dynamo_flexkv.core.index import Tier
+        from dynamo_flexkv.core.contract import Tier
         from dynamo_flexkv.integrations.events import REMOTE
 
         self.relay = relay
