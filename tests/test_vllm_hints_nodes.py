@@ -234,7 +234,6 @@ def test_the_link_cut_mid_pull_costs_a_recompute_and_the_pin_ends_with_its_lease
     ids = graph.ids()
     first = compute_on(graph, a, CUT, ids)
     before_b, before_a = graph.text(b), graph.text(a)
-    mark = len(graph.serve.lines)
     slow_link(nodes, "A", True)
     try:
         tx0 = nodes.link_bytes("A")["tx"]
@@ -245,17 +244,11 @@ def test_the_link_cut_mid_pull_costs_a_recompute_and_the_pin_ends_with_its_lease
         at_cut = nodes.link_bytes("A")["tx"] - tx0
         cut, took = asked.answer()
         answered_after_cut = time.monotonic() - cut_at
-        # The cable stays out until A's pin ended with its lease (B's Release waits in B's TCP queue):
-        # A's log says so, or the lease, counted from before the bytes were seen, is over.
-        wait_until(
-            "A's pin to end with its lease",
-            lambda: (
-                any("ended with its lease" in x for x in graph.serve.lines[mark:])
-                or time.monotonic() > flowing_at + LEASE_S + 1.0
-            ),
-            timeout=30,
-        )
-        lease_logged = any("ended with its lease" in x for x in graph.serve.lines[mark:])
+        # The cable stays out until A's pin ended with its lease (B's Release waits in B's TCP send
+        # queue meanwhile): the pin was made before its bytes were seen, so its lease is over by then.
+        # (A's metrics cannot say so before the link is back; the test checks them after.)
+        lease_over = flowing_at + LEASE_S + 0.5
+        wait_until("A's pin's lease to end", lambda: time.monotonic() > lease_over, timeout=LEASE_S + 5)
     finally:
         nodes.set_link("A", True)
         slow_link(nodes, "A", False)
@@ -264,8 +257,7 @@ def test_the_link_cut_mid_pull_costs_a_recompute_and_the_pin_ends_with_its_lease
     print(
         f"\nA's link cut {cut_at - flowing_at:.2f} s after B's READ was seen ({at_cut} of ~{FULL // BS * 256 * 1024} "
         f"bytes sent): B answered {took:.2f} s after the request, {answered_after_cut:.2f} s after the cut "
-        f"(computing it on A took {first['seconds']:.2f} s); hint failures {failed}, cached {cut['cached']}; "
-        f"A logged its lease end: {lease_logged}"
+        f"(computing it on A took {first['seconds']:.2f} s); hint failures {failed}, cached {cut['cached']}"
     )
     exactness.assert_exact({"cut": cut["gen"]}, {"cut": baseline[tuple(CUT)]}, "link cut mid-pull")
     assert m(after_b, "hints_seen_total") - m(before_b, "hints_seen_total") == 1
