@@ -39,7 +39,7 @@ import exactness  # noqa: E402
 import vllm_graph as vg  # noqa: E402
 from exactness import Generation  # noqa: E402
 from hints_graph import BS, MAX_TOKENS, NAMES, HintGraph, compute_on, failed_since, m, sets  # noqa: E402
-from served import wait_until  # noqa: E402
+from served import scrape, sums_by, wait_until  # noqa: E402
 from vllm_graph import VllmServe  # noqa: E402
 
 from dynamo_flexkv.serve.nodes import Nodes  # noqa: E402
@@ -134,7 +134,10 @@ def graph(tmp, baseline, nodes) -> Iterator[HintGraph]:
             "VllmWorker.node=[A,B]",
             *exactness.offload_sets(),
             graph="agg_router_vllm",
-            base=sets() + [f"VllmWorker.cache.ssd_cache_dir={tmp}/ssd{{replica}}"],
+            # Every hinted pull is made: what the cost model decides (with a link it measured on a
+            # busy machine) is not what these tests ask; a pull it leaves out proves nothing here.
+            base=sets()
+            + [f"VllmWorker.cache.ssd_cache_dir={tmp}/ssd{{replica}}", "VllmWorker.cache.load_policy=always"],
             prefix=nodes["B"].argv([]),
             args=["--nodes", str(tmp / "nodes.yaml"), "--discovery-backend", "etcd", "--event-plane", "nats"],
         )
@@ -178,6 +181,21 @@ class Asked:
         return self.got["r"], self.got["s"]
 
 
+def stored_events(graph: HintGraph) -> float:
+    """KV "stored" events the frontend's router applied (from both workers)."""
+    text = scrape(graph.serve.metrics["Frontend"])
+    return sums_by(text, "dynamo_component_kv_cache_events_applied", "event_type").get(("stored",), 0.0)
+
+
+def computed_on_a(graph: HintGraph, prompt: list[int], ids: dict[str, int]) -> dict:
+    """``prompt`` computed on A, stored in A's host tier, and its blocks known to the router (A's
+    KV events cross the link to NATS on B: a hint names only what the router learned)."""
+    before = stored_events(graph)
+    r = compute_on(graph, NAMES[0], prompt, ids)
+    wait_until("the router applied A's stored events", lambda: stored_events(graph) > before, timeout=60)
+    return r
+
+
 def pull_under_way(nodes: Nodes, asked: Asked, tx0: int) -> float:
     """Waits until B's READ of A's blocks is seen on A's link (FLOWING bytes sent since ``tx0``);
     returns when."""
@@ -200,7 +218,7 @@ def test_a_prefix_computed_on_node_a_is_pulled_over_the_link_by_node_bs_worker_o
         assert in_netns(graph.serve.worker_pid(name), nodes[node].netns), f"{name} does not run on node {node}"
     assert graph.endpoint(a)[0] == nodes["A"].address  # what A advertises, the hint names and B dials
     ids = graph.ids()
-    first = compute_on(graph, a, PULLED, ids)
+    first = computed_on_a(graph, PULLED, ids)
     before_b, before_a = graph.text(b), graph.text(a)
     tx0 = nodes.link_bytes("A")["tx"]
     second = vg.complete(graph.serve.base_url, PULLED, MAX_TOKENS, worker=ids[b])
@@ -232,7 +250,7 @@ def test_a_prefix_computed_on_node_a_is_pulled_over_the_link_by_node_bs_worker_o
 def test_the_link_cut_mid_pull_costs_a_recompute_and_the_pin_ends_with_its_lease(graph, nodes, baseline):
     a, b = NAMES
     ids = graph.ids()
-    first = compute_on(graph, a, CUT, ids)
+    first = computed_on_a(graph, CUT, ids)
     before_b, before_a = graph.text(b), graph.text(a)
     slow_link(nodes, "A", True)
     try:
@@ -270,19 +288,21 @@ def test_the_link_cut_mid_pull_costs_a_recompute_and_the_pin_ends_with_its_lease
     assert m(after_a, "peer_pins_expired_total") - m(before_a, "peer_pins_expired_total") == 1
 
     # The link back: B pulls from A again (a fresh NIXL connection to A), exact tokens.
-    compute_on(graph, a, AGAIN, ids)
+    computed_on_a(graph, AGAIN, ids)
     before_b = graph.text(b)
     again = vg.complete(graph.serve.base_url, AGAIN, MAX_TOKENS, worker=ids[b])
     after_b = graph.text(b)
+    seen, used = (m(after_b, f"hints_{k}_total") - m(before_b, f"hints_{k}_total") for k in ("seen", "used"))
+    print(f"after the link is back: hints seen {seen:.0f} used {used:.0f}, cached {again['cached']}")
     exactness.assert_exact({"again": again["gen"]}, {"again": baseline[tuple(AGAIN)]}, "pull after the link is back")
-    assert m(after_b, "hints_used_total") - m(before_b, "hints_used_total") == 1, failed_since(before_b, after_b)
+    assert seen == 1 and used == 1, f"hints: seen {seen}, used {used}; failed: {failed_since(before_b, after_b)}"
     assert again["cached"] >= FULL
 
 
 def test_a_pin_whose_receiver_stopped_ends_with_its_lease_and_the_receiver_recomputes(graph, nodes, baseline):
     a, b = NAMES
     ids = graph.ids()
-    compute_on(graph, a, STOPPED, ids)
+    computed_on_a(graph, STOPPED, ids)
     before_b, before_a = graph.text(b), graph.text(a)
     slow_link(nodes, "A", True)
     group: list[int] = []
