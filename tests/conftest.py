@@ -157,6 +157,7 @@ MODULE_KINDS = {
     "test_vllm_handover": "integration",
     "test_vllm_layouts": "served",
     "test_vllm_node_cache": "served",
+    "test_vllm_hints_nodes": "served",
     "test_vllm_router_hints": "served",
     "test_weights_lineage": "unit",
     "test_wheel": "integration",

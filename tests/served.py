@@ -241,13 +241,14 @@ class Serve:
         console: str = "all",
         own_run_dir: bool = False,
         env: dict | None = None,
+        args: list[str] | None = None,
     ) -> None:
         """``graph``: graphs/<graph>.py with configs/<config or graph>.yaml; ``base``: the --set values
         before ``overrides`` (default: the tiny FlexKV workers, their SSD directories under the run
         dir); ``command``: what runs ``serve ...`` (default the CLI); ``console``: serve --console
         (all: tests read the components' lines); ``own_run_dir``: no --run-dir (serve makes and
         removes its own temp one; ``run`` is then read from its ready lines); ``env``: serve's
-        environment (default this process's)."""
+        environment (default this process's); ``args``: more serve arguments (e.g. --nodes FILE)."""
         self.run = run = tmp_path / name
         sets = [
             *(base if base is not None else [*TINY, f"FlexKVWorker.cache.ssd_cache_dir={run}/ssd{{replica}}"]),
@@ -265,6 +266,7 @@ class Serve:
                 "--console",
                 console,
                 *[a for s in sets for a in ("--set", s)],
+                *(args or []),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -54,6 +54,31 @@ def test_a_placement_serve_cannot_honour_is_refused_naming_the_fix(tmp_path, mon
         Nodes.load(str(bad))  # `nodes down` would have deleted a namespace the file did not make
 
 
+def test_a_worker_takes_a_node_per_replica_and_a_list_that_does_not_fit_is_refused(tmp_path):
+    from served import make_plan
+
+    etcd_nats = dict(discovery_backend="etcd", event_plane="nats", nodes=FAKE)
+    with pytest.raises(GraphError, match=r"FlexKVWorker.node lists 3 nodes for 2 replicas: give one node per replica"):
+        make_plan(tmp_path, "agg_router", "Frontend.node=A", "FlexKVWorker.node=[A,B,C]", **etcd_nats)
+    with pytest.raises(
+        GraphError, match=r"FlexKVWorker.node=\[.A., 3\]: expected a node name, or a list of one node name"
+    ):
+        make_plan(tmp_path, "agg_router", "Frontend.node=A", "FlexKVWorker.node=[A, 3]", **etcd_nats)
+    with pytest.raises(GraphError, match=r"node per replica, which cache.mode: node does not take yet"):
+        make_plan(
+            tmp_path,
+            "agg_router",
+            "Frontend.node=A",
+            "FlexKVWorker.node=[A,B]",
+            "FlexKVWorker.cache.mode=node",
+            **etcd_nats,
+        )
+    with pytest.raises(GraphError, match=r"node 'D' is not in the nodes file"):  # each replica's node is looked up
+        make_plan(tmp_path, "agg_router", "Frontend.node=A", "FlexKVWorker.node=[B,D]", **etcd_nats)
+    with pytest.raises(GraphError, match=r"FlexKVWorker.node=\[A, B\] needs serve --nodes FILE"):
+        make_plan(tmp_path, "agg_router", "FlexKVWorker.node=[A,B]")
+
+
 def test_vllm_workers_take_a_node_too(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
     from dynamo_flexkv.serve import load_graph
@@ -147,7 +172,7 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from served import vplan
 from dynamo_flexkv.serve.nodes import Nodes
-plan = vplan(Path({tmp!r}), "Frontend.node=A", "VllmWorker.node=B", "VllmWorker.router-hints=true",
+plan = vplan(Path({tmp!r}), "Frontend.node=A", "VllmWorker.node=[A,B]", "VllmWorker.router-hints=true",
              discovery_backend="etcd", event_plane="nats", nodes=Nodes.load({file!r}))
 print(json.dumps([p.argv for p in plan.workers]))
 """
@@ -155,7 +180,7 @@ print(json.dumps([p.argv for p in plan.workers]))
 
 @needs_root
 @pytest.mark.integration
-def test_router_hint_peers_reach_a_vllm_worker_at_its_nodes_address(nodes, tmp_path):
+def test_router_hint_peers_reach_each_vllm_replica_at_its_own_nodes_address(nodes, tmp_path):
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/install.sh")
     code = HINT_PLAN_IN_A.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), file=str(tmp_path / "nodes.yaml"))
     p = subprocess.run(
@@ -165,9 +190,12 @@ def test_router_hint_peers_reach_a_vllm_worker_at_its_nodes_address(nodes, tmp_p
         timeout=120,
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    for argv in json.loads(p.stdout.splitlines()[-1]):
+    workers = json.loads(p.stdout.splitlines()[-1])
+    assert len(workers) == 2
+    for argv, node in zip(workers, (nodes["A"], nodes["B"])):  # VllmWorker.node=[A,B]: replica i on the i-th
+        assert argv[:4] == ["ip", "netns", "exec", node.netns]
         extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
-        assert extra["secondary_tiers"][0]["control_advertise_host"] == nodes["B"].address
+        assert extra["secondary_tiers"][0]["control_advertise_host"] == node.address
 
 
 @needs_root

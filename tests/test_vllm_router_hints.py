@@ -15,7 +15,6 @@ workers with FlexKVConnector, seeded weights in float32):
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import secrets
 import signal
@@ -35,29 +34,16 @@ pytest.importorskip("dynamo.frontend", reason="ai-dynamo is installed by make te
 import exactness  # noqa: E402
 import vllm_graph as vg  # noqa: E402
 from exactness import Generation  # noqa: E402
-from served import scrape, total, wait_until  # noqa: E402
+from hints_graph import BS, MAX_TOKENS, NAMES, HintGraph, compute_on, m, sets  # noqa: E402
+from hints_graph import failed as _failed  # noqa: E402
+from hints_graph import refused as _refused  # noqa: E402
+from served import wait_until  # noqa: E402
 from vllm_graph import VllmServe  # noqa: E402
 
-BS = 64
-NAMES = ("VllmWorker-0", "VllmWorker-1")
-MAX_TOKENS = 6
 PULLED = vg.tokens(7000, 1500)  # computed on A, pulled by B
 STOPPED = vg.tokens(7001, 1500)  # A stopped (SIGSTOP) while B pulls
 KILLED = vg.tokens(7002, 1500)  # A SIGKILLed before B's request
 CHECKED = [PULLED, STOPPED, KILLED]
-
-
-def sets() -> list[str]:
-    return [
-        "Frontend.http-port=0",
-        *exactness.serve_sets(),
-        "VllmWorker.restart-backoff-s=2",
-        "VllmWorker.max-restarts=6",
-    ]
-
-
-def m(text: str, name: str, **labels) -> float:
-    return total(text, f"vllm:flexkv_{name}", **labels)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +60,10 @@ def baseline(tmp) -> dict[tuple, Generation]:
         serve.close()
 
 
-class HintGraph:
-    def __init__(self, tmp: Path) -> None:
-        self.serve = VllmServe(
+@pytest.fixture(scope="module")
+def graph(tmp, baseline):
+    g = HintGraph(
+        VllmServe(
             tmp,
             "hints",
             "VllmWorker.router-hints=true",
@@ -84,65 +71,13 @@ class HintGraph:
             graph="agg_router_vllm",
             base=sets() + [f"VllmWorker.cache.ssd_cache_dir={tmp}/ssd{{replica}}"],
         )
-        self.nudges = 0
-
-    def text(self, name: str) -> str:
-        return scrape(self.serve.metrics[name])
-
-    def ids(self) -> dict[str, int]:
-        def read(n: str):
-            try:
-                return vg.worker_id(self.text(n))
-            except (AssertionError, RuntimeError, OSError):  # not yet, or a restarting worker
-                return None
-
-        return {n: wait_until(f"{n}'s instance id", lambda n=n: read(n), timeout=120) for n in NAMES}
-
-    def endpoint(self, name: str) -> tuple[str, int]:
-        """The worker's control endpoint, from the command line serve started it with."""
-        argv = open(f"/proc/{self.serve.worker_pid(name)}/cmdline", "rb").read().decode().split("\0")
-        tier = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
-        t = tier["secondary_tiers"][0]
-        return t["control_advertise_host"], t["control_ports"][0]
-
-    def stored(self, name: str, prompt: list[int], before: float) -> None:
-        """Waits until ``name`` copied the prompt's full blocks into its host tier (what it serves peers)."""
-        full = (len(prompt) - 1) // BS * BS
-        wait_until(
-            f"{name} stored the prompt in its host tier",
-            lambda: m(self.text(name), "stored_tokens_total") >= before + full,
-            timeout=60,
-        )
-
-    def stepped(self, name: str) -> str:
-        """``name``'s metrics after one more engine step: vLLM reports a connector's counters and
-        gauges with each step's output, so what its control endpoint did while the engine was idle
-        (pins, refusals) shows only after its next request."""
-        self.nudges += 1
-        vg.complete(self.serve.base_url, vg.tokens(7900 + self.nudges, 8), 1, worker=self.ids()[name])
-        return self.text(name)
-
-    def pinned(self, name: str) -> float:
-        return m(self.stepped(name), "peer_pinned_blocks")
-
-
-@pytest.fixture(scope="module")
-def graph(tmp, baseline):
-    g = HintGraph(tmp)
+    )
     try:
         yield g
     finally:
         g.serve.close()
     assert g.serve.proc.returncode == 0, "\n".join(g.serve.lines[-40:])
     assert vg.ours_left(g.serve.run) == []
-
-
-def compute_on(graph: HintGraph, name: str, prompt: list[int], ids: dict[str, int]) -> dict:
-    before = m(graph.text(name), "stored_tokens_total")
-    r = vg.complete(graph.serve.base_url, prompt, MAX_TOKENS, worker=ids[name])
-    assert r["worker"] == ids[name] and r["cached"] == 0
-    graph.stored(name, prompt, before)
-    return r
 
 
 def test_a_prefix_computed_on_one_worker_is_pulled_by_the_worker_the_router_books_on_a_hint(graph, baseline):
@@ -170,24 +105,6 @@ def test_a_prefix_computed_on_one_worker_is_pulled_by_the_worker_the_router_book
     after_a = graph.text(a)
     assert m(after_a, "peer_pins_total") - m(before_a, "peer_pins_total") == 1
     assert m(after_a, "peer_pins_expired_total") == m(before_a, "peer_pins_expired_total")  # released, not expired
-
-
-def _by_reason(text: str, counter: str) -> dict[str, float]:
-    """A counter family's totals by its reason label (vllm:flexkv_<counter>_total{reason=...})."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(f"vllm:flexkv_{counter}_total{{") and 'reason="' in line:
-            why = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[why] = out.get(why, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def _failed(text: str) -> dict[str, float]:
-    return _by_reason(text, "hints_failed")
-
-
-def _refused(text: str) -> dict[str, float]:
-    return _by_reason(text, "peer_refused")
 
 
 def _ask(endpoint: tuple[str, int], pull) -> object:

@@ -51,9 +51,11 @@ class VllmServe(Serve):
         base: list[str],
         ready_timeout: float = 900,
         config: str | None = None,
+        prefix: list[str] | None = None,
         **kw: Any,
     ) -> None:
-        """``kw``: served.Serve's other options (console, own_run_dir, env)."""
+        """``prefix``: what runs serve's interpreter (e.g. ``ip netns exec NS``: serve on a node);
+        ``kw``: served.Serve's other options (console, own_run_dir, env, args)."""
         super().__init__(
             tmp_path,
             name,
@@ -61,7 +63,12 @@ class VllmServe(Serve):
             graph=graph,
             base=base,
             ready_timeout=ready_timeout + 30,
-            command=[sys.executable, str(Path(__file__).with_name("vllm_serve.py")), str(ready_timeout)],
+            command=[
+                *(prefix or []),
+                sys.executable,
+                str(Path(__file__).with_name("vllm_serve.py")),
+                str(ready_timeout),
+            ],
             config=config,
             **kw,
         )

@@ -19,6 +19,15 @@ def str_option(v: Any) -> str:
     return str(v)
 
 
+def node_option(v: Any) -> str | list[str]:
+    """A worker's ``node``: one node name for every replica, or a list of one name per replica."""
+    if isinstance(v, list):
+        if not v or not all(isinstance(n, str) and n for n in v):
+            raise ValueError("expected a node name, or a list of one node name per replica (e.g. [A, B])")
+        return list(v)
+    return str_option(v)
+
+
 def int_option(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ValueError("expected an integer")
@@ -114,7 +123,7 @@ OPTIONS: dict[Kind, dict[str, Callable[[Any], Any]]] = {
         "handover-lease-s": float_option,
         "handover-timeout-s": float_option,
         "handover-renew-s": float_option,
-        "node": str_option,
+        "node": node_option,  # one node for every replica, or a list of one per replica
     },
 }
 DISAGG_MODES = ("agg", "prefill", "decode")

@@ -219,15 +219,17 @@ def build_plan(
             processes += _workers(ctx, comp.name, opts, served)
             write_model = True
         if opts.get("node"):
-            node_options[comp.name] = str(opts["node"])
+            node = opts["node"]
+            node_options[comp.name] = f"[{', '.join(node)}]" if isinstance(node, list) else str(node)
         if opts.get("node") and local:  # a manifest for elsewhere places nothing here
             if nodes is None:
                 raise GraphError(
                     f"{origin_of(source, comp.name, 'node')}: "
-                    f"{comp.name}.node={opts['node']!r} needs serve --nodes FILE "
+                    f"{comp.name}.node={node_options[comp.name] if isinstance(node, list) else repr(node)} "
+                    "needs serve --nodes FILE "
                     "(written by `dynamo-flexkv nodes up`); or remove the option"
                 )
-            node_of.update({p.name: opts["node"] for p in processes if p.name not in planned})
+            node_of.update(_replica_nodes(comp.name, opts, [p for p in processes if p.name not in planned], source))
     if local:  # one secret per graph: prefill workers sign handovers, decode workers check them; hinted pulls too
         secret = secrets.token_hex(32)
         for proc in processes:
@@ -300,6 +302,21 @@ def _refuse_operator_namespace_env(env: Mapping[str, str]) -> None:
         )
 
 
+def _replica_nodes(name: str, opts: dict[str, Any], procs: list[Process], source: str) -> dict[str, str]:
+    """Process name -> node of a component's new processes: ``node`` one name for all of them, or a
+    list of one name per replica (replica i on the i-th node)."""
+    node = opts["node"]
+    if not isinstance(node, list):
+        return {p.name: node for p in procs}
+    if len(node) != len(procs):
+        raise GraphError(
+            f"{origin_of(source, name, 'node')}: {name}.node lists {len(node)} nodes for "
+            f"{len(procs)} replicas: give one node per replica (e.g. [{', '.join(['A'] * len(procs))}]), "
+            "or one node for all of them"
+        )
+    return {p.name: n for p, n in zip(procs, node)}
+
+
 def _attach_to_node_cache(
     ctx: PlanContext,
     comp: Any,
@@ -334,6 +351,12 @@ def _attach_to_node_cache(
         )
         return dict(opts, cache=dict(cache, mode="node", node_socket=sock))
     node = opts.get("node") or None
+    if isinstance(node, list):
+        raise GraphError(
+            f"{origin_of(source, comp.name, 'node')}: {comp.name}.node lists a node per replica, which "
+            "cache.mode: node does not take yet (one node cache serves one node's workers): give one "
+            "node, or a worker section per node"
+        )
     spec, block_size = _kv_shape(comp, opts, ctx.run_dir, source, ctx.local)
     sock = _node_cache.socket_path(ctx.run_dir, node, ctx.local)
     if node not in caches:
