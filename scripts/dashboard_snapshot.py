@@ -8,14 +8,15 @@ Grafana is not installable on the machine this was written on (no Debian, PyPI o
 docker), so the drawing is ours; everything else is real: two graphs served as a user serves them
 (``dynamo-flexkv serve``, through the test helpers tests/served.py and tests/vllm_graph.py): the
 agg_router graph with one tiny reference worker with its own tiers, and the agg_router_vllm graph
-with one vLLM worker on a node cache service (configs/agg_router_vllm_node.yaml); Prometheus (``apt-get install prometheus``) bound to
-127.0.0.1 with configs/prometheus.yml's rules and a 1 s scrape interval; requests that load a prefix
-from the host tier on both workers (the vLLM worker's through the node service); then every
-panel's PromQL over the run through Prometheus's HTTP API (query_range), ``$source`` set to each
-source in turn as Grafana substitutes a single value, ``$instance`` to All, ``$__rate_interval`` as
-Grafana computes it. A script, not a CLI subcommand: it needs Prometheus, matplotlib, vLLM and the
-test helpers, none of which a user of the package has. Exits 1 when a panel lacks data from a
-source that exports its metrics (each listed). Every process it started is stopped, on failure too.
+with one vLLM worker on a node cache service (configs/agg_router_vllm_node.yaml); Prometheus (``apt-
+get install prometheus``) bound to 127.0.0.1 with configs/prometheus.yml's rules and a 1 s scrape
+interval; requests that load a prefix from the host tier on both workers (the vLLM worker's through
+the node service); then every panel's PromQL over the run through Prometheus's HTTP API
+(query_range), ``$source`` set to each source in turn as Grafana substitutes a single value,
+``$instance`` to All, ``$__rate_interval`` as Grafana computes it. A script, not a CLI subcommand:
+it needs Prometheus, matplotlib, vLLM and the test helpers, none of which a user of the package has.
+Exits 1 when a panel lacks data from a source that exports its metrics (each listed). Every process
+it started is stopped, on failure too.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def served_sources(tmp: Path) -> Iterator[Sources]:
             ],
         )
         stack.callback(vllm.close)
-        targets: dict[str, list[str]] = {s.value: [] for s in Source} | {FRONTEND: []}
+        targets: dict[str, list[str]] = {s: [] for s in [*(x.value for x in Source), FRONTEND]}
         for serve, worker in ((ref, Source.REFERENCE), (vllm, Source.VLLM)):
             for name, url in serve.metrics.items():
                 kind = Source.NODE.value if name == "NodeCache" else FRONTEND if name == "Frontend" else worker.value
@@ -143,12 +144,15 @@ def drive(sources: Sources) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     # the reference worker (tiny model, 16-token blocks, 64 device blocks): token-id prompts
-    long = [(7 * i) % 500 + 10 for i in range(30 * 16 + 5)]
-    first = post(sources.reference_url, {"prompt": long, "max_tokens": 2})
-    for j in range(3):
-        post(sources.reference_url, {"prompt": [(11 * i + j) % 500 + 10 for i in range(40 * 16)], "max_tokens": 2})
-    status, again = post(sources.reference_url, {"prompt": long, "max_tokens": 2})
-    assert first[0] == 200 and status == 200, (first, again)
+    # twice, with other prompts: a family a copy creates (the links') shows a rate from the second on
+    for seed in (7, 13):
+        long = [(seed * i) % 500 + 10 for i in range(30 * 16 + 5)]
+        first = post(sources.reference_url, {"prompt": long, "max_tokens": 2})
+        for j in range(3):
+            fill = [(11 * i + j + seed) % 500 + 10 for i in range(40 * 16)]
+            post(sources.reference_url, {"prompt": fill, "max_tokens": 2})
+        status, again = post(sources.reference_url, {"prompt": long, "max_tokens": 2})
+        assert first[0] == 200 and status == 200, (first, again)
     out["reference"] = again.get("usage", {})
     # the vLLM worker (64-token blocks, 40 device blocks): the same shape
     vlong = vg.tokens(1, 1000)
@@ -467,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sources: {json.dumps(sources.targets)}", flush=True)
             with prometheus(tmp, sources.targets) as url:
                 up = time.time()
-                _wait("Prometheus to scrape every target", lambda: scraped_since(url, up, want), 120)
-                start = time.time() - 2 * SCRAPE_S
+                # a few samples before the first request: its counters' first increase is inside a rate window
+                _wait("Prometheus to scrape every target", lambda: scraped_since(url, up + 3 * SCRAPE_S, want), 120)
+                start = up
                 drove = drive(sources)
                 print(f"requests done: {drove}", flush=True)
                 done = time.time()
