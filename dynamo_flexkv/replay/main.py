@@ -20,7 +20,7 @@ from dynamo_flexkv.core.durations import is_duration
 from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
 from dynamo_flexkv.workload import TRACE_BLOCK, Scale, Turn, trace_turns
 
-ALL_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only,node"
+ALL_CONFIGS = "no-offload,host,host+ssd,hints,round-robin,kv-device-only,node"
 # Host tier per worker, in blocks of the small preset: the reference engine 512 (float32, 256 KiB a
 # block), what a worker serves in the default workload; vLLM 128 (bfloat16, 128 KiB a block), a
 # quarter of that, so the SSD tier serves part of the lower-tier hits (with 512 it served none).
@@ -53,7 +53,7 @@ DEFAULT = Preset(
     sample_every=4,
     trace_window_s=900,
     time_scale=20.0,
-    configs="no-offload,host+ssd,kv-device-only,node",
+    configs="no-offload,host+ssd,hints,kv-device-only,node",
     device_blocks="40",
     sweep_configs="no-offload,host+ssd",
     higher_rate=2.0,
@@ -137,8 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--configs",
         help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
-        f"--full {FULL.configs}; all: {ALL_CONFIGS}; with --engine vllm, lmcache is added to the "
-        f"defaults once `make peer-lmcache` installed LMCache: the peer in the same graph)",
+        f"--full {FULL.configs}; all: {ALL_CONFIGS}; hints: host+ssd with Dynamo's router hints on, "
+        f"vLLM only, left out of the defaults with --engine reference; with --engine vllm, lmcache is "
+        f"added to the defaults once `make peer-lmcache` installed LMCache: the peer in the same graph)",
     )
     g.add_argument(
         "--device-blocks",
@@ -280,12 +281,14 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _with_peer(configs: str, engine: str) -> str:
-    """The default configurations, with the LMCache row when the peer is installed (vLLM only)."""
+def _for_engine(configs: str, engine: str) -> str:
+    """The default configurations the engine serves: without the vLLM-only ones (hints) on the
+    reference engine; with the LMCache row on vLLM when the peer is installed."""
     from dynamo_flexkv.bench.peer_lmcache import INSTALL, missing_reason, prefix_dir
+    from dynamo_flexkv.replay.configs import CONFIGURATIONS
 
     if engine != "vllm":
-        return configs
+        return ",".join(n for n in configs.split(",") if not CONFIGURATIONS[n].vllm_only)
     why = missing_reason(prefix_dir())
     if why:
         sys.stderr.write(f"replay: no lmcache row ({why}; {INSTALL} adds it)\n")
@@ -294,11 +297,11 @@ def _with_peer(configs: str, engine: str) -> str:
 
 
 def _check_peers(configs, engine: str) -> None:
-    """A peer configuration runs on vLLM, with its peer installed: refused before anything is served."""
+    """A peer or hints configuration runs on vLLM, with its peer installed: refused before anything is served."""
     from dynamo_flexkv.bench.peer_lmcache import INSTALL, missing_reason, prefix_dir
 
     for c in configs:
-        if c.peer and engine != "vllm":
+        if c.vllm_only and engine != "vllm":
             raise ValueError(f"configuration {c.name} runs vLLM workers: use --engine vllm")
         why = missing_reason(prefix_dir()) if c.peer == "lmcache" else None
         if why:
@@ -370,11 +373,11 @@ def _run(args: argparse.Namespace) -> int:
         plan = [(Configuration("served", f"the graph at {args.url}", ()), 0)]
     else:
         sizes = device_block_list(args.device_blocks or preset.device_blocks)
-        main = parse_configs(args.configs or _with_peer(preset.configs, args.engine))
+        main = parse_configs(args.configs or _for_engine(preset.configs, args.engine))
         sweep = (
             parse_configs(args.sweep_configs)
             if args.sweep_configs
-            else (main if args.full else parse_configs(preset.sweep_configs))
+            else (main if args.full else parse_configs(_for_engine(preset.sweep_configs, args.engine)))
         )
         _check_peers([*main, *sweep], args.engine)
         plan = [(c, sizes[0]) for c in main] + [(c, b) for b in sizes[1:] for c in sweep]
