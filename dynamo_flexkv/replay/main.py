@@ -283,12 +283,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _for_engine(configs: str, engine: str) -> str:
     """The default configurations the engine serves: without the vLLM-only ones (hints) on the
-    reference engine; with the LMCache row on vLLM when the peer is installed."""
-    from dynamo_flexkv.bench.peer_lmcache import INSTALL, missing_reason, prefix_dir
+    reference engine."""
     from dynamo_flexkv.replay.configs import CONFIGURATIONS
 
+    if engine == "vllm":
+        return configs
+    return ",".join(n for n in configs.split(",") if not CONFIGURATIONS[n].vllm_only)
+
+
+def _with_peer(configs: str, engine: str) -> str:
+    """The default configurations, with the LMCache row when the peer is installed (vLLM only)."""
+    from dynamo_flexkv.bench.peer_lmcache import INSTALL, missing_reason, prefix_dir
+
     if engine != "vllm":
-        return ",".join(n for n in configs.split(",") if not CONFIGURATIONS[n].vllm_only)
+        return configs
     why = missing_reason(prefix_dir())
     if why:
         sys.stderr.write(f"replay: no lmcache row ({why}; {INSTALL} adds it)\n")
@@ -373,7 +381,7 @@ def _run(args: argparse.Namespace) -> int:
         plan = [(Configuration("served", f"the graph at {args.url}", ()), 0)]
     else:
         sizes = device_block_list(args.device_blocks or preset.device_blocks)
-        main = parse_configs(args.configs or _for_engine(preset.configs, args.engine))
+        main = parse_configs(args.configs or _with_peer(_for_engine(preset.configs, args.engine), args.engine))
         sweep = (
             parse_configs(args.sweep_configs)
             if args.sweep_configs
