@@ -48,6 +48,7 @@ class Preset:
 # holds what a worker serves, so a later turn's prefix is on the worker that served the turn before.
 # Then every configuration again at 2x the rate (40x), for goodput where queues form: about 10-12
 # min on a quiet 2-core machine (a graph's start and stop ~40 s, a replay 45 s / 23 s; issue 49).
+# The hints row (vLLM only) is host+ssd with router hints on, beside it (issue 50).
 DEFAULT = Preset(
     conversations=32,
     sample_every=4,
@@ -420,6 +421,7 @@ def _run(args: argparse.Namespace) -> int:
             label = _run_label(config.name, blocks, rate, rep, args.repeat)
             replay = replace(base, time_scale=base.time_scale * rate)
             progress = Progress(len(turns), label)
+            t_run = time.perf_counter()  # the row's own time: its graph's start and its replay
             try:
                 if args.url:
                     progress.start()
@@ -460,7 +462,14 @@ def _run(args: argparse.Namespace) -> int:
             sys.stderr.write(
                 f"{label}: {s.requests} requests, {s.errors} errors, TTFT p50 "
                 f"{s.ttft_p50_ms:.0f} ms, {s.hit_rate['all']:.0%} of prompt tokens cached, "
-                f"{run.wall_s:.0f} s; accounting {s.account_check}\n"
+                f"{run.wall_s:.0f} s of replay, {time.perf_counter() - t_run:.0f} s since its graph started; "
+                f"accounting {s.account_check}"
+                + (
+                    f"; hints seen {s.hints.get('hints_seen', 0):.0f}, used {s.hints.get('hints_used', 0):.0f}"
+                    if run.config.hints
+                    else ""
+                )
+                + "\n"
             )
     finally:
         stopping.wait()
