@@ -249,7 +249,7 @@ def test_the_report_gives_the_hints_row_its_counters_and_pulled_loads_count_as_h
         summarize(ConfigRun(CONFIGURATIONS["host+ssd"], 40, recs, 1.0, workers, {1: "w1", 2: "w2"}, "vllm")).hints == {}
     )
     report = markdown([s], "w", "s")
-    assert "| hints @40 | 2 | 1 | 0 | 1 (timeout 1) | 20 (20) | 0.0 | 0.00 | 1 (0) | 1 (busy 1) |" in report
+    assert "| hints @40 | 2 | 1 | 0 | 1 (timeout 1) | 0 | 20 (20) | 0.0 | 0.00 | 1 (0) | 1 (busy 1) |" in report
     assert "| loaded: host, pulled from another worker on a hint | 20 (10%) |" in report
     assert "| computed: another worker held it, its hint's pull failed or was skipped | 20 (10%) |" in report
 

@@ -557,20 +557,28 @@ def hints_table(summaries: Sequence[Summary]) -> list[str]:
         "Router hints (the workers' vllm:flexkv_hint* / peer_* counters across the replay, both workers "
         "summed; docs/HINTS.md):",
         "",
-        "| run | hints seen | used | skipped (policy) | failed (by reason) | tokens pulled (loaded from the "
-        "pull by its request) | MiB pulled | pull s | source: pins (lease ended) | source: refused (by reason) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| run | hints seen | used | skipped (policy) | failed (by reason) | nothing to pull | tokens pulled "
+        "(loaded from the pull by its request) | MiB pulled | pull s | source: pins (lease ended) "
+        "| source: refused (by reason) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in rows_:
         h = s.hints
+        failed = sum(v for k, v in h.items() if k.startswith("hints_failed/"))
+        idle = h.get("hints_seen", 0) - h.get("hints_used", 0) - h.get("hints_skipped", 0) - failed
         out.append(
             f"| {_label(s, repeated)} | {h.get('hints_seen', 0):,.0f} | {h.get('hints_used', 0):,.0f} "
-            f"| {h.get('hints_skipped', 0):,.0f} | {_reasons(h, 'hints_failed')} "
+            f"| {h.get('hints_skipped', 0):,.0f} | {_reasons(h, 'hints_failed')} | {max(0, idle):,.0f} "
             f"| {h.get('hint_pulled_tokens', 0):,.0f} ({s.account.get(PULLED, 0):,}) "
             f"| {h.get('hint_pulled_bytes', 0) / 2**20:,.1f} | {h.get('hint_pull_seconds', 0):.2f} "
             f"| {h.get('peer_pins', 0):,.0f} ({h.get('peer_pins_expired', 0):,.0f}) "
             f"| {_reasons(h, 'peer_refused')} |"
         )
+    out += [
+        "",
+        "Nothing to pull: hints seen less used, skipped and failed: their blocks were held here already "
+        "(or the load policy left them unpulled for a reason other than slower).",
+    ]
     if any(not s.hints.get("hints_seen") for s in rows_):
         out += [
             "",
