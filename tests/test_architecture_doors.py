@@ -47,6 +47,8 @@ DOORS: dict[str, frozenset[str] | None] = {
     ),
     "dynamo_flexkv.core.transfer.nixl_agents": frozenset({"quiet_progress_threads"}),
     "dynamo_flexkv.core.transfer.nixl_errors": frozenset({"HandoverRefused"}),
+    # what a PeerLink's pull returns (EngineOffload.open_peer_link): a value type of the contract
+    "dynamo_flexkv.core.peer": frozenset({"PullResult"}),
 }
 OURS = "dynamo_flexkv"
 SELF = ("dynamo_flexkv.integrations", "dynamo_flexkv.resources")  # its own modules; the shipped presets

@@ -171,6 +171,89 @@ def test_configurations_set_the_engines_worker_section():
             assert {o.split(".", 1)[0] for o in c.overrides_for(e.worker)} <= sections, (e.name, c.name)
 
 
+HINT_METRICS = """\
+vllm:flexkv_hints_seen_total{engine="0",model_name="vllm-small",source="vllm"} 5.0
+vllm:flexkv_hints_used_total{engine="0",model_name="vllm-small",source="vllm"} 3.0
+vllm:flexkv_hint_pulled_tokens_total{engine="0",model_name="vllm-small",source="vllm"} 1920.0
+vllm:flexkv_hint_pulled_bytes_total{engine="0",model_name="vllm-small",source="vllm"} 3932160.0
+vllm:flexkv_hint_pull_seconds_total{engine="0",model_name="vllm-small",source="vllm"} 0.25
+vllm:flexkv_hints_failed_total{engine="0",model_name="vllm-small",reason="timeout",source="vllm"} 1.0
+vllm:flexkv_hints_failed_total{engine="0",model_name="vllm-small",reason="busy",source="vllm"} 1.0
+vllm:flexkv_peer_pins_total{engine="0",model_name="vllm-small",source="vllm"} 2.0
+vllm:flexkv_peer_refused_total{engine="0",model_name="vllm-small",reason="busy",source="vllm"} 1.0
+"""
+
+
+def test_the_hints_row_turns_router_hints_on_and_reads_their_counters():
+    from dynamo_flexkv.replay.configs import hint_delta, hint_totals
+    from dynamo_flexkv.replay.main import DEFAULT, _check_peers, _for_engine
+
+    hints = CONFIGURATIONS["hints"]
+    assert hints.overrides_for("VllmWorker") == ["VllmWorker.router-hints=true"] and hints.vllm_only
+    assert not CONFIGURATIONS["host+ssd"].vllm_only and CONFIGURATIONS["lmcache"].vllm_only
+    # the demo's default rows: hints beside host+ssd on vLLM, left out on the reference engine
+    assert "host+ssd,hints" in _for_engine(DEFAULT.configs, "vllm")
+    assert "hints" not in _for_engine(DEFAULT.configs, "reference").split(",")
+    with pytest.raises(ValueError, match="configuration hints runs vLLM workers: use --engine vllm"):
+        _check_peers([hints], "reference")
+    after = hint_totals(HINT_METRICS)
+    assert after["hints_seen"] == 5 and after["hints_used"] == 3 and after["hint_pulled_tokens"] == 1920
+    assert after["hints_failed/timeout"] == after["hints_failed/busy"] == after["peer_refused/busy"] == 1
+    assert after["hints_skipped"] == after["peer_pins_expired"] == 0  # a counter not there yet: 0
+    before = {**after, "hints_seen": 2.0, "hints_failed/busy": 1.0, "hints_failed/timeout": 0.0}
+    delta = hint_delta(after, before)
+    assert delta["hints_seen"] == 3 and delta["hints_failed/timeout"] == 1 and "hints_failed/busy" not in delta
+    assert hint_totals(VLLM_METRICS) == {k: 0.0 for k in hint_totals("")}  # hints off: all 0
+
+
+def test_the_report_gives_the_hints_row_its_counters_and_pulled_loads_count_as_host():
+    """A hints row's summary sums its workers' hint counters (JSON fields and a table); the
+    accounting's host loads pulled on a hint count as host against the workers' counters."""
+    from dynamo_flexkv.replay.accounting import RequestAccount, RowAccount
+    from dynamo_flexkv.replay.report import markdown
+
+    recs = [_record(0, 1, {"device": 10, "host": 20}), _record(1, 2, {"host": 30})]
+    for r in recs:
+        r.cached_by_tier = None
+    workers = {
+        "w1": WorkerTotals(1, 100, {"device": 10, "host": 20, "disk": 0, "remote": 0}),
+        "w2": WorkerTotals(1, 100, {"device": 0, "host": 30, "disk": 0, "remote": 0}),
+    }
+    run = ConfigRun(CONFIGURATIONS["hints"], 40, recs, 1.0, workers, {1: "w1", 2: "w2"}, "vllm")
+    run.turns = [Turn(i, 0, 0, [1] * 100, 2) for i in range(2)]
+    run.hints = {
+        "w1": {"hints_seen": 0.0, "peer_pins": 1.0, "peer_refused/busy": 1.0},
+        "w2": {"hints_seen": 2.0, "hints_used": 1.0, "hint_pulled_tokens": 20.0, "hints_failed/timeout": 1.0},
+    }
+    accounts = [
+        RequestAccount(0, "w1", 100, {"device": 10, "host": 20, "new": 70}),
+        RequestAccount(1, "w2", 100, {"host": 10, "host_pulled": 20, "hint_missed": 20, "new": 50}),
+    ]
+    run.account = RowAccount(
+        accounts, {"device": 10, "host": 30, "host_pulled": 20, "hint_missed": 20, "new": 120}, 200, 0, 0, 2, []
+    )
+    from dynamo_flexkv.replay.report import _against_counters
+
+    assert _against_counters(run, run.account) == []  # w2: host 10 + pulled 20 = its counter's 30
+    s = summarize(run)
+    assert s.hints == {
+        "hint_pulled_tokens": 20,
+        "hints_failed/timeout": 1,
+        "hints_seen": 2,
+        "hints_used": 1,
+        "peer_pins": 1,
+        "peer_refused/busy": 1,
+    }
+    assert s.to_json()["hints"]["hints_seen"] == 2
+    assert (
+        summarize(ConfigRun(CONFIGURATIONS["host+ssd"], 40, recs, 1.0, workers, {1: "w1", 2: "w2"}, "vllm")).hints == {}
+    )
+    report = markdown([s], "w", "s")
+    assert "| hints @40 | 2 | 1 | 0 | 1 (timeout 1) | 0 | 20 (20) | 0.0 | 0.00 | 1 (0) | 1 (busy 1) |" in report
+    assert "| loaded: host, pulled from another worker on a hint | 20 (10%) |" in report
+    assert "| computed: another worker held it, its hint's pull failed or was skipped | 20 (10%) |" in report
+
+
 def _parse(*argv):
     import argparse
 

@@ -150,6 +150,54 @@ def test_found_by_the_lookup_but_gone_when_loaded():
     assert row.check == "exact"
 
 
+def _hinted(p0, p1, hint: dict, load: dict | None):
+    """p0 served on A (device, then host); p1 booked on B with a router hint naming A."""
+    c = Chain(p0)
+    events = [c.stored(0.5, "A", "device", 0, 3), c.stored(0.8, "A", "host", 0, 3)]
+    key = prompt_key(p1[: lookup_tokens(len(p1), B)])
+    answer = hint["start"] + hint["pulled"]
+    logs = {
+        "B": [{"kind": "lookup", "t": 2.1, "key": key, "device": 0, "answer": answer, "decision": None, "hint": hint}]
+    }
+    if load is not None:
+        logs["B"].append({"kind": "load", "t": 2.2, "key": key, **load})
+    cached = sum((load or {}).get("loaded", {}).values())
+    return account([req(0, p0, 0, 1, "A"), req(1, p1, 2, 3, "B", cached=cached)], B, events=events, logs=logs)
+
+
+def test_blocks_a_hint_pulled_count_as_host_loads_pulled_from_another_worker():
+    """B's host held block 0; the hint named A's 3 blocks; B pulled blocks 1-2 into its host tier
+    and loaded all 3 from there: 4 own host tokens, 8 pulled, and no "another worker held it"."""
+    p0, p1 = prompt(1, 2, 3), prompt(1, 2, 3, 4)
+    hint = {"hinted": 12, "start": 4, "pulled": 8, "why": "", "skipped": False}
+    load = {"device": 0, "planned": 12, "loaded": {"host": 12}, "ok": True}
+    row = _hinted(p0, p1, hint, load)
+    assert causes(row, 1) == {"host": 4, "host_pulled": 8, "new": 4, "tail": 1}
+    assert row.check == "exact" and sum(row.totals.values()) == row.prompt_tokens
+    # the load covered only part of the pulled range: only that part counts as pulled
+    row = _hinted(p0, p1, hint, {"device": 0, "planned": 8, "loaded": {"host": 8}, "ok": True})
+    assert causes(row, 1) == {"host": 4, "host_pulled": 4, "lost_before_load": 4, "new": 4, "tail": 1}
+    # vLLM's device held block 0: the load starts past it
+    row = _hinted(p0, p1, hint, {"device": 4, "planned": 8, "loaded": {"host": 8}, "ok": True})
+    assert causes(row, 1) == {"device": 4, "host_pulled": 8, "new": 4, "tail": 1}
+    # a failed load brings nothing, pulled or not
+    row = _hinted(p0, p1, hint, {"device": 0, "planned": 12, "loaded": {}, "ok": False})
+    assert causes(row, 1) == {"lost_before_load": 12, "new": 4, "tail": 1}
+
+
+def test_a_hint_that_failed_or_was_skipped_names_what_it_would_have_brought():
+    p0, p1 = prompt(1, 2, 3), prompt(1, 2, 3, 4)
+    for why, skipped in (("timeout", False), ("", True)):
+        hint = {"hinted": 12, "start": 0, "pulled": 0, "why": why, "skipped": skipped}
+        row = _hinted(p0, p1, hint, None)
+        assert causes(row, 1) == {"hint_missed": 12, "new": 4, "tail": 1}, why
+    # no hint at all: the router sent it away from A's copy
+    c = Chain(p0)
+    events = [c.stored(0.5, "A", "device", 0, 3)]
+    row = account([req(0, p0, 0, 1, "A"), req(1, p1, 2, 3, "B")], B, events=events)
+    assert causes(row, 1) == {"other_worker": 12, "new": 4, "tail": 1}
+
+
 def test_a_response_that_disagrees_with_the_connector_is_named():
     p = prompt(1, 2, 3)
     key = prompt_key(p[: lookup_tokens(len(p), B)])
@@ -242,12 +290,23 @@ def test_a_connectors_log_file_is_what_the_accounting_reads(tmp_path):
     looked = p[: lookup_tokens(len(p), B)]
     log.lookup(looked, len(p), 0, 8, {"reason": "faster", "start": 0, "end": 8, "found": {"host": 8}})
     log.load(prompt_key(looked), "req-1", 0, 8, {"host": 8, "disk": 0}, True)
+    hint = {"hinted": 8, "start": 0, "pulled": 8, "why": "", "skipped": False}
+    log.lookup(looked, len(p), 0, 8, {"reason": "faster", "start": 0, "end": 8, "found": {"host": 8}}, hint)
+    log.load(prompt_key(looked), "req-2", 0, 8, {"host": 8}, True)
     log.close()
     lines = [json.loads(x) for x in (tmp_path / "flexkv-requests.jsonl").read_text().splitlines()]
-    assert [x["kind"] for x in lines] == ["lookup", "load"] and lines[1]["loaded"] == {"host": 8}
+    assert [x["kind"] for x in lines] == ["lookup", "load", "lookup", "load"] and lines[1]["loaded"] == {"host": 8}
+    assert "hint" not in lines[0] and lines[2]["hint"] == hint
     t = lines[0]["t"]
-    row = account([req(0, p, t - 10, t - 9), req(1, p, t - 0.1, t + 1, cached=8)], B, events=[], logs={"A": lines})
+    row = account(
+        [req(0, p, t - 10, t - 9), req(1, p, t - 0.1, lines[1]["t"] + 0.01, cached=8)],
+        B,
+        events=[],
+        logs={"A": lines[:2]},
+    )
     assert causes(row, 1) == {"host": 8, "untraced": 4, "tail": 1}
+    row = account([req(0, p, t - 10, t - 9), req(1, p, t - 0.1, t + 1, cached=8)], B, events=[], logs={"A": lines[2:]})
+    assert causes(row, 1) == {"host_pulled": 8, "untraced": 4, "tail": 1}
 
 
 def test_worker_event_frames_decode_as_vllm_and_our_relay_send_them():

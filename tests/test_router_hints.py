@@ -135,9 +135,9 @@ def test_a_workers_hinted_pull_counts_seen_used_failed_and_pinned(tmp_path, monk
         kvs[0].wait([kvs[0].put_async(tokens, list(range(12)))])
         hints = [WorkerHints(EmbeddedOffload(kv), tier, 0, b"s") for kv in kvs]
         src, dst = hints
-        assert dst.pull(FetchHint(src.link.endpoint, 8), tokens, None, None, 16) == 8
+        assert dst.pull(FetchHint(src.link.endpoint, 8), tokens, None, None, 16).blocks == 8
         assert kvs[1].match(tokens)["host"] == 8 * 16
-        assert dst.pull(FetchHint("tcp://127.0.0.1:1", 12), tokens, None, None, 16) == 0  # nobody there
+        assert dst.pull(FetchHint("tcp://127.0.0.1:1", 12), tokens, None, None, 16).blocks == 0  # nobody there
         totals = dst.totals()
         assert totals["hints_used"] == 1 and totals["hint_pulled_tokens"] == 128
         assert totals["hints_failed/source_gone"] == 1

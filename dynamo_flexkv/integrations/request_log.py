@@ -12,7 +12,11 @@ prompts it sent: vLLM's request ids are Dynamo's, never seen by the client.
 
 Lines:
     {"kind": "lookup", "t": unix s, "key", "tokens", "prompt_tokens", "device": tokens vLLM held,
-     "answer": end of the prefix to load (tokens), "decision": LoadDecision.explain or null}
+     "answer": end of the prefix to load (tokens), "decision": LoadDecision.explain or null,
+     "hint": a router hint's outcome (docs/HINTS.md), only on a lookup that came with one:
+       {"hinted": tokens the hint named, "start": first token pulled, "pulled": tokens pulled
+        into the host tier (from "start" on), "why": "" or why it failed, "skipped": the load
+        policy left it unpulled}}
     {"kind": "load", "t", "key", "req", "device": tokens vLLM held, "planned": tokens planned,
      "loaded": {tier: tokens} (empty when it failed), "ok": bool}
 """
@@ -60,6 +64,7 @@ class RequestLog:
         device: int,
         answer: int,
         decision: dict[str, Any] | None,
+        hint: dict[str, Any] | None = None,
     ) -> None:
         self._write(
             {
@@ -70,6 +75,7 @@ class RequestLog:
                 "device": int(device),
                 "answer": int(answer),
                 "decision": decision,
+                **({"hint": hint} if hint is not None else {}),
             }
         )
 

@@ -2,7 +2,9 @@
 
 Per request, its prompt tokens split into causes (CAUSES) that add up to the prompt exactly:
 
-* loaded: ``device`` (the engine's own prefix cache), ``host``, ``disk``, ``remote``;
+* loaded: ``device`` (the engine's own prefix cache), ``host``, ``host_pulled`` (host blocks this
+  request's router hint pulled from another worker just before: the request_log's ``hint``, the
+  part of the load that fell in the pulled range), ``disk``, ``remote``;
 * computed, per whole block the engine could have been served (``lookup_tokens``: whole blocks,
   leaving the one token it must compute), in this order of questions:
   - ``new``: no earlier request's prompt had it (the longest block-aligned prefix shared with any
@@ -11,7 +13,8 @@ Per request, its prompt tokens split into causes (CAUSES) that add up to the pro
     integrations/request_log.py): ``lost_before_load`` when the lookup found it (on vLLM's device
     or in a tier, answered to load it) but it was gone when loaded (evicted meanwhile, or the load
     failed); ``declined`` when a tier held it and the load policy chose to recompute it (its
-    estimate is kept with the request);
+    estimate is kept with the request); ``hint_missed`` when the router's hint named it (another
+    worker held it) and the pull failed or the load policy skipped it;
   - from the workers' KV events (replay/events.py, what each worker held at the request's lookup,
     or its sending where no lookup was recorded): ``held_not_hit`` the serving worker held it by
     its events yet it was not hit (evicted between routing and admission, or its events lagged);
@@ -43,7 +46,8 @@ from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.integrations.request_log import lookup_tokens, prompt_key
 from dynamo_flexkv.replay.events import DEVICE, DISK, HOST, REMOTE, KvEvent
 
-LOADED = (DEVICE, HOST, DISK, REMOTE)
+PULLED = "host_pulled"  # host loads of blocks the request's router hint had just pulled
+LOADED = (DEVICE, HOST, PULLED, DISK, REMOTE)
 TIER_ORDER = (DEVICE, HOST, DISK, REMOTE)  # fastest first
 COMPUTED = (
     "new",
@@ -54,6 +58,7 @@ COMPUTED = (
     "evicted_disk",
     "evicted_remote",
     "other_worker",
+    "hint_missed",
     "declined",
     "lost_before_load",
     "held_not_hit",
@@ -65,6 +70,7 @@ CAUSES = LOADED + COMPUTED
 LABELS = {
     DEVICE: "loaded: device (the engine's prefix cache)",
     HOST: "loaded: host",
+    PULLED: "loaded: host, pulled from another worker on a hint",
     DISK: "loaded: disk",
     REMOTE: "loaded: remote",
     "new": "computed: never in an earlier prompt",
@@ -75,6 +81,7 @@ LABELS = {
     "evicted_disk": "computed: evicted, last from disk",
     "evicted_remote": "computed: evicted, last from remote",
     "other_worker": "computed: another worker held it (routed elsewhere)",
+    "hint_missed": "computed: another worker held it, its hint's pull failed or was skipped",
     "declined": "computed: the load policy declined the load",
     "lost_before_load": "computed: found by the lookup, gone when loaded",
     "held_not_hit": "computed: on this worker by its events, not hit",
@@ -405,6 +412,9 @@ class _Context:
             causes[HOST] = r.cached - causes[DEVICE]
         else:  # no connector, or it loaded nothing: every cached token is vLLM's own
             causes[DEVICE] = r.cached
+        pulled = self.pulled_loaded(load, causes[HOST])
+        causes[HOST] -= pulled
+        causes[PULLED] = pulled
         hit = sum(causes[t] for t in LOADED)
         if hit != r.cached:
             notes.append(
@@ -425,6 +435,16 @@ class _Context:
         causes["tail"] = P - sum(causes.values())
         return RequestAccount(r.index, r.worker, P, causes, declined, notes)
 
+    def pulled_loaded(self, load: dict[str, Any] | None, host: int) -> int:
+        """Of the ``host`` tokens loaded, those the request's hint had pulled: the load's range
+        [device, device + planned) within the pulled one [start, start + pulled)."""
+        hint = (self.lookup or {}).get("hint") or {}
+        if load is None or not load.get("ok") or not hint.get("pulled"):
+            return 0
+        lo = max(int(hint["start"]), int(load["device"]))
+        hi = min(int(hint["start"]) + int(hint["pulled"]), int(load["device"]) + int(load["planned"]))
+        return min(max(0, hi - lo), host)
+
     def why(self, i: int, key: bytes) -> str:
         """Why block ``i`` (chain key ``key``) was computed."""
         if key not in self.seen:
@@ -439,6 +459,8 @@ class _Context:
                 return "lost_before_load"
             if i < found:
                 return "declined"
+            if i < int((self.lookup.get("hint") or {}).get("hinted", 0)) // bs:
+                return "hint_missed"  # the router named a holder; the pull brought nothing of it
         elif state is not None and state.tier_on(self.r.worker, key) is not None:
             return "held_not_hit"
         in_flight = any(q.done > self.t for q in self.carriers.get(key, ()))

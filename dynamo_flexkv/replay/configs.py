@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dynamo_flexkv.core.http_client import scrape, total
+from dynamo_flexkv.core.http_client import scrape, sums_by, total
 from dynamo_flexkv.replay.client import TIERS, Replayer, RequestRecord
 from dynamo_flexkv.replay.events import KvEvent
 from dynamo_flexkv.workload import Turn
@@ -33,6 +33,12 @@ class Configuration:
     offload: bool = True
     node: bool = False  # the workers' tiers become one node cache they share (node_cache_config)
     peer: str | None = None  # another offload system in the workers instead of ours (replay/peers.py)
+    hints: bool = False  # Dynamo's router hints on (docs/HINTS.md): their counters are read per row
+
+    @property
+    def vllm_only(self) -> bool:
+        """A configuration only vLLM workers serve: a peer's connector, or router hints."""
+        return self.peer is not None or self.hints
 
     def overrides_for(self, worker: str) -> list[str]:
         """The overrides with ``{worker}`` replaced by the engine's worker section (FlexKVWorker, VllmWorker)."""
@@ -136,6 +142,13 @@ CONFIGURATIONS: dict[str, Configuration] = {
         Configuration("no-offload", "device prefix cache only, KV routing", ("{worker}.offload=false",), offload=False),
         Configuration("host", "host tier, KV routing over device+host", ("{worker}.cache.ssd_cache_gb=0",)),
         Configuration("host+ssd", "host + SSD tiers, KV routing over every tier (the default)", ()),
+        Configuration(
+            "hints",
+            "host + SSD tiers per worker, KV routing over every tier, router hints on: a worker the router "
+            "books a request on pulls the prefix another worker's host tier holds (docs/HINTS.md)",
+            ("{worker}.router-hints=true",),
+            hints=True,
+        ),
         Configuration("round-robin", "host + SSD tiers, round-robin routing", ("Frontend.router-mode=round-robin",)),
         Configuration(
             "kv-device-only", "host + SSD tiers, KV routing counting the device only (host/disk weights 0)", DEVICE_ONLY
@@ -205,6 +218,38 @@ def worker_totals(metrics_text: str, mapping: MetricMapping | None = None) -> Wo
     return out
 
 
+# Router hints' counters on a vLLM worker's /metrics (docs/HINTS.md), vllm:flexkv_<key>_total: the
+# receiver's (seen, used, skipped, what it pulled) and the source's (pins it granted, pins that
+# ended with their lease); and the two families by reason, keyed "<family>/<reason>".
+HINT_COUNTERS = (
+    "hints_seen",
+    "hints_used",
+    "hints_skipped",
+    "hint_pulled_tokens",
+    "hint_pulled_bytes",
+    "hint_pull_seconds",
+    "peer_pins",
+    "peer_pins_expired",
+)
+HINT_FAMILIES = ("hints_failed", "peer_refused")
+
+
+def hint_totals(metrics_text: str) -> dict[str, float]:
+    """A worker's router-hint counters (HINT_COUNTERS, and HINT_FAMILIES by reason), each the sum
+    of its samples (0 when absent: hints off, or nothing counted yet)."""
+    out = {key: total(metrics_text, f"vllm:flexkv_{key}_total") for key in HINT_COUNTERS}
+    for family in HINT_FAMILIES:
+        for (reason,), n in sorted(sums_by(metrics_text, f"vllm:flexkv_{family}_total", "reason").items()):
+            out[f"{family}/{reason}"] = out.get(f"{family}/{reason}", 0.0) + n
+    return out
+
+
+def hint_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """The counters' change across a replay; a reason that did not move is left out."""
+    out = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {k: v for k, v in out.items() if v or "/" not in k}
+
+
 def worker_id(metrics_text: str) -> int:
     """The worker's Dynamo instance id (what the frontend reports as nvext.worker_id)."""
     m = re.search(r'^dynamo_component_\w+\{[^}]*worker_id="([0-9a-f]+)"', metrics_text, re.M)
@@ -237,6 +282,7 @@ class ConfigRun:
     time_scale: float = 0.0  # trace seconds per replay second this run was sent at
     repeat: int = 1  # which repetition of its row (--repeat)
     account: RowAccount | None = None  # its accounting, once report.accounted computed it
+    hints: dict[str, dict[str, float]] | None = None  # worker -> its hint counters' change (hint_delta)
 
     @property
     def label(self) -> str:
@@ -306,7 +352,7 @@ def serve_and_replay(
 
     engine = replay.engine
     worker = ENGINES[engine].worker
-    if config.peer and engine != "vllm":
+    if config.vllm_only and engine != "vllm":
         raise ValueError(f"the {config.name} configuration runs vLLM workers: use --engine vllm")
     run_dir = Path(tempfile.mkdtemp(prefix=f"dynamo-flexkv-replay-{config.name.replace('+', '-')}-"))
     overrides = [
@@ -414,6 +460,7 @@ def _measure(
     texts = {name: scrape(port) for name, port in target.ports.items()}
     names = {worker_id(text): name for name, text in texts.items()}
     before = {name: worker_totals(text, mapping) for name, text in texts.items()}
+    hints_before = {name: hint_totals(text) for name, text in texts.items()} if config.hints else {}
     logs_before = {name: _line_count(path) for name, path in target.request_logs.items()}
     tap = EventTap(target.event_endpoints) if target.event_endpoints and replay.client == "ours" else None
     started_unix = time.time()
@@ -450,7 +497,9 @@ def _measure(
         raise ValueError(f"unknown client {replay.client!r}: ours or aiperf")
     wall = wall or time.perf_counter() - t0
     target.check_alive()  # a component that died mid-replay is named, with its log tail
-    after = {name: worker_totals(scrape(port), mapping) for name, port in target.ports.items()}
+    texts = {name: scrape(port) for name, port in target.ports.items()}
+    after = {name: worker_totals(text, mapping) for name, text in texts.items()}
+    hints = {n: hint_delta(hint_totals(texts[n]), hints_before[n]) for n in hints_before} if config.hints else None
     for r in records:  # workers not scraped are still told apart
         if r.worker_id is not None and r.worker_id not in names:
             names[r.worker_id] = f"worker-{r.worker_id:x}"
@@ -471,6 +520,7 @@ def _measure(
         lost_frames=tap.lost if tap is not None else 0,
         connector_logs={n: _read_lines(p, logs_before[n]) for n, p in target.request_logs.items()} or None,
         time_scale=replay.time_scale,
+        hints=hints,
     )
 
 

@@ -20,7 +20,7 @@ from dynamo_flexkv.core.durations import is_duration
 from dynamo_flexkv.resources import CONFIGS, GRAPHS, resolve
 from dynamo_flexkv.workload import TRACE_BLOCK, Scale, Turn, trace_turns
 
-ALL_CONFIGS = "no-offload,host,host+ssd,round-robin,kv-device-only,node"
+ALL_CONFIGS = "no-offload,host,host+ssd,hints,round-robin,kv-device-only,node"
 # Host tier per worker, in blocks of the small preset: the reference engine 512 (float32, 256 KiB a
 # block), what a worker serves in the default workload; vLLM 128 (bfloat16, 128 KiB a block), a
 # quarter of that, so the SSD tier serves part of the lower-tier hits (with 512 it served none).
@@ -48,12 +48,13 @@ class Preset:
 # holds what a worker serves, so a later turn's prefix is on the worker that served the turn before.
 # Then every configuration again at 2x the rate (40x), for goodput where queues form: about 10-12
 # min on a quiet 2-core machine (a graph's start and stop ~40 s, a replay 45 s / 23 s; issue 49).
+# The hints row (vLLM only) is host+ssd with router hints on, beside it (issue 50).
 DEFAULT = Preset(
     conversations=32,
     sample_every=4,
     trace_window_s=900,
     time_scale=20.0,
-    configs="no-offload,host+ssd,kv-device-only,node",
+    configs="no-offload,host+ssd,hints,kv-device-only,node",
     device_blocks="40",
     sweep_configs="no-offload,host+ssd",
     higher_rate=2.0,
@@ -137,8 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--configs",
         help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
-        f"--full {FULL.configs}; all: {ALL_CONFIGS}; with --engine vllm, lmcache is added to the "
-        f"defaults once `make peer-lmcache` installed LMCache: the peer in the same graph)",
+        f"--full {FULL.configs}; all: {ALL_CONFIGS}; hints: host+ssd with Dynamo's router hints on, "
+        f"vLLM only, left out of the defaults with --engine reference; with --engine vllm, lmcache is "
+        f"added to the defaults once `make peer-lmcache` installed LMCache: the peer in the same graph)",
     )
     g.add_argument(
         "--device-blocks",
@@ -280,6 +282,16 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _for_engine(configs: str, engine: str) -> str:
+    """The default configurations the engine serves: without the vLLM-only ones (hints) on the
+    reference engine."""
+    from dynamo_flexkv.replay.configs import CONFIGURATIONS
+
+    if engine == "vllm":
+        return configs
+    return ",".join(n for n in configs.split(",") if not CONFIGURATIONS[n].vllm_only)
+
+
 def _with_peer(configs: str, engine: str) -> str:
     """The default configurations, with the LMCache row when the peer is installed (vLLM only)."""
     from dynamo_flexkv.bench.peer_lmcache import INSTALL, missing_reason, prefix_dir
@@ -294,11 +306,11 @@ def _with_peer(configs: str, engine: str) -> str:
 
 
 def _check_peers(configs, engine: str) -> None:
-    """A peer configuration runs on vLLM, with its peer installed: refused before anything is served."""
+    """A peer or hints configuration runs on vLLM, with its peer installed: refused before anything is served."""
     from dynamo_flexkv.bench.peer_lmcache import INSTALL, missing_reason, prefix_dir
 
     for c in configs:
-        if c.peer and engine != "vllm":
+        if c.vllm_only and engine != "vllm":
             raise ValueError(f"configuration {c.name} runs vLLM workers: use --engine vllm")
         why = missing_reason(prefix_dir()) if c.peer == "lmcache" else None
         if why:
@@ -370,11 +382,11 @@ def _run(args: argparse.Namespace) -> int:
         plan = [(Configuration("served", f"the graph at {args.url}", ()), 0)]
     else:
         sizes = device_block_list(args.device_blocks or preset.device_blocks)
-        main = parse_configs(args.configs or _with_peer(preset.configs, args.engine))
+        main = parse_configs(args.configs or _with_peer(_for_engine(preset.configs, args.engine), args.engine))
         sweep = (
             parse_configs(args.sweep_configs)
             if args.sweep_configs
-            else (main if args.full else parse_configs(preset.sweep_configs))
+            else (main if args.full else parse_configs(_for_engine(preset.sweep_configs, args.engine)))
         )
         _check_peers([*main, *sweep], args.engine)
         plan = [(c, sizes[0]) for c in main] + [(c, b) for b in sizes[1:] for c in sweep]
@@ -409,6 +421,7 @@ def _run(args: argparse.Namespace) -> int:
             label = _run_label(config.name, blocks, rate, rep, args.repeat)
             replay = replace(base, time_scale=base.time_scale * rate)
             progress = Progress(len(turns), label)
+            t_run = time.perf_counter()  # the row's own time: its graph's start and its replay
             try:
                 if args.url:
                     progress.start()
@@ -449,7 +462,14 @@ def _run(args: argparse.Namespace) -> int:
             sys.stderr.write(
                 f"{label}: {s.requests} requests, {s.errors} errors, TTFT p50 "
                 f"{s.ttft_p50_ms:.0f} ms, {s.hit_rate['all']:.0%} of prompt tokens cached, "
-                f"{run.wall_s:.0f} s; accounting {s.account_check}\n"
+                f"{run.wall_s:.0f} s of replay, {time.perf_counter() - t_run:.0f} s since its graph started; "
+                f"accounting {s.account_check}"
+                + (
+                    f"; hints seen {s.hints.get('hints_seen', 0):.0f}, used {s.hints.get('hints_used', 0):.0f}"
+                    if run.config.hints
+                    else ""
+                )
+                + "\n"
             )
     finally:
         stopping.wait()

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from dynamo_flexkv.replay.accounting import CAUSES, LABELS, Request, RowAccount, account
+from dynamo_flexkv.replay.accounting import CAUSES, LABELS, PULLED, Request, RowAccount, account
 from dynamo_flexkv.replay.client import TIERS, RequestRecord
 from dynamo_flexkv.replay.configs import ENGINES, ConfigRun, attribute_workers, peer_mapping
 
@@ -68,6 +68,9 @@ class Summary:
     goodput_target_ms: float = math.nan
     goodput_rpm: float = math.nan
     goodput_ratio: float = math.nan
+    # Router hints (a hints row): the workers' hint counters' change, summed (configs.HINT_COUNTERS,
+    # "hints_failed/<reason>", "peer_refused/<reason>"); empty on a row without hints
+    hints: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"bench": "replay", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in vars(self).items()}}
@@ -109,6 +112,7 @@ def _against_counters(run: ConfigRun, row: RowAccount) -> list[str]:
         w = got.setdefault(a.worker or "", {t: 0 for t in TIERS})
         for t in TIERS:
             w[t] += a.causes.get(t, 0)
+        w["host"] += a.causes.get(PULLED, 0)  # pulled on a hint, then loaded from host: host to its counters
     for name, tiers in got.items():
         counters = run.workers.get(name)
         if counters is not None:
@@ -174,8 +178,18 @@ def summarize(run: ConfigRun, base_time_scale: float | None = None) -> Summary:
         time_scale=run.time_scale,
         rate=run.time_scale / base_time_scale if base_time_scale and run.time_scale else 1.0,
         repeat=run.repeat,
+        hints=hint_sums(run.hints) if run.hints is not None else {},
         **_account_fields(run),
     )
+
+
+def hint_sums(per_worker: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The workers' hint counters added up (a key missing on a worker counts 0)."""
+    out: dict[str, float] = {}
+    for counters in per_worker.values():
+        for k, v in counters.items():
+            out[k] = out.get(k, 0.0) + v
+    return {k: round(v, 6) for k, v in sorted(out.items())}
 
 
 def _account_fields(run: ConfigRun) -> dict[str, Any]:
@@ -413,6 +427,7 @@ def markdown(summaries: Sequence[Summary], workload: str, setup: str, target: st
     if target is not None:
         lines += ["", *goodput_table(summaries, target)]
     lines += accounting_tables(summaries)
+    lines += hints_table(summaries)
     sources = sorted({s.tier_source for s in summaries})
     clients = sorted({s.client for s in summaries})
     lines += ["", "Timed by: " + ", ".join(CLIENTS[c] for c in clients) + "."]
@@ -523,6 +538,57 @@ def accounting_tables(summaries: Sequence[Summary]) -> list[str]:
     return out
 
 
+def _reasons(hints: dict[str, float], family: str) -> str:
+    """ "n (reason n, ...)" of a counter family, e.g. hints_failed."""
+    by = {k.split("/", 1)[1]: v for k, v in hints.items() if k.startswith(family + "/") and v}
+    n = sum(by.values())
+    return f"{n:,.0f}" + (" (" + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(by.items())) + ")" if by else "")
+
+
+def hints_table(summaries: Sequence[Summary]) -> list[str]:
+    """The router hints of every row that had them on: what came, what was pulled, what failed
+    and why, and what the sources pinned or refused (the workers' counters, summed)."""
+    rows_ = [s for s in summaries if s.hints]
+    if not rows_:
+        return []
+    repeated = max((s.repeat for s in summaries), default=1) > 1
+    out = [
+        "",
+        "Router hints (the workers' vllm:flexkv_hint* / peer_* counters across the replay, both workers "
+        "summed; docs/HINTS.md):",
+        "",
+        "| run | hints seen | used | skipped (policy) | failed (by reason) | nothing to pull | tokens pulled "
+        "(loaded from the pull by its request) | MiB pulled | pull s | source: pins (lease ended) "
+        "| source: refused (by reason) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in rows_:
+        h = s.hints
+        failed = sum(v for k, v in h.items() if k.startswith("hints_failed/"))
+        idle = h.get("hints_seen", 0) - h.get("hints_used", 0) - h.get("hints_skipped", 0) - failed
+        out.append(
+            f"| {_label(s, repeated)} | {h.get('hints_seen', 0):,.0f} | {h.get('hints_used', 0):,.0f} "
+            f"| {h.get('hints_skipped', 0):,.0f} | {_reasons(h, 'hints_failed')} | {max(0, idle):,.0f} "
+            f"| {h.get('hint_pulled_tokens', 0):,.0f} ({s.account.get(PULLED, 0):,}) "
+            f"| {h.get('hint_pulled_bytes', 0) / 2**20:,.1f} | {h.get('hint_pull_seconds', 0):.2f} "
+            f"| {h.get('peer_pins', 0):,.0f} ({h.get('peer_pins_expired', 0):,.0f}) "
+            f"| {_reasons(h, 'peer_refused')} |"
+        )
+    out += [
+        "",
+        "Nothing to pull: hints seen less used, skipped and failed: their blocks were held here already "
+        "(or the load policy left them unpulled for a reason other than slower).",
+    ]
+    if any(not s.hints.get("hints_seen") for s in rows_):
+        out += [
+            "",
+            "A row without hints seen: the router hints only when it books a request on a worker other "
+            "than the one holding the longest prefix on device and host (docs/HINTS.md, When the router "
+            "sends one).",
+        ]
+    return out
+
+
 def findings(summaries: Sequence[Summary]) -> list[str]:
     """What the run shows about the questions the comparison asks, at every device size, at the
     trace's rate: medians over each row's runs, and with more than one run each, whether a
@@ -591,6 +657,21 @@ def findings(summaries: Sequence[Summary]) -> list[str]:
             out.append(
                 f"- {blocks} device blocks: the node cache {'holds' if holds else 'does NOT hold'} what it "
                 f"pools: {', '.join(parts)}."
+            )
+        hinted = by.get(("hints", blocks))
+        if tiered and hinted:
+            h = hinted.runs[0].hints
+            holds = med(hinted, "hit rate") >= med(tiered, "hit rate") and med(hinted, "TTFT p50") <= med(
+                tiered, "TTFT p50"
+            )
+            out.append(
+                f"- {blocks} device blocks: router hints {'hold' if holds else 'do NOT hold'} against host+ssd "
+                f"without them: hit rate {pct(med(hinted, 'hit rate'))} vs {pct(med(tiered, 'hit rate'))}"
+                f"{mark(hinted, tiered, 'hit rate')}, TTFT p50 / p90 {_fmt(med(hinted, 'TTFT p50'))} / "
+                f"{_fmt(med(hinted, 'TTFT p90'))} vs {_fmt(med(tiered, 'TTFT p50'))} / "
+                f"{_fmt(med(tiered, 'TTFT p90'))} ms{mark(hinted, tiered, 'TTFT p50')}; hints seen "
+                f"{h.get('hints_seen', 0):,.0f}, used {h.get('hints_used', 0):,.0f}, failed "
+                f"{_reasons(h, 'hints_failed')} (first run)."
             )
         if tiered and none:
             t, n = tiered.runs[0], none.runs[0]

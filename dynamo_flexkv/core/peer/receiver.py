@@ -76,6 +76,7 @@ class PullResult:
     seconds: float = 0.0
     why: str = ""  # "" or a failure reason (ReceiverStats.failed's keys)
     decision: str = ""  # the cost model's reason when it was asked (core/cost.py): "slower" pulls nothing
+    start: int = 0  # the first block staged for the pull (the host tier's prefix then): ``blocks`` follow it
 
 
 @dataclass
@@ -213,7 +214,7 @@ class PeerReceiver:
             self.stats.seconds += seconds
         if why:
             self.stats.failed[why] = self.stats.failed.get(why, 0) + 1
-        return PullResult(not why, verified, held, nbytes, seconds, why, decision)
+        return PullResult(not why, verified, held, nbytes, seconds, why, decision, run.start)
 
     def _failed(self, why: str, held: int, t0: float) -> PullResult:
         self.stats.failed[why] = self.stats.failed.get(why, 0) + 1

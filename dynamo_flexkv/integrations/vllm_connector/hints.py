@@ -21,10 +21,13 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo_flexkv.core.contract import EngineOffload
 from dynamo_flexkv.core.errors import FlexKVError
+
+if TYPE_CHECKING:
+    from dynamo_flexkv.core.peer import PullResult
 
 log = logging.getLogger(__name__)
 
@@ -220,15 +223,18 @@ class WorkerHints:
         bs: int,
         prompt_tokens: int | None = None,
         local_blocks: int = 0,
-    ) -> int:
+    ) -> PullResult:
         """Pulls the hinted blocks this worker lacks, unless the load policy predicts recomputing
         them faster (``prompt_tokens``: the whole prompt; ``local_blocks``: what the engine holds);
-        returns blocks that became visible (a failure counts and returns 0: the tiers serve what
-        they hold, the rest is recomputed)."""
+        returns the pull's outcome: ``blocks`` that became visible from block ``start`` on (a
+        failure counts, with ``why``, and makes none visible: the tiers serve what they hold, the
+        rest is recomputed)."""
+        from dynamo_flexkv.core.peer import PullResult
+
         if hint.blocks <= 0:
             with self._lock:
                 self.counters.fail("foreign")
-            return 0
+            return PullResult(False, why="foreign")
         r = self.link.pull(
             hint.endpoint,
             token_ids,
@@ -249,7 +255,7 @@ class WorkerHints:
                 self.counters.pull_seconds += r.seconds
             if r.why:
                 self.counters.fail(r.why)
-        return r.blocks
+        return r
 
     def totals(self) -> dict[str, float]:
         """Running totals as the worker's step-stats keys (metrics.py)."""

@@ -320,21 +320,17 @@ class WorkerSide:
     ) -> int:
         if not self._weights_current():  # KV of other weights: a miss until the tiers heard of the change
             return 0
+        bs = self.settings.block_size
+        hinted: dict[str, Any] | None = None  # what the hint did, for the request_log
         if hint is not None and self.hints is not None:  # a router hint: pull what the tiers lack first
             endpoint, blocks, refused = hint
             self.hints.counters.seen += 1
+            hinted = {"hinted": blocks * bs, "start": 0, "pulled": 0, "why": refused, "skipped": False}
             if refused:
                 self.hints.counters.fail(refused)
             else:
-                self.hints.pull(
-                    FetchHint(endpoint, blocks),
-                    tokens,
-                    lora,
-                    salt,
-                    self.settings.block_size,
-                    prompt_tokens,
-                    local_blocks,
-                )
+                r = self.hints.pull(FetchHint(endpoint, blocks), tokens, lora, salt, bs, prompt_tokens, local_blocks)
+                hinted.update(start=r.start * bs, pulled=r.blocks * bs, why=r.why, skipped=r.decision == "slower")
         if self.tiers is not None:
             return self.tiers.cached_tokens(tokens, lora, salt, prompt_tokens, local_blocks)
         offload = self._registered("lookup")
@@ -345,7 +341,7 @@ class WorkerSide:
         answer, decision = offload.explain_lookup(
             tokens, lora_name=lora, cache_salt=salt, prompt_tokens=prompt_tokens, skip_blocks=local_blocks
         )
-        self.request_log.lookup(tokens, prompt_tokens, local_blocks * self.settings.block_size, answer, decision)
+        self.request_log.lookup(tokens, prompt_tokens, local_blocks * bs, answer, decision, hinted)
         return answer
 
     def _log_load(self, spec: LoadSpec, planned_blocks: int, by_tier: dict[str, int], ok: bool) -> None:
