@@ -472,7 +472,9 @@ def test_only_steps_where_every_request_prefills_are_timed_for_the_cost_model(tm
             new_block_ids=[None] * len(cached),
         )
         out = NS(
-            scheduled_new_reqs=[NS(req_id=r, prompt_token_ids=ids, block_ids=([],)) for r, ids in new],
+            scheduled_new_reqs=[
+                NS(req_id=r, prompt_token_ids=ids, prompt_embeds=None, block_ids=([],)) for r, ids in new
+            ],
             scheduled_cached_reqs=cached,
             num_scheduled_tokens={},
             total_num_scheduled_tokens=tokens,
@@ -505,6 +507,92 @@ def test_only_steps_where_every_request_prefills_are_timed_for_the_cost_model(tm
         assert step() is None
     finally:
         side.close()
+
+
+def test_prompt_tokens_count_each_scheduled_requests_prompt_once(tmp_path, monkeypatch):
+    """flexkv_prompt_tokens_total, the hit rate's denominator, counts what vllm:prompt_tokens_total
+    counts: each request's prompt once, when vLLM first schedules it (token ids or embeddings),
+    not its later chunks nor a preempted request scheduled again (resumed: vLLM 0.31 lists it
+    among the cached requests; earlier ones listed it as new). Through the connector metadata to
+    rank 0's step stats; rank 1 gets the same plans and counts nothing (vLLM sums the ranks)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
+    from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+    from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
+
+    monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "0.01")
+    bs, blocks = 16, 64
+    settings = ConnectorSettings(block_size=bs, num_blocks=blocks, engine_id="e", run_dir=str(tmp_path), model_id="m")
+    side = SchedulerSide(settings)
+    workers = [WorkerSide(settings, rank, 2) for rank in (0, 1)]
+
+    def new(rid: str, n: int, embeds: bool = False) -> NewRequestData:
+        return NewRequestData(
+            req_id=rid,
+            prompt_token_ids=None if embeds else list(range(n)),
+            prompt_embeds=torch.zeros(n, 8) if embeds else None,
+            mm_features=[],
+            sampling_params=None,
+            pooling_params=None,
+            block_ids=([],),
+            num_computed_tokens=0,
+            lora_request=None,
+        )
+
+    def step(new_reqs=(), cached=(), resumed=()) -> int:
+        out = replace(
+            SchedulerOutput.make_empty(),
+            scheduled_new_reqs=list(new_reqs),
+            scheduled_cached_reqs=replace(
+                CachedRequestData.make_empty(),
+                req_ids=list(cached),
+                resumed_req_ids=set(resumed),
+                new_block_ids=[None] * len(cached),
+                num_output_tokens=[0] * len(cached),
+            ),
+            total_num_scheduled_tokens=1,
+        )
+        meta = side.build_meta(out)
+        for w in workers:
+            w.start_load(meta)
+        return meta.prompt_tokens
+
+    try:
+        for w in workers:
+            w.register({"model.layers.0.self_attn.attn": torch.zeros(blocks, 2, bs, 64)})
+        assert step([new("a", 3000), new("b", 700)]) == 3700
+        assert step(cached=["a"]) == 0  # a's next chunk
+        assert step([new("e", 48, embeds=True)], cached=["a", "b"]) == 48  # prompt embeddings count too
+        assert step(cached=["a"], resumed=["a"]) == 0  # a preempted, scheduled again
+        assert step([new("b", 700)]) == 0  # b preempted, rescheduled as a new request (older vLLM)
+        assert step() == 0
+        stats = [w.step_stats() for w in workers]
+        assert stats[0]["prompt_tokens"] == 3000 + 700 + 48
+        assert "prompt_tokens" not in stats[1]
+        assert "prompt_tokens" not in workers[0].step_stats()  # deltas: reported once
+        req = SimpleNamespace(
+            request_id="a",
+            all_token_ids=[],
+            num_computed_tokens=0,
+            num_tokens=0,
+            num_prompt_tokens=0,
+            lora_request=None,
+            cache_salt=None,
+            prompt_embeds=None,
+            mm_features=None,
+            block_hashes=[],
+            kv_transfer_params=None,
+        )
+        side.request_finished(req, [])
+        assert step([new("a", 100)]) == 100  # a request id used again after it finished: a new request
+    finally:
+        side.close()
+        for w in workers:
+            w.shutdown()
 
 
 def test_a_waiting_request_is_looked_up_once_with_vllms_own_hit(tmp_path):

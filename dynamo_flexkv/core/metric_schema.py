@@ -42,6 +42,7 @@ SHARED: dict[str, tuple[frozenset[Source], tuple[str, ...]]] = {
     "flexkv_hit_blocks_total": (_ALL, ("tier",)),
     "flexkv_removed_blocks_total": (_ALL, ("tier", "reason")),
     "flexkv_tasks_in_flight": (_ALL, ()),
+    "flexkv_prompt_tokens_total": (_ENGINES, ()),
     "flexkv_prompt_tokens_cached_total": (_ENGINES, ("tier",)),
     "flexkv_stored_blocks_total": (_ENGINES, ("tier",)),
     "flexkv_evicted_blocks_total": (_ENGINES, ("tier",)),

@@ -27,6 +27,11 @@ BY_TIER: Labels = (("tier", TIERS),)
 # the family lists its labels); gauges start with "gauge:". Names and labels follow the schema the
 # reference worker and the node service share (core/metric_schema.py).
 COUNTERS: dict[str, tuple[str, Labels]] = {
+    "prompt_tokens": (
+        "Prompt tokens of the requests scheduled, each request once (as vllm:prompt_tokens_total, counted "
+        "when first scheduled): the hit rate's denominator",
+        (),
+    ),
     "prompt_tokens_cached": ("Prompt tokens not recomputed, by the offload tier they were loaded from", BY_TIER),
     "recomputed_tokens": ("Tokens a lookup promised that were recomputed instead (evicted, failed or corrupt)", ()),
     "failed_loads": ("Loads that failed or timed out (their blocks were recomputed)", ()),

@@ -70,6 +70,9 @@ class FlexKVMetadata(KVConnectorMetadata):
     # token): the worker times such a step for the cost model (step_clock.py); else None.
     prefill: tuple[int, int] | None = None
     step: int = 0  # the scheduler's count of the plans it built: this one's
+    # Prompt tokens of the requests first scheduled in this step (a preempted request's once): rank
+    # 0's worker counts them as flexkv_prompt_tokens_total, the hit rate's denominator.
+    prompt_tokens: int = 0
 
 
 def lookup_endpoint(engine_id: str, run_dir: str | None = None, rank: int = 0) -> str:

@@ -109,6 +109,10 @@ class SchedulerSide:
         self._first_step: dict[str, int] = {}
         self._events: list[Any] = []
         self._prompt_len: dict[str, int] = {}  # scheduled request -> its prompt's length (0: no token ids)
+        # Prompt tokens of the requests scheduled for the first time since the last plan (each
+        # request once: a preempted one scheduled again is in _prompt_len already), as vLLM's
+        # vllm:prompt_tokens_total counts them: flexkv_prompt_tokens_total (FlexKVMetadata).
+        self._new_prompt_tokens = 0
         # Waiting request -> the worker's answer (end of the prefix to load, in tokens): vLLM asks
         # again at every step a request waits, and one decision per request is what the cost
         # model counts; the answer is dropped once vLLM allocates the request (or it finishes).
@@ -236,8 +240,11 @@ class SchedulerSide:
             self._plan_digests(scheduler_output)
         prefill = self._prefill_work(scheduler_output) if scheduler_output is not None else None
         self._step += 1
-        meta = FlexKVMetadata(self._loads, self._saves, self._digests, self._holds, prefill, self._step)
+        meta = FlexKVMetadata(
+            self._loads, self._saves, self._digests, self._holds, prefill, self._step, self._new_prompt_tokens
+        )
         self._loads, self._saves, self._digests, self._holds = [], [], [], []
+        self._new_prompt_tokens = 0
         return meta
 
     def _prefill_work(self, out: SchedulerOutput) -> tuple[int, int] | None:
@@ -246,6 +253,9 @@ class SchedulerSide:
         longest, timed = 0, True
         for new in out.scheduled_new_reqs:  # every one recorded, for its later chunks
             ids = new.prompt_token_ids
+            if new.req_id not in self._prompt_len:  # its first scheduling: its prompt counted once
+                embeds = new.prompt_embeds  # vLLM's num_prompt_tokens: token ids, else embeddings
+                self._new_prompt_tokens += len(ids) if ids is not None else len(embeds) if embeds is not None else 0
             self._prompt_len[new.req_id] = n = len(ids) if ids is not None else 0
             longest, timed = max(longest, n), timed and n > 0
         cached = out.scheduled_cached_reqs

@@ -33,7 +33,7 @@ FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
         "num_scheduled_tokens",
         "total_num_scheduled_tokens",
     ),
-    ("vllm.v1.core.sched.output", "NewRequestData"): ("req_id", "prompt_token_ids", "block_ids"),
+    ("vllm.v1.core.sched.output", "NewRequestData"): ("req_id", "prompt_token_ids", "prompt_embeds", "block_ids"),
     ("vllm.v1.core.sched.output", "CachedRequestData"): (
         "req_ids",
         "resumed_req_ids",

@@ -126,6 +126,7 @@ class WorkerSide:
         self.counters = LoadCounters(loaded={})
         self.transfer_log: collections.deque[TransferRecord] = collections.deque(maxlen=1024)  # newest last
         self.stored_tokens = 0
+        self.prompt_tokens = 0  # rank 0: prompt tokens of the requests vLLM scheduled (FlexKVMetadata)
         self._reported: dict[str, float] = {}  # counter totals already sent as deltas
         self._gauges_at = 0.0
         self.clock: StepClock | None = None
@@ -351,6 +352,8 @@ class WorkerSide:
 
     # ---- one step --------------------------------------------------------------------------------
     def start_load(self, meta: FlexKVMetadata) -> None:
+        if self.tp_rank == 0:  # every rank gets the plan; vLLM sums the ranks' step stats
+            self.prompt_tokens += meta.prompt_tokens
         offload = self.offload
         if offload is None:
             return
@@ -751,6 +754,7 @@ class WorkerSide:
             "failed_loads": c.failed_loads,
             "tier_faults": self.offload.tier_faults,
             "stored_tokens": self.stored_tokens,
+            "prompt_tokens": self.prompt_tokens,
             "handover_tokens": c.handover_tokens,
             "handover_bytes": c.handover_bytes,
             "handover_seconds": c.handover_seconds,
