@@ -595,6 +595,37 @@ def test_prompt_tokens_count_each_scheduled_requests_prompt_once(tmp_path, monke
             w.shutdown()
 
 
+def test_with_tensor_parallel_ranks_request_counts_come_from_rank_0_alone(tmp_path, monkeypatch):
+    """vLLM sums the ranks' step stats: the tokens and blocks every rank counts for the same
+    requests (each moves its shard of them) are reported by rank 0 alone, so a hit rate stays a
+    rate at TP > 1; bytes are each rank's own and add up."""
+    from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+    from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
+
+    monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "0.01")
+    bs, blocks = 16, 64
+    settings = ConnectorSettings(block_size=bs, num_blocks=blocks, engine_id="e", run_dir=str(tmp_path), model_id="m")
+    workers = [WorkerSide(settings, rank, 2) for rank in (0, 1)]
+    try:
+        for w in workers:
+            w.register({"model.layers.0.self_attn.attn": torch.zeros(blocks, 2, bs, 64)})
+            w.counters.loaded["host"] = w.counters.loaded.get("host", 0) + 640
+            w.counters.recomputed += 64
+            w.counters.handover_bytes += 1000
+        summed: dict[str, float] = {}
+        for w in workers:  # what vLLM's KVOutputAggregator does with the ranks' stats
+            for k, v in w.step_stats().items():
+                if not k.startswith("gauge:"):
+                    summed[k] = summed.get(k, 0) + v
+        assert summed["prompt_tokens_cached/host"] == 640
+        assert summed["recomputed_tokens"] == 64
+        assert summed["handover_bytes"] == 2000
+        assert summed.get("stored_blocks/host", 0) == workers[0]._reported.get("stored_blocks/host", 0)
+    finally:
+        for w in workers:
+            w.shutdown()
+
+
 def test_a_waiting_request_is_looked_up_once_with_vllms_own_hit(tmp_path):
     """vLLM asks for a waiting request's external tokens at every step until it can schedule it:
     the worker decides (and counts the decision) once, about the blocks beyond vLLM's own hit;

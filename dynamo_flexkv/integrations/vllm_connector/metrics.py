@@ -62,6 +62,31 @@ COUNTERS: dict[str, tuple[str, Labels]] = {
     "peer_pins": ("Pulls of peers this worker answered by pinning host blocks", ()),
     "peer_pins_expired": ("Pins of this worker's host blocks that ended with their lease (no release)", ()),
 }
+# What every tensor-parallel rank measures for the same requests and blocks (each rank moves its
+# shard of them): only rank 0 reports these, since vLLM sums the ranks' step stats
+# (KVOutputAggregator). Bytes, seconds and faults are each rank's own and are summed.
+PER_ENGINE = (
+    "recomputed_tokens",
+    "failed_loads",
+    "stored_tokens",
+    "prompt_tokens",
+    "prompt_tokens_cached/",
+    "hit_blocks/",
+    "stored_blocks/",
+    "evicted_blocks/",
+    "removed_blocks/",
+    "handover_tokens",
+    "handovers/",
+    "handover_corrupt",
+    "prefix_tokens/",
+)
+
+
+def rank_reports(key: str, tp_rank: int) -> bool:
+    """Whether ``tp_rank`` reports the step-stats key ``key`` (PER_ENGINE: rank 0 alone)."""
+    return tp_rank == 0 or not any(key == k or (k.endswith("/") and key.startswith(k)) for k in PER_ENGINE)
+
+
 # Router hints that ended in a recompute, by reason: "hints_failed/<reason>" (one family), and pulls
 # of peers this worker refused, by reason: "peer_refused/<reason>" (core/peer/protocol.Refusal).
 HINTS_FAILED = "hints_failed"

@@ -39,7 +39,7 @@ from dynamo_flexkv.integrations.vllm_connector.hints import FetchHint, WorkerHin
 from dynamo_flexkv.integrations.vllm_connector.hybrid import GroupTiers
 from dynamo_flexkv.integrations.vllm_connector.kv_tensors import describe
 from dynamo_flexkv.integrations.vllm_connector.lookup import LookupServer
-from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals
+from dynamo_flexkv.integrations.vllm_connector.metrics import prefix_token_totals, rank_reports
 from dynamo_flexkv.integrations.vllm_connector.protocol import FlexKVMetadata, LoadSpec, lookup_endpoint
 from dynamo_flexkv.integrations.vllm_connector.settings import (
     ConnectorSettings,
@@ -782,6 +782,8 @@ class WorkerSide:
             out["gauge:tasks_in_flight"] = st.tasks.in_flight
             totals.update(prefix_token_totals(st))  # the load policy's decisions (cost-aware loading)
         for k, total in totals.items():
+            if not rank_reports(k, self.tp_rank):
+                continue
             delta = total - self._reported.get(k, 0)
             if delta < 0:  # the totals started again (a restarted node service): all of it is new
                 delta = total
