@@ -352,3 +352,82 @@ def test_the_node_engines_attach_to_a_real_cache_server_that_stops_with_its_grou
     finally:
         server.stop()
     assert members(pid) == []  # no live process (zombies wait for init)
+
+
+# ---- --pull: a prefix pulled on a router hint, beside recompute, the own host tier and Redis -------------------
+def test_pull_rows_put_the_hinted_pull_against_recompute_host_and_redis():
+    from dynamo_flexkv.bench import vllm_pull as vp
+
+    hint = {"hints_seen": 1, "hints_used": 1, "hint_pulled_bytes": 115 * (128 << 10), "hint_pull_seconds": 0.02}
+    pull = [dict(r, hints=hint) for r in _recs([300, 320, 310], 7360)]
+    r = {"recompute-8192": _recs([1000, 1100, 1200]), "pull-8192": pull, "host-8192": _recs([200], 7360)}
+    r["remote-8192"] = _recs([400], 7360)
+    wire = [vp.RedisInfo(2_000, 115 * 131_500, 0)]
+    extra = {8192: {"raw_ms": 5.0, "remote_wire": wire, "stored": vp.RedisInfo(115 * 131_200, 4_000, 115 * 140_000)}}
+    cases = {c.case: c for c in vp.build_cases(r, [8192], extra, "; load 1")}
+    assert set(cases) == {
+        "recompute-8k",
+        "pull-8k",
+        "host-90-8k",
+        "remote-90-8k",
+        "pull-vs-recompute-8k",
+        "pull-vs-host-8k",
+        "pull-vs-remote-8k",
+        "pull-read-8k",
+        "wire-per-block-8k",
+        "redis-memory-per-block-8k",
+    }
+    assert cases["pull-vs-recompute-8k"].ratio == pytest.approx(310 / 1100)
+    assert cases["pull-vs-host-8k"].ratio == pytest.approx(310 / 200)
+    assert cases["pull-vs-remote-8k"].ratio == pytest.approx(310 / 400)
+    assert (cases["pull-read-8k"].ours, cases["pull-read-8k"].baseline) == (pytest.approx(20.0), 5.0)
+    assert (
+        cases["wire-per-block-8k"].ours == pytest.approx(131_500) and cases["wire-per-block-8k"].baseline == 128 << 10
+    )
+    assert cases["redis-memory-per-block-8k"].ours == pytest.approx(140_000)
+    assert "115 blocks (14.4 MiB) pulled" in cases["pull-8k"].note and "load 1" in cases["recompute-8k"].note
+    # Without the pull's records (a size that failed) no row of that size.
+    assert vp.build_cases({"recompute-8192": _recs([1])}, [8192], {}) == []
+
+
+def test_a_pulled_request_must_give_the_no_connector_engines_first_token():
+    r = {"ref-pull-2048": _recs([1], token=5), "pull-2048": _recs([1], token=6)}
+    assert v.check_tokens(r, [2048]) == ["pull-2048 request 0: first token 6 != ref-pull's 5"]
+
+
+@pytest.mark.parametrize("argv", [["index", "--pull"], ["vllm", "--pull", "--node"]])
+def test_pull_is_refused_for_other_benches_and_beside_node_or_peer(argv):
+    from dynamo_flexkv.bench import run
+
+    with pytest.raises(SystemExit) as e:
+        run(build_parser().parse_args(argv))
+    assert e.value.code == 2
+
+
+@pytest.mark.integration
+def test_the_pulls_loopback_ceiling_is_a_raw_nixl_read_that_moves_the_bytes():
+    from dynamo_flexkv.bench.vllm_pull import raw_read_ms
+
+    assert raw_read_ms(8, 64 << 10, repeat=3) > 0  # raises if the bytes read differ from the source's
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.bench
+def test_bench_vllm_pull_smoke(tmp_path):
+    """bench vllm --pull at its smallest case (2K, one request per case; four vLLM engines and a
+    redis-server): the rows exist, the pull used its hint (the bench fails otherwise) and every
+    loaded request gave the no-connector engine's first token. 4 min here at load 7-9."""
+    out = tmp_path / "pull.jsonl"
+    argv = ["vllm", "--pull", "--sizes", "2k", "--repeat", "1", "--json", str(out), "--dir", str(tmp_path)]
+    p = subprocess.run(
+        [sys.executable, "-m", "dynamo_flexkv.bench", *argv], capture_output=True, text=True, timeout=1200
+    )
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
+    want = {"recompute-2k", "pull-2k", "host-90-2k", "remote-90-2k", "pull-vs-recompute-2k", "pull-vs-host-2k"}
+    assert want | {"pull-read-2k", "wire-per-block-2k", "redis-memory-per-block-2k"} <= set(rows), sorted(rows)
+    assert "hints used 1/1" in rows["pull-2k"]["note"]
+    assert "first tokens equal the no-connector engine's (1 of 1)" in rows["pull-2k"]["note"]
+    # No timing bound: one 2K request each on a busy machine (pull / recompute was 1.05 once at load 8).
+    assert all(r["ours"] > 0 and r["baseline"] > 0 for r in rows.values())

@@ -122,6 +122,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "*-node-vs-embedded-* rows (ratio = through the node cache / embedded)",
     )
     parser.add_argument(
+        "--pull",
+        action="store_true",
+        help="bench vllm: instead of the tier cases, a prefix pulled on a Dynamo router hint (kv.fetch) "
+        "from another engine's host tier against recompute, the receiver's own host tier and the Redis "
+        "remote tier, four engines interleaved (default sizes 8k,32k; --quick 8k): pull-*, "
+        "pull-vs-recompute-*, pull-vs-host-*, pull-vs-remote-*, the loopback ceiling (pull-read-*) and "
+        "Redis bytes per block (docs/BENCHMARKS.md)",
+    )
+    parser.add_argument(
         "--workers", metavar="LIST", help="bench events: simulated worker counts (default 100,300,1000; --quick 20)"
     )
     parser.add_argument(
@@ -156,12 +165,21 @@ def run(args: argparse.Namespace) -> list[Case]:
             flush=True,
         )
         raise SystemExit(2)
+    if getattr(args, "pull", False) and (args.name != "vllm" or args.peer or args.node):
+        print(
+            f"bench {args.name}: --pull is bench vllm's, alone (run: bench vllm --pull [--sizes ...] [--repeat N])",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(2)
     names = [n for n in BENCHES if n not in NOT_IN_ALL] if args.name == "all" else [args.name]
     cases: list[Case] = []
     for name in names:
         module_name = BENCHES[name][0]
         if name == "disagg" and getattr(args, "vllm", False):  # the vLLM engines' handover instead
             module_name = "dynamo_flexkv.bench.vllm_disagg"
+        if name == "vllm" and getattr(args, "pull", False):  # the hinted pull's cases instead
+            module_name = "dynamo_flexkv.bench.vllm_pull"
         got = importlib.import_module(module_name).run(args)
         print_table(got, lower_is_better=name not in HIGHER_IS_BETTER)
         cases.extend(got)

@@ -18,11 +18,13 @@ at once, each timing the fresh prompts the parent sends it one at a time (see ``
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from dynamo_flexkv.bench import peer_lmcache as lmc
@@ -58,8 +60,15 @@ def rpc_drop_host(worker, timeout: float) -> int:
 
 
 def rpc_drop_local(worker, timeout: float) -> None:
-    """Drops host and disk: only the remote tier still holds the prefix."""
+    """Drops host and disk: only the remote tier (or a peer) still holds the prefix."""
     _conn().reset_tiers(timeout)
+
+
+def rpc_hint_totals(worker) -> dict[str, float]:
+    """The router hints' running totals (hints.py WorkerHints.totals), {} where hints are off."""
+    side = _conn()._worker
+    hints = getattr(side, "hints", None)
+    return dict(hints.totals()) if hints is not None else {}
 
 
 # ---- the engine process --------------------------------------------------------------------------------
@@ -90,12 +99,15 @@ class Engine:
         self.stored: set = set()  # sizes whose prefix this engine computed and stored (tier_request)
         self.info: dict[str, Any] = {"platform": _platform()}
 
-    def generate(self, prompt: list[int]):
-        return self.llm.generate([_tokens_prompt(prompt)], self.sp, use_tqdm=False)[0]
+    def generate(self, prompt: list[int], kv_hints: dict[str, Any] | None = None):
+        """One request through ``LLM.generate``; ``kv_hints`` (the router's envelope as JSON) rides
+        it as ``Request.kv_hints``, as dynamo.vllm hands it to vLLM (see hinted_engine)."""
+        with hinted_engine(self.llm.llm_engine, kv_hints):
+            return self.llm.generate([_tokens_prompt(prompt)], self.sp, use_tqdm=False)[0]
 
-    def timed(self, case: str, prompt: list[int]) -> dict[str, Any]:
+    def timed(self, case: str, prompt: list[int], kv_hints: dict[str, Any] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
-        out = self.generate(prompt)
+        out = self.generate(prompt, kv_hints)
         wall = time.perf_counter() - t0
         m = out.metrics
         engine_s = float(m.first_token_latency) if m is not None and m.first_token_latency > 0 else None
@@ -133,7 +145,57 @@ class Engine:
         return self.llm.collective_rpc(fn, args=args)[0]
 
     def stats(self) -> dict[str, Any]:
-        return self.rpc(rpc_tier_stats) if self.ours else {}
+        if not self.ours:
+            return {}
+        out = self.rpc(rpc_tier_stats)
+        hints = self.rpc(rpc_hint_totals)
+        if hints:  # router hints on: their totals, and the blocks pulled (tier_request's counter)
+            out["hints"] = dict(hints, pulled_blocks=int(hints.get("hint_pulled_tokens", 0)) // self.block)
+        return out
+
+    def router_hashes(self, tokens: list[int]) -> list[int]:
+        """The vLLM block hashes of ``tokens``' full blocks as this engine's scheduler computes them
+        (its prefix-caching hash algorithm, chained from NONE_HASH, no extra keys: plain token
+        prompts) and as Dynamo's router names them in a kv.fetch hint: the low 64 bits."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+
+        from dynamo_flexkv.integrations.vllm_connector.hints import router_hash
+
+        fn = get_hash_fn_by_name(self.llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(fn)  # what EngineCore does at start: the same seed (PYTHONHASHSEED or vLLM's default)
+        out, parent = [], None
+        for i in range(len(tokens) // self.block):
+            parent = hash_block_tokens(fn, parent, tokens[i * self.block : (i + 1) * self.block], None)
+            out.append(router_hash(parent))
+        return out
+
+
+@contextlib.contextmanager
+def hinted_engine(engine: Any, kv_hints: dict[str, Any] | None) -> Iterator[None]:
+    """While open, every request ``LLM.generate`` adds carries ``kv_hints`` as vLLM's
+    KvHintsEnvelope: ``LLM._add_request`` calls ``llm_engine.add_request``, which takes
+    ``kv_hints`` and hands it through EngineCoreRequest to ``Request.kv_hints`` (vLLM 0.31; what
+    dynamo.vllm's handlers pass to ``engine_client.generate``). The request is timed on the same
+    path as every other case."""
+    if kv_hints is None:
+        yield
+        return
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    envelope = KvHintsEnvelope(  # as dynamo.vllm's _build_vllm_kv_hints builds it from the router's message
+        protocol_version=str(kv_hints["protocol_version"]),
+        message_id=str(kv_hints["message_id"]),
+        actions=[
+            KvHintAction(str(a["action_id"]), str(a["action_type"]), str(a["action_version"]), dict(a["payload"]))
+            for a in kv_hints["actions"]
+        ],
+    )
+    engine.add_request = functools.partial(type(engine).add_request, engine, kv_hints=envelope)
+    try:
+        yield
+    finally:
+        del engine.add_request  # the class's method again
 
 
 def _tokens_prompt(ids: list[int]) -> TokensPrompt:
@@ -163,6 +225,9 @@ TIER_CASES: dict[str, tuple[str, str | None, tuple[str, str] | None]] = {
     "host": ("device", None, ("host", "hit_blocks")),
     "disk": ("disk", "host", ("disk", "hit_blocks")),
     "remote": ("device", "local", ("requests", "remote_hit_blocks")),
+    # bench vllm --pull: a router hint names a peer engine that holds the prefix in its host tier;
+    # this engine's host and disk are dropped first, so the prefix can only come from the pull
+    "pull": ("pull", "local", ("hints", "pulled_blocks")),
     # a fresh engine on the disk tier the previous one left: each request reads the re-adopted disk
     "restart": ("restart", "host", ("disk", "hit_blocks")),
     "offloading-host": ("device", None, None),
@@ -179,7 +244,7 @@ TIER_CASES: dict[str, tuple[str, str | None, tuple[str, str] | None]] = {
     "node-disk": ("disk", "host", ("disk", "hit_blocks")),
     "node-restart": ("restart", None, ("host", "hit_blocks")),
 }
-STORED_BY_ANOTHER_ENGINE = {"restart", "lmcache-restart", "node-restart"}
+STORED_BY_ANOTHER_ENGINE = {"restart", "lmcache-restart", "node-restart", "pull"}
 ROLE_CASES = {"flexkv": ("host", "disk"), "flexkv-remote": ("remote",), "offloading": ("offloading-host",)}
 
 
@@ -196,22 +261,26 @@ def _drop(e: Engine, what: str | None, blocks: int) -> int | None:
     return None
 
 
-def tier_request(e: Engine, case: str, size: int, i: int) -> dict[str, Any]:
+def tier_request(
+    e: Engine, case: str, size: int, i: int, kv_hints: dict[str, Any] | None = None, stored_elsewhere: bool = False
+) -> dict[str, Any]:
     """Request ``i`` of a loaded case: the 90% prefix + a suffix of the case's kind, from a settled
     engine after the case's drop; fails unless the prefix's blocks came from the case's tier. The
-    first request of a size stores the prefix first (computed once; the connector stores it)."""
+    first request of a size stores the prefix first (computed once; the connector stores it),
+    unless another engine stored it (``stored_elsewhere``: bench vllm --pull's Redis reader).
+    ``kv_hints``: a router hint the request carries (the ``pull`` case)."""
     kind, drop, counter = TIER_CASES[case]
     seed, bs = int(e.spec["seed"]), e.block
     hit = cached_tokens(size, bs)
     prefix = prefix_prompt(seed, size, bs)
     if size not in e.stored:
-        if case not in STORED_BY_ANOTHER_ENGINE:
+        if case not in STORED_BY_ANOTHER_ENGINE and not stored_elsewhere:
             e.generate(prefix)
         e.stored.add(size)  # from here on the tiers hold it (this engine stored it, or loads it)
     e.settle()
     l1_before = _drop(e, drop, hit // bs)
     before = e.stats()
-    rec = e.timed(f"{case}-{size}", prefix + suffix(seed, size, bs, kind, i))
+    rec = e.timed(f"{case}-{size}", prefix + suffix(seed, size, bs, kind, i), kv_hints)
     if l1_before is not None:  # its L1 gained the suffix's chunks only: no prefix chunk came from L2
         e.settle()
         gained, want = lmc.l1_state(str(e.lmcache_http))["objects"] - l1_before, size // bs - hit // bs
@@ -220,12 +289,15 @@ def tier_request(e: Engine, case: str, size: int, i: int) -> dict[str, Any]:
                 f"{case} {size}: LMCache's L1 gained {gained} objects in request {i}, expected the "
                 f"suffix's {want}: part of the prefix came from its disk tier, or L1 evicted"
             )
-    rec["loaded_blocks"] = _delta(e.stats(), before, *counter) if counter else rec["cached"] // bs
+    after = e.stats()
+    rec["loaded_blocks"] = _delta(after, before, *counter) if counter else rec["cached"] // bs
+    if "hints" in after:  # what the request's hint did: seen, used, failed by reason, bytes, seconds
+        rec["hints"] = {k: v - before.get("hints", {}).get(k, 0) for k, v in after["hints"].items()}
     if rec["loaded_blocks"] < hit // bs or rec["cached"] < hit:
         raise RuntimeError(
             f"{case} {size}: request {i} found {rec['cached']} cached tokens and "
             f"{rec['loaded_blocks']} blocks from its tier, expected {hit} tokens / {hit // bs} "
-            f"blocks; tier counters now {e.stats()}"
+            f"blocks; tier counters now {after}"
         )
     return rec
 
@@ -273,6 +345,21 @@ def run_role(e: Engine) -> None:
     e.info["tiers"] = e.stats()
 
 
+def device_request(e: Engine, kind: str, size: int, i: int) -> dict[str, Any]:
+    """The prefix + suffix ``i`` of ``kind`` on vLLM's own prefix cache (no connector): the first
+    token every loaded case of that suffix kind must give. The prefix is computed (or hit) first,
+    untimed: serve mode's settle after every command resets vLLM's prefix cache."""
+    seed, bs = int(e.spec["seed"]), e.block
+    hit, prefix = cached_tokens(size, bs), prefix_prompt(seed, size, bs)
+    e.generate(prefix)
+    rec = e.timed(
+        f"device-hit-{size}" if kind == "device" else f"ref-{kind}-{size}", prefix + suffix(seed, size, bs, kind, i)
+    )
+    if rec["cached"] != hit:
+        raise RuntimeError(f"device hit {kind} {size}: vLLM found {rec['cached']} cached tokens, expected {hit}")
+    return rec
+
+
 def warm_up(e: Engine) -> None:
     """vLLM's first request in a fresh engine pays one-time costs: every engine sends the same
     fresh prompts first."""
@@ -282,10 +369,15 @@ def warm_up(e: Engine) -> None:
 
 
 def serve(e: Engine) -> None:
-    """Serve mode (``--serve SPEC``): warm up, print READY, then one timed request per stdin line,
-    each answered by a RESULT line once the engine settled (its stores done; ``settle_s`` says
-    how long that took after the first token): ``{"case", "size", "index"}`` a fresh prompt,
-    ``{"tier", "size", "index"}`` request ``index`` of loaded case ``tier`` (tier_request)."""
+    """Serve mode (``--serve SPEC``): warm up, print READY, then one command per stdin line, each
+    answered by a RESULT line once the engine settled (its stores done; ``settle_s`` says how long
+    that took after the first token): ``{"case", "size", "index"}`` a fresh prompt, ``{"tier",
+    "size", "index"}`` request ``index`` of loaded case ``tier`` (tier_request; optional
+    ``kv_hints`` and ``stored_elsewhere``); for bench vllm --pull (bench/vllm_pull.py): ``{"store":
+    size}`` computes the size's 90% prefix (the connector stores it) and answers its router hashes
+    and the tier counters, ``{"device": kind, "size", "index"}`` times the prefix + a suffix of
+    ``kind`` on vLLM's own prefix cache (the reference first tokens, ``device-hit-*`` for kind
+    ``device``, else ``ref-<kind>-*``), ``{"stats": true}`` answers the tier counters."""
     seed = int(e.spec["seed"])
     warm_up(e)
     print(READY, flush=True)
@@ -293,8 +385,28 @@ def serve(e: Engine) -> None:
         if not line.strip():
             continue
         cmd = json.loads(line)
-        if "tier" in cmd:
-            rec = tier_request(e, cmd["tier"], int(cmd["size"]), int(cmd["index"]))
+        if "store" in cmd:
+            size = int(cmd["store"])
+            prefix = prefix_prompt(seed, size, e.block)
+            e.generate(prefix)
+            e.stored.add(size)
+            e.settle()
+            print(RESULT + json.dumps({"hashes": e.router_hashes(prefix), "stats": e.stats()}), flush=True)
+            continue
+        if "stats" in cmd:
+            print(RESULT + json.dumps({"stats": e.stats()}), flush=True)
+            continue
+        if "device" in cmd:
+            rec = device_request(e, str(cmd["device"]), int(cmd["size"]), int(cmd["index"]))
+        elif "tier" in cmd:
+            rec = tier_request(
+                e,
+                cmd["tier"],
+                int(cmd["size"]),
+                int(cmd["index"]),
+                cmd.get("kv_hints"),
+                bool(cmd.get("stored_elsewhere")),
+            )
         else:
             rec = e.timed(cmd["case"], fresh_prompt(seed, int(cmd["size"]), int(cmd["index"])))
         t0 = time.perf_counter()

@@ -113,6 +113,7 @@ TOKEN_REFERENCE = (
     ("node-host", "device-hit"),
     ("node-disk", "ref-disk"),
     ("node-restart", "ref-restart"),
+    ("pull", "ref-pull"),  # bench vllm --pull (bench/vllm_pull.py)
     ("miss", "recompute"),
     ("offloading-miss", "recompute"),
     ("lmcache-miss", "recompute"),
