@@ -141,7 +141,7 @@ def main(rows: int) -> None:
         hashes = [int(h) for h in a.kv.hashes(tokens).sequence]
         pin = a.kv.pin_host(("profile", 1), hashes, 0, BLOCKS)
         assert pin is not None
-        remote = receiver_module._Remote(
+        remote = receiver_module.RemoteHost(
             a.agent.name, a.agent.metadata, [a.kv.host.base], a.kv.host.layout.block_bytes, a.kv.host.num_blocks
         )
         for _ in range(5):

@@ -88,6 +88,11 @@ MICRO_BENCHES: dict[str, tuple[frozenset[str], str]] = {
         ),
         "the node cache's two data paths, built from the movers and pools they differ in",
     ),
+    "dynamo_flexkv/bench/vllm_pull.py": (
+        frozenset({"dynamo_flexkv.core.peer.receiver", "dynamo_flexkv.core.transfer.nixl_agent"}),
+        "the pull's ceiling: a raw NIXL read of the same bytes between two agents, no control plane "
+        "(its timed cases are vLLM engines through the connector)",
+    ),
     "dynamo_flexkv/bench/index.py": (
         frozenset({"dynamo_flexkv.core.index"}),
         "the control plane's index (CacheEngine.match) against Dynamo's radix tree",

@@ -124,14 +124,14 @@ def raw_read_ms(blocks: int, block_bytes: int, repeat: int = 9) -> float:
     loopback ceiling of a pull of that size."""
     import torch
 
-    from dynamo_flexkv.core.peer.receiver import _Remote
+    from dynamo_flexkv.core.peer.receiver import RemoteHost
     from dynamo_flexkv.core.transfer.nixl_agent import KVAgent
 
     src_mem = torch.randint(0, 255, (blocks, block_bytes), dtype=torch.uint8)
     dst_mem = torch.zeros_like(src_mem)
     src, dst = KVAgent([src_mem]), KVAgent([dst_mem])
     try:
-        remote = _Remote(src.name, src.metadata, [src_mem.data_ptr()], block_bytes, blocks)
+        remote = RemoteHost(src.name, src.metadata, [src_mem.data_ptr()], block_bytes, blocks)
         ids = list(range(blocks))
         times = []
         for i in range(repeat + 1):

@@ -55,7 +55,7 @@ def host_agent(kv: Any, name: str = "") -> KVAgent:
 
 
 @dataclass(frozen=True)
-class _Remote:
+class RemoteHost:
     """A source's host tier as KVAgent.pull reads it (the KVSource protocol)."""
 
     agent: str
@@ -267,7 +267,7 @@ class PeerReceiver:
         if pinned.block_bytes != host.layout.block_bytes:
             raise PeerRefused("namespace", "the source's host blocks are another size")
         local = run.block_ids[: len(slots)]
-        src = _Remote(pinned.agent, pinned.metadata, [pinned.base], pinned.block_bytes, pinned.num_blocks)
+        src = RemoteHost(pinned.agent, pinned.metadata, [pinned.base], pinned.block_bytes, pinned.num_blocks)
         budget = deadline - time.monotonic()
         if budget <= 0:
             raise PeerRefused("timeout", "no time left inside the pin's lease")
