@@ -58,6 +58,7 @@ def pytest_unconfigure(config):
 KINDS = ("unit", "integration", "served", "bench")
 MODULE_KINDS = {
     "test_admission": "unit",
+    "test_adv_peer": "integration",
     "test_aiperf": "served",
     "test_architecture_doors": "unit",
     "test_architecture_map": "unit",
