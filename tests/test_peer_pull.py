@@ -241,8 +241,12 @@ def test_a_pin_holds_its_blocks_until_its_lease_ends_or_its_connection_closes(tm
 
 
 def test_a_flood_of_pins_is_bounded_per_peer_in_total_and_in_connections(tmp_path):
+    """Pins are bounded per connection and in all; connections too, but a full table makes room by
+    closing the connection idle longest that pins nothing (a receiver keeps its link between
+    pulls and reconnects), so idle links never lock a member out; only when every connection
+    holds a pin is a new one refused."""
     a = Worker(tmp_path, "a")
-    limits = SourceLimits(lease_s=30.0, max_peers=3, max_pins_per_peer=2, max_pinned_blocks=30)
+    limits = SourceLimits(lease_s=30.0, max_peers=3, max_pins_per_peer=2, max_pinned_blocks=40)
     source = PeerSource(a.kv, a.agent, SECRET, limits=limits)
     socks = []
     try:
@@ -253,13 +257,21 @@ def test_a_flood_of_pins_is_bounded_per_peer_in_total_and_in_connections(tmp_pat
         first = [_ask(socks[0], _pull(a.kv, t, id=i)) for i, t in enumerate(prompts[:3])]
         assert [type(x).__name__ for x in first] == ["Pinned", "Pinned", "Refused"]  # 2 per peer
         second = _ask(socks[1], _pull(a.kv, prompts[2]))
-        assert isinstance(second, wire.Pinned) and len(second.slots) // 8 == 10  # 30 blocks in all
-        assert _ask(socks[2], _pull(a.kv, prompts[3])).reason == "busy"
-        assert source.stats.pinned_blocks == 30
-        with _raw(source) as extra:  # a fourth connection is refused at once
+        assert isinstance(second, wire.Pinned) and len(second.slots) // 8 == 10
+        third = _ask(socks[2], _pull(a.kv, prompts[3], id=7))
+        assert isinstance(third, wire.Pinned) and len(third.slots) // 8 == 10  # 40 blocks in all
+        assert _ask(socks[2], _pull(a.kv, prompts[0], id=8)).reason == "busy"
+        assert source.stats.pinned_blocks == 40
+        with _raw(source) as extra:  # every connection pins: a fourth is refused at once
             header = extra.recv(wire.HEADER_BYTES, socket.MSG_WAITALL)
             reply = wire.decode_to_receiver(extra.recv(wire.peer_frame_length(header), socket.MSG_WAITALL))
             assert reply.reason == "busy" and extra.recv(1) == b""
+        socks[2].sendall(wire.encode(wire.Release(7)))
+        wait_until("the third peer's pin released", lambda: source.stats.pinned_blocks == 30, timeout=10)
+        with _raw(source) as late:  # the third peer pins nothing now: its slot is the newcomer's
+            assert socks[2].recv(1) == b""
+            pinned = _ask(late, _pull(a.kv, prompts[3]))
+            assert isinstance(pinned, wire.Pinned) and len(pinned.slots) // 8 == 10
         for s in socks:
             s.close()
         wait_until("every pin dropped", lambda: no_pins(source, a), timeout=10)
@@ -428,3 +440,48 @@ def test_a_source_that_never_answers_is_a_timeout_within_the_pulls_time(tmp_path
     assert took < 2.0
     assert receiver.stats.failed == {"timeout": 1}
     assert_no_leaks(b.kv)
+
+
+def test_a_closed_receiver_connects_nowhere_and_a_source_whose_tiers_shut_down_refuses(tmp_path):
+    """close() before shutdown is the contract's order; called the other way round, nothing
+    crashes: a closed receiver's pull fails at once (``closed``) without a connection, and a source
+    whose tiers shut down under it refuses the pull (``closed``) instead of dying in its thread."""
+    a, b = Worker(tmp_path, "a"), Worker(tmp_path, "b")
+    source = PeerSource(a.kv, a.agent, SECRET, limits=SourceLimits(lease_s=10.0))
+    receiver = PeerReceiver(b.kv, b.agent, SECRET)
+    try:
+        tokens = tokens_of(21, 6)
+        a.store(tokens)
+        receiver.close()
+        r = receiver.pull(source.endpoint, tokens)
+        assert (r.ok, r.blocks, r.why) == (False, 0, "closed")
+        assert source.stats.pins == 0 and not source._conns
+        a.kv.shutdown()
+        with _raw(source) as sock:
+            assert _ask(sock, _pull(b.kv, tokens)).reason == "closed"
+        assert source.stats.refused == {"closed": 1} and source.stats.pinned_blocks == 0
+    finally:
+        source.close()
+        b.close()
+        a.agent.close()
+
+
+def test_a_receiver_whose_idle_link_the_source_closed_pulls_again_on_a_new_one(tmp_path):
+    a, b = Worker(tmp_path, "a"), Worker(tmp_path, "b")
+    source = PeerSource(a.kv, a.agent, SECRET, limits=SourceLimits(lease_s=10.0, max_peers=1))
+    receiver = PeerReceiver(b.kv, b.agent, SECRET)
+    try:
+        first, second = tokens_of(31, 4), tokens_of(32, 4)
+        a.store(first)
+        a.store(second)
+        assert receiver.pull(source.endpoint, first).blocks == 4  # its link stays open, idle
+        with _raw(source) as other:  # the one slot goes to a newcomer: the idle link is closed
+            assert isinstance(_ask(other, _pull(a.kv, first)), wire.Pinned)  # served, not refused
+        wait_until("the newcomer gone, its pin dropped", lambda: no_pins(source, a) and not source._conns, timeout=10)
+        r = receiver.pull(source.endpoint, second)
+        assert (r.ok, r.blocks, r.why) == (True, 4, "") and b.loads(second)
+    finally:
+        receiver.close()
+        source.close()
+        b.close()
+        a.close()

@@ -141,6 +141,7 @@ class PeerReceiver:
         self._lock = threading.Lock()
         self._layout = kv_layout(kv)
         self._keys = 0
+        self._closed = False
 
     def pull(
         self,
@@ -162,6 +163,8 @@ class PeerReceiver:
         recomputing, nothing is pulled (``decision`` "slower"). Every pull that lands feeds that
         link's measurement."""
         t0 = time.perf_counter()
+        if self._closed:
+            return self._failed("closed", 0, t0)
         deadline = time.monotonic() + timeout
         kv = self.kv
         generation = kv.cache.generation
@@ -220,9 +223,9 @@ class PeerReceiver:
         self.stats.failed[why] = self.stats.failed.get(why, 0) + 1
         return PullResult(False, 0, held, 0, time.perf_counter() - t0, why)
 
-    def _read(self, endpoint: str, hashes: list[int], run: Any, deadline: float) -> tuple:
+    def _read(self, endpoint: str, hashes: list[int], run: Any, deadline: float, retry: bool = True) -> tuple:
         """(verified blocks, their checksums, bytes read) of ``run``'s blocks from the source."""
-        link = self._link(endpoint, deadline)
+        link, fresh = self._link(endpoint, deadline)
         with link.lock:
             link.seq += 1
             pull = Pull(
@@ -245,6 +248,8 @@ class PeerReceiver:
                 raise PeerRefused("timeout", f"no answer from {endpoint} in time ({e})") from None
             except (OSError, ProtocolError) as e:
                 self._forget(endpoint)
+                if retry and not fresh and isinstance(e, OSError):  # the source closed our idle link
+                    return self._read(endpoint, hashes, run, deadline, retry=False)
                 raise PeerRefused("source_gone", f"no answer from {endpoint} ({type(e).__name__}: {e})") from None
             if isinstance(reply, Refused):
                 raise PeerRefused(reply.reason, reply.message)
@@ -291,11 +296,12 @@ class PeerReceiver:
             )
         return verified, got, nbytes
 
-    def _link(self, endpoint: str, deadline: float) -> _Link:
+    def _link(self, endpoint: str, deadline: float) -> tuple[_Link, bool]:
+        """The link to ``endpoint`` and whether it is new (a kept one the source may have closed)."""
         with self._lock:
             link = self._links.get(endpoint)
         if link is not None:
-            return link
+            return link, False
         try:
             link = _Link(endpoint, min(self.connect_timeout, max(0.001, deadline - time.monotonic())))
         except ValueError as e:
@@ -304,7 +310,7 @@ class PeerReceiver:
             raise PeerRefused("source_gone", f"cannot connect to {endpoint} ({e})") from None
         with self._lock:
             self._links[endpoint] = link
-        return link
+        return link, True
 
     def _forget(self, endpoint: str) -> None:
         with self._lock:
@@ -313,7 +319,9 @@ class PeerReceiver:
             link.close()
 
     def close(self) -> None:
+        """Closes every link; later pulls fail at once (``closed``), connecting nowhere."""
         with self._lock:
+            self._closed = True
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()

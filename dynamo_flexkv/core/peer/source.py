@@ -7,7 +7,10 @@ eviction and reuse skip them. A pin ends on the receiver's Release, when its con
 (the receiver died or gave up), or when its lease ends, whichever comes first: a pin never
 outlives its lease. Bounded: at most ``max_peers`` connections, ``max_pins_per_peer`` pins per
 connection and ``max_pinned_blocks`` blocks pinned in total; a Pull beyond them is refused (busy),
-as is one naming more than ``max_blocks_per_pull`` blocks (oversized)."""
+as is one naming more than ``max_blocks_per_pull`` blocks (oversized). A full connection table
+makes room by closing the connection idle longest that pins nothing (receivers keep their link
+between pulls and reconnect), and a frame must arrive whole within ``FRAME_TIMEOUT_S`` once it
+started: neither idle links nor half-sent frames can lock members out."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynamo_flexkv.core.errors import FlexKVError
 from dynamo_flexkv.core.peer.protocol import (
     HEADER_BYTES,
     MAX_CLOCK_SKEW_S,
@@ -39,6 +43,8 @@ from dynamo_flexkv.core.peer.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+FRAME_TIMEOUT_S = 5.0  # a frame that started must end within this (a stalled sender is closed)
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,14 @@ class _Conn:
         self.sock, self.peer = sock, peer
         self.pins: dict[int, _Pin] = {}  # pull id -> pin
         self.send_lock = threading.Lock()
+        self.active = time.monotonic()  # when its last frame arrived (or it connected)
+
+    def hang_up(self) -> None:
+        """Ends the connection from another thread: its reader wakes with EOF and drops it."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def send(self, message: Any) -> None:
         with self.send_lock:
@@ -155,10 +169,18 @@ class PeerSource:
                 return  # closed
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
+            idle = None
             with self._lock:
+                if not self._closed and len(self._conns) >= self.limits.max_peers:
+                    idle = min((c for c in self._conns if not c.pins), key=lambda c: c.active, default=None)
+                    if idle is not None:
+                        self._conns.remove(idle)  # its slot is the new one's; its thread closes it
                 full = self._closed or len(self._conns) >= self.limits.max_peers
                 if not full:
                     self._conns.append(conn)
+            if idle is not None:
+                log.debug("peer source: %d peers connected; closing %s, idle longest", self.limits.max_peers, idle.peer)
+                idle.hang_up()
             if full:
                 self._refuse(conn, 0, Refusal.BUSY, f"{self.limits.max_peers} peers connected (max_peers)")
                 sock.close()
@@ -168,12 +190,18 @@ class PeerSource:
     def _serve(self, conn: _Conn) -> None:
         try:
             while True:
-                header = _recv_exact(conn.sock, HEADER_BYTES)
-                if header is None:
+                conn.sock.settimeout(None)  # idle between frames: as long as the peer likes
+                first = conn.sock.recv(1)
+                if not first:
                     return
-                body = _recv_exact(conn.sock, peer_frame_length(header))
+                conn.sock.settimeout(FRAME_TIMEOUT_S)  # a frame that started ends soon
+                rest = _recv_exact(conn.sock, HEADER_BYTES - 1)
+                if rest is None:
+                    return
+                body = _recv_exact(conn.sock, peer_frame_length(first + rest))
                 if body is None:
                     return
+                conn.active = time.monotonic()
                 msg = decode_to_source(body)
                 if isinstance(msg, Pull):
                     self._pull(conn, msg)
@@ -182,6 +210,11 @@ class PeerSource:
         except ProtocolError as e:
             self._count(Refusal.MALFORMED)
             log.warning("peer source: %s sent a frame that is not a peer pull message (%s); closing it", conn.peer, e)
+        except TimeoutError:
+            self._count(Refusal.MALFORMED)
+            log.warning(
+                "peer source: %s sent part of a frame and stalled for %.0f s; closing it", conn.peer, FRAME_TIMEOUT_S
+            )
         except OSError:
             pass  # the receiver went away
         finally:
@@ -241,7 +274,7 @@ class PeerSource:
                 Refusal.OVERSIZED,
                 f"{len(hashes) - p.start} blocks named, at most {self.limits.max_blocks_per_pull} per pull",
             )
-        pin = None
+        pin, closed = None, False
         with self._lock:
             if self._closed:
                 return self._refuse(conn, p.id, Refusal.CLOSED, "the source is shutting down")
@@ -252,7 +285,11 @@ class PeerSource:
                 busy = ""
                 key = ("peer-pin", next(self._seq))
                 # Under our lock: a pin is in the table (and so covered by its lease) once it exists.
-                pin = self.kv.pin_host(key, hashes.tolist(), p.start, min(room, len(hashes) - p.start))
+                try:
+                    pin = self.kv.pin_host(key, hashes.tolist(), p.start, min(room, len(hashes) - p.start))
+                except FlexKVError:  # the tiers shut down under an open link (close the link first)
+                    closed = True
+                    pin = None
                 if pin is not None:
                     lease = _Pin(key, conn, p.id, len(pin.slots), time.monotonic() + self.limits.lease_s)
                     self._pins[key] = conn.pins[p.id] = lease
@@ -260,6 +297,8 @@ class PeerSource:
                     self.stats.pinned_blocks += lease.blocks
                     self.stats.blocks_served += lease.blocks
                     self._wake.notify()
+        if closed:
+            return self._refuse(conn, p.id, Refusal.CLOSED, "the source's tiers are shut down")
         if busy:
             return self._refuse(conn, p.id, Refusal.BUSY, busy)
         if pin is None:
