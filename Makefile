@@ -47,7 +47,7 @@ typecheck:
 	$(PY) -m mypy
 
 # The unit tests of the default suite: in the test process only, no server, no subprocess
-# (each module's kind: MODULE_KINDS in tests/conftest.py).
+# (each module's kind is its folder: tests/unit/, ...; tests/conftest.py).
 test-unit:
 	$(NEED_VENV)
 	$(PY) -m pytest -q -m "unit and not slow"
