@@ -11,7 +11,8 @@ block that is used is also ready, i.e. no lock left).
 What Dynamo 1.6.1's frontend does before our worker sees a request (docs/LIMITATIONS.md) is pinned
 as it is today: each such test asserts the exact reply, names the upstream defect and its
 consequence, and fails if the behaviour changes in either direction (fixed upstream, or worse).
-The tests share one graph, in any order: after each one, a check that both workers are alive, never restarted and idle."""
+The tests share one graph, in any order: after each one, a check that both workers are alive,
+never restarted and idle."""
 
 import asyncio
 import json
