@@ -336,8 +336,9 @@ def _is_worker0(g: Graph, pid: int) -> bool:
 
 @pytest.mark.slow
 def test_sigterm_to_serve_during_a_workers_drain_grace_stops_everything_exit_0(tmp_path):
-    """SIGTERM one worker (it withdraws and waits its 5 s grace before draining), and 1 s into that
-    grace SIGTERM serve: exit 0, no restart, no traceback, nothing left; the streams end."""
+    """SIGTERM one worker (it withdraws and waits its 5 s grace before draining), and once the
+    router no longer lists it (inside that grace) SIGTERM serve: exit 0, no restart, no traceback,
+    nothing left; the streams end."""
     g = Graph(tmp_path, "drain", "FlexKVWorker.restart-backoff-s=0.3")
     try:
         futs = streams(g, 6, 300, "drain")
@@ -348,7 +349,7 @@ def test_sigterm_to_serve_during_a_workers_drain_grace_stops_everything_exit_0(t
             timeout=30,
         )
         os.kill(g.pid_of(WORKERS[1]), signal.SIGTERM)
-        time.sleep(1.0)
+        wait_until("the SIGTERMed worker withdrawn", lambda: routed_workers(g.base_url) == 1, timeout=4, every=0.05)
         g.proc.send_signal(signal.SIGTERM)
         assert exit_code(g, 60) == 0, g.output()[-3000:]
         for f in futs:
