@@ -78,6 +78,8 @@ def pytest_collection_modifyitems(config, items):
         own = {m.name for m in item.iter_markers() if m.name in KINDS}
         if len(own) > 1:
             raise pytest.UsageError(f"{item.nodeid} is marked {sorted(own)}: a test has one kind of {KINDS}")
+        if item.get_closest_marker("ci_slow") and not item.get_closest_marker("slow"):
+            raise pytest.UsageError(f"{item.nodeid} is marked ci_slow but not slow: CI's subset of slow tests is slow")
         kind = module_kind(item.path)
         if kind is None:
             misplaced.add(

@@ -335,6 +335,7 @@ def _is_worker0(g: Graph, pid: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_slow  # CI's reference-engine served path: the cheapest slow one (about 16 s)
 def test_sigterm_to_serve_during_a_workers_drain_grace_stops_everything_exit_0(tmp_path):
     """SIGTERM one worker (it withdraws and waits its 5 s grace before draining), and once the
     router no longer lists it (inside that grace) SIGTERM serve: exit 0, no restart, no traceback,

@@ -89,7 +89,8 @@ def aggregated(tmp) -> dict[int, Generation]:
     return out
 
 
-@pytest.mark.parametrize("graph", ["disagg_vllm", "disagg_router_vllm"])
+# CI's served vLLM P/D path (ci_slow): disagg_vllm, one prefill worker; the router variant stays in test-slow.
+@pytest.mark.parametrize("graph", [pytest.param("disagg_vllm", marks=pytest.mark.ci_slow), "disagg_router_vllm"])
 def test_disaggregated_vllm_gives_the_aggregated_tokens_and_decode_pulls_the_kv_over_nixl(tmp, aggregated, graph):
     """disagg_router_vllm: two prefill workers behind the frontend's KV-aware prefill router (each
     prompt's prefill leg goes to the worker holding the most of its prefix in any tier)."""

@@ -405,6 +405,7 @@ def test_a_killed_node_cache_costs_no_vllm_request_and_its_disk_prefix_loads_aga
     assert vg.event_trouble(graph.serve.run) == []
 
 
+@pytest.mark.ci_slow  # CI's vLLM-through-the-node-cache path: one graph, one worker, a host-tier load
 def test_a_vllm_graph_attaches_to_a_cache_server_the_operator_started(tmp_path):
     """The shipped agg_vllm graph (one dynamo.vllm worker, the small preset, vLLM's CPU build), its
     cache set to node mode with the socket of a cache server started before it and apart from it:
