@@ -7,11 +7,14 @@ FlexKVConnector) serves completions, reports cached prefixes and stops cleanly o
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -31,7 +34,17 @@ def arg(argv, flag):
     return argv[argv.index(flag) + 1]
 
 
-def test_the_vllm_graphs_plan_the_worker_command_line_and_environment(tmp_path, monkeypatch):
+@pytest.fixture
+def short_tmp():
+    """A run directory short enough that the KV-events socket fits in it (107 characters at most;
+    pytest's tmp_path under a long user name or an xdist worker's folder does not)."""
+    path = Path(tempfile.mkdtemp(prefix="fkv-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_vllm_graphs_plan_the_worker_command_line_and_environment(short_tmp, monkeypatch):
+    tmp_path = short_tmp
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("dynamo_flexkv.serve.vllm_worker.on_cpu", lambda: True)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
