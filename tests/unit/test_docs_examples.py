@@ -209,8 +209,16 @@ def check_cli(args: list[str], plan: bool, tmp_path: Path) -> None:
         raise AssertionError(f"dynamo-flexkv {shlex.join(args)}: {e}") from None
 
 
+def pytest_markers() -> set:
+    """The markers pyproject.toml registers: the name before the ':' of each string in `markers = [...]`
+    (no tomllib: Python 3.10 is supported)."""
+    block = re.search(r"^markers = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    assert block, "pyproject.toml has no markers = [...] list"
+    return set(re.findall(r'^\s*"([a-z_]+):', block.group(1), re.M))
+
+
 def check_pytest(args: list[str]) -> None:
-    kinds = {"unit", "integration", "served", "bench", "slow"}
+    kinds = pytest_markers()
     it = iter(args)
     for arg in it:
         if arg == "-m":
