@@ -403,7 +403,6 @@ def tier_loads(metrics_url: str):
 
 
 @pytest.mark.slow
-@pytest.mark.ci_slow  # CI's vLLM aggregated-with-offload path (agg_router_vllm, host-tier loads)
 @pytest.mark.served
 def test_two_vllm_workers_behind_the_kv_router_serve_cache_restart_and_stop_on_ctrl_c(tmp_path):
     """serve graphs/agg_router_vllm.py: two dynamo.vllm workers (small preset, random weights, a
