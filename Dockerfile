@@ -10,7 +10,7 @@
 # Needs BuildKit (Docker 23+ uses it by default) and network access at build time (the base image,
 # apt packages and the wheel's build requirements, scikit-build-core and pybind11, from PyPI).
 # DYNAMO_VERSION follows the ai-dynamo / ai-dynamo-runtime version that scripts/install.sh pins.
-# `make lint-image` checks this file with hadolint (tests/test_dockerfile.py runs it too); the
+# `make lint-image` checks this file with hadolint (tests/integration/test_dockerfile.py runs it too); the
 # rules it is told to skip are skipped line by line below, each with its reason.
 
 ARG DYNAMO_VERSION=1.6.1
@@ -30,7 +30,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . /src
-# What `pip wheel .` does in tests/test_wheel.py: the native extension, the package, the serve
+# What `pip wheel .` does in tests/integration/test_wheel.py: the native extension, the package, the serve
 # graphs, their configs and the model presets in one wheel (pyproject.toml, scikit-build-core).
 RUN if command -v uv >/dev/null 2>&1; then \
         uv build --wheel --python "$(command -v python3)" --out-dir /wheels /src; \

@@ -7,7 +7,7 @@ NEED_VENV = @test -x $(PY) || { echo "make: no $(PY): run 'make install' first (
 
 IMAGE ?= dynamo-flexkv:latest
 
-.PHONY: install demo test test-unit test-slow lint typecheck bench doctor peer-lmcache image lint-image
+.PHONY: install demo test test-unit test-ci-slow test-slow lint typecheck bench doctor peer-lmcache image lint-image
 
 install:
 	VENV=$(VENV) bash scripts/install.sh
@@ -30,10 +30,18 @@ bench: install
 peer-lmcache: install
 	VENV=$(VENV) bash scripts/install_peer_lmcache.sh
 
-# Everything CI runs (.ci/run): install, then lint, types, the default suite (not slow).
+# The default suite's processes: pytest-xdist workers, each taking whole test files (a module's graph
+# fixture stays in one process). Most of the suite waits on the processes it starts; TEST_JOBS=1 runs
+# it in this process, one test at a time.
+TEST_JOBS ?= 2
+XDIST = $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
+
+# Everything CI runs (.ci/run): install, then lint, types, the default suite (not slow), then CI's
+# subset of the slow tests (ci_slow: one per served engine path, docs/TESTING.md).
 test: install
 	@$(MAKE) --no-print-directory lint typecheck
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q $(XDIST) --durations=15
+	@$(MAKE) --no-print-directory test-ci-slow
 
 # ruff's rules and the layout `ruff format` owns (pyproject.toml [tool.ruff]).
 lint:
@@ -47,12 +55,18 @@ typecheck:
 	$(PY) -m mypy
 
 # The unit tests of the default suite: in the test process only, no server, no subprocess
-# (each module's kind: MODULE_KINDS in tests/conftest.py).
+# (each module's kind is its folder: tests/unit/, ...; tests/conftest.py).
 test-unit:
 	$(NEED_VENV)
 	$(PY) -m pytest -q -m "unit and not slow"
 
-# The slow tests: long randomized runs, vLLM graphs, graphs over network-namespace nodes, benchmark smokes.
+# CI's subset of the slow tests (marked ci_slow): one per served engine path, one at a time (each
+# serves a graph that wants the machine's cores). From the existing .venv (no install).
+test-ci-slow:
+	$(NEED_VENV)
+	$(PY) -m pytest -q -m ci_slow --durations=10
+
+# Every slow test: long randomized runs, vLLM graphs, graphs over network-namespace nodes, benchmark smokes.
 test-slow: install
 	$(PY) -m pytest -q -m slow
 

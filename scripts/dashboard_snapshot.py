@@ -6,7 +6,7 @@ query each panel ran and the series each source gave it).
 
 Grafana is not installable on the machine this was written on (no Debian, PyPI or npm package, no
 docker), so the drawing is ours; everything else is real: two graphs served as a user serves them
-(``dynamo-flexkv serve``, through the test helpers tests/served.py and tests/vllm_graph.py): the
+(``dynamo-flexkv serve``, through the test helpers tests/helpers/served.py and tests/helpers/vllm_graph.py): the
 agg_router graph with one tiny reference worker with its own tiers, and the agg_router_vllm graph
 with one vLLM worker on a node cache service (configs/agg_router_vllm_node.yaml); Prometheus (``apt-
 get install prometheus``) bound to 127.0.0.1 with configs/prometheus.yml's rules and a 1 s scrape
@@ -42,7 +42,7 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the served-graph helpers: one implementation, the tests'
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # the served-graph helpers: one implementation, the tests'
 
 from dashboard_queries import PROMETHEUS, VLLM_ONLY, all_panels, load_dashboard  # noqa: E402
 
@@ -62,7 +62,7 @@ METRIC = re.compile(r"\b((?:flexkv|dynamo)_[a-z0-9_]+)\b")
 
 
 def exporters(metric: str) -> set[str]:
-    """The sources that export ``metric`` (the schema's name), as tests/dashboard_queries.py and
+    """The sources that export ``metric`` (the schema's name), as tests/helpers/dashboard_queries.py and
     core/metric_schema.py say."""
     if metric.startswith("dynamo_"):
         return {FRONTEND}

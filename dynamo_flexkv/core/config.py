@@ -42,7 +42,7 @@ ENV_ALIASES: dict[str, str] = {
 }
 CONFIG_PATH_ENV = "FLEXKV_CONFIG_PATH"
 # The FLEXKV_* variables read elsewhere than as a config key (where): not misspellings.
-# tests/test_config.py checks that every FLEXKV_* name the package reads is a key's or here.
+# tests/unit/test_config.py checks that every FLEXKV_* name the package reads is a key's or here.
 OTHER_ENV: dict[str, str] = {
     CONFIG_PATH_ENV: "the cache config file",
     DEFAULT_PASSWORD_ENV: "the remote tier's password (remote_password_env)",

@@ -8,7 +8,7 @@ start with ``vllm:`` (Dynamo 1.6.1's vLLM worker forwards only engine metrics na
 its /metrics); configs/prometheus.yml strips that prefix at scrape, so Prometheus and the Grafana
 dashboard see one name. Scrapers reading /metrics text directly use :func:`exported_name`.
 
-docs/SERVING.md ("Metrics") lists the schema; tests/test_metric_schema.py checks that the three
+docs/SERVING.md ("Metrics") lists the schema; tests/integration/test_metric_schema.py checks that the three
 sources export :data:`SHARED` under the same names and labels.
 """
 

@@ -2,7 +2,7 @@
 no index here: the manager asks the store which prefix it holds (RemoteStore.exists_prefix) and
 the cache engine plans those blocks into new host blocks, whose read verifies them.
 
-Invariants (checked by tests against the brute-force model in tests/index_model.py):
+Invariants (checked by tests against the brute-force model in tests/helpers/index_model.py):
 
 * Prefix-closed: a block is present only if its parent is present, and ready only if its parent
   is ready. Sequence hashes chain, so "block i of a request is ready" is monotone in i and the
