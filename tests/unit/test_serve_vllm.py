@@ -371,8 +371,16 @@ def test_shutdown_waits_for_a_workers_children_to_drain(tmp_path, monkeypatch):
 # ---- the real graph --------------------------------------------------------------------------------
 
 
-def completion(base_url: str, prompt, max_tokens: int = 4) -> dict:
-    body = {"model": "vllm-small", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+def completion(base_url: str, prompt, max_tokens: int = 4, worker: int = 0) -> dict:
+    """``worker``: the Dynamo instance id to book it on (nvext.backend_instance_id); the response's
+    ``_worker`` is the one that served it."""
+    body = {
+        "model": "vllm-small",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "nvext": {"extra_fields": ["worker_id"], **({"backend_instance_id": worker} if worker else {})},
+    }
     req = urllib.request.Request(
         f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
     )
@@ -381,6 +389,7 @@ def completion(base_url: str, prompt, max_tokens: int = 4) -> dict:
         assert r.status == 200
         doc = json.loads(r.read())
     doc["_seconds"] = time.monotonic() - t0
+    doc["_worker"] = int(((doc.get("nvext") or {}).get("worker_id") or {}).get("decode_worker_id") or 0)
     return doc
 
 
@@ -403,6 +412,7 @@ def tier_loads(metrics_url: str):
 
 
 @pytest.mark.slow
+@pytest.mark.ci_slow  # CI's vLLM aggregated-with-offload path: two workers, a tier load, a restart, Ctrl-C
 @pytest.mark.served
 def test_two_vllm_workers_behind_the_kv_router_serve_cache_restart_and_stop_on_ctrl_c(tmp_path):
     """serve graphs/agg_router_vllm.py: two dynamo.vllm workers (small preset, random weights, a
@@ -445,16 +455,20 @@ def test_two_vllm_workers_behind_the_kv_router_serve_cache_restart_and_stop_on_c
             assert doc["usage"]["completion_tokens"] >= 1
         long_prompt = "".join(f"sentence {i} of a long shared prefix. " for i in range(40))  # 1470 tokens
         first = completion(serve.base_url, long_prompt, 4)
-        again = completion(serve.base_url, long_prompt, 4)
-        for j in range(8):  # 22 blocks each, 4 per worker: the long prompt's blocks leave both device caches
-            completion(serve.base_url, f"other {j} " + "".join(f"filler {i} words here. " for i in range(62)), 2)
-        later = completion(serve.base_url, long_prompt, 4)
+        # The repeats go to the worker that computed it: the router may not have applied its KV
+        # events yet when the repeat arrives (what is tested here is that worker's caches).
+        again = completion(serve.base_url, long_prompt, 4, worker=first["_worker"])
+        for j in range(8):  # 22 blocks each on that worker: the long prompt's blocks leave its device cache
+            other = f"other {j} " + "".join(f"filler {i} words here. " for i in range(62))
+            completion(serve.base_url, other, 2, worker=first["_worker"])
+        later = completion(serve.base_url, long_prompt, 4, worker=first["_worker"])
         loads = {n: tier_loads(serve.metrics[n]) for n in names}
         print(
             f"long prompt: {first['usage']['prompt_tokens']} tokens, cached {cached(first)}, {cached(again)}, "
             f"after 8 others {cached(later)}; {first['_seconds']:.2f} s, {again['_seconds']:.2f} s, "
             f"{later['_seconds']:.2f} s; tokens loaded from the tiers {loads}"
         )
+        assert first["_worker"] and again["_worker"] == later["_worker"] == first["_worker"]
         assert cached(again) > 0 and cached(later) > 0
         if None not in loads.values():  # the repeat came from a lower tier, through FlexKVConnector
             assert sum(loads.values()) > 0, loads
