@@ -48,13 +48,16 @@ class Preset:
 # holds what a worker serves, so a later turn's prefix is on the worker that served the turn before.
 # Then every configuration again at 2x the rate (40x), for goodput where queues form: about 10-12
 # min on a quiet 2-core machine (a graph's start and stop ~40 s, a replay 45 s / 23 s; issue 49).
-# The hints row (vLLM only) is host+ssd with router hints on, beside it (issue 50).
+# The hints row (vLLM only: host+ssd with router hints on) is not a default: in two of about ten
+# runs both workers of the row stopped scheduling for 40 s to 2 min after hinted pulls (requests
+# waiting, none running, their stores unfinished; not understood yet, docs/HINTS.md), which fails
+# the run. Name it (--configs ...,hints) to measure it.
 DEFAULT = Preset(
     conversations=32,
     sample_every=4,
     trace_window_s=900,
     time_scale=20.0,
-    configs="no-offload,host+ssd,hints,kv-device-only,node",
+    configs="no-offload,host+ssd,kv-device-only,node",
     device_blocks="40",
     sweep_configs="no-offload,host+ssd",
     higher_rate=2.0,
@@ -64,9 +67,9 @@ FULL = Preset(
     sample_every=1,
     trace_window_s=None,
     time_scale=40.0,
-    configs=ALL_CONFIGS,
+    configs=ALL_CONFIGS.replace(",hints", ""),  # as DEFAULT: hints only when named
     device_blocks="48,64,128,256",
-    sweep_configs=ALL_CONFIGS,
+    sweep_configs=ALL_CONFIGS.replace(",hints", ""),
     higher_rate=0.0,
 )
 
