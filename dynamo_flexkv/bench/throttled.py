@@ -50,9 +50,9 @@ class ThrottledDisk:
     """Bench-only: the disk mover, with each DISK2H read stretched to ``bytes / rate`` seconds
     (``rate`` None: not throttled). Put in place by open_offload's ``mover_hook`` (``hook``)."""
 
-    def __init__(self, inner: Mover) -> None:
+    def __init__(self, inner: Mover, rate: float | None = None) -> None:
         self.inner: Mover = inner
-        self.rate: float | None = None
+        self.rate: float | None = rate
 
     def run(self, op: TransferOp) -> int:
         t0 = time.perf_counter()

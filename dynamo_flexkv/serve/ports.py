@@ -3,7 +3,7 @@ free ones picked otherwise, and Dynamo's limit on a worker's system port."""
 
 from __future__ import annotations
 
-import os
+import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +23,9 @@ class PortBook:
     def __init__(self, probe: bool = True) -> None:
         self.probe = probe
         self.taken: dict[int, str] = {}
-        self._next_system = SYSTEM_PORT_RANGE[0] + os.getpid() % 2000
+        # A random start: launches planned at once (pytest-xdist's processes, two serves) would walk
+        # the same ports from neighbouring pids and hand one port to two workers.
+        self._next_system = SYSTEM_PORT_RANGE[0] + random.randrange(SYSTEM_PORT_RANGE[1] - SYSTEM_PORT_RANGE[0])
 
     def take(self, port: int, what: str, source: str, any_port: bool) -> int:
         if port:
@@ -60,7 +62,7 @@ class PortBook:
         """The first of ``count`` consecutive free ports in ``band`` (for a process that scans upward
         from a base port, like vLLM from VLLM_PORT), all booked for ``what``."""
         span = band[1] - band[0] - count
-        start = band[0] + (os.getpid() * count) % span
+        start = band[0] + random.randrange(span)  # random, as the system ports
         for k in range(span // count):
             base = band[0] + (start - band[0] + k * count) % span
             block = range(base, base + count)
