@@ -509,7 +509,27 @@ def test_only_steps_where_every_request_prefills_are_timed_for_the_cost_model(tm
         side.close()
 
 
-def test_prompt_tokens_count_each_scheduled_requests_prompt_once(tmp_path, monkeypatch):
+@pytest.fixture
+def two_ranks(tmp_path, monkeypatch):
+    """The worker halves of tensor-parallel ranks 0 and 1 of one engine, registered with their
+    tiers (16-token blocks, 64 device blocks), and their settings."""
+    from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
+    from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
+
+    monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "0.01")
+    bs, blocks = 16, 64
+    settings = ConnectorSettings(block_size=bs, num_blocks=blocks, engine_id="e", run_dir=str(tmp_path), model_id="m")
+    workers = [WorkerSide(settings, rank, 2) for rank in (0, 1)]
+    try:
+        for w in workers:
+            w.register({"model.layers.0.self_attn.attn": torch.zeros(blocks, 2, bs, 64)})
+        yield settings, workers
+    finally:
+        for w in workers:
+            w.shutdown()
+
+
+def test_prompt_tokens_count_each_scheduled_requests_prompt_once(two_ranks):
     """flexkv_prompt_tokens_total, the hit rate's denominator, counts what vllm:prompt_tokens_total
     counts: each request's prompt once, when vLLM first schedules it (token ids or embeddings),
     not its later chunks nor a preempted request scheduled again (resumed: vLLM 0.31 lists it
@@ -521,14 +541,9 @@ def test_prompt_tokens_count_each_scheduled_requests_prompt_once(tmp_path, monke
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
     from dynamo_flexkv.integrations.vllm_connector.scheduler import SchedulerSide
-    from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
-    from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
 
-    monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "0.01")
-    bs, blocks = 16, 64
-    settings = ConnectorSettings(block_size=bs, num_blocks=blocks, engine_id="e", run_dir=str(tmp_path), model_id="m")
+    settings, workers = two_ranks
     side = SchedulerSide(settings)
-    workers = [WorkerSide(settings, rank, 2) for rank in (0, 1)]
 
     def new(rid: str, n: int, embeds: bool = False) -> NewRequestData:
         return NewRequestData(
@@ -562,8 +577,6 @@ def test_prompt_tokens_count_each_scheduled_requests_prompt_once(tmp_path, monke
         return meta.prompt_tokens
 
     try:
-        for w in workers:
-            w.register({"model.layers.0.self_attn.attn": torch.zeros(blocks, 2, bs, 64)})
         assert step([new("a", 3000), new("b", 700)]) == 3700
         assert step(cached=["a"]) == 0  # a's next chunk
         assert step([new("e", 48, embeds=True)], cached=["a", "b"]) == 48  # prompt embeddings count too
@@ -591,39 +604,26 @@ def test_prompt_tokens_count_each_scheduled_requests_prompt_once(tmp_path, monke
         assert step([new("a", 100)]) == 100  # a request id used again after it finished: a new request
     finally:
         side.close()
-        for w in workers:
-            w.shutdown()
 
 
-def test_with_tensor_parallel_ranks_request_counts_come_from_rank_0_alone(tmp_path, monkeypatch):
+def test_with_tensor_parallel_ranks_request_counts_come_from_rank_0_alone(two_ranks):
     """vLLM sums the ranks' step stats: the tokens and blocks every rank counts for the same
     requests (each moves its shard of them) are reported by rank 0 alone, so a hit rate stays a
     rate at TP > 1; bytes are each rank's own and add up."""
-    from dynamo_flexkv.integrations.vllm_connector.settings import ConnectorSettings
-    from dynamo_flexkv.integrations.vllm_connector.worker import WorkerSide
-
-    monkeypatch.setenv("FLEXKV_CPU_CACHE_GB", "0.01")
-    bs, blocks = 16, 64
-    settings = ConnectorSettings(block_size=bs, num_blocks=blocks, engine_id="e", run_dir=str(tmp_path), model_id="m")
-    workers = [WorkerSide(settings, rank, 2) for rank in (0, 1)]
-    try:
-        for w in workers:
-            w.register({"model.layers.0.self_attn.attn": torch.zeros(blocks, 2, bs, 64)})
-            w.counters.loaded["host"] = w.counters.loaded.get("host", 0) + 640
-            w.counters.recomputed += 64
-            w.counters.handover_bytes += 1000
-        summed: dict[str, float] = {}
-        for w in workers:  # what vLLM's KVOutputAggregator does with the ranks' stats
-            for k, v in w.step_stats().items():
-                if not k.startswith("gauge:"):
-                    summed[k] = summed.get(k, 0) + v
-        assert summed["prompt_tokens_cached/host"] == 640
-        assert summed["recomputed_tokens"] == 64
-        assert summed["handover_bytes"] == 2000
-        assert summed.get("stored_blocks/host", 0) == workers[0]._reported.get("stored_blocks/host", 0)
-    finally:
-        for w in workers:
-            w.shutdown()
+    _, workers = two_ranks
+    for w in workers:
+        w.counters.loaded["host"] = w.counters.loaded.get("host", 0) + 640
+        w.counters.recomputed += 64
+        w.counters.handover_bytes += 1000
+    summed: dict[str, float] = {}
+    for w in workers:  # what vLLM's KVOutputAggregator does with the ranks' stats
+        for k, v in w.step_stats().items():
+            if not k.startswith("gauge:"):
+                summed[k] = summed.get(k, 0) + v
+    assert summed["prompt_tokens_cached/host"] == 640
+    assert summed["recomputed_tokens"] == 64
+    assert summed["handover_bytes"] == 2000
+    assert summed.get("stored_blocks/host", 0) == workers[0]._reported.get("stored_blocks/host", 0)
 
 
 def test_a_waiting_request_is_looked_up_once_with_vllms_own_hit(tmp_path):
