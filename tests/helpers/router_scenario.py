@@ -194,12 +194,35 @@ async def relay_and_router(workdir: str):
     try:
         if not relay.wait_for_subscriber(30):
             raise RuntimeError("the KvEventPublisher never subscribed to the relay")
+        await router_hears(relay, router)
         yield relay, router
     finally:
         relay.close()
         del publisher
         serving.cancel()
         rt.shutdown()
+
+
+async def router_hears(relay, router, timeout: float = 60.0) -> None:
+    """Waits until the router's subscription carries events: a probe block is stored until the
+    router counts it (a store sent before the subscription reached the broker is lost, so each try
+    is a new block), then the counted probe is removed and its removal seen."""
+    rng = np.random.default_rng(12345)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        probe = rng.integers(0, CFG.vocab_size, BS).tolist()
+        h = int(rng.integers(1, 2**62))
+        relay.stored(None, [h], None, probe)
+        for _ in range(10):
+            await asyncio.sleep(0.1)
+            if observed(await router.get_overlap_scores(probe))["device"] == 1:
+                relay.removed(None, [h])
+                while observed(await router.get_overlap_scores(probe))["device"] != 0:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the router never applied the probe block's removal")
+                    await asyncio.sleep(0.1)
+                return
+    raise RuntimeError(f"the router counted no probe block within {timeout:.0f} s: its event subscription never worked")
 
 
 def run_with_broker(work: str, coro_fn) -> None:
@@ -224,7 +247,6 @@ def run_with_broker(work: str, coro_fn) -> None:
 
 async def main(workdir: str, scenario: str) -> int:
     async with relay_and_router(workdir) as (relay, router):
-        await asyncio.sleep(0.5)  # and the router's subscription reached the event plane
         checker = Checker(router)
         await {"tiers": tiers, "bursts": bursts}[scenario](workdir, relay, checker)
         print(

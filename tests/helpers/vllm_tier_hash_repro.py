@@ -41,7 +41,6 @@ async def main(work: str, same: bool) -> int:
 
 
 async def scenario(relay, router, same: bool) -> int:
-    await asyncio.sleep(3)  # the router's subscription reaches the broker
     n = 12
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, n * BS).tolist()
     tiers = [1000 + i for i in range(n)]  # host and disk: our sequence hashes

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from node_helpers import BS, SPEC, Engine, Held, engine_process, node_server, prompt, read_line
+from node_helpers import BS, SPEC, Engine, Held, engine_process, node_server, prompt, read_line, server_config
 from served import wait_until
 
 from dynamo_flexkv import CacheConfig, KVManager, open_offload
@@ -318,6 +318,35 @@ def test_a_thousand_attaches_are_bounded_and_leave_nothing(tmp_path):
         e = Engine(path, "after")
         assert e.offload.cached_tokens(prompt(12, 2 * BS)) == 0 and e.offload.stats() is not None
         e.offload.shutdown()
+
+
+def test_a_server_closed_while_it_accepts_a_connection_joins_that_session(tmp_path, monkeypatch):
+    """close() racing the accept loop: a session close() finds is started (CI once saw close()
+    join a session registered but not started yet), and no session thread outlives close()."""
+    import threading
+
+    from dynamo_flexkv.core.node import session
+
+    accepting, start = threading.Event(), session.Session.start
+
+    def slow_start(self) -> None:  # the accept thread descheduled between registering and starting
+        accepting.set()
+        time.sleep(0.3)
+        start(self)
+
+    monkeypatch.setattr(session.Session, "start", slow_start)
+    server = NodeCacheServer(server_config(tmp_path), ServerOptions(str(tmp_path / "s" / "node.sock"))).start()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(server.options.socket_path)
+    assert accepting.wait(30)
+    server.close()
+    assert conn.recv(1) == b""  # the session ran and was closed
+    conn.close()
+    wait_until(
+        "no session thread left",
+        lambda: not any(t.name.startswith("flexkv-node-engine") and t.is_alive() for t in threading.enumerate()),
+        timeout=30,
+    )
 
 
 def test_a_connection_that_never_attaches_is_closed_and_frees_its_place(tmp_path, monkeypatch):

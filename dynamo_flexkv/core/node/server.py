@@ -186,9 +186,12 @@ class NodeCacheServer:
                     "detach one, or start it with a higher --max-clients"
                 )
                 continue
-            with self._lock:
+            with self._lock:  # started under the lock: close() joins every session it finds
+                if self._closed.is_set():
+                    session.refuse("the cache server is shutting down")
+                    return
                 self._sessions[sid] = session
-            session.start()
+                session.start()
 
     def session_ended(self, session: Session) -> None:
         with self._lock:
