@@ -306,6 +306,71 @@ def test_bytes_changed_under_a_pin_fail_their_checksum_and_only_the_good_head_is
     wait_until("released", lambda: no_pins(source, a), timeout=10)
 
 
+def test_a_read_nixl_will_not_cancel_keeps_its_staged_blocks_out_of_use_for_good(pair, monkeypatch):
+    """NIXL refuses to release a read that timed out and reports it running past the settle time
+    (fault injected on the real agent): the pull is a miss counted ``uncancelled``, and the host
+    blocks it staged stay unready for good: nothing becomes visible, and a host tier filled
+    several times over by later stores never reuses them (a late byte could land there)."""
+    from dynamo_flexkv.core.transfer import nixl_agent
+
+    a, b, source, receiver = pair
+    tokens = tokens_of(21, 10)
+    a.store(tokens)
+    nixl = b.agent.agent
+    release, state = nixl.release_xfer_handle, nixl.check_xfer_state
+
+    def refuse(handle):
+        raise RuntimeError("NIXL_ERR_REPOST_ACTIVE: cannot cancel")  # what NIXL raises for a busy handle
+
+    monkeypatch.setattr(nixl_agent, "SETTLE_S", 0.3)
+    monkeypatch.setattr(nixl, "release_xfer_handle", refuse)
+    monkeypatch.setattr(nixl, "check_xfer_state", lambda handle: "PROC")
+    r = receiver.pull(source.endpoint, tokens, timeout=1.0)
+    assert not r.ok and r.why == "uncancelled" and r.blocks == 0, r
+    assert receiver.stats.failed == {"uncancelled": 1} and b.agent.uncancelled == 1
+    assert b.kv.match(tokens)["host"] == 0  # nothing of it visible
+    [(_key, run)] = receiver.quarantined
+    kept = list(run.block_ids)
+    assert len(kept) == 10
+    bb = b.kv.host.layout.block_bytes
+    for slot in kept:
+        b.kv.host.array[slot * bb : (slot + 1) * bb] = 0xA5  # what a late write could have left
+    monkeypatch.setattr(nixl, "release_xfer_handle", release)
+    monkeypatch.setattr(nixl, "check_xfer_state", state)
+    for seed in range(100, 130):  # 30 prompts of 8 blocks through a 96-block host tier
+        b.store(tokens_of(seed, 8))
+    assert all((b.kv.host.array[slot * bb : (slot + 1) * bb] == 0xA5).all() for slot in kept)
+    assert b.kv.match(tokens)["host"] == 0
+    other = tokens_of(22, 4)
+    a.store(other)
+    again = receiver.pull(source.endpoint, other)
+    assert again.ok and again.blocks == 4  # the receiver goes on pulling other prompts
+    wait_until("the source's pins released", lambda: source.stats.pinned_blocks == 0, timeout=10)
+
+
+def test_a_read_whose_release_nixl_refuses_once_but_that_ended_is_used(pair, monkeypatch):
+    """A release NIXL refuses while the read is already over (done): settled at once, the pull's
+    blocks are verified and visible as usual, nothing is held back."""
+    a, b, source, receiver = pair
+    tokens = tokens_of(23, 12)
+    a.store(tokens)
+    nixl = b.agent.agent
+    release, refused = nixl.release_xfer_handle, []
+
+    def refuse_first(handle):
+        if not refused:
+            refused.append(handle)
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE: cannot cancel")
+        return release(handle)
+
+    monkeypatch.setattr(nixl, "release_xfer_handle", refuse_first)
+    r = receiver.pull(source.endpoint, tokens)
+    assert r.ok and r.blocks == 12 and refused, r
+    assert receiver.quarantined == [] and b.agent.uncancelled == 0
+    assert b.loads(tokens)
+    assert_no_leaks(b.kv)
+
+
 def test_a_source_killed_mid_pull_is_a_miss_that_leaves_nothing_behind(tmp_path, monkeypatch):
     b = Worker(tmp_path, "b")
     here = str(HELPERS)
@@ -476,6 +541,7 @@ def test_a_receiver_whose_idle_link_the_source_closed_pulls_again_on_a_new_one(t
         a.store(first)
         a.store(second)
         assert receiver.pull(source.endpoint, first).blocks == 4  # its link stays open, idle
+        wait_until("the receiver's pin released", lambda: no_pins(source, a), timeout=10)  # unpinned: evictable
         with _raw(source) as other:  # the one slot goes to a newcomer: the idle link is closed
             assert isinstance(_ask(other, _pull(a.kv, first)), wire.Pinned)  # served, not refused
         wait_until("the newcomer gone, its pin dropped", lambda: no_pins(source, a) and not source._conns, timeout=10)

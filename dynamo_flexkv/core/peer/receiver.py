@@ -41,6 +41,7 @@ from dynamo_flexkv.core.peer.protocol import (
 )
 from dynamo_flexkv.core.peer.source import _recv_exact, kv_layout
 from dynamo_flexkv.core.transfer.nixl_agent import HandoverFailed, KVAgent
+from dynamo_flexkv.core.transfer.nixl_errors import ReadNotCancelled
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,9 @@ class PeerReceiver:
         self._layout = kv_layout(kv)
         self._keys = 0
         self._closed = False
+        # Staged runs a read NIXL could not cancel may still write: they keep their host blocks
+        # (unready, so invisible and never reused) while this manager lives.
+        self.quarantined: list[tuple[Any, Any]] = []
 
     def pull(
         self,
@@ -200,6 +204,9 @@ class PeerReceiver:
             verified, sums, nbytes = self._read(endpoint, hashes, run, deadline)
             if sums is not None and verified < len(sums):
                 why = "corrupt"  # the verified head is used, the rest recomputed
+        except ReadNotCancelled as e:
+            why = "uncancelled"
+            log.error("peer pull from %s: %s; its %d staged host blocks stay out of use", endpoint, e, len(run))
         except PeerRefused as e:
             why = e.reason
             log.info("peer pull from %s: %s; recomputing", endpoint, e)
@@ -207,7 +214,10 @@ class PeerReceiver:
             why = "failed"
             log.warning("peer pull from %s failed (%s: %s); recomputing", endpoint, type(e).__name__, e)
         finally:
-            kv.commit_staged(key, run, verified, sums)
+            if why == "uncancelled":  # neither committed nor rolled back: unready, never reused
+                self.quarantined.append((key, run))
+            else:
+                kv.commit_staged(key, run, verified, sums)
         seconds = time.perf_counter() - t0
         if verified:
             kv.cost.observe_link("peer", nbytes, seconds)  # what the next decision predicts with

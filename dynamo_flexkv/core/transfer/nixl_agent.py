@@ -29,9 +29,13 @@ import numpy as np
 import torch
 
 from dynamo_flexkv.core import native as _native
-from dynamo_flexkv.core.transfer.nixl_errors import HandoverCorrupt, HandoverFailed, HandoverRefused
+from dynamo_flexkv.core.transfer.nixl_errors import HandoverCorrupt, HandoverFailed, HandoverRefused, ReadNotCancelled
 
+log = logging.getLogger(__name__)
+
+SETTLE_S = 10.0  # a read NIXL refused to cancel gets this long to end by itself (UCX fails reads of a dead peer)
 _ucx_agents = 0  # agents with a UCX backend this process created
+_STILL_WRITTEN: list[Any] = []  # local memory of reads NIXL could not cancel (ReadNotCancelled): never freed
 
 
 def ucx_agents_created() -> int:
@@ -264,6 +268,8 @@ class KVAgent:
         self._landed_base: int | None = None  # host KV: ``landed``'s rows at the end of ``_local``
         self.bytes_pulled = 0
         self.pulls = 0
+        self.uncancelled = 0  # reads NIXL could not cancel that outlived SETTLE_S (ReadNotCancelled)
+        self._uncancelled: list[Any] = []
 
     @property
     def metadata(self) -> str:
@@ -446,19 +452,56 @@ class KVAgent:
                 self._forget(p.agent)
                 raise HandoverFailed(f"NIXL read from {p.agent} failed: {e}") from e
             finally:
-                self._release(handles)
+                stuck = self._settle(self._release(handles))
+                if stuck:  # raised over whatever ended the read: these blocks are not the caller's to reuse
+                    self.uncancelled += len(stuck)
+                    self._uncancelled.extend(stuck)  # released at close(), if NIXL lets us by then
+                    _STILL_WRITTEN.append(self.layers)  # the memory stays mapped while the process lives
+                    raise ReadNotCancelled(
+                        f"NIXL refused to cancel {len(stuck)} read(s) from {p.agent} that did not end within "
+                        f"{SETTLE_S:.0f} s: local blocks {list(local_blocks)[:8]}... may still be written",
+                        local_blocks,
+                    )
         if raised is not None:
             raise raised
         self.bytes_pulled += nbytes
         self.pulls += 1
         return nbytes
 
-    def _release(self, handles: list[Any]) -> None:
+    def _release(self, handles: list[Any]) -> list[Any]:
+        """Releases the handles (NIXL cancels a transfer still running); returns those it refused:
+        a transfer NIXL could not cancel may still write."""
+        refused = []
         for h in handles:
             try:
                 self.agent.release_xfer_handle(h)
-            except Exception:  # noqa: BLE001 - NIXL's own types: a transfer that could not be aborted is gone with its peer
-                pass
+            except Exception:  # noqa: BLE001 - NIXL's own types
+                refused.append(h)
+        return refused
+
+    def _settle(self, handles: list[Any]) -> list[Any]:
+        """Waits up to SETTLE_S for transfers NIXL refused to cancel to end by themselves (done,
+        or failed as UCX gives up on a dead peer), releasing each that does; returns those still
+        running: their local blocks may yet be written."""
+        deadline = time.monotonic() + SETTLE_S
+        while handles:
+            running = []
+            for h in handles:
+                try:
+                    over = self.agent.check_xfer_state(h) != "PROC"
+                except Exception:  # noqa: BLE001 - a state NIXL cannot tell: assume it may still write
+                    over = False
+                if over:
+                    self._release([h])  # refused again: the handle leaks, the transfer writes nothing more
+                else:
+                    running.append(h)
+            handles = running
+            if not handles or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if handles:
+            log.error("NIXL: %d read(s) could not be cancelled and still run after %.0f s", len(handles), SETTLE_S)
+        return handles
 
     def enable_digests(self) -> None:
         """Two tables of one u64 per block, registered with NIXL (host memory, whatever the KV's
@@ -530,6 +573,7 @@ class KVAgent:
 
     def close(self) -> None:
         with self._lock:
+            self._uncancelled = self._release(self._uncancelled)
             for name in list(self._peers):
                 self._forget(name)
             with contextlib.suppress(Exception):
