@@ -1,5 +1,7 @@
 """Puts waiting for host room: the host tier was full of blocks that running tasks lock (disk
-writes in flight). They are retried, oldest first, each time a transfer graph finishes."""
+writes in flight). They are retried, oldest first, each time a transfer graph finishes, and
+when the oldest has waited ``max_wait_s``: a put whose wait is over stores what fits then, so its
+engine gets its device blocks back even if no graph ever finishes (a hung disk)."""
 
 from __future__ import annotations
 
@@ -40,12 +42,15 @@ class DeferredPuts:
         cond: threading.Condition,
         put_now: Callable[[DeferredPut], bool],
         fail: Callable[[DeferredPut, BaseException], None],
+        max_wait_s: float,
     ) -> None:
         self._cond = cond
         self._put_now = put_now
         self._fail = fail
+        self.max_wait_s = max_wait_s
         self._queue: collections.deque[DeferredPut] = collections.deque()
         self._retrying = self._again = False
+        self._timer: threading.Timer | None = None  # armed while puts wait: the oldest's wait ends
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -57,6 +62,18 @@ class DeferredPuts:
     def add(self, put: DeferredPut) -> None:
         """(Under ``cond``.) Queues a put last."""
         self._queue.append(put)
+        if self._timer is None:
+            oldest = min(self._queue[0].since, put.since)  # a retry re-adds the oldest put last
+            left = oldest + self.max_wait_s - time.monotonic()
+            self._timer = threading.Timer(max(0.01, left), self._wait_over)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _wait_over(self) -> None:
+        """The oldest put's wait is over: retried now, whether or not a graph finished."""
+        with self._cond:
+            self._timer = None
+        self.retry()
 
     def drop(self, which: Callable[[DeferredPut], bool]) -> list[DeferredPut]:
         """Takes the puts ``which(put)`` selects out of the queue (they were never planned)."""

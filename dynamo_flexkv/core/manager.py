@@ -214,7 +214,7 @@ class KVManager:
         self._closed = False
         self._live_graphs = 0  # submitted graphs whose finish callback has not run yet
         self._idle = threading.Condition()
-        self._deferred = DeferredPuts(self._idle, self._retry_put, self._fail_put)
+        self._deferred = DeferredPuts(self._idle, self._retry_put, self._fail_put, MAX_PUT_DEFER_S)
         self.put_refused_blocks = 0  # blocks puts could not store: longer than the host tier
 
     # ---- setup ---------------------------------------------------------------------------------

@@ -233,6 +233,50 @@ def test_put_longer_than_the_host_tier_stores_what_fits_and_counts_the_rest(tmp_
         kv.shutdown()
 
 
+def test_a_put_waiting_for_room_behind_a_hung_disk_ends_when_its_wait_is_over(tmp_path, monkeypatch):
+    """The host tier is full of blocks a hung disk write locks, so no transfer finishes to retry a
+    put waiting for room: the put still ends once it waited MAX_PUT_DEFER_S, storing what fits
+    (nothing here, counted refused), and its engine gets its device blocks back; the disk
+    writes land once the disk answers again."""
+    from dynamo_flexkv.core import manager
+    from dynamo_flexkv.core.transfer.graph import OpKind
+
+    monkeypatch.setattr(manager, "MAX_PUT_DEFER_S", 0.5)
+    disk_answers = threading.Event()
+
+    class HungDisk:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def run(self, op):
+            assert disk_answers.wait(60)
+            return self.inner.run(op)
+
+        def __getattr__(self, name: str):
+            return getattr(self.inner, name)
+
+    def hook(kind, mover):
+        return HungDisk(mover) if kind is OpKind.H2DISK else mover
+
+    kv = KVManager(MODEL, config(tmp_path, host_blocks=24, disk_blocks=120), mover_hook=hook)
+    dev = device_tensors(L, 64)
+    kv.register_device_cache(dev, L)
+    try:
+        first = kv.put_async(prompt(1, 24), list(range(24)))  # fills host; its disk writes hang
+        assert kv.wait([first], timeout=30)[first].num_tokens == 24 * TPB
+        second = kv.put_async(prompt(2, 6), list(range(24, 30)))
+        wait_until("the second put waits for room", lambda: kv.stats().tasks.deferred_puts == 1, timeout=10)
+        r = kv.wait([second], timeout=30)[second]  # not 60 s: the hung disk never frees room
+        assert r.status is TaskStatus.SUCCESS and r.num_tokens == 0
+        assert kv.stats().tasks.put_refused_blocks == 6 and kv.stats().tasks.deferred_puts == 0
+        disk_answers.set()
+        assert kv.drain(timeout=30)
+        assert kv.match(prompt(1, 24))["disk"] == 24 * TPB
+    finally:
+        disk_answers.set()
+        kv.shutdown()
+
+
 def test_cancelling_a_burst_of_deferred_puts_leaks_nothing(tmp_path):
     kv, dev = open_manager(tmp_path, num_device_blocks=120, host_blocks=24, disk_blocks=120)
     try:
