@@ -144,7 +144,13 @@ class NodeCacheServer:
             return
         self._closed.set()
         try:
+            try:  # wakes the accept thread: closing a listening socket alone does not on Linux
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
+            if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
+                self._accept_thread.join(5)
         finally:
             try:
                 os.unlink(self.options.socket_path)

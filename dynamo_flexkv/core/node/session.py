@@ -135,7 +135,11 @@ class Session:
     def _run(self) -> None:
         why = "the engine closed the connection"
         # A connection that never attaches would hold a place of max_clients forever.
-        self.channel.sock.settimeout(ATTACH_TIMEOUT_S)
+        try:
+            self.channel.sock.settimeout(ATTACH_TIMEOUT_S)
+        except OSError:  # the server's close() closed this connection before this thread ran
+            self.close("the cache server is shutting down")
+            return
         try:
             for body, fds in self.channel.frames():
                 for fd in fds:  # engines send none
