@@ -552,3 +552,66 @@ def test_a_receiver_whose_idle_link_the_source_closed_pulls_again_on_a_new_one(t
         source.close()
         b.close()
         a.close()
+
+
+def _refuse_to_cancel(monkeypatch, b, state=lambda handle: "PROC") -> None:
+    """Every read NIXL is asked to release is refused and reported ``state`` (fault on the real agent)."""
+    from dynamo_flexkv.core.transfer import nixl_agent
+
+    def refuse(handle):
+        raise RuntimeError("NIXL_ERR_REPOST_ACTIVE: cannot cancel")
+
+    monkeypatch.setattr(nixl_agent, "SETTLE_S", 0.2)
+    monkeypatch.setattr(b.agent.agent, "release_xfer_handle", refuse)
+    monkeypatch.setattr(b.agent.agent, "check_xfer_state", state)
+
+
+def test_adv56_a_read_whose_state_nixl_cannot_tell_is_quarantined_and_the_source_unpinned(pair, monkeypatch):
+    """Release refused and check_xfer_state raising: the pull is a miss (never raises), its staged
+    blocks are quarantined (the read may still write), the source's pins end."""
+    a, b, source, receiver = pair
+    tokens = tokens_of(31, 10)
+    a.store(tokens)
+
+    def unknown(handle):
+        raise RuntimeError("NIXL_ERR_BACKEND")
+
+    _refuse_to_cancel(monkeypatch, b, unknown)
+    r = receiver.pull(source.endpoint, tokens, timeout=1.0)
+    assert not r.ok and r.blocks == 0, r
+    assert r.why == "uncancelled" and len(receiver.quarantined) == 1, r
+    assert b.kv.match(tokens)["host"] == 0
+    wait_until("the source's pins released", lambda: no_pins(source, a), timeout=15)
+
+
+def test_adv56_quarantined_pulls_until_the_host_tier_is_full_end_in_no_room_and_shut_down(pair, monkeypatch):
+    """Pull after pull NIXL will not cancel: each quarantines 10 of the 96 host blocks; once none
+    fit the receiver answers no_room without asking the source; other prompts still store and
+    load exact in what is left; drain, receiver.close() and the manager's shutdown end promptly."""
+    a, b, source, receiver = pair
+    _refuse_to_cancel(monkeypatch, b)
+    whys = []
+    for seed in range(40, 52):
+        tokens = tokens_of(seed, 10)
+        a.store(tokens)
+        r = receiver.pull(source.endpoint, tokens, timeout=0.5)
+        assert not r.ok and r.blocks == 0, r
+        whys.append(r.why)
+        wait_until("the source's pins released", lambda: no_pins(source, a), timeout=15)
+    # the tenth stages (and quarantines) the 6 blocks that were left; then nothing fits
+    assert whys[:10] == ["uncancelled"] * 10 and set(whys[10:]) == {"no_room"}, whys
+    assert [len(run) for _k, run in receiver.quarantined] == [10] * 9 + [6]
+    small = tokens_of(60, 4)  # the host tier has no room left: a put stores nothing, a load finds nothing
+    hashes = [int(h) for h in b.kv.hashes(small).sequence]
+    for i, h in enumerate(hashes):
+        fill(b.dev, LAYOUT, i, h)
+    tid = b.kv.put_async(small, list(range(4)))
+    r = b.kv.wait([tid], timeout=30)[tid]
+    assert r.ok and r.num_tokens == 0, r
+    assert b.kv.match(small)["host"] == 0 and not b.loads(small)
+    assert b.kv.drain(timeout=10)
+    t0 = time.monotonic()
+    receiver.close()
+    assert receiver.pull(source.endpoint, small).why == "closed"
+    b.kv.shutdown()
+    assert time.monotonic() - t0 < 15
