@@ -615,3 +615,48 @@ def test_adv56_quarantined_pulls_until_the_host_tier_is_full_end_in_no_room_and_
     assert receiver.pull(source.endpoint, small).why == "closed"
     b.kv.shutdown()
     assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.parametrize("stuck_chunk", [None, 0, 2])
+def test_adv56_a_chunked_read_with_refused_releases(pair, monkeypatch, stuck_chunk):
+    """KVAgent.pull in 3 chunks, every release refused: with all reads done the bytes are exact and
+    every chunk was handed to ``landed`` in order; with one chunk still running it raises
+    ReadNotCancelled (never HandoverFailed alone, never a hang) and counts it once."""
+    from dynamo_flexkv.core.peer.receiver import RemoteHost
+    from dynamo_flexkv.core.transfer import nixl_agent
+    from dynamo_flexkv.core.transfer.nixl_errors import ReadNotCancelled
+
+    a, b, _source, _receiver = pair
+    a.store(tokens_of(70, 12))
+    slots = list(range(12))  # any source host blocks: the check compares bytes, whatever they hold
+    src = RemoteHost(
+        a.agent.name, a.agent.metadata, [a.kv.host.base], a.kv.host.layout.block_bytes, a.kv.host.num_blocks
+    )
+    nixl = b.agent.agent
+    real_state, handles_seen = nixl.check_xfer_state, []
+
+    def refuse(handle):
+        raise RuntimeError("NIXL_ERR_REPOST_ACTIVE: cannot cancel")
+
+    def state(handle):
+        if handle not in handles_seen:
+            handles_seen.append(handle)
+        s = real_state(handle)
+        return "PROC" if stuck_chunk is not None and handles_seen.index(handle) == stuck_chunk else s
+
+    monkeypatch.setattr(nixl_agent, "SETTLE_S", 0.2)
+    monkeypatch.setattr(nixl, "release_xfer_handle", refuse)
+    monkeypatch.setattr(nixl, "check_xfer_state", state)
+    local = list(range(50, 62))
+    landed: list = []
+    if stuck_chunk is None:
+        n = b.agent.pull(src, slots, local, 5.0, landed=lambda s, e: landed.append((s, e)), chunks=3)
+        assert n > 0 and landed == [(0, 4), (4, 8), (8, 12)] and b.agent.uncancelled == 0
+        bb = a.kv.host.layout.block_bytes
+        for r, dst in zip(slots, local):
+            assert (a.kv.host.array[r * bb : (r + 1) * bb] == b.kv.host.array[dst * bb : (dst + 1) * bb]).all()
+    else:
+        t0 = time.monotonic()
+        with pytest.raises(ReadNotCancelled):
+            b.agent.pull(src, slots, local, 0.5, landed=lambda s, e: landed.append((s, e)), chunks=3)
+        assert time.monotonic() - t0 < 5 and b.agent.uncancelled == 1
