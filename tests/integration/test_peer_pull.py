@@ -566,7 +566,7 @@ def _refuse_to_cancel(monkeypatch, b, state=lambda handle: "PROC") -> None:
     monkeypatch.setattr(b.agent.agent, "check_xfer_state", state)
 
 
-def test_adv56_a_read_whose_state_nixl_cannot_tell_is_quarantined_and_the_source_unpinned(pair, monkeypatch):
+def test_a_read_whose_state_nixl_cannot_tell_is_quarantined_and_the_source_unpinned(pair, monkeypatch):
     """Release refused and check_xfer_state raising: the pull is a miss (never raises), its staged
     blocks are quarantined (the read may still write), the source's pins end."""
     a, b, source, receiver = pair
@@ -584,7 +584,7 @@ def test_adv56_a_read_whose_state_nixl_cannot_tell_is_quarantined_and_the_source
     wait_until("the source's pins released", lambda: no_pins(source, a), timeout=15)
 
 
-def test_adv56_quarantined_pulls_until_the_host_tier_is_full_end_in_no_room_and_shut_down(pair, monkeypatch):
+def test_quarantined_pulls_until_the_host_tier_is_full_end_in_no_room_and_shut_down(pair, monkeypatch):
     """Pull after pull NIXL will not cancel: each quarantines 10 of the 96 host blocks; once none
     fit the receiver answers no_room without asking the source; other prompts still store and
     load exact in what is left; drain, receiver.close() and the manager's shutdown end promptly."""
@@ -618,7 +618,7 @@ def test_adv56_quarantined_pulls_until_the_host_tier_is_full_end_in_no_room_and_
 
 
 @pytest.mark.parametrize("stuck_chunk", [None, 0, 2])
-def test_adv56_a_chunked_read_with_refused_releases(pair, monkeypatch, stuck_chunk):
+def test_a_chunked_read_with_refused_releases(pair, monkeypatch, stuck_chunk):
     """KVAgent.pull in 3 chunks, every release refused: with all reads done the bytes are exact and
     every chunk was handed to ``landed`` in order; with one chunk still running it raises
     ReadNotCancelled (never HandoverFailed alone, never a hang) and counts it once."""
