@@ -46,6 +46,9 @@ from dynamo_flexkv.core.transfer.nixl_errors import ReadNotCancelled
 log = logging.getLogger(__name__)
 
 LEASE_MARGIN_S = 0.2  # a read must end this long before the source's pin does
+# Reads NIXL could not cancel keep their staged blocks for good; once they hold 1/QUARANTINE_SHARE of
+# the host tier, this receiver pulls no more (each later hint counts "uncancelled" at once).
+QUARANTINE_SHARE = 4
 
 
 def host_agent(kv: Any, name: str = "") -> KVAgent:
@@ -169,6 +172,8 @@ class PeerReceiver:
         t0 = time.perf_counter()
         if self._closed:
             return self._failed("closed", 0, t0)
+        if sum(len(run) for _key, run in self.quarantined) * QUARANTINE_SHARE >= self.kv.host.num_blocks:
+            return self._failed("uncancelled", 0, t0)  # NIXL keeps refusing: pull no more, keep the tier's room
         deadline = time.monotonic() + timeout
         kv = self.kv
         generation = kv.cache.generation
