@@ -75,6 +75,13 @@ class DeferredPuts:
             self._timer = None
         self.retry()
 
+    def close(self) -> None:
+        """Disarms the timer (the manager shut down: its queued puts were dropped)."""
+        with self._cond:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
     def drop(self, which: Callable[[DeferredPut], bool]) -> list[DeferredPut]:
         """Takes the puts ``which(put)`` selects out of the queue (they were never planned)."""
         with self._cond:

@@ -860,6 +860,7 @@ class KVManager:
         self.transfer.shutdown()
         for put in self._deferred.drop(lambda put: True):
             put.task.finish(TaskResult(put.task.id, TaskKind.PUT, TaskStatus.CANCELLED))
+        self._deferred.close()
         self._close_storage()
 
     def __enter__(self) -> KVManager:

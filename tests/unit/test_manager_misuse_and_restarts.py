@@ -277,6 +277,60 @@ def test_a_put_waiting_for_room_behind_a_hung_disk_ends_when_its_wait_is_over(tm
         kv.shutdown()
 
 
+def test_loads_and_stores_never_wait_behind_background_disk_writes(tmp_path):
+    """Disk writes that hang (a virtual disk stalled: O_DIRECT writes block) occupy no thread a
+    load's or a store's device copy needs: with more writes hung than there are transfer threads,
+    a load from host and a new store both finish, bytes exact; the writes land once the disk
+    answers. (One shared queue once froze both demo workers: their forwards waited on loads, and
+    vLLM's blocks on stores, queued behind hung writes.)"""
+    from dynamo_flexkv.core.transfer.graph import OpKind
+
+    disk_answers, hung = threading.Event(), []
+
+    class HungDisk:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def run(self, op):
+            hung.append(op)
+            assert disk_answers.wait(60)
+            return self.inner.run(op)
+
+        def __getattr__(self, name: str):
+            return getattr(self.inner, name)
+
+    def hook(kind, mover):
+        return HungDisk(mover) if kind is OpKind.H2DISK else mover
+
+    kv = KVManager(MODEL, config(tmp_path, host_blocks=64, disk_blocks=256), mover_hook=hook)
+    dev = device_tensors(L, 64)
+    kv.register_device_cache(dev, L)
+    try:
+        prompts = [prompt(k, 4) for k in range(1, 9)]  # 8 puts: more disk writes than transfer threads
+        for k, pr in enumerate(prompts):
+            for i, h in enumerate(kv.hashes(pr).sequence):
+                fill(dev, L, 4 * k + i, h)
+        ids = [kv.put_async(pr, [4 * k + i for i in range(4)]) for k, pr in enumerate(prompts)]
+        results = kv.wait(ids, timeout=30)  # a store reports once its device copy landed
+        assert all(r.status is TaskStatus.SUCCESS and r.num_tokens == 4 * TPB for r in results.values()), results
+        # every thread the writes may take is taken, and more writes wait for one
+        wait_until("the disk writes hang", lambda: len(hung) >= 2 and kv.transfer.queue_depth > 0, timeout=30)
+        assert load_checked(kv, dev, prompts[0], [40, 41, 42, 43]) == 4  # from host, while the disk hangs
+        late = prompt(9, 4)
+        for i, h in enumerate(kv.hashes(late).sequence):
+            fill(dev, L, 48 + i, h)
+        tid = kv.put_async(late, [48, 49, 50, 51])
+        assert kv.wait([tid], timeout=30)[tid].num_tokens == 4 * TPB  # a store's device copy too
+        assert load_checked(kv, dev, late, [56, 57, 58, 59]) == 4
+        assert not disk_answers.is_set() and kv.match(prompts[0])["disk"] == 0
+        disk_answers.set()
+        assert kv.drain(timeout=30)
+        assert all(kv.match(pr)["disk"] == 4 * TPB for pr in [*prompts, late])
+    finally:
+        disk_answers.set()
+        kv.shutdown()
+
+
 def test_cancelling_a_burst_of_deferred_puts_leaks_nothing(tmp_path):
     kv, dev = open_manager(tmp_path, num_device_blocks=120, host_blocks=24, disk_blocks=120)
     try:

@@ -41,17 +41,29 @@ class AsyncMover(Protocol):
     def start(self, op: TransferOp, done: Callable[[BaseException | None, int], None]) -> None: ...
 
 
+# Writes behind a put (to disk or remote) that nothing waits for: they run on threads of their own,
+# so a stalled disk never holds up a load's copy (an engine's forward waits on it) or a store's
+# device copy (the engine's blocks wait on it). Measured: one shared queue froze both workers of
+# a served demo while a virtual disk stalled (test_manager_misuse_and_restarts, hung disk writes).
+BACKGROUND = frozenset({OpKind.H2DISK, OpKind.H2REMOTE})
+
+
 class TransferRunner:
-    def __init__(self, movers: dict[OpKind, Mover], workers: int = 4) -> None:
+    def __init__(self, movers: dict[OpKind, Mover], workers: int = 4, background_workers: int = 2) -> None:
         self.num_threads = workers
         self.movers = dict(movers)
         self._queue: queue.Queue[tuple | None] = queue.Queue()
+        self._background: queue.Queue[tuple | None] = queue.Queue()
         self._lock = threading.Lock()
         self._running: dict[int, int] = {}  # id(graph) -> ops in flight
         self._graphs: dict[int, TransferGraph] = {}
         self._closed = False
         self._threads = [
-            threading.Thread(target=self._work, name=f"flexkv-transfer-{i}", daemon=True) for i in range(workers)
+            threading.Thread(target=self._work, args=(self._queue,), name=f"flexkv-transfer-{i}", daemon=True)
+            for i in range(workers)
+        ] + [
+            threading.Thread(target=self._work, args=(self._background,), name=f"flexkv-write-{i}", daemon=True)
+            for i in range(max(1, background_workers))
         ]
         for t in self._threads:
             t.start()
@@ -93,8 +105,8 @@ class TransferRunner:
             self.cancel(g)
         for g in graphs:
             g.finished.wait(timeout)
-        for _ in self._threads:
-            self._queue.put(None)
+        for t in self._threads:
+            (self._background if t.name.startswith("flexkv-write") else self._queue).put(None)
         for t in self._threads:
             t.join(timeout)
 
@@ -102,7 +114,7 @@ class TransferRunner:
     @property
     def queue_depth(self) -> int:
         """Ready copies waiting for a worker thread."""
-        return self._queue.qsize()
+        return self._queue.qsize() + self._background.qsize()
 
     def _dispatch(self, graph: TransferGraph) -> None:  # lock held
         if graph.error is not None or graph.cancel_requested:
@@ -111,11 +123,11 @@ class TransferRunner:
             if op.state is OpState.PENDING and all(d.state is OpState.DONE for d in op.deps):
                 op.state = OpState.RUNNING
                 self._running[id(graph)] += 1
-                self._queue.put((graph, op))
+                (self._background if op.kind in BACKGROUND else self._queue).put((graph, op))
 
-    def _work(self) -> None:
+    def _work(self, ops: queue.Queue[tuple | None]) -> None:
         while True:
-            item = self._queue.get()
+            item = ops.get()
             if item is None:
                 return
             graph, op = item
