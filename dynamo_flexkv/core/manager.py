@@ -910,9 +910,12 @@ class KVManager:
         self._attach_tokens(token_ids, run)
         return run
 
-    def commit_staged(self, key: Any, run: TierRun, count: int, sums: np.ndarray | None = None) -> None:
+    def commit_staged(
+        self, key: Any, run: TierRun, count: int, sums: np.ndarray | None = None, *, read: bool = True
+    ) -> None:
         """The first ``count`` blocks of ``run`` (stage_host) hold verified bytes whose checksums
-        are ``sums``: they become visible (a Stored event each); the rest is rolled back."""
+        are ``sums``: they become visible (a Stored event each); the rest is rolled back, counted
+        in rolled_back_blocks unless no read into them started (``read`` False: the peer refused)."""
         self._check_open("commit_staged")
         if count > 0 and sums is not None:
             self.host.record_checksums(np.asarray(run.block_ids[:count], dtype=np.int64), sums[:count])
@@ -920,7 +923,7 @@ class KVManager:
             if count > 0:
                 self.cache.complete_prefix(run, key, count)
         finally:
-            self.cache.abort_task(key)
+            self.cache.abort_task(key, replan=not read)  # replan: released, not counted as rolled back
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _check_open(self, call: str) -> None:

@@ -284,6 +284,34 @@ def test_a_flood_of_pins_is_bounded_per_peer_in_total_and_in_connections(tmp_pat
         a.close()
 
 
+def test_a_refused_pull_is_no_rollback_and_a_failed_read_is(pair, monkeypatch):
+    """A source that holds none of the blocks (not_held) refuses before any byte moves: the blocks
+    staged for it are released without counting as rolled back (the receiver's stats would read
+    as failed copies). A read that fails its checksum rolls back what it wrote, counted."""
+    a, b, source, receiver = pair
+
+    def rolled_back() -> int:
+        return b.kv.stats().host.rolled_back_blocks
+
+    tokens = tokens_of(41, 8)
+    r = receiver.pull(source.endpoint, tokens)  # a never stored these
+    assert (r.ok, r.why, r.blocks) == (False, "not_held", 0)
+    assert rolled_back() == 0 and b.kv.match(tokens)["host"] == 0
+    a.store(tokens)
+    real = b.agent.pull
+
+    def corrupt_block_3(src, remote, local, timeout, **kw):
+        host = a.kv.host
+        host.array[remote[3] * host.layout.block_bytes + 7] ^= 0xFF
+        return real(src, remote, local, timeout, **kw)
+
+    monkeypatch.setattr(b.agent, "pull", corrupt_block_3)
+    r = receiver.pull(source.endpoint, tokens)
+    assert (r.why, r.blocks) == ("corrupt", 3)
+    assert rolled_back() == 5  # the 5 blocks read from block 3 on
+    assert_no_leaks(b.kv)
+
+
 def test_bytes_changed_under_a_pin_fail_their_checksum_and_only_the_good_head_is_used(pair, monkeypatch):
     a, b, source, receiver = pair
     tokens = tokens_of(9, 10)

@@ -205,8 +205,9 @@ class PeerReceiver:
             return self._failed("no_room", held, t0)
         self.stats.pulls += 1
         verified, sums, nbytes, why = 0, None, 0, ""
+        reading: list[bool] = []  # gets an entry once the source pinned and the read starts
         try:
-            verified, sums, nbytes = self._read(endpoint, hashes, run, deadline)
+            verified, sums, nbytes = self._read(endpoint, hashes, run, deadline, reading)
             if sums is not None and verified < len(sums):
                 why = "corrupt"  # the verified head is used, the rest recomputed
         except ReadNotCancelled as e:
@@ -221,8 +222,8 @@ class PeerReceiver:
         finally:
             if why == "uncancelled":  # neither committed nor rolled back: unready, never reused
                 self.quarantined.append((key, run))
-            else:
-                kv.commit_staged(key, run, verified, sums)
+            else:  # a refusal before any read (not_held, busy, ...) is no rollback of bytes
+                kv.commit_staged(key, run, verified, sums, read=bool(reading))
         seconds = time.perf_counter() - t0
         if verified:
             kv.cost.observe_link("peer", nbytes, seconds)  # what the next decision predicts with
@@ -238,7 +239,9 @@ class PeerReceiver:
         self.stats.failed[why] = self.stats.failed.get(why, 0) + 1
         return PullResult(False, 0, held, 0, time.perf_counter() - t0, why)
 
-    def _read(self, endpoint: str, hashes: list[int], run: Any, deadline: float, retry: bool = True) -> tuple:
+    def _read(
+        self, endpoint: str, hashes: list[int], run: Any, deadline: float, reading: list[bool], retry: bool = True
+    ) -> tuple:
         """(verified blocks, their checksums, bytes read) of ``run``'s blocks from the source."""
         link, fresh = self._link(endpoint, deadline)
         with link.lock:
@@ -264,21 +267,21 @@ class PeerReceiver:
             except (OSError, ProtocolError) as e:
                 self._forget(endpoint)
                 if retry and not fresh and isinstance(e, OSError):  # the source closed our idle link
-                    return self._read(endpoint, hashes, run, deadline, retry=False)
+                    return self._read(endpoint, hashes, run, deadline, reading, retry=False)
                 raise PeerRefused("source_gone", f"no answer from {endpoint} ({type(e).__name__}: {e})") from None
             if isinstance(reply, Refused):
                 raise PeerRefused(reply.reason, reply.message)
             assert isinstance(reply, Pinned)
             lease_end = time.monotonic() + reply.lease_s - LEASE_MARGIN_S
             try:
-                return self._copy(reply, run, min(deadline, lease_end))
+                return self._copy(reply, run, min(deadline, lease_end), reading)
             finally:
                 try:
                     link.tell(Release(reply.id))
                 except OSError:
                     self._forget(endpoint)  # the source drops the pin when it sees the close
 
-    def _copy(self, pinned: Pinned, run: Any, deadline: float) -> tuple:
+    def _copy(self, pinned: Pinned, run: Any, deadline: float, reading: list[bool]) -> tuple:
         host = self.kv.host
         slots = [int(x) for x in np.frombuffer(pinned.slots, dtype="<i8")]
         want = unpack_u64(pinned.checksums, "checksums")
@@ -287,6 +290,7 @@ class PeerReceiver:
         if pinned.block_bytes != host.layout.block_bytes:
             raise PeerRefused("namespace", "the source's host blocks are another size")
         local = run.block_ids[: len(slots)]
+        reading.append(True)
         src = RemoteHost(pinned.agent, pinned.metadata, [pinned.base], pinned.block_bytes, pinned.num_blocks)
         budget = deadline - time.monotonic()
         if budget <= 0:
