@@ -48,10 +48,10 @@ class Preset:
 # holds what a worker serves, so a later turn's prefix is on the worker that served the turn before.
 # Then every configuration again at 2x the rate (40x), for goodput where queues form: about 10-12
 # min on a quiet 2-core machine (a graph's start and stop ~40 s, a replay 45 s / 23 s; issue 49).
-# The hints row (vLLM only: host+ssd with router hints on) is not a default: in two of about ten
-# runs both workers of the row stopped scheduling for 40 s to 2 min after hinted pulls (requests
-# waiting, none running, their stores unfinished; not understood yet, docs/HINTS.md), which fails
-# the run. Name it (--configs ...,hints) to measure it.
+# The hints row (vLLM only: host+ssd with router hints on) is not a default: in three of about 40
+# runs both workers of the row stopped scheduling at once for 25 s to 2 min (requests waiting, none
+# running, their stores unfinished; not understood yet, docs/HINTS.md), which can fail the run.
+# Name it (--configs ...,hints) to measure it.
 DEFAULT = Preset(
     conversations=32,
     sample_every=4,
