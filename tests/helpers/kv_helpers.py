@@ -150,3 +150,30 @@ def store_and_drain(kv: KVManager, dev, tokens, ids, layout: KVLayoutType = KVLa
     r = kv.wait([kv.put_async(tokens, ids)], timeout=20)
     assert next(iter(r.values())).status is TaskStatus.SUCCESS
     assert kv.drain(timeout=20)
+
+
+class HungDisk:
+    """Disk writes (H2DISK) that block until ``answers`` is set, as a stalled disk's O_DIRECT
+    writes do; each op is appended to ``seen`` when it starts. KVManager(mover_hook=hung_disk(...))."""
+
+    def __init__(self, inner, answers, seen: list | None = None) -> None:
+        self.inner, self.answers, self.seen = inner, answers, seen
+
+    def run(self, op):
+        if self.seen is not None:
+            self.seen.append(op)
+        assert self.answers.wait(60)
+        return self.inner.run(op)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def hung_disk(answers, seen: list | None = None):
+    """A mover_hook whose disk writes hang until ``answers`` (a threading.Event) is set."""
+    from dynamo_flexkv.core.transfer.graph import OpKind
+
+    def hook(kind, mover):
+        return HungDisk(mover, answers, seen) if kind is OpKind.H2DISK else mover
+
+    return hook

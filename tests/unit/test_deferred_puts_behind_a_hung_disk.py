@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds
+from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds, hung_disk
 from served import wait_until
 
 from dynamo_flexkv import KVLayoutType, KVManager, TaskStatus
@@ -21,32 +21,13 @@ def prompt(k: int, blocks: int) -> list:
     return list(range(k * 100_000, k * 100_000 + TPB * blocks))
 
 
-class HungDisk:
-    """Disk writes block until ``answers`` is set."""
-
-    def __init__(self, inner, answers: threading.Event) -> None:
-        self.inner, self.answers = inner, answers
-
-    def run(self, op):
-        assert self.answers.wait(60)
-        return self.inner.run(op)
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-
 @pytest.fixture
 def hung(tmp_path, monkeypatch):
     from dynamo_flexkv.core import manager
-    from dynamo_flexkv.core.transfer.graph import OpKind
 
     monkeypatch.setattr(manager, "MAX_PUT_DEFER_S", DEFER_S)
     answers = threading.Event()
-
-    def hook(kind, mover):
-        return HungDisk(mover, answers) if kind is OpKind.H2DISK else mover
-
-    kv = KVManager(MODEL, config(tmp_path, host_blocks=24, disk_blocks=200), mover_hook=hook)
+    kv = KVManager(MODEL, config(tmp_path, host_blocks=24, disk_blocks=200), mover_hook=hung_disk(answers))
     dev = device_tensors(L, 160)
     kv.register_device_cache(dev, L)
     raised: list = []

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds, store_and_drain
+from kv_helpers import MODEL, TPB, Delivered, config, device_tensors, fill, holds, hung_disk, store_and_drain
 from repo_paths import HELPERS
 from served import wait_until
 
@@ -239,26 +239,10 @@ def test_a_put_waiting_for_room_behind_a_hung_disk_ends_when_its_wait_is_over(tm
     (nothing here, counted refused), and its engine gets its device blocks back; the disk
     writes land once the disk answers again."""
     from dynamo_flexkv.core import manager
-    from dynamo_flexkv.core.transfer.graph import OpKind
 
     monkeypatch.setattr(manager, "MAX_PUT_DEFER_S", 0.5)
     disk_answers = threading.Event()
-
-    class HungDisk:
-        def __init__(self, inner) -> None:
-            self.inner = inner
-
-        def run(self, op):
-            assert disk_answers.wait(60)
-            return self.inner.run(op)
-
-        def __getattr__(self, name: str):
-            return getattr(self.inner, name)
-
-    def hook(kind, mover):
-        return HungDisk(mover) if kind is OpKind.H2DISK else mover
-
-    kv = KVManager(MODEL, config(tmp_path, host_blocks=24, disk_blocks=120), mover_hook=hook)
+    kv = KVManager(MODEL, config(tmp_path, host_blocks=24, disk_blocks=120), mover_hook=hung_disk(disk_answers))
     dev = device_tensors(L, 64)
     kv.register_device_cache(dev, L)
     try:
@@ -283,26 +267,8 @@ def test_loads_and_stores_never_wait_behind_background_disk_writes(tmp_path):
     a load from host and a new store both finish, bytes exact; the writes land once the disk
     answers. (One shared queue once froze both demo workers: their forwards waited on loads, and
     vLLM's blocks on stores, queued behind hung writes.)"""
-    from dynamo_flexkv.core.transfer.graph import OpKind
-
     disk_answers, hung = threading.Event(), []
-
-    class HungDisk:
-        def __init__(self, inner) -> None:
-            self.inner = inner
-
-        def run(self, op):
-            hung.append(op)
-            assert disk_answers.wait(60)
-            return self.inner.run(op)
-
-        def __getattr__(self, name: str):
-            return getattr(self.inner, name)
-
-    def hook(kind, mover):
-        return HungDisk(mover) if kind is OpKind.H2DISK else mover
-
-    kv = KVManager(MODEL, config(tmp_path, host_blocks=64, disk_blocks=256), mover_hook=hook)
+    kv = KVManager(MODEL, config(tmp_path, host_blocks=64, disk_blocks=256), mover_hook=hung_disk(disk_answers, hung))
     dev = device_tensors(L, 64)
     kv.register_device_cache(dev, L)
     try:
