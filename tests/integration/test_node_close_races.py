@@ -12,9 +12,13 @@ from node_helpers import BS, Engine, node_server, prompt, server_config
 
 from dynamo_flexkv.core.node.server import NodeCacheServer, ServerOptions
 
+# The server's own threads (its accept loop, one per engine session): an engine's client threads
+# (flexkv-node-copy-*, -fence) belong to engines, which other tests of this process may hold.
+SERVER_THREADS = ("flexkv-node-accept", "flexkv-node-engine-")
+
 
 def node_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("flexkv-node") and t.is_alive()]
+    return [t.name for t in threading.enumerate() if t.name.startswith(SERVER_THREADS) and t.is_alive()]
 
 
 def wait_no_threads(timeout: float = 10) -> list[str]:
