@@ -156,7 +156,8 @@ def test_the_old_names_follow_for_one_release(reference, vllm, node):
 
 
 def test_serving_md_names_the_node_services_own_families(node):
-    from test_docs_examples import ROOT, documented_metrics, section
+    from doc_lists import documented_metrics, section
+    from repo_paths import ROOT
 
     documented = {n for n in documented_metrics(section(ROOT / "docs" / "SERVING.md", "## Metrics"))}
     exported = {n for n in _samples(node) if n.startswith("flexkv_node_") and n not in ALIASES}

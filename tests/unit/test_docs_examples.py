@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from doc_lists import documented_metrics, section
 from redis_fixtures import needs_redis, redis_server  # noqa: F401  (the fixture, for blocks that need Redis)
 from repo_paths import ROOT
 
@@ -297,29 +298,6 @@ def test_the_checks_refuse_what_they_cannot_vouch_for(tmp_path, monkeypatch):
 
 
 # ---- lists the docs keep by hand: true to the code ----------------------------------------------------
-
-
-def documented_metrics(text: str) -> set:
-    """The metric names in ``text``'s code spans: ``{a,b}`` inside a name is each alternative,
-    ``{labels}`` at its end is dropped."""
-    names = set()
-    for span in re.findall(r"`([^`]+)`", text):
-        span = re.sub(r"\{[^{}]*\}$", "", span.strip())
-        alternatives = re.match(r"^(.*?)\{([^{}]*)\}(.*)$", span)
-        expanded = (
-            [alternatives.group(1) + a + alternatives.group(3) for a in alternatives.group(2).split(",")]
-            if alternatives
-            else [span]
-        )
-        names.update(n for n in expanded if re.fullmatch(r"flexkv_[a-z_]+", n))
-    return names
-
-
-def section(doc: Path, heading: str) -> str:
-    text = doc.read_text()
-    start = text.index(f"\n{heading}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else None]
 
 
 def test_the_worker_metrics_serving_md_lists_are_the_ones_it_exports(tmp_path):
