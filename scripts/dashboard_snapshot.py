@@ -387,6 +387,18 @@ def legend(fmt: str, labels: dict[str, str]) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt).strip() or "value"
 
 
+def right_axis_unit(panel: dict, name: str) -> str | None:
+    """The unit of the series ``name`` (its legend) when the panel's overrides put it on a right-hand
+    axis (Grafana's byName / byRegexp matchers, unit and custom.axisPlacement), else None."""
+    for override in panel.get("fieldConfig", {}).get("overrides", []):
+        matcher = override["matcher"]
+        hit = name == matcher["options"] if matcher["id"] == "byName" else re.search(matcher["options"], name)
+        props = {prop["id"]: prop["value"] for prop in override["properties"]}
+        if matcher["id"] in ("byName", "byRegexp") and hit and props.get("custom.axisPlacement") == "right":
+            return str(props.get("unit", "short"))
+    return None
+
+
 def draw(queries: list[Query], start: float, path: Path) -> None:
     import matplotlib
 
@@ -436,7 +448,10 @@ def draw(queries: list[Query], start: float, path: Path) -> None:
             spine.set_color("#2c3235")
         have = counts[p["title"]]
         said = ", ".join(f"{s} {n}" for s, n in have.items())
-        box.set_title(f"{p['title']}   [series: {said}]", color=text, fontsize=9, loc="left")
+        # inside the panel, as Grafana draws it: above it, the title ran into the row's or the panel's above
+        box.text(
+            0.005, 0.97, f"{p['title']}   [series: {said}]", color=text, fontsize=9, va="top", transform=box.transAxes
+        )
         ax = fig.add_axes(
             (left + 0.035, top - height + 0.02 * 24 / rows * 2, width - 0.05, height - 0.075 * 24 / rows * 2)
         )
@@ -450,6 +465,7 @@ def draw(queries: list[Query], start: float, path: Path) -> None:
         styles = ["-", "--", ":", "-."]
         lines = 0
         targets = [t["expr"] for t in p["targets"]]
+        right = None  # the axis the panel's overrides put on the right (another unit), once a series is drawn there
         for q in queries:
             if q.panel != p["title"]:
                 continue
@@ -457,19 +473,34 @@ def draw(queries: list[Query], start: float, path: Path) -> None:
                 xs = [float(t) - start for t, v in s["values"]]
                 ys = [float(v) if math.isfinite(float(v)) else math.nan for _, v in s["values"]]
                 style = styles[targets.index(q.expr) % len(styles)]
-                label = f"{q.source}: {legend(q.legend, s['metric'])}" if lines < 8 else None
-                ax.plot(xs, ys, style, color=COLORS[q.source], linewidth=1.2, label=label)
+                name = legend(q.legend, s["metric"])
+                label = f"{q.source}: {name}" if lines < 8 else None
+                on = ax
+                if (other := right_axis_unit(p, name)) is not None:
+                    if right is None:
+                        right = ax.twinx()
+                        right.tick_params(colors=text, labelsize=7)
+                        for spine in right.spines.values():
+                            spine.set_color("#2c3235")
+                        box_ = ax.get_position()  # room for the right axis's labels inside the panel
+                        for a in (ax, right):
+                            a.set_position((box_.x0, box_.y0, box_.width - 0.02, box_.height))
+                        right.yaxis.set_major_formatter(formats.get(other, EngFormatter(unit="")))
+                    on = right
+                on.plot(xs, ys, style, color=COLORS[q.source], linewidth=1.2, label=label)
                 lines += 1
         if lines:
-            ax.legend(
+            handles = [h for a in (ax, right) if a is not None for h in a.get_legend_handles_labels()[0]]
+            (right or ax).legend(
+                handles=handles,
                 fontsize=6,
-                loc="upper left",
+                loc="best",  # where it hides fewest points: the upper left hid the reference's (early) series
                 facecolor="#181b1f",
                 edgecolor="#2c3235",
                 labelcolor=text,
                 title=None if lines <= 8 else f"(+{lines - 8} more)",
                 title_fontsize=6,
-            )
+            ).get_title().set_color(text)
         else:
             ax.text(0.5, 0.5, "No data", color=text, ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("seconds into the run", color=text, fontsize=7, labelpad=1)
