@@ -15,8 +15,9 @@ the node service); then every panel's PromQL over the run through Prometheus's H
 (query_range), ``$source`` set to each source in turn as Grafana substitutes a single value,
 ``$instance`` to All, ``$__rate_interval`` as Grafana computes it. A script, not a CLI subcommand:
 it needs Prometheus, matplotlib, vLLM and the test helpers, none of which a user of the package has.
-Exits 1 when a panel lacks data from a source that exports its metrics (each listed). Every process
-it started is stopped, on failure too.
+Exits 1 when a panel lacks data from a source that exports its metrics, or when a vLLM worker's
+counter differs from vLLM's own for the same prompts (VLLM_PAIRS; each listed). Every process it
+started is stopped, on failure too.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,16 +137,21 @@ def served_sources(tmp: Path) -> Iterator[Sources]:
         yield Sources(targets, ref.base_url, vllm.base_url)
 
 
-def drive(sources: Sources) -> dict[str, Any]:
+def drive(sources: Sources, scraped: Callable[[], None]) -> dict[str, Any]:
     """Requests that load a prefix from the host tier on each worker: a long prompt, others that push
-    it out of the small device pool, the long prompt again. Returns what each repeat reported cached."""
+    it out of the small device pool, the long prompt again. ``scraped`` returns once Prometheus has
+    scraped every target since it was called. Returns what each repeat reported cached."""
     import vllm_graph as vg
     from served import post
 
     out: dict[str, Any] = {}
     # the reference worker (tiny model, 16-token blocks, 64 device blocks): token-id prompts
-    # twice, with other prompts: a family a copy creates (the links') shows a rate from the second on
+    # twice, with other prompts: a family a copy creates (the links') appears with its first
+    # value, so rate() shows the second round's copies only, once a scrape has seen the first
+    # (a round takes well under the scrape interval: without the wait both fell in one scrape)
     for seed in (7, 13):
+        if seed != 7:
+            scraped()
         long = [(seed * i) % 500 + 10 for i in range(30 * 16 + 5)]
         first = post(sources.reference_url, {"prompt": long, "max_tokens": 2})
         for j in range(3):
@@ -306,6 +312,42 @@ def evaluate(url: str, start: float, end: float) -> tuple[list[Query], int]:
     return out, step
 
 
+# The vLLM worker's counters next to vLLM's own for the same prompts: (ours, vLLM's, when they may
+# differ). docs/VLLM.md says how each is counted.
+VLLM_PAIRS = (
+    (
+        "flexkv_prompt_tokens_total",
+        "vllm:prompt_tokens_total",
+        "a request aborted before its first token: in ours only (we count at first scheduling)",
+    ),
+    (
+        "flexkv_prompt_tokens_cached_total",
+        "vllm:external_prefix_cache_hits_total",
+        "a load that failed: in vLLM's only (it counts what the lookup promised)",
+    ),
+)
+
+
+@dataclass
+class Pair:
+    ours: str
+    theirs: str
+    differ_when: str
+    ours_value: float
+    theirs_value: float
+
+
+def vllm_pairs(url: str, at: float) -> list[Pair]:
+    """VLLM_PAIRS' values at ``at``, summed over their labels (ours: source="vllm")."""
+
+    def value(promql: str) -> float:
+        q = urllib.parse.urlencode({"query": f"sum({promql})", "time": at})
+        result = http_json(f"{url}/api/v1/query?{q}", timeout=30)["data"]["result"]
+        return float(result[0]["value"][1]) if result else math.nan
+
+    return [Pair(o, t, why, value(f'{o}{{source="vllm"}}'), value(t)) for o, t, why in VLLM_PAIRS]
+
+
 # ---- what each panel shows ---------------------------------------------------------------------------------
 
 
@@ -343,6 +385,18 @@ def findings(queries: list[Query]) -> list[str]:
 
 def legend(fmt: str, labels: dict[str, str]) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt).strip() or "value"
+
+
+def right_axis_unit(panel: dict, name: str) -> str | None:
+    """The unit of the series ``name`` (its legend) when the panel's overrides put it on a right-hand
+    axis (Grafana's byName / byRegexp matchers, unit and custom.axisPlacement), else None."""
+    for override in panel.get("fieldConfig", {}).get("overrides", []):
+        matcher = override["matcher"]
+        hit = name == matcher["options"] if matcher["id"] == "byName" else re.search(matcher["options"], name)
+        props = {prop["id"]: prop["value"] for prop in override["properties"]}
+        if matcher["id"] in ("byName", "byRegexp") and hit and props.get("custom.axisPlacement") == "right":
+            return str(props.get("unit", "short"))
+    return None
 
 
 def draw(queries: list[Query], start: float, path: Path) -> None:
@@ -394,7 +448,10 @@ def draw(queries: list[Query], start: float, path: Path) -> None:
             spine.set_color("#2c3235")
         have = counts[p["title"]]
         said = ", ".join(f"{s} {n}" for s, n in have.items())
-        box.set_title(f"{p['title']}   [series: {said}]", color=text, fontsize=9, loc="left")
+        # inside the panel, as Grafana draws it: above it, the title ran into the row's or the panel's above
+        box.text(
+            0.005, 0.97, f"{p['title']}   [series: {said}]", color=text, fontsize=9, va="top", transform=box.transAxes
+        )
         ax = fig.add_axes(
             (left + 0.035, top - height + 0.02 * 24 / rows * 2, width - 0.05, height - 0.075 * 24 / rows * 2)
         )
@@ -408,6 +465,7 @@ def draw(queries: list[Query], start: float, path: Path) -> None:
         styles = ["-", "--", ":", "-."]
         lines = 0
         targets = [t["expr"] for t in p["targets"]]
+        right = None  # the axis the panel's overrides put on the right (another unit), once a series is drawn there
         for q in queries:
             if q.panel != p["title"]:
                 continue
@@ -415,19 +473,34 @@ def draw(queries: list[Query], start: float, path: Path) -> None:
                 xs = [float(t) - start for t, v in s["values"]]
                 ys = [float(v) if math.isfinite(float(v)) else math.nan for _, v in s["values"]]
                 style = styles[targets.index(q.expr) % len(styles)]
-                label = f"{q.source}: {legend(q.legend, s['metric'])}" if lines < 8 else None
-                ax.plot(xs, ys, style, color=COLORS[q.source], linewidth=1.2, label=label)
+                name = legend(q.legend, s["metric"])
+                label = f"{q.source}: {name}" if lines < 8 else None
+                on = ax
+                if (other := right_axis_unit(p, name)) is not None:
+                    if right is None:
+                        right = ax.twinx()
+                        right.tick_params(colors=text, labelsize=7)
+                        for spine in right.spines.values():
+                            spine.set_color("#2c3235")
+                        box_ = ax.get_position()  # room for the right axis's labels inside the panel
+                        for a in (ax, right):
+                            a.set_position((box_.x0, box_.y0, box_.width - 0.02, box_.height))
+                        right.yaxis.set_major_formatter(formats.get(other, EngFormatter(unit="")))
+                    on = right
+                on.plot(xs, ys, style, color=COLORS[q.source], linewidth=1.2, label=label)
                 lines += 1
         if lines:
-            ax.legend(
+            handles = [h for a in (ax, right) if a is not None for h in a.get_legend_handles_labels()[0]]
+            (right or ax).legend(
+                handles=handles,
                 fontsize=6,
-                loc="upper left",
+                loc="best",  # where it hides fewest points: the upper left hid the reference's (early) series
                 facecolor="#181b1f",
                 edgecolor="#2c3235",
                 labelcolor=text,
                 title=None if lines <= 8 else f"(+{lines - 8} more)",
                 title_fontsize=6,
-            )
+            ).get_title().set_color(text)
         else:
             ax.text(0.5, 0.5, "No data", color=text, ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("seconds into the run", color=text, fontsize=7, labelpad=1)
@@ -435,7 +508,7 @@ def draw(queries: list[Query], start: float, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(queries: list[Query], found: list[str], step: int, drove: dict, path: Path) -> None:
+def write_report(queries: list[Query], pairs: list[Pair], found: list[str], step: int, drove: dict, path: Path) -> None:
     lines = [
         "# The dashboard's queries, as rendered into dashboard.png",
         "",
@@ -451,6 +524,14 @@ def write_report(queries: list[Query], found: list[str], step: int, drove: dict,
     for q in queries:
         promql = q.promql.replace("|", "\\|")
         lines.append(f"| {q.panel} | {q.legend} | {q.source} | {len(q.series)} | `{promql}` |")
+    lines += [
+        "",
+        "## The vLLM worker's counters and vLLM's own, at the end of the run",
+        "",
+        "| ours (source=vllm) | vLLM's | ours | vLLM's | they may differ on |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| `{p.ours}` | `{p.theirs}` | {p.ours_value:g} | {p.theirs_value:g} | {p.differ_when} |" for p in pairs]
     lines += ["", "## Findings", ""] + (
         [f"- {f}" for f in found] or ["None: every panel has data from every source that exports its metrics."]
     )
@@ -474,19 +555,31 @@ def main(argv: list[str] | None = None) -> int:
                 # a few samples before the first request: its counters' first increase is inside a rate window
                 _wait("Prometheus to scrape every target", lambda: scraped_since(url, up + 3 * SCRAPE_S, want), 120)
                 start = up
-                drove = drive(sources)
+
+                def scraped() -> None:
+                    mark = time.time()
+                    _wait("Prometheus to scrape between the rounds", lambda: scraped_since(url, mark, want), 60)
+
+                drove = drive(sources, scraped)
                 print(f"requests done: {drove}", flush=True)
                 done = time.time()
                 # two scrapes after the last request: its counters' increase is inside every rate window
                 _wait("Prometheus to scrape after the requests", lambda: scraped_since(url, done + SCRAPE_S, want), 60)
                 end = time.time()
                 queries, step = evaluate(url, start, end)
-        found = findings(queries)
+                pairs = vllm_pairs(url, end)
+        found = findings(queries) + [
+            f"{p.ours} (source=vllm) is {p.ours_value:g}, {p.theirs} {p.theirs_value:g}"
+            for p in pairs
+            if p.ours_value != p.theirs_value
+        ]
         args.out.mkdir(parents=True, exist_ok=True)
         draw(queries, start, args.out / "dashboard.png")
-        write_report(queries, found, step, drove, args.out / "dashboard.md")
+        write_report(queries, pairs, found, step, drove, args.out / "dashboard.md")
         for title, have in coverage(queries).items():
             print(f"{title}: {have}")
+        for p in pairs:
+            print(f"{p.ours}{{source=vllm}} {p.ours_value:g}, {p.theirs} {p.theirs_value:g}")
         print("\n".join(found) or "every panel has data from every source that exports its metrics")
         return 1 if any(not f.startswith("  ") for f in found) else 0
     finally:
