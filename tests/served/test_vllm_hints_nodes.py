@@ -10,7 +10,9 @@ KV router, etcd and NATS) on node B, every byte between them on the veth link (N
   A's link cut mid-pull: B recomputes with the no-offload tokens within its pull timeout, A's pin
   ends with its lease, and once the link is back a pull works again; B's worker stopped (SIGSTOP)
   after A pinned: A releases the pin at its lease end while B's connection stays open, and B,
-  resumed, recomputes with the no-offload tokens."""
+  resumed, recomputes with the no-offload tokens; A's worker SIGKILLed mid-READ (last: serve
+  restarts it): B recomputes with the no-offload tokens, its staged blocks are rolled back, it
+  serves on, and once serve brought A back a pull from A works again."""
 
 from __future__ import annotations
 
@@ -39,18 +41,28 @@ import exactness  # noqa: E402
 import vllm_graph as vg  # noqa: E402
 from exactness import Generation  # noqa: E402
 from hints_graph import BS, MAX_TOKENS, NAMES, HintGraph, compute_on, failed_since, m, sets  # noqa: E402
-from served import scrape, sums_by, wait_until  # noqa: E402
+from served import routed_workers, scrape, sums_by, wait_until  # noqa: E402
 from vllm_graph import VllmServe  # noqa: E402
 
+from dynamo_flexkv.integrations.vllm_connector.hints import HintTier  # noqa: E402
+from dynamo_flexkv.integrations.vllm_connector.settings import EXTRA_KEYS  # noqa: E402
 from dynamo_flexkv.serve.nodes import Nodes  # noqa: E402
 
 PULLED = vg.tokens(7100, 1500)  # computed on A, pulled by B over the link
 CUT = vg.tokens(7101, 1500)  # A's link cut while B pulls
 AGAIN = vg.tokens(7102, 1500)  # pulled once the link is back
 STOPPED = vg.tokens(7103, 1500)  # B stopped (SIGSTOP) after A pinned
-CHECKED = [PULLED, CUT, AGAIN, STOPPED]
+KILLED = vg.tokens(7104, 1500)  # A SIGKILLed while B reads its blocks
+BESIDE = vg.tokens(7105, 1500)  # B's next request, while A is dead or restarting (nothing to pull)
+REVIVED = vg.tokens(7106, 1500)  # pulled from A once serve restarted it
+CHECKED = [PULLED, CUT, AGAIN, STOPPED, KILLED, BESIDE, REVIVED]
 FULL = (len(PULLED) - 1) // BS * BS  # the prompt's full blocks: what is hinted and pulled (23 blocks, 5.75 MiB)
-LEASE_S = PULL_TIMEOUT_S = 2.0  # serve's secondary_tiers leave both at their defaults (hints.py HintTier)
+# serve's secondary_tiers leave both at their defaults, and the connector its lookup give-up.
+LEASE_S, PULL_TIMEOUT_S = HintTier.lease_s, HintTier.pull_timeout_s
+LOOKUP_GIVE_UP_S = float(EXTRA_KEYS["lookup_give_up_s"][1])
+# The longest a hinted request waits for its pull: the pull's own deadline, or the scheduler's
+# give-up on the lookup that carries it, whichever comes first; then it is computed.
+HINT_WAIT_S = min(PULL_TIMEOUT_S, LOOKUP_GIVE_UP_S)
 # A's egress while a fault is staged: the 5.75 MiB READ takes ~3 s at this rate, so it is seen under
 # way on A's link (FLOWING bytes since the request: nothing else A sends is near that large) before
 # the fault, which then lands mid-read.
@@ -170,7 +182,8 @@ class Asked:
             try:
                 self.got["r"] = vg.complete(graph.serve.base_url, prompt, MAX_TOKENS, worker=worker)
             finally:
-                self.got["s"] = time.monotonic() - t0
+                self.got["at"] = time.monotonic()  # when the answer came (or the request failed)
+                self.got["s"] = self.got["at"] - t0
 
         self.thread = threading.Thread(target=ask, daemon=True)
         self.thread.start()
@@ -194,6 +207,20 @@ def computed_on_a(graph: HintGraph, prompt: list[int], ids: dict[str, int]) -> d
     r = compute_on(graph, NAMES[0], prompt, ids)
     wait_until("the router applied A's stored events", lambda: stored_events(graph) > before, timeout=60)
     return r
+
+
+def nudged(graph: HintGraph, name: str, worker: int) -> str:
+    """``name``'s metrics after one more engine step (HintGraph.stepped, booked on instance id
+    ``worker``: stepped reads both workers' ids, which waits while the other one restarts)."""
+    graph.nudges += 1
+    vg.complete(graph.serve.base_url, vg.tokens(7900 + graph.nudges, 8), 1, worker=worker)
+    return graph.text(name)
+
+
+def unready_host(text: str) -> float:
+    """Host blocks held but not ready: staged for a pull, or a copy in flight (a leaked staged run
+    stays here for good)."""
+    return m(text, "pool_blocks", tier="host", state="used") - m(text, "pool_blocks", tier="host", state="ready")
 
 
 def pull_under_way(nodes: Nodes, asked: Asked, tx0: int) -> float:
@@ -317,14 +344,9 @@ def test_a_pin_whose_receiver_stopped_ends_with_its_lease_and_the_receiver_recom
 
         # B holds its connection to A open, stopped: only the lease ends A's pin. (A's metrics show
         # it after A's next step: a one-token request booked on A; graph.stepped would ask B too.)
-        def nudged_a() -> str:
-            graph.nudges += 1
-            vg.complete(graph.serve.base_url, vg.tokens(7900 + graph.nudges, 8), 1, worker=ids[a])
-            return graph.text(a)
-
         wait_until(
             f"{a}'s pin to end with its lease while {b} is stopped",
-            lambda: m(nudged_a(), "peer_pins_expired_total") > m(before_a, "peer_pins_expired_total"),
+            lambda: m(nudged(graph, a, ids[a]), "peer_pins_expired_total") > m(before_a, "peer_pins_expired_total"),
             timeout=60,
             every=0.5,
         )
@@ -348,4 +370,92 @@ def test_a_pin_whose_receiver_stopped_ends_with_its_lease_and_the_receiver_recom
     after_a = graph.text(a)
     assert m(after_a, "peer_pins_total") - m(before_a, "peer_pins_total") == 1
     assert m(after_a, "peer_pins_expired_total") - m(before_a, "peer_pins_expired_total") == 1
+    assert graph.pinned(a) == 0 and graph.pinned(b) == 0
+
+
+def test_the_source_killed_mid_pull_costs_a_recompute_and_nothing_staged_and_serve_brings_it_back(
+    graph, nodes, baseline
+):
+    """A's worker (its whole process group: dynamo.vllm, EngineCore, the Worker that serves its
+    host tier to peers; vg.crash) SIGKILLed once B's READ of A's blocks is under way on A's
+    (slowed) link: B's request is answered with the no-offload tokens, computed, within its hint
+    wait (HINT_WAIT_S) plus the prompt's compute; B counts the hint failed, rolls its staged host
+    blocks back, pins nothing and serves its next request exactly while A is away. serve's restart
+    policy (on-death restart; this graph: backoff 2 s, 6 restarts) starts A again on node A with
+    the same ports and SSD directory; once it is ready and routed, B pulls a prefix computed on
+    the new A over the link again. Last in the module: A's restart is its own."""
+    a, b = NAMES
+    ids = graph.ids()
+    first = computed_on_a(graph, KILLED, ids)
+    pid = graph.serve.worker_pid(a)  # read before the pull: the kill must land inside the READ
+
+    def settled(stored: float = 0) -> str | None:
+        """B's metrics once a report of its tiers (with a step, at most once a second) shows no
+        host block in flight and at least ``stored`` host blocks stored in all."""
+        text = nudged(graph, b, ids[b])
+        done = unready_host(text) == 0 and m(text, "stored_blocks_total", tier="host") >= stored
+        return text if done else None
+
+    before_b = wait_until(f"{b}'s host tier with nothing in flight", settled, timeout=60, every=0.5)
+    mark = len(graph.serve.lines)
+    slow_link(nodes, "A", True)
+    try:
+        tx0 = nodes.link_bytes("A")["tx"]
+        asked = Asked(graph, KILLED, ids[b])
+        flowing_at = pull_under_way(nodes, asked, tx0)
+        vg.crash(pid)
+        killed_at = time.monotonic()
+        at_kill = nodes.link_bytes("A")["tx"] - tx0
+        killed, took = asked.answer()
+    finally:
+        slow_link(nodes, "A", False)
+    graph.serve.wait_for(rf"{a} exited with signal SIGKILL", 60, since=mark)
+    # B goes on while A is away: a fresh prompt (nothing to hint), computed from nothing, exact.
+    beside = vg.complete(graph.serve.base_url, BESIDE, MAX_TOKENS, worker=ids[b])
+    # B's staged blocks rolled back: nothing in flight in a report that counts BESIDE's blocks
+    # (stored after the killed request's answer, so the report is not one from before the pull).
+    # Its counters are read there: the pull is over, whether or not its request stopped waiting first.
+    fresh = m(before_b, "stored_blocks_total", tier="host") + FULL // BS
+    left = after_b = wait_until(f"{b}'s staged blocks rolled back", lambda: settled(fresh), timeout=60, every=0.5)
+    failed = failed_since(before_b, after_b)
+    print(
+        f"\n{a} SIGKILLed {killed_at - flowing_at:.2f} s after B's READ was seen ({at_kill} of "
+        f"~{FULL // BS * 256 * 1024} bytes sent): {b} answered {took:.2f} s after the request, "
+        f"{asked.got['at'] - killed_at:.2f} s after the kill (computing it on {a} took {first['seconds']:.2f} s, "
+        f"{b}'s next cold prompt {beside['seconds']:.2f} s); hint failures {failed}, cached {killed['cached']}; "
+        f"{b}'s unready host blocks after {unready_host(left):.0f}, pinned {m(left, 'peer_pinned_blocks'):.0f}"
+    )
+    exactness.assert_exact({"killed": killed["gen"]}, {"killed": baseline[tuple(KILLED)]}, "source killed mid-pull")
+    assert m(after_b, "hints_seen_total") - m(before_b, "hints_seen_total") == 1
+    assert m(after_b, "hints_used_total") == m(before_b, "hints_used_total")
+    # "failed", not "timeout": NIXL fails the READ once A's sockets close (the kernel closes them
+    # at the kill; the close reaches B behind what A's qdisc held then), inside the pull's deadline.
+    assert failed == {"failed": 1} and killed["cached"] == 0, failed
+    # The hinted request waits for its pull at most HINT_WAIT_S, then computes the prompt: its
+    # compute is what A's and B's cold runs of same-length prompts took here (twice the slower:
+    # the machine is shared, and A's restart starts meanwhile).
+    compute_s = max(first["seconds"], beside["seconds"])
+    assert took <= HINT_WAIT_S + 2 * compute_s, f"{b} waited {took:.2f} s on the dead source"
+    assert beside["worker"] == ids[b] and beside["cached"] == 0
+    exactness.assert_exact({"beside": beside["gen"]}, {"beside": baseline[tuple(BESIDE)]}, f"{b} while {a} is away")
+    assert unready_host(left) == 0 and m(left, "peer_pinned_blocks") == 0
+
+    # serve restarts A (same node, ports and SSD directory); the router learns its new instance.
+    back = graph.serve.wait_for(rf"{a} is ready again after (\S+) s", 600, since=mark)
+    wait_until("the router knows both workers", lambda: routed_workers(graph.serve.base_url) == 2, timeout=120)
+    routed_after_kill = time.monotonic() - killed_at
+    assert in_netns(graph.serve.worker_pid(a), nodes["A"].netns)
+    ids = graph.ids()
+    computed_on_a(graph, REVIVED, ids)
+    before_b = graph.text(b)
+    revived = vg.complete(graph.serve.base_url, REVIVED, MAX_TOKENS, worker=ids[b])
+    after_b = graph.text(b)
+    seen, used = (m(after_b, f"hints_{k}_total") - m(before_b, f"hints_{k}_total") for k in ("seen", "used"))
+    print(
+        f"{a} restarted (ready {back.group(1)} s after its start, routed {routed_after_kill:.1f} s after the "
+        f"kill): a pull from it: hints seen {seen:.0f} used {used:.0f}, cached {revived['cached']}"
+    )
+    exactness.assert_exact({"revived": revived["gen"]}, {"revived": baseline[tuple(REVIVED)]}, "pull from restarted A")
+    assert seen == 1 and used == 1, f"hints: seen {seen}, used {used}; failed: {failed_since(before_b, after_b)}"
+    assert revived["cached"] >= FULL
     assert graph.pinned(a) == 0 and graph.pinned(b) == 0
