@@ -48,16 +48,15 @@ class Preset:
 # holds what a worker serves, so a later turn's prefix is on the worker that served the turn before.
 # Then every configuration again at 2x the rate (40x), for goodput where queues form: about 10-12
 # min on a quiet 2-core machine (a graph's start and stop ~40 s, a replay 45 s / 23 s; issue 49).
-# The hints row (vLLM only: host+ssd with router hints on) is not a default: in three of about 40
-# runs both workers of the row stopped scheduling at once for 25 s to 2 min (requests waiting, none
-# running, their stores unfinished; not understood yet, docs/HINTS.md), which can fail the run.
-# Name it (--configs ...,hints) to measure it.
+# The hints row (vLLM only: host+ssd with router hints on) runs beside host+ssd. Its two stalls of
+# 2026-12-07 (both workers frozen 25 s and 2 min) were the kernel holding the disk's write
+# completions (docs/HINTS.md); a hung disk now costs refused stores, not a frozen engine.
 DEFAULT = Preset(
     conversations=32,
     sample_every=4,
     trace_window_s=900,
     time_scale=20.0,
-    configs="no-offload,host+ssd,kv-device-only,node",
+    configs="no-offload,host+ssd,hints,kv-device-only,node",
     device_blocks="40",
     sweep_configs="no-offload,host+ssd",
     higher_rate=2.0,
@@ -67,9 +66,9 @@ FULL = Preset(
     sample_every=1,
     trace_window_s=None,
     time_scale=40.0,
-    configs=ALL_CONFIGS.replace(",hints", ""),  # as DEFAULT: hints only when named
+    configs=ALL_CONFIGS,
     device_blocks="48,64,128,256",
-    sweep_configs=ALL_CONFIGS.replace(",hints", ""),
+    sweep_configs=ALL_CONFIGS,
     higher_rate=0.0,
 )
 

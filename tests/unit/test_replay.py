@@ -190,9 +190,9 @@ def test_the_hints_row_turns_router_hints_on_and_reads_their_counters():
     assert hints.overrides_for("VllmWorker") == ["VllmWorker.router-hints=true"] and hints.vllm_only
     assert not CONFIGURATIONS["host+ssd"].vllm_only and CONFIGURATIONS["lmcache"].vllm_only
     # not a default row while its stall is not understood (docs/HINTS.md); named, only on vLLM
-    assert "hints" not in DEFAULT.configs.split(",")
+    assert "hints" in DEFAULT.configs.split(",")  # the main job's row beside host+ssd
     assert _for_engine("host+ssd,hints", "vllm") == "host+ssd,hints"
-    assert _for_engine("host+ssd,hints", "reference") == "host+ssd"
+    assert _for_engine(DEFAULT.configs, "reference") == DEFAULT.configs.replace(",hints", "")
     with pytest.raises(ValueError, match="configuration hints runs vLLM workers: use --engine vllm"):
         _check_peers([hints], "reference")
     after = hint_totals(HINT_METRICS)
