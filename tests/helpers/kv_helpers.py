@@ -154,15 +154,17 @@ def store_and_drain(kv: KVManager, dev, tokens, ids, layout: KVLayoutType = KVLa
 
 class HungDisk:
     """Disk writes (H2DISK) that block until ``answers`` is set, as a stalled disk's O_DIRECT
-    writes do; each op is appended to ``seen`` when it starts. KVManager(mover_hook=hung_disk(...))."""
+    writes do; each op is appended to ``seen`` when it starts. KVManager(mover_hook=hung_disk(...)).
+    ``answers``: anything with threading.Event's ``wait(timeout) -> bool``; a write still hung after
+    ``max_s`` fails (a broken test never hangs for good)."""
 
-    def __init__(self, inner, answers, seen: list | None = None) -> None:
-        self.inner, self.answers, self.seen = inner, answers, seen
+    def __init__(self, inner, answers, seen: list | None = None, max_s: float = 60) -> None:
+        self.inner, self.answers, self.seen, self.max_s = inner, answers, seen, max_s
 
     def run(self, op):
         if self.seen is not None:
             self.seen.append(op)
-        assert self.answers.wait(60)
+        assert self.answers.wait(self.max_s), f"the disk hung for more than {self.max_s} s"
         return self.inner.run(op)
 
     def __getattr__(self, name: str):

@@ -41,6 +41,11 @@ COUNTERS: dict[str, tuple[str, Labels]] = {
     "stored_blocks": ("Blocks that landed in the tier", BY_TIER),
     "evicted_blocks": ("Blocks evicted from an offload tier", BY_TIER),
     "disk_write_failures": ("Background disk writes that failed (the blocks stayed on host)", ()),
+    "put_refused_blocks": (
+        "Blocks of finished requests not stored: the host tier had no room (its blocks locked by disk "
+        "writes in flight for longer than a put waits, or the prompt is longer than the tier)",
+        (),
+    ),
     "handover_tokens": (
         "Prompt tokens read from a prefill worker (FlexKVConnector handover), not computed here",
         (),
@@ -73,6 +78,7 @@ PER_ENGINE = (
     "prompt_tokens_cached/",
     "hit_blocks/",
     "stored_blocks/",
+    "put_refused_blocks",
     "evicted_blocks/",
     "removed_blocks/",
     "handover_tokens",

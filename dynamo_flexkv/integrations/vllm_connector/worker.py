@@ -779,6 +779,7 @@ class WorkerSide:
                 totals[f"evicted_blocks/{tier}"] = ts.evicted_blocks
                 totals.update({f"removed_blocks/{tier}/{why}": n for why, n in ts.removed_blocks.items()})
             totals["disk_write_failures"] = st.tasks.disk_write_failures
+            totals["put_refused_blocks"] = st.tasks.put_refused_blocks
             out["gauge:tasks_in_flight"] = st.tasks.in_flight
             totals.update(prefix_token_totals(st))  # the load policy's decisions (cost-aware loading)
         for k, total in totals.items():
