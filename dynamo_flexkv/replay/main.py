@@ -97,6 +97,40 @@ WINDOW_S = _number(float, 0, True, "a finite number of seconds >= 0 (0: no windo
 RATE = _number(float, 0, True, "a finite multiple >= 0 (0: none)")
 
 
+def _listed(parse: Callable[[str], list]) -> Callable[[str], str]:
+    """An argparse type for a comma-separated list (--configs, --sweep-configs, --device-blocks):
+    refused (exit 2, naming the option) when empty, unknown or naming one item twice, before
+    anything is served; "" is not the default, and a row named twice is --repeat's job."""
+
+    def check(text: str) -> str:
+        if not any(n.strip() for n in text.split(",")):
+            raise argparse.ArgumentTypeError(f"{text!r} is empty: name at least one, comma-separated")
+        try:
+            items = [str(x) for x in parse(text)]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} names {', '.join(twice)} more than once: name each once (--repeat N runs every row N times)"
+            )
+        return text
+
+    return check
+
+
+def _config_names(text: str) -> list[str]:
+    from dynamo_flexkv.replay.configs import parse_configs
+
+    return [c.name for c in parse_configs(text)]
+
+
+def _block_sizes(text: str) -> list[int]:
+    from dynamo_flexkv.replay.configs import device_block_list
+
+    return device_block_list(text)
+
+
 def _ttft_target(text: str):
     """--ttft-target: refused by argparse (exit 2, naming it) before anything is served."""
     from dynamo_flexkv.replay.report import TtftTarget
@@ -139,6 +173,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--configs",
+        type=_listed(_config_names),
         help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
         f"--full {FULL.configs}; all: {ALL_CONFIGS}; hints: host+ssd with Dynamo's router hints on, "
         f"vLLM only, left out of the defaults with --engine reference; with --engine vllm, lmcache is "
@@ -146,12 +181,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--device-blocks",
+        type=_listed(_block_sizes),
         help="device KV blocks per worker, comma-separated: the first size runs "
         f"--configs, the others --sweep-configs (default {DEFAULT.device_blocks}; --full "
         f"{FULL.device_blocks})",
     )
     g.add_argument(
         "--sweep-configs",
+        type=_listed(_config_names),
         help=f"configurations at the other device sizes (default {DEFAULT.sweep_configs}; --full: all of --configs)",
     )
     g.add_argument(
