@@ -7,7 +7,6 @@ plots and JSON lines in a results folder."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 import time
@@ -301,24 +300,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dynamo_flexkv.core.sysutil import sigterm_interrupts
     from dynamo_flexkv.serve import GraphError
     from dynamo_flexkv.serve.launcher import ComponentDied
 
     # SIGTERM as Ctrl-C: the KeyboardInterrupt unwinds through serve_and_replay and Stopping, which
     # stop the graphs this replay started (their processes run in their own sessions: a signal to the
     # replay alone would orphan them).
-    previous = _on_sigterm_interrupt()
     try:
-        return _run(args)
+        with sigterm_interrupts():
+            return _run(args)
     except (GraphError, ComponentDied, TimeoutError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("replay: interrupted; the graphs it started are stopped", file=sys.stderr)
         return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _for_engine(configs: str, engine: str) -> str:
@@ -354,21 +351,6 @@ def _check_peers(configs, engine: str) -> None:
         why = missing_reason(prefix_dir()) if c.peer == "lmcache" else None
         if why:
             raise ValueError(f"configuration {c.name}: {why}; install it with {INSTALL}")
-
-
-def _interrupt(signum: int, frame) -> None:
-    # once: a second SIGTERM must not cut short the stopping of the graph (a handler, not SIG_IGN,
-    # which the graph's processes would inherit across exec)
-    signal.signal(signum, lambda *_: None)
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
-def _on_sigterm_interrupt():
-    """Makes SIGTERM raise KeyboardInterrupt in the main thread; the previous handler, or None
-    where signals cannot be handled (not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _interrupt)
 
 
 def _run(args: argparse.Namespace) -> int:
