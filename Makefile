@@ -14,10 +14,10 @@ install:
 
 # The main job: the Mooncake conversation trace replayed concurrently against the agg_router_vllm
 # graph (2 vLLM workers) with no offload, with FlexKVConnector's host+SSD offload and tier-aware
-# routing, with host+SSD offload but device-only routing, with one node cache both workers share,
-# and (once `make peer-lmcache` installed it) with LMCache in the workers instead (`--engine
-# reference`: the agg_router graph of reference-engine workers; `dynamo-flexkv replay --full` runs
-# every configuration and size).
+# routing, the same with Dynamo's router hints, with host+SSD offload but device-only routing, with
+# one node cache both workers share, and (once `make peer-lmcache` installed it) with LMCache in the
+# workers instead (`--engine reference`: the agg_router graph of reference-engine workers, without
+# the hints row; `dynamo-flexkv replay --full` runs every configuration and size).
 demo: install
 	$(PY) -m dynamo_flexkv.cli demo --json demo-results.jsonl
 

@@ -142,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="the main job: the replay comparison with its defaults on vLLM workers (same options as "
             "replay; --engine reference: the reference engine's workers)",
             description="replay with its defaults (what make demo runs): serves each configuration (no offload, "
-            "FlexKVConnector's host+SSD offload with tier-aware routing, host+SSD with device-only routing) on a fresh "
-            "graph of vLLM workers (--engine reference: the reference engine's), replays the shipped Mooncake "
+            "FlexKVConnector's host+SSD offload with tier-aware routing, the same with Dynamo's router hints, "
+            "host+SSD with device-only routing, one node cache both workers share) on a fresh graph of vLLM "
+            "workers (--engine reference: the reference engine's, without the hints row), replays the shipped Mooncake "
             "conversation trace against it with its arrival times, and writes report.md, results.jsonl and PNG "
             "plots to the results folder.",
         )

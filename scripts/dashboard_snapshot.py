@@ -49,7 +49,7 @@ from dashboard_queries import PROMETHEUS, VLLM_ONLY, all_panels, load_dashboard 
 
 from dynamo_flexkv.core.http_client import http_json  # noqa: E402
 from dynamo_flexkv.core.metric_schema import SHARED, Source  # noqa: E402
-from dynamo_flexkv.core.sysutil import LOOPBACK, free_port  # noqa: E402
+from dynamo_flexkv.core.sysutil import LOOPBACK, free_port, sigterm_interrupts  # noqa: E402
 
 SCRAPE_S = 1
 FRONTEND = "frontend"  # the Dynamo row's panels: the frontends' and routers' own metrics, no source label
@@ -539,6 +539,11 @@ def write_report(queries: list[Query], pairs: list[Pair], found: list[str], step
 
 
 def main(argv: list[str] | None = None) -> int:
+    with sigterm_interrupts():  # a SIGTERM (kill, timeout) stops the graphs and Prometheus as Ctrl-C does
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--out", type=Path, default=ROOT / "docs" / "img", help="where dashboard.png and dashboard.md go"

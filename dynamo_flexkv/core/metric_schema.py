@@ -49,6 +49,7 @@ SHARED: dict[str, tuple[frozenset[Source], tuple[str, ...]]] = {
     "flexkv_prefix_tokens_total": (_ENGINES, ("decision", "tier", "reason")),
     "flexkv_tier_faults_total": (_ENGINES, ()),
     "flexkv_disk_write_failures_total": (_ENGINES, ()),
+    "flexkv_put_refused_blocks_total": (_ENGINES, ()),
     "flexkv_handovers_total": (_ENGINES, ("result",)),
     "flexkv_handover_tokens_total": (_ENGINES, ()),
     "flexkv_handover_bytes_total": (_ENGINES, ()),

@@ -1,13 +1,18 @@
 """Small host helpers shared by serve, the cache server, the remote test servers, the benches and
 doctor: a free loopback port, whether a port is free, whether a Unix socket listens, a binary on
-PATH, an owner-only directory. Standard library only (reading a config or rendering a plan imports this)."""
+PATH, an owner-only directory, SIGTERM as Ctrl-C. Standard library only (reading a config or
+rendering a plan imports this)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import stat
+import threading
+from collections.abc import Iterator
 
 from dynamo_flexkv.core.errors import FlexKVError
 
@@ -155,3 +160,26 @@ def private_dir(path: str, what: str, tighten: bool = False) -> str:
             f"(e.g. {os.path.join(path, 'flexkv')}: it is made owner-only, 0700)"
         )
     return path
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    # once: a second SIGTERM must not cut short the stopping (a handler, not SIG_IGN, which the
+    # processes started meanwhile would inherit across exec)
+    signal.signal(signum, lambda *_: None)
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Inside, SIGTERM (``kill``, ``timeout``) raises KeyboardInterrupt in the main thread as Ctrl-C
+    does, so the ``finally`` blocks stop what was started: processes in sessions of their own (served
+    graphs, a Prometheus), which a signal to this process alone would orphan. Outside the main
+    thread (where no signal can be handled) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -7,7 +7,6 @@ plots and JSON lines in a results folder."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 import time
@@ -97,6 +96,40 @@ WINDOW_S = _number(float, 0, True, "a finite number of seconds >= 0 (0: no windo
 RATE = _number(float, 0, True, "a finite multiple >= 0 (0: none)")
 
 
+def _listed(parse: Callable[[str], list]) -> Callable[[str], str]:
+    """An argparse type for a comma-separated list (--configs, --sweep-configs, --device-blocks):
+    refused (exit 2, naming the option) when empty, unknown or naming one item twice, before
+    anything is served; "" is not the default, and a row named twice is --repeat's job."""
+
+    def check(text: str) -> str:
+        if not any(n.strip() for n in text.split(",")):
+            raise argparse.ArgumentTypeError(f"{text!r} is empty: name at least one, comma-separated")
+        try:
+            items = [str(x) for x in parse(text)]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} names {', '.join(twice)} more than once: name each once (--repeat N runs every row N times)"
+            )
+        return text
+
+    return check
+
+
+def _config_names(text: str) -> list[str]:
+    from dynamo_flexkv.replay.configs import parse_configs
+
+    return [c.name for c in parse_configs(text)]
+
+
+def _block_sizes(text: str) -> list[int]:
+    from dynamo_flexkv.replay.configs import device_block_list
+
+    return device_block_list(text)
+
+
 def _ttft_target(text: str):
     """--ttft-target: refused by argparse (exit 2, naming it) before anything is served."""
     from dynamo_flexkv.replay.report import TtftTarget
@@ -139,6 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--configs",
+        type=_listed(_config_names),
         help=f"configurations compared at the first device size (default {DEFAULT.configs}; "
         f"--full {FULL.configs}; all: {ALL_CONFIGS}; hints: host+ssd with Dynamo's router hints on, "
         f"vLLM only, left out of the defaults with --engine reference; with --engine vllm, lmcache is "
@@ -146,12 +180,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--device-blocks",
+        type=_listed(_block_sizes),
         help="device KV blocks per worker, comma-separated: the first size runs "
         f"--configs, the others --sweep-configs (default {DEFAULT.device_blocks}; --full "
         f"{FULL.device_blocks})",
     )
     g.add_argument(
         "--sweep-configs",
+        type=_listed(_config_names),
         help=f"configurations at the other device sizes (default {DEFAULT.sweep_configs}; --full: all of --configs)",
     )
     g.add_argument(
@@ -264,24 +300,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dynamo_flexkv.core.sysutil import sigterm_interrupts
     from dynamo_flexkv.serve import GraphError
     from dynamo_flexkv.serve.launcher import ComponentDied
 
     # SIGTERM as Ctrl-C: the KeyboardInterrupt unwinds through serve_and_replay and Stopping, which
     # stop the graphs this replay started (their processes run in their own sessions: a signal to the
     # replay alone would orphan them).
-    previous = _on_sigterm_interrupt()
     try:
-        return _run(args)
+        with sigterm_interrupts():
+            return _run(args)
     except (GraphError, ComponentDied, TimeoutError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("replay: interrupted; the graphs it started are stopped", file=sys.stderr)
         return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _for_engine(configs: str, engine: str) -> str:
@@ -317,21 +351,6 @@ def _check_peers(configs, engine: str) -> None:
         why = missing_reason(prefix_dir()) if c.peer == "lmcache" else None
         if why:
             raise ValueError(f"configuration {c.name}: {why}; install it with {INSTALL}")
-
-
-def _interrupt(signum: int, frame) -> None:
-    # once: a second SIGTERM must not cut short the stopping of the graph (a handler, not SIG_IGN,
-    # which the graph's processes would inherit across exec)
-    signal.signal(signum, lambda *_: None)
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
-def _on_sigterm_interrupt():
-    """Makes SIGTERM raise KeyboardInterrupt in the main thread; the previous handler, or None
-    where signals cannot be handled (not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _interrupt)
 
 
 def _run(args: argparse.Namespace) -> int:

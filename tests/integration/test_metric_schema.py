@@ -179,3 +179,29 @@ def test_every_dashboard_query_names_a_metric_a_source_exports(reference, vllm, 
     shown |= set(SHARED) | VLLM_ONLY
     unshown = {n for n in shown - {schema_name(a) for a in ALIASES} if n not in queried}
     assert sorted(unshown) == [], "exported, on no dashboard panel"
+
+
+def test_refused_puts_are_one_quantity_of_both_engines_and_on_the_dashboard(tmp_path, vllm):
+    """Blocks a put could not store for want of host room (a prompt longer than the host tier, or
+    the tier full of blocks hung disk writes lock): the same KVManager counts them under either
+    engine, so a reference worker exports them as a vLLM worker does, and the dashboard shows
+    them. (Only vLLM's did, on no panel.)"""
+    from kv_helpers import MODEL, TPB, config, device_tensors
+
+    from dynamo_flexkv import KVLayoutType, KVManager
+    from dynamo_flexkv.integrations.dynamo_worker.metrics import OffloadCollector, RequestTally
+
+    name = "flexkv_put_refused_blocks_total"
+    with KVManager(MODEL, config(tmp_path, host_blocks=4, disk_blocks=0)) as kv:
+        kv.register_device_cache(device_tensors(KVLayoutType.LAYERBLOCK, 8), KVLayoutType.LAYERBLOCK)
+        put = kv.put_async(list(range(6 * TPB)), list(range(6)))
+        assert kv.wait([put], timeout=30)[put].num_tokens == 4 * TPB
+        stats = kv.stats()
+    assert stats.tasks.put_refused_blocks == 2
+    engine = {"steps": 0, "step_requests": 0, "step_seconds": 0, "load_stall_seconds": 0}
+    collector = OffloadCollector(RequestTally(), lambda: (0, 8), lambda: stats, engine_stats=lambda: engine)
+    values = {s.name: s.value for f in collector.collect() for s in f.samples}
+    assert values.get(name) == 2
+    assert exported_name(name, Source.VLLM) in _samples(vllm)
+    assert SHARED.get(name) == (frozenset({Source.REFERENCE, Source.VLLM}), ())
+    assert name in queried_metrics(load_dashboard())

@@ -95,6 +95,29 @@ def test_out_of_range_numbers_are_refused_by_the_parser(option, value, capsys):
     assert parser.parse_args([option, "1"]) is not None
 
 
+@pytest.mark.parametrize(
+    "option,value,words",
+    [
+        ("--configs", "", "is empty"),  # was the defaults, silently: a script's empty variable ran all of them
+        ("--sweep-configs", " ", "is empty"),
+        ("--device-blocks", "", "is empty"),
+        ("--configs", "host,hints,host", "names host more than once"),  # was host run twice, both "host @40 #1"
+        ("--sweep-configs", "no-offload,no-offload", "names no-offload more than once"),
+        ("--device-blocks", "40,64,40", "names 40 more than once"),  # was every sweep row again at 40
+        ("--configs", "host,ssd", "unknown configuration 'ssd'"),
+        ("--device-blocks", "40,x", "expected comma-separated block counts"),
+    ],
+)
+def test_configuration_lists_are_refused_by_the_parser_when_empty_unknown_or_repeated(option, value, words, capsys):
+    """What runs is what was named, each row once (--repeat runs rows again): argparse refuses the
+    rest (exit 2, naming the option) before anything is served."""
+    with pytest.raises(SystemExit) as e:
+        _parse(option, value)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {option}:" in err and words in err, err
+    assert _parse("--configs", "host, hints", "--device-blocks", "40,64", "--sweep-configs", "host").configs
+
+
 # What a vLLM worker's /metrics shows (dynamo.vllm 1.6.1 forwarding vLLM 0.31's vllm:* families,
 # FlexKVConnector's through vLLM's connector-stats path), trimmed to the families the mapping reads
 # and a few it must not (the _created samples, queries, the preempted requests' hits).

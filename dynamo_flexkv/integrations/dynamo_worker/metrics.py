@@ -252,6 +252,12 @@ def _offload_families(stats: ManagerStats) -> Iterator[Metric]:
     yield _gauge("transfer_queue_depth", "Ready copies waiting for a transfer thread", tasks.queued_ops)
     yield _counter("failed_ops", "Copies that failed (their task rolled back)", tasks.failed_ops)
     yield _counter("disk_write_failures", "Puts whose disk write failed (kept on host only)", tasks.disk_write_failures)
+    yield _counter(
+        "put_refused_blocks",
+        "Blocks of finished requests not stored: the host tier had no room (its blocks locked by disk "
+        "writes in flight for longer than a put waits, or the prompt is longer than the tier)",
+        tasks.put_refused_blocks,
+    )
     if stats.remote is not None:
         yield from _remote_families(stats.remote)
 

@@ -790,7 +790,7 @@ class WorkerSide:
                 delta = total
             if delta:
                 out[k] = delta
-                self._reported[k] = total
+            self._reported[k] = total  # a restart seen at 0 too: what comes after it is new
         return out
 
     def shutdown(self) -> None:
