@@ -492,20 +492,24 @@ def test_a_node_loads_link_is_timed_to_the_engines_copy_not_to_its_answers_way_b
 
     with node_server(tmp_path, host_gb=0.02) as server:
         a, b = Engine(server.options.socket_path, "A"), Engine(server.options.socket_path, "B")
-        shared = prompt(3, 16 * BS)
-        a.store(shared, list(range(16)))
-        conn = b.offload.link.current
-        send = conn.channel.send
+        try:
+            shared = prompt(3, 16 * BS)
+            a.store(shared, list(range(16)))
+            conn = b.offload.link.current
+            send = conn.channel.send
 
-        def slow_answers(msg, *args, **kwargs):
-            if isinstance(msg, OpDone):
-                time.sleep(0.2)  # the answer travels late; the copy itself ended before
-            return send(msg, *args, **kwargs)
+            def slow_answers(msg, *args, **kwargs):
+                if isinstance(msg, OpDone):
+                    time.sleep(0.2)  # the answer travels late; the copy itself ended before
+                return send(msg, *args, **kwargs)
 
-        conn.channel.send = slow_answers
-        assert b.load(shared, list(range(20, 36))) == 16
-        (ns,) = server.namespaces()
-        host = ns.kv.cost.links["host"]
-        wait_until("the service observed the load", lambda: host.count >= 1)
-        nbytes = 16 * ns.kv.host.layout.block_bytes
-        assert host.predict(nbytes) < 0.1, host
+            conn.channel.send = slow_answers
+            assert b.load(shared, list(range(20, 36))) == 16
+            (ns,) = server.namespaces()
+            host = ns.kv.cost.links["host"]
+            wait_until("the service observed the load", lambda: host.count >= 1)
+            nbytes = 16 * ns.kv.host.layout.block_bytes
+            assert host.predict(nbytes) < 0.1, host
+        finally:  # engines left attached reconnect to the gone socket, warning in later tests' logs
+            a.offload.shutdown()
+            b.offload.shutdown()

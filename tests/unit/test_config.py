@@ -365,7 +365,7 @@ def test_a_misspelled_flexkv_variable_is_named_with_the_closest_known_one(caplog
     with caplog.at_level(logging.WARNING, logger="dynamo_flexkv.core.config"):
         assert CacheConfig.load(env=small).cpu_cache_gb == 1
         CacheConfig.load(env=small)
-    warned = [r.getMessage() for r in caplog.records]
+    warned = [r.getMessage() for r in caplog.records if r.name == "dynamo_flexkv.core.config"]
     assert warned == [
         "environment variable FLEXKV_CPU_CACHE_G is not one dynamo-flexkv reads (did you mean "
         "FLEXKV_CPU_CACHE_GB?): it has no effect; rename or unset it"
