@@ -161,6 +161,16 @@ def graph(tmp, baseline, nodes) -> Iterator[HintGraph]:
     assert vg.ours_left(serve.run) == []
 
 
+def assert_hint_recomputed(got: dict, want: Generation, what: str, before: str, after: str, reason: str) -> None:
+    """B's hinted request was answered by recomputing (exact tokens, nothing cached) after its one
+    hint failed for ``reason``; ``before`` / ``after``: B's metrics text around it."""
+    exactness.assert_exact({what: got["gen"]}, {what: want}, what)
+    assert m(after, "hints_seen_total") - m(before, "hints_seen_total") == 1
+    assert m(after, "hints_used_total") == m(before, "hints_used_total")
+    failed = failed_since(before, after)
+    assert failed == {reason: 1} and got["cached"] == 0, failed
+
+
 def slow_link(nodes: Nodes, name: str, on: bool) -> None:
     """Node ``name``'s egress limited to RATE (a token bucket on its end of the link), or not."""
     node = nodes[name]
@@ -304,10 +314,7 @@ def test_the_link_cut_mid_pull_costs_a_recompute_and_the_pin_ends_with_its_lease
         f"bytes sent): B answered {took:.2f} s after the request, {answered_after_cut:.2f} s after the cut "
         f"(computing it on A took {first['seconds']:.2f} s); hint failures {failed}, cached {cut['cached']}"
     )
-    exactness.assert_exact({"cut": cut["gen"]}, {"cut": baseline[tuple(CUT)]}, "link cut mid-pull")
-    assert m(after_b, "hints_seen_total") - m(before_b, "hints_seen_total") == 1
-    assert m(after_b, "hints_used_total") == m(before_b, "hints_used_total")
-    assert failed == {"timeout": 1} and cut["cached"] == 0, failed
+    assert_hint_recomputed(cut, baseline[tuple(CUT)], "link cut mid-pull", before_b, after_b, "timeout")
     assert took <= PULL_TIMEOUT_S + first["seconds"] + 15, "B's step waited on the dead link past its pull timeout"
     wait_until(f"{a}'s pin gone once the link is back", lambda: graph.pinned(a) == 0, timeout=60, every=0.5)
     after_a = graph.text(a)
@@ -425,12 +432,9 @@ def test_the_source_killed_mid_pull_costs_a_recompute_and_nothing_staged_and_ser
         f"{b}'s next cold prompt {beside['seconds']:.2f} s); hint failures {failed}, cached {killed['cached']}; "
         f"{b}'s unready host blocks after {unready_host(left):.0f}, pinned {m(left, 'peer_pinned_blocks'):.0f}"
     )
-    exactness.assert_exact({"killed": killed["gen"]}, {"killed": baseline[tuple(KILLED)]}, "source killed mid-pull")
-    assert m(after_b, "hints_seen_total") - m(before_b, "hints_seen_total") == 1
-    assert m(after_b, "hints_used_total") == m(before_b, "hints_used_total")
     # "failed", not "timeout": NIXL fails the READ once A's sockets close (the kernel closes them
     # at the kill; the close reaches B behind what A's qdisc held then), inside the pull's deadline.
-    assert failed == {"failed": 1} and killed["cached"] == 0, failed
+    assert_hint_recomputed(killed, baseline[tuple(KILLED)], "source killed mid-pull", before_b, after_b, "failed")
     # The hinted request waits for its pull at most HINT_WAIT_S, then computes the prompt: its
     # compute is what A's and B's cold runs of same-length prompts took here (twice the slower:
     # the machine is shared, and A's restart starts meanwhile).
